@@ -1,0 +1,187 @@
+"""`shard()`: the one call that turns a model into a sharded model on either backend."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from fsdp_bridge import hf
+from fsdp_bridge.backends import BackendImpl, ShardPlan, get_backend
+from fsdp_bridge.config import BridgeConfig
+from fsdp_bridge.distributed import build_mesh, check_user_mesh, init_distributed, plan_mesh
+from fsdp_bridge.errors import ConfigError, Problem
+from fsdp_bridge.mapping import TranslationReport, translate, unsupported_problems
+from fsdp_bridge.wrap import WrapPlan, resolve_ignored, resolve_wrap
+
+__all__ = ["Bridge", "clip_grad_norm_", "get_bridge", "no_sync", "shard", "summon_full_params"]
+
+logger = logging.getLogger("fsdp_bridge")
+_ATTR = "_fsdp_bridge"
+
+
+@dataclass
+class Bridge:
+    """What :func:`shard` knows about a sharded model; reach it with :func:`get_bridge`."""
+
+    config: BridgeConfig
+    impl: BackendImpl
+    plan: ShardPlan
+    wrap: WrapPlan
+    model: nn.Module
+
+    @property
+    def report(self) -> TranslationReport:
+        """What every option became on this backend (also logged once on rank 0)."""
+        return self.plan.report
+
+    @property
+    def mesh(self) -> DeviceMesh:
+        return self.plan.mesh
+
+    @property
+    def device(self) -> torch.device:
+        return self.plan.device
+
+    def no_sync(self) -> AbstractContextManager[None]:
+        return self.impl.no_sync(self.model)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        return self.impl.clip_grad_norm_(self.model, float(max_norm), float(norm_type))
+
+    def summon_full_params(self, *, writeback: bool = False) -> AbstractContextManager[None]:
+        return self.impl.summon_full_params(self.model, writeback=writeback)
+
+    def local_numel(self) -> int:
+        """Parameter elements held by this rank (for FULL_SHARD about 1/N of the model)."""
+        return self.impl.local_numel(self.model)
+
+    def describe(self) -> str:
+        lines = [f"fsdp_bridge: {self.config.strategy.value} on {self.config.backend.value}, "
+                 f"mesh {tuple(self.mesh.shape)} on {self.device}",
+                 f"units: {len(self.wrap.units)} ({self.wrap.source})"]
+        lines.extend(f"note: {n}" for n in self.wrap.notes)
+        lines.append(self.report.format())
+        return "\n".join(lines)
+
+
+def get_bridge(model: nn.Module) -> Bridge:
+    """The :class:`Bridge` of a model returned by :func:`shard`."""
+    bridge = getattr(model, _ATTR, None)
+    if not isinstance(bridge, Bridge):
+        raise TypeError(
+            f"{type(model).__name__} was not sharded by fsdp_bridge.shard(); call "
+            "model = fsdp_bridge.shard(model, config) first and pass the returned model"
+        )
+    return bridge
+
+
+def _has_meta(model: nn.Module) -> bool:
+    return any(t.is_meta for t in (*model.parameters(), *model.buffers()))
+
+
+def shard(model: nn.Module, config: BridgeConfig | None = None, *, mesh: DeviceMesh | None = None) -> nn.Module:
+    """Shard ``model`` with ``config`` on its backend and return the module to train.
+
+    Call it on every rank with the same model and config.  The process group is
+    initialised from the environment if needed (NCCL on CUDA, gloo on CPU; a
+    single-process group when not launched).  Everything that can be checked is checked
+    before the first collective; problems raise :class:`ConfigError` on every rank.
+
+    Build the optimizer afterwards from ``model.parameters()``.  Use
+    :func:`no_sync`, :func:`clip_grad_norm_` and :func:`summon_full_params` (or
+    ``get_bridge(model)``) the same way on both backends.
+    """
+    config = config or BridgeConfig()
+    if not isinstance(config, BridgeConfig):
+        raise TypeError(f"config must be a BridgeConfig (got {type(config).__name__}); "
+                        "use fsdp_bridge.load_config(path) or BridgeConfig.from_dict(mapping)")
+    if hasattr(model, _ATTR):
+        raise ConfigError([Problem("model", type(model).__name__, "a model that is not sharded yet",
+                                   "call shard() once per model")])
+
+    # --- everything below, up to build_mesh, is local and identical on every rank ----
+    device = init_distributed(config.device)
+    world = dist.get_world_size()
+    problems = unsupported_problems(config, config.backend, device_type=device.type)
+    if problems:
+        raise ConfigError(problems)
+    mesh_plan = plan_mesh(config, world)
+    if mesh is not None:
+        check_user_mesh(mesh, mesh_plan)
+    ignored = [m for _, m in resolve_ignored(model, config.ignored_modules)]
+    wrap_plan = resolve_wrap(model, config.wrap, ignored=ignored)
+    has_meta = _has_meta(model)
+    if has_meta and not config.sync_module_states:
+        raise ConfigError([Problem("sync_module_states", False, "true when the model is on the meta device",
+                                   "set sync_module_states: true and build real weights on rank 0 "
+                                   "(or load a checkpoint after shard())")])
+    report = translate(config, device_type=device.type)
+
+    units = wrap_plan.modules
+    notes = list(wrap_plan.notes)
+    if config.activation_checkpointing:
+        units = _apply_activation_checkpointing(model, units)
+        if hf.disable_kv_cache(model):
+            notes.append("use_cache=False: activation checkpointing recomputes layers")
+    wrap_plan.notes = notes
+
+    mesh = mesh or build_mesh(mesh_plan, device.type)  # first collective
+    plan = ShardPlan(config=config, device=device, mesh=mesh, units=units, ignored_modules=ignored,
+                     has_meta=has_meta, report=report)
+    impl = get_backend(config.backend)
+    sharded = impl.shard(model, plan)
+    bridge = Bridge(config=config, impl=impl, plan=plan, wrap=wrap_plan, model=sharded)
+    object.__setattr__(sharded, _ATTR, bridge)
+    if dist.get_rank() == 0:
+        logger.info("%s", bridge.describe())
+    return sharded
+
+
+def _apply_activation_checkpointing(model: nn.Module, units: list[nn.Module]) -> list[nn.Module]:
+    """Wrap each unit in a non-reentrant checkpoint wrapper; return the wrappers as units."""
+    from functools import partial
+
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl,
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
+    )
+
+    if not units:
+        raise ConfigError([Problem("activation_checkpointing", True, "false when there are no wrap units",
+                                   "choose wrap units (wrap: auto or class names) to checkpoint")])
+    ids = {id(u) for u in units}
+    apply_activation_checkpointing(
+        model,
+        checkpoint_wrapper_fn=partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
+        check_fn=lambda m: id(m) in ids,
+    )
+    wrappers = {id(m._checkpoint_wrapped_module): m for m in model.modules() if hasattr(m, "_checkpoint_wrapped_module")}
+    return [wrappers.get(id(u), u) for u in units]
+
+
+def no_sync(model: nn.Module) -> AbstractContextManager[None]:
+    """Inside the context, backward accumulates gradients without reducing them across ranks."""
+    return get_bridge(model).no_sync()
+
+
+def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Clip gradients by their global norm (over all shards and replicas); return the norm."""
+    return get_bridge(model).clip_grad_norm_(max_norm, norm_type)
+
+
+@contextmanager
+def summon_full_params(model: nn.Module, *, writeback: bool = False) -> Iterator[None]:
+    """Inside the context, parameters are full tensors; ``writeback=True`` keeps in-place changes.
+
+    Do not run forward or backward inside it.
+    """
+    with get_bridge(model).summon_full_params(writeback=writeback):
+        yield

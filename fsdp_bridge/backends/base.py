@@ -1,0 +1,72 @@
+"""The small interface every backend implements, and the plan it is handed."""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from fsdp_bridge.config import BridgeConfig
+from fsdp_bridge.mapping import TranslationReport
+from fsdp_bridge.strategy import Backend, ShardingStrategy
+
+__all__ = ["BackendImpl", "ShardPlan"]
+
+
+@dataclass
+class ShardPlan:
+    """Everything resolved and validated before the backend touches the model."""
+
+    config: BridgeConfig
+    device: torch.device
+    mesh: DeviceMesh
+    units: list[nn.Module]
+    """Modules to shard as their own unit, children before parents; root excluded."""
+    ignored_modules: list[nn.Module]
+    has_meta: bool
+    """Some parameters or buffers are on the meta device (built without memory)."""
+    report: TranslationReport
+
+    def reshard_after_forward(self, *, is_root: bool) -> bool | int:
+        """Per-unit reshard-after-forward, matching FSDP1: the root keeps its parameters
+        gathered for the backward that immediately follows, unless overridden."""
+        config = self.config
+        if config.strategy is ShardingStrategy.NO_SHARD:
+            return False
+        if config.reshard_after_forward is not None:
+            return config.reshard_after_forward
+        return config.strategy.reshards_after_forward and not is_root
+
+    @property
+    def ignored_params(self) -> set[nn.Parameter]:
+        return {p for m in self.ignored_modules for p in m.parameters()}
+
+
+class BackendImpl(Protocol):
+    """One FSDP implementation.  Only :mod:`fsdp_bridge.backends` chooses between them."""
+
+    backend: Backend
+
+    def shard(self, model: nn.Module, plan: ShardPlan) -> nn.Module:
+        """Shard ``model`` in place as planned; return the module the user keeps calling."""
+        ...
+
+    def no_sync(self, model: nn.Module) -> AbstractContextManager[None]:
+        """Accumulate gradients locally (no reduction) inside the context."""
+        ...
+
+    def clip_grad_norm_(self, model: nn.Module, max_norm: float, norm_type: float) -> torch.Tensor:
+        """Clip gradients by their global norm across all shards and replicas; return that norm."""
+        ...
+
+    def summon_full_params(self, model: nn.Module, *, writeback: bool) -> AbstractContextManager[None]:
+        """Inside the context, the model's parameters are full, unsharded tensors."""
+        ...
+
+    def local_numel(self, model: nn.Module) -> int:
+        """Number of parameter elements this rank holds (its shards, not padding)."""
+        ...

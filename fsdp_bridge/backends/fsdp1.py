@@ -1,0 +1,121 @@
+"""FSDP1: ``torch.distributed.fsdp.FullyShardedDataParallel``."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import (
+    BackwardPrefetch as TorchBackwardPrefetch,
+)
+from torch.distributed.fsdp import (
+    CPUOffload,
+    FullyShardedDataParallel,
+    MixedPrecision,
+)
+from torch.distributed.fsdp import (
+    ShardingStrategy as TorchShardingStrategy,
+)
+from torch.distributed.fsdp.wrap import CustomPolicy
+
+from fsdp_bridge.backends.base import ShardPlan
+from fsdp_bridge.strategy import Backend, BackwardPrefetch, ShardingStrategy
+
+__all__ = ["FSDP1Backend"]
+
+_STRATEGIES = {
+    ShardingStrategy.FULL_SHARD: TorchShardingStrategy.FULL_SHARD,
+    ShardingStrategy.SHARD_GRAD_OP: TorchShardingStrategy.SHARD_GRAD_OP,
+    ShardingStrategy.NO_SHARD: TorchShardingStrategy.NO_SHARD,
+    ShardingStrategy.HYBRID_SHARD: TorchShardingStrategy.HYBRID_SHARD,
+    ShardingStrategy.HYBRID_SHARD_ZERO2: TorchShardingStrategy._HYBRID_SHARD_ZERO2,
+}
+_PREFETCH = {
+    BackwardPrefetch.PRE: TorchBackwardPrefetch.BACKWARD_PRE,
+    BackwardPrefetch.POST: TorchBackwardPrefetch.BACKWARD_POST,
+    BackwardPrefetch.NONE: None,
+}
+
+
+def cast_floating(obj: Any, dtype: torch.dtype) -> Any:
+    """Cast floating-point tensors inside outputs (tensors, sequences, mappings, ModelOutput)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(dtype) if obj.is_floating_point() else obj
+    if isinstance(obj, dict):  # includes transformers' ModelOutput (an OrderedDict)
+        for key in list(obj.keys()):
+            obj[key] = cast_floating(obj[key], dtype)
+        return obj
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(cast_floating(v, dtype) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(cast_floating(v, dtype) for v in obj)
+    return obj
+
+
+class FSDP1Backend:
+    backend = Backend.FSDP1
+
+    def shard(self, model: nn.Module, plan: ShardPlan) -> nn.Module:
+        config = plan.config
+        mp = config.mixed_precision
+        units = {id(m) for m in plan.units}
+        mixed_precision = None
+        if mp.enabled:
+            mixed_precision = MixedPrecision(
+                param_dtype=mp.param_dtype,
+                reduce_dtype=mp.reduce_dtype,
+                buffer_dtype=mp.buffer_dtype,
+                cast_forward_inputs=mp.cast_forward_inputs,
+                cast_root_forward_inputs=mp.cast_forward_inputs,
+            )
+        offload = plan.device.type != "cpu" and config.cpu_offload
+        device = plan.device
+        # A device mesh (1D, or 2D for HYBRID_*) rather than process groups: sharded
+        # state dicts then hold DTensors, like FSDP2's.
+        kwargs: dict[str, Any] = {"device_mesh": plan.mesh}
+        if plan.has_meta:
+            kwargs["param_init_fn"] = lambda m: m.to_empty(device=device, recurse=False)
+        with warnings.catch_warnings():
+            # NO_SHARD was chosen deliberately; FSDP1's advice to use DDP is noise here.
+            warnings.filterwarnings("ignore", message=".*NO_SHARD.*", category=FutureWarning)
+            wrapped = FullyShardedDataParallel(
+                model,
+                sharding_strategy=_STRATEGIES[config.strategy],
+                auto_wrap_policy=CustomPolicy(lambda m: id(m) in units) if units else None,
+                backward_prefetch=_PREFETCH[config.backward_prefetch],
+                forward_prefetch=config.forward_prefetch,
+                limit_all_gathers=config.limit_all_gathers,
+                cpu_offload=CPUOffload(offload_params=True) if offload else None,
+                mixed_precision=mixed_precision,
+                sync_module_states=config.sync_module_states,
+                device_id=device,
+                ignored_modules=plan.ignored_modules or None,
+                use_orig_params=True,
+                **kwargs,
+            )
+        if mp.output_dtype is not None:
+            out_dtype = mp.output_dtype
+            wrapped.register_forward_hook(lambda _m, _i, out: cast_floating(out, out_dtype))
+        return wrapped
+
+    def no_sync(self, model: nn.Module) -> AbstractContextManager[None]:
+        assert isinstance(model, FullyShardedDataParallel)
+        return model.no_sync()
+
+    def clip_grad_norm_(self, model: nn.Module, max_norm: float, norm_type: float) -> torch.Tensor:
+        assert isinstance(model, FullyShardedDataParallel)
+        return model.clip_grad_norm_(max_norm, norm_type)
+
+    @contextmanager
+    def summon_full_params(self, model: nn.Module, *, writeback: bool) -> Iterator[None]:
+        with FullyShardedDataParallel.summon_full_params(model, writeback=writeback, recurse=True):
+            yield
+
+    def local_numel(self, model: nn.Module) -> int:
+        # With use_orig_params=True each original parameter is a view of this rank's
+        # part of the flat shard (empty when it lies on another rank).
+        return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,50 @@
+"""The ``fsdp-bridge`` command.
+
+Each subcommand lives in its own module exposing ``register(subparsers)``, which adds
+its parser and sets ``func`` (``args -> exit code``).  ``_COMMANDS`` is the registry.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from collections.abc import Sequence
+
+from fsdp_bridge._version import __version__
+from fsdp_bridge.errors import ConfigError
+
+__all__ = ["main"]
+
+_COMMANDS: tuple[str, ...] = ("explain",)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fsdp-bridge",
+        description="Train with PyTorch FSDP through one interface over FSDP1 and FSDP2.",
+    )
+    parser.add_argument("--version", action="version", version=f"fsdp-bridge {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in _COMMANDS:
+        importlib.import_module(f"fsdp_bridge.cli.{name}").register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        return int(args.func(args) or 0)
+    except ConfigError as err:
+        print(f"fsdp-bridge {args.command}: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,454 @@
+"""`BridgeConfig`: one typed, frozen configuration for both FSDP backends.
+
+Fields accept either the typed value or its string spelling, normalised once here::
+
+    BridgeConfig(strategy="FULL_SHARD", backend="fsdp2")
+    BridgeConfig(mixed_precision="bf16", wrap=["LlamaDecoderLayer"], backward_prefetch="pre")
+
+YAML is only a serialisation of the same fields (:func:`load_config`,
+:meth:`BridgeConfig.to_dict`).  Every problem found (unknown keys, bad values,
+combinations a backend cannot honour) is reported together in one
+:class:`~fsdp_bridge.errors.ConfigError`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, cast
+
+import torch
+import yaml
+from torch import nn
+
+from fsdp_bridge.errors import ConfigError, Problem
+from fsdp_bridge.strategy import Backend, BackwardPrefetch, ShardingStrategy, allowed_values, parse_enum
+
+__all__ = ["BridgeConfig", "MixedPrecisionConfig", "WrapPolicy", "load_config", "parse_dtype"]
+
+Device = Literal["auto", "cuda", "cpu"]
+DEVICES: tuple[str, ...] = ("auto", "cuda", "cpu")
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+_DTYPE_NAMES = "float32 (fp32), bfloat16 (bf16), float16 (fp16)"
+
+
+def parse_dtype(value: object) -> torch.dtype:
+    """Parse a dtype spelling (``"bf16"``, ``"torch.bfloat16"``, ``torch.bfloat16``)."""
+    if isinstance(value, torch.dtype) and value in _DTYPES.values():
+        return value
+    if isinstance(value, str):
+        key = value.strip().lower().removeprefix("torch.")
+        if key in _DTYPES:
+            return _DTYPES[key]
+    raise ValueError(f"{value!r} is not a floating dtype; allowed: {_DTYPE_NAMES}")
+
+
+def dtype_name(dtype: torch.dtype | None) -> str | None:
+    return None if dtype is None else str(dtype).removeprefix("torch.")
+
+
+# ----------------------------------------------------------------------------------
+# Mixed precision
+# ----------------------------------------------------------------------------------
+
+_MP_PRESETS: dict[str, dict[str, torch.dtype | None]] = {
+    # Full precision: no mixed precision at all.
+    "fp32": {},
+    # bf16 compute, fp32 gradient reduction (torchtitan's default: reductions in
+    # bf16 lose precision as the world grows).  Buffers stay fp32 (e.g. RoPE inv_freq).
+    "bf16": {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32},
+    # fp16 compute needs a gradient scaler (torch.amp.GradScaler) in the user's loop.
+    "fp16": {"param_dtype": torch.float16, "reduce_dtype": torch.float32},
+}
+_MP_ALIASES = {"no": "fp32", "none": "fp32", "float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+@dataclass(frozen=True, kw_only=True)
+class MixedPrecisionConfig:
+    """Dtypes for compute, gradient reduction, outputs and buffers.
+
+    ``None`` for a dtype means "keep the original dtype".  Build it from a preset
+    with ``MixedPrecisionConfig.preset("bf16")`` or give the dtypes.
+    """
+
+    param_dtype: torch.dtype | None = None
+    """Dtype of the gathered parameters used in forward/backward (compute dtype)."""
+    reduce_dtype: torch.dtype | None = None
+    """Dtype in which gradients are reduced across ranks (defaults to ``param_dtype``)."""
+    output_dtype: torch.dtype | None = None
+    """Dtype the root module's floating-point outputs are cast to."""
+    buffer_dtype: torch.dtype | None = None
+    """Dtype buffers are cast to (FSDP1 does it in forward; on FSDP2 it is emulated)."""
+    cast_forward_inputs: bool = True
+    """Cast floating-point forward inputs of each unit to ``param_dtype``."""
+
+    @property
+    def enabled(self) -> bool:
+        return any(d is not None for d in (self.param_dtype, self.reduce_dtype, self.output_dtype, self.buffer_dtype))
+
+    @classmethod
+    def preset(cls, name: str) -> MixedPrecisionConfig:
+        key = _MP_ALIASES.get(name.strip().lower(), name.strip().lower())
+        if key not in _MP_PRESETS:
+            raise ValueError(f"{name!r} is not a mixed-precision preset; allowed: {', '.join(_MP_PRESETS)}")
+        return cls(**_MP_PRESETS[key])  # type: ignore[arg-type]
+
+    def to_spelling(self) -> str | dict[str, Any]:
+        for name, dtypes in _MP_PRESETS.items():
+            if self == MixedPrecisionConfig(**dtypes):  # type: ignore[arg-type]
+                return name
+        out: dict[str, Any] = {
+            f.name: dtype_name(getattr(self, f.name)) for f in dataclasses.fields(self) if f.name.endswith("_dtype")
+        }
+        out["cast_forward_inputs"] = self.cast_forward_inputs
+        return out
+
+
+def _parse_mixed_precision(value: object, problems: list[Problem]) -> MixedPrecisionConfig:
+    key = "mixed_precision"
+    if isinstance(value, MixedPrecisionConfig):
+        return value
+    if value is None:
+        return MixedPrecisionConfig()
+    if isinstance(value, str):
+        try:
+            return MixedPrecisionConfig.preset(value)
+        except ValueError:
+            problems.append(Problem(key, value, f"a preset ({', '.join(_MP_PRESETS)}) or a mapping of dtypes"))
+            return MixedPrecisionConfig()
+    if isinstance(value, Mapping):
+        kwargs: dict[str, Any] = {}
+        valid = [f.name for f in dataclasses.fields(MixedPrecisionConfig)]
+        for sub, sub_value in value.items():
+            if sub not in valid:
+                problems.append(_unknown_key(f"{key}.{sub}", sub_value, valid))
+            elif sub == "cast_forward_inputs":
+                if isinstance(sub_value, bool):
+                    kwargs[sub] = sub_value
+                else:
+                    problems.append(Problem(f"{key}.{sub}", sub_value, "true or false"))
+            elif sub_value is not None:
+                try:
+                    kwargs[sub] = parse_dtype(sub_value)
+                except ValueError:
+                    problems.append(Problem(f"{key}.{sub}", sub_value, f"{_DTYPE_NAMES} or null"))
+        return MixedPrecisionConfig(**kwargs)
+    problems.append(Problem(key, value, f"a preset ({', '.join(_MP_PRESETS)}) or a mapping of dtypes"))
+    return MixedPrecisionConfig()
+
+
+# ----------------------------------------------------------------------------------
+# Wrap policy
+# ----------------------------------------------------------------------------------
+
+WrapMode = Literal["auto", "classes", "min_params", "callable", "none"]
+_WRAP_ALLOWED = (
+    "'auto' (the model's _no_split_modules, else the children of its ModuleLists), "
+    "'none' (root only), a list of module class names, {min_num_params: N}, or a callable (Python only)"
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class WrapPolicy:
+    """Which submodules become their own FSDP unit (FSDP1 auto-wrap; FSDP2 bottom-up ``fully_shard``).
+
+    The policy is resolved to a concrete list of modules once (:mod:`fsdp_bridge.wrap`),
+    and both backends shard exactly those modules, then the root.
+    """
+
+    mode: WrapMode = "auto"
+    """How units are chosen: ``auto``, ``classes``, ``min_params``, ``callable`` or ``none``."""
+    classes: tuple[str, ...] = ()
+    """Module class names to wrap (``mode="classes"``)."""
+    min_num_params: int = 0
+    """Wrap a module once its not-yet-wrapped parameters reach this count (``mode="min_params"``),
+    with FSDP1's ``size_based_auto_wrap_policy`` semantics."""
+    fn: Callable[[nn.Module], bool] | None = field(default=None, compare=False)
+    """``fn(module) -> bool`` chooses the units (``mode="callable"``); cannot come from YAML."""
+
+    def to_spelling(self) -> object:
+        if self.mode == "classes":
+            return list(self.classes)
+        if self.mode == "min_params":
+            return {"min_num_params": self.min_num_params}
+        if self.mode == "callable":
+            raise ConfigError(
+                [Problem("wrap", self.fn, "a YAML-serialisable policy", "callable wrap policies exist only in Python")]
+            )
+        return self.mode
+
+
+def _parse_wrap(value: object, problems: list[Problem]) -> WrapPolicy:
+    key = "wrap"
+    if isinstance(value, WrapPolicy):
+        return value
+    if value is None:
+        return WrapPolicy(mode="none")
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text in ("auto", "none"):
+            return WrapPolicy(mode=cast(WrapMode, text))
+        # A single class name is a common spelling: "LlamaDecoderLayer" or "A,B".
+        names = tuple(n.strip() for n in value.split(",") if n.strip())
+        if names and all(n.isidentifier() for n in names):
+            return WrapPolicy(mode="classes", classes=names)
+        problems.append(Problem(key, value, _WRAP_ALLOWED))
+        return WrapPolicy()
+    if isinstance(value, (list, tuple)):
+        names_list: list[str] = []
+        for item in value:
+            if isinstance(item, type) and issubclass(item, nn.Module):
+                names_list.append(item.__name__)
+            elif isinstance(item, str) and item.strip().isidentifier():
+                names_list.append(item.strip())
+            else:
+                problems.append(Problem(f"{key}[]", item, "module class names (identifiers) or nn.Module classes"))
+        if not value:
+            problems.append(Problem(key, value, _WRAP_ALLOWED, "give at least one class name, or 'none'"))
+        return WrapPolicy(mode="classes", classes=tuple(names_list))
+    if isinstance(value, Mapping):
+        valid = ["min_num_params", "classes"]
+        unknown = [k for k in value if k not in valid]
+        for k in unknown:
+            problems.append(_unknown_key(f"{key}.{k}", value[k], valid))
+        if "min_num_params" in value and "classes" in value:
+            problems.append(Problem(key, dict(value), "exactly one of min_num_params or classes"))
+        if "min_num_params" in value:
+            n = value["min_num_params"]
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                problems.append(Problem(f"{key}.min_num_params", n, "an integer >= 1"))
+                return WrapPolicy()
+            return WrapPolicy(mode="min_params", min_num_params=n)
+        if "classes" in value:
+            return _parse_wrap(list(value["classes"] or []), problems)
+        if not unknown:
+            problems.append(Problem(key, dict(value), _WRAP_ALLOWED))
+        return WrapPolicy()
+    if callable(value):
+        return WrapPolicy(mode="callable", fn=cast(Callable[[nn.Module], bool], value))
+    problems.append(Problem(key, value, _WRAP_ALLOWED))
+    return WrapPolicy()
+
+
+# ----------------------------------------------------------------------------------
+# The config
+# ----------------------------------------------------------------------------------
+
+
+def _unknown_key(key: str, value: object, valid: list[str]) -> Problem:
+    close = difflib.get_close_matches(key.rsplit(".", 1)[-1], valid, n=1)
+    fix = f"did you mean {close[0]!r}?" if close else "remove it"
+    return Problem(key, value, f"known keys are {', '.join(valid)}", f"unknown key; {fix}")
+
+
+def _parse_bool(key: str, value: object, problems: list[Problem]) -> bool:
+    if isinstance(value, bool):
+        return value
+    problems.append(Problem(key, value, "true or false"))
+    return False
+
+
+@dataclass(frozen=True, kw_only=True)
+class BridgeConfig:
+    """How to shard a model, independent of the backend that does it.
+
+    Every field has a default; ``BridgeConfig(strategy="FULL_SHARD", backend="fsdp2")``
+    shards a Hugging Face model well (its ``_no_split_modules`` become the units).
+    Values that a backend cannot honour raise :class:`ConfigError` here, before any
+    process group exists; see ``fsdp-bridge explain`` for what each option becomes.
+    """
+
+    strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD
+    """Sharding strategy: full_shard, shard_grad_op, no_shard, hybrid_shard, hybrid_shard_zero2."""
+    backend: Backend = Backend.FSDP2
+    """Backend that runs the model: fsdp1 (FullyShardedDataParallel) or fsdp2 (fully_shard)."""
+    mixed_precision: MixedPrecisionConfig = field(default_factory=MixedPrecisionConfig)
+    """A preset (fp32, bf16, fp16) or a mapping of param/reduce/output/buffer dtypes."""
+    wrap: WrapPolicy = field(default_factory=WrapPolicy)
+    """Units to shard separately: auto, none, a list of class names, {min_num_params: N}, or a callable."""
+    backward_prefetch: BackwardPrefetch = BackwardPrefetch.PRE
+    """Backward all-gather prefetch: pre, post or none."""
+    forward_prefetch: bool = False
+    """Prefetch the next unit's all-gather during forward."""
+    limit_all_gathers: bool = True
+    """FSDP1's rate limiter on in-flight all-gathers (FSDP2 does not need one)."""
+    cpu_offload: bool = False
+    """Keep sharded parameters and gradients on CPU, optimizer step on CPU."""
+    activation_checkpointing: bool = False
+    """Recompute each unit's activations in backward instead of storing them."""
+    sync_module_states: bool = False
+    """Take every rank's initial weights from rank 0 (other ranks may build on the meta device)."""
+    reshard_after_forward: bool | int | None = None
+    """Override the strategy's reshard-after-forward: true, false, or a smaller group size (FSDP2)."""
+    hybrid_shape: tuple[int, int] | None = None
+    """(replicate, shard) mesh for HYBRID_*; default: shard within a node, replicate across nodes."""
+    ignored_modules: tuple[str, ...] = ()
+    """Module names (dotted paths) or class names whose parameters are neither sharded nor synchronised."""
+    device: Device = "auto"
+    """auto (CUDA with NCCL when available, else CPU with gloo), cuda or cpu."""
+
+    def __post_init__(self) -> None:
+        problems: list[Problem] = []
+        set_ = object.__setattr__  # frozen: normalise in place once, here
+
+        for name, enum_cls in (
+            ("strategy", ShardingStrategy),
+            ("backend", Backend),
+            ("backward_prefetch", BackwardPrefetch),
+        ):
+            raw = getattr(self, name)
+            try:
+                set_(self, name, parse_enum(enum_cls, raw))
+            except ValueError:
+                problems.append(Problem(name, raw, allowed_values(enum_cls)))
+                set_(self, name, next(f.default for f in dataclasses.fields(self) if f.name == name))
+
+        set_(self, "mixed_precision", _parse_mixed_precision(self.mixed_precision, problems))
+        set_(self, "wrap", _parse_wrap(self.wrap, problems))
+        for name in ("forward_prefetch", "limit_all_gathers", "cpu_offload", "activation_checkpointing",
+                     "sync_module_states"):
+            set_(self, name, _parse_bool(name, getattr(self, name), problems))
+
+        raf = self.reshard_after_forward
+        if raf is not None and not isinstance(raf, bool) and (not isinstance(raf, int) or raf < 1):
+            problems.append(Problem("reshard_after_forward", raf, "null (from the strategy), true, false, or an integer >= 1"))
+            set_(self, "reshard_after_forward", None)
+
+        set_(self, "hybrid_shape", self._parse_hybrid_shape(problems))
+        set_(self, "ignored_modules", self._parse_ignored(problems))
+
+        if isinstance(self.device, str) and self.device.strip().lower() in DEVICES:
+            set_(self, "device", self.device.strip().lower())
+        else:
+            problems.append(Problem("device", self.device, ", ".join(DEVICES)))
+            set_(self, "device", "auto")
+
+        if not problems:
+            # Only a well-formed config can be checked against the backend's table.
+            from fsdp_bridge.mapping import unsupported_problems
+
+            problems.extend(unsupported_problems(self, self.backend))
+        if problems:
+            raise ConfigError(problems)
+
+    def _parse_hybrid_shape(self, problems: list[Problem]) -> tuple[int, int] | None:
+        shape = self.hybrid_shape
+        if shape is None:
+            return None
+        allowed = "null or [replicate, shard], two integers >= 1 whose product is the world size"
+        if (
+            not isinstance(shape, (list, tuple))
+            or len(shape) != 2
+            or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in shape)
+        ):
+            problems.append(Problem("hybrid_shape", shape, allowed))
+            return None
+        if not self.strategy.is_hybrid:
+            problems.append(
+                Problem(
+                    "hybrid_shape",
+                    list(shape),
+                    "null unless strategy is hybrid_shard or hybrid_shard_zero2",
+                    f"remove hybrid_shape, or set strategy: hybrid_shard (strategy is {self.strategy.value})",
+                )
+            )
+        return (shape[0], shape[1])
+
+    def _parse_ignored(self, problems: list[Problem]) -> tuple[str, ...]:
+        value = self.ignored_modules
+        if value is None:
+            return ()
+        if isinstance(value, str):
+            value = (value,)
+        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) and v for v in value):
+            problems.append(Problem("ignored_modules", value, "a list of module paths (e.g. lm_head) or class names"))
+            return ()
+        return tuple(value)
+
+    # -- serialisation ---------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain, YAML-safe values; ``BridgeConfig.from_dict(c.to_dict()) == c``."""
+        return {
+            "strategy": self.strategy.value,
+            "backend": self.backend.value,
+            "mixed_precision": self.mixed_precision.to_spelling(),
+            "wrap": self.wrap.to_spelling(),
+            "backward_prefetch": self.backward_prefetch.value,
+            "forward_prefetch": self.forward_prefetch,
+            "limit_all_gathers": self.limit_all_gathers,
+            "cpu_offload": self.cpu_offload,
+            "activation_checkpointing": self.activation_checkpointing,
+            "sync_module_states": self.sync_module_states,
+            "reshard_after_forward": self.reshard_after_forward,
+            "hybrid_shape": list(self.hybrid_shape) if self.hybrid_shape else None,
+            "ignored_modules": list(self.ignored_modules),
+            "device": self.device,
+        }
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | None, *, source: str | None = None) -> BridgeConfig:
+        """Build a config from a mapping (e.g. parsed YAML), reporting every problem at once."""
+        if data is None:
+            data = {}
+        if not isinstance(data, Mapping):
+            raise ConfigError([Problem("config", data, "a mapping of BridgeConfig keys")], source=source)
+        valid = cls.field_names()
+        problems = [_unknown_key(str(k), v, valid) for k, v in data.items() if k not in valid]
+        known = {k: v for k, v in data.items() if k in valid}
+        try:
+            config = cls(**known)
+        except ConfigError as err:
+            raise ConfigError([*problems, *err.problems], source=source) from None
+        if problems:
+            raise ConfigError(problems, source=source)
+        return config
+
+    def replace(self, **changes: Any) -> BridgeConfig:
+        """A copy with some fields changed (validated like a new config)."""
+        return dataclasses.replace(self, **changes)
+
+
+def load_config(path: str | os.PathLike[str], *, overrides: Mapping[str, Any] | None = None) -> BridgeConfig:
+    """Load a :class:`BridgeConfig` from a YAML file.
+
+    The file is either a bridge config at top level, or a training config whose
+    ``bridge:`` section holds it.  ``overrides`` replace keys after loading.
+    YAML is read with ``yaml.safe_load``: no tag can construct Python objects.
+    """
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise ConfigError([Problem("path", str(path), "a readable YAML file", str(err))]) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ConfigError([Problem("yaml", str(path), "valid YAML", str(err).replace("\n", " "))]) from None
+    if isinstance(data, Mapping) and isinstance(data.get("bridge"), Mapping):
+        data = data["bridge"]
+    data = dict(data or {}) if isinstance(data, Mapping) else data
+    if overrides and isinstance(data, dict):
+        data.update(overrides)
+    return BridgeConfig.from_dict(data, source=str(path))

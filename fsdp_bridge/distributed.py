@@ -1,0 +1,152 @@
+"""Devices, process groups and device meshes.
+
+NCCL on CUDA when GPUs are present, gloo on CPU otherwise; ``device: cpu`` or
+``device: cuda`` overrides the automatic choice.  Mesh shapes are validated against the
+world size *before* any collective, so a wrong shape fails on every rank at once.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from fsdp_bridge.config import BridgeConfig
+from fsdp_bridge.errors import ConfigError, Problem
+from fsdp_bridge.strategy import Backend, ShardingStrategy
+
+__all__ = ["DEFAULT_TIMEOUT_S", "MeshPlan", "agree", "init_distributed", "plan_mesh", "resolve_device"]
+
+DEFAULT_TIMEOUT_S = 600.0
+"""Default process-group timeout: a rank that stops answering fails the others after this."""
+
+
+def resolve_device(device: str) -> torch.device:
+    """The device this rank computes on, for ``device`` = auto, cuda or cpu."""
+    if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ConfigError([Problem("device", device, "auto or cpu on a machine without CUDA",
+                                   "set device: cpu (or auto), or run on a machine with GPUs")])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if local_rank >= torch.cuda.device_count():
+        raise ConfigError([Problem("LOCAL_RANK", local_rank, f"< {torch.cuda.device_count()} (GPUs on this node)",
+                                   "launch at most one rank per GPU (--nproc-per-node)")])
+    return torch.device("cuda", local_rank)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def init_distributed(device: str = "auto", *, timeout_s: float = DEFAULT_TIMEOUT_S) -> torch.device:
+    """Initialise the default process group if needed and return this rank's device.
+
+    Inside a launch (torchrun, ``fsdp-bridge train``, SLURM with the torchrun variables)
+    rank and world size come from the environment.  Without one, a single-process group
+    (world size 1) is started on a free local port.
+    """
+    torch_device = resolve_device(device)
+    if torch_device.type == "cuda":
+        torch.cuda.set_device(torch_device)
+    if not dist.is_initialized():
+        backend = "nccl" if torch_device.type == "cuda" else "gloo"
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            dist.init_process_group(backend=backend, timeout=timeout)
+        else:
+            dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{_free_port()}",
+                                    rank=0, world_size=1, timeout=timeout)
+    return torch_device
+
+
+def agree(local_problems: list[Problem]) -> None:
+    """Raise the same ConfigError on every rank if any rank found a problem.
+
+    For checks whose outcome can differ between ranks (e.g. what each rank's model
+    holds): one small all-gather that every rank joins, so no rank is left waiting in a
+    later collective while another has raised.
+    """
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        if local_problems:
+            raise ConfigError(local_problems)
+        return
+    gathered: list[list[tuple[int, Problem]] | None] = [None] * dist.get_world_size()
+    rank = dist.get_rank()
+    dist.all_gather_object(gathered, [(rank, p) for p in local_problems])
+    everyone = [
+        Problem(f"rank {r}: {p.key}", p.value, p.allowed, p.fix) for items in gathered for r, p in (items or [])
+    ]
+    if everyone:
+        raise ConfigError(everyone)
+
+
+@dataclass(frozen=True)
+class MeshPlan:
+    """The mesh a strategy needs, before it is created."""
+
+    shape: tuple[int, ...]
+    dim_names: tuple[str, ...]
+
+    @property
+    def replicate(self) -> int:
+        return self.shape[0] if len(self.shape) == 2 else 1
+
+    @property
+    def shard(self) -> int:
+        return self.shape[-1]
+
+
+def plan_mesh(config: BridgeConfig, world_size: int, *, local_world_size: int | None = None) -> MeshPlan:
+    """The mesh shape for ``config`` at ``world_size`` (no collective; raises ConfigError).
+
+    FULL_SHARD / SHARD_GRAD_OP: 1D.  HYBRID_*: 2D (replicate, shard), by default
+    shard within a node.  NO_SHARD: 1D for FSDP1, (world, 1) for FSDP2, which is pure
+    replication with gradient all-reduce.
+    """
+    strategy = config.strategy
+    if strategy.is_hybrid:
+        if config.hybrid_shape is not None:
+            shape = config.hybrid_shape
+        else:
+            per_node = local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+            if per_node < 1 or world_size % per_node:
+                raise ConfigError([Problem("hybrid_shape", None, "an explicit [replicate, shard]",
+                                           f"ranks per node ({per_node}) does not divide the world size "
+                                           f"({world_size}); set hybrid_shape")])
+            shape = (world_size // per_node, per_node)
+        if shape[0] * shape[1] != world_size:
+            raise ConfigError([Problem(
+                "hybrid_shape", list(shape), f"two integers whose product is the world size ({world_size})",
+                f"e.g. hybrid_shape: [{max(1, world_size // shape[1]) if world_size % shape[1] == 0 else 1}, "
+                f"{shape[1] if world_size % shape[1] == 0 else world_size}]")])
+        plan = MeshPlan(shape, ("replicate", "shard"))
+    elif strategy is ShardingStrategy.NO_SHARD and config.backend is Backend.FSDP2:
+        plan = MeshPlan((world_size, 1), ("replicate", "shard"))
+    else:
+        plan = MeshPlan((world_size,), ("shard",))
+    raf = config.reshard_after_forward
+    if isinstance(raf, int) and not isinstance(raf, bool) and plan.shard % raf:
+        raise ConfigError([Problem("reshard_after_forward", raf, f"a divisor of the shard group size ({plan.shard})",
+                                   "use true, false, or a divisor of the number of ranks per shard group")])
+    return plan
+
+
+def build_mesh(plan: MeshPlan, device_type: str) -> DeviceMesh:
+    """Create the mesh (a collective: call only after validation)."""
+    return init_device_mesh(device_type, plan.shape, mesh_dim_names=plan.dim_names)
+
+
+def check_user_mesh(mesh: DeviceMesh, plan: MeshPlan) -> None:
+    """A mesh passed to shard() must have the shape the strategy needs."""
+    shape = tuple(mesh.shape)
+    if shape != plan.shape:
+        raise ConfigError([Problem("mesh", f"DeviceMesh{shape}", f"a mesh of shape {plan.shape} ({', '.join(plan.dim_names)})",
+                                   "pass a mesh of that shape, or mesh=None to let fsdp_bridge build it")])

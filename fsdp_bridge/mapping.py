@@ -1,0 +1,384 @@
+"""The FSDP1 <-> FSDP2 translation table: the one place that says what every option becomes.
+
+Each :class:`Rule` covers one option in one case (e.g. ``backward_prefetch: post``)
+and gives, for each backend, an :class:`Outcome` and the reason.  The same table
+drives config validation (``UNSUPPORTED`` raises :class:`ConfigError`), the report
+that :func:`fsdp_bridge.shard` logs, ``fsdp-bridge explain``, and the migration
+guide in ``docs/migration.md`` (a test keeps that file in sync).
+
+Rules whose ``when`` is ``None`` describe FSDP1 API with no config field (``no_sync``,
+``state_dict_type`` ...): they appear in the migration table, not in a config report.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from fsdp_bridge.errors import Problem
+from fsdp_bridge.strategy import Backend, BackwardPrefetch, ShardingStrategy
+
+if TYPE_CHECKING:
+    from fsdp_bridge.config import BridgeConfig
+
+__all__ = ["TABLE", "Outcome", "Rule", "Translation", "TranslationReport", "translate", "unsupported_problems"]
+
+
+class Outcome(enum.Enum):
+    NATIVE = "native"
+    """The backend has the option; it is passed through."""
+    EMULATED = "emulated"
+    """The backend lacks the option; fsdp_bridge reproduces its meaning (the text says how)."""
+    NOT_NEEDED = "not needed"
+    """The option has no work to do on this backend or device (the text says why)."""
+    UNSUPPORTED = "unsupported"
+    """Refused with a ConfigError (the text gives the reason and the alternative)."""
+
+
+@dataclass(frozen=True)
+class Translation:
+    outcome: Outcome
+    text: str
+
+
+@dataclass(frozen=True)
+class Context:
+    """What a rule may look at: the config and, once known, the device type."""
+
+    config: BridgeConfig
+    device_type: str | None  # "cpu", "cuda", or None before the device is resolved
+
+
+@dataclass(frozen=True)
+class Rule:
+    option: str
+    """A BridgeConfig field, or an FSDP1 API name for rules with ``when=None``."""
+    case: str
+    """Which values of the option this rule covers."""
+    fsdp1_api: str
+    """How FSDP1 code spells this option."""
+    fsdp1: Translation
+    fsdp2: Translation
+    when: Callable[[Context], bool] | None = None
+
+    def for_backend(self, backend: Backend) -> Translation:
+        return self.fsdp1 if backend is Backend.FSDP1 else self.fsdp2
+
+
+N, E, X, U = Outcome.NATIVE, Outcome.EMULATED, Outcome.NOT_NEEDED, Outcome.UNSUPPORTED
+T = Translation
+SS = ShardingStrategy
+BP = BackwardPrefetch
+
+
+def _strategy(s: ShardingStrategy) -> Callable[[Context], bool]:
+    return lambda c: c.config.strategy is s
+
+
+def _raf_matches_strategy(c: Context) -> bool:
+    raf = c.config.reshard_after_forward
+    return isinstance(raf, bool) and raf == c.config.strategy.reshards_after_forward
+
+
+def _on_cpu(c: Context) -> bool:
+    return c.device_type == "cpu"
+
+
+_STRATEGY_FOR_RAF = (
+    "FSDP1 ties resharding to the strategy; choose the strategy instead "
+    "(reshard: full_shard / hybrid_shard; keep gathered: shard_grad_op / hybrid_shard_zero2) "
+    "and remove reshard_after_forward"
+)
+
+TABLE: tuple[Rule, ...] = (
+    # -- strategy ----------------------------------------------------------------
+    Rule("strategy", "full_shard", "sharding_strategy=ShardingStrategy.FULL_SHARD",
+         T(N, "ShardingStrategy.FULL_SHARD"),
+         T(N, "1D mesh over all ranks; reshard_after_forward=True on every unit, False on the root "
+              "(FSDP1 also keeps the root gathered for the backward that follows)"),
+         _strategy(SS.FULL_SHARD)),
+    Rule("strategy", "shard_grad_op", "sharding_strategy=ShardingStrategy.SHARD_GRAD_OP",
+         T(N, "ShardingStrategy.SHARD_GRAD_OP"),
+         T(N, "1D mesh over all ranks; reshard_after_forward=False (ZeRO-2)"),
+         _strategy(SS.SHARD_GRAD_OP)),
+    Rule("strategy", "no_shard", "sharding_strategy=ShardingStrategy.NO_SHARD",
+         T(N, "ShardingStrategy.NO_SHARD (its FutureWarning recommending DDP is silenced: the choice is deliberate)"),
+         T(E, "2D mesh (world, 1): replicate over every rank, shard over groups of one, so every rank holds "
+              "the full model and gradients are all-reduced: NO_SHARD's meaning, not ZeRO-2"),
+         _strategy(SS.NO_SHARD)),
+    Rule("strategy", "hybrid_shard", "sharding_strategy=ShardingStrategy.HYBRID_SHARD",
+         T(N, "ShardingStrategy.HYBRID_SHARD on a 2D device mesh (replicate, shard)"),
+         T(N, "2D mesh (replicate, shard); reshard_after_forward=True on every unit, False on the root"),
+         _strategy(SS.HYBRID_SHARD)),
+    Rule("strategy", "hybrid_shard_zero2", "sharding_strategy=ShardingStrategy._HYBRID_SHARD_ZERO2",
+         T(N, "ShardingStrategy._HYBRID_SHARD_ZERO2 on a 2D device mesh (replicate, shard)"),
+         T(N, "2D mesh (replicate, shard); reshard_after_forward=False"),
+         _strategy(SS.HYBRID_SHARD_ZERO2)),
+    # -- hybrid mesh shape -------------------------------------------------------
+    Rule("hybrid_shape", "default", "device_mesh=init_device_mesh(..., (nodes, gpus_per_node))",
+         T(N, "device_mesh of shape (nodes, ranks per node): shard within a node, replicate across nodes"),
+         T(N, "mesh of shape (nodes, ranks per node): shard within a node, replicate across nodes"),
+         lambda c: c.config.strategy.is_hybrid and c.config.hybrid_shape is None),
+    Rule("hybrid_shape", "[replicate, shard]", "device_mesh=init_device_mesh(..., (replicate, shard))",
+         T(N, "device_mesh of the given shape; mesh dim 0 replicates, dim 1 shards"),
+         T(N, "mesh of the given shape; mesh dim 0 replicates, dim 1 shards"),
+         lambda c: c.config.strategy.is_hybrid and c.config.hybrid_shape is not None),
+    # -- wrapping ----------------------------------------------------------------
+    Rule("wrap", "none", "auto_wrap_policy=None",
+         T(N, "one FSDP unit: the root"),
+         T(N, "fully_shard on the root only"),
+         lambda c: c.config.wrap.mode == "none"),
+    Rule("wrap", "auto / classes / min_num_params / callable",
+         "auto_wrap_policy=transformer_auto_wrap_policy / size_based_auto_wrap_policy / ModuleWrapPolicy / CustomPolicy",
+         T(N, "auto_wrap_policy=CustomPolicy over the units fsdp_bridge resolved (the same modules on both backends)"),
+         T(E, "fully_shard on each resolved unit, bottom-up, then on the root; units that would split tied "
+              "parameters are merged into their parent"),
+         lambda c: c.config.wrap.mode != "none"),
+    # -- mixed precision ---------------------------------------------------------
+    Rule("mixed_precision", "fp32 (off)", "mixed_precision=None",
+         T(N, "no MixedPrecision"), T(N, "default MixedPrecisionPolicy (no casts)"),
+         lambda c: not c.config.mixed_precision.enabled),
+    Rule("mixed_precision", "param/reduce dtypes", "MixedPrecision(param_dtype, reduce_dtype, cast_forward_inputs)",
+         T(N, "MixedPrecision(param_dtype, reduce_dtype, cast_forward_inputs=cast_root_forward_inputs=...)"),
+         T(N, "MixedPrecisionPolicy(param_dtype, reduce_dtype, cast_forward_inputs)"),
+         lambda c: c.config.mixed_precision.enabled),
+    Rule("mixed_precision.output_dtype", "set", "(none in FSDP1)",
+         T(E, "a forward hook on the root casts its floating-point outputs"),
+         T(N, "MixedPrecisionPolicy(output_dtype=...)"),
+         lambda c: c.config.mixed_precision.output_dtype is not None),
+    Rule("mixed_precision.buffer_dtype", "set", "MixedPrecision(buffer_dtype=...)",
+         T(N, "MixedPrecision(buffer_dtype=...)"),
+         T(E, "FSDP2 does not manage buffers: floating-point buffers are cast once when sharding "
+              "(state dicts then hold them in buffer_dtype, unlike FSDP1)"),
+         lambda c: c.config.mixed_precision.buffer_dtype is not None),
+    # -- prefetch and rate limiting -----------------------------------------------
+    Rule("backward_prefetch", "pre", "backward_prefetch=BackwardPrefetch.BACKWARD_PRE",
+         T(N, "BackwardPrefetch.BACKWARD_PRE"),
+         T(N, "implicit: FSDP2 always gathers the previous unit before the current unit's gradient computation"),
+         lambda c: c.config.backward_prefetch is BP.PRE),
+    Rule("backward_prefetch", "post", "backward_prefetch=BackwardPrefetch.BACKWARD_POST",
+         T(N, "BackwardPrefetch.BACKWARD_POST"),
+         T(U, "FSDP2 prefetches only before a unit's gradient computation (BACKWARD_PRE timing). "
+              "Use backward_prefetch: pre: the same overlap, holding at most one more unit gathered"),
+         lambda c: c.config.backward_prefetch is BP.POST),
+    Rule("backward_prefetch", "none", "backward_prefetch=None",
+         T(N, "backward_prefetch=None"),
+         T(U, "FSDP2 always prefetches one unit in backward and has no public switch to turn it off. "
+              "Use backward_prefetch: pre (it costs one more unit of gathered parameters)"),
+         lambda c: c.config.backward_prefetch is BP.NONE),
+    Rule("forward_prefetch", "true", "forward_prefetch=True",
+         T(N, "forward_prefetch=True"),
+         T(E, "explicit: each unit calls set_modules_to_forward_prefetch([next unit in forward order])"),
+         lambda c: c.config.forward_prefetch),
+    Rule("forward_prefetch", "false", "forward_prefetch=False",
+         T(N, "forward_prefetch=False"),
+         T(N, "no explicit prefetch: each unit's all-gather is issued as the CPU reaches it"),
+         lambda c: not c.config.forward_prefetch),
+    Rule("limit_all_gathers", "any", "limit_all_gathers=True|False",
+         T(N, "limit_all_gathers passed through"),
+         T(X, "FSDP2 frees memory without CPU synchronisation or recordStream, so in-flight all-gathers "
+              "need no rate limiter"),
+         lambda c: True),
+    # -- offload, checkpointing, init ----------------------------------------------
+    Rule("cpu_offload", "true, on CPU", "cpu_offload=CPUOffload(offload_params=True)",
+         T(X, "parameters already live in host memory on a CPU run (torch's CPU offload needs an "
+              "accelerator and would fail); nothing is offloaded"),
+         T(X, "parameters already live in host memory on a CPU run (torch's CPU offload needs an "
+              "accelerator and would fail); nothing is offloaded"),
+         lambda c: c.config.cpu_offload and _on_cpu(c)),
+    Rule("cpu_offload", "true", "cpu_offload=CPUOffload(offload_params=True)",
+         T(N, "CPUOffload(offload_params=True)"),
+         T(N, "offload_policy=CPUOffloadPolicy(pin_memory=True)"),
+         lambda c: c.config.cpu_offload),
+    Rule("activation_checkpointing", "true", "apply_activation_checkpointing(model, checkpoint_wrapper, check_fn)",
+         T(N, "non-reentrant checkpoint_wrapper on every unit, applied before wrapping"),
+         T(N, "non-reentrant checkpoint_wrapper on every unit, applied before fully_shard; "
+              "Hugging Face models get use_cache=False"),
+         lambda c: c.config.activation_checkpointing),
+    Rule("sync_module_states", "true", "sync_module_states=True, param_init_fn=...",
+         T(N, "sync_module_states=True; modules on the meta device get param_init_fn=to_empty"),
+         T(E, "after fully_shard, meta tensors are materialised with to_empty and rank 0's full state dict is "
+              "broadcast with set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True); "
+              "buffers are broadcast from rank 0"),
+         lambda c: c.config.sync_module_states),
+    Rule("reshard_after_forward", "null (from the strategy)", "(implied by sharding_strategy)",
+         T(N, "implied by the strategy"), T(N, "set per unit from the strategy (see strategy)"),
+         lambda c: c.config.reshard_after_forward is None),
+    Rule("reshard_after_forward", "no_shard + override", "(implied by sharding_strategy)",
+         T(X, "nothing is sharded under NO_SHARD, so there is nothing to reshard"),
+         T(X, "nothing is sharded under NO_SHARD, so there is nothing to reshard"),
+         lambda c: c.config.reshard_after_forward is not None and c.config.strategy is SS.NO_SHARD),
+    Rule("reshard_after_forward", "agrees with strategy", "(implied by sharding_strategy)",
+         T(X, "already implied by the strategy"),
+         T(N, "reshard_after_forward passed to every fully_shard call, the root included"),
+         _raf_matches_strategy),
+    Rule("reshard_after_forward", "true/false against the strategy", "(implied by sharding_strategy)",
+         T(U, _STRATEGY_FOR_RAF),
+         T(N, "reshard_after_forward passed to every fully_shard call, the root included"),
+         lambda c: isinstance(c.config.reshard_after_forward, bool)),
+    Rule("reshard_after_forward", "integer", "(none in FSDP1)",
+         T(U, "FSDP1 cannot reshard to a smaller group after forward; remove reshard_after_forward or use "
+              "backend: fsdp2"),
+         T(N, "reshard_after_forward=N: after forward, keep parameters gathered within groups of N ranks "
+              "(N must divide the shard group size)"),
+         lambda c: isinstance(c.config.reshard_after_forward, int)
+         and not isinstance(c.config.reshard_after_forward, bool)),
+    Rule("ignored_modules", "set", "ignored_modules=[...]",
+         T(N, "ignored_modules: neither sharded nor synchronised"),
+         T(N, "ignored_params = their parameters: neither sharded nor synchronised"),
+         lambda c: bool(c.config.ignored_modules)),
+    Rule("device", "cpu", "device_id=torch.device('cpu')",
+         T(N, "device_id=cpu, process group on gloo"),
+         T(N, "mesh on device type cpu, process group on gloo"),
+         lambda c: c.device_type == "cpu"),
+    Rule("device", "cuda", "device_id=torch.cuda.current_device()",
+         T(N, "device_id=cuda:LOCAL_RANK, process group on NCCL"),
+         T(N, "mesh on device type cuda (cuda:LOCAL_RANK), process group on NCCL"),
+         lambda c: c.device_type == "cuda"),
+    # -- FSDP1 API with no config field (migration table only) ------------------------
+    Rule("use_orig_params", "-", "use_orig_params=True|False",
+         T(N, "always True under fsdp_bridge, so optimizers see the original parameters"),
+         T(X, "FSDP2 parameters are always the original ones (as DTensors)")),
+    Rule("device_id", "-", "device_id=...",
+         T(N, "set from the resolved device"), T(X, "taken from the mesh's device type")),
+    Rule("param_init_fn", "-", "param_init_fn=...",
+         T(N, "to_empty for meta modules, with sync_module_states"),
+         T(E, "build on meta, fully_shard, to_empty(device), then reset_parameters() or load/broadcast weights")),
+    Rule("no_sync", "-", "with model.no_sync():",
+         T(N, "fsdp_bridge.no_sync(model) calls FSDP.no_sync()"),
+         T(N, "fsdp_bridge.no_sync(model) calls set_requires_gradient_sync(False) (covers HSDP's all-reduce), "
+              "restored on exit")),
+    Rule("clip_grad_norm_", "-", "model.clip_grad_norm_(max_norm)",
+         T(N, "fsdp_bridge.clip_grad_norm_(model, ...) calls FSDP.clip_grad_norm_"),
+         T(N, "fsdp_bridge.clip_grad_norm_(model, ...) uses torch.nn.utils norms over DTensor gradients "
+              "(correct across shards and replicas); returns the total norm")),
+    Rule("summon_full_params", "-", "with FSDP.summon_full_params(model):",
+         T(N, "fsdp_bridge.summon_full_params(model) calls FSDP.summon_full_params"),
+         T(E, "fsdp_bridge.summon_full_params(model) swaps in DTensor.full_tensor() copies, writes shards "
+              "back on exit when writeback=True")),
+    Rule("state_dict_type", "-", "with FSDP.state_dict_type(model, ...): model.state_dict()",
+         T(N, "torch.distributed.checkpoint.state_dict get/set_model_state_dict"),
+         T(N, "torch.distributed.checkpoint.state_dict get/set_model_state_dict (the same call)")),
+    Rule("optim_state_dict", "-", "FSDP.optim_state_dict / optim_state_dict_to_load",
+         T(N, "get/set_optimizer_state_dict"), T(N, "get/set_optimizer_state_dict (the same call)")),
+    Rule("ShardedGradScaler", "-", "ShardedGradScaler()",
+         T(N, "ShardedGradScaler"), T(N, "torch.amp.GradScaler (works on DTensor gradients)")),
+    Rule("keep_low_precision_grads", "-", "MixedPrecision(keep_low_precision_grads=True)",
+         T(N, "MixedPrecision(keep_low_precision_grads=True)"),
+         T(U, "no equivalent: FSDP2 gradients take the sharded parameter's dtype; set param dtype via "
+              "model.to(dtype) before sharding if low-precision gradients are the goal")),
+    Rule("process_group", "-", "process_group=... | (intra, inter)",
+         T(N, "a 1D device mesh, or 2D for HYBRID_*"), T(N, "mesh= (1D, or 2D for HYBRID_* and NO_SHARD)")),
+)
+
+CONFIG_OPTIONS: tuple[str, ...] = tuple(dict.fromkeys(r.option for r in TABLE if r.when is not None))
+
+
+@dataclass(frozen=True)
+class Entry:
+    option: str
+    case: str
+    value: object
+    outcome: Outcome
+    text: str
+
+
+@dataclass(frozen=True)
+class TranslationReport:
+    backend: Backend
+    entries: tuple[Entry, ...]
+
+    @property
+    def unsupported(self) -> tuple[Entry, ...]:
+        return tuple(e for e in self.entries if e.outcome is Outcome.UNSUPPORTED)
+
+    def format(self, *, width: int = 100) -> str:
+        """A plain-text table (one row per option)."""
+        import textwrap
+
+        rows = [(e.option, _show(e.value), e.outcome.value, e.text) for e in self.entries]
+        w0 = max(len("option"), *(len(r[0]) for r in rows))
+        w1 = min(24, max(len("value"), *(len(r[1]) for r in rows)))
+        w2 = max(len("outcome"), *(len(r[2]) for r in rows))
+        text_w = max(30, width - w0 - w1 - w2 - 6)
+        lines = [f"{self.backend.value}:",
+                 f"{'option':<{w0}}  {'value':<{w1}}  {'outcome':<{w2}}  what happens",
+                 f"{'-' * w0}  {'-' * w1}  {'-' * w2}  {'-' * 12}"]
+        for opt, val, outcome, text in rows:
+            wrapped = textwrap.wrap(text, text_w) or [""]
+            lines.append(f"{opt:<{w0}}  {val[:w1]:<{w1}}  {outcome:<{w2}}  {wrapped[0]}")
+            lines.extend(f"{'':<{w0}}  {'':<{w1}}  {'':<{w2}}  {more}" for more in wrapped[1:])
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "backend": self.backend.value,
+            "entries": [
+                {"option": e.option, "case": e.case, "value": _show(e.value), "outcome": e.outcome.value,
+                 "text": e.text}
+                for e in self.entries
+            ],
+        }
+
+
+def _show(value: object) -> str:
+    if isinstance(value, enum.Enum):
+        return str(value.value)
+    if hasattr(value, "to_spelling"):
+        try:
+            return str(value.to_spelling())
+        except Exception:  # a callable wrap policy has no spelling
+            return "callable"
+    return str(value)
+
+
+def _option_value(config: BridgeConfig, option: str) -> object:
+    obj: object = config
+    for part in option.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def translate(config: BridgeConfig, backend: Backend | None = None, *, device_type: str | None = None) -> TranslationReport:
+    """What each option of ``config`` becomes on ``backend`` (default: the config's own)."""
+    backend = backend or config.backend
+    ctx = Context(config=config, device_type=device_type)
+    entries: list[Entry] = []
+    for option in CONFIG_OPTIONS:
+        for rule in TABLE:
+            if rule.option == option and rule.when is not None and rule.when(ctx):
+                tr = rule.for_backend(backend)
+                entries.append(Entry(option, rule.case, _option_value(config, option), tr.outcome, tr.text))
+                break
+    return TranslationReport(backend=backend, entries=tuple(entries))
+
+
+def unsupported_problems(config: BridgeConfig, backend: Backend, *, device_type: str | None = None) -> list[Problem]:
+    """One :class:`Problem` per option that ``backend`` cannot honour."""
+    problems = []
+    for entry in translate(config, backend, device_type=device_type).unsupported:
+        supported = [
+            r.case for r in TABLE
+            if r.option == entry.option and r.when is not None and r.for_backend(backend).outcome is not U
+        ]
+        problems.append(
+            Problem(
+                entry.option,
+                _show(entry.value),
+                f"on {backend.value}: {', '.join(supported) or 'nothing'}",
+                f"{backend.value} cannot do this: {entry.text}",
+            )
+        )
+    return problems
+
+
+def migration_table_markdown() -> str:
+    """The full FSDP1 -> FSDP2 table as Markdown (``docs/migration.md`` embeds it)."""
+    lines = ["| option | case | FSDP1 | FSDP1 under fsdp_bridge | FSDP2 outcome | FSDP2 under fsdp_bridge |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for r in TABLE:
+        cells = [r.option, r.case, f"`{r.fsdp1_api}`", r.fsdp1.text, r.fsdp2.outcome.value, r.fsdp2.text]
+        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    return "\n".join(lines)

@@ -1,0 +1,190 @@
+"""Resolve a :class:`~fsdp_bridge.config.WrapPolicy` to the concrete modules to shard.
+
+Both backends shard exactly the units resolved here (FSDP1 through a ``CustomPolicy``,
+FSDP2 by calling ``fully_shard`` on each, bottom-up), so a model is split the same way
+whichever backend runs it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from fsdp_bridge.config import WrapPolicy
+from fsdp_bridge.errors import ConfigError, Problem
+from fsdp_bridge.hf import no_split_module_classes
+
+__all__ = ["WrapPlan", "resolve_ignored", "resolve_wrap"]
+
+# FSDP1's size-based policy never wraps containers and does not look inside these.
+_NEVER_WRAP = (nn.ModuleList, nn.ModuleDict)
+_FORCE_LEAF = (nn.MultiheadAttention,)
+
+
+@dataclass
+class WrapPlan:
+    """The units to shard, in post-order (children before parents), root excluded."""
+
+    units: list[tuple[str, nn.Module]]
+    source: str
+    """How the units were chosen, for the report."""
+    notes: list[str] = field(default_factory=list)
+    """Adjustments made (e.g. units merged to keep tied parameters together)."""
+
+    @property
+    def modules(self) -> list[nn.Module]:
+        return [m for _, m in self.units]
+
+
+def _module_classes(model: nn.Module) -> list[str]:
+    return sorted({type(m).__name__ for m in model.modules()})
+
+
+def _post_order(model: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Module]]:
+    for name, child in model.named_children():
+        path = f"{prefix}.{name}" if prefix else name
+        yield from _post_order(child, path)
+        yield path, child
+
+
+def _by_classes(model: nn.Module, classes: tuple[str, ...]) -> list[tuple[str, nn.Module]]:
+    wanted = set(classes)
+    return [(n, m) for n, m in _post_order(model) if type(m).__name__ in wanted]
+
+
+def _by_min_params(model: nn.Module, min_num_params: int, ignored: set[nn.Parameter]) -> list[tuple[str, nn.Module]]:
+    """FSDP1 ``size_based_auto_wrap_policy`` semantics: wrap children first; wrap a module
+    when the parameters in its subtree not already in a wrapped child reach the minimum."""
+    units: list[tuple[str, nn.Module]] = []
+
+    def numel(module: nn.Module) -> int:
+        return sum(p.numel() for p in module.parameters() if p not in ignored)
+
+    def visit(module: nn.Module, path: str) -> int:
+        """Returns the number of parameters wrapped inside ``module`` (itself included)."""
+        if isinstance(module, _FORCE_LEAF):
+            wrapped = 0
+        else:
+            wrapped = sum(visit(c, f"{path}.{n}" if path else n) for n, c in module.named_children())
+        remainder = numel(module) - wrapped
+        if path and not isinstance(module, _NEVER_WRAP) and remainder >= min_num_params:
+            units.append((path, module))
+            return wrapped + remainder
+        return wrapped
+
+    visit(model, "")
+    return units
+
+
+def _repeated_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The children of every ModuleList with two or more entries (transformer blocks)."""
+    names = {n for n, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) >= 2}
+    return [(n, m) for n, m in _post_order(model) if n.rpartition(".")[0] in names and not isinstance(m, _NEVER_WRAP)]
+
+
+def _keep_tied_together(
+    model: nn.Module, units: list[tuple[str, nn.Module]]
+) -> tuple[list[tuple[str, nn.Module]], list[str]]:
+    """Drop units that would put one parameter into two sharding groups.
+
+    torch >= 2.12 refuses a parameter shared by two ``fully_shard`` groups, and FSDP1
+    would flatten it twice; dropping the unit lets the parameter fall to a common parent.
+    """
+    paths = {id(m): n for n, m in model.named_modules()}
+    owners: dict[int, list[str]] = {}
+    for path, module in model.named_modules(remove_duplicate=False):
+        for p in module._parameters.values():
+            if p is not None:
+                owners.setdefault(id(p), []).append(path)
+    shared = [sorted(set(paths_)) for paths_ in owners.values() if len(set(paths_)) > 1]
+    notes: list[str] = []
+    if not shared:
+        return units, notes
+
+    def inside(path: str, unit: str) -> bool:
+        return path == unit or path.startswith(unit + ".")
+
+    unit_paths = [paths.get(id(m), n) for n, m in units]
+    dropped: set[str] = set()
+    changed = True
+    while changed:
+        changed = False
+        live = [u for u in unit_paths if u not in dropped]
+        for owner_paths in shared:
+            for unit in live:
+                holds = [inside(o, unit) for o in owner_paths]
+                if any(holds) and not all(holds) and unit not in dropped:
+                    dropped.add(unit)
+                    changed = True
+                    notes.append(
+                        f"{unit} is not a unit of its own: it shares a parameter with "
+                        f"{', '.join(o for o, h in zip(owner_paths, holds, strict=True) if not h)} (tied weights)"
+                    )
+    return [(n, m) for n, m in units if paths.get(id(m), n) not in dropped], notes
+
+
+def resolve_ignored(model: nn.Module, names: tuple[str, ...]) -> list[tuple[str, nn.Module]]:
+    """Modules named by path or class name; raises ConfigError for names that match nothing."""
+    found: list[tuple[str, nn.Module]] = []
+    problems: list[Problem] = []
+    modules = dict(model.named_modules())
+    for name in names:
+        hits = [(name, modules[name])] if name in modules else [
+            (n, m) for n, m in modules.items() if type(m).__name__ == name and n
+        ]
+        if not hits:
+            problems.append(Problem("ignored_modules", name, "a module path or class name in the model",
+                                    f"the model's top-level modules are: {', '.join(n for n, _ in model.named_children())}"))
+        found.extend(hits)
+    if problems:
+        raise ConfigError(problems)
+    return found
+
+
+def resolve_wrap(model: nn.Module, policy: WrapPolicy, *, ignored: list[nn.Module] | None = None) -> WrapPlan:
+    """The units ``policy`` selects in ``model``.
+
+    Raises:
+        ConfigError: when named classes are not in the model (the message lists the
+            classes it does contain and the model's ``_no_split_modules``).
+    """
+    ignored = ignored or []
+    ignored_params = {p for m in ignored for p in m.parameters()}
+    no_split = no_split_module_classes(model)
+    if policy.mode == "none":
+        units, source = [], "none: the root is the only unit"
+    elif policy.mode == "auto":
+        present = [c for c in no_split if any(type(m).__name__ == c for m in model.modules())]
+        if present:
+            units, source = _by_classes(model, tuple(present)), f"auto: _no_split_modules {present}"
+        else:
+            units, source = _repeated_blocks(model), "auto: the entries of the model's ModuleLists (no _no_split_modules)"
+    elif policy.mode == "classes":
+        present_classes = set(_module_classes(model))
+        missing = [c for c in policy.classes if c not in present_classes]
+        if missing:
+            hint = f"; its _no_split_modules are {no_split} (or use wrap: auto)" if no_split else "; or use wrap: auto"
+            raise ConfigError([
+                Problem("wrap", c, f"a module class the model contains: {', '.join(sorted(present_classes))}",
+                        f"use one of the model's classes{hint}")
+                for c in missing
+            ])
+        units, source = _by_classes(model, policy.classes), f"classes {list(policy.classes)}"
+    elif policy.mode == "min_params":
+        units = _by_min_params(model, policy.min_num_params, ignored_params)
+        source = f"min_num_params {policy.min_num_params}"
+    else:
+        assert policy.fn is not None  # guaranteed by the config parser
+        fn = policy.fn
+        units = [(n, m) for n, m in _post_order(model) if fn(m)]
+        source = f"callable {getattr(fn, '__qualname__', repr(fn))}"
+
+    def in_ignored(path: str) -> bool:
+        return any(path == ip or path.startswith(ip + ".") for ip, _ in ignored_named)
+
+    ignored_named = [(n, m) for n, m in model.named_modules() if any(m is i for i in ignored)]
+    units = [(n, m) for n, m in units if not in_ignored(n)]
+    units, notes = _keep_tied_together(model, units)
+    return WrapPlan(units=units, source=source, notes=notes)
