@@ -630,6 +630,16 @@ def unsupported_problems(config: BridgeConfig, backend: Backend, *, device_type:
     return problems
 
 
+def strategy_table_markdown() -> str:
+    """The strategy x backend table as Markdown (embedded in the README)."""
+    lines = ["| strategy | FSDP1 | FSDP2 |", "| --- | --- | --- |"]
+    for r in TABLE:
+        if r.option == "strategy":
+            fsdp2 = f"{r.fsdp2.outcome.value}: {r.fsdp2.text}"
+            lines.append(f"| `{r.case}` | {r.fsdp1.text} | {fsdp2} |")
+    return "\n".join(lines)
+
+
 def migration_table_markdown() -> str:
     """The full FSDP1 -> FSDP2 table as Markdown (``docs/migration.md`` embeds it)."""
     lines = [
