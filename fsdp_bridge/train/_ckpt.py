@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from fsdp_bridge.errors import ConfigError, Problem
 
-__all__ = ["checkpoint_name", "latest_checkpoint", "load_checkpoint", "prune_checkpoints", "save_checkpoint"]
+__all__ = ["checkpoint_name", "full_state_options", "latest_checkpoint", "load_checkpoint", "prune_checkpoints", "save_checkpoint"]
 
 _META = "meta.json"
 _FULL = "full.pt"
@@ -67,6 +67,17 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def full_state_options(model: nn.Module) -> StateDictOptions:
+    """Options for a gathered (full) state dict of ``model``.
+
+    Gathered tensors are moved to CPU only when the model is on an accelerator: on a
+    CPU-only run, FSDP1's offloading path of the full state dict crashes (torch 2.13)
+    and there is nothing to offload anyway.
+    """
+    on_accelerator = any(p.device.type != "cpu" for p in model.parameters())
+    return StateDictOptions(full_state_dict=True, cpu_offload=on_accelerator)
+
+
 def save_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
                     kind: Literal["sharded", "full"] = "sharded", state: dict[str, Any] | None = None) -> Path:
     """Save model, optimizer, every rank's RNG and ``state`` (JSON-serialisable) to ``path``.
@@ -85,8 +96,7 @@ def save_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
         model_sd, optim_sd = get_state_dict(model, optimizers)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
     else:
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        model_sd, optim_sd = get_state_dict(model, optimizers, options=options)
+        model_sd, optim_sd = get_state_dict(model, optimizers, options=full_state_options(model))
         if rank == 0:
             torch.save({"model": model_sd, "optim": optim_sd}, tmp / _FULL)
     torch.save(_rng_state(), tmp / f"rng_rank{rank}.pt")

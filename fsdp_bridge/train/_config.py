@@ -212,7 +212,7 @@ class TrainConfig:
                 out[f.name] = value.to_dict()
             elif dataclasses.is_dataclass(value):
                 out[f.name] = {k: list(v) if isinstance(v, tuple) else v
-                               for k, v in dataclasses.asdict(value).items()}  # type: ignore[call-overload]
+                               for k, v in dataclasses.asdict(value).items()}  # type: ignore[arg-type]
             else:
                 out[f.name] = value
         return out

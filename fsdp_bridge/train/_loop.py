@@ -317,9 +317,9 @@ def train(config: TrainConfig, *, verbosity: Verbosity = "normal") -> TrainResul
 
 def export_hf(sharded: nn.Module, model: nn.Module, tokenizer: Any, out: Path) -> None:
     """Write the trained weights, config and tokenizer to ``out`` as a Hugging Face directory."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    state = get_model_state_dict(sharded, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    state = get_model_state_dict(sharded, options=ckpt.full_state_options(sharded))
     if dist.get_rank() == 0:
         # The unsharded module object is the one FSDP wraps (FSDP1) or the sharded root
         # itself (FSDP2): both carry the transformers config and save_pretrained.
