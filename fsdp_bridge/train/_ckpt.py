@@ -33,7 +33,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from fsdp_bridge.errors import ConfigError, Problem
 
-__all__ = ["checkpoint_name", "full_state_options", "latest_checkpoint", "load_checkpoint", "prune_checkpoints", "save_checkpoint"]
+__all__ = ["checkpoint_name", "full_state_options", "latest_checkpoint", "load_checkpoint", "prune_checkpoints",
+           "save_checkpoint"]
 
 _META = "meta.json"
 _FULL = "full.pt"

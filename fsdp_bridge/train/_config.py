@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import enum
 import inspect
 import itertools
 import types
@@ -162,7 +163,7 @@ class TrainConfig:
     seed: int = 0
     """Seed of the model's initialisation, the data order and every rank's RNG."""
     output_dir: str = "runs/fsdp-bridge"
-    """Directory for config.yaml, metrics.jsonl, summary.json, checkpoints/ and the exported model."""
+    """Directory for train_config.yaml, metrics.jsonl, summary.json, checkpoints/ and the exported model."""
     resume: bool | str = False
     """false; ``auto`` (or true): continue from the latest checkpoint in ``output_dir`` if there is one;
     or the path of a checkpoint to continue from."""
@@ -391,7 +392,8 @@ def _describe(tp: Any) -> str:
         args = typing.get_args(tp)
         if args[-1] is Ellipsis:
             return f"a list of {_describe(args[0]).removeprefix('a ').removeprefix('an ')}s"
-        return f"a list of {len(args)} " + " and ".join(_describe(a) for a in args)
+        kinds = {_describe(a).removeprefix("a ").removeprefix("an ") for a in args}
+        return f"a list of {len(args)} {kinds.pop()}s" if len(kinds) == 1 else "a list of " + ", ".join(sorted(kinds))
     if origin is dict:
         return "a mapping"
     if dataclasses.is_dataclass(tp):
@@ -517,15 +519,28 @@ def _default_text(f: dataclasses.Field[Any]) -> str:
         value = f.default_factory()
     else:
         return "required"
+    if hasattr(value, "to_spelling"):
+        value = value.to_spelling()
     if dataclasses.is_dataclass(value):
         return "(section)"
     if isinstance(value, tuple):
         value = list(value)
-    if hasattr(value, "value"):  # enums
+    if isinstance(value, enum.Enum):
         value = value.value
-    if hasattr(value, "to_spelling"):
-        value = value.to_spelling()
     return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
+
+
+_BRIDGE_TYPES = {
+    "strategy": "one of full_shard, shard_grad_op, no_shard, hybrid_shard, hybrid_shard_zero2",
+    "backend": "one of fsdp1, fsdp2",
+    "mixed_precision": "a preset (fp32, bf16, fp16) or a mapping of dtypes",
+    "wrap": "auto, none, a list of class names or {min_num_params: N}",
+    "backward_prefetch": "one of pre, post, none",
+    "reshard_after_forward": "true or false or an integer or null",
+    "hybrid_shape": "a list of 2 integers or null",
+    "ignored_modules": "a list of strings",
+    "device": "one of auto, cuda, cpu",
+}
 
 
 def field_reference() -> list[FieldDoc]:
@@ -550,7 +565,9 @@ def field_reference() -> list[FieldDoc]:
     def walk_bridge(prefix: str) -> None:
         docs = _attribute_docs(BridgeConfig)
         for f in dataclasses.fields(BridgeConfig):
-            rows.append(FieldDoc(f"{prefix}{f.name}", "see meaning", _default_text(f), docs.get(f.name, "")))
+            tp = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+            kind = _BRIDGE_TYPES.get(f.name, "true or false" if tp == "bool" else f"`{tp}`")
+            rows.append(FieldDoc(f"{prefix}{f.name}", kind, _default_text(f), docs.get(f.name, "")))
 
     walk(TrainConfig, "")
     # The model was marked required above only by its check; say so in the reference.
