@@ -18,9 +18,21 @@ from fsdp_bridge.mapping import migration_table_markdown, strategy_table_markdow
 
 __all__ = ["BLOCKS", "render", "stale_blocks"]
 
+def config_reference_markdown() -> str:
+    """Every training and bridge config field with type, default and meaning."""
+    from fsdp_bridge.train import field_reference
+
+    rows = ["| key | type | default | meaning |", "| --- | --- | --- | --- |"]
+    for f in field_reference():
+        cells = [f"`{f.key}`", f.type, f"`{f.default}`" if f.default else "", f.doc]
+        rows.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    return "\n".join(rows)
+
+
 BLOCKS: dict[str, Callable[[], str]] = {
     "strategy-table": strategy_table_markdown,
     "migration-table": migration_table_markdown,
+    "config-reference": config_reference_markdown,
 }
 _BLOCK = re.compile(
     r"(<!-- BEGIN GENERATED: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- END GENERATED: (?P=name) -->)", re.S
