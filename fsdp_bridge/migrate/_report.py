@@ -81,17 +81,12 @@ class ConfigReport:
     def format(self, *, width: int = 110) -> str:
         """Plain text: one block per option."""
         lines = [f"FSDP1 -> FSDP2 migration of {self.source} ({self.kind} config)", ""]
-        w_key = max([len("option"), *(len(r.key) for r in self.rows)])
-        w_status = max(len(s.value) for s in Status)
         for r in self.rows:
-            head = f"{r.key:<{w_key}}  {r.status.value:<{w_status}}  {r.value} -> {r.target}"
-            lines.append(head)
-            indent = " " * (w_key + 2)
-            body = textwrap.wrap(r.reason, max(40, width - len(indent)))
-            lines.extend(indent + b for b in body)
-            if r.accelerate is not None:
-                lines.extend(textwrap.wrap(f"accelerate FSDP2: {r.accelerate}", max(40, width - len(indent)),
-                                           initial_indent=indent, subsequent_indent=indent + "  "))
+            lines.append(f"{r.key}: {r.status.value.upper()}  ({r.value} -> {r.target})")
+            lines.extend(textwrap.wrap(r.reason, width, initial_indent="    ", subsequent_indent="    "))
+            if r.accelerate:
+                lines.extend(textwrap.wrap(f"accelerate FSDP2: {r.accelerate}", width, initial_indent="    ",
+                                           subsequent_indent="      "))
         if self.notes:
             lines.append("")
             for n in self.notes:
