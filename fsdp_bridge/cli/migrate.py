@@ -32,7 +32,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     c.add_argument("src", help="accelerate YAML, Trainer arguments JSON/YAML, fsdp_config JSON, or bridge YAML")
     c.add_argument("-o", "--output", default=None, help="bridge YAML to write (default: SRC stem + .fsdp2.yaml)")
     c.add_argument("--fsdp", default=None,
-                   help='the Trainer\'s fsdp option string when SRC is its fsdp_config JSON (e.g. "full_shard auto_wrap")')
+                   help="the Trainer's fsdp option string when SRC is its fsdp_config JSON "
+                        '(e.g. "full_shard auto_wrap")')
     c.add_argument("--json", action="store_true", help="print the report as JSON")
     c.set_defaults(func=run_config)
     k = inner.add_parser("code", help="find FSDP1 API use in Python files; --fix rewrites it")

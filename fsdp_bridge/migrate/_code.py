@@ -75,8 +75,10 @@ _NAMES: dict[str, str] = {
     "optim_state_dict": "fsdp_bridge.save_checkpoint(path, model, optimizer) / "
                         "torch.distributed.checkpoint.state_dict.get_optimizer_state_dict(model, optimizer)",
     "optim_state_dict_to_load": "fsdp_bridge.load_checkpoint(path, model, optimizer) / "
-                                "torch.distributed.checkpoint.state_dict.set_optimizer_state_dict(model, optimizer, sd)",
-    "full_optim_state_dict": "get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))",
+                                "torch.distributed.checkpoint.state_dict.set_optimizer_state_dict("
+                                "model, optimizer, sd)",
+    "full_optim_state_dict": "get_optimizer_state_dict(model, optimizer, "
+                             "options=StateDictOptions(full_state_dict=True))",
     "sharded_optim_state_dict": "get_optimizer_state_dict(model, optimizer)",
     "shard_full_optim_state_dict": "set_optimizer_state_dict(model, optimizer, sd, "
                                    "options=StateDictOptions(full_state_dict=True))",
@@ -252,7 +254,8 @@ class _Scanner(cst.CSTVisitor):
         if hit is not None and hit[0] == FSDP and hit[1] == "summon_full_params":
             ok = (len(node.args) >= 1 and node.args[0].keyword is None
                   and all(a.keyword is not None and a.keyword.value in ("writeback", "recurse") for a in node.args[1:])
-                  and all(_code(a.value) == "True" for a in node.args[1:] if a.keyword and a.keyword.value == "recurse"))
+                  and all(_code(a.value) == "True" for a in node.args[1:]
+                          if a.keyword and a.keyword.value == "recurse"))
             if ok:
                 self.fixable_calls[id(node)] = "summon"
             self._record(node, "FSDP.summon_full_params(...)", _NAMES["summon_full_params"], ok)
@@ -316,7 +319,7 @@ class _Scanner(cst.CSTVisitor):
             if a.star:
                 conv.blockers.append(f"{a.star}{_code(a.value)}: arguments unpacked at run time")
                 continue
-            if kw is None and i == 0 or kw == "module":
+            if (kw is None and i == 0) or kw == "module":
                 conv.module = a.value
                 continue
             if kw is None:
@@ -625,7 +628,7 @@ class _Fixer(cst.CSTTransformer):
         out: list[Any] = []
         carry: list[cst.EmptyLine] = []
         for stmt in body:
-            if self.removed.get(id(stmt)) is stmt:
+            if id(stmt) in self.removed and self.removed[id(stmt)] is stmt:
                 del self.removed[id(stmt)]
                 carry.extend(stmt.leading_lines)
                 continue
@@ -700,8 +703,9 @@ def _torch_save_path(stmt: cst.BaseStatement, var: str) -> cst.BaseExpression | 
 def _commas(args: Sequence[cst.Arg]) -> list[cst.Arg]:
     out = []
     for i, a in enumerate(args):
-        comma = cst.Comma(whitespace_after=cst.SimpleWhitespace(" ")) if i < len(args) - 1 else cst.MaybeSentinel.DEFAULT
-        out.append(a.with_changes(comma=comma))
+        last = i == len(args) - 1
+        out.append(a.with_changes(comma=cst.MaybeSentinel.DEFAULT if last
+                                  else cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))))
     return out
 
 
@@ -730,8 +734,8 @@ class MigratedSource:
         return self.original != self.fixed
 
     def diff(self) -> str:
-        return "".join(difflib.unified_diff(self.original.splitlines(keepends=True), self.fixed.splitlines(keepends=True),
-                                            f"a/{self.path}", f"b/{self.path}"))
+        return "".join(difflib.unified_diff(self.original.splitlines(keepends=True),
+                                            self.fixed.splitlines(keepends=True), f"a/{self.path}", f"b/{self.path}"))
 
 
 def migrate_source(code: str, path: str = "<string>") -> MigratedSource:

@@ -220,7 +220,7 @@ def parse_accelerate(data: Mapping[str, Any], path: str) -> Fsdp1Source:
     strategy = ShardingStrategy.FULL_SHARD
     for key in ("fsdp_sharding_strategy", "fsdp_reshard_after_forward"):
         if key in fsdp:
-            parsed = _strategy(key, fsdp[key], problems)
+            parsed = _strategy(f"fsdp_config.{key}", fsdp[key], problems)
             if key == "fsdp_reshard_after_forward" and "fsdp_sharding_strategy" in fsdp:
                 opt(key, "strategy", fsdp[key], ignored="accelerate uses fsdp_sharding_strategy when both are set")
                 continue
@@ -232,14 +232,15 @@ def parse_accelerate(data: Mapping[str, Any], path: str) -> Fsdp1Source:
 
     policy = None
     if "fsdp_auto_wrap_policy" in fsdp:
-        policy = _numbered("fsdp_auto_wrap_policy", fsdp["fsdp_auto_wrap_policy"], ACCELERATE_WRAP, problems)
+        policy = _numbered("fsdp_config.fsdp_auto_wrap_policy", fsdp["fsdp_auto_wrap_policy"], ACCELERATE_WRAP,
+                           problems)
         opt("fsdp_auto_wrap_policy", "wrap", fsdp["fsdp_auto_wrap_policy"])
     else:
         opt("fsdp_auto_wrap_policy", "wrap", "NO_WRAP", default=True)
     classes = None
     if "fsdp_transformer_layer_cls_to_wrap" in fsdp:
-        classes = _class_list("fsdp_transformer_layer_cls_to_wrap", fsdp["fsdp_transformer_layer_cls_to_wrap"],
-                              problems)
+        classes = _class_list("fsdp_config.fsdp_transformer_layer_cls_to_wrap",
+                              fsdp["fsdp_transformer_layer_cls_to_wrap"], problems)
         ignored = "" if policy == "TRANSFORMER_BASED_WRAP" else "accelerate reads it only with TRANSFORMER_BASED_WRAP"
         opt("fsdp_transformer_layer_cls_to_wrap", "wrap", fsdp["fsdp_transformer_layer_cls_to_wrap"], ignored=ignored)
     min_params = None
@@ -255,7 +256,7 @@ def parse_accelerate(data: Mapping[str, Any], path: str) -> Fsdp1Source:
 
     prefetch_keys = [k for k in ("fsdp_backward_prefetch", "fsdp_backward_prefetch_policy") if k in fsdp]
     for key in prefetch_keys:
-        parsed_prefetch = _prefetch(key, fsdp[key], problems)
+        parsed_prefetch = _prefetch(f"fsdp_config.{key}", fsdp[key], problems)
         if parsed_prefetch is not None:
             src.fields["backward_prefetch"] = parsed_prefetch
         opt(key, "backward_prefetch", fsdp[key])
