@@ -493,6 +493,17 @@ TABLE: tuple[Rule, ...] = (
         T(N, "get/set_optimizer_state_dict (the same call)"),
     ),
     Rule(
+        "cpu_ram_efficient_loading",
+        "-",
+        "cpu_ram_efficient_loading=True (accelerate, Trainer)",
+        T(N, "rank 0 loads the weights, other ranks build on the meta device; implies sync_module_states=True"),
+        T(
+            E,
+            "sync_module_states: true: ranks > 0 may build on the meta device; after fully_shard rank 0's full "
+            "state dict is broadcast (set_model_state_dict with broadcast_from_rank0=True)",
+        ),
+    ),
+    Rule(
         "ShardedGradScaler",
         "-",
         "ShardedGradScaler()",
