@@ -1,6 +1,6 @@
 """A plain PyTorch training loop on fsdp_bridge, run through both backends.
 
-    torchrun --nproc-per-node 2 examples/quickstart.py
+    torchrun --nproc-per-node 2 examples/ab_backends.py
 
 Trains a tiny Llama (built from a config, no download) for a few steps with FSDP1 and
 then FSDP2, from the same weights and the same batches, and prints the losses side by
