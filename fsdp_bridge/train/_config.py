@@ -167,6 +167,9 @@ class TrainConfig:
     resume: bool | str = False
     """false; ``auto`` (or true): continue from the latest checkpoint in ``output_dir`` if there is one;
     or the path of a checkpoint to continue from."""
+    timeout_s: float = 600.0
+    """Process-group timeout in seconds: if a rank stops answering (hung, or died outside the
+    launcher's watch), the others fail with a timeout error after this long instead of waiting forever."""
     bridge: BridgeConfig = field(default_factory=BridgeConfig)
     """How the model is sharded (FSDP1 or FSDP2): see the bridge fields below."""
 
@@ -282,6 +285,8 @@ def _value_problems(c: TrainConfig) -> list[Problem]:
         p.append(Problem("resume", c.resume, "false, auto, or a checkpoint path"))
     if not c.output_dir:
         p.append(Problem("output_dir", c.output_dir, "a directory path"))
+    if not c.timeout_s > 0:
+        p.append(Problem("timeout_s", c.timeout_s, "a number of seconds > 0", "e.g. timeout_s: 600"))
     return p
 
 

@@ -14,11 +14,16 @@ rank 0, and every rank exits with code 2.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
+import tempfile
+import time
+import traceback
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from fsdp_bridge.errors import ConfigError, Problem
@@ -62,8 +67,13 @@ def _env_from_slurm() -> None:
     env.setdefault("MASTER_PORT", "29500")
 
 
-def run_rank(config_dict: dict[str, Any], verbosity: str) -> int:
-    """Train as one rank of the current launch; return the exit code (0, or 2 for a ConfigError)."""
+def run_rank(config_dict: dict[str, Any], verbosity: str, failure_dir: str | None = None) -> int:
+    """Train as one rank of the current launch; return the exit code (0, or 2 for a ConfigError).
+
+    With ``failure_dir`` (set by :func:`launch`), an exception is also recorded there with
+    its time, so the launcher can tell the rank that failed first from the ranks that
+    failed because it did (a peer's crash surfaces in the others as a collective error).
+    """
     import torch
     import torch.distributed as dist
 
@@ -83,16 +93,40 @@ def run_rank(config_dict: dict[str, Any], verbosity: str) -> int:
         if rank == 0:
             print(f"fsdp-bridge train: {err}", file=sys.stderr, flush=True)
         return CONFIG_ERROR_EXIT
+    except BaseException:
+        if failure_dir is not None:
+            _record_failure(Path(failure_dir), rank)
+        raise
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def _elastic_entry(config_dict: dict[str, Any], verbosity: str) -> None:
+def _record_failure(failure_dir: Path, rank: int) -> None:
+    failure = {"time": time.time(), "rank": rank, "traceback": traceback.format_exc()}
+    (failure_dir / f"rank{rank}.json").write_text(json.dumps(failure))
+
+
+def _root_cause(failure_dir: Path) -> tuple[int, str, list[int]] | None:
+    """(first failed rank, its traceback, the ranks that failed after it), from the recorded failures."""
+    failures = []
+    for path in failure_dir.glob("rank*.json"):
+        try:
+            failures.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue
+    if not failures:
+        return None
+    failures.sort(key=lambda f: f["time"])
+    first = failures[0]
+    return int(first["rank"]), str(first["traceback"]), sorted(int(f["rank"]) for f in failures[1:])
+
+
+def _elastic_entry(config_dict: dict[str, Any], verbosity: str, failure_dir: str) -> None:
     """What each launched rank runs (module level: it is pickled into spawned processes)."""
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    code = record(run_rank)(config_dict, verbosity)
+    code = record(run_rank)(config_dict, verbosity, failure_dir)
     if code:
         sys.exit(code)
 
@@ -123,14 +157,22 @@ def launch(config_dict: dict[str, Any], options: LaunchOptions, *, verbosity: st
         max_restarts=0,
         start_method="spawn",
     )
-    try:
-        elastic_launch(launch_config, _elastic_entry)(config_dict, verbosity)
-    except ChildFailedError as err:
-        codes = {f.exitcode for f in err.failures.values()}
-        if codes == {CONFIG_ERROR_EXIT}:
-            return CONFIG_ERROR_EXIT  # rank 0 printed the problems
-        ranks = ", ".join(str(r) for r in sorted(err.failures))
-        print(f"fsdp-bridge train: rank {ranks} failed (exit code {', '.join(map(str, sorted(codes)))}); "
-              "the traceback is above", file=sys.stderr)
-        return 1
+    with tempfile.TemporaryDirectory(prefix="fsdp-bridge-failures-") as failure_dir:
+        try:
+            elastic_launch(launch_config, _elastic_entry)(config_dict, verbosity, failure_dir)
+        except ChildFailedError as err:
+            codes = {f.exitcode for f in err.failures.values()}
+            if codes == {CONFIG_ERROR_EXIT}:
+                return CONFIG_ERROR_EXIT  # rank 0 printed the problems
+            cause = _root_cause(Path(failure_dir))
+            if cause is None:  # killed without a Python exception (e.g. a signal)
+                ranks = ", ".join(str(r) for r in sorted(err.failures))
+                print(f"fsdp-bridge train: rank {ranks} failed (exit code {', '.join(map(str, sorted(codes)))}); "
+                      "see the log above", file=sys.stderr)
+                return 1
+            rank, tb, after = cause
+            then = f"; rank {', '.join(map(str, after))} failed after it" if after else ""
+            print(f"fsdp-bridge train: rank {rank} failed first{then}. Rank {rank}'s traceback:\n{tb.rstrip()}",
+                  file=sys.stderr)
+            return 1
     return 0

@@ -31,6 +31,7 @@ from fsdp_bridge.api import clip_grad_norm_, get_bridge, no_sync, shard
 from fsdp_bridge.config import parse_dtype
 from fsdp_bridge.distributed import init_distributed
 from fsdp_bridge.errors import ConfigError, Problem
+from fsdp_bridge.testing.faults import maybe_fail
 from fsdp_bridge.train import _ckpt as ckpt
 from fsdp_bridge.train._config import TrainConfig
 from fsdp_bridge.train._data import PackedData, read_documents
@@ -210,7 +211,7 @@ def evaluate(model: nn.Module, data: PackedData, config: TrainConfig, device: to
 def train(config: TrainConfig, *, verbosity: Verbosity = "normal") -> TrainResult:
     """Run ``config`` on this rank (call on every rank; initialises the process group if needed)."""
     start = time.perf_counter()
-    device = init_distributed(config.bridge.device)
+    device = init_distributed(config.bridge.device, timeout_s=config.timeout_s)
     rank, world = dist.get_rank(), dist.get_world_size()
     _configure_output(rank, verbosity)
     out = Path(config.output_dir)
@@ -227,6 +228,7 @@ def train(config: TrainConfig, *, verbosity: Verbosity = "normal") -> TrainResul
     model = build_model(config, tokenizer)
     n_params = sum(p.numel() for p in model.parameters())
     model_name = type(model).__name__
+    maybe_fail("shard")
     sharded = shard(model, config.bridge)
     optimizer = build_optimizer(sharded, config)
     torch.manual_seed(config.seed + 1 + rank)  # per-rank stream (dropout), saved with every checkpoint
@@ -269,6 +271,8 @@ def train(config: TrainConfig, *, verbosity: Verbosity = "normal") -> TrainResul
                 with contextlib.nullcontext() if sync else no_sync(sharded):
                     loss = sharded(input_ids=batch, labels=batch).loss
                     (loss / accum).backward()
+                if micro == 0:
+                    maybe_fail(f"step:{step + 1}")
                 loss_sum += loss.detach().float().cpu()
             grad_norm = clip_grad_norm_(sharded, config.optim.grad_clip) if config.optim.grad_clip else None
             optimizer.step()
@@ -294,6 +298,7 @@ def train(config: TrainConfig, *, verbosity: Verbosity = "normal") -> TrainResul
             if (interval and step % interval == 0) or (last and config.checkpoint.at_end):
                 state = {"step": step, "data_position": position, "tokens": tokens,
                          "best_eval_loss": None if math.isinf(best_eval) else best_eval}
+                maybe_fail(f"checkpoint:{step}")
                 path = ckpt.save_checkpoint(ckpt_root / ckpt.checkpoint_name(step), sharded, optimizer,
                                             kind=config.checkpoint.kind, state=state)
                 ckpt.prune_checkpoints(ckpt_root, config.checkpoint.keep_last)

@@ -1,0 +1,65 @@
+"""A rank that fails (in shard(), in a step, while checkpointing) stops the whole job in
+bounded time, the launcher names the failed rank with its traceback, and the exit code is
+non-zero.  Each case runs the real CLI, which launches its ranks with the elastic launcher.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from fsdp_bridge.testing.faults import ENV
+
+# The process-group timeout is far above the bound asserted below: the job must stop
+# because the launcher saw the failure, not because a collective timed out.
+TIMEOUT_S = 300
+BOUND_S = 150
+
+
+def tiny_job(tmp_path: Path) -> Path:
+    job = {
+        "model": {"config": {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64,
+                             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}},
+        "data": {"seq_len": 32, "eval_sequences": 4},
+        "micro_batch_size": 2,
+        "max_steps": 4,
+        "eval_interval": None,
+        "checkpoint": {"interval": 2, "export_hf": False},
+        "timeout_s": TIMEOUT_S,
+        "output_dir": str(tmp_path / "run"),
+        "bridge": {"strategy": "full_shard", "backend": "fsdp2"},
+    }
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    return path
+
+
+@pytest.mark.parametrize("point", ["shard", "step:3", "checkpoint:2"])
+def test_failing_rank_stops_the_job(tmp_path: Path, point: str) -> None:
+    env = {**os.environ, ENV: f"1:{point}", "OMP_NUM_THREADS": "1"}
+    start = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "fsdp_bridge", "train", str(tiny_job(tmp_path)), "-q"],
+                         capture_output=True, text=True, env=env, timeout=TIMEOUT_S, cwd=tmp_path)
+    elapsed = time.monotonic() - start
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert elapsed < BOUND_S, f"took {elapsed:.0f} s: the other rank waited instead of being stopped"
+    assert f"InjectedFault: injected fault on rank 1 at {point}" in out.stderr, out.stderr
+    assert "rank 1 failed first" in out.stderr, out.stderr
+
+
+def test_fault_spec_for_another_rank_or_point_does_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    from fsdp_bridge.testing.faults import InjectedFault, maybe_fail
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv(ENV, "1:step:3")
+    maybe_fail("step:3")
+    monkeypatch.setenv(ENV, "0:step:2")
+    maybe_fail("step:3")
+    with pytest.raises(InjectedFault, match="injected fault on rank 0 at step:2"):
+        maybe_fail("step:2")
