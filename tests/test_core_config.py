@@ -186,3 +186,27 @@ def test_mesh_errors() -> None:
         plan_mesh(BridgeConfig(strategy="hybrid_shard"), 8, local_world_size=3)
     with pytest.raises(ConfigError, match=r"reshard_after_forward: got 3; allowed: a divisor of the shard group size \(4\)"):
         plan_mesh(BridgeConfig(reshard_after_forward=3), 4)
+
+
+def test_cuda_requested_without_gpus() -> None:
+    from fsdp_bridge.distributed import resolve_device
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(ConfigError, match=r"device: got 'cuda'; allowed: auto or cpu on a machine without CUDA"):
+        resolve_device("cuda")
+    assert resolve_device("auto").type == "cpu"
+
+
+@pytest.mark.parametrize("text", ["wrap: 'lambda m: True'", "wrap: '__import__(\"os\").system(\"true\")'",
+                                  "wrap: {min_num_params: '10**9'}", "ignored_modules: ['os.system(1)']"])
+def test_yaml_values_are_never_evaluated(tmp_path, text: str) -> None:
+    # Strings stay strings: a callable wrap policy exists only when passed from Python.
+    path = tmp_path / "c.yaml"
+    path.write_text(text + "\n")
+    try:
+        config = fsdp_bridge.load_config(path)
+    except ConfigError:
+        return
+    assert config.wrap.mode != "callable"
+    assert all(isinstance(name, str) for name in config.ignored_modules)
