@@ -28,7 +28,7 @@ from torch import nn
 from fsdp_bridge.errors import ConfigError, Problem
 from fsdp_bridge.strategy import Backend, BackwardPrefetch, ShardingStrategy, allowed_values, parse_enum
 
-__all__ = ["BridgeConfig", "MixedPrecisionConfig", "WrapPolicy", "load_config", "parse_dtype"]
+__all__ = ["BridgeConfig", "MixedPrecisionConfig", "WrapPolicy", "load_config", "parse_dtype", "read_yaml_file"]
 
 Device = Literal["auto", "cuda", "cpu"]
 DEVICES: tuple[str, ...] = ("auto", "cuda", "cpu")
@@ -437,6 +437,23 @@ class BridgeConfig:
         return dataclasses.replace(self, **changes)
 
 
+def read_yaml_file(path: str | os.PathLike[str], *, key: str = "path") -> Any:
+    """The data in a YAML file, read with ``yaml.safe_load`` (no tag can build Python objects).
+
+    Raises:
+        ConfigError: the file is unreadable (``key`` names it in the message) or not YAML.
+    """
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise ConfigError([Problem(key, str(path), "a readable YAML file", str(err))]) from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ConfigError([Problem("yaml", str(path), "valid YAML", str(err).replace("\n", " "))]) from None
+
+
 def load_config(path: str | os.PathLike[str], *, overrides: Mapping[str, Any] | None = None) -> BridgeConfig:
     """Load a :class:`BridgeConfig` from a YAML file.
 
@@ -445,14 +462,7 @@ def load_config(path: str | os.PathLike[str], *, overrides: Mapping[str, Any] | 
     YAML is read with ``yaml.safe_load``: no tag can construct Python objects.
     """
     path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as err:
-        raise ConfigError([Problem("path", str(path), "a readable YAML file", str(err))]) from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as err:
-        raise ConfigError([Problem("yaml", str(path), "valid YAML", str(err).replace("\n", " "))]) from None
+    data = read_yaml_file(path)
     if isinstance(data, Mapping) and isinstance(data.get("bridge"), Mapping):
         data = data["bridge"]
     data = dict(data or {}) if isinstance(data, Mapping) else data

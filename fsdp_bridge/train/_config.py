@@ -29,7 +29,7 @@ from typing import Any, Literal
 
 import yaml
 
-from fsdp_bridge.config import BridgeConfig, _unknown_key
+from fsdp_bridge.config import BridgeConfig, _unknown_key, read_yaml_file
 from fsdp_bridge.errors import ConfigError, Problem
 
 __all__ = [
@@ -418,15 +418,7 @@ def default_config_path() -> Path:
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
     """The mapping in a YAML file (``yaml.safe_load``: no tag can build Python objects)."""
-    path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as err:
-        raise ConfigError([Problem("config", str(path), "a readable YAML file", str(err))]) from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as err:
-        raise ConfigError([Problem("yaml", str(path), "valid YAML", str(err).replace("\n", " "))]) from None
+    data = read_yaml_file(path, key="config")
     if data is None:
         return {}
     if not isinstance(data, dict):
