@@ -340,12 +340,14 @@ def _dcp_key_map(detected: Detected, template: dict[str, Any], tied: list[list[s
     shapes = dcp_tensor_shapes(detected.dcp_dir)
     model_keys = {k: v for k, v in shapes.items() if not k.startswith("optim.")}
     has_optim = len(model_keys) != len(shapes)
-    nested = bool(model_keys) and all(k.startswith("model.") for k in model_keys) and not any(
-        k.startswith("model.") for k in template)
-    key_map: dict[str, str] = {}
-    for stored in model_keys:
-        ours = strip_wrapper_prefixes(stored.removeprefix("model.") if nested else stored)
-        key_map[stored] = ours
+    # fsdp_bridge nests the model under "model."; plain DCP code does either.  Pick the
+    # reading whose names match the model's best.
+    plain = {k: strip_wrapper_prefixes(k) for k in model_keys}
+    nested = {k: strip_wrapper_prefixes(k.removeprefix("model.")) for k in model_keys}
+    if detected.kind is Kind.SHARDED:
+        key_map = nested
+    else:
+        key_map = max((plain, nested), key=lambda m: len(set(m.values()) & set(template)))
     found = {key_map[k]: v[0] for k, v in model_keys.items()}
     expected = {k: _size(v) for k, v in template.items()}
     compare_keys(detected.dcp_dir, found, expected,
@@ -447,6 +449,10 @@ def load_pretrained(
         if not isinstance(model, nn.Module):
             raise TypeError(f"the builder passed to load_pretrained returned {type(model).__name__}, "
                             "expected an nn.Module")
+        # init_empty_weights re-creates each parameter on the meta device, which unties
+        # shared ones (GPT-2's lm_head / wte): tie them again as the model's config says.
+        if hf.is_hf_model(model) and hasattr(model, "tie_weights"):
+            model.tie_weights()
     else:
         raise TypeError(f"model_or_builder must be an nn.Module or a callable returning one "
                         f"(got {type(model_or_builder).__name__})")

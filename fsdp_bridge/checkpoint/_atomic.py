@@ -60,8 +60,10 @@ def publish(staging: Path, path: Path) -> None:
                 os.fsync(fh.fileno())
     _fsync_dir(staging)
     old = path.with_name("." + path.name + ".old")
-    if old.exists():
+    if old.exists() and path.exists():
         shutil.rmtree(old)
+    elif old.exists():  # an earlier publish died after moving the previous checkpoint aside
+        os.replace(old, path)
     if path.exists():
         os.replace(path, old)
     os.replace(staging, path)

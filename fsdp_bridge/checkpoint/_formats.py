@@ -107,6 +107,11 @@ def detect(path: str | os.PathLike[str]) -> Detected:
     """Find out what ``path`` holds, refusing incomplete or unknown layouts with a clear error."""
     p = Path(path)
     if not p.exists():
+        old = p.with_name("." + p.name + ".old")
+        if (old / META_FILE).is_file():
+            # A save over this path was interrupted between moving the previous checkpoint
+            # aside and putting the new one in place: the previous one is complete.
+            return Detected(Kind(read_meta(old)["kind"]), old, read_meta(old))
         partial = p.with_name("." + p.name + PARTIAL_SUFFIX)
         hint = (f"; {partial} is left from an interrupted save and is not a checkpoint"
                 if partial.exists() else "")
@@ -199,7 +204,11 @@ _ALLOWED_GLOBALS = {
     ("builtins", "frozenset"),
     ("builtins", "slice"),
     ("torch", "Size"),
-    ("torch._utils", "_rebuild_tensor_v2"),
+    ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PureWindowsPath"),
 }
 
 
