@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -106,23 +107,39 @@ def _load_only(root: str, refs: dict[str, Any]) -> list[str]:
     return _load_each(root, refs, BACKENDS)
 
 
+def _save_and_load(root: str, backends: tuple[str, ...], refs: dict[str, Any]) -> dict[str, Any]:
+    own = _save_each(root, backends)
+    return {"refs": own, "checked": _load_each(root, {**refs, **own}, BACKENDS)}
+
+
 def test_round_trip_and_cross_backend_matrix(tmp_path: Path) -> None:
     """Both kinds, both backends: bit-identical after save/load, also across backend and world size.
 
-    Saves at world 2 (both backends) and world 4 (FSDP1), loads at world 2, 4 and 1 into both backends.
+    Saves at world 2 (both backends) and world 4 (FSDP1); loads at world 2, 4 and 1 into both
+    backends (the full 1/2/4 x 1/2/4 matrix is test_cross_world_matrix_full, marked slow).
     """
     root = str(tmp_path)
     out2 = run_distributed(_save_and_roundtrip, 2, args=(root, BACKENDS), timeout_s=600)[0]
-    # round trip + FSDP1 <-> FSDP2 at world 2, both kinds
-    assert len(out2["checked"]) == 2 * 2 * 2
-    out4 = run_distributed(_save_and_roundtrip, 4, args=(root, ("fsdp1",)), timeout_s=600)[0]
-    refs = {**out2["refs"], **out4["refs"]}
-    # world 4 -> 4 ran above; world 2 -> 4 and 4 -> 2 and both -> 1:
-    checked = run_distributed(_load_only, 4, args=(root, out2["refs"]), timeout_s=600)[0]
+    assert len(out2["checked"]) == 2 * 2 * 2  # round trip + FSDP1 <-> FSDP2 at world 2, both kinds
+    out4 = run_distributed(_save_and_load, 4, args=(root, ("fsdp1",), out2["refs"]), timeout_s=600)[0]
+    checked = out4["checked"]
     checked += run_distributed(_load_only, 2, args=(root, out4["refs"]), timeout_s=600)[0]
-    checked += run_distributed(_load_only, 1, args=(root, refs), timeout_s=600)[0]
-    assert "fsdp1_w4_sharded->fsdp2_w2" in checked and "fsdp2_w2_full->fsdp1_w4" in checked
-    assert "fsdp1_w4_full->fsdp2_w1" in checked and "fsdp2_w2_sharded->fsdp1_w1" in checked
+    checked += run_distributed(_load_only, 1, args=(root, {**out2["refs"], **out4["refs"]}), timeout_s=600)[0]
+    for case in ("fsdp1_w4_sharded->fsdp2_w2", "fsdp2_w2_full->fsdp1_w4", "fsdp2_w2_sharded->fsdp2_w4",
+                 "fsdp1_w4_full->fsdp2_w1", "fsdp2_w2_sharded->fsdp1_w1", "fsdp1_w4_full->fsdp1_w2"):
+        assert case in checked, case
+
+
+@pytest.mark.slow
+def test_cross_world_matrix_full(tmp_path: Path) -> None:
+    """Every (backend, world) in {fsdp1, fsdp2} x {1, 2, 4} saves; every one loads every checkpoint."""
+    root = str(tmp_path)
+    refs: dict[str, Any] = {}
+    for world in (1, 2, 4):
+        refs.update(run_distributed(_save_each, world, args=(root, BACKENDS), timeout_s=900)[0])
+    for world in (1, 2, 4):
+        checked = run_distributed(_load_only, world, args=(root, refs), timeout_s=900)[0]
+        assert len(checked) == len(refs) * 2 * 2
 
 
 # --------------------------------------------------------------------------------------
