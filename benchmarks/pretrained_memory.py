@@ -7,14 +7,15 @@ rank) and then ``fsdp_bridge.shard``.  meta: ``fsdp_bridge.load_pretrained`` bui
 the model on the meta device, shards it, and rank 0 alone reads the safetensors and
 broadcasts; the other ranks only ever hold their shards.
 
-Each method runs in fresh processes; the figure is the peak resident set size
-(``ru_maxrss``) minus the resident size after imports, per rank.
+Each method runs in fresh processes.  After the imports the kernel's peak-RSS mark is
+reset (``/proc/self/clear_refs``); the figure is that peak (``VmHWM``) minus the resident
+size after imports, per rank.  (``ru_maxrss`` is not used: a spawned child inherits
+its parent's peak from before ``exec``.)  Linux only.
 """
 
 from __future__ import annotations
 
 import argparse
-import resource
 import tempfile
 from pathlib import Path
 
@@ -25,18 +26,31 @@ def _rss_mib() -> float:
     return psutil.Process().memory_info().rss / 2**20
 
 
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset the peak resident set size (VmHWM) to the current one
+
+
 def _peak_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024  # kB
+    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
-def _run(method: str, path: str) -> dict[str, float]:
+def _run(method: str, path: str, chunk_numel: int | None) -> dict[str, float]:
     import torch  # noqa: F401  (imports count towards the baseline, not the load)
     from transformers import AutoConfig, AutoModelForCausalLM
 
     import fsdp_bridge
+    import fsdp_bridge.checkpoint._api as ckpt_api
 
+    if chunk_numel:  # rank 0 reads and broadcasts this many elements per round
+        ckpt_api._CHUNK_NUMEL = chunk_numel
     config = fsdp_bridge.BridgeConfig(backend="fsdp2", wrap="auto", device="cpu")
     hf_config = AutoConfig.from_pretrained(path)
+    _reset_peak()
     base = _rss_mib()
     if method == "naive":
         model = AutoModelForCausalLM.from_pretrained(path)
@@ -53,6 +67,8 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=768)
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--chunk-numel", type=int, default=None,
+                        help="elements per broadcast round of the meta path (default: the library's, 256Mi)")
     args = parser.parse_args()
 
     from transformers import AutoModelForCausalLM, LlamaConfig
@@ -72,7 +88,7 @@ def main() -> None:
               f"{size:.0f} MiB fp32 safetensors; world size {args.world_size}")
         print(f"{'method':<8} {'rank':>4} {'after imports MiB':>18} {'peak MiB':>9} {'peak - imports MiB':>19}")
         for method in ("naive", "meta"):
-            results = run_distributed(_run, args.world_size, args=(method, tmp), timeout_s=900)
+            results = run_distributed(_run, args.world_size, args=(method, tmp, args.chunk_numel), timeout_s=900)
             for rank, r in enumerate(results):
                 print(f"{method:<8} {rank:>4} {r['base']:>18.0f} {r['peak']:>9.0f} {r['peak'] - r['base']:>19.0f}")
 

@@ -54,7 +54,11 @@ def _export_and_pretrained(root: str) -> dict[str, Any]:
                                     max_shard_size="20KB" if family == "llama" else "5GB")
         out[f"{family}_{backend}"] = _logits(model)
 
-    # load_pretrained: a plain Hugging Face directory into a model built on the meta device.
+    # load_pretrained: a plain Hugging Face directory into a model built on the meta device,
+    # broadcast in several rounds as for a large model.
+    import fsdp_bridge.checkpoint._api as ckpt_api
+
+    ckpt_api._CHUNK_NUMEL = 4000
     for family in ("gpt2", "llama"):
         plain = build_tiny(family, seed=11)
         if dist.get_rank() == 0:

@@ -284,33 +284,63 @@ def _full_shapes(detected: Detected) -> dict[str, tuple[int, ...]]:
     return {k: shape for k, (shape, _) in _hf.read_hf_shapes(detected.path).items()}
 
 
+_CHUNK_NUMEL = 256 * 2**20
+"""Full loads broadcast about this many elements per round (1 GiB of fp32), so that rank 0
+holds one chunk of the checkpoint at a time rather than all of it.  Each round is one
+set_model_state_dict call (for FSDP1 one unshard of every unit), hence not smaller."""
+
+
+def _chunks(found: Mapping[str, tuple[int, ...]], tied: list[list[str]]) -> list[list[str]]:
+    """Checkpoint names in rounds of about _CHUNK_NUMEL elements; tied aliases join their source."""
+    fill = _aliases_to_fill(tied, set(found))
+    rounds: list[list[str]] = [[]]
+    size = 0
+    for name, shape in found.items():
+        if size and size + math.prod(shape) > _CHUNK_NUMEL:
+            rounds.append([])
+            size = 0
+        rounds[-1].append(name)
+        rounds[-1].extend(alias for alias, source in fill.items() if source == name)
+        size += math.prod(shape)
+    return rounds
+
+
 def _load_full(detected: Detected, model: nn.Module, optimizer: torch.optim.Optimizer | None,
-               template: dict[str, Any], tied: list[list[str]]) -> None:
-    """Rank 0 reads the consolidated weights; they are broadcast and each rank keeps its shard."""
+               template: dict[str, Any], tied: list[list[str]], found: Mapping[str, tuple[int, ...]]) -> None:
+    """Rank 0 reads the consolidated weights a chunk at a time; each chunk is broadcast and
+    every rank keeps its shard.  ``found`` (names and shapes from the headers) is known on
+    every rank, so every rank runs the same rounds."""
     rank, _ = _rank_world()
-    sd: dict[str, torch.Tensor] = {}
+    get: Callable[[str], torch.Tensor] | None = None
     osd: dict[str, Any] = {}
     error = None
     if rank == 0:
         try:
             if detected.kind is Kind.TORCH:
-                sd, torch_osd = _read_torch_file(detected.path)
+                sd_all, torch_osd = _read_torch_file(detected.path)  # memory-mapped
                 osd = torch_osd or {}
+                get = sd_all.__getitem__
             else:
-                sd = _hf.read_hf_weights(detected.path)
+                get = _hf.WeightReader(detected.path).get
                 if optimizer is not None and detected.meta.get("has_optimizer"):
                     osd = _hf.read_optimizer(detected.path)
-            for alias, source in _aliases_to_fill(tied, set(sd)).items():
-                sd[alias] = sd[source]
-            for k, v in sd.items():  # the stored dtype may differ from the model's (e.g. bf16 weights)
-                if k in template and v.dtype != template[k].dtype:
-                    sd[k] = v.to(template[k].dtype)
         except CheckpointError as err:
             error = str(err)
     error = _agree_on(error)
     if error is not None:
         raise CheckpointError(detected.path, error)
-    set_model_state_dict(model, sd, options=_full_options(model, broadcast_from_rank0=True))
+    fill = _aliases_to_fill(tied, set(found))
+    options = _full_options(model, broadcast_from_rank0=True, strict=False)
+    for names in _chunks(found, tied):
+        sd: dict[str, torch.Tensor] = {}
+        if get is not None:
+            for name in names:
+                value = get(fill.get(name, name))
+                if name in template and value.dtype != template[name].dtype:  # e.g. bf16 weights, fp32 model
+                    value = value.to(template[name].dtype)
+                sd[name] = value
+        set_model_state_dict(model, sd, options=options)
+        del sd
     if optimizer is None:
         return
     if not _agree_on("yes" if osd else None):
@@ -395,7 +425,7 @@ def load_checkpoint(
         found = _full_shapes(detected)
         expected = {k: _size(v) for k, v in template.items()}
         compare_keys(detected.path, found, expected, allow_missing=_aliases_to_fill(tied, set(found)))
-        _load_full(detected, model, optimizer, template, tied)
+        _load_full(detected, model, optimizer, template, tied, found)
 
     if detected.kind not in (Kind.SHARDED, Kind.FULL):
         return {}

@@ -104,6 +104,26 @@ def read_hf_shapes(directory: Path) -> dict[str, tuple[tuple[int, ...], str]]:
     return out
 
 
+class WeightReader:
+    """Reads tensors of a Hugging Face directory one at a time (no whole-model copy)."""
+
+    def __init__(self, directory: Path) -> None:
+        self.files = _weight_files(directory)
+        self._where: dict[str, Path] = {}
+        for f in self.files:
+            with safe_open(str(f), framework="pt") as handle:
+                for name in handle.keys():
+                    self._where[name] = f
+
+    def get(self, name: str) -> torch.Tensor:
+        f = self._where[name]
+        try:
+            with safe_open(str(f), framework="pt") as handle:
+                return handle.get_tensor(name)
+        except Exception as err:
+            raise CheckpointError(f, f"cannot read tensor {name} ({err}); truncated or corrupt") from err
+
+
 def read_hf_weights(directory: Path) -> dict[str, torch.Tensor]:
     """Every tensor of a Hugging Face directory (or one .safetensors file), on CPU."""
     out: dict[str, torch.Tensor] = {}
