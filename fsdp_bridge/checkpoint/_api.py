@@ -123,6 +123,11 @@ def _dtype_name(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def _shapes(state_dict: Mapping[str, Any]) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Name -> (global shape, dtype name) of the tensors in a (sharded or full) state dict."""
+    return {k: (_size(v), _dtype_name(v.dtype)) for k, v in state_dict.items() if hasattr(v, "dtype")}
+
+
 def _stats(shapes: Mapping[str, tuple[tuple[int, ...], str]], tied: list[list[str]]) -> dict[str, Any]:
     aliases = {n for g in tied for n in g[1:]}
     count = 0
@@ -191,13 +196,14 @@ def save_checkpoint(
         if optimizer is not None:
             to_save["optim"] = get_optimizer_state_dict(model, optimizer)
         dcp.save(to_save, storage_writer=dcp.FileSystemWriter(str(staging / DCP_DIR)))
-        shapes = {k: (_size(v), _dtype_name(v.dtype)) for k, v in msd.items() if hasattr(v, "dtype")}
+        shapes = _shapes(msd)
     else:
         msd = get_model_state_dict(model, options=_full_options(model))
         osd = get_optimizer_state_dict(model, optimizer, options=_full_options(model)) if optimizer else None
-        shapes = {k: (_size(v), _dtype_name(v.dtype)) for k, v in msd.items() if hasattr(v, "dtype")}
+        shapes = _shapes(msd)
         if rank == 0:
-            _hf.write_hf_weights(staging, _hf.drop_tied_aliases(msd, tied), max_shard_size=max_shard_size)
+            tensors = {k: v for k, v in msd.items() if isinstance(v, torch.Tensor)}
+            _hf.write_hf_weights(staging, _hf.drop_tied_aliases(tensors, tied), max_shard_size=max_shard_size)
             if osd is not None:
                 _hf.write_optimizer(staging, osd)
         del msd, osd
@@ -332,7 +338,7 @@ def _load_full(detected: Detected, model: nn.Module, optimizer: torch.optim.Opti
     fill = _aliases_to_fill(tied, set(found))
     options = _full_options(model, broadcast_from_rank0=True, strict=False)
     for names in _chunks(found, tied):
-        sd: dict[str, torch.Tensor] = {}
+        sd: dict[str, Any] = {}
         if get is not None:
             for name in names:
                 value = get(fill.get(name, name))
@@ -481,8 +487,9 @@ def load_pretrained(
                             "expected an nn.Module")
         # init_empty_weights re-creates each parameter on the meta device, which unties
         # shared ones (GPT-2's lm_head / wte): tie them again as the model's config says.
-        if hf.is_hf_model(model) and hasattr(model, "tie_weights"):
-            model.tie_weights()
+        tie = getattr(model, "tie_weights", None)
+        if hf.is_hf_model(model) and callable(tie):
+            tie()
     else:
         raise TypeError(f"model_or_builder must be an nn.Module or a callable returning one "
                         f"(got {type(model_or_builder).__name__})")

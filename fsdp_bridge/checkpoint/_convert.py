@@ -13,6 +13,7 @@ import json
 import math
 import os
 import shutil
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -67,7 +68,9 @@ def _read_dcp_full(dcp_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
             flat[key] = torch.empty(item.size, dtype=item.properties.dtype)
         elif isinstance(item, BytesStorageMetadata):
             flat[key] = None
-    dcp.load(flat, storage_reader=SafeDCPReader(str(dcp_dir)), planner=SafeLoadPlanner(), no_dist=True)
+    with warnings.catch_warnings():  # no process group here on purpose
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        dcp.load(flat, storage_reader=SafeDCPReader(str(dcp_dir)), planner=SafeLoadPlanner(), no_dist=True)
     model = {k: v for k, v in flat.items() if not k.startswith("optim.")}
     optim = {k.removeprefix("optim."): v for k, v in flat.items() if k.startswith("optim.")}
     return model, optim
@@ -190,7 +193,9 @@ def convert_checkpoint(
         to_save: dict[str, Any] = {"model": full.model}
         if full.optimizer is not None:
             to_save["optim"] = full.optimizer
-        dcp.save(to_save, storage_writer=dcp.FileSystemWriter(str(staging / DCP_DIR)), no_dist=True)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+            dcp.save(to_save, storage_writer=dcp.FileSystemWriter(str(staging / DCP_DIR)), no_dist=True)
     has_config = _copy_side_files(detected, staging, config_path)
     meta = {
         "format": FORMAT,

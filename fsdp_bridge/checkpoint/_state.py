@@ -112,7 +112,7 @@ def capture_rng() -> dict[str, Any]:
         import numpy as np
 
         name, keys, pos, has_gauss, gauss = np.random.get_state(legacy=True)  # type: ignore[misc]
-        out["numpy"] = [name, keys.tolist(), int(pos), int(has_gauss), float(gauss)]
+        out["numpy"] = [name, np.asarray(keys).tolist(), int(pos), int(has_gauss), float(gauss)]
     except ImportError:  # numpy is optional
         pass
     return out
