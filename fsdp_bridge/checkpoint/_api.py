@@ -50,7 +50,8 @@ from fsdp_bridge.checkpoint._formats import (
     strip_wrapper_prefixes,
     verify_manifest,
 )
-from fsdp_bridge.checkpoint._state import check_state, read_rng, read_state, restore_rng, write_rng, write_state
+from fsdp_bridge.checkpoint._state import check_state, read_rng, read_state, write_rng, write_state
+from fsdp_bridge.checkpoint._state import restore_rng as _restore_rng_states
 
 __all__ = ["load_checkpoint", "load_pretrained", "save_checkpoint"]
 
@@ -440,13 +441,11 @@ def load_checkpoint(
         saved_world = detected.meta.get("world_size")
         rng = read_rng(detected.path, rank) if saved_world == world else None
         if rng is not None:
-            restore_rng_state(rng)
+            _restore_rng_states(rng)
         elif rank == 0:
             logger.warning("fsdp_bridge: RNG states not restored (saved at world size %s, now %s)", saved_world, world)
     return state
 
-
-restore_rng_state = restore_rng
 
 
 # --------------------------------------------------------------------------------------
