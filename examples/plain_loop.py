@@ -11,12 +11,9 @@ and a sharded checkpoint, the same way on FSDP1 and FSDP2.
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import fsdp_bridge
@@ -58,8 +55,7 @@ def main(*, backend: str = "fsdp2", steps: int = 20, accum: int = 2, out: str | 
             print(f"step {step + 1}: loss {float(loss):.4f}")
 
     if out is not None:  # a sharded checkpoint, loadable at any world size on either backend
-        model_sd, optim_sd = get_state_dict(model, [optimizer])
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(Path(out)))
+        fsdp_bridge.save_checkpoint(out, model, optimizer, kind="sharded", state={"step": steps})
     return losses
 
 

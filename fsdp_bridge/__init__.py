@@ -10,6 +10,14 @@ Run under ``torchrun --nproc-per-node 2 script.py`` (gloo on CPU, NCCL on GPUs).
 
 from fsdp_bridge._version import __version__
 from fsdp_bridge.api import Bridge, clip_grad_norm_, get_bridge, no_sync, shard, summon_full_params
+from fsdp_bridge.checkpoint import (
+    CheckpointError,
+    latest_checkpoint,
+    load_checkpoint,
+    load_pretrained,
+    rotate_checkpoints,
+    save_checkpoint,
+)
 from fsdp_bridge.config import BridgeConfig, MixedPrecisionConfig, WrapPolicy, load_config
 from fsdp_bridge.distributed import init_distributed
 from fsdp_bridge.errors import ConfigError, Problem
@@ -21,6 +29,7 @@ __all__ = [
     "BackwardPrefetch",
     "Bridge",
     "BridgeConfig",
+    "CheckpointError",
     "ConfigError",
     "MixedPrecisionConfig",
     "Outcome",
@@ -32,8 +41,13 @@ __all__ = [
     "clip_grad_norm_",
     "get_bridge",
     "init_distributed",
+    "latest_checkpoint",
+    "load_checkpoint",
     "load_config",
+    "load_pretrained",
     "no_sync",
+    "rotate_checkpoints",
+    "save_checkpoint",
     "shard",
     "summon_full_params",
     "translate",

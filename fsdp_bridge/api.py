@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +25,19 @@ __all__ = ["Bridge", "clip_grad_norm_", "get_bridge", "no_sync", "shard", "summo
 
 logger = logging.getLogger("fsdp_bridge")
 _ATTR = "_fsdp_bridge"
+# Set by fsdp_bridge.checkpoint.load_pretrained, which loads real weights right after
+# shard(): a meta-device model then needs no sync_module_states.
+_WEIGHTS_LOADED_AFTER: ContextVar[bool] = ContextVar("fsdp_bridge_weights_loaded_after", default=False)
+
+
+@contextmanager
+def weights_loaded_after_shard() -> Iterator[None]:
+    """Inside the context, shard() accepts a meta-device model without sync_module_states."""
+    token = _WEIGHTS_LOADED_AFTER.set(True)
+    try:
+        yield
+    finally:
+        _WEIGHTS_LOADED_AFTER.reset(token)
 
 
 @dataclass
@@ -175,7 +189,7 @@ def _validate(
     except ConfigError as err:
         problems.extend(err.problems)
     has_meta = _has_meta(model)
-    if has_meta and not config.sync_module_states:
+    if has_meta and not config.sync_module_states and not _WEIGHTS_LOADED_AFTER.get():
         problems.append(
             Problem(
                 "sync_module_states",

@@ -57,6 +57,31 @@ def cast_floating(obj: Any, dtype: torch.dtype) -> Any:
     return obj
 
 
+class _MetaMaterializer:
+    """FSDP1 ``param_init_fn`` giving meta tensors uninitialised memory on ``device``.
+
+    Unlike ``module.to_empty``, a parameter shared by several modules (tied embeddings)
+    becomes one new parameter, so the tie survives; the values come from a checkpoint
+    or from ``sync_module_states``.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.done: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}  # id(meta) -> (meta, real)
+
+    def __call__(self, module: nn.Module) -> None:
+        for name, param in list(module._parameters.items()):
+            if param is None or not param.is_meta:
+                continue
+            if id(param) not in self.done:
+                real = nn.Parameter(torch.empty_like(param, device=self.device), requires_grad=param.requires_grad)
+                self.done[id(param)] = (param, real)
+            module._parameters[name] = self.done[id(param)][1]
+        for name, buf in list(module._buffers.items()):
+            if buf is not None and buf.is_meta:
+                module._buffers[name] = torch.empty_like(buf, device=self.device)
+
+
 class FSDP1Backend:
     backend = Backend.FSDP1
 
@@ -83,7 +108,7 @@ class FSDP1Backend:
         # state dicts then hold DTensors, like FSDP2's.
         kwargs: dict[str, Any] = {"device_mesh": plan.mesh}
         if plan.has_meta:
-            kwargs["param_init_fn"] = lambda m: m.to_empty(device=device, recurse=False)
+            kwargs["param_init_fn"] = _MetaMaterializer(device)
         with warnings.catch_warnings():
             # NO_SHARD was chosen deliberately; FSDP1's advice to use DDP is noise here.
             warnings.filterwarnings("ignore", message=".*NO_SHARD.*", category=FutureWarning)

@@ -27,12 +27,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fsdp_bridge import checkpoint as ckpt
 from fsdp_bridge.api import clip_grad_norm_, get_bridge, no_sync, shard
 from fsdp_bridge.config import parse_dtype
 from fsdp_bridge.distributed import init_distributed
 from fsdp_bridge.errors import ConfigError, Problem
 from fsdp_bridge.testing.faults import maybe_fail
-from fsdp_bridge.train import _ckpt as ckpt
 from fsdp_bridge.train._config import TrainConfig
 from fsdp_bridge.train._data import PackedData, read_documents
 from fsdp_bridge.train._progress import Progress
@@ -155,9 +155,11 @@ def _resolve_resume(config: TrainConfig, root: Path) -> Path | None:
     if resume is True or resume == "auto":
         return existing
     path = Path(str(resume))
-    if not (path / "meta.json").is_file():
-        raise ConfigError([Problem("resume", str(resume), "false, auto, or a checkpoint directory",
-                                   f"{path} is not a checkpoint written by fsdp-bridge train")])
+    try:
+        ckpt.detect(path)
+    except ckpt.CheckpointError as err:
+        allowed = "false, auto, or a checkpoint directory"
+        raise ConfigError([Problem("resume", str(resume), allowed, str(err))]) from None
     return path
 
 
@@ -299,9 +301,9 @@ def train(config: TrainConfig, *, verbosity: Verbosity = "normal") -> TrainResul
                 state = {"step": step, "data_position": position, "tokens": tokens,
                          "best_eval_loss": None if math.isinf(best_eval) else best_eval}
                 maybe_fail(f"checkpoint:{step}")
-                path = ckpt.save_checkpoint(ckpt_root / ckpt.checkpoint_name(step), sharded, optimizer,
-                                            kind=config.checkpoint.kind, state=state)
-                ckpt.prune_checkpoints(ckpt_root, config.checkpoint.keep_last)
+                path = ckpt.save_checkpoint(ckpt_root / f"step_{step:08d}", sharded, optimizer,
+                                            kind=config.checkpoint.kind, state=state,
+                                            keep_last=config.checkpoint.keep_last)
                 last_ckpt = str(path)
                 progress.note(f"step {step}: checkpoint written to {path}", verbose_only=True)
     finally:

@@ -21,7 +21,7 @@ def preflight(config: TrainConfig, *, world_size: int | None = None, local_world
     write over another run's checkpoints, and (given the world size) that the
     strategy's mesh fits it and the backend supports every option on ``device_type``.
     """
-    from fsdp_bridge.train._ckpt import latest_checkpoint
+    from fsdp_bridge.checkpoint import latest_checkpoint
 
     problems: list[Problem] = []
     try:

@@ -1,0 +1,515 @@
+"""``save_checkpoint`` / ``load_checkpoint`` / ``load_pretrained``: the same calls on FSDP1 and FSDP2.
+
+Built on ``torch.distributed.checkpoint`` (DCP) and its state-dict API
+(``get_model_state_dict`` & co.), whose keys are the original parameter names on both
+backends: that is what lets a checkpoint saved under one backend and world size load
+under the other backend and any world size.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import math
+import os
+import shutil
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from fsdp_bridge import hf
+from fsdp_bridge._version import __version__
+from fsdp_bridge.checkpoint import _hf
+from fsdp_bridge.checkpoint._atomic import partial_path, publish, rotate_checkpoints, write_json_durably
+from fsdp_bridge.checkpoint._formats import (
+    DCP_DIR,
+    FORMAT,
+    FORMAT_VERSION,
+    META_FILE,
+    CheckpointError,
+    Detected,
+    Kind,
+    SafeDCPReader,
+    SafeLoadPlanner,
+    compare_keys,
+    dcp_tensor_shapes,
+    detect,
+    manifest,
+    strip_wrapper_prefixes,
+    verify_manifest,
+)
+from fsdp_bridge.checkpoint._state import check_state, read_rng, read_state, write_rng, write_state
+from fsdp_bridge.checkpoint._state import restore_rng as _restore_rng_states
+
+__all__ = ["load_checkpoint", "load_pretrained", "save_checkpoint"]
+
+logger = logging.getLogger("fsdp_bridge")
+SaveKind = Literal["sharded", "full"]
+
+
+# --------------------------------------------------------------------------------------
+# helpers
+# --------------------------------------------------------------------------------------
+
+def _rank_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def _agree_on(error: str | None) -> str | None:
+    """Rank 0's error message (or None), known to every rank: one small broadcast."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return error
+    box: list[str | None] = [error]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _bridge(model: nn.Module) -> Any:
+    from fsdp_bridge.api import get_bridge
+
+    try:
+        return get_bridge(model)
+    except TypeError:
+        return None
+
+
+def _device(model: nn.Module) -> torch.device:
+    bridge = _bridge(model)
+    if bridge is not None:
+        return bridge.device
+    for t in model.parameters():
+        return t.device
+    return torch.device("cpu")
+
+
+def full_state_options(model: nn.Module, **kw: Any) -> StateDictOptions:
+    """Options for a gathered (full) state dict of a sharded ``model``."""
+    # cpu_offload gathers on rank 0 only, but is broken for FSDP1 on CPU-only runs in
+    # torch 2.13 (a crash in the unshard); on CPU the gathered copy is in host memory anyway.
+    return StateDictOptions(full_state_dict=True, cpu_offload=_device(model).type != "cpu", **kw)
+
+
+def _tied_groups(model: nn.Module) -> list[list[str]]:
+    groups = []
+    for names in hf.tied_parameter_names(model):
+        clean = list(dict.fromkeys(strip_wrapper_prefixes(n) for n in names))
+        if len(clean) > 1:
+            groups.append(clean)
+    return groups
+
+
+def _size(value: Any) -> tuple[int, ...]:
+    return tuple(value.size()) if hasattr(value, "size") else ()
+
+
+def _dtype_name(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _shapes(state_dict: Mapping[str, Any]) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Name -> (global shape, dtype name) of the tensors in a (sharded or full) state dict."""
+    return {k: (_size(v), _dtype_name(v.dtype)) for k, v in state_dict.items() if hasattr(v, "dtype")}
+
+
+def _stats(shapes: Mapping[str, tuple[tuple[int, ...], str]], tied: list[list[str]]) -> dict[str, Any]:
+    aliases = {n for g in tied for n in g[1:]}
+    count = 0
+    dtypes: dict[str, int] = {}
+    for key, (shape, dtype) in shapes.items():
+        if key in aliases:
+            continue
+        n = math.prod(shape)
+        count += n
+        dtypes[dtype] = dtypes.get(dtype, 0) + n
+    return {"numel": count, "dtypes": dtypes, "tensors": len(shapes)}
+
+
+# --------------------------------------------------------------------------------------
+# save
+# --------------------------------------------------------------------------------------
+
+def save_checkpoint(
+    path: str | os.PathLike[str],
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    kind: SaveKind = "sharded",
+    state: dict[str, Any] | None = None,
+    keep_last: int | None = None,
+    max_shard_size: int | str = _hf.DEFAULT_MAX_SHARD_SIZE,
+) -> Path:
+    """Save ``model`` (and ``optimizer``, ``state``) to ``path``; call on every rank.
+
+    ``kind="sharded"``: a DCP directory in which each rank writes only its shard.
+    ``kind="full"``: a Hugging Face model directory (``config.json`` + safetensors,
+    split with an index above ``max_shard_size``) that ``from_pretrained`` loads, with the
+    full optimizer state beside it when ``optimizer`` is given.
+
+    Both kinds also keep ``state`` (a JSON-serialisable dict: step, scheduler state,
+    data position, ...), every rank's RNG states and the bridge config, and are written
+    to ``.NAME.partial`` then published by an atomic rename once every rank has
+    finished.  ``keep_last=K`` then deletes all but the K newest checkpoints beside it.
+    Returns ``path``.
+    """
+    if kind not in ("sharded", "full"):
+        raise ValueError(f"kind must be 'sharded' or 'full' (got {kind!r}); "
+                         "'sharded' for resuming, 'full' for a Hugging Face directory")
+    if keep_last is not None and (not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1):
+        raise ValueError(f"keep_last must be None or an integer >= 1 (got {keep_last!r})")
+    check_state(state)
+    path = Path(path)
+    if path.name.startswith(".") or path.name in ("", ".."):
+        raise ValueError(f"path {str(path)!r} must name a directory that does not start with '.' "
+                         "(dot-names are reserved for interrupted saves)")
+    rank, world = _rank_world()
+    bridge = _bridge(model)
+    staging = partial_path(path)
+
+    if rank == 0:
+        if staging.exists():  # left by an earlier save that was killed
+            shutil.rmtree(staging)
+        staging.mkdir(parents=True)
+    _barrier()
+
+    tied = _tied_groups(model)
+    has_optimizer = optimizer is not None
+    if kind == "sharded":
+        msd = get_model_state_dict(model)
+        to_save: dict[str, Any] = {"model": msd}
+        if optimizer is not None:
+            to_save["optim"] = get_optimizer_state_dict(model, optimizer)
+        dcp.save(to_save, storage_writer=dcp.FileSystemWriter(str(staging / DCP_DIR)))
+        shapes = _shapes(msd)
+    else:
+        msd = get_model_state_dict(model, options=full_state_options(model))
+        osd = get_optimizer_state_dict(model, optimizer, options=full_state_options(model)) if optimizer else None
+        shapes = _shapes(msd)
+        if rank == 0:
+            tensors = {k: v for k, v in msd.items() if isinstance(v, torch.Tensor)}
+            _hf.write_hf_weights(staging, _hf.drop_tied_aliases(tensors, tied), max_shard_size=max_shard_size)
+            if osd is not None:
+                _hf.write_optimizer(staging, osd)
+        del msd, osd
+    write_rng(staging, rank)
+    _barrier()  # every rank's files are written
+
+    error = None
+    if rank == 0:
+        try:
+            write_state(staging, state)
+            has_config = _hf.write_hf_config(staging, model)
+            meta = {
+                "format": FORMAT,
+                "version": FORMAT_VERSION,
+                "kind": kind,
+                "backend": bridge.config.backend.value if bridge is not None else None,
+                "world_size": world,
+                "step": (state or {}).get("step"),
+                "bridge_config": bridge.config.to_dict() if bridge is not None else None,
+                "model_class": type(getattr(model, "module", model)).__name__.removeprefix("FSDP"),
+                "hf_config": has_config,
+                "has_optimizer": has_optimizer,
+                "tied": tied,
+                "params": _stats(shapes, tied),
+                "torch_version": torch.__version__,
+                "fsdp_bridge_version": __version__,
+                "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                "files": manifest(staging),
+            }
+            write_json_durably(staging / META_FILE, meta)
+            publish(staging, path)
+            if keep_last is not None:
+                rotate_checkpoints(path.parent, keep_last)
+        except Exception as err:  # tell the other ranks instead of leaving them in a barrier
+            error = f"{type(err).__name__}: {err}"
+            _agree_on(error)
+            raise
+    error = _agree_on(error)
+    if error is not None:
+        raise CheckpointError(path, f"rank 0 failed to publish the checkpoint: {error}")
+    return path
+
+
+# --------------------------------------------------------------------------------------
+# load
+# --------------------------------------------------------------------------------------
+
+def _template(model: nn.Module) -> dict[str, Any]:
+    return get_model_state_dict(model)
+
+
+def _aliases_to_fill(tied: list[list[str]], present: set[str]) -> dict[str, str]:
+    """alias -> source for tied names missing from a checkpoint whose partner is present."""
+    fill = {}
+    for group in tied:
+        source = next((n for n in group if n in present), None)
+        if source is not None:
+            for name in group:
+                if name not in present:
+                    fill[name] = source
+    return fill
+
+
+def _read_torch_file(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as err:  # torch raises several types for truncated or non-torch files
+        raise CheckpointError(path, f"cannot be read with torch.load(weights_only=True) ({err}); "
+                                    "it is truncated, corrupt, or holds arbitrary Python objects") from err
+    if not isinstance(obj, dict):
+        raise CheckpointError(path, f"holds a {type(obj).__name__}, expected a state dict (a dict of tensors)")
+    optim = None
+    if isinstance(obj.get("model"), dict):
+        optim = obj.get("optimizer", obj.get("optim"))
+        obj = obj["model"]
+    sd = {strip_wrapper_prefixes(k): v for k, v in obj.items() if isinstance(v, torch.Tensor)}
+    return sd, optim if isinstance(optim, dict) else None
+
+
+def _full_shapes(detected: Detected) -> dict[str, tuple[int, ...]]:
+    if detected.kind is Kind.TORCH:
+        sd, _ = _read_torch_file(detected.path)
+        return {k: tuple(v.shape) for k, v in sd.items()}
+    return {k: shape for k, (shape, _) in _hf.read_hf_shapes(detected.path).items()}
+
+
+_CHUNK_NUMEL = 256 * 2**20
+"""Full loads broadcast about this many elements per round (1 GiB of fp32), so that rank 0
+holds one chunk of the checkpoint at a time rather than all of it.  Each round is one
+set_model_state_dict call (for FSDP1 one unshard of every unit), hence not smaller."""
+
+
+def _chunks(found: Mapping[str, tuple[int, ...]], tied: list[list[str]]) -> list[list[str]]:
+    """Checkpoint names in rounds of about _CHUNK_NUMEL elements; tied aliases join their source."""
+    fill = _aliases_to_fill(tied, set(found))
+    rounds: list[list[str]] = [[]]
+    size = 0
+    for name, shape in found.items():
+        if size and size + math.prod(shape) > _CHUNK_NUMEL:
+            rounds.append([])
+            size = 0
+        rounds[-1].append(name)
+        rounds[-1].extend(alias for alias, source in fill.items() if source == name)
+        size += math.prod(shape)
+    return rounds
+
+
+def _load_full(detected: Detected, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+               template: dict[str, Any], tied: list[list[str]], found: Mapping[str, tuple[int, ...]]) -> None:
+    """Rank 0 reads the consolidated weights a chunk at a time; each chunk is broadcast and
+    every rank keeps its shard.  ``found`` (names and shapes from the headers) is known on
+    every rank, so every rank runs the same rounds."""
+    rank, _ = _rank_world()
+    get: Callable[[str], torch.Tensor] | None = None
+    osd: dict[str, Any] = {}
+    error = None
+    if rank == 0:
+        try:
+            if detected.kind is Kind.TORCH:
+                sd_all, torch_osd = _read_torch_file(detected.path)  # memory-mapped
+                osd = torch_osd or {}
+                get = sd_all.__getitem__
+            else:
+                get = _hf.WeightReader(detected.path).get
+                if optimizer is not None and detected.meta.get("has_optimizer"):
+                    osd = _hf.read_optimizer(detected.path)
+        except CheckpointError as err:
+            error = str(err)
+    error = _agree_on(error)
+    if error is not None:
+        raise CheckpointError(detected.path, error)
+    fill = _aliases_to_fill(tied, set(found))
+    options = full_state_options(model, broadcast_from_rank0=True, strict=False)
+    for names in _chunks(found, tied):
+        sd: dict[str, Any] = {}
+        if get is not None:
+            for name in names:
+                value = get(fill.get(name, name))
+                if name in template and value.dtype != template[name].dtype:  # e.g. bf16 weights, fp32 model
+                    value = value.to(template[name].dtype)
+                sd[name] = value
+        set_model_state_dict(model, sd, options=options)
+        del sd
+    if optimizer is None:
+        return
+    if not _agree_on("yes" if osd else None):
+        raise CheckpointError(detected.path, "holds no optimizer state; call load_checkpoint(path, model) "
+                                             "without the optimizer")
+    set_optimizer_state_dict(model, optimizer, osd, options=full_state_options(model, broadcast_from_rank0=True))
+
+
+def _load_dcp(dcp_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+              key_map: dict[str, str], template: dict[str, Any], tied: list[list[str]], with_optim: bool) -> None:
+    """Read a DCP directory into this rank's shards (DCP reshards to the current world)."""
+    flat = {stored: template[ours] for stored, ours in key_map.items()}
+    to_load: dict[str, Any] = dict(flat)
+    if with_optim and optimizer is not None:
+        to_load["optim"] = get_optimizer_state_dict(model, optimizer)
+    dcp.load(to_load, storage_reader=SafeDCPReader(str(dcp_dir)), planner=SafeLoadPlanner())
+    loaded = {ours: to_load[stored] for stored, ours in key_map.items()}
+    for alias, source in _aliases_to_fill(tied, set(loaded)).items():  # a tied name stored once
+        loaded[alias] = loaded[source]
+    set_model_state_dict(model, loaded)
+    if with_optim and optimizer is not None:
+        set_optimizer_state_dict(model, optimizer, to_load["optim"])
+
+
+def _dcp_key_map(detected: Detected, template: dict[str, Any], tied: list[list[str]]) -> tuple[dict[str, str], bool]:
+    """stored DCP key -> model key, after checking names and shapes; and whether optimizer keys exist."""
+    shapes = dcp_tensor_shapes(detected.dcp_dir)
+    model_keys = {k: v for k, v in shapes.items() if not k.startswith("optim.")}
+    has_optim = len(model_keys) != len(shapes)
+    # fsdp_bridge nests the model under "model."; plain DCP code does either.  Pick the
+    # reading whose names match the model's best.
+    plain = {k: strip_wrapper_prefixes(k) for k in model_keys}
+    nested = {k: strip_wrapper_prefixes(k.removeprefix("model.")) for k in model_keys}
+    if detected.kind is Kind.SHARDED:
+        key_map = nested
+    else:
+        key_map = max((plain, nested), key=lambda m: len(set(m.values()) & set(template)))
+    found = {key_map[k]: v[0] for k, v in model_keys.items()}
+    expected = {k: _size(v) for k, v in template.items()}
+    compare_keys(detected.dcp_dir, found, expected,
+                 allow_missing=_aliases_to_fill(tied, set(found)))
+    # A tied alias missing on disk is filled by loading its source into the same tensor.
+    return key_map, has_optim
+
+
+def load_checkpoint(
+    path: str | os.PathLike[str],
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    restore_rng: bool = True,
+) -> dict[str, Any]:
+    """Load a checkpoint of any supported kind into ``model`` (and ``optimizer``); call on every rank.
+
+    The kind is detected from what is on disk: an fsdp_bridge sharded or full
+    checkpoint, a plain DCP directory, a Hugging Face directory or a ``torch.save`` file
+    (FSDP1 wrapper prefixes such as ``_fsdp_wrapped_module.`` are removed).  Any backend
+    and world size may have saved it.  Names and shapes are checked on every rank before
+    anything is loaded; problems raise :class:`CheckpointError` listing every missing and
+    unexpected key and every shape mismatch.
+
+    Returns the training ``state`` saved with the checkpoint (``{}`` if none).  Each
+    rank's RNG states are restored when the world size matches the one saved from.
+    """
+    detected = detect(path)
+    if detected.kind in (Kind.SHARDED, Kind.FULL):
+        verify_manifest(detected)
+    if optimizer is not None and detected.kind in (Kind.SHARDED, Kind.FULL) and not detected.meta.get("has_optimizer"):
+        raise CheckpointError(detected.path, "holds no optimizer state (it was saved without an optimizer); "
+                                             "call load_checkpoint(path, model) without the optimizer")
+    rank, world = _rank_world()
+    tied = _tied_groups(model)
+    template = _template(model)
+    if detected.kind in (Kind.SHARDED, Kind.DCP):
+        key_map, has_optim = _dcp_key_map(detected, template, tied)
+        if optimizer is not None and not has_optim:
+            raise CheckpointError(detected.dcp_dir, "holds no optimizer keys ('optim.*'); "
+                                                    "call load_checkpoint(path, model) without the optimizer")
+        _load_dcp(detected.dcp_dir, model, optimizer, key_map, template, tied, with_optim=has_optim)
+        # Tied aliases stored only once resolve through the shared parameter.
+    else:
+        found = _full_shapes(detected)
+        expected = {k: _size(v) for k, v in template.items()}
+        compare_keys(detected.path, found, expected, allow_missing=_aliases_to_fill(tied, set(found)))
+        _load_full(detected, model, optimizer, template, tied, found)
+
+    if detected.kind not in (Kind.SHARDED, Kind.FULL):
+        return {}
+    state = read_state(detected.path)
+    if restore_rng:
+        saved_world = detected.meta.get("world_size")
+        rng = read_rng(detected.path, rank) if saved_world == world else None
+        if rng is not None:
+            _restore_rng_states(rng)
+        elif rank == 0:
+            logger.warning("fsdp_bridge: RNG states not restored (saved at world size %s, now %s)", saved_world, world)
+    return state
+
+
+
+# --------------------------------------------------------------------------------------
+# pretrained weights into a sharded model
+# --------------------------------------------------------------------------------------
+
+def load_pretrained(
+    model_or_builder: nn.Module | Callable[[], nn.Module],
+    path: str | os.PathLike[str],
+    config: Any = None,
+    *,
+    mesh: Any = None,
+) -> nn.Module:
+    """Shard a model and fill it with weights from ``path`` without a full copy per rank.
+
+    ``model_or_builder`` is a model built on the meta device, or a zero-argument callable
+    that builds one (it is called under ``accelerate.init_empty_weights`` so that
+    parameters take no memory while buffers stay real), or an already sharded model.
+    The model is sharded with ``config`` (a :class:`~fsdp_bridge.BridgeConfig`), then rank 0
+    reads the weights (a Hugging Face directory, or any kind :func:`load_checkpoint`
+    reads) and they are broadcast; every other rank only ever holds its own shards.
+    Returns the sharded model.
+    """
+    from fsdp_bridge.api import shard, weights_loaded_after_shard
+
+    if _bridge(model_or_builder) is not None:  # type: ignore[arg-type]
+        load_checkpoint(path, model_or_builder, restore_rng=False)  # type: ignore[arg-type]
+        return model_or_builder  # type: ignore[return-value]
+    if isinstance(model_or_builder, nn.Module):
+        model = model_or_builder
+    elif callable(model_or_builder):
+        from accelerate import init_empty_weights
+
+        with init_empty_weights(include_buffers=False):
+            model = model_or_builder()
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"the builder passed to load_pretrained returned {type(model).__name__}, "
+                            "expected an nn.Module")
+        # init_empty_weights re-creates each parameter on the meta device, which unties
+        # shared ones (GPT-2's lm_head / wte): tie them again as the model's config says.
+        tie = getattr(model, "tie_weights", None)
+        if hf.is_hf_model(model) and callable(tie):
+            tie()
+    else:
+        raise TypeError(f"model_or_builder must be an nn.Module or a callable returning one "
+                        f"(got {type(model_or_builder).__name__})")
+    detect(path)  # a missing or incomplete path fails before sharding
+    persistent = set(model.state_dict().keys())
+    meta_buffers = [n for n, b in model.named_buffers() if b.is_meta and n not in persistent]
+    if meta_buffers:
+        raise ValueError(
+            f"buffers {', '.join(meta_buffers)} are on the meta device and are not stored in checkpoints, so "
+            "they cannot be filled; build the model with accelerate.init_empty_weights(include_buffers=False) "
+            "or pass a builder: load_pretrained(lambda: AutoModelForCausalLM.from_config(cfg), path, config)")
+    # Buffers that checkpoints do not hold (e.g. RoPE inv_freq): keep their values across sharding,
+    # which turns meta modules into uninitialised memory.
+    kept = {n: b.detach().clone() for n, b in model.named_buffers() if n not in persistent}
+    with weights_loaded_after_shard():
+        sharded = shard(model, config, mesh=mesh)
+    load_checkpoint(path, sharded, restore_rng=False)
+    with torch.no_grad():
+        for name, buf in sharded.named_buffers():
+            clean = strip_wrapper_prefixes(name)
+            if clean in kept:
+                buf.copy_(kept[clean].to(buf.device))
+    return sharded

@@ -1,0 +1,119 @@
+"""Crash-safe publication of checkpoint directories, rotation, and finding the latest.
+
+A save writes into ``.NAME.partial`` beside the destination.  Only when every rank has
+finished does rank 0 write ``fsdp_bridge.json`` (with the size of every file), flush it
+to disk and rename the directory to ``NAME``.  A crash or kill at any moment therefore
+leaves either the previous checkpoint or the new one, never a half-written ``NAME``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from fsdp_bridge.checkpoint._formats import META_FILE, PARTIAL_SUFFIX, CheckpointError, read_meta
+
+__all__ = ["latest_checkpoint", "list_checkpoints", "partial_path", "publish", "rotate_checkpoints"]
+
+
+def partial_path(path: Path) -> Path:
+    """The staging directory a save of ``path`` writes into."""
+    return path.with_name("." + path.name + PARTIAL_SUFFIX)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # not every filesystem supports fsync on directories
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_json_durably(path: Path, obj: Any) -> None:
+    """Write JSON to ``path`` through a temporary file, fsync'd, then renamed."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2, sort_keys=True)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def publish(staging: Path, path: Path) -> None:
+    """Move the finished ``staging`` directory to ``path`` (rank 0 only, after a barrier).
+
+    An existing ``path`` is first renamed aside and deleted only once the new one is in
+    place, so an interruption leaves a complete checkpoint at ``path`` or at ``.NAME.old``.
+    """
+    for f in staging.rglob("*"):
+        if f.is_file():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+    _fsync_dir(staging)
+    old = path.with_name("." + path.name + ".old")
+    if old.exists() and path.exists():
+        shutil.rmtree(old)
+    elif old.exists():  # an earlier publish died after moving the previous checkpoint aside
+        os.replace(old, path)
+    if path.exists():
+        os.replace(path, old)
+    os.replace(staging, path)
+    _fsync_dir(path.parent)
+    if old.exists():
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def list_checkpoints(root: str | os.PathLike[str]) -> list[tuple[int, Path]]:
+    """Complete fsdp_bridge checkpoints directly under ``root`` as ``(step, path)``, oldest first.
+
+    Directories without ``fsdp_bridge.json`` (interrupted saves, other files) are skipped.
+    Checkpoints without a step sort first, by modification time.
+    """
+    r = Path(root)
+    if not r.is_dir():
+        return []
+    found: list[tuple[int, float, Path]] = []
+    for child in r.iterdir():
+        if child.name.startswith(".") or not (child / META_FILE).is_file():
+            continue
+        try:
+            meta = read_meta(child)
+        except CheckpointError:
+            continue
+        step = meta.get("step")
+        found.append((step if isinstance(step, int) else -1, (child / META_FILE).stat().st_mtime, child))
+    found.sort(key=lambda t: (t[0], t[1], t[2].name))
+    return [(step, p) for step, _, p in found]
+
+
+def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
+    """The complete checkpoint under ``root`` with the highest step (``None`` if there is none)."""
+    ckpts = list_checkpoints(root)
+    return ckpts[-1][1] if ckpts else None
+
+
+def rotate_checkpoints(root: str | os.PathLike[str], keep: int) -> list[Path]:
+    """Delete all but the ``keep`` newest complete checkpoints under ``root``; return what was deleted.
+
+    Call it on one rank (``save_checkpoint(..., keep_last=K)`` does, on rank 0).  Only
+    directories holding ``fsdp_bridge.json`` are ever deleted.
+    """
+    if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
+        raise ValueError(f"keep must be an integer >= 1 (got {keep!r}); use keep=1 to keep only the newest")
+    ckpts = list_checkpoints(root)
+    doomed = [p for _, p in ckpts[:-keep]]
+    for p in doomed:
+        # Rename first: a crash mid-delete then leaves a dot-directory, never a broken checkpoint.
+        trash = p.with_name("." + p.name + ".deleting")
+        os.replace(p, trash)
+        shutil.rmtree(trash, ignore_errors=True)
+    return doomed

@@ -1,0 +1,273 @@
+"""Offline conversion between checkpoint kinds, and inspection; no process group needed.
+
+Reads any kind :func:`~fsdp_bridge.checkpoint.detect` recognises into full tensors in
+this process, and writes a Hugging Face directory (``hf``), an fsdp_bridge sharded DCP
+directory (``sharded``, loadable at any world size) or one ``torch.save`` file
+(``torch``, the model state dict only).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import shutil
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+from fsdp_bridge._version import __version__
+from fsdp_bridge.checkpoint import _hf
+from fsdp_bridge.checkpoint._atomic import partial_path, publish, write_json_durably
+from fsdp_bridge.checkpoint._formats import (
+    DCP_DIR,
+    FORMAT,
+    FORMAT_VERSION,
+    META_FILE,
+    RNG_DIR,
+    STATE_FILE,
+    Detected,
+    Kind,
+    SafeDCPReader,
+    SafeLoadPlanner,
+    detect,
+    load_dcp_metadata,
+    manifest,
+    strip_wrapper_prefixes,
+    verify_manifest,
+)
+
+__all__ = ["Target", "convert_checkpoint", "inspect_checkpoint", "read_full"]
+
+Target = Literal["hf", "sharded", "torch"]
+TARGETS: tuple[str, ...] = ("hf", "sharded", "torch")
+_HF_CONFIG_FILES = ("config.json", "generation_config.json")
+
+
+@dataclass
+class FullCheckpoint:
+    """A checkpoint read whole into memory."""
+
+    model: dict[str, torch.Tensor]
+    optimizer: dict[str, Any] | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+def _read_dcp_full(dcp_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Every item of a DCP directory as full tensors (or objects), keyed by stored name."""
+    metadata = load_dcp_metadata(dcp_dir / ".metadata")
+    flat: dict[str, Any] = {}
+    for key, item in metadata.state_dict_metadata.items():
+        if isinstance(item, TensorStorageMetadata):
+            flat[key] = torch.empty(item.size, dtype=item.properties.dtype)
+        elif isinstance(item, BytesStorageMetadata):
+            flat[key] = None
+    with warnings.catch_warnings():  # no process group here on purpose
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        dcp.load(flat, storage_reader=SafeDCPReader(str(dcp_dir)), planner=SafeLoadPlanner(), no_dist=True)
+    model = {k: v for k, v in flat.items() if not k.startswith("optim.")}
+    optim = {k.removeprefix("optim."): v for k, v in flat.items() if k.startswith("optim.")}
+    return model, optim
+
+
+def _unflatten_optim(flat: dict[str, Any]) -> dict[str, Any] | None:
+    if not flat:
+        return None
+    state: dict[str, dict[str, Any]] = {}
+    for key, value in flat.items():
+        if key.startswith("state."):
+            fqn, _, name = key.removeprefix("state.").rpartition(".")
+            state.setdefault(fqn, {})[name] = value
+    groups = flat.get("param_groups")
+    if groups is None:  # older layouts flatten the groups one value at a time
+        groups = []
+    return {"state": state, "param_groups": groups}
+
+
+def read_full(path: str | os.PathLike[str]) -> FullCheckpoint:
+    """Read any checkpoint kind whole, in this process (no process group)."""
+    detected = detect(path)
+    if detected.kind in (Kind.SHARDED, Kind.FULL):
+        verify_manifest(detected)
+    meta = dict(detected.meta)
+    if detected.kind in (Kind.SHARDED, Kind.DCP):
+        stored, optim_flat = _read_dcp_full(detected.dcp_dir)
+        nested = bool(stored) and all(k.startswith("model.") for k in stored)
+        model = {strip_wrapper_prefixes(k.removeprefix("model.") if nested else k): v
+                 for k, v in stored.items() if isinstance(v, torch.Tensor)}
+        optimizer = _unflatten_optim(optim_flat)
+    elif detected.kind is Kind.TORCH:
+        from fsdp_bridge.checkpoint._api import _read_torch_file
+
+        model, optimizer = _read_torch_file(detected.path)
+    else:
+        model = _hf.read_hf_weights(detected.path)
+        optimizer = _hf.read_optimizer(detected.path) if meta.get("has_optimizer") else None
+    for group in meta.get("tied", []):
+        source = next((n for n in group if n in model), None)
+        for name in group:
+            if source is not None and name not in model:
+                model[name] = model[source]
+    return FullCheckpoint(model, optimizer, meta)
+
+
+def _copy_side_files(src: Detected, staging: Path, hf_config: Path | None) -> bool:
+    """Copy config.json & co, training state and RNG states; True if a config.json was written."""
+    config_src = hf_config if hf_config is not None else (src.path if src.path.is_dir() else None)
+    if config_src is not None and config_src.is_file():
+        shutil.copyfile(config_src, staging / "config.json")
+    elif config_src is not None:
+        for name in _HF_CONFIG_FILES:
+            if (config_src / name).is_file():
+                shutil.copyfile(config_src / name, staging / name)
+    if src.kind in (Kind.SHARDED, Kind.FULL):
+        if (src.path / STATE_FILE).is_file():
+            shutil.copyfile(src.path / STATE_FILE, staging / STATE_FILE)
+        if (src.path / RNG_DIR).is_dir():
+            shutil.copytree(src.path / RNG_DIR, staging / RNG_DIR)
+    return (staging / "config.json").is_file()
+
+
+def _stats(model: dict[str, torch.Tensor], tied: list[list[str]]) -> dict[str, Any]:
+    aliases = {n for g in tied for n in g[1:]}
+    dtypes: dict[str, int] = {}
+    count = 0
+    for k, v in model.items():
+        if k in aliases:
+            continue
+        count += v.numel()
+        name = str(v.dtype).removeprefix("torch.")
+        dtypes[name] = dtypes.get(name, 0) + v.numel()
+    return {"numel": count, "dtypes": dtypes, "tensors": len(model)}
+
+
+def convert_checkpoint(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    *,
+    to: Target,
+    hf_config: str | os.PathLike[str] | None = None,
+    max_shard_size: int | str = _hf.DEFAULT_MAX_SHARD_SIZE,
+) -> Path:
+    """Convert ``src`` (any kind) to ``dst`` of kind ``to`` in this process; return ``dst``.
+
+    ``hf_config``: a ``config.json`` (or a directory holding one) to put beside the weights
+    when ``src`` carries none (plain DCP or torch files), so ``from_pretrained`` can load them.
+    """
+    if to not in TARGETS:
+        raise ValueError(f"to must be one of {', '.join(TARGETS)} (got {to!r})")
+    dst_path = Path(dst)
+    if dst_path.resolve() == Path(src).resolve():
+        raise ValueError(f"destination {dst_path} is the source; choose another path")
+    config_path = Path(hf_config) if hf_config is not None else None
+    if config_path is not None and not config_path.exists():
+        raise ValueError(f"hf_config {config_path} does not exist; pass a config.json or a directory holding one")
+    detected = detect(src)
+    full = read_full(src)
+    tied = full.meta.get("tied", [])
+
+    if to == "torch":
+        if dst_path.exists() and dst_path.is_dir():
+            raise ValueError(f"destination {dst_path} is a directory; --to torch writes one file (e.g. model.pt)")
+        dst_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dst_path.with_name("." + dst_path.name + ".partial")
+        torch.save(full.model, tmp)
+        os.replace(tmp, dst_path)
+        return dst_path
+
+    staging = partial_path(dst_path)
+    if staging.exists():
+        shutil.rmtree(staging)
+    staging.mkdir(parents=True)
+    if to == "hf":
+        _hf.write_hf_weights(staging, _hf.drop_tied_aliases(full.model, tied), max_shard_size=max_shard_size)
+        if full.optimizer is not None:
+            _hf.write_optimizer(staging, full.optimizer)
+    else:
+        to_save: dict[str, Any] = {"model": full.model}
+        if full.optimizer is not None:
+            to_save["optim"] = full.optimizer
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+            dcp.save(to_save, storage_writer=dcp.FileSystemWriter(str(staging / DCP_DIR)), no_dist=True)
+    has_config = _copy_side_files(detected, staging, config_path)
+    meta = {
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
+        "kind": "full" if to == "hf" else "sharded",
+        "backend": full.meta.get("backend"),
+        "world_size": full.meta.get("world_size", 1),
+        "step": full.meta.get("step"),
+        "bridge_config": full.meta.get("bridge_config"),
+        "model_class": full.meta.get("model_class"),
+        "hf_config": has_config,
+        "has_optimizer": full.optimizer is not None,
+        "tied": tied,
+        "params": _stats(full.model, tied),
+        "torch_version": torch.__version__,
+        "fsdp_bridge_version": __version__,
+        "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "converted_from": {"path": str(Path(src)), "kind": detected.kind.value},
+        "files": manifest(staging),
+    }
+    write_json_durably(staging / META_FILE, meta)
+    publish(staging, dst_path)
+    return dst_path
+
+
+def _disk_size(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def inspect_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """What a checkpoint holds, read from its metadata and headers (tensor data is not loaded
+    except for ``torch.save`` files, which are memory-mapped)."""
+    detected = detect(path)
+    meta = detected.meta
+    info: dict[str, Any] = {"path": str(detected.path), "kind": detected.kind.value,
+                            "size_bytes": _disk_size(detected.path)}
+    if detected.kind in (Kind.SHARDED, Kind.FULL):
+        verify_manifest(detected)
+        for key in ("backend", "world_size", "step", "model_class", "has_optimizer", "saved_at",
+                    "torch_version", "fsdp_bridge_version", "converted_from", "bridge_config"):
+            info[key] = meta.get(key)
+        info["params"] = meta.get("params")
+    else:
+        if detected.kind is Kind.DCP:
+            metadata = load_dcp_metadata(detected.path / ".metadata")
+            shapes = {k: (tuple(v.size), str(v.properties.dtype).removeprefix("torch."))
+                      for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+            info["has_optimizer"] = any(k.startswith("optim.") for k in shapes)
+            shapes = {k: v for k, v in shapes.items() if not k.startswith("optim.")}
+        elif detected.kind is Kind.TORCH:
+            from fsdp_bridge.checkpoint._api import _read_torch_file
+
+            sd, osd = _read_torch_file(detected.path)
+            shapes = {k: (tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in sd.items()}
+            info["has_optimizer"] = osd is not None
+        else:
+            shapes = {k: (s, d.lower().replace("f32", "float32").replace("bf16", "bfloat16").replace("f16", "float16"))
+                      for k, (s, d) in _hf.read_hf_shapes(detected.path).items()}
+            info["has_optimizer"] = False
+        dtypes: dict[str, int] = {}
+        for shape, dtype in shapes.values():
+            dtypes[dtype] = dtypes.get(dtype, 0) + math.prod(shape)
+        info.update(backend=None, world_size=None, step=None)
+        info["params"] = {"numel": sum(dtypes.values()), "dtypes": dtypes, "tensors": len(shapes)}
+    config_dir = detected.path if detected.path.is_dir() else detected.path.parent
+    if (config_dir / "config.json").is_file():
+        try:
+            hf_cfg = json.loads((config_dir / "config.json").read_text())
+            info["hf_config"] = {k: hf_cfg.get(k) for k in ("model_type", "architectures", "hidden_size",
+                                                              "num_hidden_layers", "vocab_size") if k in hf_cfg}
+        except ValueError:
+            info["hf_config"] = "unreadable config.json"
+    return info

@@ -1,0 +1,291 @@
+"""What a checkpoint is on disk: kinds, the metadata file, detection and validation.
+
+Every checkpoint fsdp_bridge writes is a directory holding ``fsdp_bridge.json``,
+written last, which names the kind, where it was saved from and the size of every file.
+Directories written by other tools are recognised too: a plain DCP directory (a
+``.metadata`` file), a Hugging Face model directory, or one ``torch.save`` file.
+
+DCP's own reader unpickles its ``.metadata`` file and non-tensor items; here the
+metadata goes through an unpickler that only accepts DCP's metadata classes, and
+non-tensor items are read with ``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import enum
+import io
+import json
+import os
+import pickle
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import ReadItem
+
+__all__ = [
+    "META_FILE",
+    "CheckpointError",
+    "Detected",
+    "Kind",
+    "SafeDCPReader",
+    "SafeLoadPlanner",
+    "dcp_tensor_shapes",
+    "detect",
+    "read_meta",
+    "strip_wrapper_prefixes",
+    "verify_manifest",
+]
+
+FORMAT = "fsdp_bridge.checkpoint"
+FORMAT_VERSION = 1
+META_FILE = "fsdp_bridge.json"
+STATE_FILE = "train_state.json"
+RNG_DIR = "rng"
+DCP_DIR = "dcp"
+OPTIM_TENSORS = "optimizer.safetensors"
+OPTIM_JSON = "optimizer.json"
+PARTIAL_SUFFIX = ".partial"
+WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+class Kind(str, enum.Enum):
+    """What a path holds."""
+
+    SHARDED = "sharded"
+    """fsdp_bridge sharded checkpoint: a DCP directory plus training state."""
+    FULL = "full"
+    """fsdp_bridge full checkpoint: a Hugging Face model directory plus training state."""
+    HF = "hf"
+    """A Hugging Face model directory not written by fsdp_bridge (weights only)."""
+    DCP = "dcp"
+    """A DCP directory written by plain PyTorch code (e.g. FSDP1 ``SHARDED_STATE_DICT``)."""
+    TORCH = "torch"
+    """One ``torch.save`` file of a full state dict (e.g. FSDP1 ``FULL_STATE_DICT``)."""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, incomplete, corrupt or does not fit the model.
+
+    ``path`` is the file or directory at fault; ``problems`` lists every problem found.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], problems: Iterable[str] | str) -> None:
+        self.path = str(path)
+        self.problems: tuple[str, ...] = (problems,) if isinstance(problems, str) else tuple(problems)
+        lines = [f"checkpoint {self.path}: " + (self.problems[0] if len(self.problems) == 1 else
+                                                  f"{len(self.problems)} problems:")]
+        if len(self.problems) > 1:
+            lines.extend(f"  - {p}" for p in self.problems)
+        super().__init__("\n".join(lines))
+
+
+@dataclass
+class Detected:
+    """The result of :func:`detect`."""
+
+    kind: Kind
+    path: Path
+    meta: dict[str, Any] = field(default_factory=dict)
+    """Contents of ``fsdp_bridge.json`` (empty for checkpoints from other tools)."""
+
+    @property
+    def dcp_dir(self) -> Path:
+        return self.path / DCP_DIR if self.kind is Kind.SHARDED else self.path
+
+
+def _is_hf_dir(path: Path) -> bool:
+    return (path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file()
+
+
+def detect(path: str | os.PathLike[str]) -> Detected:
+    """Find out what ``path`` holds, refusing incomplete or unknown layouts with a clear error."""
+    p = Path(path)
+    if not p.exists():
+        old = p.with_name("." + p.name + ".old")
+        if (old / META_FILE).is_file():
+            # A save over this path was interrupted between moving the previous checkpoint
+            # aside and putting the new one in place: the previous one is complete.
+            return Detected(Kind(read_meta(old)["kind"]), old, read_meta(old))
+        partial = p.with_name("." + p.name + PARTIAL_SUFFIX)
+        hint = (f"; {partial} is left from an interrupted save and is not a checkpoint"
+                if partial.exists() else "")
+        raise CheckpointError(p, f"does not exist{hint}")
+    if p.is_file():
+        if p.suffix == ".safetensors":
+            return Detected(Kind.HF, p)
+        return Detected(Kind.TORCH, p)
+    if p.name.endswith(PARTIAL_SUFFIX):
+        raise CheckpointError(p, "is an incomplete checkpoint (a save was interrupted before it was published); "
+                                 "load the previous checkpoint instead, or delete this directory")
+    meta_path = p / META_FILE
+    if meta_path.is_file():
+        meta = read_meta(p)
+        return Detected(Kind(meta["kind"]), p, meta)
+    if (p / DCP_DIR).is_dir():
+        raise CheckpointError(p, f"{META_FILE} is missing: the save did not finish; this checkpoint is incomplete")
+    if (p / ".metadata").is_file():
+        return Detected(Kind.DCP, p)
+    if _is_hf_dir(p):
+        return Detected(Kind.HF, p)
+    for name in ("pytorch_model.bin", "model.pt", "model.pth"):
+        if (p / name).is_file():
+            return Detected(Kind.TORCH, p / name)
+    raise CheckpointError(p, f"not a checkpoint: no {META_FILE}, no DCP .metadata, no model.safetensors "
+                             "(or model.safetensors.index.json) and no pytorch_model.bin; "
+                             "pass a directory written by fsdp_bridge.save_checkpoint, a DCP directory, "
+                             "a Hugging Face model directory or a torch.save file")
+
+
+def read_meta(path: Path) -> dict[str, Any]:
+    """Read and check ``fsdp_bridge.json`` of a checkpoint directory."""
+    meta_path = path / META_FILE
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (OSError, ValueError) as err:
+        raise CheckpointError(meta_path, f"cannot be read as JSON ({err}); the checkpoint is corrupt") from err
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise CheckpointError(meta_path, f"is not an fsdp_bridge checkpoint description (format != {FORMAT!r})")
+    if meta.get("version", 0) > FORMAT_VERSION:
+        raise CheckpointError(meta_path, f"format version {meta.get('version')} is newer than this fsdp_bridge "
+                                         f"reads ({FORMAT_VERSION}); upgrade fsdp_bridge")
+    if meta.get("kind") not in (Kind.SHARDED.value, Kind.FULL.value):
+        raise CheckpointError(meta_path, f"kind {meta.get('kind')!r} is not one of sharded, full")
+    return meta
+
+
+def safe_child(root: Path, relative: str) -> Path:
+    """``root / relative`` refusing anything that would leave ``root`` (absolute paths, ``..``, links)."""
+    candidate = (root / relative).resolve()
+    if os.path.isabs(relative) or not candidate.is_relative_to(root.resolve()):
+        raise CheckpointError(root, f"names a file outside its directory ({relative!r}); refusing it")
+    return candidate
+
+
+def verify_manifest(detected: Detected) -> None:
+    """Every file listed in ``fsdp_bridge.json`` exists with the recorded size."""
+    files = detected.meta.get("files", {})
+    problems = []
+    for rel, size in sorted(files.items()):
+        f = safe_child(detected.path, rel)
+        if not f.is_file():
+            problems.append(f"{rel}: missing")
+        elif f.stat().st_size != size:
+            problems.append(f"{rel}: size {f.stat().st_size} bytes, expected {size} (truncated or overwritten)")
+    if problems:
+        raise CheckpointError(detected.path, problems)
+
+
+def manifest(root: Path) -> dict[str, int]:
+    """Relative path -> size of every file under ``root``."""
+    return {str(f.relative_to(root)): f.stat().st_size for f in sorted(root.rglob("*")) if f.is_file()}
+
+
+def strip_wrapper_prefixes(key: str) -> str:
+    """``model._fsdp_wrapped_module.layers.0._checkpoint_wrapped_module.w`` -> ``model.layers.0.w``."""
+    for prefix in WRAPPER_PREFIXES:
+        key = key.replace(prefix, "")
+    return key
+
+
+# --------------------------------------------------------------------------------------
+# DCP without unpickling arbitrary objects
+# --------------------------------------------------------------------------------------
+
+_ALLOWED_MODULE_PREFIXES = ("torch.distributed.checkpoint.",)
+_ALLOWED_GLOBALS = {
+    ("collections", "OrderedDict"),
+    ("builtins", "set"),
+    ("builtins", "frozenset"),
+    ("builtins", "slice"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PureWindowsPath"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if module.startswith(_ALLOWED_MODULE_PREFIXES) or (module, name) in _ALLOWED_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout,
+                                                                             torch.memory_format)):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"refusing to load {module}.{name} from DCP metadata")
+
+
+class SafeDCPReader(FileSystemReader):
+    """A :class:`FileSystemReader` whose ``.metadata`` is read by a restricted unpickler."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        path = Path(self.path) / ".metadata"
+        return load_dcp_metadata(path)
+
+
+def load_dcp_metadata(path: Path) -> Metadata:
+    try:
+        with open(path, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+    except FileNotFoundError as err:
+        raise CheckpointError(path, "missing: the DCP directory is incomplete") from err
+    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError) as err:
+        raise CheckpointError(path, f"cannot be read ({err}); the DCP metadata is truncated or not DCP") from err
+    if not isinstance(metadata, Metadata):
+        raise CheckpointError(path, f"holds a {type(metadata).__name__}, not DCP Metadata")
+    return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default planner, reading non-tensor items with ``torch.load(weights_only=True)``."""
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        obj = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            # The same helper DefaultLoadPlanner.load_bytes uses.
+            from torch.distributed.checkpoint._traverse import set_element
+
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+
+def dcp_tensor_shapes(dcp_dir: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Flattened key -> (global shape, dtype) of every tensor in a DCP directory."""
+    metadata = load_dcp_metadata(dcp_dir / ".metadata")
+    return {
+        key: (tuple(item.size), item.properties.dtype)
+        for key, item in metadata.state_dict_metadata.items()
+        if isinstance(item, TensorStorageMetadata)
+    }
+
+
+def compare_keys(
+    path: Path | str,
+    found: Mapping[str, tuple[int, ...]],
+    expected: Mapping[str, tuple[int, ...]],
+    *,
+    what: str = "model",
+    allow_missing: Iterable[str] = (),
+) -> None:
+    """Raise :class:`CheckpointError` listing missing and unexpected keys and shape mismatches."""
+    allowed = set(allow_missing)
+    missing = sorted(k for k in expected if k not in found and k not in allowed)
+    unexpected = sorted(k for k in found if k not in expected)
+    shapes = sorted(f"{k}: checkpoint has shape {list(found[k])}, the {what} has {list(expected[k])}"
+                    for k in expected if k in found and tuple(found[k]) != tuple(expected[k]))
+    problems = []
+    if missing:
+        problems.append(f"missing {what} keys ({len(missing)}): {', '.join(missing)}")
+    if unexpected:
+        problems.append(f"unexpected {what} keys ({len(unexpected)}): {', '.join(unexpected)}")
+    problems.extend(f"shape mismatch {s}" for s in shapes)
+    if problems:
+        raise CheckpointError(path, problems)

@@ -1,0 +1,215 @@
+"""save_checkpoint / load_checkpoint: round trips, resume, cross-backend and cross-world-size loads.
+
+Multi-rank on CPU with gloo.  Each spawned run does several checks to amortise start-up.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+import fsdp_bridge
+from fsdp_bridge.testing import run_distributed
+from fsdp_bridge.testing.models import build_tiny, sample_batch
+
+BACKENDS = ("fsdp1", "fsdp2")
+
+
+def _make(backend: str, family: str = "llama", seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    config = fsdp_bridge.BridgeConfig(backend=backend, wrap="auto", device="cpu")
+    model = fsdp_bridge.shard(build_tiny(family, seed=seed), config)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: int, family: str = "llama") -> list[float]:
+    losses = []
+    for step in range(steps):
+        batch = sample_batch(family, seed=100 * step + dist.get_rank())
+        loss = model(**batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    """Full model and optimizer state as NumPy arrays (every rank gets a copy).
+
+    NumPy, not tensors: tensors passed between processes go through shared memory that
+    disappears when the rank exits."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    opts = StateDictOptions(full_state_dict=True)
+    out = {"model": {k: v.numpy().copy() for k, v in get_model_state_dict(model, options=opts).items()}}
+    if optimizer is not None:
+        osd = get_optimizer_state_dict(model, optimizer, options=opts)
+        out["optim"] = {f"{fqn}/{k}": v.numpy().copy() for fqn, s in osd["state"].items() for k, v in s.items()}
+    return out
+
+
+def assert_same(got: dict[str, Any], want: dict[str, Any], label: str) -> None:
+    for part in want:
+        assert set(got[part]) == set(want[part]), f"{label}: {part} keys differ"
+        for key, value in want[part].items():
+            assert np.array_equal(got[part][key], value), f"{label}: {part} {key} differs"
+
+
+# --------------------------------------------------------------------------------------
+# round trip and cross-backend at one world size, and saves for the cross-world loads
+# --------------------------------------------------------------------------------------
+
+def _save_each(root: str, backends: tuple[str, ...]) -> dict[str, Any]:
+    world = dist.get_world_size()
+    refs = {}
+    for backend in backends:
+        model, optimizer = _make(backend)
+        _train(model, optimizer, 2)
+        for kind in ("sharded", "full"):
+            name = f"{backend}_w{world}_{kind}"
+            fsdp_bridge.save_checkpoint(Path(root) / name, model, optimizer, kind=kind,
+                                        state={"step": 2, "name": name})
+        refs[f"{backend}_w{world}"] = full_state(model, optimizer)
+    return refs
+
+
+def _load_each(root: str, refs: dict[str, Any], backends: tuple[str, ...]) -> list[str]:
+    import fsdp_bridge.checkpoint._api as ckpt_api
+
+    ckpt_api._CHUNK_NUMEL = 5000  # full loads then broadcast in several rounds, as for a large model
+    checked = []
+    for source, want in refs.items():
+        for kind in ("sharded", "full"):
+            for backend in backends:
+                model, optimizer = _make(backend, seed=7)
+                _train(model, optimizer, 1)  # different weights and optimizer state to overwrite
+                state = fsdp_bridge.load_checkpoint(Path(root) / f"{source}_{kind}", model, optimizer)
+                assert state == {"step": 2, "name": f"{source}_{kind}"}, state
+                assert_same(full_state(model, optimizer), want,
+                            f"{source}_{kind} -> {backend}_w{dist.get_world_size()}")
+                checked.append(f"{source}_{kind}->{backend}_w{dist.get_world_size()}")
+    return checked
+
+
+def _save_and_roundtrip(root: str, backends: tuple[str, ...]) -> dict[str, Any]:
+    refs = _save_each(root, backends)
+    checked = _load_each(root, refs, BACKENDS)
+    return {"refs": refs, "checked": checked}
+
+
+def _load_only(root: str, refs: dict[str, Any]) -> list[str]:
+    return _load_each(root, refs, BACKENDS)
+
+
+def _save_and_load(root: str, backends: tuple[str, ...], refs: dict[str, Any]) -> dict[str, Any]:
+    own = _save_each(root, backends)
+    return {"refs": own, "checked": _load_each(root, {**refs, **own}, BACKENDS)}
+
+
+def test_round_trip_and_cross_backend_matrix(tmp_path: Path) -> None:
+    """Both kinds, both backends: bit-identical after save/load, also across backend and world size.
+
+    Saves at world 2 (both backends) and world 4 (FSDP1); loads at world 2, 4 and 1 into both
+    backends (the full 1/2/4 x 1/2/4 matrix is test_cross_world_matrix_full, marked slow).
+    """
+    root = str(tmp_path)
+    out2 = run_distributed(_save_and_roundtrip, 2, args=(root, BACKENDS), timeout_s=600)[0]
+    assert len(out2["checked"]) == 2 * 2 * 2  # round trip + FSDP1 <-> FSDP2 at world 2, both kinds
+    out4 = run_distributed(_save_and_load, 4, args=(root, ("fsdp1",), out2["refs"]), timeout_s=600)[0]
+    checked = out4["checked"]
+    checked += run_distributed(_load_only, 2, args=(root, out4["refs"]), timeout_s=600)[0]
+    checked += run_distributed(_load_only, 1, args=(root, {**out2["refs"], **out4["refs"]}), timeout_s=600)[0]
+    for case in ("fsdp1_w4_sharded->fsdp2_w2", "fsdp2_w2_full->fsdp1_w4", "fsdp2_w2_sharded->fsdp2_w4",
+                 "fsdp1_w4_full->fsdp2_w1", "fsdp2_w2_sharded->fsdp1_w1", "fsdp1_w4_full->fsdp1_w2"):
+        assert case in checked, case
+
+
+@pytest.mark.slow
+def test_cross_world_matrix_full(tmp_path: Path) -> None:
+    """Every (backend, world) in {fsdp1, fsdp2} x {1, 2, 4} saves; every one loads every checkpoint."""
+    root = str(tmp_path)
+    refs: dict[str, Any] = {}
+    for world in (1, 2, 4):
+        refs.update(run_distributed(_save_each, world, args=(root, BACKENDS), timeout_s=900)[0])
+    for world in (1, 2, 4):
+        checked = run_distributed(_load_only, world, args=(root, refs), timeout_s=900)[0]
+        assert len(checked) == len(refs) * 2 * 2
+
+
+# --------------------------------------------------------------------------------------
+# resume
+# --------------------------------------------------------------------------------------
+
+def _resume_batch(step: int) -> dict[str, torch.Tensor]:
+    # Drawn from the global RNG on purpose: resuming must restore every rank's RNG state.
+    ids = torch.randint(4, 96, (2, 16))
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def _resume_steps(model: Any, optimizer: Any, scheduler: Any, start: int, stop: int) -> list[float]:
+    losses = []
+    for step in range(start, stop):
+        loss = model(**_resume_batch(step)).loss
+        loss.backward()
+        fsdp_bridge.clip_grad_norm_(model, 1.0)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _resume_first(root: str) -> dict[str, dict[str, list[float]]]:
+    out = {}
+    for backend in BACKENDS:
+        torch.manual_seed(1234 + dist.get_rank())
+        model, optimizer = _make(backend)
+        scheduler = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.5, total_iters=5)
+        straight = _resume_steps(model, optimizer, scheduler, 0, 6)
+
+        torch.manual_seed(1234 + dist.get_rank())
+        model, optimizer = _make(backend)
+        scheduler = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.5, total_iters=5)
+        first = _resume_steps(model, optimizer, scheduler, 0, 3)
+        state = {"step": 3, "scheduler": scheduler.state_dict(), "data": {"epoch": 0, "index": 3}}
+        for kind in ("sharded", "full"):
+            fsdp_bridge.save_checkpoint(Path(root) / f"{backend}_{kind}", model, optimizer, kind=kind, state=state)
+        out[backend] = {"straight": straight, "first": first}
+    return out
+
+
+def _resume_second(root: str) -> dict[str, list[float]]:
+    out = {}
+    for backend in BACKENDS:
+        for kind in ("sharded", "full"):
+            torch.manual_seed(999)  # a different RNG state: the checkpoint must restore the saved one
+            model, optimizer = _make(backend, seed=3)
+            scheduler = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.5, total_iters=5)
+            state = fsdp_bridge.load_checkpoint(Path(root) / f"{backend}_{kind}", model, optimizer)
+            scheduler.load_state_dict(state["scheduler"])
+            assert state["step"] == 3 and state["data"] == {"epoch": 0, "index": 3}
+            out[f"{backend}_{kind}"] = _resume_steps(model, optimizer, scheduler, state["step"], 6)
+    return out
+
+
+def test_resume_continues_exactly(tmp_path: Path) -> None:
+    """6 steps straight == 3 steps, save, a new process group, load, 3 more steps: same losses,
+    for both kinds and both backends (the data comes from the restored per-rank RNG)."""
+    first = run_distributed(_resume_first, 2, args=(str(tmp_path),))
+    second = run_distributed(_resume_second, 2, args=(str(tmp_path),))
+    for rank in range(2):
+        for backend in BACKENDS:
+            straight = first[rank][backend]["straight"]
+            assert first[rank][backend]["first"] == straight[:3]
+            assert len(set(straight)) == 6
+            for kind in ("sharded", "full"):
+                assert second[rank][f"{backend}_{kind}"] == straight[3:], (backend, kind, rank)

@@ -1,0 +1,386 @@
+"""Checkpoint formats: Hugging Face export, pretrained loading, plain-PyTorch FSDP1 inputs,
+the convert/inspect CLI, crash safety and the errors for bad checkpoints."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+import fsdp_bridge
+from fsdp_bridge.checkpoint import CheckpointError
+from fsdp_bridge.cli import main as cli
+from fsdp_bridge.testing import RankFailure, run_distributed
+from fsdp_bridge.testing.models import build_tiny, sample_batch
+
+IDS = torch.arange(4, 20).reshape(2, 8)
+
+
+def _logits(model: torch.nn.Module) -> Any:
+    model.eval()
+    with torch.no_grad():
+        # NumPy: tensors returned from a rank would live in shared memory freed at its exit.
+        return model(input_ids=IDS).logits.numpy().copy()
+
+
+def _config(backend: str) -> fsdp_bridge.BridgeConfig:
+    return fsdp_bridge.BridgeConfig(backend=backend, wrap="auto", device="cpu")
+
+
+# --------------------------------------------------------------------------------------
+# Hugging Face export and pretrained loading
+# --------------------------------------------------------------------------------------
+
+CASES = (("gpt2", "fsdp2"), ("gpt2", "fsdp1"), ("llama", "fsdp1"), ("llama", "fsdp2"))
+
+
+def _export_and_pretrained(root: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for family, backend in CASES:
+        model = fsdp_bridge.shard(build_tiny(family, seed=1), _config(backend))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model(**sample_batch(family, seed=dist.get_rank())).loss.backward()
+        optimizer.step()
+        fsdp_bridge.save_checkpoint(Path(root) / f"hf_{family}_{backend}", model, kind="full",
+                                    max_shard_size="20KB" if family == "llama" else "5GB")
+        out[f"{family}_{backend}"] = _logits(model)
+
+    # load_pretrained: a plain Hugging Face directory into a model built on the meta device,
+    # broadcast in several rounds as for a large model.
+    import fsdp_bridge.checkpoint._api as ckpt_api
+
+    ckpt_api._CHUNK_NUMEL = 4000
+    for family in ("gpt2", "llama"):
+        plain = build_tiny(family, seed=11)
+        if dist.get_rank() == 0:
+            plain.save_pretrained(Path(root) / f"pre_{family}")
+        dist.barrier()
+        want = _logits(plain)
+        for backend in ("fsdp1", "fsdp2"):
+            from transformers import AutoModelForCausalLM
+
+            sharded = fsdp_bridge.load_pretrained(lambda c=plain.config: AutoModelForCausalLM.from_config(c),
+                                                  Path(root) / f"pre_{family}", _config(backend))
+            np.testing.assert_array_equal(_logits(sharded), want)
+            local = fsdp_bridge.get_bridge(sharded).local_numel()
+            assert local < sum(p.numel() for p in plain.parameters())
+    return out
+
+
+_FRESH = r"""
+import sys, json, torch
+sys.modules["fsdp_bridge"] = None          # prove the directory loads without fsdp_bridge
+from transformers import AutoModelForCausalLM
+out = {}
+for name in json.loads(sys.argv[1]):
+    model = AutoModelForCausalLM.from_pretrained(sys.argv[2] + "/hf_" + name, attn_implementation="eager")
+    model.eval()
+    with torch.no_grad():
+        out[name] = model(input_ids=torch.arange(4, 20).reshape(2, 8)).logits.tolist()
+json.dump(out, open(sys.argv[3], "w"))
+"""
+
+
+def test_full_checkpoint_loads_with_from_pretrained(tmp_path: Path) -> None:
+    """A full checkpoint is a Hugging Face directory: from_pretrained in a fresh process gives
+    the sharded model's logits, tied (GPT-2) and untied (Llama), saved from either backend."""
+    sharded = run_distributed(_export_and_pretrained, 2, args=(str(tmp_path),), timeout_s=600)[0]
+    assert (tmp_path / "hf_llama_fsdp1" / "model.safetensors.index.json").is_file()  # split at 20KB
+    assert (tmp_path / "hf_gpt2_fsdp2" / "model.safetensors").is_file()
+    result = tmp_path / "logits.json"
+    names = [f"{f}_{b}" for f, b in CASES]
+    subprocess.run([sys.executable, "-c", _FRESH, json.dumps(names), str(tmp_path), str(result)], check=True,
+                   env={**os.environ, "OMP_NUM_THREADS": "1"})
+    fresh = json.loads(result.read_text())
+    for name in names:
+        torch.testing.assert_close(torch.tensor(fresh[name]), torch.from_numpy(sharded[name]))
+
+
+# --------------------------------------------------------------------------------------
+# checkpoints written by plain FSDP1 code
+# --------------------------------------------------------------------------------------
+
+def _plain_fsdp1_save(root: str) -> int:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+    from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    model = build_tiny("llama", seed=5)
+    model.config.use_cache = False  # recomputed layers must not fill the KV cache twice
+    apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, LlamaDecoderLayer))
+    model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({LlamaDecoderLayer}), device_id=torch.device("cpu"))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(**sample_batch("llama", seed=dist.get_rank())).loss.backward()
+    optimizer.step()
+    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(rank0_only=True)):
+        full = model.state_dict()
+    if dist.get_rank() == 0:
+        torch.save(full, Path(root) / "plain_full.pt")
+        # Names as the wrapped modules spell them, as some training scripts save them.
+        prefixed = {"_fsdp_wrapped_module." + k.replace("layers.0.", "layers.0._fsdp_wrapped_module."
+                                                        "_checkpoint_wrapped_module."): v for k, v in full.items()}
+        torch.save(prefixed, Path(root) / "plain_prefixed.pt")
+    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        dcp.save({"model": model.state_dict()}, checkpoint_id=str(Path(root) / "plain_dcp"))
+    return len(full)
+
+
+def _load_plain(root: str, paths: list[str]) -> int:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    want = torch.load(Path(root) / "plain_full.pt", weights_only=True)
+    checked = 0
+    for backend in ("fsdp1", "fsdp2"):
+        for name in paths:
+            model = fsdp_bridge.shard(build_tiny("llama", seed=9), _config(backend))
+            assert fsdp_bridge.load_checkpoint(Path(root) / name, model) == {}
+            got = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+            assert set(got) == set(want), name
+            for k in want:
+                assert torch.equal(got[k], want[k]), (name, backend, k)
+            checked += 1
+    return checked
+
+
+def test_plain_fsdp1_checkpoints_load_and_convert(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """FSDP1 FULL_STATE_DICT torch.save files (with and without wrapper prefixes) and a
+    SHARDED_STATE_DICT DCP directory load through the bridge and convert with the CLI."""
+    root = str(tmp_path)
+    run_distributed(_plain_fsdp1_save, 2, args=(root,))
+    build_tiny("llama").config.save_pretrained(tmp_path / "cfg")
+    assert cli(["convert", str(tmp_path / "plain_dcp"), str(tmp_path / "conv_hf"), "--to", "hf",
+                "--hf-config", str(tmp_path / "cfg")]) == 0
+    assert cli(["convert", str(tmp_path / "plain_prefixed.pt"), str(tmp_path / "conv_sharded"), "--to", "sharded"]) == 0
+    assert cli(["convert", str(tmp_path / "conv_sharded"), str(tmp_path / "conv.pt"), "--to", "torch"]) == 0
+    assert cli(["inspect", str(tmp_path / "plain_dcp")]) == 0
+    assert "kind:         dcp" in capsys.readouterr().out
+    assert cli(["inspect", str(tmp_path / "conv_sharded"), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["kind"] == "sharded" and info["converted_from"]["kind"] == "torch"
+    assert info["params"]["dtypes"] == {"float32": info["params"]["numel"]}
+
+    from transformers import AutoModelForCausalLM
+
+    hf_model = AutoModelForCausalLM.from_pretrained(tmp_path / "conv_hf")
+    want = torch.load(tmp_path / "plain_full.pt", weights_only=True)
+    for k, v in hf_model.state_dict().items():
+        assert torch.equal(v, want[k]), k
+    assert torch.load(tmp_path / "conv.pt", weights_only=True).keys() == want.keys()
+
+    names = ["plain_full.pt", "plain_prefixed.pt", "plain_dcp", "conv_hf", "conv_sharded", "conv.pt"]
+    assert run_distributed(_load_plain, 2, args=(root, names))[0] == 2 * len(names)
+
+
+# --------------------------------------------------------------------------------------
+# crash safety and refused checkpoints
+# --------------------------------------------------------------------------------------
+
+def _die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _save_then_die(root: str, where: str) -> None:
+    model = fsdp_bridge.shard(build_tiny("llama", seed=2), _config("fsdp2"))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if not (Path(root) / "good").exists():
+        fsdp_bridge.save_checkpoint(Path(root) / "good", model, optimizer, state={"step": 1})
+    model(**sample_batch("llama", seed=dist.get_rank())).loss.backward()
+    optimizer.step()
+    if where == "write" and dist.get_rank() == 1:
+        from torch.distributed.checkpoint import FileSystemWriter
+
+        original = FileSystemWriter.write_data
+
+        def write_then_die(self: Any, plan: Any, planner: Any) -> Any:
+            original(self, plan, planner).wait()
+            _die()
+
+        FileSystemWriter.write_data = write_then_die  # type: ignore[method-assign]
+        target = "new"
+    elif where == "publish" and dist.get_rank() == 0:
+        import fsdp_bridge.checkpoint._atomic as atomic
+
+        real_replace = atomic.os.replace
+
+        def replace_then_die(src: Any, dst: Any) -> None:
+            real_replace(src, dst)
+            if Path(dst).name == ".good.old":  # the previous checkpoint has just been moved aside
+                _die()
+
+        atomic.os.replace = replace_then_die  # type: ignore[assignment]
+        target = "good"
+    else:
+        target = "new" if where == "write" else "good"
+    fsdp_bridge.save_checkpoint(Path(root) / target, model, optimizer, state={"step": 2})
+
+
+def _load_after_crash(root: str) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    model = fsdp_bridge.shard(build_tiny("llama", seed=8), _config("fsdp1"))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    state = fsdp_bridge.load_checkpoint(Path(root) / "good", model, optimizer)
+    errors = {}
+    for name in ("new", ".new.partial"):
+        with pytest.raises(CheckpointError) as info:
+            fsdp_bridge.load_checkpoint(Path(root) / name, model)
+        errors[name] = str(info.value)
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    reference = build_tiny("llama", seed=2).state_dict()
+    same = all(torch.equal(full[k], reference[k]) for k in reference)
+    return {"state": state, "errors": errors, "same": same,
+            "latest": str(fsdp_bridge.latest_checkpoint(root))}
+
+
+@pytest.mark.parametrize("where", ["write", "publish"])
+def test_killed_rank_leaves_previous_checkpoint(tmp_path: Path, where: str) -> None:
+    """A rank killed while writing, or rank 0 killed mid-publish over the previous checkpoint:
+    the previous checkpoint still loads (same weights, same state), the partial one is refused."""
+    with pytest.raises(RankFailure, match=r"exited with code -9|closed by peer|reset by peer"):
+        run_distributed(_save_then_die, 2, args=(str(tmp_path), where), timeout_s=300)
+    assert (tmp_path / ".new.partial").is_dir() if where == "write" else (tmp_path / ".good.old").is_dir()
+    if where == "publish":  # killed between the two renames: the previous checkpoint is complete aside
+        (tmp_path / ".new.partial").mkdir()  # and give the loader an interrupted save to refuse
+    out = run_distributed(_load_after_crash, 2, args=(str(tmp_path),))[0]
+    assert out["state"] == {"step": 1} and out["same"]
+    assert "does not exist; " in out["errors"]["new"] and ".new.partial is left from an interrupted save" in out[
+        "errors"]["new"]
+    assert "is an incomplete checkpoint (a save was interrupted" in out["errors"][".new.partial"]
+
+
+def _save_loop(root: str, delay_s: float) -> None:
+    import random
+    import threading
+
+    model = fsdp_bridge.shard(build_tiny("llama", seed=2), _config("fsdp2"))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if dist.get_rank() == random.Random(delay_s).randrange(2):
+        threading.Timer(delay_s, _die).start()
+    start = (fsdp_bridge.checkpoint.list_checkpoints(root) or [(0, None)])[-1][0]
+    for step in range(start + 1, start + 50):
+        fsdp_bridge.save_checkpoint(Path(root) / f"step_{step:04d}", model, optimizer,
+                                    kind="sharded" if step % 2 else "full", state={"step": step}, keep_last=2)
+
+
+@pytest.mark.slow
+def test_kill_at_random_moments(tmp_path: Path) -> None:
+    """A rank SIGKILLed at a random moment of a save loop, again and again: the latest complete
+    checkpoint always reads back whole, and interrupted saves are refused."""
+    import random
+
+    from fsdp_bridge.checkpoint._convert import read_full
+
+    rng = random.Random(0)
+    for _ in range(8):
+        try:
+            run_distributed(_save_loop, 2, args=(str(tmp_path), rng.uniform(8.0, 20.0)), timeout_s=300)
+        except RankFailure:
+            pass
+        latest = fsdp_bridge.latest_checkpoint(tmp_path)
+        assert latest is not None
+        assert read_full(latest).model  # manifest verified, every tensor readable
+        for partial in tmp_path.glob(".*.partial"):
+            with pytest.raises(CheckpointError, match="incomplete checkpoint"):
+                fsdp_bridge.checkpoint.detect(partial)
+        assert len(fsdp_bridge.checkpoint.list_checkpoints(tmp_path)) <= 2
+
+
+def _bad_checkpoints(root: str) -> dict[str, str]:
+    errors: dict[str, str] = {}
+
+    def expect(label: str, fn: Any) -> None:
+        try:
+            fn()
+        except (CheckpointError, ValueError, TypeError) as err:
+            errors[label] = f"{type(err).__name__}: {err}"
+        else:
+            errors[label] = "no error"
+
+    llama = fsdp_bridge.shard(build_tiny("llama"), _config("fsdp2"))
+    fsdp_bridge.save_checkpoint(Path(root) / "weights_only", llama, kind="sharded")
+    optimizer = torch.optim.AdamW(llama.parameters())
+    expect("no_optim", lambda: fsdp_bridge.load_checkpoint(Path(root) / "weights_only", llama, optimizer))
+    gpt2 = fsdp_bridge.shard(build_tiny("gpt2"), _config("fsdp1"))
+    expect("keys", lambda: fsdp_bridge.load_checkpoint(Path(root) / "weights_only", gpt2))
+    wide = fsdp_bridge.shard(build_tiny("llama", intermediate_size=48), _config("fsdp1"))
+    expect("shapes", lambda: fsdp_bridge.load_checkpoint(Path(root) / "weights_only", wide))
+    fsdp_bridge.save_checkpoint(Path(root) / "full", llama, kind="full")
+    expect("full_shapes", lambda: fsdp_bridge.load_checkpoint(Path(root) / "full", wide))
+    expect("bad_state", lambda: fsdp_bridge.save_checkpoint(Path(root) / "x", llama, state={"t": torch.ones(2)}))
+    expect("bad_kind", lambda: fsdp_bridge.save_checkpoint(Path(root) / "x", llama, kind="hf"))  # type: ignore[arg-type]
+    dist.barrier()
+    if dist.get_rank() == 0:  # truncate one shard file of a published checkpoint
+        victim = sorted((Path(root) / "weights_only" / "dcp").glob("*.distcp"))[0]
+        os.truncate(victim, victim.stat().st_size // 2)
+        weights = Path(root) / "full" / "model.safetensors"
+        os.truncate(weights, weights.stat().st_size - 10)
+    dist.barrier()
+    expect("truncated", lambda: fsdp_bridge.load_checkpoint(Path(root) / "weights_only", llama))
+    expect("truncated_full", lambda: fsdp_bridge.load_checkpoint(Path(root) / "full", llama))
+    # keep-last-K rotation, and the latest checkpoint by step
+    for step in (10, 20, 30):
+        fsdp_bridge.save_checkpoint(Path(root) / "runs" / f"step_{step}", llama, state={"step": step}, keep_last=2)
+    errors["kept"] = ",".join(sorted(p.name for p in (Path(root) / "runs").iterdir()))
+    errors["latest"] = Path(str(fsdp_bridge.latest_checkpoint(Path(root) / "runs"))).name
+    return errors
+
+
+def test_bad_checkpoints_are_refused_with_the_file_and_problem(tmp_path: Path) -> None:
+    e = run_distributed(_bad_checkpoints, 2, args=(str(tmp_path),))[0]
+    assert "holds no optimizer state" in e["no_optim"]
+    assert "missing model keys (" in e["keys"] and "transformer.h.0.attn.c_attn.weight" in e["keys"]
+    assert "unexpected model keys (" in e["keys"] and "model.embed_tokens.weight" in e["keys"]
+    assert "weights_only/dcp" in e["keys"]
+    assert ("shape mismatch model.layers.0.mlp.gate_proj.weight: checkpoint has shape [64, 32], "
+            "the model has [48, 32]") in e["shapes"]
+    assert "full: " in e["full_shapes"] and "shape mismatch model.layers.0.mlp.up_proj.weight" in e["full_shapes"]
+    assert "state['t']: a " in e["bad_state"] or "state['t']: Tensor" in e["bad_state"]
+    assert "kind must be 'sharded' or 'full' (got 'hf')" in e["bad_kind"]
+    assert "__0_0.distcp: size" in e["truncated"] and "(truncated or overwritten)" in e["truncated"]
+    assert "model.safetensors: size" in e["truncated_full"]
+    assert e["kept"] == "step_20,step_30" and e["latest"] == "step_30"
+
+
+def test_offline_errors_and_metadata_safety(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match="does not exist"):
+        fsdp_bridge.checkpoint.inspect_checkpoint(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match=r"not a checkpoint: no fsdp_bridge\.json"):
+        fsdp_bridge.checkpoint.detect(tmp_path / "empty")
+    # A DCP .metadata that would run code when unpickled is refused.
+    evil = tmp_path / "evil"
+    evil.mkdir()
+    import pickle
+
+    class Boom:
+        def __reduce__(self) -> Any:
+            return (os.system, ("echo pwned",))
+
+    (evil / ".metadata").write_bytes(pickle.dumps(Boom()))
+    with pytest.raises(CheckpointError, match=r"refusing to load (posix|os)\.system"):
+        fsdp_bridge.checkpoint.inspect_checkpoint(evil)
+    # A torch file holding arbitrary objects is refused (weights_only=True).
+    torch.save({"w": Boom()}, tmp_path / "evil.pt")
+    with pytest.raises(CheckpointError, match="weights_only=True"):
+        fsdp_bridge.checkpoint.inspect_checkpoint(tmp_path / "evil.pt")
+    # An index naming a file outside the directory is refused.
+    hf_dir = tmp_path / "hf"
+    hf_dir.mkdir()
+    (hf_dir / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": "../../etc/passwd"}}))
+    with pytest.raises(CheckpointError, match="names a file outside its directory"):
+        fsdp_bridge.checkpoint.inspect_checkpoint(hf_dir)
+    assert cli(["inspect", str(tmp_path / "nope")]) == 2
+    with pytest.raises(ValueError, match="keep must be an integer >= 1"):
+        fsdp_bridge.rotate_checkpoints(tmp_path, keep=0)
