@@ -1,0 +1,88 @@
+"""Write a :class:`ParityReport` to disk: ``report.json``, ``report.md`` and ``report.png``.
+
+The PNG (loss curves and per-step differences) needs matplotlib, the optional extra
+``pip install 'fsdp-bridge[plot]'``; without it the other files are still written.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from fsdp_bridge.compare.report import ParityReport
+
+__all__ = ["plot_report", "write_report"]
+
+
+def write_report(report: ParityReport, out_dir: str | Path, *, command: str | None = None,
+                 job: dict[str, Any] | None = None) -> dict[str, Path | None]:
+    """Write the report files into ``out_dir``; returns their paths (``png`` is None without matplotlib)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    data = report.to_dict()
+    if command:
+        data["command"] = command
+    if job is not None:
+        data["job"] = job
+    (out / "report.json").write_text(json.dumps(data, indent=1, default=str) + "\n")
+    head = ["# fsdp-bridge compare report", ""]
+    if command:
+        head += ["Made by:", "", "```", command, "```", ""]
+    else:
+        head += [""]
+    md = out / "report.md"
+    png = out / "report.png"
+    made_png = plot_report(report, png)
+    body = report.markdown()
+    if made_png:
+        body += f"\n![loss and differences per step]({png.name})\n"
+    md.write_text("\n".join(head) + body)
+    return {"json": out / "report.json", "md": md, "png": png if made_png else None}
+
+
+def plot_report(report: ParityReport, path: str | Path) -> bool:
+    """Loss per step for every run, and each pair's largest parameter and loss difference.
+
+    Returns False (and writes nothing) when matplotlib is not installed.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, (ax_loss, ax_diff) = plt.subplots(1, 2, figsize=(13, 4.8))
+    styles = ["-", "--", ":", "-."]
+    for i, run in enumerate(report.runs):
+        ax_loss.plot([s.step for s in run.steps], [s.loss for s in run.steps], styles[i % len(styles)],
+                     marker="o", markersize=3, label=run.name)
+    ax_loss.set_xlabel("step")
+    ax_loss.set_ylabel("loss (mean over ranks)")
+    ax_loss.set_title("loss per run")
+    ax_loss.legend(fontsize=7)
+    floor = 1e-12  # exact agreement is drawn at this floor on the log axis
+    for i, pair in enumerate(report.pairs):
+        steps = [d.step for d in pair.steps]
+        params = [d.max_param_diff for d in pair.steps]
+        label = f"{pair.a} vs {pair.b}"
+        if all(p is not None for p in params):
+            ax_diff.plot(steps, [max(float(p), floor) if p is not None and math.isfinite(p) else float("nan")
+                                 for p in params], styles[i % len(styles)], marker="o", markersize=3,
+                         label=f"max|d param| {label}")
+        ax_diff.plot(steps, [max(d.loss_diff, floor) for d in pair.steps], styles[i % len(styles)], marker="x",
+                     markersize=3, alpha=0.6, label=f"|d loss| {label}")
+        if pair.first_divergent_step is not None:
+            ax_diff.axvline(pair.first_divergent_step, color="red", alpha=0.3)
+    for ax in (ax_loss, ax_diff):
+        ax.xaxis.get_major_locator().set_params(integer=True)
+    ax_diff.set_yscale("log")
+    ax_diff.set_xlabel("step")
+    ax_diff.set_title(f"differences per step (exact agreement drawn at {floor:g})")
+    ax_diff.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
