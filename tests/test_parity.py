@@ -71,7 +71,7 @@ def test_strategies_match_reference_world2(run_on_ranks):
         assert fp32["pairs"][(f"fsdp2/{s}", f"fsdp1/{s}")][1] == 0.0
     assert set(bf16) == {("fsdp1/full_shard", "reference"), ("fsdp2/full_shard", "reference"),
                          ("fsdp2/full_shard", "fsdp1/full_shard")}
-    for pair, (ok, max_dp, max_dl, tol) in bf16.items():
+    for pair, (ok, _max_dp, _max_dl, tol) in bf16.items():
         assert ok and tol == "bf16", pair
     # bf16 really differs from the fp32 reference (the check is not vacuous) ...
     assert bf16[("fsdp1/full_shard", "reference")][1] > 1e-4

@@ -155,7 +155,9 @@ def run_parity(
 # ----------------------------------------------------------------------------------
 
 
-def _initial_state(model_fn: Callable[[], nn.Module], device: torch.device) -> tuple[dict[str, torch.Tensor], list[str]]:
+def _initial_state(
+    model_fn: Callable[[], nn.Module], device: torch.device
+) -> tuple[dict[str, torch.Tensor], list[str]]:
     """Rank 0's initial weights on every rank (every run starts from exactly these), and the parameter names."""
     model = model_fn()
     names = [name for name, _ in model.named_parameters()]
@@ -387,6 +389,6 @@ def _param_diff(pa: dict[str, torch.Tensor], pb: dict[str, torch.Tensor], tol: T
             return math.inf, False
         diff = (a - b).abs()
         worst = max(worst, float(diff.max()) if diff.numel() else 0.0)
-        if tol.param_atol is not None and diff.numel() and bool((diff > tol.param_atol + tol.param_rtol * b.abs()).any()):
-            ok = False
+        if tol.param_atol is not None and diff.numel():
+            ok = ok and not bool((diff > tol.param_atol + tol.param_rtol * b.abs()).any())
     return worst, ok

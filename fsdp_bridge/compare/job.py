@@ -195,7 +195,8 @@ class CompareJob:
                     except ValueError:
                         problems.append(Problem(f"compare.{key}", v, allowed_values(enum_cls)))
                 if not parsed and not problems:
-                    problems.append(Problem(f"compare.{key}", values, f"a non-empty list of {allowed_values(enum_cls)}"))
+                    problems.append(Problem(f"compare.{key}", values,
+                                            f"a non-empty list of {allowed_values(enum_cls)}"))
                 kw[key] = tuple(dict.fromkeys(parsed))
         if "reference" in comp:
             if isinstance(comp["reference"], bool):

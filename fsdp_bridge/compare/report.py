@@ -188,7 +188,8 @@ class PairVerdict:
         what = [f"loss diff {step.loss_diff:.3g}", f"grad-norm diff {step.grad_norm_diff:.3g}"]
         if step.max_param_diff is not None:
             what.append(f"max param diff {step.max_param_diff:.3g}")
-        return head + f"DIVERGED at step {self.first_divergent_step} ({', '.join(what)}; {self.tolerance.name} tolerance)"
+        return (head + f"DIVERGED at step {self.first_divergent_step} "
+                f"({', '.join(what)}; {self.tolerance.name} tolerance)")
 
 
 @dataclass(frozen=True)

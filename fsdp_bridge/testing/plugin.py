@@ -81,8 +81,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         wants_cuda = "cuda" in item.keywords
         marker = item.get_closest_marker("distributed")
         need = 0
-        if marker is not None and _marker_args(marker)[1] == "nccl":
-            need = _marker_args(marker)[0]
+        if marker is not None:
+            try:
+                world, backend, _ = _marker_args(marker)
+            except ValueError:  # reported when the test runs, as that test's failure
+                world, backend = 0, "gloo"
+            need = world if backend == "nccl" else 0
         if not (wants_cuda or need):
             continue
         gpus = _gpus() if gpus is None else gpus
@@ -95,9 +99,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def _marker_args(marker: pytest.Mark) -> tuple[int, str, float]:
     """(world_size, backend, timeout) of a ``distributed`` marker, validated."""
 
-    def bad(what: str) -> pytest.UsageError:
-        return pytest.UsageError(f"@pytest.mark.distributed: {what}; use "
-                                 "@pytest.mark.distributed(world_size=2, backend='gloo' or 'nccl', timeout=300)")
+    def bad(what: str) -> ValueError:
+        return ValueError(f"@pytest.mark.distributed: {what}; use "
+                          "@pytest.mark.distributed(world_size=2, backend='gloo' or 'nccl', timeout=300)")
 
     allowed = {"world_size", "backend", "timeout"}
     if len(marker.args) > 1 or set(marker.kwargs) - allowed:
@@ -122,8 +126,10 @@ def _run(fn: Callable[..., Any], world_size: int, *, args: tuple[Any, ...] = (),
     try:
         return run_distributed(fn, world_size, args=args, kwargs=kwargs, backend=backend, timeout_s=timeout_s)
     except RankFailure as err:
-        pytest.fail(f"{fn.__module__}.{fn.__qualname__} failed on ranks {sorted(err.failures)}:\n{err}",
-                    pytrace=False)
+        failure = err
+    # Outside the except block, so pytest shows the ranks' tracebacks once (not chained).
+    pytest.fail(f"{fn.__module__}.{fn.__qualname__} failed on ranks {sorted(failure.failures)}:\n{failure}",
+                pytrace=False)
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -131,7 +137,14 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     marker = pyfuncitem.get_closest_marker("distributed")
     if marker is None:
         return None
-    world, backend, timeout = _marker_args(marker)
+    try:
+        world, backend, timeout = _marker_args(marker)
+    except ValueError as err:
+        problem = str(err)
+    else:
+        problem = ""
+    if problem:
+        pytest.fail(problem, pytrace=False)
     names = pyfuncitem._fixtureinfo.argnames
     kwargs = {name: pyfuncitem.funcargs[name] for name in names}
     _run(pyfuncitem.obj, world, kwargs=kwargs, backend=backend, timeout_s=timeout)
