@@ -38,7 +38,7 @@ def write_report(report: ParityReport, out_dir: str | Path, *, command: str | No
     body = report.markdown()
     if made_png:
         body += f"\n![loss and differences per step]({png.name})\n"
-    md.write_text("\n".join(head) + body)
+    md.write_text("\n".join(head) + "\n" + body)
     return {"json": out / "report.json", "md": md, "png": png if made_png else None}
 
 
@@ -54,7 +54,10 @@ def plot_report(report: ParityReport, path: str | Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    fig, (ax_loss, ax_diff) = plt.subplots(1, 2, figsize=(13, 4.8))
+    n_pairs = max(1, len(report.pairs))
+    fig = plt.figure(figsize=(15, 4.6 + 0.1 * n_pairs))
+    grid = fig.add_gridspec(2, 3, height_ratios=[4.2, 0.2 + 0.1 * n_pairs])
+    ax_loss, ax_param, ax_dloss = (fig.add_subplot(grid[0, i]) for i in range(3))
     styles = ["-", "--", ":", "-."]
     for i, run in enumerate(report.runs):
         ax_loss.plot([s.step for s in run.steps], [s.loss for s in run.steps], styles[i % len(styles)],
@@ -63,25 +66,31 @@ def plot_report(report: ParityReport, path: str | Path) -> bool:
     ax_loss.set_ylabel("loss (mean over ranks)")
     ax_loss.set_title("loss per run")
     ax_loss.legend(fontsize=7)
-    floor = 1e-12  # exact agreement is drawn at this floor on the log axis
+    floor = 1e-12  # exact agreement is drawn at this floor on the log axes
+    lines = []
     for i, pair in enumerate(report.pairs):
         steps = [d.step for d in pair.steps]
+        style = styles[i % len(styles)]
         params = [d.max_param_diff for d in pair.steps]
-        label = f"{pair.a} vs {pair.b}"
-        if all(p is not None for p in params):
-            ax_diff.plot(steps, [max(float(p), floor) if p is not None and math.isfinite(p) else float("nan")
-                                 for p in params], styles[i % len(styles)], marker="o", markersize=3,
-                         label=f"max|d param| {label}")
-        ax_diff.plot(steps, [max(d.loss_diff, floor) for d in pair.steps], styles[i % len(styles)], marker="x",
-                     markersize=3, alpha=0.6, label=f"|d loss| {label}")
+        (line,) = ax_dloss.plot(steps, [max(d.loss_diff, floor) for d in pair.steps], style, marker="x",
+                                markersize=4, label=f"{pair.a} vs {pair.b}" + ("" if pair.ok else " (diverged)"))
+        lines.append(line)
+        if all(p is not None and math.isfinite(p) for p in params):
+            ax_param.plot(steps, [max(float(p), floor) for p in params if p is not None], style, marker="o",
+                          markersize=3, color=line.get_color())
         if pair.first_divergent_step is not None:
-            ax_diff.axvline(pair.first_divergent_step, color="red", alpha=0.3)
-    for ax in (ax_loss, ax_diff):
+            for ax in (ax_param, ax_dloss):
+                ax.axvline(pair.first_divergent_step, color="red", alpha=0.3)
+    for ax, title in ((ax_param, "largest parameter difference"), (ax_dloss, "loss difference")):
+        ax.set_yscale("log")
+        ax.set_xlabel("step")
+        ax.set_title(f"{title} per pair (0 drawn at {floor:g})", fontsize=10)
+    for ax in (ax_loss, ax_param, ax_dloss):
         ax.xaxis.get_major_locator().set_params(integer=True)
-    ax_diff.set_yscale("log")
-    ax_diff.set_xlabel("step")
-    ax_diff.set_title(f"differences per step (exact agreement drawn at {floor:g})")
-    ax_diff.legend(fontsize=6)
+    legend_ax = fig.add_subplot(grid[1, 1:])
+    legend_ax.axis("off")
+    if lines:
+        legend_ax.legend(handles=lines, loc="upper center", ncol=2, fontsize=7, frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
