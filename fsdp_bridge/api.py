@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from fsdp_bridge import hf
 from fsdp_bridge.backends import BackendImpl, ShardPlan, get_backend
 from fsdp_bridge.config import BridgeConfig
-from fsdp_bridge.distributed import build_mesh, check_user_mesh, init_distributed, plan_mesh
+from fsdp_bridge.distributed import MeshPlan, agree, build_mesh, check_user_mesh, init_distributed, plan_mesh
 from fsdp_bridge.errors import ConfigError, Problem
 from fsdp_bridge.mapping import TranslationReport, translate, unsupported_problems
 from fsdp_bridge.wrap import WrapPlan, resolve_ignored, resolve_wrap
@@ -60,12 +60,18 @@ class Bridge:
 
     def local_numel(self) -> int:
         """Parameter elements held by this rank (for FULL_SHARD about 1/N of the model)."""
-        return self.impl.local_numel(self.model)
+        return sum(t.numel() for t in self.impl.local_tensors(self.model))
+
+    def local_bytes(self) -> int:
+        """Parameter bytes held by this rank (sharded state, without padding)."""
+        return sum(t.numel() * t.element_size() for t in self.impl.local_tensors(self.model))
 
     def describe(self) -> str:
-        lines = [f"fsdp_bridge: {self.config.strategy.value} on {self.config.backend.value}, "
-                 f"mesh {tuple(self.mesh.shape)} on {self.device}",
-                 f"units: {len(self.wrap.units)} ({self.wrap.source})"]
+        lines = [
+            f"fsdp_bridge: {self.config.strategy.value} on {self.config.backend.value}, "
+            f"mesh {tuple(self.mesh.shape)} on {self.device}",
+            f"units: {len(self.wrap.units)} ({self.wrap.source})",
+        ]
         lines.extend(f"note: {n}" for n in self.wrap.notes)
         lines.append(self.report.format())
         return "\n".join(lines)
@@ -100,41 +106,43 @@ def shard(model: nn.Module, config: BridgeConfig | None = None, *, mesh: DeviceM
     """
     config = config or BridgeConfig()
     if not isinstance(config, BridgeConfig):
-        raise TypeError(f"config must be a BridgeConfig (got {type(config).__name__}); "
-                        "use fsdp_bridge.load_config(path) or BridgeConfig.from_dict(mapping)")
+        raise TypeError(
+            f"config must be a BridgeConfig (got {type(config).__name__}); "
+            "use fsdp_bridge.load_config(path) or BridgeConfig.from_dict(mapping)"
+        )
     if hasattr(model, _ATTR):
-        raise ConfigError([Problem("model", type(model).__name__, "a model that is not sharded yet",
-                                   "call shard() once per model")])
+        raise ConfigError(
+            [Problem("model", type(model).__name__, "a model that is not sharded yet", "call shard() once per model")]
+        )
 
-    # --- everything below, up to build_mesh, is local and identical on every rank ----
     device = init_distributed(config.device)
-    world = dist.get_world_size()
-    problems = unsupported_problems(config, config.backend, device_type=device.type)
-    if problems:
-        raise ConfigError(problems)
-    mesh_plan = plan_mesh(config, world)
-    if mesh is not None:
-        check_user_mesh(mesh, mesh_plan)
-    ignored = [m for _, m in resolve_ignored(model, config.ignored_modules)]
-    wrap_plan = resolve_wrap(model, config.wrap, ignored=ignored)
-    has_meta = _has_meta(model)
-    if has_meta and not config.sync_module_states:
-        raise ConfigError([Problem("sync_module_states", False, "true when the model is on the meta device",
-                                   "set sync_module_states: true and build real weights on rank 0 "
-                                   "(or load a checkpoint after shard())")])
-    report = translate(config, device_type=device.type)
+    # Validation is local.  Most checks give the same answer on every rank; some depend on
+    # what each rank holds (e.g. a model built on meta), so the outcome is shared with one
+    # small all-gather and every rank raises the same error: no rank is left in a collective.
+    problems: list[Problem] = []
+    failure: BaseException | None = None
+    try:
+        validated = _validate(model, config, mesh, device)
+    except ConfigError as err:
+        problems.extend(err.problems)
+    except Exception as err:  # unexpected: re-raised on this rank after the others are told
+        failure = err
+        problems.append(Problem("shard", type(err).__name__, "no error", str(err)))
+    agree(problems, raise_here=failure is None)
+    if failure is not None:
+        raise failure
+    mesh_plan, ignored, wrap_plan, has_meta, report = validated
 
     units = wrap_plan.modules
-    notes = list(wrap_plan.notes)
     if config.activation_checkpointing:
         units = _apply_activation_checkpointing(model, units)
         if hf.disable_kv_cache(model):
-            notes.append("use_cache=False: activation checkpointing recomputes layers")
-    wrap_plan.notes = notes
+            wrap_plan.notes.append("use_cache=False: activation checkpointing recomputes layers")
 
     mesh = mesh or build_mesh(mesh_plan, device.type)  # first collective
-    plan = ShardPlan(config=config, device=device, mesh=mesh, units=units, ignored_modules=ignored,
-                     has_meta=has_meta, report=report)
+    plan = ShardPlan(
+        config=config, device=device, mesh=mesh, units=units, ignored_modules=ignored, has_meta=has_meta, report=report
+    )
     impl = get_backend(config.backend)
     sharded = impl.shard(model, plan)
     bridge = Bridge(config=config, impl=impl, plan=plan, wrap=wrap_plan, model=sharded)
@@ -142,6 +150,52 @@ def shard(model: nn.Module, config: BridgeConfig | None = None, *, mesh: DeviceM
     if dist.get_rank() == 0:
         logger.info("%s", bridge.describe())
     return sharded
+
+
+def _validate(
+    model: nn.Module, config: BridgeConfig, mesh: DeviceMesh | None, device: torch.device
+) -> tuple[MeshPlan, list[nn.Module], WrapPlan, bool, TranslationReport]:
+    """Every check that needs no communication; raises ConfigError listing all problems."""
+    problems = unsupported_problems(config, config.backend, device_type=device.type)
+    mesh_plan = None
+    try:
+        mesh_plan = plan_mesh(config, dist.get_world_size())
+        if mesh is not None:
+            check_user_mesh(mesh, mesh_plan)
+    except ConfigError as err:
+        problems.extend(err.problems)
+    ignored: list[nn.Module] = []
+    try:
+        ignored = [m for _, m in resolve_ignored(model, config.ignored_modules)]
+    except ConfigError as err:
+        problems.extend(err.problems)
+    wrap_plan = None
+    try:
+        wrap_plan = resolve_wrap(model, config.wrap, ignored=ignored)
+    except ConfigError as err:
+        problems.extend(err.problems)
+    has_meta = _has_meta(model)
+    if has_meta and not config.sync_module_states:
+        problems.append(
+            Problem(
+                "sync_module_states",
+                False,
+                "true when the model is on the meta device",
+                "set sync_module_states: true and build real weights on rank 0 (or load a checkpoint after shard())",
+            )
+        )
+    if wrap_plan is not None and config.activation_checkpointing and not wrap_plan.units:
+        problems.append(
+            Problem(
+                "activation_checkpointing",
+                True,
+                "false when there are no wrap units",
+                "choose wrap units (wrap: auto or class names) to checkpoint",
+            )
+        )
+    if problems or mesh_plan is None or wrap_plan is None:
+        raise ConfigError(problems)
+    return mesh_plan, ignored, wrap_plan, has_meta, translate(config, device_type=device.type)
 
 
 def _apply_activation_checkpointing(model: nn.Module, units: list[nn.Module]) -> list[nn.Module]:
@@ -154,16 +208,15 @@ def _apply_activation_checkpointing(model: nn.Module, units: list[nn.Module]) ->
         checkpoint_wrapper,
     )
 
-    if not units:
-        raise ConfigError([Problem("activation_checkpointing", True, "false when there are no wrap units",
-                                   "choose wrap units (wrap: auto or class names) to checkpoint")])
     ids = {id(u) for u in units}
     apply_activation_checkpointing(
         model,
         checkpoint_wrapper_fn=partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
         check_fn=lambda m: id(m) in ids,
     )
-    wrappers = {id(m._checkpoint_wrapped_module): m for m in model.modules() if hasattr(m, "_checkpoint_wrapped_module")}
+    wrappers = {
+        id(m._checkpoint_wrapped_module): m for m in model.modules() if hasattr(m, "_checkpoint_wrapped_module")
+    }
     return [wrappers.get(id(u), u) for u in units]
 
 

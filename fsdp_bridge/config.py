@@ -319,13 +319,20 @@ class BridgeConfig:
 
         set_(self, "mixed_precision", _parse_mixed_precision(self.mixed_precision, problems))
         set_(self, "wrap", _parse_wrap(self.wrap, problems))
-        for name in ("forward_prefetch", "limit_all_gathers", "cpu_offload", "activation_checkpointing",
-                     "sync_module_states"):
+        for name in (
+            "forward_prefetch",
+            "limit_all_gathers",
+            "cpu_offload",
+            "activation_checkpointing",
+            "sync_module_states",
+        ):
             set_(self, name, _parse_bool(name, getattr(self, name), problems))
 
         raf = self.reshard_after_forward
         if raf is not None and not isinstance(raf, bool) and (not isinstance(raf, int) or raf < 1):
-            problems.append(Problem("reshard_after_forward", raf, "null (from the strategy), true, false, or an integer >= 1"))
+            problems.append(
+                Problem("reshard_after_forward", raf, "null (from the strategy), true, false, or an integer >= 1")
+            )
             set_(self, "reshard_after_forward", None)
 
         set_(self, "hybrid_shape", self._parse_hybrid_shape(problems))

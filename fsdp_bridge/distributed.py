@@ -31,12 +31,28 @@ def resolve_device(device: str) -> torch.device:
     if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     if not torch.cuda.is_available():
-        raise ConfigError([Problem("device", device, "auto or cpu on a machine without CUDA",
-                                   "set device: cpu (or auto), or run on a machine with GPUs")])
+        raise ConfigError(
+            [
+                Problem(
+                    "device",
+                    device,
+                    "auto or cpu on a machine without CUDA",
+                    "set device: cpu (or auto), or run on a machine with GPUs",
+                )
+            ]
+        )
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if local_rank >= torch.cuda.device_count():
-        raise ConfigError([Problem("LOCAL_RANK", local_rank, f"< {torch.cuda.device_count()} (GPUs on this node)",
-                                   "launch at most one rank per GPU (--nproc-per-node)")])
+        raise ConfigError(
+            [
+                Problem(
+                    "LOCAL_RANK",
+                    local_rank,
+                    f"< {torch.cuda.device_count()} (GPUs on this node)",
+                    "launch at most one rank per GPU (--nproc-per-node)",
+                )
+            ]
+        )
     return torch.device("cuda", local_rank)
 
 
@@ -62,30 +78,39 @@ def init_distributed(device: str = "auto", *, timeout_s: float = DEFAULT_TIMEOUT
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             dist.init_process_group(backend=backend, timeout=timeout)
         else:
-            dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{_free_port()}",
-                                    rank=0, world_size=1, timeout=timeout)
+            dist.init_process_group(
+                backend=backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1, timeout=timeout
+            )
     return torch_device
 
 
-def agree(local_problems: list[Problem]) -> None:
+def agree(local_problems: list[Problem], *, raise_here: bool = True) -> None:
     """Raise the same ConfigError on every rank if any rank found a problem.
 
     For checks whose outcome can differ between ranks (e.g. what each rank's model
     holds): one small all-gather that every rank joins, so no rank is left waiting in a
-    later collective while another has raised.
+    later collective while another has raised.  Problems found identically on every rank
+    are reported once; others are prefixed with the ranks that found them.
+    ``raise_here=False`` lets a rank that holds the original exception re-raise that instead.
     """
     if not dist.is_initialized() or dist.get_world_size() == 1:
-        if local_problems:
+        if local_problems and raise_here:
             raise ConfigError(local_problems)
         return
-    gathered: list[list[tuple[int, Problem]] | None] = [None] * dist.get_world_size()
-    rank = dist.get_rank()
-    dist.all_gather_object(gathered, [(rank, p) for p in local_problems])
-    everyone = [
-        Problem(f"rank {r}: {p.key}", p.value, p.allowed, p.fix) for items in gathered for r, p in (items or [])
-    ]
-    if everyone:
-        raise ConfigError(everyone)
+    gathered: list[list[Problem] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, list(local_problems))
+    per_rank = [items or [] for items in gathered]
+    if not any(per_rank) or not raise_here:
+        return
+    if all(items == per_rank[0] for items in per_rank):
+        raise ConfigError(per_rank[0])
+    merged: list[Problem] = []
+    unique = {str(p): p for items in per_rank for p in items}  # values may be unhashable lists
+    for text, problem in unique.items():
+        ranks = [str(r) for r, items in enumerate(per_rank) if any(str(q) == text for q in items)]
+        label = f"rank {','.join(ranks)}: {problem.key}"
+        merged.append(Problem(label, problem.value, problem.allowed, problem.fix))
+    raise ConfigError(merged)
 
 
 @dataclass(frozen=True)
@@ -118,15 +143,30 @@ def plan_mesh(config: BridgeConfig, world_size: int, *, local_world_size: int | 
         else:
             per_node = local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
             if per_node < 1 or world_size % per_node:
-                raise ConfigError([Problem("hybrid_shape", None, "an explicit [replicate, shard]",
-                                           f"ranks per node ({per_node}) does not divide the world size "
-                                           f"({world_size}); set hybrid_shape")])
+                raise ConfigError(
+                    [
+                        Problem(
+                            "hybrid_shape",
+                            None,
+                            "an explicit [replicate, shard]",
+                            f"ranks per node ({per_node}) does not divide the world size "
+                            f"({world_size}); set hybrid_shape",
+                        )
+                    ]
+                )
             shape = (world_size // per_node, per_node)
         if shape[0] * shape[1] != world_size:
-            raise ConfigError([Problem(
-                "hybrid_shape", list(shape), f"two integers whose product is the world size ({world_size})",
-                f"e.g. hybrid_shape: [{max(1, world_size // shape[1]) if world_size % shape[1] == 0 else 1}, "
-                f"{shape[1] if world_size % shape[1] == 0 else world_size}]")])
+            raise ConfigError(
+                [
+                    Problem(
+                        "hybrid_shape",
+                        list(shape),
+                        f"two integers whose product is the world size ({world_size})",
+                        f"set hybrid_shape to [replicate, shard] with replicate * shard = {world_size}, "
+                        f"e.g. [1, {world_size}], or launch {shape[0] * shape[1]} ranks",
+                    )
+                ]
+            )
         plan = MeshPlan(shape, ("replicate", "shard"))
     elif strategy is ShardingStrategy.NO_SHARD and config.backend is Backend.FSDP2:
         plan = MeshPlan((world_size, 1), ("replicate", "shard"))
@@ -134,8 +174,16 @@ def plan_mesh(config: BridgeConfig, world_size: int, *, local_world_size: int | 
         plan = MeshPlan((world_size,), ("shard",))
     raf = config.reshard_after_forward
     if isinstance(raf, int) and not isinstance(raf, bool) and plan.shard % raf:
-        raise ConfigError([Problem("reshard_after_forward", raf, f"a divisor of the shard group size ({plan.shard})",
-                                   "use true, false, or a divisor of the number of ranks per shard group")])
+        raise ConfigError(
+            [
+                Problem(
+                    "reshard_after_forward",
+                    raf,
+                    f"a divisor of the shard group size ({plan.shard})",
+                    "use true, false, or a divisor of the number of ranks per shard group",
+                )
+            ]
+        )
     return plan
 
 
@@ -148,5 +196,13 @@ def check_user_mesh(mesh: DeviceMesh, plan: MeshPlan) -> None:
     """A mesh passed to shard() must have the shape the strategy needs."""
     shape = tuple(mesh.shape)
     if shape != plan.shape:
-        raise ConfigError([Problem("mesh", f"DeviceMesh{shape}", f"a mesh of shape {plan.shape} ({', '.join(plan.dim_names)})",
-                                   "pass a mesh of that shape, or mesh=None to let fsdp_bridge build it")])
+        raise ConfigError(
+            [
+                Problem(
+                    "mesh",
+                    f"DeviceMesh{shape}",
+                    f"a mesh of shape {plan.shape} ({', '.join(plan.dim_names)})",
+                    "pass a mesh of that shape, or mesh=None to let fsdp_bridge build it",
+                )
+            ]
+        )

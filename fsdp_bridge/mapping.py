@@ -94,183 +94,440 @@ _STRATEGY_FOR_RAF = (
 
 TABLE: tuple[Rule, ...] = (
     # -- strategy ----------------------------------------------------------------
-    Rule("strategy", "full_shard", "sharding_strategy=ShardingStrategy.FULL_SHARD",
-         T(N, "ShardingStrategy.FULL_SHARD"),
-         T(N, "1D mesh over all ranks; reshard_after_forward=True on every unit, False on the root "
-              "(FSDP1 also keeps the root gathered for the backward that follows)"),
-         _strategy(SS.FULL_SHARD)),
-    Rule("strategy", "shard_grad_op", "sharding_strategy=ShardingStrategy.SHARD_GRAD_OP",
-         T(N, "ShardingStrategy.SHARD_GRAD_OP"),
-         T(N, "1D mesh over all ranks; reshard_after_forward=False (ZeRO-2)"),
-         _strategy(SS.SHARD_GRAD_OP)),
-    Rule("strategy", "no_shard", "sharding_strategy=ShardingStrategy.NO_SHARD",
-         T(N, "ShardingStrategy.NO_SHARD (its FutureWarning recommending DDP is silenced: the choice is deliberate)"),
-         T(E, "2D mesh (world, 1): replicate over every rank, shard over groups of one, so every rank holds "
-              "the full model and gradients are all-reduced: NO_SHARD's meaning, not ZeRO-2"),
-         _strategy(SS.NO_SHARD)),
-    Rule("strategy", "hybrid_shard", "sharding_strategy=ShardingStrategy.HYBRID_SHARD",
-         T(N, "ShardingStrategy.HYBRID_SHARD on a 2D device mesh (replicate, shard)"),
-         T(N, "2D mesh (replicate, shard); reshard_after_forward=True on every unit, False on the root"),
-         _strategy(SS.HYBRID_SHARD)),
-    Rule("strategy", "hybrid_shard_zero2", "sharding_strategy=ShardingStrategy._HYBRID_SHARD_ZERO2",
-         T(N, "ShardingStrategy._HYBRID_SHARD_ZERO2 on a 2D device mesh (replicate, shard)"),
-         T(N, "2D mesh (replicate, shard); reshard_after_forward=False"),
-         _strategy(SS.HYBRID_SHARD_ZERO2)),
+    Rule(
+        "strategy",
+        "full_shard",
+        "sharding_strategy=ShardingStrategy.FULL_SHARD",
+        T(N, "ShardingStrategy.FULL_SHARD"),
+        T(
+            N,
+            "1D mesh over all ranks; reshard_after_forward=True on every unit, False on the root "
+            "(FSDP1 also keeps the root gathered for the backward that follows)",
+        ),
+        _strategy(SS.FULL_SHARD),
+    ),
+    Rule(
+        "strategy",
+        "shard_grad_op",
+        "sharding_strategy=ShardingStrategy.SHARD_GRAD_OP",
+        T(N, "ShardingStrategy.SHARD_GRAD_OP"),
+        T(N, "1D mesh over all ranks; reshard_after_forward=False (ZeRO-2)"),
+        _strategy(SS.SHARD_GRAD_OP),
+    ),
+    Rule(
+        "strategy",
+        "no_shard",
+        "sharding_strategy=ShardingStrategy.NO_SHARD",
+        T(N, "ShardingStrategy.NO_SHARD (its FutureWarning recommending DDP is silenced: the choice is deliberate)"),
+        T(
+            E,
+            "2D mesh (world, 1): replicate over every rank, shard over groups of one, so every rank holds "
+            "the full model and gradients are all-reduced: NO_SHARD's meaning, not ZeRO-2",
+        ),
+        _strategy(SS.NO_SHARD),
+    ),
+    Rule(
+        "strategy",
+        "hybrid_shard",
+        "sharding_strategy=ShardingStrategy.HYBRID_SHARD",
+        T(N, "ShardingStrategy.HYBRID_SHARD on a 2D device mesh (replicate, shard)"),
+        T(N, "2D mesh (replicate, shard); reshard_after_forward=True on every unit, False on the root"),
+        _strategy(SS.HYBRID_SHARD),
+    ),
+    Rule(
+        "strategy",
+        "hybrid_shard_zero2",
+        "sharding_strategy=ShardingStrategy._HYBRID_SHARD_ZERO2",
+        T(N, "ShardingStrategy._HYBRID_SHARD_ZERO2 on a 2D device mesh (replicate, shard)"),
+        T(N, "2D mesh (replicate, shard); reshard_after_forward=False"),
+        _strategy(SS.HYBRID_SHARD_ZERO2),
+    ),
     # -- hybrid mesh shape -------------------------------------------------------
-    Rule("hybrid_shape", "default", "device_mesh=init_device_mesh(..., (nodes, gpus_per_node))",
-         T(N, "device_mesh of shape (nodes, ranks per node): shard within a node, replicate across nodes"),
-         T(N, "mesh of shape (nodes, ranks per node): shard within a node, replicate across nodes"),
-         lambda c: c.config.strategy.is_hybrid and c.config.hybrid_shape is None),
-    Rule("hybrid_shape", "[replicate, shard]", "device_mesh=init_device_mesh(..., (replicate, shard))",
-         T(N, "device_mesh of the given shape; mesh dim 0 replicates, dim 1 shards"),
-         T(N, "mesh of the given shape; mesh dim 0 replicates, dim 1 shards"),
-         lambda c: c.config.strategy.is_hybrid and c.config.hybrid_shape is not None),
+    Rule(
+        "hybrid_shape",
+        "default",
+        "device_mesh=init_device_mesh(..., (nodes, gpus_per_node))",
+        T(N, "device_mesh of shape (nodes, ranks per node): shard within a node, replicate across nodes"),
+        T(N, "mesh of shape (nodes, ranks per node): shard within a node, replicate across nodes"),
+        lambda c: c.config.strategy.is_hybrid and c.config.hybrid_shape is None,
+    ),
+    Rule(
+        "hybrid_shape",
+        "[replicate, shard]",
+        "device_mesh=init_device_mesh(..., (replicate, shard))",
+        T(N, "device_mesh of the given shape; mesh dim 0 replicates, dim 1 shards"),
+        T(N, "mesh of the given shape; mesh dim 0 replicates, dim 1 shards"),
+        lambda c: c.config.strategy.is_hybrid and c.config.hybrid_shape is not None,
+    ),
     # -- wrapping ----------------------------------------------------------------
-    Rule("wrap", "none", "auto_wrap_policy=None",
-         T(N, "one FSDP unit: the root"),
-         T(N, "fully_shard on the root only"),
-         lambda c: c.config.wrap.mode == "none"),
-    Rule("wrap", "auto / classes / min_num_params / callable",
-         "auto_wrap_policy=transformer_auto_wrap_policy / size_based_auto_wrap_policy / ModuleWrapPolicy / CustomPolicy",
-         T(N, "auto_wrap_policy=CustomPolicy over the units fsdp_bridge resolved (the same modules on both backends)"),
-         T(E, "fully_shard on each resolved unit, bottom-up, then on the root; units that would split tied "
-              "parameters are merged into their parent"),
-         lambda c: c.config.wrap.mode != "none"),
+    Rule(
+        "wrap",
+        "none",
+        "auto_wrap_policy=None",
+        T(N, "one FSDP unit: the root"),
+        T(N, "fully_shard on the root only"),
+        lambda c: c.config.wrap.mode == "none",
+    ),
+    Rule(
+        "wrap",
+        "auto / classes / min_num_params / callable",
+        "auto_wrap_policy=transformer_auto_wrap_policy / size_based_auto_wrap_policy / ModuleWrapPolicy / CustomPolicy",
+        T(N, "auto_wrap_policy=CustomPolicy over the units fsdp_bridge resolved (the same modules on both backends)"),
+        T(
+            E,
+            "fully_shard on each resolved unit, bottom-up, then on the root; units that would split tied "
+            "parameters are merged into their parent",
+        ),
+        lambda c: c.config.wrap.mode != "none",
+    ),
     # -- mixed precision ---------------------------------------------------------
-    Rule("mixed_precision", "fp32 (off)", "mixed_precision=None",
-         T(N, "no MixedPrecision"), T(N, "default MixedPrecisionPolicy (no casts)"),
-         lambda c: not c.config.mixed_precision.enabled),
-    Rule("mixed_precision", "param/reduce dtypes", "MixedPrecision(param_dtype, reduce_dtype, cast_forward_inputs)",
-         T(N, "MixedPrecision(param_dtype, reduce_dtype, cast_forward_inputs=cast_root_forward_inputs=...)"),
-         T(N, "MixedPrecisionPolicy(param_dtype, reduce_dtype, cast_forward_inputs)"),
-         lambda c: c.config.mixed_precision.enabled),
-    Rule("mixed_precision.output_dtype", "set", "(none in FSDP1)",
-         T(E, "a forward hook on the root casts its floating-point outputs"),
-         T(N, "MixedPrecisionPolicy(output_dtype=...)"),
-         lambda c: c.config.mixed_precision.output_dtype is not None),
-    Rule("mixed_precision.buffer_dtype", "set", "MixedPrecision(buffer_dtype=...)",
-         T(N, "MixedPrecision(buffer_dtype=...)"),
-         T(E, "FSDP2 does not manage buffers: floating-point buffers are cast once when sharding "
-              "(state dicts then hold them in buffer_dtype, unlike FSDP1)"),
-         lambda c: c.config.mixed_precision.buffer_dtype is not None),
+    Rule(
+        "mixed_precision",
+        "fp32 (off)",
+        "mixed_precision=None",
+        T(N, "no MixedPrecision"),
+        T(N, "default MixedPrecisionPolicy (no casts)"),
+        lambda c: not c.config.mixed_precision.enabled,
+    ),
+    Rule(
+        "mixed_precision",
+        "param/reduce dtypes",
+        "MixedPrecision(param_dtype, reduce_dtype, cast_forward_inputs)",
+        T(N, "MixedPrecision(param_dtype, reduce_dtype, cast_forward_inputs=cast_root_forward_inputs=...)"),
+        T(N, "MixedPrecisionPolicy(param_dtype, reduce_dtype, cast_forward_inputs)"),
+        lambda c: c.config.mixed_precision.enabled,
+    ),
+    Rule(
+        "mixed_precision.output_dtype",
+        "set",
+        "(none in FSDP1)",
+        T(E, "a forward hook on the root casts its floating-point outputs"),
+        T(
+            N,
+            "MixedPrecisionPolicy(output_dtype=...) on the root's fully_shard call only "
+            "(inner units would hand the root's own layers inputs in another dtype)",
+        ),
+        lambda c: c.config.mixed_precision.output_dtype is not None,
+    ),
+    Rule(
+        "mixed_precision.buffer_dtype",
+        "set",
+        "MixedPrecision(buffer_dtype=...)",
+        T(N, "MixedPrecision(buffer_dtype=...)"),
+        T(
+            E,
+            "FSDP2 does not manage buffers: floating-point buffers are cast once when sharding "
+            "(state dicts then hold them in buffer_dtype, unlike FSDP1)",
+        ),
+        lambda c: c.config.mixed_precision.buffer_dtype is not None,
+    ),
     # -- prefetch and rate limiting -----------------------------------------------
-    Rule("backward_prefetch", "pre", "backward_prefetch=BackwardPrefetch.BACKWARD_PRE",
-         T(N, "BackwardPrefetch.BACKWARD_PRE"),
-         T(N, "implicit: FSDP2 always gathers the previous unit before the current unit's gradient computation"),
-         lambda c: c.config.backward_prefetch is BP.PRE),
-    Rule("backward_prefetch", "post", "backward_prefetch=BackwardPrefetch.BACKWARD_POST",
-         T(N, "BackwardPrefetch.BACKWARD_POST"),
-         T(U, "FSDP2 prefetches only before a unit's gradient computation (BACKWARD_PRE timing). "
-              "Use backward_prefetch: pre: the same overlap, holding at most one more unit gathered"),
-         lambda c: c.config.backward_prefetch is BP.POST),
-    Rule("backward_prefetch", "none", "backward_prefetch=None",
-         T(N, "backward_prefetch=None"),
-         T(U, "FSDP2 always prefetches one unit in backward and has no public switch to turn it off. "
-              "Use backward_prefetch: pre (it costs one more unit of gathered parameters)"),
-         lambda c: c.config.backward_prefetch is BP.NONE),
-    Rule("forward_prefetch", "true", "forward_prefetch=True",
-         T(N, "forward_prefetch=True"),
-         T(E, "explicit: each unit calls set_modules_to_forward_prefetch([next unit in forward order])"),
-         lambda c: c.config.forward_prefetch),
-    Rule("forward_prefetch", "false", "forward_prefetch=False",
-         T(N, "forward_prefetch=False"),
-         T(N, "no explicit prefetch: each unit's all-gather is issued as the CPU reaches it"),
-         lambda c: not c.config.forward_prefetch),
-    Rule("limit_all_gathers", "any", "limit_all_gathers=True|False",
-         T(N, "limit_all_gathers passed through"),
-         T(X, "FSDP2 frees memory without CPU synchronisation or recordStream, so in-flight all-gathers "
-              "need no rate limiter"),
-         lambda c: True),
+    Rule(
+        "backward_prefetch",
+        "pre",
+        "backward_prefetch=BackwardPrefetch.BACKWARD_PRE",
+        T(N, "BackwardPrefetch.BACKWARD_PRE"),
+        T(N, "implicit: FSDP2 always gathers the previous unit before the current unit's gradient computation"),
+        lambda c: c.config.backward_prefetch is BP.PRE,
+    ),
+    Rule(
+        "backward_prefetch",
+        "post",
+        "backward_prefetch=BackwardPrefetch.BACKWARD_POST",
+        T(N, "BackwardPrefetch.BACKWARD_POST"),
+        T(
+            U,
+            "FSDP2 prefetches only before a unit's gradient computation (BACKWARD_PRE timing). "
+            "Use backward_prefetch: pre: the same overlap, holding at most one more unit gathered",
+        ),
+        lambda c: c.config.backward_prefetch is BP.POST,
+    ),
+    Rule(
+        "backward_prefetch",
+        "none",
+        "backward_prefetch=None",
+        T(N, "backward_prefetch=None"),
+        T(
+            U,
+            "FSDP2 always prefetches one unit in backward and has no public switch to turn it off. "
+            "Use backward_prefetch: pre (it costs one more unit of gathered parameters)",
+        ),
+        lambda c: c.config.backward_prefetch is BP.NONE,
+    ),
+    Rule(
+        "forward_prefetch",
+        "true",
+        "forward_prefetch=True",
+        T(N, "forward_prefetch=True"),
+        T(E, "explicit: each unit calls set_modules_to_forward_prefetch([next unit in forward order])"),
+        lambda c: c.config.forward_prefetch,
+    ),
+    Rule(
+        "forward_prefetch",
+        "false",
+        "forward_prefetch=False",
+        T(N, "forward_prefetch=False"),
+        T(N, "no explicit prefetch: each unit's all-gather is issued as the CPU reaches it"),
+        lambda c: not c.config.forward_prefetch,
+    ),
+    Rule(
+        "limit_all_gathers",
+        "any",
+        "limit_all_gathers=True|False",
+        T(N, "limit_all_gathers passed through"),
+        T(
+            X,
+            "FSDP2 frees memory without CPU synchronisation or recordStream, so in-flight all-gathers "
+            "need no rate limiter",
+        ),
+        lambda c: True,
+    ),
     # -- offload, checkpointing, init ----------------------------------------------
-    Rule("cpu_offload", "true, on CPU", "cpu_offload=CPUOffload(offload_params=True)",
-         T(X, "parameters already live in host memory on a CPU run (torch's CPU offload needs an "
-              "accelerator and would fail); nothing is offloaded"),
-         T(X, "parameters already live in host memory on a CPU run (torch's CPU offload needs an "
-              "accelerator and would fail); nothing is offloaded"),
-         lambda c: c.config.cpu_offload and _on_cpu(c)),
-    Rule("cpu_offload", "true", "cpu_offload=CPUOffload(offload_params=True)",
-         T(N, "CPUOffload(offload_params=True)"),
-         T(N, "offload_policy=CPUOffloadPolicy(pin_memory=True)"),
-         lambda c: c.config.cpu_offload),
-    Rule("activation_checkpointing", "true", "apply_activation_checkpointing(model, checkpoint_wrapper, check_fn)",
-         T(N, "non-reentrant checkpoint_wrapper on every unit, applied before wrapping"),
-         T(N, "non-reentrant checkpoint_wrapper on every unit, applied before fully_shard; "
-              "Hugging Face models get use_cache=False"),
-         lambda c: c.config.activation_checkpointing),
-    Rule("sync_module_states", "true", "sync_module_states=True, param_init_fn=...",
-         T(N, "sync_module_states=True; modules on the meta device get param_init_fn=to_empty"),
-         T(E, "after fully_shard, meta tensors are materialised with to_empty and rank 0's full state dict is "
-              "broadcast with set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True); "
-              "buffers are broadcast from rank 0"),
-         lambda c: c.config.sync_module_states),
-    Rule("reshard_after_forward", "null (from the strategy)", "(implied by sharding_strategy)",
-         T(N, "implied by the strategy"), T(N, "set per unit from the strategy (see strategy)"),
-         lambda c: c.config.reshard_after_forward is None),
-    Rule("reshard_after_forward", "no_shard + override", "(implied by sharding_strategy)",
-         T(X, "nothing is sharded under NO_SHARD, so there is nothing to reshard"),
-         T(X, "nothing is sharded under NO_SHARD, so there is nothing to reshard"),
-         lambda c: c.config.reshard_after_forward is not None and c.config.strategy is SS.NO_SHARD),
-    Rule("reshard_after_forward", "agrees with strategy", "(implied by sharding_strategy)",
-         T(X, "already implied by the strategy"),
-         T(N, "reshard_after_forward passed to every fully_shard call, the root included"),
-         _raf_matches_strategy),
-    Rule("reshard_after_forward", "true/false against the strategy", "(implied by sharding_strategy)",
-         T(U, _STRATEGY_FOR_RAF),
-         T(N, "reshard_after_forward passed to every fully_shard call, the root included"),
-         lambda c: isinstance(c.config.reshard_after_forward, bool)),
-    Rule("reshard_after_forward", "integer", "(none in FSDP1)",
-         T(U, "FSDP1 cannot reshard to a smaller group after forward; remove reshard_after_forward or use "
-              "backend: fsdp2"),
-         T(N, "reshard_after_forward=N: after forward, keep parameters gathered within groups of N ranks "
-              "(N must divide the shard group size)"),
-         lambda c: isinstance(c.config.reshard_after_forward, int)
-         and not isinstance(c.config.reshard_after_forward, bool)),
-    Rule("ignored_modules", "set", "ignored_modules=[...]",
-         T(N, "ignored_modules: neither sharded nor synchronised"),
-         T(N, "ignored_params = their parameters: neither sharded nor synchronised"),
-         lambda c: bool(c.config.ignored_modules)),
-    Rule("device", "cpu", "device_id=torch.device('cpu')",
-         T(N, "device_id=cpu, process group on gloo"),
-         T(N, "mesh on device type cpu, process group on gloo"),
-         lambda c: c.device_type == "cpu"),
-    Rule("device", "cuda", "device_id=torch.cuda.current_device()",
-         T(N, "device_id=cuda:LOCAL_RANK, process group on NCCL"),
-         T(N, "mesh on device type cuda (cuda:LOCAL_RANK), process group on NCCL"),
-         lambda c: c.device_type == "cuda"),
+    Rule(
+        "cpu_offload",
+        "true, on CPU",
+        "cpu_offload=CPUOffload(offload_params=True)",
+        T(
+            X,
+            "parameters already live in host memory on a CPU run (torch's CPU offload needs an "
+            "accelerator and would fail); nothing is offloaded",
+        ),
+        T(
+            X,
+            "parameters already live in host memory on a CPU run (torch's CPU offload needs an "
+            "accelerator and would fail); nothing is offloaded",
+        ),
+        lambda c: c.config.cpu_offload and _on_cpu(c),
+    ),
+    Rule(
+        "cpu_offload",
+        "true",
+        "cpu_offload=CPUOffload(offload_params=True)",
+        T(N, "CPUOffload(offload_params=True)"),
+        T(N, "offload_policy=CPUOffloadPolicy(pin_memory=True)"),
+        lambda c: c.config.cpu_offload,
+    ),
+    Rule(
+        "activation_checkpointing",
+        "true",
+        "apply_activation_checkpointing(model, checkpoint_wrapper, check_fn)",
+        T(N, "non-reentrant checkpoint_wrapper on every unit, applied before wrapping"),
+        T(
+            N,
+            "non-reentrant checkpoint_wrapper on every unit, applied before fully_shard; "
+            "Hugging Face models get use_cache=False",
+        ),
+        lambda c: c.config.activation_checkpointing,
+    ),
+    Rule(
+        "sync_module_states",
+        "true, on CPU",
+        "sync_module_states=True, param_init_fn=...",
+        T(
+            E,
+            "FSDP1's sync_module_states refuses CPU tensors: after wrapping (meta modules get "
+            "param_init_fn=to_empty), rank 0's full state dict is broadcast with "
+            "set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True), and buffers from rank 0",
+        ),
+        T(
+            E,
+            "after fully_shard, meta tensors are materialised with to_empty and rank 0's full state dict is "
+            "broadcast with set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True); "
+            "buffers are broadcast from rank 0",
+        ),
+        lambda c: c.config.sync_module_states and _on_cpu(c),
+    ),
+    Rule(
+        "sync_module_states",
+        "true",
+        "sync_module_states=True, param_init_fn=...",
+        T(N, "sync_module_states=True; modules on the meta device get param_init_fn=to_empty"),
+        T(
+            E,
+            "after fully_shard, meta tensors are materialised with to_empty and rank 0's full state dict is "
+            "broadcast with set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True); "
+            "buffers are broadcast from rank 0",
+        ),
+        lambda c: c.config.sync_module_states,
+    ),
+    Rule(
+        "reshard_after_forward",
+        "null (from the strategy)",
+        "(implied by sharding_strategy)",
+        T(N, "implied by the strategy"),
+        T(N, "set per unit from the strategy (see strategy)"),
+        lambda c: c.config.reshard_after_forward is None,
+    ),
+    Rule(
+        "reshard_after_forward",
+        "no_shard + override",
+        "(implied by sharding_strategy)",
+        T(X, "nothing is sharded under NO_SHARD, so there is nothing to reshard"),
+        T(X, "nothing is sharded under NO_SHARD, so there is nothing to reshard"),
+        lambda c: c.config.reshard_after_forward is not None and c.config.strategy is SS.NO_SHARD,
+    ),
+    Rule(
+        "reshard_after_forward",
+        "agrees with strategy",
+        "(implied by sharding_strategy)",
+        T(X, "already implied by the strategy"),
+        T(N, "reshard_after_forward passed to every fully_shard call, the root included"),
+        _raf_matches_strategy,
+    ),
+    Rule(
+        "reshard_after_forward",
+        "true/false against the strategy",
+        "(implied by sharding_strategy)",
+        T(U, _STRATEGY_FOR_RAF),
+        T(N, "reshard_after_forward passed to every fully_shard call, the root included"),
+        lambda c: isinstance(c.config.reshard_after_forward, bool),
+    ),
+    Rule(
+        "reshard_after_forward",
+        "integer",
+        "(none in FSDP1)",
+        T(
+            U,
+            "FSDP1 cannot reshard to a smaller group after forward; remove reshard_after_forward or use backend: fsdp2",
+        ),
+        T(
+            N,
+            "reshard_after_forward=N: after forward, keep parameters gathered within groups of N ranks "
+            "(N must divide the shard group size)",
+        ),
+        lambda c: (
+            isinstance(c.config.reshard_after_forward, int) and not isinstance(c.config.reshard_after_forward, bool)
+        ),
+    ),
+    Rule(
+        "ignored_modules",
+        "set",
+        "ignored_modules=[...]",
+        T(N, "ignored_modules: neither sharded nor synchronised"),
+        T(N, "ignored_params = their parameters: neither sharded nor synchronised"),
+        lambda c: bool(c.config.ignored_modules),
+    ),
+    Rule(
+        "device",
+        "cpu",
+        "device_id=torch.device('cpu')",
+        T(N, "device_id=cpu, process group on gloo"),
+        T(N, "mesh on device type cpu, process group on gloo"),
+        lambda c: c.device_type == "cpu",
+    ),
+    Rule(
+        "device",
+        "cuda",
+        "device_id=torch.cuda.current_device()",
+        T(N, "device_id=cuda:LOCAL_RANK, process group on NCCL"),
+        T(N, "mesh on device type cuda (cuda:LOCAL_RANK), process group on NCCL"),
+        lambda c: c.device_type == "cuda",
+    ),
     # -- FSDP1 API with no config field (migration table only) ------------------------
-    Rule("use_orig_params", "-", "use_orig_params=True|False",
-         T(N, "always True under fsdp_bridge, so optimizers see the original parameters"),
-         T(X, "FSDP2 parameters are always the original ones (as DTensors)")),
-    Rule("device_id", "-", "device_id=...",
-         T(N, "set from the resolved device"), T(X, "taken from the mesh's device type")),
-    Rule("param_init_fn", "-", "param_init_fn=...",
-         T(N, "to_empty for meta modules, with sync_module_states"),
-         T(E, "build on meta, fully_shard, to_empty(device), then reset_parameters() or load/broadcast weights")),
-    Rule("no_sync", "-", "with model.no_sync():",
-         T(N, "fsdp_bridge.no_sync(model) calls FSDP.no_sync()"),
-         T(N, "fsdp_bridge.no_sync(model) calls set_requires_gradient_sync(False) (covers HSDP's all-reduce), "
-              "restored on exit")),
-    Rule("clip_grad_norm_", "-", "model.clip_grad_norm_(max_norm)",
-         T(N, "fsdp_bridge.clip_grad_norm_(model, ...) calls FSDP.clip_grad_norm_"),
-         T(N, "fsdp_bridge.clip_grad_norm_(model, ...) uses torch.nn.utils norms over DTensor gradients "
-              "(correct across shards and replicas); returns the total norm")),
-    Rule("summon_full_params", "-", "with FSDP.summon_full_params(model):",
-         T(N, "fsdp_bridge.summon_full_params(model) calls FSDP.summon_full_params"),
-         T(E, "fsdp_bridge.summon_full_params(model) swaps in DTensor.full_tensor() copies, writes shards "
-              "back on exit when writeback=True")),
-    Rule("state_dict_type", "-", "with FSDP.state_dict_type(model, ...): model.state_dict()",
-         T(N, "torch.distributed.checkpoint.state_dict get/set_model_state_dict"),
-         T(N, "torch.distributed.checkpoint.state_dict get/set_model_state_dict (the same call)")),
-    Rule("optim_state_dict", "-", "FSDP.optim_state_dict / optim_state_dict_to_load",
-         T(N, "get/set_optimizer_state_dict"), T(N, "get/set_optimizer_state_dict (the same call)")),
-    Rule("ShardedGradScaler", "-", "ShardedGradScaler()",
-         T(N, "ShardedGradScaler"), T(N, "torch.amp.GradScaler (works on DTensor gradients)")),
-    Rule("keep_low_precision_grads", "-", "MixedPrecision(keep_low_precision_grads=True)",
-         T(N, "MixedPrecision(keep_low_precision_grads=True)"),
-         T(U, "no equivalent: FSDP2 gradients take the sharded parameter's dtype; set param dtype via "
-              "model.to(dtype) before sharding if low-precision gradients are the goal")),
-    Rule("process_group", "-", "process_group=... | (intra, inter)",
-         T(N, "a 1D device mesh, or 2D for HYBRID_*"), T(N, "mesh= (1D, or 2D for HYBRID_* and NO_SHARD)")),
+    Rule(
+        "use_orig_params",
+        "-",
+        "use_orig_params=True|False",
+        T(N, "always True under fsdp_bridge, so optimizers see the original parameters"),
+        T(X, "FSDP2 parameters are always the original ones (as DTensors)"),
+    ),
+    Rule(
+        "device_id",
+        "-",
+        "device_id=...",
+        T(N, "set from the resolved device"),
+        T(X, "taken from the mesh's device type"),
+    ),
+    Rule(
+        "param_init_fn",
+        "-",
+        "param_init_fn=...",
+        T(N, "to_empty for meta modules, with sync_module_states"),
+        T(E, "build on meta, fully_shard, to_empty(device), then reset_parameters() or load/broadcast weights"),
+    ),
+    Rule(
+        "no_sync",
+        "-",
+        "with model.no_sync():",
+        T(N, "fsdp_bridge.no_sync(model) calls FSDP.no_sync()"),
+        T(
+            N,
+            "fsdp_bridge.no_sync(model) calls set_requires_gradient_sync(False) (covers HSDP's all-reduce), "
+            "restored on exit",
+        ),
+    ),
+    Rule(
+        "clip_grad_norm_",
+        "-",
+        "model.clip_grad_norm_(max_norm)",
+        T(N, "fsdp_bridge.clip_grad_norm_(model, ...) calls FSDP.clip_grad_norm_"),
+        T(
+            N,
+            "fsdp_bridge.clip_grad_norm_(model, ...) uses torch.nn.utils norms over DTensor gradients "
+            "(correct across shards and replicas); returns the total norm",
+        ),
+    ),
+    Rule(
+        "summon_full_params",
+        "-",
+        "with FSDP.summon_full_params(model):",
+        T(N, "fsdp_bridge.summon_full_params(model) calls FSDP.summon_full_params"),
+        T(
+            E,
+            "fsdp_bridge.summon_full_params(model) swaps in DTensor.full_tensor() copies, writes shards "
+            "back on exit when writeback=True",
+        ),
+    ),
+    Rule(
+        "state_dict_type",
+        "-",
+        "with FSDP.state_dict_type(model, ...): model.state_dict()",
+        T(N, "torch.distributed.checkpoint.state_dict get/set_model_state_dict"),
+        T(N, "torch.distributed.checkpoint.state_dict get/set_model_state_dict (the same call)"),
+    ),
+    Rule(
+        "optim_state_dict",
+        "-",
+        "FSDP.optim_state_dict / optim_state_dict_to_load",
+        T(N, "get/set_optimizer_state_dict"),
+        T(N, "get/set_optimizer_state_dict (the same call)"),
+    ),
+    Rule(
+        "cpu_ram_efficient_loading",
+        "-",
+        "cpu_ram_efficient_loading=True (accelerate, Trainer)",
+        T(N, "rank 0 loads the weights, other ranks build on the meta device; implies sync_module_states=True"),
+        T(
+            E,
+            "sync_module_states: true: ranks > 0 may build on the meta device; after fully_shard rank 0's full "
+            "state dict is broadcast (set_model_state_dict with broadcast_from_rank0=True)",
+        ),
+    ),
+    Rule(
+        "ShardedGradScaler",
+        "-",
+        "ShardedGradScaler()",
+        T(N, "ShardedGradScaler"),
+        T(N, "torch.amp.GradScaler (works on DTensor gradients)"),
+    ),
+    Rule(
+        "keep_low_precision_grads",
+        "-",
+        "MixedPrecision(keep_low_precision_grads=True)",
+        T(N, "MixedPrecision(keep_low_precision_grads=True)"),
+        T(
+            U,
+            "no equivalent: FSDP2 gradients take the sharded parameter's dtype; set param dtype via "
+            "model.to(dtype) before sharding if low-precision gradients are the goal",
+        ),
+    ),
+    Rule(
+        "process_group",
+        "-",
+        "process_group=... | (intra, inter)",
+        T(N, "a 1D device mesh, or 2D for HYBRID_*"),
+        T(N, "mesh= (1D, or 2D for HYBRID_* and NO_SHARD)"),
+    ),
 )
 
 CONFIG_OPTIONS: tuple[str, ...] = tuple(dict.fromkeys(r.option for r in TABLE if r.when is not None))
@@ -303,9 +560,11 @@ class TranslationReport:
         w1 = min(24, max(len("value"), *(len(r[1]) for r in rows)))
         w2 = max(len("outcome"), *(len(r[2]) for r in rows))
         text_w = max(30, width - w0 - w1 - w2 - 6)
-        lines = [f"{self.backend.value}:",
-                 f"{'option':<{w0}}  {'value':<{w1}}  {'outcome':<{w2}}  what happens",
-                 f"{'-' * w0}  {'-' * w1}  {'-' * w2}  {'-' * 12}"]
+        lines = [
+            f"{self.backend.value}:",
+            f"{'option':<{w0}}  {'value':<{w1}}  {'outcome':<{w2}}  what happens",
+            f"{'-' * w0}  {'-' * w1}  {'-' * w2}  {'-' * 12}",
+        ]
         for opt, val, outcome, text in rows:
             wrapped = textwrap.wrap(text, text_w) or [""]
             lines.append(f"{opt:<{w0}}  {val[:w1]:<{w1}}  {outcome:<{w2}}  {wrapped[0]}")
@@ -316,8 +575,13 @@ class TranslationReport:
         return {
             "backend": self.backend.value,
             "entries": [
-                {"option": e.option, "case": e.case, "value": _show(e.value), "outcome": e.outcome.value,
-                 "text": e.text}
+                {
+                    "option": e.option,
+                    "case": e.case,
+                    "value": _show(e.value),
+                    "outcome": e.outcome.value,
+                    "text": e.text,
+                }
                 for e in self.entries
             ],
         }
@@ -341,7 +605,9 @@ def _option_value(config: BridgeConfig, option: str) -> object:
     return obj
 
 
-def translate(config: BridgeConfig, backend: Backend | None = None, *, device_type: str | None = None) -> TranslationReport:
+def translate(
+    config: BridgeConfig, backend: Backend | None = None, *, device_type: str | None = None
+) -> TranslationReport:
     """What each option of ``config`` becomes on ``backend`` (default: the config's own)."""
     backend = backend or config.backend
     ctx = Context(config=config, device_type=device_type)
@@ -360,7 +626,8 @@ def unsupported_problems(config: BridgeConfig, backend: Backend, *, device_type:
     problems = []
     for entry in translate(config, backend, device_type=device_type).unsupported:
         supported = [
-            r.case for r in TABLE
+            r.case
+            for r in TABLE
             if r.option == entry.option and r.when is not None and r.for_backend(backend).outcome is not U
         ]
         problems.append(
@@ -374,10 +641,22 @@ def unsupported_problems(config: BridgeConfig, backend: Backend, *, device_type:
     return problems
 
 
+def strategy_table_markdown() -> str:
+    """The strategy x backend table as Markdown (embedded in the README)."""
+    lines = ["| strategy | FSDP1 | FSDP2 |", "| --- | --- | --- |"]
+    for r in TABLE:
+        if r.option == "strategy":
+            fsdp2 = f"{r.fsdp2.outcome.value}: {r.fsdp2.text}"
+            lines.append(f"| `{r.case}` | {r.fsdp1.text} | {fsdp2} |")
+    return "\n".join(lines)
+
+
 def migration_table_markdown() -> str:
     """The full FSDP1 -> FSDP2 table as Markdown (``docs/migration.md`` embeds it)."""
-    lines = ["| option | case | FSDP1 | FSDP1 under fsdp_bridge | FSDP2 outcome | FSDP2 under fsdp_bridge |",
-             "| --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "| option | case | FSDP1 | FSDP1 under fsdp_bridge | FSDP2 outcome | FSDP2 under fsdp_bridge |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
     for r in TABLE:
         cells = [r.option, r.case, f"`{r.fsdp1_api}`", r.fsdp1.text, r.fsdp2.outcome.value, r.fsdp2.text]
         lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")

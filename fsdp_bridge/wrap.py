@@ -131,12 +131,20 @@ def resolve_ignored(model: nn.Module, names: tuple[str, ...]) -> list[tuple[str,
     problems: list[Problem] = []
     modules = dict(model.named_modules())
     for name in names:
-        hits = [(name, modules[name])] if name in modules else [
-            (n, m) for n, m in modules.items() if type(m).__name__ == name and n
-        ]
+        hits = (
+            [(name, modules[name])]
+            if name in modules
+            else [(n, m) for n, m in modules.items() if type(m).__name__ == name and n]
+        )
         if not hits:
-            problems.append(Problem("ignored_modules", name, "a module path or class name in the model",
-                                    f"the model's top-level modules are: {', '.join(n for n, _ in model.named_children())}"))
+            problems.append(
+                Problem(
+                    "ignored_modules",
+                    name,
+                    "a module path or class name in the model",
+                    f"the model's top-level modules are: {', '.join(n for n, _ in model.named_children())}",
+                )
+            )
         found.extend(hits)
     if problems:
         raise ConfigError(problems)
@@ -160,17 +168,26 @@ def resolve_wrap(model: nn.Module, policy: WrapPolicy, *, ignored: list[nn.Modul
         if present:
             units, source = _by_classes(model, tuple(present)), f"auto: _no_split_modules {present}"
         else:
-            units, source = _repeated_blocks(model), "auto: the entries of the model's ModuleLists (no _no_split_modules)"
+            units, source = (
+                _repeated_blocks(model),
+                "auto: the entries of the model's ModuleLists (no _no_split_modules)",
+            )
     elif policy.mode == "classes":
         present_classes = set(_module_classes(model))
         missing = [c for c in policy.classes if c not in present_classes]
         if missing:
             hint = f"; its _no_split_modules are {no_split} (or use wrap: auto)" if no_split else "; or use wrap: auto"
-            raise ConfigError([
-                Problem("wrap", c, f"a module class the model contains: {', '.join(sorted(present_classes))}",
-                        f"use one of the model's classes{hint}")
-                for c in missing
-            ])
+            raise ConfigError(
+                [
+                    Problem(
+                        "wrap",
+                        c,
+                        f"a module class the model contains: {', '.join(sorted(present_classes))}",
+                        f"use one of the model's classes{hint}",
+                    )
+                    for c in missing
+                ]
+            )
         units, source = _by_classes(model, policy.classes), f"classes {list(policy.classes)}"
     elif policy.mode == "min_params":
         units = _by_min_params(model, policy.min_num_params, ignored_params)

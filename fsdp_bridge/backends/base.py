@@ -67,6 +67,6 @@ class BackendImpl(Protocol):
         """Inside the context, the model's parameters are full, unsharded tensors."""
         ...
 
-    def local_numel(self, model: nn.Module) -> int:
-        """Number of parameter elements this rank holds (its shards, not padding)."""
+    def local_tensors(self, model: nn.Module) -> list[torch.Tensor]:
+        """The parameter data this rank holds: its shards (no padding), one tensor per parameter."""
         ...

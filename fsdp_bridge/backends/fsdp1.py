@@ -22,6 +22,7 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.fsdp.wrap import CustomPolicy
 
+from fsdp_bridge.backends._common import broadcast_from_rank0, rank0_full_state
 from fsdp_bridge.backends.base import ShardPlan
 from fsdp_bridge.strategy import Backend, BackwardPrefetch, ShardingStrategy
 
@@ -74,6 +75,10 @@ class FSDP1Backend:
             )
         offload = plan.device.type != "cpu" and config.cpu_offload
         device = plan.device
+        # FSDP1's own sync_module_states refuses CPU tensors; on CPU the bridge broadcasts
+        # rank 0's weights itself after wrapping, as it does for FSDP2.
+        native_sync = config.sync_module_states and device.type != "cpu"
+        full_state = rank0_full_state(model) if config.sync_module_states and not native_sync else None
         # A device mesh (1D, or 2D for HYBRID_*) rather than process groups: sharded
         # state dicts then hold DTensors, like FSDP2's.
         kwargs: dict[str, Any] = {"device_mesh": plan.mesh}
@@ -91,12 +96,14 @@ class FSDP1Backend:
                 limit_all_gathers=config.limit_all_gathers,
                 cpu_offload=CPUOffload(offload_params=True) if offload else None,
                 mixed_precision=mixed_precision,
-                sync_module_states=config.sync_module_states,
+                sync_module_states=native_sync,
                 device_id=device,
                 ignored_modules=plan.ignored_modules or None,
                 use_orig_params=True,
                 **kwargs,
             )
+        if config.sync_module_states and not native_sync:
+            broadcast_from_rank0(wrapped, full_state, device)
         if mp.output_dtype is not None:
             out_dtype = mp.output_dtype
             wrapped.register_forward_hook(lambda _m, _i, out: cast_floating(out, out_dtype))
@@ -112,10 +119,18 @@ class FSDP1Backend:
 
     @contextmanager
     def summon_full_params(self, model: nn.Module, *, writeback: bool) -> Iterator[None]:
+        # FSDP1 keeps in-place changes even with writeback=False when the gathered
+        # parameter shares storage with the shard (NO_SHARD, world size 1).  The bridge
+        # promises they are discarded, so restore this rank's shards (a shard-sized copy).
+        saved = None if writeback else [t.clone() for t in self.local_tensors(model)]
         with FullyShardedDataParallel.summon_full_params(model, writeback=writeback, recurse=True):
             yield
+        if saved is not None:
+            with torch.no_grad():
+                for current, old in zip(self.local_tensors(model), saved, strict=True):
+                    current.copy_(old)
 
-    def local_numel(self, model: nn.Module) -> int:
+    def local_tensors(self, model: nn.Module) -> list[torch.Tensor]:
         # With use_orig_params=True each original parameter is a view of this rank's
         # part of the flat shard (empty when it lies on another rank).
-        return sum(p.numel() for p in model.parameters())
+        return [p.detach() for p in model.parameters()]

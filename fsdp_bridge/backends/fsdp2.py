@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from fsdp_bridge.backends._common import broadcast_from_rank0, rank0_full_state
 from fsdp_bridge.backends.base import ShardPlan
 from fsdp_bridge.strategy import Backend
 
@@ -36,51 +37,45 @@ class FSDP2Backend:
                 for name, buf in module._buffers.items():
                     if buf is not None and buf.is_floating_point():
                         module._buffers[name] = buf.to(mp.buffer_dtype)
-        full_state = None
-        if config.sync_module_states and dist.get_rank() == 0:
-            # Rank 0's weights are the source of truth; keep them to broadcast after sharding.
-            full_state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+        full_state = rank0_full_state(model) if config.sync_module_states else None
 
-        common = dict(
-            mesh=plan.mesh,
-            mp_policy=MixedPrecisionPolicy(
-                param_dtype=mp.param_dtype,
-                reduce_dtype=mp.reduce_dtype,
-                output_dtype=mp.output_dtype,
-                cast_forward_inputs=mp.cast_forward_inputs,
-            ),
-            offload_policy=(
-                CPUOffloadPolicy(pin_memory=True) if config.cpu_offload and plan.device.type != "cpu" else OffloadPolicy()
-            ),
-            ignored_params=plan.ignored_params or None,
+        # output_dtype describes the model's outputs: only the root gets it.  On inner units it
+        # would hand the root's own layers (e.g. an HF final norm and lm_head) inputs in another dtype.
+        unit_mp = MixedPrecisionPolicy(
+            param_dtype=mp.param_dtype,
+            reduce_dtype=mp.reduce_dtype,
+            cast_forward_inputs=mp.cast_forward_inputs,
         )
+        root_mp = dataclasses.replace(unit_mp, output_dtype=mp.output_dtype)
+        offload = config.cpu_offload and plan.device.type != "cpu"
+        offload_policy = CPUOffloadPolicy(pin_memory=True) if offload else OffloadPolicy()
+        ignored = plan.ignored_params or None
+
+        def apply(module: nn.Module, *, is_root: bool) -> None:
+            fully_shard(
+                module,
+                mesh=plan.mesh,
+                reshard_after_forward=plan.reshard_after_forward(is_root=is_root),
+                mp_policy=root_mp if is_root else unit_mp,
+                offload_policy=offload_policy,
+                ignored_params=ignored,
+            )
+
         for unit in plan.units:  # children before parents
-            fully_shard(unit, reshard_after_forward=plan.reshard_after_forward(is_root=False), **common)
-        fully_shard(model, reshard_after_forward=plan.reshard_after_forward(is_root=True), **common)
+            apply(unit, is_root=False)
+        apply(model, is_root=True)
 
         if config.forward_prefetch:
             ordered = _top_level_units(plan.units)
-            for unit, following in zip(ordered, ordered[1:], strict=False):
+            for unit, following in itertools.pairwise(ordered):
                 assert isinstance(unit, FSDPModule) and isinstance(following, FSDPModule)
                 unit.set_modules_to_forward_prefetch([following])
 
         if plan.has_meta:
             model.to_empty(device=plan.device)
         if config.sync_module_states:
-            self._broadcast_from_rank0(model, full_state, plan)
+            broadcast_from_rank0(model, full_state, plan.device)
         return model
-
-    @staticmethod
-    def _broadcast_from_rank0(model: nn.Module, full_state: dict[str, torch.Tensor] | None, plan: ShardPlan) -> None:
-        set_model_state_dict(
-            model,
-            full_state or {},
-            options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False),
-        )
-        # Buffers are not sharded by FSDP2, and non-persistent ones (e.g. RoPE inv_freq)
-        # are not in the state dict at all: broadcast every buffer.
-        for buf in model.buffers():
-            dist.broadcast(buf.data if buf.device == plan.device else buf.data.to(plan.device), src=0)
 
     def no_sync(self, model: nn.Module) -> AbstractContextManager[None]:
         return _no_sync(model)
@@ -112,8 +107,8 @@ class FSDP2Backend:
         with _full_params(model, writeback=writeback):
             yield
 
-    def local_numel(self, model: nn.Module) -> int:
-        return sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in model.parameters())
+    def local_tensors(self, model: nn.Module) -> list[torch.Tensor]:
+        return [p.to_local() if isinstance(p, DTensor) else p.detach() for p in model.parameters()]
 
 
 @contextmanager
@@ -135,7 +130,11 @@ def _full_params(model: nn.Module, *, writeback: bool) -> Iterator[None]:
         for name, param in list(module._parameters.items()):
             if isinstance(param, DTensor):
                 if id(param) not in full_of:
-                    full_of[id(param)] = nn.Parameter(param.full_tensor(), requires_grad=param.requires_grad)
+                    full = param.full_tensor()
+                    if full.data_ptr() == param.to_local().data_ptr():
+                        # Nothing to gather (NO_SHARD, one rank): full_tensor() is the shard itself.
+                        full = full.clone()
+                    full_of[id(param)] = nn.Parameter(full, requires_grad=param.requires_grad)
                 module._parameters[name] = full_of[id(param)]
                 swapped.append((module, name, param, full_of[id(param)]))
     try:

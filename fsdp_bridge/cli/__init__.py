@@ -17,7 +17,7 @@ from fsdp_bridge.errors import ConfigError
 
 __all__ = ["main"]
 
-_COMMANDS: tuple[str, ...] = ("explain", "compare")
+_COMMANDS: tuple[str, ...] = ("explain", "train", "migrate", "compare")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,7 +34,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    # Subcommands that take key=value items (train) accept them between options too.
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        if not hasattr(args, "items") or any(e.startswith("-") for e in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.items = [*args.items, *extra]
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

@@ -16,12 +16,20 @@ from fsdp_bridge.strategy import Backend, parse_enum
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = sub.add_parser("explain", help="show what each config option becomes on FSDP1 and FSDP2",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "explain",
+        help="show what each config option becomes on FSDP1 and FSDP2",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("config", help="a bridge YAML (or a training YAML with a bridge: section)")
     p.add_argument("--backend", default="both", help="fsdp1, fsdp2 or both (default)")
-    p.add_argument("--device", default=None, choices=["cpu", "cuda"],
-                   help="show device-dependent outcomes (e.g. cpu_offload) for this device")
+    p.add_argument(
+        "--device",
+        default=None,
+        choices=["cpu", "cuda"],
+        help="show device-dependent outcomes (e.g. cpu_offload) for this device",
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=run)
 

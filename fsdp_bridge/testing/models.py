@@ -16,8 +16,15 @@ __all__ = ["FAMILIES", "build_tiny", "sample_batch", "tiny_config"]
 VOCAB = 96
 FAMILIES: tuple[str, ...] = ("llama", "qwen2", "mistral", "gpt2", "opt", "gemma", "bert", "t5")
 
-_DECODER = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+_DECODER = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
 
 
 def tiny_config(family: str, **overrides: Any) -> Any:
@@ -30,12 +37,33 @@ def tiny_config(family: str, **overrides: Any) -> Any:
         "mistral": dict(_DECODER, sliding_window=None),
         "gemma": dict(_DECODER, head_dim=8),
         "gpt2": dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64),
-        "opt": dict(vocab_size=VOCAB, hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
-                    max_position_embeddings=64, word_embed_proj_dim=32),
-        "bert": dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                     num_attention_heads=4, max_position_embeddings=64),
-        "t5": dict(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2,
-                   num_heads=4, decoder_start_token_id=0),
+        "opt": dict(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            ffn_dim=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=64,
+            word_embed_proj_dim=32,
+        ),
+        "bert": dict(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=64,
+        ),
+        "t5": dict(
+            vocab_size=VOCAB,
+            d_model=32,
+            d_kv=8,
+            d_ff=64,
+            num_layers=2,
+            num_decoder_layers=2,
+            num_heads=4,
+            decoder_start_token_id=0,
+        ),
     }
     if family not in sizes:
         raise ValueError(f"unknown family {family!r}; known: {', '.join(FAMILIES)}")
@@ -43,7 +71,9 @@ def tiny_config(family: str, **overrides: Any) -> Any:
     return AutoConfig.for_model(family, **kwargs)
 
 
-def build_tiny(family: str = "llama", *, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides: Any) -> nn.Module:
+def build_tiny(
+    family: str = "llama", *, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides: Any
+) -> nn.Module:
     """A tiny, randomly initialised model of ``family`` (same seed -> same weights)."""
     from transformers import AutoModelForCausalLM, AutoModelForMaskedLM, AutoModelForSeq2SeqLM
 

@@ -54,8 +54,13 @@ def _worker(
 ) -> None:
     os.environ.update(env)
     os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS=str(threads),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS=str(threads),
     )
     try:
         import datetime
@@ -66,8 +71,9 @@ def _worker(
         torch.set_num_threads(threads)
         if backend == "nccl":
             torch.cuda.set_device(rank)
-        dist.init_process_group(backend=backend, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=120))
+        dist.init_process_group(
+            backend=backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=120)
+        )
         try:
             value = fn(*args, **kwargs)
         finally:
@@ -103,7 +109,18 @@ def run_distributed(
     procs = [
         ctx.Process(
             target=_worker,
-            args=(rank, world_size, port, fn, tuple(args), dict(kwargs or {}), backend, results, threads, dict(env or {})),
+            args=(
+                rank,
+                world_size,
+                port,
+                fn,
+                tuple(args),
+                dict(kwargs or {}),
+                backend,
+                results,
+                threads,
+                dict(env or {}),
+            ),
             daemon=True,
         )
         for rank in range(world_size)
@@ -124,8 +141,11 @@ def run_distributed(
             try:
                 rank, ok, value = results.get(timeout=min(remaining, 1.0))
             except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)
-                        and r not in values and r not in failures]
+                dead = [
+                    r
+                    for r, p in enumerate(procs)
+                    if p.exitcode not in (None, 0) and r not in values and r not in failures
+                ]
                 for r in dead:
                     failures[r] = f"process exited with code {procs[r].exitcode} without reporting"
                 if failures:

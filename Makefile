@@ -1,0 +1,30 @@
+# Two commands do all the set-up on a fresh machine:
+#   make train  # create .venv, install, run the main job: `fsdp-bridge train` (built-in tiny job, 2 CPU ranks)
+#   make test   # create .venv, install, run the test suite
+# make ab runs examples/ab_backends.py: the same loop through FSDP1 and FSDP2, losses side by side.
+# torch is installed first and pinned (CPU build 2.13.0): an unpinned torch pulls CUDA wheels.
+
+PYTHON ?= python3
+VENV ?= .venv
+TORCH ?= torch==2.13.0
+BIN := $(VENV)/bin
+
+.PHONY: train ab test install
+
+$(BIN)/fsdp-bridge: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q $(TORCH)
+	$(BIN)/python -m pip install -q -e '.[test,plot]'
+	touch $@
+
+install: $(BIN)/fsdp-bridge
+
+train: install
+	OMP_NUM_THREADS=1 $(BIN)/fsdp-bridge train
+
+ab: install
+	OMP_NUM_THREADS=1 $(BIN)/torchrun --nproc-per-node 2 examples/ab_backends.py
+
+test: install
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest

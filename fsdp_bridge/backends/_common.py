@@ -1,0 +1,40 @@
+"""Steps both backends share (kept here so neither backend module imports the other)."""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+__all__ = ["broadcast_from_rank0", "rank0_full_state"]
+
+
+def rank0_full_state(model: nn.Module) -> dict[str, torch.Tensor] | None:
+    """On rank 0, a CPU copy of the unsharded model's state (the source of truth); else None."""
+    if dist.get_rank() != 0:
+        return None
+    return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+
+
+def broadcast_from_rank0(model: nn.Module, full_state: dict[str, torch.Tensor] | None, device: torch.device) -> None:
+    """Give every rank rank 0's weights in the already-sharded ``model``.
+
+    Each rank receives only its shards (``broadcast_from_rank0``).  Buffers are not
+    sharded, and non-persistent ones (e.g. RoPE ``inv_freq``) are not in the state
+    dict at all, so every buffer is broadcast as well.
+    """
+    set_model_state_dict(
+        model,
+        cast(dict[str, Any], full_state or {}),
+        options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False),
+    )
+    for buf in model.buffers():
+        if buf.device == device:
+            dist.broadcast(buf.data, src=0)
+        else:  # a buffer kept elsewhere (e.g. offloaded): broadcast a copy, then write it back
+            tmp = buf.data.to(device)
+            dist.broadcast(tmp, src=0)
+            buf.data.copy_(tmp)

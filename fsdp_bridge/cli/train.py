@@ -1,0 +1,98 @@
+"""``fsdp-bridge train [CONFIG.yaml] [key=value ...] [--nproc-per-node N] [--backend fsdp1|fsdp2] [--resume]``
+
+Trains the model described by one YAML file.  Without a config it runs the built-in
+job: a tiny Llama-style model on the small English corpus shipped with the package,
+2 ranks on CPU, about a minute.  ``key=value`` overrides use dotted keys
+(``optim.lr=1e-3 bridge.strategy=shard_grad_op max_steps=20``).
+
+The config is checked completely before any process starts.  The ranks are started
+with PyTorch's elastic launcher (what torchrun runs); inside an existing launch
+(torchrun, or srun with one task per rank) this process is one rank.  Multi-node:
+run it once per node with --nnodes, --rdzv-endpoint and --rdzv-id (torchrun's
+rendezvous flags), e.g. from srun in an sbatch script (examples/hsdp_2x8.sbatch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from fsdp_bridge.errors import ConfigError, Problem
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("train", help="train a model from one YAML file (default: a tiny built-in CPU job)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("items", nargs="*", metavar="[CONFIG.yaml] [key=value ...]",
+                   help="a training YAML (default: the built-in tiny job), then dotted key=value overrides")
+    p.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
+                   help="ranks to start on this node (default: one per GPU, or 2 on CPU)")
+    p.add_argument("--backend", choices=["fsdp1", "fsdp2"], default=None, help="override bridge.backend")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the latest checkpoint in output_dir (same as resume=auto)")
+    loud = p.add_mutually_exclusive_group()
+    loud.add_argument("-q", "--quiet", action="store_true", help="no progress bar: print only the summary")
+    loud.add_argument("-v", "--verbose", action="store_true",
+                      help="also print what each bridge option became, and every checkpoint")
+    p.add_argument("--dry-run", action="store_true",
+                   help="check the config (and the mesh for the world size) and print it; train nothing")
+    multi = p.add_argument_group("multi-node (torchrun's rendezvous flags)")
+    multi.add_argument("--nnodes", type=int, default=1, help="number of nodes (default 1)")
+    multi.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
+                       help="where the nodes meet (the first node's address)")
+    multi.add_argument("--rdzv-id", default=None, help="a job id shared by all nodes (default: $SLURM_JOB_ID)")
+    multi.add_argument("--rdzv-backend", default="c10d", help="rendezvous backend (default c10d)")
+    p.set_defaults(func=run)
+
+
+def _split_items(items: list[str]) -> tuple[str | None, list[str]]:
+    if items and "=" not in items[0]:
+        return items[0], items[1:]
+    stray = [i for i in items[1:] if "=" not in i]
+    if stray:
+        raise ConfigError([Problem("override", stray[0], "key=value (the config file comes first)",
+                                   "put CONFIG.yaml before the overrides")])
+    return None, items
+
+
+def _default_nproc() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 2
+
+
+def run(args: argparse.Namespace) -> int:
+    from fsdp_bridge.train._config import load_train_config
+    from fsdp_bridge.train._launch import LaunchOptions, existing_launch, launch, run_rank
+    from fsdp_bridge.train._preflight import preflight
+
+    path, overrides = _split_items(list(args.items))
+    if args.resume:
+        overrides.append("resume=auto")
+    config = load_train_config(path, overrides, backend=args.backend)
+    verbosity = "quiet" if args.quiet else "verbose" if args.verbose else "normal"
+    launched = args.nproc_per_node is not None or args.nnodes > 1
+    inside = existing_launch() and not launched
+    if args.nproc_per_node is not None and args.nproc_per_node < 1:
+        raise ConfigError([Problem("--nproc-per-node", args.nproc_per_node, "an integer >= 1")])
+    if inside:
+        world = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    else:
+        local = args.nproc_per_node or _default_nproc()
+        world = local * args.nnodes
+    device = "cuda" if config.bridge.device == "cuda" else None
+    notes = preflight(config, world_size=world, local_world_size=local, device_type=device)
+    if args.dry_run:
+        print(config.to_yaml(), end="")
+        print(f"# ok: {world} ranks ({args.nnodes if not inside else '?'} node(s)); {'; '.join(notes)}")
+        return 0
+    config_dict = config.to_dict()
+    if inside:
+        return run_rank(config_dict, verbosity)
+    options = LaunchOptions(nproc_per_node=local, nnodes=args.nnodes, rdzv_endpoint=args.rdzv_endpoint,
+                            rdzv_id=args.rdzv_id, rdzv_backend=args.rdzv_backend)
+    code = launch(config_dict, options, verbosity=verbosity)
+    sys.stdout.flush()
+    return code

@@ -1,0 +1,575 @@
+"""`TrainConfig`: everything ``fsdp-bridge train`` needs, from one YAML file.
+
+    model:   {path: ./gpt2}                 # or {config: {model_type: llama, hidden_size: 64, ...}}
+    data:    {files: [train.jsonl], seq_len: 512}
+    optim:   {lr: 3.0e-4}
+    schedule: {warmup_steps: 100}
+    max_steps: 1000
+    bridge:  {strategy: full_shard, backend: fsdp2}
+
+YAML is only a serialisation of these frozen dataclasses.  :meth:`TrainConfig.from_dict`
+checks every key and type, then the values, and reports every problem found in one
+:class:`~fsdp_bridge.errors.ConfigError` naming the dotted key (``optim.lr``).
+``key=value`` overrides (:func:`apply_overrides`) edit the mapping before that check.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import enum
+import inspect
+import itertools
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from fsdp_bridge.config import BridgeConfig, _unknown_key
+from fsdp_bridge.errors import ConfigError, Problem
+
+__all__ = [
+    "CheckpointConfig",
+    "DataConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "ScheduleConfig",
+    "TrainConfig",
+    "apply_overrides",
+    "default_config_path",
+    "field_reference",
+    "load_train_config",
+]
+
+SAMPLE = "sample"
+"""The name of the small English corpus shipped inside the package (``data.files: sample``)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """The model to train: a Hugging Face directory, or a transformers config built from scratch."""
+
+    path: str | None = None
+    """A Hugging Face model directory (config.json, weights, tokenizer files) to fine-tune."""
+    config: dict[str, Any] | None = None
+    """A transformers config to train from scratch: ``model_type`` plus sizes (hidden_size, num_hidden_layers, ...).
+    ``vocab_size`` is taken from the tokenizer when not given."""
+    tokenizer: str | None = None
+    """A tokenizer directory; null: the model directory's own, or for ``config`` models the built-in byte-level
+    BPE trained on the training files (no download)."""
+    tokenizer_vocab_size: int = 1024
+    """Vocabulary size of the built-in BPE tokenizer (only when it is used)."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Dtype of the model's weights (compute dtype under mixed precision is ``bridge.mixed_precision``)."""
+    attn_implementation: str = "eager"
+    """transformers attention implementation: eager (deterministic, every backend), sdpa, flash_attention_2."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """Training text: tokenized with the model's tokenizer and packed into fixed-length sequences."""
+
+    files: tuple[str, ...] = (SAMPLE,)
+    """Text (.txt: one document per file) or JSONL (.jsonl: one document per line) files or glob patterns;
+    ``sample`` is the small English corpus shipped with the package."""
+    text_key: str = "text"
+    """The field of each JSONL record that holds the text."""
+    seq_len: int = 128
+    """Tokens per packed training sequence (documents are joined with the EOS token and cut to this length)."""
+    eval_sequences: int = 32
+    """Packed sequences held out from the end of the data for evaluation (rounded down to a multiple of the
+    world size); 0 disables evaluation."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimConfig:
+    """The optimizer (its state is sharded with the parameters)."""
+
+    name: Literal["adamw", "sgd"] = "adamw"
+    """``adamw`` (torch.optim.AdamW) or ``sgd`` (torch.optim.SGD with momentum)."""
+    lr: float = 3.0e-4
+    """Peak learning rate, reached at the end of the warm-up."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay (AdamW) or L2 penalty (SGD)."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW's (beta1, beta2)."""
+    eps: float = 1.0e-8
+    """AdamW's epsilon."""
+    momentum: float = 0.9
+    """SGD momentum."""
+    grad_clip: float | None = 1.0
+    """Clip gradients to this global norm (over all shards) before each step; null disables clipping."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScheduleConfig:
+    """Learning-rate schedule: linear warm-up, then decay."""
+
+    warmup_steps: int = 0
+    """Steps of linear warm-up from 0 to ``optim.lr``."""
+    decay: Literal["cosine", "linear", "constant"] = "cosine"
+    """Shape of the decay after warm-up, down to ``min_lr_ratio * optim.lr``."""
+    decay_steps: int | None = None
+    """Step at which the decay ends; null: ``max_steps``. Set it to stop a run early without changing its
+    schedule."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of ``optim.lr``."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    """When and how checkpoints are written under ``output_dir/checkpoints``."""
+
+    interval: int | None = None
+    """Steps between checkpoints; null: only at the end of training."""
+    kind: Literal["sharded", "full"] = "sharded"
+    """``sharded``: every rank writes its shards (torch.distributed.checkpoint, reshardable on load);
+    ``full``: gathered to rank 0 into one file."""
+    keep_last: int | None = 2
+    """Keep only the newest N checkpoints; null keeps all."""
+    at_end: bool = True
+    """Write a checkpoint after the last step."""
+    export_hf: bool = True
+    """After training, write the model as a Hugging Face directory (config.json, model.safetensors, tokenizer)
+    into ``output_dir``, loadable with ``AutoModelForCausalLM.from_pretrained(output_dir)``."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """One training job.  Only ``model`` is required; every other field has a default."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The model (``model.path`` or ``model.config``)."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Training and held-out data."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer."""
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    """Learning-rate schedule."""
+    micro_batch_size: int = 8
+    """Sequences per rank per forward/backward."""
+    grad_accum: int = 1
+    """Micro-batches accumulated (without gradient reduction) before each optimizer step."""
+    max_steps: int = 100
+    """Optimizer steps to train for (counted from the start of the run, including resumed steps)."""
+    eval_interval: int | None = 50
+    """Steps between evaluations on the held-out data (and one after the last step); null: only at the end."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpointing."""
+    seed: int = 0
+    """Seed of the model's initialisation, the data order and every rank's RNG."""
+    output_dir: str = "runs/fsdp-bridge"
+    """Directory for train_config.yaml, metrics.jsonl, summary.json, checkpoints/ and the exported model."""
+    resume: bool | str = False
+    """false; ``auto`` (or true): continue from the latest checkpoint in ``output_dir`` if there is one;
+    or the path of a checkpoint to continue from."""
+    bridge: BridgeConfig = field(default_factory=BridgeConfig)
+    """How the model is sharded (FSDP1 or FSDP2): see the bridge fields below."""
+
+    def __post_init__(self) -> None:
+        problems = _value_problems(self)
+        if problems:
+            raise ConfigError(problems)
+
+    # -- serialisation ---------------------------------------------------------------
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | None, *, source: str | None = None) -> TrainConfig:
+        """Build a config from a mapping (parsed YAML), reporting every problem at once."""
+        if not isinstance(data, Mapping):
+            raise ConfigError([Problem("config", data, "a mapping of training keys (model:, data:, ...)")],
+                              source=source)
+        problems: list[Problem] = []
+        if "model" not in data:
+            problems.append(Problem("model", None, "a model: section with model.path or model.config",
+                                    "add e.g. model: {path: ./my-hf-model}"))
+        kwargs = _parse_fields(cls, data, "", problems)
+        bridge_raw = data.get("bridge")
+        if bridge_raw is not None:
+            try:
+                kwargs["bridge"] = BridgeConfig.from_dict(bridge_raw)
+            except ConfigError as err:
+                problems.extend(dataclasses.replace(p, key=f"bridge.{p.key}") for p in err.problems)
+        try:
+            config = cls(**kwargs)
+        except ConfigError as err:
+            known = {p.key for p in problems}
+            problems.extend(p for p in err.problems if p.key not in known)
+            config = None
+        if problems or config is None:
+            raise ConfigError(problems, source=source)
+        return config
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain, YAML-safe values; ``TrainConfig.from_dict(c.to_dict()) == c``."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, BridgeConfig):
+                out[f.name] = value.to_dict()
+            elif dataclasses.is_dataclass(value):
+                out[f.name] = {k: list(v) if isinstance(v, tuple) else v
+                               for k, v in dataclasses.asdict(value).items()}  # type: ignore[arg-type]
+            else:
+                out[f.name] = value
+        return out
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens per optimizer step on one rank."""
+        return self.micro_batch_size * self.grad_accum * self.data.seq_len
+
+
+# ----------------------------------------------------------------------------------
+# Checks on values (types are checked while parsing)
+# ----------------------------------------------------------------------------------
+
+
+def _value_problems(c: TrainConfig) -> list[Problem]:
+    p: list[Problem] = []
+    m = c.model
+    if m.path is None and m.config is None:
+        p.append(Problem("model", None, "model.path (a Hugging Face directory) or model.config (from scratch)",
+                         "add model: {path: ./my-model} or model: {config: {model_type: llama, ...}}"))
+    if m.path is not None and m.config is not None:
+        p.append(Problem("model.config", "...", "null when model.path is given",
+                         "give either model.path or model.config, not both"))
+    if m.config is not None and not isinstance(m.config.get("model_type"), str):
+        p.append(Problem("model.config.model_type", m.config.get("model_type"),
+                         "a transformers model type such as llama, gpt2, qwen2, mistral"))
+    if m.tokenizer_vocab_size < 300:
+        p.append(Problem("model.tokenizer_vocab_size", m.tokenizer_vocab_size, "an integer >= 300",
+                         "the built-in tokenizer needs 256 byte tokens plus merges"))
+    if not c.data.files:
+        p.append(Problem("data.files", [], "at least one file, glob pattern or 'sample'"))
+    for key, value, low in (
+        ("data.seq_len", c.data.seq_len, 2),
+        ("data.eval_sequences", c.data.eval_sequences, 0),
+        ("micro_batch_size", c.micro_batch_size, 1),
+        ("grad_accum", c.grad_accum, 1),
+        ("max_steps", c.max_steps, 1),
+        ("schedule.warmup_steps", c.schedule.warmup_steps, 0),
+    ):
+        if value < low:
+            p.append(Problem(key, value, f"an integer >= {low}"))
+    for key, opt_value in (
+        ("eval_interval", c.eval_interval),
+        ("checkpoint.interval", c.checkpoint.interval),
+        ("checkpoint.keep_last", c.checkpoint.keep_last),
+        ("schedule.decay_steps", c.schedule.decay_steps),
+    ):
+        if opt_value is not None and opt_value < 1:
+            p.append(Problem(key, opt_value, "null or an integer >= 1"))
+    o = c.optim
+    if o.lr <= 0:
+        p.append(Problem("optim.lr", o.lr, "a number > 0"))
+    if o.weight_decay < 0:
+        p.append(Problem("optim.weight_decay", o.weight_decay, "a number >= 0"))
+    if not all(0 <= b < 1 for b in o.betas):
+        p.append(Problem("optim.betas", list(o.betas), "two numbers in [0, 1)"))
+    if o.grad_clip is not None and o.grad_clip <= 0:
+        p.append(Problem("optim.grad_clip", o.grad_clip, "null or a number > 0"))
+    if not 0 <= c.schedule.min_lr_ratio <= 1:
+        p.append(Problem("schedule.min_lr_ratio", c.schedule.min_lr_ratio, "a number in [0, 1]"))
+    if isinstance(c.resume, str) and not c.resume:
+        p.append(Problem("resume", c.resume, "false, auto, or a checkpoint path"))
+    if not c.output_dir:
+        p.append(Problem("output_dir", c.output_dir, "a directory path"))
+    return p
+
+
+# ----------------------------------------------------------------------------------
+# Parsing a mapping into the dataclasses, with type checks
+# ----------------------------------------------------------------------------------
+
+_SECTIONS: tuple[type, ...] = (ModelConfig, DataConfig, OptimConfig, ScheduleConfig, CheckpointConfig)
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _parse_fields(cls: type, data: Mapping[str, Any], prefix: str, problems: list[Problem]) -> dict[str, Any]:
+    """Type-checked keyword arguments for ``cls`` from ``data`` (the bridge section is left out)."""
+    hints = _hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        dotted = f"{prefix}{key}"
+        if key not in names:
+            problems.append(_unknown_key(dotted, value, names))
+            continue
+        if key == "bridge":
+            continue
+        tp = hints[key]
+        if tp in _SECTIONS:
+            if value is None:
+                value = {}
+            if not isinstance(value, Mapping):
+                problems.append(Problem(dotted, value, f"a mapping of {', '.join(_field_names(tp))}"))
+                continue
+            sub = _parse_fields(tp, value, f"{dotted}.", problems)
+            kwargs[key] = tp(**sub)
+            continue
+        ok, parsed = _coerce(value, tp)
+        if ok:
+            kwargs[key] = parsed
+        else:
+            problems.append(Problem(dotted, value, _describe(tp)))
+    return kwargs
+
+
+def _field_names(cls: type) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls)]
+
+
+def _coerce(value: Any, tp: Any) -> tuple[bool, Any]:
+    """(True, value in the field's type) or (False, None)."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        for arm in typing.get_args(tp):
+            ok, parsed = _coerce(value, arm)
+            if ok:
+                return True, parsed
+        return False, None
+    if tp is type(None):
+        return value is None, None
+    if origin is Literal:
+        return (value in typing.get_args(tp)), value
+    if tp is bool:
+        return isinstance(value, bool), value
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool), value
+    if tp is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        return ok, float(value) if ok else None
+    if tp is str:
+        return isinstance(value, str), value
+    if origin is tuple:
+        args = typing.get_args(tp)
+        if isinstance(value, str) and args[-1] is Ellipsis:
+            value = [value]  # one file may be written without a list
+        if not isinstance(value, Sequence) or isinstance(value, str):
+            return False, None
+        arms = [args[0]] * len(value) if args[-1] is Ellipsis else list(args)
+        if len(arms) != len(value):
+            return False, None
+        out = []
+        for item, arm in zip(value, arms, strict=True):
+            ok, parsed = _coerce(item, arm)
+            if not ok:
+                return False, None
+            out.append(parsed)
+        return True, tuple(out)
+    if origin is dict:
+        return isinstance(value, Mapping), dict(value) if isinstance(value, Mapping) else None
+    if tp is Any:
+        return True, value
+    raise TypeError(f"unsupported config field type {tp!r}")
+
+
+def _describe(tp: Any) -> str:
+    """A reader's spelling of a field type, for error messages and the docs."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return "null"
+    if origin is Literal:
+        return "one of " + ", ".join(str(a) for a in typing.get_args(tp))
+    if tp is bool:
+        return "true or false"
+    if tp in (int, float, str):
+        return {"int": "an integer", "float": "a number", "str": "a string"}[tp.__name__]
+    if origin is tuple:
+        args = typing.get_args(tp)
+        if args[-1] is Ellipsis:
+            return f"a list of {_describe(args[0]).removeprefix('a ').removeprefix('an ')}s"
+        kinds = {_describe(a).removeprefix("a ").removeprefix("an ") for a in args}
+        return f"a list of {len(args)} {kinds.pop()}s" if len(kinds) == 1 else "a list of " + ", ".join(sorted(kinds))
+    if origin is dict:
+        return "a mapping"
+    if dataclasses.is_dataclass(tp):
+        return "a mapping (section)"
+    return str(tp)
+
+
+# ----------------------------------------------------------------------------------
+# YAML files and command-line overrides
+# ----------------------------------------------------------------------------------
+
+
+def default_config_path() -> Path:
+    """The YAML of the built-in job that ``fsdp-bridge train`` runs without a config."""
+    return Path(__file__).resolve().parents[1] / "data" / "tiny_llama.yaml"
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    """The mapping in a YAML file (``yaml.safe_load``: no tag can build Python objects)."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise ConfigError([Problem("config", str(path), "a readable YAML file", str(err))]) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ConfigError([Problem("yaml", str(path), "valid YAML", str(err).replace("\n", " "))]) from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError([Problem("config", data, "a mapping of training keys (model:, data:, ...)")],
+                          source=str(path))
+    return data
+
+
+def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """``data`` with ``key=value`` overrides applied (dotted keys, values parsed as YAML).
+
+    ``optim.lr=1e-3 bridge.strategy=shard_grad_op data.files=[a.txt,b.txt]``.  Unknown
+    keys are not rejected here but by :meth:`TrainConfig.from_dict`, with the others.
+    """
+    out: dict[str, Any] = _deep_copy(data)
+    problems: list[Problem] = []
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or not key or any(not part for part in key.split(".")):
+            problems.append(Problem("override", item, "key=value with a dotted key, e.g. optim.lr=1e-3"))
+            continue
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else None
+        except yaml.YAMLError:
+            value = raw  # a plain string such as a path with a colon
+        # "1e-3" is a string for YAML 1.1; a number is what anyone typing it means.
+        if isinstance(value, str):
+            try:
+                value = float(value) if any(ch in value.lower() for ch in ".e") else value
+            except ValueError:
+                pass
+        node = out
+        parts = key.split(".")
+        for part in parts[:-1]:
+            child = node.get(part)
+            if not isinstance(child, dict):
+                child = {}
+                node[part] = child
+            node = child
+        node[parts[-1]] = value
+    if problems:
+        raise ConfigError(problems)
+    return out
+
+
+def _deep_copy(data: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: _deep_copy(v) if isinstance(v, Mapping) else v for k, v in data.items()}
+
+
+def load_train_config(path: str | Path | None = None, overrides: Sequence[str] = (),
+                      *, backend: str | None = None) -> TrainConfig:
+    """Load a training YAML (the built-in default when ``path`` is None) with overrides.
+
+    ``backend`` (the ``--backend`` flag) sets ``bridge.backend``.
+    """
+    source = Path(path) if path is not None else default_config_path()
+    data = read_yaml(source)
+    data = apply_overrides(data, overrides)
+    if backend is not None:
+        data = apply_overrides(data, [f"bridge.backend={backend}"])
+    return TrainConfig.from_dict(data, source=str(source))
+
+
+# ----------------------------------------------------------------------------------
+# Reference of every field (docs/configuration.md is generated from it)
+# ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FieldDoc:
+    key: str
+    type: str
+    default: str
+    doc: str
+
+
+def _attribute_docs(cls: type) -> dict[str, str]:
+    """The docstring written under each field of a dataclass (read from its source)."""
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for node, following in itertools.pairwise(body):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                and isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant)
+                and isinstance(following.value.value, str)):
+            docs[node.target.id] = " ".join(following.value.value.split())
+    return docs
+
+
+def _default_text(f: dataclasses.Field[Any]) -> str:
+    if f.default is not dataclasses.MISSING:
+        value = f.default
+    elif f.default_factory is not dataclasses.MISSING:
+        value = f.default_factory()
+    else:
+        return "required"
+    if hasattr(value, "to_spelling"):
+        value = value.to_spelling()
+    if dataclasses.is_dataclass(value):
+        return "(section)"
+    if isinstance(value, tuple):
+        value = list(value)
+    if isinstance(value, enum.Enum):
+        value = value.value
+    return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
+
+
+_BRIDGE_TYPES = {
+    "strategy": "one of full_shard, shard_grad_op, no_shard, hybrid_shard, hybrid_shard_zero2",
+    "backend": "one of fsdp1, fsdp2",
+    "mixed_precision": "a preset (fp32, bf16, fp16) or a mapping of dtypes",
+    "wrap": "auto, none, a list of class names or {min_num_params: N}",
+    "backward_prefetch": "one of pre, post, none",
+    "reshard_after_forward": "true or false or an integer or null",
+    "hybrid_shape": "a list of 2 integers or null",
+    "ignored_modules": "a list of strings",
+    "device": "one of auto, cuda, cpu",
+}
+
+
+def field_reference() -> list[FieldDoc]:
+    """Every field of the training config and of its ``bridge:`` section, with type, default and meaning."""
+    rows: list[FieldDoc] = []
+
+    def walk(cls: type, prefix: str) -> None:
+        hints = _hints(cls)
+        docs = _attribute_docs(cls)
+        for f in dataclasses.fields(cls):
+            key = f"{prefix}{f.name}"
+            tp = hints[f.name]
+            if tp in _SECTIONS:
+                rows.append(FieldDoc(key, "section", "", docs.get(f.name, "")))
+                walk(tp, f"{key}.")
+            elif tp is BridgeConfig:
+                rows.append(FieldDoc(key, "section", "", docs.get(f.name, "")))
+                walk_bridge(f"{key}.")
+            else:
+                rows.append(FieldDoc(key, _describe(tp), _default_text(f), docs.get(f.name, "")))
+
+    def walk_bridge(prefix: str) -> None:
+        docs = _attribute_docs(BridgeConfig)
+        for f in dataclasses.fields(BridgeConfig):
+            tp = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+            kind = _BRIDGE_TYPES.get(f.name, "true or false" if tp == "bool" else f"`{tp}`")
+            rows.append(FieldDoc(f"{prefix}{f.name}", kind, _default_text(f), docs.get(f.name, "")))
+
+    walk(TrainConfig, "")
+    # The model was marked required above only by its check; say so in the reference.
+    rows[0] = dataclasses.replace(rows[0], default="required")
+    return rows

@@ -1,0 +1,136 @@
+"""Starting the ranks: PyTorch's elastic launcher (what ``torchrun`` runs), or an existing launch.
+
+- Inside ``torchrun`` (``RANK``/``WORLD_SIZE`` set) or an ``srun`` with one task per
+  rank (``SLURM_PROCID``/``SLURM_NTASKS``, ``MASTER_ADDR`` exported by the batch
+  script), this process is one rank: it trains in place.
+- Otherwise ``torch.distributed.launcher.api.elastic_launch`` starts
+  ``nproc_per_node`` ranks here; with ``nnodes > 1`` they meet the other nodes'
+  ranks through torchrun's c10d rendezvous (``rdzv_endpoint``, ``rdzv_id``).
+
+The configuration is validated by the caller before any process is started; a
+:class:`ConfigError` a rank finds later (e.g. data too short) is printed once, by
+rank 0, and every rank exits with code 2.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from fsdp_bridge.errors import ConfigError, Problem
+
+__all__ = ["LaunchOptions", "existing_launch", "launch", "run_rank"]
+
+CONFIG_ERROR_EXIT = 2
+
+
+@dataclass(frozen=True)
+class LaunchOptions:
+    """How many ranks to start and where they meet (torchrun's flags of the same names)."""
+
+    nproc_per_node: int
+    nnodes: int = 1
+    rdzv_endpoint: str | None = None
+    rdzv_id: str | None = None
+    rdzv_backend: str = "c10d"
+
+
+def existing_launch(env: dict[str, str] | None = None) -> bool:
+    """Whether this process is already one rank of a launch (torchrun, or srun with a task per rank)."""
+    env = dict(os.environ) if env is None else env
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return True
+    return "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1
+
+
+def _env_from_slurm() -> None:
+    """Set torchrun's variables from SLURM's when srun started one task per rank."""
+    env = os.environ
+    if "RANK" in env or "SLURM_PROCID" not in env:
+        return
+    if "MASTER_ADDR" not in env:
+        raise ConfigError([Problem("MASTER_ADDR", None, "the host name of the first node of the job",
+                                   "export MASTER_ADDR=$(scontrol show hostnames $SLURM_JOB_NODELIST | head -n 1) "
+                                   "in the sbatch script (see examples/hsdp_2x8.sbatch)")])
+    tasks, nodes = int(env["SLURM_NTASKS"]), int(env.get("SLURM_NNODES", "1"))
+    env.update(RANK=env["SLURM_PROCID"], WORLD_SIZE=str(tasks), LOCAL_RANK=env.get("SLURM_LOCALID", "0"),
+               LOCAL_WORLD_SIZE=env.get("SLURM_NTASKS_PER_NODE", str(tasks // max(1, nodes))).split("(")[0])
+    env.setdefault("MASTER_PORT", "29500")
+
+
+def run_rank(config_dict: dict[str, Any], verbosity: str) -> int:
+    """Train as one rank of the current launch; return the exit code (0, or 2 for a ConfigError)."""
+    import torch
+    import torch.distributed as dist
+
+    from fsdp_bridge.train._config import TrainConfig
+    from fsdp_bridge.train._loop import train
+
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        _env_from_slurm()
+        rank = int(os.environ.get("RANK", "0"))
+        if "OMP_NUM_THREADS" not in os.environ:
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+        train(TrainConfig.from_dict(config_dict), verbosity=verbosity)  # type: ignore[arg-type]
+        return 0
+    except ConfigError as err:
+        if rank == 0:
+            print(f"fsdp-bridge train: {err}", file=sys.stderr, flush=True)
+        return CONFIG_ERROR_EXIT
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _elastic_entry(config_dict: dict[str, Any], verbosity: str) -> None:
+    """What each launched rank runs (module level: it is pickled into spawned processes)."""
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    code = record(run_rank)(config_dict, verbosity)
+    if code:
+        sys.exit(code)
+
+
+def launch(config_dict: dict[str, Any], options: LaunchOptions, *, verbosity: str) -> int:
+    """Start the ranks of this node with the elastic launcher; return the job's exit code."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    if options.nnodes > 1 and not options.rdzv_endpoint:
+        raise ConfigError([Problem("--rdzv-endpoint", None, "HOST:PORT of the first node when --nnodes > 1",
+                                   "e.g. --rdzv-endpoint $MASTER_ADDR:29500 (see examples/hsdp_2x8.sbatch)")])
+    run_id = options.rdzv_id or os.environ.get("SLURM_JOB_ID")
+    if options.nnodes > 1 and not run_id:
+        raise ConfigError([Problem("--rdzv-id", None, "the same job id on every node when --nnodes > 1",
+                                   "pass --rdzv-id $SLURM_JOB_ID (or any string shared by the nodes)")])
+    if verbosity != "verbose":
+        logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
+    # torchrun's default is 1 thread per rank; on CPU share the cores instead.
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // options.nproc_per_node)))
+    launch_config = LaunchConfig(
+        min_nodes=options.nnodes,
+        max_nodes=options.nnodes,
+        nproc_per_node=options.nproc_per_node,
+        run_id=run_id or f"fsdp-bridge-{uuid.uuid4().hex[:8]}",
+        rdzv_backend=options.rdzv_backend,
+        rdzv_endpoint=options.rdzv_endpoint or "localhost:0",
+        max_restarts=0,
+        start_method="spawn",
+    )
+    try:
+        elastic_launch(launch_config, _elastic_entry)(config_dict, verbosity)
+    except ChildFailedError as err:
+        codes = {f.exitcode for f in err.failures.values()}
+        if codes == {CONFIG_ERROR_EXIT}:
+            return CONFIG_ERROR_EXIT  # rank 0 printed the problems
+        ranks = ", ".join(str(r) for r in sorted(err.failures))
+        print(f"fsdp-bridge train: rank {ranks} failed (exit code {', '.join(map(str, sorted(codes)))}); "
+              "the traceback is above", file=sys.stderr)
+        return 1
+    return 0

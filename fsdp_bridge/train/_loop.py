@@ -1,0 +1,328 @@
+"""The training loop of ``fsdp-bridge train``, usable on its own: ``train(config)`` on every rank.
+
+    import fsdp_bridge.train as ft
+    config = ft.load_train_config("examples/tiny_cpu.yaml", ["max_steps=20"])
+    result = ft.train(config)              # under torchrun: every rank calls it
+
+It builds the tokenizer, data, model and optimizer, shards the model with
+:func:`fsdp_bridge.shard`, then trains with gradient accumulation (no gradient reduction
+until the last micro-batch), global-norm clipping, warm-up + decay of the learning
+rate, periodic evaluation on held-out data and checkpoints.  Rank 0 shows a progress
+bar and writes ``metrics.jsonl``; the other ranks stay silent unless they fail.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import time
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fsdp_bridge.api import clip_grad_norm_, get_bridge, no_sync, shard
+from fsdp_bridge.config import parse_dtype
+from fsdp_bridge.distributed import init_distributed
+from fsdp_bridge.errors import ConfigError, Problem
+from fsdp_bridge.train import _ckpt as ckpt
+from fsdp_bridge.train._config import TrainConfig
+from fsdp_bridge.train._data import PackedData, read_documents
+from fsdp_bridge.train._progress import Progress
+from fsdp_bridge.train._tokenizer import load_tokenizer
+
+__all__ = ["TrainResult", "Verbosity", "lr_at", "train"]
+
+Verbosity = Literal["quiet", "normal", "verbose"]
+logger = logging.getLogger("fsdp_bridge.train")
+
+METRICS = "metrics.jsonl"
+SUMMARY = "summary.json"
+CONFIG = "train_config.yaml"
+
+
+@dataclass
+class TrainResult:
+    """What a run did (meaningful on rank 0; other ranks return the same numbers)."""
+
+    steps: int
+    """Optimizer steps completed, including steps before a resume."""
+    tokens: int
+    """Training tokens consumed by all ranks, including before a resume."""
+    wall_time_s: float
+    """Wall time of this run (from the start of ``train`` to the end)."""
+    final_loss: float | None
+    """Training loss of the last step of this run."""
+    eval_loss: float | None
+    """Held-out loss at the last evaluation."""
+    best_eval_loss: float | None
+    """Lowest held-out loss seen (across resumes)."""
+    checkpoint: str | None
+    """The last checkpoint written or loaded."""
+    output_dir: str
+    resumed_from: str | None = None
+
+
+def lr_at(config: TrainConfig, step: int) -> float:
+    """Learning rate of optimizer step number ``step + 1`` (``step`` steps already taken)."""
+    peak = config.optim.lr
+    sched = config.schedule
+    if step < sched.warmup_steps:
+        return peak * (step + 1) / sched.warmup_steps
+    if sched.decay == "constant":
+        return peak
+    end = sched.decay_steps or config.max_steps
+    progress = min(1.0, (step - sched.warmup_steps) / max(1, end - sched.warmup_steps))
+    floor = sched.min_lr_ratio
+    if sched.decay == "linear":
+        return peak * (1.0 - (1.0 - floor) * progress)
+    return peak * (floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+# ----------------------------------------------------------------------------------
+# Building blocks
+# ----------------------------------------------------------------------------------
+
+
+def build_model(config: TrainConfig, tokenizer: Any) -> nn.Module:
+    """The (unsharded) model, identical on every rank: from ``model.path`` or ``model.config``."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    m = config.model
+    dtype = parse_dtype(m.dtype)
+    torch.manual_seed(config.seed)
+    if m.path is not None:
+        try:
+            model = AutoModelForCausalLM.from_pretrained(m.path, attn_implementation=m.attn_implementation)
+        except (OSError, ValueError) as err:
+            raise ConfigError([Problem("model.path", m.path, "a Hugging Face model directory (config.json + weights)",
+                                       str(err).splitlines()[0] if str(err) else "")]) from None
+    else:
+        assert m.config is not None  # checked by TrainConfig
+        kwargs = dict(m.config)
+        model_type = kwargs.pop("model_type")
+        kwargs.setdefault("vocab_size", len(tokenizer))
+        for key in ("eos_token_id", "bos_token_id", "pad_token_id"):
+            kwargs.setdefault(key, tokenizer.eos_token_id)
+        try:
+            hf_config = AutoConfig.for_model(model_type, **kwargs)
+            hf_config._attn_implementation = m.attn_implementation
+            model = AutoModelForCausalLM.from_config(hf_config)
+        except (ValueError, KeyError, TypeError) as err:
+            raise ConfigError([Problem("model.config", dict(m.config), "a transformers config for a causal LM",
+                                       str(err).splitlines()[0] if str(err) else "")]) from None
+        if hf_config.vocab_size < len(tokenizer):
+            raise ConfigError([Problem("model.config.vocab_size", hf_config.vocab_size,
+                                       f">= the tokenizer's vocabulary ({len(tokenizer)})",
+                                       "remove vocab_size to take it from the tokenizer")])
+    if getattr(model.config, "use_cache", False):
+        model.config.use_cache = False
+    return model.to(dtype)  # type: ignore[arg-type]
+
+
+def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
+    o = config.optim
+    params = [p for p in model.parameters() if p.requires_grad]
+    if o.name == "sgd":
+        return torch.optim.SGD(params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
+    return torch.optim.AdamW(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+
+
+def _memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def _resolve_resume(config: TrainConfig, root: Path) -> Path | None:
+    resume = config.resume
+    existing = ckpt.latest_checkpoint(root)
+    if resume is False:
+        if existing is not None:
+            raise ConfigError([Problem("resume", False, "auto (or --resume) when output_dir holds checkpoints",
+                                       f"{root} already holds {existing.name}: pass --resume to continue it, or "
+                                       "choose another output_dir")])
+        return None
+    if resume is True or resume == "auto":
+        return existing
+    path = Path(str(resume))
+    if not (path / "meta.json").is_file():
+        raise ConfigError([Problem("resume", str(resume), "false, auto, or a checkpoint directory",
+                                   f"{path} is not a checkpoint written by fsdp-bridge train")])
+    return path
+
+
+def _configure_output(rank: int, verbosity: Verbosity) -> None:
+    import transformers
+
+    if verbosity != "verbose":
+        transformers.utils.logging.disable_progress_bar()
+    if rank != 0 or verbosity == "quiet":
+        transformers.logging.set_verbosity_error()
+        logging.getLogger("fsdp_bridge").setLevel(logging.WARNING)
+        warnings.filterwarnings("ignore")
+    elif verbosity == "normal":
+        transformers.logging.set_verbosity_warning()
+        logging.getLogger("fsdp_bridge").setLevel(logging.WARNING)
+        warnings.filterwarnings("ignore", category=FutureWarning)
+    else:
+        logging.getLogger("fsdp_bridge").setLevel(logging.INFO)
+
+
+def _all_mean(value: torch.Tensor, world: int) -> float:
+    value = value.detach().float().reshape(1).clone()
+    if world > 1:
+        dist.all_reduce(value)
+    return float(value.item()) / world
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, data: PackedData, config: TrainConfig, device: torch.device) -> float | None:
+    """Mean loss over the held-out sequences of all ranks."""
+    batches = data.eval_batches(config.micro_batch_size)
+    if not batches:
+        return None
+    model.eval()
+    total = torch.zeros(2, dtype=torch.float64)
+    for batch in batches:
+        batch = batch.to(device)
+        loss = model(input_ids=batch, labels=batch).loss
+        total += torch.tensor([float(loss) * len(batch), len(batch)], dtype=torch.float64)
+    model.train()
+    if dist.get_world_size() > 1:
+        dist.all_reduce(total)
+    return float(total[0] / total[1])
+
+
+# ----------------------------------------------------------------------------------
+# The loop
+# ----------------------------------------------------------------------------------
+
+
+def train(config: TrainConfig, *, verbosity: Verbosity = "normal") -> TrainResult:
+    """Run ``config`` on this rank (call on every rank; initialises the process group if needed)."""
+    start = time.perf_counter()
+    device = init_distributed(config.bridge.device)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    _configure_output(rank, verbosity)
+    out = Path(config.output_dir)
+    ckpt_root = out / "checkpoints"
+    resume_from = _resolve_resume(config, ckpt_root)  # same answer on every rank: before any collective
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / CONFIG).write_text(config.to_yaml())
+    dist.barrier()
+
+    docs = read_documents(config.data)
+    tokenizer = load_tokenizer(config, docs, out)
+    data = PackedData.build(docs, tokenizer, config.data, seed=config.seed, rank=rank, world_size=world)
+    model = build_model(config, tokenizer)
+    n_params = sum(p.numel() for p in model.parameters())
+    model_name = type(model).__name__
+    sharded = shard(model, config.bridge)
+    optimizer = build_optimizer(sharded, config)
+    torch.manual_seed(config.seed + 1 + rank)  # per-rank stream (dropout), saved with every checkpoint
+
+    step, position, tokens, best_eval = 0, 0, 0, math.inf
+    last_ckpt: str | None = None
+    if resume_from is not None:
+        state = ckpt.load_checkpoint(resume_from, sharded, optimizer)
+        step, position, tokens = int(state["step"]), int(state["data_position"]), int(state["tokens"])
+        best_eval = float(state.get("best_eval_loss") or math.inf)
+        last_ckpt = str(resume_from)
+
+    global_tokens_per_step = config.tokens_per_step * world
+    progress = Progress(out / METRICS, enabled=rank == 0, verbosity=verbosity, total=config.max_steps,
+                        initial=step, resumed=resume_from is not None)
+    bridge = get_bridge(sharded)
+    progress.header(
+        f"fsdp-bridge train: {model_name} ({n_params / 1e6:.2f}M parameters), "
+        f"{config.bridge.strategy.value} on {config.bridge.backend.value}, {world} rank{'s' * (world > 1)} "
+        f"on {device.type}, {global_tokens_per_step} tokens/step, {len(data.train)} train / "
+        f"{len(data.held_out)} held-out sequences of {config.data.seq_len}",
+        detail=bridge.describe(),
+        resumed=f"resumed from {resume_from} at step {step}" if resume_from is not None else None,
+    )
+
+    eval_loss: float | None = None
+    final_loss: float | None = None
+    mbs, accum = config.micro_batch_size, config.grad_accum
+    try:
+        while step < config.max_steps:
+            t0 = time.perf_counter()
+            lr = lr_at(config, step)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            loss_sum = torch.zeros((), dtype=torch.float32)
+            for micro in range(accum):
+                batch = data.micro_batch(position, mbs).to(device)
+                position += world * mbs
+                sync = micro == accum - 1
+                with contextlib.nullcontext() if sync else no_sync(sharded):
+                    loss = sharded(input_ids=batch, labels=batch).loss
+                    (loss / accum).backward()
+                loss_sum += loss.detach().float().cpu()
+            grad_norm = clip_grad_norm_(sharded, config.optim.grad_clip) if config.optim.grad_clip else None
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            tokens += global_tokens_per_step
+            final_loss = _all_mean(loss_sum / accum, world)
+            step_time = time.perf_counter() - t0
+            record: dict[str, Any] = {
+                "step": step, "loss": final_loss, "lr": lr,
+                "grad_norm": None if grad_norm is None else float(grad_norm),
+                "tokens": tokens, "tokens_per_s": global_tokens_per_step / step_time,
+                "step_time_s": step_time, "memory_mb": _memory_mb(device),
+            }
+            last = step == config.max_steps
+            if config.data.eval_sequences and (last or (config.eval_interval and step % config.eval_interval == 0)):
+                eval_loss = evaluate(sharded, data, config, device)
+                if eval_loss is not None:
+                    record["eval_loss"] = eval_loss
+                    best_eval = min(best_eval, eval_loss)
+            progress.step(record)
+            interval = config.checkpoint.interval
+            if (interval and step % interval == 0) or (last and config.checkpoint.at_end):
+                state = {"step": step, "data_position": position, "tokens": tokens,
+                         "best_eval_loss": None if math.isinf(best_eval) else best_eval}
+                path = ckpt.save_checkpoint(ckpt_root / ckpt.checkpoint_name(step), sharded, optimizer,
+                                            kind=config.checkpoint.kind, state=state)
+                ckpt.prune_checkpoints(ckpt_root, config.checkpoint.keep_last)
+                last_ckpt = str(path)
+                progress.note(f"step {step}: checkpoint written to {path}", verbose_only=True)
+    finally:
+        progress.close()
+
+    if config.checkpoint.export_hf:
+        export_hf(sharded, model, tokenizer, out)
+    result = TrainResult(
+        steps=step, tokens=tokens, wall_time_s=time.perf_counter() - start, final_loss=final_loss,
+        eval_loss=eval_loss, best_eval_loss=None if math.isinf(best_eval) else best_eval,
+        checkpoint=last_ckpt, output_dir=str(out), resumed_from=str(resume_from) if resume_from else None,
+    )
+    if rank == 0:
+        (out / SUMMARY).write_text(json.dumps(asdict(result), indent=1))
+        progress.summary(result, exported=config.checkpoint.export_hf)
+    return result
+
+
+def export_hf(sharded: nn.Module, model: nn.Module, tokenizer: Any, out: Path) -> None:
+    """Write the trained weights, config and tokenizer to ``out`` as a Hugging Face directory."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    state = get_model_state_dict(sharded, options=ckpt.full_state_options(sharded))
+    if dist.get_rank() == 0:
+        # The unsharded module object is the one FSDP wraps (FSDP1) or the sharded root
+        # itself (FSDP2): both carry the transformers config and save_pretrained.
+        model.save_pretrained(out, state_dict=state)  # type: ignore[operator]
+        tokenizer.save_pretrained(out)
+    dist.barrier()

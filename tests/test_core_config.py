@@ -1,0 +1,188 @@
+"""BridgeConfig: parsing, normalisation, YAML round trip and every error message."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import yaml
+from torch.distributed.fsdp import BackwardPrefetch as TorchBackwardPrefetch
+from torch.distributed.fsdp import ShardingStrategy as TorchShardingStrategy
+
+import fsdp_bridge
+from fsdp_bridge import Backend, BackwardPrefetch, BridgeConfig, ConfigError, ShardingStrategy
+from fsdp_bridge.distributed import plan_mesh
+from fsdp_bridge.strategy import parse_enum
+
+
+def test_two_field_config_has_sensible_defaults() -> None:
+    config = BridgeConfig(strategy="FULL_SHARD", backend="fsdp2")
+    assert config.strategy is ShardingStrategy.FULL_SHARD
+    assert config.backend is Backend.FSDP2
+    assert config.wrap.mode == "auto"
+    assert config.backward_prefetch is BackwardPrefetch.PRE
+    assert not config.mixed_precision.enabled
+    assert config.device == "auto"
+
+
+@pytest.mark.parametrize(
+    ("spelling", "expected"),
+    [
+        ("full_shard", ShardingStrategy.FULL_SHARD),
+        ("FULL_SHARD", ShardingStrategy.FULL_SHARD),
+        ("Shard-Grad-Op", ShardingStrategy.SHARD_GRAD_OP),
+        ("hybrid_shard_zero2", ShardingStrategy.HYBRID_SHARD_ZERO2),
+        ("_HYBRID_SHARD_ZERO2", ShardingStrategy.HYBRID_SHARD_ZERO2),
+        (TorchShardingStrategy.NO_SHARD, ShardingStrategy.NO_SHARD),
+        (TorchShardingStrategy._HYBRID_SHARD_ZERO2, ShardingStrategy.HYBRID_SHARD_ZERO2),
+        ("ShardingStrategy.HYBRID_SHARD", ShardingStrategy.HYBRID_SHARD),
+    ],
+)
+def test_strategy_spellings(spelling: object, expected: ShardingStrategy) -> None:
+    assert parse_enum(ShardingStrategy, spelling) is expected
+    assert BridgeConfig(strategy=spelling).strategy is expected  # type: ignore[arg-type]
+
+
+def test_torch_backward_prefetch_members_and_none() -> None:
+    assert parse_enum(BackwardPrefetch, TorchBackwardPrefetch.BACKWARD_POST) is BackwardPrefetch.POST
+    assert parse_enum(BackwardPrefetch, "BACKWARD_PRE") is BackwardPrefetch.PRE
+    assert BridgeConfig(backend="fsdp1", backward_prefetch=None).backward_prefetch is BackwardPrefetch.NONE  # type: ignore[arg-type]
+
+
+def test_mixed_precision_presets_and_dtypes() -> None:
+    bf16 = BridgeConfig(mixed_precision="bf16").mixed_precision  # type: ignore[arg-type]
+    assert (bf16.param_dtype, bf16.reduce_dtype, bf16.buffer_dtype) == (torch.bfloat16, torch.float32, None)
+    custom = BridgeConfig(
+        mixed_precision={"param_dtype": "bf16", "reduce_dtype": "torch.float32", "buffer_dtype": "bfloat16",
+                         "output_dtype": "fp32", "cast_forward_inputs": False}  # type: ignore[arg-type]
+    ).mixed_precision
+    assert custom.buffer_dtype is torch.bfloat16 and custom.output_dtype is torch.float32
+    assert not custom.cast_forward_inputs
+    assert not BridgeConfig(mixed_precision="fp32").mixed_precision.enabled  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("wrap", "mode"),
+    [("auto", "auto"), ("none", "none"), (None, "none"), (["LlamaDecoderLayer"], "classes"),
+     ("LlamaDecoderLayer", "classes"), ({"min_num_params": 1000}, "min_params"), (lambda m: False, "callable"),
+     ({"classes": ["GPT2Block"]}, "classes"), ([torch.nn.Linear], "classes")],
+)
+def test_wrap_spellings(wrap: object, mode: str) -> None:
+    assert BridgeConfig(wrap=wrap).wrap.mode == mode  # type: ignore[arg-type]
+
+
+def full_config() -> BridgeConfig:
+    return BridgeConfig(
+        strategy="hybrid_shard", backend="fsdp2", mixed_precision={"param_dtype": "bf16", "reduce_dtype": "fp32"},
+        wrap=["LlamaDecoderLayer"], backward_prefetch="pre", forward_prefetch=True, limit_all_gathers=False,
+        cpu_offload=True, activation_checkpointing=True, sync_module_states=True, reshard_after_forward=2,
+        hybrid_shape=[2, 4], ignored_modules=["lm_head"], device="cpu",  # type: ignore[arg-type]
+    )
+
+
+def test_yaml_round_trip_is_exact(tmp_path) -> None:
+    for config in (BridgeConfig(), full_config(), BridgeConfig(wrap={"min_num_params": 10}, mixed_precision="bf16")):
+        path = tmp_path / "c.yaml"
+        path.write_text(config.to_yaml())
+        assert fsdp_bridge.load_config(path) == config
+        assert BridgeConfig.from_dict(yaml.safe_load(config.to_yaml())) == config
+
+
+def test_load_config_reads_bridge_section_of_training_yaml(tmp_path) -> None:
+    path = tmp_path / "train.yaml"
+    path.write_text("model: {type: llama}\nbridge:\n  strategy: shard_grad_op\n  backend: fsdp1\n")
+    config = fsdp_bridge.load_config(path)
+    assert (config.strategy, config.backend) == (ShardingStrategy.SHARD_GRAD_OP, Backend.FSDP1)
+
+
+# ---------------------------------------------------------------- every error message
+
+
+def test_all_problems_reported_together() -> None:
+    with pytest.raises(ConfigError) as info:
+        BridgeConfig.from_dict({"strategy": "zero3", "backend": "fsdp3", "devise": "cpu", "forward_prefetch": "yes"})
+    message = str(info.value)
+    assert "4 problems" in message
+    assert "strategy: got 'zero3'; allowed: full_shard, shard_grad_op, no_shard, hybrid_shard" in message
+    assert "backend: got 'fsdp3'; allowed: fsdp1, fsdp2" in message
+    assert "devise: got 'cpu'; allowed: known keys are" in message and "did you mean 'device'?" in message
+    assert "forward_prefetch: got 'yes'; allowed: true or false" in message
+    assert {p.key for p in info.value.problems} == {"strategy", "backend", "devise", "forward_prefetch"}
+
+
+@pytest.mark.parametrize(
+    ("data", "pattern"),
+    [
+        ({"mixed_precision": "int8"}, r"mixed_precision: got 'int8'; allowed: a preset \(fp32, bf16, fp16\)"),
+        ({"mixed_precision": {"param_dtype": "float8"}}, r"mixed_precision.param_dtype: got 'float8'; allowed: float32"),
+        ({"mixed_precision": {"param": "bf16"}}, r"mixed_precision.param: .*unknown key; did you mean 'param_dtype'"),
+        ({"mixed_precision": {"cast_forward_inputs": 1}}, r"mixed_precision.cast_forward_inputs: got 1; allowed: true or false"),
+        ({"wrap": 3}, r"wrap: got 3; allowed: 'auto'"),
+        ({"wrap": []}, r"wrap: got \[\]; .*give at least one class name, or 'none'"),
+        ({"wrap": ["not a class"]}, r"wrap\[\]: got 'not a class'; allowed: module class names"),
+        ({"wrap": {"min_num_params": 0}}, r"wrap.min_num_params: got 0; allowed: an integer >= 1"),
+        ({"wrap": {"min_params": 10}}, r"wrap.min_params: .*did you mean 'min_num_params'"),
+        ({"wrap": {"min_num_params": 5, "classes": ["A"]}}, r"allowed: exactly one of min_num_params or classes"),
+        ({"backward_prefetch": "later"}, r"backward_prefetch: got 'later'; allowed: pre, post, none"),
+        ({"reshard_after_forward": 0}, r"reshard_after_forward: got 0; allowed: null \(from the strategy\)"),
+        ({"reshard_after_forward": "yes"}, r"reshard_after_forward: got 'yes'"),
+        ({"hybrid_shape": [2]}, r"hybrid_shape: got \[2\]; allowed: null or \[replicate, shard\]"),
+        ({"hybrid_shape": [2, 2]}, r"hybrid_shape: .*Fix: remove hybrid_shape, or set strategy: hybrid_shard"),
+        ({"ignored_modules": [1]}, r"ignored_modules: got \[1\]; allowed: a list of module paths"),
+        ({"device": "tpu"}, r"device: got 'tpu'; allowed: auto, cuda, cpu"),
+        ({"cpu_offload": "no"}, r"cpu_offload: got 'no'; allowed: true or false"),
+        # Combinations a backend cannot honour: refused at config time, with the alternative.
+        ({"backend": "fsdp2", "backward_prefetch": "post"},
+         r"backward_prefetch: got 'post'; allowed: on fsdp2: pre. Fix: fsdp2 cannot do this: .*Use backward_prefetch: pre"),
+        ({"backend": "fsdp2", "backward_prefetch": "none"}, r"no public switch to turn it off"),
+        ({"backend": "fsdp1", "reshard_after_forward": 2}, r"FSDP1 cannot reshard to a smaller group"),
+        ({"backend": "fsdp1", "strategy": "full_shard", "reshard_after_forward": False},
+         r"FSDP1 ties resharding to the strategy; choose the strategy instead"),
+        (["not", "a", "mapping"], r"config: got \['not', 'a', 'mapping'\]; allowed: a mapping of BridgeConfig keys"),
+    ],
+)
+def test_error_messages(data: object, pattern: str) -> None:
+    with pytest.raises(ConfigError, match=pattern):
+        BridgeConfig.from_dict(data)  # type: ignore[arg-type]
+
+
+def test_backend_combinations_that_are_fine() -> None:
+    BridgeConfig(backend="fsdp1", backward_prefetch="post")  # FSDP1 has it
+    BridgeConfig(backend="fsdp2", reshard_after_forward=False)  # FSDP2 overrides the strategy
+    BridgeConfig(backend="fsdp1", strategy="shard_grad_op", reshard_after_forward=False)  # agrees: not needed
+
+
+def test_callable_wrap_cannot_be_serialised() -> None:
+    with pytest.raises(ConfigError, match="callable wrap policies exist only in Python"):
+        BridgeConfig(wrap=lambda m: True).to_dict()  # type: ignore[arg-type]
+
+
+def test_yaml_cannot_construct_python_objects(tmp_path) -> None:
+    path = tmp_path / "evil.yaml"
+    path.write_text("wrap: !!python/name:os.system\n")
+    with pytest.raises(ConfigError, match=r"yaml: got .*allowed: valid YAML"):
+        fsdp_bridge.load_config(path)
+
+
+def test_missing_file(tmp_path) -> None:
+    with pytest.raises(ConfigError, match=r"path: got .*nope\.yaml'; allowed: a readable YAML file"):
+        fsdp_bridge.load_config(tmp_path / "nope.yaml")
+
+
+# ---------------------------------------------------------------- mesh planning (no collective)
+
+
+def test_mesh_shapes() -> None:
+    assert plan_mesh(BridgeConfig(), 4).shape == (4,)
+    assert plan_mesh(BridgeConfig(strategy="no_shard", backend="fsdp2"), 4).shape == (4, 1)
+    assert plan_mesh(BridgeConfig(strategy="no_shard", backend="fsdp1"), 4).shape == (4,)
+    assert plan_mesh(BridgeConfig(strategy="hybrid_shard"), 16, local_world_size=8).shape == (2, 8)
+    assert plan_mesh(BridgeConfig(strategy="hybrid_shard", hybrid_shape=[4, 2]), 8).shape == (4, 2)  # type: ignore[arg-type]
+
+
+def test_mesh_errors() -> None:
+    with pytest.raises(ConfigError, match=r"hybrid_shape: got \[2, 2\]; allowed: two integers whose product is the world size \(8\)"):
+        plan_mesh(BridgeConfig(strategy="hybrid_shard", hybrid_shape=[2, 2]), 8)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"ranks per node \(3\) does not divide the world size \(8\)"):
+        plan_mesh(BridgeConfig(strategy="hybrid_shard"), 8, local_world_size=3)
+    with pytest.raises(ConfigError, match=r"reshard_after_forward: got 3; allowed: a divisor of the shard group size \(4\)"):
+        plan_mesh(BridgeConfig(reshard_after_forward=3), 4)

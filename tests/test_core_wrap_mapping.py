@@ -1,0 +1,127 @@
+"""Wrap-unit resolution, the mapping table and `fsdp-bridge explain` (no process group)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from torch import nn
+
+from fsdp_bridge import Backend, BridgeConfig, ConfigError, Outcome, translate
+from fsdp_bridge.config import WrapPolicy
+from fsdp_bridge.mapping import CONFIG_OPTIONS, TABLE
+from fsdp_bridge.testing.models import FAMILIES, build_tiny
+from fsdp_bridge.wrap import resolve_ignored, resolve_wrap
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize(
+    ("family", "unit_class", "count"),
+    [("llama", "LlamaDecoderLayer", 2), ("gpt2", "GPT2Block", 2), ("t5", "T5Block", 4), ("bert", "BertLayer", 2),
+     ("opt", "OPTDecoderLayer", 2), ("gemma", "GemmaDecoderLayer", 2)],
+)
+def test_auto_wrap_picks_transformer_blocks(family: str, unit_class: str, count: int) -> None:
+    plan = resolve_wrap(build_tiny(family), WrapPolicy())
+    assert [type(m).__name__ for m in plan.modules] == [unit_class] * count
+    assert plan.source.startswith("auto")
+
+
+def test_tied_embeddings_never_split_across_units() -> None:
+    model = build_tiny("gpt2")  # wte is tied to lm_head
+    plan = resolve_wrap(model, WrapPolicy(mode="classes", classes=("Embedding", "GPT2Block")))
+    names = [n for n, _ in plan.units]
+    assert "transformer.wte" not in names and "transformer.wpe" in names
+    assert any("transformer.wte is not a unit of its own" in note and "lm_head" in note for note in plan.notes)
+
+
+def test_min_num_params_follows_fsdp1_size_policy() -> None:
+    model = nn.Sequential(nn.Linear(10, 10), nn.Sequential(nn.Linear(10, 10), nn.Linear(10, 2)), nn.Linear(2, 2))
+    plan = resolve_wrap(model, WrapPolicy(mode="min_params", min_num_params=100))
+    # 110-parameter leaves are wrapped; the inner Sequential's remainder (22) is not; nor is the 6-param leaf.
+    assert [n for n, _ in plan.units] == ["0", "1.0"]
+
+
+def test_callable_and_none_policies() -> None:
+    model = build_tiny("llama")
+    assert resolve_wrap(model, WrapPolicy(mode="none")).units == []
+    plan = resolve_wrap(model, WrapPolicy(mode="callable", fn=lambda m: isinstance(m, nn.Embedding)))
+    assert [n for n, _ in plan.units] == ["model.embed_tokens"]
+
+
+def test_plain_module_without_no_split_modules_wraps_modulelist_entries() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)]))
+    assert [n for n, _ in resolve_wrap(model, WrapPolicy()).units] == ["1.0", "1.1"]
+
+
+def test_wrap_class_not_in_model_lists_what_it_has() -> None:
+    with pytest.raises(ConfigError, match=r"wrap: got 'LlamaLayer'; allowed: a module class the model contains: .*"
+                                          r"LlamaDecoderLayer.*its _no_split_modules are \['LlamaDecoderLayer'\]"):
+        resolve_wrap(build_tiny("llama"), WrapPolicy(mode="classes", classes=("LlamaLayer",)))
+
+
+def test_ignored_modules_resolve_and_errors() -> None:
+    model = build_tiny("llama")
+    assert [n for n, _ in resolve_ignored(model, ("lm_head",))] == ["lm_head"]
+    assert len(resolve_ignored(model, ("LlamaRMSNorm",))) == 5
+    with pytest.raises(ConfigError, match="ignored_modules: got 'head'; allowed: a module path or class name"):
+        resolve_ignored(model, ("head",))
+    plan = resolve_wrap(model, WrapPolicy(), ignored=[model.model.layers[0]])
+    assert [n for n, _ in plan.units] == ["model.layers.1"]
+
+
+def test_table_covers_every_config_field_and_backend() -> None:
+    fields = set(BridgeConfig.field_names()) - {"backend"}  # the selector, not an option
+    options = {o.split(".")[0] for o in CONFIG_OPTIONS}
+    assert fields == options, f"fields without a mapping rule: {fields - options}; rules without a field: {options - fields}"
+    for rule in TABLE:
+        for backend in Backend:
+            assert rule.for_backend(backend).text, f"{rule.option}/{rule.case} has no text for {backend}"
+
+
+def test_no_shard_keeps_its_meaning_on_fsdp2() -> None:
+    report = translate(BridgeConfig(strategy="no_shard"), Backend.FSDP2)
+    entry = next(e for e in report.entries if e.option == "strategy")
+    assert entry.outcome is Outcome.EMULATED and "all-reduced" in entry.text and "not ZeRO-2" in entry.text
+
+
+def test_cpu_offload_on_cpu_is_not_needed_on_both_backends() -> None:
+    for backend in Backend:
+        report = translate(BridgeConfig(cpu_offload=True, backend=backend), backend, device_type="cpu")
+        entry = next(e for e in report.entries if e.option == "cpu_offload")
+        assert entry.outcome is Outcome.NOT_NEEDED and "accelerator" in entry.text
+
+
+def test_every_option_value_gets_exactly_one_outcome() -> None:
+    for backend in Backend:
+        report = translate(BridgeConfig(backend="fsdp1", backward_prefetch="post"), backend)
+        options = [e.option for e in report.entries]
+        assert len(options) == len(set(options))
+
+
+@pytest.mark.parametrize("example", sorted((ROOT / "examples").glob("*.yaml")), ids=lambda p: p.name)
+def test_explain_prints_table_for_every_example(example: Path) -> None:
+    out = subprocess.run([sys.executable, "-m", "fsdp_bridge", "explain", str(example)], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "fsdp1:" in out.stdout and "fsdp2:" in out.stdout and "strategy" in out.stdout
+
+
+def test_explain_flags_options_the_other_backend_refuses(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("backend: fsdp1\nbackward_prefetch: post\n")
+    out = subprocess.run([sys.executable, "-m", "fsdp_bridge", "explain", str(path), "--backend", "fsdp2"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "! backward_prefetch is refused on fsdp2" in out.stdout
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("backend: fsdp2\nbackward_prefetch: post\nstrategy: zero\n")
+    out = subprocess.run([sys.executable, "-m", "fsdp_bridge", "explain", str(bad)], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 2 and "strategy: got 'zero'" in out.stderr
+
+
+def test_families_list() -> None:
+    assert set(FAMILIES) == {"llama", "qwen2", "mistral", "gpt2", "opt", "gemma", "bert", "t5"}

@@ -1,0 +1,248 @@
+"""``fsdp-bridge migrate config``: every source, every option, the documented outcome; accelerate accepts the output."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import yaml
+
+from fsdp_bridge import BridgeConfig, ConfigError, load_config
+from fsdp_bridge.docgen import render
+from fsdp_bridge.migrate import Status, migrate_config, write_outputs
+
+M, E, X, NE = Status.MAPPED, Status.EMULATED, Status.NOT_NEEDED, Status.NO_EQUIVALENT
+
+ACCELERATE = {
+    "compute_environment": "LOCAL_MACHINE",
+    "distributed_type": "FSDP",
+    "downcast_bf16": "no",
+    "fsdp_config": {
+        "fsdp_activation_checkpointing": True,
+        "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+        "fsdp_backward_prefetch": "BACKWARD_POST",
+        "fsdp_cpu_ram_efficient_loading": True,
+        "fsdp_forward_prefetch": True,
+        "fsdp_min_num_params": 0,
+        "fsdp_offload_params": True,
+        "fsdp_sharding_strategy": 4,
+        "fsdp_state_dict_type": "SHARDED_STATE_DICT",
+        "fsdp_sync_module_states": True,
+        "fsdp_transformer_layer_cls_to_wrap": "LlamaDecoderLayer",
+        "fsdp_use_orig_params": True,
+        "fsdp_ignored_modules": "lm_head",
+        "fsdp_version": 1,
+    },
+    "machine_rank": 0,
+    "main_training_function": "main",
+    "mixed_precision": "bf16",
+    "num_machines": 2,
+    "num_processes": 16,
+    "rdzv_backend": "static",
+    "same_network": True,
+    "use_cpu": False,
+}
+
+
+def _write(path: Path, data: dict) -> Path:
+    path.write_text(json.dumps(data) if path.suffix == ".json" else yaml.safe_dump(data))
+    return path
+
+
+def _statuses(report) -> dict[str, Status]:
+    return {r.key: r.status for r in report.rows}
+
+
+def _accelerate_plugin(path: Path) -> tuple[object, object, dict[str, str]]:
+    """What `accelerate launch --config_file path` would build (accelerate 1.15's own loader)."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.parallelism_config import ParallelismConfig
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    args = launch_command_parser().parse_args(["--config_file", str(path), "train.py"])
+    _validate_launch_command(args)
+    env = prepare_multi_gpu_env(args)
+    with mock.patch.dict(os.environ, env):
+        if env.get("ACCELERATE_USE_FSDP") != "true":
+            return None, None, env
+        return FullyShardedDataParallelPlugin(), ParallelismConfig(), env
+
+
+def test_accelerate_every_option(tmp_path: Path) -> None:
+    src = _write(tmp_path / "fsdp1.yaml", ACCELERATE)
+    m = migrate_config(src)
+    assert _statuses(m.report) == {
+        "fsdp_sharding_strategy": M,  # HYBRID_SHARD stays hybrid
+        "fsdp_auto_wrap_policy": E,
+        "fsdp_transformer_layer_cls_to_wrap": E,
+        "fsdp_min_num_params": X,  # accelerate ignores it with transformer wrap
+        "fsdp_backward_prefetch": NE,
+        "fsdp_forward_prefetch": E,
+        "fsdp_offload_params": M,
+        "fsdp_sync_module_states": E,
+        "fsdp_activation_checkpointing": M,
+        "fsdp_use_orig_params": X,
+        "fsdp_cpu_ram_efficient_loading": E,
+        "fsdp_state_dict_type": M,
+        "fsdp_ignored_modules": M,
+        "mixed_precision": M,
+        "mixed_precision (mixed_precision.buffer_dtype)": E,
+    }
+    c = m.fsdp2
+    assert (c.backend.value, c.strategy.value, c.wrap.classes, c.backward_prefetch.value) == (
+        "fsdp2", "hybrid_shard", ("LlamaDecoderLayer",), "pre")
+    assert c.forward_prefetch and c.cpu_offload and c.sync_module_states and c.activation_checkpointing
+    assert c.ignored_modules == ("lm_head",)
+    assert str(c.mixed_precision.buffer_dtype) == "torch.bfloat16"
+    assert "BACKWARD_PRE timing" in m.report.row("fsdp_backward_prefetch").reason
+
+    written = write_outputs(m, tmp_path / "out" / "fsdp2.yaml")
+    assert [Path(p).name for p in written] == ["fsdp2.yaml", "fsdp2.accelerate.yaml", "fsdp2.migration.md"]
+    assert load_config(written[0]) == c
+    acc = yaml.safe_load(Path(written[1]).read_text())
+    assert acc["fsdp_config"]["fsdp_version"] == 2
+    assert acc["parallelism_config"] == {"parallelism_config_dp_replicate_size": 2,
+                                         "parallelism_config_dp_shard_size": 8}
+    for gone in ("fsdp_sharding_strategy", "fsdp_backward_prefetch", "fsdp_forward_prefetch",
+                 "fsdp_use_orig_params", "fsdp_sync_module_states"):
+        assert gone not in acc["fsdp_config"]
+    plugin, parallel, _ = _accelerate_plugin(Path(written[1]))
+    assert plugin.fsdp_version == 2 and plugin.reshard_after_forward is True
+    assert plugin.transformer_cls_names_to_wrap == ["LlamaDecoderLayer"]
+    assert (parallel.dp_replicate_size, parallel.dp_shard_size) == (2, 8)
+    assert "forward_prefetch" in m.report.row("fsdp_forward_prefetch").accelerate
+    report_md = Path(written[2]).read_text()
+    assert "| `fsdp_backward_prefetch` | `BACKWARD_POST` | no equivalent |" in report_md
+
+
+@pytest.mark.parametrize(("strategy", "expected", "raf"), [
+    ("1", "full_shard", True), ("SHARD_GRAD_OP", "shard_grad_op", False), (5, "hybrid_shard_zero2", False),
+])
+def test_accelerate_strategy_spellings(tmp_path: Path, strategy: object, expected: str, raf: bool) -> None:
+    data = {"distributed_type": "FSDP", "num_machines": 1, "num_processes": 2,
+            "fsdp_config": {"fsdp_sharding_strategy": strategy, "fsdp_backward_prefetch": "BACKWARD_PRE",
+                            "fsdp_version": 1}}
+    m = migrate_config(_write(tmp_path / "a.yaml", data))
+    assert m.fsdp2.strategy.value == expected
+    assert m.accelerate is not None and m.accelerate["fsdp_config"]["fsdp_reshard_after_forward"] is raf
+    written = write_outputs(m, tmp_path / "b.yaml")
+    plugin, _, _ = _accelerate_plugin(Path(written[1]))
+    assert plugin.reshard_after_forward is raf
+    assert _statuses(m.report)["fsdp_backward_prefetch"] is M
+
+
+def test_accelerate_no_shard_keeps_replication(tmp_path: Path) -> None:
+    data = {"distributed_type": "FSDP", "num_machines": 1, "num_processes": 4, "mixed_precision": "no",
+            "fsdp_config": {"fsdp_sharding_strategy": "NO_SHARD", "fsdp_version": 1}}
+    m = migrate_config(_write(tmp_path / "a.yaml", data))
+    assert m.fsdp2.strategy.value == "no_shard"  # not reshard_after_forward=False (ZeRO-2)
+    assert "(world, 1)" in m.report.row("fsdp_sharding_strategy").reason
+    assert m.accelerate is not None and m.accelerate["distributed_type"] == "MULTI_GPU"
+    assert "fsdp_config" not in m.accelerate
+    assert any("DDP" in n for n in m.report.notes)
+    # defaults accelerate ran FSDP1 with are reported too
+    assert m.report.row("fsdp_backward_prefetch").status is NE
+    assert m.report.row("fsdp_backward_prefetch").value.startswith("(not set")
+    written = write_outputs(m, tmp_path / "b.yaml")
+    plugin, _, env = _accelerate_plugin(Path(written[1]))
+    assert plugin is None and env.get("ACCELERATE_USE_FSDP") != "true"
+
+
+def test_accelerate_hybrid_without_sizes_writes_no_accelerate_yaml(tmp_path: Path) -> None:
+    data = {"distributed_type": "FSDP", "fsdp_config": {"fsdp_sharding_strategy": "HYBRID_SHARD"}}
+    m = migrate_config(_write(tmp_path / "a.yaml", data))
+    assert m.accelerate is None and m.fsdp2.strategy.value == "hybrid_shard"
+    assert any("use the bridge YAML" in n for n in m.report.notes)
+
+
+def test_trainer_every_option(tmp_path: Path) -> None:
+    args = {
+        "output_dir": "out", "bf16": True,
+        "fsdp": "hybrid_shard_zero2 offload auto_wrap",
+        "fsdp_config": {
+            "fsdp_version": 1, "transformer_layer_cls_to_wrap": ["Qwen2DecoderLayer"],
+            "backward_prefetch": "backward_pre", "forward_prefetch": False, "limit_all_gathers": True,
+            "use_orig_params": False, "sync_module_states": True, "cpu_ram_efficient_loading": True,
+            "activation_checkpointing": True, "state_dict_type": "FULL_STATE_DICT", "min_num_params": 0,
+            "auto_wrap_policy": "TRANSFORMER_BASED_WRAP", "xla": False,
+        },
+    }
+    m = migrate_config(_write(tmp_path / "args.json", args))
+    assert m.source.kind == "trainer" and m.accelerate is None
+    assert _statuses(m.report) == {
+        "fsdp: hybrid_shard_zero2": M, "fsdp: offload": M, "fsdp: auto_wrap": E,
+        "fsdp_config.auto_wrap_policy": E, "fsdp_config.transformer_layer_cls_to_wrap": E,
+        "fsdp_config.min_num_params": X, "fsdp_config.backward_prefetch": M, "fsdp_config.forward_prefetch": M,
+        "fsdp_config.sync_module_states": E, "fsdp_config.activation_checkpointing": M,
+        "fsdp_config.limit_all_gathers": X, "fsdp_config.use_orig_params": X,
+        "fsdp_config.cpu_ram_efficient_loading": E, "fsdp_config.state_dict_type": M, "bf16": M,
+        "bf16 (mixed_precision.buffer_dtype)": E,
+    }
+    assert m.fsdp2.strategy.value == "hybrid_shard_zero2" and m.fsdp2.cpu_offload
+    assert m.report.row("fsdp_config.state_dict_type").target == 'fsdp_bridge.save_checkpoint(..., kind="full")'
+
+    # the fsdp string given on the command line, fsdp_config JSON as the source
+    cfg = _write(tmp_path / "fsdp_config.json", {"fsdp_transformer_layer_cls_to_wrap": "GPT2Block"})
+    m2 = migrate_config(cfg, fsdp="no_shard")
+    assert m2.fsdp2.strategy.value == "no_shard" and m2.fsdp2.wrap.classes == ("GPT2Block",)
+    assert m2.report.row("fsdp_config.backward_prefetch").status is NE  # transformers' FSDP1 default
+
+
+def test_bridge_yaml_every_option(tmp_path: Path) -> None:
+    data = {"strategy": "hybrid_shard", "backend": "fsdp1", "mixed_precision": "bf16", "wrap": ["LlamaDecoderLayer"],
+            "backward_prefetch": "none", "forward_prefetch": True, "limit_all_gathers": False, "cpu_offload": True,
+            "activation_checkpointing": True, "sync_module_states": True, "reshard_after_forward": True,
+            "hybrid_shape": [2, 4], "ignored_modules": ["lm_head"], "device": "cuda"}
+    m = migrate_config(_write(tmp_path / "bridge.yaml", {"bridge": data}))
+    assert _statuses(m.report) == {
+        "strategy": M, "mixed_precision": M, "wrap": E, "backward_prefetch": NE, "forward_prefetch": E,
+        "limit_all_gathers": X, "cpu_offload": M, "activation_checkpointing": M, "sync_module_states": E,
+        "reshard_after_forward": M, "hybrid_shape": M, "ignored_modules": M,
+    }
+    assert m.fsdp2 == BridgeConfig.from_dict({**data, "backend": "fsdp2", "backward_prefetch": "pre"})
+
+
+def test_errors_name_the_key(tmp_path: Path) -> None:
+    bad = {"distributed_type": "FSDP", "fsdp_config": {"fsdp_sharding_stratgy": 1, "fsdp_offload_params": "maybe",
+                                                       "fsdp_backward_prefetch": "LATER"}}
+    with pytest.raises(ConfigError, match=r"fsdp_config.fsdp_sharding_stratgy.*accelerate FSDP1 keys") as err:
+        migrate_config(_write(tmp_path / "a.yaml", bad))
+    del bad["fsdp_config"]["fsdp_sharding_stratgy"]
+    expected = (r"(?s)fsdp_config.fsdp_backward_prefetch: got 'LATER'; allowed: BACKWARD_PRE \(1\).*"
+                r"fsdp_config.fsdp_offload_params: got 'maybe'")
+    with pytest.raises(ConfigError, match=expected) as err:
+        migrate_config(_write(tmp_path / "a.yaml", bad))
+    assert len(err.value.problems) == 2
+    with pytest.raises(ConfigError, match=r"fsdp_version: got 2.*already FSDP2"):
+        migrate_config(_write(tmp_path / "b.yaml", {"distributed_type": "FSDP", "fsdp_config": {"fsdp_version": 2}}))
+    with pytest.raises(ConfigError, match=r"backend: got 'fsdp2'.*already runs on FSDP2"):
+        migrate_config(_write(tmp_path / "c.yaml", {"backend": "fsdp2"}))
+    with pytest.raises(ConfigError, match=r"fsdp: got 'zero3'"):
+        migrate_config(_write(tmp_path / "d.json", {"fsdp": "zero3", "fsdp_config": {}}))
+    with pytest.raises(ConfigError, match=r"SRC: got .*pass the fsdp option string with --fsdp"):
+        migrate_config(_write(tmp_path / "e.json", {"min_num_params": 3}))
+
+
+def test_cli_prints_and_writes(tmp_path: Path) -> None:
+    src = _write(tmp_path / "fsdp1.yaml", ACCELERATE)
+    out = subprocess.run([sys.executable, "-m", "fsdp_bridge", "migrate", "config", str(src)],
+                         capture_output=True, text=True, check=False)
+    assert out.returncode == 0, out.stderr
+    assert "fsdp_backward_prefetch: NO EQUIVALENT" in out.stdout
+    assert (tmp_path / "fsdp1.fsdp2.yaml").exists() and (tmp_path / "fsdp1.fsdp2.migration.md").exists()
+    assert (tmp_path / "fsdp1.fsdp2.accelerate.yaml").exists()
+    out = subprocess.run([sys.executable, "-m", "fsdp_bridge", "migrate", "config", str(tmp_path / "nope.yaml")],
+                         capture_output=True, text=True, check=False)
+    assert out.returncode == 2 and "SRC: got" in out.stderr
+
+
+def test_docs_table_is_generated_from_the_mapping() -> None:
+    path = Path(__file__).resolve().parents[1] / "docs" / "migration.md"
+    text = path.read_text()
+    assert render(text) == text, "docs/migration.md is out of date: run python -m fsdp_bridge.docgen"
