@@ -85,8 +85,10 @@ def plot_report(report: ParityReport, path: str | Path) -> bool:
         ax.set_yscale("log")
         ax.set_xlabel("step")
         ax.set_title(f"{title} per pair (0 drawn at {floor:g})", fontsize=10)
+    from matplotlib.ticker import MaxNLocator
+
     for ax in (ax_loss, ax_param, ax_dloss):
-        ax.xaxis.get_major_locator().set_params(integer=True)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     legend_ax = fig.add_subplot(grid[1, 1:])
     legend_ax.axis("off")
     if lines:
