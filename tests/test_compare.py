@@ -25,7 +25,7 @@ from fsdp_bridge.compare import (
 from fsdp_bridge.testing import assert_backend_parity, rank_batches
 from fsdp_bridge.testing.models import build_tiny
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "compare_llama.yaml"
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "compare" / "tiny_llama.yaml"
 
 
 def test_compare_all_strategies_both_backends_and_reference_fp32(tmp_path, capsys):

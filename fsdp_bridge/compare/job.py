@@ -1,6 +1,6 @@
 """The compare job: one YAML describing a short training run to repeat on every backend.
 
-    # fsdp-bridge compare examples/compare_llama.yaml
+    # fsdp-bridge compare examples/compare/tiny_llama.yaml
     model: {family: llama}          # a tiny family of fsdp_bridge.testing.models, config: overrides sizes
     data: {seq_len: 16}             # random token batches, different on every rank and step
     optim: {lr: 1.0e-3}             # AdamW
