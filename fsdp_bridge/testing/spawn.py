@@ -164,6 +164,10 @@ def run_distributed(
         for p in procs:
             p.join(timeout=10)
     if failures:
+        # A rank that crashed (e.g. a segfault) sends nothing: name it beside the ranks that did report.
+        for r, p in enumerate(procs):
+            if r not in values and r not in failures and p.exitcode not in (None, 0) and p.exitcode != -9:
+                failures[r] = f"process exited with code {p.exitcode} without reporting"
         raise RankFailure(failures, world_size)
     return [values[r] for r in range(world_size)]
 

@@ -1,0 +1,59 @@
+"""A/B the backends: run one short training on FSDP1, FSDP2 (and a reference) and compare.
+
+    fsdp-bridge compare job.yaml --reference          # CLI (see docs/compare.md)
+
+    from fsdp_bridge.compare import CompareJob, run_job   # on every rank of a launched job
+    report = run_job(CompareJob.from_dict({...}))
+
+The engine (:func:`run_parity`) is also what ``fsdp_bridge.testing.assert_backend_parity``
+uses in tests.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from fsdp_bridge.compare.differences import backend_differences
+from fsdp_bridge.compare.engine import REFERENCE, RunSpec, run_parity
+from fsdp_bridge.compare.job import CompareJob, load_job, read_job
+from fsdp_bridge.compare.output import plot_report, write_report
+from fsdp_bridge.compare.report import (
+    TOLERANCES,
+    Difference,
+    PairVerdict,
+    ParityReport,
+    RunResult,
+    StepDiff,
+    StepRecord,
+    Tolerance,
+    tolerance_for,
+)
+
+__all__ = [
+    "REFERENCE",
+    "TOLERANCES",
+    "CompareJob",
+    "Difference",
+    "PairVerdict",
+    "ParityReport",
+    "RunResult",
+    "RunSpec",
+    "StepDiff",
+    "StepRecord",
+    "Tolerance",
+    "backend_differences",
+    "load_job",
+    "plot_report",
+    "read_job",
+    "run_job",
+    "run_parity",
+    "tolerance_for",
+    "write_report",
+]
+
+
+def run_job(job: CompareJob, *, param_diff: bool = True) -> ParityReport:
+    """Run ``job`` on the current process group (collective: every rank calls it)."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return run_parity(job.build_model, job.batches(rank), job.run_specs(), optimizer_fn=job.optimizer,
+                      grad_clip=job.grad_clip, param_diff=param_diff, device=job.device())
