@@ -14,6 +14,7 @@ upper bound; fused attention kernels store less).
 from __future__ import annotations
 
 import argparse
+import enum
 import json
 
 from fsdp_bridge.config import BridgeConfig
@@ -21,7 +22,7 @@ from fsdp_bridge.estimate import OPTIMIZERS, estimate, format_table, parse_bytes
 from fsdp_bridge.strategy import Backend, ShardingStrategy
 
 
-def _choices(value: str, enum_cls: type) -> list[str]:
+def _choices(value: str, enum_cls: type[enum.Enum]) -> list[str]:
     return [m.value for m in enum_cls] if value == "all" else [v.strip() for v in value.split(",")]
 
 

@@ -63,8 +63,8 @@ def estimate(
     if (batch is None) != (seq_len is None):
         raise ConfigError([Problem("batch/seq_len", (batch, seq_len), "both or neither",
                                    "give --batch and --seq-len together to estimate activations")])
-    hf_config = load_model_config(model) if isinstance(model, str) else None
-    module = build_meta_model(hf_config, attn_implementation=attn_implementation) if hf_config is not None else model
+    module: nn.Module = (build_meta_model(load_model_config(model), attn_implementation=attn_implementation)
+                         if isinstance(model, str) else model)
 
     activations: int | None = None
     if batch is not None and seq_len is not None:
