@@ -319,7 +319,11 @@ def machine() -> dict[str, Any]:
 
 
 def plot(rows: list[dict[str, Any]], path: str) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        print("plot skipped: matplotlib is not installed (pip install 'fsdp-bridge[plot]')")
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -381,7 +385,10 @@ def main(argv: list[str] | None = None) -> int:
             raw_all[world] = raw
             rows.extend(summarise_training(raw, world))
             print(f"world {world}: {len(cases)} configurations x 2 ways x {repeats} repeats "
-                  f"in {time.time() - t0:.0f} s")
+                  f"in {time.time() - t0:.0f} s", flush=True)
+            result["training"], result["training_raw"] = rows, raw_all  # partial results survive a kill
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(result, indent=1, default=str))
         result["training"] = rows
         result["training_raw"] = raw_all
         print("\nbridge vs plain PyTorch (b/p = bridge/plain, medians)\n" + training_table(rows))
