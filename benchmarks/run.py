@@ -4,9 +4,11 @@
     python benchmarks/run.py --quick         # a couple of minutes: world size 2, small model
     python benchmarks/run.py --plot docs/performance.png --out benchmarks/results.json
 
-Every figure is a median over ``--repeats`` repeats; the runs being compared
-(bridge / plain, FSDP1 / FSDP2) are interleaved inside one job, alternating their
-order, so that a noisy machine slows both alike.  Results go to a JSON file and a
+Every figure is a median over ``--repeats`` repeats; the runs being compared are
+interleaved inside one job: bridge and plain models of a configuration live side by
+side and their training steps alternate (ABBA...), FSDP1 and FSDP2 run in the same
+job, and which goes first alternates per repeat, so that a noisy machine slows both
+alike.  Results go to a JSON file and a
 table on stdout.  Peak memory on CPU is the peak of live tensor bytes
 (:class:`fsdp_bridge.estimate.LiveBytes`), on CUDA ``torch.cuda.max_memory_allocated``.
 """
@@ -134,34 +136,57 @@ def _timed(fn: Callable[[], Any]) -> tuple[Any, float]:
     return out, time.perf_counter() - t0
 
 
-def measure_training(size: str, backend: str, strategy: str, way: str, steps: int) -> dict[str, float]:
-    """Setup time, mean step time and peak tensor bytes of one configuration on this rank."""
+def _prepare(size: str, backend: str, strategy: str, way: str) -> dict[str, Any]:
+    """Shard one configuration (timed) and take one step: the optimizer state exists after it."""
     shard = shard_bridge if way == "bridge" else shard_plain
     model = build_model(size)
-    batch = _batch(size)
     model, setup = _timed(lambda: shard(model, backend, strategy))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    _step(model, opt, batch)  # warm-up; creates optimizer state
+    return {"model": model, "opt": opt, "setup_s": setup}
+
+
+def _peak_step(run: dict[str, Any], batch: dict[str, torch.Tensor]) -> float:
+    """Peak tensor bytes of one step on this rank: what is held, plus what the step allocates."""
+    model, opt = run["model"], run["opt"]
     state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
-    held = storage_bytes([*model.parameters(), *model.buffers(), *state])
-    with LiveBytes("cpu", ignore=[*model.parameters(), *model.buffers(), *state]) as live:
+    held = [*model.parameters(), *model.buffers(), *state]
+    with LiveBytes("cpu", ignore=held) as live:
         _step(model, opt, batch)
-    _, total = _timed(lambda: [_step(model, opt, batch) for _ in range(steps)])
-    return {"setup_s": setup, "step_s": total / steps, "peak_bytes": float(held + live.peak)}
+    return float(storage_bytes(held) + live.peak)
+
+
+def measure_pair(size: str, backend: str, strategy: str, steps: int, first: str) -> dict[str, dict[str, Any]]:
+    """Bridge and plain side by side: setups in order ``first``, then their steps alternating.
+
+    Both models live at once, so each timed step of one is next to a step of the other:
+    a burst of load from elsewhere on the machine hits both.
+    """
+    order = (first, "plain" if first == "bridge" else "bridge")
+    batch = _batch(size)
+    runs = {way: _prepare(size, backend, strategy, way) for way in order}
+    for way in order:
+        _step(runs[way]["model"], runs[way]["opt"], batch)  # warm-up; creates optimizer state
+    peaks = {way: _peak_step(runs[way], batch) for way in order}
+    times: dict[str, list[float]] = {way: [] for way in order}
+    for i in range(steps):
+        for way in order if i % 2 == 0 else order[::-1]:
+            _, t = _timed(lambda w=way: _step(runs[w]["model"], runs[w]["opt"], batch))
+            times[way].append(t)
+    return {way: {"setup_s": runs[way]["setup_s"], "step_times_s": times[way], "peak_bytes": peaks[way]}
+            for way in order}
 
 
 def training_job(cases: list[tuple[str, str, str]], repeats: int, steps: int) -> list[dict[str, Any]]:
-    """Every case, bridge and plain interleaved (order alternating per repeat)."""
+    """Every case, bridge and plain interleaved (which goes first alternates per repeat)."""
     out: list[dict[str, Any]] = []
     for size, _, backend in cases[:: max(1, len(cases) // 2)]:  # warm-up: imports, first mesh, allocator
-        for way in ("bridge", "plain"):
-            measure_training(size, backend, "full_shard", way, 1)
+        measure_pair(size, backend, "full_shard", 1, "bridge")
+        gc.collect()
     for repeat in range(repeats):
         for size, strategy, backend in cases:
-            ways = ("bridge", "plain") if repeat % 2 == 0 else ("plain", "bridge")
-            for way in ways:
-                m = measure_training(size, backend, strategy, way, steps)
-                gc.collect()  # the previous model is freed before the next one is timed
+            pair = measure_pair(size, backend, strategy, steps, "bridge" if repeat % 2 == 0 else "plain")
+            gc.collect()  # the previous models are freed before the next ones are timed
+            for way, m in pair.items():
                 out.append({"size": size, "strategy": strategy, "backend": backend, "way": way,
                             "repeat": repeat, **m})
     return out
@@ -277,8 +302,14 @@ def summarise_training(raw: list[dict[str, Any]], world: int) -> list[dict[str, 
         sel = {w: [r for r in raw if (r["size"], r["strategy"], r["backend"], r["way"]) == (size, strategy, backend, w)]
                for w in ("bridge", "plain")}
         row: dict[str, Any] = {"world": world, "size": size, "strategy": strategy, "backend": backend}
+        for w in ("bridge", "plain"):
+            for r in sel[w]:
+                r.setdefault("step_s", median(r["step_times_s"]))
         for metric in ("step_s", "setup_s", "peak_bytes"):
-            b, p = (median([r[metric] for r in sel[w]]) for w in ("bridge", "plain"))
+            if metric == "step_s":  # the median over every timed step of every repeat
+                b, p = (median([t for r in sel[w] for t in r["step_times_s"]]) for w in ("bridge", "plain"))
+            else:
+                b, p = (median([r[metric] for r in sel[w]]) for w in ("bridge", "plain"))
             row[f"{metric}_bridge"], row[f"{metric}_plain"], row[f"{metric}_ratio"] = b, p, b / p
         rows.append(row)
     return rows
