@@ -115,7 +115,7 @@ def shard(model: nn.Module, config: BridgeConfig | None = None, *, mesh: DeviceM
     mesh_plan = plan_mesh(config, world)
     if mesh is not None:
         check_user_mesh(mesh, mesh_plan)
-    ignored = [m for _, m in resolve_ignored(model, config.ignored_modules)]
+    ignored = [m for _, m in resolve_ignored(model, config.ignored_modules)] if config.ignored_modules else []
     wrap_plan = resolve_wrap(model, config.wrap, ignored=ignored)
     has_meta = _has_meta(model)
     if has_meta and not config.sync_module_states:
@@ -139,7 +139,7 @@ def shard(model: nn.Module, config: BridgeConfig | None = None, *, mesh: DeviceM
     sharded = impl.shard(model, plan)
     bridge = Bridge(config=config, impl=impl, plan=plan, wrap=wrap_plan, model=sharded)
     object.__setattr__(sharded, _ATTR, bridge)
-    if dist.get_rank() == 0:
+    if dist.get_rank() == 0 and logger.isEnabledFor(logging.INFO):  # describe() formats the whole report
         logger.info("%s", bridge.describe())
     return sharded
 
