@@ -39,7 +39,9 @@ class FSDP2Backend:
         full_state = None
         if config.sync_module_states and dist.get_rank() == 0:
             # Rank 0's weights are the source of truth; keep them to broadcast after sharding.
-            full_state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+            # References, not copies, on CPU: fully_shard puts new sharded tensors in the module,
+            # so these keep the full values alive without a second copy of the model.
+            full_state = {k: v.detach().to("cpu") for k, v in model.state_dict().items()}
 
         common = dict(
             mesh=plan.mesh,
