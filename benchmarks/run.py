@@ -264,26 +264,55 @@ def checkpoint_job(size: str, root: str, repeats: int) -> list[dict[str, Any]]:
 # Loading pretrained weights: meta-device path vs a full model on every rank
 # ---------------------------------------------------------------------------------
 
-def _rss_peak() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+class _RssPeak:
+    """Peak resident set size of this process while in the block, sampled every millisecond
+    (``ru_maxrss`` is a lifetime maximum: imports before the block would hide it)."""
+
+    def __enter__(self) -> _RssPeak:
+        import threading
+
+        self.base = self.peak = self._now()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    @staticmethod
+    def _now() -> int:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * resource.getpagesize()
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.001):
+            self.peak = max(self.peak, self._now())
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._now())
 
 
 def loading_job(model_dir: str, way: str) -> dict[str, int]:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    torch.ones(1)  # imports and allocator warmed before the baseline
-    base = _rss_peak()
+    # Imports (transformers' model code, safetensors) and a first shard() happen before the
+    # baseline: their memory is the same on both paths and is not the weights'.
+    fsdp_bridge.shard(build_model("small"), fsdp_bridge.BridgeConfig(device="cpu"))
+    AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    gc.collect()
     rank = dist.get_rank()
-    if way == "meta" and rank != 0:
-        config = AutoConfig.from_pretrained(model_dir)
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    config = fsdp_bridge.BridgeConfig(strategy="full_shard", backend="fsdp2", device="cpu",
-                                      sync_module_states=(way == "meta"))
-    model = fsdp_bridge.shard(model, config)
-    return {"rss_delta": _rss_peak() - base, "local_bytes": storage_bytes(model.parameters())}
+    dist.barrier()
+    with _RssPeak() as rss:
+        if way == "meta" and rank != 0:
+            config = AutoConfig.from_pretrained(model_dir)
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(config)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        bridge_config = fsdp_bridge.BridgeConfig(strategy="full_shard", backend="fsdp2", device="cpu",
+                                                 sync_module_states=(way == "meta"))
+        model = fsdp_bridge.shard(model, bridge_config)
+        dist.barrier()
+    return {"rss_delta": rss.peak - rss.base, "local_bytes": storage_bytes(model.parameters())}
 
 
 # ---------------------------------------------------------------------------------
