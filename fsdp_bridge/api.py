@@ -161,7 +161,7 @@ def shard(model: nn.Module, config: BridgeConfig | None = None, *, mesh: DeviceM
     sharded = impl.shard(model, plan)
     bridge = Bridge(config=config, impl=impl, plan=plan, wrap=wrap_plan, model=sharded)
     object.__setattr__(sharded, _ATTR, bridge)
-    if dist.get_rank() == 0:
+    if dist.get_rank() == 0 and logger.isEnabledFor(logging.INFO):  # describe() formats the whole report
         logger.info("%s", bridge.describe())
     return sharded
 
@@ -180,7 +180,7 @@ def _validate(
         problems.extend(err.problems)
     ignored: list[nn.Module] = []
     try:
-        ignored = [m for _, m in resolve_ignored(model, config.ignored_modules)]
+        ignored = [m for _, m in resolve_ignored(model, config.ignored_modules)] if config.ignored_modules else []
     except ConfigError as err:
         problems.extend(err.problems)
     wrap_plan = None

@@ -13,10 +13,14 @@ __all__ = ["broadcast_from_rank0", "rank0_full_state"]
 
 
 def rank0_full_state(model: nn.Module) -> dict[str, torch.Tensor] | None:
-    """On rank 0, a CPU copy of the unsharded model's state (the source of truth); else None."""
+    """On rank 0, the unsharded model's state on CPU (the source of truth); else None.
+
+    References, not copies, for tensors already on CPU: sharding puts new tensors in the
+    module, so these keep the full values alive without a second copy of the model.
+    """
     if dist.get_rank() != 0:
         return None
-    return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+    return {k: v.detach().to("cpu") for k, v in model.state_dict().items()}
 
 
 def broadcast_from_rank0(model: nn.Module, full_state: dict[str, torch.Tensor] | None, device: torch.device) -> None:

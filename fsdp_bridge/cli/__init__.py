@@ -17,7 +17,7 @@ from fsdp_bridge.errors import ConfigError
 
 __all__ = ["main"]
 
-_COMMANDS: tuple[str, ...] = ("explain", "train", "compare", "migrate", "convert", "inspect")
+_COMMANDS: tuple[str, ...] = ("explain", "train", "compare", "migrate", "convert", "inspect", "estimate")
 
 
 def build_parser() -> argparse.ArgumentParser:

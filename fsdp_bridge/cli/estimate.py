@@ -1,0 +1,67 @@
+"""``fsdp-bridge estimate MODEL --world-size N [options]``: memory per rank, every strategy.
+
+MODEL is a Hugging Face model directory, a config file (.json/.yaml with model_type)
+or a model type with sizes, e.g.::
+
+    fsdp-bridge estimate llama:hidden_size=4096,intermediate_size=11008,num_hidden_layers=32,\\
+num_attention_heads=32,vocab_size=32000 --world-size 8 --batch 1 --seq-len 2048 --device-memory 80GiB
+
+The model is built on the meta device: no weights, no process group.  Activations
+are measured with a meta-device forward/backward (eager attention by default: an
+upper bound; fused attention kernels store less).
+"""
+
+from __future__ import annotations
+
+import argparse
+import enum
+import json
+
+from fsdp_bridge.config import BridgeConfig
+from fsdp_bridge.estimate import OPTIMIZERS, estimate, format_table, parse_bytes
+from fsdp_bridge.strategy import Backend, ShardingStrategy
+
+
+def _choices(value: str, enum_cls: type[enum.Enum]) -> list[str]:
+    return [m.value for m in enum_cls] if value == "all" else [v.strip() for v in value.split(",")]
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("estimate", help="estimate memory per rank for every strategy and backend",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", help="HF model directory, config file, or TYPE:key=value,...")
+    p.add_argument("--world-size", type=int, required=True, help="total number of ranks")
+    p.add_argument("--nodes", type=int, default=1, help="nodes (HYBRID_* shards within a node; default 1)")
+    p.add_argument("--strategy", default="all", help="a strategy, a comma list, or all (default)")
+    p.add_argument("--backend", default="all", help="fsdp1, fsdp2 or all (default)")
+    p.add_argument("--mixed-precision", default="fp32", help="fp32 (default), bf16 or fp16")
+    p.add_argument("--cpu-offload", action="store_true", help="parameters, gradients, optimizer state on host")
+    p.add_argument("--optimizer", default="adamw", choices=list(OPTIMIZERS), help="optimizer state to count")
+    p.add_argument("--wrap", default="auto", help="wrap policy: auto, none, or class names (A,B)")
+    p.add_argument("--batch", type=int, default=None, help="micro-batch per rank (with --seq-len: activations)")
+    p.add_argument("--seq-len", type=int, default=None, help="sequence length")
+    p.add_argument("--activation-checkpointing", action="store_true", help="recompute each unit in backward")
+    p.add_argument("--attn", default="eager", help="attention implementation for the activation run (eager)")
+    p.add_argument("--device-memory", default=None, help="memory per device, e.g. 80GiB: marks what fits")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    base = BridgeConfig(mixed_precision=args.mixed_precision, cpu_offload=args.cpu_offload, wrap=args.wrap,
+                        activation_checkpointing=args.activation_checkpointing)
+    device_memory = parse_bytes(args.device_memory) if args.device_memory else None
+    rows = estimate(args.model, world_size=args.world_size, nodes=args.nodes,
+                    strategies=_choices(args.strategy, ShardingStrategy), backends=_choices(args.backend, Backend),
+                    base=base, optimizer=args.optimizer, batch=args.batch, seq_len=args.seq_len,
+                    device_memory=device_memory, attn_implementation=args.attn)
+    if args.json:
+        print(json.dumps({"model": args.model, "world_size": args.world_size, "nodes": args.nodes,
+                          "config": base.to_dict(), "optimizer": args.optimizer, "batch": args.batch,
+                          "seq_len": args.seq_len, "rows": [r.to_dict() for r in rows]}, indent=2))
+    else:
+        title = (f"{args.model}: {args.world_size} ranks on {args.nodes} node(s), {args.optimizer}, "
+                 f"{args.mixed_precision}" + (", cpu offload" if args.cpu_offload else "")
+                 + (", activation checkpointing" if args.activation_checkpointing else ""))
+        print(format_table(rows, title=title))
+    return 0

@@ -1,0 +1,105 @@
+"""Estimate every requested configuration at once and print it as a table."""
+
+from __future__ import annotations
+
+import copy
+import re
+from collections.abc import Sequence
+
+from torch import nn
+
+from fsdp_bridge.config import BridgeConfig
+from fsdp_bridge.errors import ConfigError, Problem
+from fsdp_bridge.estimate.memory import RankMemory, estimate_memory, measure_activations
+from fsdp_bridge.estimate.model import build_meta_model, load_model_config
+from fsdp_bridge.strategy import Backend, ShardingStrategy
+from fsdp_bridge.wrap import resolve_wrap
+
+__all__ = ["estimate", "format_bytes", "format_table", "parse_bytes"]
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """``"80GiB"``, ``"80 GB"``, ``"1.5TiB"`` or a plain number of bytes."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ConfigError([Problem("device_memory", text, "a size such as 80GiB, 40GB or 24576MiB")])
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def format_bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+def estimate(
+    model: str | nn.Module,
+    *,
+    world_size: int,
+    nodes: int = 1,
+    strategies: Sequence[ShardingStrategy | str] = tuple(ShardingStrategy),
+    backends: Sequence[Backend | str] = tuple(Backend),
+    base: BridgeConfig | None = None,
+    optimizer: str = "adamw",
+    batch: int | None = None,
+    seq_len: int | None = None,
+    device_memory: int | None = None,
+    attn_implementation: str | None = "eager",
+) -> list[RankMemory]:
+    """Per-rank memory for every backend x strategy (``base`` gives the other options).
+
+    ``model`` is a spec (see :mod:`fsdp_bridge.estimate.model`) or a module, best on the
+    meta device.  Needs no process group and allocates no weights.  Activations are
+    measured with ``attn_implementation`` (eager: the attention probabilities are
+    stored, an upper bound for fused kernels).
+    """
+    base = base or BridgeConfig()
+    if (batch is None) != (seq_len is None):
+        raise ConfigError([Problem("batch/seq_len", (batch, seq_len), "both or neither",
+                                   "give --batch and --seq-len together to estimate activations")])
+    module: nn.Module = (build_meta_model(load_model_config(model), attn_implementation=attn_implementation)
+                         if isinstance(model, str) else model)
+
+    activations: int | None = None
+    if batch is not None and seq_len is not None:
+        compute = base.mixed_precision.param_dtype
+        fresh = copy.deepcopy(module)
+        if compute is not None:
+            fresh = fresh.to(compute)
+        units = resolve_wrap(fresh, base.wrap).modules
+        activations = measure_activations(fresh, batch=batch, seq_len=seq_len, units=units,
+                                          activation_checkpointing=base.activation_checkpointing)
+
+    rows: list[RankMemory] = []
+    for b in backends:
+        for s in strategies:
+            config = base.replace(backend=b, strategy=s, hybrid_shape=None)
+            rows.append(estimate_memory(module, config, world_size=world_size, nodes=nodes, optimizer=optimizer,
+                                        activations=activations, device_memory=device_memory))
+    return rows
+
+
+def format_table(rows: Sequence[RankMemory], *, title: str = "") -> str:
+    """A plain-text table of ``rows``, one per configuration."""
+    head = ["backend", "strategy", "mesh", "params", "grads", "optimizer", "sharded", "unsharded", "activations",
+            "peak", "host", "fits"]
+    body: list[list[str]] = []
+    for r in rows:
+        fits = "-" if r.fits is None else ("yes" if r.fits else "NO")
+        body.append([r.backend, r.strategy, "x".join(map(str, r.mesh)), format_bytes(r.params), format_bytes(r.grads),
+                     format_bytes(r.optimizer), format_bytes(r.sharded_state), format_bytes(r.unsharded),
+                     format_bytes(r.activations), format_bytes(r.peak), format_bytes(r.host) if r.host else "-", fits])
+    widths = [max(len(h), *(len(row[i]) for row in body)) for i, h in enumerate(head)]
+    lines = [title] if title else []
+    lines.append("  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True)))
+    lines.append("  ".join("-" * w for w in widths))
+    lines.extend("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in body)
+    notes = sorted({n for r in rows for n in r.notes})
+    lines.extend(f"note: {n}" for n in notes)
+    return "\n".join(lines)

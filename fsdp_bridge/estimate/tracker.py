@@ -1,0 +1,79 @@
+"""Count the bytes of tensor storages alive on one device type, and their peak.
+
+:class:`LiveBytes` is a dispatch mode: every storage an operator creates on the
+watched device type is counted until it is freed.  On the ``meta`` device it
+measures what a forward/backward *would* allocate without allocating anything (the
+estimator's activation figure); on ``cpu`` it gives the peak tensor memory of a real
+CPU run, which ``torch.cuda.max_memory_allocated`` gives on GPUs.
+
+Storages that existed before the mode was entered are not counted (pass
+``ignore=`` to make that explicit for tensors created inside it).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+__all__ = ["LiveBytes", "storage_bytes"]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    # A DTensor is a wrapper without storage of its own: count its local shard.
+    inner = getattr(t, "_local_tensor", None)
+    return inner if isinstance(inner, torch.Tensor) else t
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views and DTensors resolved)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        st = _local(t).untyped_storage()
+        seen[st._cdata] = st.nbytes()
+    return sum(seen.values())
+
+
+class LiveBytes(TorchDispatchMode):
+    """``with LiveBytes("cpu") as live: ...``; then ``live.peak`` and ``live.current`` (bytes)."""
+
+    def __init__(self, device_type: str, *, ignore: Iterable[torch.Tensor] = ()) -> None:
+        super().__init__()
+        self.device_type = device_type
+        self.current = 0
+        self.peak = 0
+        self._live: dict[int, int] = {}
+        self._ignored = {_local(t).untyped_storage()._cdata for t in ignore}
+
+    def reset_peak(self) -> None:
+        """Restart peak tracking from the bytes alive now."""
+        self.peak = self.current
+
+    def _freed(self, key: int) -> None:
+        self.current -= self._live.pop(key, 0)
+
+    def _track(self, t: object) -> None:
+        if not isinstance(t, torch.Tensor):
+            return
+        t = _local(t)
+        if t.device.type != self.device_type:
+            return
+        st = t.untyped_storage()
+        key = st._cdata
+        if key in self._live or key in self._ignored:
+            return  # a view of a storage already counted (or deliberately not counted)
+        n = st.nbytes()
+        self._live[key] = n
+        self.current += n
+        self.peak = max(self.peak, self.current)
+        weakref.finalize(st, self._freed, key)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            self._track(t)
+        return out
