@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
+import tempfile
 from dataclasses import dataclass
 
 import torch
@@ -56,18 +56,12 @@ def resolve_device(device: str) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def init_distributed(device: str = "auto", *, timeout_s: float = DEFAULT_TIMEOUT_S) -> torch.device:
     """Initialise the default process group if needed and return this rank's device.
 
     Inside a launch (torchrun, ``fsdp-bridge train``, SLURM with the torchrun variables)
     rank and world size come from the environment.  Without one, a single-process group
-    (world size 1) is started on a free local port.
+    (world size 1) is started on a private file store (no network port).
     """
     torch_device = resolve_device(device)
     if torch_device.type == "cuda":
@@ -78,9 +72,8 @@ def init_distributed(device: str = "auto", *, timeout_s: float = DEFAULT_TIMEOUT
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             dist.init_process_group(backend=backend, timeout=timeout)
         else:
-            dist.init_process_group(
-                backend=backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1, timeout=timeout
-            )
+            store = dist.FileStore(os.path.join(tempfile.mkdtemp(prefix="fsdp-bridge-"), "store"), 1)
+            dist.init_process_group(backend=backend, store=store, rank=0, world_size=1, timeout=timeout)
     return torch_device
 
 

@@ -14,7 +14,9 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
+import shutil
 import socket
+import tempfile
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -44,6 +46,7 @@ def _worker(
     rank: int,
     world_size: int,
     port: int,
+    store_path: str,
     fn: Callable[..., Any],
     args: Sequence[Any],
     kwargs: dict[str, Any],
@@ -71,8 +74,14 @@ def _worker(
         torch.set_num_threads(threads)
         if backend == "nccl":
             torch.cuda.set_device(rank)
+        # Rendezvous through a file, not a TCP port picked in advance: another process could
+        # take that port between the pick and the bind (EADDRINUSE under parallel test runs).
         dist.init_process_group(
-            backend=backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=120)
+            backend=backend,
+            init_method=f"file://{store_path}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=120),
         )
         try:
             value = fn(*args, **kwargs)
@@ -104,7 +113,9 @@ def run_distributed(
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    port = _free_port()  # only exported as MASTER_PORT for code that reads it
+    store_dir = tempfile.mkdtemp(prefix="fsdp-bridge-store-")
+    store_path = os.path.join(store_dir, "store")
     threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
     procs = [
         ctx.Process(
@@ -113,6 +124,7 @@ def run_distributed(
                 rank,
                 world_size,
                 port,
+                store_path,
                 fn,
                 tuple(args),
                 dict(kwargs or {}),
@@ -163,6 +175,7 @@ def run_distributed(
                 p.kill()
         for p in procs:
             p.join(timeout=10)
+        shutil.rmtree(store_dir, ignore_errors=True)
     if failures:
         # A rank that crashed (e.g. a segfault) sends nothing: name it beside the ranks that did report.
         for r, p in enumerate(procs):
