@@ -35,7 +35,7 @@ from torch import nn
 
 import fsdp_bridge
 from fsdp_bridge.estimate import LiveBytes, storage_bytes
-from fsdp_bridge.testing import RankFailure, run_distributed
+from fsdp_bridge.testing import run_distributed
 from fsdp_bridge.testing.models import tiny_config
 
 SIZES: dict[str, dict[str, int]] = {
@@ -193,32 +193,12 @@ def training_job(cases: list[tuple[str, str, str]], repeats: int, steps: int) ->
 
 
 # ---------------------------------------------------------------------------------
-# Checkpoints (needs fsdp_bridge.save_checkpoint / load_checkpoint)
+# Checkpoints: fsdp_bridge.save_checkpoint / load_checkpoint / save_checkpoint_async
 # ---------------------------------------------------------------------------------
-
-def checkpoint_api() -> tuple[Callable[..., Any], Callable[..., Any]] | str:
-    import importlib
-
-    save = getattr(fsdp_bridge, "save_checkpoint", None)
-    load = getattr(fsdp_bridge, "load_checkpoint", None)
-    if save is None or load is None:
-        try:
-            module = importlib.import_module("fsdp_bridge.checkpoint")
-            save, load = module.save_checkpoint, module.load_checkpoint
-        except (ImportError, AttributeError):
-            pass
-    if save is None or load is None:
-        return "fsdp_bridge.save_checkpoint / load_checkpoint are not available in this checkout"
-    return save, load
 
 
 def checkpoint_job(size: str, root: str, repeats: int) -> list[dict[str, Any]]:
-    import inspect
-
-    api = checkpoint_api()
-    assert not isinstance(api, str)
-    save, load = api
-    has_async = "async_save" in inspect.signature(save).parameters
+    save, load = fsdp_bridge.save_checkpoint, fsdp_bridge.load_checkpoint
     model = shard_bridge(build_model(size), "fsdp2", "full_shard")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     batch = _batch(size)
@@ -247,15 +227,13 @@ def checkpoint_job(size: str, root: str, repeats: int) -> list[dict[str, Any]]:
             _, t_s = _timed(lambda p=path, k=kind: save(p, model, opt, kind=k))
             _, t_l = _timed(lambda p=path: load(p, model, opt))
             row[f"{kind}_save_s"], row[f"{kind}_load_s"] = t_s, t_l
-        if has_async:
-            path = os.path.join(root, f"async-{repeat}")
-            _, t_sync = _timed(lambda p=path + "-sync": save(p, model, opt, kind="sharded"))
-            # Stall: how long training is blocked before the next step can start.
-            pending, stall = _timed(lambda p=path: save(p, model, opt, kind="sharded", async_save=True))
-            _step(model, opt, batch)
-            if hasattr(pending, "result"):
-                pending.result()
-            row.update(sync_save_s=t_sync, async_stall_s=stall)
+        path = os.path.join(root, f"async-{repeat}")
+        _, t_sync = _timed(lambda p=path + "-sync": save(p, model, opt, kind="sharded"))
+        # Stall: how long training is blocked before the next step can start.
+        pending, stall = _timed(lambda p=path: fsdp_bridge.save_checkpoint_async(p, model, opt))
+        _step(model, opt, batch)
+        pending.wait()
+        row.update(sync_save_s=t_sync, async_stall_s=stall)
         out.append(row)
     return out
 
@@ -466,31 +444,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"plot: {args.plot}")
 
     if "checkpoint" not in skip:
-        api = checkpoint_api()
-        if isinstance(api, str):
-            print(f"\ncheckpoint benchmarks skipped: {api}")
-            result["checkpoint"] = {"skipped": api}
-        else:
-            try:
-                with tempfile.TemporaryDirectory() as root:
-                    raw = run_distributed(checkpoint_job, 2, args=(sizes[-1], root, repeats), timeout_s=1800,
-                                          threads_per_rank=threads)[0]
-            except RankFailure as err:
-                last = next(iter(err.failures.values())).strip().splitlines()[-1]
-                print(f"\ncheckpoint benchmarks failed inside the checkpoint API: {last}")
-                result["checkpoint"] = {"failed": last}
-                raw = []
-        if not isinstance(api, str) and raw:
-            med = {k: median([r[k] for r in raw]) for k in raw[0] if k != "repeat"}
-            result["checkpoint"] = {"raw": raw, "median": med, "world": 2, "size": sizes[-1]}
-            print("\ncheckpoints at 2 ranks (medians, s): " + ", ".join(f"{k} {v:.4f}" for k, v in med.items()))
-            for kind in ("sharded", "full"):
-                print(f"  {kind}: save/torch.save {med[f'{kind}_save_s'] / med['plain_save_s']:.2f}, "
-                      f"load/torch.load {med[f'{kind}_load_s'] / med['plain_load_s']:.2f}")
-            if "async_stall_s" in med:
-                print(f"  async save stall / sync save: {med['async_stall_s'] / med['sync_save_s']:.2f}")
-            else:
-                print("  async save: save_checkpoint has no async_save parameter in this checkout (skipped)")
+        with tempfile.TemporaryDirectory() as root:
+            raw = run_distributed(checkpoint_job, 2, args=(sizes[-1], root, repeats), timeout_s=1800,
+                                  threads_per_rank=threads)[0]
+        med = {k: median([r[k] for r in raw]) for k in raw[0] if k != "repeat"}
+        result["checkpoint"] = {"raw": raw, "median": med, "world": 2, "size": sizes[-1]}
+        print("\ncheckpoints at 2 ranks (medians, s): " + ", ".join(f"{k} {v:.4f}" for k, v in med.items()))
+        for kind in ("sharded", "full"):
+            print(f"  {kind}: save/torch.save {med[f'{kind}_save_s'] / med['plain_save_s']:.2f}, "
+                  f"load/torch.load {med[f'{kind}_load_s'] / med['plain_load_s']:.2f}")
+        print(f"  async save stall / sync save: {med['async_stall_s'] / med['sync_save_s']:.2f}")
 
     if "loading" not in skip:
         world = max(w for w in worlds if w >= 1)

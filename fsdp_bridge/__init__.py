@@ -17,6 +17,7 @@ from fsdp_bridge.checkpoint import (
     load_pretrained,
     rotate_checkpoints,
     save_checkpoint,
+    save_checkpoint_async,
 )
 from fsdp_bridge.config import BridgeConfig, MixedPrecisionConfig, WrapPolicy, load_config
 from fsdp_bridge.distributed import init_distributed
@@ -48,6 +49,7 @@ __all__ = [
     "no_sync",
     "rotate_checkpoints",
     "save_checkpoint",
+    "save_checkpoint_async",
     "shard",
     "summon_full_params",
     "translate",

@@ -9,11 +9,13 @@ See docs/checkpoints.md for the formats and guarantees, and ``fsdp-bridge conver
 """
 
 from fsdp_bridge.checkpoint._api import full_state_options, load_checkpoint, load_pretrained, save_checkpoint
+from fsdp_bridge.checkpoint._async import AsyncCheckpoint, save_checkpoint_async
 from fsdp_bridge.checkpoint._atomic import latest_checkpoint, list_checkpoints, rotate_checkpoints
 from fsdp_bridge.checkpoint._convert import convert_checkpoint, inspect_checkpoint
 from fsdp_bridge.checkpoint._formats import CheckpointError, Kind, detect
 
 __all__ = [
+    "AsyncCheckpoint",
     "CheckpointError",
     "Kind",
     "convert_checkpoint",
@@ -26,4 +28,5 @@ __all__ = [
     "load_pretrained",
     "rotate_checkpoints",
     "save_checkpoint",
+    "save_checkpoint_async",
 ]

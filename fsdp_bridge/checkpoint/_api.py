@@ -147,6 +147,58 @@ def _stats(shapes: Mapping[str, tuple[tuple[int, ...], str]], tied: list[list[st
 # save
 # --------------------------------------------------------------------------------------
 
+def _describe_and_publish(
+    staging: Path,
+    path: Path,
+    model: nn.Module,
+    *,
+    kind: str,
+    state: dict[str, Any] | None,
+    world: int,
+    shapes: dict[str, tuple[tuple[int, ...], str]],
+    tied: list[list[str]],
+    has_optimizer: bool,
+    keep_last: int | None,
+) -> None:
+    """Rank 0, once every rank's files are in ``staging``: state, config, description, publish, rotate."""
+    bridge = _bridge(model)
+    write_state(staging, state)
+    has_config = _hf.write_hf_config(staging, model)
+    meta = {
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
+        "kind": kind,
+        "backend": bridge.config.backend.value if bridge is not None else None,
+        "world_size": world,
+        "step": (state or {}).get("step"),
+        "bridge_config": bridge.config.to_dict() if bridge is not None else None,
+        "model_class": type(getattr(model, "module", model)).__name__.removeprefix("FSDP"),
+        "hf_config": has_config,
+        "has_optimizer": has_optimizer,
+        "tied": tied,
+        "params": _stats(shapes, tied),
+        "torch_version": torch.__version__,
+        "fsdp_bridge_version": __version__,
+        "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "files": manifest(staging),
+    }
+    write_json_durably(staging / META_FILE, meta)
+    publish(staging, path)
+    if keep_last is not None:
+        rotate_checkpoints(path.parent, keep_last)
+
+
+def _check_save_args(path: str | os.PathLike[str], keep_last: int | None, state: dict[str, Any] | None) -> Path:
+    if keep_last is not None and (not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1):
+        raise ValueError(f"keep_last must be None or an integer >= 1 (got {keep_last!r})")
+    check_state(state)
+    path = Path(path)
+    if path.name.startswith(".") or path.name in ("", ".."):
+        raise ValueError(f"path {str(path)!r} must name a directory that does not start with '.' "
+                         "(dot-names are reserved for interrupted saves)")
+    return path
+
+
 def save_checkpoint(
     path: str | os.PathLike[str],
     model: nn.Module,
@@ -173,15 +225,8 @@ def save_checkpoint(
     if kind not in ("sharded", "full"):
         raise ValueError(f"kind must be 'sharded' or 'full' (got {kind!r}); "
                          "'sharded' for resuming, 'full' for a Hugging Face directory")
-    if keep_last is not None and (not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1):
-        raise ValueError(f"keep_last must be None or an integer >= 1 (got {keep_last!r})")
-    check_state(state)
-    path = Path(path)
-    if path.name.startswith(".") or path.name in ("", ".."):
-        raise ValueError(f"path {str(path)!r} must name a directory that does not start with '.' "
-                         "(dot-names are reserved for interrupted saves)")
+    path = _check_save_args(path, keep_last, state)
     rank, world = _rank_world()
-    bridge = _bridge(model)
     staging = partial_path(path)
 
     if rank == 0:
@@ -215,30 +260,10 @@ def save_checkpoint(
     error = None
     if rank == 0:
         try:
-            write_state(staging, state)
-            has_config = _hf.write_hf_config(staging, model)
-            meta = {
-                "format": FORMAT,
-                "version": FORMAT_VERSION,
-                "kind": kind,
-                "backend": bridge.config.backend.value if bridge is not None else None,
-                "world_size": world,
-                "step": (state or {}).get("step"),
-                "bridge_config": bridge.config.to_dict() if bridge is not None else None,
-                "model_class": type(getattr(model, "module", model)).__name__.removeprefix("FSDP"),
-                "hf_config": has_config,
-                "has_optimizer": has_optimizer,
-                "tied": tied,
-                "params": _stats(shapes, tied),
-                "torch_version": torch.__version__,
-                "fsdp_bridge_version": __version__,
-                "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                "files": manifest(staging),
-            }
-            write_json_durably(staging / META_FILE, meta)
-            publish(staging, path)
-            if keep_last is not None:
-                rotate_checkpoints(path.parent, keep_last)
+            _describe_and_publish(
+                staging, path, model, kind=kind, state=state, world=world, shapes=shapes, tied=tied,
+                has_optimizer=has_optimizer, keep_last=keep_last,
+            )
         except Exception as err:  # tell the other ranks instead of leaving them in a barrier
             error = f"{type(err).__name__}: {err}"
             _agree_on(error)

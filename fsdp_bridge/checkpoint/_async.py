@@ -1,0 +1,146 @@
+"""Asynchronous sharded saves: training goes on while a background thread writes.
+
+    pending = fsdp_bridge.save_checkpoint_async("ckpt/step_200", model, optimizer, state={"step": 200})
+    ...                       # training continues
+    pending.wait()            # before the next save, and before exiting
+
+Built on ``torch.distributed.checkpoint.async_save``: the state dict is staged to host
+memory before the call returns (so later optimizer steps do not change what is saved),
+then written by a background thread whose collectives run on a gloo group of their own
+(training collectives keep the default group).  Rank 0 publishes the checkpoint (atomic
+rename, rotation) as soon as every rank's files are written.  Until then the previous
+checkpoint is the latest one, and a crash leaves only a dot-named partial directory.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+from fsdp_bridge.checkpoint._api import (
+    _barrier,
+    _check_save_args,
+    _describe_and_publish,
+    _rank_world,
+    _shapes,
+    _tied_groups,
+)
+from fsdp_bridge.checkpoint._atomic import partial_path
+from fsdp_bridge.checkpoint._formats import DCP_DIR
+from fsdp_bridge.checkpoint._state import write_rng
+
+__all__ = ["AsyncCheckpoint", "save_checkpoint_async"]
+
+_GROUPS: dict[tuple[int, ...], Any] = {}
+
+
+def _io_group() -> Any:
+    """A gloo group over all ranks for the background writer (created once, collectively)."""
+    if not dist.is_initialized():
+        return None
+    key = tuple(range(dist.get_world_size()))
+    if key not in _GROUPS:
+        _GROUPS[key] = dist.new_group(backend="gloo")
+    return _GROUPS[key]
+
+
+class AsyncCheckpoint:
+    """A sharded checkpoint being written in the background."""
+
+    def __init__(self, path: Path, future: Future[Any], finish: Any) -> None:
+        self.path = path
+        self._future = future
+        self._finish = finish
+        self._lock = threading.Lock()
+        self._finished = False
+        self._error: BaseException | None = None
+        future.add_done_callback(lambda _f: self._complete())
+
+    def _complete(self) -> None:
+        with self._lock:
+            if self._finished:
+                return
+            self._finished = True
+            try:
+                self._future.result()
+                if self._finish is not None:
+                    self._finish()
+            except BaseException as err:  # surfaced by wait()
+                self._error = err
+
+    def done(self) -> bool:
+        """Whether this rank's part is written (and, on rank 0, the checkpoint published)."""
+        return self._finished
+
+    def wait(self, timeout: float | None = None) -> Path:
+        """Block until this rank's part is written (rank 0: and published); return the path."""
+        self._future.result(timeout)
+        self._complete()
+        if self._error is not None:
+            raise self._error
+        return self.path
+
+
+def save_checkpoint_async(
+    path: str | os.PathLike[str],
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    state: dict[str, Any] | None = None,
+    keep_last: int | None = None,
+) -> AsyncCheckpoint:
+    """Start a sharded save of ``model`` (and ``optimizer``, ``state``); call on every rank.
+
+    Returns once the state is staged in host memory; call ``.wait()`` on the result before
+    the next save and before the process exits.  The checkpoint is the same as
+    :func:`save_checkpoint` ``(kind="sharded")`` writes, and loads with :func:`load_checkpoint`.
+    """
+    path = _check_save_args(path, keep_last, state)
+    rank, world = _rank_world()
+    staging = partial_path(path)
+    if rank == 0:
+        if staging.exists():  # left by an earlier save that was killed
+            shutil.rmtree(staging)
+        staging.mkdir(parents=True)
+    group = _io_group()
+    _barrier()
+
+    tied = _tied_groups(model)
+    msd = get_model_state_dict(model)
+    to_save: dict[str, Any] = {"model": msd}
+    if optimizer is not None:
+        to_save["optim"] = get_optimizer_state_dict(model, optimizer)
+    shapes = _shapes(msd)
+    write_rng(staging, rank)  # the RNG as of this call, like the weights
+    future = dcp.async_save(to_save, storage_writer=dcp.FileSystemWriter(str(staging / DCP_DIR)), process_group=group)
+
+    finish = None
+    if rank == 0:
+        # DCP's finish step gathers every rank's write results before rank 0's future
+        # completes, so all files are in place when this runs.
+        def finish() -> None:
+            _describe_and_publish(
+                staging,
+                path,
+                model,
+                kind="sharded",
+                state=state,
+                world=world,
+                shapes=shapes,
+                tied=tied,
+                has_optimizer=optimizer is not None,
+                keep_last=keep_last,
+            )
+
+    # With the default (thread) checkpointer, async_save returns a concurrent Future.
+    return AsyncCheckpoint(path, cast("Future[Any]", future), finish)
