@@ -46,6 +46,7 @@ from fsdp_bridge.checkpoint._formats import (
     compare_keys,
     dcp_tensor_shapes,
     detect,
+    digests,
     manifest,
     strip_wrapper_prefixes,
     verify_manifest,
@@ -181,6 +182,7 @@ def _describe_and_publish(
         "fsdp_bridge_version": __version__,
         "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "files": manifest(staging),
+        "digests": digests(staging),
     }
     write_json_durably(staging / META_FILE, meta)
     publish(staging, path)

@@ -13,6 +13,7 @@ non-tensor items are read with ``torch.load(weights_only=True)``.
 from __future__ import annotations
 
 import enum
+import hashlib
 import io
 import json
 import os
@@ -168,8 +169,10 @@ def safe_child(root: Path, relative: str) -> Path:
 
 
 def verify_manifest(detected: Detected) -> None:
-    """Every file listed in ``fsdp_bridge.json`` exists with the recorded size."""
+    """Every file listed in ``fsdp_bridge.json`` exists with the recorded size, and the small
+    description files (DCP ``.metadata``, JSON, index) have the recorded content digest."""
     files = detected.meta.get("files", {})
+    recorded = detected.meta.get("digests", {})
     problems = []
     for rel, size in sorted(files.items()):
         f = safe_child(detected.path, rel)
@@ -177,8 +180,28 @@ def verify_manifest(detected: Detected) -> None:
             problems.append(f"{rel}: missing")
         elif f.stat().st_size != size:
             problems.append(f"{rel}: size {f.stat().st_size} bytes, expected {size} (truncated or overwritten)")
+        elif rel in recorded and _sha256(f) != recorded[rel]:
+            problems.append(f"{rel}: content differs from the file this checkpoint was saved with "
+                            "(copied from another run or checkpoint?)")
     if problems:
         raise CheckpointError(detected.path, problems)
+
+
+_DIGEST_MAX_BYTES = 1 << 20
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def digests(root: Path) -> dict[str, str]:
+    """SHA-256 of every small file under ``root`` (descriptions, not tensor data: cheap to hash,
+    and what a file from another run of the same model would differ in, e.g. DCP's save id)."""
+    return {
+        str(f.relative_to(root)): _sha256(f)
+        for f in sorted(root.rglob("*"))
+        if f.is_file() and f.stat().st_size <= _DIGEST_MAX_BYTES
+    }
 
 
 def manifest(root: Path) -> dict[str, int]:

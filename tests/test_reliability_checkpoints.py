@@ -1,0 +1,89 @@
+"""Damaged checkpoints are refused, naming the file and the problem, and nothing is loaded.
+
+Cases: a missing shard, a truncated shard, DCP metadata from another run of the same model,
+a description (fsdp_bridge.json) from another run, a checkpoint of a different model.
+After each refusal the model's parameters are bit-identical to what they were.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+import fsdp_bridge
+from fsdp_bridge.checkpoint import CheckpointError
+from fsdp_bridge.testing import run_distributed
+from fsdp_bridge.testing.models import build_tiny, sample_batch
+
+
+def _full(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    return {k: v.detach().clone() for k, v in state.items()}
+
+
+def _damage_and_load(root: str) -> dict[str, str]:
+    rank = dist.get_rank()
+    base = Path(root)
+    config = fsdp_bridge.BridgeConfig(backend="fsdp2")
+    model = fsdp_bridge.shard(build_tiny("llama", seed=0), config)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for name in ("a", "b"):  # two saves of the same model: files of one fit the other's shapes
+        model(**sample_batch(seed=rank)).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        fsdp_bridge.save_checkpoint(base / name, model, opt, state={"step": 1})
+    gpt2 = fsdp_bridge.shard(build_tiny("gpt2"), fsdp_bridge.BridgeConfig(backend="fsdp2"))
+    fsdp_bridge.save_checkpoint(base / "gpt2", gpt2, torch.optim.AdamW(gpt2.parameters()))
+    dist.barrier()
+
+    cases = {
+        "missing_shard": lambda d: next((d / "dcp").glob("*.distcp")).unlink(),
+        "truncated_shard": lambda d: (lambda f: f.write_bytes(f.read_bytes()[:100]))(next((d / "dcp").glob("*.distcp"))),
+        "metadata_from_other_run": lambda d: shutil.copy(base / "b" / "dcp" / ".metadata", d / "dcp" / ".metadata"),
+        "description_from_other_run": lambda d: shutil.copy(base / "b" / "fsdp_bridge.json", d / "fsdp_bridge.json"),
+        "other_model": None,
+    }
+    victim = build_tiny("llama", seed=9)
+    target = fsdp_bridge.shard(victim, config)
+    target_opt = torch.optim.AdamW(target.parameters(), lr=1e-2)
+    before = _full(target)
+    out: dict[str, str] = {}
+    for label, damage in cases.items():
+        path = base / "gpt2" if damage is None else base / label
+        if damage is not None:
+            if rank == 0:
+                shutil.copytree(base / "a", path)
+                damage(path)
+            dist.barrier()
+        try:
+            fsdp_bridge.load_checkpoint(path, target, target_opt)
+            out[label] = "loaded"
+        except CheckpointError as err:
+            out[label] = str(err)
+        after = _full(target)
+        out[f"{label}_untouched"] = str(all(torch.equal(before[k], after[k]) for k in before))
+    # The undamaged checkpoints still load.
+    fsdp_bridge.load_checkpoint(base / "b", target, target_opt)
+    out["b_loads"] = str(not all(torch.equal(before[k], v) for k, v in _full(target).items()))
+    out["description"] = json.dumps(sorted(json.loads((base / "a" / "fsdp_bridge.json").read_text())["digests"]))
+    return out
+
+
+def test_damaged_checkpoints_are_refused_and_nothing_is_loaded(tmp_path: Path) -> None:
+    for r in run_distributed(_damage_and_load, 2, args=(str(tmp_path),)):
+        assert "dcp/__0_0.distcp: missing" in r["missing_shard"] and "missing_shard" in r["missing_shard"]
+        assert "(truncated or overwritten)" in r["truncated_shard"]
+        assert "dcp/.metadata: content differs from the file this checkpoint was saved with" in r[
+            "metadata_from_other_run"]
+        assert "content differs" in r["description_from_other_run"]
+        assert "missing model keys" in r["other_model"] and "gpt2" in r["other_model"]
+        for label in ("missing_shard", "truncated_shard", "metadata_from_other_run", "description_from_other_run",
+                      "other_model"):
+            assert r[f"{label}_untouched"] == "True", f"{label}: the model changed although the load was refused"
+        assert r["b_loads"] == "True"
+        assert "dcp/.metadata" in r["description"]
