@@ -1,7 +1,9 @@
 """Property-based tests of the config loader (hypothesis): thousands of generated configs.
 
 Every invalid config raises ConfigError (never a raw KeyError/TypeError/torch error), and
-every valid one round-trips through YAML unchanged.
+every valid one round-trips through YAML unchanged.  Examples per test come from the
+hypothesis profile (tests/conftest.py): 800 by default (2,400 configs), 10,000 with
+``HYPOTHESIS_PROFILE=thorough``.
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ def _maybe_valid(data: dict[str, Any]) -> BridgeConfig | None:
         return None
 
 
-@settings(max_examples=800, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     st.fixed_dictionaries({}, optional=valid_values),
     st.one_of(st.none(), st.tuples(st.integers(1, 8), st.integers(1, 8))),
@@ -85,7 +87,7 @@ def test_valid_configs_round_trip_through_yaml(data: dict[str, Any], shape: tupl
     assert BridgeConfig.from_dict(yaml.safe_load(text)).to_yaml() == text
 
 
-@settings(max_examples=1200, deadline=None)
+@settings(deadline=None)
 @given(
     st.dictionaries(
         st.one_of(st.sampled_from(sorted(valid_values)), st.text(min_size=1, max_size=10)),
@@ -104,7 +106,7 @@ def test_invalid_configs_raise_config_error_only(data: dict[str, Any]) -> None:
     # Any other exception type propagates and fails the test.
 
 
-@settings(max_examples=300, deadline=None)
+@settings(deadline=None)
 @given(st.text(max_size=200))
 def test_arbitrary_yaml_text_never_escapes_config_error(text: str) -> None:
     try:
