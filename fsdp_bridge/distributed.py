@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fsdp_bridge.config import BridgeConfig
 from fsdp_bridge.errors import ConfigError, Problem
-from fsdp_bridge.strategy import Backend, ShardingStrategy
+from fsdp_bridge.strategy import ShardingStrategy
 
 __all__ = ["DEFAULT_TIMEOUT_S", "MeshPlan", "agree", "init_distributed", "plan_mesh", "resolve_device"]
 
@@ -161,8 +161,11 @@ def plan_mesh(config: BridgeConfig, world_size: int, *, local_world_size: int | 
                 ]
             )
         plan = MeshPlan(shape, ("replicate", "shard"))
-    elif strategy is ShardingStrategy.NO_SHARD and config.backend is Backend.FSDP2:
-        plan = MeshPlan((world_size, 1), ("replicate", "shard"))
+    elif strategy is ShardingStrategy.NO_SHARD:
+        from fsdp_bridge.backends import get_backend
+
+        no_shard = get_backend(config.backend).no_shard_mesh_shape(world_size)
+        plan = MeshPlan(no_shard, ("replicate", "shard") if len(no_shard) == 2 else ("shard",))
     else:
         plan = MeshPlan((world_size,), ("shard",))
     raf = config.reshard_after_forward

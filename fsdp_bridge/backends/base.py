@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Protocol
@@ -50,6 +51,19 @@ class BackendImpl(Protocol):
     """One FSDP implementation.  Only :mod:`fsdp_bridge.backends` chooses between them."""
 
     backend: Backend
+
+    def no_shard_mesh_shape(self, world_size: int) -> tuple[int, ...]:
+        """The mesh NO_SHARD runs on: FSDP1 has the strategy natively (1D); FSDP2 replicates on (world, 1)."""
+        ...
+
+    def shard_numel(self, shapes: Sequence[tuple[int, ...]], shard: int, compute_bytes: int) -> int:
+        """Elements of one unit (parameters of ``shapes``) held by the fullest rank of a shard
+        group of ``shard`` ranks, padding included.  Used by the memory estimator."""
+        ...
+
+    def gathers_full_copy(self, shard: int, *, mixed_precision: bool) -> bool:
+        """Whether running a unit allocates a gathered copy of its parameters (estimator)."""
+        ...
 
     def shard(self, model: nn.Module, plan: ShardPlan) -> nn.Module:
         """Shard ``model`` in place as planned; return the module the user keeps calling."""

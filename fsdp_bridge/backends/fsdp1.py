@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
@@ -84,6 +85,26 @@ class _MetaMaterializer:
 
 class FSDP1Backend:
     backend = Backend.FSDP1
+
+    def no_shard_mesh_shape(self, world_size: int) -> tuple[int, ...]:
+        return (world_size,)
+
+    def shard_numel(self, shapes: Sequence[tuple[int, ...]], shard: int, compute_bytes: int) -> int:
+        # One flat parameter per unit; with use_orig_params=True each parameter starts at an
+        # address aligned to 16 bytes of the compute dtype; the flat parameter is split evenly.
+        numel = sum(math.prod(s) for s in shapes)
+        if shard == 1:
+            return numel
+        aligned, total = 16 // compute_bytes, 0
+        for shape in shapes:
+            if total % aligned:
+                total += aligned - total % aligned
+            total += math.prod(shape)
+        return -(-total // shard)
+
+    def gathers_full_copy(self, shard: int, *, mixed_precision: bool) -> bool:
+        # A one-rank flat parameter already is the full parameter, unless it is cast.
+        return shard > 1 or mixed_precision
 
     def shard(self, model: nn.Module, plan: ShardPlan) -> nn.Module:
         config = plan.config

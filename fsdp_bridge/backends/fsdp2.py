@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Iterator
+import math
+from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 
 import torch
@@ -27,6 +28,19 @@ def _top_level_units(units: list[nn.Module]) -> list[nn.Module]:
 
 class FSDP2Backend:
     backend = Backend.FSDP2
+
+    def no_shard_mesh_shape(self, world_size: int) -> tuple[int, ...]:
+        # Replicate over every rank, shard over groups of one: NO_SHARD's meaning, not ZeRO-2.
+        return (world_size, 1)
+
+    def shard_numel(self, shapes: Sequence[tuple[int, ...]], shard: int, compute_bytes: int) -> int:
+        # Each parameter is split on dim 0 (torch.chunk sizes, padded to the largest chunk).
+        if shard == 1:
+            return sum(math.prod(s) for s in shapes)
+        return sum(-(-s[0] // shard) * math.prod(s[1:]) if s else 1 for s in shapes)
+
+    def gathers_full_copy(self, shard: int, *, mixed_precision: bool) -> bool:
+        return True  # all-gather outputs are separate buffers, even for a one-rank group
 
     def shard(self, model: nn.Module, plan: ShardPlan) -> nn.Module:
         config = plan.config

@@ -33,11 +33,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from fsdp_bridge.backends import BackendImpl, get_backend
 from fsdp_bridge.config import BridgeConfig
 from fsdp_bridge.distributed import plan_mesh
 from fsdp_bridge.errors import ConfigError, Problem
 from fsdp_bridge.estimate.tracker import LiveBytes
-from fsdp_bridge.strategy import Backend, ShardingStrategy
+from fsdp_bridge.strategy import ShardingStrategy
 from fsdp_bridge.wrap import resolve_wrap
 
 __all__ = ["OPTIMIZERS", "RankMemory", "Unit", "estimate_memory", "measure_activations", "model_units"]
@@ -92,27 +93,13 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _fsdp1_flat_numel(unit: Unit, aligned: int) -> int:
-    """FSDP1's flat parameter (use_orig_params=True aligns each parameter's start)."""
-    total = 0
-    for shape in unit.shapes:
-        if aligned and total % aligned:
-            total += aligned - total % aligned
-        total += math.prod(shape)
-    return total
-
-
-def _shard_numel(unit: Unit, backend: Backend, shard: int, aligned: int) -> int:
+def _shard_numel(unit: Unit, impl: BackendImpl, shard: int, cbytes: int) -> int:
     """Elements of ``unit`` one rank holds (the largest rank, padding included)."""
-    if shard == 1:
-        return unit.numel
-    if backend is Backend.FSDP1:
-        return _ceil_div(_fsdp1_flat_numel(unit, aligned), shard)
-    return sum(_ceil_div(s[0], shard) * math.prod(s[1:]) if s else 1 for s in unit.shapes)
+    return impl.shard_numel(unit.shapes, shard, cbytes)
 
 
-def _padded_full_numel(unit: Unit, backend: Backend, shard: int, aligned: int) -> int:
-    return _shard_numel(unit, backend, shard, aligned) * shard
+def _padded_full_numel(unit: Unit, impl: BackendImpl, shard: int, cbytes: int) -> int:
+    return _shard_numel(unit, impl, shard, cbytes) * shard
 
 
 @dataclass(frozen=True)
@@ -227,33 +214,33 @@ def estimate_memory(
     mesh = plan_mesh(config, world_size, local_world_size=world_size // nodes)
     backend, strategy = config.backend, config.strategy
     shard = 1 if strategy is ShardingStrategy.NO_SHARD else mesh.shard
+    impl = get_backend(backend)
     notes: list[str] = []
-    if backend is Backend.FSDP1 and shard == 1 and strategy is not ShardingStrategy.NO_SHARD:
-        notes.append("FSDP1 runs NO_SHARD when its shard group has one rank")
+    if shard == 1 and strategy is not ShardingStrategy.NO_SHARD:
+        notes.append("a shard group of one rank holds whole parameters (FSDP1 then runs NO_SHARD)")
 
     storage = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     sbytes = torch.empty((), dtype=storage).element_size()
     mp = config.mixed_precision
     cbytes = torch.empty((), dtype=mp.param_dtype or storage).element_size()
     rbytes = torch.empty((), dtype=mp.reduce_dtype or mp.param_dtype or storage).element_size()
-    aligned = 16 // cbytes if backend is Backend.FSDP1 else 0
 
     units = model_units(model, config)
-    local = [_shard_numel(u, backend, shard, aligned) for u in units]
+    local = [_shard_numel(u, impl, shard, cbytes) for u in units]
     params = sum(local) * sbytes
     grads = params
     states, has_step = OPTIMIZERS[optimizer]
     n_tensors = sum(len(u.shapes) for u in units)
     opt = states * sum(local) * sbytes + (_STEP_BYTES * n_tensors if has_step else 0)
 
-    full = [_padded_full_numel(u, backend, shard, aligned) for u in units]
+    full = [_padded_full_numel(u, impl, shard, cbytes) for u in units]
     root, others = full[-1], full[:-1]
     largest = max(range(len(full)), key=lambda i: full[i])
     reshard = config.reshard_after_forward
     if reshard is None:
         reshard = strategy.reshards_after_forward
-    if backend is Backend.FSDP1 and shard == 1 and not mp.enabled:
-        gathered = 0  # the flat parameter is the full parameter: nothing is gathered
+    if not impl.gathers_full_copy(shard, mixed_precision=mp.enabled):
+        gathered = 0  # the local parameters are the full ones: nothing is gathered
     elif reshard and shard > 1:
         gathered = root + 2 * max(others, default=0)  # root kept; current + prefetched unit
     else:
