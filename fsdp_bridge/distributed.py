@@ -90,6 +90,14 @@ def agree(local_problems: list[Problem], *, raise_here: bool = True) -> None:
         if local_problems and raise_here:
             raise ConfigError(local_problems)
         return
+    # Fast path: one small all-reduce says whether any rank found anything; only then are the
+    # problems themselves gathered (pickled objects cost two more collectives).
+    flag = torch.tensor([1 if local_problems else 0], dtype=torch.int32)
+    if dist.get_backend() == "nccl":
+        flag = flag.cuda()
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if not int(flag.item()):
+        return
     gathered: list[list[Problem] | None] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, list(local_problems))
     per_rank = [items or [] for items in gathered]
