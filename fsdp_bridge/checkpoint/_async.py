@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import shutil
 import threading
+import weakref
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, cast
@@ -25,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
 from fsdp_bridge.checkpoint._api import (
@@ -42,6 +44,21 @@ from fsdp_bridge.checkpoint._state import write_rng
 __all__ = ["AsyncCheckpoint", "save_checkpoint_async"]
 
 _GROUPS: dict[tuple[int, ...], Any] = {}
+
+
+class _CachingStager(BlockingAsyncStager):
+    """DCP's blocking stager with a cached host copy, pinned only when an accelerator exists
+    (DCP always pins its cache, which fails on a machine without one)."""
+
+    def __init__(self) -> None:
+        super().__init__(cache_staged_state_dict=True)
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+
+        if self.state_dict_cache is None:
+            self.state_dict_cache = _create_cpu_state_dict(state_dict, pin_memory=torch.cuda.is_available())
+        return _copy_state_dict(state_dict, self.state_dict_cache)
 
 
 def _io_group() -> Any:
@@ -91,6 +108,22 @@ class AsyncCheckpoint:
         return self.path
 
 
+# One stager per model: DCP then builds the staged host copy once and only copies values
+# into it on later saves, instead of deep-copying every DTensor on every call.
+_STAGERS: weakref.WeakKeyDictionary[nn.Module, _CachingStager] = weakref.WeakKeyDictionary()
+# The save in flight per model: its staged copy is the buffer the next save would overwrite.
+_PENDING: weakref.WeakKeyDictionary[nn.Module, AsyncCheckpoint] = weakref.WeakKeyDictionary()
+
+
+def _structure(state: Any) -> Any:
+    """Keys and tensor shapes of a nested state dict (a cached staging buffer must match them)."""
+    if isinstance(state, dict):
+        return tuple((k, _structure(v)) for k, v in state.items())
+    if isinstance(state, (list, tuple)):
+        return tuple(_structure(v) for v in state)
+    return tuple(state.shape) if isinstance(state, torch.Tensor) else type(state).__name__
+
+
 def save_checkpoint_async(
     path: str | os.PathLike[str],
     model: nn.Module,
@@ -106,6 +139,9 @@ def save_checkpoint_async(
     :func:`save_checkpoint` ``(kind="sharded")`` writes, and loads with :func:`load_checkpoint`.
     """
     path = _check_save_args(path, keep_last, state)
+    previous = _PENDING.get(model)
+    if previous is not None and not previous.done():
+        previous.wait()  # its staged copy is the buffer this save reuses
     rank, world = _rank_world()
     staging = partial_path(path)
     if rank == 0:
@@ -122,7 +158,17 @@ def save_checkpoint_async(
         to_save["optim"] = get_optimizer_state_dict(model, optimizer)
     shapes = _shapes(msd)
     write_rng(staging, rank)  # the RNG as of this call, like the weights
-    future = dcp.async_save(to_save, storage_writer=dcp.FileSystemWriter(str(staging / DCP_DIR)), process_group=group)
+    stager = _STAGERS.get(model)
+    if stager is None or (
+        stager.state_dict_cache is not None and _structure(stager.state_dict_cache) != _structure(to_save)
+    ):
+        stager = _STAGERS[model] = _CachingStager()
+    future = dcp.async_save(
+        to_save,
+        storage_writer=dcp.FileSystemWriter(str(staging / DCP_DIR)),
+        process_group=group,
+        async_stager=stager,
+    )
 
     finish = None
     if rank == 0:
@@ -143,4 +189,5 @@ def save_checkpoint_async(
             )
 
     # With the default (thread) checkpointer, async_save returns a concurrent Future.
-    return AsyncCheckpoint(path, cast("Future[Any]", future), finish)
+    pending = _PENDING[model] = AsyncCheckpoint(path, cast("Future[Any]", future), finish)
+    return pending
