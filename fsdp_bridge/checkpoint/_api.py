@@ -190,6 +190,16 @@ def _describe_and_publish(
         rotate_checkpoints(path.parent, keep_last)
 
 
+def _fresh_staging(path: Path, rank: int) -> Path:
+    """The staging directory of ``path``, emptied by rank 0 (call a barrier after it)."""
+    staging = partial_path(path)
+    if rank == 0:
+        if staging.exists():  # left by an earlier save that was killed
+            shutil.rmtree(staging)
+        staging.mkdir(parents=True)
+    return staging
+
+
 def _check_save_args(path: str | os.PathLike[str], keep_last: int | None, state: dict[str, Any] | None) -> Path:
     if keep_last is not None and (not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1):
         raise ValueError(f"keep_last must be None or an integer >= 1 (got {keep_last!r})")
@@ -229,12 +239,7 @@ def save_checkpoint(
                          "'sharded' for resuming, 'full' for a Hugging Face directory")
     path = _check_save_args(path, keep_last, state)
     rank, world = _rank_world()
-    staging = partial_path(path)
-
-    if rank == 0:
-        if staging.exists():  # left by an earlier save that was killed
-            shutil.rmtree(staging)
-        staging.mkdir(parents=True)
+    staging = _fresh_staging(path, rank)
     _barrier()
 
     tied = _tied_groups(model)

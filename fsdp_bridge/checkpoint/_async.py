@@ -15,7 +15,6 @@ checkpoint is the latest one, and a crash leaves only a dot-named partial direct
 from __future__ import annotations
 
 import os
-import shutil
 import threading
 import weakref
 from concurrent.futures import Future
@@ -33,11 +32,11 @@ from fsdp_bridge.checkpoint._api import (
     _barrier,
     _check_save_args,
     _describe_and_publish,
+    _fresh_staging,
     _rank_world,
     _shapes,
     _tied_groups,
 )
-from fsdp_bridge.checkpoint._atomic import partial_path
 from fsdp_bridge.checkpoint._formats import DCP_DIR
 from fsdp_bridge.checkpoint._state import write_rng
 
@@ -143,11 +142,7 @@ def save_checkpoint_async(
     if previous is not None and not previous.done():
         previous.wait()  # its staged copy is the buffer this save reuses
     rank, world = _rank_world()
-    staging = partial_path(path)
-    if rank == 0:
-        if staging.exists():  # left by an earlier save that was killed
-            shutil.rmtree(staging)
-        staging.mkdir(parents=True)
+    staging = _fresh_staging(path, rank)
     group = _io_group()
     _barrier()
 

@@ -30,11 +30,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 from torch import nn
 
 from fsdp_bridge.compare.engine import REFERENCE, RunSpec
-from fsdp_bridge.config import BridgeConfig, _unknown_key
+from fsdp_bridge.config import BridgeConfig, _unknown_key, read_yaml_file
 from fsdp_bridge.errors import ConfigError, Problem
 from fsdp_bridge.strategy import Backend, ShardingStrategy, allowed_values, parse_enum
 from fsdp_bridge.testing.models import FAMILIES, build_tiny, sample_batch
@@ -273,12 +272,7 @@ def _overrides(value: object, problems: list[Problem]) -> dict[str, dict[str, An
 def read_job(path: str | Path) -> dict[str, Any]:
     """The YAML mapping of a job file (parse it with :meth:`CompareJob.from_dict`)."""
     path = Path(path)
-    try:
-        data = yaml.safe_load(path.read_text())
-    except OSError as err:
-        raise ConfigError([Problem("config", str(path), "a readable YAML file", str(err))]) from None
-    except yaml.YAMLError as err:
-        raise ConfigError([Problem("yaml", str(path), "valid YAML", str(err).replace("\n", " "))]) from None
+    data = read_yaml_file(path, key="config")
     if data is None:
         return {}
     if not isinstance(data, dict):
