@@ -384,3 +384,64 @@ def test_offline_errors_and_metadata_safety(tmp_path: Path) -> None:
     assert cli(["inspect", str(tmp_path / "nope")]) == 2
     with pytest.raises(ValueError, match="keep must be an integer >= 1"):
         fsdp_bridge.rotate_checkpoints(tmp_path, keep=0)
+
+
+def _global_call_pickle(module: str, name: str, arg: str) -> bytes:
+    """Protocol-4 bytes that resolve ``module``/``name`` with STACK_GLOBAL and call it with ``arg``."""
+
+    def text(s: str) -> bytes:
+        raw = s.encode()
+        return b"\x8c" + bytes([len(raw)]) + raw  # SHORT_BINUNICODE
+
+    # PROTO 4, module, name, STACK_GLOBAL, (arg,) TUPLE1, REDUCE, STOP
+    return b"\x80\x04" + text(module) + text(name) + b"\x93" + text(arg) + b"\x85" + b"R" + b"."
+
+
+@pytest.mark.parametrize(
+    ("module", "name"),
+    [
+        ("torch.distributed.checkpoint.filesystem", "os.system"),
+        ("torch.distributed.checkpoint.metadata", "os.system"),
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo.__init__.__globals__.get"),
+        ("pathlib", "os.system"),
+        ("torch.serialization", "os.system"),
+        ("torch", "os.system"),
+        ("collections", "OrderedDict.__init__"),
+        ("builtins", "eval"),
+        ("os", "system"),
+    ],
+)
+def test_dcp_metadata_never_resolves_dotted_or_unlisted_names(tmp_path: Path, module: str, name: str) -> None:
+    # Pickle protocol 4 resolves a dotted name by attribute traversal: an allow-list by module
+    # prefix let ("torch.distributed.checkpoint.filesystem", "os.system") through to a shell.
+    marker = tmp_path / "pwned"
+    evil = tmp_path / "evil"
+    evil.mkdir()
+    (evil / ".metadata").write_bytes(_global_call_pickle(module, name, f"touch {marker}"))
+    with pytest.raises(CheckpointError, match=r"refusing to load .* from DCP metadata"):
+        fsdp_bridge.checkpoint.inspect_checkpoint(evil)
+    assert cli(["inspect", str(evil)]) == 2
+    assert cli(["convert", str(evil), str(tmp_path / "out"), "--to", "torch"]) == 2
+    assert not marker.exists()
+    assert not (tmp_path / "out").exists()
+
+
+def test_dcp_metadata_reader_accepts_what_dcp_writes(tmp_path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    from fsdp_bridge.checkpoint._formats import load_dcp_metadata
+
+    state = {"w": torch.randn(3, 4), "h": torch.zeros(2, dtype=torch.bfloat16), "step": 3, "nested": {"a": [1, 2]}}
+    dcp.save(state, checkpoint_id=str(tmp_path / "d"), no_dist=True)
+    metadata = load_dcp_metadata(tmp_path / "d" / ".metadata")
+    assert metadata.state_dict_metadata["w"].size == torch.Size([3, 4])
+    assert metadata.state_dict_metadata["h"].properties.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("payload", [b"", b"\x80\x04", b"\x80\x04K\x01\x85.", b"garbage" * 10, b"\x80\x04]" * 5000])
+def test_damaged_dcp_metadata_is_a_checkpoint_error(tmp_path: Path, payload: bytes) -> None:
+    from fsdp_bridge.checkpoint._formats import load_dcp_metadata
+
+    (tmp_path / ".metadata").write_bytes(payload)
+    with pytest.raises(CheckpointError, match=r"\.metadata"):
+        load_dcp_metadata(tmp_path / ".metadata")

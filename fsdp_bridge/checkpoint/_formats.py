@@ -220,8 +220,23 @@ def strip_wrapper_prefixes(key: str) -> str:
 # DCP without unpickling arbitrary objects
 # --------------------------------------------------------------------------------------
 
-_ALLOWED_MODULE_PREFIXES = ("torch.distributed.checkpoint.",)
-_ALLOWED_GLOBALS = {
+# Exact (module, name) pairs, never a prefix: pickle protocol 4 resolves a dotted name by
+# attribute traversal, so ("torch.distributed.checkpoint.filesystem", "os.system") would
+# reach os.system through a module that imports os. These are the globals DCP's metadata
+# pickles hold (torch 2.8-2.14): its dataclasses, the storage-info records of the file
+# system and Hugging Face writers, and a few value types.
+_DCP_METADATA = "torch.distributed.checkpoint.metadata"
+_ALLOWED_GLOBALS: frozenset[tuple[str, str]] = frozenset({
+    (_DCP_METADATA, "Metadata"),
+    (_DCP_METADATA, "MetadataIndex"),
+    (_DCP_METADATA, "StorageMeta"),
+    (_DCP_METADATA, "TensorProperties"),
+    (_DCP_METADATA, "TensorStorageMetadata"),
+    (_DCP_METADATA, "BytesStorageMetadata"),
+    (_DCP_METADATA, "ChunkStorageMetadata"),
+    (_DCP_METADATA, "_MEM_FORMAT_ENCODING"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.distributed.checkpoint._hf_utils", "_HFStorageInfo"),
     ("collections", "OrderedDict"),
     ("builtins", "set"),
     ("builtins", "frozenset"),
@@ -232,17 +247,21 @@ _ALLOWED_GLOBALS = {
     ("pathlib", "PurePosixPath"),
     ("pathlib", "WindowsPath"),
     ("pathlib", "PureWindowsPath"),
-}
+})
 
 
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
-        if module.startswith(_ALLOWED_MODULE_PREFIXES) or (module, name) in _ALLOWED_GLOBALS:
+        if (module, name) in _ALLOWED_GLOBALS:
             return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout,
-                                                                             torch.memory_format)):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(f"refusing to load {module}.{name} from DCP metadata")
+        if module == "torch" and name.isidentifier():
+            # dtypes (torch.float32, ...), layouts and memory formats: plain values, looked up
+            # as one attribute of the torch module, never a dotted path.
+            value = getattr(torch, name, None)
+            if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
+                return value
+        raise pickle.UnpicklingError(f"refusing to load {module}.{name} from DCP metadata "
+                                     "(only DCP's own metadata classes are read)")
 
 
 class SafeDCPReader(FileSystemReader):
@@ -259,8 +278,11 @@ def load_dcp_metadata(path: Path) -> Metadata:
             metadata = _MetadataUnpickler(f).load()
     except FileNotFoundError as err:
         raise CheckpointError(path, "missing: the DCP directory is incomplete") from err
-    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError) as err:
-        raise CheckpointError(path, f"cannot be read ({err}); the DCP metadata is truncated or not DCP") from err
+    except OSError as err:
+        raise CheckpointError(path, f"cannot be read ({err})") from err
+    except Exception as err:  # any malformed pickle: refused, never executed
+        raise CheckpointError(path, f"cannot be read ({type(err).__name__}: {err}); "
+                                    "the DCP metadata is truncated, damaged or not DCP") from err
     if not isinstance(metadata, Metadata):
         raise CheckpointError(path, f"holds a {type(metadata).__name__}, not DCP Metadata")
     return metadata
