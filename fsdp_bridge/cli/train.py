@@ -74,8 +74,11 @@ def run(args: argparse.Namespace) -> int:
     verbosity = "quiet" if args.quiet else "verbose" if args.verbose else "normal"
     launched = args.nproc_per_node is not None or args.nnodes > 1
     inside = existing_launch() and not launched
-    if args.nproc_per_node is not None and args.nproc_per_node < 1:
-        raise ConfigError([Problem("--nproc-per-node", args.nproc_per_node, "an integer >= 1")])
+    launch_problems = [Problem(flag, value, "an integer >= 1")
+                       for flag, value in (("--nproc-per-node", args.nproc_per_node), ("--nnodes", args.nnodes))
+                       if value is not None and value < 1]
+    if launch_problems:
+        raise ConfigError(launch_problems)
     if inside:
         world = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world))

@@ -20,6 +20,8 @@ import dataclasses
 import enum
 import inspect
 import itertools
+import logging
+import math
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -44,6 +46,17 @@ __all__ = [
     "field_reference",
     "load_train_config",
 ]
+
+logger = logging.getLogger("fsdp_bridge.train")
+
+MAX_SEED = 2**32 - 1
+"""Seeds are used by torch and by per-rank offsets; numpy-style 32-bit seeds fit every consumer."""
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+"""A process-group timeout beyond a week is a typo (``.inf`` overflows torch's timeout)."""
+MAX_TOKENIZER_VOCAB = 1 << 20
+"""The built-in BPE trainer aborts (out of memory, in Rust) far above real vocabulary sizes."""
+MAX_MICRO_BATCH_TOKENS = 2**31 - 1
+"""Tokens in one micro-batch on one rank: beyond int32 indexing no model runs."""
 
 SAMPLE = "sample"
 """The name of the small English corpus shipped inside the package (``data.files: sample``)."""
@@ -270,23 +283,42 @@ def _value_problems(c: TrainConfig) -> list[Problem]:
     ):
         if opt_value is not None and opt_value < 1:
             p.append(Problem(key, opt_value, "null or an integer >= 1"))
+    if m.tokenizer_vocab_size > MAX_TOKENIZER_VOCAB:
+        p.append(Problem("model.tokenizer_vocab_size", m.tokenizer_vocab_size,
+                         f"an integer in [300, {MAX_TOKENIZER_VOCAB}]",
+                         "the built-in tokenizer is trained on the run's data; real vocabularies are 32k-256k"))
+    if c.micro_batch_size * c.data.seq_len > MAX_MICRO_BATCH_TOKENS:
+        p.append(Problem("micro_batch_size", c.micro_batch_size,
+                         f"micro_batch_size * data.seq_len <= {MAX_MICRO_BATCH_TOKENS} (got "
+                         f"{c.micro_batch_size} * {c.data.seq_len})",
+                         "use a smaller micro-batch and grad_accum for a larger effective batch"))
+    if not 0 <= c.seed <= MAX_SEED:
+        p.append(Problem("seed", c.seed, f"an integer in [0, {MAX_SEED}]"))
     o = c.optim
-    if o.lr <= 0:
-        p.append(Problem("optim.lr", o.lr, "a number > 0"))
-    if o.weight_decay < 0:
-        p.append(Problem("optim.weight_decay", o.weight_decay, "a number >= 0"))
+    # Written as `not x > 0` so that NaN fails too; infinities are refused separately.
+    for key, number, allowed, ok in (
+        ("optim.lr", o.lr, "a finite number > 0", o.lr > 0),
+        ("optim.weight_decay", o.weight_decay, "a finite number >= 0", o.weight_decay >= 0),
+        ("optim.eps", o.eps, "a finite number > 0", o.eps > 0),
+        ("optim.momentum", o.momentum, "a number in [0, 1)", 0 <= o.momentum < 1),
+        ("schedule.min_lr_ratio", c.schedule.min_lr_ratio, "a number in [0, 1]", 0 <= c.schedule.min_lr_ratio <= 1),
+    ):
+        if not (ok and math.isfinite(number)):
+            p.append(Problem(key, number, allowed))
     if not all(0 <= b < 1 for b in o.betas):
         p.append(Problem("optim.betas", list(o.betas), "two numbers in [0, 1)"))
-    if o.grad_clip is not None and o.grad_clip <= 0:
-        p.append(Problem("optim.grad_clip", o.grad_clip, "null or a number > 0"))
-    if not 0 <= c.schedule.min_lr_ratio <= 1:
-        p.append(Problem("schedule.min_lr_ratio", c.schedule.min_lr_ratio, "a number in [0, 1]"))
+    if o.grad_clip is not None and not (o.grad_clip > 0 and math.isfinite(o.grad_clip)):
+        p.append(Problem("optim.grad_clip", o.grad_clip, "null or a finite number > 0"))
     if isinstance(c.resume, str) and not c.resume:
         p.append(Problem("resume", c.resume, "false, auto, or a checkpoint path"))
     if not c.output_dir:
         p.append(Problem("output_dir", c.output_dir, "a directory path"))
-    if not c.timeout_s > 0:
-        p.append(Problem("timeout_s", c.timeout_s, "a number of seconds > 0", "e.g. timeout_s: 600"))
+    if not 0 < c.timeout_s <= MAX_TIMEOUT_S:
+        p.append(Problem("timeout_s", c.timeout_s, f"a number of seconds in (0, {MAX_TIMEOUT_S}]",
+                         "e.g. timeout_s: 600 (a rank silent for longer than this ends the run)"))
+    if c.schedule.warmup_steps > c.max_steps:
+        logger.warning("schedule.warmup_steps (%d) > max_steps (%d): the learning rate never reaches optim.lr",
+                       c.schedule.warmup_steps, c.max_steps)
     return p
 
 
@@ -295,6 +327,22 @@ def _value_problems(c: TrainConfig) -> list[Problem]:
 # ----------------------------------------------------------------------------------
 
 _SECTIONS: tuple[type, ...] = (ModelConfig, DataConfig, OptimConfig, ScheduleConfig, CheckpointConfig)
+
+
+_ELSEWHERE = {
+    "lr": "optim.lr",
+    "learning_rate": "optim.lr",
+    "optim.learning_rate": "optim.lr",
+    "weight_decay": "optim.weight_decay",
+    "optim.optimizer": "optim.name",
+    "warmup_steps": "schedule.warmup_steps",
+    "optim.warmup_steps": "schedule.warmup_steps",
+    "batch_size": "micro_batch_size",
+    "seq_len": "data.seq_len",
+    "gradient_accumulation_steps": "grad_accum",
+    "num_steps": "max_steps",
+}
+"""Keys people write from other trainers' configs, and where this config keeps them."""
 
 
 def _hints(cls: type) -> dict[str, Any]:
@@ -309,7 +357,10 @@ def _parse_fields(cls: type, data: Mapping[str, Any], prefix: str, problems: lis
     for key, value in data.items():
         dotted = f"{prefix}{key}"
         if key not in names:
-            problems.append(_unknown_key(dotted, value, names))
+            problem = _unknown_key(dotted, value, names)
+            if dotted in _ELSEWHERE:
+                problem = dataclasses.replace(problem, fix=f"unknown key; did you mean {_ELSEWHERE[dotted]!r}?")
+            problems.append(problem)
             continue
         if key == "bridge":
             continue
