@@ -147,3 +147,19 @@ def test_cli_table_and_json(capsys) -> None:
 def test_attention_that_needs_data_is_refused_with_a_fix() -> None:
     with pytest.raises(ConfigError, match=r"attn_implementation: got 'sdpa'; allowed: eager .* Fix: use --attn eager"):
         estimate(SMALL, world_size=2, batch=1, seq_len=8, attn_implementation="sdpa")
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "bert:hidden_size=32,num_hidden_layers=1,num_attention_heads=2,intermediate_size=64,vocab_size=128",
+        "electra:hidden_size=32,embedding_size=16,num_hidden_layers=1,num_attention_heads=2,intermediate_size=64,"
+        "vocab_size=128",
+        "t5:d_model=32,num_layers=1,num_heads=2,d_ff=64,d_kv=16,vocab_size=128",
+    ],
+)
+def test_activations_of_encoder_and_encoder_decoder_models(spec: str) -> None:
+    # An all-ones mask makes bidirectional models ask the data whether it can be skipped,
+    # and T5 shifts labels with a start token small configs leave unset: both used to fail.
+    report = estimate(spec, world_size=2, batch=2, seq_len=8, attn_implementation="eager")
+    assert report and all(row.activations > 0 for row in report)

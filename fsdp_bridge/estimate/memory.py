@@ -164,27 +164,41 @@ def measure_activations(model: nn.Module, *, batch: int, seq_len: int, units: Se
         if p.requires_grad:
             p.register_post_accumulate_grad_hook(lambda q: setattr(q, "grad", None))
     ids = torch.zeros((batch, seq_len), dtype=torch.long, device="meta")
-    # An explicit all-ones mask: without one, transformers inspects position ids for
-    # packed sequences with a data-dependent check that meta tensors cannot answer.
-    inputs: dict[str, torch.Tensor] = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    inputs: dict[str, torch.Tensor] = {"input_ids": ids}
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        inputs["decoder_input_ids"] = ids  # explicit: shifting labels needs decoder_start_token_id
     get_head = getattr(model, "get_output_embeddings", None)
     if is_hf_model(model) and get_head is not None and get_head() is not None:
         inputs["labels"] = ids
+    # transformers answers some mask questions from the data, which meta tensors cannot:
+    # with no mask, causal models inspect position ids for packed sequences; with an
+    # all-ones mask, bidirectional models (BERT, T5) check whether the mask can be
+    # skipped. Try the explicit mask first, then none.
+    attempts = [{"attention_mask": torch.ones_like(ids)}, {}]
     existing = [*model.parameters(), *model.buffers()]
-    try:
-        with LiveBytes("meta", ignore=existing) as live:
-            out = model(**inputs)
-            loss = getattr(out, "loss", None)
-            if loss is None:
-                first = out[0] if isinstance(out, (tuple, list)) else next(iter(out.values()))
-                loss = first.float().sum()
-            loss.backward()
-    except RuntimeError as err:
-        if "meta" not in str(err):
-            raise
-        attn = getattr(getattr(model, "config", None), "_attn_implementation", None)
-        raise ConfigError([Problem("attn_implementation", attn, "eager (the model's forward must run on meta tensors)",
-                                   f"use --attn eager; the forward needs real data: {err}")]) from None
+    for i, extra in enumerate(attempts):
+        try:
+            with LiveBytes("meta", ignore=existing) as live:
+                out = model(**inputs, **extra)
+                loss = getattr(out, "loss", None)
+                if loss is None:
+                    first = out[0] if isinstance(out, (tuple, list)) else next(iter(out.values()))
+                    loss = first.float().sum()
+                loss.backward()
+            break
+        except RuntimeError as err:
+            if "meta" not in str(err):
+                raise
+            if i + 1 < len(attempts):
+                continue
+            attn = getattr(getattr(model, "config", None), "_attn_implementation", None)
+            if attn not in (None, "eager"):
+                raise ConfigError([Problem("attn_implementation", attn,
+                                           "eager (the model's forward must run on meta tensors)",
+                                           f"use --attn eager; the forward needs real data: {err}")]) from None
+            raise ConfigError([Problem("model", type(model).__name__, "a model whose forward runs on meta tensors",
+                                       f"its forward needs real data ({err}); estimate without --batch to "
+                                       "leave activations out")]) from None
     return live.peak
 
 
