@@ -137,7 +137,7 @@ def test_job_errors_name_key_value_and_fix():
         CompareJob.from_dict(_job(compare={"overrides": {"reference": {"mixed_precision": "bf16"}}}))
     with pytest.raises(ConfigError, match=r"fsdp1/full_shard: bridge\.backward_prefetch: got 'sideways'"):
         CompareJob.from_dict(_job(bridge={"backward_prefetch": "sideways"}))
-    with pytest.raises(ConfigError, match=r"model\.family: got 'llama9'.*pick one of these families"):
+    with pytest.raises(ConfigError, match=r"model\.family: got 'llama9'.*a transformers model_type.*did you mean"):
         CompareJob.from_dict(_job(model={"family": "llama9"}))
     with pytest.raises(ConfigError, match=r"at least two runs to compare.*set reference: true"):
         CompareJob.from_dict(_job(compare={"backends": ["fsdp2"], "strategies": ["full_shard"]}))
@@ -199,3 +199,90 @@ def test_differences_name_the_settings_that_change_numbers():
     bf16 = backend_differences(BridgeConfig(mixed_precision="bf16"), device_type="cpu")
     assert any(d.setting.startswith("mixed_precision") for d in bf16)
     assert not any(d.setting == "gradient averaging" for d in backend_differences(BridgeConfig(), world_size=1))
+
+
+# -- "my model": a Hugging Face directory, any model_type, a Python builder ------------------
+
+_BUILDER_MODULE = """
+import torch
+from torch import nn
+
+
+class Regressor(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x, y):
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return {"loss": nn.functional.mse_loss(self.head(x).squeeze(-1), y)}
+
+
+def build():
+    return Regressor()
+
+
+def batch(size, seq_len, seed):
+    g = torch.Generator().manual_seed(seed)
+    return {"x": torch.randn(size, 8, generator=g), "y": torch.randn(size, generator=g)}
+"""
+
+
+def _my_model_jobs(tmp_path: Path) -> dict[str, dict]:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf_dir = tmp_path / "phi3"
+    config = AutoConfig.for_model("phi3", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                  pad_token_id=0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(hf_dir)
+    (tmp_path / "my_models.py").write_text(_BUILDER_MODULE)
+    common = {"data": {"seq_len": 8}, "max_steps": 2, "compare": {"reference": True, "strategies": ["full_shard"]}}
+    return {
+        "path": {**common, "model": {"path": str(hf_dir)}},
+        "model_type": {**common, "model": {"config": {"model_type": "gpt_neox", "vocab_size": 64, "hidden_size": 32,
+                                                      "intermediate_size": 64, "num_hidden_layers": 2,
+                                                      "num_attention_heads": 4, "max_position_embeddings": 64}}},
+        "builder": {**common, "model": {"builder": "my_models:build", "batch": "my_models:batch"},
+                    "bridge": {"wrap": {"min_num_params": 50}}},
+    }
+
+
+def _run_my_model_jobs(jobs: dict[str, dict]) -> dict[str, tuple[bool, list[str]]]:
+    from fsdp_bridge.compare import run_job
+
+    out = {}
+    for name, data in jobs.items():
+        report = run_job(CompareJob.from_dict(data))
+        out[name] = (report.ok, [run.name for run in report.runs])
+    return out
+
+
+def test_compare_my_model_from_a_directory_a_model_type_and_a_builder(tmp_path, monkeypatch, run_on_ranks):
+    monkeypatch.syspath_prepend(str(tmp_path))
+    jobs = _my_model_jobs(tmp_path)
+    result = run_on_ranks(_run_my_model_jobs, 2, jobs)[0]
+    for name in jobs:
+        ok, runs = result[name]
+        assert ok, name
+        assert runs == ["reference", "fsdp1/full_shard", "fsdp2/full_shard"], name
+
+
+def test_my_model_mistakes_are_named_before_spawning(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(tmp_path))
+    jobs = _my_model_jobs(tmp_path)
+    job = CompareJob.from_dict(jobs["path"])
+    assert job.batches(0)[0]["input_ids"].max() < 64  # tokens from the directory's vocabulary
+    with pytest.raises(ConfigError, match=r"model\.path: got '.*nowhere'; allowed: a Hugging Face model directory"):
+        CompareJob.from_dict({**jobs["path"], "model": {"path": str(tmp_path / "nowhere")}})
+    with pytest.raises(ConfigError, match=r"model\.builder: got 'my_models:missing'.*has no attribute 'missing'"):
+        CompareJob.from_dict({**jobs["builder"], "model": {"builder": "my_models:missing"}})
+    with pytest.raises(ConfigError, match=r"model\.builder: got 'not a spec'; allowed: module:function"):
+        CompareJob.from_dict({**jobs["builder"], "model": {"builder": "not a spec"}})
+    with pytest.raises(ConfigError, match=r"model\.config: got .*gpt_neox.*a valid transformers gpt_neox config"):
+        CompareJob.from_dict({**jobs["model_type"], "model": {"config": {"model_type": "gpt_neox", "hidden_size": 30,
+                                                                        "num_attention_heads": 4}}})
+    with pytest.raises(ConfigError, match=r"model: got .*; allowed: one of model\.family \(\+ config\), model\.path"):
+        CompareJob.from_dict({**jobs["path"], "model": {"path": jobs["path"]["model"]["path"], "family": "llama"}})

@@ -51,12 +51,18 @@ OptimizerFn = Callable[[Iterable[nn.Parameter], float], torch.optim.Optimizer]
 
 
 def default_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
-    """``model(**batch).loss``: the training loss of a Hugging Face model given labels."""
+    """``model(**batch)``'s loss: ``.loss`` (a Hugging Face model given labels), a ``"loss"``
+    entry of a returned mapping, or a returned scalar tensor."""
     out = model(**batch)
     loss = getattr(out, "loss", None)
-    if loss is None:
-        raise ConfigError([Problem("loss_fn", None, "a loss function, or batches with labels for a model that "
-                                   "returns .loss", "pass loss_fn=lambda model, batch: ...")])
+    if loss is None and isinstance(out, Mapping):
+        loss = out.get("loss")
+    if loss is None and isinstance(out, torch.Tensor) and out.dim() == 0:
+        loss = out
+    if not isinstance(loss, torch.Tensor):
+        raise ConfigError([Problem("loss_fn", None, "a loss function, or a model returning its loss (.loss, a "
+                                   "'loss' entry, or a scalar tensor) for batches with labels",
+                                   "pass loss_fn=lambda model, batch: ...")])
     return loss
 
 

@@ -2,6 +2,9 @@
 
     # fsdp-bridge compare examples/compare/tiny_llama.yaml
     model: {family: llama}          # a tiny family of fsdp_bridge.testing.models, config: overrides sizes
+                                    # or {path: ./my-model} (a Hugging Face directory, its weights),
+                                    # {config: {model_type: phi3, hidden_size: 64, ...}} (any transformers type),
+                                    # {builder: "my_pkg.models:build", batch: "my_pkg.models:batch"}
     data: {seq_len: 16}             # random token batches, different on every rank and step
     optim: {lr: 1.0e-3}             # AdamW
     micro_batch_size: 2             # per rank
@@ -24,6 +27,10 @@ in one :class:`~fsdp_bridge.errors.ConfigError`.
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import importlib
+import os
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,9 +56,17 @@ class CompareJob:
     """A comparison: the model, data and optimizer of a short run, and which runs to make."""
 
     family: str = "llama"
-    """A tiny model family of :mod:`fsdp_bridge.testing.models` (``model.family``, or ``model.config.model_type``)."""
+    """A tiny model family of :mod:`fsdp_bridge.testing.models` (``model.family``), or any transformers
+    ``model_type`` (``model.config.model_type``) built from ``model.config`` as given."""
     model_config: dict[str, Any] = field(default_factory=dict)
-    """transformers config values overriding the tiny sizes (``model.config``)."""
+    """transformers config values: over the tiny sizes for a tiny family, the whole config otherwise."""
+    model_path: str | None = None
+    """A Hugging Face model directory (``model.path``): its config and weights; overrides ``family``."""
+    builder: str | None = None
+    """``module:function`` returning the model (``model.builder``), called with the seed set."""
+    batch_fn: str | None = None
+    """``module:function(batch, seq_len, seed) -> dict`` making one step's inputs (``model.batch``);
+    default: random tokens with labels for the model's head (causal, masked or seq2seq LM)."""
     seq_len: int = 16
     """Tokens per sequence (``data.seq_len``)."""
     micro_batch_size: int = 2
@@ -114,12 +129,37 @@ class CompareJob:
 
     def build_model(self) -> nn.Module:
         """The model of every run (the same seed gives the same weights)."""
-        return build_tiny(self.family, seed=self.seed, **self.model_config)
+        if self.builder is not None:
+            torch.manual_seed(self.seed)
+            model = _import(self.builder, "model.builder")()
+            if not isinstance(model, nn.Module):
+                raise ConfigError([Problem("model.builder", self.builder, "a function returning an nn.Module",
+                                           f"it returned a {type(model).__name__}")])
+            return model
+        if self.model_path is None and self.family in FAMILIES:
+            return build_tiny(self.family, seed=self.seed, **self.model_config)
+        return _build_hf(self.model_path, self.family, self.model_config, seed=self.seed)
+
+    def check_model(self) -> None:
+        """Everything about the model that can fail, checked before any process starts:
+        the builder and batch functions import, a config builds, the head is a language model."""
+        for spec, key in ((self.builder, "model.builder"), (self.batch_fn, "model.batch")):
+            if spec is not None:
+                _import(spec, key)
+        if self.builder is None and (self.model_path is not None or self.family not in FAMILIES):
+            _head_class(_hf_config(self.model_path, self.family, self.model_config))
 
     def batches(self, rank: int) -> list[dict[str, torch.Tensor]]:
         """Rank ``rank``'s batches, one per step (the same in every run)."""
         base = (self.seed + 42 + rank) * 100_003
-        return [sample_batch(self.family, batch=self.micro_batch_size, seq=self.seq_len, seed=base + step)
+        if self.batch_fn is not None:
+            fn = _import(self.batch_fn, "model.batch")
+            return [fn(self.micro_batch_size, self.seq_len, base + step) for step in range(self.max_steps)]
+        if self.builder is None and self.model_path is None and self.family in FAMILIES:
+            return [sample_batch(self.family, batch=self.micro_batch_size, seq=self.seq_len, seed=base + step)
+                    for step in range(self.max_steps)]
+        kind, vocab = _head_and_vocab(self)
+        return [_token_batch(kind, vocab, batch=self.micro_batch_size, seq=self.seq_len, seed=base + step)
                 for step in range(self.max_steps)]
 
     def optimizer(self, params: Any, lr: float) -> torch.optim.Optimizer:
@@ -147,17 +187,29 @@ class CompareJob:
         model = data.get("model", {})
         if isinstance(model, str):
             model = {"family": model}
+        model_keys = ["family", "config", "path", "builder", "batch"]
         if not isinstance(model, Mapping):
-            problems.append(Problem("model", model, f"a family name ({', '.join(FAMILIES)}) or {{family, config}}"))
+            problems.append(Problem("model", model, f"a family name ({', '.join(FAMILIES)}) or a mapping of "
+                                    f"{', '.join(model_keys)}"))
             model = {}
-        problems += [_unknown_key(f"model.{k}", v, ["family", "config"]) for k, v in model.items()
-                     if k not in ("family", "config")]
+        problems += [_unknown_key(f"model.{k}", v, model_keys) for k, v in model.items() if k not in model_keys]
+        problems += _model_problems(model)
         config = dict(model.get("config") or {})
         family = model.get("family", config.pop("model_type", "llama"))
-        if family not in FAMILIES:
-            problems.append(Problem("model.family", family, ", ".join(FAMILIES),
-                                    "compare builds tiny models offline; pick one of these families"))
+        if not isinstance(family, str):
+            problems.append(Problem("model.family", family, f"a tiny family ({', '.join(FAMILIES)}) or a "
+                                    "transformers model_type"))
+        elif "path" not in model and "builder" not in model and family not in FAMILIES:
+            from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+            if family not in CONFIG_MAPPING_NAMES:
+                close = difflib.get_close_matches(family, [*FAMILIES, *CONFIG_MAPPING_NAMES], n=3)
+                problems.append(Problem("model.family" if "family" in model else "model.config.model_type", family,
+                                        f"a tiny family ({', '.join(FAMILIES)}) or a transformers model_type",
+                                        f"did you mean {', '.join(map(repr, close))}?" if close
+                                        else "or give model.path (a Hugging Face directory) or model.builder"))
         kw["family"], kw["model_config"] = family, config
+        kw["model_path"], kw["builder"], kw["batch_fn"] = model.get("path"), model.get("builder"), model.get("batch")
 
         section = _section(data, "data", ["seq_len"], problems)
         kw.update(_ints(section, {"seq_len": "data.seq_len"}, problems))
@@ -214,6 +266,7 @@ class CompareJob:
             raise ConfigError(problems, source=source)
         job = cls(**kw)
         try:
+            job.check_model()
             job.run_specs()  # validates the bridge section of every run now, before any process starts
         except ConfigError as err:
             raise ConfigError(err.problems, source=source) from None
@@ -222,6 +275,115 @@ class CompareJob:
                                        "at least two runs to compare",
                                        "list both backends, or set reference: true (--reference)")], source=source)
         return job
+
+
+def _model_problems(model: Mapping[str, Any]) -> list[Problem]:
+    problems: list[Problem] = []
+    sources = [k for k in ("path", "builder") if k in model]
+    if len(sources) > 1 or (sources and "family" in model):
+        problems.append(Problem("model", dict(model), "one of model.family (+ config), model.path, model.builder",
+                                "keep the one that names your model"))
+    path = model.get("path")
+    if path is not None and not (isinstance(path, str) and (Path(path) / "config.json").is_file()):
+        problems.append(Problem("model.path", path, "a Hugging Face model directory with a config.json",
+                                "save it with model.save_pretrained(DIR)"))
+    for key in ("builder", "batch"):
+        spec = model.get(key)
+        if spec is not None and not (isinstance(spec, str) and _is_import_spec(spec)):
+            problems.append(Problem(f"model.{key}", spec, "module:function (an importable module and a function in it)",
+                                    "e.g. my_pkg.models:build"))
+    if "batch" in model and "builder" not in model and "path" not in model:
+        problems.append(Problem("model.batch", model["batch"], "only with model.builder or model.path",
+                                "tiny families and model types make their own batches"))
+    if "config" in model and not isinstance(model.get("config") or {}, Mapping):
+        problems.append(Problem("model.config", model["config"], "a mapping of transformers config values"))
+    return problems
+
+
+def _is_import_spec(spec: str) -> bool:
+    module, sep, name = spec.partition(":")
+    return bool(sep) and all(part.isidentifier() for part in module.split(".")) and name.isidentifier()
+
+
+def _import(spec: str, key: str) -> Any:
+    """The function named by ``module:function`` (the user's own code, imported as asked)."""
+    module_name, _, name = spec.partition(":")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())  # like `python -m`: the user's package from where they run
+    try:
+        fn = getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError) as err:
+        raise ConfigError([Problem(key, spec, "module:function, importable from the working directory or "
+                                   "PYTHONPATH", str(err))]) from None
+    if not callable(fn):
+        raise ConfigError([Problem(key, spec, "a function", f"{name} is a {type(fn).__name__}")])
+    return fn
+
+
+def _hf_config(path: str | None, model_type: str, values: Mapping[str, Any]) -> Any:
+    from transformers import AutoConfig
+
+    if path is not None:
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+    else:
+        try:
+            config = AutoConfig.for_model(model_type, **values)
+        except Exception as err:
+            reason = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
+            raise ConfigError([Problem("model.config", dict(values, model_type=model_type),
+                                       f"a valid transformers {model_type} config", reason)]) from None
+    config._attn_implementation = "eager"  # deterministic, the same kernels on every backend
+    return config
+
+
+def _head_class(config: Any) -> Any:
+    import transformers as tf
+
+    for auto in (tf.AutoModelForCausalLM, tf.AutoModelForSeq2SeqLM, tf.AutoModelForMaskedLM):
+        if type(config) in auto._model_mapping:
+            return auto
+    raise ConfigError([Problem("model", getattr(config, "model_type", "?"),
+                               "a causal, masked or seq2seq language model (compare trains it on token batches)",
+                               "use model.builder and model.batch for other models")])
+
+
+def _build_hf(path: str | None, model_type: str, values: Mapping[str, Any], *, seed: int) -> nn.Module:
+    config = _hf_config(path, model_type, values)
+    auto = _head_class(config)
+    torch.manual_seed(seed)
+    if path is not None:
+        return auto.from_pretrained(path, config=config)
+    return auto.from_config(config)
+
+
+def _head_and_vocab(job: CompareJob) -> tuple[str, int]:
+    import transformers as tf
+
+    if job.builder is not None:
+        config = getattr(job.build_model(), "config", None)
+        if config is None or not isinstance(getattr(config, "vocab_size", None), int):
+            raise ConfigError([Problem("model.batch", None, "module:function making one step's inputs",
+                                       "the builder's model has no Hugging Face config to make token batches from")])
+    else:
+        config = _hf_config(job.model_path, job.family, job.model_config)
+    auto = _head_class(config)
+    kind = {tf.AutoModelForSeq2SeqLM: "seq2seq", tf.AutoModelForMaskedLM: "masked"}.get(auto, "causal")
+    return kind, int(config.vocab_size)
+
+
+def _token_batch(kind: str, vocab: int, *, batch: int, seq: int, seed: int) -> dict[str, torch.Tensor]:
+    """Random token inputs with labels for a causal, masked or seq2seq language model."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(4, vocab, (batch, seq), generator=g)
+    if kind == "seq2seq":
+        return {"input_ids": ids, "labels": torch.randint(4, vocab, (batch, max(1, seq // 2)), generator=g)}
+    if kind == "masked":
+        labels = torch.full_like(ids, -100)
+        mask = torch.rand(ids.shape, generator=g) < 0.3
+        mask[:, 0] = True
+        labels[mask] = ids[mask]
+        return {"input_ids": ids.masked_fill(mask, 3), "labels": labels}
+    return {"input_ids": ids, "labels": ids.clone()}
 
 
 def _section(data: Mapping[str, Any], key: str, valid: list[str], problems: list[Problem]) -> Mapping[str, Any]:
