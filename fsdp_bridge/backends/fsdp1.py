@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
@@ -41,6 +42,21 @@ _PREFETCH = {
     BackwardPrefetch.POST: TorchBackwardPrefetch.BACKWARD_POST,
     BackwardPrefetch.NONE: None,
 }
+
+
+def _enable_generate(wrapped: FullyShardedDataParallel, model: nn.Module) -> None:
+    """Make ``wrapped.generate(...)`` work: it reaches the inner model's ``generate``, which
+    calls the inner forward, so the root's own flat parameter (embeddings, final norm, head)
+    would stay sharded. Gather only the root's parameters for the call; the wrapped units
+    gather themselves in their forward as in training."""
+    inner: Callable[..., Any] = getattr(model, "generate")  # noqa: B009 (nn.Module types attributes as Tensor)
+
+    @functools.wraps(inner)
+    def generate(*args: Any, **kwargs: Any) -> Any:
+        with FullyShardedDataParallel.summon_full_params(wrapped, recurse=False, writeback=False):
+            return inner(*args, **kwargs)
+
+    wrapped.__dict__["generate"] = generate
 
 
 def cast_floating(obj: Any, dtype: torch.dtype) -> Any:
@@ -153,6 +169,8 @@ class FSDP1Backend:
         if mp.output_dtype is not None:
             out_dtype = mp.output_dtype
             wrapped.register_forward_hook(lambda _m, _i, out: cast_floating(out, out_dtype))
+        if callable(getattr(model, "generate", None)):
+            _enable_generate(wrapped, model)
         return wrapped
 
     def no_sync(self, model: nn.Module) -> AbstractContextManager[None]:

@@ -10,7 +10,14 @@ from contextlib import AbstractContextManager, contextmanager
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+    register_fsdp_forward_method,
+)
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from fsdp_bridge.backends._common import broadcast_from_rank0, rank0_full_state
@@ -89,6 +96,11 @@ class FSDP2Backend:
             model.to_empty(device=plan.device)
         if config.sync_module_states:
             broadcast_from_rank0(model, full_state, plan.device)
+        if callable(getattr(model, "generate", None)):
+            # generate() calls the inner model's forward, not the root's: without this the
+            # root's parameters (embeddings, final norm, head) stay sharded DTensors and the
+            # first op mixes them with plain tensors. The hook unshards them for the call.
+            register_fsdp_forward_method(model, "generate")
         return model
 
     def no_sync(self, model: nn.Module) -> AbstractContextManager[None]:

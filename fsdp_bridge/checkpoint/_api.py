@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from fsdp_bridge import hf
 from fsdp_bridge._version import __version__
-from fsdp_bridge.checkpoint import _hf
+from fsdp_bridge.checkpoint import _hf, _peft
 from fsdp_bridge.checkpoint._atomic import partial_path, publish, rotate_checkpoints, write_json_durably
 from fsdp_bridge.checkpoint._formats import (
     DCP_DIR,
@@ -57,7 +57,7 @@ from fsdp_bridge.checkpoint._state import restore_rng as _restore_rng_states
 __all__ = ["load_checkpoint", "load_pretrained", "save_checkpoint"]
 
 logger = logging.getLogger("fsdp_bridge")
-SaveKind = Literal["sharded", "full"]
+SaveKind = Literal["sharded", "full", "adapter", "merged"]
 
 
 # --------------------------------------------------------------------------------------
@@ -227,6 +227,9 @@ def save_checkpoint(
     ``kind="full"``: a Hugging Face model directory (``config.json`` + safetensors,
     split with an index above ``max_shard_size``) that ``from_pretrained`` loads, with the
     full optimizer state beside it when ``optimizer`` is given.
+    ``kind="adapter"`` (a PEFT model): the adapter directory ``PeftModel.from_pretrained``
+    loads; ``kind="merged"``: the base model with the adapters merged, as a Hugging Face
+    directory. These two are exports: no optimizer, state or RNG.
 
     Both kinds also keep ``state`` (a JSON-serialisable dict: step, scheduler state,
     data position, ...), every rank's RNG states and the bridge config, and are written
@@ -234,9 +237,13 @@ def save_checkpoint(
     finished.  ``keep_last=K`` then deletes all but the K newest checkpoints beside it.
     Returns ``path``.
     """
+    if kind == "adapter" or kind == "merged":
+        return _peft.save_peft(path, model, kind, full_state_dict=full_state_options(model),
+                               max_shard_size=max_shard_size)
     if kind not in ("sharded", "full"):
-        raise ValueError(f"kind must be 'sharded' or 'full' (got {kind!r}); "
-                         "'sharded' for resuming, 'full' for a Hugging Face directory")
+        raise ValueError(f"kind must be 'sharded', 'full', 'adapter' or 'merged' (got {kind!r}); "
+                         "'sharded' for resuming, 'full' for a Hugging Face directory, 'adapter'/'merged' "
+                         "for a PEFT model's adapters or its base with them merged")
     path = _check_save_args(path, keep_last, state)
     rank, world = _rank_world()
     staging = _fresh_staging(path, rank)

@@ -1,0 +1,144 @@
+"""PEFT (LoRA) exports of a sharded model: an adapter directory, or the base with adapters merged.
+
+``kind="adapter"`` writes what ``peft.PeftModel.from_pretrained(base, path)`` loads
+(``adapter_config.json`` + ``adapter_model.safetensors``); ``kind="merged"`` writes a plain
+Hugging Face directory of the base model with the adapters merged into its weights, which
+``from_pretrained`` loads without peft.  Both gather the full state once (every rank takes
+part), and rank 0 writes into a hidden staging directory published by one rename.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+from fsdp_bridge.checkpoint._formats import CheckpointError
+
+__all__ = ["PEFT_KINDS", "find_peft_model", "save_peft"]
+
+PEFT_KINDS = ("adapter", "merged")
+PeftKind = Literal["adapter", "merged"]
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+
+
+def find_peft_model(model: nn.Module) -> Any | None:
+    """The ``peft.PeftModel`` inside ``model`` (the model itself, or under a wrapper), if any."""
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return None
+    return next((m for m in model.modules() if isinstance(m, PeftModel)), None)
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _check_destination(path: Path) -> None:
+    """Only an earlier export of the same kind may be replaced: never a user's directory."""
+    if not path.exists():
+        return
+    ours = (path / "adapter_config.json").is_file() or (path / "config.json").is_file()
+    if not path.is_dir() or not ours:
+        raise CheckpointError(path, "exists and is not an adapter or Hugging Face model directory; refusing to "
+                                    "replace it (choose a new path or remove it yourself)")
+
+
+def save_peft(path: str | os.PathLike[str], model: nn.Module, kind: PeftKind, *,
+              full_state_dict: Any, max_shard_size: int | str) -> Path:
+    """Write ``model``'s adapters (or the merged model) to ``path``; call on every rank.
+
+    ``full_state_dict`` are the options of a gathered state dict for ``model``'s backend.
+    """
+    peft_model = find_peft_model(model)
+    if peft_model is None:
+        raise CheckpointError(path, f"kind={kind!r} needs a PEFT model (peft.get_peft_model(base, LoraConfig(...)) "
+                                    "before fsdp_bridge.shard); this model has no adapters: use kind='full'")
+    target = Path(path)
+    _check_destination(target)
+    state = get_model_state_dict(model, options=full_state_dict)  # collective: every rank
+    if _rank() == 0:
+        staging = target.with_name(f".{target.name}.partial")
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        tensors = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+        if kind == "adapter":
+            _write_adapter(peft_model, tensors, staging)
+        else:
+            _write_merged(peft_model, tensors, staging, max_shard_size=max_shard_size)
+        old = target.with_name(f".{target.name}.old")
+        if target.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            target.rename(old)
+        staging.rename(target)
+        shutil.rmtree(old, ignore_errors=True)
+    del state
+    if dist.is_initialized():
+        dist.barrier()
+    return target
+
+
+def _write_adapter(peft_model: Any, state: dict[str, torch.Tensor], directory: Path) -> None:
+    _rebuild(peft_model, state, directory).save_pretrained(str(directory), safe_serialization=True)
+    missing = [name for name in ADAPTER_FILES if not (directory / name).is_file()]
+    if missing:
+        raise CheckpointError(directory, f"peft wrote no {', '.join(missing)}")
+
+
+def _write_merged(peft_model: Any, state: dict[str, torch.Tensor], directory: Path, *,
+                  max_shard_size: int | str) -> None:
+    merged = _rebuild(peft_model, state, directory).merge_and_unload()
+    merged.save_pretrained(str(directory), safe_serialization=True, max_shard_size=max_shard_size)
+
+
+def _rebuild(peft_model: Any, state: dict[str, torch.Tensor], directory: Path) -> Any:
+    """A plain PEFT model (no FSDP wrappers) holding the gathered weights, on the CPU.
+
+    PEFT finds adapter weights by walking module names, which FSDP1's wrappers change;
+    a fresh model built on the meta device and given the gathered tensors (no copy) is
+    exactly what a plain PEFT user would save.
+    """
+    from peft import get_peft_model
+
+    base = peft_model.get_base_model()
+    with torch.device("meta"):
+        fresh_base = type(base)(base.config)
+    names = list(peft_model.peft_config)
+    fresh = get_peft_model(fresh_base, peft_model.peft_config[names[0]], adapter_name=names[0])
+    for name in names[1:]:
+        fresh.add_adapter(name, peft_model.peft_config[name])
+    missing, unexpected = fresh.load_state_dict(state, strict=False, assign=True)
+    missing = [k for k in missing if not _is_nonpersistent_buffer(fresh, k)]
+    if missing or unexpected:
+        raise CheckpointError(directory, f"the gathered weights do not fit the PEFT model: missing {missing[:5]}, "
+                                         f"unexpected {unexpected[:5]}")
+    _materialize_buffers(fresh, base)
+    fresh.tie_weights()  # tied embeddings share one tensor again after assign=True
+    return fresh
+
+
+def _is_nonpersistent_buffer(model: nn.Module, key: str) -> bool:
+    module_name, _, buffer_name = key.rpartition(".")
+    module = model.get_submodule(module_name) if module_name else model
+    return buffer_name in getattr(module, "_non_persistent_buffers_set", set())
+
+
+def _materialize_buffers(fresh: nn.Module, original: nn.Module) -> None:
+    """Copy non-persistent buffers (e.g. rotary inverse frequencies) from the original model."""
+    originals = dict(original.named_buffers())
+    base: nn.Module = fresh.get_base_model()  # type: ignore[operator]
+    for name, buf in list(base.named_buffers()):
+        if buf.is_meta:
+            module_name, _, buffer_name = name.rpartition(".")
+            module = base.get_submodule(module_name) if module_name else base
+            source = originals.get(name)
+            value = source.detach().to("cpu").clone() if source is not None and not source.is_meta else \
+                torch.zeros(buf.shape, dtype=buf.dtype)
+            module._buffers[buffer_name] = value
