@@ -146,3 +146,51 @@ def test_plain_python_loop_example_trains_identically_on_both_backends() -> None
     fsdp1, fsdp2 = run_distributed(_plain_loop, 2, args=(str(path),), timeout_s=240)[0]
     assert fsdp1 == pytest.approx(fsdp2, rel=1e-5, abs=1e-6)
     assert fsdp1[-1] < fsdp1[0] - 0.5
+
+
+def test_sigterm_saves_at_the_next_step_and_names_the_resume_command(tmp_path: Path) -> None:
+    import signal
+    import time
+
+    out = tmp_path / "run"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "fsdp_bridge", "train", f"output_dir={out}", "max_steps=500", "-q", *TINY]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and proc.poll() is None:
+        if (out / "metrics.jsonl").exists() and len(_metrics(out)) >= 2:
+            break
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)  # what a scheduler sends to preempt a job
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, stderr[-3000:]
+    assert "Traceback" not in stderr and "SignalException" not in stderr, stderr[-3000:]
+    stopped = json.loads((out / "stopped.json").read_text())
+    step = stopped["step"]
+    line = next(x for x in stderr.splitlines() if x.startswith("fsdp-bridge train: stopped by SIGTERM"))
+    assert f"at step {step} of 500" in line and f"step_{step:08d}" in line and line.endswith("--resume")
+    assert (out / "checkpoints" / f"step_{step:08d}" / "fsdp_bridge.json").is_file()
+    assert not (out / "summary.json").exists()
+    # The command it names resumes from that step (here to two more steps).
+    resumed = subprocess.run([*cmd, "--resume", f"max_steps={step + 2}"], capture_output=True, text=True,
+                             timeout=300, env=env, cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert [r["step"] for r in _metrics(out)] == list(range(1, step + 3))
+    assert json.loads((out / "summary.json").read_text())["steps"] == step + 2
+    assert not (out / "stopped.json").exists()
+
+
+def test_stop_requests_become_one_agreed_signal() -> None:
+    import signal
+
+    import torch
+
+    from fsdp_bridge.train._loop import _mean_and_stop, _StopRequests
+
+    with _StopRequests() as stops:
+        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C: recorded, no KeyboardInterrupt
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stops.received == signal.SIGINT
+    assert _mean_and_stop(torch.tensor(2.0), stops.received, 1) == (2.0, int(signal.SIGINT))
+    assert _mean_and_stop(torch.tensor(2.0), 0, 1) == (2.0, 0)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

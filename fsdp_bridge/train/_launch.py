@@ -17,6 +17,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shlex
+import signal
 import sys
 import tempfile
 import time
@@ -78,7 +80,7 @@ def run_rank(config_dict: dict[str, Any], verbosity: str, failure_dir: str | Non
     import torch.distributed as dist
 
     from fsdp_bridge.train._config import TrainConfig
-    from fsdp_bridge.train._loop import train
+    from fsdp_bridge.train._loop import RunStopped, train
 
     rank = int(os.environ.get("RANK", "0"))
     try:
@@ -93,6 +95,10 @@ def run_rank(config_dict: dict[str, Any], verbosity: str, failure_dir: str | Non
         if rank == 0:
             print(f"fsdp-bridge train: {err}", file=sys.stderr, flush=True)
         return CONFIG_ERROR_EXIT
+    except RunStopped as stop:
+        if failure_dir is None and rank == 0:  # launched by torchrun or srun: say it here
+            print(stopped_message(config_dict["output_dir"]), file=sys.stderr, flush=True)
+        return 128 + stop.signum
     except BaseException:
         if failure_dir is not None:
             _record_failure(Path(failure_dir), rank)
@@ -100,6 +106,20 @@ def run_rank(config_dict: dict[str, Any], verbosity: str, failure_dir: str | Non
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def stopped_message(output_dir: str) -> str:
+    """One line: where a signal stopped the run and the command that resumes it."""
+    from fsdp_bridge.train._loop import STOPPED
+
+    try:
+        info = json.loads((Path(output_dir) / STOPPED).read_text())
+    except (OSError, ValueError):
+        return "fsdp-bridge train: stopped by a signal before a checkpoint was written"
+    argv = [a for a in sys.argv[1:] if a != "--resume"]
+    command = shlex.join(["fsdp-bridge", *argv, "--resume"])
+    return (f"fsdp-bridge train: stopped by {info['signal']} at step {info['step']} of {info['max_steps']}; "
+            f"checkpoint {info['checkpoint']}. Resume with: {command}")
 
 
 def _record_failure(failure_dir: Path, rank: int) -> None:
@@ -133,6 +153,7 @@ def _elastic_entry(config_dict: dict[str, Any], verbosity: str, failure_dir: str
 
 def launch(config_dict: dict[str, Any], options: LaunchOptions, *, verbosity: str) -> int:
     """Start the ranks of this node with the elastic launcher; return the job's exit code."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -144,7 +165,7 @@ def launch(config_dict: dict[str, Any], options: LaunchOptions, *, verbosity: st
         raise ConfigError([Problem("--rdzv-id", None, "the same job id on every node when --nnodes > 1",
                                    "pass --rdzv-id $SLURM_JOB_ID (or any string shared by the nodes)")])
     if verbosity != "verbose":
-        logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
+        logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)  # its shutdown notices: -v
     # torchrun's default is 1 thread per rank; on CPU share the cores instead.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // options.nproc_per_node)))
     launch_config = LaunchConfig(
@@ -157,13 +178,25 @@ def launch(config_dict: dict[str, Any], options: LaunchOptions, *, verbosity: st
         max_restarts=0,
         start_method="spawn",
     )
+    from fsdp_bridge.train._loop import STOPPED
+
+    stopped = Path(config_dict["output_dir"]) / STOPPED
+    stopped.unlink(missing_ok=True)
     with tempfile.TemporaryDirectory(prefix="fsdp-bridge-failures-") as failure_dir:
         try:
             elastic_launch(launch_config, _elastic_entry)(config_dict, verbosity, failure_dir)
+        except SignalException as err:
+            # SIGTERM/SIGINT reached the launcher: torch's agent passes it on to the ranks,
+            # which stop together at the next step boundary and save (within its 30 s wait).
+            print(stopped_message(config_dict["output_dir"]), file=sys.stderr)
+            return 128 + int(err.sigval)
         except ChildFailedError as err:
             codes = {f.exitcode for f in err.failures.values()}
             if codes == {CONFIG_ERROR_EXIT}:
                 return CONFIG_ERROR_EXIT  # rank 0 printed the problems
+            if stopped.exists() and codes <= {128 + int(signal.SIGTERM), 128 + int(signal.SIGINT)}:
+                print(stopped_message(config_dict["output_dir"]), file=sys.stderr)  # ranks signalled directly
+                return max(codes)
             cause = _root_cause(Path(failure_dir))
             if cause is None:  # killed without a Python exception (e.g. a signal)
                 ranks = ", ".join(str(r) for r in sorted(err.failures))

@@ -17,6 +17,7 @@ import contextlib
 import json
 import logging
 import math
+import signal
 import time
 import warnings
 from dataclasses import asdict, dataclass
@@ -38,7 +39,7 @@ from fsdp_bridge.train._data import PackedData, read_documents
 from fsdp_bridge.train._progress import Progress
 from fsdp_bridge.train._tokenizer import load_tokenizer
 
-__all__ = ["TrainResult", "Verbosity", "lr_at", "train"]
+__all__ = ["STOPPED", "RunStopped", "TrainResult", "Verbosity", "lr_at", "train"]
 
 Verbosity = Literal["quiet", "normal", "verbose"]
 logger = logging.getLogger("fsdp_bridge.train")
@@ -46,6 +47,16 @@ logger = logging.getLogger("fsdp_bridge.train")
 METRICS = "metrics.jsonl"
 SUMMARY = "summary.json"
 CONFIG = "train_config.yaml"
+STOPPED = "stopped.json"
+"""Written by rank 0 when a signal stopped the run: the step, the checkpoint and the signal."""
+
+
+class RunStopped(Exception):
+    """A signal stopped the run at a step boundary, after every rank saved its checkpoint."""
+
+    def __init__(self, signum: int, step: int, checkpoint: str | None) -> None:
+        super().__init__(f"stopped by {signal.Signals(signum).name} at step {step}; checkpoint {checkpoint}")
+        self.signum, self.step, self.checkpoint = signum, step, checkpoint
 
 
 @dataclass
@@ -187,6 +198,50 @@ def _all_mean(value: torch.Tensor, world: int) -> float:
     return float(value.item()) / world
 
 
+class _StopRequests:
+    """SIGTERM (preemption) and SIGINT (Ctrl-C) ask the run to stop at the next step boundary.
+
+    The handler only records the signal; ranks agree on stopping with the step's loss
+    all-reduce, so every rank stops after the same step, saves one checkpoint together
+    and exits, instead of dying mid-collective with a traceback.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self) -> None:
+        self.received: int = 0
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> _StopRequests:
+        import threading
+
+        if threading.current_thread() is threading.main_thread():  # signals reach the main thread only
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, _frame: Any) -> None:
+        self.received = self.received or signum
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def _mean_and_stop(loss: torch.Tensor, stop: int, world: int) -> tuple[float, int]:
+    """The mean loss over ranks, and the signal some rank received (0: none), in one all-reduce.
+
+    Counts per signal rather than signal numbers, so a sum still names the signal: SIGINT
+    (a person at the terminal) wins over SIGTERM.
+    """
+    values = torch.tensor([float(loss), float(stop == signal.SIGTERM), float(stop == signal.SIGINT)],
+                          dtype=torch.float64)
+    if world > 1:
+        dist.all_reduce(values)
+    signum = int(signal.SIGINT) if values[2] > 0 else int(signal.SIGTERM) if values[1] > 0 else 0
+    return float(values[0]) / world, signum
+
+
 @torch.no_grad()
 def evaluate(model: nn.Module, data: PackedData, config: TrainConfig, device: torch.device) -> float | None:
     """Mean loss over the held-out sequences of all ranks."""
@@ -258,8 +313,11 @@ def train(config: TrainConfig, *, verbosity: Verbosity = "normal") -> TrainResul
 
     eval_loss: float | None = None
     final_loss: float | None = None
+    stopped_by = 0
     mbs, accum = config.micro_batch_size, config.grad_accum
+    stops = _StopRequests()
     try:
+        stops.__enter__()
         while step < config.max_steps:
             t0 = time.perf_counter()
             lr = lr_at(config, step)
@@ -281,7 +339,7 @@ def train(config: TrainConfig, *, verbosity: Verbosity = "normal") -> TrainResul
             optimizer.zero_grad(set_to_none=True)
             step += 1
             tokens += global_tokens_per_step
-            final_loss = _all_mean(loss_sum / accum, world)
+            final_loss, stopped_by = _mean_and_stop(loss_sum / accum, stops.received, world)
             step_time = time.perf_counter() - t0
             record: dict[str, Any] = {
                 "step": step, "loss": final_loss, "lr": lr,
@@ -297,7 +355,7 @@ def train(config: TrainConfig, *, verbosity: Verbosity = "normal") -> TrainResul
                     best_eval = min(best_eval, eval_loss)
             progress.step(record)
             interval = config.checkpoint.interval
-            if (interval and step % interval == 0) or (last and config.checkpoint.at_end):
+            if (interval and step % interval == 0) or (last and config.checkpoint.at_end) or stopped_by:
                 state = {"step": step, "data_position": position, "tokens": tokens,
                          "best_eval_loss": None if math.isinf(best_eval) else best_eval}
                 maybe_fail(f"checkpoint:{step}")
@@ -306,8 +364,21 @@ def train(config: TrainConfig, *, verbosity: Verbosity = "normal") -> TrainResul
                                             keep_last=config.checkpoint.keep_last)
                 last_ckpt = str(path)
                 progress.note(f"step {step}: checkpoint written to {path}", verbose_only=True)
+            if stopped_by and not last:
+                break
     finally:
+        stops.__exit__()
         progress.close()
+
+    if stopped_by and step < config.max_steps:
+        # Preempted or interrupted: the checkpoint of this step is written; the launcher
+        # reads this file to say where the run stopped and how to resume it.
+        if rank == 0:
+            (out / STOPPED).write_text(json.dumps({"step": step, "max_steps": config.max_steps,
+                                                   "checkpoint": last_ckpt,
+                                                   "signal": signal.Signals(stopped_by).name}))
+        dist.barrier()
+        raise RunStopped(stopped_by, step, last_ckpt)
 
     if config.checkpoint.export_hf:
         export_hf(sharded, model, tokenizer, out)
@@ -317,6 +388,7 @@ def train(config: TrainConfig, *, verbosity: Verbosity = "normal") -> TrainResul
         checkpoint=last_ckpt, output_dir=str(out), resumed_from=str(resume_from) if resume_from else None,
     )
     if rank == 0:
+        (out / STOPPED).unlink(missing_ok=True)  # an earlier stop of this run is resumed and done
         (out / SUMMARY).write_text(json.dumps(asdict(result), indent=1))
         progress.summary(result, exported=config.checkpoint.export_hf)
     return result
