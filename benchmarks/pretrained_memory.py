@@ -16,6 +16,7 @@ its parent's peak from before ``exec``.)  Linux only.
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
 from pathlib import Path
 
@@ -42,9 +43,12 @@ def _peak_mib() -> float:
 def _run(method: str, path: str, chunk_numel: int | None) -> dict[str, float]:
     import torch  # noqa: F401  (imports count towards the baseline, not the load)
     from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
     import fsdp_bridge
     import fsdp_bridge.checkpoint._api as ckpt_api
+
+    hf_logging.disable_progress_bar()  # "Loading weights" bars would interleave with the figures
 
     if chunk_numel:  # rank 0 reads and broadcasts this many elements per round
         ckpt_api._CHUNK_NUMEL = chunk_numel
@@ -70,6 +74,7 @@ def main() -> None:
     parser.add_argument("--chunk-numel", type=int, default=None,
                         help="elements per broadcast round of the meta path (default: the library's, 256Mi)")
     args = parser.parse_args()
+    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
 
     from transformers import AutoModelForCausalLM, LlamaConfig
 

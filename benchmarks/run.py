@@ -1,7 +1,7 @@
 """fsdp_bridge benchmark suite: bridge vs hand-written PyTorch, FSDP1 vs FSDP2, checkpoints, loading.
 
     python benchmarks/run.py                 # full CPU suite: world sizes 1/2/4, two model sizes
-    python benchmarks/run.py --quick         # a couple of minutes: world size 2, small model
+    python benchmarks/run.py --quick         # a couple of minutes: world size 2, small model (prints only)
     python benchmarks/run.py --plot docs/performance.png --out benchmarks/results.json
 
 Every figure is a median over ``--repeats`` repeats; the runs being compared are
@@ -403,9 +403,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=None, help="repeats per configuration (default 3; quick: 2)")
     ap.add_argument("--steps", type=int, default=None, help="timed steps per repeat (default 5; quick: 3)")
     ap.add_argument("--skip", default="", help="parts to skip: training, checkpoint, loading")
-    ap.add_argument("--out", default="benchmarks/results.json")
+    ap.add_argument("--out", default=None,
+                    help="results JSON (default: benchmarks/results.json for a full run; --quick writes no file "
+                         "unless given one)")
     ap.add_argument("--plot", default=None, help="write a PNG of step time and memory per strategy")
     args = ap.parse_args(argv)
+    if args.out is None and not args.quick:
+        args.out = "benchmarks/results.json"
+    _quiet_transformers()
     worlds = [int(w) for w in (args.world_sizes or ("2" if args.quick else "1,2,4")).split(",")]
     sizes = (args.sizes or ("small" if args.quick else "small,medium")).split(",")
     repeats = args.repeats or (2 if args.quick else 3)
@@ -433,8 +438,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"world {world}: {len(cases)} configurations x 2 ways x {repeats} repeats "
                   f"in {time.time() - t0:.0f} s", flush=True)
             result["training"], result["training_raw"] = rows, raw_all  # partial results survive a kill
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.out).write_text(json.dumps(result, indent=1, default=str))
+            _write(args.out, result)
         result["training"] = rows
         result["training_raw"] = raw_all
         print("\nbridge vs plain PyTorch (b/p = bridge/plain, medians)\n" + training_table(rows))
@@ -485,10 +489,25 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {way:<5} " + " ".join(f"rank{r}={v / 2**20:.1f}" for r, v in enumerate(vals)))
         print(f"  target for non-zero ranks (meta path): <= {bound / 2**20:.2f} MiB")
 
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1, default=str))
-    print(f"\nresults: {args.out}")
+    if _write(args.out, result):
+        print(f"\nresults: {args.out}")
     return 0
+
+
+def _quiet_transformers() -> None:
+    """No transformers / hub progress bars in benchmark output (ranks inherit it through the env)."""
+    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
+def _write(path: str | None, result: dict[str, Any]) -> bool:
+    if path is None:
+        return False
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(result, indent=1, default=str))
+    return True
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import shutil
 import subprocess
 import sys
@@ -33,3 +34,17 @@ def test_mypy_clean() -> None:
 def test_generated_doc_blocks_are_current() -> None:
     out = run(sys.executable, "-m", "fsdp_bridge.docgen", "--check")
     assert out.returncode == 0, out.stderr
+
+
+def test_help_is_plain_text_and_every_subcommand_describes_itself(capsys) -> None:
+    from fsdp_bridge.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    parsers = dict(sub.choices)
+    migrate_sub = next(a for a in parsers["migrate"]._actions if isinstance(a, argparse._SubParsersAction))
+    parsers.update({f"migrate {k}": v for k, v in migrate_sub.choices.items()})
+    for name, p in parsers.items():
+        text = p.format_help()
+        assert "``" not in text, name
+        assert p.description, f"{name} --help has no description"

@@ -29,7 +29,22 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in _COMMANDS:
         importlib.import_module(f"fsdp_bridge.cli.{name}").register(sub)
+    _plain_help(parser)
     return parser
+
+
+def _plain_help(parser: argparse.ArgumentParser) -> None:
+    """Help for a terminal: module docstrings are reST (``code``); print code without the
+    backticks, and give a subcommand with no description its one-line help."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            helps = {a.dest: a.help for a in action._choices_actions}
+            for name, child in action.choices.items():
+                if not child.description and helps.get(name):
+                    child.description = helps[name]
+                _plain_help(child)
+    if parser.description:
+        parser.description = parser.description.replace("``", "`")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -177,8 +177,9 @@ def _resolve_resume(config: TrainConfig, root: Path) -> Path | None:
 def _configure_output(rank: int, verbosity: Verbosity) -> None:
     import transformers
 
-    if verbosity != "verbose":
-        transformers.utils.logging.disable_progress_bar()
+    # transformers' own bars ("Loading weights", "Writing model shards") would interleave with
+    # the run's progress bar and metrics, at every verbosity.
+    transformers.utils.logging.disable_progress_bar()
     if rank != 0 or verbosity == "quiet":
         transformers.logging.set_verbosity_error()
         logging.getLogger("fsdp_bridge").setLevel(logging.WARNING)
