@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import logging
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -64,6 +65,8 @@ def dtype_name(dtype: torch.dtype | None) -> str | None:
 # ----------------------------------------------------------------------------------
 # Mixed precision
 # ----------------------------------------------------------------------------------
+
+logger = logging.getLogger("fsdp_bridge")
 
 _MP_PRESETS: dict[str, dict[str, torch.dtype | None]] = {
     # Full precision: no mixed precision at all.
@@ -435,6 +438,41 @@ class BridgeConfig:
     def replace(self, **changes: Any) -> BridgeConfig:
         """A copy with some fields changed (validated like a new config)."""
         return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_fsdp1(cls, *, backend: Backend | str = Backend.FSDP2, **fsdp1_kwargs: Any) -> BridgeConfig:
+        """The config meaning what FSDP1's constructor arguments mean, for ``backend``.
+
+        Takes ``FullyShardedDataParallel``'s keyword arguments with FSDP1's own run-time
+        objects as values (a torch ``ShardingStrategy`` member, ``MixedPrecision``,
+        ``CPUOffload``, ``BackwardPrefetch``, any auto-wrap policy: ``functools.partial`` of
+        ``transformer_auto_wrap_policy`` / ``size_based_auto_wrap_policy`` /
+        ``lambda_auto_wrap_policy``, ``ModuleWrapPolicy``, ``CustomPolicy``, ``_or_policy``
+        combinations or a policy function), so code that builds them in helper modules
+        keeps doing so::
+
+            model = fsdp_bridge.shard(model, fsdp_bridge.BridgeConfig.from_fsdp1(
+                sharding_strategy=cfg.sharding_strategy, auto_wrap_policy=my_policy,
+                mixed_precision=mp_policy, device_id=torch.cuda.current_device()), mesh=device_mesh)
+
+        Args:
+            backend: the backend to run on (FSDP2 by default: this is the migration path).
+            **fsdp1_kwargs: FSDP1 constructor arguments other than ``module`` and
+                ``device_mesh`` (pass the mesh to :func:`fsdp_bridge.shard`).
+
+        Returns:
+            A validated config; wrap policies keep FSDP1's semantics exactly.
+
+        Raises:
+            ConfigError: for arguments that have no meaning on ``backend`` (the same
+                errors as a YAML config), or that belong elsewhere, each with the fix.
+        """
+        from fsdp_bridge.backends.fsdp1_objects import translate_fsdp1_kwargs
+
+        values, notes = translate_fsdp1_kwargs(fsdp1_kwargs)
+        for note in notes:
+            logger.info("from_fsdp1: %s", note)
+        return cls(backend=backend, **values)  # type: ignore[arg-type]
 
 
 def read_yaml_file(path: str | os.PathLike[str], *, key: str = "path") -> Any:

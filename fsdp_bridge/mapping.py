@@ -593,8 +593,9 @@ def _show(value: object) -> str:
     if hasattr(value, "to_spelling"):
         try:
             return str(value.to_spelling())
-        except Exception:  # a callable wrap policy has no spelling
-            return "callable"
+        except Exception:  # a callable wrap policy has no YAML spelling: name it
+            fn = getattr(value, "fn", None)
+            return f"callable {getattr(fn, '__qualname__', type(fn).__name__)}"
     return str(value)
 
 

@@ -195,7 +195,14 @@ def resolve_wrap(model: nn.Module, policy: WrapPolicy, *, ignored: list[nn.Modul
     else:
         assert policy.fn is not None  # guaranteed by the config parser
         fn = policy.fn
-        units = [(n, m) for n, m in _post_order(model) if fn(m)]
+        resolve_units = getattr(fn, "resolve_units", None)
+        if callable(resolve_units):
+            # A policy that decides over the whole model (FSDP1's recursion, for a policy
+            # function given to BridgeConfig.from_fsdp1), not module by module.
+            chosen = {id(m) for m in resolve_units(model, ignored)}
+            units = [(n, m) for n, m in _post_order(model) if id(m) in chosen]
+        else:
+            units = [(n, m) for n, m in _post_order(model) if fn(m)]
         source = f"callable {getattr(fn, '__qualname__', repr(fn))}"
 
     def in_ignored(path: str) -> bool:

@@ -1,0 +1,183 @@
+"""BridgeConfig.from_fsdp1: FSDP1's own run-time objects translated with FSDP1's meaning."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, MixedPrecision
+from torch.distributed.fsdp import ShardingStrategy as TorchStrategy
+from torch.distributed.fsdp.wrap import (
+    CustomPolicy,
+    ModuleWrapPolicy,
+    _or_policy,
+    lambda_auto_wrap_policy,
+    size_based_auto_wrap_policy,
+    transformer_auto_wrap_policy,
+)
+
+import fsdp_bridge
+from fsdp_bridge import BridgeConfig, ConfigError
+from fsdp_bridge.backends.fsdp1_objects import describe_policy, fsdp1_policy_units
+from fsdp_bridge.testing.models import build_tiny, sample_batch
+from fsdp_bridge.wrap import resolve_wrap
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.Linear(16, 16)
+        self.mlp = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(torch.tanh(self.attn(x)))
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, 16)
+        self.blocks = nn.ModuleList(Block() for _ in range(3))
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def _unit_names(model: nn.Module, config: BridgeConfig) -> list[str]:
+    return [name for name, _ in resolve_wrap(model, config.wrap).units]
+
+
+def test_values_translate_with_fsdp1_meaning() -> None:
+    mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, buffer_dtype=torch.bfloat16)
+    config = BridgeConfig.from_fsdp1(
+        sharding_strategy=TorchStrategy.HYBRID_SHARD, mixed_precision=mp, cpu_offload=CPUOffload(offload_params=True),
+        backward_prefetch=BackwardPrefetch.BACKWARD_PRE, forward_prefetch=True, limit_all_gathers=False,
+        use_orig_params=True, sync_module_states=True, device_id=torch.device("cuda", 0),
+        auto_wrap_policy=functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block}),
+    )
+    assert config.strategy.value == "hybrid_shard" and config.backend.value == "fsdp2"
+    assert config.mixed_precision.param_dtype == torch.bfloat16 and config.mixed_precision.buffer_dtype == torch.bfloat16
+    assert config.mixed_precision.reduce_dtype == torch.float32 and config.mixed_precision.cast_forward_inputs
+    assert config.cpu_offload and config.forward_prefetch and not config.limit_all_gathers
+    assert config.sync_module_states and config.device == "cuda"
+    assert config.wrap.mode == "classes" and config.wrap.classes == ("Block",)
+    # FSDP1's defaults: no policy wraps only the root, None prefetch means none.
+    plain = BridgeConfig.from_fsdp1(backend="fsdp1", backward_prefetch=None)
+    assert plain.wrap.mode == "none" and plain.backward_prefetch.value == "none"
+    assert BridgeConfig.from_fsdp1(sharding_strategy=TorchStrategy.NO_SHARD).strategy.value == "no_shard"
+
+
+@pytest.mark.parametrize(
+    ("policy", "expected"),
+    [
+        (functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block}),
+         ["blocks.0", "blocks.1", "blocks.2"]),
+        (ModuleWrapPolicy({Block}), ["blocks.0", "blocks.1", "blocks.2"]),
+        (functools.partial(size_based_auto_wrap_policy, min_num_params=600), ["blocks.0.mlp", "blocks.1.mlp",
+                                                                             "blocks.2.mlp"]),
+        (functools.partial(lambda_auto_wrap_policy, lambda_fn=lambda m: isinstance(m, nn.Sequential)),
+         ["blocks.0.mlp", "blocks.1.mlp", "blocks.2.mlp"]),
+        (CustomPolicy(lambda m: isinstance(m, Block)), ["blocks.0", "blocks.1", "blocks.2"]),
+        (functools.partial(_or_policy, policies=[
+            functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block}),
+            functools.partial(lambda_auto_wrap_policy, lambda_fn=lambda m: m.__class__.__name__ == "Linear"
+                              and m.out_features == 4)]),
+         ["blocks.0", "blocks.1", "blocks.2", "head"]),
+    ],
+)
+def test_wrap_policies_choose_the_units_fsdp1_chooses(policy: Any, expected: list[str]) -> None:
+    model = Net()
+    config = BridgeConfig.from_fsdp1(auto_wrap_policy=policy)
+    assert _unit_names(model, config) == expected
+    # The recursion the bridge runs for policy functions is FSDP1's own: it agrees with every policy.
+    names = {id(m): n for n, m in model.named_modules()}
+    if callable(policy) and not isinstance(policy, CustomPolicy):
+        assert sorted(names[id(m)] for m in fsdp1_policy_units(model, policy)) == expected
+    assert describe_policy(policy).split("(")[0] in {
+        "transformer_auto_wrap_policy", "ModuleWrapPolicy", "size_based_auto_wrap_policy",
+        "lambda_auto_wrap_policy", "CustomPolicy", "_or_policy"}
+
+
+def test_the_report_names_the_policy() -> None:
+    policy = functools.partial(_or_policy, policies=[ModuleWrapPolicy({Block})])
+    report = fsdp_bridge.translate(BridgeConfig.from_fsdp1(auto_wrap_policy=policy), device_type="cpu")
+    wrap = next(e for e in report.to_dict()["entries"] if e["option"] == "wrap")  # type: ignore[union-attr]
+    assert wrap["value"] == "callable _or_policy(policies=[ModuleWrapPolicy({Block})])"
+
+
+def test_what_has_no_meaning_is_refused_with_the_fix() -> None:
+    with pytest.raises(ConfigError, match=r"device_mesh: .*passed to shard\(\).*mesh=device_mesh"):
+        BridgeConfig.from_fsdp1(device_mesh=object())
+    with pytest.raises(ConfigError, match=r"module: .*a FullyShardedDataParallel argument"):
+        BridgeConfig.from_fsdp1(module=nn.Linear(1, 1))
+    with pytest.raises(ConfigError, match=r"keep_low_precision_grads: got True"):
+        BridgeConfig.from_fsdp1(mixed_precision=MixedPrecision(param_dtype=torch.bfloat16,
+                                                               keep_low_precision_grads=True))
+    with pytest.raises(ConfigError, match=r"param_init_fn: .*sync_module_states=True"):
+        BridgeConfig.from_fsdp1(param_init_fn=lambda m: m.to_empty(device="cpu"))
+    with pytest.raises(ConfigError, match=r"ignored_modules: .*module names"):
+        BridgeConfig.from_fsdp1(ignored_modules=[nn.Linear(1, 1)])
+    # The same errors as the YAML path: BACKWARD_POST has no FSDP2 form.
+    with pytest.raises(ConfigError, match=r"backward_prefetch: got 'post'"):
+        BridgeConfig.from_fsdp1(backward_prefetch=BackwardPrefetch.BACKWARD_POST)
+    BridgeConfig.from_fsdp1(backend="fsdp1", backward_prefetch=BackwardPrefetch.BACKWARD_POST)
+    with pytest.raises(ConfigError, match=r"per-unit FSDP1 arguments"):
+        config = BridgeConfig.from_fsdp1(auto_wrap_policy=CustomPolicy(
+            lambda m: {"sharding_strategy": TorchStrategy.SHARD_GRAD_OP} if isinstance(m, Block) else False))
+        resolve_wrap(Net(), config.wrap)
+
+
+# -- the same kwargs through raw FSDP1 and through the bridge on FSDP2 (2 gloo ranks) ----------
+
+
+def _kwargs() -> dict[str, Any]:
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    return dict(
+        sharding_strategy=TorchStrategy.FULL_SHARD,
+        auto_wrap_policy=functools.partial(_or_policy, policies=[
+            functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={LlamaDecoderLayer}),
+            functools.partial(size_based_auto_wrap_policy, min_num_params=10_000)]),
+        mixed_precision=MixedPrecision(param_dtype=torch.float32, reduce_dtype=torch.float32),
+        backward_prefetch=BackwardPrefetch.BACKWARD_PRE, limit_all_gathers=True, use_orig_params=True,
+    )
+
+
+def _train(model: nn.Module, rank: int) -> list[float]:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(3):
+        loss = model(**sample_batch("llama", batch=2, seq=8, seed=(42 + rank) * 100 + step)).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _raw_vs_bridge() -> dict[str, Any]:
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    rank = dist.get_rank()
+    raw_model = build_tiny("llama", seed=0)
+    raw = FullyShardedDataParallel(raw_model, device_id=torch.device("cpu"), **_kwargs())
+    raw_units = sorted(n.replace("_fsdp_wrapped_module.", "") for n, m in raw.named_modules()
+                       if isinstance(m, FullyShardedDataParallel) and m is not raw)
+    raw_losses = _train(raw, rank)
+    bridged = fsdp_bridge.shard(build_tiny("llama", seed=0), BridgeConfig.from_fsdp1(**_kwargs()))
+    bridge_units = sorted(n for n, _ in fsdp_bridge.get_bridge(bridged).wrap.units)
+    return {"raw_units": raw_units, "bridge_units": bridge_units, "raw": raw_losses, "bridge": _train(bridged, rank)}
+
+
+def test_raw_fsdp1_and_the_bridge_on_fsdp2_wrap_and_train_alike(run_on_ranks) -> None:
+    for result in run_on_ranks(_raw_vs_bridge, 2):
+        assert result["bridge_units"] == result["raw_units"] and result["raw_units"], result
+        torch.testing.assert_close(result["bridge"], result["raw"], rtol=1.3e-6, atol=1e-5)
