@@ -37,7 +37,7 @@ __all__ = ["FSDP1_KWARGS", "describe_policy", "fsdp1_policy_units", "translate_f
 FSDP1_KWARGS = (
     "sharding_strategy", "auto_wrap_policy", "mixed_precision", "cpu_offload", "backward_prefetch",
     "forward_prefetch", "limit_all_gathers", "use_orig_params", "sync_module_states", "param_init_fn",
-    "device_id", "ignored_modules", "process_group",
+    "device_id", "ignored_modules", "ignored_states", "process_group",
 )
 """FullyShardedDataParallel's keyword arguments that :func:`translate_fsdp1_kwargs` reads."""
 
@@ -243,8 +243,10 @@ def translate_fsdp1_kwargs(kwargs: Mapping[str, Any]) -> tuple[dict[str, Any], l
                      "(sync_module_states)")
     if "device_id" in kwargs:
         out["device"] = _device_value(kwargs["device_id"], problems)
-    ignored = kwargs.get("ignored_modules")
-    if ignored:
+    ignored = kwargs.get("ignored_modules") or kwargs.get("ignored_states")
+    if ignored and all(isinstance(n, str) for n in ignored):
+        out["ignored_modules"] = tuple(ignored)  # already names (the codemod writes them so)
+    elif ignored:
         problems.append(Problem("ignored_modules", f"<{len(list(ignored))} module objects>",
                                 "module names: BridgeConfig(ignored_modules=['path.to.module', 'ClassName'])",
                                 "name the modules in the config; module objects are only known with the model"))

@@ -23,6 +23,9 @@ replacement.  Running it again changes nothing.
 from __future__ import annotations
 
 import difflib
+import os
+import shutil
+import textwrap
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,7 +40,7 @@ from libcst.metadata import MetadataWrapper, PositionProvider, QualifiedNameProv
 from fsdp_bridge.mapping import TABLE
 from fsdp_bridge.migrate._report import CodeFinding, CodeReport
 
-__all__ = ["MigratedSource", "migrate_paths", "migrate_source"]
+__all__ = ["MigratedSource", "MigrationWriteError", "migrate_paths", "migrate_source"]
 
 TODO = "TODO(fsdp-bridge)"
 FSDP = "FullyShardedDataParallel"
@@ -54,6 +57,8 @@ def _fsdp2(option: str) -> str:
 
 
 _NAMES: dict[str, str] = {
+    "_or_policy": "BridgeConfig.from_fsdp1(auto_wrap_policy=...) (FSDP1's recursion, exactly)",
+    "fsdp_modules": "[m for m in model.modules() if isinstance(m, FSDPModule)]",
     FSDP: "fsdp_bridge.shard(model, fsdp_bridge.BridgeConfig(...)) (FSDP2: fully_shard on each unit, then the root)",
     "transformer_auto_wrap_policy": "BridgeConfig(wrap=[LayerClass, ...])",
     "size_based_auto_wrap_policy": "BridgeConfig(wrap={'min_num_params': N})",
@@ -93,7 +98,21 @@ _NAMES: dict[str, str] = {
     "apply_activation_checkpointing": "BridgeConfig(activation_checkpointing=True) checkpoints every wrap unit; "
                                       "remove this call once the config has it",
 }
-_FSDP_METHODS = ("state_dict_type", "set_state_dict_type", "summon_full_params", "optim_state_dict",
+_KEPT: dict[str, str] = {
+    "MixedPrecision": "torch's FSDP1 mixed-precision dataclass",
+    "CPUOffload": "torch's FSDP1 offload dataclass",
+    "BackwardPrefetch": "torch's FSDP1 prefetch enum",
+    "ShardingStrategy": "torch's FSDP1 strategy enum",
+    "transformer_auto_wrap_policy": "torch's FSDP1 wrap policy",
+    "size_based_auto_wrap_policy": "torch's FSDP1 wrap policy",
+    "lambda_auto_wrap_policy": "torch's FSDP1 wrap policy",
+    "ModuleWrapPolicy": "torch's FSDP1 wrap policy",
+    "CustomPolicy": "torch's FSDP1 wrap policy",
+    "_or_policy": "torch's FSDP1 wrap-policy combinator",
+}
+"""FSDP1 objects that stay valid after migration: plain values BridgeConfig.from_fsdp1 translates."""
+
+_FSDP_METHODS = ("fsdp_modules", "state_dict_type", "set_state_dict_type", "summon_full_params", "optim_state_dict",
                  "optim_state_dict_to_load", "full_optim_state_dict", "sharded_optim_state_dict",
                  "shard_full_optim_state_dict", "scatter_full_optim_state_dict", "clip_grad_norm_", "no_sync")
 _STRATEGIES = {"FULL_SHARD": "full_shard", "SHARD_GRAD_OP": "shard_grad_op", "NO_SHARD": "no_shard",
@@ -104,6 +123,13 @@ _KWARG_OPTION = {"sharding_strategy": "strategy", "auto_wrap_policy": "wrap", "m
                  "sync_module_states": "sync_module_states", "use_orig_params": "use_orig_params",
                  "device_id": "device_id", "device_mesh": "process_group", "process_group": "process_group",
                  "ignored_modules": "ignored_modules", "param_init_fn": "param_init_fn"}
+
+
+_FSDP1_POSITIONAL = ("module", "process_group", "sharding_strategy", "cpu_offload", "auto_wrap_policy",
+                     "backward_prefetch", "mixed_precision", "ignored_modules", "param_init_fn", "device_id",
+                     "sync_module_states", "forward_prefetch", "limit_all_gathers", "use_orig_params",
+                     "ignored_states", "device_mesh")
+"""FullyShardedDataParallel.__init__'s parameters in order (torch 2.8-2.14)."""
 
 
 def _resolve(qnames: Iterable[Any]) -> tuple[str, str] | None:
@@ -133,6 +159,11 @@ class _Conversion:
     """Variables (policies built beforehand) that the new config replaces."""
     indent: str = ""
     """Indentation of the statement holding the call (for a multi-line rewrite)."""
+    kwarg_cases: list[tuple[cst.Arg, str | None]] = field(default_factory=list)
+    report_notes: list[str] = field(default_factory=list)
+    runtime: list[tuple[str, str]] | None = None
+    """``(FSDP1 keyword or "**", source)`` for ``BridgeConfig.from_fsdp1(...)``: the values stay the
+    user's own expressions and are translated when the code runs."""
 
 
 def _arg(name: str, value: cst.BaseExpression) -> cst.Arg:
@@ -164,8 +195,11 @@ class _Scanner(cst.CSTVisitor):
         self.todos: dict[int, list[str]] = {}  # id(statement) -> TODO texts
         self.conversions: dict[int, _Conversion] = {}  # id(FSDP call) -> conversion
         self.fixable_calls: dict[int, str] = {}  # id(call) -> "method" (no_sync, clip) or "summon"
-        self.checkpoint_withs: dict[int, tuple[str, cst.BaseExpression, cst.BaseExpression]] = {}
-        self.remove_stmts: set[int] = set()  # torch.save statements folded into save_checkpoint
+        self.call_rewrites: dict[int, str] = {}  # id(call) -> replacement source (state dict API)
+        self.unwrap_withs: set[int] = set()  # state_dict_type blocks replaced by their (rewritten) body
+        self.needs_state_dict_api: set[str] = set()  # names to import from torch.distributed.checkpoint.state_dict
+        self.needs_imports: set[tuple[str, str | None]] = set()  # (module, name) other rewrites use
+        self.optimizer_moves: dict[int, int] = {}  # id(optimizer statement) -> id(the wrap statement it follows)
         self.planning = True
         self.consumed_partial = False
         self.consumed_nodes: set[int] = set()
@@ -251,6 +285,16 @@ class _Scanner(cst.CSTVisitor):
             return None
         if self.planning or not self.uses_fsdp1:
             return None
+        if id(node) in self.call_rewrites:
+            return False  # planned inside a state_dict_type block
+        if self._plan_module_checks(node, hit):
+            return False
+        if self._plan_optim_load(node):
+            return False
+        if hit is not None and hit[0] == FSDP and hit[1] in ("optim_state_dict", "full_optim_state_dict",
+                                                            "sharded_optim_state_dict"):
+            if self._plan_optim_call(node, hit[1]):
+                return False
         if hit is not None and hit[0] == FSDP and hit[1] == "summon_full_params":
             ok = (len(node.args) >= 1 and node.args[0].keyword is None
                   and all(a.keyword is not None and a.keyword.value in ("writeback", "recurse") for a in node.args[1:])
@@ -262,8 +306,8 @@ class _Scanner(cst.CSTVisitor):
             return False if ok else None
         if isinstance(func, cst.Attribute) and func.attr.value in ("no_sync", "clip_grad_norm_") and hit is None:
             qn = {q.name for q in self.get_metadata(QualifiedNameProvider, func, set())}
-            if any(q.startswith("torch.nn") for q in qn):
-                return None  # torch.nn.utils.clip_grad_norm_ already works on FSDP2
+            if any(q.startswith(("torch.nn", "fsdp_bridge")) for q in qn) or _code(func.value) == "fsdp_bridge":
+                return None  # torch.nn.utils.clip_grad_norm_ works on FSDP2; fsdp_bridge's are the rewrites
             if func.attr.value == "no_sync" and not node.args:
                 self.fixable_calls[id(node)] = "method"
                 self._record(node, f"{_code(func.value)}.no_sync()", _NAMES["no_sync"], True)
@@ -300,11 +344,154 @@ class _Scanner(cst.CSTVisitor):
             elif member in _NAMES:
                 self._record(node, f"FSDP.{member}", _NAMES[member], False)
             return False
+        if kind in _KEPT:
+            self._record(node, _code(node), f"kept: {_KEPT[kind]}; fsdp_bridge.BridgeConfig.from_fsdp1 reads it "
+                                            "when the code runs, with FSDP1's meaning", True)
+            return False
         self._record(node, _code(node), _NAMES[kind], False)
         return False
 
     # -- FSDP(...) -----------------------------------------------------------------
     def _plan_fsdp(self, call: cst.Call) -> None:
+        consumed_before = set(self.consumed_nodes)
+        conv = self._plan_static(call)
+        runtime = None
+        if conv.blockers:
+            runtime = self._plan_runtime(call, conv)
+        if runtime is not None:
+            # Values known only when the code runs: keep them, and let the bridge translate them.
+            self.consumed_nodes = consumed_before
+            for a in call.args:
+                self._consume(a.value)
+            self._consume(call.func)
+            conv.blockers, conv.consumed, conv.runtime = [], [], runtime
+        self.conversions[id(call)] = conv
+        fixable = not conv.blockers
+        if fixable and conv.runtime is None:
+            for name in conv.consumed:
+                if self.name_uses.get(name, 0) > 2:  # used elsewhere too: keep the assignment
+                    continue
+                self.consumed_nodes.add(id(self.assignments[name]))
+        if conv.runtime is not None:
+            self._record(call, f"{_code(call.func)}(...)", self._runtime_text(conv), True)
+            rewritten = dict(conv.runtime or [])
+            for a in call.args:
+                kw = a.keyword.value if a.keyword is not None else None
+                if kw is None or kw in ("module", "device_mesh"):
+                    continue
+                if kw == "backward_prefetch" and rewritten.get(kw) == '"pre"':
+                    continue  # reported with its TODO above
+                self._runtime_kwarg_finding(a)
+            return
+        text = _NAMES[FSDP] if fixable else "not rewritten: " + "; ".join(conv.blockers)
+        self._record(call, f"{_code(call.func)}(...)", text, fixable)
+        for a, case in conv.kwarg_cases:
+            self._kwarg_finding(a, case, fixable)
+        for note in conv.report_notes:
+            self._record(call, "backward_prefetch", note, False)
+
+    def _plan_runtime(self, call: cst.Call, static: _Conversion) -> list[tuple[str, str]] | None:
+        """FSDP1's arguments by name for ``BridgeConfig.from_fsdp1``; None when they cannot be named."""
+        out: list[tuple[str, str]] = []
+        for i, a in enumerate(call.args):
+            if a.star == "*":
+                static.blockers.append(f"*{_code(a.value)}: positional arguments unpacked at run time")
+                return None
+            if a.star == "**":
+                out.append(("**", _code(a.value)))
+                continue
+            name = a.keyword.value if a.keyword else (_FSDP1_POSITIONAL[i] if i < len(_FSDP1_POSITIONAL) else None)
+            if name is None:
+                static.blockers.append(f"positional argument {i + 1}: FullyShardedDataParallel takes no more")
+                return None
+            if name == "module":
+                static.module = a.value
+            elif name == "device_mesh":
+                static.mesh = a.value
+            elif name == "process_group" and not m.matches(a.value, m.Name("None")):
+                static.blockers.append(f"process_group={_code(a.value)}: FSDP2 shards over a DeviceMesh; build one "
+                                       "(init_device_mesh) and pass it as shard(..., mesh=...)")
+                return None
+            elif name in ("ignored_modules", "ignored_states") and not m.matches(a.value, m.Name("None")):
+                names = self._module_paths(a.value, static.module)
+                if names is None:
+                    static.blockers.append(f"{name}={_code(a.value)}: name the modules for the bridge: "
+                                           "BridgeConfig(ignored_modules=['path.to.module' or 'ClassName'])")
+                    return None
+                out.append(("ignored_modules", repr(names)))
+            elif name == "backward_prefetch" and self._member(a.value, "BackwardPrefetch") != "BACKWARD_PRE":
+                member = "NONE" if m.matches(a.value, m.Name("None")) else self._member(a.value, "BackwardPrefetch")
+                if member in ("BACKWARD_POST", "NONE"):
+                    # FSDP2 has one backward order (BACKWARD_PRE's): say so where it changes.
+                    note = (f"backward_prefetch={_code(a.value)} has no FSDP2 equivalent; using 'pre': "
+                            + _fsdp2_case("backward_prefetch", "post" if member == "BACKWARD_POST" else "none"))
+                    self._record(a, "backward_prefetch", note, False)
+                    out.append((name, '"pre"'))
+                else:
+                    out.append((name, _code(a.value)))
+            else:
+                out.append((name, _code(a.value)))
+        if static.module is None:
+            return None
+        return out
+
+    def _module_paths(self, value: cst.BaseExpression, module: cst.BaseExpression | None) -> list[str] | None:
+        """``[model.lm_head, model.model.embed]`` -> ``["lm_head", "model.embed"]`` when every entry is an
+        attribute path under the module being wrapped."""
+        if module is None or not isinstance(value, (cst.List, cst.Tuple, cst.Set)):
+            return None
+        root = _code(module)
+        names = []
+        for element in value.elements:
+            text = _code(element.value)
+            if not text.startswith(root + ".") or not all(p.isidentifier() for p in text[len(root) + 1:].split(".")):
+                return None
+            names.append(text[len(root) + 1:])
+        return names
+
+    def _runtime_text(self, conv: _Conversion) -> str:
+        names = [k for k, _ in conv.runtime or []]
+        return ("fsdp_bridge.shard(model, fsdp_bridge.BridgeConfig.from_fsdp1(...)"
+                + (", mesh=...)" if conv.mesh is not None else ")")
+                + f": {', '.join(names) or 'no options'} kept as written and translated when the code runs "
+                  "(FSDP1's meaning, exactly; print fsdp_bridge.get_bridge(model).report for what each became)")
+
+    def _runtime_kwarg_finding(self, a: cst.Arg) -> None:
+        kw = a.keyword.value if a.keyword else ""
+        pos = self.get_metadata(PositionProvider, a)
+        value = _code(a.value)
+        described = self._describe_value(kw, a.value)
+        self.findings.append(CodeFinding(self.path, pos.start.line, pos.start.column, f"{kw}={_short(value)}",
+                                         described, True))
+
+    def _describe_value(self, kw: str, value: cst.BaseExpression) -> str:
+        """What an FSDP1 argument's value becomes, as far as the source shows it."""
+        option = _KWARG_OPTION.get(kw, kw)
+        if kw == "sharding_strategy":
+            member = self._member(value, "ShardingStrategy")
+            if member in _STRATEGIES:
+                return f"{member}: {_fsdp2_case('strategy', _STRATEGIES[member])}"
+            return (f"known at run time; each strategy keeps its meaning "
+                    f"(HYBRID_* a (replicate, shard) mesh, NO_SHARD a (world, 1) mesh): {_fsdp2_any('strategy')}")
+        if kw == "auto_wrap_policy":
+            return ("the same units FSDP1 wraps: fully_shard on each, bottom-up, then the root "
+                    "(policy functions run FSDP1's own auto-wrap recursion)")
+        if kw == "mixed_precision":
+            return "MixedPrecision's param/reduce/buffer dtypes -> MixedPrecisionPolicy (buffers cast once)"
+        if kw == "cpu_offload":
+            return ("CPUOffload(offload_params=True) -> CPUOffloadPolicy on a GPU run; refused with the reason on "
+                    "a CPU-only run; offload_params=False -> nothing offloaded")
+        if kw == "backward_prefetch":
+            return "BACKWARD_PRE is FSDP2's implicit order; BACKWARD_POST / None are refused on FSDP2 with the reason"
+        if kw == "use_orig_params":
+            return "FSDP2 parameters always are the original ones"
+        if kw == "device_id":
+            return "the device of the run (CUDA index -> cuda, torch.device('cpu') -> cpu)"
+        if kw == "param_init_fn":
+            return "meta-device modules are materialised by the bridge (with sync_module_states=True)"
+        return _fsdp2_any(option)
+
+    def _plan_static(self, call: cst.Call) -> _Conversion:
         conv = _Conversion()
         self._consume(call.func)
         line = self.lines[self.get_metadata(PositionProvider, call).start.line - 1]
@@ -398,19 +585,9 @@ class _Scanner(cst.CSTVisitor):
         if conv.module is None:
             conv.blockers.append("no module argument")
         conv.config_args = config
-        self.conversions[id(call)] = conv
-        fixable = not conv.blockers
-        if fixable:
-            for name in conv.consumed:
-                if self.name_uses.get(name, 0) > 2:  # used elsewhere too: keep the assignment
-                    continue
-                self.consumed_nodes.add(id(self.assignments[name]))
-        text = _NAMES[FSDP] if fixable else "not rewritten: " + "; ".join(conv.blockers)
-        self._record(call, f"{_code(call.func)}(...)", text, fixable)
-        for a, case in kwarg_nodes:
-            self._kwarg_finding(a, case, fixable)
-        for note in notes_for_report:
-            self._record(call, "backward_prefetch", note, False)
+        conv.kwarg_cases = kwarg_nodes
+        conv.report_notes = notes_for_report
+        return conv
 
     def _kwarg_finding(self, a: cst.Arg, case: str | None, fixable: bool) -> None:
         kw = a.keyword.value if a.keyword else ""
@@ -490,61 +667,205 @@ class _Scanner(cst.CSTVisitor):
 
     # -- state dicts -----------------------------------------------------------------
     def _plan_block(self, body: Sequence[cst.BaseStatement]) -> None:
-        for i, stmt in enumerate(body):
-            if not isinstance(stmt, cst.With):
-                continue
-            plan = self._checkpoint_plan(stmt, body[i + 1] if i + 1 < len(body) else None)
-            if plan is None:
-                continue
-            kind, arg, model, remove = plan
-            self.checkpoint_withs[id(stmt)] = (kind, arg, model)
-            if remove is not None:
-                self.remove_stmts.add(id(remove))
-            call = cast(cst.Call, stmt.items[0].item)
-            self._consume(call)
-            for extra in call.args[2:]:
-                value = self._follow(extra.value, _Conversion())
-                if value is not extra.value and self.name_uses.get(cast(cst.Name, extra.value).value, 0) <= 2:
-                    self._consume(value)
-            replacement = (f'fsdp_bridge.save_checkpoint({_code(arg)}, {_code(model)}, kind="full")' if kind == "save"
-                           else f"fsdp_bridge.load_checkpoint({_code(arg)}, {_code(model)})")
-            self._record(stmt, "FSDP.state_dict_type(FULL_STATE_DICT) " + kind, replacement, True)
+        for stmt in body:
+            if isinstance(stmt, cst.With):
+                self._plan_state_dict_block(stmt)
+        self._plan_optimizer_order(body)
 
-    def _checkpoint_plan(self, node: cst.With, following: cst.BaseStatement | None
-                         ) -> tuple[str, cst.BaseExpression, cst.BaseExpression, cst.BaseStatement | None] | None:
-        """``with FSDP.state_dict_type(M, StateDictType.FULL_STATE_DICT[, cfg]):`` whose body is
-        ``sd = M.state_dict()`` followed by ``torch.save(sd, PATH)`` (optionally under a rank test),
-        or ``M.load_state_dict(torch.load(PATH, ...))``."""
+    def _plan_optimizer_order(self, body: Sequence[cst.BaseStatement]) -> None:
+        """``opt = torch.optim.X(M.parameters(), ...)`` before ``M = FSDP(M, ...)`` in the same block moves
+        to just after it: FSDP2 replaces the parameters, so an optimizer built before would update
+        tensors the model no longer uses (training silently nothing)."""
+        wraps: dict[str, int] = {}
+        for i, stmt in enumerate(body):
+            target = _assign_target(stmt)
+            if target is not None and isinstance(value := _assign_value(stmt), cst.Call) \
+                    and self._qn(value.func) == (FSDP, "") and value.args and _code(value.args[0].value) == target:
+                wraps.setdefault(target, i)
+        for i, stmt in enumerate(body):
+            value = _assign_value(stmt)
+            if not isinstance(value, cst.Call):
+                continue
+            names = {q.name for q in self.get_metadata(QualifiedNameProvider, value.func, set())}
+            if not any(n.startswith("torch.optim.") for n in names):
+                continue
+            text = _code(value)
+            uses = {t for t in wraps if f"{t}.parameters()" in text or f"{t}.named_parameters()" in text}
+            for target in uses:
+                j = wraps[target]
+                if i < j and not any(_assign_target(body[k]) == _assign_target(stmt) for k in range(i + 1, j)):
+                    self.optimizer_moves[id(stmt)] = id(body[j])
+                    self._record(stmt, f"{_code(value.func)}(...) before FSDP(...)",
+                                 f"moved after the shard call: FSDP2 replaces {target}'s parameters, and an optimizer "
+                                 "built before would update tensors the model no longer uses", True)
+
+    def _options(self, full: bool, *, cpu_offload: bool = False, broadcast: bool = False) -> str:
+        self.needs_state_dict_api.add("StateDictOptions")
+        if not full:
+            return "StateDictOptions()"
+        extra = (", cpu_offload=True" if cpu_offload else "") + (", broadcast_from_rank0=True" if broadcast else "")
+        return f"StateDictOptions(full_state_dict=True{extra})"
+
+    def _config_flag(self, cfg: cst.BaseExpression | None, name: str, default: bool) -> bool:
+        """A keyword of ``FullStateDictConfig(...)`` given inline or in a variable assigned once."""
+        if cfg is None:
+            return default
+        value = self._follow(cfg, _Conversion())
+        if isinstance(value, cst.Call):
+            for a in value.args:
+                if a.keyword is not None and a.keyword.value == name:
+                    return _code(a.value) == "True"
+        return default
+
+    def _plan_state_dict_block(self, node: cst.With) -> None:
+        """``with FSDP.state_dict_type(M, FULL_STATE_DICT|SHARDED_STATE_DICT[, cfg[, optim_cfg]]):`` becomes
+        its body, with ``M.state_dict()``, ``M.load_state_dict(x)``, ``FSDP.optim_state_dict(M, O)`` and
+        ``O.load_state_dict(FSDP.optim_state_dict_to_load(M, O, x))`` turned into torch's
+        ``torch.distributed.checkpoint.state_dict`` calls (which work on FSDP1 and FSDP2 models): the
+        user's own ``torch.save`` / DCP code around them keeps working."""
         if len(node.items) != 1 or not isinstance(node.items[0].item, cst.Call):
-            return None
+            return
         call = node.items[0].item
         if self._qn(call.func) != (FSDP, "state_dict_type") or len(call.args) < 2:
-            return None
-        if self._member(call.args[1].value, "StateDictType") != "FULL_STATE_DICT":
-            return None
-        model = call.args[0].value
-        body = node.body.body if isinstance(node.body, cst.IndentedBlock) else ()
-        if len(body) != 1 or not isinstance(body[0], cst.SimpleStatementLine) or len(body[0].body) != 1:
-            return None
-        stmt = body[0].body[0]
-        load = m.Expr(m.Call(func=m.Attribute(attr=m.Name("load_state_dict")),
-                             args=[m.Arg(m.Call(func=m.Attribute(value=m.Name("torch"), attr=m.Name("load"))))]))
-        if m.matches(stmt, load):
-            outer = cast(cst.Call, cast(cst.Expr, stmt).value)
-            inner = cast(cst.Call, outer.args[0].value)
-            if _code(cast(cst.Attribute, outer.func).value) == _code(model) and inner.args:
-                return "load", inner.args[0].value, model, None
-            return None
-        save = m.Assign(targets=[m.AssignTarget(m.Name())],
-                        value=m.Call(func=m.Attribute(attr=m.Name("state_dict")), args=[]))
-        if m.matches(stmt, save) and following is not None:
-            assign = cast(cst.Assign, stmt)
-            if _code(cast(cst.Attribute, cast(cst.Call, assign.value).func).value) != _code(model):
-                return None
-            path = _torch_save_path(following, cast(cst.Name, assign.targets[0].target).value)
-            if path is not None:
-                return "save", path, model, following
-        return None
+            return
+        kind = self._member(call.args[1].value, "StateDictType")
+        if kind not in ("FULL_STATE_DICT", "SHARDED_STATE_DICT"):
+            return  # LOCAL_STATE_DICT (or unknown): reported as a TODO by the reference pass
+        full = kind == "FULL_STATE_DICT"
+        model = _code(call.args[0].value)
+        cfg = call.args[2].value if len(call.args) > 2 else None
+        rank0 = full and self._config_flag(cfg, "rank0_only", False)
+        save_opts = self._options(full, cpu_offload=rank0)
+        load_opts = self._options(full)
+        rewrites: dict[int, str] = {}
+        for inner in _walk(node.body):
+            if not isinstance(inner, cst.Call):
+                continue
+            func = inner.func
+            hit = self._qn(func)
+            if isinstance(func, cst.Attribute) and hit is None and _code(func.value) == model:
+                if func.attr.value == "state_dict" and not inner.args:
+                    self.needs_state_dict_api.add("get_model_state_dict")
+                    rewrites[id(inner)] = f"get_model_state_dict({model}, options={save_opts})"
+                elif func.attr.value == "load_state_dict" and len(inner.args) == 1 and not inner.args[0].keyword:
+                    self.needs_state_dict_api.add("set_model_state_dict")
+                    rewrites[id(inner)] = (f"set_model_state_dict({model}, {_code(inner.args[0].value)}, "
+                                           f"options={load_opts})")
+            elif hit == (FSDP, "optim_state_dict") and len(inner.args) >= 2:
+                self.needs_state_dict_api.add("get_optimizer_state_dict")
+                m_, o_ = (_code(a.value) for a in inner.args[:2])
+                rewrites[id(inner)] = f"get_optimizer_state_dict({m_}, {o_}, options={save_opts})"
+            elif (isinstance(func, cst.Attribute) and func.attr.value == "load_state_dict" and len(inner.args) == 1
+                  and isinstance(inner.args[0].value, cst.Call)
+                  and self._qn(inner.args[0].value.func) == (FSDP, "optim_state_dict_to_load")):
+                to_load = inner.args[0].value
+                if len(to_load.args) >= 3:
+                    self.needs_state_dict_api.add("set_optimizer_state_dict")
+                    m_, o_, sd = (_code(a.value) for a in to_load.args[:3])
+                    rewrites[id(inner)] = f"set_optimizer_state_dict({m_}, {o_}, {sd}, options={load_opts})"
+                    self._consume(to_load)
+        if not rewrites:
+            return
+        self.call_rewrites.update(rewrites)
+        self.unwrap_withs.add(id(node))
+        self._consume(call)
+        for extra in call.args[2:]:
+            value = self._follow(extra.value, _Conversion())
+            if value is not extra.value and self.name_uses.get(cast(cst.Name, extra.value).value, 0) <= 2:
+                self._consume(value)
+        what = ", ".join(sorted({code.split("(")[0] for code in rewrites.values()}))
+        self._record(node, f"FSDP.state_dict_type({kind})",
+                     f"the block's body with {what} (torch.distributed.checkpoint.state_dict, options={save_opts}); "
+                     "your torch.save / DCP code is kept", True)
+
+    def _plan_module_checks(self, node: cst.Call, hit: tuple[str, str] | None) -> bool:
+        """``isinstance(m, FSDP)`` -> ``isinstance(m, FSDPModule)``; ``FSDP.fsdp_modules(M)`` -> the
+        modules of ``M`` that are ``FSDPModule``; ``ShardedGradScaler(...)`` -> ``torch.amp.GradScaler(...)``."""
+        args = node.args
+        if (m.matches(node.func, m.Name("isinstance")) and len(args) == 2
+                and self._qn(args[1].value) == (FSDP, "")):
+            self.needs_imports.add(("torch.distributed.fsdp", "FSDPModule"))
+            code = f"isinstance({_code(args[0].value)}, FSDPModule)"
+            self._record(node, f"isinstance(..., {_code(args[1].value)})", f"{code} (FSDP2 units are FSDPModule)",
+                         True)
+        elif hit == (FSDP, "fsdp_modules") and args:
+            self.needs_imports.add(("torch.distributed.fsdp", "FSDPModule"))
+            root = _code(args[0].value)
+            code = f"[m for m in {root}.modules() if isinstance(m, FSDPModule)]"
+            self._record(node, f"{_code(node.func)}(...)", code, True)
+        elif hit is not None and hit[0] == "ShardedGradScaler" and not any(
+                a.keyword is not None and a.keyword.value == "process_group" for a in args):
+            self.needs_imports.add(("torch", None))
+            code = f"torch.amp.GradScaler({', '.join(_code(a) .rstrip(', ') for a in args)})"
+            self._record(node, "ShardedGradScaler(...)", f"{code} ({_fsdp2_any('ShardedGradScaler')})", True)
+        else:
+            return False
+        self.call_rewrites[id(node)] = code
+        self._consume(node.func)
+        for a in args:
+            self._consume(a.value) if self._qn(a.value) is not None else None
+        return True
+
+    def _plan_optim_call(self, node: cst.Call, member: str) -> bool:
+        """FSDP's optimizer-state functions outside a state_dict_type block -> torch's state_dict API."""
+        args = [_code(a.value) for a in node.args if a.keyword is None]
+        code = None
+        if member in ("optim_state_dict", "full_optim_state_dict", "sharded_optim_state_dict") and len(args) >= 2:
+            self.needs_state_dict_api.add("get_optimizer_state_dict")
+            full = member != "sharded_optim_state_dict"
+            code = (f"get_optimizer_state_dict({args[0]}, {args[1]}, "
+                    f"options={self._options(full, cpu_offload=member == 'full_optim_state_dict')})")
+        if code is None:
+            return False
+        self.call_rewrites[id(node)] = code
+        self._record(node, f"FSDP.{member}(...)", code, True)
+        return True
+
+    def _plan_optim_load(self, node: cst.Call) -> bool:
+        """``O.load_state_dict(FSDP.optim_state_dict_to_load|shard_full_optim_state_dict|
+        scatter_full_optim_state_dict(...))`` -> ``set_optimizer_state_dict(M, O, sd, options=...)``."""
+        func = node.func
+        if not (isinstance(func, cst.Attribute) and func.attr.value == "load_state_dict" and len(node.args) == 1
+                and isinstance(node.args[0].value, cst.Call)):
+            return False
+        inner = node.args[0].value
+        hit = self._qn(inner.func)
+        if hit is None or hit[0] != FSDP:
+            return False
+        optim = _code(func.value)
+        args = [_code(a.value) for a in inner.args if a.keyword is None]
+        keywords = {a.keyword.value: _code(a.value) for a in inner.args if a.keyword is not None}
+        if hit[1] == "optim_state_dict_to_load" and len(args) >= 3:
+            model: str | None = args[0]
+            sd, opts = args[2], self._options(True)
+        elif hit[1] in ("shard_full_optim_state_dict", "scatter_full_optim_state_dict") and args:
+            model = args[1] if len(args) > 1 else keywords.get("model")
+            sd = args[0]
+            opts = self._options(True, broadcast=hit[1] == "scatter_full_optim_state_dict")
+            if model is None:
+                return False
+        else:
+            return False
+        self.needs_state_dict_api.add("set_optimizer_state_dict")
+        code = f"set_optimizer_state_dict({model}, {optim}, {sd}, options={opts})"
+        self.call_rewrites[id(node)] = code
+        self._consume(inner)
+        self._record(node, f"FSDP.{hit[1]}(...)", code, True)
+        return True
+
+
+def _assign_target(stmt: cst.CSTNode) -> str | None:
+    if isinstance(stmt, cst.SimpleStatementLine) and len(stmt.body) == 1 and isinstance(stmt.body[0], cst.Assign):
+        targets = stmt.body[0].targets
+        if len(targets) == 1 and isinstance(targets[0].target, (cst.Name, cst.Attribute)):
+            return _code(targets[0].target)
+    return None
+
+
+def _assign_value(stmt: cst.CSTNode) -> cst.BaseExpression | None:
+    if isinstance(stmt, cst.SimpleStatementLine) and len(stmt.body) == 1 and isinstance(stmt.body[0], cst.Assign):
+        return stmt.body[0].value
+    return None
 
 
 def _walk(node: cst.CSTNode) -> Iterable[cst.CSTNode]:
@@ -597,6 +918,9 @@ class _Fixer(cst.CSTTransformer):
         self.removed: dict[int, Any] = {}
 
     def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> cst.BaseExpression:
+        rewrite = self.scan.call_rewrites.get(id(original_node))
+        if rewrite is not None:
+            return cst.parse_expression(rewrite)
         conv = self.scan.conversions.get(id(original_node))
         if conv is not None and not conv.blockers:
             return _render_shard(conv)
@@ -611,8 +935,6 @@ class _Fixer(cst.CSTTransformer):
 
     def leave_SimpleStatementLine(self, original_node: cst.SimpleStatementLine,
                                   updated_node: cst.SimpleStatementLine) -> Any:
-        if id(original_node) in self.scan.remove_stmts:
-            return self._remove(updated_node)
         if len(original_node.body) == 1 and isinstance(original_node.body[0], cst.Assign):
             value = original_node.body[0].value
             if id(value) in self.scan.consumed_nodes and id(value) in self.assignment_stmts:
@@ -623,6 +945,22 @@ class _Fixer(cst.CSTTransformer):
         """Mark for removal; the enclosing block moves its comments to the next statement."""
         self.removed[id(node)] = node  # holding the node keeps its id unique until the block is rebuilt
         return node
+
+    def _reorder(self, original_body: Sequence[Any], body: Sequence[Any]) -> list[Any]:
+        """Apply planned optimizer moves (original and updated bodies align one to one)."""
+        if not self.scan.optimizer_moves or len(original_body) != len(body):
+            return list(body)
+        ids = [id(s) for s in original_body]
+        moving = {i for i, sid in enumerate(ids) if sid in self.scan.optimizer_moves}
+        if not moving:
+            return list(body)
+        out: list[Any] = []
+        for i, stmt in enumerate(body):
+            if i in moving:
+                continue
+            out.append(stmt)
+            out.extend(body[k] for k in sorted(moving) if self.scan.optimizer_moves[ids[k]] == ids[i])
+        return out
 
     def _drop_removed(self, body: Sequence[Any]) -> list[Any]:
         out: list[Any] = []
@@ -639,18 +977,17 @@ class _Fixer(cst.CSTTransformer):
         return out
 
     def leave_IndentedBlock(self, original_node: cst.IndentedBlock, updated_node: cst.IndentedBlock) -> Any:
-        body = self._drop_removed(updated_node.body)
+        body = self._drop_removed(self._reorder(original_node.body, updated_node.body))
         return updated_node.with_changes(body=body or [cst.SimpleStatementLine([cst.Pass()])])
 
     def leave_Module(self, original_node: cst.Module, updated_node: cst.Module) -> cst.Module:
-        return updated_node.with_changes(body=self._drop_removed(updated_node.body))
+        return updated_node.with_changes(body=self._drop_removed(self._reorder(original_node.body,
+                                                                               updated_node.body)))
 
     def _compound(self, original_node: Any, updated_node: Any) -> Any:
         return _with_todos(original_node, updated_node, self.scan.todos)
 
     def leave_If(self, original_node: cst.If, updated_node: cst.If) -> Any:
-        if id(original_node) in self.scan.remove_stmts:
-            return self._remove(updated_node)
         return self._compound(original_node, updated_node)
 
     def leave_For(self, original_node: cst.For, updated_node: cst.For) -> Any:
@@ -660,19 +997,25 @@ class _Fixer(cst.CSTTransformer):
         return self._compound(original_node, updated_node)
 
     def leave_With(self, original_node: cst.With, updated_node: cst.With) -> Any:
-        plan = self.scan.checkpoint_withs.get(id(original_node))
-        if plan is not None:
-            kind, arg, model = plan
-            code = (f'fsdp_bridge.save_checkpoint({_code(arg)}, {_code(model)}, kind="full")' if kind == "save"
-                    else f"fsdp_bridge.load_checkpoint({_code(arg)}, {_code(model)})")
-            return cst.parse_statement(code).with_changes(leading_lines=updated_node.leading_lines)
+        if id(original_node) in self.scan.unwrap_withs and isinstance(updated_node.body, cst.IndentedBlock):
+            # The block's body, one level out (its statements were rewritten inside it).
+            body: list[Any] = list(updated_node.body.body)
+            body[0] = body[0].with_changes(leading_lines=[*updated_node.leading_lines, *body[0].leading_lines])
+            return cst.FlattenSentinel(body)
         return self._compound(original_node, updated_node)
+
+
+def _short(code: str, limit: int = 60) -> str:
+    one = " ".join(code.split())
+    return one if len(one) <= limit else one[: limit - 3] + "..."
 
 
 def _render_shard(conv: _Conversion) -> cst.BaseExpression:
     """``fsdp_bridge.shard(module, fsdp_bridge.BridgeConfig(...)[, mesh=...])``, one argument per line
     when a single line would be long."""
     assert conv.module is not None
+    if conv.runtime is not None:
+        return _render_runtime(conv)
     config = [f"{_code(a.keyword)}={_code(a.value)}" for a in conv.config_args if a.keyword is not None]
     tail = [f"mesh={_code(conv.mesh)}"] if conv.mesh is not None else []
     one_line = (f"fsdp_bridge.shard({_code(conv.module)}, fsdp_bridge.BridgeConfig({', '.join(config)})"
@@ -687,17 +1030,23 @@ def _render_shard(conv: _Conversion) -> cst.BaseExpression:
     return cst.parse_expression("\n".join(lines))
 
 
-def _torch_save_path(stmt: cst.BaseStatement, var: str) -> cst.BaseExpression | None:
-    """PATH when ``stmt`` is ``torch.save(var, PATH)`` or ``if <rank test>: torch.save(var, PATH)``."""
-    save = m.SimpleStatementLine(body=[m.Expr(m.Call(func=m.Attribute(value=m.Name("torch"), attr=m.Name("save")),
-                                                     args=[m.Arg(m.Name(var)), m.Arg()]))])
-    if isinstance(stmt, cst.If) and stmt.orelse is None and isinstance(stmt.body, cst.IndentedBlock) \
-            and len(stmt.body.body) == 1 and "rank" in _code(stmt.test):
-        stmt = stmt.body.body[0]
-    if m.matches(stmt, save):
-        line = cast(cst.SimpleStatementLine, stmt)
-        return cast(cst.Call, cast(cst.Expr, line.body[0]).value).args[1].value
-    return None
+def _render_runtime(conv: _Conversion) -> cst.BaseExpression:
+    """``fsdp_bridge.shard(module, fsdp_bridge.BridgeConfig.from_fsdp1(kw=<as written>, ...)[, mesh=])``."""
+    assert conv.module is not None and conv.runtime is not None
+    i1, i2 = "    ", "        "
+    args = [f"**{code}" if kw == "**" else f"{kw}={code}" for kw, code in conv.runtime]
+    lines = ["fsdp_bridge.shard(", f"{i1}{_code(conv.module)},", f"{i1}fsdp_bridge.BridgeConfig.from_fsdp1("]
+    for arg in args:  # a value spanning lines keeps its shape, re-indented under its keyword
+        first, *rest = arg.split("\n")
+        rest = textwrap.dedent("\n".join(rest)).split("\n") if rest else []
+        lines.append(i2 + first)
+        lines.extend(i2 + line for line in rest)
+        lines[-1] += ","
+    lines.append(f"{i1}),")
+    if conv.mesh is not None:
+        lines.append(f"{i1}mesh={_code(conv.mesh)},")
+    lines.append(")")
+    return cst.parse_expression("\n".join(lines))
 
 
 def _commas(args: Sequence[cst.Arg]) -> list[cst.Arg]:
@@ -755,7 +1104,12 @@ def migrate_source(code: str, path: str = "<string>") -> MigratedSource:
     fixed = wrapper.module.visit(fixer)
     if fixed.code != code:
         context = CodemodContext()
-        AddImportsVisitor.add_needed_import(context, "fsdp_bridge")
+        if scan.conversions or scan.fixable_calls:
+            AddImportsVisitor.add_needed_import(context, "fsdp_bridge")
+        for name in sorted(scan.needs_state_dict_api):
+            AddImportsVisitor.add_needed_import(context, "torch.distributed.checkpoint.state_dict", name)
+        for module_name, obj in sorted(scan.needs_imports, key=str):
+            AddImportsVisitor.add_needed_import(context, module_name, obj)
         fixed = AddImportsVisitor(context).transform_module(fixed)
         for imp in _fsdp_imports(fixed):
             RemoveImportsVisitor.remove_unused_import(context, *imp)
@@ -785,18 +1139,62 @@ def _fsdp_imports(module: cst.Module) -> list[tuple[str, str | None, str | None]
 
 
 def migrate_paths(paths: Sequence[str | Path], *, fix: bool = False) -> tuple[CodeReport, list[MigratedSource]]:
-    """Scan files (directories: every ``*.py`` below); with ``fix``, write the rewrites."""
+    """Scan files (directories: every ``*.py`` below); with ``fix``, write the rewrites.
+
+    Never raises for a file's content: a file that cannot be read, parsed or rewritten
+    (not UTF-8, not valid Python, a construct the codemod cannot handle) is left untouched
+    and listed in ``report.skipped`` with the reason.  With ``fix`` the rewrite is all or
+    nothing: every new file is written beside its original first, then all are moved into
+    place; if any write fails, nothing is changed.
+    """
     files: list[Path] = []
     for p in map(Path, paths):
-        files.extend(sorted(p.rglob("*.py")) if p.is_dir() else [p])
+        files.extend(sorted(f for f in p.rglob("*.py") if f.is_file()) if p.is_dir() else [p])
     report = CodeReport()
     results = []
     for f in files:
-        result = migrate_source(f.read_text(), str(f))
+        try:
+            code = f.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as err:
+            report.skipped.append((str(f), f"cannot be read as UTF-8 text ({err})"))
+            continue
+        try:
+            result = migrate_source(code, str(f))
+            if result.changed:
+                cst.parse_module(result.fixed)  # the rewrite must parse, or the file is left alone
+        except cst.ParserSyntaxError as err:
+            report.skipped.append((str(f), f"not valid Python 3 ({str(err).splitlines()[0]})"))
+            continue
+        except Exception as err:  # a construct the codemod cannot handle: never a half-rewritten file
+            report.skipped.append((str(f), f"left untouched: the codemod failed on it ({type(err).__name__}: "
+                                           f"{str(err).splitlines()[0] if str(err) else ''})"))
+            continue
         results.append(result)
         report.findings.extend(result.findings)
         if result.changed:
             report.changed.append(str(f))
-            if fix:
-                f.write_text(result.fixed)
+    if fix:
+        _write_all([r for r in results if r.changed])
     return report, results
+
+
+def _write_all(results: Sequence[MigratedSource]) -> None:
+    """Stage every rewritten file beside its original, then replace them all (all or nothing)."""
+    staged: list[tuple[Path, Path]] = []
+    try:
+        for r in results:
+            target = Path(r.path)
+            tmp = target.with_name(f".{target.name}.fsdp-bridge-tmp")
+            tmp.write_text(r.fixed, encoding="utf-8")
+            shutil.copymode(target, tmp)
+            staged.append((tmp, target))
+    except OSError as err:
+        for tmp, _ in staged:
+            tmp.unlink(missing_ok=True)
+        raise MigrationWriteError(f"could not write beside {Path(r.path)} ({err}); no file was changed") from err
+    for tmp, target in staged:
+        os.replace(tmp, target)
+
+
+class MigrationWriteError(OSError):
+    """``--fix`` could not stage a rewritten file; nothing was changed."""

@@ -152,10 +152,18 @@ class CodeReport:
     findings: list[CodeFinding] = field(default_factory=list)
     changed: list[str] = field(default_factory=list)
     """Files rewritten (or that would be, with ``--diff``)."""
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+    """Files left untouched, with the reason (unreadable, not Python 3, a construct the codemod cannot handle)."""
+
+    @property
+    def todos(self) -> list[CodeFinding]:
+        return [f for f in self.findings if not f.fixable]
 
     def format(self) -> str:
         lines = [f.format() for f in self.findings]
+        lines.extend(f"{path}: [skipped] {reason}" for path, reason in self.skipped)
         n_fix = sum(f.fixable for f in self.findings)
         lines.append(f"{len(self.findings)} FSDP1 construct(s): {n_fix} rewritable by --fix, "
-                     f"{len(self.findings) - n_fix} left with TODO(fsdp-bridge)")
+                     f"{len(self.findings) - n_fix} left with TODO(fsdp-bridge)"
+                     + (f"; {len(self.skipped)} file(s) skipped" if self.skipped else ""))
         return "\n".join(lines)
