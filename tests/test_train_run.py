@@ -162,7 +162,7 @@ def test_sigterm_saves_at_the_next_step_and_names_the_resume_command(tmp_path: P
             break
         time.sleep(0.2)
     proc.send_signal(signal.SIGTERM)  # what a scheduler sends to preempt a job
-    stdout, stderr = proc.communicate(timeout=120)
+    _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal.SIGTERM, stderr[-3000:]
     assert "Traceback" not in stderr and "SignalException" not in stderr, stderr[-3000:]
     stopped = json.loads((out / "stopped.json").read_text())
