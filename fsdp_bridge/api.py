@@ -14,6 +14,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp_bridge import hf
+from fsdp_bridge._optimizer_check import record_replaced
 from fsdp_bridge.backends import BackendImpl, ShardPlan, get_backend
 from fsdp_bridge.config import BridgeConfig
 from fsdp_bridge.distributed import MeshPlan, agree, build_mesh, check_user_mesh, init_distributed, plan_mesh
@@ -114,7 +115,9 @@ def shard(model: nn.Module, config: BridgeConfig | None = None, *, mesh: DeviceM
     single-process group when not launched).  Everything that can be checked is checked
     before the first collective; problems raise :class:`ConfigError` on every rank.
 
-    Build the optimizer afterwards from ``model.parameters()``.  Use
+    Build the optimizer afterwards from ``model.parameters()``: an optimizer built before
+    holds parameters that sharding replaced, and its first ``step()`` raises
+    :class:`ConfigError` saying so (on FSDP2 it would otherwise train nothing).  Use
     :func:`no_sync`, :func:`clip_grad_norm_` and :func:`summon_full_params` (or
     ``get_bridge(model)``) the same way on both backends.
     """
@@ -158,7 +161,9 @@ def shard(model: nn.Module, config: BridgeConfig | None = None, *, mesh: DeviceM
         config=config, device=device, mesh=mesh, units=units, ignored_modules=ignored, has_meta=has_meta, report=report
     )
     impl = get_backend(config.backend)
+    before = list(model.parameters())
     sharded = impl.shard(model, plan)
+    record_replaced(before, list(sharded.parameters()))  # an optimizer built before shard() is refused
     bridge = Bridge(config=config, impl=impl, plan=plan, wrap=wrap_plan, model=sharded)
     object.__setattr__(sharded, _ATTR, bridge)
     if dist.get_rank() == 0 and logger.isEnabledFor(logging.INFO):  # describe() formats the whole report

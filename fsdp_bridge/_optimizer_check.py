@@ -1,0 +1,79 @@
+"""An optimizer built before ``shard()`` is refused at its first step, on every backend.
+
+FSDP2 replaces every parameter of the modules it shards with a new ``DTensor`` parameter.
+An optimizer built from the model's parameters before ``shard()`` keeps the old tensors,
+which no forward or backward touches any more: it steps nothing and the model silently
+does not train (FSDP1 with ``use_orig_params=True``, which the bridge always uses, keeps
+the original parameter objects, so there it works). ``shard()`` records the parameters it
+replaced; one process-wide optimizer step pre-hook checks each optimizer at its first step
+and raises, naming the fix. Every rank builds its optimizer the same way, so every rank
+raises at the same step, before any collective of that step. Later steps cost one lookup
+in a weak set.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import weakref
+from typing import Any
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from fsdp_bridge.errors import ConfigError, Problem
+
+__all__ = ["forget_replaced", "record_replaced"]
+
+_replaced: dict[int, weakref.ref[torch.Tensor]] = {}
+"""id -> weak reference of each parameter shard() replaced (a tensor's ``==`` is elementwise, so not
+a WeakSet); an entry goes when nothing, e.g. an optimizer, holds the parameter any more."""
+_checked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+_lock = threading.Lock()
+_hook: Any = None
+
+
+def record_replaced(before: list[torch.nn.Parameter], after: list[torch.nn.Parameter]) -> None:
+    """Remember the parameters of ``before`` that are not in ``after`` (and install the check once)."""
+    global _hook
+    kept = {id(p) for p in after}
+    replaced = [p for p in before if id(p) not in kept]
+    if not replaced:
+        return
+    with _lock:
+        for p in replaced:
+            _replaced[id(p)] = weakref.ref(p, functools.partial(_drop, id(p)))
+        if _hook is None:
+            _hook = register_optimizer_step_pre_hook(_check)
+
+
+def _drop(key: int, ref: weakref.ref[torch.Tensor]) -> None:
+    if _replaced.get(key) is ref:
+        del _replaced[key]
+
+
+def _is_replaced(p: torch.Tensor) -> bool:
+    ref = _replaced.get(id(p))
+    return ref is not None and ref() is p
+
+
+def forget_replaced() -> None:
+    """Drop the records (tests)."""
+    with _lock:
+        _replaced.clear()
+        _checked.clear()
+
+
+def _check(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    if optimizer in _checked:
+        return
+    stale = sum(1 for group in optimizer.param_groups for p in group["params"] if _is_replaced(p))
+    if stale:
+        total = sum(len(group["params"]) for group in optimizer.param_groups)
+        raise ConfigError([Problem(
+            "optimizer", f"{type(optimizer).__name__} holding {stale} of {total} parameters from before shard()",
+            "an optimizer built from the sharded model's parameters",
+            "build the optimizer after fsdp_bridge.shard(model, ...): optimizer = "
+            f"torch.optim.{type(optimizer).__name__}(model.parameters(), ...); the parameters it holds were "
+            "replaced by sharded ones, so stepping it would train nothing")])
+    _checked.add(optimizer)

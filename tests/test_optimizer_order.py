@@ -1,0 +1,43 @@
+"""An optimizer built before shard(): refused at its first step where it would train nothing."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import fsdp_bridge
+from fsdp_bridge import Backend, BridgeConfig, ConfigError
+from fsdp_bridge.testing.models import build_tiny, sample_batch
+
+
+def _optimizer_before_shard() -> dict[str, str]:
+    rank = dist.get_rank()
+    out: dict[str, str] = {}
+    for backend in Backend:
+        model = build_tiny("llama", seed=0)
+        early = torch.optim.AdamW(model.parameters(), lr=1e-2)  # before shard(): legal in FSDP1
+        sharded = fsdp_bridge.shard(model, BridgeConfig(backend=backend))
+        batch = sample_batch("llama", batch=2, seq=8, seed=42 + rank)
+        losses = []
+        try:
+            for _ in range(2):
+                loss = sharded(**batch).loss
+                loss.backward()
+                early.step()
+                early.zero_grad()
+                losses.append(loss.item())
+            out[backend.value] = f"trained: {losses[0] != losses[1]}"
+        except ConfigError as err:
+            out[backend.value] = str(err)
+        late = torch.optim.AdamW(sharded.parameters(), lr=1e-2)  # after shard(): always fine
+        sharded(**batch).loss.backward()
+        late.step()
+    return out
+
+
+def test_an_optimizer_built_before_shard_is_refused_where_it_would_train_nothing(run_on_ranks) -> None:
+    for result in run_on_ranks(_optimizer_before_shard, 2):  # every rank raises, at the same step
+        assert result["fsdp1"] == "trained: True"  # FSDP1 keeps the original parameters (use_orig_params)
+        assert "optimizer: got 'AdamW holding" in result["fsdp2"]
+        assert "parameters from before shard()" in result["fsdp2"]
+        assert "build the optimizer after fsdp_bridge.shard(model, ...)" in result["fsdp2"]
