@@ -347,7 +347,7 @@ def test_bad_checkpoints_are_refused_with_the_file_and_problem(tmp_path: Path) -
             "the model has [48, 32]") in e["shapes"]
     assert "full: " in e["full_shapes"] and "shape mismatch model.layers.0.mlp.up_proj.weight" in e["full_shapes"]
     assert "state['t']: a " in e["bad_state"] or "state['t']: Tensor" in e["bad_state"]
-    assert "kind must be 'sharded' or 'full' (got 'hf')" in e["bad_kind"]
+    assert "kind must be 'sharded', 'full', 'adapter' or 'merged' (got 'hf')" in e["bad_kind"]
     assert "__0_0.distcp: size" in e["truncated"] and "(truncated or overwritten)" in e["truncated"]
     assert "model.safetensors: size" in e["truncated_full"]
     assert e["kept"] == "step_20,step_30" and e["latest"] == "step_30"

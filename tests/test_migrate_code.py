@@ -251,6 +251,10 @@ def wrap(model, cfg, policy, mesh):
     return model
 
 
+def units(model: FSDP) -> list[FSDP]:
+    return [m for m in FSDP.fsdp_modules(model) if isinstance(m, FSDP)]
+
+
 def step(model, cfg, policy_fn):
     other = FSDP(model, *cfg.args)  # positional arguments unpacked at run time: not mechanical
     model.clip_grad_norm_(1.0)
@@ -264,6 +268,8 @@ def test_awkward_code_is_rewritten_or_annotated_never_crashes(tmp_path: Path) ->
     assert "sharding_strategy=(ShardingStrategy.HYBRID_SHARD" in result.fixed
     assert "mesh=mesh if cfg.hsdp else None," in result.fixed
     assert "fsdp_bridge.clip_grad_norm_(model, 1.0)" in result.fixed
+    assert "def units(model: FSDPModule) -> list[FSDPModule]:" in result.fixed
+    assert "for m in [m for m in model.modules() if isinstance(m, FSDPModule)] if isinstance(m, FSDPModule)" in result.fixed
     todos = [f for f in result.findings if not f.fixable]
     assert len(todos) == 1 and "*cfg.args" in todos[0].replacement
     # A second --fix on a file that still has a TODO changes nothing (it used to rewrite the

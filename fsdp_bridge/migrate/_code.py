@@ -65,8 +65,13 @@ _NAMES: dict[str, str] = {
     "ModuleWrapPolicy": "BridgeConfig(wrap=[LayerClass, ...])",
     "CustomPolicy": "BridgeConfig(wrap=callable) (a function module -> bool)",
     "lambda_auto_wrap_policy": "BridgeConfig(wrap=callable) (a function module -> bool)",
-    "state_dict_type": "fsdp_bridge.save_checkpoint(path, model, optimizer, kind='full'|'sharded') / "
-                       "fsdp_bridge.load_checkpoint(path, model, optimizer); or " + _fsdp2("state_dict_type"),
+    "state_dict_type": (
+        "not rewritten: FULL_STATE_DICT / SHARDED_STATE_DICT blocks whose body calls model.state_dict(), "
+        "model.load_state_dict() or FSDP.optim_state_dict are rewritten; here the type is known only at run "
+        "time, or is LOCAL_STATE_DICT, which has no FSDP2 form (FSDP1's flat-parameter shards): save "
+        "SHARDED_STATE_DICT instead (get_model_state_dict + dcp.save, or fsdp_bridge.save_checkpoint); to carry "
+        "a local checkpoint, load it in FSDP1, save it sharded, then `fsdp-bridge convert`"
+    ),
     "set_state_dict_type": "fsdp_bridge.save_checkpoint / load_checkpoint; or " + _fsdp2("state_dict_type"),
     "StateDictType": "fsdp_bridge.save_checkpoint(..., kind='full'|'sharded')",
     "FullStateDictConfig": "fsdp_bridge.save_checkpoint(..., kind='full') (rank 0 writes, CPU copy)",
@@ -99,6 +104,7 @@ _NAMES: dict[str, str] = {
                                       "remove this call once the config has it",
 }
 _KEPT: dict[str, str] = {
+    "StateDictType": "torch's FSDP1 enum, here a setting of your own (the state_dict_type blocks are rewritten)",
     "MixedPrecision": "torch's FSDP1 mixed-precision dataclass",
     "CPUOffload": "torch's FSDP1 offload dataclass",
     "BackwardPrefetch": "torch's FSDP1 prefetch enum",
@@ -200,6 +206,8 @@ class _Scanner(cst.CSTVisitor):
         self.needs_state_dict_api: set[str] = set()  # names to import from torch.distributed.checkpoint.state_dict
         self.needs_imports: set[tuple[str, str | None]] = set()  # (module, name) other rewrites use
         self.optimizer_moves: dict[int, int] = {}  # id(optimizer statement) -> id(the wrap statement it follows)
+        self.name_rewrites: dict[int, str] = {}  # id(Name/Attribute) -> replacement (annotations)
+        self.annotation_depth = 0
         self.planning = True
         self.consumed_partial = False
         self.consumed_nodes: set[int] = set()
@@ -318,6 +326,12 @@ class _Scanner(cst.CSTVisitor):
                 return None
         return None
 
+    def visit_Annotation(self, node: cst.Annotation) -> None:
+        self.annotation_depth += 1
+
+    def leave_Annotation(self, original_node: cst.Annotation) -> None:
+        self.annotation_depth -= 1
+
     def visit_Attribute(self, node: cst.Attribute) -> bool:
         return self._reference(node)
 
@@ -334,6 +348,11 @@ class _Scanner(cst.CSTVisitor):
         if id(node) in self.consumed_nodes:
             return False
         kind, member = hit
+        if kind == FSDP and member == "" and self.annotation_depth:
+            self.needs_imports.add(("torch.distributed.fsdp", "FSDPModule"))
+            self.name_rewrites[id(node)] = "FSDPModule"
+            self._record(node, f"{_code(node)} (annotation)", "FSDPModule (FSDP2 units are FSDPModule)", True)
+            return False
         if kind == FSDP and member == "":
             # FSDP(...) calls are handled in visit_Call; isinstance(x, FSDP) and the like land here.
             self._record(node, _code(node), "torch.distributed.fsdp.FSDPModule (FSDP2 modules are FSDPModule)", False)
@@ -932,6 +951,14 @@ class _Fixer(cst.CSTTransformer):
                 return updated_node.with_changes(func=target, args=_commas([cst.Arg(func.value), *updated_node.args]))
             return updated_node.with_changes(func=cst.parse_expression("fsdp_bridge.summon_full_params"))
         return updated_node
+
+    def leave_Name(self, original_node: cst.Name, updated_node: cst.Name) -> Any:
+        rewrite = self.scan.name_rewrites.get(id(original_node))
+        return cst.Name(rewrite) if rewrite else updated_node
+
+    def leave_Attribute(self, original_node: cst.Attribute, updated_node: cst.Attribute) -> Any:
+        rewrite = self.scan.name_rewrites.get(id(original_node))
+        return cst.Name(rewrite) if rewrite else updated_node
 
     def leave_SimpleStatementLine(self, original_node: cst.SimpleStatementLine,
                                   updated_node: cst.SimpleStatementLine) -> Any:
