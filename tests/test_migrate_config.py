@@ -12,7 +12,9 @@ from unittest import mock
 import pytest
 import yaml
 
+import fsdp_bridge
 from fsdp_bridge import BridgeConfig, ConfigError, load_config
+from fsdp_bridge.cli import main
 from fsdp_bridge.docgen import render
 from fsdp_bridge.migrate import Status, migrate_config, write_outputs
 
@@ -203,7 +205,7 @@ def test_bridge_yaml_every_option(tmp_path: Path) -> None:
     assert _statuses(m.report) == {
         "strategy": M, "mixed_precision": M, "wrap": E, "backward_prefetch": NE, "forward_prefetch": E,
         "limit_all_gathers": X, "cpu_offload": M, "activation_checkpointing": M, "sync_module_states": E,
-        "reshard_after_forward": M, "hybrid_shape": M, "ignored_modules": M,
+        "reshard_after_forward": M, "hybrid_shape": M, "ignored_modules": M, "device": M,
     }
     assert m.fsdp2 == BridgeConfig.from_dict({**data, "backend": "fsdp2", "backward_prefetch": "pre"})
 
@@ -246,3 +248,68 @@ def test_docs_table_is_generated_from_the_mapping() -> None:
     path = Path(__file__).resolve().parents[1] / "docs" / "migration.md"
     text = path.read_text()
     assert render(text) == text, "docs/migration.md is out of date: run python -m fsdp_bridge.docgen"
+
+
+# -- configs as published recipes write them (fixtures of our own, one per spelling) -----------
+
+CONFIGS = Path(__file__).parent / "fixtures" / "migrate_configs"
+BF16 = {"param_dtype": "bfloat16", "reduce_dtype": "bfloat16", "output_dtype": None, "buffer_dtype": "bfloat16",
+        "cast_forward_inputs": True}
+FP16 = {**BF16, "param_dtype": "float16", "reduce_dtype": "float16", "buffer_dtype": "float16"}
+EXPECTED_CONFIGS = {
+    "trainer_cmd_llama.sh": dict(strategy="full_shard", wrap=["LlamaDecoderLayer"], cpu_offload=False,
+                                 mixed_precision=BF16),
+    "trainer_cmd_offload_size.sh": dict(strategy="shard_grad_op", wrap={"min_num_params": 5000000},
+                                        cpu_offload=True, mixed_precision=FP16),
+    "trainer_cmd_hybrid_config_file.sh": dict(strategy="hybrid_shard", wrap=["MistralDecoderLayer"],
+                                              forward_prefetch=True, mixed_precision=BF16),
+    "trainer_args_legacy.json": dict(strategy="full_shard", wrap=["Qwen2DecoderLayer"], mixed_precision=BF16),
+    "trainer_args_size_based.json": dict(strategy="full_shard", wrap={"min_num_params": 20000000},
+                                         cpu_offload=True, mixed_precision="fp32"),
+    "trainer_args_prefixed.yaml": dict(strategy="shard_grad_op", wrap=["GPTNeoXLayer"],
+                                       activation_checkpointing=True, sync_module_states=True),
+    "axolotl_offload.yaml": dict(strategy="full_shard", wrap=["LlamaDecoderLayer"], cpu_offload=True,
+                                 sync_module_states=True, limit_all_gathers=True, mixed_precision=BF16),
+    "accelerate_hybrid_size.yaml": dict(strategy="hybrid_shard", wrap={"min_num_params": 100000000},
+                                        mixed_precision=BF16),
+    "accelerate_numbered_old.yaml": dict(strategy="shard_grad_op", wrap=["T5Block"], backward_prefetch="pre"),
+}
+
+
+def _input_keys(path: Path) -> set[str]:
+    """The FSDP options a person wrote in the file (what must each show in the report)."""
+    text = path.read_text()
+    if path.suffix == ".sh":
+        return {t[2:].split("=")[0] for t in text.split() if t.startswith("--fsdp")} - {"fsdp_config"}
+    data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    cfg = data.get("fsdp_config") or {}
+    keys = {k.removeprefix("fsdp_") for k in cfg} | {k.removeprefix("fsdp_") for k in data if k.startswith("fsdp_")}
+    return keys - {"config"}
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED_CONFIGS))
+def test_published_config_spellings_migrate_without_dropping_options(name: str, tmp_path: Path) -> None:
+    src = CONFIGS / name
+    out = tmp_path / "bridge.yaml"
+    assert main(["migrate", "config", str(src), "-o", str(out)]) == 0
+    written = yaml.safe_load(out.read_text())
+    for key, value in EXPECTED_CONFIGS[name].items():
+        assert written[key] == value, (key, written[key])
+    fsdp_bridge.load_config(out)  # loads as a bridge config
+    assert main(["explain", str(out)]) == 0
+    report = migrate_config(src).report
+    reported = " ".join(r.key for r in report.rows)
+    missing = [k for k in _input_keys(src) if k.removeprefix("fsdp_") not in reported]
+    assert not missing, f"options not in the report: {missing}"
+
+
+def test_axolotl_list_and_config_that_disagree_on_offload_are_refused() -> None:
+    with pytest.raises(ConfigError, match=r"fsdp_offload_params: got False; allowed: true, as the fsdp list asks"):
+        migrate_config(CONFIGS / "axolotl_list_offload.yaml")
+
+
+def test_a_command_line_without_fsdp_is_named() -> None:
+    with pytest.raises(ConfigError, match=r"no --fsdp flag found"):
+        from fsdp_bridge.migrate._config import parse_trainer_command
+
+        parse_trainer_command("python train.py --bf16 True", "run.sh", base=Path("."))

@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -193,6 +194,7 @@ _ACCELERATE_KEYS: dict[str, str] = {
     "fsdp_cpu_ram_efficient_loading": "cpu_ram_efficient_loading",
     "fsdp_activation_checkpointing": "activation_checkpointing",
     "fsdp_ignored_modules": "ignored_modules",
+    "fsdp_limit_all_gathers": "limit_all_gathers",
     "fsdp_version": "",
 }
 
@@ -267,7 +269,8 @@ def parse_accelerate(data: Mapping[str, Any], path: str) -> Fsdp1Source:
 
     for key, name in (("fsdp_forward_prefetch", "forward_prefetch"), ("fsdp_offload_params", "cpu_offload"),
                       ("fsdp_sync_module_states", "sync_module_states"),
-                      ("fsdp_activation_checkpointing", "activation_checkpointing")):
+                      ("fsdp_activation_checkpointing", "activation_checkpointing"),
+                      ("fsdp_limit_all_gathers", "limit_all_gathers")):
         if key in fsdp:
             src.fields[name] = _bool(f"fsdp_config.{key}", fsdp[key], problems)
             opt(key, name, fsdp[key])
@@ -375,15 +378,18 @@ def parse_trainer(fsdp: object, fsdp_config: Mapping[str, Any], path: str, *,
                                                                            cfg["cpu_offload"], problems)
         opt("fsdp_config.cpu_offload", "cpu_offload", cfg["cpu_offload"])
 
-    # transformers' default auto_wrap_policy is TRANSFORMER_BASED_WRAP ("auto_wrap" is a no-op since v5).
-    policy = _numbered("fsdp_config.auto_wrap_policy", cfg.get("auto_wrap_policy", "TRANSFORMER_BASED_WRAP"),
+    # transformers' FSDP1 rule: min_num_params > 0 (and no layer classes) selects SIZE_BASED_WRAP,
+    # otherwise TRANSFORMER_BASED_WRAP ("auto_wrap" is a no-op since v5).
+    sized = str(cfg.get("min_num_params", "0")).strip() not in ("0", "") and "transformer_layer_cls_to_wrap" not in cfg
+    default_policy = "SIZE_BASED_WRAP" if sized else "TRANSFORMER_BASED_WRAP"
+    policy = _numbered("fsdp_config.auto_wrap_policy", cfg.get("auto_wrap_policy", default_policy),
                        ACCELERATE_WRAP, problems)
     if "auto_wrap" in items:
         opt("fsdp: auto_wrap", "wrap", "auto_wrap")
     if "auto_wrap_policy" in cfg:
         opt("fsdp_config.auto_wrap_policy", "wrap", cfg["auto_wrap_policy"])
     elif "auto_wrap" not in items:
-        opt("fsdp_config.auto_wrap_policy", "wrap", "TRANSFORMER_BASED_WRAP", default=True)
+        opt("fsdp_config.auto_wrap_policy", "wrap", default_policy, default=True)
     classes = None
     if "transformer_layer_cls_to_wrap" in cfg:
         classes = _class_list("fsdp_config.transformer_layer_cls_to_wrap", cfg["transformer_layer_cls_to_wrap"],
@@ -430,7 +436,7 @@ def parse_trainer(fsdp: object, fsdp_config: Mapping[str, Any], path: str, *,
                                                         ACCELERATE_STATE_DICT, problems)
         opt("fsdp_config.state_dict_type", "state_dict_type", cfg["state_dict_type"])
     for flag in ("bf16", "fp16"):
-        if training_args.get(flag):
+        if str(training_args.get(flag, "")).strip().lower() in ("true", "1", "yes"):
             src.fields["mixed_precision"] = _mixed_precision(flag, flag, problems)
             opt(flag, "mixed_precision", training_args[flag])
     if problems:
@@ -467,9 +473,18 @@ def read_source(path: str | os.PathLike[str], *, fsdp: str | None = None) -> Fsd
     except (json.JSONDecodeError, yaml.YAMLError) as err:
         raise ConfigError([Problem("SRC", str(path), "valid JSON or YAML", str(err).replace("\n", " "))]) from None
     if not isinstance(data, Mapping):
-        raise ConfigError([Problem("SRC", str(path), "a mapping (accelerate YAML, Trainer arguments, bridge YAML)")])
+        if "--fsdp" in text:
+            return parse_trainer_command(text, str(path), base=path.parent)
+        raise ConfigError([Problem("SRC", str(path), "a mapping (accelerate YAML, Trainer arguments, axolotl YAML, "
+                                   "bridge YAML) or a command line with Trainer --fsdp flags")])
     if fsdp is not None:
         return parse_trainer(fsdp, data, str(path))
+    if "fsdp" in data and isinstance(data.get("fsdp_config") or {}, Mapping) and _accelerate_style(
+            data.get("fsdp_config") or {}):
+        return parse_axolotl(data, str(path))
+    if "fsdp" in data and "fsdp_config" not in data:
+        # TrainingArguments with the FSDP1-era flags and no fsdp_config (the most common recipes)
+        return parse_trainer(data["fsdp"], _legacy_trainer_config(data), str(path), training_args=data)
     if "fsdp_config" in data and "fsdp" in data:
         fsdp_config = data["fsdp_config"] or {}
         if isinstance(fsdp_config, str):  # TrainingArguments accept a path to the JSON
@@ -484,6 +499,94 @@ def read_source(path: str | os.PathLike[str], *, fsdp: str | None = None) -> Fsd
         "an accelerate config (with fsdp_config:), Trainer arguments (fsdp and fsdp_config), "
         "or a bridge YAML with backend: fsdp1",
         "for a Trainer fsdp_config JSON alone, pass the fsdp option string with --fsdp")])
+
+
+_LEGACY_TRAINER_FLAGS = {"fsdp_transformer_layer_cls_to_wrap": "transformer_layer_cls_to_wrap",
+                         "fsdp_min_num_params": "min_num_params"}
+"""TrainingArguments' FSDP1-era flags, which transformers moves into ``fsdp_config``."""
+
+
+def _legacy_trainer_config(args: Mapping[str, Any]) -> dict[str, Any]:
+    return {new: args[old] for old, new in _LEGACY_TRAINER_FLAGS.items() if args.get(old) not in (None, "", 0, "0")}
+
+
+def parse_trainer_command(text: str, path: str, *, base: Path) -> Fsdp1Source:
+    """A shell command or script launching a Trainer: ``--fsdp "full_shard auto_wrap"
+    --fsdp_transformer_layer_cls_to_wrap X [--fsdp_config JSON_OR_PATH] [--bf16 True] ...``."""
+    try:
+        tokens = shlex.split(text.replace("\\\n", " "), comments=True)
+    except ValueError as err:
+        raise ConfigError([Problem("SRC", path, "a shell command line", str(err))]) from None
+    args: dict[str, Any] = {}
+    i = 0
+    while i < len(tokens):
+        token = tokens[i]
+        if token.startswith("--"):
+            key, eq, value = token[2:].partition("=")
+            if not eq:
+                if i + 1 < len(tokens) and not tokens[i + 1].startswith("--"):
+                    value, i = tokens[i + 1], i + 1
+                else:
+                    value = "true"  # a bare flag (--bf16)
+            args[key.replace("-", "_")] = value
+        i += 1
+    if "fsdp" not in args:
+        raise ConfigError([Problem("SRC", path, "a command line with --fsdp \"full_shard auto_wrap\" (or another "
+                                   "strategy)", "no --fsdp flag found")])
+    fsdp_config: dict[str, Any] = {}
+    raw_config = args.get("fsdp_config")
+    if raw_config:
+        if raw_config.lstrip().startswith("{"):
+            try:
+                fsdp_config = json.loads(raw_config)
+            except json.JSONDecodeError as err:
+                raise ConfigError([Problem("--fsdp_config", raw_config, "JSON or a path to a JSON file",
+                                           str(err))]) from None
+        else:
+            fsdp_config = read_json(base / raw_config)
+    fsdp_config = {**_legacy_trainer_config(args), **fsdp_config}
+    return parse_trainer(args["fsdp"], fsdp_config, path, training_args=args)
+
+
+_AXOLOTL_ITEMS = {"full_shard": "FULL_SHARD", "shard_grad_op": "SHARD_GRAD_OP", "no_shard": "NO_SHARD",
+                  "hybrid_shard": "HYBRID_SHARD", "hybrid_shard_zero2": "_HYBRID_SHARD_ZERO2"}
+
+
+def _accelerate_style(fsdp_config: Mapping[str, Any]) -> bool:
+    """axolotl's fsdp_config holds accelerate's keys (fsdp_offload_params, fsdp_sharding_strategy, ...)."""
+    return any(k in _ACCELERATE_KEYS and k.removeprefix("fsdp_") not in _TRAINER_KEYS for k in fsdp_config)
+
+
+def parse_axolotl(data: Mapping[str, Any], path: str) -> Fsdp1Source:
+    """An axolotl YAML: a ``fsdp:`` list (strategy, offload, auto_wrap) and accelerate's keys under
+    ``fsdp_config:``, which axolotl hands to accelerate. The list fills what the config leaves out."""
+    fsdp_config = dict(data.get("fsdp_config") or {})
+    raw = data.get("fsdp")
+    items = raw.split() if isinstance(raw, str) else list(raw) if isinstance(raw, (list, tuple)) else []
+    for item in items:
+        item = str(item).strip().lower()
+        if item in _AXOLOTL_ITEMS and "fsdp_sharding_strategy" not in fsdp_config:
+            fsdp_config["fsdp_sharding_strategy"] = _AXOLOTL_ITEMS[item]
+        elif item == "offload":
+            if fsdp_config.get("fsdp_offload_params", True) is not True:
+                raise ConfigError([Problem("fsdp_config.fsdp_offload_params", fsdp_config["fsdp_offload_params"],
+                                           "true, as the fsdp list asks for offload",
+                                           "the two disagree: remove 'offload' from fsdp, or set "
+                                           "fsdp_offload_params: true")], source=path)
+            fsdp_config["fsdp_offload_params"] = True
+        elif item == "auto_wrap" and "fsdp_auto_wrap_policy" not in fsdp_config:
+            fsdp_config["fsdp_auto_wrap_policy"] = "TRANSFORMER_BASED_WRAP"
+        elif item not in (*_AXOLOTL_ITEMS, "offload", "auto_wrap"):
+            raise ConfigError([Problem("fsdp", item, ", ".join((*_AXOLOTL_ITEMS, "offload", "auto_wrap")))],
+                              source=path)
+    merged: dict[str, Any] = {"fsdp_config": fsdp_config}
+    for flag in ("bf16", "fp16"):
+        if data.get(flag) is True:
+            merged["mixed_precision"] = flag
+    src = parse_accelerate(merged, path)
+    src.kind = "axolotl"
+    src.raw = dict(data)
+    return src
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -550,6 +653,9 @@ def migrate_config(path: str | os.PathLike[str], *, fsdp: str | None = None) -> 
             for e in entries:
                 key = o.key if e.option == o.option else f"{o.key} ({e.option})"
                 report.rows.append(OptionRow(key, value, status_of(e.outcome), _target(fsdp2, o.option), e.text))
+            if not entries:  # the table reports only options that change something: say so, never drop it
+                report.rows.append(OptionRow(o.key, value, Status.MAPPED, _target(fsdp2, o.option),
+                                             "the default on both backends: nothing to translate"))
         else:
             outcome, text = _table_only(o.option)
             target = _table_target(o.option, src.table_values.get(o.option))
