@@ -17,7 +17,7 @@ from fsdp_bridge import hf
 from fsdp_bridge._optimizer_check import record_replaced
 from fsdp_bridge.backends import BackendImpl, ShardPlan, get_backend
 from fsdp_bridge.config import BridgeConfig
-from fsdp_bridge.distributed import MeshPlan, agree, build_mesh, check_user_mesh, init_distributed, plan_mesh
+from fsdp_bridge.distributed import MeshPlan, agree, build_mesh, init_distributed, plan_mesh, plan_user_mesh
 from fsdp_bridge.errors import ConfigError, Problem
 from fsdp_bridge.mapping import TranslationReport, translate, unsupported_problems
 from fsdp_bridge.wrap import WrapPlan, resolve_ignored, resolve_wrap
@@ -178,11 +178,14 @@ def _validate(
     problems = unsupported_problems(config, config.backend, device_type=device.type)
     mesh_plan = None
     try:
-        mesh_plan = plan_mesh(config, dist.get_world_size())
-        if mesh is not None:
-            check_user_mesh(mesh, mesh_plan)
+        mesh_plan = plan_user_mesh(config, mesh) if mesh is not None else plan_mesh(config, dist.get_world_size())
     except ConfigError as err:
         problems.extend(err.problems)
+    if mesh is not None and mesh.size() != dist.get_world_size() and config.sync_module_states:
+        problems.append(Problem("sync_module_states", True, "false with a sub-mesh",
+                                "the other mesh dimensions (e.g. tensor parallel) hold different shards, so rank 0's "
+                                "weights cannot be broadcast to every rank: seed every rank the same way, or load "
+                                "weights after shard() (fsdp_bridge.load_checkpoint)"))
     ignored: list[nn.Module] = []
     try:
         ignored = [m for _, m in resolve_ignored(model, config.ignored_modules)] if config.ignored_modules else []

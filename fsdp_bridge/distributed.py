@@ -196,6 +196,27 @@ def build_mesh(plan: MeshPlan, device_type: str) -> DeviceMesh:
     return init_device_mesh(device_type, plan.shape, mesh_dim_names=plan.dim_names)
 
 
+def plan_user_mesh(config: BridgeConfig, mesh: DeviceMesh) -> MeshPlan:
+    """The plan for a mesh the user passes to shard(): the data-parallel mesh FSDP runs on.
+
+    It may be a sub-mesh of a larger one (``mesh["dp"]`` of a (dp, tp) mesh, or
+    ``mesh["replicate", "shard"]`` of a 3D mesh): its own size, not the world's, is the
+    data-parallel size, and HYBRID_* take any 2D shape unless ``hybrid_shape`` pins one.
+    """
+    size = mesh.size()
+    if config.strategy.is_hybrid and mesh.ndim != 2:
+        raise ConfigError([Problem(
+            "mesh", f"DeviceMesh{tuple(mesh.shape)}", f"a 2D (replicate, shard) data-parallel mesh for "
+            f"{config.strategy.value}", "pass mesh['replicate', 'shard'] of your mesh (e.g. of a "
+            "(replicate, shard, tp) mesh), or use full_shard on a 1D data-parallel mesh such as mesh['dp']")])
+    if config.strategy.is_hybrid and config.hybrid_shape is None:
+        plan = MeshPlan(tuple(mesh.shape), ("replicate", "shard"))
+    else:
+        plan = plan_mesh(config, size, local_world_size=size if not config.strategy.is_hybrid else None)
+    check_user_mesh(mesh, plan)
+    return plan
+
+
 def check_user_mesh(mesh: DeviceMesh, plan: MeshPlan) -> None:
     """A mesh passed to shard() must have the shape the strategy needs."""
     shape = tuple(mesh.shape)
@@ -205,8 +226,10 @@ def check_user_mesh(mesh: DeviceMesh, plan: MeshPlan) -> None:
                 Problem(
                     "mesh",
                     f"DeviceMesh{shape}",
-                    f"a mesh of shape {plan.shape} ({', '.join(plan.dim_names)})",
-                    "pass a mesh of that shape, or mesh=None to let fsdp_bridge build it",
+                    f"a data-parallel mesh of shape {plan.shape} ({', '.join(plan.dim_names)}) for "
+                    f"{plan.shape[0] if len(plan.shape) == 1 else 'replicate x shard'} ranks",
+                    "pass the data-parallel (sub-)mesh of that shape (e.g. mesh['dp'] of a (dp, tp) mesh; "
+                    "a 2D (replicate, shard) mesh for HYBRID_*), or mesh=None to let fsdp_bridge build it",
                 )
             ]
         )

@@ -1,0 +1,93 @@
+"""FSDP on the data-parallel sub-mesh of a (dp, tp) mesh, tensor parallel on the other dimension."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import fsdp_bridge
+from fsdp_bridge import BridgeConfig, ConfigError
+
+
+class FeedForward(nn.Module):
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.up = nn.Linear(width, 4 * width)
+        self.down = nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(FeedForward() for _ in range(2))
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def _tp_model(tp_mesh: Any) -> Net:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch.manual_seed(0)
+    model = Net()
+    for block in model.blocks:
+        parallelize_module(block, tp_mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    return model
+
+
+def _train(model: nn.Module, dp_rank: int) -> list[float]:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(42 + dp_rank)  # the same batch across a tp group
+    losses = []
+    for _ in range(3):
+        x, y = torch.randn(4, 16, generator=g), torch.randint(0, 3, (4,), generator=g)
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _dp_tp() -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp, tp = mesh["dp"], mesh["tp"]
+    out: dict[str, Any] = {}
+    plain = _tp_model(tp)
+    for block in plain.blocks:
+        fully_shard(block, mesh=dp)
+    fully_shard(plain, mesh=dp)
+    out["plain"] = _train(plain, dp.get_local_rank())
+    for backend in ("fsdp1", "fsdp2"):
+        bridged = fsdp_bridge.shard(_tp_model(tp), BridgeConfig(backend=backend, wrap=["FeedForward"]), mesh=dp)
+        out[backend] = _train(bridged, dp.get_local_rank())
+    try:
+        fsdp_bridge.shard(_tp_model(tp), BridgeConfig(wrap=["FeedForward"], sync_module_states=True), mesh=dp)
+    except ConfigError as err:
+        out["sync_error"] = str(err)
+    try:
+        fsdp_bridge.shard(_tp_model(tp), BridgeConfig(strategy="hybrid_shard"), mesh=dp)
+    except ConfigError as err:
+        out["hybrid_error"] = str(err)
+    dist.barrier()
+    return out
+
+
+def test_fsdp_on_the_dp_sub_mesh_of_a_tensor_parallel_model(run_on_ranks) -> None:
+    for r in run_on_ranks(_dp_tp, 4):
+        torch.testing.assert_close(r["fsdp2"], r["plain"], rtol=1.3e-6, atol=1e-5)
+        torch.testing.assert_close(r["fsdp1"], r["plain"], rtol=1.3e-6, atol=1e-5)
+        assert "sync_module_states: got True; allowed: false with a sub-mesh" in r["sync_error"]
+        assert "mesh: got 'DeviceMesh(2,)'; allowed: a 2D (replicate, shard) data-parallel mesh" in r["hybrid_error"]
