@@ -475,21 +475,115 @@ class BridgeConfig:
         return cls(backend=backend, **values)  # type: ignore[arg-type]
 
 
-def read_yaml_file(path: str | os.PathLike[str], *, key: str = "path") -> Any:
-    """The data in a YAML file, read with ``yaml.safe_load`` (no tag can build Python objects).
+_YAML_MAX_BYTES = 16 << 20
+_YAML_MAX_ALIASES = 100
+_YAML_MAX_DEPTH = 64
+_YAML_MAX_INT_DIGITS = 30
+_YAML_MAX_NODES = 100_000
+
+
+class _YamlLimit(yaml.YAMLError):
+    pass
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` (no tag builds Python objects) with the limits a config needs: a
+    handful of aliases (a 1 KB alias bomb otherwise expands into gigabytes once walked),
+    bounded nesting, integers of at most 30 digits, and no duplicate keys (the second would
+    silently win)."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self._aliases = 0
+        self._depth = 0
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            self._aliases += 1
+            if self._aliases > _YAML_MAX_ALIASES:
+                raise _YamlLimit(f"more than {_YAML_MAX_ALIASES} aliases (*name): not a configuration")
+        self._depth += 1
+        try:
+            if self._depth > _YAML_MAX_DEPTH:
+                raise _YamlLimit(f"nested more than {_YAML_MAX_DEPTH} levels deep")
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+    def compose_document(self) -> Any:
+        node = super().compose_document()
+        sizes: dict[int, int] = {}
+
+        def expanded(n: Any) -> int:  # nodes once aliases are expanded (shared nodes counted once each)
+            if id(n) not in sizes:
+                sizes[id(n)] = 0  # a cycle counts as nothing more
+                children = n.value if isinstance(n.value, list) else []
+                total = 1
+                for child in children:
+                    total += sum(expanded(c) for c in child) if isinstance(child, tuple) else expanded(child)
+                    if total > _YAML_MAX_NODES:
+                        break
+                sizes[id(n)] = total
+            return sizes[id(n)]
+
+        if node is not None and expanded(node) > _YAML_MAX_NODES:
+            raise _YamlLimit(f"expands to more than {_YAML_MAX_NODES:,} values through its aliases (*name)")
+        return node
+
+    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+        seen: dict[Any, Any] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, str | int | float | bool) and key in seen:
+                raise _YamlLimit(f"duplicate key {key!r} (line {key_node.start_mark.line + 1}, first on line "
+                                 f"{seen[key] + 1}): the second would silently win")
+            if isinstance(key, str | int | float | bool):
+                seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+    def construct_yaml_int(self, node: Any) -> int:
+        digits = sum(ch.isdigit() for ch in str(node.value))
+        if digits > _YAML_MAX_INT_DIGITS:
+            raise _YamlLimit(f"an integer of {digits} digits (line {node.start_mark.line + 1})")
+        return super().construct_yaml_int(node)  # type: ignore[no-any-return]
+
+
+_BoundedLoader.add_constructor("tag:yaml.org,2002:int", _BoundedLoader.construct_yaml_int)
+
+
+def safe_yaml_load(text: str, *, source: str = "<string>") -> Any:
+    """Parse YAML text for a configuration: safe tags only, bounded, duplicate keys refused.
 
     Raises:
-        ConfigError: the file is unreadable (``key`` names it in the message) or not YAML.
+        ConfigError: naming ``source`` and what is wrong.
+    """
+    try:
+        return yaml.load(text, Loader=_BoundedLoader)
+    except yaml.YAMLError as err:
+        raise ConfigError([Problem("yaml", source, "valid YAML for a configuration",
+                                   " ".join(str(err).split())[:500])]) from None
+    except (RecursionError, ValueError, MemoryError) as err:
+        raise ConfigError([Problem("yaml", source, "valid YAML for a configuration",
+                                   f"{type(err).__name__}: {str(err)[:300]}")]) from None
+
+
+def read_yaml_file(path: str | os.PathLike[str], *, key: str = "path") -> Any:
+    """The data in a YAML file, read by :func:`safe_yaml_load` (no tag can build Python objects).
+
+    Raises:
+        ConfigError: the file is unreadable (``key`` names it in the message), too large, not
+            UTF-8, or not acceptable YAML.
     """
     path = Path(path)
     try:
-        text = path.read_text()
+        if path.stat().st_size > _YAML_MAX_BYTES:
+            raise ConfigError([Problem(key, str(path), f"a YAML file of at most {_YAML_MAX_BYTES >> 20} MiB")])
+        text = path.read_text(encoding="utf-8")
     except OSError as err:
         raise ConfigError([Problem(key, str(path), "a readable YAML file", str(err))]) from None
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError as err:
-        raise ConfigError([Problem("yaml", str(path), "valid YAML", str(err).replace("\n", " "))]) from None
+    except UnicodeDecodeError as err:
+        raise ConfigError([Problem(key, str(path), "a UTF-8 text file", str(err))]) from None
+    return safe_yaml_load(text, source=str(path))
 
 
 def load_config(path: str | os.PathLike[str], *, overrides: Mapping[str, Any] | None = None) -> BridgeConfig:

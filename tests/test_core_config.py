@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import yaml
@@ -210,3 +212,33 @@ def test_yaml_values_are_never_evaluated(tmp_path, text: str) -> None:
         return
     assert config.wrap.mode != "callable"
     assert all(isinstance(name, str) for name in config.ignored_modules)
+
+
+_BOMB = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
+    f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join([f'*{chr(97 + i)}'] * 9)}]\n" for i in range(8)) + "strategy: *i\n"
+
+
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [
+        (_BOMB.encode(), r"expands to more than 100,000 values through its aliases"),
+        (("strategy: " + "[" * 20000 + "]" * 20000 + "\n").encode(), r"nested more than 64 levels deep"),
+        (("hybrid_shape: [" + "9" * 5001 + ", 1]\n").encode(), r"an integer of 5001 digits"),
+        ("strategy: caf\xe9\n".encode("latin-1"), r"a UTF-8 text file"),
+        (b"strategy: full_shard\nbackend: fsdp2\nstrategy: no_shard\n",
+         r"duplicate key 'strategy' \(line 3, first on line 1\): the second would silently win"),
+    ],
+)
+def test_hostile_yaml_is_refused_quickly_by_every_reader(tmp_path: Path, content: bytes, expected: str) -> None:
+    import time
+
+    from fsdp_bridge.migrate import migrate_config
+    from fsdp_bridge.train import load_train_config
+
+    path = tmp_path / "hostile.yaml"
+    path.write_bytes(content)
+    start = time.perf_counter()
+    for read in (fsdp_bridge.load_config, load_train_config, migrate_config):
+        with pytest.raises(ConfigError, match=expected if "UTF-8" not in expected else r"UTF-8"):
+            read(path)
+    assert time.perf_counter() - start < 10  # a 391-byte alias bomb ran for minutes before

@@ -29,7 +29,7 @@ from typing import Any
 
 import yaml
 
-from fsdp_bridge.config import BridgeConfig
+from fsdp_bridge.config import BridgeConfig, safe_yaml_load
 from fsdp_bridge.errors import ConfigError, Problem
 from fsdp_bridge.mapping import TABLE, Outcome, translate
 from fsdp_bridge.migrate._report import ConfigReport, OptionRow, Status, status_of
@@ -465,13 +465,16 @@ def read_source(path: str | os.PathLike[str], *, fsdp: str | None = None) -> Fsd
     """
     path = Path(path)
     try:
-        text = path.read_text()
-    except OSError as err:
-        raise ConfigError([Problem("SRC", str(path), "a readable config file", str(err))]) from None
-    try:
-        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
-    except (json.JSONDecodeError, yaml.YAMLError) as err:
-        raise ConfigError([Problem("SRC", str(path), "valid JSON or YAML", str(err).replace("\n", " "))]) from None
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError([Problem("SRC", str(path), "a readable UTF-8 config file", str(err))]) from None
+    if path.suffix == ".json":
+        try:
+            data = json.loads(text)
+        except (json.JSONDecodeError, RecursionError, ValueError) as err:
+            raise ConfigError([Problem("SRC", str(path), "valid JSON", str(err)[:300])]) from None
+    else:
+        data = safe_yaml_load(text, source=str(path))
     if not isinstance(data, Mapping):
         if "--fsdp" in text:
             return parse_trainer_command(text, str(path), base=path.parent)
