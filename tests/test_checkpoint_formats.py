@@ -445,3 +445,58 @@ def test_damaged_dcp_metadata_is_a_checkpoint_error(tmp_path: Path, payload: byt
     (tmp_path / ".metadata").write_bytes(payload)
     with pytest.raises(CheckpointError, match=r"\.metadata"):
         load_dcp_metadata(tmp_path / ".metadata")
+
+
+def test_nothing_that_is_not_a_checkpoint_is_ever_replaced(tmp_path: Path) -> None:
+    # A directory of the user's files, named as a destination, is refused before anything runs.
+    user = tmp_path / "my_project"
+    user.mkdir()
+    (user / "notes.txt").write_text("precious")
+    with pytest.raises(CheckpointError, match=r"my_project: exists and is not an fsdp_bridge checkpoint .*notes\.txt"):
+        fsdp_bridge.save_checkpoint(user, torch.nn.Linear(2, 2))
+    src_dir = tmp_path / "src"
+    src_dir.mkdir()
+    torch.save(torch.nn.Linear(2, 2).state_dict(), src_dir / "model.pt")
+    src = src_dir / "model.pt"
+    assert cli(["convert", str(src), str(user), "--to", "sharded"]) == 2
+    assert (user / "notes.txt").read_text() == "precious" and sorted(p.name for p in user.iterdir()) == ["notes.txt"]
+    # Converting into the source's own directory, or a directory holding it, would destroy it.
+    with pytest.raises(CheckpointError, match=r"is a directory holding the source"):
+        fsdp_bridge.checkpoint.convert_checkpoint(src, tmp_path, to="sharded")
+    with pytest.raises(CheckpointError, match=r"is inside the source"):
+        fsdp_bridge.checkpoint.convert_checkpoint(src_dir, src_dir / "out", to="sharded")
+    # --to torch never overwrites a file; a real conversion still works into a new path.
+    other = tmp_path / "other.pt"
+    other.write_text("not yours")
+    assert cli(["convert", str(src), str(other), "--to", "torch"]) == 2 and other.read_text() == "not yours"
+    assert cli(["convert", str(src), str(tmp_path / "fresh"), "--to", "sharded"]) == 0
+    assert cli(["convert", str(src), str(tmp_path / "fresh"), "--to", "sharded"]) == 0  # ours: replaced
+    assert src.is_file() and (user / "notes.txt").is_file()
+
+
+def test_paths_never_leave_the_checkpoint_directory(tmp_path: Path) -> None:
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+
+    from fsdp_bridge.checkpoint._formats import load_dcp_metadata
+
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    dcp.save({"w": torch.ones(3)}, checkpoint_id=str(tmp_path / "d"), no_dist=True)
+    metadata = load_dcp_metadata(tmp_path / "d" / ".metadata")
+    for target in ("../elsewhere/x.distcp", "/etc/passwd"):
+        for info in metadata.storage_data.values():
+            info.relative_path = target
+        (tmp_path / "d" / ".metadata").write_bytes(pickle.dumps(metadata))
+        with pytest.raises(CheckpointError, match=r"names a file outside its directory"):
+            fsdp_bridge.checkpoint.inspect_checkpoint(tmp_path / "d")
+    # A symlinked model.safetensors pointing elsewhere is refused.
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.ones(2)}, str(outside / "model.safetensors"))
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "model.safetensors").symlink_to(outside / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"names a file outside its directory"):
+        fsdp_bridge.checkpoint.inspect_checkpoint(hf)

@@ -32,7 +32,13 @@ from torch.distributed.checkpoint.state_dict import (
 from fsdp_bridge import hf
 from fsdp_bridge._version import __version__
 from fsdp_bridge.checkpoint import _hf, _peft
-from fsdp_bridge.checkpoint._atomic import partial_path, publish, rotate_checkpoints, write_json_durably
+from fsdp_bridge.checkpoint._atomic import (
+    check_replaceable,
+    partial_path,
+    publish,
+    rotate_checkpoints,
+    write_json_durably,
+)
 from fsdp_bridge.checkpoint._formats import (
     DCP_DIR,
     FORMAT,
@@ -208,6 +214,7 @@ def _check_save_args(path: str | os.PathLike[str], keep_last: int | None, state:
     if path.name.startswith(".") or path.name in ("", ".."):
         raise ValueError(f"path {str(path)!r} must name a directory that does not start with '.' "
                          "(dot-names are reserved for interrupted saves)")
+    check_replaceable(path)  # every rank, before any collective: never replace the user's files
     return path
 
 

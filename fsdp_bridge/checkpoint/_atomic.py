@@ -48,6 +48,40 @@ def write_json_durably(path: Path, obj: Any) -> None:
     os.replace(tmp, path)
 
 
+def check_replaceable(path: Path) -> None:
+    """Refuse to replace ``path`` unless it is absent or an fsdp_bridge checkpoint.
+
+    Publishing moves an existing destination aside and deletes it: that must never be a
+    directory of the user's files (or a file) that happens to have the name given.
+    """
+    from fsdp_bridge.checkpoint._formats import META_FILE, CheckpointError, read_meta
+
+    if not path.exists() and not path.is_symlink():
+        return
+    if path.is_symlink() or not path.is_dir():
+        raise CheckpointError(path, "exists and is not a checkpoint directory; refusing to replace it "
+                                    "(choose a new path, or remove it yourself)")
+    if not (path / META_FILE).is_file():
+        contents = sorted(p.name for p in path.iterdir())[:5]
+        if not contents:
+            return  # an empty directory holds nothing to lose
+        raise CheckpointError(path, f"exists and is not an fsdp_bridge checkpoint (no {META_FILE}; it holds "
+                                    f"{', '.join(contents)}{', ...' if len(contents) == 5 else ''}); refusing to "
+                                    "replace it: choose a new path, or remove it yourself")
+    read_meta(path)  # a damaged description is refused too: it is not provably ours
+
+
+def check_not_nested(src: Path, dst: Path) -> None:
+    """``dst`` must be neither ``src``, nor inside it, nor a directory containing it."""
+    from fsdp_bridge.checkpoint._formats import CheckpointError
+
+    s, d = src.resolve(), dst.resolve()
+    if d == s or d.is_relative_to(s) or s.is_relative_to(d):
+        where = ("the source" if d == s else "inside the source" if d.is_relative_to(s)
+                 else "a directory holding the source")
+        raise CheckpointError(dst, f"is {where} {src}; replacing it would destroy the source: choose a path outside it")
+
+
 def publish(staging: Path, path: Path) -> None:
     """Move the finished ``staging`` directory to ``path`` (rank 0 only, after a barrier).
 

@@ -24,7 +24,13 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorSt
 
 from fsdp_bridge._version import __version__
 from fsdp_bridge.checkpoint import _hf
-from fsdp_bridge.checkpoint._atomic import partial_path, publish, write_json_durably
+from fsdp_bridge.checkpoint._atomic import (
+    check_not_nested,
+    check_replaceable,
+    partial_path,
+    publish,
+    write_json_durably,
+)
 from fsdp_bridge.checkpoint._formats import (
     DCP_DIR,
     FORMAT,
@@ -32,6 +38,7 @@ from fsdp_bridge.checkpoint._formats import (
     META_FILE,
     RNG_DIR,
     STATE_FILE,
+    CheckpointError,
     Detected,
     Kind,
     SafeDCPReader,
@@ -163,8 +170,12 @@ def convert_checkpoint(
     if to not in TARGETS:
         raise ValueError(f"to must be one of {', '.join(TARGETS)} (got {to!r})")
     dst_path = Path(dst)
-    if dst_path.resolve() == Path(src).resolve():
-        raise ValueError(f"destination {dst_path} is the source; choose another path")
+    check_not_nested(Path(src), dst_path)
+    if to == "torch" and (dst_path.exists() or dst_path.is_symlink()):
+        raise CheckpointError(dst_path, "exists; --to torch writes a new file and never replaces one: choose a new "
+                                        "path, or remove it yourself")
+    if to != "torch":
+        check_replaceable(dst_path)
     config_path = Path(hf_config) if hf_config is not None else None
     if config_path is not None and not config_path.exists():
         raise ValueError(f"hf_config {config_path} does not exist; pass a config.json or a directory holding one")

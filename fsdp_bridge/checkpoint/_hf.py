@@ -81,9 +81,11 @@ def _weight_files(directory: Path) -> list[Path]:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (OSError, ValueError, KeyError, TypeError) as err:
             raise CheckpointError(index, f"is not a valid safetensors index ({err})") from err
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(index, "weight_map is not a mapping of tensor names to file names")
         files = [safe_child(directory, name) for name in sorted(set(weight_map.values()))]
     else:
-        files = [directory / SINGLE]
+        files = [safe_child(directory, SINGLE)]  # a symlink to a file elsewhere is refused
     for f in files:
         if not f.is_file():
             raise CheckpointError(f, "missing: the weights listed in the index are not all present")
