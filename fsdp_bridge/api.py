@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import math
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from contextvars import ContextVar
@@ -19,7 +21,7 @@ from fsdp_bridge.backends import BackendImpl, ShardPlan, get_backend
 from fsdp_bridge.config import BridgeConfig
 from fsdp_bridge.distributed import MeshPlan, agree, build_mesh, init_distributed, plan_mesh, plan_user_mesh
 from fsdp_bridge.errors import ConfigError, Problem
-from fsdp_bridge.mapping import TranslationReport, translate, unsupported_problems
+from fsdp_bridge.mapping import TranslationReport, show_value, translate, unsupported_problems
 from fsdp_bridge.wrap import WrapPlan, resolve_ignored, resolve_wrap
 
 __all__ = ["Bridge", "clip_grad_norm_", "get_bridge", "no_sync", "shard", "summon_full_params"]
@@ -145,7 +147,7 @@ def shard(model: nn.Module, config: BridgeConfig | None = None, *, mesh: DeviceM
     except Exception as err:  # unexpected: re-raised on this rank after the others are told
         failure = err
         problems.append(Problem("shard", type(err).__name__, "no error", str(err)))
-    agree(problems, raise_here=failure is None)
+    agree(problems, raise_here=failure is None, fingerprint=_fingerprint(model, config, mesh))
     if failure is not None:
         raise failure
     mesh_plan, ignored, wrap_plan, has_meta, report = validated
@@ -169,6 +171,17 @@ def shard(model: nn.Module, config: BridgeConfig | None = None, *, mesh: DeviceM
     if dist.get_rank() == 0 and logger.isEnabledFor(logging.INFO):  # describe() formats the whole report
         logger.info("%s", bridge.describe())
     return sharded
+
+
+def _fingerprint(model: nn.Module, config: BridgeConfig, mesh: DeviceMesh | None) -> dict[str, str]:
+    """What this rank asked shard() for: every rank must ask for the same (checked in agree())."""
+    out = {f"config.{name}": show_value(getattr(config, name)) for name in BridgeConfig.field_names()}
+    params = [(n, tuple(p.shape), str(p.dtype)) for n, p in model.named_parameters()]
+    out["model"] = (f"{type(model).__name__}, {len(params)} parameters, "
+                    f"{sum(math.prod(shape) for _, shape, _ in params):,} elements")
+    out["model.parameters"] = hashlib.sha256(repr(params).encode()).hexdigest()[:16]
+    out["mesh"] = "built by fsdp_bridge" if mesh is None else f"{tuple(mesh.shape)} {mesh.mesh_dim_names}"
+    return out
 
 
 def _validate(

@@ -8,6 +8,8 @@ world size *before* any collective, so a wrong shape fails on every rank at once
 from __future__ import annotations
 
 import datetime
+import hashlib
+import json
 import os
 import tempfile
 from dataclasses import dataclass
@@ -77,7 +79,31 @@ def init_distributed(device: str = "auto", *, timeout_s: float = DEFAULT_TIMEOUT
     return torch_device
 
 
-def agree(local_problems: list[Problem], *, raise_here: bool = True) -> None:
+def _digest(fingerprint: dict[str, str] | None) -> int:
+    if not fingerprint:
+        return 0
+    text = json.dumps(fingerprint, sort_keys=True)
+    return int(hashlib.sha256(text.encode()).hexdigest()[:15], 16)  # 60 bits: fits an int64
+
+
+def _disagreements(fingerprints: list[dict[str, str] | None]) -> list[Problem]:
+    prints = [f or {} for f in fingerprints]
+    keys = sorted({k for f in prints for k in f})
+    problems = []
+    for key in keys:
+        values = [f.get(key, "<missing>") for f in prints]
+        if len(set(values)) > 1:
+            by_value: dict[str, list[int]] = {}
+            for rank, value in enumerate(values):
+                by_value.setdefault(value, []).append(rank)
+            seen = "; ".join(f"rank {','.join(map(str, ranks))}: {value}" for value, ranks in by_value.items())
+            problems.append(Problem(f"ranks disagree on {key}", seen, "the same value on every rank",
+                                    "every rank must call shard() with the same config and the same model"))
+    return problems
+
+
+def agree(local_problems: list[Problem], *, raise_here: bool = True,
+          fingerprint: dict[str, str] | None = None) -> None:
     """Raise the same ConfigError on every rank if any rank found a problem.
 
     For checks whose outcome can differ between ranks (e.g. what each rank's model
@@ -85,22 +111,30 @@ def agree(local_problems: list[Problem], *, raise_here: bool = True) -> None:
     later collective while another has raised.  Problems found identically on every rank
     are reported once; others are prefixed with the ranks that found them.
     ``raise_here=False`` lets a rank that holds the original exception re-raise that instead.
+    ``fingerprint`` (field -> value) is what this rank asked for: ranks that differ in any
+    field all raise the same error naming the field and each rank's value.
     """
     if not dist.is_initialized() or dist.get_world_size() == 1:
         if local_problems and raise_here:
             raise ConfigError(local_problems)
         return
-    # Fast path: one small all-reduce says whether any rank found anything; only then are the
-    # problems themselves gathered (pickled objects cost two more collectives).
-    flag = torch.tensor([1 if local_problems else 0], dtype=torch.int32)
+    # Fast path: one small all-reduce (MAX of [problem?, digest, -digest]) says whether any rank
+    # found anything or asked for something else; only then are the details gathered
+    # (pickled objects cost two more collectives).
+    digest = _digest(fingerprint)
+    flag = torch.tensor([1 if local_problems else 0, digest, -digest], dtype=torch.int64)
     if dist.get_backend() == "nccl":
         flag = flag.cuda()
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    if not int(flag.item()):
+    differ = int(flag[1].item()) != -int(flag[2].item())
+    if not int(flag[0].item()) and not differ:
         return
-    gathered: list[list[Problem] | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, list(local_problems))
-    per_rank = [items or [] for items in gathered]
+    gathered: list[tuple[list[Problem], dict[str, str] | None] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (list(local_problems), fingerprint))
+    per_rank = [entry[0] if entry else [] for entry in gathered]
+    if differ:
+        mismatch = _disagreements([entry[1] if entry else None for entry in gathered])
+        per_rank = [[*mismatch, *items] for items in per_rank]
     if not any(per_rank) or not raise_here:
         return
     if all(items == per_rank[0] for items in per_rank):

@@ -555,7 +555,7 @@ class TranslationReport:
         """A plain-text table (one row per option)."""
         import textwrap
 
-        rows = [(e.option, _show(e.value), e.outcome.value, e.text) for e in self.entries]
+        rows = [(e.option, show_value(e.value), e.outcome.value, e.text) for e in self.entries]
         w0 = max(len("option"), *(len(r[0]) for r in rows))
         w1 = min(24, max(len("value"), *(len(r[1]) for r in rows)))
         w2 = max(len("outcome"), *(len(r[2]) for r in rows))
@@ -578,7 +578,7 @@ class TranslationReport:
                 {
                     "option": e.option,
                     "case": e.case,
-                    "value": _show(e.value),
+                    "value": show_value(e.value),
                     "outcome": e.outcome.value,
                     "text": e.text,
                 }
@@ -587,7 +587,8 @@ class TranslationReport:
         }
 
 
-def _show(value: object) -> str:
+def show_value(value: object) -> str:
+    """A config value as the report prints it (enum values, YAML spellings, named callables)."""
     if isinstance(value, enum.Enum):
         return str(value.value)
     if hasattr(value, "to_spelling"):
@@ -634,7 +635,7 @@ def unsupported_problems(config: BridgeConfig, backend: Backend, *, device_type:
         problems.append(
             Problem(
                 entry.option,
-                _show(entry.value),
+                show_value(entry.value),
                 f"on {backend.value}: {', '.join(supported) or 'nothing'}",
                 f"{backend.value} cannot do this: {entry.text}",
             )

@@ -178,6 +178,13 @@ def test_sigterm_saves_at_the_next_step_and_names_the_resume_command(tmp_path: P
     assert [r["step"] for r in _metrics(out)] == list(range(1, step + 3))
     assert json.loads((out / "summary.json").read_text())["steps"] == step + 2
     assert not (out / "stopped.json").exists()
+    # --resume on the finished run: said so, nothing launched, nothing rewritten.
+    summary, metrics = (out / "summary.json").read_bytes(), (out / "metrics.jsonl").read_bytes()
+    again = subprocess.run([*cmd, "--resume", f"max_steps={step + 2}"], capture_output=True, text=True,
+                           timeout=120, env=env, cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert f"is complete: its latest checkpoint is at step {step + 2}" in again.stdout
+    assert (out / "summary.json").read_bytes() == summary and (out / "metrics.jsonl").read_bytes() == metrics
 
 
 def test_stop_requests_become_one_agreed_signal() -> None:

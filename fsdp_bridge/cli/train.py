@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 from fsdp_bridge.errors import ConfigError, Problem
 
@@ -62,6 +63,25 @@ def _default_nproc() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 2
 
 
+def _finished_step(config: object) -> int | None:
+    """The step of a resumed run that already reached max_steps (None: there is work to do)."""
+    from fsdp_bridge.checkpoint import CheckpointError, latest_checkpoint
+    from fsdp_bridge.checkpoint._formats import read_meta
+
+    resume, max_steps = getattr(config, "resume", False), getattr(config, "max_steps", 0)
+    if resume is False:
+        return None
+    root = Path(getattr(config, "output_dir", ".")) / "checkpoints"
+    latest = latest_checkpoint(root) if resume in (True, "auto") else Path(str(resume))
+    if latest is None:
+        return None
+    try:
+        step = read_meta(latest).get("step")
+    except (CheckpointError, OSError):
+        return None  # the ranks report a damaged checkpoint with its reason
+    return step if isinstance(step, int) and step >= max_steps else None
+
+
 def run(args: argparse.Namespace) -> int:
     from fsdp_bridge.train._config import load_train_config
     from fsdp_bridge.train._launch import LaunchOptions, existing_launch, launch, run_rank
@@ -87,6 +107,11 @@ def run(args: argparse.Namespace) -> int:
         world = local * args.nnodes
     device = "cuda" if config.bridge.device == "cuda" else None
     notes = preflight(config, world_size=world, local_world_size=local, device_type=device)
+    done = _finished_step(config)
+    if done is not None:
+        print(f"fsdp-bridge train: {config.output_dir} is complete: its latest checkpoint is at step {done} of "
+              f"max_steps={config.max_steps}; nothing to do (raise max_steps=... to train further)")
+        return 0
     if args.dry_run:
         print(config.to_yaml(), end="")
         print(f"# ok: {world} ranks ({args.nnodes if not inside else '?'} node(s)); {'; '.join(notes)}")
