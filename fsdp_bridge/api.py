@@ -19,7 +19,15 @@ from fsdp_bridge import hf
 from fsdp_bridge._optimizer_check import record_replaced
 from fsdp_bridge.backends import BackendImpl, ShardPlan, get_backend
 from fsdp_bridge.config import BridgeConfig
-from fsdp_bridge.distributed import MeshPlan, agree, build_mesh, init_distributed, plan_mesh, plan_user_mesh
+from fsdp_bridge.distributed import (
+    MeshPlan,
+    agree,
+    average_gradients_over,
+    build_mesh,
+    init_distributed,
+    plan_mesh,
+    plan_user_mesh,
+)
 from fsdp_bridge.errors import ConfigError, Problem
 from fsdp_bridge.mapping import TranslationReport, show_value, translate, unsupported_problems
 from fsdp_bridge.wrap import WrapPlan, resolve_ignored, resolve_wrap
@@ -159,13 +167,21 @@ def shard(model: nn.Module, config: BridgeConfig | None = None, *, mesh: DeviceM
             wrap_plan.notes.append("use_cache=False: activation checkpointing recomputes layers")
 
     mesh = mesh or build_mesh(mesh_plan, device.type)  # first collective
+    ignored_ids = {id(p) for m in ignored for p in m.parameters()}
+    scalars = [p for p in model.parameters() if p.dim() == 0 and id(p) not in ignored_ids]
     plan = ShardPlan(
-        config=config, device=device, mesh=mesh, units=units, ignored_modules=ignored, has_meta=has_meta, report=report
+        config=config, device=device, mesh=mesh, units=units, ignored_modules=ignored, has_meta=has_meta, report=report,
+        scalar_params=scalars,
     )
+    if scalars:
+        names = [n for n, p in model.named_parameters() if any(p is q for q in scalars)]
+        wrap_plan.notes.append(f"0-dim parameters kept whole on every rank, gradients averaged by the bridge "
+                               f"(neither backend shards scalars): {', '.join(names)}")
     impl = get_backend(config.backend)
     before = list(model.parameters())
     sharded = impl.shard(model, plan)
     record_replaced(before, list(sharded.parameters()))  # an optimizer built before shard() is refused
+    average_gradients_over(mesh, scalars)
     bridge = Bridge(config=config, impl=impl, plan=plan, wrap=wrap_plan, model=sharded)
     object.__setattr__(sharded, _ATTR, bridge)
     if dist.get_rank() == 0 and logger.isEnabledFor(logging.INFO):  # describe() formats the whole report

@@ -267,3 +267,21 @@ def check_user_mesh(mesh: DeviceMesh, plan: MeshPlan) -> None:
                 )
             ]
         )
+
+
+def average_gradients_over(mesh: DeviceMesh, params: list[torch.nn.Parameter]) -> None:
+    """Average the gradients of replicated ``params`` over every rank of ``mesh`` after each
+    accumulation (what FSDP does for the parameters it manages)."""
+    if not params or mesh.size() == 1:
+        return
+    groups = [mesh.get_group(dim) for dim in range(mesh.ndim) if mesh.shape[dim] > 1]
+    size = mesh.size()
+
+    def hook(param: torch.Tensor) -> None:
+        assert param.grad is not None
+        for group in groups:
+            dist.all_reduce(param.grad, group=group)
+        param.grad.div_(size)
+
+    for p in params:
+        p.register_post_accumulate_grad_hook(hook)

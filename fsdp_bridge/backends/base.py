@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -31,6 +31,9 @@ class ShardPlan:
     has_meta: bool
     """Some parameters or buffers are on the meta device (built without memory)."""
     report: TranslationReport
+    scalar_params: list[nn.Parameter] = field(default_factory=list)
+    """0-dim parameters (e.g. CLIP's ``logit_scale``): neither backend shards them, so they stay
+    whole on every rank and their gradients are averaged by the bridge."""
 
     def reshard_after_forward(self, *, is_root: bool) -> bool | int:
         """Per-unit reshard-after-forward, matching FSDP1: the root keeps its parameters
@@ -44,7 +47,7 @@ class ShardPlan:
 
     @property
     def ignored_params(self) -> set[nn.Parameter]:
-        return {p for m in self.ignored_modules for p in m.parameters()}
+        return {p for m in self.ignored_modules for p in m.parameters()} | set(self.scalar_params)
 
 
 class BackendImpl(Protocol):

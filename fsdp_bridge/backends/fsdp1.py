@@ -160,7 +160,9 @@ class FSDP1Backend:
                 mixed_precision=mixed_precision,
                 sync_module_states=native_sync,
                 device_id=device,
-                ignored_modules=plan.ignored_modules or None,
+                # FSDP1 takes ignored parameters only through ignored_states (not with ignored_modules).
+                ignored_modules=None if plan.scalar_params else plan.ignored_modules or None,
+                ignored_states=[*plan.ignored_modules, *plan.scalar_params] if plan.scalar_params else None,  # type: ignore[arg-type]
                 use_orig_params=True,
                 **kwargs,
             )
