@@ -64,7 +64,21 @@ def init_distributed(device: str = "auto", *, timeout_s: float = DEFAULT_TIMEOUT
     Inside a launch (torchrun, ``fsdp-bridge train``, SLURM with the torchrun variables)
     rank and world size come from the environment.  Without one, a single-process group
     (world size 1) is started on a private file store (no network port).
+
+    Args:
+        device: ``auto`` (CUDA with NCCL when available, else CPU with gloo), ``cuda`` or ``cpu``.
+        timeout_s: how long a collective may wait for a silent rank before the job fails.
+            Call this before :func:`fsdp_bridge.shard` to choose it in your own loop
+            (``shard()`` initialises with the 600 s default otherwise).
+
+    Returns:
+        This rank's device.
+
+    Raises:
+        ConfigError: for a timeout that is not a finite number of seconds > 0.
     """
+    if not (isinstance(timeout_s, int | float) and 0 < timeout_s < float("inf")):
+        raise ConfigError([Problem("timeout_s", timeout_s, "a finite number of seconds > 0", "e.g. timeout_s=600")])
     torch_device = resolve_device(device)
     if torch_device.type == "cuda":
         torch.cuda.set_device(torch_device)
