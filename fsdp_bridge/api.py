@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp_bridge import hf
 from fsdp_bridge._optimizer_check import record_replaced
-from fsdp_bridge.backends import BackendImpl, ShardPlan, get_backend
+from fsdp_bridge.backends import BackendImpl, ShardPlan, get_backend, sharded_by
 from fsdp_bridge.config import BridgeConfig
 from fsdp_bridge.distributed import (
     MeshPlan,
@@ -141,6 +141,12 @@ def shard(model: nn.Module, config: BridgeConfig | None = None, *, mesh: DeviceM
         raise ConfigError(
             [Problem("model", type(model).__name__, "a model that is not sharded yet", "call shard() once per model")]
         )
+    wrapped_by = sharded_by(model)
+    if wrapped_by is not None:
+        raise ConfigError([Problem("model", f"{type(model).__name__} already wrapped by {wrapped_by}",
+                                   "a model not yet wrapped by FSDP",
+                                   "pass the model to shard() instead of wrapping it yourself (for FSDP1 code: "
+                                   "fsdp_bridge.BridgeConfig.from_fsdp1(**your_fsdp_kwargs))")])
 
     device = init_distributed(config.device)
     # Validation is local.  Most checks give the same answer on every rank; some depend on

@@ -41,3 +41,26 @@ def test_an_optimizer_built_before_shard_is_refused_where_it_would_train_nothing
         assert "optimizer: got 'AdamW holding" in result["fsdp2"]
         assert "parameters from before shard()" in result["fsdp2"]
         assert "build the optimizer after fsdp_bridge.shard(model, ...)" in result["fsdp2"]
+
+
+def _already_wrapped() -> list[str]:
+    from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
+
+    out = []
+    fsdp1 = FullyShardedDataParallel(build_tiny("llama", seed=0), device_id=torch.device("cpu"))
+    fsdp2 = build_tiny("llama", seed=0)
+    fully_shard(fsdp2.model.layers[0])
+    for model in (fsdp1, fsdp2):
+        try:
+            fsdp_bridge.shard(model, BridgeConfig())
+            out.append("no error")
+        except ConfigError as err:
+            out.append(str(err))
+    return out
+
+
+def test_a_model_wrapped_by_raw_fsdp_is_refused_naming_it(run_on_ranks) -> None:
+    fsdp1, fsdp2 = run_on_ranks(_already_wrapped, 2)[0]
+    assert "already wrapped by FullyShardedDataParallel (FSDP1)" in fsdp1
+    assert "already wrapped by fully_shard (FSDP2) (at model.layers.0)" in fsdp2
+    assert "pass the model to shard() instead of wrapping it yourself" in fsdp2

@@ -5,7 +5,7 @@ from __future__ import annotations
 from fsdp_bridge.backends.base import BackendImpl, ShardPlan
 from fsdp_bridge.strategy import Backend
 
-__all__ = ["BackendImpl", "ShardPlan", "get_backend"]
+__all__ = ["BackendImpl", "ShardPlan", "get_backend", "sharded_by"]
 
 
 def get_backend(backend: Backend) -> BackendImpl:
@@ -17,3 +17,19 @@ def get_backend(backend: Backend) -> BackendImpl:
     from fsdp_bridge.backends.fsdp2 import FSDP2Backend
 
     return FSDP2Backend()
+
+
+def sharded_by(model: object) -> str | None:
+    """Which FSDP already wraps ``model`` or one of its submodules (raw torch calls), if any."""
+    from torch import nn
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    if not isinstance(model, nn.Module):
+        return None
+    for name, module in model.named_modules():
+        where = f" (at {name})" if name else ""
+        if isinstance(module, FullyShardedDataParallel):
+            return f"FullyShardedDataParallel (FSDP1){where}"
+        if isinstance(module, FSDPModule):
+            return f"fully_shard (FSDP2){where}"
+    return None
