@@ -812,6 +812,10 @@ class _Scanner(cst.CSTVisitor):
             root = _code(args[0].value)
             code = f"[m for m in {root}.modules() if isinstance(m, FSDPModule)]"
             self._record(node, f"{_code(node.func)}(...)", code, True)
+        elif hit == (FSDP, "clip_grad_norm_") and args:
+            self.needs_imports.add(("fsdp_bridge", None))
+            code = f"fsdp_bridge.clip_grad_norm_({', '.join(_code(a).rstrip(', ') for a in args)})"
+            self._record(node, f"{_code(node.func)}(...)", f"{code}; {_fsdp2('clip_grad_norm_')}", True)
         elif hit is not None and hit[0] == "ShardedGradScaler" and not any(
                 a.keyword is not None and a.keyword.value == "process_group" for a in args):
             self.needs_imports.add(("torch", None))
