@@ -44,6 +44,13 @@ EXPECTED: dict[str, set[tuple[int, str]]] = {
     "kwargs_builder.py": {(19, "ShardingStrategy.FULL_SHARD"), (19, "ShardingStrategy.SHARD_GRAD_OP"),
                           (20, "size_based_auto_wrap_policy"), (21, "CPUOffload"), (22, "MixedPrecision"),
                           (23, "BackwardPrefetch.BACKWARD_PRE"), (33, "FSDP(...)"), (41, "FSDP.clip_grad_norm_(...)")},
+    "internals_and_trainer.py": {
+        (14, "FSDP (annotation)"), (17, "FSDP.fsdp_modules(...)"), (18, "FlatParamHandle"),
+        (18, "module._handle (an FSDP1 internal)"), (19, "module._flat_param (an FSDP1 internal)"),
+        (26, "model._lazy_init (an FSDP1 internal)"), (27, "model._fsdp_wrapped_module (an FSDP1 internal)"),
+        (31, "load_sharded_optimizer_state_dict"), (37, "TrainingArguments(fsdp=...)"),
+        (42, "FullyShardedDataParallelPlugin(fsdp_version=...)"),
+    },
     "todo_constructs.py": {
         (24, "ShardedGradScaler(...)"), (26, "FSDP(...)"), (28, "auto_wrap_policy=policy_fn"),
         (29, "ignored_modules=[model.lm_head]"), (30, "cpu_offload=CPUOffload(offload_params=True)"),
@@ -332,3 +339,17 @@ def test_a_tree_is_fixed_all_or_nothing_with_exit_codes(tmp_path: Path, monkeypa
     assert f"{tree / 'pkg' / 'latin1.py'}: [skipped] cannot be read as UTF-8" in out.stdout
     assert "fsdp_bridge.shard(" in (tree / "a.py").read_text()
     assert "Traceback" not in out.stderr
+
+
+def test_internals_and_argument_driven_fsdp_are_reported_with_what_to_do() -> None:
+    findings = migrate_source(_source("internals_and_trainer.py"), "x.py").findings
+    text = {f.construct: f.replacement for f in findings}
+    assert "iterate model.parameters()" in text["module._flat_param (an FSDP1 internal)"]
+    assert "FSDP2 initialises on the first forward" in text["model._lazy_init (an FSDP1 internal)"]
+    assert "set_optimizer_state_dict" in text["load_sharded_optimizer_state_dict"]
+    assert "`fsdp-bridge migrate config`" in text["TrainingArguments(fsdp=...)"]
+    assert not [f for f in findings if f.line == 43]  # an FSDP2 plugin (fsdp_version=2) is not flagged
+    # A file whose only FSDP is argument-driven is reported and left unchanged.
+    code = "from transformers import TrainingArguments\nargs = TrainingArguments(output_dir='o', fsdp='full_shard')\n"
+    result = migrate_source(code, "t.py")
+    assert result.fixed == code and [f.construct for f in result.findings] == ["TrainingArguments(fsdp=...)"]

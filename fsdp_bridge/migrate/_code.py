@@ -57,6 +57,11 @@ def _fsdp2(option: str) -> str:
 
 
 _NAMES: dict[str, str] = {
+    "FlatParamHandle": "no FSDP2 form (FSDP2 keeps each parameter as its own DTensor): use the module's "
+                       "parameters and FSDPModule.unshard()/reshard()",
+    "load_sharded_optimizer_state_dict": "get_optimizer_state_dict(model, optimizer) as the template, dcp.load "
+                                         "into it, then set_optimizer_state_dict(model, optimizer, osd) "
+                                         "(no FSDP1 flattening step)",
     "_or_policy": "BridgeConfig.from_fsdp1(auto_wrap_policy=...) (FSDP1's recursion, exactly)",
     "fsdp_modules": "[m for m in model.modules() if isinstance(m, FSDPModule)]",
     FSDP: "fsdp_bridge.shard(model, fsdp_bridge.BridgeConfig(...)) (FSDP2: fully_shard on each unit, then the root)",
@@ -103,6 +108,25 @@ _NAMES: dict[str, str] = {
     "apply_activation_checkpointing": "BridgeConfig(activation_checkpointing=True) checkpoints every wrap unit; "
                                       "remove this call once the config has it",
 }
+_INTERNAL_ATTRS: dict[str, str] = {
+    "flat_param": "FSDP1's flat parameter has no FSDP2 form: each parameter is its own DTensor; "
+                  "iterate model.parameters() (p.to_local() for this rank's shard)",
+    "_flat_param": "FSDP1's flat parameter has no FSDP2 form: each parameter is its own DTensor; "
+                   "iterate model.parameters() (p.to_local() for this rank's shard)",
+    "_handle": "FSDP1's FlatParamHandle has no FSDP2 form: use the module's parameters (DTensors) and "
+               "FSDPModule methods (unshard/reshard)",
+    "_lazy_init": "FSDP2 initialises on the first forward; nothing to call (FSDPModule has no _lazy_init)",
+    "_fsdp_wrapped_module": "FSDP2 does not wrap: the module is itself (an FSDPModule); drop the attribute",
+}
+"""FSDP1 internals real trainers reach into, and what to do on FSDP2."""
+
+_CONFIG_DRIVEN = {
+    "TrainingArguments": "fsdp",
+    "Seq2SeqTrainingArguments": "fsdp",
+    "FullyShardedDataParallelPlugin": "fsdp_version",
+}
+"""Constructors that drive FSDP from arguments: their settings are migrated by `migrate config`."""
+
 _KEPT: dict[str, str] = {
     "StateDictType": "torch's FSDP1 enum, here a setting of your own (the state_dict_type blocks are rewritten)",
     "MixedPrecision": "torch's FSDP1 mixed-precision dataclass",
@@ -291,6 +315,8 @@ class _Scanner(cst.CSTVisitor):
             if self.planning:
                 self._plan_fsdp(node)
             return None
+        if not self.planning:
+            self._config_driven(node)
         if self.planning or not self.uses_fsdp1:
             return None
         if id(node) in self.call_rewrites:
@@ -340,6 +366,9 @@ class _Scanner(cst.CSTVisitor):
 
     def _reference(self, node: cst.BaseExpression) -> bool:
         if self.planning:
+            return True
+        if isinstance(node, cst.Attribute) and node.attr.value in _INTERNAL_ATTRS and self.uses_fsdp1:
+            self._record(node, f"{_code(node)} (an FSDP1 internal)", _INTERNAL_ATTRS[node.attr.value], False)
             return True
         hit = self._qn(node)
         if hit is None:
@@ -797,6 +826,20 @@ class _Scanner(cst.CSTVisitor):
                      f"the block's body with {what} (torch.distributed.checkpoint.state_dict, options={save_opts}); "
                      "your torch.save / DCP code is kept", True)
 
+    def _config_driven(self, node: cst.Call) -> None:
+        """FSDP set up by the HF Trainer's arguments or accelerate's plugin: point to `migrate config`."""
+        names = {q.name for q in self.get_metadata(QualifiedNameProvider, node.func, set())}
+        for cls, key in _CONFIG_DRIVEN.items():
+            if not any(n.split(".")[-1] == cls and n.startswith(("transformers", "accelerate")) for n in names):
+                continue
+            kwargs = {a.keyword.value: a.value for a in node.args if a.keyword is not None}
+            if key not in kwargs or (key == "fsdp_version" and _code(kwargs[key]) == "2"):
+                return
+            self._record(node, f"{cls}({key}=...)",
+                         f"FSDP here is driven by {cls}'s arguments: migrate them with `fsdp-bridge migrate config` "
+                         "(the launch command, the arguments file, or the accelerate/axolotl YAML), not with "
+                         "fsdp_bridge.shard/save_checkpoint", False)
+
     def _plan_module_checks(self, node: cst.Call, hit: tuple[str, str] | None) -> bool:
         """``isinstance(m, FSDP)`` -> ``isinstance(m, FSDPModule)``; ``FSDP.fsdp_modules(M)`` -> the
         modules of ``M`` that are ``FSDPModule``; ``ShardedGradScaler(...)`` -> ``torch.amp.GradScaler(...)``."""
@@ -1129,8 +1172,8 @@ def migrate_source(code: str, path: str = "<string>") -> MigratedSource:
     wrapper.visit(scan)  # plan: FSDP(...) conversions and checkpoint blocks
     scan.planning = False
     wrapper.visit(scan)  # report: every other construct
-    if not scan.uses_fsdp1:
-        return MigratedSource(path, code, code, [])
+    if not scan.uses_fsdp1:  # at most config-driven FSDP (Trainer / accelerate arguments): report, change nothing
+        return MigratedSource(path, code, code, sorted(scan.findings, key=lambda f: (f.line, f.column)))
     fixer = _Fixer(scan, {id(v): k for k, v in single.items()})
     fixed = wrapper.module.visit(fixer)
     if fixed.code != code:
