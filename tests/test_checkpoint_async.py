@@ -31,8 +31,10 @@ def _async_round_trip(root: str, backend: str) -> dict[str, object]:
 
     step()
     at_call = _full(model)
-    pending = fsdp_bridge.save_checkpoint_async(Path(root) / "step_1", model, opt, state={"step": 1}, keep_last=1)
+    loop_state = {"step": 1}
+    pending = fsdp_bridge.save_checkpoint_async(Path(root) / "step_1", model, opt, state=loop_state, keep_last=1)
     step()  # training continues while the checkpoint is written
+    loop_state["step"] = 2  # and the loop updates its own state dict, as loops do
     changed = not all(torch.equal(at_call[k], v) for k, v in _full(model).items())
     path = pending.wait()
     dist.barrier()

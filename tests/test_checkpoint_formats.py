@@ -500,3 +500,25 @@ def test_paths_never_leave_the_checkpoint_directory(tmp_path: Path) -> None:
     (hf / "model.safetensors").symlink_to(outside / "model.safetensors")
     with pytest.raises(CheckpointError, match=r"names a file outside its directory"):
         fsdp_bridge.checkpoint.inspect_checkpoint(hf)
+
+
+def test_latest_checkpoint_survives_an_interrupted_overwrite_and_a_damaged_sibling(tmp_path: Path, caplog) -> None:
+    def ckpt(name: str, step: object, **extra: object) -> Path:
+        d = tmp_path / name
+        d.mkdir()
+        meta = {"format": "fsdp_bridge.checkpoint", "version": 1, "kind": "sharded", "step": step, **extra}
+        (d / "fsdp_bridge.json").write_text(json.dumps(meta))
+        return d
+
+    ckpt("step_1", 1)
+    ckpt("step_2", 2)
+    ckpt("step_3", 3, version="1")  # a wrong type in its description
+    assert fsdp_bridge.latest_checkpoint(tmp_path) == tmp_path / "step_2"  # skipped, not raised
+    assert "skipping" in caplog.text and "field version: str" in caplog.text
+    with pytest.raises(CheckpointError, match=r"field version: str \('1'\), expected an integer"):
+        fsdp_bridge.checkpoint.detect(tmp_path / "step_3")
+    # A kill between the two renames of an overwrite of step_4: .step_4.old is the only complete copy.
+    ckpt(".step_4.old", 4)
+    assert fsdp_bridge.latest_checkpoint(tmp_path) == tmp_path / ".step_4.old"
+    ckpt("step_4", 4)  # once step_4 is back, the leftover copy is not a checkpoint of its own
+    assert fsdp_bridge.latest_checkpoint(tmp_path) == tmp_path / "step_4"

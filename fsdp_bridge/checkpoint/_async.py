@@ -14,6 +14,7 @@ checkpoint is the latest one, and a crash leaves only a dot-named partial direct
 
 from __future__ import annotations
 
+import copy
 import os
 import threading
 import weakref
@@ -138,6 +139,9 @@ def save_checkpoint_async(
     :func:`save_checkpoint` ``(kind="sharded")`` writes, and loads with :func:`load_checkpoint`.
     """
     path = _check_save_args(path, keep_last, state)
+    # The state as of this call, like the weights: a loop that keeps updating its dict must not
+    # publish a step that does not match them (check_state has made sure it is plain JSON).
+    state = copy.deepcopy(state)
     previous = _PENDING.get(model)
     if previous is not None and not previous.done():
         previous.wait()  # its staged copy is the buffer this save reuses

@@ -9,12 +9,15 @@ leaves either the previous checkpoint or the new one, never a half-written ``NAM
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 from pathlib import Path
 from typing import Any
 
 from fsdp_bridge.checkpoint._formats import META_FILE, PARTIAL_SUFFIX, CheckpointError, read_meta
+
+logger = logging.getLogger("fsdp_bridge.checkpoint")
 
 __all__ = ["latest_checkpoint", "list_checkpoints", "partial_path", "publish", "rotate_checkpoints"]
 
@@ -116,12 +119,20 @@ def list_checkpoints(root: str | os.PathLike[str]) -> list[tuple[int, Path]]:
     if not r.is_dir():
         return []
     found: list[tuple[int, float, Path]] = []
+    names = {c.name for c in r.iterdir()}
     for child in r.iterdir():
-        if child.name.startswith(".") or not (child / META_FILE).is_file():
+        if child.name.startswith("."):
+            # ``.NAME.old`` is the only complete copy when a kill struck between the two renames
+            # of an overwrite (NAME itself is then missing): it counts as NAME.
+            stem = child.name[1:].removesuffix(".old")
+            if not (child.name.endswith(".old") and stem not in names and (child / META_FILE).is_file()):
+                continue
+        elif not (child / META_FILE).is_file():
             continue
         try:
             meta = read_meta(child)
-        except CheckpointError:
+        except CheckpointError as err:
+            logger.warning("skipping %s: %s", child, err)  # one damaged sibling must not hide the others
             continue
         step = meta.get("step")
         found.append((step if isinstance(step, int) else -1, (child / META_FILE).stat().st_mtime, child))

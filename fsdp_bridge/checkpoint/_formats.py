@@ -152,6 +152,13 @@ def read_meta(path: Path) -> dict[str, Any]:
         raise CheckpointError(meta_path, f"cannot be read as JSON ({err}); the checkpoint is corrupt") from err
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise CheckpointError(meta_path, f"is not an fsdp_bridge checkpoint description (format != {FORMAT!r})")
+    wrong = [f"{key}: {type(meta[key]).__name__} ({meta[key]!r:.40}), expected {what}"
+             for key, kinds, what in (("version", (int,), "an integer"), ("step", (int, type(None)), "an integer"),
+                                      ("files", (dict,), "a mapping"), ("digests", (dict,), "a mapping"),
+                                      ("world_size", (int,), "an integer"))
+             if key in meta and (not isinstance(meta[key], kinds) or isinstance(meta[key], bool))]
+    if wrong:
+        raise CheckpointError(meta_path, [f"field {w}" for w in wrong])
     if meta.get("version", 0) > FORMAT_VERSION:
         raise CheckpointError(meta_path, f"format version {meta.get('version')} is newer than this fsdp_bridge "
                                          f"reads ({FORMAT_VERSION}); upgrade fsdp_bridge")
