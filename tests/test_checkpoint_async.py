@@ -52,3 +52,44 @@ def test_async_save_captures_the_state_at_the_call(tmp_path: Path, backend: str)
         assert r["same"], "the checkpoint must hold the weights as of the call, bit for bit"
         assert r["state"] == {"step": 1} and r["done"]
         assert r["latest"] == str(tmp_path / "step_1")
+
+
+def _save_fails_on_one_rank(root: str) -> dict[str, object]:
+    import errno
+    import time
+
+    import fsdp_bridge.checkpoint._api as api
+
+    model = fsdp_bridge.shard(build_tiny("llama", seed=0), fsdp_bridge.BridgeConfig(backend="fsdp2"))
+    out: dict[str, object] = {}
+    real_rng, real_hf = api.write_rng, api._hf.write_hf_weights
+
+    def full_disk(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    # Rank 1's disk is full while it writes its RNG file (sharded save) ...
+    api.write_rng = full_disk if dist.get_rank() == 1 else real_rng  # type: ignore[assignment]
+    start = time.monotonic()
+    try:
+        fsdp_bridge.save_checkpoint(Path(root) / "a", model)
+    except fsdp_bridge.CheckpointError as err:
+        out["sharded"] = str(err)
+    api.write_rng = real_rng  # type: ignore[assignment]
+    # ... and rank 0's while it writes the full weights.
+    api._hf.write_hf_weights = full_disk  # type: ignore[assignment]
+    try:
+        fsdp_bridge.save_checkpoint(Path(root) / "b", model, kind="full")
+    except fsdp_bridge.CheckpointError as err:
+        out["full"] = str(err)
+    api._hf.write_hf_weights = real_hf  # type: ignore[assignment]
+    out["seconds"] = time.monotonic() - start
+    fsdp_bridge.save_checkpoint(Path(root) / "c", model)  # the group is still usable
+    return out
+
+
+def test_a_save_failing_on_one_rank_fails_every_rank_promptly(tmp_path: Path) -> None:
+    for r in run_distributed(_save_fails_on_one_rank, 2, args=(str(tmp_path),), timeout_s=180):
+        assert "rank 1: writing the RNG state failed: OSError: [Errno 28] No space left on device" in r["sharded"]
+        assert "rank 0: writing the full state (rank 0) failed: OSError: [Errno 28]" in r["full"]
+        assert r["seconds"] < 60  # not the process-group timeout (600 s)
+    assert fsdp_bridge.latest_checkpoint(tmp_path) == tmp_path / "c"

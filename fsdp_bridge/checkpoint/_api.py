@@ -90,6 +90,35 @@ def _agree_on(error: str | None) -> str | None:
     return box[0]
 
 
+def _on_every_rank(path: Path, what: str, fn: Callable[[], Any]) -> Any:
+    """Run this rank's part of a save; if it fails on any rank, every rank raises the same error.
+
+    The outcome is shared in one small all-reduce (failures are gathered only when there is
+    one), which also serves as the barrier after the step: a full disk or a read-only
+    directory on one rank can no longer leave the others waiting for the process-group timeout.
+    """
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    error: str | None = None
+    result = None
+    try:
+        result = fn()
+    except (Exception, CheckpointException) as err:  # CheckpointException is a BaseException
+        error = f"{type(err).__name__}: {' '.join(str(err).split())[:300]}"
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        flag = torch.tensor([0 if error is None else 1], dtype=torch.int32)
+        if dist.get_backend() == "nccl":
+            flag = flag.cuda()
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if int(flag.item()):
+            errors: list[str | None] = [None] * dist.get_world_size()
+            dist.all_gather_object(errors, error)
+            raise CheckpointError(path, [f"rank {r}: {what} failed: {e}" for r, e in enumerate(errors) if e])
+    elif error is not None:
+        raise CheckpointError(path, f"{what} failed: {error}")
+    return result
+
+
 def _bridge(model: nn.Module) -> Any:
     from fsdp_bridge.api import get_bridge
 
@@ -253,8 +282,7 @@ def save_checkpoint(
                          "for a PEFT model's adapters or its base with them merged")
     path = _check_save_args(path, keep_last, state)
     rank, world = _rank_world()
-    staging = _fresh_staging(path, rank)
-    _barrier()
+    staging = _on_every_rank(path, "creating the staging directory", lambda: _fresh_staging(path, rank))
 
     tied = _tied_groups(model)
     has_optimizer = optimizer is not None
@@ -263,20 +291,25 @@ def save_checkpoint(
         to_save: dict[str, Any] = {"model": msd}
         if optimizer is not None:
             to_save["optim"] = get_optimizer_state_dict(model, optimizer)
-        dcp.save(to_save, storage_writer=dcp.FileSystemWriter(str(staging / DCP_DIR)))
+        # dcp.save is collective: a write that fails on one rank is reported to every rank.
+        _on_every_rank(path, "writing the sharded state (DCP)",
+                       lambda: dcp.save(to_save, storage_writer=dcp.FileSystemWriter(str(staging / DCP_DIR))))
         shapes = _shapes(msd)
     else:
         msd = get_model_state_dict(model, options=full_state_options(model))
         osd = get_optimizer_state_dict(model, optimizer, options=full_state_options(model)) if optimizer else None
         shapes = _shapes(msd)
-        if rank == 0:
-            tensors = {k: v for k, v in msd.items() if isinstance(v, torch.Tensor)}
-            _hf.write_hf_weights(staging, _hf.drop_tied_aliases(tensors, tied), max_shard_size=max_shard_size)
-            if osd is not None:
-                _hf.write_optimizer(staging, osd)
+
+        def write_full() -> None:
+            if rank == 0:
+                tensors = {k: v for k, v in msd.items() if isinstance(v, torch.Tensor)}
+                _hf.write_hf_weights(staging, _hf.drop_tied_aliases(tensors, tied), max_shard_size=max_shard_size)
+                if osd is not None:
+                    _hf.write_optimizer(staging, osd)
+
+        _on_every_rank(path, "writing the full state (rank 0)", write_full)
         del msd, osd
-    write_rng(staging, rank)
-    _barrier()  # every rank's files are written
+    _on_every_rank(path, "writing the RNG state", lambda: write_rng(staging, rank))  # + the barrier
 
     error = None
     if rank == 0:

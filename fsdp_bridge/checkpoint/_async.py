@@ -30,10 +30,10 @@ from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
 from fsdp_bridge.checkpoint._api import (
-    _barrier,
     _check_save_args,
     _describe_and_publish,
     _fresh_staging,
+    _on_every_rank,
     _rank_world,
     _shapes,
     _tied_groups,
@@ -146,9 +146,9 @@ def save_checkpoint_async(
     if previous is not None and not previous.done():
         previous.wait()  # its staged copy is the buffer this save reuses
     rank, world = _rank_world()
-    staging = _fresh_staging(path, rank)
+    # Every rank learns of a staging failure on any rank here (before new_group, which would hang).
+    staging = _on_every_rank(path, "creating the staging directory", lambda: _fresh_staging(path, rank))
     group = _io_group()
-    _barrier()
 
     tied = _tied_groups(model)
     msd = get_model_state_dict(model)
