@@ -10,6 +10,7 @@ Run under ``torchrun --nproc-per-node 2 script.py`` (gloo on CPU, NCCL on GPUs).
 
 from fsdp_bridge._version import __version__
 from fsdp_bridge.api import Bridge, clip_grad_norm_, get_bridge, no_sync, shard, summon_full_params
+from fsdp_bridge.backends.fsdp1_objects import state_dict_options
 from fsdp_bridge.checkpoint import (
     CheckpointError,
     latest_checkpoint,
@@ -51,6 +52,7 @@ __all__ = [
     "save_checkpoint",
     "save_checkpoint_async",
     "shard",
+    "state_dict_options",
     "summon_full_params",
     "translate",
 ]

@@ -121,8 +121,9 @@ def test_what_has_no_meaning_is_refused_with_the_fix() -> None:
     with pytest.raises(ConfigError, match=r"keep_low_precision_grads: got True"):
         BridgeConfig.from_fsdp1(mixed_precision=MixedPrecision(param_dtype=torch.bfloat16,
                                                                keep_low_precision_grads=True))
-    with pytest.raises(ConfigError, match=r"param_init_fn: .*sync_module_states=True"):
-        BridgeConfig.from_fsdp1(param_init_fn=lambda m: m.to_empty(device="cpu"))
+    # param_init_fn without sync_module_states: FSDP1 calls it only on meta-device modules, and shard()
+    # refuses a meta-device model without sync_module_states, so a real-device model is accepted.
+    BridgeConfig.from_fsdp1(param_init_fn=lambda m: m.to_empty(device="cpu"))
     with pytest.raises(ConfigError, match=r"ignored_modules: .*module names"):
         BridgeConfig.from_fsdp1(ignored_modules=[nn.Linear(1, 1)])
     # The same errors as the YAML path: BACKWARD_POST has no FSDP2 form.
@@ -181,3 +182,28 @@ def test_raw_fsdp1_and_the_bridge_on_fsdp2_wrap_and_train_alike(run_on_ranks) ->
     for result in run_on_ranks(_raw_vs_bridge, 2):
         assert result["bridge_units"] == result["raw_units"] and result["raw_units"], result
         torch.testing.assert_close(result["bridge"], result["raw"], rtol=1.3e-6, atol=1e-5)
+
+
+def test_state_dict_options_mean_what_fsdp1_state_dict_settings_meant() -> None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+    from torch.distributed.fsdp import (
+        FullOptimStateDictConfig,
+        FullStateDictConfig,
+        ShardedStateDictConfig,
+        StateDictType,
+    )
+
+    full, sharded = StateDictType.FULL_STATE_DICT, StateDictType.SHARDED_STATE_DICT
+    options = fsdp_bridge.state_dict_options
+    assert options(full) == StateDictOptions(full_state_dict=True)
+    rank0 = FullStateDictConfig(offload_to_cpu=True, rank0_only=True)
+    assert options(full, rank0) == StateDictOptions(full_state_dict=True, cpu_offload=True)
+    assert options(full, rank0, load=True) == StateDictOptions(full_state_dict=True)  # every rank loads
+    # the optimizer reads its own config
+    assert options(full, rank0, FullOptimStateDictConfig(), optimizer=True) == StateDictOptions(full_state_dict=True)
+    assert options(sharded, ShardedStateDictConfig(offload_to_cpu=True)) == StateDictOptions(cpu_offload=True)
+    assert options("SHARDED_STATE_DICT") == StateDictOptions()
+    with pytest.raises(ConfigError, match=r"state_dict_type: .*LOCAL_STATE_DICT.*convert"):
+        options(StateDictType.LOCAL_STATE_DICT)
+    with pytest.raises(ConfigError, match=r"state_dict_type: got 'full'.*FULL_STATE_DICT or SHARDED_STATE_DICT"):
+        options("full")

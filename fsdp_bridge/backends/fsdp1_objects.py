@@ -32,7 +32,7 @@ from torch.distributed.fsdp.wrap import (
 
 from fsdp_bridge.errors import ConfigError, Problem
 
-__all__ = ["FSDP1_KWARGS", "describe_policy", "fsdp1_policy_units", "translate_fsdp1_kwargs"]
+__all__ = ["FSDP1_KWARGS", "describe_policy", "fsdp1_policy_units", "state_dict_options", "translate_fsdp1_kwargs"]
 
 FSDP1_KWARGS = (
     "sharding_strategy", "auto_wrap_policy", "mixed_precision", "cpu_offload", "backward_prefetch",
@@ -234,10 +234,11 @@ def translate_fsdp1_kwargs(kwargs: Mapping[str, Any]) -> tuple[dict[str, Any], l
         notes.append("use_orig_params=False: the bridge keeps original parameters on both backends (FSDP2 always "
                      "does); optimizers see the model's own parameters")
     if kwargs.get("param_init_fn") is not None and not kwargs.get("sync_module_states"):
-        problems.append(Problem("param_init_fn", kwargs["param_init_fn"], "None, or given with sync_module_states=True",
-                                "build the model on the meta device on ranks > 0 with sync_module_states=True "
-                                "(rank 0's weights are broadcast), or load weights after shard() "
-                                "(fsdp_bridge.load_pretrained / load_checkpoint)"))
+        # FSDP1 calls param_init_fn only on modules that hold meta-device tensors; shard() refuses a meta-device
+        # model without sync_module_states (before any collective), so a model built on a real device shards as
+        # it did under FSDP1 and a meta one gets that error instead of a silent difference.
+        notes.append("param_init_fn without sync_module_states: FSDP1 calls it only for meta-device modules; the "
+                     "model here must be on a real device (a meta-device model is refused by shard() with the fix)")
     elif kwargs.get("param_init_fn") is not None:
         notes.append("param_init_fn: meta-device modules are materialised by the bridge and take rank 0's weights "
                      "(sync_module_states)")
@@ -263,3 +264,56 @@ def translate_fsdp1_kwargs(kwargs: Mapping[str, Any]) -> tuple[dict[str, Any], l
     if problems:
         raise ConfigError(problems)
     return out, notes
+
+
+def state_dict_options(state_dict_type: object, state_dict_config: object = None,
+                       optim_state_dict_config: object = None, *, optimizer: bool = False,
+                       load: bool = False) -> Any:
+    """torch's ``StateDictOptions`` meaning what FSDP1's ``state_dict_type`` settings meant.
+
+    ``migrate code --fix`` writes this where a ``with FSDP.state_dict_type(model, sd_type, cfg, optim_cfg):``
+    block's type or configs are known only at run time: the block's ``model.state_dict()`` becomes
+    ``get_model_state_dict(model, options=state_dict_options(sd_type, cfg, optim_cfg))``, which works on
+    FSDP1 and FSDP2 models alike.
+
+    Args:
+        state_dict_type: a ``torch.distributed.fsdp.StateDictType`` member or its name.
+        state_dict_config: ``FullStateDictConfig``/``ShardedStateDictConfig`` (or None: FSDP1's defaults).
+        optim_state_dict_config: ``FullOptimStateDictConfig``/``ShardedOptimStateDictConfig`` (or None).
+        optimizer: options for the optimizer's state dict (read ``optim_state_dict_config``).
+        load: options for loading (``set_*_state_dict``): FSDP1 loads a full state dict given on every
+            rank, so neither ``rank0_only`` nor ``offload_to_cpu`` applies.
+
+    Returns:
+        ``StateDictOptions``: FULL_STATE_DICT -> ``full_state_dict=True`` (with ``cpu_offload=True``
+        when the config says ``rank0_only=True``: rank 0 gets a CPU copy, the others an empty dict, as
+        in FSDP1); SHARDED_STATE_DICT -> sharded (DTensor) values, on CPU when ``offload_to_cpu=True``.
+        ``offload_to_cpu=True`` with ``rank0_only=False`` on a full state dict gives full tensors on
+        every rank on the model's device (torch's options have no every-rank CPU copy); move them with
+        ``.cpu()`` if you relied on that.
+
+    Raises:
+        ConfigError: LOCAL_STATE_DICT (FSDP1's flat-parameter shards have no FSDP2 form) or a value
+            that is not a state-dict type.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    name = getattr(state_dict_type, "name", state_dict_type)
+    if name == "LOCAL_STATE_DICT":
+        raise ConfigError([Problem("state_dict_type", state_dict_type, "FULL_STATE_DICT or SHARDED_STATE_DICT",
+                                   "save SHARDED_STATE_DICT instead (fsdp_bridge.save_checkpoint or "
+                                   "get_model_state_dict + dcp.save); to carry a local checkpoint, load it in "
+                                   "FSDP1, save it sharded, then `fsdp-bridge convert`")])
+    if name not in ("FULL_STATE_DICT", "SHARDED_STATE_DICT"):
+        raise ConfigError([Problem("state_dict_type", state_dict_type,
+                                   "a torch.distributed.fsdp.StateDictType member: FULL_STATE_DICT or "
+                                   "SHARDED_STATE_DICT", "pass StateDictType.FULL_STATE_DICT or "
+                                   "StateDictType.SHARDED_STATE_DICT")])
+    config = optim_state_dict_config if optimizer else state_dict_config
+    full = name == "FULL_STATE_DICT"
+    if load:
+        return StateDictOptions(full_state_dict=full)
+    offload = bool(getattr(config, "offload_to_cpu", False))
+    if full:
+        return StateDictOptions(full_state_dict=True, cpu_offload=bool(getattr(config, "rank0_only", False)))
+    return StateDictOptions(cpu_offload=offload)

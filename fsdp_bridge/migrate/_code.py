@@ -139,6 +139,10 @@ _KEPT: dict[str, str] = {
     "ModuleWrapPolicy": "torch's FSDP1 wrap policy",
     "CustomPolicy": "torch's FSDP1 wrap policy",
     "_or_policy": "torch's FSDP1 wrap-policy combinator",
+    "FullStateDictConfig": "torch's FSDP1 state-dict config",
+    "ShardedStateDictConfig": "torch's FSDP1 state-dict config",
+    "FullOptimStateDictConfig": "torch's FSDP1 state-dict config",
+    "ShardedOptimStateDictConfig": "torch's FSDP1 state-dict config",
 }
 """FSDP1 objects that stay valid after migration: plain values BridgeConfig.from_fsdp1 translates."""
 
@@ -232,6 +236,9 @@ class _Scanner(cst.CSTVisitor):
         self.optimizer_moves: dict[int, int] = {}  # id(optimizer statement) -> id(the wrap statement it follows)
         self.name_rewrites: dict[int, str] = {}  # id(Name/Attribute) -> replacement (annotations)
         self.annotation_depth = 0
+        self.assign_target_depth = 0
+        self.attr_drops: set[int] = set()  # id(Attribute) -> replaced by its value (FSDP1 wrapper internals)
+        self.removed_stmts: set[int] = set()  # id(statement) -> deleted (a no-op on FSDP2)
         self.planning = True
         self.consumed_partial = False
         self.consumed_nodes: set[int] = set()
@@ -325,6 +332,8 @@ class _Scanner(cst.CSTVisitor):
             return False
         if self._plan_optim_load(node):
             return False
+        if hit == (FSDP, "set_state_dict_type") and self._plan_set_state_dict_type(node):
+            return False
         if hit is not None and hit[0] == FSDP and hit[1] in ("optim_state_dict", "full_optim_state_dict",
                                                             "sharded_optim_state_dict"):
             if self._plan_optim_call(node, hit[1]):
@@ -336,7 +345,11 @@ class _Scanner(cst.CSTVisitor):
                           if a.keyword and a.keyword.value == "recurse"))
             if ok:
                 self.fixable_calls[id(node)] = "summon"
-            self._record(node, "FSDP.summon_full_params(...)", _NAMES["summon_full_params"], ok)
+            self._record(node, "FSDP.summon_full_params(...)", _NAMES["summon_full_params"] if ok else
+                         _NAMES["summon_full_params"] + "; recurse=False, or other arguments, have no FSDP2 form: "
+                         "FSDP2's forward gathers each unit's parameters itself, so a context held only around "
+                         "forward/generate can be dropped", ok)
+            self._consume(node.func)
             return False if ok else None
         if isinstance(func, cst.Attribute) and func.attr.value in ("no_sync", "clip_grad_norm_") and hit is None:
             qn = {q.name for q in self.get_metadata(QualifiedNameProvider, func, set())}
@@ -351,6 +364,33 @@ class _Scanner(cst.CSTVisitor):
                 self._record(node, f"{_code(func.value)}.clip_grad_norm_(...)", _NAMES["clip_grad_norm_"], True)
                 return None
         return None
+
+    def visit_AssignTarget(self, node: cst.AssignTarget) -> None:
+        self.assign_target_depth += 1
+
+    def leave_AssignTarget(self, original_node: cst.AssignTarget) -> None:
+        self.assign_target_depth -= 1
+
+    def _plan_set_state_dict_type(self, node: cst.Call) -> bool:
+        """``FSDP.set_state_dict_type(M, SHARDED_STATE_DICT[, ShardedStateDictConfig()])`` as a statement of
+        its own is deleted: an FSDP2 module's ``state_dict()`` already holds sharded (DTensor) values."""
+        named = _named_args(node, ("module", "state_dict_type", "state_dict_config", "optim_state_dict_config"))
+        stmt = self.stmt_stack[-1] if self.stmt_stack else None
+        if (named is None or "state_dict_type" not in named or not isinstance(stmt, cst.SimpleStatementLine)
+                or len(stmt.body) != 1 or not isinstance(stmt.body[0], cst.Expr) or stmt.body[0].value is not node):
+            return False
+        if self._member(named["state_dict_type"], "StateDictType") != "SHARDED_STATE_DICT":
+            return False
+        for key in ("state_dict_config", "optim_state_dict_config"):
+            cfg = named.get(key)
+            if cfg is not None and (not self._literal_config(cfg) or self._config_flag(cfg, "offload_to_cpu", False)):
+                return False
+        self.removed_stmts.add(id(stmt))
+        self._consume(node)
+        self._record(node, "FSDP.set_state_dict_type(SHARDED_STATE_DICT)",
+                     "deleted: an FSDP2 module's state_dict() already holds sharded (DTensor) values "
+                     "(get_model_state_dict(model) gives the same)", True)
+        return True
 
     def visit_Annotation(self, node: cst.Annotation) -> None:
         self.annotation_depth += 1
@@ -368,6 +408,11 @@ class _Scanner(cst.CSTVisitor):
         if self.planning:
             return True
         if isinstance(node, cst.Attribute) and node.attr.value in _INTERNAL_ATTRS and self.uses_fsdp1:
+            if node.attr.value == "_fsdp_wrapped_module" and not self.assign_target_depth:
+                self.attr_drops.add(id(node))
+                self._record(node, f"{_code(node)} (an FSDP1 internal)",
+                             f"{_code(node.value)}: FSDP2 does not wrap, the module is itself (an FSDPModule)", True)
+                return True
             self._record(node, f"{_code(node)} (an FSDP1 internal)", _INTERNAL_ATTRS[node.attr.value], False)
             return True
         hit = self._qn(node)
@@ -392,9 +437,21 @@ class _Scanner(cst.CSTVisitor):
             elif member in _NAMES:
                 self._record(node, f"FSDP.{member}", _NAMES[member], False)
             return False
+        if kind == "apply_activation_checkpointing":
+            reentrant = any("CheckpointImpl.REENTRANT" in line for line in self.lines)
+            text = ("not rewritten: CheckpointImpl.REENTRANT appears in this file; reentrant checkpointing re-enters "
+                    "autograd, which FSDP2's hooks do not support: use CheckpointImpl.NO_REENTRANT, or "
+                    "BridgeConfig(activation_checkpointing=True)" if reentrant else
+                    "kept: torch's checkpoint_wrapper works around FSDP2 units (non-reentrant), with FSDP1's losses; "
+                    "or drop it for BridgeConfig(activation_checkpointing=True), which wraps every unit before "
+                    "sharding")
+            self._record(node, _code(node), text, not reentrant)
+            return False
         if kind in _KEPT:
-            self._record(node, _code(node), f"kept: {_KEPT[kind]}; fsdp_bridge.BridgeConfig.from_fsdp1 reads it "
-                                            "when the code runs, with FSDP1's meaning", True)
+            reader = ("fsdp_bridge.state_dict_options" if kind.endswith("StateDictConfig") or kind == "StateDictType"
+                      else "fsdp_bridge.BridgeConfig.from_fsdp1")
+            self._record(node, _code(node), f"kept: {_KEPT[kind]}; {reader} reads it when the code runs, with "
+                                            "FSDP1's meaning", True)
             return False
         self._record(node, _code(node), _NAMES[kind], False)
         return False
@@ -747,12 +804,22 @@ class _Scanner(cst.CSTVisitor):
                                  f"moved after the shard call: FSDP2 replaces {target}'s parameters, and an optimizer "
                                  "built before would update tensors the model no longer uses", True)
 
-    def _options(self, full: bool, *, cpu_offload: bool = False, broadcast: bool = False) -> str:
+    def _options(self, full: bool, *, cpu_offload: bool = False, broadcast: bool = False, offload: bool = False) -> str:
         self.needs_state_dict_api.add("StateDictOptions")
         if not full:
-            return "StateDictOptions()"
+            return "StateDictOptions(cpu_offload=True)" if offload else "StateDictOptions()"
         extra = (", cpu_offload=True" if cpu_offload else "") + (", broadcast_from_rank0=True" if broadcast else "")
         return f"StateDictOptions(full_state_dict=True{extra})"
+
+    def _literal_config(self, cfg: cst.BaseExpression | None) -> bool:
+        """A state-dict config written out (``FullStateDictConfig(rank0_only=True)``, inline or in a
+        variable assigned once) whose flags are literal True/False."""
+        if cfg is None or m.matches(cfg, m.Name("None")):
+            return True
+        value = self._follow(cfg, _Conversion())
+        if not isinstance(value, cst.Call) or self._qn(value.func) is None:
+            return False
+        return all(a.keyword is not None and _code(a.value) in ("True", "False") for a in value.args)
 
     def _config_flag(self, cfg: cst.BaseExpression | None, name: str, default: bool) -> bool:
         """A keyword of ``FullStateDictConfig(...)`` given inline or in a variable assigned once."""
@@ -774,17 +841,36 @@ class _Scanner(cst.CSTVisitor):
         if len(node.items) != 1 or not isinstance(node.items[0].item, cst.Call):
             return
         call = node.items[0].item
-        if self._qn(call.func) != (FSDP, "state_dict_type") or len(call.args) < 2:
+        if self._qn(call.func) != (FSDP, "state_dict_type"):
             return
-        kind = self._member(call.args[1].value, "StateDictType")
-        if kind not in ("FULL_STATE_DICT", "SHARDED_STATE_DICT"):
-            return  # LOCAL_STATE_DICT (or unknown): reported as a TODO by the reference pass
-        full = kind == "FULL_STATE_DICT"
-        model = _code(call.args[0].value)
-        cfg = call.args[2].value if len(call.args) > 2 else None
-        rank0 = full and self._config_flag(cfg, "rank0_only", False)
-        save_opts = self._options(full, cpu_offload=rank0)
-        load_opts = self._options(full)
+        named = _named_args(call, ("module", "state_dict_type", "state_dict_config", "optim_state_dict_config"))
+        if named is None or "module" not in named or "state_dict_type" not in named:
+            return
+        type_arg = named["state_dict_type"]
+        kind = self._member(type_arg, "StateDictType")
+        if kind is None and self._qn(type_arg) is not None:
+            return  # an FSDP1 name that is not a member: reported by the reference pass
+        if kind not in ("FULL_STATE_DICT", "SHARDED_STATE_DICT", None):
+            return  # LOCAL_STATE_DICT: reported as a TODO by the reference pass
+        model = _code(named["module"])
+        cfg = named.get("state_dict_config")
+        optim_cfg = named.get("optim_state_dict_config")
+        if kind is None or not self._literal_config(cfg) or not self._literal_config(optim_cfg):
+            # Type or configs known only at run time: fsdp_bridge translates them when the code runs.
+            runtime = ", ".join(_code(a) for a in (type_arg, cfg, optim_cfg) if a is not None)
+            if optim_cfg is not None and cfg is None:
+                runtime = f"{_code(type_arg)}, None, {_code(optim_cfg)}"
+            save_opts = f"fsdp_bridge.state_dict_options({runtime})"
+            optim_opts = f"fsdp_bridge.state_dict_options({runtime}, optimizer=True)"
+            load_opts = f"fsdp_bridge.state_dict_options({runtime}, load=True)"
+            self.needs_imports.add(("fsdp_bridge", None))
+        else:
+            full = kind == "FULL_STATE_DICT"
+            save_opts = self._options(full, cpu_offload=full and self._config_flag(cfg, "rank0_only", False),
+                                      offload=not full and self._config_flag(cfg, "offload_to_cpu", False))
+            optim_opts = self._options(full, cpu_offload=full and self._config_flag(optim_cfg, "rank0_only", False),
+                                       offload=not full and self._config_flag(optim_cfg, "offload_to_cpu", False))
+            load_opts = self._options(full)
         rewrites: dict[int, str] = {}
         for inner in _walk(node.body):
             if not isinstance(inner, cst.Call):
@@ -802,7 +888,7 @@ class _Scanner(cst.CSTVisitor):
             elif hit == (FSDP, "optim_state_dict") and len(inner.args) >= 2:
                 self.needs_state_dict_api.add("get_optimizer_state_dict")
                 m_, o_ = (_code(a.value) for a in inner.args[:2])
-                rewrites[id(inner)] = f"get_optimizer_state_dict({m_}, {o_}, options={save_opts})"
+                rewrites[id(inner)] = f"get_optimizer_state_dict({m_}, {o_}, options={optim_opts})"
             elif (isinstance(func, cst.Attribute) and func.attr.value == "load_state_dict" and len(inner.args) == 1
                   and isinstance(inner.args[0].value, cst.Call)
                   and self._qn(inner.args[0].value.func) == (FSDP, "optim_state_dict_to_load")):
@@ -817,12 +903,14 @@ class _Scanner(cst.CSTVisitor):
         self.call_rewrites.update(rewrites)
         self.unwrap_withs.add(id(node))
         self._consume(call)
-        for extra in call.args[2:]:
-            value = self._follow(extra.value, _Conversion())
-            if value is not extra.value and self.name_uses.get(cast(cst.Name, extra.value).value, 0) <= 2:
+        for extra in (cfg, optim_cfg):
+            if extra is None or save_opts.startswith("fsdp_bridge."):
+                continue  # runtime configs stay: the new calls read them
+            value = self._follow(extra, _Conversion())
+            if value is not extra and self.name_uses.get(cast(cst.Name, extra).value, 0) <= 2:
                 self._consume(value)
         what = ", ".join(sorted({code.split("(")[0] for code in rewrites.values()}))
-        self._record(node, f"FSDP.state_dict_type({kind})",
+        self._record(node, f"FSDP.state_dict_type({kind or _short(_code(type_arg), 40)})",
                      f"the block's body with {what} (torch.distributed.checkpoint.state_dict, options={save_opts}); "
                      "your torch.save / DCP code is kept", True)
 
@@ -850,6 +938,19 @@ class _Scanner(cst.CSTVisitor):
             code = f"isinstance({_code(args[0].value)}, FSDPModule)"
             self._record(node, f"isinstance(..., {_code(args[1].value)})", f"{code} (FSDP2 units are FSDPModule)",
                          True)
+        elif (m.matches(node.func, m.Name("isinstance")) and len(args) == 2
+                and isinstance(args[1].value, (cst.Tuple, cst.BinaryOperation))):
+            hits = [n for n in _walk(args[1].value) if isinstance(n, (cst.Name, cst.Attribute))
+                    and self._qn(n) == (FSDP, "")]
+            if not hits:
+                return False
+            self.needs_imports.add(("torch.distributed.fsdp", "FSDPModule"))
+            for n in hits:  # FSDP inside a tuple or union of classes: that element becomes FSDPModule
+                self.name_rewrites[id(n)] = "FSDPModule"
+                self.consumed_nodes.add(id(n))
+            self._record(node, f"isinstance(..., {_short(_code(args[1].value), 40)})",
+                         f"FSDPModule in place of {_code(hits[0])} (FSDP2 units are FSDPModule)", True)
+            return False
         elif hit == (FSDP, "fsdp_modules") and args:
             self.needs_imports.add(("torch.distributed.fsdp", "FSDPModule"))
             root = _code(args[0].value)
@@ -1004,11 +1105,15 @@ class _Fixer(cst.CSTTransformer):
         return cst.Name(rewrite) if rewrite else updated_node
 
     def leave_Attribute(self, original_node: cst.Attribute, updated_node: cst.Attribute) -> Any:
+        if id(original_node) in self.scan.attr_drops:
+            return updated_node.value
         rewrite = self.scan.name_rewrites.get(id(original_node))
         return cst.Name(rewrite) if rewrite else updated_node
 
     def leave_SimpleStatementLine(self, original_node: cst.SimpleStatementLine,
                                   updated_node: cst.SimpleStatementLine) -> Any:
+        if id(original_node) in self.scan.removed_stmts:
+            return self._remove(updated_node)
         if len(original_node.body) == 1 and isinstance(original_node.body[0], cst.Assign):
             value = original_node.body[0].value
             if id(value) in self.scan.consumed_nodes and id(value) in self.assignment_stmts:
@@ -1077,6 +1182,21 @@ class _Fixer(cst.CSTTransformer):
             body[0] = body[0].with_changes(leading_lines=[*updated_node.leading_lines, *body[0].leading_lines])
             return cst.FlattenSentinel(body)
         return self._compound(original_node, updated_node)
+
+
+def _named_args(call: cst.Call, names: Sequence[str]) -> dict[str, cst.BaseExpression] | None:
+    """A call's arguments by parameter name (positional ones in ``names`` order); None with ``*``/``**``."""
+    out: dict[str, cst.BaseExpression] = {}
+    for i, a in enumerate(call.args):
+        if a.star:
+            return None
+        if a.keyword is not None:
+            out[a.keyword.value] = a.value
+        elif i < len(names):
+            out[names[i]] = a.value
+        else:
+            return None
+    return out
 
 
 def _short(code: str, limit: int = 60) -> str:
