@@ -122,6 +122,17 @@ print(json.dumps({{"codes": codes, "heads": heads, "loaded": {_HEAVY_LOADED}}}))
     assert result["loaded"] == []
 
 
+def test_the_command_line_entry_point_imports_no_torch() -> None:
+    """`python -m fsdp_bridge --help` (what the fsdp-bridge script runs), read off -X importtime."""
+    out = subprocess.run([sys.executable, "-X", "importtime", "-m", "fsdp_bridge", "--help"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("usage: fsdp-bridge")
+    imported = {line.rpartition("|")[2].strip() for line in out.stderr.splitlines() if line.startswith("import time:")}
+    assert "fsdp_bridge.cli" in imported
+    assert sorted(m for m in imported if m.split(".")[0] in HEAVY) == []
+
+
 def test_cli_light_copies_match_their_sources() -> None:
     """Choices the parsers offer without importing torch agree with the code that uses them."""
     from fsdp_bridge.checkpoint._convert import TARGETS
