@@ -6,25 +6,68 @@
     optimizer = torch.optim.AdamW(model.parameters())
 
 Run under ``torchrun --nproc-per-node 2 script.py`` (gloo on CPU, NCCL on GPUs).
+
+The names below are loaded on first use (PEP 562), so ``import fsdp_bridge`` costs
+about what ``import torch`` does and ``fsdp-bridge --help`` starts without torch;
+type checkers and IDEs see the real definitions through the ``TYPE_CHECKING`` imports.
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
 from fsdp_bridge._version import __version__
-from fsdp_bridge.api import Bridge, clip_grad_norm_, get_bridge, no_sync, shard, summon_full_params
-from fsdp_bridge.backends.fsdp1_objects import state_dict_options
-from fsdp_bridge.checkpoint import (
-    CheckpointError,
-    latest_checkpoint,
-    load_checkpoint,
-    load_pretrained,
-    rotate_checkpoints,
-    save_checkpoint,
-    save_checkpoint_async,
-)
-from fsdp_bridge.config import BridgeConfig, MixedPrecisionConfig, WrapPolicy, load_config
-from fsdp_bridge.distributed import init_distributed
-from fsdp_bridge.errors import ConfigError, Problem
-from fsdp_bridge.mapping import Outcome, TranslationReport, translate
-from fsdp_bridge.strategy import Backend, BackwardPrefetch, ShardingStrategy
+
+if TYPE_CHECKING:
+    from fsdp_bridge.api import Bridge, clip_grad_norm_, get_bridge, no_sync, shard, summon_full_params
+    from fsdp_bridge.backends.fsdp1_objects import state_dict_options
+    from fsdp_bridge.checkpoint import (
+        CheckpointError,
+        latest_checkpoint,
+        load_checkpoint,
+        load_pretrained,
+        rotate_checkpoints,
+        save_checkpoint,
+        save_checkpoint_async,
+    )
+    from fsdp_bridge.config import BridgeConfig, MixedPrecisionConfig, WrapPolicy, load_config
+    from fsdp_bridge.distributed import init_distributed
+    from fsdp_bridge.errors import ConfigError, Problem
+    from fsdp_bridge.mapping import Outcome, TranslationReport, translate
+    from fsdp_bridge.strategy import Backend, BackwardPrefetch, ShardingStrategy
+
+# Public name -> the module that defines it.  Kept in step with the TYPE_CHECKING imports
+# above and with ``__all__`` by tests/test_imports.py.
+_EXPORTS: dict[str, str] = {
+    "Backend": "fsdp_bridge.strategy",
+    "BackwardPrefetch": "fsdp_bridge.strategy",
+    "Bridge": "fsdp_bridge.api",
+    "BridgeConfig": "fsdp_bridge.config",
+    "CheckpointError": "fsdp_bridge.checkpoint",
+    "ConfigError": "fsdp_bridge.errors",
+    "MixedPrecisionConfig": "fsdp_bridge.config",
+    "Outcome": "fsdp_bridge.mapping",
+    "Problem": "fsdp_bridge.errors",
+    "ShardingStrategy": "fsdp_bridge.strategy",
+    "TranslationReport": "fsdp_bridge.mapping",
+    "WrapPolicy": "fsdp_bridge.config",
+    "clip_grad_norm_": "fsdp_bridge.api",
+    "get_bridge": "fsdp_bridge.api",
+    "init_distributed": "fsdp_bridge.distributed",
+    "latest_checkpoint": "fsdp_bridge.checkpoint",
+    "load_checkpoint": "fsdp_bridge.checkpoint",
+    "load_config": "fsdp_bridge.config",
+    "load_pretrained": "fsdp_bridge.checkpoint",
+    "no_sync": "fsdp_bridge.api",
+    "rotate_checkpoints": "fsdp_bridge.checkpoint",
+    "save_checkpoint": "fsdp_bridge.checkpoint",
+    "save_checkpoint_async": "fsdp_bridge.checkpoint",
+    "shard": "fsdp_bridge.api",
+    "state_dict_options": "fsdp_bridge.backends.fsdp1_objects",
+    "summon_full_params": "fsdp_bridge.api",
+    "translate": "fsdp_bridge.mapping",
+}
 
 __all__ = [
     "Backend",
@@ -56,3 +99,20 @@ __all__ = [
     "summon_full_params",
     "translate",
 ]
+
+
+# Hidden from type checkers: with a visible module ``__getattr__``, mypy would accept any
+# misspelt ``fsdp_bridge.<name>``; the TYPE_CHECKING imports above give it the real ones.
+if not TYPE_CHECKING:
+
+    def __getattr__(name: str) -> object:
+        module = _EXPORTS.get(name)
+        if module is None:
+            raise AttributeError(f"module 'fsdp_bridge' has no attribute {name!r}")
+        value = getattr(importlib.import_module(module), name)
+        globals()[name] = value  # later lookups skip this function
+        return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

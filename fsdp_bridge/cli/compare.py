@@ -17,11 +17,12 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+from typing import TYPE_CHECKING
 
-import yaml
-
-from fsdp_bridge.compare import CompareJob, read_job, run_job, write_report
 from fsdp_bridge.errors import ConfigError, Problem
+
+if TYPE_CHECKING:
+    from fsdp_bridge.compare import CompareJob
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -82,14 +83,21 @@ def _scalar(text: str) -> object:
             return kind(text)
         except ValueError:
             pass
+    import yaml
+
     return yaml.safe_load(text)
 
 
 def _rank_main(job: CompareJob, param_diff: bool) -> object:
+    from fsdp_bridge.compare import run_job
+
     return run_job(job, param_diff=param_diff)
 
 
 def run(args: argparse.Namespace) -> int:
+    # Imported here, not at the top: `fsdp-bridge --help` must not pay for torch.
+    from fsdp_bridge.compare import CompareJob, read_job, run_job, write_report
+
     job = CompareJob.from_dict(apply_flags(read_job(args.config), args), source=args.config)
     command = _command(args)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # launched by torchrun: use those ranks
@@ -97,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
         if int(os.environ["RANK"]) != 0:
             return 0 if report.ok else 1
     else:
-        from fsdp_bridge.testing.spawn import run_distributed
+        from fsdp_bridge._spawn import run_distributed
 
         backend, world = _process_backend(job)
         report = run_distributed(_rank_main, world, args=(job, not args.no_param_diff), backend=backend,

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import argparse
 
-from fsdp_bridge.checkpoint._convert import TARGETS, convert_checkpoint
-from fsdp_bridge.checkpoint._formats import CheckpointError
+# fsdp_bridge.checkpoint._convert.TARGETS, copied so that `--help` does not import torch
+# (tests/test_imports.py checks the two agree).
+TARGETS: tuple[str, ...] = ("hf", "sharded", "torch")
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -32,6 +33,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 
 def run(args: argparse.Namespace) -> int:
+    from fsdp_bridge.checkpoint._convert import convert_checkpoint
+    from fsdp_bridge.checkpoint._formats import CheckpointError
+
     try:
         dst = convert_checkpoint(args.src, args.dst, to=args.to, hf_config=args.hf_config,
                                  max_shard_size=args.max_shard_size)

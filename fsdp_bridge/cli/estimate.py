@@ -17,9 +17,11 @@ import argparse
 import enum
 import json
 
-from fsdp_bridge.config import BridgeConfig
-from fsdp_bridge.estimate import OPTIMIZERS, estimate, format_table, parse_bytes
 from fsdp_bridge.strategy import Backend, ShardingStrategy
+
+# The keys of fsdp_bridge.estimate.memory.OPTIMIZERS, copied so that `--help` does not
+# import torch (tests/test_imports.py checks the two agree).
+OPTIMIZER_NAMES: tuple[str, ...] = ("adamw", "adam", "sgd", "sgd-nomomentum", "adagrad", "rmsprop", "none")
 
 
 def _choices(value: str, enum_cls: type[enum.Enum]) -> list[str]:
@@ -36,7 +38,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--backend", default="all", help="fsdp1, fsdp2 or all (default)")
     p.add_argument("--mixed-precision", default="fp32", help="fp32 (default), bf16 or fp16")
     p.add_argument("--cpu-offload", action="store_true", help="parameters, gradients, optimizer state on host")
-    p.add_argument("--optimizer", default="adamw", choices=list(OPTIMIZERS), help="optimizer state to count")
+    p.add_argument("--optimizer", default="adamw", choices=OPTIMIZER_NAMES, help="optimizer state to count")
     p.add_argument("--wrap", default="auto", help="wrap policy: auto, none, or class names (A,B)")
     p.add_argument("--batch", type=int, default=None, help="micro-batch per rank (with --seq-len: activations)")
     p.add_argument("--seq-len", type=int, default=None, help="sequence length")
@@ -48,6 +50,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 
 def run(args: argparse.Namespace) -> int:
+    from fsdp_bridge.config import BridgeConfig
+    from fsdp_bridge.estimate import estimate, format_table, parse_bytes
+
     base = BridgeConfig(mixed_precision=args.mixed_precision, cpu_offload=args.cpu_offload, wrap=args.wrap,
                         activation_checkpointing=args.activation_checkpointing)
     device_memory = parse_bytes(args.device_memory) if args.device_memory else None

@@ -10,8 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 
-from fsdp_bridge.config import load_config
-from fsdp_bridge.mapping import translate
 from fsdp_bridge.strategy import Backend, parse_enum
 
 
@@ -35,6 +33,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 
 def run(args: argparse.Namespace) -> int:
+    from fsdp_bridge.config import load_config
+    from fsdp_bridge.mapping import translate
+
     config = load_config(args.config)
     backends = list(Backend) if args.backend == "both" else [parse_enum(Backend, args.backend)]
     reports = [translate(config, b, device_type=args.device) for b in backends]

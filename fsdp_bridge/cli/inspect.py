@@ -12,9 +12,6 @@ import argparse
 import json
 from typing import Any
 
-from fsdp_bridge.checkpoint._convert import inspect_checkpoint
-from fsdp_bridge.checkpoint._formats import CheckpointError
-
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("inspect", help="describe a checkpoint (kind, backend, world size, step, sizes)",
@@ -58,6 +55,9 @@ def format_info(info: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from fsdp_bridge.checkpoint._convert import inspect_checkpoint
+    from fsdp_bridge.checkpoint._formats import CheckpointError
+
     try:
         info = inspect_checkpoint(args.path)
     except CheckpointError as err:

@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 from fsdp_bridge.errors import ConfigError, Problem
+from fsdp_bridge.strategy import Backend
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -29,7 +30,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help="a training YAML (default: the built-in tiny job), then dotted key=value overrides")
     p.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
                    help="ranks to start on this node (default: one per GPU, or 2 on CPU)")
-    p.add_argument("--backend", choices=["fsdp1", "fsdp2"], default=None, help="override bridge.backend")
+    p.add_argument("--backend", choices=[b.value for b in Backend], default=None, help="override bridge.backend")
     p.add_argument("--resume", action="store_true",
                    help="continue from the latest checkpoint in output_dir (same as resume=auto)")
     loud = p.add_mutually_exclusive_group()

@@ -39,11 +39,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from fsdp_bridge._tiny_models import FAMILIES, build_tiny, sample_batch
 from fsdp_bridge.compare.engine import REFERENCE, RunSpec
 from fsdp_bridge.config import BridgeConfig, _unknown_key, read_yaml_file
 from fsdp_bridge.errors import ConfigError, Problem
 from fsdp_bridge.strategy import Backend, ShardingStrategy, allowed_values, parse_enum
-from fsdp_bridge.testing.models import FAMILIES, build_tiny, sample_batch
 
 __all__ = ["CompareJob", "load_job", "read_job"]
 

@@ -121,7 +121,7 @@ def _marker_args(marker: pytest.Mark) -> tuple[int, str, float]:
 def _run(fn: Callable[..., Any], world_size: int, *, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None,
          backend: str = "gloo", timeout_s: float = 300.0) -> list[Any]:
     """run_distributed, turning a rank's failure into a test failure that shows every traceback."""
-    from fsdp_bridge.testing.spawn import RankFailure, run_distributed
+    from fsdp_bridge._spawn import RankFailure, run_distributed
 
     try:
         return run_distributed(fn, world_size, args=args, kwargs=kwargs, backend=backend, timeout_s=timeout_s)

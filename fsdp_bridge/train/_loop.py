@@ -29,11 +29,11 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp_bridge import checkpoint as ckpt
+from fsdp_bridge._faults import maybe_fail
 from fsdp_bridge.api import clip_grad_norm_, get_bridge, no_sync, shard
 from fsdp_bridge.config import parse_dtype
 from fsdp_bridge.distributed import init_distributed
 from fsdp_bridge.errors import ConfigError, Problem
-from fsdp_bridge.testing.faults import maybe_fail
 from fsdp_bridge.train._config import TrainConfig
 from fsdp_bridge.train._data import PackedData, read_documents
 from fsdp_bridge.train._progress import Progress

@@ -12,9 +12,9 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tqdm import tqdm
-
 if TYPE_CHECKING:
+    from tqdm import tqdm
+
     from fsdp_bridge.train._loop import TrainResult
 
 __all__ = ["Progress"]
@@ -45,6 +45,8 @@ class Progress:
 
     def _open_bar(self) -> None:
         if self._bar is None and self.enabled and self.verbosity != "quiet":
+            from tqdm import tqdm  # only where a bar is shown
+
             self._bar = tqdm(**self._bar_args, unit="step", dynamic_ncols=True, file=sys.stderr,
                              mininterval=0.5, desc="train")
 

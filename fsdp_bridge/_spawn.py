@@ -1,0 +1,197 @@
+"""Run a function on N ranks in spawned processes (gloo on CPU, NCCL when asked).
+
+    from fsdp_bridge.testing import run_distributed
+    results = run_distributed(my_fn, world_size=2, args=(config,))   # one result per rank
+
+``my_fn`` must be importable (a module-level function).  If any rank raises, the
+others are stopped at once and :class:`RankFailure` carries every failing rank's
+traceback; a run past ``timeout_s`` is killed and reported the same way, so a test
+never hangs.
+
+Shared by ``fsdp-bridge compare`` and :mod:`fsdp_bridge.testing` (which re-exports it).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import shutil
+import socket
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+__all__ = ["RankFailure", "run_distributed"]
+
+
+class RankFailure(RuntimeError):
+    """One or more ranks failed; ``failures`` maps rank -> traceback text."""
+
+    def __init__(self, failures: dict[int, str], world_size: int) -> None:
+        self.failures = dict(sorted(failures.items()))
+        parts = [f"{len(self.failures)} of {world_size} ranks failed:"]
+        for rank, tb in self.failures.items():
+            parts.append(f"--- rank {rank} ---\n{tb.rstrip()}")
+        super().__init__("\n".join(parts))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _worker(
+    rank: int,
+    world_size: int,
+    port: int,
+    store_path: str,
+    fn: Callable[..., Any],
+    args: Sequence[Any],
+    kwargs: dict[str, Any],
+    backend: str,
+    results: Any,
+    threads: int,
+    env: dict[str, str],
+) -> None:
+    os.environ.update(env)
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS=str(threads),
+    )
+    try:
+        import datetime
+
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(threads)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        # Rendezvous through a file, not a TCP port picked in advance: another process could
+        # take that port between the pick and the bind (EADDRINUSE under parallel test runs).
+        dist.init_process_group(
+            backend=backend,
+            init_method=f"file://{store_path}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=120),
+        )
+        try:
+            value = fn(*args, **kwargs)
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        results.put((rank, True, value))
+    except BaseException:  # report everything, including SystemExit/KeyboardInterrupt
+        results.put((rank, False, traceback.format_exc()))
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int = 2,
+    *,
+    args: Sequence[Any] = (),
+    kwargs: dict[str, Any] | None = None,
+    backend: str = "gloo",
+    timeout_s: float = 300.0,
+    threads_per_rank: int | None = None,
+    env: dict[str, str] | None = None,
+) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return each rank's result, by rank.
+
+    Each rank has the default process group initialised (``backend``: gloo, or nccl
+    for one GPU per rank) and torchrun's environment variables set.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()  # only exported as MASTER_PORT for code that reads it
+    store_dir = tempfile.mkdtemp(prefix="fsdp-bridge-store-")
+    store_path = os.path.join(store_dir, "store")
+    threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
+    procs = [
+        ctx.Process(
+            target=_worker,
+            args=(
+                rank,
+                world_size,
+                port,
+                store_path,
+                fn,
+                tuple(args),
+                dict(kwargs or {}),
+                backend,
+                results,
+                threads,
+                dict(env or {}),
+            ),
+            daemon=True,
+        )
+        for rank in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    values: dict[int, Any] = {}
+    failures: dict[int, str] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(values) + len(failures) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                for rank in range(world_size):
+                    if rank not in values and rank not in failures:
+                        failures[rank] = f"timed out after {timeout_s:.0f} s (still running: killed)"
+                break
+            try:
+                rank, ok, value = results.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                dead = [
+                    r
+                    for r, p in enumerate(procs)
+                    if p.exitcode not in (None, 0) and r not in values and r not in failures
+                ]
+                for r in dead:
+                    failures[r] = f"process exited with code {procs[r].exitcode} without reporting"
+                if failures:
+                    # Give ranks that are about to report a moment, then stop the rest.
+                    _drain(results, values, failures, grace_s=2.0)
+                    break
+                continue
+            (values if ok else failures)[rank] = value
+            if failures:
+                _drain(results, values, failures, grace_s=2.0)
+                break
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        for p in procs:
+            p.join(timeout=10)
+        shutil.rmtree(store_dir, ignore_errors=True)
+    if failures:
+        # A rank that crashed (e.g. a segfault) sends nothing: name it beside the ranks that did report.
+        for r, p in enumerate(procs):
+            if r not in values and r not in failures and p.exitcode not in (None, 0) and p.exitcode != -9:
+                failures[r] = f"process exited with code {p.exitcode} without reporting"
+        raise RankFailure(failures, world_size)
+    return [values[r] for r in range(world_size)]
+
+
+def _drain(results: Any, values: dict[int, Any], failures: dict[int, str], *, grace_s: float) -> None:
+    end = time.monotonic() + grace_s
+    while time.monotonic() < end:
+        try:
+            rank, ok, value = results.get(timeout=max(0.0, end - time.monotonic()))
+        except queue.Empty:
+            return
+        (values if ok else failures)[rank] = value
