@@ -80,8 +80,10 @@ class Bridge:
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         return self.impl.clip_grad_norm_(self.model, float(max_norm), float(norm_type))
 
-    def summon_full_params(self, *, writeback: bool = False) -> AbstractContextManager[None]:
-        return self.impl.summon_full_params(self.model, writeback=writeback)
+    def summon_full_params(self, *, writeback: bool = False, rank0_only: bool = False,
+                           offload_to_cpu: bool = False) -> AbstractContextManager[None]:
+        return self.impl.summon_full_params(self.model, writeback=writeback, rank0_only=rank0_only,
+                                            offload_to_cpu=offload_to_cpu)
 
     def local_numel(self) -> int:
         """Parameter elements held by this rank (for FULL_SHARD about 1/N of the model)."""
@@ -288,10 +290,27 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
 
 
 @contextmanager
-def summon_full_params(model: nn.Module, *, writeback: bool = False) -> Iterator[None]:
-    """Inside the context, parameters are full tensors; ``writeback=True`` keeps in-place changes.
+def summon_full_params(model: nn.Module, *, writeback: bool = False, rank0_only: bool = False,
+                       offload_to_cpu: bool = False) -> Iterator[None]:
+    """Inside the context, parameters are full tensors, as FSDP1's ``summon_full_params`` gives them.
 
-    Do not run forward or backward inside it.
+    Do not run forward or backward inside it. Every rank must enter the context (the gather is a
+    collective), as with FSDP1.
+
+    Args:
+        model: a model returned by :func:`shard`.
+        writeback: keep in-place changes made inside the context (each rank's shard is updated).
+        rank0_only: only rank 0 sees full tensors; the other ranks keep their shards.
+        offload_to_cpu: the full tensors are CPU copies.
+
+    Raises:
+        ConfigError: ``writeback=True`` with ``rank0_only=True`` (FSDP1 refuses it too: the other
+            ranks would have nothing to write back), before any collective.
     """
-    with get_bridge(model).summon_full_params(writeback=writeback):
+    if writeback and rank0_only:
+        raise ConfigError([Problem("summon_full_params", "writeback=True, rank0_only=True",
+                                   "writeback=True with rank0_only=False, or rank0_only=True without writeback",
+                                   "drop rank0_only to write changes back, or writeback to read on rank 0 only")])
+    with get_bridge(model).summon_full_params(writeback=writeback, rank0_only=rank0_only,
+                                              offload_to_cpu=offload_to_cpu):
         yield

@@ -104,11 +104,18 @@ def _accumulate_clip_summon(backend: str, strategy: str, shape: list[int] | None
     with fsdp_bridge.summon_full_params(model, writeback=True):
         for p in model.parameters():
             p.data.add_(1.0)
+    # rank0_only: rank 0 sees full tensors, the others keep their shards (FSDP1's meaning).
+    with fsdp_bridge.summon_full_params(model, rank0_only=True, offload_to_cpu=True):
+        rank0_full = all(getattr(p, "to_local", lambda p=p: p)().shape
+                         == ref_state[n.replace("_fsdp_wrapped_module.", "")].shape
+                         for n, p in model.named_parameters())
+    rank0_only_ok = rank0_full == (dist.get_rank() == 0 or strategy == "no_shard")
     after = full_state(model)
     written = all(torch.allclose(after[k], state[k] + 1.0) for k in ref_state if "rotary" not in k)
     return {"losses": losses, "ref_losses": ref_losses, "norms": norms, "ref_norms": ref_norms,
             "max_diff": max_diff, "close": close, "names_ok": names == set(ref_state) - {"model.rotary_emb.inv_freq"},
-            "full_shapes_ok": full_shapes_ok, "unchanged": unchanged, "written": written}
+            "full_shapes_ok": full_shapes_ok, "unchanged": unchanged, "written": written,
+            "rank0_only_ok": rank0_only_ok}
 
 
 @pytest.mark.parametrize(("strategy", "world", "shape"),
@@ -124,6 +131,7 @@ def test_no_sync_clip_and_full_params_match_reference(backend: str, strategy: st
         assert r["names_ok"] and r["full_shapes_ok"], "summon_full_params must expose full, original parameters"
         assert r["unchanged"], "changes inside summon_full_params(writeback=False) must be discarded"
         assert r["written"], "changes inside summon_full_params(writeback=True) must be kept"
+        assert r["rank0_only_ok"], f"rank {rank}: summon_full_params(rank0_only=True) must gather on rank 0 only"
 
 
 # ---------------------------------------------------------------- Hugging Face families

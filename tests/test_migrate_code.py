@@ -6,6 +6,7 @@ import runpy
 import shutil
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -372,3 +373,33 @@ def test_internals_and_argument_driven_fsdp_are_reported_with_what_to_do() -> No
     code = "from transformers import TrainingArguments\nargs = TrainingArguments(output_dir='o', fsdp='full_shard')\n"
     result = migrate_source(code, "t.py")
     assert result.fixed == code and [f.construct for f in result.findings] == ["TrainingArguments(fsdp=...)"]
+
+
+def test_manual_wrapping_and_rank0_gathers_are_reported_or_rewritten() -> None:
+    source = textwrap.dedent('''\
+        import torch
+        from torch import nn
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp.wrap import enable_wrap, wrap
+
+
+        def build():
+            with enable_wrap(wrapper_cls=FSDP, use_orig_params=True):
+                layers = nn.Sequential(*[wrap(nn.Linear(4, 4)) for _ in range(2)])
+                return wrap(layers)
+
+
+        def save(model, rank):
+            with FSDP.summon_full_params(model, rank0_only=True, offload_to_cpu=True, recurse=True):
+                if rank == 0:
+                    torch.save({k: v.clone() for k, v in model.named_parameters()}, "x.pt")
+        ''')
+    result = migrate_source(source, "manual.py")
+    by_line = {(f.line, f.construct): f for f in result.findings}
+    assert not by_line[(8, "enable_wrap(...)")].fixable
+    assert "BridgeConfig(wrap=[" in by_line[(8, "enable_wrap(...)")].replacement
+    assert not by_line[(9, "wrap")].fixable and not by_line[(10, "wrap")].fixable
+    assert not any(f.construct == "FSDP" for f in result.findings)  # wrapper_cls=FSDP belongs to enable_wrap
+    assert by_line[(14, "FSDP.summon_full_params(...)")].fixable
+    assert "fsdp_bridge.summon_full_params(model, rank0_only=True, offload_to_cpu=True)" in result.fixed
+    assert migrate_source(result.fixed, "manual.py").fixed == result.fixed

@@ -184,12 +184,14 @@ class FSDP1Backend:
         return model.clip_grad_norm_(max_norm, norm_type)
 
     @contextmanager
-    def summon_full_params(self, model: nn.Module, *, writeback: bool) -> Iterator[None]:
+    def summon_full_params(self, model: nn.Module, *, writeback: bool, rank0_only: bool = False,
+                           offload_to_cpu: bool = False) -> Iterator[None]:
         # FSDP1 keeps in-place changes even with writeback=False when the gathered
         # parameter shares storage with the shard (NO_SHARD, world size 1).  The bridge
         # promises they are discarded, so restore this rank's shards (a shard-sized copy).
         saved = None if writeback else [t.clone() for t in self.local_tensors(model)]
-        with FullyShardedDataParallel.summon_full_params(model, writeback=writeback, recurse=True):
+        with FullyShardedDataParallel.summon_full_params(model, writeback=writeback, recurse=True,
+                                                         rank0_only=rank0_only, offload_to_cpu=offload_to_cpu):
             yield
         if saved is not None:
             with torch.no_grad():

@@ -129,8 +129,9 @@ class FSDP2Backend:
         return total_norm
 
     @contextmanager
-    def summon_full_params(self, model: nn.Module, *, writeback: bool) -> Iterator[None]:
-        with _full_params(model, writeback=writeback):
+    def summon_full_params(self, model: nn.Module, *, writeback: bool, rank0_only: bool = False,
+                           offload_to_cpu: bool = False) -> Iterator[None]:
+        with _full_params(model, writeback=writeback, rank0_only=rank0_only, offload_to_cpu=offload_to_cpu):
             yield
 
     def local_tensors(self, model: nn.Module) -> list[torch.Tensor]:
@@ -148,21 +149,31 @@ def _no_sync(model: nn.Module) -> Iterator[None]:
 
 
 @contextmanager
-def _full_params(model: nn.Module, *, writeback: bool) -> Iterator[None]:
-    """Swap every DTensor parameter for a full copy; on exit restore (and write back shards)."""
+def _full_params(model: nn.Module, *, writeback: bool, rank0_only: bool = False,
+                 offload_to_cpu: bool = False) -> Iterator[None]:
+    """Swap every DTensor parameter for a full copy; on exit restore (and write back shards).
+
+    ``rank0_only``: every rank takes part in the gather (a collective), only rank 0 swaps.
+    """
+    import torch.distributed as dist
+
+    keep = not rank0_only or not dist.is_initialized() or dist.get_rank() == 0
     swapped: list[tuple[nn.Module, str, nn.Parameter, nn.Parameter]] = []
     full_of: dict[int, nn.Parameter] = {}  # tied parameters share one full copy
     for module in model.modules():
         for name, param in list(module._parameters.items()):
             if isinstance(param, DTensor):
                 if id(param) not in full_of:
-                    full = param.full_tensor()
+                    full = param.full_tensor()  # on every rank, once per parameter (tied ones too)
                     if full.data_ptr() == param.to_local().data_ptr():
                         # Nothing to gather (NO_SHARD, one rank): full_tensor() is the shard itself.
                         full = full.clone()
+                    if offload_to_cpu:
+                        full = full.cpu()
                     full_of[id(param)] = nn.Parameter(full, requires_grad=param.requires_grad)
-                module._parameters[name] = full_of[id(param)]
-                swapped.append((module, name, param, full_of[id(param)]))
+                if keep:
+                    module._parameters[name] = full_of[id(param)]
+                    swapped.append((module, name, param, full_of[id(param)]))
     try:
         yield
     finally:

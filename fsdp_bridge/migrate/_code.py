@@ -63,6 +63,12 @@ _NAMES: dict[str, str] = {
                                          "into it, then set_optimizer_state_dict(model, optimizer, osd) "
                                          "(no FSDP1 flattening step)",
     "_or_policy": "BridgeConfig.from_fsdp1(auto_wrap_policy=...) (FSDP1's recursion, exactly)",
+    "enable_wrap": "not rewritten: FSDP1's manual wrapping (enable_wrap + wrap(module)); on FSDP2 build the model "
+                   "unwrapped and shard it once: fsdp_bridge.shard(model, BridgeConfig(wrap=[<classes of the "
+                   "modules passed to wrap()>], ...)), with enable_wrap's keyword arguments moved into the config "
+                   "(BridgeConfig.from_fsdp1(**kwargs) takes them as they are)",
+    "wrap": "not rewritten: wrap(module) inside enable_wrap is FSDP1's manual wrapping; drop it and list the "
+            "module's class in BridgeConfig(wrap=[...]) for fsdp_bridge.shard",
     "fsdp_modules": "[m for m in model.modules() if isinstance(m, FSDPModule)]",
     FSDP: "fsdp_bridge.shard(model, fsdp_bridge.BridgeConfig(...)) (FSDP2: fully_shard on each unit, then the root)",
     "transformer_auto_wrap_policy": "BridgeConfig(wrap=[LayerClass, ...])",
@@ -172,9 +178,11 @@ def _resolve(qnames: Iterable[Any]) -> tuple[str, str] | None:
         name: str = q.name
         if not name.startswith("torch.distributed."):
             continue
+        if name == "torch.distributed.fsdp.wrap.wrap":
+            return "wrap", ""  # the module path holds "wrap" too: only the function itself is this name
         parts = name.split(".")
         for i, part in enumerate(parts):
-            if part in _NAMES and part not in _FSDP_METHODS:
+            if part in _NAMES and part not in _FSDP_METHODS and (part != "wrap" or i == len(parts) - 1):
                 rest = parts[i + 1:]
                 return part, rest[0] if rest else ""
     return None
@@ -332,6 +340,10 @@ class _Scanner(cst.CSTVisitor):
             return False
         if self._plan_optim_load(node):
             return False
+        if hit == ("enable_wrap", ""):
+            self._record(node, "enable_wrap(...)", _NAMES["enable_wrap"], False)
+            self._consume(node)  # its wrapper_cls=FSDP is part of this construct
+            return False
         if hit == (FSDP, "set_state_dict_type") and self._plan_set_state_dict_type(node):
             return False
         if hit is not None and hit[0] == FSDP and hit[1] in ("optim_state_dict", "full_optim_state_dict",
@@ -340,7 +352,8 @@ class _Scanner(cst.CSTVisitor):
                 return False
         if hit is not None and hit[0] == FSDP and hit[1] == "summon_full_params":
             ok = (len(node.args) >= 1 and node.args[0].keyword is None
-                  and all(a.keyword is not None and a.keyword.value in ("writeback", "recurse") for a in node.args[1:])
+                  and all(a.keyword is not None and a.keyword.value in ("writeback", "recurse", "rank0_only",
+                                                                        "offload_to_cpu") for a in node.args[1:])
                   and all(_code(a.value) == "True" for a in node.args[1:]
                           if a.keyword and a.keyword.value == "recurse"))
             if ok:
@@ -1097,7 +1110,9 @@ class _Fixer(cst.CSTTransformer):
             if kind == "method" and isinstance(func, cst.Attribute):
                 target = cst.parse_expression(f"fsdp_bridge.{func.attr.value}")
                 return updated_node.with_changes(func=target, args=_commas([cst.Arg(func.value), *updated_node.args]))
-            return updated_node.with_changes(func=cst.parse_expression("fsdp_bridge.summon_full_params"))
+            kept = [a for a in updated_node.args if a.keyword is None or a.keyword.value != "recurse"]
+            return updated_node.with_changes(func=cst.parse_expression("fsdp_bridge.summon_full_params"),
+                                             args=_commas(kept))
         return updated_node
 
     def leave_Name(self, original_node: cst.Name, updated_node: cst.Name) -> Any:
