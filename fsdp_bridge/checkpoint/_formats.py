@@ -38,6 +38,7 @@ __all__ = [
     "SafeLoadPlanner",
     "dcp_tensor_shapes",
     "detect",
+    "read_dcp",
     "read_meta",
     "strip_wrapper_prefixes",
     "verify_manifest",
@@ -313,6 +314,41 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:
             self.state_dict[read_item.dest_index.fqn] = obj
+
+
+def read_dcp(state_dict: dict[str, Any], dcp_dir: Path, *, no_dist: bool = False) -> None:
+    """``dcp.load`` into ``state_dict`` through the safe reader and planner.
+
+    Whatever the read raises (a zeroed or damaged shard makes ``torch.load`` fail inside DCP,
+    which reports it as ``CheckpointException``, a ``BaseException``) becomes one
+    :class:`CheckpointError`; DCP already shares a failure on one rank with every rank.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        dcp.load(state_dict, storage_reader=SafeDCPReader(str(dcp_dir)), planner=SafeLoadPlanner(), no_dist=no_dist)
+    except CheckpointError:
+        raise
+    except (Exception, CheckpointException) as err:
+        raise CheckpointError(dcp_dir, f"cannot be read ({_cause(err)}); a shard is damaged or overwritten: "
+                                       "use another checkpoint") from None
+
+
+def _cause(err: BaseException) -> str:
+    """One line naming what failed: for DCP's CheckpointException, each rank's own exception
+    (its str() is a formatted traceback)."""
+    failures = getattr(err, "failures", None)
+    if isinstance(failures, dict) and failures:
+        parts = []
+        for rank, pair in sorted(failures.items()):
+            exc = pair[0] if isinstance(pair, tuple) else pair
+            text = " ".join(str(exc).split())
+            if "weights_only" in text or "Unsupported operand" in text:
+                text = "torch.load refused the stored bytes: they are not a tensor or value torch wrote"
+            parts.append(f"rank {rank}: {type(exc).__name__}: {text[:200]}")
+        return "; ".join(parts)
+    return f"{type(err).__name__}: {' '.join(str(err).split())[:300]}"
 
 
 def dcp_tensor_shapes(dcp_dir: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

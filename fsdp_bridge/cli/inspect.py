@@ -13,7 +13,6 @@ import json
 from typing import Any
 
 from fsdp_bridge.checkpoint._convert import inspect_checkpoint
-from fsdp_bridge.checkpoint._formats import CheckpointError
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -58,10 +57,6 @@ def format_info(info: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        info = inspect_checkpoint(args.path)
-    except CheckpointError as err:
-        print(f"fsdp-bridge inspect: {err}")
-        return 2
+    info = inspect_checkpoint(args.path)  # CheckpointError: printed by the command's handler, exit code 2
     print(json.dumps(info, indent=2, default=str) if args.json else format_info(info))
     return 0

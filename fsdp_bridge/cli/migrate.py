@@ -23,6 +23,9 @@ import json
 import sys
 from pathlib import Path
 
+from fsdp_bridge._paths import unwritable_reason
+from fsdp_bridge.errors import ConfigError, Problem
+
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("migrate", help="migrate FSDP1 configs and code to FSDP2",
@@ -50,9 +53,17 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 def run_config(args: argparse.Namespace) -> int:
     from fsdp_bridge.migrate._config import default_output, migrate_config, write_outputs
 
-    migration = migrate_config(args.src, fsdp=args.fsdp)
     dst = Path(args.output) if args.output else default_output(args.src)
-    write_outputs(migration, dst)
+    reason = unwritable_reason(dst)
+    if reason is not None:  # before reading the source: say where the output cannot go
+        raise ConfigError([Problem("-o/--output", str(dst), "a file in a writable directory",
+                                   f"{reason}; pass -o with a writable path")])
+    migration = migrate_config(args.src, fsdp=args.fsdp)
+    try:
+        write_outputs(migration, dst)
+    except OSError as err:
+        raise ConfigError([Problem("-o/--output", str(dst), "a file in a writable directory",
+                                   f"writing failed ({err}); pass -o with a writable path")]) from None
     if args.json:
         print(json.dumps(migration.report.to_dict(), indent=2))
     else:
