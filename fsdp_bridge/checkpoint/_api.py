@@ -395,8 +395,11 @@ def _chunks(found: Mapping[str, tuple[int, ...]], tied: list[list[str]]) -> list
     return rounds
 
 
-def _optimizer_misfit(osd: Mapping[str, Any], optimizer: torch.optim.Optimizer) -> str | None:
-    """Why a full optimizer state dict cannot be loaded into ``optimizer`` (None if it can)."""
+def _optimizer_misfit(osd: Mapping[str, Any], optimizer: torch.optim.Optimizer,
+                      shapes: Mapping[str, tuple[int, ...]]) -> str | None:
+    """Why a full optimizer state dict cannot be loaded into ``optimizer`` of a model whose
+    parameters have the (global) ``shapes`` (None if it can).  torch's ``load_state_dict``
+    checks none of the per-parameter tensors: a wrong shape would load and fail at the step."""
     groups = osd.get("param_groups")
     if not isinstance(groups, list) or not isinstance(osd.get("state"), dict):
         return "the optimizer state has no param_groups list or no state mapping"
@@ -408,6 +411,16 @@ def _optimizer_misfit(osd: Mapping[str, Any], optimizer: torch.optim.Optimizer) 
         if not isinstance(params, list) or len(params) != len(ours["params"]):
             return (f"parameter group {i} holds {len(params) if isinstance(params, list) else params!r} "
                     f"parameter(s) in the checkpoint, {len(ours['params'])} in the optimizer")
+    wrong = []
+    for fqn, entries in osd["state"].items():
+        if fqn not in shapes or not isinstance(entries, dict):
+            wrong.append(f"state for {fqn!r:.80}, which is not a parameter of the model")
+            continue
+        for name, value in entries.items():
+            if isinstance(value, torch.Tensor) and value.ndim > 0 and tuple(value.shape) != tuple(shapes[fqn]):
+                wrong.append(f"{fqn}.{name}: shape {list(value.shape)}, the parameter has {list(shapes[fqn])}")
+    if wrong:
+        return "; ".join(wrong[:5]) + (f"; and {len(wrong) - 5} more" if len(wrong) > 5 else "")
     return None
 
 
@@ -435,7 +448,7 @@ def _load_full(detected: Detected, model: nn.Module, optimizer: torch.optim.Opti
             if optimizer is not None and not osd:
                 error = ("holds no optimizer state; call load_checkpoint(path, model) without the optimizer")
             elif optimizer is not None:
-                misfit = _optimizer_misfit(osd, optimizer)
+                misfit = _optimizer_misfit(osd, optimizer, {k: _size(v) for k, v in template.items()})
                 error = None if misfit is None else f"does not fit the optimizer: {misfit}"
         except CheckpointError as err:
             error = f"{err.path}: {'; '.join(err.problems)}"
