@@ -53,6 +53,8 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (root / "bad.json").write_bytes(b"\xff{")
     (root / "bridge.yaml").write_text("strategy: full_shard\n")
     (root / "empty_dir").mkdir()
+    (root / "loop_a").symlink_to(root / "loop_b")
+    (root / "loop_b").symlink_to(root / "loop_a")
     return root
 
 
@@ -150,6 +152,8 @@ def _cli_cases(root: Path) -> dict[str, tuple[list[str], list[str]]]:
                               ("rng_state_wrong_shape", "rank_00000.json"),
                               ("description_truncated", "fsdp_bridge.json"),
                               ("description_wrong_type", "field params"))},
+        "convert_symlink_loop_source": (["convert", str(root / "loop_a"), out, "--to", "hf"],
+                                        ["loop_a", "symlink loop"]),
         "inspect_description_wrong_type": (["inspect", d["description_wrong_type"]], ["field params"]),
         "inspect_not_a_checkpoint": (["inspect", str(root / "passwd")], ["passwd"]),
         "migrate_config_unwritable_output": (["migrate", "config", str(root / "bridge.yaml"), "-o",
@@ -169,6 +173,7 @@ CLI_CASES = [
     "convert_optimizer_json_truncated", "convert_optimizer_json_no_param_groups", "convert_zeroed_safetensors",
     "convert_zeroed_dcp_shard", "convert_train_state_garbage", "convert_train_state_not_a_dict",
     "convert_rng_state_wrong_shape", "convert_description_truncated", "convert_description_wrong_type",
+    "convert_symlink_loop_source",
     "inspect_description_wrong_type", "inspect_not_a_checkpoint", "migrate_config_unwritable_output",
     "train_unwritable_output_dir",
 ]
@@ -197,6 +202,15 @@ def test_read_only_output_directory_is_refused(saved: Path, tmp_path: Path, caps
         assert "not writable" in capsys.readouterr().err
     finally:
         ro.chmod(0o755)
+
+
+@pytest.mark.parametrize("where", ["a_file/sub", "/proc/fsdp_bridge_ckpt"])
+def test_save_to_an_unwritable_place_names_why(where: str, saved: Path) -> None:
+    path = saved / where if not where.startswith("/") else Path(where)
+    if where.startswith("/proc") and not Path("/proc").is_dir():
+        pytest.skip("no /proc")
+    with pytest.raises(CheckpointError, match=r"cannot be written: .*(is a file, not a directory|kernel file system)"):
+        fsdp_bridge.save_checkpoint(path, build_tiny("llama", seed=0))
 
 
 # ----------------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from fsdp_bridge import hf
+from fsdp_bridge._paths import unwritable_reason
 from fsdp_bridge._version import __version__
 from fsdp_bridge.checkpoint import _hf, _peft
 from fsdp_bridge.checkpoint._atomic import (
@@ -231,6 +232,9 @@ def _describe_and_publish(
 def _fresh_staging(path: Path, rank: int) -> Path:
     """The staging directory of ``path``, emptied by rank 0 (call a barrier after it)."""
     staging = partial_path(path)
+    reason = unwritable_reason(path)
+    if reason is not None:
+        raise CheckpointError(path, f"cannot be written: {reason}; save to a directory this user can write")
     if rank == 0:
         if staging.exists():  # left by an earlier save that was killed
             shutil.rmtree(staging)
