@@ -128,6 +128,8 @@ def _cli_cases(root: Path) -> dict[str, tuple[list[str], list[str]]]:
                                     ["batch: got -1"]),
         "estimate_zero_seq_len": (["estimate", TINY, "--world-size", "2", "--batch", "1", "--seq-len", "0"],
                                   ["seq_len: got 0"]),
+        "estimate_overflowing_batch_and_seq_len": (["estimate", TINY, "--world-size", "2", "--batch", "1000000",
+                                                    "--seq-len", "1000000"], ["batch/seq_len", "smaller"]),
         "estimate_zero_world_size": (["estimate", TINY, "--world-size", "0"], ["world_size: got 0"]),
         "estimate_zero_device_memory": (["estimate", TINY, "--world-size", "2", "--device-memory", "0"],
                                         ["device_memory: got 0"]),
@@ -158,6 +160,8 @@ def _cli_cases(root: Path) -> dict[str, tuple[list[str], list[str]]]:
         "inspect_not_a_checkpoint": (["inspect", str(root / "passwd")], ["passwd"]),
         "migrate_config_unwritable_output": (["migrate", "config", str(root / "bridge.yaml"), "-o",
                                               str(root / "a_file" / "x.yaml")], ["-o/--output", "is a file"]),
+        "migrate_config_empty_source": (["migrate", "config", ""], ["SRC: got ''"]),
+        "migrate_code_empty_path": (["migrate", "code", ""], ["no such file or directory: ''"]),
         "train_unwritable_output_dir": (["train", "--dry-run", f"output_dir={bad_out}"],
                                         ["output_dir: got", "is a file"]),
     }
@@ -166,7 +170,7 @@ def _cli_cases(root: Path) -> dict[str, tuple[list[str], list[str]]]:
 CLI_CASES = [
     "explain_backend_fsdp3", "estimate_negative_size", "estimate_zero_layers", "estimate_absurd_layers",
     "estimate_absurd_hidden_size", "estimate_size_not_a_number", "estimate_sizes_that_do_not_fit",
-    "estimate_negative_batch", "estimate_zero_seq_len", "estimate_zero_world_size", "estimate_zero_device_memory",
+    "estimate_negative_batch", "estimate_zero_seq_len", "estimate_overflowing_batch_and_seq_len", "estimate_zero_world_size", "estimate_zero_device_memory",
     "estimate_broken_yaml", "estimate_non_utf8_json", "convert_hf_config_not_a_config",
     "convert_hf_config_dir_without_one", "convert_unwritable_destination_hf", "convert_unwritable_destination_sharded",
     "convert_unwritable_destination_torch", "convert_optimizer_json_garbage", "convert_optimizer_json_a_list",
@@ -175,6 +179,7 @@ CLI_CASES = [
     "convert_rng_state_wrong_shape", "convert_description_truncated", "convert_description_wrong_type",
     "convert_symlink_loop_source",
     "inspect_description_wrong_type", "inspect_not_a_checkpoint", "migrate_config_unwritable_output",
+    "migrate_config_empty_source", "migrate_code_empty_path",
     "train_unwritable_output_dir",
 ]
 
@@ -186,7 +191,7 @@ def test_cli_bad_input_exits_2_with_one_message(case: str, saved: Path, capsys: 
     err = capsys.readouterr().err
     assert code == 2, f"{case}: exit code {code}\n{err}"
     assert "Traceback" not in err
-    assert err.startswith(f"fsdp-bridge {argv[0]}: "), err
+    assert err.startswith(f"fsdp-bridge {argv[0]}"), err
     for text in expected:
         assert text in err, f"{case}: {text!r} not in {err!r}"
     assert not (saved / "out").exists(), "a refused conversion left its destination behind"

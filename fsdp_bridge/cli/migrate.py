@@ -53,6 +53,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 def run_config(args: argparse.Namespace) -> int:
     from fsdp_bridge.migrate._config import default_output, migrate_config, write_outputs
 
+    if not args.src or not Path(args.src).is_file():
+        raise ConfigError([Problem("SRC", args.src, "an FSDP1 config file (accelerate YAML, Trainer fsdp_config "
+                                   "JSON, or a bridge YAML with backend fsdp1)", "pass the path of that file")])
     dst = Path(args.output) if args.output else default_output(args.src)
     reason = unwritable_reason(dst)
     if reason is not None:  # before reading the source: say where the output cannot go
@@ -77,7 +80,7 @@ def run_code(args: argparse.Namespace) -> int:
     except ImportError as err:  # libcst missing
         print(f"fsdp-bridge migrate code needs libcst: pip install 'fsdp-bridge[migrate]' ({err})", file=sys.stderr)
         return 2
-    missing = [p for p in args.paths if not Path(p).exists()]
+    missing = [repr(p) if not p else p for p in args.paths if not p or not Path(p).exists()]
     if missing:
         print(f"fsdp-bridge migrate code: no such file or directory: {', '.join(missing)}", file=sys.stderr)
         return 2

@@ -65,7 +65,7 @@ def estimate(
                     ("world_size", world_size, 2**24, "the total number of ranks, e.g. --world-size 8"),
                     ("nodes", nodes, 2**20, "the number of nodes, e.g. --nodes 2"),
                     ("batch", batch, 2**20, "the micro-batch per rank, e.g. --batch 1"),
-                    ("seq_len", seq_len, 2**24, "the sequence length, e.g. --seq-len 2048"))
+                    ("seq_len", seq_len, 2**20, "the sequence length, e.g. --seq-len 2048"))
                 if value is not None and (not isinstance(value, int) or isinstance(value, bool)
                                           or not 1 <= value <= limit)]
     if (batch is None) != (seq_len is None):
@@ -85,8 +85,13 @@ def estimate(
         if compute is not None:
             fresh = fresh.to(compute)
         units = resolve_wrap(fresh, base.wrap).modules
-        activations = measure_activations(fresh, batch=batch, seq_len=seq_len, units=units,
-                                          activation_checkpointing=base.activation_checkpointing)
+        try:
+            activations = measure_activations(fresh, batch=batch, seq_len=seq_len, units=units,
+                                              activation_checkpointing=base.activation_checkpointing)
+        except (RuntimeError, ValueError, IndexError) as err:  # e.g. numel overflow, seq_len past the positions
+            raise ConfigError([Problem("batch/seq_len", (batch, seq_len), "sizes this model can run a forward with",
+                                       f"the meta-device forward failed ({' '.join(str(err).split())[:200]}); "
+                                       "use a smaller --batch or --seq-len")]) from None
 
     rows: list[RankMemory] = []
     for b in backends:
