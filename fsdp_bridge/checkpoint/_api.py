@@ -416,13 +416,18 @@ def _optimizer_misfit(osd: Mapping[str, Any], optimizer: torch.optim.Optimizer,
             return (f"parameter group {i} holds {len(params) if isinstance(params, list) else params!r} "
                     f"parameter(s) in the checkpoint, {len(ours['params'])} in the optimizer")
     wrong = []
+    by_key: Mapping[Any, tuple[int, ...]] = shapes
+    if osd["state"] and all(isinstance(k, int) for k in osd["state"]):
+        # optimizer.state_dict() keys parameters by position (torch loads those as they are)
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        by_key = {i: tuple(p.shape) for i, p in enumerate(params)}
     for fqn, entries in osd["state"].items():
-        if fqn not in shapes or not isinstance(entries, dict):
+        if fqn not in by_key or not isinstance(entries, dict):
             wrong.append(f"state for {fqn!r:.80}, which is not a parameter of the model")
             continue
         for name, value in entries.items():
-            if isinstance(value, torch.Tensor) and value.ndim > 0 and tuple(value.shape) != tuple(shapes[fqn]):
-                wrong.append(f"{fqn}.{name}: shape {list(value.shape)}, the parameter has {list(shapes[fqn])}")
+            if isinstance(value, torch.Tensor) and value.ndim > 0 and tuple(value.shape) != tuple(by_key[fqn]):
+                wrong.append(f"{fqn}.{name}: shape {list(value.shape)}, the parameter has {list(by_key[fqn])}")
     if wrong:
         return "; ".join(wrong[:5]) + (f"; and {len(wrong) - 5} more" if len(wrong) > 5 else "")
     return None
