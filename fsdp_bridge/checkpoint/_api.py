@@ -555,7 +555,10 @@ def load_checkpoint(
     (FSDP1 wrapper prefixes such as ``_fsdp_wrapped_module.`` are removed).  Any backend
     and world size may have saved it.  Names and shapes are checked on every rank before
     anything is loaded; problems raise :class:`CheckpointError` listing every missing and
-    unexpected key and every shape mismatch.
+    unexpected key and every shape mismatch.  All or nothing: the training state, every
+    rank's RNG file and the optimizer state are read and checked, and sharded checkpoints
+    read whole, before the first tensor is copied, so a refused load leaves ``model`` and
+    ``optimizer`` as they were.
 
     Returns the training ``state`` saved with the checkpoint (``{}`` if none).  Each
     rank's RNG states are restored when the world size matches the one saved from.
