@@ -23,7 +23,6 @@ if TYPE_CHECKING:
     from fsdp_bridge.api import Bridge, clip_grad_norm_, get_bridge, no_sync, shard, summon_full_params
     from fsdp_bridge.backends.fsdp1_objects import state_dict_options
     from fsdp_bridge.checkpoint import (
-        CheckpointError,
         latest_checkpoint,
         load_checkpoint,
         load_pretrained,
@@ -33,7 +32,7 @@ if TYPE_CHECKING:
     )
     from fsdp_bridge.config import BridgeConfig, MixedPrecisionConfig, WrapPolicy, load_config
     from fsdp_bridge.distributed import init_distributed
-    from fsdp_bridge.errors import ConfigError, Problem
+    from fsdp_bridge.errors import CheckpointError, ConfigError, Problem
     from fsdp_bridge.mapping import Outcome, TranslationReport, translate
     from fsdp_bridge.strategy import Backend, BackwardPrefetch, ShardingStrategy
 
@@ -44,7 +43,7 @@ _EXPORTS: dict[str, str] = {
     "BackwardPrefetch": "fsdp_bridge.strategy",
     "Bridge": "fsdp_bridge.api",
     "BridgeConfig": "fsdp_bridge.config",
-    "CheckpointError": "fsdp_bridge.checkpoint",
+    "CheckpointError": "fsdp_bridge.errors",
     "ConfigError": "fsdp_bridge.errors",
     "MixedPrecisionConfig": "fsdp_bridge.config",
     "Outcome": "fsdp_bridge.mapping",

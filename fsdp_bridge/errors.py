@@ -7,10 +7,11 @@ that a user fixes them in one round instead of one per launch.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-__all__ = ["ConfigError", "Problem"]
+__all__ = ["CheckpointError", "ConfigError", "Problem"]
 
 
 @dataclass(frozen=True)
@@ -49,3 +50,19 @@ class ConfigError(ValueError):
         count = len(self.problems)
         head = f"invalid fsdp_bridge configuration{where} ({count} problem{'s' * (count != 1)}):"
         super().__init__("\n".join([head, *(f"  - {p}" for p in self.problems)]))
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, incomplete, corrupt or does not fit the model.
+
+    ``path`` is the file or directory at fault; ``problems`` lists every problem found.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], problems: Iterable[str] | str) -> None:
+        self.path = str(path)
+        self.problems: tuple[str, ...] = (problems,) if isinstance(problems, str) else tuple(problems)
+        lines = [f"checkpoint {self.path}: " + (self.problems[0] if len(self.problems) == 1 else
+                                                  f"{len(self.problems)} problems:")]
+        if len(self.problems) > 1:
+            lines.extend(f"  - {p}" for p in self.problems)
+        super().__init__("\n".join(lines))

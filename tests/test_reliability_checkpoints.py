@@ -1,8 +1,11 @@
 """Damaged checkpoints are refused, naming the file and the problem, and nothing is loaded.
 
 Cases: a missing shard, a truncated shard, DCP metadata from another run of the same model,
-a description (fsdp_bridge.json) from another run, a checkpoint of a different model.
-After each refusal the model's parameters are bit-identical to what they were.
+a description (fsdp_bridge.json) from another run, a checkpoint of a different model, and,
+with the description re-written to match as an attacker would: a zeroed shard, a corrupt
+training state, a corrupt RNG file of rank 1 only, an optimizer tensor of the wrong shape in
+a full checkpoint.  After each refusal, on every rank, the model's parameters are
+bit-identical to what they were.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 import fsdp_bridge
 from fsdp_bridge.checkpoint import CheckpointError
 from fsdp_bridge.testing import run_distributed
+from fsdp_bridge.testing.damage import redescribe, zero_file
 from fsdp_bridge.testing.models import build_tiny, sample_batch
 
 
@@ -37,6 +41,7 @@ def _damage_and_load(root: str) -> dict[str, str]:
         opt.step()
         opt.zero_grad()
         fsdp_bridge.save_checkpoint(base / name, model, opt, state={"step": 1})
+    fsdp_bridge.save_checkpoint(base / "full", model, opt, kind="full", state={"step": 1})
     gpt2 = fsdp_bridge.shard(build_tiny("gpt2"), fsdp_bridge.BridgeConfig(backend="fsdp2"))
     fsdp_bridge.save_checkpoint(base / "gpt2", gpt2, torch.optim.AdamW(gpt2.parameters()))
     dist.barrier()
@@ -47,7 +52,13 @@ def _damage_and_load(root: str) -> dict[str, str]:
         "metadata_from_other_run": lambda d: shutil.copy(base / "b" / "dcp" / ".metadata", d / "dcp" / ".metadata"),
         "description_from_other_run": lambda d: shutil.copy(base / "b" / "fsdp_bridge.json", d / "fsdp_bridge.json"),
         "other_model": None,
+        # The description re-written to match (redescribe): only the readers' own checks stand.
+        "zeroed_shard": lambda d: zero_file(next((d / "dcp").glob("*.distcp"))),
+        "corrupt_train_state": lambda d: (d / "train_state.json").write_text('"not a dict"'),
+        "corrupt_rng_of_rank_1": lambda d: (d / "rng" / "rank_00001.json").write_text('{"python": 1}'),
+        "optimizer_tensor_wrong_shape": _wrong_shape_optimizer_tensor,
     }
+    redescribed = {"zeroed_shard", "corrupt_train_state", "corrupt_rng_of_rank_1", "optimizer_tensor_wrong_shape"}
     victim = build_tiny("llama", seed=9)
     target = fsdp_bridge.shard(victim, config)
     target_opt = torch.optim.AdamW(target.parameters(), lr=1e-2)
@@ -57,8 +68,10 @@ def _damage_and_load(root: str) -> dict[str, str]:
         path = base / "gpt2" if damage is None else base / label
         if damage is not None:
             if rank == 0:
-                shutil.copytree(base / "a", path)
+                shutil.copytree(base / ("full" if label == "optimizer_tensor_wrong_shape" else "a"), path)
                 damage(path)
+                if label in redescribed:
+                    redescribe(path)
             dist.barrier()
         try:
             fsdp_bridge.load_checkpoint(path, target, target_opt)
@@ -74,6 +87,15 @@ def _damage_and_load(root: str) -> dict[str, str]:
     return out
 
 
+def _wrong_shape_optimizer_tensor(d: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(d / "optimizer.safetensors"))
+    key = next(k for k in sorted(tensors) if k.endswith("/exp_avg") and tensors[k].ndim == 2)
+    tensors[key] = tensors[key].reshape(-1)[: tensors[key].numel() // 2].reshape(2, -1).contiguous()
+    save_file(tensors, str(d / "optimizer.safetensors"), metadata={"format": "pt"})
+
+
 def test_damaged_checkpoints_are_refused_and_nothing_is_loaded(tmp_path: Path) -> None:
     for r in run_distributed(_damage_and_load, 2, args=(str(tmp_path),)):
         assert "dcp/__0_0.distcp: missing" in r["missing_shard"] and "missing_shard" in r["missing_shard"]
@@ -82,8 +104,14 @@ def test_damaged_checkpoints_are_refused_and_nothing_is_loaded(tmp_path: Path) -
             "metadata_from_other_run"]
         assert "content differs" in r["description_from_other_run"]
         assert "missing model keys" in r["other_model"] and "gpt2" in r["other_model"]
+        assert "dcp: cannot be read" in r["zeroed_shard"]
+        assert "train_state.json" in r["corrupt_train_state"]
+        assert "rank 1: reading the training state and RNG failed" in r["corrupt_rng_of_rank_1"]
+        assert "rank_00001.json" in r["corrupt_rng_of_rank_1"]
+        assert "exp_avg: shape [2, " in r["optimizer_tensor_wrong_shape"]
         for label in ("missing_shard", "truncated_shard", "metadata_from_other_run", "description_from_other_run",
-                      "other_model"):
+                      "other_model", "zeroed_shard", "corrupt_train_state", "corrupt_rng_of_rank_1",
+                      "optimizer_tensor_wrong_shape"):
             assert r[f"{label}_untouched"] == "True", f"{label}: the model changed although the load was refused"
         assert r["b_loads"] == "True"
         assert "dcp/.metadata" in r["description"]

@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from fsdp_bridge import hf
+from fsdp_bridge._paths import unwritable_reason
 from fsdp_bridge._version import __version__
 from fsdp_bridge.checkpoint import _hf, _peft
 from fsdp_bridge.checkpoint._atomic import (
@@ -47,13 +48,12 @@ from fsdp_bridge.checkpoint._formats import (
     CheckpointError,
     Detected,
     Kind,
-    SafeDCPReader,
-    SafeLoadPlanner,
     compare_keys,
     dcp_tensor_shapes,
     detect,
     digests,
     manifest,
+    read_dcp,
     strip_wrapper_prefixes,
     verify_manifest,
 )
@@ -103,6 +103,10 @@ def _on_every_rank(path: Path, what: str, fn: Callable[[], Any]) -> Any:
     result = None
     try:
         result = fn()
+    except CheckpointError as err:
+        if not (dist.is_initialized() and dist.get_world_size() > 1):
+            raise  # already names the file and the problem
+        error = str(err)
     except (Exception, CheckpointException) as err:  # CheckpointException is a BaseException
         error = f"{type(err).__name__}: {' '.join(str(err).split())[:300]}"
     if dist.is_initialized() and dist.get_world_size() > 1:
@@ -228,6 +232,9 @@ def _describe_and_publish(
 def _fresh_staging(path: Path, rank: int) -> Path:
     """The staging directory of ``path``, emptied by rank 0 (call a barrier after it)."""
     staging = partial_path(path)
+    reason = unwritable_reason(path)
+    if reason is not None:
+        raise CheckpointError(path, f"cannot be written: {reason}; save to a directory this user can write")
     if rank == 0:
         if staging.exists():  # left by an earlier save that was killed
             shutil.rmtree(staging)
@@ -392,11 +399,47 @@ def _chunks(found: Mapping[str, tuple[int, ...]], tied: list[list[str]]) -> list
     return rounds
 
 
+def _optimizer_misfit(osd: Mapping[str, Any], optimizer: torch.optim.Optimizer,
+                      shapes: Mapping[str, tuple[int, ...]]) -> str | None:
+    """Why a full optimizer state dict cannot be loaded into ``optimizer`` of a model whose
+    parameters have the (global) ``shapes`` (None if it can).  torch's ``load_state_dict``
+    checks none of the per-parameter tensors: a wrong shape would load and fail at the step."""
+    groups = osd.get("param_groups")
+    if not isinstance(groups, list) or not isinstance(osd.get("state"), dict):
+        return "the optimizer state has no param_groups list or no state mapping"
+    if len(groups) != len(optimizer.param_groups):
+        return (f"the optimizer state has {len(groups)} parameter group(s), the optimizer "
+                f"{len(optimizer.param_groups)}; build the optimizer with the groups it was saved with")
+    for i, (saved, ours) in enumerate(zip(groups, optimizer.param_groups, strict=True)):
+        params = saved.get("params") if isinstance(saved, dict) else None
+        if not isinstance(params, list) or len(params) != len(ours["params"]):
+            return (f"parameter group {i} holds {len(params) if isinstance(params, list) else params!r} "
+                    f"parameter(s) in the checkpoint, {len(ours['params'])} in the optimizer")
+    wrong = []
+    by_key: Mapping[Any, tuple[int, ...]] = shapes
+    if osd["state"] and all(isinstance(k, int) for k in osd["state"]):
+        # optimizer.state_dict() keys parameters by position (torch loads those as they are)
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        by_key = {i: tuple(p.shape) for i, p in enumerate(params)}
+    for fqn, entries in osd["state"].items():
+        if fqn not in by_key or not isinstance(entries, dict):
+            wrong.append(f"state for {fqn!r:.80}, which is not a parameter of the model")
+            continue
+        for name, value in entries.items():
+            if isinstance(value, torch.Tensor) and value.ndim > 0 and tuple(value.shape) != tuple(by_key[fqn]):
+                wrong.append(f"{fqn}.{name}: shape {list(value.shape)}, the parameter has {list(by_key[fqn])}")
+    if wrong:
+        return "; ".join(wrong[:5]) + (f"; and {len(wrong) - 5} more" if len(wrong) > 5 else "")
+    return None
+
+
 def _load_full(detected: Detected, model: nn.Module, optimizer: torch.optim.Optimizer | None,
                template: dict[str, Any], tied: list[list[str]], found: Mapping[str, tuple[int, ...]]) -> None:
     """Rank 0 reads the consolidated weights a chunk at a time; each chunk is broadcast and
     every rank keeps its shard.  ``found`` (names and shapes from the headers) is known on
-    every rank, so every rank runs the same rounds."""
+    every rank, so every rank runs the same rounds.  Everything that can be refused (the
+    files, the optimizer state) is checked before the first tensor is copied into the model;
+    after the headers are checked, safetensors data cannot fail to read (any bytes are values)."""
     rank, _ = _rank_world()
     get: Callable[[str], torch.Tensor] | None = None
     osd: dict[str, Any] = {}
@@ -411,13 +454,26 @@ def _load_full(detected: Detected, model: nn.Module, optimizer: torch.optim.Opti
                 get = _hf.WeightReader(detected.path).get
                 if optimizer is not None and detected.meta.get("has_optimizer"):
                     osd = _hf.read_optimizer(detected.path)
+            if optimizer is not None and not osd:
+                error = ("holds no optimizer state; call load_checkpoint(path, model) without the optimizer")
+            elif optimizer is not None:
+                misfit = _optimizer_misfit(osd, optimizer, {k: _size(v) for k, v in template.items()})
+                error = None if misfit is None else f"does not fit the optimizer: {misfit}"
         except CheckpointError as err:
-            error = str(err)
+            error = f"{err.path}: {'; '.join(err.problems)}"
     error = _agree_on(error)
     if error is not None:
         raise CheckpointError(detected.path, error)
+    distributed = dist.is_initialized()
+    if optimizer is not None:  # first: if torch refuses it, the model is still untouched
+        try:
+            set_optimizer_state_dict(model, optimizer, osd,
+                                     options=full_state_options(model, broadcast_from_rank0=distributed))
+        except (KeyError, ValueError, TypeError, RuntimeError) as err:
+            raise CheckpointError(detected.path, f"the optimizer state does not fit the optimizer "
+                                                 f"({type(err).__name__}: {err})") from None
     fill = _aliases_to_fill(tied, set(found))
-    options = full_state_options(model, broadcast_from_rank0=True, strict=False)
+    options = full_state_options(model, broadcast_from_rank0=distributed, strict=False)
     for names in _chunks(found, tied):
         sd: dict[str, Any] = {}
         if get is not None:
@@ -428,28 +484,40 @@ def _load_full(detected: Detected, model: nn.Module, optimizer: torch.optim.Opti
                 sd[name] = value
         set_model_state_dict(model, sd, options=options)
         del sd
-    if optimizer is None:
-        return
-    if not _agree_on("yes" if osd else None):
-        raise CheckpointError(detected.path, "holds no optimizer state; call load_checkpoint(path, model) "
-                                             "without the optimizer")
-    set_optimizer_state_dict(model, optimizer, osd, options=full_state_options(model, broadcast_from_rank0=True))
 
 
 def _load_dcp(dcp_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None,
               key_map: dict[str, str], template: dict[str, Any], tied: list[list[str]], with_optim: bool) -> None:
-    """Read a DCP directory into this rank's shards (DCP reshards to the current world)."""
-    flat = {stored: template[ours] for stored, ours in key_map.items()}
-    to_load: dict[str, Any] = dict(flat)
+    """Read a DCP directory into this rank's shards (DCP reshards to the current world).
+
+    Everything is read into new tensors first (one more copy of this rank's shards while
+    loading): a shard that fails to read leaves the model and the optimizer as they were."""
+    to_load: dict[str, Any] = {stored: _scratch(template[ours]) for stored, ours in key_map.items()}
     if with_optim and optimizer is not None:
-        to_load["optim"] = get_optimizer_state_dict(model, optimizer)
-    dcp.load(to_load, storage_reader=SafeDCPReader(str(dcp_dir)), planner=SafeLoadPlanner())
+        to_load["optim"] = _scratch(get_optimizer_state_dict(model, optimizer))
+    read_dcp(to_load, dcp_dir)
     loaded = {ours: to_load[stored] for stored, ours in key_map.items()}
     for alias, source in _aliases_to_fill(tied, set(loaded)).items():  # a tied name stored once
         loaded[alias] = loaded[source]
+    if with_optim and optimizer is not None:  # first: if torch refuses it, the model is still untouched
+        try:
+            set_optimizer_state_dict(model, optimizer, to_load["optim"])
+        except (KeyError, ValueError, TypeError, RuntimeError) as err:
+            raise CheckpointError(dcp_dir, f"the optimizer state does not fit the optimizer "
+                                           f"({type(err).__name__}: {err})") from None
     set_model_state_dict(model, loaded)
-    if with_optim and optimizer is not None:
-        set_optimizer_state_dict(model, optimizer, to_load["optim"])
+
+
+def _scratch(value: Any) -> Any:
+    """The same structure with every tensor replaced by an uninitialised one of its shape and
+    placement (DTensors stay DTensors), for DCP to read into instead of the live state."""
+    if isinstance(value, torch.Tensor):
+        return torch.empty_like(value)
+    if isinstance(value, dict):
+        return {k: _scratch(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_scratch(v) for v in value]
+    return value
 
 
 def _dcp_key_map(detected: Detected, template: dict[str, Any], tied: list[list[str]]) -> tuple[dict[str, str], bool]:
@@ -487,7 +555,10 @@ def load_checkpoint(
     (FSDP1 wrapper prefixes such as ``_fsdp_wrapped_module.`` are removed).  Any backend
     and world size may have saved it.  Names and shapes are checked on every rank before
     anything is loaded; problems raise :class:`CheckpointError` listing every missing and
-    unexpected key and every shape mismatch.
+    unexpected key and every shape mismatch.  All or nothing: the training state, every
+    rank's RNG file and the optimizer state are read and checked, and sharded checkpoints
+    read whole, before the first tensor is copied, so a refused load leaves ``model`` and
+    ``optimizer`` as they were.
 
     Returns the training ``state`` saved with the checkpoint (``{}`` if none).  Each
     rank's RNG states are restored when the world size matches the one saved from.
@@ -499,6 +570,17 @@ def load_checkpoint(
         raise CheckpointError(detected.path, "holds no optimizer state (it was saved without an optimizer); "
                                              "call load_checkpoint(path, model) without the optimizer")
     rank, world = _rank_world()
+    ours = detected.kind in (Kind.SHARDED, Kind.FULL)
+    saved_world = detected.meta.get("world_size")
+
+    def read_side_files() -> tuple[dict[str, Any], dict[str, Any] | None]:
+        # Before any tensor is copied: a corrupt state or RNG file (even on one rank) refuses the
+        # whole load on every rank, with the model untouched.
+        state = read_state(detected.path) if ours else {}
+        rng = read_rng(detected.path, rank) if ours and restore_rng and saved_world == world else None
+        return state, rng
+
+    state, rng = _on_every_rank(detected.path, "reading the training state and RNG", read_side_files)
     tied = _tied_groups(model)
     template = _template(model)
     if detected.kind in (Kind.SHARDED, Kind.DCP):
@@ -514,12 +596,9 @@ def load_checkpoint(
         compare_keys(detected.path, found, expected, allow_missing=_aliases_to_fill(tied, set(found)))
         _load_full(detected, model, optimizer, template, tied, found)
 
-    if detected.kind not in (Kind.SHARDED, Kind.FULL):
+    if not ours:
         return {}
-    state = read_state(detected.path)
     if restore_rng:
-        saved_world = detected.meta.get("world_size")
-        rng = read_rng(detected.path, rank) if saved_world == world else None
         if rng is not None:
             _restore_rng_states(rng)
         elif rank == 0:

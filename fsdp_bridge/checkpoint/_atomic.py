@@ -78,7 +78,13 @@ def check_not_nested(src: Path, dst: Path) -> None:
     """``dst`` must be neither ``src``, nor inside it, nor a directory containing it."""
     from fsdp_bridge.checkpoint._formats import CheckpointError
 
-    s, d = src.resolve(), dst.resolve()
+    def resolve(path: Path) -> Path:
+        try:
+            return path.resolve()
+        except (OSError, RuntimeError) as err:  # a symlink loop (RuntimeError before Python 3.13)
+            raise CheckpointError(path, f"cannot be resolved ({err}); pass a path that is not a symlink loop") from None
+
+    s, d = resolve(src), resolve(dst)
     if d == s or d.is_relative_to(s) or s.is_relative_to(d):
         where = ("the source" if d == s else "inside the source" if d.is_relative_to(s)
                  else "a directory holding the source")

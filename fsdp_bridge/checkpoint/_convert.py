@@ -22,6 +22,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
+from fsdp_bridge._paths import unwritable_reason
 from fsdp_bridge._version import __version__
 from fsdp_bridge.checkpoint import _hf
 from fsdp_bridge.checkpoint._atomic import (
@@ -41,14 +42,14 @@ from fsdp_bridge.checkpoint._formats import (
     CheckpointError,
     Detected,
     Kind,
-    SafeDCPReader,
-    SafeLoadPlanner,
     detect,
     load_dcp_metadata,
     manifest,
+    read_dcp,
     strip_wrapper_prefixes,
     verify_manifest,
 )
+from fsdp_bridge.checkpoint._state import read_rng, read_state
 
 __all__ = ["Target", "convert_checkpoint", "inspect_checkpoint", "read_full"]
 
@@ -77,7 +78,7 @@ def _read_dcp_full(dcp_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
             flat[key] = None
     with warnings.catch_warnings():  # no process group here on purpose
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        dcp.load(flat, storage_reader=SafeDCPReader(str(dcp_dir)), planner=SafeLoadPlanner(), no_dist=True)
+        read_dcp(flat, dcp_dir, no_dist=True)
     model = {k: v for k, v in flat.items() if not k.startswith("optim.")}
     optim = {k.removeprefix("optim."): v for k, v in flat.items() if k.startswith("optim.")}
     return model, optim
@@ -87,14 +88,42 @@ def _unflatten_optim(flat: dict[str, Any]) -> dict[str, Any] | None:
     if not flat:
         return None
     state: dict[str, dict[str, Any]] = {}
+    numbered: dict[int, dict[str, Any]] = {}
     for key, value in flat.items():
         if key.startswith("state."):
             fqn, _, name = key.removeprefix("state.").rpartition(".")
             state.setdefault(fqn, {})[name] = value
+        elif key.startswith("param_groups."):
+            # DCP flattens the list of groups one value at a time: param_groups.<i>.<name>
+            index, _, name = key.removeprefix("param_groups.").partition(".")
+            if index.isdigit() and name:
+                numbered.setdefault(int(index), {})[name] = list(value) if isinstance(value, tuple) else value
     groups = flat.get("param_groups")
-    if groups is None:  # older layouts flatten the groups one value at a time
-        groups = []
+    if not isinstance(groups, list):
+        groups = [numbered[i] for i in sorted(numbered)]
     return {"state": state, "param_groups": groups}
+
+
+def _check_hf_config(config_path: Path) -> None:
+    """``--hf-config`` must be a transformers config.json (or a directory holding one): it is
+    copied beside the weights as ``config.json``, so anything else would be published as one."""
+    from fsdp_bridge.errors import ConfigError, Problem
+
+    allowed = "a transformers config.json (a JSON object with model_type), or a directory holding one"
+    target = config_path / "config.json" if config_path.is_dir() else config_path
+    if not target.is_file():
+        raise ConfigError([Problem("hf_config", str(config_path), allowed,
+                                   f"{target} does not exist; pass the config.json of the model's family")])
+    try:
+        if target.stat().st_size > 16 << 20:
+            raise ValueError("larger than 16 MiB")
+        data = json.loads(target.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise ConfigError([Problem("hf_config", str(config_path), allowed,
+                                   f"{target} is not a JSON file ({' '.join(str(err).split())[:200]})")]) from None
+    if not isinstance(data, dict) or not isinstance(data.get("model_type"), str):
+        raise ConfigError([Problem("hf_config", str(config_path), allowed,
+                                   f"{target} holds JSON without a model_type key: not a transformers config")])
 
 
 def read_full(path: str | os.PathLike[str]) -> FullCheckpoint:
@@ -177,18 +206,36 @@ def convert_checkpoint(
     if to != "torch":
         check_replaceable(dst_path)
     config_path = Path(hf_config) if hf_config is not None else None
-    if config_path is not None and not config_path.exists():
-        raise ValueError(f"hf_config {config_path} does not exist; pass a config.json or a directory holding one")
+    if config_path is not None:
+        _check_hf_config(config_path)
+    reason = unwritable_reason(dst_path)
+    if reason is not None:  # before reading a possibly large source
+        raise CheckpointError(dst_path, f"cannot be written: {reason}; choose a destination in a writable "
+                                        "directory")
     detected = detect(src)
     full = read_full(src)
-    tied = full.meta.get("tied", [])
+    if detected.kind in (Kind.SHARDED, Kind.FULL):  # copied as they are: refuse damaged ones now
+        read_state(detected.path)
+        for rank in range(int(full.meta.get("world_size") or 1)):
+            read_rng(detected.path, rank)
+    try:
+        return _write_converted(detected, full, src, dst_path, to=to, config_path=config_path,
+                                max_shard_size=max_shard_size)
+    except OSError as err:
+        raise CheckpointError(dst_path, f"cannot be written ({err}); check free space and permissions, or "
+                                        "choose another destination") from None
 
+
+def _write_converted(detected: Detected, full: FullCheckpoint, src: str | os.PathLike[str], dst_path: Path, *,
+                     to: Target, config_path: Path | None, max_shard_size: int | str) -> Path:
     if to == "torch":
-        if dst_path.exists() and dst_path.is_dir():
-            raise ValueError(f"destination {dst_path} is a directory; --to torch writes one file (e.g. model.pt)")
         dst_path.parent.mkdir(parents=True, exist_ok=True)
         tmp = dst_path.with_name("." + dst_path.name + ".partial")
-        torch.save(full.model, tmp)
+        try:
+            torch.save(full.model, tmp)
+        except RuntimeError as err:  # torch reports a file it cannot open as RuntimeError
+            tmp.unlink(missing_ok=True)
+            raise OSError(f"torch.save failed: {' '.join(str(err).split())[:200]}") from None
         os.replace(tmp, dst_path)
         return dst_path
 
@@ -196,6 +243,18 @@ def convert_checkpoint(
     if staging.exists():
         shutil.rmtree(staging)
     staging.mkdir(parents=True)
+    try:
+        _write_staging(detected, full, src, staging, to=to, config_path=config_path, max_shard_size=max_shard_size)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)  # a failed conversion leaves nothing behind
+        raise
+    publish(staging, dst_path)
+    return dst_path
+
+
+def _write_staging(detected: Detected, full: FullCheckpoint, src: str | os.PathLike[str], staging: Path, *,
+                   to: Target, config_path: Path | None, max_shard_size: int | str) -> None:
+    tied = full.meta.get("tied", [])
     if to == "hf":
         _hf.write_hf_weights(staging, _hf.drop_tied_aliases(full.model, tied), max_shard_size=max_shard_size)
         if full.optimizer is not None:
@@ -228,8 +287,6 @@ def convert_checkpoint(
         "files": manifest(staging),
     }
     write_json_durably(staging / META_FILE, meta)
-    publish(staging, dst_path)
-    return dst_path
 
 
 def _disk_size(path: Path) -> int:

@@ -18,7 +18,7 @@ import io
 import json
 import os
 import pickle
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,6 +29,8 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem
 
+from fsdp_bridge.errors import CheckpointError
+
 __all__ = [
     "META_FILE",
     "CheckpointError",
@@ -38,6 +40,7 @@ __all__ = [
     "SafeLoadPlanner",
     "dcp_tensor_shapes",
     "detect",
+    "read_dcp",
     "read_meta",
     "strip_wrapper_prefixes",
     "verify_manifest",
@@ -68,22 +71,6 @@ class Kind(str, enum.Enum):
     """A DCP directory written by plain PyTorch code (e.g. FSDP1 ``SHARDED_STATE_DICT``)."""
     TORCH = "torch"
     """One ``torch.save`` file of a full state dict (e.g. FSDP1 ``FULL_STATE_DICT``)."""
-
-
-class CheckpointError(ValueError):
-    """A checkpoint is missing, incomplete, corrupt or does not fit the model.
-
-    ``path`` is the file or directory at fault; ``problems`` lists every problem found.
-    """
-
-    def __init__(self, path: str | os.PathLike[str], problems: Iterable[str] | str) -> None:
-        self.path = str(path)
-        self.problems: tuple[str, ...] = (problems,) if isinstance(problems, str) else tuple(problems)
-        lines = [f"checkpoint {self.path}: " + (self.problems[0] if len(self.problems) == 1 else
-                                                  f"{len(self.problems)} problems:")]
-        if len(self.problems) > 1:
-            lines.extend(f"  - {p}" for p in self.problems)
-        super().__init__("\n".join(lines))
 
 
 @dataclass
@@ -143,22 +130,59 @@ def detect(path: str | os.PathLike[str]) -> Detected:
                              "a Hugging Face model directory or a torch.save file")
 
 
+def _is_int(value: Any, low: int = 0) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value < 2**63
+
+
+def _is_str_map(value: Any, values: Callable[[Any], bool]) -> bool:
+    return isinstance(value, dict) and all(isinstance(k, str) and values(v) for k, v in value.items())
+
+
+def _optional(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    return lambda value: value is None or check(value)
+
+
+def _is_str(value: Any) -> bool:
+    return isinstance(value, str)
+
+
+# Every field something reads, with what it must be; anything else in a description is refused
+# here, before a reader can trip over it (the fuzz test in tests/test_checkpoint_description_fuzz.py).
+_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "version": (_is_int, "an integer >= 0"),
+    "step": (_optional(_is_int), "an integer >= 0 or null"),
+    "world_size": (lambda v: _is_int(v, 1), "an integer >= 1"),
+    "files": (lambda v: _is_str_map(v, _is_int), "a mapping of file name to size in bytes"),
+    "digests": (lambda v: _is_str_map(v, _is_str), "a mapping of file name to SHA-256 hex digest"),
+    "tied": (lambda v: isinstance(v, list) and all(isinstance(g, list) and all(map(_is_str, g)) for g in v),
+             "a list of lists of parameter names"),
+    "params": (_optional(lambda v: isinstance(v, dict) and _is_int(v.get("numel", 0)) and _is_int(v.get("tensors", 0))
+                         and _is_str_map(v.get("dtypes", {}), _is_int)),
+               "a mapping with numel, tensors (integers) and dtypes (name to count)"),
+    "has_optimizer": (lambda v: isinstance(v, bool), "true or false"),
+    "hf_config": (_optional(lambda v: isinstance(v, bool)), "true, false or null"),
+    "bridge_config": (_optional(lambda v: isinstance(v, dict)), "a mapping or null"),
+    "converted_from": (_optional(lambda v: isinstance(v, dict) and _is_str(v.get("path")) and _is_str(v.get("kind"))),
+                       "a mapping with path and kind (strings) or null"),
+    **{key: (_optional(_is_str), "a string or null")
+       for key in ("kind", "backend", "model_class", "torch_version", "fsdp_bridge_version", "saved_at", "format")},
+}
+
+
 def read_meta(path: Path) -> dict[str, Any]:
     """Read and check ``fsdp_bridge.json`` of a checkpoint directory."""
     meta_path = path / META_FILE
     try:
-        meta = json.loads(meta_path.read_text())
-    except (OSError, ValueError) as err:
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as err:
         raise CheckpointError(meta_path, f"cannot be read as JSON ({err}); the checkpoint is corrupt") from err
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise CheckpointError(meta_path, f"is not an fsdp_bridge checkpoint description (format != {FORMAT!r})")
-    wrong = [f"{key}: {type(meta[key]).__name__} ({meta[key]!r:.40}), expected {what}"
-             for key, kinds, what in (("version", (int,), "an integer"), ("step", (int, type(None)), "an integer"),
-                                      ("files", (dict,), "a mapping"), ("digests", (dict,), "a mapping"),
-                                      ("world_size", (int,), "an integer"))
-             if key in meta and (not isinstance(meta[key], kinds) or isinstance(meta[key], bool))]
+    wrong = [f"field {key}: {type(meta[key]).__name__} ({meta[key]!r:.40}), expected {what}"
+             for key, (check, what) in _FIELDS.items() if key in meta and not check(meta[key])]
     if wrong:
-        raise CheckpointError(meta_path, [f"field {w}" for w in wrong])
+        raise CheckpointError(meta_path, [*wrong, "the description is damaged or was edited; use another "
+                                                  "checkpoint"])
     if meta.get("version", 0) > FORMAT_VERSION:
         raise CheckpointError(meta_path, f"format version {meta.get('version')} is newer than this fsdp_bridge "
                                          f"reads ({FORMAT_VERSION}); upgrade fsdp_bridge")
@@ -169,9 +193,12 @@ def read_meta(path: Path) -> dict[str, Any]:
 
 def safe_child(root: Path, relative: str) -> Path:
     """``root / relative`` refusing anything that would leave ``root`` (absolute paths, ``..``, links)."""
-    candidate = (root / relative).resolve()
+    try:
+        candidate = (root / relative).resolve()
+    except (OSError, ValueError, RuntimeError) as err:  # a NUL byte, a symlink loop
+        raise CheckpointError(root, f"names a file that cannot be a path ({relative!r:.80}: {err})") from None
     if os.path.isabs(relative) or not candidate.is_relative_to(root.resolve()):
-        raise CheckpointError(root, f"names a file outside its directory ({relative!r}); refusing it")
+        raise CheckpointError(root, f"names a file outside its directory ({relative!r:.80}); refusing it")
     return candidate
 
 
@@ -183,13 +210,16 @@ def verify_manifest(detected: Detected) -> None:
     problems = []
     for rel, size in sorted(files.items()):
         f = safe_child(detected.path, rel)
-        if not f.is_file():
-            problems.append(f"{rel}: missing")
-        elif f.stat().st_size != size:
-            problems.append(f"{rel}: size {f.stat().st_size} bytes, expected {size} (truncated or overwritten)")
-        elif rel in recorded and _sha256(f) != recorded[rel]:
-            problems.append(f"{rel}: content differs from the file this checkpoint was saved with "
-                            "(copied from another run or checkpoint?)")
+        try:
+            if not f.is_file():
+                problems.append(f"{rel}: missing")
+            elif f.stat().st_size != size:
+                problems.append(f"{rel}: size {f.stat().st_size} bytes, expected {size} (truncated or overwritten)")
+            elif rel in recorded and _sha256(f) != recorded[rel]:
+                problems.append(f"{rel}: content differs from the file this checkpoint was saved with "
+                                "(copied from another run or checkpoint?)")
+        except OSError as err:  # a name too long for the file system, a directory where a file was
+            problems.append(f"{rel!r:.80}: cannot be read ({err.strerror or err})")
     if problems:
         raise CheckpointError(detected.path, problems)
 
@@ -313,6 +343,41 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:
             self.state_dict[read_item.dest_index.fqn] = obj
+
+
+def read_dcp(state_dict: dict[str, Any], dcp_dir: Path, *, no_dist: bool = False) -> None:
+    """``dcp.load`` into ``state_dict`` through the safe reader and planner.
+
+    Whatever the read raises (a zeroed or damaged shard makes ``torch.load`` fail inside DCP,
+    which reports it as ``CheckpointException``, a ``BaseException``) becomes one
+    :class:`CheckpointError`; DCP already shares a failure on one rank with every rank.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        dcp.load(state_dict, storage_reader=SafeDCPReader(str(dcp_dir)), planner=SafeLoadPlanner(), no_dist=no_dist)
+    except CheckpointError:
+        raise
+    except (Exception, CheckpointException) as err:
+        raise CheckpointError(dcp_dir, f"cannot be read ({_cause(err)}); a shard is damaged or overwritten: "
+                                       "use another checkpoint") from None
+
+
+def _cause(err: BaseException) -> str:
+    """One line naming what failed: for DCP's CheckpointException, each rank's own exception
+    (its str() is a formatted traceback)."""
+    failures = getattr(err, "failures", None)
+    if isinstance(failures, dict) and failures:
+        parts = []
+        for rank, pair in sorted(failures.items()):
+            exc = pair[0] if isinstance(pair, tuple) else pair
+            text = " ".join(str(exc).split())
+            if "weights_only" in text or "Unsupported operand" in text:
+                text = "torch.load refused the stored bytes: they are not a tensor or value torch wrote"
+            parts.append(f"rank {rank}: {type(exc).__name__}: {text[:200]}")
+        return "; ".join(parts)
+    return f"{type(err).__name__}: {' '.join(str(err).split())[:300]}"
 
 
 def dcp_tensor_shapes(dcp_dir: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

@@ -162,19 +162,34 @@ def write_optimizer(directory: Path, osd: dict[str, Any]) -> None:
 
 
 def read_optimizer(directory: Path) -> dict[str, Any]:
-    """Read back what :func:`write_optimizer` wrote."""
+    """Read back what :func:`write_optimizer` wrote; anything else is a :class:`CheckpointError`."""
     try:
         tensors = load_file(str(directory / OPTIM_TENSORS))
     except Exception as err:
         raise CheckpointError(directory / OPTIM_TENSORS, f"cannot be read ({err}); truncated or corrupt") from err
+    where = directory / OPTIM_JSON
     try:
-        extra = json.loads((directory / OPTIM_JSON).read_text())
-    except (OSError, ValueError) as err:
-        raise CheckpointError(directory / OPTIM_JSON, f"cannot be read ({err})") from err
+        extra = json.loads(where.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:  # UnicodeDecodeError is a ValueError
+        raise CheckpointError(where, f"cannot be read ({err})") from err
+    problems = []
+    if not isinstance(extra, dict):
+        problems.append(f"holds a JSON {type(extra).__name__}, expected an object with param_groups and scalars")
+        extra = {}
+    groups = extra.get("param_groups")
+    if not isinstance(groups, list) or not all(isinstance(g, dict) and isinstance(g.get("params"), list)
+                                               for g in groups):
+        problems.append(f"param_groups: got {groups!r:.60}, expected a list of groups, each with a params list")
+    scalars = extra.get("scalars", {})
+    if not isinstance(scalars, dict) or not all(isinstance(v, dict) for v in scalars.values()):
+        problems.append(f"scalars: got {scalars!r:.60}, expected a mapping of parameter name to values")
+    if problems:
+        raise CheckpointError(where, [*problems, "the optimizer state is damaged; load without the optimizer "
+                                                 "(load_checkpoint(path, model)) or use another checkpoint"])
     state: dict[str, dict[str, Any]] = {}
     for key, value in tensors.items():
         fqn, _, name = key.rpartition("/")
         state.setdefault(fqn, {})[name] = value
-    for fqn, entries in extra.get("scalars", {}).items():
+    for fqn, entries in scalars.items():
         state.setdefault(fqn, {}).update(entries)
-    return {"state": state, "param_groups": extra["param_groups"]}
+    return {"state": state, "param_groups": groups}

@@ -7,6 +7,7 @@ user's ``state`` must therefore be JSON-serialisable (scheduler ``state_dict()``
 from __future__ import annotations
 
 import base64
+import binascii
 import json
 import math
 import random
@@ -90,9 +91,13 @@ def read_state(directory: Path) -> dict[str, Any]:
     if not path.is_file():
         return {}
     try:
-        return dict(_decode(json.loads(path.read_text())))
-    except (OSError, ValueError, TypeError) as err:
+        state = _decode(json.loads(path.read_text(encoding="utf-8")))
+    except (OSError, ValueError, TypeError, RecursionError) as err:
         raise CheckpointError(path, f"cannot be read ({err}); the training state is corrupt") from err
+    if not isinstance(state, dict):
+        raise CheckpointError(path, f"holds a JSON {type(state).__name__}, expected an object "
+                                    "(the state dict passed to save_checkpoint); the training state is corrupt")
+    return state
 
 
 def _b64(t: torch.Tensor) -> str:
@@ -150,6 +155,34 @@ def read_rng(directory: Path, rank: int) -> dict[str, Any] | None:
     if not path.is_file():
         return None
     try:
-        return dict(json.loads(path.read_text()))
+        rng = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as err:
         raise CheckpointError(path, f"cannot be read ({err}); the RNG state is corrupt") from err
+    if not _rng_valid(rng):
+        raise CheckpointError(path, "is not an RNG state written by fsdp_bridge (expected python, torch and "
+                                    "optionally cuda and numpy states); load with restore_rng=False to skip it")
+    return dict(rng)
+
+
+def _rng_valid(rng: Any) -> bool:
+    """Whether :func:`restore_rng` can apply ``rng`` (checked before anything is loaded)."""
+    if not isinstance(rng, dict) or not isinstance(rng.get("torch"), str):
+        return False
+    try:
+        python = _decode(rng.get("python"))
+        state = random.Random()
+        state.setstate(python)  # a scratch generator: validates without touching the global one
+        torch.Generator().set_state(_unb64(rng["torch"]))
+        cuda = rng.get("cuda", [])
+        if not isinstance(cuda, list) or not all(isinstance(s, str) for s in cuda):
+            return False
+        for s in cuda:
+            _unb64(s)
+        if "numpy" in rng:
+            name, keys, pos, _has_gauss, _gauss = rng["numpy"]
+            if not (isinstance(name, str) and isinstance(keys, list) and len(keys) == 624
+                    and all(isinstance(k, int) for k in keys) and isinstance(pos, int)):
+                return False
+    except (TypeError, ValueError, KeyError, RuntimeError, binascii.Error):
+        return False
+    return True

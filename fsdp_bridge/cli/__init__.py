@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 
 from fsdp_bridge._version import __version__
-from fsdp_bridge.errors import ConfigError
+from fsdp_bridge.errors import CheckpointError, ConfigError
 
 __all__ = ["main"]
 
@@ -61,8 +61,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         return int(args.func(args) or 0)
-    except ConfigError as err:
+    except (ConfigError, CheckpointError) as err:
         print(f"fsdp-bridge {args.command}: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:  # the environment refused a read or write the checks above could not foresee
+        where = f" {err.filename}" if err.filename else ""
+        print(f"fsdp-bridge {args.command}: cannot access{where}: {err.strerror or err}; check that the path "
+              "exists, is the kind of file expected and is readable (or writable, for outputs)", file=sys.stderr)
         return 2
 
 

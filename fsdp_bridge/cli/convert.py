@@ -34,13 +34,14 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 def run(args: argparse.Namespace) -> int:
     from fsdp_bridge.checkpoint._convert import convert_checkpoint
-    from fsdp_bridge.checkpoint._formats import CheckpointError
+    from fsdp_bridge.errors import CheckpointError, ConfigError
 
     try:
         dst = convert_checkpoint(args.src, args.dst, to=args.to, hf_config=args.hf_config,
                                  max_shard_size=args.max_shard_size)
-    except (CheckpointError, ValueError) as err:
-        print(f"fsdp-bridge convert: {err}")
-        return 2
+    except (CheckpointError, ConfigError):
+        raise  # printed by the command's one error handler (exit code 2)
+    except ValueError as err:  # e.g. an unreadable --max-shard-size, refused by huggingface_hub
+        raise ConfigError(str(err)) from None
     print(f"wrote {args.to} checkpoint {dst}")
     return 0

@@ -10,7 +10,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from fsdp_bridge.strategy import Backend, parse_enum
+from fsdp_bridge.errors import ConfigError, Problem
+from fsdp_bridge.strategy import Backend, allowed_values, parse_enum
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -32,12 +33,22 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.set_defaults(func=run)
 
 
+def _backends(value: str) -> list[Backend]:
+    if value.strip().lower() == "both":
+        return list(Backend)
+    try:
+        return [parse_enum(Backend, value)]
+    except ValueError:
+        raise ConfigError([Problem("--backend", value, f"{allowed_values(Backend)} or both",
+                                   "e.g. --backend fsdp2, or leave it out to show both")]) from None
+
+
 def run(args: argparse.Namespace) -> int:
+    backends = _backends(args.backend)  # before reading the config: a typo costs nothing
     from fsdp_bridge.config import load_config
     from fsdp_bridge.mapping import translate
 
     config = load_config(args.config)
-    backends = list(Backend) if args.backend == "both" else [parse_enum(Backend, args.backend)]
     reports = [translate(config, b, device_type=args.device) for b in backends]
     if args.json:
         print(json.dumps({"config": config.to_dict(), "reports": [r.to_dict() for r in reports]}, indent=2))

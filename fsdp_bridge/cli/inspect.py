@@ -56,12 +56,7 @@ def format_info(info: dict[str, Any]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from fsdp_bridge.checkpoint._convert import inspect_checkpoint
-    from fsdp_bridge.checkpoint._formats import CheckpointError
 
-    try:
-        info = inspect_checkpoint(args.path)
-    except CheckpointError as err:
-        print(f"fsdp-bridge inspect: {err}")
-        return 2
+    info = inspect_checkpoint(args.path)  # CheckpointError: printed by the command's handler, exit code 2
     print(json.dumps(info, indent=2, default=str) if args.json else format_info(info))
     return 0

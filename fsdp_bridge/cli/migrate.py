@@ -23,6 +23,9 @@ import json
 import sys
 from pathlib import Path
 
+from fsdp_bridge._paths import unwritable_reason
+from fsdp_bridge.errors import ConfigError, Problem
+
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("migrate", help="migrate FSDP1 configs and code to FSDP2",
@@ -50,9 +53,20 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 def run_config(args: argparse.Namespace) -> int:
     from fsdp_bridge.migrate._config import default_output, migrate_config, write_outputs
 
-    migration = migrate_config(args.src, fsdp=args.fsdp)
+    if not args.src or not Path(args.src).is_file():
+        raise ConfigError([Problem("SRC", args.src, "an FSDP1 config file (accelerate YAML, Trainer fsdp_config "
+                                   "JSON, or a bridge YAML with backend fsdp1)", "pass the path of that file")])
     dst = Path(args.output) if args.output else default_output(args.src)
-    write_outputs(migration, dst)
+    reason = unwritable_reason(dst)
+    if reason is not None:  # before reading the source: say where the output cannot go
+        raise ConfigError([Problem("-o/--output", str(dst), "a file in a writable directory",
+                                   f"{reason}; pass -o with a writable path")])
+    migration = migrate_config(args.src, fsdp=args.fsdp)
+    try:
+        write_outputs(migration, dst)
+    except OSError as err:
+        raise ConfigError([Problem("-o/--output", str(dst), "a file in a writable directory",
+                                   f"writing failed ({err}); pass -o with a writable path")]) from None
     if args.json:
         print(json.dumps(migration.report.to_dict(), indent=2))
     else:
@@ -66,7 +80,7 @@ def run_code(args: argparse.Namespace) -> int:
     except ImportError as err:  # libcst missing
         print(f"fsdp-bridge migrate code needs libcst: pip install 'fsdp-bridge[migrate]' ({err})", file=sys.stderr)
         return 2
-    missing = [p for p in args.paths if not Path(p).exists()]
+    missing = [repr(p) if not p else p for p in args.paths if not p or not Path(p).exists()]
     if missing:
         print(f"fsdp-bridge migrate code: no such file or directory: {', '.join(missing)}", file=sys.stderr)
         return 2

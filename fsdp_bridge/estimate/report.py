@@ -60,9 +60,21 @@ def estimate(
     stored, an upper bound for fused kernels).
     """
     base = base or BridgeConfig()
+    problems = [Problem(key, value, f"an integer from 1 to {limit:,}", fix)
+                for key, value, limit, fix in (
+                    ("world_size", world_size, 2**24, "the total number of ranks, e.g. --world-size 8"),
+                    ("nodes", nodes, 2**20, "the number of nodes, e.g. --nodes 2"),
+                    ("batch", batch, 2**20, "the micro-batch per rank, e.g. --batch 1"),
+                    ("seq_len", seq_len, 2**20, "the sequence length, e.g. --seq-len 2048"))
+                if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                          or not 1 <= value <= limit)]
     if (batch is None) != (seq_len is None):
-        raise ConfigError([Problem("batch/seq_len", (batch, seq_len), "both or neither",
-                                   "give --batch and --seq-len together to estimate activations")])
+        problems.append(Problem("batch/seq_len", (batch, seq_len), "both or neither",
+                                "give --batch and --seq-len together to estimate activations"))
+    if device_memory is not None and device_memory <= 0:
+        problems.append(Problem("device_memory", device_memory, "a positive size such as 80GiB"))
+    if problems:
+        raise ConfigError(problems)
     module: nn.Module = (build_meta_model(load_model_config(model), attn_implementation=attn_implementation)
                          if isinstance(model, str) else model)
 
@@ -73,8 +85,13 @@ def estimate(
         if compute is not None:
             fresh = fresh.to(compute)
         units = resolve_wrap(fresh, base.wrap).modules
-        activations = measure_activations(fresh, batch=batch, seq_len=seq_len, units=units,
-                                          activation_checkpointing=base.activation_checkpointing)
+        try:
+            activations = measure_activations(fresh, batch=batch, seq_len=seq_len, units=units,
+                                              activation_checkpointing=base.activation_checkpointing)
+        except (RuntimeError, ValueError, IndexError) as err:  # e.g. numel overflow, seq_len past the positions
+            raise ConfigError([Problem("batch/seq_len", (batch, seq_len), "sizes this model can run a forward with",
+                                       f"the meta-device forward failed ({' '.join(str(err).split())[:200]}); "
+                                       "use a smaller --batch or --seq-len")]) from None
 
     rows: list[RankMemory] = []
     for b in backends:

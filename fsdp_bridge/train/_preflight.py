@@ -7,6 +7,7 @@ import json
 import logging
 from pathlib import Path
 
+from fsdp_bridge._paths import unwritable_reason
 from fsdp_bridge.distributed import plan_mesh
 from fsdp_bridge.errors import ConfigError, Problem
 from fsdp_bridge.mapping import unsupported_problems
@@ -49,8 +50,12 @@ def preflight(config: TrainConfig, *, world_size: int | None = None, local_world
         problems.extend(model_problems)
     else:
         model_notes = []
+    reason = unwritable_reason(Path(config.output_dir) / "checkpoints")
+    if reason is not None:
+        problems.append(Problem("output_dir", config.output_dir, "a directory this user can write",
+                                f"{reason}; pass output_dir=PATH with a writable location"))
     root = Path(config.output_dir) / "checkpoints"
-    existing = latest_checkpoint(root)
+    existing = latest_checkpoint(root) if reason is None else None
     if config.resume is False and existing is not None:
         problems.append(Problem("resume", False, "auto (or --resume) when output_dir holds checkpoints",
                                 f"{root} already holds {existing.name}: pass --resume to continue it, or choose "
