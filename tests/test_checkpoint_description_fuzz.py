@@ -105,7 +105,9 @@ def test_generated_descriptions_load_or_raise_checkpoint_error(
     root = tmp_path_factory.mktemp("mutated")
     target = root / "step_2"
     shutil.copytree(source, target)
-    logging.getLogger("fsdp_bridge").setLevel(logging.ERROR)  # latest_checkpoint warns about each skip
+    logger = logging.getLogger("fsdp_bridge")
+    level = logger.level
+    logger.setLevel(logging.ERROR)  # latest_checkpoint warns about each skip (restored below)
     outcomes = {"loaded": 0, "refused": 0}
 
     @settings(max_examples=EXAMPLES, deadline=None, database=None,
@@ -122,7 +124,10 @@ def test_generated_descriptions_load_or_raise_checkpoint_error(
         found = latest_checkpoint(root)  # a damaged description is skipped, never raised
         assert found in (None, target)
 
-    check()
+    try:
+        check()
+    finally:
+        logger.setLevel(level)
     # Both outcomes occur: the mutations are not all rejected by the first check.
     print(outcomes)
     assert outcomes["loaded"] > 0 and outcomes["refused"] > 0, outcomes

@@ -526,10 +526,14 @@ class _Scanner(cst.CSTVisitor):
                 static.module = a.value
             elif name == "device_mesh":
                 static.mesh = a.value
-            elif name == "process_group" and not m.matches(a.value, m.Name("None")):
+            elif name == "process_group" and isinstance(a.value, cst.Call):
                 static.blockers.append(f"process_group={_code(a.value)}: FSDP2 shards over a DeviceMesh; build one "
                                        "(init_device_mesh) and pass it as shard(..., mesh=...)")
                 return None
+            elif name == "process_group":
+                # A variable: from_fsdp1 accepts None or the world group when the code runs and refuses any
+                # other group with the DeviceMesh fix, before any collective.
+                out.append((name, _code(a.value)))
             elif name in ("ignored_modules", "ignored_states") and not m.matches(a.value, m.Name("None")):
                 names = self._module_paths(a.value, static.module)
                 if names is None:
@@ -603,6 +607,12 @@ class _Scanner(cst.CSTVisitor):
             return "BACKWARD_PRE is FSDP2's implicit order; BACKWARD_POST / None are refused on FSDP2 with the reason"
         if kw == "use_orig_params":
             return "FSDP2 parameters always are the original ones"
+        if kw == "process_group":
+            return ("None or the world group: the bridge's mesh over every rank; any other group is refused when "
+                    "the code runs, with the fix (a DeviceMesh passed as shard(..., mesh=...))")
+        if kw in ("forward_prefetch", "limit_all_gathers", "sync_module_states"):
+            return f"{kw}={_code(value)}: " + _fsdp2_case(option, _code(value).lower()) if _code(value) in (
+                "True", "False") and kw != "limit_all_gathers" else _fsdp2_any(option)
         if kw == "device_id":
             return "the device of the run (CUDA index -> cuda, torch.device('cpu') -> cpu)"
         if kw == "param_init_fn":
@@ -712,8 +722,8 @@ class _Scanner(cst.CSTVisitor):
         option = _KWARG_OPTION.get(kw, kw)
         pos = self.get_metadata(PositionProvider, a)
         # Arguments are reported, not given TODOs of their own: the call's TODO lists the blockers.
-        self.findings.append(CodeFinding(self.path, pos.start.line, pos.start.column, f"{kw}=",
-                                         _fsdp2_case(option, case) if case else _fsdp2_any(option), fixable))
+        text = _fsdp2_case(option, case) if case else self._describe_value(kw, a.value)
+        self.findings.append(CodeFinding(self.path, pos.start.line, pos.start.column, f"{kw}=", text, fixable))
 
     def _member(self, value: cst.BaseExpression, enum_name: str) -> str | None:
         hit = self._qn(value)
