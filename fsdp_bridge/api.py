@@ -300,7 +300,8 @@ def summon_full_params(model: nn.Module, *, writeback: bool = False, rank0_only:
     Args:
         model: a model returned by :func:`shard`.
         writeback: keep in-place changes made inside the context (each rank's shard is updated).
-        rank0_only: only rank 0 sees full tensors; the other ranks keep their shards.
+        rank0_only: only rank 0 sees full tensors; the other ranks keep their shards (FSDP1 under
+            HYBRID_SHARD also gathers on rank 0 of each shard group, as torch's FSDP1 does).
         offload_to_cpu: the full tensors are CPU copies.
 
     Raises:

@@ -105,11 +105,22 @@ def _accumulate_clip_summon(backend: str, strategy: str, shape: list[int] | None
         for p in model.parameters():
             p.data.add_(1.0)
     # rank0_only: rank 0 sees full tensors, the others keep their shards (FSDP1's meaning).
-    with fsdp_bridge.summon_full_params(model, rank0_only=True, offload_to_cpu=True):
+    offload = not (backend == "fsdp1" and strategy == "no_shard")
+    if not offload:  # torch's FSDP1 cannot: refused with the fix before anything is gathered
+        try:
+            with fsdp_bridge.summon_full_params(model, offload_to_cpu=True):
+                pass
+            offload_refused = False
+        except fsdp_bridge.ConfigError as err:
+            offload_refused = "drop offload_to_cpu" in str(err)
+    with fsdp_bridge.summon_full_params(model, rank0_only=True, offload_to_cpu=offload):
         rank0_full = all(getattr(p, "to_local", lambda p=p: p)().shape
                          == ref_state[n.replace("_fsdp_wrapped_module.", "")].shape
                          for n, p in model.named_parameters())
-    rank0_only_ok = rank0_full == (dist.get_rank() == 0 or strategy == "no_shard")
+    # (FSDP1 under HYBRID_SHARD gathers on rank 0 of each shard group: global rank 0 is the one promised)
+    expect_full = dist.get_rank() == 0 or strategy == "no_shard" or (
+        backend == "fsdp1" and strategy == "hybrid_shard" and dist.get_rank() % 2 == 0)
+    rank0_only_ok = rank0_full == expect_full and (offload or offload_refused)
     after = full_state(model)
     written = all(torch.allclose(after[k], state[k] + 1.0) for k in ref_state if "rotary" not in k)
     return {"losses": losses, "ref_losses": ref_losses, "norms": norms, "ref_norms": ref_norms,

@@ -403,3 +403,34 @@ def test_manual_wrapping_and_rank0_gathers_are_reported_or_rewritten() -> None:
     assert by_line[(14, "FSDP.summon_full_params(...)")].fixable
     assert "fsdp_bridge.summon_full_params(model, rank0_only=True, offload_to_cpu=True)" in result.fixed
     assert migrate_source(result.fixed, "manual.py").fixed == result.fixed
+
+
+def test_keyword_and_runtime_state_dict_calls_are_rewritten() -> None:
+    source = textwrap.dedent('''\
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp import FullStateDictConfig, ShardedStateDictConfig, StateDictType
+
+
+        def load(model, sd, sharded, strict):
+            t = StateDictType.SHARDED_STATE_DICT if sharded else StateDictType.FULL_STATE_DICT
+            cfg = ShardedStateDictConfig(offload_to_cpu=True) if sharded else FullStateDictConfig(rank0_only=True)
+            with FSDP.state_dict_type(model, state_dict_type=t, state_dict_config=cfg):
+                missing, unexpected = model.load_state_dict(sd, strict=strict)
+            with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT):
+                model.load_state_dict(sd, strict=False)
+            return missing
+
+
+        def full(model, optim, rank0_only=True):
+            return FSDP.full_optim_state_dict(model=model, optim=optim, rank0_only=rank0_only)
+        ''')
+    result = migrate_source(source, "kw.py")
+    assert all(f.fixable for f in result.findings), [f for f in result.findings if not f.fixable]
+    fixed = result.fixed
+    assert ("missing, unexpected = set_model_state_dict(model, sd, "
+            "options=fsdp_bridge.state_dict_options(t, cfg, load=True, strict=strict))") in fixed
+    assert "set_model_state_dict(model, sd, options=StateDictOptions(full_state_dict=True, strict=False))" in fixed
+    assert ("get_optimizer_state_dict(model, optim, options=StateDictOptions(full_state_dict=True, "
+            "cpu_offload=rank0_only))") in fixed
+    assert "FSDP" not in fixed.replace("FullStateDictConfig", "")
+    assert migrate_source(fixed, "kw.py").fixed == fixed

@@ -189,6 +189,14 @@ class FSDP1Backend:
         # FSDP1 keeps in-place changes even with writeback=False when the gathered
         # parameter shares storage with the shard (NO_SHARD, world size 1).  The bridge
         # promises they are discarded, so restore this rank's shards (a shard-sized copy).
+        if offload_to_cpu and getattr(model, "sharding_strategy", None) is TorchShardingStrategy.NO_SHARD:
+            # torch's FSDP1 raises NotImplementedError here; say it before anything is gathered.
+            from fsdp_bridge.errors import ConfigError, Problem
+
+            raise ConfigError([Problem("summon_full_params", "offload_to_cpu=True", "offload_to_cpu=False with "
+                                       "NO_SHARD on FSDP1 (torch's FSDP1 does not support it)",
+                                       "drop offload_to_cpu: with NO_SHARD every rank already holds full parameters "
+                                       "(copy them with .cpu() inside the context), or use backend fsdp2")])
         saved = None if writeback else [t.clone() for t in self.local_tensors(model)]
         with FullyShardedDataParallel.summon_full_params(model, writeback=writeback, recurse=True,
                                                          rank0_only=rank0_only, offload_to_cpu=offload_to_cpu):

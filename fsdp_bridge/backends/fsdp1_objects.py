@@ -268,7 +268,7 @@ def translate_fsdp1_kwargs(kwargs: Mapping[str, Any]) -> tuple[dict[str, Any], l
 
 def state_dict_options(state_dict_type: object, state_dict_config: object = None,
                        optim_state_dict_config: object = None, *, optimizer: bool = False,
-                       load: bool = False) -> Any:
+                       load: bool = False, strict: bool = True) -> Any:
     """torch's ``StateDictOptions`` meaning what FSDP1's ``state_dict_type`` settings meant.
 
     ``migrate code --fix`` writes this where a ``with FSDP.state_dict_type(model, sd_type, cfg, optim_cfg):``
@@ -283,6 +283,7 @@ def state_dict_options(state_dict_type: object, state_dict_config: object = None
         optimizer: options for the optimizer's state dict (read ``optim_state_dict_config``).
         load: options for loading (``set_*_state_dict``): FSDP1 loads a full state dict given on every
             rank, so neither ``rank0_only`` nor ``offload_to_cpu`` applies.
+        strict: ``load_state_dict``'s ``strict`` (loading only).
 
     Returns:
         ``StateDictOptions``: FULL_STATE_DICT -> ``full_state_dict=True`` (with ``cpu_offload=True``
@@ -312,7 +313,7 @@ def state_dict_options(state_dict_type: object, state_dict_config: object = None
     config = optim_state_dict_config if optimizer else state_dict_config
     full = name == "FULL_STATE_DICT"
     if load:
-        return StateDictOptions(full_state_dict=full)
+        return StateDictOptions(full_state_dict=full, strict=strict)
     offload = bool(getattr(config, "offload_to_cpu", False))
     if full:
         return StateDictOptions(full_state_dict=True, cpu_offload=bool(getattr(config, "rank0_only", False)))

@@ -904,10 +904,15 @@ class _Scanner(cst.CSTVisitor):
                 if func.attr.value == "state_dict" and not inner.args:
                     self.needs_state_dict_api.add("get_model_state_dict")
                     rewrites[id(inner)] = f"get_model_state_dict({model}, options={save_opts})"
-                elif func.attr.value == "load_state_dict" and len(inner.args) == 1 and not inner.args[0].keyword:
+                elif func.attr.value == "load_state_dict" and (
+                        load := _named_args(inner, ("state_dict", "strict", "assign"))) is not None \
+                        and set(load) <= {"state_dict", "strict"} and "state_dict" in load:
+                    # set_model_state_dict returns the same (missing_keys, unexpected_keys) named tuple
                     self.needs_state_dict_api.add("set_model_state_dict")
-                    rewrites[id(inner)] = (f"set_model_state_dict({model}, {_code(inner.args[0].value)}, "
-                                           f"options={load_opts})")
+                    opts = (load_opts if "strict" not in load
+                            else _with_option(load_opts, f"strict={_code(load['strict'])}"))
+                    rewrites[id(inner)] = (f"set_model_state_dict({model}, {_code(load['state_dict'])}, "
+                                           f"options={opts})")
             elif hit == (FSDP, "optim_state_dict") and len(inner.args) >= 2:
                 self.needs_state_dict_api.add("get_optimizer_state_dict")
                 m_, o_ = (_code(a.value) for a in inner.args[:2])
@@ -998,13 +1003,22 @@ class _Scanner(cst.CSTVisitor):
 
     def _plan_optim_call(self, node: cst.Call, member: str) -> bool:
         """FSDP's optimizer-state functions outside a state_dict_type block -> torch's state_dict API."""
-        args = [_code(a.value) for a in node.args if a.keyword is None]
+        params = ("model", "optim", "optim_input", "rank0_only", "group") if member == "full_optim_state_dict" \
+            else ("model", "optim", "optim_state_dict", "group")
+        named = _named_args(node, params)
         code = None
-        if member in ("optim_state_dict", "full_optim_state_dict", "sharded_optim_state_dict") and len(args) >= 2:
+        unused = ("optim_input", "optim_state_dict", "group")
+        if named is not None and "model" in named and "optim" in named and all(
+                m.matches(named[k], m.Name("None")) for k in unused if k in named):
             self.needs_state_dict_api.add("get_optimizer_state_dict")
             full = member != "sharded_optim_state_dict"
-            code = (f"get_optimizer_state_dict({args[0]}, {args[1]}, "
-                    f"options={self._options(full, cpu_offload=member == 'full_optim_state_dict')})")
+            rank0 = named.get("rank0_only")
+            if member != "full_optim_state_dict" or rank0 is None or _code(rank0) in ("True", "False"):
+                opts = self._options(full, cpu_offload=member == "full_optim_state_dict" and (
+                    rank0 is None or _code(rank0) == "True"))
+            else:  # rank 0 only, in CPU memory, when the expression is true (FSDP1's rank0_only)
+                opts = f"StateDictOptions(full_state_dict=True, cpu_offload={_code(rank0)})"
+            code = f"get_optimizer_state_dict({_code(named['model'])}, {_code(named['optim'])}, options={opts})"
         if code is None:
             return False
         self.call_rewrites[id(node)] = code
@@ -1207,6 +1221,13 @@ class _Fixer(cst.CSTTransformer):
             body[0] = body[0].with_changes(leading_lines=[*updated_node.leading_lines, *body[0].leading_lines])
             return cst.FlattenSentinel(body)
         return self._compound(original_node, updated_node)
+
+
+def _with_option(options: str, extra: str) -> str:
+    """``StateDictOptions(a=1)`` + ``strict=x`` -> ``StateDictOptions(a=1, strict=x)`` (also for
+    ``fsdp_bridge.state_dict_options(...)``)."""
+    head, _, _ = options.rpartition(")")
+    return f"{head}{'' if head.endswith('(') else ', '}{extra})"
 
 
 def _named_args(call: cst.Call, names: Sequence[str]) -> dict[str, cst.BaseExpression] | None:
