@@ -6,6 +6,7 @@ the meta device, so each case takes a fraction of a second.  Every case destroys
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterator
 
@@ -14,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_bridge.backends.fsdp2 import local_shape
+from fsdp_bridge.cli import main
 from fsdp_bridge.config import BridgeConfig
 from fsdp_bridge.errors import ConfigError
 from fsdp_bridge.estimate import build_meta_model, fake_process_group, plan_at_scale
@@ -112,3 +114,21 @@ def test_fake_process_group_refuses_a_live_group_and_cleans_up() -> None:
     with pytest.raises(RuntimeError, match="boom"), fake_process_group(rank=0, world_size=4):
         raise RuntimeError("boom")
     assert not dist.is_initialized()
+
+
+def test_cli_fake_world_checks_every_fsdp2_row(capsys: pytest.CaptureFixture[str]) -> None:
+    spec = ("llama:hidden_size=256,intermediate_size=688,num_hidden_layers=2,num_attention_heads=4,"
+            "num_key_value_heads=2,vocab_size=1001")
+    rc = main(["estimate", spec, "--world-size", "512", "--nodes", "64", "--strategy", "full_shard,hybrid_shard",
+               "--fake-world", "--activation-checkpointing"])
+    out, err = capsys.readouterr()
+    assert rc == 0, out + err
+    assert "fake world: fsdp2 full_shard: shard() on ranks 0 and 511 of 512 = estimate" in out
+    assert "fake world: fsdp2 hybrid_shard: shard() on ranks 0 and 511 of 512 = estimate" in out
+    assert "fake world: fsdp1" not in out
+    assert "fsdp_bridge: full_shard on fsdp2" not in out + err  # the planned ranks log no shard() report
+    rc = main(["estimate", spec, "--world-size", "64", "--backend", "fsdp2", "--strategy", "full_shard",
+               "--fake-world", "--json"])
+    data = json.loads(capsys.readouterr().out)
+    assert rc == 0 and data["fake_world"] == [{"backend": "fsdp2", "strategy": "full_shard", "ranks": [0, 63],
+                                               "mesh": [64], "matches": True, "mismatches": []}]

@@ -20,6 +20,7 @@ is checked against real runs in ``tests/test_estimate_validation.py``.
 from __future__ import annotations
 
 import copy
+import logging
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -40,6 +41,8 @@ from fsdp_bridge.strategy import Backend
 __all__ = ["RankPlan", "ScalePlan", "fake_process_group", "plan_at_scale"]
 
 _MAX_WORLD = 2**20
+# activation_checkpointing wraps each unit: its parameters' names gain this segment.
+_CHECKPOINT_PREFIX = "_checkpoint_wrapped_module."
 
 
 @contextmanager
@@ -135,23 +138,36 @@ def _check(plan: RankPlan, estimate: RankMemory, units: Sequence[str]) -> list[s
     return out
 
 
+@contextmanager
+def _quiet() -> Iterator[None]:
+    """shard() logs its report on rank 0 of the real job; a plan is not one."""
+    logger = logging.getLogger("fsdp_bridge")
+    level = logger.level
+    logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def _plan_rank(model: nn.Module, config: BridgeConfig, *, rank: int, world_size: int) -> RankPlan:
     from fsdp_bridge.api import get_bridge, plan_on_meta, shard
 
     full = {n: tuple(p.shape) for n, p in model.named_parameters()}  # before shard() replaces them
-    with fake_process_group(rank=rank, world_size=world_size), plan_on_meta():
+    with fake_process_group(rank=rank, world_size=world_size), plan_on_meta(), _quiet():
         sharded = shard(model, config)
         bridge = get_bridge(sharded)
         mesh = bridge.mesh
         shard_index = mesh.get_local_rank(mesh.ndim - 1)
         shard_size = mesh.shape[-1]
         # What fully_shard was really applied to (named as model_units names them).
-        units = tuple(n or "(root)" for n, m in sharded.named_modules() if isinstance(m, FSDPModule))
+        units = tuple(n.replace(_CHECKPOINT_PREFIX, "") or "(root)"
+                      for n, m in sharded.named_modules() if isinstance(m, FSDPModule))
         local: dict[str, tuple[int, ...]] = {}
         tensors = []
         for name, p in sharded.named_parameters():
             t = p.to_local() if isinstance(p, DTensor) else p.detach()
-            local[name] = tuple(t.shape)
+            local[name.replace(_CHECKPOINT_PREFIX, "")] = tuple(t.shape)
             tensors.append(t)
         local_bytes = sum(t.numel() * t.element_size() for t in tensors)
         allocated = storage_bytes(tensors)
