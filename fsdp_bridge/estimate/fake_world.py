@@ -60,10 +60,12 @@ def fake_process_group(*, rank: int, world_size: int) -> Iterator[None]:
                                    "no process group in this process",
                                    "plan at a fake world size in a process that has not called "
                                    "init_process_group (e.g. a subprocess), or destroy the group first")])
-    # torch registers the "fake" backend only when this private module is imported (torch 2.13
-    # and 2.14 import it themselves only when init_process_group("fake") gets no store).  Import
-    # it explicitly so that the registration does not depend on that detail; the ImportError
-    # branch is the version gate should torch move or drop it.
+    # Private torch import, on purpose: torch registers the "fake" backend only when this module
+    # is imported.  torch 2.13 (run) and 2.14.1 (read from the wheel) import it themselves only
+    # when init_process_group("fake") gets no store; with any store it raises "Unknown c10d
+    # backend type FAKE" unless imported.  2.14 moved FakeStore to C++ and re-exports it here.
+    # Importing it explicitly keeps the registration independent of that detail; the
+    # ImportError branch is the version gate should a later torch move or drop the module.
     try:
         from torch.testing._internal.distributed.fake_pg import FakeStore
     except ImportError as err:  # pragma: no cover - depends on the torch build
