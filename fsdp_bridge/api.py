@@ -39,6 +39,9 @@ _ATTR = "_fsdp_bridge"
 # Set by fsdp_bridge.checkpoint.load_pretrained, which loads real weights right after
 # shard(): a meta-device model then needs no sync_module_states.
 _WEIGHTS_LOADED_AFTER: ContextVar[bool] = ContextVar("fsdp_bridge_weights_loaded_after", default=False)
+# Set by fsdp_bridge.estimate.plan_at_scale: shard() runs at a fake world size and the
+# model stays on the meta device (nothing is allocated, nothing is broadcast).
+_PLAN_ON_META: ContextVar[bool] = ContextVar("fsdp_bridge_plan_on_meta", default=False)
 
 
 @contextmanager
@@ -49,6 +52,18 @@ def weights_loaded_after_shard() -> Iterator[None]:
         yield
     finally:
         _WEIGHTS_LOADED_AFTER.reset(token)
+
+
+@contextmanager
+def plan_on_meta() -> Iterator[None]:
+    """Inside the context, shard() accepts a meta-device model without sync_module_states and
+    leaves its shards on the meta device (planning: see fsdp_bridge.estimate.plan_at_scale)."""
+    token = _PLAN_ON_META.set(True)
+    try:
+        with weights_loaded_after_shard():
+            yield
+    finally:
+        _PLAN_ON_META.reset(token)
 
 
 @dataclass
@@ -179,7 +194,7 @@ def shard(model: nn.Module, config: BridgeConfig | None = None, *, mesh: DeviceM
     scalars = [p for p in model.parameters() if p.dim() == 0 and id(p) not in ignored_ids]
     plan = ShardPlan(
         config=config, device=device, mesh=mesh, units=units, ignored_modules=ignored, has_meta=has_meta, report=report,
-        scalar_params=scalars,
+        scalar_params=scalars, materialize=not _PLAN_ON_META.get(),
     )
     if scalars:
         names = [n for n, p in model.named_parameters() if any(p is q for q in scalars)]

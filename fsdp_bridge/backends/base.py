@@ -34,6 +34,9 @@ class ShardPlan:
     scalar_params: list[nn.Parameter] = field(default_factory=list)
     """0-dim parameters (e.g. CLIP's ``logit_scale``): neither backend shards them, so they stay
     whole on every rank and their gradients are averaged by the bridge."""
+    materialize: bool = True
+    """Allocate a meta-device model on ``device`` after sharding.  False only for planning at a
+    fake world size (:func:`fsdp_bridge.estimate.plan_at_scale`, FSDP2): the shards stay on meta."""
 
     def reshard_after_forward(self, *, is_root: bool) -> bool | int:
         """Per-unit reshard-after-forward, matching FSDP1: the root keeps its parameters

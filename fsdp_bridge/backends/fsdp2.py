@@ -24,7 +24,21 @@ from fsdp_bridge.backends._common import broadcast_from_rank0, rank0_full_state
 from fsdp_bridge.backends.base import ShardPlan
 from fsdp_bridge.strategy import Backend
 
-__all__ = ["FSDP2Backend"]
+__all__ = ["FSDP2Backend", "local_shape"]
+
+
+def local_shape(shape: tuple[int, ...], shard: int, index: int) -> tuple[int, ...]:
+    """The shape of ``to_local()`` of a parameter of ``shape`` on shard ``index`` of ``shard`` ranks.
+
+    FSDP2 splits dim 0 as ``torch.chunk`` does: chunks of ``ceil(d0 / shard)`` rows, the
+    last non-empty one shorter, then empty chunks (e.g. 10 rows on 4 ranks: 3, 3, 3, 1; 6 rows
+    on 4 ranks: 2, 2, 2, 0).  Each rank's storage is padded to the first chunk's size.
+    0-dim parameters are not sharded (the bridge keeps them whole on every rank).
+    """
+    if not shape or shard == 1:
+        return shape
+    rows = -(-shape[0] // shard)
+    return (max(0, min(rows, shape[0] - index * rows)), *shape[1:])
 
 
 def _top_level_units(units: list[nn.Module]) -> list[nn.Module]:
@@ -41,10 +55,9 @@ class FSDP2Backend:
         return (world_size, 1)
 
     def shard_numel(self, shapes: Sequence[tuple[int, ...]], shard: int, compute_bytes: int) -> int:
-        # Each parameter is split on dim 0 (torch.chunk sizes, padded to the largest chunk).
-        if shard == 1:
-            return sum(math.prod(s) for s in shapes)
-        return sum(-(-s[0] // shard) * math.prod(s[1:]) if s else 1 for s in shapes)
+        # Each parameter is split on dim 0 (torch.chunk sizes); every rank allocates the
+        # largest chunk (rank 0's), the others' shards are views of that padded storage.
+        return sum(math.prod(local_shape(s, shard, 0)) for s in shapes)
 
     def gathers_full_copy(self, shard: int, *, mixed_precision: bool) -> bool:
         return True  # all-gather outputs are separate buffers, even for a one-rank group
@@ -92,7 +105,7 @@ class FSDP2Backend:
                 assert isinstance(unit, FSDPModule) and isinstance(following, FSDPModule)
                 unit.set_modules_to_forward_prefetch([following])
 
-        if plan.has_meta:
+        if plan.has_meta and plan.materialize:
             model.to_empty(device=plan.device)
         if config.sync_module_states:
             broadcast_from_rank0(model, full_state, plan.device)
