@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from fsdp_bridge.errors import CheckpointError, ConfigError, Problem
     from fsdp_bridge.mapping import Outcome, TranslationReport, translate
     from fsdp_bridge.strategy import Backend, BackwardPrefetch, ShardingStrategy
+    from fsdp_bridge.wrap import module_names
 
 # Public name -> the module that defines it.  Kept in step with the TYPE_CHECKING imports
 # above and with ``__all__`` by tests/test_imports.py.
@@ -58,6 +59,7 @@ _EXPORTS: dict[str, str] = {
     "load_checkpoint": "fsdp_bridge.checkpoint",
     "load_config": "fsdp_bridge.config",
     "load_pretrained": "fsdp_bridge.checkpoint",
+    "module_names": "fsdp_bridge.wrap",
     "no_sync": "fsdp_bridge.api",
     "rotate_checkpoints": "fsdp_bridge.checkpoint",
     "save_checkpoint": "fsdp_bridge.checkpoint",
@@ -89,6 +91,7 @@ __all__ = [
     "load_checkpoint",
     "load_config",
     "load_pretrained",
+    "module_names",
     "no_sync",
     "rotate_checkpoints",
     "save_checkpoint",

@@ -16,7 +16,7 @@ from fsdp_bridge.config import WrapPolicy
 from fsdp_bridge.errors import ConfigError, Problem
 from fsdp_bridge.hf import no_split_module_classes
 
-__all__ = ["WrapPlan", "resolve_ignored", "resolve_wrap"]
+__all__ = ["WrapPlan", "module_names", "resolve_ignored", "resolve_wrap"]
 
 # FSDP1's size-based policy never wraps containers and does not look inside these.
 _NEVER_WRAP = (nn.ModuleList, nn.ModuleDict)
@@ -212,3 +212,41 @@ def resolve_wrap(model: nn.Module, policy: WrapPolicy, *, ignored: list[nn.Modul
     units = [(n, m) for n, m in units if not in_ignored(n)]
     units, notes = _keep_tied_together(model, units)
     return WrapPlan(units=units, source=source, notes=notes)
+
+
+def module_names(model: nn.Module, modules: object) -> list[str]:
+    """The paths in ``model`` of the given module objects, for ``BridgeConfig(ignored_modules=...)``.
+
+    FSDP1 takes ``ignored_modules`` as module objects; the bridge's config takes names, so a
+    config stays plain data. ``migrate code --fix`` writes
+    ``ignored_modules=fsdp_bridge.module_names(model, <the FSDP1 value>)`` where the value is
+    known only at run time.
+
+    Args:
+        model: the model about to be sharded.
+        modules: module objects inside ``model`` (any iterable), or None.
+
+    Returns:
+        Their dotted paths (``["lm_head", "model.embed_tokens"]``); empty for None.
+
+    Raises:
+        ConfigError: an entry that is not a module of ``model`` (or is the model itself).
+    """
+    if modules is None:
+        return []
+    if isinstance(modules, nn.Module):
+        modules = [modules]
+    paths = {id(m): n for n, m in model.named_modules()}
+    out: list[str] = []
+    problems: list[Problem] = []
+    for module in modules:  # type: ignore[attr-defined]
+        name = paths.get(id(module))
+        if not name:
+            problems.append(Problem("ignored_modules", type(module).__name__,
+                                    "a submodule of the model being sharded (not the model itself)",
+                                    "pass modules taken from this model (e.g. model.lm_head), or their names"))
+        else:
+            out.append(name)
+    if problems:
+        raise ConfigError(problems)
+    return out

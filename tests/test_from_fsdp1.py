@@ -207,3 +207,14 @@ def test_state_dict_options_mean_what_fsdp1_state_dict_settings_meant() -> None:
         options(StateDictType.LOCAL_STATE_DICT)
     with pytest.raises(ConfigError, match=r"state_dict_type: got 'full'.*FULL_STATE_DICT or SHARDED_STATE_DICT"):
         options("full")
+
+
+def test_module_names_turns_fsdp1_module_objects_into_config_names() -> None:
+    net = Net()
+    names = fsdp_bridge.module_names(net, [net.head, *net.blocks[:1]])
+    assert names == ["head", "blocks.0"]
+    config = BridgeConfig.from_fsdp1(ignored_modules=names)
+    assert config.ignored_modules == ("head", "blocks.0")
+    assert fsdp_bridge.module_names(net, None) == []
+    with pytest.raises(ConfigError, match=r"ignored_modules: got 'Linear'.*a submodule of the model being sharded"):
+        fsdp_bridge.module_names(net, [nn.Linear(2, 2)])

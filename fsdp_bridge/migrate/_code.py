@@ -536,11 +536,16 @@ class _Scanner(cst.CSTVisitor):
                 out.append((name, _code(a.value)))
             elif name in ("ignored_modules", "ignored_states") and not m.matches(a.value, m.Name("None")):
                 names = self._module_paths(a.value, static.module)
-                if names is None:
+                if names is not None:
+                    out.append(("ignored_modules", repr(names)))
+                elif static.module is not None:  # module objects known at run time: their paths, then
+                    self.needs_imports.add(("fsdp_bridge", None))
+                    out.append(("ignored_modules", f"fsdp_bridge.module_names({_code(static.module)}, "
+                                                   f"{_code(a.value)})"))
+                else:
                     static.blockers.append(f"{name}={_code(a.value)}: name the modules for the bridge: "
                                            "BridgeConfig(ignored_modules=['path.to.module' or 'ClassName'])")
                     return None
-                out.append(("ignored_modules", repr(names)))
             elif name == "backward_prefetch" and self._member(a.value, "BackwardPrefetch") != "BACKWARD_PRE":
                 member = "NONE" if m.matches(a.value, m.Name("None")) else self._member(a.value, "BackwardPrefetch")
                 if member in ("BACKWARD_POST", "NONE"):
@@ -607,6 +612,9 @@ class _Scanner(cst.CSTVisitor):
             return "BACKWARD_PRE is FSDP2's implicit order; BACKWARD_POST / None are refused on FSDP2 with the reason"
         if kw == "use_orig_params":
             return "FSDP2 parameters always are the original ones"
+        if kw in ("ignored_modules", "ignored_states"):
+            return ("module objects -> their paths in the model (fsdp_bridge.module_names, when the code runs): "
+                    "neither sharded nor synchronised, as in FSDP1")
         if kw == "process_group":
             return ("None or the world group: the bridge's mesh over every rank; any other group is refused when "
                     "the code runs, with the fix (a DeviceMesh passed as shard(..., mesh=...))")
