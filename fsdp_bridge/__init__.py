@@ -21,7 +21,7 @@ from fsdp_bridge._version import __version__
 
 if TYPE_CHECKING:
     from fsdp_bridge.api import Bridge, clip_grad_norm_, get_bridge, no_sync, shard, summon_full_params
-    from fsdp_bridge.backends.fsdp1_objects import state_dict_options
+    from fsdp_bridge.backends.fsdp1_objects import optim_state_dict_to_load, state_dict_options
     from fsdp_bridge.checkpoint import (
         latest_checkpoint,
         load_checkpoint,
@@ -61,6 +61,7 @@ _EXPORTS: dict[str, str] = {
     "load_pretrained": "fsdp_bridge.checkpoint",
     "module_names": "fsdp_bridge.wrap",
     "no_sync": "fsdp_bridge.api",
+    "optim_state_dict_to_load": "fsdp_bridge.backends.fsdp1_objects",
     "rotate_checkpoints": "fsdp_bridge.checkpoint",
     "save_checkpoint": "fsdp_bridge.checkpoint",
     "save_checkpoint_async": "fsdp_bridge.checkpoint",
@@ -93,6 +94,7 @@ __all__ = [
     "load_pretrained",
     "module_names",
     "no_sync",
+    "optim_state_dict_to_load",
     "rotate_checkpoints",
     "save_checkpoint",
     "save_checkpoint_async",

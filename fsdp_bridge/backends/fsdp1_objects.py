@@ -32,7 +32,8 @@ from torch.distributed.fsdp.wrap import (
 
 from fsdp_bridge.errors import ConfigError, Problem
 
-__all__ = ["FSDP1_KWARGS", "describe_policy", "fsdp1_policy_units", "state_dict_options", "translate_fsdp1_kwargs"]
+__all__ = ["FSDP1_KWARGS", "describe_policy", "fsdp1_policy_units", "optim_state_dict_to_load", "state_dict_options",
+           "translate_fsdp1_kwargs"]
 
 FSDP1_KWARGS = (
     "sharding_strategy", "auto_wrap_policy", "mixed_precision", "cpu_offload", "backward_prefetch",
@@ -318,3 +319,30 @@ def state_dict_options(state_dict_type: object, state_dict_config: object = None
     if full:
         return StateDictOptions(full_state_dict=True, cpu_offload=bool(getattr(config, "rank0_only", False)))
     return StateDictOptions(cpu_offload=offload)
+
+
+def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: Mapping[str, Any],
+                             options: Any = None) -> dict[str, Any]:
+    """FSDP1's ``FSDP.optim_state_dict_to_load`` for code that loads the result afterwards.
+
+    ``migrate code --fix`` writes this where the result of ``FSDP.optim_state_dict_to_load(...)`` is
+    kept in a variable (``osd = ...; ...; optim.load_state_dict(osd)``). torch's public API has no
+    pure conversion: this loads ``optim_state_dict`` into ``optim`` with
+    ``set_optimizer_state_dict`` (works on FSDP1 and FSDP2 models) and returns ``optim.state_dict()``,
+    so a later ``optim.load_state_dict(result)`` loads the same state again and changes nothing.
+
+    Args:
+        model: the sharded model the optimizer belongs to.
+        optim: its optimizer.
+        optim_state_dict: the state as FSDP1 saved it (full or sharded, keyed by parameter names).
+        options: ``StateDictOptions`` (``state_dict_options(...)`` in a migrated state-dict block);
+            None means a full state dict, FSDP1's default state-dict type.
+
+    Returns:
+        ``optim.state_dict()`` after loading.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    set_optimizer_state_dict(model, optim, dict(optim_state_dict),
+                             options=options if options is not None else StateDictOptions(full_state_dict=True))
+    return optim.state_dict()

@@ -346,6 +346,12 @@ class _Scanner(cst.CSTVisitor):
             return False
         if hit == (FSDP, "set_state_dict_type") and self._plan_set_state_dict_type(node):
             return False
+        if hit == (FSDP, "optim_state_dict_to_load") and (code := self._optim_to_load(node, None)) is not None:
+            self.call_rewrites[id(node)] = code
+            self._record(node, "FSDP.optim_state_dict_to_load(...)", f"{code}: loads the state into the optimizer "
+                         "(torch's set_optimizer_state_dict) and returns optimizer.state_dict(), so loading the "
+                         "result again changes nothing", True)
+            return False
         if hit is not None and hit[0] == FSDP and hit[1] in ("optim_state_dict", "full_optim_state_dict",
                                                             "sharded_optim_state_dict"):
             if self._plan_optim_call(node, hit[1]):
@@ -925,6 +931,10 @@ class _Scanner(cst.CSTVisitor):
                 self.needs_state_dict_api.add("get_optimizer_state_dict")
                 m_, o_ = (_code(a.value) for a in inner.args[:2])
                 rewrites[id(inner)] = f"get_optimizer_state_dict({m_}, {o_}, options={optim_opts})"
+            elif hit == (FSDP, "optim_state_dict_to_load") and id(inner) not in self.consumed_nodes:
+                code = self._optim_to_load(inner, load_opts)
+                if code is not None:
+                    rewrites[id(inner)] = code
             elif (isinstance(func, cst.Attribute) and func.attr.value == "load_state_dict" and len(inner.args) == 1
                   and isinstance(inner.args[0].value, cst.Call)
                   and self._qn(inner.args[0].value.func) == (FSDP, "optim_state_dict_to_load")):
@@ -1032,6 +1042,34 @@ class _Scanner(cst.CSTVisitor):
         self.call_rewrites[id(node)] = code
         self._record(node, f"FSDP.{member}(...)", code, True)
         return True
+
+    def _in_old_torch_branch(self, node: cst.CSTNode) -> bool:
+        """Inside the branch of ``if <torch.__version__> < ...:`` (or the else of ``>=``) taken on old torch."""
+        line = self.get_metadata(PositionProvider, node).start.line
+        for stmt in self.stmt_stack:
+            if not isinstance(stmt, cst.If) or "__version__" not in (test := _code(stmt.test)):
+                continue
+            in_body = line <= self.get_metadata(PositionProvider, stmt.body).end.line
+            if in_body == ("<" in test):
+                return True
+        return False
+
+    def _optim_to_load(self, node: cst.Call, options: str | None) -> str | None:
+        """``FSDP.optim_state_dict_to_load(M, O, sd)`` kept in a variable -> fsdp_bridge's helper that loads
+        it and returns ``O.state_dict()`` (a later ``O.load_state_dict(x)`` then changes nothing)."""
+        named = _named_args(node, ("model", "optim", "optim_state_dict", "is_named_optimizer", "load_directly",
+                                   "group"))
+        if named is None or not {"model", "optim", "optim_state_dict"} <= set(named):
+            return None
+        if set(named) - {"model", "optim", "optim_state_dict", "load_directly"}:
+            return None
+        if any(a.keyword is None for a in node.args) and self._in_old_torch_branch(node):
+            return None  # torch < 2.1 took (optim_state_dict, model, optim): positions are not FSDP1's today
+        self.needs_imports.add(("fsdp_bridge", None))
+        self._consume(node.func)
+        extra = f", options={options}" if options else ""
+        return (f"fsdp_bridge.optim_state_dict_to_load({_code(named['model'])}, {_code(named['optim'])}, "
+                f"{_code(named['optim_state_dict'])}{extra})")
 
     def _plan_optim_load(self, node: cst.Call) -> bool:
         """``O.load_state_dict(FSDP.optim_state_dict_to_load|shard_full_optim_state_dict|
