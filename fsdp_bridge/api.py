@@ -120,7 +120,17 @@ class Bridge:
 
 
 def get_bridge(model: nn.Module) -> Bridge:
-    """The :class:`Bridge` of a model returned by :func:`shard`."""
+    """The :class:`Bridge` of a model returned by :func:`shard`.
+
+    Args:
+        model: a model returned by :func:`shard`.
+
+    Returns:
+        Its :class:`Bridge`: config, plan, translation report and the backend's operations.
+
+    Raises:
+        TypeError: ``model`` was not sharded by :func:`shard`.
+    """
     bridge = getattr(model, _ATTR, None)
     if not isinstance(bridge, Bridge):
         raise TypeError(
@@ -147,6 +157,21 @@ def shard(model: nn.Module, config: BridgeConfig | None = None, *, mesh: DeviceM
     :class:`ConfigError` saying so (on FSDP2 it would otherwise train nothing).  Use
     :func:`no_sync`, :func:`clip_grad_norm_` and :func:`summon_full_params` (or
     ``get_bridge(model)``) the same way on both backends.
+
+    Args:
+        model: the model to shard (on CPU, a GPU or the meta device; a PEFT model too).
+        config: how to shard it; default ``BridgeConfig()`` (FULL_SHARD on FSDP2).
+        mesh: a DeviceMesh to shard over (e.g. the ``"dp"`` sub-mesh of a (dp, tp) mesh);
+            default: built from the strategy and the world size.
+
+    Returns:
+        The sharded model (FSDP2: ``model`` itself, now an ``FSDPModule``; FSDP1: the
+        ``FullyShardedDataParallel`` wrapper), with :func:`get_bridge` available on it.
+
+    Raises:
+        ConfigError: on every rank, before any collective, for anything the backend cannot do
+            with this config, model or mesh, or when the ranks asked for different things.
+        TypeError: ``config`` is not a :class:`BridgeConfig`.
     """
     config = config or BridgeConfig()
     if not isinstance(config, BridgeConfig):
@@ -295,12 +320,34 @@ def _apply_activation_checkpointing(model: nn.Module, units: list[nn.Module]) ->
 
 
 def no_sync(model: nn.Module) -> AbstractContextManager[None]:
-    """Inside the context, backward accumulates gradients without reducing them across ranks."""
+    """Inside the context, backward accumulates gradients without reducing them across ranks.
+
+    Args:
+        model: a model returned by :func:`shard`.
+
+    Returns:
+        A context manager; the step after it reduces the accumulated gradients.
+
+    Raises:
+        TypeError: ``model`` was not sharded by :func:`shard`.
+    """
     return get_bridge(model).no_sync()
 
 
 def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-    """Clip gradients by their global norm (over all shards and replicas); return the norm."""
+    """Clip gradients by their global norm (over all shards and replicas); return the norm.
+
+    Args:
+        model: a model returned by :func:`shard`.
+        max_norm: the largest total norm allowed.
+        norm_type: the p of the p-norm (``inf`` for the largest absolute value).
+
+    Returns:
+        The total norm before clipping, the same on every rank.
+
+    Raises:
+        TypeError: ``model`` was not sharded by :func:`shard`.
+    """
     return get_bridge(model).clip_grad_norm_(max_norm, norm_type)
 
 
@@ -318,6 +365,9 @@ def summon_full_params(model: nn.Module, *, writeback: bool = False, rank0_only:
         rank0_only: only rank 0 sees full tensors; the other ranks keep their shards (FSDP1 under
             HYBRID_SHARD also gathers on rank 0 of each shard group, as torch's FSDP1 does).
         offload_to_cpu: the full tensors are CPU copies.
+
+    Yields:
+        Nothing: inside the block the model's parameters are the full tensors.
 
     Raises:
         ConfigError: ``writeback=True`` with ``rank0_only=True`` (FSDP1 refuses it too: the other

@@ -592,6 +592,17 @@ def load_config(path: str | os.PathLike[str], *, overrides: Mapping[str, Any] | 
     The file is either a bridge config at top level, or a training config whose
     ``bridge:`` section holds it.  ``overrides`` replace keys after loading.
     YAML is read with ``yaml.safe_load``: no tag can construct Python objects.
+
+    Args:
+        path: a YAML file.
+        overrides: keys to replace after loading (``{"strategy": "hybrid_shard"}``).
+
+    Returns:
+        The validated :class:`BridgeConfig`.
+
+    Raises:
+        ConfigError: listing every problem in the file (unknown keys, wrong values), or a file
+            that cannot be read or is not bounded YAML.
     """
     path = Path(path)
     data = read_yaml_file(path)

@@ -610,7 +610,17 @@ def _option_value(config: BridgeConfig, option: str) -> object:
 def translate(
     config: BridgeConfig, backend: Backend | None = None, *, device_type: str | None = None
 ) -> TranslationReport:
-    """What each option of ``config`` becomes on ``backend`` (default: the config's own)."""
+    """What each option of ``config`` becomes on ``backend`` (default: the config's own).
+
+    Args:
+        config: the bridge config.
+        backend: ``Backend.FSDP1`` or ``Backend.FSDP2``; default the config's own.
+        device_type: ``"cuda"`` or ``"cpu"``; some options differ by device (offload on CPU).
+
+    Returns:
+        A :class:`TranslationReport`: one entry per option with its value, the torch call it
+        becomes and its outcome (native, emulated, not needed, unsupported).
+    """
     backend = backend or config.backend
     ctx = Context(config=config, device_type=device_type)
     entries: list[Entry] = []

@@ -279,6 +279,21 @@ def save_checkpoint(
     to ``.NAME.partial`` then published by an atomic rename once every rank has
     finished.  ``keep_last=K`` then deletes all but the K newest checkpoints beside it.
     Returns ``path``.
+
+    Args:
+        path: the checkpoint directory to write (replaced atomically if it is a checkpoint).
+        model: a model returned by :func:`~fsdp_bridge.shard`.
+        optimizer: its optimizer, saved too when given (not for ``adapter``/``merged``).
+        kind: ``"sharded"``, ``"full"``, ``"adapter"`` or ``"merged"``.
+        state: a JSON-serialisable dict saved beside the weights.
+        keep_last: after publishing, keep only the K newest checkpoints beside ``path``.
+        max_shard_size: the largest safetensors file for ``kind="full"`` (``"5GB"`` or bytes).
+
+    Returns:
+        ``path``.
+
+    Raises:
+        CheckpointError: on every rank, when ``path`` cannot be written or is not ours to replace.
     """
     if kind == "adapter" or kind == "merged":
         return _peft.save_peft(path, model, kind, full_state_dict=full_state_options(model),
@@ -562,6 +577,19 @@ def load_checkpoint(
 
     Returns the training ``state`` saved with the checkpoint (``{}`` if none).  Each
     rank's RNG states are restored when the world size matches the one saved from.
+
+    Args:
+        path: the checkpoint (directory or file).
+        model: a model returned by :func:`~fsdp_bridge.shard` (or a plain module).
+        optimizer: its optimizer, to restore its state too.
+        restore_rng: restore each rank's RNG states when the world size matches.
+
+    Returns:
+        The training ``state`` saved with the checkpoint (``{}`` if none).
+
+    Raises:
+        CheckpointError: on every rank, for a missing, damaged or mismatched checkpoint; the
+            model and optimizer are unchanged.
     """
     detected = detect(path)
     if detected.kind in (Kind.SHARDED, Kind.FULL):
@@ -627,6 +655,19 @@ def load_pretrained(
     reads the weights (a Hugging Face directory, or any kind :func:`load_checkpoint`
     reads) and they are broadcast; every other rank only ever holds its own shards.
     Returns the sharded model.
+
+    Args:
+        model_or_builder: a meta-device model, a zero-argument builder, or a sharded model.
+        path: a Hugging Face directory or any checkpoint :func:`load_checkpoint` reads.
+        config: the :class:`~fsdp_bridge.BridgeConfig` to shard with (default ``BridgeConfig()``).
+        mesh: passed to :func:`~fsdp_bridge.shard`.
+
+    Returns:
+        The sharded model holding the weights.
+
+    Raises:
+        CheckpointError: the weights do not fit the model, or cannot be read.
+        ConfigError: from :func:`~fsdp_bridge.shard`.
     """
     from fsdp_bridge.api import shard, weights_loaded_after_shard
 

@@ -137,6 +137,19 @@ def save_checkpoint_async(
     Returns once the state is staged in host memory; call ``.wait()`` on the result before
     the next save and before the process exits.  The checkpoint is the same as
     :func:`save_checkpoint` ``(kind="sharded")`` writes, and loads with :func:`load_checkpoint`.
+
+    Args:
+        path: the checkpoint directory to write.
+        model: a model returned by :func:`~fsdp_bridge.shard`.
+        optimizer: its optimizer, saved too when given.
+        state: a JSON-serialisable dict, captured at the call.
+        keep_last: after publishing, keep only the K newest checkpoints beside ``path``.
+
+    Returns:
+        An :class:`AsyncCheckpoint`; ``.wait()`` returns the published path or raises.
+
+    Raises:
+        CheckpointError: on every rank, from ``.wait()``, when the save failed on any rank.
     """
     path = _check_save_args(path, keep_last, state)
     # The state as of this call, like the weights: a loop that keeps updating its dict must not

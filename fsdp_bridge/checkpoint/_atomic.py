@@ -147,7 +147,15 @@ def list_checkpoints(root: str | os.PathLike[str]) -> list[tuple[int, Path]]:
 
 
 def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
-    """The complete checkpoint under ``root`` with the highest step (``None`` if there is none)."""
+    """The complete checkpoint under ``root`` with the highest step (``None`` if there is none).
+
+    Args:
+        root: the directory holding checkpoint directories (e.g. a run's ``output_dir``).
+
+    Returns:
+        The path of the newest complete checkpoint, or None. A ``.NAME.old`` left by a kill
+        during an overwrite counts; a sibling with a damaged description is skipped with a warning.
+    """
     ckpts = list_checkpoints(root)
     return ckpts[-1][1] if ckpts else None
 
@@ -157,6 +165,16 @@ def rotate_checkpoints(root: str | os.PathLike[str], keep: int) -> list[Path]:
 
     Call it on one rank (``save_checkpoint(..., keep_last=K)`` does, on rank 0).  Only
     directories holding ``fsdp_bridge.json`` are ever deleted.
+
+    Args:
+        root: the directory holding checkpoint directories.
+        keep: how many of the newest to keep (at least 1).
+
+    Returns:
+        The paths deleted.
+
+    Raises:
+        ValueError: ``keep`` is not an integer >= 1.
     """
     if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
         raise ValueError(f"keep must be an integer >= 1 (got {keep!r}); use keep=1 to keep only the newest")
