@@ -115,3 +115,41 @@ def test_damaged_checkpoints_are_refused_and_nothing_is_loaded(tmp_path: Path) -
             assert r[f"{label}_untouched"] == "True", f"{label}: the model changed although the load was refused"
         assert r["b_loads"] == "True"
         assert "dcp/.metadata" in r["description"]
+
+
+def _flip_and_load(root: str) -> dict[str, str]:
+    """Tensor files above 1 MiB: one flipped byte in a shard (sharded save, 2 ranks) or in the
+    safetensors file (full save) is refused on every rank, with the model untouched."""
+    base = Path(root)
+    model = fsdp_bridge.shard(torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 8)),
+                              fsdp_bridge.BridgeConfig(backend="fsdp2"))
+    fsdp_bridge.save_checkpoint(base / "sharded", model)
+    fsdp_bridge.save_checkpoint(base / "full", model, kind="full")
+    meta = json.loads((base / "sharded" / "fsdp_bridge.json").read_text())
+    dist.barrier()
+    if dist.get_rank() == 0:
+        for target in (base / "sharded" / "dcp" / "__1_0.distcp", base / "full" / "model.safetensors"):
+            data = bytearray(target.read_bytes())
+            data[len(data) // 2] ^= 0x01
+            target.write_bytes(bytes(data))
+    dist.barrier()
+    before = _full(model)
+    out = {"recorded": ",".join(sorted(meta.get("checksums", {})))}
+    for name in ("sharded", "full"):
+        try:
+            fsdp_bridge.load_checkpoint(base / name, model)
+            out[name] = "loaded"
+        except CheckpointError as err:
+            out[name] = str(err)
+    after = _full(model)
+    out["untouched"] = str(all(torch.equal(before[k], after[k]) for k in before))
+    return out
+
+
+def test_a_flipped_byte_in_a_large_tensor_file_is_refused_on_every_rank(tmp_path: Path) -> None:
+    for rank, out in enumerate(run_distributed(_flip_and_load, 2, args=(str(tmp_path),))):
+        # each rank's shard file is checksummed (by the rank that wrote it)
+        assert out["recorded"] == "dcp/__0_0.distcp,dcp/__1_0.distcp", out["recorded"]
+        for name, damaged in (("sharded", "dcp/__1_0.distcp"), ("full", "model.safetensors")):
+            assert damaged in out[name] and "CRC-32 differs" in out[name], (rank, name, out[name])
+        assert out["untouched"] == "True", rank

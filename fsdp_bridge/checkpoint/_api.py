@@ -48,6 +48,7 @@ from fsdp_bridge.checkpoint._formats import (
     CheckpointError,
     Detected,
     Kind,
+    checksums,
     compare_keys,
     dcp_tensor_shapes,
     detect,
@@ -199,8 +200,12 @@ def _describe_and_publish(
     tied: list[list[str]],
     has_optimizer: bool,
     keep_last: int | None,
+    known_checksums: dict[str, int] | None = None,
 ) -> None:
-    """Rank 0, once every rank's files are in ``staging``: state, config, description, publish, rotate."""
+    """Rank 0, once every rank's files are in ``staging``: state, config, description, publish, rotate.
+
+    ``known_checksums``: CRC-32s the writing ranks already computed (each of its own files, in
+    parallel); rank 0 computes the rest."""
     bridge = _bridge(model)
     write_state(staging, state)
     has_config = _hf.write_hf_config(staging, model)
@@ -222,11 +227,30 @@ def _describe_and_publish(
         "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "files": manifest(staging),
         "digests": digests(staging),
+        "checksums": _all_checksums(staging, known_checksums or {}),
     }
     write_json_durably(staging / META_FILE, meta)
     publish(staging, path)
     if keep_last is not None:
         rotate_checkpoints(path.parent, keep_last)
+
+
+def _all_checksums(staging: Path, known: dict[str, int]) -> dict[str, int]:
+    rest = [f for f in staging.rglob("*") if str(f.relative_to(staging)) not in known]
+    return dict(sorted({**checksums(staging, rest), **known}.items()))
+
+
+def _own_checksums(staging: Path, rank: int) -> dict[str, int]:
+    """CRC-32 of the DCP files this rank wrote (``__<rank>_<i>.distcp``), read back from the page cache."""
+    return checksums(staging, (staging / DCP_DIR).glob(f"__{rank}_*.distcp"))
+
+
+def _gather_checksums(mine: dict[str, int]) -> dict[str, int]:
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return mine
+    gathered: list[dict[str, int] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    return {k: v for part in gathered for k, v in (part or {}).items()}
 
 
 def _fresh_staging(path: Path, rank: int) -> Path:
@@ -313,9 +337,12 @@ def save_checkpoint(
         to_save: dict[str, Any] = {"model": msd}
         if optimizer is not None:
             to_save["optim"] = get_optimizer_state_dict(model, optimizer)
+        def write_sharded() -> dict[str, int]:
+            dcp.save(to_save, storage_writer=dcp.FileSystemWriter(str(staging / DCP_DIR)))
+            return _own_checksums(staging, rank)  # each rank its own files, in parallel
+
         # dcp.save is collective: a write that fails on one rank is reported to every rank.
-        _on_every_rank(path, "writing the sharded state (DCP)",
-                       lambda: dcp.save(to_save, storage_writer=dcp.FileSystemWriter(str(staging / DCP_DIR))))
+        known = _gather_checksums(_on_every_rank(path, "writing the sharded state (DCP)", write_sharded))
         shapes = _shapes(msd)
     else:
         msd = get_model_state_dict(model, options=full_state_options(model))
@@ -331,6 +358,7 @@ def save_checkpoint(
 
         _on_every_rank(path, "writing the full state (rank 0)", write_full)
         del msd, osd
+        known = {}
     _on_every_rank(path, "writing the RNG state", lambda: write_rng(staging, rank))  # + the barrier
 
     error = None
@@ -338,7 +366,7 @@ def save_checkpoint(
         try:
             _describe_and_publish(
                 staging, path, model, kind=kind, state=state, world=world, shapes=shapes, tied=tied,
-                has_optimizer=has_optimizer, keep_last=keep_last,
+                has_optimizer=has_optimizer, keep_last=keep_last, known_checksums=known,
             )
         except Exception as err:  # tell the other ranks instead of leaving them in a barrier
             error = f"{type(err).__name__}: {err}"
@@ -593,7 +621,10 @@ def load_checkpoint(
     """
     detected = detect(path)
     if detected.kind in (Kind.SHARDED, Kind.FULL):
-        verify_manifest(detected)
+        # Each rank reads the contents of its share of the files; a damaged one refuses the load everywhere.
+        part = _rank_world()
+        _on_every_rank(detected.path, "verifying the checkpoint's files",
+                       lambda: verify_manifest(detected, part=part))
     if optimizer is not None and detected.kind in (Kind.SHARDED, Kind.FULL) and not detected.meta.get("has_optimizer"):
         raise CheckpointError(detected.path, "holds no optimizer state (it was saved without an optimizer); "
                                              "call load_checkpoint(path, model) without the optimizer")

@@ -42,7 +42,9 @@ from fsdp_bridge.checkpoint._formats import (
     CheckpointError,
     Detected,
     Kind,
+    checksums,
     detect,
+    digests,
     load_dcp_metadata,
     manifest,
     read_dcp,
@@ -285,6 +287,8 @@ def _write_staging(detected: Detected, full: FullCheckpoint, src: str | os.PathL
         "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "converted_from": {"path": str(Path(src)), "kind": detected.kind.value},
         "files": manifest(staging),
+        "digests": digests(staging),
+        "checksums": checksums(staging),
     }
     write_json_durably(staging / META_FILE, meta)
 

@@ -8,6 +8,7 @@ reader's own check of its content.
 from __future__ import annotations
 
 import hashlib
+import zlib
 import json
 import os
 from pathlib import Path
@@ -16,7 +17,8 @@ __all__ = ["redescribe", "zero_file"]
 
 
 def redescribe(checkpoint: str | os.PathLike[str]) -> None:
-    """Record the current size and SHA-256 of every file the description lists."""
+    """Record the current size, SHA-256 and CRC-32 of every file the description lists (what an
+    attacker who rewrites the description would do)."""
     root = Path(checkpoint)
     meta = json.loads((root / "fsdp_bridge.json").read_text())
     for rel in meta.get("files", {}):
@@ -24,6 +26,8 @@ def redescribe(checkpoint: str | os.PathLike[str]) -> None:
         meta["files"][rel] = len(data)
         if rel in meta.get("digests", {}):
             meta["digests"][rel] = hashlib.sha256(data).hexdigest()
+        if rel in meta.get("checksums", {}):
+            meta["checksums"][rel] = zlib.crc32(data)
     (root / "fsdp_bridge.json").write_text(json.dumps(meta, indent=2))
 
 
