@@ -18,11 +18,12 @@ import importlib.util
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
-
-from torch import nn
+from typing import TYPE_CHECKING, Any
 
 from fsdp_bridge.errors import ConfigError, Problem
+
+if TYPE_CHECKING:  # torch is imported by the functions that need it: the config parser stays light
+    from torch import nn
 
 __all__ = ["PEFT_INSTALL", "PeftConfig", "apply_lora", "is_4bit", "peft_problems", "quantization_problems"]
 
@@ -55,7 +56,8 @@ class PeftConfig:
         if self.target_modules is not None:
             targets = ALL_LINEAR if self.target_modules == (ALL_LINEAR,) else list(self.target_modules)
         alpha: float | int = int(self.alpha) if float(self.alpha).is_integer() else self.alpha
-        return LoraConfig(task_type="CAUSAL_LM", r=self.r, lora_alpha=alpha, lora_dropout=self.dropout,
+        # peft annotates lora_alpha as int but only divides by it: a fractional alpha works and round-trips.
+        return LoraConfig(task_type="CAUSAL_LM", r=self.r, lora_alpha=alpha, lora_dropout=self.dropout,  # type: ignore[arg-type]
                           target_modules=targets, modules_to_save=list(self.modules_to_save) or None)
 
 
@@ -74,7 +76,8 @@ def peft_problems(section: PeftConfig, key: str = "peft") -> list[Problem]:
         p.append(Problem(f"{key}.alpha", section.alpha, "a finite number > 0", "e.g. alpha: 16 (often 2 * r)"))
     if not 0 <= section.dropout < 1:
         p.append(Problem(f"{key}.dropout", section.dropout, "a number in [0, 1)", "e.g. dropout: 0.05"))
-    for name, values in (("target_modules", section.target_modules or ()), ("modules_to_save", section.modules_to_save)):
+    lists = (("target_modules", section.target_modules or ()), ("modules_to_save", section.modules_to_save))
+    for name, values in lists:
         if any(not v.strip() for v in values):
             p.append(Problem(f"{key}.{name}", list(values), "a list of module names (non-empty strings)",
                              "e.g. [q_proj, v_proj]"))
@@ -94,6 +97,7 @@ def apply_lora(model: nn.Module, section: PeftConfig, *, key: str = "peft") -> n
     if not peft_available():
         raise ConfigError([Problem(key, "(section given)", "the peft package installed", PEFT_INSTALL)])
     from peft import get_peft_model
+    from torch import nn
 
     try:
         return get_peft_model(model, section.lora_config())  # type: ignore[arg-type, no-any-return]
@@ -140,7 +144,7 @@ def quantization_problems(obj: Any, device_type: str, key: str = "model") -> lis
     """
     if device_type == "cuda":
         return []
-    modules = list(obj.modules()) if isinstance(obj, nn.Module) else [obj]
+    modules = list(obj.modules()) if callable(getattr(obj, "modules", None)) else [obj]
     if not any(is_4bit(m) for m in modules):
         return []
     return [Problem(key, "4-bit quantized (bitsandbytes load_in_4bit)", f"a model that runs on {device_type}",
