@@ -15,7 +15,7 @@ import torch
 
 from fsdp_bridge import ConfigError
 from fsdp_bridge._lora import is_4bit, quantization_problems
-from fsdp_bridge.train import load_train_config
+from fsdp_bridge.train import load_train_config, preflight
 
 peft = pytest.importorskip("peft")
 
@@ -84,6 +84,19 @@ def test_peft_section_errors_name_the_value_what_is_allowed_and_the_fix() -> Non
     assert load_train_config(EXAMPLE, ["peft="]).peft is None  # null: a full fine-tune
     config = load_train_config(EXAMPLE, ["peft.target_modules=all-linear"])
     assert config.peft is not None and config.peft.lora_config().target_modules == "all-linear"
+
+
+def test_preflight_names_target_modules_that_match_nothing_and_4bit_bases_on_cpu(tmp_path: Path) -> None:
+    config = load_train_config(EXAMPLE, [f"output_dir={tmp_path}", "peft.target_modules=[qproj]"])
+    with pytest.raises(ConfigError, match=r"peft.target_modules: got \['qproj'\]; allowed: names of modules in "
+                       r"LlamaForCausalLM: down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj"):
+        preflight(config, world_size=2, device_type="cpu")
+    # bridge.device: auto is resolved by the launcher: on a CPU-only machine the 4-bit base is refused there.
+    config = load_train_config(EXAMPLE, [f"output_dir={tmp_path}", "bridge.device=auto",
+                                         "model.config.quantization_config={load_in_4bit: true}"])
+    with pytest.raises(ConfigError, match=r"model.config: .*bitsandbytes 4-bit weights \(QLoRA\) need CUDA"):
+        preflight(config, world_size=2, device_type="cpu")
+    assert preflight(load_train_config(EXAMPLE, [f"output_dir={tmp_path}"]), world_size=2, device_type="cpu")
 
 
 def test_peft_not_installed_names_the_install_command(monkeypatch: pytest.MonkeyPatch) -> None:
