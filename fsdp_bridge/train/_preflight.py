@@ -152,7 +152,7 @@ def _model_problems(config: TrainConfig, device_type: str | None = None) -> tupl
         try:
             model = apply_lora(model, config.peft)  # target_modules that match nothing are named here
         except ConfigError as err:
-            return err.problems, notes
+            return list(err.problems), notes
     seq_len = config.data.seq_len
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Embedding) and ("position" in name or name.endswith("wpe")):
