@@ -47,6 +47,7 @@ __all__ = [
     "default_config_path",
     "field_reference",
     "load_train_config",
+    "parse_peft_section",
 ]
 
 logger = logging.getLogger("fsdp_bridge.train")
@@ -408,6 +409,19 @@ def _parse_fields(cls: type, data: Mapping[str, Any], prefix: str, problems: lis
         else:
             problems.append(Problem(dotted, value, _describe(hints[key])))
     return kwargs
+
+
+def parse_peft_section(value: Any, key: str = "peft") -> tuple[PeftConfig | None, list[Problem]]:
+    """A ``peft:`` section (null: none) parsed and checked as in the training config, for other jobs' YAML."""
+    if value is None:
+        return None, []
+    if not isinstance(value, Mapping):
+        return None, [Problem(key, value, f"a mapping of {', '.join(_field_names(PeftConfig))}, or null")]
+    problems: list[Problem] = []
+    kwargs = _parse_fields(PeftConfig, value, f"{key}.", problems)
+    section = PeftConfig(**kwargs)  # the keys that parsed; their values are checked too, all reported together
+    problems += peft_problems(section, key)
+    return (None if problems else section), problems
 
 
 def _field_names(cls: type) -> list[str]:
