@@ -29,7 +29,7 @@ def test_lora_example_trains_through_the_cli_and_its_adapter_loads_in_peft(tmp_p
         capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "LoRA r=8" in proc.stderr and "2 ranks on cpu" in proc.stderr, proc.stderr[-2000:]
+    assert "LlamaForCausalLM (0.14M parameters) + LoRA r=8 (7,168 trainable)" in proc.stderr and "2 ranks on cpu" in proc.stderr, proc.stderr[-2000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in records]
     assert len(losses) == 10 and all(math.isfinite(x) for x in losses), losses

@@ -298,10 +298,11 @@ def train(config: TrainConfig, *, verbosity: Verbosity = "normal") -> TrainResul
     model = build_model(config, tokenizer, device_type=device.type)
     n_params = sum(p.numel() for p in model.parameters())
     model_name = type(model).__name__
+    lora_note = ""
     if config.peft is not None:
         model = apply_lora(model, config.peft)
         n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        model_name += f" + LoRA r={config.peft.r} ({n_trainable / 1e6:.3f}M trainable)"
+        lora_note = f" + LoRA r={config.peft.r} ({n_trainable:,} trainable)"
     maybe_fail("shard")
     sharded = shard(model, config.bridge)
     optimizer = build_optimizer(sharded, config)
@@ -320,7 +321,7 @@ def train(config: TrainConfig, *, verbosity: Verbosity = "normal") -> TrainResul
                         initial=step, resumed=resume_from is not None)
     bridge = get_bridge(sharded)
     progress.header(
-        f"fsdp-bridge train: {model_name} ({n_params / 1e6:.2f}M parameters), "
+        f"fsdp-bridge train: {model_name} ({n_params / 1e6:.2f}M parameters){lora_note}, "
         f"{config.bridge.strategy.value} on {config.bridge.backend.value}, {world} rank{'s' * (world > 1)} "
         f"on {device.type}, {global_tokens_per_step} tokens/step, {len(data.train)} train / "
         f"{len(data.held_out)} held-out sequences of {config.data.seq_len}",
