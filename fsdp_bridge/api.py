@@ -16,6 +16,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp_bridge import hf
+from fsdp_bridge._lora import quantization_problems
 from fsdp_bridge._optimizer_check import record_replaced
 from fsdp_bridge.backends import BackendImpl, ShardPlan, get_backend, sharded_by
 from fsdp_bridge.config import BridgeConfig
@@ -253,6 +254,7 @@ def _validate(
 ) -> tuple[MeshPlan, list[nn.Module], WrapPlan, bool, TranslationReport]:
     """Every check that needs no communication; raises ConfigError listing all problems."""
     problems = unsupported_problems(config, config.backend, device_type=device.type)
+    problems += quantization_problems(model, device.type)  # QLoRA bases: bitsandbytes 4-bit is CUDA-only
     mesh_plan = None
     try:
         mesh_plan = plan_user_mesh(config, mesh) if mesh is not None else plan_mesh(config, dist.get_world_size())

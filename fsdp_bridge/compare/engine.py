@@ -200,7 +200,8 @@ def _train_one(
         else:
             model = shard(model, spec.config)
             held = get_bridge(model).local_numel() * next(model.parameters()).element_size()
-        optimizer = optimizer_fn(model.parameters(), spec.lr)
+        # Frozen parameters (a LoRA base) hold no optimizer state, as in a real fine-tune.
+        optimizer = optimizer_fn([p for p in model.parameters() if p.requires_grad], spec.lr)
         setup_s = _now(device) - t0
 
         steps: list[StepRecord] = []
@@ -251,6 +252,8 @@ def _train_one(
 def _average_gradients(model: nn.Module, world: int) -> None:
     """The reference's data parallelism: every gradient all-reduced and averaged."""
     for p in model.parameters():
+        if not p.requires_grad:
+            continue  # frozen (a LoRA base): no gradient on any rank
         if p.grad is None:
             p.grad = torch.zeros_like(p)
         dist.all_reduce(p.grad)

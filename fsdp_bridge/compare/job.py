@@ -17,6 +17,7 @@
       nproc_per_node: 2
       overrides: {fsdp2: {lr: 2.0e-3}}   # per-run changes (lr, or bridge fields)
     bridge: {mixed_precision: fp32}
+    peft: {r: 8, alpha: 16, target_modules: [q_proj, v_proj]}   # optional: LoRA on the frozen model
 
 The keys model/data/optim/micro_batch_size/max_steps/seed/bridge have the names of the
 training YAML (``fsdp-bridge train``); ``compare:`` holds what only a comparison needs.
@@ -39,6 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fsdp_bridge._lora import PeftConfig, apply_lora
 from fsdp_bridge._tiny_models import FAMILIES, build_tiny, sample_batch
 from fsdp_bridge.compare.engine import REFERENCE, RunSpec
 from fsdp_bridge.config import BridgeConfig, _unknown_key, read_yaml_file
@@ -93,6 +95,8 @@ class CompareJob:
     """Per-run changes keyed by backend or ``reference`` (``compare.overrides``): ``lr`` or bridge fields."""
     bridge: dict[str, Any] = field(default_factory=dict)
     """The bridge section (BridgeConfig fields); ``backend`` and ``strategy`` are set per run."""
+    peft: PeftConfig | None = None
+    """LoRA adapters on the frozen model in every run (``peft:``, the training YAML's section); null: none."""
 
     # -- building the runs ------------------------------------------------------------
 
@@ -128,7 +132,14 @@ class CompareJob:
         return str(self.bridge.get("device", "auto"))
 
     def build_model(self) -> nn.Module:
-        """The model of every run (the same seed gives the same weights)."""
+        """The model of every run (the same seed gives the same weights), with the LoRA adapters of ``peft``."""
+        model = self._build_base()
+        if self.peft is not None:
+            torch.manual_seed(self.seed)
+            model = apply_lora(model, self.peft)
+        return model
+
+    def _build_base(self) -> nn.Module:
         if self.builder is not None:
             torch.manual_seed(self.seed)
             model = _import(self.builder, "model.builder")()
@@ -148,6 +159,9 @@ class CompareJob:
                 _import(spec, key)
         if self.builder is None and (self.model_path is not None or self.family not in FAMILIES):
             _head_class(_hf_config(self.model_path, self.family, self.model_config))
+        if self.peft is not None and self.builder is None and self.model_path is None:
+            with torch.device("meta"):  # target_modules that match nothing are named here, with no memory used
+                apply_lora(self._build_base(), self.peft)
 
     def batches(self, rank: int) -> list[dict[str, torch.Tensor]]:
         """Rank ``rank``'s batches, one per step (the same in every run)."""
@@ -169,6 +183,8 @@ class CompareJob:
         out = dataclasses.asdict(self)
         out["strategies"] = [s.value for s in self.strategies]
         out["backends"] = [b.value for b in self.backends]
+        if self.peft is not None:
+            out["peft"] = {k: list(v) if isinstance(v, tuple) else v for k, v in out["peft"].items()}
         return out
 
     # -- parsing ----------------------------------------------------------------------
@@ -180,7 +196,7 @@ class CompareJob:
         if not isinstance(data, Mapping):
             raise ConfigError([Problem("job", data, "a mapping with model, data, optim, compare, bridge ...")],
                               source=source)
-        top = ["model", "data", "optim", "micro_batch_size", "max_steps", "seed", "compare", "bridge"]
+        top = ["model", "data", "optim", "micro_batch_size", "max_steps", "seed", "compare", "bridge", "peft"]
         problems += [_unknown_key(str(k), v, top) for k, v in data.items() if k not in top]
         kw: dict[str, Any] = {}
 
@@ -262,6 +278,10 @@ class CompareJob:
             problems.append(Problem("bridge", bridge, "a mapping of BridgeConfig fields"))
             bridge = {}
         kw["bridge"] = dict(bridge)
+        from fsdp_bridge.train._config import parse_peft_section  # one schema for the section, as in train
+
+        kw["peft"], peft_problems = parse_peft_section(data.get("peft"))
+        problems += peft_problems
         if problems:
             raise ConfigError(problems, source=source)
         job = cls(**kw)

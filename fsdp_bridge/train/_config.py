@@ -31,6 +31,7 @@ from typing import Any, Literal
 
 import yaml
 
+from fsdp_bridge._lora import PeftConfig, peft_problems, quantization_problems
 from fsdp_bridge.config import BridgeConfig, _unknown_key, read_yaml_file
 from fsdp_bridge.errors import ConfigError, Problem
 
@@ -39,12 +40,14 @@ __all__ = [
     "DataConfig",
     "ModelConfig",
     "OptimConfig",
+    "PeftConfig",
     "ScheduleConfig",
     "TrainConfig",
     "apply_overrides",
     "default_config_path",
     "field_reference",
     "load_train_config",
+    "parse_peft_section",
 ]
 
 logger = logging.getLogger("fsdp_bridge.train")
@@ -173,6 +176,9 @@ class TrainConfig:
     """Steps between evaluations on the held-out data (and one after the last step); null: only at the end."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Checkpointing."""
+    peft: PeftConfig | None = None
+    """LoRA: train adapters on the frozen model (``peft.get_peft_model`` before sharding); the adapter directory
+    is written to ``output_dir/adapter``. null: train every weight."""
     seed: int = 0
     """Seed of the model's initialisation, the data order and every rank's RNG."""
     output_dir: str = "runs/fsdp-bridge"
@@ -316,6 +322,10 @@ def _value_problems(c: TrainConfig) -> list[Problem]:
     if not 0 < c.timeout_s <= MAX_TIMEOUT_S:
         p.append(Problem("timeout_s", c.timeout_s, f"a number of seconds in (0, {MAX_TIMEOUT_S}]",
                          "e.g. timeout_s: 600 (a rank silent for longer than this ends the run)"))
+    if c.peft is not None:
+        p.extend(peft_problems(c.peft, "peft"))
+    if m.config is not None and c.bridge.device == "cpu":
+        p.extend(quantization_problems(m.config, "cpu", "model.config.quantization_config"))
     if c.schedule.warmup_steps > c.max_steps:
         logger.warning("schedule.warmup_steps (%d) > max_steps (%d): the learning rate never reaches optim.lr",
                        c.schedule.warmup_steps, c.max_steps)
@@ -326,7 +336,18 @@ def _value_problems(c: TrainConfig) -> list[Problem]:
 # Parsing a mapping into the dataclasses, with type checks
 # ----------------------------------------------------------------------------------
 
-_SECTIONS: tuple[type, ...] = (ModelConfig, DataConfig, OptimConfig, ScheduleConfig, CheckpointConfig)
+_SECTIONS: tuple[type, ...] = (ModelConfig, DataConfig, OptimConfig, ScheduleConfig, CheckpointConfig, PeftConfig)
+
+
+def _section_type(tp: Any) -> tuple[type | None, bool]:
+    """(the section dataclass of a field type, whether null is allowed) or (None, False)."""
+    if tp in _SECTIONS:
+        return tp, False
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        arms = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(arms) == 1 and arms[0] in _SECTIONS:
+            return arms[0], True
+    return None, False
 
 
 _ELSEWHERE = {
@@ -341,6 +362,11 @@ _ELSEWHERE = {
     "seq_len": "data.seq_len",
     "gradient_accumulation_steps": "grad_accum",
     "num_steps": "max_steps",
+    "lora": "peft",
+    "peft.rank": "peft.r",
+    "peft.lora_r": "peft.r",
+    "peft.lora_alpha": "peft.alpha",
+    "peft.lora_dropout": "peft.dropout",
 }
 """Keys people write from other trainers' configs, and where this config keeps them."""
 
@@ -364,8 +390,11 @@ def _parse_fields(cls: type, data: Mapping[str, Any], prefix: str, problems: lis
             continue
         if key == "bridge":
             continue
-        tp = hints[key]
-        if tp in _SECTIONS:
+        tp, optional = _section_type(hints[key])
+        if tp is not None:
+            if value is None and optional:
+                kwargs[key] = None
+                continue
             if value is None:
                 value = {}
             if not isinstance(value, Mapping):
@@ -374,12 +403,25 @@ def _parse_fields(cls: type, data: Mapping[str, Any], prefix: str, problems: lis
             sub = _parse_fields(tp, value, f"{dotted}.", problems)
             kwargs[key] = tp(**sub)
             continue
-        ok, parsed = _coerce(value, tp)
+        ok, parsed = _coerce(value, hints[key])
         if ok:
             kwargs[key] = parsed
         else:
-            problems.append(Problem(dotted, value, _describe(tp)))
+            problems.append(Problem(dotted, value, _describe(hints[key])))
     return kwargs
+
+
+def parse_peft_section(value: Any, key: str = "peft") -> tuple[PeftConfig | None, list[Problem]]:
+    """A ``peft:`` section (null: none) parsed and checked as in the training config, for other jobs' YAML."""
+    if value is None:
+        return None, []
+    if not isinstance(value, Mapping):
+        return None, [Problem(key, value, f"a mapping of {', '.join(_field_names(PeftConfig))}, or null")]
+    problems: list[Problem] = []
+    kwargs = _parse_fields(PeftConfig, value, f"{key}.", problems)
+    section = PeftConfig(**kwargs)  # the keys that parsed; their values are checked too, all reported together
+    problems += peft_problems(section, key)
+    return (None if problems else section), problems
 
 
 def _field_names(cls: type) -> list[str]:
@@ -601,9 +643,11 @@ def field_reference() -> list[FieldDoc]:
         for f in dataclasses.fields(cls):
             key = f"{prefix}{f.name}"
             tp = hints[f.name]
-            if tp in _SECTIONS:
-                rows.append(FieldDoc(key, "section", "", docs.get(f.name, "")))
-                walk(tp, f"{key}.")
+            section, optional = _section_type(tp)
+            if section is not None:
+                rows.append(FieldDoc(key, "section or null" if optional else "section",
+                                     "null" if optional else "", docs.get(f.name, "")))
+                walk(section, f"{key}.")
             elif tp is BridgeConfig:
                 rows.append(FieldDoc(key, "section", "", docs.get(f.name, "")))
                 walk_bridge(f"{key}.")

@@ -30,6 +30,7 @@ from torch import nn
 
 from fsdp_bridge import checkpoint as ckpt
 from fsdp_bridge._faults import maybe_fail
+from fsdp_bridge._lora import apply_lora, quantization_problems
 from fsdp_bridge.api import clip_grad_norm_, get_bridge, no_sync, shard
 from fsdp_bridge.config import parse_dtype
 from fsdp_bridge.distributed import init_distributed
@@ -102,14 +103,25 @@ def lr_at(config: TrainConfig, step: int) -> float:
 # ----------------------------------------------------------------------------------
 
 
-def build_model(config: TrainConfig, tokenizer: Any) -> nn.Module:
-    """The (unsharded) model, identical on every rank: from ``model.path`` or ``model.config``."""
+def build_model(config: TrainConfig, tokenizer: Any, *, device_type: str | None = None) -> nn.Module:
+    """The (unsharded) model, identical on every rank: from ``model.path`` or ``model.config``.
+
+    With ``device_type``, a 4-bit quantized base on a device bitsandbytes cannot use is refused
+    (ConfigError) before its weights are loaded.  The ``peft:`` section is applied by the caller.
+    """
     from transformers import AutoConfig, AutoModelForCausalLM
 
     m = config.model
     dtype = parse_dtype(m.dtype)
     torch.manual_seed(config.seed)
     if m.path is not None:
+        if device_type is not None:
+            try:
+                problems = quantization_problems(AutoConfig.from_pretrained(m.path), device_type, "model.path")
+            except (OSError, ValueError):
+                problems = []  # from_pretrained below names what is wrong with the directory
+            if problems:
+                raise ConfigError(problems)
         try:
             model = AutoModelForCausalLM.from_pretrained(m.path, attn_implementation=m.attn_implementation)
         except (OSError, ValueError) as err:
@@ -283,9 +295,14 @@ def train(config: TrainConfig, *, verbosity: Verbosity = "normal") -> TrainResul
     docs = read_documents(config.data)
     tokenizer = load_tokenizer(config, docs, out)
     data = PackedData.build(docs, tokenizer, config.data, seed=config.seed, rank=rank, world_size=world)
-    model = build_model(config, tokenizer)
+    model = build_model(config, tokenizer, device_type=device.type)
     n_params = sum(p.numel() for p in model.parameters())
     model_name = type(model).__name__
+    lora_note = ""
+    if config.peft is not None:
+        model = apply_lora(model, config.peft)
+        n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        lora_note = f" + LoRA r={config.peft.r} ({n_trainable:,} trainable)"
     maybe_fail("shard")
     sharded = shard(model, config.bridge)
     optimizer = build_optimizer(sharded, config)
@@ -304,7 +321,7 @@ def train(config: TrainConfig, *, verbosity: Verbosity = "normal") -> TrainResul
                         initial=step, resumed=resume_from is not None)
     bridge = get_bridge(sharded)
     progress.header(
-        f"fsdp-bridge train: {model_name} ({n_params / 1e6:.2f}M parameters), "
+        f"fsdp-bridge train: {model_name} ({n_params / 1e6:.2f}M parameters){lora_note}, "
         f"{config.bridge.strategy.value} on {config.bridge.backend.value}, {world} rank{'s' * (world > 1)} "
         f"on {device.type}, {global_tokens_per_step} tokens/step, {len(data.train)} train / "
         f"{len(data.held_out)} held-out sequences of {config.data.seq_len}",
@@ -381,7 +398,9 @@ def train(config: TrainConfig, *, verbosity: Verbosity = "normal") -> TrainResul
         dist.barrier()
         raise RunStopped(stopped_by, step, last_ckpt)
 
-    if config.checkpoint.export_hf:
+    if config.peft is not None:
+        export_peft(sharded, tokenizer, out, merged=config.checkpoint.export_hf)
+    elif config.checkpoint.export_hf:
         export_hf(sharded, model, tokenizer, out)
     result = TrainResult(
         steps=step, tokens=tokens, wall_time_s=time.perf_counter() - start, final_loss=final_loss,
@@ -391,8 +410,23 @@ def train(config: TrainConfig, *, verbosity: Verbosity = "normal") -> TrainResul
     if rank == 0:
         (out / STOPPED).unlink(missing_ok=True)  # an earlier stop of this run is resumed and done
         (out / SUMMARY).write_text(json.dumps(asdict(result), indent=1))
-        progress.summary(result, exported=config.checkpoint.export_hf)
+        progress.summary(result, exported=config.checkpoint.export_hf, lora=config.peft is not None)
     return result
+
+
+ADAPTER = "adapter"
+MERGED = "merged"
+
+
+def export_peft(sharded: nn.Module, tokenizer: Any, out: Path, *, merged: bool) -> None:
+    """A LoRA run's exports: ``out/adapter`` (``PeftModel.from_pretrained(base, out/adapter)``) and, with
+    ``merged``, ``out/merged`` (the base with the adapters merged, a plain Hugging Face directory)."""
+    targets = [(out / ADAPTER, "adapter")] + ([(out / MERGED, "merged")] if merged else [])
+    for path, kind in targets:
+        ckpt.save_checkpoint(path, sharded, kind=kind)  # type: ignore[arg-type]
+        if dist.get_rank() == 0:
+            tokenizer.save_pretrained(path)
+    dist.barrier()
 
 
 def export_hf(sharded: nn.Module, model: nn.Module, tokenizer: Any, out: Path) -> None:

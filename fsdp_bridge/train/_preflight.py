@@ -7,6 +7,7 @@ import json
 import logging
 from pathlib import Path
 
+from fsdp_bridge._lora import apply_lora, quantization_problems
 from fsdp_bridge._paths import unwritable_reason
 from fsdp_bridge.distributed import plan_mesh
 from fsdp_bridge.errors import ConfigError, Problem
@@ -46,7 +47,7 @@ def preflight(config: TrainConfig, *, world_size: int | None = None, local_world
         problems.append(Problem("resume", config.resume, "false, auto, or an existing checkpoint directory",
                                 "pass --resume (auto) to continue from the latest checkpoint in output_dir"))
     if not problems:
-        model_problems, model_notes = _model_problems(config)
+        model_problems, model_notes = _model_problems(config, device_type)
         problems.extend(model_problems)
     else:
         model_notes = []
@@ -102,7 +103,7 @@ def _jsonl_problems(config: TrainConfig) -> list[Problem]:
     return []
 
 
-def _model_problems(config: TrainConfig) -> tuple[list[Problem], list[str]]:
+def _model_problems(config: TrainConfig, device_type: str | None = None) -> tuple[list[Problem], list[str]]:
     """Build the model on the meta device and run one forward of a micro-batch there.
 
     Catches what would otherwise fail on every rank after launch: an unknown
@@ -137,12 +138,21 @@ def _model_problems(config: TrainConfig) -> tuple[list[Problem], list[str]]:
         except Exception as err:
             return [Problem(key, m.path, "a Hugging Face model directory (config.json)", _first_line(err))], notes
     hf_config._attn_implementation = m.attn_implementation
+    if device_type is not None:
+        quantized = quantization_problems(hf_config, device_type, key)
+        if quantized:
+            return quantized, notes
     try:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(hf_config)
     except Exception as err:
         return [Problem(key, getattr(hf_config, "model_type", "?"), "a causal language model transformers "
                         "can build with these sizes", _first_line(err))], notes
+    if config.peft is not None:
+        try:
+            model = apply_lora(model, config.peft)  # target_modules that match nothing are named here
+        except ConfigError as err:
+            return list(err.problems), notes
     seq_len = config.data.seq_len
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Embedding) and ("position" in name or name.endswith("wpe")):

@@ -94,7 +94,7 @@ class Progress:
             self._file.close()
             self._file = None
 
-    def summary(self, result: TrainResult, *, exported: bool) -> None:
+    def summary(self, result: TrainResult, *, exported: bool, lora: bool = False) -> None:
         if not self.enabled:
             return
         best = f"{result.best_eval_loss:.4f}" if result.best_eval_loss is not None else "-"
@@ -106,6 +106,10 @@ class Progress:
             f"  checkpoint: {result.checkpoint or 'none written'}",
             f"  metrics: {self.metrics_path}",
         ]
-        if exported:
+        if lora:
+            lines.append(f"  adapter: {result.output_dir}/adapter (PeftModel.from_pretrained(base, path))")
+            if exported:
+                lines.append(f"  merged model: {result.output_dir}/merged (AutoModelForCausalLM.from_pretrained)")
+        elif exported:
             lines.append(f"  model: {result.output_dir} (AutoModelForCausalLM.from_pretrained)")
         print("\n".join(lines), flush=True)
