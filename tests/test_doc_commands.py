@@ -34,6 +34,7 @@ NOT_RUN: dict[str, str] = {
     "fsdp-bridge train examples/tiny_cpu.yaml max_steps=20 optim.lr=1e-3":
         "a 20-step training run; overrides are tested in test_train_config.py, training in test_train_run.py",
     "fsdp-bridge train examples/tiny_cpu.yaml --backend fsdp1": "a training run; test_train_run.py trains both backends",
+    "fsdp-bridge train examples/lora_tiny_llama.yaml": "a training run; tests/test_train_lora.py runs this example",
     "fsdp-bridge train examples/finetune_gpt2.yaml": "needs a Hugging Face GPT-2 directory (a download)",
     "fsdp-bridge train my.yaml --nproc-per-node 8": "8 GPUs; my.yaml is your config",
     "fsdp-bridge train my.yaml --resume": "my.yaml is your config; resume: test_train_run.py",

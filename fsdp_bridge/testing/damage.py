@@ -8,9 +8,9 @@ reader's own check of its content.
 from __future__ import annotations
 
 import hashlib
-import zlib
 import json
 import os
+import zlib
 from pathlib import Path
 
 __all__ = ["redescribe", "zero_file"]
