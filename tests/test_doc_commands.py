@@ -52,6 +52,23 @@ NOT_RUN: dict[str, str] = {
     "tests/test_config_properties.py tests/test_bad_inputs.py tests/test_checkpoint_description_fuzz.py":
         "part of this test suite",
     "python -m pytest -m slow": "the slow tests (minutes)",
+    "OMP_NUM_THREADS=1 python benchmarks/pretrained_memory.py --world-size 2 --hidden 768 --layers 6":
+        "a benchmark (minutes); load_pretrained itself: test_checkpoint.py",
+    "fsdp-bridge inspect ckpt/step_100": "ckpt/step_100 is your checkpoint; inspect: test_checkpoint_formats.py",
+    "fsdp-bridge inspect ckpt/step_100 --json": "ckpt/step_100 is your checkpoint; inspect: test_checkpoint_formats.py",
+    "fsdp-bridge convert ckpt/step_100 export --to hf": "your checkpoint; convert: test_checkpoint_formats.py",
+    "fsdp-bridge convert export ckpt/resharded --to sharded": "your checkpoint; convert: test_checkpoint_formats.py",
+    "fsdp-bridge convert ckpt/step_100 model.pt --to torch": "your checkpoint; convert: test_checkpoint_formats.py",
+    "fsdp-bridge convert fsdp1_dcp_dir export --to hf --hf-config path/to/config.json":
+        "placeholders (an FSDP1 DCP directory); test_checkpoint_formats.py::test_plain_fsdp1_checkpoints_load_and_convert",
+    "fsdp-bridge compare examples/compare/tiny_llama.yaml --steps 5 --strategies all --nproc-per-node 4 --reference "
+    "--out docs/compare-example": "regenerates docs/compare-example (minutes); the engine: test_compare.py",
+    "fsdp-bridge compare examples/compare/tiny_llama.yaml --strategies full_shard --steps 3 --override fsdp2.lr=2e-3 "
+    "--out /tmp/planted": "exits 1 by design (a planted difference); test_compare.py checks the verdict",
+    "echo $?": "prints the previous command's exit code",
+    "pytest examples/test_user_parity.py": "the user test example (both backends, about a minute); "
+                                           "test_testing_plugin.py runs it",
+    "pytest examples/test_user_parity.py --fsdp-backends fsdp2": "as above, one backend",
     "HYPOTHESIS_PROFILE=thorough python -m pytest tests/test_config_properties.py "
     "tests/test_checkpoint_description_fuzz.py": "the thorough property runs (minutes)",
 }
