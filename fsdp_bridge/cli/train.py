@@ -8,8 +8,8 @@ job: a tiny Llama-style model on the small English corpus shipped with the packa
 The config is checked completely before any process starts.  The ranks are started
 with PyTorch's elastic launcher (what torchrun runs); inside an existing launch
 (torchrun, or srun with one task per rank) this process is one rank.  Multi-node:
-run it once per node with --nnodes, --rdzv-endpoint and --rdzv-id (torchrun's
-rendezvous flags), e.g. from srun in an sbatch script (examples/hsdp_2x8.sbatch).
+run it once per node with --nnodes, --node-rank, --rdzv-endpoint and --rdzv-id
+(torchrun's rendezvous flags), e.g. from srun in an sbatch script (examples/hsdp_2x8.sbatch).
 """
 
 from __future__ import annotations
@@ -41,6 +41,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help="check the config (and the mesh for the world size) and print it; train nothing")
     multi = p.add_argument_group("multi-node (torchrun's rendezvous flags)")
     multi.add_argument("--nnodes", type=int, default=1, help="number of nodes (default 1)")
+    multi.add_argument("--node-rank", type=int, default=None, metavar="I",
+                       help="this node's index, 0 .. nnodes-1; node 0 hosts the rendezvous at --rdzv-endpoint "
+                            "(default: the first agent on the endpoint's host)")
     multi.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
                        help="where the nodes meet (the first node's address)")
     multi.add_argument("--rdzv-id", default=None, help="a job id shared by all nodes (default: $SLURM_JOB_ID)")
@@ -85,7 +88,7 @@ def _finished_step(config: object) -> int | None:
 
 def run(args: argparse.Namespace) -> int:
     from fsdp_bridge.train._config import load_train_config
-    from fsdp_bridge.train._launch import LaunchOptions, existing_launch, launch, run_rank
+    from fsdp_bridge.train._launch import LaunchOptions, existing_launch, launch, node_rank_problems, run_rank
     from fsdp_bridge.train._preflight import preflight
 
     path, overrides = _split_items(list(args.items))
@@ -98,6 +101,8 @@ def run(args: argparse.Namespace) -> int:
     launch_problems = [Problem(flag, value, "an integer >= 1")
                        for flag, value in (("--nproc-per-node", args.nproc_per_node), ("--nnodes", args.nnodes))
                        if value is not None and value < 1]
+    if not launch_problems:
+        launch_problems = node_rank_problems(args.node_rank, args.nnodes)
     if launch_problems:
         raise ConfigError(launch_problems)
     if inside:
@@ -120,7 +125,8 @@ def run(args: argparse.Namespace) -> int:
     config_dict = config.to_dict()
     if inside:
         return run_rank(config_dict, verbosity)
-    options = LaunchOptions(nproc_per_node=local, nnodes=args.nnodes, rdzv_endpoint=args.rdzv_endpoint,
+    options = LaunchOptions(nproc_per_node=local, nnodes=args.nnodes, node_rank=args.node_rank,
+                            rdzv_endpoint=args.rdzv_endpoint,
                             rdzv_id=args.rdzv_id, rdzv_backend=args.rdzv_backend)
     code = launch(config_dict, options, verbosity=verbosity)
     sys.stdout.flush()

@@ -30,7 +30,7 @@ from typing import Any
 
 from fsdp_bridge.errors import ConfigError, Problem
 
-__all__ = ["LaunchOptions", "existing_launch", "launch", "run_rank"]
+__all__ = ["LaunchOptions", "existing_launch", "launch", "node_rank_problems", "run_rank"]
 
 CONFIG_ERROR_EXIT = 2
 
@@ -41,9 +41,24 @@ class LaunchOptions:
 
     nproc_per_node: int
     nnodes: int = 1
+    node_rank: int | None = None
+    """This node's index in ``0..nnodes-1`` (None: let the rendezvous decide).  With the c10d
+    rendezvous, node 0 hosts the rendezvous store at ``rdzv_endpoint`` (so the endpoint must be
+    node 0's address) and the others connect to it; the global ranks are still assigned by the
+    rendezvous.  With the static rendezvous it is the node's group rank, as in torchrun."""
     rdzv_endpoint: str | None = None
     rdzv_id: str | None = None
     rdzv_backend: str = "c10d"
+
+
+def node_rank_problems(node_rank: int | None, nnodes: int) -> list[Problem]:
+    """What is wrong with ``--node-rank`` for ``--nnodes`` (empty: nothing)."""
+    if node_rank is None or 0 <= node_rank < nnodes:
+        return []
+    fix = ("number the nodes from 0: --node-rank 0 on the node at --rdzv-endpoint, "
+           f"1 .. {nnodes - 1} on the others (or drop --node-rank)") if nnodes > 1 else \
+        "drop --node-rank on one node, or pass --nnodes N (and --rdzv-endpoint, --rdzv-id) on each of N nodes"
+    return [Problem("--node-rank", node_rank, f"0 .. {nnodes - 1} (one below --nnodes {nnodes})", fix)]
 
 
 def existing_launch(env: dict[str, str] | None = None) -> bool:
@@ -157,6 +172,9 @@ def launch(config_dict: dict[str, Any], options: LaunchOptions, *, verbosity: st
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    problems = node_rank_problems(options.node_rank, options.nnodes)
+    if problems:
+        raise ConfigError(problems)
     if options.nnodes > 1 and not options.rdzv_endpoint:
         raise ConfigError([Problem("--rdzv-endpoint", None, "HOST:PORT of the first node when --nnodes > 1",
                                    "e.g. --rdzv-endpoint $MASTER_ADDR:29500 (see examples/hsdp_2x8.sbatch)")])
@@ -168,6 +186,14 @@ def launch(config_dict: dict[str, Any], options: LaunchOptions, *, verbosity: st
         logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)  # its shutdown notices: -v
     # torchrun's default is 1 thread per rank; on CPU share the cores instead.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // options.nproc_per_node)))
+    rdzv_configs: dict[str, Any] = {}
+    if options.node_rank is not None:
+        if options.rdzv_backend == "static":
+            rdzv_configs["rank"] = options.node_rank
+        elif options.rdzv_backend == "c10d":
+            # Without it, every agent whose host name matches the endpoint tries to host the
+            # store (and all but one fall back to a client): node 0 hosts it, by rank not by race.
+            rdzv_configs["is_host"] = options.node_rank == 0
     launch_config = LaunchConfig(
         min_nodes=options.nnodes,
         max_nodes=options.nnodes,
@@ -175,6 +201,7 @@ def launch(config_dict: dict[str, Any], options: LaunchOptions, *, verbosity: st
         run_id=run_id or f"fsdp-bridge-{uuid.uuid4().hex[:8]}",
         rdzv_backend=options.rdzv_backend,
         rdzv_endpoint=options.rdzv_endpoint or "localhost:0",
+        rdzv_configs=rdzv_configs,
         max_restarts=0,
         start_method="spawn",
     )
