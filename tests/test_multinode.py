@@ -38,11 +38,31 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (torchrun's workers run in sessions of their own)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
 def _kill(proc: subprocess.Popen[str]) -> None:
-    """End a launcher and everything it started (each runs in its own process group)."""
+    """End a launcher and everything it started: SIGTERM (the agent stops its ranks), then SIGKILL."""
     if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
+        below = _descendants(proc.pid)
+        proc.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=10)
+        for pid in [proc.pid, *below, *_descendants(proc.pid)]:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
     proc.wait()
 
 
@@ -55,7 +75,7 @@ def _started(commands: list[list[str]], cwd: Path) -> Iterator[list[subprocess.P
     try:
         for cmd in commands:
             procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                          env=env, cwd=cwd, start_new_session=True))
+                                          env=env, cwd=cwd))
         yield procs
     finally:
         for proc in procs:
@@ -125,12 +145,11 @@ def _metrics(out: Path) -> list[dict[str, Any]]:
 
 def test_fsdp_bridge_train_on_two_nodes_matches_one_node_with_the_same_mesh(tmp_path: Path) -> None:
     cli = [sys.executable, "-m", "fsdp_bridge", "train", "-v"]
-    two = _run_nodes(_two_nodes([*TINY_JOB, f"output_dir={tmp_path / 'two'}"], cli), tmp_path)
-    assert "mesh (2, 2) on cpu" in two[0], two[0][-3000:]
-    assert "done: 3 steps" in two[0]
-    # One node, 4 ranks, the same (2, 2) mesh pinned: the same job, so the same numbers.
-    (one,) = _run_nodes([[*cli, "--nproc-per-node", "4", *TINY_JOB, "bridge.hybrid_shape=[2,2]",
-                          f"output_dir={tmp_path / 'one'}"]], tmp_path)
+    # The same job on one node, 4 ranks, with the same (2, 2) mesh pinned: the same numbers.
+    # Started alongside the two nodes (its rendezvous is its own): the start-up overlaps.
+    one_node = [*cli, "--nproc-per-node", "4", *TINY_JOB, "bridge.hybrid_shape=[2,2]", f"output_dir={tmp_path / 'one'}"]
+    node0, _, one = _run_nodes([*_two_nodes([*TINY_JOB, f"output_dir={tmp_path / 'two'}"], cli), one_node], tmp_path)
+    assert "mesh (2, 2) on cpu" in node0 and "done: 3 steps" in node0, node0[-3000:]
     assert "mesh (2, 2) on cpu" in one, one[-3000:]
     multi, single = _metrics(tmp_path / "two"), _metrics(tmp_path / "one")
     assert [r["step"] for r in multi] == [1, 2, 3]
