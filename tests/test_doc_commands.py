@@ -39,8 +39,15 @@ NOT_RUN: dict[str, str] = {
     "fsdp-bridge train my.yaml --nproc-per-node 8": "8 GPUs; my.yaml is your config",
     "fsdp-bridge train my.yaml --resume": "my.yaml is your config; resume: test_train_run.py",
     "torchrun --nproc-per-node 8 -m fsdp_bridge train my.yaml": "8 GPUs; my.yaml is your config",
-    "fsdp-bridge train my.yaml --nnodes 2 --nproc-per-node 8 --rdzv-endpoint HEAD:29500 --rdzv-id JOB":
-        "two machines (HEAD is the first node's address)",
+    "fsdp-bridge train my.yaml --nnodes 2 --node-rank 0 --nproc-per-node 8 --rdzv-endpoint HEAD:29500 --rdzv-id JOB":
+        "two machines (HEAD is the first node's address); two nodes on one machine: test_multinode.py",
+    "fsdp-bridge train my.yaml --nnodes 2 --node-rank 1 --nproc-per-node 8 --rdzv-endpoint HEAD:29500 --rdzv-id JOB":
+        "two machines (HEAD is the first node's address); two nodes on one machine: test_multinode.py",
+    "fsdp-bridge train --nnodes 2 --node-rank 0 --nproc-per-node 2 --rdzv-endpoint 127.0.0.1:29500 --rdzv-id demo "
+    "bridge.strategy=hybrid_shard &": "one of two launchers that must run together (one in the background): "
+                                      "test_multinode.py runs both, on a free port, and stops them on failure",
+    "fsdp-bridge train --nnodes 2 --node-rank 1 --nproc-per-node 2 --rdzv-endpoint 127.0.0.1:29500 --rdzv-id demo "
+    "bridge.strategy=hybrid_shard": "the other of the two launchers above: test_multinode.py",
     "fsdp-bridge estimate MODEL --world-size N [--nodes K] [--strategy S|all] [--backend fsdp1|fsdp2|all] "
     "[--mixed-precision fp32|bf16|fp16] [--cpu-offload] [--optimizer adamw|adam|sgd|sgd-nomomentum|adagrad|rmsprop] "
     "[--wrap auto|none|ClassA,ClassB] [--batch B --seq-len S] [--activation-checkpointing] "
