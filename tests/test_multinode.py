@@ -157,3 +157,14 @@ def test_fsdp_bridge_train_on_two_nodes_matches_one_node_with_the_same_mesh(tmp_
         got = [r[key] for r in multi if key in r]
         want = [r[key] for r in single if key in r]
         assert got and torch.allclose(torch.tensor(got), torch.tensor(want), rtol=RTOL, atol=ATOL), (key, got, want)
+
+
+def test_node_rank_outside_the_nodes_is_refused_before_anything_starts(capsys: Any) -> None:
+    from fsdp_bridge.cli import main
+
+    code = main(["train", "--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "127.0.0.1:1", "--rdzv-id", "x"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--node-rank: got 2; allowed: 0 .. 1 (one below --nnodes 2)" in err, err
+    assert "--node-rank 0 on the node at --rdzv-endpoint" in err, err
+    assert main(["train", "--node-rank", "1", "--dry-run"]) == 2
+    assert "drop --node-rank on one node, or pass --nnodes N" in capsys.readouterr().err
