@@ -17,10 +17,10 @@ import dataclasses
 import difflib
 import logging
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias, cast
 
 import torch
 import yaml
@@ -265,6 +265,14 @@ def _parse_bool(key: str, value: object, problems: list[Problem]) -> bool:
     return False
 
 
+MixedPrecisionLike: TypeAlias = "MixedPrecisionConfig | str | Mapping[str, Any] | None"
+"""A :class:`MixedPrecisionConfig`, a preset name (``"bf16"``) or a mapping of its fields."""
+WrapLike: TypeAlias = (
+    "WrapPolicy | str | Sequence[str | type[nn.Module]] | Mapping[str, Any] | Callable[[nn.Module], bool] | None"
+)
+"""A :class:`WrapPolicy`, ``"auto"``/``"none"``, class names or classes, ``{min_num_params: N}`` or a callable."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class BridgeConfig:
     """How to shard a model, independent of the backend that does it.
@@ -303,6 +311,28 @@ class BridgeConfig:
     """Module names (dotted paths) or class names whose parameters are neither sharded nor synchronised."""
     device: Device = "auto"
     """auto (CUDA with NCCL when available, else CPU with gloo), cuda or cpu."""
+
+    if TYPE_CHECKING:
+        # What the constructor accepts: the typed values, or the spellings users write (normalised
+        # once in __post_init__, after which every field holds its annotated type).
+        def __init__(
+            self,
+            *,
+            strategy: ShardingStrategy | str = ...,
+            backend: Backend | str = ...,
+            mixed_precision: MixedPrecisionLike = ...,
+            wrap: WrapLike = ...,
+            backward_prefetch: BackwardPrefetch | str | None = ...,
+            forward_prefetch: bool = ...,
+            limit_all_gathers: bool = ...,
+            cpu_offload: bool = ...,
+            activation_checkpointing: bool = ...,
+            sync_module_states: bool = ...,
+            reshard_after_forward: bool | int | None = ...,
+            hybrid_shape: tuple[int, int] | Sequence[int] | None = ...,
+            ignored_modules: Sequence[str] | str | None = ...,
+            device: Device | str = ...,
+        ) -> None: ...
 
     def __post_init__(self) -> None:
         problems: list[Problem] = []
