@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from fsdp_bridge import hf
 from fsdp_bridge._lora import quantization_problems
 from fsdp_bridge._optimizer_check import record_replaced
-from fsdp_bridge.backends import BackendImpl, ShardPlan, get_backend, sharded_by
+from fsdp_bridge.backends import BackendImpl, get_backend, sharded_by
 from fsdp_bridge.config import BridgeConfig
 from fsdp_bridge.distributed import (
     MeshPlan,
@@ -31,6 +31,7 @@ from fsdp_bridge.distributed import (
 )
 from fsdp_bridge.errors import ConfigError, Problem
 from fsdp_bridge.mapping import TranslationReport, show_value, translate, unsupported_problems
+from fsdp_bridge.plan import ShardPlan, resolve_plan
 from fsdp_bridge.wrap import WrapPlan, resolve_ignored, resolve_wrap
 
 __all__ = ["Bridge", "clip_grad_norm_", "get_bridge", "no_sync", "shard", "summon_full_params"]
@@ -218,10 +219,8 @@ def shard(model: nn.Module, config: BridgeConfig | None = None, *, mesh: DeviceM
     mesh = mesh or build_mesh(mesh_plan, device.type)  # first collective
     ignored_ids = {id(p) for m in ignored for p in m.parameters()}
     scalars = [p for p in model.parameters() if p.dim() == 0 and id(p) not in ignored_ids]
-    plan = ShardPlan(
-        config=config, device=device, mesh=mesh, units=units, ignored_modules=ignored, has_meta=has_meta, report=report,
-        scalar_params=scalars, materialize=not _PLAN_ON_META.get(),
-    )
+    plan = resolve_plan(config, report, device=device, mesh=mesh, units=units, ignored_modules=ignored,
+                        has_meta=has_meta, scalar_params=scalars, materialize=not _PLAN_ON_META.get())
     if scalars:
         names = [n for n, p in model.named_parameters() if any(p is q for q in scalars)]
         wrap_plan.notes.append(f"0-dim parameters kept whole on every rank, gradients averaged by the bridge "

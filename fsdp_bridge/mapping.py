@@ -82,8 +82,15 @@ def _raf_matches_strategy(c: Context) -> bool:
     return isinstance(raf, bool) and raf == c.config.strategy.reshards_after_forward
 
 
+def _device_type(c: Context) -> str | None:
+    """The device the rule is for: the resolved one, else the config's when it names one."""
+    if c.device_type is not None:
+        return c.device_type
+    return None if c.config.device == "auto" else c.config.device
+
+
 def _on_cpu(c: Context) -> bool:
-    return c.device_type == "cpu"
+    return _device_type(c) == "cpu"
 
 
 _STRATEGY_FOR_RAF = (
@@ -159,6 +166,14 @@ TABLE: tuple[Rule, ...] = (
         T(N, "mesh of the given shape; mesh dim 0 replicates, dim 1 shards"),
         lambda c: c.config.strategy.is_hybrid and c.config.hybrid_shape is not None,
     ),
+    Rule(
+        "hybrid_shape",
+        "null (not hybrid)",
+        "(no 2D device_mesh)",
+        T(X, "not a hybrid strategy: no (replicate, shard) mesh"),
+        T(X, "not a hybrid strategy: no (replicate, shard) mesh"),
+        lambda c: not c.config.strategy.is_hybrid,
+    ),
     # -- wrapping ----------------------------------------------------------------
     Rule(
         "wrap",
@@ -210,6 +225,14 @@ TABLE: tuple[Rule, ...] = (
         lambda c: c.config.mixed_precision.output_dtype is not None,
     ),
     Rule(
+        "mixed_precision.output_dtype",
+        "null",
+        "(none in FSDP1)",
+        T(N, "outputs keep the dtype the model computes them in"),
+        T(N, "MixedPrecisionPolicy(output_dtype=None): outputs keep the dtype the model computes them in"),
+        lambda c: c.config.mixed_precision.output_dtype is None,
+    ),
+    Rule(
         "mixed_precision.buffer_dtype",
         "set",
         "MixedPrecision(buffer_dtype=...)",
@@ -220,6 +243,14 @@ TABLE: tuple[Rule, ...] = (
             "(state dicts then hold them in buffer_dtype, unlike FSDP1)",
         ),
         lambda c: c.config.mixed_precision.buffer_dtype is not None,
+    ),
+    Rule(
+        "mixed_precision.buffer_dtype",
+        "null",
+        "MixedPrecision(buffer_dtype=None)",
+        T(N, "buffers keep their dtype"),
+        T(N, "buffers keep their dtype (FSDP2 does not manage buffers)"),
+        lambda c: c.config.mixed_precision.buffer_dtype is None,
     ),
     # -- prefetch and rate limiting -----------------------------------------------
     Rule(
@@ -301,11 +332,19 @@ TABLE: tuple[Rule, ...] = (
     ),
     Rule(
         "cpu_offload",
-        "true",
+        "true, on an accelerator",
         "cpu_offload=CPUOffload(offload_params=True)",
         T(N, "CPUOffload(offload_params=True)"),
         T(N, "offload_policy=CPUOffloadPolicy(pin_memory=True)"),
-        lambda c: c.config.cpu_offload,
+        lambda c: c.config.cpu_offload and not _on_cpu(c),
+    ),
+    Rule(
+        "cpu_offload",
+        "false",
+        "cpu_offload=None",
+        T(N, "cpu_offload=None: parameters stay on the device"),
+        T(N, "offload_policy=OffloadPolicy(): parameters stay on the device"),
+        lambda c: not c.config.cpu_offload,
     ),
     Rule(
         "activation_checkpointing",
@@ -318,6 +357,14 @@ TABLE: tuple[Rule, ...] = (
             "Hugging Face models get use_cache=False",
         ),
         lambda c: c.config.activation_checkpointing,
+    ),
+    Rule(
+        "activation_checkpointing",
+        "false",
+        "(no apply_activation_checkpointing)",
+        T(N, "activations are stored for backward"),
+        T(N, "activations are stored for backward"),
+        lambda c: not c.config.activation_checkpointing,
     ),
     Rule(
         "sync_module_states",
@@ -339,7 +386,7 @@ TABLE: tuple[Rule, ...] = (
     ),
     Rule(
         "sync_module_states",
-        "true",
+        "true, on an accelerator",
         "sync_module_states=True, param_init_fn=...",
         T(N, "sync_module_states=True; modules on the meta device get param_init_fn=to_empty"),
         T(
@@ -348,7 +395,15 @@ TABLE: tuple[Rule, ...] = (
             "broadcast with set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True); "
             "buffers are broadcast from rank 0",
         ),
-        lambda c: c.config.sync_module_states,
+        lambda c: c.config.sync_module_states and not _on_cpu(c),
+    ),
+    Rule(
+        "sync_module_states",
+        "false",
+        "sync_module_states=False",
+        T(N, "sync_module_states=False: every rank keeps the weights it built"),
+        T(N, "every rank keeps the weights it built"),
+        lambda c: not c.config.sync_module_states,
     ),
     Rule(
         "reshard_after_forward",
@@ -372,7 +427,7 @@ TABLE: tuple[Rule, ...] = (
         "(implied by sharding_strategy)",
         T(X, "already implied by the strategy"),
         T(N, "reshard_after_forward passed to every fully_shard call, the root included"),
-        _raf_matches_strategy,
+        lambda c: c.config.strategy is not SS.NO_SHARD and _raf_matches_strategy(c),
     ),
     Rule(
         "reshard_after_forward",
@@ -380,7 +435,8 @@ TABLE: tuple[Rule, ...] = (
         "(implied by sharding_strategy)",
         T(U, _STRATEGY_FOR_RAF),
         T(N, "reshard_after_forward passed to every fully_shard call, the root included"),
-        lambda c: isinstance(c.config.reshard_after_forward, bool),
+        lambda c: (c.config.strategy is not SS.NO_SHARD and isinstance(c.config.reshard_after_forward, bool)
+                   and not _raf_matches_strategy(c)),
     ),
     Rule(
         "reshard_after_forward",
@@ -396,7 +452,9 @@ TABLE: tuple[Rule, ...] = (
             "(N must divide the shard group size)",
         ),
         lambda c: (
-            isinstance(c.config.reshard_after_forward, int) and not isinstance(c.config.reshard_after_forward, bool)
+            c.config.strategy is not SS.NO_SHARD
+            and isinstance(c.config.reshard_after_forward, int)
+            and not isinstance(c.config.reshard_after_forward, bool)
         ),
     ),
     Rule(
@@ -408,12 +466,20 @@ TABLE: tuple[Rule, ...] = (
         lambda c: bool(c.config.ignored_modules),
     ),
     Rule(
+        "ignored_modules",
+        "none",
+        "ignored_modules=None",
+        T(N, "every parameter is managed by FSDP"),
+        T(N, "every parameter is managed by fully_shard"),
+        lambda c: not c.config.ignored_modules,
+    ),
+    Rule(
         "device",
         "cpu",
         "device_id=torch.device('cpu')",
         T(N, "device_id=cpu, process group on gloo"),
         T(N, "mesh on device type cpu, process group on gloo"),
-        lambda c: c.device_type == "cpu",
+        lambda c: _device_type(c) == "cpu",
     ),
     Rule(
         "device",
@@ -421,7 +487,15 @@ TABLE: tuple[Rule, ...] = (
         "device_id=torch.cuda.current_device()",
         T(N, "device_id=cuda:LOCAL_RANK, process group on NCCL"),
         T(N, "mesh on device type cuda (cuda:LOCAL_RANK), process group on NCCL"),
-        lambda c: c.device_type == "cuda",
+        lambda c: _device_type(c) == "cuda",
+    ),
+    Rule(
+        "device",
+        "auto",
+        "device_id=...",
+        T(N, "resolved by shard(): cuda (NCCL) when a GPU is available, else cpu (gloo)"),
+        T(N, "resolved by shard(): cuda (NCCL) when a GPU is available, else cpu (gloo)"),
+        lambda c: _device_type(c) is None,
     ),
     # -- FSDP1 API with no config field (migration table only) ------------------------
     Rule(
@@ -550,6 +624,17 @@ class TranslationReport:
     @property
     def unsupported(self) -> tuple[Entry, ...]:
         return tuple(e for e in self.entries if e.outcome is Outcome.UNSUPPORTED)
+
+    def entry(self, option: str) -> Entry:
+        """The row that ``option`` matched (every config option matches exactly one)."""
+        for e in self.entries:
+            if e.option == option:
+                return e
+        raise KeyError(f"no entry for option {option!r}; options are {', '.join(e.option for e in self.entries)}")
+
+    def outcome(self, option: str) -> Outcome:
+        """What the table says ``option`` becomes on this backend and device."""
+        return self.entry(option).outcome
 
     def format(self, *, width: int = 100) -> str:
         """A plain-text table (one row per option)."""

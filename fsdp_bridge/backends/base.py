@@ -1,56 +1,18 @@
-"""The small interface every backend implements, and the plan it is handed."""
+"""The small interface every backend implements (it executes a :class:`~fsdp_bridge.plan.ShardPlan`)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 
-from fsdp_bridge.config import BridgeConfig
-from fsdp_bridge.mapping import TranslationReport
-from fsdp_bridge.strategy import Backend, ShardingStrategy
+from fsdp_bridge.plan import ShardPlan
+from fsdp_bridge.strategy import Backend
 
 __all__ = ["BackendImpl", "ShardPlan"]
-
-
-@dataclass
-class ShardPlan:
-    """Everything resolved and validated before the backend touches the model."""
-
-    config: BridgeConfig
-    device: torch.device
-    mesh: DeviceMesh
-    units: list[nn.Module]
-    """Modules to shard as their own unit, children before parents; root excluded."""
-    ignored_modules: list[nn.Module]
-    has_meta: bool
-    """Some parameters or buffers are on the meta device (built without memory)."""
-    report: TranslationReport
-    scalar_params: list[nn.Parameter] = field(default_factory=list)
-    """0-dim parameters (e.g. CLIP's ``logit_scale``): neither backend shards them, so they stay
-    whole on every rank and their gradients are averaged by the bridge."""
-    materialize: bool = True
-    """Allocate a meta-device model on ``device`` after sharding.  False only for planning at a
-    fake world size (:func:`fsdp_bridge.estimate.plan_at_scale`, FSDP2): the shards stay on meta."""
-
-    def reshard_after_forward(self, *, is_root: bool) -> bool | int:
-        """Per-unit reshard-after-forward, matching FSDP1: the root keeps its parameters
-        gathered for the backward that immediately follows, unless overridden."""
-        config = self.config
-        if config.strategy is ShardingStrategy.NO_SHARD:
-            return False
-        if config.reshard_after_forward is not None:
-            return config.reshard_after_forward
-        return config.strategy.reshards_after_forward and not is_root
-
-    @property
-    def ignored_params(self) -> set[nn.Parameter]:
-        return {p for m in self.ignored_modules for p in m.parameters()} | set(self.scalar_params)
 
 
 class BackendImpl(Protocol):

@@ -25,7 +25,7 @@ from torch.distributed.fsdp import (
 from torch.distributed.fsdp.wrap import CustomPolicy
 
 from fsdp_bridge.backends._common import broadcast_from_rank0, rank0_full_state
-from fsdp_bridge.backends.base import ShardPlan
+from fsdp_bridge.plan import ShardPlan, SyncMethod
 from fsdp_bridge.strategy import Backend, BackwardPrefetch, ShardingStrategy
 
 __all__ = ["FSDP1Backend"]
@@ -123,24 +123,19 @@ class FSDP1Backend:
         return shard > 1 or mixed_precision
 
     def shard(self, model: nn.Module, plan: ShardPlan) -> nn.Module:
-        config = plan.config
-        mp = config.mixed_precision
+        precision = plan.precision
         units = {id(m) for m in plan.units}
         mixed_precision = None
-        if mp.enabled:
+        if precision.enabled:
             mixed_precision = MixedPrecision(
-                param_dtype=mp.param_dtype,
-                reduce_dtype=mp.reduce_dtype,
-                buffer_dtype=mp.buffer_dtype,
-                cast_forward_inputs=mp.cast_forward_inputs,
-                cast_root_forward_inputs=mp.cast_forward_inputs,
+                param_dtype=precision.param_dtype,
+                reduce_dtype=precision.reduce_dtype,
+                buffer_dtype=precision.buffer_dtype,
+                cast_forward_inputs=precision.cast_forward_inputs,
+                cast_root_forward_inputs=precision.cast_forward_inputs,
             )
-        offload = plan.device.type != "cpu" and config.cpu_offload
         device = plan.device
-        # FSDP1's own sync_module_states refuses CPU tensors; on CPU the bridge broadcasts
-        # rank 0's weights itself after wrapping, as it does for FSDP2.
-        native_sync = config.sync_module_states and device.type != "cpu"
-        full_state = rank0_full_state(model) if config.sync_module_states and not native_sync else None
+        full_state = rank0_full_state(model) if plan.sync is SyncMethod.BROADCAST else None
         # A device mesh (1D, or 2D for HYBRID_*) rather than process groups: sharded
         # state dicts then hold DTensors, like FSDP2's.
         kwargs: dict[str, Any] = {"device_mesh": plan.mesh}
@@ -151,14 +146,14 @@ class FSDP1Backend:
             warnings.filterwarnings("ignore", message=".*NO_SHARD.*", category=FutureWarning)
             wrapped = FullyShardedDataParallel(
                 model,
-                sharding_strategy=_STRATEGIES[config.strategy],
+                sharding_strategy=_STRATEGIES[plan.strategy],
                 auto_wrap_policy=CustomPolicy(lambda m: id(m) in units) if units else None,
-                backward_prefetch=_PREFETCH[config.backward_prefetch],
-                forward_prefetch=config.forward_prefetch,
-                limit_all_gathers=config.limit_all_gathers,
-                cpu_offload=CPUOffload(offload_params=True) if offload else None,
+                backward_prefetch=_PREFETCH[plan.backward_prefetch],
+                forward_prefetch=plan.forward_prefetch,
+                limit_all_gathers=plan.limit_all_gathers,
+                cpu_offload=CPUOffload(offload_params=True) if plan.offload_params else None,
                 mixed_precision=mixed_precision,
-                sync_module_states=native_sync,
+                sync_module_states=plan.sync is SyncMethod.BACKEND,
                 device_id=device,
                 # FSDP1 takes ignored parameters only through ignored_states (not with ignored_modules).
                 ignored_modules=None if plan.scalar_params else plan.ignored_modules or None,
@@ -166,10 +161,10 @@ class FSDP1Backend:
                 use_orig_params=True,
                 **kwargs,
             )
-        if config.sync_module_states and not native_sync:
+        if plan.sync is SyncMethod.BROADCAST:
             broadcast_from_rank0(wrapped, full_state, device)
-        if mp.output_dtype is not None:
-            out_dtype = mp.output_dtype
+        if precision.root_output_dtype is not None:
+            out_dtype = precision.root_output_dtype
             wrapped.register_forward_hook(lambda _m, _i, out: cast_floating(out, out_dtype))
         if callable(getattr(model, "generate", None)):
             _enable_generate(wrapped, model)

@@ -21,7 +21,7 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from fsdp_bridge.backends._common import broadcast_from_rank0, rank0_full_state
-from fsdp_bridge.backends.base import ShardPlan
+from fsdp_bridge.plan import ShardPlan, SyncMethod
 from fsdp_bridge.strategy import Backend
 
 __all__ = ["FSDP2Backend", "local_shape"]
@@ -63,26 +63,22 @@ class FSDP2Backend:
         return True  # all-gather outputs are separate buffers, even for a one-rank group
 
     def shard(self, model: nn.Module, plan: ShardPlan) -> nn.Module:
-        config = plan.config
-        mp = config.mixed_precision
-        if mp.buffer_dtype is not None:
-            # FSDP2 does not manage buffers; emulate FSDP1's buffer_dtype with one cast.
+        precision = plan.precision
+        if precision.buffer_dtype is not None:
+            # FSDP2 does not manage buffers: FSDP1's buffer_dtype is emulated with one cast.
             for module in model.modules():
                 for name, buf in module._buffers.items():
                     if buf is not None and buf.is_floating_point():
-                        module._buffers[name] = buf.to(mp.buffer_dtype)
-        full_state = rank0_full_state(model) if config.sync_module_states else None
+                        module._buffers[name] = buf.to(precision.buffer_dtype)
+        full_state = rank0_full_state(model) if plan.sync is SyncMethod.BROADCAST else None
 
-        # output_dtype describes the model's outputs: only the root gets it.  On inner units it
-        # would hand the root's own layers (e.g. an HF final norm and lm_head) inputs in another dtype.
         unit_mp = MixedPrecisionPolicy(
-            param_dtype=mp.param_dtype,
-            reduce_dtype=mp.reduce_dtype,
-            cast_forward_inputs=mp.cast_forward_inputs,
+            param_dtype=precision.param_dtype,
+            reduce_dtype=precision.reduce_dtype,
+            cast_forward_inputs=precision.cast_forward_inputs,
         )
-        root_mp = dataclasses.replace(unit_mp, output_dtype=mp.output_dtype)
-        offload = config.cpu_offload and plan.device.type != "cpu"
-        offload_policy = CPUOffloadPolicy(pin_memory=True) if offload else OffloadPolicy()
+        root_mp = dataclasses.replace(unit_mp, output_dtype=precision.root_output_dtype)
+        offload_policy = CPUOffloadPolicy(pin_memory=True) if plan.offload_params else OffloadPolicy()
         ignored = plan.ignored_params or None
 
         def apply(module: nn.Module, *, is_root: bool) -> None:
@@ -99,7 +95,7 @@ class FSDP2Backend:
             apply(unit, is_root=False)
         apply(model, is_root=True)
 
-        if config.forward_prefetch:
+        if plan.forward_prefetch:
             ordered = _top_level_units(plan.units)
             for unit, following in itertools.pairwise(ordered):
                 assert isinstance(unit, FSDPModule) and isinstance(following, FSDPModule)
@@ -107,7 +103,7 @@ class FSDP2Backend:
 
         if plan.has_meta and plan.materialize:
             model.to_empty(device=plan.device)
-        if config.sync_module_states:
+        if plan.sync is SyncMethod.BROADCAST:
             broadcast_from_rank0(model, full_state, plan.device)
         if callable(getattr(model, "generate", None)):
             # generate() calls the inner model's forward, not the root's: without this the

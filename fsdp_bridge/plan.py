@@ -1,0 +1,170 @@
+"""The decision layer: a config, the table and the device resolved into what a backend executes.
+
+:func:`resolve_plan` is the only place that decides what an option does on a backend and
+device.  It reads each decision from the rule the table (:mod:`fsdp_bridge.mapping`) matched
+for that option, so the report a user sees (``explain``, the log of :func:`~fsdp_bridge.shard`)
+and the behaviour come from the same row: where the table says "not needed" for CPU offload on
+a CPU run, the plan offloads nothing; where it says FSDP1's own ``sync_module_states`` is used,
+the plan asks the backend for it, and where it says "emulated", the bridge broadcasts.
+
+Backends receive a :class:`ShardPlan` and carry it out; they never read the config or the
+device type to decide anything again.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from fsdp_bridge.config import BridgeConfig
+from fsdp_bridge.mapping import Outcome, TranslationReport
+from fsdp_bridge.strategy import Backend, BackwardPrefetch, ShardingStrategy
+
+__all__ = ["PrecisionPlan", "ShardPlan", "SyncMethod", "resolve_plan"]
+
+
+class SyncMethod(enum.Enum):
+    """How every rank gets rank 0's initial weights (``sync_module_states``)."""
+
+    NONE = "none"
+    """Each rank keeps the weights it built."""
+    BACKEND = "backend"
+    """The backend's own mechanism (FSDP1's ``sync_module_states=True`` on an accelerator)."""
+    BROADCAST = "broadcast"
+    """After sharding, rank 0's full state dict is broadcast into the shards
+    (``set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True)``) and every buffer
+    from rank 0: FSDP2, and FSDP1 on CPU, whose own sync refuses CPU tensors."""
+
+
+@dataclass(frozen=True)
+class PrecisionPlan:
+    """Dtypes the backend applies (``None``: keep the original dtype)."""
+
+    param_dtype: torch.dtype | None = None
+    """Compute dtype of gathered parameters, on every unit and the root."""
+    reduce_dtype: torch.dtype | None = None
+    """Dtype of gradient reduction."""
+    root_output_dtype: torch.dtype | None = None
+    """The root's floating-point outputs are cast to it (only the root: inner units would hand the
+    root's own layers inputs in another dtype)."""
+    buffer_dtype: torch.dtype | None = None
+    """Floating-point buffers in this dtype (FSDP1 casts them in forward; FSDP2 once, at sharding)."""
+    cast_forward_inputs: bool = True
+    """Each unit casts its floating-point inputs to ``param_dtype``."""
+
+    @property
+    def enabled(self) -> bool:
+        return any(d is not None for d in (self.param_dtype, self.reduce_dtype, self.root_output_dtype,
+                                            self.buffer_dtype))
+
+
+@dataclass
+class ShardPlan:
+    """Everything resolved and validated before the backend touches the model."""
+
+    backend: Backend
+    strategy: ShardingStrategy
+    device: torch.device
+    mesh: DeviceMesh
+    units: list[nn.Module]
+    """Modules to shard as their own unit, children before parents; root excluded."""
+    ignored_modules: list[nn.Module]
+    has_meta: bool
+    """Some parameters or buffers are on the meta device (built without memory)."""
+    report: TranslationReport
+    """What every option became: the rows each decision below was read from."""
+    precision: PrecisionPlan = field(default_factory=PrecisionPlan)
+    offload_params: bool = False
+    """Keep sharded parameters (and their gradients and optimizer step) in host memory."""
+    sync: SyncMethod = SyncMethod.NONE
+    backward_prefetch: BackwardPrefetch = BackwardPrefetch.PRE
+    forward_prefetch: bool = False
+    """Each unit prefetches the next one's all-gather in forward."""
+    limit_all_gathers: bool = True
+    """FSDP1's rate limiter (FSDP2 needs none)."""
+    reshard_override: bool | int | None = None
+    """``reshard_after_forward`` given by the user; ``None``: from the strategy, per unit."""
+    scalar_params: list[nn.Parameter] = field(default_factory=list)
+    """0-dim parameters (e.g. CLIP's ``logit_scale``): neither backend shards them, so they stay
+    whole on every rank and their gradients are averaged by the bridge."""
+    materialize: bool = True
+    """Allocate a meta-device model on ``device`` after sharding.  False only for planning at a
+    fake world size (:func:`fsdp_bridge.estimate.plan_at_scale`, FSDP2): the shards stay on meta."""
+
+    def reshard_after_forward(self, *, is_root: bool) -> bool | int:
+        """Per-unit reshard-after-forward, matching FSDP1: the root keeps its parameters
+        gathered for the backward that immediately follows, unless overridden."""
+        if self.strategy is ShardingStrategy.NO_SHARD:
+            return False
+        if self.reshard_override is not None:
+            return self.reshard_override
+        return self.strategy.reshards_after_forward and not is_root
+
+    @property
+    def ignored_params(self) -> set[nn.Parameter]:
+        return {p for m in self.ignored_modules for p in m.parameters()} | set(self.scalar_params)
+
+
+def resolve_plan(
+    config: BridgeConfig,
+    report: TranslationReport,
+    *,
+    device: torch.device,
+    mesh: DeviceMesh,
+    units: list[nn.Module],
+    ignored_modules: list[nn.Module],
+    has_meta: bool,
+    scalar_params: list[nn.Parameter] | None = None,
+    materialize: bool = True,
+) -> ShardPlan:
+    """The plan for ``config`` on ``report.backend`` and ``device``, read from the table's rows.
+
+    Args:
+        config: the validated config.
+        report: ``translate(config, device_type=device.type)``: one matched row per option.
+        device: the resolved device of this rank.
+        mesh: the data-parallel mesh, already built.
+        units: wrap units, children before parents (root excluded).
+        ignored_modules: modules neither sharded nor synchronised.
+        has_meta: some tensors are on the meta device.
+        scalar_params: 0-dim parameters kept whole on every rank.
+        materialize: allocate meta tensors after sharding (False only for fake-world planning).
+
+    Returns:
+        The :class:`ShardPlan` the backend executes.
+    """
+    mp = config.mixed_precision
+    offload = report.outcome("cpu_offload")
+    sync = report.outcome("sync_module_states")
+    return ShardPlan(
+        backend=report.backend,
+        strategy=config.strategy,
+        device=device,
+        mesh=mesh,
+        units=units,
+        ignored_modules=ignored_modules,
+        has_meta=has_meta,
+        report=report,
+        precision=PrecisionPlan(
+            param_dtype=mp.param_dtype,
+            reduce_dtype=mp.reduce_dtype,
+            root_output_dtype=mp.output_dtype,
+            buffer_dtype=mp.buffer_dtype,
+            cast_forward_inputs=mp.cast_forward_inputs,
+        ),
+        # The table says "not needed" for offload on a CPU run: nothing is offloaded then.
+        offload_params=config.cpu_offload and offload is Outcome.NATIVE,
+        # NATIVE: the backend's own sync (FSDP1 on an accelerator); EMULATED: the bridge broadcasts.
+        sync=(SyncMethod.NONE if not config.sync_module_states
+              else SyncMethod.BACKEND if sync is Outcome.NATIVE else SyncMethod.BROADCAST),
+        backward_prefetch=config.backward_prefetch,
+        forward_prefetch=config.forward_prefetch,
+        limit_all_gathers=config.limit_all_gathers,
+        reshard_override=config.reshard_after_forward,
+        scalar_params=list(scalar_params or []),
+        materialize=materialize,
+    )
