@@ -289,18 +289,26 @@ def _now(device: torch.device) -> float:
 
 
 class _PeakMemory(AbstractContextManager["_PeakMemory"]):
-    """Peak memory of this rank during the block: CUDA allocator peak, or sampled process RSS on CPU."""
+    """Peak memory of this rank during the block: CUDA allocator peak, or sampled process RSS on CPU.
+
+    On CUDA the figure is the allocator's peak minus what was allocated when the block began:
+    torch's FSDP1 keeps parameters alive after the model is deleted, and that memory belongs
+    to the earlier run.
+    """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.peak: int | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.kind = "cuda max_memory_allocated" if device.type == "cuda" else "peak RSS (sampled every 2 ms)"
+        self._base = 0
+        self.kind = ("cuda max_memory_allocated above the run's start" if device.type == "cuda"
+                     else "peak RSS (sampled every 2 ms)")
 
     def __enter__(self) -> _PeakMemory:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
+            self._base = int(torch.cuda.memory_allocated(self.device))
             return self
         if _rss_bytes() is None:
             self.kind = "unavailable (no /proc and no psutil)"
@@ -318,7 +326,7 @@ class _PeakMemory(AbstractContextManager["_PeakMemory"]):
 
     def __exit__(self, *exc: object) -> None:
         if self.device.type == "cuda":
-            self.peak = int(torch.cuda.max_memory_allocated(self.device))
+            self.peak = int(torch.cuda.max_memory_allocated(self.device)) - self._base
             return
         self._stop.set()
         if self._thread is not None:

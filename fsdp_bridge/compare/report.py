@@ -133,7 +133,7 @@ class RunResult:
     peak_memory_bytes: list[int | None]
     """Peak memory per rank during the run (see ``memory_kind``)."""
     memory_kind: str
-    """``cuda max_memory_allocated`` or ``peak RSS (sampled)``."""
+    """``cuda max_memory_allocated above the run's start`` or ``peak RSS (sampled)``."""
     sharded_bytes: list[int]
     """Parameter bytes held by each rank (its shards; the whole model for the reference)."""
 
