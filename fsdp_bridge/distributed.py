@@ -85,11 +85,15 @@ def init_distributed(device: str = "auto", *, timeout_s: float = DEFAULT_TIMEOUT
     if not dist.is_initialized():
         backend = "nccl" if torch_device.type == "cuda" else "gloo"
         timeout = datetime.timedelta(seconds=timeout_s)
+        # NCCL bound to this rank's GPU: without device_id it guesses the GPU from the global rank,
+        # which is wrong when ranks map to GPUs unevenly (and torch warns that it can hang).
+        device_id = torch_device if torch_device.type == "cuda" else None
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-            dist.init_process_group(backend=backend, timeout=timeout)
+            dist.init_process_group(backend=backend, timeout=timeout, device_id=device_id)
         else:
             store = dist.FileStore(os.path.join(tempfile.mkdtemp(prefix="fsdp-bridge-"), "store"), 1)
-            dist.init_process_group(backend=backend, store=store, rank=0, world_size=1, timeout=timeout)
+            dist.init_process_group(backend=backend, store=store, rank=0, world_size=1, timeout=timeout,
+                                    device_id=device_id)
     return torch_device
 
 

@@ -196,6 +196,9 @@ def test_differences_name_the_settings_that_change_numbers():
     fp32 = {d.setting.split(" =")[0] for d in backend_differences(BridgeConfig(), device_type="cpu")}
     assert {"strategy", "backward_prefetch", "gradient averaging"} <= fp32
     assert "mixed_precision" not in fp32  # nothing is cast in fp32, so nothing differs
+    assert not fp32 & {"cpu_offload", "sync_module_states", "reshard_after_forward"}  # unset: the same on both
+    offload = backend_differences(BridgeConfig(cpu_offload=True), device_type="cuda")
+    assert any(d.setting == "cpu_offload = True" for d in offload)
     bf16 = backend_differences(BridgeConfig(mixed_precision="bf16"), device_type="cpu")
     assert any(d.setting.startswith("mixed_precision") for d in bf16)
     assert not any(d.setting == "gradient averaging" for d in backend_differences(BridgeConfig(), world_size=1))

@@ -155,3 +155,19 @@ def test_fsdp2_is_called_with_what_the_plan_decided(monkeypatch: pytest.MonkeyPa
     fsdp2_module.FSDP2Backend().shard(_layers(), _plan(BridgeConfig(backend="fsdp2", cpu_offload=True), "cpu"))
     (_, root), = calls
     assert type(root["offload_policy"]).__name__ == "OffloadPolicy"  # not needed on a CPU run
+
+
+def test_nccl_is_bound_to_the_rank_gpu_and_gloo_is_not(monkeypatch: pytest.MonkeyPatch) -> None:
+    from fsdp_bridge import distributed
+
+    calls: list[dict[str, Any]] = []
+    monkeypatch.setattr(distributed.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(distributed.dist, "init_process_group", lambda **kw: calls.append(kw))
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setattr(distributed, "resolve_device", lambda device: torch.device("cuda", 1))
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    distributed.init_distributed("cuda")
+    monkeypatch.setattr(distributed, "resolve_device", lambda device: torch.device("cpu"))
+    distributed.init_distributed("cpu")
+    assert [(c["backend"], c["device_id"]) for c in calls] == [("nccl", torch.device("cuda", 1)), ("gloo", None)]

@@ -29,6 +29,10 @@ _EFFECTS: dict[str, str] = {
     "sync_module_states": "Both start from rank 0's weights; the broadcast differs, not the values.",
 }
 
+_ONLY_WHEN_SET = frozenset({"cpu_offload", "sync_module_states", "reshard_after_forward"})
+"""Options whose unset value (false, null) does the same on both backends: nothing is offloaded or
+broadcast, and resharding follows the strategy (listed under ``strategy``)."""
+
 _ALWAYS: tuple[Difference, ...] = (
     Difference(
         setting="gradient averaging",
@@ -51,6 +55,8 @@ def backend_differences(config: BridgeConfig, *, device_type: str | None = None,
     for e1 in one.entries:
         e2 = by_option.get(e1.option)
         if e2 is None or e1.option not in _EFFECTS or (e1.outcome, e1.text) == (e2.outcome, e2.text):
+            continue
+        if e1.option in _ONLY_WHEN_SET and e1.value in (False, None):
             continue
         if e1.option == "mixed_precision" and not config.mixed_precision.enabled:
             continue  # both compute and reduce in the parameters' dtype: nothing differs
