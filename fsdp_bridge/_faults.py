@@ -1,11 +1,15 @@
 """Fault injection for reliability tests: make one rank fail at a named point of a training run.
 
-    FSDP_BRIDGE_FAULT=1:step:3 fsdp-bridge train job.yaml    # rank 1 raises during step 3
+    FSDP_BRIDGE_FAULT=1:step:3 fsdp-bridge train job.yaml        # rank 1 raises during step 3
+    FSDP_BRIDGE_FAULT=1:step:3:hang fsdp-bridge train job.yaml   # rank 1 stops answering there
 
 Points the trainer passes: ``shard`` (just before sharding), ``step:N`` (after the first
 backward of step N, so the other ranks are inside collectives), ``checkpoint:N`` (as the
-checkpoint of step N is written).  Nothing happens unless the variable is set; it exists
-so that tests can prove a failing rank stops the others in bounded time.
+checkpoint of step N is written).  With ``:hang`` the rank neither raises nor returns: it
+sleeps until a signal ends it (SIGTERM's default action, so the launcher's stop is prompt), as a
+rank stuck in a data loader or a deadlock would.  Nothing happens unless the variable is set; it
+exists so that tests can prove a failing rank stops the others in bounded time, and that a hung
+rank is the one named.
 
 Called by the trainer; :mod:`fsdp_bridge.testing.faults` re-exports it for tests.
 """
@@ -29,5 +33,17 @@ def maybe_fail(point: str) -> None:
     if not spec:
         return
     rank, _, target = spec.partition(":")
-    if rank.strip() == os.environ.get("RANK", "0") and target.strip() == point:
+    target = target.strip()
+    hang = target.endswith(":hang")
+    if hang:
+        target = target[: -len(":hang")]
+    if rank.strip() != os.environ.get("RANK", "0") or target != point:
+        return
+    if not hang:
         raise InjectedFault(f"injected fault on rank {rank} at {point} ({ENV}={spec})")
+    import signal
+    import time
+
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the trainer's handler would only record it
+    while True:
+        time.sleep(3600)

@@ -22,7 +22,7 @@ TIMEOUT_S = 300
 BOUND_S = 150
 
 
-def tiny_job(tmp_path: Path) -> Path:
+def tiny_job(tmp_path: Path, **overrides: object) -> Path:
     job = {
         "model": {"config": {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64,
                              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}},
@@ -34,6 +34,7 @@ def tiny_job(tmp_path: Path) -> Path:
         "timeout_s": TIMEOUT_S,
         "output_dir": str(tmp_path / "run"),
         "bridge": {"strategy": "full_shard", "backend": "fsdp2"},
+        **overrides,
     }
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(job))
@@ -51,6 +52,20 @@ def test_failing_rank_stops_the_job(tmp_path: Path, point: str) -> None:
     assert elapsed < BOUND_S, f"took {elapsed:.0f} s: the other rank waited instead of being stopped"
     assert f"InjectedFault: injected fault on rank 1 at {point}" in out.stderr, out.stderr
     assert "rank 1 failed first" in out.stderr, out.stderr
+
+
+def test_hung_rank_is_named_not_the_rank_that_timed_out_waiting(tmp_path: Path) -> None:
+    """Rank 1 stops answering in step 2; rank 0's collective times out after timeout_s. The launcher
+    names rank 1 (its last step, from the progress each rank records), not rank 0's timeout."""
+    env = {**os.environ, ENV: "1:step:2:hang", "OMP_NUM_THREADS": "1"}
+    start = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "fsdp_bridge", "train", str(tiny_job(tmp_path, timeout_s=6)), "-q"],
+                         capture_output=True, text=True, env=env, timeout=TIMEOUT_S, cwd=tmp_path)
+    elapsed = time.monotonic() - start
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert elapsed < BOUND_S, f"took {elapsed:.0f} s"
+    assert "rank 1 stopped answering (rank 1 last started step 2" in out.stderr, out.stderr
+    assert "rank 0 failed waiting for it" in out.stderr and "failed first" not in out.stderr, out.stderr
 
 
 def test_fault_spec_for_another_rank_or_point_does_nothing(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -14,6 +14,7 @@ rank 0, and every rank exits with code 2.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -98,6 +99,8 @@ def run_rank(config_dict: dict[str, Any], verbosity: str, failure_dir: str | Non
     from fsdp_bridge.train._loop import RunStopped, train
 
     rank = int(os.environ.get("RANK", "0"))
+    if failure_dir is not None:
+        os.environ[PROGRESS_ENV] = failure_dir
     try:
         _env_from_slurm()
         rank = int(os.environ.get("RANK", "0"))
@@ -137,9 +140,48 @@ def stopped_message(output_dir: str) -> str:
             f"checkpoint {info['checkpoint']}. Resume with: {command}")
 
 
+PROGRESS_ENV = "FSDP_BRIDGE_PROGRESS_DIR"
+"""Set by :func:`run_rank` for the launched ranks: where :func:`mark_progress` writes."""
+
+
+def mark_progress(step: int) -> None:
+    """Record that this rank started ``step`` (one small file per rank, read by the launcher
+    when the job fails, to name a rank that stopped answering)."""
+    directory = os.environ.get(PROGRESS_ENV)
+    if directory:
+        rank = os.environ.get("RANK", "0")
+        with contextlib.suppress(OSError):
+            Path(directory, f"progress{rank}.json").write_text(json.dumps({"step": step, "time": time.time()}))
+
+
 def _record_failure(failure_dir: Path, rank: int) -> None:
     failure = {"time": time.time(), "rank": rank, "traceback": traceback.format_exc()}
     (failure_dir / f"rank{rank}.json").write_text(json.dumps(failure))
+
+
+_WAITED = ("timed out", "timeout", "connection reset", "connection closed", "broken pipe")
+"""How a collective that waited for a silent peer ends, in gloo's and NCCL's errors."""
+
+
+def _silent_ranks(failure_dir: Path, failed: set[int], first_traceback: str) -> str | None:
+    """A sentence naming the ranks that stopped answering, when the ranks that failed did so
+    waiting for them: they started the run (progress recorded) but never raised."""
+    if not any(w in first_traceback.lower() for w in _WAITED):
+        return None
+    progress: dict[int, dict[str, float]] = {}
+    for path in failure_dir.glob("progress*.json"):
+        with contextlib.suppress(OSError, ValueError):
+            progress[int(path.stem.removeprefix("progress"))] = json.loads(path.read_text())
+    silent = sorted(set(progress) - failed)
+    if not silent:
+        return None
+    now = time.time()
+    seen = "; ".join(f"rank {r} last started step {int(progress[r]['step'])}, {now - progress[r]['time']:.0f} s "
+                     "before the job ended" for r in silent)
+    waiting = ", ".join(str(r) for r in sorted(failed))
+    return (f"rank {', '.join(map(str, silent))} stopped answering ({seen}); rank {waiting} failed waiting for it "
+            "in a collective. Look at what that rank was doing (a data loader, a deadlock, a slow file system); "
+            "timeout_s sets how long the others wait.")
 
 
 def _root_cause(failure_dir: Path) -> tuple[int, str, list[int]] | None:
@@ -231,6 +273,11 @@ def launch(config_dict: dict[str, Any], options: LaunchOptions, *, verbosity: st
                       "see the log above", file=sys.stderr)
                 return 1
             rank, tb, after = cause
+            silent = _silent_ranks(Path(failure_dir), {rank, *after}, tb)
+            if silent is not None:
+                last = tb.rstrip().splitlines()[-1] if tb.strip() else ""
+                print(f"fsdp-bridge train: {silent} Rank {rank}'s error: {last}", file=sys.stderr)
+                return 1
             then = f"; rank {', '.join(map(str, after))} failed after it" if after else ""
             print(f"fsdp-bridge train: rank {rank} failed first{then}. Rank {rank}'s traceback:\n{tb.rstrip()}",
                   file=sys.stderr)

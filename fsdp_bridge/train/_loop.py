@@ -37,6 +37,7 @@ from fsdp_bridge.distributed import init_distributed
 from fsdp_bridge.errors import ConfigError, Problem
 from fsdp_bridge.train._config import TrainConfig
 from fsdp_bridge.train._data import PackedData, read_documents
+from fsdp_bridge.train._launch import mark_progress
 from fsdp_bridge.train._progress import Progress
 from fsdp_bridge.train._tokenizer import load_tokenizer
 
@@ -337,6 +338,7 @@ def train(config: TrainConfig, *, verbosity: Verbosity = "normal") -> TrainResul
     try:
         stops.__enter__()
         while step < config.max_steps:
+            mark_progress(step + 1)
             t0 = time.perf_counter()
             lr = lr_at(config, step)
             for group in optimizer.param_groups:
