@@ -2,6 +2,7 @@
 
     FSDP_BRIDGE_FAULT=1:step:3 fsdp-bridge train job.yaml        # rank 1 raises during step 3
     FSDP_BRIDGE_FAULT=1:step:3:hang fsdp-bridge train job.yaml   # rank 1 stops answering there
+    FSDP_BRIDGE_FAULT=1:step:3:once fsdp-bridge train job.yaml --max-restarts 1   # only before a restart
 
 Points the trainer passes: ``shard`` (just before sharding), ``step:N`` (after the first
 backward of step N, so the other ranks are inside collectives), ``checkpoint:N`` (as the
@@ -33,12 +34,15 @@ def maybe_fail(point: str) -> None:
     if not spec:
         return
     rank, _, target = spec.partition(":")
-    target = target.strip()
-    hang = target.endswith(":hang")
-    if hang:
-        target = target[: -len(":hang")]
-    if rank.strip() != os.environ.get("RANK", "0") or target != point:
+    parts = target.strip().split(":")
+    modifiers = set()
+    while parts and parts[-1] in ("hang", "once"):
+        modifiers.add(parts.pop())
+    if rank.strip() != os.environ.get("RANK", "0") or ":".join(parts) != point:
         return
+    if "once" in modifiers and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") not in ("", "0"):
+        return  # a restarted job gets past the point
+    hang = "hang" in modifiers
     if not hang:
         raise InjectedFault(f"injected fault on rank {rank} at {point} ({ENV}={spec})")
     import signal

@@ -88,7 +88,18 @@ def init_distributed(device: str = "auto", *, timeout_s: float = DEFAULT_TIMEOUT
         # NCCL bound to this rank's GPU: without device_id it guesses the GPU from the global rank,
         # which is wrong when ranks map to GPUs unevenly (and torch warns that it can hang).
         device_id = torch_device if torch_device.type == "cuda" else None
-        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") not in ("", "0")
+        if restarted and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            # After an elastic restart, torch's env:// rendezvous hands the new ranks the previous
+            # attempt's addresses (gloo and NCCL then fail with "Connection refused"; torch 2.13,
+            # pytorch/pytorch#167288): rendezvous on the agent's store under this attempt's own prefix.
+            rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, False,
+                                  timeout=timeout)
+            prefixed = dist.PrefixStore(f"/fsdp_bridge/attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}", agent)
+            dist.init_process_group(backend=backend, store=prefixed, rank=rank, world_size=world, timeout=timeout,
+                                    device_id=device_id)
+        elif "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             dist.init_process_group(backend=backend, timeout=timeout, device_id=device_id)
         else:
             store = dist.FileStore(os.path.join(tempfile.mkdtemp(prefix="fsdp-bridge-"), "store"), 1)

@@ -164,6 +164,8 @@ def _cli_cases(root: Path) -> dict[str, tuple[list[str], list[str]]]:
         "migrate_code_empty_path": (["migrate", "code", ""], ["no such file or directory: ''"]),
         "train_unwritable_output_dir": (["train", "--dry-run", f"output_dir={bad_out}"],
                                         ["output_dir: got", "is a file"]),
+        "train_negative_max_restarts": (["train", "--dry-run", "--max-restarts", "-1"],
+                                        ["--max-restarts: got -1", "an integer >= 0"]),
     }
 
 
@@ -180,7 +182,7 @@ CLI_CASES = [
     "convert_symlink_loop_source",
     "inspect_description_wrong_type", "inspect_not_a_checkpoint", "migrate_config_unwritable_output",
     "migrate_config_empty_source", "migrate_code_empty_path",
-    "train_unwritable_output_dir",
+    "train_unwritable_output_dir", "train_negative_max_restarts",
 ]
 
 

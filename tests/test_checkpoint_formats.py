@@ -522,3 +522,77 @@ def test_latest_checkpoint_survives_an_interrupted_overwrite_and_a_damaged_sibli
     assert fsdp_bridge.latest_checkpoint(tmp_path) == tmp_path / ".step_4.old"
     ckpt("step_4", 4)  # once step_4 is back, the leftover copy is not a checkpoint of its own
     assert fsdp_bridge.latest_checkpoint(tmp_path) == tmp_path / "step_4"
+
+
+_HOLD_LOCK = """
+import sys, time
+from pathlib import Path
+from fsdp_bridge.checkpoint._atomic import SaveLock
+SaveLock(Path(sys.argv[1])).acquire()
+print("held", flush=True)
+time.sleep(120)
+"""
+
+
+def _wait_for_exit(pid: int) -> None:
+    import time
+
+    for _ in range(200):  # not our child here: poll until the process is gone (a zombie holds no lock)
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().split(")")[-1].split()[0] == "Z":
+                    return
+        except FileNotFoundError:
+            return
+        time.sleep(0.05)
+
+
+def _save_while_locked(root: str, holder: int) -> dict[str, str]:
+    model = fsdp_bridge.shard(build_tiny("llama", seed=2), _config("fsdp2"))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    errors = {}
+    for kind in ("sharded", "full", "async"):
+        with pytest.raises(CheckpointError) as info:
+            if kind == "async":
+                fsdp_bridge.save_checkpoint_async(Path(root) / "ckpt", model, optimizer).wait()
+            else:
+                fsdp_bridge.save_checkpoint(Path(root) / "ckpt", model, optimizer, kind=kind)  # type: ignore[arg-type]
+        errors[kind] = str(info.value)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        os.kill(holder, signal.SIGKILL)  # the other save dies: the OS releases its lock
+        _wait_for_exit(holder)
+    dist.barrier()
+    fsdp_bridge.save_checkpoint(Path(root) / "ckpt", model, optimizer, state={"step": 3})
+    pending = fsdp_bridge.save_checkpoint_async(Path(root) / "ckpt2", model, optimizer, state={"step": 4})
+    pending.wait()
+    dist.barrier()
+    return errors
+
+
+def test_a_path_another_process_is_saving_is_refused_on_every_rank(tmp_path: Path) -> None:
+    """Two jobs saving one path at once would mix their files in one staging directory: while
+    another process holds the path's save lock, sharded, full and async saves are refused on
+    every rank, naming that process; once it is killed the OS frees the lock and saves succeed,
+    leaving no lock file behind."""
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD_LOCK, str(tmp_path / "ckpt")], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        results = run_distributed(_save_while_locked, 2, args=(str(tmp_path), holder.pid))
+    finally:
+        holder.kill()
+        holder.wait()
+    for errors in results:
+        for kind, text in errors.items():
+            assert f"is being saved by another process (pid {holder.pid} on " in text, (kind, text)
+    assert [p.name for _, p in fsdp_bridge.checkpoint.list_checkpoints(tmp_path)] == ["ckpt", "ckpt2"]
+    assert not list(tmp_path.glob(".*.lock")) and not list(tmp_path.glob(".*.partial"))
+    with pytest.raises(CheckpointError, match="is being saved by another process"):
+        from fsdp_bridge.checkpoint._atomic import SaveLock
+
+        first = SaveLock(tmp_path / "x").acquire()
+        try:
+            SaveLock(tmp_path / "x").acquire()
+        finally:
+            first.release()

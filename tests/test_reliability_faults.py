@@ -78,3 +78,34 @@ def test_fault_spec_for_another_rank_or_point_does_nothing(monkeypatch: pytest.M
     maybe_fail("step:3")
     with pytest.raises(InjectedFault, match="injected fault on rank 0 at step:2"):
         maybe_fail("step:2")
+
+
+def _losses(run_dir: Path) -> dict[int, float]:
+    """The loss of each step in metrics.jsonl (a resumed step's last record counts)."""
+    import json
+
+    out = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if "loss" in record and "step" in record:
+            out[int(record["step"])] = float(record["loss"])
+    return out
+
+
+def test_a_rank_that_dies_is_restarted_and_the_run_matches_an_uninterrupted_one(tmp_path: Path) -> None:
+    """--max-restarts 1: rank 1 dies in step 3 (after the checkpoint of step 2); the elastic agent
+    restarts both ranks, which resume from that checkpoint by themselves and finish with the same
+    loss at every step as a run that was never interrupted."""
+    cmd = [sys.executable, "-m", "fsdp_bridge", "train", str(tiny_job(tmp_path)), "-q"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    whole = subprocess.run([*cmd, f"output_dir={tmp_path / 'whole'}"], capture_output=True, text=True, env=env,
+                           timeout=TIMEOUT_S, cwd=tmp_path)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    restarted = subprocess.run([*cmd, f"output_dir={tmp_path / 'restarted'}", "--max-restarts", "1"],
+                               capture_output=True, text=True, env={**env, ENV: "1:step:3:once"},
+                               timeout=TIMEOUT_S, cwd=tmp_path)
+    assert restarted.returncode == 0, restarted.stderr[-3000:]
+    assert "restarted 1 time(s) of --max-restarts 1" in restarted.stderr, restarted.stderr[-3000:]
+    assert "attempt 0: rank 1 failed (" in restarted.stderr and "InjectedFault" in restarted.stderr
+    assert _losses(tmp_path / "restarted") == _losses(tmp_path / "whole")
+    assert sorted(_losses(tmp_path / "whole")) == [1, 2, 3, 4]

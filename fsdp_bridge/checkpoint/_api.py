@@ -34,6 +34,7 @@ from fsdp_bridge._paths import unwritable_reason
 from fsdp_bridge._version import __version__
 from fsdp_bridge.checkpoint import _hf, _peft
 from fsdp_bridge.checkpoint._atomic import (
+    SaveLock,
     check_replaceable,
     partial_path,
     publish,
@@ -253,17 +254,31 @@ def _gather_checksums(mine: dict[str, int]) -> dict[str, int]:
     return {k: v for part in gathered for k, v in (part or {}).items()}
 
 
+_HELD: dict[Path, SaveLock] = {}
+"""Rank 0's save locks, by checkpoint path, from :func:`_fresh_staging` to :func:`release_save_lock`."""
+
+
 def _fresh_staging(path: Path, rank: int) -> Path:
-    """The staging directory of ``path``, emptied by rank 0 (call a barrier after it)."""
+    """The staging directory of ``path``, emptied by rank 0 under the path's save lock (call a
+    barrier after it; rank 0 calls :func:`release_save_lock` once the save is published or failed)."""
     staging = partial_path(path)
     reason = unwritable_reason(path)
     if reason is not None:
         raise CheckpointError(path, f"cannot be written: {reason}; save to a directory this user can write")
     if rank == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _HELD[path] = SaveLock(path).acquire()  # refused while another process saves this path
         if staging.exists():  # left by an earlier save that was killed
             shutil.rmtree(staging)
         staging.mkdir(parents=True)
     return staging
+
+
+def release_save_lock(path: Path) -> None:
+    """Release the save lock :func:`_fresh_staging` took for ``path`` on this process, if any."""
+    lock = _HELD.pop(path, None)
+    if lock is not None:
+        lock.release()
 
 
 def _check_save_args(path: str | os.PathLike[str], keep_last: int | None, state: dict[str, Any] | None) -> Path:
@@ -328,6 +343,16 @@ def save_checkpoint(
                          "for a PEFT model's adapters or its base with them merged")
     path = _check_save_args(path, keep_last, state)
     rank, world = _rank_world()
+    try:
+        return _save(path, model, optimizer, kind=kind, state=state, keep_last=keep_last,
+                     max_shard_size=max_shard_size, rank=rank, world=world)
+    finally:
+        release_save_lock(path)
+
+
+def _save(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, *, kind: str,
+          state: dict[str, Any] | None, keep_last: int | None, max_shard_size: int | str, rank: int,
+          world: int) -> Path:
     staging = _on_every_rank(path, "creating the staging directory", lambda: _fresh_staging(path, rank))
 
     tied = _tied_groups(model)

@@ -37,6 +37,7 @@ from fsdp_bridge.checkpoint._api import (
     _rank_world,
     _shapes,
     _tied_groups,
+    release_save_lock,
 )
 from fsdp_bridge.checkpoint._formats import DCP_DIR
 from fsdp_bridge.checkpoint._state import write_rng
@@ -74,10 +75,11 @@ def _io_group() -> Any:
 class AsyncCheckpoint:
     """A sharded checkpoint being written in the background."""
 
-    def __init__(self, path: Path, future: Future[Any], finish: Any) -> None:
+    def __init__(self, path: Path, future: Future[Any], finish: Any, release: Any = None) -> None:
         self.path = path
         self._future = future
         self._finish = finish
+        self._release = release
         self._lock = threading.Lock()
         self._finished = False
         self._error: BaseException | None = None
@@ -94,6 +96,9 @@ class AsyncCheckpoint:
                     self._finish()
             except BaseException as err:  # surfaced by wait()
                 self._error = err
+            finally:
+                if self._release is not None:
+                    self._release()  # the path's save lock (rank 0), published or failed
 
     def done(self) -> bool:
         """Whether this rank's part is written (and, on rank 0, the checkpoint published)."""
@@ -161,6 +166,15 @@ def save_checkpoint_async(
     rank, world = _rank_world()
     # Every rank learns of a staging failure on any rank here (before new_group, which would hang).
     staging = _on_every_rank(path, "creating the staging directory", lambda: _fresh_staging(path, rank))
+    try:
+        return _start(path, model, optimizer, staging, state=state, keep_last=keep_last, rank=rank, world=world)
+    except BaseException:
+        release_save_lock(path)
+        raise
+
+
+def _start(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, staging: Path, *,
+           state: dict[str, Any] | None, keep_last: int | None, rank: int, world: int) -> AsyncCheckpoint:
     group = _io_group()
 
     tied = _tied_groups(model)
@@ -201,5 +215,6 @@ def save_checkpoint_async(
             )
 
     # With the default (thread) checkpointer, async_save returns a concurrent Future.
-    pending = _PENDING[model] = AsyncCheckpoint(path, cast("Future[Any]", future), finish)
+    pending = _PENDING[model] = AsyncCheckpoint(path, cast("Future[Any]", future), finish,
+                                                lambda: release_save_lock(path))
     return pending

@@ -4,14 +4,21 @@ A save writes into ``.NAME.partial`` beside the destination.  Only when every ra
 finished does rank 0 write ``fsdp_bridge.json`` (with the size of every file), flush it
 to disk and rename the directory to ``NAME``.  A crash or kill at any moment therefore
 leaves either the previous checkpoint or the new one, never a half-written ``NAME``.
+
+Rank 0 holds an exclusive lock on ``.NAME.lock`` (``flock``) from creating the staging
+directory until the checkpoint is published, so a second job saving the same path at the same
+time is refused instead of writing into the same staging directory.  The operating system
+releases the lock when its process dies: a killed save never leaves the path locked.
 """
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 import os
 import shutil
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -19,12 +26,62 @@ from fsdp_bridge.checkpoint._formats import META_FILE, PARTIAL_SUFFIX, Checkpoin
 
 logger = logging.getLogger("fsdp_bridge.checkpoint")
 
-__all__ = ["latest_checkpoint", "list_checkpoints", "partial_path", "publish", "rotate_checkpoints"]
+__all__ = ["SaveLock", "latest_checkpoint", "list_checkpoints", "partial_path", "publish", "rotate_checkpoints"]
 
 
 def partial_path(path: Path) -> Path:
     """The staging directory a save of ``path`` writes into."""
     return path.with_name("." + path.name + PARTIAL_SUFFIX)
+
+
+class SaveLock:
+    """An exclusive claim on saving ``path`` (one process: rank 0), released by :meth:`release`
+    or by the operating system when the process dies."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.file = path.with_name("." + path.name + ".lock")
+        self._fd: int | None = None
+
+    def acquire(self) -> SaveLock:
+        """Take the lock, or raise :class:`CheckpointError` naming the process that holds it."""
+        try:
+            import fcntl
+        except ImportError:  # no flock on this platform: saves are not protected against each other
+            return self
+        for _ in range(5):
+            fd = os.open(self.file, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                holder = os.read(fd, 4096).decode(errors="replace").strip() or "unknown process"
+                os.close(fd)
+                raise CheckpointError(self.path, f"is being saved by another process ({holder}); two saves of one "
+                                                 "path would mix their files: wait for that save, or save this "
+                                                 "one to another path") from None
+            try:
+                ours = os.fstat(fd).st_ino == os.stat(self.file).st_ino
+            except FileNotFoundError:
+                ours = False
+            if ours:  # not a lock file its last holder unlinked while we were opening it
+                os.ftruncate(fd, 0)
+                now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+                os.write(fd, f"pid {os.getpid()} on {socket.gethostname()} since {now}".encode())
+                self._fd = fd
+                return self
+            os.close(fd)
+        raise CheckpointError(self.path, f"could not lock {self.file.name}: it was replaced repeatedly; "
+                                         "is another job saving this path in a loop?")
+
+    def release(self) -> None:
+        """Remove the lock file and release the lock (idempotent)."""
+        if self._fd is None:
+            return
+        fd, self._fd = self._fd, None
+        try:
+            self.file.unlink(missing_ok=True)  # under the lock: a waiting opener sees the inode change
+        finally:
+            os.close(fd)  # closing releases the flock
 
 
 def _fsync_dir(path: Path) -> None:

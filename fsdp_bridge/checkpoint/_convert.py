@@ -26,6 +26,7 @@ from fsdp_bridge._paths import unwritable_reason
 from fsdp_bridge._version import __version__
 from fsdp_bridge.checkpoint import _hf
 from fsdp_bridge.checkpoint._atomic import (
+    SaveLock,
     check_not_nested,
     check_replaceable,
     partial_path,
@@ -242,15 +243,21 @@ def _write_converted(detected: Detected, full: FullCheckpoint, src: str | os.Pat
         return dst_path
 
     staging = partial_path(dst_path)
-    if staging.exists():
-        shutil.rmtree(staging)
-    staging.mkdir(parents=True)
+    dst_path.parent.mkdir(parents=True, exist_ok=True)
+    lock = SaveLock(dst_path).acquire()  # refused while another process writes dst
     try:
-        _write_staging(detected, full, src, staging, to=to, config_path=config_path, max_shard_size=max_shard_size)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)  # a failed conversion leaves nothing behind
-        raise
-    publish(staging, dst_path)
+        if staging.exists():
+            shutil.rmtree(staging)
+        staging.mkdir(parents=True)
+        try:
+            _write_staging(detected, full, src, staging, to=to, config_path=config_path,
+                           max_shard_size=max_shard_size)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)  # a failed conversion leaves nothing behind
+            raise
+        publish(staging, dst_path)
+    finally:
+        lock.release()
     return dst_path
 
 

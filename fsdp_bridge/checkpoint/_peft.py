@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
+from fsdp_bridge.checkpoint._atomic import SaveLock
 from fsdp_bridge.checkpoint._formats import CheckpointError
 
 __all__ = ["PEFT_KINDS", "find_peft_model", "save_peft"]
@@ -64,24 +65,35 @@ def save_peft(path: str | os.PathLike[str], model: nn.Module, kind: PeftKind, *,
     target = Path(path)
     _check_destination(target)
     state = get_model_state_dict(model, options=full_state_dict)  # collective: every rank
-    if _rank() == 0:
-        staging = target.with_name(f".{target.name}.partial")
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
-        tensors = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
-        if kind == "adapter":
-            _write_adapter(peft_model, tensors, staging)
-        else:
-            _write_merged(peft_model, tensors, staging, max_shard_size=max_shard_size)
-        old = target.with_name(f".{target.name}.old")
-        if target.exists():
+
+    def write() -> None:  # rank 0, under the path's save lock
+        if _rank() != 0:
+            return
+        target.parent.mkdir(parents=True, exist_ok=True)
+        lock = SaveLock(target).acquire()
+        try:
+            staging = target.with_name(f".{target.name}.partial")
+            shutil.rmtree(staging, ignore_errors=True)
+            staging.mkdir(parents=True)
+            tensors = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+            if kind == "adapter":
+                _write_adapter(peft_model, tensors, staging)
+            else:
+                _write_merged(peft_model, tensors, staging, max_shard_size=max_shard_size)
+            old = target.with_name(f".{target.name}.old")
+            if target.exists():
+                shutil.rmtree(old, ignore_errors=True)
+                target.rename(old)
+            staging.rename(target)
             shutil.rmtree(old, ignore_errors=True)
-            target.rename(old)
-        staging.rename(target)
-        shutil.rmtree(old, ignore_errors=True)
-    del state
-    if dist.is_initialized():
-        dist.barrier()
+        finally:
+            lock.release()
+
+    from fsdp_bridge.checkpoint._api import _on_every_rank
+
+    # A failure on rank 0 (a full disk, another save of this path) reaches every rank at once.
+    _on_every_rank(target, f"writing the {kind} export (rank 0)", write)
+    state.clear()  # the gathered full state: freed now, not when the caller's frame ends
     return target
 
 

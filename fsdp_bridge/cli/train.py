@@ -39,6 +39,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                       help="also print what each bridge option became, and every checkpoint")
     p.add_argument("--dry-run", action="store_true",
                    help="check the config (and the mesh for the world size) and print it; train nothing")
+    p.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                   help="when a rank dies, restart every rank up to N times; each restart resumes from the "
+                        "latest checkpoint in output_dir (default 0: the job fails)")
     multi = p.add_argument_group("multi-node (torchrun's rendezvous flags)")
     multi.add_argument("--nnodes", type=int, default=1, help="number of nodes (default 1)")
     multi.add_argument("--node-rank", type=int, default=None, metavar="I",
@@ -101,6 +104,13 @@ def run(args: argparse.Namespace) -> int:
     launch_problems = [Problem(flag, value, "an integer >= 1")
                        for flag, value in (("--nproc-per-node", args.nproc_per_node), ("--nnodes", args.nnodes))
                        if value is not None and value < 1]
+    if args.max_restarts < 0:
+        launch_problems.append(Problem("--max-restarts", args.max_restarts, "an integer >= 0",
+                                       "e.g. --max-restarts 3 (0: a dead rank ends the job)"))
+    if args.max_restarts and inside:
+        launch_problems.append(Problem("--max-restarts", args.max_restarts, "0 inside an existing launch",
+                                       "give torchrun its own --max-restarts (fsdp-bridge train resumes from the "
+                                       "latest checkpoint on each restart either way)"))
     if not launch_problems:
         launch_problems = node_rank_problems(args.node_rank, args.nnodes)
     if launch_problems:
@@ -127,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
         return run_rank(config_dict, verbosity)
     options = LaunchOptions(nproc_per_node=local, nnodes=args.nnodes, node_rank=args.node_rank,
                             rdzv_endpoint=args.rdzv_endpoint,
-                            rdzv_id=args.rdzv_id, rdzv_backend=args.rdzv_backend)
+                            rdzv_id=args.rdzv_id, rdzv_backend=args.rdzv_backend, max_restarts=args.max_restarts)
     code = launch(config_dict, options, verbosity=verbosity)
     sys.stdout.flush()
     return code

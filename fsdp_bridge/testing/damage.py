@@ -10,8 +10,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import zlib
 from pathlib import Path
+
+from fsdp_bridge.checkpoint._formats import crc32_of
 
 __all__ = ["redescribe", "zero_file"]
 
@@ -27,7 +28,7 @@ def redescribe(checkpoint: str | os.PathLike[str]) -> None:
         if rel in meta.get("digests", {}):
             meta["digests"][rel] = hashlib.sha256(data).hexdigest()
         if rel in meta.get("checksums", {}):
-            meta["checksums"][rel] = zlib.crc32(data)
+            meta["checksums"][rel] = crc32_of(root / rel)  # the loader's own checksum
     (root / "fsdp_bridge.json").write_text(json.dumps(meta, indent=2))
 
 

@@ -50,6 +50,8 @@ class LaunchOptions:
     rdzv_endpoint: str | None = None
     rdzv_id: str | None = None
     rdzv_backend: str = "c10d"
+    max_restarts: int = 0
+    """Restarts of every rank after one dies; each restart resumes from the latest checkpoint."""
 
 
 def node_rank_problems(node_rank: int | None, nnodes: int) -> list[Problem]:
@@ -101,9 +103,16 @@ def run_rank(config_dict: dict[str, Any], verbosity: str, failure_dir: str | Non
     rank = int(os.environ.get("RANK", "0"))
     if failure_dir is not None:
         os.environ[PROGRESS_ENV] = failure_dir
+    attempt = restart_count()
+    if attempt:
+        # Restarted by the elastic agent after a rank died: carry on from the latest checkpoint.
+        config_dict = {**config_dict, "resume": "auto"}
     try:
         _env_from_slurm()
         rank = int(os.environ.get("RANK", "0"))
+        if attempt and rank == 0 and verbosity != "quiet":
+            print(f"fsdp-bridge train: restart {attempt}: resuming from the latest checkpoint in "
+                  f"{config_dict['output_dir']}", file=sys.stderr, flush=True)
         if "OMP_NUM_THREADS" not in os.environ:
             local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
@@ -150,28 +159,63 @@ def mark_progress(step: int) -> None:
     directory = os.environ.get(PROGRESS_ENV)
     if directory:
         rank = os.environ.get("RANK", "0")
+        record = {"step": step, "time": time.time(), "attempt": restart_count()}
         with contextlib.suppress(OSError):
-            Path(directory, f"progress{rank}.json").write_text(json.dumps({"step": step, "time": time.time()}))
+            Path(directory, f"progress{rank}.json").write_text(json.dumps(record))
+
+
+def restart_count() -> int:
+    """How many times the elastic agent has restarted this job's ranks (0 on the first attempt)."""
+    try:
+        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    except ValueError:
+        return 0
 
 
 def _record_failure(failure_dir: Path, rank: int) -> None:
-    failure = {"time": time.time(), "rank": rank, "traceback": traceback.format_exc()}
-    (failure_dir / f"rank{rank}.json").write_text(json.dumps(failure))
+    attempt = restart_count()
+    failure = {"time": time.time(), "rank": rank, "attempt": attempt, "traceback": traceback.format_exc()}
+    (failure_dir / f"rank{rank}-attempt{attempt}.json").write_text(json.dumps(failure))
+
+
+def _read_failures(failure_dir: Path) -> list[dict[str, Any]]:
+    failures = []
+    for path in failure_dir.glob("rank*.json"):
+        try:
+            failures.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue
+    return failures
+
+
+def _restarts_note(failure_dir: Path, restarts: int) -> str | None:
+    """What earlier attempts died of, for a job the elastic agent restarted."""
+    firsts: dict[int, dict[str, Any]] = {}
+    for f in sorted(_read_failures(failure_dir), key=lambda f: f["time"]):
+        firsts.setdefault(int(f.get("attempt", 0)), f)
+    if not firsts:
+        return None
+    lines = [f"attempt {a}: rank {f['rank']} failed ({str(f['traceback']).strip().splitlines()[-1]})"
+             for a, f in sorted(firsts.items())]
+    return (f"fsdp-bridge train: restarted {len(firsts)} time(s) of --max-restarts {restarts}, each from the latest "
+            "checkpoint; " + "; ".join(lines))
 
 
 _WAITED = ("timed out", "timeout", "connection reset", "connection closed", "broken pipe")
 """How a collective that waited for a silent peer ends, in gloo's and NCCL's errors."""
 
 
-def _silent_ranks(failure_dir: Path, failed: set[int], first_traceback: str) -> str | None:
+def _silent_ranks(failure_dir: Path, failed: set[int], first_traceback: str, attempt: int) -> str | None:
     """A sentence naming the ranks that stopped answering, when the ranks that failed did so
-    waiting for them: they started the run (progress recorded) but never raised."""
+    waiting for them: they started this attempt's training (progress recorded) but never raised."""
     if not any(w in first_traceback.lower() for w in _WAITED):
         return None
     progress: dict[int, dict[str, float]] = {}
     for path in failure_dir.glob("progress*.json"):
         with contextlib.suppress(OSError, ValueError):
-            progress[int(path.stem.removeprefix("progress"))] = json.loads(path.read_text())
+            record = json.loads(path.read_text())
+            if int(record.get("attempt", 0)) == attempt:
+                progress[int(path.stem.removeprefix("progress"))] = record
     silent = sorted(set(progress) - failed)
     if not silent:
         return None
@@ -184,19 +228,16 @@ def _silent_ranks(failure_dir: Path, failed: set[int], first_traceback: str) -> 
             "timeout_s sets how long the others wait.")
 
 
-def _root_cause(failure_dir: Path) -> tuple[int, str, list[int]] | None:
-    """(first failed rank, its traceback, the ranks that failed after it), from the recorded failures."""
-    failures = []
-    for path in failure_dir.glob("rank*.json"):
-        try:
-            failures.append(json.loads(path.read_text()))
-        except (OSError, ValueError):
-            continue
+def _root_cause(failure_dir: Path) -> tuple[int, str, list[int], int] | None:
+    """(first failed rank, its traceback, the ranks that failed after it, the attempt), from the
+    failures recorded in the last attempt."""
+    failures = _read_failures(failure_dir)
     if not failures:
         return None
-    failures.sort(key=lambda f: f["time"])
+    last = max(int(f.get("attempt", 0)) for f in failures)
+    failures = sorted((f for f in failures if int(f.get("attempt", 0)) == last), key=lambda f: f["time"])
     first = failures[0]
-    return int(first["rank"]), str(first["traceback"]), sorted(int(f["rank"]) for f in failures[1:])
+    return int(first["rank"]), str(first["traceback"]), sorted(int(f["rank"]) for f in failures[1:]), last
 
 
 def _elastic_entry(config_dict: dict[str, Any], verbosity: str, failure_dir: str) -> None:
@@ -244,7 +285,7 @@ def launch(config_dict: dict[str, Any], options: LaunchOptions, *, verbosity: st
         rdzv_backend=options.rdzv_backend,
         rdzv_endpoint=options.rdzv_endpoint or "localhost:0",
         rdzv_configs=rdzv_configs,
-        max_restarts=0,
+        max_restarts=options.max_restarts,
         start_method="spawn",
     )
     from fsdp_bridge.train._loop import STOPPED
@@ -272,8 +313,8 @@ def launch(config_dict: dict[str, Any], options: LaunchOptions, *, verbosity: st
                 print(f"fsdp-bridge train: rank {ranks} failed (exit code {', '.join(map(str, sorted(codes)))}); "
                       "see the log above", file=sys.stderr)
                 return 1
-            rank, tb, after = cause
-            silent = _silent_ranks(Path(failure_dir), {rank, *after}, tb)
+            rank, tb, after, attempt = cause
+            silent = _silent_ranks(Path(failure_dir), {rank, *after}, tb, attempt)
             if silent is not None:
                 last = tb.rstrip().splitlines()[-1] if tb.strip() else ""
                 print(f"fsdp-bridge train: {silent} Rank {rank}'s error: {last}", file=sys.stderr)
@@ -282,4 +323,7 @@ def launch(config_dict: dict[str, Any], options: LaunchOptions, *, verbosity: st
             print(f"fsdp-bridge train: rank {rank} failed first{then}. Rank {rank}'s traceback:\n{tb.rstrip()}",
                   file=sys.stderr)
             return 1
+        note = _restarts_note(Path(failure_dir), options.max_restarts) if options.max_restarts else None
+        if note is not None:
+            print(note, file=sys.stderr)
     return 0
