@@ -32,7 +32,8 @@ from fsdp_bridge.distributed import (
 from fsdp_bridge.errors import ConfigError, Problem
 from fsdp_bridge.mapping import TranslationReport, show_value, translate, unsupported_problems
 from fsdp_bridge.plan import ShardPlan, resolve_plan
-from fsdp_bridge.wrap import WrapPlan, resolve_ignored, resolve_wrap
+from fsdp_bridge.strategy import Backend
+from fsdp_bridge.wrap import WrapPlan, in_post_order, one_dtype_per_unit, resolve_ignored, resolve_wrap
 
 __all__ = ["Bridge", "clip_grad_norm_", "get_bridge", "no_sync", "shard", "summon_full_params"]
 
@@ -215,6 +216,8 @@ def shard(model: nn.Module, config: BridgeConfig | None = None, *, mesh: DeviceM
         units = _apply_activation_checkpointing(model, units)
         if hf.disable_kv_cache(model):
             wrap_plan.notes.append("use_cache=False: activation checkpointing recomputes layers")
+    if wrap_plan.dtype_units:  # sharded on their own, not checkpointed: merged after AC
+        units = in_post_order(model, [*units, *wrap_plan.dtype_units])
 
     mesh = mesh or build_mesh(mesh_plan, device.type)  # first collective
     ignored_ids = {id(p) for m in ignored for p in m.parameters()}
@@ -272,6 +275,9 @@ def _validate(
     wrap_plan = None
     try:
         wrap_plan = resolve_wrap(model, config.wrap, ignored=ignored)
+        if config.backend is Backend.FSDP1:
+            extra, notes = one_dtype_per_unit(model, wrap_plan.modules, ignored)
+            wrap_plan.dtype_units, wrap_plan.notes = extra, [*wrap_plan.notes, *notes]
     except ConfigError as err:
         problems.extend(err.problems)
     has_meta = _has_meta(model)

@@ -10,13 +10,14 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 
 from fsdp_bridge.config import WrapPolicy
 from fsdp_bridge.errors import ConfigError, Problem
 from fsdp_bridge.hf import no_split_module_classes
 
-__all__ = ["WrapPlan", "module_names", "resolve_ignored", "resolve_wrap"]
+__all__ = ["WrapPlan", "in_post_order", "module_names", "one_dtype_per_unit", "resolve_ignored", "resolve_wrap"]
 
 # FSDP1's size-based policy never wraps containers and does not look inside these.
 _NEVER_WRAP = (nn.ModuleList, nn.ModuleDict)
@@ -32,6 +33,9 @@ class WrapPlan:
     """How the units were chosen, for the report."""
     notes: list[str] = field(default_factory=list)
     """Adjustments made (e.g. units merged to keep tied parameters together)."""
+    dtype_units: list[nn.Module] = field(default_factory=list)
+    """Modules made units of their own so that every unit holds one dtype (FSDP1; not in
+    :attr:`units`, so activation checkpointing does not wrap them)."""
 
     @property
     def modules(self) -> list[nn.Module]:
@@ -82,6 +86,78 @@ def _repeated_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The children of every ModuleList with two or more entries (transformer blocks)."""
     names = {n for n, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) >= 2}
     return [(n, m) for n, m in _post_order(model) if n.rpartition(".")[0] in names and not isinstance(m, _NEVER_WRAP)]
+
+
+def one_dtype_per_unit(model: nn.Module, units: list[nn.Module],
+                       ignored: list[nn.Module] | None = None) -> tuple[list[nn.Module], list[str]]:
+    """Modules to shard as units of their own so that every unit (the root too) holds parameters
+    of one dtype, as FSDP1's flat parameters require: e.g. the fp32 LoRA adapters inside a bf16
+    base model's layers.
+
+    In each unit whose own parameters (those not in a nested unit) mix dtypes, the dtype holding
+    most elements stays; the module directly owning each other parameter becomes a unit.
+
+    Returns:
+        The added modules (to merge with ``units`` in post-order) and a note for the report.
+
+    Raises:
+        ConfigError: when a module's own parameters mix dtypes (it cannot be split further).
+    """
+    unit_ids = {id(u) for u in units}
+    skip = {id(p) for m in ignored or [] for p in m.parameters()}
+    names = {id(m): n or "(root)" for n, m in model.named_modules()}
+    owner: dict[int, nn.Module] = {}
+    for m in model.modules():
+        for p in m._parameters.values():
+            if p is not None:
+                owner.setdefault(id(p), m)
+
+    def own_params(unit: nn.Module) -> list[nn.Parameter]:
+        out: list[nn.Parameter] = []
+        stack = [unit]
+        while stack:
+            m = stack.pop()
+            out.extend(p for p in m._parameters.values() if p is not None and id(p) not in skip and p.dim() > 0)
+            stack.extend(c for c in m.children() if id(c) not in unit_ids)
+        return out
+
+    added: dict[int, nn.Module] = {}
+    problems: list[Problem] = []
+    for unit in [*units, model]:
+        params = list({id(p): p for p in own_params(unit)}.values())
+        counts: dict[torch.dtype, int] = {}
+        for p in params:
+            counts[p.dtype] = counts.get(p.dtype, 0) + p.numel()
+        if len(counts) < 2:
+            continue
+        keep = max(counts, key=lambda d: counts[d])
+        for p in params:
+            if p.dtype == keep:
+                continue
+            m = owner[id(p)]
+            mixed = {q.dtype for q in m._parameters.values() if q is not None}
+            if m is unit or len(mixed) > 1:
+                problems.append(Problem("model", f"{names[id(m)]} holds {', '.join(sorted(map(str, mixed)))} "
+                                        "parameters", "one dtype per module's own parameters (FSDP1 flattens a "
+                                        "unit's parameters into one tensor)",
+                                        f"cast {names[id(m)]} to one dtype, or use backend: fsdp2"))
+                continue
+            added[id(m)] = m
+    if problems:
+        raise ConfigError(list({(p.key, str(p.value)): p for p in problems}.values()))
+    if not added:
+        return [], []
+    dtypes = sorted({str(p.dtype) for m in added.values() for p in m.parameters()})
+    examples = ", ".join(names[i] for i in list(added)[:2])
+    note = (f"{len(added)} modules holding {'/'.join(dtypes)} parameters inside units of another dtype made units "
+            f"of their own (FSDP1 needs one dtype per unit): {examples}{', ...' if len(added) > 2 else ''}")
+    return list(added.values()), [note]
+
+
+def in_post_order(model: nn.Module, modules: list[nn.Module]) -> list[nn.Module]:
+    """``modules`` (root excluded) ordered children before parents, as the backends shard them."""
+    wanted = {id(m) for m in modules}
+    return [m for _, m in _post_order(model) if id(m) in wanted]
 
 
 def _keep_tied_together(

@@ -124,6 +124,31 @@ def _lora_ranks(out_dir: str) -> dict[str, Any]:
                 "all": sum(p.numel() for p in reference.parameters()),
                 "optimizer_numel": int(total),
             }
+    # A frozen base stored in bf16 with fp32 adapters (peft upcasts them): one block then holds two
+    # dtypes; FSDP1 gets the adapters as units of their own, FSDP2 takes it as it is.
+    for backend in Backend:
+        model = peft.get_peft_model(build_tiny("llama", seed=0).to(torch.bfloat16),
+                                    peft.LoraConfig(r=4, lora_alpha=8, target_modules=FAMILIES["llama"],
+                                                    init_lora_weights=False))
+        frozen = {k: v.clone() for k, v in model.state_dict().items() if "lora_" not in k}
+        adapters = {k: v.clone() for k, v in model.state_dict().items() if "lora_" in k}
+        sharded = fsdp_bridge.shard(model, BridgeConfig(backend=backend, wrap="auto"))
+        opt = torch.optim.AdamW([p for p in sharded.parameters() if p.requires_grad], lr=1e-2)
+        losses = []
+        for step in range(STEPS):
+            loss = sharded(**sample_batch("llama", batch=2, seq=8, seed=(42 + rank) * 1000 + step)).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        full = _full(sharded)
+        results[f"bf16-base/{backend.value}"] = {
+            "losses": losses,
+            "dtypes": sorted({f"{'lora' if 'lora_' in k else 'base'}:{v.dtype}" for k, v in full.items()}),
+            "frozen_same": all(torch.equal(full[k], v) for k, v in frozen.items()),
+            "adapters_trained": all(not torch.equal(full[k], v) for k, v in adapters.items()),
+            "notes": fsdp_bridge.get_bridge(sharded).wrap.notes,
+        }
     return results
 
 
@@ -152,6 +177,13 @@ def test_lora_trains_generates_and_exports_on_both_backends(tmp_path: Path, run_
     for family in FAMILIES:
         build_tiny(family, seed=0, **NO_DROPOUT.get(family, {})).save_pretrained(tmp_path / f"{family}-base")
     results = run_on_ranks(_lora_ranks, 2, str(tmp_path))[0]
+    bf16 = {b: results.pop(f"bf16-base/{b}") for b in ("fsdp1", "fsdp2")}
+    for r in bf16.values():
+        assert r["dtypes"] == ["base:torch.bfloat16", "lora:torch.float32"] and r["frozen_same"], r
+        assert r["adapters_trained"], r
+    assert any("made units of their own (FSDP1 needs one dtype per unit)" in n for n in bf16["fsdp1"]["notes"])
+    assert not any("one dtype per unit" in n for n in bf16["fsdp2"]["notes"])
+    torch.testing.assert_close(bf16["fsdp1"]["losses"], bf16["fsdp2"]["losses"], rtol=1.6e-2, atol=1e-3)
     for name, r in results.items():
         ref_before, before, ref_after, after = r["tokens"]
         assert before == ref_before and after == ref_after, name  # greedy tokens equal the unsharded model's

@@ -171,3 +171,21 @@ def test_nccl_is_bound_to_the_rank_gpu_and_gloo_is_not(monkeypatch: pytest.Monke
     monkeypatch.setattr(distributed, "resolve_device", lambda device: torch.device("cpu"))
     distributed.init_distributed("cpu")
     assert [(c["backend"], c["device_id"]) for c in calls] == [("nccl", torch.device("cuda", 1)), ("gloo", None)]
+
+
+def test_fsdp1_units_hold_one_dtype_each() -> None:
+    """A bf16 block holding fp32 adapters: the modules owning the fp32 parameters become units of
+    their own; a module whose own parameters mix dtypes cannot be split and is refused, named."""
+    from fsdp_bridge.errors import ConfigError
+    from fsdp_bridge.wrap import in_post_order, one_dtype_per_unit
+
+    block = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)).to(torch.bfloat16)
+    block.add_module("adapter", nn.Linear(4, 2))  # fp32, like peft's upcast lora_A/lora_B
+    model = nn.Sequential(block, nn.Linear(4, 4))
+    extra, notes = one_dtype_per_unit(model, [block])
+    assert extra == [block.adapter] and "0.adapter" in notes[0] and "torch.float32" in notes[0]
+    assert in_post_order(model, [block, *extra]) == [block.adapter, block]
+    assert one_dtype_per_unit(model, [block, block.adapter]) == ([], [])
+    block[0].bias = nn.Parameter(torch.zeros(4))  # fp32 bias on a bf16 weight: one module, two dtypes
+    with pytest.raises(ConfigError, match=r"model: got '0.0 holds torch.bfloat16, torch.float32 parameters'"):
+        one_dtype_per_unit(model, [block])
