@@ -129,7 +129,9 @@ TABLE: tuple[Rule, ...] = (
         T(
             E,
             "2D mesh (world, 1): replicate over every rank, shard over groups of one, so every rank holds "
-            "the full model and gradients are all-reduced: NO_SHARD's meaning, not ZeRO-2",
+            "the full model and gradients are all-reduced: NO_SHARD's meaning, not ZeRO-2. FSDP2 keeps a "
+            "gathered copy of each unit in use (about 1.2x FSDP1's peak on a small Llama); torch's FSDP2-based "
+            "replicate() measured the same peak and was not faster (benchmarks/no_shard.py)",
         ),
         _strategy(SS.NO_SHARD),
     ),

@@ -55,6 +55,7 @@ NOT_RUN: dict[str, str] = {
     "OMP_NUM_THREADS=1 python benchmarks/plan_at_scale.py": "40 s; test_fake_world.py plans the same worlds",
     "python benchmarks/run.py": "the full benchmark suite (minutes)",
     "python benchmarks/run.py --quick": "a benchmark run (about a minute)",
+    "OMP_NUM_THREADS=1 python benchmarks/no_shard.py": "a benchmark (about a minute on 2 cores)",
     "python benchmarks/gpu.py --repeats 1 --steps 6 --out benchmarks/results-gpu.json":
         "needs a CUDA GPU (exits 2 without one); the GPU paths: test_gpu.py (CUDA-marked)",
     "python -m pytest tests/test_reliability_faults.py tests/test_reliability_checkpoints.py "
