@@ -652,7 +652,9 @@ def migrate_config(path: str | os.PathLike[str], *, fsdp: str | None = None) -> 
                                          f"ignored by the source too: {o.ignored_because}"))
             continue
         if o.option in BridgeConfig.field_names():
-            entries = [e for e in fsdp1_on_2.entries if e.option == o.option or e.option.startswith(o.option + ".")]
+            # Sub-options left unset (mixed_precision.output_dtype: null) say nothing about the source.
+            entries = [e for e in fsdp1_on_2.entries
+                       if e.option == o.option or (e.option.startswith(o.option + ".") and e.value is not None)]
             for e in entries:
                 key = o.key if e.option == o.option else f"{o.key} ({e.option})"
                 report.rows.append(OptionRow(key, value, status_of(e.outcome), _target(fsdp2, o.option), e.text))
