@@ -148,7 +148,7 @@ def test_plain_python_loop_example_trains_identically_on_both_backends() -> None
     assert fsdp1[-1] < fsdp1[0] - 0.5
 
 
-def test_sigterm_saves_at_the_next_step_and_names_the_resume_command(tmp_path: Path) -> None:
+def test_sigterm_saves_at_the_next_step_and_names_the_resume_command(tmp_path: Path, monkeypatch, capsys) -> None:
     import signal
     import time
 
@@ -178,12 +178,20 @@ def test_sigterm_saves_at_the_next_step_and_names_the_resume_command(tmp_path: P
     assert [r["step"] for r in _metrics(out)] == list(range(1, step + 3))
     assert json.loads((out / "summary.json").read_text())["steps"] == step + 2
     assert not (out / "stopped.json").exists()
-    # --resume on the finished run: said so, nothing launched, nothing rewritten.
+    # --resume on the finished run: said so, nothing launched, nothing rewritten (the same command,
+    # in this process: it must return before launching anything).
+    import fsdp_bridge.train._launch as launch_mod
+    from fsdp_bridge.cli import main
+
+    def refuse(*args: object, **kwargs: object) -> int:
+        raise AssertionError("a process was launched")
+
+    monkeypatch.setattr(launch_mod, "launch", refuse)
+    monkeypatch.setattr(launch_mod, "run_rank", refuse)
     summary, metrics = (out / "summary.json").read_bytes(), (out / "metrics.jsonl").read_bytes()
-    again = subprocess.run([*cmd, "--resume", f"max_steps={step + 2}"], capture_output=True, text=True,
-                           timeout=120, env=env, cwd=tmp_path)
-    assert again.returncode == 0, again.stderr[-2000:]
-    assert f"is complete: its latest checkpoint is at step {step + 2}" in again.stdout
+    capsys.readouterr()
+    assert main([*cmd[3:], "--resume", f"max_steps={step + 2}"]) == 0
+    assert f"is complete: its latest checkpoint is at step {step + 2}" in capsys.readouterr().out
     assert (out / "summary.json").read_bytes() == summary and (out / "metrics.jsonl").read_bytes() == metrics
 
 
