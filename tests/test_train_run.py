@@ -148,6 +148,13 @@ def test_plain_python_loop_example_trains_identically_on_both_backends() -> None
     assert fsdp1[-1] < fsdp1[0] - 0.5
 
 
+def _cli_as_a_rank(argv: list[str]) -> int:
+    """``fsdp-bridge ARGV`` in a rank of a launch (RANK and WORLD_SIZE set): it trains in place."""
+    from fsdp_bridge.cli import main
+
+    return main(argv)
+
+
 def test_sigterm_saves_at_the_next_step_and_names_the_resume_command(tmp_path: Path, monkeypatch, capsys) -> None:
     import signal
     import time
@@ -171,10 +178,11 @@ def test_sigterm_saves_at_the_next_step_and_names_the_resume_command(tmp_path: P
     assert f"at step {step} of 500" in line and f"step_{step:08d}" in line and line.endswith("--resume")
     assert (out / "checkpoints" / f"step_{step:08d}" / "fsdp_bridge.json").is_file()
     assert not (out / "summary.json").exists()
-    # The command it names resumes from that step (here to two more steps).
-    resumed = subprocess.run([*cmd, "--resume", f"max_steps={step + 2}"], capture_output=True, text=True,
-                             timeout=300, env=env, cwd=tmp_path)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    # The command it names resumes from that step (here to two more steps): run as each of 2 ranks runs
+    # it under torchrun (the launcher itself was exercised above).
+    codes = run_distributed(_cli_as_a_rank, 2, args=([*cmd[3:], "--resume", f"max_steps={step + 2}"],),
+                            timeout_s=300)
+    assert codes == [0, 0], codes
     assert [r["step"] for r in _metrics(out)] == list(range(1, step + 3))
     assert json.loads((out / "summary.json").read_text())["steps"] == step + 2
     assert not (out / "stopped.json").exists()
