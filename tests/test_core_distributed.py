@@ -285,3 +285,20 @@ def test_bad_hybrid_shape_fails_on_every_rank_without_hanging() -> None:
     assert set(info.value.failures) == {0, 1}
     for tb in info.value.failures.values():
         assert "hybrid_shape: got [2, 2]; allowed: two integers whose product is the world size (2)" in tb
+
+
+def _seen_by_rank(name: str) -> tuple[str | None, str, str]:
+    import os
+    import sys
+
+    return os.environ.get(name), os.getcwd(), sys.path[0]
+
+
+def test_ranks_see_the_callers_current_environment_directory_and_path(tmp_path, monkeypatch) -> None:
+    """Ranks are forked from a fork server started earlier: they must still get what a fresh spawn gets."""
+    run_distributed(_seen_by_rank, 1, args=("X",))  # the fork server is running before the changes below
+    monkeypatch.setenv("FSDP_BRIDGE_TEST_VALUE", "set after the server started")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    results = run_distributed(_seen_by_rank, 2, args=("FSDP_BRIDGE_TEST_VALUE",), env={"EXTRA": "1"})
+    assert results == [("set after the server started", str(tmp_path), str(tmp_path))] * 2

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from torch import nn
 
 from fsdp_bridge import Backend, BridgeConfig, ConfigError, Outcome, translate
+from fsdp_bridge.cli import main
 from fsdp_bridge.config import WrapPolicy
 from fsdp_bridge.mapping import CONFIG_OPTIONS, TABLE
 from fsdp_bridge.testing.models import FAMILIES, build_tiny
@@ -102,25 +101,26 @@ def test_every_option_value_gets_exactly_one_outcome() -> None:
 
 
 @pytest.mark.parametrize("example", sorted((ROOT / "examples").glob("*.yaml")), ids=lambda p: p.name)
-def test_explain_prints_table_for_every_example(example: Path) -> None:
-    out = subprocess.run([sys.executable, "-m", "fsdp_bridge", "explain", str(example)], capture_output=True,
-                         text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert "fsdp1:" in out.stdout and "fsdp2:" in out.stdout and "strategy" in out.stdout
+# `fsdp-bridge explain` through the CLI's main in this process (the console entry point itself
+# runs in test_imports.py and test_doc_commands.py).
+def test_explain_prints_table_for_every_example(example: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["explain", str(example)])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    assert "fsdp1:" in out.out and "fsdp2:" in out.out and "strategy" in out.out
 
 
-def test_explain_flags_options_the_other_backend_refuses(tmp_path: Path) -> None:
+def test_explain_flags_options_the_other_backend_refuses(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "c.yaml"
     path.write_text("backend: fsdp1\nbackward_prefetch: post\n")
-    out = subprocess.run([sys.executable, "-m", "fsdp_bridge", "explain", str(path), "--backend", "fsdp2"],
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert "! backward_prefetch is refused on fsdp2" in out.stdout
+    code = main(["explain", str(path), "--backend", "fsdp2"])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    assert "! backward_prefetch is refused on fsdp2" in out.out
     bad = tmp_path / "bad.yaml"
     bad.write_text("backend: fsdp2\nbackward_prefetch: post\nstrategy: zero\n")
-    out = subprocess.run([sys.executable, "-m", "fsdp_bridge", "explain", str(bad)], capture_output=True, text=True,
-                         timeout=120)
-    assert out.returncode == 2 and "strategy: got 'zero'" in out.stderr
+    code = main(["explain", str(bad)])
+    assert code == 2 and "strategy: got 'zero'" in capsys.readouterr().err
 
 
 def test_families_list() -> None:

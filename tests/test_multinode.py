@@ -14,12 +14,13 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from fsdp_bridge.testing import run_distributed
 from fsdp_bridge.testing.models import build_tiny, sample_batch
 
 # PyTorch's float32 tolerances for distributed parity (see torch's FSDP tests).
@@ -82,10 +83,12 @@ def _started(commands: list[list[str]], cwd: Path) -> Iterator[list[subprocess.P
             _kill(proc)
 
 
-def _run_nodes(commands: list[list[str]], cwd: Path) -> list[str]:
-    """Run the launchers together; fail (killing all of them) unless every one exits 0 in time."""
+def _run_nodes(commands: list[list[str]], cwd: Path, meanwhile: Callable[[], Any] | None = None) -> tuple[list[str], Any]:
+    """Run the launchers together (and ``meanwhile()`` here while they run); fail (killing all of
+    them) unless every one exits 0 in time.  Returns their outputs and what ``meanwhile`` returned."""
     with _started(commands, cwd) as procs:
         deadline = time.monotonic() + TIMEOUT_S
+        during = meanwhile() if meanwhile is not None else None
         outputs = []
         for i, proc in enumerate(procs):
             try:
@@ -94,7 +97,7 @@ def _run_nodes(commands: list[list[str]], cwd: Path) -> list[str]:
                 raise AssertionError(f"launcher {i} still running after {TIMEOUT_S} s: {commands[i]}") from None
             assert proc.returncode == 0, f"launcher {i} exited {proc.returncode}: {commands[i]}\n{out[-4000:]}"
             outputs.append(out)
-    return outputs
+    return outputs, during
 
 
 def _two_nodes(tail: list[str], head: list[str]) -> list[list[str]]:
@@ -143,12 +146,27 @@ def _metrics(out: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+def _one_node(overrides: list[str]) -> str:
+    """One rank of the one-node run: train the same job in place; rank 0 returns what shard() logged."""
+    import io
+    import logging
+
+    from fsdp_bridge.train import load_train_config, train
+
+    log = io.StringIO()
+    logging.getLogger("fsdp_bridge").addHandler(logging.StreamHandler(log))
+    train(load_train_config(None, overrides), verbosity="verbose")
+    return log.getvalue()
+
+
 def test_fsdp_bridge_train_on_two_nodes_matches_one_node_with_the_same_mesh(tmp_path: Path) -> None:
     cli = [sys.executable, "-m", "fsdp_bridge", "train", "-v"]
-    # The same job on one node, 4 ranks, with the same (2, 2) mesh pinned: the same numbers.
-    # Started alongside the two nodes (its rendezvous is its own): the start-up overlaps.
-    one_node = [*cli, "--nproc-per-node", "4", *TINY_JOB, "bridge.hybrid_shape=[2,2]", f"output_dir={tmp_path / 'one'}"]
-    node0, _, one = _run_nodes([*_two_nodes([*TINY_JOB, f"output_dir={tmp_path / 'two'}"], cli), one_node], tmp_path)
+    # The same job on one node, 4 ranks, with the same (2, 2) mesh pinned: the same numbers.  It trains
+    # through train() on 4 ranks started here (the CLI launcher itself is tested by the two nodes and by
+    # test_train_run.py), while the two nodes run: the start-up overlaps.
+    one_node = [*TINY_JOB, "bridge.hybrid_shape=[2,2]", f"output_dir={tmp_path / 'one'}"]
+    (node0, _), (one, *_) = _run_nodes(_two_nodes([*TINY_JOB, f"output_dir={tmp_path / 'two'}"], cli), tmp_path,
+                                       lambda: run_distributed(_one_node, 4, args=(one_node,), timeout_s=TIMEOUT_S))
     assert "mesh (2, 2) on cpu" in node0 and "done: 3 steps" in node0, node0[-3000:]
     assert "mesh (2, 2) on cpu" in one, one[-3000:]
     multi, single = _metrics(tmp_path / "two"), _metrics(tmp_path / "one")

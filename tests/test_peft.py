@@ -159,17 +159,21 @@ import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
-out, family, backend = sys.argv[1], sys.argv[2], sys.argv[3]
-expected = torch.load(f"{out}/{family}-{backend}-logits.pt")
+out, names = sys.argv[1], sys.argv[2:]
 prompt = torch.tensor([[5, 6, 7, 8]])
-inputs = {"input_ids": prompt, "decoder_input_ids": prompt} if family == "t5" else {"input_ids": prompt}
-auto = AutoModelForSeq2SeqLM if family == "t5" else AutoModelForCausalLM
-base = auto.from_pretrained(f"{out}/{family}-base", attn_implementation="eager")
-adapted = PeftModel.from_pretrained(base, f"{out}/{family}-{backend}-adapter").eval()
-merged = auto.from_pretrained(f"{out}/{family}-{backend}-merged", attn_implementation="eager").eval()
-with torch.no_grad():
-    a, m = adapted(**inputs).logits, merged(**inputs).logits
-print(json.dumps({"adapter": (a - expected).abs().max().item(), "merged": (m - expected).abs().max().item()}))
+diffs = {}
+for name in names:  # FAMILY/BACKEND
+    family, backend = name.split("/")
+    expected = torch.load(f"{out}/{family}-{backend}-logits.pt")
+    inputs = {"input_ids": prompt, "decoder_input_ids": prompt} if family == "t5" else {"input_ids": prompt}
+    auto = AutoModelForSeq2SeqLM if family == "t5" else AutoModelForCausalLM
+    base = auto.from_pretrained(f"{out}/{family}-base", attn_implementation="eager")
+    adapted = PeftModel.from_pretrained(base, f"{out}/{family}-{backend}-adapter").eval()
+    merged = auto.from_pretrained(f"{out}/{family}-{backend}-merged", attn_implementation="eager").eval()
+    with torch.no_grad():
+        a, m = adapted(**inputs).logits, merged(**inputs).logits
+    diffs[name] = {"adapter": (a - expected).abs().max().item(), "merged": (m - expected).abs().max().item()}
+print(json.dumps(diffs))
 """
 
 
@@ -189,13 +193,14 @@ def test_lora_trains_generates_and_exports_on_both_backends(tmp_path: Path, run_
         assert before == ref_before and after == ref_after, name  # greedy tokens equal the unsharded model's
         # Optimizer state exists for the adapters only: AdamW's two moments of each trainable parameter.
         assert r["optimizer_numel"] == 2 * r["trainable"] and r["trainable"] < r["all"] / 6, name
-    for name in results:
+    # One plain process (no fsdp_bridge) loads every export: a fresh base + adapter, and the merged model.
+    proc = subprocess.run([sys.executable, "-c", _PLAIN_LOAD, str(tmp_path), *results],
+                          capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    all_diffs = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert set(all_diffs) == set(results)
+    for name, diffs in all_diffs.items():
         family, backend = name.split("/")
-        proc = subprocess.run([sys.executable, "-c", _PLAIN_LOAD, str(tmp_path), family, backend],
-                              capture_output=True, text=True, timeout=300,
-                              env=dict(os.environ, OMP_NUM_THREADS="1"))
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        diffs = json.loads(proc.stdout.strip().splitlines()[-1])
         assert diffs["adapter"] <= 1e-5 and diffs["merged"] <= 1e-4, (name, diffs)
         assert json.loads((tmp_path / f"{family}-{backend}-adapter" / "adapter_config.json").read_text())["r"] == 4
 

@@ -148,7 +148,14 @@ def test_plain_python_loop_example_trains_identically_on_both_backends() -> None
     assert fsdp1[-1] < fsdp1[0] - 0.5
 
 
-def test_sigterm_saves_at_the_next_step_and_names_the_resume_command(tmp_path: Path) -> None:
+def _cli_as_a_rank(argv: list[str]) -> int:
+    """``fsdp-bridge ARGV`` in a rank of a launch (RANK and WORLD_SIZE set): it trains in place."""
+    from fsdp_bridge.cli import main
+
+    return main(argv)
+
+
+def test_sigterm_saves_at_the_next_step_and_names_the_resume_command(tmp_path: Path, monkeypatch, capsys) -> None:
     import signal
     import time
 
@@ -171,19 +178,28 @@ def test_sigterm_saves_at_the_next_step_and_names_the_resume_command(tmp_path: P
     assert f"at step {step} of 500" in line and f"step_{step:08d}" in line and line.endswith("--resume")
     assert (out / "checkpoints" / f"step_{step:08d}" / "fsdp_bridge.json").is_file()
     assert not (out / "summary.json").exists()
-    # The command it names resumes from that step (here to two more steps).
-    resumed = subprocess.run([*cmd, "--resume", f"max_steps={step + 2}"], capture_output=True, text=True,
-                             timeout=300, env=env, cwd=tmp_path)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    # The command it names resumes from that step (here to two more steps): run as each of 2 ranks runs
+    # it under torchrun (the launcher itself was exercised above).
+    codes = run_distributed(_cli_as_a_rank, 2, args=([*cmd[3:], "--resume", f"max_steps={step + 2}"],),
+                            timeout_s=300)
+    assert codes == [0, 0], codes
     assert [r["step"] for r in _metrics(out)] == list(range(1, step + 3))
     assert json.loads((out / "summary.json").read_text())["steps"] == step + 2
     assert not (out / "stopped.json").exists()
-    # --resume on the finished run: said so, nothing launched, nothing rewritten.
+    # --resume on the finished run: said so, nothing launched, nothing rewritten (the same command,
+    # in this process: it must return before launching anything).
+    import fsdp_bridge.train._launch as launch_mod
+    from fsdp_bridge.cli import main
+
+    def refuse(*args: object, **kwargs: object) -> int:
+        raise AssertionError("a process was launched")
+
+    monkeypatch.setattr(launch_mod, "launch", refuse)
+    monkeypatch.setattr(launch_mod, "run_rank", refuse)
     summary, metrics = (out / "summary.json").read_bytes(), (out / "metrics.jsonl").read_bytes()
-    again = subprocess.run([*cmd, "--resume", f"max_steps={step + 2}"], capture_output=True, text=True,
-                           timeout=120, env=env, cwd=tmp_path)
-    assert again.returncode == 0, again.stderr[-2000:]
-    assert f"is complete: its latest checkpoint is at step {step + 2}" in again.stdout
+    capsys.readouterr()
+    assert main([*cmd[3:], "--resume", f"max_steps={step + 2}"]) == 0
+    assert f"is complete: its latest checkpoint is at step {step + 2}" in capsys.readouterr().out
     assert (out / "summary.json").read_bytes() == summary and (out / "metrics.jsonl").read_bytes() == metrics
 
 
