@@ -65,6 +65,10 @@ EXPECTED: dict[str, set[tuple[int, str]]] = {
         (51, "FSDP.summon_full_params(...)"), (57, "module._handle (an FSDP1 internal)"), (63, "isinstance(..., FSDP)"),
         (64, "module.clip_grad_norm_(...)"),
     },
+    "state_ctx_factory.py": {
+        (13, "FSDP.state_dict_type"), (17, "FSDP.state_dict_type"), (28, "FSDP.optim_state_dict(...)"),
+        (32, "FSDP.optim_state_dict(...)"),
+    },
     "todo_constructs.py": {
         (24, "ShardedGradScaler(...)"), (26, "FSDP(...)"), (28, "auto_wrap_policy=policy_fn"),
         (29, "ignored_modules=[model.lm_head]"), (30, "cpu_offload=CPUOffload(offload_params=True)"),
@@ -515,3 +519,18 @@ def test_backend_helpers_are_read_from_the_other_files_of_the_tree(tmp_path: Pat
     # Alone, the worker's helper is unknown: the internal is a TODO that says what to do.
     alone = migrate_source((FIXTURES / "dual_project" / "worker.py").read_text(), "worker.py")
     assert [f.construct for f in alone.findings if not f.fixable] == ["self.module._handle (an FSDP1 internal)"]
+
+
+def test_optim_state_dict_inside_a_context_made_elsewhere_is_not_guessed_full() -> None:
+    """FSDP1's optim_state_dict follows the state-dict type active around it: inside a context made by
+    a factory (a SHARDED one here), rewriting it as the full state would change what is saved."""
+    result = migrate_source(_source("state_ctx_factory.py"), "state_ctx_factory.py")
+    by_line = {f.line: f for f in result.findings if f.construct == "FSDP.optim_state_dict(...)"}
+    assert not by_line[28].fixable and "with state_dict_ctx:" in by_line[28].replacement
+    assert "get_optimizer_state_dict(model, optim) for sharded" in by_line[28].replacement
+    assert by_line[32].fixable  # no setting active: FSDP1's default, the full state
+    fixed = result.fixed
+    assert '"optim": FSDP.optim_state_dict(module, optimizer)}' in fixed
+    assert "return get_optimizer_state_dict(module, optimizer, options=StateDictOptions(full_state_dict=True))" \
+        in fixed
+    assert migrate_source(fixed, "state_ctx_factory.py").fixed == fixed

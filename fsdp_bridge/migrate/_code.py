@@ -544,6 +544,14 @@ class _Scanner(cst.CSTVisitor):
                          "(torch's set_optimizer_state_dict) and returns optimizer.state_dict(), so loading the "
                          "result again changes nothing", True)
             return False
+        if hit == (FSDP, "optim_state_dict") and (ctx := self._runtime_state_context()) is not None:
+            self._record(node, "FSDP.optim_state_dict(...)",
+                         f"not rewritten: it runs inside `with {_short(ctx)}:`, a context made elsewhere that may set "
+                         "FSDP1's state-dict type, and FSDP1's optim_state_dict is sharded under SHARDED_STATE_DICT "
+                         "and full otherwise: use get_optimizer_state_dict(model, optim) for sharded, with "
+                         "options=StateDictOptions(full_state_dict=True, cpu_offload=True) for full", False)
+            self._consume(node.func)
+            return False
         if hit is not None and hit[0] == FSDP and hit[1] in ("optim_state_dict", "full_optim_state_dict",
                                                             "sharded_optim_state_dict"):
             if self._plan_optim_call(node, hit[1]):
@@ -1244,6 +1252,21 @@ class _Scanner(cst.CSTVisitor):
         self.call_rewrites[id(node)] = code
         self._record(node, f"FSDP.{member}(...)", code, True)
         return True
+
+    def _runtime_state_context(self) -> str | None:
+        """The ``with`` item around the current statement that looks like a state-dict context made
+        elsewhere (``with state_dict_ctx:``, ``with get_state_ctx(model):``), or None."""
+        for stmt in reversed(self.stmt_stack):
+            if not isinstance(stmt, cst.With):
+                continue
+            for item in stmt.items:
+                expr = item.item
+                if isinstance(expr, cst.Call) and self._qn(expr.func) is not None:
+                    continue  # FSDP.state_dict_type(...) itself: planned with its block, or reported there
+                text = _code(expr)
+                if "state_dict" in text.lower() or "state_ctx" in text.lower():
+                    return text
+        return None
 
     def _in_old_torch_branch(self, node: cst.CSTNode) -> bool:
         """Inside the branch of ``if <torch.__version__> < ...:`` (or the else of ``>=``) taken on old torch."""
