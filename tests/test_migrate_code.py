@@ -59,6 +59,16 @@ EXPECTED: dict[str, set[tuple[int, str]]] = {
         (31, "load_sharded_optimizer_state_dict"), (37, "TrainingArguments(fsdp=...)"),
         (42, "FullyShardedDataParallelPlugin(fsdp_version=...)"),
     },
+    "dual_backend.py": {
+        (15, "isinstance(..., FSDP)"), (27, "FSDP(...)"), (36, "handle.flat_param (an FSDP1 internal)"),
+        (42, "FSDP.set_state_dict_type(...)"), (44, "FSDP.set_state_dict_type(...)"), (50, "isinstance(..., FSDP)"),
+        (51, "FSDP.summon_full_params(...)"), (57, "module._handle (an FSDP1 internal)"), (63, "isinstance(..., FSDP)"),
+        (64, "module.clip_grad_norm_(...)"),
+    },
+    "state_ctx_factory.py": {
+        (13, "FSDP.state_dict_type"), (17, "FSDP.state_dict_type"), (28, "FSDP.optim_state_dict(...)"),
+        (32, "FSDP.optim_state_dict(...)"),
+    },
     "todo_constructs.py": {
         (24, "ShardedGradScaler(...)"), (26, "FSDP(...)"), (28, "auto_wrap_policy=policy_fn"),
         (29, "ignored_modules=[model.lm_head]"), (30, "cpu_offload=CPUOffload(offload_params=True)"),
@@ -455,3 +465,72 @@ def test_optim_state_dict_to_load_kept_in_a_variable_and_old_torch_branches() ->
     assert by_line[9].fixable
     assert "flat = fsdp_bridge.optim_state_dict_to_load(model, optim, osd)" in result.fixed
     assert migrate_source(result.fixed, "otl.py").fixed == result.fixed
+
+
+def test_dual_backend_code_keeps_its_fsdp1_branches_and_fsdp2_modules_take_their_path() -> None:
+    """Code that already tells FSDP1 from FSDP2 keeps its FSDP1 branches (reported as kept, no TODO):
+    FSDP2 modules never reach them, and an ``isinstance(m, FSDP)`` that tells the two apart is not
+    turned into ``isinstance(m, FSDPModule)``, which would send FSDP2 modules down the FSDP1 path."""
+    import torch
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from fsdp_bridge.estimate import fake_process_group
+
+    result = migrate_source(_source("dual_backend.py"), "dual_backend.py")
+    assert all(f.fixable for f in result.findings), [f for f in result.findings if not f.fixable]
+    kept = {f.line for f in result.findings if f.replacement.startswith("kept as is")}
+    assert {15, 36, 42, 44, 50, 51, 57} <= kept
+    fixed = result.fixed
+    assert TODO not in fixed
+    assert "    if isinstance(module, FSDP):\n        return 1" in fixed
+    assert "flat = handle.flat_param" in fixed and "module._handle.reshard(True)" in fixed
+    assert fixed.count("FSDP.set_state_dict_type(") == 2
+    assert "elif isinstance(module, FSDP):\n        return FSDP.summon_full_params(" in fixed
+    # Code that checks FSDP1 only is migrated as before.
+    assert "if isinstance(module, FSDPModule):\n        return fsdp_bridge.clip_grad_norm_(module, 1.0)" in fixed
+    assert "return fsdp_bridge.shard(" in fixed
+    assert migrate_source(fixed, "dual_backend.py").fixed == fixed
+
+    namespace: dict[str, Any] = {}
+    exec(compile(fixed, "dual_backend.py", "exec"), namespace)  # the fixture, rewritten
+    with fake_process_group(rank=0, world_size=2):
+        with torch.device("meta"):
+            model = nn.Sequential(nn.Linear(4, 4))
+        fully_shard(model, mesh=init_device_mesh("cpu", (2,)))
+        assert namespace["sharding_backend"](model) == 2
+        assert namespace["sharding_backend"](nn.Linear(2, 2)) == 0
+        assert type(namespace["gathered"](model)).__name__ == "nullcontext"
+
+
+def test_backend_helpers_are_read_from_the_other_files_of_the_tree(tmp_path: Path) -> None:
+    from fsdp_bridge.migrate._code import migrate_paths
+
+    project = tmp_path / "dual_project"
+    shutil.copytree(FIXTURES / "dual_project", project)
+    report, _ = migrate_paths([project], fix=True)
+    worker = (project / "worker.py").read_text()
+    # fsdp_generation() lives in sharding.py: its `== 1` branch is FSDP1-only, so the internal stays.
+    assert "self.module._handle.reshard(True)" in worker and TODO not in worker
+    assert "self.module = fsdp_bridge.shard(" in worker
+    assert "if isinstance(model, FSDP):\n        return 1" in (project / "sharding.py").read_text()
+    assert all(f.fixable for f in report.findings), [f for f in report.findings if not f.fixable]
+    # Alone, the worker's helper is unknown: the internal is a TODO that says what to do.
+    alone = migrate_source((FIXTURES / "dual_project" / "worker.py").read_text(), "worker.py")
+    assert [f.construct for f in alone.findings if not f.fixable] == ["self.module._handle (an FSDP1 internal)"]
+
+
+def test_optim_state_dict_inside_a_context_made_elsewhere_is_not_guessed_full() -> None:
+    """FSDP1's optim_state_dict follows the state-dict type active around it: inside a context made by
+    a factory (a SHARDED one here), rewriting it as the full state would change what is saved."""
+    result = migrate_source(_source("state_ctx_factory.py"), "state_ctx_factory.py")
+    by_line = {f.line: f for f in result.findings if f.construct == "FSDP.optim_state_dict(...)"}
+    assert not by_line[28].fixable and "with state_dict_ctx:" in by_line[28].replacement
+    assert "get_optimizer_state_dict(model, optim) for sharded" in by_line[28].replacement
+    assert by_line[32].fixable  # no setting active: FSDP1's default, the full state
+    fixed = result.fixed
+    assert '"optim": FSDP.optim_state_dict(module, optimizer)}' in fixed
+    assert "return get_optimizer_state_dict(module, optimizer, options=StateDictOptions(full_state_dict=True))" \
+        in fixed
+    assert migrate_source(fixed, "state_ctx_factory.py").fixed == fixed

@@ -189,6 +189,85 @@ def _resolve(qnames: Iterable[Any]) -> tuple[str, str] | None:
 
 
 @dataclass
+class _Dispatch:
+    """Functions of the migrated tree that tell the two backends apart, found by reading their bodies.
+
+    ``versions``: ``def f(m)`` with ``if isinstance(m, FSDP): return 1`` and ``if isinstance(m, FSDPModule):
+    return 2`` (the two literals); ``fsdp2_tests``: predicates true only for FSDP2 modules (every ``return``
+    gives a bool literal or an ``isinstance(..., FSDPModule)`` test, and FSDP1's class is not mentioned).
+    """
+
+    versions: dict[str, tuple[int, int]] = field(default_factory=dict)
+    fsdp2_tests: set[str] = field(default_factory=set)
+
+    def merge(self, other: _Dispatch) -> None:
+        self.versions.update(other.versions)
+        self.fsdp2_tests |= other.fsdp2_tests
+
+
+def _is_fsdp2_class(qnames: Iterable[Any]) -> bool:
+    return any(q.name.startswith("torch.distributed.") and q.name.endswith(".FSDPModule") for q in qnames)
+
+
+def _find_dispatch(wrapper: MetadataWrapper) -> _Dispatch:
+    """The backend-dispatch functions defined in one module (see :class:`_Dispatch`)."""
+    found = _Dispatch()
+
+    class V(cst.CSTVisitor):
+        METADATA_DEPENDENCIES = (QualifiedNameProvider,)
+
+        def kind(self, cls: cst.CSTNode) -> str | None:
+            q = self.get_metadata(QualifiedNameProvider, cls, set())
+            if _resolve(q) == (FSDP, ""):
+                return "fsdp1"
+            return "fsdp2" if _is_fsdp2_class(q) else None
+
+        def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
+            params = [p.name.value for p in node.params.params if p.name.value not in ("self", "cls")]
+            if not params:
+                return
+            literal: dict[str, int] = {}
+            classes: set[str] = set()
+            for n in _walk(node.body):
+                if isinstance(n, (cst.Name, cst.Attribute)) and (k := self.kind(n)) is not None:
+                    classes.add(k)
+                test = m.Call(func=m.Name("isinstance"), args=[m.Arg(m.Name(params[0])), m.Arg()])
+                if not (isinstance(n, cst.If) and m.matches(n.test, test)):
+                    continue
+                body: Sequence[cst.CSTNode] = n.body.body
+                if len(body) == 1 and isinstance(body[0], cst.SimpleStatementLine):
+                    body = body[0].body
+                if (len(body) == 1 and isinstance(ret := body[0], cst.Return) and isinstance(ret.value, cst.Integer)
+                        and (k := self.kind(cast(cst.Call, n.test).args[1].value)) is not None):
+                    literal.setdefault(k, int(ret.value.value.replace("_", ""), 0))
+            if len(literal) == 2 and literal["fsdp1"] != literal["fsdp2"]:
+                found.versions[node.name.value] = (literal["fsdp1"], literal["fsdp2"])
+            elif classes == {"fsdp2"}:
+                returns = [n for n in _walk(node.body) if isinstance(n, cst.Return)]
+                if returns and all(r.value is not None and (m.matches(r.value, m.Name("True") | m.Name("False"))
+                                                            or m.matches(r.value, m.Call(func=m.Name("isinstance"))))
+                                   for r in returns):
+                    found.fsdp2_tests.add(node.name.value)
+
+    wrapper.visit(V())
+    return found
+
+
+@dataclass(frozen=True)
+class _Region:
+    """Source span FSDP2 modules never enter, and the test that routes them away."""
+
+    start: tuple[int, int]
+    end: tuple[int, int]
+    guard: str
+    line: int
+
+    def text(self) -> str:
+        return (f"kept as is: FSDP2 modules never run this code (it is behind `{_short(self.guard)}`, line "
+                f"{self.line}; the code has its own FSDP2 path), and FSDP1 modules run it as before")
+
+
+@dataclass
 class _Conversion:
     """How one FSDP(...) call becomes fsdp_bridge.shard(...), or why it cannot."""
 
@@ -227,9 +306,12 @@ class _Scanner(cst.CSTVisitor):
     METADATA_DEPENDENCIES = (QualifiedNameProvider, PositionProvider)
 
     def __init__(self, path: str, code: str, assignments: dict[str, cst.BaseExpression],
-                 name_uses: dict[str, int]) -> None:
+                 name_uses: dict[str, int], dispatch: _Dispatch | None = None) -> None:
         super().__init__()
         self.path = path
+        self.dispatch = dispatch or _Dispatch()
+        self.regions: list[_Region] = []  # code FSDP2 modules never reach: FSDP1 constructs there stay as they are
+        self.kept_checks: set[int] = set()  # id(isinstance(x, FSDP)) where it tells the backends apart
         self.lines = code.splitlines()
         self.assignments = assignments
         self.name_uses = name_uses
@@ -285,11 +367,98 @@ class _Scanner(cst.CSTVisitor):
 
     def visit_Module(self, node: cst.Module) -> None:
         if self.planning:
+            self._plan_regions(node)
             self._plan_block(node.body)
 
     def visit_IndentedBlock(self, node: cst.IndentedBlock) -> None:
-        if self.planning:
+        if self.planning and self._in_region(node) is None:
             self._plan_block(node.body)
+
+    # -- code that already tells the backends apart ----------------------------------
+    def _guard(self, test: cst.BaseExpression) -> tuple[str, bool, cst.Call | None] | None:
+        """``(backend, pure, check)`` when ``test`` can hold only for modules of one backend: "fsdp1" or
+        "fsdp2"; ``pure`` when it is that test alone (not one side of ``and``); ``check`` the
+        ``isinstance(x, FSDP)`` call it rests on, if it does."""
+        if isinstance(test, cst.BooleanOperation) and isinstance(test.operator, cst.And):
+            for side in (test.left, test.right):
+                if (g := self._guard(side)) is not None:
+                    return g[0], False, g[2]
+            return None
+        if isinstance(test, cst.Call) and m.matches(test.func, m.Name("isinstance")) and len(test.args) == 2:
+            cls = test.args[1].value
+            if self._qn(cls) == (FSDP, ""):
+                return "fsdp1", True, test
+            if _is_fsdp2_class(self.get_metadata(QualifiedNameProvider, cls, set())):
+                return "fsdp2", True, None
+            return None
+        if isinstance(test, cst.Call) and _code(test.func).rsplit(".", 1)[-1] in self.dispatch.fsdp2_tests:
+            return "fsdp2", True, None
+        if (isinstance(test, cst.Comparison) and len(test.comparisons) == 1 and isinstance(test.left, cst.Call)
+                and isinstance(test.comparisons[0].operator, cst.Equal)
+                and isinstance(comparator := test.comparisons[0].comparator, cst.Integer)):
+            versions = self.dispatch.versions.get(_code(test.left.func).rsplit(".", 1)[-1])
+            value = int(comparator.value.replace("_", ""), 0)
+            if versions is not None and value in versions:
+                return ("fsdp1" if value == versions[0] else "fsdp2"), True, None
+        return None
+
+    def _add_region(self, first: cst.CSTNode, last: cst.CSTNode, guard: cst.BaseExpression) -> _Region:
+        start = self.get_metadata(PositionProvider, first).start
+        end = self.get_metadata(PositionProvider, last).end
+        region = _Region((start.line, start.column), (end.line, end.column), _code(guard),
+                         self.get_metadata(PositionProvider, guard).start.line)
+        self.regions.append(region)
+        return region
+
+    def _in_region(self, node: cst.CSTNode) -> _Region | None:
+        if not self.regions:
+            return None
+        pos = self.get_metadata(PositionProvider, node).start
+        return next((r for r in self.regions if r.start <= (pos.line, pos.column) <= r.end), None)
+
+    def _plan_regions(self, module: cst.Module) -> None:
+        """Find the code FSDP2 modules never reach in dual-backend code: branches of an if/elif chain that
+        tests ``isinstance(x, FSDPModule)`` (or a helper of the tree that does, see :class:`_Dispatch`)
+        that come after that test or test FSDP1 themselves, and the rest of a block after
+        ``if <FSDP2 test>: ... return``.  FSDP1 constructs there stay as written: after migration FSDP2
+        modules take the code's own FSDP2 path, and an FSDP1 module (fsdp_bridge's fsdp1 backend) runs
+        them as before, so rewriting them could only change the FSDP1 path."""
+        for node in _walk(module):
+            if not isinstance(node, (cst.Module, cst.IndentedBlock)):
+                continue
+            stmts = node.body
+            chains = [self._chain(stmt) for stmt in stmts if isinstance(stmt, cst.If)]
+            # Separate ifs of one block (`if isinstance(m, FSDP): return 1` / `if isinstance(m, FSDPModule): ...`)
+            # tell the backends apart as an if/elif chain does.
+            block_dual = any(g is not None and g[0] == "fsdp2" for chain, _ in chains for _, _, g in chain)
+            for chain, tail in chains:
+                dual = block_dual
+                routed: cst.BaseExpression | None = None
+                for test, body, g in chain:
+                    fsdp1 = g is not None and g[0] == "fsdp1" and (g[2] is None or dual)
+                    if routed is not None or fsdp1:
+                        self._add_region(body, body, routed if routed is not None else test)
+                        if g is not None and g[2] is not None and dual:
+                            self.kept_checks.add(id(g[2]))
+                    if routed is None and g is not None and g[0] == "fsdp2" and g[1]:
+                        routed = test
+                if tail is not None and routed is not None:
+                    self._add_region(tail, tail, routed)
+            for i, stmt in enumerate(stmts[:-1]):
+                if (isinstance(stmt, cst.If) and stmt.orelse is None and (g := self._guard(stmt.test)) is not None
+                        and g[0] == "fsdp2" and g[1] and _exits(stmt.body)):
+                    self._add_region(stmts[i + 1], stmts[-1], stmt.test)
+                    break
+
+    def _chain(self, node: cst.If) -> tuple[list[tuple[cst.BaseExpression, cst.BaseSuite, Any]], cst.BaseSuite | None]:
+        """An if/elif chain as (test, body, guard) triples, and its else body."""
+        chain = []
+        cur = node
+        while isinstance(cur.orelse, cst.If):
+            chain.append((cur.test, cur.body, self._guard(cur.test)))
+            cur = cur.orelse
+        chain.append((cur.test, cur.body, self._guard(cur.test)))
+        return chain, cur.orelse.body if isinstance(cur.orelse, cst.Else) else None
 
     def leave_With(self, original_node: cst.With) -> None:
         self.stmt_stack.pop()
@@ -324,6 +493,29 @@ class _Scanner(cst.CSTVisitor):
     # -- expressions ---------------------------------------------------------------
     def visit_Call(self, node: cst.Call) -> bool | None:
         func = node.func
+        if id(node) in self.kept_checks:
+            if not self.planning:
+                self.uses_fsdp1 = True
+                self._record(node, f"isinstance(..., {_code(node.args[1].value)})",
+                             "kept as is: this code tells the backends apart (it tests FSDPModule too); "
+                             "FSDPModule in its place would send FSDP2 modules down the FSDP1 path",
+                             True)
+            return False
+        if (region := self._in_region(node)) is not None:
+            if self.planning:
+                return None
+            # One finding per call, as outside such code; FSDP1 names elsewhere are reported by _reference.
+            if (m.matches(func, m.Name("isinstance")) and len(node.args) == 2
+                    and (self._qn(node.args[1].value) is not None
+                         or any(self._qn(n) == (FSDP, "") for n in _walk(node.args[1].value)))):
+                construct = f"isinstance(..., {_short(_code(node.args[1].value), 40)})"
+            elif (hit := self._qn(func)) is not None:
+                construct = f"FSDP.{hit[1]}(...)" if hit[0] == FSDP and hit[1] else f"{_code(func)}(...)"
+            else:
+                return None
+            self.uses_fsdp1 = True
+            self._record(node, construct, region.text(), True)
+            return False
         hit = self._qn(func)
         if hit is not None and hit[0] == FSDP and hit[1] == "":
             self.uses_fsdp1 = True
@@ -351,6 +543,14 @@ class _Scanner(cst.CSTVisitor):
             self._record(node, "FSDP.optim_state_dict_to_load(...)", f"{code}: loads the state into the optimizer "
                          "(torch's set_optimizer_state_dict) and returns optimizer.state_dict(), so loading the "
                          "result again changes nothing", True)
+            return False
+        if hit == (FSDP, "optim_state_dict") and (ctx := self._runtime_state_context()) is not None:
+            self._record(node, "FSDP.optim_state_dict(...)",
+                         f"not rewritten: it runs inside `with {_short(ctx)}:`, a context made elsewhere that may set "
+                         "FSDP1's state-dict type, and FSDP1's optim_state_dict is sharded under SHARDED_STATE_DICT "
+                         "and full otherwise: use get_optimizer_state_dict(model, optim) for sharded, with "
+                         "options=StateDictOptions(full_state_dict=True, cpu_offload=True) for full", False)
+            self._consume(node.func)
             return False
         if hit is not None and hit[0] == FSDP and hit[1] in ("optim_state_dict", "full_optim_state_dict",
                                                             "sharded_optim_state_dict"):
@@ -426,6 +626,15 @@ class _Scanner(cst.CSTVisitor):
     def _reference(self, node: cst.BaseExpression) -> bool:
         if self.planning:
             return True
+        if (region := self._in_region(node)) is not None:
+            if isinstance(node, cst.Attribute) and node.attr.value in _INTERNAL_ATTRS and self.uses_fsdp1:
+                self._record(node, f"{_code(node)} (an FSDP1 internal)", region.text(), True)
+                return True
+            if (hit := self._qn(node)) is None:
+                return True
+            self.uses_fsdp1 = True
+            self._record(node, f"FSDP.{hit[1]}" if hit[0] == FSDP and hit[1] else _code(node), region.text(), True)
+            return False
         if isinstance(node, cst.Attribute) and node.attr.value in _INTERNAL_ATTRS and self.uses_fsdp1:
             if node.attr.value == "_fsdp_wrapped_module" and not self.assign_target_depth:
                 self.attr_drops.add(id(node))
@@ -809,6 +1018,7 @@ class _Scanner(cst.CSTVisitor):
 
     # -- state dicts -----------------------------------------------------------------
     def _plan_block(self, body: Sequence[cst.BaseStatement]) -> None:
+        body = [stmt for stmt in body if self._in_region(stmt) is None]
         for stmt in body:
             if isinstance(stmt, cst.With):
                 self._plan_state_dict_block(stmt)
@@ -1043,6 +1253,21 @@ class _Scanner(cst.CSTVisitor):
         self._record(node, f"FSDP.{member}(...)", code, True)
         return True
 
+    def _runtime_state_context(self) -> str | None:
+        """The ``with`` item around the current statement that looks like a state-dict context made
+        elsewhere (``with state_dict_ctx:``, ``with get_state_ctx(model):``), or None."""
+        for stmt in reversed(self.stmt_stack):
+            if not isinstance(stmt, cst.With):
+                continue
+            for item in stmt.items:
+                expr = item.item
+                if isinstance(expr, cst.Call) and self._qn(expr.func) is not None:
+                    continue  # FSDP.state_dict_type(...) itself: planned with its block, or reported there
+                text = _code(expr)
+                if "state_dict" in text.lower() or "state_ctx" in text.lower():
+                    return text
+        return None
+
     def _in_old_torch_branch(self, node: cst.CSTNode) -> bool:
         """Inside the branch of ``if <torch.__version__> < ...:`` (or the else of ``>=``) taken on old torch."""
         line = self.get_metadata(PositionProvider, node).start.line
@@ -1116,6 +1341,15 @@ def _assign_value(stmt: cst.CSTNode) -> cst.BaseExpression | None:
     if isinstance(stmt, cst.SimpleStatementLine) and len(stmt.body) == 1 and isinstance(stmt.body[0], cst.Assign):
         return stmt.body[0].value
     return None
+
+
+def _exits(body: cst.BaseSuite) -> bool:
+    """The block ends in return / raise / continue / break."""
+    last = body.body[-1] if isinstance(body, cst.IndentedBlock) and body.body else None
+    if isinstance(body, cst.SimpleStatementSuite):
+        return bool(body.body) and isinstance(body.body[-1], (cst.Return, cst.Raise, cst.Continue, cst.Break))
+    return (isinstance(last, cst.SimpleStatementLine) and bool(last.body)
+            and isinstance(last.body[-1], (cst.Return, cst.Raise, cst.Continue, cst.Break)))
 
 
 def _walk(node: cst.CSTNode) -> Iterable[cst.CSTNode]:
@@ -1373,14 +1607,22 @@ class MigratedSource:
                                             self.fixed.splitlines(keepends=True), f"a/{self.path}", f"b/{self.path}"))
 
 
-def migrate_source(code: str, path: str = "<string>") -> MigratedSource:
-    """Scan ``code`` and compute its rewritten form (nothing is written)."""
+def migrate_source(code: str, path: str = "<string>", *, dispatch: _Dispatch | None = None) -> MigratedSource:
+    """Scan ``code`` and compute its rewritten form (nothing is written).
+
+    ``dispatch``: backend-dispatch helpers defined in other files being migrated with this one.
+    """
     module = cst.parse_module(code)
     wrapper = MetadataWrapper(module)
     collector = _Collector()
     wrapper.module.visit(collector)
     single = {k: v[0] for k, v in collector.assigned.items() if len(v) == 1}
-    scan = _Scanner(path, code, single, collector.uses)
+    known = _Dispatch()
+    if dispatch is not None:
+        known.merge(dispatch)
+    if "FSDPModule" in code:
+        known.merge(_find_dispatch(wrapper))
+    scan = _Scanner(path, code, single, collector.uses, known)
     wrapper.visit(scan)  # plan: FSDP(...) conversions and checkpoint blocks
     scan.planning = False
     wrapper.visit(scan)  # report: every other construct
@@ -1438,6 +1680,14 @@ def migrate_paths(paths: Sequence[str | Path], *, fix: bool = False) -> tuple[Co
         files.extend(sorted(f for f in p.rglob("*.py") if f.is_file()) if p.is_dir() else [p])
     report = CodeReport()
     results = []
+    dispatch = _Dispatch()  # helpers such as fsdp_version(model) may live in another file of the tree
+    for f in files:
+        try:
+            code = f.read_text(encoding="utf-8")
+            if "FSDPModule" in code:
+                dispatch.merge(_find_dispatch(MetadataWrapper(cst.parse_module(code))))
+        except Exception:  # unreadable or unparsable: reported by the loop below
+            continue
     for f in files:
         try:
             code = f.read_text(encoding="utf-8")
@@ -1445,7 +1695,7 @@ def migrate_paths(paths: Sequence[str | Path], *, fix: bool = False) -> tuple[Co
             report.skipped.append((str(f), f"cannot be read as UTF-8 text ({err})"))
             continue
         try:
-            result = migrate_source(code, str(f))
+            result = migrate_source(code, str(f), dispatch=dispatch)
             if result.changed:
                 cst.parse_module(result.fixed)  # the rewrite must parse, or the file is left alone
         except cst.ParserSyntaxError as err:
