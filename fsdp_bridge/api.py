@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from fsdp_bridge import hf
 from fsdp_bridge._lora import quantization_problems
 from fsdp_bridge._optimizer_check import record_replaced
-from fsdp_bridge.backends import BackendImpl, get_backend, sharded_by
+from fsdp_bridge.backends import BackendImpl, backend_inside, get_backend, sharded_by
 from fsdp_bridge.config import BridgeConfig
 from fsdp_bridge.distributed import (
     MeshPlan,
@@ -363,11 +363,14 @@ def summon_full_params(model: nn.Module, *, writeback: bool = False, rank0_only:
                        offload_to_cpu: bool = False) -> Iterator[None]:
     """Inside the context, parameters are full tensors, as FSDP1's ``summon_full_params`` gives them.
 
-    Do not run forward or backward inside it. Every rank must enter the context (the gather is a
-    collective), as with FSDP1.
+    Do not run forward or backward inside it (autograd is off inside: ``torch.no_grad()``). Every
+    rank must enter the context (the gather is a collective), as with FSDP1.
 
     Args:
-        model: a model returned by :func:`shard`.
+        model: a model returned by :func:`shard`, or a part of one, or a module sharded by torch
+            directly (``fully_shard`` or ``FullyShardedDataParallel``, as migrated code may hold):
+            only the parameters under it are gathered, as FSDP1's static ``summon_full_params``
+            does for a submodule.
         writeback: keep in-place changes made inside the context (each rank's shard is updated).
         rank0_only: only rank 0 sees full tensors; the other ranks keep their shards (FSDP1 under
             HYBRID_SHARD also gathers on rank 0 of each shard group, as torch's FSDP1 does).
@@ -379,11 +382,24 @@ def summon_full_params(model: nn.Module, *, writeback: bool = False, rank0_only:
     Raises:
         ConfigError: ``writeback=True`` with ``rank0_only=True`` (FSDP1 refuses it too: the other
             ranks would have nothing to write back), before any collective.
+        TypeError: ``model`` holds no sharded parameters.
     """
     if writeback and rank0_only:
         raise ConfigError([Problem("summon_full_params", "writeback=True, rank0_only=True",
                                    "writeback=True with rank0_only=False, or rank0_only=True without writeback",
                                    "drop rank0_only to write changes back, or writeback to read on rank 0 only")])
-    with get_bridge(model).summon_full_params(writeback=writeback, rank0_only=rank0_only,
-                                              offload_to_cpu=offload_to_cpu):
+    bridge = getattr(model, _ATTR, None)
+    if isinstance(bridge, Bridge):
+        impl, target = bridge.impl, bridge.model
+    else:
+        backend = backend_inside(model)
+        if backend is None:
+            raise TypeError(f"{type(model).__name__} holds no sharded parameters: pass a model returned by "
+                            "fsdp_bridge.shard() (or a unit of one, or a module sharded with fully_shard or "
+                            "FullyShardedDataParallel)")
+        impl, target = get_backend(backend), model
+    # Autograd is off inside, on both backends: gradients of the gathered copies would reach nothing,
+    # and torch's FSDP1 writes a unit's parameter views in place on the way out (refused under grad mode).
+    with torch.no_grad(), impl.summon_full_params(target, writeback=writeback, rank0_only=rank0_only,
+                                                  offload_to_cpu=offload_to_cpu):
         yield

@@ -123,10 +123,18 @@ def _accumulate_clip_summon(backend: str, strategy: str, shape: list[int] | None
     rank0_only_ok = rank0_full == expect_full and (offload or offload_refused)
     after = full_state(model)
     written = all(torch.allclose(after[k], state[k] + 1.0) for k in ref_state if "rotary" not in k)
+    # A unit on its own (what migrated FSDP.summon_full_params(submodule) calls pass): its parameters only.
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    unit = next(m for m in model.modules()
+                if m is not model and isinstance(m, (FSDPModule, FullyShardedDataParallel)))
+    with fsdp_bridge.summon_full_params(unit):
+        unit_full = sum(p.numel() for p in unit.parameters()) == sum(
+            p.numel() for p in reference.model.layers[0].parameters())
     return {"losses": losses, "ref_losses": ref_losses, "norms": norms, "ref_norms": ref_norms,
             "max_diff": max_diff, "close": close, "names_ok": names == set(ref_state) - {"model.rotary_emb.inv_freq"},
             "full_shapes_ok": full_shapes_ok, "unchanged": unchanged, "written": written,
-            "rank0_only_ok": rank0_only_ok}
+            "rank0_only_ok": rank0_only_ok, "unit_full": unit_full}
 
 
 @pytest.mark.parametrize(("strategy", "world", "shape"),
@@ -143,6 +151,7 @@ def test_no_sync_clip_and_full_params_match_reference(backend: str, strategy: st
         assert r["unchanged"], "changes inside summon_full_params(writeback=False) must be discarded"
         assert r["written"], "changes inside summon_full_params(writeback=True) must be kept"
         assert r["rank0_only_ok"], f"rank {rank}: summon_full_params(rank0_only=True) must gather on rank 0 only"
+        assert r["unit_full"], "summon_full_params(unit) must gather that unit's parameters"
 
 
 # ---------------------------------------------------------------- Hugging Face families

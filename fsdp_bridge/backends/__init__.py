@@ -5,7 +5,7 @@ from __future__ import annotations
 from fsdp_bridge.backends.base import BackendImpl, ShardPlan
 from fsdp_bridge.strategy import Backend
 
-__all__ = ["BackendImpl", "ShardPlan", "get_backend", "sharded_by"]
+__all__ = ["BackendImpl", "ShardPlan", "backend_inside", "get_backend", "sharded_by"]
 
 
 def get_backend(backend: Backend) -> BackendImpl:
@@ -17,6 +17,23 @@ def get_backend(backend: Backend) -> BackendImpl:
     from fsdp_bridge.backends.fsdp2 import FSDP2Backend
 
     return FSDP2Backend()
+
+
+def backend_inside(model: object) -> Backend | None:
+    """The backend whose modules ``model`` is or holds (FSDP1 wrappers, ``fully_shard`` modules or
+    its DTensor parameters), for calls on a part of a sharded model; None: neither."""
+    from torch import nn
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(model, nn.Module):
+        return None
+    for module in model.modules():
+        if isinstance(module, FullyShardedDataParallel):
+            return Backend.FSDP1
+        if isinstance(module, FSDPModule) or any(isinstance(p, DTensor) for p in module._parameters.values()):
+            return Backend.FSDP2
+    return None
 
 
 def sharded_by(model: object) -> str | None:

@@ -199,7 +199,9 @@ class FSDP1Backend:
         if saved is not None:
             with torch.no_grad():
                 for current, old in zip(self.local_tensors(model), saved, strict=True):
-                    current.copy_(old)
+                    # .data: a unit's parameters are views of one split of its flat parameter,
+                    # which autograd does not let be written in place through the view itself.
+                    current.data.copy_(old)
 
     def local_tensors(self, model: nn.Module) -> list[torch.Tensor]:
         # With use_orig_params=True each original parameter is a view of this rank's
