@@ -41,10 +41,22 @@ import fsdp_bridge
 from fsdp_bridge.testing import run_distributed
 
 SIZES: dict[str, dict[str, int]] = {
-    "quick": dict(vocab_size=8192, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
-                  num_attention_heads=8, num_key_value_heads=4),
-    "medium": dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=16,
-                   num_attention_heads=16, num_key_value_heads=8),
+    "quick": dict(
+        vocab_size=8192,
+        hidden_size=512,
+        intermediate_size=1408,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+    ),
+    "medium": dict(
+        vocab_size=32000,
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=16,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+    ),
 }
 MODES: dict[str, dict[str, Any]] = {
     "fp32": {},
@@ -80,16 +92,25 @@ def shard_plain(model: nn.Module, backend: str, mode: dict[str, Any]) -> nn.Modu
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-        return FSDP(model, auto_wrap_policy=ModuleWrapPolicy({LlamaDecoderLayer}),
-                    backward_prefetch=BackwardPrefetch.BACKWARD_PRE, limit_all_gathers=True,
-                    mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
-                                                   buffer_dtype=torch.bfloat16) if bf16 else None,
-                    cpu_offload=CPUOffload(offload_params=True) if mode.get("cpu_offload") else None,
-                    device_id=torch.cuda.current_device(), use_orig_params=True)
+        return FSDP(
+            model,
+            auto_wrap_policy=ModuleWrapPolicy({LlamaDecoderLayer}),
+            backward_prefetch=BackwardPrefetch.BACKWARD_PRE,
+            limit_all_gathers=True,
+            mixed_precision=MixedPrecision(
+                param_dtype=torch.bfloat16, reduce_dtype=torch.float32, buffer_dtype=torch.bfloat16
+            )
+            if bf16
+            else None,
+            cpu_offload=CPUOffload(offload_params=True) if mode.get("cpu_offload") else None,
+            device_id=torch.cuda.current_device(),
+            use_orig_params=True,
+        )
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
-        else MixedPrecisionPolicy()
+    mp = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+    )
     offload = CPUOffloadPolicy() if mode.get("cpu_offload") else OffloadPolicy()
     if not mode.get("cpu_offload"):
         model.cuda()
@@ -153,8 +174,15 @@ def measure(way: str, size: str, mode_name: str, batch: int, seq: int, steps: in
     del model, opt, step
     gc.collect()
     torch.cuda.empty_cache()
-    return {"way": way, "mode": mode_name, "setup_s": setup, "step_s": statistics.median(times),
-            "peak_bytes": peak, "left_from_earlier_runs_bytes": base, "losses": losses}
+    return {
+        "way": way,
+        "mode": mode_name,
+        "setup_s": setup,
+        "step_s": statistics.median(times),
+        "peak_bytes": peak,
+        "left_from_earlier_runs_bytes": base,
+        "losses": losses,
+    }
 
 
 def estimated_peaks(size: str, batch: int, seq: int) -> dict[tuple[str, str], int]:
@@ -177,16 +205,21 @@ def job(size: str, batch: int, seq: int, steps: int, repeats: int) -> dict[str, 
             ways = [w for w in WAYS if not (w == "single" and "offload" in mode_name)]
             for way in ways if repeat % 2 == 0 else ways[::-1]:
                 rows.append({**measure(way, size, mode_name, batch, seq, steps), "repeat": repeat})
-                print(f"  {mode_name:13s} {way:13s} {rows[-1]['step_s'] * 1e3:8.1f} ms "
-                      f"{rows[-1]['peak_bytes'] / 2**30:7.2f} GiB", flush=True)
+                print(
+                    f"  {mode_name:13s} {way:13s} {rows[-1]['step_s'] * 1e3:8.1f} ms "
+                    f"{rows[-1]['peak_bytes'] / 2**30:7.2f} GiB",
+                    flush=True,
+                )
     estimates = {f"{w}/{m}": v for (w, m), v in estimated_peaks(size, batch, seq).items()}
     return {"rows": rows, "estimates": estimates}
 
 
 def summarise(result: dict[str, Any]) -> str:
     rows, est = result["rows"], result["estimates"]
-    lines = [f"{'mode':13s} {'way':13s} {'step ms':>8s} {'vs plain':>8s} {'peak GiB':>9s} {'vs plain':>8s} "
-             f"{'est GiB':>8s} {'est/meas':>8s}  first/last loss"]
+    lines = [
+        f"{'mode':13s} {'way':13s} {'step ms':>8s} {'vs plain':>8s} {'peak GiB':>9s} {'vs plain':>8s} "
+        f"{'est GiB':>8s} {'est/meas':>8s}  first/last loss"
+    ]
     by: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for r in rows:
         by.setdefault((r["mode"], r["way"]), []).append(r)
@@ -199,9 +232,11 @@ def summarise(result: dict[str, Any]) -> str:
             ratio_t = f"{step / statistics.median(r['step_s'] for r in plain):.3f}"
             ratio_m = f"{peak / max(r['peak_bytes'] for r in plain):.3f}"
         e = est.get(f"{way}/{mode}")
-        lines.append(f"{mode:13s} {way:13s} {step * 1e3:8.1f} {ratio_t:>8s} {peak / 2**30:9.2f} {ratio_m:>8s} "
-                     f"{'' if e is None else f'{e / 2**30:8.2f}':>8s} {'' if e is None else f'{e / peak:8.3f}':>8s}"
-                     f"  {rs[0]['losses'][0]:.4f}/{rs[0]['losses'][-1]:.4f}")
+        lines.append(
+            f"{mode:13s} {way:13s} {step * 1e3:8.1f} {ratio_t:>8s} {peak / 2**30:9.2f} {ratio_m:>8s} "
+            f"{'' if e is None else f'{e / 2**30:8.2f}':>8s} {'' if e is None else f'{e / peak:8.3f}':>8s}"
+            f"  {rs[0]['losses'][0]:.4f}/{rs[0]['losses'][-1]:.4f}"
+        )
     return "\n".join(lines)
 
 
@@ -219,15 +254,27 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     size, repeats = ("quick", 1) if args.quick else ("medium", args.repeats)
     n_params = sum(p.numel() for p in build_model(size, args.seq).parameters())
-    print(f"{torch.cuda.get_device_name()} torch {torch.__version__}: Llama {n_params / 1e6:.0f}M parameters, "
-          f"batch {args.batch} x {args.seq} tokens, {args.steps} timed steps, {repeats} repeat(s)", flush=True)
-    (result,) = run_distributed(job, 1, args=(size, args.batch, args.seq, args.steps, repeats), backend="nccl",
-                                timeout_s=3000)
+    print(
+        f"{torch.cuda.get_device_name()} torch {torch.__version__}: Llama {n_params / 1e6:.0f}M parameters, "
+        f"batch {args.batch} x {args.seq} tokens, {args.steps} timed steps, {repeats} repeat(s)",
+        flush=True,
+    )
+    (result,) = run_distributed(
+        job, 1, args=(size, args.batch, args.seq, args.steps, repeats), backend="nccl", timeout_s=3000
+    )
     table = summarise(result)
     print(table)
     if args.out:
-        meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version(),
-                "params": n_params, "batch": args.batch, "seq": args.seq, "steps": args.steps, "repeats": repeats}
+        meta = {
+            "device": torch.cuda.get_device_name(),
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "params": n_params,
+            "batch": args.batch,
+            "seq": args.seq,
+            "steps": args.steps,
+            "repeats": repeats,
+        }
         with open(args.out, "w") as f:
             json.dump({"meta": meta, **result, "table": table}, f, indent=1)
     return 0

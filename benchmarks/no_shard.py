@@ -75,8 +75,10 @@ def main() -> int:
     print(f"{'way':32s} {'peak MiB (rank 0)':>18s} {'vs fsdp1':>9s} {'step ms':>8s}  losses")
     for way in WAYS:
         r = results[0][way]
-        print(f"{way:32s} {r['peak_bytes'] / 2**20:18.2f} {r['peak_bytes'] / base:9.3f} {r['step_s'] * 1e3:8.1f}  "
-              + " ".join(f"{x:.6f}" for x in r["losses"]))
+        print(
+            f"{way:32s} {r['peak_bytes'] / 2**20:18.2f} {r['peak_bytes'] / base:9.3f} {r['step_s'] * 1e3:8.1f}  "
+            + " ".join(f"{x:.6f}" for x in r["losses"])
+        )
     return 0
 
 

@@ -21,14 +21,38 @@ from fsdp_bridge.config import BridgeConfig
 from fsdp_bridge.estimate import build_meta_model, load_model_config, plan_at_scale
 
 MODELS = {
-    "7B (Llama 2)": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
-                         num_key_value_heads=32, vocab_size=32000),
-    "70B (Llama 2)": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
-                          num_key_value_heads=8, vocab_size=32000),
-    "70B (Llama 3)": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
-                          num_key_value_heads=8, vocab_size=128256),
-    "405B (Llama 3.1)": dict(hidden_size=16384, intermediate_size=53248, num_hidden_layers=126,
-                             num_attention_heads=128, num_key_value_heads=8, vocab_size=128256),
+    "7B (Llama 2)": dict(
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        vocab_size=32000,
+    ),
+    "70B (Llama 2)": dict(
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        vocab_size=32000,
+    ),
+    "70B (Llama 3)": dict(
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        vocab_size=128256,
+    ),
+    "405B (Llama 3.1)": dict(
+        hidden_size=16384,
+        intermediate_size=53248,
+        num_hidden_layers=126,
+        num_attention_heads=128,
+        num_key_value_heads=8,
+        vocab_size=128256,
+    ),
 }
 WORLDS = (64, 512, 1024)
 PER_NODE = 8
@@ -48,8 +72,10 @@ def main() -> None:
     args = parser.parse_args()
 
     rows = []
-    print("| model | parameters | ranks | mesh | params / rank | grads / rank | AdamW / rank | sharded state / rank "
-          "| last rank's shard (unpadded) | shard() = estimate |")
+    print(
+        "| model | parameters | ranks | mesh | params / rank | grads / rank | AdamW / rank | sharded state / rank "
+        "| last rank's shard (unpadded) | shard() = estimate |"
+    )
     print("| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | --- |")
     start = time.perf_counter()
     for label, sizes in MODELS.items():
@@ -61,15 +87,31 @@ def main() -> None:
                 plan = plan_at_scale(model, config, world_size=world)
                 est, last = plan.estimate, plan.ranks[-1]
                 exact = "exact" if plan.matches else "NO: " + "; ".join(plan.mismatches[:3])
-                print(f"| {label} | {n / 1e9:.2f} B | {world} | {'x'.join(map(str, est.mesh))} | {_gib(est.params)} "
-                      f"| {_gib(est.grads)} | {_gib(est.optimizer)} | {_gib(est.sharded_state)} "
-                      f"| {_gib(last.local_bytes)} | {exact} |", flush=True)
-                rows.append({"model": label, "sizes": sizes, "parameters": n, "world_size": world,
-                             "strategy": strategy, "mesh": list(est.mesh), "params": est.params, "grads": est.grads,
-                             "optimizer": est.optimizer, "sharded_state": est.sharded_state,
-                             "ranks": {r.rank: {"local_bytes": r.local_bytes, "allocated_bytes": r.allocated_bytes}
-                                       for r in plan.ranks},
-                             "mismatches": list(plan.mismatches)})
+                print(
+                    f"| {label} | {n / 1e9:.2f} B | {world} | {'x'.join(map(str, est.mesh))} | {_gib(est.params)} "
+                    f"| {_gib(est.grads)} | {_gib(est.optimizer)} | {_gib(est.sharded_state)} "
+                    f"| {_gib(last.local_bytes)} | {exact} |",
+                    flush=True,
+                )
+                rows.append(
+                    {
+                        "model": label,
+                        "sizes": sizes,
+                        "parameters": n,
+                        "world_size": world,
+                        "strategy": strategy,
+                        "mesh": list(est.mesh),
+                        "params": est.params,
+                        "grads": est.grads,
+                        "optimizer": est.optimizer,
+                        "sharded_state": est.sharded_state,
+                        "ranks": {
+                            r.rank: {"local_bytes": r.local_bytes, "allocated_bytes": r.allocated_bytes}
+                            for r in plan.ranks
+                        },
+                        "mismatches": list(plan.mismatches),
+                    }
+                )
     print(f"\nfigures in GiB (2^30 bytes); {len(rows)} configurations in {time.perf_counter() - start:.0f} s")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:

@@ -71,8 +71,12 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=768)
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--vocab", type=int, default=32000)
-    parser.add_argument("--chunk-numel", type=int, default=None,
-                        help="elements per broadcast round of the meta path (default: the library's, 256Mi)")
+    parser.add_argument(
+        "--chunk-numel",
+        type=int,
+        default=None,
+        help="elements per broadcast round of the meta path (default: the library's, 256Mi)",
+    )
     args = parser.parse_args()
     os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
 
@@ -81,16 +85,23 @@ def main() -> None:
     from fsdp_bridge.testing import run_distributed
 
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = LlamaConfig(hidden_size=args.hidden, intermediate_size=4 * args.hidden, num_hidden_layers=args.layers,
-                          num_attention_heads=max(1, args.hidden // 64), vocab_size=args.vocab,
-                          tie_word_embeddings=False)
+        cfg = LlamaConfig(
+            hidden_size=args.hidden,
+            intermediate_size=4 * args.hidden,
+            num_hidden_layers=args.layers,
+            num_attention_heads=max(1, args.hidden // 64),
+            vocab_size=args.vocab,
+            tie_word_embeddings=False,
+        )
         model = AutoModelForCausalLM.from_config(cfg)
         n = sum(p.numel() for p in model.parameters())
         model.save_pretrained(tmp)
         del model
         size = sum(f.stat().st_size for f in Path(tmp).glob("*.safetensors")) / 2**20
-        print(f"Llama {args.layers}x{args.hidden}, vocab {args.vocab}: {n / 1e6:.1f}M parameters, "
-              f"{size:.0f} MiB fp32 safetensors; world size {args.world_size}")
+        print(
+            f"Llama {args.layers}x{args.hidden}, vocab {args.vocab}: {n / 1e6:.1f}M parameters, "
+            f"{size:.0f} MiB fp32 safetensors; world size {args.world_size}"
+        )
         print(f"{'method':<8} {'rank':>4} {'after imports MiB':>18} {'peak MiB':>9} {'peak - imports MiB':>19}")
         for method in ("naive", "meta"):
             results = run_distributed(_run, args.world_size, args=(method, tmp, args.chunk_numel), timeout_s=900)

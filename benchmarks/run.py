@@ -39,14 +39,32 @@ from fsdp_bridge.testing import run_distributed
 from fsdp_bridge.testing.models import tiny_config
 
 SIZES: dict[str, dict[str, int]] = {
-    "small": dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2),
-    "medium": dict(vocab_size=1024, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
-                   num_attention_heads=8, num_key_value_heads=4),
+    "small": dict(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    ),
+    "medium": dict(
+        vocab_size=1024,
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+    ),
 }
 # Loading is measured with a bigger model, so that the weights dominate process noise.
-LOADING_SIZE = dict(vocab_size=8192, hidden_size=768, intermediate_size=2048, num_hidden_layers=4,
-                    num_attention_heads=12, num_key_value_heads=4)
+LOADING_SIZE = dict(
+    vocab_size=8192,
+    hidden_size=768,
+    intermediate_size=2048,
+    num_hidden_layers=4,
+    num_attention_heads=12,
+    num_key_value_heads=4,
+)
 STRATEGIES = ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "hybrid_shard_zero2")
 BACKENDS = ("fsdp1", "fsdp2")
 BATCH, SEQ = 4, 64
@@ -55,6 +73,7 @@ BATCH, SEQ = 4, 64
 # ---------------------------------------------------------------------------------
 # Models and the two ways of sharding them
 # ---------------------------------------------------------------------------------
+
 
 def build_model(size: str, *, seed: int = 0) -> nn.Module:
     from transformers import AutoModelForCausalLM
@@ -90,13 +109,24 @@ def shard_plain(model: nn.Module, backend: str, strategy: str) -> nn.Module:
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-        mesh = init_device_mesh("cpu", hybrid_shape(world), mesh_dim_names=("replicate", "shard")) if hybrid \
+        mesh = (
+            init_device_mesh("cpu", hybrid_shape(world), mesh_dim_names=("replicate", "shard"))
+            if hybrid
             else init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
+        )
         torch_strategy = {"hybrid_shard_zero2": ShardingStrategy._HYBRID_SHARD_ZERO2}.get(
-            strategy, getattr(ShardingStrategy, strategy.upper(), None))
-        return FSDP(model, sharding_strategy=torch_strategy, auto_wrap_policy=ModuleWrapPolicy({LlamaDecoderLayer}),
-                    backward_prefetch=BackwardPrefetch.BACKWARD_PRE, limit_all_gathers=True,
-                    device_id=torch.device("cpu"), device_mesh=mesh, use_orig_params=True)
+            strategy, getattr(ShardingStrategy, strategy.upper(), None)
+        )
+        return FSDP(
+            model,
+            sharding_strategy=torch_strategy,
+            auto_wrap_policy=ModuleWrapPolicy({LlamaDecoderLayer}),
+            backward_prefetch=BackwardPrefetch.BACKWARD_PRE,
+            limit_all_gathers=True,
+            device_id=torch.device("cpu"),
+            device_mesh=mesh,
+            use_orig_params=True,
+        )
     from torch.distributed.fsdp import fully_shard
 
     if hybrid:
@@ -115,6 +145,7 @@ def shard_plain(model: nn.Module, backend: str, strategy: str) -> nn.Module:
 # ---------------------------------------------------------------------------------
 # Measurements inside one rank
 # ---------------------------------------------------------------------------------
+
 
 def _batch(size: str) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(100 + dist.get_rank())
@@ -172,8 +203,9 @@ def measure_pair(size: str, backend: str, strategy: str, steps: int, first: str)
         for way in order if i % 2 == 0 else order[::-1]:
             _, t = _timed(lambda w=way: _step(runs[w]["model"], runs[w]["opt"], batch))
             times[way].append(t)
-    return {way: {"setup_s": runs[way]["setup_s"], "step_times_s": times[way], "peak_bytes": peaks[way]}
-            for way in order}
+    return {
+        way: {"setup_s": runs[way]["setup_s"], "step_times_s": times[way], "peak_bytes": peaks[way]} for way in order
+    }
 
 
 def training_job(cases: list[tuple[str, str, str]], repeats: int, steps: int) -> list[dict[str, Any]]:
@@ -187,8 +219,7 @@ def training_job(cases: list[tuple[str, str, str]], repeats: int, steps: int) ->
             pair = measure_pair(size, backend, strategy, steps, "bridge" if repeat % 2 == 0 else "plain")
             gc.collect()  # the previous models are freed before the next ones are timed
             for way, m in pair.items():
-                out.append({"size": size, "strategy": strategy, "backend": backend, "way": way,
-                            "repeat": repeat, **m})
+                out.append({"size": size, "strategy": strategy, "backend": backend, "way": way, "repeat": repeat, **m})
     return out
 
 
@@ -242,6 +273,7 @@ def checkpoint_job(size: str, root: str, repeats: int) -> list[dict[str, Any]]:
 # Loading pretrained weights: meta-device path vs a full model on every rank
 # ---------------------------------------------------------------------------------
 
+
 class _RssPeak:
     """Peak resident set size of this process while in the block, sampled every millisecond
     (``ru_maxrss`` is a lifetime maximum: imports before the block would hide it)."""
@@ -286,8 +318,9 @@ def loading_job(model_dir: str, way: str) -> dict[str, int]:
                 model = AutoModelForCausalLM.from_config(config)
         else:
             model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        bridge_config = fsdp_bridge.BridgeConfig(strategy="full_shard", backend="fsdp2", device="cpu",
-                                                 sync_module_states=(way == "meta"))
+        bridge_config = fsdp_bridge.BridgeConfig(
+            strategy="full_shard", backend="fsdp2", device="cpu", sync_module_states=(way == "meta")
+        )
         model = fsdp_bridge.shard(model, bridge_config)
         dist.barrier()
     return {"rss_delta": rss.peak - rss.base, "local_bytes": storage_bytes(model.parameters())}
@@ -297,17 +330,22 @@ def loading_job(model_dir: str, way: str) -> dict[str, int]:
 # Driver
 # ---------------------------------------------------------------------------------
 
+
 def median(xs: list[float]) -> float:
     return statistics.median(xs)
 
 
 def summarise_training(raw: list[dict[str, Any]], world: int) -> list[dict[str, Any]]:
     rows = []
-    keys = sorted({(r["size"], r["strategy"], r["backend"]) for r in raw},
-                  key=lambda k: (list(SIZES).index(k[0]), STRATEGIES.index(k[1]), k[2]))
+    keys = sorted(
+        {(r["size"], r["strategy"], r["backend"]) for r in raw},
+        key=lambda k: (list(SIZES).index(k[0]), STRATEGIES.index(k[1]), k[2]),
+    )
     for size, strategy, backend in keys:
-        sel = {w: [r for r in raw if (r["size"], r["strategy"], r["backend"], r["way"]) == (size, strategy, backend, w)]
-               for w in ("bridge", "plain")}
+        sel = {
+            w: [r for r in raw if (r["size"], r["strategy"], r["backend"], r["way"]) == (size, strategy, backend, w)]
+            for w in ("bridge", "plain")
+        }
         row: dict[str, Any] = {"world": world, "size": size, "strategy": strategy, "backend": backend}
         for w in ("bridge", "plain"):
             for r in sel[w]:
@@ -323,31 +361,38 @@ def summarise_training(raw: list[dict[str, Any]], world: int) -> list[dict[str, 
 
 
 def training_table(rows: list[dict[str, Any]]) -> str:
-    head = f"{'world':>5} {'size':<7} {'strategy':<19} {'backend':<7} {'step ms b/p':>15} {'ratio':>6} " \
-           f"{'setup ms b/p':>15} {'ratio':>6} {'peak KiB b/p':>17} {'ratio':>6}"
+    head = (
+        f"{'world':>5} {'size':<7} {'strategy':<19} {'backend':<7} {'step ms b/p':>15} {'ratio':>6} "
+        f"{'setup ms b/p':>15} {'ratio':>6} {'peak KiB b/p':>17} {'ratio':>6}"
+    )
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
             f"{r['world']:>5} {r['size']:<7} {r['strategy']:<19} {r['backend']:<7} "
             f"{r['step_s_bridge'] * 1e3:>7.1f}/{r['step_s_plain'] * 1e3:<7.1f} {r['step_s_ratio']:>6.3f} "
             f"{r['setup_s_bridge'] * 1e3:>7.1f}/{r['setup_s_plain'] * 1e3:<7.1f} {r['setup_s_ratio']:>6.3f} "
-            f"{r['peak_bytes_bridge'] / 1024:>8.0f}/{r['peak_bytes_plain'] / 1024:<8.0f} {r['peak_bytes_ratio']:>6.3f}")
+            f"{r['peak_bytes_bridge'] / 1024:>8.0f}/{r['peak_bytes_plain'] / 1024:<8.0f} {r['peak_bytes_ratio']:>6.3f}"
+        )
     return "\n".join(lines)
 
 
 def backend_table(rows: list[dict[str, Any]]) -> str:
-    lines = [f"{'world':>5} {'size':<7} {'strategy':<19} {'step ms fsdp1/fsdp2':>20} {'fsdp2/fsdp1':>11} "
-             f"{'peak KiB fsdp1/fsdp2':>21} {'fsdp2/fsdp1':>11}"]
+    lines = [
+        f"{'world':>5} {'size':<7} {'strategy':<19} {'step ms fsdp1/fsdp2':>20} {'fsdp2/fsdp1':>11} "
+        f"{'peak KiB fsdp1/fsdp2':>21} {'fsdp2/fsdp1':>11}"
+    ]
     by = {(r["world"], r["size"], r["strategy"], r["backend"]): r for r in rows}
     for (world, size, strategy, backend), r1 in by.items():
         r2 = by.get((world, size, strategy, "fsdp2"))
         if backend != "fsdp1" or r2 is None:
             continue
-        lines.append(f"{world:>5} {size:<7} {strategy:<19} "
-                     f"{r1['step_s_bridge'] * 1e3:>9.1f}/{r2['step_s_bridge'] * 1e3:<9.1f} "
-                     f"{r2['step_s_bridge'] / r1['step_s_bridge']:>11.3f} "
-                     f"{r1['peak_bytes_bridge'] / 1024:>10.0f}/{r2['peak_bytes_bridge'] / 1024:<10.0f} "
-                     f"{r2['peak_bytes_bridge'] / r1['peak_bytes_bridge']:>11.3f}")
+        lines.append(
+            f"{world:>5} {size:<7} {strategy:<19} "
+            f"{r1['step_s_bridge'] * 1e3:>9.1f}/{r2['step_s_bridge'] * 1e3:<9.1f} "
+            f"{r2['step_s_bridge'] / r1['step_s_bridge']:>11.3f} "
+            f"{r1['peak_bytes_bridge'] / 1024:>10.0f}/{r2['peak_bytes_bridge'] / 1024:<10.0f} "
+            f"{r2['peak_bytes_bridge'] / r1['peak_bytes_bridge']:>11.3f}"
+        )
     return "\n".join(lines)
 
 
@@ -360,8 +405,14 @@ def machine() -> dict[str, Any]:
                 break
     except OSError:
         pass
-    return {"cpu": model, "cores": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
-            "platform": platform.platform(), "load_avg_at_start": os.getloadavg()}
+    return {
+        "cpu": model,
+        "cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "load_avg_at_start": os.getloadavg(),
+    }
 
 
 def plot(rows: list[dict[str, Any]], path: str) -> None:
@@ -380,11 +431,15 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(12, 4))
     labels = list(dict.fromkeys(r["strategy"] for r in sel))
     width = 0.2
-    for ax, metric, scale, unit in ((axes[0], "step_s", 1e3, "step time (ms)"),
-                                    (axes[1], "peak_bytes", 1 / 2**20, "peak tensor memory per rank (MiB)")):
+    for ax, metric, scale, unit in (
+        (axes[0], "step_s", 1e3, "step time (ms)"),
+        (axes[1], "peak_bytes", 1 / 2**20, "peak tensor memory per rank (MiB)"),
+    ):
         for i, (backend, way) in enumerate((b, w) for b in BACKENDS for w in ("plain", "bridge")):
-            vals = [next((r[f"{metric}_{way}"] * scale for r in sel if r["strategy"] == s and r["backend"] == backend),
-                         0.0) for s in labels]
+            vals = [
+                next((r[f"{metric}_{way}"] * scale for r in sel if r["strategy"] == s and r["backend"] == backend), 0.0)
+                for s in labels
+            ]
             ax.bar([x + (i - 1.5) * width for x in range(len(labels))], vals, width, label=f"{backend} {way}")
         ax.set_xticks(range(len(labels)), labels, rotation=20)
         ax.set_ylabel(unit)
@@ -403,9 +458,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=None, help="repeats per configuration (default 3; quick: 2)")
     ap.add_argument("--steps", type=int, default=None, help="timed steps per repeat (default 5; quick: 3)")
     ap.add_argument("--skip", default="", help="parts to skip: training, checkpoint, loading")
-    ap.add_argument("--out", default=None,
-                    help="results JSON (default: benchmarks/results.json for a full run; --quick writes no file "
-                         "unless given one)")
+    ap.add_argument(
+        "--out",
+        default=None,
+        help="results JSON (default: benchmarks/results.json for a full run; --quick writes no file unless given one)",
+    )
     ap.add_argument("--plot", default=None, help="write a PNG of step time and memory per strategy")
     args = ap.parse_args(argv)
     if args.out is None and not args.quick:
@@ -418,9 +475,16 @@ def main(argv: list[str] | None = None) -> int:
     strategies = args.strategies.split(",")
     skip = set(filter(None, args.skip.split(",")))
     threads = 1
-    result: dict[str, Any] = {"command": " ".join([sys.executable.rsplit("/", 1)[-1], *sys.argv]),
-                              "machine": machine(), "batch": BATCH, "seq_len": SEQ, "sizes": SIZES,
-                              "repeats": repeats, "steps": steps, "threads_per_rank": threads}
+    result: dict[str, Any] = {
+        "command": " ".join([sys.executable.rsplit("/", 1)[-1], *sys.argv]),
+        "machine": machine(),
+        "batch": BATCH,
+        "seq_len": SEQ,
+        "sizes": SIZES,
+        "repeats": repeats,
+        "steps": steps,
+        "threads_per_rank": threads,
+    }
     print(f"machine: {result['machine']}")
 
     if "training" not in skip:
@@ -428,15 +492,18 @@ def main(argv: list[str] | None = None) -> int:
         for world in worlds:
             cases = [(s, st, b) for s in sizes for st in strategies for b in BACKENDS]
             t0 = time.time()
-            per_rank = run_distributed(training_job, world, args=(cases, repeats, steps), timeout_s=3600,
-                                       threads_per_rank=threads)
+            per_rank = run_distributed(
+                training_job, world, args=(cases, repeats, steps), timeout_s=3600, threads_per_rank=threads
+            )
             raw = per_rank[0]  # collectives keep ranks in step; setup/step are barrier-to-barrier
             for i, r in enumerate(raw):
                 r["peak_bytes"] = max(rank[i]["peak_bytes"] for rank in per_rank)  # the fullest rank
             raw_all[world] = raw
             rows.extend(summarise_training(raw, world))
-            print(f"world {world}: {len(cases)} configurations x 2 ways x {repeats} repeats "
-                  f"in {time.time() - t0:.0f} s", flush=True)
+            print(
+                f"world {world}: {len(cases)} configurations x 2 ways x {repeats} repeats in {time.time() - t0:.0f} s",
+                flush=True,
+            )
             result["training"], result["training_raw"] = rows, raw_all  # partial results survive a kill
             _write(args.out, result)
         result["training"] = rows
@@ -449,14 +516,17 @@ def main(argv: list[str] | None = None) -> int:
 
     if "checkpoint" not in skip:
         with tempfile.TemporaryDirectory() as root:
-            raw = run_distributed(checkpoint_job, 2, args=(sizes[-1], root, repeats), timeout_s=1800,
-                                  threads_per_rank=threads)[0]
+            raw = run_distributed(
+                checkpoint_job, 2, args=(sizes[-1], root, repeats), timeout_s=1800, threads_per_rank=threads
+            )[0]
         med = {k: median([r[k] for r in raw]) for k in raw[0] if k != "repeat"}
         result["checkpoint"] = {"raw": raw, "median": med, "world": 2, "size": sizes[-1]}
         print("\ncheckpoints at 2 ranks (medians, s): " + ", ".join(f"{k} {v:.4f}" for k, v in med.items()))
         for kind in ("sharded", "full"):
-            print(f"  {kind}: save/torch.save {med[f'{kind}_save_s'] / med['plain_save_s']:.2f}, "
-                  f"load/torch.load {med[f'{kind}_load_s'] / med['plain_load_s']:.2f}")
+            print(
+                f"  {kind}: save/torch.save {med[f'{kind}_save_s'] / med['plain_save_s']:.2f}, "
+                f"load/torch.load {med[f'{kind}_load_s'] / med['plain_load_s']:.2f}"
+            )
         print(f"  async save stall / sync save: {med['async_stall_s'] / med['sync_save_s']:.2f}")
 
     if "loading" not in skip:
@@ -467,24 +537,32 @@ def main(argv: list[str] | None = None) -> int:
             build_model(size).save_pretrained(root)
             per_way = {}
             for repeat in range(repeats):
-                for way in (("meta", "full") if repeat % 2 == 0 else ("full", "meta")):
-                    res = run_distributed(loading_job, world, args=(root, way), timeout_s=600,
-                                          threads_per_rank=threads)
+                for way in ("meta", "full") if repeat % 2 == 0 else ("full", "meta"):
+                    res = run_distributed(loading_job, world, args=(root, way), timeout_s=600, threads_per_rank=threads)
                     per_way.setdefault(way, []).append(res)
         model_bytes = sum(p.numel() * 4 for p in build_model(size).parameters())
         from fsdp_bridge.estimate import build_meta_model, model_units
 
-        meta = build_meta_model(tiny_config("llama", max_position_embeddings=SEQ, tie_word_embeddings=False,
-                                            **LOADING_SIZE))
+        meta = build_meta_model(
+            tiny_config("llama", max_position_embeddings=SEQ, tie_word_embeddings=False, **LOADING_SIZE)
+        )
         unit = max(u.numel for u in model_units(meta, fsdp_bridge.BridgeConfig()) if u.name != "(root)") * 4
         bound = (model_bytes / world + unit) * 1.10
         summary = {}
         for way, runs in per_way.items():
             summary[way] = [median([run[r]["rss_delta"] for run in runs]) for r in range(world)]
-        result["loading"] = {"world": world, "size": size, "model_bytes": model_bytes, "unit_bytes": unit,
-                             "target_bytes": bound, "rss_delta_by_rank": summary}
-        print(f"\npretrained loading at {world} ranks, model {model_bytes / 2**20:.2f} MiB, largest unit "
-              f"{unit / 2**20:.2f} MiB: peak RSS growth per rank (MiB, medians)")
+        result["loading"] = {
+            "world": world,
+            "size": size,
+            "model_bytes": model_bytes,
+            "unit_bytes": unit,
+            "target_bytes": bound,
+            "rss_delta_by_rank": summary,
+        }
+        print(
+            f"\npretrained loading at {world} ranks, model {model_bytes / 2**20:.2f} MiB, largest unit "
+            f"{unit / 2**20:.2f} MiB: peak RSS growth per rank (MiB, medians)"
+        )
         for way, vals in summary.items():
             print(f"  {way:<5} " + " ".join(f"rank{r}={v / 2**20:.1f}" for r, v in enumerate(vals)))
         print(f"  target for non-zero ranks (meta path): <= {bound / 2**20:.2f} MiB")

@@ -24,9 +24,18 @@ from fsdp_bridge.train._data import sample_corpus_path
 def main(*, backend: str = "fsdp2", steps: int = 20, accum: int = 2, out: str | None = None) -> list[float]:
     config = fsdp_bridge.BridgeConfig(strategy="full_shard", backend=backend, device="cpu")
     torch.manual_seed(0)  # same initial weights on every rank
-    model = AutoModelForCausalLM.from_config(LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=128, use_cache=False))
+    model = AutoModelForCausalLM.from_config(
+        LlamaConfig(
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=128,
+            use_cache=False,
+        )
+    )
     model = fsdp_bridge.shard(model, config)  # starts the process group from torchrun's environment
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -29,7 +29,7 @@ def build_model() -> torch.nn.Module:
 def test_backends_train_alike():
     report = assert_backend_parity(
         build_model,
-        rank_batches("llama", steps=2),             # this rank's batches, one per step
+        rank_batches("llama", steps=2),  # this rank's batches, one per step
         BridgeConfig(strategy="full_shard", device="cpu"),
         reference=True,
     )

@@ -57,8 +57,14 @@ class PeftConfig:
             targets = ALL_LINEAR if self.target_modules == (ALL_LINEAR,) else list(self.target_modules)
         alpha: float | int = int(self.alpha) if float(self.alpha).is_integer() else self.alpha
         # peft annotates lora_alpha as int but only divides by it: a fractional alpha works and round-trips.
-        return LoraConfig(task_type="CAUSAL_LM", r=self.r, lora_alpha=alpha, lora_dropout=self.dropout,  # type: ignore[arg-type]
-                          target_modules=targets, modules_to_save=list(self.modules_to_save) or None)
+        return LoraConfig(
+            task_type="CAUSAL_LM",
+            r=self.r,
+            lora_alpha=alpha,  # type: ignore[arg-type]
+            lora_dropout=self.dropout,
+            target_modules=targets,
+            modules_to_save=list(self.modules_to_save) or None,
+        )
 
 
 def peft_available() -> bool:
@@ -79,11 +85,20 @@ def peft_problems(section: PeftConfig, key: str = "peft") -> list[Problem]:
     lists = (("target_modules", section.target_modules or ()), ("modules_to_save", section.modules_to_save))
     for name, values in lists:
         if any(not v.strip() for v in values):
-            p.append(Problem(f"{key}.{name}", list(values), "a list of module names (non-empty strings)",
-                             "e.g. [q_proj, v_proj]"))
+            p.append(
+                Problem(
+                    f"{key}.{name}", list(values), "a list of module names (non-empty strings)", "e.g. [q_proj, v_proj]"
+                )
+            )
     if section.target_modules == ():
-        p.append(Problem(f"{key}.target_modules", [], "null (peft's default for the model), all-linear, or a "
-                         "non-empty list of module names", "e.g. target_modules: [q_proj, v_proj]"))
+        p.append(
+            Problem(
+                f"{key}.target_modules",
+                [],
+                "null (peft's default for the model), all-linear, or a non-empty list of module names",
+                "e.g. target_modules: [q_proj, v_proj]",
+            )
+        )
     return p
 
 
@@ -105,9 +120,16 @@ def apply_lora(model: nn.Module, section: PeftConfig, *, key: str = "peft") -> n
         linear = sorted({name.rpartition(".")[2] for name, m in model.named_modules() if isinstance(m, nn.Linear)})
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         value = list(section.target_modules) if section.target_modules is not None else None
-        raise ConfigError([Problem(f"{key}.target_modules", value,
-                                   f"names of modules in {type(model).__name__}: {', '.join(linear)}",
-                                   f"peft: {reason}")]) from None
+        raise ConfigError(
+            [
+                Problem(
+                    f"{key}.target_modules",
+                    value,
+                    f"names of modules in {type(model).__name__}: {', '.join(linear)}",
+                    f"peft: {reason}",
+                )
+            ]
+        ) from None
 
 
 # ----------------------------------------------------------------------------------
@@ -129,8 +151,11 @@ def is_4bit(obj: Any) -> bool:
     if getattr(obj, "is_loaded_in_4bit", False) is True:
         return True
     config = obj if isinstance(obj, Mapping) else getattr(obj, "config", obj)
-    quant = config.get("quantization_config") if isinstance(config, Mapping) else \
-        getattr(config, "quantization_config", None)
+    quant = (
+        config.get("quantization_config")
+        if isinstance(config, Mapping)
+        else getattr(config, "quantization_config", None)
+    )
     if quant is None:
         return False
     return bool(_as_mapping(quant).get("load_in_4bit", False))
@@ -147,6 +172,12 @@ def quantization_problems(obj: Any, device_type: str, key: str = "model") -> lis
     modules = list(obj.modules()) if callable(getattr(obj, "modules", None)) else [obj]
     if not any(is_4bit(m) for m in modules):
         return []
-    return [Problem(key, "4-bit quantized (bitsandbytes load_in_4bit)", f"a model that runs on {device_type}",
-                    f"bitsandbytes 4-bit weights (QLoRA) need CUDA and this run is on {device_type}: run on GPUs "
-                    "(bridge.device: cuda), or load the base without quantization_config for a CPU run")]
+    return [
+        Problem(
+            key,
+            "4-bit quantized (bitsandbytes load_in_4bit)",
+            f"a model that runs on {device_type}",
+            f"bitsandbytes 4-bit weights (QLoRA) need CUDA and this run is on {device_type}: run on GPUs "
+            "(bridge.device: cuda), or load the base without quantization_config for a CPU run",
+        )
+    ]

@@ -70,10 +70,16 @@ def _check(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     stale = sum(1 for group in optimizer.param_groups for p in group["params"] if _is_replaced(p))
     if stale:
         total = sum(len(group["params"]) for group in optimizer.param_groups)
-        raise ConfigError([Problem(
-            "optimizer", f"{type(optimizer).__name__} holding {stale} of {total} parameters from before shard()",
-            "an optimizer built from the sharded model's parameters",
-            "build the optimizer after fsdp_bridge.shard(model, ...): optimizer = "
-            f"torch.optim.{type(optimizer).__name__}(model.parameters(), ...); the parameters it holds were "
-            "replaced by sharded ones, so stepping it would train nothing")])
+        raise ConfigError(
+            [
+                Problem(
+                    "optimizer",
+                    f"{type(optimizer).__name__} holding {stale} of {total} parameters from before shard()",
+                    "an optimizer built from the sharded model's parameters",
+                    "build the optimizer after fsdp_bridge.shard(model, ...): optimizer = "
+                    f"torch.optim.{type(optimizer).__name__}(model.parameters(), ...); the parameters it holds were "
+                    "replaced by sharded ones, so stepping it would train nothing",
+                )
+            ]
+        )
     _checked.add(optimizer)

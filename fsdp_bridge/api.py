@@ -98,10 +98,12 @@ class Bridge:
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         return self.impl.clip_grad_norm_(self.model, float(max_norm), float(norm_type))
 
-    def summon_full_params(self, *, writeback: bool = False, rank0_only: bool = False,
-                           offload_to_cpu: bool = False) -> AbstractContextManager[None]:
-        return self.impl.summon_full_params(self.model, writeback=writeback, rank0_only=rank0_only,
-                                            offload_to_cpu=offload_to_cpu)
+    def summon_full_params(
+        self, *, writeback: bool = False, rank0_only: bool = False, offload_to_cpu: bool = False
+    ) -> AbstractContextManager[None]:
+        return self.impl.summon_full_params(
+            self.model, writeback=writeback, rank0_only=rank0_only, offload_to_cpu=offload_to_cpu
+        )
 
     def local_numel(self) -> int:
         """Parameter elements held by this rank (for FULL_SHARD about 1/N of the model)."""
@@ -188,10 +190,17 @@ def shard(model: nn.Module, config: BridgeConfig | None = None, *, mesh: DeviceM
         )
     wrapped_by = sharded_by(model)
     if wrapped_by is not None:
-        raise ConfigError([Problem("model", f"{type(model).__name__} already wrapped by {wrapped_by}",
-                                   "a model not yet wrapped by FSDP",
-                                   "pass the model to shard() instead of wrapping it yourself (for FSDP1 code: "
-                                   "fsdp_bridge.BridgeConfig.from_fsdp1(**your_fsdp_kwargs))")])
+        raise ConfigError(
+            [
+                Problem(
+                    "model",
+                    f"{type(model).__name__} already wrapped by {wrapped_by}",
+                    "a model not yet wrapped by FSDP",
+                    "pass the model to shard() instead of wrapping it yourself (for FSDP1 code: "
+                    "fsdp_bridge.BridgeConfig.from_fsdp1(**your_fsdp_kwargs))",
+                )
+            ]
+        )
 
     device = init_distributed(config.device)
     # Validation is local.  Most checks give the same answer on every rank; some depend on
@@ -222,12 +231,23 @@ def shard(model: nn.Module, config: BridgeConfig | None = None, *, mesh: DeviceM
     mesh = mesh or build_mesh(mesh_plan, device.type)  # first collective
     ignored_ids = {id(p) for m in ignored for p in m.parameters()}
     scalars = [p for p in model.parameters() if p.dim() == 0 and id(p) not in ignored_ids]
-    plan = resolve_plan(config, report, device=device, mesh=mesh, units=units, ignored_modules=ignored,
-                        has_meta=has_meta, scalar_params=scalars, materialize=not _PLAN_ON_META.get())
+    plan = resolve_plan(
+        config,
+        report,
+        device=device,
+        mesh=mesh,
+        units=units,
+        ignored_modules=ignored,
+        has_meta=has_meta,
+        scalar_params=scalars,
+        materialize=not _PLAN_ON_META.get(),
+    )
     if scalars:
         names = [n for n, p in model.named_parameters() if any(p is q for q in scalars)]
-        wrap_plan.notes.append(f"0-dim parameters kept whole on every rank, gradients averaged by the bridge "
-                               f"(neither backend shards scalars): {', '.join(names)}")
+        wrap_plan.notes.append(
+            f"0-dim parameters kept whole on every rank, gradients averaged by the bridge "
+            f"(neither backend shards scalars): {', '.join(names)}"
+        )
     impl = get_backend(config.backend)
     before = list(model.parameters())
     sharded = impl.shard(model, plan)
@@ -244,8 +264,10 @@ def _fingerprint(model: nn.Module, config: BridgeConfig, mesh: DeviceMesh | None
     """What this rank asked shard() for: every rank must ask for the same (checked in agree())."""
     out = {f"config.{name}": show_value(getattr(config, name)) for name in BridgeConfig.field_names()}
     params = [(n, tuple(p.shape), str(p.dtype)) for n, p in model.named_parameters()]
-    out["model"] = (f"{type(model).__name__}, {len(params)} parameters, "
-                    f"{sum(math.prod(shape) for _, shape, _ in params):,} elements")
+    out["model"] = (
+        f"{type(model).__name__}, {len(params)} parameters, "
+        f"{sum(math.prod(shape) for _, shape, _ in params):,} elements"
+    )
     out["model.parameters"] = hashlib.sha256(repr(params).encode()).hexdigest()[:16]
     out["mesh"] = "built by fsdp_bridge" if mesh is None else f"{tuple(mesh.shape)} {mesh.mesh_dim_names}"
     return out
@@ -263,10 +285,16 @@ def _validate(
     except ConfigError as err:
         problems.extend(err.problems)
     if mesh is not None and mesh.size() != dist.get_world_size() and config.sync_module_states:
-        problems.append(Problem("sync_module_states", True, "false with a sub-mesh",
-                                "the other mesh dimensions (e.g. tensor parallel) hold different shards, so rank 0's "
-                                "weights cannot be broadcast to every rank: seed every rank the same way, or load "
-                                "weights after shard() (fsdp_bridge.load_checkpoint)"))
+        problems.append(
+            Problem(
+                "sync_module_states",
+                True,
+                "false with a sub-mesh",
+                "the other mesh dimensions (e.g. tensor parallel) hold different shards, so rank 0's "
+                "weights cannot be broadcast to every rank: seed every rank the same way, or load "
+                "weights after shard() (fsdp_bridge.load_checkpoint)",
+            )
+        )
     ignored: list[nn.Module] = []
     try:
         ignored = [m for _, m in resolve_ignored(model, config.ignored_modules)] if config.ignored_modules else []
@@ -359,8 +387,9 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
 
 
 @contextmanager
-def summon_full_params(model: nn.Module, *, writeback: bool = False, rank0_only: bool = False,
-                       offload_to_cpu: bool = False) -> Iterator[None]:
+def summon_full_params(
+    model: nn.Module, *, writeback: bool = False, rank0_only: bool = False, offload_to_cpu: bool = False
+) -> Iterator[None]:
     """Inside the context, parameters are full tensors, as FSDP1's ``summon_full_params`` gives them.
 
     Do not run forward or backward inside it (autograd is off inside: ``torch.no_grad()``). Every
@@ -385,21 +414,32 @@ def summon_full_params(model: nn.Module, *, writeback: bool = False, rank0_only:
         TypeError: ``model`` holds no sharded parameters.
     """
     if writeback and rank0_only:
-        raise ConfigError([Problem("summon_full_params", "writeback=True, rank0_only=True",
-                                   "writeback=True with rank0_only=False, or rank0_only=True without writeback",
-                                   "drop rank0_only to write changes back, or writeback to read on rank 0 only")])
+        raise ConfigError(
+            [
+                Problem(
+                    "summon_full_params",
+                    "writeback=True, rank0_only=True",
+                    "writeback=True with rank0_only=False, or rank0_only=True without writeback",
+                    "drop rank0_only to write changes back, or writeback to read on rank 0 only",
+                )
+            ]
+        )
     bridge = getattr(model, _ATTR, None)
     if isinstance(bridge, Bridge):
         impl, target = bridge.impl, bridge.model
     else:
         backend = backend_inside(model)
         if backend is None:
-            raise TypeError(f"{type(model).__name__} holds no sharded parameters: pass a model returned by "
-                            "fsdp_bridge.shard() (or a unit of one, or a module sharded with fully_shard or "
-                            "FullyShardedDataParallel)")
+            raise TypeError(
+                f"{type(model).__name__} holds no sharded parameters: pass a model returned by "
+                "fsdp_bridge.shard() (or a unit of one, or a module sharded with fully_shard or "
+                "FullyShardedDataParallel)"
+            )
         impl, target = get_backend(backend), model
     # Autograd is off inside, on both backends: gradients of the gathered copies would reach nothing,
     # and torch's FSDP1 writes a unit's parameter views in place on the way out (refused under grad mode).
-    with torch.no_grad(), impl.summon_full_params(target, writeback=writeback, rank0_only=rank0_only,
-                                                  offload_to_cpu=offload_to_cpu):
+    with (
+        torch.no_grad(),
+        impl.summon_full_params(target, writeback=writeback, rank0_only=rank0_only, offload_to_cpu=offload_to_cpu),
+    ):
         yield

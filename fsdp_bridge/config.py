@@ -565,8 +565,10 @@ class _BoundedLoader(yaml.SafeLoader):
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
             if isinstance(key, str | int | float | bool) and key in seen:
-                raise _YamlLimit(f"duplicate key {key!r} (line {key_node.start_mark.line + 1}, first on line "
-                                 f"{seen[key] + 1}): the second would silently win")
+                raise _YamlLimit(
+                    f"duplicate key {key!r} (line {key_node.start_mark.line + 1}, first on line "
+                    f"{seen[key] + 1}): the second would silently win"
+                )
             if isinstance(key, str | int | float | bool):
                 seen[key] = key_node.start_mark.line
         return super().construct_mapping(node, deep=deep)
@@ -590,11 +592,13 @@ def safe_yaml_load(text: str, *, source: str = "<string>") -> Any:
     try:
         return yaml.load(text, Loader=_BoundedLoader)
     except yaml.YAMLError as err:
-        raise ConfigError([Problem("yaml", source, "valid YAML for a configuration",
-                                   " ".join(str(err).split())[:500])]) from None
+        raise ConfigError(
+            [Problem("yaml", source, "valid YAML for a configuration", " ".join(str(err).split())[:500])]
+        ) from None
     except (RecursionError, ValueError, MemoryError) as err:
-        raise ConfigError([Problem("yaml", source, "valid YAML for a configuration",
-                                   f"{type(err).__name__}: {str(err)[:300]}")]) from None
+        raise ConfigError(
+            [Problem("yaml", source, "valid YAML for a configuration", f"{type(err).__name__}: {str(err)[:300]}")]
+        ) from None
 
 
 def read_yaml_file(path: str | os.PathLike[str], *, key: str = "path") -> Any:

@@ -94,17 +94,20 @@ def init_distributed(device: str = "auto", *, timeout_s: float = DEFAULT_TIMEOUT
             # attempt's addresses (gloo and NCCL then fail with "Connection refused"; torch 2.13,
             # pytorch/pytorch#167288): rendezvous on the agent's store under this attempt's own prefix.
             rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-            agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, False,
-                                  timeout=timeout)
+            agent = dist.TCPStore(
+                os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, False, timeout=timeout
+            )
             prefixed = dist.PrefixStore(f"/fsdp_bridge/attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}", agent)
-            dist.init_process_group(backend=backend, store=prefixed, rank=rank, world_size=world, timeout=timeout,
-                                    device_id=device_id)
+            dist.init_process_group(
+                backend=backend, store=prefixed, rank=rank, world_size=world, timeout=timeout, device_id=device_id
+            )
         elif "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             dist.init_process_group(backend=backend, timeout=timeout, device_id=device_id)
         else:
             store = dist.FileStore(os.path.join(tempfile.mkdtemp(prefix="fsdp-bridge-"), "store"), 1)
-            dist.init_process_group(backend=backend, store=store, rank=0, world_size=1, timeout=timeout,
-                                    device_id=device_id)
+            dist.init_process_group(
+                backend=backend, store=store, rank=0, world_size=1, timeout=timeout, device_id=device_id
+            )
     return torch_device
 
 
@@ -126,13 +129,18 @@ def _disagreements(fingerprints: list[dict[str, str] | None]) -> list[Problem]:
             for rank, value in enumerate(values):
                 by_value.setdefault(value, []).append(rank)
             seen = "; ".join(f"rank {','.join(map(str, ranks))}: {value}" for value, ranks in by_value.items())
-            problems.append(Problem(f"ranks disagree on {key}", seen, "the same value on every rank",
-                                    "every rank must call shard() with the same config and the same model"))
+            problems.append(
+                Problem(
+                    f"ranks disagree on {key}",
+                    seen,
+                    "the same value on every rank",
+                    "every rank must call shard() with the same config and the same model",
+                )
+            )
     return problems
 
 
-def agree(local_problems: list[Problem], *, raise_here: bool = True,
-          fingerprint: dict[str, str] | None = None) -> None:
+def agree(local_problems: list[Problem], *, raise_here: bool = True, fingerprint: dict[str, str] | None = None) -> None:
     """Raise the same ConfigError on every rank if any rank found a problem.
 
     For checks whose outcome can differ between ranks (e.g. what each rank's model
@@ -268,10 +276,17 @@ def plan_user_mesh(config: BridgeConfig, mesh: DeviceMesh) -> MeshPlan:
     """
     size = mesh.size()
     if config.strategy.is_hybrid and mesh.ndim != 2:
-        raise ConfigError([Problem(
-            "mesh", f"DeviceMesh{tuple(mesh.shape)}", f"a 2D (replicate, shard) data-parallel mesh for "
-            f"{config.strategy.value}", "pass mesh['replicate', 'shard'] of your mesh (e.g. of a "
-            "(replicate, shard, tp) mesh), or use full_shard on a 1D data-parallel mesh such as mesh['dp']")])
+        raise ConfigError(
+            [
+                Problem(
+                    "mesh",
+                    f"DeviceMesh{tuple(mesh.shape)}",
+                    f"a 2D (replicate, shard) data-parallel mesh for {config.strategy.value}",
+                    "pass mesh['replicate', 'shard'] of your mesh (e.g. of a "
+                    "(replicate, shard, tp) mesh), or use full_shard on a 1D data-parallel mesh such as mesh['dp']",
+                )
+            ]
+        )
     if config.strategy.is_hybrid and config.hybrid_shape is None:
         plan = MeshPlan(tuple(mesh.shape), ("replicate", "shard"))
     else:

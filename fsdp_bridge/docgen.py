@@ -18,6 +18,7 @@ from fsdp_bridge.mapping import migration_table_markdown, strategy_table_markdow
 
 __all__ = ["BLOCKS", "render", "stale_blocks"]
 
+
 def config_reference_markdown() -> str:
     """Every training and bridge config field with type, default and meaning."""
     from fsdp_bridge.train import field_reference

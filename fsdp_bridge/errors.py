@@ -61,8 +61,10 @@ class CheckpointError(ValueError):
     def __init__(self, path: str | os.PathLike[str], problems: Iterable[str] | str) -> None:
         self.path = str(path)
         self.problems: tuple[str, ...] = (problems,) if isinstance(problems, str) else tuple(problems)
-        lines = [f"checkpoint {self.path}: " + (self.problems[0] if len(self.problems) == 1 else
-                                                  f"{len(self.problems)} problems:")]
+        lines = [
+            f"checkpoint {self.path}: "
+            + (self.problems[0] if len(self.problems) == 1 else f"{len(self.problems)} problems:")
+        ]
         if len(self.problems) > 1:
             lines.extend(f"  - {p}" for p in self.problems)
         super().__init__("\n".join(lines))

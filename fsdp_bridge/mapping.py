@@ -437,8 +437,11 @@ TABLE: tuple[Rule, ...] = (
         "(implied by sharding_strategy)",
         T(U, _STRATEGY_FOR_RAF),
         T(N, "reshard_after_forward passed to every fully_shard call, the root included"),
-        lambda c: (c.config.strategy is not SS.NO_SHARD and isinstance(c.config.reshard_after_forward, bool)
-                   and not _raf_matches_strategy(c)),
+        lambda c: (
+            c.config.strategy is not SS.NO_SHARD
+            and isinstance(c.config.reshard_after_forward, bool)
+            and not _raf_matches_strategy(c)
+        ),
     ),
     Rule(
         "reshard_after_forward",

@@ -58,8 +58,9 @@ class PrecisionPlan:
 
     @property
     def enabled(self) -> bool:
-        return any(d is not None for d in (self.param_dtype, self.reduce_dtype, self.root_output_dtype,
-                                            self.buffer_dtype))
+        return any(
+            d is not None for d in (self.param_dtype, self.reduce_dtype, self.root_output_dtype, self.buffer_dtype)
+        )
 
 
 @dataclass
@@ -159,8 +160,13 @@ def resolve_plan(
         # The table says "not needed" for offload on a CPU run: nothing is offloaded then.
         offload_params=config.cpu_offload and offload is Outcome.NATIVE,
         # NATIVE: the backend's own sync (FSDP1 on an accelerator); EMULATED: the bridge broadcasts.
-        sync=(SyncMethod.NONE if not config.sync_module_states
-              else SyncMethod.BACKEND if sync is Outcome.NATIVE else SyncMethod.BROADCAST),
+        sync=(
+            SyncMethod.NONE
+            if not config.sync_module_states
+            else SyncMethod.BACKEND
+            if sync is Outcome.NATIVE
+            else SyncMethod.BROADCAST
+        ),
         backward_prefetch=config.backward_prefetch,
         forward_prefetch=config.forward_prefetch,
         limit_all_gathers=config.limit_all_gathers,

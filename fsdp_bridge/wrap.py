@@ -88,8 +88,9 @@ def _repeated_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(n, m) for n, m in _post_order(model) if n.rpartition(".")[0] in names and not isinstance(m, _NEVER_WRAP)]
 
 
-def one_dtype_per_unit(model: nn.Module, units: list[nn.Module],
-                       ignored: list[nn.Module] | None = None) -> tuple[list[nn.Module], list[str]]:
+def one_dtype_per_unit(
+    model: nn.Module, units: list[nn.Module], ignored: list[nn.Module] | None = None
+) -> tuple[list[nn.Module], list[str]]:
     """Modules to shard as units of their own so that every unit (the root too) holds parameters
     of one dtype, as FSDP1's flat parameters require: e.g. the fp32 LoRA adapters inside a bf16
     base model's layers.
@@ -137,10 +138,14 @@ def one_dtype_per_unit(model: nn.Module, units: list[nn.Module],
             m = owner[id(p)]
             mixed = {q.dtype for q in m._parameters.values() if q is not None}
             if m is unit or len(mixed) > 1:
-                problems.append(Problem("model", f"{names[id(m)]} holds {', '.join(sorted(map(str, mixed)))} "
-                                        "parameters", "one dtype per module's own parameters (FSDP1 flattens a "
-                                        "unit's parameters into one tensor)",
-                                        f"cast {names[id(m)]} to one dtype, or use backend: fsdp2"))
+                problems.append(
+                    Problem(
+                        "model",
+                        f"{names[id(m)]} holds {', '.join(sorted(map(str, mixed)))} parameters",
+                        "one dtype per module's own parameters (FSDP1 flattens a unit's parameters into one tensor)",
+                        f"cast {names[id(m)]} to one dtype, or use backend: fsdp2",
+                    )
+                )
                 continue
             added[id(m)] = m
     if problems:
@@ -149,8 +154,10 @@ def one_dtype_per_unit(model: nn.Module, units: list[nn.Module],
         return [], []
     dtypes = sorted({str(p.dtype) for m in added.values() for p in m.parameters()})
     examples = ", ".join(names[i] for i in list(added)[:2])
-    note = (f"{len(added)} modules holding {'/'.join(dtypes)} parameters inside units of another dtype made units "
-            f"of their own (FSDP1 needs one dtype per unit): {examples}{', ...' if len(added) > 2 else ''}")
+    note = (
+        f"{len(added)} modules holding {'/'.join(dtypes)} parameters inside units of another dtype made units "
+        f"of their own (FSDP1 needs one dtype per unit): {examples}{', ...' if len(added) > 2 else ''}"
+    )
     return list(added.values()), [note]
 
 
@@ -318,9 +325,14 @@ def module_names(model: nn.Module, modules: object) -> list[str]:
     for module in modules:  # type: ignore[attr-defined]
         name = paths.get(id(module))
         if not name:
-            problems.append(Problem("ignored_modules", type(module).__name__,
-                                    "a submodule of the model being sharded (not the model itself)",
-                                    "pass modules taken from this model (e.g. model.lm_head), or their names"))
+            problems.append(
+                Problem(
+                    "ignored_modules",
+                    type(module).__name__,
+                    "a submodule of the model being sharded (not the model itself)",
+                    "pass modules taken from this model (e.g. model.lm_head), or their names",
+                )
+            )
         else:
             out.append(name)
     if problems:

@@ -33,8 +33,9 @@ def _optimizer(model: torch.nn.Module, lr: float = LR) -> torch.optim.Optimizer:
     """Two groups with different hyper-parameters: what convert must keep."""
     decay = [p for n, p in model.named_parameters() if p.ndim > 1]
     rest = [p for n, p in model.named_parameters() if p.ndim <= 1]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": WD}, {"params": rest, "weight_decay": 0.0,
-                                                                       "lr": lr / 2}], lr=lr, betas=BETAS)
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": WD}, {"params": rest, "weight_decay": 0.0, "lr": lr / 2}], lr=lr, betas=BETAS
+    )
 
 
 @pytest.fixture(scope="module")
@@ -81,8 +82,10 @@ def _wrong_shape_optimizer_tensor(d: Path) -> None:
 DAMAGE: dict[str, tuple[str, Callable[[Path], object]]] = {
     "optimizer_json_garbage": ("full", _write("optimizer.json", b"garbage{")),
     "optimizer_json_a_list": ("full", _write("optimizer.json", b"[1, 2]\n")),
-    "optimizer_json_truncated": ("full", lambda d: (d / "optimizer.json").write_bytes(
-        (d / "optimizer.json").read_bytes()[:40])),
+    "optimizer_json_truncated": (
+        "full",
+        lambda d: (d / "optimizer.json").write_bytes((d / "optimizer.json").read_bytes()[:40]),
+    ),
     "optimizer_json_no_param_groups": ("full", _write("optimizer.json", b'{"scalars": {}}')),
     "optimizer_tensor_wrong_shape": ("full", _wrong_shape_optimizer_tensor),
     "zeroed_safetensors": ("full", lambda d: zero_file(d / "model.safetensors")),
@@ -97,12 +100,14 @@ DAMAGE: dict[str, tuple[str, Callable[[Path], object]]] = {
 # CLI: exit code 2, one message, no traceback
 # ----------------------------------------------------------------------------------------
 
+
 def _cli_cases(root: Path) -> dict[str, tuple[list[str], list[str]]]:
     """name -> (argv, substrings the message must hold)."""
     d = {name: str(_damaged(root, base, name, fn)) for name, (base, fn) in DAMAGE.items()}
     d["description_truncated"] = str(_damaged(root, "full", "description_truncated", lambda p: None))
     (Path(d["description_truncated"]) / "fsdp_bridge.json").write_bytes(
-        (root / "full" / "fsdp_bridge.json").read_bytes()[:300])
+        (root / "full" / "fsdp_bridge.json").read_bytes()[:300]
+    )
     d["description_wrong_type"] = str(_damaged(root, "full", "description_wrong_type", lambda p: None))
     meta = json.loads((root / "full" / "fsdp_bridge.json").read_text())
     (Path(d["description_wrong_type"]) / "fsdp_bridge.json").write_text(json.dumps({**meta, "params": [1]}))
@@ -110,79 +115,151 @@ def _cli_cases(root: Path) -> dict[str, tuple[list[str], list[str]]]:
     bad_out = str(root / "a_file" / "sub")
     sh, full = str(root / "sharded"), str(root / "full")
     return {
-        "explain_backend_fsdp3": (["explain", str(root / "bridge.yaml"), "--backend", "fsdp3"],
-                                  ["--backend: got 'fsdp3'", "fsdp1, fsdp2 or both"]),
-        "estimate_negative_size": (["estimate", "llama:hidden_size=-4", "--world-size", "2"],
-                                   ["model.hidden_size: got -4", "an integer from 1"]),
-        "estimate_zero_layers": (["estimate", "llama:num_hidden_layers=0", "--world-size", "2"],
-                                 ["model.num_hidden_layers: got 0"]),
-        "estimate_absurd_layers": (["estimate", "llama:num_hidden_layers=100000000", "--world-size", "2"],
-                                   ["num_hidden_layers: got 100000000", "4,096"]),
-        "estimate_absurd_hidden_size": (["estimate", "llama:hidden_size=99999999999999", "--world-size", "2"],
-                                        ["hidden_size: got 99999999999999"]),
-        "estimate_size_not_a_number": (["estimate", "llama:hidden_size=abc", "--world-size", "2"],
-                                       ["hidden_size: got 'abc'"]),
-        "estimate_sizes_that_do_not_fit": (["estimate", "llama:hidden_size=60,num_attention_heads=7",
-                                            "--world-size", "2"], ["not a multiple"]),
-        "estimate_negative_batch": (["estimate", TINY, "--world-size", "2", "--batch", "-1", "--seq-len", "4"],
-                                    ["batch: got -1"]),
-        "estimate_zero_seq_len": (["estimate", TINY, "--world-size", "2", "--batch", "1", "--seq-len", "0"],
-                                  ["seq_len: got 0"]),
-        "estimate_overflowing_batch_and_seq_len": (["estimate", TINY, "--world-size", "2", "--batch", "1000000",
-                                                    "--seq-len", "1000000"], ["batch/seq_len", "smaller"]),
+        "explain_backend_fsdp3": (
+            ["explain", str(root / "bridge.yaml"), "--backend", "fsdp3"],
+            ["--backend: got 'fsdp3'", "fsdp1, fsdp2 or both"],
+        ),
+        "estimate_negative_size": (
+            ["estimate", "llama:hidden_size=-4", "--world-size", "2"],
+            ["model.hidden_size: got -4", "an integer from 1"],
+        ),
+        "estimate_zero_layers": (
+            ["estimate", "llama:num_hidden_layers=0", "--world-size", "2"],
+            ["model.num_hidden_layers: got 0"],
+        ),
+        "estimate_absurd_layers": (
+            ["estimate", "llama:num_hidden_layers=100000000", "--world-size", "2"],
+            ["num_hidden_layers: got 100000000", "4,096"],
+        ),
+        "estimate_absurd_hidden_size": (
+            ["estimate", "llama:hidden_size=99999999999999", "--world-size", "2"],
+            ["hidden_size: got 99999999999999"],
+        ),
+        "estimate_size_not_a_number": (
+            ["estimate", "llama:hidden_size=abc", "--world-size", "2"],
+            ["hidden_size: got 'abc'"],
+        ),
+        "estimate_sizes_that_do_not_fit": (
+            ["estimate", "llama:hidden_size=60,num_attention_heads=7", "--world-size", "2"],
+            ["not a multiple"],
+        ),
+        "estimate_negative_batch": (
+            ["estimate", TINY, "--world-size", "2", "--batch", "-1", "--seq-len", "4"],
+            ["batch: got -1"],
+        ),
+        "estimate_zero_seq_len": (
+            ["estimate", TINY, "--world-size", "2", "--batch", "1", "--seq-len", "0"],
+            ["seq_len: got 0"],
+        ),
+        "estimate_overflowing_batch_and_seq_len": (
+            ["estimate", TINY, "--world-size", "2", "--batch", "1000000", "--seq-len", "1000000"],
+            ["batch/seq_len", "smaller"],
+        ),
         "estimate_zero_world_size": (["estimate", TINY, "--world-size", "0"], ["world_size: got 0"]),
-        "estimate_zero_device_memory": (["estimate", TINY, "--world-size", "2", "--device-memory", "0"],
-                                        ["device_memory: got 0"]),
+        "estimate_zero_device_memory": (
+            ["estimate", TINY, "--world-size", "2", "--device-memory", "0"],
+            ["device_memory: got 0"],
+        ),
         "estimate_broken_yaml": (["estimate", str(root / "broken.yaml"), "--world-size", "2"], ["broken.yaml"]),
         "estimate_non_utf8_json": (["estimate", str(root / "bad.json"), "--world-size", "2"], ["bad.json"]),
-        "convert_hf_config_not_a_config": (["convert", sh, out, "--to", "hf", "--hf-config", str(root / "passwd")],
-                                           ["hf_config: got", "passwd", "model_type"]),
-        "convert_hf_config_dir_without_one": (["convert", sh, out, "--to", "hf", "--hf-config",
-                                               str(root / "empty_dir")], ["hf_config", "config.json does not exist"]),
-        "convert_unwritable_destination_hf": (["convert", sh, bad_out, "--to", "hf"],
-                                              ["cannot be written", "is a file, not a directory"]),
-        "convert_unwritable_destination_sharded": (["convert", full, bad_out, "--to", "sharded"],
-                                                   ["cannot be written"]),
-        "convert_unwritable_destination_torch": (["convert", sh, bad_out + ".pt", "--to", "torch"],
-                                                 ["cannot be written"]),
-        **{f"convert_{name}": (["convert", d[name], out, "--to", "sharded"], [what])
-           for name, what in (("optimizer_json_garbage", "optimizer.json"), ("optimizer_json_a_list", "param_groups"),
-                              ("optimizer_json_truncated", "optimizer.json"),
-                              ("optimizer_json_no_param_groups", "param_groups"),
-                              ("zeroed_safetensors", "model.safetensors"), ("zeroed_dcp_shard", "dcp: cannot be read"),
-                              ("train_state_garbage", "train_state.json"), ("train_state_not_a_dict", "train_state.json"),
-                              ("rng_state_wrong_shape", "rank_00000.json"),
-                              ("description_truncated", "fsdp_bridge.json"),
-                              ("description_wrong_type", "field params"))},
-        "convert_symlink_loop_source": (["convert", str(root / "loop_a"), out, "--to", "hf"],
-                                        ["loop_a", "symlink loop"]),
+        "convert_hf_config_not_a_config": (
+            ["convert", sh, out, "--to", "hf", "--hf-config", str(root / "passwd")],
+            ["hf_config: got", "passwd", "model_type"],
+        ),
+        "convert_hf_config_dir_without_one": (
+            ["convert", sh, out, "--to", "hf", "--hf-config", str(root / "empty_dir")],
+            ["hf_config", "config.json does not exist"],
+        ),
+        "convert_unwritable_destination_hf": (
+            ["convert", sh, bad_out, "--to", "hf"],
+            ["cannot be written", "is a file, not a directory"],
+        ),
+        "convert_unwritable_destination_sharded": (
+            ["convert", full, bad_out, "--to", "sharded"],
+            ["cannot be written"],
+        ),
+        "convert_unwritable_destination_torch": (
+            ["convert", sh, bad_out + ".pt", "--to", "torch"],
+            ["cannot be written"],
+        ),
+        **{
+            f"convert_{name}": (["convert", d[name], out, "--to", "sharded"], [what])
+            for name, what in (
+                ("optimizer_json_garbage", "optimizer.json"),
+                ("optimizer_json_a_list", "param_groups"),
+                ("optimizer_json_truncated", "optimizer.json"),
+                ("optimizer_json_no_param_groups", "param_groups"),
+                ("zeroed_safetensors", "model.safetensors"),
+                ("zeroed_dcp_shard", "dcp: cannot be read"),
+                ("train_state_garbage", "train_state.json"),
+                ("train_state_not_a_dict", "train_state.json"),
+                ("rng_state_wrong_shape", "rank_00000.json"),
+                ("description_truncated", "fsdp_bridge.json"),
+                ("description_wrong_type", "field params"),
+            )
+        },
+        "convert_symlink_loop_source": (
+            ["convert", str(root / "loop_a"), out, "--to", "hf"],
+            ["loop_a", "symlink loop"],
+        ),
         "inspect_description_wrong_type": (["inspect", d["description_wrong_type"]], ["field params"]),
         "inspect_not_a_checkpoint": (["inspect", str(root / "passwd")], ["passwd"]),
-        "migrate_config_unwritable_output": (["migrate", "config", str(root / "bridge.yaml"), "-o",
-                                              str(root / "a_file" / "x.yaml")], ["-o/--output", "is a file"]),
+        "migrate_config_unwritable_output": (
+            ["migrate", "config", str(root / "bridge.yaml"), "-o", str(root / "a_file" / "x.yaml")],
+            ["-o/--output", "is a file"],
+        ),
         "migrate_config_empty_source": (["migrate", "config", ""], ["SRC: got ''"]),
         "migrate_code_empty_path": (["migrate", "code", ""], ["no such file or directory: ''"]),
-        "train_unwritable_output_dir": (["train", "--dry-run", f"output_dir={bad_out}"],
-                                        ["output_dir: got", "is a file"]),
-        "train_negative_max_restarts": (["train", "--dry-run", "--max-restarts", "-1"],
-                                        ["--max-restarts: got -1", "an integer >= 0"]),
+        "train_unwritable_output_dir": (
+            ["train", "--dry-run", f"output_dir={bad_out}"],
+            ["output_dir: got", "is a file"],
+        ),
+        "train_negative_max_restarts": (
+            ["train", "--dry-run", "--max-restarts", "-1"],
+            ["--max-restarts: got -1", "an integer >= 0"],
+        ),
     }
 
 
 CLI_CASES = [
-    "explain_backend_fsdp3", "estimate_negative_size", "estimate_zero_layers", "estimate_absurd_layers",
-    "estimate_absurd_hidden_size", "estimate_size_not_a_number", "estimate_sizes_that_do_not_fit",
-    "estimate_negative_batch", "estimate_zero_seq_len", "estimate_overflowing_batch_and_seq_len", "estimate_zero_world_size", "estimate_zero_device_memory",
-    "estimate_broken_yaml", "estimate_non_utf8_json", "convert_hf_config_not_a_config",
-    "convert_hf_config_dir_without_one", "convert_unwritable_destination_hf", "convert_unwritable_destination_sharded",
-    "convert_unwritable_destination_torch", "convert_optimizer_json_garbage", "convert_optimizer_json_a_list",
-    "convert_optimizer_json_truncated", "convert_optimizer_json_no_param_groups", "convert_zeroed_safetensors",
-    "convert_zeroed_dcp_shard", "convert_train_state_garbage", "convert_train_state_not_a_dict",
-    "convert_rng_state_wrong_shape", "convert_description_truncated", "convert_description_wrong_type",
+    "explain_backend_fsdp3",
+    "estimate_negative_size",
+    "estimate_zero_layers",
+    "estimate_absurd_layers",
+    "estimate_absurd_hidden_size",
+    "estimate_size_not_a_number",
+    "estimate_sizes_that_do_not_fit",
+    "estimate_negative_batch",
+    "estimate_zero_seq_len",
+    "estimate_overflowing_batch_and_seq_len",
+    "estimate_zero_world_size",
+    "estimate_zero_device_memory",
+    "estimate_broken_yaml",
+    "estimate_non_utf8_json",
+    "convert_hf_config_not_a_config",
+    "convert_hf_config_dir_without_one",
+    "convert_unwritable_destination_hf",
+    "convert_unwritable_destination_sharded",
+    "convert_unwritable_destination_torch",
+    "convert_optimizer_json_garbage",
+    "convert_optimizer_json_a_list",
+    "convert_optimizer_json_truncated",
+    "convert_optimizer_json_no_param_groups",
+    "convert_zeroed_safetensors",
+    "convert_zeroed_dcp_shard",
+    "convert_train_state_garbage",
+    "convert_train_state_not_a_dict",
+    "convert_rng_state_wrong_shape",
+    "convert_description_truncated",
+    "convert_description_wrong_type",
     "convert_symlink_loop_source",
-    "inspect_description_wrong_type", "inspect_not_a_checkpoint", "migrate_config_unwritable_output",
-    "migrate_config_empty_source", "migrate_code_empty_path",
-    "train_unwritable_output_dir", "train_negative_max_restarts",
+    "inspect_description_wrong_type",
+    "inspect_not_a_checkpoint",
+    "migrate_config_unwritable_output",
+    "migrate_config_empty_source",
+    "migrate_code_empty_path",
+    "train_unwritable_output_dir",
+    "train_negative_max_restarts",
 ]
 
 
@@ -224,6 +301,7 @@ def test_save_to_an_unwritable_place_names_why(where: str, saved: Path) -> None:
 # API: a refused load leaves the model and the optimizer untouched
 # ----------------------------------------------------------------------------------------
 
+
 def _snapshot(model: torch.nn.Module, opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], str, dict]:
     osd = opt.state_dict()
     state = {f"{i}.{k}": v.clone() for i, s in osd["state"].items() for k, v in s.items() if torch.is_tensor(v)}
@@ -231,8 +309,13 @@ def _snapshot(model: torch.nn.Module, opt: torch.optim.Optimizer) -> tuple[dict[
 
 
 def _same(a: tuple[dict[str, torch.Tensor], str, dict], b: tuple[dict[str, torch.Tensor], str, dict]) -> bool:
-    return (a[0].keys() == b[0].keys() and all(torch.equal(a[0][k], b[0][k]) for k in a[0]) and a[1] == b[1]
-            and a[2].keys() == b[2].keys() and all(torch.equal(a[2][k], b[2][k]) for k in a[2]))
+    return (
+        a[0].keys() == b[0].keys()
+        and all(torch.equal(a[0][k], b[0][k]) for k in a[0])
+        and a[1] == b[1]
+        and a[2].keys() == b[2].keys()
+        and all(torch.equal(a[2][k], b[2][k]) for k in a[2])
+    )
 
 
 LOAD_CASES = {
@@ -272,6 +355,7 @@ def test_an_optimizer_with_other_groups_is_refused_before_the_model_changes(save
 # ----------------------------------------------------------------------------------------
 # convert keeps the optimizer's param_groups
 # ----------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize(("source", "target"), [("sharded", "hf"), ("sharded", "sharded"), ("full", "sharded")])
 def test_convert_keeps_param_groups(source: str, target: str, saved: Path, tmp_path: Path) -> None:

@@ -68,6 +68,7 @@ def assert_same(got: dict[str, Any], want: dict[str, Any], label: str) -> None:
 # round trip and cross-backend at one world size, and saves for the cross-world loads
 # --------------------------------------------------------------------------------------
 
+
 def _save_each(root: str, backends: tuple[str, ...]) -> dict[str, Any]:
     world = dist.get_world_size()
     refs = {}
@@ -76,8 +77,7 @@ def _save_each(root: str, backends: tuple[str, ...]) -> dict[str, Any]:
         _train(model, optimizer, 2)
         for kind in ("sharded", "full"):
             name = f"{backend}_w{world}_{kind}"
-            fsdp_bridge.save_checkpoint(Path(root) / name, model, optimizer, kind=kind,
-                                        state={"step": 2, "name": name})
+            fsdp_bridge.save_checkpoint(Path(root) / name, model, optimizer, kind=kind, state={"step": 2, "name": name})
         refs[f"{backend}_w{world}"] = full_state(model, optimizer)
     return refs
 
@@ -94,8 +94,9 @@ def _load_each(root: str, refs: dict[str, Any], backends: tuple[str, ...]) -> li
                 _train(model, optimizer, 1)  # different weights and optimizer state to overwrite
                 state = fsdp_bridge.load_checkpoint(Path(root) / f"{source}_{kind}", model, optimizer)
                 assert state == {"step": 2, "name": f"{source}_{kind}"}, state
-                assert_same(full_state(model, optimizer), want,
-                            f"{source}_{kind} -> {backend}_w{dist.get_world_size()}")
+                assert_same(
+                    full_state(model, optimizer), want, f"{source}_{kind} -> {backend}_w{dist.get_world_size()}"
+                )
                 checked.append(f"{source}_{kind}->{backend}_w{dist.get_world_size()}")
     return checked
 
@@ -128,8 +129,14 @@ def test_round_trip_and_cross_backend_matrix(tmp_path: Path) -> None:
     checked = out4["checked"]
     checked += run_distributed(_load_only, 2, args=(root, out4["refs"]), timeout_s=600)[0]
     checked += run_distributed(_load_only, 1, args=(root, {**out2["refs"], **out4["refs"]}), timeout_s=600)[0]
-    for case in ("fsdp1_w4_sharded->fsdp2_w2", "fsdp2_w2_full->fsdp1_w4", "fsdp2_w2_sharded->fsdp2_w4",
-                 "fsdp1_w4_full->fsdp2_w1", "fsdp2_w2_sharded->fsdp1_w1", "fsdp1_w4_full->fsdp1_w2"):
+    for case in (
+        "fsdp1_w4_sharded->fsdp2_w2",
+        "fsdp2_w2_full->fsdp1_w4",
+        "fsdp2_w2_sharded->fsdp2_w4",
+        "fsdp1_w4_full->fsdp2_w1",
+        "fsdp2_w2_sharded->fsdp1_w1",
+        "fsdp1_w4_full->fsdp1_w2",
+    ):
         assert case in checked, case
 
 
@@ -148,6 +155,7 @@ def test_cross_world_matrix_full(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------------------
 # resume
 # --------------------------------------------------------------------------------------
+
 
 def _resume_batch(step: int) -> dict[str, torch.Tensor]:
     # Drawn from the global RNG on purpose: resuming must restore every rank's RNG state.

@@ -41,8 +41,13 @@ def _async_round_trip(root: str, backend: str) -> dict[str, object]:
     restored = fsdp_bridge.shard(build_tiny("llama", seed=3), config)
     state = fsdp_bridge.load_checkpoint(path, restored)
     same = all(torch.equal(at_call[k], v) for k, v in _full(restored).items())
-    return {"changed": changed, "same": same, "state": state, "done": pending.done(),
-            "latest": str(fsdp_bridge.latest_checkpoint(root))}
+    return {
+        "changed": changed,
+        "same": same,
+        "state": state,
+        "done": pending.done(),
+        "latest": str(fsdp_bridge.latest_checkpoint(root)),
+    }
 
 
 @pytest.mark.parametrize("backend", ["fsdp1", "fsdp2"])

@@ -33,8 +33,12 @@ from fsdp_bridge.testing.models import build_tiny
 EXAMPLES = 3000 if os.environ.get("HYPOTHESIS_PROFILE") == "thorough" else 300
 
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.integers(min_value=-(10**40), max_value=10**40)
-    | st.floats(allow_nan=False) | st.text(max_size=20),
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.integers(min_value=-(10**40), max_value=10**40)
+    | st.floats(allow_nan=False)
+    | st.text(max_size=20),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
     max_leaves=12,
 )
@@ -74,15 +78,18 @@ def _mutations(meta: dict[str, Any]) -> st.SearchStrategy[bytes]:
         at %= len(text)
         return text[:at] + b"\xff\xfe" + junk + text[at:]
 
-    sub_keys = st.sampled_from(["model.safetensors", "optimizer.json", "../escape", "/etc/passwd", "numel", "kind",
-                                "path", "x" * 300])
+    sub_keys = st.sampled_from(
+        ["model.safetensors", "optimizer.json", "../escape", "/etc/passwd", "numel", "kind", "path", "x" * 300]
+    )
     return st.one_of(
         st.tuples(st.sampled_from(keys), json_values).map(replace),
         st.sampled_from(keys).map(drop),
-        st.tuples(st.sampled_from([k for k in keys if isinstance(meta[k], dict)] or keys), sub_keys,
-                  json_values).map(nested),
+        st.tuples(st.sampled_from([k for k in keys if isinstance(meta[k], dict)] or keys), sub_keys, json_values).map(
+            nested
+        ),
         st.dictionaries(st.text(max_size=8), json_values, max_size=3).map(
-            lambda extra: json.dumps({**meta, **extra}).encode()),
+            lambda extra: json.dumps({**meta, **extra}).encode()
+        ),
         st.integers(min_value=0, max_value=10**6).map(truncate),
         st.tuples(st.integers(min_value=0, max_value=10**6), st.binary(max_size=8)).map(non_utf8),
         st.binary(max_size=64),
@@ -110,8 +117,12 @@ def test_generated_descriptions_load_or_raise_checkpoint_error(
     logger.setLevel(logging.ERROR)  # latest_checkpoint warns about each skip (restored below)
     outcomes = {"loaded": 0, "refused": 0}
 
-    @settings(max_examples=EXAMPLES, deadline=None, database=None,
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @settings(
+        max_examples=EXAMPLES,
+        deadline=None,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
     @given(data=_mutations(meta))
     def check(data: bytes) -> None:
         (target / META_FILE).write_bytes(data)

@@ -50,8 +50,12 @@ def _export_and_pretrained(root: str) -> dict[str, Any]:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         model(**sample_batch(family, seed=dist.get_rank())).loss.backward()
         optimizer.step()
-        fsdp_bridge.save_checkpoint(Path(root) / f"hf_{family}_{backend}", model, kind="full",
-                                    max_shard_size="20KB" if family == "llama" else "5GB")
+        fsdp_bridge.save_checkpoint(
+            Path(root) / f"hf_{family}_{backend}",
+            model,
+            kind="full",
+            max_shard_size="20KB" if family == "llama" else "5GB",
+        )
         out[f"{family}_{backend}"] = _logits(model)
 
     # load_pretrained: a plain Hugging Face directory into a model built on the meta device,
@@ -68,8 +72,11 @@ def _export_and_pretrained(root: str) -> dict[str, Any]:
         for backend in ("fsdp1", "fsdp2"):
             from transformers import AutoModelForCausalLM
 
-            sharded = fsdp_bridge.load_pretrained(lambda c=plain.config: AutoModelForCausalLM.from_config(c),
-                                                  Path(root) / f"pre_{family}", _config(backend))
+            sharded = fsdp_bridge.load_pretrained(
+                lambda c=plain.config: AutoModelForCausalLM.from_config(c),
+                Path(root) / f"pre_{family}",
+                _config(backend),
+            )
             np.testing.assert_array_equal(_logits(sharded), want)
             local = fsdp_bridge.get_bridge(sharded).local_numel()
             assert local < sum(p.numel() for p in plain.parameters())
@@ -98,8 +105,11 @@ def test_full_checkpoint_loads_with_from_pretrained(tmp_path: Path) -> None:
     assert (tmp_path / "hf_gpt2_fsdp2" / "model.safetensors").is_file()
     result = tmp_path / "logits.json"
     names = [f"{f}_{b}" for f, b in CASES]
-    subprocess.run([sys.executable, "-c", _FRESH, json.dumps(names), str(tmp_path), str(result)], check=True,
-                   env={**os.environ, "OMP_NUM_THREADS": "1"})
+    subprocess.run(
+        [sys.executable, "-c", _FRESH, json.dumps(names), str(tmp_path), str(result)],
+        check=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     fresh = json.loads(result.read_text())
     for name in names:
         torch.testing.assert_close(torch.tensor(fresh[name]), torch.from_numpy(sharded[name]))
@@ -108,6 +118,7 @@ def test_full_checkpoint_loads_with_from_pretrained(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------------------
 # checkpoints written by plain FSDP1 code
 # --------------------------------------------------------------------------------------
+
 
 def _plain_fsdp1_save(root: str) -> int:
     import torch.distributed.checkpoint as dcp
@@ -129,8 +140,11 @@ def _plain_fsdp1_save(root: str) -> int:
     if dist.get_rank() == 0:
         torch.save(full, Path(root) / "plain_full.pt")
         # Names as the wrapped modules spell them, as some training scripts save them.
-        prefixed = {"_fsdp_wrapped_module." + k.replace("layers.0.", "layers.0._fsdp_wrapped_module."
-                                                        "_checkpoint_wrapped_module."): v for k, v in full.items()}
+        prefixed = {
+            "_fsdp_wrapped_module."
+            + k.replace("layers.0.", "layers.0._fsdp_wrapped_module._checkpoint_wrapped_module."): v
+            for k, v in full.items()
+        }
         torch.save(prefixed, Path(root) / "plain_prefixed.pt")
     with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
         dcp.save({"model": model.state_dict()}, checkpoint_id=str(Path(root) / "plain_dcp"))
@@ -160,8 +174,20 @@ def test_plain_fsdp1_checkpoints_load_and_convert(tmp_path: Path, capsys: pytest
     root = str(tmp_path)
     run_distributed(_plain_fsdp1_save, 2, args=(root,))
     build_tiny("llama").config.save_pretrained(tmp_path / "cfg")
-    assert cli(["convert", str(tmp_path / "plain_dcp"), str(tmp_path / "conv_hf"), "--to", "hf",
-                "--hf-config", str(tmp_path / "cfg")]) == 0
+    assert (
+        cli(
+            [
+                "convert",
+                str(tmp_path / "plain_dcp"),
+                str(tmp_path / "conv_hf"),
+                "--to",
+                "hf",
+                "--hf-config",
+                str(tmp_path / "cfg"),
+            ]
+        )
+        == 0
+    )
     assert cli(["convert", str(tmp_path / "plain_prefixed.pt"), str(tmp_path / "conv_sharded"), "--to", "sharded"]) == 0
     assert cli(["convert", str(tmp_path / "conv_sharded"), str(tmp_path / "conv.pt"), "--to", "torch"]) == 0
     assert cli(["inspect", str(tmp_path / "plain_dcp")]) == 0
@@ -186,6 +212,7 @@ def test_plain_fsdp1_checkpoints_load_and_convert(tmp_path: Path, capsys: pytest
 # --------------------------------------------------------------------------------------
 # crash safety and refused checkpoints
 # --------------------------------------------------------------------------------------
+
 
 def _die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
@@ -240,8 +267,7 @@ def _load_after_crash(root: str) -> dict[str, Any]:
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     reference = build_tiny("llama", seed=2).state_dict()
     same = all(torch.equal(full[k], reference[k]) for k in reference)
-    return {"state": state, "errors": errors, "same": same,
-            "latest": str(fsdp_bridge.latest_checkpoint(root))}
+    return {"state": state, "errors": errors, "same": same, "latest": str(fsdp_bridge.latest_checkpoint(root))}
 
 
 @pytest.mark.parametrize("where", ["write", "publish"])
@@ -255,8 +281,10 @@ def test_killed_rank_leaves_previous_checkpoint(tmp_path: Path, where: str) -> N
         (tmp_path / ".new.partial").mkdir()  # and give the loader an interrupted save to refuse
     out = run_distributed(_load_after_crash, 2, args=(str(tmp_path),))[0]
     assert out["state"] == {"step": 1} and out["same"]
-    assert "does not exist; " in out["errors"]["new"] and ".new.partial is left from an interrupted save" in out[
-        "errors"]["new"]
+    assert (
+        "does not exist; " in out["errors"]["new"]
+        and ".new.partial is left from an interrupted save" in out["errors"]["new"]
+    )
     assert "is an incomplete checkpoint (a save was interrupted" in out["errors"][".new.partial"]
 
 
@@ -270,8 +298,14 @@ def _save_loop(root: str, delay_s: float) -> None:
         threading.Timer(delay_s, _die).start()
     start = (fsdp_bridge.checkpoint.list_checkpoints(root) or [(0, None)])[-1][0]
     for step in range(start + 1, start + 50):
-        fsdp_bridge.save_checkpoint(Path(root) / f"step_{step:04d}", model, optimizer,
-                                    kind="sharded" if step % 2 else "full", state={"step": step}, keep_last=2)
+        fsdp_bridge.save_checkpoint(
+            Path(root) / f"step_{step:04d}",
+            model,
+            optimizer,
+            kind="sharded" if step % 2 else "full",
+            state={"step": step},
+            keep_last=2,
+        )
 
 
 @pytest.mark.slow
@@ -343,8 +377,9 @@ def test_bad_checkpoints_are_refused_with_the_file_and_problem(tmp_path: Path) -
     assert "missing model keys (" in e["keys"] and "transformer.h.0.attn.c_attn.weight" in e["keys"]
     assert "unexpected model keys (" in e["keys"] and "model.embed_tokens.weight" in e["keys"]
     assert "weights_only/dcp" in e["keys"]
-    assert ("shape mismatch model.layers.0.mlp.gate_proj.weight: checkpoint has shape [64, 32], "
-            "the model has [48, 32]") in e["shapes"]
+    assert (
+        "shape mismatch model.layers.0.mlp.gate_proj.weight: checkpoint has shape [64, 32], the model has [48, 32]"
+    ) in e["shapes"]
     assert "full: " in e["full_shapes"] and "shape mismatch model.layers.0.mlp.up_proj.weight" in e["full_shapes"]
     assert "state['t']: a " in e["bad_state"] or "state['t']: Tensor" in e["bad_state"]
     assert "kind must be 'sharded', 'full', 'adapter' or 'merged' (got 'hf')" in e["bad_kind"]
@@ -575,8 +610,9 @@ def test_a_path_another_process_is_saving_is_refused_on_every_rank(tmp_path: Pat
     another process holds the path's save lock, sharded, full and async saves are refused on
     every rank, naming that process; once it is killed the OS frees the lock and saves succeed,
     leaving no lock file behind."""
-    holder = subprocess.Popen([sys.executable, "-c", _HOLD_LOCK, str(tmp_path / "ckpt")], stdout=subprocess.PIPE,
-                              text=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLD_LOCK, str(tmp_path / "ckpt")], stdout=subprocess.PIPE, text=True
+    )
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
         results = run_distributed(_save_while_locked, 2, args=(str(tmp_path), holder.pid))

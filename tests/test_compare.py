@@ -30,8 +30,21 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "compare" / "tiny_l
 
 def test_compare_all_strategies_both_backends_and_reference_fp32(tmp_path, capsys):
     out = tmp_path / "report"
-    rc = main(["compare", str(EXAMPLE), "--strategies", "all", "--reference", "--nproc-per-node", "4",
-               "--steps", "2", "--out", str(out)])
+    rc = main(
+        [
+            "compare",
+            str(EXAMPLE),
+            "--strategies",
+            "all",
+            "--reference",
+            "--nproc-per-node",
+            "4",
+            "--steps",
+            "2",
+            "--out",
+            str(out),
+        ]
+    )
     printed = capsys.readouterr().out
     assert rc == 0, printed
     report = json.loads((out / "report.json").read_text())
@@ -59,14 +72,30 @@ def test_compare_all_strategies_both_backends_and_reference_fp32(tmp_path, capsy
 
 def test_planted_divergence_is_detected_and_named(tmp_path, capsys):
     out = tmp_path / "report"
-    rc = main(["compare", str(EXAMPLE), "--strategies", "full_shard", "--steps", "2",
-               "--override", "fsdp2.lr=2e-3", "--out", str(out)])
+    rc = main(
+        [
+            "compare",
+            str(EXAMPLE),
+            "--strategies",
+            "full_shard",
+            "--steps",
+            "2",
+            "--override",
+            "fsdp2.lr=2e-3",
+            "--out",
+            str(out),
+        ]
+    )
     printed = capsys.readouterr().out
     assert rc == 1
     report = json.loads((out / "report.json").read_text())
     (pair,) = report["pairs"]
-    assert (pair["a"], pair["b"], pair["ok"], pair["first_divergent_step"]) == \
-        ("fsdp2/full_shard", "fsdp1/full_shard", False, 1)
+    assert (pair["a"], pair["b"], pair["ok"], pair["first_divergent_step"]) == (
+        "fsdp2/full_shard",
+        "fsdp1/full_shard",
+        False,
+        1,
+    )
     assert [r["lr"] for r in report["runs"]] == [1e-3, 2e-3]
     assert "fsdp2/full_shard vs fsdp1/full_shard: DIVERGED at step 1" in printed
     assert printed.rstrip().splitlines()[-3] == "PARITY FAILED"
@@ -87,8 +116,12 @@ class _ScaleOneRunsSecondStep:
 
 def _planted_in_process() -> str:
     try:
-        assert_backend_parity(lambda: build_tiny("llama", seed=0), rank_batches("llama", steps=3),
-                              BridgeConfig(strategy="shard_grad_op", device="cpu"), loss_fn=_ScaleOneRunsSecondStep())
+        assert_backend_parity(
+            lambda: build_tiny("llama", seed=0),
+            rank_batches("llama", steps=3),
+            BridgeConfig(strategy="shard_grad_op", device="cpu"),
+            loss_fn=_ScaleOneRunsSecondStep(),
+        )
     except AssertionError as err:
         return str(err)
     return "no AssertionError"
@@ -115,8 +148,14 @@ def _job(**changes):
 def test_job_runs_from_example():
     job = CompareJob.from_dict(_job())
     specs = job.run_specs()
-    assert [s.name for s in specs] == ["fsdp1/full_shard", "fsdp2/full_shard", "fsdp1/shard_grad_op",
-                                       "fsdp2/shard_grad_op", "fsdp1/no_shard", "fsdp2/no_shard"]
+    assert [s.name for s in specs] == [
+        "fsdp1/full_shard",
+        "fsdp2/full_shard",
+        "fsdp1/shard_grad_op",
+        "fsdp2/shard_grad_op",
+        "fsdp1/no_shard",
+        "fsdp2/no_shard",
+    ]
     assert all(s.config is not None and s.config.hybrid_shape is None for s in specs)
     hybrid = CompareJob.from_dict(_job(compare={"strategies": ["hybrid_shard"], "reference": True}))
     assert [s.name for s in hybrid.run_specs()] == ["reference", "fsdp1/hybrid_shard", "fsdp2/hybrid_shard"]
@@ -162,17 +201,33 @@ def test_cli_rejects_bad_job_before_spawning(tmp_path, capsys):
 def _tiny_report(ok: bool) -> ParityReport:
     def run(name: str, losses: list[float]) -> RunResult:
         steps = [StepRecord(step=i + 1, loss=v, grad_norm=1.0, time_s=0.01) for i, v in enumerate(losses)]
-        return RunResult(name=name, backend=name.split("/")[0], strategy="full_shard", config=None, lr=1e-3,
-                         steps=steps,
-                         setup_time_s=0.1, peak_memory_bytes=[2**20, 2**20], memory_kind="peak RSS",
-                         sharded_bytes=[100, 100])
+        return RunResult(
+            name=name,
+            backend=name.split("/")[0],
+            strategy="full_shard",
+            config=None,
+            lr=1e-3,
+            steps=steps,
+            setup_time_s=0.1,
+            peak_memory_bytes=[2**20, 2**20],
+            memory_kind="peak RSS",
+            sharded_bytes=[100, 100],
+        )
+
     tol = tolerance_for(BridgeConfig().mixed_precision)
-    diffs = [StepDiff(step=1, loss_diff=0.0, grad_norm_diff=0.0, max_param_diff=0.0, ok=True),
-             StepDiff(step=2, loss_diff=0.5, grad_norm_diff=0.0, max_param_diff=1e-3, ok=ok)]
-    pair = PairVerdict(a="fsdp2/full_shard", b="fsdp1/full_shard", tolerance=tol, steps=diffs,
-                       first_divergent_step=None if ok else 2)
-    return ParityReport(runs=[run("fsdp1/full_shard", [4.0, 3.5]), run("fsdp2/full_shard", [4.0, 4.0])],
-                        pairs=[pair], world_size=2, device="cpu")
+    diffs = [
+        StepDiff(step=1, loss_diff=0.0, grad_norm_diff=0.0, max_param_diff=0.0, ok=True),
+        StepDiff(step=2, loss_diff=0.5, grad_norm_diff=0.0, max_param_diff=1e-3, ok=ok),
+    ]
+    pair = PairVerdict(
+        a="fsdp2/full_shard", b="fsdp1/full_shard", tolerance=tol, steps=diffs, first_divergent_step=None if ok else 2
+    )
+    return ParityReport(
+        runs=[run("fsdp1/full_shard", [4.0, 3.5]), run("fsdp2/full_shard", [4.0, 4.0])],
+        pairs=[pair],
+        world_size=2,
+        device="cpu",
+    )
 
 
 def test_report_files_without_matplotlib(tmp_path, monkeypatch):
@@ -237,19 +292,41 @@ def _my_model_jobs(tmp_path: Path) -> dict[str, dict]:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     hf_dir = tmp_path / "phi3"
-    config = AutoConfig.for_model("phi3", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                  pad_token_id=0)
+    config = AutoConfig.for_model(
+        "phi3",
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        pad_token_id=0,
+    )
     AutoModelForCausalLM.from_config(config).save_pretrained(hf_dir)
     (tmp_path / "my_models.py").write_text(_BUILDER_MODULE)
     common = {"data": {"seq_len": 8}, "max_steps": 2, "compare": {"reference": True, "strategies": ["full_shard"]}}
     return {
         "path": {**common, "model": {"path": str(hf_dir)}},
-        "model_type": {**common, "model": {"config": {"model_type": "gpt_neox", "vocab_size": 64, "hidden_size": 32,
-                                                      "intermediate_size": 64, "num_hidden_layers": 2,
-                                                      "num_attention_heads": 4, "max_position_embeddings": 64}}},
-        "builder": {**common, "model": {"builder": "my_models:build", "batch": "my_models:batch"},
-                    "bridge": {"wrap": {"min_num_params": 50}}},
+        "model_type": {
+            **common,
+            "model": {
+                "config": {
+                    "model_type": "gpt_neox",
+                    "vocab_size": 64,
+                    "hidden_size": 32,
+                    "intermediate_size": 64,
+                    "num_hidden_layers": 2,
+                    "num_attention_heads": 4,
+                    "max_position_embeddings": 64,
+                }
+            },
+        },
+        "builder": {
+            **common,
+            "model": {"builder": "my_models:build", "batch": "my_models:batch"},
+            "bridge": {"wrap": {"min_num_params": 50}},
+        },
     }
 
 
@@ -285,7 +362,11 @@ def test_my_model_mistakes_are_named_before_spawning(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match=r"model\.builder: got 'not a spec'; allowed: module:function"):
         CompareJob.from_dict({**jobs["builder"], "model": {"builder": "not a spec"}})
     with pytest.raises(ConfigError, match=r"model\.config: got .*gpt_neox.*a valid transformers gpt_neox config"):
-        CompareJob.from_dict({**jobs["model_type"], "model": {"config": {"model_type": "gpt_neox", "hidden_size": 30,
-                                                                        "num_attention_heads": 4}}})
+        CompareJob.from_dict(
+            {
+                **jobs["model_type"],
+                "model": {"config": {"model_type": "gpt_neox", "hidden_size": 30, "num_attention_heads": 4}},
+            }
+        )
     with pytest.raises(ConfigError, match=r"model: got .*; allowed: one of model\.family \(\+ config\), model\.path"):
         CompareJob.from_dict({**jobs["path"], "model": {"path": jobs["path"]["model"]["path"], "family": "llama"}})

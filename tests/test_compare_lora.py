@@ -13,8 +13,12 @@ from fsdp_bridge.compare import CompareJob
 pytest.importorskip("peft")
 
 JOB: dict[str, Any] = {
-    "model": {"family": "llama"}, "data": {"seq_len": 16}, "optim": {"lr": 1.0e-2}, "micro_batch_size": 2,
-    "max_steps": 4, "seed": 0,
+    "model": {"family": "llama"},
+    "data": {"seq_len": 16},
+    "optim": {"lr": 1.0e-2},
+    "micro_batch_size": 2,
+    "max_steps": 4,
+    "seed": 0,
     "compare": {"strategies": ["full_shard"], "backends": ["fsdp1", "fsdp2"], "reference": True},
     "bridge": {"mixed_precision": "fp32", "device": "cpu"},
     "peft": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]},
@@ -50,8 +54,11 @@ def test_lora_job_errors_name_key_value_and_fix() -> None:
     text = str(err.value)
     assert "peft.r: got 0; allowed: an integer >= 1" in text and "peft.rank" in text, text
     assert "peft.dropout: got 2.0; allowed: a number in [0, 1)" in text, text
-    with pytest.raises(ConfigError, match=r"peft.target_modules: got \['qproj'\]; allowed: names of modules in "
-                       r"LlamaForCausalLM"):
+    with pytest.raises(
+        ConfigError,
+        match=r"peft.target_modules: got \['qproj'\]; allowed: names of modules in "
+        r"LlamaForCausalLM",
+    ):
         CompareJob.from_dict({**JOB, "peft": {"target_modules": ["qproj"]}})
     with pytest.raises(ConfigError, match=r"peft: got 3; allowed: a mapping of r, alpha"):
         CompareJob.from_dict({**JOB, "peft": 3})

@@ -54,8 +54,13 @@ def test_mixed_precision_presets_and_dtypes() -> None:
     bf16 = BridgeConfig(mixed_precision="bf16").mixed_precision  # type: ignore[arg-type]
     assert (bf16.param_dtype, bf16.reduce_dtype, bf16.buffer_dtype) == (torch.bfloat16, torch.float32, None)
     custom = BridgeConfig(
-        mixed_precision={"param_dtype": "bf16", "reduce_dtype": "torch.float32", "buffer_dtype": "bfloat16",
-                         "output_dtype": "fp32", "cast_forward_inputs": False}  # type: ignore[arg-type]
+        mixed_precision={
+            "param_dtype": "bf16",
+            "reduce_dtype": "torch.float32",
+            "buffer_dtype": "bfloat16",
+            "output_dtype": "fp32",
+            "cast_forward_inputs": False,
+        }  # type: ignore[arg-type]
     ).mixed_precision
     assert custom.buffer_dtype is torch.bfloat16 and custom.output_dtype is torch.float32
     assert not custom.cast_forward_inputs
@@ -64,9 +69,17 @@ def test_mixed_precision_presets_and_dtypes() -> None:
 
 @pytest.mark.parametrize(
     ("wrap", "mode"),
-    [("auto", "auto"), ("none", "none"), (None, "none"), (["LlamaDecoderLayer"], "classes"),
-     ("LlamaDecoderLayer", "classes"), ({"min_num_params": 1000}, "min_params"), (lambda m: False, "callable"),
-     ({"classes": ["GPT2Block"]}, "classes"), ([torch.nn.Linear], "classes")],
+    [
+        ("auto", "auto"),
+        ("none", "none"),
+        (None, "none"),
+        (["LlamaDecoderLayer"], "classes"),
+        ("LlamaDecoderLayer", "classes"),
+        ({"min_num_params": 1000}, "min_params"),
+        (lambda m: False, "callable"),
+        ({"classes": ["GPT2Block"]}, "classes"),
+        ([torch.nn.Linear], "classes"),
+    ],
 )
 def test_wrap_spellings(wrap: object, mode: str) -> None:
     assert BridgeConfig(wrap=wrap).wrap.mode == mode  # type: ignore[arg-type]
@@ -74,10 +87,20 @@ def test_wrap_spellings(wrap: object, mode: str) -> None:
 
 def full_config() -> BridgeConfig:
     return BridgeConfig(
-        strategy="hybrid_shard", backend="fsdp2", mixed_precision={"param_dtype": "bf16", "reduce_dtype": "fp32"},
-        wrap=["LlamaDecoderLayer"], backward_prefetch="pre", forward_prefetch=True, limit_all_gathers=False,
-        cpu_offload=True, activation_checkpointing=True, sync_module_states=True, reshard_after_forward=2,
-        hybrid_shape=[2, 4], ignored_modules=["lm_head"], device="cpu",  # type: ignore[arg-type]
+        strategy="hybrid_shard",
+        backend="fsdp2",
+        mixed_precision={"param_dtype": "bf16", "reduce_dtype": "fp32"},
+        wrap=["LlamaDecoderLayer"],
+        backward_prefetch="pre",
+        forward_prefetch=True,
+        limit_all_gathers=False,
+        cpu_offload=True,
+        activation_checkpointing=True,
+        sync_module_states=True,
+        reshard_after_forward=2,
+        hybrid_shape=[2, 4],
+        ignored_modules=["lm_head"],
+        device="cpu",  # type: ignore[arg-type]
     )
 
 
@@ -115,9 +138,15 @@ def test_all_problems_reported_together() -> None:
     ("data", "pattern"),
     [
         ({"mixed_precision": "int8"}, r"mixed_precision: got 'int8'; allowed: a preset \(fp32, bf16, fp16\)"),
-        ({"mixed_precision": {"param_dtype": "float8"}}, r"mixed_precision.param_dtype: got 'float8'; allowed: float32"),
+        (
+            {"mixed_precision": {"param_dtype": "float8"}},
+            r"mixed_precision.param_dtype: got 'float8'; allowed: float32",
+        ),
         ({"mixed_precision": {"param": "bf16"}}, r"mixed_precision.param: .*unknown key; did you mean 'param_dtype'"),
-        ({"mixed_precision": {"cast_forward_inputs": 1}}, r"mixed_precision.cast_forward_inputs: got 1; allowed: true or false"),
+        (
+            {"mixed_precision": {"cast_forward_inputs": 1}},
+            r"mixed_precision.cast_forward_inputs: got 1; allowed: true or false",
+        ),
         ({"wrap": 3}, r"wrap: got 3; allowed: 'auto'"),
         ({"wrap": []}, r"wrap: got \[\]; .*give at least one class name, or 'none'"),
         ({"wrap": ["not a class"]}, r"wrap\[\]: got 'not a class'; allowed: module class names"),
@@ -133,12 +162,16 @@ def test_all_problems_reported_together() -> None:
         ({"device": "tpu"}, r"device: got 'tpu'; allowed: auto, cuda, cpu"),
         ({"cpu_offload": "no"}, r"cpu_offload: got 'no'; allowed: true or false"),
         # Combinations a backend cannot honour: refused at config time, with the alternative.
-        ({"backend": "fsdp2", "backward_prefetch": "post"},
-         r"backward_prefetch: got 'post'; allowed: on fsdp2: pre. Fix: fsdp2 cannot do this: .*Use backward_prefetch: pre"),
+        (
+            {"backend": "fsdp2", "backward_prefetch": "post"},
+            r"backward_prefetch: got 'post'; allowed: on fsdp2: pre. Fix: fsdp2 cannot do this: .*Use backward_prefetch: pre",
+        ),
         ({"backend": "fsdp2", "backward_prefetch": "none"}, r"no public switch to turn it off"),
         ({"backend": "fsdp1", "reshard_after_forward": 2}, r"FSDP1 cannot reshard to a smaller group"),
-        ({"backend": "fsdp1", "strategy": "full_shard", "reshard_after_forward": False},
-         r"FSDP1 ties resharding to the strategy; choose the strategy instead"),
+        (
+            {"backend": "fsdp1", "strategy": "full_shard", "reshard_after_forward": False},
+            r"FSDP1 ties resharding to the strategy; choose the strategy instead",
+        ),
         (["not", "a", "mapping"], r"config: got \['not', 'a', 'mapping'\]; allowed: a mapping of BridgeConfig keys"),
     ],
 )
@@ -182,11 +215,15 @@ def test_mesh_shapes() -> None:
 
 
 def test_mesh_errors() -> None:
-    with pytest.raises(ConfigError, match=r"hybrid_shape: got \[2, 2\]; allowed: two integers whose product is the world size \(8\)"):
+    with pytest.raises(
+        ConfigError, match=r"hybrid_shape: got \[2, 2\]; allowed: two integers whose product is the world size \(8\)"
+    ):
         plan_mesh(BridgeConfig(strategy="hybrid_shard", hybrid_shape=[2, 2]), 8)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match=r"ranks per node \(3\) does not divide the world size \(8\)"):
         plan_mesh(BridgeConfig(strategy="hybrid_shard"), 8, local_world_size=3)
-    with pytest.raises(ConfigError, match=r"reshard_after_forward: got 3; allowed: a divisor of the shard group size \(4\)"):
+    with pytest.raises(
+        ConfigError, match=r"reshard_after_forward: got 3; allowed: a divisor of the shard group size \(4\)"
+    ):
         plan_mesh(BridgeConfig(reshard_after_forward=3), 4)
 
 
@@ -200,8 +237,15 @@ def test_cuda_requested_without_gpus() -> None:
     assert resolve_device("auto").type == "cpu"
 
 
-@pytest.mark.parametrize("text", ["wrap: 'lambda m: True'", "wrap: '__import__(\"os\").system(\"true\")'",
-                                  "wrap: {min_num_params: '10**9'}", "ignored_modules: ['os.system(1)']"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "wrap: 'lambda m: True'",
+        'wrap: \'__import__("os").system("true")\'',
+        "wrap: {min_num_params: '10**9'}",
+        "ignored_modules: ['os.system(1)']",
+    ],
+)
 def test_yaml_values_are_never_evaluated(tmp_path, text: str) -> None:
     # Strings stay strings: a callable wrap policy exists only when passed from Python.
     path = tmp_path / "c.yaml"
@@ -214,8 +258,11 @@ def test_yaml_values_are_never_evaluated(tmp_path, text: str) -> None:
     assert all(isinstance(name, str) for name in config.ignored_modules)
 
 
-_BOMB = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
-    f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join([f'*{chr(97 + i)}'] * 9)}]\n" for i in range(8)) + "strategy: *i\n"
+_BOMB = (
+    "a: &a [x, x, x, x, x, x, x, x, x]\n"
+    + "".join(f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join([f'*{chr(97 + i)}'] * 9)}]\n" for i in range(8))
+    + "strategy: *i\n"
+)
 
 
 @pytest.mark.parametrize(
@@ -225,8 +272,10 @@ _BOMB = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
         (("strategy: " + "[" * 20000 + "]" * 20000 + "\n").encode(), r"nested more than 64 levels deep"),
         (("hybrid_shape: [" + "9" * 5001 + ", 1]\n").encode(), r"an integer of 5001 digits"),
         ("strategy: caf\xe9\n".encode("latin-1"), r"a UTF-8 text file"),
-        (b"strategy: full_shard\nbackend: fsdp2\nstrategy: no_shard\n",
-         r"duplicate key 'strategy' \(line 3, first on line 1\): the second would silently win"),
+        (
+            b"strategy: full_shard\nbackend: fsdp2\nstrategy: no_shard\n",
+            r"duplicate key 'strategy' \(line 3, first on line 1\): the second would silently win",
+        ),
     ],
 )
 def test_hostile_yaml_is_refused_quickly_by_every_reader(tmp_path: Path, content: bytes, expected: str) -> None:

@@ -37,10 +37,16 @@ def _local_fractions() -> dict[str, float]:
     out = {}
     total = sum(p.numel() * p.element_size() for p in build_tiny("llama").parameters())
     for backend in BACKENDS:
-        for strategy, shape in [("full_shard", None), ("shard_grad_op", None), ("no_shard", None),
-                                ("hybrid_shard", [2, 2]), ("hybrid_shard_zero2", [2, 2])]:
-            model = fsdp_bridge.shard(build_tiny("llama"), BridgeConfig(strategy=strategy, backend=backend,
-                                                                        hybrid_shape=shape))
+        for strategy, shape in [
+            ("full_shard", None),
+            ("shard_grad_op", None),
+            ("no_shard", None),
+            ("hybrid_shard", [2, 2]),
+            ("hybrid_shard_zero2", [2, 2]),
+        ]:
+            model = fsdp_bridge.shard(
+                build_tiny("llama"), BridgeConfig(strategy=strategy, backend=backend, hybrid_shape=shape)
+            )
             out[f"{backend}/{strategy}"] = fsdp_bridge.get_bridge(model).local_bytes() / total
     return out
 
@@ -60,8 +66,9 @@ def test_local_parameter_bytes_are_one_over_shard_size() -> None:
 def _accumulate_clip_summon(backend: str, strategy: str, shape: list[int] | None) -> dict[str, object]:
     rank, world = dist.get_rank(), dist.get_world_size()
     reference = build_tiny("llama", seed=0)
-    model = fsdp_bridge.shard(copy.deepcopy(reference), BridgeConfig(strategy=strategy, backend=backend,
-                                                                      hybrid_shape=shape))
+    model = fsdp_bridge.shard(
+        copy.deepcopy(reference), BridgeConfig(strategy=strategy, backend=backend, hybrid_shape=shape)
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
     accum, losses, ref_losses, norms, ref_norms = 2, [], [], [], []
@@ -96,8 +103,9 @@ def _accumulate_clip_summon(backend: str, strategy: str, shape: list[int] | None
     # Full parameters: readable, and in-place changes kept only with writeback=True.
     with fsdp_bridge.summon_full_params(model):
         names = {n.replace("_fsdp_wrapped_module.", "") for n, _ in model.named_parameters()}
-        full_shapes_ok = all(p.shape == ref_state[n.replace("_fsdp_wrapped_module.", "")].shape
-                             for n, p in model.named_parameters())
+        full_shapes_ok = all(
+            p.shape == ref_state[n.replace("_fsdp_wrapped_module.", "")].shape for n, p in model.named_parameters()
+        )
         for p in model.parameters():
             p.data.add_(100.0)
     unchanged = torch.equal(full_state(model)["lm_head.weight"], state["lm_head.weight"])
@@ -114,31 +122,46 @@ def _accumulate_clip_summon(backend: str, strategy: str, shape: list[int] | None
         except fsdp_bridge.ConfigError as err:
             offload_refused = "drop offload_to_cpu" in str(err)
     with fsdp_bridge.summon_full_params(model, rank0_only=True, offload_to_cpu=offload):
-        rank0_full = all(getattr(p, "to_local", lambda p=p: p)().shape
-                         == ref_state[n.replace("_fsdp_wrapped_module.", "")].shape
-                         for n, p in model.named_parameters())
+        rank0_full = all(
+            getattr(p, "to_local", lambda p=p: p)().shape == ref_state[n.replace("_fsdp_wrapped_module.", "")].shape
+            for n, p in model.named_parameters()
+        )
     # (FSDP1 under HYBRID_SHARD gathers on rank 0 of each shard group: global rank 0 is the one promised)
-    expect_full = dist.get_rank() == 0 or strategy == "no_shard" or (
-        backend == "fsdp1" and strategy == "hybrid_shard" and dist.get_rank() % 2 == 0)
+    expect_full = (
+        dist.get_rank() == 0
+        or strategy == "no_shard"
+        or (backend == "fsdp1" and strategy == "hybrid_shard" and dist.get_rank() % 2 == 0)
+    )
     rank0_only_ok = rank0_full == expect_full and (offload or offload_refused)
     after = full_state(model)
     written = all(torch.allclose(after[k], state[k] + 1.0) for k in ref_state if "rotary" not in k)
     # A unit on its own (what migrated FSDP.summon_full_params(submodule) calls pass): its parameters only.
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
-    unit = next(m for m in model.modules()
-                if m is not model and isinstance(m, (FSDPModule, FullyShardedDataParallel)))
+    unit = next(m for m in model.modules() if m is not model and isinstance(m, (FSDPModule, FullyShardedDataParallel)))
     with fsdp_bridge.summon_full_params(unit):
         unit_full = sum(p.numel() for p in unit.parameters()) == sum(
-            p.numel() for p in reference.model.layers[0].parameters())
-    return {"losses": losses, "ref_losses": ref_losses, "norms": norms, "ref_norms": ref_norms,
-            "max_diff": max_diff, "close": close, "names_ok": names == set(ref_state) - {"model.rotary_emb.inv_freq"},
-            "full_shapes_ok": full_shapes_ok, "unchanged": unchanged, "written": written,
-            "rank0_only_ok": rank0_only_ok, "unit_full": unit_full}
+            p.numel() for p in reference.model.layers[0].parameters()
+        )
+    return {
+        "losses": losses,
+        "ref_losses": ref_losses,
+        "norms": norms,
+        "ref_norms": ref_norms,
+        "max_diff": max_diff,
+        "close": close,
+        "names_ok": names == set(ref_state) - {"model.rotary_emb.inv_freq"},
+        "full_shapes_ok": full_shapes_ok,
+        "unchanged": unchanged,
+        "written": written,
+        "rank0_only_ok": rank0_only_ok,
+        "unit_full": unit_full,
+    }
 
 
-@pytest.mark.parametrize(("strategy", "world", "shape"),
-                         [("full_shard", 2, None), ("no_shard", 2, None), ("hybrid_shard", 4, [2, 2])])
+@pytest.mark.parametrize(
+    ("strategy", "world", "shape"), [("full_shard", 2, None), ("no_shard", 2, None), ("hybrid_shard", 4, [2, 2])]
+)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_no_sync_clip_and_full_params_match_reference(backend: str, strategy: str, world: int, shape) -> None:
     for rank, r in enumerate(run_distributed(_accumulate_clip_summon, world, args=(backend, strategy, shape))):

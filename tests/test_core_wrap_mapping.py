@@ -19,8 +19,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.parametrize(
     ("family", "unit_class", "count"),
-    [("llama", "LlamaDecoderLayer", 2), ("gpt2", "GPT2Block", 2), ("t5", "T5Block", 4), ("bert", "BertLayer", 2),
-     ("opt", "OPTDecoderLayer", 2), ("gemma", "GemmaDecoderLayer", 2)],
+    [
+        ("llama", "LlamaDecoderLayer", 2),
+        ("gpt2", "GPT2Block", 2),
+        ("t5", "T5Block", 4),
+        ("bert", "BertLayer", 2),
+        ("opt", "OPTDecoderLayer", 2),
+        ("gemma", "GemmaDecoderLayer", 2),
+    ],
 )
 def test_auto_wrap_picks_transformer_blocks(family: str, unit_class: str, count: int) -> None:
     plan = resolve_wrap(build_tiny(family), WrapPolicy())
@@ -56,8 +62,11 @@ def test_plain_module_without_no_split_modules_wraps_modulelist_entries() -> Non
 
 
 def test_wrap_class_not_in_model_lists_what_it_has() -> None:
-    with pytest.raises(ConfigError, match=r"wrap: got 'LlamaLayer'; allowed: a module class the model contains: .*"
-                                          r"LlamaDecoderLayer.*its _no_split_modules are \['LlamaDecoderLayer'\]"):
+    with pytest.raises(
+        ConfigError,
+        match=r"wrap: got 'LlamaLayer'; allowed: a module class the model contains: .*"
+        r"LlamaDecoderLayer.*its _no_split_modules are \['LlamaDecoderLayer'\]",
+    ):
         resolve_wrap(build_tiny("llama"), WrapPolicy(mode="classes", classes=("LlamaLayer",)))
 
 
@@ -74,7 +83,9 @@ def test_ignored_modules_resolve_and_errors() -> None:
 def test_table_covers_every_config_field_and_backend() -> None:
     fields = set(BridgeConfig.field_names()) - {"backend"}  # the selector, not an option
     options = {o.split(".")[0] for o in CONFIG_OPTIONS}
-    assert fields == options, f"fields without a mapping rule: {fields - options}; rules without a field: {options - fields}"
+    assert fields == options, (
+        f"fields without a mapping rule: {fields - options}; rules without a field: {options - fields}"
+    )
     for rule in TABLE:
         for backend in Backend:
             assert rule.for_backend(backend).text, f"{rule.option}/{rule.case} has no text for {backend}"

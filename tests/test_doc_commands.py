@@ -25,27 +25,23 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 NOT_RUN: dict[str, str] = {
     "make train": "creates the environment and trains (what `.ci/run` does); the job: test_train_run.py",
     "make test": "the test suite itself (`.ci/run`)",
-    "fsdp-bridge compare examples/compare/tiny_llama.yaml --reference --strategies all --nproc-per-node 4":
-        "minutes on 2 cores; test_compare.py runs the same engine on every strategy",
+    "fsdp-bridge compare examples/compare/tiny_llama.yaml --reference --strategies all --nproc-per-node 4": "minutes on 2 cores; test_compare.py runs the same engine on every strategy",
     "pip install torch==2.13.0": "changes the environment (CI installs it)",
     "pip install -e .": "changes the environment (CI installs it)",
     "pip install -e '.[plot]'": "changes the environment",
     "fsdp-bridge train": "the default job, run by test_train_run.py::test_default_job_runs_end_to_end_through_the_cli",
-    "fsdp-bridge train examples/tiny_cpu.yaml max_steps=20 optim.lr=1e-3":
-        "a 20-step training run; overrides are tested in test_train_config.py, training in test_train_run.py",
+    "fsdp-bridge train examples/tiny_cpu.yaml max_steps=20 optim.lr=1e-3": "a 20-step training run; overrides are tested in test_train_config.py, training in test_train_run.py",
     "fsdp-bridge train examples/tiny_cpu.yaml --backend fsdp1": "a training run; test_train_run.py trains both backends",
     "fsdp-bridge train examples/lora_tiny_llama.yaml": "a training run; tests/test_train_lora.py runs this example",
     "fsdp-bridge train examples/finetune_gpt2.yaml": "needs a Hugging Face GPT-2 directory (a download)",
     "fsdp-bridge train my.yaml --nproc-per-node 8": "8 GPUs; my.yaml is your config",
     "fsdp-bridge train my.yaml --resume": "my.yaml is your config; resume: test_train_run.py",
     "torchrun --nproc-per-node 8 -m fsdp_bridge train my.yaml": "8 GPUs; my.yaml is your config",
-    "fsdp-bridge train my.yaml --nnodes 2 --node-rank 0 --nproc-per-node 8 --rdzv-endpoint HEAD:29500 --rdzv-id JOB":
-        "two machines (HEAD is the first node's address); two nodes on one machine: test_multinode.py",
-    "fsdp-bridge train my.yaml --nnodes 2 --node-rank 1 --nproc-per-node 8 --rdzv-endpoint HEAD:29500 --rdzv-id JOB":
-        "two machines (HEAD is the first node's address); two nodes on one machine: test_multinode.py",
+    "fsdp-bridge train my.yaml --nnodes 2 --node-rank 0 --nproc-per-node 8 --rdzv-endpoint HEAD:29500 --rdzv-id JOB": "two machines (HEAD is the first node's address); two nodes on one machine: test_multinode.py",
+    "fsdp-bridge train my.yaml --nnodes 2 --node-rank 1 --nproc-per-node 8 --rdzv-endpoint HEAD:29500 --rdzv-id JOB": "two machines (HEAD is the first node's address); two nodes on one machine: test_multinode.py",
     "fsdp-bridge train --nnodes 2 --node-rank 0 --nproc-per-node 2 --rdzv-endpoint 127.0.0.1:29500 --rdzv-id demo "
     "bridge.strategy=hybrid_shard &": "one of two launchers that must run together (one in the background): "
-                                      "test_multinode.py runs both, on a free port, and stops them on failure",
+    "test_multinode.py runs both, on a free port, and stops them on failure",
     "fsdp-bridge train --nnodes 2 --node-rank 1 --nproc-per-node 2 --rdzv-endpoint 127.0.0.1:29500 --rdzv-id demo "
     "bridge.strategy=hybrid_shard": "the other of the two launchers above: test_multinode.py",
     "fsdp-bridge estimate MODEL --world-size N [--nodes K] [--strategy S|all] [--backend fsdp1|fsdp2|all] "
@@ -56,28 +52,24 @@ NOT_RUN: dict[str, str] = {
     "python benchmarks/run.py": "the full benchmark suite (minutes)",
     "python benchmarks/run.py --quick": "a benchmark run (about a minute)",
     "OMP_NUM_THREADS=1 python benchmarks/no_shard.py": "a benchmark (about a minute on 2 cores)",
-    "python benchmarks/gpu.py --repeats 1 --steps 6 --out benchmarks/results-gpu.json":
-        "needs a CUDA GPU (exits 2 without one); the GPU paths: test_gpu.py (CUDA-marked)",
+    "python benchmarks/gpu.py --repeats 1 --steps 6 --out benchmarks/results-gpu.json": "needs a CUDA GPU (exits 2 without one); the GPU paths: test_gpu.py (CUDA-marked)",
     "python -m pytest tests/test_reliability_faults.py tests/test_reliability_checkpoints.py "
-    "tests/test_config_properties.py tests/test_bad_inputs.py tests/test_checkpoint_description_fuzz.py":
-        "part of this test suite",
+    "tests/test_config_properties.py tests/test_bad_inputs.py tests/test_checkpoint_description_fuzz.py": "part of this test suite",
     "python -m pytest -m slow": "the slow tests (minutes)",
-    "OMP_NUM_THREADS=1 python benchmarks/pretrained_memory.py --world-size 2 --hidden 768 --layers 6":
-        "a benchmark (minutes); load_pretrained itself: test_checkpoint.py",
+    "OMP_NUM_THREADS=1 python benchmarks/pretrained_memory.py --world-size 2 --hidden 768 --layers 6": "a benchmark (minutes); load_pretrained itself: test_checkpoint.py",
     "fsdp-bridge inspect ckpt/step_100": "ckpt/step_100 is your checkpoint; inspect: test_checkpoint_formats.py",
     "fsdp-bridge inspect ckpt/step_100 --json": "ckpt/step_100 is your checkpoint; inspect: test_checkpoint_formats.py",
     "fsdp-bridge convert ckpt/step_100 export --to hf": "your checkpoint; convert: test_checkpoint_formats.py",
     "fsdp-bridge convert export ckpt/resharded --to sharded": "your checkpoint; convert: test_checkpoint_formats.py",
     "fsdp-bridge convert ckpt/step_100 model.pt --to torch": "your checkpoint; convert: test_checkpoint_formats.py",
-    "fsdp-bridge convert fsdp1_dcp_dir export --to hf --hf-config path/to/config.json":
-        "placeholders (an FSDP1 DCP directory); test_checkpoint_formats.py::test_plain_fsdp1_checkpoints_load_and_convert",
+    "fsdp-bridge convert fsdp1_dcp_dir export --to hf --hf-config path/to/config.json": "placeholders (an FSDP1 DCP directory); test_checkpoint_formats.py::test_plain_fsdp1_checkpoints_load_and_convert",
     "fsdp-bridge compare examples/compare/tiny_llama.yaml --steps 5 --strategies all --nproc-per-node 4 --reference "
     "--out docs/compare-example": "regenerates docs/compare-example (minutes); the engine: test_compare.py",
     "fsdp-bridge compare examples/compare/tiny_llama.yaml --strategies full_shard --steps 3 --override fsdp2.lr=2e-3 "
     "--out /tmp/planted": "exits 1 by design (a planted difference); test_compare.py checks the verdict",
     "echo $?": "prints the previous command's exit code",
     "pytest examples/test_user_parity.py": "the user test example (both backends, about a minute); "
-                                           "test_testing_plugin.py runs it",
+    "test_testing_plugin.py runs it",
     "pytest examples/test_user_parity.py --fsdp-backends fsdp2": "as above, one backend",
     "HYPOTHESIS_PROFILE=thorough python -m pytest tests/test_config_properties.py "
     "tests/test_checkpoint_description_fuzz.py": "the thorough property runs (minutes)",
@@ -128,8 +120,7 @@ def test_every_not_run_entry_is_still_in_the_docs() -> None:
     assert not stale, f"NOT_RUN lists commands the docs no longer give: {stale}"
 
 
-@pytest.mark.parametrize("doc", [str(p.relative_to(ROOT)) for p in DOCS
-                                 if any(c not in NOT_RUN for c in _commands(p))])
+@pytest.mark.parametrize("doc", [str(p.relative_to(ROOT)) for p in DOCS if any(c not in NOT_RUN for c in _commands(p))])
 def test_documented_commands_run_as_written(doc: str, tmp_path: Path) -> None:
     for name in ("examples", "tests/fixtures", "benchmarks"):
         shutil.copytree(ROOT / name, tmp_path / name, ignore=shutil.ignore_patterns("__pycache__"))
@@ -138,9 +129,11 @@ def test_documented_commands_run_as_written(doc: str, tmp_path: Path) -> None:
     for command in _commands(ROOT / doc):
         if command in NOT_RUN:
             continue
-        result = subprocess.run(["bash", "-c", command], cwd=tmp_path, env=env, capture_output=True, text=True,
-                                timeout=300)
+        result = subprocess.run(
+            ["bash", "-c", command], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+        )
         allowed = {0, 1} if EXIT_1_ALLOWED.match(command) else {0}
         assert result.returncode in allowed, (
-            f"{doc}: `{command}` exited {result.returncode}\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}")
+            f"{doc}: `{command}` exited {result.returncode}\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}"
+        )
         assert "Traceback" not in result.stderr, f"{doc}: `{command}`\n{result.stderr[-2000:]}"

@@ -21,8 +21,10 @@ from fsdp_bridge.estimate import (
     parse_bytes,
 )
 
-LLAMA2_7B = ("llama:hidden_size=4096,intermediate_size=11008,num_hidden_layers=32,num_attention_heads=32,"
-             "num_key_value_heads=32,vocab_size=32000")
+LLAMA2_7B = (
+    "llama:hidden_size=4096,intermediate_size=11008,num_hidden_layers=32,num_attention_heads=32,"
+    "num_key_value_heads=32,vocab_size=32000"
+)
 SMALL = "llama:hidden_size=64,intermediate_size=128,num_hidden_layers=3,num_attention_heads=4,vocab_size=256"
 
 
@@ -62,15 +64,30 @@ def test_strategies_scale_as_expected() -> None:
 
 def test_mixed_precision_offload_and_checkpointing() -> None:
     base = estimate(SMALL, world_size=2, strategies=["full_shard"], backends=["fsdp2"], batch=2, seq_len=32)[0]
-    bf16 = estimate(SMALL, world_size=2, strategies=["full_shard"], backends=["fsdp2"], batch=2, seq_len=32,
-                    base=BridgeConfig(mixed_precision="bf16"))[0]
+    bf16 = estimate(
+        SMALL,
+        world_size=2,
+        strategies=["full_shard"],
+        backends=["fsdp2"],
+        batch=2,
+        seq_len=32,
+        base=BridgeConfig(mixed_precision="bf16"),
+    )[0]
     assert bf16.params == base.params  # fp32 master weights
     assert bf16.unsharded < base.unsharded and bf16.activations < base.activations
-    ac = estimate(SMALL, world_size=2, strategies=["full_shard"], backends=["fsdp2"], batch=2, seq_len=32,
-                  base=BridgeConfig(activation_checkpointing=True))[0]
+    ac = estimate(
+        SMALL,
+        world_size=2,
+        strategies=["full_shard"],
+        backends=["fsdp2"],
+        batch=2,
+        seq_len=32,
+        base=BridgeConfig(activation_checkpointing=True),
+    )[0]
     assert ac.activations < base.activations
-    off = estimate(SMALL, world_size=2, strategies=["full_shard"], backends=["fsdp2"],
-                   base=BridgeConfig(cpu_offload=True))[0]
+    off = estimate(
+        SMALL, world_size=2, strategies=["full_shard"], backends=["fsdp2"], base=BridgeConfig(cpu_offload=True)
+    )[0]
     assert off.params == off.grads == off.optimizer == 0 and off.host == base.sharded_state
 
 
@@ -102,10 +119,14 @@ def test_parse_bytes_and_model_specs(tmp_path) -> None:
     cfg = load_model_config(SMALL)
     (tmp_path / "m").mkdir()
     cfg.save_pretrained(tmp_path / "m")
-    (tmp_path / "c.yaml").write_text("model_type: llama\nhidden_size: 64\nintermediate_size: 128\n"
-                                     "num_hidden_layers: 3\nnum_attention_heads: 4\nvocab_size: 256\n")
-    sizes = {sum(p.numel() for p in build_meta_model(s).parameters())
-             for s in (SMALL, str(tmp_path / "m"), str(tmp_path / "m" / "config.json"), str(tmp_path / "c.yaml"))}
+    (tmp_path / "c.yaml").write_text(
+        "model_type: llama\nhidden_size: 64\nintermediate_size: 128\n"
+        "num_hidden_layers: 3\nnum_attention_heads: 4\nvocab_size: 256\n"
+    )
+    sizes = {
+        sum(p.numel() for p in build_meta_model(s).parameters())
+        for s in (SMALL, str(tmp_path / "m"), str(tmp_path / "m" / "config.json"), str(tmp_path / "c.yaml"))
+    }
     assert len(sizes) == 1
     with pytest.raises(ConfigError, match=r"model: got 'llama:hidden_size'; allowed: TYPE:key=value"):
         load_model_config("llama:hidden_size")
@@ -130,8 +151,27 @@ def test_live_bytes_counts_new_storages_once() -> None:
 
 
 def test_cli_table_and_json(capsys) -> None:
-    assert main(["estimate", SMALL, "--world-size", "2", "--strategy", "full_shard,no_shard", "--backend", "fsdp2",
-                 "--batch", "2", "--seq-len", "16", "--device-memory", "1GiB"]) == 0
+    assert (
+        main(
+            [
+                "estimate",
+                SMALL,
+                "--world-size",
+                "2",
+                "--strategy",
+                "full_shard,no_shard",
+                "--backend",
+                "fsdp2",
+                "--batch",
+                "2",
+                "--seq-len",
+                "16",
+                "--device-memory",
+                "1GiB",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "full_shard" in out and "no_shard" in out and "yes" in out
     assert main(["estimate", SMALL, "--world-size", "4", "--nodes", "2", "--json"]) == 0

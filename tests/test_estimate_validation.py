@@ -16,8 +16,16 @@ from fsdp_bridge.testing import run_distributed
 from fsdp_bridge.testing.models import tiny_config
 from fsdp_bridge.wrap import resolve_wrap
 
-SIZES = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
+SIZES = dict(
+    vocab_size=512,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    tie_word_embeddings=False,
+)
 BATCH, SEQ = 2, 32
 CASES = [(b, s) for b in ("fsdp1", "fsdp2") for s in ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard")]
 
@@ -53,8 +61,9 @@ def _measure(cases: list[tuple[str, str]]) -> dict[str, dict[str, int]]:
                 grads = storage_bytes(p.grad for p in model.parameters() if p.grad is not None)
                 opt.step()
         state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
-        out[f"{backend}/{strategy}"] = dict(params=params, grads=grads, optimizer=storage_bytes(state),
-                                            peak=params + live.peak)
+        out[f"{backend}/{strategy}"] = dict(
+            params=params, grads=grads, optimizer=storage_bytes(state), peak=params + live.peak
+        )
         del model, opt
     return out
 
@@ -73,10 +82,12 @@ def test_estimate_matches_two_rank_runs() -> None:
     for key, est in estimates.items():
         worst = {k: max(rank[key][k] for rank in measured) for k in ("params", "grads", "optimizer", "peak")}
         state = worst["params"] + worst["grads"] + worst["optimizer"]
-        report.append(f"{key}: state est {est.sharded_state} meas {state} ({est.sharded_state / state - 1:+.2%}); "
-                      f"peak est {est.peak} meas {worst['peak']} ({est.peak / worst['peak'] - 1:+.2%}) "
-                      f"[p {est.params}/{worst['params']} g {est.grads}/{worst['grads']} "
-                      f"o {est.optimizer}/{worst['optimizer']}]")
+        report.append(
+            f"{key}: state est {est.sharded_state} meas {state} ({est.sharded_state / state - 1:+.2%}); "
+            f"peak est {est.peak} meas {worst['peak']} ({est.peak / worst['peak'] - 1:+.2%}) "
+            f"[p {est.params}/{worst['params']} g {est.grads}/{worst['grads']} "
+            f"o {est.optimizer}/{worst['optimizer']}]"
+        )
     print("\n".join(report))
     for key, est in estimates.items():
         worst = {k: max(rank[key][k] for rank in measured) for k in ("params", "grads", "optimizer", "peak")}

@@ -23,8 +23,10 @@ from fsdp_bridge.estimate import build_meta_model, fake_process_group, plan_at_s
 # Llama-7B widths with GQA (k/v: 8 heads x 128 = 1024 rows) and sizes that do not divide the
 # shard counts: intermediate 11008 = 10.75 x 1024 and vocab 32001 leave the last ranks with a
 # short chunk or none.  Two layers: every layer has the same shapes.
-SPEC = ("llama:hidden_size=4096,intermediate_size=11008,num_hidden_layers=2,num_attention_heads=32,"
-        "num_key_value_heads=8,vocab_size=32001")
+SPEC = (
+    "llama:hidden_size=4096,intermediate_size=11008,num_hidden_layers=2,num_attention_heads=32,"
+    "num_key_value_heads=8,vocab_size=32001"
+)
 
 CASES = [
     # (world size, strategy, hybrid_shape, ranks beyond the first and last)
@@ -42,10 +44,14 @@ def _no_process_group_left() -> Iterator[None]:
     assert not dist.is_initialized()
 
 
-@pytest.mark.parametrize(("world", "strategy", "hybrid", "extra"), CASES,
-                         ids=[f"{w}-{s}" + (f"-{h[0]}x{h[1]}" if h else "") for w, s, h, _ in CASES])
-def test_shard_plan_matches_estimate_exactly(world: int, strategy: str, hybrid: tuple[int, int] | None,
-                                             extra: tuple[int, ...]) -> None:
+@pytest.mark.parametrize(
+    ("world", "strategy", "hybrid", "extra"),
+    CASES,
+    ids=[f"{w}-{s}" + (f"-{h[0]}x{h[1]}" if h else "") for w, s, h, _ in CASES],
+)
+def test_shard_plan_matches_estimate_exactly(
+    world: int, strategy: str, hybrid: tuple[int, int] | None, extra: tuple[int, ...]
+) -> None:
     config = BridgeConfig(backend="fsdp2", strategy=strategy, hybrid_shape=hybrid)
     ranks = (0, *extra, world - 1)
     plan = plan_at_scale(SPEC, config, world_size=world, ranks=ranks)
@@ -117,18 +123,52 @@ def test_fake_process_group_refuses_a_live_group_and_cleans_up() -> None:
 
 
 def test_cli_fake_world_checks_every_fsdp2_row(capsys: pytest.CaptureFixture[str]) -> None:
-    spec = ("llama:hidden_size=256,intermediate_size=688,num_hidden_layers=2,num_attention_heads=4,"
-            "num_key_value_heads=2,vocab_size=1001")
-    rc = main(["estimate", spec, "--world-size", "512", "--nodes", "64", "--strategy", "full_shard,hybrid_shard",
-               "--fake-world", "--activation-checkpointing"])
+    spec = (
+        "llama:hidden_size=256,intermediate_size=688,num_hidden_layers=2,num_attention_heads=4,"
+        "num_key_value_heads=2,vocab_size=1001"
+    )
+    rc = main(
+        [
+            "estimate",
+            spec,
+            "--world-size",
+            "512",
+            "--nodes",
+            "64",
+            "--strategy",
+            "full_shard,hybrid_shard",
+            "--fake-world",
+            "--activation-checkpointing",
+        ]
+    )
     out, err = capsys.readouterr()
     assert rc == 0, out + err
     assert "fake world: fsdp2 full_shard: shard() on ranks 0 and 511 of 512 = estimate" in out
     assert "fake world: fsdp2 hybrid_shard: shard() on ranks 0 and 511 of 512 = estimate" in out
     assert "fake world: fsdp1" not in out
     assert "fsdp_bridge: full_shard on fsdp2" not in out + err  # the planned ranks log no shard() report
-    rc = main(["estimate", spec, "--world-size", "64", "--backend", "fsdp2", "--strategy", "full_shard",
-               "--fake-world", "--json"])
+    rc = main(
+        [
+            "estimate",
+            spec,
+            "--world-size",
+            "64",
+            "--backend",
+            "fsdp2",
+            "--strategy",
+            "full_shard",
+            "--fake-world",
+            "--json",
+        ]
+    )
     data = json.loads(capsys.readouterr().out)
-    assert rc == 0 and data["fake_world"] == [{"backend": "fsdp2", "strategy": "full_shard", "ranks": [0, 63],
-                                               "mesh": [64], "matches": True, "mismatches": []}]
+    assert rc == 0 and data["fake_world"] == [
+        {
+            "backend": "fsdp2",
+            "strategy": "full_shard",
+            "ranks": [0, 63],
+            "mesh": [64],
+            "matches": True,
+            "mismatches": [],
+        }
+    ]

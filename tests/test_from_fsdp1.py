@@ -58,13 +58,21 @@ def _unit_names(model: nn.Module, config: BridgeConfig) -> list[str]:
 def test_values_translate_with_fsdp1_meaning() -> None:
     mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, buffer_dtype=torch.bfloat16)
     config = BridgeConfig.from_fsdp1(
-        sharding_strategy=TorchStrategy.HYBRID_SHARD, mixed_precision=mp, cpu_offload=CPUOffload(offload_params=True),
-        backward_prefetch=BackwardPrefetch.BACKWARD_PRE, forward_prefetch=True, limit_all_gathers=False,
-        use_orig_params=True, sync_module_states=True, device_id=torch.device("cuda", 0),
+        sharding_strategy=TorchStrategy.HYBRID_SHARD,
+        mixed_precision=mp,
+        cpu_offload=CPUOffload(offload_params=True),
+        backward_prefetch=BackwardPrefetch.BACKWARD_PRE,
+        forward_prefetch=True,
+        limit_all_gathers=False,
+        use_orig_params=True,
+        sync_module_states=True,
+        device_id=torch.device("cuda", 0),
         auto_wrap_policy=functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block}),
     )
     assert config.strategy.value == "hybrid_shard" and config.backend.value == "fsdp2"
-    assert config.mixed_precision.param_dtype == torch.bfloat16 and config.mixed_precision.buffer_dtype == torch.bfloat16
+    assert (
+        config.mixed_precision.param_dtype == torch.bfloat16 and config.mixed_precision.buffer_dtype == torch.bfloat16
+    )
     assert config.mixed_precision.reduce_dtype == torch.float32 and config.mixed_precision.cast_forward_inputs
     assert config.cpu_offload and config.forward_prefetch and not config.limit_all_gathers
     assert config.sync_module_states and config.device == "cuda"
@@ -78,19 +86,33 @@ def test_values_translate_with_fsdp1_meaning() -> None:
 @pytest.mark.parametrize(
     ("policy", "expected"),
     [
-        (functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block}),
-         ["blocks.0", "blocks.1", "blocks.2"]),
-        (ModuleWrapPolicy({Block}), ["blocks.0", "blocks.1", "blocks.2"]),
-        (functools.partial(size_based_auto_wrap_policy, min_num_params=600), ["blocks.0.mlp", "blocks.1.mlp",
-                                                                             "blocks.2.mlp"]),
-        (functools.partial(lambda_auto_wrap_policy, lambda_fn=lambda m: isinstance(m, nn.Sequential)),
-         ["blocks.0.mlp", "blocks.1.mlp", "blocks.2.mlp"]),
-        (CustomPolicy(lambda m: isinstance(m, Block)), ["blocks.0", "blocks.1", "blocks.2"]),
-        (functools.partial(_or_policy, policies=[
+        (
             functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block}),
-            functools.partial(lambda_auto_wrap_policy, lambda_fn=lambda m: m.__class__.__name__ == "Linear"
-                              and m.out_features == 4)]),
-         ["blocks.0", "blocks.1", "blocks.2", "head"]),
+            ["blocks.0", "blocks.1", "blocks.2"],
+        ),
+        (ModuleWrapPolicy({Block}), ["blocks.0", "blocks.1", "blocks.2"]),
+        (
+            functools.partial(size_based_auto_wrap_policy, min_num_params=600),
+            ["blocks.0.mlp", "blocks.1.mlp", "blocks.2.mlp"],
+        ),
+        (
+            functools.partial(lambda_auto_wrap_policy, lambda_fn=lambda m: isinstance(m, nn.Sequential)),
+            ["blocks.0.mlp", "blocks.1.mlp", "blocks.2.mlp"],
+        ),
+        (CustomPolicy(lambda m: isinstance(m, Block)), ["blocks.0", "blocks.1", "blocks.2"]),
+        (
+            functools.partial(
+                _or_policy,
+                policies=[
+                    functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block}),
+                    functools.partial(
+                        lambda_auto_wrap_policy,
+                        lambda_fn=lambda m: m.__class__.__name__ == "Linear" and m.out_features == 4,
+                    ),
+                ],
+            ),
+            ["blocks.0", "blocks.1", "blocks.2", "head"],
+        ),
     ],
 )
 def test_wrap_policies_choose_the_units_fsdp1_chooses(policy: Any, expected: list[str]) -> None:
@@ -102,8 +124,13 @@ def test_wrap_policies_choose_the_units_fsdp1_chooses(policy: Any, expected: lis
     if callable(policy) and not isinstance(policy, CustomPolicy):
         assert sorted(names[id(m)] for m in fsdp1_policy_units(model, policy)) == expected
     assert describe_policy(policy).split("(")[0] in {
-        "transformer_auto_wrap_policy", "ModuleWrapPolicy", "size_based_auto_wrap_policy",
-        "lambda_auto_wrap_policy", "CustomPolicy", "_or_policy"}
+        "transformer_auto_wrap_policy",
+        "ModuleWrapPolicy",
+        "size_based_auto_wrap_policy",
+        "lambda_auto_wrap_policy",
+        "CustomPolicy",
+        "_or_policy",
+    }
 
 
 def test_the_report_names_the_policy() -> None:
@@ -119,8 +146,9 @@ def test_what_has_no_meaning_is_refused_with_the_fix() -> None:
     with pytest.raises(ConfigError, match=r"module: .*a FullyShardedDataParallel argument"):
         BridgeConfig.from_fsdp1(module=nn.Linear(1, 1))
     with pytest.raises(ConfigError, match=r"keep_low_precision_grads: got True"):
-        BridgeConfig.from_fsdp1(mixed_precision=MixedPrecision(param_dtype=torch.bfloat16,
-                                                               keep_low_precision_grads=True))
+        BridgeConfig.from_fsdp1(
+            mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, keep_low_precision_grads=True)
+        )
     # param_init_fn without sync_module_states: FSDP1 calls it only on meta-device modules, and shard()
     # refuses a meta-device model without sync_module_states, so a real-device model is accepted.
     BridgeConfig.from_fsdp1(param_init_fn=lambda m: m.to_empty(device="cpu"))
@@ -131,8 +159,11 @@ def test_what_has_no_meaning_is_refused_with_the_fix() -> None:
         BridgeConfig.from_fsdp1(backward_prefetch=BackwardPrefetch.BACKWARD_POST)
     BridgeConfig.from_fsdp1(backend="fsdp1", backward_prefetch=BackwardPrefetch.BACKWARD_POST)
     with pytest.raises(ConfigError, match=r"per-unit FSDP1 arguments"):
-        config = BridgeConfig.from_fsdp1(auto_wrap_policy=CustomPolicy(
-            lambda m: {"sharding_strategy": TorchStrategy.SHARD_GRAD_OP} if isinstance(m, Block) else False))
+        config = BridgeConfig.from_fsdp1(
+            auto_wrap_policy=CustomPolicy(
+                lambda m: {"sharding_strategy": TorchStrategy.SHARD_GRAD_OP} if isinstance(m, Block) else False
+            )
+        )
         resolve_wrap(Net(), config.wrap)
 
 
@@ -144,11 +175,17 @@ def _kwargs() -> dict[str, Any]:
 
     return dict(
         sharding_strategy=TorchStrategy.FULL_SHARD,
-        auto_wrap_policy=functools.partial(_or_policy, policies=[
-            functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={LlamaDecoderLayer}),
-            functools.partial(size_based_auto_wrap_policy, min_num_params=10_000)]),
+        auto_wrap_policy=functools.partial(
+            _or_policy,
+            policies=[
+                functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={LlamaDecoderLayer}),
+                functools.partial(size_based_auto_wrap_policy, min_num_params=10_000),
+            ],
+        ),
         mixed_precision=MixedPrecision(param_dtype=torch.float32, reduce_dtype=torch.float32),
-        backward_prefetch=BackwardPrefetch.BACKWARD_PRE, limit_all_gathers=True, use_orig_params=True,
+        backward_prefetch=BackwardPrefetch.BACKWARD_PRE,
+        limit_all_gathers=True,
+        use_orig_params=True,
     )
 
 
@@ -170,8 +207,11 @@ def _raw_vs_bridge() -> dict[str, Any]:
     rank = dist.get_rank()
     raw_model = build_tiny("llama", seed=0)
     raw = FullyShardedDataParallel(raw_model, device_id=torch.device("cpu"), **_kwargs())
-    raw_units = sorted(n.replace("_fsdp_wrapped_module.", "") for n, m in raw.named_modules()
-                       if isinstance(m, FullyShardedDataParallel) and m is not raw)
+    raw_units = sorted(
+        n.replace("_fsdp_wrapped_module.", "")
+        for n, m in raw.named_modules()
+        if isinstance(m, FullyShardedDataParallel) and m is not raw
+    )
     raw_losses = _train(raw, rank)
     bridged = fsdp_bridge.shard(build_tiny("llama", seed=0), BridgeConfig.from_fsdp1(**_kwargs()))
     bridge_units = sorted(n for n, _ in fsdp_bridge.get_bridge(bridged).wrap.units)

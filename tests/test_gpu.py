@@ -67,8 +67,9 @@ def _cuda_paths(tmp: str) -> dict[str, object]:
     # bf16 parity: the same model, data and seed through both backends.
     losses = {}
     for backend in ("fsdp1", "fsdp2"):
-        model = fsdp_bridge.shard(build_tiny("llama", seed=0),
-                                  BridgeConfig(backend=backend, device="cuda", mixed_precision="bf16"))
+        model = fsdp_bridge.shard(
+            build_tiny("llama", seed=0), BridgeConfig(backend=backend, device="cuda", mixed_precision="bf16")
+        )
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         losses[backend] = []
         for _ in range(3):
@@ -84,8 +85,9 @@ def _cuda_paths(tmp: str) -> dict[str, object]:
     out["losses"] = losses
     for src, dst in (("fsdp1", "fsdp2"), ("fsdp2", "fsdp1")):
         for kind in ("sharded", "full"):
-            target = fsdp_bridge.shard(build_tiny("llama", seed=1),
-                                       BridgeConfig(backend=dst, device="cuda", mixed_precision="bf16"))
+            target = fsdp_bridge.shard(
+                build_tiny("llama", seed=1), BridgeConfig(backend=dst, device="cuda", mixed_precision="bf16")
+            )
             fsdp_bridge.load_checkpoint(f"{tmp}/{src}-{kind}", target)
             want, got = full(models[src]), full(target)
             out[f"{src}->{dst} {kind} equal"] = all(torch.equal(want[k], got[k]) for k in want)
@@ -95,8 +97,9 @@ def _cuda_paths(tmp: str) -> dict[str, object]:
     except ImportError:
         return out
     for backend in ("fsdp1", "fsdp2"):
-        lora = peft.get_peft_model(build_tiny("llama", seed=0),
-                                   peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+        lora = peft.get_peft_model(
+            build_tiny("llama", seed=0), peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+        )
         model = fsdp_bridge.shard(lora, BridgeConfig(backend=backend, device="cuda", mixed_precision="bf16"))
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
         first = last = 0.0
@@ -120,8 +123,12 @@ def test_cuda_only_paths(tmp_path: object) -> None:
     losses = out["losses"]
     assert isinstance(losses, dict)
     torch.testing.assert_close(losses["fsdp1"], losses["fsdp2"], rtol=2e-2, atol=2e-2)  # bf16 compute
-    for key in ("fsdp1->fsdp2 sharded equal", "fsdp1->fsdp2 full equal", "fsdp2->fsdp1 sharded equal",
-                "fsdp2->fsdp1 full equal"):
+    for key in (
+        "fsdp1->fsdp2 sharded equal",
+        "fsdp1->fsdp2 full equal",
+        "fsdp2->fsdp1 sharded equal",
+        "fsdp2->fsdp1 full equal",
+    ):
         assert out[key], key
     for backend in ("fsdp1", "fsdp2"):
         if f"lora_{backend}" in out:

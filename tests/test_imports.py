@@ -124,8 +124,13 @@ print(json.dumps({{"codes": codes, "heads": heads, "loaded": {_HEAVY_LOADED}}}))
 
 def test_the_command_line_entry_point_imports_no_torch() -> None:
     """`python -m fsdp_bridge --help` (what the fsdp-bridge script runs), read off -X importtime."""
-    out = subprocess.run([sys.executable, "-X", "importtime", "-m", "fsdp_bridge", "--help"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "fsdp_bridge", "--help"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("usage: fsdp-bridge")
     imported = {line.rpartition("|")[2].strip() for line in out.stderr.splitlines() if line.startswith("import time:")}
@@ -197,15 +202,18 @@ def _is_testing(module: str) -> bool:
 
 
 def test_production_code_never_imports_testing() -> None:
-    offenders = [f"{file}:{line} imports {module}" for file, module, line, _ in _production_imports()
-                 if _is_testing(module)]
+    offenders = [
+        f"{file}:{line} imports {module}" for file, module, line, _ in _production_imports() if _is_testing(module)
+    ]
     assert offenders == []
 
 
 def test_heavy_dependencies_are_imported_inside_functions() -> None:
-    offenders = [f"{file}:{line} imports {module} when the module is imported"
-                 for file, module, line, eager in _production_imports()
-                 if eager and module.split(".")[0] in FUNCTION_LEVEL_ONLY]
+    offenders = [
+        f"{file}:{line} imports {module} when the module is imported"
+        for file, module, line, eager in _production_imports()
+        if eager and module.split(".")[0] in FUNCTION_LEVEL_ONLY
+    ]
     assert offenders == []
 
 

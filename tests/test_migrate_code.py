@@ -18,64 +18,136 @@ from fsdp_bridge.migrate._code import TODO, migrate_source
 from fsdp_bridge.testing import run_distributed
 
 FIXTURES = Path(__file__).parent / "fixtures" / "migrate"
-RUNNABLE = ["transformer_mp.py", "full_state_dict.py", "grad_accum.py", "hybrid_mesh.py", "fsdp_tp.py",
-            "sharded_dcp_resume.py", "kwargs_builder.py", "checkpoint_manager.py"]
+RUNNABLE = [
+    "transformer_mp.py",
+    "full_state_dict.py",
+    "grad_accum.py",
+    "hybrid_mesh.py",
+    "fsdp_tp.py",
+    "sharded_dcp_resume.py",
+    "kwargs_builder.py",
+    "checkpoint_manager.py",
+]
 ALL = sorted(p.name for p in FIXTURES.glob("*.py"))
 HAS_CHECKPOINT_API = hasattr(fsdp_bridge, "save_checkpoint") and hasattr(fsdp_bridge, "load_checkpoint")
 
 # Every construct each fixture holds: (line, construct) pairs the report must contain.
 EXPECTED: dict[str, set[tuple[int, str]]] = {
-    "transformer_mp.py": {(54, "FSDP(...)"), (56, "auto_wrap_policy="), (57, "mixed_precision="),
-                          (58, "sharding_strategy="), (59, "backward_prefetch="), (60, "device_id="),
-                          (61, "use_orig_params="), (71, "model.clip_grad_norm_(...)")},
-    "full_state_dict.py": {(34, "FullyShardedDataParallel(...)"), (36, "sharding_strategy="),
-                           (37, "auto_wrap_policy="), (38, "device_id="),
-                           (55, "FSDP.state_dict_type(FULL_STATE_DICT)"),
-                           (62, "FSDP.state_dict_type(FULL_STATE_DICT)")},
-    "grad_accum.py": {(33, "FSDP(...)"), (33, "auto_wrap_policy="), (34, "sharding_strategy="), (35, "device_id="),
-                      (44, "model.no_sync()")},
-    "hybrid_mesh.py": {(30, "FSDP(...)"), (32, "device_mesh="), (33, "sharding_strategy="), (34, "auto_wrap_policy="),
-                       (35, "device_id="), (36, "forward_prefetch="), (37, "limit_all_gathers="),
-                       (38, "sync_module_states="), (51, "FSDP.summon_full_params(...)")},
+    "transformer_mp.py": {
+        (54, "FSDP(...)"),
+        (56, "auto_wrap_policy="),
+        (57, "mixed_precision="),
+        (58, "sharding_strategy="),
+        (59, "backward_prefetch="),
+        (60, "device_id="),
+        (61, "use_orig_params="),
+        (71, "model.clip_grad_norm_(...)"),
+    },
+    "full_state_dict.py": {
+        (34, "FullyShardedDataParallel(...)"),
+        (36, "sharding_strategy="),
+        (37, "auto_wrap_policy="),
+        (38, "device_id="),
+        (55, "FSDP.state_dict_type(FULL_STATE_DICT)"),
+        (62, "FSDP.state_dict_type(FULL_STATE_DICT)"),
+    },
+    "grad_accum.py": {
+        (33, "FSDP(...)"),
+        (33, "auto_wrap_policy="),
+        (34, "sharding_strategy="),
+        (35, "device_id="),
+        (44, "model.no_sync()"),
+    },
+    "hybrid_mesh.py": {
+        (30, "FSDP(...)"),
+        (32, "device_mesh="),
+        (33, "sharding_strategy="),
+        (34, "auto_wrap_policy="),
+        (35, "device_id="),
+        (36, "forward_prefetch="),
+        (37, "limit_all_gathers="),
+        (38, "sync_module_states="),
+        (51, "FSDP.summon_full_params(...)"),
+    },
     "fsdp_tp.py": {(44, "FSDP(...)"), (44, "device_id="), (44, "device_mesh="), (44, "use_orig_params=")},
-    "sharded_dcp_resume.py": {(41, "FSDP(...)"), (41, "auto_wrap_policy="), (41, "sharding_strategy="),
-                              (42, "device_id="), (42, "use_orig_params="),
-                              (54, "FSDP.state_dict_type(SHARDED_STATE_DICT)"),
-                              (60, "FSDP.state_dict_type(SHARDED_STATE_DICT)")},
-    "kwargs_builder.py": {(19, "ShardingStrategy.FULL_SHARD"), (19, "ShardingStrategy.SHARD_GRAD_OP"),
-                          (20, "size_based_auto_wrap_policy"), (21, "CPUOffload"), (22, "MixedPrecision"),
-                          (23, "BackwardPrefetch.BACKWARD_PRE"), (33, "FSDP(...)"), (41, "FSDP.clip_grad_norm_(...)")},
-    "checkpoint_manager.py": {(41, "FSDP(...)"), (43, "apply_activation_checkpointing"),
-                              (51, "isinstance(..., (FSDP, Block))"),
-                              (52, "child._fsdp_wrapped_module (an FSDP1 internal)"), (52, "isinstance(..., FSDP)"),
-                              (66, "FullStateDictConfig"), (67, "FullOptimStateDictConfig"),
-                              (68, "FSDP.state_dict_type(self.state_dict_type)"),
-                              (76, "FSDP.state_dict_type(self.state_dict_type)"),
-                              (99, "FSDP.set_state_dict_type(SHARDED_STATE_DICT)")},
+    "sharded_dcp_resume.py": {
+        (41, "FSDP(...)"),
+        (41, "auto_wrap_policy="),
+        (41, "sharding_strategy="),
+        (42, "device_id="),
+        (42, "use_orig_params="),
+        (54, "FSDP.state_dict_type(SHARDED_STATE_DICT)"),
+        (60, "FSDP.state_dict_type(SHARDED_STATE_DICT)"),
+    },
+    "kwargs_builder.py": {
+        (19, "ShardingStrategy.FULL_SHARD"),
+        (19, "ShardingStrategy.SHARD_GRAD_OP"),
+        (20, "size_based_auto_wrap_policy"),
+        (21, "CPUOffload"),
+        (22, "MixedPrecision"),
+        (23, "BackwardPrefetch.BACKWARD_PRE"),
+        (33, "FSDP(...)"),
+        (41, "FSDP.clip_grad_norm_(...)"),
+    },
+    "checkpoint_manager.py": {
+        (41, "FSDP(...)"),
+        (43, "apply_activation_checkpointing"),
+        (51, "isinstance(..., (FSDP, Block))"),
+        (52, "child._fsdp_wrapped_module (an FSDP1 internal)"),
+        (52, "isinstance(..., FSDP)"),
+        (66, "FullStateDictConfig"),
+        (67, "FullOptimStateDictConfig"),
+        (68, "FSDP.state_dict_type(self.state_dict_type)"),
+        (76, "FSDP.state_dict_type(self.state_dict_type)"),
+        (99, "FSDP.set_state_dict_type(SHARDED_STATE_DICT)"),
+    },
     "internals_and_trainer.py": {
-        (14, "FSDP (annotation)"), (17, "FSDP.fsdp_modules(...)"), (18, "FlatParamHandle"),
-        (18, "module._handle (an FSDP1 internal)"), (19, "module._flat_param (an FSDP1 internal)"),
-        (26, "model._lazy_init (an FSDP1 internal)"), (27, "model._fsdp_wrapped_module (an FSDP1 internal)"),
-        (31, "load_sharded_optimizer_state_dict"), (37, "TrainingArguments(fsdp=...)"),
+        (14, "FSDP (annotation)"),
+        (17, "FSDP.fsdp_modules(...)"),
+        (18, "FlatParamHandle"),
+        (18, "module._handle (an FSDP1 internal)"),
+        (19, "module._flat_param (an FSDP1 internal)"),
+        (26, "model._lazy_init (an FSDP1 internal)"),
+        (27, "model._fsdp_wrapped_module (an FSDP1 internal)"),
+        (31, "load_sharded_optimizer_state_dict"),
+        (37, "TrainingArguments(fsdp=...)"),
         (42, "FullyShardedDataParallelPlugin(fsdp_version=...)"),
     },
     "dual_backend.py": {
-        (15, "isinstance(..., FSDP)"), (27, "FSDP(...)"), (36, "handle.flat_param (an FSDP1 internal)"),
-        (42, "FSDP.set_state_dict_type(...)"), (44, "FSDP.set_state_dict_type(...)"), (50, "isinstance(..., FSDP)"),
-        (51, "FSDP.summon_full_params(...)"), (57, "module._handle (an FSDP1 internal)"), (63, "isinstance(..., FSDP)"),
+        (15, "isinstance(..., FSDP)"),
+        (27, "FSDP(...)"),
+        (36, "handle.flat_param (an FSDP1 internal)"),
+        (42, "FSDP.set_state_dict_type(...)"),
+        (44, "FSDP.set_state_dict_type(...)"),
+        (50, "isinstance(..., FSDP)"),
+        (51, "FSDP.summon_full_params(...)"),
+        (57, "module._handle (an FSDP1 internal)"),
+        (63, "isinstance(..., FSDP)"),
         (64, "module.clip_grad_norm_(...)"),
     },
     "state_ctx_factory.py": {
-        (13, "FSDP.state_dict_type"), (17, "FSDP.state_dict_type"), (28, "FSDP.optim_state_dict(...)"),
+        (13, "FSDP.state_dict_type"),
+        (17, "FSDP.state_dict_type"),
+        (28, "FSDP.optim_state_dict(...)"),
         (32, "FSDP.optim_state_dict(...)"),
     },
     "todo_constructs.py": {
-        (24, "ShardedGradScaler(...)"), (26, "FSDP(...)"), (28, "auto_wrap_policy=policy_fn"),
-        (29, "ignored_modules=[model.lm_head]"), (30, "cpu_offload=CPUOffload(offload_params=True)"),
-        (31, "backward_prefetch"), (32, "sharding_strategy=ShardingStrategy.NO_SHARD"),
-        (34, "apply_activation_checkpointing"), (39, "FSDP.state_dict_type(SHARDED_STATE_DICT)"),
-        (46, "FSDP.optim_state_dict_to_load(...)"), (47, "isinstance(..., FSDP)"), (51, "FSDP(...)"),
-        (52, "mixed_precision="), (53, "cpu_offload="), (54, "backward_prefetch="), (55, "sharding_strategy="),
+        (24, "ShardedGradScaler(...)"),
+        (26, "FSDP(...)"),
+        (28, "auto_wrap_policy=policy_fn"),
+        (29, "ignored_modules=[model.lm_head]"),
+        (30, "cpu_offload=CPUOffload(offload_params=True)"),
+        (31, "backward_prefetch"),
+        (32, "sharding_strategy=ShardingStrategy.NO_SHARD"),
+        (34, "apply_activation_checkpointing"),
+        (39, "FSDP.state_dict_type(SHARDED_STATE_DICT)"),
+        (46, "FSDP.optim_state_dict_to_load(...)"),
+        (47, "isinstance(..., FSDP)"),
+        (51, "FSDP(...)"),
+        (52, "mixed_precision="),
+        (53, "cpu_offload="),
+        (54, "backward_prefetch="),
+        (55, "sharding_strategy="),
     },
 }
 
@@ -125,11 +197,16 @@ def test_todo_comments_are_precise() -> None:
     # torch's checkpoint wrapper (non-reentrant by default) works around FSDP2 units: kept, no TODO;
     # a reentrant one gets a TODO naming the fix.
     assert "apply_activation_checkpointing(" in fixed and not any("apply_activation" in t for t in todos)
-    reentrant = migrate_source(_source("todo_constructs.py").replace(
-        "checkpoint_wrapper_fn=checkpoint_wrapper,", "checkpoint_wrapper_fn=partial(checkpoint_wrapper, "
-        "checkpoint_impl=CheckpointImpl.REENTRANT),")).fixed
-    assert any("apply_activation_checkpointing" in t and "NO_REENTRANT" in t for t in
-               (line for line in reentrant.splitlines() if TODO in line))
+    reentrant = migrate_source(
+        _source("todo_constructs.py").replace(
+            "checkpoint_wrapper_fn=checkpoint_wrapper,",
+            "checkpoint_wrapper_fn=partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.REENTRANT),",
+        )
+    ).fixed
+    assert any(
+        "apply_activation_checkpointing" in t and "NO_REENTRANT" in t
+        for t in (line for line in reentrant.splitlines() if TODO in line)
+    )
     # The sharded state-dict block becomes its body, with torch's state-dict API; dcp.save is kept.
     assert 'state = {"model": get_model_state_dict(model, options=StateDictOptions()), ' in fixed
     assert "dcp.save(state" in fixed and "state_dict_type" not in fixed
@@ -212,11 +289,19 @@ def test_rewritten_scripts_match_fsdp1_losses(tmp_path: Path) -> None:
     # does not: a plain dcp.load into FSDP.optim_state_dict of a fresh optimizer fills a template that
     # holds no optimizer state yet; torch's get_optimizer_state_dict initialises the state first.)
     dcp_dir = str(tmp_path / "dcp")
-    extra: dict[str, Any] = {"full_state_dict.py": {"ckpt_path": str(tmp_path / "model.pt")},
-                             "sharded_dcp_resume.py": ({"ckpt_dir": dcp_dir, "resume": False}, {"ckpt_dir": dcp_dir}),
-                             "checkpoint_manager.py": {"ckpt_path": str(tmp_path / "manager.pt")}}
-    for name in ("transformer_mp.py", "full_state_dict.py", "grad_accum.py", "sharded_dcp_resume.py",
-                 "kwargs_builder.py", "checkpoint_manager.py"):
+    extra: dict[str, Any] = {
+        "full_state_dict.py": {"ckpt_path": str(tmp_path / "model.pt")},
+        "sharded_dcp_resume.py": ({"ckpt_dir": dcp_dir, "resume": False}, {"ckpt_dir": dcp_dir}),
+        "checkpoint_manager.py": {"ckpt_path": str(tmp_path / "manager.pt")},
+    }
+    for name in (
+        "transformer_mp.py",
+        "full_state_dict.py",
+        "grad_accum.py",
+        "sharded_dcp_resume.py",
+        "kwargs_builder.py",
+        "checkpoint_manager.py",
+    ):
         original, fixed = _prepare(tmp_path, name)
         pairs.append((original, fixed, extra.get(name, {})))
     results = run_distributed(_run_pairs, world_size=2, args=(pairs,), env=env, timeout_s=300)
@@ -279,8 +364,9 @@ def test_multi_file_project_is_migrated_whole_and_trains_like_fsdp1(tmp_path: Pa
     outs = [str(tmp_path / "out1"), str(tmp_path / "out2")]
     for out in outs:
         Path(out).mkdir()
-    losses = run_distributed(_run_project, 2, args=([str(original), str(migrated)], outs),
-                             env={"OMP_NUM_THREADS": "1"}, timeout_s=240)
+    losses = run_distributed(
+        _run_project, 2, args=([str(original), str(migrated)], outs), env={"OMP_NUM_THREADS": "1"}, timeout_s=240
+    )
     for fsdp1, fsdp2 in losses:
         assert len(fsdp1) == 4
         assert fsdp2 == pytest.approx(fsdp1, rel=1.3e-6, abs=1e-5), (fsdp1, fsdp2)
@@ -291,7 +377,7 @@ def test_multi_file_project_is_migrated_whole_and_trains_like_fsdp1(tmp_path: Pa
         torch.testing.assert_close(b[key], a[key], rtol=1.3e-6, atol=1e-5)
 
 
-AWKWARD = '''
+AWKWARD = """
 import torch
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
 
@@ -317,7 +403,7 @@ def step(model, cfg, policy_fn):
     other = FSDP(model, *cfg.args)  # positional arguments unpacked at run time: not mechanical
     model.clip_grad_norm_(1.0)
     return other
-'''
+"""
 
 
 def test_awkward_code_is_rewritten_or_annotated_never_crashes(tmp_path: Path) -> None:
@@ -327,7 +413,10 @@ def test_awkward_code_is_rewritten_or_annotated_never_crashes(tmp_path: Path) ->
     assert "mesh=mesh if cfg.hsdp else None," in result.fixed
     assert "fsdp_bridge.clip_grad_norm_(model, 1.0)" in result.fixed
     assert "def units(model: FSDPModule) -> list[FSDPModule]:" in result.fixed
-    assert "for m in [m for m in model.modules() if isinstance(m, FSDPModule)] if isinstance(m, FSDPModule)" in result.fixed
+    assert (
+        "for m in [m for m in model.modules() if isinstance(m, FSDPModule)] if isinstance(m, FSDPModule)"
+        in result.fixed
+    )
     todos = [f for f in result.findings if not f.fixable]
     assert len(todos) == 1 and "*cfg.args" in todos[0].replacement
     # A second --fix on a file that still has a TODO changes nothing (it used to rewrite the
@@ -386,7 +475,7 @@ def test_internals_and_argument_driven_fsdp_are_reported_with_what_to_do() -> No
 
 
 def test_manual_wrapping_and_rank0_gathers_are_reported_or_rewritten() -> None:
-    source = textwrap.dedent('''\
+    source = textwrap.dedent("""\
         import torch
         from torch import nn
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
@@ -403,7 +492,7 @@ def test_manual_wrapping_and_rank0_gathers_are_reported_or_rewritten() -> None:
             with FSDP.summon_full_params(model, rank0_only=True, offload_to_cpu=True, recurse=True):
                 if rank == 0:
                     torch.save({k: v.clone() for k, v in model.named_parameters()}, "x.pt")
-        ''')
+        """)
     result = migrate_source(source, "manual.py")
     by_line = {(f.line, f.construct): f for f in result.findings}
     assert not by_line[(8, "enable_wrap(...)")].fixable
@@ -416,7 +505,7 @@ def test_manual_wrapping_and_rank0_gathers_are_reported_or_rewritten() -> None:
 
 
 def test_keyword_and_runtime_state_dict_calls_are_rewritten() -> None:
-    source = textwrap.dedent('''\
+    source = textwrap.dedent("""\
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
         from torch.distributed.fsdp import FullStateDictConfig, ShardedStateDictConfig, StateDictType
 
@@ -433,21 +522,24 @@ def test_keyword_and_runtime_state_dict_calls_are_rewritten() -> None:
 
         def full(model, optim, rank0_only=True):
             return FSDP.full_optim_state_dict(model=model, optim=optim, rank0_only=rank0_only)
-        ''')
+        """)
     result = migrate_source(source, "kw.py")
     assert all(f.fixable for f in result.findings), [f for f in result.findings if not f.fixable]
     fixed = result.fixed
-    assert ("missing, unexpected = set_model_state_dict(model, sd, "
-            "options=fsdp_bridge.state_dict_options(t, cfg, load=True, strict=strict))") in fixed
+    assert (
+        "missing, unexpected = set_model_state_dict(model, sd, "
+        "options=fsdp_bridge.state_dict_options(t, cfg, load=True, strict=strict))"
+    ) in fixed
     assert "set_model_state_dict(model, sd, options=StateDictOptions(full_state_dict=True, strict=False))" in fixed
-    assert ("get_optimizer_state_dict(model, optim, options=StateDictOptions(full_state_dict=True, "
-            "cpu_offload=rank0_only))") in fixed
+    assert (
+        "get_optimizer_state_dict(model, optim, options=StateDictOptions(full_state_dict=True, cpu_offload=rank0_only))"
+    ) in fixed
     assert "FSDP" not in fixed.replace("FullStateDictConfig", "")
     assert migrate_source(fixed, "kw.py").fixed == fixed
 
 
 def test_optim_state_dict_to_load_kept_in_a_variable_and_old_torch_branches() -> None:
-    source = textwrap.dedent('''\
+    source = textwrap.dedent("""\
         import torch
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
@@ -458,7 +550,7 @@ def test_optim_state_dict_to_load_kept_in_a_variable_and_old_torch_branches() ->
             else:
                 flat = FSDP.optim_state_dict_to_load(model, optim, osd)
             optim.load_state_dict(flat)
-        ''')
+        """)
     result = migrate_source(source, "otl.py")
     by_line = {f.line: f for f in result.findings if "optim_state_dict_to_load" in f.construct}
     assert not by_line[7].fixable  # torch < 2.1's argument order: positions cannot be trusted
@@ -531,6 +623,5 @@ def test_optim_state_dict_inside_a_context_made_elsewhere_is_not_guessed_full() 
     assert by_line[32].fixable  # no setting active: FSDP1's default, the full state
     fixed = result.fixed
     assert '"optim": FSDP.optim_state_dict(module, optimizer)}' in fixed
-    assert "return get_optimizer_state_dict(module, optimizer, options=StateDictOptions(full_state_dict=True))" \
-        in fixed
+    assert "return get_optimizer_state_dict(module, optimizer, options=StateDictOptions(full_state_dict=True))" in fixed
     assert migrate_source(fixed, "state_ctx_factory.py").fixed == fixed

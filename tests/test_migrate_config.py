@@ -98,7 +98,11 @@ def test_accelerate_every_option(tmp_path: Path) -> None:
     }
     c = m.fsdp2
     assert (c.backend.value, c.strategy.value, c.wrap.classes, c.backward_prefetch.value) == (
-        "fsdp2", "hybrid_shard", ("LlamaDecoderLayer",), "pre")
+        "fsdp2",
+        "hybrid_shard",
+        ("LlamaDecoderLayer",),
+        "pre",
+    )
     assert c.forward_prefetch and c.cpu_offload and c.sync_module_states and c.activation_checkpointing
     assert c.ignored_modules == ("lm_head",)
     assert str(c.mixed_precision.buffer_dtype) == "torch.bfloat16"
@@ -109,10 +113,17 @@ def test_accelerate_every_option(tmp_path: Path) -> None:
     assert load_config(written[0]) == c
     acc = yaml.safe_load(Path(written[1]).read_text())
     assert acc["fsdp_config"]["fsdp_version"] == 2
-    assert acc["parallelism_config"] == {"parallelism_config_dp_replicate_size": 2,
-                                         "parallelism_config_dp_shard_size": 8}
-    for gone in ("fsdp_sharding_strategy", "fsdp_backward_prefetch", "fsdp_forward_prefetch",
-                 "fsdp_use_orig_params", "fsdp_sync_module_states"):
+    assert acc["parallelism_config"] == {
+        "parallelism_config_dp_replicate_size": 2,
+        "parallelism_config_dp_shard_size": 8,
+    }
+    for gone in (
+        "fsdp_sharding_strategy",
+        "fsdp_backward_prefetch",
+        "fsdp_forward_prefetch",
+        "fsdp_use_orig_params",
+        "fsdp_sync_module_states",
+    ):
         assert gone not in acc["fsdp_config"]
     plugin, parallel, _ = _accelerate_plugin(Path(written[1]))
     assert plugin.fsdp_version == 2 and plugin.reshard_after_forward is True
@@ -123,13 +134,25 @@ def test_accelerate_every_option(tmp_path: Path) -> None:
     assert "| `fsdp_backward_prefetch` | `BACKWARD_POST` | no equivalent |" in report_md
 
 
-@pytest.mark.parametrize(("strategy", "expected", "raf"), [
-    ("1", "full_shard", True), ("SHARD_GRAD_OP", "shard_grad_op", False), (5, "hybrid_shard_zero2", False),
-])
+@pytest.mark.parametrize(
+    ("strategy", "expected", "raf"),
+    [
+        ("1", "full_shard", True),
+        ("SHARD_GRAD_OP", "shard_grad_op", False),
+        (5, "hybrid_shard_zero2", False),
+    ],
+)
 def test_accelerate_strategy_spellings(tmp_path: Path, strategy: object, expected: str, raf: bool) -> None:
-    data = {"distributed_type": "FSDP", "num_machines": 1, "num_processes": 2,
-            "fsdp_config": {"fsdp_sharding_strategy": strategy, "fsdp_backward_prefetch": "BACKWARD_PRE",
-                            "fsdp_version": 1}}
+    data = {
+        "distributed_type": "FSDP",
+        "num_machines": 1,
+        "num_processes": 2,
+        "fsdp_config": {
+            "fsdp_sharding_strategy": strategy,
+            "fsdp_backward_prefetch": "BACKWARD_PRE",
+            "fsdp_version": 1,
+        },
+    }
     m = migrate_config(_write(tmp_path / "a.yaml", data))
     assert m.fsdp2.strategy.value == expected
     assert m.accelerate is not None and m.accelerate["fsdp_config"]["fsdp_reshard_after_forward"] is raf
@@ -140,8 +163,13 @@ def test_accelerate_strategy_spellings(tmp_path: Path, strategy: object, expecte
 
 
 def test_accelerate_no_shard_keeps_replication(tmp_path: Path) -> None:
-    data = {"distributed_type": "FSDP", "num_machines": 1, "num_processes": 4, "mixed_precision": "no",
-            "fsdp_config": {"fsdp_sharding_strategy": "NO_SHARD", "fsdp_version": 1}}
+    data = {
+        "distributed_type": "FSDP",
+        "num_machines": 1,
+        "num_processes": 4,
+        "mixed_precision": "no",
+        "fsdp_config": {"fsdp_sharding_strategy": "NO_SHARD", "fsdp_version": 1},
+    }
     m = migrate_config(_write(tmp_path / "a.yaml", data))
     assert m.fsdp2.strategy.value == "no_shard"  # not reshard_after_forward=False (ZeRO-2)
     assert "(world, 1)" in m.report.row("fsdp_sharding_strategy").reason
@@ -165,25 +193,43 @@ def test_accelerate_hybrid_without_sizes_writes_no_accelerate_yaml(tmp_path: Pat
 
 def test_trainer_every_option(tmp_path: Path) -> None:
     args = {
-        "output_dir": "out", "bf16": True,
+        "output_dir": "out",
+        "bf16": True,
         "fsdp": "hybrid_shard_zero2 offload auto_wrap",
         "fsdp_config": {
-            "fsdp_version": 1, "transformer_layer_cls_to_wrap": ["Qwen2DecoderLayer"],
-            "backward_prefetch": "backward_pre", "forward_prefetch": False, "limit_all_gathers": True,
-            "use_orig_params": False, "sync_module_states": True, "cpu_ram_efficient_loading": True,
-            "activation_checkpointing": True, "state_dict_type": "FULL_STATE_DICT", "min_num_params": 0,
-            "auto_wrap_policy": "TRANSFORMER_BASED_WRAP", "xla": False,
+            "fsdp_version": 1,
+            "transformer_layer_cls_to_wrap": ["Qwen2DecoderLayer"],
+            "backward_prefetch": "backward_pre",
+            "forward_prefetch": False,
+            "limit_all_gathers": True,
+            "use_orig_params": False,
+            "sync_module_states": True,
+            "cpu_ram_efficient_loading": True,
+            "activation_checkpointing": True,
+            "state_dict_type": "FULL_STATE_DICT",
+            "min_num_params": 0,
+            "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+            "xla": False,
         },
     }
     m = migrate_config(_write(tmp_path / "args.json", args))
     assert m.source.kind == "trainer" and m.accelerate is None
     assert _statuses(m.report) == {
-        "fsdp: hybrid_shard_zero2": M, "fsdp: offload": M, "fsdp: auto_wrap": E,
-        "fsdp_config.auto_wrap_policy": E, "fsdp_config.transformer_layer_cls_to_wrap": E,
-        "fsdp_config.min_num_params": X, "fsdp_config.backward_prefetch": M, "fsdp_config.forward_prefetch": M,
-        "fsdp_config.sync_module_states": E, "fsdp_config.activation_checkpointing": M,
-        "fsdp_config.limit_all_gathers": X, "fsdp_config.use_orig_params": X,
-        "fsdp_config.cpu_ram_efficient_loading": E, "fsdp_config.state_dict_type": M, "bf16": M,
+        "fsdp: hybrid_shard_zero2": M,
+        "fsdp: offload": M,
+        "fsdp: auto_wrap": E,
+        "fsdp_config.auto_wrap_policy": E,
+        "fsdp_config.transformer_layer_cls_to_wrap": E,
+        "fsdp_config.min_num_params": X,
+        "fsdp_config.backward_prefetch": M,
+        "fsdp_config.forward_prefetch": M,
+        "fsdp_config.sync_module_states": E,
+        "fsdp_config.activation_checkpointing": M,
+        "fsdp_config.limit_all_gathers": X,
+        "fsdp_config.use_orig_params": X,
+        "fsdp_config.cpu_ram_efficient_loading": E,
+        "fsdp_config.state_dict_type": M,
+        "bf16": M,
         "bf16 (mixed_precision.buffer_dtype)": E,
     }
     assert m.fsdp2.strategy.value == "hybrid_shard_zero2" and m.fsdp2.cpu_offload
@@ -197,27 +243,53 @@ def test_trainer_every_option(tmp_path: Path) -> None:
 
 
 def test_bridge_yaml_every_option(tmp_path: Path) -> None:
-    data = {"strategy": "hybrid_shard", "backend": "fsdp1", "mixed_precision": "bf16", "wrap": ["LlamaDecoderLayer"],
-            "backward_prefetch": "none", "forward_prefetch": True, "limit_all_gathers": False, "cpu_offload": True,
-            "activation_checkpointing": True, "sync_module_states": True, "reshard_after_forward": True,
-            "hybrid_shape": [2, 4], "ignored_modules": ["lm_head"], "device": "cuda"}
+    data = {
+        "strategy": "hybrid_shard",
+        "backend": "fsdp1",
+        "mixed_precision": "bf16",
+        "wrap": ["LlamaDecoderLayer"],
+        "backward_prefetch": "none",
+        "forward_prefetch": True,
+        "limit_all_gathers": False,
+        "cpu_offload": True,
+        "activation_checkpointing": True,
+        "sync_module_states": True,
+        "reshard_after_forward": True,
+        "hybrid_shape": [2, 4],
+        "ignored_modules": ["lm_head"],
+        "device": "cuda",
+    }
     m = migrate_config(_write(tmp_path / "bridge.yaml", {"bridge": data}))
     assert _statuses(m.report) == {
-        "strategy": M, "mixed_precision": M, "wrap": E, "backward_prefetch": NE, "forward_prefetch": E,
-        "limit_all_gathers": X, "cpu_offload": M, "activation_checkpointing": M, "sync_module_states": E,
-        "reshard_after_forward": M, "hybrid_shape": M, "ignored_modules": M, "device": M,
+        "strategy": M,
+        "mixed_precision": M,
+        "wrap": E,
+        "backward_prefetch": NE,
+        "forward_prefetch": E,
+        "limit_all_gathers": X,
+        "cpu_offload": M,
+        "activation_checkpointing": M,
+        "sync_module_states": E,
+        "reshard_after_forward": M,
+        "hybrid_shape": M,
+        "ignored_modules": M,
+        "device": M,
     }
     assert m.fsdp2 == BridgeConfig.from_dict({**data, "backend": "fsdp2", "backward_prefetch": "pre"})
 
 
 def test_errors_name_the_key(tmp_path: Path) -> None:
-    bad = {"distributed_type": "FSDP", "fsdp_config": {"fsdp_sharding_stratgy": 1, "fsdp_offload_params": "maybe",
-                                                       "fsdp_backward_prefetch": "LATER"}}
+    bad = {
+        "distributed_type": "FSDP",
+        "fsdp_config": {"fsdp_sharding_stratgy": 1, "fsdp_offload_params": "maybe", "fsdp_backward_prefetch": "LATER"},
+    }
     with pytest.raises(ConfigError, match=r"fsdp_config.fsdp_sharding_stratgy.*accelerate FSDP1 keys") as err:
         migrate_config(_write(tmp_path / "a.yaml", bad))
     del bad["fsdp_config"]["fsdp_sharding_stratgy"]
-    expected = (r"(?s)fsdp_config.fsdp_backward_prefetch: got 'LATER'; allowed: BACKWARD_PRE \(1\).*"
-                r"fsdp_config.fsdp_offload_params: got 'maybe'")
+    expected = (
+        r"(?s)fsdp_config.fsdp_backward_prefetch: got 'LATER'; allowed: BACKWARD_PRE \(1\).*"
+        r"fsdp_config.fsdp_offload_params: got 'maybe'"
+    )
     with pytest.raises(ConfigError, match=expected) as err:
         migrate_config(_write(tmp_path / "a.yaml", bad))
     assert len(err.value.problems) == 2
@@ -233,14 +305,22 @@ def test_errors_name_the_key(tmp_path: Path) -> None:
 
 def test_cli_prints_and_writes(tmp_path: Path) -> None:
     src = _write(tmp_path / "fsdp1.yaml", ACCELERATE)
-    out = subprocess.run([sys.executable, "-m", "fsdp_bridge", "migrate", "config", str(src)],
-                         capture_output=True, text=True, check=False)
+    out = subprocess.run(
+        [sys.executable, "-m", "fsdp_bridge", "migrate", "config", str(src)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert out.returncode == 0, out.stderr
     assert "fsdp_backward_prefetch: NO EQUIVALENT" in out.stdout
     assert (tmp_path / "fsdp1.fsdp2.yaml").exists() and (tmp_path / "fsdp1.fsdp2.migration.md").exists()
     assert (tmp_path / "fsdp1.fsdp2.accelerate.yaml").exists()
-    out = subprocess.run([sys.executable, "-m", "fsdp_bridge", "migrate", "config", str(tmp_path / "nope.yaml")],
-                         capture_output=True, text=True, check=False)
+    out = subprocess.run(
+        [sys.executable, "-m", "fsdp_bridge", "migrate", "config", str(tmp_path / "nope.yaml")],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert out.returncode == 2 and "SRC: got" in out.stderr
 
 
@@ -253,25 +333,42 @@ def test_docs_table_is_generated_from_the_mapping() -> None:
 # -- configs as published recipes write them (fixtures of our own, one per spelling) -----------
 
 CONFIGS = Path(__file__).parent / "fixtures" / "migrate_configs"
-BF16 = {"param_dtype": "bfloat16", "reduce_dtype": "bfloat16", "output_dtype": None, "buffer_dtype": "bfloat16",
-        "cast_forward_inputs": True}
+BF16 = {
+    "param_dtype": "bfloat16",
+    "reduce_dtype": "bfloat16",
+    "output_dtype": None,
+    "buffer_dtype": "bfloat16",
+    "cast_forward_inputs": True,
+}
 FP16 = {**BF16, "param_dtype": "float16", "reduce_dtype": "float16", "buffer_dtype": "float16"}
 EXPECTED_CONFIGS = {
-    "trainer_cmd_llama.sh": dict(strategy="full_shard", wrap=["LlamaDecoderLayer"], cpu_offload=False,
-                                 mixed_precision=BF16),
-    "trainer_cmd_offload_size.sh": dict(strategy="shard_grad_op", wrap={"min_num_params": 5000000},
-                                        cpu_offload=True, mixed_precision=FP16),
-    "trainer_cmd_hybrid_config_file.sh": dict(strategy="hybrid_shard", wrap=["MistralDecoderLayer"],
-                                              forward_prefetch=True, mixed_precision=BF16),
+    "trainer_cmd_llama.sh": dict(
+        strategy="full_shard", wrap=["LlamaDecoderLayer"], cpu_offload=False, mixed_precision=BF16
+    ),
+    "trainer_cmd_offload_size.sh": dict(
+        strategy="shard_grad_op", wrap={"min_num_params": 5000000}, cpu_offload=True, mixed_precision=FP16
+    ),
+    "trainer_cmd_hybrid_config_file.sh": dict(
+        strategy="hybrid_shard", wrap=["MistralDecoderLayer"], forward_prefetch=True, mixed_precision=BF16
+    ),
     "trainer_args_legacy.json": dict(strategy="full_shard", wrap=["Qwen2DecoderLayer"], mixed_precision=BF16),
-    "trainer_args_size_based.json": dict(strategy="full_shard", wrap={"min_num_params": 20000000},
-                                         cpu_offload=True, mixed_precision="fp32"),
-    "trainer_args_prefixed.yaml": dict(strategy="shard_grad_op", wrap=["GPTNeoXLayer"],
-                                       activation_checkpointing=True, sync_module_states=True),
-    "axolotl_offload.yaml": dict(strategy="full_shard", wrap=["LlamaDecoderLayer"], cpu_offload=True,
-                                 sync_module_states=True, limit_all_gathers=True, mixed_precision=BF16),
-    "accelerate_hybrid_size.yaml": dict(strategy="hybrid_shard", wrap={"min_num_params": 100000000},
-                                        mixed_precision=BF16),
+    "trainer_args_size_based.json": dict(
+        strategy="full_shard", wrap={"min_num_params": 20000000}, cpu_offload=True, mixed_precision="fp32"
+    ),
+    "trainer_args_prefixed.yaml": dict(
+        strategy="shard_grad_op", wrap=["GPTNeoXLayer"], activation_checkpointing=True, sync_module_states=True
+    ),
+    "axolotl_offload.yaml": dict(
+        strategy="full_shard",
+        wrap=["LlamaDecoderLayer"],
+        cpu_offload=True,
+        sync_module_states=True,
+        limit_all_gathers=True,
+        mixed_precision=BF16,
+    ),
+    "accelerate_hybrid_size.yaml": dict(
+        strategy="hybrid_shard", wrap={"min_num_params": 100000000}, mixed_precision=BF16
+    ),
     "accelerate_numbered_old.yaml": dict(strategy="shard_grad_op", wrap=["T5Block"], backward_prefetch="pre"),
 }
 

@@ -28,9 +28,18 @@ RTOL, ATOL = 1.3e-6, 1e-5
 WORKER = Path(__file__).parent / "fixtures" / "multinode_hsdp.py"
 TIMEOUT_S = 240
 STEPS, LR = 3, 1e-2
-TINY_JOB = ["bridge.strategy=hybrid_shard", "max_steps=3", "eval_interval=3", "checkpoint.interval=3",
-            "schedule.warmup_steps=1", "model.config.hidden_size=64", "model.config.num_hidden_layers=2",
-            "data.seq_len=64", "data.eval_sequences=8", "micro_batch_size=2"]
+TINY_JOB = [
+    "bridge.strategy=hybrid_shard",
+    "max_steps=3",
+    "eval_interval=3",
+    "checkpoint.interval=3",
+    "schedule.warmup_steps=1",
+    "model.config.hidden_size=64",
+    "model.config.num_hidden_layers=2",
+    "data.seq_len=64",
+    "data.eval_sequences=8",
+    "micro_batch_size=2",
+]
 
 
 def _free_port() -> int:
@@ -75,15 +84,18 @@ def _started(commands: list[list[str]], cwd: Path) -> Iterator[list[subprocess.P
     procs: list[subprocess.Popen[str]] = []
     try:
         for cmd in commands:
-            procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                          env=env, cwd=cwd))
+            procs.append(
+                subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd)
+            )
         yield procs
     finally:
         for proc in procs:
             _kill(proc)
 
 
-def _run_nodes(commands: list[list[str]], cwd: Path, meanwhile: Callable[[], Any] | None = None) -> tuple[list[str], Any]:
+def _run_nodes(
+    commands: list[list[str]], cwd: Path, meanwhile: Callable[[], Any] | None = None
+) -> tuple[list[str], Any]:
     """Run the launchers together (and ``meanwhile()`` here while they run); fail (killing all of
     them) unless every one exits 0 in time.  Returns their outputs and what ``meanwhile`` returned."""
     with _started(commands, cwd) as procs:
@@ -102,8 +114,23 @@ def _run_nodes(commands: list[list[str]], cwd: Path, meanwhile: Callable[[], Any
 
 def _two_nodes(tail: list[str], head: list[str]) -> list[list[str]]:
     port, run_id = _free_port(), f"mn-{uuid.uuid4().hex[:8]}"
-    return [[*head, "--nnodes", "2", "--node-rank", str(i), "--nproc-per-node", "2",
-             "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id, *tail] for i in (0, 1)]
+    return [
+        [
+            *head,
+            "--nnodes",
+            "2",
+            "--node-rank",
+            str(i),
+            "--nproc-per-node",
+            "2",
+            "--rdzv-endpoint",
+            f"127.0.0.1:{port}",
+            "--rdzv-id",
+            run_id,
+            *tail,
+        ]
+        for i in (0, 1)
+    ]
 
 
 def _reference(world: int, steps: int, lr: float) -> tuple[list[list[float]], dict[str, torch.Tensor]]:
@@ -134,12 +161,16 @@ def test_two_torchrun_agents_train_hybrid_shard_on_the_default_mesh_like_the_ref
         assert rec["shard_group"] == node_ranks, (rank, rec["shard_group"], node_ranks)
     ref_losses, ref_state = _reference(4, STEPS, LR)
     for rank, rec in enumerate(records):
-        assert torch.allclose(torch.tensor(rec["losses"]), torch.tensor(ref_losses[rank]), rtol=RTOL, atol=ATOL), \
-            (rank, rec["losses"], ref_losses[rank])
+        assert torch.allclose(torch.tensor(rec["losses"]), torch.tensor(ref_losses[rank]), rtol=RTOL, atol=ATOL), (
+            rank,
+            rec["losses"],
+            ref_losses[rank],
+        )
     state = torch.load(tmp_path / "final.pt")
     for key, ref in ref_state.items():
-        assert torch.allclose(state[key], ref, rtol=RTOL, atol=ATOL), \
+        assert torch.allclose(state[key], ref, rtol=RTOL, atol=ATOL), (
             f"{key}: drifted from the reference by {(state[key] - ref).abs().max().item():.3g}"
+        )
 
 
 def _metrics(out: Path) -> list[dict[str, Any]]:
@@ -165,8 +196,11 @@ def test_fsdp_bridge_train_on_two_nodes_matches_one_node_with_the_same_mesh(tmp_
     # through train() on 4 ranks started here (the CLI launcher itself is tested by the two nodes and by
     # test_train_run.py), while the two nodes run: the start-up overlaps.
     one_node = [*TINY_JOB, "bridge.hybrid_shape=[2,2]", f"output_dir={tmp_path / 'one'}"]
-    (node0, _), (one, *_) = _run_nodes(_two_nodes([*TINY_JOB, f"output_dir={tmp_path / 'two'}"], cli), tmp_path,
-                                       lambda: run_distributed(_one_node, 4, args=(one_node,), timeout_s=TIMEOUT_S))
+    (node0, _), (one, *_) = _run_nodes(
+        _two_nodes([*TINY_JOB, f"output_dir={tmp_path / 'two'}"], cli),
+        tmp_path,
+        lambda: run_distributed(_one_node, 4, args=(one_node,), timeout_s=TIMEOUT_S),
+    )
     assert "mesh (2, 2) on cpu" in node0 and "done: 3 steps" in node0, node0[-3000:]
     assert "mesh (2, 2) on cpu" in one, one[-3000:]
     multi, single = _metrics(tmp_path / "two"), _metrics(tmp_path / "one")

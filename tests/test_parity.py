@@ -23,11 +23,19 @@ def _llama():
 
 
 def _fp32_matrix(strategies: list[str], hybrid_shape: tuple[int, int] | None) -> dict:
-    report = assert_backend_parity(_llama, rank_batches("llama", steps=STEPS), BridgeConfig(device="cpu"),
-                                   strategies=strategies, hybrid_shape=hybrid_shape, reference=True)
-    return {"pairs": {(p.a, p.b): (p.ok, p.max_param_diff, p.max_loss_diff, p.tolerance.name) for p in report.pairs},
-            "losses": {r.name: [s.loss for s in r.steps] for r in report.runs},
-            "world": dist.get_world_size()}
+    report = assert_backend_parity(
+        _llama,
+        rank_batches("llama", steps=STEPS),
+        BridgeConfig(device="cpu"),
+        strategies=strategies,
+        hybrid_shape=hybrid_shape,
+        reference=True,
+    )
+    return {
+        "pairs": {(p.a, p.b): (p.ok, p.max_param_diff, p.max_loss_diff, p.tolerance.name) for p in report.pairs},
+        "losses": {r.name: [s.loss for s in r.steps] for r in report.runs},
+        "world": dist.get_world_size(),
+    }
 
 
 def _bf16_full_shard() -> dict:
@@ -36,8 +44,11 @@ def _bf16_full_shard() -> dict:
     # ~3e-5 relative for the loss and ~2.5e-3 for the gradient norm over 3-4 steps.  Parameters are not
     # judged: AdamW normalises each element's gradient, so a near-zero gradient whose sign flips under
     # bf16 rounding moves that element by 2*lr in one step (see TOLERANCES["bf16"].why).
-    report = assert_backend_parity(_llama, rank_batches("llama", steps=STEPS),
-                                   BridgeConfig(strategy="full_shard", mixed_precision="bf16", device="cpu"))
+    report = assert_backend_parity(
+        _llama,
+        rank_batches("llama", steps=STEPS),
+        BridgeConfig(strategy="full_shard", mixed_precision="bf16", device="cpu"),
+    )
     return {(p.a, p.b): (p.ok, p.max_param_diff, p.max_loss_diff, p.tolerance.name) for p in report.pairs}
 
 
@@ -69,8 +80,11 @@ def test_strategies_match_reference_world2(run_on_ranks):
     # FSDP1 and FSDP2 in fp32 on 2 ranks agree exactly (same reduction of two summands).
     for s in ("full_shard", "shard_grad_op", "no_shard"):
         assert fp32["pairs"][(f"fsdp2/{s}", f"fsdp1/{s}")][1] == 0.0
-    assert set(bf16) == {("fsdp1/full_shard", "reference"), ("fsdp2/full_shard", "reference"),
-                         ("fsdp2/full_shard", "fsdp1/full_shard")}
+    assert set(bf16) == {
+        ("fsdp1/full_shard", "reference"),
+        ("fsdp2/full_shard", "reference"),
+        ("fsdp2/full_shard", "fsdp1/full_shard"),
+    }
     for pair, (ok, _max_dp, _max_dl, tol) in bf16.items():
         assert ok and tol == "bf16", pair
     # bf16 really differs from the fp32 reference (the check is not vacuous) ...

@@ -24,15 +24,18 @@ from fsdp_bridge.testing.models import build_tiny, sample_batch
 peft = pytest.importorskip("peft")
 
 FAMILIES = {"llama": ["q_proj", "v_proj"], "gpt2": ["c_attn"], "t5": ["q", "v"]}  # gpt2: tied; t5: enc-dec
-NO_DROPOUT = {"gpt2": {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0},
-              "t5": {"dropout_rate": 0.0}}  # the same math in both runs
+NO_DROPOUT = {
+    "gpt2": {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0},
+    "t5": {"dropout_rate": 0.0},
+}  # the same math in both runs
 STEPS = 3
 PROMPT = [[5, 6, 7, 8]]
 
 
 def _lora(family: str, seed: int = 0) -> Any:
-    config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=FAMILIES[family],
-                             init_lora_weights=False)  # non-zero B: adapters change outputs from step 0
+    config = peft.LoraConfig(
+        r=4, lora_alpha=8, lora_dropout=0.0, target_modules=FAMILIES[family], init_lora_weights=False
+    )  # non-zero B: adapters change outputs from step 0
     return peft.get_peft_model(build_tiny(family, seed=seed, **NO_DROPOUT.get(family, {})), config)
 
 
@@ -87,8 +90,12 @@ def _lora_ranks(out_dir: str) -> dict[str, Any]:
                     torch.testing.assert_close(v, ref_state[k], rtol=1.3e-6, atol=1e-5, msg=f"{name}: {k}")
             ref_after = reference.generate(input_ids=torch.tensor(PROMPT), max_new_tokens=4, do_sample=False)
             tokens_after = sharded.generate(input_ids=torch.tensor(PROMPT), max_new_tokens=4, do_sample=False)
-            state_numel = sum(getattr(v, "_local_tensor", v).numel() for s in opt.state.values()
-                              for v in s.values() if torch.is_tensor(v) and v.dim() > 0)  # this rank's shard
+            state_numel = sum(
+                getattr(v, "_local_tensor", v).numel()
+                for s in opt.state.values()
+                for v in s.values()
+                if torch.is_tensor(v) and v.dim() > 0
+            )  # this rank's shard
             fsdp_bridge.save_checkpoint(Path(out_dir) / f"{family}-{backend.value}-adapter", sharded, kind="adapter")
             fsdp_bridge.save_checkpoint(Path(out_dir) / f"{family}-{backend.value}-merged", sharded, kind="merged")
             # A sharded checkpoint of the PEFT run (adapters, frozen base, optimizer) resumed on the other
@@ -96,8 +103,9 @@ def _lora_ranks(out_dir: str) -> dict[str, Any]:
             sharded_path = Path(out_dir) / f"{family}-{backend.value}-sharded"
             fsdp_bridge.save_checkpoint(sharded_path, sharded, opt, state={"step": STEPS})
             other = Backend.FSDP2 if backend is Backend.FSDP1 else Backend.FSDP1
-            resumed = fsdp_bridge.shard(_lora(family, seed=5), BridgeConfig(strategy="full_shard", backend=other,
-                                                                            wrap="auto"))
+            resumed = fsdp_bridge.shard(
+                _lora(family, seed=5), BridgeConfig(strategy="full_shard", backend=other, wrap="auto")
+            )
             resumed_opt = torch.optim.AdamW([p for p in resumed.parameters() if p.requires_grad], lr=1e-2)
             state = fsdp_bridge.load_checkpoint(sharded_path, resumed, resumed_opt)
             loaded = _full(resumed)
@@ -127,9 +135,10 @@ def _lora_ranks(out_dir: str) -> dict[str, Any]:
     # A frozen base stored in bf16 with fp32 adapters (peft upcasts them): one block then holds two
     # dtypes; FSDP1 gets the adapters as units of their own, FSDP2 takes it as it is.
     for backend in Backend:
-        model = peft.get_peft_model(build_tiny("llama", seed=0).to(torch.bfloat16),
-                                    peft.LoraConfig(r=4, lora_alpha=8, target_modules=FAMILIES["llama"],
-                                                    init_lora_weights=False))
+        model = peft.get_peft_model(
+            build_tiny("llama", seed=0).to(torch.bfloat16),
+            peft.LoraConfig(r=4, lora_alpha=8, target_modules=FAMILIES["llama"], init_lora_weights=False),
+        )
         frozen = {k: v.clone() for k, v in model.state_dict().items() if "lora_" not in k}
         adapters = {k: v.clone() for k, v in model.state_dict().items() if "lora_" in k}
         sharded = fsdp_bridge.shard(model, BridgeConfig(backend=backend, wrap="auto"))
@@ -194,8 +203,13 @@ def test_lora_trains_generates_and_exports_on_both_backends(tmp_path: Path, run_
         # Optimizer state exists for the adapters only: AdamW's two moments of each trainable parameter.
         assert r["optimizer_numel"] == 2 * r["trainable"] and r["trainable"] < r["all"] / 6, name
     # One plain process (no fsdp_bridge) loads every export: a fresh base + adapter, and the merged model.
-    proc = subprocess.run([sys.executable, "-c", _PLAIN_LOAD, str(tmp_path), *results],
-                          capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    proc = subprocess.run(
+        [sys.executable, "-c", _PLAIN_LOAD, str(tmp_path), *results],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     all_diffs = json.loads(proc.stdout.strip().splitlines()[-1])
     assert set(all_diffs) == set(results)

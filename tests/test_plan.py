@@ -24,8 +24,9 @@ MESH: Any = object()  # the backends pass the mesh through; the recorders never 
 
 def _plan(config: BridgeConfig, device: str, units: list[nn.Module] | None = None) -> ShardPlan:
     report = translate(config, config.backend, device_type=device)
-    return resolve_plan(config, report, device=torch.device(device), mesh=MESH, units=units or [],
-                        ignored_modules=[], has_meta=False)
+    return resolve_plan(
+        config, report, device=torch.device(device), mesh=MESH, units=units or [], ignored_modules=[], has_meta=False
+    )
 
 
 @pytest.mark.parametrize("backend", ["fsdp1", "fsdp2"])
@@ -43,54 +44,95 @@ def test_offload_and_sync_follow_the_row_each_matched(backend: str, device: str,
     if offload and device == "cpu":
         assert offload_row.outcome is Outcome.NOT_NEEDED and "nothing is offloaded" in offload_row.text
     # FSDP1's own sync only on an accelerator; everywhere else the bridge broadcasts.
-    expected = (SyncMethod.NONE if not sync
-                else SyncMethod.BACKEND if backend == "fsdp1" and device == "cuda" else SyncMethod.BROADCAST)
+    expected = (
+        SyncMethod.NONE
+        if not sync
+        else SyncMethod.BACKEND
+        if backend == "fsdp1" and device == "cuda"
+        else SyncMethod.BROADCAST
+    )
     assert plan.sync is expected
     assert (sync_row.outcome is Outcome.NATIVE) is (expected is SyncMethod.BACKEND or not sync)
 
 
 def test_every_option_matches_one_row_for_defaults_and_set_values() -> None:
-    configs = [BridgeConfig(), BridgeConfig(strategy="hybrid_shard", mixed_precision="bf16", cpu_offload=True,
-                                            activation_checkpointing=True, sync_module_states=True,
-                                            reshard_after_forward=False, forward_prefetch=True)]
+    configs = [
+        BridgeConfig(),
+        BridgeConfig(
+            strategy="hybrid_shard",
+            mixed_precision="bf16",
+            cpu_offload=True,
+            activation_checkpointing=True,
+            sync_module_states=True,
+            reshard_after_forward=False,
+            forward_prefetch=True,
+        ),
+    ]
     for config in configs:
         for backend in Backend:
             for device in ("cpu", "cuda", None):
                 report = translate(config, backend, device_type=device)
                 options = [e.option for e in report.entries]
                 assert len(options) == len(set(options))
-                for option in ("hybrid_shape", "mixed_precision.output_dtype", "mixed_precision.buffer_dtype",
-                               "cpu_offload", "activation_checkpointing", "sync_module_states", "ignored_modules",
-                               "device"):
+                for option in (
+                    "hybrid_shape",
+                    "mixed_precision.output_dtype",
+                    "mixed_precision.buffer_dtype",
+                    "cpu_offload",
+                    "activation_checkpointing",
+                    "sync_module_states",
+                    "ignored_modules",
+                    "device",
+                ):
                     assert option in options, f"{option} matched no row for {backend} on {device}"
 
 
 def test_precision_and_prefetch_are_read_from_the_config_once() -> None:
-    config = BridgeConfig(mixed_precision={"param_dtype": "bf16", "reduce_dtype": "fp32", "output_dtype": "fp32",
-                                           "buffer_dtype": "bf16", "cast_forward_inputs": False},
-                          backward_prefetch="post", forward_prefetch=True, limit_all_gathers=False,
-                          strategy="shard_grad_op", backend="fsdp1")
+    config = BridgeConfig(
+        mixed_precision={
+            "param_dtype": "bf16",
+            "reduce_dtype": "fp32",
+            "output_dtype": "fp32",
+            "buffer_dtype": "bf16",
+            "cast_forward_inputs": False,
+        },
+        backward_prefetch="post",
+        forward_prefetch=True,
+        limit_all_gathers=False,
+        strategy="shard_grad_op",
+        backend="fsdp1",
+    )
     plan = _plan(config, "cpu")
     p = plan.precision
     assert (p.param_dtype, p.reduce_dtype, p.root_output_dtype, p.buffer_dtype) == (
-        torch.bfloat16, torch.float32, torch.float32, torch.bfloat16)
+        torch.bfloat16,
+        torch.float32,
+        torch.float32,
+        torch.bfloat16,
+    )
     assert p.enabled and not p.cast_forward_inputs
     assert plan.backward_prefetch is BackwardPrefetch.POST and plan.forward_prefetch and not plan.limit_all_gathers
     assert plan.strategy is ShardingStrategy.SHARD_GRAD_OP
     assert not _plan(BridgeConfig(), "cpu").precision.enabled
 
 
-@pytest.mark.parametrize(("strategy", "override", "unit", "root"), [
-    ("full_shard", None, True, False),  # the root stays gathered for the backward that follows
-    ("shard_grad_op", None, False, False),
-    ("hybrid_shard", None, True, False),
-    ("no_shard", True, False, False),  # NO_SHARD never reshards, whatever is asked
-    ("full_shard", False, False, False),
-    ("shard_grad_op", True, True, True),
-])
+@pytest.mark.parametrize(
+    ("strategy", "override", "unit", "root"),
+    [
+        ("full_shard", None, True, False),  # the root stays gathered for the backward that follows
+        ("shard_grad_op", None, False, False),
+        ("hybrid_shard", None, True, False),
+        ("no_shard", True, False, False),  # NO_SHARD never reshards, whatever is asked
+        ("full_shard", False, False, False),
+        ("shard_grad_op", True, True, True),
+    ],
+)
 def test_reshard_after_forward_per_unit(strategy: str, override: bool | None, unit: bool, root: bool) -> None:
-    config = BridgeConfig(strategy=strategy) if override is None else BridgeConfig(
-        strategy=strategy, reshard_after_forward=override, backend="fsdp2")
+    config = (
+        BridgeConfig(strategy=strategy)
+        if override is None
+        else BridgeConfig(strategy=strategy, reshard_after_forward=override, backend="fsdp2")
+    )
     plan = _plan(config, "cpu")
     assert plan.reshard_after_forward(is_root=False) is unit
     assert plan.reshard_after_forward(is_root=True) is root
@@ -109,8 +151,15 @@ def test_fsdp1_is_called_with_what_the_plan_decided(monkeypatch: pytest.MonkeyPa
 
     monkeypatch.setattr(fsdp1_module, "FullyShardedDataParallel", record)
     model = _layers()
-    config = BridgeConfig(backend="fsdp1", strategy="shard_grad_op", cpu_offload=True, sync_module_states=True,
-                          mixed_precision="bf16", backward_prefetch="post", limit_all_gathers=False)
+    config = BridgeConfig(
+        backend="fsdp1",
+        strategy="shard_grad_op",
+        cpu_offload=True,
+        sync_module_states=True,
+        mixed_precision="bf16",
+        backward_prefetch="post",
+        limit_all_gathers=False,
+    )
     fsdp1_module.FSDP1Backend().shard(model, _plan(config, "cuda", units=[model[0]]))
     (kw,) = calls
     from torch.distributed.fsdp import BackwardPrefetch as TorchPrefetch
@@ -140,8 +189,9 @@ def test_fsdp2_is_called_with_what_the_plan_decided(monkeypatch: pytest.MonkeyPa
 
     monkeypatch.setattr(fsdp2_module, "fully_shard", record)
     model = _layers()
-    config = BridgeConfig(backend="fsdp2", cpu_offload=True,
-                          mixed_precision={"param_dtype": "bf16", "output_dtype": "fp32"})
+    config = BridgeConfig(
+        backend="fsdp2", cpu_offload=True, mixed_precision={"param_dtype": "bf16", "output_dtype": "fp32"}
+    )
     fsdp2_module.FSDP2Backend().shard(model, _plan(config, "cuda", units=[model[0], model[1]]))
     assert [m for m, _ in calls] == [model[0], model[1], model]  # children before the root
     (_, first), _, (_, root) = calls
@@ -153,7 +203,7 @@ def test_fsdp2_is_called_with_what_the_plan_decided(monkeypatch: pytest.MonkeyPa
 
     calls.clear()
     fsdp2_module.FSDP2Backend().shard(_layers(), _plan(BridgeConfig(backend="fsdp2", cpu_offload=True), "cpu"))
-    (_, root), = calls
+    ((_, root),) = calls
     assert type(root["offload_policy"]).__name__ == "OffloadPolicy"  # not needed on a CPU run
 
 

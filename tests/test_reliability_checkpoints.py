@@ -48,7 +48,9 @@ def _damage_and_load(root: str) -> dict[str, str]:
 
     cases = {
         "missing_shard": lambda d: next((d / "dcp").glob("*.distcp")).unlink(),
-        "truncated_shard": lambda d: (lambda f: f.write_bytes(f.read_bytes()[:100]))(next((d / "dcp").glob("*.distcp"))),
+        "truncated_shard": lambda d: (lambda f: f.write_bytes(f.read_bytes()[:100]))(
+            next((d / "dcp").glob("*.distcp"))
+        ),
         "metadata_from_other_run": lambda d: shutil.copy(base / "b" / "dcp" / ".metadata", d / "dcp" / ".metadata"),
         "description_from_other_run": lambda d: shutil.copy(base / "b" / "fsdp_bridge.json", d / "fsdp_bridge.json"),
         "other_model": None,
@@ -100,8 +102,10 @@ def test_damaged_checkpoints_are_refused_and_nothing_is_loaded(tmp_path: Path) -
     for r in run_distributed(_damage_and_load, 2, args=(str(tmp_path),)):
         assert "dcp/__0_0.distcp: missing" in r["missing_shard"] and "missing_shard" in r["missing_shard"]
         assert "(truncated or overwritten)" in r["truncated_shard"]
-        assert "dcp/.metadata: content differs from the file this checkpoint was saved with" in r[
-            "metadata_from_other_run"]
+        assert (
+            "dcp/.metadata: content differs from the file this checkpoint was saved with"
+            in r["metadata_from_other_run"]
+        )
         assert "content differs" in r["description_from_other_run"]
         assert "missing model keys" in r["other_model"] and "gpt2" in r["other_model"]
         assert "dcp: cannot be read" in r["zeroed_shard"]
@@ -109,9 +113,17 @@ def test_damaged_checkpoints_are_refused_and_nothing_is_loaded(tmp_path: Path) -
         assert "rank 1: reading the training state and RNG failed" in r["corrupt_rng_of_rank_1"]
         assert "rank_00001.json" in r["corrupt_rng_of_rank_1"]
         assert "exp_avg: shape [2, " in r["optimizer_tensor_wrong_shape"]
-        for label in ("missing_shard", "truncated_shard", "metadata_from_other_run", "description_from_other_run",
-                      "other_model", "zeroed_shard", "corrupt_train_state", "corrupt_rng_of_rank_1",
-                      "optimizer_tensor_wrong_shape"):
+        for label in (
+            "missing_shard",
+            "truncated_shard",
+            "metadata_from_other_run",
+            "description_from_other_run",
+            "other_model",
+            "zeroed_shard",
+            "corrupt_train_state",
+            "corrupt_rng_of_rank_1",
+            "optimizer_tensor_wrong_shape",
+        ):
             assert r[f"{label}_untouched"] == "True", f"{label}: the model changed although the load was refused"
         assert r["b_loads"] == "True"
         assert "dcp/.metadata" in r["description"]
@@ -121,8 +133,10 @@ def _flip_and_load(root: str) -> dict[str, str]:
     """Tensor files above 1 MiB: one flipped byte in a shard (sharded save, 2 ranks) or in the
     safetensors file (full save) is refused on every rank, with the model untouched."""
     base = Path(root)
-    model = fsdp_bridge.shard(torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 8)),
-                              fsdp_bridge.BridgeConfig(backend="fsdp2"))
+    model = fsdp_bridge.shard(
+        torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 8)),
+        fsdp_bridge.BridgeConfig(backend="fsdp2"),
+    )
     fsdp_bridge.save_checkpoint(base / "sharded", model)
     fsdp_bridge.save_checkpoint(base / "full", model, kind="full")
     meta = json.loads((base / "sharded" / "fsdp_bridge.json").read_text())

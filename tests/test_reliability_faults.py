@@ -24,8 +24,16 @@ BOUND_S = 150
 
 def tiny_job(tmp_path: Path, **overrides: object) -> Path:
     job = {
-        "model": {"config": {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64,
-                             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}},
+        "model": {
+            "config": {
+                "model_type": "llama",
+                "hidden_size": 32,
+                "intermediate_size": 64,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+            }
+        },
         "data": {"seq_len": 32, "eval_sequences": 4},
         "micro_batch_size": 2,
         "max_steps": 4,
@@ -45,8 +53,14 @@ def tiny_job(tmp_path: Path, **overrides: object) -> Path:
 def test_failing_rank_stops_the_job(tmp_path: Path, point: str) -> None:
     env = {**os.environ, ENV: f"1:{point}", "OMP_NUM_THREADS": "1"}
     start = time.monotonic()
-    out = subprocess.run([sys.executable, "-m", "fsdp_bridge", "train", str(tiny_job(tmp_path)), "-q"],
-                         capture_output=True, text=True, env=env, timeout=TIMEOUT_S, cwd=tmp_path)
+    out = subprocess.run(
+        [sys.executable, "-m", "fsdp_bridge", "train", str(tiny_job(tmp_path)), "-q"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=TIMEOUT_S,
+        cwd=tmp_path,
+    )
     elapsed = time.monotonic() - start
     assert out.returncode == 1, out.stdout + out.stderr
     assert elapsed < BOUND_S, f"took {elapsed:.0f} s: the other rank waited instead of being stopped"
@@ -59,8 +73,14 @@ def test_hung_rank_is_named_not_the_rank_that_timed_out_waiting(tmp_path: Path) 
     names rank 1 (its last step, from the progress each rank records), not rank 0's timeout."""
     env = {**os.environ, ENV: "1:step:2:hang", "OMP_NUM_THREADS": "1"}
     start = time.monotonic()
-    out = subprocess.run([sys.executable, "-m", "fsdp_bridge", "train", str(tiny_job(tmp_path, timeout_s=6)), "-q"],
-                         capture_output=True, text=True, env=env, timeout=TIMEOUT_S, cwd=tmp_path)
+    out = subprocess.run(
+        [sys.executable, "-m", "fsdp_bridge", "train", str(tiny_job(tmp_path, timeout_s=6)), "-q"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=TIMEOUT_S,
+        cwd=tmp_path,
+    )
     elapsed = time.monotonic() - start
     assert out.returncode == 1, out.stdout + out.stderr
     assert elapsed < BOUND_S, f"took {elapsed:.0f} s"
@@ -98,12 +118,23 @@ def test_a_rank_that_dies_is_restarted_and_the_run_matches_an_uninterrupted_one(
     loss at every step as a run that was never interrupted."""
     cmd = [sys.executable, "-m", "fsdp_bridge", "train", str(tiny_job(tmp_path)), "-q"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    whole = subprocess.run([*cmd, f"output_dir={tmp_path / 'whole'}"], capture_output=True, text=True, env=env,
-                           timeout=TIMEOUT_S, cwd=tmp_path)
+    whole = subprocess.run(
+        [*cmd, f"output_dir={tmp_path / 'whole'}"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=TIMEOUT_S,
+        cwd=tmp_path,
+    )
     assert whole.returncode == 0, whole.stderr[-3000:]
-    restarted = subprocess.run([*cmd, f"output_dir={tmp_path / 'restarted'}", "--max-restarts", "1"],
-                               capture_output=True, text=True, env={**env, ENV: "1:step:3:once"},
-                               timeout=TIMEOUT_S, cwd=tmp_path)
+    restarted = subprocess.run(
+        [*cmd, f"output_dir={tmp_path / 'restarted'}", "--max-restarts", "1"],
+        capture_output=True,
+        text=True,
+        env={**env, ENV: "1:step:3:once"},
+        timeout=TIMEOUT_S,
+        cwd=tmp_path,
+    )
     assert restarted.returncode == 0, restarted.stderr[-3000:]
     assert "restarted 1 time(s) of --max-restarts 1" in restarted.stderr, restarted.stderr[-3000:]
     assert "attempt 0: rank 1 failed (" in restarted.stderr and "InjectedFault" in restarted.stderr

@@ -9,7 +9,7 @@ from pathlib import Path
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "test_user_parity.py"
 
-FAILING = '''
+FAILING = """
 import pytest
 import torch.distributed as dist
 
@@ -32,7 +32,7 @@ def test_fixture_rank_fails(run_on_ranks):
 @pytest.mark.distributed(world_size=0)
 def test_bad_marker():
     pass
-'''
+"""
 
 
 def test_user_test_file_passes_and_failing_rank_is_reported(tmp_path):
@@ -40,9 +40,22 @@ def test_user_test_file_passes_and_failing_rank_is_reported(tmp_path):
     (tmp_path / "test_failing_rank.py").write_text(FAILING)
     # A fresh pytest in a directory outside the package: only the installed plugin is there.
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-rA", "-p", "no:cacheprovider", "--fsdp-backends", "fsdp2",
-         "test_user_parity.py", "test_failing_rank.py"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=900,
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-rA",
+            "-p",
+            "no:cacheprovider",
+            "--fsdp-backends",
+            "fsdp2",
+            "test_user_parity.py",
+            "test_failing_rank.py",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, out

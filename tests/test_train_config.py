@@ -59,8 +59,11 @@ def test_unknown_key_is_named_with_a_suggestion_and_nothing_is_launched(tmp_path
 
 
 def test_wrong_types_and_values_are_all_reported_together(tmp_path) -> None:
-    path = _write(tmp_path, "model: {path: ./m}\noptim: {lr: fast, betas: [0.9]}\nmicro_batch_size: 1.5\n"
-                            "grad_accum: 0\nbridge: {strategy: zero3}\ncheckpoint: {kind: half}\n")
+    path = _write(
+        tmp_path,
+        "model: {path: ./m}\noptim: {lr: fast, betas: [0.9]}\nmicro_batch_size: 1.5\n"
+        "grad_accum: 0\nbridge: {strategy: zero3}\ncheckpoint: {kind: half}\n",
+    )
     with pytest.raises(ConfigError) as info:
         load_train_config(path)
     text = str(info.value)
@@ -71,8 +74,16 @@ def test_wrong_types_and_values_are_all_reported_together(tmp_path) -> None:
     assert re.search(r"checkpoint\.kind: got 'half'; allowed: one of sharded, full", text)
     # grad_accum=0 is a value problem, found once the types are right.
     with pytest.raises(ConfigError, match=r"grad_accum: got 0; allowed: an integer >= 1"):
-        load_train_config(path, ["optim.lr=1e-3", "optim.betas=[0.9,0.99]", "micro_batch_size=2",
-                                 "bridge.strategy=full_shard", "checkpoint.kind=full"])
+        load_train_config(
+            path,
+            [
+                "optim.lr=1e-3",
+                "optim.betas=[0.9,0.99]",
+                "micro_batch_size=2",
+                "bridge.strategy=full_shard",
+                "checkpoint.kind=full",
+            ],
+        )
 
 
 def test_missing_model_fails_before_launch_with_exit_code_2(tmp_path, no_launch, capsys) -> None:
@@ -87,8 +98,11 @@ def test_missing_model_fails_before_launch_with_exit_code_2(tmp_path, no_launch,
 
 
 def test_files_checkpoints_and_mesh_are_checked_before_launch(tmp_path, no_launch, capsys) -> None:
-    path = _write(tmp_path, f"model: {{config: {{model_type: llama}}}}\ndata: {{files: [{tmp_path}/none/*.txt]}}\n"
-                            f"output_dir: {tmp_path}/out\nbridge: {{strategy: hybrid_shard, hybrid_shape: [2, 3]}}\n")
+    path = _write(
+        tmp_path,
+        f"model: {{config: {{model_type: llama}}}}\ndata: {{files: [{tmp_path}/none/*.txt]}}\n"
+        f"output_dir: {tmp_path}/out\nbridge: {{strategy: hybrid_shard, hybrid_shape: [2, 3]}}\n",
+    )
     assert main(["train", str(path), "--nproc-per-node", "4"]) == 2
     err = capsys.readouterr().err
     assert "data.files: got '" in err and "none/*.txt" in err
@@ -96,7 +110,8 @@ def test_files_checkpoints_and_mesh_are_checked_before_launch(tmp_path, no_launc
     # A fresh run refuses to write over another run's checkpoints.
     (tmp_path / "out/checkpoints/step_00000003").mkdir(parents=True)
     (tmp_path / "out/checkpoints/step_00000003/fsdp_bridge.json").write_text(
-        '{"format": "fsdp_bridge.checkpoint", "version": 1, "kind": "sharded", "step": 3}')
+        '{"format": "fsdp_bridge.checkpoint", "version": 1, "kind": "sharded", "step": 3}'
+    )
     config = load_train_config(path, ["data.files=[sample]", "bridge.strategy=full_shard", "bridge.hybrid_shape=null"])
     with pytest.raises(ConfigError, match=r"resume: got False; .* already holds step_00000003: pass --resume"):
         preflight(config)
@@ -106,17 +121,31 @@ def test_files_checkpoints_and_mesh_are_checked_before_launch(tmp_path, no_launc
 
 def test_bad_yaml_through_the_real_command_exits_2(tmp_path) -> None:
     path = _write(tmp_path, "model: {config: {model_type: llama}}\noptim: {lr: [1]}\n")
-    proc = subprocess.run([sys.executable, "-m", "fsdp_bridge", "train", str(path)], capture_output=True, text=True,
-                          timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    proc = subprocess.run(
+        [sys.executable, "-m", "fsdp_bridge", "train", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
     assert proc.returncode == 2
     assert "optim.lr: got [1]; allowed: a number" in proc.stderr
     assert "Traceback" not in proc.stderr
 
 
 def test_overrides_backend_flag_and_round_trip(tmp_path) -> None:
-    config = load_train_config(None, ["optim.lr=1e-3", "bridge.strategy=shard_grad_op", "max_steps=20",
-                                      "data.files=[a.txt,b.jsonl]", "optim.grad_clip=null", "resume=auto"],
-                               backend="fsdp1")
+    config = load_train_config(
+        None,
+        [
+            "optim.lr=1e-3",
+            "bridge.strategy=shard_grad_op",
+            "max_steps=20",
+            "data.files=[a.txt,b.jsonl]",
+            "optim.grad_clip=null",
+            "resume=auto",
+        ],
+        backend="fsdp1",
+    )
     assert config.optim.lr == 1e-3 and config.max_steps == 20 and config.optim.grad_clip is None
     assert config.bridge.strategy.value == "shard_grad_op" and config.bridge.backend.value == "fsdp1"
     assert config.data.files == ("a.txt", "b.jsonl") and config.resume == "auto"
@@ -155,8 +184,10 @@ def test_slurm_and_torchrun_commands_of_the_hsdp_example_are_valid(tmp_path, mon
     (tmp_path / "tokenizers/llama").mkdir(parents=True)
     env = {"SLURM_JOB_ID": "42", "HEAD_NODE": "node001"}
     srun = next(line for line in script.splitlines() if line.startswith("srun fsdp-bridge train"))
-    argv = [a.replace("$SLURM_JOB_ID", env["SLURM_JOB_ID"]).replace("$HEAD_NODE", env["HEAD_NODE"])
-            for a in shlex.split(srun)[2:]]
+    argv = [
+        a.replace("$SLURM_JOB_ID", env["SLURM_JOB_ID"]).replace("$HEAD_NODE", env["HEAD_NODE"])
+        for a in shlex.split(srun)[2:]
+    ]
     argv = [str(EXAMPLES / "hsdp_2x8.yaml") if a == "examples/hsdp_2x8.yaml" else a for a in argv]
     assert main([*argv, "--dry-run"]) == 0
     out = capsys.readouterr().out
@@ -168,7 +199,8 @@ def test_slurm_and_torchrun_commands_of_the_hsdp_example_are_valid(tmp_path, mon
     # Inside torchrun each process is one rank: the same config is valid at world 16, 8 per node.
     config = load_train_config(EXAMPLES / "hsdp_2x8.yaml")
     assert preflight(config, world_size=16, local_world_size=8, device_type="cuda") == [
-        "mesh (2, 8) (replicate, shard) for 16 ranks"]
+        "mesh (2, 8) (replicate, shard) for 16 ranks"
+    ]
     with pytest.raises(ConfigError, match=r"hybrid_shape: got \[2, 8\]; allowed: two integers whose product"):
         preflight(config, world_size=8, local_world_size=8)
 
@@ -190,14 +222,23 @@ def test_docs_list_every_config_field() -> None:
 
 
 def test_learning_rate_schedule() -> None:
-    config = load_train_config(None, ["optim.lr=1.0", "schedule.warmup_steps=4", "max_steps=14",
-                                      "schedule.min_lr_ratio=0.1"])
+    config = load_train_config(
+        None, ["optim.lr=1.0", "schedule.warmup_steps=4", "max_steps=14", "schedule.min_lr_ratio=0.1"]
+    )
     lrs = [lr_at(config, s) for s in range(14)]
     assert lrs[:4] == [0.25, 0.5, 0.75, 1.0]
     assert lrs[4] == 1.0 and math.isclose(lrs[-1], 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.9)))
     assert all(a >= b for a, b in itertools.pairwise(lrs[3:]))
-    linear = load_train_config(None, ["optim.lr=1.0", "schedule.decay=linear", "max_steps=10",
-                                      "schedule.warmup_steps=0", "schedule.min_lr_ratio=0.0"])
+    linear = load_train_config(
+        None,
+        [
+            "optim.lr=1.0",
+            "schedule.decay=linear",
+            "max_steps=10",
+            "schedule.warmup_steps=0",
+            "schedule.min_lr_ratio=0.0",
+        ],
+    )
     assert [lr_at(linear, s) for s in (0, 5, 10)] == [1.0, 0.5, 0.0]
 
 
@@ -235,12 +276,18 @@ def test_data_is_packed_split_and_sharded_without_overlap() -> None:
     ("overrides", "expected"),
     [
         (["model.config.model_type=lama"], r"model\.config\.model_type: got 'lama'.*did you mean 'llama'"),
-        (["model.config.hidden_size=100", "model.config.num_attention_heads=3"],
-         r"model\.config: got 'llama'.*not a multiple of the number of attention heads"),
-        (["model.config.model_type=gpt2", "model.config.hidden_size=100", "model.config.num_attention_heads=3"],
-         r"model\.config: got 'gpt2'.*divisible by num_heads"),
-        (["model.config.model_type=gpt2", "model.config.max_position_embeddings=64"],
-         r"data\.seq_len: got 128; allowed: at most 64 \(the size of transformer\.wpe"),
+        (
+            ["model.config.hidden_size=100", "model.config.num_attention_heads=3"],
+            r"model\.config: got 'llama'.*not a multiple of the number of attention heads",
+        ),
+        (
+            ["model.config.model_type=gpt2", "model.config.hidden_size=100", "model.config.num_attention_heads=3"],
+            r"model\.config: got 'gpt2'.*divisible by num_heads",
+        ),
+        (
+            ["model.config.model_type=gpt2", "model.config.max_position_embeddings=64"],
+            r"data\.seq_len: got 128; allowed: at most 64 \(the size of transformer\.wpe",
+        ),
         (["optim.lr=.nan"], r"optim\.lr: got nan; allowed: a finite number > 0"),
         (["optim.lr=.inf"], r"optim\.lr: got inf; allowed: a finite number > 0"),
         (["optim.weight_decay=-0.1"], r"optim\.weight_decay: got -0\.1"),
@@ -268,8 +315,9 @@ def test_preflight_reads_jsonl_keys_launch_flags_and_points_to_moved_keys(tmp_pa
     assert main(["train", "--dry-run", f"output_dir={tmp_path}/out", "--nnodes", "0"]) == 2
     assert "--nnodes: got 0; allowed: an integer >= 1" in capsys.readouterr().err
     with pytest.raises(ConfigError) as info:
-        load_train_config(_write(tmp_path, "model: {config: {model_type: llama}}\nlr: 1.0e-3\n"
-                                           "optim: {learning_rate: 1.0e-3}\n"))
+        load_train_config(
+            _write(tmp_path, "model: {config: {model_type: llama}}\nlr: 1.0e-3\noptim: {learning_rate: 1.0e-3}\n")
+        )
     assert "lr: got 0.001" in str(info.value) and str(info.value).count("did you mean 'optim.lr'?") == 2
     # The built-in job passes, with the mesh in the notes; a model the meta device cannot run is a note, not an error.
     assert main(["train", "--dry-run", f"output_dir={tmp_path}/out"]) == 0

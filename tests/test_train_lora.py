@@ -26,10 +26,17 @@ def test_lora_example_trains_through_the_cli_and_its_adapter_loads_in_peft(tmp_p
     out = tmp_path / "run"
     proc = subprocess.run(
         [sys.executable, "-m", "fsdp_bridge", "train", str(EXAMPLE), f"output_dir={out}", "--nproc-per-node", "2"],
-        capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "LlamaForCausalLM (0.14M parameters) + LoRA r=8 (7,168 trainable)" in proc.stderr and "2 ranks on cpu" in proc.stderr, proc.stderr[-2000:]
+    assert (
+        "LlamaForCausalLM (0.14M parameters) + LoRA r=8 (7,168 trainable)" in proc.stderr
+        and "2 ranks on cpu" in proc.stderr
+    ), proc.stderr[-2000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in records]
     assert len(losses) == 10 and all(math.isfinite(x) for x in losses), losses
@@ -37,8 +44,11 @@ def test_lora_example_trains_through_the_cli_and_its_adapter_loads_in_peft(tmp_p
     adapter = out / "adapter"
     assert (adapter / "adapter_config.json").is_file() and (adapter / "adapter_model.safetensors").is_file()
     saved = json.loads((adapter / "adapter_config.json").read_text())
-    assert saved["r"] == 8 and saved["lora_alpha"] == 16 and sorted(saved["target_modules"]) == \
-        ["k_proj", "o_proj", "q_proj", "v_proj"]
+    assert (
+        saved["r"] == 8
+        and saved["lora_alpha"] == 16
+        and sorted(saved["target_modules"]) == ["k_proj", "o_proj", "q_proj", "v_proj"]
+    )
 
     # The base is the run's own from-scratch model (same seed): rebuild it as the run did, load the adapter.
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -67,8 +77,17 @@ def test_lora_example_trains_through_the_cli_and_its_adapter_loads_in_peft(tmp_p
 
 def test_peft_section_errors_name_the_value_what_is_allowed_and_the_fix() -> None:
     with pytest.raises(ConfigError) as err:
-        load_train_config(EXAMPLE, ["peft.r=0", "peft.alpha=-1", "peft.dropout=1.5", "peft.rank=4",
-                                    "peft.lora_alpha=8", "peft.target_modules=[]"])
+        load_train_config(
+            EXAMPLE,
+            [
+                "peft.r=0",
+                "peft.alpha=-1",
+                "peft.dropout=1.5",
+                "peft.rank=4",
+                "peft.lora_alpha=8",
+                "peft.target_modules=[]",
+            ],
+        )
     text = str(err.value)
     assert "6 problems" in text, text
     assert "peft.r: got 0; allowed: an integer >= 1" in text
@@ -88,12 +107,17 @@ def test_peft_section_errors_name_the_value_what_is_allowed_and_the_fix() -> Non
 
 def test_preflight_names_target_modules_that_match_nothing_and_4bit_bases_on_cpu(tmp_path: Path) -> None:
     config = load_train_config(EXAMPLE, [f"output_dir={tmp_path}", "peft.target_modules=[qproj]"])
-    with pytest.raises(ConfigError, match=r"peft.target_modules: got \['qproj'\]; allowed: names of modules in "
-                       r"LlamaForCausalLM: down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj"):
+    with pytest.raises(
+        ConfigError,
+        match=r"peft.target_modules: got \['qproj'\]; allowed: names of modules in "
+        r"LlamaForCausalLM: down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj",
+    ):
         preflight(config, world_size=2, device_type="cpu")
     # bridge.device: auto is resolved by the launcher: on a CPU-only machine the 4-bit base is refused there.
-    config = load_train_config(EXAMPLE, [f"output_dir={tmp_path}", "bridge.device=auto",
-                                         "model.config.quantization_config={load_in_4bit: true}"])
+    config = load_train_config(
+        EXAMPLE,
+        [f"output_dir={tmp_path}", "bridge.device=auto", "model.config.quantization_config={load_in_4bit: true}"],
+    )
     with pytest.raises(ConfigError, match=r"model.config: .*bitsandbytes 4-bit weights \(QLoRA\) need CUDA"):
         preflight(config, world_size=2, device_type="cpu")
     assert preflight(load_train_config(EXAMPLE, [f"output_dir={tmp_path}"]), world_size=2, device_type="cpu")
@@ -109,8 +133,9 @@ def test_peft_not_installed_names_the_install_command(monkeypatch: pytest.Monkey
 
 def test_4bit_bases_are_refused_on_cpu_naming_the_reason() -> None:
     with pytest.raises(ConfigError, match=r"model.config.quantization_config: .*4-bit.*need CUDA.*on cpu"):
-        load_train_config(EXAMPLE, ["model.config.quantization_config={load_in_4bit: true, "
-                                    "quant_method: bitsandbytes}"])
+        load_train_config(
+            EXAMPLE, ["model.config.quantization_config={load_in_4bit: true, quant_method: bitsandbytes}"]
+        )
     from fsdp_bridge.testing.models import build_tiny
 
     model = build_tiny("llama", seed=0)

@@ -16,9 +16,15 @@ from fsdp_bridge.testing import run_distributed
 
 # A small model and short sequences: each train() call below takes a few seconds.
 TINY = [
-    "model.config.hidden_size=32", "model.config.intermediate_size=64", "model.config.num_hidden_layers=2",
-    "model.tokenizer_vocab_size=400", "data.seq_len=32", "data.eval_sequences=8", "micro_batch_size=2",
-    "eval_interval=2", "checkpoint.keep_last=null",
+    "model.config.hidden_size=32",
+    "model.config.intermediate_size=64",
+    "model.config.num_hidden_layers=2",
+    "model.tokenizer_vocab_size=400",
+    "data.seq_len=32",
+    "data.eval_sequences=8",
+    "micro_batch_size=2",
+    "eval_interval=2",
+    "checkpoint.keep_last=null",
 ]
 
 
@@ -30,9 +36,21 @@ def test_default_job_runs_end_to_end_through_the_cli(tmp_path: Path) -> None:
     out = tmp_path / "run"
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(
-        [sys.executable, "-m", "fsdp_bridge", "train", f"output_dir={out}", "max_steps=12", "eval_interval=6",
-         "checkpoint.interval=6"],
-        capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path,
+        [
+            sys.executable,
+            "-m",
+            "fsdp_bridge",
+            "train",
+            f"output_dir={out}",
+            "max_steps=12",
+            "eval_interval=6",
+            "checkpoint.interval=6",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     records = _metrics(out)
@@ -53,8 +71,9 @@ def test_default_job_runs_end_to_end_through_the_cli(tmp_path: Path) -> None:
     from fsdp_bridge.train import TrainConfig, load_train_config
 
     used = load_train_config(out / "train_config.yaml")
-    assert used == load_train_config(None, [f"output_dir={out}", "max_steps=12", "eval_interval=6",
-                                            "checkpoint.interval=6"])
+    assert used == load_train_config(
+        None, [f"output_dir={out}", "max_steps=12", "eval_interval=6", "checkpoint.interval=6"]
+    )
     assert isinstance(used, TrainConfig)
     # The output directory is a Hugging Face model directory with the trained weights.
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -80,15 +99,24 @@ def _resume_and_finetune(root: str) -> dict[str, Any]:
     base = Path(root)
     results: dict[str, Any] = {}
     for backend, kind, accum in (("fsdp2", "sharded", 2), ("fsdp1", "full", 1)):
-        common = [f"bridge.backend={backend}", f"checkpoint.kind={kind}", f"grad_accum={accum}",
-                  "schedule.warmup_steps=2", "schedule.decay_steps=8"]
+        common = [
+            f"bridge.backend={backend}",
+            f"checkpoint.kind={kind}",
+            f"grad_accum={accum}",
+            "schedule.warmup_steps=2",
+            "schedule.decay_steps=8",
+        ]
         whole = train(_tiny_config(base / f"{backend}-whole", *common, "max_steps=8"), verbosity="quiet")
         # Interrupted after step 4 (its last checkpoint), then resumed to step 8.
         train(_tiny_config(base / f"{backend}-split", *common, "max_steps=4"), verbosity="quiet")
-        resumed = train(_tiny_config(base / f"{backend}-split", *common, "max_steps=8", "resume=auto"),
-                        verbosity="quiet")
-        results[backend] = {"whole": whole.final_loss, "resumed": resumed.final_loss,
-                            "resumed_from": resumed.resumed_from}
+        resumed = train(
+            _tiny_config(base / f"{backend}-split", *common, "max_steps=8", "resume=auto"), verbosity="quiet"
+        )
+        results[backend] = {
+            "whole": whole.final_loss,
+            "resumed": resumed.final_loss,
+            "resumed_from": resumed.resumed_from,
+        }
     # Fine-tune a GPT-2 style directory with tied embeddings.
     ckpt_dir = base / "gpt2-dir"
     if dist.get_rank() == 0:
@@ -103,10 +131,21 @@ def _resume_and_finetune(root: str) -> dict[str, Any]:
     from fsdp_bridge.train import load_train_config
 
     example = Path(__file__).resolve().parents[1] / "examples" / "finetune_gpt2.yaml"
-    config = load_train_config(example, [f"model.path={ckpt_dir}", "model.attn_implementation=eager",
-                                         f"output_dir={base / 'gpt2-run'}", "data.seq_len=32", "max_steps=3",
-                                         "eval_interval=3", "micro_batch_size=2", "grad_accum=1",
-                                         "schedule.warmup_steps=0", "bridge.device=cpu"])
+    config = load_train_config(
+        example,
+        [
+            f"model.path={ckpt_dir}",
+            "model.attn_implementation=eager",
+            f"output_dir={base / 'gpt2-run'}",
+            "data.seq_len=32",
+            "max_steps=3",
+            "eval_interval=3",
+            "micro_batch_size=2",
+            "grad_accum=1",
+            "schedule.warmup_steps=0",
+            "bridge.device=cpu",
+        ],
+    )
     ft = train(config, verbosity="quiet")
     results["gpt2"] = {"steps": ft.steps, "eval_loss": ft.eval_loss}
     return results
@@ -180,8 +219,7 @@ def test_sigterm_saves_at_the_next_step_and_names_the_resume_command(tmp_path: P
     assert not (out / "summary.json").exists()
     # The command it names resumes from that step (here to two more steps): run as each of 2 ranks runs
     # it under torchrun (the launcher itself was exercised above).
-    codes = run_distributed(_cli_as_a_rank, 2, args=([*cmd[3:], "--resume", f"max_steps={step + 2}"],),
-                            timeout_s=300)
+    codes = run_distributed(_cli_as_a_rank, 2, args=([*cmd[3:], "--resume", f"max_steps={step + 2}"],), timeout_s=300)
     assert codes == [0, 0], codes
     assert [r["step"] for r in _metrics(out)] == list(range(1, step + 3))
     assert json.loads((out / "summary.json").read_text())["steps"] == step + 2

@@ -31,11 +31,19 @@ def _tiny_clip() -> nn.Module:
 
     torch.manual_seed(0)
     config = CLIPConfig(
-        text_config=dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                         num_attention_heads=2, max_position_embeddings=16),
-        vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                           image_size=8, patch_size=4),
-        projection_dim=8)
+        text_config=dict(
+            vocab_size=64,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            max_position_embeddings=16,
+        ),
+        vision_config=dict(
+            hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=8, patch_size=4
+        ),
+        projection_dim=8,
+    )
     config._attn_implementation = "eager"
     return CLIPModel(config)
 

@@ -45,8 +45,9 @@ class BackendImpl(Protocol):
         """Clip gradients by their global norm across all shards and replicas; return that norm."""
         ...
 
-    def summon_full_params(self, model: nn.Module, *, writeback: bool, rank0_only: bool = False,
-                           offload_to_cpu: bool = False) -> AbstractContextManager[None]:
+    def summon_full_params(
+        self, model: nn.Module, *, writeback: bool, rank0_only: bool = False, offload_to_cpu: bool = False
+    ) -> AbstractContextManager[None]:
         """Inside the context, the model's parameters are full, unsharded tensors (on rank 0 only
         with ``rank0_only``; CPU copies with ``offload_to_cpu``)."""
         ...

@@ -179,8 +179,9 @@ class FSDP1Backend:
         return model.clip_grad_norm_(max_norm, norm_type)
 
     @contextmanager
-    def summon_full_params(self, model: nn.Module, *, writeback: bool, rank0_only: bool = False,
-                           offload_to_cpu: bool = False) -> Iterator[None]:
+    def summon_full_params(
+        self, model: nn.Module, *, writeback: bool, rank0_only: bool = False, offload_to_cpu: bool = False
+    ) -> Iterator[None]:
         # FSDP1 keeps in-place changes even with writeback=False when the gathered
         # parameter shares storage with the shard (NO_SHARD, world size 1).  The bridge
         # promises they are discarded, so restore this rank's shards (a shard-sized copy).
@@ -188,13 +189,21 @@ class FSDP1Backend:
             # torch's FSDP1 raises NotImplementedError here; say it before anything is gathered.
             from fsdp_bridge.errors import ConfigError, Problem
 
-            raise ConfigError([Problem("summon_full_params", "offload_to_cpu=True", "offload_to_cpu=False with "
-                                       "NO_SHARD on FSDP1 (torch's FSDP1 does not support it)",
-                                       "drop offload_to_cpu: with NO_SHARD every rank already holds full parameters "
-                                       "(copy them with .cpu() inside the context), or use backend fsdp2")])
+            raise ConfigError(
+                [
+                    Problem(
+                        "summon_full_params",
+                        "offload_to_cpu=True",
+                        "offload_to_cpu=False with NO_SHARD on FSDP1 (torch's FSDP1 does not support it)",
+                        "drop offload_to_cpu: with NO_SHARD every rank already holds full parameters "
+                        "(copy them with .cpu() inside the context), or use backend fsdp2",
+                    )
+                ]
+            )
         saved = None if writeback else [t.clone() for t in self.local_tensors(model)]
-        with FullyShardedDataParallel.summon_full_params(model, writeback=writeback, recurse=True,
-                                                         rank0_only=rank0_only, offload_to_cpu=offload_to_cpu):
+        with FullyShardedDataParallel.summon_full_params(
+            model, writeback=writeback, recurse=True, rank0_only=rank0_only, offload_to_cpu=offload_to_cpu
+        ):
             yield
         if saved is not None:
             with torch.no_grad():

@@ -32,13 +32,30 @@ from torch.distributed.fsdp.wrap import (
 
 from fsdp_bridge.errors import ConfigError, Problem
 
-__all__ = ["FSDP1_KWARGS", "describe_policy", "fsdp1_policy_units", "optim_state_dict_to_load", "state_dict_options",
-           "translate_fsdp1_kwargs"]
+__all__ = [
+    "FSDP1_KWARGS",
+    "describe_policy",
+    "fsdp1_policy_units",
+    "optim_state_dict_to_load",
+    "state_dict_options",
+    "translate_fsdp1_kwargs",
+]
 
 FSDP1_KWARGS = (
-    "sharding_strategy", "auto_wrap_policy", "mixed_precision", "cpu_offload", "backward_prefetch",
-    "forward_prefetch", "limit_all_gathers", "use_orig_params", "sync_module_states", "param_init_fn",
-    "device_id", "ignored_modules", "ignored_states", "process_group",
+    "sharding_strategy",
+    "auto_wrap_policy",
+    "mixed_precision",
+    "cpu_offload",
+    "backward_prefetch",
+    "forward_prefetch",
+    "limit_all_gathers",
+    "use_orig_params",
+    "sync_module_states",
+    "param_init_fn",
+    "device_id",
+    "ignored_modules",
+    "ignored_states",
+    "process_group",
 )
 """FullyShardedDataParallel's keyword arguments that :func:`translate_fsdp1_kwargs` reads."""
 
@@ -95,8 +112,9 @@ def _wrap_value(policy: object, problems: list[Problem]) -> object:
     if (p := _partial_of(policy, lambda_auto_wrap_policy)) is not None:
         fn = p.keywords.get("lambda_fn")
         if not callable(fn):
-            problems.append(Problem("auto_wrap_policy", describe_policy(policy),
-                                    "lambda_auto_wrap_policy(lambda_fn=f)"))
+            problems.append(
+                Problem("auto_wrap_policy", describe_policy(policy), "lambda_auto_wrap_policy(lambda_fn=f)")
+            )
             return "none"
         return fn
     if isinstance(policy, ModuleWrapPolicy):
@@ -107,18 +125,30 @@ def _wrap_value(policy: object, problems: list[Problem]) -> object:
         def chosen(module: nn.Module) -> bool:
             result = lambda_fn(module)
             if isinstance(result, Mapping) and result:
-                raise ConfigError([Problem("auto_wrap_policy", describe_policy(policy),
-                                           "a CustomPolicy whose function returns True or False",
-                                           f"it returned per-unit FSDP1 arguments {dict(result)} for "
-                                           f"{type(module).__name__}; FSDP2 units share one config")])
+                raise ConfigError(
+                    [
+                        Problem(
+                            "auto_wrap_policy",
+                            describe_policy(policy),
+                            "a CustomPolicy whose function returns True or False",
+                            f"it returned per-unit FSDP1 arguments {dict(result)} for "
+                            f"{type(module).__name__}; FSDP2 units share one config",
+                        )
+                    ]
+                )
             return bool(result)
 
         chosen.__qualname__ = describe_policy(policy)
         return chosen
     if callable(policy):
         return _Fsdp1Policy(policy)
-    problems.append(Problem("auto_wrap_policy", policy, "None, a functools.partial of a torch wrap policy, "
-                            "ModuleWrapPolicy, CustomPolicy or a policy function"))
+    problems.append(
+        Problem(
+            "auto_wrap_policy",
+            policy,
+            "None, a functools.partial of a torch wrap policy, ModuleWrapPolicy, CustomPolicy or a policy function",
+        )
+    )
     return "none"
 
 
@@ -136,8 +166,9 @@ class _Fsdp1Policy:
         return fsdp1_policy_units(model, self.policy, ignored)
 
 
-def fsdp1_policy_units(model: nn.Module, policy: Callable[..., Any],
-                       ignored: Iterable[nn.Module] = ()) -> list[nn.Module]:
+def fsdp1_policy_units(
+    model: nn.Module, policy: Callable[..., Any], ignored: Iterable[nn.Module] = ()
+) -> list[nn.Module]:
     """The modules FSDP1's auto-wrap recursion would wrap in ``model`` (the root excluded).
 
     The same traversal as torch's ``_recursive_wrap``: a module is descended into when
@@ -183,8 +214,14 @@ def _mixed_precision_value(mp: object, problems: list[Problem]) -> object:
         problems.append(Problem("mixed_precision", mp, "None or torch.distributed.fsdp.MixedPrecision(...)"))
         return "fp32"
     if mp.keep_low_precision_grads:
-        problems.append(Problem("mixed_precision.keep_low_precision_grads", True, "False",
-                                "FSDP2 keeps gradients in the parameters' dtype; drop keep_low_precision_grads"))
+        problems.append(
+            Problem(
+                "mixed_precision.keep_low_precision_grads",
+                True,
+                "False",
+                "FSDP2 keeps gradients in the parameters' dtype; drop keep_low_precision_grads",
+            )
+        )
     return {
         "param_dtype": mp.param_dtype,
         "reduce_dtype": mp.reduce_dtype,
@@ -206,11 +243,23 @@ def translate_fsdp1_kwargs(kwargs: Mapping[str, Any]) -> tuple[dict[str, Any], l
     out: dict[str, Any] = {}
     for key, value in kwargs.items():
         if key == "device_mesh":
-            problems.append(Problem("device_mesh", value, "passed to shard(), not to the config",
-                                    "fsdp_bridge.shard(model, BridgeConfig.from_fsdp1(...), mesh=device_mesh)"))
+            problems.append(
+                Problem(
+                    "device_mesh",
+                    value,
+                    "passed to shard(), not to the config",
+                    "fsdp_bridge.shard(model, BridgeConfig.from_fsdp1(...), mesh=device_mesh)",
+                )
+            )
         elif key not in FSDP1_KWARGS:
-            problems.append(Problem(key, value, f"a FullyShardedDataParallel argument: {', '.join(FSDP1_KWARGS)}",
-                                    "remove it (module is shard()'s first argument)" if key == "module" else ""))
+            problems.append(
+                Problem(
+                    key,
+                    value,
+                    f"a FullyShardedDataParallel argument: {', '.join(FSDP1_KWARGS)}",
+                    "remove it (module is shard()'s first argument)" if key == "module" else "",
+                )
+            )
     if problems:
         raise ConfigError(problems)
     if "sharding_strategy" in kwargs:
@@ -232,44 +281,70 @@ def translate_fsdp1_kwargs(kwargs: Mapping[str, Any]) -> tuple[dict[str, Any], l
         if key in kwargs:
             out[key] = bool(kwargs[key])
     if "use_orig_params" in kwargs and not kwargs["use_orig_params"]:
-        notes.append("use_orig_params=False: the bridge keeps original parameters on both backends (FSDP2 always "
-                     "does); optimizers see the model's own parameters")
+        notes.append(
+            "use_orig_params=False: the bridge keeps original parameters on both backends (FSDP2 always "
+            "does); optimizers see the model's own parameters"
+        )
     if kwargs.get("param_init_fn") is not None and not kwargs.get("sync_module_states"):
         # FSDP1 calls param_init_fn only on modules that hold meta-device tensors; shard() refuses a meta-device
         # model without sync_module_states (before any collective), so a model built on a real device shards as
         # it did under FSDP1 and a meta one gets that error instead of a silent difference.
-        notes.append("param_init_fn without sync_module_states: FSDP1 calls it only for meta-device modules; the "
-                     "model here must be on a real device (a meta-device model is refused by shard() with the fix)")
+        notes.append(
+            "param_init_fn without sync_module_states: FSDP1 calls it only for meta-device modules; the "
+            "model here must be on a real device (a meta-device model is refused by shard() with the fix)"
+        )
     elif kwargs.get("param_init_fn") is not None:
-        notes.append("param_init_fn: meta-device modules are materialised by the bridge and take rank 0's weights "
-                     "(sync_module_states)")
+        notes.append(
+            "param_init_fn: meta-device modules are materialised by the bridge and take rank 0's weights "
+            "(sync_module_states)"
+        )
     if "device_id" in kwargs:
         out["device"] = _device_value(kwargs["device_id"], problems)
     ignored = kwargs.get("ignored_modules") or kwargs.get("ignored_states")
     if ignored and all(isinstance(n, str) for n in ignored):
         out["ignored_modules"] = tuple(ignored)  # already names (the codemod writes them so)
     elif ignored:
-        problems.append(Problem("ignored_modules", f"<{len(list(ignored))} module objects>",
-                                "module names: BridgeConfig(ignored_modules=['path.to.module', 'ClassName'])",
-                                "name the modules in the config; module objects are only known with the model"))
+        problems.append(
+            Problem(
+                "ignored_modules",
+                f"<{len(list(ignored))} module objects>",
+                "module names: BridgeConfig(ignored_modules=['path.to.module', 'ClassName'])",
+                "name the modules in the config; module objects are only known with the model",
+            )
+        )
     group = kwargs.get("process_group")
     if group is not None:
         import torch.distributed as dist
 
-        world_group = isinstance(group, dist.ProcessGroup) and dist.is_initialized() and \
-            dist.get_world_size(group) == dist.get_world_size()
+        world_group = (
+            isinstance(group, dist.ProcessGroup)
+            and dist.is_initialized()
+            and dist.get_world_size(group) == dist.get_world_size()
+        )
         if not world_group:
-            problems.append(Problem("process_group", group, "None (every rank)",
-                                    "for HYBRID_SHARD build a 2D DeviceMesh (init_device_mesh(..., (replicate, "
-                                    "shard))) and pass it as shard(..., mesh=mesh)"))
+            problems.append(
+                Problem(
+                    "process_group",
+                    group,
+                    "None (every rank)",
+                    "for HYBRID_SHARD build a 2D DeviceMesh (init_device_mesh(..., (replicate, "
+                    "shard))) and pass it as shard(..., mesh=mesh)",
+                )
+            )
     if problems:
         raise ConfigError(problems)
     return out, notes
 
 
-def state_dict_options(state_dict_type: object, state_dict_config: object = None,
-                       optim_state_dict_config: object = None, *, optimizer: bool = False,
-                       load: bool = False, strict: bool = True) -> Any:
+def state_dict_options(
+    state_dict_type: object,
+    state_dict_config: object = None,
+    optim_state_dict_config: object = None,
+    *,
+    optimizer: bool = False,
+    load: bool = False,
+    strict: bool = True,
+) -> Any:
     """torch's ``StateDictOptions`` meaning what FSDP1's ``state_dict_type`` settings meant.
 
     ``migrate code --fix`` writes this where a ``with FSDP.state_dict_type(model, sd_type, cfg, optim_cfg):``
@@ -302,15 +377,29 @@ def state_dict_options(state_dict_type: object, state_dict_config: object = None
 
     name = getattr(state_dict_type, "name", state_dict_type)
     if name == "LOCAL_STATE_DICT":
-        raise ConfigError([Problem("state_dict_type", state_dict_type, "FULL_STATE_DICT or SHARDED_STATE_DICT",
-                                   "save SHARDED_STATE_DICT instead (fsdp_bridge.save_checkpoint or "
-                                   "get_model_state_dict + dcp.save); to carry a local checkpoint, load it in "
-                                   "FSDP1, save it sharded, then `fsdp-bridge convert`")])
+        raise ConfigError(
+            [
+                Problem(
+                    "state_dict_type",
+                    state_dict_type,
+                    "FULL_STATE_DICT or SHARDED_STATE_DICT",
+                    "save SHARDED_STATE_DICT instead (fsdp_bridge.save_checkpoint or "
+                    "get_model_state_dict + dcp.save); to carry a local checkpoint, load it in "
+                    "FSDP1, save it sharded, then `fsdp-bridge convert`",
+                )
+            ]
+        )
     if name not in ("FULL_STATE_DICT", "SHARDED_STATE_DICT"):
-        raise ConfigError([Problem("state_dict_type", state_dict_type,
-                                   "a torch.distributed.fsdp.StateDictType member: FULL_STATE_DICT or "
-                                   "SHARDED_STATE_DICT", "pass StateDictType.FULL_STATE_DICT or "
-                                   "StateDictType.SHARDED_STATE_DICT")])
+        raise ConfigError(
+            [
+                Problem(
+                    "state_dict_type",
+                    state_dict_type,
+                    "a torch.distributed.fsdp.StateDictType member: FULL_STATE_DICT or SHARDED_STATE_DICT",
+                    "pass StateDictType.FULL_STATE_DICT or StateDictType.SHARDED_STATE_DICT",
+                )
+            ]
+        )
     config = optim_state_dict_config if optimizer else state_dict_config
     full = name == "FULL_STATE_DICT"
     if load:
@@ -321,8 +410,9 @@ def state_dict_options(state_dict_type: object, state_dict_config: object = None
     return StateDictOptions(cpu_offload=offload)
 
 
-def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: Mapping[str, Any],
-                             options: Any = None) -> dict[str, Any]:
+def optim_state_dict_to_load(
+    model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: Mapping[str, Any], options: Any = None
+) -> dict[str, Any]:
     """FSDP1's ``FSDP.optim_state_dict_to_load`` for code that loads the result afterwards.
 
     ``migrate code --fix`` writes this where the result of ``FSDP.optim_state_dict_to_load(...)`` is
@@ -343,6 +433,10 @@ def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, opt
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-    set_optimizer_state_dict(model, optim, dict(optim_state_dict),
-                             options=options if options is not None else StateDictOptions(full_state_dict=True))
+    set_optimizer_state_dict(
+        model,
+        optim,
+        dict(optim_state_dict),
+        options=options if options is not None else StateDictOptions(full_state_dict=True),
+    )
     return optim.state_dict()

@@ -138,8 +138,9 @@ class FSDP2Backend:
         return total_norm
 
     @contextmanager
-    def summon_full_params(self, model: nn.Module, *, writeback: bool, rank0_only: bool = False,
-                           offload_to_cpu: bool = False) -> Iterator[None]:
+    def summon_full_params(
+        self, model: nn.Module, *, writeback: bool, rank0_only: bool = False, offload_to_cpu: bool = False
+    ) -> Iterator[None]:
         with _full_params(model, writeback=writeback, rank0_only=rank0_only, offload_to_cpu=offload_to_cpu):
             yield
 
@@ -158,8 +159,9 @@ def _no_sync(model: nn.Module) -> Iterator[None]:
 
 
 @contextmanager
-def _full_params(model: nn.Module, *, writeback: bool, rank0_only: bool = False,
-                 offload_to_cpu: bool = False) -> Iterator[None]:
+def _full_params(
+    model: nn.Module, *, writeback: bool, rank0_only: bool = False, offload_to_cpu: bool = False
+) -> Iterator[None]:
     """Swap every DTensor parameter for a full copy; on exit restore (and write back shards).
 
     ``rank0_only``: every rank takes part in the gather (a collective), only rank 0 swaps.

@@ -72,6 +72,7 @@ SaveKind = Literal["sharded", "full", "adapter", "merged"]
 # helpers
 # --------------------------------------------------------------------------------------
 
+
 def _rank_world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
@@ -189,6 +190,7 @@ def _stats(shapes: Mapping[str, tuple[tuple[int, ...], str]], tied: list[list[st
 # save
 # --------------------------------------------------------------------------------------
 
+
 def _describe_and_publish(
     staging: Path,
     path: Path,
@@ -287,8 +289,10 @@ def _check_save_args(path: str | os.PathLike[str], keep_last: int | None, state:
     check_state(state)
     path = Path(path)
     if path.name.startswith(".") or path.name in ("", ".."):
-        raise ValueError(f"path {str(path)!r} must name a directory that does not start with '.' "
-                         "(dot-names are reserved for interrupted saves)")
+        raise ValueError(
+            f"path {str(path)!r} must name a directory that does not start with '.' "
+            "(dot-names are reserved for interrupted saves)"
+        )
     check_replaceable(path)  # every rank, before any collective: never replace the user's files
     return path
 
@@ -335,24 +339,45 @@ def save_checkpoint(
         CheckpointError: on every rank, when ``path`` cannot be written or is not ours to replace.
     """
     if kind == "adapter" or kind == "merged":
-        return _peft.save_peft(path, model, kind, full_state_dict=full_state_options(model),
-                               max_shard_size=max_shard_size)
+        return _peft.save_peft(
+            path, model, kind, full_state_dict=full_state_options(model), max_shard_size=max_shard_size
+        )
     if kind not in ("sharded", "full"):
-        raise ValueError(f"kind must be 'sharded', 'full', 'adapter' or 'merged' (got {kind!r}); "
-                         "'sharded' for resuming, 'full' for a Hugging Face directory, 'adapter'/'merged' "
-                         "for a PEFT model's adapters or its base with them merged")
+        raise ValueError(
+            f"kind must be 'sharded', 'full', 'adapter' or 'merged' (got {kind!r}); "
+            "'sharded' for resuming, 'full' for a Hugging Face directory, 'adapter'/'merged' "
+            "for a PEFT model's adapters or its base with them merged"
+        )
     path = _check_save_args(path, keep_last, state)
     rank, world = _rank_world()
     try:
-        return _save(path, model, optimizer, kind=kind, state=state, keep_last=keep_last,
-                     max_shard_size=max_shard_size, rank=rank, world=world)
+        return _save(
+            path,
+            model,
+            optimizer,
+            kind=kind,
+            state=state,
+            keep_last=keep_last,
+            max_shard_size=max_shard_size,
+            rank=rank,
+            world=world,
+        )
     finally:
         release_save_lock(path)
 
 
-def _save(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, *, kind: str,
-          state: dict[str, Any] | None, keep_last: int | None, max_shard_size: int | str, rank: int,
-          world: int) -> Path:
+def _save(
+    path: Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    *,
+    kind: str,
+    state: dict[str, Any] | None,
+    keep_last: int | None,
+    max_shard_size: int | str,
+    rank: int,
+    world: int,
+) -> Path:
     staging = _on_every_rank(path, "creating the staging directory", lambda: _fresh_staging(path, rank))
 
     tied = _tied_groups(model)
@@ -362,6 +387,7 @@ def _save(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None,
         to_save: dict[str, Any] = {"model": msd}
         if optimizer is not None:
             to_save["optim"] = get_optimizer_state_dict(model, optimizer)
+
         def write_sharded() -> dict[str, int]:
             dcp.save(to_save, storage_writer=dcp.FileSystemWriter(str(staging / DCP_DIR)))
             return _own_checksums(staging, rank)  # each rank its own files, in parallel
@@ -390,8 +416,17 @@ def _save(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None,
     if rank == 0:
         try:
             _describe_and_publish(
-                staging, path, model, kind=kind, state=state, world=world, shapes=shapes, tied=tied,
-                has_optimizer=has_optimizer, keep_last=keep_last, known_checksums=known,
+                staging,
+                path,
+                model,
+                kind=kind,
+                state=state,
+                world=world,
+                shapes=shapes,
+                tied=tied,
+                has_optimizer=has_optimizer,
+                keep_last=keep_last,
+                known_checksums=known,
             )
         except Exception as err:  # tell the other ranks instead of leaving them in a barrier
             error = f"{type(err).__name__}: {err}"
@@ -406,6 +441,7 @@ def _save(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None,
 # --------------------------------------------------------------------------------------
 # load
 # --------------------------------------------------------------------------------------
+
 
 def _template(model: nn.Module) -> dict[str, Any]:
     return get_model_state_dict(model)
@@ -427,8 +463,11 @@ def _read_torch_file(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as err:  # torch raises several types for truncated or non-torch files
-        raise CheckpointError(path, f"cannot be read with torch.load(weights_only=True) ({err}); "
-                                    "it is truncated, corrupt, or holds arbitrary Python objects") from err
+        raise CheckpointError(
+            path,
+            f"cannot be read with torch.load(weights_only=True) ({err}); "
+            "it is truncated, corrupt, or holds arbitrary Python objects",
+        ) from err
     if not isinstance(obj, dict):
         raise CheckpointError(path, f"holds a {type(obj).__name__}, expected a state dict (a dict of tensors)")
     optim = None
@@ -467,8 +506,9 @@ def _chunks(found: Mapping[str, tuple[int, ...]], tied: list[list[str]]) -> list
     return rounds
 
 
-def _optimizer_misfit(osd: Mapping[str, Any], optimizer: torch.optim.Optimizer,
-                      shapes: Mapping[str, tuple[int, ...]]) -> str | None:
+def _optimizer_misfit(
+    osd: Mapping[str, Any], optimizer: torch.optim.Optimizer, shapes: Mapping[str, tuple[int, ...]]
+) -> str | None:
     """Why a full optimizer state dict cannot be loaded into ``optimizer`` of a model whose
     parameters have the (global) ``shapes`` (None if it can).  torch's ``load_state_dict``
     checks none of the per-parameter tensors: a wrong shape would load and fail at the step."""
@@ -476,13 +516,17 @@ def _optimizer_misfit(osd: Mapping[str, Any], optimizer: torch.optim.Optimizer,
     if not isinstance(groups, list) or not isinstance(osd.get("state"), dict):
         return "the optimizer state has no param_groups list or no state mapping"
     if len(groups) != len(optimizer.param_groups):
-        return (f"the optimizer state has {len(groups)} parameter group(s), the optimizer "
-                f"{len(optimizer.param_groups)}; build the optimizer with the groups it was saved with")
+        return (
+            f"the optimizer state has {len(groups)} parameter group(s), the optimizer "
+            f"{len(optimizer.param_groups)}; build the optimizer with the groups it was saved with"
+        )
     for i, (saved, ours) in enumerate(zip(groups, optimizer.param_groups, strict=True)):
         params = saved.get("params") if isinstance(saved, dict) else None
         if not isinstance(params, list) or len(params) != len(ours["params"]):
-            return (f"parameter group {i} holds {len(params) if isinstance(params, list) else params!r} "
-                    f"parameter(s) in the checkpoint, {len(ours['params'])} in the optimizer")
+            return (
+                f"parameter group {i} holds {len(params) if isinstance(params, list) else params!r} "
+                f"parameter(s) in the checkpoint, {len(ours['params'])} in the optimizer"
+            )
     wrong = []
     by_key: Mapping[Any, tuple[int, ...]] = shapes
     if osd["state"] and all(isinstance(k, int) for k in osd["state"]):
@@ -501,8 +545,14 @@ def _optimizer_misfit(osd: Mapping[str, Any], optimizer: torch.optim.Optimizer,
     return None
 
 
-def _load_full(detected: Detected, model: nn.Module, optimizer: torch.optim.Optimizer | None,
-               template: dict[str, Any], tied: list[list[str]], found: Mapping[str, tuple[int, ...]]) -> None:
+def _load_full(
+    detected: Detected,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    template: dict[str, Any],
+    tied: list[list[str]],
+    found: Mapping[str, tuple[int, ...]],
+) -> None:
     """Rank 0 reads the consolidated weights a chunk at a time; each chunk is broadcast and
     every rank keeps its shard.  ``found`` (names and shapes from the headers) is known on
     every rank, so every rank runs the same rounds.  Everything that can be refused (the
@@ -523,7 +573,7 @@ def _load_full(detected: Detected, model: nn.Module, optimizer: torch.optim.Opti
                 if optimizer is not None and detected.meta.get("has_optimizer"):
                     osd = _hf.read_optimizer(detected.path)
             if optimizer is not None and not osd:
-                error = ("holds no optimizer state; call load_checkpoint(path, model) without the optimizer")
+                error = "holds no optimizer state; call load_checkpoint(path, model) without the optimizer"
             elif optimizer is not None:
                 misfit = _optimizer_misfit(osd, optimizer, {k: _size(v) for k, v in template.items()})
                 error = None if misfit is None else f"does not fit the optimizer: {misfit}"
@@ -535,11 +585,13 @@ def _load_full(detected: Detected, model: nn.Module, optimizer: torch.optim.Opti
     distributed = dist.is_initialized()
     if optimizer is not None:  # first: if torch refuses it, the model is still untouched
         try:
-            set_optimizer_state_dict(model, optimizer, osd,
-                                     options=full_state_options(model, broadcast_from_rank0=distributed))
+            set_optimizer_state_dict(
+                model, optimizer, osd, options=full_state_options(model, broadcast_from_rank0=distributed)
+            )
         except (KeyError, ValueError, TypeError, RuntimeError) as err:
-            raise CheckpointError(detected.path, f"the optimizer state does not fit the optimizer "
-                                                 f"({type(err).__name__}: {err})") from None
+            raise CheckpointError(
+                detected.path, f"the optimizer state does not fit the optimizer ({type(err).__name__}: {err})"
+            ) from None
     fill = _aliases_to_fill(tied, set(found))
     options = full_state_options(model, broadcast_from_rank0=distributed, strict=False)
     for names in _chunks(found, tied):
@@ -554,8 +606,15 @@ def _load_full(detected: Detected, model: nn.Module, optimizer: torch.optim.Opti
         del sd
 
 
-def _load_dcp(dcp_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None,
-              key_map: dict[str, str], template: dict[str, Any], tied: list[list[str]], with_optim: bool) -> None:
+def _load_dcp(
+    dcp_dir: Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    key_map: dict[str, str],
+    template: dict[str, Any],
+    tied: list[list[str]],
+    with_optim: bool,
+) -> None:
     """Read a DCP directory into this rank's shards (DCP reshards to the current world).
 
     Everything is read into new tensors first (one more copy of this rank's shards while
@@ -571,8 +630,9 @@ def _load_dcp(dcp_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer 
         try:
             set_optimizer_state_dict(model, optimizer, to_load["optim"])
         except (KeyError, ValueError, TypeError, RuntimeError) as err:
-            raise CheckpointError(dcp_dir, f"the optimizer state does not fit the optimizer "
-                                           f"({type(err).__name__}: {err})") from None
+            raise CheckpointError(
+                dcp_dir, f"the optimizer state does not fit the optimizer ({type(err).__name__}: {err})"
+            ) from None
     set_model_state_dict(model, loaded)
 
 
@@ -603,8 +663,7 @@ def _dcp_key_map(detected: Detected, template: dict[str, Any], tied: list[list[s
         key_map = max((plain, nested), key=lambda m: len(set(m.values()) & set(template)))
     found = {key_map[k]: v[0] for k, v in model_keys.items()}
     expected = {k: _size(v) for k, v in template.items()}
-    compare_keys(detected.dcp_dir, found, expected,
-                 allow_missing=_aliases_to_fill(tied, set(found)))
+    compare_keys(detected.dcp_dir, found, expected, allow_missing=_aliases_to_fill(tied, set(found)))
     # A tied alias missing on disk is filled by loading its source into the same tensor.
     return key_map, has_optim
 
@@ -648,11 +707,13 @@ def load_checkpoint(
     if detected.kind in (Kind.SHARDED, Kind.FULL):
         # Each rank reads the contents of its share of the files; a damaged one refuses the load everywhere.
         part = _rank_world()
-        _on_every_rank(detected.path, "verifying the checkpoint's files",
-                       lambda: verify_manifest(detected, part=part))
+        _on_every_rank(detected.path, "verifying the checkpoint's files", lambda: verify_manifest(detected, part=part))
     if optimizer is not None and detected.kind in (Kind.SHARDED, Kind.FULL) and not detected.meta.get("has_optimizer"):
-        raise CheckpointError(detected.path, "holds no optimizer state (it was saved without an optimizer); "
-                                             "call load_checkpoint(path, model) without the optimizer")
+        raise CheckpointError(
+            detected.path,
+            "holds no optimizer state (it was saved without an optimizer); "
+            "call load_checkpoint(path, model) without the optimizer",
+        )
     rank, world = _rank_world()
     ours = detected.kind in (Kind.SHARDED, Kind.FULL)
     saved_world = detected.meta.get("world_size")
@@ -670,8 +731,10 @@ def load_checkpoint(
     if detected.kind in (Kind.SHARDED, Kind.DCP):
         key_map, has_optim = _dcp_key_map(detected, template, tied)
         if optimizer is not None and not has_optim:
-            raise CheckpointError(detected.dcp_dir, "holds no optimizer keys ('optim.*'); "
-                                                    "call load_checkpoint(path, model) without the optimizer")
+            raise CheckpointError(
+                detected.dcp_dir,
+                "holds no optimizer keys ('optim.*'); call load_checkpoint(path, model) without the optimizer",
+            )
         _load_dcp(detected.dcp_dir, model, optimizer, key_map, template, tied, with_optim=has_optim)
         # Tied aliases stored only once resolve through the shared parameter.
     else:
@@ -690,10 +753,10 @@ def load_checkpoint(
     return state
 
 
-
 # --------------------------------------------------------------------------------------
 # pretrained weights into a sharded model
 # --------------------------------------------------------------------------------------
+
 
 def load_pretrained(
     model_or_builder: nn.Module | Callable[[], nn.Module],
@@ -738,16 +801,18 @@ def load_pretrained(
         with init_empty_weights(include_buffers=False):
             model = model_or_builder()
         if not isinstance(model, nn.Module):
-            raise TypeError(f"the builder passed to load_pretrained returned {type(model).__name__}, "
-                            "expected an nn.Module")
+            raise TypeError(
+                f"the builder passed to load_pretrained returned {type(model).__name__}, expected an nn.Module"
+            )
         # init_empty_weights re-creates each parameter on the meta device, which unties
         # shared ones (GPT-2's lm_head / wte): tie them again as the model's config says.
         tie = getattr(model, "tie_weights", None)
         if hf.is_hf_model(model) and callable(tie):
             tie()
     else:
-        raise TypeError(f"model_or_builder must be an nn.Module or a callable returning one "
-                        f"(got {type(model_or_builder).__name__})")
+        raise TypeError(
+            f"model_or_builder must be an nn.Module or a callable returning one (got {type(model_or_builder).__name__})"
+        )
     detect(path)  # a missing or incomplete path fails before sharding
     persistent = set(model.state_dict().keys())
     meta_buffers = [n for n, b in model.named_buffers() if b.is_meta and n not in persistent]
@@ -755,7 +820,8 @@ def load_pretrained(
         raise ValueError(
             f"buffers {', '.join(meta_buffers)} are on the meta device and are not stored in checkpoints, so "
             "they cannot be filled; build the model with accelerate.init_empty_weights(include_buffers=False) "
-            "or pass a builder: load_pretrained(lambda: AutoModelForCausalLM.from_config(cfg), path, config)")
+            "or pass a builder: load_pretrained(lambda: AutoModelForCausalLM.from_config(cfg), path, config)"
+        )
     # Buffers that checkpoints do not hold (e.g. RoPE inv_freq): keep their values across sharding,
     # which turns meta modules into uninitialised memory.
     kept = {n: b.detach().clone() for n, b in model.named_buffers() if n not in persistent}

@@ -173,8 +173,17 @@ def save_checkpoint_async(
         raise
 
 
-def _start(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, staging: Path, *,
-           state: dict[str, Any] | None, keep_last: int | None, rank: int, world: int) -> AsyncCheckpoint:
+def _start(
+    path: Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    staging: Path,
+    *,
+    state: dict[str, Any] | None,
+    keep_last: int | None,
+    rank: int,
+    world: int,
+) -> AsyncCheckpoint:
     group = _io_group()
 
     tied = _tied_groups(model)
@@ -215,6 +224,7 @@ def _start(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None
             )
 
     # With the default (thread) checkpointer, async_save returns a concurrent Future.
-    pending = _PENDING[model] = AsyncCheckpoint(path, cast("Future[Any]", future), finish,
-                                                lambda: release_save_lock(path))
+    pending = _PENDING[model] = AsyncCheckpoint(
+        path, cast("Future[Any]", future), finish, lambda: release_save_lock(path)
+    )
     return pending

@@ -56,9 +56,12 @@ class SaveLock:
             except OSError:
                 holder = os.read(fd, 4096).decode(errors="replace").strip() or "unknown process"
                 os.close(fd)
-                raise CheckpointError(self.path, f"is being saved by another process ({holder}); two saves of one "
-                                                 "path would mix their files: wait for that save, or save this "
-                                                 "one to another path") from None
+                raise CheckpointError(
+                    self.path,
+                    f"is being saved by another process ({holder}); two saves of one "
+                    "path would mix their files: wait for that save, or save this "
+                    "one to another path",
+                ) from None
             try:
                 ours = os.fstat(fd).st_ino == os.stat(self.file).st_ino
             except FileNotFoundError:
@@ -70,8 +73,10 @@ class SaveLock:
                 self._fd = fd
                 return self
             os.close(fd)
-        raise CheckpointError(self.path, f"could not lock {self.file.name}: it was replaced repeatedly; "
-                                         "is another job saving this path in a loop?")
+        raise CheckpointError(
+            self.path,
+            f"could not lock {self.file.name}: it was replaced repeatedly; is another job saving this path in a loop?",
+        )
 
     def release(self) -> None:
         """Remove the lock file and release the lock (idempotent)."""
@@ -119,15 +124,21 @@ def check_replaceable(path: Path) -> None:
     if not path.exists() and not path.is_symlink():
         return
     if path.is_symlink() or not path.is_dir():
-        raise CheckpointError(path, "exists and is not a checkpoint directory; refusing to replace it "
-                                    "(choose a new path, or remove it yourself)")
+        raise CheckpointError(
+            path,
+            "exists and is not a checkpoint directory; refusing to replace it "
+            "(choose a new path, or remove it yourself)",
+        )
     if not (path / META_FILE).is_file():
         contents = sorted(p.name for p in path.iterdir())[:5]
         if not contents:
             return  # an empty directory holds nothing to lose
-        raise CheckpointError(path, f"exists and is not an fsdp_bridge checkpoint (no {META_FILE}; it holds "
-                                    f"{', '.join(contents)}{', ...' if len(contents) == 5 else ''}); refusing to "
-                                    "replace it: choose a new path, or remove it yourself")
+        raise CheckpointError(
+            path,
+            f"exists and is not an fsdp_bridge checkpoint (no {META_FILE}; it holds "
+            f"{', '.join(contents)}{', ...' if len(contents) == 5 else ''}); refusing to "
+            "replace it: choose a new path, or remove it yourself",
+        )
     read_meta(path)  # a damaged description is refused too: it is not provably ours
 
 
@@ -143,8 +154,9 @@ def check_not_nested(src: Path, dst: Path) -> None:
 
     s, d = resolve(src), resolve(dst)
     if d == s or d.is_relative_to(s) or s.is_relative_to(d):
-        where = ("the source" if d == s else "inside the source" if d.is_relative_to(s)
-                 else "a directory holding the source")
+        where = (
+            "the source" if d == s else "inside the source" if d.is_relative_to(s) else "a directory holding the source"
+        )
         raise CheckpointError(dst, f"is {where} {src}; replacing it would destroy the source: choose a path outside it")
 
 

@@ -115,18 +115,42 @@ def _check_hf_config(config_path: Path) -> None:
     allowed = "a transformers config.json (a JSON object with model_type), or a directory holding one"
     target = config_path / "config.json" if config_path.is_dir() else config_path
     if not target.is_file():
-        raise ConfigError([Problem("hf_config", str(config_path), allowed,
-                                   f"{target} does not exist; pass the config.json of the model's family")])
+        raise ConfigError(
+            [
+                Problem(
+                    "hf_config",
+                    str(config_path),
+                    allowed,
+                    f"{target} does not exist; pass the config.json of the model's family",
+                )
+            ]
+        )
     try:
         if target.stat().st_size > 16 << 20:
             raise ValueError("larger than 16 MiB")
         data = json.loads(target.read_text(encoding="utf-8"))
     except (OSError, ValueError) as err:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-        raise ConfigError([Problem("hf_config", str(config_path), allowed,
-                                   f"{target} is not a JSON file ({' '.join(str(err).split())[:200]})")]) from None
+        raise ConfigError(
+            [
+                Problem(
+                    "hf_config",
+                    str(config_path),
+                    allowed,
+                    f"{target} is not a JSON file ({' '.join(str(err).split())[:200]})",
+                )
+            ]
+        ) from None
     if not isinstance(data, dict) or not isinstance(data.get("model_type"), str):
-        raise ConfigError([Problem("hf_config", str(config_path), allowed,
-                                   f"{target} holds JSON without a model_type key: not a transformers config")])
+        raise ConfigError(
+            [
+                Problem(
+                    "hf_config",
+                    str(config_path),
+                    allowed,
+                    f"{target} holds JSON without a model_type key: not a transformers config",
+                )
+            ]
+        )
 
 
 def read_full(path: str | os.PathLike[str]) -> FullCheckpoint:
@@ -138,8 +162,11 @@ def read_full(path: str | os.PathLike[str]) -> FullCheckpoint:
     if detected.kind in (Kind.SHARDED, Kind.DCP):
         stored, optim_flat = _read_dcp_full(detected.dcp_dir)
         nested = bool(stored) and all(k.startswith("model.") for k in stored)
-        model = {strip_wrapper_prefixes(k.removeprefix("model.") if nested else k): v
-                 for k, v in stored.items() if isinstance(v, torch.Tensor)}
+        model = {
+            strip_wrapper_prefixes(k.removeprefix("model.") if nested else k): v
+            for k, v in stored.items()
+            if isinstance(v, torch.Tensor)
+        }
         optimizer = _unflatten_optim(optim_flat)
     elif detected.kind is Kind.TORCH:
         from fsdp_bridge.checkpoint._api import _read_torch_file
@@ -204,8 +231,10 @@ def convert_checkpoint(
     dst_path = Path(dst)
     check_not_nested(Path(src), dst_path)
     if to == "torch" and (dst_path.exists() or dst_path.is_symlink()):
-        raise CheckpointError(dst_path, "exists; --to torch writes a new file and never replaces one: choose a new "
-                                        "path, or remove it yourself")
+        raise CheckpointError(
+            dst_path,
+            "exists; --to torch writes a new file and never replaces one: choose a new path, or remove it yourself",
+        )
     if to != "torch":
         check_replaceable(dst_path)
     config_path = Path(hf_config) if hf_config is not None else None
@@ -213,8 +242,7 @@ def convert_checkpoint(
         _check_hf_config(config_path)
     reason = unwritable_reason(dst_path)
     if reason is not None:  # before reading a possibly large source
-        raise CheckpointError(dst_path, f"cannot be written: {reason}; choose a destination in a writable "
-                                        "directory")
+        raise CheckpointError(dst_path, f"cannot be written: {reason}; choose a destination in a writable directory")
     detected = detect(src)
     full = read_full(src)
     if detected.kind in (Kind.SHARDED, Kind.FULL):  # copied as they are: refuse damaged ones now
@@ -222,15 +250,25 @@ def convert_checkpoint(
         for rank in range(int(full.meta.get("world_size") or 1)):
             read_rng(detected.path, rank)
     try:
-        return _write_converted(detected, full, src, dst_path, to=to, config_path=config_path,
-                                max_shard_size=max_shard_size)
+        return _write_converted(
+            detected, full, src, dst_path, to=to, config_path=config_path, max_shard_size=max_shard_size
+        )
     except OSError as err:
-        raise CheckpointError(dst_path, f"cannot be written ({err}); check free space and permissions, or "
-                                        "choose another destination") from None
+        raise CheckpointError(
+            dst_path, f"cannot be written ({err}); check free space and permissions, or choose another destination"
+        ) from None
 
 
-def _write_converted(detected: Detected, full: FullCheckpoint, src: str | os.PathLike[str], dst_path: Path, *,
-                     to: Target, config_path: Path | None, max_shard_size: int | str) -> Path:
+def _write_converted(
+    detected: Detected,
+    full: FullCheckpoint,
+    src: str | os.PathLike[str],
+    dst_path: Path,
+    *,
+    to: Target,
+    config_path: Path | None,
+    max_shard_size: int | str,
+) -> Path:
     if to == "torch":
         dst_path.parent.mkdir(parents=True, exist_ok=True)
         tmp = dst_path.with_name("." + dst_path.name + ".partial")
@@ -250,8 +288,7 @@ def _write_converted(detected: Detected, full: FullCheckpoint, src: str | os.Pat
             shutil.rmtree(staging)
         staging.mkdir(parents=True)
         try:
-            _write_staging(detected, full, src, staging, to=to, config_path=config_path,
-                           max_shard_size=max_shard_size)
+            _write_staging(detected, full, src, staging, to=to, config_path=config_path, max_shard_size=max_shard_size)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)  # a failed conversion leaves nothing behind
             raise
@@ -261,8 +298,16 @@ def _write_converted(detected: Detected, full: FullCheckpoint, src: str | os.Pat
     return dst_path
 
 
-def _write_staging(detected: Detected, full: FullCheckpoint, src: str | os.PathLike[str], staging: Path, *,
-                   to: Target, config_path: Path | None, max_shard_size: int | str) -> None:
+def _write_staging(
+    detected: Detected,
+    full: FullCheckpoint,
+    src: str | os.PathLike[str],
+    staging: Path,
+    *,
+    to: Target,
+    config_path: Path | None,
+    max_shard_size: int | str,
+) -> None:
     tied = full.meta.get("tied", [])
     if to == "hf":
         _hf.write_hf_weights(staging, _hf.drop_tied_aliases(full.model, tied), max_shard_size=max_shard_size)
@@ -311,19 +356,35 @@ def inspect_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
     except for ``torch.save`` files, which are memory-mapped)."""
     detected = detect(path)
     meta = detected.meta
-    info: dict[str, Any] = {"path": str(detected.path), "kind": detected.kind.value,
-                            "size_bytes": _disk_size(detected.path)}
+    info: dict[str, Any] = {
+        "path": str(detected.path),
+        "kind": detected.kind.value,
+        "size_bytes": _disk_size(detected.path),
+    }
     if detected.kind in (Kind.SHARDED, Kind.FULL):
         verify_manifest(detected)
-        for key in ("backend", "world_size", "step", "model_class", "has_optimizer", "saved_at",
-                    "torch_version", "fsdp_bridge_version", "converted_from", "bridge_config"):
+        for key in (
+            "backend",
+            "world_size",
+            "step",
+            "model_class",
+            "has_optimizer",
+            "saved_at",
+            "torch_version",
+            "fsdp_bridge_version",
+            "converted_from",
+            "bridge_config",
+        ):
             info[key] = meta.get(key)
         info["params"] = meta.get("params")
     else:
         if detected.kind is Kind.DCP:
             metadata = load_dcp_metadata(detected.path / ".metadata")
-            shapes = {k: (tuple(v.size), str(v.properties.dtype).removeprefix("torch."))
-                      for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+            shapes = {
+                k: (tuple(v.size), str(v.properties.dtype).removeprefix("torch."))
+                for k, v in metadata.state_dict_metadata.items()
+                if isinstance(v, TensorStorageMetadata)
+            }
             info["has_optimizer"] = any(k.startswith("optim.") for k in shapes)
             shapes = {k: v for k, v in shapes.items() if not k.startswith("optim.")}
         elif detected.kind is Kind.TORCH:
@@ -333,8 +394,10 @@ def inspect_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
             shapes = {k: (tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in sd.items()}
             info["has_optimizer"] = osd is not None
         else:
-            shapes = {k: (s, d.lower().replace("f32", "float32").replace("bf16", "bfloat16").replace("f16", "float16"))
-                      for k, (s, d) in _hf.read_hf_shapes(detected.path).items()}
+            shapes = {
+                k: (s, d.lower().replace("f32", "float32").replace("bf16", "bfloat16").replace("f16", "float16"))
+                for k, (s, d) in _hf.read_hf_shapes(detected.path).items()
+            }
             info["has_optimizer"] = False
         dtypes: dict[str, int] = {}
         for shape, dtype in shapes.values():
@@ -345,8 +408,11 @@ def inspect_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
     if (config_dir / "config.json").is_file():
         try:
             hf_cfg = json.loads((config_dir / "config.json").read_text())
-            info["hf_config"] = {k: hf_cfg.get(k) for k in ("model_type", "architectures", "hidden_size",
-                                                              "num_hidden_layers", "vocab_size") if k in hf_cfg}
+            info["hf_config"] = {
+                k: hf_cfg.get(k)
+                for k in ("model_type", "architectures", "hidden_size", "num_hidden_layers", "vocab_size")
+                if k in hf_cfg
+            }
         except ValueError:
             info["hf_config"] = "unreadable config.json"
     return info

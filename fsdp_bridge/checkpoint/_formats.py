@@ -104,16 +104,18 @@ def detect(path: str | os.PathLike[str]) -> Detected:
             # aside and putting the new one in place: the previous one is complete.
             return Detected(Kind(read_meta(old)["kind"]), old, read_meta(old))
         partial = p.with_name("." + p.name + PARTIAL_SUFFIX)
-        hint = (f"; {partial} is left from an interrupted save and is not a checkpoint"
-                if partial.exists() else "")
+        hint = f"; {partial} is left from an interrupted save and is not a checkpoint" if partial.exists() else ""
         raise CheckpointError(p, f"does not exist{hint}")
     if p.is_file():
         if p.suffix == ".safetensors":
             return Detected(Kind.HF, p)
         return Detected(Kind.TORCH, p)
     if p.name.endswith(PARTIAL_SUFFIX):
-        raise CheckpointError(p, "is an incomplete checkpoint (a save was interrupted before it was published); "
-                                 "load the previous checkpoint instead, or delete this directory")
+        raise CheckpointError(
+            p,
+            "is an incomplete checkpoint (a save was interrupted before it was published); "
+            "load the previous checkpoint instead, or delete this directory",
+        )
     meta_path = p / META_FILE
     if meta_path.is_file():
         meta = read_meta(p)
@@ -127,10 +129,13 @@ def detect(path: str | os.PathLike[str]) -> Detected:
     for name in ("pytorch_model.bin", "model.pt", "model.pth"):
         if (p / name).is_file():
             return Detected(Kind.TORCH, p / name)
-    raise CheckpointError(p, f"not a checkpoint: no {META_FILE}, no DCP .metadata, no model.safetensors "
-                             "(or model.safetensors.index.json) and no pytorch_model.bin; "
-                             "pass a directory written by fsdp_bridge.save_checkpoint, a DCP directory, "
-                             "a Hugging Face model directory or a torch.save file")
+    raise CheckpointError(
+        p,
+        f"not a checkpoint: no {META_FILE}, no DCP .metadata, no model.safetensors "
+        "(or model.safetensors.index.json) and no pytorch_model.bin; "
+        "pass a directory written by fsdp_bridge.save_checkpoint, a DCP directory, "
+        "a Hugging Face model directory or a torch.save file",
+    )
 
 
 def _is_int(value: Any, low: int = 0) -> bool:
@@ -158,18 +163,32 @@ _FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "files": (lambda v: _is_str_map(v, _is_int), "a mapping of file name to size in bytes"),
     "digests": (lambda v: _is_str_map(v, _is_str), "a mapping of file name to SHA-256 hex digest"),
     "checksums": (lambda v: _is_str_map(v, _is_int), "a mapping of file name to CRC-32 of its content"),
-    "tied": (lambda v: isinstance(v, list) and all(isinstance(g, list) and all(map(_is_str, g)) for g in v),
-             "a list of lists of parameter names"),
-    "params": (_optional(lambda v: isinstance(v, dict) and _is_int(v.get("numel", 0)) and _is_int(v.get("tensors", 0))
-                         and _is_str_map(v.get("dtypes", {}), _is_int)),
-               "a mapping with numel, tensors (integers) and dtypes (name to count)"),
+    "tied": (
+        lambda v: isinstance(v, list) and all(isinstance(g, list) and all(map(_is_str, g)) for g in v),
+        "a list of lists of parameter names",
+    ),
+    "params": (
+        _optional(
+            lambda v: (
+                isinstance(v, dict)
+                and _is_int(v.get("numel", 0))
+                and _is_int(v.get("tensors", 0))
+                and _is_str_map(v.get("dtypes", {}), _is_int)
+            )
+        ),
+        "a mapping with numel, tensors (integers) and dtypes (name to count)",
+    ),
     "has_optimizer": (lambda v: isinstance(v, bool), "true or false"),
     "hf_config": (_optional(lambda v: isinstance(v, bool)), "true, false or null"),
     "bridge_config": (_optional(lambda v: isinstance(v, dict)), "a mapping or null"),
-    "converted_from": (_optional(lambda v: isinstance(v, dict) and _is_str(v.get("path")) and _is_str(v.get("kind"))),
-                       "a mapping with path and kind (strings) or null"),
-    **{key: (_optional(_is_str), "a string or null")
-       for key in ("kind", "backend", "model_class", "torch_version", "fsdp_bridge_version", "saved_at", "format")},
+    "converted_from": (
+        _optional(lambda v: isinstance(v, dict) and _is_str(v.get("path")) and _is_str(v.get("kind"))),
+        "a mapping with path and kind (strings) or null",
+    ),
+    **{
+        key: (_optional(_is_str), "a string or null")
+        for key in ("kind", "backend", "model_class", "torch_version", "fsdp_bridge_version", "saved_at", "format")
+    },
 }
 
 
@@ -182,14 +201,19 @@ def read_meta(path: Path) -> dict[str, Any]:
         raise CheckpointError(meta_path, f"cannot be read as JSON ({err}); the checkpoint is corrupt") from err
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise CheckpointError(meta_path, f"is not an fsdp_bridge checkpoint description (format != {FORMAT!r})")
-    wrong = [f"field {key}: {type(meta[key]).__name__} ({meta[key]!r:.40}), expected {what}"
-             for key, (check, what) in _FIELDS.items() if key in meta and not check(meta[key])]
+    wrong = [
+        f"field {key}: {type(meta[key]).__name__} ({meta[key]!r:.40}), expected {what}"
+        for key, (check, what) in _FIELDS.items()
+        if key in meta and not check(meta[key])
+    ]
     if wrong:
-        raise CheckpointError(meta_path, [*wrong, "the description is damaged or was edited; use another "
-                                                  "checkpoint"])
+        raise CheckpointError(meta_path, [*wrong, "the description is damaged or was edited; use another checkpoint"])
     if meta.get("version", 0) > FORMAT_VERSION:
-        raise CheckpointError(meta_path, f"format version {meta.get('version')} is newer than this fsdp_bridge "
-                                         f"reads ({FORMAT_VERSION}); upgrade fsdp_bridge")
+        raise CheckpointError(
+            meta_path,
+            f"format version {meta.get('version')} is newer than this fsdp_bridge "
+            f"reads ({FORMAT_VERSION}); upgrade fsdp_bridge",
+        )
     if meta.get("kind") not in (Kind.SHARDED.value, Kind.FULL.value):
         raise CheckpointError(meta_path, f"kind {meta.get('kind')!r} is not one of sharded, full")
     return meta
@@ -227,11 +251,15 @@ def verify_manifest(detected: Detected, *, part: tuple[int, int] = (0, 1)) -> No
             elif f.stat().st_size != size:
                 problems.append(f"{rel}: size {f.stat().st_size} bytes, expected {size} (truncated or overwritten)")
             elif mine and rel in recorded and _sha256(f) != recorded[rel]:
-                problems.append(f"{rel}: content differs from the file this checkpoint was saved with "
-                                "(copied from another run or checkpoint?)")
+                problems.append(
+                    f"{rel}: content differs from the file this checkpoint was saved with "
+                    "(copied from another run or checkpoint?)"
+                )
             elif mine and rel in checksums and crc32_of(f) != checksums[rel]:
-                problems.append(f"{rel}: content is damaged (CRC-32 differs from the one recorded at save: "
-                                "flipped, zeroed or overwritten bytes); use another checkpoint")
+                problems.append(
+                    f"{rel}: content is damaged (CRC-32 differs from the one recorded at save: "
+                    "flipped, zeroed or overwritten bytes); use another checkpoint"
+                )
         except OSError as err:  # a name too long for the file system, a directory where a file was
             problems.append(f"{rel!r:.80}: cannot be read ({err.strerror or err})")
     if problems:
@@ -257,8 +285,9 @@ def crc32_of(path: Path, chunk: int = 16 << 20) -> int:
 def checksums(root: Path, files: Iterable[Path] | None = None) -> dict[str, int]:
     """CRC-32 of the tensor files (those above the SHA-256 size limit) under ``root``, or of ``files``."""
     chosen = sorted(root.rglob("*")) if files is None else sorted(files)
-    return {str(f.relative_to(root)): crc32_of(f) for f in chosen
-            if f.is_file() and f.stat().st_size > _DIGEST_MAX_BYTES}
+    return {
+        str(f.relative_to(root)): crc32_of(f) for f in chosen if f.is_file() and f.stat().st_size > _DIGEST_MAX_BYTES
+    }
 
 
 def digests(root: Path) -> dict[str, str]:
@@ -293,28 +322,30 @@ def strip_wrapper_prefixes(key: str) -> str:
 # pickles hold (torch 2.8-2.14): its dataclasses, the storage-info records of the file
 # system and Hugging Face writers, and a few value types.
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
-_ALLOWED_GLOBALS: frozenset[tuple[str, str]] = frozenset({
-    (_DCP_METADATA, "Metadata"),
-    (_DCP_METADATA, "MetadataIndex"),
-    (_DCP_METADATA, "StorageMeta"),
-    (_DCP_METADATA, "TensorProperties"),
-    (_DCP_METADATA, "TensorStorageMetadata"),
-    (_DCP_METADATA, "BytesStorageMetadata"),
-    (_DCP_METADATA, "ChunkStorageMetadata"),
-    (_DCP_METADATA, "_MEM_FORMAT_ENCODING"),
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch.distributed.checkpoint._hf_utils", "_HFStorageInfo"),
-    ("collections", "OrderedDict"),
-    ("builtins", "set"),
-    ("builtins", "frozenset"),
-    ("builtins", "slice"),
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "PurePosixPath"),
-    ("pathlib", "WindowsPath"),
-    ("pathlib", "PureWindowsPath"),
-})
+_ALLOWED_GLOBALS: frozenset[tuple[str, str]] = frozenset(
+    {
+        (_DCP_METADATA, "Metadata"),
+        (_DCP_METADATA, "MetadataIndex"),
+        (_DCP_METADATA, "StorageMeta"),
+        (_DCP_METADATA, "TensorProperties"),
+        (_DCP_METADATA, "TensorStorageMetadata"),
+        (_DCP_METADATA, "BytesStorageMetadata"),
+        (_DCP_METADATA, "ChunkStorageMetadata"),
+        (_DCP_METADATA, "_MEM_FORMAT_ENCODING"),
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch.distributed.checkpoint._hf_utils", "_HFStorageInfo"),
+        ("collections", "OrderedDict"),
+        ("builtins", "set"),
+        ("builtins", "frozenset"),
+        ("builtins", "slice"),
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),
+        ("pathlib", "PosixPath"),
+        ("pathlib", "PurePosixPath"),
+        ("pathlib", "WindowsPath"),
+        ("pathlib", "PureWindowsPath"),
+    }
+)
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -327,8 +358,9 @@ class _MetadataUnpickler(pickle.Unpickler):
             value = getattr(torch, name, None)
             if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
                 return value
-        raise pickle.UnpicklingError(f"refusing to load {module}.{name} from DCP metadata "
-                                     "(only DCP's own metadata classes are read)")
+        raise pickle.UnpicklingError(
+            f"refusing to load {module}.{name} from DCP metadata (only DCP's own metadata classes are read)"
+        )
 
 
 class SafeDCPReader(FileSystemReader):
@@ -348,8 +380,9 @@ def load_dcp_metadata(path: Path) -> Metadata:
     except OSError as err:
         raise CheckpointError(path, f"cannot be read ({err})") from err
     except Exception as err:  # any malformed pickle: refused, never executed
-        raise CheckpointError(path, f"cannot be read ({type(err).__name__}: {err}); "
-                                    "the DCP metadata is truncated, damaged or not DCP") from err
+        raise CheckpointError(
+            path, f"cannot be read ({type(err).__name__}: {err}); the DCP metadata is truncated, damaged or not DCP"
+        ) from err
     if not isinstance(metadata, Metadata):
         raise CheckpointError(path, f"holds a {type(metadata).__name__}, not DCP Metadata")
     # Where DCP will read each item: never outside the checkpoint's directory.
@@ -390,8 +423,9 @@ def read_dcp(state_dict: dict[str, Any], dcp_dir: Path, *, no_dist: bool = False
     except CheckpointError:
         raise
     except (Exception, CheckpointException) as err:
-        raise CheckpointError(dcp_dir, f"cannot be read ({_cause(err)}); a shard is damaged or overwritten: "
-                                       "use another checkpoint") from None
+        raise CheckpointError(
+            dcp_dir, f"cannot be read ({_cause(err)}); a shard is damaged or overwritten: use another checkpoint"
+        ) from None
 
 
 def _cause(err: BaseException) -> str:
@@ -432,8 +466,11 @@ def compare_keys(
     allowed = set(allow_missing)
     missing = sorted(k for k in expected if k not in found and k not in allowed)
     unexpected = sorted(k for k in found if k not in expected)
-    shapes = sorted(f"{k}: checkpoint has shape {list(found[k])}, the {what} has {list(expected[k])}"
-                    for k in expected if k in found and tuple(found[k]) != tuple(expected[k]))
+    shapes = sorted(
+        f"{k}: checkpoint has shape {list(found[k])}, the {what} has {list(expected[k])}"
+        for k in expected
+        if k in found and tuple(found[k]) != tuple(expected[k])
+    )
     problems = []
     if missing:
         problems.append(f"missing {what} keys ({len(missing)}): {', '.join(missing)}")

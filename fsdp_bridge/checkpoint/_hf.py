@@ -42,8 +42,9 @@ def drop_tied_aliases(state_dict: dict[str, torch.Tensor], tied: Iterable[Iterab
     return {k: v for k, v in state_dict.items() if k not in drop}
 
 
-def write_hf_weights(directory: Path, state_dict: dict[str, torch.Tensor], *,
-                     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> list[str]:
+def write_hf_weights(
+    directory: Path, state_dict: dict[str, torch.Tensor], *, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE
+) -> list[str]:
     """Write safetensors shards (and the index when there is more than one); return the file names."""
     from huggingface_hub import split_torch_state_dict_into_shards
 
@@ -142,8 +143,11 @@ def _jsonable(value: Any, where: str) -> Any:
         return list(value)
     if value is None or isinstance(value, (bool, int, float, str, list, dict)):
         return value
-    raise CheckpointError(where, f"optimizer value of type {type(value).__name__} cannot be stored; "
-                                 "only tensors, numbers, strings, lists and dicts are supported")
+    raise CheckpointError(
+        where,
+        f"optimizer value of type {type(value).__name__} cannot be stored; "
+        "only tensors, numbers, strings, lists and dicts are supported",
+    )
 
 
 def write_optimizer(directory: Path, osd: dict[str, Any]) -> None:
@@ -177,15 +181,22 @@ def read_optimizer(directory: Path) -> dict[str, Any]:
         problems.append(f"holds a JSON {type(extra).__name__}, expected an object with param_groups and scalars")
         extra = {}
     groups = extra.get("param_groups")
-    if not isinstance(groups, list) or not all(isinstance(g, dict) and isinstance(g.get("params"), list)
-                                               for g in groups):
+    if not isinstance(groups, list) or not all(
+        isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups
+    ):
         problems.append(f"param_groups: got {groups!r:.60}, expected a list of groups, each with a params list")
     scalars = extra.get("scalars", {})
     if not isinstance(scalars, dict) or not all(isinstance(v, dict) for v in scalars.values()):
         problems.append(f"scalars: got {scalars!r:.60}, expected a mapping of parameter name to values")
     if problems:
-        raise CheckpointError(where, [*problems, "the optimizer state is damaged; load without the optimizer "
-                                                 "(load_checkpoint(path, model)) or use another checkpoint"])
+        raise CheckpointError(
+            where,
+            [
+                *problems,
+                "the optimizer state is damaged; load without the optimizer "
+                "(load_checkpoint(path, model)) or use another checkpoint",
+            ],
+        )
     state: dict[str, dict[str, Any]] = {}
     for key, value in tensors.items():
         fqn, _, name = key.rpartition("/")

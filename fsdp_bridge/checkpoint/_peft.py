@@ -48,20 +48,27 @@ def _check_destination(path: Path) -> None:
         return
     ours = (path / "adapter_config.json").is_file() or (path / "config.json").is_file()
     if not path.is_dir() or not ours:
-        raise CheckpointError(path, "exists and is not an adapter or Hugging Face model directory; refusing to "
-                                    "replace it (choose a new path or remove it yourself)")
+        raise CheckpointError(
+            path,
+            "exists and is not an adapter or Hugging Face model directory; refusing to "
+            "replace it (choose a new path or remove it yourself)",
+        )
 
 
-def save_peft(path: str | os.PathLike[str], model: nn.Module, kind: PeftKind, *,
-              full_state_dict: Any, max_shard_size: int | str) -> Path:
+def save_peft(
+    path: str | os.PathLike[str], model: nn.Module, kind: PeftKind, *, full_state_dict: Any, max_shard_size: int | str
+) -> Path:
     """Write ``model``'s adapters (or the merged model) to ``path``; call on every rank.
 
     ``full_state_dict`` are the options of a gathered state dict for ``model``'s backend.
     """
     peft_model = find_peft_model(model)
     if peft_model is None:
-        raise CheckpointError(path, f"kind={kind!r} needs a PEFT model (peft.get_peft_model(base, LoraConfig(...)) "
-                                    "before fsdp_bridge.shard); this model has no adapters: use kind='full'")
+        raise CheckpointError(
+            path,
+            f"kind={kind!r} needs a PEFT model (peft.get_peft_model(base, LoraConfig(...)) "
+            "before fsdp_bridge.shard); this model has no adapters: use kind='full'",
+        )
     target = Path(path)
     _check_destination(target)
     state = get_model_state_dict(model, options=full_state_dict)  # collective: every rank
@@ -104,8 +111,9 @@ def _write_adapter(peft_model: Any, state: dict[str, torch.Tensor], directory: P
         raise CheckpointError(directory, f"peft wrote no {', '.join(missing)}")
 
 
-def _write_merged(peft_model: Any, state: dict[str, torch.Tensor], directory: Path, *,
-                  max_shard_size: int | str) -> None:
+def _write_merged(
+    peft_model: Any, state: dict[str, torch.Tensor], directory: Path, *, max_shard_size: int | str
+) -> None:
     merged = _rebuild(peft_model, state, directory).merge_and_unload()
     merged.save_pretrained(str(directory), safe_serialization=True, max_shard_size=max_shard_size)
 
@@ -129,8 +137,10 @@ def _rebuild(peft_model: Any, state: dict[str, torch.Tensor], directory: Path) -
     missing, unexpected = fresh.load_state_dict(state, strict=False, assign=True)
     missing = [k for k in missing if not _is_nonpersistent_buffer(fresh, k)]
     if missing or unexpected:
-        raise CheckpointError(directory, f"the gathered weights do not fit the PEFT model: missing {missing[:5]}, "
-                                         f"unexpected {unexpected[:5]}")
+        raise CheckpointError(
+            directory,
+            f"the gathered weights do not fit the PEFT model: missing {missing[:5]}, unexpected {unexpected[:5]}",
+        )
     _materialize_buffers(fresh, base)
     fresh.tie_weights()  # tied embeddings share one tensor again after assign=True
     return fresh
@@ -151,6 +161,9 @@ def _materialize_buffers(fresh: nn.Module, original: nn.Module) -> None:
             module_name, _, buffer_name = name.rpartition(".")
             module = base.get_submodule(module_name) if module_name else base
             source = originals.get(name)
-            value = source.detach().to("cpu").clone() if source is not None and not source.is_meta else \
-                torch.zeros(buf.shape, dtype=buf.dtype)
+            value = (
+                source.detach().to("cpu").clone()
+                if source is not None and not source.is_meta
+                else torch.zeros(buf.shape, dtype=buf.dtype)
+            )
             module._buffers[buffer_name] = value

@@ -45,12 +45,15 @@ def check_state(state: Any) -> None:
     if state is None:
         return
     if not isinstance(state, dict):
-        raise TypeError(f"state must be a dict such as {{'step': 100, 'scheduler': sched.state_dict()}} "
-                        f"(got {type(state).__name__})")
+        raise TypeError(
+            f"state must be a dict such as {{'step': 100, 'scheduler': sched.state_dict()}} "
+            f"(got {type(state).__name__})"
+        )
     problems = _problems(state, "state")
     if problems:
-        raise TypeError("state must hold only JSON values (dict, list, str, int, float, bool, None): "
-                        + "; ".join(problems))
+        raise TypeError(
+            "state must hold only JSON values (dict, list, str, int, float, bool, None): " + "; ".join(problems)
+        )
 
 
 def _encode(value: Any) -> Any:
@@ -95,8 +98,11 @@ def read_state(directory: Path) -> dict[str, Any]:
     except (OSError, ValueError, TypeError, RecursionError) as err:
         raise CheckpointError(path, f"cannot be read ({err}); the training state is corrupt") from err
     if not isinstance(state, dict):
-        raise CheckpointError(path, f"holds a JSON {type(state).__name__}, expected an object "
-                                    "(the state dict passed to save_checkpoint); the training state is corrupt")
+        raise CheckpointError(
+            path,
+            f"holds a JSON {type(state).__name__}, expected an object "
+            "(the state dict passed to save_checkpoint); the training state is corrupt",
+        )
     return state
 
 
@@ -159,8 +165,11 @@ def read_rng(directory: Path, rank: int) -> dict[str, Any] | None:
     except (OSError, ValueError) as err:
         raise CheckpointError(path, f"cannot be read ({err}); the RNG state is corrupt") from err
     if not _rng_valid(rng):
-        raise CheckpointError(path, "is not an RNG state written by fsdp_bridge (expected python, torch and "
-                                    "optionally cuda and numpy states); load with restore_rng=False to skip it")
+        raise CheckpointError(
+            path,
+            "is not an RNG state written by fsdp_bridge (expected python, torch and "
+            "optionally cuda and numpy states); load with restore_rng=False to skip it",
+        )
     return dict(rng)
 
 
@@ -180,8 +189,13 @@ def _rng_valid(rng: Any) -> bool:
             _unb64(s)
         if "numpy" in rng:
             name, keys, pos, _has_gauss, _gauss = rng["numpy"]
-            if not (isinstance(name, str) and isinstance(keys, list) and len(keys) == 624
-                    and all(isinstance(k, int) for k in keys) and isinstance(pos, int)):
+            if not (
+                isinstance(name, str)
+                and isinstance(keys, list)
+                and len(keys) == 624
+                and all(isinstance(k, int) for k in keys)
+                and isinstance(pos, int)
+            ):
                 return False
     except (TypeError, ValueError, KeyError, RuntimeError, binascii.Error):
         return False

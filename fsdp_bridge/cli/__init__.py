@@ -66,8 +66,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except OSError as err:  # the environment refused a read or write the checks above could not foresee
         where = f" {err.filename}" if err.filename else ""
-        print(f"fsdp-bridge {args.command}: cannot access{where}: {err.strerror or err}; check that the path "
-              "exists, is the kind of file expected and is readable (or writable, for outputs)", file=sys.stderr)
+        print(
+            f"fsdp-bridge {args.command}: cannot access{where}: {err.strerror or err}; check that the path "
+            "exists, is the kind of file expected and is readable (or writable, for outputs)",
+            file=sys.stderr,
+        )
         return 2
 
 

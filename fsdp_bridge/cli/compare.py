@@ -26,20 +26,33 @@ if TYPE_CHECKING:
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = sub.add_parser("compare", help="A/B the backends: same training on FSDP1, FSDP2 (and a reference)",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "compare",
+        help="A/B the backends: same training on FSDP1, FSDP2 (and a reference)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("config", help="a compare job YAML (see docs/compare.md)")
     p.add_argument("--steps", type=int, help="optimizer steps per run (max_steps)")
     p.add_argument("--strategies", help="comma-separated strategies, e.g. full_shard,shard_grad_op; 'all' for all 5")
     p.add_argument("--backends", help="comma-separated backends (default fsdp1,fsdp2)")
-    p.add_argument("--reference", action="store_true", default=None,
-                   help="also run a non-sharded replica with averaged gradients")
+    p.add_argument(
+        "--reference", action="store_true", default=None, help="also run a non-sharded replica with averaged gradients"
+    )
     p.add_argument("--nproc-per-node", type=int, help="ranks to spawn on this machine")
-    p.add_argument("--override", action="append", default=[], metavar="RUN.KEY=VALUE",
-                   help="change one run, e.g. fsdp2.lr=2e-3 or fsdp1.mixed_precision=bf16 (repeatable)")
+    p.add_argument(
+        "--override",
+        action="append",
+        default=[],
+        metavar="RUN.KEY=VALUE",
+        help="change one run, e.g. fsdp2.lr=2e-3 or fsdp1.mixed_precision=bf16 (repeatable)",
+    )
     p.add_argument("--out", default="compare-report", help="directory for report.json/.md/.png (default %(default)s)")
-    p.add_argument("--no-param-diff", action="store_true",
-                   help="skip gathering full parameters every step (rank 0 keeps a copy per run and step)")
+    p.add_argument(
+        "--no-param-diff",
+        action="store_true",
+        help="skip gathering full parameters every step (rank 0 keeps a copy per run and step)",
+    )
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds before the spawned ranks are stopped")
     p.set_defaults(func=run)
 
@@ -51,8 +64,11 @@ def apply_flags(data: dict, args: argparse.Namespace) -> dict:
     if args.steps is not None:
         data["max_steps"] = args.steps
     if args.strategies:
-        compare["strategies"] = ("full_shard,shard_grad_op,no_shard,hybrid_shard,hybrid_shard_zero2"
-                                 if args.strategies.strip() == "all" else args.strategies)
+        compare["strategies"] = (
+            "full_shard,shard_grad_op,no_shard,hybrid_shard,hybrid_shard_zero2"
+            if args.strategies.strip() == "all"
+            else args.strategies
+        )
     if args.backends:
         compare["backends"] = args.backends
     if args.reference:
@@ -108,20 +124,28 @@ def run(args: argparse.Namespace) -> int:
         from fsdp_bridge._spawn import run_distributed
 
         backend, world = _process_backend(job)
-        report = run_distributed(_rank_main, world, args=(job, not args.no_param_diff), backend=backend,
-                                 timeout_s=args.timeout)[0]
+        report = run_distributed(
+            _rank_main, world, args=(job, not args.no_param_diff), backend=backend, timeout_s=args.timeout
+        )[0]
     print(report.format())
     paths = write_report(report, args.out, command=command, job=job.to_dict())
-    print("\nwrote " + ", ".join(str(p) for p in paths.values() if p is not None)
-          + ("" if paths["png"] else " (no plot: pip install 'fsdp-bridge[plot]' for report.png)"))
+    print(
+        "\nwrote "
+        + ", ".join(str(p) for p in paths.values() if p is not None)
+        + ("" if paths["png"] else " (no plot: pip install 'fsdp-bridge[plot]' for report.png)")
+    )
     return 0 if report.ok else 1
 
 
 def _command(args: argparse.Namespace) -> str:
     """The command line that reproduces this run (for the report)."""
     parts = ["fsdp-bridge", "compare", args.config]
-    for flag, value in (("--steps", args.steps), ("--strategies", args.strategies), ("--backends", args.backends),
-                        ("--nproc-per-node", args.nproc_per_node)):
+    for flag, value in (
+        ("--steps", args.steps),
+        ("--strategies", args.strategies),
+        ("--backends", args.backends),
+        ("--nproc-per-node", args.nproc_per_node),
+    ):
         if value is not None:
             parts += [flag, str(value)]
     if args.reference:
@@ -143,7 +167,15 @@ def _process_backend(job: CompareJob) -> tuple[str, int]:
     gpus = torch.cuda.device_count()
     if device == "cuda" or (device == "auto" and gpus > 0):
         if gpus < world:
-            raise ConfigError([Problem("compare.nproc_per_node", world, f"at most {gpus} (GPUs on this machine)",
-                                       "lower --nproc-per-node, or set bridge.device: cpu")])
+            raise ConfigError(
+                [
+                    Problem(
+                        "compare.nproc_per_node",
+                        world,
+                        f"at most {gpus} (GPUs on this machine)",
+                        "lower --nproc-per-node, or set bridge.device: cpu",
+                    )
+                ]
+            )
         return "nccl", world
     return "gloo", world

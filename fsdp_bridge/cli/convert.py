@@ -21,13 +21,20 @@ TARGETS: tuple[str, ...] = ("hf", "sharded", "torch")
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = sub.add_parser("convert", help="convert a checkpoint between sharded, Hugging Face and torch formats",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "convert",
+        help="convert a checkpoint between sharded, Hugging Face and torch formats",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("src", help="the checkpoint to read (directory or file)")
     p.add_argument("dst", help="where to write (a directory for hf/sharded, a file for torch)")
     p.add_argument("--to", required=True, choices=TARGETS, help="the kind to write")
-    p.add_argument("--hf-config", default=None,
-                   help="config.json (or a directory holding one) to write beside hf weights when SRC has none")
+    p.add_argument(
+        "--hf-config",
+        default=None,
+        help="config.json (or a directory holding one) to write beside hf weights when SRC has none",
+    )
     p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file for --to hf (default 5GB)")
     p.set_defaults(func=run)
 
@@ -37,8 +44,9 @@ def run(args: argparse.Namespace) -> int:
     from fsdp_bridge.errors import CheckpointError, ConfigError
 
     try:
-        dst = convert_checkpoint(args.src, args.dst, to=args.to, hf_config=args.hf_config,
-                                 max_shard_size=args.max_shard_size)
+        dst = convert_checkpoint(
+            args.src, args.dst, to=args.to, hf_config=args.hf_config, max_shard_size=args.max_shard_size
+        )
     except (CheckpointError, ConfigError):
         raise  # printed by the command's one error handler (exit code 2)
     except ValueError as err:  # e.g. an unreadable --max-shard-size, refused by huggingface_hub

@@ -32,8 +32,12 @@ def _choices(value: str, enum_cls: type[enum.Enum]) -> list[str]:
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = sub.add_parser("estimate", help="estimate memory per rank for every strategy and backend",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "estimate",
+        help="estimate memory per rank for every strategy and backend",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("model", help="HF model directory, config file, or TYPE:key=value,...")
     p.add_argument("--world-size", type=int, required=True, help="total number of ranks")
     p.add_argument("--nodes", type=int, default=1, help="nodes (HYBRID_* shards within a node; default 1)")
@@ -48,9 +52,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--activation-checkpointing", action="store_true", help="recompute each unit in backward")
     p.add_argument("--attn", default="eager", help="attention implementation for the activation run (eager)")
     p.add_argument("--device-memory", default=None, help="memory per device, e.g. 80GiB: marks what fits")
-    p.add_argument("--fake-world", action="store_true",
-                   help="also run the real shard() as the first and last of --world-size ranks (fake process "
-                        "group, meta device, this one process) and check each FSDP2 row against its shards")
+    p.add_argument(
+        "--fake-world",
+        action="store_true",
+        help="also run the real shard() as the first and last of --world-size ranks (fake process "
+        "group, meta device, this one process) and check each FSDP2 row against its shards",
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=run)
 
@@ -59,18 +66,31 @@ def run(args: argparse.Namespace) -> int:
     from fsdp_bridge.config import BridgeConfig
     from fsdp_bridge.estimate import estimate, format_table, parse_bytes
 
-    base = BridgeConfig(mixed_precision=args.mixed_precision, cpu_offload=args.cpu_offload, wrap=args.wrap,
-                        activation_checkpointing=args.activation_checkpointing)
+    base = BridgeConfig(
+        mixed_precision=args.mixed_precision,
+        cpu_offload=args.cpu_offload,
+        wrap=args.wrap,
+        activation_checkpointing=args.activation_checkpointing,
+    )
     device_memory = parse_bytes(args.device_memory) if args.device_memory else None
     model = args.model
     if args.fake_world:  # build once: every checked row shards a copy
         from fsdp_bridge.estimate import build_meta_model, load_model_config
 
         model = build_meta_model(load_model_config(args.model), attn_implementation=args.attn)
-    rows = estimate(model, world_size=args.world_size, nodes=args.nodes,
-                    strategies=_choices(args.strategy, ShardingStrategy), backends=_choices(args.backend, Backend),
-                    base=base, optimizer=args.optimizer, batch=args.batch, seq_len=args.seq_len,
-                    device_memory=device_memory, attn_implementation=args.attn)
+    rows = estimate(
+        model,
+        world_size=args.world_size,
+        nodes=args.nodes,
+        strategies=_choices(args.strategy, ShardingStrategy),
+        backends=_choices(args.backend, Backend),
+        base=base,
+        optimizer=args.optimizer,
+        batch=args.batch,
+        seq_len=args.seq_len,
+        device_memory=device_memory,
+        attn_implementation=args.attn,
+    )
     checks: list[dict[str, object]] = []
     if args.fake_world:
         from fsdp_bridge.estimate import plan_at_scale
@@ -80,24 +100,47 @@ def run(args: argparse.Namespace) -> int:
                 continue
             config = base.replace(backend=row.backend, strategy=row.strategy, hybrid_shape=None)
             plan = plan_at_scale(model, config, world_size=args.world_size, nodes=args.nodes, optimizer=args.optimizer)
-            checks.append({"backend": row.backend, "strategy": row.strategy, "ranks": [r.rank for r in plan.ranks],
-                           "mesh": list(plan.ranks[0].mesh), "matches": plan.matches,
-                           "mismatches": list(plan.mismatches)})
+            checks.append(
+                {
+                    "backend": row.backend,
+                    "strategy": row.strategy,
+                    "ranks": [r.rank for r in plan.ranks],
+                    "mesh": list(plan.ranks[0].mesh),
+                    "matches": plan.matches,
+                    "mismatches": list(plan.mismatches),
+                }
+            )
     if args.json:
-        print(json.dumps({"model": args.model, "world_size": args.world_size, "nodes": args.nodes,
-                          "config": base.to_dict(), "optimizer": args.optimizer, "batch": args.batch,
-                          "seq_len": args.seq_len, "rows": [r.to_dict() for r in rows],
-                          **({"fake_world": checks} if args.fake_world else {})}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "model": args.model,
+                    "world_size": args.world_size,
+                    "nodes": args.nodes,
+                    "config": base.to_dict(),
+                    "optimizer": args.optimizer,
+                    "batch": args.batch,
+                    "seq_len": args.seq_len,
+                    "rows": [r.to_dict() for r in rows],
+                    **({"fake_world": checks} if args.fake_world else {}),
+                },
+                indent=2,
+            )
+        )
     else:
-        title = (f"{args.model}: {args.world_size} ranks on {args.nodes} node(s), {args.optimizer}, "
-                 f"{args.mixed_precision}" + (", cpu offload" if args.cpu_offload else "")
-                 + (", activation checkpointing" if args.activation_checkpointing else ""))
+        title = (
+            f"{args.model}: {args.world_size} ranks on {args.nodes} node(s), {args.optimizer}, "
+            f"{args.mixed_precision}"
+            + (", cpu offload" if args.cpu_offload else "")
+            + (", activation checkpointing" if args.activation_checkpointing else "")
+        )
         print(format_table(rows, title=title))
         for c in checks:
             ranks = " and ".join(map(str, c["ranks"]))  # type: ignore[call-overload]
             verdict = "= estimate (every local shape, params bytes)" if c["matches"] else "DIFFERS from the estimate:"
-            print(f"fake world: {c['backend']} {c['strategy']}: shard() on ranks {ranks} of {args.world_size} "
-                  f"{verdict}")
+            print(
+                f"fake world: {c['backend']} {c['strategy']}: shard() on ranks {ranks} of {args.world_size} {verdict}"
+            )
             for m in c["mismatches"]:  # type: ignore[attr-defined]
                 print(f"  {m}")
     return 0 if all(c["matches"] for c in checks) else 1

@@ -39,8 +39,16 @@ def _backends(value: str) -> list[Backend]:
     try:
         return [parse_enum(Backend, value)]
     except ValueError:
-        raise ConfigError([Problem("--backend", value, f"{allowed_values(Backend)} or both",
-                                   "e.g. --backend fsdp2, or leave it out to show both")]) from None
+        raise ConfigError(
+            [
+                Problem(
+                    "--backend",
+                    value,
+                    f"{allowed_values(Backend)} or both",
+                    "e.g. --backend fsdp2, or leave it out to show both",
+                )
+            ]
+        ) from None
 
 
 def run(args: argparse.Namespace) -> int:

@@ -28,21 +28,30 @@ from fsdp_bridge.errors import ConfigError, Problem
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = sub.add_parser("migrate", help="migrate FSDP1 configs and code to FSDP2",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "migrate",
+        help="migrate FSDP1 configs and code to FSDP2",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     inner = p.add_subparsers(dest="migrate_command", metavar="{config,code}")
     c = inner.add_parser("config", help="convert an FSDP1 config to FSDP2, with a per-option report")
     c.add_argument("src", help="accelerate YAML, Trainer arguments JSON/YAML, fsdp_config JSON, or bridge YAML")
     c.add_argument("-o", "--output", default=None, help="bridge YAML to write (default: SRC stem + .fsdp2.yaml)")
-    c.add_argument("--fsdp", default=None,
-                   help="the Trainer's fsdp option string when SRC is its fsdp_config JSON "
-                        '(e.g. "full_shard auto_wrap")')
+    c.add_argument(
+        "--fsdp",
+        default=None,
+        help='the Trainer\'s fsdp option string when SRC is its fsdp_config JSON (e.g. "full_shard auto_wrap")',
+    )
     c.add_argument("--json", action="store_true", help="print the report as JSON")
     c.set_defaults(func=run_config)
-    k = inner.add_parser("code", help="find FSDP1 API use in Python files; --fix rewrites it",
-                         description="Find FSDP1 API use in Python files; --fix rewrites them (all files or none). "
-                                     "Exit code: 0 fully migrated (or nothing to migrate), 1 TODOs or skipped "
-                                     "files remain (listed), 2 error.")
+    k = inner.add_parser(
+        "code",
+        help="find FSDP1 API use in Python files; --fix rewrites it",
+        description="Find FSDP1 API use in Python files; --fix rewrites them (all files or none). "
+        "Exit code: 0 fully migrated (or nothing to migrate), 1 TODOs or skipped "
+        "files remain (listed), 2 error.",
+    )
     k.add_argument("paths", nargs="+", help="Python files or directories")
     k.add_argument("--fix", action="store_true", help="rewrite the files")
     k.add_argument("--diff", action="store_true", help="print the rewrite as a unified diff; write nothing")
@@ -54,19 +63,41 @@ def run_config(args: argparse.Namespace) -> int:
     from fsdp_bridge.migrate._config import default_output, migrate_config, write_outputs
 
     if not args.src or not Path(args.src).is_file():
-        raise ConfigError([Problem("SRC", args.src, "an FSDP1 config file (accelerate YAML, Trainer fsdp_config "
-                                   "JSON, or a bridge YAML with backend fsdp1)", "pass the path of that file")])
+        raise ConfigError(
+            [
+                Problem(
+                    "SRC",
+                    args.src,
+                    "an FSDP1 config file (accelerate YAML, Trainer fsdp_config "
+                    "JSON, or a bridge YAML with backend fsdp1)",
+                    "pass the path of that file",
+                )
+            ]
+        )
     dst = Path(args.output) if args.output else default_output(args.src)
     reason = unwritable_reason(dst)
     if reason is not None:  # before reading the source: say where the output cannot go
-        raise ConfigError([Problem("-o/--output", str(dst), "a file in a writable directory",
-                                   f"{reason}; pass -o with a writable path")])
+        raise ConfigError(
+            [
+                Problem(
+                    "-o/--output", str(dst), "a file in a writable directory", f"{reason}; pass -o with a writable path"
+                )
+            ]
+        )
     migration = migrate_config(args.src, fsdp=args.fsdp)
     try:
         write_outputs(migration, dst)
     except OSError as err:
-        raise ConfigError([Problem("-o/--output", str(dst), "a file in a writable directory",
-                                   f"writing failed ({err}); pass -o with a writable path")]) from None
+        raise ConfigError(
+            [
+                Problem(
+                    "-o/--output",
+                    str(dst),
+                    "a file in a writable directory",
+                    f"writing failed ({err}); pass -o with a writable path",
+                )
+            ]
+        ) from None
     if args.json:
         print(json.dumps(migration.report.to_dict(), indent=2))
     else:

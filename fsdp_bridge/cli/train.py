@@ -24,31 +24,60 @@ from fsdp_bridge.strategy import Backend
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = sub.add_parser("train", help="train a model from one YAML file (default: a tiny built-in CPU job)",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("items", nargs="*", metavar="[CONFIG.yaml] [key=value ...]",
-                   help="a training YAML (default: the built-in tiny job), then dotted key=value overrides")
-    p.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
-                   help="ranks to start on this node (default: one per GPU, or 2 on CPU)")
+    p = sub.add_parser(
+        "train",
+        help="train a model from one YAML file (default: a tiny built-in CPU job)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "items",
+        nargs="*",
+        metavar="[CONFIG.yaml] [key=value ...]",
+        help="a training YAML (default: the built-in tiny job), then dotted key=value overrides",
+    )
+    p.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=None,
+        metavar="N",
+        help="ranks to start on this node (default: one per GPU, or 2 on CPU)",
+    )
     p.add_argument("--backend", choices=[b.value for b in Backend], default=None, help="override bridge.backend")
-    p.add_argument("--resume", action="store_true",
-                   help="continue from the latest checkpoint in output_dir (same as resume=auto)")
+    p.add_argument(
+        "--resume", action="store_true", help="continue from the latest checkpoint in output_dir (same as resume=auto)"
+    )
     loud = p.add_mutually_exclusive_group()
     loud.add_argument("-q", "--quiet", action="store_true", help="no progress bar: print only the summary")
-    loud.add_argument("-v", "--verbose", action="store_true",
-                      help="also print what each bridge option became, and every checkpoint")
-    p.add_argument("--dry-run", action="store_true",
-                   help="check the config (and the mesh for the world size) and print it; train nothing")
-    p.add_argument("--max-restarts", type=int, default=0, metavar="N",
-                   help="when a rank dies, restart every rank up to N times; each restart resumes from the "
-                        "latest checkpoint in output_dir (default 0: the job fails)")
+    loud.add_argument(
+        "-v", "--verbose", action="store_true", help="also print what each bridge option became, and every checkpoint"
+    )
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="check the config (and the mesh for the world size) and print it; train nothing",
+    )
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        metavar="N",
+        help="when a rank dies, restart every rank up to N times; each restart resumes from the "
+        "latest checkpoint in output_dir (default 0: the job fails)",
+    )
     multi = p.add_argument_group("multi-node (torchrun's rendezvous flags)")
     multi.add_argument("--nnodes", type=int, default=1, help="number of nodes (default 1)")
-    multi.add_argument("--node-rank", type=int, default=None, metavar="I",
-                       help="this node's index, 0 .. nnodes-1; node 0 hosts the rendezvous at --rdzv-endpoint "
-                            "(default: the first agent on the endpoint's host)")
-    multi.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
-                       help="where the nodes meet (the first node's address)")
+    multi.add_argument(
+        "--node-rank",
+        type=int,
+        default=None,
+        metavar="I",
+        help="this node's index, 0 .. nnodes-1; node 0 hosts the rendezvous at --rdzv-endpoint "
+        "(default: the first agent on the endpoint's host)",
+    )
+    multi.add_argument(
+        "--rdzv-endpoint", default=None, metavar="HOST:PORT", help="where the nodes meet (the first node's address)"
+    )
     multi.add_argument("--rdzv-id", default=None, help="a job id shared by all nodes (default: $SLURM_JOB_ID)")
     multi.add_argument("--rdzv-backend", default="c10d", help="rendezvous backend (default c10d)")
     p.set_defaults(func=run)
@@ -59,8 +88,16 @@ def _split_items(items: list[str]) -> tuple[str | None, list[str]]:
         return items[0], items[1:]
     stray = [i for i in items[1:] if "=" not in i]
     if stray:
-        raise ConfigError([Problem("override", stray[0], "key=value (the config file comes first)",
-                                   "put CONFIG.yaml before the overrides")])
+        raise ConfigError(
+            [
+                Problem(
+                    "override",
+                    stray[0],
+                    "key=value (the config file comes first)",
+                    "put CONFIG.yaml before the overrides",
+                )
+            ]
+        )
     return None, items
 
 
@@ -101,16 +138,30 @@ def run(args: argparse.Namespace) -> int:
     verbosity = "quiet" if args.quiet else "verbose" if args.verbose else "normal"
     launched = args.nproc_per_node is not None or args.nnodes > 1
     inside = existing_launch() and not launched
-    launch_problems = [Problem(flag, value, "an integer >= 1")
-                       for flag, value in (("--nproc-per-node", args.nproc_per_node), ("--nnodes", args.nnodes))
-                       if value is not None and value < 1]
+    launch_problems = [
+        Problem(flag, value, "an integer >= 1")
+        for flag, value in (("--nproc-per-node", args.nproc_per_node), ("--nnodes", args.nnodes))
+        if value is not None and value < 1
+    ]
     if args.max_restarts < 0:
-        launch_problems.append(Problem("--max-restarts", args.max_restarts, "an integer >= 0",
-                                       "e.g. --max-restarts 3 (0: a dead rank ends the job)"))
+        launch_problems.append(
+            Problem(
+                "--max-restarts",
+                args.max_restarts,
+                "an integer >= 0",
+                "e.g. --max-restarts 3 (0: a dead rank ends the job)",
+            )
+        )
     if args.max_restarts and inside:
-        launch_problems.append(Problem("--max-restarts", args.max_restarts, "0 inside an existing launch",
-                                       "give torchrun its own --max-restarts (fsdp-bridge train resumes from the "
-                                       "latest checkpoint on each restart either way)"))
+        launch_problems.append(
+            Problem(
+                "--max-restarts",
+                args.max_restarts,
+                "0 inside an existing launch",
+                "give torchrun its own --max-restarts (fsdp-bridge train resumes from the "
+                "latest checkpoint on each restart either way)",
+            )
+        )
     if not launch_problems:
         launch_problems = node_rank_problems(args.node_rank, args.nnodes)
     if launch_problems:
@@ -125,8 +176,10 @@ def run(args: argparse.Namespace) -> int:
     notes = preflight(config, world_size=world, local_world_size=local, device_type=device)
     done = _finished_step(config)
     if done is not None:
-        print(f"fsdp-bridge train: {config.output_dir} is complete: its latest checkpoint is at step {done} of "
-              f"max_steps={config.max_steps}; nothing to do (raise max_steps=... to train further)")
+        print(
+            f"fsdp-bridge train: {config.output_dir} is complete: its latest checkpoint is at step {done} of "
+            f"max_steps={config.max_steps}; nothing to do (raise max_steps=... to train further)"
+        )
         return 0
     if args.dry_run:
         print(config.to_yaml(), end="")
@@ -135,9 +188,15 @@ def run(args: argparse.Namespace) -> int:
     config_dict = config.to_dict()
     if inside:
         return run_rank(config_dict, verbosity)
-    options = LaunchOptions(nproc_per_node=local, nnodes=args.nnodes, node_rank=args.node_rank,
-                            rdzv_endpoint=args.rdzv_endpoint,
-                            rdzv_id=args.rdzv_id, rdzv_backend=args.rdzv_backend, max_restarts=args.max_restarts)
+    options = LaunchOptions(
+        nproc_per_node=local,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        rdzv_endpoint=args.rdzv_endpoint,
+        rdzv_id=args.rdzv_id,
+        rdzv_backend=args.rdzv_backend,
+        max_restarts=args.max_restarts,
+    )
     code = launch(config_dict, options, verbosity=verbosity)
     sys.stdout.flush()
     return code

@@ -55,5 +55,12 @@ __all__ = [
 def run_job(job: CompareJob, *, param_diff: bool = True) -> ParityReport:
     """Run ``job`` on the current process group (collective: every rank calls it)."""
     rank = dist.get_rank() if dist.is_initialized() else 0
-    return run_parity(job.build_model, job.batches(rank), job.run_specs(), optimizer_fn=job.optimizer,
-                      grad_clip=job.grad_clip, param_diff=param_diff, device=job.device())
+    return run_parity(
+        job.build_model,
+        job.batches(rank),
+        job.run_specs(),
+        optimizer_fn=job.optimizer,
+        grad_clip=job.grad_clip,
+        param_diff=param_diff,
+        device=job.device(),
+    )

@@ -18,9 +18,9 @@ __all__ = ["backend_differences"]
 
 _EFFECTS: dict[str, str] = {
     "strategy": "When each unit's parameters are freed after forward (the root included) changes memory and "
-                "communication, not the values, in fp32.",
+    "communication, not the values, in fp32.",
     "mixed_precision": "The compute and reduction dtypes decide the rounding of the loss and gradients; "
-                       "a different reduce dtype changes the gradients in their last bits.",
+    "a different reduce dtype changes the gradients in their last bits.",
     "backward_prefetch": "Prefetch order changes overlap and peak memory, not the values.",
     "forward_prefetch": "Prefetch order changes overlap and peak memory, not the values.",
     "limit_all_gathers": "Rate limiting changes peak memory and speed, not the values.",
@@ -37,16 +37,17 @@ _ALWAYS: tuple[Difference, ...] = (
     Difference(
         setting="gradient averaging",
         fsdp1="divides gradients by a power-of-two factor (about sqrt(N)) before the reduce-scatter and by the rest "
-              "after it, in every reduce dtype",
+        "after it, in every reduce dtype",
         fsdp2="reduces with ReduceOp.AVG when the reduce dtype is fp32 or bf16 (divides before/after only for fp16)",
         effect="The gradients can differ in their last bits; in fp32 at small world sizes they usually agree exactly, "
-               "in bf16/fp16 the rounding differs, which is why those tolerances are looser.",
+        "in bf16/fp16 the rounding differs, which is why those tolerances are looser.",
     ),
 )
 
 
-def backend_differences(config: BridgeConfig, *, device_type: str | None = None,
-                        world_size: int = 2) -> list[Difference]:
+def backend_differences(
+    config: BridgeConfig, *, device_type: str | None = None, world_size: int = 2
+) -> list[Difference]:
     """What FSDP1 and FSDP2 do differently for ``config`` (the backend field is ignored)."""
     one = translate(config, Backend.FSDP1, device_type=device_type)
     two = translate(config, Backend.FSDP2, device_type=device_type)
@@ -60,9 +61,14 @@ def backend_differences(config: BridgeConfig, *, device_type: str | None = None,
             continue
         if e1.option == "mixed_precision" and not config.mixed_precision.enabled:
             continue  # both compute and reduce in the parameters' dtype: nothing differs
-        out.append(Difference(setting=f"{e1.option} = {_value(e1.value)}",
-                              fsdp1=f"{e1.outcome.value}: {e1.text}", fsdp2=f"{e2.outcome.value}: {e2.text}",
-                              effect=_EFFECTS[e1.option]))
+        out.append(
+            Difference(
+                setting=f"{e1.option} = {_value(e1.value)}",
+                fsdp1=f"{e1.outcome.value}: {e1.text}",
+                fsdp2=f"{e2.outcome.value}: {e2.text}",
+                effect=_EFFECTS[e1.option],
+            )
+        )
     if world_size > 1:
         out.extend(_ALWAYS)
     return out

@@ -60,9 +60,17 @@ def default_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
     if loss is None and isinstance(out, torch.Tensor) and out.dim() == 0:
         loss = out
     if not isinstance(loss, torch.Tensor):
-        raise ConfigError([Problem("loss_fn", None, "a loss function, or a model returning its loss (.loss, a "
-                                   "'loss' entry, or a scalar tensor) for batches with labels",
-                                   "pass loss_fn=lambda model, batch: ...")])
+        raise ConfigError(
+            [
+                Problem(
+                    "loss_fn",
+                    None,
+                    "a loss function, or a model returning its loss (.loss, a "
+                    "'loss' entry, or a scalar tensor) for batches with labels",
+                    "pass loss_fn=lambda model, batch: ...",
+                )
+            ]
+        )
     return loss
 
 
@@ -136,8 +144,17 @@ def run_parity(
     collected: list[_Collected] = []
     gather_s = 0.0
     for spec in runs:
-        item, spent = _train_one(spec, model_fn, initial, batches, dev, optimizer_fn=optimizer_fn, loss_fn=loss_fn,
-                                 grad_clip=grad_clip, param_names=param_names if param_diff else None)
+        item, spent = _train_one(
+            spec,
+            model_fn,
+            initial,
+            batches,
+            dev,
+            optimizer_fn=optimizer_fn,
+            loss_fn=loss_fn,
+            grad_clip=grad_clip,
+            param_names=param_names if param_diff else None,
+        )
         collected.append(item)
         gather_s += spent
 
@@ -302,8 +319,11 @@ class _PeakMemory(AbstractContextManager["_PeakMemory"]):
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._base = 0
-        self.kind = ("cuda max_memory_allocated above the run's start" if device.type == "cuda"
-                     else "peak RSS (sampled every 2 ms)")
+        self.kind = (
+            "cuda max_memory_allocated above the run's start"
+            if device.type == "cuda"
+            else "peak RSS (sampled every 2 ms)"
+        )
 
     def __enter__(self) -> _PeakMemory:
         if self.device.type == "cuda":
@@ -366,15 +386,18 @@ def _pairs(collected: list[_Collected], tolerance: Tolerance | None) -> list[Pai
     if ref is not None:
         pairs += [(c, ref) for c in sharded]
     for i, a in enumerate(sharded):
-        for b in sharded[i + 1:]:
+        for b in sharded[i + 1 :]:
             if a.result.strategy == b.result.strategy:
                 pairs.append((b, a))
     return [_verdict(a, b, tolerance or _looser(a, b)) for a, b in pairs]
 
 
 def _looser(a: _Collected, b: _Collected) -> Tolerance:
-    tols = [tolerance_for(BridgeConfig.from_dict(c.result.config).mixed_precision)
-            for c in (a, b) if c.result.config is not None]
+    tols = [
+        tolerance_for(BridgeConfig.from_dict(c.result.config).mixed_precision)
+        for c in (a, b)
+        if c.result.config is not None
+    ]
     return max(tols, key=lambda t: t.loss_rtol)
 
 
@@ -386,11 +409,20 @@ def _verdict(a: _Collected, b: _Collected, tol: Tolerance) -> PairVerdict:
         params_ok = True
         if i < len(a.params) and i < len(b.params):
             max_dp, params_ok = _param_diff(a.params[i], b.params[i], tol)
-        ok = (tol.close(sa.loss, sb.loss, rtol=tol.loss_rtol, atol=tol.loss_atol)
-              and tol.close(sa.grad_norm, sb.grad_norm, rtol=tol.grad_norm_rtol, atol=tol.grad_norm_atol)
-              and params_ok)
-        diffs.append(StepDiff(step=sa.step, loss_diff=abs(sa.loss - sb.loss),
-                              grad_norm_diff=abs(sa.grad_norm - sb.grad_norm), max_param_diff=max_dp, ok=ok))
+        ok = (
+            tol.close(sa.loss, sb.loss, rtol=tol.loss_rtol, atol=tol.loss_atol)
+            and tol.close(sa.grad_norm, sb.grad_norm, rtol=tol.grad_norm_rtol, atol=tol.grad_norm_atol)
+            and params_ok
+        )
+        diffs.append(
+            StepDiff(
+                step=sa.step,
+                loss_diff=abs(sa.loss - sb.loss),
+                grad_norm_diff=abs(sa.grad_norm - sb.grad_norm),
+                max_param_diff=max_dp,
+                ok=ok,
+            )
+        )
         if not ok and first is None:
             first = sa.step
     if len(a.result.steps) != len(b.result.steps) and first is None:

@@ -120,8 +120,10 @@ class CompareJob:
                 try:
                     config = BridgeConfig.from_dict(data)
                 except ConfigError as err:
-                    problems += [dataclasses.replace(p, key=f"{backend.value}/{strategy.value}: bridge.{p.key}")
-                                 for p in err.problems]
+                    problems += [
+                        dataclasses.replace(p, key=f"{backend.value}/{strategy.value}: bridge.{p.key}")
+                        for p in err.problems
+                    ]
                     continue
                 specs.append(RunSpec.sharded(config, lr))
         if problems:
@@ -144,8 +146,16 @@ class CompareJob:
             torch.manual_seed(self.seed)
             model = _import(self.builder, "model.builder")()
             if not isinstance(model, nn.Module):
-                raise ConfigError([Problem("model.builder", self.builder, "a function returning an nn.Module",
-                                           f"it returned a {type(model).__name__}")])
+                raise ConfigError(
+                    [
+                        Problem(
+                            "model.builder",
+                            self.builder,
+                            "a function returning an nn.Module",
+                            f"it returned a {type(model).__name__}",
+                        )
+                    ]
+                )
             return model
         if self.model_path is None and self.family in FAMILIES:
             return build_tiny(self.family, seed=self.seed, **self.model_config)
@@ -170,11 +180,15 @@ class CompareJob:
             fn = _import(self.batch_fn, "model.batch")
             return [fn(self.micro_batch_size, self.seq_len, base + step) for step in range(self.max_steps)]
         if self.builder is None and self.model_path is None and self.family in FAMILIES:
-            return [sample_batch(self.family, batch=self.micro_batch_size, seq=self.seq_len, seed=base + step)
-                    for step in range(self.max_steps)]
+            return [
+                sample_batch(self.family, batch=self.micro_batch_size, seq=self.seq_len, seed=base + step)
+                for step in range(self.max_steps)
+            ]
         kind, vocab = _head_and_vocab(self)
-        return [_token_batch(kind, vocab, batch=self.micro_batch_size, seq=self.seq_len, seed=base + step)
-                for step in range(self.max_steps)]
+        return [
+            _token_batch(kind, vocab, batch=self.micro_batch_size, seq=self.seq_len, seed=base + step)
+            for step in range(self.max_steps)
+        ]
 
     def optimizer(self, params: Any, lr: float) -> torch.optim.Optimizer:
         return torch.optim.AdamW(params, lr=lr, weight_decay=self.weight_decay)
@@ -194,8 +208,9 @@ class CompareJob:
         """Parse the YAML mapping; every problem is reported at once."""
         problems: list[Problem] = []
         if not isinstance(data, Mapping):
-            raise ConfigError([Problem("job", data, "a mapping with model, data, optim, compare, bridge ...")],
-                              source=source)
+            raise ConfigError(
+                [Problem("job", data, "a mapping with model, data, optim, compare, bridge ...")], source=source
+            )
         top = ["model", "data", "optim", "micro_batch_size", "max_steps", "seed", "compare", "bridge", "peft"]
         problems += [_unknown_key(str(k), v, top) for k, v in data.items() if k not in top]
         kw: dict[str, Any] = {}
@@ -205,25 +220,35 @@ class CompareJob:
             model = {"family": model}
         model_keys = ["family", "config", "path", "builder", "batch"]
         if not isinstance(model, Mapping):
-            problems.append(Problem("model", model, f"a family name ({', '.join(FAMILIES)}) or a mapping of "
-                                    f"{', '.join(model_keys)}"))
+            problems.append(
+                Problem(
+                    "model", model, f"a family name ({', '.join(FAMILIES)}) or a mapping of {', '.join(model_keys)}"
+                )
+            )
             model = {}
         problems += [_unknown_key(f"model.{k}", v, model_keys) for k, v in model.items() if k not in model_keys]
         problems += _model_problems(model)
         config = dict(model.get("config") or {})
         family = model.get("family", config.pop("model_type", "llama"))
         if not isinstance(family, str):
-            problems.append(Problem("model.family", family, f"a tiny family ({', '.join(FAMILIES)}) or a "
-                                    "transformers model_type"))
+            problems.append(
+                Problem("model.family", family, f"a tiny family ({', '.join(FAMILIES)}) or a transformers model_type")
+            )
         elif "path" not in model and "builder" not in model and family not in FAMILIES:
             from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
             if family not in CONFIG_MAPPING_NAMES:
                 close = difflib.get_close_matches(family, [*FAMILIES, *CONFIG_MAPPING_NAMES], n=3)
-                problems.append(Problem("model.family" if "family" in model else "model.config.model_type", family,
-                                        f"a tiny family ({', '.join(FAMILIES)}) or a transformers model_type",
-                                        f"did you mean {', '.join(map(repr, close))}?" if close
-                                        else "or give model.path (a Hugging Face directory) or model.builder"))
+                problems.append(
+                    Problem(
+                        "model.family" if "family" in model else "model.config.model_type",
+                        family,
+                        f"a tiny family ({', '.join(FAMILIES)}) or a transformers model_type",
+                        f"did you mean {', '.join(map(repr, close))}?"
+                        if close
+                        else "or give model.path (a Hugging Face directory) or model.builder",
+                    )
+                )
         kw["family"], kw["model_config"] = family, config
         kw["model_path"], kw["builder"], kw["batch_fn"] = model.get("path"), model.get("builder"), model.get("batch")
 
@@ -242,15 +267,21 @@ class CompareJob:
                 value = optim[key]
                 if value is None and key == "grad_clip":
                     continue
-                if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or (
-                        key != "weight_decay" and value == 0):
-                    problems.append(Problem(f"optim.{key}", value, "a number > 0" if key != "weight_decay"
-                                            else "a number >= 0"))
+                if (
+                    isinstance(value, bool)
+                    or not isinstance(value, (int, float))
+                    or value < 0
+                    or (key != "weight_decay" and value == 0)
+                ):
+                    problems.append(
+                        Problem(f"optim.{key}", value, "a number > 0" if key != "weight_decay" else "a number >= 0")
+                    )
                 else:
                     kw[key] = float(value)
 
-        comp = _section(data, "compare", ["strategies", "backends", "reference", "nproc_per_node", "overrides"],
-                        problems)
+        comp = _section(
+            data, "compare", ["strategies", "backends", "reference", "nproc_per_node", "overrides"], problems
+        )
         for key, enum_cls in (("strategies", ShardingStrategy), ("backends", Backend)):
             if key in comp:
                 values = comp[key]
@@ -262,8 +293,9 @@ class CompareJob:
                     except ValueError:
                         problems.append(Problem(f"compare.{key}", v, allowed_values(enum_cls)))
                 if not parsed and not problems:
-                    problems.append(Problem(f"compare.{key}", values,
-                                            f"a non-empty list of {allowed_values(enum_cls)}"))
+                    problems.append(
+                        Problem(f"compare.{key}", values, f"a non-empty list of {allowed_values(enum_cls)}")
+                    )
                 kw[key] = tuple(dict.fromkeys(parsed))
         if "reference" in comp:
             if isinstance(comp["reference"], bool):
@@ -291,9 +323,17 @@ class CompareJob:
         except ConfigError as err:
             raise ConfigError(err.problems, source=source) from None
         if not job.reference and len(job.run_specs()) < 2:
-            raise ConfigError([Problem("compare", {"backends": [b.value for b in job.backends], "reference": False},
-                                       "at least two runs to compare",
-                                       "list both backends, or set reference: true (--reference)")], source=source)
+            raise ConfigError(
+                [
+                    Problem(
+                        "compare",
+                        {"backends": [b.value for b in job.backends], "reference": False},
+                        "at least two runs to compare",
+                        "list both backends, or set reference: true (--reference)",
+                    )
+                ],
+                source=source,
+            )
         return job
 
 
@@ -301,20 +341,44 @@ def _model_problems(model: Mapping[str, Any]) -> list[Problem]:
     problems: list[Problem] = []
     sources = [k for k in ("path", "builder") if k in model]
     if len(sources) > 1 or (sources and "family" in model):
-        problems.append(Problem("model", dict(model), "one of model.family (+ config), model.path, model.builder",
-                                "keep the one that names your model"))
+        problems.append(
+            Problem(
+                "model",
+                dict(model),
+                "one of model.family (+ config), model.path, model.builder",
+                "keep the one that names your model",
+            )
+        )
     path = model.get("path")
     if path is not None and not (isinstance(path, str) and (Path(path) / "config.json").is_file()):
-        problems.append(Problem("model.path", path, "a Hugging Face model directory with a config.json",
-                                "save it with model.save_pretrained(DIR)"))
+        problems.append(
+            Problem(
+                "model.path",
+                path,
+                "a Hugging Face model directory with a config.json",
+                "save it with model.save_pretrained(DIR)",
+            )
+        )
     for key in ("builder", "batch"):
         spec = model.get(key)
         if spec is not None and not (isinstance(spec, str) and _is_import_spec(spec)):
-            problems.append(Problem(f"model.{key}", spec, "module:function (an importable module and a function in it)",
-                                    "e.g. my_pkg.models:build"))
+            problems.append(
+                Problem(
+                    f"model.{key}",
+                    spec,
+                    "module:function (an importable module and a function in it)",
+                    "e.g. my_pkg.models:build",
+                )
+            )
     if "batch" in model and "builder" not in model and "path" not in model:
-        problems.append(Problem("model.batch", model["batch"], "only with model.builder or model.path",
-                                "tiny families and model types make their own batches"))
+        problems.append(
+            Problem(
+                "model.batch",
+                model["batch"],
+                "only with model.builder or model.path",
+                "tiny families and model types make their own batches",
+            )
+        )
     if "config" in model and not isinstance(model.get("config") or {}, Mapping):
         problems.append(Problem("model.config", model["config"], "a mapping of transformers config values"))
     return problems
@@ -333,8 +397,9 @@ def _import(spec: str, key: str) -> Any:
     try:
         fn = getattr(importlib.import_module(module_name), name)
     except (ImportError, AttributeError) as err:
-        raise ConfigError([Problem(key, spec, "module:function, importable from the working directory or "
-                                   "PYTHONPATH", str(err))]) from None
+        raise ConfigError(
+            [Problem(key, spec, "module:function, importable from the working directory or PYTHONPATH", str(err))]
+        ) from None
     if not callable(fn):
         raise ConfigError([Problem(key, spec, "a function", f"{name} is a {type(fn).__name__}")])
     return fn
@@ -350,8 +415,16 @@ def _hf_config(path: str | None, model_type: str, values: Mapping[str, Any]) -> 
             config = AutoConfig.for_model(model_type, **values)
         except Exception as err:
             reason = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
-            raise ConfigError([Problem("model.config", dict(values, model_type=model_type),
-                                       f"a valid transformers {model_type} config", reason)]) from None
+            raise ConfigError(
+                [
+                    Problem(
+                        "model.config",
+                        dict(values, model_type=model_type),
+                        f"a valid transformers {model_type} config",
+                        reason,
+                    )
+                ]
+            ) from None
     config._attn_implementation = "eager"  # deterministic, the same kernels on every backend
     return config
 
@@ -362,9 +435,16 @@ def _head_class(config: Any) -> Any:
     for auto in (tf.AutoModelForCausalLM, tf.AutoModelForSeq2SeqLM, tf.AutoModelForMaskedLM):
         if type(config) in auto._model_mapping:
             return auto
-    raise ConfigError([Problem("model", getattr(config, "model_type", "?"),
-                               "a causal, masked or seq2seq language model (compare trains it on token batches)",
-                               "use model.builder and model.batch for other models")])
+    raise ConfigError(
+        [
+            Problem(
+                "model",
+                getattr(config, "model_type", "?"),
+                "a causal, masked or seq2seq language model (compare trains it on token batches)",
+                "use model.builder and model.batch for other models",
+            )
+        ]
+    )
 
 
 def _build_hf(path: str | None, model_type: str, values: Mapping[str, Any], *, seed: int) -> nn.Module:
@@ -382,8 +462,16 @@ def _head_and_vocab(job: CompareJob) -> tuple[str, int]:
     if job.builder is not None:
         config = getattr(job.build_model(), "config", None)
         if config is None or not isinstance(getattr(config, "vocab_size", None), int):
-            raise ConfigError([Problem("model.batch", None, "module:function making one step's inputs",
-                                       "the builder's model has no Hugging Face config to make token batches from")])
+            raise ConfigError(
+                [
+                    Problem(
+                        "model.batch",
+                        None,
+                        "module:function making one step's inputs",
+                        "the builder's model has no Hugging Face config to make token batches from",
+                    )
+                ]
+            )
     else:
         config = _hf_config(job.model_path, job.family, job.model_config)
     auto = _head_class(config)
@@ -458,8 +546,9 @@ def read_job(path: str | Path) -> dict[str, Any]:
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ConfigError([Problem("job", data, "a mapping with model, data, optim, compare, bridge ...")],
-                          source=str(path))
+        raise ConfigError(
+            [Problem("job", data, "a mapping with model, data, optim, compare, bridge ...")], source=str(path)
+        )
     return data
 
 

@@ -16,8 +16,9 @@ from fsdp_bridge.compare.report import ParityReport
 __all__ = ["plot_report", "write_report"]
 
 
-def write_report(report: ParityReport, out_dir: str | Path, *, command: str | None = None,
-                 job: dict[str, Any] | None = None) -> dict[str, Path | None]:
+def write_report(
+    report: ParityReport, out_dir: str | Path, *, command: str | None = None, job: dict[str, Any] | None = None
+) -> dict[str, Path | None]:
     """Write the report files into ``out_dir``; returns their paths (``png`` is None without matplotlib)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -60,8 +61,14 @@ def plot_report(report: ParityReport, path: str | Path) -> bool:
     ax_loss, ax_param, ax_dloss = (fig.add_subplot(grid[0, i]) for i in range(3))
     styles = ["-", "--", ":", "-."]
     for i, run in enumerate(report.runs):
-        ax_loss.plot([s.step for s in run.steps], [s.loss for s in run.steps], styles[i % len(styles)],
-                     marker="o", markersize=3, label=run.name)
+        ax_loss.plot(
+            [s.step for s in run.steps],
+            [s.loss for s in run.steps],
+            styles[i % len(styles)],
+            marker="o",
+            markersize=3,
+            label=run.name,
+        )
     ax_loss.set_xlabel("step")
     ax_loss.set_ylabel("loss (mean over ranks)")
     ax_loss.set_title("loss per run")
@@ -72,12 +79,24 @@ def plot_report(report: ParityReport, path: str | Path) -> bool:
         steps = [d.step for d in pair.steps]
         style = styles[i % len(styles)]
         params = [d.max_param_diff for d in pair.steps]
-        (line,) = ax_dloss.plot(steps, [max(d.loss_diff, floor) for d in pair.steps], style, marker="x",
-                                markersize=4, label=f"{pair.a} vs {pair.b}" + ("" if pair.ok else " (diverged)"))
+        (line,) = ax_dloss.plot(
+            steps,
+            [max(d.loss_diff, floor) for d in pair.steps],
+            style,
+            marker="x",
+            markersize=4,
+            label=f"{pair.a} vs {pair.b}" + ("" if pair.ok else " (diverged)"),
+        )
         lines.append(line)
         if all(p is not None and math.isfinite(p) for p in params):
-            ax_param.plot(steps, [max(float(p), floor) for p in params if p is not None], style, marker="o",
-                          markersize=3, color=line.get_color())
+            ax_param.plot(
+                steps,
+                [max(float(p), floor) for p in params if p is not None],
+                style,
+                marker="o",
+                markersize=3,
+                color=line.get_color(),
+            )
         if pair.first_divergent_step is not None:
             for ax in (ax_param, ax_dloss):
                 ax.axvline(pair.first_divergent_step, color="red", alpha=0.3)

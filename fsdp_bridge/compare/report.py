@@ -57,10 +57,15 @@ class Tolerance:
         return abs(a - b) <= atol + rtol * abs(b)
 
     def describe(self) -> str:
-        params = ("parameters not judged (reported only)" if self.param_atol is None
-                  else f"parameters rtol {self.param_rtol:g} atol {self.param_atol:g}")
-        return (f"loss rtol {self.loss_rtol:g} atol {self.loss_atol:g}; gradient norm rtol {self.grad_norm_rtol:g} "
-                f"atol {self.grad_norm_atol:g}; {params}")
+        params = (
+            "parameters not judged (reported only)"
+            if self.param_atol is None
+            else f"parameters rtol {self.param_rtol:g} atol {self.param_atol:g}"
+        )
+        return (
+            f"loss rtol {self.loss_rtol:g} atol {self.loss_atol:g}; gradient norm rtol {self.grad_norm_rtol:g} "
+            f"atol {self.grad_norm_atol:g}; {params}"
+        )
 
 
 _ADAM_SIGN = (
@@ -72,21 +77,34 @@ _ADAM_SIGN = (
 
 TOLERANCES: dict[str, Tolerance] = {
     "fp32": Tolerance(
-        name="fp32", loss_rtol=1.3e-6, loss_atol=1e-5, grad_norm_rtol=1.3e-6, grad_norm_atol=1e-5,
-        param_rtol=1.3e-6, param_atol=1e-5,
+        name="fp32",
+        loss_rtol=1.3e-6,
+        loss_atol=1e-5,
+        grad_norm_rtol=1.3e-6,
+        grad_norm_atol=1e-5,
+        param_rtol=1.3e-6,
+        param_atol=1e-5,
         why="torch's float32 defaults (torch.testing.assert_close: rtol 1.3e-6, atol 1e-5), the tolerance "
-            "PyTorch's own FSDP parity tests use.",
+        "PyTorch's own FSDP parity tests use.",
     ),
     "bf16": Tolerance(
-        name="bf16", loss_rtol=1.6e-2, loss_atol=1e-3, grad_norm_rtol=1.6e-2, grad_norm_atol=1e-3,
+        name="bf16",
+        loss_rtol=1.6e-2,
+        loss_atol=1e-3,
+        grad_norm_rtol=1.6e-2,
+        grad_norm_atol=1e-3,
         why="torch's bfloat16 rtol (1.6e-2): bf16 keeps 8 significant bits (relative step 3.9e-3), and the "
-            "gradient sums are rounded in a different order by each run (measured on a tiny Llama over 4 AdamW "
-            "steps against the fp32 reference: loss 2.7e-5 relative, gradient norm 2.4e-3 relative). " + _ADAM_SIGN,
+        "gradient sums are rounded in a different order by each run (measured on a tiny Llama over 4 AdamW "
+        "steps against the fp32 reference: loss 2.7e-5 relative, gradient norm 2.4e-3 relative). " + _ADAM_SIGN,
     ),
     "fp16": Tolerance(
-        name="fp16", loss_rtol=5e-3, loss_atol=1e-3, grad_norm_rtol=5e-3, grad_norm_atol=1e-3,
+        name="fp16",
+        loss_rtol=5e-3,
+        loss_atol=1e-3,
+        grad_norm_rtol=5e-3,
+        grad_norm_atol=1e-3,
         why="float16 keeps 11 significant bits (relative step 9.8e-4); 5e-3 leaves room for the backends' "
-            "different division of gradients before and after the reduction. " + _ADAM_SIGN,
+        "different division of gradients before and after the reduction. " + _ADAM_SIGN,
     ),
 }
 
@@ -188,8 +206,9 @@ class PairVerdict:
         what = [f"loss diff {step.loss_diff:.3g}", f"grad-norm diff {step.grad_norm_diff:.3g}"]
         if step.max_param_diff is not None:
             what.append(f"max param diff {step.max_param_diff:.3g}")
-        return (head + f"DIVERGED at step {self.first_divergent_step} "
-                f"({', '.join(what)}; {self.tolerance.name} tolerance)")
+        return (
+            head + f"DIVERGED at step {self.first_divergent_step} ({', '.join(what)}; {self.tolerance.name} tolerance)"
+        )
 
 
 @dataclass(frozen=True)
@@ -234,9 +253,16 @@ class ParityReport:
 
     def to_dict(self) -> dict[str, Any]:
         def verdict(p: PairVerdict) -> dict[str, Any]:
-            return {"a": p.a, "b": p.b, "ok": p.ok, "first_divergent_step": p.first_divergent_step,
-                    "max_loss_diff": p.max_loss_diff, "max_param_diff": p.max_param_diff,
-                    "tolerance": asdict(p.tolerance), "steps": [asdict(s) for s in p.steps]}
+            return {
+                "a": p.a,
+                "b": p.b,
+                "ok": p.ok,
+                "first_divergent_step": p.first_divergent_step,
+                "max_loss_diff": p.max_loss_diff,
+                "max_param_diff": p.max_param_diff,
+                "tolerance": asdict(p.tolerance),
+                "steps": [asdict(s) for s in p.steps],
+            }
 
         return {
             "ok": self.ok,
@@ -252,9 +278,17 @@ class ParityReport:
         rows = []
         for r in self.runs:
             peak = [_mib(b) for b in r.peak_memory_bytes]
-            rows.append([r.name, f"{r.lr:g}", f"{r.steps[-1].loss:.6f}" if r.steps else "-",
-                         " / ".join(peak), " / ".join(_bytes(b) for b in r.sharded_bytes),
-                         f"{r.mean_step_time_s * 1e3:.1f}", f"{r.setup_time_s:.2f}"])
+            rows.append(
+                [
+                    r.name,
+                    f"{r.lr:g}",
+                    f"{r.steps[-1].loss:.6f}" if r.steps else "-",
+                    " / ".join(peak),
+                    " / ".join(_bytes(b) for b in r.sharded_bytes),
+                    f"{r.mean_step_time_s * 1e3:.1f}",
+                    f"{r.setup_time_s:.2f}",
+                ]
+            )
         return rows
 
     _RUN_HEAD = ("run", "lr", "final loss", "peak mem/rank (MiB)", "param bytes/rank", "step ms", "setup s")
@@ -262,8 +296,9 @@ class ParityReport:
     def _step_rows(self) -> list[list[str]]:
         rows = []
         for r in self.runs:
-            rows += [[str(s.step), r.name, f"{s.loss:.7f}", f"{s.grad_norm:.6f}", f"{s.time_s * 1e3:.1f}"]
-                     for s in r.steps]
+            rows += [
+                [str(s.step), r.name, f"{s.loss:.7f}", f"{s.grad_norm:.6f}", f"{s.time_s * 1e3:.1f}"] for s in r.steps
+            ]
         return sorted(rows, key=lambda row: int(row[0]))
 
     _STEP_HEAD = ("step", "run", "loss", "grad norm", "time ms")
@@ -272,9 +307,16 @@ class ParityReport:
         rows = []
         for p in self.pairs:
             for d in p.steps:
-                rows.append([str(d.step), f"{p.a} vs {p.b}", f"{d.loss_diff:.2e}", f"{d.grad_norm_diff:.2e}",
-                             "-" if d.max_param_diff is None else f"{d.max_param_diff:.2e}",
-                             "ok" if d.ok else "DIVERGED"])
+                rows.append(
+                    [
+                        str(d.step),
+                        f"{p.a} vs {p.b}",
+                        f"{d.loss_diff:.2e}",
+                        f"{d.grad_norm_diff:.2e}",
+                        "-" if d.max_param_diff is None else f"{d.max_param_diff:.2e}",
+                        "ok" if d.ok else "DIVERGED",
+                    ]
+                )
         return sorted(rows, key=lambda row: int(row[0]))
 
     _DIFF_HEAD = ("step", "pair", "|d loss|", "|d grad norm|", "max |d param|", "within tolerance")
@@ -282,10 +324,21 @@ class ParityReport:
     def format(self) -> str:
         """The terminal report: runs, per-step values, verdicts, differing defaults."""
         mem_kind = self.runs[0].memory_kind if self.runs else ""
-        out = [f"fsdp-bridge compare: {len(self.runs)} runs on {self.world_size} ranks ({self.device}); "
-               f"peak memory = {mem_kind}", "", _table(list(self._RUN_HEAD), self._run_rows()), ""]
-        out += ["per step:", _table(list(self._STEP_HEAD), self._step_rows()), "",
-                "differences per step:", _table(list(self._DIFF_HEAD), self._diff_rows()), ""]
+        out = [
+            f"fsdp-bridge compare: {len(self.runs)} runs on {self.world_size} ranks ({self.device}); "
+            f"peak memory = {mem_kind}",
+            "",
+            _table(list(self._RUN_HEAD), self._run_rows()),
+            "",
+        ]
+        out += [
+            "per step:",
+            _table(list(self._STEP_HEAD), self._step_rows()),
+            "",
+            "differences per step:",
+            _table(list(self._DIFF_HEAD), self._diff_rows()),
+            "",
+        ]
         out += ["verdicts:"] + [f"  {p.describe()}" for p in self.pairs]
         if self.differences:
             out += ["", "settings that differ between the backends and can change the numbers:"]
@@ -296,23 +349,45 @@ class ParityReport:
     def markdown(self) -> str:
         """The report as Markdown (tables, verdicts, tolerances, differing defaults)."""
         mem_kind = self.runs[0].memory_kind if self.runs else ""
-        out = [f"**Result: {'parity' if self.ok else 'parity FAILED'}** - {len(self.runs)} runs on "
-               f"{self.world_size} ranks ({self.device}).", "", "### Runs", "",
-               _md_table(list(self._RUN_HEAD), self._run_rows()), "",
-               f"Peak memory is the {mem_kind} of each rank during the run; param bytes are the parameter "
-               "elements each rank holds times their size. Step time is the mean over steps 2..N on rank 0.", "",
-               "### Verdicts", ""]
+        out = [
+            f"**Result: {'parity' if self.ok else 'parity FAILED'}** - {len(self.runs)} runs on "
+            f"{self.world_size} ranks ({self.device}).",
+            "",
+            "### Runs",
+            "",
+            _md_table(list(self._RUN_HEAD), self._run_rows()),
+            "",
+            f"Peak memory is the {mem_kind} of each rank during the run; param bytes are the parameter "
+            "elements each rank holds times their size. Step time is the mean over steps 2..N on rank 0.",
+            "",
+            "### Verdicts",
+            "",
+        ]
         out += [f"- {p.describe()}" for p in self.pairs]
         tols = {p.tolerance.name: p.tolerance for p in self.pairs}
         if tols:
             out += ["", "### Tolerances", ""]
             out += [f"- **{t.name}**: {t.describe()}. {t.why}" for t in tols.values()]
-        out += ["", "### Per step", "", _md_table(list(self._STEP_HEAD), self._step_rows()),
-                "", "### Differences per step", "", _md_table(list(self._DIFF_HEAD), self._diff_rows())]
+        out += [
+            "",
+            "### Per step",
+            "",
+            _md_table(list(self._STEP_HEAD), self._step_rows()),
+            "",
+            "### Differences per step",
+            "",
+            _md_table(list(self._DIFF_HEAD), self._diff_rows()),
+        ]
         if self.differences:
-            out += ["", "### Settings that differ between the backends", "",
-                    _md_table(["setting", "fsdp1", "fsdp2", "effect on the numbers"],
-                              [[d.setting, d.fsdp1, d.fsdp2, d.effect] for d in self.differences])]
+            out += [
+                "",
+                "### Settings that differ between the backends",
+                "",
+                _md_table(
+                    ["setting", "fsdp1", "fsdp2", "effect on the numbers"],
+                    [[d.setting, d.fsdp1, d.fsdp2, d.effect] for d in self.differences],
+                ),
+            ]
         return "\n".join(out) + "\n"
 
 
@@ -329,8 +404,7 @@ def _bytes(n: int) -> str:
 
 def _table(head: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(head)]
-    lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True)),
-             "  ".join("-" * w for w in widths)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True)), "  ".join("-" * w for w in widths)]
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
     return "\n".join(lines)
 

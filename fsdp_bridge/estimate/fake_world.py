@@ -56,10 +56,17 @@ def fake_process_group(*, rank: int, world_size: int) -> Iterator[None]:
         ConfigError: a process group is already initialised in this process.
     """
     if dist.is_initialized():
-        raise ConfigError([Problem("process group", f"{dist.get_backend()} with {dist.get_world_size()} ranks",
-                                   "no process group in this process",
-                                   "plan at a fake world size in a process that has not called "
-                                   "init_process_group (e.g. a subprocess), or destroy the group first")])
+        raise ConfigError(
+            [
+                Problem(
+                    "process group",
+                    f"{dist.get_backend()} with {dist.get_world_size()} ranks",
+                    "no process group in this process",
+                    "plan at a fake world size in a process that has not called "
+                    "init_process_group (e.g. a subprocess), or destroy the group first",
+                )
+            ]
+        )
     # Private torch import, on purpose: torch registers the "fake" backend only when this module
     # is imported.  torch 2.13 (run) and 2.14.1 (read from the wheel) import it themselves only
     # when init_process_group("fake") gets no store; with any store it raises "Unknown c10d
@@ -71,9 +78,17 @@ def fake_process_group(*, rank: int, world_size: int) -> Iterator[None]:
     except ImportError as err:  # pragma: no cover - depends on the torch build
         import torch
 
-        raise ConfigError([Problem("torch", torch.__version__, "a torch with the fake process group "
-                                   "(torch.testing._internal.distributed.fake_pg, present in 2.13 and 2.14)",
-                                   f"install torch 2.13 or 2.14 to plan at a fake world size ({err})")]) from None
+        raise ConfigError(
+            [
+                Problem(
+                    "torch",
+                    torch.__version__,
+                    "a torch with the fake process group "
+                    "(torch.testing._internal.distributed.fake_pg, present in 2.13 and 2.14)",
+                    f"install torch 2.13 or 2.14 to plan at a fake world size ({err})",
+                )
+            ]
+        ) from None
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         yield
@@ -135,8 +150,10 @@ def _check(plan: RankPlan, estimate: RankMemory, units: Sequence[str]) -> list[s
     if plan.allocated_bytes != estimate.params:
         out.append(f"{where}: allocated shard bytes {plan.allocated_bytes:,}, estimated params {estimate.params:,}")
     if plan.shard_index == 0 and plan.local_bytes != estimate.params:
-        out.append(f"{where}: local shard bytes {plan.local_bytes:,}, estimated params {estimate.params:,} "
-                   "(shard 0 holds the largest chunk of every parameter)")
+        out.append(
+            f"{where}: local shard bytes {plan.local_bytes:,}, estimated params {estimate.params:,} "
+            "(shard 0 holds the largest chunk of every parameter)"
+        )
     return out
 
 
@@ -163,8 +180,11 @@ def _plan_rank(model: nn.Module, config: BridgeConfig, *, rank: int, world_size:
         shard_index = mesh.get_local_rank(mesh.ndim - 1)
         shard_size = mesh.shape[-1]
         # What fully_shard was really applied to (named as model_units names them).
-        units = tuple(n.replace(_CHECKPOINT_PREFIX, "") or "(root)"
-                      for n, m in sharded.named_modules() if isinstance(m, FSDPModule))
+        units = tuple(
+            n.replace(_CHECKPOINT_PREFIX, "") or "(root)"
+            for n, m in sharded.named_modules()
+            if isinstance(m, FSDPModule)
+        )
         local: dict[str, tuple[int, ...]] = {}
         tensors = []
         for name, p in sharded.named_parameters():
@@ -175,8 +195,16 @@ def _plan_rank(model: nn.Module, config: BridgeConfig, *, rank: int, world_size:
         allocated = storage_bytes(tensors)
         plan_mesh = tuple(mesh.shape)
     expected = {n: local_shape(s, shard_size, shard_index) for n, s in full.items()}
-    return RankPlan(rank=rank, shard_index=shard_index, mesh=plan_mesh, units=units, local_shapes=local,
-                    expected_shapes=expected, local_bytes=local_bytes, allocated_bytes=allocated)
+    return RankPlan(
+        rank=rank,
+        shard_index=shard_index,
+        mesh=plan_mesh,
+        units=units,
+        local_shapes=local,
+        expected_shapes=expected,
+        local_bytes=local_bytes,
+        allocated_bytes=allocated,
+    )
 
 
 def plan_at_scale(
@@ -210,9 +238,15 @@ def plan_at_scale(
     """
     problems: list[Problem] = []
     if config.backend is not Backend.FSDP2:
-        problems.append(Problem("backend", config.backend.value, "fsdp2",
-                                "plan at scale with backend: fsdp2 (FSDP1 must allocate its flat parameters; "
-                                "its estimate is checked against real runs in tests/test_estimate_validation.py)"))
+        problems.append(
+            Problem(
+                "backend",
+                config.backend.value,
+                "fsdp2",
+                "plan at scale with backend: fsdp2 (FSDP1 must allocate its flat parameters; "
+                "its estimate is checked against real runs in tests/test_estimate_validation.py)",
+            )
+        )
     if not isinstance(world_size, int) or isinstance(world_size, bool) or not 1 <= world_size <= _MAX_WORLD:
         problems.append(Problem("world_size", world_size, f"an integer from 1 to {_MAX_WORLD:,}"))
         world_size = 1
@@ -222,11 +256,18 @@ def plan_at_scale(
     bad = [r for r in chosen if not isinstance(r, int) or not 0 <= r < world_size]
     if bad or not chosen:
         problems.append(Problem("ranks", list(chosen), f"one or more ranks from 0 to {world_size - 1}"))
-    module = (build_meta_model(load_model_config(model), attn_implementation="eager")
-              if isinstance(model, str) else model)
+    module = (
+        build_meta_model(load_model_config(model), attn_implementation="eager") if isinstance(model, str) else model
+    )
     if any(not t.is_meta for t in (*module.parameters(), *module.buffers())):
-        problems.append(Problem("model", type(module).__name__, "a model on the meta device",
-                                "build it under `with torch.device('meta'):` (or pass a spec string)"))
+        problems.append(
+            Problem(
+                "model",
+                type(module).__name__,
+                "a model on the meta device",
+                "build it under `with torch.device('meta'):` (or pass a spec string)",
+            )
+        )
     if problems:
         raise ConfigError(problems)
     config = config.replace(sync_module_states=False)
@@ -240,5 +281,11 @@ def plan_at_scale(
         plan = _plan_rank(copy.deepcopy(module), config, rank=rank, world_size=world_size)
         planned.append(plan)
         mismatches.extend(_check(plan, estimate, units))
-    return ScalePlan(world_size=world_size, config=config, estimate=estimate, ranks=tuple(planned), units=units,
-                     mismatches=tuple(mismatches))
+    return ScalePlan(
+        world_size=world_size,
+        config=config,
+        estimate=estimate,
+        ranks=tuple(planned),
+        units=units,
+        mismatches=tuple(mismatches),
+    )

@@ -147,8 +147,14 @@ class RankMemory:
         return d
 
 
-def measure_activations(model: nn.Module, *, batch: int, seq_len: int, units: Sequence[nn.Module] = (),
-                        activation_checkpointing: bool = False) -> int:
+def measure_activations(
+    model: nn.Module,
+    *,
+    batch: int,
+    seq_len: int,
+    units: Sequence[nn.Module] = (),
+    activation_checkpointing: bool = False,
+) -> int:
     """Peak bytes a forward + backward of ``model`` (on the meta device) allocates beyond
     its parameters, gradients freed as soon as they are accumulated (FSDP reduces and
     frees them per unit; that part is counted in ``unsharded``).  Mutates ``model``
@@ -193,12 +199,26 @@ def measure_activations(model: nn.Module, *, batch: int, seq_len: int, units: Se
                 continue
             attn = getattr(getattr(model, "config", None), "_attn_implementation", None)
             if attn not in (None, "eager"):
-                raise ConfigError([Problem("attn_implementation", attn,
-                                           "eager (the model's forward must run on meta tensors)",
-                                           f"use --attn eager; the forward needs real data: {err}")]) from None
-            raise ConfigError([Problem("model", type(model).__name__, "a model whose forward runs on meta tensors",
-                                       f"its forward needs real data ({err}); estimate without --batch to "
-                                       "leave activations out")]) from None
+                raise ConfigError(
+                    [
+                        Problem(
+                            "attn_implementation",
+                            attn,
+                            "eager (the model's forward must run on meta tensors)",
+                            f"use --attn eager; the forward needs real data: {err}",
+                        )
+                    ]
+                ) from None
+            raise ConfigError(
+                [
+                    Problem(
+                        "model",
+                        type(model).__name__,
+                        "a model whose forward runs on meta tensors",
+                        f"its forward needs real data ({err}); estimate without --batch to leave activations out",
+                    )
+                ]
+            ) from None
     return live.peak
 
 
@@ -268,8 +288,18 @@ def estimate_memory(
         params = grads = opt = 0
         notes.append("cpu_offload: parameters, gradients and optimizer state live in host memory")
     return RankMemory(
-        backend=backend.value, strategy=strategy.value, mesh=mesh.shape, shard_size=shard,
-        params=params, grads=grads, optimizer=opt, unsharded=unsharded, activations=activations, host=host,
-        largest_unit=units[largest].name, largest_unit_bytes=full[largest] * cbytes,
-        device_memory=device_memory, notes=tuple(notes),
+        backend=backend.value,
+        strategy=strategy.value,
+        mesh=mesh.shape,
+        shard_size=shard,
+        params=params,
+        grads=grads,
+        optimizer=opt,
+        unsharded=unsharded,
+        activations=activations,
+        host=host,
+        largest_unit=units[largest].name,
+        largest_unit_bytes=full[largest] * cbytes,
+        device_memory=device_memory,
+        notes=tuple(notes),
     )

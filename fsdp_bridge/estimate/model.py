@@ -24,18 +24,47 @@ from fsdp_bridge.errors import ConfigError, Problem
 
 __all__ = ["build_meta_model", "load_model_config"]
 
-_SPEC_HELP = ("a Hugging Face model directory, a config file (.json/.yaml with model_type), "
-              "or TYPE:key=value,... (e.g. llama:hidden_size=4096,num_hidden_layers=32)")
+_SPEC_HELP = (
+    "a Hugging Face model directory, a config file (.json/.yaml with model_type), "
+    "or TYPE:key=value,... (e.g. llama:hidden_size=4096,num_hidden_layers=32)"
+)
 
 
 # Sizes a transformers config names (across model families); each must be a positive integer,
 # and the counts no larger than any real model needs (10^8 layers would take hours to build).
-_SIZES = ("hidden_size", "intermediate_size", "vocab_size", "max_position_embeddings", "n_embd", "n_positions",
-          "n_inner", "d_model", "d_ff", "d_kv", "head_dim", "embedding_size", "ffn_dim", "encoder_ffn_dim",
-          "decoder_ffn_dim")
-_COUNTS = ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "n_layer", "n_head", "num_layers",
-           "num_heads", "num_decoder_layers", "encoder_layers", "decoder_layers", "encoder_attention_heads",
-           "decoder_attention_heads", "num_local_experts", "num_experts")
+_SIZES = (
+    "hidden_size",
+    "intermediate_size",
+    "vocab_size",
+    "max_position_embeddings",
+    "n_embd",
+    "n_positions",
+    "n_inner",
+    "d_model",
+    "d_ff",
+    "d_kv",
+    "head_dim",
+    "embedding_size",
+    "ffn_dim",
+    "encoder_ffn_dim",
+    "decoder_ffn_dim",
+)
+_COUNTS = (
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "n_layer",
+    "n_head",
+    "num_layers",
+    "num_heads",
+    "num_decoder_layers",
+    "encoder_layers",
+    "decoder_layers",
+    "encoder_attention_heads",
+    "decoder_attention_heads",
+    "num_local_experts",
+    "num_experts",
+)
 _MAX_SIZE = 2**24
 _MAX_COUNT = 4096
 
@@ -48,8 +77,7 @@ def _size_problems(data: dict[str, Any], source: str) -> list[Problem]:
         value = data[key]
         limit = _MAX_COUNT if key in _COUNTS else _MAX_SIZE
         if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= limit:
-            problems.append(Problem(f"model.{key}", value, f"an integer from 1 to {limit:,}",
-                                    f"fix {key} in {source}"))
+            problems.append(Problem(f"model.{key}", value, f"an integer from 1 to {limit:,}", f"fix {key} in {source}"))
     return problems
 
 
@@ -67,8 +95,9 @@ def _from_mapping(data: object, source: str) -> Any:
         return AutoConfig.for_model(model_type, **data)
     except Exception as err:  # unknown model_type (ValueError), or the config class refusing a value
         text = " ".join(str(err).split())[:400]
-        raise ConfigError([Problem("model", source, "a model_type transformers knows, with values its config "
-                                   "accepts", text)]) from None
+        raise ConfigError(
+            [Problem("model", source, "a model_type transformers knows, with values its config accepts", text)]
+        ) from None
 
 
 def _read_mapping(path: Path, source: str) -> object:
@@ -113,12 +142,17 @@ def load_model_config(spec: str, **overrides: Any) -> Any:
 def _builders() -> list[Callable[[Any], nn.Module]]:
     import transformers as tf
 
-    return [tf.AutoModelForCausalLM.from_config, tf.AutoModelForSeq2SeqLM.from_config,
-            tf.AutoModelForMaskedLM.from_config, tf.AutoModel.from_config]
+    return [
+        tf.AutoModelForCausalLM.from_config,
+        tf.AutoModelForSeq2SeqLM.from_config,
+        tf.AutoModelForMaskedLM.from_config,
+        tf.AutoModel.from_config,
+    ]
 
 
-def build_meta_model(spec: str | Any, *, dtype: torch.dtype = torch.float32,
-                     attn_implementation: str | None = None) -> nn.Module:
+def build_meta_model(
+    spec: str | Any, *, dtype: torch.dtype = torch.float32, attn_implementation: str | None = None
+) -> nn.Module:
     """The model of ``spec`` (a spec string or a transformers config) on the meta device.
 
     The head is chosen like a training script would: causal LM, else seq2seq LM,
@@ -135,8 +169,20 @@ def build_meta_model(spec: str | Any, *, dtype: torch.dtype = torch.float32,
         except ValueError as err:  # this head does not exist for this model type
             errors.append(str(err).splitlines()[0])
         except (TypeError, RuntimeError, AttributeError, ZeroDivisionError) as err:  # sizes the model cannot use
-            raise ConfigError([Problem("model", getattr(config, "model_type", spec),
-                                       "sizes this model type can be built with",
-                                       f"{type(err).__name__}: {' '.join(str(err).split())[:300]}")]) from None
-    raise ConfigError([Problem("model", getattr(config, "model_type", spec), "a model type transformers can build",
-                               "; ".join(errors))])
+            raise ConfigError(
+                [
+                    Problem(
+                        "model",
+                        getattr(config, "model_type", spec),
+                        "sizes this model type can be built with",
+                        f"{type(err).__name__}: {' '.join(str(err).split())[:300]}",
+                    )
+                ]
+            ) from None
+    raise ConfigError(
+        [
+            Problem(
+                "model", getattr(config, "model_type", spec), "a model type transformers can build", "; ".join(errors)
+            )
+        ]
+    )

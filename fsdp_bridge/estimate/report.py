@@ -17,8 +17,18 @@ from fsdp_bridge.wrap import resolve_wrap
 
 __all__ = ["estimate", "format_bytes", "format_table", "parse_bytes"]
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 
 
 def parse_bytes(text: str) -> int:
@@ -60,23 +70,34 @@ def estimate(
     stored, an upper bound for fused kernels).
     """
     base = base or BridgeConfig()
-    problems = [Problem(key, value, f"an integer from 1 to {limit:,}", fix)
-                for key, value, limit, fix in (
-                    ("world_size", world_size, 2**24, "the total number of ranks, e.g. --world-size 8"),
-                    ("nodes", nodes, 2**20, "the number of nodes, e.g. --nodes 2"),
-                    ("batch", batch, 2**20, "the micro-batch per rank, e.g. --batch 1"),
-                    ("seq_len", seq_len, 2**20, "the sequence length, e.g. --seq-len 2048"))
-                if value is not None and (not isinstance(value, int) or isinstance(value, bool)
-                                          or not 1 <= value <= limit)]
+    problems = [
+        Problem(key, value, f"an integer from 1 to {limit:,}", fix)
+        for key, value, limit, fix in (
+            ("world_size", world_size, 2**24, "the total number of ranks, e.g. --world-size 8"),
+            ("nodes", nodes, 2**20, "the number of nodes, e.g. --nodes 2"),
+            ("batch", batch, 2**20, "the micro-batch per rank, e.g. --batch 1"),
+            ("seq_len", seq_len, 2**20, "the sequence length, e.g. --seq-len 2048"),
+        )
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= limit)
+    ]
     if (batch is None) != (seq_len is None):
-        problems.append(Problem("batch/seq_len", (batch, seq_len), "both or neither",
-                                "give --batch and --seq-len together to estimate activations"))
+        problems.append(
+            Problem(
+                "batch/seq_len",
+                (batch, seq_len),
+                "both or neither",
+                "give --batch and --seq-len together to estimate activations",
+            )
+        )
     if device_memory is not None and device_memory <= 0:
         problems.append(Problem("device_memory", device_memory, "a positive size such as 80GiB"))
     if problems:
         raise ConfigError(problems)
-    module: nn.Module = (build_meta_model(load_model_config(model), attn_implementation=attn_implementation)
-                         if isinstance(model, str) else model)
+    module: nn.Module = (
+        build_meta_model(load_model_config(model), attn_implementation=attn_implementation)
+        if isinstance(model, str)
+        else model
+    )
 
     activations: int | None = None
     if batch is not None and seq_len is not None:
@@ -86,32 +107,75 @@ def estimate(
             fresh = fresh.to(compute)
         units = resolve_wrap(fresh, base.wrap).modules
         try:
-            activations = measure_activations(fresh, batch=batch, seq_len=seq_len, units=units,
-                                              activation_checkpointing=base.activation_checkpointing)
+            activations = measure_activations(
+                fresh, batch=batch, seq_len=seq_len, units=units, activation_checkpointing=base.activation_checkpointing
+            )
         except (RuntimeError, ValueError, IndexError) as err:  # e.g. numel overflow, seq_len past the positions
-            raise ConfigError([Problem("batch/seq_len", (batch, seq_len), "sizes this model can run a forward with",
-                                       f"the meta-device forward failed ({' '.join(str(err).split())[:200]}); "
-                                       "use a smaller --batch or --seq-len")]) from None
+            raise ConfigError(
+                [
+                    Problem(
+                        "batch/seq_len",
+                        (batch, seq_len),
+                        "sizes this model can run a forward with",
+                        f"the meta-device forward failed ({' '.join(str(err).split())[:200]}); "
+                        "use a smaller --batch or --seq-len",
+                    )
+                ]
+            ) from None
 
     rows: list[RankMemory] = []
     for b in backends:
         for s in strategies:
             config = base.replace(backend=b, strategy=s, hybrid_shape=None)
-            rows.append(estimate_memory(module, config, world_size=world_size, nodes=nodes, optimizer=optimizer,
-                                        activations=activations, device_memory=device_memory))
+            rows.append(
+                estimate_memory(
+                    module,
+                    config,
+                    world_size=world_size,
+                    nodes=nodes,
+                    optimizer=optimizer,
+                    activations=activations,
+                    device_memory=device_memory,
+                )
+            )
     return rows
 
 
 def format_table(rows: Sequence[RankMemory], *, title: str = "") -> str:
     """A plain-text table of ``rows``, one per configuration."""
-    head = ["backend", "strategy", "mesh", "params", "grads", "optimizer", "sharded", "unsharded", "activations",
-            "peak", "host", "fits"]
+    head = [
+        "backend",
+        "strategy",
+        "mesh",
+        "params",
+        "grads",
+        "optimizer",
+        "sharded",
+        "unsharded",
+        "activations",
+        "peak",
+        "host",
+        "fits",
+    ]
     body: list[list[str]] = []
     for r in rows:
         fits = "-" if r.fits is None else ("yes" if r.fits else "NO")
-        body.append([r.backend, r.strategy, "x".join(map(str, r.mesh)), format_bytes(r.params), format_bytes(r.grads),
-                     format_bytes(r.optimizer), format_bytes(r.sharded_state), format_bytes(r.unsharded),
-                     format_bytes(r.activations), format_bytes(r.peak), format_bytes(r.host) if r.host else "-", fits])
+        body.append(
+            [
+                r.backend,
+                r.strategy,
+                "x".join(map(str, r.mesh)),
+                format_bytes(r.params),
+                format_bytes(r.grads),
+                format_bytes(r.optimizer),
+                format_bytes(r.sharded_state),
+                format_bytes(r.unsharded),
+                format_bytes(r.activations),
+                format_bytes(r.peak),
+                format_bytes(r.host) if r.host else "-",
+                fits,
+            ]
+        )
     widths = [max(len(h), *(len(row[i]) for row in body)) for i, h in enumerate(head)]
     lines = [title] if title else []
     lines.append("  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True)))

@@ -20,9 +20,15 @@ if TYPE_CHECKING:
 
 __all__ = ["accelerate_fsdp2"]
 
-_CARRIED = ("fsdp_auto_wrap_policy", "fsdp_transformer_layer_cls_to_wrap", "fsdp_min_num_params",
-            "fsdp_offload_params", "fsdp_cpu_ram_efficient_loading", "fsdp_activation_checkpointing",
-            "fsdp_ignored_modules")
+_CARRIED = (
+    "fsdp_auto_wrap_policy",
+    "fsdp_transformer_layer_cls_to_wrap",
+    "fsdp_min_num_params",
+    "fsdp_offload_params",
+    "fsdp_cpu_ram_efficient_loading",
+    "fsdp_activation_checkpointing",
+    "fsdp_ignored_modules",
+)
 _SEE_BRIDGE = "the bridge YAML keeps it"
 
 
@@ -44,10 +50,13 @@ def accelerate_fsdp2(m: Migration) -> dict[str, Any] | None:
             texts[key] = "dropped: this accelerate YAML runs DDP (distributed_type: MULTI_GPU)"
         texts["fsdp_sharding_strategy"] = (
             "no equivalent in accelerate FSDP2 (reshard_after_forward: false would mean ZeRO-2); written as "
-            f"DDP, distributed_type: MULTI_GPU, which is NO_SHARD's replication; {_SEE_BRIDGE} on FSDP2")
-        m.report.notes.append("accelerate: NO_SHARD has no accelerate FSDP2 spelling that keeps its meaning; "
-                              "the accelerate YAML runs DDP (same replication and all-reduce); the bridge YAML "
-                              "keeps NO_SHARD on FSDP2 with a (world, 1) mesh")
+            f"DDP, distributed_type: MULTI_GPU, which is NO_SHARD's replication; {_SEE_BRIDGE} on FSDP2"
+        )
+        m.report.notes.append(
+            "accelerate: NO_SHARD has no accelerate FSDP2 spelling that keeps its meaning; "
+            "the accelerate YAML runs DDP (same replication and all-reduce); the bridge YAML "
+            "keeps NO_SHARD on FSDP2 with a (world, 1) mesh"
+        )
         _fill(m, texts)
         return raw
 
@@ -64,15 +73,20 @@ def accelerate_fsdp2(m: Migration) -> dict[str, Any] | None:
                 f"accelerate: {strategy.name} needs parallelism_config dp_replicate_size x dp_shard_size on "
                 f"accelerate FSDP2, computed from num_machines ({machines}) and num_processes ({processes}), "
                 "which do not give it; no accelerate YAML written: use the bridge YAML (it shards within a node "
-                "and replicates across nodes at run time)")
+                "and replicates across nodes at run time)"
+            )
             texts["fsdp_sharding_strategy"] = "not written: num_machines/num_processes missing; " + _SEE_BRIDGE
             _fill(m, texts)
             return None
-        raw["parallelism_config"] = {"parallelism_config_dp_replicate_size": replicate,
-                                     "parallelism_config_dp_shard_size": shard}
-        strategy_text += (f" and parallelism_config dp_replicate_size={replicate}, dp_shard_size={shard} "
-                          "(HSDP: shard within a node, replicate across nodes); the sizes are fixed for this "
-                          "num_processes")
+        raw["parallelism_config"] = {
+            "parallelism_config_dp_replicate_size": replicate,
+            "parallelism_config_dp_shard_size": shard,
+        }
+        strategy_text += (
+            f" and parallelism_config dp_replicate_size={replicate}, dp_shard_size={shard} "
+            "(HSDP: shard within a node, replicate across nodes); the sizes are fixed for this "
+            "num_processes"
+        )
     for key in ("fsdp_sharding_strategy", "fsdp_reshard_after_forward"):
         texts[key] = strategy_text
 
@@ -83,26 +97,32 @@ def accelerate_fsdp2(m: Migration) -> dict[str, Any] | None:
     if "fsdp_state_dict_type" in fsdp_in:
         value = m.source.table_values.get("state_dict_type")
         out["fsdp_state_dict_type"] = "SHARDED_STATE_DICT" if value == "LOCAL_STATE_DICT" else value
-        texts["fsdp_state_dict_type"] = (
-            f"fsdp_state_dict_type: {out['fsdp_state_dict_type']}"
-            + (" (accelerate FSDP2 has no LOCAL_STATE_DICT)" if value == "LOCAL_STATE_DICT" else ""))
+        texts["fsdp_state_dict_type"] = f"fsdp_state_dict_type: {out['fsdp_state_dict_type']}" + (
+            " (accelerate FSDP2 has no LOCAL_STATE_DICT)" if value == "LOCAL_STATE_DICT" else ""
+        )
 
-    prefetch_text = ("removed (accelerate FSDP2 has no backward_prefetch): FSDP2 always prefetches one unit, "
-                     "BACKWARD_PRE timing")
+    prefetch_text = (
+        "removed (accelerate FSDP2 has no backward_prefetch): FSDP2 always prefetches one unit, BACKWARD_PRE timing"
+    )
     if cfg.backward_prefetch is not BackwardPrefetch.PRE:
         prefetch_text += f"; FSDP1 ran with {cfg.backward_prefetch.name}, which FSDP2 cannot reproduce"
     texts["fsdp_backward_prefetch"] = texts["fsdp_backward_prefetch_policy"] = prefetch_text
     texts["fsdp_forward_prefetch"] = (
         "no equivalent: accelerate FSDP2 raises for forward_prefetch; dropped; the bridge YAML emulates it"
-        if cfg.forward_prefetch else "removed (false is FSDP2's behaviour)")
+        if cfg.forward_prefetch
+        else "removed (false is FSDP2's behaviour)"
+    )
     texts["fsdp_use_orig_params"] = "removed: FSDP2 always uses the original parameters"
     texts["fsdp_sync_module_states"] = (
         "removed (accelerate FSDP2 rejects it); accelerate FSDP2 broadcasts rank 0's weights only with "
-        "fsdp_cpu_ram_efficient_loading: true" + ("" if fsdp_in.get("fsdp_cpu_ram_efficient_loading")
-                                                  else "; set it if ranks build different initial weights"))
+        "fsdp_cpu_ram_efficient_loading: true"
+        + ("" if fsdp_in.get("fsdp_cpu_ram_efficient_loading") else "; set it if ranks build different initial weights")
+    )
     if "mixed_precision" in raw:
-        texts["mixed_precision"] = (f"mixed_precision: {raw['mixed_precision']} kept: accelerate FSDP2 sets "
-                                    "MixedPrecisionPolicy(param, reduce, output dtype); it casts no buffers")
+        texts["mixed_precision"] = (
+            f"mixed_precision: {raw['mixed_precision']} kept: accelerate FSDP2 sets "
+            "MixedPrecisionPolicy(param, reduce, output dtype); it casts no buffers"
+        )
     raw["fsdp_config"] = out
     _fill(m, texts)
     return raw

@@ -58,17 +58,17 @@ def _fsdp2(option: str) -> str:
 
 _NAMES: dict[str, str] = {
     "FlatParamHandle": "no FSDP2 form (FSDP2 keeps each parameter as its own DTensor): use the module's "
-                       "parameters and FSDPModule.unshard()/reshard()",
+    "parameters and FSDPModule.unshard()/reshard()",
     "load_sharded_optimizer_state_dict": "get_optimizer_state_dict(model, optimizer) as the template, dcp.load "
-                                         "into it, then set_optimizer_state_dict(model, optimizer, osd) "
-                                         "(no FSDP1 flattening step)",
+    "into it, then set_optimizer_state_dict(model, optimizer, osd) "
+    "(no FSDP1 flattening step)",
     "_or_policy": "BridgeConfig.from_fsdp1(auto_wrap_policy=...) (FSDP1's recursion, exactly)",
     "enable_wrap": "not rewritten: FSDP1's manual wrapping (enable_wrap + wrap(module)); on FSDP2 build the model "
-                   "unwrapped and shard it once: fsdp_bridge.shard(model, BridgeConfig(wrap=[<classes of the "
-                   "modules passed to wrap()>], ...)), with enable_wrap's keyword arguments moved into the config "
-                   "(BridgeConfig.from_fsdp1(**kwargs) takes them as they are)",
+    "unwrapped and shard it once: fsdp_bridge.shard(model, BridgeConfig(wrap=[<classes of the "
+    "modules passed to wrap()>], ...)), with enable_wrap's keyword arguments moved into the config "
+    "(BridgeConfig.from_fsdp1(**kwargs) takes them as they are)",
     "wrap": "not rewritten: wrap(module) inside enable_wrap is FSDP1's manual wrapping; drop it and list the "
-            "module's class in BridgeConfig(wrap=[...]) for fsdp_bridge.shard",
+    "module's class in BridgeConfig(wrap=[...]) for fsdp_bridge.shard",
     "fsdp_modules": "[m for m in model.modules() if isinstance(m, FSDPModule)]",
     FSDP: "fsdp_bridge.shard(model, fsdp_bridge.BridgeConfig(...)) (FSDP2: fully_shard on each unit, then the root)",
     "transformer_auto_wrap_policy": "BridgeConfig(wrap=[LayerClass, ...])",
@@ -94,33 +94,33 @@ _NAMES: dict[str, str] = {
     "no_sync": "fsdp_bridge.no_sync(model); " + _fsdp2("no_sync"),
     "clip_grad_norm_": "fsdp_bridge.clip_grad_norm_(model, max_norm); " + _fsdp2("clip_grad_norm_"),
     "optim_state_dict": "fsdp_bridge.save_checkpoint(path, model, optimizer) / "
-                        "torch.distributed.checkpoint.state_dict.get_optimizer_state_dict(model, optimizer)",
+    "torch.distributed.checkpoint.state_dict.get_optimizer_state_dict(model, optimizer)",
     "optim_state_dict_to_load": "fsdp_bridge.load_checkpoint(path, model, optimizer) / "
-                                "torch.distributed.checkpoint.state_dict.set_optimizer_state_dict("
-                                "model, optimizer, sd)",
+    "torch.distributed.checkpoint.state_dict.set_optimizer_state_dict("
+    "model, optimizer, sd)",
     "full_optim_state_dict": "get_optimizer_state_dict(model, optimizer, "
-                             "options=StateDictOptions(full_state_dict=True))",
+    "options=StateDictOptions(full_state_dict=True))",
     "sharded_optim_state_dict": "get_optimizer_state_dict(model, optimizer)",
     "shard_full_optim_state_dict": "set_optimizer_state_dict(model, optimizer, sd, "
-                                   "options=StateDictOptions(full_state_dict=True))",
+    "options=StateDictOptions(full_state_dict=True))",
     "scatter_full_optim_state_dict": "set_optimizer_state_dict(model, optimizer, sd, "
-                                     "options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))",
+    "options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))",
     "ShardedGradScaler": "torch.amp.GradScaler(...) (" + _fsdp2("ShardedGradScaler") + ")",
     "CPUOffload": "BridgeConfig(cpu_offload=True) (" + _fsdp2("cpu_offload") + ")",
     "MixedPrecision": "BridgeConfig(mixed_precision={'param_dtype': ..., 'reduce_dtype': ..., 'buffer_dtype': ...})",
     "BackwardPrefetch": "BridgeConfig(backward_prefetch='pre') (FSDP2 has only BACKWARD_PRE timing)",
     "ShardingStrategy": "BridgeConfig(strategy='full_shard'|'shard_grad_op'|'no_shard'|'hybrid_shard'|"
-                        "'hybrid_shard_zero2')",
+    "'hybrid_shard_zero2')",
     "apply_activation_checkpointing": "BridgeConfig(activation_checkpointing=True) checkpoints every wrap unit; "
-                                      "remove this call once the config has it",
+    "remove this call once the config has it",
 }
 _INTERNAL_ATTRS: dict[str, str] = {
     "flat_param": "FSDP1's flat parameter has no FSDP2 form: each parameter is its own DTensor; "
-                  "iterate model.parameters() (p.to_local() for this rank's shard)",
+    "iterate model.parameters() (p.to_local() for this rank's shard)",
     "_flat_param": "FSDP1's flat parameter has no FSDP2 form: each parameter is its own DTensor; "
-                   "iterate model.parameters() (p.to_local() for this rank's shard)",
+    "iterate model.parameters() (p.to_local() for this rank's shard)",
     "_handle": "FSDP1's FlatParamHandle has no FSDP2 form: use the module's parameters (DTensors) and "
-               "FSDPModule methods (unshard/reshard)",
+    "FSDPModule methods (unshard/reshard)",
     "_lazy_init": "FSDP2 initialises on the first forward; nothing to call (FSDPModule has no _lazy_init)",
     "_fsdp_wrapped_module": "FSDP2 does not wrap: the module is itself (an FSDPModule); drop the attribute",
 }
@@ -152,23 +152,63 @@ _KEPT: dict[str, str] = {
 }
 """FSDP1 objects that stay valid after migration: plain values BridgeConfig.from_fsdp1 translates."""
 
-_FSDP_METHODS = ("fsdp_modules", "state_dict_type", "set_state_dict_type", "summon_full_params", "optim_state_dict",
-                 "optim_state_dict_to_load", "full_optim_state_dict", "sharded_optim_state_dict",
-                 "shard_full_optim_state_dict", "scatter_full_optim_state_dict", "clip_grad_norm_", "no_sync")
-_STRATEGIES = {"FULL_SHARD": "full_shard", "SHARD_GRAD_OP": "shard_grad_op", "NO_SHARD": "no_shard",
-               "HYBRID_SHARD": "hybrid_shard", "_HYBRID_SHARD_ZERO2": "hybrid_shard_zero2"}
-_KWARG_OPTION = {"sharding_strategy": "strategy", "auto_wrap_policy": "wrap", "mixed_precision": "mixed_precision",
-                 "backward_prefetch": "backward_prefetch", "forward_prefetch": "forward_prefetch",
-                 "limit_all_gathers": "limit_all_gathers", "cpu_offload": "cpu_offload",
-                 "sync_module_states": "sync_module_states", "use_orig_params": "use_orig_params",
-                 "device_id": "device_id", "device_mesh": "process_group", "process_group": "process_group",
-                 "ignored_modules": "ignored_modules", "param_init_fn": "param_init_fn"}
+_FSDP_METHODS = (
+    "fsdp_modules",
+    "state_dict_type",
+    "set_state_dict_type",
+    "summon_full_params",
+    "optim_state_dict",
+    "optim_state_dict_to_load",
+    "full_optim_state_dict",
+    "sharded_optim_state_dict",
+    "shard_full_optim_state_dict",
+    "scatter_full_optim_state_dict",
+    "clip_grad_norm_",
+    "no_sync",
+)
+_STRATEGIES = {
+    "FULL_SHARD": "full_shard",
+    "SHARD_GRAD_OP": "shard_grad_op",
+    "NO_SHARD": "no_shard",
+    "HYBRID_SHARD": "hybrid_shard",
+    "_HYBRID_SHARD_ZERO2": "hybrid_shard_zero2",
+}
+_KWARG_OPTION = {
+    "sharding_strategy": "strategy",
+    "auto_wrap_policy": "wrap",
+    "mixed_precision": "mixed_precision",
+    "backward_prefetch": "backward_prefetch",
+    "forward_prefetch": "forward_prefetch",
+    "limit_all_gathers": "limit_all_gathers",
+    "cpu_offload": "cpu_offload",
+    "sync_module_states": "sync_module_states",
+    "use_orig_params": "use_orig_params",
+    "device_id": "device_id",
+    "device_mesh": "process_group",
+    "process_group": "process_group",
+    "ignored_modules": "ignored_modules",
+    "param_init_fn": "param_init_fn",
+}
 
 
-_FSDP1_POSITIONAL = ("module", "process_group", "sharding_strategy", "cpu_offload", "auto_wrap_policy",
-                     "backward_prefetch", "mixed_precision", "ignored_modules", "param_init_fn", "device_id",
-                     "sync_module_states", "forward_prefetch", "limit_all_gathers", "use_orig_params",
-                     "ignored_states", "device_mesh")
+_FSDP1_POSITIONAL = (
+    "module",
+    "process_group",
+    "sharding_strategy",
+    "cpu_offload",
+    "auto_wrap_policy",
+    "backward_prefetch",
+    "mixed_precision",
+    "ignored_modules",
+    "param_init_fn",
+    "device_id",
+    "sync_module_states",
+    "forward_prefetch",
+    "limit_all_gathers",
+    "use_orig_params",
+    "ignored_states",
+    "device_mesh",
+)
 """FullyShardedDataParallel.__init__'s parameters in order (torch 2.8-2.14)."""
 
 
@@ -183,7 +223,7 @@ def _resolve(qnames: Iterable[Any]) -> tuple[str, str] | None:
         parts = name.split(".")
         for i, part in enumerate(parts):
             if part in _NAMES and part not in _FSDP_METHODS and (part != "wrap" or i == len(parts) - 1):
-                rest = parts[i + 1:]
+                rest = parts[i + 1 :]
                 return part, rest[0] if rest else ""
     return None
 
@@ -237,16 +277,25 @@ def _find_dispatch(wrapper: MetadataWrapper) -> _Dispatch:
                 body: Sequence[cst.CSTNode] = n.body.body
                 if len(body) == 1 and isinstance(body[0], cst.SimpleStatementLine):
                     body = body[0].body
-                if (len(body) == 1 and isinstance(ret := body[0], cst.Return) and isinstance(ret.value, cst.Integer)
-                        and (k := self.kind(cast(cst.Call, n.test).args[1].value)) is not None):
+                if (
+                    len(body) == 1
+                    and isinstance(ret := body[0], cst.Return)
+                    and isinstance(ret.value, cst.Integer)
+                    and (k := self.kind(cast(cst.Call, n.test).args[1].value)) is not None
+                ):
                     literal.setdefault(k, int(ret.value.value.replace("_", ""), 0))
             if len(literal) == 2 and literal["fsdp1"] != literal["fsdp2"]:
                 found.versions[node.name.value] = (literal["fsdp1"], literal["fsdp2"])
             elif classes == {"fsdp2"}:
                 returns = [n for n in _walk(node.body) if isinstance(n, cst.Return)]
-                if returns and all(r.value is not None and (m.matches(r.value, m.Name("True") | m.Name("False"))
-                                                            or m.matches(r.value, m.Call(func=m.Name("isinstance"))))
-                                   for r in returns):
+                if returns and all(
+                    r.value is not None
+                    and (
+                        m.matches(r.value, m.Name("True") | m.Name("False"))
+                        or m.matches(r.value, m.Call(func=m.Name("isinstance")))
+                    )
+                    for r in returns
+                ):
                     found.fsdp2_tests.add(node.name.value)
 
     wrapper.visit(V())
@@ -263,8 +312,10 @@ class _Region:
     line: int
 
     def text(self) -> str:
-        return (f"kept as is: FSDP2 modules never run this code (it is behind `{_short(self.guard)}`, line "
-                f"{self.line}; the code has its own FSDP2 path), and FSDP1 modules run it as before")
+        return (
+            f"kept as is: FSDP2 modules never run this code (it is behind `{_short(self.guard)}`, line "
+            f"{self.line}; the code has its own FSDP2 path), and FSDP1 modules run it as before"
+        )
 
 
 @dataclass
@@ -288,8 +339,11 @@ class _Conversion:
 
 
 def _arg(name: str, value: cst.BaseExpression) -> cst.Arg:
-    return cst.Arg(value=value, keyword=cst.Name(name), equal=cst.AssignEqual(
-        whitespace_before=cst.SimpleWhitespace(""), whitespace_after=cst.SimpleWhitespace("")))
+    return cst.Arg(
+        value=value,
+        keyword=cst.Name(name),
+        equal=cst.AssignEqual(whitespace_before=cst.SimpleWhitespace(""), whitespace_after=cst.SimpleWhitespace("")),
+    )
 
 
 def _str(value: str) -> cst.SimpleString:
@@ -305,8 +359,14 @@ class _Scanner(cst.CSTVisitor):
 
     METADATA_DEPENDENCIES = (QualifiedNameProvider, PositionProvider)
 
-    def __init__(self, path: str, code: str, assignments: dict[str, cst.BaseExpression],
-                 name_uses: dict[str, int], dispatch: _Dispatch | None = None) -> None:
+    def __init__(
+        self,
+        path: str,
+        code: str,
+        assignments: dict[str, cst.BaseExpression],
+        name_uses: dict[str, int],
+        dispatch: _Dispatch | None = None,
+    ) -> None:
         super().__init__()
         self.path = path
         self.dispatch = dispatch or _Dispatch()
@@ -393,9 +453,13 @@ class _Scanner(cst.CSTVisitor):
             return None
         if isinstance(test, cst.Call) and _code(test.func).rsplit(".", 1)[-1] in self.dispatch.fsdp2_tests:
             return "fsdp2", True, None
-        if (isinstance(test, cst.Comparison) and len(test.comparisons) == 1 and isinstance(test.left, cst.Call)
-                and isinstance(test.comparisons[0].operator, cst.Equal)
-                and isinstance(comparator := test.comparisons[0].comparator, cst.Integer)):
+        if (
+            isinstance(test, cst.Comparison)
+            and len(test.comparisons) == 1
+            and isinstance(test.left, cst.Call)
+            and isinstance(test.comparisons[0].operator, cst.Equal)
+            and isinstance(comparator := test.comparisons[0].comparator, cst.Integer)
+        ):
             versions = self.dispatch.versions.get(_code(test.left.func).rsplit(".", 1)[-1])
             value = int(comparator.value.replace("_", ""), 0)
             if versions is not None and value in versions:
@@ -405,8 +469,12 @@ class _Scanner(cst.CSTVisitor):
     def _add_region(self, first: cst.CSTNode, last: cst.CSTNode, guard: cst.BaseExpression) -> _Region:
         start = self.get_metadata(PositionProvider, first).start
         end = self.get_metadata(PositionProvider, last).end
-        region = _Region((start.line, start.column), (end.line, end.column), _code(guard),
-                         self.get_metadata(PositionProvider, guard).start.line)
+        region = _Region(
+            (start.line, start.column),
+            (end.line, end.column),
+            _code(guard),
+            self.get_metadata(PositionProvider, guard).start.line,
+        )
         self.regions.append(region)
         return region
 
@@ -445,8 +513,14 @@ class _Scanner(cst.CSTVisitor):
                 if tail is not None and routed is not None:
                     self._add_region(tail, tail, routed)
             for i, stmt in enumerate(stmts[:-1]):
-                if (isinstance(stmt, cst.If) and stmt.orelse is None and (g := self._guard(stmt.test)) is not None
-                        and g[0] == "fsdp2" and g[1] and _exits(stmt.body)):
+                if (
+                    isinstance(stmt, cst.If)
+                    and stmt.orelse is None
+                    and (g := self._guard(stmt.test)) is not None
+                    and g[0] == "fsdp2"
+                    and g[1]
+                    and _exits(stmt.body)
+                ):
                     self._add_region(stmts[i + 1], stmts[-1], stmt.test)
                     break
 
@@ -496,18 +570,26 @@ class _Scanner(cst.CSTVisitor):
         if id(node) in self.kept_checks:
             if not self.planning:
                 self.uses_fsdp1 = True
-                self._record(node, f"isinstance(..., {_code(node.args[1].value)})",
-                             "kept as is: this code tells the backends apart (it tests FSDPModule too); "
-                             "FSDPModule in its place would send FSDP2 modules down the FSDP1 path",
-                             True)
+                self._record(
+                    node,
+                    f"isinstance(..., {_code(node.args[1].value)})",
+                    "kept as is: this code tells the backends apart (it tests FSDPModule too); "
+                    "FSDPModule in its place would send FSDP2 modules down the FSDP1 path",
+                    True,
+                )
             return False
         if (region := self._in_region(node)) is not None:
             if self.planning:
                 return None
             # One finding per call, as outside such code; FSDP1 names elsewhere are reported by _reference.
-            if (m.matches(func, m.Name("isinstance")) and len(node.args) == 2
-                    and (self._qn(node.args[1].value) is not None
-                         or any(self._qn(n) == (FSDP, "") for n in _walk(node.args[1].value)))):
+            if (
+                m.matches(func, m.Name("isinstance"))
+                and len(node.args) == 2
+                and (
+                    self._qn(node.args[1].value) is not None
+                    or any(self._qn(n) == (FSDP, "") for n in _walk(node.args[1].value))
+                )
+            ):
                 construct = f"isinstance(..., {_short(_code(node.args[1].value), 40)})"
             elif (hit := self._qn(func)) is not None:
                 construct = f"FSDP.{hit[1]}(...)" if hit[0] == FSDP and hit[1] else f"{_code(func)}(...)"
@@ -540,34 +622,57 @@ class _Scanner(cst.CSTVisitor):
             return False
         if hit == (FSDP, "optim_state_dict_to_load") and (code := self._optim_to_load(node, None)) is not None:
             self.call_rewrites[id(node)] = code
-            self._record(node, "FSDP.optim_state_dict_to_load(...)", f"{code}: loads the state into the optimizer "
-                         "(torch's set_optimizer_state_dict) and returns optimizer.state_dict(), so loading the "
-                         "result again changes nothing", True)
+            self._record(
+                node,
+                "FSDP.optim_state_dict_to_load(...)",
+                f"{code}: loads the state into the optimizer "
+                "(torch's set_optimizer_state_dict) and returns optimizer.state_dict(), so loading the "
+                "result again changes nothing",
+                True,
+            )
             return False
         if hit == (FSDP, "optim_state_dict") and (ctx := self._runtime_state_context()) is not None:
-            self._record(node, "FSDP.optim_state_dict(...)",
-                         f"not rewritten: it runs inside `with {_short(ctx)}:`, a context made elsewhere that may set "
-                         "FSDP1's state-dict type, and FSDP1's optim_state_dict is sharded under SHARDED_STATE_DICT "
-                         "and full otherwise: use get_optimizer_state_dict(model, optim) for sharded, with "
-                         "options=StateDictOptions(full_state_dict=True, cpu_offload=True) for full", False)
+            self._record(
+                node,
+                "FSDP.optim_state_dict(...)",
+                f"not rewritten: it runs inside `with {_short(ctx)}:`, a context made elsewhere that may set "
+                "FSDP1's state-dict type, and FSDP1's optim_state_dict is sharded under SHARDED_STATE_DICT "
+                "and full otherwise: use get_optimizer_state_dict(model, optim) for sharded, with "
+                "options=StateDictOptions(full_state_dict=True, cpu_offload=True) for full",
+                False,
+            )
             self._consume(node.func)
             return False
-        if hit is not None and hit[0] == FSDP and hit[1] in ("optim_state_dict", "full_optim_state_dict",
-                                                            "sharded_optim_state_dict"):
+        if (
+            hit is not None
+            and hit[0] == FSDP
+            and hit[1] in ("optim_state_dict", "full_optim_state_dict", "sharded_optim_state_dict")
+        ):
             if self._plan_optim_call(node, hit[1]):
                 return False
         if hit is not None and hit[0] == FSDP and hit[1] == "summon_full_params":
-            ok = (len(node.args) >= 1 and node.args[0].keyword is None
-                  and all(a.keyword is not None and a.keyword.value in ("writeback", "recurse", "rank0_only",
-                                                                        "offload_to_cpu") for a in node.args[1:])
-                  and all(_code(a.value) == "True" for a in node.args[1:]
-                          if a.keyword and a.keyword.value == "recurse"))
+            ok = (
+                len(node.args) >= 1
+                and node.args[0].keyword is None
+                and all(
+                    a.keyword is not None
+                    and a.keyword.value in ("writeback", "recurse", "rank0_only", "offload_to_cpu")
+                    for a in node.args[1:]
+                )
+                and all(_code(a.value) == "True" for a in node.args[1:] if a.keyword and a.keyword.value == "recurse")
+            )
             if ok:
                 self.fixable_calls[id(node)] = "summon"
-            self._record(node, "FSDP.summon_full_params(...)", _NAMES["summon_full_params"] if ok else
-                         _NAMES["summon_full_params"] + "; recurse=False, or other arguments, have no FSDP2 form: "
-                         "FSDP2's forward gathers each unit's parameters itself, so a context held only around "
-                         "forward/generate can be dropped", ok)
+            self._record(
+                node,
+                "FSDP.summon_full_params(...)",
+                _NAMES["summon_full_params"]
+                if ok
+                else _NAMES["summon_full_params"] + "; recurse=False, or other arguments, have no FSDP2 form: "
+                "FSDP2's forward gathers each unit's parameters itself, so a context held only around "
+                "forward/generate can be dropped",
+                ok,
+            )
             self._consume(node.func)
             return False if ok else None
         if isinstance(func, cst.Attribute) and func.attr.value in ("no_sync", "clip_grad_norm_") and hit is None:
@@ -595,8 +700,14 @@ class _Scanner(cst.CSTVisitor):
         its own is deleted: an FSDP2 module's ``state_dict()`` already holds sharded (DTensor) values."""
         named = _named_args(node, ("module", "state_dict_type", "state_dict_config", "optim_state_dict_config"))
         stmt = self.stmt_stack[-1] if self.stmt_stack else None
-        if (named is None or "state_dict_type" not in named or not isinstance(stmt, cst.SimpleStatementLine)
-                or len(stmt.body) != 1 or not isinstance(stmt.body[0], cst.Expr) or stmt.body[0].value is not node):
+        if (
+            named is None
+            or "state_dict_type" not in named
+            or not isinstance(stmt, cst.SimpleStatementLine)
+            or len(stmt.body) != 1
+            or not isinstance(stmt.body[0], cst.Expr)
+            or stmt.body[0].value is not node
+        ):
             return False
         if self._member(named["state_dict_type"], "StateDictType") != "SHARDED_STATE_DICT":
             return False
@@ -606,9 +717,13 @@ class _Scanner(cst.CSTVisitor):
                 return False
         self.removed_stmts.add(id(stmt))
         self._consume(node)
-        self._record(node, "FSDP.set_state_dict_type(SHARDED_STATE_DICT)",
-                     "deleted: an FSDP2 module's state_dict() already holds sharded (DTensor) values "
-                     "(get_model_state_dict(model) gives the same)", True)
+        self._record(
+            node,
+            "FSDP.set_state_dict_type(SHARDED_STATE_DICT)",
+            "deleted: an FSDP2 module's state_dict() already holds sharded (DTensor) values "
+            "(get_model_state_dict(model) gives the same)",
+            True,
+        )
         return True
 
     def visit_Annotation(self, node: cst.Annotation) -> None:
@@ -638,8 +753,12 @@ class _Scanner(cst.CSTVisitor):
         if isinstance(node, cst.Attribute) and node.attr.value in _INTERNAL_ATTRS and self.uses_fsdp1:
             if node.attr.value == "_fsdp_wrapped_module" and not self.assign_target_depth:
                 self.attr_drops.add(id(node))
-                self._record(node, f"{_code(node)} (an FSDP1 internal)",
-                             f"{_code(node.value)}: FSDP2 does not wrap, the module is itself (an FSDPModule)", True)
+                self._record(
+                    node,
+                    f"{_code(node)} (an FSDP1 internal)",
+                    f"{_code(node.value)}: FSDP2 does not wrap, the module is itself (an FSDPModule)",
+                    True,
+                )
                 return True
             self._record(node, f"{_code(node)} (an FSDP1 internal)", _INTERNAL_ATTRS[node.attr.value], False)
             return True
@@ -667,19 +786,29 @@ class _Scanner(cst.CSTVisitor):
             return False
         if kind == "apply_activation_checkpointing":
             reentrant = any("CheckpointImpl.REENTRANT" in line for line in self.lines)
-            text = ("not rewritten: CheckpointImpl.REENTRANT appears in this file; reentrant checkpointing re-enters "
-                    "autograd, which FSDP2's hooks do not support: use CheckpointImpl.NO_REENTRANT, or "
-                    "BridgeConfig(activation_checkpointing=True)" if reentrant else
-                    "kept: torch's checkpoint_wrapper works around FSDP2 units (non-reentrant), with FSDP1's losses; "
-                    "or drop it for BridgeConfig(activation_checkpointing=True), which wraps every unit before "
-                    "sharding")
+            text = (
+                "not rewritten: CheckpointImpl.REENTRANT appears in this file; reentrant checkpointing re-enters "
+                "autograd, which FSDP2's hooks do not support: use CheckpointImpl.NO_REENTRANT, or "
+                "BridgeConfig(activation_checkpointing=True)"
+                if reentrant
+                else "kept: torch's checkpoint_wrapper works around FSDP2 units (non-reentrant), with FSDP1's losses; "
+                "or drop it for BridgeConfig(activation_checkpointing=True), which wraps every unit before "
+                "sharding"
+            )
             self._record(node, _code(node), text, not reentrant)
             return False
         if kind in _KEPT:
-            reader = ("fsdp_bridge.state_dict_options" if kind.endswith("StateDictConfig") or kind == "StateDictType"
-                      else "fsdp_bridge.BridgeConfig.from_fsdp1")
-            self._record(node, _code(node), f"kept: {_KEPT[kind]}; {reader} reads it when the code runs, with "
-                                            "FSDP1's meaning", True)
+            reader = (
+                "fsdp_bridge.state_dict_options"
+                if kind.endswith("StateDictConfig") or kind == "StateDictType"
+                else "fsdp_bridge.BridgeConfig.from_fsdp1"
+            )
+            self._record(
+                node,
+                _code(node),
+                f"kept: {_KEPT[kind]}; {reader} reads it when the code runs, with FSDP1's meaning",
+                True,
+            )
             return False
         self._record(node, _code(node), _NAMES[kind], False)
         return False
@@ -742,8 +871,10 @@ class _Scanner(cst.CSTVisitor):
             elif name == "device_mesh":
                 static.mesh = a.value
             elif name == "process_group" and isinstance(a.value, cst.Call):
-                static.blockers.append(f"process_group={_code(a.value)}: FSDP2 shards over a DeviceMesh; build one "
-                                       "(init_device_mesh) and pass it as shard(..., mesh=...)")
+                static.blockers.append(
+                    f"process_group={_code(a.value)}: FSDP2 shards over a DeviceMesh; build one "
+                    "(init_device_mesh) and pass it as shard(..., mesh=...)"
+                )
                 return None
             elif name == "process_group":
                 # A variable: from_fsdp1 accepts None or the world group when the code runs and refuses any
@@ -755,18 +886,22 @@ class _Scanner(cst.CSTVisitor):
                     out.append(("ignored_modules", repr(names)))
                 elif static.module is not None:  # module objects known at run time: their paths, then
                     self.needs_imports.add(("fsdp_bridge", None))
-                    out.append(("ignored_modules", f"fsdp_bridge.module_names({_code(static.module)}, "
-                                                   f"{_code(a.value)})"))
+                    out.append(
+                        ("ignored_modules", f"fsdp_bridge.module_names({_code(static.module)}, {_code(a.value)})")
+                    )
                 else:
-                    static.blockers.append(f"{name}={_code(a.value)}: name the modules for the bridge: "
-                                           "BridgeConfig(ignored_modules=['path.to.module' or 'ClassName'])")
+                    static.blockers.append(
+                        f"{name}={_code(a.value)}: name the modules for the bridge: "
+                        "BridgeConfig(ignored_modules=['path.to.module' or 'ClassName'])"
+                    )
                     return None
             elif name == "backward_prefetch" and self._member(a.value, "BackwardPrefetch") != "BACKWARD_PRE":
                 member = "NONE" if m.matches(a.value, m.Name("None")) else self._member(a.value, "BackwardPrefetch")
                 if member in ("BACKWARD_POST", "NONE"):
                     # FSDP2 has one backward order (BACKWARD_PRE's): say so where it changes.
-                    note = (f"backward_prefetch={_code(a.value)} has no FSDP2 equivalent; using 'pre': "
-                            + _fsdp2_case("backward_prefetch", "post" if member == "BACKWARD_POST" else "none"))
+                    note = f"backward_prefetch={_code(a.value)} has no FSDP2 equivalent; using 'pre': " + _fsdp2_case(
+                        "backward_prefetch", "post" if member == "BACKWARD_POST" else "none"
+                    )
                     self._record(a, "backward_prefetch", note, False)
                     out.append((name, '"pre"'))
                 else:
@@ -786,25 +921,28 @@ class _Scanner(cst.CSTVisitor):
         names = []
         for element in value.elements:
             text = _code(element.value)
-            if not text.startswith(root + ".") or not all(p.isidentifier() for p in text[len(root) + 1:].split(".")):
+            if not text.startswith(root + ".") or not all(p.isidentifier() for p in text[len(root) + 1 :].split(".")):
                 return None
-            names.append(text[len(root) + 1:])
+            names.append(text[len(root) + 1 :])
         return names
 
     def _runtime_text(self, conv: _Conversion) -> str:
         names = [k for k, _ in conv.runtime or []]
-        return ("fsdp_bridge.shard(model, fsdp_bridge.BridgeConfig.from_fsdp1(...)"
-                + (", mesh=...)" if conv.mesh is not None else ")")
-                + f": {', '.join(names) or 'no options'} kept as written and translated when the code runs "
-                  "(FSDP1's meaning, exactly; print fsdp_bridge.get_bridge(model).report for what each became)")
+        return (
+            "fsdp_bridge.shard(model, fsdp_bridge.BridgeConfig.from_fsdp1(...)"
+            + (", mesh=...)" if conv.mesh is not None else ")")
+            + f": {', '.join(names) or 'no options'} kept as written and translated when the code runs "
+            "(FSDP1's meaning, exactly; print fsdp_bridge.get_bridge(model).report for what each became)"
+        )
 
     def _runtime_kwarg_finding(self, a: cst.Arg) -> None:
         kw = a.keyword.value if a.keyword else ""
         pos = self.get_metadata(PositionProvider, a)
         value = _code(a.value)
         described = self._describe_value(kw, a.value)
-        self.findings.append(CodeFinding(self.path, pos.start.line, pos.start.column, f"{kw}={_short(value)}",
-                                         described, True))
+        self.findings.append(
+            CodeFinding(self.path, pos.start.line, pos.start.column, f"{kw}={_short(value)}", described, True)
+        )
 
     def _describe_value(self, kw: str, value: cst.BaseExpression) -> str:
         """What an FSDP1 argument's value becomes, as far as the source shows it."""
@@ -813,29 +951,42 @@ class _Scanner(cst.CSTVisitor):
             member = self._member(value, "ShardingStrategy")
             if member in _STRATEGIES:
                 return f"{member}: {_fsdp2_case('strategy', _STRATEGIES[member])}"
-            return (f"known at run time; each strategy keeps its meaning "
-                    f"(HYBRID_* a (replicate, shard) mesh, NO_SHARD a (world, 1) mesh): {_fsdp2_any('strategy')}")
+            return (
+                f"known at run time; each strategy keeps its meaning "
+                f"(HYBRID_* a (replicate, shard) mesh, NO_SHARD a (world, 1) mesh): {_fsdp2_any('strategy')}"
+            )
         if kw == "auto_wrap_policy":
-            return ("the same units FSDP1 wraps: fully_shard on each, bottom-up, then the root "
-                    "(policy functions run FSDP1's own auto-wrap recursion)")
+            return (
+                "the same units FSDP1 wraps: fully_shard on each, bottom-up, then the root "
+                "(policy functions run FSDP1's own auto-wrap recursion)"
+            )
         if kw == "mixed_precision":
             return "MixedPrecision's param/reduce/buffer dtypes -> MixedPrecisionPolicy (buffers cast once)"
         if kw == "cpu_offload":
-            return ("CPUOffload(offload_params=True) -> CPUOffloadPolicy on a GPU run; refused with the reason on "
-                    "a CPU-only run; offload_params=False -> nothing offloaded")
+            return (
+                "CPUOffload(offload_params=True) -> CPUOffloadPolicy on a GPU run; refused with the reason on "
+                "a CPU-only run; offload_params=False -> nothing offloaded"
+            )
         if kw == "backward_prefetch":
             return "BACKWARD_PRE is FSDP2's implicit order; BACKWARD_POST / None are refused on FSDP2 with the reason"
         if kw == "use_orig_params":
             return "FSDP2 parameters always are the original ones"
         if kw in ("ignored_modules", "ignored_states"):
-            return ("module objects -> their paths in the model (fsdp_bridge.module_names, when the code runs): "
-                    "neither sharded nor synchronised, as in FSDP1")
+            return (
+                "module objects -> their paths in the model (fsdp_bridge.module_names, when the code runs): "
+                "neither sharded nor synchronised, as in FSDP1"
+            )
         if kw == "process_group":
-            return ("None or the world group: the bridge's mesh over every rank; any other group is refused when "
-                    "the code runs, with the fix (a DeviceMesh passed as shard(..., mesh=...))")
+            return (
+                "None or the world group: the bridge's mesh over every rank; any other group is refused when "
+                "the code runs, with the fix (a DeviceMesh passed as shard(..., mesh=...))"
+            )
         if kw in ("forward_prefetch", "limit_all_gathers", "sync_module_states"):
-            return f"{kw}={_code(value)}: " + _fsdp2_case(option, _code(value).lower()) if _code(value) in (
-                "True", "False") and kw != "limit_all_gathers" else _fsdp2_any(option)
+            return (
+                f"{kw}={_code(value)}: " + _fsdp2_case(option, _code(value).lower())
+                if _code(value) in ("True", "False") and kw != "limit_all_gathers"
+                else _fsdp2_any(option)
+            )
         if kw == "device_id":
             return "the device of the run (CUDA index -> cuda, torch.device('cpu') -> cpu)"
         if kw == "param_init_fn":
@@ -864,8 +1015,12 @@ class _Scanner(cst.CSTVisitor):
                 conv.blockers.append(f"positional argument {i + 1} ({_code(a.value)}): pass it by keyword")
                 continue
             kwarg_nodes.append((a, None))
-            value = self._follow(a.value, conv) if kw in ("auto_wrap_policy", "mixed_precision", "cpu_offload",
-                                                         "sharding_strategy", "backward_prefetch") else a.value
+            value = (
+                self._follow(a.value, conv)
+                if kw
+                in ("auto_wrap_policy", "mixed_precision", "cpu_offload", "sharding_strategy", "backward_prefetch")
+                else a.value
+            )
             if kw == "sharding_strategy":
                 member = self._member(value, "ShardingStrategy")
                 if member in _STRATEGIES:
@@ -879,8 +1034,10 @@ class _Scanner(cst.CSTVisitor):
             elif kw == "auto_wrap_policy":
                 wrap = self._wrap(value, conv)
                 if wrap is not None:
-                    kwarg_nodes[-1] = (a, "none" if _code(wrap) == '"none"' else
-                                       "auto / classes / min_num_params / callable")
+                    kwarg_nodes[-1] = (
+                        a,
+                        "none" if _code(wrap) == '"none"' else "auto / classes / min_num_params / callable",
+                    )
                     config.append(_arg("wrap", wrap))
                     has_wrap = True
                     self._consume(value)
@@ -902,19 +1059,25 @@ class _Scanner(cst.CSTVisitor):
                     self._consume(value)
                 elif member in ("BACKWARD_POST", "NONE"):
                     self._consume(value)
-                    note = (f"backward_prefetch={_code(a.value)} has no FSDP2 equivalent; using 'pre': "
-                            + _fsdp2_case("backward_prefetch", "post" if member == "BACKWARD_POST" else "none"))
+                    note = f"backward_prefetch={_code(a.value)} has no FSDP2 equivalent; using 'pre': " + _fsdp2_case(
+                        "backward_prefetch", "post" if member == "BACKWARD_POST" else "none"
+                    )
                     conv.notes.append(note)
                     notes_for_report.append(note)
                 else:
                     conv.blockers.append(f"backward_prefetch={_code(a.value)}: not a BackwardPrefetch member")
                 config.append(_arg("backward_prefetch", _str("pre"))) if member in (
-                    "BACKWARD_PRE", "BACKWARD_POST", "NONE") else None
+                    "BACKWARD_PRE",
+                    "BACKWARD_POST",
+                    "NONE",
+                ) else None
             elif kw in ("forward_prefetch", "limit_all_gathers", "sync_module_states"):
                 config.append(_arg(kw, a.value))
                 literal = _code(a.value)
-                kwarg_nodes[-1] = (a, "any" if kw == "limit_all_gathers" else literal.lower()
-                                   if literal in ("True", "False") else None)
+                kwarg_nodes[-1] = (
+                    a,
+                    "any" if kw == "limit_all_gathers" else literal.lower() if literal in ("True", "False") else None,
+                )
             elif kw == "use_orig_params":
                 pass  # FSDP2 parameters are always the original ones
             elif kw == "device_id":
@@ -922,8 +1085,10 @@ class _Scanner(cst.CSTVisitor):
             elif kw == "device_mesh":
                 conv.mesh = a.value
             else:
-                conv.blockers.append(f"{kw}={_code(a.value)}: no mechanical BridgeConfig equivalent "
-                                     f"({_fsdp2_any(_KWARG_OPTION.get(kw, kw))})")
+                conv.blockers.append(
+                    f"{kw}={_code(a.value)}: no mechanical BridgeConfig equivalent "
+                    f"({_fsdp2_any(_KWARG_OPTION.get(kw, kw))})"
+                )
         if not has_wrap:
             config.append(_arg("wrap", _str("none")))
         if conv.mesh is not None:
@@ -974,9 +1139,11 @@ class _Scanner(cst.CSTVisitor):
                     return cst.parse_expression(f'{{"min_num_params": {_code(kwargs["min_num_params"])}}}')
             if hit and hit[0] == "ModuleWrapPolicy" and len(value.args) == 1:
                 return _class_list(self._follow(value.args[0].value, conv))
-        conv.blockers.append(f"auto_wrap_policy={_code(value)}: only transformer_auto_wrap_policy, "
-                             "size_based_auto_wrap_policy (min_num_params) and ModuleWrapPolicy are converted; "
-                             "give BridgeConfig(wrap=callable) for the rest")
+        conv.blockers.append(
+            f"auto_wrap_policy={_code(value)}: only transformer_auto_wrap_policy, "
+            "size_based_auto_wrap_policy (min_num_params) and ModuleWrapPolicy are converted; "
+            "give BridgeConfig(wrap=callable) for the rest"
+        )
         return None
 
     def _mixed_precision(self, value: cst.BaseExpression, conv: _Conversion) -> cst.BaseExpression | None:
@@ -1010,8 +1177,9 @@ class _Scanner(cst.CSTVisitor):
             if hit and hit[0] == "CPUOffload":
                 if not value.args:
                     return cst.Name("False")
-                if len(value.args) == 1 and (value.args[0].keyword is None
-                                             or value.args[0].keyword.value == "offload_params"):
+                if len(value.args) == 1 and (
+                    value.args[0].keyword is None or value.args[0].keyword.value == "offload_params"
+                ):
                     return value.args[0].value
         conv.blockers.append(f"cpu_offload={_code(value)}: not a CPUOffload(offload_params=...) call")
         return None
@@ -1031,8 +1199,13 @@ class _Scanner(cst.CSTVisitor):
         wraps: dict[str, int] = {}
         for i, stmt in enumerate(body):
             target = _assign_target(stmt)
-            if target is not None and isinstance(value := _assign_value(stmt), cst.Call) \
-                    and self._qn(value.func) == (FSDP, "") and value.args and _code(value.args[0].value) == target:
+            if (
+                target is not None
+                and isinstance(value := _assign_value(stmt), cst.Call)
+                and self._qn(value.func) == (FSDP, "")
+                and value.args
+                and _code(value.args[0].value) == target
+            ):
                 wraps.setdefault(target, i)
         for i, stmt in enumerate(body):
             value = _assign_value(stmt)
@@ -1047,9 +1220,13 @@ class _Scanner(cst.CSTVisitor):
                 j = wraps[target]
                 if i < j and not any(_assign_target(body[k]) == _assign_target(stmt) for k in range(i + 1, j)):
                     self.optimizer_moves[id(stmt)] = id(body[j])
-                    self._record(stmt, f"{_code(value.func)}(...) before FSDP(...)",
-                                 f"moved after the shard call: FSDP2 replaces {target}'s parameters, and an optimizer "
-                                 "built before would update tensors the model no longer uses", True)
+                    self._record(
+                        stmt,
+                        f"{_code(value.func)}(...) before FSDP(...)",
+                        f"moved after the shard call: FSDP2 replaces {target}'s parameters, and an optimizer "
+                        "built before would update tensors the model no longer uses",
+                        True,
+                    )
 
     def _options(self, full: bool, *, cpu_offload: bool = False, broadcast: bool = False, offload: bool = False) -> str:
         self.needs_state_dict_api.add("StateDictOptions")
@@ -1113,10 +1290,16 @@ class _Scanner(cst.CSTVisitor):
             self.needs_imports.add(("fsdp_bridge", None))
         else:
             full = kind == "FULL_STATE_DICT"
-            save_opts = self._options(full, cpu_offload=full and self._config_flag(cfg, "rank0_only", False),
-                                      offload=not full and self._config_flag(cfg, "offload_to_cpu", False))
-            optim_opts = self._options(full, cpu_offload=full and self._config_flag(optim_cfg, "rank0_only", False),
-                                       offload=not full and self._config_flag(optim_cfg, "offload_to_cpu", False))
+            save_opts = self._options(
+                full,
+                cpu_offload=full and self._config_flag(cfg, "rank0_only", False),
+                offload=not full and self._config_flag(cfg, "offload_to_cpu", False),
+            )
+            optim_opts = self._options(
+                full,
+                cpu_offload=full and self._config_flag(optim_cfg, "rank0_only", False),
+                offload=not full and self._config_flag(optim_cfg, "offload_to_cpu", False),
+            )
             load_opts = self._options(full)
         rewrites: dict[int, str] = {}
         for inner in _walk(node.body):
@@ -1128,15 +1311,20 @@ class _Scanner(cst.CSTVisitor):
                 if func.attr.value == "state_dict" and not inner.args:
                     self.needs_state_dict_api.add("get_model_state_dict")
                     rewrites[id(inner)] = f"get_model_state_dict({model}, options={save_opts})"
-                elif func.attr.value == "load_state_dict" and (
-                        load := _named_args(inner, ("state_dict", "strict", "assign"))) is not None \
-                        and set(load) <= {"state_dict", "strict"} and "state_dict" in load:
+                elif (
+                    func.attr.value == "load_state_dict"
+                    and (load := _named_args(inner, ("state_dict", "strict", "assign"))) is not None
+                    and set(load) <= {"state_dict", "strict"}
+                    and "state_dict" in load
+                ):
                     # set_model_state_dict returns the same (missing_keys, unexpected_keys) named tuple
                     self.needs_state_dict_api.add("set_model_state_dict")
-                    opts = (load_opts if "strict" not in load
-                            else _with_option(load_opts, f"strict={_code(load['strict'])}"))
-                    rewrites[id(inner)] = (f"set_model_state_dict({model}, {_code(load['state_dict'])}, "
-                                           f"options={opts})")
+                    opts = (
+                        load_opts
+                        if "strict" not in load
+                        else _with_option(load_opts, f"strict={_code(load['strict'])}")
+                    )
+                    rewrites[id(inner)] = f"set_model_state_dict({model}, {_code(load['state_dict'])}, options={opts})"
             elif hit == (FSDP, "optim_state_dict") and len(inner.args) >= 2:
                 self.needs_state_dict_api.add("get_optimizer_state_dict")
                 m_, o_ = (_code(a.value) for a in inner.args[:2])
@@ -1145,9 +1333,13 @@ class _Scanner(cst.CSTVisitor):
                 code = self._optim_to_load(inner, load_opts)
                 if code is not None:
                     rewrites[id(inner)] = code
-            elif (isinstance(func, cst.Attribute) and func.attr.value == "load_state_dict" and len(inner.args) == 1
-                  and isinstance(inner.args[0].value, cst.Call)
-                  and self._qn(inner.args[0].value.func) == (FSDP, "optim_state_dict_to_load")):
+            elif (
+                isinstance(func, cst.Attribute)
+                and func.attr.value == "load_state_dict"
+                and len(inner.args) == 1
+                and isinstance(inner.args[0].value, cst.Call)
+                and self._qn(inner.args[0].value.func) == (FSDP, "optim_state_dict_to_load")
+            ):
                 to_load = inner.args[0].value
                 if len(to_load.args) >= 3:
                     self.needs_state_dict_api.add("set_optimizer_state_dict")
@@ -1166,9 +1358,13 @@ class _Scanner(cst.CSTVisitor):
             if value is not extra and self.name_uses.get(cast(cst.Name, extra).value, 0) <= 2:
                 self._consume(value)
         what = ", ".join(sorted({code.split("(")[0] for code in rewrites.values()}))
-        self._record(node, f"FSDP.state_dict_type({kind or _short(_code(type_arg), 40)})",
-                     f"the block's body with {what} (torch.distributed.checkpoint.state_dict, options={save_opts}); "
-                     "your torch.save / DCP code is kept", True)
+        self._record(
+            node,
+            f"FSDP.state_dict_type({kind or _short(_code(type_arg), 40)})",
+            f"the block's body with {what} (torch.distributed.checkpoint.state_dict, options={save_opts}); "
+            "your torch.save / DCP code is kept",
+            True,
+        )
 
     def _config_driven(self, node: cst.Call) -> None:
         """FSDP set up by the HF Trainer's arguments or accelerate's plugin: point to `migrate config`."""
@@ -1179,33 +1375,45 @@ class _Scanner(cst.CSTVisitor):
             kwargs = {a.keyword.value: a.value for a in node.args if a.keyword is not None}
             if key not in kwargs or (key == "fsdp_version" and _code(kwargs[key]) == "2"):
                 return
-            self._record(node, f"{cls}({key}=...)",
-                         f"FSDP here is driven by {cls}'s arguments: migrate them with `fsdp-bridge migrate config` "
-                         "(the launch command, the arguments file, or the accelerate/axolotl YAML), not with "
-                         "fsdp_bridge.shard/save_checkpoint", False)
+            self._record(
+                node,
+                f"{cls}({key}=...)",
+                f"FSDP here is driven by {cls}'s arguments: migrate them with `fsdp-bridge migrate config` "
+                "(the launch command, the arguments file, or the accelerate/axolotl YAML), not with "
+                "fsdp_bridge.shard/save_checkpoint",
+                False,
+            )
 
     def _plan_module_checks(self, node: cst.Call, hit: tuple[str, str] | None) -> bool:
         """``isinstance(m, FSDP)`` -> ``isinstance(m, FSDPModule)``; ``FSDP.fsdp_modules(M)`` -> the
         modules of ``M`` that are ``FSDPModule``; ``ShardedGradScaler(...)`` -> ``torch.amp.GradScaler(...)``."""
         args = node.args
-        if (m.matches(node.func, m.Name("isinstance")) and len(args) == 2
-                and self._qn(args[1].value) == (FSDP, "")):
+        if m.matches(node.func, m.Name("isinstance")) and len(args) == 2 and self._qn(args[1].value) == (FSDP, ""):
             self.needs_imports.add(("torch.distributed.fsdp", "FSDPModule"))
             code = f"isinstance({_code(args[0].value)}, FSDPModule)"
-            self._record(node, f"isinstance(..., {_code(args[1].value)})", f"{code} (FSDP2 units are FSDPModule)",
-                         True)
-        elif (m.matches(node.func, m.Name("isinstance")) and len(args) == 2
-                and isinstance(args[1].value, (cst.Tuple, cst.BinaryOperation))):
-            hits = [n for n in _walk(args[1].value) if isinstance(n, (cst.Name, cst.Attribute))
-                    and self._qn(n) == (FSDP, "")]
+            self._record(node, f"isinstance(..., {_code(args[1].value)})", f"{code} (FSDP2 units are FSDPModule)", True)
+        elif (
+            m.matches(node.func, m.Name("isinstance"))
+            and len(args) == 2
+            and isinstance(args[1].value, (cst.Tuple, cst.BinaryOperation))
+        ):
+            hits = [
+                n
+                for n in _walk(args[1].value)
+                if isinstance(n, (cst.Name, cst.Attribute)) and self._qn(n) == (FSDP, "")
+            ]
             if not hits:
                 return False
             self.needs_imports.add(("torch.distributed.fsdp", "FSDPModule"))
             for n in hits:  # FSDP inside a tuple or union of classes: that element becomes FSDPModule
                 self.name_rewrites[id(n)] = "FSDPModule"
                 self.consumed_nodes.add(id(n))
-            self._record(node, f"isinstance(..., {_short(_code(args[1].value), 40)})",
-                         f"FSDPModule in place of {_code(hits[0])} (FSDP2 units are FSDPModule)", True)
+            self._record(
+                node,
+                f"isinstance(..., {_short(_code(args[1].value), 40)})",
+                f"FSDPModule in place of {_code(hits[0])} (FSDP2 units are FSDPModule)",
+                True,
+            )
             return False
         elif hit == (FSDP, "fsdp_modules") and args:
             self.needs_imports.add(("torch.distributed.fsdp", "FSDPModule"))
@@ -1216,10 +1424,13 @@ class _Scanner(cst.CSTVisitor):
             self.needs_imports.add(("fsdp_bridge", None))
             code = f"fsdp_bridge.clip_grad_norm_({', '.join(_code(a).rstrip(', ') for a in args)})"
             self._record(node, f"{_code(node.func)}(...)", f"{code}; {_fsdp2('clip_grad_norm_')}", True)
-        elif hit is not None and hit[0] == "ShardedGradScaler" and not any(
-                a.keyword is not None and a.keyword.value == "process_group" for a in args):
+        elif (
+            hit is not None
+            and hit[0] == "ShardedGradScaler"
+            and not any(a.keyword is not None and a.keyword.value == "process_group" for a in args)
+        ):
             self.needs_imports.add(("torch", None))
-            code = f"torch.amp.GradScaler({', '.join(_code(a) .rstrip(', ') for a in args)})"
+            code = f"torch.amp.GradScaler({', '.join(_code(a).rstrip(', ') for a in args)})"
             self._record(node, "ShardedGradScaler(...)", f"{code} ({_fsdp2_any('ShardedGradScaler')})", True)
         else:
             return False
@@ -1231,19 +1442,27 @@ class _Scanner(cst.CSTVisitor):
 
     def _plan_optim_call(self, node: cst.Call, member: str) -> bool:
         """FSDP's optimizer-state functions outside a state_dict_type block -> torch's state_dict API."""
-        params = ("model", "optim", "optim_input", "rank0_only", "group") if member == "full_optim_state_dict" \
+        params = (
+            ("model", "optim", "optim_input", "rank0_only", "group")
+            if member == "full_optim_state_dict"
             else ("model", "optim", "optim_state_dict", "group")
+        )
         named = _named_args(node, params)
         code = None
         unused = ("optim_input", "optim_state_dict", "group")
-        if named is not None and "model" in named and "optim" in named and all(
-                m.matches(named[k], m.Name("None")) for k in unused if k in named):
+        if (
+            named is not None
+            and "model" in named
+            and "optim" in named
+            and all(m.matches(named[k], m.Name("None")) for k in unused if k in named)
+        ):
             self.needs_state_dict_api.add("get_optimizer_state_dict")
             full = member != "sharded_optim_state_dict"
             rank0 = named.get("rank0_only")
             if member != "full_optim_state_dict" or rank0 is None or _code(rank0) in ("True", "False"):
-                opts = self._options(full, cpu_offload=member == "full_optim_state_dict" and (
-                    rank0 is None or _code(rank0) == "True"))
+                opts = self._options(
+                    full, cpu_offload=member == "full_optim_state_dict" and (rank0 is None or _code(rank0) == "True")
+                )
             else:  # rank 0 only, in CPU memory, when the expression is true (FSDP1's rank0_only)
                 opts = f"StateDictOptions(full_state_dict=True, cpu_offload={_code(rank0)})"
             code = f"get_optimizer_state_dict({_code(named['model'])}, {_code(named['optim'])}, options={opts})"
@@ -1282,8 +1501,9 @@ class _Scanner(cst.CSTVisitor):
     def _optim_to_load(self, node: cst.Call, options: str | None) -> str | None:
         """``FSDP.optim_state_dict_to_load(M, O, sd)`` kept in a variable -> fsdp_bridge's helper that loads
         it and returns ``O.state_dict()`` (a later ``O.load_state_dict(x)`` then changes nothing)."""
-        named = _named_args(node, ("model", "optim", "optim_state_dict", "is_named_optimizer", "load_directly",
-                                   "group"))
+        named = _named_args(
+            node, ("model", "optim", "optim_state_dict", "is_named_optimizer", "load_directly", "group")
+        )
         if named is None or not {"model", "optim", "optim_state_dict"} <= set(named):
             return None
         if set(named) - {"model", "optim", "optim_state_dict", "load_directly"}:
@@ -1293,15 +1513,21 @@ class _Scanner(cst.CSTVisitor):
         self.needs_imports.add(("fsdp_bridge", None))
         self._consume(node.func)
         extra = f", options={options}" if options else ""
-        return (f"fsdp_bridge.optim_state_dict_to_load({_code(named['model'])}, {_code(named['optim'])}, "
-                f"{_code(named['optim_state_dict'])}{extra})")
+        return (
+            f"fsdp_bridge.optim_state_dict_to_load({_code(named['model'])}, {_code(named['optim'])}, "
+            f"{_code(named['optim_state_dict'])}{extra})"
+        )
 
     def _plan_optim_load(self, node: cst.Call) -> bool:
         """``O.load_state_dict(FSDP.optim_state_dict_to_load|shard_full_optim_state_dict|
         scatter_full_optim_state_dict(...))`` -> ``set_optimizer_state_dict(M, O, sd, options=...)``."""
         func = node.func
-        if not (isinstance(func, cst.Attribute) and func.attr.value == "load_state_dict" and len(node.args) == 1
-                and isinstance(node.args[0].value, cst.Call)):
+        if not (
+            isinstance(func, cst.Attribute)
+            and func.attr.value == "load_state_dict"
+            and len(node.args) == 1
+            and isinstance(node.args[0].value, cst.Call)
+        ):
             return False
         inner = node.args[0].value
         hit = self._qn(inner.func)
@@ -1348,8 +1574,11 @@ def _exits(body: cst.BaseSuite) -> bool:
     last = body.body[-1] if isinstance(body, cst.IndentedBlock) and body.body else None
     if isinstance(body, cst.SimpleStatementSuite):
         return bool(body.body) and isinstance(body.body[-1], (cst.Return, cst.Raise, cst.Continue, cst.Break))
-    return (isinstance(last, cst.SimpleStatementLine) and bool(last.body)
-            and isinstance(last.body[-1], (cst.Return, cst.Raise, cst.Continue, cst.Break)))
+    return (
+        isinstance(last, cst.SimpleStatementLine)
+        and bool(last.body)
+        and isinstance(last.body[-1], (cst.Return, cst.Raise, cst.Continue, cst.Break))
+    )
 
 
 def _walk(node: cst.CSTNode) -> Iterable[cst.CSTNode]:
@@ -1415,8 +1644,9 @@ class _Fixer(cst.CSTTransformer):
                 target = cst.parse_expression(f"fsdp_bridge.{func.attr.value}")
                 return updated_node.with_changes(func=target, args=_commas([cst.Arg(func.value), *updated_node.args]))
             kept = [a for a in updated_node.args if a.keyword is None or a.keyword.value != "recurse"]
-            return updated_node.with_changes(func=cst.parse_expression("fsdp_bridge.summon_full_params"),
-                                             args=_commas(kept))
+            return updated_node.with_changes(
+                func=cst.parse_expression("fsdp_bridge.summon_full_params"), args=_commas(kept)
+            )
         return updated_node
 
     def leave_Name(self, original_node: cst.Name, updated_node: cst.Name) -> Any:
@@ -1429,8 +1659,9 @@ class _Fixer(cst.CSTTransformer):
         rewrite = self.scan.name_rewrites.get(id(original_node))
         return cst.Name(rewrite) if rewrite else updated_node
 
-    def leave_SimpleStatementLine(self, original_node: cst.SimpleStatementLine,
-                                  updated_node: cst.SimpleStatementLine) -> Any:
+    def leave_SimpleStatementLine(
+        self, original_node: cst.SimpleStatementLine, updated_node: cst.SimpleStatementLine
+    ) -> Any:
         if id(original_node) in self.scan.removed_stmts:
             return self._remove(updated_node)
         if len(original_node.body) == 1 and isinstance(original_node.body[0], cst.Assign):
@@ -1479,8 +1710,7 @@ class _Fixer(cst.CSTTransformer):
         return updated_node.with_changes(body=body or [cst.SimpleStatementLine([cst.Pass()])])
 
     def leave_Module(self, original_node: cst.Module, updated_node: cst.Module) -> cst.Module:
-        return updated_node.with_changes(body=self._drop_removed(self._reorder(original_node.body,
-                                                                               updated_node.body)))
+        return updated_node.with_changes(body=self._drop_removed(self._reorder(original_node.body, updated_node.body)))
 
     def _compound(self, original_node: Any, updated_node: Any) -> Any:
         return _with_todos(original_node, updated_node, self.scan.todos)
@@ -1538,8 +1768,11 @@ def _render_shard(conv: _Conversion) -> cst.BaseExpression:
         return _render_runtime(conv)
     config = [f"{_code(a.keyword)}={_code(a.value)}" for a in conv.config_args if a.keyword is not None]
     tail = [f"mesh={_code(conv.mesh)}"] if conv.mesh is not None else []
-    one_line = (f"fsdp_bridge.shard({_code(conv.module)}, fsdp_bridge.BridgeConfig({', '.join(config)})"
-                + "".join(f", {t}" for t in tail) + ")")
+    one_line = (
+        f"fsdp_bridge.shard({_code(conv.module)}, fsdp_bridge.BridgeConfig({', '.join(config)})"
+        + "".join(f", {t}" for t in tail)
+        + ")"
+    )
     if len(conv.indent) + len(one_line) <= 100:
         return cst.parse_expression(one_line)
     # libcst adds the enclosing block's indentation to each continuation line.
@@ -1573,8 +1806,11 @@ def _commas(args: Sequence[cst.Arg]) -> list[cst.Arg]:
     out = []
     for i, a in enumerate(args):
         last = i == len(args) - 1
-        out.append(a.with_changes(comma=cst.MaybeSentinel.DEFAULT if last
-                                  else cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))))
+        out.append(
+            a.with_changes(
+                comma=cst.MaybeSentinel.DEFAULT if last else cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))
+            )
+        )
     return out
 
 
@@ -1603,8 +1839,14 @@ class MigratedSource:
         return self.original != self.fixed
 
     def diff(self) -> str:
-        return "".join(difflib.unified_diff(self.original.splitlines(keepends=True),
-                                            self.fixed.splitlines(keepends=True), f"a/{self.path}", f"b/{self.path}"))
+        return "".join(
+            difflib.unified_diff(
+                self.original.splitlines(keepends=True),
+                self.fixed.splitlines(keepends=True),
+                f"a/{self.path}",
+                f"b/{self.path}",
+            )
+        )
 
 
 def migrate_source(code: str, path: str = "<string>", *, dispatch: _Dispatch | None = None) -> MigratedSource:
@@ -1655,8 +1897,9 @@ def _fsdp_imports(module: cst.Module) -> list[tuple[str, str | None, str | None]
     class V(cst.CSTVisitor):
         def visit_ImportFrom(self, node: cst.ImportFrom) -> None:
             mod = _code(node.module) if node.module else ""
-            if not (mod.startswith("torch.distributed.fsdp") or mod == "functools") or isinstance(node.names,
-                                                                                                  cst.ImportStar):
+            if not (mod.startswith("torch.distributed.fsdp") or mod == "functools") or isinstance(
+                node.names, cst.ImportStar
+            ):
                 return
             for alias in node.names:
                 asname = alias.asname.name.value if alias.asname and isinstance(alias.asname.name, cst.Name) else None
@@ -1702,8 +1945,13 @@ def migrate_paths(paths: Sequence[str | Path], *, fix: bool = False) -> tuple[Co
             report.skipped.append((str(f), f"not valid Python 3 ({str(err).splitlines()[0]})"))
             continue
         except Exception as err:  # a construct the codemod cannot handle: never a half-rewritten file
-            report.skipped.append((str(f), f"left untouched: the codemod failed on it ({type(err).__name__}: "
-                                           f"{str(err).splitlines()[0] if str(err) else ''})"))
+            report.skipped.append(
+                (
+                    str(f),
+                    f"left untouched: the codemod failed on it ({type(err).__name__}: "
+                    f"{str(err).splitlines()[0] if str(err) else ''})",
+                )
+            )
             continue
         results.append(result)
         report.findings.extend(result.findings)

@@ -206,12 +206,20 @@ def parse_accelerate(data: Mapping[str, Any], path: str) -> Fsdp1Source:
     src = Fsdp1Source(kind="accelerate", path=path, raw=copy.deepcopy(dict(data)))
     version = fsdp.get("fsdp_version", 1)
     if str(version) != "1":
-        problems.add("fsdp_config.fsdp_version", version, "1 (an FSDP1 config)",
-                     "this config is already FSDP2; nothing to migrate")
+        problems.add(
+            "fsdp_config.fsdp_version",
+            version,
+            "1 (an FSDP1 config)",
+            "this config is already FSDP2; nothing to migrate",
+        )
     for key in fsdp:
         if key not in _ACCELERATE_KEYS:
-            problems.add(f"fsdp_config.{key}", fsdp[key], f"accelerate FSDP1 keys: {', '.join(_ACCELERATE_KEYS)}",
-                         "remove it, or check its spelling")
+            problems.add(
+                f"fsdp_config.{key}",
+                fsdp[key],
+                f"accelerate FSDP1 keys: {', '.join(_ACCELERATE_KEYS)}",
+                "remove it, or check its spelling",
+            )
     if problems:
         raise ConfigError(problems, source=path)
 
@@ -234,15 +242,17 @@ def parse_accelerate(data: Mapping[str, Any], path: str) -> Fsdp1Source:
 
     policy = None
     if "fsdp_auto_wrap_policy" in fsdp:
-        policy = _numbered("fsdp_config.fsdp_auto_wrap_policy", fsdp["fsdp_auto_wrap_policy"], ACCELERATE_WRAP,
-                           problems)
+        policy = _numbered(
+            "fsdp_config.fsdp_auto_wrap_policy", fsdp["fsdp_auto_wrap_policy"], ACCELERATE_WRAP, problems
+        )
         opt("fsdp_auto_wrap_policy", "wrap", fsdp["fsdp_auto_wrap_policy"])
     else:
         opt("fsdp_auto_wrap_policy", "wrap", "NO_WRAP", default=True)
     classes = None
     if "fsdp_transformer_layer_cls_to_wrap" in fsdp:
-        classes = _class_list("fsdp_config.fsdp_transformer_layer_cls_to_wrap",
-                              fsdp["fsdp_transformer_layer_cls_to_wrap"], problems)
+        classes = _class_list(
+            "fsdp_config.fsdp_transformer_layer_cls_to_wrap", fsdp["fsdp_transformer_layer_cls_to_wrap"], problems
+        )
         ignored = "" if policy == "TRANSFORMER_BASED_WRAP" else "accelerate reads it only with TRANSFORMER_BASED_WRAP"
         opt("fsdp_transformer_layer_cls_to_wrap", "wrap", fsdp["fsdp_transformer_layer_cls_to_wrap"], ignored=ignored)
     min_params = None
@@ -267,15 +277,20 @@ def parse_accelerate(data: Mapping[str, Any], path: str) -> Fsdp1Source:
         src.fields["backward_prefetch"] = BackwardPrefetch.NONE
         opt("fsdp_backward_prefetch", "backward_prefetch", "NO_PREFETCH", default=True)
 
-    for key, name in (("fsdp_forward_prefetch", "forward_prefetch"), ("fsdp_offload_params", "cpu_offload"),
-                      ("fsdp_sync_module_states", "sync_module_states"),
-                      ("fsdp_activation_checkpointing", "activation_checkpointing"),
-                      ("fsdp_limit_all_gathers", "limit_all_gathers")):
+    for key, name in (
+        ("fsdp_forward_prefetch", "forward_prefetch"),
+        ("fsdp_offload_params", "cpu_offload"),
+        ("fsdp_sync_module_states", "sync_module_states"),
+        ("fsdp_activation_checkpointing", "activation_checkpointing"),
+        ("fsdp_limit_all_gathers", "limit_all_gathers"),
+    ):
         if key in fsdp:
             src.fields[name] = _bool(f"fsdp_config.{key}", fsdp[key], problems)
             opt(key, name, fsdp[key])
-    for key, name in (("fsdp_use_orig_params", "use_orig_params"),
-                      ("fsdp_cpu_ram_efficient_loading", "cpu_ram_efficient_loading")):
+    for key, name in (
+        ("fsdp_use_orig_params", "use_orig_params"),
+        ("fsdp_cpu_ram_efficient_loading", "cpu_ram_efficient_loading"),
+    ):
         if key in fsdp:
             src.table_values[name] = _bool(f"fsdp_config.{key}", fsdp[key], problems)
             opt(key, name, fsdp[key])
@@ -283,11 +298,13 @@ def parse_accelerate(data: Mapping[str, Any], path: str) -> Fsdp1Source:
         src.fields["sync_module_states"] = True  # accelerate forces it on (FSDP1)
     if "fsdp_state_dict_type" in fsdp:
         src.table_values["state_dict_type"] = _numbered(
-            "fsdp_config.fsdp_state_dict_type", fsdp["fsdp_state_dict_type"], ACCELERATE_STATE_DICT, problems)
+            "fsdp_config.fsdp_state_dict_type", fsdp["fsdp_state_dict_type"], ACCELERATE_STATE_DICT, problems
+        )
         opt("fsdp_state_dict_type", "state_dict_type", fsdp["fsdp_state_dict_type"])
     if fsdp.get("fsdp_ignored_modules") is not None:
-        src.fields["ignored_modules"] = _class_list("fsdp_config.fsdp_ignored_modules", fsdp["fsdp_ignored_modules"],
-                                                    problems)
+        src.fields["ignored_modules"] = _class_list(
+            "fsdp_config.fsdp_ignored_modules", fsdp["fsdp_ignored_modules"], problems
+        )
         opt("fsdp_ignored_modules", "ignored_modules", fsdp["fsdp_ignored_modules"])
     if "mixed_precision" in data:
         src.fields["mixed_precision"] = _mixed_precision("mixed_precision", data["mixed_precision"], problems)
@@ -316,19 +333,26 @@ _TRAINER_KEYS: dict[str, str] = {
     "xla_fsdp_v2": "",
     "xla_fsdp_grad_ckpt": "",
 }
-_TRAINER_ITEMS = ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "hybrid_shard_zero2", "offload",
-                  "auto_wrap")
+_TRAINER_ITEMS = (
+    "full_shard",
+    "shard_grad_op",
+    "no_shard",
+    "hybrid_shard",
+    "hybrid_shard_zero2",
+    "offload",
+    "auto_wrap",
+)
 
 
-def parse_trainer(fsdp: object, fsdp_config: Mapping[str, Any], path: str, *,
-                  training_args: Mapping[str, Any] | None = None) -> Fsdp1Source:
+def parse_trainer(
+    fsdp: object, fsdp_config: Mapping[str, Any], path: str, *, training_args: Mapping[str, Any] | None = None
+) -> Fsdp1Source:
     """Trainer arguments ``fsdp`` (string or list) and ``fsdp_config`` (keys with or without ``fsdp_``),
     read with the semantics of transformers' FSDP1 path (``fsdp_config["version"] = 1``)."""
     problems = _Problems()
     training_args = dict(training_args or {})
     cfg = {(k[5:] if k.startswith("fsdp_") else k): v for k, v in dict(fsdp_config).items()}
-    src = Fsdp1Source(kind="trainer", path=path, raw={"fsdp": fsdp, "fsdp_config": dict(fsdp_config),
-                                                      **training_args})
+    src = Fsdp1Source(kind="trainer", path=path, raw={"fsdp": fsdp, "fsdp_config": dict(fsdp_config), **training_args})
     items = fsdp.split() if isinstance(fsdp, str) else list(fsdp) if isinstance(fsdp, (list, tuple)) else None
     if items is None:
         problems.add("fsdp", fsdp, f"a string or list of: {', '.join(_TRAINER_ITEMS)}")
@@ -338,15 +362,27 @@ def parse_trainer(fsdp: object, fsdp_config: Mapping[str, Any], path: str, *,
             problems.add("fsdp", item, ", ".join(_TRAINER_ITEMS))
     for key in cfg:
         if key not in _TRAINER_KEYS:
-            problems.add(f"fsdp_config.{key}", cfg[key], f"Trainer fsdp_config keys: {', '.join(_TRAINER_KEYS)}",
-                         "remove it, or check its spelling")
+            problems.add(
+                f"fsdp_config.{key}",
+                cfg[key],
+                f"Trainer fsdp_config keys: {', '.join(_TRAINER_KEYS)}",
+                "remove it, or check its spelling",
+            )
     if str(cfg.get("version", 1)) != "1":
-        problems.add("fsdp_config.version", cfg["version"], "1 (an FSDP1 config)",
-                     "this config is already FSDP2; nothing to migrate")
+        problems.add(
+            "fsdp_config.version",
+            cfg["version"],
+            "1 (an FSDP1 config)",
+            "this config is already FSDP2; nothing to migrate",
+        )
     for key in ("xla", "xla_fsdp_v2", "xla_fsdp_grad_ckpt"):
         if key in cfg and _bool(f"fsdp_config.{key}", cfg[key], problems):
-            problems.add(f"fsdp_config.{key}", cfg[key], "false",
-                         "XLA FSDP is not torch FSDP1; fsdp_bridge migrates torch's FullyShardedDataParallel")
+            problems.add(
+                f"fsdp_config.{key}",
+                cfg[key],
+                "false",
+                "XLA FSDP is not torch FSDP1; fsdp_bridge migrates torch's FullyShardedDataParallel",
+            )
     if problems:
         raise ConfigError(problems, source=path)
 
@@ -360,11 +396,16 @@ def parse_trainer(fsdp: object, fsdp_config: Mapping[str, Any], path: str, *,
         opt(f"fsdp: {item}", "strategy", item)
     if "reshard_after_forward" in cfg:
         if strategies:
-            opt("fsdp_config.reshard_after_forward", "strategy", cfg["reshard_after_forward"],
-                ignored="the fsdp option string's strategy is applied first (setdefault)")
+            opt(
+                "fsdp_config.reshard_after_forward",
+                "strategy",
+                cfg["reshard_after_forward"],
+                ignored="the fsdp option string's strategy is applied first (setdefault)",
+            )
         else:
-            strategy = _strategy("fsdp_config.reshard_after_forward", cfg["reshard_after_forward"], problems) \
-                or strategy
+            strategy = (
+                _strategy("fsdp_config.reshard_after_forward", cfg["reshard_after_forward"], problems) or strategy
+            )
             opt("fsdp_config.reshard_after_forward", "strategy", cfg["reshard_after_forward"])
     if not strategies and "reshard_after_forward" not in cfg:
         opt("fsdp: (no strategy)", "strategy", "full_shard", default=True)
@@ -374,16 +415,18 @@ def parse_trainer(fsdp: object, fsdp_config: Mapping[str, Any], path: str, *,
         src.fields["cpu_offload"] = True
         opt("fsdp: offload", "cpu_offload", "offload")
     if "cpu_offload" in cfg:
-        src.fields["cpu_offload"] = src.fields.get("cpu_offload") or _bool("fsdp_config.cpu_offload",
-                                                                           cfg["cpu_offload"], problems)
+        src.fields["cpu_offload"] = src.fields.get("cpu_offload") or _bool(
+            "fsdp_config.cpu_offload", cfg["cpu_offload"], problems
+        )
         opt("fsdp_config.cpu_offload", "cpu_offload", cfg["cpu_offload"])
 
     # transformers' FSDP1 rule: min_num_params > 0 (and no layer classes) selects SIZE_BASED_WRAP,
     # otherwise TRANSFORMER_BASED_WRAP ("auto_wrap" is a no-op since v5).
     sized = str(cfg.get("min_num_params", "0")).strip() not in ("0", "") and "transformer_layer_cls_to_wrap" not in cfg
     default_policy = "SIZE_BASED_WRAP" if sized else "TRANSFORMER_BASED_WRAP"
-    policy = _numbered("fsdp_config.auto_wrap_policy", cfg.get("auto_wrap_policy", default_policy),
-                       ACCELERATE_WRAP, problems)
+    policy = _numbered(
+        "fsdp_config.auto_wrap_policy", cfg.get("auto_wrap_policy", default_policy), ACCELERATE_WRAP, problems
+    )
     if "auto_wrap" in items:
         opt("fsdp: auto_wrap", "wrap", "auto_wrap")
     if "auto_wrap_policy" in cfg:
@@ -392,10 +435,15 @@ def parse_trainer(fsdp: object, fsdp_config: Mapping[str, Any], path: str, *,
         opt("fsdp_config.auto_wrap_policy", "wrap", default_policy, default=True)
     classes = None
     if "transformer_layer_cls_to_wrap" in cfg:
-        classes = _class_list("fsdp_config.transformer_layer_cls_to_wrap", cfg["transformer_layer_cls_to_wrap"],
-                              problems)
-        opt("fsdp_config.transformer_layer_cls_to_wrap", "wrap", cfg["transformer_layer_cls_to_wrap"],
-            ignored="" if policy == "TRANSFORMER_BASED_WRAP" else "read only with TRANSFORMER_BASED_WRAP")
+        classes = _class_list(
+            "fsdp_config.transformer_layer_cls_to_wrap", cfg["transformer_layer_cls_to_wrap"], problems
+        )
+        opt(
+            "fsdp_config.transformer_layer_cls_to_wrap",
+            "wrap",
+            cfg["transformer_layer_cls_to_wrap"],
+            ignored="" if policy == "TRANSFORMER_BASED_WRAP" else "read only with TRANSFORMER_BASED_WRAP",
+        )
     min_params = None
     if "min_num_params" in cfg:
         raw_min = cfg["min_num_params"]
@@ -403,22 +451,30 @@ def parse_trainer(fsdp: object, fsdp_config: Mapping[str, Any], path: str, *,
             problems.add("fsdp_config.min_num_params", raw_min, "an integer >= 0")
         else:
             min_params = int(str(raw_min).strip())
-        opt("fsdp_config.min_num_params", "wrap", raw_min,
-            ignored="" if policy == "SIZE_BASED_WRAP" else "read only with SIZE_BASED_WRAP")
+        opt(
+            "fsdp_config.min_num_params",
+            "wrap",
+            raw_min,
+            ignored="" if policy == "SIZE_BASED_WRAP" else "read only with SIZE_BASED_WRAP",
+        )
     src.fields["wrap"] = _wrap(policy, classes, min_params)
 
     if "backward_prefetch" in cfg:
-        src.fields["backward_prefetch"] = _prefetch("fsdp_config.backward_prefetch", cfg["backward_prefetch"],
-                                                    problems) or BackwardPrefetch.NONE
+        src.fields["backward_prefetch"] = (
+            _prefetch("fsdp_config.backward_prefetch", cfg["backward_prefetch"], problems) or BackwardPrefetch.NONE
+        )
         opt("fsdp_config.backward_prefetch", "backward_prefetch", cfg["backward_prefetch"])
     else:
         src.fields["backward_prefetch"] = BackwardPrefetch.NONE  # transformers' FSDP1 default: NO_PREFETCH
         opt("fsdp_config.backward_prefetch", "backward_prefetch", "NO_PREFETCH", default=True)
     # transformers' FSDP1 defaults: sync_module_states true, use_orig_params true.
     defaults = {"sync_module_states": True, "use_orig_params": True}
-    for key, name in (("forward_prefetch", "forward_prefetch"), ("sync_module_states", "sync_module_states"),
-                      ("activation_checkpointing", "activation_checkpointing"),
-                      ("limit_all_gathers", "limit_all_gathers")):
+    for key, name in (
+        ("forward_prefetch", "forward_prefetch"),
+        ("sync_module_states", "sync_module_states"),
+        ("activation_checkpointing", "activation_checkpointing"),
+        ("limit_all_gathers", "limit_all_gathers"),
+    ):
         if key in cfg:
             src.fields[name] = _bool(f"fsdp_config.{key}", cfg[key], problems)
             opt(f"fsdp_config.{key}", name, cfg[key])
@@ -432,8 +488,9 @@ def parse_trainer(fsdp: object, fsdp_config: Mapping[str, Any], path: str, *,
     if src.table_values.get("cpu_ram_efficient_loading"):
         src.fields["sync_module_states"] = True
     if "state_dict_type" in cfg:
-        src.table_values["state_dict_type"] = _numbered("fsdp_config.state_dict_type", cfg["state_dict_type"],
-                                                        ACCELERATE_STATE_DICT, problems)
+        src.table_values["state_dict_type"] = _numbered(
+            "fsdp_config.state_dict_type", cfg["state_dict_type"], ACCELERATE_STATE_DICT, problems
+        )
         opt("fsdp_config.state_dict_type", "state_dict_type", cfg["state_dict_type"])
     for flag in ("bf16", "fp16"):
         if str(training_args.get(flag, "")).strip().lower() in ("true", "1", "yes"):
@@ -450,8 +507,14 @@ def parse_bridge(data: Mapping[str, Any], path: str) -> Fsdp1Source:
         data = data["bridge"]
     config = BridgeConfig.from_dict(data, source=path)
     if config.backend is not Backend.FSDP1:
-        raise ConfigError([Problem("backend", config.backend.value, "fsdp1",
-                                   "this config already runs on FSDP2; nothing to migrate")], source=path)
+        raise ConfigError(
+            [
+                Problem(
+                    "backend", config.backend.value, "fsdp1", "this config already runs on FSDP2; nothing to migrate"
+                )
+            ],
+            source=path,
+        )
     src = Fsdp1Source(kind="bridge", path=path, raw=dict(data))
     src.fields = {k: getattr(config, k) for k in BridgeConfig.field_names()}
     src.options = [SourceOption(k, v, k) for k, v in data.items() if k != "backend"]
@@ -478,12 +541,23 @@ def read_source(path: str | os.PathLike[str], *, fsdp: str | None = None) -> Fsd
     if not isinstance(data, Mapping):
         if "--fsdp" in text:
             return parse_trainer_command(text, str(path), base=path.parent)
-        raise ConfigError([Problem("SRC", str(path), "a mapping (accelerate YAML, Trainer arguments, axolotl YAML, "
-                                   "bridge YAML) or a command line with Trainer --fsdp flags")])
+        raise ConfigError(
+            [
+                Problem(
+                    "SRC",
+                    str(path),
+                    "a mapping (accelerate YAML, Trainer arguments, axolotl YAML, "
+                    "bridge YAML) or a command line with Trainer --fsdp flags",
+                )
+            ]
+        )
     if fsdp is not None:
         return parse_trainer(fsdp, data, str(path))
-    if "fsdp" in data and isinstance(data.get("fsdp_config") or {}, Mapping) and _accelerate_style(
-            data.get("fsdp_config") or {}):
+    if (
+        "fsdp" in data
+        and isinstance(data.get("fsdp_config") or {}, Mapping)
+        and _accelerate_style(data.get("fsdp_config") or {})
+    ):
         return parse_axolotl(data, str(path))
     if "fsdp" in data and "fsdp_config" not in data:
         # TrainingArguments with the FSDP1-era flags and no fsdp_config (the most common recipes)
@@ -497,15 +571,23 @@ def read_source(path: str | os.PathLike[str], *, fsdp: str | None = None) -> Fsd
         return parse_accelerate(data, str(path))
     if "backend" in data or isinstance(data.get("bridge"), Mapping):
         return parse_bridge(data, str(path))
-    raise ConfigError([Problem(
-        "SRC", str(path),
-        "an accelerate config (with fsdp_config:), Trainer arguments (fsdp and fsdp_config), "
-        "or a bridge YAML with backend: fsdp1",
-        "for a Trainer fsdp_config JSON alone, pass the fsdp option string with --fsdp")])
+    raise ConfigError(
+        [
+            Problem(
+                "SRC",
+                str(path),
+                "an accelerate config (with fsdp_config:), Trainer arguments (fsdp and fsdp_config), "
+                "or a bridge YAML with backend: fsdp1",
+                "for a Trainer fsdp_config JSON alone, pass the fsdp option string with --fsdp",
+            )
+        ]
+    )
 
 
-_LEGACY_TRAINER_FLAGS = {"fsdp_transformer_layer_cls_to_wrap": "transformer_layer_cls_to_wrap",
-                         "fsdp_min_num_params": "min_num_params"}
+_LEGACY_TRAINER_FLAGS = {
+    "fsdp_transformer_layer_cls_to_wrap": "transformer_layer_cls_to_wrap",
+    "fsdp_min_num_params": "min_num_params",
+}
 """TrainingArguments' FSDP1-era flags, which transformers moves into ``fsdp_config``."""
 
 
@@ -534,8 +616,16 @@ def parse_trainer_command(text: str, path: str, *, base: Path) -> Fsdp1Source:
             args[key.replace("-", "_")] = value
         i += 1
     if "fsdp" not in args:
-        raise ConfigError([Problem("SRC", path, "a command line with --fsdp \"full_shard auto_wrap\" (or another "
-                                   "strategy)", "no --fsdp flag found")])
+        raise ConfigError(
+            [
+                Problem(
+                    "SRC",
+                    path,
+                    'a command line with --fsdp "full_shard auto_wrap" (or another strategy)',
+                    "no --fsdp flag found",
+                )
+            ]
+        )
     fsdp_config: dict[str, Any] = {}
     raw_config = args.get("fsdp_config")
     if raw_config:
@@ -543,16 +633,22 @@ def parse_trainer_command(text: str, path: str, *, base: Path) -> Fsdp1Source:
             try:
                 fsdp_config = json.loads(raw_config)
             except json.JSONDecodeError as err:
-                raise ConfigError([Problem("--fsdp_config", raw_config, "JSON or a path to a JSON file",
-                                           str(err))]) from None
+                raise ConfigError(
+                    [Problem("--fsdp_config", raw_config, "JSON or a path to a JSON file", str(err))]
+                ) from None
         else:
             fsdp_config = read_json(base / raw_config)
     fsdp_config = {**_legacy_trainer_config(args), **fsdp_config}
     return parse_trainer(args["fsdp"], fsdp_config, path, training_args=args)
 
 
-_AXOLOTL_ITEMS = {"full_shard": "FULL_SHARD", "shard_grad_op": "SHARD_GRAD_OP", "no_shard": "NO_SHARD",
-                  "hybrid_shard": "HYBRID_SHARD", "hybrid_shard_zero2": "_HYBRID_SHARD_ZERO2"}
+_AXOLOTL_ITEMS = {
+    "full_shard": "FULL_SHARD",
+    "shard_grad_op": "SHARD_GRAD_OP",
+    "no_shard": "NO_SHARD",
+    "hybrid_shard": "HYBRID_SHARD",
+    "hybrid_shard_zero2": "_HYBRID_SHARD_ZERO2",
+}
 
 
 def _accelerate_style(fsdp_config: Mapping[str, Any]) -> bool:
@@ -572,16 +668,24 @@ def parse_axolotl(data: Mapping[str, Any], path: str) -> Fsdp1Source:
             fsdp_config["fsdp_sharding_strategy"] = _AXOLOTL_ITEMS[item]
         elif item == "offload":
             if fsdp_config.get("fsdp_offload_params", True) is not True:
-                raise ConfigError([Problem("fsdp_config.fsdp_offload_params", fsdp_config["fsdp_offload_params"],
-                                           "true, as the fsdp list asks for offload",
-                                           "the two disagree: remove 'offload' from fsdp, or set "
-                                           "fsdp_offload_params: true")], source=path)
+                raise ConfigError(
+                    [
+                        Problem(
+                            "fsdp_config.fsdp_offload_params",
+                            fsdp_config["fsdp_offload_params"],
+                            "true, as the fsdp list asks for offload",
+                            "the two disagree: remove 'offload' from fsdp, or set fsdp_offload_params: true",
+                        )
+                    ],
+                    source=path,
+                )
             fsdp_config["fsdp_offload_params"] = True
         elif item == "auto_wrap" and "fsdp_auto_wrap_policy" not in fsdp_config:
             fsdp_config["fsdp_auto_wrap_policy"] = "TRANSFORMER_BASED_WRAP"
         elif item not in (*_AXOLOTL_ITEMS, "offload", "auto_wrap"):
-            raise ConfigError([Problem("fsdp", item, ", ".join((*_AXOLOTL_ITEMS, "offload", "auto_wrap")))],
-                              source=path)
+            raise ConfigError(
+                [Problem("fsdp", item, ", ".join((*_AXOLOTL_ITEMS, "offload", "auto_wrap")))], source=path
+            )
     merged: dict[str, Any] = {"fsdp_config": fsdp_config}
     for flag in ("bf16", "fp16"):
         if data.get(flag) is True:
@@ -640,35 +744,49 @@ def migrate_config(path: str | os.PathLike[str], *, fsdp: str | None = None) -> 
     fallbacks = {e.option: _FALLBACK[e.option] for e in fsdp1_on_2.unsupported if e.option in _FALLBACK}
     missing = [e for e in fsdp1_on_2.unsupported if e.option not in _FALLBACK]
     if missing:  # the table gained an unsupported FSDP2 case this module does not know a substitute for
-        raise ConfigError([Problem(e.option, str(e.value), "a value FSDP2 supports", e.text) for e in missing],
-                          source=src.path)
+        raise ConfigError(
+            [Problem(e.option, str(e.value), "a value FSDP2 supports", e.text) for e in missing], source=src.path
+        )
     fsdp2 = fsdp1.replace(backend=Backend.FSDP2, **fallbacks)
 
     report = ConfigReport(source=src.path, kind=src.kind)
     for o in src.options:
         value = f"(not set: {o.value})" if o.default else _show(o.value)
         if o.ignored_because:
-            report.rows.append(OptionRow(o.key, value, Status.NOT_NEEDED, "-",
-                                         f"ignored by the source too: {o.ignored_because}"))
+            report.rows.append(
+                OptionRow(o.key, value, Status.NOT_NEEDED, "-", f"ignored by the source too: {o.ignored_because}")
+            )
             continue
         if o.option in BridgeConfig.field_names():
             # Sub-options left unset (mixed_precision.output_dtype: null) say nothing about the source.
-            entries = [e for e in fsdp1_on_2.entries
-                       if e.option == o.option or (e.option.startswith(o.option + ".") and e.value is not None)]
+            entries = [
+                e
+                for e in fsdp1_on_2.entries
+                if e.option == o.option or (e.option.startswith(o.option + ".") and e.value is not None)
+            ]
             for e in entries:
                 key = o.key if e.option == o.option else f"{o.key} ({e.option})"
                 report.rows.append(OptionRow(key, value, status_of(e.outcome), _target(fsdp2, o.option), e.text))
             if not entries:  # the table reports only options that change something: say so, never drop it
-                report.rows.append(OptionRow(o.key, value, Status.MAPPED, _target(fsdp2, o.option),
-                                             "the default on both backends: nothing to translate"))
+                report.rows.append(
+                    OptionRow(
+                        o.key,
+                        value,
+                        Status.MAPPED,
+                        _target(fsdp2, o.option),
+                        "the default on both backends: nothing to translate",
+                    )
+                )
         else:
             outcome, text = _table_only(o.option)
             target = _table_target(o.option, src.table_values.get(o.option))
             report.rows.append(OptionRow(o.key, value, status_of(outcome), target, text))
     report.notes.append(f"backend: fsdp1 -> fsdp2 (bridge YAML); {_strategy_note(fsdp2)}")
     if fallbacks:
-        report.notes.append("no FSDP2 equivalent, replaced by the nearest FSDP2 behaviour: "
-                            + ", ".join(f"{k} -> {_show(v)}" for k, v in fallbacks.items()))
+        report.notes.append(
+            "no FSDP2 equivalent, replaced by the nearest FSDP2 behaviour: "
+            + ", ".join(f"{k} -> {_show(v)}" for k, v in fallbacks.items())
+        )
     migration = Migration(source=src, fsdp1=fsdp1, fsdp2=fsdp2, report=report)
     if src.kind == "accelerate":
         from fsdp_bridge.migrate._accelerate import accelerate_fsdp2
@@ -706,8 +824,10 @@ def write_outputs(migration: Migration, dst: str | os.PathLike[str]) -> list[str
     written.append(str(dst))
     if migration.accelerate is not None:
         acc = dst.with_name(dst.stem + ".accelerate.yaml")
-        acc.write_text(_header(f"accelerate launch --config_file {acc.name} train.py")
-                       + yaml.safe_dump(migration.accelerate, sort_keys=False))
+        acc.write_text(
+            _header(f"accelerate launch --config_file {acc.name} train.py")
+            + yaml.safe_dump(migration.accelerate, sort_keys=False)
+        )
         written.append(str(acc))
     report = dst.with_name(dst.stem + ".migration.md")
     migration.report.outputs = [*written, str(report)]
@@ -720,4 +840,3 @@ def default_output(src: str | os.PathLike[str]) -> Path:
     """``train_fsdp1.yaml`` -> ``train_fsdp1.fsdp2.yaml`` beside it."""
     path = Path(src)
     return path.with_name(path.stem + ".fsdp2.yaml")
-

@@ -85,8 +85,11 @@ class ConfigReport:
             lines.append(f"{r.key}: {r.status.value.upper()}  ({r.value} -> {r.target})")
             lines.extend(textwrap.wrap(r.reason, width, initial_indent="    ", subsequent_indent="    "))
             if r.accelerate:
-                lines.extend(textwrap.wrap(f"accelerate FSDP2: {r.accelerate}", width, initial_indent="    ",
-                                           subsequent_indent="      "))
+                lines.extend(
+                    textwrap.wrap(
+                        f"accelerate FSDP2: {r.accelerate}", width, initial_indent="    ", subsequent_indent="      "
+                    )
+                )
         if self.notes:
             lines.append("")
             for n in self.notes:
@@ -117,8 +120,14 @@ class ConfigReport:
             "source": self.source,
             "kind": self.kind,
             "rows": [
-                {"key": r.key, "value": r.value, "status": r.status.value, "target": r.target, "reason": r.reason,
-                 "accelerate": r.accelerate}
+                {
+                    "key": r.key,
+                    "value": r.value,
+                    "status": r.status.value,
+                    "target": r.target,
+                    "reason": r.reason,
+                    "accelerate": r.accelerate,
+                }
                 for r in self.rows
             ],
             "notes": list(self.notes),
@@ -163,7 +172,9 @@ class CodeReport:
         lines = [f.format() for f in self.findings]
         lines.extend(f"{path}: [skipped] {reason}" for path, reason in self.skipped)
         n_fix = sum(f.fixable for f in self.findings)
-        lines.append(f"{len(self.findings)} FSDP1 construct(s): {n_fix} rewritable by --fix, "
-                     f"{len(self.findings) - n_fix} left with TODO(fsdp-bridge)"
-                     + (f"; {len(self.skipped)} file(s) skipped" if self.skipped else ""))
+        lines.append(
+            f"{len(self.findings)} FSDP1 construct(s): {n_fix} rewritable by --fix, "
+            f"{len(self.findings) - n_fix} left with TODO(fsdp-bridge)"
+            + (f"; {len(self.skipped)} file(s) skipped" if self.skipped else "")
+        )
         return "\n".join(lines)

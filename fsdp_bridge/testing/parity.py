@@ -40,8 +40,9 @@ __all__ = [
 ]
 
 
-def rank_batches(family: str = "llama", *, steps: int = 3, batch: int = 2, seq: int = 16,
-                 seed: int = 0) -> list[dict[str, torch.Tensor]]:
+def rank_batches(
+    family: str = "llama", *, steps: int = 3, batch: int = 2, seq: int = 16, seed: int = 0
+) -> list[dict[str, torch.Tensor]]:
     """This rank's batches for a tiny model of ``family``: one per step, different on every rank.
 
     Rank ``r`` draws from seed ``seed + 42 + r`` (PyTorch's parity-test convention), so the
@@ -104,10 +105,27 @@ def assert_backend_parity(
                 changes["hybrid_shape"] = None
             runs.append(RunSpec.sharded(config.replace(**changes), lr))
     if len(runs) < 2:
-        raise ConfigError([Problem("backends", [b.value for b in backend_list], "at least two runs to compare",
-                                   "give two backends, or reference=True")])
-    report = run_parity(model_fn, batches, runs, optimizer_fn=optimizer_fn, loss_fn=loss_fn, grad_clip=grad_clip,
-                        tolerance=tolerance, param_diff=param_diff, device=config.device)
+        raise ConfigError(
+            [
+                Problem(
+                    "backends",
+                    [b.value for b in backend_list],
+                    "at least two runs to compare",
+                    "give two backends, or reference=True",
+                )
+            ]
+        )
+    report = run_parity(
+        model_fn,
+        batches,
+        runs,
+        optimizer_fn=optimizer_fn,
+        loss_fn=loss_fn,
+        grad_clip=grad_clip,
+        tolerance=tolerance,
+        param_diff=param_diff,
+        device=config.device,
+    )
     if not report.ok:
         failed = "; ".join(p.describe() for p in report.pairs if not p.ok)
         raise AssertionError(f"backend parity failed: {failed}\n\n{report.format()}")

@@ -30,11 +30,17 @@ _ALL_STRATEGIES = "full_shard,shard_grad_op,no_shard,hybrid_shard,hybrid_shard_z
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("fsdp_bridge", "fsdp_bridge distributed tests")
-    group.addoption("--fsdp-backends", default=_DEFAULT_BACKENDS,
-                    help="backends the fsdp_backend argument runs over (default: %(default)s)")
-    group.addoption("--fsdp-strategies", default=_DEFAULT_STRATEGIES,
-                    help="strategies the fsdp_strategy argument runs over; 'all' for all five "
-                         "(default: %(default)s; hybrid ones need 4 ranks)")
+    group.addoption(
+        "--fsdp-backends",
+        default=_DEFAULT_BACKENDS,
+        help="backends the fsdp_backend argument runs over (default: %(default)s)",
+    )
+    group.addoption(
+        "--fsdp-strategies",
+        default=_DEFAULT_STRATEGIES,
+        help="strategies the fsdp_strategy argument runs over; 'all' for all five "
+        "(default: %(default)s; hybrid ones need 4 ranks)",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -100,8 +106,10 @@ def _marker_args(marker: pytest.Mark) -> tuple[int, str, float]:
     """(world_size, backend, timeout) of a ``distributed`` marker, validated."""
 
     def bad(what: str) -> ValueError:
-        return ValueError(f"@pytest.mark.distributed: {what}; use "
-                          "@pytest.mark.distributed(world_size=2, backend='gloo' or 'nccl', timeout=300)")
+        return ValueError(
+            f"@pytest.mark.distributed: {what}; use "
+            "@pytest.mark.distributed(world_size=2, backend='gloo' or 'nccl', timeout=300)"
+        )
 
     allowed = {"world_size", "backend", "timeout"}
     if len(marker.args) > 1 or set(marker.kwargs) - allowed:
@@ -118,8 +126,15 @@ def _marker_args(marker: pytest.Mark) -> tuple[int, str, float]:
     return world, backend, float(timeout)
 
 
-def _run(fn: Callable[..., Any], world_size: int, *, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None,
-         backend: str = "gloo", timeout_s: float = 300.0) -> list[Any]:
+def _run(
+    fn: Callable[..., Any],
+    world_size: int,
+    *,
+    args: tuple[Any, ...] = (),
+    kwargs: dict[str, Any] | None = None,
+    backend: str = "gloo",
+    timeout_s: float = 300.0,
+) -> list[Any]:
     """run_distributed, turning a rank's failure into a test failure that shows every traceback."""
     from fsdp_bridge._spawn import RankFailure, run_distributed
 
@@ -128,8 +143,9 @@ def _run(fn: Callable[..., Any], world_size: int, *, args: tuple[Any, ...] = (),
     except RankFailure as err:
         failure = err
     # Outside the except block, so pytest shows the ranks' tracebacks once (not chained).
-    pytest.fail(f"{fn.__module__}.{fn.__qualname__} failed on ranks {sorted(failure.failures)}:\n{failure}",
-                pytrace=False)
+    pytest.fail(
+        f"{fn.__module__}.{fn.__qualname__} failed on ranks {sorted(failure.failures)}:\n{failure}", pytrace=False
+    )
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -154,8 +170,15 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
 class RunOnRanks:
     """``run_on_ranks(fn, world_size=2, *args, backend="gloo", timeout_s=300, **kwargs)`` -> results by rank."""
 
-    def __call__(self, fn: Callable[..., Any], world_size: int = 2, *args: Any, backend: str = "gloo",
-                 timeout_s: float = 300.0, **kwargs: Any) -> list[Any]:
+    def __call__(
+        self,
+        fn: Callable[..., Any],
+        world_size: int = 2,
+        *args: Any,
+        backend: str = "gloo",
+        timeout_s: float = 300.0,
+        **kwargs: Any,
+    ) -> list[Any]:
         if backend == "nccl" and _gpus() < world_size:
             pytest.skip(f"needs {world_size} CUDA GPUs for NCCL; {_gpus()} available")
         return _run(fn, world_size, args=args, kwargs=kwargs, backend=backend, timeout_s=timeout_s)

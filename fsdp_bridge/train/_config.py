@@ -203,12 +203,19 @@ class TrainConfig:
     def from_dict(cls, data: Mapping[str, Any] | None, *, source: str | None = None) -> TrainConfig:
         """Build a config from a mapping (parsed YAML), reporting every problem at once."""
         if not isinstance(data, Mapping):
-            raise ConfigError([Problem("config", data, "a mapping of training keys (model:, data:, ...)")],
-                              source=source)
+            raise ConfigError(
+                [Problem("config", data, "a mapping of training keys (model:, data:, ...)")], source=source
+            )
         problems: list[Problem] = []
         if "model" not in data:
-            problems.append(Problem("model", None, "a model: section with model.path or model.config",
-                                    "add e.g. model: {path: ./my-hf-model}"))
+            problems.append(
+                Problem(
+                    "model",
+                    None,
+                    "a model: section with model.path or model.config",
+                    "add e.g. model: {path: ./my-hf-model}",
+                )
+            )
         kwargs = _parse_fields(cls, data, "", problems)
         bridge_raw = data.get("bridge")
         if bridge_raw is not None:
@@ -234,8 +241,7 @@ class TrainConfig:
             if isinstance(value, BridgeConfig):
                 out[f.name] = value.to_dict()
             elif dataclasses.is_dataclass(value):
-                out[f.name] = {k: list(v) if isinstance(v, tuple) else v
-                               for k, v in dataclasses.asdict(value).items()}  # type: ignore[arg-type]
+                out[f.name] = {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(value).items()}  # type: ignore[arg-type]
             else:
                 out[f.name] = value
         return out
@@ -258,17 +264,40 @@ def _value_problems(c: TrainConfig) -> list[Problem]:
     p: list[Problem] = []
     m = c.model
     if m.path is None and m.config is None:
-        p.append(Problem("model", None, "model.path (a Hugging Face directory) or model.config (from scratch)",
-                         "add model: {path: ./my-model} or model: {config: {model_type: llama, ...}}"))
+        p.append(
+            Problem(
+                "model",
+                None,
+                "model.path (a Hugging Face directory) or model.config (from scratch)",
+                "add model: {path: ./my-model} or model: {config: {model_type: llama, ...}}",
+            )
+        )
     if m.path is not None and m.config is not None:
-        p.append(Problem("model.config", "...", "null when model.path is given",
-                         "give either model.path or model.config, not both"))
+        p.append(
+            Problem(
+                "model.config",
+                "...",
+                "null when model.path is given",
+                "give either model.path or model.config, not both",
+            )
+        )
     if m.config is not None and not isinstance(m.config.get("model_type"), str):
-        p.append(Problem("model.config.model_type", m.config.get("model_type"),
-                         "a transformers model type such as llama, gpt2, qwen2, mistral"))
+        p.append(
+            Problem(
+                "model.config.model_type",
+                m.config.get("model_type"),
+                "a transformers model type such as llama, gpt2, qwen2, mistral",
+            )
+        )
     if m.tokenizer_vocab_size < 300:
-        p.append(Problem("model.tokenizer_vocab_size", m.tokenizer_vocab_size, "an integer >= 300",
-                         "the built-in tokenizer needs 256 byte tokens plus merges"))
+        p.append(
+            Problem(
+                "model.tokenizer_vocab_size",
+                m.tokenizer_vocab_size,
+                "an integer >= 300",
+                "the built-in tokenizer needs 256 byte tokens plus merges",
+            )
+        )
     if not c.data.files:
         p.append(Problem("data.files", [], "at least one file, glob pattern or 'sample'"))
     for key, value, low in (
@@ -290,14 +319,24 @@ def _value_problems(c: TrainConfig) -> list[Problem]:
         if opt_value is not None and opt_value < 1:
             p.append(Problem(key, opt_value, "null or an integer >= 1"))
     if m.tokenizer_vocab_size > MAX_TOKENIZER_VOCAB:
-        p.append(Problem("model.tokenizer_vocab_size", m.tokenizer_vocab_size,
-                         f"an integer in [300, {MAX_TOKENIZER_VOCAB}]",
-                         "the built-in tokenizer is trained on the run's data; real vocabularies are 32k-256k"))
+        p.append(
+            Problem(
+                "model.tokenizer_vocab_size",
+                m.tokenizer_vocab_size,
+                f"an integer in [300, {MAX_TOKENIZER_VOCAB}]",
+                "the built-in tokenizer is trained on the run's data; real vocabularies are 32k-256k",
+            )
+        )
     if c.micro_batch_size * c.data.seq_len > MAX_MICRO_BATCH_TOKENS:
-        p.append(Problem("micro_batch_size", c.micro_batch_size,
-                         f"micro_batch_size * data.seq_len <= {MAX_MICRO_BATCH_TOKENS} (got "
-                         f"{c.micro_batch_size} * {c.data.seq_len})",
-                         "use a smaller micro-batch and grad_accum for a larger effective batch"))
+        p.append(
+            Problem(
+                "micro_batch_size",
+                c.micro_batch_size,
+                f"micro_batch_size * data.seq_len <= {MAX_MICRO_BATCH_TOKENS} (got "
+                f"{c.micro_batch_size} * {c.data.seq_len})",
+                "use a smaller micro-batch and grad_accum for a larger effective batch",
+            )
+        )
     if not 0 <= c.seed <= MAX_SEED:
         p.append(Problem("seed", c.seed, f"an integer in [0, {MAX_SEED}]"))
     o = c.optim
@@ -320,15 +359,24 @@ def _value_problems(c: TrainConfig) -> list[Problem]:
     if not c.output_dir:
         p.append(Problem("output_dir", c.output_dir, "a directory path"))
     if not 0 < c.timeout_s <= MAX_TIMEOUT_S:
-        p.append(Problem("timeout_s", c.timeout_s, f"a number of seconds in (0, {MAX_TIMEOUT_S}]",
-                         "e.g. timeout_s: 600 (a rank silent for longer than this ends the run)"))
+        p.append(
+            Problem(
+                "timeout_s",
+                c.timeout_s,
+                f"a number of seconds in (0, {MAX_TIMEOUT_S}]",
+                "e.g. timeout_s: 600 (a rank silent for longer than this ends the run)",
+            )
+        )
     if c.peft is not None:
         p.extend(peft_problems(c.peft, "peft"))
     if m.config is not None and c.bridge.device == "cpu":
         p.extend(quantization_problems(m.config, "cpu", "model.config.quantization_config"))
     if c.schedule.warmup_steps > c.max_steps:
-        logger.warning("schedule.warmup_steps (%d) > max_steps (%d): the learning rate never reaches optim.lr",
-                       c.schedule.warmup_steps, c.max_steps)
+        logger.warning(
+            "schedule.warmup_steps (%d) > max_steps (%d): the learning rate never reaches optim.lr",
+            c.schedule.warmup_steps,
+            c.max_steps,
+        )
     return p
 
 
@@ -515,8 +563,9 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ConfigError([Problem("config", data, "a mapping of training keys (model:, data:, ...)")],
-                          source=str(path))
+        raise ConfigError(
+            [Problem("config", data, "a mapping of training keys (model:, data:, ...)")], source=str(path)
+        )
     return data
 
 
@@ -562,8 +611,9 @@ def _deep_copy(data: Mapping[str, Any]) -> dict[str, Any]:
     return {k: _deep_copy(v) if isinstance(v, Mapping) else v for k, v in data.items()}
 
 
-def load_train_config(path: str | Path | None = None, overrides: Sequence[str] = (),
-                      *, backend: str | None = None) -> TrainConfig:
+def load_train_config(
+    path: str | Path | None = None, overrides: Sequence[str] = (), *, backend: str | None = None
+) -> TrainConfig:
     """Load a training YAML (the built-in default when ``path`` is None) with overrides.
 
     ``backend`` (the ``--backend`` flag) sets ``bridge.backend``.
@@ -595,9 +645,13 @@ def _attribute_docs(cls: type) -> dict[str, str]:
     body = tree.body[0].body  # type: ignore[attr-defined]
     docs: dict[str, str] = {}
     for node, following in itertools.pairwise(body):
-        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
-                and isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant)
-                and isinstance(following.value.value, str)):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(following, ast.Expr)
+            and isinstance(following.value, ast.Constant)
+            and isinstance(following.value.value, str)
+        ):
             docs[node.target.id] = " ".join(following.value.value.split())
     return docs
 
@@ -645,8 +699,14 @@ def field_reference() -> list[FieldDoc]:
             tp = hints[f.name]
             section, optional = _section_type(tp)
             if section is not None:
-                rows.append(FieldDoc(key, "section or null" if optional else "section",
-                                     "null" if optional else "", docs.get(f.name, "")))
+                rows.append(
+                    FieldDoc(
+                        key,
+                        "section or null" if optional else "section",
+                        "null" if optional else "",
+                        docs.get(f.name, ""),
+                    )
+                )
                 walk(section, f"{key}.")
             elif tp is BridgeConfig:
                 rows.append(FieldDoc(key, "section", "", docs.get(f.name, "")))

@@ -40,8 +40,14 @@ def resolve_files(config: DataConfig) -> list[Path]:
         matches = sorted(glob.glob(str(Path(entry).expanduser()), recursive=True))
         matches = [m for m in matches if Path(m).is_file()]
         if not matches:
-            problems.append(Problem("data.files", entry, "existing .txt or .jsonl files or glob patterns, or 'sample'",
-                                    "check the path (relative paths are relative to the working directory)"))
+            problems.append(
+                Problem(
+                    "data.files",
+                    entry,
+                    "existing .txt or .jsonl files or glob patterns, or 'sample'",
+                    "check the path (relative paths are relative to the working directory)",
+                )
+            )
         for m in matches:
             if Path(m).suffix not in (".txt", ".jsonl", ".md"):
                 problems.append(Problem("data.files", m, "files ending in .txt, .md or .jsonl"))
@@ -63,14 +69,22 @@ def read_documents(config: DataConfig) -> list[str]:
                     try:
                         record = json.loads(line)
                     except json.JSONDecodeError as err:
-                        raise ConfigError([Problem("data.files", f"{path}:{lineno}", "one JSON object per line",
-                                                   str(err))]) from None
+                        raise ConfigError(
+                            [Problem("data.files", f"{path}:{lineno}", "one JSON object per line", str(err))]
+                        ) from None
                     text = record.get(config.text_key) if isinstance(record, dict) else None
                     if not isinstance(text, str):
                         keys = sorted(record) if isinstance(record, dict) else "-"
-                        raise ConfigError([Problem("data.text_key", config.text_key,
-                                                   f"a key holding a string in every record of {path}",
-                                                   f"line {lineno} has keys {keys}")])
+                        raise ConfigError(
+                            [
+                                Problem(
+                                    "data.text_key",
+                                    config.text_key,
+                                    f"a key holding a string in every record of {path}",
+                                    f"line {lineno} has keys {keys}",
+                                )
+                            ]
+                        )
                     docs.append(text)
         else:
             docs.append(path.read_text())
@@ -91,8 +105,9 @@ class PackedData:
     _perms: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
 
     @classmethod
-    def build(cls, docs: list[str], tokenizer: Any, config: DataConfig, *, seed: int, rank: int,
-              world_size: int) -> PackedData:
+    def build(
+        cls, docs: list[str], tokenizer: Any, config: DataConfig, *, seed: int, rank: int, world_size: int
+    ) -> PackedData:
         ids: list[int] = []
         eos = int(tokenizer.eos_token_id)
         encoded = tokenizer(docs, add_special_tokens=False, verbose=False)["input_ids"]
@@ -103,14 +118,22 @@ class PackedData:
         stream = torch.tensor(ids[: n_seq * config.seq_len], dtype=torch.long).view(n_seq, config.seq_len)
         n_eval = (config.eval_sequences // world_size) * world_size
         if config.eval_sequences and n_eval == 0:
-            raise ConfigError([Problem("data.eval_sequences", config.eval_sequences,
-                                       f"0 or at least the world size ({world_size})")])
+            raise ConfigError(
+                [Problem("data.eval_sequences", config.eval_sequences, f"0 or at least the world size ({world_size})")]
+            )
         n_train = n_seq - n_eval
         if n_train < 1:
-            raise ConfigError([Problem(
-                "data.seq_len", config.seq_len,
-                f"a length that leaves training sequences ({len(ids)} tokens make {n_seq} sequences, "
-                f"{n_eval} held out)", "use more data, a smaller seq_len or fewer eval_sequences")])
+            raise ConfigError(
+                [
+                    Problem(
+                        "data.seq_len",
+                        config.seq_len,
+                        f"a length that leaves training sequences ({len(ids)} tokens make {n_seq} sequences, "
+                        f"{n_eval} held out)",
+                        "use more data, a smaller seq_len or fewer eval_sequences",
+                    )
+                ]
+            )
         return cls(train=stream[:n_train], held_out=stream[n_train:], seed=seed, rank=rank, world_size=world_size)
 
     @property

@@ -58,9 +58,14 @@ def node_rank_problems(node_rank: int | None, nnodes: int) -> list[Problem]:
     """What is wrong with ``--node-rank`` for ``--nnodes`` (empty: nothing)."""
     if node_rank is None or 0 <= node_rank < nnodes:
         return []
-    fix = ("number the nodes from 0: --node-rank 0 on the node at --rdzv-endpoint, "
-           f"1 .. {nnodes - 1} on the others (or drop --node-rank)") if nnodes > 1 else \
-        "drop --node-rank on one node, or pass --nnodes N (and --rdzv-endpoint, --rdzv-id) on each of N nodes"
+    fix = (
+        (
+            "number the nodes from 0: --node-rank 0 on the node at --rdzv-endpoint, "
+            f"1 .. {nnodes - 1} on the others (or drop --node-rank)"
+        )
+        if nnodes > 1
+        else "drop --node-rank on one node, or pass --nnodes N (and --rdzv-endpoint, --rdzv-id) on each of N nodes"
+    )
     return [Problem("--node-rank", node_rank, f"0 .. {nnodes - 1} (one below --nnodes {nnodes})", fix)]
 
 
@@ -78,12 +83,24 @@ def _env_from_slurm() -> None:
     if "RANK" in env or "SLURM_PROCID" not in env:
         return
     if "MASTER_ADDR" not in env:
-        raise ConfigError([Problem("MASTER_ADDR", None, "the host name of the first node of the job",
-                                   "export MASTER_ADDR=$(scontrol show hostnames $SLURM_JOB_NODELIST | head -n 1) "
-                                   "in the sbatch script (see examples/hsdp_2x8.sbatch)")])
+        raise ConfigError(
+            [
+                Problem(
+                    "MASTER_ADDR",
+                    None,
+                    "the host name of the first node of the job",
+                    "export MASTER_ADDR=$(scontrol show hostnames $SLURM_JOB_NODELIST | head -n 1) "
+                    "in the sbatch script (see examples/hsdp_2x8.sbatch)",
+                )
+            ]
+        )
     tasks, nodes = int(env["SLURM_NTASKS"]), int(env.get("SLURM_NNODES", "1"))
-    env.update(RANK=env["SLURM_PROCID"], WORLD_SIZE=str(tasks), LOCAL_RANK=env.get("SLURM_LOCALID", "0"),
-               LOCAL_WORLD_SIZE=env.get("SLURM_NTASKS_PER_NODE", str(tasks // max(1, nodes))).split("(")[0])
+    env.update(
+        RANK=env["SLURM_PROCID"],
+        WORLD_SIZE=str(tasks),
+        LOCAL_RANK=env.get("SLURM_LOCALID", "0"),
+        LOCAL_WORLD_SIZE=env.get("SLURM_NTASKS_PER_NODE", str(tasks // max(1, nodes))).split("(")[0],
+    )
     env.setdefault("MASTER_PORT", "29500")
 
 
@@ -111,8 +128,12 @@ def run_rank(config_dict: dict[str, Any], verbosity: str, failure_dir: str | Non
         _env_from_slurm()
         rank = int(os.environ.get("RANK", "0"))
         if attempt and rank == 0 and verbosity != "quiet":
-            print(f"fsdp-bridge train: restart {attempt}: resuming from the latest checkpoint in "
-                  f"{config_dict['output_dir']}", file=sys.stderr, flush=True)
+            print(
+                f"fsdp-bridge train: restart {attempt}: resuming from the latest checkpoint in "
+                f"{config_dict['output_dir']}",
+                file=sys.stderr,
+                flush=True,
+            )
         if "OMP_NUM_THREADS" not in os.environ:
             local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
@@ -145,8 +166,10 @@ def stopped_message(output_dir: str) -> str:
         return "fsdp-bridge train: stopped by a signal before a checkpoint was written"
     argv = [a for a in sys.argv[1:] if a != "--resume"]
     command = shlex.join(["fsdp-bridge", *argv, "--resume"])
-    return (f"fsdp-bridge train: stopped by {info['signal']} at step {info['step']} of {info['max_steps']}; "
-            f"checkpoint {info['checkpoint']}. Resume with: {command}")
+    return (
+        f"fsdp-bridge train: stopped by {info['signal']} at step {info['step']} of {info['max_steps']}; "
+        f"checkpoint {info['checkpoint']}. Resume with: {command}"
+    )
 
 
 PROGRESS_ENV = "FSDP_BRIDGE_PROGRESS_DIR"
@@ -195,10 +218,14 @@ def _restarts_note(failure_dir: Path, restarts: int) -> str | None:
         firsts.setdefault(int(f.get("attempt", 0)), f)
     if not firsts:
         return None
-    lines = [f"attempt {a}: rank {f['rank']} failed ({str(f['traceback']).strip().splitlines()[-1]})"
-             for a, f in sorted(firsts.items())]
-    return (f"fsdp-bridge train: restarted {len(firsts)} time(s) of --max-restarts {restarts}, each from the latest "
-            "checkpoint; " + "; ".join(lines))
+    lines = [
+        f"attempt {a}: rank {f['rank']} failed ({str(f['traceback']).strip().splitlines()[-1]})"
+        for a, f in sorted(firsts.items())
+    ]
+    return (
+        f"fsdp-bridge train: restarted {len(firsts)} time(s) of --max-restarts {restarts}, each from the latest "
+        "checkpoint; " + "; ".join(lines)
+    )
 
 
 _WAITED = ("timed out", "timeout", "connection reset", "connection closed", "broken pipe")
@@ -220,12 +247,16 @@ def _silent_ranks(failure_dir: Path, failed: set[int], first_traceback: str, att
     if not silent:
         return None
     now = time.time()
-    seen = "; ".join(f"rank {r} last started step {int(progress[r]['step'])}, {now - progress[r]['time']:.0f} s "
-                     "before the job ended" for r in silent)
+    seen = "; ".join(
+        f"rank {r} last started step {int(progress[r]['step'])}, {now - progress[r]['time']:.0f} s before the job ended"
+        for r in silent
+    )
     waiting = ", ".join(str(r) for r in sorted(failed))
-    return (f"rank {', '.join(map(str, silent))} stopped answering ({seen}); rank {waiting} failed waiting for it "
-            "in a collective. Look at what that rank was doing (a data loader, a deadlock, a slow file system); "
-            "timeout_s sets how long the others wait.")
+    return (
+        f"rank {', '.join(map(str, silent))} stopped answering ({seen}); rank {waiting} failed waiting for it "
+        "in a collective. Look at what that rank was doing (a data loader, a deadlock, a slow file system); "
+        "timeout_s sets how long the others wait."
+    )
 
 
 def _root_cause(failure_dir: Path) -> tuple[int, str, list[int], int] | None:
@@ -259,12 +290,28 @@ def launch(config_dict: dict[str, Any], options: LaunchOptions, *, verbosity: st
     if problems:
         raise ConfigError(problems)
     if options.nnodes > 1 and not options.rdzv_endpoint:
-        raise ConfigError([Problem("--rdzv-endpoint", None, "HOST:PORT of the first node when --nnodes > 1",
-                                   "e.g. --rdzv-endpoint $MASTER_ADDR:29500 (see examples/hsdp_2x8.sbatch)")])
+        raise ConfigError(
+            [
+                Problem(
+                    "--rdzv-endpoint",
+                    None,
+                    "HOST:PORT of the first node when --nnodes > 1",
+                    "e.g. --rdzv-endpoint $MASTER_ADDR:29500 (see examples/hsdp_2x8.sbatch)",
+                )
+            ]
+        )
     run_id = options.rdzv_id or os.environ.get("SLURM_JOB_ID")
     if options.nnodes > 1 and not run_id:
-        raise ConfigError([Problem("--rdzv-id", None, "the same job id on every node when --nnodes > 1",
-                                   "pass --rdzv-id $SLURM_JOB_ID (or any string shared by the nodes)")])
+        raise ConfigError(
+            [
+                Problem(
+                    "--rdzv-id",
+                    None,
+                    "the same job id on every node when --nnodes > 1",
+                    "pass --rdzv-id $SLURM_JOB_ID (or any string shared by the nodes)",
+                )
+            ]
+        )
     if verbosity != "verbose":
         logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)  # its shutdown notices: -v
     # torchrun's default is 1 thread per rank; on CPU share the cores instead.
@@ -310,8 +357,11 @@ def launch(config_dict: dict[str, Any], options: LaunchOptions, *, verbosity: st
             cause = _root_cause(Path(failure_dir))
             if cause is None:  # killed without a Python exception (e.g. a signal)
                 ranks = ", ".join(str(r) for r in sorted(err.failures))
-                print(f"fsdp-bridge train: rank {ranks} failed (exit code {', '.join(map(str, sorted(codes)))}); "
-                      "see the log above", file=sys.stderr)
+                print(
+                    f"fsdp-bridge train: rank {ranks} failed (exit code {', '.join(map(str, sorted(codes)))}); "
+                    "see the log above",
+                    file=sys.stderr,
+                )
                 return 1
             rank, tb, after, attempt = cause
             silent = _silent_ranks(Path(failure_dir), {rank, *after}, tb, attempt)
@@ -320,8 +370,10 @@ def launch(config_dict: dict[str, Any], options: LaunchOptions, *, verbosity: st
                 print(f"fsdp-bridge train: {silent} Rank {rank}'s error: {last}", file=sys.stderr)
                 return 1
             then = f"; rank {', '.join(map(str, after))} failed after it" if after else ""
-            print(f"fsdp-bridge train: rank {rank} failed first{then}. Rank {rank}'s traceback:\n{tb.rstrip()}",
-                  file=sys.stderr)
+            print(
+                f"fsdp-bridge train: rank {rank} failed first{then}. Rank {rank}'s traceback:\n{tb.rstrip()}",
+                file=sys.stderr,
+            )
             return 1
         note = _restarts_note(Path(failure_dir), options.max_restarts) if options.max_restarts else None
         if note is not None:

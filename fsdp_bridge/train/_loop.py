@@ -126,8 +126,16 @@ def build_model(config: TrainConfig, tokenizer: Any, *, device_type: str | None 
         try:
             model = AutoModelForCausalLM.from_pretrained(m.path, attn_implementation=m.attn_implementation)
         except (OSError, ValueError) as err:
-            raise ConfigError([Problem("model.path", m.path, "a Hugging Face model directory (config.json + weights)",
-                                       str(err).splitlines()[0] if str(err) else "")]) from None
+            raise ConfigError(
+                [
+                    Problem(
+                        "model.path",
+                        m.path,
+                        "a Hugging Face model directory (config.json + weights)",
+                        str(err).splitlines()[0] if str(err) else "",
+                    )
+                ]
+            ) from None
     else:
         assert m.config is not None  # checked by TrainConfig
         kwargs = dict(m.config)
@@ -140,12 +148,27 @@ def build_model(config: TrainConfig, tokenizer: Any, *, device_type: str | None 
             hf_config._attn_implementation = m.attn_implementation
             model = AutoModelForCausalLM.from_config(hf_config)
         except (ValueError, KeyError, TypeError) as err:
-            raise ConfigError([Problem("model.config", dict(m.config), "a transformers config for a causal LM",
-                                       str(err).splitlines()[0] if str(err) else "")]) from None
+            raise ConfigError(
+                [
+                    Problem(
+                        "model.config",
+                        dict(m.config),
+                        "a transformers config for a causal LM",
+                        str(err).splitlines()[0] if str(err) else "",
+                    )
+                ]
+            ) from None
         if hf_config.vocab_size < len(tokenizer):
-            raise ConfigError([Problem("model.config.vocab_size", hf_config.vocab_size,
-                                       f">= the tokenizer's vocabulary ({len(tokenizer)})",
-                                       "remove vocab_size to take it from the tokenizer")])
+            raise ConfigError(
+                [
+                    Problem(
+                        "model.config.vocab_size",
+                        hf_config.vocab_size,
+                        f">= the tokenizer's vocabulary ({len(tokenizer)})",
+                        "remove vocab_size to take it from the tokenizer",
+                    )
+                ]
+            )
     if getattr(model.config, "use_cache", False):
         model.config.use_cache = False
     return model.to(dtype)  # type: ignore[arg-type]
@@ -172,9 +195,17 @@ def _resolve_resume(config: TrainConfig, root: Path) -> Path | None:
     existing = ckpt.latest_checkpoint(root)
     if resume is False:
         if existing is not None:
-            raise ConfigError([Problem("resume", False, "auto (or --resume) when output_dir holds checkpoints",
-                                       f"{root} already holds {existing.name}: pass --resume to continue it, or "
-                                       "choose another output_dir")])
+            raise ConfigError(
+                [
+                    Problem(
+                        "resume",
+                        False,
+                        "auto (or --resume) when output_dir holds checkpoints",
+                        f"{root} already holds {existing.name}: pass --resume to continue it, or "
+                        "choose another output_dir",
+                    )
+                ]
+            )
         return None
     if resume is True or resume == "auto":
         return existing
@@ -248,8 +279,9 @@ def _mean_and_stop(loss: torch.Tensor, stop: int, world: int) -> tuple[float, in
     Counts per signal rather than signal numbers, so a sum still names the signal: SIGINT
     (a person at the terminal) wins over SIGTERM.
     """
-    values = torch.tensor([float(loss), float(stop == signal.SIGTERM), float(stop == signal.SIGINT)],
-                          dtype=torch.float64)
+    values = torch.tensor(
+        [float(loss), float(stop == signal.SIGTERM), float(stop == signal.SIGINT)], dtype=torch.float64
+    )
     if world > 1:
         dist.all_reduce(values)
     signum = int(signal.SIGINT) if values[2] > 0 else int(signal.SIGTERM) if values[1] > 0 else 0
@@ -318,8 +350,14 @@ def train(config: TrainConfig, *, verbosity: Verbosity = "normal") -> TrainResul
         last_ckpt = str(resume_from)
 
     global_tokens_per_step = config.tokens_per_step * world
-    progress = Progress(out / METRICS, enabled=rank == 0, verbosity=verbosity, total=config.max_steps,
-                        initial=step, resumed=resume_from is not None)
+    progress = Progress(
+        out / METRICS,
+        enabled=rank == 0,
+        verbosity=verbosity,
+        total=config.max_steps,
+        initial=step,
+        resumed=resume_from is not None,
+    )
     bridge = get_bridge(sharded)
     progress.header(
         f"fsdp-bridge train: {model_name} ({n_params / 1e6:.2f}M parameters){lora_note}, "
@@ -362,10 +400,14 @@ def train(config: TrainConfig, *, verbosity: Verbosity = "normal") -> TrainResul
             final_loss, stopped_by = _mean_and_stop(loss_sum / accum, stops.received, world)
             step_time = time.perf_counter() - t0
             record: dict[str, Any] = {
-                "step": step, "loss": final_loss, "lr": lr,
+                "step": step,
+                "loss": final_loss,
+                "lr": lr,
                 "grad_norm": None if grad_norm is None else float(grad_norm),
-                "tokens": tokens, "tokens_per_s": global_tokens_per_step / step_time,
-                "step_time_s": step_time, "memory_mb": _memory_mb(device),
+                "tokens": tokens,
+                "tokens_per_s": global_tokens_per_step / step_time,
+                "step_time_s": step_time,
+                "memory_mb": _memory_mb(device),
             }
             last = step == config.max_steps
             if config.data.eval_sequences and (last or (config.eval_interval and step % config.eval_interval == 0)):
@@ -376,12 +418,21 @@ def train(config: TrainConfig, *, verbosity: Verbosity = "normal") -> TrainResul
             progress.step(record)
             interval = config.checkpoint.interval
             if (interval and step % interval == 0) or (last and config.checkpoint.at_end) or stopped_by:
-                state = {"step": step, "data_position": position, "tokens": tokens,
-                         "best_eval_loss": None if math.isinf(best_eval) else best_eval}
+                state = {
+                    "step": step,
+                    "data_position": position,
+                    "tokens": tokens,
+                    "best_eval_loss": None if math.isinf(best_eval) else best_eval,
+                }
                 maybe_fail(f"checkpoint:{step}")
-                path = ckpt.save_checkpoint(ckpt_root / f"step_{step:08d}", sharded, optimizer,
-                                            kind=config.checkpoint.kind, state=state,
-                                            keep_last=config.checkpoint.keep_last)
+                path = ckpt.save_checkpoint(
+                    ckpt_root / f"step_{step:08d}",
+                    sharded,
+                    optimizer,
+                    kind=config.checkpoint.kind,
+                    state=state,
+                    keep_last=config.checkpoint.keep_last,
+                )
                 last_ckpt = str(path)
                 progress.note(f"step {step}: checkpoint written to {path}", verbose_only=True)
             if stopped_by and not last:
@@ -394,9 +445,16 @@ def train(config: TrainConfig, *, verbosity: Verbosity = "normal") -> TrainResul
         # Preempted or interrupted: the checkpoint of this step is written; the launcher
         # reads this file to say where the run stopped and how to resume it.
         if rank == 0:
-            (out / STOPPED).write_text(json.dumps({"step": step, "max_steps": config.max_steps,
-                                                   "checkpoint": last_ckpt,
-                                                   "signal": signal.Signals(stopped_by).name}))
+            (out / STOPPED).write_text(
+                json.dumps(
+                    {
+                        "step": step,
+                        "max_steps": config.max_steps,
+                        "checkpoint": last_ckpt,
+                        "signal": signal.Signals(stopped_by).name,
+                    }
+                )
+            )
         dist.barrier()
         raise RunStopped(stopped_by, step, last_ckpt)
 
@@ -405,9 +463,15 @@ def train(config: TrainConfig, *, verbosity: Verbosity = "normal") -> TrainResul
     elif config.checkpoint.export_hf:
         export_hf(sharded, model, tokenizer, out)
     result = TrainResult(
-        steps=step, tokens=tokens, wall_time_s=time.perf_counter() - start, final_loss=final_loss,
-        eval_loss=eval_loss, best_eval_loss=None if math.isinf(best_eval) else best_eval,
-        checkpoint=last_ckpt, output_dir=str(out), resumed_from=str(resume_from) if resume_from else None,
+        steps=step,
+        tokens=tokens,
+        wall_time_s=time.perf_counter() - start,
+        final_loss=final_loss,
+        eval_loss=eval_loss,
+        best_eval_loss=None if math.isinf(best_eval) else best_eval,
+        checkpoint=last_ckpt,
+        output_dir=str(out),
+        resumed_from=str(resume_from) if resume_from else None,
     )
     if rank == 0:
         (out / STOPPED).unlink(missing_ok=True)  # an earlier stop of this run is resumed and done

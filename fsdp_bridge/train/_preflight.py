@@ -23,8 +23,13 @@ _JSONL_LINES_CHECKED = 1000
 """Lines of each JSONL file read on the launcher (every line is read again by the ranks)."""
 
 
-def preflight(config: TrainConfig, *, world_size: int | None = None, local_world_size: int | None = None,
-              device_type: str | None = None) -> list[str]:
+def preflight(
+    config: TrainConfig,
+    *,
+    world_size: int | None = None,
+    local_world_size: int | None = None,
+    device_type: str | None = None,
+) -> list[str]:
     """Raise ConfigError for what would fail once the ranks run; return notes for the user.
 
     Checks the data files exist, the model directory exists, a fresh run does not
@@ -40,12 +45,24 @@ def preflight(config: TrainConfig, *, world_size: int | None = None, local_world
         problems.extend(err.problems)
     for key, value in (("model.path", config.model.path), ("model.tokenizer", config.model.tokenizer)):
         if value is not None and not Path(value).is_dir():
-            problems.append(Problem(key, value, "an existing Hugging Face directory",
-                                    "download or save the model there first (save_pretrained)"))
+            problems.append(
+                Problem(
+                    key,
+                    value,
+                    "an existing Hugging Face directory",
+                    "download or save the model there first (save_pretrained)",
+                )
+            )
     problems.extend(_jsonl_problems(config))
     if isinstance(config.resume, str) and config.resume != "auto" and not Path(config.resume).exists():
-        problems.append(Problem("resume", config.resume, "false, auto, or an existing checkpoint directory",
-                                "pass --resume (auto) to continue from the latest checkpoint in output_dir"))
+        problems.append(
+            Problem(
+                "resume",
+                config.resume,
+                "false, auto, or an existing checkpoint directory",
+                "pass --resume (auto) to continue from the latest checkpoint in output_dir",
+            )
+        )
     if not problems:
         model_problems, model_notes = _model_problems(config, device_type)
         problems.extend(model_problems)
@@ -53,14 +70,25 @@ def preflight(config: TrainConfig, *, world_size: int | None = None, local_world
         model_notes = []
     reason = unwritable_reason(Path(config.output_dir) / "checkpoints")
     if reason is not None:
-        problems.append(Problem("output_dir", config.output_dir, "a directory this user can write",
-                                f"{reason}; pass output_dir=PATH with a writable location"))
+        problems.append(
+            Problem(
+                "output_dir",
+                config.output_dir,
+                "a directory this user can write",
+                f"{reason}; pass output_dir=PATH with a writable location",
+            )
+        )
     root = Path(config.output_dir) / "checkpoints"
     existing = latest_checkpoint(root) if reason is None else None
     if config.resume is False and existing is not None:
-        problems.append(Problem("resume", False, "auto (or --resume) when output_dir holds checkpoints",
-                                f"{root} already holds {existing.name}: pass --resume to continue it, or choose "
-                                "another output_dir"))
+        problems.append(
+            Problem(
+                "resume",
+                False,
+                "auto (or --resume) when output_dir holds checkpoints",
+                f"{root} already holds {existing.name}: pass --resume to continue it, or choose another output_dir",
+            )
+        )
     notes: list[str] = list(model_notes)
     if world_size is not None:
         try:
@@ -95,9 +123,15 @@ def _jsonl_problems(config: TrainConfig) -> list[Problem]:
                     record = json.loads(line)
                     if not isinstance(record, dict) or not isinstance(record.get(key), str):
                         found = sorted(record)[:10] if isinstance(record, dict) else type(record).__name__
-                        return [Problem("data.text_key", key, f"a string field of every record in {path}",
-                                        f"line {number} has no string {key!r} (its keys: {found}); set "
-                                        "data.text_key to the field holding the text")]
+                        return [
+                            Problem(
+                                "data.text_key",
+                                key,
+                                f"a string field of every record in {path}",
+                                f"line {number} has no string {key!r} (its keys: {found}); set "
+                                "data.text_key to the field holding the text",
+                            )
+                        ]
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
             return [Problem("data.files", str(path), "UTF-8 JSON Lines, one object per line", str(err))]
     return []
@@ -123,8 +157,14 @@ def _model_problems(config: TrainConfig, device_type: str | None = None) -> tupl
         if model_type not in CONFIG_MAPPING_NAMES:
             close = difflib.get_close_matches(str(model_type), list(CONFIG_MAPPING_NAMES), n=3)
             fix = f"did you mean {', '.join(map(repr, close))}?" if close else "see transformers' model list"
-            return [Problem("model.config.model_type", model_type, "a transformers model type (llama, gpt2, "
-                            "qwen2, mistral, ...)", fix)], notes
+            return [
+                Problem(
+                    "model.config.model_type",
+                    model_type,
+                    "a transformers model type (llama, gpt2, qwen2, mistral, ...)",
+                    fix,
+                )
+            ], notes
         kwargs.setdefault("vocab_size", m.tokenizer_vocab_size)
         key = "model.config"
         try:
@@ -146,8 +186,14 @@ def _model_problems(config: TrainConfig, device_type: str | None = None) -> tupl
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(hf_config)
     except Exception as err:
-        return [Problem(key, getattr(hf_config, "model_type", "?"), "a causal language model transformers "
-                        "can build with these sizes", _first_line(err))], notes
+        return [
+            Problem(
+                key,
+                getattr(hf_config, "model_type", "?"),
+                "a causal language model transformers can build with these sizes",
+                _first_line(err),
+            )
+        ], notes
     if config.peft is not None:
         try:
             model = apply_lora(model, config.peft)  # target_modules that match nothing are named here
@@ -157,13 +203,19 @@ def _model_problems(config: TrainConfig, device_type: str | None = None) -> tupl
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Embedding) and ("position" in name or name.endswith("wpe")):
             if module.num_embeddings < seq_len:
-                return [Problem("data.seq_len", seq_len, f"at most {module.num_embeddings} (the size of "
-                                f"{name}: learned position embeddings)",
-                                "use a smaller seq_len or a model with more positions")], notes
+                return [
+                    Problem(
+                        "data.seq_len",
+                        seq_len,
+                        f"at most {module.num_embeddings} (the size of {name}: learned position embeddings)",
+                        "use a smaller seq_len or a model with more positions",
+                    )
+                ], notes
     limit = getattr(hf_config, "max_position_embeddings", None)
     if isinstance(limit, int) and limit < seq_len:
-        notes.append(f"data.seq_len {seq_len} exceeds max_position_embeddings {limit}: positions beyond it "
-                     "were never trained")
+        notes.append(
+            f"data.seq_len {seq_len} exceeds max_position_embeddings {limit}: positions beyond it were never trained"
+        )
     ids = torch.zeros(config.micro_batch_size, seq_len, dtype=torch.long, device="meta")
     try:
         with torch.no_grad():
@@ -175,8 +227,14 @@ def _model_problems(config: TrainConfig, device_type: str | None = None) -> tupl
             # checked on the ranks at the first step instead.
             notes.append(f"meta-device forward skipped ({text})")
         else:
-            return [Problem(key, getattr(hf_config, "model_type", "?"), "a model whose forward runs on a "
-                            f"micro-batch of {config.micro_batch_size} x {seq_len} tokens", text)], notes
+            return [
+                Problem(
+                    key,
+                    getattr(hf_config, "model_type", "?"),
+                    f"a model whose forward runs on a micro-batch of {config.micro_batch_size} x {seq_len} tokens",
+                    text,
+                )
+            ], notes
     return [], notes
 
 

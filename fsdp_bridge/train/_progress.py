@@ -21,8 +21,9 @@ __all__ = ["Progress"]
 
 
 class Progress:
-    def __init__(self, metrics_path: Path, *, enabled: bool, verbosity: str, total: int, initial: int,
-                 resumed: bool) -> None:
+    def __init__(
+        self, metrics_path: Path, *, enabled: bool, verbosity: str, total: int, initial: int, resumed: bool
+    ) -> None:
         self.enabled = enabled
         self.verbosity = verbosity
         self.metrics_path = metrics_path
@@ -47,8 +48,9 @@ class Progress:
         if self._bar is None and self.enabled and self.verbosity != "quiet":
             from tqdm import tqdm  # only where a bar is shown
 
-            self._bar = tqdm(**self._bar_args, unit="step", dynamic_ncols=True, file=sys.stderr,
-                             mininterval=0.5, desc="train")
+            self._bar = tqdm(
+                **self._bar_args, unit="step", dynamic_ncols=True, file=sys.stderr, mininterval=0.5, desc="train"
+            )
 
     def _write(self, text: str) -> None:
         if self._bar is not None:

@@ -36,8 +36,9 @@ def _train_builtin(texts: list[str], vocab_size: int) -> Any:
         show_progress=False,
     )
     tok.train_from_iterator(texts, trainer=trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, bos_token=EOS, unk_token=None,
-                                   model_max_length=1 << 30)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token=EOS, bos_token=EOS, unk_token=None, model_max_length=1 << 30
+    )
 
 
 def load_tokenizer(config: TrainConfig, texts: list[str], output_dir: Path) -> Any:
@@ -50,8 +51,16 @@ def load_tokenizer(config: TrainConfig, texts: list[str], output_dir: Path) -> A
             tokenizer = AutoTokenizer.from_pretrained(source)
         except (OSError, ValueError) as err:
             key = "model.tokenizer" if config.model.tokenizer else "model.path"
-            raise ConfigError([Problem(key, source, "a directory with tokenizer files (tokenizer.json, ...)",
-                                       f"{err}".splitlines()[0] if str(err) else "")]) from None
+            raise ConfigError(
+                [
+                    Problem(
+                        key,
+                        source,
+                        "a directory with tokenizer files (tokenizer.json, ...)",
+                        f"{err}".splitlines()[0] if str(err) else "",
+                    )
+                ]
+            ) from None
     else:
         saved = output_dir / "tokenizer"
         rank = dist.get_rank() if dist.is_initialized() else 0
@@ -61,6 +70,14 @@ def load_tokenizer(config: TrainConfig, texts: list[str], output_dir: Path) -> A
             dist.barrier()
         tokenizer = AutoTokenizer.from_pretrained(saved)
     if tokenizer.eos_token_id is None:
-        raise ConfigError([Problem("model.tokenizer", source, "a tokenizer with an EOS token",
-                                   "documents are joined with EOS when packed; set eos_token in its config")])
+        raise ConfigError(
+            [
+                Problem(
+                    "model.tokenizer",
+                    source,
+                    "a tokenizer with an EOS token",
+                    "documents are joined with EOS when packed; set eos_token in its config",
+                )
+            ]
+        )
     return tokenizer
