@@ -11,9 +11,11 @@ bit-identical to what they were.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -165,5 +167,28 @@ def test_a_flipped_byte_in_a_large_tensor_file_is_refused_on_every_rank(tmp_path
         # each rank's shard file is checksummed (by the rank that wrote it)
         assert out["recorded"] == "dcp/__0_0.distcp,dcp/__1_0.distcp", out["recorded"]
         for name, damaged in (("sharded", "dcp/__1_0.distcp"), ("full", "model.safetensors")):
-            assert damaged in out[name] and "CRC-32 differs" in out[name], (rank, name, out[name])
+            assert damaged in out[name] and "CRC32C differs" in out[name], (rank, name, out[name])
         assert out["untouched"] == "True", rank
+
+
+@pytest.mark.parametrize("algorithm", [None, "crc32", "crc32c"])
+def test_content_checksums_of_either_algorithm_are_verified(tmp_path: Path, algorithm: str | None) -> None:
+    """New checkpoints record CRC-32C; one saved before (no ``checksum_algorithm``: zlib's CRC-32)
+    is verified with its own algorithm, and a flipped byte is caught by either."""
+    import zlib
+
+    import google_crc32c
+
+    from fsdp_bridge.checkpoint._formats import Detected, Kind, verify_manifest
+
+    data = bytearray(os.urandom(3 << 20))
+    (tmp_path / "w.bin").write_bytes(data)
+    crc = zlib.crc32(data) if algorithm in (None, "crc32") else google_crc32c.value(bytes(data))
+    meta = {"files": {"w.bin": len(data)}, "checksums": {"w.bin": crc}}
+    if algorithm is not None:
+        meta["checksum_algorithm"] = algorithm
+    verify_manifest(Detected(Kind.SHARDED, tmp_path, meta))  # intact: accepted
+    data[len(data) // 2] ^= 0x01
+    (tmp_path / "w.bin").write_bytes(data)
+    with pytest.raises(CheckpointError, match=f"w.bin: content is damaged \\({(algorithm or 'crc32').upper()} differs"):
+        verify_manifest(Detected(Kind.SHARDED, tmp_path, meta))

@@ -42,6 +42,7 @@ from fsdp_bridge.checkpoint._atomic import (
     write_json_durably,
 )
 from fsdp_bridge.checkpoint._formats import (
+    CHECKSUM,
     DCP_DIR,
     FORMAT,
     FORMAT_VERSION,
@@ -207,7 +208,7 @@ def _describe_and_publish(
 ) -> None:
     """Rank 0, once every rank's files are in ``staging``: state, config, description, publish, rotate.
 
-    ``known_checksums``: CRC-32s the writing ranks already computed (each of its own files, in
+    ``known_checksums``: CRC-32Cs the writing ranks already computed (each of its own files, in
     parallel); rank 0 computes the rest."""
     bridge = _bridge(model)
     write_state(staging, state)
@@ -231,6 +232,7 @@ def _describe_and_publish(
         "files": manifest(staging),
         "digests": digests(staging),
         "checksums": _all_checksums(staging, known_checksums or {}),
+        "checksum_algorithm": CHECKSUM,
     }
     write_json_durably(staging / META_FILE, meta)
     publish(staging, path)
@@ -244,7 +246,7 @@ def _all_checksums(staging: Path, known: dict[str, int]) -> dict[str, int]:
 
 
 def _own_checksums(staging: Path, rank: int) -> dict[str, int]:
-    """CRC-32 of the DCP files this rank wrote (``__<rank>_<i>.distcp``), read back from the page cache."""
+    """CRC-32C of the DCP files this rank wrote (``__<rank>_<i>.distcp``), read back from the page cache."""
     return checksums(staging, (staging / DCP_DIR).glob(f"__{rank}_*.distcp"))
 
 

@@ -34,6 +34,7 @@ from fsdp_bridge.checkpoint._atomic import (
     write_json_durably,
 )
 from fsdp_bridge.checkpoint._formats import (
+    CHECKSUM,
     DCP_DIR,
     FORMAT,
     FORMAT_VERSION,
@@ -341,6 +342,7 @@ def _write_staging(
         "files": manifest(staging),
         "digests": digests(staging),
         "checksums": checksums(staging),
+        "checksum_algorithm": CHECKSUM,
     }
     write_json_durably(staging / META_FILE, meta)
 

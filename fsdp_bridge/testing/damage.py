@@ -12,13 +12,13 @@ import json
 import os
 from pathlib import Path
 
-from fsdp_bridge.checkpoint._formats import crc32_of
+from fsdp_bridge.checkpoint._formats import checksum_of
 
 __all__ = ["redescribe", "zero_file"]
 
 
 def redescribe(checkpoint: str | os.PathLike[str]) -> None:
-    """Record the current size, SHA-256 and CRC-32 of every file the description lists (what an
+    """Record the current size, SHA-256 and checksum (CRC-32C) of every file the description lists (what an
     attacker who rewrites the description would do)."""
     root = Path(checkpoint)
     meta = json.loads((root / "fsdp_bridge.json").read_text())
@@ -28,7 +28,7 @@ def redescribe(checkpoint: str | os.PathLike[str]) -> None:
         if rel in meta.get("digests", {}):
             meta["digests"][rel] = hashlib.sha256(data).hexdigest()
         if rel in meta.get("checksums", {}):
-            meta["checksums"][rel] = crc32_of(root / rel)  # the loader's own checksum
+            meta["checksums"][rel] = checksum_of(root / rel, meta.get("checksum_algorithm", "crc32"))
     (root / "fsdp_bridge.json").write_text(json.dumps(meta, indent=2))
 
 
