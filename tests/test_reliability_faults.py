@@ -49,19 +49,24 @@ def tiny_job(tmp_path: Path, **overrides: object) -> Path:
     return path
 
 
-@pytest.mark.parametrize("point", ["shard", "step:3", "checkpoint:2"])
-def test_failing_rank_stops_the_job(tmp_path: Path, point: str) -> None:
-    env = {**os.environ, ENV: f"1:{point}", "OMP_NUM_THREADS": "1"}
+def _train_with_fault(tmp_path: Path, fault: str, **job: object) -> tuple[subprocess.CompletedProcess[str], float]:
+    """The built-in CLI on the tiny job with ``FSDP_BRIDGE_FAULT=fault``: its result and wall time."""
+    env = {**os.environ, ENV: fault, "OMP_NUM_THREADS": "1"}
     start = time.monotonic()
     out = subprocess.run(
-        [sys.executable, "-m", "fsdp_bridge", "train", str(tiny_job(tmp_path)), "-q"],
+        [sys.executable, "-m", "fsdp_bridge", "train", str(tiny_job(tmp_path, **job)), "-q"],
         capture_output=True,
         text=True,
         env=env,
         timeout=TIMEOUT_S,
         cwd=tmp_path,
     )
-    elapsed = time.monotonic() - start
+    return out, time.monotonic() - start
+
+
+@pytest.mark.parametrize("point", ["shard", "step:3", "checkpoint:2"])
+def test_failing_rank_stops_the_job(tmp_path: Path, point: str) -> None:
+    out, elapsed = _train_with_fault(tmp_path, f"1:{point}")
     assert out.returncode == 1, out.stdout + out.stderr
     assert elapsed < BOUND_S, f"took {elapsed:.0f} s: the other rank waited instead of being stopped"
     assert f"InjectedFault: injected fault on rank 1 at {point}" in out.stderr, out.stderr
@@ -71,17 +76,7 @@ def test_failing_rank_stops_the_job(tmp_path: Path, point: str) -> None:
 def test_hung_rank_is_named_not_the_rank_that_timed_out_waiting(tmp_path: Path) -> None:
     """Rank 1 stops answering in step 2; rank 0's collective times out after timeout_s. The launcher
     names rank 1 (its last step, from the progress each rank records), not rank 0's timeout."""
-    env = {**os.environ, ENV: "1:step:2:hang", "OMP_NUM_THREADS": "1"}
-    start = time.monotonic()
-    out = subprocess.run(
-        [sys.executable, "-m", "fsdp_bridge", "train", str(tiny_job(tmp_path, timeout_s=6)), "-q"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=TIMEOUT_S,
-        cwd=tmp_path,
-    )
-    elapsed = time.monotonic() - start
+    out, elapsed = _train_with_fault(tmp_path, "1:step:2:hang", timeout_s=6)
     assert out.returncode == 1, out.stdout + out.stderr
     assert elapsed < BOUND_S, f"took {elapsed:.0f} s"
     assert "rank 1 stopped answering (rank 1 last started step 2" in out.stderr, out.stderr
