@@ -38,13 +38,22 @@ def _lora_job(data: dict[str, Any]) -> dict[str, Any]:
     return {"rank": dist.get_rank(), "ok": report.ok, "losses": losses, "trainable": trainable}
 
 
-def test_lora_job_gives_equal_losses_on_both_backends(run_on_ranks) -> None:
-    result = run_on_ranks(_lora_job, 2, JOB)[0]
+@pytest.mark.parametrize("world", [2, 4])
+def test_lora_job_gives_equal_losses_on_both_backends(run_on_ranks, world: int) -> None:
+    """2 ranks: FULL_SHARD; 4 ranks: FULL_SHARD and HYBRID_SHARD on a (2, 2) mesh. Every run equals
+    the unsharded PEFT reference with averaged gradients (fp32 tolerance)."""
+    job = dict(JOB)
+    if world == 4:
+        job["compare"] = {**JOB["compare"], "strategies": ["full_shard", "hybrid_shard"]}
+        job["bridge"] = {**JOB["bridge"], "hybrid_shape": [2, 2]}
+    result = run_on_ranks(_lora_job, world, job)[0]
     assert result["trainable"] and all("lora_" in n for n in result["trainable"]), result["trainable"]
     losses = result["losses"]
-    assert set(losses) == {"reference", "fsdp1/full_shard", "fsdp2/full_shard"}, losses
-    torch.testing.assert_close(losses["fsdp1/full_shard"], losses["fsdp2/full_shard"], rtol=1.3e-6, atol=1e-5)
-    torch.testing.assert_close(losses["fsdp2/full_shard"], losses["reference"], rtol=1.3e-6, atol=1e-5)
+    strategies = job["compare"]["strategies"]
+    assert set(losses) == {"reference"} | {f"{b}/{s}" for b in ("fsdp1", "fsdp2") for s in strategies}, losses
+    for s in strategies:
+        torch.testing.assert_close(losses[f"fsdp1/{s}"], losses[f"fsdp2/{s}"], rtol=1.3e-6, atol=1e-5)
+        torch.testing.assert_close(losses[f"fsdp2/{s}"], losses["reference"], rtol=1.3e-6, atol=1e-5)
     assert result["ok"]
 
 

@@ -37,6 +37,12 @@ def test_lora_example_trains_through_the_cli_and_its_adapter_loads_in_peft(tmp_p
         "LlamaForCausalLM (0.14M parameters) + LoRA r=8 (7,168 trainable)" in proc.stderr
         and "2 ranks on cpu" in proc.stderr
     ), proc.stderr[-2000:]
+    # Optimizer state: AdamW's two fp32 moments of rank 0's share of the 7,168 adapter elements, plus a
+    # step scalar per adapter tensor; full fine-tuning would hold the moments of every local element.
+    summary = json.loads((out / "summary.json").read_text())
+    opt_bytes, full_bytes = summary["optimizer_bytes"], summary["full_finetune_optimizer_bytes"]
+    assert 2 * 4 * 7168 / 2 <= opt_bytes < 2 * 4 * 7168 and opt_bytes < full_bytes / 10, summary
+    assert f"optimizer state on rank 0: {opt_bytes / 2**10:,.1f} KiB; full fine-tuning" in proc.stdout, proc.stdout
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in records]
     assert len(losses) == 10 and all(math.isfinite(x) for x in losses), losses

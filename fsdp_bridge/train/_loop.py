@@ -81,6 +81,36 @@ class TrainResult:
     """The last checkpoint written or loaded."""
     output_dir: str
     resumed_from: str | None = None
+    optimizer_bytes: int | None = None
+    """This rank's optimizer state (local shards of every state tensor), rank 0's figure."""
+    full_finetune_optimizer_bytes: int | None = None
+    """The same optimizer's state for every parameter of the model on this rank (what full
+    fine-tuning would hold): compare with ``optimizer_bytes`` for a LoRA run."""
+
+
+def optimizer_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[int, int]:
+    """(bytes of ``optimizer``'s state on this rank, the same for every parameter of ``model``).
+
+    Per-element states (AdamW's two moments) scale with each parameter's local shard; scalar
+    states (``step``) are one per parameter. The second figure applies the per-element bytes of
+    the trained parameters to all of them, frozen ones included."""
+    from fsdp_bridge.estimate import storage_bytes
+
+    def local(t: torch.Tensor) -> torch.Tensor:
+        inner = getattr(t, "_local_tensor", None)
+        return inner if isinstance(inner, torch.Tensor) else t
+
+    per_element = scalars = trained_numel = 0
+    for p, state in optimizer.state.items():
+        tensors = [v for v in state.values() if isinstance(v, torch.Tensor)]
+        per_element += storage_bytes(v for v in tensors if v.dim() > 0)
+        scalars += storage_bytes(v for v in tensors if v.dim() == 0)
+        trained_numel += local(p).numel() if isinstance(p, torch.Tensor) else 0
+    params = list(model.parameters())
+    all_numel = sum(local(p).numel() for p in params)
+    per_param_scalar = scalars // max(1, len(optimizer.state))
+    full = (per_element * all_numel) // max(1, trained_numel) + per_param_scalar * len(params)
+    return per_element + scalars, full
 
 
 def lr_at(config: TrainConfig, step: int) -> float:
@@ -473,6 +503,7 @@ def train(config: TrainConfig, *, verbosity: Verbosity = "normal") -> TrainResul
         output_dir=str(out),
         resumed_from=str(resume_from) if resume_from else None,
     )
+    result.optimizer_bytes, result.full_finetune_optimizer_bytes = optimizer_state_bytes(sharded, optimizer)
     if rank == 0:
         (out / STOPPED).unlink(missing_ok=True)  # an earlier stop of this run is resumed and done
         (out / SUMMARY).write_text(json.dumps(asdict(result), indent=1))

@@ -109,6 +109,12 @@ class Progress:
             f"  metrics: {self.metrics_path}",
         ]
         if lora:
+            if result.optimizer_bytes is not None and result.full_finetune_optimizer_bytes:
+                lines.append(
+                    f"  optimizer state on rank 0: {result.optimizer_bytes / 2**10:,.1f} KiB; full fine-tuning of the "
+                    f"same model: {result.full_finetune_optimizer_bytes / 2**10:,.1f} KiB "
+                    f"({result.optimizer_bytes / result.full_finetune_optimizer_bytes:.1%})"
+                )
             lines.append(f"  adapter: {result.output_dir}/adapter (PeftModel.from_pretrained(base, path))")
             if exported:
                 lines.append(f"  merged model: {result.output_dir}/merged (AutoModelForCausalLM.from_pretrained)")
