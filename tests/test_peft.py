@@ -119,6 +119,14 @@ def _lora_ranks(out_dir: str) -> dict[str, Any]:
                 next_losses.append(loss.item())
             torch.testing.assert_close(next_losses[1], next_losses[0], rtol=1.3e-6, atol=1e-5, msg=name)
             assert state["step"] == STEPS and all(torch.equal(loaded[k], v) for k, v in full.items()), name
+            # The adapter directory loaded into a fresh sharded PEFT model on the other backend: its
+            # adapters become the trained ones, its own base stays.
+            fresh = fsdp_bridge.shard(_lora(family, seed=6), BridgeConfig(backend=other, wrap="auto"))
+            fresh_base = {k: v for k, v in _full(fresh).items() if "lora_" not in k}
+            assert fsdp_bridge.load_checkpoint(Path(out_dir) / f"{family}-{backend.value}-adapter", fresh) == {}
+            after = _full(fresh)
+            assert all(torch.equal(after[k], v) for k, v in full.items() if "lora_" in k), name
+            assert all(torch.equal(after[k], v) for k, v in fresh_base.items()), name
             if rank == 0:
                 with torch.no_grad():
                     reference.eval()
@@ -242,3 +250,18 @@ def _no_adapters(out_dir: str) -> tuple[str, str]:
     except fsdp_bridge.CheckpointError as err:
         return str(err), quantized
     return "no error", quantized
+
+
+def test_an_adapter_that_does_not_fit_is_refused_naming_keys(tmp_path: Path) -> None:
+    """Loading a PEFT adapter directory needs a PEFT model with the same adapters: a plain model
+    and adapters on other modules are refused before anything is copied."""
+    from fsdp_bridge.checkpoint import CheckpointError
+
+    _lora("llama").save_pretrained(tmp_path / "adapter")
+    with pytest.raises(CheckpointError, match="load it into a PEFT model"):
+        fsdp_bridge.load_checkpoint(tmp_path / "adapter", build_tiny("llama", seed=0))
+    other = peft.get_peft_model(build_tiny("llama", seed=0), peft.LoraConfig(r=4, target_modules=["k_proj"]))
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    with pytest.raises(CheckpointError, match=r"q_proj\.lora_A\.weight: no such adapter parameter"):
+        fsdp_bridge.load_checkpoint(tmp_path / "adapter", other)
+    assert all(torch.equal(v, other.state_dict()[k]) for k, v in before.items())

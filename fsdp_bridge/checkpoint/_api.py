@@ -680,7 +680,8 @@ def load_checkpoint(
     """Load a checkpoint of any supported kind into ``model`` (and ``optimizer``); call on every rank.
 
     The kind is detected from what is on disk: an fsdp_bridge sharded or full
-    checkpoint, a plain DCP directory, a Hugging Face directory or a ``torch.save`` file
+    checkpoint, a plain DCP directory, a Hugging Face directory, a ``torch.save`` file, or a
+    PEFT adapter directory (into a PEFT model's adapters; the base is untouched)
     (FSDP1 wrapper prefixes such as ``_fsdp_wrapped_module.`` are removed).  Any backend
     and world size may have saved it.  Names and shapes are checked on every rank before
     anything is loaded; problems raise :class:`CheckpointError` listing every missing and
@@ -705,6 +706,10 @@ def load_checkpoint(
         CheckpointError: on every rank, for a missing, damaged or mismatched checkpoint; the
             model and optimizer are unchanged.
     """
+    if _peft.is_adapter_dir(Path(path)) and not (Path(path) / META_FILE).is_file():
+        # A PEFT adapter directory: its weights go into the model's adapters (no state, no optimizer).
+        _on_every_rank(Path(path), "loading the adapter", lambda: _peft.load_adapter(Path(path), model))
+        return {}
     detected = detect(path)
     if detected.kind in (Kind.SHARDED, Kind.FULL):
         # Each rank reads the contents of its share of the files; a damaged one refuses the load everywhere.

@@ -17,12 +17,12 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_model_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 from fsdp_bridge.checkpoint._atomic import SaveLock
 from fsdp_bridge.checkpoint._formats import CheckpointError
 
-__all__ = ["PEFT_KINDS", "find_peft_model", "save_peft"]
+__all__ = ["PEFT_KINDS", "find_peft_model", "is_adapter_dir", "load_adapter", "save_peft"]
 
 PEFT_KINDS = ("adapter", "merged")
 PeftKind = Literal["adapter", "merged"]
@@ -167,3 +167,49 @@ def _materialize_buffers(fresh: nn.Module, original: nn.Module) -> None:
                 else torch.zeros(buf.shape, dtype=buf.dtype)
             )
             module._buffers[buffer_name] = value
+
+
+def is_adapter_dir(path: Path) -> bool:
+    """A PEFT adapter directory (``save_pretrained`` of a ``PeftModel``, or ``kind="adapter"``)."""
+    return path.is_dir() and all((path / name).is_file() for name in ADAPTER_FILES)
+
+
+def load_adapter(path: Path, model: nn.Module) -> None:
+    """Load a PEFT adapter directory's weights into the adapters of a (sharded) PEFT model; call on
+    every rank. The base weights are not touched. Every adapter tensor must name an adapter
+    parameter of ``model`` with the same shape, checked before anything is copied.
+
+    Raises:
+        CheckpointError: ``model`` has no adapters, or the adapter does not fit them.
+    """
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    peft_model = find_peft_model(model)
+    if peft_model is None:
+        raise CheckpointError(
+            path,
+            "is a PEFT adapter directory; load it into a PEFT model "
+            "(peft.get_peft_model(base, LoraConfig(...)) before fsdp_bridge.shard)",
+        )
+    name = peft_model.active_adapter
+    name = name[0] if isinstance(name, list) else name
+    try:
+        tensors = load_file(str(path / "adapter_model.safetensors"))
+    except (SafetensorError, OSError) as err:
+        raise CheckpointError(path, f"adapter_model.safetensors cannot be read ({err})") from None
+    template: dict[str, Any] = dict(get_model_state_dict(model))  # names (wrapper prefixes removed), global shapes
+    by_saved_name = {k.replace(f".{name}.", "."): k for k in template if f".{name}." in k}
+    unknown = sorted(k for k in tensors if k not in by_saved_name)
+    misfit = sorted(
+        f"{k}: {tuple(v.shape)} in the file, {tuple(template[by_saved_name[k]].shape)} in the model"
+        for k, v in tensors.items()
+        if k in by_saved_name and tuple(v.shape) != tuple(template[by_saved_name[k]].shape)
+    )
+    if unknown or misfit:
+        raise CheckpointError(
+            path,
+            [*(f"{k}: no such adapter parameter in the model (adapter {name!r})" for k in unknown[:10]), *misfit[:10]],
+        )
+    mapped: dict[str, Any] = {by_saved_name[k]: v for k, v in tensors.items()}
+    set_model_state_dict(model, mapped, options=StateDictOptions(full_state_dict=True, strict=False))
