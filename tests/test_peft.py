@@ -109,15 +109,24 @@ def _lora_ranks(out_dir: str) -> dict[str, Any]:
             resumed_opt = torch.optim.AdamW([p for p in resumed.parameters() if p.requires_grad], lr=1e-2)
             state = fsdp_bridge.load_checkpoint(sharded_path, resumed, resumed_opt)
             loaded = _full(resumed)
+            # And on the same backend: the resumed run is the original one, bit for bit.
+            same = fsdp_bridge.shard(
+                _lora(family, seed=7), BridgeConfig(strategy="full_shard", backend=backend, wrap="auto")
+            )
+            same_opt = torch.optim.AdamW([p for p in same.parameters() if p.requires_grad], lr=1e-2)
+            fsdp_bridge.load_checkpoint(sharded_path, same, same_opt)
             batch = sample_batch(family, batch=2, seq=8, seed=(42 + rank) * 1000 + STEPS)
             next_losses = []
-            for m, o in ((sharded, opt), (resumed, resumed_opt)):
+            for m, o in ((sharded, opt), (resumed, resumed_opt), (same, same_opt)):
                 loss = m(**batch).loss
                 loss.backward()
                 o.step()
                 o.zero_grad()
                 next_losses.append(loss.item())
             torch.testing.assert_close(next_losses[1], next_losses[0], rtol=1.3e-6, atol=1e-5, msg=name)
+            assert next_losses[2] == next_losses[0], (name, next_losses)
+            after_same, after_orig = _full(same), _full(sharded)
+            assert all(torch.equal(after_same[k], v) for k, v in after_orig.items()), name
             assert state["step"] == STEPS and all(torch.equal(loaded[k], v) for k, v in full.items()), name
             # The adapter directory loaded into a fresh sharded PEFT model on the other backend: its
             # adapters become the trained ones, its own base stays.
