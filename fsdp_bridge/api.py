@@ -32,7 +32,6 @@ from fsdp_bridge.distributed import (
 from fsdp_bridge.errors import ConfigError, Problem
 from fsdp_bridge.mapping import TranslationReport, show_value, translate, unsupported_problems
 from fsdp_bridge.plan import ShardPlan, resolve_plan
-from fsdp_bridge.strategy import Backend
 from fsdp_bridge.wrap import WrapPlan, in_post_order, one_dtype_per_unit, resolve_ignored, resolve_wrap
 
 __all__ = ["Bridge", "clip_grad_norm_", "get_bridge", "no_sync", "shard", "summon_full_params"]
@@ -303,7 +302,7 @@ def _validate(
     wrap_plan = None
     try:
         wrap_plan = resolve_wrap(model, config.wrap, ignored=ignored)
-        if config.backend is Backend.FSDP1:
+        if get_backend(config.backend).one_dtype_per_unit:
             extra, notes = one_dtype_per_unit(model, wrap_plan.modules, ignored)
             wrap_plan.dtype_units, wrap_plan.notes = extra, [*wrap_plan.notes, *notes]
     except ConfigError as err:

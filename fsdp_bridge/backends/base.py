@@ -19,6 +19,9 @@ class BackendImpl(Protocol):
     """One FSDP implementation.  Only :mod:`fsdp_bridge.backends` chooses between them."""
 
     backend: Backend
+    one_dtype_per_unit: bool
+    """Every unit must hold parameters of one dtype (FSDP1 flattens a unit into one tensor); the
+    bridge then makes the modules owning another dtype units of their own."""
 
     def no_shard_mesh_shape(self, world_size: int) -> tuple[int, ...]:
         """The mesh NO_SHARD runs on: FSDP1 has the strategy natively (1D); FSDP2 replicates on (world, 1)."""

@@ -101,6 +101,7 @@ class _MetaMaterializer:
 
 class FSDP1Backend:
     backend = Backend.FSDP1
+    one_dtype_per_unit = True
 
     def no_shard_mesh_shape(self, world_size: int) -> tuple[int, ...]:
         return (world_size,)

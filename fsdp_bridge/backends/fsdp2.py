@@ -49,6 +49,7 @@ def _top_level_units(units: list[nn.Module]) -> list[nn.Module]:
 
 class FSDP2Backend:
     backend = Backend.FSDP2
+    one_dtype_per_unit = False  # per-parameter sharding: a unit may mix dtypes
 
     def no_shard_mesh_shape(self, world_size: int) -> tuple[int, ...]:
         # Replicate over every rank, shard over groups of one: NO_SHARD's meaning, not ZeRO-2.
