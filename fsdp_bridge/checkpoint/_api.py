@@ -270,7 +270,6 @@ def _fresh_staging(path: Path, rank: int) -> Path:
     if reason is not None:
         raise CheckpointError(path, f"cannot be written: {reason}; save to a directory this user can write")
     if rank == 0:
-        path.parent.mkdir(parents=True, exist_ok=True)
         _HELD[path] = SaveLock(path).acquire()  # refused while another process saves this path
         if staging.exists():  # left by an earlier save that was killed
             shutil.rmtree(staging)

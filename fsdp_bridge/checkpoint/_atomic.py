@@ -36,7 +36,8 @@ def partial_path(path: Path) -> Path:
 
 class SaveLock:
     """An exclusive claim on saving ``path`` (one process: rank 0), released by :meth:`release`
-    or by the operating system when the process dies."""
+    (or at the end of a ``with SaveLock(path):`` block) or by the operating system when the
+    process dies."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -49,6 +50,7 @@ class SaveLock:
             import fcntl
         except ImportError:  # no flock on this platform: saves are not protected against each other
             return self
+        self.file.parent.mkdir(parents=True, exist_ok=True)
         for _ in range(5):
             fd = os.open(self.file, os.O_RDWR | os.O_CREAT, 0o644)
             try:
@@ -77,6 +79,12 @@ class SaveLock:
             self.path,
             f"could not lock {self.file.name}: it was replaced repeatedly; is another job saving this path in a loop?",
         )
+
+    def __enter__(self) -> SaveLock:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
 
     def release(self) -> None:
         """Remove the lock file and release the lock (idempotent)."""

@@ -282,9 +282,7 @@ def _write_converted(
         return dst_path
 
     staging = partial_path(dst_path)
-    dst_path.parent.mkdir(parents=True, exist_ok=True)
-    lock = SaveLock(dst_path).acquire()  # refused while another process writes dst
-    try:
+    with SaveLock(dst_path):  # refused while another process writes dst
         if staging.exists():
             shutil.rmtree(staging)
         staging.mkdir(parents=True)
@@ -294,8 +292,6 @@ def _write_converted(
             shutil.rmtree(staging, ignore_errors=True)  # a failed conversion leaves nothing behind
             raise
         publish(staging, dst_path)
-    finally:
-        lock.release()
     return dst_path
 
 

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
-from fsdp_bridge.checkpoint._atomic import SaveLock
+from fsdp_bridge.checkpoint._atomic import SaveLock, partial_path, publish
 from fsdp_bridge.checkpoint._formats import CheckpointError
 
 __all__ = ["PEFT_KINDS", "find_peft_model", "is_adapter_dir", "load_adapter", "save_peft"]
@@ -76,10 +76,8 @@ def save_peft(
     def write() -> None:  # rank 0, under the path's save lock
         if _rank() != 0:
             return
-        target.parent.mkdir(parents=True, exist_ok=True)
-        lock = SaveLock(target).acquire()
-        try:
-            staging = target.with_name(f".{target.name}.partial")
+        with SaveLock(target):
+            staging = partial_path(target)
             shutil.rmtree(staging, ignore_errors=True)
             staging.mkdir(parents=True)
             tensors = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
@@ -87,14 +85,7 @@ def save_peft(
                 _write_adapter(peft_model, tensors, staging)
             else:
                 _write_merged(peft_model, tensors, staging, max_shard_size=max_shard_size)
-            old = target.with_name(f".{target.name}.old")
-            if target.exists():
-                shutil.rmtree(old, ignore_errors=True)
-                target.rename(old)
-            staging.rename(target)
-            shutil.rmtree(old, ignore_errors=True)
-        finally:
-            lock.release()
+            publish(staging, target)  # the previous export moved aside, deleted once this one is in place
 
     from fsdp_bridge.checkpoint._api import _on_every_rank
 
