@@ -1,68 +1,114 @@
-"""Peak host memory per rank: pretrained weights into a sharded model, naive vs meta-device.
+"""Peak host memory and time per rank: pretrained weights into a sharded model, and back out.
 
     python benchmarks/pretrained_memory.py --world-size 2 --hidden 768 --layers 6
 
-naive: every rank runs ``AutoModelForCausalLM.from_pretrained`` (a whole model per
-rank) and then ``fsdp_bridge.shard``.  meta: ``fsdp_bridge.load_pretrained`` builds
-the model on the meta device, shards it, and rank 0 alone reads the safetensors and
-broadcasts; the other ranks only ever hold their shards.
+Methods, each in fresh processes on ``--world-size`` gloo CPU ranks (FSDP2 unless ``--backend``):
 
-Each method runs in fresh processes.  After the imports the kernel's peak-RSS mark is
-reset (``/proc/self/clear_refs``); the figure is that peak (``VmHWM``) minus the resident
-size after imports, per rank.  (``ru_maxrss`` is not used: a spawned child inherits
-its parent's peak from before ``exec``.)  Linux only.
+- ``naive``: every rank runs ``AutoModelForCausalLM.from_pretrained`` (a whole model per rank),
+  then ``fsdp_bridge.shard``;
+- ``load_pretrained``: ``fsdp_bridge.load_pretrained`` builds the model on the meta device,
+  shards it, and each rank reads only the slices of the safetensors files its shards hold;
+
+and ``from_pretrained`` on one process (the wall-time target) for reference.  Then, from the
+sharded model, a Hugging Face export two ways:
+
+- ``gather (torch)``: torch's full state dict (``get_model_state_dict`` with
+  ``full_state_dict=True, cpu_offload=True``: the whole model gathered on rank 0; FSDP1 on CPU
+  without ``cpu_offload``, which crashes there, so on every rank), written by rank 0;
+- ``save_checkpoint(kind="full")``: each rank writes its slices and rank 0 assembles the files one
+  tensor at a time.
+
+Memory: the process's anonymous resident memory (``RssAnon``: what it owns; file pages the
+safetensors memory maps bring in are shared page cache, reclaimable, and not counted), sampled
+every millisecond during the load, peak minus the value before it, per rank; the target is
+(model/N + the largest wrap unit) x 1.1 (for the exports: the peak above the memory before the
+load, so the shards count).  The kernel's ``VmHWM`` peak (which also counts mapped file pages) is
+printed beside it for the loads.  Linux only.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import tempfile
+import threading
+import time
 from pathlib import Path
 
-import psutil
 
-
-def _rss_mib() -> float:
-    return psutil.Process().memory_info().rss / 2**20
-
-
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset the peak resident set size (VmHWM) to the current one
-
-
-def _peak_mib() -> float:
+def _status(field: str) -> float:
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024  # kB
-    raise RuntimeError("no VmHWM in /proc/self/status")
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024  # kB -> MiB
+    raise RuntimeError(f"no {field} in /proc/self/status")
 
 
-def _run(method: str, path: str, chunk_numel: int | None) -> dict[str, float]:
+class _AnonPeak:
+    """Peak RssAnon (MiB) while the block runs, sampled by a thread."""
+
+    def __enter__(self) -> _AnonPeak:
+        self.base = self.peak = _status("RssAnon")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.001):
+            self.peak = max(self.peak, _status("RssAnon"))
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, _status("RssAnon"))
+
+
+def _run(method: str, path: str, backend: str) -> dict[str, float]:
     import torch  # noqa: F401  (imports count towards the baseline, not the load)
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     import fsdp_bridge
-    import fsdp_bridge.checkpoint._api as ckpt_api
 
-    hf_logging.disable_progress_bar()  # "Loading weights" bars would interleave with the figures
-
-    if chunk_numel:  # rank 0 reads and broadcasts this many elements per round
-        ckpt_api._CHUNK_NUMEL = chunk_numel
-    config = fsdp_bridge.BridgeConfig(backend="fsdp2", wrap="auto", device="cpu")
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    config = fsdp_bridge.BridgeConfig(backend=backend, wrap="auto", device="cpu")
     hf_config = AutoConfig.from_pretrained(path)
-    _reset_peak()
-    base = _rss_mib()
-    if method == "naive":
-        model = AutoModelForCausalLM.from_pretrained(path)
-        model = fsdp_bridge.shard(model, config)
-    else:
-        model = fsdp_bridge.load_pretrained(lambda: AutoModelForCausalLM.from_config(hf_config), path, config)
-    local = fsdp_bridge.get_bridge(model).local_numel()
-    return {"base": base, "peak": _peak_mib(), "local_params": local}
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset VmHWM to the current resident size
+    hwm_base = _status("VmRSS")
+    start = time.perf_counter()
+    with _AnonPeak() as anon:
+        if method == "from_pretrained":
+            model = AutoModelForCausalLM.from_pretrained(path)
+        elif method == "naive":
+            model = fsdp_bridge.shard(AutoModelForCausalLM.from_pretrained(path), config)
+        else:
+            model = fsdp_bridge.load_pretrained(lambda: AutoModelForCausalLM.from_config(hf_config), path, config)
+    seconds = time.perf_counter() - start
+    if not method.startswith("export"):
+        return {"anon": anon.peak - anon.base, "hwm": _status("VmHWM") - hwm_base, "seconds": seconds}
+    out = Path(path).parent / method
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # what the load freed goes back to the OS, not into this figure
+    dist.barrier()
+    start = time.perf_counter()
+    with _AnonPeak() as export:
+        if method == "export_gather":
+            # cpu_offload (gather on rank 0 only) crashes FSDP1 on CPU in torch 2.13: every rank gathers.
+            offload = backend == "fsdp2"
+            full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=offload))
+            if dist.get_rank() == 0:
+                AutoModelForCausalLM.from_config(hf_config).save_pretrained(out, state_dict=full)
+            del full
+        else:
+            fsdp_bridge.save_checkpoint(out, model, kind="full")
+        dist.barrier()
+    # The peak above the memory before the load: the shards count.
+    return {"anon": export.peak - anon.base, "seconds": time.perf_counter() - start}
 
 
 def main() -> None:
@@ -71,12 +117,8 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=768)
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--vocab", type=int, default=32000)
-    parser.add_argument(
-        "--chunk-numel",
-        type=int,
-        default=None,
-        help="elements per broadcast round of the meta path (default: the library's, 256Mi)",
-    )
+    parser.add_argument("--backend", choices=("fsdp1", "fsdp2"), default="fsdp2")
+    parser.add_argument("--max-shard-size", default="5GB", help="save_pretrained's file size (indexed above it)")
     args = parser.parse_args()
     os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
 
@@ -94,19 +136,40 @@ def main() -> None:
             tie_word_embeddings=False,
         )
         model = AutoModelForCausalLM.from_config(cfg)
-        n = sum(p.numel() for p in model.parameters())
-        model.save_pretrained(tmp)
+        total = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+        layer = sum(p.numel() * p.element_size() for p in model.model.layers[0].parameters()) / 2**20
+        unit = max(layer, total - args.layers * layer)  # a decoder layer, or the root's own parameters
+        model_dir = str(Path(tmp) / "model")
+        model.save_pretrained(model_dir, max_shard_size=args.max_shard_size)
         del model
-        size = sum(f.stat().st_size for f in Path(tmp).glob("*.safetensors")) / 2**20
+        files = list(Path(model_dir).glob("*.safetensors"))
+        n = args.world_size
+        target = (total / n + unit) * 1.1
         print(
-            f"Llama {args.layers}x{args.hidden}, vocab {args.vocab}: {n / 1e6:.1f}M parameters, "
-            f"{size:.0f} MiB fp32 safetensors; world size {args.world_size}"
+            f"Llama {args.layers}x{args.hidden}, vocab {args.vocab}: {total:.0f} MiB of fp32 parameters in "
+            f"{len(files)} safetensors file(s); largest wrap unit {unit:.0f} MiB; {args.backend}, world size {n}; "
+            f"target (model/N + unit) x 1.1 = {target:.0f} MiB"
         )
-        print(f"{'method':<8} {'rank':>4} {'after imports MiB':>18} {'peak MiB':>9} {'peak - imports MiB':>19}")
-        for method in ("naive", "meta"):
-            results = run_distributed(_run, args.world_size, args=(method, tmp, args.chunk_numel), timeout_s=900)
+        print(f"{'method':<16} {'rank':>4} {'RssAnon peak MiB':>17} {'/ target':>9} {'VmHWM MiB':>10} {'seconds':>8}")
+        reference = run_distributed(_run, 1, args=("from_pretrained", model_dir, args.backend), timeout_s=900)[0]
+        print(
+            f"{'from_pretrained':<16} {'(1)':>4} {reference['anon']:>17.0f} {'':>9} "
+            f"{reference['hwm']:>10.0f} {reference['seconds']:>8.2f}"
+        )
+        for method in ("naive", "load_pretrained"):
+            results = run_distributed(_run, n, args=(method, model_dir, args.backend), timeout_s=900)
             for rank, r in enumerate(results):
-                print(f"{method:<8} {rank:>4} {r['base']:>18.0f} {r['peak']:>9.0f} {r['peak'] - r['base']:>19.0f}")
+                print(
+                    f"{method:<16} {rank:>4} {r['anon']:>17.0f} {r['anon'] / target:>9.2f} "
+                    f"{r['hwm']:>10.0f} {r['seconds']:>8.2f}"
+                )
+            slowest = max(r["seconds"] for r in results)
+            print(f"{'':<16} time / one-process from_pretrained: {slowest / reference['seconds']:.2f}")
+        print(f"\n{'export':<24} {'rank':>4} {'RssAnon peak MiB':>17} {'/ target':>9} {'seconds':>8}")
+        for method, label in (("export_gather", "gather (torch)"), ("export_save", 'save_checkpoint("full")')):
+            results = run_distributed(_run, n, args=(method, model_dir, args.backend), timeout_s=900)
+            for rank, r in enumerate(results):
+                print(f"{label:<24} {rank:>4} {r['anon']:>17.0f} {r['anon'] / target:>9.2f} {r['seconds']:>8.2f}")
 
 
 if __name__ == "__main__":

@@ -111,22 +111,52 @@ def _load_only(root: str, refs: dict[str, Any]) -> list[str]:
     return _load_each(root, refs, BACKENDS)
 
 
+def _pretrained_in_and_out(root: str) -> list[str]:
+    """A Hugging Face directory (several files) into each backend with the layouts whose shards
+    differ (replicated, hybrid 2 x 2, offloaded), each rank reading only its slices; then
+    ``kind="full"``, assembled from every rank's slices, must hold the same tensors bit for bit."""
+    from transformers import AutoModelForCausalLM
+
+    from fsdp_bridge.checkpoint._hf import read_hf_weights
+
+    source = Path(root) / "pretrained"
+    plain = build_tiny("llama", seed=11)
+    if dist.get_rank() == 0:
+        plain.save_pretrained(source, max_shard_size="30KB")
+    dist.barrier()
+    want = read_hf_weights(source)
+    wrong = []
+    for backend in BACKENDS:
+        for strategy, offload in (("no_shard", False), ("hybrid_shard", True), ("full_shard", True)):
+            config = fsdp_bridge.BridgeConfig(backend=backend, strategy=strategy, cpu_offload=offload, device="cpu")
+            model = fsdp_bridge.load_pretrained(lambda: AutoModelForCausalLM.from_config(plain.config), source, config)
+            out = Path(root) / f"export_{backend}_{strategy}_{offload}"
+            fsdp_bridge.save_checkpoint(out, model, kind="full", max_shard_size="30KB")
+            got = read_hf_weights(out)
+            if set(got) != set(want) or not all(torch.equal(got[k], want[k]) for k in want):
+                wrong.append(out.name)
+    return wrong
+
+
 def _save_and_load(root: str, backends: tuple[str, ...], refs: dict[str, Any]) -> dict[str, Any]:
     own = _save_each(root, backends)
-    return {"refs": own, "checked": _load_each(root, {**refs, **own}, BACKENDS)}
+    checked = _load_each(root, {**refs, **own}, BACKENDS)
+    return {"refs": own, "checked": checked, "pretrained_wrong": _pretrained_in_and_out(root)}
 
 
 def test_round_trip_and_cross_backend_matrix(tmp_path: Path) -> None:
     """Both kinds, both backends: bit-identical after save/load, also across backend and world size.
 
     Saves at world 2 (both backends) and world 4 (FSDP1); loads at world 2, 4 and 1 into both
-    backends (the full 1/2/4 x 1/2/4 matrix is test_cross_world_matrix_full, marked slow).
+    backends (the full 1/2/4 x 1/2/4 matrix is test_cross_world_matrix_full, marked slow).  At
+    world 4 also: pretrained weights in and a full export out, bit for bit, across layouts.
     """
     root = str(tmp_path)
     out2 = run_distributed(_save_and_roundtrip, 2, args=(root, BACKENDS), timeout_s=600)[0]
     assert len(out2["checked"]) == 2 * 2 * 2  # round trip + FSDP1 <-> FSDP2 at world 2, both kinds
     out4 = run_distributed(_save_and_load, 4, args=(root, ("fsdp1",), out2["refs"]), timeout_s=600)[0]
     checked = out4["checked"]
+    assert out4["pretrained_wrong"] == []
     checked += run_distributed(_load_only, 2, args=(root, out4["refs"]), timeout_s=600)[0]
     checked += run_distributed(_load_only, 1, args=(root, {**out2["refs"], **out4["refs"]}), timeout_s=600)[0]
     for case in (

@@ -67,7 +67,9 @@ def _save_fails_on_one_rank(root: str) -> dict[str, object]:
 
     model = fsdp_bridge.shard(build_tiny("llama", seed=0), fsdp_bridge.BridgeConfig(backend="fsdp2"))
     out: dict[str, object] = {}
-    real_rng, real_hf = api.write_rng, api._hf.write_hf_weights
+    from torch.distributed.checkpoint import _consolidate_hf_safetensors as assembly
+
+    real_rng, real_assemble = api.write_rng, assembly._consolidate_safetensors_files
 
     def full_disk(*args: object, **kwargs: object) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -80,13 +82,14 @@ def _save_fails_on_one_rank(root: str) -> dict[str, object]:
     except fsdp_bridge.CheckpointError as err:
         out["sharded"] = str(err)
     api.write_rng = real_rng  # type: ignore[assignment]
-    # ... and rank 0's while it writes the full weights.
-    api._hf.write_hf_weights = full_disk  # type: ignore[assignment]
+    # ... and rank 0's while it assembles the full weights from every rank's slices.
+    if dist.get_rank() == 0:
+        assembly._consolidate_safetensors_files = full_disk  # type: ignore[assignment]
     try:
         fsdp_bridge.save_checkpoint(Path(root) / "b", model, kind="full")
     except fsdp_bridge.CheckpointError as err:
         out["full"] = str(err)
-    api._hf.write_hf_weights = real_hf  # type: ignore[assignment]
+    assembly._consolidate_safetensors_files = real_assemble
     out["seconds"] = time.monotonic() - start
     fsdp_bridge.save_checkpoint(Path(root) / "c", model)  # the group is still usable
     return out
@@ -95,6 +98,6 @@ def _save_fails_on_one_rank(root: str) -> dict[str, object]:
 def test_a_save_failing_on_one_rank_fails_every_rank_promptly(tmp_path: Path) -> None:
     for r in run_distributed(_save_fails_on_one_rank, 2, args=(str(tmp_path),), timeout_s=180):
         assert "rank 1: writing the RNG state failed: OSError: [Errno 28] No space left on device" in r["sharded"]
-        assert "rank 0: writing the full state (rank 0) failed: OSError: [Errno 28]" in r["full"]
+        assert "rank 0: assembling the full state's files failed: OSError: [Errno 28] No space" in r["full"]
         assert r["seconds"] < 60  # not the process-group timeout (600 s)
     assert fsdp_bridge.latest_checkpoint(tmp_path) == tmp_path / "c"

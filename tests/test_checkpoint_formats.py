@@ -58,28 +58,30 @@ def _export_and_pretrained(root: str) -> dict[str, Any]:
         )
         out[f"{family}_{backend}"] = _logits(model)
 
-    # load_pretrained: a plain Hugging Face directory into a model built on the meta device,
-    # broadcast in several rounds as for a large model.
+    # load_pretrained: a plain Hugging Face directory (one file for GPT-2, tied; an index and
+    # several files for Llama) into a model built on the meta device, each rank reading its
+    # slices; and a torch.save file, which rank 0 reads and broadcasts in rounds.
     import fsdp_bridge.checkpoint._api as ckpt_api
 
     ckpt_api._CHUNK_NUMEL = 4000
     for family in ("gpt2", "llama"):
         plain = build_tiny(family, seed=11)
         if dist.get_rank() == 0:
-            plain.save_pretrained(Path(root) / f"pre_{family}")
+            plain.save_pretrained(Path(root) / f"pre_{family}", max_shard_size="20KB" if family == "llama" else "5GB")
+            torch.save(plain.state_dict(), Path(root) / f"pre_{family}.pt")
         dist.barrier()
+        assert (Path(root) / "pre_llama" / "model.safetensors.index.json").is_file() or family == "gpt2"
         want = _logits(plain)
         for backend in ("fsdp1", "fsdp2"):
             from transformers import AutoModelForCausalLM
 
-            sharded = fsdp_bridge.load_pretrained(
-                lambda c=plain.config: AutoModelForCausalLM.from_config(c),
-                Path(root) / f"pre_{family}",
-                _config(backend),
-            )
-            np.testing.assert_array_equal(_logits(sharded), want)
-            local = fsdp_bridge.get_bridge(sharded).local_numel()
-            assert local < sum(p.numel() for p in plain.parameters())
+            for source in (f"pre_{family}", f"pre_{family}.pt"):
+                sharded = fsdp_bridge.load_pretrained(
+                    lambda c=plain.config: AutoModelForCausalLM.from_config(c), Path(root) / source, _config(backend)
+                )
+                np.testing.assert_array_equal(_logits(sharded), want)
+                local = fsdp_bridge.get_bridge(sharded).local_numel()
+                assert local < sum(p.numel() for p in plain.parameters())
     return out
 
 
@@ -386,6 +388,33 @@ def test_bad_checkpoints_are_refused_with_the_file_and_problem(tmp_path: Path) -
     assert "__0_0.distcp: size" in e["truncated"] and "(truncated or overwritten)" in e["truncated"]
     assert "model.safetensors: size" in e["truncated_full"]
     assert e["kept"] == "step_20,step_30" and e["latest"] == "step_30"
+
+
+def test_pretrained_fits_and_sliced_loading_in_one_process(tmp_path: Path) -> None:
+    """pretrained_fits (which train uses to pick the sliced load) reads headers only: exact names
+    and shapes, a tied name stored once; anything else falls back to from_pretrained."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    for family in ("gpt2", "llama"):
+        plain = build_tiny(family, seed=3)
+        plain.save_pretrained(tmp_path / family)
+        with init_empty_weights(include_buffers=False):
+            meta = AutoModelForCausalLM.from_config(plain.config)
+        meta.tie_weights()
+        assert fsdp_bridge.checkpoint.pretrained_fits(tmp_path / family, meta)
+        # Without a process group each "rank" reads everything: the plain load of a directory.
+        fresh = build_tiny(family, seed=4)
+        assert fsdp_bridge.load_checkpoint(tmp_path / family, fresh) == {}
+        for (name, a), b in zip(plain.state_dict().items(), fresh.state_dict().values(), strict=True):
+            assert torch.equal(a, b), name
+    plain.model.save_pretrained(tmp_path / "base")  # a LlamaModel: names without "model."
+    torch.save(plain.state_dict(), tmp_path / "sd.pt")
+    for path in (tmp_path / "base", tmp_path / "sd.pt", tmp_path / "missing"):
+        assert not fsdp_bridge.checkpoint.pretrained_fits(path, meta), path
+    with init_empty_weights(include_buffers=False):
+        wider = AutoModelForCausalLM.from_config(build_tiny("llama", intermediate_size=48).config)
+    assert not fsdp_bridge.checkpoint.pretrained_fits(tmp_path / "llama", wider)
 
 
 def test_offline_errors_and_metadata_safety(tmp_path: Path) -> None:

@@ -146,8 +146,26 @@ def _resume_and_finetune(root: str) -> dict[str, Any]:
             "bridge.device=cpu",
         ],
     )
-    ft = train(config, verbosity="quiet")
-    results["gpt2"] = {"steps": ft.steps, "eval_loss": ft.eval_loss}
+    # The model is built on the meta device and each rank reads its slices of the weights; the
+    # same run with the whole model from from_pretrained on every rank is identical.
+    from fsdp_bridge import checkpoint
+
+    sliced: list[bool] = []
+    load_pretrained = checkpoint.load_pretrained
+    checkpoint.load_pretrained = lambda *args, **kwargs: sliced.append(True) or load_pretrained(*args, **kwargs)
+    try:
+        ft = train(config, verbosity="quiet")
+    finally:
+        checkpoint.load_pretrained = load_pretrained
+    results["gpt2"] = {"steps": ft.steps, "eval_loss": ft.eval_loss, "sliced": sliced == [True]}
+    fits, checkpoint.pretrained_fits = checkpoint.pretrained_fits, lambda *args: False
+    try:
+        import dataclasses
+
+        whole = train(dataclasses.replace(config, output_dir=str(base / "gpt2-run-whole")), verbosity="quiet")
+    finally:
+        checkpoint.pretrained_fits = fits
+    results["gpt2"]["same_as_from_pretrained"] = (whole.final_loss, whole.eval_loss) == (ft.final_loss, ft.eval_loss)
     return results
 
 
@@ -165,6 +183,9 @@ def test_interrupted_and_resumed_matches_uninterrupted_step_for_step(tmp_path: P
         assert results[0][backend]["resumed_from"].endswith("step_00000004")
         assert results[0][backend]["whole"] == results[0][backend]["resumed"]
     assert results[0]["gpt2"]["steps"] == 3 and results[0]["gpt2"]["eval_loss"] is not None
+    assert results[0]["gpt2"]["same_as_from_pretrained"] and results[0]["gpt2"]["sliced"]
+    losses = [[r["loss"] for r in _metrics(tmp_path / name)] for name in ("gpt2-run", "gpt2-run-whole")]
+    assert losses[0] == losses[1] and len(losses[0]) == 3
     from transformers import AutoModelForCausalLM
 
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "gpt2-run")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, cast
 
 import torch
@@ -42,3 +43,13 @@ def broadcast_from_rank0(model: nn.Module, full_state: dict[str, torch.Tensor] |
             tmp = buf.data.to(device)
             dist.broadcast(tmp, src=0)
             buf.data.copy_(tmp)
+
+
+def buffer_shapes(model: nn.Module, clean: Callable[[str], str]) -> dict[str, tuple[int, ...]]:
+    """Clean name -> shape of the persistent buffers (those a state dict holds); never sharded."""
+    shapes = {}
+    for prefix, module in model.named_modules():
+        for name, buf in module._buffers.items():
+            if buf is not None and name not in module._non_persistent_buffers_set:
+                shapes[clean(f"{prefix}.{name}" if prefix else name)] = tuple(buf.shape)
+    return shapes

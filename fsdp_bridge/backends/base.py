@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Protocol
 
@@ -57,4 +57,16 @@ class BackendImpl(Protocol):
 
     def local_tensors(self, model: nn.Module) -> list[torch.Tensor]:
         """The parameter data this rank holds: its shards (no padding), one tensor per parameter."""
+        ...
+
+    def global_shapes(self, model: nn.Module) -> dict[str, tuple[int, ...]]:
+        """Clean name -> full shape of every entry of the model's state dict (tied names each),
+        without building one (FSDP1's sharded state dict gathers every unit)."""
+        ...
+
+    def load_local(self, model: nn.Module, read_rows: Callable[[str, int, int], torch.Tensor]) -> set[str] | None:
+        """Copy into this rank's shards the part of each parameter it holds, reading rows
+        ``[start, stop)`` (along dim 0; a 0-dim parameter: ``(name, 0, 1)``) of the parameter
+        named ``name`` (its clean name) with ``read_rows``; no communication.  Returns the
+        names filled, or None when the backend leaves this to DCP (sharded state dicts)."""
         ...

@@ -24,7 +24,7 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.fsdp.wrap import CustomPolicy
 
-from fsdp_bridge.backends._common import broadcast_from_rank0, rank0_full_state
+from fsdp_bridge.backends._common import broadcast_from_rank0, buffer_shapes, rank0_full_state
 from fsdp_bridge.plan import ShardPlan, SyncMethod
 from fsdp_bridge.strategy import Backend, BackwardPrefetch, ShardingStrategy
 
@@ -217,3 +217,56 @@ class FSDP1Backend:
         # With use_orig_params=True each original parameter is a view of this rank's
         # part of the flat shard (empty when it lies on another rank).
         return [p.detach() for p in model.parameters()]
+
+    def global_shapes(self, model: nn.Module) -> dict[str, tuple[int, ...]]:
+        from fsdp_bridge.checkpoint._formats import strip_wrapper_prefixes
+
+        # The original parameters are views of flat shards; their full shapes live in the flat
+        # parameters, and a tied parameter's other names in its shared-parameter records.
+        names = {id(m): n for n, m in model.named_modules()}
+        shapes: dict[str, tuple[int, ...]] = {}
+        for unit in FullyShardedDataParallel.fsdp_modules(model):
+            if unit._handle is None:
+                continue
+            flat = unit._handle.flat_param
+            prefix = names[id(unit)]
+
+            def full(relative: str, prefix: str = prefix) -> str:
+                return strip_wrapper_prefixes(f"{prefix}.{relative}" if prefix else relative)
+
+            for fqn, shape in zip(flat._fqns, flat._shapes, strict=True):
+                shapes[full(fqn)] = tuple(shape)
+            for shared in flat._shared_param_infos:
+                source = f"{shared.prim_module_name}.{shared.prim_param_name}".lstrip(".")
+                shapes[full(f"{shared.module_name}.{shared.param_name}".lstrip("."))] = shapes[full(source)]
+        return {**shapes, **buffer_shapes(model, strip_wrapper_prefixes)}
+
+    def load_local(self, model: nn.Module, read_rows: Callable[[str, int, int], torch.Tensor]) -> set[str] | None:
+        # A unit's flat parameter is its parameters flattened and concatenated; this rank holds
+        # one contiguous range of it.  FlatParameter._shard_param_infos says, per parameter, which
+        # elements of the (flattened) parameter lie in that range and where: read the rows that
+        # cover them and copy.  FSDP1's sharded state dict would gather each unit instead.
+        from fsdp_bridge.checkpoint._formats import strip_wrapper_prefixes
+
+        names = {id(m): n for n, m in model.named_modules()}
+        filled: set[str] = set()
+        with torch.no_grad():
+            for unit in FullyShardedDataParallel.fsdp_modules(model):
+                handle = unit._handle
+                if handle is None:
+                    continue
+                flat = handle.flat_param
+                prefix = names[id(unit)]
+                for info, fqn, shape in zip(flat._shard_param_infos, flat._fqns, flat._shapes, strict=True):
+                    name = strip_wrapper_prefixes(f"{prefix}.{fqn}" if prefix else fqn)
+                    filled.add(name)
+                    first, last = info.intra_param_start_idx, info.intra_param_end_idx  # inclusive
+                    offset = info.offset_in_shard
+                    if not info.in_shard or first is None or last is None or offset is None:
+                        continue
+                    row = math.prod(shape[1:]) if len(shape) else 1
+                    start = first // row
+                    rows = read_rows(name, start, last // row + 1).reshape(-1)
+                    piece = rows[first - start * row : last - start * row + 1]
+                    flat.data[offset : offset + piece.numel()].copy_(piece)
+        return filled

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 
 import torch
@@ -20,7 +20,7 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from fsdp_bridge.backends._common import broadcast_from_rank0, rank0_full_state
+from fsdp_bridge.backends._common import broadcast_from_rank0, buffer_shapes, rank0_full_state
 from fsdp_bridge.plan import ShardPlan, SyncMethod
 from fsdp_bridge.strategy import Backend
 
@@ -147,6 +147,13 @@ class FSDP2Backend:
 
     def local_tensors(self, model: nn.Module) -> list[torch.Tensor]:
         return [p.to_local() if isinstance(p, DTensor) else p.detach() for p in model.parameters()]
+
+    def global_shapes(self, model: nn.Module) -> dict[str, tuple[int, ...]]:
+        shapes = {n: tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=False)}  # DTensor: full
+        return {**shapes, **buffer_shapes(model, lambda name: name)}
+
+    def load_local(self, model: nn.Module, read_rows: Callable[[str, int, int], torch.Tensor]) -> set[str] | None:
+        return None  # DTensor state dicts: DCP's Hugging Face reader reads each rank's slices
 
 
 @contextmanager

@@ -8,7 +8,13 @@ See docs/checkpoints.md for the formats and guarantees, and ``fsdp-bridge conver
 ``fsdp-bridge inspect`` for offline work.
 """
 
-from fsdp_bridge.checkpoint._api import full_state_options, load_checkpoint, load_pretrained, save_checkpoint
+from fsdp_bridge.checkpoint._api import (
+    full_state_options,
+    load_checkpoint,
+    load_pretrained,
+    pretrained_fits,
+    save_checkpoint,
+)
 from fsdp_bridge.checkpoint._async import AsyncCheckpoint, save_checkpoint_async
 from fsdp_bridge.checkpoint._atomic import latest_checkpoint, list_checkpoints, rotate_checkpoints
 from fsdp_bridge.checkpoint._convert import convert_checkpoint, inspect_checkpoint
@@ -26,6 +32,7 @@ __all__ = [
     "list_checkpoints",
     "load_checkpoint",
     "load_pretrained",
+    "pretrained_fits",
     "rotate_checkpoints",
     "save_checkpoint",
     "save_checkpoint_async",

@@ -55,6 +55,7 @@ from fsdp_bridge.checkpoint._formats import (
     dcp_tensor_shapes,
     detect,
     digests,
+    failure_text,
     manifest,
     read_dcp,
     strip_wrapper_prefixes,
@@ -112,7 +113,7 @@ def _on_every_rank(path: Path, what: str, fn: Callable[[], Any]) -> Any:
             raise  # already names the file and the problem
         error = str(err)
     except (Exception, CheckpointException) as err:  # CheckpointException is a BaseException
-        error = f"{type(err).__name__}: {' '.join(str(err).split())[:300]}"
+        error = failure_text(err)  # DCP's: each failing rank's own exception
     if dist.is_initialized() and dist.get_world_size() > 1:
         flag = torch.tensor([0 if error is None else 1], dtype=torch.int32)
         if dist.get_backend() == "nccl":
@@ -397,19 +398,19 @@ def _save(
         known = _gather_checksums(_on_every_rank(path, "writing the sharded state (DCP)", write_sharded))
         shapes = _shapes(msd)
     else:
-        msd = get_model_state_dict(model, options=full_state_options(model))
-        osd = get_optimizer_state_dict(model, optimizer, options=full_state_options(model)) if optimizer else None
+        # Each rank writes the slices it holds; rank 0 then assembles the full files one tensor
+        # at a time (no rank ever holds the full state).
+        msd = get_model_state_dict(model)
+        osd = get_optimizer_state_dict(model, optimizer) if optimizer else None
         shapes = _shapes(msd)
 
-        def write_full() -> None:
-            if rank == 0:
-                tensors = {k: v for k, v in msd.items() if isinstance(v, torch.Tensor)}
-                _hf.write_hf_weights(staging, _hf.drop_tied_aliases(tensors, tied), max_shard_size=max_shard_size)
-                if osd is not None:
-                    _hf.write_optimizer(staging, osd)
-
-        _on_every_rank(path, "writing the full state (rank 0)", write_full)
-        del msd, osd
+        tensors = _hf.drop_tied_aliases({k: v for k, v in msd.items() if isinstance(v, torch.Tensor)}, tied)
+        export = _hf.FullExport(staging, tensors, osd, max_shard_size=max_shard_size)
+        # One agreement per step: a rank that fails must not leave the others in a collective.
+        _on_every_rank(path, "writing each rank's slices of the full state", export.write_pieces)
+        _on_every_rank(path, "assembling the full state's files", lambda: export.assemble(rank, world))
+        _on_every_rank(path, "indexing the full state (rank 0)", lambda: export.finish() if rank == 0 else None)
+        del msd, osd, tensors, export
         known = {}
     _on_every_rank(path, "writing the RNG state", lambda: write_rng(staging, rank))  # + the barrier
 
@@ -446,6 +447,14 @@ def _save(
 
 def _template(model: nn.Module) -> dict[str, Any]:
     return get_model_state_dict(model)
+
+
+def _global_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    """Name -> full shape of each state-dict entry, without building the state dict."""
+    bridge = _bridge(model)
+    if bridge is not None:
+        return bridge.impl.global_shapes(bridge.model)
+    return {k: _size(v) for k, v in model.state_dict().items()}
 
 
 def _aliases_to_fill(tied: list[list[str]], present: set[str]) -> dict[str, str]:
@@ -607,6 +616,40 @@ def _load_full(
         del sd
 
 
+def _load_hf_sliced(
+    directory: Path, model: nn.Module, tied: list[list[str]], found: Mapping[str, tuple[int, ...]]
+) -> None:
+    """Every rank reads only the slices of the safetensors files that its shards hold, straight
+    into them: no rank holds more of the checkpoint than its shards and one tensor in flight.
+    Names and shapes are checked before (the headers); after that safetensors data cannot fail
+    to read (any bytes are values), so writing in place keeps a refused load all or nothing."""
+    fill = _aliases_to_fill(tied, set(found))
+    bridge = _bridge(model)
+    if bridge is not None:
+        with _hf.RowReader(directory) as reader:
+
+            def read_rows(name: str, start: int, stop: int) -> torch.Tensor:
+                return reader.rows(fill.get(name, name), start, stop)
+
+            filled = bridge.impl.load_local(bridge.model, read_rows)
+            if filled is not None:
+                with torch.no_grad():  # buffers are whole on every rank
+                    for name, buf in bridge.model.named_buffers():
+                        clean = strip_wrapper_prefixes(name)
+                        if clean in found or clean in fill:
+                            buf.copy_(read_rows(clean, 0, buf.shape[0] if buf.dim() else 1))
+                            filled.add(clean)
+                if set(found) <= filled:
+                    return
+                # Some weights are outside every unit (ignored modules): DCP reads them all.
+    template = _template(model)
+    request = {name: template[name] for name in found}  # this rank's shards themselves
+    _hf.read_hf_slices(request, directory)
+    for alias, source in fill.items():  # a tied name stored once
+        request[alias] = request[source]
+    set_model_state_dict(model, request)
+
+
 def _load_dcp(
     dcp_dir: Path,
     model: nn.Module,
@@ -733,8 +776,8 @@ def load_checkpoint(
 
     state, rng = _on_every_rank(detected.path, "reading the training state and RNG", read_side_files)
     tied = _tied_groups(model)
-    template = _template(model)
     if detected.kind in (Kind.SHARDED, Kind.DCP):
+        template = _template(model)
         key_map, has_optim = _dcp_key_map(detected, template, tied)
         if optimizer is not None and not has_optim:
             raise CheckpointError(
@@ -745,9 +788,11 @@ def load_checkpoint(
         # Tied aliases stored only once resolve through the shared parameter.
     else:
         found = _full_shapes(detected)
-        expected = {k: _size(v) for k, v in template.items()}
-        compare_keys(detected.path, found, expected, allow_missing=_aliases_to_fill(tied, set(found)))
-        _load_full(detected, model, optimizer, template, tied, found)
+        compare_keys(detected.path, found, _global_shapes(model), allow_missing=_aliases_to_fill(tied, set(found)))
+        if optimizer is None and detected.kind in (Kind.HF, Kind.FULL) and detected.path.is_dir():
+            _load_hf_sliced(detected.path, model, tied, found)
+        else:
+            _load_full(detected, model, optimizer, _template(model), tied, found)
 
     if not ours:
         return {}
@@ -764,6 +809,24 @@ def load_checkpoint(
 # --------------------------------------------------------------------------------------
 
 
+def pretrained_fits(path: str | os.PathLike[str], model: nn.Module) -> bool:
+    """Whether ``path`` is a Hugging Face directory whose tensor names and shapes are exactly those
+    of ``model`` (unsharded, e.g. on the meta device; a tied name may be stored once), so that
+    :func:`load_pretrained` can fill it.  Reads the safetensors headers only."""
+    try:
+        detected = detect(path)
+        if detected.kind not in (Kind.HF, Kind.FULL) or not detected.path.is_dir():
+            return False
+        found = {k: shape for k, (shape, _) in _hf.read_hf_shapes(detected.path).items()}
+    except CheckpointError:
+        return False
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    allowed = _aliases_to_fill(_tied_groups(model), set(found))
+    if not set(found) <= set(expected):
+        return False
+    return all(found[k] == shape if k in found else k in allowed for k, shape in expected.items())
+
+
 def load_pretrained(
     model_or_builder: nn.Module | Callable[[], nn.Module],
     path: str | os.PathLike[str],
@@ -776,9 +839,10 @@ def load_pretrained(
     ``model_or_builder`` is a model built on the meta device, or a zero-argument callable
     that builds one (it is called under ``accelerate.init_empty_weights`` so that
     parameters take no memory while buffers stay real), or an already sharded model.
-    The model is sharded with ``config`` (a :class:`~fsdp_bridge.BridgeConfig`), then rank 0
-    reads the weights (a Hugging Face directory, or any kind :func:`load_checkpoint`
-    reads) and they are broadcast; every other rank only ever holds its own shards.
+    The model is sharded with ``config`` (a :class:`~fsdp_bridge.BridgeConfig`), then each rank
+    reads from a Hugging Face directory (single-file or indexed) only the slices its shards hold,
+    straight into them: no rank holds a full copy.  Other kinds :func:`load_checkpoint` reads
+    are read as it reads them (a ``torch.save`` file: rank 0 reads, in broadcast rounds).
     Returns the sharded model.
 
     Args:

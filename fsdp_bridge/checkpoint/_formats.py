@@ -44,6 +44,7 @@ __all__ = [
     "checksums",
     "dcp_tensor_shapes",
     "detect",
+    "failure_text",
     "read_dcp",
     "read_meta",
     "strip_wrapper_prefixes",
@@ -443,11 +444,11 @@ def read_dcp(state_dict: dict[str, Any], dcp_dir: Path, *, no_dist: bool = False
         raise
     except (Exception, CheckpointException) as err:
         raise CheckpointError(
-            dcp_dir, f"cannot be read ({_cause(err)}); a shard is damaged or overwritten: use another checkpoint"
+            dcp_dir, f"cannot be read ({failure_text(err)}); a shard is damaged or overwritten: use another checkpoint"
         ) from None
 
 
-def _cause(err: BaseException) -> str:
+def failure_text(err: BaseException) -> str:
     """One line naming what failed: for DCP's CheckpointException, each rank's own exception
     (its str() is a formatted traceback)."""
     failures = getattr(err, "failures", None)

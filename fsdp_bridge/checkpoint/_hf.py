@@ -10,20 +10,29 @@ and ``optimizer.json`` (hyper-parameters and non-tensor state).
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Iterable
+import math
+import re
+import shutil
+import struct
+import warnings
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
 
 from fsdp_bridge.checkpoint._formats import OPTIM_JSON, OPTIM_TENSORS, CheckpointError, safe_child
 
 __all__ = [
+    "FullExport",
     "drop_tied_aliases",
     "read_hf_shapes",
+    "read_hf_slices",
     "read_hf_weights",
     "read_optimizer",
     "write_hf_config",
@@ -32,6 +41,7 @@ __all__ = [
 ]
 
 INDEX = "model.safetensors.index.json"
+_SUFFIX = ".safetensors"
 SINGLE = "model.safetensors"
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 
@@ -56,6 +66,140 @@ def write_hf_weights(
         index = {"metadata": {**split.metadata}, "weight_map": split.tensor_to_filename}
         (directory / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     return list(split.filename_to_tensors)
+
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes from an int or ``save_pretrained``'s spelling ("5GB" = 5 * 10**9, "20KiB", "500MB")."""
+    if isinstance(size, int) and not isinstance(size, bool) and size > 0:
+        return size
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]i?B|B)?\s*", str(size), flags=re.IGNORECASE)
+    if not isinstance(size, (int, str)) or isinstance(size, bool) or match is None or float(match[1]) <= 0:
+        raise ValueError(
+            f"max_shard_size must be a positive number of bytes or a size such as '5GB' or '500MiB' (got {size!r})"
+        )
+    return int(float(match[1]) * _UNITS[(match[2] or "").upper()])
+
+
+def _file_of_each(sizes: Mapping[str, int], max_shard_size: int) -> dict[str, int]:
+    """Name -> 1-based file number, filling each file in state-dict order up to ``max_shard_size``
+    (a tensor larger than that gets a file of its own), as ``save_pretrained`` does."""
+    index: dict[str, int] = {}
+    number, used = 1, 0
+    for name, size in sizes.items():
+        if used and used + size > max_shard_size:
+            number, used = number + 1, 0
+        index[name] = number
+        used += size
+    return index
+
+
+_PIECE_BYTES = 128 * 2**20
+"""Each rank writes its slices in groups of about this many bytes (of full tensors): torch's
+safetensors writer holds a rank's whole share of one file in memory while it writes it."""
+
+
+def _size_of(value: Any) -> int:
+    return math.prod(value.size()) * value.element_size()
+
+
+class FullExport:
+    """A Hugging Face directory (weights, and the optimizer's full state) from sharded state
+    dicts, without gathering them: no rank holds more than its shards, one piece of them and one
+    full tensor.  Three steps, each followed by the caller's agreement on errors so that a
+    failure on one rank never leaves another inside a collective:
+
+    1. :meth:`write_pieces` (every rank, collective): each rank writes the slices it holds
+       (``dcp.save`` with torch's ``HuggingFaceStorageWriter``) into ``.pieces/``;
+    2. :meth:`assemble` (every rank, local): the output files are shared out among the ranks and
+       each assembles its own one tensor at a time from the pieces (torch's
+       ``_consolidate_safetensors_files``, the step its ``HuggingFaceStorageWriter`` runs on rank 0);
+    3. :meth:`finish` (rank 0): the index (or ``model.safetensors`` alone), ``optimizer.json``,
+       the pieces removed.
+
+    Files: ``model.safetensors`` or ``model-0000i-of-0000n.safetensors`` of at most
+    ``max_shard_size`` + ``model.safetensors.index.json``, as ``save_pretrained`` writes them;
+    ``optimizer.safetensors`` + ``optimizer.json`` as :func:`write_optimizer` writes them.
+    Optimizer tensors are named ``fqn/name``, which no parameter name contains.
+    """
+
+    def __init__(
+        self,
+        directory: Path,
+        model: dict[str, Any],
+        optimizer: dict[str, Any] | None,
+        *,
+        max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+    ) -> None:
+        self.directory = directory
+        self.optimizer = optimizer
+        optim_tensors, self.optim_scalars = _split_optimizer_state(optimizer) if optimizer else ({}, {})
+        self.tensors = {**model, **optim_tensors}
+        file_of = _file_of_each({k: _size_of(v) for k, v in model.items()}, parse_size(max_shard_size))
+        self.files = max(file_of.values(), default=0)
+        self.file_name = {k: f"model-{i:05d}-of-{self.files:05d}{_SUFFIX}" for k, i in file_of.items()}
+        self.file_name.update(dict.fromkeys(optim_tensors, OPTIM_TENSORS))
+        # 0-dim tensors (an optimizer's step, a scalar parameter) come out of torch 2.13's assembly
+        # as zeros (its sub-tensor copy writes nothing for shape []): rank 0 writes their bytes itself.
+        self.scalars = {
+            k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in self.tensors.items() if v.dim() == 0
+        }
+
+    @property
+    def _pieces(self) -> Path:
+        return self.directory / ".pieces"
+
+    def write_pieces(self) -> None:
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+
+        piece_of = _file_of_each({k: _size_of(v) for k, v in self.tensors.items()}, _PIECE_BYTES)
+        writer = HuggingFaceStorageWriter(str(self._pieces), fqn_to_index_mapping=piece_of, save_distributed=True)
+        with warnings.catch_warnings():  # no process group: a plain save, as asked
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.save(self.tensors, storage_writer=writer, no_dist=not dist.is_initialized())
+
+    def assemble(self, rank: int, world: int) -> None:
+        from torch.distributed.checkpoint._consolidate_hf_safetensors import _consolidate_safetensors_files
+
+        outputs = sorted(set(self.file_name.values()))
+        mine = set(outputs[rank::world])
+        mapping = {k: name for k, name in self.file_name.items() if name in mine}
+        if mapping:
+            _consolidate_safetensors_files(
+                input_dir=str(self._pieces), output_dir=str(self.directory), fqn_to_file_mapping=mapping, num_threads=1
+            )
+
+    def finish(self) -> None:
+        for name, value in self.scalars.items():
+            _write_tensor_bytes(self.directory / self.file_name[name], name, value)
+        shutil.rmtree(self._pieces)
+        index = self.directory / INDEX
+        if self.files == 1:  # one file: the name save_pretrained gives it
+            (self.directory / f"model-00001-of-00001{_SUFFIX}").rename(self.directory / SINGLE)
+            index.unlink(missing_ok=True)
+        elif self.files > 1:
+            weights = {k: n for k, n in self.file_name.items() if n != OPTIM_TENSORS}
+            total = sum(_size_of(self.tensors[k]) for k in weights)
+            index.write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weights}, indent=2) + "\n")
+        if self.optimizer is not None:
+            if not (self.directory / OPTIM_TENSORS).exists():  # an optimizer with no tensor state yet
+                save_file({}, str(self.directory / OPTIM_TENSORS), metadata={"format": "pt"})
+            _write_optimizer_json(self.directory, self.optimizer, self.optim_scalars)
+
+
+def _write_tensor_bytes(path: Path, name: str, value: torch.Tensor) -> None:
+    """Overwrite the data of tensor ``name`` in safetensors file ``path`` (same shape and dtype)."""
+    data = value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    with open(path, "r+b") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        start, end = json.loads(f.read(length))[name]["data_offsets"]
+        if end - start != len(data):
+            raise CheckpointError(path, f"{name} takes {end - start} bytes in the file, the tensor {len(data)}")
+        f.seek(8 + length + start)
+        f.write(data)
 
 
 def write_hf_config(directory: Path, model: torch.nn.Module) -> bool:
@@ -107,6 +251,29 @@ def read_hf_shapes(directory: Path) -> dict[str, tuple[tuple[int, ...], str]]:
     return out
 
 
+class RowReader:
+    """Rows of tensors of a Hugging Face directory, from files opened once (memory-mapped):
+    ``rows(name, start, stop)`` reads ``tensor[start:stop]`` only.  Use as a context manager."""
+
+    def __init__(self, directory: Path) -> None:
+        self._stack = contextlib.ExitStack()
+        self._handle: dict[str, Any] = {}
+        for f in _weight_files(directory):
+            handle = self._stack.enter_context(safe_open(str(f), framework="pt"))
+            for name in handle.keys():
+                self._handle[name] = handle
+
+    def __enter__(self) -> RowReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()
+
+    def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        piece = self._handle[name].get_slice(name)
+        return piece[start:stop] if piece.get_shape() else piece[...]
+
+
 class WeightReader:
     """Reads tensors of a Hugging Face directory one at a time (no whole-model copy)."""
 
@@ -125,6 +292,52 @@ class WeightReader:
                 return handle.get_tensor(name)
         except Exception as err:
             raise CheckpointError(f, f"cannot read tensor {name} ({err}); truncated or corrupt") from err
+
+
+def read_hf_slices(state_dict: dict[str, Any], directory: Path) -> None:
+    """Fill ``state_dict`` (sharded values: DTensors, ShardedTensors, or plain tensors) from a
+    Hugging Face directory, each rank reading only the slices of the safetensors files that its
+    values hold (``dcp.load`` with torch's ``HuggingFaceStorageReader``); call on every rank.
+
+    Values take the state dict's dtypes (bf16 files into an fp32 model are cast as they are
+    copied).  Only the weight files of the directory (the index's, or ``model.safetensors``)
+    are read; names must already be checked against the headers (:func:`read_hf_shapes`).
+    """
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    reader = _WeightFilesReader(directory, _weight_files(directory))
+    try:
+        with warnings.catch_warnings():  # no process group: a plain load, as asked
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state_dict, storage_reader=reader, no_dist=not dist.is_initialized())
+    except (Exception, CheckpointException) as err:
+        failures = getattr(err, "failures", None)
+        cause = "; ".join(f"rank {r}: {e}" for r, e in failures.items()) if isinstance(failures, dict) else err
+        raise CheckpointError(directory, f"cannot be read ({cause}); a weight file is truncated or corrupt") from None
+
+
+class _WeightFilesReader(HuggingFaceStorageReader):
+    """torch's ``HuggingFaceStorageReader`` restricted to the directory's weight files: it would
+    otherwise index every ``*.safetensors`` beside them (an optimizer or adapter file)."""
+
+    def __init__(self, directory: Path, files: list[Path]) -> None:
+        super().__init__(str(directory))
+        self._allowed = {str(f.resolve()) for f in files}
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        metadata = super().read_metadata(*args, **kwargs)
+        storage = metadata.storage_data
+        drop = {
+            index for index, info in storage.items() if str(Path(info.relative_path).resolve()) not in self._allowed
+        }
+        kept = {index.fqn for index in storage if index not in drop}
+        for index in drop:
+            del storage[index]
+        for name in [n for n in metadata.state_dict_metadata if n not in kept]:
+            del metadata.state_dict_metadata[name]
+        return metadata
 
 
 def read_hf_weights(directory: Path) -> dict[str, torch.Tensor]:
@@ -150,19 +363,30 @@ def _jsonable(value: Any, where: str) -> Any:
     )
 
 
-def write_optimizer(directory: Path, osd: dict[str, Any]) -> None:
-    """Write a full optimizer state dict ({"state": {fqn: {...}}, "param_groups": [...]})."""
-    tensors: dict[str, torch.Tensor] = {}
+def _split_optimizer_state(osd: dict[str, Any]) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """``{"fqn/name": tensor}`` and the non-tensor per-parameter values of an optimizer state dict."""
+    tensors: dict[str, Any] = {}
     scalars: dict[str, dict[str, Any]] = {}
     for fqn, entries in osd.get("state", {}).items():
         for name, value in entries.items():
             if isinstance(value, torch.Tensor):
-                tensors[f"{fqn}/{name}"] = value.detach().contiguous().cpu()
+                tensors[f"{fqn}/{name}"] = value
             else:
                 scalars.setdefault(fqn, {})[name] = _jsonable(value, f"state.{fqn}.{name}")
+    return tensors, scalars
+
+
+def _write_optimizer_json(directory: Path, osd: dict[str, Any], scalars: dict[str, dict[str, Any]]) -> None:
     groups = [{k: _jsonable(v, f"param_groups.{k}") for k, v in g.items()} for g in osd.get("param_groups", [])]
-    save_file(tensors, str(directory / OPTIM_TENSORS), metadata={"format": "pt"})
     (directory / OPTIM_JSON).write_text(json.dumps({"param_groups": groups, "scalars": scalars}, indent=2) + "\n")
+
+
+def write_optimizer(directory: Path, osd: dict[str, Any]) -> None:
+    """Write a full optimizer state dict ({"state": {fqn: {...}}, "param_groups": [...]})."""
+    tensors, scalars = _split_optimizer_state(osd)
+    tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+    save_file(tensors, str(directory / OPTIM_TENSORS), metadata={"format": "pt"})
+    _write_optimizer_json(directory, osd, scalars)
 
 
 def read_optimizer(directory: Path) -> dict[str, Any]:

@@ -131,11 +131,15 @@ def lr_at(config: TrainConfig, step: int) -> float:
 # ----------------------------------------------------------------------------------
 
 
-def build_model(config: TrainConfig, tokenizer: Any, *, device_type: str | None = None) -> nn.Module:
+def build_model(
+    config: TrainConfig, tokenizer: Any, *, device_type: str | None = None, weights: bool = True
+) -> nn.Module:
     """The (unsharded) model, identical on every rank: from ``model.path`` or ``model.config``.
 
     With ``device_type``, a 4-bit quantized base on a device bitsandbytes cannot use is refused
     (ConfigError) before its weights are loaded.  The ``peft:`` section is applied by the caller.
+    ``weights=False`` builds a ``model.path`` model on the meta device (buffers real, tied
+    parameters tied) for :func:`~fsdp_bridge.load_pretrained` to fill after sharding.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -151,7 +155,15 @@ def build_model(config: TrainConfig, tokenizer: Any, *, device_type: str | None 
             if problems:
                 raise ConfigError(problems)
         try:
-            model = AutoModelForCausalLM.from_pretrained(m.path, attn_implementation=m.attn_implementation)
+            if weights:
+                model = AutoModelForCausalLM.from_pretrained(m.path, attn_implementation=m.attn_implementation)
+            else:
+                from accelerate import init_empty_weights
+
+                hf_config = AutoConfig.from_pretrained(m.path)
+                with init_empty_weights(include_buffers=False):
+                    model = AutoModelForCausalLM.from_config(hf_config, attn_implementation=m.attn_implementation)
+                model.tie_weights()  # init_empty_weights unties shared parameters
         except (OSError, ValueError) as err:
             raise ConfigError(
                 [
@@ -355,7 +367,14 @@ def train(config: TrainConfig, *, verbosity: Verbosity = "normal") -> TrainResul
     docs = read_documents(config.data)
     tokenizer = load_tokenizer(config, docs, out)
     data = PackedData.build(docs, tokenizer, config.data, seed=config.seed, rank=rank, world_size=world)
-    model = build_model(config, tokenizer, device_type=device.type)
+    # A pretrained model without LoRA is built on the meta device and each rank reads only its
+    # slices of the weights after sharding; LoRA adapters need the base's real weights first.
+    pretrained = config.model.path
+    sliced = pretrained is not None and config.peft is None
+    model = build_model(config, tokenizer, device_type=device.type, weights=not sliced)
+    if pretrained is not None and sliced and not ckpt.pretrained_fits(pretrained, model):
+        model = build_model(config, tokenizer, device_type=device.type)  # names differ: transformers maps them
+        sliced = False
     n_params = sum(p.numel() for p in model.parameters())
     model_name = type(model).__name__
     lora_note = ""
@@ -364,7 +383,11 @@ def train(config: TrainConfig, *, verbosity: Verbosity = "normal") -> TrainResul
         n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         lora_note = f" + LoRA r={config.peft.r} ({n_trainable:,} trainable)"
     maybe_fail("shard")
-    sharded = shard(model, config.bridge)
+    if pretrained is not None and sliced:
+        sharded = ckpt.load_pretrained(model, pretrained, config.bridge)
+    else:
+        sharded = shard(model, config.bridge)
+    sharded.train()  # from_pretrained returns a model in eval mode: dropout would be off until the first eval
     optimizer = build_optimizer(sharded, config)
     torch.manual_seed(config.seed + 1 + rank)  # per-rank stream (dropout), saved with every checkpoint
 
