@@ -11,7 +11,7 @@ repeat, in alternating order, medians reported (the slowest rank of each repeat)
   ``dcp/`` directory into them, ``set_model_state_dict``/``set_optimizer_state_dict``;
 - ``torch.load + set_state_dict``: rank 0 ``torch.load``s one file of the full state (written by
   ``torch.save`` from ``get_state_dict(full_state_dict=True, cpu_offload=True)``) and every rank
-  takes its shards with ``set_state_dict(..., broadcast_from_rank0=True)``;
+  takes its shards with ``set_{optimizer,model}_state_dict(..., broadcast_from_rank0=True)``;
 - ``load_checkpoint``: fsdp_bridge (checks names and shapes, verifies checksums, reads training
   state and RNG, loads all or nothing).
 
@@ -54,7 +54,6 @@ def _run(root: str, hidden: int, layers: int, backend: str, repeats: int) -> dic
         get_state_dict,
         set_model_state_dict,
         set_optimizer_state_dict,
-        set_state_dict,
     )
     from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -95,12 +94,13 @@ def _run(root: str, hidden: int, layers: int, backend: str, repeats: int) -> dic
     def torch_load() -> None:
         full = torch.load(full_file, weights_only=True) if rank == 0 else {"model": {}, "optim": {}}
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-        set_state_dict(model, optimizer, model_state_dict=full["model"], optim_state_dict=full["optim"], options=options)
+        set_optimizer_state_dict(model, optimizer, full["optim"], options=options)
+        set_model_state_dict(model, full["model"], options=options)
 
     def ours() -> None:
         fsdp_bridge.load_checkpoint(path, model, optimizer)
 
-    ways = {"dcp.load by hand": by_hand, "torch.load + set_state_dict": torch_load, "load_checkpoint": ours}
+    ways = {"dcp.load by hand": by_hand, "torch.load + set_*_state_dict": torch_load, "load_checkpoint": ours}
     times: dict[str, list[float]] = {name: [] for name in ways}
     for repeat in range(repeats):
         order = list(ways) if repeat % 2 == 0 else list(reversed(ways))

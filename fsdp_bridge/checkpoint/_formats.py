@@ -405,9 +405,10 @@ def load_dcp_metadata(path: Path) -> Metadata:
         ) from err
     if not isinstance(metadata, Metadata):
         raise CheckpointError(path, f"holds a {type(metadata).__name__}, not DCP Metadata")
-    # Where DCP will read each item: never outside the checkpoint's directory.
-    for info in (metadata.storage_data or {}).values():
-        relative = getattr(info, "relative_path", None)
+    # Where DCP will read each item: never outside the checkpoint's directory (each file once:
+    # every item of a file names it).
+    relatives = {getattr(info, "relative_path", None) for info in (metadata.storage_data or {}).values()}
+    for relative in relatives:
         if not isinstance(relative, str):
             raise CheckpointError(path, f"a storage entry names {relative!r} instead of a file name")
         safe_child(path.parent, relative)
