@@ -417,6 +417,48 @@ def test_pretrained_fits_and_sliced_loading_in_one_process(tmp_path: Path) -> No
     assert not fsdp_bridge.checkpoint.pretrained_fits(tmp_path / "llama", wider)
 
 
+def test_convert_to_hf_streams_the_exact_state(tmp_path: Path) -> None:
+    """sharded -> hf reads a batch of tensors at a time and writes safetensors header-first:
+    the weights (several files + index) and optimizer tensors are bit for bit the saved ones."""
+    from safetensors.torch import load_file
+
+    from fsdp_bridge.checkpoint import _hf
+
+    specs = {
+        "a": torch.randn(5, 3),
+        "b": torch.randn(7).to(torch.bfloat16),
+        "c": torch.tensor(3.5),
+        "d": torch.arange(4),
+    }
+    _hf.write_safetensors_streamed(
+        tmp_path / "t.safetensors",
+        {k: (tuple(v.shape), v.dtype) for k, v in specs.items()},
+        lambda names: {n: specs[n] for n in names},
+        batch_bytes=20,  # one or two tensors per batch
+    )
+    back = load_file(tmp_path / "t.safetensors")
+    assert all(torch.equal(back[k], v) and back[k].dtype == v.dtype for k, v in specs.items())
+
+    model = build_tiny("llama", seed=2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(**sample_batch("llama", seed=0)).loss.backward()
+    optimizer.step()
+    fsdp_bridge.save_checkpoint(tmp_path / "sharded", model, optimizer)
+    out = fsdp_bridge.checkpoint.convert_checkpoint(
+        tmp_path / "sharded", tmp_path / "hf", to="hf", max_shard_size="30KB"
+    )
+    assert (out / "model.safetensors.index.json").is_file()
+    weights = _hf.read_hf_weights(out)
+    assert weights.keys() == model.state_dict().keys()
+    assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
+    saved = _hf.read_optimizer(out)
+    names = [n for n, _ in model.named_parameters()]
+    for i, state in optimizer.state_dict()["state"].items():
+        for key, value in state.items():
+            assert torch.equal(saved["state"][names[i]][key], value), (names[i], key)
+    assert json.loads((out / "fsdp_bridge.json").read_text())["has_optimizer"] is True
+
+
 def test_offline_errors_and_metadata_safety(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="does not exist"):
         fsdp_bridge.checkpoint.inspect_checkpoint(tmp_path / "nope")

@@ -57,6 +57,7 @@ from fsdp_bridge.checkpoint._formats import (
     digests,
     failure_text,
     manifest,
+    param_stats,
     read_dcp,
     strip_wrapper_prefixes,
     verify_manifest,
@@ -175,19 +176,6 @@ def _shapes(state_dict: Mapping[str, Any]) -> dict[str, tuple[tuple[int, ...], s
     return {k: (_size(v), _dtype_name(v.dtype)) for k, v in state_dict.items() if hasattr(v, "dtype")}
 
 
-def _stats(shapes: Mapping[str, tuple[tuple[int, ...], str]], tied: list[list[str]]) -> dict[str, Any]:
-    aliases = {n for g in tied for n in g[1:]}
-    count = 0
-    dtypes: dict[str, int] = {}
-    for key, (shape, dtype) in shapes.items():
-        if key in aliases:
-            continue
-        n = math.prod(shape)
-        count += n
-        dtypes[dtype] = dtypes.get(dtype, 0) + n
-    return {"numel": count, "dtypes": dtypes, "tensors": len(shapes)}
-
-
 # --------------------------------------------------------------------------------------
 # save
 # --------------------------------------------------------------------------------------
@@ -226,7 +214,7 @@ def _describe_and_publish(
         "hf_config": has_config,
         "has_optimizer": has_optimizer,
         "tied": tied,
-        "params": _stats(shapes, tied),
+        "params": param_stats(shapes, tied),
         "torch_version": torch.__version__,
         "fsdp_bridge_version": __version__,
         "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -39,6 +39,7 @@ from fsdp_bridge.checkpoint._formats import (
     FORMAT,
     FORMAT_VERSION,
     META_FILE,
+    OPTIM_TENSORS,
     RNG_DIR,
     STATE_FILE,
     CheckpointError,
@@ -49,6 +50,7 @@ from fsdp_bridge.checkpoint._formats import (
     digests,
     load_dcp_metadata,
     manifest,
+    param_stats,
     read_dcp,
     strip_wrapper_prefixes,
     verify_manifest,
@@ -69,6 +71,85 @@ class FullCheckpoint:
     model: dict[str, torch.Tensor]
     optimizer: dict[str, Any] | None = None
     meta: dict[str, Any] = field(default_factory=dict)
+    stream: _DCPStream | None = None
+    """Instead of ``model``/``optimizer``: a DCP directory read a batch at a time."""
+
+
+@dataclass
+class _DCPStream:
+    """A DCP directory read a batch of tensors at a time (for ``--to hf``): names, shapes and
+    dtypes from its metadata; values only when written out."""
+
+    dcp_dir: Path
+    model: dict[str, tuple[str, tuple[int, ...], torch.dtype]]
+    """parameter name -> (stored key, shape, dtype)"""
+    optim_tensors: dict[str, tuple[str, tuple[int, ...], torch.dtype]]
+    """``fqn/name`` (as in optimizer.safetensors) -> (stored key, shape, dtype)"""
+    optim_objects: list[str]
+    """stored keys of the optimizer's other items (param_groups, non-tensor state)"""
+
+    @classmethod
+    def open(cls, dcp_dir: Path) -> _DCPStream:
+        metadata = load_dcp_metadata(dcp_dir / ".metadata")
+        items = metadata.state_dict_metadata
+        model_keys = [k for k in items if not k.startswith("optim.")]
+        nested = bool(model_keys) and all(k.startswith("model.") for k in model_keys)
+        stream = cls(dcp_dir, {}, {}, [])
+        for key, item in items.items():
+            spec = (key, tuple(item.size), item.properties.dtype) if isinstance(item, TensorStorageMetadata) else None
+            if key.startswith("optim."):
+                rest = key.removeprefix("optim.")
+                if spec is not None and rest.startswith("state."):
+                    fqn, _, name = rest.removeprefix("state.").rpartition(".")
+                    stream.optim_tensors[f"{fqn}/{name}"] = spec
+                else:
+                    stream.optim_objects.append(key)
+            elif spec is not None:
+                stream.model[strip_wrapper_prefixes(key.removeprefix("model.") if nested else key)] = spec
+        return stream
+
+    @property
+    def has_optimizer(self) -> bool:
+        return bool(self.optim_tensors or self.optim_objects)
+
+    def _read(self, specs: dict[str, tuple[str, tuple[int, ...], torch.dtype]], names: list[str]) -> dict[str, Any]:
+        flat = {specs[n][0]: torch.empty(specs[n][1], dtype=specs[n][2]) for n in names}
+        with warnings.catch_warnings():  # no process group here on purpose
+            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+            read_dcp(flat, self.dcp_dir, no_dist=True)
+        return {n: flat[specs[n][0]] for n in names}
+
+    def write_hf(self, staging: Path, tied: list[list[str]], max_shard_size: int | str) -> None:
+        """The Hugging Face layout save_checkpoint(kind="full") writes, one batch of tensors in memory at a time."""
+        aliases = {n for group in tied for n in group[1:]}
+        weights = {n: spec for n, spec in self.model.items() if n not in aliases}
+        sizes = {n: math.prod(shape) * dtype.itemsize for n, (_, shape, dtype) in weights.items()}
+        file_of = _hf.file_of_each(sizes, _hf.parse_size(max_shard_size))
+        files = max(file_of.values(), default=1)
+        names = {
+            n: _hf.SINGLE if files == 1 else f"model-{i:05d}-of-{files:05d}.safetensors" for n, i in file_of.items()
+        }
+        for file_name in dict.fromkeys(names.values()):
+            specs = {n: weights[n][1:] for n in weights if names[n] == file_name}
+            _hf.write_safetensors_streamed(staging / file_name, specs, lambda batch: self._read(weights, batch))
+        if files > 1:
+            index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": names}
+            (staging / _hf.INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        if self.has_optimizer:
+            flat: dict[str, Any] = dict.fromkeys(self.optim_objects)
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+                read_dcp(flat, self.dcp_dir, no_dist=True)
+            osd = _unflatten_optim({k.removeprefix("optim."): v for k, v in flat.items()}) or {}
+            scalars = {fqn: dict(entries) for fqn, entries in osd.get("state", {}).items() if entries}
+            specs = {n: spec[1:] for n, spec in self.optim_tensors.items()}
+            optim = self.optim_tensors
+            _hf.write_safetensors_streamed(staging / OPTIM_TENSORS, specs, lambda batch: self._read(optim, batch))
+            _hf.write_optimizer_json(staging, osd, scalars)
+
+    def stats(self, tied: list[list[str]]) -> dict[str, Any]:
+        shapes = {n: (shape, str(dtype).removeprefix("torch.")) for n, (_, shape, dtype) in self.model.items()}
+        return param_stats(shapes, tied)
 
 
 def _read_dcp_full(dcp_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -202,16 +283,7 @@ def _copy_side_files(src: Detected, staging: Path, hf_config: Path | None) -> bo
 
 
 def _stats(model: dict[str, torch.Tensor], tied: list[list[str]]) -> dict[str, Any]:
-    aliases = {n for g in tied for n in g[1:]}
-    dtypes: dict[str, int] = {}
-    count = 0
-    for k, v in model.items():
-        if k in aliases:
-            continue
-        count += v.numel()
-        name = str(v.dtype).removeprefix("torch.")
-        dtypes[name] = dtypes.get(name, 0) + v.numel()
-    return {"numel": count, "dtypes": dtypes, "tensors": len(model)}
+    return param_stats({k: (tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in model.items()}, tied)
 
 
 def convert_checkpoint(
@@ -245,7 +317,13 @@ def convert_checkpoint(
     if reason is not None:  # before reading a possibly large source
         raise CheckpointError(dst_path, f"cannot be written: {reason}; choose a destination in a writable directory")
     detected = detect(src)
-    full = read_full(src)
+    if to == "hf" and detected.kind in (Kind.SHARDED, Kind.DCP):
+        # Streamed: one batch of tensors in memory at a time, never the whole state.
+        if detected.kind is Kind.SHARDED:
+            verify_manifest(detected)
+        full = FullCheckpoint({}, None, dict(detected.meta), stream=_DCPStream.open(detected.dcp_dir))
+    else:
+        full = read_full(src)
     if detected.kind in (Kind.SHARDED, Kind.FULL):  # copied as they are: refuse damaged ones now
         read_state(detected.path)
         for rank in range(int(full.meta.get("world_size") or 1)):
@@ -306,7 +384,9 @@ def _write_staging(
     max_shard_size: int | str,
 ) -> None:
     tied = full.meta.get("tied", [])
-    if to == "hf":
+    if full.stream is not None:
+        full.stream.write_hf(staging, tied, max_shard_size)
+    elif to == "hf":
         _hf.write_hf_weights(staging, _hf.drop_tied_aliases(full.model, tied), max_shard_size=max_shard_size)
         if full.optimizer is not None:
             _hf.write_optimizer(staging, full.optimizer)
@@ -328,9 +408,9 @@ def _write_staging(
         "bridge_config": full.meta.get("bridge_config"),
         "model_class": full.meta.get("model_class"),
         "hf_config": has_config,
-        "has_optimizer": full.optimizer is not None,
+        "has_optimizer": full.optimizer is not None or (full.stream is not None and full.stream.has_optimizer),
         "tied": tied,
-        "params": _stats(full.model, tied),
+        "params": full.stream.stats(tied) if full.stream is not None else _stats(full.model, tied),
         "torch_version": torch.__version__,
         "fsdp_bridge_version": __version__,
         "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

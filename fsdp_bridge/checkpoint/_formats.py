@@ -16,6 +16,7 @@ import enum
 import hashlib
 import io
 import json
+import math
 import os
 import pickle
 import zlib
@@ -45,6 +46,7 @@ __all__ = [
     "dcp_tensor_shapes",
     "detect",
     "failure_text",
+    "param_stats",
     "read_dcp",
     "read_meta",
     "strip_wrapper_prefixes",
@@ -500,3 +502,17 @@ def compare_keys(
     problems.extend(f"shape mismatch {s}" for s in shapes)
     if problems:
         raise CheckpointError(path, problems)
+
+
+def param_stats(shapes: Mapping[str, tuple[tuple[int, ...], str]], tied: Iterable[Iterable[str]]) -> dict[str, Any]:
+    """The description's ``params``: element count (tied aliases once), elements per dtype, tensors."""
+    aliases = {n for group in tied for n in list(group)[1:]}
+    count = 0
+    dtypes: dict[str, int] = {}
+    for key, (shape, dtype) in shapes.items():
+        if key in aliases:
+            continue
+        n = math.prod(shape)
+        count += n
+        dtypes[dtype] = dtypes.get(dtype, 0) + n
+    return {"numel": count, "dtypes": dtypes, "tensors": len(shapes)}

@@ -17,7 +17,7 @@ import re
 import shutil
 import struct
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,8 @@ from fsdp_bridge.checkpoint._formats import OPTIM_JSON, OPTIM_TENSORS, Checkpoin
 __all__ = [
     "FullExport",
     "drop_tied_aliases",
+    "file_of_each",
+    "parse_size",
     "read_hf_shapes",
     "read_hf_slices",
     "read_hf_weights",
@@ -38,6 +40,8 @@ __all__ = [
     "write_hf_config",
     "write_hf_weights",
     "write_optimizer",
+    "write_optimizer_json",
+    "write_safetensors_streamed",
 ]
 
 INDEX = "model.safetensors.index.json"
@@ -83,7 +87,7 @@ def parse_size(size: int | str) -> int:
     return int(float(match[1]) * _UNITS[(match[2] or "").upper()])
 
 
-def _file_of_each(sizes: Mapping[str, int], max_shard_size: int) -> dict[str, int]:
+def file_of_each(sizes: Mapping[str, int], max_shard_size: int) -> dict[str, int]:
     """Name -> 1-based file number, filling each file in state-dict order up to ``max_shard_size``
     (a tensor larger than that gets a file of its own), as ``save_pretrained`` does."""
     index: dict[str, int] = {}
@@ -137,7 +141,7 @@ class FullExport:
         self.optimizer = optimizer
         optim_tensors, self.optim_scalars = _split_optimizer_state(optimizer) if optimizer else ({}, {})
         self.tensors = {**model, **optim_tensors}
-        file_of = _file_of_each({k: _size_of(v) for k, v in model.items()}, parse_size(max_shard_size))
+        file_of = file_of_each({k: _size_of(v) for k, v in model.items()}, parse_size(max_shard_size))
         self.files = max(file_of.values(), default=0)
         self.file_name = {k: f"model-{i:05d}-of-{self.files:05d}{_SUFFIX}" for k, i in file_of.items()}
         self.file_name.update(dict.fromkeys(optim_tensors, OPTIM_TENSORS))
@@ -155,7 +159,7 @@ class FullExport:
         import torch.distributed as dist
         import torch.distributed.checkpoint as dcp
 
-        piece_of = _file_of_each({k: _size_of(v) for k, v in self.tensors.items()}, _PIECE_BYTES)
+        piece_of = file_of_each({k: _size_of(v) for k, v in self.tensors.items()}, _PIECE_BYTES)
         writer = HuggingFaceStorageWriter(str(self._pieces), fqn_to_index_mapping=piece_of, save_distributed=True)
         with warnings.catch_warnings():  # no process group: a plain save, as asked
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -187,7 +191,60 @@ class FullExport:
         if self.optimizer is not None:
             if not (self.directory / OPTIM_TENSORS).exists():  # an optimizer with no tensor state yet
                 save_file({}, str(self.directory / OPTIM_TENSORS), metadata={"format": "pt"})
-            _write_optimizer_json(self.directory, self.optimizer, self.optim_scalars)
+            write_optimizer_json(self.directory, self.optimizer, self.optim_scalars)
+
+
+_DTYPE_NAMES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+
+
+def write_safetensors_streamed(
+    path: Path,
+    specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
+    read: Callable[[list[str]], Mapping[str, torch.Tensor]],
+    *,
+    batch_bytes: int = 64 * 2**20,
+) -> None:
+    """A safetensors file of tensors ``specs`` (name -> shape, dtype), written a batch at a time:
+    the header first (it only needs shapes and dtypes), then each batch of about ``batch_bytes``
+    that ``read(names)`` returns, in order.  ``safetensors.torch.save_file`` needs every tensor of
+    the file in memory at once."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, (shape, dtype) in specs.items():
+        if dtype not in _DTYPE_NAMES:
+            raise CheckpointError(path, f"{name} has dtype {dtype}, which this writer cannot store")
+        size = math.prod(shape) * dtype.itemsize
+        header[name] = {"dtype": _DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    sizes = {name: math.prod(shape) * dtype.itemsize for name, (shape, dtype) in specs.items()}
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        batches: list[list[str]] = [[]]
+        used = 0
+        for name in specs:
+            if batches[-1] and used + sizes[name] > batch_bytes:
+                batches.append([])
+                used = 0
+            batches[-1].append(name)
+            used += sizes[name]
+        for batch in batches:
+            tensors = read(batch) if batch else {}
+            for name in batch:
+                f.write(tensors[name].detach().contiguous().reshape(-1).view(torch.uint8).numpy().data)
 
 
 def _write_tensor_bytes(path: Path, name: str, value: torch.Tensor) -> None:
@@ -376,7 +433,7 @@ def _split_optimizer_state(osd: dict[str, Any]) -> tuple[dict[str, Any], dict[st
     return tensors, scalars
 
 
-def _write_optimizer_json(directory: Path, osd: dict[str, Any], scalars: dict[str, dict[str, Any]]) -> None:
+def write_optimizer_json(directory: Path, osd: dict[str, Any], scalars: dict[str, dict[str, Any]]) -> None:
     groups = [{k: _jsonable(v, f"param_groups.{k}") for k, v in g.items()} for g in osd.get("param_groups", [])]
     (directory / OPTIM_JSON).write_text(json.dumps({"param_groups": groups, "scalars": scalars}, indent=2) + "\n")
 
@@ -386,7 +443,7 @@ def write_optimizer(directory: Path, osd: dict[str, Any]) -> None:
     tensors, scalars = _split_optimizer_state(osd)
     tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
     save_file(tensors, str(directory / OPTIM_TENSORS), metadata={"format": "pt"})
-    _write_optimizer_json(directory, osd, scalars)
+    write_optimizer_json(directory, osd, scalars)
 
 
 def read_optimizer(directory: Path) -> dict[str, Any]:
