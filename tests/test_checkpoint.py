@@ -128,7 +128,13 @@ def _pretrained_in_and_out(root: str) -> list[str]:
     wrong = []
     for backend in BACKENDS:
         for strategy, offload in (("no_shard", False), ("hybrid_shard", True), ("full_shard", True)):
-            config = fsdp_bridge.BridgeConfig(backend=backend, strategy=strategy, cpu_offload=offload, device="cpu")
+            config = fsdp_bridge.BridgeConfig(
+                backend=backend,
+                strategy=strategy,
+                cpu_offload=offload,
+                activation_checkpointing=strategy == "full_shard",  # wrapper names in the model
+                device="cpu",
+            )
             model = fsdp_bridge.load_pretrained(lambda: AutoModelForCausalLM.from_config(plain.config), source, config)
             out = Path(root) / f"export_{backend}_{strategy}_{offload}"
             fsdp_bridge.save_checkpoint(out, model, kind="full", max_shard_size="30KB")

@@ -149,8 +149,11 @@ class FSDP2Backend:
         return [p.to_local() if isinstance(p, DTensor) else p.detach() for p in model.parameters()]
 
     def global_shapes(self, model: nn.Module) -> dict[str, tuple[int, ...]]:
-        shapes = {n: tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=False)}  # DTensor: full
-        return {**shapes, **buffer_shapes(model, lambda name: name)}
+        from fsdp_bridge.checkpoint._formats import strip_wrapper_prefixes  # activation checkpointing's
+
+        params = model.named_parameters(remove_duplicate=False)
+        shapes = {strip_wrapper_prefixes(n): tuple(p.shape) for n, p in params}  # a DTensor's shape is the full one
+        return {**shapes, **buffer_shapes(model, strip_wrapper_prefixes)}
 
     def load_local(self, model: nn.Module, read_rows: Callable[[str, int, int], torch.Tensor]) -> set[str] | None:
         return None  # DTensor state dicts: DCP's Hugging Face reader reads each rank's slices

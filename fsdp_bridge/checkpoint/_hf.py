@@ -145,8 +145,10 @@ class FullExport:
         self.files = max(file_of.values(), default=0)
         self.file_name = {k: f"model-{i:05d}-of-{self.files:05d}{_SUFFIX}" for k, i in file_of.items()}
         self.file_name.update(dict.fromkeys(optim_tensors, OPTIM_TENSORS))
-        # 0-dim tensors (an optimizer's step, a scalar parameter) come out of torch 2.13's assembly
-        # as zeros (its sub-tensor copy writes nothing for shape []): rank 0 writes their bytes itself.
+        # 0-dim tensors (an optimizer's step, a scalar parameter) come out of torch's assembly as
+        # zeros: its sub-tensor copy writes nothing for shape [] (checked on 2.13.0; reported and
+        # fixed in a downstream copy, NVIDIA-NeMo/Automodel#301).  Rank 0 writes their bytes itself:
+        # harmless where torch wrote them right.  tests/test_zero_dim_params.py exports one.
         self.scalars = {
             k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in self.tensors.items() if v.dim() == 0
         }
