@@ -8,7 +8,6 @@ under the other backend and any world size.
 
 from __future__ import annotations
 
-import datetime
 import logging
 import math
 import os
@@ -31,7 +30,6 @@ from torch.distributed.checkpoint.state_dict import (
 
 from fsdp_bridge import hf
 from fsdp_bridge._paths import unwritable_reason
-from fsdp_bridge._version import __version__
 from fsdp_bridge.checkpoint import _hf, _peft
 from fsdp_bridge.checkpoint._atomic import (
     SaveLock,
@@ -39,13 +37,10 @@ from fsdp_bridge.checkpoint._atomic import (
     partial_path,
     publish,
     rotate_checkpoints,
-    write_json_durably,
 )
+from fsdp_bridge.checkpoint._description import Description
 from fsdp_bridge.checkpoint._formats import (
-    CHECKSUM,
     DCP_DIR,
-    FORMAT,
-    FORMAT_VERSION,
     META_FILE,
     CheckpointError,
     Detected,
@@ -54,9 +49,7 @@ from fsdp_bridge.checkpoint._formats import (
     compare_keys,
     dcp_tensor_shapes,
     detect,
-    digests,
     failure_text,
-    manifest,
     param_stats,
     read_dcp,
     strip_wrapper_prefixes,
@@ -202,36 +195,21 @@ def _describe_and_publish(
     bridge = _bridge(model)
     write_state(staging, state)
     has_config = _hf.write_hf_config(staging, model)
-    meta = {
-        "format": FORMAT,
-        "version": FORMAT_VERSION,
-        "kind": kind,
-        "backend": bridge.config.backend.value if bridge is not None else None,
-        "world_size": world,
-        "step": (state or {}).get("step"),
-        "bridge_config": bridge.config.to_dict() if bridge is not None else None,
-        "model_class": type(getattr(model, "module", model)).__name__.removeprefix("FSDP"),
-        "hf_config": has_config,
-        "has_optimizer": has_optimizer,
-        "tied": tied,
-        "params": param_stats(shapes, tied),
-        "torch_version": torch.__version__,
-        "fsdp_bridge_version": __version__,
-        "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "files": manifest(staging),
-        "digests": digests(staging),
-        "checksums": _all_checksums(staging, known_checksums or {}),
-        "checksum_algorithm": CHECKSUM,
-    }
-    write_json_durably(staging / META_FILE, meta)
+    Description(
+        kind=kind,
+        backend=bridge.config.backend.value if bridge is not None else None,
+        world_size=world,
+        step=(state or {}).get("step"),
+        bridge_config=bridge.config.to_dict() if bridge is not None else None,
+        model_class=type(getattr(model, "module", model)).__name__.removeprefix("FSDP"),
+        hf_config=has_config,
+        has_optimizer=has_optimizer,
+        tied=tied,
+        params=param_stats(shapes, tied),
+    ).write(staging, known_checksums=known_checksums)
     publish(staging, path)
     if keep_last is not None:
         rotate_checkpoints(path.parent, keep_last)
-
-
-def _all_checksums(staging: Path, known: dict[str, int]) -> dict[str, int]:
-    rest = [f for f in staging.rglob("*") if str(f.relative_to(staging)) not in known]
-    return dict(sorted({**checksums(staging, rest), **known}.items()))
 
 
 def _own_checksums(staging: Path, rank: int) -> dict[str, int]:

@@ -8,7 +8,6 @@ directory (``sharded``, loadable at any world size) or one ``torch.save`` file
 
 from __future__ import annotations
 
-import datetime
 import json
 import math
 import os
@@ -23,7 +22,6 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
 from fsdp_bridge._paths import unwritable_reason
-from fsdp_bridge._version import __version__
 from fsdp_bridge.checkpoint import _hf
 from fsdp_bridge.checkpoint._atomic import (
     SaveLock,
@@ -31,25 +29,18 @@ from fsdp_bridge.checkpoint._atomic import (
     check_replaceable,
     partial_path,
     publish,
-    write_json_durably,
 )
+from fsdp_bridge.checkpoint._description import Description
 from fsdp_bridge.checkpoint._formats import (
-    CHECKSUM,
     DCP_DIR,
-    FORMAT,
-    FORMAT_VERSION,
-    META_FILE,
     OPTIM_TENSORS,
     RNG_DIR,
     STATE_FILE,
     CheckpointError,
     Detected,
     Kind,
-    checksums,
     detect,
-    digests,
     load_dcp_metadata,
-    manifest,
     param_stats,
     read_dcp,
     strip_wrapper_prefixes,
@@ -398,29 +389,19 @@ def _write_staging(
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
             dcp.save(to_save, storage_writer=dcp.FileSystemWriter(str(staging / DCP_DIR)), no_dist=True)
     has_config = _copy_side_files(detected, staging, config_path)
-    meta = {
-        "format": FORMAT,
-        "version": FORMAT_VERSION,
-        "kind": "full" if to == "hf" else "sharded",
-        "backend": full.meta.get("backend"),
-        "world_size": full.meta.get("world_size", 1),
-        "step": full.meta.get("step"),
-        "bridge_config": full.meta.get("bridge_config"),
-        "model_class": full.meta.get("model_class"),
-        "hf_config": has_config,
-        "has_optimizer": full.optimizer is not None or (full.stream is not None and full.stream.has_optimizer),
-        "tied": tied,
-        "params": full.stream.stats(tied) if full.stream is not None else _stats(full.model, tied),
-        "torch_version": torch.__version__,
-        "fsdp_bridge_version": __version__,
-        "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "converted_from": {"path": str(Path(src)), "kind": detected.kind.value},
-        "files": manifest(staging),
-        "digests": digests(staging),
-        "checksums": checksums(staging),
-        "checksum_algorithm": CHECKSUM,
-    }
-    write_json_durably(staging / META_FILE, meta)
+    Description(
+        kind="full" if to == "hf" else "sharded",
+        backend=full.meta.get("backend"),
+        world_size=full.meta.get("world_size", 1),
+        step=full.meta.get("step"),
+        bridge_config=full.meta.get("bridge_config"),
+        model_class=full.meta.get("model_class"),
+        hf_config=has_config,
+        has_optimizer=full.optimizer is not None or (full.stream is not None and full.stream.has_optimizer),
+        tied=tied,
+        params=full.stream.stats(tied) if full.stream is not None else _stats(full.model, tied),
+        converted_from={"path": str(Path(src)), "kind": detected.kind.value},
+    ).write(staging)
 
 
 def _disk_size(path: Path) -> int:
