@@ -41,13 +41,31 @@ def _async_round_trip(root: str, backend: str) -> dict[str, object]:
     restored = fsdp_bridge.shard(build_tiny("llama", seed=3), config)
     state = fsdp_bridge.load_checkpoint(path, restored)
     same = all(torch.equal(at_call[k], v) for k, v in _full(restored).items())
-    return {
+    out = {
         "changed": changed,
         "same": same,
         "state": state,
         "done": pending.done(),
         "latest": str(fsdp_bridge.latest_checkpoint(root)),
     }
+    # The model's checkpointer: a second save refills the same host copy; close() waits and frees
+    # the writer's group and the copy, and a save after it makes new ones.
+    from fsdp_bridge.checkpoint import checkpointer_of
+
+    checkpointer = checkpointer_of(model)
+    group = checkpointer.group()
+    for name in ("step_2", "step_3"):
+        if name == "step_3":
+            checkpointer.close()
+        step()
+        at_call = _full(model)
+        path = fsdp_bridge.save_checkpoint_async(Path(root) / name, model, opt, state={"step": 2}).wait()
+        dist.barrier()  # rank 0 publishes after its own part
+        fsdp_bridge.load_checkpoint(path, restored)
+        out[f"{name}_same"] = all(torch.equal(at_call[k], v) for k, v in _full(restored).items())
+    out["new_group_after_close"] = checkpointer.group() is not group
+    checkpointer.close()
+    return out
 
 
 @pytest.mark.parametrize("backend", ["fsdp1", "fsdp2"])
@@ -56,6 +74,7 @@ def test_async_save_captures_the_state_at_the_call(tmp_path: Path, backend: str)
         assert r["changed"], "the test must train between the call and the write"
         assert r["same"], "the checkpoint must hold the weights as of the call, bit for bit"
         assert r["state"] == {"step": 1} and r["done"]
+        assert r["step_2_same"] and r["step_3_same"] and r["new_group_after_close"]
         assert r["latest"] == str(tmp_path / "step_1")
 
 

@@ -15,15 +15,17 @@ from fsdp_bridge.checkpoint._api import (
     pretrained_fits,
     save_checkpoint,
 )
-from fsdp_bridge.checkpoint._async import AsyncCheckpoint, save_checkpoint_async
+from fsdp_bridge.checkpoint._async import AsyncCheckpoint, AsyncCheckpointer, checkpointer_of, save_checkpoint_async
 from fsdp_bridge.checkpoint._atomic import latest_checkpoint, list_checkpoints, rotate_checkpoints
 from fsdp_bridge.checkpoint._convert import convert_checkpoint, inspect_checkpoint
 from fsdp_bridge.checkpoint._formats import CheckpointError, Kind, detect
 
 __all__ = [
     "AsyncCheckpoint",
+    "AsyncCheckpointer",
     "CheckpointError",
     "Kind",
+    "checkpointer_of",
     "convert_checkpoint",
     "detect",
     "full_state_options",

@@ -26,7 +26,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
 from fsdp_bridge.checkpoint._api import (
@@ -42,34 +41,73 @@ from fsdp_bridge.checkpoint._api import (
 from fsdp_bridge.checkpoint._formats import DCP_DIR
 from fsdp_bridge.checkpoint._state import write_rng
 
-__all__ = ["AsyncCheckpoint", "save_checkpoint_async"]
-
-_GROUPS: dict[tuple[int, ...], Any] = {}
+__all__ = ["AsyncCheckpoint", "AsyncCheckpointer", "checkpointer_of", "save_checkpoint_async"]
 
 
-class _CachingStager(BlockingAsyncStager):
-    """DCP's blocking stager with a cached host copy, pinned only when an accelerator exists
-    (DCP always pins its cache, which fails on a machine without one)."""
+def _new_stager() -> Any:
+    """torch's public stager, blocking (the state is copied before the call returns), with its
+    host copy kept for the next save; pinned only when an accelerator exists (pinning fails
+    on a machine without one)."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    return DefaultStager(
+        StagingOptions(
+            use_pinned_memory=torch.cuda.is_available(),
+            use_shared_memory=False,
+            use_async_staging=False,
+            use_non_blocking_copy=False,
+        )
+    )
+
+
+class AsyncCheckpointer:
+    """What asynchronous saves of one model keep between calls: a gloo group over all ranks for
+    the background writer (training collectives keep the default group), torch's stager with
+    its host copy of the state, and the save in flight (whose host copy the next save reuses).
+
+    The group belongs to the process group it was made in: after ``destroy_process_group`` and
+    a new ``init_process_group`` the next save makes a new one.  :meth:`close` waits for the
+    save in flight and frees the group and the host copy."""
 
     def __init__(self) -> None:
-        super().__init__(cache_staged_state_dict=True)
+        self._group: Any = None
+        self._group_of: Any = None  # the default group self._group was made in
+        self._stager: Any = None
+        self._structure: Any = None  # keys and shapes the stager's host copy was made for
+        self.pending: AsyncCheckpoint | None = None
 
-    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+    def group(self) -> Any:
+        """The writer's gloo group (made collectively, on first use in each process group)."""
+        if not dist.is_initialized():
+            return None
+        if self._group is None or self._group_of is not dist.group.WORLD:
+            self._group = dist.new_group(backend="gloo")
+            self._group_of = dist.group.WORLD
+        return self._group
 
-        if self.state_dict_cache is None:
-            self.state_dict_cache = _create_cpu_state_dict(state_dict, pin_memory=torch.cuda.is_available())
-        return _copy_state_dict(state_dict, self.state_dict_cache)
+    def stager(self, state: dict[str, Any]) -> Any:
+        """The stager, made again when the state's keys or shapes changed (a new optimizer)."""
+        structure = _structure(state)
+        if self._stager is None or structure != self._structure:
+            if self._stager is not None:
+                self._stager.close()
+            self._stager, self._structure = _new_stager(), structure
+        return self._stager
 
+    def wait(self) -> None:
+        if self.pending is not None and not self.pending.done():
+            self.pending.wait()
 
-def _io_group() -> Any:
-    """A gloo group over all ranks for the background writer (created once, collectively)."""
-    if not dist.is_initialized():
-        return None
-    key = tuple(range(dist.get_world_size()))
-    if key not in _GROUPS:
-        _GROUPS[key] = dist.new_group(backend="gloo")
-    return _GROUPS[key]
+    def close(self) -> None:
+        """Wait for the save in flight; free the host copy and the writer's group."""
+        try:
+            self.wait()
+        finally:
+            if self._stager is not None:
+                self._stager.close()
+            if self._group is not None and self._group_of is dist.group.WORLD and dist.is_initialized():
+                dist.destroy_process_group(self._group)
+            self._group = self._group_of = self._stager = self._structure = None
 
 
 class AsyncCheckpoint:
@@ -113,11 +151,15 @@ class AsyncCheckpoint:
         return self.path
 
 
-# One stager per model: DCP then builds the staged host copy once and only copies values
-# into it on later saves, instead of deep-copying every DTensor on every call.
-_STAGERS: weakref.WeakKeyDictionary[nn.Module, _CachingStager] = weakref.WeakKeyDictionary()
-# The save in flight per model: its staged copy is the buffer the next save would overwrite.
-_PENDING: weakref.WeakKeyDictionary[nn.Module, AsyncCheckpoint] = weakref.WeakKeyDictionary()
+# One checkpointer per model: the staged host copy is made once and refilled on later saves.
+_CHECKPOINTERS: weakref.WeakKeyDictionary[nn.Module, AsyncCheckpointer] = weakref.WeakKeyDictionary()
+
+
+def checkpointer_of(model: nn.Module) -> AsyncCheckpointer:
+    """The :class:`AsyncCheckpointer` that ``save_checkpoint_async`` uses for ``model``."""
+    if model not in _CHECKPOINTERS:
+        _CHECKPOINTERS[model] = AsyncCheckpointer()
+    return _CHECKPOINTERS[model]
 
 
 def _structure(state: Any) -> Any:
@@ -160,14 +202,16 @@ def save_checkpoint_async(
     # The state as of this call, like the weights: a loop that keeps updating its dict must not
     # publish a step that does not match them (check_state has made sure it is plain JSON).
     state = copy.deepcopy(state)
-    previous = _PENDING.get(model)
-    if previous is not None and not previous.done():
-        previous.wait()  # its staged copy is the buffer this save reuses
+    checkpointer = checkpointer_of(model)
+    checkpointer.wait()  # the save in flight: its staged copy is the buffer this save reuses
     rank, world = _rank_world()
     # Every rank learns of a staging failure on any rank here (before new_group, which would hang).
     staging = _on_every_rank(path, "creating the staging directory", lambda: _fresh_staging(path, rank))
     try:
-        return _start(path, model, optimizer, staging, state=state, keep_last=keep_last, rank=rank, world=world)
+        checkpointer.pending = _start(
+            path, model, optimizer, staging, checkpointer, state=state, keep_last=keep_last, rank=rank, world=world
+        )
+        return checkpointer.pending
     except BaseException:
         release_save_lock(path)
         raise
@@ -178,13 +222,14 @@ def _start(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None,
     staging: Path,
+    checkpointer: AsyncCheckpointer,
     *,
     state: dict[str, Any] | None,
     keep_last: int | None,
     rank: int,
     world: int,
 ) -> AsyncCheckpoint:
-    group = _io_group()
+    group = checkpointer.group()
 
     tied = _tied_groups(model)
     msd = get_model_state_dict(model)
@@ -193,16 +238,11 @@ def _start(
         to_save["optim"] = get_optimizer_state_dict(model, optimizer)
     shapes = _shapes(msd)
     write_rng(staging, rank)  # the RNG as of this call, like the weights
-    stager = _STAGERS.get(model)
-    if stager is None or (
-        stager.state_dict_cache is not None and _structure(stager.state_dict_cache) != _structure(to_save)
-    ):
-        stager = _STAGERS[model] = _CachingStager()
     future = dcp.async_save(
         to_save,
         storage_writer=dcp.FileSystemWriter(str(staging / DCP_DIR)),
         process_group=group,
-        async_stager=stager,
+        async_stager=checkpointer.stager(to_save),
     )
 
     finish = None
@@ -224,7 +264,4 @@ def _start(
             )
 
     # With the default (thread) checkpointer, async_save returns a concurrent Future.
-    pending = _PENDING[model] = AsyncCheckpoint(
-        path, cast("Future[Any]", future), finish, lambda: release_save_lock(path)
-    )
-    return pending
+    return AsyncCheckpoint(path, cast("Future[Any]", future), finish, lambda: release_save_lock(path))
