@@ -690,9 +690,28 @@ def test_partial_wrappers_unbound_no_sync_and_scaler_class_are_rewritten() -> No
     assert "ignored_modules=: module objects fixed in the wrapper" in todos[12]
     assert migrate_source(result.fixed, "wrappers.py").fixed == result.fixed
 
-    # no_sync outside FSDP1 code (here DDP's) and fsdp_bridge's own are left alone.
-    ddp = "import torch\n\ndef accumulate(ddp):\n    return ddp.no_sync\n"
-    assert migrate_source(ddp, "ddp.py").fixed == ddp
+    # DDP's no_sync in FSDP1 code (the function tells DDP apart) is left alone, bound or called.
+    ddp = textwrap.dedent(
+        """
+        import contextlib
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        def quiet_context(state):
+            if not isinstance(state.model, DDP):
+                return contextlib.nullcontext
+            return state.model.no_sync
+
+        def accumulate(model, batches):
+            if isinstance(model, DDP):
+                with model.no_sync():
+                    pass
+            return FSDP.fsdp_modules(model)
+        """
+    )
+    result = migrate_source(ddp, "ddp.py")
+    assert "state.model.no_sync\n" in result.fixed and "with model.no_sync():" in result.fixed
+    assert [f.construct for f in result.findings] == ["FSDP.fsdp_modules(...)"]
 
 
 def test_private_fsdp1_helpers_and_wrapper_subclasses_are_todos_not_fixes() -> None:

@@ -165,6 +165,11 @@ def _private_text(name: str) -> str:
             f"FSDP1's private {last} (flat-parameter handles) has no FSDP2 form: on an FSDP2 module call "
             f"module.{public} (FSDPModule), which frees or gathers that unit's parameters"
         )
+    if last == "_unshard_params_for_summon":
+        return (
+            "FSDP1's private summon context has no FSDP2 form: use fsdp_bridge.summon_full_params(module, "
+            "writeback=..., rank0_only=..., offload_to_cpu=...), a context manager on both backends"
+        )
     return (
         f"a private FSDP1 helper ({name.rsplit('.', 1)[0]}) with no FSDP2 form: FSDP2 keeps each parameter as "
         "its own DTensor; use the module's parameters and FSDPModule's public methods (unshard, reshard, "
@@ -433,6 +438,9 @@ class _Scanner(cst.CSTVisitor):
         self.name_rewrites: dict[int, str] = {}  # id(Name/Attribute) -> replacement (annotations)
         self.expr_rewrites: dict[int, str] = {}  # id(Attribute) -> replacement expression source
         self.called: set[int] = set()  # id(func) of every call
+        self.functions: list[cst.FunctionDef] = []  # enclosing function definitions
+        self.module: cst.Module | None = None
+        self.ddp_tests: dict[int, set[str]] = {}  # id(function or module) -> objects tested as DDP there
         self.class_bases: set[int] = set()  # id(base expression) of every class definition
         self.partials: set[int] = set()  # id(functools.partial(FSDP, ...)) planned (rewritten or TODO)
         self.annotation_depth = 0
@@ -481,6 +489,7 @@ class _Scanner(cst.CSTVisitor):
         self._push(node)
 
     def visit_Module(self, node: cst.Module) -> None:
+        self.module = node
         if self.planning:
             self._plan_regions(node)
             self._plan_block(node.body)
@@ -743,6 +752,8 @@ class _Scanner(cst.CSTVisitor):
             qn = {q.name for q in self.get_metadata(QualifiedNameProvider, func, set())}
             if any(q.startswith(("torch.nn", "fsdp_bridge")) for q in qn) or _code(func.value) == "fsdp_bridge":
                 return None  # torch.nn.utils.clip_grad_norm_ works on FSDP2; fsdp_bridge's are the rewrites
+            if self._ddp_tested(func.value):
+                return None  # DDP's no_sync (the code tells DDP apart), not FSDP1's
             if func.attr.value == "no_sync" and not node.args:
                 self.fixable_calls[id(node)] = "method"
                 self._record(node, f"{_code(func.value)}.no_sync()", _NAMES["no_sync"], True)
@@ -752,6 +763,35 @@ class _Scanner(cst.CSTVisitor):
                 self._record(node, f"{_code(func.value)}.clip_grad_norm_(...)", _NAMES["clip_grad_norm_"], True)
                 return None
         return None
+
+    def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
+        self.functions.append(node)
+
+    def leave_FunctionDef(self, original_node: cst.FunctionDef) -> None:
+        self.functions.pop()
+
+    def _ddp_tested(self, obj: cst.BaseExpression) -> bool:
+        """``obj`` is tested with ``isinstance(obj, DistributedDataParallel)`` in the enclosing function (or the
+        module), and never with ``isinstance(obj, FSDP)``: its ``no_sync`` is DDP's, not FSDP1's."""
+        scope: cst.CSTNode | None = self.functions[-1] if self.functions else self.module
+        if scope is None:
+            return False
+        if id(scope) not in self.ddp_tests:
+            ddp: set[str] = set()
+            fsdp: set[str] = set()
+            for n in _walk(scope):
+                if not (isinstance(n, cst.Call) and m.matches(n.func, m.Name("isinstance")) and len(n.args) == 2):
+                    continue
+                quals = [q for x in _walk(n.args[1].value) for q in self.get_metadata(QualifiedNameProvider, x, set())]
+                if any(
+                    q.name.startswith("torch.nn.parallel.") and q.name.endswith(".DistributedDataParallel")
+                    for q in quals
+                ):
+                    ddp.add(_code(n.args[0].value))
+                if any(_resolve([q]) == (FSDP, "") for q in quals):
+                    fsdp.add(_code(n.args[0].value))
+            self.ddp_tests[id(scope)] = ddp - fsdp
+        return _code(obj) in self.ddp_tests[id(scope)]
 
     def visit_ClassDef(self, node: cst.ClassDef) -> None:
         if self.planning:
@@ -841,6 +881,7 @@ class _Scanner(cst.CSTVisitor):
             and not self.assign_target_depth
             and id(node) not in self.consumed_nodes
             and _code(node.value) != "fsdp_bridge"
+            and not self._ddp_tested(node.value)
             and not any(
                 q.name.startswith(("torch.nn", "fsdp_bridge"))
                 for q in self.get_metadata(QualifiedNameProvider, node, set())
