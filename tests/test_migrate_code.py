@@ -123,7 +123,6 @@ EXPECTED: dict[str, set[tuple[int, str]]] = {
         (21, "FSDP.set_state_dict_type"),
         (22, "FSDP.set_state_dict_type"),
         (25, "class ...(FSDP)"),
-        (27, "self._state_dict_type (an FSDP1 internal)"),
         (32, "fsdp_runtime._post_backward_hook (torch.distributed.fsdp._runtime_utils._post_backward_hook)"),
     },
     "internals_and_trainer.py": {

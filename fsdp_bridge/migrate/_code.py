@@ -123,9 +123,6 @@ _INTERNAL_ATTRS: dict[str, str] = {
     "FSDPModule methods (unshard/reshard)",
     "_lazy_init": "FSDP2 initialises on the first forward; nothing to call (FSDPModule has no _lazy_init)",
     "_fsdp_wrapped_module": "FSDP2 does not wrap: the module is itself (an FSDPModule); drop the attribute",
-    "_state_dict_type": "FSDP1's current state-dict type (set by set_state_dict_type) has no FSDP2 form: an FSDP2 "
-    "module's state_dict() is always sharded (DTensor values); choose at the call: get_model_state_dict(model, "
-    "options=StateDictOptions(full_state_dict=True)) for full",
     "_handles": "FSDP1's list of FlatParamHandles has no FSDP2 form: use the module's parameters (DTensors) and "
     "FSDPModule methods (unshard/reshard)",
 }
