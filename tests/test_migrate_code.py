@@ -124,6 +124,7 @@ EXPECTED: dict[str, set[tuple[int, str]]] = {
         (22, "FSDP.set_state_dict_type"),
         (25, "class ...(FSDP)"),
         (32, "fsdp_runtime._post_backward_hook (torch.distributed.fsdp._runtime_utils._post_backward_hook)"),
+        (36, "clean_tensor_name (torch.distributed.fsdp._common_utils.clean_tensor_name)"),
     },
     "internals_and_trainer.py": {
         (14, "FSDP (annotation)"),
@@ -721,9 +722,11 @@ def test_private_fsdp1_helpers_and_wrapper_subclasses_are_todos_not_fixes() -> N
     # The state-dict settings' arguments belong to their TODO: no "kept" line counted as rewritten.
     assert by_line[21] == [False] and by_line[22] == [False], result.findings
     assert by_line[25] == [False]
-    assert [f for f in result.findings if f.fixable] == [
-        f for f in result.findings if f.construct == "StateDictType.LOCAL_STATE_DICT"
-    ]
+    kept = (
+        "StateDictType.LOCAL_STATE_DICT",
+        "clean_tensor_name (torch.distributed.fsdp._common_utils.clean_tensor_name)",
+    )
+    assert [f.construct for f in result.findings if f.fixable] == list(kept)  # a name helper works as it is
     assert "call module.reshard() (FSDPModule)" in result.fixed
     # FSDP2's own private module is not FSDP1's.
     fsdp2 = "from torch.distributed.fsdp._fully_shard import fully_shard\n\ndef go(m):\n    fully_shard(m)\n"

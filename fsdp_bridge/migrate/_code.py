@@ -154,6 +154,11 @@ def _fsdp1_private(qnames: Iterable[Any]) -> str | None:
     return None
 
 
+_NAME_HELPERS = ("clean_tensor_name", "FSDP_WRAPPED_MODULE", "FSDP_PREFIX")
+"""Private FSDP1 names that only spell or strip FSDP1's parameter-name prefixes: they still work, and
+change nothing on FSDP2 names (which have no wrapper prefix)."""
+
+
 def _private_text(name: str) -> str:
     last = name.rsplit(".", 1)[-1]
     if last in ("_reshard", "_unshard"):
@@ -898,7 +903,14 @@ class _Scanner(cst.CSTVisitor):
         hit = self._qn(node)
         if hit is None:
             if self.uses_fsdp1 and (private := self._private(node)) is not None:
-                self._record(node, f"{_code(node)} ({private})", _private_text(private), False)
+                if private.rsplit(".", 1)[-1] in _NAME_HELPERS:
+                    text = (
+                        "kept: FSDP1's parameter-name prefix helper still works; FSDP2 names have no wrapper "
+                        "prefix, so it changes nothing there"
+                    )
+                    self._record(node, f"{_code(node)} ({private})", text, True)
+                else:
+                    self._record(node, f"{_code(node)} ({private})", _private_text(private), False)
                 return False
             return True
         self.uses_fsdp1 = True
