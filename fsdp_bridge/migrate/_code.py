@@ -123,8 +123,61 @@ _INTERNAL_ATTRS: dict[str, str] = {
     "FSDPModule methods (unshard/reshard)",
     "_lazy_init": "FSDP2 initialises on the first forward; nothing to call (FSDPModule has no _lazy_init)",
     "_fsdp_wrapped_module": "FSDP2 does not wrap: the module is itself (an FSDPModule); drop the attribute",
+    "_handles": "FSDP1's list of FlatParamHandles has no FSDP2 form: use the module's parameters (DTensors) and "
+    "FSDPModule methods (unshard/reshard)",
 }
 """FSDP1 internals real trainers reach into, and what to do on FSDP2."""
+
+_FSDP1_PRIVATE_MODULES = (
+    "_runtime_utils",
+    "_flat_param",
+    "_common_utils",
+    "_init_utils",
+    "_state_dict_utils",
+    "_optim_utils",
+    "_wrap_utils",
+    "_traversal_utils",
+    "_exec_order_utils",
+    "_limiter_utils",
+    "_unshard_param_utils",
+    "_debug_utils",
+)
+"""Private modules of ``torch.distributed.fsdp`` that implement FSDP1 only (FSDP2 lives in ``_fully_shard``)."""
+
+
+def _fsdp1_private(qnames: Iterable[Any]) -> str | None:
+    """``torch.distributed.fsdp._runtime_utils._reshard`` -> that name, for FSDP1's private modules."""
+    for q in qnames:
+        parts = q.name.split(".")
+        if parts[:3] == ["torch", "distributed", "fsdp"] and len(parts) > 4 and parts[3] in _FSDP1_PRIVATE_MODULES:
+            return str(q.name)
+    return None
+
+
+_NAME_HELPERS = ("clean_tensor_name", "FSDP_WRAPPED_MODULE", "FSDP_PREFIX")
+"""Private FSDP1 names that only spell or strip FSDP1's parameter-name prefixes: they still work, and
+change nothing on FSDP2 names (which have no wrapper prefix)."""
+
+
+def _private_text(name: str) -> str:
+    last = name.rsplit(".", 1)[-1]
+    if last in ("_reshard", "_unshard"):
+        public = "reshard()" if last == "_reshard" else "unshard()"
+        return (
+            f"FSDP1's private {last} (flat-parameter handles) has no FSDP2 form: on an FSDP2 module call "
+            f"module.{public} (FSDPModule), which frees or gathers that unit's parameters"
+        )
+    if last == "_unshard_params_for_summon":
+        return (
+            "FSDP1's private summon context has no FSDP2 form: use fsdp_bridge.summon_full_params(module, "
+            "writeback=..., rank0_only=..., offload_to_cpu=...), a context manager on both backends"
+        )
+    return (
+        f"a private FSDP1 helper ({name.rsplit('.', 1)[0]}) with no FSDP2 form: FSDP2 keeps each parameter as "
+        "its own DTensor; use the module's parameters and FSDPModule's public methods (unshard, reshard, "
+        "set_requires_gradient_sync) or the bridge's functions"
+    )
+
 
 _CONFIG_DRIVEN = {
     "TrainingArguments": "fsdp",
@@ -385,6 +438,13 @@ class _Scanner(cst.CSTVisitor):
         self.needs_imports: set[tuple[str, str | None]] = set()  # (module, name) other rewrites use
         self.optimizer_moves: dict[int, int] = {}  # id(optimizer statement) -> id(the wrap statement it follows)
         self.name_rewrites: dict[int, str] = {}  # id(Name/Attribute) -> replacement (annotations)
+        self.expr_rewrites: dict[int, str] = {}  # id(Attribute) -> replacement expression source
+        self.called: set[int] = set()  # id(func) of every call
+        self.functions: list[cst.FunctionDef] = []  # enclosing function definitions
+        self.module: cst.Module | None = None
+        self.ddp_tests: dict[int, set[str]] = {}  # id(function or module) -> objects tested as DDP there
+        self.class_bases: set[int] = set()  # id(base expression) of every class definition
+        self.partials: set[int] = set()  # id(functools.partial(FSDP, ...)) planned (rewritten or TODO)
         self.annotation_depth = 0
         self.assign_target_depth = 0
         self.attr_drops: set[int] = set()  # id(Attribute) -> replaced by its value (FSDP1 wrapper internals)
@@ -398,6 +458,11 @@ class _Scanner(cst.CSTVisitor):
     # -- helpers -------------------------------------------------------------------
     def _qn(self, node: cst.CSTNode) -> tuple[str, str] | None:
         return _resolve(self.get_metadata(QualifiedNameProvider, node, set()))
+
+    def _private(self, node: cst.CSTNode) -> str | None:
+        if isinstance(node, cst.Attribute) and self._private(node.value) is not None:
+            return None  # reported at its module's name
+        return _fsdp1_private(self.get_metadata(QualifiedNameProvider, node, set()))
 
     def _record(self, node: cst.CSTNode, construct: str, replacement: str, fixable: bool) -> None:
         pos = self.get_metadata(PositionProvider, node)
@@ -426,6 +491,7 @@ class _Scanner(cst.CSTVisitor):
         self._push(node)
 
     def visit_Module(self, node: cst.Module) -> None:
+        self.module = node
         if self.planning:
             self._plan_regions(node)
             self._plan_block(node.body)
@@ -567,6 +633,8 @@ class _Scanner(cst.CSTVisitor):
     # -- expressions ---------------------------------------------------------------
     def visit_Call(self, node: cst.Call) -> bool | None:
         func = node.func
+        if self.planning:
+            self.called.add(id(func))
         if id(node) in self.kept_checks:
             if not self.planning:
                 self.uses_fsdp1 = True
@@ -598,6 +666,10 @@ class _Scanner(cst.CSTVisitor):
             self.uses_fsdp1 = True
             self._record(node, construct, region.text(), True)
             return False
+        if id(node) in self.partials:
+            return False
+        if self.planning and self._plan_partial(node):
+            return False
         hit = self._qn(func)
         if hit is not None and hit[0] == FSDP and hit[1] == "":
             self.uses_fsdp1 = True
@@ -614,6 +686,9 @@ class _Scanner(cst.CSTVisitor):
             return False
         if self._plan_optim_load(node):
             return False
+        if hit in ((FSDP, "state_dict_type"), (FSDP, "set_state_dict_type")) and id(func) not in self.consumed_nodes:
+            for a in node.args:  # its arguments belong to this construct (a TODO when the block is not rewritten)
+                self._consume(a.value)
         if hit == ("enable_wrap", ""):
             self._record(node, "enable_wrap(...)", _NAMES["enable_wrap"], False)
             self._consume(node)  # its wrapper_cls=FSDP is part of this construct
@@ -679,6 +754,8 @@ class _Scanner(cst.CSTVisitor):
             qn = {q.name for q in self.get_metadata(QualifiedNameProvider, func, set())}
             if any(q.startswith(("torch.nn", "fsdp_bridge")) for q in qn) or _code(func.value) == "fsdp_bridge":
                 return None  # torch.nn.utils.clip_grad_norm_ works on FSDP2; fsdp_bridge's are the rewrites
+            if self._ddp_tested(func.value):
+                return None  # DDP's no_sync (the code tells DDP apart), not FSDP1's
             if func.attr.value == "no_sync" and not node.args:
                 self.fixable_calls[id(node)] = "method"
                 self._record(node, f"{_code(func.value)}.no_sync()", _NAMES["no_sync"], True)
@@ -688,6 +765,39 @@ class _Scanner(cst.CSTVisitor):
                 self._record(node, f"{_code(func.value)}.clip_grad_norm_(...)", _NAMES["clip_grad_norm_"], True)
                 return None
         return None
+
+    def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
+        self.functions.append(node)
+
+    def leave_FunctionDef(self, original_node: cst.FunctionDef) -> None:
+        self.functions.pop()
+
+    def _ddp_tested(self, obj: cst.BaseExpression) -> bool:
+        """``obj`` is tested with ``isinstance(obj, DistributedDataParallel)`` in the enclosing function (or the
+        module), and never with ``isinstance(obj, FSDP)``: its ``no_sync`` is DDP's, not FSDP1's."""
+        scope: cst.CSTNode | None = self.functions[-1] if self.functions else self.module
+        if scope is None:
+            return False
+        if id(scope) not in self.ddp_tests:
+            ddp: set[str] = set()
+            fsdp: set[str] = set()
+            for n in _walk(scope):
+                if not (isinstance(n, cst.Call) and m.matches(n.func, m.Name("isinstance")) and len(n.args) == 2):
+                    continue
+                quals = [q for x in _walk(n.args[1].value) for q in self.get_metadata(QualifiedNameProvider, x, set())]
+                if any(
+                    q.name.startswith("torch.nn.parallel.") and q.name.endswith(".DistributedDataParallel")
+                    for q in quals
+                ):
+                    ddp.add(_code(n.args[0].value))
+                if any(_resolve([q]) == (FSDP, "") for q in quals):
+                    fsdp.add(_code(n.args[0].value))
+            self.ddp_tests[id(scope)] = ddp - fsdp
+        return _code(obj) in self.ddp_tests[id(scope)]
+
+    def visit_ClassDef(self, node: cst.ClassDef) -> None:
+        if self.planning:
+            self.class_bases.update(id(b.value) for b in node.bases)
 
     def visit_AssignTarget(self, node: cst.AssignTarget) -> None:
         self.assign_target_depth += 1
@@ -746,6 +856,9 @@ class _Scanner(cst.CSTVisitor):
                 self._record(node, f"{_code(node)} (an FSDP1 internal)", region.text(), True)
                 return True
             if (hit := self._qn(node)) is None:
+                if self.uses_fsdp1 and (private := self._private(node)) is not None:
+                    self._record(node, f"{_code(node)} ({private})", region.text(), True)
+                    return False
                 return True
             self.uses_fsdp1 = True
             self._record(node, f"FSDP.{hit[1]}" if hit[0] == FSDP and hit[1] else _code(node), region.text(), True)
@@ -762,8 +875,43 @@ class _Scanner(cst.CSTVisitor):
                 return True
             self._record(node, f"{_code(node)} (an FSDP1 internal)", _INTERNAL_ATTRS[node.attr.value], False)
             return True
+        if (
+            isinstance(node, cst.Attribute)
+            and node.attr.value == "no_sync"
+            and id(node) not in self.called
+            and self.uses_fsdp1
+            and not self.assign_target_depth
+            and id(node) not in self.consumed_nodes
+            and _code(node.value) != "fsdp_bridge"
+            and not self._ddp_tested(node.value)
+            and not any(
+                q.name.startswith(("torch.nn", "fsdp_bridge"))
+                for q in self.get_metadata(QualifiedNameProvider, node, set())
+            )
+        ):
+            # ``ctx = model.no_sync`` (called later as ``ctx()``): FSDPModule has no no_sync.
+            code = f"functools.partial(fsdp_bridge.no_sync, {_code(node.value)})"
+            self.expr_rewrites[id(node)] = code
+            self.needs_imports.update({("functools", None), ("fsdp_bridge", None)})
+            self._record(
+                node,
+                f"{_code(node)} (not called here)",
+                f"{code}: calling it gives fsdp_bridge.no_sync({_code(node.value)}); " + _fsdp2("no_sync"),
+                True,
+            )
+            return True
         hit = self._qn(node)
         if hit is None:
+            if self.uses_fsdp1 and (private := self._private(node)) is not None:
+                if private.rsplit(".", 1)[-1] in _NAME_HELPERS:
+                    text = (
+                        "kept: FSDP1's parameter-name prefix helper still works; FSDP2 names have no wrapper "
+                        "prefix, so it changes nothing there"
+                    )
+                    self._record(node, f"{_code(node)} ({private})", text, True)
+                else:
+                    self._record(node, f"{_code(node)} ({private})", _private_text(private), False)
+                return False
             return True
         self.uses_fsdp1 = True
         if id(node) in self.consumed_nodes:
@@ -773,6 +921,17 @@ class _Scanner(cst.CSTVisitor):
             self.needs_imports.add(("torch.distributed.fsdp", "FSDPModule"))
             self.name_rewrites[id(node)] = "FSDPModule"
             self._record(node, f"{_code(node)} (annotation)", "FSDPModule (FSDP2 units are FSDPModule)", True)
+            return False
+        if kind == FSDP and member == "" and id(node) in self.class_bases:
+            self._record(
+                node,
+                f"class ...({_code(node)})",
+                "not rewritten: a subclass of FSDP1's wrapper has no FSDP2 form (FSDP2 does not wrap: fully_shard "
+                "makes the module itself an FSDPModule); build the model unwrapped, shard it with "
+                "fsdp_bridge.shard(model, fsdp_bridge.BridgeConfig.from_fsdp1(**<the subclass's constructor "
+                "arguments>)), and move the subclass's overrides into the code that calls them",
+                False,
+            )
             return False
         if kind == FSDP and member == "":
             # FSDP(...) calls are handled in visit_Call; isinstance(x, FSDP) and the like land here.
@@ -796,6 +955,25 @@ class _Scanner(cst.CSTVisitor):
                 "sharding"
             )
             self._record(node, _code(node), text, not reentrant)
+            return False
+        if (
+            kind == "ShardedGradScaler"
+            and not member
+            and id(node) not in self.called
+            and not self.assign_target_depth
+            and not self.annotation_depth
+        ):
+            # The class itself, passed on or re-exported (``GradScaler = ShardedGradScaler``): same constructor
+            # arguments but process_group.
+            self.needs_imports.add(("torch", None))
+            self.expr_rewrites[id(node)] = "torch.amp.GradScaler"
+            self._record(
+                node,
+                f"{_code(node)} (the class, not called here)",
+                "torch.amp.GradScaler: the same constructor arguments except process_group= (a call that passes it "
+                f"fails with TypeError; FSDP2 needs no group) ({_fsdp2_any('ShardedGradScaler')})",
+                True,
+            )
             return False
         if kind in _KEPT:
             reader = (
@@ -851,6 +1029,75 @@ class _Scanner(cst.CSTVisitor):
             self._kwarg_finding(a, case, fixable)
         for note in conv.report_notes:
             self._record(call, "backward_prefetch", note, False)
+
+    def _plan_partial(self, node: cst.Call) -> bool:
+        """``functools.partial(FSDP, **kwargs)`` (a wrapper applied later as ``wrapper(module)``) ->
+        ``functools.partial(fsdp_bridge.shard, config=fsdp_bridge.BridgeConfig.from_fsdp1(**kwargs))``."""
+        if not (
+            len(node.args) >= 1
+            and node.args[0].keyword is None
+            and node.args[0].star == ""
+            and self._qn(node.args[0].value) == (FSDP, "")
+            and any(q.name == "functools.partial" for q in self.get_metadata(QualifiedNameProvider, node.func, set()))
+        ):
+            return False
+        self.uses_fsdp1 = True
+        self.partials.add(id(node))
+        self._consume(node.func)
+        for a in node.args:
+            self._consume(a.value)
+        construct = f"{_code(node.func)}({_code(node.args[0].value)}, ...)"
+        rest = node.args[1:]
+        blockers = [
+            f"{_code(a.value)}: positional arguments after FSDP (the module is given when the wrapper is called)"
+            for a in rest
+            if a.keyword is None and a.star != "**"
+        ] + [
+            f"{a.keyword.value}=: module objects fixed in the wrapper; name them for the bridge: "
+            "BridgeConfig(ignored_modules=['path.to.module' or 'ClassName'])"
+            for a in rest
+            if a.keyword is not None and a.keyword.value in ("module", "ignored_modules", "ignored_states")
+        ]
+        conv = _Conversion()
+        runtime = None
+        if not blockers:
+            probe = node.with_changes(args=[cst.Arg(cst.Name("module")), *rest])
+            runtime = self._plan_runtime(probe, conv)
+            blockers = conv.blockers
+        if runtime is None:
+            self._record(node, construct, "not rewritten: " + "; ".join(blockers), False)
+            return True
+        i1, i2 = "    ", "        "
+        lines = [f"{_code(node.func)}(", f"{i1}fsdp_bridge.shard,", f"{i1}config=fsdp_bridge.BridgeConfig.from_fsdp1("]
+        for kw, code in runtime:
+            first, *more = (f"**{code}" if kw == "**" else f"{kw}={code}").split("\n")
+            lines.append(i2 + first)
+            lines.extend(i2 + line for line in (textwrap.dedent("\n".join(more)).split("\n") if more else []))
+            lines[-1] += ","
+        lines.append(f"{i1}),")
+        if conv.mesh is not None:
+            lines.append(f"{i1}mesh={_code(conv.mesh)},")
+        lines.append(")")
+        self.call_rewrites[id(node)] = "\n".join(lines)
+        self.needs_imports.add(("fsdp_bridge", None))
+        names = [k for k, _ in runtime]
+        self._record(
+            node,
+            construct,
+            f"{_code(node.func)}(fsdp_bridge.shard, config=fsdp_bridge.BridgeConfig.from_fsdp1(...)"
+            + (", mesh=...)" if conv.mesh is not None else ")")
+            + f": calling it shards the module it is given; {', '.join(names) or 'no options'} kept as written and "
+            "translated when the code runs (FSDP1's meaning, exactly)",
+            True,
+        )
+        prefetch = dict(runtime)
+        for a in rest:
+            if a.keyword is None or a.keyword.value == "device_mesh":
+                continue
+            if a.keyword.value == "backward_prefetch" and prefetch.get("backward_prefetch") == '"pre"':
+                continue  # reported with its TODO by _plan_runtime
+            self._runtime_kwarg_finding(a)
+        return True
 
     def _plan_runtime(self, call: cst.Call, static: _Conversion) -> list[tuple[str, str]] | None:
         """FSDP1's arguments by name for ``BridgeConfig.from_fsdp1``; None when they cannot be named."""
@@ -1650,12 +1897,16 @@ class _Fixer(cst.CSTTransformer):
         return updated_node
 
     def leave_Name(self, original_node: cst.Name, updated_node: cst.Name) -> Any:
+        if (code := self.scan.expr_rewrites.get(id(original_node))) is not None:
+            return cst.parse_expression(code)
         rewrite = self.scan.name_rewrites.get(id(original_node))
         return cst.Name(rewrite) if rewrite else updated_node
 
     def leave_Attribute(self, original_node: cst.Attribute, updated_node: cst.Attribute) -> Any:
         if id(original_node) in self.scan.attr_drops:
             return updated_node.value
+        if (code := self.scan.expr_rewrites.get(id(original_node))) is not None:
+            return cst.parse_expression(code)
         rewrite = self.scan.name_rewrites.get(id(original_node))
         return cst.Name(rewrite) if rewrite else updated_node
 
