@@ -114,10 +114,11 @@ def _load_only(root: str, refs: dict[str, Any]) -> list[str]:
 def _pretrained_in_and_out(root: str) -> list[str]:
     """A Hugging Face directory (several files) into each backend with the layouts whose shards
     differ (replicated, hybrid 2 x 2, offloaded), each rank reading only its slices; then
-    ``kind="full"``, assembled from every rank's slices, must hold the same tensors bit for bit."""
+    ``kind="full"``, assembled from every rank's slices, must hold the same tensors bit for bit,
+    in the same files."""
     from transformers import AutoModelForCausalLM
 
-    from fsdp_bridge.checkpoint._hf import read_hf_weights
+    from fsdp_bridge.checkpoint._hf import read_hf_weights, read_weight_map
 
     source = Path(root) / "pretrained"
     plain = build_tiny("llama", seed=11)
@@ -137,10 +138,13 @@ def _pretrained_in_and_out(root: str) -> list[str]:
             )
             model = fsdp_bridge.load_pretrained(lambda: AutoModelForCausalLM.from_config(plain.config), source, config)
             out = Path(root) / f"export_{backend}_{strategy}_{offload}"
-            fsdp_bridge.save_checkpoint(out, model, kind="full", max_shard_size="30KB")
+            # No max_shard_size: the files the weights came from (the source's index).
+            fsdp_bridge.save_checkpoint(out, model, kind="full")
             got = read_hf_weights(out)
             if set(got) != set(want) or not all(torch.equal(got[k], want[k]) for k in want):
                 wrong.append(out.name)
+            if read_weight_map(out) != read_weight_map(source):
+                wrong.append(f"{out.name}: file layout")
     return wrong
 
 

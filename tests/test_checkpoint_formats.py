@@ -457,6 +457,21 @@ def test_convert_to_hf_streams_the_exact_state(tmp_path: Path) -> None:
         for key, value in state.items():
             assert torch.equal(saved["state"][names[i]][key], value), (names[i], key)
     assert json.loads((out / "fsdp_bridge.json").read_text())["has_optimizer"] is True
+    # --hf-config ORIGINAL_DIR: back into the original's files; an index naming files elsewhere
+    # (user input) is not followed.
+    model.save_pretrained(tmp_path / "original", max_shard_size="50KB")
+    back = fsdp_bridge.checkpoint.convert_checkpoint(
+        tmp_path / "sharded", tmp_path / "back", to="hf", hf_config=tmp_path / "original"
+    )
+    assert _hf.read_weight_map(back) == _hf.read_weight_map(tmp_path / "original")
+    assert all(torch.equal(_hf.read_hf_weights(back)[k], v) for k, v in model.state_dict().items())
+    index = json.loads((tmp_path / "original" / "model.safetensors.index.json").read_text())
+    index["weight_map"] = {k: "../escaped.safetensors" for k in index["weight_map"]}
+    (tmp_path / "original" / "model.safetensors.index.json").write_text(json.dumps(index))
+    fsdp_bridge.checkpoint.convert_checkpoint(
+        tmp_path / "sharded", tmp_path / "back2", to="hf", hf_config=tmp_path / "original"
+    )
+    assert not (tmp_path / "escaped.safetensors").exists() and (tmp_path / "back2" / "model.safetensors").is_file()
 
 
 def test_offline_errors_and_metadata_safety(tmp_path: Path) -> None:

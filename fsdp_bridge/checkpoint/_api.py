@@ -12,6 +12,7 @@ import logging
 import math
 import os
 import shutil
+import weakref
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -273,7 +274,7 @@ def save_checkpoint(
     kind: SaveKind = "sharded",
     state: dict[str, Any] | None = None,
     keep_last: int | None = None,
-    max_shard_size: int | str = _hf.DEFAULT_MAX_SHARD_SIZE,
+    max_shard_size: int | str | None = None,
 ) -> Path:
     """Save ``model`` (and ``optimizer``, ``state``) to ``path``; call on every rank.
 
@@ -299,6 +300,8 @@ def save_checkpoint(
         state: a JSON-serialisable dict saved beside the weights.
         keep_last: after publishing, keep only the K newest checkpoints beside ``path``.
         max_shard_size: the largest safetensors file for ``kind="full"`` (``"5GB"`` or bytes).
+            Default: the file layout of the directory :func:`load_pretrained` filled the model
+            from, when it had an index and names the same tensors; otherwise ``"5GB"``.
 
     Returns:
         ``path``.
@@ -308,7 +311,11 @@ def save_checkpoint(
     """
     if kind == "adapter" or kind == "merged":
         return _peft.save_peft(
-            path, model, kind, full_state_dict=full_state_options(model), max_shard_size=max_shard_size
+            path,
+            model,
+            kind,
+            full_state_dict=full_state_options(model),
+            max_shard_size=max_shard_size or _hf.DEFAULT_MAX_SHARD_SIZE,
         )
     if kind not in ("sharded", "full"):
         raise ValueError(
@@ -342,7 +349,7 @@ def _save(
     kind: str,
     state: dict[str, Any] | None,
     keep_last: int | None,
-    max_shard_size: int | str,
+    max_shard_size: int | str | None,
     rank: int,
     world: int,
 ) -> Path:
@@ -371,7 +378,10 @@ def _save(
         shapes = _shapes(msd)
 
         tensors = _hf.drop_tied_aliases({k: v for k, v in msd.items() if isinstance(v, torch.Tensor)}, tied)
-        export = _hf.FullExport(staging, tensors, osd, max_shard_size=max_shard_size)
+        layout = _SOURCE_LAYOUT.get(model) if max_shard_size is None else None
+        export = _hf.FullExport(
+            staging, tensors, osd, max_shard_size=max_shard_size or _hf.DEFAULT_MAX_SHARD_SIZE, layout=layout
+        )
         # One agreement per step: a rank that fails must not leave the others in a collective.
         _on_every_rank(path, "writing each rank's slices of the full state", export.write_pieces)
         _on_every_rank(path, "assembling the full state's files", lambda: export.assemble(rank, world))
@@ -775,6 +785,13 @@ def load_checkpoint(
 # --------------------------------------------------------------------------------------
 
 
+def _remember_layout(model: nn.Module, path: str | os.PathLike[str]) -> None:
+    directory = Path(path)
+    weight_map = _hf.read_weight_map(directory) if directory.is_dir() else None
+    if weight_map is not None:
+        _SOURCE_LAYOUT[model] = weight_map
+
+
 def pretrained_fits(path: str | os.PathLike[str], model: nn.Module) -> bool:
     """Whether ``path`` is a Hugging Face directory whose tensor names and shapes are exactly those
     of ``model`` (unsharded, e.g. on the meta device; a tied name may be stored once), so that
@@ -791,6 +808,11 @@ def pretrained_fits(path: str | os.PathLike[str], model: nn.Module) -> bool:
     if not set(found) <= set(expected):
         return False
     return all(found[k] == shape if k in found else k in allowed for k, shape in expected.items())
+
+
+_SOURCE_LAYOUT: weakref.WeakKeyDictionary[nn.Module, dict[str, str]] = weakref.WeakKeyDictionary()
+"""The safetensors index (name -> file) of the directory load_pretrained filled a model from:
+a full export of that model writes the same files."""
 
 
 def load_pretrained(
@@ -828,6 +850,7 @@ def load_pretrained(
 
     if _bridge(model_or_builder) is not None:  # type: ignore[arg-type]
         load_checkpoint(path, model_or_builder, restore_rng=False)  # type: ignore[arg-type]
+        _remember_layout(model_or_builder, path)  # type: ignore[arg-type]
         return model_or_builder  # type: ignore[return-value]
     if isinstance(model_or_builder, nn.Module):
         model = model_or_builder
@@ -864,6 +887,7 @@ def load_pretrained(
     with weights_loaded_after_shard():
         sharded = shard(model, config, mesh=mesh)
     load_checkpoint(path, sharded, restore_rng=False)
+    _remember_layout(sharded, path)
     with torch.no_grad():
         for name, buf in sharded.named_buffers():
             clean = strip_wrapper_prefixes(name)

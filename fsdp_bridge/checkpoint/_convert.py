@@ -110,16 +110,22 @@ class _DCPStream:
             read_dcp(flat, self.dcp_dir, no_dist=True)
         return {n: flat[specs[n][0]] for n in names}
 
-    def write_hf(self, staging: Path, tied: list[list[str]], max_shard_size: int | str) -> None:
-        """The Hugging Face layout save_checkpoint(kind="full") writes, one batch of tensors in memory at a time."""
+    def write_hf(
+        self, staging: Path, tied: list[list[str]], max_shard_size: int | str, layout: dict[str, str] | None
+    ) -> None:
+        """The Hugging Face layout save_checkpoint(kind="full") writes, one batch of tensors in memory
+        at a time; in the files of ``layout`` (an index's weight map) when it names these tensors."""
         aliases = {n for group in tied for n in group[1:]}
         weights = {n: spec for n, spec in self.model.items() if n not in aliases}
         sizes = {n: math.prod(shape) * dtype.itemsize for n, (_, shape, dtype) in weights.items()}
-        file_of = _hf.file_of_each(sizes, _hf.parse_size(max_shard_size))
-        files = max(file_of.values(), default=1)
-        names = {
-            n: _hf.SINGLE if files == 1 else f"model-{i:05d}-of-{files:05d}.safetensors" for n, i in file_of.items()
-        }
+        if layout is not None and _hf.layout_fits(layout, weights):
+            names, files = dict(layout), 2  # indexed, as the source was
+        else:
+            file_of = _hf.file_of_each(sizes, _hf.parse_size(max_shard_size))
+            files = max(file_of.values(), default=1)
+            names = {
+                n: _hf.SINGLE if files == 1 else f"model-{i:05d}-of-{files:05d}.safetensors" for n, i in file_of.items()
+            }
         for file_name in dict.fromkeys(names.values()):
             specs = {n: weights[n][1:] for n in weights if names[n] == file_name}
             _hf.write_safetensors_streamed(staging / file_name, specs, lambda batch: self._read(weights, batch))
@@ -376,7 +382,9 @@ def _write_staging(
 ) -> None:
     tied = full.meta.get("tied", [])
     if full.stream is not None:
-        full.stream.write_hf(staging, tied, max_shard_size)
+        # --hf-config ORIGINAL_DIR: back into the files the original model came in.
+        layout = _hf.read_weight_map(config_path) if config_path is not None and config_path.is_dir() else None
+        full.stream.write_hf(staging, tied, max_shard_size, layout)
     elif to == "hf":
         _hf.write_hf_weights(staging, _hf.drop_tied_aliases(full.model, tied), max_shard_size=max_shard_size)
         if full.optimizer is not None:

@@ -32,11 +32,13 @@ __all__ = [
     "FullExport",
     "drop_tied_aliases",
     "file_of_each",
+    "layout_fits",
     "parse_size",
     "read_hf_shapes",
     "read_hf_slices",
     "read_hf_weights",
     "read_optimizer",
+    "read_weight_map",
     "write_hf_config",
     "write_hf_weights",
     "write_optimizer",
@@ -136,17 +138,26 @@ class FullExport:
         optimizer: dict[str, Any] | None,
         *,
         max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+        layout: Mapping[str, str] | None = None,
     ) -> None:
         self.directory = directory
         self.optimizer = optimizer
         optim_tensors, self.optim_scalars = _split_optimizer_state(optimizer) if optimizer else ({}, {})
         self.tensors = {**model, **optim_tensors}
-        file_of = file_of_each({k: _size_of(v) for k, v in model.items()}, parse_size(max_shard_size))
-        self.files = max(file_of.values(), default=0)
-        self.file_name = {k: f"model-{i:05d}-of-{self.files:05d}{_SUFFIX}" for k, i in file_of.items()}
+        # The files the weights were loaded from, when they name exactly these tensors and only
+        # plain safetensors file names (an index is user input: nothing may point elsewhere).
+        self.indexed = layout is not None and layout_fits(layout, model)
+        if layout is not None and self.indexed:
+            self.file_name = {k: layout[k] for k in model}
+            self.files = len(set(self.file_name.values()))
+        else:
+            file_of = file_of_each({k: _size_of(v) for k, v in model.items()}, parse_size(max_shard_size))
+            self.files = max(file_of.values(), default=0)
+            self.indexed = self.files > 1
+            self.file_name = {k: f"model-{i:05d}-of-{self.files:05d}{_SUFFIX}" for k, i in file_of.items()}
         self.file_name.update(dict.fromkeys(optim_tensors, OPTIM_TENSORS))
         # 0-dim tensors (an optimizer's step, a scalar parameter) come out of torch's assembly as
-        # zeros: its sub-tensor copy writes nothing for shape [] (checked on 2.13.0; reported and
+        # zeros: its sub-tensor copy writes nothing for shape [] (checked on 2.13.0 and 2.14.1; reported and
         # fixed in a downstream copy, NVIDIA-NeMo/Automodel#301).  Rank 0 writes their bytes itself:
         # harmless where torch wrote them right.  tests/test_zero_dim_params.py exports one.
         self.scalars = {
@@ -183,10 +194,10 @@ class FullExport:
             _write_tensor_bytes(self.directory / self.file_name[name], name, value)
         shutil.rmtree(self._pieces)
         index = self.directory / INDEX
-        if self.files == 1:  # one file: the name save_pretrained gives it
+        if not self.indexed:  # one file: the name save_pretrained gives it
             (self.directory / f"model-00001-of-00001{_SUFFIX}").rename(self.directory / SINGLE)
             index.unlink(missing_ok=True)
-        elif self.files > 1:
+        else:
             weights = {k: n for k, n in self.file_name.items() if n != OPTIM_TENSORS}
             total = sum(_size_of(self.tensors[k]) for k in weights)
             index.write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weights}, indent=2) + "\n")
@@ -249,6 +260,16 @@ def write_safetensors_streamed(
                 f.write(tensors[name].detach().contiguous().reshape(-1).view(torch.uint8).numpy().data)
 
 
+def layout_fits(layout: Mapping[str, str], names: Iterable[str]) -> bool:
+    """Whether a safetensors index (name -> file) names exactly ``names``, in plain safetensors
+    file names only: an index is user input, and nothing written may point elsewhere."""
+
+    def plain(name: str) -> bool:
+        return name == Path(name).name and name.endswith(_SUFFIX) and not name.startswith(".") and name != OPTIM_TENSORS
+
+    return set(layout) == set(names) and all(plain(n) for n in layout.values())
+
+
 def _write_tensor_bytes(path: Path, name: str, value: torch.Tensor) -> None:
     """Overwrite the data of tensor ``name`` in safetensors file ``path`` (same shape and dtype)."""
     data = value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
@@ -276,17 +297,25 @@ def write_hf_config(directory: Path, model: torch.nn.Module) -> bool:
     return True
 
 
+def read_weight_map(directory: Path) -> dict[str, str] | None:
+    """Tensor name -> file name from a directory's safetensors index (None without one)."""
+    index = directory / INDEX
+    if not index.is_file():
+        return None
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise CheckpointError(index, f"is not a valid safetensors index ({err})") from err
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise CheckpointError(index, "weight_map is not a mapping of tensor names to file names")
+    return weight_map
+
+
 def _weight_files(directory: Path) -> list[Path]:
     if directory.is_file():
         return [directory]
-    index = directory / INDEX
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as err:
-            raise CheckpointError(index, f"is not a valid safetensors index ({err})") from err
-        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-            raise CheckpointError(index, "weight_map is not a mapping of tensor names to file names")
+    weight_map = read_weight_map(directory)
+    if weight_map is not None:
         files = [safe_child(directory, name) for name in sorted(set(weight_map.values()))]
     else:
         files = [safe_child(directory, SINGLE)]  # a symlink to a file elsewhere is refused

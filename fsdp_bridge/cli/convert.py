@@ -33,7 +33,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument(
         "--hf-config",
         default=None,
-        help="config.json (or a directory holding one) to write beside hf weights when SRC has none",
+        help="config.json (or a directory holding one) to write beside hf weights when SRC has none; "
+        "a directory's safetensors index also gives --to hf its file layout (the original model's files)",
     )
     p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file for --to hf (default 5GB)")
     p.set_defaults(func=run)
