@@ -343,6 +343,25 @@ def test_a_refused_load_leaves_model_and_optimizer_untouched(case: str, saved: P
     assert _same(before, _snapshot(model, opt)), f"{case}: the load was refused but changed the model or optimizer"
 
 
+def test_a_load_into_the_live_state_says_when_it_stopped_half_way(saved: Path) -> None:
+    """all_or_nothing=False saves the copy of the shards; every check before reading still refuses
+    with the model untouched; a shard that then fails to read says the load is partial."""
+    model = build_tiny("llama", seed=5)
+    opt = _optimizer(model, lr=5.0)
+    before = _snapshot(model, opt)
+    base, damage = DAMAGE["train_state_garbage"]
+    path = _damaged(saved, base, "train_state_garbage", damage)
+    with pytest.raises(CheckpointError, match=r"train_state\.json"):
+        fsdp_bridge.load_checkpoint(path, model, opt, all_or_nothing=False)
+    assert _same(before, _snapshot(model, opt))
+    base, damage = DAMAGE["zeroed_dcp_shard"]
+    path = _damaged(saved, base, "zeroed_dcp_shard", damage)
+    with pytest.raises(CheckpointError, match="now hold part of it"):
+        fsdp_bridge.load_checkpoint(path, model, opt, all_or_nothing=False)
+    state = fsdp_bridge.load_checkpoint(saved / "sharded", model, opt, all_or_nothing=False)
+    assert state == {"step": 1}
+
+
 def test_an_optimizer_with_other_groups_is_refused_before_the_model_changes(saved: Path) -> None:
     model = build_tiny("llama", seed=5)
     opt = torch.optim.AdamW(model.parameters(), lr=5.0)  # one group; the checkpoint has two

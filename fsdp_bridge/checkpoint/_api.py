@@ -634,15 +634,26 @@ def _load_dcp(
     template: dict[str, Any],
     tied: list[list[str]],
     with_optim: bool,
+    all_or_nothing: bool = True,
 ) -> None:
     """Read a DCP directory into this rank's shards (DCP reshards to the current world).
 
-    Everything is read into new tensors first (one more copy of this rank's shards while
-    loading): a shard that fails to read leaves the model and the optimizer as they were."""
-    to_load: dict[str, Any] = {stored: _scratch(template[ours]) for stored, ours in key_map.items()}
+    ``all_or_nothing``: everything is read into new tensors first (one more copy of this rank's
+    shards while loading), so a shard that fails to read leaves the model and the optimizer as
+    they were; otherwise straight into the live state."""
+    fresh = _scratch if all_or_nothing else (lambda value: value)
+    to_load: dict[str, Any] = {stored: fresh(template[ours]) for stored, ours in key_map.items()}
     if with_optim and optimizer is not None:
-        to_load["optim"] = _scratch(get_optimizer_state_dict(model, optimizer))
-    read_dcp(to_load, dcp_dir)
+        to_load["optim"] = fresh(get_optimizer_state_dict(model, optimizer))
+    try:
+        read_dcp(to_load, dcp_dir)
+    except CheckpointError as err:
+        if all_or_nothing:
+            raise
+        raise CheckpointError(
+            err.path,
+            [*err.problems, "loaded with all_or_nothing=False: the model and optimizer now hold part of it"],
+        ) from None
     loaded = {ours: to_load[stored] for stored, ours in key_map.items()}
     for alias, source in _aliases_to_fill(tied, set(loaded)).items():  # a tied name stored once
         loaded[alias] = loaded[source]
@@ -694,6 +705,7 @@ def load_checkpoint(
     optimizer: torch.optim.Optimizer | None = None,
     *,
     restore_rng: bool = True,
+    all_or_nothing: bool = True,
 ) -> dict[str, Any]:
     """Load a checkpoint of any supported kind into ``model`` (and ``optimizer``); call on every rank.
 
@@ -716,6 +728,11 @@ def load_checkpoint(
         model: a model returned by :func:`~fsdp_bridge.shard` (or a plain module).
         optimizer: its optimizer, to restore its state too.
         restore_rng: restore each rank's RNG states when the world size matches.
+        all_or_nothing: read sharded checkpoints into new tensors before copying them in (the
+            default), so that a shard that fails to read leaves the model and optimizer as they
+            were; False reads straight into the live state, saving that copy of this rank's
+            shards of model and optimizer (and its time): every check before reading still runs,
+            but a shard that then fails to read leaves a partial load, and the error says so.
 
     Returns:
         The training ``state`` saved with the checkpoint (``{}`` if none).
@@ -760,7 +777,16 @@ def load_checkpoint(
                 detected.dcp_dir,
                 "holds no optimizer keys ('optim.*'); call load_checkpoint(path, model) without the optimizer",
             )
-        _load_dcp(detected.dcp_dir, model, optimizer, key_map, template, tied, with_optim=has_optim)
+        _load_dcp(
+            detected.dcp_dir,
+            model,
+            optimizer,
+            key_map,
+            template,
+            tied,
+            with_optim=has_optim,
+            all_or_nothing=all_or_nothing,
+        )
         # Tied aliases stored only once resolve through the shared parameter.
     else:
         found = _full_shapes(detected)
