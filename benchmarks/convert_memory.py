@@ -14,46 +14,28 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 
-def _anon_mib() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError("no RssAnon in /proc/self/status")
-
-
 def _convert(way: str, src: str, dst: str, queue: mp.Queue) -> None:
+    from pretrained_memory import _AnonPeak
+
     from fsdp_bridge.checkpoint import _hf, convert_checkpoint
     from fsdp_bridge.checkpoint._convert import read_full
 
-    base = peak = _anon_mib()
-    stop = threading.Event()
-
-    def sample() -> None:
-        nonlocal peak
-        while not stop.wait(0.001):
-            peak = max(peak, _anon_mib())
-
-    thread = threading.Thread(target=sample, daemon=True)
-    thread.start()
     start = time.perf_counter()
-    if way == "streamed":
-        convert_checkpoint(src, dst, to="hf")
-    else:
-        full = read_full(src)
-        Path(dst).mkdir()
-        _hf.write_hf_weights(Path(dst), full.model)
-        assert full.optimizer is not None
-        _hf.write_optimizer(Path(dst), full.optimizer)
+    with _AnonPeak() as anon:  # the sampler of pretrained_memory.py, beside this script
+        if way == "streamed":
+            convert_checkpoint(src, dst, to="hf")
+        else:
+            full = read_full(src)
+            Path(dst).mkdir()
+            _hf.write_hf_weights(Path(dst), full.model)
+            assert full.optimizer is not None
+            _hf.write_optimizer(Path(dst), full.optimizer)
     seconds = time.perf_counter() - start
-    stop.set()
-    thread.join()
-    queue.put((max(peak, _anon_mib()) - base, seconds))
+    queue.put((anon.peak - anon.base, seconds))
 
 
 def main() -> None:

@@ -24,6 +24,7 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.fsdp.wrap import CustomPolicy
 
+from fsdp_bridge._names import strip_wrapper_prefixes
 from fsdp_bridge.backends._common import broadcast_from_rank0, buffer_shapes, rank0_full_state
 from fsdp_bridge.plan import ShardPlan, SyncMethod
 from fsdp_bridge.strategy import Backend, BackwardPrefetch, ShardingStrategy
@@ -219,8 +220,6 @@ class FSDP1Backend:
         return [p.detach() for p in model.parameters()]
 
     def global_shapes(self, model: nn.Module) -> dict[str, tuple[int, ...]]:
-        from fsdp_bridge.checkpoint._formats import strip_wrapper_prefixes
-
         # The original parameters are views of flat shards; their full shapes live in the flat
         # parameters, and a tied parameter's other names in its shared-parameter records.
         names = {id(m): n for n, m in model.named_modules()}
@@ -246,8 +245,6 @@ class FSDP1Backend:
         # one contiguous range of it.  FlatParameter._shard_param_infos says, per parameter, which
         # elements of the (flattened) parameter lie in that range and where: read the rows that
         # cover them and copy.  FSDP1's sharded state dict would gather each unit instead.
-        from fsdp_bridge.checkpoint._formats import strip_wrapper_prefixes
-
         names = {id(m): n for n, m in model.named_modules()}
         filled: set[str] = set()
         with torch.no_grad():

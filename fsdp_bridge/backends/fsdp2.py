@@ -20,6 +20,7 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from fsdp_bridge._names import strip_wrapper_prefixes
 from fsdp_bridge.backends._common import broadcast_from_rank0, buffer_shapes, rank0_full_state
 from fsdp_bridge.plan import ShardPlan, SyncMethod
 from fsdp_bridge.strategy import Backend
@@ -149,8 +150,6 @@ class FSDP2Backend:
         return [p.to_local() if isinstance(p, DTensor) else p.detach() for p in model.parameters()]
 
     def global_shapes(self, model: nn.Module) -> dict[str, tuple[int, ...]]:
-        from fsdp_bridge.checkpoint._formats import strip_wrapper_prefixes  # activation checkpointing's
-
         params = model.named_parameters(remove_duplicate=False)
         shapes = {strip_wrapper_prefixes(n): tuple(p.shape) for n, p in params}  # a DTensor's shape is the full one
         return {**shapes, **buffer_shapes(model, strip_wrapper_prefixes)}

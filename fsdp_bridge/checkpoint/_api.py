@@ -8,6 +8,7 @@ under the other backend and any world size.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -544,52 +545,53 @@ def _load_full(
     every rank, so every rank runs the same rounds.  Everything that can be refused (the
     files, the optimizer state) is checked before the first tensor is copied into the model;
     after the headers are checked, safetensors data cannot fail to read (any bytes are values)."""
-    rank, _ = _rank_world()
-    get: Callable[[str], torch.Tensor] | None = None
-    osd: dict[str, Any] = {}
-    error = None
-    if rank == 0:
-        try:
-            if detected.kind is Kind.TORCH:
-                sd_all, torch_osd = _read_torch_file(detected.path)  # memory-mapped
-                osd = torch_osd or {}
-                get = sd_all.__getitem__
-            else:
-                get = _hf.WeightReader(detected.path).get
-                if optimizer is not None and detected.meta.get("has_optimizer"):
-                    osd = _hf.read_optimizer(detected.path)
-            if optimizer is not None and not osd:
-                error = "holds no optimizer state; call load_checkpoint(path, model) without the optimizer"
-            elif optimizer is not None:
-                misfit = _optimizer_misfit(osd, optimizer, {k: _size(v) for k, v in template.items()})
-                error = None if misfit is None else f"does not fit the optimizer: {misfit}"
-        except CheckpointError as err:
-            error = f"{err.path}: {'; '.join(err.problems)}"
-    error = _agree_on(error)
-    if error is not None:
-        raise CheckpointError(detected.path, error)
-    distributed = dist.is_initialized()
-    if optimizer is not None:  # first: if torch refuses it, the model is still untouched
-        try:
-            set_optimizer_state_dict(
-                model, optimizer, osd, options=full_state_options(model, broadcast_from_rank0=distributed)
-            )
-        except (KeyError, ValueError, TypeError, RuntimeError) as err:
-            raise CheckpointError(
-                detected.path, f"the optimizer state does not fit the optimizer ({type(err).__name__}: {err})"
-            ) from None
-    fill = _aliases_to_fill(tied, set(found))
-    options = full_state_options(model, broadcast_from_rank0=distributed, strict=False)
-    for names in _chunks(found, tied):
-        sd: dict[str, Any] = {}
-        if get is not None:
-            for name in names:
-                value = get(fill.get(name, name))
-                if name in template and value.dtype != template[name].dtype:  # e.g. bf16 weights, fp32 model
-                    value = value.to(template[name].dtype)
-                sd[name] = value
-        set_model_state_dict(model, sd, options=options)
-        del sd
+    with contextlib.ExitStack() as files:  # rank 0's weight files, open while the rounds run
+        rank, _ = _rank_world()
+        get: Callable[[str], torch.Tensor] | None = None
+        osd: dict[str, Any] = {}
+        error = None
+        if rank == 0:
+            try:
+                if detected.kind is Kind.TORCH:
+                    sd_all, torch_osd = _read_torch_file(detected.path)  # memory-mapped
+                    osd = torch_osd or {}
+                    get = sd_all.__getitem__
+                else:
+                    get = files.enter_context(_hf.WeightReader(detected.path)).get
+                    if optimizer is not None and detected.meta.get("has_optimizer"):
+                        osd = _hf.read_optimizer(detected.path)
+                if optimizer is not None and not osd:
+                    error = "holds no optimizer state; call load_checkpoint(path, model) without the optimizer"
+                elif optimizer is not None:
+                    misfit = _optimizer_misfit(osd, optimizer, {k: _size(v) for k, v in template.items()})
+                    error = None if misfit is None else f"does not fit the optimizer: {misfit}"
+            except CheckpointError as err:
+                error = f"{err.path}: {'; '.join(err.problems)}"
+        error = _agree_on(error)
+        if error is not None:
+            raise CheckpointError(detected.path, error)
+        distributed = dist.is_initialized()
+        if optimizer is not None:  # first: if torch refuses it, the model is still untouched
+            try:
+                set_optimizer_state_dict(
+                    model, optimizer, osd, options=full_state_options(model, broadcast_from_rank0=distributed)
+                )
+            except (KeyError, ValueError, TypeError, RuntimeError) as err:
+                raise CheckpointError(
+                    detected.path, f"the optimizer state does not fit the optimizer ({type(err).__name__}: {err})"
+                ) from None
+        fill = _aliases_to_fill(tied, set(found))
+        options = full_state_options(model, broadcast_from_rank0=distributed, strict=False)
+        for names in _chunks(found, tied):
+            sd: dict[str, Any] = {}
+            if get is not None:
+                for name in names:
+                    value = get(fill.get(name, name))
+                    if name in template and value.dtype != template[name].dtype:  # e.g. bf16 weights, fp32 model
+                        value = value.to(template[name].dtype)
+                    sd[name] = value
+            set_model_state_dict(model, sd, options=options)
+            del sd
 
 
 def _load_hf_sliced(
@@ -602,7 +604,7 @@ def _load_hf_sliced(
     fill = _aliases_to_fill(tied, set(found))
     bridge = _bridge(model)
     if bridge is not None:
-        with _hf.RowReader(directory) as reader:
+        with _hf.WeightReader(directory) as reader:
 
             def read_rows(name: str, start: int, stop: int) -> torch.Tensor:
                 return reader.rows(fill.get(name, name), start, stop)
@@ -613,7 +615,7 @@ def _load_hf_sliced(
                     for name, buf in bridge.model.named_buffers():
                         clean = strip_wrapper_prefixes(name)
                         if clean in found or clean in fill:
-                            buf.copy_(read_rows(clean, 0, buf.shape[0] if buf.dim() else 1))
+                            buf.copy_(reader.get(fill.get(clean, clean)))
                             filled.add(clean)
                 if set(found) <= filled:
                     return

@@ -12,7 +12,6 @@ import json
 import math
 import os
 import shutil
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -45,6 +44,7 @@ from fsdp_bridge.checkpoint._formats import (
     read_dcp,
     strip_wrapper_prefixes,
     verify_manifest,
+    without_process_group,
 )
 from fsdp_bridge.checkpoint._state import read_rng, read_state
 
@@ -105,9 +105,7 @@ class _DCPStream:
 
     def _read(self, specs: dict[str, tuple[str, tuple[int, ...], torch.dtype]], names: list[str]) -> dict[str, Any]:
         flat = {specs[n][0]: torch.empty(specs[n][1], dtype=specs[n][2]) for n in names}
-        with warnings.catch_warnings():  # no process group here on purpose
-            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-            read_dcp(flat, self.dcp_dir, no_dist=True)
+        read_dcp(flat, self.dcp_dir, no_dist=True)
         return {n: flat[specs[n][0]] for n in names}
 
     def write_hf(
@@ -118,25 +116,15 @@ class _DCPStream:
         aliases = {n for group in tied for n in group[1:]}
         weights = {n: spec for n, spec in self.model.items() if n not in aliases}
         sizes = {n: math.prod(shape) * dtype.itemsize for n, (_, shape, dtype) in weights.items()}
-        if layout is not None and _hf.layout_fits(layout, weights):
-            names, files = dict(layout), 2  # indexed, as the source was
-        else:
-            file_of = _hf.file_of_each(sizes, _hf.parse_size(max_shard_size))
-            files = max(file_of.values(), default=1)
-            names = {
-                n: _hf.SINGLE if files == 1 else f"model-{i:05d}-of-{files:05d}.safetensors" for n, i in file_of.items()
-            }
+        names, indexed = _hf.plan_files(sizes, max_shard_size, layout)
         for file_name in dict.fromkeys(names.values()):
             specs = {n: weights[n][1:] for n in weights if names[n] == file_name}
             _hf.write_safetensors_streamed(staging / file_name, specs, lambda batch: self._read(weights, batch))
-        if files > 1:
-            index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": names}
-            (staging / _hf.INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        if indexed:
+            _hf.write_index(staging, names, sizes)
         if self.has_optimizer:
             flat: dict[str, Any] = dict.fromkeys(self.optim_objects)
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-                read_dcp(flat, self.dcp_dir, no_dist=True)
+            read_dcp(flat, self.dcp_dir, no_dist=True)
             osd = _unflatten_optim({k.removeprefix("optim."): v for k, v in flat.items()}) or {}
             scalars = {fqn: dict(entries) for fqn, entries in osd.get("state", {}).items() if entries}
             specs = {n: spec[1:] for n, spec in self.optim_tensors.items()}
@@ -158,9 +146,7 @@ def _read_dcp_full(dcp_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
             flat[key] = torch.empty(item.size, dtype=item.properties.dtype)
         elif isinstance(item, BytesStorageMetadata):
             flat[key] = None
-    with warnings.catch_warnings():  # no process group here on purpose
-        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        read_dcp(flat, dcp_dir, no_dist=True)
+    read_dcp(flat, dcp_dir, no_dist=True)
     model = {k: v for k, v in flat.items() if not k.startswith("optim.")}
     optim = {k.removeprefix("optim."): v for k, v in flat.items() if k.startswith("optim.")}
     return model, optim
@@ -393,8 +379,7 @@ def _write_staging(
         to_save: dict[str, Any] = {"model": full.model}
         if full.optimizer is not None:
             to_save["optim"] = full.optimizer
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        with without_process_group():
             dcp.save(to_save, storage_writer=dcp.FileSystemWriter(str(staging / DCP_DIR)), no_dist=True)
     has_config = _copy_side_files(detected, staging, config_path)
     Description(

@@ -12,6 +12,7 @@ non-tensor items are read with ``torch.load(weights_only=True)``.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import hashlib
 import io
@@ -19,8 +20,9 @@ import json
 import math
 import os
 import pickle
+import warnings
 import zlib
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,6 +33,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem
 
+from fsdp_bridge._names import strip_wrapper_prefixes
 from fsdp_bridge.errors import CheckpointError
 
 __all__ = [
@@ -51,6 +54,7 @@ __all__ = [
     "read_meta",
     "strip_wrapper_prefixes",
     "verify_manifest",
+    "without_process_group",
 ]
 
 CHECKSUM = "crc32c"
@@ -69,7 +73,6 @@ DCP_DIR = "dcp"
 OPTIM_TENSORS = "optimizer.safetensors"
 OPTIM_JSON = "optimizer.json"
 PARTIAL_SUFFIX = ".partial"
-WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
 
 
 class Kind(str, enum.Enum):
@@ -327,13 +330,6 @@ def manifest(root: Path) -> dict[str, int]:
     return {str(f.relative_to(root)): f.stat().st_size for f in sorted(root.rglob("*")) if f.is_file()}
 
 
-def strip_wrapper_prefixes(key: str) -> str:
-    """``model._fsdp_wrapped_module.layers.0._checkpoint_wrapped_module.w`` -> ``model.layers.0.w``."""
-    for prefix in WRAPPER_PREFIXES:
-        key = key.replace(prefix, "")
-    return key
-
-
 # --------------------------------------------------------------------------------------
 # DCP without unpickling arbitrary objects
 # --------------------------------------------------------------------------------------
@@ -431,6 +427,15 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             self.state_dict[read_item.dest_index.fqn] = obj
 
 
+@contextlib.contextmanager
+def without_process_group() -> Iterator[None]:
+    """Around a DCP call made without a process group on purpose: DCP warns that it assumes
+    one process, which is what was asked."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        yield
+
+
 def read_dcp(state_dict: dict[str, Any], dcp_dir: Path, *, no_dist: bool = False) -> None:
     """``dcp.load`` into ``state_dict`` through the safe reader and planner.
 
@@ -442,7 +447,8 @@ def read_dcp(state_dict: dict[str, Any], dcp_dir: Path, *, no_dist: bool = False
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
-        dcp.load(state_dict, storage_reader=SafeDCPReader(str(dcp_dir)), planner=SafeLoadPlanner(), no_dist=no_dist)
+        with without_process_group() if no_dist else contextlib.nullcontext():
+            dcp.load(state_dict, storage_reader=SafeDCPReader(str(dcp_dir)), planner=SafeLoadPlanner(), no_dist=no_dist)
     except CheckpointError:
         raise
     except (Exception, CheckpointException) as err:

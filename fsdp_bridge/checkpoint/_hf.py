@@ -16,7 +16,6 @@ import math
 import re
 import shutil
 import struct
-import warnings
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,13 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
 
-from fsdp_bridge.checkpoint._formats import OPTIM_JSON, OPTIM_TENSORS, CheckpointError, safe_child
+from fsdp_bridge.checkpoint._formats import (
+    OPTIM_JSON,
+    OPTIM_TENSORS,
+    CheckpointError,
+    safe_child,
+    without_process_group,
+)
 
 __all__ = [
     "FullExport",
@@ -34,6 +39,7 @@ __all__ = [
     "file_of_each",
     "layout_fits",
     "parse_size",
+    "plan_files",
     "read_hf_shapes",
     "read_hf_slices",
     "read_hf_weights",
@@ -41,6 +47,7 @@ __all__ = [
     "read_weight_map",
     "write_hf_config",
     "write_hf_weights",
+    "write_index",
     "write_optimizer",
     "write_optimizer_json",
     "write_safetensors_streamed",
@@ -146,15 +153,8 @@ class FullExport:
         self.tensors = {**model, **optim_tensors}
         # The files the weights were loaded from, when they name exactly these tensors and only
         # plain safetensors file names (an index is user input: nothing may point elsewhere).
-        self.indexed = layout is not None and layout_fits(layout, model)
-        if layout is not None and self.indexed:
-            self.file_name = {k: layout[k] for k in model}
-            self.files = len(set(self.file_name.values()))
-        else:
-            file_of = file_of_each({k: _size_of(v) for k, v in model.items()}, parse_size(max_shard_size))
-            self.files = max(file_of.values(), default=0)
-            self.indexed = self.files > 1
-            self.file_name = {k: f"model-{i:05d}-of-{self.files:05d}{_SUFFIX}" for k, i in file_of.items()}
+        self.weight_sizes = {k: _size_of(v) for k, v in model.items()}
+        self.file_name, self.indexed = plan_files(self.weight_sizes, max_shard_size, layout)
         self.file_name.update(dict.fromkeys(optim_tensors, OPTIM_TENSORS))
         # 0-dim tensors (an optimizer's step, a scalar parameter) come out of torch's assembly as
         # zeros: its sub-tensor copy writes nothing for shape [] (checked on 2.13.0 and 2.14.1; reported and
@@ -174,9 +174,9 @@ class FullExport:
 
         piece_of = file_of_each({k: _size_of(v) for k, v in self.tensors.items()}, _PIECE_BYTES)
         writer = HuggingFaceStorageWriter(str(self._pieces), fqn_to_index_mapping=piece_of, save_distributed=True)
-        with warnings.catch_warnings():  # no process group: a plain save, as asked
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.save(self.tensors, storage_writer=writer, no_dist=not dist.is_initialized())
+        single = not dist.is_initialized()
+        with without_process_group() if single else contextlib.nullcontext():
+            dcp.save(self.tensors, storage_writer=writer, no_dist=single)
 
     def assemble(self, rank: int, world: int) -> None:
         from torch.distributed.checkpoint._consolidate_hf_safetensors import _consolidate_safetensors_files
@@ -193,14 +193,8 @@ class FullExport:
         for name, value in self.scalars.items():
             _write_tensor_bytes(self.directory / self.file_name[name], name, value)
         shutil.rmtree(self._pieces)
-        index = self.directory / INDEX
-        if not self.indexed:  # one file: the name save_pretrained gives it
-            (self.directory / f"model-00001-of-00001{_SUFFIX}").rename(self.directory / SINGLE)
-            index.unlink(missing_ok=True)
-        else:
-            weights = {k: n for k, n in self.file_name.items() if n != OPTIM_TENSORS}
-            total = sum(_size_of(self.tensors[k]) for k in weights)
-            index.write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weights}, indent=2) + "\n")
+        if self.indexed:
+            write_index(self.directory, {k: self.file_name[k] for k in self.weight_sizes}, self.weight_sizes)
         if self.optimizer is not None:
             if not (self.directory / OPTIM_TENSORS).exists():  # an optimizer with no tensor state yet
                 save_file({}, str(self.directory / OPTIM_TENSORS), metadata={"format": "pt"})
@@ -258,6 +252,27 @@ def write_safetensors_streamed(
             tensors = read(batch) if batch else {}
             for name in batch:
                 f.write(tensors[name].detach().contiguous().reshape(-1).view(torch.uint8).numpy().data)
+
+
+def plan_files(
+    sizes: Mapping[str, int], max_shard_size: int | str, layout: Mapping[str, str] | None = None
+) -> tuple[dict[str, str], bool]:
+    """Each weight's file, and whether the directory needs an index: the files of ``layout`` (a
+    source's weight map) when it fits, else ``save_pretrained``'s: ``model.safetensors``, or
+    ``model-0000i-of-0000n.safetensors`` files of at most ``max_shard_size`` filled in order."""
+    if layout is not None and layout_fits(layout, sizes):
+        return {k: layout[k] for k in sizes}, True
+    file_of = file_of_each(sizes, parse_size(max_shard_size))
+    files = max(file_of.values(), default=1)
+    if files == 1:
+        return dict.fromkeys(sizes, SINGLE), False
+    return {k: f"model-{i:05d}-of-{files:05d}{_SUFFIX}" for k, i in file_of.items()}, True
+
+
+def write_index(directory: Path, weight_map: Mapping[str, str], sizes: Mapping[str, int]) -> None:
+    """``model.safetensors.index.json`` as ``save_pretrained`` writes it."""
+    index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": dict(weight_map)}
+    (directory / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 
 def layout_fits(layout: Mapping[str, str], names: Iterable[str]) -> bool:
@@ -339,47 +354,35 @@ def read_hf_shapes(directory: Path) -> dict[str, tuple[tuple[int, ...], str]]:
     return out
 
 
-class RowReader:
-    """Rows of tensors of a Hugging Face directory, from files opened once (memory-mapped):
-    ``rows(name, start, stop)`` reads ``tensor[start:stop]`` only.  Use as a context manager."""
+class WeightReader:
+    """Tensors of a Hugging Face directory from its files, opened once (memory-mapped): ``get``
+    reads a whole tensor, ``rows(name, start, stop)`` only ``tensor[start:stop]``; neither holds
+    more than what it returns.  A context manager (closing the files)."""
 
     def __init__(self, directory: Path) -> None:
         self._stack = contextlib.ExitStack()
         self._handle: dict[str, Any] = {}
+        self._file: dict[str, Path] = {}
         for f in _weight_files(directory):
             handle = self._stack.enter_context(safe_open(str(f), framework="pt"))
             for name in handle.keys():
-                self._handle[name] = handle
+                self._handle[name], self._file[name] = handle, f
 
-    def __enter__(self) -> RowReader:
+    def __enter__(self) -> WeightReader:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stack.close()
 
+    def get(self, name: str) -> torch.Tensor:
+        try:
+            return self._handle[name].get_tensor(name)
+        except Exception as err:
+            raise CheckpointError(self._file[name], f"cannot read tensor {name} ({err}); truncated or corrupt") from err
+
     def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         piece = self._handle[name].get_slice(name)
         return piece[start:stop] if piece.get_shape() else piece[...]
-
-
-class WeightReader:
-    """Reads tensors of a Hugging Face directory one at a time (no whole-model copy)."""
-
-    def __init__(self, directory: Path) -> None:
-        self.files = _weight_files(directory)
-        self._where: dict[str, Path] = {}
-        for f in self.files:
-            with safe_open(str(f), framework="pt") as handle:
-                for name in handle.keys():
-                    self._where[name] = f
-
-    def get(self, name: str) -> torch.Tensor:
-        f = self._where[name]
-        try:
-            with safe_open(str(f), framework="pt") as handle:
-                return handle.get_tensor(name)
-        except Exception as err:
-            raise CheckpointError(f, f"cannot read tensor {name} ({err}); truncated or corrupt") from err
 
 
 def read_hf_slices(state_dict: dict[str, Any], directory: Path) -> None:
@@ -397,9 +400,9 @@ def read_hf_slices(state_dict: dict[str, Any], directory: Path) -> None:
 
     reader = _WeightFilesReader(directory, _weight_files(directory))
     try:
-        with warnings.catch_warnings():  # no process group: a plain load, as asked
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(state_dict, storage_reader=reader, no_dist=not dist.is_initialized())
+        single = not dist.is_initialized()
+        with without_process_group() if single else contextlib.nullcontext():
+            dcp.load(state_dict, storage_reader=reader, no_dist=single)
     except (Exception, CheckpointException) as err:
         failures = getattr(err, "failures", None)
         cause = "; ".join(f"rank {r}: {e}" for r, e in failures.items()) if isinstance(failures, dict) else err

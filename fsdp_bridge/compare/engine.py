@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fsdp_bridge._names import strip_wrapper_prefixes
 from fsdp_bridge.api import clip_grad_norm_, get_bridge, shard, summon_full_params
 from fsdp_bridge.compare.differences import backend_differences
 from fsdp_bridge.compare.report import (
@@ -277,15 +278,6 @@ def _average_gradients(model: nn.Module, world: int) -> None:
         p.grad.div_(world)
 
 
-_WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
-
-
-def _original_name(name: str) -> str:
-    for prefix in _WRAPPER_PREFIXES:
-        name = name.replace(prefix, "")
-    return name
-
-
 def _full_params(model: nn.Module, names: list[str], *, sharded: bool) -> dict[str, torch.Tensor]:
     """fp32 CPU copies of every parameter by its original name (kept on rank 0 only)."""
     keep = dist.get_rank() == 0
@@ -295,7 +287,7 @@ def _full_params(model: nn.Module, names: list[str], *, sharded: bool) -> dict[s
     # Collective on both backends (the FSDP1 full state dict path is avoided: on CPU-only
     # torch 2.13 its offload to CPU crashes).
     with summon_full_params(model):
-        params = {_original_name(n): p for n, p in model.named_parameters()}
+        params = {strip_wrapper_prefixes(n): p for n, p in model.named_parameters()}
         return {n: params[n].detach().float().cpu().clone() for n in names if n in params} if keep else {}
 
 
