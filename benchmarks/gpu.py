@@ -2,6 +2,7 @@
 
     python benchmarks/gpu.py                       # ~250M-parameter Llama, 4 modes, 2 repeats
     python benchmarks/gpu.py --quick               # smaller model, 1 repeat (a smoke run)
+    python benchmarks/gpu.py --modes bf16+ac --repeats 3   # one mode
     python benchmarks/gpu.py --out benchmarks/results-gpu.json
 
 World size 1 (NCCL cannot put two ranks on one GPU). For each mode (fp32; bf16 mixed precision;
@@ -198,10 +199,10 @@ def estimated_peaks(size: str, batch: int, seq: int) -> dict[tuple[str, str], in
     return out
 
 
-def job(size: str, batch: int, seq: int, steps: int, repeats: int) -> dict[str, Any]:
+def job(size: str, batch: int, seq: int, steps: int, repeats: int, modes: list[str]) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     for repeat in range(repeats):
-        for mode_name in MODES:
+        for mode_name in modes:
             ways = [w for w in WAYS if not (w == "single" and "offload" in mode_name)]
             for way in ways if repeat % 2 == 0 else ways[::-1]:
                 rows.append({**measure(way, size, mode_name, batch, seq, steps), "repeat": repeat})
@@ -247,8 +248,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
     parser.add_argument("--out", help="write the raw results and the table to this JSON file")
     args = parser.parse_args(argv)
+    modes = args.modes.split(",")
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        parser.error(f"--modes: unknown {', '.join(unknown)}; allowed: {', '.join(MODES)}")
     if not torch.cuda.is_available():
         print("benchmarks/gpu.py needs a CUDA GPU; none is visible", file=sys.stderr)
         return 2
@@ -260,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     (result,) = run_distributed(
-        job, 1, args=(size, args.batch, args.seq, args.steps, repeats), backend="nccl", timeout_s=3000
+        job, 1, args=(size, args.batch, args.seq, args.steps, repeats, modes), backend="nccl", timeout_s=3000
     )
     table = summarise(result)
     print(table)

@@ -1,4 +1,4 @@
-"""LoRA from a config section (``peft:``), and the check that refuses 4-bit bases on CPU.
+"""LoRA from a config section (``peft:``), and the check that a 4-bit (QLoRA) base can run where it is asked to.
 
     peft:
       r: 8                              # rank of the low-rank update
@@ -14,6 +14,7 @@ wrapped with ``peft.get_peft_model`` before :func:`fsdp_bridge.shard`, so only t
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
 from collections.abc import Mapping
@@ -25,7 +26,18 @@ from fsdp_bridge.errors import ConfigError, Problem
 if TYPE_CHECKING:  # torch is imported by the functions that need it: the config parser stays light
     from torch import nn
 
-__all__ = ["PEFT_INSTALL", "PeftConfig", "apply_lora", "is_4bit", "peft_problems", "quantization_problems"]
+__all__ = [
+    "PEFT_INSTALL",
+    "PeftConfig",
+    "apply_lora",
+    "bitsandbytes_4bit_problem",
+    "has_4bit",
+    "is_4bit",
+    "keep_4bit_weights_in_place",
+    "peft_problems",
+    "quantization_problems",
+    "train_quantization_problems",
+]
 
 PEFT_INSTALL = "pip install peft (or pip install 'fsdp-bridge[peft]')"
 ALL_LINEAR = "all-linear"
@@ -161,14 +173,60 @@ def is_4bit(obj: Any) -> bool:
     return bool(_as_mapping(quant).get("load_in_4bit", False))
 
 
-def quantization_problems(obj: Any, device_type: str, key: str = "model") -> list[Problem]:
-    """A problem when a 4-bit quantized model (QLoRA) is to run on a device bitsandbytes cannot use.
+@functools.cache
+def bitsandbytes_4bit_problem(device_type: str) -> str | None:
+    """Why bitsandbytes cannot run 4-bit weights on ``device_type``, or None when it can.
 
-    ``obj`` is a model (any module in it may carry the flag, e.g. under a PEFT wrapper), a
-    transformers config or a config mapping.
+    CUDA is bitsandbytes' home. For any other device the installed bitsandbytes is asked to do what
+    a QLoRA step does (quantize, dequantize, a 4-bit matmul) on a 64x64 tensor: bitsandbytes 0.50
+    does all three on CPU; older releases have no CPU 4-bit kernels and fail here, not mid-run.
     """
     if device_type == "cuda":
-        return []
+        return None
+    try:
+        import bitsandbytes as bnb
+        import bitsandbytes.functional as bnbf
+    except ImportError:
+        return "bitsandbytes is not installed"
+    import torch
+
+    try:
+        weight = torch.linspace(-1, 1, 64 * 64, device=device_type, dtype=torch.bfloat16).reshape(64, 64)
+        packed, state = bnbf.quantize_4bit(weight, quant_type="nf4", quant_storage=torch.bfloat16)
+        bnbf.dequantize_4bit(packed, state)
+        bnb.matmul_4bit(torch.ones(2, 64, device=device_type, dtype=torch.bfloat16), packed.t(), state)
+    except Exception as err:  # any failure means: not usable here
+        version = getattr(bnb, "__version__", "?")
+        return f"bitsandbytes {version} cannot run 4-bit weights on {device_type} ({type(err).__name__}: {err})"
+    return None
+
+
+def has_4bit(model: nn.Module) -> bool:
+    """Whether any module of ``model`` (a PEFT wrapper's base included) is a bitsandbytes 4-bit model."""
+    return any(is_4bit(m) for m in model.modules())
+
+
+def keep_4bit_weights_in_place(model: nn.Module) -> int:
+    """Turn off bitsandbytes' CPU repacking of 4-bit weights; returns how many layers it was on for.
+
+    On a CPU with AVX512-BF16, bitsandbytes 0.50's ``Linear4bit.forward`` in eval mode without
+    gradients replaces ``weight.data`` by a CPU-specific layout and marks its quantization state so.
+    On a sharded model the weight is FSDP's unsharded view: the next unshard brings the original
+    layout back under a state that says otherwise (wrong outputs, then an assertion in
+    ``state_dict``). The flag is per layer (``support_avx512bf16_for_cpu``); training is unaffected.
+    """
+    count = 0
+    for module in model.modules():
+        if getattr(module, "support_avx512bf16_for_cpu", False):
+            setattr(module, "support_avx512bf16_for_cpu", False)  # noqa: B010 (bitsandbytes' attribute)
+            count += 1
+    return count
+
+
+def train_quantization_problems(obj: Any, key: str) -> list[Problem]:
+    """``fsdp-bridge train`` refuses 4-bit bases on every device: it keeps sharded checkpoints of the
+    whole model for ``--resume``, which torch's state dicts cannot give for bitsandbytes' layers, and
+    a base built from ``model.config`` would not be quantized at all (only ``from_pretrained`` quantizes)."""
     modules = list(obj.modules()) if callable(getattr(obj, "modules", None)) else [obj]
     if not any(is_4bit(m) for m in modules):
         return []
@@ -176,8 +234,37 @@ def quantization_problems(obj: Any, device_type: str, key: str = "model") -> lis
         Problem(
             key,
             "4-bit quantized (bitsandbytes load_in_4bit)",
+            "an unquantized base for fsdp-bridge train",
+            "fsdp-bridge train keeps sharded checkpoints of the whole model, and torch's state dicts do not "
+            "carry bitsandbytes' 4-bit quantization state; fine-tune a 4-bit base from Python "
+            "(fsdp_bridge.shard(peft_model, config), then save_checkpoint(path, model, kind='adapter')), "
+            "or train the base unquantized (drop quantization_config)",
+        )
+    ]
+
+
+def quantization_problems(obj: Any, device_type: str, key: str = "model") -> list[Problem]:
+    """A problem when a 4-bit quantized model (QLoRA) is to run on a device bitsandbytes cannot use.
+
+    ``obj`` is a model (any module in it may carry the flag, e.g. under a PEFT wrapper), a
+    transformers config or a config mapping. CUDA always passes; another device passes when the
+    installed bitsandbytes runs 4-bit there (:func:`bitsandbytes_4bit_problem`: 0.50 does on CPU).
+    """
+    if device_type == "cuda":
+        return []
+    modules = list(obj.modules()) if callable(getattr(obj, "modules", None)) else [obj]
+    if not any(is_4bit(m) for m in modules):
+        return []
+    why = bitsandbytes_4bit_problem(device_type)
+    if why is None:
+        return []
+    return [
+        Problem(
+            key,
+            "4-bit quantized (bitsandbytes load_in_4bit)",
             f"a model that runs on {device_type}",
-            f"bitsandbytes 4-bit weights (QLoRA) need CUDA and this run is on {device_type}: run on GPUs "
-            "(bridge.device: cuda), or load the base without quantization_config for a CPU run",
+            f"{why}: install bitsandbytes>=0.50 (its CPU backend runs 4-bit weights; "
+            "pip install 'fsdp-bridge[qlora]'), run on GPUs (bridge.device: cuda), "
+            "or load the base without quantization_config",
         )
     ]

@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp_bridge import hf
-from fsdp_bridge._lora import quantization_problems
+from fsdp_bridge._lora import has_4bit, keep_4bit_weights_in_place, quantization_problems
 from fsdp_bridge._optimizer_check import record_replaced
 from fsdp_bridge.backends import BackendImpl, backend_inside, get_backend, sharded_by
 from fsdp_bridge.config import BridgeConfig
@@ -227,6 +227,11 @@ def shard(model: nn.Module, config: BridgeConfig | None = None, *, mesh: DeviceM
     if wrap_plan.dtype_units:  # sharded on their own, not checkpointed: merged after AC
         units = in_post_order(model, [*units, *wrap_plan.dtype_units])
 
+    if keep_4bit_weights_in_place(model):
+        wrap_plan.notes.append(
+            "bitsandbytes' CPU repacking of 4-bit weights turned off (it rewrites the unsharded weight in place)"
+        )
+
     mesh = mesh or build_mesh(mesh_plan, device.type)  # first collective
     ignored_ids = {id(p) for m in ignored for p in m.parameters()}
     scalars = [p for p in model.parameters() if p.dim() == 0 and id(p) not in ignored_ids]
@@ -277,7 +282,7 @@ def _validate(
 ) -> tuple[MeshPlan, list[nn.Module], WrapPlan, bool, TranslationReport]:
     """Every check that needs no communication; raises ConfigError listing all problems."""
     problems = unsupported_problems(config, config.backend, device_type=device.type)
-    problems += quantization_problems(model, device.type)  # QLoRA bases: bitsandbytes 4-bit is CUDA-only
+    problems += quantization_problems(model, device.type)  # QLoRA bases: only where bitsandbytes runs 4-bit
     mesh_plan = None
     try:
         mesh_plan = plan_user_mesh(config, mesh) if mesh is not None else plan_mesh(config, dist.get_world_size())
@@ -292,6 +297,23 @@ def _validate(
                 "the other mesh dimensions (e.g. tensor parallel) hold different shards, so rank 0's "
                 "weights cannot be broadcast to every rank: seed every rank the same way, or load "
                 "weights after shard() (fsdp_bridge.load_checkpoint)",
+            )
+        )
+    if (
+        mesh_plan is not None
+        and has_4bit(model)
+        and not get_backend(config.backend).keeps_swapped_parameters(
+            config.strategy.reshards_after_forward, mesh_plan.shard
+        )
+    ):
+        problems.append(
+            Problem(
+                "backend",
+                config.backend.value,
+                "fsdp2, or fsdp1 resharding after forward over 2+ ranks (FULL_SHARD, HYBRID_SHARD) for a 4-bit base",
+                f"bitsandbytes' 4-bit layers replace their weight parameter in forward, which FSDP1 only "
+                f"undoes when it reshards; with {config.strategy.name} over a shard group of {mesh_plan.shard} "
+                "it keeps the replaced parameters and breaks (state dicts, the next backward): use backend: fsdp2",
             )
         )
     ignored: list[nn.Module] = []

@@ -237,28 +237,17 @@ def test_lora_trains_generates_and_exports_on_both_backends(tmp_path: Path, run_
 
 
 def test_adapter_export_of_a_model_without_adapters_is_refused(tmp_path: Path, run_on_ranks) -> None:
-    errors, quantized = run_on_ranks(_no_adapters, 1, str(tmp_path))[0]
+    errors = run_on_ranks(_no_adapters, 1, str(tmp_path))[0]
     assert "kind='adapter' needs a PEFT model" in errors
-    # A 4-bit (QLoRA) base on CPU is refused by shard() itself, naming why, before any collective.
-    assert "model: got '4-bit quantized (bitsandbytes load_in_4bit)'" in quantized, quantized
-    assert "bitsandbytes 4-bit weights (QLoRA) need CUDA and this run is on cpu" in quantized, quantized
 
 
-def _no_adapters(out_dir: str) -> tuple[str, str]:
-    base = build_tiny("llama", seed=0)
-    base.is_loaded_in_4bit = True  # what transformers sets on a bitsandbytes 4-bit model
-    lora = peft.get_peft_model(base, peft.LoraConfig(r=2, target_modules=["q_proj"]))
-    try:
-        fsdp_bridge.shard(lora, BridgeConfig(backend="fsdp2"))
-        quantized = "no error"
-    except fsdp_bridge.ConfigError as err:
-        quantized = str(err)
+def _no_adapters(out_dir: str) -> str:
     model = fsdp_bridge.shard(build_tiny("llama", seed=0), BridgeConfig(backend="fsdp2"))
     try:
         fsdp_bridge.save_checkpoint(Path(out_dir) / "x", model, kind="adapter")
     except fsdp_bridge.CheckpointError as err:
-        return str(err), quantized
-    return "no error", quantized
+        return str(err)
+    return "no error"
 
 
 def test_an_adapter_that_does_not_fit_is_refused_naming_keys(tmp_path: Path) -> None:

@@ -23,6 +23,11 @@ class BackendImpl(Protocol):
     """Every unit must hold parameters of one dtype (FSDP1 flattens a unit into one tensor); the
     bridge then makes the modules owning another dtype units of their own."""
 
+    def keeps_swapped_parameters(self, reshards_after_forward: bool, shard_size: int) -> bool:
+        """Whether a layer may replace its own parameter object during forward (bitsandbytes' 4-bit
+        layers re-wrap the weight FSDP hands them) with this strategy and shard-group size."""
+        ...
+
     def no_shard_mesh_shape(self, world_size: int) -> tuple[int, ...]:
         """The mesh NO_SHARD runs on: FSDP1 has the strategy natively (1D); FSDP2 replicates on (world, 1)."""
         ...

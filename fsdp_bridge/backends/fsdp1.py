@@ -104,6 +104,12 @@ class FSDP1Backend:
     backend = Backend.FSDP1
     one_dtype_per_unit = True
 
+    def keeps_swapped_parameters(self, reshards_after_forward: bool, shard_size: int) -> bool:
+        # FSDP1 points each original parameter at its flat parameter again only when it reshards;
+        # parameters kept unsharded after forward (NO_SHARD, SHARD_GRAD_OP, ZeRO-2, or a shard group of
+        # one, where FSDP1 falls back to NO_SHARD) must be the objects it made.
+        return reshards_after_forward and shard_size > 1
+
     def no_shard_mesh_shape(self, world_size: int) -> tuple[int, ...]:
         return (world_size,)
 

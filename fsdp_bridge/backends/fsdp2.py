@@ -52,6 +52,9 @@ class FSDP2Backend:
     backend = Backend.FSDP2
     one_dtype_per_unit = False  # per-parameter sharding: a unit may mix dtypes
 
+    def keeps_swapped_parameters(self, reshards_after_forward: bool, shard_size: int) -> bool:
+        return True  # it registers the unsharded parameters again at every unshard
+
     def no_shard_mesh_shape(self, world_size: int) -> tuple[int, ...]:
         # Replicate over every rank, shard over groups of one: NO_SHARD's meaning, not ZeRO-2.
         return (world_size, 1)

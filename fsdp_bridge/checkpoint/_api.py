@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from fsdp_bridge import hf
+from fsdp_bridge._lora import has_4bit
 from fsdp_bridge._paths import unwritable_reason
 from fsdp_bridge.checkpoint import _hf, _peft
 from fsdp_bridge.checkpoint._atomic import (
@@ -318,6 +319,8 @@ def save_checkpoint(
             full_state_dict=full_state_options(model),
             max_shard_size=max_shard_size or _hf.DEFAULT_MAX_SHARD_SIZE,
         )
+    if kind in ("sharded", "full"):
+        _refuse_4bit(path, model, f"kind={kind!r} saves")
     if kind not in ("sharded", "full"):
         raise ValueError(
             f"kind must be 'sharded', 'full', 'adapter' or 'merged' (got {kind!r}); "
@@ -340,6 +343,19 @@ def save_checkpoint(
         )
     finally:
         release_save_lock(path)
+
+
+def _refuse_4bit(path: str | os.PathLike[str], model: nn.Module, what: str) -> None:
+    """Whole-model checkpoints of a 4-bit (bitsandbytes) model are refused: torch's state dicts do
+    not carry bitsandbytes' quantization state through either backend (FSDP2 drops it, so the packed
+    codes would come back under another layer's scales), and the frozen base is already on disk."""
+    if has_4bit(model):
+        raise CheckpointError(
+            path,
+            f"{what} the whole model, and this model has a 4-bit (bitsandbytes) base whose quantization "
+            "state torch's sharded state dicts do not carry; with a frozen 4-bit base, save and load "
+            "kind='adapter' (the adapters) and rebuild the base from its pretrained directory",
+        )
 
 
 def _save(
@@ -747,6 +763,7 @@ def load_checkpoint(
         # A PEFT adapter directory: its weights go into the model's adapters (no state, no optimizer).
         _on_every_rank(Path(path), "loading the adapter", lambda: _peft.load_adapter(Path(path), model))
         return {}
+    _refuse_4bit(path, model, "load_checkpoint() of anything but a PEFT adapter directory loads")
     detected = detect(path)
     if detected.kind in (Kind.SHARDED, Kind.FULL):
         # Each rank reads the contents of its share of the files; a damaged one refuses the load everywhere.

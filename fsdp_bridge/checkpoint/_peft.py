@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
+from fsdp_bridge._lora import has_4bit
 from fsdp_bridge.checkpoint._atomic import SaveLock, partial_path, publish
 from fsdp_bridge.checkpoint._formats import CheckpointError
 
@@ -70,6 +71,15 @@ def save_peft(
             "before fsdp_bridge.shard); this model has no adapters: use kind='full'",
         )
     target = Path(path)
+    quantized = has_4bit(peft_model)
+    if quantized and kind == "merged":
+        raise CheckpointError(
+            path,
+            "kind='merged' of a model with a 4-bit (bitsandbytes) base: its weights are NF4/FP4 codes, "
+            "and adapters merged into them would be rounded to 4 bits; save kind='adapter', then in one "
+            "process load the base unquantized (from_pretrained without quantization_config), "
+            "PeftModel.from_pretrained(base, adapter_dir).merge_and_unload(), and save_pretrained that",
+        )
     _check_destination(target)
     state = get_model_state_dict(model, options=full_state_dict)  # collective: every rank
 
@@ -81,7 +91,9 @@ def save_peft(
             shutil.rmtree(staging, ignore_errors=True)
             staging.mkdir(parents=True)
             tensors = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
-            if kind == "adapter":
+            if kind == "adapter" and quantized:
+                _write_4bit_adapter(peft_model, tensors, staging)
+            elif kind == "adapter":
                 _write_adapter(peft_model, tensors, staging)
             else:
                 _write_merged(peft_model, tensors, staging, max_shard_size=max_shard_size)
@@ -102,6 +114,16 @@ def _write_adapter(peft_model: Any, state: dict[str, torch.Tensor], directory: P
         raise CheckpointError(directory, f"peft wrote no {', '.join(missing)}")
 
 
+def _write_4bit_adapter(peft_model: Any, state: dict[str, torch.Tensor], directory: Path) -> None:
+    """The adapters of a PEFT model whose base is 4-bit: the fresh model is built unquantized, so
+    only the adapter tensors go into it (the packed base codes have other shapes, and peft saves
+    only the adapters anyway)."""
+    _rebuild(peft_model, state, directory, adapters_only=True).save_pretrained(str(directory), safe_serialization=True)
+    missing = [name for name in ADAPTER_FILES if not (directory / name).is_file()]
+    if missing:
+        raise CheckpointError(directory, f"peft wrote no {', '.join(missing)}")
+
+
 def _write_merged(
     peft_model: Any, state: dict[str, torch.Tensor], directory: Path, *, max_shard_size: int | str
 ) -> None:
@@ -109,12 +131,13 @@ def _write_merged(
     merged.save_pretrained(str(directory), safe_serialization=True, max_shard_size=max_shard_size)
 
 
-def _rebuild(peft_model: Any, state: dict[str, torch.Tensor], directory: Path) -> Any:
+def _rebuild(peft_model: Any, state: dict[str, torch.Tensor], directory: Path, *, adapters_only: bool = False) -> Any:
     """A plain PEFT model (no FSDP wrappers) holding the gathered weights, on the CPU.
 
     PEFT finds adapter weights by walking module names, which FSDP1's wrappers change;
     a fresh model built on the meta device and given the gathered tensors (no copy) is
-    exactly what a plain PEFT user would save.
+    exactly what a plain PEFT user would save. ``adapters_only``: only the trainable tensors
+    are given (and required); the base stays on the meta device.
     """
     from peft import get_peft_model
 
@@ -125,8 +148,13 @@ def _rebuild(peft_model: Any, state: dict[str, torch.Tensor], directory: Path) -
     fresh = get_peft_model(fresh_base, peft_model.peft_config[names[0]], adapter_name=names[0])
     for name in names[1:]:
         fresh.add_adapter(name, peft_model.peft_config[name])
+    if adapters_only:
+        trainable = {n for n, p in fresh.named_parameters() if p.requires_grad}
+        state = {k: v for k, v in state.items() if k in trainable}
     missing, unexpected = fresh.load_state_dict(state, strict=False, assign=True)
     missing = [k for k in missing if not _is_nonpersistent_buffer(fresh, k)]
+    if adapters_only:
+        missing = [k for k in missing if k in trainable]
     if missing or unexpected:
         raise CheckpointError(
             directory,

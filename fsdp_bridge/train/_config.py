@@ -31,7 +31,7 @@ from typing import Any, Literal
 
 import yaml
 
-from fsdp_bridge._lora import PeftConfig, peft_problems, quantization_problems
+from fsdp_bridge._lora import PeftConfig, peft_problems, train_quantization_problems
 from fsdp_bridge.config import BridgeConfig, _unknown_key, read_yaml_file
 from fsdp_bridge.errors import ConfigError, Problem
 
@@ -371,8 +371,8 @@ def _value_problems(c: TrainConfig) -> list[Problem]:
         )
     if c.peft is not None:
         p.extend(peft_problems(c.peft, "peft"))
-    if m.config is not None and c.bridge.device == "cpu":
-        p.extend(quantization_problems(m.config, "cpu", "model.config.quantization_config"))
+    if m.config is not None:
+        p.extend(train_quantization_problems(m.config, "model.config.quantization_config"))
     if c.schedule.warmup_steps > c.max_steps:
         logger.warning(
             "schedule.warmup_steps (%d) > max_steps (%d): the learning rate never reaches optim.lr",

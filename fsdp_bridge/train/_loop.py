@@ -30,7 +30,7 @@ from torch import nn
 
 from fsdp_bridge import checkpoint as ckpt
 from fsdp_bridge._faults import maybe_fail
-from fsdp_bridge._lora import apply_lora, quantization_problems
+from fsdp_bridge._lora import apply_lora, train_quantization_problems
 from fsdp_bridge.api import clip_grad_norm_, get_bridge, no_sync, shard
 from fsdp_bridge.config import parse_dtype
 from fsdp_bridge.distributed import init_distributed
@@ -136,8 +136,8 @@ def build_model(
 ) -> nn.Module:
     """The (unsharded) model, identical on every rank: from ``model.path`` or ``model.config``.
 
-    With ``device_type``, a 4-bit quantized base on a device bitsandbytes cannot use is refused
-    (ConfigError) before its weights are loaded.  The ``peft:`` section is applied by the caller.
+    With ``device_type``, a 4-bit quantized base is refused (ConfigError) before its weights are
+    loaded: the trainer's whole-model checkpoints cannot hold one.  The ``peft:`` section is applied by the caller.
     ``weights=False`` builds a ``model.path`` model on the meta device (buffers real, tied
     parameters tied) for :func:`~fsdp_bridge.load_pretrained` to fill after sharding.
     """
@@ -149,7 +149,7 @@ def build_model(
     if m.path is not None:
         if device_type is not None:
             try:
-                problems = quantization_problems(AutoConfig.from_pretrained(m.path), device_type, "model.path")
+                problems = train_quantization_problems(AutoConfig.from_pretrained(m.path), "model.path")
             except (OSError, ValueError):
                 problems = []  # from_pretrained below names what is wrong with the directory
             if problems:

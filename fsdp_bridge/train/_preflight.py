@@ -7,7 +7,7 @@ import json
 import logging
 from pathlib import Path
 
-from fsdp_bridge._lora import apply_lora, quantization_problems
+from fsdp_bridge._lora import apply_lora, train_quantization_problems
 from fsdp_bridge._paths import unwritable_reason
 from fsdp_bridge.distributed import plan_mesh
 from fsdp_bridge.errors import ConfigError, Problem
@@ -179,7 +179,7 @@ def _model_problems(config: TrainConfig, device_type: str | None = None) -> tupl
             return [Problem(key, m.path, "a Hugging Face model directory (config.json)", _first_line(err))], notes
     hf_config._attn_implementation = m.attn_implementation
     if device_type is not None:
-        quantized = quantization_problems(hf_config, device_type, key)
+        quantized = train_quantization_problems(hf_config, key)
         if quantized:
             return quantized, notes
     try:
