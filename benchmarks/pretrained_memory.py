@@ -1,6 +1,7 @@
 """Peak host memory and time per rank: pretrained weights into a sharded model, and back out.
 
     python benchmarks/pretrained_memory.py --world-size 2 --hidden 768 --layers 6
+    python benchmarks/pretrained_memory.py --world-size 2 --hidden 768 --layers 6 --lora 8   # LoRA on q/v
 
 Methods, each in fresh processes on ``--world-size`` gloo CPU ranks (FSDP2 unless ``--backend``):
 
@@ -65,7 +66,16 @@ class _AnonPeak:
         self.peak = max(self.peak, _status("RssAnon"))
 
 
-def _run(method: str, path: str, backend: str) -> dict[str, float]:
+def _lora(model: object, r: int) -> object:
+    """``model`` with LoRA adapters of rank ``r`` on q_proj/v_proj (``r`` 0: as it is)."""
+    if not r:
+        return model
+    import peft
+
+    return peft.get_peft_model(model, peft.LoraConfig(r=r, target_modules=["q_proj", "v_proj"]))  # type: ignore[arg-type]
+
+
+def _run(method: str, path: str, backend: str, lora: int = 0) -> dict[str, float]:
     import torch  # noqa: F401  (imports count towards the baseline, not the load)
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -73,6 +83,9 @@ def _run(method: str, path: str, backend: str) -> dict[str, float]:
     from transformers.utils import logging as hf_logging
 
     import fsdp_bridge
+
+    if lora:
+        import peft  # noqa: F401  (its imports, bitsandbytes' among them, count towards the baseline)
 
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
@@ -84,11 +97,13 @@ def _run(method: str, path: str, backend: str) -> dict[str, float]:
     start = time.perf_counter()
     with _AnonPeak() as anon:
         if method == "from_pretrained":
-            model = AutoModelForCausalLM.from_pretrained(path)
+            model = _lora(AutoModelForCausalLM.from_pretrained(path), lora)
         elif method == "naive":
-            model = fsdp_bridge.shard(AutoModelForCausalLM.from_pretrained(path), config)
+            model = fsdp_bridge.shard(_lora(AutoModelForCausalLM.from_pretrained(path), lora), config)
         else:
-            model = fsdp_bridge.load_pretrained(lambda: AutoModelForCausalLM.from_config(hf_config), path, config)
+            model = fsdp_bridge.load_pretrained(
+                lambda: _lora(AutoModelForCausalLM.from_config(hf_config), lora), path, config
+            )
     seconds = time.perf_counter() - start
     if not method.startswith("export"):
         return {"anon": anon.peak - anon.base, "hwm": _status("VmHWM") - hwm_base, "seconds": seconds}
@@ -119,6 +134,7 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--backend", choices=("fsdp1", "fsdp2"), default="fsdp2")
     parser.add_argument("--max-shard-size", default="5GB", help="save_pretrained's file size (indexed above it)")
+    parser.add_argument("--lora", type=int, default=0, help="LoRA rank on q_proj/v_proj for the loads (0: none)")
     args = parser.parse_args()
     os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
 
@@ -148,16 +164,19 @@ def main() -> None:
         print(
             f"Llama {args.layers}x{args.hidden}, vocab {args.vocab}: {total:.0f} MiB of fp32 parameters in "
             f"{len(files)} safetensors file(s); largest wrap unit {unit:.0f} MiB; {args.backend}, world size {n}; "
+            f"{f'LoRA r={args.lora} on q_proj/v_proj (the loads); ' if args.lora else ''}"
             f"target (model/N + unit) x 1.1 = {target:.0f} MiB"
         )
         print(f"{'method':<16} {'rank':>4} {'RssAnon peak MiB':>17} {'/ target':>9} {'VmHWM MiB':>10} {'seconds':>8}")
-        reference = run_distributed(_run, 1, args=("from_pretrained", model_dir, args.backend), timeout_s=900)[0]
+        reference = run_distributed(
+            _run, 1, args=("from_pretrained", model_dir, args.backend, args.lora), timeout_s=900
+        )[0]
         print(
             f"{'from_pretrained':<16} {'(1)':>4} {reference['anon']:>17.0f} {'':>9} "
             f"{reference['hwm']:>10.0f} {reference['seconds']:>8.2f}"
         )
         for method in ("naive", "load_pretrained"):
-            results = run_distributed(_run, n, args=(method, model_dir, args.backend), timeout_s=900)
+            results = run_distributed(_run, n, args=(method, model_dir, args.backend, args.lora), timeout_s=900)
             for rank, r in enumerate(results):
                 print(
                     f"{method:<16} {rank:>4} {r['anon']:>17.0f} {r['anon'] / target:>9.2f} "

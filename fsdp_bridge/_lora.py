@@ -30,12 +30,14 @@ __all__ = [
     "PEFT_INSTALL",
     "PeftConfig",
     "apply_lora",
+    "base_weight_name",
     "bitsandbytes_4bit_problem",
     "has_4bit",
     "is_4bit",
     "keep_4bit_weights_in_place",
     "peft_problems",
     "quantization_problems",
+    "reset_adapters",
     "train_quantization_problems",
 ]
 
@@ -142,6 +144,99 @@ def apply_lora(model: nn.Module, section: PeftConfig, *, key: str = "peft") -> n
                 )
             ]
         ) from None
+
+
+# ----------------------------------------------------------------------------------
+# A PEFT model over a base whose weights are read after sharding
+# ----------------------------------------------------------------------------------
+
+_ADAPTER_CONTAINERS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector")
+_PEFT_PREFIX = "base_model.model."
+
+
+def base_weight_name(name: str) -> str | None:
+    """The name a PEFT (LoRA) model's state-dict entry has in its base model, or None for the
+    adapters' own entries: ``base_model.model.x.q_proj.base_layer.weight`` -> ``x.q_proj.weight``;
+    ``modules_to_save`` copies and their ``original_module`` map to the module they copy."""
+    parts = name.split(".")
+    if any(part in _ADAPTER_CONTAINERS for part in parts):
+        return None
+    if not name.startswith(_PEFT_PREFIX):
+        return name
+    kept: list[str] = []
+    skip = 0
+    for i, part in enumerate(parts[2:]):
+        if skip:
+            skip -= 1
+            continue
+        if part in ("base_layer", "original_module"):
+            continue
+        if part == "modules_to_save" and i + 3 < len(parts):  # modules_to_save.<adapter name>.
+            skip = 1
+            continue
+        kept.append(part)
+    return ".".join(kept)
+
+
+def reset_adapters(model: nn.Module, *, only_meta: bool = False) -> dict[str, Any]:
+    """Initialise the LoRA adapters of ``model`` as peft does (``reset_lora_parameters``: A as an
+    ``nn.Linear``, B zero), in module order with torch's current RNG; adapters on the meta device
+    are first given CPU memory. ``only_meta``: leave adapters that already hold values alone.
+    Returns the name -> value of every adapter parameter (what to put back after sharding).
+
+    Raises:
+        ValueError: an adapter on the meta device whose initialisation needs the base weights
+            (PiSSA, OLoRA, LoftQ, EVA, CorDA, DoRA's magnitude): load the base first.
+    """
+    import torch
+    from torch import nn
+
+    for module in model.modules():
+        reset = getattr(module, "reset_lora_parameters", None)
+        lora_a = getattr(module, "lora_A", None)
+        if reset is None or not isinstance(lora_a, nn.ModuleDict):
+            continue
+        names = [*lora_a.keys(), *getattr(module, "lora_embedding_A", {}).keys()]
+        for adapter in names:
+            items = [getattr(module, c)[adapter] for c in _ADAPTER_CONTAINERS if adapter in getattr(module, c, {})]
+            tensors = [t for item in items for t in (item.parameters() if isinstance(item, nn.Module) else [item])]
+            on_meta = any(t.is_meta for t in tensors)
+            if only_meta and not on_meta:
+                continue
+            init = _init_of(model, adapter)
+            if init not in (True, "gaussian") or adapter in getattr(module, "lora_magnitude_vector", {}):
+                if not on_meta:
+                    continue  # it was initialised from the base's real weights: keep it
+                raise ValueError(
+                    f"LoRA adapter {adapter!r} (init_lora_weights={init!r}, DoRA: "
+                    f"{adapter in getattr(module, 'lora_magnitude_vector', {})}) is initialised from the base "
+                    "weights, which are read after sharding; load the base first (from_pretrained) or use "
+                    "init_lora_weights=True"
+                )
+            for container in _ADAPTER_CONTAINERS:
+                holder = getattr(module, container, None)
+                if holder is None or adapter not in holder:
+                    continue
+                item = holder[adapter]
+                if isinstance(item, nn.Module):
+                    item.to_empty(device="cpu")
+                elif item.is_meta:
+                    holder[adapter] = nn.Parameter(
+                        torch.empty(item.shape, dtype=item.dtype), requires_grad=item.requires_grad
+                    )
+            reset(adapter, init)
+    return {
+        name: p.detach().clone()
+        for name, p in model.named_parameters()
+        if any(part in _ADAPTER_CONTAINERS for part in name.split("."))
+    }
+
+
+def _init_of(model: nn.Module, adapter: str) -> Any:
+    """The ``init_lora_weights`` of ``adapter`` in the PEFT model (or the module holding its configs)."""
+    configs: Any = next((m.peft_config for m in model.modules() if hasattr(m, "peft_config")), {})
+    config = configs.get(adapter) if isinstance(configs, Mapping) else None
+    return getattr(config, "init_lora_weights", True) if config is not None else True
 
 
 # ----------------------------------------------------------------------------------

@@ -236,18 +236,68 @@ def test_lora_trains_generates_and_exports_on_both_backends(tmp_path: Path, run_
         assert json.loads((tmp_path / f"{family}-{backend}-adapter" / "adapter_config.json").read_text())["r"] == 4
 
 
-def test_adapter_export_of_a_model_without_adapters_is_refused(tmp_path: Path, run_on_ranks) -> None:
-    errors = run_on_ranks(_no_adapters, 1, str(tmp_path))[0]
-    assert "kind='adapter' needs a PEFT model" in errors
+def test_adapter_export_needs_adapters_and_load_pretrained_fills_a_peft_models_base(
+    tmp_path: Path, run_on_ranks
+) -> None:
+    """One spawn: kind='adapter' of a model without adapters is refused; load_pretrained of a PEFT
+    model built on the meta device reads its base from the base's directory in slices (names
+    mapped through base_layer / modules_to_save) and initialises the adapters as peft does."""
+    for family in ("llama", "gpt2"):  # gpt2: tied embeddings
+        build_tiny(family, seed=3).save_pretrained(tmp_path / family)
+    for rank_out in run_on_ranks(_no_adapters_and_peft_base, 2, str(tmp_path)):
+        assert "kind='adapter' needs a PEFT model" in rank_out["errors"]
+        for name, checks in rank_out.items():
+            if name != "errors":
+                assert checks == {"base equal": True, "adapters equal": True, "trains": True}, (name, checks)
 
 
-def _no_adapters(out_dir: str) -> str:
+def _no_adapters_and_peft_base(out_dir: str) -> dict[str, Any]:
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from fsdp_bridge._lora import base_weight_name, reset_adapters
+
+    out: dict[str, Any] = {}
     model = fsdp_bridge.shard(build_tiny("llama", seed=0), BridgeConfig(backend="fsdp2"))
     try:
         fsdp_bridge.save_checkpoint(Path(out_dir) / "x", model, kind="adapter")
+        out["errors"] = "no error"
     except fsdp_bridge.CheckpointError as err:
-        return str(err)
-    return "no error"
+        out["errors"] = str(err)
+    for family, save in (("llama", ["lm_head"]), ("gpt2", None)):
+        directory = Path(out_dir) / family
+        lora = peft.LoraConfig(r=4, target_modules=FAMILIES[family], modules_to_save=save)
+        hf_config = AutoConfig.from_pretrained(directory)
+        files = load_file(str(directory / "model.safetensors"))
+        # The reference: the base read whole, then the adapters initialised from the same seed.
+        reference = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(directory), lora)
+        torch.manual_seed(11)
+        expected = reset_adapters(reference)
+        for backend in Backend:
+            torch.manual_seed(11)
+            sharded = fsdp_bridge.load_pretrained(
+                lambda: peft.get_peft_model(AutoModelForCausalLM.from_config(hf_config), lora),  # noqa: B023
+                directory,
+                BridgeConfig(backend=backend),
+            )
+            full = _full(sharded)
+            base = {k: base_weight_name(k) for k in full}
+            checks = {
+                "base equal": all(torch.equal(v, files[base[k]]) for k, v in full.items() if base[k] in files),
+                "adapters equal": all(torch.equal(full[k], v) for k, v in expected.items()),
+            }
+            opt = torch.optim.AdamW([p for p in sharded.parameters() if p.requires_grad], lr=1e-2)
+            batch = sample_batch(family, batch=2, seq=8, seed=dist.get_rank())
+            losses = []
+            for _ in range(3):
+                loss = sharded(**batch).loss
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+            checks["trains"] = losses[-1] < losses[0]
+            out[f"{family}/{backend.value}"] = checks
+    return out
 
 
 def test_an_adapter_that_does_not_fit_is_refused_naming_keys(tmp_path: Path) -> None:

@@ -131,21 +131,18 @@ def _resume_and_finetune(root: str) -> dict[str, Any]:
     from fsdp_bridge.train import load_train_config
 
     example = Path(__file__).resolve().parents[1] / "examples" / "finetune_gpt2.yaml"
-    config = load_train_config(
-        example,
-        [
-            f"model.path={ckpt_dir}",
-            "model.attn_implementation=eager",
-            f"output_dir={base / 'gpt2-run'}",
-            "data.seq_len=32",
-            "max_steps=3",
-            "eval_interval=3",
-            "micro_batch_size=2",
-            "grad_accum=1",
-            "schedule.warmup_steps=0",
-            "bridge.device=cpu",
-        ],
-    )
+    overrides = [
+        f"model.path={ckpt_dir}",
+        "model.attn_implementation=eager",
+        "data.seq_len=32",
+        "max_steps=3",
+        "eval_interval=3",
+        "micro_batch_size=2",
+        "grad_accum=1",
+        "schedule.warmup_steps=0",
+        "bridge.device=cpu",
+    ]
+    config = load_train_config(example, [*overrides, f"output_dir={base / 'gpt2-run'}"])
     # The model is built on the meta device and each rank reads its slices of the weights; the
     # same run with the whole model from from_pretrained on every rank is identical.
     from fsdp_bridge import checkpoint
@@ -166,6 +163,27 @@ def _resume_and_finetune(root: str) -> dict[str, Any]:
     finally:
         checkpoint.pretrained_fits = fits
     results["gpt2"]["same_as_from_pretrained"] = (whole.final_loss, whole.eval_loss) == (ft.final_loss, ft.eval_loss)
+    # LoRA over the same directory: the base is read in slices too (the adapters are not in its
+    # files), and the run is the one that reads the whole base first, bit for bit.
+    lora = load_train_config(
+        example, [*overrides, f"output_dir={base / 'gpt2-lora'}", "peft.r=4", "peft.target_modules=[c_attn]"]
+    )
+    sliced.clear()
+    checkpoint.load_pretrained = lambda *args, **kwargs: sliced.append(True) or load_pretrained(*args, **kwargs)
+    try:
+        lora_run = train(lora, verbosity="quiet")
+    finally:
+        checkpoint.load_pretrained = load_pretrained
+    fits, checkpoint.pretrained_fits = checkpoint.pretrained_fits, lambda *args: False
+    try:
+        lora_whole = train(dataclasses.replace(lora, output_dir=str(base / "gpt2-lora-whole")), verbosity="quiet")
+    finally:
+        checkpoint.pretrained_fits = fits
+    results["gpt2_lora"] = {
+        "sliced": sliced == [True],
+        "same_as_from_pretrained": (lora_run.final_loss, lora_run.eval_loss)
+        == (lora_whole.final_loss, lora_whole.eval_loss),
+    }
     return results
 
 
@@ -184,6 +202,7 @@ def test_interrupted_and_resumed_matches_uninterrupted_step_for_step(tmp_path: P
         assert results[0][backend]["whole"] == results[0][backend]["resumed"]
     assert results[0]["gpt2"]["steps"] == 3 and results[0]["gpt2"]["eval_loss"] is not None
     assert results[0]["gpt2"]["same_as_from_pretrained"] and results[0]["gpt2"]["sliced"]
+    assert results[0]["gpt2_lora"] == {"sliced": True, "same_as_from_pretrained": True}, results[0]["gpt2_lora"]
     losses = [[r["loss"] for r in _metrics(tmp_path / name)] for name in ("gpt2-run", "gpt2-run-whole")]
     assert losses[0] == losses[1] and len(losses[0]) == 3
     from transformers import AutoModelForCausalLM

@@ -69,9 +69,12 @@ class BackendImpl(Protocol):
         without building one (FSDP1's sharded state dict gathers every unit)."""
         ...
 
-    def load_local(self, model: nn.Module, read_rows: Callable[[str, int, int], torch.Tensor]) -> set[str] | None:
+    def load_local(
+        self, model: nn.Module, read_rows: Callable[[str, int, int], torch.Tensor | None]
+    ) -> set[str] | None:
         """Copy into this rank's shards the part of each parameter it holds, reading rows
         ``[start, stop)`` (along dim 0; a 0-dim parameter: ``(name, 0, 1)``) of the parameter
-        named ``name`` (its clean name) with ``read_rows``; no communication.  Returns the
-        names filled, or None when the backend leaves this to DCP (sharded state dicts)."""
+        named ``name`` (its clean name) with ``read_rows``, which returns None for a parameter the
+        checkpoint does not hold (left as it is); no communication.  Returns the names handled,
+        or None when the backend leaves this to DCP (sharded state dicts)."""
         ...

@@ -246,7 +246,9 @@ class FSDP1Backend:
                 shapes[full(f"{shared.module_name}.{shared.param_name}".lstrip("."))] = shapes[full(source)]
         return {**shapes, **buffer_shapes(model, strip_wrapper_prefixes)}
 
-    def load_local(self, model: nn.Module, read_rows: Callable[[str, int, int], torch.Tensor]) -> set[str] | None:
+    def load_local(
+        self, model: nn.Module, read_rows: Callable[[str, int, int], torch.Tensor | None]
+    ) -> set[str] | None:
         # A unit's flat parameter is its parameters flattened and concatenated; this rank holds
         # one contiguous range of it.  FlatParameter._shard_param_infos says, per parameter, which
         # elements of the (flattened) parameter lie in that range and where: read the rows that
@@ -269,7 +271,10 @@ class FSDP1Backend:
                         continue
                     row = math.prod(shape[1:]) if len(shape) else 1
                     start = first // row
-                    rows = read_rows(name, start, last // row + 1).reshape(-1)
+                    read = read_rows(name, start, last // row + 1)
+                    if read is None:  # not in the checkpoint: left as it is
+                        continue
+                    rows = read.reshape(-1)
                     piece = rows[first - start * row : last - start * row + 1]
                     flat.data[offset : offset + piece.numel()].copy_(piece)
         return filled

@@ -157,7 +157,9 @@ class FSDP2Backend:
         shapes = {strip_wrapper_prefixes(n): tuple(p.shape) for n, p in params}  # a DTensor's shape is the full one
         return {**shapes, **buffer_shapes(model, strip_wrapper_prefixes)}
 
-    def load_local(self, model: nn.Module, read_rows: Callable[[str, int, int], torch.Tensor]) -> set[str] | None:
+    def load_local(
+        self, model: nn.Module, read_rows: Callable[[str, int, int], torch.Tensor | None]
+    ) -> set[str] | None:
         return None  # DTensor state dicts: DCP's Hugging Face reader reads each rank's slices
 
 

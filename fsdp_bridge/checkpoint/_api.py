@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from fsdp_bridge import hf
-from fsdp_bridge._lora import has_4bit
+from fsdp_bridge._lora import base_weight_name, has_4bit, reset_adapters
 from fsdp_bridge._paths import unwritable_reason
 from fsdp_bridge.checkpoint import _hf, _peft
 from fsdp_bridge.checkpoint._atomic import (
@@ -611,37 +611,74 @@ def _load_full(
 
 
 def _load_hf_sliced(
-    directory: Path, model: nn.Module, tied: list[list[str]], found: Mapping[str, tuple[int, ...]]
+    directory: Path,
+    model: nn.Module,
+    tied: list[list[str]],
+    found: Mapping[str, tuple[int, ...]],
+    *,
+    names: Mapping[str, str] | None = None,
 ) -> None:
     """Every rank reads only the slices of the safetensors files that its shards hold, straight
     into them: no rank holds more of the checkpoint than its shards and one tensor in flight.
     Names and shapes are checked before (the headers); after that safetensors data cannot fail
-    to read (any bytes are values), so writing in place keeps a refused load all or nothing."""
-    fill = _aliases_to_fill(tied, set(found))
+    to read (any bytes are values), so writing in place keeps a refused load all or nothing.
+    ``names``: model name -> name in the files (a PEFT model over its base's directory; entries
+    without one, the adapters, are left as they are)."""
+
+    def file_of(name: str) -> str | None:
+        return name if names is None else names.get(name)
+
+    fill = _aliases_to_fill(tied if names is None else _tied_in_files(tied, names), set(found))
     bridge = _bridge(model)
     if bridge is not None:
         with _hf.WeightReader(directory) as reader:
 
-            def read_rows(name: str, start: int, stop: int) -> torch.Tensor:
-                return reader.rows(fill.get(name, name), start, stop)
+            def read_rows(name: str, start: int, stop: int) -> torch.Tensor | None:
+                stored = file_of(name)
+                return None if stored is None else reader.rows(fill.get(stored, stored), start, stop)
 
             filled = bridge.impl.load_local(bridge.model, read_rows)
             if filled is not None:
                 with torch.no_grad():  # buffers are whole on every rank
                     for name, buf in bridge.model.named_buffers():
-                        clean = strip_wrapper_prefixes(name)
-                        if clean in found or clean in fill:
-                            buf.copy_(reader.get(fill.get(clean, clean)))
-                            filled.add(clean)
-                if set(found) <= filled:
+                        stored = file_of(strip_wrapper_prefixes(name))
+                        if stored is not None and (stored in found or stored in fill):
+                            buf.copy_(reader.get(fill.get(stored, stored)))
+                            filled.add(strip_wrapper_prefixes(name))
+                if set(found) <= {file_of(n) for n in filled}:
                     return
                 # Some weights are outside every unit (ignored modules): DCP reads them all.
     template = _template(model)
-    request = {name: template[name] for name in found}  # this rank's shards themselves
+    request: dict[str, Any] = {}  # name in the files -> this rank's shard of one model entry
+    readers: dict[str, str] = {}  # model name -> name in the files
+    for name, value in template.items():
+        stored = file_of(name)
+        if stored is None:
+            continue
+        readers[name] = stored
+        if stored in found and stored not in request:
+            request[stored] = value  # this rank's shards themselves
     _hf.read_hf_slices(request, directory)
     for alias, source in fill.items():  # a tied name stored once
         request[alias] = request[source]
-    set_model_state_dict(model, request)
+    loaded = {name: request[stored] for name, stored in readers.items() if stored in request}
+    set_model_state_dict(model, loaded, options=StateDictOptions(strict=names is None))
+
+
+def _base_names(model: nn.Module, found: Mapping[str, tuple[int, ...]]) -> dict[str, str] | None:
+    """For a PEFT model whose names are not those of the files: model name -> the base model's
+    name, for every entry that is not an adapter's (None: the names are the model's own)."""
+    own = _global_shapes(model)
+    if set(found) <= set(own) or not any(k.startswith("base_model.model.") for k in own):
+        return None
+    if _peft.find_peft_model(model) is None:
+        return None
+    return {k: base for k in own if (base := base_weight_name(k)) is not None}
+
+
+def _tied_in_files(tied: list[list[str]], names: Mapping[str, str]) -> list[list[str]]:
+    groups = [list(dict.fromkeys(names[n] for n in group if n in names)) for group in tied]
+    return [g for g in groups if len(g) > 1]
 
 
 def _load_dcp(
@@ -809,9 +846,15 @@ def load_checkpoint(
         # Tied aliases stored only once resolve through the shared parameter.
     else:
         found = _full_shapes(detected)
-        compare_keys(detected.path, found, _global_shapes(model), allow_missing=_aliases_to_fill(tied, set(found)))
-        if optimizer is None and detected.kind in (Kind.HF, Kind.FULL) and detected.path.is_dir():
-            _load_hf_sliced(detected.path, model, tied, found)
+        sliced = optimizer is None and detected.kind in (Kind.HF, Kind.FULL) and detected.path.is_dir()
+        names = _base_names(model, found) if sliced else None
+        expected = _global_shapes(model)
+        if names is not None:  # a PEFT model filled from its base's directory: the adapters stay
+            expected = {names[k]: shape for k, shape in expected.items() if k in names}
+        file_tied = tied if names is None else _tied_in_files(tied, names)
+        compare_keys(detected.path, found, expected, allow_missing=_aliases_to_fill(file_tied, set(found)))
+        if sliced:
+            _load_hf_sliced(detected.path, model, tied, found, names=names)
         else:
             _load_full(detected, model, optimizer, _template(model), tied, found)
 
@@ -849,7 +892,12 @@ def pretrained_fits(path: str | os.PathLike[str], model: nn.Module) -> bool:
     except CheckpointError:
         return False
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    allowed = _aliases_to_fill(_tied_groups(model), set(found))
+    tied = _tied_groups(model)
+    names = _base_names(model, found)
+    if names is not None:  # a PEFT model over this base: its adapters are not in the files
+        expected = {names[k]: shape for k, shape in expected.items() if k in names}
+        tied = _tied_in_files(tied, names)
+    allowed = _aliases_to_fill(tied, set(found))
     if not set(found) <= set(expected):
         return False
     return all(found[k] == shape if k in found else k in allowed for k, shape in expected.items())
@@ -909,9 +957,11 @@ def load_pretrained(
                 f"the builder passed to load_pretrained returned {type(model).__name__}, expected an nn.Module"
             )
         # init_empty_weights re-creates each parameter on the meta device, which unties
-        # shared ones (GPT-2's lm_head / wte): tie them again as the model's config says.
-        tie = getattr(model, "tie_weights", None)
-        if hf.is_hf_model(model) and callable(tie):
+        # shared ones (GPT-2's lm_head / wte): tie them again as the model's config says (the
+        # Hugging Face model itself, or the base under a PEFT wrapper).
+        hf_model = next((m for m in model.modules() if hf.is_hf_model(m)), None)
+        tie = getattr(hf_model, "tie_weights", None)
+        if callable(tie):
             tie()
     else:
         raise TypeError(
@@ -929,6 +979,9 @@ def load_pretrained(
     # Buffers that checkpoints do not hold (e.g. RoPE inv_freq): keep their values across sharding,
     # which turns meta modules into uninitialised memory.
     kept = {n: b.detach().clone() for n, b in model.named_buffers() if n not in persistent}
+    # LoRA adapters of a PEFT model built on the meta device are not in the base's files: they are
+    # initialised here as peft does (torch's current RNG) and put in after the base is read.
+    adapters = reset_adapters(model, only_meta=True)
     with weights_loaded_after_shard():
         sharded = shard(model, config, mesh=mesh)
     load_checkpoint(path, sharded, restore_rng=False)
@@ -938,4 +991,23 @@ def load_pretrained(
             clean = strip_wrapper_prefixes(name)
             if clean in kept:
                 buf.copy_(kept[clean].to(buf.device))
+    if adapters:
+        _put_whole(sharded, adapters)
     return sharded
+
+
+def _put_whole(model: nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Copy whole tensors (the same on every rank) into this rank's shards of ``model``: by the
+    backend's local fill where it has one (FSDP1's full state dict would gather every unit)."""
+    bridge = _bridge(model)
+    filled: set[str] = set()
+    if bridge is not None:
+
+        def read_rows(name: str, start: int, stop: int) -> torch.Tensor | None:
+            value = tensors.get(name)
+            return None if value is None else (value.reshape(1) if value.dim() == 0 else value[start:stop])
+
+        filled = bridge.impl.load_local(bridge.model, read_rows) or set()
+    rest: dict[str, Any] = {k: v for k, v in tensors.items() if k not in filled}
+    if rest:
+        set_model_state_dict(model, rest, options=full_state_options(model, strict=False))

@@ -71,8 +71,9 @@ class ModelConfig:
 
     path: str | None = None
     """A Hugging Face model directory (config.json, weights, tokenizer files) to fine-tune. The model is
-    built on the meta device and each rank reads only its shards' slices of the weights (with ``peft:``,
-    or names that differ from the model's, the whole model is loaded on every rank first)."""
+    built on the meta device and each rank reads only its shards' slices of the weights, the base of a
+    ``peft:`` run too (with names that differ from the model's, the whole model is loaded on every rank
+    first)."""
     config: dict[str, Any] | None = None
     """A transformers config to train from scratch: ``model_type`` plus sizes (hidden_size, num_hidden_layers, ...).
     ``vocab_size`` is taken from the tokenizer when not given."""

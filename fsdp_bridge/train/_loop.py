@@ -30,7 +30,7 @@ from torch import nn
 
 from fsdp_bridge import checkpoint as ckpt
 from fsdp_bridge._faults import maybe_fail
-from fsdp_bridge._lora import apply_lora, train_quantization_problems
+from fsdp_bridge._lora import apply_lora, reset_adapters, train_quantization_problems
 from fsdp_bridge.api import clip_grad_norm_, get_bridge, no_sync, shard
 from fsdp_bridge.config import parse_dtype
 from fsdp_bridge.distributed import init_distributed
@@ -367,10 +367,10 @@ def train(config: TrainConfig, *, verbosity: Verbosity = "normal") -> TrainResul
     docs = read_documents(config.data)
     tokenizer = load_tokenizer(config, docs, out)
     data = PackedData.build(docs, tokenizer, config.data, seed=config.seed, rank=rank, world_size=world)
-    # A pretrained model without LoRA is built on the meta device and each rank reads only its
-    # slices of the weights after sharding; LoRA adapters need the base's real weights first.
+    # A pretrained model is built on the meta device and each rank reads only its slices of the
+    # weights after sharding (LoRA adapters included: they are not in the base's files).
     pretrained = config.model.path
-    sliced = pretrained is not None and config.peft is None
+    sliced = pretrained is not None
     model = build_model(config, tokenizer, device_type=device.type, weights=not sliced)
     if pretrained is not None and sliced and not ckpt.pretrained_fits(pretrained, model):
         model = build_model(config, tokenizer, device_type=device.type)  # names differ: transformers maps them
@@ -380,6 +380,8 @@ def train(config: TrainConfig, *, verbosity: Verbosity = "normal") -> TrainResul
     lora_note = ""
     if config.peft is not None:
         model = apply_lora(model, config.peft)
+        torch.manual_seed(config.seed)
+        reset_adapters(model)  # the same adapters whether the base is read before or after sharding
         n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         lora_note = f" + LoRA r={config.peft.r} ({n_trainable:,} trainable)"
     maybe_fail("shard")
