@@ -8,8 +8,10 @@ peak memory, parameter bytes per rank, step and setup time; a verdict per pair w
 tolerances chosen by precision; and the backend defaults that can make numbers differ.
 
 Writes report.json, report.md and report.png (with the optional matplotlib) into --out.
-Exit code: 0 parity, 1 parity failed, 2 invalid job.  Spawns --nproc-per-node ranks
-itself (gloo on CPU, NCCL with one GPU per rank); under torchrun it uses the launched ranks.
+Exit code: 0 parity, 1 parity failed, 2 invalid job, 3 a rank failed (the rank that failed
+first and its traceback are printed).  Starts --nproc-per-node ranks with the elastic launcher
+``fsdp-bridge train`` uses (gloo on CPU, NCCL with one GPU per rank); under torchrun it uses
+the launched ranks.
 """
 
 from __future__ import annotations
@@ -17,12 +19,13 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import sys
 from typing import TYPE_CHECKING
 
 from fsdp_bridge.errors import ConfigError, Problem
 
 if TYPE_CHECKING:
-    from fsdp_bridge.compare import CompareJob
+    from fsdp_bridge.compare import CompareJob, ParityReport
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -53,7 +56,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         action="store_true",
         help="skip gathering full parameters every step (rank 0 keeps a copy per run and step)",
     )
-    p.add_argument("--timeout", type=float, default=1800.0, help="seconds before the spawned ranks are stopped")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=1800.0,
+        help="seconds a rank waits for a silent peer in a collective before the run fails (default %(default)s)",
+    )
     p.set_defaults(func=run)
 
 
@@ -104,29 +112,49 @@ def _scalar(text: str) -> object:
     return yaml.safe_load(text)
 
 
-def _rank_main(job: CompareJob, param_diff: bool) -> object:
-    from fsdp_bridge.compare import run_job
+RANK_FAILED_EXIT = 3
 
+
+def _rank_main(job: CompareJob, param_diff: bool, timeout_s: float) -> ParityReport:
+    """One launched rank (module level: pickled into the spawned processes)."""
+    from fsdp_bridge.compare import run_job
+    from fsdp_bridge.distributed import init_distributed
+
+    init_distributed(job.device(), timeout_s=timeout_s)
     return run_job(job, param_diff=param_diff)
 
 
 def run(args: argparse.Namespace) -> int:
     # Imported here, not at the top: `fsdp-bridge --help` must not pay for torch.
-    from fsdp_bridge.compare import CompareJob, read_job, run_job, write_report
+    from fsdp_bridge.compare import CompareJob, read_job, write_report
 
     job = CompareJob.from_dict(apply_flags(read_job(args.config), args), source=args.config)
     command = _command(args)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # launched by torchrun: use those ranks
-        report = run_job(job, param_diff=not args.no_param_diff)
+        report = _rank_main(job, not args.no_param_diff, args.timeout)
         if int(os.environ["RANK"]) != 0:
             return 0 if report.ok else 1
     else:
-        from fsdp_bridge._spawn import run_distributed
+        from fsdp_bridge._launch import CONFIG_ERROR_EXIT, LaunchFailed, LaunchOptions, elastic_run
 
-        backend, world = _process_backend(job)
-        report = run_distributed(
-            _rank_main, world, args=(job, not args.no_param_diff), backend=backend, timeout_s=args.timeout
-        )[0]
+        world = _ranks(job)
+        try:
+            report = elastic_run(
+                _rank_main,
+                (job, not args.no_param_diff, args.timeout),
+                LaunchOptions(nproc_per_node=world),
+                name="compare",
+            )[0]
+        except LaunchFailed as err:
+            if err.codes == {CONFIG_ERROR_EXIT}:
+                return CONFIG_ERROR_EXIT  # rank 0 printed the problems
+            print(
+                err.explanation
+                or f"fsdp-bridge compare: rank {', '.join(map(str, err.ranks))} failed (exit codes "
+                f"{sorted(err.codes)}); see the log above",
+                file=sys.stderr,
+            )
+            return RANK_FAILED_EXIT
     print(report.format())
     paths = write_report(report, args.out, command=command, job=job.to_dict())
     print(
@@ -158,8 +186,8 @@ def _command(args: argparse.Namespace) -> str:
     return " ".join(shlex.quote(p) for p in parts)
 
 
-def _process_backend(job: CompareJob) -> tuple[str, int]:
-    """gloo on CPU, NCCL with one GPU per rank (checked before anything is spawned)."""
+def _ranks(job: CompareJob) -> int:
+    """The ranks to start: gloo on CPU, NCCL with one GPU per rank (checked before anything starts)."""
     import torch
 
     world = job.nproc_per_node
@@ -177,5 +205,4 @@ def _process_backend(job: CompareJob) -> tuple[str, int]:
                     )
                 ]
             )
-        return "nccl", world
-    return "gloo", world
+    return world

@@ -53,8 +53,12 @@ __all__ = [
 
 
 def run_job(job: CompareJob, *, param_diff: bool = True) -> ParityReport:
-    """Run ``job`` on the current process group (collective: every rank calls it)."""
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    """Run ``job`` on the current process group (collective: every rank calls it); the group is
+    set up from the environment first if needed (torchrun's ranks: each gets its own batches)."""
+    from fsdp_bridge.distributed import init_distributed
+
+    init_distributed(job.device())
+    rank = dist.get_rank()
     return run_parity(
         job.build_model,
         job.batches(rank),

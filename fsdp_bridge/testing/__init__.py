@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from fsdp_bridge._spawn import RankFailure, run_distributed
+from fsdp_bridge.testing._spawn import RankFailure, run_distributed
 
 if TYPE_CHECKING:
     from fsdp_bridge.testing.parity import (

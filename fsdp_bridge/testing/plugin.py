@@ -136,7 +136,7 @@ def _run(
     timeout_s: float = 300.0,
 ) -> list[Any]:
     """run_distributed, turning a rank's failure into a test failure that shows every traceback."""
-    from fsdp_bridge._spawn import RankFailure, run_distributed
+    from fsdp_bridge.testing._spawn import RankFailure, run_distributed
 
     try:
         return run_distributed(fn, world_size, args=args, kwargs=kwargs, backend=backend, timeout_s=timeout_s)
