@@ -264,3 +264,94 @@ def test_resume_continues_exactly(tmp_path: Path) -> None:
             assert len(set(straight)) == 6
             for kind in ("sharded", "full"):
                 assert second[rank][f"{backend}_{kind}"] == straight[3:], (backend, kind, rank)
+
+
+class _WithBuffers(torch.nn.Module):
+    """Persistent buffers (an int64 0-dim one among them), which FSDP1 casts to the mixed
+    precision buffer dtype and its state dict casts back only where their unit holds parameters
+    (``root_param``), a BatchNorm (FSDP1 makes it a unit of its own in full precision); the last
+    layer is ignored (neither sharded nor cast)."""
+
+    def __init__(self, root_param: bool) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.gain = torch.nn.Parameter(torch.randn(5)) if root_param else None
+        self.inp = torch.nn.Linear(13, 37)
+        self.norm = torch.nn.BatchNorm1d(37)
+        self.mid = torch.nn.Linear(37, 29)
+        self.out = torch.nn.Linear(29, 5)
+        self.register_buffer("scale", torch.randn(7, 3))
+        self.register_buffer("count", torch.tensor(5))
+        self.register_buffer("scratch", torch.zeros(2), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.out(self.mid(self.norm(self.inp(x))).float())
+        return y * self.gain if self.gain is not None else y
+
+
+def _fsdp1_exports_in_place(root: str) -> list[str]:
+    """FSDP1's full export writes each rank's flat ranges straight into the files: the bytes must
+    equal FSDP2's export (torch's assembly) of the same weights, and the tensors torch's full
+    state dict of the same model, for the layouts whose shards differ."""
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from fsdp_bridge.api import get_bridge
+    from fsdp_bridge.checkpoint._api import _tied_groups
+
+    wrong: list[str] = []
+
+    def check(model: torch.nn.Module, label: str) -> None:
+        out = Path(root) / label
+        fsdp_bridge.save_checkpoint(out, model, kind="full")  # first: the state dict below reshards
+        bridge = get_bridge(model)
+        pieces = bridge.impl.export_pieces(bridge.model) or {}
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+        if [(k, v.shape, v.dtype) for k, v in pieces.items()] != [
+            (k, tuple(v.shape), v.dtype) for k, v in full.items()
+        ]:
+            wrong.append(f"{label}: names, order, shapes or dtypes differ from the state dict's")
+        got = load_file(out / "model.safetensors")
+        aliases = {name for group in _tied_groups(model) for name in group[1:]}  # stored once
+        if set(got) != set(full) - aliases:
+            wrong.append(f"{label}: names {sorted(set(got) ^ (set(full) - aliases))}")
+        for k, v in got.items():
+            if k in full and (v.dtype != full[k].dtype or not torch.equal(v, full[k])):
+                wrong.append(f"{label}: {k}")
+
+    # Tied GPT-2, split into several files: FSDP2 (torch's assembly) vs FSDP1 (in place).
+    for family in ("gpt2", "llama"):
+        exports = {}
+        for backend in BACKENDS:
+            model = fsdp_bridge.shard(
+                build_tiny(family, seed=4), fsdp_bridge.BridgeConfig(backend=backend, device="cpu")
+            )
+            out = Path(root) / f"{family}_{backend}"
+            fsdp_bridge.save_checkpoint(out, model, kind="full", max_shard_size="40KB")
+            exports[backend] = out
+            if backend == "fsdp1":
+                check(model, f"{family}_fsdp1_whole")
+        if len(list(exports["fsdp1"].glob("*.safetensors"))) < 2:
+            wrong.append(f"{family}: expected several files")
+        names = [p.name for p in exports["fsdp2"].glob("*.safetensors")] + ["model.safetensors.index.json"]
+        for name in sorted(names):
+            if (exports["fsdp1"] / name).read_bytes() != (exports["fsdp2"] / name).read_bytes():
+                wrong.append(f"{family}: {name} differs between the backends")
+    # Mixed precision with buffers cast to bf16, an ignored module, NO_SHARD and FULL_SHARD.
+    for strategy, root_param in (("full_shard", True), ("no_shard", False)):
+        config = fsdp_bridge.BridgeConfig(
+            backend="fsdp1",
+            strategy=strategy,
+            wrap=fsdp_bridge.WrapPolicy(mode="classes", classes=("Linear",)),
+            mixed_precision=fsdp_bridge.MixedPrecisionConfig(param_dtype=torch.bfloat16, buffer_dtype=torch.bfloat16),
+            ignored_modules=("out",),
+            device="cpu",
+        )
+        model = fsdp_bridge.shard(_WithBuffers(root_param), config)
+        model(torch.randn(4, 13)).sum().backward()  # buffers now bf16, running statistics updated
+        check(model, f"buffers_{strategy}")
+    return wrong
+
+
+def test_fsdp1_full_export_writes_flat_shards_in_place(tmp_path: Path) -> None:
+    assert run_distributed(_fsdp1_exports_in_place, 2, args=(str(tmp_path),), timeout_s=600) == [[], []]

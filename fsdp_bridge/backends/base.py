@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -12,7 +14,31 @@ from torch import nn
 from fsdp_bridge.plan import ShardPlan
 from fsdp_bridge.strategy import Backend
 
-__all__ = ["BackendImpl", "ShardPlan"]
+__all__ = ["BackendImpl", "FlatPiece", "FlatTensor", "ShardPlan"]
+
+
+@dataclass(frozen=True)
+class FlatPiece:
+    """Elements ``[start, start + data.numel())`` of a tensor flattened in row-major order:
+    one contiguous byte range of the tensor's data in a safetensors file."""
+
+    start: int
+    data: torch.Tensor
+    """1-D, contiguous; a view of the rank's shard where it can be (on any device)."""
+
+
+@dataclass(frozen=True)
+class FlatTensor:
+    """A state-dict entry as one rank writes it in a full export: its full shape and dtype, and
+    the pieces this rank writes.  Over all ranks the pieces cover every element exactly once."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    pieces: tuple[FlatPiece, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 class BackendImpl(Protocol):
@@ -69,4 +95,10 @@ class BackendImpl(Protocol):
         ``[start, stop)`` (along dim 0; a 0-dim parameter: ``(name, 0, 1)``) of the parameter
         named ``name`` (its clean name) with ``read_rows``; no communication.  Returns the
         names filled, or None when the backend leaves this to DCP (sharded state dicts)."""
+        ...
+
+    def export_pieces(self, model: nn.Module) -> dict[str, FlatTensor] | None:
+        """Clean name -> what this rank writes of each tensor of the model's state dict (tied
+        names each, in state-dict order) in a full export, without communication and without
+        building a state dict; or None when the backend's sharded state dict serves (DCP)."""
         ...

@@ -10,6 +10,7 @@ from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import (
     BackwardPrefetch as TorchBackwardPrefetch,
@@ -26,10 +27,13 @@ from torch.distributed.fsdp.wrap import CustomPolicy
 
 from fsdp_bridge._names import strip_wrapper_prefixes
 from fsdp_bridge.backends._common import broadcast_from_rank0, buffer_shapes, rank0_full_state
+from fsdp_bridge.backends.base import FlatPiece, FlatTensor
 from fsdp_bridge.plan import ShardPlan, SyncMethod
 from fsdp_bridge.strategy import Backend, BackwardPrefetch, ShardingStrategy
 
 __all__ = ["FSDP1Backend"]
+
+_FLAT_PARAM = "_flat_param"  # FSDP1 registers each unit's flat parameter under this name
 
 _STRATEGIES = {
     ShardingStrategy.FULL_SHARD: TorchShardingStrategy.FULL_SHARD,
@@ -267,3 +271,105 @@ class FSDP1Backend:
                     piece = rows[first - start * row : last - start * row + 1]
                     flat.data[offset : offset + piece.numel()].copy_(piece)
         return filled
+
+    def export_pieces(self, model: nn.Module) -> dict[str, FlatTensor] | None:
+        # The inverse of load_local: each parameter's part of this rank's flat shard is one
+        # contiguous range of the flattened parameter, hence one byte range of it in a
+        # safetensors file.  FSDP1's sharded state dict would gather every unit and copy out
+        # row-chunks instead (1.8x the memory target).  Ranks holding the same shard (NO_SHARD,
+        # the replicas of HYBRID_*) split it between them, so every element is written once.
+        names = {id(m): n for n, m in model.named_modules()}
+        flat_of: dict[str, FlatTensor] = {}
+        of_param: dict[int, FlatTensor] = {}  # id(original parameter) -> its pieces, for every name of it
+        for unit in FullyShardedDataParallel.fsdp_modules(model):
+            handle = unit._handle
+            if handle is None:
+                continue
+            flat = handle.flat_param
+            # The shard's own storage: flat.data points at the unsharded parameter while the unit
+            # is unsharded; _local_shard exists from the lazy init on, and until then flat.data
+            # is the shard.
+            local = getattr(flat, "_local_shard", flat.data).detach()
+            index, count = _replica(unit)
+            lo, hi = index * local.numel() // count, (index + 1) * local.numel() // count
+            prefix = names[id(unit)]
+
+            def full(relative: str, prefix: str = prefix) -> str:
+                return strip_wrapper_prefixes(f"{prefix}.{relative}" if prefix else relative)
+
+            # The original parameters (kept with use_orig_params), for names FSDP1 did not record.
+            params: Sequence[nn.Parameter | None] = flat._params or [None] * len(flat._fqns)
+            for info, fqn, shape, param in zip(flat._shard_param_infos, flat._fqns, flat._shapes, params, strict=True):
+                pieces: tuple[FlatPiece, ...] = ()
+                first, offset = info.intra_param_start_idx, info.offset_in_shard
+                if info.in_shard and first is not None and offset is not None and info.numel_in_shard:
+                    start, stop = max(offset, lo), min(offset + info.numel_in_shard, hi)
+                    if start < stop:
+                        pieces = (FlatPiece(first + start - offset, local[start:stop]),)
+                flat_of[full(fqn)] = FlatTensor(tuple(shape), local.dtype, pieces)
+                if param is not None:
+                    of_param[id(param)] = flat_of[full(fqn)]
+            for shared in flat._shared_param_infos:
+                source = full(f"{shared.prim_module_name}.{shared.prim_param_name}".lstrip("."))
+                flat_of[full(f"{shared.module_name}.{shared.param_name}".lstrip("."))] = flat_of[source]
+        # Buffers and parameters outside every unit (ignored modules, scalar parameters) are whole
+        # on every rank: each rank writes 1/world of them.
+        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        orig_dtype = _buffers_state_dicts_restore(model, names)
+        out: dict[str, FlatTensor] = {}
+        for name, value, is_buffer in _state_entries(model):
+            clean = strip_wrapper_prefixes(name)
+            known = flat_of.get(clean) or (None if is_buffer else of_param.get(id(value)))
+            if known is not None:  # a view of a flat shard, not the whole parameter
+                out[clean] = known
+                continue
+            value = value.detach()
+            if is_buffer and clean in orig_dtype:  # FSDP1 cast it to the buffer dtype
+                value = value.to(orig_dtype[clean])
+            values = value.reshape(-1)
+            lo, hi = rank * values.numel() // world, (rank + 1) * values.numel() // world
+            pieces = (FlatPiece(lo, values[lo:hi].contiguous()),) if lo < hi else ()
+            out[clean] = FlatTensor(tuple(value.shape), value.dtype, pieces)
+        return out
+
+
+def _replica(unit: FullyShardedDataParallel) -> tuple[int, int]:
+    """(this rank's index among the ranks that hold the same shard of ``unit``, their number)."""
+    strategy = unit.sharding_strategy
+    if strategy is TorchShardingStrategy.NO_SHARD:
+        return unit.rank, unit.world_size
+    if strategy in (TorchShardingStrategy.HYBRID_SHARD, TorchShardingStrategy._HYBRID_SHARD_ZERO2):
+        group = unit._inter_node_pg
+        return dist.get_rank(group), dist.get_world_size(group)
+    return 0, 1
+
+
+def _buffers_state_dicts_restore(model: nn.Module, names: dict[int, str]) -> dict[str, torch.dtype]:
+    """Clean buffer name -> original dtype, for the buffers FSDP1's state dicts cast back from the
+    mixed precision buffer dtype: those under a unit that has buffer mixed precision and a flat
+    parameter of its own (its state-dict hook returns early without one, leaving them in the
+    compute dtype), unless ignored there.  The export must give the bytes its state dict gives."""
+    restore: dict[str, torch.dtype] = {}
+    for unit in FullyShardedDataParallel.fsdp_modules(model):
+        if unit._handle is None or unit.mixed_precision.buffer_dtype is None:
+            continue
+        prefix = strip_wrapper_prefixes(names[id(unit)])
+        ignored = unit._ignored_buffer_names
+        for name, dtype in unit._buffer_name_to_orig_dtype.items():
+            if name not in ignored:
+                restore[f"{prefix}.{name}" if prefix else name] = dtype
+    return restore
+
+
+def _state_entries(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, torch.Tensor, bool]]:
+    """(name, tensor, is a buffer) of each entry ``module.state_dict()`` would hold, in its
+    order (tied names each), without running FSDP1's state-dict hooks (they gather)."""
+    for name, param in module._parameters.items():
+        if param is not None and name != _FLAT_PARAM:
+            yield prefix + name, param, False
+    for name, buf in module._buffers.items():
+        if buf is not None and name not in module._non_persistent_buffers_set:
+            yield prefix + name, buf, True
+    for name, child in module._modules.items():
+        if child is not None:
+            yield from _state_entries(child, f"{prefix}{name}.")

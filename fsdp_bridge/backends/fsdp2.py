@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from fsdp_bridge._names import strip_wrapper_prefixes
 from fsdp_bridge.backends._common import broadcast_from_rank0, buffer_shapes, rank0_full_state
+from fsdp_bridge.backends.base import FlatTensor
 from fsdp_bridge.plan import ShardPlan, SyncMethod
 from fsdp_bridge.strategy import Backend
 
@@ -156,6 +157,9 @@ class FSDP2Backend:
 
     def load_local(self, model: nn.Module, read_rows: Callable[[str, int, int], torch.Tensor]) -> set[str] | None:
         return None  # DTensor state dicts: DCP's Hugging Face reader reads each rank's slices
+
+    def export_pieces(self, model: nn.Module) -> dict[str, FlatTensor] | None:
+        return None  # DTensor state dicts hold views of the shards: DCP's writer takes them as they are
 
 
 @contextmanager
