@@ -289,55 +289,81 @@ class _WithBuffers(torch.nn.Module):
         return y * self.gain if self.gain is not None else y
 
 
+def _export_both_ways(root: str, label: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    """FSDP1's full export writes each rank's flat ranges straight into the files; the files must
+    be byte for byte those written through torch's sharded state dicts (the backend methods
+    switched off): weights, index, optimizer tensors and optimizer.json."""
+    from fsdp_bridge.backends.fsdp1 import FSDP1Backend
+
+    fsdp_bridge.save_checkpoint(Path(root) / f"{label}_in_place", model, optimizer, kind="full", max_shard_size="40KB")
+    saved = FSDP1Backend.export_pieces, FSDP1Backend.export_optimizer_pieces
+    FSDP1Backend.export_pieces = lambda self, model: None  # type: ignore[method-assign]
+    FSDP1Backend.export_optimizer_pieces = lambda self, model, optimizer: None  # type: ignore[method-assign]
+    try:
+        fsdp_bridge.save_checkpoint(Path(root) / f"{label}_torch", model, optimizer, kind="full", max_shard_size="40KB")
+    finally:
+        FSDP1Backend.export_pieces, FSDP1Backend.export_optimizer_pieces = saved  # type: ignore[method-assign]
+    mine, torchs = Path(root) / f"{label}_in_place", Path(root) / f"{label}_torch"
+    names = sorted(
+        p.name for p in torchs.iterdir() if p.suffix in (".safetensors", ".json") and p.name != "fsdp_bridge.json"
+    )
+    wrong = (
+        []
+        if sorted(p.name for p in mine.glob("*.safetensors")) == [n for n in names if n.endswith(".safetensors")]
+        else [f"{label}: files"]
+    )
+    wrong += [f"{label}: {n}" for n in names if (mine / n).read_bytes() != (torchs / n).read_bytes()]
+    return wrong
+
+
 def _fsdp1_exports_in_place(root: str) -> list[str]:
-    """FSDP1's full export writes each rank's flat ranges straight into the files: the bytes must
-    equal FSDP2's export (torch's assembly) of the same weights, and the tensors torch's full
-    state dict of the same model, for the layouts whose shards differ."""
     from safetensors.torch import load_file
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
 
     from fsdp_bridge.api import get_bridge
-    from fsdp_bridge.checkpoint._api import _tied_groups
 
     wrong: list[str] = []
 
-    def check(model: torch.nn.Module, label: str) -> None:
-        out = Path(root) / label
-        fsdp_bridge.save_checkpoint(out, model, kind="full")  # first: the state dict below reshards
-        bridge = get_bridge(model)
-        pieces = bridge.impl.export_pieces(bridge.model) or {}
-        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-        if [(k, v.shape, v.dtype) for k, v in pieces.items()] != [
-            (k, tuple(v.shape), v.dtype) for k, v in full.items()
-        ]:
-            wrong.append(f"{label}: names, order, shapes or dtypes differ from the state dict's")
-        got = load_file(out / "model.safetensors")
-        aliases = {name for group in _tied_groups(model) for name in group[1:]}  # stored once
-        if set(got) != set(full) - aliases:
-            wrong.append(f"{label}: names {sorted(set(got) ^ (set(full) - aliases))}")
-        for k, v in got.items():
-            if k in full and (v.dtype != full[k].dtype or not torch.equal(v, full[k])):
-                wrong.append(f"{label}: {k}")
+    def trained(model: torch.nn.Module, optimizer: torch.optim.Optimizer, family: str | None) -> None:
+        for step in range(2):
+            if family is None:
+                # The same data on every rank: the ignored layer and BatchNorm's statistics are
+                # not synchronised, and the optimizer's DCP path writes one rank's copy of them.
+                loss = model(torch.randn(4, 13, generator=torch.Generator().manual_seed(step))).sum()
+            else:
+                loss = model(**sample_batch(family, seed=10 * step + dist.get_rank())).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
 
-    # Tied GPT-2, split into several files: FSDP2 (torch's assembly) vs FSDP1 (in place).
-    for family in ("gpt2", "llama"):
-        exports = {}
-        for backend in BACKENDS:
-            model = fsdp_bridge.shard(
-                build_tiny(family, seed=4), fsdp_bridge.BridgeConfig(backend=backend, device="cpu")
+    # Tied GPT-2 in several files with AdamW; Adagrad (state on every parameter from the start,
+    # 'step' stays 0 on the rank whose shard misses a parameter) in two groups under
+    # SHARD_GRAD_OP and activation checkpointing; NO_SHARD (ranks split the writing).
+    for family, strategy, extra in (
+        ("gpt2", "full_shard", {}),
+        ("llama", "shard_grad_op", {"activation_checkpointing": True}),
+        ("llama", "no_shard", {}),
+    ):
+        config = fsdp_bridge.BridgeConfig(backend="fsdp1", strategy=strategy, device="cpu", **extra)
+        model = fsdp_bridge.shard(build_tiny(family, seed=4), config)
+        if family == "llama" and strategy == "shard_grad_op":
+            decay = [p for n, p in model.named_parameters() if "norm" not in n]
+            rest = [p for n, p in model.named_parameters() if "norm" in n]
+            optimizer: torch.optim.Optimizer = torch.optim.Adagrad(
+                [{"params": decay, "weight_decay": 0.01}, {"params": rest, "lr": 0.05}], lr=0.1
             )
-            out = Path(root) / f"{family}_{backend}"
-            fsdp_bridge.save_checkpoint(out, model, kind="full", max_shard_size="40KB")
-            exports[backend] = out
-            if backend == "fsdp1":
-                check(model, f"{family}_fsdp1_whole")
-        if len(list(exports["fsdp1"].glob("*.safetensors"))) < 2:
-            wrong.append(f"{family}: expected several files")
-        names = [p.name for p in exports["fsdp2"].glob("*.safetensors")] + ["model.safetensors.index.json"]
-        for name in sorted(names):
-            if (exports["fsdp1"] / name).read_bytes() != (exports["fsdp2"] / name).read_bytes():
-                wrong.append(f"{family}: {name} differs between the backends")
-    # Mixed precision with buffers cast to bf16, an ignored module, NO_SHARD and FULL_SHARD.
+        else:
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        trained(model, optimizer, family)
+        wrong += _export_both_ways(root, f"{family}_{strategy}", model, optimizer)
+    # Mixed precision with buffers cast to bf16 (cast back only where their unit holds
+    # parameters), int64 buffers (torch's assembly cannot write them: against the full state
+    # dicts instead), an ignored module (its optimizer state: torch's optimizer state dict),
+    # FULL_SHARD and NO_SHARD.
     for strategy, root_param in (("full_shard", True), ("no_shard", False)):
         config = fsdp_bridge.BridgeConfig(
             backend="fsdp1",
@@ -348,8 +374,23 @@ def _fsdp1_exports_in_place(root: str) -> list[str]:
             device="cpu",
         )
         model = fsdp_bridge.shard(_WithBuffers(root_param), config)
-        model(torch.randn(4, 13)).sum().backward()  # buffers now bf16, running statistics updated
-        check(model, f"buffers_{strategy}")
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        trained(model, optimizer, None)
+        bridge = get_bridge(model)
+        if bridge.impl.export_optimizer_pieces(bridge.model, optimizer) is not None:
+            wrong.append(f"buffers_{strategy}: an ignored parameter's state went in place")
+        out = Path(root) / f"buffers_{strategy}"
+        fsdp_bridge.save_checkpoint(out, model, optimizer, kind="full")
+        options = StateDictOptions(full_state_dict=True)
+        want = get_model_state_dict(model, options=options)
+        osd = get_optimizer_state_dict(model, optimizer, options=options)
+        want.update({f"{fqn}/{k}": v for fqn, st in osd["state"].items() for k, v in st.items()})
+        got = {**load_file(out / "model.safetensors"), **load_file(out / "optimizer.safetensors")}
+        if set(got) != set(want):
+            wrong.append(f"buffers_{strategy}: names {sorted(set(got) ^ set(want))}")
+        for k in set(got) & set(want):
+            if got[k].dtype != want[k].dtype or not torch.equal(got[k], want[k]):
+                wrong.append(f"buffers_{strategy}: {k}")
     return wrong
 
 

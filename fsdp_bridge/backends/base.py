@@ -6,7 +6,7 @@ import math
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -101,4 +101,11 @@ class BackendImpl(Protocol):
         """Clean name -> what this rank writes of each tensor of the model's state dict (tied
         names each, in state-dict order) in a full export, without communication and without
         building a state dict; or None when the backend's sharded state dict serves (DCP)."""
+        ...
+
+    def export_optimizer_pieces(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
+        """The optimizer's full state as a full export writes it: ``{"state": {fqn: {name:
+        FlatTensor or value}}, "param_groups": [...]}``, shaped like ``get_optimizer_state_dict``'s
+        (same names and order); or None where the backend's optimizer state dict serves.  Collective:
+        every rank calls it, and every rank gets None or every rank a dict."""
         ...

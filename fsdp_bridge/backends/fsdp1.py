@@ -7,6 +7,7 @@ import math
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -276,61 +277,176 @@ class FSDP1Backend:
         # The inverse of load_local: each parameter's part of this rank's flat shard is one
         # contiguous range of the flattened parameter, hence one byte range of it in a
         # safetensors file.  FSDP1's sharded state dict would gather every unit and copy out
-        # row-chunks instead (1.8x the memory target).  Ranks holding the same shard (NO_SHARD,
-        # the replicas of HYBRID_*) split it between them, so every element is written once.
+        # row-chunks instead (1.8x the memory target).
         names = {id(m): n for n, m in model.named_modules()}
-        flat_of: dict[str, FlatTensor] = {}
-        of_param: dict[int, FlatTensor] = {}  # id(original parameter) -> its pieces, for every name of it
-        for unit in FullyShardedDataParallel.fsdp_modules(model):
-            handle = unit._handle
-            if handle is None:
-                continue
-            flat = handle.flat_param
-            # The shard's own storage: flat.data points at the unsharded parameter while the unit
-            # is unsharded; _local_shard exists from the lazy init on, and until then flat.data
-            # is the shard.
-            local = getattr(flat, "_local_shard", flat.data).detach()
-            index, count = _replica(unit)
-            lo, hi = index * local.numel() // count, (index + 1) * local.numel() // count
-            prefix = names[id(unit)]
-
-            def full(relative: str, prefix: str = prefix) -> str:
-                return strip_wrapper_prefixes(f"{prefix}.{relative}" if prefix else relative)
-
-            # The original parameters (kept with use_orig_params), for names FSDP1 did not record.
-            params: Sequence[nn.Parameter | None] = flat._params or [None] * len(flat._fqns)
-            for info, fqn, shape, param in zip(flat._shard_param_infos, flat._fqns, flat._shapes, params, strict=True):
-                pieces: tuple[FlatPiece, ...] = ()
-                first, offset = info.intra_param_start_idx, info.offset_in_shard
-                if info.in_shard and first is not None and offset is not None and info.numel_in_shard:
-                    start, stop = max(offset, lo), min(offset + info.numel_in_shard, hi)
-                    if start < stop:
-                        pieces = (FlatPiece(first + start - offset, local[start:stop]),)
-                flat_of[full(fqn)] = FlatTensor(tuple(shape), local.dtype, pieces)
-                if param is not None:
-                    of_param[id(param)] = flat_of[full(fqn)]
-            for shared in flat._shared_param_infos:
-                source = full(f"{shared.prim_module_name}.{shared.prim_param_name}".lstrip("."))
-                flat_of[full(f"{shared.module_name}.{shared.param_name}".lstrip("."))] = flat_of[source]
+        slots, of_param = _flat_slots(model, names)
         # Buffers and parameters outside every unit (ignored modules, scalar parameters) are whole
-        # on every rank: each rank writes 1/world of them.
-        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        # on every rank, and need not agree (ignored modules are not synchronised, BatchNorm
+        # statistics are local): rank 0 writes its own, as torch's full state dict holds rank 0's.
+        rank = dist.get_rank() if dist.is_initialized() else 0
         orig_dtype = _buffers_state_dicts_restore(model, names)
         out: dict[str, FlatTensor] = {}
         for name, value, is_buffer in _state_entries(model):
             clean = strip_wrapper_prefixes(name)
-            known = flat_of.get(clean) or (None if is_buffer else of_param.get(id(value)))
-            if known is not None:  # a view of a flat shard, not the whole parameter
-                out[clean] = known
+            slot = slots.get(clean)
+            if slot is None and not is_buffer and id(value) in of_param:
+                slot = of_param[id(value)][1]
+            if slot is not None:  # a view of a flat shard, not the whole parameter
+                out[clean] = FlatTensor(slot.shape, slot.local.dtype, slot.pieces(slot.held(slot.local)))
                 continue
             value = value.detach()
             if is_buffer and clean in orig_dtype:  # FSDP1 cast it to the buffer dtype
                 value = value.to(orig_dtype[clean])
-            values = value.reshape(-1)
-            lo, hi = rank * values.numel() // world, (rank + 1) * values.numel() // world
-            pieces = (FlatPiece(lo, values[lo:hi].contiguous()),) if lo < hi else ()
+            pieces = (FlatPiece(0, value.reshape(-1).contiguous()),) if rank == 0 and value.numel() else ()
             out[clean] = FlatTensor(tuple(value.shape), value.dtype, pieces)
         return out
+
+    def export_optimizer_pieces(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
+        # With use_orig_params each state tensor of a parameter (Adam's moments) covers the same
+        # elements as the parameter's part of the flat shard: the same byte ranges.  FSDP1's
+        # optimizer state dict would gather each parameter's state and copy out row-chunks.
+        # Ranks hold state only for parameters their shard touches, so what each rank holds is
+        # agreed first (one all_gather_object of names, kinds and dtypes).
+        names = {id(m): n for n, m in model.named_modules()}
+        _, of_param = _flat_slots(model, names)
+        mine: dict[str, dict[str, Any]] = {}
+        empty: set[str] = set()  # parameters whose state tensors hold no element on this rank
+        supported = True
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if id(param) not in of_param:
+                    supported = False  # outside every unit: torch's optimizer state dict
+                    continue
+                fqn, slot = of_param[id(param)]
+                for name, value in optimizer.state.get(param, {}).items():
+                    if isinstance(value, torch.Tensor) and value.dim() == 0:
+                        mine.setdefault(fqn, {})[name] = ("scalar", value.dtype)
+                    elif isinstance(value, torch.Tensor) and value.shape == (slot.numel,):
+                        mine.setdefault(fqn, {})[name] = ("flat", value.dtype)
+                        if not slot.numel:
+                            empty.add(fqn)
+                    elif isinstance(value, torch.Tensor):
+                        supported = False  # a state not shaped like the parameter (e.g. factored)
+                    else:
+                        mine.setdefault(fqn, {})[name] = ("value", value)
+        every: list[Any] = [None] * (dist.get_world_size() if dist.is_initialized() else 1)
+        if dist.is_initialized():
+            dist.all_gather_object(every, (supported, mine, empty))
+        else:
+            every[0] = (supported, mine, empty)
+        if not all(ok for ok, _, _ in every):
+            return None
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        param_of: dict[str, nn.Parameter] = {}
+        groups = []
+        for group in optimizer.param_groups:
+            fqns = [of_param[id(p)][0] for p in group["params"]]
+            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": fqns})
+            param_of.update(zip(fqns, group["params"], strict=True))
+        state: dict[str, dict[str, Any]] = {}
+        for fqn in _optimizer_state_order(every, {k: of_param[id(p)][1] for k, p in param_of.items()}):
+            slot, local = of_param[id(param_of[fqn])][1], optimizer.state.get(param_of[fqn], {})
+            held = [r for r, (_, states, _) in enumerate(every) if fqn in states]
+            source = held[0]
+            if slot.gathered:  # FSDP1 takes values and 0-dim tensors from the last rank holding elements
+                source = ([r for r in held if fqn not in every[r][2]] or held)[-1]
+            kinds: dict[str, tuple[str, Any]] = every[source][1][fqn]
+            if slot.gathered:  # as FSDP1's gather orders them: values, 0-dim tensors, tensors, each by name
+                kinds = {
+                    n: kinds[n] for kind in ("value", "scalar", "flat") for n in sorted(kinds) if kinds[n][0] == kind
+                }
+            entry = state[fqn] = {}
+            for name, (kind, detail) in kinds.items():
+                if kind == "value":
+                    entry[name] = detail
+                elif kind == "scalar":  # written by the rank it is taken from
+                    value = local[name].detach().reshape(1) if rank == source else None
+                    entry[name] = FlatTensor((), detail, (FlatPiece(0, value),) if value is not None else ())
+                else:
+                    pieces = slot.pieces(local[name].detach()) if name in local else ()
+                    entry[name] = FlatTensor(slot.shape, detail, pieces)
+        return {"state": state, "param_groups": groups}
+
+
+def _optimizer_state_order(every: list[Any], slots: dict[str, _Slot]) -> list[str]:
+    """The parameters with optimizer state on some rank, in the order FSDP1's optimizer state
+    dict lists them (torch 2.13 ``_optim_utils``): names sorted, then grouped by unit (units in
+    the order of their first name, each unit's names sorted)."""
+    names = sorted({fqn for _, states, _ in every for fqn in states})
+    units: dict[int, list[str]] = {}
+    for fqn in names:
+        units.setdefault(id(slots[fqn].local), []).append(fqn)
+    return [fqn for unit in units.values() for fqn in unit]
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """Where one parameter lies in this rank's flat shard ``local``, and which part of the
+    shard this rank writes in a full export (``[lo, hi)``: ranks holding the same shard, under
+    NO_SHARD or the replicas of HYBRID_*, split it between them, so each element is written once)."""
+
+    shape: tuple[int, ...]
+    local: torch.Tensor
+    first: int
+    """The element of the flattened parameter where the part held starts."""
+    offset: int
+    """Where that part starts in the flat shard."""
+    numel: int
+    """Elements held (0: none)."""
+    lo: int
+    hi: int
+    gathered: bool
+    """FSDP1's optimizer state dict gathers this unit's state (its shard group has several ranks)."""
+
+    def held(self, local: torch.Tensor) -> torch.Tensor:
+        return local[self.offset : self.offset + self.numel]
+
+    def pieces(self, held: torch.Tensor) -> tuple[FlatPiece, ...]:
+        """What this rank writes of ``held``: the part of the parameter (or of a state tensor
+        shaped like it) that this rank holds, ``numel`` elements, 1-D."""
+        start, stop = max(self.offset, self.lo), min(self.offset + self.numel, self.hi)
+        if start >= stop:
+            return ()
+        return (FlatPiece(self.first + start - self.offset, held[start - self.offset : stop - self.offset]),)
+
+
+def _flat_slots(model: nn.Module, names: dict[int, str]) -> tuple[dict[str, _Slot], dict[int, tuple[str, _Slot]]]:
+    """Clean name -> slot of every parameter inside a unit (tied names each), and
+    id(original parameter) -> (its first clean name, slot)."""
+    slots: dict[str, _Slot] = {}
+    of_param: dict[int, tuple[str, _Slot]] = {}
+    for unit in FullyShardedDataParallel.fsdp_modules(model):
+        handle = unit._handle
+        if handle is None:
+            continue
+        flat = handle.flat_param
+        # The shard's own storage: flat.data points at the unsharded parameter while the unit
+        # is unsharded; _local_shard exists from the lazy init on, and until then flat.data
+        # is the shard.
+        local = getattr(flat, "_local_shard", flat.data).detach()
+        index, count = _replica(unit)
+        lo, hi = index * local.numel() // count, (index + 1) * local.numel() // count
+        gathered = unit.world_size > 1 and unit.sharding_strategy is not TorchShardingStrategy.NO_SHARD
+        prefix = names[id(unit)]
+
+        def full(relative: str, prefix: str = prefix) -> str:
+            return strip_wrapper_prefixes(f"{prefix}.{relative}" if prefix else relative)
+
+        # The original parameters (kept with use_orig_params), for names FSDP1 did not record.
+        params: Sequence[nn.Parameter | None] = flat._params or [None] * len(flat._fqns)
+        for info, fqn, shape, param in zip(flat._shard_param_infos, flat._fqns, flat._shapes, params, strict=True):
+            first, offset = info.intra_param_start_idx, info.offset_in_shard
+            if not info.in_shard or first is None or offset is None:
+                first = offset = 0
+            numel = (info.numel_in_shard or 0) if info.in_shard else 0
+            slot = _Slot(tuple(shape), local, first, offset, numel, lo, hi, gathered)
+            slots[full(fqn)] = slot
+            if param is not None:
+                of_param[id(param)] = (full(fqn), slot)
+        for shared in flat._shared_param_infos:
+            source = full(f"{shared.prim_module_name}.{shared.prim_param_name}".lstrip("."))
+            slots[full(f"{shared.module_name}.{shared.param_name}".lstrip("."))] = slots[source]
+    return slots, of_param
 
 
 def _replica(unit: FullyShardedDataParallel) -> tuple[int, int]:

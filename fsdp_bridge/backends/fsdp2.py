@@ -7,6 +7,7 @@ import itertools
 import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
+from typing import Any
 
 import torch
 from torch import nn
@@ -160,6 +161,9 @@ class FSDP2Backend:
 
     def export_pieces(self, model: nn.Module) -> dict[str, FlatTensor] | None:
         return None  # DTensor state dicts hold views of the shards: DCP's writer takes them as they are
+
+    def export_optimizer_pieces(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
+        return None  # likewise
 
 
 @contextmanager

@@ -387,7 +387,12 @@ def _save(
             msd = None
             shapes = {k: (v.shape, _dtype_name(v.dtype)) for k, v in flat.items()}
             weights = dict(flat)
-        osd = get_optimizer_state_dict(model, optimizer) if optimizer else None
+        osd = None
+        if optimizer is not None:
+            if flat is not None:  # collective: the same answer on every rank
+                osd = bridge.impl.export_optimizer_pieces(bridge.model, optimizer)
+            if osd is None:
+                osd = get_optimizer_state_dict(model, optimizer)
         tensors = _hf.drop_tied_aliases(weights, tied)
         layout = _SOURCE_LAYOUT.get(model) if max_shard_size is None else None
         export = _hf.FullExport(

@@ -160,8 +160,9 @@ class FullExport:
         self.directory = directory
         self.optimizer = optimizer
         optim_tensors, self.optim_scalars = _split_optimizer_state(optimizer) if optimizer else ({}, {})
-        self.flat = {k: v for k, v in model.items() if isinstance(v, FlatTensor)}
-        self.tensors = {**{k: v for k, v in model.items() if k not in self.flat}, **optim_tensors}
+        every = {**model, **optim_tensors}
+        self.flat = {k: v for k, v in every.items() if isinstance(v, FlatTensor)}
+        self.tensors = {k: v for k, v in every.items() if k not in self.flat}
         # The files the weights were loaded from, when they name exactly these tensors and only
         # plain safetensors file names (an index is user input: nothing may point elsewhere).
         self.weight_sizes = {k: _size_of(v) for k, v in model.items()}
@@ -537,7 +538,7 @@ def _split_optimizer_state(osd: dict[str, Any]) -> tuple[dict[str, Any], dict[st
     scalars: dict[str, dict[str, Any]] = {}
     for fqn, entries in osd.get("state", {}).items():
         for name, value in entries.items():
-            if isinstance(value, torch.Tensor):
+            if isinstance(value, (torch.Tensor, FlatTensor)):
                 tensors[f"{fqn}/{name}"] = value
             else:
                 scalars.setdefault(fqn, {})[name] = _jsonable(value, f"state.{fqn}.{name}")
