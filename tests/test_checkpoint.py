@@ -154,7 +154,19 @@ def _pretrained_in_and_out(root: str) -> list[str]:
 def _save_and_load(root: str, backends: tuple[str, ...], refs: dict[str, Any]) -> dict[str, Any]:
     own = _save_each(root, backends)
     checked = _load_each(root, {**refs, **own}, BACKENDS)
-    return {"refs": own, "checked": checked, "pretrained_wrong": _pretrained_in_and_out(root)}
+    # FSDP1 HYBRID 2 x 2 (the replicas split the writing) with AdamW: the full export written in
+    # place is byte for byte the one written through torch's state dicts.
+    config = fsdp_bridge.BridgeConfig(backend="fsdp1", strategy="hybrid_shard", hybrid_shape=(2, 2), device="cpu")
+    model = fsdp_bridge.shard(build_tiny("llama", seed=2), config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _train(model, optimizer, 1)
+    in_place_wrong = _export_both_ways(root, "hybrid_fsdp1", model, optimizer)
+    return {
+        "refs": own,
+        "checked": checked,
+        "pretrained_wrong": _pretrained_in_and_out(root),
+        "in_place_wrong": in_place_wrong,
+    }
 
 
 def test_round_trip_and_cross_backend_matrix(tmp_path: Path) -> None:
@@ -162,7 +174,8 @@ def test_round_trip_and_cross_backend_matrix(tmp_path: Path) -> None:
 
     Saves at world 2 (both backends) and world 4 (FSDP1); loads at world 2, 4 and 1 into both
     backends (the full 1/2/4 x 1/2/4 matrix is test_cross_world_matrix_full, marked slow).  At
-    world 4 also: pretrained weights in and a full export out, bit for bit, across layouts.
+    world 4 also: pretrained weights in and a full export out, bit for bit, across layouts, and
+    FSDP1's in-place full export of HYBRID 2 x 2 with AdamW against torch's state dicts.
     """
     root = str(tmp_path)
     out2 = run_distributed(_save_and_roundtrip, 2, args=(root, BACKENDS), timeout_s=600)[0]
@@ -170,6 +183,7 @@ def test_round_trip_and_cross_backend_matrix(tmp_path: Path) -> None:
     out4 = run_distributed(_save_and_load, 4, args=(root, ("fsdp1",), out2["refs"]), timeout_s=600)[0]
     checked = out4["checked"]
     assert out4["pretrained_wrong"] == []
+    assert out4["in_place_wrong"] == []
     checked += run_distributed(_load_only, 2, args=(root, out4["refs"]), timeout_s=600)[0]
     checked += run_distributed(_load_only, 1, args=(root, {**out2["refs"], **out4["refs"]}), timeout_s=600)[0]
     for case in (
