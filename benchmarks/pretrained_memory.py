@@ -17,7 +17,10 @@ sharded model, a Hugging Face export two ways:
   ``full_state_dict=True, cpu_offload=True``: the whole model gathered on rank 0; FSDP1 on CPU
   without ``cpu_offload``, which crashes there, so on every rank), written by rank 0;
 - ``save_checkpoint(kind="full")``: each rank writes its slices and rank 0 assembles the files one
-  tensor at a time.
+  tensor at a time (FSDP1: each rank writes its flat shard's ranges straight into the files).
+
+With ``--optimizer`` the exports also write AdamW's full state (after one step on a small batch);
+the target then counts the moments: (3 x model/N + 3 x the largest unit) x 1.1.
 
 Memory: the process's anonymous resident memory (``RssAnon``: what it owns; file pages the
 safetensors memory maps bring in are shared page cache, reclaimable, and not counted), sampled
@@ -75,10 +78,14 @@ def _lora(model: object, r: int) -> object:
     return peft.get_peft_model(model, peft.LoraConfig(r=r, target_modules=["q_proj", "v_proj"]))  # type: ignore[arg-type]
 
 
-def _run(method: str, path: str, backend: str, lora: int = 0) -> dict[str, float]:
-    import torch  # noqa: F401  (imports count towards the baseline, not the load)
+def _run(method: str, path: str, backend: str, with_optimizer: bool = False, lora: int = 0) -> dict[str, float]:
+    import torch  # (imports count towards the baseline, not the load)
     import torch.distributed as dist
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -108,6 +115,13 @@ def _run(method: str, path: str, backend: str, lora: int = 0) -> dict[str, float
     if not method.startswith("export"):
         return {"anon": anon.peak - anon.base, "hwm": _status("VmHWM") - hwm_base, "seconds": seconds}
     out = Path(path).parent / method
+    optimizer = None
+    if with_optimizer:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        ids = torch.randint(0, hf_config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0))
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
     ctypes.CDLL("libc.so.6").malloc_trim(0)  # what the load freed goes back to the OS, not into this figure
     dist.barrier()
     start = time.perf_counter()
@@ -115,12 +129,16 @@ def _run(method: str, path: str, backend: str, lora: int = 0) -> dict[str, float
         if method == "export_gather":
             # cpu_offload (gather on rank 0 only) crashes FSDP1 on CPU in torch 2.13: every rank gathers.
             offload = backend == "fsdp2"
-            full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=offload))
+            options = StateDictOptions(full_state_dict=True, cpu_offload=offload)
+            full = get_model_state_dict(model, options=options)
+            osd = get_optimizer_state_dict(model, optimizer, options=options) if optimizer else None
             if dist.get_rank() == 0:
                 AutoModelForCausalLM.from_config(hf_config).save_pretrained(out, state_dict=full)
-            del full
+                if osd is not None:
+                    torch.save(osd, out / "optimizer.pt")
+            del full, osd
         else:
-            fsdp_bridge.save_checkpoint(out, model, kind="full")
+            fsdp_bridge.save_checkpoint(out, model, optimizer, kind="full")
         dist.barrier()
     # The peak above the memory before the load: the shards count.
     return {"anon": export.peak - anon.base, "seconds": time.perf_counter() - start}
@@ -135,6 +153,7 @@ def main() -> None:
     parser.add_argument("--backend", choices=("fsdp1", "fsdp2"), default="fsdp2")
     parser.add_argument("--max-shard-size", default="5GB", help="save_pretrained's file size (indexed above it)")
     parser.add_argument("--lora", type=int, default=0, help="LoRA rank on q_proj/v_proj for the loads (0: none)")
+    parser.add_argument("--optimizer", action="store_true", help="the exports also write AdamW's full state")
     args = parser.parse_args()
     os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
 
@@ -169,14 +188,14 @@ def main() -> None:
         )
         print(f"{'method':<16} {'rank':>4} {'RssAnon peak MiB':>17} {'/ target':>9} {'VmHWM MiB':>10} {'seconds':>8}")
         reference = run_distributed(
-            _run, 1, args=("from_pretrained", model_dir, args.backend, args.lora), timeout_s=900
+            _run, 1, args=("from_pretrained", model_dir, args.backend, False, args.lora), timeout_s=900
         )[0]
         print(
             f"{'from_pretrained':<16} {'(1)':>4} {reference['anon']:>17.0f} {'':>9} "
             f"{reference['hwm']:>10.0f} {reference['seconds']:>8.2f}"
         )
         for method in ("naive", "load_pretrained"):
-            results = run_distributed(_run, n, args=(method, model_dir, args.backend, args.lora), timeout_s=900)
+            results = run_distributed(_run, n, args=(method, model_dir, args.backend, False, args.lora), timeout_s=900)
             for rank, r in enumerate(results):
                 print(
                     f"{method:<16} {rank:>4} {r['anon']:>17.0f} {r['anon'] / target:>9.2f} "
@@ -184,9 +203,13 @@ def main() -> None:
                 )
             slowest = max(r["seconds"] for r in results)
             print(f"{'':<16} time / one-process from_pretrained: {slowest / reference['seconds']:.2f}")
+        if args.optimizer:  # AdamW's two moments, sharded like the parameters
+            target = (3 * total / n + 3 * unit) * 1.1
+            print(f"\nwith AdamW's state: target (3 x model/N + 3 x unit) x 1.1 = {target:.0f} MiB")
         print(f"\n{'export':<24} {'rank':>4} {'RssAnon peak MiB':>17} {'/ target':>9} {'seconds':>8}")
         for method, label in (("export_gather", "gather (torch)"), ("export_save", 'save_checkpoint("full")')):
-            results = run_distributed(_run, n, args=(method, model_dir, args.backend), timeout_s=900)
+            run_args = (method, model_dir, args.backend, args.optimizer)
+            results = run_distributed(_run, n, args=run_args, timeout_s=900)
             for rank, r in enumerate(results):
                 print(f"{label:<24} {rank:>4} {r['anon']:>17.0f} {r['anon'] / target:>9.2f} {r['seconds']:>8.2f}")
 

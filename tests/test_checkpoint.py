@@ -154,7 +154,19 @@ def _pretrained_in_and_out(root: str) -> list[str]:
 def _save_and_load(root: str, backends: tuple[str, ...], refs: dict[str, Any]) -> dict[str, Any]:
     own = _save_each(root, backends)
     checked = _load_each(root, {**refs, **own}, BACKENDS)
-    return {"refs": own, "checked": checked, "pretrained_wrong": _pretrained_in_and_out(root)}
+    # FSDP1 HYBRID 2 x 2 (the replicas split the writing) with AdamW: the full export written in
+    # place is byte for byte the one written through torch's state dicts.
+    config = fsdp_bridge.BridgeConfig(backend="fsdp1", strategy="hybrid_shard", hybrid_shape=(2, 2), device="cpu")
+    model = fsdp_bridge.shard(build_tiny("llama", seed=2), config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _train(model, optimizer, 1)
+    in_place_wrong = _export_both_ways(root, "hybrid_fsdp1", model, optimizer)
+    return {
+        "refs": own,
+        "checked": checked,
+        "pretrained_wrong": _pretrained_in_and_out(root),
+        "in_place_wrong": in_place_wrong,
+    }
 
 
 def test_round_trip_and_cross_backend_matrix(tmp_path: Path) -> None:
@@ -162,7 +174,8 @@ def test_round_trip_and_cross_backend_matrix(tmp_path: Path) -> None:
 
     Saves at world 2 (both backends) and world 4 (FSDP1); loads at world 2, 4 and 1 into both
     backends (the full 1/2/4 x 1/2/4 matrix is test_cross_world_matrix_full, marked slow).  At
-    world 4 also: pretrained weights in and a full export out, bit for bit, across layouts.
+    world 4 also: pretrained weights in and a full export out, bit for bit, across layouts, and
+    FSDP1's in-place full export of HYBRID 2 x 2 with AdamW against torch's state dicts.
     """
     root = str(tmp_path)
     out2 = run_distributed(_save_and_roundtrip, 2, args=(root, BACKENDS), timeout_s=600)[0]
@@ -170,6 +183,7 @@ def test_round_trip_and_cross_backend_matrix(tmp_path: Path) -> None:
     out4 = run_distributed(_save_and_load, 4, args=(root, ("fsdp1",), out2["refs"]), timeout_s=600)[0]
     checked = out4["checked"]
     assert out4["pretrained_wrong"] == []
+    assert out4["in_place_wrong"] == []
     checked += run_distributed(_load_only, 2, args=(root, out4["refs"]), timeout_s=600)[0]
     checked += run_distributed(_load_only, 1, args=(root, {**out2["refs"], **out4["refs"]}), timeout_s=600)[0]
     for case in (
@@ -264,3 +278,135 @@ def test_resume_continues_exactly(tmp_path: Path) -> None:
             assert len(set(straight)) == 6
             for kind in ("sharded", "full"):
                 assert second[rank][f"{backend}_{kind}"] == straight[3:], (backend, kind, rank)
+
+
+class _WithBuffers(torch.nn.Module):
+    """Persistent buffers (an int64 0-dim one among them), which FSDP1 casts to the mixed
+    precision buffer dtype and its state dict casts back only where their unit holds parameters
+    (``root_param``), a BatchNorm (FSDP1 makes it a unit of its own in full precision); the last
+    layer is ignored (neither sharded nor cast)."""
+
+    def __init__(self, root_param: bool) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.gain = torch.nn.Parameter(torch.randn(5)) if root_param else None
+        self.inp = torch.nn.Linear(13, 37)
+        self.norm = torch.nn.BatchNorm1d(37)
+        self.mid = torch.nn.Linear(37, 29)
+        self.out = torch.nn.Linear(29, 5)
+        self.register_buffer("scale", torch.randn(7, 3))
+        self.register_buffer("count", torch.tensor(5))
+        self.register_buffer("scratch", torch.zeros(2), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.out(self.mid(self.norm(self.inp(x))).float())
+        return y * self.gain if self.gain is not None else y
+
+
+def _export_both_ways(root: str, label: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    """FSDP1's full export writes each rank's flat ranges straight into the files; the files must
+    be byte for byte those written through torch's sharded state dicts (the backend methods
+    switched off): weights, index, optimizer tensors and optimizer.json."""
+    from fsdp_bridge.backends.fsdp1 import FSDP1Backend
+
+    fsdp_bridge.save_checkpoint(Path(root) / f"{label}_in_place", model, optimizer, kind="full", max_shard_size="40KB")
+    saved = FSDP1Backend.export_pieces, FSDP1Backend.export_optimizer_pieces
+    FSDP1Backend.export_pieces = lambda self, model: None  # type: ignore[method-assign]
+    FSDP1Backend.export_optimizer_pieces = lambda self, model, optimizer: None  # type: ignore[method-assign]
+    try:
+        fsdp_bridge.save_checkpoint(Path(root) / f"{label}_torch", model, optimizer, kind="full", max_shard_size="40KB")
+    finally:
+        FSDP1Backend.export_pieces, FSDP1Backend.export_optimizer_pieces = saved  # type: ignore[method-assign]
+    mine, torchs = Path(root) / f"{label}_in_place", Path(root) / f"{label}_torch"
+    names = sorted(
+        p.name for p in torchs.iterdir() if p.suffix in (".safetensors", ".json") and p.name != "fsdp_bridge.json"
+    )
+    wrong = (
+        []
+        if sorted(p.name for p in mine.glob("*.safetensors")) == [n for n in names if n.endswith(".safetensors")]
+        else [f"{label}: files"]
+    )
+    wrong += [f"{label}: {n}" for n in names if (mine / n).read_bytes() != (torchs / n).read_bytes()]
+    return wrong
+
+
+def _fsdp1_exports_in_place(root: str) -> list[str]:
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    from fsdp_bridge.api import get_bridge
+
+    wrong: list[str] = []
+
+    def trained(model: torch.nn.Module, optimizer: torch.optim.Optimizer, family: str | None) -> None:
+        for step in range(2):
+            if family is None:
+                # The same data on every rank: the ignored layer and BatchNorm's statistics are
+                # not synchronised, and the optimizer's DCP path writes one rank's copy of them.
+                loss = model(torch.randn(4, 13, generator=torch.Generator().manual_seed(step))).sum()
+            else:
+                loss = model(**sample_batch(family, seed=10 * step + dist.get_rank())).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+    # Tied GPT-2 in several files with AdamW; Adagrad (state on every parameter from the start,
+    # 'step' stays 0 on the rank whose shard misses a parameter) in two groups under
+    # SHARD_GRAD_OP and activation checkpointing; NO_SHARD (ranks split the writing).
+    for family, strategy, extra in (
+        ("gpt2", "full_shard", {}),
+        ("llama", "shard_grad_op", {"activation_checkpointing": True}),
+        ("llama", "no_shard", {}),
+    ):
+        config = fsdp_bridge.BridgeConfig(backend="fsdp1", strategy=strategy, device="cpu", **extra)
+        model = fsdp_bridge.shard(build_tiny(family, seed=4), config)
+        if family == "llama" and strategy == "shard_grad_op":
+            decay = [p for n, p in model.named_parameters() if "norm" not in n]
+            rest = [p for n, p in model.named_parameters() if "norm" in n]
+            optimizer: torch.optim.Optimizer = torch.optim.Adagrad(
+                [{"params": decay, "weight_decay": 0.01}, {"params": rest, "lr": 0.05}], lr=0.1
+            )
+        else:
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        trained(model, optimizer, family)
+        wrong += _export_both_ways(root, f"{family}_{strategy}", model, optimizer)
+    # Mixed precision with buffers cast to bf16 (cast back only where their unit holds
+    # parameters), int64 buffers (torch's assembly cannot write them: against the full state
+    # dicts instead), an ignored module (its optimizer state: torch's optimizer state dict),
+    # FULL_SHARD and NO_SHARD.
+    for strategy, root_param in (("full_shard", True), ("no_shard", False)):
+        config = fsdp_bridge.BridgeConfig(
+            backend="fsdp1",
+            strategy=strategy,
+            wrap=fsdp_bridge.WrapPolicy(mode="classes", classes=("Linear",)),
+            mixed_precision=fsdp_bridge.MixedPrecisionConfig(param_dtype=torch.bfloat16, buffer_dtype=torch.bfloat16),
+            ignored_modules=("out",),
+            device="cpu",
+        )
+        model = fsdp_bridge.shard(_WithBuffers(root_param), config)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        trained(model, optimizer, None)
+        bridge = get_bridge(model)
+        if bridge.impl.export_optimizer_pieces(bridge.model, optimizer) is not None:
+            wrong.append(f"buffers_{strategy}: an ignored parameter's state went in place")
+        out = Path(root) / f"buffers_{strategy}"
+        fsdp_bridge.save_checkpoint(out, model, optimizer, kind="full")
+        options = StateDictOptions(full_state_dict=True)
+        want = get_model_state_dict(model, options=options)
+        osd = get_optimizer_state_dict(model, optimizer, options=options)
+        want.update({f"{fqn}/{k}": v for fqn, st in osd["state"].items() for k, v in st.items()})
+        got = {**load_file(out / "model.safetensors"), **load_file(out / "optimizer.safetensors")}
+        if set(got) != set(want):
+            wrong.append(f"buffers_{strategy}: names {sorted(set(got) ^ set(want))}")
+        for k in set(got) & set(want):
+            if got[k].dtype != want[k].dtype or not torch.equal(got[k], want[k]):
+                wrong.append(f"buffers_{strategy}: {k}")
+    return wrong
+
+
+def test_fsdp1_full_export_writes_flat_shards_in_place(tmp_path: Path) -> None:
+    assert run_distributed(_fsdp1_exports_in_place, 2, args=(str(tmp_path),), timeout_s=600) == [[], []]

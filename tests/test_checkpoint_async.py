@@ -109,6 +109,18 @@ def _save_fails_on_one_rank(root: str) -> dict[str, object]:
     except fsdp_bridge.CheckpointError as err:
         out["full"] = str(err)
     assembly._consolidate_safetensors_files = real_assemble
+    # ... and, on FSDP1 (each rank writes its flat ranges into the files in place), rank 1's.
+    from fsdp_bridge.checkpoint import _hf
+
+    real_in_place = _hf._write_flat_pieces
+    if dist.get_rank() == 1:
+        _hf._write_flat_pieces = full_disk  # type: ignore[assignment]
+    fsdp1 = fsdp_bridge.shard(build_tiny("llama", seed=0), fsdp_bridge.BridgeConfig(backend="fsdp1"))
+    try:
+        fsdp_bridge.save_checkpoint(Path(root) / "d", fsdp1, kind="full")
+    except fsdp_bridge.CheckpointError as err:
+        out["full_fsdp1"] = str(err)
+    _hf._write_flat_pieces = real_in_place
     out["seconds"] = time.monotonic() - start
     fsdp_bridge.save_checkpoint(Path(root) / "c", model)  # the group is still usable
     return out
@@ -118,5 +130,6 @@ def test_a_save_failing_on_one_rank_fails_every_rank_promptly(tmp_path: Path) ->
     for r in run_distributed(_save_fails_on_one_rank, 2, args=(str(tmp_path),), timeout_s=180):
         assert "rank 1: writing the RNG state failed: OSError: [Errno 28] No space left on device" in r["sharded"]
         assert "rank 0: assembling the full state's files failed: OSError: [Errno 28] No space" in r["full"]
+        assert "rank 1: assembling the full state's files failed: OSError: [Errno 28] No space" in r["full_fsdp1"]
         assert r["seconds"] < 60  # not the process-group timeout (600 s)
     assert fsdp_bridge.latest_checkpoint(tmp_path) == tmp_path / "c"

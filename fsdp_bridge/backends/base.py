@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -12,7 +14,31 @@ from torch import nn
 from fsdp_bridge.plan import ShardPlan
 from fsdp_bridge.strategy import Backend
 
-__all__ = ["BackendImpl", "ShardPlan"]
+__all__ = ["BackendImpl", "FlatPiece", "FlatTensor", "ShardPlan"]
+
+
+@dataclass(frozen=True)
+class FlatPiece:
+    """Elements ``[start, start + data.numel())`` of a tensor flattened in row-major order:
+    one contiguous byte range of the tensor's data in a safetensors file."""
+
+    start: int
+    data: torch.Tensor
+    """1-D, contiguous; a view of the rank's shard where it can be (on any device)."""
+
+
+@dataclass(frozen=True)
+class FlatTensor:
+    """A state-dict entry as one rank writes it in a full export: its full shape and dtype, and
+    the pieces this rank writes.  Over all ranks the pieces cover every element exactly once."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    pieces: tuple[FlatPiece, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 class BackendImpl(Protocol):
@@ -77,4 +103,17 @@ class BackendImpl(Protocol):
         named ``name`` (its clean name) with ``read_rows``, which returns None for a parameter the
         checkpoint does not hold (left as it is); no communication.  Returns the names handled,
         or None when the backend leaves this to DCP (sharded state dicts)."""
+        ...
+
+    def export_pieces(self, model: nn.Module) -> dict[str, FlatTensor] | None:
+        """Clean name -> what this rank writes of each tensor of the model's state dict (tied
+        names each, in state-dict order) in a full export, without communication and without
+        building a state dict; or None when the backend's sharded state dict serves (DCP)."""
+        ...
+
+    def export_optimizer_pieces(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
+        """The optimizer's full state as a full export writes it: ``{"state": {fqn: {name:
+        FlatTensor or value}}, "param_groups": [...]}``, shaped like ``get_optimizer_state_dict``'s
+        (same names and order); or None where the backend's optimizer state dict serves.  Collective:
+        every rank calls it, and every rank gets None or every rank a dict."""
         ...

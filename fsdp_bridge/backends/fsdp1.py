@@ -7,9 +7,11 @@ import math
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import (
     BackwardPrefetch as TorchBackwardPrefetch,
@@ -26,10 +28,13 @@ from torch.distributed.fsdp.wrap import CustomPolicy
 
 from fsdp_bridge._names import strip_wrapper_prefixes
 from fsdp_bridge.backends._common import broadcast_from_rank0, buffer_shapes, rank0_full_state
+from fsdp_bridge.backends.base import FlatPiece, FlatTensor
 from fsdp_bridge.plan import ShardPlan, SyncMethod
 from fsdp_bridge.strategy import Backend, BackwardPrefetch, ShardingStrategy
 
 __all__ = ["FSDP1Backend"]
+
+_FLAT_PARAM = "_flat_param"  # FSDP1 registers each unit's flat parameter under this name
 
 _STRATEGIES = {
     ShardingStrategy.FULL_SHARD: TorchShardingStrategy.FULL_SHARD,
@@ -278,3 +283,220 @@ class FSDP1Backend:
                     piece = rows[first - start * row : last - start * row + 1]
                     flat.data[offset : offset + piece.numel()].copy_(piece)
         return filled
+
+    def export_pieces(self, model: nn.Module) -> dict[str, FlatTensor] | None:
+        # The inverse of load_local: each parameter's part of this rank's flat shard is one
+        # contiguous range of the flattened parameter, hence one byte range of it in a
+        # safetensors file.  FSDP1's sharded state dict would gather every unit and copy out
+        # row-chunks instead (1.8x the memory target).
+        names = {id(m): n for n, m in model.named_modules()}
+        slots, of_param = _flat_slots(model, names)
+        # Buffers and parameters outside every unit (ignored modules, scalar parameters) are whole
+        # on every rank, and need not agree (ignored modules are not synchronised, BatchNorm
+        # statistics are local): rank 0 writes its own, as torch's full state dict holds rank 0's.
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        orig_dtype = _buffers_state_dicts_restore(model, names)
+        out: dict[str, FlatTensor] = {}
+        for name, value, is_buffer in _state_entries(model):
+            clean = strip_wrapper_prefixes(name)
+            slot = slots.get(clean)
+            if slot is None and not is_buffer and id(value) in of_param:
+                slot = of_param[id(value)][1]
+            if slot is not None:  # a view of a flat shard, not the whole parameter
+                out[clean] = FlatTensor(slot.shape, slot.local.dtype, slot.pieces(slot.held(slot.local)))
+                continue
+            value = value.detach()
+            if is_buffer and clean in orig_dtype:  # FSDP1 cast it to the buffer dtype
+                value = value.to(orig_dtype[clean])
+            pieces = (FlatPiece(0, value.reshape(-1).contiguous()),) if rank == 0 and value.numel() else ()
+            out[clean] = FlatTensor(tuple(value.shape), value.dtype, pieces)
+        return out
+
+    def export_optimizer_pieces(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
+        # With use_orig_params each state tensor of a parameter (Adam's moments) covers the same
+        # elements as the parameter's part of the flat shard: the same byte ranges.  FSDP1's
+        # optimizer state dict would gather each parameter's state and copy out row-chunks.
+        # Ranks hold state only for parameters their shard touches, so what each rank holds is
+        # agreed first (one all_gather_object of names, kinds and dtypes).
+        names = {id(m): n for n, m in model.named_modules()}
+        _, of_param = _flat_slots(model, names)
+        mine: dict[str, dict[str, Any]] = {}
+        empty: set[str] = set()  # parameters whose state tensors hold no element on this rank
+        supported = True
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if id(param) not in of_param:
+                    supported = False  # outside every unit: torch's optimizer state dict
+                    continue
+                fqn, slot = of_param[id(param)]
+                for name, value in optimizer.state.get(param, {}).items():
+                    if isinstance(value, torch.Tensor) and value.dim() == 0:
+                        mine.setdefault(fqn, {})[name] = ("scalar", value.dtype)
+                    elif isinstance(value, torch.Tensor) and value.shape == (slot.numel,):
+                        mine.setdefault(fqn, {})[name] = ("flat", value.dtype)
+                        if not slot.numel:
+                            empty.add(fqn)
+                    elif isinstance(value, torch.Tensor):
+                        supported = False  # a state not shaped like the parameter (e.g. factored)
+                    else:
+                        mine.setdefault(fqn, {})[name] = ("value", value)
+        every: list[Any] = [None] * (dist.get_world_size() if dist.is_initialized() else 1)
+        if dist.is_initialized():
+            dist.all_gather_object(every, (supported, mine, empty))
+        else:
+            every[0] = (supported, mine, empty)
+        if not all(ok for ok, _, _ in every):
+            return None
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        param_of: dict[str, nn.Parameter] = {}
+        groups = []
+        for group in optimizer.param_groups:
+            fqns = [of_param[id(p)][0] for p in group["params"]]
+            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": fqns})
+            param_of.update(zip(fqns, group["params"], strict=True))
+        state: dict[str, dict[str, Any]] = {}
+        for fqn in _optimizer_state_order(every, {k: of_param[id(p)][1] for k, p in param_of.items()}):
+            slot, local = of_param[id(param_of[fqn])][1], optimizer.state.get(param_of[fqn], {})
+            held = [r for r, (_, states, _) in enumerate(every) if fqn in states]
+            source = held[0]
+            if slot.gathered:  # FSDP1 takes values and 0-dim tensors from the last rank holding elements
+                source = ([r for r in held if fqn not in every[r][2]] or held)[-1]
+            kinds: dict[str, tuple[str, Any]] = every[source][1][fqn]
+            if slot.gathered:  # as FSDP1's gather orders them: values, 0-dim tensors, tensors, each by name
+                kinds = {
+                    n: kinds[n] for kind in ("value", "scalar", "flat") for n in sorted(kinds) if kinds[n][0] == kind
+                }
+            entry = state[fqn] = {}
+            for name, (kind, detail) in kinds.items():
+                if kind == "value":
+                    entry[name] = detail
+                elif kind == "scalar":  # written by the rank it is taken from
+                    value = local[name].detach().reshape(1) if rank == source else None
+                    entry[name] = FlatTensor((), detail, (FlatPiece(0, value),) if value is not None else ())
+                else:
+                    pieces = slot.pieces(local[name].detach()) if name in local else ()
+                    entry[name] = FlatTensor(slot.shape, detail, pieces)
+        return {"state": state, "param_groups": groups}
+
+
+def _optimizer_state_order(every: list[Any], slots: dict[str, _Slot]) -> list[str]:
+    """The parameters with optimizer state on some rank, in the order FSDP1's optimizer state
+    dict lists them (torch 2.13 ``_optim_utils``): names sorted, then grouped by unit (units in
+    the order of their first name, each unit's names sorted)."""
+    names = sorted({fqn for _, states, _ in every for fqn in states})
+    units: dict[int, list[str]] = {}
+    for fqn in names:
+        units.setdefault(id(slots[fqn].local), []).append(fqn)
+    return [fqn for unit in units.values() for fqn in unit]
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """Where one parameter lies in this rank's flat shard ``local``, and which part of the
+    shard this rank writes in a full export (``[lo, hi)``: ranks holding the same shard, under
+    NO_SHARD or the replicas of HYBRID_*, split it between them, so each element is written once)."""
+
+    shape: tuple[int, ...]
+    local: torch.Tensor
+    first: int
+    """The element of the flattened parameter where the part held starts."""
+    offset: int
+    """Where that part starts in the flat shard."""
+    numel: int
+    """Elements held (0: none)."""
+    lo: int
+    hi: int
+    gathered: bool
+    """FSDP1's optimizer state dict gathers this unit's state (its shard group has several ranks)."""
+
+    def held(self, local: torch.Tensor) -> torch.Tensor:
+        return local[self.offset : self.offset + self.numel]
+
+    def pieces(self, held: torch.Tensor) -> tuple[FlatPiece, ...]:
+        """What this rank writes of ``held``: the part of the parameter (or of a state tensor
+        shaped like it) that this rank holds, ``numel`` elements, 1-D."""
+        start, stop = max(self.offset, self.lo), min(self.offset + self.numel, self.hi)
+        if start >= stop:
+            return ()
+        return (FlatPiece(self.first + start - self.offset, held[start - self.offset : stop - self.offset]),)
+
+
+def _flat_slots(model: nn.Module, names: dict[int, str]) -> tuple[dict[str, _Slot], dict[int, tuple[str, _Slot]]]:
+    """Clean name -> slot of every parameter inside a unit (tied names each), and
+    id(original parameter) -> (its first clean name, slot)."""
+    slots: dict[str, _Slot] = {}
+    of_param: dict[int, tuple[str, _Slot]] = {}
+    for unit in FullyShardedDataParallel.fsdp_modules(model):
+        handle = unit._handle
+        if handle is None:
+            continue
+        flat = handle.flat_param
+        # The shard's own storage: flat.data points at the unsharded parameter while the unit
+        # is unsharded; _local_shard exists from the lazy init on, and until then flat.data
+        # is the shard.
+        local = getattr(flat, "_local_shard", flat.data).detach()
+        index, count = _replica(unit)
+        lo, hi = index * local.numel() // count, (index + 1) * local.numel() // count
+        gathered = unit.world_size > 1 and unit.sharding_strategy is not TorchShardingStrategy.NO_SHARD
+        prefix = names[id(unit)]
+
+        def full(relative: str, prefix: str = prefix) -> str:
+            return strip_wrapper_prefixes(f"{prefix}.{relative}" if prefix else relative)
+
+        # The original parameters (kept with use_orig_params), for names FSDP1 did not record.
+        params: Sequence[nn.Parameter | None] = flat._params or [None] * len(flat._fqns)
+        for info, fqn, shape, param in zip(flat._shard_param_infos, flat._fqns, flat._shapes, params, strict=True):
+            first, offset = info.intra_param_start_idx, info.offset_in_shard
+            if not info.in_shard or first is None or offset is None:
+                first = offset = 0
+            numel = (info.numel_in_shard or 0) if info.in_shard else 0
+            slot = _Slot(tuple(shape), local, first, offset, numel, lo, hi, gathered)
+            slots[full(fqn)] = slot
+            if param is not None:
+                of_param[id(param)] = (full(fqn), slot)
+        for shared in flat._shared_param_infos:
+            source = full(f"{shared.prim_module_name}.{shared.prim_param_name}".lstrip("."))
+            slots[full(f"{shared.module_name}.{shared.param_name}".lstrip("."))] = slots[source]
+    return slots, of_param
+
+
+def _replica(unit: FullyShardedDataParallel) -> tuple[int, int]:
+    """(this rank's index among the ranks that hold the same shard of ``unit``, their number)."""
+    strategy = unit.sharding_strategy
+    if strategy is TorchShardingStrategy.NO_SHARD:
+        return unit.rank, unit.world_size
+    if strategy in (TorchShardingStrategy.HYBRID_SHARD, TorchShardingStrategy._HYBRID_SHARD_ZERO2):
+        group = unit._inter_node_pg
+        return dist.get_rank(group), dist.get_world_size(group)
+    return 0, 1
+
+
+def _buffers_state_dicts_restore(model: nn.Module, names: dict[int, str]) -> dict[str, torch.dtype]:
+    """Clean buffer name -> original dtype, for the buffers FSDP1's state dicts cast back from the
+    mixed precision buffer dtype: those under a unit that has buffer mixed precision and a flat
+    parameter of its own (its state-dict hook returns early without one, leaving them in the
+    compute dtype), unless ignored there.  The export must give the bytes its state dict gives."""
+    restore: dict[str, torch.dtype] = {}
+    for unit in FullyShardedDataParallel.fsdp_modules(model):
+        if unit._handle is None or unit.mixed_precision.buffer_dtype is None:
+            continue
+        prefix = strip_wrapper_prefixes(names[id(unit)])
+        ignored = unit._ignored_buffer_names
+        for name, dtype in unit._buffer_name_to_orig_dtype.items():
+            if name not in ignored:
+                restore[f"{prefix}.{name}" if prefix else name] = dtype
+    return restore
+
+
+def _state_entries(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, torch.Tensor, bool]]:
+    """(name, tensor, is a buffer) of each entry ``module.state_dict()`` would hold, in its
+    order (tied names each), without running FSDP1's state-dict hooks (they gather)."""
+    for name, param in module._parameters.items():
+        if param is not None and name != _FLAT_PARAM:
+            yield prefix + name, param, False
+    for name, buf in module._buffers.items():
+        if buf is not None and name not in module._non_persistent_buffers_set:
+            yield prefix + name, buf, True
+    for name, child in module._modules.items():
+        if child is not None:
+            yield from _state_entries(child, f"{prefix}{name}.")

@@ -7,6 +7,7 @@ import itertools
 import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
+from typing import Any
 
 import torch
 from torch import nn
@@ -22,6 +23,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from fsdp_bridge._names import strip_wrapper_prefixes
 from fsdp_bridge.backends._common import broadcast_from_rank0, buffer_shapes, rank0_full_state
+from fsdp_bridge.backends.base import FlatTensor
 from fsdp_bridge.plan import ShardPlan, SyncMethod
 from fsdp_bridge.strategy import Backend
 
@@ -161,6 +163,12 @@ class FSDP2Backend:
         self, model: nn.Module, read_rows: Callable[[str, int, int], torch.Tensor | None]
     ) -> set[str] | None:
         return None  # DTensor state dicts: DCP's Hugging Face reader reads each rank's slices
+
+    def export_pieces(self, model: nn.Module) -> dict[str, FlatTensor] | None:
+        return None  # DTensor state dicts hold views of the shards: DCP's writer takes them as they are
+
+    def export_optimizer_pieces(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
+        return None  # likewise
 
 
 @contextmanager

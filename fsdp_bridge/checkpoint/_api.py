@@ -388,22 +388,37 @@ def _save(
         known = _gather_checksums(_on_every_rank(path, "writing the sharded state (DCP)", write_sharded))
         shapes = _shapes(msd)
     else:
-        # Each rank writes the slices it holds; rank 0 then assembles the full files one tensor
-        # at a time (no rank ever holds the full state).
-        msd = get_model_state_dict(model)
-        osd = get_optimizer_state_dict(model, optimizer) if optimizer else None
-        shapes = _shapes(msd)
-
-        tensors = _hf.drop_tied_aliases({k: v for k, v in msd.items() if isinstance(v, torch.Tensor)}, tied)
+        # Each rank writes the slices it holds; the ranks then assemble the full files one tensor
+        # at a time (no rank ever holds the full state).  A backend whose sharded state dict
+        # would gather (FSDP1) instead says which flat ranges of each tensor this rank holds,
+        # and those are written straight into the files.
+        bridge = _bridge(model)
+        flat = bridge.impl.export_pieces(bridge.model) if bridge is not None else None
+        weights: dict[str, Any]
+        if flat is None:
+            msd = get_model_state_dict(model)
+            shapes = _shapes(msd)
+            weights = {k: v for k, v in msd.items() if isinstance(v, torch.Tensor)}
+        else:
+            msd = None
+            shapes = {k: (v.shape, _dtype_name(v.dtype)) for k, v in flat.items()}
+            weights = dict(flat)
+        osd = None
+        if optimizer is not None:
+            if flat is not None:  # collective: the same answer on every rank
+                osd = bridge.impl.export_optimizer_pieces(bridge.model, optimizer)
+            if osd is None:
+                osd = get_optimizer_state_dict(model, optimizer)
+        tensors = _hf.drop_tied_aliases(weights, tied)
         layout = _SOURCE_LAYOUT.get(model) if max_shard_size is None else None
         export = _hf.FullExport(
             staging, tensors, osd, max_shard_size=max_shard_size or _hf.DEFAULT_MAX_SHARD_SIZE, layout=layout
         )
         # One agreement per step: a rank that fails must not leave the others in a collective.
-        _on_every_rank(path, "writing each rank's slices of the full state", export.write_pieces)
+        _on_every_rank(path, "writing each rank's slices of the full state", lambda: export.write_pieces(rank, world))
         _on_every_rank(path, "assembling the full state's files", lambda: export.assemble(rank, world))
         _on_every_rank(path, "indexing the full state (rank 0)", lambda: export.finish() if rank == 0 else None)
-        del msd, osd, tensors, export
+        del msd, osd, tensors, weights, flat, export
         known = {}
     _on_every_rank(path, "writing the RNG state", lambda: write_rng(staging, rank))  # + the barrier
 

@@ -13,18 +13,20 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import re
 import shutil
 import struct
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
 
+from fsdp_bridge.backends.base import FlatTensor
 from fsdp_bridge.checkpoint._formats import (
     OPTIM_JSON,
     OPTIM_TENSORS,
@@ -53,13 +55,15 @@ __all__ = [
     "write_safetensors_streamed",
 ]
 
+_V = TypeVar("_V")
+
 INDEX = "model.safetensors.index.json"
 _SUFFIX = ".safetensors"
 SINGLE = "model.safetensors"
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 
 
-def drop_tied_aliases(state_dict: dict[str, torch.Tensor], tied: Iterable[Iterable[str]]) -> dict[str, torch.Tensor]:
+def drop_tied_aliases(state_dict: dict[str, _V], tied: Iterable[Iterable[str]]) -> dict[str, _V]:
     """Keep one name per tied group (the first), as ``save_pretrained`` does."""
     drop = {name for group in tied for name in list(group)[1:]}
     return {k: v for k, v in state_dict.items() if k not in drop}
@@ -115,6 +119,8 @@ safetensors writer holds a rank's whole share of one file in memory while it wri
 
 
 def _size_of(value: Any) -> int:
+    if isinstance(value, FlatTensor):
+        return value.nbytes
     return math.prod(value.size()) * value.element_size()
 
 
@@ -125,23 +131,27 @@ class FullExport:
     failure on one rank never leaves another inside a collective:
 
     1. :meth:`write_pieces` (every rank, collective): each rank writes the slices it holds
-       (``dcp.save`` with torch's ``HuggingFaceStorageWriter``) into ``.pieces/``;
+       (``dcp.save`` with torch's ``HuggingFaceStorageWriter``) into ``.pieces/``; the files of
+       :class:`~fsdp_bridge.backends.base.FlatTensor` values get their header (shared out);
     2. :meth:`assemble` (every rank, local): the output files are shared out among the ranks and
        each assembles its own one tensor at a time from the pieces (torch's
        ``_consolidate_safetensors_files``, the step its ``HuggingFaceStorageWriter`` runs on rank 0);
+       each rank writes its :class:`~fsdp_bridge.backends.base.FlatTensor` pieces in place (a
+       flat range of a tensor is one byte range of the file: no pieces, no assembly);
     3. :meth:`finish` (rank 0): the index (or ``model.safetensors`` alone), ``optimizer.json``,
        the pieces removed.
 
     Files: ``model.safetensors`` or ``model-0000i-of-0000n.safetensors`` of at most
     ``max_shard_size`` + ``model.safetensors.index.json``, as ``save_pretrained`` writes them;
     ``optimizer.safetensors`` + ``optimizer.json`` as :func:`write_optimizer` writes them.
-    Optimizer tensors are named ``fqn/name``, which no parameter name contains.
+    Optimizer tensors are named ``fqn/name``, which no parameter name contains.  Both ways give
+    the same bytes: the header is written as torch's assembly writes it.
     """
 
     def __init__(
         self,
         directory: Path,
-        model: dict[str, Any],
+        model: Mapping[str, Any],
         optimizer: dict[str, Any] | None,
         *,
         max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
@@ -150,12 +160,18 @@ class FullExport:
         self.directory = directory
         self.optimizer = optimizer
         optim_tensors, self.optim_scalars = _split_optimizer_state(optimizer) if optimizer else ({}, {})
-        self.tensors = {**model, **optim_tensors}
+        every = {**model, **optim_tensors}
+        self.flat = {k: v for k, v in every.items() if isinstance(v, FlatTensor)}
+        self.tensors = {k: v for k, v in every.items() if k not in self.flat}
         # The files the weights were loaded from, when they name exactly these tensors and only
         # plain safetensors file names (an index is user input: nothing may point elsewhere).
         self.weight_sizes = {k: _size_of(v) for k, v in model.items()}
         self.file_name, self.indexed = plan_files(self.weight_sizes, max_shard_size, layout)
         self.file_name.update(dict.fromkeys(optim_tensors, OPTIM_TENSORS))
+        self.flat_files = sorted({self.file_name[k] for k in self.flat})
+        mixed = set(self.flat_files) & {self.file_name[k] for k in self.tensors}
+        if mixed:
+            raise RuntimeError(f"internal: files {sorted(mixed)} would hold tensors written both ways")
         # 0-dim tensors (an optimizer's step, a scalar parameter) come out of torch's assembly as
         # zeros: its sub-tensor copy writes nothing for shape [] (checked on 2.13.0 and 2.14.1; reported and
         # fixed in a downstream copy, NVIDIA-NeMo/Automodel#301).  Rank 0 writes their bytes itself:
@@ -168,37 +184,99 @@ class FullExport:
     def _pieces(self) -> Path:
         return self.directory / ".pieces"
 
-    def write_pieces(self) -> None:
+    def write_pieces(self, rank: int = 0, world: int = 1) -> None:
         import torch.distributed as dist
         import torch.distributed.checkpoint as dcp
 
-        piece_of = file_of_each({k: _size_of(v) for k, v in self.tensors.items()}, _PIECE_BYTES)
-        writer = HuggingFaceStorageWriter(str(self._pieces), fqn_to_index_mapping=piece_of, save_distributed=True)
-        single = not dist.is_initialized()
-        with without_process_group() if single else contextlib.nullcontext():
-            dcp.save(self.tensors, storage_writer=writer, no_dist=single)
+        if self.tensors:  # the same on every rank: dcp.save is collective
+            piece_of = file_of_each({k: _size_of(v) for k, v in self.tensors.items()}, _PIECE_BYTES)
+            writer = HuggingFaceStorageWriter(str(self._pieces), fqn_to_index_mapping=piece_of, save_distributed=True)
+            single = not dist.is_initialized()
+            with without_process_group() if single else contextlib.nullcontext():
+                dcp.save(self.tensors, storage_writer=writer, no_dist=single)
+        for name in self.flat_files[rank::world]:
+            _write_flat_header(self.directory / name, {k: self.flat[k] for k, f in self.file_name.items() if f == name})
 
     def assemble(self, rank: int, world: int) -> None:
         from torch.distributed.checkpoint._consolidate_hf_safetensors import _consolidate_safetensors_files
 
-        outputs = sorted(set(self.file_name.values()))
+        outputs = sorted(set(self.file_name.values()) - set(self.flat_files))
         mine = set(outputs[rank::world])
         mapping = {k: name for k, name in self.file_name.items() if name in mine}
         if mapping:
             _consolidate_safetensors_files(
                 input_dir=str(self._pieces), output_dir=str(self.directory), fqn_to_file_mapping=mapping, num_threads=1
             )
+        for name in self.flat_files:
+            _write_flat_pieces(self.directory / name, {k: self.flat[k] for k, f in self.file_name.items() if f == name})
 
     def finish(self) -> None:
         for name, value in self.scalars.items():
             _write_tensor_bytes(self.directory / self.file_name[name], name, value)
-        shutil.rmtree(self._pieces)
+        if self._pieces.exists():  # none when every tensor was written in place
+            shutil.rmtree(self._pieces)
         if self.indexed:
             write_index(self.directory, {k: self.file_name[k] for k in self.weight_sizes}, self.weight_sizes)
         if self.optimizer is not None:
             if not (self.directory / OPTIM_TENSORS).exists():  # an optimizer with no tensor state yet
                 save_file({}, str(self.directory / OPTIM_TENSORS), metadata={"format": "pt"})
             write_optimizer_json(self.directory, self.optimizer, self.optim_scalars)
+
+
+def _flat_layout(path: Path, tensors: Mapping[str, FlatTensor]) -> tuple[bytes, dict[str, int]]:
+    """The header of a safetensors file of ``tensors`` (in order), byte for byte as torch's
+    assembly writes it (no ``__metadata__``, no padding), and each tensor's data offset."""
+    header: dict[str, Any] = {}
+    starts: dict[str, int] = {}
+    offset = 0
+    for name, value in tensors.items():
+        if value.dtype not in _DTYPE_NAMES:
+            raise CheckpointError(
+                path,
+                f"{name} has dtype {value.dtype}, which safetensors cannot store; "
+                f"supported: {', '.join(str(d) for d in _DTYPE_NAMES)}; cast it or save kind='sharded'",
+            )
+        header[name] = {
+            "shape": list(value.shape),
+            "dtype": _DTYPE_NAMES[value.dtype],
+            "data_offsets": [offset, offset + value.nbytes],
+        }
+        starts[name] = offset
+        offset += value.nbytes
+    raw = json.dumps(header).encode()
+    return struct.pack("<Q", len(raw)) + raw, starts
+
+
+def _write_flat_header(path: Path, tensors: Mapping[str, FlatTensor]) -> None:
+    head, _ = _flat_layout(path, tensors)
+    with open(path, "wb") as f:
+        f.write(head)
+        f.truncate(len(head) + sum(v.nbytes for v in tensors.values()))
+
+
+_WRITE_BYTES = 64 * 2**20
+"""Pieces on an accelerator are copied to the host this many bytes at a time."""
+
+
+def _write_flat_pieces(path: Path, tensors: Mapping[str, FlatTensor]) -> None:
+    """Write this rank's pieces of ``tensors`` into their places in ``path`` (header written)."""
+    head, starts = _flat_layout(path, tensors)
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        for name, value in tensors.items():
+            itemsize = value.dtype.itemsize
+            for piece in value.pieces:
+                data = piece.data.detach().reshape(-1)
+                step = max(1, _WRITE_BYTES // itemsize)
+                for i in range(0, data.numel(), step):
+                    chunk = data[i : i + step].to("cpu").contiguous().view(torch.uint8).numpy()
+                    view = chunk.data  # a memoryview of the tensor's bytes (no copy)
+                    at = len(head) + starts[name] + (piece.start + i) * itemsize
+                    while view:
+                        written = os.pwrite(fd, view, at)
+                        view, at = view[written:], at + written
+    finally:
+        os.close(fd)
 
 
 _DTYPE_NAMES = {
@@ -460,7 +538,7 @@ def _split_optimizer_state(osd: dict[str, Any]) -> tuple[dict[str, Any], dict[st
     scalars: dict[str, dict[str, Any]] = {}
     for fqn, entries in osd.get("state", {}).items():
         for name, value in entries.items():
-            if isinstance(value, torch.Tensor):
+            if isinstance(value, (torch.Tensor, FlatTensor)):
                 tensors[f"{fqn}/{name}"] = value
             else:
                 scalars.setdefault(fqn, {})[name] = _jsonable(value, f"state.{fqn}.{name}")
