@@ -32,6 +32,7 @@ __all__ = [
     "apply_lora",
     "base_weight_name",
     "bitsandbytes_4bit_problem",
+    "frozen_4bit_weights",
     "has_4bit",
     "is_4bit",
     "keep_4bit_weights_in_place",
@@ -301,6 +302,21 @@ def has_4bit(model: nn.Module) -> bool:
     return any(is_4bit(m) for m in model.modules())
 
 
+def frozen_4bit_weights(model: nn.Module) -> list[str]:
+    """The (wrapper-free) names of the 4-bit layers' packed weights in ``model``: frozen, rebuilt from
+    the base's pretrained directory, and left out of sharded checkpoints (with their quantization
+    state entries, ``<name>.absmax`` & co.)."""
+    from fsdp_bridge._names import strip_wrapper_prefixes
+
+    names = []
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if hasattr(module, "quant_state") and getattr(module, "quant_storage", None) is not None and weight is not None:
+            if not weight.requires_grad:
+                names.append(strip_wrapper_prefixes(f"{name}.weight" if name else "weight"))
+    return names
+
+
 def keep_4bit_weights_in_place(model: nn.Module) -> int:
     """Turn off bitsandbytes' CPU repacking of 4-bit weights; returns how many layers it was on for.
 
@@ -319,9 +335,9 @@ def keep_4bit_weights_in_place(model: nn.Module) -> int:
 
 
 def train_quantization_problems(obj: Any, key: str) -> list[Problem]:
-    """``fsdp-bridge train`` refuses 4-bit bases on every device: it keeps sharded checkpoints of the
-    whole model for ``--resume``, which torch's state dicts cannot give for bitsandbytes' layers, and
-    a base built from ``model.config`` would not be quantized at all (only ``from_pretrained`` quantizes)."""
+    """``fsdp-bridge train`` refuses 4-bit bases on every device: it does not quantize (``model.path``
+    is read in slices into an unquantized model, and a ``model.config`` build is never quantized:
+    only ``from_pretrained(quantization_config=...)`` quantizes)."""
     modules = list(obj.modules()) if callable(getattr(obj, "modules", None)) else [obj]
     if not any(is_4bit(m) for m in modules):
         return []
@@ -330,10 +346,10 @@ def train_quantization_problems(obj: Any, key: str) -> list[Problem]:
             key,
             "4-bit quantized (bitsandbytes load_in_4bit)",
             "an unquantized base for fsdp-bridge train",
-            "fsdp-bridge train keeps sharded checkpoints of the whole model, and torch's state dicts do not "
-            "carry bitsandbytes' 4-bit quantization state; fine-tune a 4-bit base from Python "
-            "(fsdp_bridge.shard(peft_model, config), then save_checkpoint(path, model, kind='adapter')), "
-            "or train the base unquantized (drop quantization_config)",
+            "fsdp-bridge train does not quantize (it reads the weights in slices into an unquantized "
+            "model); fine-tune a 4-bit base from Python: from_pretrained(path, quantization_config="
+            "BitsAndBytesConfig(load_in_4bit=True, ...)), peft.get_peft_model, fsdp_bridge.shard, then "
+            "save_checkpoint(kind='sharded' to resume, kind='adapter' to export); or drop quantization_config",
         )
     ]
 

@@ -5,7 +5,8 @@ on a GPU (CUDA-marked, one rank): FSDP1 = FSDP2 = an unsharded QLoRA reference w
 gradients, the packed 4-bit base untouched by training, greedy generation equal to the
 reference's, the adapter export loaded by ``PeftModel.from_pretrained`` onto a fresh 4-bit base
 with the sharded model's logits, that adapter loaded back into a fresh sharded model, and
-whole-model checkpoints of a 4-bit model refused with the reason.
+a sharded checkpoint (all but the frozen 4-bit weights) resumed on both backends, and full and
+merged exports of a 4-bit model refused with the reason.
 """
 
 from __future__ import annotations
@@ -47,8 +48,8 @@ def _load_4bit(base_dir: str, device: torch.device) -> Any:
     return model
 
 
-def _qlora(base_dir: str, device: torch.device) -> Any:
-    torch.manual_seed(0)
+def _qlora(base_dir: str, device: torch.device, seed: int = 0) -> Any:
+    torch.manual_seed(seed)
     config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
     return peft.get_peft_model(_load_4bit(base_dir, device), config)
 
@@ -127,8 +128,30 @@ def _qlora_ranks(base_dir: str, out_dir: str, device_type: str) -> dict[str, Any
         with torch.no_grad():
             fresh_logits = fresh(input_ids=prompt).logits.float().cpu()
         out[f"{name} adapter into another model"] = (fresh_logits - logits).abs().max().item()
+        # A sharded checkpoint (everything but the frozen 4-bit weights) resumed into a fresh QLoRA
+        # model with other adapters, on the same backend and on the other: the next step agrees.
+        sharded_path = Path(out_dir) / f"{name}-sharded"
+        fsdp_bridge.save_checkpoint(sharded_path, sharded, opt, state={"step": STEPS})
+        next_losses = []
+        for target in (backend, other):
+            resumed = fsdp_bridge.shard(
+                _qlora(base_dir, device, seed=5), BridgeConfig(backend=target, device=device_type)
+            )
+            resumed_opt = torch.optim.AdamW([p for p in resumed.parameters() if p.requires_grad], lr=1e-2)
+            state = fsdp_bridge.load_checkpoint(sharded_path, resumed, resumed_opt)
+            loss = resumed(**batch).loss
+            loss.backward()
+            resumed_opt.step()
+            resumed_opt.zero_grad()
+            next_losses.append((state.get("step"), loss.item(), resumed(**batch).loss.item()))
+            del resumed, resumed_opt
+        loss = sharded(**batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        out[f"{name} resumed"] = ((STEPS, loss.item(), sharded(**batch).loss.item()), next_losses)
         refusals = []
-        for kind in ("sharded", "full", "merged"):
+        for kind in ("full", "merged"):
             try:
                 fsdp_bridge.save_checkpoint(Path(out_dir) / f"{name}-{kind}", sharded, opt, kind=kind)  # type: ignore[arg-type]
                 refusals.append(f"{kind}: saved")
@@ -156,9 +179,11 @@ def _check(out: dict[str, Any], *, atol: float, logits_atol: float) -> None:
         if f"{backend} adapter logits vs sharded" in out:
             assert out[f"{backend} adapter logits vs sharded"] <= logits_atol, out
         assert out[f"{backend} adapter into another model"] <= logits_atol, out
-        sharded, full, merged = out[f"{backend} refusals"]
-        assert "4-bit (bitsandbytes) base" in sharded and "kind='adapter'" in sharded, sharded
-        assert "4-bit (bitsandbytes) base" in full, full
+        original, (same, other) = out[f"{backend} resumed"]
+        assert same == original, (backend, same, original)  # the same backend: bit for bit
+        torch.testing.assert_close(other, original, rtol=1.3e-6, atol=atol, msg=backend)
+        full, merged = out[f"{backend} refusals"]
+        assert "4-bit (bitsandbytes) base" in full and "kind='sharded'" in full, full
         assert "kind='merged' of a model with a 4-bit (bitsandbytes) base" in merged, merged
     if "fsdp1 losses" in out:
         torch.testing.assert_close(out["fsdp1 losses"][0], out["fsdp2 losses"][0], rtol=1.3e-6, atol=atol)

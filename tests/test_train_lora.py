@@ -120,7 +120,7 @@ def test_preflight_names_target_modules_that_match_nothing_and_4bit_bases_on_cpu
     ):
         preflight(config, world_size=2, device_type="cpu")
     # The trainer refuses a 4-bit base on any device, when the config is read.
-    with pytest.raises(ConfigError, match=r"model.config.quantization_config: .*torch's state dicts do not carry"):
+    with pytest.raises(ConfigError, match=r"model.config.quantization_config: .*fsdp-bridge train does not quantize"):
         load_train_config(
             EXAMPLE,
             [f"output_dir={tmp_path}", "bridge.device=auto", "model.config.quantization_config={load_in_4bit: true}"],

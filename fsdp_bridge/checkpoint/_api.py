@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from fsdp_bridge import hf
-from fsdp_bridge._lora import base_weight_name, has_4bit, reset_adapters
+from fsdp_bridge._lora import base_weight_name, frozen_4bit_weights, has_4bit, reset_adapters
 from fsdp_bridge._paths import unwritable_reason
 from fsdp_bridge.checkpoint import _hf, _peft
 from fsdp_bridge.checkpoint._atomic import (
@@ -319,8 +319,8 @@ def save_checkpoint(
             full_state_dict=full_state_options(model),
             max_shard_size=max_shard_size or _hf.DEFAULT_MAX_SHARD_SIZE,
         )
-    if kind in ("sharded", "full"):
-        _refuse_4bit(path, model, f"kind={kind!r} saves")
+    if kind == "full":
+        _refuse_4bit(path, model, "kind='full' saves")
     if kind not in ("sharded", "full"):
         raise ValueError(
             f"kind must be 'sharded', 'full', 'adapter' or 'merged' (got {kind!r}); "
@@ -346,16 +346,27 @@ def save_checkpoint(
 
 
 def _refuse_4bit(path: str | os.PathLike[str], model: nn.Module, what: str) -> None:
-    """Whole-model checkpoints of a 4-bit (bitsandbytes) model are refused: torch's state dicts do
-    not carry bitsandbytes' quantization state through either backend (FSDP2 drops it, so the packed
-    codes would come back under another layer's scales), and the frozen base is already on disk."""
+    """Whole-model files of a 4-bit (bitsandbytes) model are refused: torch's state dicts do not
+    carry bitsandbytes' quantization state through either backend (FSDP2 drops it, so the packed
+    codes would come back under another layer's scales), and the frozen base is already on disk.
+    Sharded checkpoints leave the 4-bit weights out instead (:func:`_without_4bit`)."""
     if has_4bit(model):
         raise CheckpointError(
             path,
             f"{what} the whole model, and this model has a 4-bit (bitsandbytes) base whose quantization "
-            "state torch's sharded state dicts do not carry; with a frozen 4-bit base, save and load "
-            "kind='adapter' (the adapters) and rebuild the base from its pretrained directory",
+            "state torch's state dicts do not carry; with a frozen 4-bit base, save kind='sharded' (to "
+            "resume: everything but the 4-bit weights) or kind='adapter', and rebuild the base from its "
+            "pretrained directory",
         )
+
+
+def _without_4bit(model: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` without the frozen 4-bit weights of ``model`` and their quantization-state entries:
+    what a sharded checkpoint of a QLoRA model holds (the base is rebuilt from its directory)."""
+    if not has_4bit(model):
+        return state
+    names = frozen_4bit_weights(model)
+    return {k: v for k, v in state.items() if not any(k == n or k.startswith(n + ".") for n in names)}
 
 
 def _save(
@@ -375,7 +386,7 @@ def _save(
     tied = _tied_groups(model)
     has_optimizer = optimizer is not None
     if kind == "sharded":
-        msd = get_model_state_dict(model)
+        msd = _without_4bit(model, get_model_state_dict(model))
         to_save: dict[str, Any] = {"model": msd}
         if optimizer is not None:
             to_save["optim"] = get_optimizer_state_dict(model, optimizer)
@@ -454,7 +465,7 @@ def _save(
 
 
 def _template(model: nn.Module) -> dict[str, Any]:
-    return get_model_state_dict(model)
+    return _without_4bit(model, get_model_state_dict(model))
 
 
 def _global_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
@@ -734,7 +745,7 @@ def _load_dcp(
             raise CheckpointError(
                 dcp_dir, f"the optimizer state does not fit the optimizer ({type(err).__name__}: {err})"
             ) from None
-    set_model_state_dict(model, loaded)
+    set_model_state_dict(model, loaded, options=StateDictOptions(strict=not has_4bit(model)))
 
 
 def _scratch(value: Any) -> Any:
@@ -815,8 +826,9 @@ def load_checkpoint(
         # A PEFT adapter directory: its weights go into the model's adapters (no state, no optimizer).
         _on_every_rank(Path(path), "loading the adapter", lambda: _peft.load_adapter(Path(path), model))
         return {}
-    _refuse_4bit(path, model, "load_checkpoint() of anything but a PEFT adapter directory loads")
     detected = detect(path)
+    if detected.kind is not Kind.SHARDED:
+        _refuse_4bit(path, model, f"load_checkpoint() of a {detected.kind.value} checkpoint loads")
     if detected.kind in (Kind.SHARDED, Kind.FULL):
         # Each rank reads the contents of its share of the files; a damaged one refuses the load everywhere.
         part = _rank_world()
