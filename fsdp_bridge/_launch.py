@@ -17,10 +17,11 @@ import logging
 import os
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -327,7 +328,7 @@ def elastic_run(
         max_restarts=options.max_restarts,
         start_method="spawn",
     )
-    with tempfile.TemporaryDirectory(prefix=f"fsdp-bridge-{name}-failures-") as failure_dir:
+    with tempfile.TemporaryDirectory(prefix=f"fsdp-bridge-{name}-failures-") as failure_dir, _own_signal_handlers():
         try:
             values = elastic_launch(launch_config, _entry)(fn, args, name, failure_dir)
         except SignalException as err:
@@ -339,6 +340,26 @@ def elastic_run(
         if note is not None:
             print(note, file=sys.stderr)
     return dict(values)
+
+
+@contextlib.contextmanager
+def _own_signal_handlers() -> Iterator[None]:
+    """Put back the caller's signal handlers: torch's launcher installs its own for SIGTERM, SIGINT,
+    SIGHUP and SIGQUIT (to stop the ranks) and leaves them, which a caller in the same process
+    (a test, a notebook) would otherwise keep."""
+    import signal
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    names = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+    saved = {sig: signal.getsignal(sig) for sig in (getattr(signal, n) for n in names if hasattr(signal, n))}
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            if handler is not None:
+                signal.signal(sig, handler)
 
 
 def _explain(failure_dir: Path, name: str) -> str | None:
