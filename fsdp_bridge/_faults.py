@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import os
 
+from fsdp_bridge._launch import restart_count
+
 __all__ = ["ENV", "InjectedFault", "maybe_fail"]
 
 ENV = "FSDP_BRIDGE_FAULT"
@@ -40,7 +42,7 @@ def maybe_fail(point: str) -> None:
         modifiers.add(parts.pop())
     if rank.strip() != os.environ.get("RANK", "0") or ":".join(parts) != point:
         return
-    if "once" in modifiers and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") not in ("", "0"):
+    if "once" in modifiers and restart_count():
         return  # a restarted job gets past the point
     hang = "hang" in modifiers
     if not hang:

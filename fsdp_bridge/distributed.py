@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from fsdp_bridge._launch import restart_count
 from fsdp_bridge.config import BridgeConfig
 from fsdp_bridge.errors import ConfigError, Problem
 from fsdp_bridge.strategy import ShardingStrategy
@@ -88,8 +89,8 @@ def init_distributed(device: str = "auto", *, timeout_s: float = DEFAULT_TIMEOUT
         # NCCL bound to this rank's GPU: without device_id it guesses the GPU from the global rank,
         # which is wrong when ranks map to GPUs unevenly (and torch warns that it can hang).
         device_id = torch_device if torch_device.type == "cuda" else None
-        restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") not in ("", "0")
-        if restarted and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        attempt = restart_count()
+        if attempt and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
             # After an elastic restart, torch's env:// rendezvous hands the new ranks the previous
             # attempt's addresses (gloo and NCCL then fail with "Connection refused"; torch 2.13,
             # pytorch/pytorch#167288): rendezvous on the agent's store under this attempt's own prefix.
@@ -97,7 +98,7 @@ def init_distributed(device: str = "auto", *, timeout_s: float = DEFAULT_TIMEOUT
             agent = dist.TCPStore(
                 os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, False, timeout=timeout
             )
-            prefixed = dist.PrefixStore(f"/fsdp_bridge/attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}", agent)
+            prefixed = dist.PrefixStore(f"/fsdp_bridge/attempt_{attempt}", agent)
             dist.init_process_group(
                 backend=backend, store=prefixed, rank=rank, world_size=world, timeout=timeout, device_id=device_id
             )
