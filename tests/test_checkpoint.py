@@ -442,8 +442,41 @@ def _exports_in_place(root: str) -> list[str]:
         for k in set(got) & set(want):
             if got[k].dtype != want[k].dtype or not torch.equal(got[k], want[k]):
                 wrong.append(f"{label}: {k}")
+    # Sharded by torch directly on dim 1 (a layout no rank writes in place): torch's assembly would
+    # fail on BatchNorm's int64 counter, so the save is refused first, naming it and the fix.
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
+
+    model = torch.nn.Sequential(torch.nn.Linear(12, 8), torch.nn.BatchNorm1d(8))
+    fully_shard(model, shard_placement_fn=lambda param: Shard(1) if param.dim() == 2 else None)
+    try:
+        fsdp_bridge.save_checkpoint(Path(root) / "dim1", model, kind="full")
+        wrong.append("dim1: saved")
+    except fsdp_bridge.CheckpointError as err:
+        if "1.num_batches_tracked has dtype torch.int64" not in str(err) or "kind='sharded'" not in str(err):
+            wrong.append(f"dim1: {err}")
     return wrong
 
 
 def test_full_export_writes_shards_in_place(tmp_path: Path) -> None:
     assert run_distributed(_exports_in_place, 2, args=(str(tmp_path),), timeout_s=600) == [[], []]
+
+
+def test_full_export_of_a_plain_model_with_integer_buffers(tmp_path: Path) -> None:
+    """A model that is not sharded is written whole by rank 0, integer tensors included (torch's
+    safetensors assembly cannot write BatchNorm's int64 counter)."""
+    from safetensors.torch import load_file
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 3))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(4, 8)).sum().backward()
+    optimizer.step()
+    fsdp_bridge.save_checkpoint(tmp_path / "plain", model, optimizer, kind="full")
+    got = load_file(tmp_path / "plain" / "model.safetensors")
+    want = model.state_dict()
+    assert list(got) == list(want)
+    assert all(got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]) for k in want)
+    assert got["1.num_batches_tracked"].item() == 1
+    moments = load_file(tmp_path / "plain" / "optimizer.safetensors")
+    assert torch.equal(moments["0.weight/exp_avg"], optimizer.state[model[0].weight]["exp_avg"])
