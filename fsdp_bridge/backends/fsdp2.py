@@ -194,11 +194,16 @@ class FSDP2Backend:
         # State tensors shaped like their DTensor parameter (Adam's moments) are sharded like it:
         # the same rows, the same byte ranges.  Shaped like get_optimizer_state_dict's: parameters
         # named by their first name, states in the optimizer's order, each state's entries in theirs.
+        # Every rank must lay the file out alike (one rank writes each header): the names, kinds
+        # and dtypes are compared across ranks first (one all_gather_object).
         fqn_of = {id(p): strip_wrapper_prefixes(n) for n, p in model.named_parameters()}
         rank = dist.get_rank() if dist.is_initialized() else 0
-        supported = bool(optimizer.state)  # torch's path initialises an empty state with a step
+        grouped = [p for group in optimizer.param_groups for p in group["params"]]
+        supported = bool(optimizer.state) and all(id(p) in fqn_of for p in grouped)
+        # (an empty state: torch's path initialises it with a step; a parameter not in the model)
         state: dict[str, dict[str, Any]] = {}
-        for param, entries in optimizer.state.items():
+        layout: list[tuple[str, str, str]] = []
+        for param, entries in optimizer.state.items() if supported else ():
             if not isinstance(param, DTensor) or id(param) not in fqn_of:  # an ignored parameter
                 supported = False
                 break
@@ -206,9 +211,15 @@ class FSDP2Backend:
             if rows is None:  # another layout: torch's optimizer state dict
                 supported = False
                 break
-            entry = state[fqn_of[id(param)]] = {}
+            fqn = fqn_of[id(param)]
+            entry = state[fqn] = {}
             for name, value in entries.items():
-                if isinstance(value, DTensor) and value.shape == param.shape and value.placements == param.placements:
+                if (
+                    isinstance(value, DTensor)
+                    and value.shape == param.shape
+                    and value.placements == param.placements
+                    and value.to_local().shape == param.to_local().shape
+                ):
                     entry[name] = FlatTensor(tuple(value.shape), value.dtype, rows.pieces(value.to_local()))
                 elif isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.dim() == 0:
                     # Adam's step: the same on every rank; rank 0's is written.
@@ -218,11 +229,13 @@ class FSDP2Backend:
                     supported = False  # a state not shaped like the parameter (e.g. factored)
                 else:
                     entry[name] = value
-        every: list[Any] = [supported]
+                kept = entry.get(name)
+                layout.append((fqn, name, str(kept.dtype) if isinstance(kept, FlatTensor) else "value"))
+        every: list[Any] = [(supported, layout)]
         if dist.is_initialized():  # every rank gets the same answer
             every = [None] * dist.get_world_size()
-            dist.all_gather_object(every, supported)
-        if not all(every):
+            dist.all_gather_object(every, (supported, layout))
+        if not all(ok and seen == every[0][1] for ok, seen in every):
             return None
         groups = []
         for group in optimizer.param_groups:
