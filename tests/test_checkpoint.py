@@ -154,13 +154,15 @@ def _pretrained_in_and_out(root: str) -> list[str]:
 def _save_and_load(root: str, backends: tuple[str, ...], refs: dict[str, Any]) -> dict[str, Any]:
     own = _save_each(root, backends)
     checked = _load_each(root, {**refs, **own}, BACKENDS)
-    # FSDP1 HYBRID 2 x 2 (the replicas split the writing) with AdamW: the full export written in
-    # place is byte for byte the one written through torch's state dicts.
-    config = fsdp_bridge.BridgeConfig(backend="fsdp1", strategy="hybrid_shard", hybrid_shape=(2, 2), device="cpu")
-    model = fsdp_bridge.shard(build_tiny("llama", seed=2), config)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    _train(model, optimizer, 1)
-    in_place_wrong = _export_both_ways(root, "hybrid_fsdp1", model, optimizer)
+    # HYBRID 2 x 2 (the replicas split the writing) with AdamW, both backends: the full export
+    # written in place is byte for byte the one written through torch's state dicts.
+    in_place_wrong = []
+    for backend in BACKENDS:
+        config = fsdp_bridge.BridgeConfig(backend=backend, strategy="hybrid_shard", hybrid_shape=(2, 2), device="cpu")
+        model = fsdp_bridge.shard(build_tiny("llama", seed=2), config)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        _train(model, optimizer, 1)
+        in_place_wrong += _export_both_ways(root, f"hybrid_{backend}", model, optimizer)
     return {
         "refs": own,
         "checked": checked,
@@ -175,7 +177,7 @@ def test_round_trip_and_cross_backend_matrix(tmp_path: Path) -> None:
     Saves at world 2 (both backends) and world 4 (FSDP1); loads at world 2, 4 and 1 into both
     backends (the full 1/2/4 x 1/2/4 matrix is test_cross_world_matrix_full, marked slow).  At
     world 4 also: pretrained weights in and a full export out, bit for bit, across layouts, and
-    FSDP1's in-place full export of HYBRID 2 x 2 with AdamW against torch's state dicts.
+    the in-place full export of HYBRID 2 x 2 with AdamW (both backends) against torch's state dicts.
     """
     root = str(tmp_path)
     out2 = run_distributed(_save_and_roundtrip, 2, args=(root, BACKENDS), timeout_s=600)[0]
@@ -284,12 +286,13 @@ class _WithBuffers(torch.nn.Module):
     """Persistent buffers (an int64 0-dim one among them), which FSDP1 casts to the mixed
     precision buffer dtype and its state dict casts back only where their unit holds parameters
     (``root_param``), a BatchNorm (FSDP1 makes it a unit of its own in full precision); the last
-    layer is ignored (neither sharded nor cast)."""
+    layer is the one the tests ignore (neither sharded nor cast).  ``gain`` has one row: FSDP2's
+    second rank holds none of it."""
 
     def __init__(self, root_param: bool) -> None:
         super().__init__()
         torch.manual_seed(3)
-        self.gain = torch.nn.Parameter(torch.randn(5)) if root_param else None
+        self.gain = torch.nn.Parameter(torch.randn(1, 5)) if root_param else None
         self.inp = torch.nn.Linear(13, 37)
         self.norm = torch.nn.BatchNorm1d(37)
         self.mid = torch.nn.Linear(37, 29)
@@ -303,34 +306,40 @@ class _WithBuffers(torch.nn.Module):
         return y * self.gain if self.gain is not None else y
 
 
-def _export_both_ways(root: str, label: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
-    """FSDP1's full export writes each rank's flat ranges straight into the files; the files must
-    be byte for byte those written through torch's sharded state dicts (the backend methods
-    switched off): weights, index, optimizer tensors and optimizer.json."""
-    from fsdp_bridge.backends.fsdp1 import FSDP1Backend
+def _export_both_ways(
+    root: str, label: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, optimizer_in_place: bool = True
+) -> list[str]:
+    """A full export written in place (each rank's flat ranges under FSDP1, row shards under
+    FSDP2) must be byte for byte the one written through torch's sharded state dicts (the backend
+    methods switched off): weights, index, optimizer tensors and optimizer.json."""
+    from fsdp_bridge.api import get_bridge
 
+    bridge = get_bridge(model)
+    impl = type(bridge.impl)
+    wrong = []
+    if bridge.impl.export_pieces(bridge.model) is None:
+        wrong.append(f"{label}: the weights were not written in place")
+    if (bridge.impl.export_optimizer_pieces(bridge.model, optimizer) is not None) != optimizer_in_place:
+        wrong.append(f"{label}: the optimizer state went {'through torch' if optimizer_in_place else 'in place'}")
     fsdp_bridge.save_checkpoint(Path(root) / f"{label}_in_place", model, optimizer, kind="full", max_shard_size="40KB")
-    saved = FSDP1Backend.export_pieces, FSDP1Backend.export_optimizer_pieces
-    FSDP1Backend.export_pieces = lambda self, model: None  # type: ignore[method-assign]
-    FSDP1Backend.export_optimizer_pieces = lambda self, model, optimizer: None  # type: ignore[method-assign]
+    saved = impl.export_pieces, impl.export_optimizer_pieces
+    impl.export_pieces = lambda self, model: None  # type: ignore[method-assign]
+    impl.export_optimizer_pieces = lambda self, model, optimizer: None  # type: ignore[method-assign]
     try:
         fsdp_bridge.save_checkpoint(Path(root) / f"{label}_torch", model, optimizer, kind="full", max_shard_size="40KB")
     finally:
-        FSDP1Backend.export_pieces, FSDP1Backend.export_optimizer_pieces = saved  # type: ignore[method-assign]
+        impl.export_pieces, impl.export_optimizer_pieces = saved  # type: ignore[method-assign]
     mine, torchs = Path(root) / f"{label}_in_place", Path(root) / f"{label}_torch"
     names = sorted(
         p.name for p in torchs.iterdir() if p.suffix in (".safetensors", ".json") and p.name != "fsdp_bridge.json"
     )
-    wrong = (
-        []
-        if sorted(p.name for p in mine.glob("*.safetensors")) == [n for n in names if n.endswith(".safetensors")]
-        else [f"{label}: files"]
-    )
+    if sorted(p.name for p in mine.glob("*.safetensors")) != [n for n in names if n.endswith(".safetensors")]:
+        wrong.append(f"{label}: files")
     wrong += [f"{label}: {n}" for n in names if (mine / n).read_bytes() != (torchs / n).read_bytes()]
     return wrong
 
 
-def _fsdp1_exports_in_place(root: str) -> list[str]:
+def _exports_in_place(root: str) -> list[str]:
     from safetensors.torch import load_file
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
@@ -354,15 +363,27 @@ def _fsdp1_exports_in_place(root: str) -> list[str]:
             optimizer.step()
             optimizer.zero_grad()
 
-    # Tied GPT-2 in several files with AdamW; Adagrad (state on every parameter from the start,
-    # 'step' stays 0 on the rank whose shard misses a parameter) in two groups under
-    # SHARD_GRAD_OP and activation checkpointing; NO_SHARD (ranks split the writing).
-    for family, strategy, extra in (
-        ("gpt2", "full_shard", {}),
-        ("llama", "shard_grad_op", {"activation_checkpointing": True}),
-        ("llama", "no_shard", {}),
+    # FSDP1: tied GPT-2 in several files with AdamW; Adagrad (state on every parameter from the
+    # start, 'step' stays 0 on the rank whose shard misses a parameter) in two groups under
+    # SHARD_GRAD_OP and activation checkpointing; NO_SHARD (ranks split the writing).  FSDP2:
+    # tied GPT-2 offloaded to CPU; NO_SHARD (the (2, 1) mesh: replicas split the writing) with
+    # bf16 mixed precision and activation checkpointing (wrapper names).
+    for backend, family, strategy, extra in (
+        ("fsdp1", "gpt2", "full_shard", {}),
+        ("fsdp1", "llama", "shard_grad_op", {"activation_checkpointing": True}),
+        ("fsdp1", "llama", "no_shard", {}),
+        ("fsdp2", "gpt2", "full_shard", {"cpu_offload": True}),
+        (
+            "fsdp2",
+            "llama",
+            "no_shard",
+            {
+                "activation_checkpointing": True,
+                "mixed_precision": fsdp_bridge.MixedPrecisionConfig(param_dtype=torch.bfloat16),
+            },
+        ),
     ):
-        config = fsdp_bridge.BridgeConfig(backend="fsdp1", strategy=strategy, device="cpu", **extra)
+        config = fsdp_bridge.BridgeConfig(backend=backend, strategy=strategy, device="cpu", **extra)
         model = fsdp_bridge.shard(build_tiny(family, seed=4), config)
         if family == "llama" and strategy == "shard_grad_op":
             decay = [p for n, p in model.named_parameters() if "norm" not in n]
@@ -373,27 +394,43 @@ def _fsdp1_exports_in_place(root: str) -> list[str]:
         else:
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         trained(model, optimizer, family)
-        wrong += _export_both_ways(root, f"{family}_{strategy}", model, optimizer)
-    # Mixed precision with buffers cast to bf16 (cast back only where their unit holds
-    # parameters), int64 buffers (torch's assembly cannot write them: against the full state
-    # dicts instead), an ignored module (its optimizer state: torch's optimizer state dict),
-    # FULL_SHARD and NO_SHARD.
-    for strategy, root_param in (("full_shard", True), ("no_shard", False)):
+        # FSDP1 NO_SHARD keeps optimizer states shaped like the parameters: torch's path.
+        in_place = (backend, strategy) != ("fsdp1", "no_shard")
+        wrong += _export_both_ways(
+            root, f"{backend}_{family}_{strategy}", model, optimizer, optimizer_in_place=in_place
+        )
+    # Mixed precision with buffers cast to bf16 (FSDP1 casts them back only where their unit
+    # holds parameters), int64 buffers (torch's assembly cannot write them: against the full state
+    # dicts instead), FULL_SHARD and NO_SHARD.  An ignored module (its optimizer state: torch's
+    # optimizer state dict), except under FSDP2 FULL_SHARD, whose AdamW state goes in place with
+    # the rest, a parameter of one row among them (rank 1 holds none of it).
+    for backend, strategy, root_param, ignored in (
+        ("fsdp1", "full_shard", True, True),
+        ("fsdp1", "no_shard", False, True),
+        ("fsdp2", "full_shard", True, False),
+        ("fsdp2", "no_shard", False, True),
+    ):
         config = fsdp_bridge.BridgeConfig(
-            backend="fsdp1",
+            backend=backend,
             strategy=strategy,
             wrap=fsdp_bridge.WrapPolicy(mode="classes", classes=("Linear",)),
             mixed_precision=fsdp_bridge.MixedPrecisionConfig(param_dtype=torch.bfloat16, buffer_dtype=torch.bfloat16),
-            ignored_modules=("out",),
+            ignored_modules=("out",) if ignored else (),
             device="cpu",
         )
         model = fsdp_bridge.shard(_WithBuffers(root_param), config)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        if ignored:
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        else:
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         trained(model, optimizer, None)
+        label = f"buffers_{backend}_{strategy}"
         bridge = get_bridge(model)
-        if bridge.impl.export_optimizer_pieces(bridge.model, optimizer) is not None:
-            wrong.append(f"buffers_{strategy}: an ignored parameter's state went in place")
-        out = Path(root) / f"buffers_{strategy}"
+        if bridge.impl.export_pieces(bridge.model) is None:
+            wrong.append(f"{label}: the weights were not written in place")
+        if (bridge.impl.export_optimizer_pieces(bridge.model, optimizer) is None) != ignored:
+            wrong.append(f"{label}: the optimizer state went {'the other way' if ignored else 'through torch'}")
+        out = Path(root) / label
         fsdp_bridge.save_checkpoint(out, model, optimizer, kind="full")
         options = StateDictOptions(full_state_dict=True)
         want = get_model_state_dict(model, options=options)
@@ -401,12 +438,45 @@ def _fsdp1_exports_in_place(root: str) -> list[str]:
         want.update({f"{fqn}/{k}": v for fqn, st in osd["state"].items() for k, v in st.items()})
         got = {**load_file(out / "model.safetensors"), **load_file(out / "optimizer.safetensors")}
         if set(got) != set(want):
-            wrong.append(f"buffers_{strategy}: names {sorted(set(got) ^ set(want))}")
+            wrong.append(f"{label}: names {sorted(set(got) ^ set(want))}")
         for k in set(got) & set(want):
             if got[k].dtype != want[k].dtype or not torch.equal(got[k], want[k]):
-                wrong.append(f"buffers_{strategy}: {k}")
+                wrong.append(f"{label}: {k}")
+    # Sharded by torch directly on dim 1 (a layout no rank writes in place): torch's assembly would
+    # fail on BatchNorm's int64 counter, so the save is refused first, naming it and the fix.
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
+
+    model = torch.nn.Sequential(torch.nn.Linear(12, 8), torch.nn.BatchNorm1d(8))
+    fully_shard(model, shard_placement_fn=lambda param: Shard(1) if param.dim() == 2 else None)
+    try:
+        fsdp_bridge.save_checkpoint(Path(root) / "dim1", model, kind="full")
+        wrong.append("dim1: saved")
+    except fsdp_bridge.CheckpointError as err:
+        if "1.num_batches_tracked has dtype torch.int64" not in str(err) or "kind='sharded'" not in str(err):
+            wrong.append(f"dim1: {err}")
     return wrong
 
 
-def test_fsdp1_full_export_writes_flat_shards_in_place(tmp_path: Path) -> None:
-    assert run_distributed(_fsdp1_exports_in_place, 2, args=(str(tmp_path),), timeout_s=600) == [[], []]
+def test_full_export_writes_shards_in_place(tmp_path: Path) -> None:
+    assert run_distributed(_exports_in_place, 2, args=(str(tmp_path),), timeout_s=600) == [[], []]
+
+
+def test_full_export_of_a_plain_model_with_integer_buffers(tmp_path: Path) -> None:
+    """A model that is not sharded is written whole by rank 0, integer tensors included (torch's
+    safetensors assembly cannot write BatchNorm's int64 counter)."""
+    from safetensors.torch import load_file
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 3))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(4, 8)).sum().backward()
+    optimizer.step()
+    fsdp_bridge.save_checkpoint(tmp_path / "plain", model, optimizer, kind="full")
+    got = load_file(tmp_path / "plain" / "model.safetensors")
+    want = model.state_dict()
+    assert list(got) == list(want)
+    assert all(got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]) for k in want)
+    assert got["1.num_batches_tracked"].item() == 1
+    moments = load_file(tmp_path / "plain" / "optimizer.safetensors")
+    assert torch.equal(moments["0.weight/exp_avg"], optimizer.state[model[0].weight]["exp_avg"])

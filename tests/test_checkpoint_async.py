@@ -101,18 +101,18 @@ def _save_fails_on_one_rank(root: str) -> dict[str, object]:
     except fsdp_bridge.CheckpointError as err:
         out["sharded"] = str(err)
     api.write_rng = real_rng  # type: ignore[assignment]
-    # ... and rank 0's while it assembles the full weights from every rank's slices.
+    # ... and rank 0's while it writes its rows into the full weights' files (FSDP2, in place) ...
+    from fsdp_bridge.checkpoint import _hf
+
+    real_in_place = _hf._write_flat_pieces
     if dist.get_rank() == 0:
-        assembly._consolidate_safetensors_files = full_disk  # type: ignore[assignment]
+        _hf._write_flat_pieces = full_disk  # type: ignore[assignment]
     try:
         fsdp_bridge.save_checkpoint(Path(root) / "b", model, kind="full")
     except fsdp_bridge.CheckpointError as err:
         out["full"] = str(err)
-    assembly._consolidate_safetensors_files = real_assemble
-    # ... and, on FSDP1 (each rank writes its flat ranges into the files in place), rank 1's.
-    from fsdp_bridge.checkpoint import _hf
-
-    real_in_place = _hf._write_flat_pieces
+    _hf._write_flat_pieces = real_in_place
+    # ... and, on FSDP1 (each rank writes its flat ranges into the files in place), rank 1's ...
     if dist.get_rank() == 1:
         _hf._write_flat_pieces = full_disk  # type: ignore[assignment]
     fsdp1 = fsdp_bridge.shard(build_tiny("llama", seed=0), fsdp_bridge.BridgeConfig(backend="fsdp1"))
@@ -121,6 +121,20 @@ def _save_fails_on_one_rank(root: str) -> dict[str, object]:
     except fsdp_bridge.CheckpointError as err:
         out["full_fsdp1"] = str(err)
     _hf._write_flat_pieces = real_in_place
+    # ... and rank 0's while it assembles a file from every rank's slices (a model torch sharded
+    # on dim 1, which no rank writes in place).
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
+
+    dim1 = torch.nn.Sequential(torch.nn.Linear(12, 8), torch.nn.Linear(8, 4))
+    fully_shard(dim1, shard_placement_fn=lambda param: Shard(1) if param.dim() == 2 else None)
+    if dist.get_rank() == 0:
+        assembly._consolidate_safetensors_files = full_disk  # type: ignore[assignment]
+    try:
+        fsdp_bridge.save_checkpoint(Path(root) / "e", dim1, kind="full")
+    except fsdp_bridge.CheckpointError as err:
+        out["full_assembly"] = str(err)
+    assembly._consolidate_safetensors_files = real_assemble
     out["seconds"] = time.monotonic() - start
     fsdp_bridge.save_checkpoint(Path(root) / "c", model)  # the group is still usable
     return out
@@ -131,5 +145,6 @@ def test_a_save_failing_on_one_rank_fails_every_rank_promptly(tmp_path: Path) ->
         assert "rank 1: writing the RNG state failed: OSError: [Errno 28] No space left on device" in r["sharded"]
         assert "rank 0: assembling the full state's files failed: OSError: [Errno 28] No space" in r["full"]
         assert "rank 1: assembling the full state's files failed: OSError: [Errno 28] No space" in r["full_fsdp1"]
+        assert "rank 0: assembling the full state's files failed: OSError: [Errno 28] No space" in r["full_assembly"]
         assert r["seconds"] < 60  # not the process-group timeout (600 s)
     assert fsdp_bridge.latest_checkpoint(tmp_path) == tmp_path / "c"

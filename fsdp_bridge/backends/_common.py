@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, cast
 
 import torch
@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-__all__ = ["broadcast_from_rank0", "rank0_full_state"]
+__all__ = ["broadcast_from_rank0", "rank0_full_state", "state_entries"]
 
 
 def rank0_full_state(model: nn.Module) -> dict[str, torch.Tensor] | None:
@@ -53,3 +53,20 @@ def buffer_shapes(model: nn.Module, clean: Callable[[str], str]) -> dict[str, tu
             if buf is not None and name not in module._non_persistent_buffers_set:
                 shapes[clean(f"{prefix}.{name}" if prefix else name)] = tuple(buf.shape)
     return shapes
+
+
+_FLAT_PARAM = "_flat_param"  # FSDP1 registers each unit's flat parameter under this name
+
+
+def state_entries(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, torch.Tensor, bool]]:
+    """(name, tensor, is a buffer) of each entry ``module.state_dict()`` would hold, in its
+    order (tied names each), without running the backends' state-dict hooks (FSDP1's gather)."""
+    for name, param in module._parameters.items():
+        if param is not None and name != _FLAT_PARAM:
+            yield prefix + name, param, False
+    for name, buf in module._buffers.items():
+        if buf is not None and name not in module._non_persistent_buffers_set:
+            yield prefix + name, buf, True
+    for name, child in module._modules.items():
+        if child is not None:
+            yield from state_entries(child, f"{prefix}{name}.")

@@ -27,14 +27,12 @@ from torch.distributed.fsdp import (
 from torch.distributed.fsdp.wrap import CustomPolicy
 
 from fsdp_bridge._names import strip_wrapper_prefixes
-from fsdp_bridge.backends._common import broadcast_from_rank0, buffer_shapes, rank0_full_state
+from fsdp_bridge.backends._common import broadcast_from_rank0, buffer_shapes, rank0_full_state, state_entries
 from fsdp_bridge.backends.base import FlatPiece, FlatTensor
 from fsdp_bridge.plan import ShardPlan, SyncMethod
 from fsdp_bridge.strategy import Backend, BackwardPrefetch, ShardingStrategy
 
 __all__ = ["FSDP1Backend"]
-
-_FLAT_PARAM = "_flat_param"  # FSDP1 registers each unit's flat parameter under this name
 
 _STRATEGIES = {
     ShardingStrategy.FULL_SHARD: TorchShardingStrategy.FULL_SHARD,
@@ -297,7 +295,7 @@ class FSDP1Backend:
         rank = dist.get_rank() if dist.is_initialized() else 0
         orig_dtype = _buffers_state_dicts_restore(model, names)
         out: dict[str, FlatTensor] = {}
-        for name, value, is_buffer in _state_entries(model):
+        for name, value, is_buffer in state_entries(model):
             clean = strip_wrapper_prefixes(name)
             slot = slots.get(clean)
             if slot is None and not is_buffer and id(value) in of_param:
@@ -486,17 +484,3 @@ def _buffers_state_dicts_restore(model: nn.Module, names: dict[int, str]) -> dic
             if name not in ignored:
                 restore[f"{prefix}.{name}" if prefix else name] = dtype
     return restore
-
-
-def _state_entries(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, torch.Tensor, bool]]:
-    """(name, tensor, is a buffer) of each entry ``module.state_dict()`` would hold, in its
-    order (tied names each), without running FSDP1's state-dict hooks (they gather)."""
-    for name, param in module._parameters.items():
-        if param is not None and name != _FLAT_PARAM:
-            yield prefix + name, param, False
-    for name, buf in module._buffers.items():
-        if buf is not None and name not in module._non_persistent_buffers_set:
-            yield prefix + name, buf, True
-    for name, child in module._modules.items():
-        if child is not None:
-            yield from _state_entries(child, f"{prefix}{name}.")

@@ -10,6 +10,7 @@ from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
@@ -19,11 +20,11 @@ from torch.distributed.fsdp import (
     fully_shard,
     register_fsdp_forward_method,
 )
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from fsdp_bridge._names import strip_wrapper_prefixes
-from fsdp_bridge.backends._common import broadcast_from_rank0, buffer_shapes, rank0_full_state
-from fsdp_bridge.backends.base import FlatTensor
+from fsdp_bridge.backends._common import broadcast_from_rank0, buffer_shapes, rank0_full_state, state_entries
+from fsdp_bridge.backends.base import FlatPiece, FlatTensor
 from fsdp_bridge.plan import ShardPlan, SyncMethod
 from fsdp_bridge.strategy import Backend
 
@@ -165,10 +166,139 @@ class FSDP2Backend:
         return None  # DTensor state dicts: DCP's Hugging Face reader reads each rank's slices
 
     def export_pieces(self, model: nn.Module) -> dict[str, FlatTensor] | None:
-        return None  # DTensor state dicts hold views of the shards: DCP's writer takes them as they are
+        # A parameter sharded Shard(0) holds whole rows: one contiguous range of the flattened
+        # parameter, hence one byte range of it in a safetensors file.  torch's safetensors path
+        # would write these pieces to separate files and assemble them (a second copy on disk
+        # and each file's share of the pieces in memory), and cannot assemble integer tensors.
+        for unit in model.modules():
+            if isinstance(unit, FSDPModule):
+                unit.reshard()  # the sharded parameters registered, as the state-dict hook does
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        out: dict[str, FlatTensor] = {}
+        for name, value, _ in state_entries(model):
+            clean = strip_wrapper_prefixes(name)
+            if isinstance(value, DTensor):
+                rows = _Rows.of(value)
+                if rows is None:  # a layout other than FSDP2's (row shards, replicas): DCP's writer
+                    return None
+                out[clean] = FlatTensor(tuple(value.shape), value.dtype, rows.pieces(value.to_local()))
+                continue
+            # Buffers and ignored parameters are whole on every rank and need not agree (BatchNorm
+            # statistics are local): rank 0 writes its own, as torch's full state dict holds rank 0's.
+            value = value.detach()
+            pieces = (FlatPiece(0, value.reshape(-1).contiguous()),) if rank == 0 and value.numel() else ()
+            out[clean] = FlatTensor(tuple(value.shape), value.dtype, pieces)
+        return out
 
     def export_optimizer_pieces(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
-        return None  # likewise
+        # State tensors shaped like their DTensor parameter (Adam's moments) are sharded like it:
+        # the same rows, the same byte ranges.  Shaped like get_optimizer_state_dict's: parameters
+        # named by their first name, states in the optimizer's order, each state's entries in theirs.
+        # Every rank must lay the file out alike (one rank writes each header): the names, kinds
+        # and dtypes are compared across ranks first (one all_gather_object).
+        fqn_of = {id(p): strip_wrapper_prefixes(n) for n, p in model.named_parameters()}
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        grouped = [p for group in optimizer.param_groups for p in group["params"]]
+        supported = bool(optimizer.state) and all(id(p) in fqn_of for p in grouped)
+        # (an empty state: torch's path initialises it with a step; a parameter not in the model)
+        state: dict[str, dict[str, Any]] = {}
+        layout: list[tuple[str, str, str]] = []
+        for param, entries in optimizer.state.items() if supported else ():
+            if not isinstance(param, DTensor) or id(param) not in fqn_of:  # an ignored parameter
+                supported = False
+                break
+            rows = _Rows.of(param)
+            if rows is None:  # another layout: torch's optimizer state dict
+                supported = False
+                break
+            fqn = fqn_of[id(param)]
+            entry = state[fqn] = {}
+            for name, value in entries.items():
+                if (
+                    isinstance(value, DTensor)
+                    and value.shape == param.shape
+                    and value.placements == param.placements
+                    and value.to_local().shape == param.to_local().shape
+                ):
+                    entry[name] = FlatTensor(tuple(value.shape), value.dtype, rows.pieces(value.to_local()))
+                elif isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.dim() == 0:
+                    # Adam's step: the same on every rank; rank 0's is written.
+                    value = value.detach().reshape(1)
+                    entry[name] = FlatTensor((), value.dtype, (FlatPiece(0, value),) if rank == 0 else ())
+                elif isinstance(value, torch.Tensor):
+                    supported = False  # a state not shaped like the parameter (e.g. factored)
+                else:
+                    entry[name] = value
+                kept = entry.get(name)
+                layout.append((fqn, name, str(kept.dtype) if isinstance(kept, FlatTensor) else "value"))
+        every: list[Any] = [(supported, layout)]
+        if dist.is_initialized():  # every rank gets the same answer
+            every = [None] * dist.get_world_size()
+            dist.all_gather_object(every, (supported, layout))
+        if not all(ok and seen == every[0][1] for ok, seen in every):
+            return None
+        groups = []
+        for group in optimizer.param_groups:
+            fqns = [fqn_of[id(p)] for p in group["params"]]
+            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": fqns})
+        return {"state": state, "param_groups": groups}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Rows:
+    """Where this rank's shard of a DTensor sharded on dim 0 (FSDP2's ``Shard(0)``, replicated
+    over the other mesh dimensions under HSDP) lies in the flattened tensor, and which part of
+    it this rank writes in a full export: ranks holding the same rows (replicas) split them."""
+
+    first: int
+    """The element of the flattened tensor where the rows held start."""
+    numel: int
+    """Elements held (0: none; the last shards of an uneven split are short or empty)."""
+    lo: int
+    hi: int
+    """The part of the local shard this rank writes, ``[lo, hi)`` of its elements."""
+
+    @staticmethod
+    def of(tensor: DTensor) -> _Rows | None:
+        """None unless every placement is ``Replicate()`` or one exact ``Shard(0)``, and the local
+        shard is as ``torch.chunk`` splits the rows (FSDP2's layout)."""
+        mesh, placements = tensor.device_mesh, tensor.placements
+        coordinate = mesh.get_coordinate()
+        if coordinate is None:
+            return None
+        shard_dims = [d for d, p in enumerate(placements) if type(p) is Shard]
+        if len(shard_dims) > 1 or any(type(p) not in (Shard, Replicate) for p in placements):
+            return None  # _StridedShard (a Shard subclass), Partial, several shard dimensions
+        local = tensor.to_local()
+        if not local.is_contiguous():
+            return None
+        shape, row_numel, start_row = tuple(tensor.shape), 1, 0
+        if shard_dims:
+            placement = placements[shard_dims[0]]
+            assert isinstance(placement, Shard)
+            if placement.dim != 0 or not shape:
+                return None
+            count, index = mesh.size(shard_dims[0]), coordinate[shard_dims[0]]
+            if tuple(local.shape) != local_shape(shape, count, index):
+                return None
+            row_numel = math.prod(shape[1:])
+            start_row = index * -(-shape[0] // count)
+        elif tuple(local.shape) != shape:
+            return None
+        replica, replicas = 0, 1
+        for d, p in enumerate(placements):
+            if type(p) is Replicate:
+                replica, replicas = replica * mesh.size(d) + coordinate[d], replicas * mesh.size(d)
+        numel = local.numel()
+        first = start_row * row_numel if numel else 0
+        return _Rows(first, numel, replica * numel // replicas, (replica + 1) * numel // replicas)
+
+    def pieces(self, local: torch.Tensor) -> tuple[FlatPiece, ...]:
+        """What this rank writes of ``local`` (its shard of the tensor, or of one sharded like it)."""
+        if self.lo >= self.hi:
+            return ()
+        flat = local.detach().reshape(-1)
+        return (FlatPiece(self.first + self.lo, flat[self.lo : self.hi]),)
 
 
 @contextmanager
@@ -189,7 +319,6 @@ def _full_params(
 
     ``rank0_only``: every rank takes part in the gather (a collective), only rank 0 swaps.
     """
-    import torch.distributed as dist
 
     keep = not rank0_only or not dist.is_initialized() or dist.get_rank() == 0
     swapped: list[tuple[nn.Module, str, nn.Parameter, nn.Parameter]] = []

@@ -399,10 +399,10 @@ def _save(
         known = _gather_checksums(_on_every_rank(path, "writing the sharded state (DCP)", write_sharded))
         shapes = _shapes(msd)
     else:
-        # Each rank writes the slices it holds; the ranks then assemble the full files one tensor
-        # at a time (no rank ever holds the full state).  A backend whose sharded state dict
-        # would gather (FSDP1) instead says which flat ranges of each tensor this rank holds,
-        # and those are written straight into the files.
+        # The backend says which flat ranges of each tensor this rank holds (FSDP1's flat shards,
+        # FSDP2's row shards), and those are written straight into the files.  Where it cannot
+        # (other layouts), each rank writes the slices it holds and the ranks then assemble the
+        # full files one tensor at a time.  No rank ever holds the full state.
         bridge = _bridge(model)
         flat = bridge.impl.export_pieces(bridge.model) if bridge is not None else None
         weights: dict[str, Any]

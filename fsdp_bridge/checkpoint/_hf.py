@@ -26,7 +26,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
 
-from fsdp_bridge.backends.base import FlatTensor
+from fsdp_bridge.backends.base import FlatPiece, FlatTensor
 from fsdp_bridge.checkpoint._formats import (
     OPTIM_JSON,
     OPTIM_TENSORS,
@@ -118,6 +118,9 @@ _PIECE_BYTES = 128 * 2**20
 safetensors writer holds a rank's whole share of one file in memory while it writes it."""
 
 
+_WHOLE = (torch.Tensor, torch.nn.Parameter)
+
+
 def _size_of(value: Any) -> int:
     if isinstance(value, FlatTensor):
         return value.nbytes
@@ -168,6 +171,7 @@ class FullExport:
         self.weight_sizes = {k: _size_of(v) for k, v in model.items()}
         self.file_name, self.indexed = plan_files(self.weight_sizes, max_shard_size, layout)
         self.file_name.update(dict.fromkeys(optim_tensors, OPTIM_TENSORS))
+        self._write_whole_files_in_place()
         self.flat_files = sorted({self.file_name[k] for k in self.flat})
         mixed = set(self.flat_files) & {self.file_name[k] for k in self.tensors}
         if mixed:
@@ -179,6 +183,33 @@ class FullExport:
         self.scalars = {
             k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in self.tensors.items() if v.dim() == 0
         }
+
+    def _write_whole_files_in_place(self) -> None:
+        """Files holding only whole tensors (a model that is not sharded; plain tensors beside
+        :class:`~fsdp_bridge.backends.base.FlatTensor` values) are written in place by rank 0:
+        torch's writer would keep one rank's copy of each anyway, and its assembly cannot write
+        integer or bool tensors (``torch.finfo`` of their dtype, torch 2.13 and 2.14.1;
+        pytorch/pytorch#192485).  Those that still go through it are refused before anything is
+        written."""
+        import torch.distributed as dist
+
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        # Anything but a plain tensor (DTensor, ShardedTensor) holds part of the tensor only.
+        sharded_files = {self.file_name[k] for k, v in self.tensors.items() if type(v) not in _WHOLE}
+        for name in [k for k in self.tensors if self.file_name[k] not in sharded_files]:
+            value = self.tensors.pop(name).detach()
+            pieces = (FlatPiece(0, value.reshape(-1).contiguous()),) if rank == 0 and value.numel() else ()
+            self.flat[name] = FlatTensor(tuple(value.shape), value.dtype, pieces)
+        for name, value in self.tensors.items():
+            if not (value.is_floating_point() or value.is_complex()):
+                raise CheckpointError(
+                    self.directory,
+                    f"{name} has dtype {value.dtype} and shares {self.file_name[name]} with tensors "
+                    "sharded in a layout that no rank writes in place, so torch's safetensors assembly "
+                    "writes the file, and it writes floating point tensors only (pytorch/pytorch#192485); "
+                    "save kind='sharded' (DCP stores any dtype), or shard the model with "
+                    "fsdp_bridge.shard (FSDP1, or FSDP2 splitting dim 0) so every rank writes its own rows",
+                )
 
     @property
     def _pieces(self) -> Path:
