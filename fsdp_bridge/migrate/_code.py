@@ -59,10 +59,12 @@ def _fsdp2(option: str) -> str:
 _NAMES: dict[str, str] = {
     "FlatParamHandle": "no FSDP2 form (FSDP2 keeps each parameter as its own DTensor): use the module's "
     "parameters and FSDPModule.unshard()/reshard()",
-    "load_sharded_optimizer_state_dict": "get_optimizer_state_dict(model, optimizer) as the template, dcp.load "
-    "into it, then set_optimizer_state_dict(model, optimizer, osd) "
-    "(no FSDP1 flattening step)",
+    "load_sharded_optimizer_state_dict": "fsdp_bridge.load_sharded_optimizer_state_dict, the same arguments: on "
+    "FSDP2 each optimizer-state tensor is read into a DTensor laid out like its parameter (torch's builds FSDP1 "
+    "ShardedTensors); pass the result's [optimizer_key] to fsdp_bridge.optim_state_dict_to_load or "
+    "set_optimizer_state_dict",
     "_or_policy": "BridgeConfig.from_fsdp1(auto_wrap_policy=...) (FSDP1's recursion, exactly)",
+    "_module_wrap_policy": "BridgeConfig(wrap=[LayerClass, ...])",
     "enable_wrap": "not rewritten: FSDP1's manual wrapping (enable_wrap + wrap(module)); on FSDP2 build the model "
     "unwrapped and shard it once: fsdp_bridge.shard(model, BridgeConfig(wrap=[<classes of the "
     "modules passed to wrap()>], ...)), with enable_wrap's keyword arguments moved into the config "
@@ -154,6 +156,25 @@ def _fsdp1_private(qnames: Iterable[Any]) -> str | None:
     return None
 
 
+_WRAPPER_ATTRS: dict[str, str] = {
+    "sharding_strategy": "the strategy it was sharded with is fsdp_bridge.get_bridge(model).config.strategy "
+    "(fsdp_bridge.ShardingStrategy, same member names) on the model given to fsdp_bridge.shard, or your own setting",
+    "mixed_precision": "the setting is fsdp_bridge.get_bridge(model).config.mixed_precision on the model given to "
+    "fsdp_bridge.shard, or your own MixedPrecision object",
+    "cpu_offload": "the setting is fsdp_bridge.get_bridge(model).config.cpu_offload on the model given to "
+    "fsdp_bridge.shard, or your own setting",
+    "backward_prefetch": "the setting is fsdp_bridge.get_bridge(model).config.backward_prefetch, or your own setting",
+    "forward_prefetch": "the setting is fsdp_bridge.get_bridge(model).config.forward_prefetch, or your own setting",
+    "limit_all_gathers": "FSDP2 needs no all-gather rate limiter; use your own setting if the value is logged",
+    "process_group": "the data-parallel group is fsdp_bridge.get_bridge(model).mesh.get_group() (a 1D mesh; on a "
+    "2D mesh pass the dimension's name)",
+    "compute_device": "the device is fsdp_bridge.get_bridge(model).device",
+    "rank": "use torch.distributed.get_rank() (or the mesh's get_local_rank())",
+    "world_size": "use torch.distributed.get_world_size() (or fsdp_bridge.get_bridge(model).mesh.size())",
+    "training_state": "FSDP1's private state machine has no FSDP2 form; track the phase in your own code",
+}
+"""FSDP1 wrapper attributes read on a wrapped model; FSDPModule has none of them."""
+
 _NAME_HELPERS = ("clean_tensor_name", "FSDP_WRAPPED_MODULE", "FSDP_PREFIX")
 """Private FSDP1 names that only spell or strip FSDP1's parameter-name prefixes: they still work, and
 change nothing on FSDP2 names (which have no wrapper prefix)."""
@@ -198,6 +219,7 @@ _KEPT: dict[str, str] = {
     "ModuleWrapPolicy": "torch's FSDP1 wrap policy",
     "CustomPolicy": "torch's FSDP1 wrap policy",
     "_or_policy": "torch's FSDP1 wrap-policy combinator",
+    "_module_wrap_policy": "torch's FSDP1 wrap policy (the function behind ModuleWrapPolicy)",
     "FullStateDictConfig": "torch's FSDP1 state-dict config",
     "ShardedStateDictConfig": "torch's FSDP1 state-dict config",
     "FullOptimStateDictConfig": "torch's FSDP1 state-dict config",
@@ -292,10 +314,58 @@ class _Dispatch:
 
     versions: dict[str, tuple[int, int]] = field(default_factory=dict)
     fsdp2_tests: set[str] = field(default_factory=set)
+    own_methods: dict[str, str] = field(default_factory=dict)  # "clip_grad_norm_" -> the file defining the tree's own
 
     def merge(self, other: _Dispatch) -> None:
         self.versions.update(other.versions)
         self.fsdp2_tests |= other.fsdp2_tests
+        for name, where in other.own_methods.items():
+            self.own_methods.setdefault(name, where)
+
+
+_OWN_METHOD_NAMES = ("clip_grad_norm_", "no_sync")
+
+
+def _find_own_methods(code: str, path: str) -> dict[str, str]:
+    """``clip_grad_norm_`` / ``no_sync`` the tree defines itself: a method of a class that does not
+    subclass FSDP1's wrapper, or a function set as an attribute (``self.clip_grad_norm_ = fn``).
+    A call ``x.clip_grad_norm_(...)`` elsewhere may then be that one, not FSDP1's."""
+    if not any(f"def {n}" in code or f".{n} =" in code for n in _OWN_METHOD_NAMES):
+        return {}
+    found: dict[str, str] = {}
+    wrapper = MetadataWrapper(cst.parse_module(code))
+
+    class V(cst.CSTVisitor):
+        METADATA_DEPENDENCIES = (PositionProvider, QualifiedNameProvider)
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.scopes: list[str] = []  # "class", "fsdp1 class" (subclasses FSDP1's wrapper) or "def"
+
+        def visit_ClassDef(self, node: cst.ClassDef) -> None:
+            bases = [_resolve(self.get_metadata(QualifiedNameProvider, b.value, set())) for b in node.bases]
+            self.scopes.append("fsdp1 class" if (FSDP, "") in bases else "class")
+
+        def leave_ClassDef(self, original_node: cst.ClassDef) -> None:
+            self.scopes.pop()
+
+        def _add(self, name: str, node: cst.CSTNode) -> None:
+            found.setdefault(name, path)  # no line: a rewrite above it would move it (--fix must be idempotent)
+
+        def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
+            if node.name.value in _OWN_METHOD_NAMES and self.scopes and self.scopes[-1] == "class":
+                self._add(node.name.value, node)  # a method (a nested function counts once set as an attribute)
+            self.scopes.append("def")
+
+        def leave_FunctionDef(self, original_node: cst.FunctionDef) -> None:
+            self.scopes.pop()
+
+        def visit_AssignTarget(self, node: cst.AssignTarget) -> None:
+            if isinstance(node.target, cst.Attribute) and node.target.attr.value in _OWN_METHOD_NAMES:
+                self._add(node.target.attr.value, node)
+
+    wrapper.visit(V())
+    return found
 
 
 def _is_fsdp2_class(qnames: Iterable[Any]) -> bool:
@@ -443,6 +513,9 @@ class _Scanner(cst.CSTVisitor):
         self.functions: list[cst.FunctionDef] = []  # enclosing function definitions
         self.module: cst.Module | None = None
         self.ddp_tests: dict[int, set[str]] = {}  # id(function or module) -> objects tested as DDP there
+        self.wrapper_kinds: dict[tuple[int, str], set[str]] = {}  # (id(scope), object) -> {"fsdp1", "ddp"}
+        self.classes: list[cst.ClassDef] = []  # enclosing class definitions
+        self.predicates: set[str] | None = None  # see _fsdp1_predicates
         self.class_bases: set[int] = set()  # id(base expression) of every class definition
         self.partials: set[int] = set()  # id(functools.partial(FSDP, ...)) planned (rewritten or TODO)
         self.annotation_depth = 0
@@ -756,6 +829,22 @@ class _Scanner(cst.CSTVisitor):
                 return None  # torch.nn.utils.clip_grad_norm_ works on FSDP2; fsdp_bridge's are the rewrites
             if self._ddp_tested(func.value):
                 return None  # DDP's no_sync (the code tells DDP apart), not FSDP1's
+            name = func.attr.value
+            if (where := self.dispatch.own_methods.get(name)) is not None and "fsdp1" not in self._wrapper_kinds(
+                func.value, by_calls=False
+            ):
+                if _code(func.value) == "self" and self.classes:
+                    return None  # the class's own method
+                recv = _code(func.value)
+                self._record(
+                    node,
+                    f"{_short(recv, 40)}.{name}(...)",
+                    f"not rewritten: this tree defines its own {name} (in {where}), so this call may be that one; "
+                    f"if {_short(recv, 40)} is the FSDP1-wrapped model, write fsdp_bridge.{name}({_short(recv, 40)}"
+                    f"{', ...' if node.args else ''}) (FSDP2 modules have no {name}); if it is your own, keep it",
+                    False,
+                )
+                return None
             if func.attr.value == "no_sync" and not node.args:
                 self.fixable_calls[id(node)] = "method"
                 self._record(node, f"{_code(func.value)}.no_sync()", _NAMES["no_sync"], True)
@@ -796,8 +885,120 @@ class _Scanner(cst.CSTVisitor):
         return _code(obj) in self.ddp_tests[id(scope)]
 
     def visit_ClassDef(self, node: cst.ClassDef) -> None:
+        self.classes.append(node)
         if self.planning:
             self.class_bases.update(id(b.value) for b in node.bases)
+
+    def leave_ClassDef(self, original_node: cst.ClassDef) -> None:
+        self.classes.pop()
+
+    def _fsdp1_predicates(self) -> set[str]:
+        """Functions of this file whose every ``return`` is ``isinstance(<first parameter>, FSDP)``."""
+        if self.predicates is None:
+            self.predicates = set()
+            for n in _walk(self.module) if self.module is not None else ():
+                if not (isinstance(n, cst.FunctionDef) and n.params.params):
+                    continue
+                first = n.params.params[0].name.value
+                returns = [r for r in _walk(n.body) if isinstance(r, cst.Return)]
+                if returns and all(
+                    isinstance(r.value, cst.Call)
+                    and m.matches(r.value.func, m.Name("isinstance"))
+                    and len(r.value.args) == 2
+                    and m.matches(r.value.args[0].value, m.Name(first))
+                    and _resolve(self.get_metadata(QualifiedNameProvider, r.value.args[1].value, set())) == (FSDP, "")
+                    for r in returns
+                ):
+                    self.predicates.add(n.name.value)
+        return self.predicates
+
+    def _isinstance_branch(self, node: cst.CSTNode, obj: cst.BaseExpression) -> set[str]:
+        """The wrapper kinds tested by the innermost ``if isinstance(obj, ...)`` whose body holds ``node``."""
+        scope: cst.CSTNode | None = self.functions[-1] if self.functions else self.module
+        if scope is None:
+            return set()
+        target, here = _code(obj), self.get_metadata(PositionProvider, node).start
+        best: tuple[Any, set[str]] | None = None
+        for n in _walk(scope):
+            if not (
+                isinstance(n, cst.If)
+                and isinstance(n.test, cst.Call)
+                and m.matches(n.test.func, m.Name("isinstance"))
+                and len(n.test.args) == 2
+                and _code(n.test.args[0].value) == target
+            ):
+                continue
+            span = self.get_metadata(PositionProvider, n.body)
+            if not (
+                (span.start.line, span.start.column) <= (here.line, here.column) <= (span.end.line, span.end.column)
+            ):
+                continue
+            kinds: set[str] = set()
+            for x in _walk(n.test.args[1].value):
+                quals = self.get_metadata(QualifiedNameProvider, x, set())
+                if _resolve(quals) == (FSDP, ""):
+                    kinds.add("fsdp1")
+                if any(q.name.endswith(".DistributedDataParallel") for q in quals):
+                    kinds.add("ddp")
+            if best is None or (span.start.line, span.start.column) > best[0]:
+                best = ((span.start.line, span.start.column), kinds)
+        return best[1] if best is not None else set()
+
+    def _wrapper_kinds(self, obj: cst.BaseExpression, *, by_calls: bool = True) -> set[str]:
+        """What the enclosing function (for ``self.x``: the enclosing class) shows ``obj`` to be: "fsdp1" when
+        it is assigned ``FSDP(...)``, tested or annotated as FSDP1's class, or has FSDP1's ``clip_grad_norm_``
+        called on it; "ddp" when it is assigned ``DistributedDataParallel(...)`` or tested as one."""
+        target = _code(obj)
+        scope: cst.CSTNode | None = self.functions[-1] if self.functions else self.module
+        if target.startswith("self.") and self.classes:
+            scope = self.classes[-1]
+        if scope is None:
+            return set()
+        key = (id(scope), target + ("" if by_calls else " (no calls)"))
+        if key in self.wrapper_kinds:
+            return self.wrapper_kinds[key]
+
+        def kind(expr: cst.BaseExpression) -> set[str]:
+            found = set()
+            for x in _walk(expr):
+                quals = self.get_metadata(QualifiedNameProvider, x, set())
+                if _resolve(quals) in ((FSDP, ""), ("wrap", "")):
+                    found.add("fsdp1")
+                if any(
+                    q.name.startswith("torch.nn.parallel.") and q.name.endswith(".DistributedDataParallel")
+                    for q in quals
+                ):
+                    found.add("ddp")
+            return found
+
+        kinds: set[str] = set()
+        for n in _walk(scope):
+            if isinstance(n, cst.Assign) and isinstance(n.value, cst.Call):
+                if any(_code(t.target) == target for t in n.targets):
+                    kinds |= kind(n.value.func)
+            elif isinstance(n, cst.Call):
+                f = n.func
+                if m.matches(f, m.Name("isinstance")) and len(n.args) == 2 and _code(n.args[0].value) == target:
+                    kinds |= kind(n.args[1].value)
+                elif (
+                    isinstance(f, cst.Name)
+                    and f.value in self._fsdp1_predicates()
+                    and n.args
+                    and _code(n.args[0].value) == target
+                ):
+                    kinds.add("fsdp1")  # a helper of this file that only returns isinstance(x, FSDP)
+                elif (
+                    by_calls
+                    and isinstance(f, cst.Attribute)
+                    and f.attr.value == "clip_grad_norm_"
+                    and _code(f.value) == target
+                    and "clip_grad_norm_" not in self.dispatch.own_methods
+                ):
+                    kinds.add("fsdp1")  # DDP has no clip_grad_norm_
+            elif isinstance(n, cst.Param) and n.name.value == target and n.annotation is not None:
+                kinds |= kind(n.annotation.annotation)
+        self.wrapper_kinds[key] = kinds
+        return kinds
 
     def visit_AssignTarget(self, node: cst.AssignTarget) -> None:
         self.assign_target_depth += 1
@@ -874,6 +1075,54 @@ class _Scanner(cst.CSTVisitor):
                 )
                 return True
             self._record(node, f"{_code(node)} (an FSDP1 internal)", _INTERNAL_ATTRS[node.attr.value], False)
+            return True
+        if (
+            isinstance(node, cst.Attribute)
+            and node.attr.value in _WRAPPER_ATTRS
+            and self.uses_fsdp1
+            and not self.assign_target_depth
+            and id(node) not in self.called
+            and id(node) not in self.consumed_nodes
+            and self._qn(node) is None
+            and "fsdp1" in self._wrapper_kinds(node.value)
+        ):
+            self._record(
+                node,
+                f"{_code(node)} (an FSDP1 wrapper attribute)",
+                f"not rewritten: FSDPModule has no {node.attr.value}; {_WRAPPER_ATTRS[node.attr.value]}",
+                False,
+            )
+            return True
+        if (
+            isinstance(node, cst.Attribute)
+            and node.attr.value == "module"
+            and self.uses_fsdp1
+            and not self.assign_target_depth
+            and id(node) not in self.called
+            and "fsdp1" in (kinds := self._wrapper_kinds(node.value))
+        ):
+            # FSDP1's wrapper holds the model as .module; FSDP2 does not wrap (the sharded model is the module).
+            obj = _code(node.value)
+            branch = self._isinstance_branch(node, node.value)
+            if branch == {"ddp"}:
+                return True  # inside ``if isinstance(obj, DDP)``: DDP's .module
+            if "ddp" in kinds and branch != {"fsdp1"}:
+                self._record(
+                    node,
+                    f"{_code(node)} (the wrapped module)",
+                    f"not rewritten: {obj} is FSDP1's wrapper here and DistributedDataParallel's elsewhere in "
+                    f"this function; FSDP2 does not wrap, so on the FSDP path use {obj} itself (an FSDPModule) "
+                    "and keep .module for DDP",
+                    False,
+                )
+                return True
+            self.attr_drops.add(id(node))
+            self._record(
+                node,
+                f"{_code(node)} (the wrapped module)",
+                f"{obj}: FSDP2 does not wrap, the sharded model is the module itself (FSDPModule has no .module)",
+                True,
+            )
             return True
         if (
             isinstance(node, cst.Attribute)
@@ -974,6 +1223,17 @@ class _Scanner(cst.CSTVisitor):
                 f"fails with TypeError; FSDP2 needs no group) ({_fsdp2_any('ShardedGradScaler')})",
                 True,
             )
+            return False
+        if (
+            kind == "load_sharded_optimizer_state_dict"
+            and not member
+            and not self.assign_target_depth
+            and not self.annotation_depth
+        ):
+            # torch's function builds FSDP1 ShardedTensor templates; the bridge's takes the same arguments.
+            self.needs_imports.add(("fsdp_bridge", None))
+            self.expr_rewrites[id(node)] = "fsdp_bridge.load_sharded_optimizer_state_dict"
+            self._record(node, _code(node), _NAMES[kind], True)
             return False
         if kind in _KEPT:
             reader = (
@@ -2115,6 +2375,7 @@ def migrate_source(code: str, path: str = "<string>", *, dispatch: _Dispatch | N
         known.merge(dispatch)
     if "FSDPModule" in code:
         known.merge(_find_dispatch(wrapper))
+    known.merge(_Dispatch(own_methods=_find_own_methods(code, path)))
     scan = _Scanner(path, code, single, collector.uses, known)
     wrapper.visit(scan)  # plan: FSDP(...) conversions and checkpoint blocks
     scan.planning = False
@@ -2148,9 +2409,10 @@ def _fsdp_imports(module: cst.Module) -> list[tuple[str, str | None, str | None]
     class V(cst.CSTVisitor):
         def visit_ImportFrom(self, node: cst.ImportFrom) -> None:
             mod = _code(node.module) if node.module else ""
-            if not (mod.startswith("torch.distributed.fsdp") or mod == "functools") or isinstance(
-                node.names, cst.ImportStar
-            ):
+            if not (
+                mod.startswith("torch.distributed.fsdp")
+                or mod in ("functools", "torch.distributed.checkpoint.optimizer")
+            ) or isinstance(node.names, cst.ImportStar):
                 return
             for alias in node.names:
                 asname = alias.asname.name.value if alias.asname and isinstance(alias.asname.name, cst.Name) else None
@@ -2180,6 +2442,7 @@ def migrate_paths(paths: Sequence[str | Path], *, fix: bool = False) -> tuple[Co
             code = f.read_text(encoding="utf-8")
             if "FSDPModule" in code:
                 dispatch.merge(_find_dispatch(MetadataWrapper(cst.parse_module(code))))
+            dispatch.merge(_Dispatch(own_methods=_find_own_methods(code, str(f))))
         except Exception:  # unreadable or unparsable: reported by the loop below
             continue
     for f in files:
