@@ -188,6 +188,14 @@ def _private_text(name: str) -> str:
             f"FSDP1's private {last} (flat-parameter handles) has no FSDP2 form: on an FSDP2 module call "
             f"module.{public} (FSDPModule), which frees or gathers that unit's parameters"
         )
+    if last == "_init_intra_and_inter_node_groups":
+        return (
+            "FSDP1's private helper for HYBRID_SHARD's (intra-node, inter-node) group pair, the groups FSDP1 "
+            "builds by itself when process_group is None: drop it and the process_group= argument; "
+            "fsdp_bridge.shard with HYBRID_SHARD builds the same 2D (replicate across nodes, shard within a "
+            "node) mesh (hybrid_shape for another split), and the intra-node group is "
+            "fsdp_bridge.get_bridge(model).mesh.get_group(1)"
+        )
     if last == "_unshard_params_for_summon":
         return (
             "FSDP1's private summon context has no FSDP2 form: use fsdp_bridge.summon_full_params(module, "
@@ -1383,6 +1391,15 @@ class _Scanner(cst.CSTVisitor):
                     "(init_device_mesh) and pass it as shard(..., mesh=...)"
                 )
                 return None
+            elif name == "process_group" and isinstance(self._follow(a.value, _Conversion()), cst.Tuple):
+                static.blockers.append(
+                    f"process_group={_short(_code(a.value), 40)}: HYBRID_SHARD's (intra-node, inter-node) group pair; "
+                    "FSDP2 shards over a 2D DeviceMesh: where the pair is FSDP1's default split (the ranks of one "
+                    "node shard, nodes replicate) drop it, fsdp_bridge builds that mesh for HYBRID_SHARD "
+                    "(hybrid_shape for another split); otherwise pass init_device_mesh(device, (replicate, shard)) "
+                    "as fsdp_bridge.shard(..., mesh=...)"
+                )
+                return None
             elif name == "process_group":
                 # A variable: from_fsdp1 accepts None or the world group when the code runs and refuses any
                 # other group with the DeviceMesh fix, before any collective.
@@ -1458,9 +1475,23 @@ class _Scanner(cst.CSTVisitor):
             member = self._member(value, "ShardingStrategy")
             if member in _STRATEGIES:
                 return f"{member}: {_fsdp2_case('strategy', _STRATEGIES[member])}"
+            target = _code(value)
+            assigned = sorted(
+                {
+                    member
+                    for n in (_walk(self.module) if self.module is not None else ())
+                    if isinstance(n, cst.Assign)
+                    and any(_code(t.target) == target for t in n.targets)
+                    and (member := self._member(n.value, "ShardingStrategy")) in _STRATEGIES
+                }
+            )
+            if assigned:  # the values this file gives it: say what each becomes
+                cases = "; ".join(f"{mm}: {_fsdp2_case('strategy', _STRATEGIES[mm])}" for mm in assigned)
+                return f"chosen at run time among {', '.join(assigned)} (assigned in this file); {cases}"
             return (
-                f"known at run time; each strategy keeps its meaning "
-                f"(HYBRID_* a (replicate, shard) mesh, NO_SHARD a (world, 1) mesh): {_fsdp2_any('strategy')}"
+                "known at run time; each strategy keeps its meaning (FULL_SHARD / SHARD_GRAD_OP a 1D mesh, "
+                "resharded after forward or not; HYBRID_* a (replicate, shard) mesh; NO_SHARD a (world, 1) mesh); "
+                "fsdp_bridge.get_bridge(model).report shows what it became"
             )
         if kw == "auto_wrap_policy":
             return (
@@ -1482,6 +1513,11 @@ class _Scanner(cst.CSTVisitor):
             return (
                 "module objects -> their paths in the model (fsdp_bridge.module_names, when the code runs): "
                 "neither sharded nor synchronised, as in FSDP1"
+            )
+        if kw == "process_group" and isinstance(self._follow(value, _Conversion()), cst.Tuple):
+            return (
+                "HYBRID_SHARD's (intra-node, inter-node) group pair: FSDP2 shards over a 2D DeviceMesh "
+                "(fsdp_bridge builds FSDP1's default split for HYBRID_SHARD; see the FSDP(...) line)"
             )
         if kw == "process_group":
             return (
