@@ -1289,7 +1289,7 @@ class _Scanner(cst.CSTVisitor):
                     continue
                 if kw == "backward_prefetch" and rewritten.get(kw) == '"pre"':
                     continue  # reported with its TODO above
-                self._runtime_kwarg_finding(a)
+                self._runtime_kwarg_finding(a, call.args)
             return
         text = _NAMES[FSDP] if fixable else "not rewritten: " + "; ".join(conv.blockers)
         self._record(call, f"{_code(call.func)}(...)", text, fixable)
@@ -1364,7 +1364,7 @@ class _Scanner(cst.CSTVisitor):
                 continue
             if a.keyword.value == "backward_prefetch" and prefetch.get("backward_prefetch") == '"pre"':
                 continue  # reported with its TODO by _plan_runtime
-            self._runtime_kwarg_finding(a)
+            self._runtime_kwarg_finding(a, rest)
         return True
 
     def _plan_runtime(self, call: cst.Call, static: _Conversion) -> list[tuple[str, str]] | None:
@@ -1459,10 +1459,26 @@ class _Scanner(cst.CSTVisitor):
             "(FSDP1's meaning, exactly; print fsdp_bridge.get_bridge(model).report for what each became)"
         )
 
-    def _runtime_kwarg_finding(self, a: cst.Arg) -> None:
+    def _runtime_kwarg_finding(self, a: cst.Arg, siblings: Sequence[cst.Arg] = ()) -> None:
         kw = a.keyword.value if a.keyword else ""
         pos = self.get_metadata(PositionProvider, a)
         value = _code(a.value)
+        sync = [_code(b.value) for b in siblings if b.keyword is not None and b.keyword.value == "sync_module_states"]
+        if kw == "param_init_fn" and value != "None" and (not sync or sync[0] == "False"):
+            # FSDP1 ran the function on every rank's meta-device modules (their own init, no broadcast); FSDP2
+            # initialises sharded DTensors with other random numbers, so the bridge refuses a meta-device model
+            # without sync_module_states (before any collective) rather than train from a different init.
+            self._record(
+                a,
+                f"{kw}={_short(value)}",
+                "without sync_module_states, FSDP1 ran it on each rank's meta-device modules and trained from "
+                "that init; FSDP2 cannot reproduce it (random init of sharded DTensors draws other numbers), so "
+                "fsdp_bridge.shard refuses a meta-device model here: build the model on a real device, or load or "
+                "initialise weights on rank 0 only and pass sync_module_states=True (the bridge materialises "
+                "the other ranks and broadcasts rank 0's weights); a real-device model shards as under FSDP1",
+                False,
+            )
+            return
         described = self._describe_value(kw, a.value)
         self.findings.append(
             CodeFinding(self.path, pos.start.line, pos.start.column, f"{kw}={_short(value)}", described, True)
