@@ -165,6 +165,8 @@ EXPECTED: dict[str, set[tuple[int, str]]] = {
         (67, "model.module (the wrapped module)"),
         (72, "model.module (the wrapped module)"),
         (83, "x.sharding_strategy (an FSDP1 wrapper attribute)"),
+        (89, "model.state_dict()"),
+        (90, "model.load_state_dict(...)"),
     },
     "todo_constructs.py": {
         (24, "ShardedGradScaler(...)"),
@@ -786,6 +788,18 @@ def test_wrapped_model_attributes_and_a_clip_of_the_trees_own() -> None:
     assert "fsdp_bridge.clip_grad_norm_(model, max_norm)" not in result.fixed
     assert not any(f.line == 37 for f in result.findings)
     assert fixable[(42, "_module_wrap_policy")]  # kept: from_fsdp1 runs FSDP1's recursion over it
+    # Outside a state_dict_type block FSDP1's state dicts are full (its default type); FSDP2's would be sharded.
+    assert "torch.save(get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)), path)" in (
+        result.fixed
+    )
+    assert "set_model_state_dict(model, torch.load(path), options=StateDictOptions(full_state_dict=True))" in (
+        result.fixed
+    )
+    assert "model.load_state_dict(torch.load(path), strict=False)  # the plain module" in result.fixed
+    assert not any(f.line == 87 for f in result.findings)
+    # A tree that sets the state-dict type persistently: the type is known only at run time, a TODO.
+    persistent = migrate_source(_source("wrapper_attributes.py") + "\nFSDP.set_state_dict_type\n", "p.py")
+    assert [f.fixable for f in persistent.findings if f.line == 89] == [False]
     # Without a clip function of the tree's own, FSDP1's bound clip_grad_norm_ is rewritten as before.
     plain = migrate_source(_source("wrapper_attributes.py").replace("self.clip_grad_norm_ = ", "self.clip = "))
     assert "fsdp_bridge.clip_grad_norm_(model, max_norm)" in plain.fixed

@@ -323,10 +323,12 @@ class _Dispatch:
     versions: dict[str, tuple[int, int]] = field(default_factory=dict)
     fsdp2_tests: set[str] = field(default_factory=set)
     own_methods: dict[str, str] = field(default_factory=dict)  # "clip_grad_norm_" -> the file defining the tree's own
+    sets_state_dict_type: str | None = None  # a file of the tree that calls FSDP.set_state_dict_type
 
     def merge(self, other: _Dispatch) -> None:
         self.versions.update(other.versions)
         self.fsdp2_tests |= other.fsdp2_tests
+        self.sets_state_dict_type = self.sets_state_dict_type or other.sets_state_dict_type
         for name, where in other.own_methods.items():
             self.own_methods.setdefault(name, where)
 
@@ -831,6 +833,13 @@ class _Scanner(cst.CSTVisitor):
             )
             self._consume(node.func)
             return False if ok else None
+        if (
+            isinstance(func, cst.Attribute)
+            and func.attr.value in ("state_dict", "load_state_dict")
+            and hit is None
+            and self._plan_plain_state_dict(node, func)
+        ):
+            return False
         if isinstance(func, cst.Attribute) and func.attr.value in ("no_sync", "clip_grad_norm_") and hit is None:
             qn = {q.name for q in self.get_metadata(QualifiedNameProvider, func, set())}
             if any(q.startswith(("torch.nn", "fsdp_bridge")) for q in qn) or _code(func.value) == "fsdp_bridge":
@@ -838,9 +847,9 @@ class _Scanner(cst.CSTVisitor):
             if self._ddp_tested(func.value):
                 return None  # DDP's no_sync (the code tells DDP apart), not FSDP1's
             name = func.attr.value
-            if (where := self.dispatch.own_methods.get(name)) is not None and "fsdp1" not in self._wrapper_kinds(
-                func.value, by_calls=False
-            ):
+            if (where := self.dispatch.own_methods.get(name)) is not None and self._fsdp1_wrapper(
+                node, func.value, by_calls=False
+            ) != "fsdp1":
                 if _code(func.value) == "self" and self.classes:
                     return None  # the class's own method
                 recv = _code(func.value)
@@ -920,49 +929,81 @@ class _Scanner(cst.CSTVisitor):
                     self.predicates.add(n.name.value)
         return self.predicates
 
+    def _test_kinds(self, test: cst.BaseExpression, target: str) -> set[str]:
+        """Wrapper kinds that ``test`` checks ``target`` for: ``isinstance(target, FSDP | DDP)`` (in ``or``/``and``
+        combinations too) or a helper of this file that returns ``isinstance(x, FSDP)``."""
+        kinds: set[str] = set()
+        for n in _walk(test):
+            if not isinstance(n, cst.Call) or not n.args or _code(n.args[0].value) != target:
+                continue
+            if m.matches(n.func, m.Name("isinstance")) and len(n.args) == 2:
+                for x in _walk(n.args[1].value):
+                    quals = self.get_metadata(QualifiedNameProvider, x, set())
+                    if _resolve(quals) == (FSDP, ""):
+                        kinds.add("fsdp1")
+                    if any(q.name.endswith(".DistributedDataParallel") for q in quals):
+                        kinds.add("ddp")
+            elif isinstance(n.func, cst.Name) and n.func.value in self._fsdp1_predicates():
+                kinds.add("fsdp1")
+        return kinds
+
     def _isinstance_branch(self, node: cst.CSTNode, obj: cst.BaseExpression) -> set[str]:
-        """The wrapper kinds tested by the innermost ``if isinstance(obj, ...)`` whose body holds ``node``."""
+        """The wrapper kinds tested for ``obj`` by the innermost guard holding ``node``: the body of an
+        ``if``/``elif`` or of a conditional expression, or what follows an ``and``."""
         scope: cst.CSTNode | None = self.functions[-1] if self.functions else self.module
         if scope is None:
             return set()
         target, here = _code(obj), self.get_metadata(PositionProvider, node).start
         best: tuple[Any, set[str]] | None = None
         for n in _walk(scope):
-            if not (
-                isinstance(n, cst.If)
-                and isinstance(n.test, cst.Call)
-                and m.matches(n.test.func, m.Name("isinstance"))
-                and len(n.test.args) == 2
-                and _code(n.test.args[0].value) == target
-            ):
-                continue
-            span = self.get_metadata(PositionProvider, n.body)
-            if not (
-                (span.start.line, span.start.column) <= (here.line, here.column) <= (span.end.line, span.end.column)
-            ):
-                continue
-            kinds: set[str] = set()
-            for x in _walk(n.test.args[1].value):
-                quals = self.get_metadata(QualifiedNameProvider, x, set())
-                if _resolve(quals) == (FSDP, ""):
-                    kinds.add("fsdp1")
-                if any(q.name.endswith(".DistributedDataParallel") for q in quals):
-                    kinds.add("ddp")
-            if best is None or (span.start.line, span.start.column) > best[0]:
-                best = ((span.start.line, span.start.column), kinds)
+            guarded: list[tuple[cst.BaseExpression, cst.CSTNode]] = []
+            if isinstance(n, cst.If):
+                guarded.append((n.test, n.body))
+            elif isinstance(n, cst.IfExp):
+                guarded.append((n.test, n.body))
+            elif isinstance(n, cst.BooleanOperation) and isinstance(n.operator, cst.And):
+                guarded.append((n.left, n.right))
+            for test, body in guarded:
+                span = self.get_metadata(PositionProvider, body)
+                start, end = (span.start.line, span.start.column), (span.end.line, span.end.column)
+                if not start <= (here.line, here.column) <= end:
+                    continue
+                kinds = self._test_kinds(test, target)
+                if kinds and (best is None or start > best[0]):
+                    best = (start, kinds)
         return best[1] if best is not None else set()
 
-    def _wrapper_kinds(self, obj: cst.BaseExpression, *, by_calls: bool = True) -> set[str]:
-        """What the enclosing function (for ``self.x``: the enclosing class) shows ``obj`` to be: "fsdp1" when
-        it is assigned ``FSDP(...)``, tested or annotated as FSDP1's class, or has FSDP1's ``clip_grad_norm_``
-        called on it; "ddp" when it is assigned ``DistributedDataParallel(...)`` or tested as one."""
+    def _fsdp1_wrapper(self, node: cst.CSTNode, obj: cst.BaseExpression, *, by_calls: bool = True) -> str:
+        """Whether ``obj`` at ``node`` is FSDP1's wrapper: "fsdp1", "ambiguous" (DDP's too), or "" (not shown).
+
+        A guard around ``node`` decides (``if isinstance(obj, FSDP):``, ``is_fsdp(obj) and ...``); else the
+        function (for ``self.x``: the class) shows it: assigned ``FSDP(...)``/``wrap(...)`` above ``node``,
+        ``assert isinstance(obj, FSDP)``, an ``obj: FSDP`` annotation, or FSDP1's ``clip_grad_norm_``
+        called on it (DDP has none). DistributedDataParallel assigned or tested there makes it ambiguous."""
+        branch = self._isinstance_branch(node, obj)
+        if branch:
+            return "" if branch == {"ddp"} else ("fsdp1" if branch == {"fsdp1"} else "ambiguous")
+        kinds = self._wrapper_kinds(obj, by_calls=by_calls, before=node)
+        if "fsdp1" not in kinds:
+            return ""
+        return "ambiguous" if "ddp" in kinds else "fsdp1"
+
+    def _wrapper_kinds(
+        self, obj: cst.BaseExpression, *, by_calls: bool = True, before: cst.CSTNode | None = None
+    ) -> set[str]:
+        """See :meth:`_fsdp1_wrapper` (the evidence outside guards)."""
         target = _code(obj)
         scope: cst.CSTNode | None = self.functions[-1] if self.functions else self.module
         if target.startswith("self.") and self.classes:
             scope = self.classes[-1]
         if scope is None:
             return set()
-        key = (id(scope), target + ("" if by_calls else " (no calls)"))
+        limit = None
+        if before is not None and isinstance(scope, cst.FunctionDef):
+            # An assignment counts only above ``before``: ``model.load_state_dict(sd)`` then
+            # ``model = FSDP(model)`` loads into the plain module.
+            limit = self.get_metadata(PositionProvider, before).start
+        key = (id(scope), f"{target} {by_calls} {(limit.line, limit.column) if limit else ''}")
         if key in self.wrapper_kinds:
             return self.wrapper_kinds[key]
 
@@ -983,18 +1024,15 @@ class _Scanner(cst.CSTVisitor):
         for n in _walk(scope):
             if isinstance(n, cst.Assign) and isinstance(n.value, cst.Call):
                 if any(_code(t.target) == target for t in n.targets):
-                    kinds |= kind(n.value.func)
+                    at = self.get_metadata(PositionProvider, n).start
+                    if limit is None or (at.line, at.column) < (limit.line, limit.column):
+                        kinds |= kind(n.value.func)
+            elif isinstance(n, cst.Assert):
+                kinds |= self._test_kinds(n.test, target)
             elif isinstance(n, cst.Call):
                 f = n.func
                 if m.matches(f, m.Name("isinstance")) and len(n.args) == 2 and _code(n.args[0].value) == target:
-                    kinds |= kind(n.args[1].value)
-                elif (
-                    isinstance(f, cst.Name)
-                    and f.value in self._fsdp1_predicates()
-                    and n.args
-                    and _code(n.args[0].value) == target
-                ):
-                    kinds.add("fsdp1")  # a helper of this file that only returns isinstance(x, FSDP)
+                    kinds |= kind(n.args[1].value) & {"ddp"}  # an FSDP test decides only inside its guard
                 elif (
                     by_calls
                     and isinstance(f, cst.Attribute)
@@ -1092,7 +1130,7 @@ class _Scanner(cst.CSTVisitor):
             and id(node) not in self.called
             and id(node) not in self.consumed_nodes
             and self._qn(node) is None
-            and "fsdp1" in self._wrapper_kinds(node.value)
+            and self._fsdp1_wrapper(node, node.value) != ""
         ):
             self._record(
                 node,
@@ -1107,19 +1145,16 @@ class _Scanner(cst.CSTVisitor):
             and self.uses_fsdp1
             and not self.assign_target_depth
             and id(node) not in self.called
-            and "fsdp1" in (kinds := self._wrapper_kinds(node.value))
+            and (wrapper := self._fsdp1_wrapper(node, node.value)) != ""
         ):
             # FSDP1's wrapper holds the model as .module; FSDP2 does not wrap (the sharded model is the module).
             obj = _code(node.value)
-            branch = self._isinstance_branch(node, node.value)
-            if branch == {"ddp"}:
-                return True  # inside ``if isinstance(obj, DDP)``: DDP's .module
-            if "ddp" in kinds and branch != {"fsdp1"}:
+            if wrapper == "ambiguous":
                 self._record(
                     node,
                     f"{_code(node)} (the wrapped module)",
-                    f"not rewritten: {obj} is FSDP1's wrapper here and DistributedDataParallel's elsewhere in "
-                    f"this function; FSDP2 does not wrap, so on the FSDP path use {obj} itself (an FSDPModule) "
+                    f"not rewritten: {obj} may be FSDP1's wrapper or DistributedDataParallel's here; "
+                    f"FSDP2 does not wrap, so on the FSDP path use {obj} itself (an FSDPModule) "
                     "and keep .module for DDP",
                     False,
                 )
@@ -1787,6 +1822,60 @@ class _Scanner(cst.CSTVisitor):
                         True,
                     )
 
+    def _plan_plain_state_dict(self, node: cst.Call, func: cst.Attribute) -> bool:
+        """``model.state_dict()`` / ``model.load_state_dict(sd[, strict])`` outside a state_dict_type block, on
+        an object the function shows to be FSDP1's wrapper: FSDP1's default type is FULL_STATE_DICT, so these
+        are full state dicts on every rank; on FSDP2 they would be sharded DTensors (a torch.save on rank 0
+        would keep rank 0's shards only, and loading plain tensors into DTensors fails)."""
+        obj = func.value
+        if self._fsdp1_wrapper(node, obj) != "fsdp1":
+            return False
+        target, method = _code(obj), func.attr.value
+        args = list(node.args)
+        if method == "state_dict":
+            if args:
+                return False  # destination/prefix/keep_vars: nn.Module's own signature, left alone
+            construct = f"{_short(target, 40)}.state_dict()"
+        else:
+            positional = [a for a in args if a.keyword is None]
+            keywords = {a.keyword.value: a for a in args if a.keyword is not None}
+            if not 1 <= len(positional) <= 2 or set(keywords) - {"strict"} or (len(positional) == 2 and keywords):
+                return False
+            construct = f"{_short(target, 40)}.load_state_dict(...)"
+        if (where := self.dispatch.sets_state_dict_type) is not None:
+            self._record(
+                node,
+                construct,
+                f"not rewritten: {where} calls FSDP.set_state_dict_type, so this state dict's type is set at run "
+                "time; FSDP2 has no such setting: use get_model_state_dict / set_model_state_dict(model, sd) with "
+                "options=StateDictOptions(full_state_dict=True) for a full state dict, no options for a sharded one",
+                False,
+            )
+            return True
+        if method == "state_dict":
+            code = f"get_model_state_dict({target}, options={self._options(True)})"
+            self.needs_state_dict_api.add("get_model_state_dict")
+        else:
+            strict = (
+                keywords["strict"].value
+                if "strict" in keywords
+                else (positional[1].value if len(positional) == 2 else None)
+            )
+            options = self._options(True)
+            if strict is not None:
+                options = options[:-1] + f", strict={_code(strict)})"
+            code = f"set_model_state_dict({target}, {_code(positional[0].value)}, options={options})"
+            self.needs_state_dict_api.add("set_model_state_dict")
+        self.call_rewrites[id(node)] = code
+        self._record(
+            node,
+            construct,
+            f"{_short(code, 90)}: outside a state_dict_type block FSDP1 gives and takes full state dicts (its "
+            "default FULL_STATE_DICT), every rank; FSDP2's own would be sharded DTensors",
+            True,
+        )
+        return True
+
     def _options(self, full: bool, *, cpu_offload: bool = False, broadcast: bool = False, offload: bool = False) -> str:
         self.needs_state_dict_api.add("StateDictOptions")
         if not full:
@@ -2427,7 +2516,12 @@ def migrate_source(code: str, path: str = "<string>", *, dispatch: _Dispatch | N
         known.merge(dispatch)
     if "FSDPModule" in code:
         known.merge(_find_dispatch(wrapper))
-    known.merge(_Dispatch(own_methods=_find_own_methods(code, path)))
+    known.merge(
+        _Dispatch(
+            own_methods=_find_own_methods(code, path),
+            sets_state_dict_type=path if "set_state_dict_type" in code else None,
+        )
+    )
     scan = _Scanner(path, code, single, collector.uses, known)
     wrapper.visit(scan)  # plan: FSDP(...) conversions and checkpoint blocks
     scan.planning = False
@@ -2494,7 +2588,12 @@ def migrate_paths(paths: Sequence[str | Path], *, fix: bool = False) -> tuple[Co
             code = f.read_text(encoding="utf-8")
             if "FSDPModule" in code:
                 dispatch.merge(_find_dispatch(MetadataWrapper(cst.parse_module(code))))
-            dispatch.merge(_Dispatch(own_methods=_find_own_methods(code, str(f))))
+            dispatch.merge(
+                _Dispatch(
+                    own_methods=_find_own_methods(code, str(f)),
+                    sets_state_dict_type=str(f) if "set_state_dict_type" in code else None,
+                )
+            )
         except Exception:  # unreadable or unparsable: reported by the loop below
             continue
     for f in files:
