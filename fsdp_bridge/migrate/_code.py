@@ -1022,11 +1022,33 @@ class _Scanner(cst.CSTVisitor):
 
         kinds: set[str] = set()
         for n in _walk(scope):
-            if isinstance(n, cst.Assign) and isinstance(n.value, cst.Call):
+            if limit is not None and isinstance(n, (cst.IndentedBlock, cst.Module)):
+                # Assigned in a statement that ends above ``before``, in a block that holds it: not in a sibling
+                # branch (``if fsdp1: m = FSDP(m)`` then ``elif fsdp2: m.state_dict()`` is the plain module).
+                span = self.get_metadata(PositionProvider, n)
+                if (
+                    not (span.start.line, span.start.column)
+                    <= (limit.line, limit.column)
+                    <= (
+                        span.end.line,
+                        span.end.column,
+                    )
+                ):
+                    continue
+                for stmt in n.body:  # statements that end before it (an if/else above: either branch's value)
+                    end = self.get_metadata(PositionProvider, stmt).end
+                    if (end.line, end.column) > (limit.line, limit.column):
+                        continue
+                    for small in _walk(stmt):
+                        if (
+                            isinstance(small, cst.Assign)
+                            and isinstance(small.value, cst.Call)
+                            and any(_code(t.target) == target for t in small.targets)
+                        ):
+                            kinds |= kind(small.value.func)
+            elif limit is None and isinstance(n, cst.Assign) and isinstance(n.value, cst.Call):
                 if any(_code(t.target) == target for t in n.targets):
-                    at = self.get_metadata(PositionProvider, n).start
-                    if limit is None or (at.line, at.column) < (limit.line, limit.column):
-                        kinds |= kind(n.value.func)
+                    kinds |= kind(n.value.func)
             elif isinstance(n, cst.Assert):
                 kinds |= self._test_kinds(n.test, target)
             elif isinstance(n, cst.Call):
