@@ -363,7 +363,7 @@ def _find_own_methods(code: str, path: str) -> dict[str, str]:
             found.setdefault(name, path)  # no line: a rewrite above it would move it (--fix must be idempotent)
 
         def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
-            if node.name.value in _OWN_METHOD_NAMES and self.scopes and self.scopes[-1] == "class":
+            if node.name.value in _OWN_METHOD_NAMES and self.scopes and self.scopes[-1] == "class" and not _stub(node):
                 self._add(node.name.value, node)  # a method (a nested function counts once set as an attribute)
             self.scopes.append("def")
 
@@ -1039,6 +1039,13 @@ class _Scanner(cst.CSTVisitor):
                     end = self.get_metadata(PositionProvider, stmt).end
                     if (end.line, end.column) > (limit.line, limit.column):
                         continue
+                    if (
+                        isinstance(stmt, cst.If)
+                        and isinstance(stmt.test, cst.UnaryOperation)
+                        and isinstance(stmt.test.operator, cst.Not)
+                        and _exits(stmt.body)
+                    ):
+                        kinds |= self._test_kinds(stmt.test.expression, target)  # ``if not isinstance(x, FSDP): raise``
                     for small in _walk(stmt):
                         if (
                             isinstance(small, cst.Assign)
@@ -1864,6 +1871,17 @@ class _Scanner(cst.CSTVisitor):
             if not 1 <= len(positional) <= 2 or set(keywords) - {"strict"} or (len(positional) == 2 and keywords):
                 return False
             construct = f"{_short(target, 40)}.load_state_dict(...)"
+        if (ctx := self._runtime_state_context()) is not None:
+            self._record(
+                node,
+                construct,
+                f"not rewritten: it runs inside `with {_short(ctx)}:`, a context made elsewhere that may set "
+                "FSDP1's state-dict type; FSDP2 has no such setting: use get_model_state_dict / "
+                "set_model_state_dict(model, sd) with options=StateDictOptions(full_state_dict=True) for a full "
+                "state dict, no options for a sharded one",
+                False,
+            )
+            return True
         if (where := self.dispatch.sets_state_dict_type) is not None:
             self._record(
                 node,
@@ -2237,6 +2255,19 @@ def _assign_value(stmt: cst.CSTNode) -> cst.BaseExpression | None:
     if isinstance(stmt, cst.SimpleStatementLine) and len(stmt.body) == 1 and isinstance(stmt.body[0], cst.Assign):
         return stmt.body[0].value
     return None
+
+
+def _stub(fn: cst.FunctionDef) -> bool:
+    """A declaration only (a Protocol or abstract method): its body is a docstring, ``...``, ``pass``
+    or ``raise NotImplementedError``."""
+    body = fn.body.body if isinstance(fn.body, cst.IndentedBlock) else [fn.body]
+    smalls = [x for stmt in body for x in getattr(stmt, "body", [])]
+    return all(
+        (isinstance(x, cst.Expr) and isinstance(x.value, (cst.Ellipsis, cst.SimpleString, cst.ConcatenatedString)))
+        or isinstance(x, cst.Pass)
+        or (isinstance(x, cst.Raise) and "NotImplementedError" in _code(x))
+        for x in smalls
+    )
 
 
 def _exits(body: cst.BaseSuite) -> bool:
