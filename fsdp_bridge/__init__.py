@@ -21,7 +21,11 @@ from fsdp_bridge._version import __version__
 
 if TYPE_CHECKING:
     from fsdp_bridge.api import Bridge, clip_grad_norm_, get_bridge, no_sync, shard, summon_full_params
-    from fsdp_bridge.backends.fsdp1_objects import optim_state_dict_to_load, state_dict_options
+    from fsdp_bridge.backends.fsdp1_objects import (
+        load_sharded_optimizer_state_dict,
+        optim_state_dict_to_load,
+        state_dict_options,
+    )
     from fsdp_bridge.checkpoint import (
         latest_checkpoint,
         load_checkpoint,
@@ -59,6 +63,7 @@ _EXPORTS: dict[str, str] = {
     "load_checkpoint": "fsdp_bridge.checkpoint",
     "load_config": "fsdp_bridge.config",
     "load_pretrained": "fsdp_bridge.checkpoint",
+    "load_sharded_optimizer_state_dict": "fsdp_bridge.backends.fsdp1_objects",
     "module_names": "fsdp_bridge.wrap",
     "no_sync": "fsdp_bridge.api",
     "optim_state_dict_to_load": "fsdp_bridge.backends.fsdp1_objects",
@@ -92,6 +97,7 @@ __all__ = [
     "load_checkpoint",
     "load_config",
     "load_pretrained",
+    "load_sharded_optimizer_state_dict",
     "module_names",
     "no_sync",
     "optim_state_dict_to_load",

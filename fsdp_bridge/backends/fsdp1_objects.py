@@ -16,6 +16,7 @@ policy (``_or_policy`` combinations, a policy function of the user's own) is run
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -36,6 +37,7 @@ __all__ = [
     "FSDP1_KWARGS",
     "describe_policy",
     "fsdp1_policy_units",
+    "load_sharded_optimizer_state_dict",
     "optim_state_dict_to_load",
     "state_dict_options",
     "translate_fsdp1_kwargs",
@@ -433,10 +435,93 @@ def optim_state_dict_to_load(
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-    set_optimizer_state_dict(
-        model,
-        optim,
-        dict(optim_state_dict),
-        options=options if options is not None else StateDictOptions(full_state_dict=True),
-    )
+    if options is None:
+        # FSDP1 takes full or sharded values whatever the state-dict type (it gathers sharded ones):
+        # DTensor values (load_sharded_optimizer_state_dict's on FSDP2) are loaded as sharded state.
+        options = StateDictOptions(full_state_dict=not _holds_dtensor(optim_state_dict))
+    set_optimizer_state_dict(model, optim, dict(optim_state_dict), options=options)
     return optim.state_dict()
+
+
+def _holds_dtensor(state: object) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(state, DTensor):
+        return True
+    if isinstance(state, Mapping):
+        return any(_holds_dtensor(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return any(_holds_dtensor(v) for v in state)
+    return False
+
+
+def load_sharded_optimizer_state_dict(
+    model_state_dict: Mapping[str, Any], optimizer_key: str, storage_reader: Any, planner: Any = None
+) -> dict[str, Any]:
+    """torch's ``load_sharded_optimizer_state_dict`` for models sharded by FSDP1 or FSDP2.
+
+    ``migrate code --fix`` writes this in place of
+    ``torch.distributed.checkpoint.optimizer.load_sharded_optimizer_state_dict``, same arguments.
+    torch's function builds FSDP1 ``ShardedTensor`` templates; when ``model_state_dict`` holds
+    FSDP2's DTensors, each optimizer-state tensor of a parameter is read into a DTensor laid out like
+    that parameter (so each rank reads only its shard), other tensors (``step``) whole, and
+    non-tensor entries (``param_groups``) as saved. A checkpoint written by FSDP1 or by FSDP2 loads
+    either way. Pass the result's ``[optimizer_key]`` to :func:`optim_state_dict_to_load` (or
+    ``set_optimizer_state_dict``).
+
+    Args:
+        model_state_dict: the sharded model's state dict (``model.state_dict()`` or
+            ``get_model_state_dict(model)``).
+        optimizer_key: the key the optimizer state was saved under.
+        storage_reader: a ``torch.distributed.checkpoint`` storage reader (``FileSystemReader(path)``).
+        planner: a load planner (torch's default when None).
+
+    Returns:
+        ``{optimizer_key: optimizer state dict}``, keyed by parameter names as FSDP1 saved it.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+    from torch.distributed.tensor import DTensor
+
+    if not any(isinstance(v, DTensor) for v in model_state_dict.values()):
+        from torch.distributed.checkpoint.optimizer import load_sharded_optimizer_state_dict as fsdp1_load
+
+        return fsdp1_load(dict(model_state_dict), optimizer_key, storage_reader, planner)
+    metadata = storage_reader.read_metadata()
+    state: dict[str, Any] = {}
+    for key, value in metadata.state_dict_metadata.items():
+        path = metadata.planner_data[key]
+        if path[0] != optimizer_key:
+            continue
+        if isinstance(value, BytesStorageMetadata):
+            _set_path(state, path, "<bytes>")  # replaced by the saved object
+            continue
+        param = model_state_dict.get(str(path[2])) if len(path) == 4 and path[1] == "state" else None
+        dtype = value.properties.dtype
+        if isinstance(param, DTensor) and tuple(param.shape) == tuple(value.size):
+            local = torch.empty(param.to_local().shape, dtype=dtype, device=param.to_local().device)
+            template: object = DTensor.from_local(
+                local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+            )
+        else:
+            template = torch.empty(tuple(value.size), dtype=dtype)
+        _set_path(state, path, template)
+    dcp.load(state, storage_reader=storage_reader, planner=planner)
+    return state
+
+
+def _set_path(root: dict[str, Any], path: tuple[Any, ...], value: object) -> None:
+    """Put ``value`` at DCP's flattening path ``path`` (an int is a list index, as DCP flattens lists)."""
+    node: Any = root
+    for part, following in itertools.pairwise(path):
+        empty: Any = [] if isinstance(following, int) else {}
+        if isinstance(node, list):
+            node.extend([None] * (part + 1 - len(node)))
+            if node[part] is None:
+                node[part] = empty
+            node = node[part]
+        else:
+            node = node.setdefault(part, empty)
+    if isinstance(node, list):
+        node.extend([None] * (path[-1] + 1 - len(node)))
+    node[path[-1]] = value

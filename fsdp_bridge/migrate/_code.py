@@ -59,10 +59,12 @@ def _fsdp2(option: str) -> str:
 _NAMES: dict[str, str] = {
     "FlatParamHandle": "no FSDP2 form (FSDP2 keeps each parameter as its own DTensor): use the module's "
     "parameters and FSDPModule.unshard()/reshard()",
-    "load_sharded_optimizer_state_dict": "get_optimizer_state_dict(model, optimizer) as the template, dcp.load "
-    "into it, then set_optimizer_state_dict(model, optimizer, osd) "
-    "(no FSDP1 flattening step)",
+    "load_sharded_optimizer_state_dict": "fsdp_bridge.load_sharded_optimizer_state_dict, the same arguments: on "
+    "FSDP2 each optimizer-state tensor is read into a DTensor laid out like its parameter (torch's builds FSDP1 "
+    "ShardedTensors); pass the result's [optimizer_key] to fsdp_bridge.optim_state_dict_to_load or "
+    "set_optimizer_state_dict",
     "_or_policy": "BridgeConfig.from_fsdp1(auto_wrap_policy=...) (FSDP1's recursion, exactly)",
+    "_module_wrap_policy": "BridgeConfig(wrap=[LayerClass, ...])",
     "enable_wrap": "not rewritten: FSDP1's manual wrapping (enable_wrap + wrap(module)); on FSDP2 build the model "
     "unwrapped and shard it once: fsdp_bridge.shard(model, BridgeConfig(wrap=[<classes of the "
     "modules passed to wrap()>], ...)), with enable_wrap's keyword arguments moved into the config "
@@ -154,6 +156,25 @@ def _fsdp1_private(qnames: Iterable[Any]) -> str | None:
     return None
 
 
+_WRAPPER_ATTRS: dict[str, str] = {
+    "sharding_strategy": "the strategy it was sharded with is fsdp_bridge.get_bridge(model).config.strategy "
+    "(fsdp_bridge.ShardingStrategy, same member names) on the model given to fsdp_bridge.shard, or your own setting",
+    "mixed_precision": "the setting is fsdp_bridge.get_bridge(model).config.mixed_precision on the model given to "
+    "fsdp_bridge.shard, or your own MixedPrecision object",
+    "cpu_offload": "the setting is fsdp_bridge.get_bridge(model).config.cpu_offload on the model given to "
+    "fsdp_bridge.shard, or your own setting",
+    "backward_prefetch": "the setting is fsdp_bridge.get_bridge(model).config.backward_prefetch, or your own setting",
+    "forward_prefetch": "the setting is fsdp_bridge.get_bridge(model).config.forward_prefetch, or your own setting",
+    "limit_all_gathers": "FSDP2 needs no all-gather rate limiter; use your own setting if the value is logged",
+    "process_group": "the data-parallel group is fsdp_bridge.get_bridge(model).mesh.get_group() (a 1D mesh; on a "
+    "2D mesh pass the dimension's name)",
+    "compute_device": "the device is fsdp_bridge.get_bridge(model).device",
+    "rank": "use torch.distributed.get_rank() (or the mesh's get_local_rank())",
+    "world_size": "use torch.distributed.get_world_size() (or fsdp_bridge.get_bridge(model).mesh.size())",
+    "training_state": "FSDP1's private state machine has no FSDP2 form; track the phase in your own code",
+}
+"""FSDP1 wrapper attributes read on a wrapped model; FSDPModule has none of them."""
+
 _NAME_HELPERS = ("clean_tensor_name", "FSDP_WRAPPED_MODULE", "FSDP_PREFIX")
 """Private FSDP1 names that only spell or strip FSDP1's parameter-name prefixes: they still work, and
 change nothing on FSDP2 names (which have no wrapper prefix)."""
@@ -166,6 +187,14 @@ def _private_text(name: str) -> str:
         return (
             f"FSDP1's private {last} (flat-parameter handles) has no FSDP2 form: on an FSDP2 module call "
             f"module.{public} (FSDPModule), which frees or gathers that unit's parameters"
+        )
+    if last == "_init_intra_and_inter_node_groups":
+        return (
+            "FSDP1's private helper for HYBRID_SHARD's (intra-node, inter-node) group pair, the groups FSDP1 "
+            "builds by itself when process_group is None: drop it and the process_group= argument; "
+            "fsdp_bridge.shard with HYBRID_SHARD builds the same 2D (replicate across nodes, shard within a "
+            "node) mesh (hybrid_shape for another split), and the intra-node group is "
+            "fsdp_bridge.get_bridge(model).mesh.get_group(1)"
         )
     if last == "_unshard_params_for_summon":
         return (
@@ -198,6 +227,7 @@ _KEPT: dict[str, str] = {
     "ModuleWrapPolicy": "torch's FSDP1 wrap policy",
     "CustomPolicy": "torch's FSDP1 wrap policy",
     "_or_policy": "torch's FSDP1 wrap-policy combinator",
+    "_module_wrap_policy": "torch's FSDP1 wrap policy (the function behind ModuleWrapPolicy)",
     "FullStateDictConfig": "torch's FSDP1 state-dict config",
     "ShardedStateDictConfig": "torch's FSDP1 state-dict config",
     "FullOptimStateDictConfig": "torch's FSDP1 state-dict config",
@@ -292,10 +322,60 @@ class _Dispatch:
 
     versions: dict[str, tuple[int, int]] = field(default_factory=dict)
     fsdp2_tests: set[str] = field(default_factory=set)
+    own_methods: dict[str, str] = field(default_factory=dict)  # "clip_grad_norm_" -> the file defining the tree's own
+    sets_state_dict_type: str | None = None  # a file of the tree that calls FSDP.set_state_dict_type
 
     def merge(self, other: _Dispatch) -> None:
         self.versions.update(other.versions)
         self.fsdp2_tests |= other.fsdp2_tests
+        self.sets_state_dict_type = self.sets_state_dict_type or other.sets_state_dict_type
+        for name, where in other.own_methods.items():
+            self.own_methods.setdefault(name, where)
+
+
+_OWN_METHOD_NAMES = ("clip_grad_norm_", "no_sync")
+
+
+def _find_own_methods(code: str, path: str) -> dict[str, str]:
+    """``clip_grad_norm_`` / ``no_sync`` the tree defines itself: a method of a class that does not
+    subclass FSDP1's wrapper, or a function set as an attribute (``self.clip_grad_norm_ = fn``).
+    A call ``x.clip_grad_norm_(...)`` elsewhere may then be that one, not FSDP1's."""
+    if not any(f"def {n}" in code or f".{n} =" in code for n in _OWN_METHOD_NAMES):
+        return {}
+    found: dict[str, str] = {}
+    wrapper = MetadataWrapper(cst.parse_module(code))
+
+    class V(cst.CSTVisitor):
+        METADATA_DEPENDENCIES = (PositionProvider, QualifiedNameProvider)
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.scopes: list[str] = []  # "class", "fsdp1 class" (subclasses FSDP1's wrapper) or "def"
+
+        def visit_ClassDef(self, node: cst.ClassDef) -> None:
+            bases = [_resolve(self.get_metadata(QualifiedNameProvider, b.value, set())) for b in node.bases]
+            self.scopes.append("fsdp1 class" if (FSDP, "") in bases else "class")
+
+        def leave_ClassDef(self, original_node: cst.ClassDef) -> None:
+            self.scopes.pop()
+
+        def _add(self, name: str, node: cst.CSTNode) -> None:
+            found.setdefault(name, path)  # no line: a rewrite above it would move it (--fix must be idempotent)
+
+        def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
+            if node.name.value in _OWN_METHOD_NAMES and self.scopes and self.scopes[-1] == "class" and not _stub(node):
+                self._add(node.name.value, node)  # a method (a nested function counts once set as an attribute)
+            self.scopes.append("def")
+
+        def leave_FunctionDef(self, original_node: cst.FunctionDef) -> None:
+            self.scopes.pop()
+
+        def visit_AssignTarget(self, node: cst.AssignTarget) -> None:
+            if isinstance(node.target, cst.Attribute) and node.target.attr.value in _OWN_METHOD_NAMES:
+                self._add(node.target.attr.value, node)
+
+    wrapper.visit(V())
+    return found
 
 
 def _is_fsdp2_class(qnames: Iterable[Any]) -> bool:
@@ -443,6 +523,9 @@ class _Scanner(cst.CSTVisitor):
         self.functions: list[cst.FunctionDef] = []  # enclosing function definitions
         self.module: cst.Module | None = None
         self.ddp_tests: dict[int, set[str]] = {}  # id(function or module) -> objects tested as DDP there
+        self.wrapper_kinds: dict[tuple[int, str], set[str]] = {}  # (id(scope), object) -> {"fsdp1", "ddp"}
+        self.classes: list[cst.ClassDef] = []  # enclosing class definitions
+        self.predicates: set[str] | None = None  # see _fsdp1_predicates
         self.class_bases: set[int] = set()  # id(base expression) of every class definition
         self.partials: set[int] = set()  # id(functools.partial(FSDP, ...)) planned (rewritten or TODO)
         self.annotation_depth = 0
@@ -750,12 +833,35 @@ class _Scanner(cst.CSTVisitor):
             )
             self._consume(node.func)
             return False if ok else None
+        if (
+            isinstance(func, cst.Attribute)
+            and func.attr.value in ("state_dict", "load_state_dict")
+            and hit is None
+            and self._plan_plain_state_dict(node, func)
+        ):
+            return False
         if isinstance(func, cst.Attribute) and func.attr.value in ("no_sync", "clip_grad_norm_") and hit is None:
             qn = {q.name for q in self.get_metadata(QualifiedNameProvider, func, set())}
             if any(q.startswith(("torch.nn", "fsdp_bridge")) for q in qn) or _code(func.value) == "fsdp_bridge":
                 return None  # torch.nn.utils.clip_grad_norm_ works on FSDP2; fsdp_bridge's are the rewrites
             if self._ddp_tested(func.value):
                 return None  # DDP's no_sync (the code tells DDP apart), not FSDP1's
+            name = func.attr.value
+            if (where := self.dispatch.own_methods.get(name)) is not None and self._fsdp1_wrapper(
+                node, func.value, by_calls=False
+            ) != "fsdp1":
+                if _code(func.value) == "self" and self.classes:
+                    return None  # the class's own method
+                recv = _code(func.value)
+                self._record(
+                    node,
+                    f"{_short(recv, 40)}.{name}(...)",
+                    f"not rewritten: this tree defines its own {name} (in {where}), so this call may be that one; "
+                    f"if {_short(recv, 40)} is the FSDP1-wrapped model, write fsdp_bridge.{name}({_short(recv, 40)}"
+                    f"{', ...' if node.args else ''}) (FSDP2 modules have no {name}); if it is your own, keep it",
+                    False,
+                )
+                return None
             if func.attr.value == "no_sync" and not node.args:
                 self.fixable_calls[id(node)] = "method"
                 self._record(node, f"{_code(func.value)}.no_sync()", _NAMES["no_sync"], True)
@@ -796,8 +902,178 @@ class _Scanner(cst.CSTVisitor):
         return _code(obj) in self.ddp_tests[id(scope)]
 
     def visit_ClassDef(self, node: cst.ClassDef) -> None:
+        self.classes.append(node)
         if self.planning:
             self.class_bases.update(id(b.value) for b in node.bases)
+
+    def leave_ClassDef(self, original_node: cst.ClassDef) -> None:
+        self.classes.pop()
+
+    def _fsdp1_predicates(self) -> set[str]:
+        """Functions of this file whose every ``return`` is ``isinstance(<first parameter>, FSDP)``."""
+        if self.predicates is None:
+            self.predicates = set()
+            for n in _walk(self.module) if self.module is not None else ():
+                if not (isinstance(n, cst.FunctionDef) and n.params.params):
+                    continue
+                first = n.params.params[0].name.value
+                returns = [r for r in _walk(n.body) if isinstance(r, cst.Return)]
+                if returns and all(
+                    isinstance(r.value, cst.Call)
+                    and m.matches(r.value.func, m.Name("isinstance"))
+                    and len(r.value.args) == 2
+                    and m.matches(r.value.args[0].value, m.Name(first))
+                    and _resolve(self.get_metadata(QualifiedNameProvider, r.value.args[1].value, set())) == (FSDP, "")
+                    for r in returns
+                ):
+                    self.predicates.add(n.name.value)
+        return self.predicates
+
+    def _test_kinds(self, test: cst.BaseExpression, target: str) -> set[str]:
+        """Wrapper kinds that ``test`` checks ``target`` for: ``isinstance(target, FSDP | DDP)`` (in ``or``/``and``
+        combinations too) or a helper of this file that returns ``isinstance(x, FSDP)``."""
+        kinds: set[str] = set()
+        for n in _walk(test):
+            if not isinstance(n, cst.Call) or not n.args or _code(n.args[0].value) != target:
+                continue
+            if m.matches(n.func, m.Name("isinstance")) and len(n.args) == 2:
+                for x in _walk(n.args[1].value):
+                    quals = self.get_metadata(QualifiedNameProvider, x, set())
+                    if _resolve(quals) == (FSDP, ""):
+                        kinds.add("fsdp1")
+                    if any(q.name.endswith(".DistributedDataParallel") for q in quals):
+                        kinds.add("ddp")
+            elif isinstance(n.func, cst.Name) and n.func.value in self._fsdp1_predicates():
+                kinds.add("fsdp1")
+        return kinds
+
+    def _isinstance_branch(self, node: cst.CSTNode, obj: cst.BaseExpression) -> set[str]:
+        """The wrapper kinds tested for ``obj`` by the innermost guard holding ``node``: the body of an
+        ``if``/``elif`` or of a conditional expression, or what follows an ``and``."""
+        scope: cst.CSTNode | None = self.functions[-1] if self.functions else self.module
+        if scope is None:
+            return set()
+        target, here = _code(obj), self.get_metadata(PositionProvider, node).start
+        best: tuple[Any, set[str]] | None = None
+        for n in _walk(scope):
+            guarded: list[tuple[cst.BaseExpression, cst.CSTNode]] = []
+            if isinstance(n, cst.If):
+                guarded.append((n.test, n.body))
+            elif isinstance(n, cst.IfExp):
+                guarded.append((n.test, n.body))
+            elif isinstance(n, cst.BooleanOperation) and isinstance(n.operator, cst.And):
+                guarded.append((n.left, n.right))
+            for test, body in guarded:
+                span = self.get_metadata(PositionProvider, body)
+                start, end = (span.start.line, span.start.column), (span.end.line, span.end.column)
+                if not start <= (here.line, here.column) <= end:
+                    continue
+                kinds = self._test_kinds(test, target)
+                if kinds and (best is None or start > best[0]):
+                    best = (start, kinds)
+        return best[1] if best is not None else set()
+
+    def _fsdp1_wrapper(self, node: cst.CSTNode, obj: cst.BaseExpression, *, by_calls: bool = True) -> str:
+        """Whether ``obj`` at ``node`` is FSDP1's wrapper: "fsdp1", "ambiguous" (DDP's too), or "" (not shown).
+
+        A guard around ``node`` decides (``if isinstance(obj, FSDP):``, ``is_fsdp(obj) and ...``); else the
+        function (for ``self.x``: the class) shows it: assigned ``FSDP(...)``/``wrap(...)`` above ``node``,
+        ``assert isinstance(obj, FSDP)``, an ``obj: FSDP`` annotation, or FSDP1's ``clip_grad_norm_``
+        called on it (DDP has none). DistributedDataParallel assigned or tested there makes it ambiguous."""
+        branch = self._isinstance_branch(node, obj)
+        if branch:
+            return "" if branch == {"ddp"} else ("fsdp1" if branch == {"fsdp1"} else "ambiguous")
+        kinds = self._wrapper_kinds(obj, by_calls=by_calls, before=node)
+        if "fsdp1" not in kinds:
+            return ""
+        return "ambiguous" if "ddp" in kinds else "fsdp1"
+
+    def _wrapper_kinds(
+        self, obj: cst.BaseExpression, *, by_calls: bool = True, before: cst.CSTNode | None = None
+    ) -> set[str]:
+        """See :meth:`_fsdp1_wrapper` (the evidence outside guards)."""
+        target = _code(obj)
+        scope: cst.CSTNode | None = self.functions[-1] if self.functions else self.module
+        if target.startswith("self.") and self.classes:
+            scope = self.classes[-1]
+        if scope is None:
+            return set()
+        limit = None
+        if before is not None and isinstance(scope, cst.FunctionDef):
+            # An assignment counts only above ``before``: ``model.load_state_dict(sd)`` then
+            # ``model = FSDP(model)`` loads into the plain module.
+            limit = self.get_metadata(PositionProvider, before).start
+        key = (id(scope), f"{target} {by_calls} {(limit.line, limit.column) if limit else ''}")
+        if key in self.wrapper_kinds:
+            return self.wrapper_kinds[key]
+
+        def kind(expr: cst.BaseExpression) -> set[str]:
+            found = set()
+            for x in _walk(expr):
+                quals = self.get_metadata(QualifiedNameProvider, x, set())
+                if _resolve(quals) in ((FSDP, ""), ("wrap", "")):
+                    found.add("fsdp1")
+                if any(
+                    q.name.startswith("torch.nn.parallel.") and q.name.endswith(".DistributedDataParallel")
+                    for q in quals
+                ):
+                    found.add("ddp")
+            return found
+
+        kinds: set[str] = set()
+        for n in _walk(scope):
+            if limit is not None and isinstance(n, (cst.IndentedBlock, cst.Module)):
+                # Assigned in a statement that ends above ``before``, in a block that holds it: not in a sibling
+                # branch (``if fsdp1: m = FSDP(m)`` then ``elif fsdp2: m.state_dict()`` is the plain module).
+                span = self.get_metadata(PositionProvider, n)
+                if (
+                    not (span.start.line, span.start.column)
+                    <= (limit.line, limit.column)
+                    <= (
+                        span.end.line,
+                        span.end.column,
+                    )
+                ):
+                    continue
+                for stmt in n.body:  # statements that end before it (an if/else above: either branch's value)
+                    end = self.get_metadata(PositionProvider, stmt).end
+                    if (end.line, end.column) > (limit.line, limit.column):
+                        continue
+                    if (
+                        isinstance(stmt, cst.If)
+                        and isinstance(stmt.test, cst.UnaryOperation)
+                        and isinstance(stmt.test.operator, cst.Not)
+                        and _exits(stmt.body)
+                    ):
+                        kinds |= self._test_kinds(stmt.test.expression, target)  # ``if not isinstance(x, FSDP): raise``
+                    for small in _walk(stmt):
+                        if (
+                            isinstance(small, cst.Assign)
+                            and isinstance(small.value, cst.Call)
+                            and any(_code(t.target) == target for t in small.targets)
+                        ):
+                            kinds |= kind(small.value.func)
+            elif limit is None and isinstance(n, cst.Assign) and isinstance(n.value, cst.Call):
+                if any(_code(t.target) == target for t in n.targets):
+                    kinds |= kind(n.value.func)
+            elif isinstance(n, cst.Assert):
+                kinds |= self._test_kinds(n.test, target)
+            elif isinstance(n, cst.Call):
+                f = n.func
+                if m.matches(f, m.Name("isinstance")) and len(n.args) == 2 and _code(n.args[0].value) == target:
+                    kinds |= kind(n.args[1].value) & {"ddp"}  # an FSDP test decides only inside its guard
+                elif (
+                    by_calls
+                    and isinstance(f, cst.Attribute)
+                    and f.attr.value == "clip_grad_norm_"
+                    and _code(f.value) == target
+                    and "clip_grad_norm_" not in self.dispatch.own_methods
+                ):
+                    kinds.add("fsdp1")  # DDP has no clip_grad_norm_
+            elif isinstance(n, cst.Param) and n.name.value == target and n.annotation is not None:
+                kinds |= kind(n.annotation.annotation)
+        self.wrapper_kinds[key] = kinds
+        return kinds
 
     def visit_AssignTarget(self, node: cst.AssignTarget) -> None:
         self.assign_target_depth += 1
@@ -874,6 +1150,51 @@ class _Scanner(cst.CSTVisitor):
                 )
                 return True
             self._record(node, f"{_code(node)} (an FSDP1 internal)", _INTERNAL_ATTRS[node.attr.value], False)
+            return True
+        if (
+            isinstance(node, cst.Attribute)
+            and node.attr.value in _WRAPPER_ATTRS
+            and self.uses_fsdp1
+            and not self.assign_target_depth
+            and id(node) not in self.called
+            and id(node) not in self.consumed_nodes
+            and self._qn(node) is None
+            and self._fsdp1_wrapper(node, node.value) != ""
+        ):
+            self._record(
+                node,
+                f"{_code(node)} (an FSDP1 wrapper attribute)",
+                f"not rewritten: FSDPModule has no {node.attr.value}; {_WRAPPER_ATTRS[node.attr.value]}",
+                False,
+            )
+            return True
+        if (
+            isinstance(node, cst.Attribute)
+            and node.attr.value == "module"
+            and self.uses_fsdp1
+            and not self.assign_target_depth
+            and id(node) not in self.called
+            and (wrapper := self._fsdp1_wrapper(node, node.value)) != ""
+        ):
+            # FSDP1's wrapper holds the model as .module; FSDP2 does not wrap (the sharded model is the module).
+            obj = _code(node.value)
+            if wrapper == "ambiguous":
+                self._record(
+                    node,
+                    f"{_code(node)} (the wrapped module)",
+                    f"not rewritten: {obj} may be FSDP1's wrapper or DistributedDataParallel's here; "
+                    f"FSDP2 does not wrap, so on the FSDP path use {obj} itself (an FSDPModule) "
+                    "and keep .module for DDP",
+                    False,
+                )
+                return True
+            self.attr_drops.add(id(node))
+            self._record(
+                node,
+                f"{_code(node)} (the wrapped module)",
+                f"{obj}: FSDP2 does not wrap, the sharded model is the module itself (FSDPModule has no .module)",
+                True,
+            )
             return True
         if (
             isinstance(node, cst.Attribute)
@@ -975,6 +1296,17 @@ class _Scanner(cst.CSTVisitor):
                 True,
             )
             return False
+        if (
+            kind == "load_sharded_optimizer_state_dict"
+            and not member
+            and not self.assign_target_depth
+            and not self.annotation_depth
+        ):
+            # torch's function builds FSDP1 ShardedTensor templates; the bridge's takes the same arguments.
+            self.needs_imports.add(("fsdp_bridge", None))
+            self.expr_rewrites[id(node)] = "fsdp_bridge.load_sharded_optimizer_state_dict"
+            self._record(node, _code(node), _NAMES[kind], True)
+            return False
         if kind in _KEPT:
             reader = (
                 "fsdp_bridge.state_dict_options"
@@ -1021,7 +1353,7 @@ class _Scanner(cst.CSTVisitor):
                     continue
                 if kw == "backward_prefetch" and rewritten.get(kw) == '"pre"':
                     continue  # reported with its TODO above
-                self._runtime_kwarg_finding(a)
+                self._runtime_kwarg_finding(a, call.args)
             return
         text = _NAMES[FSDP] if fixable else "not rewritten: " + "; ".join(conv.blockers)
         self._record(call, f"{_code(call.func)}(...)", text, fixable)
@@ -1096,7 +1428,7 @@ class _Scanner(cst.CSTVisitor):
                 continue
             if a.keyword.value == "backward_prefetch" and prefetch.get("backward_prefetch") == '"pre"':
                 continue  # reported with its TODO by _plan_runtime
-            self._runtime_kwarg_finding(a)
+            self._runtime_kwarg_finding(a, rest)
         return True
 
     def _plan_runtime(self, call: cst.Call, static: _Conversion) -> list[tuple[str, str]] | None:
@@ -1121,6 +1453,15 @@ class _Scanner(cst.CSTVisitor):
                 static.blockers.append(
                     f"process_group={_code(a.value)}: FSDP2 shards over a DeviceMesh; build one "
                     "(init_device_mesh) and pass it as shard(..., mesh=...)"
+                )
+                return None
+            elif name == "process_group" and isinstance(self._follow(a.value, _Conversion()), cst.Tuple):
+                static.blockers.append(
+                    f"process_group={_short(_code(a.value), 40)}: HYBRID_SHARD's (intra-node, inter-node) group pair; "
+                    "FSDP2 shards over a 2D DeviceMesh: where the pair is FSDP1's default split (the ranks of one "
+                    "node shard, nodes replicate) drop it, fsdp_bridge builds that mesh for HYBRID_SHARD "
+                    "(hybrid_shape for another split); otherwise pass init_device_mesh(device, (replicate, shard)) "
+                    "as fsdp_bridge.shard(..., mesh=...)"
                 )
                 return None
             elif name == "process_group":
@@ -1182,10 +1523,26 @@ class _Scanner(cst.CSTVisitor):
             "(FSDP1's meaning, exactly; print fsdp_bridge.get_bridge(model).report for what each became)"
         )
 
-    def _runtime_kwarg_finding(self, a: cst.Arg) -> None:
+    def _runtime_kwarg_finding(self, a: cst.Arg, siblings: Sequence[cst.Arg] = ()) -> None:
         kw = a.keyword.value if a.keyword else ""
         pos = self.get_metadata(PositionProvider, a)
         value = _code(a.value)
+        sync = [_code(b.value) for b in siblings if b.keyword is not None and b.keyword.value == "sync_module_states"]
+        if kw == "param_init_fn" and value != "None" and (not sync or sync[0] == "False"):
+            # FSDP1 ran the function on every rank's meta-device modules (their own init, no broadcast); FSDP2
+            # initialises sharded DTensors with other random numbers, so the bridge refuses a meta-device model
+            # without sync_module_states (before any collective) rather than train from a different init.
+            self._record(
+                a,
+                f"{kw}={_short(value)}",
+                "without sync_module_states, FSDP1 ran it on each rank's meta-device modules and trained from "
+                "that init; FSDP2 cannot reproduce it (random init of sharded DTensors draws other numbers), so "
+                "fsdp_bridge.shard refuses a meta-device model here: build the model on a real device, or load or "
+                "initialise weights on rank 0 only and pass sync_module_states=True (the bridge materialises "
+                "the other ranks and broadcasts rank 0's weights); a real-device model shards as under FSDP1",
+                False,
+            )
+            return
         described = self._describe_value(kw, a.value)
         self.findings.append(
             CodeFinding(self.path, pos.start.line, pos.start.column, f"{kw}={_short(value)}", described, True)
@@ -1198,9 +1555,23 @@ class _Scanner(cst.CSTVisitor):
             member = self._member(value, "ShardingStrategy")
             if member in _STRATEGIES:
                 return f"{member}: {_fsdp2_case('strategy', _STRATEGIES[member])}"
+            target = _code(value)
+            assigned = sorted(
+                {
+                    member
+                    for n in (_walk(self.module) if self.module is not None else ())
+                    if isinstance(n, cst.Assign)
+                    and any(_code(t.target) == target for t in n.targets)
+                    and (member := self._member(n.value, "ShardingStrategy")) in _STRATEGIES
+                }
+            )
+            if assigned:  # the values this file gives it: say what each becomes
+                cases = "; ".join(f"{mm}: {_fsdp2_case('strategy', _STRATEGIES[mm])}" for mm in assigned)
+                return f"chosen at run time among {', '.join(assigned)} (assigned in this file); {cases}"
             return (
-                f"known at run time; each strategy keeps its meaning "
-                f"(HYBRID_* a (replicate, shard) mesh, NO_SHARD a (world, 1) mesh): {_fsdp2_any('strategy')}"
+                "known at run time; each strategy keeps its meaning (FULL_SHARD / SHARD_GRAD_OP a 1D mesh, "
+                "resharded after forward or not; HYBRID_* a (replicate, shard) mesh; NO_SHARD a (world, 1) mesh); "
+                "fsdp_bridge.get_bridge(model).report shows what it became"
             )
         if kw == "auto_wrap_policy":
             return (
@@ -1222,6 +1593,11 @@ class _Scanner(cst.CSTVisitor):
             return (
                 "module objects -> their paths in the model (fsdp_bridge.module_names, when the code runs): "
                 "neither sharded nor synchronised, as in FSDP1"
+            )
+        if kw == "process_group" and isinstance(self._follow(value, _Conversion()), cst.Tuple):
+            return (
+                "HYBRID_SHARD's (intra-node, inter-node) group pair: FSDP2 shards over a 2D DeviceMesh "
+                "(fsdp_bridge builds FSDP1's default split for HYBRID_SHARD; see the FSDP(...) line)"
             )
         if kw == "process_group":
             return (
@@ -1474,6 +1850,71 @@ class _Scanner(cst.CSTVisitor):
                         "built before would update tensors the model no longer uses",
                         True,
                     )
+
+    def _plan_plain_state_dict(self, node: cst.Call, func: cst.Attribute) -> bool:
+        """``model.state_dict()`` / ``model.load_state_dict(sd[, strict])`` outside a state_dict_type block, on
+        an object the function shows to be FSDP1's wrapper: FSDP1's default type is FULL_STATE_DICT, so these
+        are full state dicts on every rank; on FSDP2 they would be sharded DTensors (a torch.save on rank 0
+        would keep rank 0's shards only, and loading plain tensors into DTensors fails)."""
+        obj = func.value
+        if self._fsdp1_wrapper(node, obj) != "fsdp1":
+            return False
+        target, method = _code(obj), func.attr.value
+        args = list(node.args)
+        if method == "state_dict":
+            if args:
+                return False  # destination/prefix/keep_vars: nn.Module's own signature, left alone
+            construct = f"{_short(target, 40)}.state_dict()"
+        else:
+            positional = [a for a in args if a.keyword is None]
+            keywords = {a.keyword.value: a for a in args if a.keyword is not None}
+            if not 1 <= len(positional) <= 2 or set(keywords) - {"strict"} or (len(positional) == 2 and keywords):
+                return False
+            construct = f"{_short(target, 40)}.load_state_dict(...)"
+        if (ctx := self._runtime_state_context()) is not None:
+            self._record(
+                node,
+                construct,
+                f"not rewritten: it runs inside `with {_short(ctx)}:`, a context made elsewhere that may set "
+                "FSDP1's state-dict type; FSDP2 has no such setting: use get_model_state_dict / "
+                "set_model_state_dict(model, sd) with options=StateDictOptions(full_state_dict=True) for a full "
+                "state dict, no options for a sharded one",
+                False,
+            )
+            return True
+        if (where := self.dispatch.sets_state_dict_type) is not None:
+            self._record(
+                node,
+                construct,
+                f"not rewritten: {where} calls FSDP.set_state_dict_type, so this state dict's type is set at run "
+                "time; FSDP2 has no such setting: use get_model_state_dict / set_model_state_dict(model, sd) with "
+                "options=StateDictOptions(full_state_dict=True) for a full state dict, no options for a sharded one",
+                False,
+            )
+            return True
+        if method == "state_dict":
+            code = f"get_model_state_dict({target}, options={self._options(True)})"
+            self.needs_state_dict_api.add("get_model_state_dict")
+        else:
+            strict = (
+                keywords["strict"].value
+                if "strict" in keywords
+                else (positional[1].value if len(positional) == 2 else None)
+            )
+            options = self._options(True)
+            if strict is not None:
+                options = options[:-1] + f", strict={_code(strict)})"
+            code = f"set_model_state_dict({target}, {_code(positional[0].value)}, options={options})"
+            self.needs_state_dict_api.add("set_model_state_dict")
+        self.call_rewrites[id(node)] = code
+        self._record(
+            node,
+            construct,
+            f"{_short(code, 90)}: outside a state_dict_type block FSDP1 gives and takes full state dicts (its "
+            "default FULL_STATE_DICT), every rank; FSDP2's own would be sharded DTensors",
+            True,
+        )
+        return True
 
     def _options(self, full: bool, *, cpu_offload: bool = False, broadcast: bool = False, offload: bool = False) -> str:
         self.needs_state_dict_api.add("StateDictOptions")
@@ -1816,6 +2257,19 @@ def _assign_value(stmt: cst.CSTNode) -> cst.BaseExpression | None:
     return None
 
 
+def _stub(fn: cst.FunctionDef) -> bool:
+    """A declaration only (a Protocol or abstract method): its body is a docstring, ``...``, ``pass``
+    or ``raise NotImplementedError``."""
+    body = fn.body.body if isinstance(fn.body, cst.IndentedBlock) else [fn.body]
+    smalls = [x for stmt in body for x in getattr(stmt, "body", [])]
+    return all(
+        (isinstance(x, cst.Expr) and isinstance(x.value, (cst.Ellipsis, cst.SimpleString, cst.ConcatenatedString)))
+        or isinstance(x, cst.Pass)
+        or (isinstance(x, cst.Raise) and "NotImplementedError" in _code(x))
+        for x in smalls
+    )
+
+
 def _exits(body: cst.BaseSuite) -> bool:
     """The block ends in return / raise / continue / break."""
     last = body.body[-1] if isinstance(body, cst.IndentedBlock) and body.body else None
@@ -2115,6 +2569,12 @@ def migrate_source(code: str, path: str = "<string>", *, dispatch: _Dispatch | N
         known.merge(dispatch)
     if "FSDPModule" in code:
         known.merge(_find_dispatch(wrapper))
+    known.merge(
+        _Dispatch(
+            own_methods=_find_own_methods(code, path),
+            sets_state_dict_type=path if "set_state_dict_type" in code else None,
+        )
+    )
     scan = _Scanner(path, code, single, collector.uses, known)
     wrapper.visit(scan)  # plan: FSDP(...) conversions and checkpoint blocks
     scan.planning = False
@@ -2148,9 +2608,10 @@ def _fsdp_imports(module: cst.Module) -> list[tuple[str, str | None, str | None]
     class V(cst.CSTVisitor):
         def visit_ImportFrom(self, node: cst.ImportFrom) -> None:
             mod = _code(node.module) if node.module else ""
-            if not (mod.startswith("torch.distributed.fsdp") or mod == "functools") or isinstance(
-                node.names, cst.ImportStar
-            ):
+            if not (
+                mod.startswith("torch.distributed.fsdp")
+                or mod in ("functools", "torch.distributed.checkpoint.optimizer")
+            ) or isinstance(node.names, cst.ImportStar):
                 return
             for alias in node.names:
                 asname = alias.asname.name.value if alias.asname and isinstance(alias.asname.name, cst.Name) else None
@@ -2180,6 +2641,12 @@ def migrate_paths(paths: Sequence[str | Path], *, fix: bool = False) -> tuple[Co
             code = f.read_text(encoding="utf-8")
             if "FSDPModule" in code:
                 dispatch.merge(_find_dispatch(MetadataWrapper(cst.parse_module(code))))
+            dispatch.merge(
+                _Dispatch(
+                    own_methods=_find_own_methods(code, str(f)),
+                    sets_state_dict_type=str(f) if "set_state_dict_type" in code else None,
+                )
+            )
         except Exception:  # unreadable or unparsable: reported by the loop below
             continue
     for f in files:
