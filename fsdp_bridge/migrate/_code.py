@@ -2675,6 +2675,9 @@ def migrate_paths(paths: Sequence[str | Path], *, fix: bool = False) -> tuple[Co
         report.findings.extend(result.findings)
         if result.changed:
             report.changed.append(str(f))
+        comments = (result.fixed if result.changed else code).count(f"# {TODO}")
+        if comments:
+            report.todo_comments[str(f)] = comments
     if fix:
         _write_all([r for r in results if r.changed])
     return report, results

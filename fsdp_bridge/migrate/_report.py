@@ -163,6 +163,8 @@ class CodeReport:
     """Files rewritten (or that would be, with ``--diff``)."""
     skipped: list[tuple[str, str]] = field(default_factory=list)
     """Files left untouched, with the reason (unreadable, not Python 3, a construct the codemod cannot handle)."""
+    todo_comments: dict[str, int] = field(default_factory=dict)
+    """``TODO(fsdp-bridge)`` comments per file after ``--fix`` (those an earlier run wrote included)."""
 
     @property
     def todos(self) -> list[CodeFinding]:
