@@ -91,10 +91,9 @@ def save_peft(
             shutil.rmtree(staging, ignore_errors=True)
             staging.mkdir(parents=True)
             tensors = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
-            if kind == "adapter" and quantized:
-                _write_4bit_adapter(peft_model, tensors, staging)
-            elif kind == "adapter":
-                _write_adapter(peft_model, tensors, staging)
+            if kind == "adapter":
+                # A 4-bit base's packed codes do not fit the unquantized rebuild: only the adapters go in.
+                _write_adapter(peft_model, tensors, staging, adapters_only=quantized)
             else:
                 _write_merged(peft_model, tensors, staging, max_shard_size=max_shard_size)
             publish(staging, target)  # the previous export moved aside, deleted once this one is in place
@@ -107,18 +106,11 @@ def save_peft(
     return target
 
 
-def _write_adapter(peft_model: Any, state: dict[str, torch.Tensor], directory: Path) -> None:
-    _rebuild(peft_model, state, directory).save_pretrained(str(directory), safe_serialization=True)
-    missing = [name for name in ADAPTER_FILES if not (directory / name).is_file()]
-    if missing:
-        raise CheckpointError(directory, f"peft wrote no {', '.join(missing)}")
-
-
-def _write_4bit_adapter(peft_model: Any, state: dict[str, torch.Tensor], directory: Path) -> None:
-    """The adapters of a PEFT model whose base is 4-bit: the fresh model is built unquantized, so
-    only the adapter tensors go into it (the packed base codes have other shapes, and peft saves
-    only the adapters anyway)."""
-    _rebuild(peft_model, state, directory, adapters_only=True).save_pretrained(str(directory), safe_serialization=True)
+def _write_adapter(
+    peft_model: Any, state: dict[str, torch.Tensor], directory: Path, *, adapters_only: bool = False
+) -> None:
+    fresh = _rebuild(peft_model, state, directory, adapters_only=adapters_only)
+    fresh.save_pretrained(str(directory), safe_serialization=True)
     missing = [name for name in ADAPTER_FILES if not (directory / name).is_file()]
     if missing:
         raise CheckpointError(directory, f"peft wrote no {', '.join(missing)}")
