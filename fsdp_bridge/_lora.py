@@ -302,6 +302,14 @@ def has_4bit(model: nn.Module) -> bool:
     return any(is_4bit(m) for m in model.modules())
 
 
+def parameter_adapters(model: nn.Module) -> list[str]:
+    """Names of the modules where peft puts LoRA on a parameter rather than a layer (its ``ParamWrapper``:
+    ``target_parameters``, and the fused expert tensors of mixture-of-experts blocks that
+    ``target_modules="all-linear"`` reaches). peft registers a parametrization on the base parameter at
+    every forward."""
+    return [name for name, module in model.named_modules() if type(module).__name__ == "ParamWrapper"]
+
+
 def frozen_4bit_weights(model: nn.Module) -> list[str]:
     """The (wrapper-free) names of the 4-bit layers' packed weights in ``model``: frozen, rebuilt from
     the base's pretrained directory, and left out of sharded checkpoints (with their quantization

@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp_bridge import hf
-from fsdp_bridge._lora import has_4bit, keep_4bit_weights_in_place, quantization_problems
+from fsdp_bridge._lora import has_4bit, keep_4bit_weights_in_place, parameter_adapters, quantization_problems
 from fsdp_bridge._optimizer_check import record_replaced
 from fsdp_bridge.backends import BackendImpl, backend_inside, get_backend, sharded_by
 from fsdp_bridge.config import BridgeConfig
@@ -314,6 +314,22 @@ def _validate(
                 f"bitsandbytes' 4-bit layers replace their weight parameter in forward, which FSDP1 only "
                 f"undoes when it reshards; with {config.strategy.name} over a shard group of {mesh_plan.shard} "
                 "it keeps the replaced parameters and breaks (state dicts, the next backward): use backend: fsdp2",
+            )
+        )
+    wrapped_parameters = parameter_adapters(model)
+    if wrapped_parameters and not get_backend(config.backend).parametrizes_in_forward:
+        shown = ", ".join(wrapped_parameters[:3]) + (
+            f" and {len(wrapped_parameters) - 3} more" if len(wrapped_parameters) > 3 else ""
+        )
+        problems.append(
+            Problem(
+                "backend",
+                config.backend.value,
+                "fsdp2 for LoRA on parameters (peft's ParamWrapper)",
+                f"peft puts LoRA on parameters in {shown} (target_parameters, or the fused expert tensors of a "
+                "mixture-of-experts block that target_modules='all-linear' reaches) and re-parametrizes them at "
+                "every forward, which FSDP1's flat-parameter views do not allow: use backend: fsdp2, or leave "
+                "those parameters out of the LoRA config",
             )
         )
     ignored: list[nn.Module] = []

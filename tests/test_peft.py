@@ -241,11 +241,16 @@ def test_adapter_export_needs_adapters_and_load_pretrained_fills_a_peft_models_b
 ) -> None:
     """One spawn: kind='adapter' of a model without adapters is refused; load_pretrained of a PEFT
     model built on the meta device reads its base from the base's directory in slices (names
-    mapped through base_layer / modules_to_save) and initialises the adapters as peft does."""
+    mapped through base_layer / modules_to_save) and initialises the adapters as peft does; LoRA on
+    a mixture-of-experts model's expert parameters (FSDP2 only)."""
     for family in ("llama", "gpt2"):  # gpt2: tied embeddings
         build_tiny(family, seed=3).save_pretrained(tmp_path / family)
     for rank_out in run_on_ranks(_no_adapters_and_peft_base, 2, str(tmp_path)):
         assert "kind='adapter' needs a PEFT model" in rank_out["errors"]
+        experts = rank_out.pop("experts")
+        assert "fsdp2 for LoRA on parameters (peft's ParamWrapper)" in experts["fsdp1"], experts
+        assert experts["wrapped"] >= 4 and experts["trains"], experts
+        assert experts.get("adapter diff", 0.0) <= 1e-5, experts
         for name, checks in rank_out.items():
             if name != "errors":
                 assert checks == {"base equal": True, "adapters equal": True, "trains": True}, (name, checks)
@@ -297,6 +302,77 @@ def _no_adapters_and_peft_base(out_dir: str) -> dict[str, Any]:
                 losses.append(loss.item())
             checks["trains"] = losses[-1] < losses[0]
             out[f"{family}/{backend.value}"] = checks
+    out["experts"] = _lora_on_expert_parameters(out_dir)
+    return out
+
+
+def _moe_base() -> Any:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        "mixtral",
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=None,
+    )
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config)
+
+
+def _moe_lora() -> Any:
+    """A tiny Mixtral with LoRA everywhere peft's "all-linear" reaches: the fused expert tensors and
+    the router are parameters, which peft adapts through its ParamWrapper."""
+    lora = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear", init_lora_weights=False)
+    return peft.get_peft_model(_moe_base(), lora)
+
+
+def _lora_on_expert_parameters(out_dir: str) -> dict[str, Any]:
+    """LoRA on a mixture-of-experts model's expert parameters: FSDP1 refuses it before any
+    collective; FSDP2 trains it like the unsharded reference and its adapter export loads in peft."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out: dict[str, Any] = {}
+    try:
+        fsdp_bridge.shard(_moe_lora(), BridgeConfig(backend="fsdp1"))
+        out["fsdp1"] = "no error"
+    except fsdp_bridge.ConfigError as err:
+        out["fsdp1"] = str(err)
+    reference = _moe_lora()
+    sharded = fsdp_bridge.shard(copy.deepcopy(reference), BridgeConfig(backend="fsdp2"))
+    out["wrapped"] = sum(type(m).__name__ == "ParamWrapper" for m in reference.modules())
+    opt = torch.optim.AdamW([p for p in sharded.parameters() if p.requires_grad], lr=1e-2)
+    ref_params = [p for p in reference.parameters() if p.requires_grad]
+    ref_opt = torch.optim.AdamW(ref_params, lr=1e-2)
+    losses, ref_losses = [], []
+    batch = sample_batch("llama", batch=2, seq=8, seed=42 + rank)  # one batch: the loss must fall
+    for _ in range(STEPS):
+        for model, optimizer, record in ((sharded, opt, losses), (reference, ref_opt, ref_losses)):
+            loss = model(**batch).loss
+            loss.backward()
+            if model is reference:
+                for p in ref_params:
+                    dist.all_reduce(p.grad)
+                    p.grad /= world
+            optimizer.step()
+            optimizer.zero_grad()
+            record.append(loss.item())
+    torch.testing.assert_close(losses, ref_losses, rtol=1.3e-6, atol=1e-5)
+    path = Path(out_dir) / "experts-adapter"
+    fsdp_bridge.save_checkpoint(path, sharded, kind="adapter")
+    prompt = torch.tensor(PROMPT)
+    with torch.no_grad():
+        logits = sharded.eval()(input_ids=prompt).logits
+    if rank == 0:
+        loaded = peft.PeftModel.from_pretrained(_moe_base(), path).eval()
+        with torch.no_grad():
+            out["adapter diff"] = (loaded(input_ids=prompt).logits - logits).abs().max().item()
+    out["trains"] = losses[-1] < losses[0]
     return out
 
 

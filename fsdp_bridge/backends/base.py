@@ -49,6 +49,10 @@ class BackendImpl(Protocol):
     """Every unit must hold parameters of one dtype (FSDP1 flattens a unit into one tensor); the
     bridge then makes the modules owning another dtype units of their own."""
 
+    parametrizes_in_forward: bool
+    """A module may register a parametrization on its own parameter during forward (peft's LoRA on a
+    parameter does, at every call)."""
+
     def keeps_swapped_parameters(self, reshards_after_forward: bool, shard_size: int) -> bool:
         """Whether a layer may replace its own parameter object during forward (bitsandbytes' 4-bit
         layers re-wrap the weight FSDP hands them) with this strategy and shard-group size."""

@@ -106,6 +106,11 @@ class _MetaMaterializer:
 class FSDP1Backend:
     backend = Backend.FSDP1
     one_dtype_per_unit = True
+    # With use_orig_params=True each parameter is one of the views FSDP1 splits its flat parameter into;
+    # torch.nn.utils.parametrize writes the parameter in place when it registers a parametrization, which
+    # autograd refuses for such views ("Output 0 of View is a view and its base ... modified inplace";
+    # torch 2.13, peft 0.21).
+    parametrizes_in_forward = False
 
     def keeps_swapped_parameters(self, reshards_after_forward: bool, shard_size: int) -> bool:
         # FSDP1 points each original parameter at its flat parameter again only when it reshards;

@@ -54,6 +54,7 @@ def _top_level_units(units: list[nn.Module]) -> list[nn.Module]:
 class FSDP2Backend:
     backend = Backend.FSDP2
     one_dtype_per_unit = False  # per-parameter sharding: a unit may mix dtypes
+    parametrizes_in_forward = True  # unsharded parameters are tensors of their own
 
     def keeps_swapped_parameters(self, reshards_after_forward: bool, shard_size: int) -> bool:
         return True  # it registers the unsharded parameters again at every unshard
