@@ -15,15 +15,9 @@ checks every key and type, then the values, and reports every problem found in o
 
 from __future__ import annotations
 
-import ast
 import dataclasses
-import enum
-import inspect
-import itertools
 import logging
 import math
-import types
-import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,7 +26,8 @@ from typing import Any, Literal
 import yaml
 
 from fsdp_bridge._lora import PeftConfig, peft_problems, train_quantization_problems
-from fsdp_bridge.config import BridgeConfig, _unknown_key, read_yaml_file
+from fsdp_bridge._schema import FieldDoc, field_names, field_rows, parse_section
+from fsdp_bridge.config import BridgeConfig, read_yaml_file
 from fsdp_bridge.errors import ConfigError, Problem
 
 __all__ = [
@@ -219,13 +214,7 @@ class TrainConfig:
                     "add e.g. model: {path: ./my-hf-model}",
                 )
             )
-        kwargs = _parse_fields(cls, data, "", problems)
-        bridge_raw = data.get("bridge")
-        if bridge_raw is not None:
-            try:
-                kwargs["bridge"] = BridgeConfig.from_dict(bridge_raw)
-            except ConfigError as err:
-                problems.extend(dataclasses.replace(p, key=f"bridge.{p.key}") for p in err.problems)
+        kwargs = parse_section(cls, data, problems, elsewhere=_ELSEWHERE)
         try:
             config = cls(**kwargs)
         except ConfigError as err:
@@ -387,20 +376,6 @@ def _value_problems(c: TrainConfig) -> list[Problem]:
 # Parsing a mapping into the dataclasses, with type checks
 # ----------------------------------------------------------------------------------
 
-_SECTIONS: tuple[type, ...] = (ModelConfig, DataConfig, OptimConfig, ScheduleConfig, CheckpointConfig, PeftConfig)
-
-
-def _section_type(tp: Any) -> tuple[type | None, bool]:
-    """(the section dataclass of a field type, whether null is allowed) or (None, False)."""
-    if tp in _SECTIONS:
-        return tp, False
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        arms = [a for a in typing.get_args(tp) if a is not type(None)]
-        if len(arms) == 1 and arms[0] in _SECTIONS:
-            return arms[0], True
-    return None, False
-
-
 _ELSEWHERE = {
     "lr": "optim.lr",
     "learning_rate": "optim.lr",
@@ -422,132 +397,17 @@ _ELSEWHERE = {
 """Keys people write from other trainers' configs, and where this config keeps them."""
 
 
-def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
-def _parse_fields(cls: type, data: Mapping[str, Any], prefix: str, problems: list[Problem]) -> dict[str, Any]:
-    """Type-checked keyword arguments for ``cls`` from ``data`` (the bridge section is left out)."""
-    hints = _hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    kwargs: dict[str, Any] = {}
-    for key, value in data.items():
-        dotted = f"{prefix}{key}"
-        if key not in names:
-            problem = _unknown_key(dotted, value, names)
-            if dotted in _ELSEWHERE:
-                problem = dataclasses.replace(problem, fix=f"unknown key; did you mean {_ELSEWHERE[dotted]!r}?")
-            problems.append(problem)
-            continue
-        if key == "bridge":
-            continue
-        tp, optional = _section_type(hints[key])
-        if tp is not None:
-            if value is None and optional:
-                kwargs[key] = None
-                continue
-            if value is None:
-                value = {}
-            if not isinstance(value, Mapping):
-                problems.append(Problem(dotted, value, f"a mapping of {', '.join(_field_names(tp))}"))
-                continue
-            sub = _parse_fields(tp, value, f"{dotted}.", problems)
-            kwargs[key] = tp(**sub)
-            continue
-        ok, parsed = _coerce(value, hints[key])
-        if ok:
-            kwargs[key] = parsed
-        else:
-            problems.append(Problem(dotted, value, _describe(hints[key])))
-    return kwargs
-
-
 def parse_peft_section(value: Any, key: str = "peft") -> tuple[PeftConfig | None, list[Problem]]:
     """A ``peft:`` section (null: none) parsed and checked as in the training config, for other jobs' YAML."""
     if value is None:
         return None, []
     if not isinstance(value, Mapping):
-        return None, [Problem(key, value, f"a mapping of {', '.join(_field_names(PeftConfig))}, or null")]
+        return None, [Problem(key, value, f"a mapping of {', '.join(field_names(PeftConfig))}, or null")]
     problems: list[Problem] = []
-    kwargs = _parse_fields(PeftConfig, value, f"{key}.", problems)
+    kwargs = parse_section(PeftConfig, value, problems, prefix=f"{key}.", elsewhere=_ELSEWHERE)
     section = PeftConfig(**kwargs)  # the keys that parsed; their values are checked too, all reported together
     problems += peft_problems(section, key)
     return (None if problems else section), problems
-
-
-def _field_names(cls: type) -> list[str]:
-    return [f.name for f in dataclasses.fields(cls)]
-
-
-def _coerce(value: Any, tp: Any) -> tuple[bool, Any]:
-    """(True, value in the field's type) or (False, None)."""
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        for arm in typing.get_args(tp):
-            ok, parsed = _coerce(value, arm)
-            if ok:
-                return True, parsed
-        return False, None
-    if tp is type(None):
-        return value is None, None
-    if origin is Literal:
-        return (value in typing.get_args(tp)), value
-    if tp is bool:
-        return isinstance(value, bool), value
-    if tp is int:
-        return isinstance(value, int) and not isinstance(value, bool), value
-    if tp is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        return ok, float(value) if ok else None
-    if tp is str:
-        return isinstance(value, str), value
-    if origin is tuple:
-        args = typing.get_args(tp)
-        if isinstance(value, str) and args[-1] is Ellipsis:
-            value = [value]  # one file may be written without a list
-        if not isinstance(value, Sequence) or isinstance(value, str):
-            return False, None
-        arms = [args[0]] * len(value) if args[-1] is Ellipsis else list(args)
-        if len(arms) != len(value):
-            return False, None
-        out = []
-        for item, arm in zip(value, arms, strict=True):
-            ok, parsed = _coerce(item, arm)
-            if not ok:
-                return False, None
-            out.append(parsed)
-        return True, tuple(out)
-    if origin is dict:
-        return isinstance(value, Mapping), dict(value) if isinstance(value, Mapping) else None
-    if tp is Any:
-        return True, value
-    raise TypeError(f"unsupported config field type {tp!r}")
-
-
-def _describe(tp: Any) -> str:
-    """A reader's spelling of a field type, for error messages and the docs."""
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        return " or ".join(_describe(a) for a in typing.get_args(tp))
-    if tp is type(None):
-        return "null"
-    if origin is Literal:
-        return "one of " + ", ".join(str(a) for a in typing.get_args(tp))
-    if tp is bool:
-        return "true or false"
-    if tp in (int, float, str):
-        return {"int": "an integer", "float": "a number", "str": "a string"}[tp.__name__]
-    if origin is tuple:
-        args = typing.get_args(tp)
-        if args[-1] is Ellipsis:
-            return f"a list of {_describe(args[0]).removeprefix('a ').removeprefix('an ')}s"
-        kinds = {_describe(a).removeprefix("a ").removeprefix("an ") for a in args}
-        return f"a list of {len(args)} {kinds.pop()}s" if len(kinds) == 1 else "a list of " + ", ".join(sorted(kinds))
-    if origin is dict:
-        return "a mapping"
-    if dataclasses.is_dataclass(tp):
-        return "a mapping (section)"
-    return str(tp)
 
 
 # ----------------------------------------------------------------------------------
@@ -634,97 +494,9 @@ def load_train_config(
 # ----------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class FieldDoc:
-    key: str
-    type: str
-    default: str
-    doc: str
-
-
-def _attribute_docs(cls: type) -> dict[str, str]:
-    """The docstring written under each field of a dataclass (read from its source)."""
-    tree = ast.parse(inspect.getsource(cls))
-    body = tree.body[0].body  # type: ignore[attr-defined]
-    docs: dict[str, str] = {}
-    for node, following in itertools.pairwise(body):
-        if (
-            isinstance(node, ast.AnnAssign)
-            and isinstance(node.target, ast.Name)
-            and isinstance(following, ast.Expr)
-            and isinstance(following.value, ast.Constant)
-            and isinstance(following.value.value, str)
-        ):
-            docs[node.target.id] = " ".join(following.value.value.split())
-    return docs
-
-
-def _default_text(f: dataclasses.Field[Any]) -> str:
-    if f.default is not dataclasses.MISSING:
-        value = f.default
-    elif f.default_factory is not dataclasses.MISSING:
-        value = f.default_factory()
-    else:
-        return "required"
-    if hasattr(value, "to_spelling"):
-        value = value.to_spelling()
-    if dataclasses.is_dataclass(value):
-        return "(section)"
-    if isinstance(value, tuple):
-        value = list(value)
-    if isinstance(value, enum.Enum):
-        value = value.value
-    return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
-
-
-_BRIDGE_TYPES = {
-    "strategy": "one of full_shard, shard_grad_op, no_shard, hybrid_shard, hybrid_shard_zero2",
-    "backend": "one of fsdp1, fsdp2",
-    "mixed_precision": "a preset (fp32, bf16, fp16) or a mapping of dtypes",
-    "wrap": "auto, none, a list of class names or {min_num_params: N}",
-    "backward_prefetch": "one of pre, post, none",
-    "reshard_after_forward": "true or false or an integer or null",
-    "hybrid_shape": "a list of 2 integers or null",
-    "ignored_modules": "a list of strings",
-    "device": "one of auto, cuda, cpu",
-}
-
-
 def field_reference() -> list[FieldDoc]:
     """Every field of the training config and of its ``bridge:`` section, with type, default and meaning."""
-    rows: list[FieldDoc] = []
-
-    def walk(cls: type, prefix: str) -> None:
-        hints = _hints(cls)
-        docs = _attribute_docs(cls)
-        for f in dataclasses.fields(cls):
-            key = f"{prefix}{f.name}"
-            tp = hints[f.name]
-            section, optional = _section_type(tp)
-            if section is not None:
-                rows.append(
-                    FieldDoc(
-                        key,
-                        "section or null" if optional else "section",
-                        "null" if optional else "",
-                        docs.get(f.name, ""),
-                    )
-                )
-                walk(section, f"{key}.")
-            elif tp is BridgeConfig:
-                rows.append(FieldDoc(key, "section", "", docs.get(f.name, "")))
-                walk_bridge(f"{key}.")
-            else:
-                rows.append(FieldDoc(key, _describe(tp), _default_text(f), docs.get(f.name, "")))
-
-    def walk_bridge(prefix: str) -> None:
-        docs = _attribute_docs(BridgeConfig)
-        for f in dataclasses.fields(BridgeConfig):
-            tp = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
-            kind = _BRIDGE_TYPES.get(f.name, "true or false" if tp == "bool" else f"`{tp}`")
-            rows.append(FieldDoc(f"{prefix}{f.name}", kind, _default_text(f), docs.get(f.name, "")))
-
-    walk(TrainConfig, "")
+    rows = field_rows(TrainConfig)
     # The model was marked required above only by its check; say so in the reference.
     rows[0] = dataclasses.replace(rows[0], default="required")
     return rows
