@@ -28,6 +28,7 @@ import enum
 import functools
 import inspect
 import itertools
+import math
 import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
@@ -40,10 +41,15 @@ from fsdp_bridge.errors import ConfigError, Problem
 from fsdp_bridge.strategy import allowed_values, parse_enum
 
 __all__ = [
+    "Check",
     "FieldDoc",
     "Spec",
+    "at_least",
+    "check_problems",
+    "checks",
     "enum_spec",
     "field_rows",
+    "finite",
     "normalise",
     "parse_section",
     "parse_value",
@@ -56,6 +62,7 @@ Parser = Callable[[Any, str, list[Problem]], Any]
 :attr:`Spec.allowed` (reported with that text), or append detailed problems and return a fallback."""
 
 _META = "fsdp_bridge.schema"
+_CHECKS = "fsdp_bridge.checks"
 
 
 @dataclass(frozen=True)
@@ -68,6 +75,34 @@ class Spec:
     """Turns an accepted spelling into the annotated type; None: checked against the annotation."""
     summary: str | None = None
     """A shorter text for the docs' type column (default: :attr:`allowed`)."""
+
+
+@dataclass(frozen=True)
+class Check:
+    """A rule on a parsed value (a range, non-empty): ``ok(value)`` or a problem with ``allowed``/``fix``.
+
+    Null values of optional fields are not checked.
+    """
+
+    ok: Callable[[Any], bool]
+    allowed: str
+    fix: str = ""
+
+
+def checks(*rules: Check) -> dict[str, tuple[Check, ...]]:
+    """Field metadata declaring value rules: ``field(default=128, metadata=checks(at_least(2)))``."""
+    return {_CHECKS: rules}
+
+
+def at_least(low: int, *, optional: bool = False) -> Check:
+    """An integer >= ``low`` (``optional``: the text says null is allowed too)."""
+    return Check(lambda v: v >= low, f"{'null or ' if optional else ''}an integer >= {low}")
+
+
+def finite(ok: Callable[[float], bool], allowed: str) -> Check:
+    """A number for which ``ok`` holds and which is finite (NaN fails every comparison, so write ``ok``
+    as a positive test: ``lambda v: v > 0``)."""
+    return Check(lambda v: bool(ok(v)) and math.isfinite(v), allowed)
 
 
 def spec(allowed: str, parse: Parser | None = None, *, summary: str | None = None) -> dict[str, Spec]:
@@ -309,6 +344,28 @@ def normalise(obj: Any, problems: list[Problem]) -> None:
     for f in dataclasses.fields(cls):
         parsed = parse_value(f, types_[f.name], getattr(obj, f.name), f.name, problems)
         object.__setattr__(obj, f.name, default_of(f) if parsed is _MISSING else parsed)
+
+
+def check_problems(obj: Any, prefix: str = "") -> list[Problem]:
+    """The problems of the :class:`Check` rules declared on ``obj``'s fields, and of its sections'.
+
+    Sections that validate themselves (with ``from_dict``) are left to their own checks.
+    """
+    problems: list[Problem] = []
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        key = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            if not hasattr(value, "from_dict") and field_spec(f) is None:
+                problems.extend(check_problems(value, f"{key}."))
+            continue
+        if value is None:
+            continue
+        for rule in f.metadata.get(_CHECKS, ()):
+            if not rule.ok(value):
+                shown = list(value) if isinstance(value, tuple) else value
+                problems.append(Problem(key, shown, rule.allowed, rule.fix))
+    return problems
 
 
 # ----------------------------------------------------------------------------------

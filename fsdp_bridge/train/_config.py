@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +25,17 @@ from typing import Any, Literal
 import yaml
 
 from fsdp_bridge._lora import PeftConfig, peft_problems, train_quantization_problems
-from fsdp_bridge._schema import FieldDoc, field_names, field_rows, parse_section
+from fsdp_bridge._schema import (
+    Check,
+    FieldDoc,
+    at_least,
+    check_problems,
+    checks,
+    field_names,
+    field_rows,
+    finite,
+    parse_section,
+)
 from fsdp_bridge.config import BridgeConfig, read_yaml_file
 from fsdp_bridge.errors import ConfigError, Problem
 
@@ -75,7 +84,17 @@ class ModelConfig:
     tokenizer: str | None = None
     """A tokenizer directory; null: the model directory's own, or for ``config`` models the built-in byte-level
     BPE trained on the training files (no download)."""
-    tokenizer_vocab_size: int = 1024
+    tokenizer_vocab_size: int = field(
+        default=1024,
+        metadata=checks(
+            Check(lambda v: v >= 300, "an integer >= 300", "the built-in tokenizer needs 256 byte tokens plus merges"),
+            Check(
+                lambda v: v <= MAX_TOKENIZER_VOCAB,
+                f"an integer in [300, {MAX_TOKENIZER_VOCAB}]",
+                "the built-in tokenizer is trained on the run's data; real vocabularies are 32k-256k",
+            ),
+        ),
+    )
     """Vocabulary size of the built-in BPE tokenizer (only when it is used)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Dtype of the model's weights (compute dtype under mixed precision is ``bridge.mixed_precision``)."""
@@ -87,14 +106,16 @@ class ModelConfig:
 class DataConfig:
     """Training text: tokenized with the model's tokenizer and packed into fixed-length sequences."""
 
-    files: tuple[str, ...] = (SAMPLE,)
+    files: tuple[str, ...] = field(
+        default=(SAMPLE,), metadata=checks(Check(bool, "at least one file, glob pattern or 'sample'"))
+    )
     """Text (.txt: one document per file) or JSONL (.jsonl: one document per line) files or glob patterns;
     ``sample`` is the small English corpus shipped with the package."""
     text_key: str = "text"
     """The field of each JSONL record that holds the text."""
-    seq_len: int = 128
+    seq_len: int = field(default=128, metadata=checks(at_least(2)))
     """Tokens per packed training sequence (documents are joined with the EOS token and cut to this length)."""
-    eval_sequences: int = 32
+    eval_sequences: int = field(default=32, metadata=checks(at_least(0)))
     """Packed sequences held out from the end of the data for evaluation (rounded down to a multiple of the
     world size); 0 disables evaluation."""
 
@@ -105,17 +126,21 @@ class OptimConfig:
 
     name: Literal["adamw", "sgd"] = "adamw"
     """``adamw`` (torch.optim.AdamW) or ``sgd`` (torch.optim.SGD with momentum)."""
-    lr: float = 3.0e-4
+    lr: float = field(default=3.0e-4, metadata=checks(finite(lambda v: v > 0, "a finite number > 0")))
     """Peak learning rate, reached at the end of the warm-up."""
-    weight_decay: float = 0.0
+    weight_decay: float = field(default=0.0, metadata=checks(finite(lambda v: v >= 0, "a finite number >= 0")))
     """Decoupled weight decay (AdamW) or L2 penalty (SGD)."""
-    betas: tuple[float, float] = (0.9, 0.95)
+    betas: tuple[float, float] = field(
+        default=(0.9, 0.95), metadata=checks(Check(lambda v: all(0 <= b < 1 for b in v), "two numbers in [0, 1)"))
+    )
     """AdamW's (beta1, beta2)."""
-    eps: float = 1.0e-8
+    eps: float = field(default=1.0e-8, metadata=checks(finite(lambda v: v > 0, "a finite number > 0")))
     """AdamW's epsilon."""
-    momentum: float = 0.9
+    momentum: float = field(default=0.9, metadata=checks(finite(lambda v: 0 <= v < 1, "a number in [0, 1)")))
     """SGD momentum."""
-    grad_clip: float | None = 1.0
+    grad_clip: float | None = field(
+        default=1.0, metadata=checks(finite(lambda v: v > 0, "null or a finite number > 0"))
+    )
     """Clip gradients to this global norm (over all shards) before each step; null disables clipping."""
 
 
@@ -123,14 +148,14 @@ class OptimConfig:
 class ScheduleConfig:
     """Learning-rate schedule: linear warm-up, then decay."""
 
-    warmup_steps: int = 0
+    warmup_steps: int = field(default=0, metadata=checks(at_least(0)))
     """Steps of linear warm-up from 0 to ``optim.lr``."""
     decay: Literal["cosine", "linear", "constant"] = "cosine"
     """Shape of the decay after warm-up, down to ``min_lr_ratio * optim.lr``."""
-    decay_steps: int | None = None
+    decay_steps: int | None = field(default=None, metadata=checks(at_least(1, optional=True)))
     """Step at which the decay ends; null: ``max_steps``. Set it to stop a run early without changing its
     schedule."""
-    min_lr_ratio: float = 0.1
+    min_lr_ratio: float = field(default=0.1, metadata=checks(finite(lambda v: 0 <= v <= 1, "a number in [0, 1]")))
     """Final learning rate as a fraction of ``optim.lr``."""
 
 
@@ -138,12 +163,12 @@ class ScheduleConfig:
 class CheckpointConfig:
     """When and how checkpoints are written under ``output_dir/checkpoints``."""
 
-    interval: int | None = None
+    interval: int | None = field(default=None, metadata=checks(at_least(1, optional=True)))
     """Steps between checkpoints; null: only at the end of training."""
     kind: Literal["sharded", "full"] = "sharded"
     """``sharded``: every rank writes its shards (torch.distributed.checkpoint, reshardable on load);
     ``full``: gathered to rank 0 into one file."""
-    keep_last: int | None = 2
+    keep_last: int | None = field(default=2, metadata=checks(at_least(1, optional=True)))
     """Keep only the newest N checkpoints; null keeps all."""
     at_end: bool = True
     """Write a checkpoint after the last step."""
@@ -164,27 +189,38 @@ class TrainConfig:
     """Optimizer."""
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     """Learning-rate schedule."""
-    micro_batch_size: int = 8
+    micro_batch_size: int = field(default=8, metadata=checks(at_least(1)))
     """Sequences per rank per forward/backward."""
-    grad_accum: int = 1
+    grad_accum: int = field(default=1, metadata=checks(at_least(1)))
     """Micro-batches accumulated (without gradient reduction) before each optimizer step."""
-    max_steps: int = 100
+    max_steps: int = field(default=100, metadata=checks(at_least(1)))
     """Optimizer steps to train for (counted from the start of the run, including resumed steps)."""
-    eval_interval: int | None = 50
+    eval_interval: int | None = field(default=50, metadata=checks(at_least(1, optional=True)))
     """Steps between evaluations on the held-out data (and one after the last step); null: only at the end."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Checkpointing."""
     peft: PeftConfig | None = None
     """LoRA: train adapters on the frozen model (``peft.get_peft_model`` before sharding); the adapter directory
     is written to ``output_dir/adapter``. null: train every weight."""
-    seed: int = 0
+    seed: int = field(default=0, metadata=checks(Check(lambda v: 0 <= v <= MAX_SEED, f"an integer in [0, {MAX_SEED}]")))
     """Seed of the model's initialisation, the data order and every rank's RNG."""
-    output_dir: str = "runs/fsdp-bridge"
+    output_dir: str = field(default="runs/fsdp-bridge", metadata=checks(Check(bool, "a directory path")))
     """Directory for train_config.yaml, metrics.jsonl, summary.json, checkpoints/ and the exported model."""
-    resume: bool | str = False
+    resume: bool | str = field(
+        default=False, metadata=checks(Check(lambda v: v != "", "false, auto, or a checkpoint path"))
+    )
     """false; ``auto`` (or true): continue from the latest checkpoint in ``output_dir`` if there is one;
     or the path of a checkpoint to continue from."""
-    timeout_s: float = 600.0
+    timeout_s: float = field(
+        default=600.0,
+        metadata=checks(
+            Check(
+                lambda v: 0 < v <= MAX_TIMEOUT_S,
+                f"a number of seconds in (0, {MAX_TIMEOUT_S}]",
+                "e.g. timeout_s: 600 (a rank silent for longer than this ends the run)",
+            )
+        ),
+    )
     """Process-group timeout in seconds: if a rank stops answering (hung, or died outside the
     launcher's watch), the others fail with a timeout error after this long instead of waiting forever."""
     bridge: BridgeConfig = field(default_factory=BridgeConfig)
@@ -253,8 +289,34 @@ class TrainConfig:
 
 
 def _value_problems(c: TrainConfig) -> list[Problem]:
+    """The rules declared on each field (:func:`check_problems`), then those between fields."""
+    p = check_problems(c)
+    p += _model_problems(c.model)
+    if c.micro_batch_size * c.data.seq_len > MAX_MICRO_BATCH_TOKENS:
+        p.append(
+            Problem(
+                "micro_batch_size",
+                c.micro_batch_size,
+                f"micro_batch_size * data.seq_len <= {MAX_MICRO_BATCH_TOKENS} (got "
+                f"{c.micro_batch_size} * {c.data.seq_len})",
+                "use a smaller micro-batch and grad_accum for a larger effective batch",
+            )
+        )
+    if c.peft is not None:
+        p.extend(peft_problems(c.peft, "peft"))
+    if c.model.config is not None:
+        p.extend(train_quantization_problems(c.model.config, "model.config.quantization_config"))
+    if c.schedule.warmup_steps > c.max_steps:
+        logger.warning(
+            "schedule.warmup_steps (%d) > max_steps (%d): the learning rate never reaches optim.lr",
+            c.schedule.warmup_steps,
+            c.max_steps,
+        )
+    return p
+
+
+def _model_problems(m: ModelConfig) -> list[Problem]:
     p: list[Problem] = []
-    m = c.model
     if m.path is None and m.config is None:
         p.append(
             Problem(
@@ -280,94 +342,6 @@ def _value_problems(c: TrainConfig) -> list[Problem]:
                 m.config.get("model_type"),
                 "a transformers model type such as llama, gpt2, qwen2, mistral",
             )
-        )
-    if m.tokenizer_vocab_size < 300:
-        p.append(
-            Problem(
-                "model.tokenizer_vocab_size",
-                m.tokenizer_vocab_size,
-                "an integer >= 300",
-                "the built-in tokenizer needs 256 byte tokens plus merges",
-            )
-        )
-    if not c.data.files:
-        p.append(Problem("data.files", [], "at least one file, glob pattern or 'sample'"))
-    for key, value, low in (
-        ("data.seq_len", c.data.seq_len, 2),
-        ("data.eval_sequences", c.data.eval_sequences, 0),
-        ("micro_batch_size", c.micro_batch_size, 1),
-        ("grad_accum", c.grad_accum, 1),
-        ("max_steps", c.max_steps, 1),
-        ("schedule.warmup_steps", c.schedule.warmup_steps, 0),
-    ):
-        if value < low:
-            p.append(Problem(key, value, f"an integer >= {low}"))
-    for key, opt_value in (
-        ("eval_interval", c.eval_interval),
-        ("checkpoint.interval", c.checkpoint.interval),
-        ("checkpoint.keep_last", c.checkpoint.keep_last),
-        ("schedule.decay_steps", c.schedule.decay_steps),
-    ):
-        if opt_value is not None and opt_value < 1:
-            p.append(Problem(key, opt_value, "null or an integer >= 1"))
-    if m.tokenizer_vocab_size > MAX_TOKENIZER_VOCAB:
-        p.append(
-            Problem(
-                "model.tokenizer_vocab_size",
-                m.tokenizer_vocab_size,
-                f"an integer in [300, {MAX_TOKENIZER_VOCAB}]",
-                "the built-in tokenizer is trained on the run's data; real vocabularies are 32k-256k",
-            )
-        )
-    if c.micro_batch_size * c.data.seq_len > MAX_MICRO_BATCH_TOKENS:
-        p.append(
-            Problem(
-                "micro_batch_size",
-                c.micro_batch_size,
-                f"micro_batch_size * data.seq_len <= {MAX_MICRO_BATCH_TOKENS} (got "
-                f"{c.micro_batch_size} * {c.data.seq_len})",
-                "use a smaller micro-batch and grad_accum for a larger effective batch",
-            )
-        )
-    if not 0 <= c.seed <= MAX_SEED:
-        p.append(Problem("seed", c.seed, f"an integer in [0, {MAX_SEED}]"))
-    o = c.optim
-    # Written as `not x > 0` so that NaN fails too; infinities are refused separately.
-    for key, number, allowed, ok in (
-        ("optim.lr", o.lr, "a finite number > 0", o.lr > 0),
-        ("optim.weight_decay", o.weight_decay, "a finite number >= 0", o.weight_decay >= 0),
-        ("optim.eps", o.eps, "a finite number > 0", o.eps > 0),
-        ("optim.momentum", o.momentum, "a number in [0, 1)", 0 <= o.momentum < 1),
-        ("schedule.min_lr_ratio", c.schedule.min_lr_ratio, "a number in [0, 1]", 0 <= c.schedule.min_lr_ratio <= 1),
-    ):
-        if not (ok and math.isfinite(number)):
-            p.append(Problem(key, number, allowed))
-    if not all(0 <= b < 1 for b in o.betas):
-        p.append(Problem("optim.betas", list(o.betas), "two numbers in [0, 1)"))
-    if o.grad_clip is not None and not (o.grad_clip > 0 and math.isfinite(o.grad_clip)):
-        p.append(Problem("optim.grad_clip", o.grad_clip, "null or a finite number > 0"))
-    if isinstance(c.resume, str) and not c.resume:
-        p.append(Problem("resume", c.resume, "false, auto, or a checkpoint path"))
-    if not c.output_dir:
-        p.append(Problem("output_dir", c.output_dir, "a directory path"))
-    if not 0 < c.timeout_s <= MAX_TIMEOUT_S:
-        p.append(
-            Problem(
-                "timeout_s",
-                c.timeout_s,
-                f"a number of seconds in (0, {MAX_TIMEOUT_S}]",
-                "e.g. timeout_s: 600 (a rank silent for longer than this ends the run)",
-            )
-        )
-    if c.peft is not None:
-        p.extend(peft_problems(c.peft, "peft"))
-    if m.config is not None:
-        p.extend(train_quantization_problems(m.config, "model.config.quantization_config"))
-    if c.schedule.warmup_steps > c.max_steps:
-        logger.warning(
-            "schedule.warmup_steps (%d) > max_steps (%d): the learning rate never reaches optim.lr",
-            c.schedule.warmup_steps,
-            c.max_steps,
         )
     return p
 
