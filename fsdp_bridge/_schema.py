@@ -11,7 +11,10 @@ From those declarations this module
 - reads a mapping (parsed YAML) into a dataclass, section by section (:func:`parse_section`):
   unknown keys are refused with the known ones and a "did you mean", nested sections give
   dotted keys (``optim.lr``), and every problem is collected instead of raised;
+- reads a flat dataclass whose fields are written in YAML sections of their own, each field
+  naming its place (``Spec.at``, e.g. ``data.seq_len``; :func:`parse_layout`);
 - normalises the spellings users write in Python, in ``__post_init__`` (:func:`normalise`);
+- checks the value rules declared with :func:`checks` (ranges, non-empty; :func:`check_problems`);
 - describes each field for the docs (:func:`field_rows`) with the same texts the errors use.
 
 Fields without a :class:`Spec` are checked against their annotation (``int``, ``float``,
@@ -51,6 +54,7 @@ __all__ = [
     "field_rows",
     "finite",
     "normalise",
+    "parse_layout",
     "parse_section",
     "parse_value",
     "spec",
@@ -75,6 +79,10 @@ class Spec:
     """Turns an accepted spelling into the annotated type; None: checked against the annotation."""
     summary: str | None = None
     """A shorter text for the docs' type column (default: :attr:`allowed`)."""
+    fix: str = ""
+    """The fix named when a value is refused, when that is more than "use an allowed value"."""
+    at: str | None = None
+    """Where the field lives in a YAML layout of its own (``data.seq_len``): see :func:`parse_layout`."""
 
 
 @dataclass(frozen=True)
@@ -105,9 +113,16 @@ def finite(ok: Callable[[float], bool], allowed: str) -> Check:
     return Check(lambda v: bool(ok(v)) and math.isfinite(v), allowed)
 
 
-def spec(allowed: str, parse: Parser | None = None, *, summary: str | None = None) -> dict[str, Spec]:
+def spec(
+    allowed: str,
+    parse: Parser | None = None,
+    *,
+    summary: str | None = None,
+    fix: str = "",
+    at: str | None = None,
+) -> dict[str, Spec]:
     """Field metadata declaring a :class:`Spec`: ``field(default=..., metadata=spec(...))``."""
-    return {_META: Spec(allowed, parse, summary)}
+    return {_META: Spec(allowed, parse, summary, fix, at)}
 
 
 def enum_spec(enum_cls: type[enum.Enum]) -> dict[str, Spec]:
@@ -264,12 +279,12 @@ def parse_value(f: dataclasses.Field[Any], tp: Any, value: Any, key: str, proble
         try:
             return found.parse(value, key, problems)
         except ValueError:
-            problems.append(Problem(key, value, found.allowed))
+            problems.append(Problem(key, value, found.allowed, found.fix))
             return _MISSING
     ok, parsed = coerce(value, tp)
     if ok:
         return parsed
-    problems.append(Problem(key, value, allowed_text(f, tp)))
+    problems.append(Problem(key, value, allowed_text(f, tp), found.fix if found is not None else ""))
     return _MISSING
 
 
@@ -322,6 +337,44 @@ def parse_section(
             parsed = parse_value(f, types_[key], value, dotted, problems)
         if parsed is not _MISSING:
             kwargs[key] = parsed
+    return kwargs
+
+
+def parse_layout(cls: type, data: Mapping[str, Any], problems: list[Problem]) -> dict[str, Any]:
+    """Keyword arguments for a flat dataclass whose fields are written in nested YAML sections.
+
+    Each field lives at its :attr:`Spec.at` path (``data.seq_len``), or under its own name;
+    unknown keys and sections that are not mappings are reported at every level, with the
+    dotted key; a null section means its defaults.
+    """
+    types_ = hints(cls)
+    tree: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        found = field_spec(f)
+        *parents, leaf = ((found.at if found is not None else None) or f.name).split(".")
+        node = tree
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = f
+    kwargs: dict[str, Any] = {}
+
+    def walk(node: dict[str, Any], mapping: Mapping[str, Any], prefix: str) -> None:
+        for key, value in mapping.items():
+            dotted = f"{prefix}{key}"
+            target = node.get(key) if isinstance(key, str) else None
+            if target is None:
+                problems.append(unknown_key(dotted, value, list(node)))
+            elif isinstance(target, dict):
+                if isinstance(value, Mapping):
+                    walk(target, value, f"{dotted}.")
+                elif value is not None:
+                    problems.append(Problem(dotted, value, f"a mapping of {', '.join(target)}"))
+            else:
+                parsed = parse_value(target, types_[target.name], value, dotted, problems)
+                if parsed is not _MISSING:
+                    kwargs[target.name] = parsed
+
+    walk(tree, data, "")
     return kwargs
 
 
