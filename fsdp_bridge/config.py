@@ -249,9 +249,6 @@ def _wrap_from_mapping(value: Mapping[str, Any], key: str, problems: list[Proble
 # ----------------------------------------------------------------------------------
 
 
-_unknown_key = unknown_key  # the name other modules imported before the schema engine
-
-
 def _parse_reshard(value: object, key: str, problems: list[Problem]) -> bool | int | None:
     if value is None or isinstance(value, bool) or (isinstance(value, int) and value >= 1):
         return value
