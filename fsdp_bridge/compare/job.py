@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from fsdp_bridge._lora import PeftConfig, apply_lora
-from fsdp_bridge._schema import parse_layout, spec, unknown_key
+from fsdp_bridge._schema import field_spec, parse_layout, spec, unknown_key
 from fsdp_bridge._tiny_models import FAMILIES, build_tiny, sample_batch
 from fsdp_bridge.compare.engine import REFERENCE, RunSpec
 from fsdp_bridge.config import BridgeConfig, read_yaml_file
@@ -57,8 +57,6 @@ _OVERRIDE_KEYS = ("lr",)
 """Run-level keys an override may set besides BridgeConfig fields."""
 _OVERRIDES_ALLOWED = f"a mapping keyed by {', '.join([*(b.value for b in Backend), REFERENCE])}"
 _FAMILY_ALLOWED = f"a tiny family ({', '.join(FAMILIES)}) or a transformers model_type"
-_MODEL_KEYS = ("family", "config", "path", "builder", "batch")
-_MODEL_ALLOWED = f"a family name ({', '.join(FAMILIES)}) or a mapping of {', '.join(_MODEL_KEYS)}"
 _PEFT_ALLOWED = f"a mapping of {', '.join(f.name for f in dataclasses.fields(PeftConfig))}, or null"
 _COUNT = "an integer >= 1"
 
@@ -360,7 +358,10 @@ class CompareJob:
         if isinstance(model, str):
             model = {"family": model}
         if not isinstance(model, Mapping):
-            problems.append(Problem("model", model, _MODEL_ALLOWED))
+            keys = [at.removeprefix("model.") for at in _places(cls) if at.startswith("model.")]
+            problems.append(
+                Problem("model", model, f"a family name ({', '.join(FAMILIES)}) or a mapping of {', '.join(keys)}")
+            )
             model = {}
         kw = parse_layout(cls, {**data, "model": model}, problems)
         problems += _model_problems(model, kw)
@@ -385,6 +386,11 @@ class CompareJob:
                 source=source,
             )
         return job
+
+
+def _places(cls: type) -> list[str]:
+    """Where each field sits in the job file (``model.path``), in field order."""
+    return [getattr(field_spec(f), "at", None) or f.name for f in dataclasses.fields(cls)]
 
 
 def _model_problems(model: Mapping[str, Any], kw: dict[str, Any]) -> list[Problem]:
