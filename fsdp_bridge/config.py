@@ -14,7 +14,6 @@ combinations a backend cannot honour) is reported together in one
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -26,8 +25,9 @@ import torch
 import yaml
 from torch import nn
 
+from fsdp_bridge._schema import enum_spec, normalise, parse_section, spec, unknown_key
 from fsdp_bridge.errors import ConfigError, Problem
-from fsdp_bridge.strategy import Backend, BackwardPrefetch, ShardingStrategy, allowed_values, parse_enum
+from fsdp_bridge.strategy import Backend, BackwardPrefetch, ShardingStrategy
 
 __all__ = ["BridgeConfig", "MixedPrecisionConfig", "WrapPolicy", "load_config", "parse_dtype", "read_yaml_file"]
 
@@ -62,6 +62,13 @@ def dtype_name(dtype: torch.dtype | None) -> str | None:
     return None if dtype is None else str(dtype).removeprefix("torch.")
 
 
+def _parse_optional_dtype(value: object, key: str, problems: list[Problem]) -> torch.dtype | None:
+    return None if value is None else parse_dtype(value)
+
+
+_DTYPE_SPEC = spec(f"{_DTYPE_NAMES} or null", _parse_optional_dtype)
+
+
 # ----------------------------------------------------------------------------------
 # Mixed precision
 # ----------------------------------------------------------------------------------
@@ -88,13 +95,13 @@ class MixedPrecisionConfig:
     with ``MixedPrecisionConfig.preset("bf16")`` or give the dtypes.
     """
 
-    param_dtype: torch.dtype | None = None
+    param_dtype: torch.dtype | None = field(default=None, metadata=_DTYPE_SPEC)
     """Dtype of the gathered parameters used in forward/backward (compute dtype)."""
-    reduce_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = field(default=None, metadata=_DTYPE_SPEC)
     """Dtype in which gradients are reduced across ranks (defaults to ``param_dtype``)."""
-    output_dtype: torch.dtype | None = None
+    output_dtype: torch.dtype | None = field(default=None, metadata=_DTYPE_SPEC)
     """Dtype the root module's floating-point outputs are cast to."""
-    buffer_dtype: torch.dtype | None = None
+    buffer_dtype: torch.dtype | None = field(default=None, metadata=_DTYPE_SPEC)
     """Dtype buffers are cast to (FSDP1 does it in forward; on FSDP2 it is emulated)."""
     cast_forward_inputs: bool = True
     """Cast floating-point forward inputs of each unit to ``param_dtype``."""
@@ -121,37 +128,19 @@ class MixedPrecisionConfig:
         return out
 
 
-def _parse_mixed_precision(value: object, problems: list[Problem]) -> MixedPrecisionConfig:
-    key = "mixed_precision"
+_MP_ALLOWED = f"a preset ({', '.join(_MP_PRESETS)}) or a mapping of dtypes"
+
+
+def _parse_mixed_precision(value: object, key: str, problems: list[Problem]) -> MixedPrecisionConfig:
     if isinstance(value, MixedPrecisionConfig):
         return value
     if value is None:
         return MixedPrecisionConfig()
     if isinstance(value, str):
-        try:
-            return MixedPrecisionConfig.preset(value)
-        except ValueError:
-            problems.append(Problem(key, value, f"a preset ({', '.join(_MP_PRESETS)}) or a mapping of dtypes"))
-            return MixedPrecisionConfig()
+        return MixedPrecisionConfig.preset(value)  # ValueError: reported with _MP_ALLOWED
     if isinstance(value, Mapping):
-        kwargs: dict[str, Any] = {}
-        valid = [f.name for f in dataclasses.fields(MixedPrecisionConfig)]
-        for sub, sub_value in value.items():
-            if sub not in valid:
-                problems.append(_unknown_key(f"{key}.{sub}", sub_value, valid))
-            elif sub == "cast_forward_inputs":
-                if isinstance(sub_value, bool):
-                    kwargs[sub] = sub_value
-                else:
-                    problems.append(Problem(f"{key}.{sub}", sub_value, "true or false"))
-            elif sub_value is not None:
-                try:
-                    kwargs[sub] = parse_dtype(sub_value)
-                except ValueError:
-                    problems.append(Problem(f"{key}.{sub}", sub_value, f"{_DTYPE_NAMES} or null"))
-        return MixedPrecisionConfig(**kwargs)
-    problems.append(Problem(key, value, f"a preset ({', '.join(_MP_PRESETS)}) or a mapping of dtypes"))
-    return MixedPrecisionConfig()
+        return MixedPrecisionConfig(**parse_section(MixedPrecisionConfig, value, problems, prefix=f"{key}."))
+    raise ValueError(f"{value!r} is not a mixed-precision setting")
 
 
 # ----------------------------------------------------------------------------------
@@ -195,55 +184,63 @@ class WrapPolicy:
         return self.mode
 
 
-def _parse_wrap(value: object, problems: list[Problem]) -> WrapPolicy:
-    key = "wrap"
+def _parse_wrap(value: object, key: str, problems: list[Problem]) -> WrapPolicy:
     if isinstance(value, WrapPolicy):
         return value
     if value is None:
         return WrapPolicy(mode="none")
     if isinstance(value, str):
-        text = value.strip().lower()
-        if text in ("auto", "none"):
-            return WrapPolicy(mode=cast(WrapMode, text))
-        # A single class name is a common spelling: "LlamaDecoderLayer" or "A,B".
-        names = tuple(n.strip() for n in value.split(",") if n.strip())
-        if names and all(n.isidentifier() for n in names):
-            return WrapPolicy(mode="classes", classes=names)
-        problems.append(Problem(key, value, _WRAP_ALLOWED))
-        return WrapPolicy()
+        return _wrap_from_text(value)
     if isinstance(value, (list, tuple)):
-        names_list: list[str] = []
-        for item in value:
-            if isinstance(item, type) and issubclass(item, nn.Module):
-                names_list.append(item.__name__)
-            elif isinstance(item, str) and item.strip().isidentifier():
-                names_list.append(item.strip())
-            else:
-                problems.append(Problem(f"{key}[]", item, "module class names (identifiers) or nn.Module classes"))
-        if not value:
-            problems.append(Problem(key, value, _WRAP_ALLOWED, "give at least one class name, or 'none'"))
-        return WrapPolicy(mode="classes", classes=tuple(names_list))
+        return _wrap_from_classes(value, key, problems)
     if isinstance(value, Mapping):
-        valid = ["min_num_params", "classes"]
-        unknown = [k for k in value if k not in valid]
-        for k in unknown:
-            problems.append(_unknown_key(f"{key}.{k}", value[k], valid))
-        if "min_num_params" in value and "classes" in value:
-            problems.append(Problem(key, dict(value), "exactly one of min_num_params or classes"))
-        if "min_num_params" in value:
-            n = value["min_num_params"]
-            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-                problems.append(Problem(f"{key}.min_num_params", n, "an integer >= 1"))
-                return WrapPolicy()
-            return WrapPolicy(mode="min_params", min_num_params=n)
-        if "classes" in value:
-            return _parse_wrap(list(value["classes"] or []), problems)
-        if not unknown:
-            problems.append(Problem(key, dict(value), _WRAP_ALLOWED))
-        return WrapPolicy()
+        return _wrap_from_mapping(value, key, problems)
     if callable(value):
         return WrapPolicy(mode="callable", fn=cast(Callable[[nn.Module], bool], value))
-    problems.append(Problem(key, value, _WRAP_ALLOWED))
+    raise ValueError(f"{value!r} is not a wrap policy")
+
+
+def _wrap_from_text(value: str) -> WrapPolicy:
+    text = value.strip().lower()
+    if text in ("auto", "none"):
+        return WrapPolicy(mode=cast(WrapMode, text))
+    # A single class name is a common spelling: "LlamaDecoderLayer" or "A,B".
+    names = tuple(n.strip() for n in value.split(",") if n.strip())
+    if names and all(n.isidentifier() for n in names):
+        return WrapPolicy(mode="classes", classes=names)
+    raise ValueError(f"{value!r} is not a wrap policy")
+
+
+def _wrap_from_classes(value: Sequence[object], key: str, problems: list[Problem]) -> WrapPolicy:
+    names: list[str] = []
+    for item in value:
+        if isinstance(item, type) and issubclass(item, nn.Module):
+            names.append(item.__name__)
+        elif isinstance(item, str) and item.strip().isidentifier():
+            names.append(item.strip())
+        else:
+            problems.append(Problem(f"{key}[]", item, "module class names (identifiers) or nn.Module classes"))
+    if not value:
+        problems.append(Problem(key, value, _WRAP_ALLOWED, "give at least one class name, or 'none'"))
+    return WrapPolicy(mode="classes", classes=tuple(names))
+
+
+def _wrap_from_mapping(value: Mapping[str, Any], key: str, problems: list[Problem]) -> WrapPolicy:
+    valid = ["min_num_params", "classes"]
+    unknown = [k for k in value if k not in valid]
+    problems.extend(unknown_key(f"{key}.{k}", value[k], valid) for k in unknown)
+    if "min_num_params" in value and "classes" in value:
+        problems.append(Problem(key, dict(value), "exactly one of min_num_params or classes"))
+    if "min_num_params" in value:
+        n = value["min_num_params"]
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            problems.append(Problem(f"{key}.min_num_params", n, "an integer >= 1"))
+            return WrapPolicy()
+        return WrapPolicy(mode="min_params", min_num_params=n)
+    if "classes" in value:
+        return _wrap_from_classes(list(value["classes"] or []), key, problems)
+    if not unknown:
+        problems.append(Problem(key, dict(value), _WRAP_ALLOWED))
     return WrapPolicy()
 
 
@@ -252,17 +249,38 @@ def _parse_wrap(value: object, problems: list[Problem]) -> WrapPolicy:
 # ----------------------------------------------------------------------------------
 
 
-def _unknown_key(key: str, value: object, valid: list[str]) -> Problem:
-    close = difflib.get_close_matches(key.rsplit(".", 1)[-1], valid, n=1)
-    fix = f"did you mean {close[0]!r}?" if close else "remove it"
-    return Problem(key, value, f"known keys are {', '.join(valid)}", f"unknown key; {fix}")
-
-
-def _parse_bool(key: str, value: object, problems: list[Problem]) -> bool:
-    if isinstance(value, bool):
+def _parse_reshard(value: object, key: str, problems: list[Problem]) -> bool | int | None:
+    if value is None or isinstance(value, bool) or (isinstance(value, int) and value >= 1):
         return value
-    problems.append(Problem(key, value, "true or false"))
-    return False
+    raise ValueError(f"{value!r} is not a reshard-after-forward setting")
+
+
+def _parse_hybrid_shape(value: object, key: str, problems: list[Problem]) -> tuple[int, int] | None:
+    if value is None:
+        return None
+    if (
+        not isinstance(value, (list, tuple))
+        or len(value) != 2
+        or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in value)
+    ):
+        raise ValueError(f"{value!r} is not a (replicate, shard) shape")
+    return (value[0], value[1])
+
+
+def _parse_ignored(value: object, key: str, problems: list[Problem]) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        value = (value,)
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) and v for v in value):
+        raise ValueError(f"{value!r} is not a list of module names")
+    return tuple(value)
+
+
+def _parse_device(value: object, key: str, problems: list[Problem]) -> str:
+    if isinstance(value, str) and value.strip().lower() in DEVICES:
+        return value.strip().lower()
+    raise ValueError(f"{value!r} is not a device")
 
 
 MixedPrecisionLike: TypeAlias = "MixedPrecisionConfig | str | Mapping[str, Any] | None"
@@ -283,15 +301,20 @@ class BridgeConfig:
     process group exists; see ``fsdp-bridge explain`` for what each option becomes.
     """
 
-    strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD
+    strategy: ShardingStrategy = field(default=ShardingStrategy.FULL_SHARD, metadata=enum_spec(ShardingStrategy))
     """Sharding strategy: full_shard, shard_grad_op, no_shard, hybrid_shard, hybrid_shard_zero2."""
-    backend: Backend = Backend.FSDP2
+    backend: Backend = field(default=Backend.FSDP2, metadata=enum_spec(Backend))
     """Backend that runs the model: fsdp1 (FullyShardedDataParallel) or fsdp2 (fully_shard)."""
-    mixed_precision: MixedPrecisionConfig = field(default_factory=MixedPrecisionConfig)
+    mixed_precision: MixedPrecisionConfig = field(
+        default_factory=MixedPrecisionConfig, metadata=spec(_MP_ALLOWED, _parse_mixed_precision)
+    )
     """A preset (fp32, bf16, fp16) or a mapping of param/reduce/output/buffer dtypes."""
-    wrap: WrapPolicy = field(default_factory=WrapPolicy)
+    wrap: WrapPolicy = field(
+        default_factory=WrapPolicy,
+        metadata=spec(_WRAP_ALLOWED, _parse_wrap, summary="auto, none, a list of class names or {min_num_params: N}"),
+    )
     """Units to shard separately: auto, none, a list of class names, {min_num_params: N}, or a callable."""
-    backward_prefetch: BackwardPrefetch = BackwardPrefetch.PRE
+    backward_prefetch: BackwardPrefetch = field(default=BackwardPrefetch.PRE, metadata=enum_spec(BackwardPrefetch))
     """Backward all-gather prefetch: pre, post or none."""
     forward_prefetch: bool = False
     """Prefetch the next unit's all-gather during forward."""
@@ -303,13 +326,34 @@ class BridgeConfig:
     """Recompute each unit's activations in backward instead of storing them."""
     sync_module_states: bool = False
     """Take every rank's initial weights from rank 0 (other ranks may build on the meta device)."""
-    reshard_after_forward: bool | int | None = None
+    reshard_after_forward: bool | int | None = field(
+        default=None,
+        metadata=spec(
+            "null (from the strategy), true, false, or an integer >= 1",
+            _parse_reshard,
+            summary="true or false or an integer or null",
+        ),
+    )
     """Override the strategy's reshard-after-forward: true, false, or a smaller group size (FSDP2)."""
-    hybrid_shape: tuple[int, int] | None = None
+    hybrid_shape: tuple[int, int] | None = field(
+        default=None,
+        metadata=spec(
+            "null or [replicate, shard], two integers >= 1 whose product is the world size",
+            _parse_hybrid_shape,
+            summary="a list of 2 integers or null",
+        ),
+    )
     """(replicate, shard) mesh for HYBRID_*; default: shard within a node, replicate across nodes."""
-    ignored_modules: tuple[str, ...] = ()
+    ignored_modules: tuple[str, ...] = field(
+        default=(),
+        metadata=spec(
+            "a list of module paths (e.g. lm_head) or class names", _parse_ignored, summary="a list of strings"
+        ),
+    )
     """Module names (dotted paths) or class names whose parameters are neither sharded nor synchronised."""
-    device: Device = "auto"
+    device: Device = field(
+        default="auto", metadata=spec(", ".join(DEVICES), _parse_device, summary=f"one of {', '.join(DEVICES)}")
+    )
     """auto (CUDA with NCCL when available, else CPU with gloo), cuda or cpu."""
 
     if TYPE_CHECKING:
@@ -336,47 +380,16 @@ class BridgeConfig:
 
     def __post_init__(self) -> None:
         problems: list[Problem] = []
-        set_ = object.__setattr__  # frozen: normalise in place once, here
-
-        for name, enum_cls in (
-            ("strategy", ShardingStrategy),
-            ("backend", Backend),
-            ("backward_prefetch", BackwardPrefetch),
-        ):
-            raw = getattr(self, name)
-            try:
-                set_(self, name, parse_enum(enum_cls, raw))
-            except ValueError:
-                problems.append(Problem(name, raw, allowed_values(enum_cls)))
-                set_(self, name, next(f.default for f in dataclasses.fields(self) if f.name == name))
-
-        set_(self, "mixed_precision", _parse_mixed_precision(self.mixed_precision, problems))
-        set_(self, "wrap", _parse_wrap(self.wrap, problems))
-        for name in (
-            "forward_prefetch",
-            "limit_all_gathers",
-            "cpu_offload",
-            "activation_checkpointing",
-            "sync_module_states",
-        ):
-            set_(self, name, _parse_bool(name, getattr(self, name), problems))
-
-        raf = self.reshard_after_forward
-        if raf is not None and not isinstance(raf, bool) and (not isinstance(raf, int) or raf < 1):
+        normalise(self, problems)  # frozen: every field parsed in place once, here
+        if self.hybrid_shape is not None and not self.strategy.is_hybrid:
             problems.append(
-                Problem("reshard_after_forward", raf, "null (from the strategy), true, false, or an integer >= 1")
+                Problem(
+                    "hybrid_shape",
+                    list(self.hybrid_shape),
+                    "null unless strategy is hybrid_shard or hybrid_shard_zero2",
+                    f"remove hybrid_shape, or set strategy: hybrid_shard (strategy is {self.strategy.value})",
+                )
             )
-            set_(self, "reshard_after_forward", None)
-
-        set_(self, "hybrid_shape", self._parse_hybrid_shape(problems))
-        set_(self, "ignored_modules", self._parse_ignored(problems))
-
-        if isinstance(self.device, str) and self.device.strip().lower() in DEVICES:
-            set_(self, "device", self.device.strip().lower())
-        else:
-            problems.append(Problem("device", self.device, ", ".join(DEVICES)))
-            set_(self, "device", "auto")
-
         if not problems:
             # Only a well-formed config can be checked against the backend's table.
             from fsdp_bridge.mapping import unsupported_problems
@@ -384,40 +397,6 @@ class BridgeConfig:
             problems.extend(unsupported_problems(self, self.backend))
         if problems:
             raise ConfigError(problems)
-
-    def _parse_hybrid_shape(self, problems: list[Problem]) -> tuple[int, int] | None:
-        shape = self.hybrid_shape
-        if shape is None:
-            return None
-        allowed = "null or [replicate, shard], two integers >= 1 whose product is the world size"
-        if (
-            not isinstance(shape, (list, tuple))
-            or len(shape) != 2
-            or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in shape)
-        ):
-            problems.append(Problem("hybrid_shape", shape, allowed))
-            return None
-        if not self.strategy.is_hybrid:
-            problems.append(
-                Problem(
-                    "hybrid_shape",
-                    list(shape),
-                    "null unless strategy is hybrid_shard or hybrid_shard_zero2",
-                    f"remove hybrid_shape, or set strategy: hybrid_shard (strategy is {self.strategy.value})",
-                )
-            )
-        return (shape[0], shape[1])
-
-    def _parse_ignored(self, problems: list[Problem]) -> tuple[str, ...]:
-        value = self.ignored_modules
-        if value is None:
-            return ()
-        if isinstance(value, str):
-            value = (value,)
-        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) and v for v in value):
-            problems.append(Problem("ignored_modules", value, "a list of module paths (e.g. lm_head) or class names"))
-            return ()
-        return tuple(value)
 
     # -- serialisation ---------------------------------------------------------------
 
@@ -455,7 +434,7 @@ class BridgeConfig:
         if not isinstance(data, Mapping):
             raise ConfigError([Problem("config", data, "a mapping of BridgeConfig keys")], source=source)
         valid = cls.field_names()
-        problems = [_unknown_key(str(k), v, valid) for k, v in data.items() if k not in valid]
+        problems = [unknown_key(str(k), v, valid) for k, v in data.items() if k not in valid]
         known = {k: v for k, v in data.items() if k in valid}
         try:
             config = cls(**known)

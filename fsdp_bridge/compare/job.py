@@ -29,73 +29,216 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import enum
 import importlib
 import os
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
 from fsdp_bridge._lora import PeftConfig, apply_lora
+from fsdp_bridge._schema import field_spec, parse_layout, spec, unknown_key
 from fsdp_bridge._tiny_models import FAMILIES, build_tiny, sample_batch
 from fsdp_bridge.compare.engine import REFERENCE, RunSpec
-from fsdp_bridge.config import BridgeConfig, _unknown_key, read_yaml_file
+from fsdp_bridge.config import BridgeConfig, read_yaml_file
 from fsdp_bridge.errors import ConfigError, Problem
 from fsdp_bridge.strategy import Backend, ShardingStrategy, allowed_values, parse_enum
+
+E = TypeVar("E", bound=enum.Enum)
 
 __all__ = ["CompareJob", "load_job", "read_job"]
 
 _OVERRIDE_KEYS = ("lr",)
 """Run-level keys an override may set besides BridgeConfig fields."""
+_OVERRIDES_ALLOWED = f"a mapping keyed by {', '.join([*(b.value for b in Backend), REFERENCE])}"
+_FAMILY_ALLOWED = f"a tiny family ({', '.join(FAMILIES)}) or a transformers model_type"
+_PEFT_ALLOWED = f"a mapping of {', '.join(f.name for f in dataclasses.fields(PeftConfig))}, or null"
+_COUNT = "an integer >= 1"
+
+
+# -- how each key of the job file is read (the schema engine reports what they refuse) --------------
+
+
+def _parse_count(value: Any, key: str, problems: list[Problem]) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{value!r} is not a count")
+    return value
+
+
+def _number(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{value!r} is not a number")
+    return float(value)
+
+
+def _parse_positive(value: Any, key: str, problems: list[Problem]) -> float:
+    if not _number(value) > 0:
+        raise ValueError(f"{value!r} is not > 0")
+    return float(value)
+
+
+def _parse_optional_positive(value: Any, key: str, problems: list[Problem]) -> float | None:
+    return None if value is None else _parse_positive(value, key, problems)
+
+
+def _parse_non_negative(value: Any, key: str, problems: list[Problem]) -> float:
+    if not _number(value) >= 0:
+        raise ValueError(f"{value!r} is not >= 0")
+    return float(value)
+
+
+def _parse_model_config(value: Any, key: str, problems: list[Problem]) -> dict[str, Any]:
+    if not isinstance(value or {}, Mapping):
+        raise ValueError(f"{value!r} is not a mapping")
+    return dict(value or {})
+
+
+def _parse_model_dir(value: Any, key: str, problems: list[Problem]) -> str | None:
+    if value is not None and not (isinstance(value, str) and (Path(value) / "config.json").is_file()):
+        raise ValueError(f"{value!r} is not a model directory")
+    return value  # type: ignore[no-any-return]
+
+
+def _parse_import_spec(value: Any, key: str, problems: list[Problem]) -> str | None:
+    if value is not None and not (isinstance(value, str) and _is_import_spec(value)):
+        raise ValueError(f"{value!r} is not module:function")
+    return value  # type: ignore[no-any-return]
+
+
+def _import_spec(at: str) -> dict[str, Any]:
+    allowed = "module:function (an importable module and a function in it)"
+    return spec(allowed, _parse_import_spec, fix="e.g. my_pkg.models:build", at=at)
+
+
+def _enum_list_spec(enum_cls: type[E], at: str) -> dict[str, Any]:
+    """A list (or comma-separated text) of ``enum_cls`` values; each bad item is its own problem."""
+
+    def parse(value: Any, key: str, problems: list[Problem]) -> tuple[E, ...]:
+        values = [v.strip() for v in value.split(",")] if isinstance(value, str) else value
+        items = values if isinstance(values, (list, tuple)) else [values]
+        parsed: list[E] = []
+        for item in items:
+            try:
+                parsed.append(parse_enum(enum_cls, item))
+            except ValueError:
+                problems.append(Problem(key, item, allowed_values(enum_cls)))
+        if not items:
+            problems.append(Problem(key, values, f"a non-empty list of {allowed_values(enum_cls)}"))
+        return tuple(dict.fromkeys(parsed))
+
+    return spec(allowed_values(enum_cls), parse, at=at)
+
+
+def _parse_overrides(value: object, key: str, problems: list[Problem]) -> dict[str, dict[str, Any]]:
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{value!r} is not a mapping")
+    runs = [*(b.value for b in Backend), REFERENCE]
+    out: dict[str, dict[str, Any]] = {}
+    valid = [*_OVERRIDE_KEYS, *(f for f in BridgeConfig.field_names() if f not in ("backend", "strategy"))]
+    for run, changes in value.items():
+        if run not in runs:
+            problems.append(Problem(f"{key}.{run}", changes, f"a run name: {', '.join(runs)}"))
+            continue
+        if not isinstance(changes, Mapping):
+            problems.append(Problem(f"{key}.{run}", changes, f"a mapping of {', '.join(valid)}"))
+            continue
+        allowed = list(_OVERRIDE_KEYS) if run == REFERENCE else valid
+        for k, v in changes.items():
+            if k not in allowed:
+                problems.append(unknown_key(f"{key}.{run}.{k}", v, allowed))
+            elif k == "lr" and (isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0):
+                problems.append(Problem(f"{key}.{run}.lr", v, "a number > 0"))
+        out[str(run)] = dict(changes)
+    return out
+
+
+def _parse_bridge_section(value: Any, key: str, problems: list[Problem]) -> dict[str, Any]:
+    if not isinstance(value or {}, Mapping):
+        raise ValueError(f"{value!r} is not a mapping")
+    return dict(value or {})  # checked per run, with each run's backend and strategy (run_specs)
+
+
+def _parse_peft(value: Any, key: str, problems: list[Problem]) -> PeftConfig | None:
+    from fsdp_bridge.train._config import parse_peft_section  # one schema for the section, as in train
+
+    section, found = parse_peft_section(value, key)
+    problems += found
+    return section
 
 
 @dataclass(frozen=True, kw_only=True)
 class CompareJob:
     """A comparison: the model, data and optimizer of a short run, and which runs to make."""
 
-    family: str = "llama"
+    family: str = field(default="llama", metadata=spec(_FAMILY_ALLOWED, at="model.family"))
     """A tiny model family of :mod:`fsdp_bridge.testing.models` (``model.family``), or any transformers
     ``model_type`` (``model.config.model_type``) built from ``model.config`` as given."""
-    model_config: dict[str, Any] = field(default_factory=dict)
+    model_config: dict[str, Any] = field(
+        default_factory=dict,
+        metadata=spec("a mapping of transformers config values", _parse_model_config, at="model.config"),
+    )
     """transformers config values: over the tiny sizes for a tiny family, the whole config otherwise."""
-    model_path: str | None = None
+    model_path: str | None = field(
+        default=None,
+        metadata=spec(
+            "a Hugging Face model directory with a config.json",
+            _parse_model_dir,
+            fix="save it with model.save_pretrained(DIR)",
+            at="model.path",
+        ),
+    )
     """A Hugging Face model directory (``model.path``): its config and weights; overrides ``family``."""
-    builder: str | None = None
+    builder: str | None = field(default=None, metadata=_import_spec("model.builder"))
     """``module:function`` returning the model (``model.builder``), called with the seed set."""
-    batch_fn: str | None = None
+    batch_fn: str | None = field(default=None, metadata=_import_spec("model.batch"))
     """``module:function(batch, seq_len, seed) -> dict`` making one step's inputs (``model.batch``);
     default: random tokens with labels for the model's head (causal, masked or seq2seq LM)."""
-    seq_len: int = 16
+    seq_len: int = field(default=16, metadata=spec(_COUNT, _parse_count, at="data.seq_len"))
     """Tokens per sequence (``data.seq_len``)."""
-    micro_batch_size: int = 2
+    lr: float = field(default=1e-3, metadata=spec("a number > 0", _parse_positive, at="optim.lr"))
+    """AdamW learning rate (``optim.lr``)."""
+    weight_decay: float = field(
+        default=0.0, metadata=spec("a number >= 0", _parse_non_negative, at="optim.weight_decay")
+    )
+    """AdamW weight decay (``optim.weight_decay``)."""
+    grad_clip: float | None = field(
+        default=None, metadata=spec("a number > 0", _parse_optional_positive, at="optim.grad_clip")
+    )
+    """Clip gradients to this global norm before each step (``optim.grad_clip``); null: no clipping."""
+    micro_batch_size: int = field(default=2, metadata=spec(_COUNT, _parse_count))
     """Sequences per rank and step."""
-    max_steps: int = 5
+    max_steps: int = field(default=5, metadata=spec(_COUNT, _parse_count))
     """Optimizer steps per run."""
     seed: int = 0
     """Seeds the initial weights; rank r's batches use seed + 42 + r (PyTorch's parity-test convention)."""
-    lr: float = 1e-3
-    """AdamW learning rate (``optim.lr``)."""
-    weight_decay: float = 0.0
-    """AdamW weight decay (``optim.weight_decay``)."""
-    grad_clip: float | None = None
-    """Clip gradients to this global norm before each step (``optim.grad_clip``); null: no clipping."""
-    strategies: tuple[ShardingStrategy, ...] = ()
+    strategies: tuple[ShardingStrategy, ...] = field(
+        default=(), metadata=_enum_list_spec(ShardingStrategy, "compare.strategies")
+    )
     """Strategies to run (``compare.strategies``); empty: the bridge config's strategy."""
-    backends: tuple[Backend, ...] = (Backend.FSDP1, Backend.FSDP2)
+    backends: tuple[Backend, ...] = field(
+        default=(Backend.FSDP1, Backend.FSDP2), metadata=_enum_list_spec(Backend, "compare.backends")
+    )
     """Backends to run each strategy on (``compare.backends``)."""
-    reference: bool = False
+    reference: bool = field(default=False, metadata=spec("true or false", at="compare.reference"))
     """Also run the non-sharded reference with averaged gradients (``compare.reference``)."""
-    nproc_per_node: int = 2
+    nproc_per_node: int = field(default=2, metadata=spec(_COUNT, _parse_count, at="compare.nproc_per_node"))
     """Ranks to spawn on this machine (``compare.nproc_per_node``)."""
-    overrides: dict[str, dict[str, Any]] = field(default_factory=dict)
+    overrides: dict[str, dict[str, Any]] = field(
+        default_factory=dict, metadata=spec(_OVERRIDES_ALLOWED, _parse_overrides, at="compare.overrides")
+    )
     """Per-run changes keyed by backend or ``reference`` (``compare.overrides``): ``lr`` or bridge fields."""
-    bridge: dict[str, Any] = field(default_factory=dict)
+    bridge: dict[str, Any] = field(
+        default_factory=dict, metadata=spec("a mapping of BridgeConfig fields", _parse_bridge_section)
+    )
     """The bridge section (BridgeConfig fields); ``backend`` and ``strategy`` are set per run."""
-    peft: PeftConfig | None = None
+    peft: PeftConfig | None = field(default=None, metadata=spec(_PEFT_ALLOWED, _parse_peft))
     """LoRA adapters on the frozen model in every run (``peft:``, the training YAML's section); null: none."""
 
     # -- building the runs ------------------------------------------------------------
@@ -164,9 +307,9 @@ class CompareJob:
     def check_model(self) -> None:
         """Everything about the model that can fail, checked before any process starts:
         the builder and batch functions import, a config builds, the head is a language model."""
-        for spec, key in ((self.builder, "model.builder"), (self.batch_fn, "model.batch")):
-            if spec is not None:
-                _import(spec, key)
+        for name, key in ((self.builder, "model.builder"), (self.batch_fn, "model.batch")):
+            if name is not None:
+                _import(name, key)
         if self.builder is None and (self.model_path is not None or self.family not in FAMILIES):
             _head_class(_hf_config(self.model_path, self.family, self.model_config))
         if self.peft is not None and self.builder is None and self.model_path is None:
@@ -206,114 +349,22 @@ class CompareJob:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], *, source: str | None = None) -> CompareJob:
         """Parse the YAML mapping; every problem is reported at once."""
-        problems: list[Problem] = []
         if not isinstance(data, Mapping):
             raise ConfigError(
                 [Problem("job", data, "a mapping with model, data, optim, compare, bridge ...")], source=source
             )
-        top = ["model", "data", "optim", "micro_batch_size", "max_steps", "seed", "compare", "bridge", "peft"]
-        problems += [_unknown_key(str(k), v, top) for k, v in data.items() if k not in top]
-        kw: dict[str, Any] = {}
-
-        model = data.get("model", {})
+        problems: list[Problem] = []
+        model = data.get("model") or {}
         if isinstance(model, str):
             model = {"family": model}
-        model_keys = ["family", "config", "path", "builder", "batch"]
         if not isinstance(model, Mapping):
+            keys = [at.removeprefix("model.") for at in _places(cls) if at.startswith("model.")]
             problems.append(
-                Problem(
-                    "model", model, f"a family name ({', '.join(FAMILIES)}) or a mapping of {', '.join(model_keys)}"
-                )
+                Problem("model", model, f"a family name ({', '.join(FAMILIES)}) or a mapping of {', '.join(keys)}")
             )
             model = {}
-        problems += [_unknown_key(f"model.{k}", v, model_keys) for k, v in model.items() if k not in model_keys]
-        problems += _model_problems(model)
-        config = dict(model.get("config") or {})
-        family = model.get("family", config.pop("model_type", "llama"))
-        if not isinstance(family, str):
-            problems.append(
-                Problem("model.family", family, f"a tiny family ({', '.join(FAMILIES)}) or a transformers model_type")
-            )
-        elif "path" not in model and "builder" not in model and family not in FAMILIES:
-            from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
-
-            if family not in CONFIG_MAPPING_NAMES:
-                close = difflib.get_close_matches(family, [*FAMILIES, *CONFIG_MAPPING_NAMES], n=3)
-                problems.append(
-                    Problem(
-                        "model.family" if "family" in model else "model.config.model_type",
-                        family,
-                        f"a tiny family ({', '.join(FAMILIES)}) or a transformers model_type",
-                        f"did you mean {', '.join(map(repr, close))}?"
-                        if close
-                        else "or give model.path (a Hugging Face directory) or model.builder",
-                    )
-                )
-        kw["family"], kw["model_config"] = family, config
-        kw["model_path"], kw["builder"], kw["batch_fn"] = model.get("path"), model.get("builder"), model.get("batch")
-
-        section = _section(data, "data", ["seq_len"], problems)
-        kw.update(_ints(section, {"seq_len": "data.seq_len"}, problems))
-        kw.update(_ints(data, {"micro_batch_size": "micro_batch_size", "max_steps": "max_steps"}, problems))
-        if "seed" in data:
-            if isinstance(data["seed"], int) and not isinstance(data["seed"], bool):
-                kw["seed"] = data["seed"]
-            else:
-                problems.append(Problem("seed", data["seed"], "an integer"))
-
-        optim = _section(data, "optim", ["lr", "weight_decay", "grad_clip"], problems)
-        for key in ("lr", "weight_decay", "grad_clip"):
-            if key in optim:
-                value = optim[key]
-                if value is None and key == "grad_clip":
-                    continue
-                if (
-                    isinstance(value, bool)
-                    or not isinstance(value, (int, float))
-                    or value < 0
-                    or (key != "weight_decay" and value == 0)
-                ):
-                    problems.append(
-                        Problem(f"optim.{key}", value, "a number > 0" if key != "weight_decay" else "a number >= 0")
-                    )
-                else:
-                    kw[key] = float(value)
-
-        comp = _section(
-            data, "compare", ["strategies", "backends", "reference", "nproc_per_node", "overrides"], problems
-        )
-        for key, enum_cls in (("strategies", ShardingStrategy), ("backends", Backend)):
-            if key in comp:
-                values = comp[key]
-                values = [v.strip() for v in values.split(",")] if isinstance(values, str) else values
-                parsed = []
-                for v in values if isinstance(values, (list, tuple)) else [values]:
-                    try:
-                        parsed.append(parse_enum(enum_cls, v))  # type: ignore[type-var]
-                    except ValueError:
-                        problems.append(Problem(f"compare.{key}", v, allowed_values(enum_cls)))
-                if not parsed and not problems:
-                    problems.append(
-                        Problem(f"compare.{key}", values, f"a non-empty list of {allowed_values(enum_cls)}")
-                    )
-                kw[key] = tuple(dict.fromkeys(parsed))
-        if "reference" in comp:
-            if isinstance(comp["reference"], bool):
-                kw["reference"] = comp["reference"]
-            else:
-                problems.append(Problem("compare.reference", comp["reference"], "true or false"))
-        kw.update(_ints(comp, {"nproc_per_node": "compare.nproc_per_node"}, problems))
-        kw["overrides"] = _overrides(comp.get("overrides") or {}, problems)
-
-        bridge = data.get("bridge") or {}
-        if not isinstance(bridge, Mapping):
-            problems.append(Problem("bridge", bridge, "a mapping of BridgeConfig fields"))
-            bridge = {}
-        kw["bridge"] = dict(bridge)
-        from fsdp_bridge.train._config import parse_peft_section  # one schema for the section, as in train
-
-        kw["peft"], peft_problems = parse_peft_section(data.get("peft"))
-        problems += peft_problems
+        kw = parse_layout(cls, {**data, "model": model}, problems)
+        problems += _model_problems(model, kw)
         if problems:
             raise ConfigError(problems, source=source)
         job = cls(**kw)
@@ -337,7 +388,16 @@ class CompareJob:
         return job
 
 
-def _model_problems(model: Mapping[str, Any]) -> list[Problem]:
+def _places(cls: type) -> list[str]:
+    """Where each field sits in the job file (``model.path``), in field order."""
+    return [getattr(field_spec(f), "at", None) or f.name for f in dataclasses.fields(cls)]
+
+
+def _model_problems(model: Mapping[str, Any], kw: dict[str, Any]) -> list[Problem]:
+    """What the model keys say together (each key's own value is checked by its field's parser).
+
+    Sets ``kw["family"]`` from ``model.config.model_type`` when no family is given.
+    """
     problems: list[Problem] = []
     sources = [k for k in ("path", "builder") if k in model]
     if len(sources) > 1 or (sources and "family" in model):
@@ -349,27 +409,6 @@ def _model_problems(model: Mapping[str, Any]) -> list[Problem]:
                 "keep the one that names your model",
             )
         )
-    path = model.get("path")
-    if path is not None and not (isinstance(path, str) and (Path(path) / "config.json").is_file()):
-        problems.append(
-            Problem(
-                "model.path",
-                path,
-                "a Hugging Face model directory with a config.json",
-                "save it with model.save_pretrained(DIR)",
-            )
-        )
-    for key in ("builder", "batch"):
-        spec = model.get(key)
-        if spec is not None and not (isinstance(spec, str) and _is_import_spec(spec)):
-            problems.append(
-                Problem(
-                    f"model.{key}",
-                    spec,
-                    "module:function (an importable module and a function in it)",
-                    "e.g. my_pkg.models:build",
-                )
-            )
     if "batch" in model and "builder" not in model and "path" not in model:
         problems.append(
             Problem(
@@ -379,8 +418,29 @@ def _model_problems(model: Mapping[str, Any]) -> list[Problem]:
                 "tiny families and model types make their own batches",
             )
         )
-    if "config" in model and not isinstance(model.get("config") or {}, Mapping):
-        problems.append(Problem("model.config", model["config"], "a mapping of transformers config values"))
+    config = dict(kw.get("model_config", {}))
+    model_type = config.pop("model_type", "llama")
+    kw["model_config"] = config
+    if "family" in model:
+        if "family" not in kw:
+            return problems  # reported by the field's parser
+    else:
+        kw["family"] = model_type
+    family = kw["family"]
+    key = "model.family" if "family" in model else "model.config.model_type"
+    if not isinstance(family, str):
+        problems.append(Problem(key, family, _FAMILY_ALLOWED))
+    elif "path" not in model and "builder" not in model and family not in FAMILIES:
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+        if family not in CONFIG_MAPPING_NAMES:
+            close = difflib.get_close_matches(family, [*FAMILIES, *CONFIG_MAPPING_NAMES], n=3)
+            fix = (
+                f"did you mean {', '.join(map(repr, close))}?"
+                if close
+                else "or give model.path (a Hugging Face directory) or model.builder"
+            )
+            problems.append(Problem(key, family, _FAMILY_ALLOWED, fix))
     return problems
 
 
@@ -492,51 +552,6 @@ def _token_batch(kind: str, vocab: int, *, batch: int, seq: int, seed: int) -> d
         labels[mask] = ids[mask]
         return {"input_ids": ids.masked_fill(mask, 3), "labels": labels}
     return {"input_ids": ids, "labels": ids.clone()}
-
-
-def _section(data: Mapping[str, Any], key: str, valid: list[str], problems: list[Problem]) -> Mapping[str, Any]:
-    section = data.get(key) or {}
-    if not isinstance(section, Mapping):
-        problems.append(Problem(key, section, f"a mapping with keys {', '.join(valid)}"))
-        return {}
-    problems += [_unknown_key(f"{key}.{k}", v, valid) for k, v in section.items() if k not in valid]
-    return section
-
-
-def _ints(section: Mapping[str, Any], keys: dict[str, str], problems: list[Problem]) -> dict[str, int]:
-    out = {}
-    for key, dotted in keys.items():
-        if key in section:
-            value = section[key]
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                problems.append(Problem(dotted, value, "an integer >= 1"))
-            else:
-                out[key] = value
-    return out
-
-
-def _overrides(value: object, problems: list[Problem]) -> dict[str, dict[str, Any]]:
-    runs = [b.value for b in Backend] + [REFERENCE]
-    if not isinstance(value, Mapping):
-        problems.append(Problem("compare.overrides", value, f"a mapping keyed by {', '.join(runs)}"))
-        return {}
-    out: dict[str, dict[str, Any]] = {}
-    valid = [*_OVERRIDE_KEYS, *(f for f in BridgeConfig.field_names() if f not in ("backend", "strategy"))]
-    for run, changes in value.items():
-        if run not in runs:
-            problems.append(Problem(f"compare.overrides.{run}", changes, f"a run name: {', '.join(runs)}"))
-            continue
-        if not isinstance(changes, Mapping):
-            problems.append(Problem(f"compare.overrides.{run}", changes, f"a mapping of {', '.join(valid)}"))
-            continue
-        allowed = list(_OVERRIDE_KEYS) if run == REFERENCE else valid
-        for k, v in changes.items():
-            if k not in allowed:
-                problems.append(_unknown_key(f"compare.overrides.{run}.{k}", v, allowed))
-            elif k == "lr" and (isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0):
-                problems.append(Problem(f"compare.overrides.{run}.lr", v, "a number > 0"))
-        out[str(run)] = dict(changes)
-    return out
 
 
 def read_job(path: str | Path) -> dict[str, Any]:

@@ -22,7 +22,7 @@ import copy
 import json
 import os
 import shlex
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -75,6 +75,10 @@ class Fsdp1Source:
     """Values of table-only options (state_dict_type, use_orig_params, ...)."""
     raw: dict[str, Any] = field(default_factory=dict)
     """The whole source document (accelerate: re-emitted with the FSDP2 fsdp_config)."""
+
+    def record(self, key: str, option: str, value: object, *, default: bool = False, ignored: str = "") -> None:
+        """Note a source key for the report (in the order the report lists them)."""
+        self.options.append(SourceOption(key, value, option, default, ignored))
 
 
 @dataclass
@@ -177,25 +181,81 @@ def _wrap(policy: str | None, classes: list[str] | None, min_params: int | None)
 # ----------------------------------------------------------------------------------
 
 
-_ACCELERATE_KEYS: dict[str, str] = {
-    # fsdp_config key -> BridgeConfig field or table option
-    "fsdp_sharding_strategy": "strategy",
-    "fsdp_reshard_after_forward": "strategy",  # FSDP1 configs from newer accelerate: a strategy name
-    "fsdp_auto_wrap_policy": "wrap",
-    "fsdp_transformer_layer_cls_to_wrap": "wrap",
-    "fsdp_min_num_params": "wrap",
-    "fsdp_backward_prefetch": "backward_prefetch",
-    "fsdp_backward_prefetch_policy": "backward_prefetch",  # older accelerate
-    "fsdp_forward_prefetch": "forward_prefetch",
-    "fsdp_offload_params": "cpu_offload",
-    "fsdp_state_dict_type": "state_dict_type",
-    "fsdp_sync_module_states": "sync_module_states",
-    "fsdp_use_orig_params": "use_orig_params",
-    "fsdp_cpu_ram_efficient_loading": "cpu_ram_efficient_loading",
-    "fsdp_activation_checkpointing": "activation_checkpointing",
-    "fsdp_ignored_modules": "ignored_modules",
-    "fsdp_limit_all_gathers": "limit_all_gathers",
-    "fsdp_version": "",
+_UNSET: Any = object()
+
+
+@dataclass(frozen=True)
+class _Key:
+    """One key of a source tool's FSDP1 config: the option it sets and how its value is read."""
+
+    option: str
+    """A BridgeConfig field, a table option with no field (``table``), or "" (no option)."""
+    read: Callable[[str, object, _Problems], object] | None = None
+    """Reader of a key that sets its option alone; None: read with the keys it combines with
+    (strategy, wrap, prefetch, offload), by the source's own function."""
+    table: bool = False
+    """The option is a table option (``Fsdp1Source.table_values``), not a BridgeConfig field."""
+    default: object = _UNSET
+    """The source tool's value when the key is absent (reported as its default)."""
+    skip_null: bool = False
+    """A null value means the key is not set."""
+
+
+def _state_dict_type(key: str, value: object, problems: _Problems) -> str | None:
+    return _numbered(key, value, ACCELERATE_STATE_DICT, problems)
+
+
+def _read_keys(
+    keys: Mapping[str, _Key], cfg: Mapping[str, Any], src: Fsdp1Source, problems: _Problems, *, prefix: str, shown: str
+) -> None:
+    """Read every key with a reader, in the table's order: problems under ``prefix + key``, report
+    rows under ``shown + key``."""
+    for key, spec in keys.items():
+        if spec.read is None:
+            continue
+        target = src.table_values if spec.table else src.fields
+        if key in cfg and not (spec.skip_null and cfg[key] is None):
+            target[spec.option] = spec.read(f"{prefix}{key}", cfg[key], problems)
+            src.record(f"{shown}{key}", spec.option, cfg[key])
+        elif key not in cfg and spec.default is not _UNSET:
+            target[spec.option] = spec.default
+            src.record(f"{shown}{key}", spec.option, spec.default, default=True)
+
+
+def _unknown_source_keys(
+    cfg: Mapping[str, Any], keys: Mapping[str, _Key], prefix: str, tool: str, problems: _Problems
+) -> None:
+    for key in cfg:
+        if key not in keys:
+            problems.add(
+                f"{prefix}{key}", cfg[key], f"{tool} keys: {', '.join(keys)}", "remove it, or check its spelling"
+            )
+
+
+def _already_fsdp2(key: str, version: object, problems: _Problems) -> None:
+    if str(version) != "1":
+        problems.add(key, version, "1 (an FSDP1 config)", "this config is already FSDP2; nothing to migrate")
+
+
+_ACCELERATE_KEYS: dict[str, _Key] = {
+    # fsdp_config key -> BridgeConfig field or table option, in the order the report lists them
+    "fsdp_sharding_strategy": _Key("strategy"),
+    "fsdp_reshard_after_forward": _Key("strategy"),  # FSDP1 configs from newer accelerate: a strategy name
+    "fsdp_auto_wrap_policy": _Key("wrap"),
+    "fsdp_transformer_layer_cls_to_wrap": _Key("wrap"),
+    "fsdp_min_num_params": _Key("wrap"),
+    "fsdp_backward_prefetch": _Key("backward_prefetch"),
+    "fsdp_backward_prefetch_policy": _Key("backward_prefetch"),  # older accelerate
+    "fsdp_forward_prefetch": _Key("forward_prefetch", _bool),
+    "fsdp_offload_params": _Key("cpu_offload", _bool),
+    "fsdp_sync_module_states": _Key("sync_module_states", _bool),
+    "fsdp_activation_checkpointing": _Key("activation_checkpointing", _bool),
+    "fsdp_limit_all_gathers": _Key("limit_all_gathers", _bool),
+    "fsdp_use_orig_params": _Key("use_orig_params", _bool, table=True),
+    "fsdp_cpu_ram_efficient_loading": _Key("cpu_ram_efficient_loading", _bool, table=True),
+    "fsdp_state_dict_type": _Key("state_dict_type", _state_dict_type, table=True),
+    "fsdp_ignored_modules": _Key("ignored_modules", _class_list, skip_null=True),
+    "fsdp_version": _Key(""),
 }
 
 
@@ -204,134 +264,105 @@ def parse_accelerate(data: Mapping[str, Any], path: str) -> Fsdp1Source:
     problems = _Problems()
     fsdp = dict(data.get("fsdp_config") or {})
     src = Fsdp1Source(kind="accelerate", path=path, raw=copy.deepcopy(dict(data)))
-    version = fsdp.get("fsdp_version", 1)
-    if str(version) != "1":
-        problems.add(
-            "fsdp_config.fsdp_version",
-            version,
-            "1 (an FSDP1 config)",
-            "this config is already FSDP2; nothing to migrate",
-        )
-    for key in fsdp:
-        if key not in _ACCELERATE_KEYS:
-            problems.add(
-                f"fsdp_config.{key}",
-                fsdp[key],
-                f"accelerate FSDP1 keys: {', '.join(_ACCELERATE_KEYS)}",
-                "remove it, or check its spelling",
-            )
+    _already_fsdp2("fsdp_config.fsdp_version", fsdp.get("fsdp_version", 1), problems)
+    _unknown_source_keys(fsdp, _ACCELERATE_KEYS, "fsdp_config.", "accelerate FSDP1", problems)
     if problems:
         raise ConfigError(problems, source=path)
-
-    def opt(key: str, option: str, value: object, *, default: bool = False, ignored: str = "") -> None:
-        src.options.append(SourceOption(key, value, option, default, ignored))
-
-    # strategy: fsdp_sharding_strategy wins over an FSDP1-style fsdp_reshard_after_forward (as accelerate does)
-    strategy = ShardingStrategy.FULL_SHARD
-    for key in ("fsdp_sharding_strategy", "fsdp_reshard_after_forward"):
-        if key in fsdp:
-            parsed = _strategy(f"fsdp_config.{key}", fsdp[key], problems)
-            if key == "fsdp_reshard_after_forward" and "fsdp_sharding_strategy" in fsdp:
-                opt(key, "strategy", fsdp[key], ignored="accelerate uses fsdp_sharding_strategy when both are set")
-                continue
-            strategy = parsed or strategy
-            opt(key, "strategy", fsdp[key])
-    if not any(k in fsdp for k in ("fsdp_sharding_strategy", "fsdp_reshard_after_forward")):
-        opt("fsdp_sharding_strategy", "strategy", "FULL_SHARD", default=True)
-    src.fields["strategy"] = strategy
-
-    policy = None
-    if "fsdp_auto_wrap_policy" in fsdp:
-        policy = _numbered(
-            "fsdp_config.fsdp_auto_wrap_policy", fsdp["fsdp_auto_wrap_policy"], ACCELERATE_WRAP, problems
-        )
-        opt("fsdp_auto_wrap_policy", "wrap", fsdp["fsdp_auto_wrap_policy"])
-    else:
-        opt("fsdp_auto_wrap_policy", "wrap", "NO_WRAP", default=True)
-    classes = None
-    if "fsdp_transformer_layer_cls_to_wrap" in fsdp:
-        classes = _class_list(
-            "fsdp_config.fsdp_transformer_layer_cls_to_wrap", fsdp["fsdp_transformer_layer_cls_to_wrap"], problems
-        )
-        ignored = "" if policy == "TRANSFORMER_BASED_WRAP" else "accelerate reads it only with TRANSFORMER_BASED_WRAP"
-        opt("fsdp_transformer_layer_cls_to_wrap", "wrap", fsdp["fsdp_transformer_layer_cls_to_wrap"], ignored=ignored)
-    min_params = None
-    if "fsdp_min_num_params" in fsdp:
-        raw_min = fsdp["fsdp_min_num_params"]
-        if isinstance(raw_min, bool) or not str(raw_min).strip().isdigit():
-            problems.add("fsdp_config.fsdp_min_num_params", raw_min, "an integer >= 0")
-        else:
-            min_params = int(str(raw_min).strip())
-        ignored = "" if policy == "SIZE_BASED_WRAP" else "accelerate reads it only with SIZE_BASED_WRAP"
-        opt("fsdp_min_num_params", "wrap", raw_min, ignored=ignored)
-    src.fields["wrap"] = _wrap(policy, classes, min_params)
-
-    prefetch_keys = [k for k in ("fsdp_backward_prefetch", "fsdp_backward_prefetch_policy") if k in fsdp]
-    for key in prefetch_keys:
-        parsed_prefetch = _prefetch(f"fsdp_config.{key}", fsdp[key], problems)
-        if parsed_prefetch is not None:
-            src.fields["backward_prefetch"] = parsed_prefetch
-        opt(key, "backward_prefetch", fsdp[key])
-    if not prefetch_keys:
-        # accelerate's FSDP1 default is no backward prefetch.
-        src.fields["backward_prefetch"] = BackwardPrefetch.NONE
-        opt("fsdp_backward_prefetch", "backward_prefetch", "NO_PREFETCH", default=True)
-
-    for key, name in (
-        ("fsdp_forward_prefetch", "forward_prefetch"),
-        ("fsdp_offload_params", "cpu_offload"),
-        ("fsdp_sync_module_states", "sync_module_states"),
-        ("fsdp_activation_checkpointing", "activation_checkpointing"),
-        ("fsdp_limit_all_gathers", "limit_all_gathers"),
-    ):
-        if key in fsdp:
-            src.fields[name] = _bool(f"fsdp_config.{key}", fsdp[key], problems)
-            opt(key, name, fsdp[key])
-    for key, name in (
-        ("fsdp_use_orig_params", "use_orig_params"),
-        ("fsdp_cpu_ram_efficient_loading", "cpu_ram_efficient_loading"),
-    ):
-        if key in fsdp:
-            src.table_values[name] = _bool(f"fsdp_config.{key}", fsdp[key], problems)
-            opt(key, name, fsdp[key])
+    _accelerate_strategy(fsdp, src, problems)
+    _accelerate_wrap(fsdp, src, problems)
+    _accelerate_prefetch(fsdp, src, problems)
+    _read_keys(_ACCELERATE_KEYS, fsdp, src, problems, prefix="fsdp_config.", shown="")
     if src.table_values.get("cpu_ram_efficient_loading"):
         src.fields["sync_module_states"] = True  # accelerate forces it on (FSDP1)
-    if "fsdp_state_dict_type" in fsdp:
-        src.table_values["state_dict_type"] = _numbered(
-            "fsdp_config.fsdp_state_dict_type", fsdp["fsdp_state_dict_type"], ACCELERATE_STATE_DICT, problems
-        )
-        opt("fsdp_state_dict_type", "state_dict_type", fsdp["fsdp_state_dict_type"])
-    if fsdp.get("fsdp_ignored_modules") is not None:
-        src.fields["ignored_modules"] = _class_list(
-            "fsdp_config.fsdp_ignored_modules", fsdp["fsdp_ignored_modules"], problems
-        )
-        opt("fsdp_ignored_modules", "ignored_modules", fsdp["fsdp_ignored_modules"])
     if "mixed_precision" in data:
         src.fields["mixed_precision"] = _mixed_precision("mixed_precision", data["mixed_precision"], problems)
-        opt("mixed_precision", "mixed_precision", data["mixed_precision"])
+        src.record("mixed_precision", "mixed_precision", data["mixed_precision"])
     if problems:
         raise ConfigError(problems, source=path)
     return src
 
 
-_TRAINER_KEYS: dict[str, str] = {
-    "version": "",
-    "min_num_params": "wrap",
-    "transformer_layer_cls_to_wrap": "wrap",
-    "auto_wrap_policy": "wrap",
-    "cpu_offload": "cpu_offload",
-    "cpu_ram_efficient_loading": "cpu_ram_efficient_loading",
-    "state_dict_type": "state_dict_type",
-    "activation_checkpointing": "activation_checkpointing",
-    "reshard_after_forward": "strategy",
-    "forward_prefetch": "forward_prefetch",
-    "backward_prefetch": "backward_prefetch",
-    "use_orig_params": "use_orig_params",
-    "sync_module_states": "sync_module_states",
-    "limit_all_gathers": "limit_all_gathers",
-    "xla": "",
-    "xla_fsdp_v2": "",
-    "xla_fsdp_grad_ckpt": "",
+def _accelerate_strategy(fsdp: Mapping[str, Any], src: Fsdp1Source, problems: _Problems) -> None:
+    """fsdp_sharding_strategy wins over an FSDP1-style fsdp_reshard_after_forward (as accelerate does)."""
+    strategy = ShardingStrategy.FULL_SHARD
+    for key in ("fsdp_sharding_strategy", "fsdp_reshard_after_forward"):
+        if key in fsdp:
+            parsed = _strategy(f"fsdp_config.{key}", fsdp[key], problems)
+            if key == "fsdp_reshard_after_forward" and "fsdp_sharding_strategy" in fsdp:
+                src.record(
+                    key, "strategy", fsdp[key], ignored="accelerate uses fsdp_sharding_strategy when both are set"
+                )
+                continue
+            strategy = parsed or strategy
+            src.record(key, "strategy", fsdp[key])
+    if not any(k in fsdp for k in ("fsdp_sharding_strategy", "fsdp_reshard_after_forward")):
+        src.record("fsdp_sharding_strategy", "strategy", "FULL_SHARD", default=True)
+    src.fields["strategy"] = strategy
+
+
+def _min_num_params(key: str, value: object, problems: _Problems) -> int | None:
+    if isinstance(value, bool) or not str(value).strip().isdigit():
+        problems.add(key, value, "an integer >= 0")
+        return None
+    return int(str(value).strip())
+
+
+def _accelerate_wrap(fsdp: Mapping[str, Any], src: Fsdp1Source, problems: _Problems) -> None:
+    policy = None
+    if "fsdp_auto_wrap_policy" in fsdp:
+        policy = _numbered(
+            "fsdp_config.fsdp_auto_wrap_policy", fsdp["fsdp_auto_wrap_policy"], ACCELERATE_WRAP, problems
+        )
+        src.record("fsdp_auto_wrap_policy", "wrap", fsdp["fsdp_auto_wrap_policy"])
+    else:
+        src.record("fsdp_auto_wrap_policy", "wrap", "NO_WRAP", default=True)
+    classes = None
+    if "fsdp_transformer_layer_cls_to_wrap" in fsdp:
+        value = fsdp["fsdp_transformer_layer_cls_to_wrap"]
+        classes = _class_list("fsdp_config.fsdp_transformer_layer_cls_to_wrap", value, problems)
+        ignored = "" if policy == "TRANSFORMER_BASED_WRAP" else "accelerate reads it only with TRANSFORMER_BASED_WRAP"
+        src.record("fsdp_transformer_layer_cls_to_wrap", "wrap", value, ignored=ignored)
+    min_params = None
+    if "fsdp_min_num_params" in fsdp:
+        min_params = _min_num_params("fsdp_config.fsdp_min_num_params", fsdp["fsdp_min_num_params"], problems)
+        ignored = "" if policy == "SIZE_BASED_WRAP" else "accelerate reads it only with SIZE_BASED_WRAP"
+        src.record("fsdp_min_num_params", "wrap", fsdp["fsdp_min_num_params"], ignored=ignored)
+    src.fields["wrap"] = _wrap(policy, classes, min_params)
+
+
+def _accelerate_prefetch(fsdp: Mapping[str, Any], src: Fsdp1Source, problems: _Problems) -> None:
+    prefetch_keys = [k for k in ("fsdp_backward_prefetch", "fsdp_backward_prefetch_policy") if k in fsdp]
+    for key in prefetch_keys:
+        parsed = _prefetch(f"fsdp_config.{key}", fsdp[key], problems)
+        if parsed is not None:
+            src.fields["backward_prefetch"] = parsed
+        src.record(key, "backward_prefetch", fsdp[key])
+    if not prefetch_keys:
+        # accelerate's FSDP1 default is no backward prefetch.
+        src.fields["backward_prefetch"] = BackwardPrefetch.NONE
+        src.record("fsdp_backward_prefetch", "backward_prefetch", "NO_PREFETCH", default=True)
+
+
+_TRAINER_KEYS: dict[str, _Key] = {
+    # fsdp_config key (without fsdp_) -> BridgeConfig field or table option, in the report's order.
+    # Defaults are transformers' FSDP1 defaults (sync_module_states true).
+    "version": _Key(""),
+    "reshard_after_forward": _Key("strategy"),
+    "cpu_offload": _Key("cpu_offload"),
+    "min_num_params": _Key("wrap"),
+    "transformer_layer_cls_to_wrap": _Key("wrap"),
+    "auto_wrap_policy": _Key("wrap"),
+    "backward_prefetch": _Key("backward_prefetch"),
+    "forward_prefetch": _Key("forward_prefetch", _bool),
+    "sync_module_states": _Key("sync_module_states", _bool, default=True),
+    "activation_checkpointing": _Key("activation_checkpointing", _bool),
+    "limit_all_gathers": _Key("limit_all_gathers", _bool),
+    "use_orig_params": _Key("use_orig_params", _bool, table=True),
+    "cpu_ram_efficient_loading": _Key("cpu_ram_efficient_loading", _bool, table=True),
+    "state_dict_type": _Key("state_dict_type", _state_dict_type, table=True),
+    "xla": _Key(""),
+    "xla_fsdp_v2": _Key(""),
+    "xla_fsdp_grad_ckpt": _Key(""),
 }
 _TRAINER_ITEMS = (
     "full_shard",
@@ -353,28 +384,9 @@ def parse_trainer(
     training_args = dict(training_args or {})
     cfg = {(k[5:] if k.startswith("fsdp_") else k): v for k, v in dict(fsdp_config).items()}
     src = Fsdp1Source(kind="trainer", path=path, raw={"fsdp": fsdp, "fsdp_config": dict(fsdp_config), **training_args})
-    items = fsdp.split() if isinstance(fsdp, str) else list(fsdp) if isinstance(fsdp, (list, tuple)) else None
-    if items is None:
-        problems.add("fsdp", fsdp, f"a string or list of: {', '.join(_TRAINER_ITEMS)}")
-        items = []
-    for item in items:
-        if item not in _TRAINER_ITEMS:
-            problems.add("fsdp", item, ", ".join(_TRAINER_ITEMS))
-    for key in cfg:
-        if key not in _TRAINER_KEYS:
-            problems.add(
-                f"fsdp_config.{key}",
-                cfg[key],
-                f"Trainer fsdp_config keys: {', '.join(_TRAINER_KEYS)}",
-                "remove it, or check its spelling",
-            )
-    if str(cfg.get("version", 1)) != "1":
-        problems.add(
-            "fsdp_config.version",
-            cfg["version"],
-            "1 (an FSDP1 config)",
-            "this config is already FSDP2; nothing to migrate",
-        )
+    items = _trainer_items(fsdp, problems)
+    _unknown_source_keys(cfg, _TRAINER_KEYS, "fsdp_config.", "Trainer fsdp_config", problems)
+    _already_fsdp2("fsdp_config.version", cfg.get("version", 1), problems)
     for key in ("xla", "xla_fsdp_v2", "xla_fsdp_grad_ckpt"):
         if key in cfg and _bool(f"fsdp_config.{key}", cfg[key], problems):
             problems.add(
@@ -385,41 +397,68 @@ def parse_trainer(
             )
     if problems:
         raise ConfigError(problems, source=path)
-
-    def opt(key: str, option: str, value: object, *, default: bool = False, ignored: str = "") -> None:
-        src.options.append(SourceOption(key, value, option, default, ignored))
-
-    strategies = [i for i in items if i not in ("offload", "auto_wrap")]
-    strategy = ShardingStrategy.FULL_SHARD
-    for item in strategies:
-        strategy = parse_enum(ShardingStrategy, item)
-        opt(f"fsdp: {item}", "strategy", item)
-    if "reshard_after_forward" in cfg:
-        if strategies:
-            opt(
-                "fsdp_config.reshard_after_forward",
-                "strategy",
-                cfg["reshard_after_forward"],
-                ignored="the fsdp option string's strategy is applied first (setdefault)",
-            )
-        else:
-            strategy = (
-                _strategy("fsdp_config.reshard_after_forward", cfg["reshard_after_forward"], problems) or strategy
-            )
-            opt("fsdp_config.reshard_after_forward", "strategy", cfg["reshard_after_forward"])
-    if not strategies and "reshard_after_forward" not in cfg:
-        opt("fsdp: (no strategy)", "strategy", "full_shard", default=True)
-    src.fields["strategy"] = strategy
-
+    _trainer_strategy(items, cfg, src, problems)
     if "offload" in items:
         src.fields["cpu_offload"] = True
-        opt("fsdp: offload", "cpu_offload", "offload")
+        src.record("fsdp: offload", "cpu_offload", "offload")
     if "cpu_offload" in cfg:
         src.fields["cpu_offload"] = src.fields.get("cpu_offload") or _bool(
             "fsdp_config.cpu_offload", cfg["cpu_offload"], problems
         )
-        opt("fsdp_config.cpu_offload", "cpu_offload", cfg["cpu_offload"])
+        src.record("fsdp_config.cpu_offload", "cpu_offload", cfg["cpu_offload"])
+    _trainer_wrap(items, cfg, src, problems)
+    if "backward_prefetch" in cfg:
+        src.fields["backward_prefetch"] = (
+            _prefetch("fsdp_config.backward_prefetch", cfg["backward_prefetch"], problems) or BackwardPrefetch.NONE
+        )
+        src.record("fsdp_config.backward_prefetch", "backward_prefetch", cfg["backward_prefetch"])
+    else:
+        src.fields["backward_prefetch"] = BackwardPrefetch.NONE  # transformers' FSDP1 default: NO_PREFETCH
+        src.record("fsdp_config.backward_prefetch", "backward_prefetch", "NO_PREFETCH", default=True)
+    _read_keys(_TRAINER_KEYS, cfg, src, problems, prefix="fsdp_config.", shown="fsdp_config.")
+    if src.table_values.get("cpu_ram_efficient_loading"):
+        src.fields["sync_module_states"] = True
+    for flag in ("bf16", "fp16"):
+        if str(training_args.get(flag, "")).strip().lower() in ("true", "1", "yes"):
+            src.fields["mixed_precision"] = _mixed_precision(flag, flag, problems)
+            src.record(flag, "mixed_precision", training_args[flag])
+    if problems:
+        raise ConfigError(problems, source=path)
+    return src
 
+
+def _trainer_items(fsdp: object, problems: _Problems) -> list[Any]:
+    """The words of the Trainer's ``fsdp`` option (a string or a list)."""
+    items = fsdp.split() if isinstance(fsdp, str) else list(fsdp) if isinstance(fsdp, (list, tuple)) else None
+    if items is None:
+        problems.add("fsdp", fsdp, f"a string or list of: {', '.join(_TRAINER_ITEMS)}")
+        return []
+    for item in items:
+        if item not in _TRAINER_ITEMS:
+            problems.add("fsdp", item, ", ".join(_TRAINER_ITEMS))
+    return items
+
+
+def _trainer_strategy(items: list[Any], cfg: Mapping[str, Any], src: Fsdp1Source, problems: _Problems) -> None:
+    strategies = [i for i in items if i not in ("offload", "auto_wrap")]
+    strategy = ShardingStrategy.FULL_SHARD
+    for item in strategies:
+        strategy = parse_enum(ShardingStrategy, item)
+        src.record(f"fsdp: {item}", "strategy", item)
+    if "reshard_after_forward" in cfg:
+        value = cfg["reshard_after_forward"]
+        if strategies:
+            ignored = "the fsdp option string's strategy is applied first (setdefault)"
+            src.record("fsdp_config.reshard_after_forward", "strategy", value, ignored=ignored)
+        else:
+            strategy = _strategy("fsdp_config.reshard_after_forward", value, problems) or strategy
+            src.record("fsdp_config.reshard_after_forward", "strategy", value)
+    if not strategies and "reshard_after_forward" not in cfg:
+        src.record("fsdp: (no strategy)", "strategy", "full_shard", default=True)
+    src.fields["strategy"] = strategy
+
+
+def _trainer_wrap(items: list[Any], cfg: Mapping[str, Any], src: Fsdp1Source, problems: _Problems) -> None:
     # transformers' FSDP1 rule: min_num_params > 0 (and no layer classes) selects SIZE_BASED_WRAP,
     # otherwise TRANSFORMER_BASED_WRAP ("auto_wrap" is a no-op since v5).
     sized = str(cfg.get("min_num_params", "0")).strip() not in ("0", "") and "transformer_layer_cls_to_wrap" not in cfg
@@ -428,77 +467,23 @@ def parse_trainer(
         "fsdp_config.auto_wrap_policy", cfg.get("auto_wrap_policy", default_policy), ACCELERATE_WRAP, problems
     )
     if "auto_wrap" in items:
-        opt("fsdp: auto_wrap", "wrap", "auto_wrap")
+        src.record("fsdp: auto_wrap", "wrap", "auto_wrap")
     if "auto_wrap_policy" in cfg:
-        opt("fsdp_config.auto_wrap_policy", "wrap", cfg["auto_wrap_policy"])
+        src.record("fsdp_config.auto_wrap_policy", "wrap", cfg["auto_wrap_policy"])
     elif "auto_wrap" not in items:
-        opt("fsdp_config.auto_wrap_policy", "wrap", default_policy, default=True)
+        src.record("fsdp_config.auto_wrap_policy", "wrap", default_policy, default=True)
     classes = None
     if "transformer_layer_cls_to_wrap" in cfg:
-        classes = _class_list(
-            "fsdp_config.transformer_layer_cls_to_wrap", cfg["transformer_layer_cls_to_wrap"], problems
-        )
-        opt(
-            "fsdp_config.transformer_layer_cls_to_wrap",
-            "wrap",
-            cfg["transformer_layer_cls_to_wrap"],
-            ignored="" if policy == "TRANSFORMER_BASED_WRAP" else "read only with TRANSFORMER_BASED_WRAP",
-        )
+        value = cfg["transformer_layer_cls_to_wrap"]
+        classes = _class_list("fsdp_config.transformer_layer_cls_to_wrap", value, problems)
+        ignored = "" if policy == "TRANSFORMER_BASED_WRAP" else "read only with TRANSFORMER_BASED_WRAP"
+        src.record("fsdp_config.transformer_layer_cls_to_wrap", "wrap", value, ignored=ignored)
     min_params = None
     if "min_num_params" in cfg:
-        raw_min = cfg["min_num_params"]
-        if isinstance(raw_min, bool) or not str(raw_min).strip().isdigit():
-            problems.add("fsdp_config.min_num_params", raw_min, "an integer >= 0")
-        else:
-            min_params = int(str(raw_min).strip())
-        opt(
-            "fsdp_config.min_num_params",
-            "wrap",
-            raw_min,
-            ignored="" if policy == "SIZE_BASED_WRAP" else "read only with SIZE_BASED_WRAP",
-        )
+        min_params = _min_num_params("fsdp_config.min_num_params", cfg["min_num_params"], problems)
+        ignored = "" if policy == "SIZE_BASED_WRAP" else "read only with SIZE_BASED_WRAP"
+        src.record("fsdp_config.min_num_params", "wrap", cfg["min_num_params"], ignored=ignored)
     src.fields["wrap"] = _wrap(policy, classes, min_params)
-
-    if "backward_prefetch" in cfg:
-        src.fields["backward_prefetch"] = (
-            _prefetch("fsdp_config.backward_prefetch", cfg["backward_prefetch"], problems) or BackwardPrefetch.NONE
-        )
-        opt("fsdp_config.backward_prefetch", "backward_prefetch", cfg["backward_prefetch"])
-    else:
-        src.fields["backward_prefetch"] = BackwardPrefetch.NONE  # transformers' FSDP1 default: NO_PREFETCH
-        opt("fsdp_config.backward_prefetch", "backward_prefetch", "NO_PREFETCH", default=True)
-    # transformers' FSDP1 defaults: sync_module_states true, use_orig_params true.
-    defaults = {"sync_module_states": True, "use_orig_params": True}
-    for key, name in (
-        ("forward_prefetch", "forward_prefetch"),
-        ("sync_module_states", "sync_module_states"),
-        ("activation_checkpointing", "activation_checkpointing"),
-        ("limit_all_gathers", "limit_all_gathers"),
-    ):
-        if key in cfg:
-            src.fields[name] = _bool(f"fsdp_config.{key}", cfg[key], problems)
-            opt(f"fsdp_config.{key}", name, cfg[key])
-        elif key in defaults:
-            src.fields[name] = defaults[key]
-            opt(f"fsdp_config.{key}", name, defaults[key], default=True)
-    for key in ("use_orig_params", "cpu_ram_efficient_loading"):
-        if key in cfg:
-            src.table_values[key] = _bool(f"fsdp_config.{key}", cfg[key], problems)
-            opt(f"fsdp_config.{key}", key, cfg[key])
-    if src.table_values.get("cpu_ram_efficient_loading"):
-        src.fields["sync_module_states"] = True
-    if "state_dict_type" in cfg:
-        src.table_values["state_dict_type"] = _numbered(
-            "fsdp_config.state_dict_type", cfg["state_dict_type"], ACCELERATE_STATE_DICT, problems
-        )
-        opt("fsdp_config.state_dict_type", "state_dict_type", cfg["state_dict_type"])
-    for flag in ("bf16", "fp16"):
-        if str(training_args.get(flag, "")).strip().lower() in ("true", "1", "yes"):
-            src.fields["mixed_precision"] = _mixed_precision(flag, flag, problems)
-            opt(flag, "mixed_precision", training_args[flag])
-    if problems:
-        raise ConfigError(problems, source=path)
-    return src
 
 
 def parse_bridge(data: Mapping[str, Any], path: str) -> Fsdp1Source:

@@ -15,15 +15,8 @@ checks every key and type, then the values, and reports every problem found in o
 
 from __future__ import annotations
 
-import ast
 import dataclasses
-import enum
-import inspect
-import itertools
 import logging
-import math
-import types
-import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,7 +25,18 @@ from typing import Any, Literal
 import yaml
 
 from fsdp_bridge._lora import PeftConfig, peft_problems, train_quantization_problems
-from fsdp_bridge.config import BridgeConfig, _unknown_key, read_yaml_file
+from fsdp_bridge._schema import (
+    Check,
+    FieldDoc,
+    at_least,
+    check_problems,
+    checks,
+    field_names,
+    field_rows,
+    finite,
+    parse_section,
+)
+from fsdp_bridge.config import BridgeConfig, read_yaml_file
 from fsdp_bridge.errors import ConfigError, Problem
 
 __all__ = [
@@ -80,7 +84,17 @@ class ModelConfig:
     tokenizer: str | None = None
     """A tokenizer directory; null: the model directory's own, or for ``config`` models the built-in byte-level
     BPE trained on the training files (no download)."""
-    tokenizer_vocab_size: int = 1024
+    tokenizer_vocab_size: int = field(
+        default=1024,
+        metadata=checks(
+            Check(lambda v: v >= 300, "an integer >= 300", "the built-in tokenizer needs 256 byte tokens plus merges"),
+            Check(
+                lambda v: v <= MAX_TOKENIZER_VOCAB,
+                f"an integer in [300, {MAX_TOKENIZER_VOCAB}]",
+                "the built-in tokenizer is trained on the run's data; real vocabularies are 32k-256k",
+            ),
+        ),
+    )
     """Vocabulary size of the built-in BPE tokenizer (only when it is used)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Dtype of the model's weights (compute dtype under mixed precision is ``bridge.mixed_precision``)."""
@@ -92,14 +106,16 @@ class ModelConfig:
 class DataConfig:
     """Training text: tokenized with the model's tokenizer and packed into fixed-length sequences."""
 
-    files: tuple[str, ...] = (SAMPLE,)
+    files: tuple[str, ...] = field(
+        default=(SAMPLE,), metadata=checks(Check(bool, "at least one file, glob pattern or 'sample'"))
+    )
     """Text (.txt: one document per file) or JSONL (.jsonl: one document per line) files or glob patterns;
     ``sample`` is the small English corpus shipped with the package."""
     text_key: str = "text"
     """The field of each JSONL record that holds the text."""
-    seq_len: int = 128
+    seq_len: int = field(default=128, metadata=checks(at_least(2)))
     """Tokens per packed training sequence (documents are joined with the EOS token and cut to this length)."""
-    eval_sequences: int = 32
+    eval_sequences: int = field(default=32, metadata=checks(at_least(0)))
     """Packed sequences held out from the end of the data for evaluation (rounded down to a multiple of the
     world size); 0 disables evaluation."""
 
@@ -110,17 +126,21 @@ class OptimConfig:
 
     name: Literal["adamw", "sgd"] = "adamw"
     """``adamw`` (torch.optim.AdamW) or ``sgd`` (torch.optim.SGD with momentum)."""
-    lr: float = 3.0e-4
+    lr: float = field(default=3.0e-4, metadata=checks(finite(lambda v: v > 0, "a finite number > 0")))
     """Peak learning rate, reached at the end of the warm-up."""
-    weight_decay: float = 0.0
+    weight_decay: float = field(default=0.0, metadata=checks(finite(lambda v: v >= 0, "a finite number >= 0")))
     """Decoupled weight decay (AdamW) or L2 penalty (SGD)."""
-    betas: tuple[float, float] = (0.9, 0.95)
+    betas: tuple[float, float] = field(
+        default=(0.9, 0.95), metadata=checks(Check(lambda v: all(0 <= b < 1 for b in v), "two numbers in [0, 1)"))
+    )
     """AdamW's (beta1, beta2)."""
-    eps: float = 1.0e-8
+    eps: float = field(default=1.0e-8, metadata=checks(finite(lambda v: v > 0, "a finite number > 0")))
     """AdamW's epsilon."""
-    momentum: float = 0.9
+    momentum: float = field(default=0.9, metadata=checks(finite(lambda v: 0 <= v < 1, "a number in [0, 1)")))
     """SGD momentum."""
-    grad_clip: float | None = 1.0
+    grad_clip: float | None = field(
+        default=1.0, metadata=checks(finite(lambda v: v > 0, "null or a finite number > 0"))
+    )
     """Clip gradients to this global norm (over all shards) before each step; null disables clipping."""
 
 
@@ -128,14 +148,14 @@ class OptimConfig:
 class ScheduleConfig:
     """Learning-rate schedule: linear warm-up, then decay."""
 
-    warmup_steps: int = 0
+    warmup_steps: int = field(default=0, metadata=checks(at_least(0)))
     """Steps of linear warm-up from 0 to ``optim.lr``."""
     decay: Literal["cosine", "linear", "constant"] = "cosine"
     """Shape of the decay after warm-up, down to ``min_lr_ratio * optim.lr``."""
-    decay_steps: int | None = None
+    decay_steps: int | None = field(default=None, metadata=checks(at_least(1, optional=True)))
     """Step at which the decay ends; null: ``max_steps``. Set it to stop a run early without changing its
     schedule."""
-    min_lr_ratio: float = 0.1
+    min_lr_ratio: float = field(default=0.1, metadata=checks(finite(lambda v: 0 <= v <= 1, "a number in [0, 1]")))
     """Final learning rate as a fraction of ``optim.lr``."""
 
 
@@ -143,12 +163,12 @@ class ScheduleConfig:
 class CheckpointConfig:
     """When and how checkpoints are written under ``output_dir/checkpoints``."""
 
-    interval: int | None = None
+    interval: int | None = field(default=None, metadata=checks(at_least(1, optional=True)))
     """Steps between checkpoints; null: only at the end of training."""
     kind: Literal["sharded", "full"] = "sharded"
     """``sharded``: every rank writes its shards (torch.distributed.checkpoint, reshardable on load);
     ``full``: gathered to rank 0 into one file."""
-    keep_last: int | None = 2
+    keep_last: int | None = field(default=2, metadata=checks(at_least(1, optional=True)))
     """Keep only the newest N checkpoints; null keeps all."""
     at_end: bool = True
     """Write a checkpoint after the last step."""
@@ -169,27 +189,38 @@ class TrainConfig:
     """Optimizer."""
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     """Learning-rate schedule."""
-    micro_batch_size: int = 8
+    micro_batch_size: int = field(default=8, metadata=checks(at_least(1)))
     """Sequences per rank per forward/backward."""
-    grad_accum: int = 1
+    grad_accum: int = field(default=1, metadata=checks(at_least(1)))
     """Micro-batches accumulated (without gradient reduction) before each optimizer step."""
-    max_steps: int = 100
+    max_steps: int = field(default=100, metadata=checks(at_least(1)))
     """Optimizer steps to train for (counted from the start of the run, including resumed steps)."""
-    eval_interval: int | None = 50
+    eval_interval: int | None = field(default=50, metadata=checks(at_least(1, optional=True)))
     """Steps between evaluations on the held-out data (and one after the last step); null: only at the end."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Checkpointing."""
     peft: PeftConfig | None = None
     """LoRA: train adapters on the frozen model (``peft.get_peft_model`` before sharding); the adapter directory
     is written to ``output_dir/adapter``. null: train every weight."""
-    seed: int = 0
+    seed: int = field(default=0, metadata=checks(Check(lambda v: 0 <= v <= MAX_SEED, f"an integer in [0, {MAX_SEED}]")))
     """Seed of the model's initialisation, the data order and every rank's RNG."""
-    output_dir: str = "runs/fsdp-bridge"
+    output_dir: str = field(default="runs/fsdp-bridge", metadata=checks(Check(bool, "a directory path")))
     """Directory for train_config.yaml, metrics.jsonl, summary.json, checkpoints/ and the exported model."""
-    resume: bool | str = False
+    resume: bool | str = field(
+        default=False, metadata=checks(Check(lambda v: v != "", "false, auto, or a checkpoint path"))
+    )
     """false; ``auto`` (or true): continue from the latest checkpoint in ``output_dir`` if there is one;
     or the path of a checkpoint to continue from."""
-    timeout_s: float = 600.0
+    timeout_s: float = field(
+        default=600.0,
+        metadata=checks(
+            Check(
+                lambda v: 0 < v <= MAX_TIMEOUT_S,
+                f"a number of seconds in (0, {MAX_TIMEOUT_S}]",
+                "e.g. timeout_s: 600 (a rank silent for longer than this ends the run)",
+            )
+        ),
+    )
     """Process-group timeout in seconds: if a rank stops answering (hung, or died outside the
     launcher's watch), the others fail with a timeout error after this long instead of waiting forever."""
     bridge: BridgeConfig = field(default_factory=BridgeConfig)
@@ -219,13 +250,7 @@ class TrainConfig:
                     "add e.g. model: {path: ./my-hf-model}",
                 )
             )
-        kwargs = _parse_fields(cls, data, "", problems)
-        bridge_raw = data.get("bridge")
-        if bridge_raw is not None:
-            try:
-                kwargs["bridge"] = BridgeConfig.from_dict(bridge_raw)
-            except ConfigError as err:
-                problems.extend(dataclasses.replace(p, key=f"bridge.{p.key}") for p in err.problems)
+        kwargs = parse_section(cls, data, problems, elsewhere=_ELSEWHERE)
         try:
             config = cls(**kwargs)
         except ConfigError as err:
@@ -264,8 +289,34 @@ class TrainConfig:
 
 
 def _value_problems(c: TrainConfig) -> list[Problem]:
+    """The rules declared on each field (:func:`check_problems`), then those between fields."""
+    p = check_problems(c)
+    p += _model_problems(c.model)
+    if c.micro_batch_size * c.data.seq_len > MAX_MICRO_BATCH_TOKENS:
+        p.append(
+            Problem(
+                "micro_batch_size",
+                c.micro_batch_size,
+                f"micro_batch_size * data.seq_len <= {MAX_MICRO_BATCH_TOKENS} (got "
+                f"{c.micro_batch_size} * {c.data.seq_len})",
+                "use a smaller micro-batch and grad_accum for a larger effective batch",
+            )
+        )
+    if c.peft is not None:
+        p.extend(peft_problems(c.peft, "peft"))
+    if c.model.config is not None:
+        p.extend(train_quantization_problems(c.model.config, "model.config.quantization_config"))
+    if c.schedule.warmup_steps > c.max_steps:
+        logger.warning(
+            "schedule.warmup_steps (%d) > max_steps (%d): the learning rate never reaches optim.lr",
+            c.schedule.warmup_steps,
+            c.max_steps,
+        )
+    return p
+
+
+def _model_problems(m: ModelConfig) -> list[Problem]:
     p: list[Problem] = []
-    m = c.model
     if m.path is None and m.config is None:
         p.append(
             Problem(
@@ -292,114 +343,12 @@ def _value_problems(c: TrainConfig) -> list[Problem]:
                 "a transformers model type such as llama, gpt2, qwen2, mistral",
             )
         )
-    if m.tokenizer_vocab_size < 300:
-        p.append(
-            Problem(
-                "model.tokenizer_vocab_size",
-                m.tokenizer_vocab_size,
-                "an integer >= 300",
-                "the built-in tokenizer needs 256 byte tokens plus merges",
-            )
-        )
-    if not c.data.files:
-        p.append(Problem("data.files", [], "at least one file, glob pattern or 'sample'"))
-    for key, value, low in (
-        ("data.seq_len", c.data.seq_len, 2),
-        ("data.eval_sequences", c.data.eval_sequences, 0),
-        ("micro_batch_size", c.micro_batch_size, 1),
-        ("grad_accum", c.grad_accum, 1),
-        ("max_steps", c.max_steps, 1),
-        ("schedule.warmup_steps", c.schedule.warmup_steps, 0),
-    ):
-        if value < low:
-            p.append(Problem(key, value, f"an integer >= {low}"))
-    for key, opt_value in (
-        ("eval_interval", c.eval_interval),
-        ("checkpoint.interval", c.checkpoint.interval),
-        ("checkpoint.keep_last", c.checkpoint.keep_last),
-        ("schedule.decay_steps", c.schedule.decay_steps),
-    ):
-        if opt_value is not None and opt_value < 1:
-            p.append(Problem(key, opt_value, "null or an integer >= 1"))
-    if m.tokenizer_vocab_size > MAX_TOKENIZER_VOCAB:
-        p.append(
-            Problem(
-                "model.tokenizer_vocab_size",
-                m.tokenizer_vocab_size,
-                f"an integer in [300, {MAX_TOKENIZER_VOCAB}]",
-                "the built-in tokenizer is trained on the run's data; real vocabularies are 32k-256k",
-            )
-        )
-    if c.micro_batch_size * c.data.seq_len > MAX_MICRO_BATCH_TOKENS:
-        p.append(
-            Problem(
-                "micro_batch_size",
-                c.micro_batch_size,
-                f"micro_batch_size * data.seq_len <= {MAX_MICRO_BATCH_TOKENS} (got "
-                f"{c.micro_batch_size} * {c.data.seq_len})",
-                "use a smaller micro-batch and grad_accum for a larger effective batch",
-            )
-        )
-    if not 0 <= c.seed <= MAX_SEED:
-        p.append(Problem("seed", c.seed, f"an integer in [0, {MAX_SEED}]"))
-    o = c.optim
-    # Written as `not x > 0` so that NaN fails too; infinities are refused separately.
-    for key, number, allowed, ok in (
-        ("optim.lr", o.lr, "a finite number > 0", o.lr > 0),
-        ("optim.weight_decay", o.weight_decay, "a finite number >= 0", o.weight_decay >= 0),
-        ("optim.eps", o.eps, "a finite number > 0", o.eps > 0),
-        ("optim.momentum", o.momentum, "a number in [0, 1)", 0 <= o.momentum < 1),
-        ("schedule.min_lr_ratio", c.schedule.min_lr_ratio, "a number in [0, 1]", 0 <= c.schedule.min_lr_ratio <= 1),
-    ):
-        if not (ok and math.isfinite(number)):
-            p.append(Problem(key, number, allowed))
-    if not all(0 <= b < 1 for b in o.betas):
-        p.append(Problem("optim.betas", list(o.betas), "two numbers in [0, 1)"))
-    if o.grad_clip is not None and not (o.grad_clip > 0 and math.isfinite(o.grad_clip)):
-        p.append(Problem("optim.grad_clip", o.grad_clip, "null or a finite number > 0"))
-    if isinstance(c.resume, str) and not c.resume:
-        p.append(Problem("resume", c.resume, "false, auto, or a checkpoint path"))
-    if not c.output_dir:
-        p.append(Problem("output_dir", c.output_dir, "a directory path"))
-    if not 0 < c.timeout_s <= MAX_TIMEOUT_S:
-        p.append(
-            Problem(
-                "timeout_s",
-                c.timeout_s,
-                f"a number of seconds in (0, {MAX_TIMEOUT_S}]",
-                "e.g. timeout_s: 600 (a rank silent for longer than this ends the run)",
-            )
-        )
-    if c.peft is not None:
-        p.extend(peft_problems(c.peft, "peft"))
-    if m.config is not None:
-        p.extend(train_quantization_problems(m.config, "model.config.quantization_config"))
-    if c.schedule.warmup_steps > c.max_steps:
-        logger.warning(
-            "schedule.warmup_steps (%d) > max_steps (%d): the learning rate never reaches optim.lr",
-            c.schedule.warmup_steps,
-            c.max_steps,
-        )
     return p
 
 
 # ----------------------------------------------------------------------------------
 # Parsing a mapping into the dataclasses, with type checks
 # ----------------------------------------------------------------------------------
-
-_SECTIONS: tuple[type, ...] = (ModelConfig, DataConfig, OptimConfig, ScheduleConfig, CheckpointConfig, PeftConfig)
-
-
-def _section_type(tp: Any) -> tuple[type | None, bool]:
-    """(the section dataclass of a field type, whether null is allowed) or (None, False)."""
-    if tp in _SECTIONS:
-        return tp, False
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        arms = [a for a in typing.get_args(tp) if a is not type(None)]
-        if len(arms) == 1 and arms[0] in _SECTIONS:
-            return arms[0], True
-    return None, False
-
 
 _ELSEWHERE = {
     "lr": "optim.lr",
@@ -422,132 +371,17 @@ _ELSEWHERE = {
 """Keys people write from other trainers' configs, and where this config keeps them."""
 
 
-def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
-def _parse_fields(cls: type, data: Mapping[str, Any], prefix: str, problems: list[Problem]) -> dict[str, Any]:
-    """Type-checked keyword arguments for ``cls`` from ``data`` (the bridge section is left out)."""
-    hints = _hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    kwargs: dict[str, Any] = {}
-    for key, value in data.items():
-        dotted = f"{prefix}{key}"
-        if key not in names:
-            problem = _unknown_key(dotted, value, names)
-            if dotted in _ELSEWHERE:
-                problem = dataclasses.replace(problem, fix=f"unknown key; did you mean {_ELSEWHERE[dotted]!r}?")
-            problems.append(problem)
-            continue
-        if key == "bridge":
-            continue
-        tp, optional = _section_type(hints[key])
-        if tp is not None:
-            if value is None and optional:
-                kwargs[key] = None
-                continue
-            if value is None:
-                value = {}
-            if not isinstance(value, Mapping):
-                problems.append(Problem(dotted, value, f"a mapping of {', '.join(_field_names(tp))}"))
-                continue
-            sub = _parse_fields(tp, value, f"{dotted}.", problems)
-            kwargs[key] = tp(**sub)
-            continue
-        ok, parsed = _coerce(value, hints[key])
-        if ok:
-            kwargs[key] = parsed
-        else:
-            problems.append(Problem(dotted, value, _describe(hints[key])))
-    return kwargs
-
-
 def parse_peft_section(value: Any, key: str = "peft") -> tuple[PeftConfig | None, list[Problem]]:
     """A ``peft:`` section (null: none) parsed and checked as in the training config, for other jobs' YAML."""
     if value is None:
         return None, []
     if not isinstance(value, Mapping):
-        return None, [Problem(key, value, f"a mapping of {', '.join(_field_names(PeftConfig))}, or null")]
+        return None, [Problem(key, value, f"a mapping of {', '.join(field_names(PeftConfig))}, or null")]
     problems: list[Problem] = []
-    kwargs = _parse_fields(PeftConfig, value, f"{key}.", problems)
+    kwargs = parse_section(PeftConfig, value, problems, prefix=f"{key}.", elsewhere=_ELSEWHERE)
     section = PeftConfig(**kwargs)  # the keys that parsed; their values are checked too, all reported together
     problems += peft_problems(section, key)
     return (None if problems else section), problems
-
-
-def _field_names(cls: type) -> list[str]:
-    return [f.name for f in dataclasses.fields(cls)]
-
-
-def _coerce(value: Any, tp: Any) -> tuple[bool, Any]:
-    """(True, value in the field's type) or (False, None)."""
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        for arm in typing.get_args(tp):
-            ok, parsed = _coerce(value, arm)
-            if ok:
-                return True, parsed
-        return False, None
-    if tp is type(None):
-        return value is None, None
-    if origin is Literal:
-        return (value in typing.get_args(tp)), value
-    if tp is bool:
-        return isinstance(value, bool), value
-    if tp is int:
-        return isinstance(value, int) and not isinstance(value, bool), value
-    if tp is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        return ok, float(value) if ok else None
-    if tp is str:
-        return isinstance(value, str), value
-    if origin is tuple:
-        args = typing.get_args(tp)
-        if isinstance(value, str) and args[-1] is Ellipsis:
-            value = [value]  # one file may be written without a list
-        if not isinstance(value, Sequence) or isinstance(value, str):
-            return False, None
-        arms = [args[0]] * len(value) if args[-1] is Ellipsis else list(args)
-        if len(arms) != len(value):
-            return False, None
-        out = []
-        for item, arm in zip(value, arms, strict=True):
-            ok, parsed = _coerce(item, arm)
-            if not ok:
-                return False, None
-            out.append(parsed)
-        return True, tuple(out)
-    if origin is dict:
-        return isinstance(value, Mapping), dict(value) if isinstance(value, Mapping) else None
-    if tp is Any:
-        return True, value
-    raise TypeError(f"unsupported config field type {tp!r}")
-
-
-def _describe(tp: Any) -> str:
-    """A reader's spelling of a field type, for error messages and the docs."""
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        return " or ".join(_describe(a) for a in typing.get_args(tp))
-    if tp is type(None):
-        return "null"
-    if origin is Literal:
-        return "one of " + ", ".join(str(a) for a in typing.get_args(tp))
-    if tp is bool:
-        return "true or false"
-    if tp in (int, float, str):
-        return {"int": "an integer", "float": "a number", "str": "a string"}[tp.__name__]
-    if origin is tuple:
-        args = typing.get_args(tp)
-        if args[-1] is Ellipsis:
-            return f"a list of {_describe(args[0]).removeprefix('a ').removeprefix('an ')}s"
-        kinds = {_describe(a).removeprefix("a ").removeprefix("an ") for a in args}
-        return f"a list of {len(args)} {kinds.pop()}s" if len(kinds) == 1 else "a list of " + ", ".join(sorted(kinds))
-    if origin is dict:
-        return "a mapping"
-    if dataclasses.is_dataclass(tp):
-        return "a mapping (section)"
-    return str(tp)
 
 
 # ----------------------------------------------------------------------------------
@@ -634,97 +468,9 @@ def load_train_config(
 # ----------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class FieldDoc:
-    key: str
-    type: str
-    default: str
-    doc: str
-
-
-def _attribute_docs(cls: type) -> dict[str, str]:
-    """The docstring written under each field of a dataclass (read from its source)."""
-    tree = ast.parse(inspect.getsource(cls))
-    body = tree.body[0].body  # type: ignore[attr-defined]
-    docs: dict[str, str] = {}
-    for node, following in itertools.pairwise(body):
-        if (
-            isinstance(node, ast.AnnAssign)
-            and isinstance(node.target, ast.Name)
-            and isinstance(following, ast.Expr)
-            and isinstance(following.value, ast.Constant)
-            and isinstance(following.value.value, str)
-        ):
-            docs[node.target.id] = " ".join(following.value.value.split())
-    return docs
-
-
-def _default_text(f: dataclasses.Field[Any]) -> str:
-    if f.default is not dataclasses.MISSING:
-        value = f.default
-    elif f.default_factory is not dataclasses.MISSING:
-        value = f.default_factory()
-    else:
-        return "required"
-    if hasattr(value, "to_spelling"):
-        value = value.to_spelling()
-    if dataclasses.is_dataclass(value):
-        return "(section)"
-    if isinstance(value, tuple):
-        value = list(value)
-    if isinstance(value, enum.Enum):
-        value = value.value
-    return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
-
-
-_BRIDGE_TYPES = {
-    "strategy": "one of full_shard, shard_grad_op, no_shard, hybrid_shard, hybrid_shard_zero2",
-    "backend": "one of fsdp1, fsdp2",
-    "mixed_precision": "a preset (fp32, bf16, fp16) or a mapping of dtypes",
-    "wrap": "auto, none, a list of class names or {min_num_params: N}",
-    "backward_prefetch": "one of pre, post, none",
-    "reshard_after_forward": "true or false or an integer or null",
-    "hybrid_shape": "a list of 2 integers or null",
-    "ignored_modules": "a list of strings",
-    "device": "one of auto, cuda, cpu",
-}
-
-
 def field_reference() -> list[FieldDoc]:
     """Every field of the training config and of its ``bridge:`` section, with type, default and meaning."""
-    rows: list[FieldDoc] = []
-
-    def walk(cls: type, prefix: str) -> None:
-        hints = _hints(cls)
-        docs = _attribute_docs(cls)
-        for f in dataclasses.fields(cls):
-            key = f"{prefix}{f.name}"
-            tp = hints[f.name]
-            section, optional = _section_type(tp)
-            if section is not None:
-                rows.append(
-                    FieldDoc(
-                        key,
-                        "section or null" if optional else "section",
-                        "null" if optional else "",
-                        docs.get(f.name, ""),
-                    )
-                )
-                walk(section, f"{key}.")
-            elif tp is BridgeConfig:
-                rows.append(FieldDoc(key, "section", "", docs.get(f.name, "")))
-                walk_bridge(f"{key}.")
-            else:
-                rows.append(FieldDoc(key, _describe(tp), _default_text(f), docs.get(f.name, "")))
-
-    def walk_bridge(prefix: str) -> None:
-        docs = _attribute_docs(BridgeConfig)
-        for f in dataclasses.fields(BridgeConfig):
-            tp = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
-            kind = _BRIDGE_TYPES.get(f.name, "true or false" if tp == "bool" else f"`{tp}`")
-            rows.append(FieldDoc(f"{prefix}{f.name}", kind, _default_text(f), docs.get(f.name, "")))
-
-    walk(TrainConfig, "")
+    rows = field_rows(TrainConfig)
     # The model was marked required above only by its check; say so in the reference.
     rows[0] = dataclasses.replace(rows[0], default="required")
     return rows
