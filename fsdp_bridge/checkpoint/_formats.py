@@ -290,7 +290,7 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def checksum_of(path: Path, algorithm: str = CHECKSUM, chunk: int = 16 << 20) -> int:
+def checksum_of(path: Path, algorithm: str = CHECKSUM, chunk: int = 1 << 20) -> int:
     """The ``algorithm`` checksum (``crc32c`` or ``crc32``) of a file's content, read in chunks."""
     if algorithm == "crc32c":
         import google_crc32c
