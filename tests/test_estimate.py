@@ -203,3 +203,24 @@ def test_activations_of_encoder_and_encoder_decoder_models(spec: str) -> None:
     # and T5 shifts labels with a start token small configs leave unset: both used to fail.
     report = estimate(spec, world_size=2, batch=2, seq_len=8, attn_implementation="eager")
     assert report and all(row.activations > 0 for row in report)
+
+
+def test_live_bytes_counts_storage_resizes() -> None:
+    # FSDP frees a gathered parameter with storage.resize_(0) while autograd still holds views
+    # of it, and allocates it again with resize_(n): no operator reports either.
+    before = torch.UntypedStorage.resize_
+    kept = torch.zeros(64)  # exists before the mode: counted once it grows inside it
+    kept.untyped_storage().resize_(0)
+    with LiveBytes("cpu") as live:
+        a = torch.ones(256)  # 1 KiB
+        view = a[:8]  # what autograd would save
+        a.untyped_storage().resize_(0)
+        assert live.current == 0 and view.untyped_storage() is not None
+        kept.untyped_storage().resize_(64 * 4)
+        assert live.current == 64 * 4
+        a.untyped_storage().resize_(256 * 4)
+        assert live.current == live.peak == 256 * 4 + 64 * 4
+        kept.untyped_storage().resize_(0)
+    assert live.current == 256 * 4
+    assert torch.UntypedStorage.resize_ is before  # unwrapped on exit
+    del a, view

@@ -8,12 +8,19 @@ CPU run, which ``torch.cuda.max_memory_allocated`` gives on GPUs.
 
 Storages that existed before the mode was entered are not counted (pass
 ``ignore=`` to make that explicit for tensors created inside it).
+
+Both FSDP versions free a gathered parameter with ``storage.resize_(0)`` and allocate it
+again with ``storage.resize_(n)``, while autograd may still hold tensors viewing it; no
+operator reports that, so while the mode is active ``UntypedStorage.resize_`` is wrapped
+and a resized storage counts its new size (a storage that grows inside the mode is
+counted from then on, as if created there).
 """
 
 from __future__ import annotations
 
 import weakref
 from collections.abc import Iterable
+from types import TracebackType
 from typing import Any
 
 import torch
@@ -48,6 +55,7 @@ class LiveBytes(TorchDispatchMode):
         self.peak = 0
         self._live: dict[int, int] = {}
         self._ignored = {_local(t).untyped_storage()._cdata for t in ignore}
+        self._resize: Any = None  # the UntypedStorage.resize_ this mode wraps while active
 
     def reset_peak(self) -> None:
         """Restart peak tracking from the bytes alive now."""
@@ -56,21 +64,55 @@ class LiveBytes(TorchDispatchMode):
     def _freed(self, key: int) -> None:
         self.current -= self._live.pop(key, 0)
 
+    def _count(self, st: torch.UntypedStorage) -> None:
+        """Count ``st`` at its size now (new, grown or shrunk)."""
+        key = st._cdata
+        if key in self._ignored:
+            return  # deliberately not counted
+        n = st.nbytes()
+        old = self._live.get(key)
+        if old is None:
+            if n == 0:
+                return  # nothing allocated (yet): counted when it grows
+            weakref.finalize(st, self._freed, key)
+        elif old == n:
+            return  # a view of a storage already counted
+        self._live[key] = n
+        self.current += n - (old or 0)
+        self.peak = max(self.peak, self.current)
+
     def _track(self, t: object) -> None:
         if not isinstance(t, torch.Tensor):
             return
         t = _local(t)
-        if t.device.type != self.device_type:
-            return
-        st = t.untyped_storage()
-        key = st._cdata
-        if key in self._live or key in self._ignored:
-            return  # a view of a storage already counted (or deliberately not counted)
-        n = st.nbytes()
-        self._live[key] = n
-        self.current += n
-        self.peak = max(self.peak, self.current)
-        weakref.finalize(st, self._freed, key)
+        if t.device.type == self.device_type:
+            self._count(t.untyped_storage())
+
+    def __enter__(self) -> LiveBytes:
+        resize = torch.UntypedStorage.resize_
+        self._resize = resize
+
+        def counted_resize(st: torch.UntypedStorage, size: int) -> Any:
+            out = resize(st, size)
+            if st.device.type == self.device_type:
+                self._count(st)
+            return out
+
+        torch.UntypedStorage.resize_ = counted_resize  # type: ignore[method-assign,assignment]
+        try:
+            super().__enter__()
+        except BaseException:
+            torch.UntypedStorage.resize_ = resize  # type: ignore[method-assign]
+            raise
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        try:
+            super().__exit__(exc_type, exc, tb)
+        finally:
+            torch.UntypedStorage.resize_ = self._resize  # type: ignore[method-assign]
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
