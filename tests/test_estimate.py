@@ -224,3 +224,16 @@ def test_live_bytes_counts_storage_resizes() -> None:
     assert live.current == 256 * 4
     assert torch.UntypedStorage.resize_ is before  # unwrapped on exit
     del a, view
+
+
+def test_no_shard_keeps_one_units_working_copy_at_a_time() -> None:
+    # FSDP2 copies a unit's parameters into separate buffers even on a shard group of one; NO_SHARD
+    # units reshard after forward, so the root's copy and one other unit's are alive at once.
+    model = build_meta_model(SMALL)
+    units = model_units(model, BridgeConfig())
+    root, layer = units[-1].numel * 4, max(u.numel for u in units[:-1]) * 4
+    (row,) = estimate(SMALL, world_size=2, strategies=["no_shard"], backends=["fsdp2"])
+    assert row.unsharded == root + layer + layer  # + the unit's gradient, unreduced
+    # FSDP1 holds a one-rank flat parameter as it is: nothing gathered, only the gradient.
+    (fsdp1,) = estimate(SMALL, world_size=2, strategies=["no_shard"], backends=["fsdp1"])
+    assert fsdp1.unsharded == layer
