@@ -237,3 +237,19 @@ def test_no_shard_keeps_one_units_working_copy_at_a_time() -> None:
     # FSDP1 holds a one-rank flat parameter as it is: nothing gathered, only the gradient.
     (fsdp1,) = estimate(SMALL, world_size=2, strategies=["no_shard"], backends=["fsdp1"])
     assert fsdp1.unsharded == layer
+
+
+def test_live_bytes_names_what_is_alive_at_the_peak() -> None:
+    def make_big() -> torch.Tensor:
+        return torch.ones(1024)
+
+    with LiveBytes("cpu", sites=True) as live:
+        small = torch.zeros(16)
+        big = make_big()
+        del big
+        torch.zeros(8)
+    (big_site, small_site) = live.peak_sites
+    assert live.peak_sites[big_site] == 1024 * 4 and live.peak_sites[small_site] == 16 * 4
+    assert big_site.startswith("aten.ones.default ") and big_site.endswith("(make_big)")
+    assert "test_estimate.py:" in small_site and "aten.zeros" in small_site
+    del small
