@@ -208,7 +208,7 @@ def test_activations_of_encoder_and_encoder_decoder_models(spec: str) -> None:
 def test_live_bytes_counts_storage_resizes() -> None:
     # FSDP frees a gathered parameter with storage.resize_(0) while autograd still holds views
     # of it, and allocates it again with resize_(n): no operator reports either.
-    before = torch.UntypedStorage.resize_
+    before, own = torch.UntypedStorage.resize_, dict(vars(torch.UntypedStorage))
     kept = torch.zeros(64)  # exists before the mode: counted once it grows inside it
     kept.untyped_storage().resize_(0)
     with LiveBytes("cpu") as live:
@@ -222,7 +222,7 @@ def test_live_bytes_counts_storage_resizes() -> None:
         assert live.current == live.peak == 256 * 4 + 64 * 4
         kept.untyped_storage().resize_(0)
     assert live.current == 256 * 4
-    assert torch.UntypedStorage.resize_ is before  # unwrapped on exit
+    assert torch.UntypedStorage.resize_ is before and dict(vars(torch.UntypedStorage)) == own  # unwrapped
     del a, view
 
 

@@ -93,7 +93,7 @@ class LiveBytes(TorchDispatchMode):
         self._live: dict[int, int] = {}
         self._site: dict[int, str] = {}
         self._ignored = {_local(t).untyped_storage()._cdata for t in ignore}
-        self._resize: Any = None  # the UntypedStorage.resize_ this mode wraps while active
+        self._restore: dict[str, Any] = {}  # UntypedStorage's own attributes before this mode wrapped resize_
 
     def reset_peak(self) -> None:
         """Restart peak tracking from the bytes alive now."""
@@ -135,9 +135,16 @@ class LiveBytes(TorchDispatchMode):
         if t.device.type == self.device_type:
             self._count(t.untyped_storage(), op)
 
+    def _unwrap(self) -> None:
+        if "resize_" in self._restore:
+            torch.UntypedStorage.resize_ = self._restore["resize_"]  # type: ignore[method-assign]
+        else:  # inherited from torch._C.StorageBase: just remove the wrapper
+            del torch.UntypedStorage.resize_
+        self._restore = {}
+
     def __enter__(self) -> LiveBytes:
         resize = torch.UntypedStorage.resize_
-        self._resize = resize
+        self._restore = {k: v for k, v in vars(torch.UntypedStorage).items() if k == "resize_"}
 
         def counted_resize(st: torch.UntypedStorage, size: int) -> Any:
             out = resize(st, size)
@@ -149,7 +156,7 @@ class LiveBytes(TorchDispatchMode):
         try:
             super().__enter__()
         except BaseException:
-            torch.UntypedStorage.resize_ = resize  # type: ignore[method-assign]
+            self._unwrap()
             raise
         return self
 
@@ -159,7 +166,7 @@ class LiveBytes(TorchDispatchMode):
         try:
             super().__exit__(exc_type, exc, tb)
         finally:
-            torch.UntypedStorage.resize_ = self._resize  # type: ignore[method-assign]
+            self._unwrap()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
