@@ -135,10 +135,11 @@ def shard_plain(model: nn.Module, backend: str, strategy: str) -> nn.Module:
         mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
     else:
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
-    reshard = strategy in ("full_shard", "hybrid_shard")
+    # NO_SHARD reshards every unit too: on a one-rank shard group that only frees FSDP2's copy.
+    reshard = strategy in ("full_shard", "hybrid_shard", "no_shard")
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
-    fully_shard(model, mesh=mesh, reshard_after_forward=False)
+    fully_shard(model, mesh=mesh, reshard_after_forward=strategy == "no_shard")
     return model
 
 

@@ -24,7 +24,24 @@ from fsdp_bridge.config import BridgeConfig
 from fsdp_bridge.mapping import Outcome, TranslationReport
 from fsdp_bridge.strategy import Backend, BackwardPrefetch, ShardingStrategy
 
-__all__ = ["PrecisionPlan", "ShardPlan", "SyncMethod", "resolve_plan"]
+__all__ = ["PrecisionPlan", "ShardPlan", "SyncMethod", "reshard_after_forward", "resolve_plan"]
+
+
+def reshard_after_forward(strategy: ShardingStrategy, override: bool | int | None, *, is_root: bool) -> bool | int:
+    """Whether a unit frees its gathered parameters after forward, matching FSDP1: the root keeps
+    them for the backward that immediately follows, unless ``override`` (the config's
+    ``reshard_after_forward``) says otherwise.
+
+    NO_SHARD: True on every unit, whatever is asked.  Nothing is sharded, so resharding
+    communicates nothing; it frees the working copy FSDP2 makes of a unit's parameters even on
+    a shard group of one (``FSDPParamGroup.wait_for_unshard`` copies them into separate
+    all-gather outputs), so the copy of the unit in use is alive instead of the whole model's.
+    FSDP1 keeps a one-rank flat parameter as it is and does not read this."""
+    if strategy is ShardingStrategy.NO_SHARD:
+        return True
+    if override is not None:
+        return override
+    return strategy.reshards_after_forward and not is_root
 
 
 class SyncMethod(enum.Enum):
@@ -97,13 +114,8 @@ class ShardPlan:
     fake world size (:func:`fsdp_bridge.estimate.plan_at_scale`, FSDP2): the shards stay on meta."""
 
     def reshard_after_forward(self, *, is_root: bool) -> bool | int:
-        """Per-unit reshard-after-forward, matching FSDP1: the root keeps its parameters
-        gathered for the backward that immediately follows, unless overridden."""
-        if self.strategy is ShardingStrategy.NO_SHARD:
-            return False
-        if self.reshard_override is not None:
-            return self.reshard_override
-        return self.strategy.reshards_after_forward and not is_root
+        """Per-unit reshard-after-forward (:func:`reshard_after_forward`)."""
+        return reshard_after_forward(self.strategy, self.reshard_override, is_root=is_root)
 
     @property
     def ignored_params(self) -> set[nn.Parameter]:

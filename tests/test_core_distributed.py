@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor
 
 import fsdp_bridge
 from fsdp_bridge import BridgeConfig, ConfigError
+from fsdp_bridge.estimate import LiveBytes
 from fsdp_bridge.testing import RankFailure, run_distributed
 from fsdp_bridge.testing.models import FAMILIES, build_tiny, sample_batch
 
@@ -58,6 +59,42 @@ def test_local_parameter_bytes_are_one_over_shard_size() -> None:
             strategy = key.split("/")[1]
             expected = {"full_shard": 1 / 4, "shard_grad_op": 1 / 4, "no_shard": 1.0}.get(strategy, 1 / 2)
             assert fraction == pytest.approx(expected, rel=0.02), f"rank {rank} {key}: {fraction:.4f}"
+
+
+def _no_shard_step_peaks() -> dict[str, object]:
+    """One step of NO_SHARD per backend: the peak of what it allocates, and whether FSDP2's
+    layers hold their sharded parameters again between forward and backward."""
+    out: dict[str, object] = {}
+    batch = sample_batch("llama", batch=8, seq=32, seed=dist.get_rank())
+    for backend in BACKENDS:
+        model = fsdp_bridge.shard(build_tiny("llama"), BridgeConfig(strategy="no_shard", backend=backend))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        for _ in range(2):  # the optimizer state and every lazily made buffer exist after these
+            opt.zero_grad()
+            model(**batch).loss.backward()
+            opt.step()
+        state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+        with LiveBytes("cpu", ignore=[*model.parameters(), *model.buffers(), *state]) as live:
+            opt.zero_grad()
+            loss = model(**batch).loss
+            layers = model.model.layers  # type: ignore[union-attr]
+            out[f"{backend} sharded after forward"] = all(isinstance(p, DTensor) for p in layers.parameters())
+            loss.backward()
+            opt.step()
+        out[backend] = live.peak
+    return out
+
+
+def test_no_shard_on_fsdp2_holds_one_units_copy_not_the_models() -> None:
+    # FSDP2 copies a unit's parameters even on a shard group of one; NO_SHARD units reshard after
+    # forward, so at most the root's copy and the running layer's are alive beyond FSDP1's peak.
+    model = build_tiny("llama")
+    layer = sum(p.numel() * p.element_size() for p in model.model.layers[0].parameters())
+    root = sum(p.numel() * p.element_size() for p in model.parameters()) - len(model.model.layers) * layer
+    for rank, peaks in enumerate(run_distributed(_no_shard_step_peaks, 2)):
+        assert peaks["fsdp2 sharded after forward"], f"rank {rank}: FSDP2 kept the unsharded layers"
+        extra = peaks["fsdp2"] - peaks["fsdp1"]  # type: ignore[operator]
+        assert extra <= root + layer, f"rank {rank}: FSDP2 NO_SHARD {extra} B above FSDP1 (limit {root + layer})"
 
 
 # ---------------------------------------------------------------- no_sync + clip + summon vs a reference

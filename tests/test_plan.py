@@ -122,7 +122,9 @@ def test_precision_and_prefetch_are_read_from_the_config_once() -> None:
         ("full_shard", None, True, False),  # the root stays gathered for the backward that follows
         ("shard_grad_op", None, False, False),
         ("hybrid_shard", None, True, False),
-        ("no_shard", True, False, False),  # NO_SHARD never reshards, whatever is asked
+        # NO_SHARD frees FSDP2's one-rank working copy after every unit, whatever is asked
+        ("no_shard", None, True, True),
+        ("no_shard", False, True, True),
         ("full_shard", False, False, False),
         ("shard_grad_op", True, True, True),
     ],

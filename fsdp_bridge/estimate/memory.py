@@ -38,6 +38,7 @@ from fsdp_bridge.config import BridgeConfig
 from fsdp_bridge.distributed import plan_mesh
 from fsdp_bridge.errors import ConfigError, Problem
 from fsdp_bridge.estimate.tracker import LiveBytes
+from fsdp_bridge.plan import reshard_after_forward
 from fsdp_bridge.strategy import ShardingStrategy
 from fsdp_bridge.wrap import resolve_wrap
 
@@ -270,13 +271,15 @@ def estimate_memory(
     full = [_padded_full_numel(u, impl, shard, cbytes) for u in units]
     root, others = full[-1], full[:-1]
     largest = max(range(len(full)), key=lambda i: full[i])
-    reshard = config.reshard_after_forward
-    if reshard is None:
-        reshard = strategy.reshards_after_forward
+    reshard = reshard_after_forward(strategy, config.reshard_after_forward, is_root=False)
     if not impl.gathers_full_copy(shard, mixed_precision=mp.enabled):
         gathered = 0  # the local parameters are the full ones: nothing is gathered
     elif reshard and shard > 1:
         gathered = root + 2 * max(others, default=0)  # root kept; current + prefetched unit
+    elif reshard:
+        # A one-rank copy (FSDP2's unsharded parameters, either backend's cast) is made when its
+        # unit runs, nothing is prefetched, and it is freed after the unit.
+        gathered = root + max(others, default=0)
     else:
         gathered = sum(full)
     unit_grad = full[largest] * (cbytes + (rbytes if shard > 1 else 0))
