@@ -1,7 +1,7 @@
 """Hugging Face families the test suite does not build, through both backends at 2 gloo ranks.
 
     OMP_NUM_THREADS=1 python benchmarks/hf_families.py              # every family below (~10 min)
-    OMP_NUM_THREADS=1 python benchmarks/hf_families.py mixtral jamba
+    OMP_NUM_THREADS=1 python benchmarks/hf_families.py qwen3_moe jamba
 
 Per family (a tiny config built offline, eager attention): FSDP1 and FSDP2 with FULL_SHARD against
 an unsharded reference with averaged gradients over 3 steps (``assert_backend_parity``: fp32
@@ -24,21 +24,12 @@ import torch.distributed as dist
 import fsdp_bridge
 from fsdp_bridge import BridgeConfig
 from fsdp_bridge.testing import run_distributed
+from fsdp_bridge.testing.models import DECODER_SIZES, VOCAB
 from fsdp_bridge.testing.parity import assert_backend_parity
 
-VOCAB = 96
-_DECODER = dict(
-    vocab_size=VOCAB,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-)
+_DECODER = DECODER_SIZES
 _MOE = dict(num_experts=4, num_experts_per_tok=2)
 CONFIGS: dict[str, dict[str, Any]] = {
-    "mixtral": dict(_DECODER, num_local_experts=4, num_experts_per_tok=2, sliding_window=None),
     "qwen2_moe": dict(
         _DECODER, **_MOE, moe_intermediate_size=32, shared_expert_intermediate_size=32, mlp_only_layers=[]
     ),

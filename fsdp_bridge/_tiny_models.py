@@ -13,12 +13,12 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["FAMILIES", "build_tiny", "sample_batch", "tiny_config"]
+__all__ = ["DECODER_SIZES", "FAMILIES", "build_tiny", "sample_batch", "tiny_config"]
 
 VOCAB = 96
-FAMILIES: tuple[str, ...] = ("llama", "qwen2", "mistral", "gpt2", "opt", "gemma", "bert", "t5")
+FAMILIES: tuple[str, ...] = ("llama", "qwen2", "mistral", "mixtral", "gpt2", "opt", "gemma", "bert", "t5")
 
-_DECODER = dict(
+DECODER_SIZES: dict[str, int] = dict(
     vocab_size=VOCAB,
     hidden_size=32,
     intermediate_size=64,
@@ -27,6 +27,7 @@ _DECODER = dict(
     num_key_value_heads=2,
     max_position_embeddings=64,
 )
+"""The sizes of the tiny decoder-only families (Llama-shaped configs)."""
 
 
 def tiny_config(family: str, **overrides: Any) -> Any:
@@ -34,10 +35,12 @@ def tiny_config(family: str, **overrides: Any) -> Any:
     from transformers import AutoConfig
 
     sizes: dict[str, dict[str, Any]] = {
-        "llama": dict(_DECODER, tie_word_embeddings=False),
-        "qwen2": dict(_DECODER),
-        "mistral": dict(_DECODER, sliding_window=None),
-        "gemma": dict(_DECODER, head_dim=8),
+        "llama": dict(DECODER_SIZES, tie_word_embeddings=False),
+        "qwen2": dict(DECODER_SIZES),
+        "mistral": dict(DECODER_SIZES, sliding_window=None),
+        # mixture of experts: fused expert tensors (3-D parameters) and a router
+        "mixtral": dict(DECODER_SIZES, sliding_window=None, num_local_experts=4, num_experts_per_tok=2),
+        "gemma": dict(DECODER_SIZES, head_dim=8),
         "gpt2": dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64),
         "opt": dict(
             vocab_size=VOCAB,

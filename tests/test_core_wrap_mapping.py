@@ -135,4 +135,4 @@ def test_explain_flags_options_the_other_backend_refuses(tmp_path: Path, capsys:
 
 
 def test_families_list() -> None:
-    assert set(FAMILIES) == {"llama", "qwen2", "mistral", "gpt2", "opt", "gemma", "bert", "t5"}
+    assert set(FAMILIES) == {"llama", "qwen2", "mistral", "mixtral", "gpt2", "opt", "gemma", "bert", "t5"}

@@ -306,31 +306,11 @@ def _no_adapters_and_peft_base(out_dir: str) -> dict[str, Any]:
     return out
 
 
-def _moe_base() -> Any:
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.for_model(
-        "mixtral",
-        vocab_size=96,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        sliding_window=None,
-    )
-    config._attn_implementation = "eager"
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config)
-
-
 def _moe_lora() -> Any:
     """A tiny Mixtral with LoRA everywhere peft's "all-linear" reaches: the fused expert tensors and
     the router are parameters, which peft adapts through its ParamWrapper."""
     lora = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear", init_lora_weights=False)
-    return peft.get_peft_model(_moe_base(), lora)
+    return peft.get_peft_model(build_tiny("mixtral"), lora)
 
 
 def _lora_on_expert_parameters(out_dir: str) -> dict[str, Any]:
@@ -369,7 +349,7 @@ def _lora_on_expert_parameters(out_dir: str) -> dict[str, Any]:
     with torch.no_grad():
         logits = sharded.eval()(input_ids=prompt).logits
     if rank == 0:
-        loaded = peft.PeftModel.from_pretrained(_moe_base(), path).eval()
+        loaded = peft.PeftModel.from_pretrained(build_tiny("mixtral"), path).eval()
         with torch.no_grad():
             out["adapter diff"] = (loaded(input_ids=prompt).logits - logits).abs().max().item()
     out["trains"] = losses[-1] < losses[0]

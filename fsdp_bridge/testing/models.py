@@ -7,6 +7,6 @@ The implementation lives in :mod:`fsdp_bridge._tiny_models`, which compare jobs 
 (``model: {family: llama}``): production code never imports ``fsdp_bridge.testing``.
 """
 
-from fsdp_bridge._tiny_models import FAMILIES, VOCAB, build_tiny, sample_batch, tiny_config
+from fsdp_bridge._tiny_models import DECODER_SIZES, FAMILIES, VOCAB, build_tiny, sample_batch, tiny_config
 
-__all__ = ["FAMILIES", "VOCAB", "build_tiny", "sample_batch", "tiny_config"]
+__all__ = ["DECODER_SIZES", "FAMILIES", "VOCAB", "build_tiny", "sample_batch", "tiny_config"]
