@@ -135,11 +135,13 @@ def shard_plain(model: nn.Module, backend: str, strategy: str) -> nn.Module:
         mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
     else:
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
-    # NO_SHARD reshards every unit too: on a one-rank shard group that only frees FSDP2's copy.
-    reshard = strategy in ("full_shard", "hybrid_shard", "no_shard")
+    # On a one-rank shard group (NO_SHARD, world size 1, HYBRID with one rank per shard group) every
+    # unit reshards, root included, as the bridge does: that only frees FSDP2's one-rank copy.
+    one_rank = mesh.size(mesh.ndim - 1) == 1
+    reshard = one_rank or strategy in ("full_shard", "hybrid_shard")
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
-    fully_shard(model, mesh=mesh, reshard_after_forward=strategy == "no_shard")
+    fully_shard(model, mesh=mesh, reshard_after_forward=one_rank)
     return model
 
 

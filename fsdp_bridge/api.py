@@ -245,6 +245,7 @@ def shard(model: nn.Module, config: BridgeConfig | None = None, *, mesh: DeviceM
         has_meta=has_meta,
         scalar_params=scalars,
         materialize=not _PLAN_ON_META.get(),
+        shard_size=mesh_plan.shard,
     )
     if scalars:
         names = [n for n, p in model.named_parameters() if any(p is q for q in scalars)]

@@ -99,6 +99,11 @@ _STRATEGY_FOR_RAF = (
     "and remove reshard_after_forward"
 )
 
+_ONE_RANK_GROUP = (
+    " A shard group of one rank (world size 1, hybrid_shape [N, 1]): every unit, root included, reshards "
+    "unless reshard_after_forward is set (nothing is communicated; it frees FSDP2's one-rank copy)"
+)
+
 TABLE: tuple[Rule, ...] = (
     # -- strategy ----------------------------------------------------------------
     Rule(
@@ -109,7 +114,7 @@ TABLE: tuple[Rule, ...] = (
         T(
             N,
             "1D mesh over all ranks; reshard_after_forward=True on every unit, False on the root "
-            "(FSDP1 also keeps the root gathered for the backward that follows)",
+            "(FSDP1 also keeps the root gathered for the backward that follows)." + _ONE_RANK_GROUP,
         ),
         _strategy(SS.FULL_SHARD),
     ),
@@ -118,7 +123,10 @@ TABLE: tuple[Rule, ...] = (
         "shard_grad_op",
         "sharding_strategy=ShardingStrategy.SHARD_GRAD_OP",
         T(N, "ShardingStrategy.SHARD_GRAD_OP"),
-        T(N, "1D mesh over all ranks; reshard_after_forward=False (ZeRO-2)"),
+        T(
+            N,
+            "1D mesh over all ranks; reshard_after_forward=False (ZeRO-2)." + _ONE_RANK_GROUP,
+        ),
         _strategy(SS.SHARD_GRAD_OP),
     ),
     Rule(
@@ -142,7 +150,11 @@ TABLE: tuple[Rule, ...] = (
         "hybrid_shard",
         "sharding_strategy=ShardingStrategy.HYBRID_SHARD",
         T(N, "ShardingStrategy.HYBRID_SHARD on a 2D device mesh (replicate, shard)"),
-        T(N, "2D mesh (replicate, shard); reshard_after_forward=True on every unit, False on the root"),
+        T(
+            N,
+            "2D mesh (replicate, shard); reshard_after_forward=True on every unit, False on the root."
+            + _ONE_RANK_GROUP,
+        ),
         _strategy(SS.HYBRID_SHARD),
     ),
     Rule(
@@ -150,7 +162,10 @@ TABLE: tuple[Rule, ...] = (
         "hybrid_shard_zero2",
         "sharding_strategy=ShardingStrategy._HYBRID_SHARD_ZERO2",
         T(N, "ShardingStrategy._HYBRID_SHARD_ZERO2 on a 2D device mesh (replicate, shard)"),
-        T(N, "2D mesh (replicate, shard); reshard_after_forward=False"),
+        T(
+            N,
+            "2D mesh (replicate, shard); reshard_after_forward=False." + _ONE_RANK_GROUP,
+        ),
         _strategy(SS.HYBRID_SHARD_ZERO2),
     ),
     # -- hybrid mesh shape -------------------------------------------------------

@@ -27,20 +27,26 @@ from fsdp_bridge.strategy import Backend, BackwardPrefetch, ShardingStrategy
 __all__ = ["PrecisionPlan", "ShardPlan", "SyncMethod", "reshard_after_forward", "resolve_plan"]
 
 
-def reshard_after_forward(strategy: ShardingStrategy, override: bool | int | None, *, is_root: bool) -> bool | int:
+def reshard_after_forward(
+    strategy: ShardingStrategy, override: bool | int | None, *, is_root: bool, shard_size: int | None = None
+) -> bool | int:
     """Whether a unit frees its gathered parameters after forward, matching FSDP1: the root keeps
     them for the backward that immediately follows, unless ``override`` (the config's
     ``reshard_after_forward``) says otherwise.
 
-    NO_SHARD: True on every unit, whatever is asked.  Nothing is sharded, so resharding
-    communicates nothing; it frees the working copy FSDP2 makes of a unit's parameters even on
-    a shard group of one (``FSDPParamGroup.wait_for_unshard`` copies them into separate
-    all-gather outputs), so the copy of the unit in use is alive instead of the whole model's.
-    FSDP1 keeps a one-rank flat parameter as it is and does not read this."""
+    A shard group of one rank (NO_SHARD's (world, 1) mesh, any strategy at world size 1, HYBRID
+    with one rank per shard group): True on every unit unless the user set ``override`` (NO_SHARD:
+    whatever is asked). Nothing is sharded, so resharding communicates nothing; it frees the
+    working copy FSDP2 makes of a unit's parameters even on a shard group of one
+    (``FSDPParamGroup.wait_for_unshard`` copies them into separate all-gather outputs), so the copy
+    of the unit in use is alive instead of the whole model's. FSDP1 keeps a one-rank flat
+    parameter as it is (it runs NO_SHARD there) and does not read this."""
     if strategy is ShardingStrategy.NO_SHARD:
         return True
     if override is not None:
         return override
+    if shard_size == 1:
+        return True
     return strategy.reshards_after_forward and not is_root
 
 
@@ -106,6 +112,8 @@ class ShardPlan:
     """FSDP1's rate limiter (FSDP2 needs none)."""
     reshard_override: bool | int | None = None
     """``reshard_after_forward`` given by the user; ``None``: from the strategy, per unit."""
+    shard_size: int | None = None
+    """Ranks in a shard group (the mesh's last dimension); ``None``: not known (tests)."""
     scalar_params: list[nn.Parameter] = field(default_factory=list)
     """0-dim parameters (e.g. CLIP's ``logit_scale``): neither backend shards them, so they stay
     whole on every rank and their gradients are averaged by the bridge."""
@@ -115,7 +123,7 @@ class ShardPlan:
 
     def reshard_after_forward(self, *, is_root: bool) -> bool | int:
         """Per-unit reshard-after-forward (:func:`reshard_after_forward`)."""
-        return reshard_after_forward(self.strategy, self.reshard_override, is_root=is_root)
+        return reshard_after_forward(self.strategy, self.reshard_override, is_root=is_root, shard_size=self.shard_size)
 
     @property
     def ignored_params(self) -> set[nn.Parameter]:
@@ -133,6 +141,7 @@ def resolve_plan(
     has_meta: bool,
     scalar_params: list[nn.Parameter] | None = None,
     materialize: bool = True,
+    shard_size: int | None = None,
 ) -> ShardPlan:
     """The plan for ``config`` on ``report.backend`` and ``device``, read from the table's rows.
 
@@ -146,6 +155,7 @@ def resolve_plan(
         has_meta: some tensors are on the meta device.
         scalar_params: 0-dim parameters kept whole on every rank.
         materialize: allocate meta tensors after sharding (False only for fake-world planning).
+        shard_size: ranks in a shard group (one: every unit reshards after forward by default).
 
     Returns:
         The :class:`ShardPlan` the backend executes.
@@ -185,4 +195,5 @@ def resolve_plan(
         reshard_override=config.reshard_after_forward,
         scalar_params=list(scalar_params or []),
         materialize=materialize,
+        shard_size=shard_size,
     )

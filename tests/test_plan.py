@@ -140,6 +140,30 @@ def test_reshard_after_forward_per_unit(strategy: str, override: bool | None, un
     assert plan.reshard_after_forward(is_root=True) is root
 
 
+@pytest.mark.parametrize("strategy", ["full_shard", "shard_grad_op", "hybrid_shard", "hybrid_shard_zero2"])
+def test_a_shard_group_of_one_reshards_every_unit_unless_asked(strategy: str) -> None:
+    """World size 1, or HYBRID with one rank per shard group: resharding communicates nothing and
+    frees FSDP2's one-rank copy, so every unit (root included) reshards; an explicit setting wins."""
+
+    def plan(**overrides: Any) -> ShardPlan:
+        config = BridgeConfig(strategy=strategy, backend="fsdp2", **overrides)
+        report = translate(config, config.backend, device_type="cpu")
+        return resolve_plan(
+            config,
+            report,
+            device=torch.device("cpu"),
+            mesh=MESH,
+            units=[],
+            ignored_modules=[],
+            has_meta=False,
+            shard_size=1,
+        )
+
+    assert plan().reshard_after_forward(is_root=False) is True and plan().reshard_after_forward(is_root=True) is True
+    asked = plan(reshard_after_forward=False)
+    assert asked.reshard_after_forward(is_root=False) is False and asked.reshard_after_forward(is_root=True) is False
+
+
 def _layers() -> nn.Sequential:
     return nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
 

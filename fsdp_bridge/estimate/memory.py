@@ -271,7 +271,7 @@ def estimate_memory(
     full = [_padded_full_numel(u, impl, shard, cbytes) for u in units]
     root, others = full[-1], full[:-1]
     largest = max(range(len(full)), key=lambda i: full[i])
-    reshard = reshard_after_forward(strategy, config.reshard_after_forward, is_root=False)
+    reshard = reshard_after_forward(strategy, config.reshard_after_forward, is_root=False, shard_size=shard)
     if not impl.gathers_full_copy(shard, mixed_precision=mp.enabled):
         gathered = 0  # the local parameters are the full ones: nothing is gathered
     elif reshard and shard > 1:
