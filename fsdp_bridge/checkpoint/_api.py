@@ -78,11 +78,6 @@ def _rank_world() -> tuple[int, int]:
     return 0, 1
 
 
-def _barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
-
-
 def _agree_on(error: str | None) -> str | None:
     """Rank 0's error message (or None), known to every rank: one small broadcast."""
     if not dist.is_initialized() or dist.get_world_size() == 1:

@@ -90,10 +90,6 @@ def model_units(model: nn.Module, config: BridgeConfig) -> list[Unit]:
     return [Unit(name or "(root)", tuple(s)) for name, s in shapes.items()]
 
 
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def _shard_numel(unit: Unit, impl: BackendImpl, shard: int, cbytes: int) -> int:
     """Elements of ``unit`` one rank holds (the largest rank, padding included)."""
     return impl.shard_numel(unit.shapes, shard, cbytes)

@@ -275,13 +275,6 @@ def _configure_output(rank: int, verbosity: Verbosity) -> None:
         logging.getLogger("fsdp_bridge").setLevel(logging.INFO)
 
 
-def _all_mean(value: torch.Tensor, world: int) -> float:
-    value = value.detach().float().reshape(1).clone()
-    if world > 1:
-        dist.all_reduce(value)
-    return float(value.item()) / world
-
-
 class _StopRequests:
     """SIGTERM (preemption) and SIGINT (Ctrl-C) ask the run to stop at the next step boundary.
 
