@@ -300,3 +300,29 @@ def test_fsdp1_units_hold_one_dtype_each() -> None:
     block[0].bias = nn.Parameter(torch.zeros(4))  # fp32 bias on a bf16 weight: one module, two dtypes
     with pytest.raises(ConfigError, match=r"model: got '0.0 holds torch.bfloat16, torch.float32 parameters'"):
         one_dtype_per_unit(model, [block])
+
+
+class FSDPStyleBlock(nn.Module):
+    """A user class whose own name starts with "FSDP" (stripping a prefix would misname it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+
+def test_model_class_name_sees_through_both_backends() -> None:
+    """Checkpoint descriptions record the user's class, not FSDP1's wrapper or FSDP2's ``FSDP<Cls>``."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
+
+    from fsdp_bridge.backends import model_class_name
+    from fsdp_bridge.estimate import fake_process_group
+
+    assert model_class_name(FSDPStyleBlock()) == "FSDPStyleBlock"
+    with fake_process_group(rank=0, world_size=2):
+        two = FSDPStyleBlock()
+        fully_shard(two, mesh=init_device_mesh("cpu", (2,)))
+        assert type(two).__name__ == "FSDPFSDPStyleBlock"
+        assert model_class_name(two) == "FSDPStyleBlock"
+        one = FullyShardedDataParallel(FSDPStyleBlock(), device_id=torch.device("cpu"), use_orig_params=True)
+        assert model_class_name(one) == "FSDPStyleBlock"

@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.state_dict import (
 from fsdp_bridge import hf
 from fsdp_bridge._lora import base_weight_name, frozen_4bit_weights, has_4bit, reset_adapters
 from fsdp_bridge._paths import unwritable_reason
+from fsdp_bridge.backends import model_class_name
 from fsdp_bridge.checkpoint import _hf, _peft
 from fsdp_bridge.checkpoint._atomic import (
     SaveLock,
@@ -199,7 +200,7 @@ def _describe_and_publish(
         world_size=world,
         step=(state or {}).get("step"),
         bridge_config=bridge.config.to_dict() if bridge is not None else None,
-        model_class=type(getattr(model, "module", model)).__name__.removeprefix("FSDP"),
+        model_class=model_class_name(model),
         hf_config=has_config,
         has_optimizer=has_optimizer,
         tied=tied,
