@@ -141,8 +141,11 @@ def _device(model: nn.Module) -> torch.device:
 
 def full_state_options(model: nn.Module, **kw: Any) -> StateDictOptions:
     """Options for a gathered (full) state dict of a sharded ``model``."""
-    # cpu_offload gathers on rank 0 only, but is broken for FSDP1 on CPU-only runs in
-    # torch 2.13 (a crash in the unshard); on CPU the gathered copy is in host memory anyway.
+    # cpu_offload gathers on rank 0 only, but FSDP1 on a CPU-only run crashes with it in torch
+    # < 2.14: FlatParamHandle.to_cpu frees the storage of a flat parameter already on the CPU
+    # (pytorch/pytorch#188989; 2.14.1's to_cpu skips the offload for a CPU flat parameter, read from
+    # its source, not run).  Not gated on the version: on CPU the gathered copy is in host memory
+    # anyway; with the fix, cpu_offload on CPU would only spare ranks other than 0 the full copy.
     return StateDictOptions(full_state_dict=True, cpu_offload=_device(model).type != "cpu", **kw)
 
 

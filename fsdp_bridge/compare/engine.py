@@ -285,7 +285,7 @@ def _full_params(model: nn.Module, names: list[str], *, sharded: bool) -> dict[s
         params = dict(model.named_parameters())
         return {n: params[n].detach().float().cpu().clone() for n in names} if keep else {}
     # Collective on both backends (the FSDP1 full state dict path is avoided: on CPU-only
-    # torch 2.13 its offload to CPU crashes).
+    # torch < 2.14 its offload to CPU crashes, pytorch/pytorch#188989; see full_state_options).
     with summon_full_params(model):
         params = {strip_wrapper_prefixes(n): p for n, p in model.named_parameters()}
         return {n: params[n].detach().float().cpu().clone() for n in names if n in params} if keep else {}
