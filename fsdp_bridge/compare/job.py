@@ -222,9 +222,7 @@ class CompareJob:
         default=(), metadata=_enum_list_spec(ShardingStrategy, "compare.strategies")
     )
     """Strategies to run (``compare.strategies``); empty: the bridge config's strategy."""
-    backends: tuple[Backend, ...] = field(
-        default=(Backend.FSDP1, Backend.FSDP2), metadata=_enum_list_spec(Backend, "compare.backends")
-    )
+    backends: tuple[Backend, ...] = field(default=tuple(Backend), metadata=_enum_list_spec(Backend, "compare.backends"))
     """Backends to run each strategy on (``compare.backends``)."""
     reference: bool = field(default=False, metadata=spec("true or false", at="compare.reference"))
     """Also run the non-sharded reference with averaged gradients (``compare.reference``)."""

@@ -60,7 +60,7 @@ def assert_backend_parity(
     batches: Sequence[Batch] | Callable[[int], Sequence[Batch]],
     config: BridgeConfig | Mapping[str, Any] | None = None,
     *,
-    backends: Sequence[str | Backend] = (Backend.FSDP1, Backend.FSDP2),
+    backends: Sequence[str | Backend] = tuple(Backend),
     strategies: Sequence[str | ShardingStrategy] | None = None,
     reference: bool = True,
     hybrid_shape: tuple[int, int] | None = None,
