@@ -302,3 +302,19 @@ def test_the_raise_scan_sees_a_raise_and_skips_nested_functions() -> None:
 
     assert _raises_itself(raises)
     assert not _raises_itself(nested_only)
+
+
+def test_examples_use_only_public_names() -> None:
+    """Examples are what users copy: no private module (``fsdp_bridge.train._data``) nor private name."""
+    offenders = []
+    for path in sorted((ROOT / "examples").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "fsdp_bridge":
+                names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names if a.name.split(".")[0] == "fsdp_bridge"]
+            else:
+                continue
+            if any(part.startswith("_") for name in names for part in name.split(".")):
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert offenders == []
