@@ -263,7 +263,7 @@ def shard(model: nn.Module, config: BridgeConfig | None = None, *, mesh: DeviceM
 
     units = wrap_plan.modules
     if config.activation_checkpointing:
-        units = _apply_activation_checkpointing(model, units)
+        units = checkpoint_units(model, units)
         if hf.disable_kv_cache(model):
             wrap_plan.notes.append("use_cache=False: activation checkpointing recomputes layers")
     if wrap_plan.dtype_units:  # sharded on their own, not checkpointed: merged after AC
@@ -411,7 +411,7 @@ def _validate(
     return mesh_plan, ignored, wrap_plan, has_meta, translate(config, device_type=device.type)
 
 
-def _apply_activation_checkpointing(model: nn.Module, units: list[nn.Module]) -> list[nn.Module]:
+def checkpoint_units(model: nn.Module, units: list[nn.Module]) -> list[nn.Module]:
     """Wrap each unit in a non-reentrant checkpoint wrapper; return the wrappers as units."""
     from functools import partial
 

@@ -157,12 +157,12 @@ def measure_activations(
     frees them per unit; that part is counted in ``unsharded``).  Mutates ``model``
     (checkpoint wrappers): pass a fresh meta model.
     """
-    from fsdp_bridge.api import _apply_activation_checkpointing
+    from fsdp_bridge.api import checkpoint_units
     from fsdp_bridge.hf import disable_kv_cache, is_hf_model
 
     disable_kv_cache(model)
     if activation_checkpointing:
-        _apply_activation_checkpointing(model, list(units))
+        checkpoint_units(model, list(units))
     for p in model.parameters():
         if p.requires_grad:
             p.register_post_accumulate_grad_hook(lambda q: setattr(q, "grad", None))

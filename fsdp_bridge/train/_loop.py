@@ -95,7 +95,7 @@ def optimizer_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) ->
     states (``step``) are one per parameter. The second figure applies the per-element bytes of
     the trained parameters to all of them, frozen ones included."""
     from fsdp_bridge.estimate import storage_bytes
-    from fsdp_bridge.estimate.tracker import _local as local
+    from fsdp_bridge.estimate.tracker import local_tensor as local
 
     per_element = scalars = trained_numel = 0
     for p, state in optimizer.state.items():
