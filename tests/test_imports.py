@@ -252,23 +252,33 @@ def _raises_itself(fn: Any) -> bool:
     return False
 
 
+# Faces whose exports are held to it; the other subpackage faces (compare, estimate, train,
+# testing, migrate) are not yet.
+DOCUMENTED_FACES = ("fsdp_bridge", "fsdp_bridge.checkpoint")
+
+
 def _exported_callables() -> list[tuple[str, Any]]:
-    """Every function ``fsdp_bridge`` exports, and the public methods of the classes it exports."""
+    """Every function those faces export, and the public methods of the classes they export."""
+    import importlib
     import inspect
 
-    import fsdp_bridge
-
     out: list[tuple[str, Any]] = []
-    for name in fsdp_bridge.__all__:
-        obj = getattr(fsdp_bridge, name)
-        if inspect.isclass(obj):
-            for attr, value in vars(obj).items():
-                if isinstance(value, (staticmethod, classmethod)):
-                    value = value.__func__
-                if not attr.startswith("_") and inspect.isfunction(value):
-                    out.append((f"{name}.{attr}", value))
-        elif callable(obj):
-            out.append((name, obj))
+    seen: set[int] = set()
+    for face in DOCUMENTED_FACES:
+        module = importlib.import_module(face)
+        for name in module.__all__:
+            obj = getattr(module, name)
+            if id(obj) in seen:
+                continue
+            seen.add(id(obj))
+            if inspect.isclass(obj):
+                for attr, value in vars(obj).items():
+                    if isinstance(value, (staticmethod, classmethod)):
+                        value = value.__func__
+                    if not attr.startswith("_") and inspect.isfunction(value):
+                        out.append((f"{face}.{name}.{attr}", value))
+            elif callable(obj):
+                out.append((f"{face}.{name}", obj))
     return out
 
 
@@ -278,7 +288,8 @@ def test_every_exported_function_documents_args_returns_and_raises() -> None:
 
     missing = []
     callables = _exported_callables()
-    assert any(name == "BridgeConfig.from_dict" for name, _ in callables)
+    assert "fsdp_bridge.BridgeConfig.from_dict" in dict(callables)
+    assert "fsdp_bridge.checkpoint.convert_checkpoint" in dict(callables)
     for name, obj in callables:
         doc = inspect.getdoc(obj) or ""
         params = [p for p in inspect.signature(obj).parameters if p not in ("self", "cls")]

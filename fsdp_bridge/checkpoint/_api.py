@@ -140,7 +140,16 @@ def _device(model: nn.Module) -> torch.device:
 
 
 def full_state_options(model: nn.Module, **kw: Any) -> StateDictOptions:
-    """Options for a gathered (full) state dict of a sharded ``model``."""
+    """Options for a gathered (full) state dict of a sharded ``model``.
+
+    Args:
+        model: a model returned by :func:`fsdp_bridge.shard` (or any module).
+        **kw: further ``StateDictOptions`` fields (``strict``, ``broadcast_from_rank0`` ...).
+
+    Returns:
+        ``StateDictOptions(full_state_dict=True, cpu_offload=...)``: offloaded (and kept on rank 0
+        only) where the model runs on an accelerator; not on a CPU run (see the comment below).
+    """
     # cpu_offload gathers on rank 0 only, but FSDP1 on a CPU-only run crashes with it in torch
     # < 2.14: FlatParamHandle.to_cpu frees the storage of a flat parameter already on the CPU
     # (pytorch/pytorch#188989; 2.14.1's to_cpu skips the offload for a CPU flat parameter, read from
@@ -909,7 +918,17 @@ def _remember_layout(model: nn.Module, path: str | os.PathLike[str]) -> None:
 def pretrained_fits(path: str | os.PathLike[str], model: nn.Module) -> bool:
     """Whether ``path`` is a Hugging Face directory whose tensor names and shapes are exactly those
     of ``model`` (unsharded, e.g. on the meta device; a tied name may be stored once), so that
-    :func:`load_pretrained` can fill it.  Reads the safetensors headers only."""
+    :func:`load_pretrained` can fill it.  Reads the safetensors headers only.
+
+    Args:
+        path: a directory (or anything else, which does not fit).
+        model: the model to fill, not yet sharded; a PEFT model is matched by its base's names.
+
+    Returns:
+        True when every stored tensor is one of the model's with its shape and every model
+        tensor is stored (or tied to one that is); False otherwise, also for a path that is not
+        a complete checkpoint.
+    """
     try:
         detected = detect(path)
         if detected.kind not in (Kind.HF, Kind.FULL) or not detected.path.is_dir():
