@@ -111,7 +111,16 @@ def optimizer_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) ->
 
 
 def lr_at(config: TrainConfig, step: int) -> float:
-    """Learning rate of optimizer step number ``step + 1`` (``step`` steps already taken)."""
+    """Learning rate of optimizer step number ``step + 1`` (``step`` steps already taken).
+
+    Args:
+        config: the training config (``optim.lr`` and the ``schedule`` section).
+        step: optimizer steps already taken.
+
+    Returns:
+        Linear warm-up to ``optim.lr``, then constant, linear or cosine decay to
+        ``min_lr_ratio`` of it at ``decay_steps`` (default ``max_steps``).
+    """
     peak = config.optim.lr
     sched = config.schedule
     if step < sched.warmup_steps:
@@ -344,7 +353,20 @@ def evaluate(model: nn.Module, data: PackedData, config: TrainConfig, device: to
 
 
 def train(config: TrainConfig, *, verbosity: Verbosity = "normal") -> TrainResult:
-    """Run ``config`` on this rank (call on every rank; initialises the process group if needed)."""
+    """Run ``config`` on this rank (call on every rank; initialises the process group if needed).
+
+    Args:
+        config: the training job.
+        verbosity: ``"quiet"``, ``"normal"`` or ``"verbose"`` output on rank 0.
+
+    Returns:
+        What the run did (steps, tokens, time, losses, where it wrote).
+
+    Raises:
+        RunStopped: SIGTERM or SIGINT stopped the run at a step boundary, after every rank saved
+            a checkpoint to resume from.
+        ConfigError: a problem found before the first collective (data, model, backend).
+    """
     start = time.perf_counter()
     device = init_distributed(config.bridge.device, timeout_s=config.timeout_s)
     rank, world = dist.get_rank(), dist.get_world_size()
