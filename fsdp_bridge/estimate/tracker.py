@@ -71,7 +71,14 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (views and DTensors resolved)."""
+    """Bytes of the distinct storages behind ``tensors`` (views and DTensors resolved).
+
+    Args:
+        tensors: any tensors; views of one storage count once, a DTensor by its local shard.
+
+    Returns:
+        The total bytes.
+    """
     seen: dict[int, int] = {}
     for t in tensors:
         st = local_tensor(t).untyped_storage()
@@ -98,7 +105,11 @@ class LiveBytes(TorchDispatchMode):
         self._restore: dict[str, Any] = {}  # UntypedStorage's own attributes before this mode wrapped resize_
 
     def reset_peak(self) -> None:
-        """Restart peak tracking from the bytes alive now."""
+        """Restart peak tracking from the bytes alive now.
+
+        Returns:
+            None.
+        """
         self.peak = self.current
         if self.sites:
             tally: Counter[str] = Counter()
