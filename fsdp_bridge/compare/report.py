@@ -222,6 +222,11 @@ class PairVerdict:
         return max(values) if values else None
 
     def describe(self) -> str:
+        """The verdict in one line.
+
+        Returns:
+            ``"a vs b: PARITY (...)"`` or ``"a vs b: DIVERGED at step N (...)"`` with the differences.
+        """
         head = f"{self.a} vs {self.b}: "
         if self.ok:
             return head + f"PARITY ({self.tolerance.name} tolerance)"
