@@ -511,9 +511,13 @@ class BridgeConfig:
             The new config; this one is unchanged.
 
         Raises:
-            ConfigError: a new value is not valid for its field.
-            TypeError: a name that is not a field.
+            ConfigError: a name that is not a field (with "did you mean"), or a new value that
+                is not valid for its field.
         """
+        valid = self.field_names()
+        unknown = [unknown_key(k, v, valid) for k, v in changes.items() if k not in valid]
+        if unknown:
+            raise ConfigError(unknown)
         return dataclasses.replace(self, **changes)
 
     @classmethod
