@@ -292,12 +292,16 @@ def convert_checkpoint(
         ``dst`` as a path.
 
     Raises:
-        ValueError: ``to`` is not one of the kinds above.
+        ConfigError: ``to`` is not one of the kinds above (a ``ValueError``, as before).
         CheckpointError: ``src`` is not a complete checkpoint, ``dst`` is inside ``src`` (or the
             reverse), ``dst`` already exists for ``to="torch"``, or a file cannot be written.
     """
     if to not in TARGETS:
-        raise ValueError(f"to must be one of {', '.join(TARGETS)} (got {to!r})")
+        from fsdp_bridge.errors import ConfigError, Problem
+
+        raise ConfigError(
+            [Problem("to", to, ", ".join(TARGETS), "use one of these kinds (the choices of fsdp-bridge convert --to)")]
+        )
     dst_path = Path(dst)
     check_not_nested(Path(src), dst_path)
     if to == "torch" and (dst_path.exists() or dst_path.is_symlink()):
