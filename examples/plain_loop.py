@@ -11,6 +11,7 @@ and a sharded checkpoint, the same way on FSDP1 and FSDP2.
 from __future__ import annotations
 
 import argparse
+from importlib.resources import files
 
 import torch
 import torch.distributed as dist
@@ -18,7 +19,6 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 import fsdp_bridge
 from fsdp_bridge.train import DataConfig
-from fsdp_bridge.train._data import sample_corpus_path
 
 
 def main(*, backend: str = "fsdp2", steps: int = 20, accum: int = 2, out: str | None = None) -> list[float]:
@@ -40,7 +40,8 @@ def main(*, backend: str = "fsdp2", steps: int = 20, accum: int = 2, out: str | 
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     rank, world = dist.get_rank(), dist.get_world_size()
 
-    data = torch.frombuffer(bytearray(sample_corpus_path().read_bytes()), dtype=torch.uint8).long()
+    corpus = files("fsdp_bridge") / "data" / "sample_corpus.txt"  # shipped inside the package
+    data = torch.frombuffer(bytearray(corpus.read_bytes()), dtype=torch.uint8).long()
     seq, batch = DataConfig().seq_len, 4
     sequences = data[: len(data) // seq * seq].view(-1, seq)
     g = torch.Generator().manual_seed(0)

@@ -64,7 +64,11 @@ class PeftConfig:
     """Modules trained in full (not adapted) and saved with the adapter, e.g. ``[lm_head]``."""
 
     def lora_config(self) -> Any:
-        """The ``peft.LoraConfig`` of this section (a causal language model task)."""
+        """The ``peft.LoraConfig`` of this section (a causal language model task).
+
+        Returns:
+            A ``peft.LoraConfig`` with this section's rank, alpha, dropout and target modules.
+        """
         from peft import LoraConfig
 
         targets: str | list[str] | None = None

@@ -92,27 +92,69 @@ class Bridge:
         return self.plan.device
 
     def no_sync(self) -> AbstractContextManager[None]:
+        """Same as :func:`fsdp_bridge.no_sync` on this bridge's model.
+
+        Returns:
+            A context manager: backward inside it accumulates gradients locally.
+        """
         return self.impl.no_sync(self.model)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Same as :func:`fsdp_bridge.clip_grad_norm_` on this bridge's model (a collective).
+
+        Args:
+            max_norm: the largest global gradient norm kept.
+            norm_type: which p-norm (``float("inf")`` for the max norm).
+
+        Returns:
+            The global norm before clipping, as a tensor.
+        """
         return self.impl.clip_grad_norm_(self.model, float(max_norm), float(norm_type))
 
     def summon_full_params(
         self, *, writeback: bool = False, rank0_only: bool = False, offload_to_cpu: bool = False
     ) -> AbstractContextManager[None]:
+        """The backend's gather of full parameters on this bridge's whole model (a collective);
+        :func:`fsdp_bridge.summon_full_params` also turns autograd off and takes a unit.
+
+        Args:
+            writeback: keep in-place changes made inside the context.
+            rank0_only: only rank 0 sees full tensors.
+            offload_to_cpu: the full tensors are CPU copies.
+
+        Returns:
+            A context manager inside which parameters are full tensors.
+
+        Raises:
+            ConfigError: ``offload_to_cpu`` with FSDP1's NO_SHARD, which torch's FSDP1 does not
+                support (named with the fix).
+        """
         return self.impl.summon_full_params(
             self.model, writeback=writeback, rank0_only=rank0_only, offload_to_cpu=offload_to_cpu
         )
 
     def local_numel(self) -> int:
-        """Parameter elements held by this rank (for FULL_SHARD about 1/N of the model)."""
+        """Parameter elements held by this rank (for FULL_SHARD about 1/N of the model).
+
+        Returns:
+            The element count of this rank's shards, padding excluded.
+        """
         return sum(t.numel() for t in self.impl.local_tensors(self.model))
 
     def local_bytes(self) -> int:
-        """Parameter bytes held by this rank (sharded state, without padding)."""
+        """Parameter bytes held by this rank (sharded state, without padding).
+
+        Returns:
+            The bytes of this rank's shards.
+        """
         return sum(t.numel() * t.element_size() for t in self.impl.local_tensors(self.model))
 
     def describe(self) -> str:
+        """What :func:`shard` logs once on rank 0.
+
+        Returns:
+            The strategy, backend, mesh and device, the units, notes and the translation report.
+        """
         lines = [
             f"fsdp_bridge: {self.config.strategy.value} on {self.config.backend.value}, "
             f"mesh {tuple(self.mesh.shape)} on {self.device}",
@@ -221,7 +263,7 @@ def shard(model: nn.Module, config: BridgeConfig | None = None, *, mesh: DeviceM
 
     units = wrap_plan.modules
     if config.activation_checkpointing:
-        units = _apply_activation_checkpointing(model, units)
+        units = checkpoint_units(model, units)
         if hf.disable_kv_cache(model):
             wrap_plan.notes.append("use_cache=False: activation checkpointing recomputes layers")
     if wrap_plan.dtype_units:  # sharded on their own, not checkpointed: merged after AC
@@ -370,7 +412,7 @@ def _validate(
     return mesh_plan, ignored, wrap_plan, has_meta, translate(config, device_type=device.type)
 
 
-def _apply_activation_checkpointing(model: nn.Module, units: list[nn.Module]) -> list[nn.Module]:
+def checkpoint_units(model: nn.Module, units: list[nn.Module]) -> list[nn.Module]:
     """Wrap each unit in a non-reentrant checkpoint wrapper; return the wrappers as units."""
     from functools import partial
 

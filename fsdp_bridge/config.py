@@ -112,12 +112,29 @@ class MixedPrecisionConfig:
 
     @classmethod
     def preset(cls, name: str) -> MixedPrecisionConfig:
+        """The dtypes a named preset stands for.
+
+        Args:
+            name: a preset name (``fp32``, ``bf16``, ``fp16`` ..., any case) or one of its aliases.
+
+        Returns:
+            The preset's :class:`MixedPrecisionConfig`.
+
+        Raises:
+            ValueError: ``name`` is not a preset; the message lists the presets.
+        """
         key = _MP_ALIASES.get(name.strip().lower(), name.strip().lower())
         if key not in _MP_PRESETS:
             raise ValueError(f"{name!r} is not a mixed-precision preset; allowed: {', '.join(_MP_PRESETS)}")
         return cls(**_MP_PRESETS[key])  # type: ignore[arg-type]
 
     def to_spelling(self) -> str | dict[str, Any]:
+        """How a YAML file writes this policy.
+
+        Returns:
+            The preset name where the dtypes are a preset's, else a mapping of dtype names and
+            ``cast_forward_inputs``.
+        """
         for name, dtypes in _MP_PRESETS.items():
             if self == MixedPrecisionConfig(**dtypes):  # type: ignore[arg-type]
                 return name
@@ -173,6 +190,14 @@ class WrapPolicy:
     """``fn(module) -> bool`` chooses the units (``mode="callable"``); cannot come from YAML."""
 
     def to_spelling(self) -> object:
+        """How a YAML file writes this policy.
+
+        Returns:
+            ``"auto"`` / ``"none"``, a list of class names, or ``{"min_num_params": N}``.
+
+        Raises:
+            ConfigError: a callable policy, which has no YAML spelling.
+        """
         if self.mode == "classes":
             return list(self.classes)
         if self.mode == "min_params":
@@ -401,7 +426,14 @@ class BridgeConfig:
     # -- serialisation ---------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain, YAML-safe values; ``BridgeConfig.from_dict(c.to_dict()) == c``."""
+        """Plain, YAML-safe values; ``BridgeConfig.from_dict(c.to_dict()) == c``.
+
+        Returns:
+            Every field by name, enums as their values and policies as their YAML spellings.
+
+        Raises:
+            ConfigError: a callable wrap policy, which has no YAML spelling.
+        """
         return {
             "strategy": self.strategy.value,
             "backend": self.backend.value,
@@ -420,15 +452,40 @@ class BridgeConfig:
         }
 
     def to_yaml(self) -> str:
+        """The config as a YAML document (what :func:`fsdp_bridge.load_config` reads back).
+
+        Returns:
+            :meth:`to_dict` dumped as YAML, fields in declaration order.
+
+        Raises:
+            ConfigError: a callable wrap policy, which has no YAML spelling.
+        """
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
     @classmethod
     def field_names(cls) -> list[str]:
+        """The keys a bridge config accepts.
+
+        Returns:
+            The field names, in declaration order.
+        """
         return [f.name for f in dataclasses.fields(cls)]
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None, *, source: str | None = None) -> BridgeConfig:
-        """Build a config from a mapping (e.g. parsed YAML), reporting every problem at once."""
+        """Build a config from a mapping (e.g. parsed YAML), reporting every problem at once.
+
+        Args:
+            data: field name -> value, values as YAML writes them or as the field types; None
+                or empty gives the defaults.
+            source: where ``data`` came from (a file name), named in the error.
+
+        Returns:
+            The config.
+
+        Raises:
+            ConfigError: every unknown key (with "did you mean") and every bad value, together.
+        """
         if data is None:
             data = {}
         if not isinstance(data, Mapping):
@@ -445,7 +502,22 @@ class BridgeConfig:
         return config
 
     def replace(self, **changes: Any) -> BridgeConfig:
-        """A copy with some fields changed (validated like a new config)."""
+        """A copy with some fields changed (validated like a new config).
+
+        Args:
+            **changes: field name -> new value, in any spelling the constructor accepts.
+
+        Returns:
+            The new config; this one is unchanged.
+
+        Raises:
+            ConfigError: a name that is not a field (with "did you mean"), or a new value that
+                is not valid for its field.
+        """
+        valid = self.field_names()
+        unknown = [unknown_key(k, v, valid) for k, v in changes.items() if k not in valid]
+        if unknown:
+            raise ConfigError(unknown)
         return dataclasses.replace(self, **changes)
 
     @classmethod

@@ -194,10 +194,6 @@ class MeshPlan:
     dim_names: tuple[str, ...]
 
     @property
-    def replicate(self) -> int:
-        return self.shape[0] if len(self.shape) == 2 else 1
-
-    @property
     def shard(self) -> int:
         return self.shape[-1]
 

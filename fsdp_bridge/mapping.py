@@ -652,18 +652,46 @@ class TranslationReport:
         return tuple(e for e in self.entries if e.outcome is Outcome.UNSUPPORTED)
 
     def entry(self, option: str) -> Entry:
-        """The row that ``option`` matched (every config option matches exactly one)."""
+        """The row that ``option`` matched (every config option matches exactly one).
+
+        Args:
+            option: a config option as the table names it (``cpu_offload``,
+                ``mixed_precision.buffer_dtype``).
+
+        Returns:
+            Its :class:`Entry`: the value, the case matched, the outcome and what happens.
+
+        Raises:
+            KeyError: ``option`` is not in this report; the message lists the options that are.
+        """
         for e in self.entries:
             if e.option == option:
                 return e
         raise KeyError(f"no entry for option {option!r}; options are {', '.join(e.option for e in self.entries)}")
 
     def outcome(self, option: str) -> Outcome:
-        """What the table says ``option`` becomes on this backend and device."""
+        """What the table says ``option`` becomes on this backend and device.
+
+        Args:
+            option: a config option as the table names it.
+
+        Returns:
+            The matched row's :class:`Outcome`.
+
+        Raises:
+            KeyError: ``option`` is not in this report.
+        """
         return self.entry(option).outcome
 
     def format(self, *, width: int = 100) -> str:
-        """A plain-text table (one row per option)."""
+        """A plain-text table (one row per option), as ``fsdp-bridge explain`` prints it.
+
+        Args:
+            width: the line width the last column wraps to (at least 30 characters are kept for it).
+
+        Returns:
+            The table, headed by the backend's name.
+        """
         import textwrap
 
         rows = [(e.option, show_value(e.value), e.outcome.value, e.text) for e in self.entries]
@@ -683,6 +711,11 @@ class TranslationReport:
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, object]:
+        """The report as JSON-safe data (what ``fsdp-bridge explain --json`` prints).
+
+        Returns:
+            ``{"backend": ..., "entries": [{"option", "case", "value", "outcome", "text"}, ...]}``.
+        """
         return {
             "backend": self.backend.value,
             "entries": [

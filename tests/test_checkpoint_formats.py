@@ -505,6 +505,8 @@ def test_offline_errors_and_metadata_safety(tmp_path: Path) -> None:
     assert cli(["inspect", str(tmp_path / "nope")]) == 2
     with pytest.raises(ValueError, match="keep must be an integer >= 1"):
         fsdp_bridge.rotate_checkpoints(tmp_path, keep=0)
+    with pytest.raises(fsdp_bridge.ConfigError, match=r"to: got 'safetensors'; allowed: hf, sharded, torch"):
+        fsdp_bridge.checkpoint.convert_checkpoint(hf_dir, tmp_path / "out", to="safetensors")  # type: ignore[arg-type]
 
 
 def _global_call_pickle(module: str, name: str, arg: str) -> bytes:

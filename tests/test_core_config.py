@@ -186,6 +186,15 @@ def test_backend_combinations_that_are_fine() -> None:
     BridgeConfig(backend="fsdp1", strategy="shard_grad_op", reshard_after_forward=False)  # agrees: not needed
 
 
+def test_replace_names_an_unknown_field_like_from_dict() -> None:
+    config = BridgeConfig()
+    with pytest.raises(ConfigError, match=r"stratgy: got 'full_shard'.*unknown key; did you mean 'strategy'"):
+        config.replace(stratgy="full_shard")
+    with pytest.raises(ConfigError, match=r"strategy: got 'bogus'"):
+        config.replace(strategy="bogus")
+    assert config.replace(strategy="shard_grad_op").strategy is ShardingStrategy.SHARD_GRAD_OP
+
+
 def test_callable_wrap_cannot_be_serialised() -> None:
     with pytest.raises(ConfigError, match="callable wrap policies exist only in Python"):
         BridgeConfig(wrap=lambda m: True).to_dict()  # type: ignore[arg-type]

@@ -11,6 +11,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -235,21 +236,102 @@ def test_the_import_scan_sees_every_spelling(source: str, module: str, eager: bo
     assert (module, eager) in found
 
 
+def _raises_itself(fn: Any) -> bool:
+    """Whether ``fn``'s own body (not a nested function) has a ``raise`` of an exception."""
+    import inspect
+    import textwrap
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    todo = list(tree.body[0].body)  # type: ignore[attr-defined]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, ast.Raise) and node.exc is not None:
+            return True
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+            todo.extend(ast.iter_child_nodes(node))
+    return False
+
+
+# Faces whose exports are held to it; fsdp_bridge.migrate's is not yet.
+DOCUMENTED_FACES = (
+    "fsdp_bridge",
+    "fsdp_bridge.checkpoint",
+    "fsdp_bridge.compare",
+    "fsdp_bridge.estimate",
+    "fsdp_bridge.train",
+    "fsdp_bridge.testing",
+)
+
+
+def _exported_callables() -> list[tuple[str, Any]]:
+    """Every function those faces export, and the public methods of the classes they export."""
+    import importlib
+    import inspect
+
+    out: list[tuple[str, Any]] = []
+    seen: set[int] = set()
+    for face in DOCUMENTED_FACES:
+        module = importlib.import_module(face)
+        for name in module.__all__:
+            obj = getattr(module, name)
+            if id(obj) in seen:
+                continue
+            seen.add(id(obj))
+            if inspect.isclass(obj):
+                for attr, value in vars(obj).items():
+                    if isinstance(value, (staticmethod, classmethod)):
+                        value = value.__func__
+                    if not attr.startswith("_") and inspect.isfunction(value):
+                        out.append((f"{face}.{name}.{attr}", value))
+            elif callable(obj):
+                out.append((f"{face}.{name}", obj))
+    return out
+
+
 def test_every_exported_function_documents_args_returns_and_raises() -> None:
     """The next engineer reads the contract in the docstring: Args, Returns, and Raises where it raises."""
     import inspect
 
-    import fsdp_bridge
-
     missing = []
-    for name in fsdp_bridge.__all__:
-        obj = getattr(fsdp_bridge, name)
-        if not callable(obj) or inspect.isclass(obj):
-            continue
+    callables = _exported_callables()
+    assert "fsdp_bridge.BridgeConfig.from_dict" in dict(callables)
+    assert "fsdp_bridge.checkpoint.convert_checkpoint" in dict(callables)
+    for name, obj in callables:
         doc = inspect.getdoc(obj) or ""
         params = [p for p in inspect.signature(obj).parameters if p not in ("self", "cls")]
         if params and "Args:" not in doc:
             missing.append(f"{name}: Args")
         if "Returns:" not in doc and "Yields:" not in doc:
             missing.append(f"{name}: Returns")
+        if _raises_itself(obj) and "Raises:" not in doc:
+            missing.append(f"{name}: Raises")
     assert not missing, missing
+
+
+def test_the_raise_scan_sees_a_raise_and_skips_nested_functions() -> None:
+    def raises() -> None:
+        if True:
+            raise ValueError("x")
+
+    def nested_only() -> None:
+        def inner() -> None:
+            raise ValueError("x")
+
+    assert _raises_itself(raises)
+    assert not _raises_itself(nested_only)
+
+
+def test_examples_use_only_public_names() -> None:
+    """Examples are what users copy: no private module (``fsdp_bridge.train._data``) nor private name."""
+    offenders = []
+    for path in sorted((ROOT / "examples").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "fsdp_bridge":
+                names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names if a.name.split(".")[0] == "fsdp_bridge"]
+            else:
+                continue
+            if any(part.startswith("_") for name in names for part in name.split(".")):
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert offenders == []

@@ -15,7 +15,8 @@ from torch import nn
 from fsdp_bridge import BridgeConfig
 from fsdp_bridge.backends import fsdp1 as fsdp1_module
 from fsdp_bridge.backends import fsdp2 as fsdp2_module
-from fsdp_bridge.mapping import Outcome, translate
+from fsdp_bridge.errors import ConfigError
+from fsdp_bridge.mapping import CONFIG_OPTIONS, TABLE, Context, Outcome, translate
 from fsdp_bridge.plan import ShardPlan, SyncMethod, resolve_plan
 from fsdp_bridge.strategy import Backend, BackwardPrefetch, ShardingStrategy
 
@@ -85,6 +86,64 @@ def test_every_option_matches_one_row_for_defaults_and_set_values() -> None:
                     "device",
                 ):
                     assert option in options, f"{option} matched no row for {backend} on {device}"
+
+
+# Values each config option is tried with: every strategy and prefetch, each preset and
+# precision shape, every wrap spelling, the unset and set forms of the rest.
+_OPTION_VALUES: dict[str, list[Any]] = {
+    "strategy": [s.value for s in ShardingStrategy],
+    "mixed_precision": [
+        None,
+        "bf16",
+        "fp16",
+        {"param_dtype": "bf16", "reduce_dtype": "fp32"},
+        {"param_dtype": "bf16", "output_dtype": "fp32", "buffer_dtype": "bf16"},
+    ],
+    "wrap": ["auto", "none", {"min_num_params": 100}, ["LlamaDecoderLayer"]],
+    "backward_prefetch": [b.value for b in BackwardPrefetch],
+    "forward_prefetch": [False, True],
+    "limit_all_gathers": [False, True],
+    "cpu_offload": [False, True],
+    "activation_checkpointing": [False, True],
+    "sync_module_states": [False, True],
+    "reshard_after_forward": [None, True, False, 2],
+    "hybrid_shape": [None, (2, 2)],
+    "ignored_modules": [(), ("lm_head",)],
+    "device": ["auto", "cpu", "cuda"],
+}
+
+
+def _configs_to_match() -> list[BridgeConfig]:
+    """The default, every option at each of its values, and each of those under every strategy."""
+    variants: list[dict[str, Any]] = [{}]
+    for option, values in _OPTION_VALUES.items():
+        variants += [{option: v} for v in values]
+        if option != "strategy":
+            variants += [{"strategy": s, option: v} for s in _OPTION_VALUES["strategy"] for v in values]
+    configs = []
+    for fields in variants:
+        try:
+            configs.append(BridgeConfig(**fields))
+        except ConfigError:
+            continue  # a combination the config itself refuses (e.g. hybrid_shape without a hybrid strategy)
+    return configs
+
+
+def test_every_option_value_and_device_matches_exactly_one_rule() -> None:
+    """translate() takes the first rule that matches; two matching rules would hide the second
+    one's outcome from the report, explain and the plan, so the table may never overlap or leave a gap."""
+    configs = _configs_to_match()
+    assert len(configs) > 150  # the refused combinations must not empty the check
+    assert set(CONFIG_OPTIONS) <= {"mixed_precision.output_dtype", "mixed_precision.buffer_dtype", *_OPTION_VALUES}
+    wrong = []
+    for config in configs:
+        for device in ("cpu", "cuda", None):
+            context = Context(config=config, device_type=device)
+            for option in CONFIG_OPTIONS:
+                cases = [r.case for r in TABLE if r.option == option and r.when is not None and r.when(context)]
+                if len(cases) != 1:
+                    wrong.append(f"{option} on {device} matched {cases or 'no rule'} for {config.to_dict()}")
+    assert not wrong, "\n".join(wrong[:10])
 
 
 def test_precision_and_prefetch_are_read_from_the_config_once() -> None:
@@ -265,3 +324,29 @@ def test_fsdp1_units_hold_one_dtype_each() -> None:
     block[0].bias = nn.Parameter(torch.zeros(4))  # fp32 bias on a bf16 weight: one module, two dtypes
     with pytest.raises(ConfigError, match=r"model: got '0.0 holds torch.bfloat16, torch.float32 parameters'"):
         one_dtype_per_unit(model, [block])
+
+
+class FSDPStyleBlock(nn.Module):
+    """A user class whose own name starts with "FSDP" (stripping a prefix would misname it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+
+def test_model_class_name_sees_through_both_backends() -> None:
+    """Checkpoint descriptions record the user's class, not FSDP1's wrapper or FSDP2's ``FSDP<Cls>``."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
+
+    from fsdp_bridge.backends import model_class_name
+    from fsdp_bridge.estimate import fake_process_group
+
+    assert model_class_name(FSDPStyleBlock()) == "FSDPStyleBlock"
+    with fake_process_group(rank=0, world_size=2):
+        two = FSDPStyleBlock()
+        fully_shard(two, mesh=init_device_mesh("cpu", (2,)))
+        assert type(two).__name__ == "FSDPFSDPStyleBlock"
+        assert model_class_name(two) == "FSDPStyleBlock"
+        one = FullyShardedDataParallel(FSDPStyleBlock(), device_id=torch.device("cpu"), use_orig_params=True)
+        assert model_class_name(one) == "FSDPStyleBlock"

@@ -5,7 +5,7 @@ from __future__ import annotations
 from fsdp_bridge.backends.base import BackendImpl, ShardPlan
 from fsdp_bridge.strategy import Backend
 
-__all__ = ["BackendImpl", "ShardPlan", "backend_inside", "get_backend", "sharded_by"]
+__all__ = ["BackendImpl", "ShardPlan", "backend_inside", "get_backend", "model_class_name", "sharded_by"]
 
 
 def get_backend(backend: Backend) -> BackendImpl:
@@ -50,3 +50,17 @@ def sharded_by(model: object) -> str | None:
         if isinstance(module, FSDPModule):
             return f"fully_shard (FSDP2){where}"
     return None
+
+
+def model_class_name(model: object) -> str:
+    """The class name of the user's model, whichever FSDP sharded it: FSDP1 returns a
+    ``FullyShardedDataParallel`` wrapper holding it as ``.module``; FSDP2's ``fully_shard``
+    changes its class to a subclass named ``FSDP<Cls>``.  Recorded in checkpoint descriptions."""
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    if isinstance(model, FullyShardedDataParallel):
+        model = model.module
+    cls = type(model)
+    if isinstance(model, FSDPModule):
+        cls = next(c for c in cls.__mro__ if not issubclass(c, FSDPModule))
+    return cls.__name__

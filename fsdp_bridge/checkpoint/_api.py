@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.state_dict import (
 from fsdp_bridge import hf
 from fsdp_bridge._lora import base_weight_name, frozen_4bit_weights, has_4bit, reset_adapters
 from fsdp_bridge._paths import unwritable_reason
+from fsdp_bridge.backends import model_class_name
 from fsdp_bridge.checkpoint import _hf, _peft
 from fsdp_bridge.checkpoint._atomic import (
     SaveLock,
@@ -76,11 +77,6 @@ def _rank_world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
-
-
-def _barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
 
 
 def _agree_on(error: str | None) -> str | None:
@@ -144,9 +140,21 @@ def _device(model: nn.Module) -> torch.device:
 
 
 def full_state_options(model: nn.Module, **kw: Any) -> StateDictOptions:
-    """Options for a gathered (full) state dict of a sharded ``model``."""
-    # cpu_offload gathers on rank 0 only, but is broken for FSDP1 on CPU-only runs in
-    # torch 2.13 (a crash in the unshard); on CPU the gathered copy is in host memory anyway.
+    """Options for a gathered (full) state dict of a sharded ``model``.
+
+    Args:
+        model: a model returned by :func:`fsdp_bridge.shard` (or any module).
+        **kw: further ``StateDictOptions`` fields (``strict``, ``broadcast_from_rank0`` ...).
+
+    Returns:
+        ``StateDictOptions(full_state_dict=True, cpu_offload=...)``: offloaded (and kept on rank 0
+        only) where the model runs on an accelerator; not on a CPU run (see the comment below).
+    """
+    # cpu_offload gathers on rank 0 only, but FSDP1 on a CPU-only run crashes with it in torch
+    # < 2.14: FlatParamHandle.to_cpu frees the storage of a flat parameter already on the CPU
+    # (pytorch/pytorch#188989; 2.14.1's to_cpu skips the offload for a CPU flat parameter, read from
+    # its source, not run).  Not gated on the version: on CPU the gathered copy is in host memory
+    # anyway; with the fix, cpu_offload on CPU would only spare ranks other than 0 the full copy.
     return StateDictOptions(full_state_dict=True, cpu_offload=_device(model).type != "cpu", **kw)
 
 
@@ -204,7 +212,7 @@ def _describe_and_publish(
         world_size=world,
         step=(state or {}).get("step"),
         bridge_config=bridge.config.to_dict() if bridge is not None else None,
-        model_class=type(getattr(model, "module", model)).__name__.removeprefix("FSDP"),
+        model_class=model_class_name(model),
         hf_config=has_config,
         has_optimizer=has_optimizer,
         tied=tied,
@@ -910,7 +918,17 @@ def _remember_layout(model: nn.Module, path: str | os.PathLike[str]) -> None:
 def pretrained_fits(path: str | os.PathLike[str], model: nn.Module) -> bool:
     """Whether ``path`` is a Hugging Face directory whose tensor names and shapes are exactly those
     of ``model`` (unsharded, e.g. on the meta device; a tied name may be stored once), so that
-    :func:`load_pretrained` can fill it.  Reads the safetensors headers only."""
+    :func:`load_pretrained` can fill it.  Reads the safetensors headers only.
+
+    Args:
+        path: a directory (or anything else, which does not fit).
+        model: the model to fill, not yet sharded; a PEFT model is matched by its base's names.
+
+    Returns:
+        True when every stored tensor is one of the model's with its shape and every model
+        tensor is stored (or tied to one that is); False otherwise, also for a path that is not
+        a complete checkpoint.
+    """
     try:
         detected = detect(path)
         if detected.kind not in (Kind.HF, Kind.FULL) or not detected.path.is_dir():

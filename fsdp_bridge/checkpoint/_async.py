@@ -77,7 +77,11 @@ class AsyncCheckpointer:
         self.pending: AsyncCheckpoint | None = None
 
     def group(self) -> Any:
-        """The writer's gloo group (made collectively, on first use in each process group)."""
+        """The writer's gloo group (made collectively, on first use in each process group).
+
+        Returns:
+            The group, or None without a process group.
+        """
         if not dist.is_initialized():
             return None
         if self._group is None or self._group_of is not dist.group.WORLD:
@@ -86,7 +90,14 @@ class AsyncCheckpointer:
         return self._group
 
     def stager(self, state: dict[str, Any]) -> Any:
-        """The stager, made again when the state's keys or shapes changed (a new optimizer)."""
+        """The stager, made again when the state's keys or shapes changed (a new optimizer).
+
+        Args:
+            state: the state dict about to be staged.
+
+        Returns:
+            torch's ``DefaultStager``, holding the host copy the last save of this structure made.
+        """
         structure = _structure(state)
         if self._stager is None or structure != self._structure:
             if self._stager is not None:
@@ -95,11 +106,28 @@ class AsyncCheckpointer:
         return self._stager
 
     def wait(self) -> None:
+        """Block until the save in flight (if any) is written and published.
+
+        Returns:
+            None.
+
+        Raises:
+            Exception: what the background write raised (see :meth:`AsyncCheckpoint.wait`).
+        """
         if self.pending is not None and not self.pending.done():
             self.pending.wait()
 
     def close(self) -> None:
-        """Wait for the save in flight; free the host copy and the writer's group."""
+        """Wait for the save in flight; free the host copy and the writer's group.
+
+        Safe to call twice, and after the process group changed (the old group is not touched).
+
+        Returns:
+            None.
+
+        Raises:
+            Exception: what the background write raised; the resources are freed all the same.
+        """
         try:
             self.wait()
         finally:
@@ -139,11 +167,27 @@ class AsyncCheckpoint:
                     self._release()  # the path's save lock (rank 0), published or failed
 
     def done(self) -> bool:
-        """Whether this rank's part is written (and, on rank 0, the checkpoint published)."""
+        """Whether this rank's part is written (and, on rank 0, the checkpoint published).
+
+        Returns:
+            True once the background write finished, with or without an error.
+        """
         return self._finished
 
     def wait(self, timeout: float | None = None) -> Path:
-        """Block until this rank's part is written (rank 0: and published); return the path."""
+        """Block until this rank's part is written (rank 0: and published); return the path.
+
+        Args:
+            timeout: seconds to wait at most; None waits as long as it takes.
+
+        Returns:
+            The checkpoint's path.
+
+        Raises:
+            TimeoutError: ``timeout`` passed first (the write goes on).
+            Exception: what the background write or the publication raised (e.g. a
+                :class:`CheckpointError`, an ``OSError`` of a full disk).
+        """
         self._future.result(timeout)
         self._complete()
         if self._error is not None:
@@ -156,7 +200,15 @@ _CHECKPOINTERS: weakref.WeakKeyDictionary[nn.Module, AsyncCheckpointer] = weakre
 
 
 def checkpointer_of(model: nn.Module) -> AsyncCheckpointer:
-    """The :class:`AsyncCheckpointer` that ``save_checkpoint_async`` uses for ``model``."""
+    """The :class:`AsyncCheckpointer` that ``save_checkpoint_async`` uses for ``model``.
+
+    Args:
+        model: a sharded model (one checkpointer per model, dropped with the model).
+
+    Returns:
+        Its checkpointer, made on first use: ``.close()`` it to free the writer's group and the
+        host copy of the state before the process group is destroyed.
+    """
     if model not in _CHECKPOINTERS:
         _CHECKPOINTERS[model] = AsyncCheckpointer()
     return _CHECKPOINTERS[model]

@@ -197,6 +197,13 @@ def list_checkpoints(root: str | os.PathLike[str]) -> list[tuple[int, Path]]:
 
     Directories without ``fsdp_bridge.json`` (interrupted saves, other files) are skipped.
     Checkpoints without a step sort first, by modification time.
+
+    Args:
+        root: the directory the checkpoints were saved under (``output_dir/checkpoints``).
+
+    Returns:
+        ``(step, path)`` pairs, oldest first (step -1 where none was recorded); empty when
+        ``root`` is not a directory.
     """
     r = Path(root)
     if not r.is_dir():

@@ -279,11 +279,29 @@ def convert_checkpoint(
 ) -> Path:
     """Convert ``src`` (any kind) to ``dst`` of kind ``to`` in this process; return ``dst``.
 
-    ``hf_config``: a ``config.json`` (or a directory holding one) to put beside the weights
-    when ``src`` carries none (plain DCP or torch files), so ``from_pretrained`` can load them.
+    Args:
+        src: a checkpoint of any kind (sharded, full, Hugging Face, plain DCP or torch file).
+        dst: where to write; a directory that is not a checkpoint is never replaced.
+        to: ``"hf"``, ``"sharded"`` or ``"torch"``.
+        hf_config: a ``config.json`` (or a directory holding one) to put beside the weights
+            when ``src`` carries none (plain DCP or torch files), so ``from_pretrained`` can
+            load them; a directory with a safetensors index also gives ``hf`` its file layout.
+        max_shard_size: the largest safetensors file of an ``hf`` output (bytes or ``"5GB"``).
+
+    Returns:
+        ``dst`` as a path.
+
+    Raises:
+        ConfigError: ``to`` is not one of the kinds above (a ``ValueError``, as before).
+        CheckpointError: ``src`` is not a complete checkpoint, ``dst`` is inside ``src`` (or the
+            reverse), ``dst`` already exists for ``to="torch"``, or a file cannot be written.
     """
     if to not in TARGETS:
-        raise ValueError(f"to must be one of {', '.join(TARGETS)} (got {to!r})")
+        from fsdp_bridge.errors import ConfigError, Problem
+
+        raise ConfigError(
+            [Problem("to", to, ", ".join(TARGETS), "use one of these kinds (the choices of fsdp-bridge convert --to)")]
+        )
     dst_path = Path(dst)
     check_not_nested(Path(src), dst_path)
     if to == "torch" and (dst_path.exists() or dst_path.is_symlink()):
@@ -405,7 +423,21 @@ def _disk_size(path: Path) -> int:
 
 def inspect_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
     """What a checkpoint holds, read from its metadata and headers (tensor data is not loaded
-    except for ``torch.save`` files, which are memory-mapped)."""
+    except for ``torch.save`` files, which are memory-mapped).
+
+    Args:
+        path: a checkpoint directory or file of any kind.
+
+    Returns:
+        ``path``, ``kind``, ``size_bytes``, what ``fsdp_bridge.json`` records (backend, world
+        size, step, model class, versions ...) where there is one, ``params`` (elements per
+        dtype, tensor count) and the main fields of a ``config.json`` beside the weights (what
+        ``fsdp-bridge inspect --json`` prints).
+
+    Raises:
+        CheckpointError: ``path`` is not a complete checkpoint, or a file it lists is missing
+            or has another size.
+    """
     detected = detect(path)
     meta = detected.meta
     info: dict[str, Any] = {

@@ -109,7 +109,19 @@ def _is_hf_dir(path: Path) -> bool:
 
 
 def detect(path: str | os.PathLike[str]) -> Detected:
-    """Find out what ``path`` holds, refusing incomplete or unknown layouts with a clear error."""
+    """Find out what ``path`` holds, refusing incomplete or unknown layouts with a clear error.
+
+    Args:
+        path: a checkpoint directory or file.
+
+    Returns:
+        A :class:`Detected`: the kind, the path to read (the previous copy where an overwrite
+        was interrupted) and the contents of ``fsdp_bridge.json`` (empty for other tools').
+
+    Raises:
+        CheckpointError: ``path`` does not exist, is an interrupted save, or holds no layout
+            this package reads; the message names what is missing.
+    """
     p = Path(path)
     if not p.exists():
         old = p.with_name("." + p.name + ".old")

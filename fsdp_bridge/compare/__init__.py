@@ -54,7 +54,15 @@ __all__ = [
 
 def run_job(job: CompareJob, *, param_diff: bool = True) -> ParityReport:
     """Run ``job`` on the current process group (collective: every rank calls it); the group is
-    set up from the environment first if needed (torchrun's ranks: each gets its own batches)."""
+    set up from the environment first if needed (torchrun's ranks: each gets its own batches).
+
+    Args:
+        job: the parsed job.
+        param_diff: compare full parameters after every step.
+
+    Returns:
+        The :class:`ParityReport`.
+    """
     from fsdp_bridge.distributed import init_distributed
 
     init_distributed(job.device())

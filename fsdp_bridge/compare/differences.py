@@ -48,7 +48,16 @@ _ALWAYS: tuple[Difference, ...] = (
 def backend_differences(
     config: BridgeConfig, *, device_type: str | None = None, world_size: int = 2
 ) -> list[Difference]:
-    """What FSDP1 and FSDP2 do differently for ``config`` (the backend field is ignored)."""
+    """What FSDP1 and FSDP2 do differently for ``config`` (the backend field is ignored).
+
+    Args:
+        config: the bridge config both backends run.
+        device_type: ``"cpu"`` or ``"cuda"``; some rows differ by device.
+        world_size: ranks; above one, the gradient-reduction difference is listed too.
+
+    Returns:
+        The settings whose rows differ and can change the numbers, with their effect.
+    """
     one = translate(config, Backend.FSDP1, device_type=device_type)
     two = translate(config, Backend.FSDP2, device_type=device_type)
     by_option = {e.option: e for e in two.entries}

@@ -93,10 +93,27 @@ class RunSpec:
 
     @classmethod
     def reference(cls, lr: float) -> RunSpec:
+        """The non-sharded reference run (gradients all-reduced and averaged).
+
+        Args:
+            lr: its learning rate.
+
+        Returns:
+            A run named ``reference`` with no bridge config.
+        """
         return cls(name=REFERENCE, config=None, lr=lr)
 
     @classmethod
     def sharded(cls, config: BridgeConfig, lr: float) -> RunSpec:
+        """A run sharded with ``config``.
+
+        Args:
+            config: the bridge config (its backend and strategy name the run).
+            lr: its learning rate.
+
+        Returns:
+            A run named ``<backend>/<strategy>``.
+        """
         return cls(name=f"{config.backend.value}/{config.strategy.value}", config=config, lr=lr)
 
 
@@ -129,6 +146,24 @@ def run_parity(
     of the same strategy against each other.  ``tolerance`` overrides the one chosen by
     precision.  ``param_diff=False`` skips gathering full parameters after every step
     (rank 0 keeps one fp32 copy of the model per run and step).
+
+    Args:
+        model_fn: builds the model.
+        batches: this rank's batches, one per step.
+        runs: the runs (:meth:`RunSpec.reference`, :meth:`RunSpec.sharded`), distinct names.
+        optimizer_fn: ``optimizer_fn(params, lr)`` builds each run's optimizer.
+        loss_fn: ``loss_fn(model, batch)`` returns the loss.
+        grad_clip: clip gradients to this global norm; None does not clip.
+        tolerance: the tolerance of every pair; default by precision.
+        param_diff: compare full parameters after every step.
+        device: the device of the runs (``"auto"``, ``"cpu"``, ``"cuda"``); default the first
+            sharded run's.
+
+    Returns:
+        The :class:`ParityReport` (it does not raise on divergence; see ``report.ok``).
+
+    Raises:
+        ConfigError: no runs, no batches, or two runs with one name.
     """
     if not runs:
         raise ConfigError([Problem("runs", [], "at least one run", "add backends or reference")])
@@ -285,7 +320,7 @@ def _full_params(model: nn.Module, names: list[str], *, sharded: bool) -> dict[s
         params = dict(model.named_parameters())
         return {n: params[n].detach().float().cpu().clone() for n in names} if keep else {}
     # Collective on both backends (the FSDP1 full state dict path is avoided: on CPU-only
-    # torch 2.13 its offload to CPU crashes).
+    # torch < 2.14 its offload to CPU crashes, pytorch/pytorch#188989; see full_state_options).
     with summon_full_params(model):
         params = {strip_wrapper_prefixes(n): p for n, p in model.named_parameters()}
         return {n: params[n].detach().float().cpu().clone() for n in names if n in params} if keep else {}

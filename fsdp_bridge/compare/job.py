@@ -222,9 +222,7 @@ class CompareJob:
         default=(), metadata=_enum_list_spec(ShardingStrategy, "compare.strategies")
     )
     """Strategies to run (``compare.strategies``); empty: the bridge config's strategy."""
-    backends: tuple[Backend, ...] = field(
-        default=(Backend.FSDP1, Backend.FSDP2), metadata=_enum_list_spec(Backend, "compare.backends")
-    )
+    backends: tuple[Backend, ...] = field(default=tuple(Backend), metadata=_enum_list_spec(Backend, "compare.backends"))
     """Backends to run each strategy on (``compare.backends``)."""
     reference: bool = field(default=False, metadata=spec("true or false", at="compare.reference"))
     """Also run the non-sharded reference with averaged gradients (``compare.reference``)."""
@@ -244,7 +242,15 @@ class CompareJob:
     # -- building the runs ------------------------------------------------------------
 
     def run_specs(self) -> list[RunSpec]:
-        """The reference (when asked) and one run per strategy and backend, validated here."""
+        """The reference (when asked) and one run per strategy and backend, validated here.
+
+        Returns:
+            The runs, each with its bridge config and learning rate (per-backend overrides applied).
+
+        Raises:
+            ConfigError: every run whose bridge settings (its overrides applied) do not parse,
+                together, each named ``<backend>/<strategy>: bridge.<key>``.
+        """
         problems: list[Problem] = []
         specs: list[RunSpec] = []
         if self.reference:
@@ -274,10 +280,19 @@ class CompareJob:
         return specs
 
     def device(self) -> str:
+        """The job's ``bridge.device``.
+
+        Returns:
+            ``"auto"``, ``"cpu"`` or ``"cuda"``.
+        """
         return str(self.bridge.get("device", "auto"))
 
     def build_model(self) -> nn.Module:
-        """The model of every run (the same seed gives the same weights), with the LoRA adapters of ``peft``."""
+        """The model of every run (the same seed gives the same weights), with the LoRA adapters of ``peft``.
+
+        Returns:
+            The unsharded model: from ``model.builder``, ``model.path`` or a tiny ``model.family``.
+        """
         model = self._build_base()
         if self.peft is not None:
             torch.manual_seed(self.seed)
@@ -306,7 +321,16 @@ class CompareJob:
 
     def check_model(self) -> None:
         """Everything about the model that can fail, checked before any process starts:
-        the builder and batch functions import, a config builds, the head is a language model."""
+        the builder and batch functions import, a config builds, the head is a language model.
+
+        Returns:
+            None.
+
+        Raises:
+            ConfigError: a builder or batch function that does not import, a model config that
+                does not build, a head that is not a language model, LoRA targets matching
+                nothing; each named by its ``model.*`` or ``peft.*`` key.
+        """
         for name, key in ((self.builder, "model.builder"), (self.batch_fn, "model.batch")):
             if name is not None:
                 _import(name, key)
@@ -317,7 +341,15 @@ class CompareJob:
                 apply_lora(self._build_base(), self.peft)
 
     def batches(self, rank: int) -> list[dict[str, torch.Tensor]]:
-        """Rank ``rank``'s batches, one per step (the same in every run)."""
+        """Rank ``rank``'s batches, one per step (the same in every run).
+
+        Args:
+            rank: the rank whose batches to make (seed ``seed + 42 + rank``).
+
+        Returns:
+            ``max_steps`` batches from ``model.batch``, the tiny family's sampler, or random
+            tokens shaped for the model's head.
+        """
         base = (self.seed + 42 + rank) * 100_003
         if self.batch_fn is not None:
             fn = _import(self.batch_fn, "model.batch")
@@ -334,9 +366,23 @@ class CompareJob:
         ]
 
     def optimizer(self, params: Any, lr: float) -> torch.optim.Optimizer:
+        """The optimizer of every run.
+
+        Args:
+            params: the parameters to optimize (the trainable ones).
+            lr: the run's learning rate.
+
+        Returns:
+            AdamW with the job's ``optim.weight_decay``.
+        """
         return torch.optim.AdamW(params, lr=lr, weight_decay=self.weight_decay)
 
     def to_dict(self) -> dict[str, Any]:
+        """The job as JSON-safe data (recorded in ``report.json``).
+
+        Returns:
+            Every field by name, enums as their values.
+        """
         out = dataclasses.asdict(self)
         out["strategies"] = [s.value for s in self.strategies]
         out["backends"] = [b.value for b in self.backends]
@@ -348,7 +394,18 @@ class CompareJob:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], *, source: str | None = None) -> CompareJob:
-        """Parse the YAML mapping; every problem is reported at once."""
+        """Parse the YAML mapping; every problem is reported at once.
+
+        Args:
+            data: the job YAML as a mapping (``model``, ``data``, ``optim``, ``compare``, ``bridge``).
+            source: where ``data`` came from (a file name), named in the error.
+
+        Returns:
+            The job.
+
+        Raises:
+            ConfigError: every unknown key (with "did you mean") and every bad value, together.
+        """
         if not isinstance(data, Mapping):
             raise ConfigError(
                 [Problem("job", data, "a mapping with model, data, optim, compare, bridge ...")], source=source
@@ -555,7 +612,17 @@ def _token_batch(kind: str, vocab: int, *, batch: int, seq: int, seed: int) -> d
 
 
 def read_job(path: str | Path) -> dict[str, Any]:
-    """The YAML mapping of a job file (parse it with :meth:`CompareJob.from_dict`)."""
+    """The YAML mapping of a job file (parse it with :meth:`CompareJob.from_dict`).
+
+    Args:
+        path: the job file.
+
+    Returns:
+        Its mapping (empty for an empty file).
+
+    Raises:
+        ConfigError: the file cannot be read or parsed, or holds something other than a mapping.
+    """
     path = Path(path)
     data = read_yaml_file(path, key="config")
     if data is None:
@@ -568,5 +635,15 @@ def read_job(path: str | Path) -> dict[str, Any]:
 
 
 def load_job(path: str | Path) -> CompareJob:
-    """Read a compare job YAML (see the module docstring for its keys)."""
+    """Read a compare job YAML (see the module docstring for its keys).
+
+    Args:
+        path: the job file.
+
+    Returns:
+        The parsed job.
+
+    Raises:
+        ConfigError: as :func:`read_job` and :meth:`CompareJob.from_dict`.
+    """
     return CompareJob.from_dict(read_job(path), source=str(path))

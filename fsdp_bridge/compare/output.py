@@ -19,7 +19,17 @@ __all__ = ["plot_report", "write_report"]
 def write_report(
     report: ParityReport, out_dir: str | Path, *, command: str | None = None, job: dict[str, Any] | None = None
 ) -> dict[str, Path | None]:
-    """Write the report files into ``out_dir``; returns their paths (``png`` is None without matplotlib)."""
+    """Write the report files into ``out_dir``; returns their paths (``png`` is None without matplotlib).
+
+    Args:
+        report: the comparison.
+        out_dir: the directory to write into (made if missing).
+        command: the command that made the report, recorded in both files.
+        job: the job as data, recorded in ``report.json``.
+
+    Returns:
+        ``{"json": ..., "md": ..., "png": ... or None}``.
+    """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     data = report.to_dict()
@@ -46,7 +56,12 @@ def write_report(
 def plot_report(report: ParityReport, path: str | Path) -> bool:
     """Loss per step for every run, and each pair's largest parameter and loss difference.
 
-    Returns False (and writes nothing) when matplotlib is not installed.
+    Args:
+        report: the comparison.
+        path: the PNG file to write.
+
+    Returns:
+        True when written; False (and nothing written) when matplotlib is not installed.
     """
     try:
         import matplotlib

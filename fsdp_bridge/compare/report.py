@@ -52,11 +52,27 @@ class Tolerance:
     """Where the numbers come from (shown in reports)."""
 
     def close(self, a: float, b: float, *, rtol: float, atol: float) -> bool:
+        """Whether ``a`` is within ``atol + rtol * |b|`` of ``b`` (as ``torch.allclose`` judges).
+
+        Args:
+            a: one run's value.
+            b: the value it is judged against.
+            rtol: relative tolerance.
+            atol: absolute tolerance.
+
+        Returns:
+            True when close; False when not, or when either is NaN.
+        """
         if math.isnan(a) or math.isnan(b):
             return False
         return abs(a - b) <= atol + rtol * abs(b)
 
     def describe(self) -> str:
+        """One line for reports.
+
+        Returns:
+            The loss, gradient-norm and parameter tolerances, and where they come from.
+        """
         params = (
             "parameters not judged (reported only)"
             if self.param_atol is None
@@ -110,7 +126,14 @@ TOLERANCES: dict[str, Tolerance] = {
 
 
 def tolerance_for(mixed_precision: MixedPrecisionConfig) -> Tolerance:
-    """The tolerance for a run computing in ``mixed_precision.param_dtype`` (fp32 when none)."""
+    """The tolerance for a run computing in ``mixed_precision.param_dtype`` (fp32 when none).
+
+    Args:
+        mixed_precision: the run's mixed-precision policy.
+
+    Returns:
+        ``TOLERANCES["bf16"]``, ``["fp16"]`` or ``["fp32"]``.
+    """
     dtype = mixed_precision.param_dtype
     if dtype == torch.bfloat16:
         return TOLERANCES["bf16"]
@@ -199,6 +222,11 @@ class PairVerdict:
         return max(values) if values else None
 
     def describe(self) -> str:
+        """The verdict in one line.
+
+        Returns:
+            ``"a vs b: PARITY (...)"`` or ``"a vs b: DIVERGED at step N (...)"`` with the differences.
+        """
         head = f"{self.a} vs {self.b}: "
         if self.ok:
             return head + f"PARITY ({self.tolerance.name} tolerance)"
@@ -238,12 +266,35 @@ class ParityReport:
         return all(p.ok for p in self.pairs)
 
     def run(self, name: str) -> RunResult:
+        """The run called ``name``.
+
+        Args:
+            name: a run's name (``reference``, ``fsdp1/full_shard`` ...).
+
+        Returns:
+            Its :class:`RunResult`.
+
+        Raises:
+            KeyError: no run has that name; the message lists the runs.
+        """
         for r in self.runs:
             if r.name == name:
                 return r
         raise KeyError(f"no run named {name!r}; runs: {', '.join(r.name for r in self.runs)}")
 
     def pair(self, a: str, b: str) -> PairVerdict:
+        """The verdict on runs ``a`` and ``b``, in either order.
+
+        Args:
+            a: one run's name.
+            b: the other run's name.
+
+        Returns:
+            Their :class:`PairVerdict`.
+
+        Raises:
+            KeyError: the two were not compared; the message lists the pairs.
+        """
         for p in self.pairs:
             if {p.a, p.b} == {a, b}:
                 return p
@@ -252,6 +303,12 @@ class ParityReport:
     # -- rendering ------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
+        """The report as JSON-safe data (``report.json``).
+
+        Returns:
+            Runs with their per-step records, pairs with their verdicts, the differing settings.
+        """
+
         def verdict(p: PairVerdict) -> dict[str, Any]:
             return {
                 "a": p.a,
@@ -322,7 +379,11 @@ class ParityReport:
     _DIFF_HEAD = ("step", "pair", "|d loss|", "|d grad norm|", "max |d param|", "within tolerance")
 
     def format(self) -> str:
-        """The terminal report: runs, per-step values, verdicts, differing defaults."""
+        """The terminal report: runs, per-step values, verdicts, differing defaults.
+
+        Returns:
+            Plain-text tables, ending in ``PARITY`` or ``PARITY FAILED``.
+        """
         mem_kind = self.runs[0].memory_kind if self.runs else ""
         out = [
             f"fsdp-bridge compare: {len(self.runs)} runs on {self.world_size} ranks ({self.device}); "
@@ -347,7 +408,11 @@ class ParityReport:
         return "\n".join(out)
 
     def markdown(self) -> str:
-        """The report as Markdown (tables, verdicts, tolerances, differing defaults)."""
+        """The report as Markdown (tables, verdicts, tolerances, differing defaults).
+
+        Returns:
+            The text of ``report.md``.
+        """
         mem_kind = self.runs[0].memory_kind if self.runs else ""
         out = [
             f"**Result: {'parity' if self.ok else 'parity FAILED'}** - {len(self.runs)} runs on "

@@ -52,6 +52,13 @@ def fake_process_group(*, rank: int, world_size: int) -> Iterator[None]:
     Collectives return immediately and move no data: use it only to plan (shapes, meshes).
     The group is destroyed on exit, so later code (or tests) start clean.
 
+    Args:
+        rank: this process's rank.
+        world_size: the world size to pretend.
+
+    Yields:
+        Nothing; inside the block ``torch.distributed`` reports that rank and world size.
+
     Raises:
         ConfigError: a process group is already initialised in this process.
     """

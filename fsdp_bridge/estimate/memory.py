@@ -70,7 +70,15 @@ class Unit:
 
 
 def model_units(model: nn.Module, config: BridgeConfig) -> list[Unit]:
-    """The units ``shard(model, config)`` would create (root last), with their parameter shapes."""
+    """The units ``shard(model, config)`` would create (root last), with their parameter shapes.
+
+    Args:
+        model: the model (any device; meta is best).
+        config: its wrap policy decides the units.
+
+    Returns:
+        One :class:`Unit` per unit, each parameter counted in its innermost unit.
+    """
     plan = resolve_wrap(model, config.wrap)
     owner: dict[int, str] = {}
     order: list[nn.Parameter] = []
@@ -88,10 +96,6 @@ def model_units(model: nn.Module, config: BridgeConfig) -> list[Unit]:
     for p in order:
         shapes[owner[id(p)]].append(tuple(p.shape))
     return [Unit(name or "(root)", tuple(s)) for name, s in shapes.items()]
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _shard_numel(unit: Unit, impl: BackendImpl, shard: int, cbytes: int) -> int:
@@ -142,6 +146,11 @@ class RankMemory:
         return None if self.device_memory is None else self.peak <= self.device_memory
 
     def to_dict(self) -> dict[str, Any]:
+        """The estimate as JSON-safe data (``fsdp-bridge estimate --json``).
+
+        Returns:
+            Every field, with the derived ``sharded_state``, ``peak`` and ``fits``.
+        """
         d = asdict(self)
         d.update(sharded_state=self.sharded_state, peak=self.peak, fits=self.fits, mesh=list(self.mesh))
         d["notes"] = list(self.notes)
@@ -160,13 +169,27 @@ def measure_activations(
     its parameters, gradients freed as soon as they are accumulated (FSDP reduces and
     frees them per unit; that part is counted in ``unsharded``).  Mutates ``model``
     (checkpoint wrappers): pass a fresh meta model.
+
+    Args:
+        model: a model on the meta device.
+        batch: sequences per micro-batch.
+        seq_len: tokens per sequence.
+        units: the units activation checkpointing wraps.
+        activation_checkpointing: wrap ``units`` in checkpoint wrappers first.
+
+    Returns:
+        The peak bytes above the parameters.
+
+    Raises:
+        ConfigError: the forward cannot run on meta tensors with this attention
+            implementation (use eager), or at all.
     """
-    from fsdp_bridge.api import _apply_activation_checkpointing
+    from fsdp_bridge.api import checkpoint_units
     from fsdp_bridge.hf import disable_kv_cache, is_hf_model
 
     disable_kv_cache(model)
     if activation_checkpointing:
-        _apply_activation_checkpointing(model, list(units))
+        checkpoint_units(model, list(units))
     for p in model.parameters():
         if p.requires_grad:
             p.register_post_accumulate_grad_hook(lambda q: setattr(q, "grad", None))
@@ -236,6 +259,22 @@ def estimate_memory(
     """Per-rank memory of training ``model`` (any device, meta is best) with ``config``.
 
     ``activations`` comes from :func:`measure_activations` (None: not estimated).
+
+    Args:
+        model: the model.
+        config: strategy, backend and the other options.
+        world_size: ranks in total.
+        nodes: nodes the ranks are spread over.
+        optimizer: whose state to count (``OPTIMIZERS``).
+        activations: peak activation bytes per rank, or None.
+        device_memory: bytes per device, to fill :attr:`RankMemory.fits`.
+
+    Returns:
+        The estimate for the fullest rank.
+
+    Raises:
+        ConfigError: an unknown optimizer, a world size below 1 or a node count that does not
+            divide it (together), or a mesh the strategy cannot make of that world.
     """
     problems: list[Problem] = []
     if optimizer not in OPTIMIZERS:

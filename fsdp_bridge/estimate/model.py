@@ -123,7 +123,19 @@ def _parse_sizes(text: str, source: str) -> dict[str, Any]:
 
 
 def load_model_config(spec: str, **overrides: Any) -> Any:
-    """The transformers config named by ``spec`` (see the module docstring)."""
+    """The transformers config named by ``spec`` (see the module docstring).
+
+    Args:
+        spec: a model directory, a config file, or ``TYPE:key=value,...``.
+        **overrides: config attributes set after reading.
+
+    Returns:
+        The transformers ``PretrainedConfig``.
+
+    Raises:
+        ConfigError: a directory without ``config.json``, an unreadable file, an unknown model
+            type, or sizes that are not positive integers in range.
+    """
     path = Path(spec)
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -157,6 +169,19 @@ def build_meta_model(
 
     The head is chosen like a training script would: causal LM, else seq2seq LM,
     else masked LM, else the bare model.
+
+    Args:
+        spec: a ``MODEL`` spec (see the module docstring) or a transformers config.
+        dtype: the parameters' dtype.
+        attn_implementation: set on the config (``"eager"`` for :func:`measure_activations`);
+            None keeps the config's.
+
+    Returns:
+        The model on the meta device (no memory allocated for its weights).
+
+    Raises:
+        ConfigError: the spec cannot be read, transformers cannot build the model type, or the
+            sizes do not make a valid model (the error transformers gave is named).
     """
     config = load_model_config(spec) if isinstance(spec, str) else spec
     if attn_implementation is not None:

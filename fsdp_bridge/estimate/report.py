@@ -32,7 +32,17 @@ _UNITS = {
 
 
 def parse_bytes(text: str) -> int:
-    """``"80GiB"``, ``"80 GB"``, ``"1.5TiB"`` or a plain number of bytes."""
+    """``"80GiB"``, ``"80 GB"``, ``"1.5TiB"`` or a plain number of bytes.
+
+    Args:
+        text: a size with an optional unit (B, KB/KiB ... TB/TiB, any case).
+
+    Returns:
+        The size in bytes.
+
+    Raises:
+        ConfigError: ``text`` is not a size, named as ``device_memory``.
+    """
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
     if not m or m.group(2).lower() not in _UNITS:
         raise ConfigError([Problem("device_memory", text, "a size such as 80GiB, 40GB or 24576MiB")])
@@ -40,6 +50,14 @@ def parse_bytes(text: str) -> int:
 
 
 def format_bytes(n: int | None) -> str:
+    """A byte count for tables.
+
+    Args:
+        n: bytes, or None.
+
+    Returns:
+        ``"1.50 GiB"`` style (binary units, two decimals), ``"512 B"`` below 1 KiB, ``"-"`` for None.
+    """
     if n is None:
         return "-"
     for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
@@ -68,6 +86,26 @@ def estimate(
     meta device.  Needs no process group and allocates no weights.  Activations are
     measured with ``attn_implementation`` (eager: the attention probabilities are
     stored, an upper bound for fused kernels).
+
+    Args:
+        model: a spec or a module.
+        world_size: ranks in total.
+        nodes: nodes the ranks are spread over (hybrid strategies shard within a node).
+        strategies: the strategies to estimate (default: all five).
+        backends: the backends to estimate (default: both).
+        base: the config giving every other option (precision, wrap, offload ...).
+        optimizer: whose state to count (``OPTIMIZERS``).
+        batch: micro-batch per rank, for activations (with ``seq_len``).
+        seq_len: sequence length, for activations (with ``batch``).
+        device_memory: bytes per device, to say whether each configuration fits.
+        attn_implementation: the attention used to measure activations.
+
+    Returns:
+        One :class:`RankMemory` per backend and strategy (the fullest rank).
+
+    Raises:
+        ConfigError: every size out of range, ``batch`` without ``seq_len`` (or the reverse), a
+            model that cannot be built or run on the meta device, together where they can be.
     """
     base = base or BridgeConfig()
     problems = [
@@ -142,7 +180,15 @@ def estimate(
 
 
 def format_table(rows: Sequence[RankMemory], *, title: str = "") -> str:
-    """A plain-text table of ``rows``, one per configuration."""
+    """A plain-text table of ``rows``, one per configuration.
+
+    Args:
+        rows: the estimates.
+        title: a line printed above the table.
+
+    Returns:
+        The table: backend, strategy, mesh, then each memory figure and whether it fits.
+    """
     head = [
         "backend",
         "strategy",

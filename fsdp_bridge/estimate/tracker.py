@@ -62,17 +62,26 @@ def _site(op: str) -> str:
     return f"{op} {path}:{frame.f_lineno} ({frame.f_code.co_name})"
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    # A DTensor is a wrapper without storage of its own: count its local shard.
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The tensor holding ``t``'s data on this rank: a DTensor's local shard, else ``t``."""
+    # A DTensor is a wrapper without storage of its own: its private _local_tensor is the
+    # shard itself (to_local() returns a new view of it under grad mode).
     inner = getattr(t, "_local_tensor", None)
     return inner if isinstance(inner, torch.Tensor) else t
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (views and DTensors resolved)."""
+    """Bytes of the distinct storages behind ``tensors`` (views and DTensors resolved).
+
+    Args:
+        tensors: any tensors; views of one storage count once, a DTensor by its local shard.
+
+    Returns:
+        The total bytes.
+    """
     seen: dict[int, int] = {}
     for t in tensors:
-        st = _local(t).untyped_storage()
+        st = local_tensor(t).untyped_storage()
         seen[st._cdata] = st.nbytes()
     return sum(seen.values())
 
@@ -92,11 +101,15 @@ class LiveBytes(TorchDispatchMode):
         self.peak_sites: dict[str, int] = {}
         self._live: dict[int, int] = {}
         self._site: dict[int, str] = {}
-        self._ignored = {_local(t).untyped_storage()._cdata for t in ignore}
+        self._ignored = {local_tensor(t).untyped_storage()._cdata for t in ignore}
         self._restore: dict[str, Any] = {}  # UntypedStorage's own attributes before this mode wrapped resize_
 
     def reset_peak(self) -> None:
-        """Restart peak tracking from the bytes alive now."""
+        """Restart peak tracking from the bytes alive now.
+
+        Returns:
+            None.
+        """
         self.peak = self.current
         if self.sites:
             tally: Counter[str] = Counter()
@@ -131,7 +144,7 @@ class LiveBytes(TorchDispatchMode):
     def _track(self, t: object, op: str) -> None:
         if not isinstance(t, torch.Tensor):
             return
-        t = _local(t)
+        t = local_tensor(t)
         if t.device.type == self.device_type:
             self._count(t.untyped_storage(), op)
 

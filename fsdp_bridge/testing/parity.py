@@ -47,6 +47,16 @@ def rank_batches(
 
     Rank ``r`` draws from seed ``seed + 42 + r`` (PyTorch's parity-test convention), so the
     averaged gradient differs from any single rank's.
+
+    Args:
+        family: a tiny model family of :mod:`fsdp_bridge.testing.models` (its vocabulary).
+        steps: how many batches.
+        batch: sequences per batch.
+        seq: tokens per sequence.
+        seed: the base seed.
+
+    Returns:
+        ``steps`` batches of ``input_ids`` and ``labels``, shaped for the family's training loss.
     """
     from fsdp_bridge.testing.models import sample_batch
 
@@ -60,7 +70,7 @@ def assert_backend_parity(
     batches: Sequence[Batch] | Callable[[int], Sequence[Batch]],
     config: BridgeConfig | Mapping[str, Any] | None = None,
     *,
-    backends: Sequence[str | Backend] = (Backend.FSDP1, Backend.FSDP2),
+    backends: Sequence[str | Backend] = tuple(Backend),
     strategies: Sequence[str | ShardingStrategy] | None = None,
     reference: bool = True,
     hybrid_shape: tuple[int, int] | None = None,
@@ -81,9 +91,32 @@ def assert_backend_parity(
     ``optimizer_fn(params, lr)`` (AdamW by default) on ``loss_fn(model, batch)``
     (``model(**batch).loss`` by default).
 
-    Returns the :class:`ParityReport` (per-step losses, gradient norms, parameter
-    differences and verdicts).  Raises :class:`AssertionError` with the report's table
-    when a pair diverges, naming the first diverging step.
+    Args:
+        model_fn: builds the model (called for every run; rank 0's initial weights are used).
+        batches: this rank's batches, one per step, or ``batches(rank)`` returning them.
+        config: the bridge config (or its YAML mapping) for every field but the backend and,
+            with ``strategies``, the strategy; default ``BridgeConfig()``.
+        backends: the backends to run (default: every one).
+        strategies: strategies to run each backend with; default the config's.
+        reference: also run an unsharded copy with averaged gradients, and compare to it.
+        hybrid_shape: the (replicate, shard) shape of the hybrid strategies among ``strategies``.
+        lr: the learning rate given to ``optimizer_fn``.
+        optimizer_fn: ``optimizer_fn(params, lr)`` builds each run's optimizer.
+        loss_fn: ``loss_fn(model, batch)`` returns the loss to backpropagate.
+        grad_clip: clip gradients to this global norm in every run; None does not clip.
+        tolerance: how close runs must stay; default by the precision
+            (:func:`~fsdp_bridge.testing.tolerance_for`).
+        param_diff: also compare the parameters after the last step.
+
+    Returns:
+        The :class:`ParityReport` (per-step losses, gradient norms, parameter differences and
+        verdicts).
+
+    Raises:
+        AssertionError: a pair diverged; the message names the first diverging step and holds
+            the report's table.
+        ConfigError: an unknown backend or strategy, fewer than two runs to compare, or a
+            config problem.
     """
     if isinstance(config, Mapping):
         config = BridgeConfig.from_dict(config)

@@ -23,7 +23,9 @@ from typing import Any
 
 import pytest
 
-_DEFAULT_BACKENDS = "fsdp1,fsdp2"
+from fsdp_bridge.strategy import Backend
+
+_DEFAULT_BACKENDS = ",".join(b.value for b in Backend)
 _DEFAULT_STRATEGIES = "full_shard,shard_grad_op,no_shard"
 _ALL_STRATEGIES = "full_shard,shard_grad_op,no_shard,hybrid_shard,hybrid_shard_zero2"
 

@@ -235,7 +235,19 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None, *, source: str | None = None) -> TrainConfig:
-        """Build a config from a mapping (parsed YAML), reporting every problem at once."""
+        """Build a config from a mapping (parsed YAML), reporting every problem at once.
+
+        Args:
+            data: the training YAML as a mapping (``model:``, ``data:``, ``bridge:`` ...).
+            source: where ``data`` came from (a file name), named in the error.
+
+        Returns:
+            The config.
+
+        Raises:
+            ConfigError: a missing ``model:`` section, every unknown key (with "did you mean")
+                and every bad value, together.
+        """
         if not isinstance(data, Mapping):
             raise ConfigError(
                 [Problem("config", data, "a mapping of training keys (model:, data:, ...)")], source=source
@@ -262,7 +274,11 @@ class TrainConfig:
         return config
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain, YAML-safe values; ``TrainConfig.from_dict(c.to_dict()) == c``."""
+        """Plain, YAML-safe values; ``TrainConfig.from_dict(c.to_dict()) == c``.
+
+        Returns:
+            Every section by name, the ``bridge:`` section as :meth:`BridgeConfig.to_dict` writes it.
+        """
         out: dict[str, Any] = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
@@ -275,6 +291,11 @@ class TrainConfig:
         return out
 
     def to_yaml(self) -> str:
+        """The config as a training YAML (what a run writes to ``output_dir/train_config.yaml``).
+
+        Returns:
+            :meth:`to_dict` dumped as YAML, fields in declaration order.
+        """
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
     @property
@@ -390,7 +411,11 @@ def parse_peft_section(value: Any, key: str = "peft") -> tuple[PeftConfig | None
 
 
 def default_config_path() -> Path:
-    """The YAML of the built-in job that ``fsdp-bridge train`` runs without a config."""
+    """The YAML of the built-in job that ``fsdp-bridge train`` runs without a config.
+
+    Returns:
+        Its path inside the installed package.
+    """
     return Path(__file__).resolve().parents[1] / "data" / "tiny_llama.yaml"
 
 
@@ -411,6 +436,16 @@ def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[s
 
     ``optim.lr=1e-3 bridge.strategy=shard_grad_op data.files=[a.txt,b.txt]``.  Unknown
     keys are not rejected here but by :meth:`TrainConfig.from_dict`, with the others.
+
+    Args:
+        data: the YAML mapping (not changed).
+        overrides: ``key=value`` strings, applied in order; ``1e-3`` is read as a number.
+
+    Returns:
+        A new mapping with the overrides set (missing sections created).
+
+    Raises:
+        ConfigError: every override that is not ``key=value`` with a dotted key, together.
     """
     out: dict[str, Any] = _deep_copy(data)
     problems: list[Problem] = []
@@ -453,7 +488,17 @@ def load_train_config(
 ) -> TrainConfig:
     """Load a training YAML (the built-in default when ``path`` is None) with overrides.
 
-    ``backend`` (the ``--backend`` flag) sets ``bridge.backend``.
+    Args:
+        path: the YAML file; None loads the built-in job (:func:`default_config_path`).
+        overrides: ``key=value`` strings (:func:`apply_overrides`).
+        backend: sets ``bridge.backend`` (the ``--backend`` flag), after the overrides.
+
+    Returns:
+        The validated :class:`TrainConfig`.
+
+    Raises:
+        ConfigError: the file cannot be read as a YAML mapping, a malformed override, or every
+            unknown key and bad value of the result, together.
     """
     source = Path(path) if path is not None else default_config_path()
     data = read_yaml(source)
@@ -469,7 +514,11 @@ def load_train_config(
 
 
 def field_reference() -> list[FieldDoc]:
-    """Every field of the training config and of its ``bridge:`` section, with type, default and meaning."""
+    """Every field of the training config and of its ``bridge:`` section, with type, default and meaning.
+
+    Returns:
+        One row per field (``docs/configuration.md`` is generated from them), ``model`` first.
+    """
     rows = field_rows(TrainConfig)
     # The model was marked required above only by its check; say so in the reference.
     rows[0] = dataclasses.replace(rows[0], default="required")

@@ -136,10 +136,6 @@ class PackedData:
             )
         return cls(train=stream[:n_train], held_out=stream[n_train:], seed=seed, rank=rank, world_size=world_size)
 
-    @property
-    def num_tokens(self) -> int:
-        return self.train.numel() + self.held_out.numel()
-
     def _perm(self, epoch: int) -> torch.Tensor:
         if epoch not in self._perms:
             g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)

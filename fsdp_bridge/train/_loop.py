@@ -95,7 +95,7 @@ def optimizer_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) ->
     states (``step``) are one per parameter. The second figure applies the per-element bytes of
     the trained parameters to all of them, frozen ones included."""
     from fsdp_bridge.estimate import storage_bytes
-    from fsdp_bridge.estimate.tracker import _local as local
+    from fsdp_bridge.estimate.tracker import local_tensor as local
 
     per_element = scalars = trained_numel = 0
     for p, state in optimizer.state.items():
@@ -111,7 +111,16 @@ def optimizer_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) ->
 
 
 def lr_at(config: TrainConfig, step: int) -> float:
-    """Learning rate of optimizer step number ``step + 1`` (``step`` steps already taken)."""
+    """Learning rate of optimizer step number ``step + 1`` (``step`` steps already taken).
+
+    Args:
+        config: the training config (``optim.lr`` and the ``schedule`` section).
+        step: optimizer steps already taken.
+
+    Returns:
+        Linear warm-up to ``optim.lr``, then constant, linear or cosine decay to
+        ``min_lr_ratio`` of it at ``decay_steps`` (default ``max_steps``).
+    """
     peak = config.optim.lr
     sched = config.schedule
     if step < sched.warmup_steps:
@@ -275,13 +284,6 @@ def _configure_output(rank: int, verbosity: Verbosity) -> None:
         logging.getLogger("fsdp_bridge").setLevel(logging.INFO)
 
 
-def _all_mean(value: torch.Tensor, world: int) -> float:
-    value = value.detach().float().reshape(1).clone()
-    if world > 1:
-        dist.all_reduce(value)
-    return float(value.item()) / world
-
-
 class _StopRequests:
     """SIGTERM (preemption) and SIGINT (Ctrl-C) ask the run to stop at the next step boundary.
 
@@ -351,7 +353,20 @@ def evaluate(model: nn.Module, data: PackedData, config: TrainConfig, device: to
 
 
 def train(config: TrainConfig, *, verbosity: Verbosity = "normal") -> TrainResult:
-    """Run ``config`` on this rank (call on every rank; initialises the process group if needed)."""
+    """Run ``config`` on this rank (call on every rank; initialises the process group if needed).
+
+    Args:
+        config: the training job.
+        verbosity: ``"quiet"``, ``"normal"`` or ``"verbose"`` output on rank 0.
+
+    Returns:
+        What the run did (steps, tokens, time, losses, where it wrote).
+
+    Raises:
+        RunStopped: SIGTERM or SIGINT stopped the run at a step boundary, after every rank saved
+            a checkpoint to resume from.
+        ConfigError: a problem found before the first collective (data, model, backend).
+    """
     start = time.perf_counter()
     device = init_distributed(config.bridge.device, timeout_s=config.timeout_s)
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -35,6 +35,20 @@ def preflight(
     Checks the data files exist, the model directory exists, a fresh run does not
     write over another run's checkpoints, and (given the world size) that the
     strategy's mesh fits it and the backend supports every option on ``device_type``.
+
+    Args:
+        config: the training job.
+        world_size: ranks the job will run on; None skips the mesh check.
+        local_world_size: ranks per node (for hybrid shapes); default ``LOCAL_WORLD_SIZE``
+            from the environment, else ``world_size``.
+        device_type: ``"cpu"`` or ``"cuda"``; None skips the check that the backend supports
+            every option there.
+
+    Returns:
+        Notes for the user: what was found about the model, the mesh planned.
+
+    Raises:
+        ConfigError: every problem found, together.
     """
     from fsdp_bridge.checkpoint import latest_checkpoint
 
