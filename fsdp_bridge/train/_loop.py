@@ -528,7 +528,7 @@ def train(config: TrainConfig, *, verbosity: Verbosity = "normal") -> TrainResul
     if config.peft is not None:
         export_peft(sharded, tokenizer, out, merged=config.checkpoint.export_hf)
     elif config.checkpoint.export_hf:
-        export_hf(sharded, model, tokenizer, out)
+        export_hf(sharded, tokenizer, out)
     result = TrainResult(
         steps=step,
         tokens=tokens,
@@ -563,14 +563,26 @@ def export_peft(sharded: nn.Module, tokenizer: Any, out: Path, *, merged: bool) 
     dist.barrier()
 
 
-def export_hf(sharded: nn.Module, model: nn.Module, tokenizer: Any, out: Path) -> None:
-    """Write the trained weights, config and tokenizer to ``out`` as a Hugging Face directory."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+_HF_FILES = ("config.json", "generation_config.json", "model.safetensors.index.json")
 
-    state = get_model_state_dict(sharded, options=ckpt.full_state_options(sharded))
+
+def export_hf(sharded: nn.Module, tokenizer: Any, out: Path) -> None:
+    """Write the trained weights, config and tokenizer to ``out`` as a Hugging Face directory.
+
+    The weights go through ``save_checkpoint(kind="full")`` (every rank writes its shard's bytes
+    into the safetensors files: no rank holds the whole model) into a staging directory inside
+    ``out``; rank 0 then moves the model files into ``out`` (an earlier export's weight files are
+    removed first) and writes the tokenizer."""
+    import shutil
+
+    staging = out / "export-staging"
+    ckpt.save_checkpoint(staging, sharded, kind="full")
     if dist.get_rank() == 0:
-        # The unsharded module object is the one FSDP wraps (FSDP1) or the sharded root
-        # itself (FSDP2): both carry the transformers config and save_pretrained.
-        model.save_pretrained(out, state_dict=state)  # type: ignore[operator]
+        for old in [*out.glob("model*.safetensors"), out / "model.safetensors.index.json"]:
+            old.unlink(missing_ok=True)
+        for f in staging.iterdir():
+            if f.name in _HF_FILES or (f.name.startswith("model") and f.name.endswith(".safetensors")):
+                f.replace(out / f.name)
+        shutil.rmtree(staging)
         tokenizer.save_pretrained(out)
     dist.barrier()
