@@ -92,6 +92,9 @@ class ShardPlan:
     scalar_params: list[nn.Parameter] = field(default_factory=list)
     """0-dim parameters (e.g. CLIP's ``logit_scale``): neither backend shards them, so they stay
     whole on every rank and their gradients are averaged by the bridge."""
+    root_is_unit: bool = False
+    """The module sharded is a unit of a larger model (:func:`fsdp_bridge.wrap_module`, FSDP1's manual
+    ``wrap``): it reshards after forward as a unit does, not as a root."""
     materialize: bool = True
     """Allocate a meta-device model on ``device`` after sharding.  False only for planning at a
     fake world size (:func:`fsdp_bridge.estimate.plan_at_scale`, FSDP2): the shards stay on meta."""
@@ -103,7 +106,7 @@ class ShardPlan:
             return False
         if self.reshard_override is not None:
             return self.reshard_override
-        return self.strategy.reshards_after_forward and not is_root
+        return self.strategy.reshards_after_forward and not (is_root and not self.root_is_unit)
 
     @property
     def ignored_params(self) -> set[nn.Parameter]:

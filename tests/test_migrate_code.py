@@ -28,6 +28,7 @@ RUNNABLE = [
     "kwargs_builder.py",
     "checkpoint_manager.py",
     "wrapper_factory.py",
+    "manual_wrap.py",
 ]
 ALL = sorted(p.name for p in FIXTURES.glob("*.py"))
 HAS_CHECKPOINT_API = hasattr(fsdp_bridge, "save_checkpoint") and hasattr(fsdp_bridge, "load_checkpoint")
@@ -168,6 +169,15 @@ EXPECTED: dict[str, set[tuple[int, str]]] = {
         (89, "model.state_dict()"),
         (90, "model.load_state_dict(...)"),
     },
+    "manual_wrap.py": {
+        (89, "enable_wrap(...)"),
+        *((line, "wrap(...)") for line in (90, 90, 91, 93, 95, 96, 97)),
+        (110, "CPUOffload"),
+        (112, "ShardingStrategy.FULL_SHARD"),
+        (119, "FSDP(...)"),
+        (134, "model.clip_grad_norm_(...)"),
+        (136, "model.resampler.clip_grad_norm_(...)"),
+    },
     "todo_constructs.py": {
         (24, "ShardedGradScaler(...)"),
         (26, "FSDP(...)"),
@@ -225,6 +235,49 @@ def test_rewrites_runnable_fixtures_completely() -> None:
         assert TODO not in fixed, name
         assert "import fsdp_bridge" in fixed
         assert "fsdp_bridge.shard(" in fixed or "fsdp_bridge.shard," in fixed  # called, or the wrapper's function
+
+
+def test_manual_wrapping_becomes_the_bridge_context() -> None:
+    fixed = migrate_source(_source("manual_wrap.py"), "manual_wrap.py").fixed
+    assert "with fsdp_bridge.enable_wrap(fsdp_bridge.BridgeConfig.from_fsdp1(**wrapper_kwargs)):" in fixed
+    assert "self.resampler = fsdp_bridge.wrap_module(fsdp_bridge.wrap_module(self.resampler))" in fixed
+    assert "nn.ModuleList(fsdp_bridge.wrap_module(fsdp_bridge.wrap_module(layer)) for layer in self.decoder)" in fixed
+    assert "fsdp_bridge.wrap_module(fsdp_bridge.wrap_module(layer)) if layer is not None else None" in fixed
+    assert "import enable_wrap" not in fixed and " wrap(" not in fixed
+    assert 'wrap="none"' in fixed  # the root over the units: FSDP1 without a policy wraps only the root
+
+    code = textwrap.dedent(
+        """
+        import functools
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
+        from torch.distributed.fsdp.wrap import enable_wrap, wrap
+
+        def build(model, mesh, mp):
+            with enable_wrap(wrapper_cls=FSDP, device_mesh=mesh, mixed_precision=mp, use_orig_params=True):
+                model.vision = wrap(model.vision)
+                model.text = wrap(model.text, sharding_strategy=ShardingStrategy.NO_SHARD)
+            with enable_wrap(wrapper_cls=functools.partial(FSDP, use_orig_params=True)):
+                model.head = wrap(model.head)
+            return model
+        """
+    )
+    result = migrate_source(code, "vlm.py")
+    assert (
+        "with fsdp_bridge.enable_wrap(\n"
+        "        fsdp_bridge.BridgeConfig.from_fsdp1(\n"
+        "            mixed_precision=mp,\n"
+        "            use_orig_params=True,\n"
+        "        ),\n"
+        "        mesh=mesh,\n"
+        "    ):\n"
+        "        model.vision = fsdp_bridge.wrap_module(model.vision)\n"
+    ) in result.fixed, result.fixed
+    todos = {(f.line, f.construct): f.replacement for f in result.findings if not f.fixable}
+    assert sorted(todos) == [(9, "wrap(...)"), (10, "enable_wrap(...)"), (11, "wrap(...)")], todos
+    assert "wrap(module, **overrides) changes enable_wrap's arguments for one module" in todos[(9, "wrap(...)")]
+    # a wrap under torch's enable_wrap, which stays, stays torch's (wrap_module there raises ConfigError)
+    assert "model.head = wrap(model.head)" in result.fixed and "import enable_wrap, wrap" in result.fixed
+    assert migrate_source(result.fixed, "vlm.py").fixed == result.fixed
 
 
 def test_todo_comments_are_precise() -> None:
@@ -342,9 +395,16 @@ def test_rewritten_scripts_match_fsdp1_losses(tmp_path: Path) -> None:
     ):
         original, fixed = _prepare(tmp_path, name)
         pairs.append((original, fixed, extra.get(name, {})))
+    # enable_wrap + wrap (double wraps, ModuleLists rebuilt from comprehensions), with and without a root FSDP
+    manual = _prepare(tmp_path, "manual_wrap.py")
+    pairs += [(*manual, {}), (*manual, {"root": True})]
     results = run_distributed(_run_pairs, world_size=2, args=(pairs,), env=env, timeout_s=300)
     for rank_results in results:
-        (mp1, mp2), (sd1, sd2), (ga1, ga2), (dc1, dc2), (kw1, kw2), (cm1, cm2), (wf1, wf2) = rank_results
+        (mp1, mp2), (sd1, sd2), (ga1, ga2), (dc1, dc2), (kw1, kw2), (cm1, cm2), (wf1, wf2) = rank_results[:7]
+        units_only, with_root = rank_results[7:]
+        assert units_only[1] == pytest.approx(units_only[0], rel=1.3e-6, abs=1e-5), units_only
+        assert with_root[1] == pytest.approx(with_root[0], rel=1.3e-6, abs=1e-5), with_root
+        assert len(units_only[0]) == len(with_root[0]) == 4 and units_only[0] != with_root[0]
         # functools.partial(FSDP, ...) wrapper, model.no_sync taken as a bound method, re-exported scaler class
         assert wf2 == pytest.approx(wf1, rel=1.3e-6, abs=1e-5), (wf1, wf2)
         assert len(wf1) == 6
@@ -558,9 +618,10 @@ def test_manual_wrapping_and_rank0_gathers_are_reported_or_rewritten() -> None:
         """)
     result = migrate_source(source, "manual.py")
     by_line = {(f.line, f.construct): f for f in result.findings}
-    assert not by_line[(8, "enable_wrap(...)")].fixable
-    assert "BridgeConfig(wrap=[" in by_line[(8, "enable_wrap(...)")].replacement
-    assert not by_line[(9, "wrap")].fixable and not by_line[(10, "wrap")].fixable
+    assert by_line[(8, "enable_wrap(...)")].fixable
+    assert "with fsdp_bridge.enable_wrap(fsdp_bridge.BridgeConfig.from_fsdp1(use_orig_params=True)):" in result.fixed
+    assert by_line[(9, "wrap(...)")].fixable and by_line[(10, "wrap(...)")].fixable  # a unit of units, then
+    assert "return fsdp_bridge.wrap_module(layers)" in result.fixed
     assert not any(f.construct == "FSDP" for f in result.findings)  # wrapper_cls=FSDP belongs to enable_wrap
     assert by_line[(14, "FSDP.summon_full_params(...)")].fixable
     assert "fsdp_bridge.summon_full_params(model, rank0_only=True, offload_to_cpu=True)" in result.fixed

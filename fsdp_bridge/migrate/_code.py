@@ -773,9 +773,45 @@ class _Scanner(cst.CSTVisitor):
             for a in node.args:  # its arguments belong to this construct (a TODO when the block is not rewritten)
                 self._consume(a.value)
         if hit == ("enable_wrap", ""):
-            self._record(node, "enable_wrap(...)", _NAMES["enable_wrap"], False)
-            self._consume(node)  # its wrapper_cls=FSDP is part of this construct
+            if not self._plan_enable_wrap(node):
+                self._record(node, "enable_wrap(...)", _NAMES["enable_wrap"], False)
+                self._consume(node)  # its wrapper_cls=FSDP is part of this construct
             return False
+        if hit == ("wrap", "") and id(func) not in self.consumed_nodes:
+            if self._under_torch_enable_wrap():
+                self._consume(func)
+                self._record(
+                    node,
+                    f"{_code(func)}(...)",
+                    "not rewritten: it runs under torch's enable_wrap above, which is not rewritten (see its "
+                    "TODO); rewrite both together: fsdp_bridge.enable_wrap(fsdp_bridge.BridgeConfig.from_fsdp1("
+                    "**kwargs)) and fsdp_bridge.wrap_module(module)",
+                    False,
+                )
+                return None
+            if len(node.args) == 1 and node.args[0].keyword is None and node.args[0].star == "":
+                self.expr_rewrites[id(func)] = "fsdp_bridge.wrap_module"
+                self.needs_imports.add(("fsdp_bridge", None))
+                self._consume(func)
+                self._record(
+                    node,
+                    f"{_code(func)}(...)",
+                    "fsdp_bridge.wrap_module(module): inside fsdp_bridge.enable_wrap it shards the module as a unit "
+                    "of its own (FSDP2: fully_shard on it), outside it returns the module unchanged, as FSDP1's "
+                    "wrap; a module sharded already is returned as it is, so wrap(wrap(m)) is wrap(m)",
+                    True,
+                )
+                return None  # its argument may be another wrap(...)
+            self._consume(func)
+            self._record(
+                node,
+                f"{_code(func)}(...)",
+                "not rewritten: wrap(module, **overrides) changes enable_wrap's arguments for one module; write "
+                "fsdp_bridge.ManualWrap(fsdp_bridge.BridgeConfig.from_fsdp1(**{**<enable_wrap's arguments>, "
+                "**overrides})).wrap(module) (inside fsdp_bridge.enable_wrap torch's wrap refuses overrides)",
+                False,
+            )
+            return None
         if hit == (FSDP, "set_state_dict_type") and self._plan_set_state_dict_type(node):
             return False
         if hit == (FSDP, "optim_state_dict_to_load") and (code := self._optim_to_load(node, None)) is not None:
@@ -1412,7 +1448,7 @@ class _Scanner(cst.CSTVisitor):
         lines.append(")")
         self.call_rewrites[id(node)] = "\n".join(lines)
         self.needs_imports.add(("fsdp_bridge", None))
-        names = [k for k, _ in runtime]
+        names = _runtime_names(runtime)
         self._record(
             node,
             construct,
@@ -1420,6 +1456,77 @@ class _Scanner(cst.CSTVisitor):
             + (", mesh=...)" if conv.mesh is not None else ")")
             + f": calling it shards the module it is given; {', '.join(names) or 'no options'} kept as written and "
             "translated when the code runs (FSDP1's meaning, exactly)",
+            True,
+        )
+        prefetch = dict(runtime)
+        for a in rest:
+            if a.keyword is None or a.keyword.value == "device_mesh":
+                continue
+            if a.keyword.value == "backward_prefetch" and prefetch.get("backward_prefetch") == '"pre"':
+                continue  # reported with its TODO by _plan_runtime
+            self._runtime_kwarg_finding(a, rest)
+        return True
+
+    def _under_torch_enable_wrap(self) -> bool:
+        """Inside ``with enable_wrap(...)`` of torch's that stays as it is (its wrap() must stay torch's)."""
+        return any(
+            isinstance(stmt, cst.With)
+            and any(
+                isinstance(item.item, cst.Call)
+                and self._qn(item.item.func) == ("enable_wrap", "")
+                and id(item.item) not in self.call_rewrites
+                for item in stmt.items
+            )
+            for stmt in self.stmt_stack
+        )
+
+    def _plan_enable_wrap(self, node: cst.Call) -> bool:
+        """``enable_wrap(wrapper_cls=FSDP, **kwargs)`` -> ``fsdp_bridge.enable_wrap(
+        fsdp_bridge.BridgeConfig.from_fsdp1(**kwargs))`` (FSDP1's manual wrapping, same shape)."""
+        cls = [a for a in node.args if a.keyword is not None and a.keyword.value == "wrapper_cls"]
+        if len(cls) != 1 or self._qn(cls[0].value) != (FSDP, ""):
+            return False  # another wrapper class (or one known only at run time): a TODO
+        rest = [a for a in node.args if a is not cls[0]]
+        if any(a.keyword is None and a.star != "**" for a in rest):
+            return False
+        conv = _Conversion()
+        probe = node.with_changes(args=[cst.Arg(cst.Name("module")), *rest])
+        runtime = self._plan_runtime(probe, conv)
+        if runtime is None:
+            self._record(node, "enable_wrap(...)", "not rewritten: " + "; ".join(conv.blockers), False)
+            self._consume(node)
+            return True
+        self._consume(node.func)
+        for a in node.args:
+            self._consume(a.value)
+        items = [f"**{code}" if kw == "**" else f"{kw}={code}" for kw, code in runtime]
+        config = f"fsdp_bridge.BridgeConfig.from_fsdp1({', '.join(items)})"
+        mesh = f", mesh={_code(conv.mesh)}" if conv.mesh is not None else ""
+        code = f"fsdp_bridge.enable_wrap({config}{mesh})"
+        if "\n" in code or len(code) > 100:
+            i1, i2 = "    ", "        "
+            lines = ["fsdp_bridge.enable_wrap(", f"{i1}fsdp_bridge.BridgeConfig.from_fsdp1("]
+            for item in items:
+                first, *more = item.split("\n")
+                lines.append(i2 + first)
+                lines.extend(i2 + line for line in (textwrap.dedent("\n".join(more)).split("\n") if more else []))
+                lines[-1] += ","
+            lines.append(f"{i1}),")
+            if conv.mesh is not None:
+                lines.append(f"{i1}mesh={_code(conv.mesh)},")
+            lines.append(")")
+            code = "\n".join(lines)
+        self.call_rewrites[id(node)] = code
+        self.needs_imports.add(("fsdp_bridge", None))
+        names = _runtime_names(runtime)
+        self._record(
+            node,
+            "enable_wrap(...)",
+            "fsdp_bridge.enable_wrap(fsdp_bridge.BridgeConfig.from_fsdp1(...)"
+            + (", mesh=...)" if conv.mesh is not None else ")")
+            + f": fsdp_bridge.wrap_module(m) inside it shards m as a unit with that config; "
+            f"{', '.join(names) or 'no options'} kept as written and translated when the code runs (FSDP1's "
+            "meaning, exactly); a later fsdp_bridge.shard of the whole model keeps those units",
             True,
         )
         prefetch = dict(runtime)
@@ -1515,7 +1622,7 @@ class _Scanner(cst.CSTVisitor):
         return names
 
     def _runtime_text(self, conv: _Conversion) -> str:
-        names = [k for k, _ in conv.runtime or []]
+        names = _runtime_names(conv.runtime or [])
         return (
             "fsdp_bridge.shard(model, fsdp_bridge.BridgeConfig.from_fsdp1(...)"
             + (", mesh=...)" if conv.mesh is not None else ")")
@@ -2458,6 +2565,11 @@ def _named_args(call: cst.Call, names: Sequence[str]) -> dict[str, cst.BaseExpre
         else:
             return None
     return out
+
+
+def _runtime_names(runtime: Sequence[tuple[str, str]]) -> list[str]:
+    """The arguments kept for ``from_fsdp1`` as the report names them (``**kwargs`` by its name)."""
+    return [f"**{code}" if kw == "**" else kw for kw, code in runtime]
 
 
 def _short(code: str, limit: int = 60) -> str:
