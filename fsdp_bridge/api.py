@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -243,6 +244,8 @@ def _shard(
     if failure is not None:
         raise failure
     mesh_plan, ignored, wrap_plan, has_meta, report = validated
+    if config.sync_module_states and dist.get_world_size() > 1:
+        _take_rank0_dtypes(model, presharded)  # every rank agreed on the config: all of them call it
 
     units = wrap_plan.modules
     if config.activation_checkpointing:
@@ -303,7 +306,10 @@ def _fingerprint(
     out = {f"config.{name}": show_value(getattr(config, name)) for name in BridgeConfig.field_names()}
     # Parameters of units sharded already have this rank's shapes (FSDP1's flat views): left out.
     inside = {id(p) for unit in presharded for p in unit.parameters()}
-    params = [(n, tuple(p.shape), str(p.dtype)) for n, p in model.named_parameters() if id(p) not in inside]
+    # With sync_module_states every rank takes rank 0's tensors, dtypes included (FSDP1's param_init_fn
+    # gave meta-device ranks rank 0's dtypes): dtypes are not compared then.
+    dtype = (lambda p: "rank 0's") if config.sync_module_states else (lambda p: str(p.dtype))
+    params = [(n, tuple(p.shape), dtype(p)) for n, p in model.named_parameters() if id(p) not in inside]
     out["model"] = (
         f"{type(model).__name__}, {len(params)} parameters, "
         f"{sum(math.prod(shape) for _, shape, _ in params):,} elements"
@@ -313,6 +319,36 @@ def _fingerprint(
     if presharded:
         out["units sharded already"] = str(len(presharded))
     return out
+
+
+def _take_rank0_dtypes(model: nn.Module, presharded: list[nn.Module]) -> None:
+    """Give this rank's parameters and buffers (outside ``presharded``) rank 0's dtypes.
+
+    FSDP1 code builds the model on the meta device on the other ranks, often in another dtype, and
+    its ``param_init_fn`` casts it (``m.to_empty(...); m.to(dtype)``); rank 0's values replace
+    theirs anyway.  Tied parameters stay tied.
+    """
+    inside = {id(t) for unit in presharded for t in (*unit.parameters(), *unit.buffers())}
+    tensors = [t for t in (*model.parameters(), *model.buffers()) if id(t) not in inside]
+    tensors = list({id(t): t for t in tensors}.values())
+    dtypes = [t.dtype for t in tensors]
+    shared: list[object] = [dtypes]
+    dist.broadcast_object_list(shared, src=0)
+    wanted = cast(list[torch.dtype], shared[0])
+    if wanted == dtypes or len(wanted) != len(dtypes):  # other names or shapes: refused by agree() already
+        return
+    new: dict[int, torch.Tensor] = {}
+    for t, target in zip(tensors, wanted, strict=True):
+        if t.dtype != target:
+            moved = t.detach().to(target)
+            new[id(t)] = nn.Parameter(moved, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else moved
+    for module in model.modules():
+        for key, p in module._parameters.items():
+            if p is not None and id(p) in new:
+                module._parameters[key] = cast(nn.Parameter, new[id(p)])
+        for key, b in module._buffers.items():
+            if b is not None and id(b) in new:
+                module._buffers[key] = new[id(b)]
 
 
 def _broadcast_outside(model: nn.Module, presharded: list[nn.Module], device: torch.device) -> None:
@@ -388,6 +424,24 @@ def _validate(
     except ConfigError as err:
         problems.extend(err.problems)
     has_meta = _has_meta(model)
+    if (
+        has_meta
+        and config.sync_module_states
+        and dist.get_rank() == 0
+        and not _WEIGHTS_LOADED_AFTER.get()
+        and (meta := [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta])
+    ):
+        problems.append(
+            Problem(
+                "sync_module_states",
+                f"rank 0 holds meta-device tensors ({', '.join(meta[:3])}{', ...' if len(meta) > 3 else ''})",
+                "real weights on rank 0: every rank takes rank 0's",
+                "build or load the weights on rank 0 before shard(); FSDP1 code whose param_init_fn "
+                "initialised them on every rank: run it on rank 0's modules first (for m in model.modules(): "
+                "param_init_fn(m)), or build rank 0's model on a real device; or load a checkpoint after "
+                "shard() (fsdp_bridge.load_checkpoint)",
+            )
+        )
     if has_meta and presharded:
         inside = {id(t) for unit in presharded for t in (*unit.parameters(), *unit.buffers())}
         outside_meta = any(t.is_meta for t in (*model.parameters(), *model.buffers()) if id(t) not in inside)

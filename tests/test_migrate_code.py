@@ -280,6 +280,34 @@ def test_manual_wrapping_becomes_the_bridge_context() -> None:
     assert migrate_source(result.fixed, "vlm.py").fixed == result.fixed
 
 
+def test_summon_full_params_called_through_an_instance_is_rewritten() -> None:
+    # FSDP1's summon_full_params is static; trainers call it through the wrapped model as well
+    code = textwrap.dedent(
+        """
+        from torch.distributed.fsdp.fully_sharded_data_parallel import FullyShardedDataParallel
+
+        class Exporter:
+            def __init__(self, model: FullyShardedDataParallel) -> None:
+                self.model = model
+
+            def weights(self, offload: bool):
+                assert isinstance(self.model, FullyShardedDataParallel)
+                with self.model.summon_full_params(self.model, writeback=False, offload_to_cpu=offload):
+                    return {k: v.clone() for k, v in self.model.named_parameters()}
+
+            def top_only(self):
+                with self.model.summon_full_params(self.model, recurse=False):
+                    return self.model.head.weight.sum()
+        """
+    )
+    result = migrate_source(code, "exporter.py")
+    assert "with fsdp_bridge.summon_full_params(self.model, writeback=False, offload_to_cpu=offload):" in result.fixed
+    by_line = {f.line: f for f in result.findings if f.construct == "self.model.summon_full_params(...)"}
+    assert by_line[10].fixable and not by_line[14].fixable, result.findings
+    assert "recurse=False, or other arguments, have no FSDP2 form" in by_line[14].replacement
+    assert migrate_source(result.fixed, "exporter.py").fixed == result.fixed
+
+
 def test_todo_comments_are_precise() -> None:
     fixed = migrate_source(_source("todo_constructs.py")).fixed
     todos = [line.strip() for line in fixed.splitlines() if TODO in line]
@@ -957,6 +985,7 @@ def test_param_init_fn_without_sync_module_states_is_a_todo() -> None:
     # a meta model without sync_module_states), the argument is a TODO saying why and what to do.
     assert not init[0].fixable and "sync_module_states=True" in init[0].replacement
     assert init[1].fixable  # with sync_module_states: rank 0's weights are broadcast, as in FSDP1
+    assert "take rank 0's values and dtypes" in init[1].replacement and "rank 0 must hold real" in init[1].replacement
     assert result.fixed.count("fsdp_bridge.shard(") == 2
 
 

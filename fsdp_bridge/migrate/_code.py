@@ -844,7 +844,20 @@ class _Scanner(cst.CSTVisitor):
         ):
             if self._plan_optim_call(node, hit[1]):
                 return False
-        if hit is not None and hit[0] == FSDP and hit[1] == "summon_full_params":
+        # FSDP1's summon_full_params is a static method, also called through an instance:
+        # ``model.summon_full_params(model, writeback=...)`` (FSDPModule has no such method).
+        bound_summon = (
+            hit is None
+            and isinstance(func, cst.Attribute)
+            and func.attr.value == "summon_full_params"
+            and _code(func.value) != "fsdp_bridge"
+            and len(node.args) >= 1
+            and node.args[0].keyword is None
+            and node.args[0].star == ""
+            and not any(q.name.startswith("fsdp_bridge") for q in self.get_metadata(QualifiedNameProvider, func, set()))
+        )
+        if bound_summon or (hit is not None and hit[0] == FSDP and hit[1] == "summon_full_params"):
+            construct = f"{_short(_code(func), 40)}(...)" if bound_summon else "FSDP.summon_full_params(...)"
             ok = (
                 len(node.args) >= 1
                 and node.args[0].keyword is None
@@ -859,7 +872,7 @@ class _Scanner(cst.CSTVisitor):
                 self.fixable_calls[id(node)] = "summon"
             self._record(
                 node,
-                "FSDP.summon_full_params(...)",
+                construct,
                 _NAMES["summon_full_params"]
                 if ok
                 else _NAMES["summon_full_params"] + "; recurse=False, or other arguments, have no FSDP2 form: "
@@ -1720,7 +1733,11 @@ class _Scanner(cst.CSTVisitor):
         if kw == "device_id":
             return "the device of the run (CUDA index -> cuda, torch.device('cpu') -> cpu)"
         if kw == "param_init_fn":
-            return "meta-device modules are materialised by the bridge (with sync_module_states=True)"
+            return (
+                "not called by the bridge: with sync_module_states=True, meta-device tensors of ranks other than "
+                "0 are materialised and take rank 0's values and dtypes (what a to_empty + cast param_init_fn "
+                "was for); rank 0 must hold real weights (shard() refuses a meta-device rank 0 with the fix)"
+            )
         return _fsdp2_any(option)
 
     def _plan_static(self, call: cst.Call) -> _Conversion:
