@@ -281,6 +281,13 @@ def _shard(
         # unit initialises it as a root, which a later root wrapper over it refuses.
         _broadcast_outside(model, presharded, device)
         plan.sync = SyncMethod.NONE
+    if presharded:
+        paths = {id(m): n for n, m in model.named_modules()}
+        wrap_plan.notes.append(
+            f"{len(presharded)} units sharded already by fsdp_bridge.wrap_module kept as they are: "
+            + ", ".join(paths.get(id(u), "?") for u in presharded[:4])
+            + (", ..." if len(presharded) > 4 else "")
+        )
     if scalars:
         names = [n for n, p in model.named_parameters() if any(p is q for q in scalars)]
         wrap_plan.notes.append(

@@ -98,6 +98,7 @@ def _units_then_root() -> dict[str, Any]:
             "same_mesh": unit_mesh is not None and fsdp_bridge.get_bridge(first).mesh is unit_mesh,
             "synced": sorted(full) == sorted(reference) and all(torch.equal(full[n], reference[n]) for n in full),
             "units": bridge.wrap.units,
+            "notes": bridge.wrap.notes,
             "refused": refused,
             "norm": float(norm),
         }
@@ -111,6 +112,7 @@ def test_units_take_rank0_weights_and_a_root_keeps_them(run_on_ranks) -> None:
             r = result[backend]
             assert r["idempotent"] and r["same_mesh"] and r["synced"] and r["torch_wrap"], (backend, r)
             assert r["units"] == []  # the root's own wrap plan: the manual units are kept as they are
+            assert "5 units sharded already by fsdp_bridge.wrap_module kept as they are: blocks.0," in r["notes"][0]
             assert "wrap: got 'auto'" in r["refused"] and "FSDP1 refuses auto-wrapping" in r["refused"], r
             assert "blocks.0, blocks.1, blocks.2, ..." in r["refused"], r
         assert results[0][backend]["norm"] == pytest.approx(results[1][backend]["norm"])  # one global norm

@@ -308,6 +308,37 @@ def test_summon_full_params_called_through_an_instance_is_rewritten() -> None:
     assert migrate_source(result.fixed, "exporter.py").fixed == result.fixed
 
 
+def test_comments_between_the_arguments_of_a_rewritten_call_are_kept() -> None:
+    code = textwrap.dedent(
+        """
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        def build(model, strategy, mesh):
+            return FSDP(
+                model,
+                # how the shards are laid out
+                sharding_strategy=strategy,  # from the run config
+                use_orig_params=True,
+                # the recipe this follows: https://example.org/recipe
+                sync_module_states=True,
+                device_mesh=mesh,
+            )
+        """
+    )
+    fixed = migrate_source(code, "c.py").fixed
+    assert (
+        "        fsdp_bridge.BridgeConfig.from_fsdp1(\n"
+        "            # how the shards are laid out\n"
+        "            sharding_strategy=strategy,  # from the run config\n"
+        "            use_orig_params=True,\n"
+        "            # the recipe this follows: https://example.org/recipe\n"
+        "            sync_module_states=True,\n"
+        "        ),\n"
+        "        mesh=mesh,\n"
+    ) in fixed, fixed
+    assert migrate_source(fixed, "c.py").fixed == fixed
+
+
 def test_todo_comments_are_precise() -> None:
     fixed = migrate_source(_source("todo_constructs.py")).fixed
     todos = [line.strip() for line in fixed.splitlines() if TODO in line]

@@ -469,6 +469,8 @@ class _Conversion:
     runtime: list[tuple[str, str]] | None = None
     """``(FSDP1 keyword or "**", source)`` for ``BridgeConfig.from_fsdp1(...)``: the values stay the
     user's own expressions and are translated when the code runs."""
+    arg_comments: list[tuple[list[str], str | None]] = field(default_factory=list)
+    """For each entry of ``runtime``: the comments on the lines before its argument and after it."""
 
 
 def _arg(name: str, value: cst.BaseExpression) -> cst.Arg:
@@ -1450,11 +1452,8 @@ class _Scanner(cst.CSTVisitor):
             return True
         i1, i2 = "    ", "        "
         lines = [f"{_code(node.func)}(", f"{i1}fsdp_bridge.shard,", f"{i1}config=fsdp_bridge.BridgeConfig.from_fsdp1("]
-        for kw, code in runtime:
-            first, *more = (f"**{code}" if kw == "**" else f"{kw}={code}").split("\n")
-            lines.append(i2 + first)
-            lines.extend(i2 + line for line in (textwrap.dedent("\n".join(more)).split("\n") if more else []))
-            lines[-1] += ","
+        conv.runtime = runtime
+        lines += _runtime_lines(conv, i2)
         lines.append(f"{i1}),")
         if conv.mesh is not None:
             lines.append(f"{i1}mesh={_code(conv.mesh)},")
@@ -1516,14 +1515,11 @@ class _Scanner(cst.CSTVisitor):
         config = f"fsdp_bridge.BridgeConfig.from_fsdp1({', '.join(items)})"
         mesh = f", mesh={_code(conv.mesh)}" if conv.mesh is not None else ""
         code = f"fsdp_bridge.enable_wrap({config}{mesh})"
-        if "\n" in code or len(code) > 100:
+        if "\n" in code or len(code) > 100 or any(lead or trail for lead, trail in conv.arg_comments):
             i1, i2 = "    ", "        "
+            conv.runtime = runtime
             lines = ["fsdp_bridge.enable_wrap(", f"{i1}fsdp_bridge.BridgeConfig.from_fsdp1("]
-            for item in items:
-                first, *more = item.split("\n")
-                lines.append(i2 + first)
-                lines.extend(i2 + line for line in (textwrap.dedent("\n".join(more)).split("\n") if more else []))
-                lines[-1] += ","
+            lines += _runtime_lines(conv, i2)
             lines.append(f"{i1}),")
             if conv.mesh is not None:
                 lines.append(f"{i1}mesh={_code(conv.mesh)},")
@@ -1554,12 +1550,18 @@ class _Scanner(cst.CSTVisitor):
     def _plan_runtime(self, call: cst.Call, static: _Conversion) -> list[tuple[str, str]] | None:
         """FSDP1's arguments by name for ``BridgeConfig.from_fsdp1``; None when they cannot be named."""
         out: list[tuple[str, str]] = []
+        static.arg_comments = []
+
+        def add(kw: str, code: str) -> None:  # an argument kept, with the comments written around it
+            out.append((kw, code))
+            static.arg_comments.append(_comments_around(call, i))
+
         for i, a in enumerate(call.args):
             if a.star == "*":
                 static.blockers.append(f"*{_code(a.value)}: positional arguments unpacked at run time")
                 return None
             if a.star == "**":
-                out.append(("**", _code(a.value)))
+                add("**", _code(a.value))
                 continue
             name = a.keyword.value if a.keyword else (_FSDP1_POSITIONAL[i] if i < len(_FSDP1_POSITIONAL) else None)
             if name is None:
@@ -1587,16 +1589,14 @@ class _Scanner(cst.CSTVisitor):
             elif name == "process_group":
                 # A variable: from_fsdp1 accepts None or the world group when the code runs and refuses any
                 # other group with the DeviceMesh fix, before any collective.
-                out.append((name, _code(a.value)))
+                add(name, _code(a.value))
             elif name in ("ignored_modules", "ignored_states") and not m.matches(a.value, m.Name("None")):
                 names = self._module_paths(a.value, static.module)
                 if names is not None:
-                    out.append(("ignored_modules", repr(names)))
+                    add("ignored_modules", repr(names))
                 elif static.module is not None:  # module objects known at run time: their paths, then
                     self.needs_imports.add(("fsdp_bridge", None))
-                    out.append(
-                        ("ignored_modules", f"fsdp_bridge.module_names({_code(static.module)}, {_code(a.value)})")
-                    )
+                    add("ignored_modules", f"fsdp_bridge.module_names({_code(static.module)}, {_code(a.value)})")
                 else:
                     static.blockers.append(
                         f"{name}={_code(a.value)}: name the modules for the bridge: "
@@ -1611,11 +1611,11 @@ class _Scanner(cst.CSTVisitor):
                         "backward_prefetch", "post" if member == "BACKWARD_POST" else "none"
                     )
                     self._record(a, "backward_prefetch", note, False)
-                    out.append((name, '"pre"'))
+                    add(name, '"pre"')
                 else:
-                    out.append((name, _code(a.value)))
+                    add(name, _code(a.value))
             else:
-                out.append((name, _code(a.value)))
+                add(name, _code(a.value))
         if static.module is None:
             return None
         return out
@@ -2617,18 +2617,52 @@ def _render_shard(conv: _Conversion) -> cst.BaseExpression:
     return cst.parse_expression("\n".join(lines))
 
 
+def _comments_around(call: cst.Call, i: int) -> tuple[list[str], str | None]:
+    """The comments on their own lines just before argument ``i`` of ``call``, and the one after it on
+    its line (a rewrite that renders the arguments again keeps them in place)."""
+
+    def own_lines(ws: object) -> list[str]:
+        lines = getattr(ws, "empty_lines", ())
+        return [line.comment.value for line in lines if line.comment is not None]
+
+    def first(ws: object) -> str | None:
+        line = getattr(ws, "first_line", None)
+        return line.comment.value if line is not None and line.comment is not None else None
+
+    lead: list[str] = []
+    if i == 0:
+        lead = own_lines(call.whitespace_before_args)
+    else:
+        prev = call.args[i - 1].comma
+        if isinstance(prev, cst.Comma):
+            lead = own_lines(prev.whitespace_after)
+    a = call.args[i]
+    trail = first(a.comma.whitespace_after) if isinstance(a.comma, cst.Comma) else None
+    return lead, trail
+
+
+def _runtime_lines(conv: _Conversion, indent: str) -> list[str]:
+    """``kw=<as written>,`` lines for ``BridgeConfig.from_fsdp1(...)``, with the comments written
+    around each argument; a value spanning lines keeps its shape, re-indented under its keyword."""
+    lines: list[str] = []
+    comments = conv.arg_comments if len(conv.arg_comments) == len(conv.runtime or []) else []
+    for k, (kw, code) in enumerate(conv.runtime or []):
+        lead, trail = comments[k] if comments else ([], None)
+        lines.extend(indent + c for c in lead)
+        first, *rest = (f"**{code}" if kw == "**" else f"{kw}={code}").split("\n")
+        rest = textwrap.dedent("\n".join(rest)).split("\n") if rest else []
+        lines.append(indent + first)
+        lines.extend(indent + line for line in rest)
+        lines[-1] += "," + (f"  {trail}" if trail else "")
+    return lines
+
+
 def _render_runtime(conv: _Conversion) -> cst.BaseExpression:
     """``fsdp_bridge.shard(module, fsdp_bridge.BridgeConfig.from_fsdp1(kw=<as written>, ...)[, mesh=])``."""
     assert conv.module is not None and conv.runtime is not None
     i1, i2 = "    ", "        "
-    args = [f"**{code}" if kw == "**" else f"{kw}={code}" for kw, code in conv.runtime]
     lines = ["fsdp_bridge.shard(", f"{i1}{_code(conv.module)},", f"{i1}fsdp_bridge.BridgeConfig.from_fsdp1("]
-    for arg in args:  # a value spanning lines keeps its shape, re-indented under its keyword
-        first, *rest = arg.split("\n")
-        rest = textwrap.dedent("\n".join(rest)).split("\n") if rest else []
-        lines.append(i2 + first)
-        lines.extend(i2 + line for line in rest)
-        lines[-1] += ","
+    lines += _runtime_lines(conv, i2)
     lines.append(f"{i1}),")
     if conv.mesh is not None:
         lines.append(f"{i1}mesh={_code(conv.mesh)},")
