@@ -1470,14 +1470,18 @@ class _Scanner(cst.CSTVisitor):
             "translated when the code runs (FSDP1's meaning, exactly)",
             True,
         )
+        self._kept_kwarg_findings(rest, runtime)
+        return True
+
+    def _kept_kwarg_findings(self, args: Sequence[cst.Arg], runtime: list[tuple[str, str]]) -> None:
+        """One report line per keyword argument kept for ``from_fsdp1`` (what its value becomes)."""
         prefetch = dict(runtime)
-        for a in rest:
+        for a in args:
             if a.keyword is None or a.keyword.value == "device_mesh":
                 continue
             if a.keyword.value == "backward_prefetch" and prefetch.get("backward_prefetch") == '"pre"':
                 continue  # reported with its TODO by _plan_runtime
-            self._runtime_kwarg_finding(a, rest)
-        return True
+            self._runtime_kwarg_finding(a, args)
 
     def _under_torch_enable_wrap(self) -> bool:
         """Inside ``with enable_wrap(...)`` of torch's that stays as it is (its wrap() must stay torch's)."""
@@ -1538,13 +1542,7 @@ class _Scanner(cst.CSTVisitor):
             "meaning, exactly); a later fsdp_bridge.shard of the whole model keeps those units",
             True,
         )
-        prefetch = dict(runtime)
-        for a in rest:
-            if a.keyword is None or a.keyword.value == "device_mesh":
-                continue
-            if a.keyword.value == "backward_prefetch" and prefetch.get("backward_prefetch") == '"pre"':
-                continue  # reported with its TODO by _plan_runtime
-            self._runtime_kwarg_finding(a, rest)
+        self._kept_kwarg_findings(rest, runtime)
         return True
 
     def _plan_runtime(self, call: cst.Call, static: _Conversion) -> list[tuple[str, str]] | None:
