@@ -57,8 +57,10 @@ class ManualWrap:
         to use in its place (FSDP2: ``module`` itself; FSDP1: its wrapper).
 
         A module this context (or another) sharded already is returned as it is, so FSDP1's
-        ``wrap(wrap(m))`` means ``wrap(m)``: the unit reshards after forward as FSDP1's inner
-        wrapper did.
+        ``wrap(wrap(m))`` means ``wrap(m)``; from then on the unit frees its gathered parameters after
+        forward even when it runs as a root, as FSDP1's inner wrapper did (FSDP2; on FSDP1 a unit
+        with no root over it stays a root, which keeps them for backward).  A unit wrapped once
+        reshards as FSDP1 decides it: after forward under a root, not as one.
 
         Raises:
             TypeError: ``module`` is not an ``nn.Module``.
@@ -69,7 +71,11 @@ class ManualWrap:
                 f"wrap_module takes an nn.Module (got {type(module).__name__}); pass the module to shard "
                 "(FSDP1 code that wraps an optional module: `wrap(m) if m is not None else None`)"
             )
-        if isinstance(getattr(module, "_fsdp_bridge", None), Bridge):
+        bridge = getattr(module, "_fsdp_bridge", None)
+        if isinstance(bridge, Bridge):
+            config = bridge.config
+            if config.strategy.reshards_after_forward and config.reshard_after_forward is None:
+                bridge.impl.reshard_as_inner_unit(module)
             return module
         sharded = _shard(module, self.config, self.mesh, as_unit=True)
         if self.mesh is None:

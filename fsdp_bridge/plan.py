@@ -93,20 +93,24 @@ class ShardPlan:
     """0-dim parameters (e.g. CLIP's ``logit_scale``): neither backend shards them, so they stay
     whole on every rank and their gradients are averaged by the bridge."""
     root_is_unit: bool = False
-    """The module sharded is a unit of a larger model (:func:`fsdp_bridge.wrap_module`, FSDP1's manual
-    ``wrap``): it reshards after forward as a unit does, not as a root."""
+    """The module sharded may be a unit of a larger model (:func:`fsdp_bridge.wrap_module`, FSDP1's
+    manual ``wrap``): whether it reshards after forward is decided when it runs, as FSDP1 decides it."""
     materialize: bool = True
     """Allocate a meta-device model on ``device`` after sharding.  False only for planning at a
     fake world size (:func:`fsdp_bridge.estimate.plan_at_scale`, FSDP2): the shards stay on meta."""
 
-    def reshard_after_forward(self, *, is_root: bool) -> bool | int:
+    def reshard_after_forward(self, *, is_root: bool) -> bool | int | None:
         """Per-unit reshard-after-forward, matching FSDP1: the root keeps its parameters
-        gathered for the backward that immediately follows, unless overridden."""
+        gathered for the backward that immediately follows, unless overridden.  ``None`` (a unit
+        sharded on its own, :attr:`root_is_unit`): decided when it first runs, True under a root and
+        False as one, as FSDP1 decides it (FSDP2's own ``None``)."""
         if self.strategy is ShardingStrategy.NO_SHARD:
             return False
         if self.reshard_override is not None:
             return self.reshard_override
-        return self.strategy.reshards_after_forward and not (is_root and not self.root_is_unit)
+        if is_root and self.root_is_unit:
+            return None if self.strategy.reshards_after_forward else False
+        return self.strategy.reshards_after_forward and not is_root
 
     @property
     def ignored_params(self) -> set[nn.Parameter]:

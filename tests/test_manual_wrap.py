@@ -118,18 +118,47 @@ def test_units_take_rank0_weights_and_a_root_keeps_them(run_on_ranks) -> None:
         assert results[0][backend]["norm"] == pytest.approx(results[1][backend]["norm"])  # one global norm
 
 
-def _mixed_backends() -> str:
+def _one_rank() -> dict[str, str]:
+    from torch.distributed.tensor import DTensor
+
+    def after_forward(module: nn.Module) -> str:  # sharded again after forward, or still gathered
+        return "resharded" if isinstance(next(module.parameters()), DTensor) else "gathered"
+
+    out: dict[str, str] = {}
+    config = BridgeConfig(wrap="none", device="cpu")
+    net = Net()
+    with fsdp_bridge.enable_wrap(config):
+        net.embed = fsdp_bridge.wrap_module(net.embed)
+        net.head = fsdp_bridge.wrap_module(fsdp_bridge.wrap_module(net.head))
+    loss = net(torch.randn(2, 8)).sum()
+    out["single"], out["double"] = after_forward(net.embed), after_forward(net.head)
+    loss.backward()
+    net = Net()
+    with fsdp_bridge.enable_wrap(config):
+        net.embed = fsdp_bridge.wrap_module(net.embed)
+    model = fsdp_bridge.shard(net, config)
+    model(torch.randn(2, 8)).sum().backward()
+    loss = model(torch.randn(2, 8)).sum()
+    out["under a root"], out["the root"] = after_forward(model.embed), after_forward(model.head)
+    loss.backward()
+
     net = Net()
     with fsdp_bridge.enable_wrap(BridgeConfig(backend="fsdp1", wrap="none", device="cpu")):
         net.head = fsdp_bridge.wrap_module(net.head)
     try:
         fsdp_bridge.shard(net, BridgeConfig(backend="fsdp2", wrap="none", device="cpu"))
+        out["mixed"] = "no error"
     except ConfigError as err:
-        return str(err)
-    return "no error"
+        out["mixed"] = str(err)
+    return out
 
 
-def test_a_root_on_another_backend_than_its_units_is_refused(run_on_ranks) -> None:
-    for message in run_on_ranks(_mixed_backends, 1):
-        assert "backend: got 'fsdp2'; allowed: fsdp1, the backend of the submodules sharded already (head)" in message
-        assert "shard the units and the model on one backend" in message
+def test_units_reshard_as_fsdp1_decides_and_one_backend_is_required(run_on_ranks) -> None:
+    (result,) = run_on_ranks(_one_rank, 1)
+    # FSDP1: a lone unit is a root and keeps its parameters for backward; wrap(wrap(m))'s inner unit and a
+    # unit under a root free them after forward
+    assert result["single"] == "gathered" and result["double"] == "resharded", result
+    assert result["under a root"] == "resharded" and result["the root"] == "gathered", result
+    message = result["mixed"]
+    assert "backend: got 'fsdp2'; allowed: fsdp1, the backend of the submodules sharded already (head)" in message
+    assert "shard the units and the model on one backend" in message
