@@ -14,7 +14,7 @@ import libcst as cst
 import pytest
 
 import fsdp_bridge
-from fsdp_bridge.migrate._code import TODO, migrate_source
+from fsdp_bridge.migrate._code import TODO, migrate_paths, migrate_source
 from fsdp_bridge.testing import run_distributed
 
 FIXTURES = Path(__file__).parent / "fixtures" / "migrate"
@@ -280,6 +280,47 @@ def test_manual_wrapping_becomes_the_bridge_context() -> None:
     assert migrate_source(result.fixed, "vlm.py").fixed == result.fixed
 
 
+def test_a_model_made_by_a_function_of_the_tree_is_migrated_where_it_is_used(tmp_path: Path) -> None:
+    (tmp_path / "builders.py").write_text(
+        textwrap.dedent(
+            """
+            from torch import nn
+            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+            def sharded(m: nn.Module):
+                wrapped = FSDP(m, use_orig_params=True)
+                return wrapped
+
+            def plain(m: nn.Module) -> nn.Module:
+                return m
+            """
+        )
+    )
+    (tmp_path / "loop.py").write_text(
+        textwrap.dedent(
+            """
+            import builders
+            from builders import plain
+
+            def step(net):
+                model = builders.sharded(net)
+                model.clip_grad_norm_(1.0)
+                with model.no_sync():
+                    pass
+            """
+        )
+    )
+    (tmp_path / "other.py").write_text(
+        "from builders import plain\n\ndef clip(net):\n    plain(net).clip_grad_norm_(1.0)\n"
+    )
+    report, results = migrate_paths([tmp_path])
+    fixed = {Path(r.path).name: r.fixed for r in results}
+    assert "fsdp_bridge.clip_grad_norm_(model, 1.0)" in fixed["loop.py"]
+    assert "with fsdp_bridge.no_sync(model):" in fixed["loop.py"]
+    assert not [f for f in report.findings if f.path.endswith("other.py")]  # plain() returns no FSDP1 model
+    assert fixed["other.py"] == (tmp_path / "other.py").read_text()
+
+
 def test_summon_full_params_called_through_an_instance_is_rewritten() -> None:
     # FSDP1's summon_full_params is static; trainers call it through the wrapped model as well
     code = textwrap.dedent(
@@ -490,7 +531,8 @@ def test_rewritten_scripts_match_fsdp1_losses(tmp_path: Path) -> None:
 
 PROJECT = FIXTURES / "project"
 LM_PROJECT = FIXTURES / "lm_project"  # config dataclass, policies package, train and checkpoint helpers
-PROJECT_MODULES = ("configs", "policies", "train", "lm_config", "lm_policies", "lm_utils", "main")
+FACTORY_PROJECT = FIXTURES / "factory_project"  # the script gets its FSDP1 model from a function of the tree
+PROJECT_MODULES = ("configs", "policies", "train", "lm_config", "lm_policies", "lm_utils", "main", "trainer", "fit")
 
 
 def _run_project(runs: list[tuple[str, str, dict[str, Any]]]) -> list[list[float]]:
@@ -534,6 +576,11 @@ def test_multi_file_project_is_migrated_whole_and_trains_like_fsdp1(tmp_path: Pa
     checkpointing = (lm_migrated / "lm_utils" / "checkpointing.py").read_text()
     assert "fsdp_bridge.load_sharded_optimizer_state_dict(" in checkpointing
     assert "len(model.blocks)" in (lm_migrated / "lm_utils" / "train_utils.py").read_text()
+    # The third project's script imports no FSDP name: its model comes from trainer.sharding (-> FSDP1).
+    fp_original, fp_migrated = _migrate_tree(FACTORY_PROJECT, tmp_path / "factory_project")
+    fit = (fp_migrated / "fit.py").read_text()
+    assert "fsdp_bridge.clip_grad_norm_(model, max_norm=0.5)" in fit
+    assert "with fsdp_bridge.summon_full_params(model):" in fit
     outs = [str(tmp_path / "out1"), str(tmp_path / "out2")]
     for out in outs:
         Path(out).mkdir()
@@ -544,9 +591,12 @@ def test_multi_file_project_is_migrated_whole_and_trains_like_fsdp1(tmp_path: Pa
         (str(lm_migrated), "main.py", {"ckpt_dir": str(tmp_path / "lm_ckpt2")}),
         # The migrated code resumes from the checkpoint the FSDP1 code wrote.
         (str(lm_migrated), "main.py", {"resume_from": str(tmp_path / "lm_ckpt1")}),
+        (str(fp_original), "fit.py", {}),
+        (str(fp_migrated), "fit.py", {}),
     ]
     losses = run_distributed(_run_project, 2, args=(runs,), env={"OMP_NUM_THREADS": "1"}, timeout_s=240)
-    for fsdp1, fsdp2, lm_fsdp1, lm_fsdp2, lm_resumed in losses:
+    for fsdp1, fsdp2, lm_fsdp1, lm_fsdp2, lm_resumed, fp_fsdp1, fp_fsdp2 in losses:
+        assert len(fp_fsdp1) == 4 and fp_fsdp2 == pytest.approx(fp_fsdp1, rel=1.3e-6, abs=1e-5), (fp_fsdp1, fp_fsdp2)
         assert len(fsdp1) == 4
         assert fsdp2 == pytest.approx(fsdp1, rel=1.3e-6, abs=1e-5), (fsdp1, fsdp2)
         assert len(lm_fsdp1) == 5  # 3 steps, save, fresh model and optimizer, load, 2 steps
@@ -780,8 +830,6 @@ def test_dual_backend_code_keeps_its_fsdp1_branches_and_fsdp2_modules_take_their
 
 
 def test_backend_helpers_are_read_from_the_other_files_of_the_tree(tmp_path: Path) -> None:
-    from fsdp_bridge.migrate._code import migrate_paths
-
     project = tmp_path / "dual_project"
     shutil.copytree(FIXTURES / "dual_project", project)
     report, _ = migrate_paths([project], fix=True)

@@ -35,7 +35,7 @@ import libcst as cst
 import libcst.matchers as m
 from libcst.codemod import CodemodContext
 from libcst.codemod.visitors import AddImportsVisitor, RemoveImportsVisitor
-from libcst.metadata import MetadataWrapper, PositionProvider, QualifiedNameProvider
+from libcst.metadata import MetadataWrapper, PositionProvider, QualifiedNameProvider, QualifiedNameSource
 
 from fsdp_bridge.mapping import TABLE
 from fsdp_bridge.migrate._report import CodeFinding, CodeReport
@@ -324,9 +324,14 @@ class _Dispatch:
     fsdp2_tests: set[str] = field(default_factory=set)
     own_methods: dict[str, str] = field(default_factory=dict)  # "clip_grad_norm_" -> the file defining the tree's own
     sets_state_dict_type: str | None = None  # a file of the tree that calls FSDP.set_state_dict_type
+    fsdp1_factories: set[str] = field(default_factory=set)
+    """Functions of the tree that return FSDP1's wrapper (``-> FullyShardedDataParallel``, ``return FSDP(...)``),
+    by every dotted suffix of their module path (``wrapped_model.load_model``, ``finetune.wrapped_model.load_model``):
+    a file that imports one is handed an FSDP1 model (in their own file the usual evidence applies)."""
 
     def merge(self, other: _Dispatch) -> None:
         self.versions.update(other.versions)
+        self.fsdp1_factories |= other.fsdp1_factories
         self.fsdp2_tests |= other.fsdp2_tests
         self.sets_state_dict_type = self.sets_state_dict_type or other.sets_state_dict_type
         for name, where in other.own_methods.items():
@@ -334,6 +339,38 @@ class _Dispatch:
 
 
 _OWN_METHOD_NAMES = ("clip_grad_norm_", "no_sync")
+
+
+def _find_fsdp1_factories(wrapper: MetadataWrapper, path: str) -> set[str]:
+    """Top-level functions of a file that return FSDP1's wrapper: annotated so, or returning ``FSDP(...)``
+    (directly or through a name assigned from it in the function); see ``_Dispatch.fsdp1_factories``."""
+    names: list[str] = []
+
+    class V(cst.CSTVisitor):
+        METADATA_DEPENDENCIES = (QualifiedNameProvider,)
+
+        def is_fsdp1(self, node: cst.CSTNode) -> bool:
+            return _resolve(self.get_metadata(QualifiedNameProvider, node, set())) == (FSDP, "")
+
+        def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
+            wrapped = {
+                _code(t.target)
+                for n in _walk(node.body)
+                if isinstance(n, cst.Assign) and isinstance(n.value, cst.Call) and self.is_fsdp1(n.value.func)
+                for t in n.targets
+            }
+            returns = [n.value for n in _walk(node.body) if isinstance(n, cst.Return) and n.value is not None]
+            if (node.returns is not None and self.is_fsdp1(node.returns.annotation)) or any(
+                (isinstance(v, cst.Call) and self.is_fsdp1(v.func)) or _code(v) in wrapped for v in returns
+            ):
+                names.append(node.name.value)
+            return False  # nested functions and methods are not reached by an import
+
+    wrapper.visit(V())
+    parts = [p for p in Path(path).with_suffix("").parts if p not in ("/", "")]
+    if parts and parts[-1] == "__init__":
+        parts = parts[:-1]
+    return {".".join([*parts[-k:], name]) for name in names for k in range(1, min(len(parts), 6) + 1)}
 
 
 def _find_own_methods(code: str, path: str) -> dict[str, str]:
@@ -541,6 +578,11 @@ class _Scanner(cst.CSTVisitor):
         self.uses_fsdp1 = False
 
     # -- helpers -------------------------------------------------------------------
+    def _fsdp1_factory(self, qnames: Iterable[Any]) -> bool:
+        """A function of the migrated tree that returns FSDP1's wrapper (``_Dispatch.fsdp1_factories``)."""
+        factories = self.dispatch.fsdp1_factories
+        return any(q.source is QualifiedNameSource.IMPORT and q.name.lstrip(".") in factories for q in qnames)
+
     def _qn(self, node: cst.CSTNode) -> tuple[str, str] | None:
         return _resolve(self.get_metadata(QualifiedNameProvider, node, set()))
 
@@ -720,6 +762,8 @@ class _Scanner(cst.CSTVisitor):
         func = node.func
         if self.planning:
             self.called.add(id(func))
+            if self._fsdp1_factory(self.get_metadata(QualifiedNameProvider, func, set())):
+                self.uses_fsdp1 = True  # the file is handed an FSDP1 model by another file of the tree
         if id(node) in self.kept_checks:
             if not self.planning:
                 self.uses_fsdp1 = True
@@ -1062,7 +1106,7 @@ class _Scanner(cst.CSTVisitor):
             found = set()
             for x in _walk(expr):
                 quals = self.get_metadata(QualifiedNameProvider, x, set())
-                if _resolve(quals) in ((FSDP, ""), ("wrap", "")):
+                if _resolve(quals) in ((FSDP, ""), ("wrap", "")) or self._fsdp1_factory(quals):
                     found.add("fsdp1")
                 if any(
                     q.name.startswith("torch.nn.parallel.") and q.name.endswith(".DistributedDataParallel")
@@ -2802,6 +2846,9 @@ def migrate_paths(paths: Sequence[str | Path], *, fix: bool = False) -> tuple[Co
             code = f.read_text(encoding="utf-8")
             if "FSDPModule" in code:
                 dispatch.merge(_find_dispatch(MetadataWrapper(cst.parse_module(code))))
+            if "FullyShardedDataParallel" in code:
+                factories = _find_fsdp1_factories(MetadataWrapper(cst.parse_module(code)), str(f))
+                dispatch.merge(_Dispatch(fsdp1_factories=factories))
             dispatch.merge(
                 _Dispatch(
                     own_methods=_find_own_methods(code, str(f)),
