@@ -199,9 +199,10 @@ def _presharded(model: nn.Module) -> list[nn.Module]:
 def _shard(
     model: nn.Module, config: BridgeConfig | None, mesh: DeviceMesh | None, *, as_unit: bool = False
 ) -> nn.Module:
-    """:func:`shard`; ``as_unit``: ``model`` is a unit of a larger model (manual wrapping), so it
-    reshards after forward as a unit does.  Submodules sharded already by manual wrapping stay as
-    they are (units of this one), as FSDP1 leaves nested wrappers when it wraps their parent."""
+    """:func:`shard`; ``as_unit``: ``model`` may be a unit of a larger model (manual wrapping), so
+    whether it reshards after forward is decided when it runs, as FSDP1 decides it.  Submodules
+    sharded already by manual wrapping stay as they are (units of this one), as FSDP1 leaves nested
+    wrappers when it wraps their parent."""
     config = config or BridgeConfig()
     if not isinstance(config, BridgeConfig):
         raise TypeError(
@@ -244,8 +245,12 @@ def _shard(
     if failure is not None:
         raise failure
     mesh_plan, ignored, wrap_plan, has_meta, report = validated
-    if config.sync_module_states and dist.get_world_size() > 1:
-        _take_rank0_dtypes(model, presharded)  # every rank agreed on the config: all of them call it
+    # every rank agreed on the config: all of them call it
+    if config.sync_module_states and dist.get_world_size() > 1 and _take_rank0_dtypes(model, presharded):
+        if get_backend(config.backend).one_dtype_per_unit:  # now with rank 0's dtypes: rank 0's units
+            extra, notes = one_dtype_per_unit(model, wrap_plan.modules, [*ignored, *presharded])
+            kept = [n for n in wrap_plan.notes if "(FSDP1 needs one dtype per unit)" not in n]
+            wrap_plan.dtype_units, wrap_plan.notes = extra, [*kept, *notes]
 
     units = wrap_plan.modules
     if config.activation_checkpointing:
@@ -328,8 +333,8 @@ def _fingerprint(
     return out
 
 
-def _take_rank0_dtypes(model: nn.Module, presharded: list[nn.Module]) -> None:
-    """Give this rank's parameters and buffers (outside ``presharded``) rank 0's dtypes.
+def _take_rank0_dtypes(model: nn.Module, presharded: list[nn.Module]) -> bool:
+    """Give this rank's parameters and buffers (outside ``presharded``) rank 0's dtypes; True if any changed.
 
     FSDP1 code builds the model on the meta device on the other ranks, often in another dtype, and
     its ``param_init_fn`` casts it (``m.to_empty(...); m.to(dtype)``); rank 0's values replace
@@ -343,7 +348,7 @@ def _take_rank0_dtypes(model: nn.Module, presharded: list[nn.Module]) -> None:
     dist.broadcast_object_list(shared, src=0)
     wanted = cast(list[torch.dtype], shared[0])
     if wanted == dtypes or len(wanted) != len(dtypes):  # other names or shapes: refused by agree() already
-        return
+        return False
     new: dict[int, torch.Tensor] = {}
     for t, target in zip(tensors, wanted, strict=True):
         if t.dtype != target:
@@ -356,6 +361,7 @@ def _take_rank0_dtypes(model: nn.Module, presharded: list[nn.Module]) -> None:
         for key, b in module._buffers.items():
             if b is not None and id(b) in new:
                 module._buffers[key] = new[id(b)]
+    return bool(new)
 
 
 def _broadcast_outside(model: nn.Module, presharded: list[nn.Module], device: torch.device) -> None:

@@ -263,6 +263,12 @@ def test_module_names_turns_fsdp1_module_objects_into_config_names() -> None:
 # -- param_init_fn + sync_module_states: meta-device ranks (2 gloo ranks) ----------------------------
 
 
+def _bf16_but_head(net: nn.Module) -> nn.Module:
+    net.to(torch.bfloat16)
+    net.head.float()
+    return net
+
+
 def _meta_ranks() -> dict[str, Any]:
     """FSDP1 fine-tuning code's shape: rank 0 loads bf16 weights, the others build fp32 on meta and
     rely on param_init_fn (to_empty + a cast) and sync_module_states."""
@@ -275,10 +281,10 @@ def _meta_ranks() -> dict[str, Any]:
 
     for backend in ("fsdp2", "fsdp1"):
         torch.manual_seed(0)
-        reference = {n: p.detach().to(torch.bfloat16) for n, p in Net().named_parameters()}
+        reference = {n: p.detach().clone() for n, p in _bf16_but_head(Net()).named_parameters()}
         if rank == 0:
             torch.manual_seed(0)
-            net = Net().to(torch.bfloat16)
+            net = _bf16_but_head(Net())  # FSDP1: the fp32 head becomes a unit of its own
         else:
             with torch.device("meta"):
                 net = Net()  # float32, as the model class builds it
@@ -288,7 +294,7 @@ def _meta_ranks() -> dict[str, Any]:
         with fsdp_bridge.summon_full_params(model):
             full = {n.replace("_fsdp_wrapped_module.", ""): p.detach().clone() for n, p in model.named_parameters()}
         out[backend] = sorted(full) == sorted(reference) and all(
-            full[n].dtype == torch.bfloat16 and torch.equal(full[n], reference[n]) for n in reference
+            full[n].dtype == reference[n].dtype and torch.equal(full[n], reference[n]) for n in reference
         )
     with torch.device("meta"):
         everywhere = Net()  # rank 0 too: its weights would be uninitialised memory
