@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from fsdp_bridge._version import __version__
 
 if TYPE_CHECKING:
+    from fsdp_bridge._manual_wrap import ManualWrap, enable_wrap, wrap_module
     from fsdp_bridge.api import Bridge, clip_grad_norm_, get_bridge, no_sync, shard, summon_full_params
     from fsdp_bridge.backends.fsdp1_objects import (
         load_sharded_optimizer_state_dict,
@@ -50,6 +51,7 @@ _EXPORTS: dict[str, str] = {
     "BridgeConfig": "fsdp_bridge.config",
     "CheckpointError": "fsdp_bridge.errors",
     "ConfigError": "fsdp_bridge.errors",
+    "ManualWrap": "fsdp_bridge._manual_wrap",
     "MixedPrecisionConfig": "fsdp_bridge.config",
     "Outcome": "fsdp_bridge.mapping",
     "Problem": "fsdp_bridge.errors",
@@ -57,6 +59,7 @@ _EXPORTS: dict[str, str] = {
     "TranslationReport": "fsdp_bridge.mapping",
     "WrapPolicy": "fsdp_bridge.config",
     "clip_grad_norm_": "fsdp_bridge.api",
+    "enable_wrap": "fsdp_bridge._manual_wrap",
     "get_bridge": "fsdp_bridge.api",
     "init_distributed": "fsdp_bridge.distributed",
     "latest_checkpoint": "fsdp_bridge.checkpoint",
@@ -74,6 +77,7 @@ _EXPORTS: dict[str, str] = {
     "state_dict_options": "fsdp_bridge.backends.fsdp1_objects",
     "summon_full_params": "fsdp_bridge.api",
     "translate": "fsdp_bridge.mapping",
+    "wrap_module": "fsdp_bridge._manual_wrap",
 }
 
 __all__ = [
@@ -83,6 +87,7 @@ __all__ = [
     "BridgeConfig",
     "CheckpointError",
     "ConfigError",
+    "ManualWrap",
     "MixedPrecisionConfig",
     "Outcome",
     "Problem",
@@ -91,6 +96,7 @@ __all__ = [
     "WrapPolicy",
     "__version__",
     "clip_grad_norm_",
+    "enable_wrap",
     "get_bridge",
     "init_distributed",
     "latest_checkpoint",
@@ -108,6 +114,7 @@ __all__ = [
     "state_dict_options",
     "summon_full_params",
     "translate",
+    "wrap_module",
 ]
 
 

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -31,7 +32,7 @@ from fsdp_bridge.distributed import (
 )
 from fsdp_bridge.errors import ConfigError, Problem
 from fsdp_bridge.mapping import TranslationReport, show_value, translate, unsupported_problems
-from fsdp_bridge.plan import ShardPlan, resolve_plan
+from fsdp_bridge.plan import ShardPlan, SyncMethod, resolve_plan
 from fsdp_bridge.wrap import WrapPlan, in_post_order, one_dtype_per_unit, resolve_ignored, resolve_wrap
 
 __all__ = ["Bridge", "clip_grad_norm_", "get_bridge", "no_sync", "shard", "summon_full_params"]
@@ -219,6 +220,31 @@ def shard(model: nn.Module, config: BridgeConfig | None = None, *, mesh: DeviceM
             with this config, model or mesh, or when the ranks asked for different things.
         TypeError: ``config`` is not a :class:`BridgeConfig`.
     """
+    return _shard(model, config, mesh)
+
+
+def _presharded(model: nn.Module) -> list[nn.Module]:
+    """The outermost submodules of ``model`` that :func:`fsdp_bridge.wrap_module` sharded already."""
+    out: list[nn.Module] = []
+
+    def visit(module: nn.Module) -> None:
+        for child in module.children():
+            if isinstance(getattr(child, _ATTR, None), Bridge):
+                out.append(child)
+            else:
+                visit(child)
+
+    visit(model)
+    return out
+
+
+def _shard(
+    model: nn.Module, config: BridgeConfig | None, mesh: DeviceMesh | None, *, as_unit: bool = False
+) -> nn.Module:
+    """:func:`shard`; ``as_unit``: ``model`` may be a unit of a larger model (manual wrapping), so
+    whether it reshards after forward is decided when it runs, as FSDP1 decides it.  Submodules
+    sharded already by manual wrapping stay as they are (units of this one), as FSDP1 leaves nested
+    wrappers when it wraps their parent."""
     config = config or BridgeConfig()
     if not isinstance(config, BridgeConfig):
         raise TypeError(
@@ -229,7 +255,8 @@ def shard(model: nn.Module, config: BridgeConfig | None = None, *, mesh: DeviceM
         raise ConfigError(
             [Problem("model", type(model).__name__, "a model that is not sharded yet", "call shard() once per model")]
         )
-    wrapped_by = sharded_by(model)
+    presharded = _presharded(model)
+    wrapped_by = sharded_by(model, skip=presharded)
     if wrapped_by is not None:
         raise ConfigError(
             [
@@ -250,16 +277,22 @@ def shard(model: nn.Module, config: BridgeConfig | None = None, *, mesh: DeviceM
     problems: list[Problem] = []
     failure: BaseException | None = None
     try:
-        validated = _validate(model, config, mesh, device)
+        validated = _validate(model, config, mesh, device, presharded)
     except ConfigError as err:
         problems.extend(err.problems)
     except Exception as err:  # unexpected: re-raised on this rank after the others are told
         failure = err
         problems.append(Problem("shard", type(err).__name__, "no error", str(err)))
-    agree(problems, raise_here=failure is None, fingerprint=_fingerprint(model, config, mesh))
+    agree(problems, raise_here=failure is None, fingerprint=_fingerprint(model, config, mesh, presharded))
     if failure is not None:
         raise failure
     mesh_plan, ignored, wrap_plan, has_meta, report = validated
+    # every rank agreed on the config: all of them call it
+    if config.sync_module_states and dist.get_world_size() > 1 and _take_rank0_dtypes(model, presharded):
+        if get_backend(config.backend).one_dtype_per_unit:  # now with rank 0's dtypes: rank 0's units
+            extra, notes = one_dtype_per_unit(model, wrap_plan.modules, [*ignored, *presharded])
+            kept = [n for n in wrap_plan.notes if "(FSDP1 needs one dtype per unit)" not in n]
+            wrap_plan.dtype_units, wrap_plan.notes = extra, [*kept, *notes]
 
     units = wrap_plan.modules
     if config.activation_checkpointing:
@@ -275,7 +308,7 @@ def shard(model: nn.Module, config: BridgeConfig | None = None, *, mesh: DeviceM
         )
 
     mesh = mesh or build_mesh(mesh_plan, device.type)  # first collective
-    ignored_ids = {id(p) for m in ignored for p in m.parameters()}
+    ignored_ids = {id(p) for m in [*ignored, *presharded] for p in m.parameters()}
     scalars = [p for p in model.parameters() if p.dim() == 0 and id(p) not in ignored_ids]
     plan = resolve_plan(
         config,
@@ -289,6 +322,20 @@ def shard(model: nn.Module, config: BridgeConfig | None = None, *, mesh: DeviceM
         materialize=not _PLAN_ON_META.get(),
         shard_size=mesh_plan.shard,
     )
+    plan.root_is_unit = as_unit
+    if plan.sync is SyncMethod.BROADCAST and (presharded or (as_unit and not plan.has_meta)):
+        # Before sharding, whole tensors: rank 0's state dict would gather units sharded already on rank 0
+        # alone (they took rank 0's weights when they were sharded), and loading a state dict into an FSDP1
+        # unit initialises it as a root, which a later root wrapper over it refuses.
+        _broadcast_outside(model, presharded, device)
+        plan.sync = SyncMethod.NONE
+    if presharded:
+        paths = {id(m): n for n, m in model.named_modules()}
+        wrap_plan.notes.append(
+            f"{len(presharded)} units sharded already by fsdp_bridge.wrap_module kept as they are: "
+            + ", ".join(paths.get(id(u), "?") for u in presharded[:4])
+            + (", ..." if len(presharded) > 4 else "")
+        )
     if scalars:
         names = [n for n, p in model.named_parameters() if any(p is q for q in scalars)]
         wrap_plan.notes.append(
@@ -307,24 +354,84 @@ def shard(model: nn.Module, config: BridgeConfig | None = None, *, mesh: DeviceM
     return sharded
 
 
-def _fingerprint(model: nn.Module, config: BridgeConfig, mesh: DeviceMesh | None) -> dict[str, str]:
+def _fingerprint(
+    model: nn.Module, config: BridgeConfig, mesh: DeviceMesh | None, presharded: list[nn.Module]
+) -> dict[str, str]:
     """What this rank asked shard() for: every rank must ask for the same (checked in agree())."""
     out = {f"config.{name}": show_value(getattr(config, name)) for name in BridgeConfig.field_names()}
-    params = [(n, tuple(p.shape), str(p.dtype)) for n, p in model.named_parameters()]
+    # Parameters of units sharded already have this rank's shapes (FSDP1's flat views): left out.
+    inside = {id(p) for unit in presharded for p in unit.parameters()}
+    # With sync_module_states every rank takes rank 0's tensors, dtypes included (FSDP1's param_init_fn
+    # gave meta-device ranks rank 0's dtypes): dtypes are not compared then.
+    dtype = (lambda p: "rank 0's") if config.sync_module_states else (lambda p: str(p.dtype))
+    params = [(n, tuple(p.shape), dtype(p)) for n, p in model.named_parameters() if id(p) not in inside]
     out["model"] = (
         f"{type(model).__name__}, {len(params)} parameters, "
         f"{sum(math.prod(shape) for _, shape, _ in params):,} elements"
     )
     out["model.parameters"] = hashlib.sha256(repr(params).encode()).hexdigest()[:16]
     out["mesh"] = "built by fsdp_bridge" if mesh is None else f"{tuple(mesh.shape)} {mesh.mesh_dim_names}"
+    if presharded:
+        out["units sharded already"] = str(len(presharded))
     return out
 
 
+def _take_rank0_dtypes(model: nn.Module, presharded: list[nn.Module]) -> bool:
+    """Give this rank's parameters and buffers (outside ``presharded``) rank 0's dtypes; True if any changed.
+
+    FSDP1 code builds the model on the meta device on the other ranks, often in another dtype, and
+    its ``param_init_fn`` casts it (``m.to_empty(...); m.to(dtype)``); rank 0's values replace
+    theirs anyway.  Tied parameters stay tied.
+    """
+    inside = {id(t) for unit in presharded for t in (*unit.parameters(), *unit.buffers())}
+    tensors = [t for t in (*model.parameters(), *model.buffers()) if id(t) not in inside]
+    tensors = list({id(t): t for t in tensors}.values())
+    dtypes = [t.dtype for t in tensors]
+    shared: list[object] = [dtypes]
+    dist.broadcast_object_list(shared, src=0)
+    wanted = cast(list[torch.dtype], shared[0])
+    if wanted == dtypes or len(wanted) != len(dtypes):  # other names or shapes: refused by agree() already
+        return False
+    new: dict[int, torch.Tensor] = {}
+    for t, target in zip(tensors, wanted, strict=True):
+        if t.dtype != target:
+            moved = t.detach().to(target)
+            new[id(t)] = nn.Parameter(moved, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else moved
+    for module in model.modules():
+        for key, p in module._parameters.items():
+            if p is not None and id(p) in new:
+                module._parameters[key] = cast(nn.Parameter, new[id(p)])
+        for key, b in module._buffers.items():
+            if b is not None and id(b) in new:
+                module._buffers[key] = new[id(b)]
+    return bool(new)
+
+
+def _broadcast_outside(model: nn.Module, presharded: list[nn.Module], device: torch.device) -> None:
+    """Rank 0's values of every parameter and buffer of ``model`` outside ``presharded``."""
+    inside = {id(t) for unit in presharded for t in (*unit.parameters(), *unit.buffers())}
+    with torch.no_grad():
+        for t in (*model.parameters(), *model.buffers()):
+            if id(t) in inside:
+                continue
+            if t.device == device:
+                dist.broadcast(t.data, src=0)
+            else:  # e.g. still on CPU before FSDP1 moves it to the GPU: broadcast a copy, then write it back
+                tmp = t.data.to(device)
+                dist.broadcast(tmp, src=0)
+                t.data.copy_(tmp)
+
+
 def _validate(
-    model: nn.Module, config: BridgeConfig, mesh: DeviceMesh | None, device: torch.device
+    model: nn.Module,
+    config: BridgeConfig,
+    mesh: DeviceMesh | None,
+    device: torch.device,
+    presharded: list[nn.Module],
 ) -> tuple[MeshPlan, list[nn.Module], WrapPlan, bool, TranslationReport]:
     """Every check that needs no communication; raises ConfigError listing all problems."""
     problems = unsupported_problems(config, config.backend, device_type=device.type)
+    problems += _presharded_problems(model, config, presharded)
     problems += quantization_problems(model, device.type)  # QLoRA bases: only where bitsandbytes runs 4-bit
     mesh_plan = None
     try:
@@ -384,11 +491,43 @@ def _validate(
     try:
         wrap_plan = resolve_wrap(model, config.wrap, ignored=ignored)
         if get_backend(config.backend).one_dtype_per_unit:
-            extra, notes = one_dtype_per_unit(model, wrap_plan.modules, ignored)
+            extra, notes = one_dtype_per_unit(model, wrap_plan.modules, [*ignored, *presharded])
             wrap_plan.dtype_units, wrap_plan.notes = extra, [*wrap_plan.notes, *notes]
     except ConfigError as err:
         problems.extend(err.problems)
     has_meta = _has_meta(model)
+    if (
+        has_meta
+        and config.sync_module_states
+        and dist.get_rank() == 0
+        and not _WEIGHTS_LOADED_AFTER.get()
+        and (meta := [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta])
+    ):
+        problems.append(
+            Problem(
+                "sync_module_states",
+                f"rank 0 holds meta-device tensors ({', '.join(meta[:3])}{', ...' if len(meta) > 3 else ''})",
+                "real weights on rank 0: every rank takes rank 0's",
+                "build or load the weights on rank 0 before shard(); FSDP1 code whose param_init_fn "
+                "initialised them on every rank: run it on rank 0's modules first (for m in model.modules(): "
+                "param_init_fn(m)), or build rank 0's model on a real device; or load a checkpoint after "
+                "shard() (fsdp_bridge.load_checkpoint)",
+            )
+        )
+    if has_meta and presharded:
+        inside = {id(t) for unit in presharded for t in (*unit.parameters(), *unit.buffers())}
+        outside_meta = any(t.is_meta for t in (*model.parameters(), *model.buffers()) if id(t) not in inside)
+        if outside_meta:
+            problems.append(
+                Problem(
+                    "model",
+                    f"{type(model).__name__} with tensors on the meta device outside its units sharded already",
+                    "real tensors outside the modules passed to fsdp_bridge.wrap_module",
+                    "build the rest of the model on a real device, or wrap the meta-device modules "
+                    "with fsdp_bridge.wrap_module as well",
+                )
+            )
+        has_meta = False  # the units were materialised when they were sharded
     if has_meta and not config.sync_module_states and not _WEIGHTS_LOADED_AFTER.get():
         problems.append(
             Problem(
@@ -410,6 +549,36 @@ def _validate(
     if problems or mesh_plan is None or wrap_plan is None:
         raise ConfigError(problems)
     return mesh_plan, ignored, wrap_plan, has_meta, translate(config, device_type=device.type)
+
+
+def _presharded_problems(model: nn.Module, config: BridgeConfig, presharded: list[nn.Module]) -> list[Problem]:
+    """A model holding units sharded already by manual wrapping: what FSDP1 would refuse too."""
+    if not presharded:
+        return []
+    names = {id(m): n for n, m in model.named_modules()}
+    where = ", ".join(names.get(id(u), "?") for u in presharded[:3]) + (", ..." if len(presharded) > 3 else "")
+    problems = []
+    if config.wrap.mode != "none":
+        problems.append(
+            Problem(
+                "wrap",
+                show_value(config.wrap),
+                "'none' when submodules are sharded already (by fsdp_bridge.wrap_module: " + where + ")",
+                "drop the wrap policy (auto_wrap_policy) from this call: FSDP1 refuses auto-wrapping a model "
+                "whose submodules are wrapped already; or pass every unit to fsdp_bridge.wrap_module",
+            )
+        )
+    backends = sorted({get_bridge(u).config.backend.value for u in presharded} - {config.backend.value})
+    if backends:
+        problems.append(
+            Problem(
+                "backend",
+                config.backend.value,
+                f"{', '.join(backends)}, the backend of the submodules sharded already ({where})",
+                "shard the units and the model on one backend (the same BridgeConfig.backend)",
+            )
+        )
+    return problems
 
 
 def checkpoint_units(model: nn.Module, units: list[nn.Module]) -> list[nn.Module]:

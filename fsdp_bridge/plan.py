@@ -117,12 +117,26 @@ class ShardPlan:
     scalar_params: list[nn.Parameter] = field(default_factory=list)
     """0-dim parameters (e.g. CLIP's ``logit_scale``): neither backend shards them, so they stay
     whole on every rank and their gradients are averaged by the bridge."""
+    root_is_unit: bool = False
+    """The module sharded may be a unit of a larger model (:func:`fsdp_bridge.wrap_module`, FSDP1's
+    manual ``wrap``): whether it reshards after forward is decided when it runs, as FSDP1 decides it."""
     materialize: bool = True
     """Allocate a meta-device model on ``device`` after sharding.  False only for planning at a
     fake world size (:func:`fsdp_bridge.estimate.plan_at_scale`, FSDP2): the shards stay on meta."""
 
-    def reshard_after_forward(self, *, is_root: bool) -> bool | int:
-        """Per-unit reshard-after-forward (:func:`reshard_after_forward`)."""
+    def reshard_after_forward(self, *, is_root: bool) -> bool | int | None:
+        """Per-unit reshard-after-forward (:func:`reshard_after_forward`).  ``None`` (a unit sharded
+        on its own, :attr:`root_is_unit`, of a strategy that reshards, over a shard group of 2+
+        ranks, nothing asked): decided when it first runs, True under a root and False as one, as
+        FSDP1 decides it (FSDP2's own ``None``)."""
+        if (
+            is_root
+            and self.root_is_unit
+            and self.strategy is not ShardingStrategy.NO_SHARD
+            and self.reshard_override is None
+            and self.shard_size != 1
+        ):
+            return None if self.strategy.reshards_after_forward else False
         return reshard_after_forward(self.strategy, self.reshard_override, is_root=is_root, shard_size=self.shard_size)
 
     @property

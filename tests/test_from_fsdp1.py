@@ -258,3 +258,57 @@ def test_module_names_turns_fsdp1_module_objects_into_config_names() -> None:
     assert fsdp_bridge.module_names(net, None) == []
     with pytest.raises(ConfigError, match=r"ignored_modules: got 'Linear'.*a submodule of the model being sharded"):
         fsdp_bridge.module_names(net, [nn.Linear(2, 2)])
+
+
+# -- param_init_fn + sync_module_states: meta-device ranks (2 gloo ranks) ----------------------------
+
+
+def _bf16_but_head(net: nn.Module) -> nn.Module:
+    net.to(torch.bfloat16)
+    net.head.float()
+    return net
+
+
+def _meta_ranks() -> dict[str, Any]:
+    """FSDP1 fine-tuning code's shape: rank 0 loads bf16 weights, the others build fp32 on meta and
+    rely on param_init_fn (to_empty + a cast) and sync_module_states."""
+    rank = dist.get_rank()
+    out: dict[str, Any] = {}
+
+    def param_init_fn(module: nn.Module) -> None:
+        module.to_empty(device="cpu", recurse=False)
+        module.to(torch.bfloat16)
+
+    for backend in ("fsdp2", "fsdp1"):
+        torch.manual_seed(0)
+        reference = {n: p.detach().clone() for n, p in _bf16_but_head(Net()).named_parameters()}
+        if rank == 0:
+            torch.manual_seed(0)
+            net = _bf16_but_head(Net())  # FSDP1: the fp32 head becomes a unit of its own
+        else:
+            with torch.device("meta"):
+                net = Net()  # float32, as the model class builds it
+        kwargs = dict(sync_module_states=True, device_id=torch.device("cpu"), use_orig_params=True)
+        config = BridgeConfig.from_fsdp1(backend=backend, param_init_fn=param_init_fn if rank else None, **kwargs)
+        model = fsdp_bridge.shard(net, config)
+        with fsdp_bridge.summon_full_params(model):
+            full = {n.replace("_fsdp_wrapped_module.", ""): p.detach().clone() for n, p in model.named_parameters()}
+        out[backend] = sorted(full) == sorted(reference) and all(
+            full[n].dtype == reference[n].dtype and torch.equal(full[n], reference[n]) for n in reference
+        )
+    with torch.device("meta"):
+        everywhere = Net()  # rank 0 too: its weights would be uninitialised memory
+    try:
+        fsdp_bridge.shard(everywhere, BridgeConfig.from_fsdp1(**kwargs))
+        out["rank 0 on meta"] = "no error"
+    except ConfigError as err:
+        out["rank 0 on meta"] = str(err)
+    return out
+
+
+def test_meta_device_ranks_take_rank0_weights_and_dtypes(run_on_ranks) -> None:
+    for result in run_on_ranks(_meta_ranks, 2):
+        assert result["fsdp2"] and result["fsdp1"], result
+        message = result["rank 0 on meta"]
+        assert "sync_module_states: got 'rank 0 holds meta-device tensors (embed.weight, embed.bias, " in message
+        assert "run it on rank 0's modules first" in message

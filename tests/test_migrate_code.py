@@ -14,7 +14,7 @@ import libcst as cst
 import pytest
 
 import fsdp_bridge
-from fsdp_bridge.migrate._code import TODO, migrate_source
+from fsdp_bridge.migrate._code import TODO, migrate_paths, migrate_source
 from fsdp_bridge.testing import run_distributed
 
 FIXTURES = Path(__file__).parent / "fixtures" / "migrate"
@@ -28,6 +28,7 @@ RUNNABLE = [
     "kwargs_builder.py",
     "checkpoint_manager.py",
     "wrapper_factory.py",
+    "manual_wrap.py",
 ]
 ALL = sorted(p.name for p in FIXTURES.glob("*.py"))
 HAS_CHECKPOINT_API = hasattr(fsdp_bridge, "save_checkpoint") and hasattr(fsdp_bridge, "load_checkpoint")
@@ -168,6 +169,15 @@ EXPECTED: dict[str, set[tuple[int, str]]] = {
         (89, "model.state_dict()"),
         (90, "model.load_state_dict(...)"),
     },
+    "manual_wrap.py": {
+        (89, "enable_wrap(...)"),
+        *((line, "wrap(...)") for line in (90, 90, 91, 93, 95, 96, 97)),
+        (110, "CPUOffload"),
+        (112, "ShardingStrategy.FULL_SHARD"),
+        (119, "FSDP(...)"),
+        (134, "model.clip_grad_norm_(...)"),
+        (136, "model.resampler.clip_grad_norm_(...)"),
+    },
     "todo_constructs.py": {
         (24, "ShardedGradScaler(...)"),
         (26, "FSDP(...)"),
@@ -225,6 +235,149 @@ def test_rewrites_runnable_fixtures_completely() -> None:
         assert TODO not in fixed, name
         assert "import fsdp_bridge" in fixed
         assert "fsdp_bridge.shard(" in fixed or "fsdp_bridge.shard," in fixed  # called, or the wrapper's function
+
+
+def test_manual_wrapping_becomes_the_bridge_context() -> None:
+    fixed = migrate_source(_source("manual_wrap.py"), "manual_wrap.py").fixed
+    assert "with fsdp_bridge.enable_wrap(fsdp_bridge.BridgeConfig.from_fsdp1(**wrapper_kwargs)):" in fixed
+    assert "self.resampler = fsdp_bridge.wrap_module(fsdp_bridge.wrap_module(self.resampler))" in fixed
+    assert "nn.ModuleList(fsdp_bridge.wrap_module(fsdp_bridge.wrap_module(layer)) for layer in self.decoder)" in fixed
+    assert "fsdp_bridge.wrap_module(fsdp_bridge.wrap_module(layer)) if layer is not None else None" in fixed
+    assert "import enable_wrap" not in fixed and " wrap(" not in fixed
+    assert 'wrap="none"' in fixed  # the root over the units: FSDP1 without a policy wraps only the root
+
+    code = textwrap.dedent(
+        """
+        import functools
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
+        from torch.distributed.fsdp.wrap import enable_wrap, wrap
+
+        def build(model, mesh, mp):
+            with enable_wrap(wrapper_cls=FSDP, device_mesh=mesh, mixed_precision=mp, use_orig_params=True):
+                model.vision = wrap(model.vision)
+                model.text = wrap(model.text, sharding_strategy=ShardingStrategy.NO_SHARD)
+            with enable_wrap(wrapper_cls=functools.partial(FSDP, use_orig_params=True)):
+                model.head = wrap(model.head)
+            return model
+        """
+    )
+    result = migrate_source(code, "vlm.py")
+    assert (
+        "with fsdp_bridge.enable_wrap(\n"
+        "        fsdp_bridge.BridgeConfig.from_fsdp1(\n"
+        "            mixed_precision=mp,\n"
+        "            use_orig_params=True,\n"
+        "        ),\n"
+        "        mesh=mesh,\n"
+        "    ):\n"
+        "        model.vision = fsdp_bridge.wrap_module(model.vision)\n"
+    ) in result.fixed, result.fixed
+    todos = {(f.line, f.construct): f.replacement for f in result.findings if not f.fixable}
+    assert sorted(todos) == [(9, "wrap(...)"), (10, "enable_wrap(...)"), (11, "wrap(...)")], todos
+    assert "wrap(module, **overrides) changes enable_wrap's arguments for one module" in todos[(9, "wrap(...)")]
+    # a wrap under torch's enable_wrap, which stays, stays torch's (wrap_module there raises ConfigError)
+    assert "model.head = wrap(model.head)" in result.fixed and "import enable_wrap, wrap" in result.fixed
+    assert migrate_source(result.fixed, "vlm.py").fixed == result.fixed
+
+
+def test_a_model_made_by_a_function_of_the_tree_is_migrated_where_it_is_used(tmp_path: Path) -> None:
+    (tmp_path / "builders.py").write_text(
+        textwrap.dedent(
+            """
+            from torch import nn
+            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+            def sharded(m: nn.Module):
+                wrapped = FSDP(m, use_orig_params=True)
+                return wrapped
+
+            def plain(m: nn.Module) -> nn.Module:
+                return m
+            """
+        )
+    )
+    (tmp_path / "loop.py").write_text(
+        textwrap.dedent(
+            """
+            import builders
+            from builders import plain
+
+            def step(net):
+                model = builders.sharded(net)
+                model.clip_grad_norm_(1.0)
+                with model.no_sync():
+                    pass
+            """
+        )
+    )
+    (tmp_path / "other.py").write_text(
+        "from builders import plain\n\ndef clip(net):\n    plain(net).clip_grad_norm_(1.0)\n"
+    )
+    report, results = migrate_paths([tmp_path])
+    fixed = {Path(r.path).name: r.fixed for r in results}
+    assert "fsdp_bridge.clip_grad_norm_(model, 1.0)" in fixed["loop.py"]
+    assert "with fsdp_bridge.no_sync(model):" in fixed["loop.py"]
+    assert not [f for f in report.findings if f.path.endswith("other.py")]  # plain() returns no FSDP1 model
+    assert fixed["other.py"] == (tmp_path / "other.py").read_text()
+
+
+def test_summon_full_params_called_through_an_instance_is_rewritten() -> None:
+    # FSDP1's summon_full_params is static; trainers call it through the wrapped model as well
+    code = textwrap.dedent(
+        """
+        from torch.distributed.fsdp.fully_sharded_data_parallel import FullyShardedDataParallel
+
+        class Exporter:
+            def __init__(self, model: FullyShardedDataParallel) -> None:
+                self.model = model
+
+            def weights(self, offload: bool):
+                assert isinstance(self.model, FullyShardedDataParallel)
+                with self.model.summon_full_params(self.model, writeback=False, offload_to_cpu=offload):
+                    return {k: v.clone() for k, v in self.model.named_parameters()}
+
+            def top_only(self):
+                with self.model.summon_full_params(self.model, recurse=False):
+                    return self.model.head.weight.sum()
+        """
+    )
+    result = migrate_source(code, "exporter.py")
+    assert "with fsdp_bridge.summon_full_params(self.model, writeback=False, offload_to_cpu=offload):" in result.fixed
+    by_line = {f.line: f for f in result.findings if f.construct == "self.model.summon_full_params(...)"}
+    assert by_line[10].fixable and not by_line[14].fixable, result.findings
+    assert "recurse=False, or other arguments, have no FSDP2 form" in by_line[14].replacement
+    assert migrate_source(result.fixed, "exporter.py").fixed == result.fixed
+
+
+def test_comments_between_the_arguments_of_a_rewritten_call_are_kept() -> None:
+    code = textwrap.dedent(
+        """
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        def build(model, strategy, mesh):
+            return FSDP(
+                model,
+                # how the shards are laid out
+                sharding_strategy=strategy,  # from the run config
+                use_orig_params=True,
+                # the recipe this follows: https://example.org/recipe
+                sync_module_states=True,
+                device_mesh=mesh,
+            )
+        """
+    )
+    fixed = migrate_source(code, "c.py").fixed
+    assert (
+        "        fsdp_bridge.BridgeConfig.from_fsdp1(\n"
+        "            # how the shards are laid out\n"
+        "            sharding_strategy=strategy,  # from the run config\n"
+        "            use_orig_params=True,\n"
+        "            # the recipe this follows: https://example.org/recipe\n"
+        "            sync_module_states=True,\n"
+        "        ),\n"
+        "        mesh=mesh,\n"
+    ) in fixed, fixed
+    assert migrate_source(fixed, "c.py").fixed == fixed
 
 
 def test_todo_comments_are_precise() -> None:
@@ -342,9 +495,16 @@ def test_rewritten_scripts_match_fsdp1_losses(tmp_path: Path) -> None:
     ):
         original, fixed = _prepare(tmp_path, name)
         pairs.append((original, fixed, extra.get(name, {})))
+    # enable_wrap + wrap (double wraps, ModuleLists rebuilt from comprehensions), with and without a root FSDP
+    manual = _prepare(tmp_path, "manual_wrap.py")
+    pairs += [(*manual, {}), (*manual, {"root": True})]
     results = run_distributed(_run_pairs, world_size=2, args=(pairs,), env=env, timeout_s=300)
     for rank_results in results:
-        (mp1, mp2), (sd1, sd2), (ga1, ga2), (dc1, dc2), (kw1, kw2), (cm1, cm2), (wf1, wf2) = rank_results
+        (mp1, mp2), (sd1, sd2), (ga1, ga2), (dc1, dc2), (kw1, kw2), (cm1, cm2), (wf1, wf2) = rank_results[:7]
+        units_only, with_root = rank_results[7:]
+        assert units_only[1] == pytest.approx(units_only[0], rel=1.3e-6, abs=1e-5), units_only
+        assert with_root[1] == pytest.approx(with_root[0], rel=1.3e-6, abs=1e-5), with_root
+        assert len(units_only[0]) == len(with_root[0]) == 4 and units_only[0] != with_root[0]
         # functools.partial(FSDP, ...) wrapper, model.no_sync taken as a bound method, re-exported scaler class
         assert wf2 == pytest.approx(wf1, rel=1.3e-6, abs=1e-5), (wf1, wf2)
         assert len(wf1) == 6
@@ -371,7 +531,8 @@ def test_rewritten_scripts_match_fsdp1_losses(tmp_path: Path) -> None:
 
 PROJECT = FIXTURES / "project"
 LM_PROJECT = FIXTURES / "lm_project"  # config dataclass, policies package, train and checkpoint helpers
-PROJECT_MODULES = ("configs", "policies", "train", "lm_config", "lm_policies", "lm_utils", "main")
+FACTORY_PROJECT = FIXTURES / "factory_project"  # the script gets its FSDP1 model from a function of the tree
+PROJECT_MODULES = ("configs", "policies", "train", "lm_config", "lm_policies", "lm_utils", "main", "trainer", "fit")
 
 
 def _run_project(runs: list[tuple[str, str, dict[str, Any]]]) -> list[list[float]]:
@@ -415,6 +576,11 @@ def test_multi_file_project_is_migrated_whole_and_trains_like_fsdp1(tmp_path: Pa
     checkpointing = (lm_migrated / "lm_utils" / "checkpointing.py").read_text()
     assert "fsdp_bridge.load_sharded_optimizer_state_dict(" in checkpointing
     assert "len(model.blocks)" in (lm_migrated / "lm_utils" / "train_utils.py").read_text()
+    # The third project's script imports no FSDP name: its model comes from trainer.sharding (-> FSDP1).
+    fp_original, fp_migrated = _migrate_tree(FACTORY_PROJECT, tmp_path / "factory_project")
+    fit = (fp_migrated / "fit.py").read_text()
+    assert "fsdp_bridge.clip_grad_norm_(model, max_norm=0.5)" in fit
+    assert "with fsdp_bridge.summon_full_params(model):" in fit
     outs = [str(tmp_path / "out1"), str(tmp_path / "out2")]
     for out in outs:
         Path(out).mkdir()
@@ -425,9 +591,12 @@ def test_multi_file_project_is_migrated_whole_and_trains_like_fsdp1(tmp_path: Pa
         (str(lm_migrated), "main.py", {"ckpt_dir": str(tmp_path / "lm_ckpt2")}),
         # The migrated code resumes from the checkpoint the FSDP1 code wrote.
         (str(lm_migrated), "main.py", {"resume_from": str(tmp_path / "lm_ckpt1")}),
+        (str(fp_original), "fit.py", {}),
+        (str(fp_migrated), "fit.py", {}),
     ]
     losses = run_distributed(_run_project, 2, args=(runs,), env={"OMP_NUM_THREADS": "1"}, timeout_s=240)
-    for fsdp1, fsdp2, lm_fsdp1, lm_fsdp2, lm_resumed in losses:
+    for fsdp1, fsdp2, lm_fsdp1, lm_fsdp2, lm_resumed, fp_fsdp1, fp_fsdp2 in losses:
+        assert len(fp_fsdp1) == 4 and fp_fsdp2 == pytest.approx(fp_fsdp1, rel=1.3e-6, abs=1e-5), (fp_fsdp1, fp_fsdp2)
         assert len(fsdp1) == 4
         assert fsdp2 == pytest.approx(fsdp1, rel=1.3e-6, abs=1e-5), (fsdp1, fsdp2)
         assert len(lm_fsdp1) == 5  # 3 steps, save, fresh model and optimizer, load, 2 steps
@@ -558,9 +727,10 @@ def test_manual_wrapping_and_rank0_gathers_are_reported_or_rewritten() -> None:
         """)
     result = migrate_source(source, "manual.py")
     by_line = {(f.line, f.construct): f for f in result.findings}
-    assert not by_line[(8, "enable_wrap(...)")].fixable
-    assert "BridgeConfig(wrap=[" in by_line[(8, "enable_wrap(...)")].replacement
-    assert not by_line[(9, "wrap")].fixable and not by_line[(10, "wrap")].fixable
+    assert by_line[(8, "enable_wrap(...)")].fixable
+    assert "with fsdp_bridge.enable_wrap(fsdp_bridge.BridgeConfig.from_fsdp1(use_orig_params=True)):" in result.fixed
+    assert by_line[(9, "wrap(...)")].fixable and by_line[(10, "wrap(...)")].fixable  # a unit of units, then
+    assert "return fsdp_bridge.wrap_module(layers)" in result.fixed
     assert not any(f.construct == "FSDP" for f in result.findings)  # wrapper_cls=FSDP belongs to enable_wrap
     assert by_line[(14, "FSDP.summon_full_params(...)")].fixable
     assert "fsdp_bridge.summon_full_params(model, rank0_only=True, offload_to_cpu=True)" in result.fixed
@@ -660,8 +830,6 @@ def test_dual_backend_code_keeps_its_fsdp1_branches_and_fsdp2_modules_take_their
 
 
 def test_backend_helpers_are_read_from_the_other_files_of_the_tree(tmp_path: Path) -> None:
-    from fsdp_bridge.migrate._code import migrate_paths
-
     project = tmp_path / "dual_project"
     shutil.copytree(FIXTURES / "dual_project", project)
     report, _ = migrate_paths([project], fix=True)
@@ -896,6 +1064,7 @@ def test_param_init_fn_without_sync_module_states_is_a_todo() -> None:
     # a meta model without sync_module_states), the argument is a TODO saying why and what to do.
     assert not init[0].fixable and "sync_module_states=True" in init[0].replacement
     assert init[1].fixable  # with sync_module_states: rank 0's weights are broadcast, as in FSDP1
+    assert "take rank 0's values and dtypes" in init[1].replacement and "rank 0 must hold real" in init[1].replacement
     assert result.fixed.count("fsdp_bridge.shard(") == 2
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 from fsdp_bridge.backends.base import BackendImpl, ShardPlan
 from fsdp_bridge.strategy import Backend
 
@@ -36,14 +38,18 @@ def backend_inside(model: object) -> Backend | None:
     return None
 
 
-def sharded_by(model: object) -> str | None:
-    """Which FSDP already wraps ``model`` or one of its submodules (raw torch calls), if any."""
+def sharded_by(model: object, skip: Collection[object] = ()) -> str | None:
+    """Which FSDP already wraps ``model`` or one of its submodules (raw torch calls), if any;
+    the modules in ``skip`` (sharded by the bridge itself) and everything under them excepted."""
     from torch import nn
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
     if not isinstance(model, nn.Module):
         return None
+    skipped = {id(m) for unit in skip if isinstance(unit, nn.Module) for m in unit.modules()}
     for name, module in model.named_modules():
+        if id(module) in skipped:
+            continue
         where = f" (at {name})" if name else ""
         if isinstance(module, FullyShardedDataParallel):
             return f"FullyShardedDataParallel (FSDP1){where}"

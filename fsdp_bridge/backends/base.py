@@ -75,6 +75,12 @@ class BackendImpl(Protocol):
         """Shard ``model`` in place as planned; return the module the user keeps calling."""
         ...
 
+    def reshard_as_inner_unit(self, module: nn.Module) -> bool:
+        """Make a sharded ``module`` free its gathered parameters after forward even when it runs
+        as a root, as FSDP1's inner wrapper of ``wrap(wrap(m))`` does; False where the backend
+        cannot change it after sharding."""
+        ...
+
     def no_sync(self, model: nn.Module) -> AbstractContextManager[None]:
         """Accumulate gradients locally (no reduction) inside the context."""
         ...

@@ -186,6 +186,9 @@ class FSDP1Backend:
             _enable_generate(wrapped, model)
         return wrapped
 
+    def reshard_as_inner_unit(self, module: nn.Module) -> bool:
+        return False  # FSDP1 decides it from nesting when it first runs: only a real nested wrapper changes it
+
     def no_sync(self, model: nn.Module) -> AbstractContextManager[None]:
         assert isinstance(model, FullyShardedDataParallel)
         return model.no_sync()

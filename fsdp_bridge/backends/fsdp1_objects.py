@@ -297,8 +297,8 @@ def translate_fsdp1_kwargs(kwargs: Mapping[str, Any]) -> tuple[dict[str, Any], l
         )
     elif kwargs.get("param_init_fn") is not None:
         notes.append(
-            "param_init_fn: meta-device modules are materialised by the bridge and take rank 0's weights "
-            "(sync_module_states)"
+            "param_init_fn is not called: meta-device tensors of ranks other than 0 are materialised and take "
+            "rank 0's weights and dtypes (sync_module_states); rank 0 must hold real weights"
         )
     if "device_id" in kwargs:
         out["device"] = _device_value(kwargs["device_id"], problems)

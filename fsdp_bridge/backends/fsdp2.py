@@ -121,6 +121,12 @@ class FSDP2Backend:
             register_fsdp_forward_method(model, "generate")
         return model
 
+    def reshard_as_inner_unit(self, module: nn.Module) -> bool:
+        if not isinstance(module, FSDPModule):
+            return False
+        module.set_reshard_after_forward(True, recurse=False)  # also honoured on a root (torch >= 2.8)
+        return True
+
     def no_sync(self, model: nn.Module) -> AbstractContextManager[None]:
         return _no_sync(model)
 

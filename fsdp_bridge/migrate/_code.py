@@ -35,7 +35,7 @@ import libcst as cst
 import libcst.matchers as m
 from libcst.codemod import CodemodContext
 from libcst.codemod.visitors import AddImportsVisitor, RemoveImportsVisitor
-from libcst.metadata import MetadataWrapper, PositionProvider, QualifiedNameProvider
+from libcst.metadata import MetadataWrapper, PositionProvider, QualifiedNameProvider, QualifiedNameSource
 
 from fsdp_bridge.mapping import TABLE
 from fsdp_bridge.migrate._report import CodeFinding, CodeReport
@@ -324,9 +324,14 @@ class _Dispatch:
     fsdp2_tests: set[str] = field(default_factory=set)
     own_methods: dict[str, str] = field(default_factory=dict)  # "clip_grad_norm_" -> the file defining the tree's own
     sets_state_dict_type: str | None = None  # a file of the tree that calls FSDP.set_state_dict_type
+    fsdp1_factories: set[str] = field(default_factory=set)
+    """Functions of the tree that return FSDP1's wrapper (``-> FullyShardedDataParallel``, ``return FSDP(...)``),
+    by every dotted suffix of their module path (``wrapped_model.load_model``, ``finetune.wrapped_model.load_model``):
+    a file that imports one is handed an FSDP1 model (in their own file the usual evidence applies)."""
 
     def merge(self, other: _Dispatch) -> None:
         self.versions.update(other.versions)
+        self.fsdp1_factories |= other.fsdp1_factories
         self.fsdp2_tests |= other.fsdp2_tests
         self.sets_state_dict_type = self.sets_state_dict_type or other.sets_state_dict_type
         for name, where in other.own_methods.items():
@@ -334,6 +339,38 @@ class _Dispatch:
 
 
 _OWN_METHOD_NAMES = ("clip_grad_norm_", "no_sync")
+
+
+def _find_fsdp1_factories(wrapper: MetadataWrapper, path: str) -> set[str]:
+    """Top-level functions of a file that return FSDP1's wrapper: annotated so, or returning ``FSDP(...)``
+    (directly or through a name assigned from it in the function); see ``_Dispatch.fsdp1_factories``."""
+    names: list[str] = []
+
+    class V(cst.CSTVisitor):
+        METADATA_DEPENDENCIES = (QualifiedNameProvider,)
+
+        def is_fsdp1(self, node: cst.CSTNode) -> bool:
+            return _resolve(self.get_metadata(QualifiedNameProvider, node, set())) == (FSDP, "")
+
+        def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
+            wrapped = {
+                _code(t.target)
+                for n in _walk(node.body)
+                if isinstance(n, cst.Assign) and isinstance(n.value, cst.Call) and self.is_fsdp1(n.value.func)
+                for t in n.targets
+            }
+            returns = [n.value for n in _walk(node.body) if isinstance(n, cst.Return) and n.value is not None]
+            if (node.returns is not None and self.is_fsdp1(node.returns.annotation)) or any(
+                (isinstance(v, cst.Call) and self.is_fsdp1(v.func)) or _code(v) in wrapped for v in returns
+            ):
+                names.append(node.name.value)
+            return False  # nested functions and methods are not reached by an import
+
+    wrapper.visit(V())
+    parts = [p for p in Path(path).with_suffix("").parts if p not in ("/", "")]
+    if parts and parts[-1] == "__init__":
+        parts = parts[:-1]
+    return {".".join([*parts[-k:], name]) for name in names for k in range(1, min(len(parts), 6) + 1)}
 
 
 def _find_own_methods(code: str, path: str) -> dict[str, str]:
@@ -469,6 +506,8 @@ class _Conversion:
     runtime: list[tuple[str, str]] | None = None
     """``(FSDP1 keyword or "**", source)`` for ``BridgeConfig.from_fsdp1(...)``: the values stay the
     user's own expressions and are translated when the code runs."""
+    arg_comments: list[tuple[list[str], str | None]] = field(default_factory=list)
+    """For each entry of ``runtime``: the comments on the lines before its argument and after it."""
 
 
 def _arg(name: str, value: cst.BaseExpression) -> cst.Arg:
@@ -539,6 +578,11 @@ class _Scanner(cst.CSTVisitor):
         self.uses_fsdp1 = False
 
     # -- helpers -------------------------------------------------------------------
+    def _fsdp1_factory(self, qnames: Iterable[Any]) -> bool:
+        """A function of the migrated tree that returns FSDP1's wrapper (``_Dispatch.fsdp1_factories``)."""
+        factories = self.dispatch.fsdp1_factories
+        return any(q.source is QualifiedNameSource.IMPORT and q.name.lstrip(".") in factories for q in qnames)
+
     def _qn(self, node: cst.CSTNode) -> tuple[str, str] | None:
         return _resolve(self.get_metadata(QualifiedNameProvider, node, set()))
 
@@ -718,6 +762,8 @@ class _Scanner(cst.CSTVisitor):
         func = node.func
         if self.planning:
             self.called.add(id(func))
+            if self._fsdp1_factory(self.get_metadata(QualifiedNameProvider, func, set())):
+                self.uses_fsdp1 = True  # the file is handed an FSDP1 model by another file of the tree
         if id(node) in self.kept_checks:
             if not self.planning:
                 self.uses_fsdp1 = True
@@ -773,9 +819,45 @@ class _Scanner(cst.CSTVisitor):
             for a in node.args:  # its arguments belong to this construct (a TODO when the block is not rewritten)
                 self._consume(a.value)
         if hit == ("enable_wrap", ""):
-            self._record(node, "enable_wrap(...)", _NAMES["enable_wrap"], False)
-            self._consume(node)  # its wrapper_cls=FSDP is part of this construct
+            if not self._plan_enable_wrap(node):
+                self._record(node, "enable_wrap(...)", _NAMES["enable_wrap"], False)
+                self._consume(node)  # its wrapper_cls=FSDP is part of this construct
             return False
+        if hit == ("wrap", "") and id(func) not in self.consumed_nodes:
+            if self._under_torch_enable_wrap():
+                self._consume(func)
+                self._record(
+                    node,
+                    f"{_code(func)}(...)",
+                    "not rewritten: it runs under torch's enable_wrap above, which is not rewritten (see its "
+                    "TODO); rewrite both together: fsdp_bridge.enable_wrap(fsdp_bridge.BridgeConfig.from_fsdp1("
+                    "**kwargs)) and fsdp_bridge.wrap_module(module)",
+                    False,
+                )
+                return None
+            if len(node.args) == 1 and node.args[0].keyword is None and node.args[0].star == "":
+                self.expr_rewrites[id(func)] = "fsdp_bridge.wrap_module"
+                self.needs_imports.add(("fsdp_bridge", None))
+                self._consume(func)
+                self._record(
+                    node,
+                    f"{_code(func)}(...)",
+                    "fsdp_bridge.wrap_module(module): inside fsdp_bridge.enable_wrap it shards the module as a unit "
+                    "of its own (FSDP2: fully_shard on it), outside it returns the module unchanged, as FSDP1's "
+                    "wrap; a module sharded already is returned as it is, so wrap(wrap(m)) is wrap(m)",
+                    True,
+                )
+                return None  # its argument may be another wrap(...)
+            self._consume(func)
+            self._record(
+                node,
+                f"{_code(func)}(...)",
+                "not rewritten: wrap(module, **overrides) changes enable_wrap's arguments for one module; write "
+                "fsdp_bridge.ManualWrap(fsdp_bridge.BridgeConfig.from_fsdp1(**{**<enable_wrap's arguments>, "
+                "**overrides})).wrap(module) (inside fsdp_bridge.enable_wrap torch's wrap refuses overrides)",
+                False,
+            )
+            return None
         if hit == (FSDP, "set_state_dict_type") and self._plan_set_state_dict_type(node):
             return False
         if hit == (FSDP, "optim_state_dict_to_load") and (code := self._optim_to_load(node, None)) is not None:
@@ -808,7 +890,20 @@ class _Scanner(cst.CSTVisitor):
         ):
             if self._plan_optim_call(node, hit[1]):
                 return False
-        if hit is not None and hit[0] == FSDP and hit[1] == "summon_full_params":
+        # FSDP1's summon_full_params is a static method, also called through an instance:
+        # ``model.summon_full_params(model, writeback=...)`` (FSDPModule has no such method).
+        bound_summon = (
+            hit is None
+            and isinstance(func, cst.Attribute)
+            and func.attr.value == "summon_full_params"
+            and _code(func.value) != "fsdp_bridge"
+            and len(node.args) >= 1
+            and node.args[0].keyword is None
+            and node.args[0].star == ""
+            and not any(q.name.startswith("fsdp_bridge") for q in self.get_metadata(QualifiedNameProvider, func, set()))
+        )
+        if bound_summon or (hit is not None and hit[0] == FSDP and hit[1] == "summon_full_params"):
+            construct = f"{_short(_code(func), 40)}(...)" if bound_summon else "FSDP.summon_full_params(...)"
             ok = (
                 len(node.args) >= 1
                 and node.args[0].keyword is None
@@ -823,7 +918,7 @@ class _Scanner(cst.CSTVisitor):
                 self.fixable_calls[id(node)] = "summon"
             self._record(
                 node,
-                "FSDP.summon_full_params(...)",
+                construct,
                 _NAMES["summon_full_params"]
                 if ok
                 else _NAMES["summon_full_params"] + "; recurse=False, or other arguments, have no FSDP2 form: "
@@ -1011,7 +1106,7 @@ class _Scanner(cst.CSTVisitor):
             found = set()
             for x in _walk(expr):
                 quals = self.get_metadata(QualifiedNameProvider, x, set())
-                if _resolve(quals) in ((FSDP, ""), ("wrap", "")):
+                if _resolve(quals) in ((FSDP, ""), ("wrap", "")) or self._fsdp1_factory(quals):
                     found.add("fsdp1")
                 if any(
                     q.name.startswith("torch.nn.parallel.") and q.name.endswith(".DistributedDataParallel")
@@ -1401,18 +1496,15 @@ class _Scanner(cst.CSTVisitor):
             return True
         i1, i2 = "    ", "        "
         lines = [f"{_code(node.func)}(", f"{i1}fsdp_bridge.shard,", f"{i1}config=fsdp_bridge.BridgeConfig.from_fsdp1("]
-        for kw, code in runtime:
-            first, *more = (f"**{code}" if kw == "**" else f"{kw}={code}").split("\n")
-            lines.append(i2 + first)
-            lines.extend(i2 + line for line in (textwrap.dedent("\n".join(more)).split("\n") if more else []))
-            lines[-1] += ","
+        conv.runtime = runtime
+        lines += _runtime_lines(conv, i2)
         lines.append(f"{i1}),")
         if conv.mesh is not None:
             lines.append(f"{i1}mesh={_code(conv.mesh)},")
         lines.append(")")
         self.call_rewrites[id(node)] = "\n".join(lines)
         self.needs_imports.add(("fsdp_bridge", None))
-        names = [k for k, _ in runtime]
+        names = _runtime_names(runtime)
         self._record(
             node,
             construct,
@@ -1422,24 +1514,96 @@ class _Scanner(cst.CSTVisitor):
             "translated when the code runs (FSDP1's meaning, exactly)",
             True,
         )
+        self._kept_kwarg_findings(rest, runtime)
+        return True
+
+    def _kept_kwarg_findings(self, args: Sequence[cst.Arg], runtime: list[tuple[str, str]]) -> None:
+        """One report line per keyword argument kept for ``from_fsdp1`` (what its value becomes)."""
         prefetch = dict(runtime)
-        for a in rest:
+        for a in args:
             if a.keyword is None or a.keyword.value == "device_mesh":
                 continue
             if a.keyword.value == "backward_prefetch" and prefetch.get("backward_prefetch") == '"pre"':
                 continue  # reported with its TODO by _plan_runtime
-            self._runtime_kwarg_finding(a, rest)
+            self._runtime_kwarg_finding(a, args)
+
+    def _under_torch_enable_wrap(self) -> bool:
+        """Inside ``with enable_wrap(...)`` of torch's that stays as it is (its wrap() must stay torch's)."""
+        return any(
+            isinstance(stmt, cst.With)
+            and any(
+                isinstance(item.item, cst.Call)
+                and self._qn(item.item.func) == ("enable_wrap", "")
+                and id(item.item) not in self.call_rewrites
+                for item in stmt.items
+            )
+            for stmt in self.stmt_stack
+        )
+
+    def _plan_enable_wrap(self, node: cst.Call) -> bool:
+        """``enable_wrap(wrapper_cls=FSDP, **kwargs)`` -> ``fsdp_bridge.enable_wrap(
+        fsdp_bridge.BridgeConfig.from_fsdp1(**kwargs))`` (FSDP1's manual wrapping, same shape)."""
+        cls = [a for a in node.args if a.keyword is not None and a.keyword.value == "wrapper_cls"]
+        if len(cls) != 1 or self._qn(cls[0].value) != (FSDP, ""):
+            return False  # another wrapper class (or one known only at run time): a TODO
+        rest = [a for a in node.args if a is not cls[0]]
+        if any(a.keyword is None and a.star != "**" for a in rest):
+            return False
+        conv = _Conversion()
+        probe = node.with_changes(args=[cst.Arg(cst.Name("module")), *rest])
+        runtime = self._plan_runtime(probe, conv)
+        if runtime is None:
+            self._record(node, "enable_wrap(...)", "not rewritten: " + "; ".join(conv.blockers), False)
+            self._consume(node)
+            return True
+        self._consume(node.func)
+        for a in node.args:
+            self._consume(a.value)
+        items = [f"**{code}" if kw == "**" else f"{kw}={code}" for kw, code in runtime]
+        config = f"fsdp_bridge.BridgeConfig.from_fsdp1({', '.join(items)})"
+        mesh = f", mesh={_code(conv.mesh)}" if conv.mesh is not None else ""
+        code = f"fsdp_bridge.enable_wrap({config}{mesh})"
+        if "\n" in code or len(code) > 100 or any(lead or trail for lead, trail in conv.arg_comments):
+            i1, i2 = "    ", "        "
+            conv.runtime = runtime
+            lines = ["fsdp_bridge.enable_wrap(", f"{i1}fsdp_bridge.BridgeConfig.from_fsdp1("]
+            lines += _runtime_lines(conv, i2)
+            lines.append(f"{i1}),")
+            if conv.mesh is not None:
+                lines.append(f"{i1}mesh={_code(conv.mesh)},")
+            lines.append(")")
+            code = "\n".join(lines)
+        self.call_rewrites[id(node)] = code
+        self.needs_imports.add(("fsdp_bridge", None))
+        names = _runtime_names(runtime)
+        self._record(
+            node,
+            "enable_wrap(...)",
+            "fsdp_bridge.enable_wrap(fsdp_bridge.BridgeConfig.from_fsdp1(...)"
+            + (", mesh=...)" if conv.mesh is not None else ")")
+            + f": fsdp_bridge.wrap_module(m) inside it shards m as a unit with that config; "
+            f"{', '.join(names) or 'no options'} kept as written and translated when the code runs (FSDP1's "
+            "meaning, exactly); a later fsdp_bridge.shard of the whole model keeps those units",
+            True,
+        )
+        self._kept_kwarg_findings(rest, runtime)
         return True
 
     def _plan_runtime(self, call: cst.Call, static: _Conversion) -> list[tuple[str, str]] | None:
         """FSDP1's arguments by name for ``BridgeConfig.from_fsdp1``; None when they cannot be named."""
         out: list[tuple[str, str]] = []
+        static.arg_comments = []
+
+        def add(kw: str, code: str) -> None:  # an argument kept, with the comments written around it
+            out.append((kw, code))
+            static.arg_comments.append(_comments_around(call, i))
+
         for i, a in enumerate(call.args):
             if a.star == "*":
                 static.blockers.append(f"*{_code(a.value)}: positional arguments unpacked at run time")
                 return None
             if a.star == "**":
-                out.append(("**", _code(a.value)))
+                add("**", _code(a.value))
                 continue
             name = a.keyword.value if a.keyword else (_FSDP1_POSITIONAL[i] if i < len(_FSDP1_POSITIONAL) else None)
             if name is None:
@@ -1467,16 +1631,14 @@ class _Scanner(cst.CSTVisitor):
             elif name == "process_group":
                 # A variable: from_fsdp1 accepts None or the world group when the code runs and refuses any
                 # other group with the DeviceMesh fix, before any collective.
-                out.append((name, _code(a.value)))
+                add(name, _code(a.value))
             elif name in ("ignored_modules", "ignored_states") and not m.matches(a.value, m.Name("None")):
                 names = self._module_paths(a.value, static.module)
                 if names is not None:
-                    out.append(("ignored_modules", repr(names)))
+                    add("ignored_modules", repr(names))
                 elif static.module is not None:  # module objects known at run time: their paths, then
                     self.needs_imports.add(("fsdp_bridge", None))
-                    out.append(
-                        ("ignored_modules", f"fsdp_bridge.module_names({_code(static.module)}, {_code(a.value)})")
-                    )
+                    add("ignored_modules", f"fsdp_bridge.module_names({_code(static.module)}, {_code(a.value)})")
                 else:
                     static.blockers.append(
                         f"{name}={_code(a.value)}: name the modules for the bridge: "
@@ -1491,11 +1653,11 @@ class _Scanner(cst.CSTVisitor):
                         "backward_prefetch", "post" if member == "BACKWARD_POST" else "none"
                     )
                     self._record(a, "backward_prefetch", note, False)
-                    out.append((name, '"pre"'))
+                    add(name, '"pre"')
                 else:
-                    out.append((name, _code(a.value)))
+                    add(name, _code(a.value))
             else:
-                out.append((name, _code(a.value)))
+                add(name, _code(a.value))
         if static.module is None:
             return None
         return out
@@ -1515,7 +1677,7 @@ class _Scanner(cst.CSTVisitor):
         return names
 
     def _runtime_text(self, conv: _Conversion) -> str:
-        names = [k for k, _ in conv.runtime or []]
+        names = _runtime_names(conv.runtime or [])
         return (
             "fsdp_bridge.shard(model, fsdp_bridge.BridgeConfig.from_fsdp1(...)"
             + (", mesh=...)" if conv.mesh is not None else ")")
@@ -1613,7 +1775,11 @@ class _Scanner(cst.CSTVisitor):
         if kw == "device_id":
             return "the device of the run (CUDA index -> cuda, torch.device('cpu') -> cpu)"
         if kw == "param_init_fn":
-            return "meta-device modules are materialised by the bridge (with sync_module_states=True)"
+            return (
+                "not called by the bridge: with sync_module_states=True, meta-device tensors of ranks other than "
+                "0 are materialised and take rank 0's values and dtypes (what a to_empty + cast param_init_fn "
+                "was for); rank 0 must hold real weights (shard() refuses a meta-device rank 0 with the fix)"
+            )
         return _fsdp2_any(option)
 
     def _plan_static(self, call: cst.Call) -> _Conversion:
@@ -2460,6 +2626,11 @@ def _named_args(call: cst.Call, names: Sequence[str]) -> dict[str, cst.BaseExpre
     return out
 
 
+def _runtime_names(runtime: Sequence[tuple[str, str]]) -> list[str]:
+    """The arguments kept for ``from_fsdp1`` as the report names them (``**kwargs`` by its name)."""
+    return [f"**{code}" if kw == "**" else kw for kw, code in runtime]
+
+
 def _short(code: str, limit: int = 60) -> str:
     one = " ".join(code.split())
     return one if len(one) <= limit else one[: limit - 3] + "..."
@@ -2488,18 +2659,52 @@ def _render_shard(conv: _Conversion) -> cst.BaseExpression:
     return cst.parse_expression("\n".join(lines))
 
 
+def _comments_around(call: cst.Call, i: int) -> tuple[list[str], str | None]:
+    """The comments on their own lines just before argument ``i`` of ``call``, and the one after it on
+    its line (a rewrite that renders the arguments again keeps them in place)."""
+
+    def own_lines(ws: object) -> list[str]:
+        lines = getattr(ws, "empty_lines", ())
+        return [line.comment.value for line in lines if line.comment is not None]
+
+    def first(ws: object) -> str | None:
+        line = getattr(ws, "first_line", None)
+        return line.comment.value if line is not None and line.comment is not None else None
+
+    lead: list[str] = []
+    if i == 0:
+        lead = own_lines(call.whitespace_before_args)
+    else:
+        prev = call.args[i - 1].comma
+        if isinstance(prev, cst.Comma):
+            lead = own_lines(prev.whitespace_after)
+    a = call.args[i]
+    trail = first(a.comma.whitespace_after) if isinstance(a.comma, cst.Comma) else None
+    return lead, trail
+
+
+def _runtime_lines(conv: _Conversion, indent: str) -> list[str]:
+    """``kw=<as written>,`` lines for ``BridgeConfig.from_fsdp1(...)``, with the comments written
+    around each argument; a value spanning lines keeps its shape, re-indented under its keyword."""
+    lines: list[str] = []
+    comments = conv.arg_comments if len(conv.arg_comments) == len(conv.runtime or []) else []
+    for k, (kw, code) in enumerate(conv.runtime or []):
+        lead, trail = comments[k] if comments else ([], None)
+        lines.extend(indent + c for c in lead)
+        first, *rest = (f"**{code}" if kw == "**" else f"{kw}={code}").split("\n")
+        rest = textwrap.dedent("\n".join(rest)).split("\n") if rest else []
+        lines.append(indent + first)
+        lines.extend(indent + line for line in rest)
+        lines[-1] += "," + (f"  {trail}" if trail else "")
+    return lines
+
+
 def _render_runtime(conv: _Conversion) -> cst.BaseExpression:
     """``fsdp_bridge.shard(module, fsdp_bridge.BridgeConfig.from_fsdp1(kw=<as written>, ...)[, mesh=])``."""
     assert conv.module is not None and conv.runtime is not None
     i1, i2 = "    ", "        "
-    args = [f"**{code}" if kw == "**" else f"{kw}={code}" for kw, code in conv.runtime]
     lines = ["fsdp_bridge.shard(", f"{i1}{_code(conv.module)},", f"{i1}fsdp_bridge.BridgeConfig.from_fsdp1("]
-    for arg in args:  # a value spanning lines keeps its shape, re-indented under its keyword
-        first, *rest = arg.split("\n")
-        rest = textwrap.dedent("\n".join(rest)).split("\n") if rest else []
-        lines.append(i2 + first)
-        lines.extend(i2 + line for line in rest)
-        lines[-1] += ","
+    lines += _runtime_lines(conv, i2)
     lines.append(f"{i1}),")
     if conv.mesh is not None:
         lines.append(f"{i1}mesh={_code(conv.mesh)},")
@@ -2641,6 +2846,9 @@ def migrate_paths(paths: Sequence[str | Path], *, fix: bool = False) -> tuple[Co
             code = f.read_text(encoding="utf-8")
             if "FSDPModule" in code:
                 dispatch.merge(_find_dispatch(MetadataWrapper(cst.parse_module(code))))
+            if "FullyShardedDataParallel" in code:
+                factories = _find_fsdp1_factories(MetadataWrapper(cst.parse_module(code)), str(f))
+                dispatch.merge(_Dispatch(fsdp1_factories=factories))
             dispatch.merge(
                 _Dispatch(
                     own_methods=_find_own_methods(code, str(f)),
