@@ -118,7 +118,7 @@ def test_units_take_rank0_weights_and_a_root_keeps_them(run_on_ranks) -> None:
         assert results[0][backend]["norm"] == pytest.approx(results[1][backend]["norm"])  # one global norm
 
 
-def _one_rank() -> dict[str, str]:
+def _reshard_decisions() -> dict[str, str]:
     from torch.distributed.tensor import DTensor
 
     def after_forward(module: nn.Module) -> str:  # sharded again after forward, or still gathered
@@ -154,11 +154,12 @@ def _one_rank() -> dict[str, str]:
 
 
 def test_units_reshard_as_fsdp1_decides_and_one_backend_is_required(run_on_ranks) -> None:
-    (result,) = run_on_ranks(_one_rank, 1)
-    # FSDP1: a lone unit is a root and keeps its parameters for backward; wrap(wrap(m))'s inner unit and a
-    # unit under a root free them after forward
-    assert result["single"] == "gathered" and result["double"] == "resharded", result
-    assert result["under a root"] == "resharded" and result["the root"] == "gathered", result
-    message = result["mixed"]
-    assert "backend: got 'fsdp2'; allowed: fsdp1, the backend of the submodules sharded already (head)" in message
-    assert "shard the units and the model on one backend" in message
+    # Two ranks: on a shard group of one every unit reshards (nothing to communicate), whatever FSDP1 does.
+    for result in run_on_ranks(_reshard_decisions, 2):
+        # FSDP1: a lone unit is a root and keeps its parameters for backward; wrap(wrap(m))'s inner unit
+        # and a unit under a root free them after forward
+        assert result["single"] == "gathered" and result["double"] == "resharded", result
+        assert result["under a root"] == "resharded" and result["the root"] == "gathered", result
+        message = result["mixed"]
+        assert "backend: got 'fsdp2'; allowed: fsdp1, the backend of the submodules sharded already (head)" in message
+        assert "shard the units and the model on one backend" in message
