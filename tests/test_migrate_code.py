@@ -1118,3 +1118,20 @@ def test_a_second_fix_exits_1_while_todo_comments_of_the_first_remain(tmp_path: 
     assert main(["migrate", "code", str(script), "--fix"]) == 1
     out = capsys.readouterr().out
     assert "0 FSDP1 construct(s)" in out and f"TODO(fsdp-bridge) comments still in the files: {script} (1)" in out, out
+
+
+def test_a_clip_defined_in_another_file_is_named_relative_to_the_caller() -> None:
+    """The TODO names the defining file relative to the calling one, so --fix writes the same text
+    wherever the tree lies (a copy of it gives byte-identical output)."""
+    from fsdp_bridge.migrate._code import _Dispatch
+
+    code = (
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n\n"
+        "def step(model, max_norm):\n    model.clip_grad_norm_(max_norm)\n"
+    )
+    for root in ("/srv/a/tree", "/home/b/copy"):
+        dispatch = _Dispatch(own_methods={"clip_grad_norm_": f"{root}/pkg/model.py"})
+        result = migrate_source(code, f"{root}/train/loop.py", dispatch=dispatch)
+        (todo,) = [f for f in result.findings if f.construct == "model.clip_grad_norm_(...)"]
+        assert "this tree defines its own clip_grad_norm_ (in ../pkg/model.py)" in todo.replacement, todo.replacement
+        assert "(in ../pkg/model.py)" in result.fixed

@@ -948,6 +948,8 @@ class _Scanner(cst.CSTVisitor):
                 if _code(func.value) == "self" and self.classes:
                     return None  # the class's own method
                 recv = _code(func.value)
+                # relative to this file: the same text wherever the tree is (--fix stays idempotent on a copy)
+                where = where if where == self.path else os.path.relpath(where, os.path.dirname(self.path) or ".")
                 self._record(
                     node,
                     f"{_short(recv, 40)}.{name}(...)",
