@@ -27,17 +27,16 @@ from fsdp_bridge.testing import run_distributed
 from fsdp_bridge.testing.models import DECODER_SIZES, VOCAB
 from fsdp_bridge.testing.parity import assert_backend_parity
 
-_DECODER = DECODER_SIZES
 _MOE = dict(num_experts=4, num_experts_per_tok=2)
 CONFIGS: dict[str, dict[str, Any]] = {
     "qwen2_moe": dict(
-        _DECODER, **_MOE, moe_intermediate_size=32, shared_expert_intermediate_size=32, mlp_only_layers=[]
+        DECODER_SIZES, **_MOE, moe_intermediate_size=32, shared_expert_intermediate_size=32, mlp_only_layers=[]
     ),
-    "qwen3": dict(_DECODER, head_dim=8),
-    "qwen3_moe": dict(_DECODER, **_MOE, head_dim=8, moe_intermediate_size=32, mlp_only_layers=[]),
-    "olmoe": dict(_DECODER, **_MOE),
+    "qwen3": dict(DECODER_SIZES, head_dim=8),
+    "qwen3_moe": dict(DECODER_SIZES, **_MOE, head_dim=8, moe_intermediate_size=32, mlp_only_layers=[]),
+    "olmoe": dict(DECODER_SIZES, **_MOE),
     "deepseek_v3": dict(
-        _DECODER,
+        DECODER_SIZES,
         num_key_value_heads=4,
         moe_intermediate_size=32,
         n_routed_experts=4,
@@ -53,7 +52,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
         topk_group=1,
     ),
     "jamba": dict(
-        _DECODER,
+        DECODER_SIZES,
         num_experts=2,
         num_experts_per_tok=1,
         expert_layer_period=2,
@@ -64,15 +63,15 @@ CONFIGS: dict[str, dict[str, Any]] = {
         use_mamba_kernels=False,
     ),
     "mamba": dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, state_size=8),
-    "gemma2": dict(_DECODER, head_dim=8, sliding_window=8),
-    "gemma3_text": dict(_DECODER, head_dim=8, sliding_window=8),
-    "olmo2": dict(_DECODER),
-    "granite": dict(_DECODER),
-    "starcoder2": dict(_DECODER),
-    "stablelm": dict(_DECODER),
-    "cohere": dict(_DECODER),
-    "nemotron": dict(_DECODER, head_dim=8),
-    "phi": dict(_DECODER, num_key_value_heads=4),
+    "gemma2": dict(DECODER_SIZES, head_dim=8, sliding_window=8),
+    "gemma3_text": dict(DECODER_SIZES, head_dim=8, sliding_window=8),
+    "olmo2": dict(DECODER_SIZES),
+    "granite": dict(DECODER_SIZES),
+    "starcoder2": dict(DECODER_SIZES),
+    "stablelm": dict(DECODER_SIZES),
+    "cohere": dict(DECODER_SIZES),
+    "nemotron": dict(DECODER_SIZES, head_dim=8),
+    "phi": dict(DECODER_SIZES, num_key_value_heads=4),
     "falcon": dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, multi_query=True),
     "bloom": dict(vocab_size=VOCAB, hidden_size=32, n_layer=2, n_head=4),
     "gptj": dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, rotary_dim=4),

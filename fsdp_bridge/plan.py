@@ -28,8 +28,13 @@ __all__ = ["PrecisionPlan", "ShardPlan", "SyncMethod", "reshard_after_forward", 
 
 
 def reshard_after_forward(
-    strategy: ShardingStrategy, override: bool | int | None, *, is_root: bool, shard_size: int | None = None
-) -> bool | int:
+    strategy: ShardingStrategy,
+    override: bool | int | None,
+    *,
+    is_root: bool,
+    shard_size: int | None = None,
+    root_is_unit: bool = False,
+) -> bool | int | None:
     """Whether a unit frees its gathered parameters after forward, matching FSDP1: the root keeps
     them for the backward that immediately follows, unless ``override`` (the config's
     ``reshard_after_forward``) says otherwise.
@@ -40,13 +45,19 @@ def reshard_after_forward(
     working copy FSDP2 makes of a unit's parameters even on a shard group of one
     (``FSDPParamGroup.wait_for_unshard`` copies them into separate all-gather outputs), so the copy
     of the unit in use is alive instead of the whole model's. FSDP1 keeps a one-rank flat
-    parameter as it is (it runs NO_SHARD there) and does not read this."""
+    parameter as it is (it runs NO_SHARD there) and does not read this.
+
+    ``root_is_unit`` (a unit sharded on its own by manual wrapping, asked about as a root): ``None``
+    for a strategy that reshards, i.e. decided when it first runs, True under a root and False as
+    one, as FSDP1 decides it (FSDP2's own ``None``)."""
     if strategy is ShardingStrategy.NO_SHARD:
         return True
     if override is not None:
         return override
     if shard_size == 1:
         return True
+    if is_root and root_is_unit:
+        return None if strategy.reshards_after_forward else False
     return strategy.reshards_after_forward and not is_root
 
 
@@ -125,19 +136,14 @@ class ShardPlan:
     fake world size (:func:`fsdp_bridge.estimate.plan_at_scale`, FSDP2): the shards stay on meta."""
 
     def reshard_after_forward(self, *, is_root: bool) -> bool | int | None:
-        """Per-unit reshard-after-forward (:func:`reshard_after_forward`).  ``None`` (a unit sharded
-        on its own, :attr:`root_is_unit`, of a strategy that reshards, over a shard group of 2+
-        ranks, nothing asked): decided when it first runs, True under a root and False as one, as
-        FSDP1 decides it (FSDP2's own ``None``)."""
-        if (
-            is_root
-            and self.root_is_unit
-            and self.strategy is not ShardingStrategy.NO_SHARD
-            and self.reshard_override is None
-            and self.shard_size != 1
-        ):
-            return None if self.strategy.reshards_after_forward else False
-        return reshard_after_forward(self.strategy, self.reshard_override, is_root=is_root, shard_size=self.shard_size)
+        """Per-unit reshard-after-forward (:func:`reshard_after_forward`)."""
+        return reshard_after_forward(
+            self.strategy,
+            self.reshard_override,
+            is_root=is_root,
+            shard_size=self.shard_size,
+            root_is_unit=self.root_is_unit,
+        )
 
     @property
     def ignored_params(self) -> set[nn.Parameter]:
