@@ -189,8 +189,8 @@ TABLE: tuple[Rule, ...] = (
         "hybrid_shape",
         "null (not hybrid)",
         "(no 2D device_mesh)",
-        T(X, "not a hybrid strategy: no (replicate, shard) mesh"),
-        T(X, "not a hybrid strategy: no (replicate, shard) mesh"),
+        T(X, "not a hybrid strategy: a 1D mesh over all ranks"),
+        T(X, "not a hybrid strategy: a 1D mesh over all ranks (no_shard: the (world, 1) mesh, see strategy)"),
         lambda c: not c.config.strategy.is_hybrid,
     ),
     # -- wrapping ----------------------------------------------------------------
@@ -309,7 +309,11 @@ TABLE: tuple[Rule, ...] = (
         "true",
         "forward_prefetch=True",
         T(N, "forward_prefetch=True"),
-        T(E, "explicit: each unit calls set_modules_to_forward_prefetch([next unit in forward order])"),
+        T(
+            E,
+            "explicit: each unit not nested in another calls set_modules_to_forward_prefetch([the next such unit]), "
+            "in the order the model registers them (a layer stack's forward order); nested units gather when reached",
+        ),
         lambda c: c.config.forward_prefetch,
     ),
     Rule(
@@ -369,7 +373,11 @@ TABLE: tuple[Rule, ...] = (
         "activation_checkpointing",
         "true",
         "apply_activation_checkpointing(model, checkpoint_wrapper, check_fn)",
-        T(N, "non-reentrant checkpoint_wrapper on every unit, applied before wrapping"),
+        T(
+            N,
+            "non-reentrant checkpoint_wrapper on every unit, applied before wrapping; "
+            "Hugging Face models get use_cache=False",
+        ),
         T(
             N,
             "non-reentrant checkpoint_wrapper on every unit, applied before fully_shard; "
