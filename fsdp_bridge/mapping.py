@@ -495,8 +495,17 @@ TABLE: tuple[Rule, ...] = (
         "ignored_modules",
         "set",
         "ignored_modules=[...]",
-        T(N, "ignored_modules: neither sharded nor synchronised"),
-        T(N, "ignored_params = their parameters: neither sharded nor synchronised"),
+        T(
+            N,
+            "ignored_modules: not sharded, gradients not reduced across ranks. With sync_module_states, "
+            "FSDP1's own (on an accelerator) leaves their parameters as each rank built them; the bridge's "
+            "broadcast (on CPU) gives them rank 0's, as it does buffers",
+        ),
+        T(
+            N,
+            "ignored_params = their parameters: not sharded, gradients not reduced across ranks; "
+            "sync_module_states' broadcast gives them rank 0's values",
+        ),
         lambda c: bool(c.config.ignored_modules),
     ),
     Rule(

@@ -39,6 +39,7 @@ import fsdp_bridge.api as api
 from fsdp_bridge import BridgeConfig
 from fsdp_bridge.backends import fsdp1 as fsdp1_module
 from fsdp_bridge.backends import fsdp2 as fsdp2_module
+from fsdp_bridge.backends._common import rank0_full_state
 from fsdp_bridge.errors import ConfigError
 from fsdp_bridge.mapping import TABLE, Outcome, translate
 from fsdp_bridge.strategy import Backend
@@ -121,6 +122,8 @@ class Run:
     backward_prefetch: list[tuple[Any, list[Any]]]
     meta_at_broadcast: list[bool]
     """Whether the model held meta tensors when rank 0's state was broadcast into it."""
+    broadcast_keys: list[str]
+    """The entries of rank 0's state broadcast."""
     process_group: dict[str, Any]
     warned: list[str]
     again: Callable[[int], Run]
@@ -199,6 +202,7 @@ FACTS: dict[str, Callable[[Run], Any]] = {
     # around the torch call
     "events": lambda r: [e for i, e in enumerate(r.events) if i == 0 or r.events[i - 1] != e],  # fully_shard once
     "meta tensors at the broadcast": lambda r: r.meta_at_broadcast,
+    "head entries broadcast": lambda r: sorted(k for k in r.broadcast_keys if k.startswith("head.")),
     "meta tensors after": lambda r: any(t.is_meta for t in (*r.model.parameters(), *r.model.buffers())),
     "buffers": lambda r: {n: b.dtype for n, b in r.model.named_buffers()},
     "forward hooks on the root": lambda r: len(r.sharded._forward_hooks),
@@ -249,6 +253,7 @@ def _shard(monkeypatch: pytest.MonkeyPatch, backend: Backend, expect: Expect, wo
     forward: list[tuple[Any, list[Any]]] = []
     backward: list[tuple[Any, list[Any]]] = []
     meta_at_broadcast: list[bool] = []
+    broadcast_keys: list[str] = []
     process_group: dict[str, Any] = {}
     rank = 1 if expect.meta else 0
     for name, value in [
@@ -271,12 +276,14 @@ def _shard(monkeypatch: pytest.MonkeyPatch, backend: Backend, expect: Expect, wo
     def has_meta(module: nn.Module) -> bool:
         return any(t.is_meta for t in (*module.parameters(), *module.buffers()))
 
-    def take_rank0_state(model: nn.Module) -> None:
+    def take_rank0_state(model: nn.Module) -> dict[str, torch.Tensor] | None:
         events.append("rank 0's state taken")
+        return rank0_full_state(model)
 
-    def broadcast(model: nn.Module, state: object, device: torch.device) -> None:
+    def broadcast(model: nn.Module, state: dict[str, torch.Tensor] | None, device: torch.device) -> None:
         events.append("broadcast from rank 0")
         meta_at_broadcast.append(has_meta(model))
+        broadcast_keys.extend(state or {})
 
     for backend_module in (fsdp1_module, fsdp2_module):
         monkeypatch.setattr(backend_module, "rank0_full_state", take_rank0_state)
@@ -330,6 +337,7 @@ def _shard(monkeypatch: pytest.MonkeyPatch, backend: Backend, expect: Expect, wo
         forward_prefetch=forward,
         backward_prefetch=backward,
         meta_at_broadcast=meta_at_broadcast,
+        broadcast_keys=broadcast_keys,
         process_group=process_group,
         warned=[str(w.message) for w in caught],
         again=lambda size: _shard(monkeypatch, backend, expect, size),
@@ -620,9 +628,13 @@ EXPECTED: dict[tuple[str, str, str], Expect | Refused] = {
         {"reshard_after_forward": 2}, {"reshard_after_forward": [2, 2, 2, 2]}
     ),
     # -- ignored modules
-    ("ignored_modules", "set", "fsdp1"): Expect({"ignored_modules": ["head"]}, {"ignored_modules": ["head"]}),
+    ("ignored_modules", "set", "fsdp1"): Expect(
+        {"ignored_modules": ["head"], "sync_module_states": True},
+        {"ignored_modules": ["head"], "head entries broadcast": ["head.bias", "head.weight"]},  # on CPU
+    ),
     ("ignored_modules", "set", "fsdp2"): Expect(
-        {"ignored_modules": ["head"]}, {"ignored_params": ["head.bias", "head.weight"]}
+        {"ignored_modules": ["head"], "sync_module_states": True},
+        {"ignored_params": ["head.bias", "head.weight"], "head entries broadcast": ["head.bias", "head.weight"]},
     ),
     ("ignored_modules", "none", "fsdp1"): Expect({}, {"ignored_modules": None}),
     ("ignored_modules", "none", "fsdp2"): Expect({}, {"ignored_params": None}),
