@@ -206,7 +206,11 @@ TABLE: tuple[Rule, ...] = (
         "wrap",
         "auto / classes / min_num_params / callable",
         "auto_wrap_policy=transformer_auto_wrap_policy / size_based_auto_wrap_policy / ModuleWrapPolicy / CustomPolicy",
-        T(N, "auto_wrap_policy=CustomPolicy over the units fsdp_bridge resolved (the same modules on both backends)"),
+        T(
+            N,
+            "auto_wrap_policy=CustomPolicy over the units fsdp_bridge resolved (the same modules as on FSDP2, "
+            "plus each module holding parameters of another dtype than its unit: FSDP1 flattens one dtype per unit)",
+        ),
         T(
             E,
             "fully_shard on each resolved unit, bottom-up, then on the root; units that would split tied "

@@ -63,17 +63,23 @@ class Block(nn.Module):
 
 class Net(nn.Module):
     """Three blocks in a ModuleList (the units ``wrap: auto`` finds), a head, a floating-point and an
-    integer buffer, and a Hugging Face-like ``config`` with the KV cache on."""
+    integer buffer, and a Hugging Face-like ``config`` with the KV cache on.
+
+    ``tied``: the head shares the first block's weight.  ``adapter``: bf16 blocks, the second
+    holding an fp32 adapter, as peft upcasts LoRA weights in a bf16 model."""
 
     scale: torch.Tensor
 
-    def __init__(self, *, tied: bool = False) -> None:
+    def __init__(self, variant: str = "plain") -> None:
         super().__init__()
         blocks = [Block() for _ in range(3)]
         self.blocks = nn.ModuleList(blocks)
         self.head = nn.Linear(4, 4)
-        if tied:  # the head shares the first block's weight
+        if variant == "tied":
             self.head.weight = blocks[0].proj.weight
+        if variant == "adapter":
+            self.blocks.to(BF16)
+            blocks[1].add_module("adapter", nn.Linear(4, 2))
         self.register_buffer("scale", torch.ones(4))
         self.register_buffer("count", torch.zeros((), dtype=torch.long))
         self.config = SimpleNamespace(use_cache=True)
@@ -234,8 +240,8 @@ class Expect:
     """The machine has GPUs (faked): ``device: auto`` resolves to this rank's, cuda:1."""
     meta: bool = False
     """The model is built on the meta device, as FSDP1 code builds it on ranks > 0 (this is rank 1)."""
-    tied: bool = False
-    """The head shares the first block's weight."""
+    model: str = "plain"
+    """The variant of :class:`Net`: plain, tied or adapter."""
 
 
 @dataclass(frozen=True)
@@ -323,7 +329,7 @@ def _shard(monkeypatch: pytest.MonkeyPatch, backend: Backend, expect: Expect, wo
     monkeypatch.setattr(fsdp2_module, "fully_shard", fully_shard)
 
     with torch.device("meta" if expect.meta else "cpu"):
-        model = Net(tied=expect.tied)
+        model = Net(expect.model)
     config = BridgeConfig(backend=backend.value, **expect.fields)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -360,7 +366,7 @@ SHARDED_BROADCAST = ["rank 0's state taken", "fully_shard", "broadcast from rank
 
 # (option, case, backend) -> the config for the row and what the row's text promises.
 # Every row of TABLE with a `when` needs an entry for each backend (test_every_row_has_an_expectation).
-EXPECTED: dict[tuple[str, str, str], Expect | Refused] = {
+EXPECTED: dict[tuple[str, str, str], Expect | tuple[Expect, ...] | Refused] = {
     # -- strategy: FSDP1's ShardingStrategy; FSDP2's mesh and per-call reshard_after_forward (units, then the root)
     ("strategy", "full_shard", "fsdp1"): Expect(
         {"strategy": "full_shard"}, {"sharding_strategy": TorchStrategy.FULL_SHARD, "mesh": (6,)}
@@ -432,14 +438,17 @@ EXPECTED: dict[tuple[str, str, str], Expect | Refused] = {
     ),
     ("hybrid_shape", "null (not hybrid)", "fsdp1"): Expect({}, {"mesh": (6,), "mesh dims": ("shard",)}),
     ("hybrid_shape", "null (not hybrid)", "fsdp2"): Expect({}, {"mesh": (6,), "mesh dims": ("shard",)}),
-    # -- wrap: the same units on both backends; a unit holding half of a tied pair is merged into its parent
+    # -- wrap: the same units on both backends; a unit holding half of a tied pair is merged into its
+    # parent; FSDP1 adds a unit for each module holding another dtype than its unit
     ("wrap", "none", "fsdp1"): Expect({"wrap": "none"}, {"auto_wrap_policy": None}),
     ("wrap", "none", "fsdp2"): Expect({"wrap": "none"}, {"fully_shard calls": [ROOT]}),
-    ("wrap", "auto / classes / min_num_params / callable", "fsdp1"): Expect(
-        {"wrap": ["Block"]}, {"units": ["blocks.1", "blocks.2"]}, tied=True
+    ("wrap", "auto / classes / min_num_params / callable", "fsdp1"): (
+        Expect({"wrap": ["Block"]}, {"units": ["blocks.1", "blocks.2"]}, model="tied"),
+        Expect({"wrap": ["Block"]}, {"units": [*BLOCKS[:2], "blocks.1.adapter", "blocks.2"]}, model="adapter"),
     ),
-    ("wrap", "auto / classes / min_num_params / callable", "fsdp2"): Expect(
-        {"wrap": ["Block"]}, {"fully_shard calls": ["blocks.1", "blocks.2", ROOT]}, tied=True
+    ("wrap", "auto / classes / min_num_params / callable", "fsdp2"): (
+        Expect({"wrap": ["Block"]}, {"fully_shard calls": ["blocks.1", "blocks.2", ROOT]}, model="tied"),
+        Expect({"wrap": ["Block"]}, {"fully_shard calls": [*BLOCKS, ROOT]}, model="adapter"),
     ),
     # -- mixed precision
     ("mixed_precision", "fp32 (off)", "fsdp1"): Expect({}, {"mixed_precision": None}),
@@ -687,9 +696,10 @@ def test_each_row_makes_the_torch_call_it_promises(
         assert option in [p.key for p in refused.value.problems]
         return
     assert outcome is not Outcome.UNSUPPORTED, "an unsupported row is Refused(...)"
-    config = BridgeConfig(backend=backend.value, **expected.fields)
-    # The report gives `device` as the config spells it, every other option for the resolved device.
-    device_type = None if option == "device" else "cuda" if expected.gpus else "cpu"
-    assert translate(config, device_type=device_type).entry(option).case == case, "the config misses its row"
-    run = _shard(monkeypatch, backend, expected)
-    assert {name: observe(run, name) for name in expected.facts} == expected.facts
+    for expect in expected if isinstance(expected, tuple) else (expected,):
+        config = BridgeConfig(backend=backend.value, **expect.fields)
+        # The report gives `device` as the config spells it, every other option for the resolved device.
+        device_type = None if option == "device" else "cuda" if expect.gpus else "cpu"
+        assert translate(config, device_type=device_type).entry(option).case == case, "the config misses its row"
+        run = _shard(monkeypatch, backend, expect)
+        assert {name: observe(run, name) for name in expect.facts} == expect.facts, f"model {expect.model}"
