@@ -273,6 +273,7 @@ def _shard(monkeypatch: pytest.MonkeyPatch, backend: Backend, expect: Expect, wo
     monkeypatch.setattr(torch.cuda, "is_available", lambda: expect.gpus)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2 if expect.gpus else 0)
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(api.dist, "is_initialized", lambda: False)  # whatever ran before in this process
     monkeypatch.setattr(api.dist, "init_process_group", lambda **kwargs: process_group.update(kwargs))
     monkeypatch.setattr(api.dist, "get_world_size", lambda group=None: world)
     monkeypatch.setattr(api.dist, "get_rank", lambda group=None: rank)
