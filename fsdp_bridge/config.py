@@ -375,7 +375,8 @@ class BridgeConfig:
             "a list of module paths (e.g. lm_head) or class names", _parse_ignored, summary="a list of strings"
         ),
     )
-    """Module names (dotted paths) or class names whose parameters are neither sharded nor synchronised."""
+    """Module names (dotted paths) or class names whose parameters are not sharded and whose gradients
+    are not reduced across ranks."""
     device: Device = field(
         default="auto", metadata=spec(", ".join(DEVICES), _parse_device, summary=f"one of {', '.join(DEVICES)}")
     )

@@ -189,8 +189,8 @@ TABLE: tuple[Rule, ...] = (
         "hybrid_shape",
         "null (not hybrid)",
         "(no 2D device_mesh)",
-        T(X, "not a hybrid strategy: no (replicate, shard) mesh"),
-        T(X, "not a hybrid strategy: no (replicate, shard) mesh"),
+        T(X, "not a hybrid strategy: a 1D mesh over all ranks"),
+        T(X, "not a hybrid strategy: a 1D mesh over all ranks (no_shard: the (world, 1) mesh, see strategy)"),
         lambda c: not c.config.strategy.is_hybrid,
     ),
     # -- wrapping ----------------------------------------------------------------
@@ -206,7 +206,11 @@ TABLE: tuple[Rule, ...] = (
         "wrap",
         "auto / classes / min_num_params / callable",
         "auto_wrap_policy=transformer_auto_wrap_policy / size_based_auto_wrap_policy / ModuleWrapPolicy / CustomPolicy",
-        T(N, "auto_wrap_policy=CustomPolicy over the units fsdp_bridge resolved (the same modules on both backends)"),
+        T(
+            N,
+            "auto_wrap_policy=CustomPolicy over the units fsdp_bridge resolved (the same modules as on FSDP2, "
+            "plus each module holding parameters of another dtype than its unit: FSDP1 flattens one dtype per unit)",
+        ),
         T(
             E,
             "fully_shard on each resolved unit, bottom-up, then on the root; units that would split tied "
@@ -309,7 +313,11 @@ TABLE: tuple[Rule, ...] = (
         "true",
         "forward_prefetch=True",
         T(N, "forward_prefetch=True"),
-        T(E, "explicit: each unit calls set_modules_to_forward_prefetch([next unit in forward order])"),
+        T(
+            E,
+            "explicit: each unit not nested in another calls set_modules_to_forward_prefetch([the next such unit]), "
+            "in the order the model registers them (a layer stack's forward order); nested units gather when reached",
+        ),
         lambda c: c.config.forward_prefetch,
     ),
     Rule(
@@ -369,7 +377,11 @@ TABLE: tuple[Rule, ...] = (
         "activation_checkpointing",
         "true",
         "apply_activation_checkpointing(model, checkpoint_wrapper, check_fn)",
-        T(N, "non-reentrant checkpoint_wrapper on every unit, applied before wrapping"),
+        T(
+            N,
+            "non-reentrant checkpoint_wrapper on every unit, applied before wrapping; "
+            "Hugging Face models get use_cache=False",
+        ),
         T(
             N,
             "non-reentrant checkpoint_wrapper on every unit, applied before fully_shard; "
@@ -487,8 +499,17 @@ TABLE: tuple[Rule, ...] = (
         "ignored_modules",
         "set",
         "ignored_modules=[...]",
-        T(N, "ignored_modules: neither sharded nor synchronised"),
-        T(N, "ignored_params = their parameters: neither sharded nor synchronised"),
+        T(
+            N,
+            "ignored_modules: not sharded, gradients not reduced across ranks. With sync_module_states, "
+            "FSDP1's own (on an accelerator) leaves their parameters as each rank built them; the bridge's "
+            "broadcast (on CPU) gives them rank 0's, as it does buffers",
+        ),
+        T(
+            N,
+            "ignored_params = their parameters: not sharded, gradients not reduced across ranks; "
+            "sync_module_states' broadcast gives them rank 0's values",
+        ),
         lambda c: bool(c.config.ignored_modules),
     ),
     Rule(

@@ -171,7 +171,7 @@ def resolve_plan(
         device: the resolved device of this rank.
         mesh: the data-parallel mesh, already built.
         units: wrap units, children before parents (root excluded).
-        ignored_modules: modules neither sharded nor synchronised.
+        ignored_modules: modules not sharded, whose gradients are not reduced.
         has_meta: some tensors are on the meta device.
         scalar_params: 0-dim parameters kept whole on every rank.
         materialize: allocate meta tensors after sharding (False only for fake-world planning).

@@ -289,7 +289,7 @@ def _options(backend: str) -> dict[str, object]:
     )
     out["meta_trains"] = _train(model, 2) == _train(fsdp_bridge.shard(build_tiny("llama", seed=7), base), 2)
 
-    # Ignored modules are neither sharded nor synchronised.
+    # Ignored modules are not sharded (and their gradients are not reduced).
     model = fsdp_bridge.shard(build_tiny("llama"), base.replace(ignored_modules=["lm_head"]))
     head = model.get_submodule("lm_head") if backend == "fsdp2" else model.module.get_submodule("lm_head")
     out["ignored_full"] = not isinstance(head.weight, DTensor) and head.weight.numel() == 96 * 32

@@ -234,15 +234,9 @@ def _mixed_precision_value(mp: object, problems: list[Problem]) -> object:
     }
 
 
-def translate_fsdp1_kwargs(kwargs: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
-    """BridgeConfig field values for FSDP1 constructor ``kwargs``, and notes for the report.
-
-    Raises:
-        ConfigError: listing every argument that has no bridge meaning, with the fix.
-    """
+def _argument_problems(kwargs: Mapping[str, Any]) -> list[Problem]:
+    """Arguments that are not FSDP1 constructor arguments the config can take."""
     problems: list[Problem] = []
-    notes: list[str] = []
-    out: dict[str, Any] = {}
     for key, value in kwargs.items():
         if key == "device_mesh":
             problems.append(
@@ -262,26 +256,18 @@ def translate_fsdp1_kwargs(kwargs: Mapping[str, Any]) -> tuple[dict[str, Any], l
                     "remove it (module is shard()'s first argument)" if key == "module" else "",
                 )
             )
-    if problems:
-        raise ConfigError(problems)
-    if "sharding_strategy" in kwargs:
-        out["strategy"] = "full_shard" if kwargs["sharding_strategy"] is None else kwargs["sharding_strategy"]
-    if "auto_wrap_policy" in kwargs:
-        out["wrap"] = _wrap_value(kwargs["auto_wrap_policy"], problems)
-    else:
-        out["wrap"] = "none"  # FSDP1 without a policy wraps only the root
-    if "mixed_precision" in kwargs:
-        out["mixed_precision"] = _mixed_precision_value(kwargs["mixed_precision"], problems)
-    if "cpu_offload" in kwargs:
-        offload = kwargs["cpu_offload"]
-        if offload is not None and not isinstance(offload, CPUOffload):
-            problems.append(Problem("cpu_offload", offload, "None or CPUOffload(offload_params=...)"))
-        out["cpu_offload"] = bool(offload is not None and offload.offload_params)
-    if "backward_prefetch" in kwargs:
-        out["backward_prefetch"] = kwargs["backward_prefetch"]  # None means no prefetch, as in FSDP1
-    for key in ("forward_prefetch", "limit_all_gathers", "sync_module_states"):
-        if key in kwargs:
-            out[key] = bool(kwargs[key])
+    return problems
+
+
+def _cpu_offload_value(offload: Any, problems: list[Problem]) -> bool:
+    if offload is not None and not isinstance(offload, CPUOffload):
+        problems.append(Problem("cpu_offload", offload, "None or CPUOffload(offload_params=...)"))
+    return bool(offload is not None and offload.offload_params)
+
+
+def _init_notes(kwargs: Mapping[str, Any]) -> list[str]:
+    """What the report says about ``use_orig_params`` and ``param_init_fn``, which have no config field."""
+    notes: list[str] = []
     if "use_orig_params" in kwargs and not kwargs["use_orig_params"]:
         notes.append(
             "use_orig_params=False: the bridge keeps original parameters on both backends (FSDP2 always "
@@ -300,12 +286,15 @@ def translate_fsdp1_kwargs(kwargs: Mapping[str, Any]) -> tuple[dict[str, Any], l
             "param_init_fn is not called: meta-device tensors of ranks other than 0 are materialised and take "
             "rank 0's weights and dtypes (sync_module_states); rank 0 must hold real weights"
         )
-    if "device_id" in kwargs:
-        out["device"] = _device_value(kwargs["device_id"], problems)
+    return notes
+
+
+def _ignored_value(kwargs: Mapping[str, Any], problems: list[Problem]) -> tuple[str, ...] | None:
+    """``ignored_modules`` (or ``ignored_states``) as names; None when not given or not names."""
     ignored = kwargs.get("ignored_modules") or kwargs.get("ignored_states")
     if ignored and all(isinstance(n, str) for n in ignored):
-        out["ignored_modules"] = tuple(ignored)  # already names (the codemod writes them so)
-    elif ignored:
+        return tuple(ignored)  # already names (the codemod writes them so)
+    if ignored:
         problems.append(
             Problem(
                 "ignored_modules",
@@ -314,25 +303,63 @@ def translate_fsdp1_kwargs(kwargs: Mapping[str, Any]) -> tuple[dict[str, Any], l
                 "name the modules in the config; module objects are only known with the model",
             )
         )
-    group = kwargs.get("process_group")
-    if group is not None:
-        import torch.distributed as dist
+    return None
 
-        world_group = (
-            isinstance(group, dist.ProcessGroup)
-            and dist.is_initialized()
-            and dist.get_world_size(group) == dist.get_world_size()
+
+def _process_group_problems(group: object) -> list[Problem]:
+    """A process group other than every rank's has no config meaning (HYBRID_SHARD: a 2D mesh)."""
+    if group is None:
+        return []
+    import torch.distributed as dist
+
+    world_group = (
+        isinstance(group, dist.ProcessGroup)
+        and dist.is_initialized()
+        and dist.get_world_size(group) == dist.get_world_size()
+    )
+    if world_group:
+        return []
+    return [
+        Problem(
+            "process_group",
+            group,
+            "None (every rank)",
+            "for HYBRID_SHARD build a 2D DeviceMesh (init_device_mesh(..., (replicate, "
+            "shard))) and pass it as shard(..., mesh=mesh)",
         )
-        if not world_group:
-            problems.append(
-                Problem(
-                    "process_group",
-                    group,
-                    "None (every rank)",
-                    "for HYBRID_SHARD build a 2D DeviceMesh (init_device_mesh(..., (replicate, "
-                    "shard))) and pass it as shard(..., mesh=mesh)",
-                )
-            )
+    ]
+
+
+def translate_fsdp1_kwargs(kwargs: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """BridgeConfig field values for FSDP1 constructor ``kwargs``, and notes for the report.
+
+    Raises:
+        ConfigError: listing every argument that has no bridge meaning, with the fix.
+    """
+    problems = _argument_problems(kwargs)
+    if problems:
+        raise ConfigError(problems)
+    out: dict[str, Any] = {}
+    if "sharding_strategy" in kwargs:
+        out["strategy"] = "full_shard" if kwargs["sharding_strategy"] is None else kwargs["sharding_strategy"]
+    # FSDP1 without a policy wraps only the root
+    out["wrap"] = _wrap_value(kwargs["auto_wrap_policy"], problems) if "auto_wrap_policy" in kwargs else "none"
+    if "mixed_precision" in kwargs:
+        out["mixed_precision"] = _mixed_precision_value(kwargs["mixed_precision"], problems)
+    if "cpu_offload" in kwargs:
+        out["cpu_offload"] = _cpu_offload_value(kwargs["cpu_offload"], problems)
+    if "backward_prefetch" in kwargs:
+        out["backward_prefetch"] = kwargs["backward_prefetch"]  # None means no prefetch, as in FSDP1
+    for key in ("forward_prefetch", "limit_all_gathers", "sync_module_states"):
+        if key in kwargs:
+            out[key] = bool(kwargs[key])
+    notes = _init_notes(kwargs)
+    if "device_id" in kwargs:
+        out["device"] = _device_value(kwargs["device_id"], problems)
+    ignored = _ignored_value(kwargs, problems)
+    if ignored is not None:
+        out["ignored_modules"] = ignored
+    problems += _process_group_problems(kwargs.get("process_group"))
     if problems:
         raise ConfigError(problems)
     return out, notes
