@@ -1135,3 +1135,86 @@ def test_a_clip_defined_in_another_file_is_named_relative_to_the_caller() -> Non
         (todo,) = [f for f in result.findings if f.construct == "model.clip_grad_norm_(...)"]
         assert "this tree defines its own clip_grad_norm_ (in ../pkg/model.py)" in todo.replacement, todo.replacement
         assert "(in ../pkg/model.py)" in result.fixed
+
+
+_COPIED_OPTIM_UTILS = """
+import torch
+from torch.distributed.fsdp._common_utils import _get_param_to_fqns, clean_tensor_name
+
+
+def _flatten_optim_state_dict(osd, model):
+    return {k: v.flat_param for k, v in osd.items()}
+
+
+def _unflatten_optim_state(info, state):
+    return [state]
+
+
+def _optim_state_dict(model, optim):
+    return _get_param_to_fqns(model)
+
+
+def _get_fqn_to_fsdp_param_info(model):
+    return {clean_tensor_name(n): p for n, p in model.named_parameters()}
+
+
+def _rekey_sharded_optim_state_dict(osd, model):
+    return osd
+"""
+
+
+def test_a_copy_of_torchs_own_module_is_one_construct_left_as_it_is(tmp_path: Path) -> None:
+    copy = tmp_path / "_optim_utils.py"
+    copy.write_text(_COPIED_OPTIM_UTILS)
+    report, _ = migrate_paths([copy], fix=True)
+    (finding,) = report.findings
+    assert not finding.fixable and (finding.line, finding.column) == (1, 0)
+    assert "a copy of torch's module torch.distributed.fsdp._optim_utils (5 of its" in finding.construct
+    assert "get_optimizer_state_dict" in finding.replacement
+    fixed = copy.read_text()
+    assert fixed == f"# {TODO}: {finding.construct}: {finding.replacement}\n" + _COPIED_OPTIM_UTILS  # only the note
+    assert migrate_source(fixed, str(copy)).fixed == fixed  # a second --fix adds nothing
+
+    # The same code under another name, or with fewer of torch's names, is code that uses FSDP1: line by line.
+    for name, code in (
+        ("optim_helpers.py", _COPIED_OPTIM_UTILS),
+        ("_optim_utils.py", _COPIED_OPTIM_UTILS.split("def _get_fqn_to_fsdp_param_info")[0]),
+    ):
+        findings = migrate_source(code, str(tmp_path / name)).findings
+        assert len(findings) > 1 and not any("a copy of torch" in f.construct for f in findings), name
+
+    # torch's own code that handles FSDP1 and FSDP2 side by side (a copy kept under a torch/ directory):
+    # rewriting isinstance(m, FSDP) there would send FSDP2 modules down FSDP1's path.
+    state_dict = tmp_path / "third_party" / "torch" / "distributed" / "checkpoint" / "state_dict.py"
+    state_dict.parent.mkdir(parents=True)
+    code = textwrap.dedent(
+        """
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+
+        class StateDictOptions:
+            full_state_dict: bool = False
+
+
+        def _verify_options(model):
+            return [m for m in model.modules() if isinstance(m, FSDP)]
+
+
+        def get_model_state_dict(model):
+            return model.state_dict()
+
+
+        def get_optimizer_state_dict(model, optim):
+            return optim.state_dict()
+
+
+        def set_model_state_dict(model, sd):
+            return model.load_state_dict(sd)
+        """
+    )
+    state_dict.write_text(code)
+    report, _ = migrate_paths([tmp_path / "third_party"], fix=True)
+    (finding,) = report.findings
+    assert "torch's module torch.distributed.checkpoint.state_dict (5 of its" in finding.construct
+    assert "import torch.distributed.checkpoint.state_dict from torch itself" in finding.replacement
+    assert state_dict.read_text().endswith(code) and "isinstance(m, FSDP)" in state_dict.read_text()

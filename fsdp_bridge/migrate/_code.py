@@ -39,6 +39,7 @@ from libcst.metadata import MetadataWrapper, PositionProvider, QualifiedNameProv
 
 from fsdp_bridge.mapping import TABLE
 from fsdp_bridge.migrate._report import CodeFinding, CodeReport
+from fsdp_bridge.migrate._vendored import vendored_torch_module
 
 __all__ = ["MigratedSource", "MigrationWriteError", "migrate_paths", "migrate_source"]
 
@@ -1756,7 +1757,7 @@ class _Scanner(cst.CSTVisitor):
         if kw in ("ignored_modules", "ignored_states"):
             return (
                 "module objects -> their paths in the model (fsdp_bridge.module_names, when the code runs): "
-                "neither sharded nor synchronised, as in FSDP1"
+                "not sharded, gradients not reduced across ranks, as in FSDP1"
             )
         if kw == "process_group" and isinstance(self._follow(value, _Conversion()), cst.Tuple):
             return (
@@ -2786,6 +2787,13 @@ def migrate_source(code: str, path: str = "<string>", *, dispatch: _Dispatch | N
     wrapper.visit(scan)  # plan: FSDP(...) conversions and checkpoint blocks
     scan.planning = False
     wrapper.visit(scan)  # report: every other construct
+    vendored = vendored_torch_module(code, path) if scan.findings else None
+    if vendored is not None:  # a copy of torch's own code that touches FSDP1: one construct, left as it is
+        finding = CodeFinding(path, 1, 0, vendored.construct, vendored.replacement, False)
+        comment = f"# {TODO}: {vendored.construct}: {vendored.replacement}\n"
+        head, _, rest = code.partition("\n") if code.startswith("#!") else ("", "", code)
+        noted = code if comment in code else (f"{head}\n" if head else "") + comment + rest
+        return MigratedSource(path, code, noted, [finding])
     if not scan.uses_fsdp1:  # at most config-driven FSDP (Trainer / accelerate arguments): report, change nothing
         return MigratedSource(path, code, code, sorted(scan.findings, key=lambda f: (f.line, f.column)))
     fixer = _Fixer(scan, {id(v): k for k, v in single.items()})
