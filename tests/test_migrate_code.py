@@ -356,18 +356,19 @@ def test_comments_between_the_arguments_of_a_rewritten_call_are_kept() -> None:
 
         def build(model, strategy, mesh):
             return FSDP(
-                model,
+                model,  # built on the meta device
                 # how the shards are laid out
                 sharding_strategy=strategy,  # from the run config
                 use_orig_params=True,
                 # the recipe this follows: https://example.org/recipe
                 sync_module_states=True,
-                device_mesh=mesh,
+                device_mesh=mesh,  # the dp sub-mesh
             )
         """
     )
     fixed = migrate_source(code, "c.py").fixed
     assert (
+        "        model,  # built on the meta device\n"
         "        fsdp_bridge.BridgeConfig.from_fsdp1(\n"
         "            # how the shards are laid out\n"
         "            sharding_strategy=strategy,  # from the run config\n"
@@ -375,7 +376,37 @@ def test_comments_between_the_arguments_of_a_rewritten_call_are_kept() -> None:
         "            # the recipe this follows: https://example.org/recipe\n"
         "            sync_module_states=True,\n"
         "        ),\n"
-        "        mesh=mesh,\n"
+        "        mesh=mesh,  # the dp sub-mesh\n"
+    ) in fixed, fixed
+    assert migrate_source(fixed, "c.py").fixed == fixed
+
+    # Values the codemod translates itself: each comment goes with what its argument became; those of an
+    # argument that becomes nothing go before the next one; the module's and the mesh's stay with them.
+    code = textwrap.dedent(
+        """
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
+
+        def build(model, mesh):
+            return FSDP(
+                model,  # the model
+                use_orig_params=True,  # needed by torch.compile
+                # ZeRO-2
+                sharding_strategy=ShardingStrategy.SHARD_GRAD_OP,
+                device_mesh=mesh  # the dp sub-mesh
+            )
+        """
+    )
+    fixed = migrate_source(code, "c.py").fixed
+    assert (
+        "        model,  # the model\n"
+        "        fsdp_bridge.BridgeConfig(\n"
+        '            backend="fsdp2",\n'
+        "            # needed by torch.compile\n"
+        "            # ZeRO-2\n"
+        '            strategy="shard_grad_op",\n'
+        '            wrap="none",\n'
+        "        ),\n"
+        "        mesh=mesh,  # the dp sub-mesh\n"
     ) in fixed, fixed
     assert migrate_source(fixed, "c.py").fixed == fixed
 

@@ -509,6 +509,10 @@ class _Conversion:
     user's own expressions and are translated when the code runs."""
     arg_comments: list[tuple[list[str], str | None]] = field(default_factory=list)
     """For each entry of ``runtime``: the comments on the lines before its argument and after it."""
+    slot_comments: dict[str, tuple[list[str], str | None]] = field(default_factory=dict)
+    """Comments written around the FSDP(...) arguments, by what they became in ``shard(...)``:
+    ``"module"``, ``"mesh"`` or a BridgeConfig keyword (comments of an argument that became nothing
+    go before the next one that did, or after the last)."""
 
 
 def _arg(name: str, value: cst.BaseExpression) -> cst.Arg:
@@ -1596,6 +1600,7 @@ class _Scanner(cst.CSTVisitor):
         """FSDP1's arguments by name for ``BridgeConfig.from_fsdp1``; None when they cannot be named."""
         out: list[tuple[str, str]] = []
         static.arg_comments = []
+        static.slot_comments = {}
 
         def add(kw: str, code: str) -> None:  # an argument kept, with the comments written around it
             out.append((kw, code))
@@ -1612,10 +1617,11 @@ class _Scanner(cst.CSTVisitor):
             if name is None:
                 static.blockers.append(f"positional argument {i + 1}: FullyShardedDataParallel takes no more")
                 return None
-            if name == "module":
-                static.module = a.value
-            elif name == "device_mesh":
-                static.mesh = a.value
+            if name in ("module", "device_mesh"):  # out of the config: their comments go with them
+                static.module, static.mesh = (a.value, static.mesh) if name == "module" else (static.module, a.value)
+                lead, trail = _comments_around(call, i)
+                if lead or trail:
+                    static.slot_comments["module" if name == "module" else "mesh"] = (lead, trail)
             elif name == "process_group" and isinstance(a.value, cst.Call):
                 static.blockers.append(
                     f"process_group={_code(a.value)}: FSDP2 shards over a DeviceMesh; build one "
@@ -1795,13 +1801,20 @@ class _Scanner(cst.CSTVisitor):
         has_wrap = False
         notes_for_report: list[str] = []
         kwarg_nodes: list[tuple[cst.Arg, str | None]] = []
+        pending: list[str] = []  # comments of arguments that became nothing, for the next slot
         for i, a in enumerate(call.args):
             kw = a.keyword.value if a.keyword else None
             if a.star:
                 conv.blockers.append(f"{a.star}{_code(a.value)}: arguments unpacked at run time")
                 continue
+            before = (len(config), conv.module, conv.mesh)
+            lead, trail = _comments_around(call, i)
+            pending += lead
             if (kw is None and i == 0) or kw == "module":
                 conv.module = a.value
+                if pending or trail:
+                    conv.slot_comments["module"] = (pending, trail)
+                pending = []
                 continue
             if kw is None:
                 conv.blockers.append(f"positional argument {i + 1} ({_code(a.value)}): pass it by keyword")
@@ -1881,6 +1894,23 @@ class _Scanner(cst.CSTVisitor):
                     f"{kw}={_code(a.value)}: no mechanical BridgeConfig equivalent "
                     f"({_fsdp2_any(_KWARG_OPTION.get(kw, kw))})"
                 )
+            slot = (
+                "module"
+                if conv.module is not before[1]
+                else "mesh"
+                if conv.mesh is not before[2]
+                else _code(config[-1].keyword)
+                if len(config) > before[0] and config[-1].keyword is not None
+                else None
+            )
+            if slot is not None:
+                if pending or trail:
+                    conv.slot_comments[slot] = (pending, trail)
+                pending = []
+            elif trail:
+                pending.append(trail)
+        if pending:
+            conv.slot_comments[""] = (pending, None)
         if not has_wrap:
             config.append(_arg("wrap", _str("none")))
         if conv.mesh is not None:
@@ -2645,20 +2675,27 @@ def _render_shard(conv: _Conversion) -> cst.BaseExpression:
     assert conv.module is not None
     if conv.runtime is not None:
         return _render_runtime(conv)
-    config = [f"{_code(a.keyword)}={_code(a.value)}" for a in conv.config_args if a.keyword is not None]
+    config = [(_code(a.keyword), f"{_code(a.keyword)}={_code(a.value)}") for a in conv.config_args if a.keyword]
     tail = [f"mesh={_code(conv.mesh)}"] if conv.mesh is not None else []
     one_line = (
-        f"fsdp_bridge.shard({_code(conv.module)}, fsdp_bridge.BridgeConfig({', '.join(config)})"
+        f"fsdp_bridge.shard({_code(conv.module)}, fsdp_bridge.BridgeConfig({', '.join(c for _, c in config)})"
         + "".join(f", {t}" for t in tail)
         + ")"
     )
-    if len(conv.indent) + len(one_line) <= 100:
+    if len(conv.indent) + len(one_line) <= 100 and not conv.slot_comments:
         return cst.parse_expression(one_line)
+
     # libcst adds the enclosing block's indentation to each continuation line.
     i1, i2 = "    ", "        "
-    lines = ["fsdp_bridge.shard(", f"{i1}{_code(conv.module)},", f"{i1}fsdp_bridge.BridgeConfig("]
-    lines += [f"{i2}{c}," for c in config]
-    lines += [f"{i1}),"] + [f"{i1}{t}," for t in tail] + [")"]
+    lines = [
+        "fsdp_bridge.shard(",
+        *_commented(conv, i1, "module", _code(conv.module)),
+        f"{i1}fsdp_bridge.BridgeConfig(",
+    ]
+    for slot, text in config:
+        lines += _commented(conv, i2, slot, text)
+    lines += [f"{i1}),"] + [x for t in tail for x in _commented(conv, i1, "mesh", t)]
+    lines += [i1 + c for c in conv.slot_comments.get("", ([], None))[0]] + [")"]
     return cst.parse_expression("\n".join(lines))
 
 
@@ -2682,7 +2719,7 @@ def _comments_around(call: cst.Call, i: int) -> tuple[list[str], str | None]:
         if isinstance(prev, cst.Comma):
             lead = own_lines(prev.whitespace_after)
     a = call.args[i]
-    trail = first(a.comma.whitespace_after) if isinstance(a.comma, cst.Comma) else None
+    trail = first(a.comma.whitespace_after) if isinstance(a.comma, cst.Comma) else first(a.whitespace_after_arg)
     return lead, trail
 
 
@@ -2706,13 +2743,18 @@ def _render_runtime(conv: _Conversion) -> cst.BaseExpression:
     """``fsdp_bridge.shard(module, fsdp_bridge.BridgeConfig.from_fsdp1(kw=<as written>, ...)[, mesh=])``."""
     assert conv.module is not None and conv.runtime is not None
     i1, i2 = "    ", "        "
-    lines = ["fsdp_bridge.shard(", f"{i1}{_code(conv.module)},", f"{i1}fsdp_bridge.BridgeConfig.from_fsdp1("]
-    lines += _runtime_lines(conv, i2)
-    lines.append(f"{i1}),")
+    lines = ["fsdp_bridge.shard(", *_commented(conv, i1, "module", _code(conv.module))]
+    lines += [f"{i1}fsdp_bridge.BridgeConfig.from_fsdp1(", *_runtime_lines(conv, i2), f"{i1}),"]
     if conv.mesh is not None:
-        lines.append(f"{i1}mesh={_code(conv.mesh)},")
+        lines += _commented(conv, i1, "mesh", f"mesh={_code(conv.mesh)}")
     lines.append(")")
     return cst.parse_expression("\n".join(lines))
+
+
+def _commented(conv: _Conversion, indent: str, slot: str, text: str) -> list[str]:
+    """``text,`` on a line of its own, with the comments written around the argument it came from."""
+    lead, trail = conv.slot_comments.get(slot, ([], None))
+    return [indent + c for c in lead] + [f"{indent}{text}," + (f"  {trail}" if trail else "")]
 
 
 def _commas(args: Sequence[cst.Arg]) -> list[cst.Arg]:
