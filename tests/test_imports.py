@@ -252,25 +252,13 @@ def _raises_itself(fn: Any) -> bool:
     return False
 
 
-# Every package face: what each exports is held to it.
-API_FACES = (
-    "fsdp_bridge",
-    "fsdp_bridge.checkpoint",
-    "fsdp_bridge.train",
-    "fsdp_bridge.compare",
-    "fsdp_bridge.testing",
-    "fsdp_bridge.estimate",
-    "fsdp_bridge.migrate",
-    "fsdp_bridge.hf",
-    "fsdp_bridge.backends",
-    "fsdp_bridge.cli",
-)
-
-
 def _exported_callables() -> list[tuple[str, Any]]:
-    """Every function the package faces export, and the public methods of the classes they export."""
+    """Every function the package faces (those docs/api.md documents) export, and the public
+    methods of the classes they export."""
     import importlib
     import inspect
+
+    from fsdp_bridge.docgen import API_FACES
 
     out: list[tuple[str, Any]] = []
     seen: set[int] = set()
