@@ -12,12 +12,27 @@ __all__ = ["disable_kv_cache", "is_hf_model", "no_split_module_classes", "tied_p
 
 
 def is_hf_model(model: nn.Module) -> bool:
-    """True for a transformers ``PreTrainedModel`` (checked without importing transformers)."""
+    """Whether ``model`` is a transformers ``PreTrainedModel`` (checked without importing transformers).
+
+    Args:
+        model: any module.
+
+    Returns:
+        True when a class named ``PreTrainedModel`` is among its bases.
+    """
     return any(cls.__name__ == "PreTrainedModel" for cls in type(model).__mro__)
 
 
 def no_split_module_classes(model: nn.Module) -> list[str]:
-    """The ``_no_split_modules`` of the model or of its first submodule that has them."""
+    """The classes a Hugging Face model asks never to split, which ``wrap: auto`` makes units.
+
+    Args:
+        model: any module.
+
+    Returns:
+        The ``_no_split_modules`` class names of the model or of its first submodule that has
+        them, without repeats; empty when none does.
+    """
     for module in model.modules():
         names = getattr(module, "_no_split_modules", None)
         if names:
@@ -27,7 +42,14 @@ def no_split_module_classes(model: nn.Module) -> list[str]:
 
 def disable_kv_cache(model: nn.Module) -> bool:
     """Turn off the KV cache (activation checkpointing recomputes layers, and a cache
-    filled twice would change shapes).  Returns whether anything was changed."""
+    filled twice would change shapes).
+
+    Args:
+        model: any module; every submodule whose ``config.use_cache`` is true gets it set to False.
+
+    Returns:
+        Whether anything was changed.
+    """
     changed = False
     for module in model.modules():
         config = getattr(module, "config", None)
@@ -38,7 +60,14 @@ def disable_kv_cache(model: nn.Module) -> bool:
 
 
 def tied_parameter_names(model: nn.Module) -> list[list[str]]:
-    """Groups of parameter names that share one tensor (e.g. embed_tokens and lm_head)."""
+    """Groups of parameter names that share one tensor (e.g. embed_tokens and lm_head).
+
+    Args:
+        model: any module.
+
+    Returns:
+        One list of names per shared parameter, in ``named_parameters`` order; empty when none is tied.
+    """
     groups: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         groups.setdefault(id(p), []).append(name)

@@ -27,6 +27,8 @@ __all__ = ["TABLE", "Outcome", "Rule", "Translation", "TranslationReport", "tran
 
 
 class Outcome(enum.Enum):
+    """What a backend does with one option's value: the four outcomes of the translation table."""
+
     NATIVE = "native"
     """The backend has the option; it is passed through."""
     EMULATED = "emulated"
@@ -665,6 +667,8 @@ class Entry:
 
 @dataclass(frozen=True)
 class TranslationReport:
+    """What one backend does with every option of a config (:func:`translate`): one entry per option."""
+
     backend: Backend
     entries: tuple[Entry, ...]
 

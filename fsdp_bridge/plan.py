@@ -136,7 +136,17 @@ class ShardPlan:
     fake world size (:func:`fsdp_bridge.estimate.plan_at_scale`, FSDP2): the shards stay on meta."""
 
     def reshard_after_forward(self, *, is_root: bool) -> bool | int | None:
-        """Per-unit reshard-after-forward (:func:`reshard_after_forward`)."""
+        """Per-unit reshard-after-forward (:func:`reshard_after_forward`).
+
+        Args:
+            is_root: the unit is the root module, which keeps its gathered parameters for the
+                backward that follows unless the config says otherwise (FSDP1's rule).
+
+        Returns:
+            Whether the unit frees its gathered parameters after forward: a bool, the config's
+            ``reshard_after_forward`` override as given (FSDP2 takes an int too), or None where it
+            is decided when the unit first runs (a manually wrapped unit asked about as a root).
+        """
         return reshard_after_forward(
             self.strategy,
             self.reshard_override,

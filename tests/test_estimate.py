@@ -18,8 +18,8 @@ from fsdp_bridge.estimate import (
     format_table,
     load_model_config,
     model_units,
-    parse_bytes,
 )
+from fsdp_bridge.estimate.report import parse_bytes
 
 LLAMA2_7B = (
     "llama:hidden_size=4096,intermediate_size=11008,num_hidden_layers=32,num_attention_heads=32,"

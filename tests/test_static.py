@@ -22,6 +22,33 @@ def test_generated_doc_blocks_are_current() -> None:
     assert out.returncode == 0, out.stderr
 
 
+def test_api_reference_lists_every_face_and_refuses_an_undocumented_name(monkeypatch) -> None:
+    """docs/api.md (the api-reference block, kept current by the test above) covers every package
+    face, and the generator refuses an exported name without a docstring instead of leaving a hole."""
+    import importlib
+
+    import pytest
+
+    import fsdp_bridge.hf
+    from fsdp_bridge import docgen
+
+    subpackages = {f"fsdp_bridge.{p.parent.name}" for p in (ROOT / "fsdp_bridge").glob("*/__init__.py")}
+    assert sorted(subpackages - set(docgen.API_FACES)) == [], "add the new subpackage to docgen.API_FACES"
+    doc = (ROOT / "docs" / "api.md").read_text(encoding="utf-8")
+    for face in docgen.API_FACES:
+        names = importlib.import_module(face).__all__
+        assert [n for n in names if f"### `{face}.{n}`" not in doc] == [], face
+
+    def undocumented(model: object) -> object:
+        return model
+
+    undocumented.__doc__ = None
+    monkeypatch.setattr(fsdp_bridge.hf, "undocumented", undocumented, raising=False)
+    monkeypatch.setattr(fsdp_bridge.hf, "__all__", [*fsdp_bridge.hf.__all__, "undocumented"])
+    with pytest.raises(ValueError, match=r"fsdp_bridge\.hf\.undocumented .*has no docstring"):
+        docgen.api_reference_markdown()
+
+
 def test_help_is_plain_text_and_every_subcommand_describes_itself(capsys) -> None:
     from fsdp_bridge.cli import build_parser
 

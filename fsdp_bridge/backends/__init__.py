@@ -11,7 +11,14 @@ __all__ = ["BackendImpl", "ShardPlan", "backend_inside", "get_backend", "model_c
 
 
 def get_backend(backend: Backend) -> BackendImpl:
-    """The implementation of ``backend`` (imported lazily: FSDP1 and FSDP2 pull in different torch modules)."""
+    """The implementation of ``backend`` (imported lazily: FSDP1 and FSDP2 pull in different torch modules).
+
+    Args:
+        backend: which FSDP.
+
+    Returns:
+        A new :class:`BackendImpl` for it.
+    """
     if backend is Backend.FSDP1:
         from fsdp_bridge.backends.fsdp1 import FSDP1Backend
 
@@ -22,8 +29,15 @@ def get_backend(backend: Backend) -> BackendImpl:
 
 
 def backend_inside(model: object) -> Backend | None:
-    """The backend whose modules ``model`` is or holds (FSDP1 wrappers, ``fully_shard`` modules or
-    its DTensor parameters), for calls on a part of a sharded model; None: neither."""
+    """The backend whose modules ``model`` is or holds, for calls on a part of a sharded model.
+
+    Args:
+        model: anything; only an ``nn.Module`` can hold FSDP modules.
+
+    Returns:
+        ``Backend.FSDP1`` for FSDP1 wrappers, ``Backend.FSDP2`` for ``fully_shard`` modules or
+        DTensor parameters (the first found in ``model.modules()`` order), None for neither.
+    """
     from torch import nn
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
     from torch.distributed.tensor import DTensor
@@ -39,8 +53,16 @@ def backend_inside(model: object) -> Backend | None:
 
 
 def sharded_by(model: object, skip: Collection[object] = ()) -> str | None:
-    """Which FSDP already wraps ``model`` or one of its submodules (raw torch calls), if any;
-    the modules in ``skip`` (sharded by the bridge itself) and everything under them excepted."""
+    """Which FSDP already wraps ``model`` or one of its submodules (raw torch calls), if any.
+
+    Args:
+        model: anything; only an ``nn.Module`` can hold FSDP modules.
+        skip: modules sharded by the bridge itself; they and everything under them are not looked at.
+
+    Returns:
+        ``"FullyShardedDataParallel (FSDP1) (at <name>)"`` or ``"fully_shard (FSDP2) (at <name>)"``
+        for the first such module, None when there is none.
+    """
     from torch import nn
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
@@ -61,7 +83,14 @@ def sharded_by(model: object, skip: Collection[object] = ()) -> str | None:
 def model_class_name(model: object) -> str:
     """The class name of the user's model, whichever FSDP sharded it: FSDP1 returns a
     ``FullyShardedDataParallel`` wrapper holding it as ``.module``; FSDP2's ``fully_shard``
-    changes its class to a subclass named ``FSDP<Cls>``.  Recorded in checkpoint descriptions."""
+    changes its class to a subclass named ``FSDP<Cls>``.  Recorded in checkpoint descriptions.
+
+    Args:
+        model: a module, sharded by either backend or not at all.
+
+    Returns:
+        The name of the user's class (``LlamaForCausalLM``, never ``FSDPLlamaForCausalLM``).
+    """
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
     if isinstance(model, FullyShardedDataParallel):

@@ -48,6 +48,15 @@ def _plain_help(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one ``fsdp-bridge`` command.
+
+    Args:
+        argv: the arguments after the program name; None reads ``sys.argv``.
+
+    Returns:
+        The exit code: the command's (0 on success), 2 for a usage error, a ``ConfigError`` or
+        ``CheckpointError`` (its message printed to stderr) or a failed file access.
+    """
     parser = build_parser()
     # Subcommands that take key=value items (train) accept them between options too.
     args, extra = parser.parse_known_args(argv)

@@ -64,7 +64,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 def run(args: argparse.Namespace) -> int:
     from fsdp_bridge.config import BridgeConfig
-    from fsdp_bridge.estimate import estimate, format_table, parse_bytes
+    from fsdp_bridge.estimate import estimate, format_table
+    from fsdp_bridge.estimate.report import parse_bytes
 
     base = BridgeConfig(
         mixed_precision=args.mixed_precision,

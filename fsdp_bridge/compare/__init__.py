@@ -5,8 +5,8 @@
     from fsdp_bridge.compare import CompareJob, run_job   # on every rank of a launched job
     report = run_job(CompareJob.from_dict({...}))
 
-The engine (:func:`run_parity`) is also what ``fsdp_bridge.testing.assert_backend_parity``
-uses in tests.
+The engine behind :func:`run_job` (``fsdp_bridge.compare.engine``) is also what
+``fsdp_bridge.testing.assert_backend_parity`` uses in tests.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from fsdp_bridge.compare.differences import backend_differences
-from fsdp_bridge.compare.engine import REFERENCE, RunSpec, run_parity
+from fsdp_bridge.compare.engine import run_parity
 from fsdp_bridge.compare.job import CompareJob, load_job, read_job
 from fsdp_bridge.compare.output import plot_report, write_report
 from fsdp_bridge.compare.report import (
@@ -30,14 +30,12 @@ from fsdp_bridge.compare.report import (
 )
 
 __all__ = [
-    "REFERENCE",
     "TOLERANCES",
     "CompareJob",
     "Difference",
     "PairVerdict",
     "ParityReport",
     "RunResult",
-    "RunSpec",
     "StepDiff",
     "StepRecord",
     "Tolerance",
@@ -46,7 +44,6 @@ __all__ = [
     "plot_report",
     "read_job",
     "run_job",
-    "run_parity",
     "tolerance_for",
     "write_report",
 ]

@@ -123,6 +123,8 @@ TOLERANCES: dict[str, Tolerance] = {
         "different division of gradients before and after the reduction. " + _ADAM_SIGN,
     ),
 }
+"""The tolerance of each compute precision (``fp32``, ``bf16``, ``fp16``), each with the reason
+for its bounds; :func:`tolerance_for` picks one for a mixed-precision config."""
 
 
 def tolerance_for(mixed_precision: MixedPrecisionConfig) -> Tolerance:

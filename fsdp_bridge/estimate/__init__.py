@@ -13,7 +13,7 @@ would create (:func:`fsdp_bridge.wrap.resolve_wrap`).  CLI: ``fsdp-bridge estima
 from fsdp_bridge.estimate.fake_world import RankPlan, ScalePlan, fake_process_group, plan_at_scale
 from fsdp_bridge.estimate.memory import OPTIMIZERS, RankMemory, Unit, estimate_memory, measure_activations, model_units
 from fsdp_bridge.estimate.model import build_meta_model, load_model_config
-from fsdp_bridge.estimate.report import estimate, format_bytes, format_table, parse_bytes
+from fsdp_bridge.estimate.report import estimate, format_table
 from fsdp_bridge.estimate.tracker import LiveBytes, storage_bytes
 
 __all__ = [
@@ -27,12 +27,10 @@ __all__ = [
     "estimate",
     "estimate_memory",
     "fake_process_group",
-    "format_bytes",
     "format_table",
     "load_model_config",
     "measure_activations",
     "model_units",
-    "parse_bytes",
     "plan_at_scale",
     "storage_bytes",
 ]

@@ -54,6 +54,8 @@ OPTIMIZERS: dict[str, tuple[int, bool]] = {
     "rmsprop": (1, True),
     "none": (0, False),
 }
+"""The optimizers the estimator knows: name -> (states kept per parameter element, whether each
+parameter also has a scalar ``step`` tensor)."""
 _STEP_BYTES = 4  # torch keeps ``step`` as a float32 scalar tensor
 
 

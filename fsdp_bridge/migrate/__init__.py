@@ -7,17 +7,14 @@
 Every per-option outcome comes from :data:`fsdp_bridge.mapping.TABLE`.
 """
 
-from fsdp_bridge.migrate._config import Migration, migrate_config, read_source, write_outputs
-from fsdp_bridge.migrate._report import CodeFinding, CodeReport, ConfigReport, OptionRow, Status
+from fsdp_bridge.migrate._config import Migration, migrate_config, write_outputs
+from fsdp_bridge.migrate._report import ConfigReport, OptionRow, Status
 
 __all__ = [
-    "CodeFinding",
-    "CodeReport",
     "ConfigReport",
     "Migration",
     "OptionRow",
     "Status",
     "migrate_config",
-    "read_source",
     "write_outputs",
 ]

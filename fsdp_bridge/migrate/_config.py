@@ -509,7 +509,16 @@ def parse_bridge(data: Mapping[str, Any], path: str) -> Fsdp1Source:
 def read_source(path: str | os.PathLike[str], *, fsdp: str | None = None) -> Fsdp1Source:
     """Read and recognise an FSDP1 configuration file.
 
-    ``fsdp``: the Trainer's ``fsdp`` option string, when ``path`` is its ``fsdp_config`` JSON.
+    Args:
+        path: an accelerate YAML, a Trainer ``fsdp_config`` JSON or command line, an axolotl YAML
+            or a bridge YAML with ``backend: fsdp1``.
+        fsdp: the Trainer's ``fsdp`` option string, when ``path`` is its ``fsdp_config`` JSON.
+
+    Returns:
+        The recognised source: its kind, the bridge fields read and one entry per option.
+
+    Raises:
+        ConfigError: the file cannot be read, is not a recognised FSDP1 config, or holds invalid values.
     """
     path = Path(path)
     try:
@@ -719,7 +728,21 @@ def _table_target(option: str, value: object) -> str:
 
 
 def migrate_config(path: str | os.PathLike[str], *, fsdp: str | None = None) -> Migration:
-    """Read an FSDP1 config and work out its FSDP2 equivalent and the per-option report."""
+    """Read an FSDP1 config and work out its FSDP2 equivalent and the per-option report.
+
+    Args:
+        path: the FSDP1 config (accelerate YAML, Trainer ``fsdp_config`` JSON or command line,
+            axolotl YAML, or a bridge YAML with ``backend: fsdp1``).
+        fsdp: the Trainer's ``fsdp`` option string, when ``path`` is its ``fsdp_config`` JSON.
+
+    Returns:
+        The :class:`Migration`: the source read, the FSDP1 and FSDP2 ``BridgeConfig``, the
+        per-option :class:`ConfigReport` and, for accelerate sources, the accelerate FSDP2 YAML.
+
+    Raises:
+        ConfigError: the file cannot be read or recognised, holds invalid values, or asks for
+            something FSDP2 does not support and no substitute is known.
+    """
     src = read_source(path, fsdp=fsdp)
     fields = dict(src.fields)
     fields["backend"] = Backend.FSDP1
@@ -801,7 +824,15 @@ def _header(command: str) -> str:
 
 def write_outputs(migration: Migration, dst: str | os.PathLike[str]) -> list[str]:
     """Write the bridge YAML to ``dst``, the accelerate FSDP2 YAML beside it (accelerate sources),
-    and the report as ``<dst stem>.migration.md``.  Returns the paths written."""
+    and the report as ``<dst stem>.migration.md``.
+
+    Args:
+        migration: what :func:`migrate_config` returned; its report's ``outputs`` are set.
+        dst: the bridge YAML to write (its directory is created).
+
+    Returns:
+        The paths written, the bridge YAML first and the report last.
+    """
     dst = Path(dst)
     dst.parent.mkdir(parents=True, exist_ok=True)
     written: list[str] = []

@@ -72,14 +72,31 @@ class ConfigReport:
     outputs: list[str] = field(default_factory=list)
 
     def row(self, key: str) -> OptionRow:
-        """The row of a source key (raises KeyError naming the keys that exist)."""
+        """The row of a source key.
+
+        Args:
+            key: the option's key as the source file spells it (``fsdp_sharding_strategy``).
+
+        Returns:
+            The :class:`OptionRow` of that key.
+
+        Raises:
+            KeyError: ``key`` is not in the report; the message names the keys that are.
+        """
         for r in self.rows:
             if r.key == key:
                 return r
         raise KeyError(f"{key!r} is not in the report; rows: {', '.join(r.key for r in self.rows)}")
 
     def format(self, *, width: int = 110) -> str:
-        """Plain text: one block per option."""
+        """Plain text: one block per option, then the notes and the files written.
+
+        Args:
+            width: the column at which reasons are wrapped.
+
+        Returns:
+            The report as lines of text (what ``fsdp-bridge migrate config`` prints).
+        """
         lines = [f"FSDP1 -> FSDP2 migration of {self.source} ({self.kind} config)", ""]
         for r in self.rows:
             lines.append(f"{r.key}: {r.status.value.upper()}  ({r.value} -> {r.target})")
@@ -100,7 +117,11 @@ class ConfigReport:
         return "\n".join(lines)
 
     def to_markdown(self) -> str:
-        """The report as a Markdown table (written beside the output)."""
+        """The report as a Markdown table (written beside the output).
+
+        Returns:
+            A heading, one table row per option and the notes as a list, ending in a newline.
+        """
         has_acc = any(r.accelerate is not None for r in self.rows)
         head = "| option | value | outcome | becomes | reason |" + (" accelerate FSDP2 |" if has_acc else "")
         sep = "| --- | --- | --- | --- | --- |" + (" --- |" if has_acc else "")
@@ -116,6 +137,12 @@ class ConfigReport:
         return "\n".join(lines) + "\n"
 
     def to_dict(self) -> dict[str, object]:
+        """The report as JSON-safe data.
+
+        Returns:
+            ``source``, ``kind``, ``rows`` (one mapping per option: key, value, status, target,
+            reason, accelerate), ``notes`` and ``outputs``.
+        """
         return {
             "source": self.source,
             "kind": self.kind,
