@@ -2143,6 +2143,7 @@ class _Scanner(cst.CSTVisitor):
             save_opts = f"fsdp_bridge.state_dict_options({runtime})"
             optim_opts = f"fsdp_bridge.state_dict_options({runtime}, optimizer=True)"
             load_opts = f"fsdp_bridge.state_dict_options({runtime}, load=True)"
+            optim_load_opts = f"fsdp_bridge.state_dict_options({runtime}, optimizer=True, load=True)"
             self.needs_imports.add(("fsdp_bridge", None))
         else:
             full = kind == "FULL_STATE_DICT"
@@ -2157,6 +2158,9 @@ class _Scanner(cst.CSTVisitor):
                 offload=not full and self._config_flag(optim_cfg, "offload_to_cpu", False),
             )
             load_opts = self._options(full)
+            # FSDP1 loads a full optimizer state with rank0_only from rank 0 alone (the other ranks'
+            # dicts are ignored, often None) and broadcasts it; the model's load has no such mode.
+            optim_load_opts = self._options(full, broadcast=full and self._config_flag(optim_cfg, "rank0_only", False))
         rewrites: dict[int, str] = {}
         for inner in _walk(node.body):
             if not isinstance(inner, cst.Call):
@@ -2186,7 +2190,7 @@ class _Scanner(cst.CSTVisitor):
                 m_, o_ = (_code(a.value) for a in inner.args[:2])
                 rewrites[id(inner)] = f"get_optimizer_state_dict({m_}, {o_}, options={optim_opts})"
             elif hit == (FSDP, "optim_state_dict_to_load") and id(inner) not in self.consumed_nodes:
-                code = self._optim_to_load(inner, load_opts)
+                code = self._optim_to_load(inner, optim_load_opts)
                 if code is not None:
                     rewrites[id(inner)] = code
             elif (
@@ -2200,7 +2204,7 @@ class _Scanner(cst.CSTVisitor):
                 if len(to_load.args) >= 3:
                     self.needs_state_dict_api.add("set_optimizer_state_dict")
                     m_, o_, sd = (_code(a.value) for a in to_load.args[:3])
-                    rewrites[id(inner)] = f"set_optimizer_state_dict({m_}, {o_}, {sd}, options={load_opts})"
+                    rewrites[id(inner)] = f"set_optimizer_state_dict({m_}, {o_}, {sd}, options={optim_load_opts})"
                     self._consume(to_load)
         if not rewrites:
             return
