@@ -128,6 +128,14 @@ EXPECTED: dict[str, set[tuple[int, str]]] = {
         (25, "class ...(FSDP)"),
         (32, "fsdp_runtime._post_backward_hook (torch.distributed.fsdp._runtime_utils._post_backward_hook)"),
         (36, "clean_tensor_name (torch.distributed.fsdp._common_utils.clean_tensor_name)"),
+        # the units of FSDP.fsdp_modules(...) in a loop and a comprehension are FSDP1 wrappers there
+        (41, "FSDP.fsdp_modules(...)"),
+        (42, "unit._has_params (an FSDP1 internal)"),
+        (42, "unit.sharding_strategy (an FSDP1 wrapper attribute)"),
+        (43, "_reshard (torch.distributed.fsdp._runtime_utils._reshard)"),
+        (43, "unit._handle (an FSDP1 internal)"),
+        (47, "unit.mixed_precision (an FSDP1 wrapper attribute)"),
+        (47, "FSDP.fsdp_modules(...)"),
     },
     "internals_and_trainer.py": {
         (14, "FSDP (annotation)"),
@@ -1025,6 +1033,8 @@ def test_private_fsdp1_helpers_and_wrapper_subclasses_are_todos_not_fixes() -> N
     kept = (
         "StateDictType.LOCAL_STATE_DICT",
         "clean_tensor_name (torch.distributed.fsdp._common_utils.clean_tensor_name)",
+        "FSDP.fsdp_modules(...)",
+        "FSDP.fsdp_modules(...)",
     )
     assert [f.construct for f in result.findings if f.fixable] == list(kept)  # a name helper works as it is
     assert "call module.reshard() (FSDPModule)" in result.fixed

@@ -123,6 +123,8 @@ _INTERNAL_ATTRS: dict[str, str] = {
     "iterate model.parameters() (p.to_local() for this rank's shard)",
     "_handle": "FSDP1's FlatParamHandle has no FSDP2 form: use the module's parameters (DTensors) and "
     "FSDPModule methods (unshard/reshard)",
+    "_has_params": "FSDP1's private flag (does this unit manage parameters) has no FSDP2 form: FSDPModule's "
+    "reshard()/unshard() do nothing on a unit without parameters; drop the test",
     "_lazy_init": "FSDP2 initialises on the first forward; nothing to call (FSDPModule has no _lazy_init)",
     "_fsdp_wrapped_module": "FSDP2 does not wrap: the module is itself (an FSDPModule); drop the attribute",
     "_handles": "FSDP1's list of FlatParamHandles has no FSDP2 form: use the module's parameters (DTensors) and "
@@ -187,6 +189,11 @@ def _private_text(name: str) -> str:
         return (
             f"FSDP1's private {last} (flat-parameter handles) has no FSDP2 form: on an FSDP2 module call "
             f"module.{public} (FSDPModule), which frees or gathers that unit's parameters"
+            + (
+                " (fsdp_bridge.shard's FSDP2 units already free what they kept after a forward run without gradients)"
+                if last == "_reshard"
+                else ""
+            )
         )
     if last == "_init_intra_and_inter_node_groups":
         return (
@@ -1155,6 +1162,27 @@ class _Scanner(cst.CSTVisitor):
                     kinds |= kind(n.value.func)
             elif isinstance(n, cst.Assert):
                 kinds |= self._test_kinds(n.test, target)
+            elif (
+                isinstance(n, (cst.For, cst.ListComp, cst.SetComp, cst.GeneratorExp, cst.DictComp))
+                and before is not None
+            ):
+                # ``for m in FSDP.fsdp_modules(model):`` (or a comprehension): m is an FSDP1 unit in there
+                loops: list[cst.For | cst.CompFor] = []
+                part: cst.For | cst.CompFor | None = n if isinstance(n, cst.For) else n.for_in
+                while part is not None:
+                    loops.append(part)
+                    part = part.inner_for_in if isinstance(part, cst.CompFor) else None
+                span, at = self.get_metadata(PositionProvider, n), self.get_metadata(PositionProvider, before).start
+                if (span.start.line, span.start.column) <= (at.line, at.column) <= (
+                    span.end.line,
+                    span.end.column,
+                ) and any(
+                    _code(loop.target) == target
+                    and isinstance(loop.iter, cst.Call)
+                    and self._qn(loop.iter.func) == (FSDP, "fsdp_modules")
+                    for loop in loops
+                ):
+                    kinds.add("fsdp1")
             elif isinstance(n, cst.Call):
                 f = n.func
                 if m.matches(f, m.Name("isinstance")) and len(n.args) == 2 and _code(n.args[0].value) == target:
