@@ -444,7 +444,9 @@ def optim_state_dict_to_load(
         # FSDP1 takes full or sharded values whatever the state-dict type (it gathers sharded ones):
         # DTensor values (load_sharded_optimizer_state_dict's on FSDP2) are loaded as sharded state.
         options = StateDictOptions(full_state_dict=not _holds_dtensor(optim_state_dict))
-    state = {} if optim_state_dict is None else dict(optim_state_dict)
+    # FSDP1 ignores what the other ranks pass when rank 0's state is broadcast (rank0_only).
+    others = bool(getattr(options, "broadcast_from_rank0", False)) and torch.distributed.get_rank() != 0
+    state = {} if optim_state_dict is None or others else dict(optim_state_dict)
     set_optimizer_state_dict(model, optim, state, options=options)
     return optim.state_dict()
 
