@@ -46,12 +46,14 @@ EXPECTED: dict[str, set[tuple[int, str]]] = {
         (71, "model.clip_grad_norm_(...)"),
     },
     "full_state_dict.py": {
-        (34, "FullyShardedDataParallel(...)"),
-        (36, "sharding_strategy="),
-        (37, "auto_wrap_policy="),
-        (38, "device_id="),
-        (55, "FSDP.state_dict_type(FULL_STATE_DICT)"),
-        (62, "FSDP.state_dict_type(FULL_STATE_DICT)"),
+        (51, "FullyShardedDataParallel(...)"),
+        (53, "sharding_strategy="),
+        (54, "auto_wrap_policy="),
+        (55, "device_id="),
+        (64, "FSDP.state_dict_type(FULL_STATE_DICT)"),
+        (71, "FSDP.state_dict_type(FULL_STATE_DICT)"),
+        (79, "FSDP.state_dict_type(FULL_STATE_DICT)"),
+        (86, "FSDP.state_dict_type(FULL_STATE_DICT)"),
     },
     "grad_accum.py": {
         (33, "FSDP(...)"),
@@ -126,6 +128,14 @@ EXPECTED: dict[str, set[tuple[int, str]]] = {
         (25, "class ...(FSDP)"),
         (32, "fsdp_runtime._post_backward_hook (torch.distributed.fsdp._runtime_utils._post_backward_hook)"),
         (36, "clean_tensor_name (torch.distributed.fsdp._common_utils.clean_tensor_name)"),
+        # the units of FSDP.fsdp_modules(...) in a loop and a comprehension are FSDP1 wrappers there
+        (41, "FSDP.fsdp_modules(...)"),
+        (42, "unit._has_params (an FSDP1 internal)"),
+        (42, "unit.sharding_strategy (an FSDP1 wrapper attribute)"),
+        (43, "_reshard (torch.distributed.fsdp._runtime_utils._reshard)"),
+        (43, "unit._handle (an FSDP1 internal)"),
+        (47, "unit.mixed_precision (an FSDP1 wrapper attribute)"),
+        (47, "FSDP.fsdp_modules(...)"),
     },
     "internals_and_trainer.py": {
         (14, "FSDP (annotation)"),
@@ -548,9 +558,11 @@ def test_rewritten_scripts_match_fsdp1_losses(tmp_path: Path) -> None:
         assert len(dc1) == 4 and len(kw1) == 4
         # bf16 compute: FSDP1 and FSDP2 round the same math in different places
         assert mp2 == pytest.approx(mp1, rel=2e-2), (mp1, mp2)
+        # full_state_dict: after an evaluation forward, the optimizer's full state saved and loaded on
+        # rank 0 only (rank0_only), then two more steps that read its momentum
         assert sd2 == pytest.approx(sd1, rel=1.3e-6, abs=1e-5), (sd1, sd2)
         assert ga2 == pytest.approx(ga1, rel=1.3e-6, abs=1e-5), (ga1, ga2)
-        assert len(ga1) == 9 and len(sd1) == 5
+        assert len(ga1) == 9 and len(sd1) == 7
 
     four = [(*_prepare(tmp_path, name), {}) for name in ("hybrid_mesh.py", "fsdp_tp.py")]
     hy, tp = run_distributed(_run_pairs, world_size=4, args=(four,), env=env, timeout_s=300)[0]
@@ -802,6 +814,100 @@ def test_keyword_and_runtime_state_dict_calls_are_rewritten() -> None:
     assert migrate_source(fixed, "kw.py").fixed == fixed
 
 
+def test_rank0_only_optimizer_load_is_sent_from_rank0() -> None:
+    """FSDP1 reads a full optimizer state with ``FullOptimStateDictConfig(rank0_only=True)`` on rank 0
+    alone and broadcasts it (the other ranks often pass None); its model load has no such mode."""
+    source = textwrap.dedent("""\
+        import torch
+        from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig, StateDictType
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+
+        def resume(model, optim, ckpt, rank):
+            saved = torch.load(ckpt)
+            with FSDP.state_dict_type(
+                model,
+                StateDictType.FULL_STATE_DICT,
+                FullStateDictConfig(offload_to_cpu=True, rank0_only=True),
+                FullOptimStateDictConfig(offload_to_cpu=True, rank0_only=True),
+            ):
+                model.load_state_dict(saved["model"])
+                osd = FSDP.optim_state_dict_to_load(model=model, optim=optim,
+                                                    optim_state_dict=saved["optim"] if rank == 0 else None)
+                optim.load_state_dict(osd)
+
+
+        def resume_inline(model, optim, sd):
+            with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, None,
+                                      FullOptimStateDictConfig(rank0_only=True)):
+                optim.load_state_dict(FSDP.optim_state_dict_to_load(model, optim, sd))
+
+
+        def resume_every_rank(model, optim, sd):
+            with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT):
+                optim.load_state_dict(FSDP.optim_state_dict_to_load(model, optim, sd))
+
+
+        def resume_runtime(model, optim, sd, kind, optim_cfg):
+            with FSDP.state_dict_type(model, kind, None, optim_cfg):
+                optim.load_state_dict(FSDP.optim_state_dict_to_load(model, optim, sd))
+        """)
+    result = migrate_source(source, "resume.py")
+    assert all(f.fixable for f in result.findings), [f for f in result.findings if not f.fixable]
+    fixed = result.fixed
+    assert 'set_model_state_dict(model, saved["model"], options=StateDictOptions(full_state_dict=True))' in fixed
+    assert (
+        'fsdp_bridge.optim_state_dict_to_load(model, optim, saved["optim"] if rank == 0 else None, '
+        "options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))"
+    ) in fixed
+    assert (
+        "set_optimizer_state_dict(model, optim, sd, options=StateDictOptions(full_state_dict=True, "
+        "broadcast_from_rank0=True))"
+    ) in fixed
+    assert "set_optimizer_state_dict(model, optim, sd, options=StateDictOptions(full_state_dict=True))" in fixed
+    assert ("options=fsdp_bridge.state_dict_options(kind, None, optim_cfg, optimizer=True, load=True)") in fixed
+    assert migrate_source(fixed, "resume.py").fixed == fixed
+
+    from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig, StateDictType
+
+    full = StateDictType.FULL_STATE_DICT
+    rank0 = FullOptimStateDictConfig(rank0_only=True)
+    opts = fsdp_bridge.state_dict_options(full, None, rank0, optimizer=True, load=True)
+    assert opts.full_state_dict and opts.broadcast_from_rank0
+    # the model's load, an every-rank optimizer config and a sharded type read every rank's own dict
+    model_opts = fsdp_bridge.state_dict_options(full, FullStateDictConfig(rank0_only=True), rank0, load=True)
+    assert model_opts.full_state_dict and not model_opts.broadcast_from_rank0
+    every = fsdp_bridge.state_dict_options(full, None, FullOptimStateDictConfig(), optimizer=True, load=True)
+    assert not every.broadcast_from_rank0
+    sharded = fsdp_bridge.state_dict_options(StateDictType.SHARDED_STATE_DICT, None, rank0, optimizer=True, load=True)
+    assert not sharded.full_state_dict and not sharded.broadcast_from_rank0
+
+
+@pytest.mark.parametrize("strategy", ["full_shard", "shard_grad_op"])
+def test_fsdp2_units_reshard_after_a_forward_without_gradients(strategy: str) -> None:
+    """FSDP2 puts the gathered tensors of a unit that keeps them after forward (the root; every unit
+    of SHARD_GRAD_OP) on the modules: after an evaluation forward ``model.parameters()`` would not be
+    the optimizer's DTensors (torch's ``get_optimizer_state_dict`` raised KeyError)."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    from fsdp_bridge.estimate.fake_world import fake_process_group
+
+    with fake_process_group(rank=0, world_size=2):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Linear(64, 64), torch.nn.Linear(64, 4))
+        config = fsdp_bridge.BridgeConfig(
+            backend="fsdp2", strategy=strategy, wrap={"min_num_params": 1000}, device="cpu"
+        )
+        model = fsdp_bridge.shard(model, config)
+        model(torch.randn(2, 16))  # for the backward that follows: gathered parameters are kept
+        kept = [not isinstance(p, DTensor) for p in model.parameters()]
+        assert kept == ([False] * 4 if strategy == "full_shard" else [True] * 4) + [True, True]
+        with torch.no_grad():
+            model(torch.randn(2, 16))
+        assert all(isinstance(p, DTensor) for p in model.parameters())
+
+
 def test_optim_state_dict_to_load_kept_in_a_variable_and_old_torch_branches() -> None:
     source = textwrap.dedent("""\
         import torch
@@ -958,6 +1064,8 @@ def test_private_fsdp1_helpers_and_wrapper_subclasses_are_todos_not_fixes() -> N
     kept = (
         "StateDictType.LOCAL_STATE_DICT",
         "clean_tensor_name (torch.distributed.fsdp._common_utils.clean_tensor_name)",
+        "FSDP.fsdp_modules(...)",
+        "FSDP.fsdp_modules(...)",
     )
     assert [f.construct for f in result.findings if f.fixable] == list(kept)  # a name helper works as it is
     assert "call module.reshard() (FSDPModule)" in result.fixed

@@ -386,8 +386,10 @@ def state_dict_options(
         state_dict_config: ``FullStateDictConfig``/``ShardedStateDictConfig`` (or None: FSDP1's defaults).
         optim_state_dict_config: ``FullOptimStateDictConfig``/``ShardedOptimStateDictConfig`` (or None).
         optimizer: options for the optimizer's state dict (read ``optim_state_dict_config``).
-        load: options for loading (``set_*_state_dict``): FSDP1 loads a full state dict given on every
-            rank, so neither ``rank0_only`` nor ``offload_to_cpu`` applies.
+        load: options for loading (``set_*_state_dict``): FSDP1 loads a full model state dict given on
+            every rank, so neither ``rank0_only`` nor ``offload_to_cpu`` applies to it; a full optimizer
+            state with ``rank0_only=True`` is read on rank 0 only and sent to the other ranks
+            (``broadcast_from_rank0=True``: what they pass is ignored, as in FSDP1).
         strict: ``load_state_dict``'s ``strict`` (loading only).
 
     Returns:
@@ -432,7 +434,8 @@ def state_dict_options(
     config = optim_state_dict_config if optimizer else state_dict_config
     full = name == "FULL_STATE_DICT"
     if load:
-        return StateDictOptions(full_state_dict=full, strict=strict)
+        broadcast = full and optimizer and bool(getattr(config, "rank0_only", False))
+        return StateDictOptions(full_state_dict=full, broadcast_from_rank0=broadcast, strict=strict)
     offload = bool(getattr(config, "offload_to_cpu", False))
     if full:
         return StateDictOptions(full_state_dict=True, cpu_offload=bool(getattr(config, "rank0_only", False)))
@@ -440,7 +443,7 @@ def state_dict_options(
 
 
 def optim_state_dict_to_load(
-    model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: Mapping[str, Any], options: Any = None
+    model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: Mapping[str, Any] | None, options: Any = None
 ) -> dict[str, Any]:
     """FSDP1's ``FSDP.optim_state_dict_to_load`` for code that loads the result afterwards.
 
@@ -453,7 +456,9 @@ def optim_state_dict_to_load(
     Args:
         model: the sharded model the optimizer belongs to.
         optim: its optimizer.
-        optim_state_dict: the state as FSDP1 saved it (full or sharded, keyed by parameter names).
+        optim_state_dict: the state as FSDP1 saved it (full or sharded, keyed by parameter names). With
+            ``options.broadcast_from_rank0`` (FSDP1's ``FullOptimStateDictConfig(rank0_only=True)``) only
+            rank 0's is read, and the other ranks may pass None, as FSDP1 allows.
         options: ``StateDictOptions`` (``state_dict_options(...)`` in a migrated state-dict block);
             None means a full state dict, FSDP1's default state-dict type.
 
@@ -466,7 +471,10 @@ def optim_state_dict_to_load(
         # FSDP1 takes full or sharded values whatever the state-dict type (it gathers sharded ones):
         # DTensor values (load_sharded_optimizer_state_dict's on FSDP2) are loaded as sharded state.
         options = StateDictOptions(full_state_dict=not _holds_dtensor(optim_state_dict))
-    set_optimizer_state_dict(model, optim, dict(optim_state_dict), options=options)
+    # FSDP1 ignores what the other ranks pass when rank 0's state is broadcast (rank0_only).
+    others = bool(getattr(options, "broadcast_from_rank0", False)) and torch.distributed.get_rank() != 0
+    state = {} if optim_state_dict is None or others else dict(optim_state_dict)
+    set_optimizer_state_dict(model, optim, state, options=options)
     return optim.state_dict()
 
 

@@ -51,6 +51,24 @@ def _top_level_units(units: list[nn.Module]) -> list[nn.Module]:
     return [u for u in units if id(u) not in nested]
 
 
+def _reshard_after_no_grad_forward(model: nn.Module, _args: object, _output: object) -> None:
+    """Free the parameters a unit kept gathered after a forward run without gradients.
+
+    FSDP1 keeps the root's (and SHARD_GRAD_OP's every unit's) gathered parameters after forward for
+    the backward that follows, out of sight: the module's parameters stay the same Parameter
+    objects. FSDP2 registers the gathered tensors on the modules in their place, and with no
+    backward to free them (an evaluation or sampling step under ``torch.no_grad()``) they stay
+    there: ``model.parameters()`` are then not the optimizer's DTensors, torch's
+    ``get_optimizer_state_dict`` fails (KeyError) and a parameter update such as an EMA writes
+    into a copy that is thrown away. Resharding here (what FSDP2's own ``state_dict()`` does first)
+    costs one more all-gather of those units at the next forward."""
+    if torch.is_grad_enabled():
+        return
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 class FSDP2Backend:
     backend = Backend.FSDP2
     one_dtype_per_unit = False  # per-parameter sharding: a unit may mix dtypes
@@ -103,6 +121,8 @@ class FSDP2Backend:
         for unit in plan.units:  # children before parents
             apply(unit, is_root=False)
         apply(model, is_root=True)
+        if any(plan.reshard_after_forward(is_root=r) is not True for r in (True, False)):
+            model.register_forward_hook(_reshard_after_no_grad_forward)
 
         if plan.forward_prefetch:
             ordered = _top_level_units(plan.units)

@@ -124,6 +124,8 @@ _INTERNAL_ATTRS: dict[str, str] = {
     "iterate model.parameters() (p.to_local() for this rank's shard)",
     "_handle": "FSDP1's FlatParamHandle has no FSDP2 form: use the module's parameters (DTensors) and "
     "FSDPModule methods (unshard/reshard)",
+    "_has_params": "FSDP1's private flag (does this unit manage parameters) has no FSDP2 form: FSDPModule's "
+    "reshard()/unshard() do nothing on a unit without parameters; drop the test",
     "_lazy_init": "FSDP2 initialises on the first forward; nothing to call (FSDPModule has no _lazy_init)",
     "_fsdp_wrapped_module": "FSDP2 does not wrap: the module is itself (an FSDPModule); drop the attribute",
     "_handles": "FSDP1's list of FlatParamHandles has no FSDP2 form: use the module's parameters (DTensors) and "
@@ -188,6 +190,11 @@ def _private_text(name: str) -> str:
         return (
             f"FSDP1's private {last} (flat-parameter handles) has no FSDP2 form: on an FSDP2 module call "
             f"module.{public} (FSDPModule), which frees or gathers that unit's parameters"
+            + (
+                " (fsdp_bridge.shard's FSDP2 units already free what they kept after a forward run without gradients)"
+                if last == "_reshard"
+                else ""
+            )
         )
     if last == "_init_intra_and_inter_node_groups":
         return (
@@ -1160,6 +1167,27 @@ class _Scanner(cst.CSTVisitor):
                     kinds |= kind(n.value.func)
             elif isinstance(n, cst.Assert):
                 kinds |= self._test_kinds(n.test, target)
+            elif (
+                isinstance(n, (cst.For, cst.ListComp, cst.SetComp, cst.GeneratorExp, cst.DictComp))
+                and before is not None
+            ):
+                # ``for m in FSDP.fsdp_modules(model):`` (or a comprehension): m is an FSDP1 unit in there
+                loops: list[cst.For | cst.CompFor] = []
+                part: cst.For | cst.CompFor | None = n if isinstance(n, cst.For) else n.for_in
+                while part is not None:
+                    loops.append(part)
+                    part = part.inner_for_in if isinstance(part, cst.CompFor) else None
+                span, at = self.get_metadata(PositionProvider, n), self.get_metadata(PositionProvider, before).start
+                if (span.start.line, span.start.column) <= (at.line, at.column) <= (
+                    span.end.line,
+                    span.end.column,
+                ) and any(
+                    _code(loop.target) == target
+                    and isinstance(loop.iter, cst.Call)
+                    and self._qn(loop.iter.func) == (FSDP, "fsdp_modules")
+                    for loop in loops
+                ):
+                    kinds.add("fsdp1")
             elif isinstance(n, cst.Call):
                 f = n.func
                 if m.matches(f, m.Name("isinstance")) and len(n.args) == 2 and _code(n.args[0].value) == target:
@@ -2174,6 +2202,7 @@ class _Scanner(cst.CSTVisitor):
             save_opts = f"fsdp_bridge.state_dict_options({runtime})"
             optim_opts = f"fsdp_bridge.state_dict_options({runtime}, optimizer=True)"
             load_opts = f"fsdp_bridge.state_dict_options({runtime}, load=True)"
+            optim_load_opts = f"fsdp_bridge.state_dict_options({runtime}, optimizer=True, load=True)"
             self.needs_imports.add(("fsdp_bridge", None))
         else:
             full = kind == "FULL_STATE_DICT"
@@ -2188,6 +2217,9 @@ class _Scanner(cst.CSTVisitor):
                 offload=not full and self._config_flag(optim_cfg, "offload_to_cpu", False),
             )
             load_opts = self._options(full)
+            # FSDP1 loads a full optimizer state with rank0_only from rank 0 alone (the other ranks'
+            # dicts are ignored, often None) and broadcasts it; the model's load has no such mode.
+            optim_load_opts = self._options(full, broadcast=full and self._config_flag(optim_cfg, "rank0_only", False))
         rewrites: dict[int, str] = {}
         for inner in _walk(node.body):
             if not isinstance(inner, cst.Call):
@@ -2217,7 +2249,7 @@ class _Scanner(cst.CSTVisitor):
                 m_, o_ = (_code(a.value) for a in inner.args[:2])
                 rewrites[id(inner)] = f"get_optimizer_state_dict({m_}, {o_}, options={optim_opts})"
             elif hit == (FSDP, "optim_state_dict_to_load") and id(inner) not in self.consumed_nodes:
-                code = self._optim_to_load(inner, load_opts)
+                code = self._optim_to_load(inner, optim_load_opts)
                 if code is not None:
                     rewrites[id(inner)] = code
             elif (
@@ -2231,7 +2263,7 @@ class _Scanner(cst.CSTVisitor):
                 if len(to_load.args) >= 3:
                     self.needs_state_dict_api.add("set_optimizer_state_dict")
                     m_, o_, sd = (_code(a.value) for a in to_load.args[:3])
-                    rewrites[id(inner)] = f"set_optimizer_state_dict({m_}, {o_}, {sd}, options={load_opts})"
+                    rewrites[id(inner)] = f"set_optimizer_state_dict({m_}, {o_}, {sd}, options={optim_load_opts})"
                     self._consume(to_load)
         if not rewrites:
             return
