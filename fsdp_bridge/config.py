@@ -105,6 +105,9 @@ class MixedPrecisionConfig:
     """Dtype buffers are cast to (FSDP1 does it in forward; on FSDP2 it is emulated)."""
     cast_forward_inputs: bool = True
     """Cast floating-point forward inputs of each unit to ``param_dtype``."""
+    cast_root_forward_inputs: bool = True
+    """Cast the root's floating-point forward inputs to ``param_dtype`` (FSDP1's option of that name);
+    with ``cast_forward_inputs: false`` only the root casts, FSDP1's default."""
 
     @property
     def enabled(self) -> bool:
@@ -132,8 +135,8 @@ class MixedPrecisionConfig:
         """How a YAML file writes this policy.
 
         Returns:
-            The preset name where the dtypes are a preset's, else a mapping of dtype names and
-            ``cast_forward_inputs``.
+            The preset name where the dtypes are a preset's, else a mapping of dtype names,
+            ``cast_forward_inputs`` and ``cast_root_forward_inputs``.
         """
         for name, dtypes in _MP_PRESETS.items():
             if self == MixedPrecisionConfig(**dtypes):  # type: ignore[arg-type]
@@ -142,6 +145,7 @@ class MixedPrecisionConfig:
             f.name: dtype_name(getattr(self, f.name)) for f in dataclasses.fields(self) if f.name.endswith("_dtype")
         }
         out["cast_forward_inputs"] = self.cast_forward_inputs
+        out["cast_root_forward_inputs"] = self.cast_root_forward_inputs
         return out
 
 

@@ -232,9 +232,14 @@ TABLE: tuple[Rule, ...] = (
     Rule(
         "mixed_precision",
         "param/reduce dtypes",
-        "MixedPrecision(param_dtype, reduce_dtype, cast_forward_inputs)",
-        T(N, "MixedPrecision(param_dtype, reduce_dtype, cast_forward_inputs=cast_root_forward_inputs=...)"),
-        T(N, "MixedPrecisionPolicy(param_dtype, reduce_dtype, cast_forward_inputs)"),
+        "MixedPrecision(param_dtype, reduce_dtype, cast_forward_inputs, cast_root_forward_inputs)",
+        T(N, "MixedPrecision(param_dtype, reduce_dtype, cast_forward_inputs, cast_root_forward_inputs)"),
+        T(
+            N,
+            "MixedPrecisionPolicy(param_dtype, reduce_dtype, cast_forward_inputs) on each unit; the root's "
+            "casts its inputs when cast_forward_inputs or cast_root_forward_inputs is set (FSDP1's default, "
+            "the root only: false / true)",
+        ),
         lambda c: c.config.mixed_precision.enabled,
     ),
     Rule(

@@ -89,6 +89,9 @@ class PrecisionPlan:
     """Floating-point buffers in this dtype (FSDP1 casts them in forward; FSDP2 once, at sharding)."""
     cast_forward_inputs: bool = True
     """Each unit casts its floating-point inputs to ``param_dtype``."""
+    cast_root_forward_inputs: bool = True
+    """The root casts its floating-point inputs to ``param_dtype`` (it also does with
+    ``cast_forward_inputs``, as in FSDP1)."""
 
     @property
     def enabled(self) -> bool:
@@ -208,6 +211,7 @@ def resolve_plan(
             root_output_dtype=mp.output_dtype,
             buffer_dtype=mp.buffer_dtype,
             cast_forward_inputs=mp.cast_forward_inputs,
+            cast_root_forward_inputs=mp.cast_root_forward_inputs,
         ),
         # The table says "not needed" for offload on a CPU run: nothing is offloaded then.
         offload_params=config.cpu_offload and offload is Outcome.NATIVE,

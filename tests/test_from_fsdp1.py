@@ -73,7 +73,9 @@ def test_values_translate_with_fsdp1_meaning() -> None:
     assert (
         config.mixed_precision.param_dtype == torch.bfloat16 and config.mixed_precision.buffer_dtype == torch.bfloat16
     )
-    assert config.mixed_precision.reduce_dtype == torch.float32 and config.mixed_precision.cast_forward_inputs
+    assert config.mixed_precision.reduce_dtype == torch.float32
+    # FSDP1's defaults: the root casts its inputs, the other units do not.
+    assert not config.mixed_precision.cast_forward_inputs and config.mixed_precision.cast_root_forward_inputs
     assert config.cpu_offload and config.forward_prefetch and not config.limit_all_gathers
     assert config.sync_module_states and config.device == "cuda"
     assert config.wrap.mode == "classes" and config.wrap.classes == ("Block",)

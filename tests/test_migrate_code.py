@@ -1357,3 +1357,23 @@ def test_a_copy_of_torchs_own_module_is_one_construct_left_as_it_is(tmp_path: Pa
     assert "torch's module torch.distributed.checkpoint.state_dict (5 of its" in finding.construct
     assert "import torch.distributed.checkpoint.state_dict from torch itself" in finding.replacement
     assert state_dict.read_text().endswith(code) and "isinstance(m, FSDP)" in state_dict.read_text()
+
+
+def test_mixed_precision_keeps_fsdp1s_input_casting() -> None:
+    code = textwrap.dedent(
+        """
+        import torch
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, MixedPrecision
+
+        def build(model, inner):
+            inner = FSDP(inner, mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, cast_root_forward_inputs=False))
+            return FSDP(model, mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, cast_forward_inputs=True))
+        """
+    )
+    fixed = migrate_source(code, "mp.py").fixed
+    # FSDP1's default casts the root's inputs only: written out, since the bridge's default casts every unit's.
+    assert (
+        'mixed_precision={"param_dtype": torch.bfloat16, "cast_root_forward_inputs": False, '
+        '"cast_forward_inputs": False}'
+    ) in fixed, fixed
+    assert 'mixed_precision={"param_dtype": torch.bfloat16, "cast_forward_inputs": True}' in fixed, fixed

@@ -339,6 +339,7 @@ BF16 = {
     "output_dtype": None,
     "buffer_dtype": "bfloat16",
     "cast_forward_inputs": True,
+    "cast_root_forward_inputs": True,
 }
 FP16 = {**BF16, "param_dtype": "float16", "reduce_dtype": "float16", "buffer_dtype": "float16"}
 EXPECTED_CONFIGS = {

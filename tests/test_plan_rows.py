@@ -359,6 +359,7 @@ BLOCKS = ["blocks.0", "blocks.1", "blocks.2"]
 ROOT = "(root)"
 FULLY_SHARD_ARGUMENTS = ["ignored_params", "mesh", "mp_policy", "offload_policy", "reshard_after_forward"]
 BUFFERS = {"scale": FP32, "count": torch.int64}
+NO_CASTS = {"cast_forward_inputs": False, "cast_root_forward_inputs": False}
 T, F = True, False
 
 
@@ -460,22 +461,39 @@ EXPECTED: dict[tuple[str, str, str], Expect | tuple[Expect, ...] | Refused] = {
     ("mixed_precision", "fp32 (off)", "fsdp2"): Expect(
         {}, {"mp_policy of units": MixedPrecisionPolicy(), "mp_policy of the root": MixedPrecisionPolicy()}
     ),
-    ("mixed_precision", "param/reduce dtypes", "fsdp1"): Expect(
-        {"mixed_precision": {"param_dtype": "bf16", "reduce_dtype": "fp32", "cast_forward_inputs": False}},
-        {
-            "mixed_precision": MixedPrecision(
-                param_dtype=BF16, reduce_dtype=FP32, cast_forward_inputs=False, cast_root_forward_inputs=False
-            )
-        },
+    ("mixed_precision", "param/reduce dtypes", "fsdp1"): (
+        Expect(
+            {"mixed_precision": {"param_dtype": "bf16", "reduce_dtype": "fp32", **NO_CASTS}},
+            {
+                "mixed_precision": MixedPrecision(
+                    param_dtype=BF16, reduce_dtype=FP32, cast_forward_inputs=False, cast_root_forward_inputs=False
+                )
+            },
+        ),
+        Expect(  # FSDP1's own default: the root casts its inputs, the other units do not
+            {"mixed_precision": {"param_dtype": "bf16", "cast_forward_inputs": False}},
+            {"mixed_precision": MixedPrecision(param_dtype=BF16)},
+        ),
     ),
-    ("mixed_precision", "param/reduce dtypes", "fsdp2"): Expect(
-        {"mixed_precision": {"param_dtype": "bf16", "reduce_dtype": "fp32", "cast_forward_inputs": False}},
-        {
-            "mp_policy of units": MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=FP32, cast_forward_inputs=False),
-            "mp_policy of the root": MixedPrecisionPolicy(
-                param_dtype=BF16, reduce_dtype=FP32, cast_forward_inputs=False
-            ),
-        },
+    ("mixed_precision", "param/reduce dtypes", "fsdp2"): (
+        Expect(
+            {"mixed_precision": {"param_dtype": "bf16", "reduce_dtype": "fp32", **NO_CASTS}},
+            {
+                "mp_policy of units": MixedPrecisionPolicy(
+                    param_dtype=BF16, reduce_dtype=FP32, cast_forward_inputs=False
+                ),
+                "mp_policy of the root": MixedPrecisionPolicy(
+                    param_dtype=BF16, reduce_dtype=FP32, cast_forward_inputs=False
+                ),
+            },
+        ),
+        Expect(  # FSDP1's default on FSDP2: only the root's fully_shard casts
+            {"mixed_precision": {"param_dtype": "bf16", "cast_forward_inputs": False}},
+            {
+                "mp_policy of units": MixedPrecisionPolicy(param_dtype=BF16, cast_forward_inputs=False),
+                "mp_policy of the root": MixedPrecisionPolicy(param_dtype=BF16, cast_forward_inputs=True),
+            },
+        ),
     ),
     ("mixed_precision.output_dtype", "set", "fsdp1"): Expect(
         {"mixed_precision": {"param_dtype": "bf16", "output_dtype": "fp16"}},

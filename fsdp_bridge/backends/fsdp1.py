@@ -148,7 +148,7 @@ class FSDP1Backend:
                 reduce_dtype=precision.reduce_dtype,
                 buffer_dtype=precision.buffer_dtype,
                 cast_forward_inputs=precision.cast_forward_inputs,
-                cast_root_forward_inputs=precision.cast_forward_inputs,
+                cast_root_forward_inputs=precision.cast_root_forward_inputs,
             )
         device = plan.device
         full_state = rank0_full_state(model) if plan.sync is SyncMethod.BROADCAST else None

@@ -228,9 +228,10 @@ def _mixed_precision_value(mp: object, problems: list[Problem]) -> object:
         "param_dtype": mp.param_dtype,
         "reduce_dtype": mp.reduce_dtype,
         "buffer_dtype": mp.buffer_dtype,
-        # FSDP1 casts the root's inputs by default and every unit's on request; FSDP2 casts
-        # every unit's inputs: the same numbers whenever inputs reach units through the root.
-        "cast_forward_inputs": bool(mp.cast_forward_inputs or mp.cast_root_forward_inputs),
+        # FSDP1 casts the root's inputs by default and every unit's on request: both kept as they are
+        # (FSDP2: the units' fully_shard calls cast with the first, the root's with either).
+        "cast_forward_inputs": bool(mp.cast_forward_inputs),
+        "cast_root_forward_inputs": bool(mp.cast_root_forward_inputs),
     }
 
 

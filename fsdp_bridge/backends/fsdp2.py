@@ -104,7 +104,12 @@ class FSDP2Backend:
             reduce_dtype=precision.reduce_dtype,
             cast_forward_inputs=precision.cast_forward_inputs,
         )
-        root_mp = dataclasses.replace(unit_mp, output_dtype=precision.root_output_dtype)
+        root_mp = dataclasses.replace(
+            unit_mp,
+            output_dtype=precision.root_output_dtype,
+            # FSDP1's root casts with either option; FSDP2 has one per fully_shard call.
+            cast_forward_inputs=precision.cast_forward_inputs or precision.cast_root_forward_inputs,
+        )
         offload_policy = CPUOffloadPolicy(pin_memory=True) if plan.offload_params else OffloadPolicy()
         ignored = plan.ignored_params or None
 

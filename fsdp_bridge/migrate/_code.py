@@ -2006,15 +2006,22 @@ class _Scanner(cst.CSTVisitor):
                 for a in value.args:
                     assert a.keyword is not None
                     kw = a.keyword.value
-                    if kw in ("param_dtype", "reduce_dtype", "buffer_dtype", "cast_forward_inputs"):
+                    if kw in (
+                        "param_dtype",
+                        "reduce_dtype",
+                        "buffer_dtype",
+                        "cast_forward_inputs",
+                        "cast_root_forward_inputs",
+                    ):
                         items.append(f'"{kw}": {_code(a.value)}')
-                    elif kw == "cast_root_forward_inputs":
-                        continue  # FSDP2 casts the root's inputs whenever param_dtype is set
                     elif kw == "keep_low_precision_grads" and _code(a.value) == "False":
                         continue
                     else:
                         conv.blockers.append(f"MixedPrecision({kw}=...): {_fsdp2_any(kw)}")
                         return None
+                given = {a.keyword.value for a in value.args if a.keyword is not None}
+                if "param_dtype" in given and "cast_forward_inputs" not in given:
+                    items.append('"cast_forward_inputs": False')  # FSDP1's default: only the root casts
                 return cst.parse_expression("{" + ", ".join(items) + "}")
         conv.blockers.append(f"mixed_precision={_code(value)}: not a MixedPrecision(...) call with keywords")
         return None
