@@ -61,15 +61,19 @@ EXPECTED: dict[str, set[tuple[int, str]]] = {
         (44, "model.no_sync()"),
     },
     "hybrid_mesh.py": {
-        (30, "FSDP(...)"),
-        (32, "device_mesh="),
-        (33, "sharding_strategy="),
-        (34, "auto_wrap_policy="),
-        (35, "device_id="),
-        (36, "forward_prefetch="),
-        (37, "limit_all_gathers="),
-        (38, "sync_module_states="),
-        (51, "FSDP.summon_full_params(...)"),
+        (35, "FSDP(...)"),
+        (37, "device_mesh="),
+        (38, "sharding_strategy="),
+        (39, "auto_wrap_policy="),
+        (40, "device_id="),
+        (41, "forward_prefetch="),
+        (42, "limit_all_gathers="),
+        (43, "sync_module_states="),
+        (56, "FSDP.summon_full_params(...)"),
+        (69, "FSDP(...)"),
+        (71, "process_group=(within_row, across_rows)"),
+        (78, "FSDP(...)"),
+        (80, "process_group=data_parallel"),
     },
     "fsdp_tp.py": {(44, "FSDP(...)"), (44, "device_id="), (44, "device_mesh="), (44, "use_orig_params=")},
     "sharded_dcp_resume.py": {
@@ -522,9 +526,17 @@ def test_rewritten_scripts_match_fsdp1_losses(tmp_path: Path) -> None:
         assert len(ga1) == 9 and len(sd1) == 5
 
     four = [(*_prepare(tmp_path, name), {}) for name in ("hybrid_mesh.py", "fsdp_tp.py")]
-    hy, tp = run_distributed(_run_pairs, world_size=4, args=(four,), env=env, timeout_s=300)[0]
-    assert hy[1] == pytest.approx(hy[0], rel=1.3e-6, abs=1e-5), hy
-    assert tp[1] == pytest.approx(tp[0], rel=1.3e-6, abs=1e-5), tp  # FSDP + TP on the dp sub-mesh
+    # FSDP1's process_group=: HYBRID_SHARD's (shard, replicate) pair, and the data-parallel group of a
+    # model-parallel layout (each group trains its own copy): fsdp_bridge.mesh_from_process_group after --fix.
+    four += [(four[0][0], four[0][1], {"groups": layout}) for layout in ("pair", "dp")]
+    for rank_results in run_distributed(_run_pairs, world_size=4, args=(four,), env=env, timeout_s=300):
+        hy, tp, pair, dp = rank_results
+        assert hy[1] == pytest.approx(hy[0], rel=1.3e-6, abs=1e-5), hy
+        assert tp[1] == pytest.approx(tp[0], rel=1.3e-6, abs=1e-5), tp  # FSDP + TP on the dp sub-mesh
+        assert pair[1] == pytest.approx(pair[0], rel=1.3e-6, abs=1e-5), pair
+        assert pair[0] == pytest.approx(hy[0], rel=1.3e-6, abs=1e-5)  # the pair is the same 2D layout
+        assert dp[1] == pytest.approx(dp[0], rel=1.3e-6, abs=1e-5), dp
+        assert dp[0] != hy[0]  # two independent copies, not one model over four ranks
 
 
 # -- real-world shapes: a multi-file project, awkward code, all-or-nothing writes ------------
@@ -998,27 +1010,80 @@ def test_load_sharded_optimizer_state_dict_takes_the_bridges_with_the_same_argum
     assert migrate_source(result.fixed, "resume.py").fixed == result.fixed
 
 
-def test_hybrid_group_pair_is_a_todo_naming_the_mesh() -> None:
+def test_process_groups_become_a_mesh_and_torch_2_0_arguments_are_todos() -> None:
     code = textwrap.dedent(
         """
+        import functools
+
         from torch.distributed.distributed_c10d import _get_default_group
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
         from torch.distributed.fsdp._init_utils import _init_intra_and_inter_node_groups
+        from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
+
+        import parallel_state
 
 
         def wrap(model):
             groups = _init_intra_and_inter_node_groups(_get_default_group())
             pair = (groups[0], groups[1])
             return FSDP(model, process_group=pair, sharding_strategy=ShardingStrategy.HYBRID_SHARD)
+
+
+        def wrap_dp(model):
+            return FSDP(model, process_group=parallel_state.data_group(), use_orig_params=True)
+
+
+        def wrap_frozen(model, frozen):
+            return FSDP(
+                model,
+                auto_wrap_policy=functools.partial(
+                    lambda_auto_wrap_policy,
+                    lambda_fn=lambda m: m in model.blocks,
+                ),
+                ignored_parameters=frozen,
+            )
+
+
+        def wrap_both(model, mesh, group):
+            return FSDP(model, device_mesh=mesh, process_group=group)
         """
     )
-    result = migrate_source(code, "hybrid.py")
-    by_construct = {f.construct.split(" (")[0]: f for f in result.findings}
-    # The pair is refused by from_fsdp1 when the code runs: a TODO now, not a rewrite that fails later.
-    assert not by_construct["FSDP(...)"].fixable and "FSDP(model, process_group=pair" in result.fixed
-    assert "2D DeviceMesh" in by_construct["FSDP(...)"].replacement
-    helper = by_construct["_init_intra_and_inter_node_groups"]
+    result = migrate_source(code, "groups.py")
+    by_line = {(f.line, f.construct.split(" (")[0]): f for f in result.findings}
+    # A group (the data-parallel group of a model-parallel setup) or HYBRID_SHARD's pair becomes the
+    # DeviceMesh FSDP2 shards over, built from those groups when the code runs.
+    assert by_line[(15, "FSDP(...)")].fixable and by_line[(19, "FSDP(...)")].fixable
+    assert "mesh=fsdp_bridge.mesh_from_process_group(pair)," in result.fixed
+    assert "mesh=fsdp_bridge.mesh_from_process_group(parallel_state.data_group())," in result.fixed
+    assert "process_group=pair" not in result.fixed and "process_group=parallel_state" not in result.fixed
+    assert "2D (replicate, shard) mesh" in by_line[(15, "process_group=pair")].replacement
+    helper = by_line[(13, "_init_intra_and_inter_node_groups")]
     assert not helper.fixable and "the groups FSDP1 builds by itself" in helper.replacement
+    # torch 2.0's ignored_parameters: no FSDP2 form for single parameters (a TODO naming what to do),
+    # and its multi-line policy argument quoted on one line (a line break in the comment crashed libcst).
+    frozen = by_line[(23, "FSDP(...)")]
+    assert not frozen.fixable and "torch 2.0's name of ignored_states" in frozen.replacement
+    assert "\n" not in frozen.replacement
+    assert "torch >= 2.1" in by_line[(29, "ignored_parameters=")].replacement
+    assert (
+        not by_line[(34, "FSDP(...)")].fixable and "FSDP1 takes one of them" in by_line[(34, "FSDP(...)")].replacement
+    )
+    compile(result.fixed, "groups.py", "exec")
+    assert migrate_source(result.fixed, "groups.py").fixed == result.fixed
+
+
+def test_mesh_from_process_group_refuses_what_is_not_a_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.distributed as dist
+
+    from fsdp_bridge.errors import ConfigError
+
+    assert fsdp_bridge.mesh_from_process_group(None) is None  # the bridge's own mesh over every rank
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    with pytest.raises(ConfigError, match="init_process_group"):
+        fsdp_bridge.mesh_from_process_group(object())
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    with pytest.raises(ConfigError, match=r"process_group.*a 3-tuple.*intra-node, inter-node"):
+        fsdp_bridge.mesh_from_process_group((1, 2, 3))
 
 
 def test_a_strategy_chosen_at_run_time_is_described_by_the_values_the_file_assigns() -> None:

@@ -593,6 +593,9 @@ class _Scanner(cst.CSTVisitor):
 
     def _record(self, node: cst.CSTNode, construct: str, replacement: str, fixable: bool) -> None:
         pos = self.get_metadata(PositionProvider, node)
+        # One line each: code quoted in the texts may span lines (a multi-line argument), and a
+        # TODO comment must not (libcst refuses a comment with a line break in it).
+        construct, replacement = " ".join(construct.split()), " ".join(replacement.split())
         self.findings.append(CodeFinding(self.path, pos.start.line, pos.start.column, construct, replacement, fixable))
         if not fixable and self.stmt_stack:
             self.todos.setdefault(id(self.stmt_stack[-1]), []).append(f"{construct}: {replacement}")
@@ -1611,29 +1614,32 @@ class _Scanner(cst.CSTVisitor):
             if name is None:
                 static.blockers.append(f"positional argument {i + 1}: FullyShardedDataParallel takes no more")
                 return None
+            if name not in _FSDP1_POSITIONAL:  # the only reason shown: the other arguments would be kept
+                static.blockers = [
+                    f"{name}={_short(_code(a.value), 40)}: "
+                    + (
+                        "torch 2.0's name of ignored_states (FullyShardedDataParallel of torch >= 2.1 refuses it); "
+                        "the parameters are neither sharded nor synchronised by FSDP1, which the bridge does for "
+                        "whole modules only (ignored_modules): name their modules there, or drop the argument "
+                        "where the parameters are frozen (FSDP2 units may mix frozen and trained parameters; "
+                        "they are then sharded, and cast by mixed precision)"
+                        if name == "ignored_parameters"
+                        else "not an argument of FullyShardedDataParallel"
+                    )
+                ]
+                return None
             if name == "module":
                 static.module = a.value
             elif name == "device_mesh":
                 static.mesh = a.value
-            elif name == "process_group" and isinstance(a.value, cst.Call):
-                static.blockers.append(
-                    f"process_group={_code(a.value)}: FSDP2 shards over a DeviceMesh; build one "
-                    "(init_device_mesh) and pass it as shard(..., mesh=...)"
-                )
-                return None
-            elif name == "process_group" and isinstance(self._follow(a.value, _Conversion()), cst.Tuple):
-                static.blockers.append(
-                    f"process_group={_short(_code(a.value), 40)}: HYBRID_SHARD's (intra-node, inter-node) group pair; "
-                    "FSDP2 shards over a 2D DeviceMesh: where the pair is FSDP1's default split (the ranks of one "
-                    "node shard, nodes replicate) drop it, fsdp_bridge builds that mesh for HYBRID_SHARD "
-                    "(hybrid_shape for another split); otherwise pass init_device_mesh(device, (replicate, shard)) "
-                    "as fsdp_bridge.shard(..., mesh=...)"
-                )
-                return None
-            elif name == "process_group":
-                # A variable: from_fsdp1 accepts None or the world group when the code runs and refuses any
-                # other group with the DeviceMesh fix, before any collective.
-                add(name, _code(a.value))
+            elif name == "process_group" and not m.matches(a.value, m.Name("None")):
+                # FSDP2 shards over a DeviceMesh: the group (a data-parallel group of a model-parallel
+                # setup, or HYBRID_SHARD's pair) becomes one when the code runs, passed as shard(mesh=).
+                if any(b.keyword is not None and b.keyword.value == "device_mesh" for b in call.args):
+                    static.blockers.append("process_group= with device_mesh=: FSDP1 takes one of them; drop one")
+                    return None
+                self.needs_imports.add(("fsdp_bridge", None))
+                static.mesh = cst.parse_expression(f"fsdp_bridge.mesh_from_process_group({_code(a.value)})")
             elif name in ("ignored_modules", "ignored_states") and not m.matches(a.value, m.Name("None")):
                 names = self._module_paths(a.value, static.module)
                 if names is not None:
@@ -1715,6 +1721,8 @@ class _Scanner(cst.CSTVisitor):
     def _describe_value(self, kw: str, value: cst.BaseExpression) -> str:
         """What an FSDP1 argument's value becomes, as far as the source shows it."""
         option = _KWARG_OPTION.get(kw, kw)
+        if kw not in _FSDP1_POSITIONAL:
+            return "not an argument of FullyShardedDataParallel in torch >= 2.1 (see the FSDP(...) line)"
         if kw == "sharding_strategy":
             member = self._member(value, "ShardingStrategy")
             if member in _STRATEGIES:
@@ -1758,16 +1766,15 @@ class _Scanner(cst.CSTVisitor):
                 "module objects -> their paths in the model (fsdp_bridge.module_names, when the code runs): "
                 "neither sharded nor synchronised, as in FSDP1"
             )
-        if kw == "process_group" and isinstance(self._follow(value, _Conversion()), cst.Tuple):
+        if kw == "process_group" and _code(value) != "None":
             return (
-                "HYBRID_SHARD's (intra-node, inter-node) group pair: FSDP2 shards over a 2D DeviceMesh "
-                "(fsdp_bridge builds FSDP1's default split for HYBRID_SHARD; see the FSDP(...) line)"
+                "shard(..., mesh=fsdp_bridge.mesh_from_process_group(<the group>)) when the code runs: a group of "
+                "some ranks (the data-parallel group of a model-parallel setup) -> a 1D DeviceMesh over them, each "
+                "group sharding its own copy as in FSDP1; HYBRID_SHARD's (intra-node, inter-node) pair -> a 2D "
+                "(replicate, shard) mesh of those groups; the world group -> the bridge's mesh over every rank"
             )
         if kw == "process_group":
-            return (
-                "None or the world group: the bridge's mesh over every rank; any other group is refused when "
-                "the code runs, with the fix (a DeviceMesh passed as shard(..., mesh=...))"
-            )
+            return "None: the bridge's mesh over every rank"
         if kw in ("forward_prefetch", "limit_all_gathers", "sync_module_states"):
             return (
                 f"{kw}={_code(value)}: " + _fsdp2_case(option, _code(value).lower())
