@@ -637,7 +637,12 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
 
 @contextmanager
 def summon_full_params(
-    model: nn.Module, *, writeback: bool = False, rank0_only: bool = False, offload_to_cpu: bool = False
+    model: nn.Module,
+    *,
+    writeback: bool = False,
+    rank0_only: bool = False,
+    offload_to_cpu: bool = False,
+    recurse: bool = True,
 ) -> Iterator[None]:
     """Inside the context, parameters are full tensors, as FSDP1's ``summon_full_params`` gives them.
 
@@ -653,15 +658,40 @@ def summon_full_params(
         rank0_only: only rank 0 sees full tensors; the other ranks keep their shards (FSDP1 under
             HYBRID_SHARD also gathers on rank 0 of each shard group, as torch's FSDP1 does).
         offload_to_cpu: the full tensors are CPU copies.
+        recurse: False gathers only the parameters ``model``'s own unit manages, not those of the
+            units nested in it, as FSDP1's ``recurse=False`` (held around ``model.generate(...)``
+            so that the root's embeddings and head are whole while the inner units gather their
+            own). On FSDP2 it is the unit's ``unshard()`` / ``reshard()``: the parameters its
+            forward gathers (in ``param_dtype`` under mixed precision), so forward may run inside;
+            a module that is not a unit gathers nothing, as in FSDP1.
 
     Yields:
         Nothing: inside the block the model's parameters are the full tensors.
 
     Raises:
         ConfigError: ``writeback=True`` with ``rank0_only=True`` (FSDP1 refuses it too: the other
-            ranks would have nothing to write back), before any collective.
+            ranks would have nothing to write back), or ``recurse=False`` with ``writeback``,
+            ``rank0_only`` or ``offload_to_cpu`` (FSDP2's unshard has no such forms), before any
+            collective.
         TypeError: ``model`` holds no sharded parameters.
     """
+    if not recurse and (writeback or rank0_only or offload_to_cpu):
+        given = ", ".join(
+            f"{k}=True"
+            for k, v in (("writeback", writeback), ("rank0_only", rank0_only), ("offload_to_cpu", offload_to_cpu))
+            if v
+        )
+        raise ConfigError(
+            [
+                Problem(
+                    "summon_full_params",
+                    f"recurse=False, {given}",
+                    "recurse=False with writeback, rank0_only and offload_to_cpu left False",
+                    "drop recurse=False to gather (and write back, or offload) every parameter under the "
+                    "module, or drop the other arguments to gather the unit's own parameters for a forward",
+                )
+            ]
+        )
     if writeback and rank0_only:
         raise ConfigError(
             [
@@ -685,10 +715,34 @@ def summon_full_params(
                 "FullyShardedDataParallel)"
             )
         impl, target = get_backend(backend), model
+    if not recurse:
+        with torch.no_grad(), _own_params(target):
+            yield
+        return
     # Autograd is off inside, on both backends: gradients of the gathered copies would reach nothing,
     # and torch's FSDP1 writes a unit's parameter views in place on the way out (refused under grad mode).
     with (
         torch.no_grad(),
         impl.summon_full_params(target, writeback=writeback, rank0_only=rank0_only, offload_to_cpu=offload_to_cpu),
     ):
+        yield
+
+
+@contextmanager
+def _own_params(module: nn.Module) -> Iterator[None]:
+    """FSDP1's ``summon_full_params(module, recurse=False)`` on either backend."""
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    if isinstance(module, FullyShardedDataParallel):
+        from fsdp_bridge.backends.fsdp1 import own_params
+
+        with own_params(module):
+            yield
+    elif isinstance(module, FSDPModule):
+        module.unshard()
+        try:
+            yield
+        finally:
+            module.reshard()
+    else:  # not a unit itself: FSDP1 gathers nothing either
         yield

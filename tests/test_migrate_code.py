@@ -86,14 +86,16 @@ EXPECTED: dict[str, set[tuple[int, str]]] = {
         (60, "FSDP.state_dict_type(SHARDED_STATE_DICT)"),
     },
     "kwargs_builder.py": {
-        (19, "ShardingStrategy.FULL_SHARD"),
-        (19, "ShardingStrategy.SHARD_GRAD_OP"),
-        (20, "size_based_auto_wrap_policy"),
-        (21, "CPUOffload"),
-        (22, "MixedPrecision"),
-        (23, "BackwardPrefetch.BACKWARD_PRE"),
-        (33, "FSDP(...)"),
-        (41, "FSDP.clip_grad_norm_(...)"),
+        (21, "ShardingStrategy.FULL_SHARD"),
+        (21, "ShardingStrategy.SHARD_GRAD_OP"),
+        (22, "size_based_auto_wrap_policy"),
+        (23, "CPUOffload"),
+        (24, "MixedPrecision"),
+        (25, "BackwardPrefetch.BACKWARD_PRE"),
+        (35, "FSDP(...)"),
+        (39, "FSDP.summon_full_params(...)"),
+        (45, "FSDP.clip_grad_norm_(...)"),
+        (49, "FSDP.summon_full_params(...)"),
     },
     "checkpoint_manager.py": {
         (41, "FSDP(...)"),
@@ -343,14 +345,33 @@ def test_summon_full_params_called_through_an_instance_is_rewritten() -> None:
             def top_only(self):
                 with self.model.summon_full_params(self.model, recurse=False):
                     return self.model.head.weight.sum()
+
+            def edit_top(self):
+                with self.model.summon_full_params(self.model, recurse=False, writeback=True):
+                    self.model.head.weight.zero_()
         """
     )
     result = migrate_source(code, "exporter.py")
     assert "with fsdp_bridge.summon_full_params(self.model, writeback=False, offload_to_cpu=offload):" in result.fixed
     by_line = {f.line: f for f in result.findings if f.construct == "self.model.summon_full_params(...)"}
-    assert by_line[10].fixable and not by_line[14].fixable, result.findings
-    assert "recurse=False, or other arguments, have no FSDP2 form" in by_line[14].replacement
+    assert by_line[10].fixable and by_line[14].fixable and not by_line[18].fixable, result.findings
+    # recurse=False: the unit's own parameters (FSDP2: its unshard/reshard), kept as an argument
+    assert "with fsdp_bridge.summon_full_params(self.model, recurse=False):" in result.fixed
+    assert "only the unit's own parameters" in by_line[14].replacement
+    assert "recurse=False with writeback, rank0_only or offload_to_cpu" in by_line[18].replacement
     assert migrate_source(result.fixed, "exporter.py").fixed == result.fixed
+
+
+def test_summon_of_a_units_own_parameters_refuses_writeback_before_any_collective() -> None:
+    from torch import nn
+
+    from fsdp_bridge.errors import ConfigError
+
+    with (
+        pytest.raises(ConfigError, match=r"recurse=False, writeback=True.*drop recurse=False"),
+        fsdp_bridge.summon_full_params(nn.Linear(2, 2), recurse=False, writeback=True),
+    ):
+        pass
 
 
 def test_comments_between_the_arguments_of_a_rewritten_call_are_kept() -> None:
@@ -518,7 +539,7 @@ def test_rewritten_scripts_match_fsdp1_losses(tmp_path: Path) -> None:
         assert len(cm1) == 4
         assert dc2 == pytest.approx(dc1, rel=1.3e-6, abs=1e-5), (dc1, dc2)  # resumed from the sharded save
         assert kw2 == pytest.approx(kw1, rel=1.3e-6, abs=1e-5), (kw1, kw2)
-        assert len(dc1) == 4 and len(kw1) == 4
+        assert len(dc1) == 4 and len(kw1) == 6  # kwargs_builder: a sample before and after training
         # bf16 compute: FSDP1 and FSDP2 round the same math in different places
         assert mp2 == pytest.approx(mp1, rel=2e-2), (mp1, mp2)
         assert sd2 == pytest.approx(sd1, rel=1.3e-6, abs=1e-5), (sd1, sd2)

@@ -915,18 +915,29 @@ class _Scanner(cst.CSTVisitor):
                     and a.keyword.value in ("writeback", "recurse", "rank0_only", "offload_to_cpu")
                     for a in node.args[1:]
                 )
-                and all(_code(a.value) == "True" for a in node.args[1:] if a.keyword and a.keyword.value == "recurse")
             )
+            kws = {a.keyword.value: _code(a.value) for a in node.args[1:] if a.keyword is not None}
+            own = kws.get("recurse") == "False"  # the unit's own parameters (around generate, typically)
+            if own:
+                # The bridge's recurse=False gathers what the unit's forward gathers; FSDP2 has no
+                # writeback, rank-0-only or offloaded form of that, so those must be literal False.
+                ok = ok and all(kws.get(k, "False") == "False" for k in ("writeback", "rank0_only", "offload_to_cpu"))
+            else:
+                ok = ok and kws.get("recurse", "True") == "True"
             if ok:
                 self.fixable_calls[id(node)] = "summon"
             self._record(
                 node,
                 construct,
-                _NAMES["summon_full_params"]
+                "fsdp_bridge.summon_full_params(model, recurse=False): only the unit's own parameters, as in "
+                "FSDP1 (FSDP2: the unit's unshard() / reshard(), what its forward gathers), so forward and "
+                "generate may run inside while the nested units gather their own"
+                if ok and own
+                else _NAMES["summon_full_params"]
                 if ok
-                else _NAMES["summon_full_params"] + "; recurse=False, or other arguments, have no FSDP2 form: "
-                "FSDP2's forward gathers each unit's parameters itself, so a context held only around "
-                "forward/generate can be dropped",
+                else _NAMES["summon_full_params"] + "; recurse=False with writeback, rank0_only or offload_to_cpu "
+                "(or arguments known only at run time) have no FSDP2 form: FSDP2's forward gathers each unit's "
+                "parameters itself, so a context held only around forward/generate can be dropped",
                 ok,
             )
             self._consume(node.func)
@@ -2519,7 +2530,11 @@ class _Fixer(cst.CSTTransformer):
             if kind == "method" and isinstance(func, cst.Attribute):
                 target = cst.parse_expression(f"fsdp_bridge.{func.attr.value}")
                 return updated_node.with_changes(func=target, args=_commas([cst.Arg(func.value), *updated_node.args]))
-            kept = [a for a in updated_node.args if a.keyword is None or a.keyword.value != "recurse"]
+            kept = [
+                a
+                for a in updated_node.args
+                if a.keyword is None or a.keyword.value != "recurse" or _code(a.value) == "False"
+            ]
             return updated_node.with_changes(
                 func=cst.parse_expression("fsdp_bridge.summon_full_params"), args=_commas(kept)
             )
