@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from fsdp_bridge import hf
 from fsdp_bridge._lora import has_4bit, keep_4bit_weights_in_place, parameter_adapters, quantization_problems
@@ -329,6 +330,13 @@ def _shard(
         # unit initialises it as a root, which a later root wrapper over it refuses.
         _broadcast_outside(model, presharded, device)
         plan.sync = SyncMethod.NONE
+    if plan.sync is SyncMethod.BROADCAST and dist.is_initialized() and mesh.size() < dist.get_world_size():
+        # A mesh over some ranks (the data-parallel group of a model-parallel setup): FSDP1 synchronises
+        # within its group, from the group's first rank; rank 0 of the world would hand its own
+        # model-parallel slice to every group.  Whole tensors, before sharding, within the mesh.
+        # (_validate refused meta-device tensors here: every rank holds real ones.)
+        _broadcast_within(model, mesh, device)
+        plan.sync = SyncMethod.NONE
     if presharded:
         paths = {id(m): n for n, m in model.named_modules()}
         wrap_plan.notes.append(
@@ -422,6 +430,22 @@ def _broadcast_outside(model: nn.Module, presharded: list[nn.Module], device: to
                 t.data.copy_(tmp)
 
 
+def _broadcast_within(model: nn.Module, mesh: DeviceMesh, device: torch.device) -> None:
+    """The values of the mesh's first rank in every parameter and buffer, on each rank of ``mesh``
+    (its last dimension first, then the others: the first rank of each row, then of each column)."""
+    with torch.no_grad():
+        for dim in reversed(range(mesh.ndim)):
+            group = mesh.get_group(dim)
+            src = dist.get_process_group_ranks(group)[0]
+            for t in (*model.parameters(), *model.buffers()):
+                # A tensor-parallel DTensor: its local shard (the group's ranks hold the same slice).
+                local = t.to_local() if isinstance(t, DTensor) else t.data
+                tmp = local if local.device == device else local.to(device)
+                dist.broadcast(tmp, src=src, group=group)
+                if tmp is not local:
+                    local.copy_(tmp)
+
+
 def _validate(
     model: nn.Module,
     config: BridgeConfig,
@@ -438,15 +462,20 @@ def _validate(
         mesh_plan = plan_user_mesh(config, mesh) if mesh is not None else plan_mesh(config, dist.get_world_size())
     except ConfigError as err:
         problems.extend(err.problems)
-    if mesh is not None and mesh.size() != dist.get_world_size() and config.sync_module_states:
+    if (
+        mesh is not None
+        and mesh.size() != dist.get_world_size()
+        and config.sync_module_states
+        and any(t.is_meta for t in (*model.parameters(), *model.buffers()))
+    ):
         problems.append(
             Problem(
                 "sync_module_states",
-                True,
-                "false with a sub-mesh",
-                "the other mesh dimensions (e.g. tensor parallel) hold different shards, so rank 0's "
-                "weights cannot be broadcast to every rank: seed every rank the same way, or load "
-                "weights after shard() (fsdp_bridge.load_checkpoint)",
+                "True, with meta-device tensors and a sub-mesh",
+                "real tensors on every rank when the mesh is a sub-mesh",
+                "with a sub-mesh each data-parallel group takes its first rank's weights (FSDP1's "
+                "meaning), so every rank must build the model on a real device; or load weights after "
+                "shard() (fsdp_bridge.load_checkpoint)",
             )
         )
     if (

@@ -70,10 +70,11 @@ EXPECTED: dict[str, set[tuple[int, str]]] = {
         (42, "limit_all_gathers="),
         (43, "sync_module_states="),
         (56, "FSDP.summon_full_params(...)"),
-        (69, "FSDP(...)"),
-        (71, "process_group=(within_row, across_rows)"),
         (78, "FSDP(...)"),
-        (80, "process_group=data_parallel"),
+        (80, "process_group=(within_row, across_rows)"),
+        (87, "FSDP(...)"),
+        (89, "process_group=data_parallel"),
+        (93, "sync_module_states=sync"),
     },
     "fsdp_tp.py": {(44, "FSDP(...)"), (44, "device_id="), (44, "device_mesh="), (44, "use_orig_params=")},
     "sharded_dcp_resume.py": {
@@ -107,7 +108,9 @@ EXPECTED: dict[str, set[tuple[int, str]]] = {
         (67, "FullOptimStateDictConfig"),
         (68, "FSDP.state_dict_type(self.state_dict_type)"),
         (76, "FSDP.state_dict_type(self.state_dict_type)"),
-        (99, "FSDP.set_state_dict_type(SHARDED_STATE_DICT)"),
+        (97, "FSDP.state_dict_type(FULL_STATE_DICT)"),
+        (99, "FSDP.shard_full_optim_state_dict(...)"),
+        (108, "FSDP.set_state_dict_type(SHARDED_STATE_DICT)"),
     },
     "wrapper_factory.py": {
         (17, "ShardedGradScaler (the class, not called here)"),
@@ -536,7 +539,7 @@ def test_rewritten_scripts_match_fsdp1_losses(tmp_path: Path) -> None:
         # runtime state-dict type, set_state_dict_type, activation checkpointing after wrapping, a full
         # round trip of model and optimizer into a fresh model
         assert cm2 == pytest.approx(cm1, rel=1.3e-6, abs=1e-5), (cm1, cm2)
-        assert len(cm1) == 4
+        assert len(cm1) == 6  # and a resume through shard_full_optim_state_dict kept in a variable
         assert dc2 == pytest.approx(dc1, rel=1.3e-6, abs=1e-5), (dc1, dc2)  # resumed from the sharded save
         assert kw2 == pytest.approx(kw1, rel=1.3e-6, abs=1e-5), (kw1, kw2)
         assert len(dc1) == 4 and len(kw1) == 6  # kwargs_builder: a sample before and after training
@@ -550,8 +553,12 @@ def test_rewritten_scripts_match_fsdp1_losses(tmp_path: Path) -> None:
     # FSDP1's process_group=: HYBRID_SHARD's (shard, replicate) pair, and the data-parallel group of a
     # model-parallel layout (each group trains its own copy): fsdp_bridge.mesh_from_process_group after --fix.
     four += [(four[0][0], four[0][1], {"groups": layout}) for layout in ("pair", "dp")]
+    # sync_module_states=True within each data-parallel group (FSDP1 on CPU cannot run it: the rewrite
+    # alone does, its groups' other ranks built from another seed) = FSDP1 where every rank built right.
+    four.append((four[0][0], four[0][1], ({"groups": "dp"}, {"groups": "dp", "sync": True})))
     for rank_results in run_distributed(_run_pairs, world_size=4, args=(four,), env=env, timeout_s=300):
-        hy, tp, pair, dp = rank_results
+        hy, tp, pair, dp, synced = rank_results
+        assert synced[1] == pytest.approx(synced[0], rel=1.3e-6, abs=1e-5), synced
         assert hy[1] == pytest.approx(hy[0], rel=1.3e-6, abs=1e-5), hy
         assert tp[1] == pytest.approx(tp[0], rel=1.3e-6, abs=1e-5), tp  # FSDP + TP on the dp sub-mesh
         assert pair[1] == pytest.approx(pair[0], rel=1.3e-6, abs=1e-5), pair

@@ -874,6 +874,16 @@ class _Scanner(cst.CSTVisitor):
                 True,
             )
             return False
+        if hit == (FSDP, "shard_full_optim_state_dict") and (code := self._shard_full_to_load(node)) is not None:
+            self.call_rewrites[id(node)] = code
+            self._record(
+                node,
+                "FSDP.shard_full_optim_state_dict(...)",
+                f"{code}: loads the full state into the optimizer (torch's set_optimizer_state_dict, "
+                "full_state_dict=True) and returns optimizer.state_dict(), so loading the result changes nothing",
+                True,
+            )
+            return False
         if hit == (FSDP, "optim_state_dict") and (ctx := self._runtime_state_context()) is not None:
             self._record(
                 node,
@@ -2390,6 +2400,21 @@ class _Scanner(cst.CSTVisitor):
         return (
             f"fsdp_bridge.optim_state_dict_to_load({_code(named['model'])}, {_code(named['optim'])}, "
             f"{_code(named['optim_state_dict'])}{extra})"
+        )
+
+    def _shard_full_to_load(self, node: cst.Call) -> str | None:
+        """``x = FSDP.shard_full_optim_state_dict(sd, M, optim=O)`` (loaded later) -> the helper that
+        loads it into ``O`` and returns ``O.state_dict()``; without ``optim`` the optimizer is unknown."""
+        named = _named_args(node, ("full_optim_state_dict", "model", "optim_input", "optim"))
+        if named is None or not {"full_optim_state_dict", "model", "optim"} <= set(named):
+            return None
+        if "optim_input" in named and not m.matches(named["optim_input"], m.Name("None")):
+            return None
+        self.needs_imports.add(("fsdp_bridge", None))
+        self._consume(node.func)
+        return (
+            f"fsdp_bridge.optim_state_dict_to_load({_code(named['model'])}, {_code(named['optim'])}, "
+            f"{_code(named['full_optim_state_dict'])})"
         )
 
     def _plan_optim_load(self, node: cst.Call) -> bool:
