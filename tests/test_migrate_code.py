@@ -1228,3 +1228,42 @@ def test_a_clip_defined_in_another_file_is_named_relative_to_the_caller() -> Non
         (todo,) = [f for f in result.findings if f.construct == "model.clip_grad_norm_(...)"]
         assert "this tree defines its own clip_grad_norm_ (in ../pkg/model.py)" in todo.replacement, todo.replacement
         assert "(in ../pkg/model.py)" in result.fixed
+
+
+def test_rank0_only_full_state_in_a_tree_sharding_over_a_process_group_keeps_every_groups_copy() -> None:
+    """torch's full state dict with cpu_offload goes to rank 0 of the world only; FSDP1's rank0_only gave
+    it to each process group's first rank (each model-parallel slice is saved by its own group)."""
+    from fsdp_bridge.migrate._code import _Dispatch
+
+    code = textwrap.dedent(
+        """
+        import torch
+        from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+
+        def save(model, optimizer, path, dp_rank):
+            with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(rank0_only=True)):
+                sd = model.state_dict()
+            osd = FSDP.full_optim_state_dict(model, optimizer)
+            if dp_rank == 0:
+                torch.save({"model": sd, "optim": osd}, path)
+        """
+    )
+    plain = migrate_source(code, "ckpt.py")
+    assert plain.fixed.count("full_state_dict=True, cpu_offload=True") == 2 and TODO not in plain.fixed
+    grouped = migrate_source(code, "/srv/tree/ckpt.py", dispatch=_Dispatch(group_fsdp="/srv/tree/train.py"))
+    assert (
+        "full_state_dict=True, cpu_offload" not in grouped.fixed
+        and grouped.fixed.count("StateDictOptions(full_state_dict=True)") == 2
+    )
+    todos = [f for f in grouped.findings if not f.fixable]
+    assert [(f.line, f.construct) for f in todos] == [
+        (8, "rank0_only=True (full state dict)"),
+        (10, "rank0_only=True (full state dict)"),
+    ]
+    assert "process group of some ranks (train.py)" in todos[0].replacement and "/srv" not in grouped.fixed
+    assert grouped.fixed.count(TODO) == 2
+    assert (
+        migrate_source(grouped.fixed, "/srv/tree/ckpt.py", dispatch=_Dispatch(group_fsdp="x.py")).fixed == grouped.fixed
+    )

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 import shutil
 import textwrap
 from collections.abc import Iterable, Sequence
@@ -324,6 +325,7 @@ class _Dispatch:
     fsdp2_tests: set[str] = field(default_factory=set)
     own_methods: dict[str, str] = field(default_factory=dict)  # "clip_grad_norm_" -> the file defining the tree's own
     sets_state_dict_type: str | None = None  # a file of the tree that calls FSDP.set_state_dict_type
+    group_fsdp: str | None = None  # a file of the tree passing process_group= (FSDP over some ranks)
     fsdp1_factories: set[str] = field(default_factory=set)
     """Functions of the tree that return FSDP1's wrapper (``-> FullyShardedDataParallel``, ``return FSDP(...)``),
     by every dotted suffix of their module path (``wrapped_model.load_model``, ``finetune.wrapped_model.load_model``):
@@ -334,11 +336,18 @@ class _Dispatch:
         self.fsdp1_factories |= other.fsdp1_factories
         self.fsdp2_tests |= other.fsdp2_tests
         self.sets_state_dict_type = self.sets_state_dict_type or other.sets_state_dict_type
+        self.group_fsdp = self.group_fsdp or other.group_fsdp
         for name, where in other.own_methods.items():
             self.own_methods.setdefault(name, where)
 
 
 _OWN_METHOD_NAMES = ("clip_grad_norm_", "no_sync")
+_GROUP_ARG = re.compile(r"\bprocess_group\s*=\s*(?!None\b)")
+
+
+def _passes_group(code: str) -> bool:
+    """Whether FSDP1 code passes a process group (the data-parallel group of a model-parallel layout)."""
+    return "FullyShardedDataParallel" in code and _GROUP_ARG.search(code) is not None
 
 
 def _find_fsdp1_factories(wrapper: MetadataWrapper, path: str) -> set[str]:
@@ -542,6 +551,8 @@ class _Scanner(cst.CSTVisitor):
         super().__init__()
         self.path = path
         self.dispatch = dispatch or _Dispatch()
+        self.group_offload_noted: set[int] = set()  # statements told that rank0_only lost its CPU copy
+        self.options_at: cst.CSTNode | None = None  # the state_dict_type block whose options are being written
         self.regions: list[_Region] = []  # code FSDP2 modules never reach: FSDP1 constructs there stay as they are
         self.kept_checks: set[int] = set()  # id(isinstance(x, FSDP)) where it tells the backends apart
         self.lines = code.splitlines()
@@ -2008,7 +2019,11 @@ class _Scanner(cst.CSTVisitor):
         body = [stmt for stmt in body if self._in_region(stmt) is None]
         for stmt in body:
             if isinstance(stmt, cst.With):
-                self._plan_state_dict_block(stmt)
+                self.options_at = stmt
+                try:
+                    self._plan_state_dict_block(stmt)
+                finally:
+                    self.options_at = None
         self._plan_optimizer_order(body)
 
     def _plan_optimizer_order(self, body: Sequence[cst.BaseStatement]) -> None:
@@ -2114,6 +2129,26 @@ class _Scanner(cst.CSTVisitor):
 
     def _options(self, full: bool, *, cpu_offload: bool = False, broadcast: bool = False, offload: bool = False) -> str:
         self.needs_state_dict_api.add("StateDictOptions")
+        at = self.options_at or (self.stmt_stack[-1] if self.stmt_stack else None)
+        if full and cpu_offload and (where := self.dispatch.group_fsdp) is not None and at is not None:
+            # torch's full state dict with cpu_offload goes to rank 0 of the world only; FSDP1's rank0_only
+            # meant each process group's first rank, which saves its own model-parallel slice.
+            cpu_offload = False
+            if id(at) not in self.group_offload_noted:
+                self.group_offload_noted.add(id(at))
+                text = (
+                    f"this tree shards over a process group of some ranks ({Path(where).name}): FSDP1 gave the "
+                    "full state to each group's first rank, torch's StateDictOptions(cpu_offload=True) gives it "
+                    "to rank 0 of the world only (the other groups' first ranks would get an empty dict and save "
+                    "nothing), so it is written without cpu_offload: every rank gets the full state on its "
+                    "device (more memory); keep it so, or restore cpu_offload=True if the group is the world"
+                )
+                pos = self.get_metadata(PositionProvider, at)
+                construct = "rank0_only=True (full state dict)"
+                self.findings.append(CodeFinding(self.path, pos.start.line, pos.start.column, construct, text, False))
+                # A state_dict_type block is replaced by its body: the comment goes above its first statement.
+                target = at.body.body[0] if isinstance(at, cst.With) and at.body.body else at
+                self.todos.setdefault(id(target), []).append(f"{construct}: {text}")
         if not full:
             return "StateDictOptions(cpu_offload=True)" if offload else "StateDictOptions()"
         extra = (", cpu_offload=True" if cpu_offload else "") + (", broadcast_from_rank0=True" if broadcast else "")
@@ -2827,8 +2862,11 @@ def migrate_source(code: str, path: str = "<string>", *, dispatch: _Dispatch | N
         _Dispatch(
             own_methods=_find_own_methods(code, path),
             sets_state_dict_type=path if "set_state_dict_type" in code else None,
+            group_fsdp=path if _passes_group(code) else None,
         )
     )
+    if _passes_group(code):
+        known.group_fsdp = path  # this file's own, named first
     scan = _Scanner(path, code, single, collector.uses, known)
     wrapper.visit(scan)  # plan: FSDP(...) conversions and checkpoint blocks
     scan.planning = False
@@ -2902,6 +2940,7 @@ def migrate_paths(paths: Sequence[str | Path], *, fix: bool = False) -> tuple[Co
                 _Dispatch(
                     own_methods=_find_own_methods(code, str(f)),
                     sets_state_dict_type=str(f) if "set_state_dict_type" in code else None,
+                    group_fsdp=str(f) if _passes_group(code) else None,
                 )
             )
         except Exception:  # unreadable or unparsable: reported by the loop below
