@@ -1058,7 +1058,7 @@ def test_process_groups_become_a_mesh_and_torch_2_0_arguments_are_todos() -> Non
 
 
         def wrap_dp(model):
-            return FSDP(model, process_group=parallel_state.data_group(), use_orig_params=True)
+            return FSDP(model, process_group=parallel_state.data_group(), sharding_strategy=ShardingStrategy.FULL_SHARD)
 
 
         def wrap_frozen(model, frozen):
@@ -1085,6 +1085,8 @@ def test_process_groups_become_a_mesh_and_torch_2_0_arguments_are_todos() -> Non
     assert "mesh=fsdp_bridge.mesh_from_process_group(parallel_state.data_group())," in result.fixed
     assert "process_group=pair" not in result.fixed and "process_group=parallel_state" not in result.fixed
     assert "2D (replicate, shard) mesh" in by_line[(15, "process_group=pair")].replacement
+    (dp_strategy,) = [f for f in result.findings if f.line == 19 and f.construct.startswith("sharding_strategy")]
+    assert "1D mesh over the ranks of process_group=" in dp_strategy.replacement  # not "over all ranks"
     helper = by_line[(13, "_init_intra_and_inter_node_groups")]
     assert not helper.fixable and "the groups FSDP1 builds by itself" in helper.replacement
     # torch 2.0's ignored_parameters: no FSDP2 form for single parameters (a TODO naming what to do),

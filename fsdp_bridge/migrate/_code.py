@@ -1746,6 +1746,10 @@ class _Scanner(cst.CSTVisitor):
             )
             return
         described = self._describe_value(kw, a.value)
+        group = [b for b in siblings if b.keyword is not None and b.keyword.value == "process_group"]
+        if kw == "sharding_strategy" and group and _code(group[0].value) != "None":
+            # The mesh is the process group's (mesh_from_process_group), not one over every rank.
+            described = described.replace("mesh over all ranks", "mesh over the ranks of process_group=")
         self.findings.append(
             CodeFinding(self.path, pos.start.line, pos.start.column, f"{kw}={_short(value)}", described, True)
         )
