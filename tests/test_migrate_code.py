@@ -130,7 +130,7 @@ EXPECTED: dict[str, set[tuple[int, str]]] = {
         (11, "unit._handles (an FSDP1 internal)"),
         (13, "_reshard (torch.distributed.fsdp._runtime_utils._reshard)"),
         (17, "TrainingState (torch.distributed.fsdp._common_utils.TrainingState)"),
-        (21, "FSDP.set_state_dict_type"),
+        (21, "FSDP.set_state_dict_type(LOCAL_STATE_DICT)"),
         (22, "FSDP.set_state_dict_type"),
         (25, "class ...(FSDP)"),
         (32, "fsdp_runtime._post_backward_hook (torch.distributed.fsdp._runtime_utils._post_backward_hook)"),
@@ -1269,3 +1269,23 @@ def test_rank0_only_full_state_in_a_tree_sharding_over_a_process_group_keeps_eve
     assert (
         migrate_source(grouped.fixed, "/srv/tree/ckpt.py", dispatch=_Dispatch(group_fsdp="x.py")).fixed == grouped.fixed
     )
+
+
+def test_a_persistent_local_state_dict_type_is_a_todo_naming_convert() -> None:
+    code = textwrap.dedent(
+        """
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, StateDictType
+
+
+        def setup(model):
+            model = FSDP(model)
+            FSDP.set_state_dict_type(model, StateDictType.LOCAL_STATE_DICT)
+            return model
+        """
+    )
+    result = migrate_source(code, "local.py")
+    (todo,) = [f for f in result.findings if not f.fixable]
+    assert todo.construct == "FSDP.set_state_dict_type(LOCAL_STATE_DICT)" and todo.line == 7
+    assert "has no FSDP2 form" in todo.replacement and "fsdp-bridge convert" in todo.replacement
+    assert "FSDP.set_state_dict_type(model, StateDictType.LOCAL_STATE_DICT)" in result.fixed
+    assert migrate_source(result.fixed, "local.py").fixed == result.fixed

@@ -1227,6 +1227,18 @@ class _Scanner(cst.CSTVisitor):
             or stmt.body[0].value is not node
         ):
             return False
+        if self._member(named["state_dict_type"], "StateDictType") == "LOCAL_STATE_DICT":
+            self._consume(node)
+            self._record(
+                node,
+                "FSDP.set_state_dict_type(LOCAL_STATE_DICT)",
+                "not rewritten: LOCAL_STATE_DICT (each rank's FSDP1 flat-parameter shards) has no FSDP2 form; "
+                "delete the call and take the state sharded (get_model_state_dict(model): DTensor values, "
+                "saved with torch.distributed.checkpoint) or full where it is saved; an existing local "
+                "checkpoint: load it in FSDP1, save it as SHARDED_STATE_DICT, then `fsdp-bridge convert`",
+                False,
+            )
+            return True
         if self._member(named["state_dict_type"], "StateDictType") != "SHARDED_STATE_DICT":
             return False
         for key in ("state_dict_config", "optim_state_dict_config"):
