@@ -36,7 +36,7 @@ if TYPE_CHECKING:
         save_checkpoint_async,
     )
     from fsdp_bridge.config import BridgeConfig, MixedPrecisionConfig, WrapPolicy, load_config
-    from fsdp_bridge.distributed import init_distributed
+    from fsdp_bridge.distributed import init_distributed, mesh_from_process_group
     from fsdp_bridge.errors import CheckpointError, ConfigError, Problem
     from fsdp_bridge.mapping import Outcome, TranslationReport, translate
     from fsdp_bridge.strategy import Backend, BackwardPrefetch, ShardingStrategy
@@ -67,6 +67,7 @@ _EXPORTS: dict[str, str] = {
     "load_config": "fsdp_bridge.config",
     "load_pretrained": "fsdp_bridge.checkpoint",
     "load_sharded_optimizer_state_dict": "fsdp_bridge.backends.fsdp1_objects",
+    "mesh_from_process_group": "fsdp_bridge.distributed",
     "module_names": "fsdp_bridge.wrap",
     "no_sync": "fsdp_bridge.api",
     "optim_state_dict_to_load": "fsdp_bridge.backends.fsdp1_objects",
@@ -104,6 +105,7 @@ __all__ = [
     "load_config",
     "load_pretrained",
     "load_sharded_optimizer_state_dict",
+    "mesh_from_process_group",
     "module_names",
     "no_sync",
     "optim_state_dict_to_load",

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from fsdp_bridge import hf
 from fsdp_bridge._lora import has_4bit, keep_4bit_weights_in_place, parameter_adapters, quantization_problems
@@ -329,6 +330,13 @@ def _shard(
         # unit initialises it as a root, which a later root wrapper over it refuses.
         _broadcast_outside(model, presharded, device)
         plan.sync = SyncMethod.NONE
+    if plan.sync is SyncMethod.BROADCAST and dist.is_initialized() and mesh.size() < dist.get_world_size():
+        # A mesh over some ranks (the data-parallel group of a model-parallel setup): FSDP1 synchronises
+        # within its group, from the group's first rank; rank 0 of the world would hand its own
+        # model-parallel slice to every group.  Whole tensors, before sharding, within the mesh.
+        # (_validate refused meta-device tensors here: every rank holds real ones.)
+        _broadcast_within(model, mesh, device)
+        plan.sync = SyncMethod.NONE
     if presharded:
         paths = {id(m): n for n, m in model.named_modules()}
         wrap_plan.notes.append(
@@ -422,6 +430,22 @@ def _broadcast_outside(model: nn.Module, presharded: list[nn.Module], device: to
                 t.data.copy_(tmp)
 
 
+def _broadcast_within(model: nn.Module, mesh: DeviceMesh, device: torch.device) -> None:
+    """The values of the mesh's first rank in every parameter and buffer, on each rank of ``mesh``
+    (its last dimension first, then the others: the first rank of each row, then of each column)."""
+    with torch.no_grad():
+        for dim in reversed(range(mesh.ndim)):
+            group = mesh.get_group(dim)
+            src = dist.get_process_group_ranks(group)[0]
+            for t in (*model.parameters(), *model.buffers()):
+                # A tensor-parallel DTensor: its local shard (the group's ranks hold the same slice).
+                local = t.to_local() if isinstance(t, DTensor) else t.data
+                tmp = local if local.device == device else local.to(device)
+                dist.broadcast(tmp, src=src, group=group)
+                if tmp is not local:
+                    local.copy_(tmp)
+
+
 def _validate(
     model: nn.Module,
     config: BridgeConfig,
@@ -438,15 +462,20 @@ def _validate(
         mesh_plan = plan_user_mesh(config, mesh) if mesh is not None else plan_mesh(config, dist.get_world_size())
     except ConfigError as err:
         problems.extend(err.problems)
-    if mesh is not None and mesh.size() != dist.get_world_size() and config.sync_module_states:
+    if (
+        mesh is not None
+        and mesh.size() != dist.get_world_size()
+        and config.sync_module_states
+        and any(t.is_meta for t in (*model.parameters(), *model.buffers()))
+    ):
         problems.append(
             Problem(
                 "sync_module_states",
-                True,
-                "false with a sub-mesh",
-                "the other mesh dimensions (e.g. tensor parallel) hold different shards, so rank 0's "
-                "weights cannot be broadcast to every rank: seed every rank the same way, or load "
-                "weights after shard() (fsdp_bridge.load_checkpoint)",
+                "True, with meta-device tensors and a sub-mesh",
+                "real tensors on every rank when the mesh is a sub-mesh",
+                "with a sub-mesh each data-parallel group takes its first rank's weights (FSDP1's "
+                "meaning), so every rank must build the model on a real device; or load weights after "
+                "shard() (fsdp_bridge.load_checkpoint)",
             )
         )
     if (
@@ -637,7 +666,12 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
 
 @contextmanager
 def summon_full_params(
-    model: nn.Module, *, writeback: bool = False, rank0_only: bool = False, offload_to_cpu: bool = False
+    model: nn.Module,
+    *,
+    writeback: bool = False,
+    rank0_only: bool = False,
+    offload_to_cpu: bool = False,
+    recurse: bool = True,
 ) -> Iterator[None]:
     """Inside the context, parameters are full tensors, as FSDP1's ``summon_full_params`` gives them.
 
@@ -653,15 +687,40 @@ def summon_full_params(
         rank0_only: only rank 0 sees full tensors; the other ranks keep their shards (FSDP1 under
             HYBRID_SHARD also gathers on rank 0 of each shard group, as torch's FSDP1 does).
         offload_to_cpu: the full tensors are CPU copies.
+        recurse: False gathers only the parameters ``model``'s own unit manages, not those of the
+            units nested in it, as FSDP1's ``recurse=False`` (held around ``model.generate(...)``
+            so that the root's embeddings and head are whole while the inner units gather their
+            own). On FSDP2 it is the unit's ``unshard()`` / ``reshard()``: the parameters its
+            forward gathers (in ``param_dtype`` under mixed precision), so forward may run inside;
+            a module that is not a unit gathers nothing, as in FSDP1.
 
     Yields:
         Nothing: inside the block the model's parameters are the full tensors.
 
     Raises:
         ConfigError: ``writeback=True`` with ``rank0_only=True`` (FSDP1 refuses it too: the other
-            ranks would have nothing to write back), before any collective.
+            ranks would have nothing to write back), or ``recurse=False`` with ``writeback``,
+            ``rank0_only`` or ``offload_to_cpu`` (FSDP2's unshard has no such forms), before any
+            collective.
         TypeError: ``model`` holds no sharded parameters.
     """
+    if not recurse and (writeback or rank0_only or offload_to_cpu):
+        given = ", ".join(
+            f"{k}=True"
+            for k, v in (("writeback", writeback), ("rank0_only", rank0_only), ("offload_to_cpu", offload_to_cpu))
+            if v
+        )
+        raise ConfigError(
+            [
+                Problem(
+                    "summon_full_params",
+                    f"recurse=False, {given}",
+                    "recurse=False with writeback, rank0_only and offload_to_cpu left False",
+                    "drop recurse=False to gather (and write back, or offload) every parameter under the "
+                    "module, or drop the other arguments to gather the unit's own parameters for a forward",
+                )
+            ]
+        )
     if writeback and rank0_only:
         raise ConfigError(
             [
@@ -685,10 +744,34 @@ def summon_full_params(
                 "FullyShardedDataParallel)"
             )
         impl, target = get_backend(backend), model
+    if not recurse:
+        with torch.no_grad(), _own_params(target):
+            yield
+        return
     # Autograd is off inside, on both backends: gradients of the gathered copies would reach nothing,
     # and torch's FSDP1 writes a unit's parameter views in place on the way out (refused under grad mode).
     with (
         torch.no_grad(),
         impl.summon_full_params(target, writeback=writeback, rank0_only=rank0_only, offload_to_cpu=offload_to_cpu),
     ):
+        yield
+
+
+@contextmanager
+def _own_params(module: nn.Module) -> Iterator[None]:
+    """FSDP1's ``summon_full_params(module, recurse=False)`` on either backend."""
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    if isinstance(module, FullyShardedDataParallel):
+        from fsdp_bridge.backends.fsdp1 import own_params
+
+        with own_params(module):
+            yield
+    elif isinstance(module, FSDPModule):
+        module.unshard()
+        try:
+            yield
+        finally:
+            module.reshard()
+    else:  # not a unit itself: FSDP1 gathers nothing either
         yield

@@ -23,7 +23,15 @@ from fsdp_bridge.config import BridgeConfig
 from fsdp_bridge.errors import ConfigError, Problem
 from fsdp_bridge.strategy import ShardingStrategy
 
-__all__ = ["DEFAULT_TIMEOUT_S", "MeshPlan", "agree", "init_distributed", "plan_mesh", "resolve_device"]
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "MeshPlan",
+    "agree",
+    "init_distributed",
+    "mesh_from_process_group",
+    "plan_mesh",
+    "resolve_device",
+]
 
 DEFAULT_TIMEOUT_S = 600.0
 """Default process-group timeout: a rank that stops answering fails the others after this."""
@@ -308,6 +316,82 @@ def check_user_mesh(mesh: DeviceMesh, plan: MeshPlan) -> None:
                 )
             ]
         )
+
+
+def _group_problem(value: object, why: str) -> ConfigError:
+    return ConfigError(
+        [
+            Problem(
+                "process_group",
+                value,
+                "None, a torch.distributed ProcessGroup, or FSDP1's HYBRID pair (shard group, replicate group)",
+                why,
+            )
+        ]
+    )
+
+
+def mesh_from_process_group(group: object, device_type: str | None = None) -> DeviceMesh | None:
+    """The data-parallel DeviceMesh that FSDP1's ``process_group=`` argument stands for.
+
+    FSDP2 shards over a DeviceMesh, FSDP1 over process groups. ``migrate code --fix`` writes
+    ``fsdp_bridge.shard(model, BridgeConfig.from_fsdp1(...), mesh=mesh_from_process_group(<group>))``
+    where an ``FSDP(...)`` call passes ``process_group=``: the data-parallel group of a model-parallel
+    setup (each group shards its own copy, as in FSDP1), or HYBRID_SHARD's pair of groups.
+
+    Call it on every rank (the HYBRID pair exchanges its groups' ranks: a collective over the
+    replicate group).
+
+    Args:
+        group: None or a group over every rank (the bridge's own mesh: returns None); a ProcessGroup
+            (a 1D mesh over its ranks); or FSDP1's ``(shard_group, replicate_group)`` pair for
+            HYBRID_SHARD (intra-node, inter-node): a 2D ``(replicate, shard)`` mesh.
+        device_type: the mesh's device type; default ``cuda`` for an NCCL group, ``cpu`` otherwise.
+
+    Returns:
+        The mesh to pass as ``shard(..., mesh=)``, or None for the bridge's mesh over every rank.
+
+    Raises:
+        ConfigError: no process group is initialised, a value that is not a group or a pair of
+            groups, or a pair whose groups do not form a (replicate, shard) grid.
+    """
+    if group is None:
+        return None
+    if not dist.is_initialized():
+        raise _group_problem(group, "initialise torch.distributed (init_process_group) before building the mesh")
+    pair = isinstance(group, (tuple, list))
+    given: list[object] = list(group) if isinstance(group, (tuple, list)) else [group]
+    groups = [g for g in given if isinstance(g, dist.ProcessGroup)]
+    if len(given) != (2 if pair else 1) or len(groups) != len(given):
+        raise _group_problem(
+            type(group).__name__ if not pair else f"a {len(given)}-tuple",
+            "pass one ProcessGroup, or FSDP1's (intra-node, inter-node) pair of ProcessGroups",
+        )
+    if device_type is None:
+        backend = str(dist.get_backend(groups[0]))
+        device_type = "cuda" if "nccl" in backend and torch.cuda.is_available() else "cpu"
+    if not pair:
+        ranks = dist.get_process_group_ranks(groups[0])
+        if len(ranks) == dist.get_world_size():
+            return None
+        return DeviceMesh.from_group(groups[0], device_type, mesh_dim_names=("shard",))
+    shard_group, replicate_group = groups
+    shard_ranks = dist.get_process_group_ranks(shard_group)
+    replicate_ranks = dist.get_process_group_ranks(replicate_group)
+    rows: list[list[int] | None] = [None] * len(replicate_ranks)
+    dist.all_gather_object(rows, shard_ranks, group=replicate_group)  # each replica's shard group, in order
+    column = shard_ranks.index(dist.get_rank())
+    if any(r is None or len(r) != len(shard_ranks) for r in rows) or [r[column] for r in rows] != replicate_ranks:  # type: ignore[index]
+        raise _group_problem(
+            f"shard group {shard_ranks}, replicate group {replicate_ranks}",
+            "the replicate group must hold the rank at this rank's position in every shard group "
+            "(FSDP1's intra-node / inter-node split); build init_device_mesh(device, (replicate, shard)) "
+            "and pass it as shard(..., mesh=...)",
+        )
+    mesh = torch.tensor(rows, dtype=torch.int)
+    return DeviceMesh.from_group(
+        [replicate_group, shard_group], device_type, mesh=mesh, mesh_dim_names=("replicate", "shard")
+    )
 
 
 def average_gradients_over(mesh: DeviceMesh, params: list[torch.nn.Parameter]) -> None:

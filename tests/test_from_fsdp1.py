@@ -217,13 +217,38 @@ def _raw_vs_bridge() -> dict[str, Any]:
     raw_losses = _train(raw, rank)
     bridged = fsdp_bridge.shard(build_tiny("llama", seed=0), BridgeConfig.from_fsdp1(**_kwargs()))
     bridge_units = sorted(n for n, _ in fsdp_bridge.get_bridge(bridged).wrap.units)
-    return {"raw_units": raw_units, "bridge_units": bridge_units, "raw": raw_losses, "bridge": _train(bridged, rank)}
+    bridge_losses = _train(bridged, rank)
+    on_fsdp1 = fsdp_bridge.shard(build_tiny("llama", seed=0), BridgeConfig.from_fsdp1(backend="fsdp1", **_kwargs()))
+    _train(on_fsdp1, rank)
+    # Generation under FSDP1's summon_full_params(recurse=False) (the root's own parameters gathered,
+    # the units gathering theirs), and under the bridge's on both backends (which --fix writes).
+    prompt = sample_batch("llama", batch=1, seq=4, seed=rank)["input_ids"]
+    greedy = dict(do_sample=False, min_new_tokens=3, max_new_tokens=3)
+    with FullyShardedDataParallel.summon_full_params(raw, writeback=False, recurse=False):
+        raw_tokens = raw.generate(prompt, **greedy).tolist()
+    tokens = []
+    for model in (bridged, on_fsdp1):
+        with fsdp_bridge.summon_full_params(model, recurse=False):
+            tokens.append(model.generate(prompt, **greedy).tolist())  # type: ignore[operator]
+    with fsdp_bridge.summon_full_params(bridged, recurse=False):  # FSDP2: the root's own are whole, not the units'
+        kinds = {n.split(".")[1]: type(p).__name__ for n, p in bridged.named_parameters()}
+    return {
+        "raw_units": raw_units,
+        "bridge_units": bridge_units,
+        "raw": raw_losses,
+        "bridge": bridge_losses,
+        "raw_tokens": raw_tokens,
+        "tokens": tokens,
+        "kinds": kinds,
+    }
 
 
 def test_raw_fsdp1_and_the_bridge_on_fsdp2_wrap_and_train_alike(run_on_ranks) -> None:
     for result in run_on_ranks(_raw_vs_bridge, 2):
         assert result["bridge_units"] == result["raw_units"] and result["raw_units"], result
         torch.testing.assert_close(result["bridge"], result["raw"], rtol=1.3e-6, atol=1e-5)
+        assert result["tokens"] == [result["raw_tokens"]] * 2 and len(result["raw_tokens"][0]) == 7
+        assert result["kinds"]["embed_tokens"] == "Parameter" and result["kinds"]["layers"] == "DTensor", result
 
 
 def test_state_dict_options_mean_what_fsdp1_state_dict_settings_meant() -> None:

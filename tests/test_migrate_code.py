@@ -63,15 +63,20 @@ EXPECTED: dict[str, set[tuple[int, str]]] = {
         (44, "model.no_sync()"),
     },
     "hybrid_mesh.py": {
-        (30, "FSDP(...)"),
-        (32, "device_mesh="),
-        (33, "sharding_strategy="),
-        (34, "auto_wrap_policy="),
-        (35, "device_id="),
-        (36, "forward_prefetch="),
-        (37, "limit_all_gathers="),
-        (38, "sync_module_states="),
-        (51, "FSDP.summon_full_params(...)"),
+        (35, "FSDP(...)"),
+        (37, "device_mesh="),
+        (38, "sharding_strategy="),
+        (39, "auto_wrap_policy="),
+        (40, "device_id="),
+        (41, "forward_prefetch="),
+        (42, "limit_all_gathers="),
+        (43, "sync_module_states="),
+        (56, "FSDP.summon_full_params(...)"),
+        (78, "FSDP(...)"),
+        (80, "process_group=(within_row, across_rows)"),
+        (87, "FSDP(...)"),
+        (89, "process_group=data_parallel"),
+        (93, "sync_module_states=sync"),
     },
     "fsdp_tp.py": {(44, "FSDP(...)"), (44, "device_id="), (44, "device_mesh="), (44, "use_orig_params=")},
     "sharded_dcp_resume.py": {
@@ -84,14 +89,16 @@ EXPECTED: dict[str, set[tuple[int, str]]] = {
         (60, "FSDP.state_dict_type(SHARDED_STATE_DICT)"),
     },
     "kwargs_builder.py": {
-        (19, "ShardingStrategy.FULL_SHARD"),
-        (19, "ShardingStrategy.SHARD_GRAD_OP"),
-        (20, "size_based_auto_wrap_policy"),
-        (21, "CPUOffload"),
-        (22, "MixedPrecision"),
-        (23, "BackwardPrefetch.BACKWARD_PRE"),
-        (33, "FSDP(...)"),
-        (41, "FSDP.clip_grad_norm_(...)"),
+        (21, "ShardingStrategy.FULL_SHARD"),
+        (21, "ShardingStrategy.SHARD_GRAD_OP"),
+        (22, "size_based_auto_wrap_policy"),
+        (23, "CPUOffload"),
+        (24, "MixedPrecision"),
+        (25, "BackwardPrefetch.BACKWARD_PRE"),
+        (35, "FSDP(...)"),
+        (39, "FSDP.summon_full_params(...)"),
+        (45, "FSDP.clip_grad_norm_(...)"),
+        (49, "FSDP.summon_full_params(...)"),
     },
     "checkpoint_manager.py": {
         (41, "FSDP(...)"),
@@ -103,7 +110,9 @@ EXPECTED: dict[str, set[tuple[int, str]]] = {
         (67, "FullOptimStateDictConfig"),
         (68, "FSDP.state_dict_type(self.state_dict_type)"),
         (76, "FSDP.state_dict_type(self.state_dict_type)"),
-        (99, "FSDP.set_state_dict_type(SHARDED_STATE_DICT)"),
+        (97, "FSDP.state_dict_type(FULL_STATE_DICT)"),
+        (99, "FSDP.shard_full_optim_state_dict(...)"),
+        (108, "FSDP.set_state_dict_type(SHARDED_STATE_DICT)"),
     },
     "wrapper_factory.py": {
         (17, "ShardedGradScaler (the class, not called here)"),
@@ -123,7 +132,7 @@ EXPECTED: dict[str, set[tuple[int, str]]] = {
         (11, "unit._handles (an FSDP1 internal)"),
         (13, "_reshard (torch.distributed.fsdp._runtime_utils._reshard)"),
         (17, "TrainingState (torch.distributed.fsdp._common_utils.TrainingState)"),
-        (21, "FSDP.set_state_dict_type"),
+        (21, "FSDP.set_state_dict_type(LOCAL_STATE_DICT)"),
         (22, "FSDP.set_state_dict_type"),
         (25, "class ...(FSDP)"),
         (32, "fsdp_runtime._post_backward_hook (torch.distributed.fsdp._runtime_utils._post_backward_hook)"),
@@ -349,14 +358,33 @@ def test_summon_full_params_called_through_an_instance_is_rewritten() -> None:
             def top_only(self):
                 with self.model.summon_full_params(self.model, recurse=False):
                     return self.model.head.weight.sum()
+
+            def edit_top(self):
+                with self.model.summon_full_params(self.model, recurse=False, writeback=True):
+                    self.model.head.weight.zero_()
         """
     )
     result = migrate_source(code, "exporter.py")
     assert "with fsdp_bridge.summon_full_params(self.model, writeback=False, offload_to_cpu=offload):" in result.fixed
     by_line = {f.line: f for f in result.findings if f.construct == "self.model.summon_full_params(...)"}
-    assert by_line[10].fixable and not by_line[14].fixable, result.findings
-    assert "recurse=False, or other arguments, have no FSDP2 form" in by_line[14].replacement
+    assert by_line[10].fixable and by_line[14].fixable and not by_line[18].fixable, result.findings
+    # recurse=False: the unit's own parameters (FSDP2: its unshard/reshard), kept as an argument
+    assert "with fsdp_bridge.summon_full_params(self.model, recurse=False):" in result.fixed
+    assert "only the unit's own parameters" in by_line[14].replacement
+    assert "recurse=False with writeback, rank0_only or offload_to_cpu" in by_line[18].replacement
     assert migrate_source(result.fixed, "exporter.py").fixed == result.fixed
+
+
+def test_summon_of_a_units_own_parameters_refuses_writeback_before_any_collective() -> None:
+    from torch import nn
+
+    from fsdp_bridge.errors import ConfigError
+
+    with (
+        pytest.raises(ConfigError, match=r"recurse=False, writeback=True.*drop recurse=False"),
+        fsdp_bridge.summon_full_params(nn.Linear(2, 2), recurse=False, writeback=True),
+    ):
+        pass
 
 
 def test_comments_between_the_arguments_of_a_rewritten_call_are_kept() -> None:
@@ -552,10 +580,10 @@ def test_rewritten_scripts_match_fsdp1_losses(tmp_path: Path) -> None:
         # runtime state-dict type, set_state_dict_type, activation checkpointing after wrapping, a full
         # round trip of model and optimizer into a fresh model
         assert cm2 == pytest.approx(cm1, rel=1.3e-6, abs=1e-5), (cm1, cm2)
-        assert len(cm1) == 4
+        assert len(cm1) == 6  # and a resume through shard_full_optim_state_dict kept in a variable
         assert dc2 == pytest.approx(dc1, rel=1.3e-6, abs=1e-5), (dc1, dc2)  # resumed from the sharded save
         assert kw2 == pytest.approx(kw1, rel=1.3e-6, abs=1e-5), (kw1, kw2)
-        assert len(dc1) == 4 and len(kw1) == 4
+        assert len(dc1) == 4 and len(kw1) == 6  # kwargs_builder: a sample before and after training
         # bf16 compute: FSDP1 and FSDP2 round the same math in different places
         assert mp2 == pytest.approx(mp1, rel=2e-2), (mp1, mp2)
         # full_state_dict: after an evaluation forward, the optimizer's full state saved and loaded on
@@ -565,9 +593,21 @@ def test_rewritten_scripts_match_fsdp1_losses(tmp_path: Path) -> None:
         assert len(ga1) == 9 and len(sd1) == 7
 
     four = [(*_prepare(tmp_path, name), {}) for name in ("hybrid_mesh.py", "fsdp_tp.py")]
-    hy, tp = run_distributed(_run_pairs, world_size=4, args=(four,), env=env, timeout_s=300)[0]
-    assert hy[1] == pytest.approx(hy[0], rel=1.3e-6, abs=1e-5), hy
-    assert tp[1] == pytest.approx(tp[0], rel=1.3e-6, abs=1e-5), tp  # FSDP + TP on the dp sub-mesh
+    # FSDP1's process_group=: HYBRID_SHARD's (shard, replicate) pair, and the data-parallel group of a
+    # model-parallel layout (each group trains its own copy): fsdp_bridge.mesh_from_process_group after --fix.
+    four += [(four[0][0], four[0][1], {"groups": layout}) for layout in ("pair", "dp")]
+    # sync_module_states=True within each data-parallel group (FSDP1 on CPU cannot run it: the rewrite
+    # alone does, its groups' other ranks built from another seed) = FSDP1 where every rank built right.
+    four.append((four[0][0], four[0][1], ({"groups": "dp"}, {"groups": "dp", "sync": True})))
+    for rank_results in run_distributed(_run_pairs, world_size=4, args=(four,), env=env, timeout_s=300):
+        hy, tp, pair, dp, synced = rank_results
+        assert synced[1] == pytest.approx(synced[0], rel=1.3e-6, abs=1e-5), synced
+        assert hy[1] == pytest.approx(hy[0], rel=1.3e-6, abs=1e-5), hy
+        assert tp[1] == pytest.approx(tp[0], rel=1.3e-6, abs=1e-5), tp  # FSDP + TP on the dp sub-mesh
+        assert pair[1] == pytest.approx(pair[0], rel=1.3e-6, abs=1e-5), pair
+        assert pair[0] == pytest.approx(hy[0], rel=1.3e-6, abs=1e-5)  # the pair is the same 2D layout
+        assert dp[1] == pytest.approx(dp[0], rel=1.3e-6, abs=1e-5), dp
+        assert dp[0] != hy[0]  # two independent copies, not one model over four ranks
 
 
 # -- real-world shapes: a multi-file project, awkward code, all-or-nothing writes ------------
@@ -1137,27 +1177,82 @@ def test_load_sharded_optimizer_state_dict_takes_the_bridges_with_the_same_argum
     assert migrate_source(result.fixed, "resume.py").fixed == result.fixed
 
 
-def test_hybrid_group_pair_is_a_todo_naming_the_mesh() -> None:
+def test_process_groups_become_a_mesh_and_torch_2_0_arguments_are_todos() -> None:
     code = textwrap.dedent(
         """
+        import functools
+
         from torch.distributed.distributed_c10d import _get_default_group
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
         from torch.distributed.fsdp._init_utils import _init_intra_and_inter_node_groups
+        from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
+
+        import parallel_state
 
 
         def wrap(model):
             groups = _init_intra_and_inter_node_groups(_get_default_group())
             pair = (groups[0], groups[1])
             return FSDP(model, process_group=pair, sharding_strategy=ShardingStrategy.HYBRID_SHARD)
+
+
+        def wrap_dp(model):
+            return FSDP(model, process_group=parallel_state.data_group(), sharding_strategy=ShardingStrategy.FULL_SHARD)
+
+
+        def wrap_frozen(model, frozen):
+            return FSDP(
+                model,
+                auto_wrap_policy=functools.partial(
+                    lambda_auto_wrap_policy,
+                    lambda_fn=lambda m: m in model.blocks,
+                ),
+                ignored_parameters=frozen,
+            )
+
+
+        def wrap_both(model, mesh, group):
+            return FSDP(model, device_mesh=mesh, process_group=group)
         """
     )
-    result = migrate_source(code, "hybrid.py")
-    by_construct = {f.construct.split(" (")[0]: f for f in result.findings}
-    # The pair is refused by from_fsdp1 when the code runs: a TODO now, not a rewrite that fails later.
-    assert not by_construct["FSDP(...)"].fixable and "FSDP(model, process_group=pair" in result.fixed
-    assert "2D DeviceMesh" in by_construct["FSDP(...)"].replacement
-    helper = by_construct["_init_intra_and_inter_node_groups"]
+    result = migrate_source(code, "groups.py")
+    by_line = {(f.line, f.construct.split(" (")[0]): f for f in result.findings}
+    # A group (the data-parallel group of a model-parallel setup) or HYBRID_SHARD's pair becomes the
+    # DeviceMesh FSDP2 shards over, built from those groups when the code runs.
+    assert by_line[(15, "FSDP(...)")].fixable and by_line[(19, "FSDP(...)")].fixable
+    assert "mesh=fsdp_bridge.mesh_from_process_group(pair)," in result.fixed
+    assert "mesh=fsdp_bridge.mesh_from_process_group(parallel_state.data_group())," in result.fixed
+    assert "process_group=pair" not in result.fixed and "process_group=parallel_state" not in result.fixed
+    assert "2D (replicate, shard) mesh" in by_line[(15, "process_group=pair")].replacement
+    (dp_strategy,) = [f for f in result.findings if f.line == 19 and f.construct.startswith("sharding_strategy")]
+    assert "1D mesh over the ranks of process_group=" in dp_strategy.replacement  # not "over all ranks"
+    helper = by_line[(13, "_init_intra_and_inter_node_groups")]
     assert not helper.fixable and "the groups FSDP1 builds by itself" in helper.replacement
+    # torch 2.0's ignored_parameters: no FSDP2 form for single parameters (a TODO naming what to do),
+    # and its multi-line policy argument quoted on one line (a line break in the comment crashed libcst).
+    frozen = by_line[(23, "FSDP(...)")]
+    assert not frozen.fixable and "torch 2.0's name of ignored_states" in frozen.replacement
+    assert "\n" not in frozen.replacement
+    assert "torch >= 2.1" in by_line[(29, "ignored_parameters=")].replacement
+    assert (
+        not by_line[(34, "FSDP(...)")].fixable and "FSDP1 takes one of them" in by_line[(34, "FSDP(...)")].replacement
+    )
+    compile(result.fixed, "groups.py", "exec")
+    assert migrate_source(result.fixed, "groups.py").fixed == result.fixed
+
+
+def test_mesh_from_process_group_refuses_what_is_not_a_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.distributed as dist
+
+    from fsdp_bridge.errors import ConfigError
+
+    assert fsdp_bridge.mesh_from_process_group(None) is None  # the bridge's own mesh over every rank
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    with pytest.raises(ConfigError, match="init_process_group"):
+        fsdp_bridge.mesh_from_process_group(object())
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    with pytest.raises(ConfigError, match=r"process_group.*a 3-tuple.*intra-node, inter-node"):
+        fsdp_bridge.mesh_from_process_group((1, 2, 3))
 
 
 def test_a_strategy_chosen_at_run_time_is_described_by_the_values_the_file_assigns() -> None:
@@ -1377,3 +1472,62 @@ def test_mixed_precision_keeps_fsdp1s_input_casting() -> None:
         '"cast_forward_inputs": False}'
     ) in fixed, fixed
     assert 'mixed_precision={"param_dtype": torch.bfloat16, "cast_forward_inputs": True}' in fixed, fixed
+
+
+def test_rank0_only_full_state_in_a_tree_sharding_over_a_process_group_keeps_every_groups_copy() -> None:
+    """torch's full state dict with cpu_offload goes to rank 0 of the world only; FSDP1's rank0_only gave
+    it to each process group's first rank (each model-parallel slice is saved by its own group)."""
+    from fsdp_bridge.migrate._code import _Dispatch
+
+    code = textwrap.dedent(
+        """
+        import torch
+        from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+
+        def save(model, optimizer, path, dp_rank):
+            with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(rank0_only=True)):
+                sd = model.state_dict()
+            osd = FSDP.full_optim_state_dict(model, optimizer)
+            if dp_rank == 0:
+                torch.save({"model": sd, "optim": osd}, path)
+        """
+    )
+    plain = migrate_source(code, "ckpt.py")
+    assert plain.fixed.count("full_state_dict=True, cpu_offload=True") == 2 and TODO not in plain.fixed
+    grouped = migrate_source(code, "/srv/tree/ckpt.py", dispatch=_Dispatch(group_fsdp="/srv/tree/train.py"))
+    assert (
+        "full_state_dict=True, cpu_offload" not in grouped.fixed
+        and grouped.fixed.count("StateDictOptions(full_state_dict=True)") == 2
+    )
+    todos = [f for f in grouped.findings if not f.fixable]
+    assert [(f.line, f.construct) for f in todos] == [
+        (8, "rank0_only=True (full state dict)"),
+        (10, "rank0_only=True (full state dict)"),
+    ]
+    assert "process group of some ranks (train.py)" in todos[0].replacement and "/srv" not in grouped.fixed
+    assert grouped.fixed.count(TODO) == 2
+    assert (
+        migrate_source(grouped.fixed, "/srv/tree/ckpt.py", dispatch=_Dispatch(group_fsdp="x.py")).fixed == grouped.fixed
+    )
+
+
+def test_a_persistent_local_state_dict_type_is_a_todo_naming_convert() -> None:
+    code = textwrap.dedent(
+        """
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, StateDictType
+
+
+        def setup(model):
+            model = FSDP(model)
+            FSDP.set_state_dict_type(model, StateDictType.LOCAL_STATE_DICT)
+            return model
+        """
+    )
+    result = migrate_source(code, "local.py")
+    (todo,) = [f for f in result.findings if not f.fixable]
+    assert todo.construct == "FSDP.set_state_dict_type(LOCAL_STATE_DICT)" and todo.line == 7
+    assert "has no FSDP2 form" in todo.replacement and "fsdp-bridge convert" in todo.replacement
+    assert "FSDP.set_state_dict_type(model, StateDictType.LOCAL_STATE_DICT)" in result.fixed
+    assert migrate_source(result.fixed, "local.py").fixed == result.fixed

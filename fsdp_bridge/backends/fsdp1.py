@@ -57,10 +57,28 @@ def _enable_generate(wrapped: FullyShardedDataParallel, model: nn.Module) -> Non
 
     @functools.wraps(inner)
     def generate(*args: Any, **kwargs: Any) -> Any:
-        with FullyShardedDataParallel.summon_full_params(wrapped, recurse=False, writeback=False):
+        with own_params(wrapped):
             return inner(*args, **kwargs)
 
     wrapped.__dict__["generate"] = generate
+
+
+_OWN_GATHERED: set[int] = set()  # units whose own parameters own_params holds gathered now
+
+
+@contextmanager
+def own_params(wrapped: FullyShardedDataParallel) -> Iterator[None]:
+    """FSDP1's ``summon_full_params(wrapped, recurse=False)``, re-entrant: migrated code holds it
+    around ``generate``, which gathers the same parameters again (torch refuses a nested summon)."""
+    if id(wrapped) in _OWN_GATHERED:
+        yield
+        return
+    _OWN_GATHERED.add(id(wrapped))
+    try:
+        with FullyShardedDataParallel.summon_full_params(wrapped, recurse=False, writeback=False):
+            yield
+    finally:
+        _OWN_GATHERED.discard(id(wrapped))
 
 
 def cast_floating(obj: Any, dtype: torch.dtype) -> Any:

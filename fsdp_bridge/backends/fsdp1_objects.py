@@ -325,8 +325,9 @@ def _process_group_problems(group: object) -> list[Problem]:
             "process_group",
             group,
             "None (every rank)",
-            "for HYBRID_SHARD build a 2D DeviceMesh (init_device_mesh(..., (replicate, "
-            "shard))) and pass it as shard(..., mesh=mesh)",
+            "leave process_group out of the config and pass shard(..., "
+            "mesh=fsdp_bridge.mesh_from_process_group(group)): a 1D mesh over the group's ranks, "
+            "or the 2D (replicate, shard) mesh of HYBRID_SHARD's (intra-node, inter-node) pair",
         )
     ]
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 import shutil
 import textwrap
 from collections.abc import Iterable, Sequence
@@ -332,6 +333,7 @@ class _Dispatch:
     fsdp2_tests: set[str] = field(default_factory=set)
     own_methods: dict[str, str] = field(default_factory=dict)  # "clip_grad_norm_" -> the file defining the tree's own
     sets_state_dict_type: str | None = None  # a file of the tree that calls FSDP.set_state_dict_type
+    group_fsdp: str | None = None  # a file of the tree passing process_group= (FSDP over some ranks)
     fsdp1_factories: set[str] = field(default_factory=set)
     """Functions of the tree that return FSDP1's wrapper (``-> FullyShardedDataParallel``, ``return FSDP(...)``),
     by every dotted suffix of their module path (``wrapped_model.load_model``, ``finetune.wrapped_model.load_model``):
@@ -342,11 +344,18 @@ class _Dispatch:
         self.fsdp1_factories |= other.fsdp1_factories
         self.fsdp2_tests |= other.fsdp2_tests
         self.sets_state_dict_type = self.sets_state_dict_type or other.sets_state_dict_type
+        self.group_fsdp = self.group_fsdp or other.group_fsdp
         for name, where in other.own_methods.items():
             self.own_methods.setdefault(name, where)
 
 
 _OWN_METHOD_NAMES = ("clip_grad_norm_", "no_sync")
+_GROUP_ARG = re.compile(r"\bprocess_group\s*=\s*(?!None\b)")
+
+
+def _passes_group(code: str) -> bool:
+    """Whether FSDP1 code passes a process group (the data-parallel group of a model-parallel layout)."""
+    return "FullyShardedDataParallel" in code and _GROUP_ARG.search(code) is not None
 
 
 def _find_fsdp1_factories(wrapper: MetadataWrapper, path: str) -> set[str]:
@@ -554,6 +563,8 @@ class _Scanner(cst.CSTVisitor):
         super().__init__()
         self.path = path
         self.dispatch = dispatch or _Dispatch()
+        self.group_offload_noted: set[int] = set()  # statements told that rank0_only lost its CPU copy
+        self.options_at: cst.CSTNode | None = None  # the state_dict_type block whose options are being written
         self.regions: list[_Region] = []  # code FSDP2 modules never reach: FSDP1 constructs there stay as they are
         self.kept_checks: set[int] = set()  # id(isinstance(x, FSDP)) where it tells the backends apart
         self.lines = code.splitlines()
@@ -605,6 +616,9 @@ class _Scanner(cst.CSTVisitor):
 
     def _record(self, node: cst.CSTNode, construct: str, replacement: str, fixable: bool) -> None:
         pos = self.get_metadata(PositionProvider, node)
+        # One line each: code quoted in the texts may span lines (a multi-line argument), and a
+        # TODO comment must not (libcst refuses a comment with a line break in it).
+        construct, replacement = " ".join(construct.split()), " ".join(replacement.split())
         self.findings.append(CodeFinding(self.path, pos.start.line, pos.start.column, construct, replacement, fixable))
         if not fixable and self.stmt_stack:
             self.todos.setdefault(id(self.stmt_stack[-1]), []).append(f"{construct}: {replacement}")
@@ -883,6 +897,16 @@ class _Scanner(cst.CSTVisitor):
                 True,
             )
             return False
+        if hit == (FSDP, "shard_full_optim_state_dict") and (code := self._shard_full_to_load(node)) is not None:
+            self.call_rewrites[id(node)] = code
+            self._record(
+                node,
+                "FSDP.shard_full_optim_state_dict(...)",
+                f"{code}: loads the full state into the optimizer (torch's set_optimizer_state_dict, "
+                "full_state_dict=True) and returns optimizer.state_dict(), so loading the result changes nothing",
+                True,
+            )
+            return False
         if hit == (FSDP, "optim_state_dict") and (ctx := self._runtime_state_context()) is not None:
             self._record(
                 node,
@@ -924,18 +948,29 @@ class _Scanner(cst.CSTVisitor):
                     and a.keyword.value in ("writeback", "recurse", "rank0_only", "offload_to_cpu")
                     for a in node.args[1:]
                 )
-                and all(_code(a.value) == "True" for a in node.args[1:] if a.keyword and a.keyword.value == "recurse")
             )
+            kws = {a.keyword.value: _code(a.value) for a in node.args[1:] if a.keyword is not None}
+            own = kws.get("recurse") == "False"  # the unit's own parameters (around generate, typically)
+            if own:
+                # The bridge's recurse=False gathers what the unit's forward gathers; FSDP2 has no
+                # writeback, rank-0-only or offloaded form of that, so those must be literal False.
+                ok = ok and all(kws.get(k, "False") == "False" for k in ("writeback", "rank0_only", "offload_to_cpu"))
+            else:
+                ok = ok and kws.get("recurse", "True") == "True"
             if ok:
                 self.fixable_calls[id(node)] = "summon"
             self._record(
                 node,
                 construct,
-                _NAMES["summon_full_params"]
+                "fsdp_bridge.summon_full_params(model, recurse=False): only the unit's own parameters, as in "
+                "FSDP1 (FSDP2: the unit's unshard() / reshard(), what its forward gathers), so forward and "
+                "generate may run inside while the nested units gather their own"
+                if ok and own
+                else _NAMES["summon_full_params"]
                 if ok
-                else _NAMES["summon_full_params"] + "; recurse=False, or other arguments, have no FSDP2 form: "
-                "FSDP2's forward gathers each unit's parameters itself, so a context held only around "
-                "forward/generate can be dropped",
+                else _NAMES["summon_full_params"] + "; recurse=False with writeback, rank0_only or offload_to_cpu "
+                "(or arguments known only at run time) have no FSDP2 form: FSDP2's forward gathers each unit's "
+                "parameters itself, so a context held only around forward/generate can be dropped",
                 ok,
             )
             self._consume(node.func)
@@ -1225,6 +1260,18 @@ class _Scanner(cst.CSTVisitor):
             or stmt.body[0].value is not node
         ):
             return False
+        if self._member(named["state_dict_type"], "StateDictType") == "LOCAL_STATE_DICT":
+            self._consume(node)
+            self._record(
+                node,
+                "FSDP.set_state_dict_type(LOCAL_STATE_DICT)",
+                "not rewritten: LOCAL_STATE_DICT (each rank's FSDP1 flat-parameter shards) has no FSDP2 form; "
+                "delete the call and take the state sharded (get_model_state_dict(model): DTensor values, "
+                "saved with torch.distributed.checkpoint) or full where it is saved; an existing local "
+                "checkpoint: load it in FSDP1, save it as SHARDED_STATE_DICT, then `fsdp-bridge convert`",
+                False,
+            )
+            return True
         if self._member(named["state_dict_type"], "StateDictType") != "SHARDED_STATE_DICT":
             return False
         for key in ("state_dict_config", "optim_state_dict_config"):
@@ -1645,30 +1692,33 @@ class _Scanner(cst.CSTVisitor):
             if name is None:
                 static.blockers.append(f"positional argument {i + 1}: FullyShardedDataParallel takes no more")
                 return None
+            if name not in _FSDP1_POSITIONAL:  # the only reason shown: the other arguments would be kept
+                static.blockers = [
+                    f"{name}={_short(_code(a.value), 40)}: "
+                    + (
+                        "torch 2.0's name of ignored_states (FullyShardedDataParallel of torch >= 2.1 refuses it); "
+                        "the parameters are neither sharded nor synchronised by FSDP1, which the bridge does for "
+                        "whole modules only (ignored_modules): name their modules there, or drop the argument "
+                        "where the parameters are frozen (FSDP2 units may mix frozen and trained parameters; "
+                        "they are then sharded, and cast by mixed precision)"
+                        if name == "ignored_parameters"
+                        else "not an argument of FullyShardedDataParallel"
+                    )
+                ]
+                return None
             if name in ("module", "device_mesh"):  # out of the config: their comments go with them
                 static.module, static.mesh = (a.value, static.mesh) if name == "module" else (static.module, a.value)
                 lead, trail = _comments_around(call, i)
                 if lead or trail:
                     static.slot_comments["module" if name == "module" else "mesh"] = (lead, trail)
-            elif name == "process_group" and isinstance(a.value, cst.Call):
-                static.blockers.append(
-                    f"process_group={_code(a.value)}: FSDP2 shards over a DeviceMesh; build one "
-                    "(init_device_mesh) and pass it as shard(..., mesh=...)"
-                )
-                return None
-            elif name == "process_group" and isinstance(self._follow(a.value, _Conversion()), cst.Tuple):
-                static.blockers.append(
-                    f"process_group={_short(_code(a.value), 40)}: HYBRID_SHARD's (intra-node, inter-node) group pair; "
-                    "FSDP2 shards over a 2D DeviceMesh: where the pair is FSDP1's default split (the ranks of one "
-                    "node shard, nodes replicate) drop it, fsdp_bridge builds that mesh for HYBRID_SHARD "
-                    "(hybrid_shape for another split); otherwise pass init_device_mesh(device, (replicate, shard)) "
-                    "as fsdp_bridge.shard(..., mesh=...)"
-                )
-                return None
-            elif name == "process_group":
-                # A variable: from_fsdp1 accepts None or the world group when the code runs and refuses any
-                # other group with the DeviceMesh fix, before any collective.
-                add(name, _code(a.value))
+            elif name == "process_group" and not m.matches(a.value, m.Name("None")):
+                # FSDP2 shards over a DeviceMesh: the group (a data-parallel group of a model-parallel
+                # setup, or HYBRID_SHARD's pair) becomes one when the code runs, passed as shard(mesh=).
+                if any(b.keyword is not None and b.keyword.value == "device_mesh" for b in call.args):
+                    static.blockers.append("process_group= with device_mesh=: FSDP1 takes one of them; drop one")
+                    return None
+                self.needs_imports.add(("fsdp_bridge", None))
+                static.mesh = cst.parse_expression(f"fsdp_bridge.mesh_from_process_group({_code(a.value)})")
             elif name in ("ignored_modules", "ignored_states") and not m.matches(a.value, m.Name("None")):
                 names = self._module_paths(a.value, static.module)
                 if names is not None:
@@ -1743,6 +1793,10 @@ class _Scanner(cst.CSTVisitor):
             )
             return
         described = self._describe_value(kw, a.value)
+        group = [b for b in siblings if b.keyword is not None and b.keyword.value == "process_group"]
+        if kw == "sharding_strategy" and group and _code(group[0].value) != "None":
+            # The mesh is the process group's (mesh_from_process_group), not one over every rank.
+            described = described.replace("mesh over all ranks", "mesh over the ranks of process_group=")
         self.findings.append(
             CodeFinding(self.path, pos.start.line, pos.start.column, f"{kw}={_short(value)}", described, True)
         )
@@ -1750,6 +1804,8 @@ class _Scanner(cst.CSTVisitor):
     def _describe_value(self, kw: str, value: cst.BaseExpression) -> str:
         """What an FSDP1 argument's value becomes, as far as the source shows it."""
         option = _KWARG_OPTION.get(kw, kw)
+        if kw not in _FSDP1_POSITIONAL:
+            return "not an argument of FullyShardedDataParallel in torch >= 2.1 (see the FSDP(...) line)"
         if kw == "sharding_strategy":
             member = self._member(value, "ShardingStrategy")
             if member in _STRATEGIES:
@@ -1793,16 +1849,15 @@ class _Scanner(cst.CSTVisitor):
                 "module objects -> their paths in the model (fsdp_bridge.module_names, when the code runs): "
                 "not sharded, gradients not reduced across ranks, as in FSDP1"
             )
-        if kw == "process_group" and isinstance(self._follow(value, _Conversion()), cst.Tuple):
+        if kw == "process_group" and _code(value) != "None":
             return (
-                "HYBRID_SHARD's (intra-node, inter-node) group pair: FSDP2 shards over a 2D DeviceMesh "
-                "(fsdp_bridge builds FSDP1's default split for HYBRID_SHARD; see the FSDP(...) line)"
+                "shard(..., mesh=fsdp_bridge.mesh_from_process_group(<the group>)) when the code runs: a group of "
+                "some ranks (the data-parallel group of a model-parallel setup) -> a 1D DeviceMesh over them, each "
+                "group sharding its own copy as in FSDP1; HYBRID_SHARD's (intra-node, inter-node) pair -> a 2D "
+                "(replicate, shard) mesh of those groups; the world group -> the bridge's mesh over every rank"
             )
         if kw == "process_group":
-            return (
-                "None or the world group: the bridge's mesh over every rank; any other group is refused when "
-                "the code runs, with the fix (a DeviceMesh passed as shard(..., mesh=...))"
-            )
+            return "None: the bridge's mesh over every rank"
         if kw in ("forward_prefetch", "limit_all_gathers", "sync_module_states"):
             return (
                 f"{kw}={_code(value)}: " + _fsdp2_case(option, _code(value).lower())
@@ -2046,7 +2101,11 @@ class _Scanner(cst.CSTVisitor):
         body = [stmt for stmt in body if self._in_region(stmt) is None]
         for stmt in body:
             if isinstance(stmt, cst.With):
-                self._plan_state_dict_block(stmt)
+                self.options_at = stmt
+                try:
+                    self._plan_state_dict_block(stmt)
+                finally:
+                    self.options_at = None
         self._plan_optimizer_order(body)
 
     def _plan_optimizer_order(self, body: Sequence[cst.BaseStatement]) -> None:
@@ -2152,6 +2211,26 @@ class _Scanner(cst.CSTVisitor):
 
     def _options(self, full: bool, *, cpu_offload: bool = False, broadcast: bool = False, offload: bool = False) -> str:
         self.needs_state_dict_api.add("StateDictOptions")
+        at = self.options_at or (self.stmt_stack[-1] if self.stmt_stack else None)
+        if full and cpu_offload and (where := self.dispatch.group_fsdp) is not None and at is not None:
+            # torch's full state dict with cpu_offload goes to rank 0 of the world only; FSDP1's rank0_only
+            # meant each process group's first rank, which saves its own model-parallel slice.
+            cpu_offload = False
+            if id(at) not in self.group_offload_noted:
+                self.group_offload_noted.add(id(at))
+                text = (
+                    f"this tree shards over a process group of some ranks ({Path(where).name}): FSDP1 gave the "
+                    "full state to each group's first rank, torch's StateDictOptions(cpu_offload=True) gives it "
+                    "to rank 0 of the world only (the other groups' first ranks would get an empty dict and save "
+                    "nothing), so it is written without cpu_offload: every rank gets the full state on its "
+                    "device (more memory); keep it so, or restore cpu_offload=True if the group is the world"
+                )
+                pos = self.get_metadata(PositionProvider, at)
+                construct = "rank0_only=True (full state dict)"
+                self.findings.append(CodeFinding(self.path, pos.start.line, pos.start.column, construct, text, False))
+                # A state_dict_type block is replaced by its body: the comment goes above its first statement.
+                target = at.body.body[0] if isinstance(at, cst.With) and at.body.body else at
+                self.todos.setdefault(id(target), []).append(f"{construct}: {text}")
         if not full:
             return "StateDictOptions(cpu_offload=True)" if offload else "StateDictOptions()"
         extra = (", cpu_offload=True" if cpu_offload else "") + (", broadcast_from_rank0=True" if broadcast else "")
@@ -2444,6 +2523,21 @@ class _Scanner(cst.CSTVisitor):
             f"{_code(named['optim_state_dict'])}{extra})"
         )
 
+    def _shard_full_to_load(self, node: cst.Call) -> str | None:
+        """``x = FSDP.shard_full_optim_state_dict(sd, M, optim=O)`` (loaded later) -> the helper that
+        loads it into ``O`` and returns ``O.state_dict()``; without ``optim`` the optimizer is unknown."""
+        named = _named_args(node, ("full_optim_state_dict", "model", "optim_input", "optim"))
+        if named is None or not {"full_optim_state_dict", "model", "optim"} <= set(named):
+            return None
+        if "optim_input" in named and not m.matches(named["optim_input"], m.Name("None")):
+            return None
+        self.needs_imports.add(("fsdp_bridge", None))
+        self._consume(node.func)
+        return (
+            f"fsdp_bridge.optim_state_dict_to_load({_code(named['model'])}, {_code(named['optim'])}, "
+            f"{_code(named['full_optim_state_dict'])})"
+        )
+
     def _plan_optim_load(self, node: cst.Call) -> bool:
         """``O.load_state_dict(FSDP.optim_state_dict_to_load|shard_full_optim_state_dict|
         scatter_full_optim_state_dict(...))`` -> ``set_optimizer_state_dict(M, O, sd, options=...)``."""
@@ -2582,7 +2676,11 @@ class _Fixer(cst.CSTTransformer):
             if kind == "method" and isinstance(func, cst.Attribute):
                 target = cst.parse_expression(f"fsdp_bridge.{func.attr.value}")
                 return updated_node.with_changes(func=target, args=_commas([cst.Arg(func.value), *updated_node.args]))
-            kept = [a for a in updated_node.args if a.keyword is None or a.keyword.value != "recurse"]
+            kept = [
+                a
+                for a in updated_node.args
+                if a.keyword is None or a.keyword.value != "recurse" or _code(a.value) == "False"
+            ]
             return updated_node.with_changes(
                 func=cst.parse_expression("fsdp_bridge.summon_full_params"), args=_commas(kept)
             )
@@ -2862,8 +2960,11 @@ def migrate_source(code: str, path: str = "<string>", *, dispatch: _Dispatch | N
         _Dispatch(
             own_methods=_find_own_methods(code, path),
             sets_state_dict_type=path if "set_state_dict_type" in code else None,
+            group_fsdp=path if _passes_group(code) else None,
         )
     )
+    if _passes_group(code):
+        known.group_fsdp = path  # this file's own, named first
     scan = _Scanner(path, code, single, collector.uses, known)
     wrapper.visit(scan)  # plan: FSDP(...) conversions and checkpoint blocks
     scan.planning = False
@@ -2944,6 +3045,7 @@ def migrate_paths(paths: Sequence[str | Path], *, fix: bool = False) -> tuple[Co
                 _Dispatch(
                     own_methods=_find_own_methods(code, str(f)),
                     sets_state_dict_type=str(f) if "set_state_dict_type" in code else None,
+                    group_fsdp=str(f) if _passes_group(code) else None,
                 )
             )
         except Exception:  # unreadable or unparsable: reported by the loop below
