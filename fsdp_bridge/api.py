@@ -745,7 +745,7 @@ def summon_full_params(
             )
         impl, target = get_backend(backend), model
     if not recurse:
-        with torch.no_grad(), _own_params(target):
+        with torch.no_grad(), impl.own_params(target):
             yield
         return
     # Autograd is off inside, on both backends: gradients of the gathered copies would reach nothing,
@@ -754,24 +754,4 @@ def summon_full_params(
         torch.no_grad(),
         impl.summon_full_params(target, writeback=writeback, rank0_only=rank0_only, offload_to_cpu=offload_to_cpu),
     ):
-        yield
-
-
-@contextmanager
-def _own_params(module: nn.Module) -> Iterator[None]:
-    """FSDP1's ``summon_full_params(module, recurse=False)`` on either backend."""
-    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
-
-    if isinstance(module, FullyShardedDataParallel):
-        from fsdp_bridge.backends.fsdp1 import own_params
-
-        with own_params(module):
-            yield
-    elif isinstance(module, FSDPModule):
-        module.unshard()
-        try:
-            yield
-        finally:
-            module.reshard()
-    else:  # not a unit itself: FSDP1 gathers nothing either
         yield

@@ -169,6 +169,19 @@ class BackendImpl(Protocol):
         """
         ...
 
+    def own_params(self, module: nn.Module) -> AbstractContextManager[None]:
+        """Inside the context, the parameters ``module``'s own unit manages are gathered, not those
+        of units nested in it (FSDP1's ``summon_full_params(recurse=False)``), so that its forward
+        (``generate``) may run inside; a module that is not a unit gathers nothing.
+
+        Args:
+            module: a unit of a sharded model, or any module under one.
+
+        Returns:
+            The context manager (collective on entry and exit for a unit).
+        """
+        ...
+
     def local_tensors(self, model: nn.Module) -> list[torch.Tensor]:
         """The parameter data this rank holds: its shards (no padding), one tensor per parameter.
 

@@ -6,7 +6,7 @@ import functools
 import math
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -214,6 +214,9 @@ class FSDP1Backend:
     def clip_grad_norm_(self, model: nn.Module, max_norm: float, norm_type: float) -> torch.Tensor:
         assert isinstance(model, FullyShardedDataParallel)
         return model.clip_grad_norm_(max_norm, norm_type)
+
+    def own_params(self, module: nn.Module) -> AbstractContextManager[None]:
+        return own_params(module) if isinstance(module, FullyShardedDataParallel) else nullcontext()
 
     @contextmanager
     def summon_full_params(

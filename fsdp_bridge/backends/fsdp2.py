@@ -178,6 +178,17 @@ class FSDP2Backend:
         return total_norm
 
     @contextmanager
+    def own_params(self, module: nn.Module) -> Iterator[None]:
+        if not isinstance(module, FSDPModule):  # not a unit: FSDP1 gathers nothing either
+            yield
+            return
+        module.unshard()  # what the unit's forward gathers (param_dtype under mixed precision)
+        try:
+            yield
+        finally:
+            module.reshard()
+
+    @contextmanager
     def summon_full_params(
         self, model: nn.Module, *, writeback: bool, rank0_only: bool = False, offload_to_cpu: bool = False
     ) -> Iterator[None]:
