@@ -12,6 +12,7 @@ from typing import Any
 
 import libcst as cst
 import pytest
+import torch
 
 import fsdp_bridge
 from fsdp_bridge.migrate._code import TODO, migrate_paths, migrate_source
@@ -935,17 +936,29 @@ def test_fsdp2_units_reshard_after_a_forward_without_gradients(strategy: str) ->
 
     with fake_process_group(rank=0, world_size=2):
         torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Linear(64, 64), torch.nn.Linear(64, 4))
+        model = _Generating(torch.nn.Linear(16, 64), torch.nn.Linear(64, 64), torch.nn.Linear(64, 4))
         config = fsdp_bridge.BridgeConfig(
             backend="fsdp2", strategy=strategy, wrap={"min_num_params": 1000}, device="cpu"
         )
         model = fsdp_bridge.shard(model, config)
+        expected = ([False] * 4 if strategy == "full_shard" else [True] * 4) + [True, True]
         model(torch.randn(2, 16))  # for the backward that follows: gathered parameters are kept
-        kept = [not isinstance(p, DTensor) for p in model.parameters()]
-        assert kept == ([False] * 4 if strategy == "full_shard" else [True] * 4) + [True, True]
+        assert [not isinstance(p, DTensor) for p in model.parameters()] == expected
         with torch.no_grad():
             model(torch.randn(2, 16))
         assert all(isinstance(p, DTensor) for p in model.parameters())
+        # generate() runs the inner modules, not the root's forward: it frees what it gathered too.
+        model(torch.randn(2, 16))
+        assert model.generate(torch.randn(2, 16)).shape == (2, 4)
+        assert all(isinstance(p, DTensor) for p in model.parameters())
+
+
+class _Generating(torch.nn.Sequential):
+    def generate(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            for layer in self:
+                x = layer(x)
+            return x
 
 
 def test_optim_state_dict_to_load_kept_in_a_variable_and_old_torch_branches() -> None:

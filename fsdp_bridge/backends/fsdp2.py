@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 from collections.abc import Callable, Iterator, Sequence
@@ -69,6 +70,23 @@ def _reshard_after_no_grad_forward(model: nn.Module, _args: object, _output: obj
             module.reshard()
 
 
+def _reshard_after_generate(model: nn.Module) -> None:
+    """Make ``model.generate`` (already wrapped by ``register_fsdp_forward_method``) reshard the
+    units it left gathered when it returns: it runs the inner model, not the root's forward, so the
+    root's hook (:func:`_reshard_after_no_grad_forward`) does not see it."""
+    gathering: Callable[..., Any] = getattr(model, "generate")  # noqa: B009 (nn.Module's __getattr__ types it)
+
+    @functools.wraps(gathering)
+    def generate(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return gathering(*args, **kwargs)
+        finally:
+            with torch.no_grad():
+                _reshard_after_no_grad_forward(model, None, None)
+
+    setattr(model, "generate", generate)  # noqa: B010 (an instance attribute, as torch's wrapper is)
+
+
 class FSDP2Backend:
     backend = Backend.FSDP2
     one_dtype_per_unit = False  # per-parameter sharding: a unit may mix dtypes
@@ -126,7 +144,8 @@ class FSDP2Backend:
         for unit in plan.units:  # children before parents
             apply(unit, is_root=False)
         apply(model, is_root=True)
-        if any(plan.reshard_after_forward(is_root=r) is not True for r in (True, False)):
+        keeps_gathered = any(plan.reshard_after_forward(is_root=r) is not True for r in (True, False))
+        if keeps_gathered:
             model.register_forward_hook(_reshard_after_no_grad_forward)
 
         if plan.forward_prefetch:
@@ -144,6 +163,8 @@ class FSDP2Backend:
             # root's parameters (embeddings, final norm, head) stay sharded DTensors and the
             # first op mixes them with plain tensors. The hook unshards them for the call.
             register_fsdp_forward_method(model, "generate")
+            if keeps_gathered:  # no backward follows generate(): free what it left gathered, as after forward
+                _reshard_after_generate(model)
         return model
 
     def reshard_as_inner_unit(self, module: nn.Module) -> bool:
