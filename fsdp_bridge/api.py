@@ -34,7 +34,14 @@ from fsdp_bridge.distributed import (
 from fsdp_bridge.errors import ConfigError, Problem
 from fsdp_bridge.mapping import TranslationReport, show_value, translate, unsupported_problems
 from fsdp_bridge.plan import ShardPlan, SyncMethod, resolve_plan
-from fsdp_bridge.wrap import WrapPlan, in_post_order, one_dtype_per_unit, resolve_ignored, resolve_wrap
+from fsdp_bridge.wrap import (
+    WrapPlan,
+    in_post_order,
+    one_dtype_per_unit,
+    resolve_ignored,
+    resolve_ignored_params,
+    resolve_wrap,
+)
 
 __all__ = ["Bridge", "clip_grad_norm_", "get_bridge", "no_sync", "shard", "summon_full_params"]
 
@@ -309,7 +316,8 @@ def _shard(
         )
 
     mesh = mesh or build_mesh(mesh_plan, device.type)  # first collective
-    ignored_ids = {id(p) for m in [*ignored, *presharded] for p in m.parameters()}
+    named_ignored = resolve_ignored_params(model, config.ignored_modules)
+    ignored_ids = {id(p) for m in [*ignored, *presharded] for p in m.parameters()} | {id(p) for p in named_ignored}
     scalars = [p for p in model.parameters() if p.dim() == 0 and id(p) not in ignored_ids]
     plan = resolve_plan(
         config,
@@ -320,6 +328,7 @@ def _shard(
         ignored_modules=ignored,
         has_meta=has_meta,
         scalar_params=scalars,
+        ignored_parameters=named_ignored,
         materialize=not _PLAN_ON_META.get(),
         shard_size=mesh_plan.shard,
     )

@@ -376,11 +376,14 @@ class BridgeConfig:
     ignored_modules: tuple[str, ...] = field(
         default=(),
         metadata=spec(
-            "a list of module paths (e.g. lm_head) or class names", _parse_ignored, summary="a list of strings"
+            "a list of module paths (e.g. lm_head), class names or parameter paths",
+            _parse_ignored,
+            summary="a list of strings",
         ),
     )
     """Module names (dotted paths) or class names whose parameters are not sharded and whose gradients
-    are not reduced across ranks."""
+    are not reduced across ranks; a parameter's dotted path ignores that parameter alone (FSDP1's
+    ``ignored_states`` of parameters)."""
     device: Device = field(
         default="auto", metadata=spec(", ".join(DEVICES), _parse_device, summary=f"one of {', '.join(DEVICES)}")
     )

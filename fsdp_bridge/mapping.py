@@ -508,13 +508,15 @@ TABLE: tuple[Rule, ...] = (
         "ignored_modules=[...]",
         T(
             N,
-            "ignored_modules: not sharded, gradients not reduced across ranks. With sync_module_states, "
+            "ignored_modules (ignored_states when single parameters are named by path): not sharded, "
+            "gradients not reduced across ranks. With sync_module_states, "
             "FSDP1's own (on an accelerator) leaves their parameters as each rank built them; the bridge's "
             "broadcast (on CPU) gives them rank 0's, as it does buffers",
         ),
         T(
             N,
-            "ignored_params = their parameters: not sharded, gradients not reduced across ranks; "
+            "ignored_params = their parameters (and parameters named by path): not sharded, gradients not "
+            "reduced across ranks; "
             "sync_module_states' broadcast gives them rank 0's values",
         ),
         lambda c: bool(c.config.ignored_modules),

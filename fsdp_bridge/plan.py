@@ -131,6 +131,9 @@ class ShardPlan:
     scalar_params: list[nn.Parameter] = field(default_factory=list)
     """0-dim parameters (e.g. CLIP's ``logit_scale``): neither backend shards them, so they stay
     whole on every rank and their gradients are averaged by the bridge."""
+    ignored_parameters: list[nn.Parameter] = field(default_factory=list)
+    """Parameters named in ``ignored_modules`` by path (FSDP1's ``ignored_states`` of parameters):
+    not sharded, gradients not reduced, as the parameters of ignored modules."""
     root_is_unit: bool = False
     """The module sharded may be a unit of a larger model (:func:`fsdp_bridge.wrap_module`, FSDP1's
     manual ``wrap``): whether it reshards after forward is decided when it runs, as FSDP1 decides it."""
@@ -160,7 +163,16 @@ class ShardPlan:
 
     @property
     def ignored_params(self) -> set[nn.Parameter]:
-        return {p for m in self.ignored_modules for p in m.parameters()} | set(self.scalar_params)
+        owned = {p for m in self.ignored_modules for p in m.parameters()}
+        return owned | set(self.scalar_params) | set(self.ignored_parameters)
+
+    @property
+    def ignored_states(self) -> list[nn.Module | nn.Parameter] | None:
+        """FSDP1's ``ignored_states`` when single parameters are ignored (it takes them only there,
+        not beside ``ignored_modules``); None otherwise."""
+        if not (self.scalar_params or self.ignored_parameters):
+            return None
+        return [*self.ignored_modules, *self.scalar_params, *self.ignored_parameters]
 
 
 def resolve_plan(
@@ -173,6 +185,7 @@ def resolve_plan(
     ignored_modules: list[nn.Module],
     has_meta: bool,
     scalar_params: list[nn.Parameter] | None = None,
+    ignored_parameters: list[nn.Parameter] | None = None,
     materialize: bool = True,
     shard_size: int | None = None,
 ) -> ShardPlan:
@@ -187,6 +200,7 @@ def resolve_plan(
         ignored_modules: modules not sharded, whose gradients are not reduced.
         has_meta: some tensors are on the meta device.
         scalar_params: 0-dim parameters kept whole on every rank.
+        ignored_parameters: parameters named in ``ignored_modules`` by path.
         materialize: allocate meta tensors after sharding (False only for fake-world planning).
         shard_size: ranks in a shard group (one: every unit reshards after forward by default).
 
@@ -228,6 +242,7 @@ def resolve_plan(
         limit_all_gathers=config.limit_all_gathers,
         reshard_override=config.reshard_after_forward,
         scalar_params=list(scalar_params or []),
+        ignored_parameters=list(ignored_parameters or []),
         materialize=materialize,
         shard_size=shard_size,
     )

@@ -17,7 +17,15 @@ from fsdp_bridge.config import WrapPolicy
 from fsdp_bridge.errors import ConfigError, Problem
 from fsdp_bridge.hf import no_split_module_classes
 
-__all__ = ["WrapPlan", "in_post_order", "module_names", "one_dtype_per_unit", "resolve_ignored", "resolve_wrap"]
+__all__ = [
+    "WrapPlan",
+    "in_post_order",
+    "module_names",
+    "one_dtype_per_unit",
+    "resolve_ignored",
+    "resolve_ignored_params",
+    "resolve_wrap",
+]
 
 # FSDP1's size-based policy never wraps containers and does not look inside these.
 _NEVER_WRAP = (nn.ModuleList, nn.ModuleDict)
@@ -209,22 +217,25 @@ def _keep_tied_together(
 
 
 def resolve_ignored(model: nn.Module, names: tuple[str, ...]) -> list[tuple[str, nn.Module]]:
-    """Modules named by path or class name; raises ConfigError for names that match nothing."""
+    """Modules named by path or class name; raises ConfigError for names that match nothing.
+    Parameter paths (FSDP1's ``ignored_states`` may hold parameters) are left to
+    :func:`resolve_ignored_params`."""
     found: list[tuple[str, nn.Module]] = []
     problems: list[Problem] = []
     modules = dict(model.named_modules())
+    params = dict(model.named_parameters())
     for name in names:
         hits = (
             [(name, modules[name])]
             if name in modules
             else [(n, m) for n, m in modules.items() if type(m).__name__ == name and n]
         )
-        if not hits:
+        if not hits and name not in params:
             problems.append(
                 Problem(
                     "ignored_modules",
                     name,
-                    "a module path or class name in the model",
+                    "a module path, class name or parameter path in the model",
                     f"the model's top-level modules are: {', '.join(n for n, _ in model.named_children())}",
                 )
             )
@@ -232,6 +243,14 @@ def resolve_ignored(model: nn.Module, names: tuple[str, ...]) -> list[tuple[str,
     if problems:
         raise ConfigError(problems)
     return found
+
+
+def resolve_ignored_params(model: nn.Module, names: tuple[str, ...]) -> list[nn.Parameter]:
+    """The parameters named by path among ``names`` (not modules: FSDP1's ``ignored_states`` of
+    parameters; FSDP2's ``ignored_params``)."""
+    modules = dict(model.named_modules())
+    params = dict(model.named_parameters())
+    return [params[n] for n in names if n in params and n not in modules]
 
 
 def resolve_wrap(model: nn.Module, policy: WrapPolicy, *, ignored: list[nn.Module] | None = None) -> WrapPlan:
@@ -317,9 +336,10 @@ def module_names(model: nn.Module, modules: object) -> list[str]:
     """
     if modules is None:
         return []
-    if isinstance(modules, nn.Module):
+    if isinstance(modules, (nn.Module, nn.Parameter)):
         modules = [modules]
     paths = {id(m): n for n, m in model.named_modules()}
+    paths.update({id(p): n for n, p in model.named_parameters()})
     out: list[str] = []
     problems: list[Problem] = []
     for module in modules:  # type: ignore[attr-defined]
@@ -329,8 +349,8 @@ def module_names(model: nn.Module, modules: object) -> list[str]:
                 Problem(
                     "ignored_modules",
                     type(module).__name__,
-                    "a submodule of the model being sharded (not the model itself)",
-                    "pass modules taken from this model (e.g. model.lm_head), or their names",
+                    "a submodule or parameter of the model being sharded (not the model itself)",
+                    "pass modules or parameters taken from this model (e.g. model.lm_head), or their names",
                 )
             )
         else:

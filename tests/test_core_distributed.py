@@ -294,6 +294,12 @@ def _options(backend: str) -> dict[str, object]:
     head = model.get_submodule("lm_head") if backend == "fsdp2" else model.module.get_submodule("lm_head")
     out["ignored_full"] = not isinstance(head.weight, DTensor) and head.weight.numel() == 96 * 32
     out["ignored_trains"] = _train(model, 2)
+    # A parameter ignored by path (FSDP1's ignored_states of parameters) is ignored as its one-parameter module is.
+    model = fsdp_bridge.shard(build_tiny("llama"), base.replace(ignored_modules=["model.norm.weight"]))
+    norm = [p for n, p in model.named_parameters() if n.endswith("model.norm.weight")]
+    out["ignored_param_full"] = [not isinstance(p, DTensor) and p.numel() == 32 for p in norm] == [True]
+    by_module = _train(fsdp_bridge.shard(build_tiny("llama"), base.replace(ignored_modules=["model.norm"])), 2)
+    out["ignored_param_trains"] = _train(model, 2) == by_module
 
     # Validation that depends on each rank's model fails on every rank, not just one.
     with torch.device("meta" if rank == 1 else "cpu"):
@@ -320,6 +326,7 @@ def test_options_on_backend(backend: str) -> None:
         assert r["synced"] and r["buffers_synced"]
         assert r["meta_trains"], "a model built on meta and synced from rank 0 must train like rank 0's model"
         assert r["ignored_full"] and len(r["ignored_trains"]) == 2
+        assert r["ignored_param_full"] and r["ignored_param_trains"]
     # Rank 1's meta model without sync_module_states: only rank 1 can see it, so the error is
     # shared, and *both* ranks raise the same ConfigError instead of rank 0 hanging.
     assert results[0]["meta_error"] == results[1]["meta_error"]

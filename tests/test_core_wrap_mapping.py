@@ -12,7 +12,7 @@ from fsdp_bridge.cli import main
 from fsdp_bridge.config import WrapPolicy
 from fsdp_bridge.mapping import CONFIG_OPTIONS, TABLE
 from fsdp_bridge.testing.models import FAMILIES, build_tiny
-from fsdp_bridge.wrap import resolve_ignored, resolve_wrap
+from fsdp_bridge.wrap import module_names, resolve_ignored, resolve_ignored_params, resolve_wrap
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -74,8 +74,12 @@ def test_ignored_modules_resolve_and_errors() -> None:
     model = build_tiny("llama")
     assert [n for n, _ in resolve_ignored(model, ("lm_head",))] == ["lm_head"]
     assert len(resolve_ignored(model, ("LlamaRMSNorm",))) == 5
-    with pytest.raises(ConfigError, match="ignored_modules: got 'head'; allowed: a module path or class name"):
+    with pytest.raises(ConfigError, match="ignored_modules: got 'head'; allowed: a module path, class name or param"):
         resolve_ignored(model, ("head",))
+    # A parameter path is not a module: resolve_ignored_params takes it.
+    assert resolve_ignored(model, ("model.norm.weight",)) == []
+    assert resolve_ignored_params(model, ("lm_head", "model.norm.weight")) == [model.model.norm.weight]
+    assert module_names(model, [model.model.norm.weight, model.lm_head]) == ["model.norm.weight", "lm_head"]
     plan = resolve_wrap(model, WrapPolicy(), ignored=[model.model.layers[0]])
     assert [n for n, _ in plan.units] == ["model.layers.1"]
 

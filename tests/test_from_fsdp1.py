@@ -283,7 +283,9 @@ def test_module_names_turns_fsdp1_module_objects_into_config_names() -> None:
     config = BridgeConfig.from_fsdp1(ignored_modules=names)
     assert config.ignored_modules == ("head", "blocks.0")
     assert fsdp_bridge.module_names(net, None) == []
-    with pytest.raises(ConfigError, match=r"ignored_modules: got 'Linear'.*a submodule of the model being sharded"):
+    with pytest.raises(
+        ConfigError, match=r"ignored_modules: got 'Linear'.*a submodule or parameter of the model being sharded"
+    ):
         fsdp_bridge.module_names(net, [nn.Linear(2, 2)])
 
 

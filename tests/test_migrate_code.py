@@ -1225,7 +1225,15 @@ def test_process_groups_become_a_mesh_and_torch_2_0_arguments_are_todos() -> Non
 
 
         def wrap_both(model, mesh, group):
-            return FSDP(model, device_mesh=mesh, process_group=group)
+            return FSDP(
+                model,
+                auto_wrap_policy=functools.partial(
+                    lambda_auto_wrap_policy,
+                    lambda_fn=lambda m: m in model.blocks,
+                ),
+                device_mesh=mesh,
+                process_group=group,
+            )
         """
     )
     result = migrate_source(code, "groups.py")
@@ -1241,15 +1249,14 @@ def test_process_groups_become_a_mesh_and_torch_2_0_arguments_are_todos() -> Non
     assert "1D mesh over the ranks of process_group=" in dp_strategy.replacement  # not "over all ranks"
     helper = by_line[(13, "_init_intra_and_inter_node_groups")]
     assert not helper.fixable and "the groups FSDP1 builds by itself" in helper.replacement
-    # torch 2.0's ignored_parameters: no FSDP2 form for single parameters (a TODO naming what to do),
-    # and its multi-line policy argument quoted on one line (a line break in the comment crashed libcst).
-    frozen = by_line[(23, "FSDP(...)")]
-    assert not frozen.fixable and "torch 2.0's name of ignored_states" in frozen.replacement
-    assert "\n" not in frozen.replacement
-    assert "torch >= 2.1" in by_line[(29, "ignored_parameters=")].replacement
-    assert (
-        not by_line[(34, "FSDP(...)")].fixable and "FSDP1 takes one of them" in by_line[(34, "FSDP(...)")].replacement
-    )
+    # torch 2.0's ignored_parameters (ignored_states of parameters): their paths in ignored_modules.
+    assert by_line[(23, "FSDP(...)")].fixable
+    assert "ignored_modules=fsdp_bridge.module_names(model, frozen)," in result.fixed
+    assert "torch 2.0's name of ignored_states" in by_line[(29, "ignored_parameters=frozen")].replacement
+    # A call left as it is quotes its multi-line policy argument on one line (a line break in the comment
+    # crashed libcst).
+    both = by_line[(34, "FSDP(...)")]
+    assert not both.fixable and "FSDP1 takes one of them" in both.replacement and "\n" not in both.replacement
     compile(result.fixed, "groups.py", "exec")
     assert migrate_source(result.fixed, "groups.py").fixed == result.fixed
 

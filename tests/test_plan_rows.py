@@ -229,6 +229,11 @@ def observe(run: Run, name: str) -> Any:
     value = run.fsdp1.get(name) if name == "param_init_fn" else run.fsdp1[name]  # given for meta models only
     if name == "ignored_modules" and value is not None:
         return [run.path(m) for m in value]
+    if name == "ignored_states" and value is not None:  # modules by path, parameters by name
+        return [
+            run.path(m) if isinstance(m, nn.Module) and not isinstance(m, nn.Parameter) else run.param_names({m})[0]
+            for m in value
+        ]
     if name == "param_init_fn" and value is not None:
         return type(value).__name__
     return value
@@ -660,13 +665,25 @@ EXPECTED: dict[tuple[str, str, str], Expect | tuple[Expect, ...] | Refused] = {
         {"reshard_after_forward": 2}, {"reshard_after_forward": [2, 2, 2, 2]}
     ),
     # -- ignored modules
-    ("ignored_modules", "set", "fsdp1"): Expect(
-        {"ignored_modules": ["head"], "sync_module_states": True},
-        {"ignored_modules": ["head"], "head entries broadcast": ["head.bias", "head.weight"]},  # on CPU
+    ("ignored_modules", "set", "fsdp1"): (
+        Expect(
+            {"ignored_modules": ["head"], "sync_module_states": True},
+            {"ignored_modules": ["head"], "head entries broadcast": ["head.bias", "head.weight"]},  # on CPU
+        ),
+        Expect(  # a parameter by path (FSDP1's ignored_states of parameters): only there, not beside modules
+            {"ignored_modules": ["head", "blocks.0.proj.weight"]},
+            {"ignored_modules": None, "ignored_states": ["head", "blocks.0.proj.weight"]},
+        ),
     ),
-    ("ignored_modules", "set", "fsdp2"): Expect(
-        {"ignored_modules": ["head"], "sync_module_states": True},
-        {"ignored_params": ["head.bias", "head.weight"], "head entries broadcast": ["head.bias", "head.weight"]},
+    ("ignored_modules", "set", "fsdp2"): (
+        Expect(
+            {"ignored_modules": ["head"], "sync_module_states": True},
+            {"ignored_params": ["head.bias", "head.weight"], "head entries broadcast": ["head.bias", "head.weight"]},
+        ),
+        Expect(
+            {"ignored_modules": ["head", "blocks.0.proj.weight"]},
+            {"ignored_params": ["blocks.0.proj.weight", "head.bias", "head.weight"]},
+        ),
     ),
     ("ignored_modules", "none", "fsdp1"): Expect({}, {"ignored_modules": None}),
     ("ignored_modules", "none", "fsdp2"): Expect({}, {"ignored_params": None}),

@@ -190,8 +190,8 @@ class FSDP1Backend:
                 sync_module_states=plan.sync is SyncMethod.BACKEND,
                 device_id=device,
                 # FSDP1 takes ignored parameters only through ignored_states (not with ignored_modules).
-                ignored_modules=None if plan.scalar_params else plan.ignored_modules or None,
-                ignored_states=[*plan.ignored_modules, *plan.scalar_params] if plan.scalar_params else None,  # type: ignore[arg-type]
+                ignored_modules=None if plan.ignored_states else plan.ignored_modules or None,
+                ignored_states=plan.ignored_states,  # type: ignore[arg-type]
                 use_orig_params=True,
                 **kwargs,
             )

@@ -283,6 +283,9 @@ _KWARG_OPTION = {
 }
 
 
+_IGNORED_KWARGS = ("ignored_modules", "ignored_states", "ignored_parameters")
+"""FSDP1 arguments naming what is not sharded (modules or parameters), read as BridgeConfig.ignored_modules."""
+
 _FSDP1_POSITIONAL = (
     "module",
     "process_group",
@@ -1565,7 +1568,7 @@ class _Scanner(cst.CSTVisitor):
             f"{a.keyword.value}=: module objects fixed in the wrapper; name them for the bridge: "
             "BridgeConfig(ignored_modules=['path.to.module' or 'ClassName'])"
             for a in rest
-            if a.keyword is not None and a.keyword.value in ("module", "ignored_modules", "ignored_states")
+            if a.keyword is not None and a.keyword.value in ("module", *_IGNORED_KWARGS)
         ]
         conv = _Conversion()
         runtime = None
@@ -1692,19 +1695,8 @@ class _Scanner(cst.CSTVisitor):
             if name is None:
                 static.blockers.append(f"positional argument {i + 1}: FullyShardedDataParallel takes no more")
                 return None
-            if name not in _FSDP1_POSITIONAL:  # the only reason shown: the other arguments would be kept
-                static.blockers = [
-                    f"{name}={_short(_code(a.value), 40)}: "
-                    + (
-                        "torch 2.0's name of ignored_states (FullyShardedDataParallel of torch >= 2.1 refuses it); "
-                        "the parameters are neither sharded nor synchronised by FSDP1, which the bridge does for "
-                        "whole modules only (ignored_modules): name their modules there, or drop the argument "
-                        "where the parameters are frozen (FSDP2 units may mix frozen and trained parameters; "
-                        "they are then sharded, and cast by mixed precision)"
-                        if name == "ignored_parameters"
-                        else "not an argument of FullyShardedDataParallel"
-                    )
-                ]
+            if name not in _FSDP1_POSITIONAL and name != "ignored_parameters":  # the only reason shown
+                static.blockers = [f"{name}={_short(_code(a.value), 40)}: not an argument of FullyShardedDataParallel"]
                 return None
             if name in ("module", "device_mesh"):  # out of the config: their comments go with them
                 static.module, static.mesh = (a.value, static.mesh) if name == "module" else (static.module, a.value)
@@ -1719,7 +1711,8 @@ class _Scanner(cst.CSTVisitor):
                     return None
                 self.needs_imports.add(("fsdp_bridge", None))
                 static.mesh = cst.parse_expression(f"fsdp_bridge.mesh_from_process_group({_code(a.value)})")
-            elif name in ("ignored_modules", "ignored_states") and not m.matches(a.value, m.Name("None")):
+            elif name in _IGNORED_KWARGS and not m.matches(a.value, m.Name("None")):
+                # modules or parameters (torch 2.0's ignored_parameters: ignored_states of parameters)
                 names = self._module_paths(a.value, static.module)
                 if names is not None:
                     add("ignored_modules", repr(names))
@@ -1804,6 +1797,12 @@ class _Scanner(cst.CSTVisitor):
     def _describe_value(self, kw: str, value: cst.BaseExpression) -> str:
         """What an FSDP1 argument's value becomes, as far as the source shows it."""
         option = _KWARG_OPTION.get(kw, kw)
+        if kw == "ignored_parameters":
+            return (
+                "torch 2.0's name of ignored_states (torch >= 2.1 refuses it): parameter objects -> their paths in "
+                "ignored_modules (fsdp_bridge.module_names, when the code runs): not sharded, gradients not reduced "
+                "across ranks, as in FSDP1"
+            )
         if kw not in _FSDP1_POSITIONAL:
             return "not an argument of FullyShardedDataParallel in torch >= 2.1 (see the FSDP(...) line)"
         if kw == "sharding_strategy":
@@ -1846,8 +1845,8 @@ class _Scanner(cst.CSTVisitor):
             return "FSDP2 parameters always are the original ones"
         if kw in ("ignored_modules", "ignored_states"):
             return (
-                "module objects -> their paths in the model (fsdp_bridge.module_names, when the code runs): "
-                "not sharded, gradients not reduced across ranks, as in FSDP1"
+                "module (or parameter) objects -> their paths in the model (fsdp_bridge.module_names, when the "
+                "code runs): not sharded, gradients not reduced across ranks, as in FSDP1"
             )
         if kw == "process_group" and _code(value) != "None":
             return (
