@@ -26,6 +26,7 @@ from fsdp_bridge.distributed import (
     MeshPlan,
     agree,
     average_gradients_over,
+    broadcast_in_place,
     build_mesh,
     init_distributed,
     plan_mesh,
@@ -429,14 +430,8 @@ def _broadcast_outside(model: nn.Module, presharded: list[nn.Module], device: to
     inside = {id(t) for unit in presharded for t in (*unit.parameters(), *unit.buffers())}
     with torch.no_grad():
         for t in (*model.parameters(), *model.buffers()):
-            if id(t) in inside:
-                continue
-            if t.device == device:
-                dist.broadcast(t.data, src=0)
-            else:  # e.g. still on CPU before FSDP1 moves it to the GPU: broadcast a copy, then write it back
-                tmp = t.data.to(device)
-                dist.broadcast(tmp, src=0)
-                t.data.copy_(tmp)
+            if id(t) not in inside:
+                broadcast_in_place(t.data, device, src=0)
 
 
 def _broadcast_within(model: nn.Module, mesh: DeviceMesh, device: torch.device) -> None:
@@ -448,11 +443,7 @@ def _broadcast_within(model: nn.Module, mesh: DeviceMesh, device: torch.device) 
             src = dist.get_process_group_ranks(group)[0]
             for t in (*model.parameters(), *model.buffers()):
                 # A tensor-parallel DTensor: its local shard (the group's ranks hold the same slice).
-                local = t.to_local() if isinstance(t, DTensor) else t.data
-                tmp = local if local.device == device else local.to(device)
-                dist.broadcast(tmp, src=src, group=group)
-                if tmp is not local:
-                    local.copy_(tmp)
+                broadcast_in_place(t.to_local() if isinstance(t, DTensor) else t.data, device, src, group)
 
 
 def _validate(

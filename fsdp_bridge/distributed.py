@@ -27,6 +27,7 @@ __all__ = [
     "DEFAULT_TIMEOUT_S",
     "MeshPlan",
     "agree",
+    "broadcast_in_place",
     "init_distributed",
     "mesh_from_process_group",
     "plan_mesh",
@@ -392,6 +393,19 @@ def mesh_from_process_group(group: object, device_type: str | None = None) -> De
     return DeviceMesh.from_group(
         [replicate_group, shard_group], device_type, mesh=mesh, mesh_dim_names=("replicate", "shard")
     )
+
+
+def broadcast_in_place(
+    tensor: torch.Tensor, device: torch.device, src: int, group: dist.ProcessGroup | None = None
+) -> None:
+    """``src``'s values into ``tensor``; a tensor kept off the collective's device (still on CPU before
+    FSDP1 moves it, offloaded) goes through a copy on ``device`` that is written back."""
+    if tensor.device == device:
+        dist.broadcast(tensor, src=src, group=group)
+        return
+    tmp = tensor.to(device)
+    dist.broadcast(tmp, src=src, group=group)
+    tensor.copy_(tmp)
 
 
 def average_gradients_over(mesh: DeviceMesh, params: list[torch.nn.Parameter]) -> None:

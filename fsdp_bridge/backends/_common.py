@@ -10,6 +10,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
+from fsdp_bridge.distributed import broadcast_in_place
+
 __all__ = ["broadcast_from_rank0", "rank0_full_state", "state_entries"]
 
 
@@ -37,12 +39,7 @@ def broadcast_from_rank0(model: nn.Module, full_state: dict[str, torch.Tensor] |
         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False),
     )
     for buf in model.buffers():
-        if buf.device == device:
-            dist.broadcast(buf.data, src=0)
-        else:  # a buffer kept elsewhere (e.g. offloaded): broadcast a copy, then write it back
-            tmp = buf.data.to(device)
-            dist.broadcast(tmp, src=0)
-            buf.data.copy_(tmp)
+        broadcast_in_place(buf.data, device, src=0)
 
 
 def buffer_shapes(model: nn.Module, clean: Callable[[str], str]) -> dict[str, tuple[int, ...]]:

@@ -63,8 +63,11 @@ def _reshard_after_no_grad_forward(model: nn.Module, _args: object, _output: obj
     ``get_optimizer_state_dict`` fails (KeyError) and a parameter update such as an EMA writes
     into a copy that is thrown away. Resharding here (what FSDP2's own ``state_dict()`` does first)
     costs one more all-gather of those units at the next forward."""
-    if torch.is_grad_enabled():
-        return
+    if not torch.is_grad_enabled():
+        _reshard_units(model)
+
+
+def _reshard_units(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()
@@ -81,8 +84,7 @@ def _reshard_after_generate(model: nn.Module) -> None:
         try:
             return gathering(*args, **kwargs)
         finally:
-            with torch.no_grad():
-                _reshard_after_no_grad_forward(model, None, None)
+            _reshard_units(model)
 
     setattr(model, "generate", generate)  # noqa: B010 (an instance attribute, as torch's wrapper is)
 

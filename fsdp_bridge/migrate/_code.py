@@ -1889,7 +1889,7 @@ class _Scanner(cst.CSTVisitor):
             if a.star:
                 conv.blockers.append(f"{a.star}{_code(a.value)}: arguments unpacked at run time")
                 continue
-            before = (len(config), conv.module, conv.mesh)
+            before = (len(config), conv.mesh)
             lead, trail = _comments_around(call, i)
             pending += lead
             if (kw is None and i == 0) or kw == "module":
@@ -1976,11 +1976,9 @@ class _Scanner(cst.CSTVisitor):
                     f"{kw}={_code(a.value)}: no mechanical BridgeConfig equivalent "
                     f"({_fsdp2_any(_KWARG_OPTION.get(kw, kw))})"
                 )
-            slot = (
-                "module"
-                if conv.module is not before[1]
-                else "mesh"
-                if conv.mesh is not before[2]
+            slot = (  # what this argument became (the module's comments are taken above)
+                "mesh"
+                if conv.mesh is not before[1]
                 else _code(config[-1].keyword)
                 if len(config) > before[0] and config[-1].keyword is not None
                 else None
