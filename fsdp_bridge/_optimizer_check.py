@@ -9,6 +9,12 @@ replaced; one process-wide optimizer step pre-hook checks each optimizer at its 
 and raises, naming the fix. Every rank builds its optimizer the same way, so every rank
 raises at the same step, before any collective of that step. Later steps cost one lookup
 in a weak set.
+
+The same first-step check refuses a parameter group that mixes FSDP2's DTensor parameters with
+plain tensors (parameters in ``ignored_modules``, scalar parameters) when the optimizer would use
+its multi-tensor (``foreach``) or fused kernels, which refuse that mix: torch's default on CUDA.
+FSDP1's parameters are all plain tensors, so code that worked there fails on FSDP2 with an
+error from inside the optimizer's kernels otherwise.
 """
 
 from __future__ import annotations
@@ -64,9 +70,40 @@ def forget_replaced() -> None:
         _checked.clear()
 
 
+def _mixed_group_problem(optimizer: torch.optim.Optimizer) -> Problem | None:
+    from torch.distributed.tensor import DTensor
+
+    for index, group in enumerate(optimizer.param_groups):
+        params = group["params"]
+        plain = [p for p in params if not isinstance(p, DTensor)]
+        if not plain or len(plain) == len(params):
+            continue
+        multi_tensor = group.get("foreach") or group.get("fused")
+        if group.get("foreach") is None and not group.get("fused"):
+            multi_tensor = any(p.device.type == "cuda" for p in params)  # torch's default: foreach on CUDA
+        if multi_tensor:
+            name = type(optimizer).__name__
+            return Problem(
+                "optimizer",
+                f"{name} parameter group {index} mixing {len(params) - len(plain)} sharded (DTensor) parameters "
+                f"with {len(plain)} plain tensors (parameters in ignored_modules, or scalars FSDP2 cannot shard), "
+                "stepped with foreach/fused kernels",
+                "one kind of tensor per parameter group, or foreach=False",
+                "give the plain tensors a group of their own: "
+                f"torch.optim.{name}([{{'params': [p for p in model.parameters() if isinstance(p, DTensor)]}}, "
+                f"{{'params': [p for p in model.parameters() if not isinstance(p, DTensor)]}}], ...) "
+                "(DTensor from torch.distributed.tensor), or pass foreach=False; torch's multi-tensor kernels "
+                "refuse the mix",
+            )
+    return None
+
+
 def _check(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     if optimizer in _checked:
         return
+    mixed = _mixed_group_problem(optimizer)
+    if mixed is not None:
+        raise ConfigError([mixed])
     stale = sum(1 for group in optimizer.param_groups for p in group["params"] if _is_replaced(p))
     if stale:
         total = sum(len(group["params"]) for group in optimizer.param_groups)

@@ -511,13 +511,16 @@ TABLE: tuple[Rule, ...] = (
             "ignored_modules (ignored_states when single parameters are named by path): not sharded, "
             "gradients not reduced across ranks. With sync_module_states, "
             "FSDP1's own (on an accelerator) leaves their parameters as each rank built them; the bridge's "
-            "broadcast (on CPU) gives them rank 0's, as it does buffers",
+            "broadcast (on CPU) gives them rank 0's, as it does buffers. Moved to the run's device by the bridge "
+            "(FSDP1's device_id moves only what it manages)",
         ),
         T(
             N,
             "ignored_params = their parameters (and parameters named by path): not sharded, gradients not "
-            "reduced across ranks; "
-            "sync_module_states' broadcast gives them rank 0's values",
+            "reduced across ranks; moved to the run's device by the bridge (fully_shard moves only what it "
+            "manages); sync_module_states' broadcast gives them rank 0's values. They stay plain tensors beside "
+            "DTensors: give them an optimizer parameter group of their own on CUDA (foreach kernels refuse the mix; "
+            "the first step says so)",
         ),
         lambda c: bool(c.config.ignored_modules),
     ),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -134,3 +136,114 @@ def test_cuda_only_paths(tmp_path: object) -> None:
         if f"lora_{backend}" in out:
             first, last = out[f"lora_{backend}"]  # type: ignore[misc]
             assert last < first
+
+
+def _cuda_fsdp1_migration(device: str = "cuda") -> dict[str, object]:
+    """FSDP1 as users write it on a GPU, against what ``--fix`` turns it into, in one spawn.
+
+    The raw ``FullyShardedDataParallel`` with its own runtime objects (bf16 ``MixedPrecision``
+    with FSDP1's root-only input casting, a ``transformer_auto_wrap_policy`` partial,
+    ``device_id``), then the same arguments through ``BridgeConfig.from_fsdp1`` on both backends;
+    a parameter ignored by path; a no-gradient forward and ``generate`` before the optimizer's
+    state dict; ``summon_full_params(recurse=False)``; the data-parallel sub-mesh of a (dp, tp)
+    mesh and a mesh built from a process group, each with ``sync_module_states``.
+    """
+    import functools
+
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    out: dict[str, object] = {}
+    optim_state_keys: list[int] = []
+    out["optim_state_keys"] = optim_state_keys
+    batch = {k: v.to(device) for k, v in sample_batch().items()}
+    prompt = batch["input_ids"][:1, :4]
+
+    def kwargs() -> dict[str, object]:
+        return dict(
+            auto_wrap_policy=functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={LlamaDecoderLayer}),
+            mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+            device_id=torch.cuda.current_device() if device == "cuda" else torch.device("cpu"),
+            use_orig_params=True,
+        )
+
+    def train(model: torch.nn.Module, steps: int = 3) -> list[float]:
+        from torch.distributed.tensor import DTensor
+
+        params = list(model.parameters())
+        kinds = [[p for p in params if isinstance(p, DTensor)], [p for p in params if not isinstance(p, DTensor)]]
+        if all(kinds):  # FSDP2 with an ignored parameter: torch's foreach kernels (CUDA's default) refuse the mix
+            try:
+                torch.optim.AdamW(params, lr=1e-2).step()
+                out["mixed_refused"] = "no error"
+            except fsdp_bridge.ConfigError as err:
+                out["mixed_refused"] = str(err)
+        opt = torch.optim.AdamW([{"params": group} for group in kinds if group], lr=1e-2)
+        losses = []
+        for _ in range(steps):
+            loss = model(**batch).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        # A forward without gradients and a generate() leave the parameters the optimizer's.
+        with torch.no_grad():
+            model(**batch)
+        if not isinstance(model, FullyShardedDataParallel):  # FSDP1's root generates under summon_full_params only
+            model.generate(input_ids=prompt, max_new_tokens=2, do_sample=False)  # type: ignore[operator]
+        optim_state_keys.append(len(get_optimizer_state_dict(model, opt)["state"]))
+        return losses
+
+    def sample(summon: Any) -> object:
+        # FSDP1 with bf16 compute and fp32 parameters: under summon_full_params(recurse=False) the root's own
+        # parameters are whole in fp32 and its units' in bf16, and torch's FSDP1 casts no unit's inputs.
+        try:
+            with summon:
+                return tuple(model.generate(input_ids=prompt, max_new_tokens=2, do_sample=False).shape)  # type: ignore[operator]
+        except RuntimeError as err:
+            return "dtype mismatch" if "dtype" in str(err) else str(err)
+
+    model = FullyShardedDataParallel(build_tiny("llama", seed=0), **kwargs())  # type: ignore[arg-type]
+    out["raw"] = train(model)
+    out["recurse_false_raw"] = sample(
+        FullyShardedDataParallel.summon_full_params(model, recurse=False, writeback=False)
+    )
+    for backend in ("fsdp1", "fsdp2"):
+        config = BridgeConfig.from_fsdp1(backend=backend, **kwargs())
+        model = fsdp_bridge.shard(build_tiny("llama", seed=0), config)
+        out[f"bridge_{backend}"] = train(model)
+        out[f"recurse_false_{backend}"] = sample(fsdp_bridge.summon_full_params(model, recurse=False))
+        base = BridgeConfig(backend=backend, device=device, sync_module_states=True)
+        model = fsdp_bridge.shard(build_tiny("llama", seed=0), base.replace(ignored_modules=["model.norm.weight"]))
+        norm = [p for n, p in model.named_parameters() if n.endswith("model.norm.weight")]
+        out[f"ignored_{backend}"] = [p.device.type == device and p.numel() == 32 for p in norm] == [True] and len(
+            train(model, 2)
+        ) == 2
+        mesh = init_device_mesh(device, (1, 1), mesh_dim_names=("dp", "tp"))
+        out[f"submesh_{backend}"] = train(fsdp_bridge.shard(build_tiny("llama", seed=0), base, mesh=mesh["dp"]), 2)
+        group_mesh = fsdp_bridge.mesh_from_process_group(dist.new_group([0]))
+        out[f"group_{backend}"] = train(fsdp_bridge.shard(build_tiny("llama", seed=0), base, mesh=group_mesh), 2)
+    return out
+
+
+def test_cuda_fsdp1_arguments_migrate() -> None:
+    (out,) = run_distributed(_cuda_fsdp1_migration, 1, backend="nccl")
+    # bf16 compute: the same model, data and seed through FSDP1 and the bridge on either backend.
+    for backend in ("fsdp1", "fsdp2"):
+        torch.testing.assert_close(out[f"bridge_{backend}"], out["raw"], rtol=2e-2, atol=2e-2)
+        assert out[f"ignored_{backend}"]
+        for key in (f"submesh_{backend}", f"group_{backend}"):
+            losses = out[key]
+            assert isinstance(losses, list) and losses[-1] < losses[0], key
+    # Generation under summon_full_params(recurse=False): the bridge's FSDP1 does what torch's does; FSDP2
+    # gathers the root in bf16 (its unshard), so the same call generates.
+    assert out["recurse_false_fsdp1"] == out["recurse_false_raw"]
+    assert out["recurse_false_fsdp2"] == (1, 6)
+    if torch.cuda.is_available():  # not on the CPU (one tensor at a time there)
+        assert "give the plain tensors a group of their own" in str(out["mixed_refused"])
+    keys = out["optim_state_keys"]
+    assert isinstance(keys, list) and len(set(keys)) == 1 and keys[0] > 0, keys

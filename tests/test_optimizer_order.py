@@ -32,6 +32,24 @@ def _optimizer_before_shard() -> dict[str, str]:
         late = torch.optim.AdamW(sharded.parameters(), lr=1e-2)  # after shard(): always fine
         sharded(**batch).loss.backward()
         late.step()
+    # FSDP2 with an ignored module: DTensor parameters beside plain ones. torch's multi-tensor kernels (its
+    # default on CUDA, asked for here) refuse the mix: refused at the first step, naming the fix, which works.
+    from torch.distributed.tensor import DTensor
+
+    sharded = fsdp_bridge.shard(build_tiny("llama", seed=0), BridgeConfig(ignored_modules=["lm_head"]))
+    sharded(**sample_batch("llama", batch=2, seq=8, seed=42 + rank)).loss.backward()
+    try:
+        torch.optim.AdamW(sharded.parameters(), lr=1e-2, foreach=True).step()
+        out["mixed"] = "no error"
+    except ConfigError as err:
+        out["mixed"] = str(err)
+    params = list(sharded.parameters())
+    groups = [
+        {"params": [p for p in params if isinstance(p, DTensor)]},
+        {"params": [p for p in params if not isinstance(p, DTensor)]},
+    ]
+    torch.optim.AdamW(groups, lr=1e-2, foreach=True).step()
+    torch.optim.AdamW(params, lr=1e-2).step()  # the CPU's default: one tensor at a time
     return out
 
 
@@ -41,6 +59,8 @@ def test_an_optimizer_built_before_shard_is_refused_where_it_would_train_nothing
         assert "optimizer: got 'AdamW holding" in result["fsdp2"]
         assert "parameters from before shard()" in result["fsdp2"]
         assert "build the optimizer after fsdp_bridge.shard(model, ...)" in result["fsdp2"]
+        assert "AdamW parameter group 0 mixing" in result["mixed"] and "with 1 plain tensors" in result["mixed"]
+        assert "give the plain tensors a group of their own" in result["mixed"]
 
 
 def _already_wrapped() -> list[str]:

@@ -42,6 +42,22 @@ def broadcast_from_rank0(model: nn.Module, full_state: dict[str, torch.Tensor] |
         broadcast_in_place(buf.data, device, src=0)
 
 
+def move_ignored_to(plan: Any, device: torch.device) -> None:
+    """Move what ``ignored_modules`` names to the run's device.
+
+    Neither torch's FSDP1 (``device_id``) nor ``fully_shard`` moves the states it does not manage:
+    they would stay where the model was built (the CPU) while the rest computes on the GPU.
+    """
+    if device.type == "meta":
+        return
+    for module in plan.ignored_modules:
+        if not any(t.is_meta for t in (*module.parameters(), *module.buffers())):
+            module.to(device)
+    for param in plan.ignored_params:
+        if not param.is_meta and param.device != device:
+            param.data = param.data.to(device)
+
+
 def buffer_shapes(model: nn.Module, clean: Callable[[str], str]) -> dict[str, tuple[int, ...]]:
     """Clean name -> shape of the persistent buffers (those a state dict holds); never sharded."""
     shapes = {}

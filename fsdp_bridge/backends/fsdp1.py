@@ -27,7 +27,13 @@ from torch.distributed.fsdp import (
 from torch.distributed.fsdp.wrap import CustomPolicy
 
 from fsdp_bridge._names import strip_wrapper_prefixes
-from fsdp_bridge.backends._common import broadcast_from_rank0, buffer_shapes, rank0_full_state, state_entries
+from fsdp_bridge.backends._common import (
+    broadcast_from_rank0,
+    buffer_shapes,
+    move_ignored_to,
+    rank0_full_state,
+    state_entries,
+)
 from fsdp_bridge.backends.base import FlatPiece, FlatTensor
 from fsdp_bridge.plan import ShardPlan, SyncMethod
 from fsdp_bridge.strategy import Backend, BackwardPrefetch, ShardingStrategy
@@ -195,6 +201,7 @@ class FSDP1Backend:
                 use_orig_params=True,
                 **kwargs,
             )
+        move_ignored_to(plan, device)
         if plan.sync is SyncMethod.BROADCAST:
             broadcast_from_rank0(wrapped, full_state, device)
         if precision.root_output_dtype is not None:

@@ -24,7 +24,13 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from fsdp_bridge._names import strip_wrapper_prefixes
-from fsdp_bridge.backends._common import broadcast_from_rank0, buffer_shapes, rank0_full_state, state_entries
+from fsdp_bridge.backends._common import (
+    broadcast_from_rank0,
+    buffer_shapes,
+    move_ignored_to,
+    rank0_full_state,
+    state_entries,
+)
 from fsdp_bridge.backends.base import FlatPiece, FlatTensor
 from fsdp_bridge.plan import ShardPlan, SyncMethod
 from fsdp_bridge.strategy import Backend
@@ -158,6 +164,7 @@ class FSDP2Backend:
 
         if plan.has_meta and plan.materialize:
             model.to_empty(device=plan.device)
+        move_ignored_to(plan, plan.device)
         if plan.sync is SyncMethod.BROADCAST:
             broadcast_from_rank0(model, full_state, plan.device)
         if callable(getattr(model, "generate", None)):
