@@ -51,6 +51,7 @@ NOT_RUN: dict[str, str] = {
     "OMP_NUM_THREADS=1 python benchmarks/plan_at_scale.py": "40 s; test_fake_world.py plans the same worlds",
     "python benchmarks/public_trainer_parity.py <checkout>/distributed/tensor_parallelism fsdp_tp_example.py": "needs a checkout of pytorch/examples (a download); 2.5 minutes at 4 ranks",
     "python benchmarks/public_trainer_parity.py <checkout> --driver benchmarks/public_trainers/dpo.py --nproc 2": "needs a checkout of eric-mitchell/direct-preference-optimization (a download) and torch 2.14.1 on CPU",
+    "python benchmarks/public_trainer_parity.py <checkout>/distributed/FSDP --driver benchmarks/public_trainers/t5.py --nproc 2": "needs a checkout of pytorch/examples (a download) and torch 2.14.1 on CPU",
     "python benchmarks/run.py": "the full benchmark suite (minutes)",
     "python benchmarks/run.py --quick": "a benchmark run (about a minute)",
     "OMP_NUM_THREADS=1 python benchmarks/no_shard.py": "a benchmark (about a minute on 2 cores)",
