@@ -29,7 +29,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp_bridge.api import Bridge, _shard, get_bridge
-from fsdp_bridge.config import BridgeConfig
+from fsdp_bridge.config import BridgeConfig, carried_mesh
 from fsdp_bridge.errors import ConfigError, Problem
 
 __all__ = ["ManualWrap", "enable_wrap", "wrap_module"]
@@ -144,7 +144,8 @@ def enable_wrap(config: BridgeConfig, *, mesh: DeviceMesh | None = None) -> Manu
         config: how each unit is sharded; FSDP1's ``enable_wrap`` keyword arguments (without
             ``wrapper_cls``) through ``BridgeConfig.from_fsdp1(**kwargs)``, which refuses what has no
             meaning on the backend with the same errors as ``shard``.
-        mesh: the DeviceMesh to shard over (FSDP1's ``device_mesh``); default: built once, by the
+        mesh: the DeviceMesh to shard over (FSDP1's ``device_mesh``); default: the one given to
+            ``BridgeConfig.from_fsdp1`` (``device_mesh`` or ``process_group``), else built once, by the
             first unit, from the strategy and the world size.
 
     Returns:
@@ -154,7 +155,7 @@ def enable_wrap(config: BridgeConfig, *, mesh: DeviceMesh | None = None) -> Manu
         TypeError: ``config`` is not a :class:`BridgeConfig`.
         ConfigError: when entered inside another ``enable_wrap`` context.
     """
-    return ManualWrap(config, mesh=mesh)
+    return ManualWrap(config, mesh=carried_mesh(config, mesh))
 
 
 def wrap_module(module: nn.Module) -> nn.Module:

@@ -18,10 +18,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from fsdp_bridge import hf
+from fsdp_bridge._fsdp1_init import materialize_like_fsdp1, reset_parameters_problems
 from fsdp_bridge._lora import has_4bit, keep_4bit_weights_in_place, parameter_adapters, quantization_problems
 from fsdp_bridge._optimizer_check import record_replaced
 from fsdp_bridge.backends import BackendImpl, backend_inside, get_backend, sharded_by
-from fsdp_bridge.config import BridgeConfig
+from fsdp_bridge.config import BridgeConfig, carried_mesh, fsdp1_init
 from fsdp_bridge.distributed import (
     MeshPlan,
     agree,
@@ -229,6 +230,8 @@ def shard(model: nn.Module, config: BridgeConfig | None = None, *, mesh: DeviceM
             with this config, model or mesh, or when the ranks asked for different things.
         TypeError: ``config`` is not a :class:`BridgeConfig`.
     """
+    if isinstance(config, BridgeConfig):
+        mesh = carried_mesh(config, mesh)  # a device_mesh or process_group given to BridgeConfig.from_fsdp1
     return _shard(model, config, mesh)
 
 
@@ -296,6 +299,13 @@ def _shard(
     if failure is not None:
         raise failure
     mesh_plan, ignored, wrap_plan, has_meta, report = validated
+    init = fsdp1_init(config)
+    if has_meta and init is not None and not config.sync_module_states and not _WEIGHTS_LOADED_AFTER.get():
+        # FSDP1 code that builds on the meta device and lets FSDP1 initialise each rank (param_init_fn or
+        # reset_parameters): the same modules, in FSDP1's order, before sharding.
+        named = resolve_ignored_params(model, config.ignored_modules)
+        materialize_like_fsdp1(model, wrap_plan.modules, [*ignored, *presharded], named, init[0], device)
+        has_meta = False
     # every rank agreed on the config: all of them call it
     if config.sync_module_states and dist.get_world_size() > 1 and _take_rank0_dtypes(model, presharded):
         if get_backend(config.backend).one_dtype_per_unit:  # now with rank 0's dtypes: rank 0's units
@@ -557,7 +567,10 @@ def _validate(
                 )
             )
         has_meta = False  # the units were materialised when they were sharded
-    if has_meta and not config.sync_module_states and not _WEIGHTS_LOADED_AFTER.get():
+    if has_meta and fsdp1_init(config) is not None and not config.sync_module_states:
+        if fsdp1_init(config) == (None,):  # FSDP1 calls reset_parameters() on each module with meta tensors
+            problems += reset_parameters_problems(model)
+    elif has_meta and not config.sync_module_states and not _WEIGHTS_LOADED_AFTER.get():
         problems.append(
             Problem(
                 "sync_module_states",

@@ -526,7 +526,11 @@ class BridgeConfig:
         unknown = [unknown_key(k, v, valid) for k, v in changes.items() if k not in valid]
         if unknown:
             raise ConfigError(unknown)
-        return dataclasses.replace(self, **changes)
+        replaced = dataclasses.replace(self, **changes)
+        for carried in (_FSDP1_MESH, _FSDP1_INIT):  # what from_fsdp1 was given beside the fields
+            if hasattr(self, carried):
+                object.__setattr__(replaced, carried, getattr(self, carried))
+        return replaced
 
     @classmethod
     def from_fsdp1(cls, *, backend: Backend | str = Backend.FSDP2, **fsdp1_kwargs: Any) -> BridgeConfig:
@@ -546,8 +550,15 @@ class BridgeConfig:
 
         Args:
             backend: the backend to run on (FSDP2 by default: this is the migration path).
-            **fsdp1_kwargs: FSDP1 constructor arguments other than ``module`` and
-                ``device_mesh`` (pass the mesh to :func:`fsdp_bridge.shard`).
+            **fsdp1_kwargs: FSDP1 constructor arguments other than ``module``. A model built on
+                the meta device without ``sync_module_states`` is materialised as FSDP1 does it, on
+                every rank: ``param_init_fn(module)`` for each module of each unit (units children
+                first, modules breadth-first), or ``reset_parameters()`` without one. A ``device_mesh``,
+                or a ``process_group`` other than every rank's (a group, or HYBRID_SHARD's pair),
+                goes with the returned config (not a field: it is not saved or compared) and is
+                the mesh :func:`fsdp_bridge.shard` and :func:`fsdp_bridge.enable_wrap` use when
+                given none (a group through :func:`fsdp_bridge.mesh_from_process_group`), so
+                ``**kwargs`` dicts that hold them work unchanged.
 
         Returns:
             A validated config; wrap policies keep FSDP1's semantics exactly.
@@ -556,12 +567,67 @@ class BridgeConfig:
             ConfigError: for arguments that have no meaning on ``backend`` (the same
                 errors as a YAML config), or that belong elsewhere, each with the fix.
         """
-        from fsdp_bridge.backends.fsdp1_objects import translate_fsdp1_kwargs
+        from fsdp_bridge.backends.fsdp1_objects import runtime_mesh_arguments, translate_fsdp1_kwargs
 
-        values, notes = translate_fsdp1_kwargs(fsdp1_kwargs)
+        kwargs, carried = runtime_mesh_arguments(fsdp1_kwargs)
+        values, notes = translate_fsdp1_kwargs(kwargs)
         for note in notes:
             logger.info("from_fsdp1: %s", note)
-        return cls(backend=backend, **values)  # type: ignore[arg-type]
+        config = cls(backend=backend, **values)  # type: ignore[arg-type]
+        if carried is not None:
+            logger.info("from_fsdp1: %s -> the mesh shard() uses when given none", carried[0])
+            object.__setattr__(config, _FSDP1_MESH, carried)
+        # FSDP1 materialises meta-device modules itself (param_init_fn, else reset_parameters): kept for shard().
+        object.__setattr__(config, _FSDP1_INIT, (kwargs.get("param_init_fn"),))
+        return config
+
+
+_FSDP1_MESH = "_fsdp1_mesh"
+"""Attribute of a config from :meth:`BridgeConfig.from_fsdp1`: ``(argument name, device mesh or process
+group)`` given there, for :func:`carried_mesh`."""
+
+
+_FSDP1_INIT = "_fsdp1_init"
+"""Attribute of a config from :meth:`BridgeConfig.from_fsdp1`: ``(param_init_fn or None,)``, FSDP1's rule for
+meta-device modules (see :func:`fsdp1_init`)."""
+
+
+def fsdp1_init(config: BridgeConfig) -> tuple[Any] | None:
+    """``(param_init_fn or None,)`` when ``config`` comes from :meth:`BridgeConfig.from_fsdp1`: a model on the
+    meta device without ``sync_module_states`` is then materialised as FSDP1 does (``param_init_fn`` on each
+    module, else ``reset_parameters``); None for other configs (they need ``sync_module_states``)."""
+    return cast("tuple[Any] | None", getattr(config, _FSDP1_INIT, None))
+
+
+def carried_mesh(config: BridgeConfig, mesh: Any) -> Any:
+    """The mesh to shard over: ``mesh``, or the ``device_mesh`` / ``process_group`` that
+    :meth:`BridgeConfig.from_fsdp1` was given (a group becomes its mesh here: call on every rank).
+
+    Raises:
+        ConfigError: both, and not the same mesh.
+    """
+    carried = getattr(config, _FSDP1_MESH, None)
+    if carried is None:
+        return mesh
+    name, value = carried
+    if mesh is not None:
+        if name == "device_mesh" and mesh is value:
+            return mesh
+        raise ConfigError(
+            [
+                Problem(
+                    "mesh",
+                    f"shard(..., mesh=...) and BridgeConfig.from_fsdp1({name}=...)",
+                    "one of them",
+                    f"drop {name} from the FSDP1 arguments or mesh= from the call",
+                )
+            ]
+        )
+    if name == "device_mesh":
+        return value
+    from fsdp_bridge.distributed import mesh_from_process_group
+
+    return mesh_from_process_group(value)
 
 
 _YAML_MAX_BYTES = 16 << 20

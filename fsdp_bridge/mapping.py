@@ -575,8 +575,18 @@ TABLE: tuple[Rule, ...] = (
         "param_init_fn",
         "-",
         "param_init_fn=...",
-        T(N, "to_empty for meta modules, with sync_module_states"),
-        T(E, "build on meta, fully_shard, to_empty(device), then reset_parameters() or load/broadcast weights"),
+        T(
+            N,
+            "BridgeConfig.from_fsdp1 keeps it: without sync_module_states, FSDP1's own rule runs before sharding "
+            "(param_init_fn, else reset_parameters(), on each rank's meta-device modules, in FSDP1's order); "
+            "with it, and for other configs, to_empty for meta modules and rank 0's weights broadcast",
+        ),
+        T(
+            E,
+            "the same before fully_shard (from_fsdp1: param_init_fn or reset_parameters() on each rank's "
+            "meta-device modules, in FSDP1's order); other configs: to_empty(device) and rank 0's weights "
+            "(sync_module_states), or load weights after shard()",
+        ),
     ),
     Rule(
         "no_sync",

@@ -143,8 +143,6 @@ def test_the_report_names_the_policy() -> None:
 
 
 def test_what_has_no_meaning_is_refused_with_the_fix() -> None:
-    with pytest.raises(ConfigError, match=r"device_mesh: .*passed to shard\(\).*mesh=device_mesh"):
-        BridgeConfig.from_fsdp1(device_mesh=object())
     with pytest.raises(ConfigError, match=r"module: .*a FullyShardedDataParallel argument"):
         BridgeConfig.from_fsdp1(module=nn.Linear(1, 1))
     with pytest.raises(ConfigError, match=r"keep_low_precision_grads: got True"):
@@ -232,6 +230,24 @@ def _raw_vs_bridge() -> dict[str, Any]:
             tokens.append(model.generate(prompt, **greedy).tolist())  # type: ignore[operator]
     with fsdp_bridge.summon_full_params(bridged, recurse=False):  # FSDP2: the root's own are whole, not the units'
         kinds = {n.split(".")[1]: type(p).__name__ for n, p in bridged.named_parameters()}
+    # FSDP1's device_mesh / process_group inside a **kwargs dict: from_fsdp1 keeps them for shard() and enable_wrap.
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    carried = {}
+    for name, value in (("device_mesh", mesh), ("process_group", dist.new_group(list(range(dist.get_world_size()))))):
+        config = BridgeConfig.from_fsdp1(**{**_kwargs(), name: value})
+        carried[name] = _train(fsdp_bridge.shard(build_tiny("llama", seed=0), config), rank)
+    config = BridgeConfig.from_fsdp1(**{**_kwargs(), "device_mesh": mesh})
+    with fsdp_bridge.enable_wrap(config.replace(wrap="none")) as wrap:  # replace() keeps the mesh
+        manual = build_tiny("llama", seed=0)
+        manual.model.layers = torch.nn.ModuleList(wrap.wrap(layer) for layer in manual.model.layers)
+        carried["enable_wrap_mesh"] = fsdp_bridge.get_bridge(manual.model.layers[0]).mesh is mesh
+    try:
+        fsdp_bridge.shard(build_tiny("llama", seed=0), config, mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
+        carried["twice"] = "no error"
+    except ConfigError as err:
+        carried["twice"] = str(err)
     return {
         "raw_units": raw_units,
         "bridge_units": bridge_units,
@@ -240,6 +256,7 @@ def _raw_vs_bridge() -> dict[str, Any]:
         "raw_tokens": raw_tokens,
         "tokens": tokens,
         "kinds": kinds,
+        "carried": carried,
     }
 
 
@@ -249,6 +266,10 @@ def test_raw_fsdp1_and_the_bridge_on_fsdp2_wrap_and_train_alike(run_on_ranks) ->
         torch.testing.assert_close(result["bridge"], result["raw"], rtol=1.3e-6, atol=1e-5)
         assert result["tokens"] == [result["raw_tokens"]] * 2 and len(result["raw_tokens"][0]) == 7
         assert result["kinds"]["embed_tokens"] == "Parameter" and result["kinds"]["layers"] == "DTensor", result
+        carried = result["carried"]
+        assert carried["device_mesh"] == carried["process_group"] == result["bridge"]
+        assert carried["enable_wrap_mesh"] is True
+        assert "shard(..., mesh=...) and BridgeConfig.from_fsdp1(device_mesh=...)" in carried["twice"]
 
 
 def test_state_dict_options_mean_what_fsdp1_state_dict_settings_meant() -> None:
@@ -325,6 +346,37 @@ def _meta_ranks() -> dict[str, Any]:
         out[backend] = sorted(full) == sorted(reference) and all(
             full[n].dtype == reference[n].dtype and torch.equal(full[n], reference[n]) for n in reference
         )
+    # Without sync_module_states FSDP1 initialises every rank's meta-device modules itself (param_init_fn, or
+    # reset_parameters), unit by unit: the bridge does it in the same order, so the same seed draws the same
+    # numbers (FSDP1 code seeds every rank alike: a rank's shards come from its own draw).
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    def init_fn(module: nn.Module) -> None:
+        module.to_empty(device="cpu", recurse=False)
+        if isinstance(module, nn.Linear):
+            with torch.no_grad():
+                module.reset_parameters()
+
+    def full(model: nn.Module, summon: Any) -> dict[str, torch.Tensor]:
+        with summon:
+            return {n.replace("_fsdp_wrapped_module.", ""): p.detach().clone() for n, p in model.named_parameters()}
+
+    for name, fn in (("param_init_fn", init_fn), ("reset_parameters", None)):
+        fsdp1_kwargs = dict(auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=torch.device("cpu"), param_init_fn=fn)
+        torch.manual_seed(100)
+        with torch.device("meta"):
+            raw = FullyShardedDataParallel(Net(), use_orig_params=True, **fsdp1_kwargs)
+        want = full(raw, FullyShardedDataParallel.summon_full_params(raw))
+        for backend in ("fsdp2", "fsdp1"):
+            torch.manual_seed(100)
+            with torch.device("meta"):
+                net = Net()
+            model = fsdp_bridge.shard(net, BridgeConfig.from_fsdp1(backend=backend, **fsdp1_kwargs))
+            got = full(model, fsdp_bridge.summon_full_params(model))
+            out[f"{name} {backend}"] = sorted(got) == sorted(want) and all(torch.equal(got[n], want[n]) for n in want)
+        torch.manual_seed(100)
+        out[f"{name} initialised"] = not torch.equal(want["embed.weight"], Net().embed.weight)  # FSDP1 drew anew
     with torch.device("meta"):
         everywhere = Net()  # rank 0 too: its weights would be uninitialised memory
     try:
@@ -338,6 +390,9 @@ def _meta_ranks() -> dict[str, Any]:
 def test_meta_device_ranks_take_rank0_weights_and_dtypes(run_on_ranks) -> None:
     for result in run_on_ranks(_meta_ranks, 2):
         assert result["fsdp2"] and result["fsdp1"], result
+        for key in ("param_init_fn fsdp2", "param_init_fn fsdp1", "reset_parameters fsdp2", "reset_parameters fsdp1"):
+            assert result[key], key  # FSDP1's own initialisation of meta-device modules, number for number
+        assert result["param_init_fn initialised"]  # in FSDP1's order (units first), not the constructor's
         message = result["rank 0 on meta"]
         assert "sync_module_states: got 'rank 0 holds meta-device tensors (embed.weight, embed.bias, " in message
         assert "run it on rank 0's modules first" in message

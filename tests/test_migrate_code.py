@@ -1300,7 +1300,7 @@ def test_a_strategy_chosen_at_run_time_is_described_by_the_values_the_file_assig
     assert lines[1].startswith("known at run time") and "1D mesh over all ranks" not in lines[1], lines
 
 
-def test_param_init_fn_without_sync_module_states_is_a_todo() -> None:
+def test_param_init_fn_without_sync_module_states_is_kept_for_from_fsdp1() -> None:
     code = textwrap.dedent(
         """
         import torch
@@ -1314,9 +1314,9 @@ def test_param_init_fn_without_sync_module_states_is_a_todo() -> None:
     )
     result = migrate_source(code, "init.py")
     init = [f for f in result.findings if f.construct.startswith("param_init_fn=")]
-    # Every rank's own init of meta modules has no FSDP2 form: the constructor is rewritten (shard() refuses
-    # a meta model without sync_module_states), the argument is a TODO saying why and what to do.
-    assert not init[0].fixable and "sync_module_states=True" in init[0].replacement
+    # Every rank's own init of meta modules: from_fsdp1 runs param_init_fn as FSDP1 did (test_from_fsdp1).
+    assert init[0].fixable and "runs it as FSDP1 did, on each rank's meta-device modules" in init[0].replacement
+    assert "param_init_fn=init_fn" in result.fixed and "TODO" not in result.fixed
     assert init[1].fixable  # with sync_module_states: rank 0's weights are broadcast, as in FSDP1
     assert "take rank 0's values and dtypes" in init[1].replacement and "rank 0 must hold real" in init[1].replacement
     assert result.fixed.count("fsdp_bridge.shard(") == 2
@@ -1359,12 +1359,12 @@ def test_a_second_fix_exits_1_while_todo_comments_of_the_first_remain(tmp_path: 
     file is not migrated: --fix keeps exiting 1 and names the comments left."""
     from fsdp_bridge.cli import main
 
-    script = tmp_path / "meta_init.py"
+    script = tmp_path / "prefetch.py"
     script.write_text(
         "import torch\n"
-        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n\n\n"
-        "def build(model, init_fn):\n"
-        "    model = FSDP(model, param_init_fn=init_fn)\n"
+        "from torch.distributed.fsdp import BackwardPrefetch, FullyShardedDataParallel as FSDP\n\n\n"
+        "def build(model):\n"
+        "    model = FSDP(model, backward_prefetch=BackwardPrefetch.BACKWARD_POST)  # no FSDP2 form: a TODO\n"
         "    return model, torch.optim.AdamW(model.parameters())\n"
     )
     assert main(["migrate", "code", str(script), "--fix"]) == 1

@@ -235,20 +235,36 @@ def _mixed_precision_value(mp: object, problems: list[Problem]) -> object:
     }
 
 
+def runtime_mesh_arguments(kwargs: Mapping[str, Any]) -> tuple[dict[str, Any], tuple[str, Any] | None]:
+    """``kwargs`` without what stands for a mesh (``device_mesh``, or a ``process_group`` other than
+    every rank's: a group, or HYBRID_SHARD's pair of groups), and that ``(name, value)`` if any.
+
+    Raises:
+        ConfigError: both are given (FSDP1 refuses that too).
+    """
+    import torch.distributed as dist
+
+    rest = dict(kwargs)
+    mesh = rest.pop("device_mesh", None)
+    group = rest.get("process_group")
+    groups = list(group) if isinstance(group, (tuple, list)) else [group]
+    is_group = group is not None and all(isinstance(g, dist.ProcessGroup) for g in groups)
+    if is_group and _process_group_problems(group):
+        rest.pop("process_group")
+    else:
+        group = None
+    if mesh is not None and group is not None:
+        raise ConfigError([Problem("device_mesh", mesh, "device_mesh or process_group, not both", "pass one of them")])
+    if mesh is not None:
+        return rest, ("device_mesh", mesh)
+    return rest, ("process_group", group) if group is not None else None
+
+
 def _argument_problems(kwargs: Mapping[str, Any]) -> list[Problem]:
     """Arguments that are not FSDP1 constructor arguments the config can take."""
     problems: list[Problem] = []
     for key, value in kwargs.items():
-        if key == "device_mesh":
-            problems.append(
-                Problem(
-                    "device_mesh",
-                    value,
-                    "passed to shard(), not to the config",
-                    "fsdp_bridge.shard(model, BridgeConfig.from_fsdp1(...), mesh=device_mesh)",
-                )
-            )
-        elif key not in FSDP1_KWARGS:
+        if key not in FSDP1_KWARGS:
             problems.append(
                 Problem(
                     key,

@@ -1771,18 +1771,15 @@ class _Scanner(cst.CSTVisitor):
         value = _code(a.value)
         sync = [_code(b.value) for b in siblings if b.keyword is not None and b.keyword.value == "sync_module_states"]
         if kw == "param_init_fn" and value != "None" and (not sync or sync[0] == "False"):
-            # FSDP1 ran the function on every rank's meta-device modules (their own init, no broadcast); FSDP2
-            # initialises sharded DTensors with other random numbers, so the bridge refuses a meta-device model
-            # without sync_module_states (before any collective) rather than train from a different init.
+            # FSDP1 ran the function on every rank's meta-device modules (their own init, no broadcast):
+            # BridgeConfig.from_fsdp1 keeps it and runs it so, in FSDP1's order, before sharding.
             self._record(
                 a,
                 f"{kw}={_short(value)}",
-                "without sync_module_states, FSDP1 ran it on each rank's meta-device modules and trained from "
-                "that init; FSDP2 cannot reproduce it (random init of sharded DTensors draws other numbers), so "
-                "fsdp_bridge.shard refuses a meta-device model here: build the model on a real device, or load or "
-                "initialise weights on rank 0 only and pass sync_module_states=True (the bridge materialises "
-                "the other ranks and broadcasts rank 0's weights); a real-device model shards as under FSDP1",
-                False,
+                "kept: fsdp_bridge.BridgeConfig.from_fsdp1 runs it as FSDP1 did, on each rank's meta-device "
+                "modules (unit by unit, children first, each unit's modules breadth-first) before sharding, so "
+                "the same seed gives FSDP1's weights on either backend; a real-device model is left as it is",
+                True,
             )
             return
         described = self._describe_value(kw, a.value)
