@@ -553,10 +553,13 @@ def _validate(
                 "shard() (fsdp_bridge.load_checkpoint)",
             )
         )
+    fsdp1_materializes = fsdp1_init(config) is not None and not config.sync_module_states
     if has_meta and presharded:
         inside = {id(t) for unit in presharded for t in (*unit.parameters(), *unit.buffers())}
         outside_meta = any(t.is_meta for t in (*model.parameters(), *model.buffers()) if id(t) not in inside)
-        if outside_meta:
+        if outside_meta and fsdp1_materializes:
+            pass  # FSDP1 materialises the rest when it wraps the parent: shard() does, below
+        elif outside_meta:
             problems.append(
                 Problem(
                     "model",
@@ -566,8 +569,8 @@ def _validate(
                     "with fsdp_bridge.wrap_module as well",
                 )
             )
-        has_meta = False  # the units were materialised when they were sharded
-    if has_meta and fsdp1_init(config) is not None and not config.sync_module_states:
+        has_meta = outside_meta and fsdp1_materializes  # the units were materialised when they were sharded
+    if has_meta and fsdp1_materializes:
         if fsdp1_init(config) == (None,):  # FSDP1 calls reset_parameters() on each module with meta tensors
             problems += reset_parameters_problems(model)
     elif has_meta and not config.sync_module_states and not _WEIGHTS_LOADED_AFTER.get():

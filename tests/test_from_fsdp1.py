@@ -377,6 +377,30 @@ def _meta_ranks() -> dict[str, Any]:
             out[f"{name} {backend}"] = sorted(got) == sorted(want) and all(torch.equal(got[n], want[n]) for n in want)
         torch.manual_seed(100)
         out[f"{name} initialised"] = not torch.equal(want["embed.weight"], Net().embed.weight)  # FSDP1 drew anew
+    # FSDP1's manual wrapping of a meta-device model with a **dict holding device_mesh and param_init_fn
+    # (early torchtitan's shape): each wrap() materialises its module, the outer one the rest.
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp.wrap import enable_wrap, wrap
+
+    fsdp_config = {"device_mesh": init_device_mesh("cpu", (2,)), "param_init_fn": init_fn, "use_orig_params": True}
+    torch.manual_seed(100)
+    with torch.device("meta"):
+        raw_net = Net()
+    with enable_wrap(wrapper_cls=FullyShardedDataParallel, device_id=torch.device("cpu"), **fsdp_config):
+        for i, block in enumerate(raw_net.blocks):
+            raw_net.blocks[i] = wrap(block)
+        raw = wrap(raw_net)
+    want = full(raw, FullyShardedDataParallel.summon_full_params(raw))
+    for backend in ("fsdp2", "fsdp1"):
+        torch.manual_seed(100)
+        with torch.device("meta"):
+            net = Net()
+        with fsdp_bridge.enable_wrap(BridgeConfig.from_fsdp1(backend=backend, **fsdp_config)):
+            for i, block in enumerate(net.blocks):
+                net.blocks[i] = fsdp_bridge.wrap_module(block)
+            model = fsdp_bridge.wrap_module(net)
+        got = full(model, fsdp_bridge.summon_full_params(model))
+        out[f"manual {backend}"] = sorted(got) == sorted(want) and all(torch.equal(got[n], want[n]) for n in want)
     with torch.device("meta"):
         everywhere = Net()  # rank 0 too: its weights would be uninitialised memory
     try:
@@ -393,6 +417,7 @@ def test_meta_device_ranks_take_rank0_weights_and_dtypes(run_on_ranks) -> None:
         for key in ("param_init_fn fsdp2", "param_init_fn fsdp1", "reset_parameters fsdp2", "reset_parameters fsdp1"):
             assert result[key], key  # FSDP1's own initialisation of meta-device modules, number for number
         assert result["param_init_fn initialised"]  # in FSDP1's order (units first), not the constructor's
+        assert result["manual fsdp2"] and result["manual fsdp1"]
         message = result["rank 0 on meta"]
         assert "sync_module_states: got 'rank 0 holds meta-device tensors (embed.weight, embed.bias, " in message
         assert "run it on rank 0's modules first" in message

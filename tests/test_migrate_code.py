@@ -1551,3 +1551,30 @@ def test_a_persistent_local_state_dict_type_is_a_todo_naming_convert() -> None:
     assert "has no FSDP2 form" in todo.replacement and "fsdp-bridge convert" in todo.replacement
     assert "FSDP.set_state_dict_type(model, StateDictType.LOCAL_STATE_DICT)" in result.fixed
     assert migrate_source(result.fixed, "local.py").fixed == result.fixed
+
+
+def test_a_todo_in_a_def_header_gets_its_comment_and_scaler_annotations_are_rewritten() -> None:
+    code = textwrap.dedent(
+        """
+        from torch.distributed.fsdp._flat_param import FlatParamHandle
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+
+        class Helper:
+            def handles(self, model) -> list[FlatParamHandle]:
+                return []
+
+
+        def scaler(enabled: bool) -> ShardedGradScaler:
+            return ShardedGradScaler(enabled=enabled)
+        """
+    )
+    result = migrate_source(code, "helpers.py")
+    todo = [f for f in result.findings if not f.fixable]
+    assert [f.construct for f in todo] == ["FlatParamHandle"]
+    # The comment goes above the def whose header holds the construct (it was counted but not written).
+    assert "    # TODO(fsdp-bridge): FlatParamHandle: no FSDP2 form" in result.fixed
+    assert result.fixed.index("# TODO(fsdp-bridge): FlatParamHandle") < result.fixed.index("def handles")
+    assert "def scaler(enabled: bool) -> torch.amp.GradScaler:" in result.fixed
+    assert "ShardedGradScaler" not in result.fixed
+    assert migrate_source(result.fixed, "helpers.py").fixed == result.fixed

@@ -1021,9 +1021,11 @@ class _Scanner(cst.CSTVisitor):
 
     def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
         self.functions.append(node)
+        self._push(node)  # a TODO in its header (decorators, annotations, defaults) goes above the def
 
     def leave_FunctionDef(self, original_node: cst.FunctionDef) -> None:
         self.functions.pop()
+        self.stmt_stack.pop()
 
     def _ddp_tested(self, obj: cst.BaseExpression) -> bool:
         """``obj`` is tested with ``isinstance(obj, DistributedDataParallel)`` in the enclosing function (or the
@@ -1050,11 +1052,13 @@ class _Scanner(cst.CSTVisitor):
 
     def visit_ClassDef(self, node: cst.ClassDef) -> None:
         self.classes.append(node)
+        self._push(node)  # a TODO in its header (bases, decorators) goes above the class
         if self.planning:
             self.class_bases.update(id(b.value) for b in node.bases)
 
     def leave_ClassDef(self, original_node: cst.ClassDef) -> None:
         self.classes.pop()
+        self.stmt_stack.pop()
 
     def _fsdp1_predicates(self) -> set[str]:
         """Functions of this file whose every ``return`` is ``isinstance(<first parameter>, FSDP)``."""
@@ -1457,17 +1461,14 @@ class _Scanner(cst.CSTVisitor):
             )
             self._record(node, _code(node), text, not reentrant)
             return False
-        if (
-            kind == "ShardedGradScaler"
-            and not member
-            and id(node) not in self.called
-            and not self.assign_target_depth
-            and not self.annotation_depth
-        ):
-            # The class itself, passed on or re-exported (``GradScaler = ShardedGradScaler``): same constructor
-            # arguments but process_group.
+        if kind == "ShardedGradScaler" and not member and id(node) not in self.called and not self.assign_target_depth:
             self.needs_imports.add(("torch", None))
             self.expr_rewrites[id(node)] = "torch.amp.GradScaler"
+            if self.annotation_depth:  # a type annotation: the scaler FSDP2 code makes
+                self._record(node, f"{_code(node)} (a type annotation)", "torch.amp.GradScaler", True)
+                return False
+            # The class itself, passed on or re-exported (``GradScaler = ShardedGradScaler``): same constructor
+            # arguments but process_group.
             self._record(
                 node,
                 f"{_code(node)} (the class, not called here)",
@@ -2751,6 +2752,12 @@ class _Fixer(cst.CSTTransformer):
         return _with_todos(original_node, updated_node, self.scan.todos)
 
     def leave_If(self, original_node: cst.If, updated_node: cst.If) -> Any:
+        return self._compound(original_node, updated_node)
+
+    def leave_FunctionDef(self, original_node: cst.FunctionDef, updated_node: cst.FunctionDef) -> Any:
+        return self._compound(original_node, updated_node)
+
+    def leave_ClassDef(self, original_node: cst.ClassDef, updated_node: cst.ClassDef) -> Any:
         return self._compound(original_node, updated_node)
 
     def leave_For(self, original_node: cst.For, updated_node: cst.For) -> Any:
