@@ -79,8 +79,9 @@ def _mixed_group_problem(optimizer: torch.optim.Optimizer) -> Problem | None:
         if not plain or len(plain) == len(params):
             continue
         multi_tensor = group.get("foreach") or group.get("fused")
-        if group.get("foreach") is None and not group.get("fused"):
-            multi_tensor = any(p.device.type == "cuda" for p in params)  # torch's default: foreach on CUDA
+        if "foreach" in group and group["foreach"] is None and not group.get("fused"):
+            # torch's own optimizers (those with a foreach option) default to it on CUDA; others are not judged
+            multi_tensor = any(p.device.type == "cuda" for p in params)
         if multi_tensor:
             name = type(optimizer).__name__
             return Problem(
