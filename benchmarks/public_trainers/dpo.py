@@ -29,18 +29,15 @@ fp32 throughout (``fsdp_policy_mp`` unset), so the two runs can agree bit for bi
 
 from __future__ import annotations
 
-import importlib.machinery
 import numbers
 import os
 import random
-import sys
 import tempfile
-import types
-from importlib.resources import files
 from types import SimpleNamespace
 
 import torch
 import transformers
+from _common import sample_words, stub_missing
 
 STUBS = {
     "hydra": {"main": lambda **_: lambda fn: fn},
@@ -52,20 +49,8 @@ STUBS = {
 }
 
 
-def _stub_missing_modules() -> None:
-    for name, attrs in STUBS.items():
-        try:
-            __import__(name)
-        except ImportError:
-            module = types.ModuleType(name)
-            module.__spec__ = importlib.machinery.ModuleSpec(name, None)
-            module.__dict__.update(attrs)
-            sys.modules[name] = module
-
-
 def _sentences() -> list[str]:
-    text = files("fsdp_bridge").joinpath("data/sample_corpus.txt").read_text()
-    words = text.split()
+    words = sample_words()
     return [" ".join(words[i : i + 12]) for i in range(0, len(words) - 12, 12)]
 
 
@@ -120,7 +105,7 @@ def main() -> None:
     _seed_accepts_numpy_integers()
     pretrained = tempfile.mkdtemp(prefix="dpo-pretrained-")
     _pretrained(pretrained)
-    _stub_missing_modules()
+    stub_missing(STUBS)
     import preference_datasets
     import train
     from utils import disable_dropout

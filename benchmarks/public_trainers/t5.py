@@ -31,17 +31,15 @@ two runs can agree bit for bit.
 from __future__ import annotations
 
 import collections
-import importlib.machinery
 import sys
 import tempfile
-import types
-from importlib.resources import files
 from types import SimpleNamespace
 
 import torch
 import transformers
+from _common import sample_words, stub_missing
 
-WORDS = files("fsdp_bridge").joinpath("data/sample_corpus.txt").read_text().split()
+WORDS = sample_words()
 
 
 class _Rows:
@@ -80,14 +78,7 @@ def _stub_missing_modules() -> None:
         "pandas": {},
         "pkg_resources": {"packaging": SimpleNamespace(version=packaging.version)},
     }
-    for name, attrs in stubs.items():
-        try:
-            __import__(name)
-        except ImportError:
-            module = types.ModuleType(name)
-            module.__spec__ = importlib.machinery.ModuleSpec(name, None)
-            module.__dict__.update(attrs)
-            sys.modules[name] = module
+    stub_missing(stubs)
     # The example's `import transformers.models.t5.modeling_t5` puts a new lazy `transformers` module in
     # sys.modules: import it first, then give that module the name.
     import transformers.models.t5.modeling_t5  # noqa: F401
