@@ -172,10 +172,12 @@ EXPECTED: dict[str, set[tuple[int, str]]] = {
         (64, "module.clip_grad_norm_(...)"),
     },
     "state_ctx_factory.py": {
-        (13, "FSDP.state_dict_type"),
-        (17, "FSDP.state_dict_type"),
-        (28, "FSDP.optim_state_dict(...)"),
-        (32, "FSDP.optim_state_dict(...)"),
+        (18, "FSDP.state_dict_type(SHARDED_STATE_DICT)"),
+        (22, "FSDP.state_dict_type(FULL_STATE_DICT)"),
+        (37, "FSDP.optim_state_dict(...)"),
+        (42, "FSDP.optim_state_dict_to_load(...)"),
+        (46, "FSDP.optim_state_dict(...)"),
+        (64, "FSDP(...)"),
     },
     "wrapper_attributes.py": {
         (42, "_module_wrap_policy"),
@@ -553,6 +555,7 @@ def test_rewritten_scripts_match_fsdp1_losses(tmp_path: Path) -> None:
         "full_state_dict.py": {"ckpt_path": str(tmp_path / "model.pt")},
         "sharded_dcp_resume.py": ({"ckpt_dir": dcp_dir, "resume": False}, {"ckpt_dir": dcp_dir}),
         "checkpoint_manager.py": {"ckpt_path": str(tmp_path / "manager.pt")},
+        "state_ctx_factory.py": ({"ckpt_path": str(tmp_path / "ctx1.pt")}, {"ckpt_path": str(tmp_path / "ctx2.pt")}),
     }
     for name in (
         "transformer_mp.py",
@@ -562,6 +565,7 @@ def test_rewritten_scripts_match_fsdp1_losses(tmp_path: Path) -> None:
         "kwargs_builder.py",
         "checkpoint_manager.py",
         "wrapper_factory.py",
+        "state_ctx_factory.py",
     ):
         original, fixed = _prepare(tmp_path, name)
         pairs.append((original, fixed, extra.get(name, {})))
@@ -570,8 +574,10 @@ def test_rewritten_scripts_match_fsdp1_losses(tmp_path: Path) -> None:
     pairs += [(*manual, {}), (*manual, {"root": True})]
     results = run_distributed(_run_pairs, world_size=2, args=(pairs,), env=env, timeout_s=300)
     for rank_results in results:
-        (mp1, mp2), (sd1, sd2), (ga1, ga2), (dc1, dc2), (kw1, kw2), (cm1, cm2), (wf1, wf2) = rank_results[:7]
-        units_only, with_root = rank_results[7:]
+        (mp1, mp2), (sd1, sd2), (ga1, ga2), (dc1, dc2), (kw1, kw2), (cm1, cm2), (wf1, wf2), ctx = rank_results[:8]
+        units_only, with_root = rank_results[8:]
+        # state-dict contexts made by factory functions: full save on rank 0, restored on every rank
+        assert len(ctx[0]) == 4 and ctx[1] == pytest.approx(ctx[0], rel=1.3e-6, abs=1e-5), ctx
         assert units_only[1] == pytest.approx(units_only[0], rel=1.3e-6, abs=1e-5), units_only
         assert with_root[1] == pytest.approx(with_root[0], rel=1.3e-6, abs=1e-5), with_root
         assert len(units_only[0]) == len(with_root[0]) == 4 and units_only[0] != with_root[0]
@@ -1034,18 +1040,25 @@ def test_backend_helpers_are_read_from_the_other_files_of_the_tree(tmp_path: Pat
     assert [f.construct for f in alone.findings if not f.fixable] == ["self.module._handle (an FSDP1 internal)"]
 
 
-def test_optim_state_dict_inside_a_context_made_elsewhere_is_not_guessed_full() -> None:
+def test_state_dict_contexts_made_by_factories_become_the_bridges() -> None:
     """FSDP1's optim_state_dict follows the state-dict type active around it: inside a context made by
-    a factory (a SHARDED one here), rewriting it as the full state would change what is saved."""
+    a factory (FULL or SHARDED, chosen at run time) it is not guessed full; the factories' contexts
+    become fsdp_bridge.state_dict_type and the call fsdp_bridge.optim_state_dict, which reads the block's
+    type when the code runs (trained and restored on both backends in test_rewritten_scripts_match_fsdp1_losses)."""
     result = migrate_source(_source("state_ctx_factory.py"), "state_ctx_factory.py")
+    assert all(f.fixable for f in result.findings)
     by_line = {f.line: f for f in result.findings if f.construct == "FSDP.optim_state_dict(...)"}
-    assert not by_line[28].fixable and "with state_dict_ctx:" in by_line[28].replacement
-    assert "get_optimizer_state_dict(model, optim) for sharded" in by_line[28].replacement
-    assert by_line[32].fixable  # no setting active: FSDP1's default, the full state
+    assert "with state_dict_ctx:" in by_line[37].replacement
     fixed = result.fixed
-    assert '"optim": FSDP.optim_state_dict(module, optimizer)}' in fixed
+    assert fixed.count("fsdp_bridge.state_dict_type(module,") == 1 and "return fsdp_bridge.state_dict_type(\n" in fixed
+    assert '"optim": fsdp_bridge.optim_state_dict(module, optimizer)}' in fixed
+    # No setting active: FSDP1's default, the full state.
     assert "return get_optimizer_state_dict(module, optimizer, options=StateDictOptions(full_state_dict=True))" in fixed
     assert migrate_source(fixed, "state_ctx_factory.py").fixed == fixed
+    # A literal LOCAL_STATE_DICT context stays a TODO; a tree with one keeps calls inside contexts made
+    # elsewhere as TODOs too (that context may be the LOCAL one).
+    local = migrate_source(_source("state_ctx_factory.py").replace("SHARDED_STATE_DICT,", "LOCAL_STATE_DICT,"), "x.py")
+    assert {f.line for f in local.findings if not f.fixable} == {18, 37}
 
 
 def test_partial_wrappers_unbound_no_sync_and_scaler_class_are_rewritten() -> None:
@@ -1578,3 +1591,47 @@ def test_a_todo_in_a_def_header_gets_its_comment_and_scaler_annotations_are_rewr
     assert "def scaler(enabled: bool) -> torch.amp.GradScaler:" in result.fixed
     assert "ShardedGradScaler" not in result.fixed
     assert migrate_source(result.fixed, "helpers.py").fixed == result.fixed
+
+
+def test_mock_stand_ins_follow_the_checks_and_guards_refusing_fsdp1_stay() -> None:
+    code = textwrap.dedent(
+        """
+        from unittest import mock
+        from unittest.mock import MagicMock, Mock
+
+        import pytest
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+
+        def test_save():
+            model = MagicMock(spec=FullyShardedDataParallel)
+            other = mock.create_autospec(FullyShardedDataParallel)
+            assert is_sharded(model) and is_sharded(other)
+
+
+        def test_v1_modules_refused():
+            module = Mock(modules=Mock(return_value=[Mock(spec=FullyShardedDataParallel)]))
+            with pytest.raises(TypeError, match="only FSDP2"):
+                setup(module)
+
+
+        def is_sharded(module):
+            return isinstance(module, FullyShardedDataParallel)
+
+
+        def setup(module):
+            if any(isinstance(m, FullyShardedDataParallel) for m in module.modules()):
+                raise TypeError("only FSDP2 modules")
+            return module
+        """
+    )
+    result = migrate_source(code, "test_strategy.py")
+    assert all(f.fixable for f in result.findings), result.findings
+    fixed = result.fixed
+    assert "MagicMock(spec=FSDPModule)" in fixed and "mock.create_autospec(FSDPModule)" in fixed
+    assert "return isinstance(module, FSDPModule)" in fixed
+    # The stand-in of a test about refusing FSDP1, and the refusal itself, are FSDP1's on purpose.
+    assert "[Mock(spec=FullyShardedDataParallel)]" in fixed
+    assert "if any(isinstance(m, FullyShardedDataParallel) for m in module.modules()):" in fixed
+    assert not any("raise TypeError" in f.construct or f.line == 25 for f in result.findings)
+    assert migrate_source(fixed, "test_strategy.py").fixed == fixed

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import functools
 import itertools
+import weakref
 from collections.abc import Callable, Iterable, Mapping
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -38,8 +40,10 @@ __all__ = [
     "describe_policy",
     "fsdp1_policy_units",
     "load_sharded_optimizer_state_dict",
+    "optim_state_dict",
     "optim_state_dict_to_load",
     "state_dict_options",
+    "state_dict_type",
     "translate_fsdp1_kwargs",
 ]
 
@@ -460,6 +464,146 @@ def state_dict_options(
     return StateDictOptions(cpu_offload=offload)
 
 
+def _is_fsdp1(module: nn.Module) -> bool:
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return any(isinstance(m, FullyShardedDataParallel) for m in module.modules())
+
+
+# Modules inside a bridge state_dict_type context -> (save, optimizer save, optimizer load) options.
+_ACTIVE: weakref.WeakKeyDictionary[nn.Module, tuple[Any, Any, Any]] = weakref.WeakKeyDictionary()
+
+
+def state_dict_type(
+    module: nn.Module,
+    state_dict_type: object,
+    state_dict_config: object = None,
+    optim_state_dict_config: object = None,
+) -> AbstractContextManager[None]:
+    """FSDP1's ``FSDP.state_dict_type(module, type, config, optim_config)`` context for both backends.
+
+    ``migrate code --fix`` writes this where FSDP1's context is made in one place and entered in
+    another (a helper returning it, ``with ctx:`` elsewhere), or where its block holds no call the
+    codemod rewrites in place. It can be made and entered later, as FSDP1's can.
+
+    On a model holding FSDP1 units it is FSDP1's own context, unchanged. Otherwise (FSDP2 units, or a
+    module that is not sharded) entering it checks the type (``LOCAL_STATE_DICT`` is refused with a
+    ``ConfigError`` on every rank, before any collective) and, until the block ends, makes
+    ``module.state_dict()`` and ``module.load_state_dict(sd, strict)`` those of the type, through
+    torch's ``get_model_state_dict`` / ``set_model_state_dict`` with :func:`state_dict_options`
+    (FULL_STATE_DICT: full tensors, with ``rank0_only`` a CPU copy on rank 0 only; SHARDED_STATE_DICT:
+    DTensor shards); :func:`optim_state_dict` called inside the block gives the optimizer's state
+    for the same type, as ``FSDP.optim_state_dict`` does.
+
+    Args:
+        module: the model (its root) whose state dicts the block takes.
+        state_dict_type: a ``torch.distributed.fsdp.StateDictType`` member or its name.
+        state_dict_config: ``FullStateDictConfig`` / ``ShardedStateDictConfig`` or None.
+        optim_state_dict_config: ``FullOptimStateDictConfig`` / ``ShardedOptimStateDictConfig`` or None.
+
+    Returns:
+        A context manager (entered with ``with``), not yet entered.
+
+    Raises:
+        ConfigError: on entering, for LOCAL_STATE_DICT (no FSDP2 form) or a value that is not a
+            state-dict type, on FSDP2 or unsharded modules.
+    """
+    return _StateDictContext(module, state_dict_type, state_dict_config, optim_state_dict_config)
+
+
+class _StateDictContext:
+    def __init__(
+        self,
+        module: nn.Module,
+        state_dict_type: object,
+        state_dict_config: object = None,
+        optim_state_dict_config: object = None,
+    ) -> None:
+        self.module = module
+        self.args = (state_dict_type, state_dict_config, optim_state_dict_config)
+        self._fsdp1: Any = None
+        self._saved: dict[str, Any] = {}
+
+    def __enter__(self) -> None:
+        if _is_fsdp1(self.module):
+            from torch.distributed.fsdp import FullyShardedDataParallel
+
+            self._fsdp1 = FullyShardedDataParallel.state_dict_type(self.module, *self.args)  # type: ignore[arg-type]
+            self._fsdp1.__enter__()
+            return
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+        module, args = self.module, self.args
+        save = state_dict_options(*args)
+        options = (
+            save,
+            state_dict_options(*args, optimizer=True),
+            state_dict_options(*args, optimizer=True, load=True),
+        )
+        own = type(module)
+        inside = [False]  # torch's functions call the module's own state_dict / load_state_dict
+
+        def state_dict(*pos: Any, **kw: Any) -> dict[str, Any]:
+            if pos or kw or inside[0]:  # destination / prefix / keep_vars: nn.Module's own state_dict
+                return own.state_dict(module, *pos, **kw)  # type: ignore[no-any-return]
+            inside[0] = True
+            try:
+                return get_model_state_dict(module, options=save)
+            finally:
+                inside[0] = False
+
+        def load_state_dict(state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+            if assign or inside[0]:
+                return own.load_state_dict(module, state_dict, strict, assign)
+            inside[0] = True
+            try:
+                options = state_dict_options(*args, load=True, strict=strict)
+                return set_model_state_dict(module, dict(state_dict), options=options)
+            finally:
+                inside[0] = False
+
+        self._saved = {k: module.__dict__[k] for k in ("state_dict", "load_state_dict") if k in module.__dict__}
+        module.__dict__["state_dict"] = state_dict
+        module.__dict__["load_state_dict"] = load_state_dict
+        _ACTIVE[module] = options
+
+    def __exit__(self, *exc: object) -> None:
+        if self._fsdp1 is not None:
+            self._fsdp1.__exit__(*exc)
+            self._fsdp1 = None
+            return
+        for key in ("state_dict", "load_state_dict"):
+            self.module.__dict__.pop(key, None)
+        self.module.__dict__.update(self._saved)
+        _ACTIVE.pop(self.module, None)
+
+
+def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
+    """FSDP1's ``FSDP.optim_state_dict(model, optim)`` for both backends.
+
+    On a model holding FSDP1 units it is FSDP1's own call. Otherwise it is torch's
+    ``get_optimizer_state_dict`` with the options of the :class:`state_dict_type` block ``model`` is
+    in, or, outside any, FSDP1's default type (FULL_STATE_DICT: full tensors on every rank).
+
+    Args:
+        model: the sharded model (the root given to :func:`state_dict_type`).
+        optim: its optimizer.
+
+    Returns:
+        The optimizer's state dict keyed by parameter names: full tensors, or DTensor shards under
+        SHARDED_STATE_DICT (with ``rank0_only``, an empty dict on the other ranks), as FSDP1 gives.
+    """
+    if _is_fsdp1(model):
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        return FullyShardedDataParallel.optim_state_dict(model, optim)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    active = _ACTIVE.get(model)
+    options = active[1] if active is not None else StateDictOptions(full_state_dict=True)
+    return get_optimizer_state_dict(model, optim, options=options)
+
+
 def optim_state_dict_to_load(
     model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: Mapping[str, Any] | None, options: Any = None
 ) -> dict[str, Any]:
@@ -485,6 +629,8 @@ def optim_state_dict_to_load(
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
+    if options is None and (active := _ACTIVE.get(model)) is not None:
+        options = active[2]  # inside fsdp_bridge.state_dict_type: that block's type
     if options is None:
         # FSDP1 takes full or sharded values whatever the state-dict type (it gathers sharded ones):
         # DTensor values (load_sharded_optimizer_state_dict's on FSDP2) are loaded as sharded state.

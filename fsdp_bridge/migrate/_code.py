@@ -336,6 +336,7 @@ class _Dispatch:
     fsdp2_tests: set[str] = field(default_factory=set)
     own_methods: dict[str, str] = field(default_factory=dict)  # "clip_grad_norm_" -> the file defining the tree's own
     sets_state_dict_type: str | None = None  # a file of the tree that calls FSDP.set_state_dict_type
+    makes_state_dict_context: str | None = None  # a file of the tree that calls FSDP.state_dict_type
     group_fsdp: str | None = None  # a file of the tree passing process_group= (FSDP over some ranks)
     fsdp1_factories: set[str] = field(default_factory=set)
     """Functions of the tree that return FSDP1's wrapper (``-> FullyShardedDataParallel``, ``return FSDP(...)``),
@@ -347,12 +348,21 @@ class _Dispatch:
         self.fsdp1_factories |= other.fsdp1_factories
         self.fsdp2_tests |= other.fsdp2_tests
         self.sets_state_dict_type = self.sets_state_dict_type or other.sets_state_dict_type
+        self.makes_state_dict_context = self.makes_state_dict_context or other.makes_state_dict_context
         self.group_fsdp = self.group_fsdp or other.group_fsdp
         for name, where in other.own_methods.items():
             self.own_methods.setdefault(name, where)
 
 
 _OWN_METHOD_NAMES = ("clip_grad_norm_", "no_sync")
+_STATE_DICT_TYPE_CALL = re.compile(r"(?<!set_)state_dict_type\(")
+
+
+def _makes_state_dict_context(code: str) -> bool:
+    """The file calls ``FSDP.state_dict_type`` (rewritten to fsdp_bridge's), never with LOCAL_STATE_DICT."""
+    return _STATE_DICT_TYPE_CALL.search(code) is not None and "LOCAL_STATE_DICT" not in code
+
+
 _GROUP_ARG = re.compile(r"\bprocess_group\s*=\s*(?!None\b)")
 
 
@@ -847,6 +857,8 @@ class _Scanner(cst.CSTVisitor):
         if hit in ((FSDP, "state_dict_type"), (FSDP, "set_state_dict_type")) and id(func) not in self.consumed_nodes:
             for a in node.args:  # its arguments belong to this construct (a TODO when the block is not rewritten)
                 self._consume(a.value)
+            if hit[1] == "state_dict_type" and self._plan_state_dict_context(node):
+                return False
         if hit == ("enable_wrap", ""):
             if not self._plan_enable_wrap(node):
                 self._record(node, "enable_wrap(...)", _NAMES["enable_wrap"], False)
@@ -911,6 +923,25 @@ class _Scanner(cst.CSTVisitor):
             )
             return False
         if hit == (FSDP, "optim_state_dict") and (ctx := self._runtime_state_context()) is not None:
+            named = _named_args(node, ("model", "optim", "optim_state_dict", "group"))
+            if (
+                (where := self.dispatch.makes_state_dict_context) is not None
+                and named
+                and set(named) == {"model", "optim"}
+            ):
+                code = f"fsdp_bridge.optim_state_dict({_code(named['model'])}, {_code(named['optim'])})"
+                self.call_rewrites[id(node)] = code
+                self.needs_imports.add(("fsdp_bridge", None))
+                self._consume(node.func)
+                self._record(
+                    node,
+                    "FSDP.optim_state_dict(...)",
+                    f"{code}: inside `with {_short(ctx)}:` ({where} makes FSDP1's state-dict contexts, rewritten to "
+                    "fsdp_bridge.state_dict_type): FSDP1's own call on FSDP1 models, on FSDP2 torch's "
+                    "get_optimizer_state_dict with that block's type",
+                    True,
+                )
+                return False
             self._record(
                 node,
                 "FSDP.optim_state_dict(...)",
@@ -2159,7 +2190,17 @@ class _Scanner(cst.CSTVisitor):
             if not 1 <= len(positional) <= 2 or set(keywords) - {"strict"} or (len(positional) == 2 and keywords):
                 return False
             construct = f"{_short(target, 40)}.load_state_dict(...)"
-        if (ctx := self._runtime_state_context()) is not None:
+        if (ctx := self._runtime_state_context()) is not None and (where := self.dispatch.makes_state_dict_context):
+            self._record(
+                node,
+                construct,
+                f"kept as is: it runs inside `with {_short(ctx)}:` and {where} makes FSDP1's state-dict contexts, "
+                "rewritten to fsdp_bridge.state_dict_type, which gives FSDP2 modules that type's "
+                f"{method} for the block",
+                True,
+            )
+            return True
+        if ctx is not None:
             self._record(
                 node,
                 construct,
@@ -2251,6 +2292,31 @@ class _Scanner(cst.CSTVisitor):
                 if a.keyword is not None and a.keyword.value == name:
                     return _code(a.value) == "True"
         return default
+
+    def _plan_state_dict_context(self, node: cst.Call) -> bool:
+        """``FSDP.state_dict_type(M, type, cfg, optim_cfg)`` that is not a block rewritten in place (a context
+        made here and entered elsewhere, a type known only at run time, a block with no call to rewrite) ->
+        ``fsdp_bridge.state_dict_type(...)``, the same arguments: FSDP1's own context on FSDP1 models, on
+        FSDP2 the type's state_dict/load_state_dict for the block. A literal LOCAL_STATE_DICT stays a TODO."""
+        named = _named_args(node, ("module", "state_dict_type", "state_dict_config", "optim_state_dict_config"))
+        if named is None or "module" not in named or "state_dict_type" not in named:
+            return False
+        type_arg = named["state_dict_type"]
+        kind = self._member(type_arg, "StateDictType")
+        if kind not in ("FULL_STATE_DICT", "SHARDED_STATE_DICT", None) or (kind is None and self._qn(type_arg)):
+            return False
+        self.expr_rewrites[id(node.func)] = "fsdp_bridge.state_dict_type"
+        self.needs_imports.add(("fsdp_bridge", None))
+        self._consume(node.func)
+        self._record(
+            node,
+            f"FSDP.state_dict_type({kind or _short(_code(type_arg), 40)})",
+            "fsdp_bridge.state_dict_type(...), the same arguments: FSDP1's own context on FSDP1 models; on FSDP2 "
+            "the model's state_dict() / load_state_dict() and fsdp_bridge.optim_state_dict() give that type's "
+            "state inside the block (torch.distributed.checkpoint.state_dict; LOCAL_STATE_DICT refused)",
+            True,
+        )
+        return True
 
     def _plan_state_dict_block(self, node: cst.With) -> None:
         """``with FSDP.state_dict_type(M, FULL_STATE_DICT|SHARDED_STATE_DICT[, cfg[, optim_cfg]]):`` becomes
@@ -2366,6 +2432,32 @@ class _Scanner(cst.CSTVisitor):
             True,
         )
 
+    def _refuses_fsdp1(self, check: cst.Call) -> bool:
+        """``check`` (``isinstance(x, FSDP)``) is the test, not negated, of an ``if`` whose body only raises."""
+        stmt = self.stmt_stack[-1] if self.stmt_stack else None
+        if not isinstance(stmt, cst.If) or not isinstance(stmt.body, cst.IndentedBlock):
+            return False
+        body = stmt.body.body
+        if not (
+            len(body) == 1
+            and isinstance(body[0], cst.SimpleStatementLine)
+            and all(isinstance(s, cst.Raise) for s in body[0].body)
+        ):
+            return False
+        negated = [n for n in _walk(stmt.test) if isinstance(n, cst.UnaryOperation) and isinstance(n.operator, cst.Not)]
+        return any(n is check for n in _walk(stmt.test)) and not any(any(x is check for x in _walk(n)) for n in negated)
+
+    def _mock_spec(self, node: cst.Call) -> cst.BaseExpression | None:
+        """FSDP1's wrapper class as the spec of a ``unittest.mock`` stand-in (``Mock(spec=FSDP)``)."""
+        names = {q.name for q in self.get_metadata(QualifiedNameProvider, node.func, set())}
+        if not any(n.startswith(("unittest.mock.", "mock.")) and n.rsplit(".", 1)[-1] in _MOCKS for n in names):
+            return None
+        for i, a in enumerate(node.args):
+            keyword = a.keyword.value if a.keyword is not None else ("spec" if i == 0 else None)
+            if keyword in ("spec", "spec_set") and self._qn(a.value) == (FSDP, ""):
+                return a.value
+        return None
+
     def _config_driven(self, node: cst.Call) -> None:
         """FSDP set up by the HF Trainer's arguments or accelerate's plugin: point to `migrate config`."""
         names = {q.name for q in self.get_metadata(QualifiedNameProvider, node.func, set())}
@@ -2389,6 +2481,11 @@ class _Scanner(cst.CSTVisitor):
         modules of ``M`` that are ``FSDPModule``; ``ShardedGradScaler(...)`` -> ``torch.amp.GradScaler(...)``."""
         args = node.args
         if m.matches(node.func, m.Name("isinstance")) and len(args) == 2 and self._qn(args[1].value) == (FSDP, ""):
+            if self._refuses_fsdp1(node):
+                # ``if isinstance(m, FSDP): raise ...``: code that refuses FSDP1's wrapper (often FSDP2 code
+                # guarding itself) stays true after the migration; FSDPModule there would refuse FSDP2 units.
+                self._consume(args[1].value)
+                return True
             self.needs_imports.add(("torch.distributed.fsdp", "FSDPModule"))
             code = f"isinstance({_code(args[0].value)}, FSDPModule)"
             self._record(node, f"isinstance(..., {_code(args[1].value)})", f"{code} (FSDP2 units are FSDPModule)", True)
@@ -2412,6 +2509,25 @@ class _Scanner(cst.CSTVisitor):
                 node,
                 f"isinstance(..., {_short(_code(args[1].value), 40)})",
                 f"FSDPModule in place of {_code(hits[0])} (FSDP2 units are FSDPModule)",
+                True,
+            )
+            return False
+        elif (spec := self._mock_spec(node)) is not None:
+            self._consume(spec)
+            if "FSDP2" in _code(self.functions[-1] if self.functions else node):
+                self._record(
+                    node,
+                    f"{_code(node.func)}(spec={_code(spec)})",
+                    "kept as is: this test stands in an FSDP1 wrapper for code that tells it from FSDP2's",
+                    True,
+                )
+                return False
+            self.needs_imports.add(("torch.distributed.fsdp", "FSDPModule"))
+            self.name_rewrites[id(spec)] = "FSDPModule"
+            self._record(
+                node,
+                f"{_code(node.func)}(spec={_code(spec)})",
+                "spec=FSDPModule: the stand-in passes the isinstance(..., FSDPModule) checks the migrated code makes",
                 True,
             )
             return False
@@ -2607,6 +2723,9 @@ def _exits(body: cst.BaseSuite) -> bool:
         and bool(last.body)
         and isinstance(last.body[-1], (cst.Return, cst.Raise, cst.Continue, cst.Break))
     )
+
+
+_MOCKS = {"Mock", "MagicMock", "NonCallableMock", "NonCallableMagicMock", "AsyncMock", "create_autospec"}
 
 
 def _walk(node: cst.CSTNode) -> Iterable[cst.CSTNode]:
@@ -2961,6 +3080,7 @@ def migrate_source(code: str, path: str = "<string>", *, dispatch: _Dispatch | N
         _Dispatch(
             own_methods=_find_own_methods(code, path),
             sets_state_dict_type=path if "set_state_dict_type" in code else None,
+            makes_state_dict_context=path if _makes_state_dict_context(code) else None,
             group_fsdp=path if _passes_group(code) else None,
         )
     )
@@ -3046,6 +3166,7 @@ def migrate_paths(paths: Sequence[str | Path], *, fix: bool = False) -> tuple[Co
                 _Dispatch(
                     own_methods=_find_own_methods(code, str(f)),
                     sets_state_dict_type=str(f) if "set_state_dict_type" in code else None,
+                    makes_state_dict_context=str(f) if _makes_state_dict_context(code) else None,
                     group_fsdp=str(f) if _passes_group(code) else None,
                 )
             )
