@@ -123,7 +123,12 @@ class Bridge:
         return self.impl.clip_grad_norm_(self.model, float(max_norm), float(norm_type))
 
     def summon_full_params(
-        self, *, writeback: bool = False, rank0_only: bool = False, offload_to_cpu: bool = False
+        self,
+        *,
+        writeback: bool = False,
+        rank0_only: bool = False,
+        offload_to_cpu: bool = False,
+        with_grads: bool = False,
     ) -> AbstractContextManager[None]:
         """The backend's gather of full parameters on this bridge's whole model (a collective);
         :func:`fsdp_bridge.summon_full_params` also turns autograd off and takes a unit.
@@ -132,6 +137,7 @@ class Bridge:
             writeback: keep in-place changes made inside the context.
             rank0_only: only rank 0 sees full tensors.
             offload_to_cpu: the full tensors are CPU copies.
+            with_grads: the parameters' gradients are full too.
 
         Returns:
             A context manager inside which parameters are full tensors.
@@ -141,7 +147,7 @@ class Bridge:
                 support (named with the fix).
         """
         return self.impl.summon_full_params(
-            self.model, writeback=writeback, rank0_only=rank0_only, offload_to_cpu=offload_to_cpu
+            self.model, writeback=writeback, rank0_only=rank0_only, offload_to_cpu=offload_to_cpu, with_grads=with_grads
         )
 
     def local_numel(self) -> int:
@@ -688,6 +694,7 @@ def summon_full_params(
     rank0_only: bool = False,
     offload_to_cpu: bool = False,
     recurse: bool = True,
+    with_grads: bool = False,
 ) -> Iterator[None]:
     """Inside the context, parameters are full tensors, as FSDP1's ``summon_full_params`` gives them.
 
@@ -709,31 +716,41 @@ def summon_full_params(
             own). On FSDP2 it is the unit's ``unshard()`` / ``reshard()``: the parameters its
             forward gathers (in ``param_dtype`` under mixed precision), so forward may run inside;
             a module that is not a unit gathers nothing, as in FSDP1.
+        with_grads: each parameter's ``.grad`` is the full gradient too (read inside, written back
+            to the gradient shards with ``writeback``), as FSDP1's ``with_grads``.
 
     Yields:
         Nothing: inside the block the model's parameters are the full tensors.
 
     Raises:
         ConfigError: ``writeback=True`` with ``rank0_only=True`` (FSDP1 refuses it too: the other
-            ranks would have nothing to write back), or ``recurse=False`` with ``writeback``,
-            ``rank0_only`` or ``offload_to_cpu`` (FSDP2's unshard has no such forms), before any
-            collective.
+            ranks would have nothing to write back), ``with_grads=True`` with ``offload_to_cpu=True``
+            (as in FSDP1), or ``recurse=False`` with ``writeback``, ``rank0_only``, ``offload_to_cpu``
+            or ``with_grads`` (FSDP2's unshard has no such forms), before any collective.
         TypeError: ``model`` holds no sharded parameters.
     """
-    if not recurse and (writeback or rank0_only or offload_to_cpu):
-        given = ", ".join(
-            f"{k}=True"
-            for k, v in (("writeback", writeback), ("rank0_only", rank0_only), ("offload_to_cpu", offload_to_cpu))
-            if v
-        )
+    flags = (("writeback", writeback), ("rank0_only", rank0_only), ("offload_to_cpu", offload_to_cpu))
+    if not recurse and (writeback or rank0_only or offload_to_cpu or with_grads):
+        given = ", ".join(f"{k}=True" for k, v in (*flags, ("with_grads", with_grads)) if v)
         raise ConfigError(
             [
                 Problem(
                     "summon_full_params",
                     f"recurse=False, {given}",
-                    "recurse=False with writeback, rank0_only and offload_to_cpu left False",
+                    "recurse=False with writeback, rank0_only, offload_to_cpu and with_grads left False",
                     "drop recurse=False to gather (and write back, or offload) every parameter under the "
                     "module, or drop the other arguments to gather the unit's own parameters for a forward",
+                )
+            ]
+        )
+    if with_grads and offload_to_cpu:
+        raise ConfigError(
+            [
+                Problem(
+                    "summon_full_params",
+                    "with_grads=True, offload_to_cpu=True",
+                    "with_grads=True without offload_to_cpu (torch's FSDP1 does not support the pair either)",
+                    "drop offload_to_cpu and copy what you need with .cpu() inside the context",
                 )
             ]
         )
@@ -768,6 +785,8 @@ def summon_full_params(
     # and torch's FSDP1 writes a unit's parameter views in place on the way out (refused under grad mode).
     with (
         torch.no_grad(),
-        impl.summon_full_params(target, writeback=writeback, rank0_only=rank0_only, offload_to_cpu=offload_to_cpu),
+        impl.summon_full_params(
+            target, writeback=writeback, rank0_only=rank0_only, offload_to_cpu=offload_to_cpu, with_grads=with_grads
+        ),
     ):
         yield

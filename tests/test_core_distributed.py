@@ -137,6 +137,29 @@ def _accumulate_clip_summon(backend: str, strategy: str, shape: list[int] | None
     max_diff = max((state[k] - ref_state[k]).abs().max().item() for k in ref_state)
     close = all(torch.allclose(state[k], ref_state[k], rtol=RTOL, atol=ATOL) for k in ref_state)
 
+    # with_grads: the gathered parameters carry the full (averaged) gradients; with writeback, changes
+    # to them reach the gradient shards.
+    batch = sample_batch("llama", seed=7 + rank)
+    model(**batch).loss.backward()
+    reference(**batch).loss.backward()
+    ref_grads = {}
+    for n, p in reference.named_parameters():
+        dist.all_reduce(p.grad)
+        ref_grads[n] = p.grad / world
+    with fsdp_bridge.summon_full_params(model, with_grads=True):
+        grads = {n.replace("_fsdp_wrapped_module.", ""): p.grad.clone() for n, p in model.named_parameters()}
+    with fsdp_bridge.summon_full_params(model, with_grads=True, writeback=True):
+        for p in model.parameters():
+            p.grad.mul_(2.0)
+    with fsdp_bridge.summon_full_params(model, with_grads=True):
+        doubled = all(
+            torch.allclose(p.grad, 2 * grads[n.replace("_fsdp_wrapped_module.", "")])
+            for n, p in model.named_parameters()
+        )
+    grads_ok = doubled and all(torch.allclose(grads[n], g, rtol=1e-4, atol=1e-6) for n, g in ref_grads.items())
+    opt.zero_grad()
+    ref_opt.zero_grad()
+
     # Full parameters: readable, and in-place changes kept only with writeback=True.
     with fsdp_bridge.summon_full_params(model):
         names = {n.replace("_fsdp_wrapped_module.", "") for n, _ in model.named_parameters()}
@@ -193,6 +216,7 @@ def _accumulate_clip_summon(backend: str, strategy: str, shape: list[int] | None
         "written": written,
         "rank0_only_ok": rank0_only_ok,
         "unit_full": unit_full,
+        "grads_ok": grads_ok,
     }
 
 
@@ -212,6 +236,7 @@ def test_no_sync_clip_and_full_params_match_reference(backend: str, strategy: st
         assert r["written"], "changes inside summon_full_params(writeback=True) must be kept"
         assert r["rank0_only_ok"], f"rank {rank}: summon_full_params(rank0_only=True) must gather on rank 0 only"
         assert r["unit_full"], "summon_full_params(unit) must gather that unit's parameters"
+        assert r["grads_ok"], f"rank {rank}: summon_full_params(with_grads=True) must give the full gradients"
 
 
 # ---------------------------------------------------------------- Hugging Face families

@@ -374,7 +374,7 @@ def test_summon_full_params_called_through_an_instance_is_rewritten() -> None:
     # recurse=False: the unit's own parameters (FSDP2: its unshard/reshard), kept as an argument
     assert "with fsdp_bridge.summon_full_params(self.model, recurse=False):" in result.fixed
     assert "only the unit's own parameters" in by_line[14].replacement
-    assert "recurse=False with writeback, rank0_only or offload_to_cpu" in by_line[18].replacement
+    assert "recurse=False with writeback, rank0_only, offload_to_cpu, with_grads" in by_line[18].replacement
     assert migrate_source(result.fixed, "exporter.py").fixed == result.fixed
 
 
@@ -1143,9 +1143,13 @@ def test_private_fsdp1_helpers_and_wrapper_subclasses_are_todos_not_fixes() -> N
 def test_wrapped_model_attributes_and_a_clip_of_the_trees_own() -> None:
     result = migrate_source(_source("wrapper_attributes.py"), "wrapper_attributes.py")
     fixable = {(f.line, f.construct): f.fixable for f in result.findings}
-    # FSDP1's .module is the model itself on FSDP2; where the object may be DDP's wrapper too, a TODO.
+    # FSDP1's .module is the model itself on FSDP2; where the object may be DDP's wrapper too, DDP's .module
+    # is kept for DDP's wrapper only.
     assert fixable[(49, "model.module (the wrapped module)")] and "    model.freeze_encoder()\n" in result.fixed
-    assert not fixable[(67, "model.module (the wrapped module)")] and "return model.module  #" in result.fixed
+    assert fixable[(67, "model.module (the wrapped module)")]
+    assert (
+        "return (model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model)  #"
+    ) in result.fixed
     # Inside ``if isinstance(model, FSDP)`` it is FSDP1's; inside the DDP branch DDP's, not reported.
     assert "        return model.state_dict()  # FSDP1's branch" in result.fixed
     assert "        return model.module.state_dict()  # DDP's branch" in result.fixed
@@ -1635,3 +1639,126 @@ def test_mock_stand_ins_follow_the_checks_and_guards_refusing_fsdp1_stay() -> No
     assert "if any(isinstance(m, FullyShardedDataParallel) for m in module.modules()):" in fixed
     assert not any("raise TypeError" in f.construct or f.line == 25 for f in result.findings)
     assert migrate_source(fixed, "test_strategy.py").fixed == fixed
+
+
+def test_summon_full_params_with_grads_is_rewritten() -> None:
+    code = textwrap.dedent(
+        """
+        import torch
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+
+        def grad_norm(model, check_grad):
+            with FSDP.summon_full_params(model, with_grads=True):
+                norm = torch.linalg.vector_norm(model.weight.grad)
+            with FSDP.summon_full_params(model, with_grads=check_grad, writeback=True):
+                pass
+            with FSDP.summon_full_params(model, recurse=False, with_grads=True):
+                pass
+            return norm
+        """
+    )
+    result = migrate_source(code, "grads.py")
+    assert [f.fixable for f in result.findings] == [True, True, False]
+    assert "with fsdp_bridge.summon_full_params(model, with_grads=True):" in result.fixed
+    assert "with fsdp_bridge.summon_full_params(model, with_grads=check_grad, writeback=True):" in result.fixed
+
+
+def test_a_local_state_dict_block_that_takes_no_model_state_is_unwrapped() -> None:
+    code = textwrap.dedent(
+        """
+        import logging
+        import os
+
+        import torch
+        import torch.distributed as dist
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, StateDictType
+
+        logger = logging.getLogger(__name__)
+
+
+        def save_optimizer(model, optimizer, save_dir):
+            with FSDP.state_dict_type(model, StateDictType.LOCAL_STATE_DICT):
+                path = os.path.join(save_dir, f"optimizer.{dist.get_rank():05d}.pth")
+                torch.save(optimizer.state_dict(), path)
+                logger.info("optimizer saved")
+
+
+        class Checkpointer(Base):
+            def save(self):
+                with FSDP.state_dict_type(self.model, StateDictType.LOCAL_STATE_DICT):
+                    torch.save(self.model.state_dict(), "m.pth")
+
+            def load(self, *args):
+                with FSDP.state_dict_type(self.model, StateDictType.LOCAL_STATE_DICT):
+                    return super().load(*args)  # loads into self.model somewhere inside
+        """
+    )
+    result = migrate_source(code, "ckpt.py")
+    by_line = {f.line: f.fixable for f in result.findings if f.construct.startswith("FSDP.state_dict_type")}
+    assert by_line == {13: True, 21: False, 25: False}, result.findings
+    fixed = result.fixed
+    assert "def save_optimizer(model, optimizer, save_dir):\n    path = os.path.join(" in fixed
+    assert fixed.count("StateDictType.LOCAL_STATE_DICT):") == 2 and migrate_source(fixed, "ckpt.py").fixed == fixed
+
+
+def test_a_scattered_optimizer_state_kept_in_a_variable_finds_its_optimizer() -> None:
+    code = textwrap.dedent(
+        """
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+
+        def load_optimizer(optim, checkpoint, fsdp_model, is_main):
+            sharded = FSDP.scatter_full_optim_state_dict(checkpoint if is_main else None, fsdp_model)
+            optim.load_state_dict(sharded)
+
+
+        def ambiguous(a, b, checkpoint, model):
+            sharded = FSDP.shard_full_optim_state_dict(checkpoint, model)
+            a.load_state_dict(sharded)
+            b.load_state_dict(sharded)
+        """
+    )
+    result = migrate_source(code, "load.py")
+    assert [f.fixable for f in result.findings] == [True, False]
+    assert (
+        "sharded = fsdp_bridge.optim_state_dict_to_load(fsdp_model, optim, checkpoint if is_main else None, "
+        "options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))"
+    ) in result.fixed
+    assert migrate_source(result.fixed, "load.py").fixed == result.fixed
+
+
+def test_a_model_that_may_be_ddps_keeps_ddps_module_and_state_dict() -> None:
+    code = textwrap.dedent(
+        """
+        import torch
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+        def run(model, only_eval, policy):
+            if only_eval:
+                parallel_model = DDP(model)
+            else:
+                parallel_model = FSDP(model, auto_wrap_policy=policy)
+            parallel_model.module.eval()
+            return parallel_model.state_dict()
+        """
+    )
+    result = migrate_source(code, "run.py")
+    assert all(f.fixable for f in result.findings) and len(result.findings) >= 3, result.findings
+    fixed = result.fixed
+    assert (
+        "(parallel_model.module if isinstance(parallel_model, torch.nn.parallel.DistributedDataParallel) else " in fixed
+    )
+    assert (
+        "return (get_model_state_dict(parallel_model, options=StateDictOptions(full_state_dict=True)) "
+        "if isinstance(parallel_model, FSDPModule) else parallel_model.state_dict())"
+    ) in fixed
+    assert migrate_source(fixed, "run.py").fixed == fixed
+    # The expressions run: a module that is neither wrapper is its own .module-less self.
+    namespace: dict[str, Any] = {}
+    exec(compile(fixed.split("\n\n\ndef run")[0], "run.py", "exec"), namespace)
+    model = torch.nn.Linear(2, 2)
+    expression = "(m.module if isinstance(m, torch.nn.parallel.DistributedDataParallel) else m)"
+    assert eval(expression, {**namespace, "m": model}) is model

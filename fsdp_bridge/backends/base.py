@@ -153,7 +153,13 @@ class BackendImpl(Protocol):
         ...
 
     def summon_full_params(
-        self, model: nn.Module, *, writeback: bool, rank0_only: bool = False, offload_to_cpu: bool = False
+        self,
+        model: nn.Module,
+        *,
+        writeback: bool,
+        rank0_only: bool = False,
+        offload_to_cpu: bool = False,
+        with_grads: bool = False,
     ) -> AbstractContextManager[None]:
         """Inside the context, the model's parameters are full, unsharded tensors (on rank 0 only
         with ``rank0_only``; CPU copies with ``offload_to_cpu``).
@@ -163,6 +169,7 @@ class BackendImpl(Protocol):
             writeback: copy changes made inside the context back to the shards on exit.
             rank0_only: only rank 0 gets the full parameters.
             offload_to_cpu: the full parameters are CPU copies.
+            with_grads: the parameters' ``.grad`` are full too (written back with ``writeback``).
 
         Returns:
             The context manager (collective on entry and exit).

@@ -227,7 +227,13 @@ class FSDP1Backend:
 
     @contextmanager
     def summon_full_params(
-        self, model: nn.Module, *, writeback: bool, rank0_only: bool = False, offload_to_cpu: bool = False
+        self,
+        model: nn.Module,
+        *,
+        writeback: bool,
+        rank0_only: bool = False,
+        offload_to_cpu: bool = False,
+        with_grads: bool = False,
     ) -> Iterator[None]:
         # FSDP1 keeps in-place changes even with writeback=False when the gathered
         # parameter shares storage with the shard (NO_SHARD, world size 1).  The bridge
@@ -249,7 +255,12 @@ class FSDP1Backend:
             )
         saved = None if writeback else [t.clone() for t in self.local_tensors(model)]
         with FullyShardedDataParallel.summon_full_params(
-            model, writeback=writeback, recurse=True, rank0_only=rank0_only, offload_to_cpu=offload_to_cpu
+            model,
+            writeback=writeback,
+            recurse=True,
+            rank0_only=rank0_only,
+            offload_to_cpu=offload_to_cpu,
+            with_grads=with_grads,
         ):
             yield
         if saved is not None:

@@ -220,9 +220,17 @@ class FSDP2Backend:
 
     @contextmanager
     def summon_full_params(
-        self, model: nn.Module, *, writeback: bool, rank0_only: bool = False, offload_to_cpu: bool = False
+        self,
+        model: nn.Module,
+        *,
+        writeback: bool,
+        rank0_only: bool = False,
+        offload_to_cpu: bool = False,
+        with_grads: bool = False,
     ) -> Iterator[None]:
-        with _full_params(model, writeback=writeback, rank0_only=rank0_only, offload_to_cpu=offload_to_cpu):
+        with _full_params(
+            model, writeback=writeback, rank0_only=rank0_only, offload_to_cpu=offload_to_cpu, with_grads=with_grads
+        ):
             yield
 
     def local_tensors(self, model: nn.Module) -> list[torch.Tensor]:
@@ -386,11 +394,17 @@ def _no_sync(model: nn.Module) -> Iterator[None]:
 
 @contextmanager
 def _full_params(
-    model: nn.Module, *, writeback: bool, rank0_only: bool = False, offload_to_cpu: bool = False
+    model: nn.Module,
+    *,
+    writeback: bool,
+    rank0_only: bool = False,
+    offload_to_cpu: bool = False,
+    with_grads: bool = False,
 ) -> Iterator[None]:
     """Swap every DTensor parameter for a full copy; on exit restore (and write back shards).
 
     ``rank0_only``: every rank takes part in the gather (a collective), only rank 0 swaps.
+    ``with_grads``: each copy's ``.grad`` is the full gradient (FSDP1's ``with_grads``).
     """
 
     keep = not rank0_only or not dist.is_initialized() or dist.get_rank() == 0
@@ -407,6 +421,11 @@ def _full_params(
                     if offload_to_cpu:
                         full = full.cpu()
                     full_of[id(param)] = nn.Parameter(full, requires_grad=param.requires_grad)
+                    if with_grads and isinstance(param.grad, DTensor):
+                        grad = param.grad.full_tensor()
+                        if grad.data_ptr() == param.grad.to_local().data_ptr():
+                            grad = grad.clone()
+                        full_of[id(param)].grad = grad
                 if keep:
                     module._parameters[name] = full_of[id(param)]
                     swapped.append((module, name, param, full_of[id(param)]))
@@ -423,3 +442,6 @@ def _full_params(
                 local = distribute_tensor(full.detach(), sharded.device_mesh, sharded.placements, src_data_rank=None)
                 with torch.no_grad():
                     sharded.to_local().copy_(local.to_local())
+                    if with_grads and isinstance(sharded.grad, DTensor) and full.grad is not None:
+                        grad = distribute_tensor(full.grad, sharded.device_mesh, sharded.placements, src_data_rank=None)
+                        sharded.grad.to_local().copy_(grad.to_local())

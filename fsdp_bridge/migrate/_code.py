@@ -912,13 +912,18 @@ class _Scanner(cst.CSTVisitor):
                 True,
             )
             return False
-        if hit == (FSDP, "shard_full_optim_state_dict") and (code := self._shard_full_to_load(node)) is not None:
+        if (
+            hit in ((FSDP, "shard_full_optim_state_dict"), (FSDP, "scatter_full_optim_state_dict"))
+            and (code := self._shard_full_to_load(node)) is not None
+        ):
             self.call_rewrites[id(node)] = code
             self._record(
                 node,
-                "FSDP.shard_full_optim_state_dict(...)",
+                f"FSDP.{hit[1]}(...)",
                 f"{code}: loads the full state into the optimizer (torch's set_optimizer_state_dict, "
-                "full_state_dict=True) and returns optimizer.state_dict(), so loading the result changes nothing",
+                "full_state_dict=True"
+                + (", rank 0's sent to the others" if hit[1].startswith("scatter") else "")
+                + ") and returns optimizer.state_dict(), so loading the result changes nothing",
                 True,
             )
             return False
@@ -979,7 +984,7 @@ class _Scanner(cst.CSTVisitor):
                 and node.args[0].keyword is None
                 and all(
                     a.keyword is not None
-                    and a.keyword.value in ("writeback", "recurse", "rank0_only", "offload_to_cpu")
+                    and a.keyword.value in ("writeback", "recurse", "rank0_only", "offload_to_cpu", "with_grads")
                     for a in node.args[1:]
                 )
             )
@@ -988,7 +993,9 @@ class _Scanner(cst.CSTVisitor):
             if own:
                 # The bridge's recurse=False gathers what the unit's forward gathers; FSDP2 has no
                 # writeback, rank-0-only or offloaded form of that, so those must be literal False.
-                ok = ok and all(kws.get(k, "False") == "False" for k in ("writeback", "rank0_only", "offload_to_cpu"))
+                ok = ok and all(
+                    kws.get(k, "False") == "False" for k in ("writeback", "rank0_only", "offload_to_cpu", "with_grads")
+                )
             else:
                 ok = ok and kws.get("recurse", "True") == "True"
             if ok:
@@ -1002,7 +1009,8 @@ class _Scanner(cst.CSTVisitor):
                 if ok and own
                 else _NAMES["summon_full_params"]
                 if ok
-                else _NAMES["summon_full_params"] + "; recurse=False with writeback, rank0_only or offload_to_cpu "
+                else _NAMES["summon_full_params"]
+                + "; recurse=False with writeback, rank0_only, offload_to_cpu, with_grads "
                 "(or arguments known only at run time) have no FSDP2 form: FSDP2's forward gathers each unit's "
                 "parameters itself, so a context held only around forward/generate can be dropped",
                 ok,
@@ -1394,13 +1402,19 @@ class _Scanner(cst.CSTVisitor):
             # FSDP1's wrapper holds the model as .module; FSDP2 does not wrap (the sharded model is the module).
             obj = _code(node.value)
             if wrapper == "ambiguous":
+                # DDP's wrapper keeps .module; FSDP2's sharded model is the module itself.
+                code = f"({obj}.module if isinstance({obj}, torch.nn.parallel.DistributedDataParallel) else {obj})"
+                stmt = self.stmt_stack[-1] if self.stmt_stack else None
+                if stmt is not None and code[1:-1] in _code(stmt):
+                    return True  # written by a first --fix
+                self.expr_rewrites[id(node)] = code
+                self.needs_imports.add(("torch", None))
                 self._record(
                     node,
                     f"{_code(node)} (the wrapped module)",
-                    f"not rewritten: {obj} may be FSDP1's wrapper or DistributedDataParallel's here; "
-                    f"FSDP2 does not wrap, so on the FSDP path use {obj} itself (an FSDPModule) "
-                    "and keep .module for DDP",
-                    False,
+                    f"{code}: {obj} may be DistributedDataParallel's wrapper (its .module) or, on the FSDP path, "
+                    "an FSDP2 module, which does not wrap (the module itself)",
+                    True,
                 )
                 return True
             self.attr_drops.add(id(node))
@@ -2176,9 +2190,13 @@ class _Scanner(cst.CSTVisitor):
         are full state dicts on every rank; on FSDP2 they would be sharded DTensors (a torch.save on rank 0
         would keep rank 0's shards only, and loading plain tensors into DTensors fails)."""
         obj = func.value
-        if self._fsdp1_wrapper(node, obj) != "fsdp1":
+        wrapper = self._fsdp1_wrapper(node, obj)
+        if wrapper not in ("fsdp1", "ambiguous"):
             return False
         target, method = _code(obj), func.attr.value
+        stmt = self.stmt_stack[-1] if self.stmt_stack else None
+        if stmt is not None and f"if isinstance({target}, FSDPModule) else {target}.{method}(" in _code(stmt):
+            return True  # the DDP branch a first --fix wrote
         args = list(node.args)
         if method == "state_dict":
             if args:
@@ -2235,6 +2253,9 @@ class _Scanner(cst.CSTVisitor):
                 options = options[:-1] + f", strict={_code(strict)})"
             code = f"set_model_state_dict({target}, {_code(positional[0].value)}, options={options})"
             self.needs_state_dict_api.add("set_model_state_dict")
+        if wrapper == "ambiguous":  # DistributedDataParallel's too: its own state_dict stays on the DDP path
+            self.needs_imports.add(("torch.distributed.fsdp", "FSDPModule"))
+            code = f"({code} if isinstance({target}, FSDPModule) else {_code(node)})"
         self.call_rewrites[id(node)] = code
         self._record(
             node,
@@ -2303,6 +2324,28 @@ class _Scanner(cst.CSTVisitor):
             return False
         type_arg = named["state_dict_type"]
         kind = self._member(type_arg, "StateDictType")
+        block = self.stmt_stack[-1] if self.stmt_stack else None
+        if (
+            kind == "LOCAL_STATE_DICT"
+            and isinstance(block, cst.With)
+            and len(block.items) == 1
+            and block.items[0].item is node
+            and block.items[0].asname is None
+            and self._takes_no_state_of(block, _code(named["module"]))
+        ):
+            # ``with FSDP.state_dict_type(M, LOCAL_STATE_DICT): torch.save(optimizer.state_dict(), f)``:
+            # nothing in the block reads M's state dicts, so the type changes nothing there.
+            self.unwrap_withs.add(id(block))
+            self._consume(node)
+            self._record(
+                node,
+                "FSDP.state_dict_type(LOCAL_STATE_DICT)",
+                f"the block's body without the context: nothing in it takes {_short(_code(named['module']), 30)}'s "
+                "state dicts, so the type changes nothing there (an optimizer's own state_dict() is this rank's "
+                "state either way: FSDP2's holds DTensor shards)",
+                True,
+            )
+            return True
         if kind not in ("FULL_STATE_DICT", "SHARDED_STATE_DICT", None) or (kind is None and self._qn(type_arg)):
             return False
         self.expr_rewrites[id(node.func)] = "fsdp_bridge.state_dict_type"
@@ -2316,6 +2359,28 @@ class _Scanner(cst.CSTVisitor):
             "state inside the block (torch.distributed.checkpoint.state_dict; LOCAL_STATE_DICT refused)",
             True,
         )
+        return True
+
+    def _takes_no_state_of(self, block: cst.With, model: str) -> bool:
+        """Every call in the block's body is one that cannot reach ``model``'s state dicts: ``x.state_dict()``
+        of another object, ``torch.save``, ``os``/``os.path``, ``dist.get_rank``-style queries, logging, print."""
+        for n in _walk(block.body):
+            if isinstance(n, cst.Name) and n.value == model.split(".")[0] and model.split(".")[0] != "self":
+                return False
+            if not isinstance(n, cst.Call):
+                continue
+            func = n.func
+            if isinstance(func, cst.Attribute) and func.attr.value == "state_dict" and not n.args:
+                if _code(func.value) == model:
+                    return False
+                continue
+            names = {q.name for q in self.get_metadata(QualifiedNameProvider, func, set())}
+            code = _code(func)
+            if names & _HARMLESS_CALLS or any(q.startswith(("os.", "logging.")) for q in names):
+                continue
+            if code.split(".")[0] in ("logger", "log", "logging") or code.startswith(("self.logger.", "os.path.")):
+                continue
+            return False
         return True
 
     def _plan_state_dict_block(self, node: cst.With) -> None:
@@ -2637,17 +2702,42 @@ class _Scanner(cst.CSTVisitor):
     def _shard_full_to_load(self, node: cst.Call) -> str | None:
         """``x = FSDP.shard_full_optim_state_dict(sd, M, optim=O)`` (loaded later) -> the helper that
         loads it into ``O`` and returns ``O.state_dict()``; without ``optim`` the optimizer is unknown."""
-        named = _named_args(node, ("full_optim_state_dict", "model", "optim_input", "optim"))
-        if named is None or not {"full_optim_state_dict", "model", "optim"} <= set(named):
+        scatter = self._qn(node.func) == (FSDP, "scatter_full_optim_state_dict")
+        named = _named_args(node, ("full_optim_state_dict", "model", "optim_input", "optim", "group"))
+        if named is None or not {"full_optim_state_dict", "model"} <= set(named) or "group" in named:
             return None
         if "optim_input" in named and not m.matches(named["optim_input"], m.Name("None")):
             return None
+        optim = _code(named["optim"]) if "optim" in named else self._loaded_into(node)
+        if optim is None:
+            return None
         self.needs_imports.add(("fsdp_bridge", None))
         self._consume(node.func)
+        # scatter: rank 0's full state is sent to the others (theirs may be None), as FSDP1 does.
+        options = f", options={self._options(True, broadcast=True)}" if scatter else ""
         return (
-            f"fsdp_bridge.optim_state_dict_to_load({_code(named['model'])}, {_code(named['optim'])}, "
-            f"{_code(named['full_optim_state_dict'])})"
+            f"fsdp_bridge.optim_state_dict_to_load({_code(named['model'])}, {optim}, "
+            f"{_code(named['full_optim_state_dict'])}{options})"
         )
+
+    def _loaded_into(self, node: cst.Call) -> str | None:
+        """``x = <node>`` with ``O.load_state_dict(x)`` later in the same function: ``O``, the one optimizer."""
+        if not self.stmt_stack or not self.functions:
+            return None
+        stmt = self.stmt_stack[-1]
+        target = _assign_target(stmt)
+        if target is None or _assign_value(stmt) is not node:
+            return None
+        optims = {
+            _code(n.func.value)
+            for n in _walk(self.functions[-1])
+            if isinstance(n, cst.Call)
+            and isinstance(n.func, cst.Attribute)
+            and n.func.attr.value == "load_state_dict"
+            and len(n.args) == 1
+            and _code(n.args[0].value) == target
+        }
+        return optims.pop() if len(optims) == 1 else None
 
     def _plan_optim_load(self, node: cst.Call) -> bool:
         """``O.load_state_dict(FSDP.optim_state_dict_to_load|shard_full_optim_state_dict|
@@ -2725,6 +2815,16 @@ def _exits(body: cst.BaseSuite) -> bool:
     )
 
 
+_HARMLESS_CALLS = {
+    "torch.save",
+    "print",
+    "str",
+    "int",
+    "len",
+    "torch.distributed.get_rank",
+    "torch.distributed.get_world_size",
+    "torch.distributed.barrier",
+}
 _MOCKS = {"Mock", "MagicMock", "NonCallableMock", "NonCallableMagicMock", "AsyncMock", "create_autospec"}
 
 
