@@ -23,6 +23,8 @@ if TYPE_CHECKING:
     from fsdp_bridge._manual_wrap import ManualWrap, enable_wrap, wrap_module
     from fsdp_bridge.api import Bridge, clip_grad_norm_, get_bridge, no_sync, shard, summon_full_params
     from fsdp_bridge.backends.fsdp1_objects import (
+        full_optim_state_dict,
+        full_state_dict,
         load_sharded_optimizer_state_dict,
         optim_state_dict,
         optim_state_dict_to_load,
@@ -63,6 +65,8 @@ _EXPORTS: dict[str, str] = {
     "clip_grad_norm_": "fsdp_bridge.api",
     "enable_wrap": "fsdp_bridge._manual_wrap",
     "get_bridge": "fsdp_bridge.api",
+    "full_optim_state_dict": "fsdp_bridge.backends.fsdp1_objects",
+    "full_state_dict": "fsdp_bridge.backends.fsdp1_objects",
     "init_distributed": "fsdp_bridge.distributed",
     "latest_checkpoint": "fsdp_bridge.checkpoint",
     "load_checkpoint": "fsdp_bridge.checkpoint",
@@ -102,6 +106,8 @@ __all__ = [
     "__version__",
     "clip_grad_norm_",
     "enable_wrap",
+    "full_optim_state_dict",
+    "full_state_dict",
     "get_bridge",
     "init_distributed",
     "latest_checkpoint",

@@ -282,6 +282,15 @@ def _state_dict_contexts(
     with ctx:
         sd, osd = bridged.state_dict(), fsdp_bridge.optim_state_dict(bridged, opt)
     out: dict[str, Any] = {"full_keys": (sorted(raw_sd), sorted(sd)), "restored": "state_dict" in bridged.__dict__}
+    # fsdp_bridge.full_state_dict / full_optim_state_dict: the same state, gathered one tensor at a time.
+    every = fsdp_bridge.full_state_dict(bridged, offload_to_cpu=True)
+    rank0 = fsdp_bridge.full_state_dict(bridged, rank0_only=True)
+    full_osd = fsdp_bridge.full_optim_state_dict(bridged, opt)
+    out["helpers"] = (
+        sorted(every) == sorted(bridged.state_dict()) and all(v.device.type == "cpu" for v in every.values()),
+        (rank0 == {}) if dist.get_rank() else all(torch.equal(rank0[k], sd[k]) for k in sd),
+        (full_osd == {}) if dist.get_rank() else sorted(full_osd["state"]) == sorted(osd["state"]),
+    )
     # FSDP1's gathered optimizer state on gloo gives exp_avg equal to exp_avg_sq (a torch bug on CPU):
     # exp_avg is checked against the bridge's own optimizer, exp_avg_sq against FSDP1's.
     own = {n: opt.state[p]["exp_avg"].full_tensor() for n, p in bridged.named_parameters()}
@@ -322,6 +331,7 @@ def _state_dict_contexts(
 def test_raw_fsdp1_and_the_bridge_on_fsdp2_wrap_and_train_alike(run_on_ranks) -> None:
     for rank, result in enumerate(run_on_ranks(_raw_vs_bridge, 2)):
         states = result["states"]
+        assert states["helpers"] == (True, True, True), states["helpers"]
         assert states["full_keys"][0] == states["full_keys"][1] and states["restored"] is False, states
         if rank == 0:
             assert states["full_max_diff"] < 1e-5 and states["optim_max_diff"] < 1e-5, states

@@ -39,6 +39,8 @@ __all__ = [
     "FSDP1_KWARGS",
     "describe_policy",
     "fsdp1_policy_units",
+    "full_optim_state_dict",
+    "full_state_dict",
     "load_sharded_optimizer_state_dict",
     "optim_state_dict",
     "optim_state_dict_to_load",
@@ -602,6 +604,98 @@ def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str
     active = _ACTIVE.get(model)
     options = active[1] if active is not None else StateDictOptions(full_state_dict=True)
     return get_optimizer_state_dict(model, optim, options=options)
+
+
+def _keeps_full_state(model: nn.Module) -> bool:
+    """FSDP1's ``rank0_only``: rank 0 of the group the model is sharded over (of each shard group under
+    HYBRID_SHARD), read from the mesh of its first DTensor parameter; world rank 0 when none."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    for p in model.parameters():
+        if isinstance(p, DTensor):
+            mesh, coordinate = p.device_mesh, p.device_mesh.get_coordinate()
+            if coordinate is None:
+                return False
+            sharded = [d for d, placement in enumerate(p.placements) if isinstance(placement, Shard)]
+            return all(coordinate[d] == 0 for d in (sharded or range(mesh.ndim)))
+    return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+
+
+def _gathered(state: Any, keep: bool, offload_to_cpu: bool) -> Any:
+    """Every DTensor in ``state`` made whole (a collective on every rank, one tensor at a time)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(state, DTensor):
+        full = state.full_tensor()
+        return (full.cpu() if offload_to_cpu else full) if keep else None
+    if isinstance(state, torch.Tensor):
+        return state.detach().cpu() if offload_to_cpu else state.detach()
+    if isinstance(state, Mapping):
+        return {k: _gathered(v, keep, offload_to_cpu) for k, v in state.items()}
+    if isinstance(state, list):
+        return [_gathered(v, keep, offload_to_cpu) for v in state]
+    return state
+
+
+def full_state_dict(model: nn.Module, *, rank0_only: bool = False, offload_to_cpu: bool = False) -> dict[str, Any]:
+    """FSDP1's FULL_STATE_DICT ``model.state_dict()`` for both backends, ``rank0_only`` included.
+
+    ``migrate code --fix`` writes this for ``with FSDP.state_dict_type(model, FULL_STATE_DICT,
+    FullStateDictConfig(rank0_only=True, ...)): model.state_dict()`` in a tree that shards over a
+    process group of some ranks (the data-parallel group of a model-parallel layout): FSDP1 gives the
+    full state to each group's first rank, which saves its slice; torch's ``StateDictOptions(cpu_offload=
+    True)`` gives it to world rank 0 only. On an FSDP1 model it is FSDP1's own call.
+
+    Args:
+        model: the sharded model.
+        rank0_only: only the first rank of the group the model is sharded over gets the state (of
+            each shard group under HYBRID_SHARD, as in FSDP1); the others get an empty dict.
+        offload_to_cpu: the values are CPU copies (gathered one tensor at a time, so the device holds
+            one full tensor at a time).
+
+    Returns:
+        Parameter and buffer names (no wrapper prefixes) to full tensors.
+    """
+    if _is_fsdp1(model):
+        from torch.distributed.fsdp import FullStateDictConfig, FullyShardedDataParallel, StateDictType
+
+        config = FullStateDictConfig(offload_to_cpu=offload_to_cpu, rank0_only=rank0_only)
+        with FullyShardedDataParallel.state_dict_type(model, StateDictType.FULL_STATE_DICT, config):
+            return model.state_dict()
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    keep = not rank0_only or _keeps_full_state(model)
+    state = _gathered(get_model_state_dict(model), keep, offload_to_cpu)
+    return state if keep else {}
+
+
+def full_optim_state_dict(
+    model: nn.Module, optim: torch.optim.Optimizer, *, rank0_only: bool = True, offload_to_cpu: bool = True
+) -> dict[str, Any]:
+    """FSDP1's full optimizer state (``FSDP.full_optim_state_dict``, or ``FSDP.optim_state_dict`` under
+    FULL_STATE_DICT) for both backends, with FSDP1's ``rank0_only``: see :func:`full_state_dict`.
+
+    Args:
+        model: the sharded model.
+        optim: its optimizer.
+        rank0_only: only the first rank of the model's group gets the state (FSDP1's default here).
+        offload_to_cpu: the values are CPU copies.
+
+    Returns:
+        The optimizer's state dict keyed by parameter names, full tensors (empty on the other ranks
+        with ``rank0_only``).
+    """
+    if _is_fsdp1(model):
+        from torch.distributed.fsdp import FullOptimStateDictConfig, FullyShardedDataParallel, StateDictType
+
+        config = FullOptimStateDictConfig(offload_to_cpu=offload_to_cpu, rank0_only=rank0_only)
+        with FullyShardedDataParallel.state_dict_type(model, StateDictType.FULL_STATE_DICT, None, config):
+            return FullyShardedDataParallel.optim_state_dict(model, optim)
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    keep = not rank0_only or _keeps_full_state(model)
+    state = _gathered(get_optimizer_state_dict(model, optim), keep, offload_to_cpu)
+    return state if keep else {}
 
 
 def optim_state_dict_to_load(

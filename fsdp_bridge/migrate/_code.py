@@ -2361,6 +2361,50 @@ class _Scanner(cst.CSTVisitor):
         )
         return True
 
+    def _plan_group_full_block(
+        self, node: cst.With, model: str, cfg: cst.BaseExpression | None, optim_cfg: cst.BaseExpression | None
+    ) -> None:
+        """A FULL_STATE_DICT block with ``rank0_only`` in a tree sharding over process groups of some ranks:
+        ``M.state_dict()`` / ``FSDP.optim_state_dict(M, O)`` -> fsdp_bridge's full_state_dict /
+        full_optim_state_dict, which keep FSDP1's meaning (each group's first rank)."""
+        model_args = (
+            f"rank0_only={self._config_flag(cfg, 'rank0_only', False)}, "
+            f"offload_to_cpu={self._config_flag(cfg, 'offload_to_cpu', False)}"
+        )
+        optim_args = (
+            f"rank0_only={self._config_flag(optim_cfg, 'rank0_only', False)}, "
+            f"offload_to_cpu={self._config_flag(optim_cfg, 'offload_to_cpu', False)}"
+        )
+        rewrites: dict[int, str] = {}
+        for inner in _walk(node.body):
+            if not isinstance(inner, cst.Call):
+                continue
+            func, hit = inner.func, self._qn(inner.func)
+            if isinstance(func, cst.Attribute) and hit is None and _code(func.value) == model:
+                if func.attr.value == "state_dict" and not inner.args:
+                    rewrites[id(inner)] = f"fsdp_bridge.full_state_dict({model}, {model_args})"
+                elif func.attr.value == "load_state_dict":
+                    return  # a load in the same block: left to the reference pass (a TODO)
+            elif hit == (FSDP, "optim_state_dict") and len(inner.args) == 2:
+                m_, o_ = (_code(a.value) for a in inner.args)
+                rewrites[id(inner)] = f"fsdp_bridge.full_optim_state_dict({m_}, {o_}, {optim_args})"
+            elif hit is not None and hit[0] == FSDP:
+                return
+        if not rewrites:
+            return
+        self.needs_imports.add(("fsdp_bridge", None))
+        self.call_rewrites.update(rewrites)
+        self.unwrap_withs.add(id(node))
+        self._consume(node.items[0].item)
+        for extra in (cfg, optim_cfg):
+            value = self._follow(extra, _Conversion()) if extra is not None else None
+            if value is not None and value is not extra and self.name_uses.get(cast(cst.Name, extra).value, 0) <= 2:
+                self._consume(value)
+        what = ", ".join(sorted({code.split("(")[0] for code in rewrites.values()}))
+        self._record(
+            node, "FSDP.state_dict_type(FULL_STATE_DICT)", f"the block's body with {what}: {_GROUP_RANK0}", True
+        )
+
     def _takes_no_state_of(self, block: cst.With, model: str) -> bool:
         """Every call in the block's body is one that cannot reach ``model``'s state dicts: ``x.state_dict()``
         of another object, ``torch.save``, ``os``/``os.path``, ``dist.get_rank``-style queries, logging, print."""
@@ -2416,6 +2460,13 @@ class _Scanner(cst.CSTVisitor):
             load_opts = f"fsdp_bridge.state_dict_options({runtime}, load=True)"
             optim_load_opts = f"fsdp_bridge.state_dict_options({runtime}, optimizer=True, load=True)"
             self.needs_imports.add(("fsdp_bridge", None))
+        elif (
+            kind == "FULL_STATE_DICT"
+            and self.dispatch.group_fsdp is not None
+            and (self._config_flag(cfg, "rank0_only", False) or self._config_flag(optim_cfg, "rank0_only", False))
+        ):
+            self._plan_group_full_block(node, model, cfg, optim_cfg)
+            return
         else:
             full = kind == "FULL_STATE_DICT"
             save_opts = self._options(
@@ -2637,9 +2688,17 @@ class _Scanner(cst.CSTVisitor):
             and "optim" in named
             and all(m.matches(named[k], m.Name("None")) for k in unused if k in named)
         ):
-            self.needs_state_dict_api.add("get_optimizer_state_dict")
             full = member != "sharded_optim_state_dict"
             rank0 = named.get("rank0_only")
+            if member == "full_optim_state_dict" and self.dispatch.group_fsdp is not None:
+                # rank0_only means each process group's first rank: torch's options have no such form.
+                self.needs_imports.add(("fsdp_bridge", None))
+                extra = "" if rank0 is None else f", rank0_only={_code(rank0)}"
+                code = f"fsdp_bridge.full_optim_state_dict({_code(named['model'])}, {_code(named['optim'])}{extra})"
+                self.call_rewrites[id(node)] = code
+                self._record(node, f"FSDP.{member}(...)", f"{code}: {_GROUP_RANK0}", True)
+                return True
+            self.needs_state_dict_api.add("get_optimizer_state_dict")
             if member != "full_optim_state_dict" or rank0 is None or _code(rank0) in ("True", "False"):
                 opts = self._options(
                     full, cpu_offload=member == "full_optim_state_dict" and (rank0 is None or _code(rank0) == "True")
@@ -2815,6 +2874,11 @@ def _exits(body: cst.BaseSuite) -> bool:
     )
 
 
+_GROUP_RANK0 = (
+    "FSDP1's rank0_only in a tree sharding over process groups of some ranks: the full state on each "
+    "group's first rank (which saves its model-parallel slice), the others empty, on both backends "
+    "(torch's StateDictOptions(cpu_offload=True) would give it to world rank 0 only)"
+)
 _HARMLESS_CALLS = {
     "torch.save",
     "print",
