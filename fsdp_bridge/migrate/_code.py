@@ -2741,15 +2741,16 @@ class _Scanner(cst.CSTVisitor):
     def _optim_to_load(self, node: cst.Call, options: str | None) -> str | None:
         """``FSDP.optim_state_dict_to_load(M, O, sd)`` kept in a variable -> fsdp_bridge's helper that loads
         it and returns ``O.state_dict()`` (a later ``O.load_state_dict(x)`` then changes nothing)."""
-        named = _named_args(
-            node, ("model", "optim", "optim_state_dict", "is_named_optimizer", "load_directly", "group")
-        )
+        order: tuple[str, ...] = ("model", "optim", "optim_state_dict", "is_named_optimizer", "load_directly", "group")
+        if any(a.keyword is None for a in node.args) and self._in_old_torch_branch(node):
+            # torch < 2.1 took (optim_state_dict, model, optim): the branch the code takes there (dead on
+            # the torch versions FSDP2 needs) is written with that order read right.
+            order = ("optim_state_dict", "model", "optim")
+        named = _named_args(node, order)
         if named is None or not {"model", "optim", "optim_state_dict"} <= set(named):
             return None
         if set(named) - {"model", "optim", "optim_state_dict", "load_directly"}:
             return None
-        if any(a.keyword is None for a in node.args) and self._in_old_torch_branch(node):
-            return None  # torch < 2.1 took (optim_state_dict, model, optim): positions are not FSDP1's today
         self.needs_imports.add(("fsdp_bridge", None))
         self._consume(node.func)
         extra = f", options={options}" if options else ""
