@@ -144,8 +144,9 @@ class Bridge:
 
         Raises:
             ConfigError: ``offload_to_cpu`` with FSDP1's NO_SHARD, which torch's FSDP1 does not
-                support (named with the fix).
+                support, or with ``with_grads`` (named with the fix).
         """
+        _refuse_offloaded_grads(with_grads, offload_to_cpu)
         return self.impl.summon_full_params(
             self.model, writeback=writeback, rank0_only=rank0_only, offload_to_cpu=offload_to_cpu, with_grads=with_grads
         )
@@ -686,6 +687,20 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     return get_bridge(model).clip_grad_norm_(max_norm, norm_type)
 
 
+def _refuse_offloaded_grads(with_grads: bool, offload_to_cpu: bool) -> None:
+    if with_grads and offload_to_cpu:
+        raise ConfigError(
+            [
+                Problem(
+                    "summon_full_params",
+                    "with_grads=True, offload_to_cpu=True",
+                    "with_grads=True without offload_to_cpu (torch's FSDP1 does not support the pair either)",
+                    "drop offload_to_cpu and copy what you need with .cpu() inside the context",
+                )
+            ]
+        )
+
+
 @contextmanager
 def summon_full_params(
     model: nn.Module,
@@ -743,17 +758,7 @@ def summon_full_params(
                 )
             ]
         )
-    if with_grads and offload_to_cpu:
-        raise ConfigError(
-            [
-                Problem(
-                    "summon_full_params",
-                    "with_grads=True, offload_to_cpu=True",
-                    "with_grads=True without offload_to_cpu (torch's FSDP1 does not support the pair either)",
-                    "drop offload_to_cpu and copy what you need with .cpu() inside the context",
-                )
-            ]
-        )
+    _refuse_offloaded_grads(with_grads, offload_to_cpu)
     if writeback and rank0_only:
         raise ConfigError(
             [

@@ -320,6 +320,17 @@ def _state_dict_contexts(
         torch.equal(v, dict(bridged.named_parameters())[k].full_tensor()) for k, v in before.items()
     )
     out["default_full"] = not any(isinstance(v, DTensor) for s in after["state"].values() for v in s.values())
+    # Nested blocks (and one entered twice) each put back what was there: the outer type, then nothing.
+    full_ctx = fsdp_bridge.state_dict_type(bridged, full)
+    with sharded:
+        with full_ctx, full_ctx:
+            inner = bridged.state_dict()
+        outer = bridged.state_dict()
+    out["nested"] = (
+        not any(isinstance(v, DTensor) for v in inner.values())
+        and all(isinstance(v, DTensor) for k, v in outer.items() if k in before)
+        and "state_dict" not in bridged.__dict__
+    )
     try:
         with fsdp_bridge.state_dict_type(bridged, StateDictType.LOCAL_STATE_DICT):
             out["local"] = "entered"
@@ -340,6 +351,7 @@ def test_raw_fsdp1_and_the_bridge_on_fsdp2_wrap_and_train_alike(run_on_ranks) ->
             assert states["full_keys"] == ([], []) and states["others_empty"] == ({}, {}), states
         assert states["sharded_dtensors"] > 0 and states["sharded_round_trip"] is True, states
         assert states["default_full"] is True and "LOCAL_STATE_DICT" in states["local"], states
+        assert states["nested"] is True, states
         assert result["bridge_units"] == result["raw_units"] and result["raw_units"], result
         torch.testing.assert_close(result["bridge"], result["raw"], rtol=1.3e-6, atol=1e-5)
         assert result["tokens"] == [result["raw_tokens"]] * 2 and len(result["raw_tokens"][0]) == 7

@@ -523,15 +523,19 @@ class _StateDictContext:
     ) -> None:
         self.module = module
         self.args = (state_dict_type, state_dict_config, optim_state_dict_config)
-        self._fsdp1: Any = None
-        self._saved: dict[str, Any] = {}
+        # One entry per open block (nested or entered again): what to put back when it ends.
+        self._stack: list[tuple[Any, dict[str, Any], Any]] = []
 
     def __enter__(self) -> None:
         if _is_fsdp1(self.module):
-            from torch.distributed.fsdp import FullyShardedDataParallel
+            from torch.distributed.fsdp import FullyShardedDataParallel, StateDictType
 
-            self._fsdp1 = FullyShardedDataParallel.state_dict_type(self.module, *self.args)  # type: ignore[arg-type]
-            self._fsdp1.__enter__()
+            kind, *configs = self.args
+            if isinstance(kind, str):
+                kind = StateDictType[kind]
+            fsdp1 = FullyShardedDataParallel.state_dict_type(self.module, kind, *configs)  # type: ignore[arg-type]
+            fsdp1.__enter__()
+            self._stack.append((fsdp1, {}, None))
             return
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
@@ -564,20 +568,26 @@ class _StateDictContext:
             finally:
                 inside[0] = False
 
-        self._saved = {k: module.__dict__[k] for k in ("state_dict", "load_state_dict") if k in module.__dict__}
+        saved: dict[str, Any] = {
+            k: module.__dict__[k] for k in ("state_dict", "load_state_dict") if k in module.__dict__
+        }
+        self._stack.append((None, saved, _ACTIVE.get(module)))
         module.__dict__["state_dict"] = state_dict
         module.__dict__["load_state_dict"] = load_state_dict
         _ACTIVE[module] = options
 
     def __exit__(self, *exc: object) -> None:
-        if self._fsdp1 is not None:
-            self._fsdp1.__exit__(*exc)
-            self._fsdp1 = None
+        fsdp1, saved, previous = self._stack.pop()
+        if fsdp1 is not None:
+            fsdp1.__exit__(*exc)
             return
         for key in ("state_dict", "load_state_dict"):
             self.module.__dict__.pop(key, None)
-        self.module.__dict__.update(self._saved)
-        _ACTIVE.pop(self.module, None)
+        self.module.__dict__.update(saved)  # an enclosing block's, or the module's own
+        if previous is None:
+            _ACTIVE.pop(self.module, None)
+        else:
+            _ACTIVE[self.module] = previous
 
 
 def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:

@@ -359,8 +359,9 @@ _STATE_DICT_TYPE_CALL = re.compile(r"(?<!set_)state_dict_type\(")
 
 
 def _makes_state_dict_context(code: str) -> bool:
-    """The file calls ``FSDP.state_dict_type`` (rewritten to fsdp_bridge's), never with LOCAL_STATE_DICT."""
-    return _STATE_DICT_TYPE_CALL.search(code) is not None and "LOCAL_STATE_DICT" not in code
+    """The file calls ``FSDP.state_dict_type`` (rewritten to fsdp_bridge's; a LOCAL_STATE_DICT one stays
+    a TODO of its own, so the tree is not reported migrated)."""
+    return _STATE_DICT_TYPE_CALL.search(code) is not None
 
 
 _GROUP_ARG = re.compile(r"\bprocess_group\s*=\s*(?!None\b)")
@@ -589,6 +590,7 @@ class _Scanner(cst.CSTVisitor):
         self.fixable_calls: dict[int, str] = {}  # id(call) -> "method" (no_sync, clip) or "summon"
         self.call_rewrites: dict[int, str] = {}  # id(call) -> replacement source (state dict API)
         self.unwrap_withs: set[int] = set()  # state_dict_type blocks replaced by their (rewritten) body
+        self.context_makers: tuple[set[str], set[str]] | None = None  # see _made_context
         self.needs_state_dict_api: set[str] = set()  # names to import from torch.distributed.checkpoint.state_dict
         self.needs_imports: set[tuple[str, str | None]] = set()  # (module, name) other rewrites use
         self.optimizer_moves: dict[int, int] = {}  # id(optimizer statement) -> id(the wrap statement it follows)
@@ -2385,9 +2387,8 @@ class _Scanner(cst.CSTVisitor):
                     rewrites[id(inner)] = f"fsdp_bridge.full_state_dict({model}, {model_args})"
                 elif func.attr.value == "load_state_dict":
                     return  # a load in the same block: left to the reference pass (a TODO)
-            elif hit == (FSDP, "optim_state_dict") and len(inner.args) == 2:
-                m_, o_ = (_code(a.value) for a in inner.args)
-                rewrites[id(inner)] = f"fsdp_bridge.full_optim_state_dict({m_}, {o_}, {optim_args})"
+            elif hit == (FSDP, "optim_state_dict") and (mo := _model_and_optim(inner)) is not None:
+                rewrites[id(inner)] = f"fsdp_bridge.full_optim_state_dict({mo[0]}, {mo[1]}, {optim_args})"
             elif hit is not None and hit[0] == FSDP:
                 return
         if not rewrites:
@@ -2415,9 +2416,11 @@ class _Scanner(cst.CSTVisitor):
                 continue
             func = n.func
             if isinstance(func, cst.Attribute) and func.attr.value == "state_dict" and not n.args:
-                if _code(func.value) == model:
-                    return False
-                continue
+                # An optimizer's, scheduler's or scaler's own: not the model's, its owner's (self.model ->
+                # self), a part of it, or an object that may hold it (an engine, a trainer).
+                if re.search(r"opt|sched|scaler", _code(func.value).split(".")[-1], re.IGNORECASE):
+                    continue
+                return False
             names = {q.name for q in self.get_metadata(QualifiedNameProvider, func, set())}
             code = _code(func)
             if names & _HARMLESS_CALLS or any(q.startswith(("os.", "logging.")) for q in names):
@@ -2507,10 +2510,9 @@ class _Scanner(cst.CSTVisitor):
                         else _with_option(load_opts, f"strict={_code(load['strict'])}")
                     )
                     rewrites[id(inner)] = f"set_model_state_dict({model}, {_code(load['state_dict'])}, options={opts})"
-            elif hit == (FSDP, "optim_state_dict") and len(inner.args) >= 2:
+            elif hit == (FSDP, "optim_state_dict") and (mo := _model_and_optim(inner)) is not None:
                 self.needs_state_dict_api.add("get_optimizer_state_dict")
-                m_, o_ = (_code(a.value) for a in inner.args[:2])
-                rewrites[id(inner)] = f"get_optimizer_state_dict({m_}, {o_}, options={optim_opts})"
+                rewrites[id(inner)] = f"get_optimizer_state_dict({mo[0]}, {mo[1]}, options={optim_opts})"
             elif hit == (FSDP, "optim_state_dict_to_load") and id(inner) not in self.consumed_nodes:
                 code = self._optim_to_load(inner, optim_load_opts)
                 if code is not None:
@@ -2723,15 +2725,46 @@ class _Scanner(cst.CSTVisitor):
                 if isinstance(expr, cst.Call) and self._qn(expr.func) is not None:
                     continue  # FSDP.state_dict_type(...) itself: planned with its block, or reported there
                 text = _code(expr)
-                if "state_dict" in text.lower() or "state_ctx" in text.lower():
+                if "state_dict" in text.lower() or "state_ctx" in text.lower() or self._made_context(expr):
                     return text
         return None
+
+    def _made_context(self, expr: cst.BaseExpression) -> bool:
+        """``expr`` is a state-dict context made elsewhere in this file: a name assigned from
+        ``FSDP.state_dict_type(...)`` (or from a call to a function returning one), or such a call."""
+        if self.context_makers is None:
+            funcs: set[str] = set()
+            names: set[str] = set()
+            module = self.module
+
+            def makes(value: cst.CSTNode) -> bool:
+                return any(
+                    isinstance(n, cst.Call)
+                    and (self._qn(n.func) == (FSDP, "state_dict_type") or _code(n.func).split(".")[-1] in funcs)
+                    for n in _walk(value)
+                ) or any(isinstance(n, cst.Name) and n.value in names for n in _walk(value))
+
+            for _ in range(3):  # factories calling factories
+                for n in _walk(module) if module is not None else ():
+                    if isinstance(n, cst.Assign) and makes(n.value):
+                        names.update(_code(t.target) for t in n.targets)
+                    elif isinstance(n, cst.FunctionDef) and any(
+                        (isinstance(r, cst.Return) and r.value is not None and makes(r.value))
+                        or (isinstance(r, cst.With) and any(makes(i.item) for i in r.items))
+                        for r in _walk(n.body)
+                    ):
+                        funcs.add(n.name.value)
+            self.context_makers = (names, funcs)
+        names, funcs = self.context_makers
+        if isinstance(expr, (cst.Name, cst.Attribute)):
+            return _code(expr) in names
+        return isinstance(expr, cst.Call) and _code(expr.func).split(".")[-1] in funcs
 
     def _in_old_torch_branch(self, node: cst.CSTNode) -> bool:
         """Inside the branch of ``if <torch.__version__> < ...:`` (or the else of ``>=``) taken on old torch."""
         line = self.get_metadata(PositionProvider, node).start.line
         for stmt in self.stmt_stack:
-            if not isinstance(stmt, cst.If) or "__version__" not in (test := _code(stmt.test)):
+            if not isinstance(stmt, cst.If) or "torch.__version__" not in (test := _code(stmt.test)):
                 continue
             in_body = line <= self.get_metadata(PositionProvider, stmt.body).end.line
             if in_body == ("<" in test):
@@ -2788,16 +2821,34 @@ class _Scanner(cst.CSTVisitor):
         target = _assign_target(stmt)
         if target is None or _assign_value(stmt) is not node:
             return None
+        function = self.functions[-1]
+        nested = [n for n in _walk(function.body) if isinstance(n, (cst.FunctionDef, cst.Lambda))]
+        inner = {id(x) for n in nested for x in _walk(n)}
+        line = self.get_metadata(PositionProvider, stmt).start.line
         optims = {
             _code(n.func.value)
-            for n in _walk(self.functions[-1])
-            if isinstance(n, cst.Call)
+            for n in _walk(function.body)
+            if id(n) not in inner
+            and isinstance(n, cst.Call)
             and isinstance(n.func, cst.Attribute)
             and n.func.attr.value == "load_state_dict"
             and len(n.args) == 1
             and _code(n.args[0].value) == target
         }
-        return optims.pop() if len(optims) == 1 else None
+        if len(optims) != 1:
+            return None
+        optim = optims.pop()
+        # It must exist when the call runs: a parameter of the function, or assigned above the call.
+        params = {p.name.value for p in (*function.params.params, *function.params.kwonly_params)}
+        root = optim.split(".")[0]
+        assigned_before = any(
+            isinstance(n, cst.Assign)
+            and id(n) not in inner
+            and any(_code(t.target) in (optim, root) for t in n.targets)
+            and self.get_metadata(PositionProvider, n).start.line < line
+            for n in _walk(function.body)
+        )
+        return optim if root in params or assigned_before else None
 
     def _plan_optim_load(self, node: cst.Call) -> bool:
         """``O.load_state_dict(FSDP.optim_state_dict_to_load|shard_full_optim_state_dict|
@@ -2834,6 +2885,14 @@ class _Scanner(cst.CSTVisitor):
         self._consume(inner)
         self._record(node, f"FSDP.{hit[1]}(...)", code, True)
         return True
+
+
+def _model_and_optim(call: cst.Call) -> tuple[str, str] | None:
+    """``FSDP.optim_state_dict(model, optim)`` (positional or keyword; nothing else given): their code."""
+    named = _named_args(call, ("model", "optim", "optim_state_dict", "group"))
+    if named is None or set(named) != {"model", "optim"}:
+        return None
+    return _code(named["model"]), _code(named["optim"])
 
 
 def _assign_target(stmt: cst.CSTNode) -> str | None:
