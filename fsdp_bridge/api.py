@@ -744,9 +744,14 @@ def summon_full_params(
             or ``with_grads`` (FSDP2's unshard has no such forms), before any collective.
         TypeError: ``model`` holds no sharded parameters.
     """
-    flags = (("writeback", writeback), ("rank0_only", rank0_only), ("offload_to_cpu", offload_to_cpu))
-    if not recurse and (writeback or rank0_only or offload_to_cpu or with_grads):
-        given = ", ".join(f"{k}=True" for k, v in (*flags, ("with_grads", with_grads)) if v)
+    flags = {
+        "writeback": writeback,
+        "rank0_only": rank0_only,
+        "offload_to_cpu": offload_to_cpu,
+        "with_grads": with_grads,
+    }
+    if not recurse and any(flags.values()):
+        given = ", ".join(f"{k}=True" for k, v in flags.items() if v)
         raise ConfigError(
             [
                 Problem(

@@ -467,9 +467,10 @@ def state_dict_options(
 
 
 def _is_fsdp1(module: nn.Module) -> bool:
-    from torch.distributed.fsdp import FullyShardedDataParallel
+    from fsdp_bridge.backends import backend_inside
+    from fsdp_bridge.strategy import Backend
 
-    return any(isinstance(m, FullyShardedDataParallel) for m in module.modules())
+    return backend_inside(module) is Backend.FSDP1
 
 
 # Modules inside a bridge state_dict_type context -> (save, optimizer save, optimizer load) options.
@@ -639,7 +640,7 @@ def _gathered(state: Any, keep: bool, offload_to_cpu: bool) -> Any:
         full = state.full_tensor()
         return (full.cpu() if offload_to_cpu else full) if keep else None
     if isinstance(state, torch.Tensor):
-        return state.detach().cpu() if offload_to_cpu else state.detach()
+        return (state.detach().cpu() if offload_to_cpu else state.detach()) if keep else None
     if isinstance(state, Mapping):
         return {k: _gathered(v, keep, offload_to_cpu) for k, v in state.items()}
     if isinstance(state, list):

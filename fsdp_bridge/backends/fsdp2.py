@@ -392,6 +392,20 @@ def _no_sync(model: nn.Module) -> Iterator[None]:
         model.set_requires_gradient_sync(True)
 
 
+def _whole(tensor: DTensor) -> torch.Tensor:
+    """``tensor`` gathered (a collective), never sharing memory with its shard."""
+    full = tensor.full_tensor()
+    # Nothing to gather (NO_SHARD, one rank): full_tensor() is the shard itself.
+    return full.clone() if full.data_ptr() == tensor.to_local().data_ptr() else full
+
+
+def _write_shard(full: torch.Tensor, sharded: DTensor) -> None:
+    """Copy this rank's part of ``full`` into ``sharded``: each rank takes its own shard of the
+    (identical) full tensor, no communication."""
+    local = distribute_tensor(full, sharded.device_mesh, sharded.placements, src_data_rank=None)
+    sharded.to_local().copy_(local.to_local())
+
+
 @contextmanager
 def _full_params(
     model: nn.Module,
@@ -414,18 +428,12 @@ def _full_params(
         for name, param in list(module._parameters.items()):
             if isinstance(param, DTensor):
                 if id(param) not in full_of:
-                    full = param.full_tensor()  # on every rank, once per parameter (tied ones too)
-                    if full.data_ptr() == param.to_local().data_ptr():
-                        # Nothing to gather (NO_SHARD, one rank): full_tensor() is the shard itself.
-                        full = full.clone()
+                    full = _whole(param)  # on every rank, once per parameter (tied ones too)
                     if offload_to_cpu:
                         full = full.cpu()
                     full_of[id(param)] = nn.Parameter(full, requires_grad=param.requires_grad)
                     if with_grads and isinstance(param.grad, DTensor):
-                        grad = param.grad.full_tensor()
-                        if grad.data_ptr() == param.grad.to_local().data_ptr():
-                            grad = grad.clone()
-                        full_of[id(param)].grad = grad
+                        full_of[id(param)].grad = _whole(param.grad)
                 if keep:
                     module._parameters[name] = full_of[id(param)]
                     swapped.append((module, name, param, full_of[id(param)]))
@@ -438,10 +446,7 @@ def _full_params(
             if writeback and id(sharded) not in written:
                 written.add(id(sharded))
                 assert isinstance(sharded, DTensor)
-                # Each rank takes its own shard of the (identical) full tensor: no communication.
-                local = distribute_tensor(full.detach(), sharded.device_mesh, sharded.placements, src_data_rank=None)
                 with torch.no_grad():
-                    sharded.to_local().copy_(local.to_local())
+                    _write_shard(full.detach(), sharded)
                     if with_grads and isinstance(sharded.grad, DTensor) and full.grad is not None:
-                        grad = distribute_tensor(full.grad, sharded.device_mesh, sharded.placements, src_data_rank=None)
-                        sharded.grad.to_local().copy_(grad.to_local())
+                        _write_shard(full.grad, sharded.grad)

@@ -930,13 +930,10 @@ class _Scanner(cst.CSTVisitor):
             )
             return False
         if hit == (FSDP, "optim_state_dict") and (ctx := self._runtime_state_context()) is not None:
-            named = _named_args(node, ("model", "optim", "optim_state_dict", "group"))
-            if (
-                (where := self.dispatch.makes_state_dict_context) is not None
-                and named
-                and set(named) == {"model", "optim"}
-            ):
-                code = f"fsdp_bridge.optim_state_dict({_code(named['model'])}, {_code(named['optim'])})"
+            if (where := self.dispatch.makes_state_dict_context) is not None and (
+                mo := _model_and_optim(node)
+            ) is not None:
+                code = f"fsdp_bridge.optim_state_dict({mo[0]}, {mo[1]})"
                 self.call_rewrites[id(node)] = code
                 self.needs_imports.add(("fsdp_bridge", None))
                 self._consume(node.func)
@@ -2391,26 +2388,36 @@ class _Scanner(cst.CSTVisitor):
                 rewrites[id(inner)] = f"fsdp_bridge.full_optim_state_dict({mo[0]}, {mo[1]}, {optim_args})"
             elif hit is not None and hit[0] == FSDP:
                 return
-        if not rewrites:
-            return
-        self.needs_imports.add(("fsdp_bridge", None))
+        if rewrites:
+            self.needs_imports.add(("fsdp_bridge", None))
+            self._unwrap_block(node, rewrites, (cfg, optim_cfg), "FULL_STATE_DICT", f": {_GROUP_RANK0}")
+
+    def _unwrap_block(
+        self,
+        node: cst.With,
+        rewrites: dict[int, str],
+        configs: tuple[cst.BaseExpression | None, ...],
+        kind: str,
+        why: str,
+    ) -> None:
+        """A state_dict_type block replaced by its body with ``rewrites`` made in it; the config objects it
+        was given, when built in a variable used only there, go with it."""
         self.call_rewrites.update(rewrites)
         self.unwrap_withs.add(id(node))
         self._consume(node.items[0].item)
-        for extra in (cfg, optim_cfg):
+        for extra in configs:
             value = self._follow(extra, _Conversion()) if extra is not None else None
             if value is not None and value is not extra and self.name_uses.get(cast(cst.Name, extra).value, 0) <= 2:
                 self._consume(value)
         what = ", ".join(sorted({code.split("(")[0] for code in rewrites.values()}))
-        self._record(
-            node, "FSDP.state_dict_type(FULL_STATE_DICT)", f"the block's body with {what}: {_GROUP_RANK0}", True
-        )
+        self._record(node, f"FSDP.state_dict_type({kind})", f"the block's body with {what}{why}", True)
 
     def _takes_no_state_of(self, block: cst.With, model: str) -> bool:
         """Every call in the block's body is one that cannot reach ``model``'s state dicts: ``x.state_dict()``
         of another object, ``torch.save``, ``os``/``os.path``, ``dist.get_rank``-style queries, logging, print."""
+        root = model.split(".")[0]
         for n in _walk(block.body):
-            if isinstance(n, cst.Name) and n.value == model.split(".")[0] and model.split(".")[0] != "self":
+            if isinstance(n, cst.Name) and n.value == root and root != "self":
                 return False
             if not isinstance(n, cst.Call):
                 continue
@@ -2530,25 +2537,11 @@ class _Scanner(cst.CSTVisitor):
                     m_, o_, sd = (_code(a.value) for a in to_load.args[:3])
                     rewrites[id(inner)] = f"set_optimizer_state_dict({m_}, {o_}, {sd}, options={optim_load_opts})"
                     self._consume(to_load)
-        if not rewrites:
-            return
-        self.call_rewrites.update(rewrites)
-        self.unwrap_withs.add(id(node))
-        self._consume(call)
-        for extra in (cfg, optim_cfg):
-            if extra is None or save_opts.startswith("fsdp_bridge."):
-                continue  # runtime configs stay: the new calls read them
-            value = self._follow(extra, _Conversion())
-            if value is not extra and self.name_uses.get(cast(cst.Name, extra).value, 0) <= 2:
-                self._consume(value)
-        what = ", ".join(sorted({code.split("(")[0] for code in rewrites.values()}))
-        self._record(
-            node,
-            f"FSDP.state_dict_type({kind or _short(_code(type_arg), 40)})",
-            f"the block's body with {what} (torch.distributed.checkpoint.state_dict, options={save_opts}); "
-            "your torch.save / DCP code is kept",
-            True,
-        )
+        if rewrites:
+            # Runtime configs stay: the new calls read them.
+            configs = () if save_opts.startswith("fsdp_bridge.") else (cfg, optim_cfg)
+            why = f" (torch.distributed.checkpoint.state_dict, options={save_opts}); your torch.save / DCP code is kept"
+            self._unwrap_block(node, rewrites, configs, kind or _short(_code(type_arg), 40), why)
 
     def _refuses_fsdp1(self, check: cst.Call) -> bool:
         """``check`` (``isinstance(x, FSDP)``) is the test, not negated, of an ``if`` whose body only raises."""
