@@ -1,6 +1,6 @@
 # Two commands do all the set-up on a fresh machine:
 #   make train  # create .venv, install, run the main job: `fsdp-bridge train` (built-in tiny job, 2 CPU ranks)
-#   make test   # create .venv, install, lint (ruff check, ruff format --check, mypy), run the test suite
+#   make test   # create .venv, install, lint (ruff check, ruff format --check, mypy, lint-imports), run the test suite
 # make ab runs examples/ab_backends.py: the same loop through FSDP1 and FSDP2, losses side by side.
 # torch is installed first and pinned (CPU build 2.13.0): an unpinned torch pulls CUDA wheels.
 
@@ -30,6 +30,7 @@ lint: install
 	$(BIN)/python -m ruff check fsdp_bridge tests examples benchmarks
 	$(BIN)/python -m ruff format --check fsdp_bridge tests examples benchmarks
 	$(BIN)/python -m mypy
+	$(BIN)/lint-imports
 
 test: install lint
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest

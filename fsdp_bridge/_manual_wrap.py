@@ -29,7 +29,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp_bridge.api import Bridge, _shard, get_bridge
-from fsdp_bridge.config import BridgeConfig, carried_mesh
+from fsdp_bridge.config import BridgeConfig
+from fsdp_bridge.distributed import carried_mesh
 from fsdp_bridge.errors import ConfigError, Problem
 
 __all__ = ["ManualWrap", "enable_wrap", "wrap_module"]

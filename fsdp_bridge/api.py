@@ -17,18 +17,18 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from fsdp_bridge import hf
 from fsdp_bridge._fsdp1_init import materialize_like_fsdp1, reset_parameters_problems
 from fsdp_bridge._lora import has_4bit, keep_4bit_weights_in_place, parameter_adapters, quantization_problems
 from fsdp_bridge._optimizer_check import record_replaced
 from fsdp_bridge.backends import BackendImpl, backend_inside, get_backend, sharded_by
-from fsdp_bridge.config import BridgeConfig, carried_mesh, fsdp1_init
+from fsdp_bridge.config import BridgeConfig, fsdp1_init
 from fsdp_bridge.distributed import (
     MeshPlan,
     agree,
     average_gradients_over,
     broadcast_in_place,
     build_mesh,
+    carried_mesh,
     init_distributed,
     plan_mesh,
     plan_user_mesh,
@@ -38,6 +38,7 @@ from fsdp_bridge.mapping import TranslationReport, show_value, translate, unsupp
 from fsdp_bridge.plan import ShardPlan, SyncMethod, resolve_plan
 from fsdp_bridge.wrap import (
     WrapPlan,
+    disable_kv_cache,
     in_post_order,
     one_dtype_per_unit,
     resolve_ignored,
@@ -323,7 +324,7 @@ def _shard(
     units = wrap_plan.modules
     if config.activation_checkpointing:
         units = checkpoint_units(model, units)
-        if hf.disable_kv_cache(model):
+        if disable_kv_cache(model):
             wrap_plan.notes.append("use_cache=False: activation checkpointing recomputes layers")
     if wrap_plan.dtype_units:  # sharded on their own, not checkpointed: merged after AC
         units = in_post_order(model, [*units, *wrap_plan.dtype_units])

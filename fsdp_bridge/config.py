@@ -567,7 +567,9 @@ class BridgeConfig:
             ConfigError: for arguments that have no meaning on ``backend`` (the same
                 errors as a YAML config), or that belong elsewhere, each with the fix.
         """
-        from fsdp_bridge.backends.fsdp1_objects import runtime_mesh_arguments, translate_fsdp1_kwargs
+        # What FSDP1's arguments mean lives in its own module (below this one: it makes plain field values);
+        # imported here so that reading a YAML config does not import FSDP1's classes.
+        from fsdp_bridge.fsdp1_compat import runtime_mesh_arguments, translate_fsdp1_kwargs
 
         kwargs, carried = runtime_mesh_arguments(fsdp1_kwargs)
         values, notes = translate_fsdp1_kwargs(kwargs)
@@ -584,7 +586,7 @@ class BridgeConfig:
 
 _FSDP1_MESH = "_fsdp1_mesh"
 """Attribute of a config from :meth:`BridgeConfig.from_fsdp1`: ``(argument name, device mesh or process
-group)`` given there, for :func:`carried_mesh`."""
+group)`` given there, for :func:`fsdp1_mesh`."""
 
 
 _FSDP1_INIT = "_fsdp1_init"
@@ -599,35 +601,11 @@ def fsdp1_init(config: BridgeConfig) -> tuple[Any] | None:
     return cast("tuple[Any] | None", getattr(config, _FSDP1_INIT, None))
 
 
-def carried_mesh(config: BridgeConfig, mesh: Any) -> Any:
-    """The mesh to shard over: ``mesh``, or the ``device_mesh`` / ``process_group`` that
-    :meth:`BridgeConfig.from_fsdp1` was given (a group becomes its mesh here: call on every rank).
-
-    Raises:
-        ConfigError: both, and not the same mesh.
-    """
-    carried = getattr(config, _FSDP1_MESH, None)
-    if carried is None:
-        return mesh
-    name, value = carried
-    if mesh is not None:
-        if name == "device_mesh" and mesh is value:
-            return mesh
-        raise ConfigError(
-            [
-                Problem(
-                    "mesh",
-                    f"shard(..., mesh=...) and BridgeConfig.from_fsdp1({name}=...)",
-                    "one of them",
-                    f"drop {name} from the FSDP1 arguments or mesh= from the call",
-                )
-            ]
-        )
-    if name == "device_mesh":
-        return value
-    from fsdp_bridge.distributed import mesh_from_process_group
-
-    return mesh_from_process_group(value)
+def fsdp1_mesh(config: BridgeConfig) -> tuple[str, Any] | None:
+    """``(argument name, device mesh or process group)`` when ``config`` comes from :meth:`BridgeConfig.from_fsdp1`
+    given a ``device_mesh`` or a ``process_group`` (see :func:`fsdp_bridge.distributed.carried_mesh`); None
+    otherwise."""
+    return cast("tuple[str, Any] | None", getattr(config, _FSDP1_MESH, None))
 
 
 _YAML_MAX_BYTES = 16 << 20

@@ -13,14 +13,16 @@ import json
 import os
 import tempfile
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fsdp_bridge._launch import restart_count
-from fsdp_bridge.config import BridgeConfig
+from fsdp_bridge.config import BridgeConfig, fsdp1_mesh
 from fsdp_bridge.errors import ConfigError, Problem
+from fsdp_bridge.mapping import no_shard_mesh_shape
 from fsdp_bridge.strategy import ShardingStrategy
 
 __all__ = [
@@ -28,6 +30,7 @@ __all__ = [
     "MeshPlan",
     "agree",
     "broadcast_in_place",
+    "carried_mesh",
     "init_distributed",
     "mesh_from_process_group",
     "plan_mesh",
@@ -247,9 +250,7 @@ def plan_mesh(config: BridgeConfig, world_size: int, *, local_world_size: int | 
             )
         plan = MeshPlan(shape, ("replicate", "shard"))
     elif strategy is ShardingStrategy.NO_SHARD:
-        from fsdp_bridge.backends import get_backend
-
-        no_shard = get_backend(config.backend).no_shard_mesh_shape(world_size)
+        no_shard = no_shard_mesh_shape(config.backend, world_size)
         plan = MeshPlan(no_shard, ("replicate", "shard") if len(no_shard) == 2 else ("shard",))
     else:
         plan = MeshPlan((world_size,), ("shard",))
@@ -424,3 +425,32 @@ def average_gradients_over(mesh: DeviceMesh, params: list[torch.nn.Parameter]) -
 
     for p in params:
         p.register_post_accumulate_grad_hook(hook)
+
+
+def carried_mesh(config: BridgeConfig, mesh: Any) -> Any:
+    """The mesh to shard over: ``mesh``, or the ``device_mesh`` / ``process_group`` that
+    :meth:`BridgeConfig.from_fsdp1` was given (a group becomes its mesh here: call on every rank).
+
+    Raises:
+        ConfigError: both, and not the same mesh.
+    """
+    carried = fsdp1_mesh(config)
+    if carried is None:
+        return mesh
+    name, value = carried
+    if mesh is not None:
+        if name == "device_mesh" and mesh is value:
+            return mesh
+        raise ConfigError(
+            [
+                Problem(
+                    "mesh",
+                    f"shard(..., mesh=...) and BridgeConfig.from_fsdp1({name}=...)",
+                    "one of them",
+                    f"drop {name} from the FSDP1 arguments or mesh= from the call",
+                )
+            ]
+        )
+    if name == "device_mesh":
+        return value
+    return mesh_from_process_group(value)

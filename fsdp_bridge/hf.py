@@ -8,6 +8,10 @@ from __future__ import annotations
 
 from torch import nn
 
+# Defined with the wrap units (the core reads these conventions of a model's own attributes without knowing
+# transformers); exported here with the rest of the Hugging Face helpers.
+from fsdp_bridge.wrap import disable_kv_cache, no_split_module_classes
+
 __all__ = ["disable_kv_cache", "is_hf_model", "no_split_module_classes", "tied_parameter_names"]
 
 
@@ -21,42 +25,6 @@ def is_hf_model(model: nn.Module) -> bool:
         True when a class named ``PreTrainedModel`` is among its bases.
     """
     return any(cls.__name__ == "PreTrainedModel" for cls in type(model).__mro__)
-
-
-def no_split_module_classes(model: nn.Module) -> list[str]:
-    """The classes a Hugging Face model asks never to split, which ``wrap: auto`` makes units.
-
-    Args:
-        model: any module.
-
-    Returns:
-        The ``_no_split_modules`` class names of the model or of its first submodule that has
-        them, without repeats; empty when none does.
-    """
-    for module in model.modules():
-        names = getattr(module, "_no_split_modules", None)
-        if names:
-            return list(dict.fromkeys(names))
-    return []
-
-
-def disable_kv_cache(model: nn.Module) -> bool:
-    """Turn off the KV cache (activation checkpointing recomputes layers, and a cache
-    filled twice would change shapes).
-
-    Args:
-        model: any module; every submodule whose ``config.use_cache`` is true gets it set to False.
-
-    Returns:
-        Whether anything was changed.
-    """
-    changed = False
-    for module in model.modules():
-        config = getattr(module, "config", None)
-        if config is not None and getattr(config, "use_cache", False):
-            config.use_cache = False
-            changed = True
-    return changed
 
 
 def tied_parameter_names(model: nn.Module) -> list[list[str]]:

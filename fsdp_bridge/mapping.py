@@ -23,7 +23,16 @@ from fsdp_bridge.strategy import Backend, BackwardPrefetch, ShardingStrategy
 if TYPE_CHECKING:
     from fsdp_bridge.config import BridgeConfig
 
-__all__ = ["TABLE", "Outcome", "Rule", "Translation", "TranslationReport", "translate", "unsupported_problems"]
+__all__ = [
+    "TABLE",
+    "Outcome",
+    "Rule",
+    "Translation",
+    "TranslationReport",
+    "no_shard_mesh_shape",
+    "translate",
+    "unsupported_problems",
+]
 
 
 class Outcome(enum.Enum):
@@ -674,6 +683,21 @@ TABLE: tuple[Rule, ...] = (
 )
 
 CONFIG_OPTIONS: tuple[str, ...] = tuple(dict.fromkeys(r.option for r in TABLE if r.when is not None))
+
+
+def no_shard_mesh_shape(backend: Backend, world_size: int) -> tuple[int, ...]:
+    """The mesh NO_SHARD runs on (the ``no_shard`` rows above): FSDP1 has the strategy natively (1D over every
+    rank); FSDP2 replicates over every rank and shards over groups of one, ``(world, 1)``: NO_SHARD's meaning,
+    not ZeRO-2.
+
+    Args:
+        backend: the backend that runs it.
+        world_size: ranks in the job.
+
+    Returns:
+        The mesh shape.
+    """
+    return (world_size,) if backend is Backend.FSDP1 else (world_size, 1)
 
 
 @dataclass(frozen=True)

@@ -15,12 +15,13 @@ from torch import nn
 
 from fsdp_bridge.config import WrapPolicy
 from fsdp_bridge.errors import ConfigError, Problem
-from fsdp_bridge.hf import no_split_module_classes
 
 __all__ = [
     "WrapPlan",
+    "disable_kv_cache",
     "in_post_order",
     "module_names",
+    "no_split_module_classes",
     "one_dtype_per_unit",
     "resolve_ignored",
     "resolve_ignored_params",
@@ -48,6 +49,42 @@ class WrapPlan:
     @property
     def modules(self) -> list[nn.Module]:
         return [m for _, m in self.units]
+
+
+def no_split_module_classes(model: nn.Module) -> list[str]:
+    """The classes a Hugging Face model asks never to split, which ``wrap: auto`` makes units.
+
+    Args:
+        model: any module.
+
+    Returns:
+        The ``_no_split_modules`` class names of the model or of its first submodule that has
+        them, without repeats; empty when none does.
+    """
+    for module in model.modules():
+        names = getattr(module, "_no_split_modules", None)
+        if names:
+            return list(dict.fromkeys(names))
+    return []
+
+
+def disable_kv_cache(model: nn.Module) -> bool:
+    """Turn off the KV cache (activation checkpointing recomputes layers, and a cache
+    filled twice would change shapes).
+
+    Args:
+        model: any module; every submodule whose ``config.use_cache`` is true gets it set to False.
+
+    Returns:
+        Whether anything was changed.
+    """
+    changed = False
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and getattr(config, "use_cache", False):
+            config.use_cache = False
+            changed = True
+    return changed
 
 
 def _module_classes(model: nn.Module) -> list[str]:

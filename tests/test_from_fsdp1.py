@@ -22,7 +22,7 @@ from torch.distributed.fsdp.wrap import (
 
 import fsdp_bridge
 from fsdp_bridge import BridgeConfig, ConfigError
-from fsdp_bridge.backends.fsdp1_objects import describe_policy, fsdp1_policy_units
+from fsdp_bridge.fsdp1_compat import describe_policy, fsdp1_policy_units
 from fsdp_bridge.testing.models import build_tiny, sample_batch
 from fsdp_bridge.wrap import resolve_wrap
 

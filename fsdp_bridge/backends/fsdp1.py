@@ -35,6 +35,7 @@ from fsdp_bridge.backends._common import (
     state_entries,
 )
 from fsdp_bridge.backends.base import FlatPiece, FlatTensor
+from fsdp_bridge.mapping import no_shard_mesh_shape
 from fsdp_bridge.plan import ShardPlan, SyncMethod
 from fsdp_bridge.strategy import Backend, BackwardPrefetch, ShardingStrategy
 
@@ -143,7 +144,7 @@ class FSDP1Backend:
         return reshards_after_forward and shard_size > 1
 
     def no_shard_mesh_shape(self, world_size: int) -> tuple[int, ...]:
-        return (world_size,)
+        return no_shard_mesh_shape(Backend.FSDP1, world_size)
 
     def shard_numel(self, shapes: Sequence[tuple[int, ...]], shard: int, compute_bytes: int) -> int:
         # One flat parameter per unit; with use_orig_params=True each parameter starts at an

@@ -32,6 +32,7 @@ from fsdp_bridge.backends._common import (
     state_entries,
 )
 from fsdp_bridge.backends.base import FlatPiece, FlatTensor
+from fsdp_bridge.mapping import no_shard_mesh_shape
 from fsdp_bridge.plan import ShardPlan, SyncMethod
 from fsdp_bridge.strategy import Backend
 
@@ -104,8 +105,7 @@ class FSDP2Backend:
         return True  # it registers the unsharded parameters again at every unshard
 
     def no_shard_mesh_shape(self, world_size: int) -> tuple[int, ...]:
-        # Replicate over every rank, shard over groups of one: NO_SHARD's meaning, not ZeRO-2.
-        return (world_size, 1)
+        return no_shard_mesh_shape(Backend.FSDP2, world_size)
 
     def shard_numel(self, shapes: Sequence[tuple[int, ...]], shard: int, compute_bytes: int) -> int:
         # Each parameter is split on dim 0 (torch.chunk sizes); every rank allocates the

@@ -30,6 +30,7 @@ from torch import nn
 
 from fsdp_bridge import checkpoint as ckpt
 from fsdp_bridge._faults import maybe_fail
+from fsdp_bridge._launch import mark_progress
 from fsdp_bridge._lora import apply_lora, reset_adapters, train_quantization_problems
 from fsdp_bridge.api import clip_grad_norm_, get_bridge, no_sync, shard
 from fsdp_bridge.config import parse_dtype
@@ -37,7 +38,6 @@ from fsdp_bridge.distributed import init_distributed
 from fsdp_bridge.errors import ConfigError, Problem
 from fsdp_bridge.train._config import TrainConfig
 from fsdp_bridge.train._data import PackedData, read_documents
-from fsdp_bridge.train._launch import mark_progress
 from fsdp_bridge.train._progress import Progress
 from fsdp_bridge.train._tokenizer import load_tokenizer
 

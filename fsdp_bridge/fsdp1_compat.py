@@ -1,0 +1,384 @@
+"""What FSDP1's constructor arguments mean, as bridge config values (``BridgeConfig.from_fsdp1``).
+
+A trainer that builds ``FullyShardedDataParallel(model, sharding_strategy=..., auto_wrap_policy=...,
+mixed_precision=MixedPrecision(...), ...)`` from helper modules and config objects can pass
+the same keyword arguments to :meth:`fsdp_bridge.BridgeConfig.from_fsdp1`: each value is
+translated here into the bridge field that means the same thing, and whatever FSDP2 cannot
+honour is refused by the bridge config's validation (the same errors as a YAML file).
+
+Wrap policies keep FSDP1's semantics exactly: ``transformer_auto_wrap_policy`` and
+``ModuleWrapPolicy`` become class lists, ``size_based_auto_wrap_policy(min_num_params=N)``
+the size-based mode, ``lambda_auto_wrap_policy``/``CustomPolicy`` a predicate; any other
+policy (``_or_policy`` combinations, a policy function of the user's own) is run by
+:func:`fsdp1_policy_units`, FSDP1's recursion over the model, when the model is sharded.
+
+This module turns FSDP1's objects into plain field values (what a YAML file would hold) and knows nothing of
+the config type: it sits below ``config.py`` in the layers (pyproject.toml), and ``BridgeConfig.from_fsdp1`` is
+the constructor that hands its values to the config's own validation.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import CPUOffload, MixedPrecision
+from torch.distributed.fsdp.wrap import (
+    CustomPolicy,
+    ModuleWrapPolicy,
+    lambda_auto_wrap_policy,
+    size_based_auto_wrap_policy,
+    transformer_auto_wrap_policy,
+)
+
+from fsdp_bridge.errors import ConfigError, Problem
+
+__all__ = [
+    "FSDP1_KWARGS",
+    "describe_policy",
+    "fsdp1_policy_units",
+    "runtime_mesh_arguments",
+    "translate_fsdp1_kwargs",
+]
+
+FSDP1_KWARGS = (
+    "sharding_strategy",
+    "auto_wrap_policy",
+    "mixed_precision",
+    "cpu_offload",
+    "backward_prefetch",
+    "forward_prefetch",
+    "limit_all_gathers",
+    "use_orig_params",
+    "sync_module_states",
+    "param_init_fn",
+    "device_id",
+    "ignored_modules",
+    "ignored_states",
+    "process_group",
+)
+"""FullyShardedDataParallel's keyword arguments that :func:`translate_fsdp1_kwargs` reads."""
+
+_SIZE_BASED_DEFAULT = 100_000_000  # size_based_auto_wrap_policy's own default min_num_params
+
+
+def _partial_of(policy: object, fn: Callable[..., Any]) -> functools.partial[Any] | None:
+    return policy if isinstance(policy, functools.partial) and policy.func is fn else None
+
+
+def _class_names(classes: Iterable[object]) -> tuple[str, ...]:
+    return tuple(sorted(c.__name__ if isinstance(c, type) else str(c) for c in classes))
+
+
+def describe_policy(policy: object) -> str:
+    """How a wrap policy reads in code, for reports: ``transformer_auto_wrap_policy(...)``."""
+    if policy is None:
+        return "None (the root is the only unit)"
+    if (p := _partial_of(policy, transformer_auto_wrap_policy)) is not None:
+        names = ", ".join(_class_names(p.keywords.get("transformer_layer_cls", ())))
+        return f"transformer_auto_wrap_policy(transformer_layer_cls={{{names}}})"
+    if (p := _partial_of(policy, size_based_auto_wrap_policy)) is not None:
+        args = ", ".join(f"{k}={v!r}" for k, v in sorted(p.keywords.items()))
+        return f"size_based_auto_wrap_policy({args or f'min_num_params={_SIZE_BASED_DEFAULT:_}'})"
+    if (p := _partial_of(policy, lambda_auto_wrap_policy)) is not None:
+        fn = p.keywords.get("lambda_fn")
+        return f"lambda_auto_wrap_policy(lambda_fn={getattr(fn, '__qualname__', repr(fn))})"
+    if isinstance(policy, ModuleWrapPolicy):
+        return f"ModuleWrapPolicy({{{', '.join(_class_names(policy._module_classes))}}})"
+    if isinstance(policy, CustomPolicy):
+        return f"CustomPolicy({getattr(policy._lambda_fn, '__qualname__', repr(policy._lambda_fn))})"
+    if isinstance(policy, functools.partial):
+        inner = ", ".join(describe_policy(q) for q in policy.keywords.get("policies", ()))
+        name = getattr(policy.func, "__name__", repr(policy.func))
+        return f"{name}(policies=[{inner}])" if inner else f"{name}({policy.keywords})"
+    return getattr(policy, "__qualname__", type(policy).__name__)
+
+
+def _wrap_value(policy: object, problems: list[Problem]) -> object:
+    """The bridge ``wrap`` value meaning what ``policy`` means to FSDP1."""
+    if policy is None:
+        return "none"
+    if (p := _partial_of(policy, transformer_auto_wrap_policy)) is not None:
+        classes = p.keywords.get("transformer_layer_cls")
+        if not classes:
+            problems.append(Problem("auto_wrap_policy", describe_policy(policy), "transformer_layer_cls={LayerClass}"))
+            return "none"
+        return [c for c in classes]
+    if (p := _partial_of(policy, size_based_auto_wrap_policy)) is not None:
+        extra = {k: v for k, v in p.keywords.items() if k != "min_num_params"}
+        if not extra:
+            return {"min_num_params": int(p.keywords.get("min_num_params", _SIZE_BASED_DEFAULT))}
+        return _Fsdp1Policy(p)  # force_leaf_modules / exclude_wrap_modules: FSDP1's recursion
+    if (p := _partial_of(policy, lambda_auto_wrap_policy)) is not None:
+        fn = p.keywords.get("lambda_fn")
+        if not callable(fn):
+            problems.append(
+                Problem("auto_wrap_policy", describe_policy(policy), "lambda_auto_wrap_policy(lambda_fn=f)")
+            )
+            return "none"
+        return fn
+    if isinstance(policy, ModuleWrapPolicy):
+        return list(policy._module_classes)
+    if isinstance(policy, CustomPolicy):
+        lambda_fn = policy._lambda_fn
+
+        def chosen(module: nn.Module) -> bool:
+            result = lambda_fn(module)
+            if isinstance(result, Mapping) and result:
+                raise ConfigError(
+                    [
+                        Problem(
+                            "auto_wrap_policy",
+                            describe_policy(policy),
+                            "a CustomPolicy whose function returns True or False",
+                            f"it returned per-unit FSDP1 arguments {dict(result)} for "
+                            f"{type(module).__name__}; FSDP2 units share one config",
+                        )
+                    ]
+                )
+            return bool(result)
+
+        chosen.__qualname__ = describe_policy(policy)
+        return chosen
+    if callable(policy):
+        return _Fsdp1Policy(policy)
+    problems.append(
+        Problem(
+            "auto_wrap_policy",
+            policy,
+            "None, a functools.partial of a torch wrap policy, ModuleWrapPolicy, CustomPolicy or a policy function",
+        )
+    )
+    return "none"
+
+
+class _Fsdp1Policy:
+    """A policy function FSDP1 calls as ``policy(module=, recurse=, nonwrapped_numel=)``."""
+
+    def __init__(self, policy: Callable[..., Any]) -> None:
+        self.policy = policy
+        self.__qualname__ = describe_policy(policy)
+
+    def __call__(self, module: nn.Module) -> bool:  # the bridge calls resolve_units instead
+        raise TypeError("an FSDP1 policy function is resolved over the whole model (resolve_units)")
+
+    def resolve_units(self, model: nn.Module, ignored: Iterable[nn.Module] = ()) -> list[nn.Module]:
+        return fsdp1_policy_units(model, self.policy, ignored)
+
+
+def fsdp1_policy_units(
+    model: nn.Module, policy: Callable[..., Any], ignored: Iterable[nn.Module] = ()
+) -> list[nn.Module]:
+    """The modules FSDP1's auto-wrap recursion would wrap in ``model`` (the root excluded).
+
+    The same traversal as torch's ``_recursive_wrap``: a module is descended into when
+    ``policy(recurse=True)`` says so, children first, and wrapped when
+    ``policy(recurse=False, nonwrapped_numel=...)`` says so for the parameters its wrapped
+    children left over.
+    """
+    ignored_modules = set(ignored)
+    ignored_params = {p for m in ignored_modules for p in m.parameters()}
+    units: list[nn.Module] = []
+
+    def visit(module: nn.Module, is_root: bool) -> int:
+        numel = sum(p.numel() for p in module.parameters() if p not in ignored_params)
+        if not policy(module=module, recurse=True, nonwrapped_numel=numel):
+            return 0
+        wrapped = sum(visit(child, False) for child in module.children() if child not in ignored_modules)
+        if not is_root and policy(module=module, recurse=False, nonwrapped_numel=numel - wrapped):
+            units.append(module)
+            return numel
+        return wrapped
+
+    visit(model, True)
+    return units
+
+
+def _device_value(device_id: object, problems: list[Problem]) -> str:
+    if device_id is None:
+        return "auto"
+    if isinstance(device_id, int) and not isinstance(device_id, bool):
+        return "cuda"
+    if isinstance(device_id, (torch.device, str)):
+        kind = torch.device(device_id).type
+        if kind in ("cuda", "cpu"):
+            return kind
+    problems.append(Problem("device_id", device_id, "None, a CUDA device index, or torch.device('cuda'|'cpu')"))
+    return "auto"
+
+
+def _mixed_precision_value(mp: object, problems: list[Problem]) -> object:
+    if mp is None:
+        return "fp32"
+    if not isinstance(mp, MixedPrecision):
+        problems.append(Problem("mixed_precision", mp, "None or torch.distributed.fsdp.MixedPrecision(...)"))
+        return "fp32"
+    if mp.keep_low_precision_grads:
+        problems.append(
+            Problem(
+                "mixed_precision.keep_low_precision_grads",
+                True,
+                "False",
+                "FSDP2 keeps gradients in the parameters' dtype; drop keep_low_precision_grads",
+            )
+        )
+    return {
+        "param_dtype": mp.param_dtype,
+        "reduce_dtype": mp.reduce_dtype,
+        "buffer_dtype": mp.buffer_dtype,
+        # FSDP1 casts the root's inputs by default and every unit's on request: both kept as they are
+        # (FSDP2: the units' fully_shard calls cast with the first, the root's with either).
+        "cast_forward_inputs": bool(mp.cast_forward_inputs),
+        "cast_root_forward_inputs": bool(mp.cast_root_forward_inputs),
+    }
+
+
+def runtime_mesh_arguments(kwargs: Mapping[str, Any]) -> tuple[dict[str, Any], tuple[str, Any] | None]:
+    """``kwargs`` without what stands for a mesh (``device_mesh``, or a ``process_group`` other than
+    every rank's: a group, or HYBRID_SHARD's pair of groups), and that ``(name, value)`` if any.
+
+    Raises:
+        ConfigError: both are given (FSDP1 refuses that too).
+    """
+    import torch.distributed as dist
+
+    rest = dict(kwargs)
+    mesh = rest.pop("device_mesh", None)
+    group = rest.get("process_group")
+    groups = list(group) if isinstance(group, (tuple, list)) else [group]
+    is_group = group is not None and all(isinstance(g, dist.ProcessGroup) for g in groups)
+    if is_group and _process_group_problems(group):
+        rest.pop("process_group")
+    else:
+        group = None
+    if mesh is not None and group is not None:
+        raise ConfigError([Problem("device_mesh", mesh, "device_mesh or process_group, not both", "pass one of them")])
+    if mesh is not None:
+        return rest, ("device_mesh", mesh)
+    return rest, ("process_group", group) if group is not None else None
+
+
+def _argument_problems(kwargs: Mapping[str, Any]) -> list[Problem]:
+    """Arguments that are not FSDP1 constructor arguments the config can take."""
+    problems: list[Problem] = []
+    for key, value in kwargs.items():
+        if key not in FSDP1_KWARGS:
+            problems.append(
+                Problem(
+                    key,
+                    value,
+                    f"a FullyShardedDataParallel argument: {', '.join(FSDP1_KWARGS)}",
+                    "remove it (module is shard()'s first argument)" if key == "module" else "",
+                )
+            )
+    return problems
+
+
+def _cpu_offload_value(offload: Any, problems: list[Problem]) -> bool:
+    if offload is not None and not isinstance(offload, CPUOffload):
+        problems.append(Problem("cpu_offload", offload, "None or CPUOffload(offload_params=...)"))
+    return bool(offload is not None and offload.offload_params)
+
+
+def _init_notes(kwargs: Mapping[str, Any]) -> list[str]:
+    """What the report says about ``use_orig_params`` and ``param_init_fn``, which have no config field."""
+    notes: list[str] = []
+    if "use_orig_params" in kwargs and not kwargs["use_orig_params"]:
+        notes.append(
+            "use_orig_params=False: the bridge keeps original parameters on both backends (FSDP2 always "
+            "does); optimizers see the model's own parameters"
+        )
+    if kwargs.get("param_init_fn") is not None and not kwargs.get("sync_module_states"):
+        # FSDP1 calls param_init_fn only on modules that hold meta-device tensors; shard() refuses a meta-device
+        # model without sync_module_states (before any collective), so a model built on a real device shards as
+        # it did under FSDP1 and a meta one gets that error instead of a silent difference.
+        notes.append(
+            "param_init_fn without sync_module_states: FSDP1 calls it only for meta-device modules; the "
+            "model here must be on a real device (a meta-device model is refused by shard() with the fix)"
+        )
+    elif kwargs.get("param_init_fn") is not None:
+        notes.append(
+            "param_init_fn is not called: meta-device tensors of ranks other than 0 are materialised and take "
+            "rank 0's weights and dtypes (sync_module_states); rank 0 must hold real weights"
+        )
+    return notes
+
+
+def _ignored_value(kwargs: Mapping[str, Any], problems: list[Problem]) -> tuple[str, ...] | None:
+    """``ignored_modules`` (or ``ignored_states``) as names; None when not given or not names."""
+    ignored = kwargs.get("ignored_modules") or kwargs.get("ignored_states")
+    if ignored and all(isinstance(n, str) for n in ignored):
+        return tuple(ignored)  # already names (the codemod writes them so)
+    if ignored:
+        problems.append(
+            Problem(
+                "ignored_modules",
+                f"<{len(list(ignored))} module objects>",
+                "module names: BridgeConfig(ignored_modules=['path.to.module', 'ClassName'])",
+                "name the modules in the config; module objects are only known with the model",
+            )
+        )
+    return None
+
+
+def _process_group_problems(group: object) -> list[Problem]:
+    """A process group other than every rank's has no config meaning (HYBRID_SHARD: a 2D mesh)."""
+    if group is None:
+        return []
+    import torch.distributed as dist
+
+    world_group = (
+        isinstance(group, dist.ProcessGroup)
+        and dist.is_initialized()
+        and dist.get_world_size(group) == dist.get_world_size()
+    )
+    if world_group:
+        return []
+    return [
+        Problem(
+            "process_group",
+            group,
+            "None (every rank)",
+            "leave process_group out of the config and pass shard(..., "
+            "mesh=fsdp_bridge.mesh_from_process_group(group)): a 1D mesh over the group's ranks, "
+            "or the 2D (replicate, shard) mesh of HYBRID_SHARD's (intra-node, inter-node) pair",
+        )
+    ]
+
+
+def translate_fsdp1_kwargs(kwargs: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """BridgeConfig field values for FSDP1 constructor ``kwargs``, and notes for the report.
+
+    Raises:
+        ConfigError: listing every argument that has no bridge meaning, with the fix.
+    """
+    problems = _argument_problems(kwargs)
+    if problems:
+        raise ConfigError(problems)
+    out: dict[str, Any] = {}
+    if "sharding_strategy" in kwargs:
+        out["strategy"] = "full_shard" if kwargs["sharding_strategy"] is None else kwargs["sharding_strategy"]
+    # FSDP1 without a policy wraps only the root
+    out["wrap"] = _wrap_value(kwargs["auto_wrap_policy"], problems) if "auto_wrap_policy" in kwargs else "none"
+    if "mixed_precision" in kwargs:
+        out["mixed_precision"] = _mixed_precision_value(kwargs["mixed_precision"], problems)
+    if "cpu_offload" in kwargs:
+        out["cpu_offload"] = _cpu_offload_value(kwargs["cpu_offload"], problems)
+    if "backward_prefetch" in kwargs:
+        out["backward_prefetch"] = kwargs["backward_prefetch"]  # None means no prefetch, as in FSDP1
+    for key in ("forward_prefetch", "limit_all_gathers", "sync_module_states"):
+        if key in kwargs:
+            out[key] = bool(kwargs[key])
+    notes = _init_notes(kwargs)
+    if "device_id" in kwargs:
+        out["device"] = _device_value(kwargs["device_id"], problems)
+    ignored = _ignored_value(kwargs, problems)
+    if ignored is not None:
+        out["ignored_modules"] = ignored
+    problems += _process_group_problems(kwargs.get("process_group"))
+    if problems:
+        raise ConfigError(problems)
+    return out, notes
