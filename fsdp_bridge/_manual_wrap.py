@@ -28,7 +28,7 @@ from types import TracebackType
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from fsdp_bridge.api import Bridge, _shard, get_bridge
+from fsdp_bridge.api import Bridge, get_bridge, shard_module
 from fsdp_bridge.config import BridgeConfig
 from fsdp_bridge.distributed import carried_mesh
 from fsdp_bridge.errors import ConfigError, Problem
@@ -84,7 +84,7 @@ class ManualWrap:
             if config.strategy.reshards_after_forward and config.reshard_after_forward is None:
                 bridge.impl.reshard_as_inner_unit(module)
             return module
-        sharded = _shard(module, self.config, self.mesh, as_unit=True)
+        sharded = shard_module(module, self.config, self.mesh, as_unit=True)
         if self.mesh is None:
             self.mesh = get_bridge(sharded).mesh
         return sharded

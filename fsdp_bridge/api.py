@@ -240,7 +240,7 @@ def shard(model: nn.Module, config: BridgeConfig | None = None, *, mesh: DeviceM
     """
     if isinstance(config, BridgeConfig):
         mesh = carried_mesh(config, mesh)  # a device_mesh or process_group given to BridgeConfig.from_fsdp1
-    return _shard(model, config, mesh)
+    return shard_module(model, config, mesh)
 
 
 def _presharded(model: nn.Module) -> list[nn.Module]:
@@ -258,13 +258,14 @@ def _presharded(model: nn.Module) -> list[nn.Module]:
     return out
 
 
-def _shard(
+def shard_module(
     model: nn.Module, config: BridgeConfig | None, mesh: DeviceMesh | None, *, as_unit: bool = False
 ) -> nn.Module:
-    """:func:`shard`; ``as_unit``: ``model`` may be a unit of a larger model (manual wrapping), so
-    whether it reshards after forward is decided when it runs, as FSDP1 decides it.  Submodules
-    sharded already by manual wrapping stay as they are (units of this one), as FSDP1 leaves nested
-    wrappers when it wraps their parent."""
+    """:func:`shard` over ``mesh`` as given (not the one ``BridgeConfig.from_fsdp1`` may carry).
+
+    ``as_unit``: ``model`` may be a unit of a larger model (manual wrapping), so whether it reshards after forward
+    is decided when it runs, as FSDP1 decides it.  Submodules sharded already by manual wrapping stay as they are
+    (units of this one), as FSDP1 leaves nested wrappers when it wraps their parent."""
     config = config or BridgeConfig()
     if not isinstance(config, BridgeConfig):
         raise TypeError(
