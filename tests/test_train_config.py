@@ -8,6 +8,7 @@ import math
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -167,8 +168,10 @@ def test_every_example_yaml_starts_with_its_command_and_is_valid(tmp_path, monke
     # The example copy of the built-in job is the built-in job.
     builtin = load_train_config(None)
     assert dataclasses.replace(load_train_config(EXAMPLES / "tiny_cpu.yaml"), output_dir=builtin.output_dir) == builtin
-    # The first line is a command that runs: check it (and its ranks' mesh) with --dry-run.
-    monkeypatch.chdir(ROOT)
+    # The first line is a command that runs: check it (and its ranks' mesh) with --dry-run, in a copy of the
+    # examples and not in the checkout, where the quickstart's run may have left checkpoints in runs/tiny-cpu.
+    shutil.copytree(EXAMPLES, tmp_path / "examples")
+    monkeypatch.chdir(tmp_path)
     for path in (EXAMPLES / "ab_fsdp1_fsdp2.yaml", EXAMPLES / "tiny_cpu.yaml"):
         argv = shlex.split(path.read_text().splitlines()[0][2:])[1:]
         assert main([*argv, "--dry-run"]) == 0

@@ -288,10 +288,16 @@ def test_stop_requests_become_one_agreed_signal() -> None:
 
     from fsdp_bridge.train._loop import _mean_and_stop, _StopRequests
 
-    with _StopRequests() as stops:
-        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C: recorded, no KeyboardInterrupt
-        os.kill(os.getpid(), signal.SIGTERM)
-        assert stops.received == signal.SIGINT
-    assert _mean_and_stop(torch.tensor(2.0), stops.received, 1) == (2.0, int(signal.SIGINT))
-    assert _mean_and_stop(torch.tensor(2.0), 0, 1) == (2.0, 0)
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    # Python's own Ctrl-C handler before, whatever this process inherited (a shell starts a background job with
+    # SIGINT ignored): the check below is that the handler in place before is the one put back.
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with _StopRequests() as stops:
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C: recorded, no KeyboardInterrupt
+            os.kill(os.getpid(), signal.SIGTERM)
+            assert stops.received == signal.SIGINT
+        assert _mean_and_stop(torch.tensor(2.0), stops.received, 1) == (2.0, int(signal.SIGINT))
+        assert _mean_and_stop(torch.tensor(2.0), 0, 1) == (2.0, 0)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, inherited)
