@@ -16,45 +16,60 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeAlias, cast
 
-import torch
 import yaml
-from torch import nn
 
 from fsdp_bridge._schema import enum_spec, normalise, parse_section, spec, unknown_key
 from fsdp_bridge.errors import ConfigError, Problem
 from fsdp_bridge.strategy import Backend, BackwardPrefetch, ShardingStrategy
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    TorchDtype: TypeAlias = torch.dtype
+    ModuleFilter: TypeAlias = Callable[[nn.Module], bool]
+else:
+    # This module imports no torch, so that a config (a YAML file, `fsdp-bridge train`'s) is read and its errors
+    # reported before torch loads: the annotations the schema engine resolves at run time name these instead
+    # (dtype fields are read by their own parser, declared with the field).
+    TorchDtype = Any
+    ModuleFilter = Callable[[Any], bool]
 
 __all__ = ["BridgeConfig", "MixedPrecisionConfig", "WrapPolicy", "load_config", "parse_dtype", "read_yaml_file"]
 
 Device = Literal["auto", "cuda", "cpu"]
 DEVICES: tuple[str, ...] = ("auto", "cuda", "cpu")
 
-_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
+_DTYPES: dict[str, str] = {  # spelling -> the torch attribute
+    "float32": "float32",
+    "fp32": "float32",
+    "float": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+    "half": "float16",
 }
 _DTYPE_NAMES = "float32 (fp32), bfloat16 (bf16), float16 (fp16)"
 
 
 def parse_dtype(value: object) -> torch.dtype:
     """Parse a dtype spelling (``"bf16"``, ``"torch.bfloat16"``, ``torch.bfloat16``)."""
-    if isinstance(value, torch.dtype) and value in _DTYPES.values():
+    loaded = sys.modules.get("torch")  # a torch.dtype exists only once torch is loaded
+    if loaded is not None and isinstance(value, loaded.dtype) and dtype_name(value) in _DTYPES.values():
         return value
     if isinstance(value, str):
         key = value.strip().lower().removeprefix("torch.")
         if key in _DTYPES:
-            return _DTYPES[key]
+            import torch
+
+            return cast("torch.dtype", getattr(torch, _DTYPES[key]))
     raise ValueError(f"{value!r} is not a floating dtype; allowed: {_DTYPE_NAMES}")
 
 
@@ -75,14 +90,14 @@ _DTYPE_SPEC = spec(f"{_DTYPE_NAMES} or null", _parse_optional_dtype)
 
 logger = logging.getLogger("fsdp_bridge")
 
-_MP_PRESETS: dict[str, dict[str, torch.dtype | None]] = {
+_MP_PRESETS: dict[str, dict[str, str]] = {  # field -> dtype name (torch is loaded only for a preset's dtypes)
     # Full precision: no mixed precision at all.
     "fp32": {},
     # bf16 compute, fp32 gradient reduction (torchtitan's default: reductions in
     # bf16 lose precision as the world grows).  Buffers stay fp32 (e.g. RoPE inv_freq).
-    "bf16": {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32},
+    "bf16": {"param_dtype": "bfloat16", "reduce_dtype": "float32"},
     # fp16 compute needs a gradient scaler (torch.amp.GradScaler) in the user's loop.
-    "fp16": {"param_dtype": torch.float16, "reduce_dtype": torch.float32},
+    "fp16": {"param_dtype": "float16", "reduce_dtype": "float32"},
 }
 _MP_ALIASES = {"no": "fp32", "none": "fp32", "float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
@@ -95,13 +110,13 @@ class MixedPrecisionConfig:
     with ``MixedPrecisionConfig.preset("bf16")`` or give the dtypes.
     """
 
-    param_dtype: torch.dtype | None = field(default=None, metadata=_DTYPE_SPEC)
+    param_dtype: TorchDtype | None = field(default=None, metadata=_DTYPE_SPEC)
     """Dtype of the gathered parameters used in forward/backward (compute dtype)."""
-    reduce_dtype: torch.dtype | None = field(default=None, metadata=_DTYPE_SPEC)
+    reduce_dtype: TorchDtype | None = field(default=None, metadata=_DTYPE_SPEC)
     """Dtype in which gradients are reduced across ranks (defaults to ``param_dtype``)."""
-    output_dtype: torch.dtype | None = field(default=None, metadata=_DTYPE_SPEC)
+    output_dtype: TorchDtype | None = field(default=None, metadata=_DTYPE_SPEC)
     """Dtype the root module's floating-point outputs are cast to."""
-    buffer_dtype: torch.dtype | None = field(default=None, metadata=_DTYPE_SPEC)
+    buffer_dtype: TorchDtype | None = field(default=None, metadata=_DTYPE_SPEC)
     """Dtype buffers are cast to (FSDP1 does it in forward; on FSDP2 it is emulated)."""
     cast_forward_inputs: bool = True
     """Cast floating-point forward inputs of each unit to ``param_dtype``."""
@@ -129,7 +144,7 @@ class MixedPrecisionConfig:
         key = _MP_ALIASES.get(name.strip().lower(), name.strip().lower())
         if key not in _MP_PRESETS:
             raise ValueError(f"{name!r} is not a mixed-precision preset; allowed: {', '.join(_MP_PRESETS)}")
-        return cls(**_MP_PRESETS[key])  # type: ignore[arg-type]
+        return cls(**{field: parse_dtype(dtype) for field, dtype in _MP_PRESETS[key].items()})  # type: ignore[arg-type]
 
     def to_spelling(self) -> str | dict[str, Any]:
         """How a YAML file writes this policy.
@@ -138,8 +153,8 @@ class MixedPrecisionConfig:
             The preset name where the dtypes are a preset's, else a mapping of dtype names,
             ``cast_forward_inputs`` and ``cast_root_forward_inputs``.
         """
-        for name, dtypes in _MP_PRESETS.items():
-            if self == MixedPrecisionConfig(**dtypes):  # type: ignore[arg-type]
+        for name in _MP_PRESETS:
+            if self == MixedPrecisionConfig.preset(name):
                 return name
         out: dict[str, Any] = {
             f.name: dtype_name(getattr(self, f.name)) for f in dataclasses.fields(self) if f.name.endswith("_dtype")
@@ -190,7 +205,7 @@ class WrapPolicy:
     min_num_params: int = 0
     """Wrap a module once its not-yet-wrapped parameters reach this count (``mode="min_params"``),
     with FSDP1's ``size_based_auto_wrap_policy`` semantics."""
-    fn: Callable[[nn.Module], bool] | None = field(default=None, compare=False)
+    fn: ModuleFilter | None = field(default=None, compare=False)
     """``fn(module) -> bool`` chooses the units (``mode="callable"``); cannot come from YAML."""
 
     def to_spelling(self) -> object:
@@ -225,7 +240,7 @@ def _parse_wrap(value: object, key: str, problems: list[Problem]) -> WrapPolicy:
     if isinstance(value, Mapping):
         return _wrap_from_mapping(value, key, problems)
     if callable(value):
-        return WrapPolicy(mode="callable", fn=cast(Callable[[nn.Module], bool], value))
+        return WrapPolicy(mode="callable", fn=cast("ModuleFilter", value))
     raise ValueError(f"{value!r} is not a wrap policy")
 
 
@@ -243,7 +258,8 @@ def _wrap_from_text(value: str) -> WrapPolicy:
 def _wrap_from_classes(value: Sequence[object], key: str, problems: list[Problem]) -> WrapPolicy:
     names: list[str] = []
     for item in value:
-        if isinstance(item, type) and issubclass(item, nn.Module):
+        loaded = sys.modules.get("torch.nn")  # an nn.Module class exists only once torch is loaded
+        if isinstance(item, type) and loaded is not None and issubclass(item, loaded.Module):
             names.append(item.__name__)
         elif isinstance(item, str) and item.strip().isidentifier():
             names.append(item.strip())

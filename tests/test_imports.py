@@ -123,6 +123,28 @@ print(json.dumps({{"codes": codes, "heads": heads, "loaded": {_HEAVY_LOADED}}}))
     assert result["loaded"] == []
 
 
+def test_a_bad_train_config_is_reported_before_torch_loads(tmp_path) -> None:
+    """`fsdp-bridge train` reads and checks the YAML and the overrides before torch is imported ("a bad config
+    fails at once"), read off -X importtime of the process that reported the errors."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("bridge:\n  strategy: full_shrad\nmax_stepz: 3\n")
+    for argv in ([str(bad)], ["max_stepz=3", "bridge.backend=fsdp3"]):
+        out = subprocess.run(
+            [sys.executable, "-X", "importtime", "-m", "fsdp_bridge", "train", *argv],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert out.returncode == 2, out.stderr
+        assert "did you mean 'max_steps'?" in out.stderr
+        imported = {
+            line.rpartition("|")[2].strip() for line in out.stderr.splitlines() if line.startswith("import time:")
+        }
+        assert "fsdp_bridge.train._config" in imported
+        assert sorted(m for m in imported if m.split(".")[0] in HEAVY) == [], argv
+
+
 def test_the_command_line_entry_point_imports_no_torch() -> None:
     """`python -m fsdp_bridge --help` (what the fsdp-bridge script runs), read off -X importtime."""
     out = subprocess.run(

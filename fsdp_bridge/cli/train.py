@@ -128,13 +128,16 @@ def _finished_step(config: object) -> int | None:
 
 def run(args: argparse.Namespace) -> int:
     from fsdp_bridge.train._config import load_train_config
-    from fsdp_bridge.train._launch import LaunchOptions, existing_launch, launch, node_rank_problems, run_rank
-    from fsdp_bridge.train._preflight import preflight
 
     path, overrides = _split_items(list(args.items))
     if args.resume:
         overrides.append("resume=auto")
+    # The config is read and checked before torch loads ("a bad config fails at once"): only then the rest.
     config = load_train_config(path, overrides, backend=args.backend)
+
+    from fsdp_bridge.train._launch import LaunchOptions, existing_launch, launch, node_rank_problems, run_rank
+    from fsdp_bridge.train._preflight import preflight
+
     verbosity = "quiet" if args.quiet else "verbose" if args.verbose else "normal"
     launched = args.nproc_per_node is not None or args.nnodes > 1
     inside = existing_launch() and not launched
