@@ -49,9 +49,9 @@ NOT_RUN: dict[str, str] = {
     "[--wrap auto|none|ClassA,ClassB] [--batch B --seq-len S] [--activation-checkpointing] "
     "[--device-memory 80GiB] [--fake-world] [--json]": "the synopsis (placeholders)",
     "OMP_NUM_THREADS=1 python benchmarks/plan_at_scale.py": "40 s; test_fake_world.py plans the same worlds",
-    "python benchmarks/public_trainer_parity.py <checkout>/distributed/tensor_parallelism fsdp_tp_example.py": "needs a checkout of pytorch/examples (a download); 2.5 minutes at 4 ranks",
-    "python benchmarks/public_trainer_parity.py <checkout> --driver benchmarks/public_trainers/dpo.py --nproc 2": "needs a checkout of eric-mitchell/direct-preference-optimization (a download) and torch 2.14.1 on CPU",
-    "python benchmarks/public_trainer_parity.py <checkout>/distributed/FSDP --driver benchmarks/public_trainers/t5.py --nproc 2": "needs a checkout of pytorch/examples (a download) and torch 2.14.1 on CPU",
+    "fsdp-bridge migrate verify <checkout>/distributed/tensor_parallelism --nproc-per-node 4 -- fsdp_tp_example.py": "needs a checkout of pytorch/examples (a download); 2.5 minutes at 4 ranks",
+    "fsdp-bridge migrate verify <checkout> -- benchmarks/public_trainers/dpo.py": "needs a checkout of eric-mitchell/direct-preference-optimization (a download) and torch 2.14.1 on CPU",
+    "fsdp-bridge migrate verify <checkout>/distributed/FSDP -- benchmarks/public_trainers/t5.py": "needs a checkout of pytorch/examples (a download) and torch 2.14.1 on CPU",
     "python benchmarks/run.py": "the full benchmark suite (minutes)",
     "python benchmarks/run.py --quick": "a benchmark run (about a minute)",
     "OMP_NUM_THREADS=1 python benchmarks/no_shard.py": "a benchmark (about a minute on 2 cores)",

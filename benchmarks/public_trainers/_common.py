@@ -1,6 +1,6 @@
 """What the drivers in this folder share: the package's sample text and stubs for unused imports.
 
-The drivers run with this folder on ``sys.path`` (``public_trainer_parity.py`` puts the driver's
+The drivers run with this folder on ``sys.path`` (``fsdp-bridge migrate verify`` puts the driver's
 directory there), so they import this module by its name.
 """
 

@@ -1,9 +1,9 @@
 """Drives the FSDP trainer of eric-mitchell/direct-preference-optimization on CPU ranks, with no download.
 
-Run by ``public_trainer_parity.py`` under ``torchrun``, once in the trainer's own tree and once in the
+Run by ``fsdp-bridge migrate verify`` under ``torchrun``, once in the trainer's own tree and once in the
 copy that ``fsdp-bridge migrate code --fix`` rewrote::
 
-    python benchmarks/public_trainer_parity.py <checkout> --driver benchmarks/public_trainers/dpo.py --nproc 2
+    fsdp-bridge migrate verify <checkout> -- benchmarks/public_trainers/dpo.py
 
 It does what the trainer's ``train.py`` does before its workers start (that script is a Hydra entry
 point that spawns one process per GPU): it builds the policy and the reference model with

@@ -1,10 +1,9 @@
 """Drives the FSDP T5 example of pytorch/examples (``distributed/FSDP``) on CPU ranks, with no download.
 
-Run by ``public_trainer_parity.py`` under ``torchrun``, once in the example's own directory and once in
+Run by ``fsdp-bridge migrate verify`` under ``torchrun``, once in the example's own directory and once in
 the copy that ``fsdp-bridge migrate code --fix`` rewrote::
 
-    python benchmarks/public_trainer_parity.py <checkout>/distributed/FSDP \
-        --driver benchmarks/public_trainers/t5.py --nproc 2
+    fsdp-bridge migrate verify <checkout>/distributed/FSDP -- benchmarks/public_trainers/t5.py
 
 The example (at 8c1555d, before it moved to FSDP2) is a multi-file project: ``T5_training.py`` takes
 its wrap policy and mixed precision from the ``policies`` package, its strategy and checkpoint type

@@ -58,8 +58,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         ``CheckpointError`` (its message printed to stderr) or a failed file access.
     """
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # Everything after the first "--" is another program's command line (migrate verify's SCRIPT ARGS...).
+    tail = None
+    if "--" in argv:
+        argv, tail = argv[: argv.index("--")], argv[argv.index("--") + 1 :]
     # Subcommands that take key=value items (train) accept them between options too.
     args, extra = parser.parse_known_args(argv)
+    if tail is not None:
+        if not hasattr(args, "script_command"):
+            parser.error(f"unrecognized arguments: -- {' '.join(tail)}")
+        args.script_command = tail
     if extra:
         if not hasattr(args, "items") or any(e.startswith("-") for e in extra):
             parser.error(f"unrecognized arguments: {' '.join(extra)}")

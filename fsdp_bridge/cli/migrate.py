@@ -1,4 +1,4 @@
-"""``fsdp-bridge migrate config SRC [-o DST] [--fsdp "..."]`` and ``fsdp-bridge migrate code PATH... [--fix] [--diff]``
+"""``fsdp-bridge migrate config|code|verify``
 
 config: reads an FSDP1 config (accelerate YAML, Trainer ``fsdp`` + ``fsdp_config``, or a
 bridge YAML with backend fsdp1) and writes the FSDP2 bridge YAML (plus an accelerate YAML
@@ -14,6 +14,11 @@ code: reports every FSDP1 construct in Python files (file:line, construct, repla
     fsdp-bridge migrate config fsdp_config.json --fsdp "hybrid_shard auto_wrap"
     fsdp-bridge migrate code train.py --diff
     fsdp-bridge migrate code src/ --fix
+
+verify: runs a script under torchrun in a copy of the FSDP1 tree and in a migrated copy, and
+compares the loss of every backward() and every saved tensor: PARITY (0) or DIVERGED (1).
+
+    fsdp-bridge migrate verify src/ --nproc-per-node 2 -- train.py --steps 3
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    inner = p.add_subparsers(dest="migrate_command", metavar="{config,code}")
+    inner = p.add_subparsers(dest="migrate_command", metavar="{config,code,verify}")
     c = inner.add_parser("config", help="convert an FSDP1 config to FSDP2, with a per-option report")
     c.add_argument("src", help="accelerate YAML, Trainer arguments JSON/YAML, fsdp_config JSON, or bridge YAML")
     c.add_argument("-o", "--output", default=None, help="bridge YAML to write (default: SRC stem + .fsdp2.yaml)")
@@ -56,6 +61,24 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     k.add_argument("--fix", action="store_true", help="rewrite the files")
     k.add_argument("--diff", action="store_true", help="print the rewrite as a unified diff; write nothing")
     k.set_defaults(func=run_code)
+    v = inner.add_parser(
+        "verify",
+        help="run a script before and after migration; compare every loss and saved tensor",
+        usage="fsdp-bridge migrate verify DIR [--nproc-per-node N] [--migrated DIR2] [options] -- SCRIPT [ARGS...]",
+        description="Run SCRIPT under torchrun in a copy of DIR (FSDP1) and in a migrated copy (migrate code --fix "
+        "on a copy, or --migrated DIR2), same seed; record the loss of every backward() on every rank and the "
+        "tensors of every file the script saves; print them side by side and a verdict. Exit code: 0 PARITY, "
+        "1 DIVERGED (the first differing step and values), 2 error (the original script failed, bad arguments). "
+        "Nothing is written outside a temporary directory.",
+    )
+    v.add_argument("dir", help="the directory of the FSDP1 code")
+    v.add_argument("--nproc-per-node", type=int, default=2, help="ranks for each run (default 2)")
+    v.add_argument("--migrated", default=None, help="an already migrated copy of DIR (default: --fix on a copy)")
+    v.add_argument("--seed", type=int, default=0, help="the global seed set before each run (default 0)")
+    v.add_argument("--rtol", type=float, default=None, help="relative tolerance (default: by the loss dtype)")
+    v.add_argument("--atol", type=float, default=None, help="absolute tolerance (default: by the loss dtype)")
+    v.add_argument("--timeout", type=float, default=None, help="seconds each run may take")
+    v.set_defaults(func=run_verify, script_command=[])
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
 
 
@@ -138,3 +161,39 @@ def run_code(args: argparse.Namespace) -> int:
         left = ", ".join(f"{path} ({n})" for path, n in report.todo_comments.items())
         print(f"TODO(fsdp-bridge) comments still in the files: {left}")
     return 1 if (remaining or report.skipped or (fixed and report.todo_comments)) else 0
+
+
+def run_verify(args: argparse.Namespace) -> int:
+    from fsdp_bridge.migrate.verify import RunFailed, verify
+
+    command = args.script_command
+    if not command:
+        raise ConfigError(
+            [
+                Problem(
+                    "SCRIPT",
+                    None,
+                    "the training script after --, relative to DIR (or a driver file)",
+                    "e.g. fsdp-bridge migrate verify DIR -- train.py --steps 3",
+                )
+            ]
+        )
+    try:
+        result = verify(
+            args.dir,
+            command[0],
+            command[1:],
+            nproc_per_node=args.nproc_per_node,
+            migrated=args.migrated,
+            seed=args.seed,
+            rtol=args.rtol,
+            atol=args.atol,
+            timeout=args.timeout,
+        )
+    except RunFailed as err:
+        print(f"fsdp-bridge migrate verify: {err}", file=sys.stderr)
+        return 2
+    if result.fix_report:
+        print(result.fix_report)
+    print(result.format())
+    return 0 if result.parity else 1

@@ -1,0 +1,178 @@
+"""What each rank of ``fsdp-bridge migrate verify`` runs: the user's script, with every loss recorded.
+
+Started by :func:`fsdp_bridge.migrate.verify.verify` under ``torchrun`` as
+``python -m fsdp_bridge.migrate.verify_runner TREE SCRIPT OUT [--seed N] [--cpu-shims] -- ARGS...``:
+
+* the value and dtype of every one-element tensor ``backward()`` is called on (``loss.backward()``,
+  ``torch.autograd.backward(loss)``, a ``GradScaler``'s scaled loss) is recorded, in order, on every rank,
+  and written to ``OUT/rank{N}.json`` when the script ends (also when it raises or calls ``sys.exit``);
+* the global seed is fixed before the script runs (scripts that draw weights unseeded would differ run to
+  run);
+* the script runs as ``__main__`` with ``TREE`` and its own directory first on ``sys.path``, in ``TREE``,
+  with ``sys.argv`` = ``[SCRIPT, *ARGS]``.
+
+``--cpu-shims`` (chosen by ``verify`` when the machine has no accelerator) runs a script written for GPUs on
+CPU ranks, identically in both runs: the accelerator reports the CPU (one per rank); NCCL process groups
+are made on gloo; a device given as a GPU index (``tensor.to(rank)``, FSDP1's ``device_id=rank``, the same
+argument passed on to ``BridgeConfig.from_fsdp1``) is the CPU; FSDP1 gets ``device_id=cpu`` when given
+none; ``torch.cuda.set_device`` does nothing and ``torch.cuda.current_device()`` is the local rank; data
+loaders do not pin memory; ``scaled_dot_product_attention`` on DTensors sharded over heads runs on each
+rank's heads (DTensor has no sharding rule for the CPU kernel).
+
+This module is run, never imported by the library.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import json
+import os
+import runpy
+import sys
+from typing import Any
+
+
+def _gpu_index(device: object) -> bool:
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+def _install_cpu_shims() -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.tensor import DTensor
+
+    import fsdp_bridge
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.accelerator.current_accelerator = lambda *a, **k: torch.device("cpu")  # type: ignore[assignment]
+    torch.accelerator.is_available = lambda: True  # type: ignore[assignment]
+    torch.accelerator.device_count = lambda: world  # type: ignore[assignment]
+    torch.cuda.set_device = lambda *a, **k: None  # type: ignore[assignment]
+    torch.cuda.current_device = lambda: local_rank  # type: ignore[assignment]
+
+    loader_init = torch.utils.data.DataLoader.__init__
+
+    def unpinned(self: Any, *args: Any, **kwargs: Any) -> None:
+        kwargs["pin_memory"] = False
+        loader_init(self, *args, **kwargs)
+
+    torch.utils.data.DataLoader.__init__ = unpinned  # type: ignore[method-assign]
+
+    init_process_group = dist.init_process_group
+
+    def on_gloo(backend: Any = None, *args: Any, **kwargs: Any) -> Any:
+        return init_process_group("gloo" if backend in (None, "nccl") else backend, *args, **kwargs)
+
+    dist.init_process_group = on_gloo  # type: ignore[assignment]
+
+    tensor_to = torch.Tensor.to
+
+    def index_to_cpu(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if args and _gpu_index(args[0]):
+            args = ("cpu", *args[1:])
+        if _gpu_index(kwargs.get("device")):
+            kwargs["device"] = "cpu"
+        return tensor_to(self, *args, **kwargs)
+
+    torch.Tensor.to = index_to_cpu  # type: ignore[assignment]
+
+    fsdp1_init = FullyShardedDataParallel.__init__
+
+    def fsdp1_on_cpu(self: Any, *args: Any, **kwargs: Any) -> None:
+        if kwargs.get("device_id") is None or _gpu_index(kwargs["device_id"]):
+            kwargs["device_id"] = torch.device("cpu")
+        fsdp1_init(self, *args, **kwargs)
+
+    FullyShardedDataParallel.__init__ = fsdp1_on_cpu  # type: ignore[method-assign]
+
+    from_fsdp1 = fsdp_bridge.BridgeConfig.from_fsdp1.__func__  # type: ignore[attr-defined]
+
+    def from_fsdp1_on_cpu(cls: Any, *args: Any, **kwargs: Any) -> Any:
+        if _gpu_index(kwargs.get("device_id")):
+            kwargs["device_id"] = torch.device("cpu")
+        return from_fsdp1(cls, *args, **kwargs)
+
+    fsdp_bridge.BridgeConfig.from_fsdp1 = classmethod(from_fsdp1_on_cpu)  # type: ignore[assignment,method-assign]
+
+    sdpa = F.scaled_dot_product_attention
+
+    def sdpa_per_rank(q: Any, k: Any, v: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(q, DTensor):
+            out = sdpa(q.to_local(), k.to_local(), v.to_local(), *args, **kwargs)
+            return DTensor.from_local(out, q.device_mesh, q.placements, run_check=False)
+        return sdpa(q, k, v, *args, **kwargs)
+
+    F.scaled_dot_product_attention = sdpa_per_rank  # type: ignore[assignment]
+
+
+def _record_losses(out: str) -> None:
+    import torch
+
+    losses: list[list[Any]] = []
+
+    def record(tensor: Any) -> None:
+        if isinstance(tensor, torch.Tensor) and tensor.numel() == 1 and tensor.is_floating_point():
+            value = tensor.detach()
+            if hasattr(value, "full_tensor"):  # a DTensor loss (loss parallelism): its global value
+                value = value.full_tensor()
+            losses.append([float(value.float().item()), str(tensor.dtype).removeprefix("torch.")])
+
+    tensor_backward = torch.Tensor.backward
+    autograd_backward = torch.autograd.backward
+    inside = [False]  # Tensor.backward calls torch.autograd.backward: record once
+
+    def backward(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        record(self)
+        inside[0] = True
+        try:
+            return tensor_backward(self, *args, **kwargs)
+        finally:
+            inside[0] = False
+
+    def autograd(tensors: Any, *args: Any, **kwargs: Any) -> Any:
+        if not inside[0]:
+            for tensor in tensors if isinstance(tensors, (list, tuple)) else [tensors]:
+                record(tensor)
+        return autograd_backward(tensors, *args, **kwargs)
+
+    torch.Tensor.backward = backward  # type: ignore[method-assign]
+    torch.autograd.backward = autograd  # type: ignore[assignment]
+
+    def write() -> None:
+        rank = int(os.environ.get("RANK", "0"))
+        with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+            json.dump({"losses": losses}, f)
+
+    atexit.register(write)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m fsdp_bridge.migrate.verify_runner")
+    parser.add_argument("tree")
+    parser.add_argument("script")
+    parser.add_argument("out")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cpu-shims", action="store_true")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    script_args = argv[argv.index("--") + 1 :] if "--" in argv else []
+    ns = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
+    tree, script = os.path.abspath(ns.tree), os.path.abspath(ns.script)
+    sys.path[:0] = list(dict.fromkeys([tree, os.path.dirname(script)]))
+
+    import torch
+
+    if ns.cpu_shims:
+        _install_cpu_shims()
+    _record_losses(os.path.abspath(ns.out))
+    torch.manual_seed(ns.seed)
+    os.chdir(tree)
+    sys.argv = [script, *script_args]
+    runpy.run_path(script, run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()

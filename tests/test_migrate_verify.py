@@ -1,0 +1,105 @@
+"""``fsdp-bridge migrate verify``: the comparison in one process, then two real before/after runs.
+
+The runs (2 gloo ranks each, under torchrun) are one test: a correct rewrite gives PARITY (exit 0); a
+script whose loss reads ``p.numel()`` (a shard on FSDP1, the global size on FSDP2) is rewritten right by
+the codemod and still gives DIVERGED at its first step (exit 1): what only running both can show.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from fsdp_bridge.cli import main
+from fsdp_bridge.migrate.verify import TOLERANCES, VerifyResult, compare_losses
+from fsdp_bridge.migrate.verify import _compare_saved as compare_saved
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def _run(values: list[float], dtype: str = "float32") -> dict[int, list[tuple[float, str]]]:
+    return {0: [(v, dtype) for v in values], 1: [(v + 1, dtype) for v in values]}
+
+
+def test_equal_losses_agree_with_the_dtype_tolerance() -> None:
+    diff, rtol, atol = compare_losses(_run([1.0, 0.5]), _run([1.0 + 1e-7, 0.5]))
+    assert diff is None
+    assert (rtol, atol) == TOLERANCES["float32"]
+    diff, rtol, _ = compare_losses(_run([1.0], "bfloat16"), _run([1.01], "bfloat16"))
+    assert diff is None and rtol == TOLERANCES["bfloat16"][0]
+
+
+def test_the_first_differing_step_rank_and_values_are_named() -> None:
+    after = _run([1.0, 0.5, 0.25])
+    after[1][1] = (1.75, "float32")
+    diff, _, _ = compare_losses(_run([1.0, 0.5, 0.25]), after)
+    assert diff is not None and (diff.rank, diff.step, diff.before, diff.after) == (1, 1, 1.5, 1.75)
+    result = VerifyResult(_run([1.0, 0.5, 0.25]), after, diff)
+    assert not result.parity
+    assert "DIVERGED at step 1 on rank 1: FSDP1 1.5, migrated 1.75" in result.format()
+
+
+def test_fewer_losses_nan_dtype_change_and_no_loss_at_all_diverge() -> None:
+    diff, _, _ = compare_losses(_run([1.0, 0.5]), _run([1.0]))
+    assert diff is not None and diff.step == 1 and "FSDP1 recorded 2 losses, the migrated script 1" in diff.what
+    diff, _, _ = compare_losses(_run([float("nan")]), _run([float("nan")]))
+    assert diff is not None and diff.step == 0
+    diff, _, _ = compare_losses(_run([1.0]), _run([1.0], "bfloat16"))
+    assert diff is not None and "loss dtype float32 became bfloat16" in diff.what
+    diff, _, _ = compare_losses({0: []}, {0: []})
+    assert diff is not None and "no one-element loss" in diff.what
+    diff, _, _ = compare_losses(_run([1.0]), _run([1.5]), rtol=0.6)
+    assert diff is None  # a given tolerance wins
+
+
+def test_saved_tensors_compared_within_fp32_tolerance(tmp_path: Path) -> None:
+    before, after = tmp_path / "a", tmp_path / "b"
+    before.mkdir(), after.mkdir()
+    w = torch.arange(6, dtype=torch.float32)
+    torch.save({"model": {"w": w}, "step": 3}, before / "ck.pt")
+    torch.save({"model": {"w": w + 1e-9}, "step": 3}, after / "ck.pt")
+    problems, lines = compare_saved(before, after, {Path("ck.pt")})
+    assert problems == [] and "1 tensors compared" in lines[0]
+    torch.save({"model": {"w": w + 1.0}, "step": 4}, after / "ck.pt")
+    torch.save({"x": w}, after / "extra.pt")
+    problems, _ = compare_saved(before, after, {Path("ck.pt")})
+    assert problems == [
+        "ck.pt: model.w differs beyond rtol 1.3e-06, atol 1e-05",
+        "ck.pt: step = 3 vs 4",
+        "extra.pt: saved by the migrated script only",
+    ]
+
+
+def test_arguments_refused_before_anything_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["migrate", "verify", str(tmp_path)]) == 2
+    assert "SCRIPT: got None; allowed: the training script after --" in capsys.readouterr().err
+    assert main(["migrate", "verify", str(tmp_path / "nope"), "--", "train.py"]) == 2
+    err = capsys.readouterr().err
+    assert "DIR: got" in err and "SCRIPT: got 'train.py'" in err
+    with pytest.raises(SystemExit, match="2"):  # only verify takes a command after --
+        main(["migrate", "code", str(tmp_path), "--", "x"])
+    assert "unrecognized arguments: -- x" in capsys.readouterr().err
+
+
+def test_parity_of_a_right_rewrite_and_divergence_it_cannot_see(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    shutil.copy(FIXTURES / "migrate" / "grad_accum.py", tree)
+    shutil.copy(FIXTURES / "migrate_verify" / "numel_penalty.py", tree)
+    before = sorted((p.name, p.read_bytes()) for p in tree.iterdir())
+
+    assert main(["migrate", "verify", str(tree), "--timeout", "300", "--", "grad_accum.py"]) == 0
+    out = capsys.readouterr().out
+    assert "[fix] model.no_sync() -> fsdp_bridge.no_sync(model)" in out
+    assert "PARITY: 9 losses on each of 2 rank(s) agree (rtol 1.3e-06, atol 1e-05)" in out
+
+    code = main(["migrate", "verify", str(tree), "--nproc-per-node", "2", "--", "numel_penalty.py", "--steps", "2"])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "DIVERGED at step 0 on rank 0" in out
+    assert sorted((p.name, p.read_bytes()) for p in tree.iterdir()) == before  # the user's tree is never written
