@@ -22,7 +22,7 @@ from fsdp_bridge._fsdp1_init import materialize_like_fsdp1, reset_parameters_pro
 from fsdp_bridge._lora import has_4bit, keep_4bit_weights_in_place, parameter_adapters, quantization_problems
 from fsdp_bridge._optimizer_check import record_replaced
 from fsdp_bridge.backends import BackendImpl, backend_inside, get_backend, sharded_by
-from fsdp_bridge.config import BridgeConfig, carried_mesh, fsdp1_init
+from fsdp_bridge.config import BridgeConfig, carried_ignored, carried_mesh, fsdp1_init, with_ignored_names
 from fsdp_bridge.distributed import (
     MeshPlan,
     agree,
@@ -39,6 +39,7 @@ from fsdp_bridge.plan import ShardPlan, SyncMethod, resolve_plan
 from fsdp_bridge.wrap import (
     WrapPlan,
     in_post_order,
+    module_names,
     one_dtype_per_unit,
     resolve_ignored,
     resolve_ignored_params,
@@ -257,6 +258,18 @@ def _presharded(model: nn.Module) -> list[nn.Module]:
     return out
 
 
+def _with_fsdp1_ignored(config: BridgeConfig, model: nn.Module) -> BridgeConfig:
+    """``config`` with the ignored module or parameter objects given to ``BridgeConfig.from_fsdp1`` added to
+    ``ignored_modules`` as their paths in ``model``; objects outside ``model`` are left out, as FSDP1 leaves
+    them (they hold none of its parameters)."""
+    objects = carried_ignored(config)
+    if not objects:
+        return config
+    inside = {id(m) for m in model.modules()} | {id(p) for p in model.parameters()}
+    names = module_names(model, [o for o in objects if id(o) in inside])
+    return with_ignored_names(config, names)
+
+
 def _shard(
     model: nn.Module, config: BridgeConfig | None, mesh: DeviceMesh | None, *, as_unit: bool = False
 ) -> nn.Module:
@@ -270,6 +283,7 @@ def _shard(
             f"config must be a BridgeConfig (got {type(config).__name__}); "
             "use fsdp_bridge.load_config(path) or BridgeConfig.from_dict(mapping)"
         )
+    config = _with_fsdp1_ignored(config, model)
     if hasattr(model, _ATTR):
         raise ConfigError(
             [Problem("model", type(model).__name__, "a model that is not sharded yet", "call shard() once per model")]

@@ -44,6 +44,7 @@ __all__ = [
     "load_sharded_optimizer_state_dict",
     "optim_state_dict",
     "optim_state_dict_to_load",
+    "runtime_ignored_objects",
     "state_dict_options",
     "state_dict_type",
     "translate_fsdp1_kwargs",
@@ -211,7 +212,15 @@ def _device_value(device_id: object, problems: list[Problem]) -> str:
         kind = torch.device(device_id).type
         if kind in ("cuda", "cpu"):
             return kind
-    problems.append(Problem("device_id", device_id, "None, a CUDA device index, or torch.device('cuda'|'cpu')"))
+    problems.append(
+        Problem(
+            "device_id",
+            device_id,
+            "None, a CUDA device index, or torch.device('cuda'|'cpu')",
+            "the bridge runs on CUDA or CPU only: leave device_id out (the device is then chosen like "
+            "BridgeConfig(device='auto')) or pass a CUDA or CPU device",
+        )
+    )
     return "auto"
 
 
@@ -327,6 +336,42 @@ def _ignored_value(kwargs: Mapping[str, Any], problems: list[Problem]) -> tuple[
             )
         )
     return None
+
+
+def runtime_ignored_objects(kwargs: Mapping[str, Any]) -> tuple[dict[str, Any], tuple[object, ...]]:
+    """``kwargs`` without ``ignored_modules`` / ``ignored_states`` given as module or parameter objects
+    (FSDP1's form), and those objects: they go with the config and become names in ``shard()``, where the
+    model is known (:func:`fsdp_bridge.module_names`).
+
+    Raises:
+        ConfigError: both arguments given (FSDP1 refuses that too), or an entry that is neither a module,
+            a parameter nor a name.
+    """
+    rest = dict(kwargs)
+    given = [k for k in ("ignored_modules", "ignored_states") if rest.get(k) is not None]
+    if len(given) == 2:
+        raise ConfigError(
+            [Problem("ignored_states", "given with ignored_modules", "one of them", "pass only ignored_states")]
+        )
+    if not given:
+        return rest, ()
+    values = list(rest[given[0]])
+    if all(isinstance(v, str) for v in values):
+        return rest, ()
+    bad = [v for v in values if not isinstance(v, (nn.Module, nn.Parameter))]
+    if bad:
+        raise ConfigError(
+            [
+                Problem(
+                    given[0],
+                    bad[0],
+                    "modules or parameters of the model (FSDP1's form), or module names",
+                    "pass e.g. [model.lm_head] or ['lm_head']",
+                )
+            ]
+        )
+    rest.pop(given[0])
+    return rest, tuple(values)
 
 
 def _process_group_problems(group: object) -> list[Problem]:
