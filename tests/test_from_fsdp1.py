@@ -15,6 +15,7 @@ from torch.distributed.fsdp.wrap import (
     CustomPolicy,
     ModuleWrapPolicy,
     _or_policy,
+    _Policy,
     lambda_auto_wrap_policy,
     size_based_auto_wrap_policy,
     transformer_auto_wrap_policy,
@@ -191,6 +192,13 @@ def _precision(**expected: Any) -> Any:
     return check
 
 
+class _BlockPolicy(_Policy):
+    """A torch _Policy subclass of a user's own (FSDP1 runs its _run_policy)."""
+
+    def _run_policy(self, root_module: nn.Module, ignored_modules: set[nn.Module], root_kwargs: dict) -> dict:
+        return {m: {} for m in root_module.modules() if isinstance(m, Block)}
+
+
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 # (argument, value, backend) -> a check of the config, or (_NO_EQUIVALENT, pattern of the ConfigError)
 FSDP1_VALUES: list[tuple[str, Any, Any]] = [
@@ -208,6 +216,7 @@ FSDP1_VALUES: list[tuple[str, Any, Any]] = [
     ),
     ("auto_wrap_policy", CustomPolicy(lambda m: isinstance(m, Block)), lambda c: len(_unit_names(Net(), c)) == 3),
     ("auto_wrap_policy", functools.partial(size_based_auto_wrap_policy, min_num_params=100), lambda c: c.wrap.mode),
+    ("auto_wrap_policy", _BlockPolicy(), lambda c: _unit_names(Net(), c) == [f"blocks.{i}" for i in range(3)]),
     ("backward_prefetch", None, _fields(backward_prefetch="none")),
     ("backward_prefetch", BackwardPrefetch.BACKWARD_PRE, _fields(backward_prefetch="pre")),
     ("backward_prefetch", BackwardPrefetch.BACKWARD_POST, (_NO_EQUIVALENT, r"backward_prefetch: got 'post'.*cannot")),

@@ -151,6 +151,8 @@ def _wrap_value(policy: object, problems: list[Problem]) -> object:
         return chosen
     if callable(policy):
         return _Fsdp1Policy(policy)
+    if callable(getattr(policy, "_run_policy", None)):
+        return _Fsdp1PolicyObject(policy)  # a torch _Policy subclass of the user's own
     problems.append(
         Problem(
             "auto_wrap_policy",
@@ -173,6 +175,34 @@ class _Fsdp1Policy:
 
     def resolve_units(self, model: nn.Module, ignored: Iterable[nn.Module] = ()) -> list[nn.Module]:
         return fsdp1_policy_units(model, self.policy, ignored)
+
+
+class _Fsdp1PolicyObject:
+    """A policy object FSDP1 runs as ``policy._run_policy(root, ignored_modules, root_kwargs)`` (torch's
+    ``_Policy`` interface, for subclasses of the user's own): the modules it returns are the units."""
+
+    def __init__(self, policy: Any) -> None:
+        self.policy = policy
+        self.__qualname__ = describe_policy(policy)
+
+    def __call__(self, module: nn.Module) -> bool:  # the bridge calls resolve_units instead
+        raise TypeError("an FSDP1 policy object is resolved over the whole model (resolve_units)")
+
+    def resolve_units(self, model: nn.Module, ignored: Iterable[nn.Module] = ()) -> list[nn.Module]:
+        chosen = self.policy._run_policy(model, set(ignored), {})
+        overrides = {type(m).__name__: kw for m, kw in chosen.items() if kw}
+        if overrides:
+            raise ConfigError(
+                [
+                    Problem(
+                        "auto_wrap_policy",
+                        self.__qualname__,
+                        "a policy that chooses modules without per-unit arguments",
+                        f"it gave per-unit FSDP1 arguments {overrides}; FSDP2 units share one config",
+                    )
+                ]
+            )
+        return [m for m in model.modules() if m is not model and m in chosen]
 
 
 def fsdp1_policy_units(
