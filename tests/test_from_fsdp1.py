@@ -627,3 +627,11 @@ def test_meta_device_ranks_take_rank0_weights_and_dtypes(run_on_ranks) -> None:
         message = result["rank 0 on meta"]
         assert "sync_module_states: got 'rank 0 holds meta-device tensors (embed.weight, embed.bias, " in message
         assert "run it on rank 0's modules first" in message
+
+
+def test_what_the_bridge_does_differently_is_said(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level("INFO", logger="fsdp_bridge")
+    BridgeConfig.from_fsdp1(
+        mixed_precision=MixedPrecision(param_dtype=torch.bfloat16), auto_wrap_policy=ModuleWrapPolicy({Block})
+    )
+    assert "MixedPrecision keeps _BatchNorm modules in full precision in FSDP1" in caplog.text

@@ -453,6 +453,14 @@ def translate_fsdp1_kwargs(kwargs: Mapping[str, Any]) -> tuple[dict[str, Any], l
         if key in kwargs:
             out[key] = bool(kwargs[key])
     notes = _init_notes(kwargs)
+    mp = kwargs.get("mixed_precision")
+    if isinstance(mp, MixedPrecision) and mp.param_dtype is not None and kwargs.get("auto_wrap_policy") is not None:
+        kept = _class_names(mp._module_classes_to_ignore)
+        if kept:  # FSDP1's default: BatchNorm
+            notes.append(
+                f"MixedPrecision keeps {', '.join(kept)} modules in full precision in FSDP1 (units of their own "
+                "under an auto-wrap policy); the bridge runs them in param_dtype with the rest of their unit"
+            )
     if "device_id" in kwargs:
         out["device"] = _device_value(kwargs["device_id"], problems)
     ignored = _ignored_value(kwargs, problems)
