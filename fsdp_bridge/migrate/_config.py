@@ -185,8 +185,9 @@ def _precision_flags(data: Mapping[str, Any], src: Fsdp1Source, problems: _Probl
         value = data[key]
         if str(value).strip().lower() == "auto" and key == "bf16":
             chosen.append((key, value, "bf16"))
+            who = "axolotl trains" if tool == "axolotl" else "axolotl's spelling, read here as axolotl reads it:"
             src.notes.append(
-                f"bf16: auto: {tool} trains in bf16 where the hardware supports it (bf16-capable GPUs), otherwise "
+                f"bf16: auto: {who} in bf16 where the hardware supports it (bf16-capable GPUs), otherwise "
                 "in fp16; the migrated config must be explicit and says bf16: write mixed_precision: fp16 for "
                 "hardware without bf16"
             )
