@@ -19,9 +19,10 @@ from torch.distributed.tensor import DTensor
 
 from fsdp_bridge._fsdp1_init import materialize_like_fsdp1, reset_parameters_problems
 from fsdp_bridge._lora import has_4bit, keep_4bit_weights_in_place, parameter_adapters, quantization_problems
+from fsdp_bridge._module_calls import module_clip_grad_norm_, module_no_sync
 from fsdp_bridge._optimizer_check import record_replaced
 from fsdp_bridge.backends import BackendImpl, backend_inside, get_backend, sharded_by
-from fsdp_bridge.config import BridgeConfig, fsdp1_init
+from fsdp_bridge.config import BridgeConfig, carried_ignored, fsdp1_init, with_ignored_names
 from fsdp_bridge.distributed import (
     MeshPlan,
     agree,
@@ -40,6 +41,7 @@ from fsdp_bridge.wrap import (
     WrapPlan,
     disable_kv_cache,
     in_post_order,
+    module_names,
     one_dtype_per_unit,
     resolve_ignored,
     resolve_ignored_params,
@@ -258,6 +260,18 @@ def _presharded(model: nn.Module) -> list[nn.Module]:
     return out
 
 
+def _with_fsdp1_ignored(config: BridgeConfig, model: nn.Module) -> BridgeConfig:
+    """``config`` with the ignored module or parameter objects given to ``BridgeConfig.from_fsdp1`` added to
+    ``ignored_modules`` as their paths in ``model``; objects outside ``model`` are left out, as FSDP1 leaves
+    them (they hold none of its parameters)."""
+    objects = carried_ignored(config)
+    if not objects:
+        return config
+    inside = {id(m) for m in model.modules()} | {id(p) for p in model.parameters()}
+    names = module_names(model, [o for o in objects if id(o) in inside])
+    return with_ignored_names(config, names)
+
+
 def shard_module(
     model: nn.Module, config: BridgeConfig | None, mesh: DeviceMesh | None, *, as_unit: bool = False
 ) -> nn.Module:
@@ -272,6 +286,7 @@ def shard_module(
             f"config must be a BridgeConfig (got {type(config).__name__}); "
             "use fsdp_bridge.load_config(path) or BridgeConfig.from_dict(mapping)"
         )
+    config = _with_fsdp1_ignored(config, model)
     if hasattr(model, _ATTR):
         raise ConfigError(
             [Problem("model", type(model).__name__, "a model that is not sharded yet", "call shard() once per model")]
@@ -661,22 +676,29 @@ def no_sync(model: nn.Module) -> AbstractContextManager[None]:
     """Inside the context, backward accumulates gradients without reducing them across ranks.
 
     Args:
-        model: a model returned by :func:`shard`.
+        model: a model returned by :func:`shard`, or any other module, which gets what its own call
+            does: an FSDP1 ``FullyShardedDataParallel`` or a DDP module its ``no_sync()``; a module
+            sharded with torch's ``fully_shard`` (or holding such modules) ``set_requires_gradient_sync(False)``,
+            True again on exit (under HSDP the all-reduce waits too); a plain module nothing.
 
     Returns:
         A context manager; the step after it reduces the accumulated gradients.
-
-    Raises:
-        TypeError: ``model`` was not sharded by :func:`shard`.
     """
-    return get_bridge(model).no_sync()
+    bridge = getattr(model, _ATTR, None)
+    if isinstance(bridge, Bridge):
+        return bridge.no_sync()
+    return module_no_sync(model)
 
 
 def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
     """Clip gradients by their global norm (over all shards and replicas); return the norm.
 
     Args:
-        model: a model returned by :func:`shard`.
+        model: a model returned by :func:`shard`, or any other module, which gets what its own clipping
+            does: an FSDP1 ``FullyShardedDataParallel`` its ``clip_grad_norm_()``; a module sharded with
+            torch's ``fully_shard`` torch's ``clip_grad_norm_`` over its DTensor gradients (the global
+            norm returned as a plain tensor, as FSDP1 returns it); DDP and plain modules
+            ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)``.
         max_norm: the largest total norm allowed.
         norm_type: the p of the p-norm (``inf`` for the largest absolute value).
 
@@ -684,9 +706,12 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
         The total norm before clipping, the same on every rank.
 
     Raises:
-        TypeError: ``model`` was not sharded by :func:`shard`.
+        ConfigError: ``model`` holds FSDP1 wrappers but is not one (FSDP1 clips from its root only).
     """
-    return get_bridge(model).clip_grad_norm_(max_norm, norm_type)
+    bridge = getattr(model, _ATTR, None)
+    if isinstance(bridge, Bridge):
+        return bridge.clip_grad_norm_(max_norm, norm_type)
+    return module_clip_grad_norm_(model, max_norm, norm_type)
 
 
 def _refuse_offloaded_grads(with_grads: bool, offload_to_cpu: bool) -> None:
@@ -744,7 +769,16 @@ def summon_full_params(
             ranks would have nothing to write back), ``with_grads=True`` with ``offload_to_cpu=True``
             (as in FSDP1), or ``recurse=False`` with ``writeback``, ``rank0_only``, ``offload_to_cpu``
             or ``with_grads`` (FSDP2's unshard has no such forms), before any collective.
-        TypeError: ``model`` holds no sharded parameters.
+    A module that holds no sharded parameters (DDP, a plain module) is full already: the context
+    gathers nothing for it (autograd is off inside all the same), as FSDP1's static
+    ``summon_full_params`` gathers nothing for such a module.
+
+    Parameter objects taken before the context (``params = list(model.parameters())``) are the full
+    tensors inside it on the FSDP1 backend (FSDP1 re-points their data); on FSDP2 they stay the sharded
+    DTensors: read parameters from the model inside the context (``model.parameters()``,
+    ``named_parameters()``, ``module.weight``). A DTensor keeps its data in slots, so the same objects
+    cannot be made full tensors (``torch.utils.swap_tensors`` refuses, and re-pointing ``.data`` leaves
+    a DTensor).
     """
     flags = {
         "writeback": writeback,
@@ -782,12 +816,10 @@ def summon_full_params(
         impl, target = bridge.impl, bridge.model
     else:
         backend = backend_inside(model)
-        if backend is None:
-            raise TypeError(
-                f"{type(model).__name__} holds no sharded parameters: pass a model returned by "
-                "fsdp_bridge.shard() (or a unit of one, or a module sharded with fully_shard or "
-                "FullyShardedDataParallel)"
-            )
+        if backend is None:  # DDP or a plain module: its parameters are full already, as FSDP1 leaves them
+            with torch.no_grad():  # autograd off inside, as for sharded models
+                yield
+            return
         impl, target = get_backend(backend), model
     if not recurse:
         with torch.no_grad(), impl.own_params(target):

@@ -543,7 +543,7 @@ class BridgeConfig:
         if unknown:
             raise ConfigError(unknown)
         replaced = dataclasses.replace(self, **changes)
-        for carried in (_FSDP1_MESH, _FSDP1_INIT):  # what from_fsdp1 was given beside the fields
+        for carried in (_FSDP1_MESH, _FSDP1_INIT, _FSDP1_IGNORED):  # what from_fsdp1 was given beside the fields
             if hasattr(self, carried):
                 object.__setattr__(replaced, carried, getattr(self, carried))
         return replaced
@@ -574,7 +574,10 @@ class BridgeConfig:
                 goes with the returned config (not a field: it is not saved or compared) and is
                 the mesh :func:`fsdp_bridge.shard` and :func:`fsdp_bridge.enable_wrap` use when
                 given none (a group through :func:`fsdp_bridge.mesh_from_process_group`), so
-                ``**kwargs`` dicts that hold them work unchanged.
+                ``**kwargs`` dicts that hold them work unchanged. ``ignored_modules`` /
+                ``ignored_states`` given as module or parameter objects go with the config too and
+                are named in the model by :func:`fsdp_bridge.shard`. ``backward_prefetch=None`` is no
+                backward prefetch (FSDP1's meaning) on both backends.
 
         Returns:
             A validated config; wrap policies keep FSDP1's semantics exactly.
@@ -585,9 +588,10 @@ class BridgeConfig:
         """
         # What FSDP1's arguments mean lives in its own module (below this one: it makes plain field values);
         # imported here so that reading a YAML config does not import FSDP1's classes.
-        from fsdp_bridge.fsdp1_compat import runtime_mesh_arguments, translate_fsdp1_kwargs
+        from fsdp_bridge.fsdp1_compat import runtime_ignored_objects, runtime_mesh_arguments, translate_fsdp1_kwargs
 
         kwargs, carried = runtime_mesh_arguments(fsdp1_kwargs)
+        kwargs, ignored_objects = runtime_ignored_objects(kwargs)
         values, notes = translate_fsdp1_kwargs(kwargs)
         for note in notes:
             logger.info("from_fsdp1: %s", note)
@@ -597,6 +601,9 @@ class BridgeConfig:
             object.__setattr__(config, _FSDP1_MESH, carried)
         # FSDP1 materialises meta-device modules itself (param_init_fn, else reset_parameters): kept for shard().
         object.__setattr__(config, _FSDP1_INIT, (kwargs.get("param_init_fn"),))
+        if ignored_objects:
+            # FSDP1's module or parameter objects: named in shard(), where the model is known.
+            object.__setattr__(config, _FSDP1_IGNORED, ignored_objects)
         return config
 
 
@@ -608,6 +615,25 @@ group)`` given there, for :func:`fsdp1_mesh`."""
 _FSDP1_INIT = "_fsdp1_init"
 """Attribute of a config from :meth:`BridgeConfig.from_fsdp1`: ``(param_init_fn or None,)``, FSDP1's rule for
 meta-device modules (see :func:`fsdp1_init`)."""
+
+
+_FSDP1_IGNORED = "_fsdp1_ignored"
+"""Attribute of a config from :meth:`BridgeConfig.from_fsdp1`: the module or parameter objects given as
+``ignored_modules`` / ``ignored_states`` (FSDP1's form), for :func:`carried_ignored`."""
+
+
+def carried_ignored(config: BridgeConfig) -> tuple[object, ...]:
+    """The ignored module or parameter objects :meth:`BridgeConfig.from_fsdp1` was given (FSDP1's form of
+    ``ignored_modules`` / ``ignored_states``): ``shard()`` names them in the model it shards."""
+    return cast("tuple[object, ...]", getattr(config, _FSDP1_IGNORED, ()))
+
+
+def with_ignored_names(config: BridgeConfig, names: Sequence[str]) -> BridgeConfig:
+    """``config`` with ``names`` (the paths of its :func:`carried_ignored` objects) added to
+    ``ignored_modules``, and the objects dropped: named once, not again if the result is reused."""
+    named = config.replace(ignored_modules=(*config.ignored_modules, *names))
+    object.__delattr__(named, _FSDP1_IGNORED)
+    return named
 
 
 def fsdp1_init(config: BridgeConfig) -> tuple[Any] | None:

@@ -40,6 +40,7 @@ __all__ = [
     "FSDP1_KWARGS",
     "describe_policy",
     "fsdp1_policy_units",
+    "runtime_ignored_objects",
     "runtime_mesh_arguments",
     "translate_fsdp1_kwargs",
 ]
@@ -145,6 +146,8 @@ def _wrap_value(policy: object, problems: list[Problem]) -> object:
         return chosen
     if callable(policy):
         return _Fsdp1Policy(policy)
+    if callable(getattr(policy, "_run_policy", None)):
+        return _Fsdp1PolicyObject(policy)  # a torch _Policy subclass of the user's own
     problems.append(
         Problem(
             "auto_wrap_policy",
@@ -167,6 +170,34 @@ class _Fsdp1Policy:
 
     def resolve_units(self, model: nn.Module, ignored: Iterable[nn.Module] = ()) -> list[nn.Module]:
         return fsdp1_policy_units(model, self.policy, ignored)
+
+
+class _Fsdp1PolicyObject:
+    """A policy object FSDP1 runs as ``policy._run_policy(root, ignored_modules, root_kwargs)`` (torch's
+    ``_Policy`` interface, for subclasses of the user's own): the modules it returns are the units."""
+
+    def __init__(self, policy: Any) -> None:
+        self.policy = policy
+        self.__qualname__ = describe_policy(policy)
+
+    def __call__(self, module: nn.Module) -> bool:  # the bridge calls resolve_units instead
+        raise TypeError("an FSDP1 policy object is resolved over the whole model (resolve_units)")
+
+    def resolve_units(self, model: nn.Module, ignored: Iterable[nn.Module] = ()) -> list[nn.Module]:
+        chosen = self.policy._run_policy(model, set(ignored), {})
+        overrides = {type(m).__name__: kw for m, kw in chosen.items() if kw}
+        if overrides:
+            raise ConfigError(
+                [
+                    Problem(
+                        "auto_wrap_policy",
+                        self.__qualname__,
+                        "a policy that chooses modules without per-unit arguments",
+                        f"it gave per-unit FSDP1 arguments {overrides}; FSDP2 units share one config",
+                    )
+                ]
+            )
+        return [m for m in model.modules() if m is not model and m in chosen]
 
 
 def fsdp1_policy_units(
@@ -206,7 +237,15 @@ def _device_value(device_id: object, problems: list[Problem]) -> str:
         kind = torch.device(device_id).type
         if kind in ("cuda", "cpu"):
             return kind
-    problems.append(Problem("device_id", device_id, "None, a CUDA device index, or torch.device('cuda'|'cpu')"))
+    problems.append(
+        Problem(
+            "device_id",
+            device_id,
+            "None, a CUDA device index, or torch.device('cuda'|'cpu')",
+            "the bridge runs on CUDA or CPU only: leave device_id out (the device is then chosen like "
+            "BridgeConfig(device='auto')) or pass a CUDA or CPU device",
+        )
+    )
     return "auto"
 
 
@@ -324,6 +363,42 @@ def _ignored_value(kwargs: Mapping[str, Any], problems: list[Problem]) -> tuple[
     return None
 
 
+def runtime_ignored_objects(kwargs: Mapping[str, Any]) -> tuple[dict[str, Any], tuple[object, ...]]:
+    """``kwargs`` without ``ignored_modules`` / ``ignored_states`` given as module or parameter objects
+    (FSDP1's form), and those objects: they go with the config and become names in ``shard()``, where the
+    model is known (:func:`fsdp_bridge.module_names`).
+
+    Raises:
+        ConfigError: both arguments given (FSDP1 refuses that too), or an entry that is neither a module,
+            a parameter nor a name.
+    """
+    rest = dict(kwargs)
+    given = [k for k in ("ignored_modules", "ignored_states") if rest.get(k) is not None]
+    if len(given) == 2:
+        raise ConfigError(
+            [Problem("ignored_states", "given with ignored_modules", "one of them", "pass only ignored_states")]
+        )
+    if not given:
+        return rest, ()
+    values = list(rest[given[0]])
+    if all(isinstance(v, str) for v in values):
+        return rest, ()
+    bad = [v for v in values if not isinstance(v, (nn.Module, nn.Parameter))]
+    if bad:
+        raise ConfigError(
+            [
+                Problem(
+                    given[0],
+                    bad[0],
+                    "modules or parameters of the model (FSDP1's form), or module names",
+                    "pass e.g. [model.lm_head] or ['lm_head']",
+                )
+            ]
+        )
+    rest.pop(given[0])
+    return rest, tuple(values)
+
+
 def _process_group_problems(group: object) -> list[Problem]:
     """A process group other than every rank's has no config meaning (HYBRID_SHARD: a 2D mesh)."""
     if group is None:
@@ -373,6 +448,14 @@ def translate_fsdp1_kwargs(kwargs: Mapping[str, Any]) -> tuple[dict[str, Any], l
         if key in kwargs:
             out[key] = bool(kwargs[key])
     notes = _init_notes(kwargs)
+    mp = kwargs.get("mixed_precision")
+    if isinstance(mp, MixedPrecision) and mp.param_dtype is not None and kwargs.get("auto_wrap_policy") is not None:
+        kept = _class_names(mp._module_classes_to_ignore)
+        if kept:  # FSDP1's default: BatchNorm
+            notes.append(
+                f"MixedPrecision keeps {', '.join(kept)} modules in full precision in FSDP1 (units of their own "
+                "under an auto-wrap policy); the bridge runs them in param_dtype with the rest of their unit"
+            )
     if "device_id" in kwargs:
         out["device"] = _device_value(kwargs["device_id"], problems)
     ignored = _ignored_value(kwargs, problems)

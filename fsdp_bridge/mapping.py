@@ -318,9 +318,9 @@ TABLE: tuple[Rule, ...] = (
         "backward_prefetch=None",
         T(N, "backward_prefetch=None"),
         T(
-            U,
-            "FSDP2 always prefetches one unit in backward and has no public switch to turn it off. "
-            "Use backward_prefetch: pre (it costs one more unit of gathered parameters)",
+            E,
+            "each unit's set_modules_to_backward_prefetch([itself]): the unit is gathered already when its "
+            "backward starts, so FSDP2's implicit prefetch of the next unit is off",
         ),
         lambda c: c.config.backward_prefetch is BP.NONE,
     ),

@@ -164,9 +164,8 @@ def test_all_problems_reported_together() -> None:
         # Combinations a backend cannot honour: refused at config time, with the alternative.
         (
             {"backend": "fsdp2", "backward_prefetch": "post"},
-            r"backward_prefetch: got 'post'; allowed: on fsdp2: pre. Fix: fsdp2 cannot do this: .*Use backward_prefetch: pre",
+            r"backward_prefetch: got 'post'; allowed: on fsdp2: pre, none. Fix: fsdp2 cannot do this: .*Use backward_prefetch: pre",
         ),
-        ({"backend": "fsdp2", "backward_prefetch": "none"}, r"no public switch to turn it off"),
         ({"backend": "fsdp1", "reshard_after_forward": 2}, r"FSDP1 cannot reshard to a smaller group"),
         (
             {"backend": "fsdp1", "strategy": "full_shard", "reshard_after_forward": False},

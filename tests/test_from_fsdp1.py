@@ -15,6 +15,7 @@ from torch.distributed.fsdp.wrap import (
     CustomPolicy,
     ModuleWrapPolicy,
     _or_policy,
+    _Policy,
     lambda_auto_wrap_policy,
     size_based_auto_wrap_policy,
     transformer_auto_wrap_policy,
@@ -22,6 +23,7 @@ from torch.distributed.fsdp.wrap import (
 
 import fsdp_bridge
 from fsdp_bridge import BridgeConfig, ConfigError
+from fsdp_bridge.config import carried_ignored, fsdp1_init
 from fsdp_bridge.fsdp1_compat import describe_policy, fsdp1_policy_units
 from fsdp_bridge.testing.models import build_tiny, sample_batch
 from fsdp_bridge.wrap import resolve_wrap
@@ -152,8 +154,8 @@ def test_what_has_no_meaning_is_refused_with_the_fix() -> None:
     # param_init_fn without sync_module_states: FSDP1 calls it only on meta-device modules, and shard()
     # refuses a meta-device model without sync_module_states, so a real-device model is accepted.
     BridgeConfig.from_fsdp1(param_init_fn=lambda m: m.to_empty(device="cpu"))
-    with pytest.raises(ConfigError, match=r"ignored_modules: .*module names"):
-        BridgeConfig.from_fsdp1(ignored_modules=[nn.Linear(1, 1)])
+    with pytest.raises(ConfigError, match=r"ignored_states: got 'given with ignored_modules'"):
+        BridgeConfig.from_fsdp1(ignored_modules=[nn.Linear(1, 1)], ignored_states=[nn.Linear(1, 1)])
     # The same errors as the YAML path: BACKWARD_POST has no FSDP2 form.
     with pytest.raises(ConfigError, match=r"backward_prefetch: got 'post'"):
         BridgeConfig.from_fsdp1(backward_prefetch=BackwardPrefetch.BACKWARD_POST)
@@ -165,6 +167,128 @@ def test_what_has_no_meaning_is_refused_with_the_fix() -> None:
             )
         )
         resolve_wrap(Net(), config.wrap)
+
+
+# -- every FullyShardedDataParallel.__init__ argument, every value FSDP1 accepts ---------------------------------
+
+_LINEAR = nn.Linear(2, 2)
+_PARAM = nn.Parameter(torch.zeros(2))
+_NO_EQUIVALENT = "no equivalent"  # a value the config refuses, with the reason and the fix
+
+
+def _fields(**expected: Any) -> Any:
+    def check(config: BridgeConfig) -> None:
+        got = {k: getattr(config, k) for k in expected}
+        got = {k: v.value if hasattr(v, "value") and not isinstance(v, torch.dtype) else v for k, v in got.items()}
+        assert got == expected
+
+    return check
+
+
+def _precision(**expected: Any) -> Any:
+    def check(config: BridgeConfig) -> None:
+        assert {k: getattr(config.mixed_precision, k) for k in expected} == expected
+
+    return check
+
+
+class _BlockPolicy(_Policy):
+    """A torch _Policy subclass of a user's own (FSDP1 runs its _run_policy)."""
+
+    def _run_policy(self, root_module: nn.Module, ignored_modules: set[nn.Module], root_kwargs: dict) -> dict:
+        return {m: {} for m in root_module.modules() if isinstance(m, Block)}
+
+
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+# (argument, value, backend) -> a check of the config, or (_NO_EQUIVALENT, pattern of the ConfigError)
+FSDP1_VALUES: list[tuple[str, Any, Any]] = [
+    ("process_group", None, _fields()),
+    ("sharding_strategy", None, _fields(strategy="full_shard")),
+    *[("sharding_strategy", s, _fields(strategy=s.name.lower().lstrip("_"))) for s in TorchStrategy],
+    ("cpu_offload", None, _fields(cpu_offload=False)),
+    ("cpu_offload", CPUOffload(), _fields(cpu_offload=False)),
+    ("cpu_offload", CPUOffload(offload_params=True), _fields(cpu_offload=True)),
+    ("auto_wrap_policy", None, lambda c: c.wrap.mode == "none"),
+    (
+        "auto_wrap_policy",
+        ModuleWrapPolicy({Block}),
+        lambda c: _unit_names(Net(), c) == [f"blocks.{i}" for i in range(3)],
+    ),
+    ("auto_wrap_policy", CustomPolicy(lambda m: isinstance(m, Block)), lambda c: len(_unit_names(Net(), c)) == 3),
+    ("auto_wrap_policy", functools.partial(size_based_auto_wrap_policy, min_num_params=100), lambda c: c.wrap.mode),
+    ("auto_wrap_policy", _BlockPolicy(), lambda c: _unit_names(Net(), c) == [f"blocks.{i}" for i in range(3)]),
+    ("backward_prefetch", None, _fields(backward_prefetch="none")),
+    ("backward_prefetch", BackwardPrefetch.BACKWARD_PRE, _fields(backward_prefetch="pre")),
+    ("backward_prefetch", BackwardPrefetch.BACKWARD_POST, (_NO_EQUIVALENT, r"backward_prefetch: got 'post'.*cannot")),
+    ("mixed_precision", None, _precision(param_dtype=None, reduce_dtype=None, buffer_dtype=None)),
+    ("mixed_precision", MixedPrecision(), _precision(param_dtype=None, reduce_dtype=None, buffer_dtype=None)),
+    ("mixed_precision", MixedPrecision(param_dtype=BF16), _precision(param_dtype=BF16, reduce_dtype=None)),
+    ("mixed_precision", MixedPrecision(reduce_dtype=FP32), _precision(param_dtype=None, reduce_dtype=FP32)),
+    ("mixed_precision", MixedPrecision(buffer_dtype=BF16), _precision(buffer_dtype=BF16)),
+    ("mixed_precision", MixedPrecision(FP16, FP16, FP16), _precision(param_dtype=FP16, buffer_dtype=FP16)),
+    ("mixed_precision", MixedPrecision(cast_forward_inputs=True), _precision(cast_forward_inputs=True)),
+    ("mixed_precision", MixedPrecision(cast_root_forward_inputs=False), _precision(cast_root_forward_inputs=False)),
+    (
+        "mixed_precision",
+        MixedPrecision(param_dtype=BF16, keep_low_precision_grads=True),
+        (_NO_EQUIVALENT, r"keep_low_precision_grads: got True.*FSDP2 keeps gradients in the parameters' dtype"),
+    ),
+    ("ignored_modules", None, _fields(ignored_modules=())),
+    ("ignored_modules", [], _fields(ignored_modules=())),
+    ("ignored_modules", [_LINEAR], lambda c: carried_ignored(c) == (_LINEAR,)),
+    ("param_init_fn", None, _fields()),
+    ("param_init_fn", lambda m: None, lambda c: fsdp1_init(c) is not None),
+    ("device_id", None, _fields(device="auto")),
+    ("device_id", 0, _fields(device="cuda")),
+    ("device_id", torch.device("cpu"), _fields(device="cpu")),
+    ("device_id", torch.device("cuda", 1), _fields(device="cuda")),
+    ("device_id", "cuda:0", _fields(device="cuda")),
+    ("device_id", torch.device("xpu"), (_NO_EQUIVALENT, r"device_id: got device\(type='xpu'\).*CUDA or CPU only")),
+    *[("sync_module_states", v, _fields(sync_module_states=bool(v))) for v in (False, True)],
+    *[("forward_prefetch", v, _fields(forward_prefetch=v)) for v in (False, True)],
+    *[("limit_all_gathers", v, _fields(limit_all_gathers=v)) for v in (False, True)],
+    *[("use_orig_params", v, _fields()) for v in (False, True)],
+    ("ignored_states", None, _fields(ignored_modules=())),
+    ("ignored_states", [_PARAM], lambda c: carried_ignored(c) == (_PARAM,)),
+    ("ignored_states", [_LINEAR], lambda c: carried_ignored(c) == (_LINEAR,)),
+    ("device_mesh", None, _fields()),
+]
+
+
+def _case(value: object) -> str:
+    """A stable test id for a value (no object addresses)."""
+    if isinstance(value, list):
+        return f"[{', '.join(type(v).__name__ for v in value)}]"
+    text = repr(value)
+    return type(value).__name__ if " at 0x" in text else text[:60]
+
+
+def test_the_table_covers_every_fsdp1_argument() -> None:
+    import inspect
+
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    arguments = set(inspect.signature(FullyShardedDataParallel.__init__).parameters) - {"self", "module"}
+    assert arguments == {name for name, _, _ in FSDP1_VALUES}
+
+
+@pytest.mark.parametrize("backend", ["fsdp2", "fsdp1"])
+@pytest.mark.parametrize(
+    ("argument", "value", "expected"), FSDP1_VALUES, ids=[f"{a}={_case(v)}" for a, v, _ in FSDP1_VALUES]
+)
+def test_every_value_fsdp1_accepts_translates_or_is_refused_with_the_reason(
+    argument: str, value: Any, expected: Any, backend: str
+) -> None:
+    if isinstance(expected, tuple):
+        _, pattern = expected
+        if backend == "fsdp1" and argument == "backward_prefetch":  # FSDP1 itself runs BACKWARD_POST
+            assert BridgeConfig.from_fsdp1(backend=backend, **{argument: value}).backward_prefetch.value == "post"
+            return
+        with pytest.raises(ConfigError, match=pattern):
+            BridgeConfig.from_fsdp1(backend=backend, **{argument: value})
+        return
+    config = BridgeConfig.from_fsdp1(backend=backend, **{argument: value})
+    assert expected(config) is not False
 
 
 # -- the same kwargs through raw FSDP1 and through the bridge on FSDP2 (2 gloo ranks) ----------
@@ -511,3 +635,11 @@ def test_meta_device_ranks_take_rank0_weights_and_dtypes(run_on_ranks) -> None:
         message = result["rank 0 on meta"]
         assert "sync_module_states: got 'rank 0 holds meta-device tensors (embed.weight, embed.bias, " in message
         assert "run it on rank 0's modules first" in message
+
+
+def test_what_the_bridge_does_differently_is_said(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level("INFO", logger="fsdp_bridge")
+    BridgeConfig.from_fsdp1(
+        mixed_precision=MixedPrecision(param_dtype=torch.bfloat16), auto_wrap_policy=ModuleWrapPolicy({Block})
+    )
+    assert "MixedPrecision keeps _BatchNorm modules in full precision in FSDP1" in caplog.text

@@ -10,6 +10,7 @@ from pathlib import Path
 from unittest import mock
 
 import pytest
+import torch
 import yaml
 
 import fsdp_bridge
@@ -94,8 +95,12 @@ def test_accelerate_every_option(tmp_path: Path) -> None:
         "fsdp_state_dict_type": M,
         "fsdp_ignored_modules": M,
         "mixed_precision": M,
+        "downcast_bf16": X,  # TPU only
         "mixed_precision (mixed_precision.buffer_dtype)": E,
+        # every other key is reported as not used (carried into the accelerate YAML), never dropped
+        **dict.fromkeys((k for k in ACCELERATE if k not in ("fsdp_config", "mixed_precision", "downcast_bf16")), X),
     }
+    assert "not read by the migration" in m.report.row("machine_rank").reason
     c = m.fsdp2
     assert (c.backend.value, c.strategy.value, c.wrap.classes, c.backward_prefetch.value) == (
         "fsdp2",
@@ -177,7 +182,8 @@ def test_accelerate_no_shard_keeps_replication(tmp_path: Path) -> None:
     assert "fsdp_config" not in m.accelerate
     assert any("DDP" in n for n in m.report.notes)
     # defaults accelerate ran FSDP1 with are reported too
-    assert m.report.row("fsdp_backward_prefetch").status is NE
+    # accelerate's FSDP1 default (no backward prefetch) is kept: FSDP2 can now run without it
+    assert m.report.row("fsdp_backward_prefetch").status is E and m.fsdp2.backward_prefetch.value == "none"
     assert m.report.row("fsdp_backward_prefetch").value.startswith("(not set")
     written = write_outputs(m, tmp_path / "b.yaml")
     plugin, _, env = _accelerate_plugin(Path(written[1]))
@@ -231,6 +237,7 @@ def test_trainer_every_option(tmp_path: Path) -> None:
         "fsdp_config.state_dict_type": M,
         "bf16": M,
         "bf16 (mixed_precision.buffer_dtype)": E,
+        "output_dir": X,  # not an FSDP setting: reported as not used
     }
     assert m.fsdp2.strategy.value == "hybrid_shard_zero2" and m.fsdp2.cpu_offload
     assert m.report.row("fsdp_config.state_dict_type").target == 'fsdp_bridge.save_checkpoint(..., kind="full")'
@@ -239,7 +246,7 @@ def test_trainer_every_option(tmp_path: Path) -> None:
     cfg = _write(tmp_path / "fsdp_config.json", {"fsdp_transformer_layer_cls_to_wrap": "GPT2Block"})
     m2 = migrate_config(cfg, fsdp="no_shard")
     assert m2.fsdp2.strategy.value == "no_shard" and m2.fsdp2.wrap.classes == ("GPT2Block",)
-    assert m2.report.row("fsdp_config.backward_prefetch").status is NE  # transformers' FSDP1 default
+    assert m2.report.row("fsdp_config.backward_prefetch").status is E  # transformers' FSDP1 default: none, kept
 
 
 def test_bridge_yaml_every_option(tmp_path: Path) -> None:
@@ -264,7 +271,7 @@ def test_bridge_yaml_every_option(tmp_path: Path) -> None:
         "strategy": M,
         "mixed_precision": M,
         "wrap": E,
-        "backward_prefetch": NE,
+        "backward_prefetch": E,  # none: no prefetch on FSDP2 too
         "forward_prefetch": E,
         "limit_all_gathers": X,
         "cpu_offload": M,
@@ -275,7 +282,7 @@ def test_bridge_yaml_every_option(tmp_path: Path) -> None:
         "ignored_modules": M,
         "device": M,
     }
-    assert m.fsdp2 == BridgeConfig.from_dict({**data, "backend": "fsdp2", "backward_prefetch": "pre"})
+    assert m.fsdp2 == BridgeConfig.from_dict({**data, "backend": "fsdp2"})
 
 
 def test_errors_name_the_key(tmp_path: Path) -> None:
@@ -371,6 +378,17 @@ EXPECTED_CONFIGS = {
         strategy="hybrid_shard", wrap={"min_num_params": 100000000}, mixed_precision=BF16
     ),
     "accelerate_numbered_old.yaml": dict(strategy="shard_grad_op", wrap=["T5Block"], backward_prefetch="pre"),
+    # precision spellings: axolotl's bf16: auto is bf16 (not fp32), fp16 flags, accelerate's mixed_precision
+    "axolotl_bf16_auto.yaml": dict(strategy="full_shard", wrap=["MistralDecoderLayer"], mixed_precision=BF16),
+    "axolotl_fp16_size.yaml": dict(
+        strategy="hybrid_shard", wrap={"min_num_params": 1000000}, cpu_offload=True, mixed_precision=FP16
+    ),
+    "trainer_args_fp16_half_backend.json": dict(
+        strategy="shard_grad_op", wrap=["GPTNeoXLayer"], forward_prefetch=True, mixed_precision=FP16
+    ),
+    "accelerate_fp16_hybrid_size.yaml": dict(
+        strategy="hybrid_shard", wrap={"min_num_params": 2000000}, backward_prefetch="none", mixed_precision=FP16
+    ),
 }
 
 
@@ -411,3 +429,84 @@ def test_a_command_line_without_fsdp_is_named() -> None:
         from fsdp_bridge.migrate._config import parse_trainer_command
 
         parse_trainer_command("python train.py --bf16 True", "run.sh", base=Path("."))
+
+
+# -- precision spellings and keys the migration does not use ------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "axolotl_bf16_auto.yaml",
+        "axolotl_fp16_size.yaml",
+        "trainer_args_fp16_half_backend.json",
+        "accelerate_fp16_hybrid_size.yaml",
+        "axolotl_offload.yaml",
+        "trainer_args_legacy.json",
+    ],
+)
+def test_every_key_of_the_source_is_in_the_report(name: str) -> None:
+    src = CONFIGS / name
+    data = json.loads(src.read_text()) if src.suffix == ".json" else yaml.safe_load(src.read_text())
+    report = migrate_config(src).report
+    keys = {r.key.split(" (")[0].removeprefix("fsdp_config.") for r in report.rows}
+    reported = keys | {k.removeprefix("fsdp_") for k in keys}
+    # the fsdp list and fsdp_config are read key by key; Trainer flags named fsdp_* are reported under fsdp_config
+    top = {k.removeprefix("fsdp_") for k in data if k not in ("fsdp", "fsdp_config")}
+    nested = {k.removeprefix("fsdp_") for k in data.get("fsdp_config") or {}}
+    assert not (top - reported), f"top-level keys not reported: {top - reported}"
+    assert not (nested - reported), f"fsdp_config keys not reported: {nested - reported}"
+
+
+def test_bf16_auto_is_bf16_and_the_report_says_it_meant_hardware_dependent() -> None:
+    m = migrate_config(CONFIGS / "axolotl_bf16_auto.yaml")
+    assert m.source.kind == "axolotl"
+    assert m.fsdp2.mixed_precision.param_dtype == torch.bfloat16  # was silently fp32
+    row = m.report.row("bf16")
+    assert (row.value, row.status) == ("auto", M)
+    assert any("bf16: auto" in n and "otherwise in fp16" in n for n in m.report.notes)
+    assert m.report.row("tf32").status is X and "not an FSDP option" in m.report.row("tf32").reason
+    assert "not read by the migration" in m.report.row("base_model").reason
+
+
+def test_reports_show_the_value_each_construct_had() -> None:
+    m = migrate_config(CONFIGS / "accelerate_fp16_hybrid_size.yaml")
+    wrap = m.report.row("fsdp_auto_wrap_policy")
+    assert (wrap.value, wrap.target) == (
+        "SIZE_BASED_WRAP (min_num_params=2000000)",
+        'wrap: {"min_num_params": 2000000}',
+    )
+    strategy = m.report.row("fsdp_sharding_strategy")
+    assert (strategy.value, strategy.target) == ("HYBRID_SHARD", 'strategy: "hybrid_shard"')
+    assert "2D mesh" in strategy.reason
+    m = migrate_config(CONFIGS / "axolotl_bf16_auto.yaml")
+    assert m.report.row("fsdp_auto_wrap_policy").value == (
+        "TRANSFORMER_BASED_WRAP (transformer_layer_cls_to_wrap=MistralDecoderLayer)"
+    )
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        ({"bf16": "auto"}, "bfloat16"),
+        ({"bf16": True, "fp16": False}, "bfloat16"),
+        ({"bf16": "false", "fp16": "true"}, "float16"),
+        ({"bf16": False}, None),
+        ({"mixed_precision": "no"}, None),
+        ({"mixed_precision": "bf16"}, "bfloat16"),
+        ({"torch_dtype": "bfloat16", "bfloat16": True}, None),  # the model's dtype, not mixed precision
+    ],
+)
+def test_axolotl_precision_spellings(flags: dict[str, object], expected: str | None, tmp_path: Path) -> None:
+    data = {"base_model": "m", "fsdp": ["full_shard"], "fsdp_config": {"fsdp_offload_params": False}, **flags}
+    m = migrate_config(_write(tmp_path / "axolotl.yaml", data))
+    dtype = m.fsdp2.mixed_precision.param_dtype
+    assert (None if dtype is None else str(dtype).removeprefix("torch.")) == expected
+    for key in flags:
+        assert m.report.row(key)
+
+
+def test_bf16_and_fp16_together_are_refused(tmp_path: Path) -> None:
+    args = {"output_dir": "o", "bf16": True, "fp16": True, "fsdp": "full_shard", "fsdp_config": {}}
+    with pytest.raises(ConfigError, match=r"bf16/fp16: got 'bf16: True, fp16: True'; allowed: one of bf16 and fp16"):
+        migrate_config(_write(tmp_path / "args.json", args))

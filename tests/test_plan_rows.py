@@ -549,7 +549,17 @@ EXPECTED: dict[tuple[str, str, str], Expect | tuple[Expect, ...] | Refused] = {
     ),
     ("backward_prefetch", "post", "fsdp2"): Refused({"backward_prefetch": "post"}),
     ("backward_prefetch", "none", "fsdp1"): Expect({"backward_prefetch": "none"}, {"backward_prefetch": None}),
-    ("backward_prefetch", "none", "fsdp2"): Refused({"backward_prefetch": "none"}),
+    ("backward_prefetch", "none", "fsdp2"): Expect(  # each unit prefetches only itself: no implicit prefetch
+        {"backward_prefetch": "none"},
+        {
+            "set_modules_to_backward_prefetch": [
+                ("blocks.0", ["blocks.0"]),
+                ("blocks.1", ["blocks.1"]),
+                ("blocks.2", ["blocks.2"]),
+                ("(root)", ["(root)"]),
+            ]
+        },
+    ),
     ("forward_prefetch", "true", "fsdp1"): Expect({"forward_prefetch": True}, {"forward_prefetch": True}),
     ("forward_prefetch", "true", "fsdp2"): Expect(
         {"forward_prefetch": True, "wrap": ["Block", "Linear"]},  # units in units: only the outer ones prefetch

@@ -75,3 +75,18 @@ def test_architecture_doc_names_every_module_and_only_modules() -> None:
     modules = {p.relative_to(package).as_posix() for p in package.rglob("*.py")}
     assert sorted(modules - named) == [], "modules missing from docs/architecture.md's module table"
     assert sorted(named - modules) == [], "paths in docs/architecture.md's module table that are not modules"
+
+
+def test_every_module_is_in_a_layer_of_the_import_contract() -> None:
+    """A module the layers contract does not name escapes it: every top-level module and subpackage of
+    fsdp_bridge is in exactly one layer (pyproject.toml, checked by lint-imports in `make lint`)."""
+    import tomllib
+
+    contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    layers = next(c for c in contracts if c["id"] == "layers")["layers"]
+    named = [name.strip() for layer in layers for name in layer.split("|")]
+    package = ROOT / "fsdp_bridge"
+    present = {p.stem for p in package.glob("*.py") if p.stem != "__init__"}
+    present |= {p.parent.name for p in package.glob("*/__init__.py")}
+    assert sorted(present - set(named)) == [], "modules missing from the layers contract in pyproject.toml"
+    assert len(named) == len(set(named)), "a module named in two layers"

@@ -34,7 +34,7 @@ from fsdp_bridge.backends._common import (
 from fsdp_bridge.backends.base import FlatPiece, FlatTensor
 from fsdp_bridge.mapping import no_shard_mesh_shape
 from fsdp_bridge.plan import ShardPlan, SyncMethod
-from fsdp_bridge.strategy import Backend
+from fsdp_bridge.strategy import Backend, BackwardPrefetch
 
 __all__ = ["FSDP2Backend", "local_shape"]
 
@@ -161,6 +161,13 @@ class FSDP2Backend:
             for unit, following in itertools.pairwise(ordered):
                 assert isinstance(unit, FSDPModule) and isinstance(following, FSDPModule)
                 unit.set_modules_to_forward_prefetch([following])
+        if plan.backward_prefetch is BackwardPrefetch.NONE:
+            # FSDP1's backward_prefetch=None: each unit's explicit backward-prefetch list holds only itself,
+            # gathered already when its backward starts, which turns off FSDP2's implicit prefetch of the
+            # next unit (torch 2.6+: an empty list would keep the implicit one).
+            for unit in [*plan.units, model]:
+                assert isinstance(unit, FSDPModule)
+                unit.set_modules_to_backward_prefetch([unit])
 
         if plan.has_meta and plan.materialize:
             model.to_empty(device=plan.device)

@@ -104,7 +104,12 @@ def accelerate_fsdp2(m: Migration) -> dict[str, Any] | None:
     prefetch_text = (
         "removed (accelerate FSDP2 has no backward_prefetch): FSDP2 always prefetches one unit, BACKWARD_PRE timing"
     )
-    if cfg.backward_prefetch is not BackwardPrefetch.PRE:
+    if cfg.backward_prefetch is BackwardPrefetch.NONE:
+        prefetch_text += (
+            "; FSDP1 ran without backward prefetch, which accelerate's FSDP2 cannot express "
+            "(the bridge YAML keeps it: backward_prefetch: none)"
+        )
+    elif cfg.backward_prefetch is not BackwardPrefetch.PRE:
         prefetch_text += f"; FSDP1 ran with {cfg.backward_prefetch.name}, which FSDP2 cannot reproduce"
     texts["fsdp_backward_prefetch"] = texts["fsdp_backward_prefetch_policy"] = prefetch_text
     texts["fsdp_forward_prefetch"] = (

@@ -75,6 +75,10 @@ class Fsdp1Source:
     """Values of table-only options (state_dict_type, use_orig_params, ...)."""
     raw: dict[str, Any] = field(default_factory=dict)
     """The whole source document (accelerate: re-emitted with the FSDP2 fsdp_config)."""
+    notes: list[str] = field(default_factory=list)
+    """What the report must say about the source beyond its rows (e.g. what ``bf16: auto`` meant)."""
+    used: set[str] = field(default_factory=set)
+    """Top-level keys of the source read by the migration; every other key is reported as not used."""
 
     def record(self, key: str, option: str, value: object, *, default: bool = False, ignored: str = "") -> None:
         """Note a source key for the report (in the order the report lists them)."""
@@ -153,6 +157,64 @@ def _mixed_precision(key: str, value: object, problems: _Problems) -> dict[str, 
         problems.add(key, value, "no, fp16, bf16 or fp8")
         return None
     return {"param_dtype": dtype, "reduce_dtype": dtype, "buffer_dtype": dtype}
+
+
+_NOT_FSDP_PRECISION = {
+    "tf32": "TF32 matmuls (torch.backends.cuda.matmul.allow_tf32), set by the tool; not an FSDP option: unchanged",
+    "bf16_full_eval": "evaluation runs the whole model in bf16 (the Trainer casts it); not an FSDP option: unchanged",
+    "fp16_full_eval": "evaluation runs the whole model in fp16 (the Trainer casts it); not an FSDP option: unchanged",
+    "half_precision_backend": "the Trainer's autocast backend; FSDP's mixed precision comes from bf16/fp16: unchanged",
+    "torch_dtype": "the dtype the model is loaded in (its parameters' dtype on both backends), not a mixed-precision "
+    "setting: unchanged",
+    "bfloat16": "axolotl loads the model in bf16 (its parameters' dtype on both backends), not a mixed-precision "
+    "setting: unchanged",
+    "float16": "axolotl loads the model in fp16 (its parameters' dtype on both backends), not a mixed-precision "
+    "setting: unchanged",
+}
+"""Precision keys of axolotl / Trainer arguments that are not FSDP's mixed precision: reported, not translated."""
+
+
+def _precision_flags(data: Mapping[str, Any], src: Fsdp1Source, problems: _Problems, tool: str) -> None:
+    """axolotl's and the Trainer's precision spellings -> FSDP1's MixedPrecision (what accelerate builds from
+    them): ``bf16: true|auto``, ``fp16: true``, ``mixed_precision: bf16|fp16|no``; the precision keys that are
+    not FSDP's mixed precision (``tf32``, ``torch_dtype``, ``bf16_full_eval``, ...) reported as such."""
+    chosen: list[tuple[str, object, str]] = []  # (key, value as written, preset)
+    for key in ("bf16", "fp16"):
+        if key not in data or data[key] is None:
+            continue
+        value = data[key]
+        if str(value).strip().lower() == "auto" and key == "bf16":
+            chosen.append((key, value, "bf16"))
+            who = "axolotl trains" if tool == "axolotl" else "axolotl's spelling, read here as axolotl reads it:"
+            src.notes.append(
+                f"bf16: auto: {who} in bf16 where the hardware supports it (bf16-capable GPUs), otherwise "
+                "in fp16; the migrated config must be explicit and says bf16: write mixed_precision: fp16 for "
+                "hardware without bf16"
+            )
+        elif _bool(key, value, problems):
+            chosen.append((key, value, key))
+        else:
+            src.record(key, "", value, ignored=f"{key} off: no {key} mixed precision (the other flags decide)")
+    if data.get("mixed_precision") is not None:
+        value = data["mixed_precision"]
+        preset = str(value).strip().lower()
+        chosen.append(("mixed_precision", value, "fp32" if preset in ("no", "none", "fp32") else preset))
+    presets = {preset for _, _, preset in chosen}
+    if len(presets - {"fp32"}) > 1:
+        given = ", ".join(f"{k}: {v}" for k, v, _ in chosen)
+        problems.add(
+            "bf16/fp16", given, "one of bf16 and fp16", f"{tool} refuses both too: keep the one you train with"
+        )
+        return
+    for key, value, preset in chosen:
+        src.fields["mixed_precision"] = _mixed_precision(key, preset, problems)
+        src.record(key, "mixed_precision", value)
+    if not chosen:
+        src.fields["mixed_precision"] = None
+        src.record("bf16", "mixed_precision", "false", default=True)
+    for key, reason in _NOT_FSDP_PRECISION.items():
+        if key in data:
+            src.record(key, "", data[key], ignored=reason)
 
 
 def _class_list(key: str, value: object, problems: _Problems) -> list[str]:
@@ -277,6 +339,10 @@ def parse_accelerate(data: Mapping[str, Any], path: str) -> Fsdp1Source:
     if "mixed_precision" in data:
         src.fields["mixed_precision"] = _mixed_precision("mixed_precision", data["mixed_precision"], problems)
         src.record("mixed_precision", "mixed_precision", data["mixed_precision"])
+    if "downcast_bf16" in data:
+        reason = "accelerate reads it on TPUs only (XLA), not with torch FSDP: unchanged, carried into its YAML"
+        src.record("downcast_bf16", "", data["downcast_bf16"], ignored=reason)
+    src.used = {"fsdp_config", "mixed_precision", "downcast_bf16"}
     if problems:
         raise ConfigError(problems, source=path)
     return src
@@ -301,10 +367,19 @@ def _accelerate_strategy(fsdp: Mapping[str, Any], src: Fsdp1Source, problems: _P
 
 
 def _min_num_params(key: str, value: object, problems: _Problems) -> int | None:
-    if isinstance(value, bool) or not str(value).strip().isdigit():
-        problems.add(key, value, "an integer >= 0")
+    text = str(value).strip()
+    if not isinstance(value, bool) and not text.isdigit():
+        # 1e6 / 1000000.0: YAML reads `1e6` as a string, the tools read it as a number
+        try:
+            number = float(text)
+        except ValueError:
+            number = -1.0
+        if number >= 0 and number == int(number):
+            return int(number)
+    if isinstance(value, bool) or not text.isdigit():
+        problems.add(key, value, "an integer >= 0 (1000000 or 1e6)")
         return None
-    return int(str(value).strip())
+    return int(text)
 
 
 def _accelerate_wrap(fsdp: Mapping[str, Any], src: Fsdp1Source, problems: _Problems) -> None:
@@ -328,6 +403,25 @@ def _accelerate_wrap(fsdp: Mapping[str, Any], src: Fsdp1Source, problems: _Probl
         ignored = "" if policy == "SIZE_BASED_WRAP" else "accelerate reads it only with SIZE_BASED_WRAP"
         src.record("fsdp_min_num_params", "wrap", fsdp["fsdp_min_num_params"], ignored=ignored)
     src.fields["wrap"] = _wrap(policy, classes, min_params)
+    _show_policy_arguments(src, "fsdp_auto_wrap_policy", policy, classes, min_params)
+
+
+def _show_policy_arguments(
+    src: Fsdp1Source, key: str, policy: str | None, classes: list[str] | None, min_params: int | None
+) -> None:
+    """The auto-wrap policy's row shows the arguments the policy read, as in
+    ``SIZE_BASED_WRAP (min_num_params=1000000)``: the report says which policy became which ``wrap``."""
+    if policy == "TRANSFORMER_BASED_WRAP":
+        arguments = f"transformer_layer_cls_to_wrap={','.join(classes)}" if classes else "model's _no_split_modules"
+    elif policy == "SIZE_BASED_WRAP":
+        arguments = f"min_num_params={min_params}" if min_params else "min_num_params not set: no wrapping"
+    else:
+        return
+    for i, option in enumerate(src.options):
+        if option.key == key and not option.ignored_because:
+            shown = f"{_show(option.value)} ({arguments})"
+            src.options[i] = SourceOption(option.key, shown, option.option, option.default)
+            return
 
 
 def _accelerate_prefetch(fsdp: Mapping[str, Any], src: Fsdp1Source, problems: _Problems) -> None:
@@ -418,10 +512,10 @@ def parse_trainer(
     _read_keys(_TRAINER_KEYS, cfg, src, problems, prefix="fsdp_config.", shown="fsdp_config.")
     if src.table_values.get("cpu_ram_efficient_loading"):
         src.fields["sync_module_states"] = True
-    for flag in ("bf16", "fp16"):
-        if str(training_args.get(flag, "")).strip().lower() in ("true", "1", "yes"):
-            src.fields["mixed_precision"] = _mixed_precision(flag, flag, problems)
-            src.record(flag, "mixed_precision", training_args[flag])
+    if training_args:
+        _precision_flags(training_args, src, problems, "the Trainer")
+        src.used |= {"fsdp", "fsdp_config", "bf16", "fp16", "mixed_precision", *_NOT_FSDP_PRECISION}
+        src.used |= set(_LEGACY_TRAINER_FLAGS)
     if problems:
         raise ConfigError(problems, source=path)
     return src
@@ -484,6 +578,7 @@ def _trainer_wrap(items: list[Any], cfg: Mapping[str, Any], src: Fsdp1Source, pr
         ignored = "" if policy == "SIZE_BASED_WRAP" else "read only with SIZE_BASED_WRAP"
         src.record("fsdp_config.min_num_params", "wrap", cfg["min_num_params"], ignored=ignored)
     src.fields["wrap"] = _wrap(policy, classes, min_params)
+    _show_policy_arguments(src, "fsdp_config.auto_wrap_policy", policy, classes, min_params)
 
 
 def parse_bridge(data: Mapping[str, Any], path: str) -> Fsdp1Source:
@@ -547,10 +642,11 @@ def read_source(path: str | os.PathLike[str], *, fsdp: str | None = None) -> Fsd
         )
     if fsdp is not None:
         return parse_trainer(fsdp, data, str(path))
+    axolotl_keys = ("base_model", "sequence_len", "micro_batch_size")  # axolotl's own, never TrainingArguments'
     if (
         "fsdp" in data
         and isinstance(data.get("fsdp_config") or {}, Mapping)
-        and _accelerate_style(data.get("fsdp_config") or {})
+        and (_accelerate_style(data.get("fsdp_config") or {}) or any(k in data for k in axolotl_keys))
     ):
         return parse_axolotl(data, str(path))
     if "fsdp" in data and "fsdp_config" not in data:
@@ -680,13 +776,14 @@ def parse_axolotl(data: Mapping[str, Any], path: str) -> Fsdp1Source:
             raise ConfigError(
                 [Problem("fsdp", item, ", ".join((*_AXOLOTL_ITEMS, "offload", "auto_wrap")))], source=path
             )
-    merged: dict[str, Any] = {"fsdp_config": fsdp_config}
-    for flag in ("bf16", "fp16"):
-        if data.get(flag) is True:
-            merged["mixed_precision"] = flag
-    src = parse_accelerate(merged, path)
+    src = parse_accelerate({"fsdp_config": fsdp_config}, path)
     src.kind = "axolotl"
     src.raw = dict(data)
+    problems = _Problems()
+    _precision_flags(data, src, problems, "axolotl")  # axolotl hands bf16/fp16 to accelerate's mixed_precision
+    if problems:
+        raise ConfigError(problems, source=path)
+    src.used = {"fsdp", "fsdp_config", "bf16", "fp16", "mixed_precision", *_NOT_FSDP_PRECISION}
     return src
 
 
@@ -761,9 +858,8 @@ def migrate_config(path: str | os.PathLike[str], *, fsdp: str | None = None) -> 
     for o in src.options:
         value = f"(not set: {o.value})" if o.default else _show(o.value)
         if o.ignored_because:
-            report.rows.append(
-                OptionRow(o.key, value, Status.NOT_NEEDED, "-", f"ignored by the source too: {o.ignored_because}")
-            )
+            reason = o.ignored_because if not o.option else f"ignored by the source too: {o.ignored_because}"
+            report.rows.append(OptionRow(o.key, value, Status.NOT_NEEDED, "-", reason))
             continue
         if o.option in BridgeConfig.field_names():
             # Sub-options left unset (mixed_precision.output_dtype: null) say nothing about the source.
@@ -789,6 +885,8 @@ def migrate_config(path: str | os.PathLike[str], *, fsdp: str | None = None) -> 
             outcome, text = _table_only(o.option)
             target = _table_target(o.option, src.table_values.get(o.option))
             report.rows.append(OptionRow(o.key, value, status_of(outcome), target, text))
+    report.rows.extend(_unused_rows(src))
+    report.notes.extend(src.notes)
     report.notes.append(f"backend: fsdp1 -> fsdp2 (bridge YAML); {_strategy_note(fsdp2)}")
     if fallbacks:
         report.notes.append(
@@ -801,6 +899,23 @@ def migrate_config(path: str | os.PathLike[str], *, fsdp: str | None = None) -> 
 
         migration.accelerate = accelerate_fsdp2(migration)
     return migration
+
+
+def _unused_rows(src: Fsdp1Source) -> list[OptionRow]:
+    """A row for every top-level key of the source the migration did not read: reported, never dropped."""
+    if src.kind not in ("accelerate", "axolotl", "trainer"):
+        return []  # a bridge YAML's keys are all fields (unknown ones are refused)
+    where = {
+        "accelerate": "carried unchanged into the accelerate FSDP2 YAML",
+        "axolotl": "stays in axolotl's own config",
+        "trainer": "stays in the Trainer's arguments",
+    }[src.kind]
+    rows = []
+    for key, value in src.raw.items():
+        if key not in src.used:
+            reason = f"not an FSDP or mixed-precision setting: not read by the migration; {where}"
+            rows.append(OptionRow(str(key), _show(value), Status.NOT_NEEDED, "-", reason))
+    return rows
 
 
 def _strategy_note(config: BridgeConfig) -> str:

@@ -1,0 +1,216 @@
+"""fsdp_bridge.no_sync / clip_grad_norm_ / summon_full_params on modules shard() did not make.
+
+Migrated code calls them where the original called the module's own method, and in code written for
+several backends the module may be DDP, torch's own ``fully_shard``, FSDP1 made by torch, or plain:
+each gets what its own call does. Dispatch is checked in one process; numerics at 2 gloo ranks (one spawn).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+from torch.nn.parallel import DistributedDataParallel
+
+import fsdp_bridge
+from fsdp_bridge import BridgeConfig, ConfigError
+
+
+class _LocalDDP(DistributedDataParallel):
+    """A DDP module without a process group: its own no_sync() only flips a flag."""
+
+    def __init__(self, module: nn.Module) -> None:
+        nn.Module.__init__(self)
+        self.module = module
+        self.require_backward_grad_sync = True
+
+
+class _Recording(FSDPModule):
+    """What torch's fully_shard makes a module (an FSDPModule), recording set_requires_gradient_sync."""
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        self.sync_calls.append(requires_gradient_sync)
+
+
+def _unit() -> Any:
+    module = nn.Linear(2, 2)
+    module.__class__ = type("FSDPLinear", (_Recording, nn.Linear), {})
+    module.sync_calls = []
+    return module
+
+
+def _with_grads(module: nn.Module) -> nn.Module:
+    for p in module.parameters():
+        p.grad = torch.full_like(p, 3.0)
+    return module
+
+
+def test_ddp_gets_its_own_no_sync_and_torchs_clip() -> None:
+    ddp = _LocalDDP(_with_grads(nn.Linear(3, 2)))
+    with fsdp_bridge.no_sync(ddp):
+        assert ddp.require_backward_grad_sync is False
+    assert ddp.require_backward_grad_sync is True
+    reference = _with_grads(nn.Linear(3, 2))
+    expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
+    assert torch.equal(fsdp_bridge.clip_grad_norm_(ddp, 1.0), expected)
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(ddp.parameters(), reference.parameters(), strict=True))
+    with fsdp_bridge.summon_full_params(ddp):  # full already: nothing to do
+        assert all(type(p) is nn.Parameter for p in ddp.parameters())
+
+
+def test_plain_module_gets_nothing_to_sync_and_torchs_clip() -> None:
+    model = _with_grads(nn.Linear(3, 2))
+    with fsdp_bridge.no_sync(model):
+        pass
+    norm = fsdp_bridge.clip_grad_norm_(model, 0.5, norm_type=float("inf"))
+    assert norm.item() == 3.0 and torch.allclose(model.weight.grad, torch.full((2, 3), 0.5), atol=1e-5)
+    before = [p.detach().clone() for p in model.parameters()]
+    with fsdp_bridge.summon_full_params(model, writeback=True, with_grads=True):
+        model.weight.add_(1.0)
+    assert torch.equal(model.weight, before[0] + 1.0)
+
+
+def test_fsdp1_made_by_torch_gets_its_own_methods() -> None:
+    fsdp1 = mock.MagicMock(spec=FullyShardedDataParallel)
+    fsdp1.clip_grad_norm_.return_value = torch.tensor(2.0)
+    assert fsdp_bridge.no_sync(fsdp1) is fsdp1.no_sync.return_value
+    assert fsdp_bridge.clip_grad_norm_(fsdp1, 1.0, norm_type=1.0).item() == 2.0
+    fsdp1.clip_grad_norm_.assert_called_once_with(1.0, 1.0)
+
+
+def test_fully_shard_modules_stop_gradient_sync_and_take_it_up_again() -> None:
+    unit = _unit()
+    with fsdp_bridge.no_sync(unit):
+        assert unit.sync_calls == [False]
+    assert unit.sync_calls == [False, True]
+    # fully_shard on the children only: each outermost unit, as each one's own call would
+    holder = nn.Sequential(_unit(), nn.Sequential(_unit()))
+    with pytest.raises(RuntimeError, match="inside"), fsdp_bridge.no_sync(holder):
+        raise RuntimeError("inside")  # restored on the way out of an error too
+    assert [holder[0].sync_calls, holder[1][0].sync_calls] == [[False, True], [False, True]]
+
+
+def test_a_module_holding_fsdp1_wrappers_is_refused_with_the_fix_for_clipping() -> None:
+    class Wrapper(FullyShardedDataParallel):
+        def __init__(self) -> None:
+            nn.Module.__init__(self)
+
+    holder = nn.Sequential(nn.Linear(2, 2))
+    holder.add_module("inner", Wrapper())
+    with pytest.raises(ConfigError, match=r"clip_grad_norm_: got 'Sequential holding FullyShardedDataParallel.*root"):
+        fsdp_bridge.clip_grad_norm_(holder, 1.0)
+
+
+# -- numerics at 2 gloo ranks: DDP and torch's fully_shard against their own calls ---------------------------
+
+
+def _net(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Sequential(nn.Linear(16, 16), nn.Tanh()), nn.Linear(16, 4))
+
+
+def _accumulate_and_clip(model: nn.Module, ours: bool, rank: int) -> tuple[list[torch.Tensor], float]:
+    """Two micro-batches, the first without sync, then a clip: through fsdp_bridge or the module's own calls."""
+    batches = [torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * rank + i)) for i in range(2)]
+    if ours:
+        with fsdp_bridge.no_sync(model):
+            model(batches[0]).square().mean().backward()
+    elif isinstance(model, DistributedDataParallel):
+        with model.no_sync():
+            model(batches[0]).square().mean().backward()
+    else:
+        assert isinstance(model, FSDPModule)
+        model.set_requires_gradient_sync(False)
+        model(batches[0]).square().mean().backward()
+        model.set_requires_gradient_sync(True)
+    model(batches[1]).square().mean().backward()
+    if ours:
+        norm = fsdp_bridge.clip_grad_norm_(model, 0.05)
+    else:
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+    if isinstance(norm, torch.distributed.tensor.DTensor):
+        norm = norm.full_tensor()
+    assert type(norm) is torch.Tensor  # a plain tensor, as FSDP1 returns it
+    grads = [p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad.clone() for p in model.parameters()]
+    return grads, norm.item()
+
+
+def _numerics() -> dict[str, Any]:
+    from torch.distributed.fsdp import fully_shard
+
+    rank = dist.get_rank()
+    out: dict[str, Any] = {}
+    for kind in ("ddp", "fully_shard"):
+        runs = []
+        for ours in (True, False):
+            model = _net()
+            if kind == "ddp":
+                model = DistributedDataParallel(model)
+            else:
+                fully_shard(model[2])
+                fully_shard(model)
+            runs.append(_accumulate_and_clip(model, ours, rank))
+        (grads, norm), (ref_grads, ref_norm) = runs
+        out[kind] = (norm, ref_norm, all(torch.equal(g, r) for g, r in zip(grads, ref_grads, strict=True)))
+    # summon_full_params on torch's fully_shard: full tensors inside, shards again after.
+    model = _net()
+    fully_shard(model)
+    with fsdp_bridge.summon_full_params(model):
+        out["summoned"] = [tuple(p.shape) for p in model.parameters() if type(p) is nn.Parameter]
+    # The same spawn checks from_fsdp1's FSDP1 values on FSDP2 (test_from_fsdp1.py checks them in one process)
+    # and what summon_full_params does to parameter objects taken before it.
+    from torch.distributed.fsdp import BackwardPrefetch
+
+    losses = []
+    for kwargs in ({}, {"backward_prefetch": None}):
+        model = fsdp_bridge.shard(_net(), BridgeConfig.from_fsdp1(auto_wrap_policy=_blocks, **kwargs))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(3):
+            model(
+                torch.randn(4, 8, generator=torch.Generator().manual_seed(rank * 10 + step))
+            ).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        losses.append(model(torch.ones(2, 8)).sum().item())
+    out["prefetch_none_losses"] = losses
+    del BackwardPrefetch
+    net = _net()
+    head = net[3]
+    model = fsdp_bridge.shard(net, BridgeConfig.from_fsdp1(ignored_modules=[head, nn.Linear(1, 1)]))
+    out["ignored"] = (fsdp_bridge.get_bridge(model).config.ignored_modules, type(head.weight).__name__)
+    identity = {}
+    for backend in ("fsdp2", "fsdp1"):
+        model = fsdp_bridge.shard(_net(), BridgeConfig(backend=backend, wrap="none", device="cpu"))
+        held = list(model.parameters())
+        with fsdp_bridge.summon_full_params(model):
+            inside = list(model.parameters())
+            identity[backend] = (all(a is b for a, b in zip(held, inside, strict=True)), tuple(held[0].shape))
+    out["identity"] = identity
+    return out
+
+
+def _blocks(module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:
+    return recurse or isinstance(module, nn.Sequential)
+
+
+def test_ddp_and_fully_shard_numerics_match_their_own_calls(run_on_ranks: Any) -> None:
+    results = run_on_ranks(_numerics, world_size=2)
+    for kind in ("ddp", "fully_shard"):
+        norms = {round(r[kind][0], 6) for r in results}
+        assert len(norms) == 1, f"{kind}: the norm differs across ranks"
+        for norm, ref_norm, same_grads in (r[kind] for r in results):
+            assert norm == ref_norm and same_grads, kind
+    assert results[0]["summoned"] == [(16, 8), (16,), (16, 16), (16,), (4, 16), (4,)]
+    for r in results:
+        # backward_prefetch=None (FSDP1: no prefetch) runs on FSDP2 and trains as the default does
+        assert r["prefetch_none_losses"][0] == r["prefetch_none_losses"][1]
+        # FSDP1 module objects given as ignored_modules: named in the model; one outside it left out
+        assert r["ignored"] == (("3",), "Parameter")
+        # summon_full_params: FSDP1 (use_orig_params) re-points the parameters held before the context;
+        # FSDP2's are DTensors whose data live in slots: those objects stay shards inside (docs/bridge.md)
+        assert r["identity"] == {"fsdp2": (False, (16, 8)), "fsdp1": (True, (16, 8))}
