@@ -6,8 +6,9 @@ Directories written by other tools are recognised too: a plain DCP directory (a
 ``.metadata`` file), a Hugging Face model directory, or one ``torch.save`` file.
 
 DCP's own reader unpickles its ``.metadata`` file and non-tensor items; here the
-metadata goes through an unpickler that only accepts DCP's metadata classes, and
-non-tensor items are read with ``torch.load(weights_only=True)``.
+metadata is built by a bounded interpreter of its pickle opcodes that only makes fresh DCP
+metadata objects (:mod:`fsdp_bridge.checkpoint._dcp_metadata`), and non-tensor items are read
+with ``torch.load(weights_only=True)``.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import io
 import json
 import math
 import os
-import pickle
 import warnings
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.planner import ReadItem
 
 from fsdp_bridge._names import strip_wrapper_prefixes
+from fsdp_bridge.checkpoint._dcp_metadata import parse_dcp_metadata, read_dcp_metadata_bytes
 from fsdp_bridge.errors import CheckpointError
 
 __all__ = [
@@ -346,55 +347,12 @@ def manifest(root: Path) -> dict[str, int]:
 # DCP without unpickling arbitrary objects
 # --------------------------------------------------------------------------------------
 
-# Exact (module, name) pairs, never a prefix: pickle protocol 4 resolves a dotted name by
-# attribute traversal, so ("torch.distributed.checkpoint.filesystem", "os.system") would
-# reach os.system through a module that imports os. These are the globals DCP's metadata
-# pickles hold (torch 2.8-2.14): its dataclasses, the storage-info records of the file
-# system and Hugging Face writers, and a few value types.
-_DCP_METADATA = "torch.distributed.checkpoint.metadata"
-_ALLOWED_GLOBALS: frozenset[tuple[str, str]] = frozenset(
-    {
-        (_DCP_METADATA, "Metadata"),
-        (_DCP_METADATA, "MetadataIndex"),
-        (_DCP_METADATA, "StorageMeta"),
-        (_DCP_METADATA, "TensorProperties"),
-        (_DCP_METADATA, "TensorStorageMetadata"),
-        (_DCP_METADATA, "BytesStorageMetadata"),
-        (_DCP_METADATA, "ChunkStorageMetadata"),
-        (_DCP_METADATA, "_MEM_FORMAT_ENCODING"),
-        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-        ("torch.distributed.checkpoint._hf_utils", "_HFStorageInfo"),
-        ("collections", "OrderedDict"),
-        ("builtins", "set"),
-        ("builtins", "frozenset"),
-        ("builtins", "slice"),
-        ("torch", "Size"),
-        ("torch.serialization", "_get_layout"),
-        ("pathlib", "PosixPath"),
-        ("pathlib", "PurePosixPath"),
-        ("pathlib", "WindowsPath"),
-        ("pathlib", "PureWindowsPath"),
-    }
-)
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _ALLOWED_GLOBALS:
-            return super().find_class(module, name)
-        if module == "torch" and name.isidentifier():
-            # dtypes (torch.float32, ...), layouts and memory formats: plain values, looked up
-            # as one attribute of the torch module, never a dotted path.
-            value = getattr(torch, name, None)
-            if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
-                return value
-        raise pickle.UnpicklingError(
-            f"refusing to load {module}.{name} from DCP metadata (only DCP's own metadata classes are read)"
-        )
+# DCP's ``.metadata`` is never unpickled: fsdp_bridge.checkpoint._dcp_metadata builds it with
+# a bounded interpreter of the pickle opcodes that can only make fresh DCP metadata objects.
 
 
 class SafeDCPReader(FileSystemReader):
-    """A :class:`FileSystemReader` whose ``.metadata`` is read by a restricted unpickler."""
+    """A :class:`FileSystemReader` whose ``.metadata`` is read by :func:`load_dcp_metadata` (never unpickled)."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = Path(self.path) / ".metadata"
@@ -402,17 +360,15 @@ class SafeDCPReader(FileSystemReader):
 
 
 def load_dcp_metadata(path: Path) -> Metadata:
-    try:
-        with open(path, "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
-    except FileNotFoundError as err:
-        raise CheckpointError(path, "missing: the DCP directory is incomplete") from err
-    except OSError as err:
-        raise CheckpointError(path, f"cannot be read ({err})") from err
-    except Exception as err:  # any malformed pickle: refused, never executed
-        raise CheckpointError(
-            path, f"cannot be read ({type(err).__name__}: {err}); the DCP metadata is truncated, damaged or not DCP"
-        ) from err
+    """DCP ``Metadata`` of a ``.metadata`` file, read by :func:`parse_dcp_metadata` (never
+    unpickled; bounded in size, depth, memo and hashing), with every file it names checked to be
+    inside its directory.
+
+    Raises:
+        CheckpointError: the file is missing, over a bound, not DCP metadata, or names a file
+            outside its directory.
+    """
+    metadata = parse_dcp_metadata(read_dcp_metadata_bytes(path), path)
     if not isinstance(metadata, Metadata):
         raise CheckpointError(path, f"holds a {type(metadata).__name__}, not DCP Metadata")
     # Where DCP will read each item: never outside the checkpoint's directory (each file once:
