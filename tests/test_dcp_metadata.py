@@ -222,6 +222,12 @@ def test_shared_and_cyclic_containers_are_refused(tmp_path: Path) -> None:
     metadata.planner_data = {"w": loop}
     with pytest.raises(CheckpointError, match=r"more than once"):
         load_dcp_metadata(write(tmp_path, pickle.dumps(metadata)))
+    shared: tuple[object, ...] = (1,)
+    for _ in range(12):
+        shared = (shared,) * 50  # a few KB pickled; 50**12 paths when walked
+    metadata.planner_data = {"w": ("model", "w"), "v": shared}
+    with pytest.raises(CheckpointError, match=r"planner_data occurs more than once"):
+        load_dcp_metadata(write(tmp_path, pickle.dumps(metadata)))
     deep: list[object] = []
     for _ in range(400):
         deep = [deep]

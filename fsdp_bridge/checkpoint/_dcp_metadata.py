@@ -497,14 +497,16 @@ class _Shape:
             raise _Refused(f"{what} is nested deeper than {self.limits.max_depth}")
         if isinstance(value, (*_ATOMS, slice)):
             return
-        if isinstance(value, (tuple, frozenset)):  # immutable: may be shared, already bounded if hashed
-            if len(value) > self.limits.max_sequence:
+        if isinstance(value, (tuple, frozenset, list, dict, set)):
+            if len(value) > self.limits.max_sequence and not isinstance(value, dict):
                 raise _Refused(f"{what} holds more than {self.limits.max_sequence} values")
-        elif isinstance(value, (list, dict, set)):
-            self.once(value, what)
+            if len(value) and not isinstance(value, torch.Size):
+                # a shared tuple too: walking a DAG of them (and any later repr) would be exponential
+                self.once(value, what)
         else:
             raise _Refused(f"{what} holds a {type(value).__name__}, expected plain values")
-        for item in value.items() if isinstance(value, dict) else value:
+        # (dict items are walked as keys and values: an items() pair is a temporary whose id recurs)
+        for item in (*value.keys(), *value.values()) if isinstance(value, dict) else value:
             self.plain(item, what, depth + 1)
 
     def metadata(self, value: Any) -> dcp_metadata.Metadata:
