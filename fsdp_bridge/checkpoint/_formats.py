@@ -68,8 +68,8 @@ CHECKSUM_ALGORITHMS = ("crc32c", "crc32")
 FORMAT = "fsdp_bridge.checkpoint"
 FORMAT_VERSION = 2
 """What new descriptions are written as. 2: the description carries ``description_sha256``, the
-SHA-256 of its own canonical JSON, and every integrity field is required. 1 (written before
-2026-11-29): read with ``files``, ``digests`` and ``checksums`` required (every version-1 writer
+SHA-256 of its own canonical JSON, and every integrity field is required. 1 (written by earlier
+development versions, unreleased): read with ``files``, ``digests`` and ``checksums`` required (every version-1 writer
 since checksums were added wrote them); its own bytes are not protected."""
 READ_VERSIONS = (1, 2)
 SELF_DIGEST = "description_sha256"
@@ -290,7 +290,11 @@ def read_meta(path: Path) -> dict[str, Any]:
         raise CheckpointError(
             meta_path, [f"field version: {version!r:.40}, expected one of {list(READ_VERSIONS)}", damaged]
         )
-    if version >= 2 and meta.get(SELF_DIGEST) != description_digest(meta):
+    try:
+        own = description_digest(meta) if version >= 2 else None
+    except (ValueError, RecursionError) as err:  # nested deeper than the encoder goes
+        raise CheckpointError(meta_path, f"cannot be checked ({type(err).__name__}); {damaged}") from None
+    if version >= 2 and meta.get(SELF_DIGEST) != own:
         raise CheckpointError(
             meta_path,
             f"content differs from what was saved (its {SELF_DIGEST} does not match: flipped, zeroed or "
