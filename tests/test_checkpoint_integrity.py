@@ -172,3 +172,19 @@ def test_a_failed_async_save_raises_checkpoint_error_not_a_base_exception(tmp_pa
     publish_failed.set_result(None)
     with pytest.raises(CheckpointError, match=r"b: the background save failed: OSError: \[Errno 5\] I/O error"):
         future2.wait()
+
+
+def test_an_async_save_that_cannot_start_raises_checkpoint_error(tmp_path: Path, monkeypatch) -> None:
+    import traceback
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    import fsdp_bridge.checkpoint._async as async_module
+
+    def planning_fails(*args: object, **kwargs: object) -> None:
+        raise CheckpointException("planning failed", {0: (ValueError("bad plan"), traceback.StackSummary())})
+
+    monkeypatch.setattr(async_module, "_start", planning_fails)
+    for _ in range(2):  # the path's save lock was released: the second try fails the same way
+        with pytest.raises(CheckpointError, match=r"ckpt: the save could not start: rank 0: ValueError: bad plan"):
+            async_module.save_checkpoint_async(tmp_path / "ckpt", torch.nn.Linear(2, 2))

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
 from fsdp_bridge.checkpoint._api import (
@@ -274,9 +275,14 @@ def save_checkpoint_async(
             path, model, optimizer, staging, checkpointer, state=state, keep_last=keep_last, rank=rank, world=world
         )
         return checkpointer.pending
-    except BaseException:
+    except BaseException as err:
         release_save_lock(path)
-        raise
+        if isinstance(err, (CheckpointError, KeyboardInterrupt, SystemExit)) or not isinstance(
+            err, (Exception, CheckpointException)
+        ):
+            raise
+        # DCP's planning step shares a failure with every rank as CheckpointException (a BaseException).
+        raise CheckpointError(path, f"the save could not start: {failure_text(err)}") from err
 
 
 def _start(
