@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 
 import fsdp_bridge
 from fsdp_bridge.checkpoint import CheckpointError, convert_checkpoint
+from fsdp_bridge.checkpoint._formats import description_digest
 from fsdp_bridge.cli import main
 from fsdp_bridge.testing.damage import redescribe, zero_file
 from fsdp_bridge.testing.models import build_tiny, sample_batch
@@ -110,7 +111,9 @@ def _cli_cases(root: Path) -> dict[str, tuple[list[str], list[str]]]:
     )
     d["description_wrong_type"] = str(_damaged(root, "full", "description_wrong_type", lambda p: None))
     meta = json.loads((root / "full" / "fsdp_bridge.json").read_text())
-    (Path(d["description_wrong_type"]) / "fsdp_bridge.json").write_text(json.dumps({**meta, "params": [1]}))
+    wrong = {**meta, "params": [1]}
+    wrong["description_sha256"] = description_digest(wrong)  # sealed again: the type check must catch it
+    (Path(d["description_wrong_type"]) / "fsdp_bridge.json").write_text(json.dumps(wrong))
     out = str(root / "out")
     bad_out = str(root / "a_file" / "sub")
     sh, full = str(root / "sharded"), str(root / "full")

@@ -20,6 +20,7 @@ import fsdp_bridge
 from fsdp_bridge.checkpoint import CheckpointError
 from fsdp_bridge.cli import main as cli
 from fsdp_bridge.testing import RankFailure, run_distributed
+from fsdp_bridge.testing.damage import describe
 from fsdp_bridge.testing.models import build_tiny, sample_batch
 
 IDS = torch.arange(4, 20).reshape(2, 8)
@@ -626,19 +627,19 @@ def test_paths_never_leave_the_checkpoint_directory(tmp_path: Path) -> None:
 
 
 def test_latest_checkpoint_survives_an_interrupted_overwrite_and_a_damaged_sibling(tmp_path: Path, caplog) -> None:
-    def ckpt(name: str, step: object, **extra: object) -> Path:
+    def ckpt(name: str, step: int, **extra: object) -> Path:
         d = tmp_path / name
-        d.mkdir()
-        meta = {"format": "fsdp_bridge.checkpoint", "version": 1, "kind": "sharded", "step": step, **extra}
-        (d / "fsdp_bridge.json").write_text(json.dumps(meta))
+        meta = describe(d, step=step)
+        if extra:
+            (d / "fsdp_bridge.json").write_text(json.dumps({**meta, **extra}))
         return d
 
     ckpt("step_1", 1)
     ckpt("step_2", 2)
     ckpt("step_3", 3, version="1")  # a wrong type in its description
     assert fsdp_bridge.latest_checkpoint(tmp_path) == tmp_path / "step_2"  # skipped, not raised
-    assert "skipping" in caplog.text and "field version: str" in caplog.text
-    with pytest.raises(CheckpointError, match=r"field version: str \('1'\), expected an integer"):
+    assert "skipping" in caplog.text and "field version: '1'" in caplog.text
+    with pytest.raises(CheckpointError, match=r"field version: '1', expected one of \[1, 2\]"):
         fsdp_bridge.checkpoint.detect(tmp_path / "step_3")
     # A kill between the two renames of an overwrite of step_4: .step_4.old is the only complete copy.
     ckpt(".step_4.old", 4)

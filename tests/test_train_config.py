@@ -18,6 +18,7 @@ import yaml
 
 from fsdp_bridge.cli import main
 from fsdp_bridge.errors import ConfigError
+from fsdp_bridge.testing.damage import describe
 from fsdp_bridge.train import TrainConfig, default_config_path, field_reference, load_train_config, lr_at, preflight
 from fsdp_bridge.train._data import PackedData
 from fsdp_bridge.train._launch import existing_launch
@@ -109,10 +110,7 @@ def test_files_checkpoints_and_mesh_are_checked_before_launch(tmp_path, no_launc
     assert "data.files: got '" in err and "none/*.txt" in err
     assert "hybrid_shape: got [2, 3]; allowed: two integers whose product is the world size (4)" in err
     # A fresh run refuses to write over another run's checkpoints.
-    (tmp_path / "out/checkpoints/step_00000003").mkdir(parents=True)
-    (tmp_path / "out/checkpoints/step_00000003/fsdp_bridge.json").write_text(
-        '{"format": "fsdp_bridge.checkpoint", "version": 1, "kind": "sharded", "step": 3}'
-    )
+    describe(tmp_path / "out/checkpoints/step_00000003", step=3)
     config = load_train_config(path, ["data.files=[sample]", "bridge.strategy=full_shard", "bridge.hybrid_shape=null"])
     with pytest.raises(ConfigError, match=r"resume: got False; .* already holds step_00000003: pass --resume"):
         preflight(config)

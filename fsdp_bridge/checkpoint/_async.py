@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
 from fsdp_bridge.checkpoint._api import (
@@ -38,7 +39,7 @@ from fsdp_bridge.checkpoint._api import (
     _tied_groups,
     release_save_lock,
 )
-from fsdp_bridge.checkpoint._formats import DCP_DIR
+from fsdp_bridge.checkpoint._formats import DCP_DIR, CheckpointError, failure_text
 from fsdp_bridge.checkpoint._state import write_rng
 
 __all__ = ["AsyncCheckpoint", "AsyncCheckpointer", "checkpointer_of", "save_checkpoint_async"]
@@ -112,7 +113,7 @@ class AsyncCheckpointer:
             None.
 
         Raises:
-            Exception: what the background write raised (see :meth:`AsyncCheckpoint.wait`).
+            CheckpointError: the background write failed (see :meth:`AsyncCheckpoint.wait`).
         """
         if self.pending is not None and not self.pending.done():
             self.pending.wait()
@@ -126,7 +127,7 @@ class AsyncCheckpointer:
             None.
 
         Raises:
-            Exception: what the background write raised; the resources are freed all the same.
+            CheckpointError: the background write failed; the resources are freed all the same.
         """
         try:
             self.wait()
@@ -185,14 +186,24 @@ class AsyncCheckpoint:
 
         Raises:
             TimeoutError: ``timeout`` passed first (the write goes on).
-            Exception: what the background write or the publication raised (e.g. a
-                :class:`CheckpointError`, an ``OSError`` of a full disk).
+            CheckpointError: the background write or the publication failed; the message names
+                each failing rank's error (DCP's ``CheckpointException``, a ``BaseException``, an
+                ``OSError`` of a full disk ... are its ``__cause__``).
         """
-        self._future.result(timeout)
+        try:
+            self._future.result(timeout)
+        except TimeoutError:
+            raise  # the write goes on
+        except BaseException:  # recorded by _complete (DCP's CheckpointException is a BaseException)
+            pass
         self._complete()
-        if self._error is not None:
-            raise self._error
-        return self.path
+        err = self._error
+        if err is None:
+            return self.path
+        if isinstance(err, (CheckpointError, KeyboardInterrupt, SystemExit)):
+            raise err
+        # DCP's CheckpointException (one entry per failing rank), an OSError of a full disk, ...
+        raise CheckpointError(self.path, f"the background save failed: {failure_text(err)}") from err
 
 
 # One checkpointer per model: the staged host copy is made once and refilled on later saves.
@@ -264,9 +275,14 @@ def save_checkpoint_async(
             path, model, optimizer, staging, checkpointer, state=state, keep_last=keep_last, rank=rank, world=world
         )
         return checkpointer.pending
-    except BaseException:
+    except BaseException as err:
         release_save_lock(path)
-        raise
+        if isinstance(err, (CheckpointError, KeyboardInterrupt, SystemExit)) or not isinstance(
+            err, (Exception, CheckpointException)
+        ):
+            raise
+        # DCP's planning step shares a failure with every rank as CheckpointException (a BaseException).
+        raise CheckpointError(path, f"the save could not start: {failure_text(err)}") from err
 
 
 def _start(

@@ -238,10 +238,23 @@ def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
 
     Returns:
         The path of the newest complete checkpoint, or None. A ``.NAME.old`` left by a kill
-        during an overwrite counts; a sibling with a damaged description is skipped with a warning.
+        during an overwrite counts. A checkpoint whose description is damaged, a listed file
+        missing or of another size, or whose DCP metadata does not parse is skipped with a
+        warning naming why, and the next older one is returned (file contents are not read here:
+        the load verifies them).
     """
-    ckpts = list_checkpoints(root)
-    return ckpts[-1][1] if ckpts else None
+    from fsdp_bridge.checkpoint._formats import detect, verify_manifest
+
+    for _, path in reversed(list_checkpoints(root)):
+        try:
+            # Cheap checks only: the description, every listed file present with its size, DCP's
+            # metadata parsed; contents are verified by the load itself.
+            verify_manifest(detect(path), contents=False)
+        except CheckpointError as err:
+            logger.warning("skipping %s, falling back to an older checkpoint: %s", path, err)
+            continue
+        return path
+    return None
 
 
 def rotate_checkpoints(root: str | os.PathLike[str], keep: int) -> list[Path]:

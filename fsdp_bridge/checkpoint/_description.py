@@ -21,7 +21,9 @@ from fsdp_bridge.checkpoint._formats import (
     FORMAT,
     FORMAT_VERSION,
     META_FILE,
+    SELF_DIGEST,
     checksums,
+    description_digest,
     digests,
     manifest,
 )
@@ -32,7 +34,8 @@ __all__ = ["Description"]
 @dataclass(frozen=True, kw_only=True)
 class Description:
     """The fields a writer knows; :meth:`write` adds the format, versions, time and the size,
-    SHA-256 (small files) and CRC-32C (tensor files) of every file in the directory."""
+    SHA-256 (small files) and CRC-32C (tensor files) of every file in the directory, and the
+    SHA-256 of the description itself (``description_sha256``)."""
 
     kind: str
     backend: str | None
@@ -76,5 +79,6 @@ class Description:
         }
         if self.converted_from is not None:
             meta["converted_from"] = self.converted_from
+        meta[SELF_DIGEST] = description_digest(meta)  # a flipped bit anywhere in it is seen at read
         write_json_durably(directory / META_FILE, meta)
         return meta

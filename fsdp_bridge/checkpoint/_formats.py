@@ -6,8 +6,9 @@ Directories written by other tools are recognised too: a plain DCP directory (a
 ``.metadata`` file), a Hugging Face model directory, or one ``torch.save`` file.
 
 DCP's own reader unpickles its ``.metadata`` file and non-tensor items; here the
-metadata goes through an unpickler that only accepts DCP's metadata classes, and
-non-tensor items are read with ``torch.load(weights_only=True)``.
+metadata is built by a bounded interpreter of its pickle opcodes that only makes fresh DCP
+metadata objects (:mod:`fsdp_bridge.checkpoint._dcp_metadata`), and non-tensor items are read
+with ``torch.load(weights_only=True)``.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import io
 import json
 import math
 import os
-import pickle
 import warnings
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.planner import ReadItem
 
 from fsdp_bridge._names import strip_wrapper_prefixes
+from fsdp_bridge.checkpoint._dcp_metadata import parse_dcp_metadata, read_dcp_metadata_bytes
 from fsdp_bridge.errors import CheckpointError
 
 __all__ = [
@@ -65,7 +66,15 @@ CHECKSUM_ALGORITHMS = ("crc32c", "crc32")
 
 
 FORMAT = "fsdp_bridge.checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""What new descriptions are written as. 2: the description carries ``description_sha256``, the
+SHA-256 of its own canonical JSON, and every integrity field is required. 1 (written by earlier
+development versions, unreleased): read with ``files``, ``digests`` and ``checksums`` required (every version-1 writer
+since checksums were added wrote them); its own bytes are not protected."""
+READ_VERSIONS = (1, 2)
+SELF_DIGEST = "description_sha256"
+MAX_DESCRIPTION_BYTES = 64 << 20
+"""Largest ``fsdp_bridge.json`` read (a description of 100,000 files is about 20 MiB)."""
 META_FILE = "fsdp_bridge.json"
 STATE_FILE = "train_state.json"
 RNG_DIR = "rng"
@@ -184,6 +193,7 @@ def _is_str(value: Any) -> bool:
 # here, before a reader can trip over it (the fuzz test in tests/test_checkpoint_description_fuzz.py).
 _FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "version": (_is_int, "an integer >= 0"),
+    SELF_DIGEST: (lambda v: isinstance(v, str) and len(v) == 64, "a SHA-256 hex digest"),
     "step": (_optional(_is_int), "an integer >= 0 or null"),
     "world_size": (lambda v: _is_int(v, 1), "an integer >= 1"),
     "files": (lambda v: _is_str_map(v, _is_int), "a mapping of file name to size in bytes"),
@@ -219,28 +229,96 @@ _FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
 }
 
 
+# What each version's description must hold (the rest of _FIELDS may be absent).
+_REQUIRED = {
+    1: ("format", "version", "kind", "files", "digests", "checksums"),
+    2: (
+        "format",
+        "version",
+        "kind",
+        "files",
+        "digests",
+        "checksums",
+        "checksum_algorithm",
+        "world_size",
+        "has_optimizer",
+        SELF_DIGEST,
+    ),
+}
+
+
+def description_digest(meta: Mapping[str, Any]) -> str:
+    """SHA-256 of a description's canonical JSON (sorted keys, no spaces), without its own digest."""
+    body = {k: v for k, v in meta.items() if k != SELF_DIGEST}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
 def read_meta(path: Path) -> dict[str, Any]:
-    """Read and check ``fsdp_bridge.json`` of a checkpoint directory."""
+    """Read and check ``fsdp_bridge.json`` of a checkpoint directory.
+
+    Refused (:class:`CheckpointError` naming the file): over :data:`MAX_DESCRIPTION_BYTES`
+    (before reading), not JSON, not a description, a version this package does not read, its
+    own SHA-256 differing (version 2), an unknown key, a field of the wrong type, a required
+    field missing, or a listed file without a digest or checksum."""
     meta_path = path / META_FILE
+    damaged = "the description is damaged or was edited; use another checkpoint"
     try:
-        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+        with open(meta_path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size > MAX_DESCRIPTION_BYTES:
+                raise CheckpointError(
+                    meta_path,
+                    f"is {size} bytes, over the {MAX_DESCRIPTION_BYTES}-byte limit for a checkpoint description; "
+                    f"it is not one fsdp_bridge wrote: {damaged}",
+                )
+            raw = f.read(MAX_DESCRIPTION_BYTES + 1)
+        if len(raw) > MAX_DESCRIPTION_BYTES:
+            raise CheckpointError(meta_path, f"is over the {MAX_DESCRIPTION_BYTES}-byte limit; {damaged}")
+        meta = json.loads(raw.decode("utf-8"))
     except (OSError, ValueError, RecursionError) as err:
         raise CheckpointError(meta_path, f"cannot be read as JSON ({err}); the checkpoint is corrupt") from err
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise CheckpointError(meta_path, f"is not an fsdp_bridge checkpoint description (format != {FORMAT!r})")
-    wrong = [
+    version: Any = meta.get("version")
+    if _is_int(version) and version > FORMAT_VERSION:
+        raise CheckpointError(
+            meta_path,
+            f"format version {version} is newer than this fsdp_bridge reads ({FORMAT_VERSION}); upgrade fsdp_bridge",
+        )
+    if version not in READ_VERSIONS or isinstance(version, bool):
+        raise CheckpointError(
+            meta_path, [f"field version: {version!r:.40}, expected one of {list(READ_VERSIONS)}", damaged]
+        )
+    try:
+        own = description_digest(meta) if version >= 2 else None
+    except (ValueError, RecursionError) as err:  # nested deeper than the encoder goes
+        raise CheckpointError(meta_path, f"cannot be checked ({type(err).__name__}); {damaged}") from None
+    if version >= 2 and meta.get(SELF_DIGEST) != own:
+        raise CheckpointError(
+            meta_path,
+            f"content differs from what was saved (its {SELF_DIGEST} does not match: flipped, zeroed or "
+            f"edited bytes); {damaged}",
+        )
+    unknown = sorted(k for k in meta if k not in _FIELDS or (k == SELF_DIGEST and version < 2))
+    wrong = [f"unknown field {k!r:.60} (known: {', '.join(sorted(_FIELDS))})" for k in unknown[:5]]
+    wrong += [
         f"field {key}: {type(meta[key]).__name__} ({meta[key]!r:.40}), expected {what}"
         for key, (check, what) in _FIELDS.items()
         if key in meta and not check(meta[key])
     ]
+    missing = [key for key in _REQUIRED[version] if key not in meta]
+    wrong += [f"field {key} is missing (required in version {version})" for key in missing]
+    if not wrong:
+        files, covered = meta["files"], {**meta["digests"], **meta["checksums"]}
+        bare = [rel for rel in sorted(files) if rel not in covered]
+        stray = [rel for rel in sorted(covered) if rel not in files]
+        wrong += [f"{rel!r:.80} is listed without a digest or checksum" for rel in bare[:5]]
+        wrong += [f"{rel!r:.80} has a digest or checksum but is not listed" for rel in stray[:5]]
+        if meta.get("kind") == Kind.SHARDED.value and f"{DCP_DIR}/.metadata" not in files:
+            wrong.append(f"a sharded checkpoint's description does not list {DCP_DIR}/.metadata")
     if wrong:
-        raise CheckpointError(meta_path, [*wrong, "the description is damaged or was edited; use another checkpoint"])
-    if meta.get("version", 0) > FORMAT_VERSION:
-        raise CheckpointError(
-            meta_path,
-            f"format version {meta.get('version')} is newer than this fsdp_bridge "
-            f"reads ({FORMAT_VERSION}); upgrade fsdp_bridge",
-        )
+        raise CheckpointError(meta_path, [*wrong, damaged])
     if meta.get("kind") not in (Kind.SHARDED.value, Kind.FULL.value):
         raise CheckpointError(meta_path, f"kind {meta.get('kind')!r} is not one of sharded, full")
     return meta
@@ -257,14 +335,16 @@ def safe_child(root: Path, relative: str) -> Path:
     return candidate
 
 
-def verify_manifest(detected: Detected, *, part: tuple[int, int] = (0, 1)) -> None:
+def verify_manifest(detected: Detected, *, part: tuple[int, int] = (0, 1), contents: bool = True) -> None:
     """Every file listed in ``fsdp_bridge.json`` exists with the recorded size, the small
     description files (DCP ``.metadata``, JSON, index) have the recorded SHA-256, and the tensor
     files the recorded CRC-32C (CRC-32 for checkpoints saved before it; flipped, zeroed or
-    overwritten bytes).
+    overwritten bytes). For a sharded checkpoint, DCP's ``.metadata`` is parsed and every file it
+    names, and every file in ``dcp/``, must be listed with a digest or checksum.
 
     ``part=(i, n)``: read the contents of every n-th file from the i-th only (each rank of a load
-    checks its share; sizes and existence are checked for all)."""
+    checks its share; sizes and existence are checked for all). ``contents=False``: no file's
+    content is read but DCP's ``.metadata`` (the cheap check :func:`latest_checkpoint` makes)."""
     files = detected.meta.get("files", {})
     recorded = detected.meta.get("digests", {})
     checksums = detected.meta.get("checksums", {})
@@ -273,7 +353,7 @@ def verify_manifest(detected: Detected, *, part: tuple[int, int] = (0, 1)) -> No
     problems = []
     for i, (rel, size) in enumerate(sorted(files.items())):
         f = safe_child(detected.path, rel)
-        mine = i % count == index
+        mine = contents and i % count == index
         try:
             if not f.is_file():
                 problems.append(f"{rel}: missing")
@@ -291,8 +371,30 @@ def verify_manifest(detected: Detected, *, part: tuple[int, int] = (0, 1)) -> No
                 )
         except OSError as err:  # a name too long for the file system, a directory where a file was
             problems.append(f"{rel!r:.80}: cannot be read ({err.strerror or err})")
+    if detected.kind is Kind.SHARDED and f"{DCP_DIR}/.metadata" in files:
+        problems += _unlisted_dcp_files(detected, files, {**recorded, **checksums})
     if problems:
         raise CheckpointError(detected.path, problems)
+
+
+def _unlisted_dcp_files(detected: Detected, files: Mapping[str, int], covered: Mapping[str, Any]) -> list[str]:
+    """Every file in ``dcp/`` and every file DCP's metadata names is listed with a digest or
+    checksum: none is read unchecked (the metadata is parsed here, so damage to it is seen too)."""
+    dcp_dir = detected.path / DCP_DIR
+    problems = []
+    named = {f"{DCP_DIR}/{f.name}" for f in dcp_dir.iterdir()} if dcp_dir.is_dir() else set()
+    try:
+        metadata = load_dcp_metadata(dcp_dir / ".metadata")
+    except CheckpointError as err:
+        return [str(err)]
+    named |= {f"{DCP_DIR}/{info.relative_path}" for info in (metadata.storage_data or {}).values()}
+    for rel in sorted(named):
+        if rel not in files or rel not in covered:
+            problems.append(
+                f"{rel}: not listed in {META_FILE} with a checksum (added after the save, or the description "
+                "was edited); it would be read unchecked: use another checkpoint"
+            )
+    return problems[:5]
 
 
 _DIGEST_MAX_BYTES = 1 << 20
@@ -346,55 +448,12 @@ def manifest(root: Path) -> dict[str, int]:
 # DCP without unpickling arbitrary objects
 # --------------------------------------------------------------------------------------
 
-# Exact (module, name) pairs, never a prefix: pickle protocol 4 resolves a dotted name by
-# attribute traversal, so ("torch.distributed.checkpoint.filesystem", "os.system") would
-# reach os.system through a module that imports os. These are the globals DCP's metadata
-# pickles hold (torch 2.8-2.14): its dataclasses, the storage-info records of the file
-# system and Hugging Face writers, and a few value types.
-_DCP_METADATA = "torch.distributed.checkpoint.metadata"
-_ALLOWED_GLOBALS: frozenset[tuple[str, str]] = frozenset(
-    {
-        (_DCP_METADATA, "Metadata"),
-        (_DCP_METADATA, "MetadataIndex"),
-        (_DCP_METADATA, "StorageMeta"),
-        (_DCP_METADATA, "TensorProperties"),
-        (_DCP_METADATA, "TensorStorageMetadata"),
-        (_DCP_METADATA, "BytesStorageMetadata"),
-        (_DCP_METADATA, "ChunkStorageMetadata"),
-        (_DCP_METADATA, "_MEM_FORMAT_ENCODING"),
-        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-        ("torch.distributed.checkpoint._hf_utils", "_HFStorageInfo"),
-        ("collections", "OrderedDict"),
-        ("builtins", "set"),
-        ("builtins", "frozenset"),
-        ("builtins", "slice"),
-        ("torch", "Size"),
-        ("torch.serialization", "_get_layout"),
-        ("pathlib", "PosixPath"),
-        ("pathlib", "PurePosixPath"),
-        ("pathlib", "WindowsPath"),
-        ("pathlib", "PureWindowsPath"),
-    }
-)
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _ALLOWED_GLOBALS:
-            return super().find_class(module, name)
-        if module == "torch" and name.isidentifier():
-            # dtypes (torch.float32, ...), layouts and memory formats: plain values, looked up
-            # as one attribute of the torch module, never a dotted path.
-            value = getattr(torch, name, None)
-            if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
-                return value
-        raise pickle.UnpicklingError(
-            f"refusing to load {module}.{name} from DCP metadata (only DCP's own metadata classes are read)"
-        )
+# DCP's ``.metadata`` is never unpickled: fsdp_bridge.checkpoint._dcp_metadata builds it with
+# a bounded interpreter of the pickle opcodes that can only make fresh DCP metadata objects.
 
 
 class SafeDCPReader(FileSystemReader):
-    """A :class:`FileSystemReader` whose ``.metadata`` is read by a restricted unpickler."""
+    """A :class:`FileSystemReader` whose ``.metadata`` is read by :func:`load_dcp_metadata` (never unpickled)."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = Path(self.path) / ".metadata"
@@ -402,17 +461,15 @@ class SafeDCPReader(FileSystemReader):
 
 
 def load_dcp_metadata(path: Path) -> Metadata:
-    try:
-        with open(path, "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
-    except FileNotFoundError as err:
-        raise CheckpointError(path, "missing: the DCP directory is incomplete") from err
-    except OSError as err:
-        raise CheckpointError(path, f"cannot be read ({err})") from err
-    except Exception as err:  # any malformed pickle: refused, never executed
-        raise CheckpointError(
-            path, f"cannot be read ({type(err).__name__}: {err}); the DCP metadata is truncated, damaged or not DCP"
-        ) from err
+    """DCP ``Metadata`` of a ``.metadata`` file, read by :func:`parse_dcp_metadata` (never
+    unpickled; bounded in size, depth, memo and hashing), with every file it names checked to be
+    inside its directory.
+
+    Raises:
+        CheckpointError: the file is missing, over a bound, not DCP metadata, or names a file
+            outside its directory.
+    """
+    metadata = parse_dcp_metadata(read_dcp_metadata_bytes(path), path)
     if not isinstance(metadata, Metadata):
         raise CheckpointError(path, f"holds a {type(metadata).__name__}, not DCP Metadata")
     # Where DCP will read each item: never outside the checkpoint's directory (each file once:
