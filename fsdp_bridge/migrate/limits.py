@@ -64,19 +64,19 @@ def read_source(path: Path) -> str:
     size = path.stat().st_size
     if size > MAX_SOURCE_BYTES:
         raise SourceLimitError(
-            f"skipped: {size:,} bytes, over the codemod's limit of {MAX_SOURCE_BYTES:,} bytes "
+            f"{size:,} bytes, over the codemod's limit of {MAX_SOURCE_BYTES:,} bytes "
             "(a training script is far smaller: is this generated code or data?); migrate it by hand"
         )
     with open(path, encoding="utf-8") as f:
         code = f.read(MAX_SOURCE_BYTES + 1)  # the file may have grown since the stat
     if len(code.encode("utf-8")) > MAX_SOURCE_BYTES:
-        raise SourceLimitError(f"skipped: over the codemod's limit of {MAX_SOURCE_BYTES:,} bytes; migrate it by hand")
+        raise SourceLimitError(f"over the codemod's limit of {MAX_SOURCE_BYTES:,} bytes; migrate it by hand")
     why = _too_deep(code)
     if why is not None and why.startswith("not valid"):
         raise SourceLimitError(f"{why}; fix the file or migrate it by hand")
     if why is not None:
         raise SourceLimitError(
-            f"skipped: {why}, past what the parser handles safely and what CPython compiles; "
+            f"{why}, past what the parser handles safely and what CPython compiles; "
             "flatten that code (name the intermediate values) or migrate the file by hand"
         )
     return code
