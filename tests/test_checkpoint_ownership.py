@@ -256,3 +256,56 @@ def test_optimizer_groups_are_type_checked_on_load(
         fsdp_bridge.load_checkpoint(path, model, opt)
     assert opt.param_groups[0]["lr"] == 1e-3 and not opt.state
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+
+
+def test_generated_damage_to_adapter_directories_is_refused_in_bounded_time(tmp_path: Path, lora: Any) -> None:
+    """Random damage to an adapter export (bytes flipped anywhere, truncation, appended bytes, its
+    description edited): every case is refused with a CheckpointError, within seconds, and the
+    model is unchanged. The same damage to peft's own directory (no checksums) gives a CheckpointError
+    or a load of well-formed values, never another exception."""
+    import json
+    import random
+    import shutil
+    import time
+
+    rng = random.Random(27)
+    export = _adapter(tmp_path, lora)
+    lora.save_pretrained(tmp_path / "plain")
+    pristine = {k: v.clone() for k, v in lora.state_dict().items()}
+
+    def damage(directory: Path) -> None:
+        how = rng.choice(["flip", "truncate", "append", "description"])
+        if how == "description" and (directory / "fsdp_bridge_export.json").is_file():
+            record = json.loads((directory / "fsdp_bridge_export.json").read_text())
+            entry = record["files"]["adapter_model.safetensors"]
+            entry[rng.choice(["size", "checksum"])] = rng.choice([0, 1, 2**40, -1, "x", None])
+            (directory / "fsdp_bridge_export.json").write_text(json.dumps(record))
+            return
+        weights = directory / "adapter_model.safetensors"
+        data = bytearray(weights.read_bytes())
+        if how == "truncate":
+            data = data[: rng.randrange(len(data))]
+        elif how == "append":
+            data += bytes(rng.randrange(256) for _ in range(rng.randrange(1, 64)))
+        else:
+            for _ in range(rng.randrange(1, 4)):
+                at = rng.randrange(min(len(data), 400) if rng.random() < 0.5 else len(data))  # header or anywhere
+                data[at] ^= 1 << rng.randrange(8)
+        weights.write_bytes(bytes(data))
+
+    for case in range(24):
+        for source, checked in ((export, True), (tmp_path / "plain", False)):
+            target = tmp_path / f"case{case}_{source.name}"
+            shutil.copytree(source, target)
+            damage(target)
+            start = time.perf_counter()
+            try:
+                fsdp_bridge.load_checkpoint(target, lora)
+            except CheckpointError:
+                pass
+            else:
+                assert not checked, f"case {case}: damage to an export loaded"
+            assert time.perf_counter() - start < 10, f"case {case}: took {time.perf_counter() - start:.1f} s"
+            if checked:
+                assert all(torch.equal(v, lora.state_dict()[k]) for k, v in pristine.items()), case
+            lora.load_state_dict(pristine)

@@ -31,6 +31,8 @@ def _value_problem(key: str, saved: Any, ours: Any) -> str | None:
     if isinstance(ours, bool):
         return None if isinstance(saved, bool) else "a bool (true or false)"
     if isinstance(ours, (int, float)) or (isinstance(ours, torch.Tensor) and ours.numel() == 1):
+        if isinstance(saved, torch.Tensor) and saved.numel() == 1 and not saved.dtype.is_complex:
+            saved = saved.item()  # an lr (or beta) kept as a tensor is saved as one
         if not _is_number(saved):
             return "a finite number"
         if key in _NON_NEGATIVE and saved < 0:
