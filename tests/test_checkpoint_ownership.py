@@ -175,6 +175,8 @@ def test_an_adapter_export_carries_checksums_verified_on_load(tmp_path: Path, lo
     data[-3] ^= 0x01
     weights.write_bytes(bytes(data))
     _refused_unchanged(path, lora, r"adapter_model\.safetensors: content differs from the crc32c recorded")
+    (path / "fsdp_bridge_export.json").unlink()  # integrity cannot be switched off by deleting it
+    _refused_unchanged(path, lora, r"is an export of fsdp_bridge .* fsdp_bridge_export\.json is missing")
 
 
 def test_an_adapter_file_symlinked_out_of_its_directory_is_refused(tmp_path: Path, lora: Any) -> None:
@@ -274,12 +276,16 @@ def test_generated_damage_to_adapter_directories_is_refused_in_bounded_time(tmp_
     pristine = {k: v.clone() for k, v in lora.state_dict().items()}
 
     def damage(directory: Path) -> None:
-        how = rng.choice(["flip", "truncate", "append", "description"])
-        if how == "description" and (directory / "fsdp_bridge_export.json").is_file():
-            record = json.loads((directory / "fsdp_bridge_export.json").read_text())
-            entry = record["files"]["adapter_model.safetensors"]
-            entry[rng.choice(["size", "checksum"])] = rng.choice([0, 1, 2**40, -1, "x", None])
-            (directory / "fsdp_bridge_export.json").write_text(json.dumps(record))
+        how = rng.choice(["flip", "truncate", "append", "description", "key"])
+        description = directory / "fsdp_bridge_export.json"
+        if how in ("description", "key") and description.is_file():
+            record = json.loads(description.read_text())
+            if how == "key":  # a key renamed (one bit), deleted or added
+                record[rng.choice(["filez", "checksum_algorithn", "extra"])] = record.pop(rng.choice(list(record)))
+            else:
+                entry = record["files"]["adapter_model.safetensors"]
+                entry[rng.choice(["size", "checksum"])] = rng.choice([0, 1, 2**40, -1, "x", None])
+            description.write_text(json.dumps(record))
             return
         weights = directory / "adapter_model.safetensors"
         data = bytearray(weights.read_bytes())

@@ -68,7 +68,7 @@ def partial_path(path: Path) -> Path:
 def make_staging(staging: Path) -> None:
     """Create the staging directory ``staging`` (absent or removed before) with the owner file in it."""
     staging.mkdir(parents=True)
-    fd = os.open(staging / OWNER_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    fd = os.open(staging / OWNER_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
     try:
         os.write(fd, _OWNER_TEXT)
     finally:

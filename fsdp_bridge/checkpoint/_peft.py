@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from fsdp_bridge._lora import has_4bit
 from fsdp_bridge.checkpoint._atomic import (
+    OWNER_FILE,
     SaveLock,
     check_replaceable,
     make_staging,
@@ -87,6 +88,7 @@ def _export_record(path: Path) -> dict[str, dict[str, int]] | None:
     files = record.get("files") if isinstance(record, dict) else None
     well_formed = (
         isinstance(record, dict)
+        and set(record) == {"format", "version", "kind", "checksum_algorithm", "files"}
         and record.get("format") == EXPORT_FORMAT
         and record.get("checksum_algorithm") == CHECKSUM
         and isinstance(files, dict)
@@ -101,8 +103,9 @@ def _export_record(path: Path) -> dict[str, dict[str, int]] | None:
     if not well_formed:
         raise CheckpointError(
             file,
-            f"is not a valid export description (format {EXPORT_FORMAT!r}, checksum_algorithm {CHECKSUM!r}, "
-            "files: name -> {size, checksum}); the export is damaged: export it again",
+            f"is not a valid export description (exactly format {EXPORT_FORMAT!r}, version, kind, "
+            f"checksum_algorithm {CHECKSUM!r}, files: name -> {{size, checksum}}); the export is damaged: "
+            "export it again",
         )
     return files  # type: ignore[return-value]
 
@@ -119,6 +122,12 @@ def _verify_adapter_files(path: Path) -> None:
                 "read from inside it only: copy the file into the directory",
             )
     files = _export_record(path)
+    if files is None and (path / OWNER_FILE).is_file():
+        raise CheckpointError(
+            path,
+            f"is an export of fsdp_bridge (it holds {OWNER_FILE}) but its {EXPORT_FILE} is missing, so its "
+            "checksums cannot be verified; the export is damaged: export it again",
+        )
     if files is None:
         return  # written by PEFT itself: no checksums to verify
     problems = []
