@@ -4,7 +4,8 @@ One process, milliseconds each: exports (adapter, merged) and checkpoints onto a
 directory; user directories at the names a save keeps beside its destination (``.NAME.partial``,
 ``.NAME.old``, ``.NAME.deleting``); symlinks and hard links planted at ``.NAME.lock``; rotation
 beside ``last/`` and ``best/``; leftovers of killed saves; PEFT adapter files that are damaged,
-symlinked out of their directory, missing tensors or of another dtype.
+symlinked out of their directory, missing tensors or of another dtype; optimizer groups whose
+hyperparameters are of the wrong kind or whose parameters are not the model's.
 """
 
 from __future__ import annotations
