@@ -657,8 +657,8 @@ _YAML_MAX_INT_DIGITS = 30
 _YAML_MAX_NODES = 100_000
 
 
-class _YamlLimit(yaml.YAMLError):
-    pass
+class YamlLimitError(yaml.YAMLError):
+    """YAML text over a configuration's bounds (aliases, nesting, values, integer digits)."""
 
 
 class _BoundedLoader(yaml.SafeLoader):
@@ -676,11 +676,11 @@ class _BoundedLoader(yaml.SafeLoader):
         if self.check_event(yaml.AliasEvent):
             self._aliases += 1
             if self._aliases > _YAML_MAX_ALIASES:
-                raise _YamlLimit(f"more than {_YAML_MAX_ALIASES} aliases (*name): not a configuration")
+                raise YamlLimitError(f"more than {_YAML_MAX_ALIASES} aliases (*name): not a configuration")
         self._depth += 1
         try:
             if self._depth > _YAML_MAX_DEPTH:
-                raise _YamlLimit(f"nested more than {_YAML_MAX_DEPTH} levels deep")
+                raise YamlLimitError(f"nested more than {_YAML_MAX_DEPTH} levels deep")
             return super().compose_node(parent, index)
         finally:
             self._depth -= 1
@@ -702,7 +702,7 @@ class _BoundedLoader(yaml.SafeLoader):
             return sizes[id(n)]
 
         if node is not None and expanded(node) > _YAML_MAX_NODES:
-            raise _YamlLimit(f"expands to more than {_YAML_MAX_NODES:,} values through its aliases (*name)")
+            raise YamlLimitError(f"expands to more than {_YAML_MAX_NODES:,} values through its aliases (*name)")
         return node
 
     def construct_mapping(self, node: Any, deep: bool = False) -> Any:
@@ -710,7 +710,7 @@ class _BoundedLoader(yaml.SafeLoader):
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
             if isinstance(key, str | int | float | bool) and key in seen:
-                raise _YamlLimit(
+                raise YamlLimitError(
                     f"duplicate key {key!r} (line {key_node.start_mark.line + 1}, first on line "
                     f"{seen[key] + 1}): the second would silently win"
                 )
@@ -721,11 +721,26 @@ class _BoundedLoader(yaml.SafeLoader):
     def construct_yaml_int(self, node: Any) -> int:
         digits = sum(ch.isdigit() for ch in str(node.value))
         if digits > _YAML_MAX_INT_DIGITS:
-            raise _YamlLimit(f"an integer of {digits} digits (line {node.start_mark.line + 1})")
+            raise YamlLimitError(f"an integer of {digits} digits (line {node.start_mark.line + 1})")
         return super().construct_yaml_int(node)  # type: ignore[no-any-return]
 
 
 _BoundedLoader.add_constructor("tag:yaml.org,2002:int", _BoundedLoader.construct_yaml_int)
+
+
+def load_bounded_yaml(text: str) -> Any:
+    """Parse YAML text with the bounds of :func:`safe_yaml_load` (safe tags only), raising its
+    errors as they are: for callers that treat text which is not YAML as a plain string
+    (command-line overrides) but must still refuse text over the bounds.
+
+    Raises:
+        YamlLimitError: the text is over a bound (e.g. an integer of more than 30 digits).
+        yaml.YAMLError: the text is not YAML.
+    """
+    try:
+        return yaml.load(text, Loader=_BoundedLoader)
+    except RecursionError:
+        raise YamlLimitError(f"nested more than {_YAML_MAX_DEPTH} levels deep") from None
 
 
 def safe_yaml_load(text: str, *, source: str = "<string>") -> Any:

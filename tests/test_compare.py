@@ -335,7 +335,7 @@ def _run_my_model_jobs(jobs: dict[str, dict]) -> dict[str, tuple[bool, list[str]
 
     out = {}
     for name, data in jobs.items():
-        report = run_job(CompareJob.from_dict(data))
+        report = run_job(CompareJob.from_dict(data, allow_builder=True))
         out[name] = (report.ok, [run.name for run in report.runs])
     return out
 
@@ -350,6 +350,25 @@ def test_compare_my_model_from_a_directory_a_model_type_and_a_builder(tmp_path, 
         assert runs == ["reference", "fsdp1/full_shard", "fsdp2/full_shard"], name
 
 
+def test_a_builder_imports_code_only_when_allowed(tmp_path, monkeypatch, capsys):
+    """model.builder / model.batch name code to import and call: refused unless the caller opts in,
+    before anything is imported (the module would record its import in a file)."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "planted.py").write_text(
+        f"open({str(tmp_path / 'imported')!r}, 'w').close()\ndef build():\n    raise SystemExit('called')\n"
+    )
+    data = {"model": {"builder": "planted:build", "batch": "planted:build"}, "compare": {"reference": True}}
+    with pytest.raises(ConfigError, match=r"model\.builder: got 'planted:build'.*--allow-builder"):
+        CompareJob.from_dict(data)
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(data))
+    assert main(["compare", str(job)]) == 2
+    assert "model.batch: got 'planted:build'" in capsys.readouterr().err
+    assert not (tmp_path / "imported").exists()
+    assert CompareJob.from_dict(data, allow_builder=True).builder == "planted:build"  # allowed: imported
+    assert (tmp_path / "imported").exists()
+
+
 def test_my_model_mistakes_are_named_before_spawning(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     jobs = _my_model_jobs(tmp_path)
@@ -358,9 +377,9 @@ def test_my_model_mistakes_are_named_before_spawning(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match=r"model\.path: got '.*nowhere'; allowed: a Hugging Face model directory"):
         CompareJob.from_dict({**jobs["path"], "model": {"path": str(tmp_path / "nowhere")}})
     with pytest.raises(ConfigError, match=r"model\.builder: got 'my_models:missing'.*has no attribute 'missing'"):
-        CompareJob.from_dict({**jobs["builder"], "model": {"builder": "my_models:missing"}})
+        CompareJob.from_dict({**jobs["builder"], "model": {"builder": "my_models:missing"}}, allow_builder=True)
     with pytest.raises(ConfigError, match=r"model\.builder: got 'not a spec'; allowed: module:function"):
-        CompareJob.from_dict({**jobs["builder"], "model": {"builder": "not a spec"}})
+        CompareJob.from_dict({**jobs["builder"], "model": {"builder": "not a spec"}}, allow_builder=True)
     with pytest.raises(ConfigError, match=r"model\.config: got .*gpt_neox.*a valid transformers gpt_neox config"):
         CompareJob.from_dict(
             {

@@ -295,7 +295,13 @@ def test_data_is_packed_split_and_sharded_without_overlap() -> None:
         (["optim.eps=-1"], r"optim\.eps: got -1\.0"),
         (["optim.grad_clip=.nan"], r"optim\.grad_clip: got nan"),
         (["timeout_s=.inf"], r"timeout_s: got inf; allowed: a number of seconds in \(0, 604800"),
-        (["seed=1000000000000000000000000000000"], r"seed: got 10+; allowed: an integer in \[0, 4294967295\]"),
+        (["seed=100000000000000000000000000000"], r"seed: got 10+; allowed: an integer in \[0, 4294967295\]"),
+        # The YAML file's bounds hold for overrides too (Python's int() would refuse 5000 digits with a traceback).
+        (
+            ["max_steps=" + "9" * 5000],
+            r"max_steps: got '9{40}\.\.\.'; allowed: a YAML value .*an integer of 5000 digits",
+        ),
+        (["data.files=" + "[" * 5000], r"data\.files: got '\[{40}\.\.\.'; .*nested more than 64 levels deep"),
         (["micro_batch_size=100000000000"], r"micro_batch_size: got 100000000000; allowed: micro_batch_size \* "),
         (["model.tokenizer_vocab_size=1000000000"], r"model\.tokenizer_vocab_size: got 1000000000"),
         (["resume=/nonexistent/ckpt"], r"resume: got '/nonexistent/ckpt'; allowed: .*existing checkpoint"),

@@ -12,7 +12,6 @@ import contextlib
 import logging
 import math
 import os
-import shutil
 import weakref
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -38,9 +37,12 @@ from fsdp_bridge.checkpoint import _hf, _peft
 from fsdp_bridge.checkpoint._atomic import (
     SaveLock,
     check_replaceable,
+    make_staging,
     partial_path,
     publish,
+    remove_ours,
     rotate_checkpoints,
+    series_prefix,
 )
 from fsdp_bridge.checkpoint._description import Description
 from fsdp_bridge.checkpoint._formats import (
@@ -59,6 +61,7 @@ from fsdp_bridge.checkpoint._formats import (
     strip_wrapper_prefixes,
     verify_manifest,
 )
+from fsdp_bridge.checkpoint._optim_groups import group_problems
 from fsdp_bridge.checkpoint._state import check_state, read_rng, read_state, write_rng, write_state
 from fsdp_bridge.checkpoint._state import restore_rng as _restore_rng_states
 
@@ -220,7 +223,7 @@ def _describe_and_publish(
     ).write(staging, known_checksums=known_checksums)
     publish(staging, path)
     if keep_last is not None:
-        rotate_checkpoints(path.parent, keep_last)
+        rotate_checkpoints(path.parent, keep_last, prefix=series_prefix(path.name) or "")
 
 
 def _own_checksums(staging: Path, rank: int) -> dict[str, int]:
@@ -249,9 +252,8 @@ def _fresh_staging(path: Path, rank: int) -> Path:
         raise CheckpointError(path, f"cannot be written: {reason}; save to a directory this user can write")
     if rank == 0:
         _HELD[path] = SaveLock(path).acquire()  # refused while another process saves this path
-        if staging.exists():  # left by an earlier save that was killed
-            shutil.rmtree(staging)
-        staging.mkdir(parents=True)
+        remove_ours(staging, "the staging directory of this save")  # left by an earlier save that was killed
+        make_staging(staging)
     return staging
 
 
@@ -271,6 +273,12 @@ def _check_save_args(path: str | os.PathLike[str], keep_last: int | None, state:
         raise ValueError(
             f"path {str(path)!r} must name a directory that does not start with '.' "
             "(dot-names are reserved for interrupted saves)"
+        )
+    if keep_last is not None and series_prefix(path.name) is None:
+        raise ValueError(
+            f"keep_last={keep_last} rotates checkpoints named by step, but {path.name!r} does not end in a "
+            f"step number: name it like step_00000100 (checkpoints of the same prefix and any other number "
+            "are rotated; other names beside it are never deleted), or drop keep_last"
         )
     check_replaceable(path)  # every rank, before any collective: never replace the user's files
     return path
@@ -564,7 +572,7 @@ def _optimizer_misfit(
                 f"parameter group {i} holds {len(params) if isinstance(params, list) else params!r} "
                 f"parameter(s) in the checkpoint, {len(ours['params'])} in the optimizer"
             )
-    wrong = []
+    wrong = group_problems(groups, optimizer, shapes)
     by_key: Mapping[Any, tuple[int, ...]] = shapes
     if osd["state"] and all(isinstance(k, int) for k in osd["state"]):
         # optimizer.state_dict() keys parameters by position (torch loads those as they are)
@@ -747,6 +755,9 @@ def _load_dcp(
     for alias, source in _aliases_to_fill(tied, set(loaded)).items():  # a tied name stored once
         loaded[alias] = loaded[source]
     if with_optim and optimizer is not None:  # first: if torch refuses it, the model is still untouched
+        problems = group_problems(to_load["optim"].get("param_groups", []), optimizer, template)
+        if problems:
+            raise CheckpointError(dcp_dir, [*problems, "the optimizer state is damaged: load without the optimizer"])
         try:
             set_optimizer_state_dict(model, optimizer, to_load["optim"])
         except (KeyError, ValueError, TypeError, RuntimeError) as err:

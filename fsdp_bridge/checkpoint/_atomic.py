@@ -8,7 +8,15 @@ leaves either the previous checkpoint or the new one, never a half-written ``NAM
 Rank 0 holds an exclusive lock on ``.NAME.lock`` (``flock``) from creating the staging
 directory until the checkpoint is published, so a second job saving the same path at the same
 time is refused instead of writing into the same staging directory.  The operating system
-releases the lock when its process dies: a killed save never leaves the path locked.
+releases the lock when its process dies: a killed save never leaves the path locked.  The lock
+file is opened without following symlinks and only reused when it is a lock file of ours.
+
+Nothing is deleted or replaced unless it is provably ours: every staging directory gets the
+owner file ``.fsdp_bridge.owner`` before anything else (it stays in the published directory),
+and a directory beside ``NAME`` (``.NAME.partial``, ``.NAME.old``, ``.NAME.deleting``) or at
+``NAME`` itself is only removed when it holds that file or a valid ``fsdp_bridge.json`` (or is
+empty).  Removal deletes those proofs last, so an interrupted removal never leaves a directory
+that is no longer provably ours.
 """
 
 from __future__ import annotations
@@ -17,8 +25,10 @@ import datetime
 import json
 import logging
 import os
+import re
 import shutil
 import socket
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -26,12 +36,118 @@ from fsdp_bridge.checkpoint._formats import META_FILE, PARTIAL_SUFFIX, Checkpoin
 
 logger = logging.getLogger("fsdp_bridge.checkpoint")
 
-__all__ = ["SaveLock", "latest_checkpoint", "list_checkpoints", "partial_path", "publish", "rotate_checkpoints"]
+__all__ = [
+    "OWNER_FILE",
+    "SaveLock",
+    "check_replaceable",
+    "clean_leftovers",
+    "is_ours",
+    "latest_checkpoint",
+    "list_checkpoints",
+    "make_staging",
+    "partial_path",
+    "publish",
+    "remove_ours",
+    "rotate_checkpoints",
+    "series_prefix",
+]
+
+OWNER_FILE = ".fsdp_bridge.owner"
+"""Written first into every staging directory (and kept in what is published): the proof that a
+directory was created by a save of this package, so that a later save may replace or delete it."""
+_OWNER_TEXT = b"fsdp_bridge: created by a save; fsdp_bridge may replace or delete this directory\n"
+_LEFTOVER_SUFFIXES = (PARTIAL_SUFFIX, ".old", ".deleting")
+_LOCK_TEXT = re.compile(rb"pid \d+ on .* since \S+")
 
 
 def partial_path(path: Path) -> Path:
     """The staging directory a save of ``path`` writes into."""
     return path.with_name("." + path.name + PARTIAL_SUFFIX)
+
+
+def make_staging(staging: Path) -> None:
+    """Create the staging directory ``staging`` (absent or removed before) with the owner file in it."""
+    staging.mkdir(parents=True)
+    fd = os.open(staging / OWNER_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    try:
+        os.write(fd, _OWNER_TEXT)
+    finally:
+        os.close(fd)
+
+
+def _is_empty_dir(path: Path) -> bool:
+    return not path.is_symlink() and path.is_dir() and next(path.iterdir(), None) is None
+
+
+def is_ours(path: Path) -> bool:
+    """Whether ``path`` is a directory this package provably wrote: it holds the owner file, or a
+    ``fsdp_bridge.json`` that reads as a valid description (checkpoints saved before the owner
+    file existed). A symlink is never ours."""
+    if path.is_symlink() or not path.is_dir():
+        return False
+    owner = path / OWNER_FILE
+    if not owner.is_symlink() and owner.is_file():
+        try:
+            with open(owner, "rb") as f:
+                if f.read(len(_OWNER_TEXT) + 1) == _OWNER_TEXT:
+                    return True
+        except OSError:
+            pass
+    meta = path / META_FILE
+    if meta.is_symlink() or not meta.is_file():
+        return False
+    try:
+        read_meta(path)
+    except CheckpointError:
+        return False
+    return True
+
+
+def _not_ours(path: Path, role: str) -> CheckpointError:
+    try:
+        held = sorted(p.name for p in path.iterdir())[:5] if path.is_dir() and not path.is_symlink() else []
+    except OSError:
+        held = []
+    what = (
+        "a symlink"
+        if path.is_symlink()
+        else f"a directory holding {', '.join(held)}{', ...' if len(held) == 5 else ''}"
+        if held
+        else "not a directory"
+        if path.exists()
+        else "unreadable"
+    )
+    return CheckpointError(
+        path,
+        f"is {role}, but it is {what} without {OWNER_FILE} or a valid {META_FILE}, so it may be "
+        "your files and is not replaced or deleted: move it away (or remove it yourself), or save to another path",
+    )
+
+
+def remove_ours(path: Path, role: str = "in the way of a save") -> None:
+    """Delete the directory ``path`` if it is ours (:func:`is_ours`) or empty; refuse otherwise.
+
+    The owner file and the description are deleted last: an interruption leaves either a
+    directory that is still provably ours, or an empty one.
+
+    Raises:
+        CheckpointError: ``path`` exists and is not provably ours (nothing is deleted).
+    """
+    if not path.exists() and not path.is_symlink():
+        return
+    if not (is_ours(path) or _is_empty_dir(path)):
+        raise _not_ours(path, role)
+    proofs = (META_FILE, OWNER_FILE)
+    for child in path.iterdir():
+        if child.name in proofs:
+            continue
+        if child.is_dir() and not child.is_symlink():
+            shutil.rmtree(child)
+        else:
+            child.unlink()
+    for name in proofs:
+        (path / name).unlink(missing_ok=True)
+    path.rmdir()
 
 
 class SaveLock:
@@ -52,23 +168,22 @@ class SaveLock:
             return self
         self.file.parent.mkdir(parents=True, exist_ok=True)
         for _ in range(5):
-            fd = os.open(self.file, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = _open_lock_file(self.file)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError:
                 holder = os.read(fd, 4096).decode(errors="replace").strip() or "unknown process"
+                unlinked = not _same_file(fd, self.file)
                 os.close(fd)
+                if unlinked:  # its holder (or a clean-up) removed it meanwhile: open the new one
+                    continue
                 raise CheckpointError(
                     self.path,
                     f"is being saved by another process ({holder}); two saves of one "
                     "path would mix their files: wait for that save, or save this "
                     "one to another path",
                 ) from None
-            try:
-                ours = os.fstat(fd).st_ino == os.stat(self.file).st_ino
-            except FileNotFoundError:
-                ours = False
-            if ours:  # not a lock file its last holder unlinked while we were opening it
+            if _same_file(fd, self.file):  # not a lock file its last holder unlinked while we were opening it
                 os.ftruncate(fd, 0)
                 now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
                 os.write(fd, f"pid {os.getpid()} on {socket.gethostname()} since {now}".encode())
@@ -97,6 +212,50 @@ class SaveLock:
             os.close(fd)  # closing releases the flock
 
 
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    mine = os.fstat(fd)
+    return (mine.st_dev, mine.st_ino) == (st.st_dev, st.st_ino)
+
+
+def _refuse_lock(file: Path, why: str) -> CheckpointError:
+    return CheckpointError(
+        file,
+        f"{why}; the save lock is never followed or written through: remove {file.name} yourself "
+        "(it is not a file of this package), then save again",
+    )
+
+
+def _open_lock_file(file: Path) -> int:
+    """Open (or create) the lock file without following a symlink at its name, and only when it
+    is a lock file of ours: a regular file with one link, empty or naming its last holder."""
+    try:
+        fd = os.open(file, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+    except OSError as err:
+        if file.is_symlink():
+            raise _refuse_lock(file, f"is a symlink (to {os.readlink(file)!r})") from None
+        raise CheckpointError(file, f"cannot be opened as a lock file ({err.strerror})") from None
+    st = os.fstat(fd)
+    problem = None
+    if not stat.S_ISREG(st.st_mode):
+        problem = "is not a regular file"
+    elif st.st_nlink != 1:
+        problem = f"is a file with {st.st_nlink} hard links"
+    elif st.st_size > 4096:
+        problem = f"is a file of {st.st_size} bytes"
+    else:
+        content = os.pread(fd, 4096, 0).strip()
+        if content and not _LOCK_TEXT.fullmatch(content):
+            problem = "holds something other than a lock's 'pid ... on ... since ...' line"
+    if problem is not None:
+        os.close(fd)
+        raise _refuse_lock(file, problem)
+    return fd
+
+
 def _fsync_dir(path: Path) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -122,32 +281,37 @@ def write_json_durably(path: Path, obj: Any) -> None:
 
 
 def check_replaceable(path: Path) -> None:
-    """Refuse to replace ``path`` unless it is absent or an fsdp_bridge checkpoint.
+    """Refuse to save to ``path`` unless it is absent, empty or provably ours (:func:`is_ours`),
+    and the names a save uses beside it (``.NAME.partial``, ``.NAME.old``, ``.NAME.deleting``)
+    are absent or provably ours too.
 
     Publishing moves an existing destination aside and deletes it: that must never be a
-    directory of the user's files (or a file) that happens to have the name given.
-    """
-    from fsdp_bridge.checkpoint._formats import META_FILE, CheckpointError, read_meta
+    directory of the user's files (or a file) that happens to have the name given, such as the
+    base model's own directory given as the destination of an adapter export.
 
-    if not path.exists() and not path.is_symlink():
-        return
-    if path.is_symlink() or not path.is_dir():
-        raise CheckpointError(
-            path,
-            "exists and is not a checkpoint directory; refusing to replace it "
-            "(choose a new path, or remove it yourself)",
-        )
-    if not (path / META_FILE).is_file():
-        contents = sorted(p.name for p in path.iterdir())[:5]
-        if not contents:
-            return  # an empty directory holds nothing to lose
-        raise CheckpointError(
-            path,
-            f"exists and is not an fsdp_bridge checkpoint (no {META_FILE}; it holds "
-            f"{', '.join(contents)}{', ...' if len(contents) == 5 else ''}); refusing to "
-            "replace it: choose a new path, or remove it yourself",
-        )
-    read_meta(path)  # a damaged description is refused too: it is not provably ours
+    Raises:
+        CheckpointError: naming the path in the way, what it holds and the fix.
+    """
+    if path.exists() or path.is_symlink():
+        if path.is_symlink() or not path.is_dir():
+            raise CheckpointError(
+                path,
+                "exists and is not a checkpoint directory; refusing to replace it "
+                "(choose a new path, or remove it yourself)",
+            )
+        if not (is_ours(path) or _is_empty_dir(path)):
+            contents = sorted(p.name for p in path.iterdir())[:5]
+            raise CheckpointError(
+                path,
+                f"exists and is not an fsdp_bridge checkpoint or export (no valid {META_FILE} and no "
+                f"{OWNER_FILE}; it holds {', '.join(contents)}{', ...' if len(contents) == 5 else ''}); "
+                "refusing to replace it, since saving there would delete these files: choose a new "
+                "path, or remove it yourself",
+            )
+    for suffix in _LEFTOVER_SUFFIXES:
+        beside = path.with_name("." + path.name + suffix)
+        if (beside.exists() or beside.is_symlink()) and not (is_ours(beside) or _is_empty_dir(beside)):
+            raise _not_ours(beside, f"where a save of {path.name} keeps its {suffix[1:]} copy")
 
 
 def check_not_nested(src: Path, dst: Path) -> None:
@@ -173,23 +337,36 @@ def publish(staging: Path, path: Path) -> None:
 
     An existing ``path`` is first renamed aside and deleted only once the new one is in
     place, so an interruption leaves a complete checkpoint at ``path`` or at ``.NAME.old``.
+    Only what is provably ours (:func:`is_ours`) is moved aside or deleted.
+
+    Raises:
+        CheckpointError: ``path`` or ``.NAME.old`` is in the way and not provably ours.
     """
     for f in staging.rglob("*"):
-        if f.is_file():
+        if f.is_file() and not f.is_symlink():
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
     _fsync_dir(staging)
     old = path.with_name("." + path.name + ".old")
-    if old.exists() and path.exists():
-        shutil.rmtree(old)
-    elif old.exists():  # an earlier publish died after moving the previous checkpoint aside
-        os.replace(old, path)
-    if path.exists():
+    present = path.exists() or path.is_symlink()
+    if present and not (is_ours(path) or _is_empty_dir(path)):
+        raise _not_ours(path, "the destination of this save")
+    if old.exists() or old.is_symlink():
+        if present:
+            remove_ours(old, "the previous copy of a checkpoint being replaced")
+        elif is_ours(old):  # an earlier publish died after moving the previous checkpoint aside
+            os.replace(old, path)
+            present = True
+        else:
+            raise _not_ours(old, "where the previous copy of a checkpoint is moved aside")
+    if present:
         os.replace(path, old)
     os.replace(staging, path)
     _fsync_dir(path.parent)
-    if old.exists():
-        shutil.rmtree(old, ignore_errors=True)
+    try:
+        remove_ours(old, "the previous copy of a checkpoint being replaced")
+    except OSError as err:  # the new checkpoint is in place: a leftover copy is cleaned by a later save
+        logger.warning("could not delete %s: %s", old, err)
 
 
 def list_checkpoints(root: str | os.PathLike[str]) -> list[tuple[int, Path]]:
@@ -257,15 +434,78 @@ def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
     return None
 
 
-def rotate_checkpoints(root: str | os.PathLike[str], keep: int) -> list[Path]:
-    """Delete all but the ``keep`` newest complete checkpoints under ``root``; return what was deleted.
+def series_prefix(name: str) -> str | None:
+    """The series a checkpoint name belongs to: what precedes its trailing step number
+    (``"step_"`` for ``step_00000100``), or None when the name does not end in digits."""
+    match = re.fullmatch(r"(.*?)\d+", name)
+    return match.group(1) if match else None
 
-    Call it on one rank (``save_checkpoint(..., keep_last=K)`` does, on rank 0).  Only
-    directories holding ``fsdp_bridge.json`` are ever deleted.
+
+def _lock_is_leftover(file: Path) -> bool:
+    """A ``.NAME.lock`` of ours that no live process holds (its holder was killed), taken and
+    removed under its own lock; anything else is left alone."""
+    try:
+        import fcntl
+    except ImportError:
+        return False
+    try:
+        fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return False
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1 or st.st_size > 4096:
+            return False
+        content = os.pread(fd, 4096, 0).strip()
+        if content and not _LOCK_TEXT.fullmatch(content):
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return False  # held: a save of that path is running
+        if _same_file(fd, file):
+            file.unlink()  # under the lock: an opener waiting on this inode sees it replaced
+            return True
+        return False
+    finally:
+        os.close(fd)
+
+
+def clean_leftovers(root: str | os.PathLike[str]) -> list[Path]:
+    """Delete what killed saves left directly under ``root`` and no live save uses: ``.NAME.deleting``
+    directories that are provably ours (or empty), and ``.NAME.lock`` files of ours held by no
+    process. Anything else (a user's files at those names) is left alone. Returns what was deleted."""
+    r = Path(root)
+    if not r.is_dir():
+        return []
+    removed: list[Path] = []
+    for child in sorted(r.iterdir()):
+        if not child.name.startswith("."):
+            continue
+        if child.name.endswith(".deleting") and not child.is_symlink() and (is_ours(child) or _is_empty_dir(child)):
+            try:
+                remove_ours(child)
+                removed.append(child)
+            except (OSError, CheckpointError) as err:
+                logger.warning("could not delete %s: %s", child, err)
+        elif child.name.endswith(".lock") and _lock_is_leftover(child):
+            removed.append(child)
+    return removed
+
+
+def rotate_checkpoints(root: str | os.PathLike[str], keep: int, *, prefix: str = "step_") -> list[Path]:
+    """Delete all but the ``keep`` newest complete checkpoints of one series under ``root``; return
+    what was deleted.
+
+    Call it on one rank (``save_checkpoint(..., keep_last=K)`` does, on rank 0, for the series of
+    the path saved).  Only checkpoints named ``<prefix><digits>`` (``step_00000100``) holding a
+    valid ``fsdp_bridge.json`` are counted and deleted: ``last/``, ``best/`` or any other name
+    beside them is never touched.  Leftovers of killed saves (:func:`clean_leftovers`) go too.
 
     Args:
         root: the directory holding checkpoint directories.
         keep: how many of the newest to keep (at least 1).
+        prefix: the series: what precedes the step number in the names (default ``"step_"``).
 
     Returns:
         The paths deleted.
@@ -275,11 +515,20 @@ def rotate_checkpoints(root: str | os.PathLike[str], keep: int) -> list[Path]:
     """
     if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
         raise ValueError(f"keep must be an integer >= 1 (got {keep!r}); use keep=1 to keep only the newest")
-    ckpts = list_checkpoints(root)
+    series = re.compile(re.escape(prefix) + r"\d+")
+    ckpts = [(step, p) for step, p in list_checkpoints(root) if series.fullmatch(p.name)]
     doomed = [p for _, p in ckpts[:-keep]]
+    deleted: list[Path] = []
     for p in doomed:
         # Rename first: a crash mid-delete then leaves a dot-directory, never a broken checkpoint.
         trash = p.with_name("." + p.name + ".deleting")
-        os.replace(p, trash)
-        shutil.rmtree(trash, ignore_errors=True)
-    return doomed
+        try:
+            remove_ours(trash)
+            os.replace(p, trash)
+            remove_ours(trash)
+        except (OSError, CheckpointError) as err:  # the new checkpoint is saved: report, go on
+            logger.warning("did not delete old checkpoint %s: %s", p, err)
+            continue
+        deleted.append(p)
+    clean_leftovers(root)
+    return deleted

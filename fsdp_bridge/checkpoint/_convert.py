@@ -26,8 +26,10 @@ from fsdp_bridge.checkpoint._atomic import (
     SaveLock,
     check_not_nested,
     check_replaceable,
+    make_staging,
     partial_path,
     publish,
+    remove_ours,
 )
 from fsdp_bridge.checkpoint._description import Description
 from fsdp_bridge.checkpoint._formats import (
@@ -362,9 +364,8 @@ def _write_converted(
 
     staging = partial_path(dst_path)
     with SaveLock(dst_path):  # refused while another process writes dst
-        if staging.exists():
-            shutil.rmtree(staging)
-        staging.mkdir(parents=True)
+        remove_ours(staging, "the staging directory of this conversion")  # left by a killed conversion
+        make_staging(staging)
         try:
             _write_staging(detected, full, src, staging, to=to, config_path=config_path, max_shard_size=max_shard_size)
         except BaseException:

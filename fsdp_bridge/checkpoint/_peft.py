@@ -5,12 +5,18 @@
 Hugging Face directory of the base model with the adapters merged into its weights, which
 ``from_pretrained`` loads without peft.  Both gather the full state once (every rank takes
 part), and rank 0 writes into a hidden staging directory published by one rename.
+
+Both exports also hold ``fsdp_bridge_export.json``, written last: the size and CRC-32C of every
+file, checked when an adapter directory is loaded (a flipped byte is refused, naming the
+file), and the owner file that lets a later export replace this one. Loading an adapter also
+refuses a weights file that is a symlink out of the directory, one that lacks tensors of the
+model's adapters (naming them), and tensors whose dtype differs from the model's (never cast).
 """
 
 from __future__ import annotations
 
+import json
 import os
-import shutil
 from pathlib import Path
 from typing import Any, Literal
 
@@ -20,14 +26,27 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 from fsdp_bridge._lora import has_4bit
-from fsdp_bridge.checkpoint._atomic import SaveLock, partial_path, publish
-from fsdp_bridge.checkpoint._formats import CheckpointError
+from fsdp_bridge.checkpoint._atomic import (
+    OWNER_FILE,
+    SaveLock,
+    check_replaceable,
+    make_staging,
+    partial_path,
+    publish,
+    remove_ours,
+    write_json_durably,
+)
+from fsdp_bridge.checkpoint._formats import CHECKSUM, CheckpointError, checksum_of
 
 __all__ = ["PEFT_KINDS", "find_peft_model", "is_adapter_dir", "load_adapter", "save_peft"]
 
 PEFT_KINDS = ("adapter", "merged")
 PeftKind = Literal["adapter", "merged"]
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+EXPORT_FILE = "fsdp_bridge_export.json"
+"""The description of an export: what it is and the size and checksum of every file."""
+EXPORT_FORMAT = "fsdp_bridge.export"
+_EXPORT_MAX_BYTES = 1 << 20
 
 
 def find_peft_model(model: nn.Module) -> Any | None:
@@ -43,17 +62,86 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def _check_destination(path: Path) -> None:
-    """Only an earlier export of the same kind may be replaced: never a user's directory."""
-    if not path.exists():
-        return
-    ours = (path / "adapter_config.json").is_file() or (path / "config.json").is_file()
-    if not path.is_dir() or not ours:
+def _describe_export(directory: Path, kind: str) -> None:
+    """Write ``directory/fsdp_bridge_export.json`` last: the kind, and the size and CRC-32C of every file."""
+    files = {
+        str(f.relative_to(directory)): {"size": f.stat().st_size, "checksum": checksum_of(f, CHECKSUM)}
+        for f in sorted(directory.rglob("*"))
+        if f.is_file() and not f.is_symlink() and f.name != EXPORT_FILE
+    }
+    record = {"format": EXPORT_FORMAT, "version": 1, "kind": kind, "checksum_algorithm": CHECKSUM, "files": files}
+    write_json_durably(directory / EXPORT_FILE, record)
+
+
+def _export_record(path: Path) -> dict[str, dict[str, int]] | None:
+    """The ``files`` of ``path``'s export description (None when it has none: a directory
+    PEFT wrote itself), each entry checked to be a size and a checksum."""
+    file = path / EXPORT_FILE
+    if not file.exists() and not file.is_symlink():
+        return None
+    if file.is_symlink() or not file.is_file() or file.stat().st_size > _EXPORT_MAX_BYTES:
+        raise CheckpointError(file, f"must be a regular file of at most {_EXPORT_MAX_BYTES} bytes written by a save")
+    try:
+        record = json.loads(file.read_bytes())
+    except (ValueError, RecursionError) as err:
+        raise CheckpointError(file, f"is not valid JSON ({err}); the export is damaged: export it again") from None
+    files = record.get("files") if isinstance(record, dict) else None
+    well_formed = (
+        isinstance(record, dict)
+        and set(record) == {"format", "version", "kind", "checksum_algorithm", "files"}
+        and record.get("format") == EXPORT_FORMAT
+        and record.get("checksum_algorithm") == CHECKSUM
+        and isinstance(files, dict)
+        and all(
+            isinstance(k, str)
+            and isinstance(v, dict)
+            and set(v) == {"size", "checksum"}
+            and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v.values())
+            for k, v in files.items()
+        )
+    )
+    if not well_formed:
+        raise CheckpointError(
+            file,
+            f"is not a valid export description (exactly format {EXPORT_FORMAT!r}, version, kind, "
+            f"checksum_algorithm {CHECKSUM!r}, files: name -> {{size, checksum}}); the export is damaged: "
+            "export it again",
+        )
+    return files  # type: ignore[return-value]
+
+
+def _verify_adapter_files(path: Path) -> None:
+    """The adapter files are inside ``path`` (no symlink out of it) and match the export description."""
+    root = path.resolve()
+    for name in ADAPTER_FILES:
+        f = path / name
+        if f.is_symlink() and not f.resolve().is_relative_to(root):
+            raise CheckpointError(
+                f,
+                f"is a symlink to {os.readlink(f)!r}, outside the adapter directory; files of an adapter are "
+                "read from inside it only: copy the file into the directory",
+            )
+    files = _export_record(path)
+    if files is None and (path / OWNER_FILE).is_file():
         raise CheckpointError(
             path,
-            "exists and is not an adapter or Hugging Face model directory; refusing to "
-            "replace it (choose a new path or remove it yourself)",
+            f"is an export of fsdp_bridge (it holds {OWNER_FILE}) but its {EXPORT_FILE} is missing, so its "
+            "checksums cannot be verified; the export is damaged: export it again",
         )
+    if files is None:
+        return  # written by PEFT itself: no checksums to verify
+    problems = []
+    for name in ADAPTER_FILES:
+        entry = files.get(name)
+        f = path / name
+        if entry is None:
+            problems.append(f"{name}: not listed in {EXPORT_FILE}")
+        elif f.stat().st_size != entry["size"]:
+            problems.append(f"{name}: {f.stat().st_size} bytes, {entry['size']} recorded")
+        elif checksum_of(f, CHECKSUM) != entry["checksum"]:
+            problems.append(f"{name}: content differs from the {CHECKSUM} recorded (damaged after saving)")
+    if problems:
+        raise CheckpointError(path, [*problems, "the adapter is damaged: export it again from a checkpoint"])
 
 
 def save_peft(
@@ -80,7 +168,7 @@ def save_peft(
             "process load the base unquantized (from_pretrained without quantization_config), "
             "PeftModel.from_pretrained(base, adapter_dir).merge_and_unload(), and save_pretrained that",
         )
-    _check_destination(target)
+    check_replaceable(target)  # every rank, before the gather: never replace the user's files
     state = get_model_state_dict(model, options=full_state_dict)  # collective: every rank
 
     def write() -> None:  # rank 0, under the path's save lock
@@ -88,14 +176,15 @@ def save_peft(
             return
         with SaveLock(target):
             staging = partial_path(target)
-            shutil.rmtree(staging, ignore_errors=True)
-            staging.mkdir(parents=True)
+            remove_ours(staging, "the staging directory of this export")  # left by a killed export
+            make_staging(staging)
             tensors = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
             if kind == "adapter":
                 # A 4-bit base's packed codes do not fit the unquantized rebuild: only the adapters go in.
                 _write_adapter(peft_model, tensors, staging, adapters_only=quantized)
             else:
                 _write_merged(peft_model, tensors, staging, max_shard_size=max_shard_size)
+            _describe_export(staging, kind)
             publish(staging, target)  # the previous export moved aside, deleted once this one is in place
 
     from fsdp_bridge.checkpoint._api import _on_every_rank
@@ -188,10 +277,12 @@ def is_adapter_dir(path: Path) -> bool:
 def load_adapter(path: Path, model: nn.Module) -> None:
     """Load a PEFT adapter directory's weights into the adapters of a (sharded) PEFT model; call on
     every rank. The base weights are not touched. Every adapter tensor must name an adapter
-    parameter of ``model`` with the same shape, checked before anything is copied.
+    parameter of ``model`` with the same shape and dtype, and every adapter parameter must have
+    a tensor in the file, checked before anything is copied; the files must match the sizes and
+    checksums of ``fsdp_bridge_export.json`` when the directory has one.
 
     Raises:
-        CheckpointError: ``model`` has no adapters, or the adapter does not fit them.
+        CheckpointError: ``model`` has no adapters, the files are damaged, or the adapter does not fit them.
     """
     from safetensors import SafetensorError
     from safetensors.torch import load_file
@@ -205,6 +296,7 @@ def load_adapter(path: Path, model: nn.Module) -> None:
         )
     name = peft_model.active_adapter
     name = name[0] if isinstance(name, list) else name
+    _verify_adapter_files(path)
     try:
         tensors = load_file(str(path / "adapter_model.safetensors"))
     except (SafetensorError, OSError) as err:
@@ -217,10 +309,23 @@ def load_adapter(path: Path, model: nn.Module) -> None:
         for k, v in tensors.items()
         if k in by_saved_name and tuple(v.shape) != tuple(template[by_saved_name[k]].shape)
     )
-    if unknown or misfit:
+    missing = sorted(k for k in by_saved_name if k not in tensors)
+    wrong_dtype = sorted(
+        f"{k}: {str(v.dtype).removeprefix('torch.')} in the file, "
+        f"{str(template[by_saved_name[k]].dtype).removeprefix('torch.')} in the model"
+        for k, v in tensors.items()
+        if k in by_saved_name and v.dtype != template[by_saved_name[k]].dtype
+    )
+    if unknown or misfit or missing or wrong_dtype:
         raise CheckpointError(
             path,
-            [*(f"{k}: no such adapter parameter in the model (adapter {name!r})" for k in unknown[:10]), *misfit[:10]],
+            [
+                *(f"{k}: no such adapter parameter in the model (adapter {name!r})" for k in unknown[:10]),
+                *misfit[:10],
+                *(f"{k}: missing from the file (the model's adapter {name!r} has it)" for k in missing[:10]),
+                *(f"... and {len(missing) - 10} more missing" for _ in range(len(missing) > 10)),
+                *(f"{m} (not cast: save the adapter in the model's dtype)" for m in wrong_dtype[:10]),
+            ],
         )
     mapped: dict[str, Any] = {by_saved_name[k]: v for k, v in tensors.items()}
     set_model_state_dict(model, mapped, options=StateDictOptions(full_state_dict=True, strict=False))

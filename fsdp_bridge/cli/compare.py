@@ -50,6 +50,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         metavar="RUN.KEY=VALUE",
         help="change one run, e.g. fsdp2.lr=2e-3 or fsdp1.mixed_precision=bf16 (repeatable)",
     )
+    p.add_argument(
+        "--allow-builder",
+        action="store_true",
+        help="let the job's model.builder / model.batch import and call the Python code they name "
+        "(refused without this flag: nothing a YAML names is imported unless you say so)",
+    )
     p.add_argument("--out", default="compare-report", help="directory for report.json/.md/.png (default %(default)s)")
     p.add_argument(
         "--no-param-diff",
@@ -128,7 +134,9 @@ def run(args: argparse.Namespace) -> int:
     # Imported here, not at the top: `fsdp-bridge --help` must not pay for torch.
     from fsdp_bridge.compare import CompareJob, read_job, write_report
 
-    job = CompareJob.from_dict(apply_flags(read_job(args.config), args), source=args.config)
+    job = CompareJob.from_dict(
+        apply_flags(read_job(args.config), args), source=args.config, allow_builder=args.allow_builder
+    )
     command = _command(args)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # launched by torchrun: use those ranks
         report = _rank_main(job, not args.no_param_diff, args.timeout)
@@ -178,6 +186,8 @@ def _command(args: argparse.Namespace) -> str:
             parts += [flag, str(value)]
     if args.reference:
         parts.append("--reference")
+    if args.allow_builder:
+        parts.append("--allow-builder")
     for item in args.override:
         parts += ["--override", item]
     parts += ["--out", args.out]

@@ -393,18 +393,23 @@ class CompareJob:
     # -- parsing ----------------------------------------------------------------------
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any], *, source: str | None = None) -> CompareJob:
+    def from_dict(
+        cls, data: Mapping[str, Any], *, source: str | None = None, allow_builder: bool = False
+    ) -> CompareJob:
         """Parse the YAML mapping; every problem is reported at once.
 
         Args:
             data: the job YAML as a mapping (``model``, ``data``, ``optim``, ``compare``, ``bridge``).
             source: where ``data`` came from (a file name), named in the error.
+            allow_builder: let ``model.builder`` / ``model.batch`` import and call the code they
+                name (``fsdp-bridge compare --allow-builder``); refused otherwise, before any import.
 
         Returns:
             The job.
 
         Raises:
-            ConfigError: every unknown key (with "did you mean") and every bad value, together.
+            ConfigError: every unknown key (with "did you mean") and every bad value, together;
+                ``model.builder`` or ``model.batch`` without ``allow_builder``.
         """
         if not isinstance(data, Mapping):
             raise ConfigError(
@@ -420,6 +425,10 @@ class CompareJob:
                 Problem("model", model, f"a family name ({', '.join(FAMILIES)}) or a mapping of {', '.join(keys)}")
             )
             model = {}
+        if not allow_builder:
+            problems += _code_not_allowed(model)
+            if problems:  # nothing named by the file is imported
+                raise ConfigError(problems, source=source)
         kw = parse_layout(cls, {**data, "model": model}, problems)
         problems += _model_problems(model, kw)
         if problems:
@@ -443,6 +452,22 @@ class CompareJob:
                 source=source,
             )
         return job
+
+
+def _code_not_allowed(model: Mapping[str, Any]) -> list[Problem]:
+    """``model.builder`` / ``model.batch`` given while importing code from the job is not allowed."""
+    return [
+        Problem(
+            f"model.{key}",
+            model[key],
+            "a model.builder or model.batch only when importing the code a job names is allowed",
+            f"this job would import and call {model[key]!r}; if you trust it, run "
+            "`fsdp-bridge compare JOB --allow-builder` (or CompareJob.from_dict(data, allow_builder=True), "
+            "load_job(path, allow_builder=True)); otherwise use model.path, model.config or model.family",
+        )
+        for key in ("builder", "batch")
+        if model.get(key) is not None
+    ]
 
 
 def _places(cls: type) -> list[str]:
@@ -634,11 +659,12 @@ def read_job(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def load_job(path: str | Path) -> CompareJob:
+def load_job(path: str | Path, *, allow_builder: bool = False) -> CompareJob:
     """Read a compare job YAML (see the module docstring for its keys).
 
     Args:
         path: the job file.
+        allow_builder: let its ``model.builder`` / ``model.batch`` import and call the code they name.
 
     Returns:
         The parsed job.
@@ -646,4 +672,4 @@ def load_job(path: str | Path) -> CompareJob:
     Raises:
         ConfigError: as :func:`read_job` and :meth:`CompareJob.from_dict`.
     """
-    return CompareJob.from_dict(read_job(path), source=str(path))
+    return CompareJob.from_dict(read_job(path), source=str(path), allow_builder=allow_builder)

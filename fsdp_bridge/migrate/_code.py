@@ -41,6 +41,7 @@ from libcst.metadata import MetadataWrapper, PositionProvider, QualifiedNameProv
 from fsdp_bridge.mapping import TABLE
 from fsdp_bridge.migrate._report import CodeFinding, CodeReport
 from fsdp_bridge.migrate._vendored import vendored_torch_module
+from fsdp_bridge.migrate.limits import SourceLimitError, read_source
 
 __all__ = ["MigratedSource", "MigrationWriteError", "migrate_paths", "migrate_source"]
 
@@ -3373,7 +3374,7 @@ def migrate_paths(paths: Sequence[str | Path], *, fix: bool = False) -> tuple[Co
     dispatch = _Dispatch()  # helpers such as fsdp_version(model) may live in another file of the tree
     for f in files:
         try:
-            code = f.read_text(encoding="utf-8")
+            code = read_source(f)
             if "FSDPModule" in code:
                 dispatch.merge(_find_dispatch(MetadataWrapper(cst.parse_module(code))))
             if "FullyShardedDataParallel" in code:
@@ -3391,7 +3392,10 @@ def migrate_paths(paths: Sequence[str | Path], *, fix: bool = False) -> tuple[Co
             continue
     for f in files:
         try:
-            code = f.read_text(encoding="utf-8")
+            code = read_source(f)  # bounded in size and nesting before libcst sees it
+        except SourceLimitError as err:
+            report.skipped.append((str(f), str(err)))
+            continue
         except (OSError, UnicodeDecodeError) as err:
             report.skipped.append((str(f), f"cannot be read as UTF-8 text ({err})"))
             continue

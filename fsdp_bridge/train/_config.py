@@ -36,7 +36,7 @@ from fsdp_bridge._schema import (
     finite,
     parse_section,
 )
-from fsdp_bridge.config import BridgeConfig, read_yaml_file
+from fsdp_bridge.config import BridgeConfig, YamlLimitError, load_bounded_yaml, read_yaml_file
 from fsdp_bridge.errors import ConfigError, Problem
 
 __all__ = [
@@ -456,7 +456,17 @@ def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[s
             problems.append(Problem("override", item, "key=value with a dotted key, e.g. optim.lr=1e-3"))
             continue
         try:
-            value = yaml.safe_load(raw) if raw.strip() else None
+            value = load_bounded_yaml(raw) if raw.strip() else None  # the YAML file's bounds
+        except YamlLimitError as err:
+            problems.append(
+                Problem(
+                    key,
+                    f"{raw[:40]}..." if len(raw) > 40 else raw,
+                    "a YAML value within the bounds of a config file",
+                    f"it holds {err}; pass a smaller value",
+                )
+            )
+            continue
         except yaml.YAMLError:
             value = raw  # a plain string such as a path with a colon
         # "1e-3" is a string for YAML 1.1; a number is what anyone typing it means.
