@@ -27,7 +27,7 @@ from torch import nn
 
 from fsdp_bridge._schema import enum_spec, normalise, parse_section, spec, unknown_key
 from fsdp_bridge.errors import ConfigError, Problem
-from fsdp_bridge.strategy import Backend, BackwardPrefetch, ShardingStrategy
+from fsdp_bridge.strategy import Backend, BackwardPrefetch, ShardingStrategy, parse_enum
 
 __all__ = ["BridgeConfig", "MixedPrecisionConfig", "WrapPolicy", "load_config", "parse_dtype", "read_yaml_file"]
 
@@ -284,6 +284,33 @@ def _parse_reshard(value: object, key: str, problems: list[Problem]) -> bool | i
     raise ValueError(f"{value!r} is not a reshard-after-forward setting")
 
 
+_BACKWARD_PREFETCH_ALLOWED = "pre, post, none, or an integer >= 1 (units ahead, fsdp2)"
+_FORWARD_PREFETCH_ALLOWED = "true, false, or an integer >= 1 (units ahead, fsdp2)"
+
+
+def _prefetch_depth(value: object) -> int | None:
+    """``value`` as a number of units (an int, not a bool), or None when it is not one."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value < 1:
+            raise ValueError(f"{value!r} is not a number of units ahead (an integer >= 1)")
+        return value
+    return None
+
+
+def _parse_backward_prefetch(value: object, key: str, problems: list[Problem]) -> BackwardPrefetch | int:
+    depth = _prefetch_depth(value)
+    return depth if depth is not None else parse_enum(BackwardPrefetch, value)
+
+
+def _parse_forward_prefetch(value: object, key: str, problems: list[Problem]) -> bool | int:
+    depth = _prefetch_depth(value)
+    if depth is not None:
+        return depth
+    if isinstance(value, bool):
+        return value
+    raise ValueError(f"{value!r} is not a forward prefetch setting")
+
+
 def _parse_hybrid_shape(value: object, key: str, problems: list[Problem]) -> tuple[int, int] | None:
     if value is None:
         return None
@@ -343,10 +370,16 @@ class BridgeConfig:
         metadata=spec(_WRAP_ALLOWED, _parse_wrap, summary="auto, none, a list of class names or {min_num_params: N}"),
     )
     """Units to shard separately: auto, none, a list of class names, {min_num_params: N}, or a callable."""
-    backward_prefetch: BackwardPrefetch = field(default=BackwardPrefetch.PRE, metadata=enum_spec(BackwardPrefetch))
-    """Backward all-gather prefetch: pre, post or none."""
-    forward_prefetch: bool = False
-    """Prefetch the next unit's all-gather during forward."""
+    backward_prefetch: BackwardPrefetch | int = field(
+        default=BackwardPrefetch.PRE,
+        metadata=spec(_BACKWARD_PREFETCH_ALLOWED, _parse_backward_prefetch, summary=_BACKWARD_PREFETCH_ALLOWED),
+    )
+    """Backward all-gather prefetch: pre, post, none, or how many units ahead (an integer >= 1, FSDP2)."""
+    forward_prefetch: bool | int = field(
+        default=False,
+        metadata=spec(_FORWARD_PREFETCH_ALLOWED, _parse_forward_prefetch, summary=_FORWARD_PREFETCH_ALLOWED),
+    )
+    """Prefetch the next unit's all-gather during forward (true), or how many units ahead (an integer >= 1, FSDP2)."""
     limit_all_gathers: bool = True
     """FSDP1's rate limiter on in-flight all-gathers (FSDP2 does not need one)."""
     cpu_offload: bool = False
@@ -399,8 +432,8 @@ class BridgeConfig:
             backend: Backend | str = ...,
             mixed_precision: MixedPrecisionLike = ...,
             wrap: WrapLike = ...,
-            backward_prefetch: BackwardPrefetch | str | None = ...,
-            forward_prefetch: bool = ...,
+            backward_prefetch: BackwardPrefetch | str | int | None = ...,
+            forward_prefetch: bool | int = ...,
             limit_all_gathers: bool = ...,
             cpu_offload: bool = ...,
             activation_checkpointing: bool = ...,
@@ -447,7 +480,11 @@ class BridgeConfig:
             "backend": self.backend.value,
             "mixed_precision": self.mixed_precision.to_spelling(),
             "wrap": self.wrap.to_spelling(),
-            "backward_prefetch": self.backward_prefetch.value,
+            "backward_prefetch": (
+                self.backward_prefetch.value
+                if isinstance(self.backward_prefetch, BackwardPrefetch)
+                else self.backward_prefetch
+            ),
             "forward_prefetch": self.forward_prefetch,
             "limit_all_gathers": self.limit_all_gathers,
             "cpu_offload": self.cpu_offload,

@@ -104,6 +104,16 @@ def _on_cpu(c: Context) -> bool:
     return _device_type(c) == "cpu"
 
 
+def _depth(value: object) -> bool:
+    """A prefetch given as a number of units ahead (an int, not a bool)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+_FSDP1_ONE_UNIT = (
+    "FSDP1 prefetches exactly one unit ahead and has no depth setting; use {option}: {one} "
+    "(one unit ahead) on fsdp1, or backend: fsdp2 for more"
+)
+
 _STRATEGY_FOR_RAF = (
     "FSDP1 ties resharding to the strategy; choose the strategy instead "
     "(reshard: full_shard / hybrid_shard; keep gathered: shard_grad_op / hybrid_shard_zero2) "
@@ -325,6 +335,19 @@ TABLE: tuple[Rule, ...] = (
         lambda c: c.config.backward_prefetch is BP.NONE,
     ),
     Rule(
+        "backward_prefetch",
+        "integer N (units ahead)",
+        "(none in FSDP1: BACKWARD_PRE prefetches one unit)",
+        T(U, _FSDP1_ONE_UNIT.format(option="backward_prefetch", one="pre")),
+        T(
+            N,
+            "explicit: each unit not nested in another calls set_modules_to_backward_prefetch with the N such "
+            "units registered before it, nearest first (backward runs them in reverse registration order); "
+            "the root keeps FSDP2's implicit prefetch of the last unit. Holds up to N more units gathered",
+        ),
+        lambda c: _depth(c.config.backward_prefetch),
+    ),
+    Rule(
         "forward_prefetch",
         "true",
         "forward_prefetch=True",
@@ -334,7 +357,20 @@ TABLE: tuple[Rule, ...] = (
             "explicit: each unit not nested in another calls set_modules_to_forward_prefetch([the next such unit]), "
             "in the order the model registers them (a layer stack's forward order); nested units gather when reached",
         ),
-        lambda c: c.config.forward_prefetch,
+        lambda c: c.config.forward_prefetch is True,
+    ),
+    Rule(
+        "forward_prefetch",
+        "integer N (units ahead)",
+        "(none in FSDP1: forward_prefetch=True prefetches one unit)",
+        T(U, _FSDP1_ONE_UNIT.format(option="forward_prefetch", one="true")),
+        T(
+            N,
+            "explicit: each unit not nested in another calls set_modules_to_forward_prefetch with the next N "
+            "such units, in the order the model registers them (a layer stack's forward order); the root "
+            "gathers the first unit as it reaches it. Holds up to N more units gathered",
+        ),
+        lambda c: _depth(c.config.forward_prefetch),
     ),
     Rule(
         "forward_prefetch",
@@ -858,7 +894,7 @@ def unsupported_problems(config: BridgeConfig, backend: Backend, *, device_type:
         problems.append(
             Problem(
                 entry.option,
-                show_value(entry.value),
+                entry.value if isinstance(entry.value, int | float) else show_value(entry.value),  # 2, not '2'
                 f"on {backend.value}: {', '.join(supported) or 'nothing'}",
                 f"{backend.value} cannot do this: {entry.text}",
             )

@@ -120,8 +120,13 @@ class ShardPlan:
     """Keep sharded parameters (and their gradients and optimizer step) in host memory."""
     sync: SyncMethod = SyncMethod.NONE
     backward_prefetch: BackwardPrefetch = BackwardPrefetch.PRE
-    forward_prefetch: bool = False
-    """Each unit prefetches the next one's all-gather in forward."""
+    """FSDP1's backward prefetch (FSDP2 prefetches one unit implicitly, the ``pre`` timing)."""
+    backward_prefetch_units: int = 0
+    """Explicit backward prefetch depth: each unit not nested in another prefetches the N units registered
+    before it (FSDP2's ``set_modules_to_backward_prefetch``); 0: the backend's own rule."""
+    forward_prefetch: int = 0
+    """Units ahead whose all-gather each unit not nested in another issues in forward, in registration
+    order (0: none; FSDP1's ``forward_prefetch=True`` is 1, its only depth)."""
     limit_all_gathers: bool = True
     """FSDP1's rate limiter (FSDP2 needs none)."""
     reshard_override: bool | int | None = None
@@ -210,6 +215,7 @@ def resolve_plan(
     mp = config.mixed_precision
     offload = report.outcome("cpu_offload")
     sync = report.outcome("sync_module_states")
+    backward = config.backward_prefetch
     return ShardPlan(
         backend=report.backend,
         strategy=config.strategy,
@@ -237,8 +243,10 @@ def resolve_plan(
             if sync is Outcome.NATIVE
             else SyncMethod.BROADCAST
         ),
-        backward_prefetch=config.backward_prefetch,
-        forward_prefetch=config.forward_prefetch,
+        # An integer is a depth (the table allows it on FSDP2 only): explicit prefetch of that many units.
+        backward_prefetch=backward if isinstance(backward, BackwardPrefetch) else BackwardPrefetch.PRE,
+        backward_prefetch_units=0 if isinstance(backward, BackwardPrefetch) else backward,
+        forward_prefetch=int(config.forward_prefetch),  # true: one unit ahead
         limit_all_gathers=config.limit_all_gathers,
         reshard_override=config.reshard_after_forward,
         scalar_params=list(scalar_params or []),

@@ -550,6 +550,27 @@ EXPECTED: dict[tuple[str, str, str], Expect | tuple[Expect, ...] | Refused] = {
     ("backward_prefetch", "post", "fsdp2"): Refused({"backward_prefetch": "post"}),
     ("backward_prefetch", "none", "fsdp1"): Expect({"backward_prefetch": "none"}, {"backward_prefetch": None}),
     ("backward_prefetch", "none", "fsdp2"): Refused({"backward_prefetch": "none"}),
+    ("backward_prefetch", "integer N (units ahead)", "fsdp1"): Refused({"backward_prefetch": 2}),
+    ("backward_prefetch", "integer N (units ahead)", "fsdp2"): (
+        Expect(
+            {"backward_prefetch": 2, "wrap": ["Block", "Linear"]},  # nearest first: backward's order
+            {
+                "set_modules_to_backward_prefetch": [
+                    ("blocks.1", ["blocks.0"]),
+                    ("blocks.2", ["blocks.1", "blocks.0"]),
+                    ("head", ["blocks.2", "blocks.1"]),
+                ],
+                "set_modules_to_forward_prefetch": [],
+            },
+        ),
+        Expect(
+            {"backward_prefetch": 1, "forward_prefetch": 1},
+            {
+                "set_modules_to_backward_prefetch": [("blocks.1", ["blocks.0"]), ("blocks.2", ["blocks.1"])],
+                "set_modules_to_forward_prefetch": [("blocks.0", ["blocks.1"]), ("blocks.1", ["blocks.2"])],
+            },
+        ),
+    ),
     ("forward_prefetch", "true", "fsdp1"): Expect({"forward_prefetch": True}, {"forward_prefetch": True}),
     ("forward_prefetch", "true", "fsdp2"): Expect(
         {"forward_prefetch": True, "wrap": ["Block", "Linear"]},  # units in units: only the outer ones prefetch
@@ -570,6 +591,24 @@ EXPECTED: dict[tuple[str, str, str], Expect | tuple[Expect, ...] | Refused] = {
                 ("blocks.2", ["head"]),
             ],
         },
+    ),
+    ("forward_prefetch", "integer N (units ahead)", "fsdp1"): Refused({"forward_prefetch": 1}),
+    ("forward_prefetch", "integer N (units ahead)", "fsdp2"): (
+        Expect(
+            {"forward_prefetch": 2, "wrap": ["Block", "Linear"]},  # nested units keep the implicit prefetch
+            {
+                "set_modules_to_forward_prefetch": [
+                    ("blocks.0", ["blocks.1", "blocks.2"]),
+                    ("blocks.1", ["blocks.2", "head"]),
+                    ("blocks.2", ["head"]),
+                ],
+                "set_modules_to_backward_prefetch": [],
+            },
+        ),
+        Expect(  # a depth beyond the last unit: what is left
+            {"forward_prefetch": 9, "wrap": ["Block"]},
+            {"set_modules_to_forward_prefetch": [("blocks.0", ["blocks.1", "blocks.2"]), ("blocks.1", ["blocks.2"])]},
+        ),
     ),
     ("forward_prefetch", "false", "fsdp1"): Expect({"forward_prefetch": False}, {"forward_prefetch": False}),
     ("forward_prefetch", "false", "fsdp2"): Expect(

@@ -190,7 +190,7 @@ class FSDP1Backend:
                 sharding_strategy=_STRATEGIES[plan.strategy],
                 auto_wrap_policy=CustomPolicy(lambda m: id(m) in units) if units else None,
                 backward_prefetch=_PREFETCH[plan.backward_prefetch],
-                forward_prefetch=plan.forward_prefetch,
+                forward_prefetch=plan.forward_prefetch > 0,  # the table allows 0 or 1 here
                 limit_all_gathers=plan.limit_all_gathers,
                 cpu_offload=CPUOffload(offload_params=True) if plan.offload_params else None,
                 mixed_precision=mixed_precision,

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -57,6 +56,19 @@ def _top_level_units(units: list[nn.Module]) -> list[nn.Module]:
     """Units not nested in another unit, in forward (registration) order."""
     nested = {id(c) for u in units for c in u.modules() if c is not u}
     return [u for u in units if id(u) not in nested]
+
+
+def _set_prefetch(plan: ShardPlan) -> None:
+    """Explicit prefetch over the units not nested in another, in registration order (a layer stack's
+    forward order): in forward each unit prefetches the next ``plan.forward_prefetch`` units, in backward
+    the ``plan.backward_prefetch_units`` registered before it, nearest first. Nested units and the root
+    keep FSDP2's implicit prefetch."""
+    ordered = [cast(FSDPModule, u) for u in _top_level_units(plan.units)]
+    for i, unit in enumerate(ordered):
+        if plan.forward_prefetch and ordered[i + 1 : i + 1 + plan.forward_prefetch]:
+            unit.set_modules_to_forward_prefetch(ordered[i + 1 : i + 1 + plan.forward_prefetch])
+        if plan.backward_prefetch_units and i > 0:
+            unit.set_modules_to_backward_prefetch(ordered[max(0, i - plan.backward_prefetch_units) : i][::-1])
 
 
 def _reshard_after_no_grad_forward(model: nn.Module, _args: object, _output: object) -> None:
@@ -156,11 +168,7 @@ class FSDP2Backend:
         if keeps_gathered:
             model.register_forward_hook(_reshard_after_no_grad_forward)
 
-        if plan.forward_prefetch:
-            ordered = _top_level_units(plan.units)
-            for unit, following in itertools.pairwise(ordered):
-                assert isinstance(unit, FSDPModule) and isinstance(following, FSDPModule)
-                unit.set_modules_to_forward_prefetch([following])
+        _set_prefetch(plan)
 
         if plan.has_meta and plan.materialize:
             model.to_empty(device=plan.device)
