@@ -21,7 +21,15 @@ from fsdp_bridge._version import __version__
 
 if TYPE_CHECKING:
     from fsdp_bridge._manual_wrap import ManualWrap, enable_wrap, wrap_module
-    from fsdp_bridge.api import Bridge, clip_grad_norm_, get_bridge, no_sync, shard, summon_full_params
+    from fsdp_bridge.api import (
+        Bridge,
+        clip_grad_norm_,
+        defer_all_reduce,
+        get_bridge,
+        no_sync,
+        shard,
+        summon_full_params,
+    )
     from fsdp_bridge.backends.fsdp1_objects import (
         full_optim_state_dict,
         full_state_dict,
@@ -63,6 +71,7 @@ _EXPORTS: dict[str, str] = {
     "TranslationReport": "fsdp_bridge.mapping",
     "WrapPolicy": "fsdp_bridge.config",
     "clip_grad_norm_": "fsdp_bridge.api",
+    "defer_all_reduce": "fsdp_bridge.api",
     "enable_wrap": "fsdp_bridge._manual_wrap",
     "get_bridge": "fsdp_bridge.api",
     "full_optim_state_dict": "fsdp_bridge.backends.fsdp1_objects",
@@ -105,6 +114,7 @@ __all__ = [
     "WrapPolicy",
     "__version__",
     "clip_grad_norm_",
+    "defer_all_reduce",
     "enable_wrap",
     "full_optim_state_dict",
     "full_state_dict",

@@ -29,6 +29,7 @@ __all__ = [
     "Rule",
     "Translation",
     "TranslationReport",
+    "api_translation",
     "no_shard_mesh_shape",
     "translate",
     "unsupported_problems",
@@ -645,6 +646,23 @@ TABLE: tuple[Rule, ...] = (
         ),
     ),
     Rule(
+        "defer_all_reduce",
+        "-",
+        "(none in FSDP1: with model.no_sync(): defers all communication)",
+        T(
+            U,
+            "FSDP1 cannot keep the reduce-scatter per micro-batch and defer only the all-reduce across replicas; "
+            "use fsdp_bridge.no_sync(model) (no communication until the last micro-batch) or backend: fsdp2",
+        ),
+        T(
+            N,
+            "fsdp_bridge.defer_all_reduce(model) calls set_requires_all_reduce(False) on every unit, restored on "
+            "exit: each micro-batch still reduce-scatters in its shard group, the all-reduce across replicas runs "
+            "once, in the first backward after the context. A 1D mesh has no all-reduce: the context changes "
+            "nothing (logged once). NO_SHARD's (world, 1) mesh: all its communication is that all-reduce",
+        ),
+    ),
+    Rule(
         "clip_grad_norm_",
         "-",
         "model.clip_grad_norm_(max_norm)",
@@ -717,6 +735,19 @@ TABLE: tuple[Rule, ...] = (
         T(N, "mesh= (1D, or 2D for HYBRID_* and NO_SHARD)"),
     ),
 )
+
+
+def api_translation(name: str, backend: Backend) -> Translation:
+    """What the FSDP1 API row ``name`` (a rule without a config field, e.g. ``defer_all_reduce``) says for ``backend``.
+
+    Raises:
+        KeyError: no such row.
+    """
+    for rule in TABLE:
+        if rule.option == name and rule.when is None:
+            return rule.for_backend(backend)
+    raise KeyError(f"no API row {name!r} in the table")
+
 
 CONFIG_OPTIONS: tuple[str, ...] = tuple(dict.fromkeys(r.option for r in TABLE if r.when is not None))
 

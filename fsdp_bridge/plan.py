@@ -21,7 +21,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp_bridge.config import BridgeConfig
-from fsdp_bridge.mapping import Outcome, TranslationReport
+from fsdp_bridge.errors import ConfigError, Problem
+from fsdp_bridge.mapping import Outcome, TranslationReport, api_translation
 from fsdp_bridge.strategy import Backend, BackwardPrefetch, ShardingStrategy
 
 __all__ = ["PrecisionPlan", "ShardPlan", "SyncMethod", "reshard_after_forward", "resolve_plan"]
@@ -165,6 +166,23 @@ class ShardPlan:
             shard_size=self.shard_size,
             root_is_unit=self.root_is_unit,
         )
+
+    def defers_all_reduce(self) -> bool:
+        """What :func:`fsdp_bridge.defer_all_reduce` does on this plan, from the table's ``defer_all_reduce`` row.
+
+        Returns:
+            True where the backend defers the all-reduce across replicas (a 2D mesh with more than one
+            replica); False where there is nothing to defer (a 1D mesh, or one replica).
+
+        Raises:
+            ConfigError: the backend cannot defer only the all-reduce (FSDP1), with the reason and the fix.
+        """
+        row = api_translation("defer_all_reduce", self.backend)
+        if row.outcome is Outcome.UNSUPPORTED:
+            raise ConfigError(
+                [Problem("defer_all_reduce", self.backend.value, "a model sharded with backend: fsdp2", row.text)]
+            )
+        return self.mesh.ndim == 2 and self.mesh.size(0) > 1
 
     @property
     def ignored_params(self) -> set[nn.Parameter]:

@@ -219,6 +219,10 @@ class FSDP1Backend:
         assert isinstance(model, FullyShardedDataParallel)
         return model.no_sync()
 
+    def defer_all_reduce(self, model: nn.Module) -> AbstractContextManager[None]:
+        # The plan refuses it first (the table's defer_all_reduce row); kept as a guard.
+        raise NotImplementedError("FSDP1 cannot defer only the all-reduce across replicas: use no_sync()")
+
     def clip_grad_norm_(self, model: nn.Module, max_norm: float, norm_type: float) -> torch.Tensor:
         assert isinstance(model, FullyShardedDataParallel)
         return model.clip_grad_norm_(max_norm, norm_type)

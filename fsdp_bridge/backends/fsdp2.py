@@ -193,6 +193,9 @@ class FSDP2Backend:
     def no_sync(self, model: nn.Module) -> AbstractContextManager[None]:
         return _no_sync(model)
 
+    def defer_all_reduce(self, model: nn.Module) -> AbstractContextManager[None]:
+        return _defer_all_reduce(model)
+
     def clip_grad_norm_(self, model: nn.Module, max_norm: float, norm_type: float) -> torch.Tensor:
         params = [p for p in model.parameters() if p.grad is not None]
         sharded = [p for p in params if isinstance(p.grad, DTensor)]
@@ -398,6 +401,18 @@ def _no_sync(model: nn.Module) -> Iterator[None]:
         yield
     finally:
         model.set_requires_gradient_sync(True)
+
+
+@contextmanager
+def _defer_all_reduce(model: nn.Module) -> Iterator[None]:
+    # Every unit (recurse): a unit's reduce-scatter output is kept as a partial sum until a backward
+    # with the all-reduce on adds it in and all-reduces once.
+    assert isinstance(model, FSDPModule)
+    model.set_requires_all_reduce(False)
+    try:
+        yield
+    finally:
+        model.set_requires_all_reduce(True)
 
 
 def _whole(tensor: DTensor) -> torch.Tensor:
