@@ -13,7 +13,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
+from torch import nn
 
 from fsdp_bridge.cli import main
 from fsdp_bridge.errors import ConfigError
@@ -329,3 +331,27 @@ def test_warmup_longer_than_the_run_is_warned_about(caplog) -> None:
     with caplog.at_level("WARNING", logger="fsdp_bridge.train"):
         load_train_config(None, ["max_steps=5", "schedule.warmup_steps=10"])
     assert "schedule.warmup_steps (10) > max_steps (5)" in caplog.text
+
+
+def test_training_defaults_are_the_fast_ones() -> None:
+    from fsdp_bridge.train import ModelConfig
+
+    assert ModelConfig().attn_implementation == "sdpa"
+
+
+def test_adamw_takes_the_fastest_kernel_torch_has_for_the_parameters(monkeypatch: pytest.MonkeyPatch) -> None:
+    import fsdp_bridge.train._loop as loop
+
+    cpu = [nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(3, dtype=torch.bfloat16))]
+    assert loop.adamw_kernel(cpu) == {"fused": True}  # torch has fused AdamW on CPU (checked on 2.13 with DTensors)
+    meta = [nn.Parameter(torch.ones(2, device="meta"))]
+    assert loop.adamw_kernel(meta) == {}  # neither kernel: torch's default
+    assert loop.adamw_kernel([]) == {}
+
+    class Shard(torch.Tensor):  # stands for DTensor: FSDP2's shards beside plain ignored parameters
+        pass
+
+    monkeypatch.setattr(loop, "DTensor", Shard)
+    mixed = [cpu[0], torch.ones(2).as_subclass(Shard)]
+    assert loop.adamw_kernel(mixed) == {"foreach": False}  # both kernels refuse the mix
+    assert loop.adamw_kernel(mixed[1:]) == {"fused": True}
