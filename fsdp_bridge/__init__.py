@@ -47,7 +47,7 @@ if TYPE_CHECKING:
         save_checkpoint,
         save_checkpoint_async,
     )
-    from fsdp_bridge.config import BridgeConfig, MixedPrecisionConfig, WrapPolicy, load_config
+    from fsdp_bridge.config import BridgeConfig, CompileConfig, MixedPrecisionConfig, WrapPolicy, load_config
     from fsdp_bridge.distributed import init_distributed, mesh_from_process_group
     from fsdp_bridge.errors import CheckpointError, ConfigError, Problem
     from fsdp_bridge.mapping import Outcome, TranslationReport, translate
@@ -62,6 +62,7 @@ _EXPORTS: dict[str, str] = {
     "Bridge": "fsdp_bridge.api",
     "BridgeConfig": "fsdp_bridge.config",
     "CheckpointError": "fsdp_bridge.errors",
+    "CompileConfig": "fsdp_bridge.config",
     "ConfigError": "fsdp_bridge.errors",
     "ManualWrap": "fsdp_bridge._manual_wrap",
     "MixedPrecisionConfig": "fsdp_bridge.config",
@@ -104,6 +105,7 @@ __all__ = [
     "Bridge",
     "BridgeConfig",
     "CheckpointError",
+    "CompileConfig",
     "ConfigError",
     "ManualWrap",
     "MixedPrecisionConfig",

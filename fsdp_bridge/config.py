@@ -29,7 +29,15 @@ from fsdp_bridge._schema import enum_spec, normalise, parse_section, spec, unkno
 from fsdp_bridge.errors import ConfigError, Problem
 from fsdp_bridge.strategy import Backend, BackwardPrefetch, ShardingStrategy, parse_enum
 
-__all__ = ["BridgeConfig", "MixedPrecisionConfig", "WrapPolicy", "load_config", "parse_dtype", "read_yaml_file"]
+__all__ = [
+    "BridgeConfig",
+    "CompileConfig",
+    "MixedPrecisionConfig",
+    "WrapPolicy",
+    "load_config",
+    "parse_dtype",
+    "read_yaml_file",
+]
 
 Device = Literal["auto", "cuda", "cpu"]
 DEVICES: tuple[str, ...] = ("auto", "cuda", "cpu")
@@ -274,6 +282,65 @@ def _wrap_from_mapping(value: Mapping[str, Any], key: str, problems: list[Proble
 
 
 # ----------------------------------------------------------------------------------
+# torch.compile
+# ----------------------------------------------------------------------------------
+
+CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class CompileConfig:
+    """``torch.compile`` of each wrap unit before it is sharded (regional compilation: one compiled
+    region per unit, FSDP's communication between them). ``BridgeConfig(compile=True)`` or a mapping
+    of the options below."""
+
+    enabled: bool = False
+    """Compile each wrap unit (``unit.compile(...)``) before sharding."""
+    mode: CompileMode | None = None
+    """torch.compile's ``mode``; null: torch's default."""
+    fullgraph: bool = False
+    """torch.compile's ``fullgraph``: fail on a graph break instead of splitting the region."""
+    dynamic: bool | None = None
+    """torch.compile's ``dynamic``: null lets torch decide, true / false force dynamic / static shapes."""
+
+    def options(self) -> dict[str, Any]:
+        """The keyword arguments for ``torch.compile`` / ``nn.Module.compile``.
+
+        Returns:
+            ``fullgraph`` and ``dynamic``, and ``mode`` when one is set (else torch's default).
+        """
+        out: dict[str, Any] = {"fullgraph": self.fullgraph, "dynamic": self.dynamic}
+        if self.mode is not None:
+            out["mode"] = self.mode
+        return out
+
+    def to_spelling(self) -> bool | dict[str, Any]:
+        """How a YAML file writes it.
+
+        Returns:
+            ``False``, ``True`` (compiled with torch's defaults) or the mapping of options.
+        """
+        if not self.enabled or self == CompileConfig(enabled=True):
+            return self.enabled
+        return {"mode": self.mode, "fullgraph": self.fullgraph, "dynamic": self.dynamic}
+
+
+_COMPILE_ALLOWED = "true, false, or a mapping of torch.compile options (mode, fullgraph, dynamic)"
+
+
+def _parse_compile(value: object, key: str, problems: list[Problem]) -> CompileConfig:
+    if isinstance(value, CompileConfig):
+        return value
+    if value is None or isinstance(value, bool):
+        return CompileConfig(enabled=bool(value))
+    if isinstance(value, Mapping):
+        fields = parse_section(CompileConfig, value, problems, prefix=f"{key}.")
+        fields.setdefault("enabled", True)  # writing the options asks for compilation
+        return CompileConfig(**fields)
+    raise ValueError(f"{value!r} is not a compile setting")
+
+
+# ----------------------------------------------------------------------------------
 # The config
 # ----------------------------------------------------------------------------------
 
@@ -421,6 +488,11 @@ class BridgeConfig:
         default="auto", metadata=spec(", ".join(DEVICES), _parse_device, summary=f"one of {', '.join(DEVICES)}")
     )
     """auto (CUDA with NCCL when available, else CPU with gloo), cuda or cpu."""
+    compile: CompileConfig = field(
+        default_factory=CompileConfig,
+        metadata=spec(_COMPILE_ALLOWED, _parse_compile, summary="true, false or {mode, fullgraph, dynamic}"),
+    )
+    """torch.compile each wrap unit before sharding: true, or a mapping of mode, fullgraph, dynamic."""
 
     if TYPE_CHECKING:
         # What the constructor accepts: the typed values, or the spellings users write (normalised
@@ -442,6 +514,7 @@ class BridgeConfig:
             hybrid_shape: tuple[int, int] | Sequence[int] | None = ...,
             ignored_modules: Sequence[str] | str | None = ...,
             device: Device | str = ...,
+            compile: CompileConfig | bool | Mapping[str, Any] | None = ...,
         ) -> None: ...
 
     def __post_init__(self) -> None:
@@ -494,6 +567,7 @@ class BridgeConfig:
             "hybrid_shape": list(self.hybrid_shape) if self.hybrid_shape else None,
             "ignored_modules": list(self.ignored_modules),
             "device": self.device,
+            "compile": self.compile.to_spelling(),
         }
 
     def to_yaml(self) -> str:

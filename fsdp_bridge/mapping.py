@@ -115,6 +115,20 @@ _FSDP1_ONE_UNIT = (
     "(one unit ahead) on fsdp1, or backend: fsdp2 for more"
 )
 
+
+def _cuda_graphs(c: Context) -> bool:
+    return c.config.compile.mode in ("reduce-overhead", "max-autotune")
+
+
+_NO_CUDA_GRAPHS = (
+    "CUDA graphs replay fixed buffers, while FSDP all-gathers and frees each unit's parameters between the "
+    "compiled regions; use mode: default or max-autotune-no-cudagraphs"
+)
+_NO_UNITS_TO_COMPILE = (
+    "compile is regional: it compiles the wrap units, and wrap: none has none; choose units "
+    "(wrap: auto, or a list of classes) or compile the model yourself"
+)
+
 _STRATEGY_FOR_RAF = (
     "FSDP1 ties resharding to the strategy; choose the strategy instead "
     "(reshard: full_shard / hybrid_shard; keep gathered: shard_grad_op / hybrid_shard_zero2) "
@@ -602,6 +616,49 @@ TABLE: tuple[Rule, ...] = (
         T(N, "resolved by shard(): cuda (NCCL) when a GPU is available, else cpu (gloo)"),
         lambda c: _device_type(c) is None,
     ),
+    # -- torch.compile ---------------------------------------------------------------
+    Rule(
+        "compile",
+        "false",
+        "(torch.compile is applied by the user)",
+        T(N, "no torch.compile"),
+        T(N, "no torch.compile"),
+        lambda c: not c.config.compile.enabled,
+    ),
+    Rule(
+        "compile",
+        "CUDA graph modes",
+        "torch.compile(mode='reduce-overhead' | 'max-autotune')",
+        T(U, _NO_CUDA_GRAPHS),
+        T(U, _NO_CUDA_GRAPHS),
+        lambda c: c.config.compile.enabled and _cuda_graphs(c),
+    ),
+    Rule(
+        "compile",
+        "true, wrap: none",
+        "torch.compile(model)",
+        T(U, _NO_UNITS_TO_COMPILE),
+        T(U, _NO_UNITS_TO_COMPILE),
+        lambda c: c.config.compile.enabled and not _cuda_graphs(c) and c.config.wrap.mode == "none",
+    ),
+    Rule(
+        "compile",
+        "true / options",
+        "torch.compile on each wrapped module before FSDP(use_orig_params=True)",
+        T(
+            N,
+            "unit.compile(mode, fullgraph, dynamic) on each wrap unit before FullyShardedDataParallel wraps it "
+            "(regional compilation); FSDP1 needs use_orig_params=True for it, which the bridge always passes. "
+            "The root is not compiled",
+        ),
+        T(
+            N,
+            "unit.compile(mode, fullgraph, dynamic) on each wrap unit before fully_shard (regional compilation, "
+            "as torchtitan does); FSDP2's hooks and collectives run between the compiled regions. The root is "
+            "not compiled",
+        ),
+        lambda c: c.config.compile.enabled and not _cuda_graphs(c) and c.config.wrap.mode != "none",
+    ),
     # -- FSDP1 API with no config field (migration table only) ------------------------
     Rule(
         "use_orig_params",
@@ -931,25 +988,3 @@ def unsupported_problems(config: BridgeConfig, backend: Backend, *, device_type:
             )
         )
     return problems
-
-
-def strategy_table_markdown() -> str:
-    """The strategy x backend table as Markdown (embedded in the README)."""
-    lines = ["| strategy | FSDP1 | FSDP2 |", "| --- | --- | --- |"]
-    for r in TABLE:
-        if r.option == "strategy":
-            fsdp2 = f"{r.fsdp2.outcome.value}: {r.fsdp2.text}"
-            lines.append(f"| `{r.case}` | {r.fsdp1.text} | {fsdp2} |")
-    return "\n".join(lines)
-
-
-def migration_table_markdown() -> str:
-    """The full FSDP1 -> FSDP2 table as Markdown (``docs/migration.md`` embeds it)."""
-    lines = [
-        "| option | case | FSDP1 | FSDP1 under fsdp_bridge | FSDP2 outcome | FSDP2 under fsdp_bridge |",
-        "| --- | --- | --- | --- | --- | --- |",
-    ]
-    for r in TABLE:
-        cells = [r.option, r.case, f"`{r.fsdp1_api}`", r.fsdp1.text, r.fsdp2.outcome.value, r.fsdp2.text]
-        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
-    return "\n".join(lines)

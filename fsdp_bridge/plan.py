@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -143,6 +144,8 @@ class ShardPlan:
     root_is_unit: bool = False
     """The module sharded may be a unit of a larger model (:func:`fsdp_bridge.wrap_module`, FSDP1's
     manual ``wrap``): whether it reshards after forward is decided when it runs, as FSDP1 decides it."""
+    compile_options: dict[str, Any] | None = None
+    """``torch.compile`` keyword arguments for each unit, compiled before sharding (None: no compilation)."""
     materialize: bool = True
     """Allocate a meta-device model on ``device`` after sharding.  False only for planning at a
     fake world size (:func:`fsdp_bridge.estimate.plan_at_scale`, FSDP2): the shards stay on meta."""
@@ -267,6 +270,7 @@ def resolve_plan(
         forward_prefetch=int(config.forward_prefetch),  # true: one unit ahead
         limit_all_gathers=config.limit_all_gathers,
         reshard_override=config.reshard_after_forward,
+        compile_options=config.compile.options() if config.compile.enabled else None,
         scalar_params=list(scalar_params or []),
         ignored_parameters=list(ignored_parameters or []),
         materialize=materialize,

@@ -100,8 +100,8 @@ _OPTION_VALUES: dict[str, list[Any]] = {
         {"param_dtype": "bf16", "output_dtype": "fp32", "buffer_dtype": "bf16"},
     ],
     "wrap": ["auto", "none", {"min_num_params": 100}, ["LlamaDecoderLayer"]],
-    "backward_prefetch": [b.value for b in BackwardPrefetch],
-    "forward_prefetch": [False, True],
+    "backward_prefetch": [*(b.value for b in BackwardPrefetch), 2],
+    "forward_prefetch": [False, True, 2],
     "limit_all_gathers": [False, True],
     "cpu_offload": [False, True],
     "activation_checkpointing": [False, True],
@@ -110,6 +110,7 @@ _OPTION_VALUES: dict[str, list[Any]] = {
     "hybrid_shape": [None, (2, 2)],
     "ignored_modules": [(), ("lm_head",)],
     "device": ["auto", "cpu", "cuda"],
+    "compile": [False, True, {"mode": "reduce-overhead"}, {"mode": "max-autotune-no-cudagraphs", "fullgraph": True}],
 }
 
 

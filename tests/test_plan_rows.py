@@ -217,6 +217,8 @@ FACTS: dict[str, Callable[[Run], Any]] = {
         getattr(h, "__name__", "") != "_reshard_after_no_grad_forward" for h in r.sharded._forward_hooks.values()
     ),
     "output dtype": _output_dtype,
+    # modules whose calls run through torch.compile (nn.Module.compile), before sharding
+    "compiled": lambda r: [r.path(m) for m in r.model.modules() if m._compiled_call_impl is not None],
     "NO_SHARD warnings": lambda r: [w for w in r.warned if "NO_SHARD" in w],
 }
 
@@ -727,6 +729,31 @@ EXPECTED: dict[tuple[str, str, str], Expect | tuple[Expect, ...] | Refused] = {
     ("ignored_modules", "none", "fsdp1"): Expect({}, {"ignored_modules": None}),
     ("ignored_modules", "none", "fsdp2"): Expect({}, {"ignored_params": None}),
     # -- device: the process group, FSDP1's device_id, the mesh's device type
+    ("compile", "false", "fsdp1"): Expect({}, {"compiled": []}),
+    ("compile", "false", "fsdp2"): Expect({}, {"compiled": []}),
+    ("compile", "CUDA graph modes", "fsdp1"): Refused({"compile": {"mode": "reduce-overhead"}}),
+    ("compile", "CUDA graph modes", "fsdp2"): Refused({"compile": {"mode": "max-autotune"}}),
+    ("compile", "true, wrap: none", "fsdp1"): Refused({"compile": True, "wrap": "none"}),
+    ("compile", "true, wrap: none", "fsdp2"): Refused({"compile": True, "wrap": "none"}),
+    ("compile", "true / options", "fsdp1"): Expect(
+        {"compile": True}, {"compiled": BLOCKS, "use_orig_params": True, "units": BLOCKS}
+    ),
+    ("compile", "true / options", "fsdp2"): Expect(
+        {"compile": {"mode": "max-autotune-no-cudagraphs"}, "wrap": ["Block", "Linear"]},
+        {
+            "compiled": ["blocks.0", "blocks.0.proj", "blocks.1", "blocks.1.proj", "blocks.2", "blocks.2.proj", "head"],
+            "fully_shard calls": [
+                "blocks.0.proj",
+                "blocks.0",
+                "blocks.1.proj",
+                "blocks.1",
+                "blocks.2.proj",
+                "blocks.2",
+                "head",
+                ROOT,
+            ],
+        },
+    ),
     ("device", "cpu", "fsdp1"): Expect(
         {"device": "cpu"},
         {"device_id": torch.device("cpu"), "process group": ("gloo", None), "mesh device": "cpu"},

@@ -30,6 +30,7 @@ from fsdp_bridge._names import strip_wrapper_prefixes
 from fsdp_bridge.backends._common import (
     broadcast_from_rank0,
     buffer_shapes,
+    compile_units,
     move_ignored_to,
     rank0_full_state,
     state_entries,
@@ -175,6 +176,7 @@ class FSDP1Backend:
                 cast_forward_inputs=precision.cast_forward_inputs,
                 cast_root_forward_inputs=precision.cast_root_forward_inputs,
             )
+        compile_units(plan.units, plan.compile_options)  # before sharding, as the table says
         device = plan.device
         full_state = rank0_full_state(model) if plan.sync is SyncMethod.BROADCAST else None
         # A device mesh (1D, or 2D for HYBRID_*) rather than process groups: sharded

@@ -26,6 +26,7 @@ from fsdp_bridge._names import strip_wrapper_prefixes
 from fsdp_bridge.backends._common import (
     broadcast_from_rank0,
     buffer_shapes,
+    compile_units,
     move_ignored_to,
     rank0_full_state,
     state_entries,
@@ -161,6 +162,7 @@ class FSDP2Backend:
                 ignored_params=ignored,
             )
 
+        compile_units(plan.units, plan.compile_options)  # before sharding, as the table says
         for unit in plan.units:  # children before parents
             apply(unit, is_root=False)
         apply(model, is_root=True)
