@@ -21,6 +21,7 @@ from fsdp_bridge._fsdp1_init import materialize_like_fsdp1, reset_parameters_pro
 from fsdp_bridge._lora import has_4bit, keep_4bit_weights_in_place, parameter_adapters, quantization_problems
 from fsdp_bridge._optimizer_check import record_replaced
 from fsdp_bridge.backends import BackendImpl, backend_inside, get_backend, sharded_by
+from fsdp_bridge.backends.float8 import float8_problems
 from fsdp_bridge.config import BridgeConfig, fsdp1_init
 from fsdp_bridge.distributed import (
     MeshPlan,
@@ -496,6 +497,8 @@ def _validate(
     problems = unsupported_problems(config, config.backend, device_type=device.type)
     problems += _presharded_problems(model, config, presharded)
     problems += quantization_problems(model, device.type)  # QLoRA bases: only where bitsandbytes runs 4-bit
+    if not any(p.key == "float8" for p in problems):  # where the table allows float8: torchao and the GPU
+        problems += float8_problems(config.float8, device)
     mesh_plan = None
     try:
         mesh_plan = plan_user_mesh(config, mesh) if mesh is not None else plan_mesh(config, dist.get_world_size())

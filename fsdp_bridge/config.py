@@ -325,6 +325,18 @@ class CompileConfig:
         return {"mode": self.mode, "fullgraph": self.fullgraph, "dynamic": self.dynamic}
 
 
+Float8Recipe = Literal["tensorwise", "rowwise"]
+FLOAT8_RECIPES: tuple[str, ...] = ("tensorwise", "rowwise")
+
+
+def _parse_float8(value: object, key: str, problems: list[Problem]) -> str | None:
+    if value is None or value is False:
+        return None
+    if isinstance(value, str) and value.strip().lower() in FLOAT8_RECIPES:
+        return value.strip().lower()
+    raise ValueError(f"{value!r} is not a float8 recipe")
+
+
 _COMPILE_ALLOWED = "true, false, or a mapping of torch.compile options (mode, fullgraph, dynamic)"
 
 
@@ -493,6 +505,12 @@ class BridgeConfig:
         metadata=spec(_COMPILE_ALLOWED, _parse_compile, summary="true, false or {mode, fullgraph, dynamic}"),
     )
     """torch.compile each wrap unit before sharding: true, or a mapping of mode, fullgraph, dynamic."""
+    float8: Float8Recipe | None = field(
+        default=None,
+        metadata=spec("false, tensorwise or rowwise", _parse_float8, summary="false, tensorwise or rowwise"),
+    )
+    """torchao float8 training of the units' linear layers (FSDP2 on a GPU with float8 matmuls): tensorwise
+    (float8 all-gather) or rowwise; false: off."""
 
     if TYPE_CHECKING:
         # What the constructor accepts: the typed values, or the spellings users write (normalised
@@ -515,6 +533,7 @@ class BridgeConfig:
             ignored_modules: Sequence[str] | str | None = ...,
             device: Device | str = ...,
             compile: CompileConfig | bool | Mapping[str, Any] | None = ...,
+            float8: Float8Recipe | bool | None = ...,
         ) -> None: ...
 
     def __post_init__(self) -> None:
@@ -568,6 +587,7 @@ class BridgeConfig:
             "ignored_modules": list(self.ignored_modules),
             "device": self.device,
             "compile": self.compile.to_spelling(),
+            "float8": self.float8 or False,
         }
 
     def to_yaml(self) -> str:

@@ -12,13 +12,13 @@ Rules whose ``when`` is ``None`` describe FSDP1 API with no config field (``no_s
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from fsdp_bridge.errors import Problem
 from fsdp_bridge.strategy import Backend, BackwardPrefetch, ShardingStrategy
+from fsdp_bridge.translation import Entry, Outcome, Translation, TranslationReport, show_value
 
 if TYPE_CHECKING:
     from fsdp_bridge.config import BridgeConfig
@@ -34,25 +34,6 @@ __all__ = [
     "translate",
     "unsupported_problems",
 ]
-
-
-class Outcome(enum.Enum):
-    """What a backend does with one option's value: the four outcomes of the translation table."""
-
-    NATIVE = "native"
-    """The backend has the option; it is passed through."""
-    EMULATED = "emulated"
-    """The backend lacks the option; fsdp_bridge reproduces its meaning (the text says how)."""
-    NOT_NEEDED = "not needed"
-    """The option has no work to do on this backend or device (the text says why)."""
-    UNSUPPORTED = "unsupported"
-    """Refused with a ConfigError (the text gives the reason and the alternative)."""
-
-
-@dataclass(frozen=True)
-class Translation:
-    outcome: Outcome
-    text: str
 
 
 @dataclass(frozen=True)
@@ -113,6 +94,12 @@ def _depth(value: object) -> bool:
 _FSDP1_ONE_UNIT = (
     "FSDP1 prefetches exactly one unit ahead and has no depth setting; use {option}: {one} "
     "(one unit ahead) on fsdp1, or backend: fsdp2 for more"
+)
+
+
+_FLOAT8_CPU = (
+    "float8 training runs float8 matmuls (torch._scaled_mm), which need a CUDA GPU of compute capability 8.9+ "
+    "(Ada, Hopper or newer); there are none on CPU: remove float8"
 )
 
 
@@ -659,6 +646,41 @@ TABLE: tuple[Rule, ...] = (
         ),
         lambda c: c.config.compile.enabled and not _cuda_graphs(c) and c.config.wrap.mode != "none",
     ),
+    # -- float8 ------------------------------------------------------------------------
+    Rule(
+        "float8",
+        "false",
+        "(torchao float8 applied by the user)",
+        T(N, "no float8"),
+        T(N, "no float8"),
+        lambda c: c.config.float8 is None,
+    ),
+    Rule(
+        "float8",
+        "tensorwise / rowwise, on CPU",
+        "convert_to_float8_training(model)",
+        T(U, _FLOAT8_CPU),
+        T(U, _FLOAT8_CPU),
+        lambda c: c.config.float8 is not None and _on_cpu(c),
+    ),
+    Rule(
+        "float8",
+        "tensorwise / rowwise, on a GPU",
+        "convert_to_float8_training(model) before FSDP",
+        T(
+            U,
+            "FSDP1 flattens each unit's parameters into one flat tensor and has no float8 all-gather (torchao's "
+            "float8 with FSDP works on FSDP2's per-parameter shards); use backend: fsdp2",
+        ),
+        T(
+            N,
+            "torchao convert_to_float8_training on the nn.Linear layers inside the units (not the units nor the "
+            "root's own, e.g. lm_head; both dimensions multiples of 16) before fully_shard; tensorwise all-gathers "
+            "in float8 (enable_fsdp_float8_all_gather), rowwise in the parameter dtype. Needs torchao (optional "
+            "extra float8) and compute capability 8.9+: refused by shard() otherwise",
+        ),
+        lambda c: c.config.float8 is not None and not _on_cpu(c),
+    ),
     # -- FSDP1 API with no config field (migration table only) ------------------------
     Rule(
         "use_orig_params",
@@ -822,119 +844,6 @@ def no_shard_mesh_shape(backend: Backend, world_size: int) -> tuple[int, ...]:
         The mesh shape.
     """
     return (world_size,) if backend is Backend.FSDP1 else (world_size, 1)
-
-
-@dataclass(frozen=True)
-class Entry:
-    option: str
-    case: str
-    value: object
-    outcome: Outcome
-    text: str
-
-
-@dataclass(frozen=True)
-class TranslationReport:
-    """What one backend does with every option of a config (:func:`translate`): one entry per option."""
-
-    backend: Backend
-    entries: tuple[Entry, ...]
-
-    @property
-    def unsupported(self) -> tuple[Entry, ...]:
-        return tuple(e for e in self.entries if e.outcome is Outcome.UNSUPPORTED)
-
-    def entry(self, option: str) -> Entry:
-        """The row that ``option`` matched (every config option matches exactly one).
-
-        Args:
-            option: a config option as the table names it (``cpu_offload``,
-                ``mixed_precision.buffer_dtype``).
-
-        Returns:
-            Its :class:`Entry`: the value, the case matched, the outcome and what happens.
-
-        Raises:
-            KeyError: ``option`` is not in this report; the message lists the options that are.
-        """
-        for e in self.entries:
-            if e.option == option:
-                return e
-        raise KeyError(f"no entry for option {option!r}; options are {', '.join(e.option for e in self.entries)}")
-
-    def outcome(self, option: str) -> Outcome:
-        """What the table says ``option`` becomes on this backend and device.
-
-        Args:
-            option: a config option as the table names it.
-
-        Returns:
-            The matched row's :class:`Outcome`.
-
-        Raises:
-            KeyError: ``option`` is not in this report.
-        """
-        return self.entry(option).outcome
-
-    def format(self, *, width: int = 100) -> str:
-        """A plain-text table (one row per option), as ``fsdp-bridge explain`` prints it.
-
-        Args:
-            width: the line width the last column wraps to (at least 30 characters are kept for it).
-
-        Returns:
-            The table, headed by the backend's name.
-        """
-        import textwrap
-
-        rows = [(e.option, show_value(e.value), e.outcome.value, e.text) for e in self.entries]
-        w0 = max(len("option"), *(len(r[0]) for r in rows))
-        w1 = min(24, max(len("value"), *(len(r[1]) for r in rows)))
-        w2 = max(len("outcome"), *(len(r[2]) for r in rows))
-        text_w = max(30, width - w0 - w1 - w2 - 6)
-        lines = [
-            f"{self.backend.value}:",
-            f"{'option':<{w0}}  {'value':<{w1}}  {'outcome':<{w2}}  what happens",
-            f"{'-' * w0}  {'-' * w1}  {'-' * w2}  {'-' * 12}",
-        ]
-        for opt, val, outcome, text in rows:
-            wrapped = textwrap.wrap(text, text_w) or [""]
-            lines.append(f"{opt:<{w0}}  {val[:w1]:<{w1}}  {outcome:<{w2}}  {wrapped[0]}")
-            lines.extend(f"{'':<{w0}}  {'':<{w1}}  {'':<{w2}}  {more}" for more in wrapped[1:])
-        return "\n".join(lines)
-
-    def to_dict(self) -> dict[str, object]:
-        """The report as JSON-safe data (what ``fsdp-bridge explain --json`` prints).
-
-        Returns:
-            ``{"backend": ..., "entries": [{"option", "case", "value", "outcome", "text"}, ...]}``.
-        """
-        return {
-            "backend": self.backend.value,
-            "entries": [
-                {
-                    "option": e.option,
-                    "case": e.case,
-                    "value": show_value(e.value),
-                    "outcome": e.outcome.value,
-                    "text": e.text,
-                }
-                for e in self.entries
-            ],
-        }
-
-
-def show_value(value: object) -> str:
-    """A config value as the report prints it (enum values, YAML spellings, named callables)."""
-    if isinstance(value, enum.Enum):
-        return str(value.value)
-    if hasattr(value, "to_spelling"):
-        try:
-            return str(value.to_spelling())
-        except Exception:  # a callable wrap policy has no YAML spelling: name it
-            fn = getattr(value, "fn", None)
-            return f"callable {getattr(fn, '__qualname__', type(fn).__name__)}"
-    return str(value)
 
 
 def _option_value(config: BridgeConfig, option: str) -> object:

@@ -144,6 +144,9 @@ class ShardPlan:
     root_is_unit: bool = False
     """The module sharded may be a unit of a larger model (:func:`fsdp_bridge.wrap_module`, FSDP1's
     manual ``wrap``): whether it reshards after forward is decided when it runs, as FSDP1 decides it."""
+    float8: str | None = None
+    """torchao float8 recipe for the linear layers inside the units (None: off; only where the table's
+    float8 row is native: FSDP2 on a GPU)."""
     compile_options: dict[str, Any] | None = None
     """``torch.compile`` keyword arguments for each unit, compiled before sharding (None: no compilation)."""
     materialize: bool = True
@@ -271,6 +274,7 @@ def resolve_plan(
         limit_all_gathers=config.limit_all_gathers,
         reshard_override=config.reshard_after_forward,
         compile_options=config.compile.options() if config.compile.enabled else None,
+        float8=config.float8 if report.outcome("float8") is Outcome.NATIVE else None,
         scalar_params=list(scalar_params or []),
         ignored_parameters=list(ignored_parameters or []),
         materialize=materialize,

@@ -180,6 +180,19 @@ def test_all_problems_reported_together() -> None:
         ),
         ({"backend": "fsdp2", "backward_prefetch": "none"}, r"no public switch to turn it off"),
         ({"backend": "fsdp1", "reshard_after_forward": 2}, r"FSDP1 cannot reshard to a smaller group"),
+        ({"float8": "e4m3"}, r"float8: got 'e4m3'; allowed: false, tensorwise or rowwise"),
+        (
+            {"float8": "rowwise", "device": "cpu"},
+            r"float8: got 'rowwise'; allowed: on fsdp2: false, tensorwise / rowwise, on a GPU\. Fix: .*need a CUDA "
+            r"GPU of compute capability 8\.9\+ .*there are none on CPU: remove float8",
+        ),
+        (
+            {"float8": "tensorwise", "backend": "fsdp1", "device": "cuda"},
+            r"float8: got 'tensorwise'; .*FSDP1 flattens each unit's parameters .* use backend: fsdp2",
+        ),
+        ({"compile": "yes"}, r"compile: got 'yes'; allowed: true, false, or a mapping of torch\.compile options"),
+        ({"compile": {"mode": "reduce-overhead"}}, r"compile: .*CUDA graphs replay fixed buffers.*use mode: default"),
+        ({"compile": True, "wrap": "none"}, r"compile: got 'True'.*compile is regional: .*wrap: none has none"),
         (
             {"backend": "fsdp1", "strategy": "full_shard", "reshard_after_forward": False},
             r"FSDP1 ties resharding to the strategy; choose the strategy instead",

@@ -110,6 +110,7 @@ _OPTION_VALUES: dict[str, list[Any]] = {
     "hybrid_shape": [None, (2, 2)],
     "ignored_modules": [(), ("lm_head",)],
     "device": ["auto", "cpu", "cuda"],
+    "float8": [None, "tensorwise", "rowwise"],
     "compile": [False, True, {"mode": "reduce-overhead"}, {"mode": "max-autotune-no-cudagraphs", "fullgraph": True}],
 }
 

@@ -32,6 +32,7 @@ from fsdp_bridge.backends._common import (
     state_entries,
 )
 from fsdp_bridge.backends.base import FlatPiece, FlatTensor
+from fsdp_bridge.backends.float8 import convert_to_float8
 from fsdp_bridge.mapping import no_shard_mesh_shape
 from fsdp_bridge.plan import ShardPlan, SyncMethod
 from fsdp_bridge.strategy import Backend
@@ -162,6 +163,8 @@ class FSDP2Backend:
                 ignored_params=ignored,
             )
 
+        if plan.float8 is not None:  # layers swapped before they are sharded (and compiled)
+            convert_to_float8(model, plan.float8, plan.units)
         compile_units(plan.units, plan.compile_options)  # before sharding, as the table says
         for unit in plan.units:  # children before parents
             apply(unit, is_root=False)
