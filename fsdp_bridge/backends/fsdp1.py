@@ -36,6 +36,7 @@ from fsdp_bridge.backends._common import (
     state_entries,
 )
 from fsdp_bridge.backends.base import FlatPiece, FlatTensor
+from fsdp_bridge.errors import ConfigError, Problem
 from fsdp_bridge.mapping import no_shard_mesh_shape
 from fsdp_bridge.plan import ShardPlan, SyncMethod
 from fsdp_bridge.strategy import Backend, BackwardPrefetch, ShardingStrategy
@@ -223,7 +224,9 @@ class FSDP1Backend:
 
     def defer_all_reduce(self, model: nn.Module) -> AbstractContextManager[None]:
         # The plan refuses it first (the table's defer_all_reduce row); kept as a guard.
-        raise NotImplementedError("FSDP1 cannot defer only the all-reduce across replicas: use no_sync()")
+        raise ConfigError(
+            [Problem("defer_all_reduce", "fsdp1", "a model sharded with backend: fsdp2", "use fsdp_bridge.no_sync")]
+        )
 
     def clip_grad_norm_(self, model: nn.Module, max_norm: float, norm_type: float) -> torch.Tensor:
         assert isinstance(model, FullyShardedDataParallel)
@@ -247,8 +250,6 @@ class FSDP1Backend:
         # promises they are discarded, so restore this rank's shards (a shard-sized copy).
         if offload_to_cpu and getattr(model, "sharding_strategy", None) is TorchShardingStrategy.NO_SHARD:
             # torch's FSDP1 raises NotImplementedError here; say it before anything is gathered.
-            from fsdp_bridge.errors import ConfigError, Problem
-
             raise ConfigError(
                 [
                     Problem(
