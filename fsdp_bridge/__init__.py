@@ -21,7 +21,15 @@ from fsdp_bridge._version import __version__
 
 if TYPE_CHECKING:
     from fsdp_bridge._manual_wrap import ManualWrap, enable_wrap, wrap_module
-    from fsdp_bridge.api import Bridge, clip_grad_norm_, get_bridge, no_sync, shard, summon_full_params
+    from fsdp_bridge.api import (
+        Bridge,
+        clip_grad_norm_,
+        defer_all_reduce,
+        get_bridge,
+        no_sync,
+        shard,
+        summon_full_params,
+    )
     from fsdp_bridge.backends.fsdp1_objects import (
         full_optim_state_dict,
         full_state_dict,
@@ -39,7 +47,7 @@ if TYPE_CHECKING:
         save_checkpoint,
         save_checkpoint_async,
     )
-    from fsdp_bridge.config import BridgeConfig, MixedPrecisionConfig, WrapPolicy, load_config
+    from fsdp_bridge.config import BridgeConfig, CompileConfig, MixedPrecisionConfig, WrapPolicy, load_config
     from fsdp_bridge.distributed import init_distributed, mesh_from_process_group
     from fsdp_bridge.errors import CheckpointError, ConfigError, Problem
     from fsdp_bridge.mapping import Outcome, TranslationReport, translate
@@ -54,6 +62,7 @@ _EXPORTS: dict[str, str] = {
     "Bridge": "fsdp_bridge.api",
     "BridgeConfig": "fsdp_bridge.config",
     "CheckpointError": "fsdp_bridge.errors",
+    "CompileConfig": "fsdp_bridge.config",
     "ConfigError": "fsdp_bridge.errors",
     "ManualWrap": "fsdp_bridge._manual_wrap",
     "MixedPrecisionConfig": "fsdp_bridge.config",
@@ -63,6 +72,7 @@ _EXPORTS: dict[str, str] = {
     "TranslationReport": "fsdp_bridge.mapping",
     "WrapPolicy": "fsdp_bridge.config",
     "clip_grad_norm_": "fsdp_bridge.api",
+    "defer_all_reduce": "fsdp_bridge.api",
     "enable_wrap": "fsdp_bridge._manual_wrap",
     "get_bridge": "fsdp_bridge.api",
     "full_optim_state_dict": "fsdp_bridge.backends.fsdp1_objects",
@@ -95,6 +105,7 @@ __all__ = [
     "Bridge",
     "BridgeConfig",
     "CheckpointError",
+    "CompileConfig",
     "ConfigError",
     "ManualWrap",
     "MixedPrecisionConfig",
@@ -105,6 +116,7 @@ __all__ = [
     "WrapPolicy",
     "__version__",
     "clip_grad_norm_",
+    "defer_all_reduce",
     "enable_wrap",
     "full_optim_state_dict",
     "full_state_dict",

@@ -6,9 +6,9 @@ import hashlib
 import logging
 import math
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import cast
 
 import torch
@@ -22,6 +22,7 @@ from fsdp_bridge._lora import has_4bit, keep_4bit_weights_in_place, parameter_ad
 from fsdp_bridge._module_calls import module_clip_grad_norm_, module_no_sync
 from fsdp_bridge._optimizer_check import record_replaced
 from fsdp_bridge.backends import BackendImpl, backend_inside, get_backend, sharded_by
+from fsdp_bridge.backends.float8 import float8_problems
 from fsdp_bridge.config import BridgeConfig, carried_ignored, fsdp1_init, with_ignored_names
 from fsdp_bridge.distributed import (
     MeshPlan,
@@ -48,7 +49,7 @@ from fsdp_bridge.wrap import (
     resolve_wrap,
 )
 
-__all__ = ["Bridge", "clip_grad_norm_", "get_bridge", "no_sync", "shard", "summon_full_params"]
+__all__ = ["Bridge", "clip_grad_norm_", "defer_all_reduce", "get_bridge", "no_sync", "shard", "summon_full_params"]
 
 logger = logging.getLogger("fsdp_bridge")
 _ATTR = "_fsdp_bridge"
@@ -91,6 +92,7 @@ class Bridge:
     plan: ShardPlan
     wrap: WrapPlan
     model: nn.Module
+    _noted_no_all_reduce: bool = field(default=False, init=False, repr=False)
 
     @property
     def report(self) -> TranslationReport:
@@ -112,6 +114,26 @@ class Bridge:
             A context manager: backward inside it accumulates gradients locally.
         """
         return self.impl.no_sync(self.model)
+
+    def defer_all_reduce(self) -> AbstractContextManager[None]:
+        """Same as :func:`fsdp_bridge.defer_all_reduce` on this bridge's model.
+
+        Returns:
+            A context manager: backward inside it reduce-scatters, the all-reduce across replicas waits.
+
+        Raises:
+            ConfigError: the backend cannot defer only the all-reduce (FSDP1).
+        """
+        if not self.plan.defers_all_reduce():
+            if not self._noted_no_all_reduce:
+                self._noted_no_all_reduce = True
+                logger.info(
+                    "defer_all_reduce: mesh %s has no all-reduce across replicas; every micro-batch reduce-scatters "
+                    "as without the context",
+                    tuple(self.plan.mesh.shape),
+                )
+            return nullcontext()
+        return self.impl.defer_all_reduce(self.model)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Same as :func:`fsdp_bridge.clip_grad_norm_` on this bridge's model (a collective).
@@ -491,6 +513,8 @@ def _validate(
     problems = unsupported_problems(config, config.backend, device_type=device.type)
     problems += _presharded_problems(model, config, presharded)
     problems += quantization_problems(model, device.type)  # QLoRA bases: only where bitsandbytes runs 4-bit
+    if not any(p.key == "float8" for p in problems):  # where the table allows float8: torchao and the GPU
+        problems += float8_problems(config.float8, device)
     mesh_plan = None
     try:
         mesh_plan = plan_user_mesh(config, mesh) if mesh is not None else plan_mesh(config, dist.get_world_size())
@@ -688,6 +712,30 @@ def no_sync(model: nn.Module) -> AbstractContextManager[None]:
     if isinstance(bridge, Bridge):
         return bridge.no_sync()
     return module_no_sync(model)
+
+
+def defer_all_reduce(model: nn.Module) -> AbstractContextManager[None]:
+    """Inside the context, backward still reduce-scatters each micro-batch's gradients within its shard
+    group, but the all-reduce across replicas (HSDP) waits: the first backward after the context adds
+    the kept partial sums in and all-reduces once. Gradient accumulation that keeps the reduce-scatter
+    overlapped with backward while cutting the cross-replica traffic to once per step; :func:`no_sync`
+    instead communicates nothing until the last micro-batch (and holds unsharded gradients meanwhile).
+
+    On a mesh without replicas (1D: FULL_SHARD, SHARD_GRAD_OP) there is no all-reduce: the context
+    changes nothing, noted once in the log. On FSDP2's NO_SHARD mesh ``(world, 1)`` the all-reduce is all
+    the communication, so it defers like :func:`no_sync`.
+
+    Args:
+        model: a model returned by :func:`shard` on the fsdp2 backend.
+
+    Returns:
+        A context manager; run the last micro-batch's backward outside it.
+
+    Raises:
+        ConfigError: the model runs on fsdp1, which has no such switch (use :func:`no_sync`).
+        TypeError: ``model`` was not sharded by :func:`shard`.
+    """
+    return get_bridge(model).defer_all_reduce()
 
 
 def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:

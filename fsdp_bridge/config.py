@@ -26,7 +26,7 @@ import yaml
 
 from fsdp_bridge._schema import enum_spec, normalise, parse_section, spec, unknown_key
 from fsdp_bridge.errors import ConfigError, Problem
-from fsdp_bridge.strategy import Backend, BackwardPrefetch, ShardingStrategy
+from fsdp_bridge.strategy import Backend, BackwardPrefetch, ShardingStrategy, parse_enum
 
 if TYPE_CHECKING:
     import torch
@@ -41,7 +41,15 @@ else:
     TorchDtype = Any
     ModuleFilter = Callable[[Any], bool]
 
-__all__ = ["BridgeConfig", "MixedPrecisionConfig", "WrapPolicy", "load_config", "parse_dtype", "read_yaml_file"]
+__all__ = [
+    "BridgeConfig",
+    "CompileConfig",
+    "MixedPrecisionConfig",
+    "WrapPolicy",
+    "load_config",
+    "parse_dtype",
+    "read_yaml_file",
+]
 
 Device = Literal["auto", "cuda", "cpu"]
 DEVICES: tuple[str, ...] = ("auto", "cuda", "cpu")
@@ -290,6 +298,77 @@ def _wrap_from_mapping(value: Mapping[str, Any], key: str, problems: list[Proble
 
 
 # ----------------------------------------------------------------------------------
+# torch.compile
+# ----------------------------------------------------------------------------------
+
+CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class CompileConfig:
+    """``torch.compile`` of each wrap unit before it is sharded (regional compilation: one compiled
+    region per unit, FSDP's communication between them). ``BridgeConfig(compile=True)`` or a mapping
+    of the options below."""
+
+    enabled: bool = False
+    """Compile each wrap unit (``unit.compile(...)``) before sharding."""
+    mode: CompileMode | None = None
+    """torch.compile's ``mode``; null: torch's default."""
+    fullgraph: bool = False
+    """torch.compile's ``fullgraph``: fail on a graph break instead of splitting the region."""
+    dynamic: bool | None = None
+    """torch.compile's ``dynamic``: null lets torch decide, true / false force dynamic / static shapes."""
+
+    def options(self) -> dict[str, Any]:
+        """The keyword arguments for ``torch.compile`` / ``nn.Module.compile``.
+
+        Returns:
+            ``fullgraph`` and ``dynamic``, and ``mode`` when one is set (else torch's default).
+        """
+        out: dict[str, Any] = {"fullgraph": self.fullgraph, "dynamic": self.dynamic}
+        if self.mode is not None:
+            out["mode"] = self.mode
+        return out
+
+    def to_spelling(self) -> bool | dict[str, Any]:
+        """How a YAML file writes it.
+
+        Returns:
+            ``False``, ``True`` (compiled with torch's defaults) or the mapping of options.
+        """
+        if not self.enabled or self == CompileConfig(enabled=True):
+            return self.enabled
+        return {"mode": self.mode, "fullgraph": self.fullgraph, "dynamic": self.dynamic}
+
+
+Float8Recipe = Literal["tensorwise", "rowwise"]
+FLOAT8_RECIPES: tuple[str, ...] = ("tensorwise", "rowwise")
+
+
+def _parse_float8(value: object, key: str, problems: list[Problem]) -> str | None:
+    if value is None or value is False:
+        return None
+    if isinstance(value, str) and value.strip().lower() in FLOAT8_RECIPES:
+        return value.strip().lower()
+    raise ValueError(f"{value!r} is not a float8 recipe")
+
+
+_COMPILE_ALLOWED = "true, false, or a mapping of torch.compile options (mode, fullgraph, dynamic)"
+
+
+def _parse_compile(value: object, key: str, problems: list[Problem]) -> CompileConfig:
+    if isinstance(value, CompileConfig):
+        return value
+    if value is None or isinstance(value, bool):
+        return CompileConfig(enabled=bool(value))
+    if isinstance(value, Mapping):
+        fields = parse_section(CompileConfig, value, problems, prefix=f"{key}.")
+        fields.setdefault("enabled", True)  # writing the options asks for compilation
+        return CompileConfig(**fields)
+    raise ValueError(f"{value!r} is not a compile setting")
+
+
+# ----------------------------------------------------------------------------------
 # The config
 # ----------------------------------------------------------------------------------
 
@@ -298,6 +377,33 @@ def _parse_reshard(value: object, key: str, problems: list[Problem]) -> bool | i
     if value is None or isinstance(value, bool) or (isinstance(value, int) and value >= 1):
         return value
     raise ValueError(f"{value!r} is not a reshard-after-forward setting")
+
+
+_BACKWARD_PREFETCH_ALLOWED = "pre, post, none, or an integer >= 1 (units ahead, fsdp2)"
+_FORWARD_PREFETCH_ALLOWED = "true, false, or an integer >= 1 (units ahead, fsdp2)"
+
+
+def _prefetch_depth(value: object) -> int | None:
+    """``value`` as a number of units (an int, not a bool), or None when it is not one."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value < 1:
+            raise ValueError(f"{value!r} is not a number of units ahead (an integer >= 1)")
+        return value
+    return None
+
+
+def _parse_backward_prefetch(value: object, key: str, problems: list[Problem]) -> BackwardPrefetch | int:
+    depth = _prefetch_depth(value)
+    return depth if depth is not None else parse_enum(BackwardPrefetch, value)
+
+
+def _parse_forward_prefetch(value: object, key: str, problems: list[Problem]) -> bool | int:
+    depth = _prefetch_depth(value)
+    if depth is not None:
+        return depth
+    if isinstance(value, bool):
+        return value
+    raise ValueError(f"{value!r} is not a forward prefetch setting")
 
 
 def _parse_hybrid_shape(value: object, key: str, problems: list[Problem]) -> tuple[int, int] | None:
@@ -359,10 +465,16 @@ class BridgeConfig:
         metadata=spec(_WRAP_ALLOWED, _parse_wrap, summary="auto, none, a list of class names or {min_num_params: N}"),
     )
     """Units to shard separately: auto, none, a list of class names, {min_num_params: N}, or a callable."""
-    backward_prefetch: BackwardPrefetch = field(default=BackwardPrefetch.PRE, metadata=enum_spec(BackwardPrefetch))
-    """Backward all-gather prefetch: pre, post or none."""
-    forward_prefetch: bool = False
-    """Prefetch the next unit's all-gather during forward."""
+    backward_prefetch: BackwardPrefetch | int = field(
+        default=BackwardPrefetch.PRE,
+        metadata=spec(_BACKWARD_PREFETCH_ALLOWED, _parse_backward_prefetch, summary=_BACKWARD_PREFETCH_ALLOWED),
+    )
+    """Backward all-gather prefetch: pre, post, none, or how many units ahead (an integer >= 1, FSDP2)."""
+    forward_prefetch: bool | int = field(
+        default=False,
+        metadata=spec(_FORWARD_PREFETCH_ALLOWED, _parse_forward_prefetch, summary=_FORWARD_PREFETCH_ALLOWED),
+    )
+    """Prefetch the next unit's all-gather during forward (true), or how many units ahead (an integer >= 1, FSDP2)."""
     limit_all_gathers: bool = True
     """FSDP1's rate limiter on in-flight all-gathers (FSDP2 does not need one)."""
     cpu_offload: bool = False
@@ -404,6 +516,17 @@ class BridgeConfig:
         default="auto", metadata=spec(", ".join(DEVICES), _parse_device, summary=f"one of {', '.join(DEVICES)}")
     )
     """auto (CUDA with NCCL when available, else CPU with gloo), cuda or cpu."""
+    compile: CompileConfig = field(
+        default_factory=CompileConfig,
+        metadata=spec(_COMPILE_ALLOWED, _parse_compile, summary="true, false or {mode, fullgraph, dynamic}"),
+    )
+    """torch.compile each wrap unit before sharding: true, or a mapping of mode, fullgraph, dynamic."""
+    float8: Float8Recipe | None = field(
+        default=None,
+        metadata=spec("false, tensorwise or rowwise", _parse_float8, summary="false, tensorwise or rowwise"),
+    )
+    """torchao float8 training of the units' linear layers (FSDP2 on a GPU with float8 matmuls): tensorwise
+    (float8 all-gather) or rowwise; false: off."""
 
     if TYPE_CHECKING:
         # What the constructor accepts: the typed values, or the spellings users write (normalised
@@ -415,8 +538,8 @@ class BridgeConfig:
             backend: Backend | str = ...,
             mixed_precision: MixedPrecisionLike = ...,
             wrap: WrapLike = ...,
-            backward_prefetch: BackwardPrefetch | str | None = ...,
-            forward_prefetch: bool = ...,
+            backward_prefetch: BackwardPrefetch | str | int | None = ...,
+            forward_prefetch: bool | int = ...,
             limit_all_gathers: bool = ...,
             cpu_offload: bool = ...,
             activation_checkpointing: bool = ...,
@@ -425,6 +548,8 @@ class BridgeConfig:
             hybrid_shape: tuple[int, int] | Sequence[int] | None = ...,
             ignored_modules: Sequence[str] | str | None = ...,
             device: Device | str = ...,
+            compile: CompileConfig | bool | Mapping[str, Any] | None = ...,
+            float8: Float8Recipe | bool | None = ...,
         ) -> None: ...
 
     def __post_init__(self) -> None:
@@ -463,7 +588,11 @@ class BridgeConfig:
             "backend": self.backend.value,
             "mixed_precision": self.mixed_precision.to_spelling(),
             "wrap": self.wrap.to_spelling(),
-            "backward_prefetch": self.backward_prefetch.value,
+            "backward_prefetch": (
+                self.backward_prefetch.value
+                if isinstance(self.backward_prefetch, BackwardPrefetch)
+                else self.backward_prefetch
+            ),
             "forward_prefetch": self.forward_prefetch,
             "limit_all_gathers": self.limit_all_gathers,
             "cpu_offload": self.cpu_offload,
@@ -473,6 +602,8 @@ class BridgeConfig:
             "hybrid_shape": list(self.hybrid_shape) if self.hybrid_shape else None,
             "ignored_modules": list(self.ignored_modules),
             "device": self.device,
+            "compile": self.compile.to_spelling(),
+            "float8": self.float8 or False,
         }
 
     def to_yaml(self) -> str:

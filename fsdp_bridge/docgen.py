@@ -20,9 +20,31 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from fsdp_bridge.mapping import migration_table_markdown, strategy_table_markdown
+from fsdp_bridge.mapping import TABLE
 
 __all__ = ["API_FACES", "BLOCKS", "api_reference_markdown", "render", "stale_blocks"]
+
+
+def strategy_table_markdown() -> str:
+    """The strategy x backend table as Markdown (embedded in the README)."""
+    lines = ["| strategy | FSDP1 | FSDP2 |", "| --- | --- | --- |"]
+    for r in TABLE:
+        if r.option == "strategy":
+            fsdp2 = f"{r.fsdp2.outcome.value}: {r.fsdp2.text}"
+            lines.append(f"| `{r.case}` | {r.fsdp1.text} | {fsdp2} |")
+    return "\n".join(lines)
+
+
+def migration_table_markdown() -> str:
+    """The full FSDP1 -> FSDP2 table as Markdown (``docs/migration.md`` embeds it)."""
+    lines = [
+        "| option | case | FSDP1 | FSDP1 under fsdp_bridge | FSDP2 outcome | FSDP2 under fsdp_bridge |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in TABLE:
+        cells = [r.option, r.case, f"`{r.fsdp1_api}`", r.fsdp1.text, r.fsdp2.outcome.value, r.fsdp2.text]
+        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    return "\n".join(lines)
 
 
 def config_reference_markdown() -> str:

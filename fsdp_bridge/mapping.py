@@ -12,13 +12,13 @@ Rules whose ``when`` is ``None`` describe FSDP1 API with no config field (``no_s
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from fsdp_bridge.errors import Problem
 from fsdp_bridge.strategy import Backend, BackwardPrefetch, ShardingStrategy
+from fsdp_bridge.translation import Entry, Outcome, Translation, TranslationReport, show_value
 
 if TYPE_CHECKING:
     from fsdp_bridge.config import BridgeConfig
@@ -29,29 +29,11 @@ __all__ = [
     "Rule",
     "Translation",
     "TranslationReport",
+    "api_translation",
     "no_shard_mesh_shape",
     "translate",
     "unsupported_problems",
 ]
-
-
-class Outcome(enum.Enum):
-    """What a backend does with one option's value: the four outcomes of the translation table."""
-
-    NATIVE = "native"
-    """The backend has the option; it is passed through."""
-    EMULATED = "emulated"
-    """The backend lacks the option; fsdp_bridge reproduces its meaning (the text says how)."""
-    NOT_NEEDED = "not needed"
-    """The option has no work to do on this backend or device (the text says why)."""
-    UNSUPPORTED = "unsupported"
-    """Refused with a ConfigError (the text gives the reason and the alternative)."""
-
-
-@dataclass(frozen=True)
-class Translation:
-    outcome: Outcome
-    text: str
 
 
 @dataclass(frozen=True)
@@ -103,6 +85,36 @@ def _device_type(c: Context) -> str | None:
 def _on_cpu(c: Context) -> bool:
     return _device_type(c) == "cpu"
 
+
+def _depth(value: object) -> bool:
+    """A prefetch given as a number of units ahead (an int, not a bool)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+_FSDP1_ONE_UNIT = (
+    "FSDP1 prefetches exactly one unit ahead and has no depth setting; use {option}: {one} "
+    "(one unit ahead) on fsdp1, or backend: fsdp2 for more"
+)
+
+
+_FLOAT8_CPU = (
+    "float8 training runs float8 matmuls (torch._scaled_mm), which need a CUDA GPU of compute capability 8.9+ "
+    "(Ada, Hopper or newer); there are none on CPU: remove float8"
+)
+
+
+def _cuda_graphs(c: Context) -> bool:
+    return c.config.compile.mode in ("reduce-overhead", "max-autotune")
+
+
+_NO_CUDA_GRAPHS = (
+    "CUDA graphs replay fixed buffers, while FSDP all-gathers and frees each unit's parameters between the "
+    "compiled regions; use mode: default or max-autotune-no-cudagraphs"
+)
+_NO_UNITS_TO_COMPILE = (
+    "compile is regional: it compiles the wrap units, and wrap: none has none; choose units "
+    "(wrap: auto, or a list of classes) or compile the model yourself"
+)
 
 _STRATEGY_FOR_RAF = (
     "FSDP1 ties resharding to the strategy; choose the strategy instead "
@@ -325,6 +337,19 @@ TABLE: tuple[Rule, ...] = (
         lambda c: c.config.backward_prefetch is BP.NONE,
     ),
     Rule(
+        "backward_prefetch",
+        "integer N (units ahead)",
+        "(none in FSDP1: BACKWARD_PRE prefetches one unit)",
+        T(U, _FSDP1_ONE_UNIT.format(option="backward_prefetch", one="pre")),
+        T(
+            N,
+            "explicit: each unit not nested in another calls set_modules_to_backward_prefetch with the N such "
+            "units registered before it, nearest first (backward runs them in reverse registration order); "
+            "the root keeps FSDP2's implicit prefetch of the last unit. Holds up to N more units gathered",
+        ),
+        lambda c: _depth(c.config.backward_prefetch),
+    ),
+    Rule(
         "forward_prefetch",
         "true",
         "forward_prefetch=True",
@@ -334,7 +359,20 @@ TABLE: tuple[Rule, ...] = (
             "explicit: each unit not nested in another calls set_modules_to_forward_prefetch([the next such unit]), "
             "in the order the model registers them (a layer stack's forward order); nested units gather when reached",
         ),
-        lambda c: c.config.forward_prefetch,
+        lambda c: c.config.forward_prefetch is True,
+    ),
+    Rule(
+        "forward_prefetch",
+        "integer N (units ahead)",
+        "(none in FSDP1: forward_prefetch=True prefetches one unit)",
+        T(U, _FSDP1_ONE_UNIT.format(option="forward_prefetch", one="true")),
+        T(
+            N,
+            "explicit: each unit not nested in another calls set_modules_to_forward_prefetch with the next N "
+            "such units, in the order the model registers them (a layer stack's forward order); the root "
+            "gathers the first unit as it reaches it. Holds up to N more units gathered",
+        ),
+        lambda c: _depth(c.config.forward_prefetch),
     ),
     Rule(
         "forward_prefetch",
@@ -565,6 +603,84 @@ TABLE: tuple[Rule, ...] = (
         T(N, "resolved by shard(): cuda (NCCL) when a GPU is available, else cpu (gloo)"),
         lambda c: _device_type(c) is None,
     ),
+    # -- torch.compile ---------------------------------------------------------------
+    Rule(
+        "compile",
+        "false",
+        "(torch.compile is applied by the user)",
+        T(N, "no torch.compile"),
+        T(N, "no torch.compile"),
+        lambda c: not c.config.compile.enabled,
+    ),
+    Rule(
+        "compile",
+        "CUDA graph modes",
+        "torch.compile(mode='reduce-overhead' | 'max-autotune')",
+        T(U, _NO_CUDA_GRAPHS),
+        T(U, _NO_CUDA_GRAPHS),
+        lambda c: c.config.compile.enabled and _cuda_graphs(c),
+    ),
+    Rule(
+        "compile",
+        "true, wrap: none",
+        "torch.compile(model)",
+        T(U, _NO_UNITS_TO_COMPILE),
+        T(U, _NO_UNITS_TO_COMPILE),
+        lambda c: c.config.compile.enabled and not _cuda_graphs(c) and c.config.wrap.mode == "none",
+    ),
+    Rule(
+        "compile",
+        "true / options",
+        "torch.compile on each wrapped module before FSDP(use_orig_params=True)",
+        T(
+            N,
+            "unit.compile(mode, fullgraph, dynamic) on each wrap unit before FullyShardedDataParallel wraps it "
+            "(regional compilation); FSDP1 needs use_orig_params=True for it, which the bridge always passes. "
+            "The root is not compiled",
+        ),
+        T(
+            N,
+            "unit.compile(mode, fullgraph, dynamic) on each wrap unit before fully_shard (regional compilation, "
+            "as torchtitan does); FSDP2's hooks and collectives run between the compiled regions. The root is "
+            "not compiled",
+        ),
+        lambda c: c.config.compile.enabled and not _cuda_graphs(c) and c.config.wrap.mode != "none",
+    ),
+    # -- float8 ------------------------------------------------------------------------
+    Rule(
+        "float8",
+        "false",
+        "(torchao float8 applied by the user)",
+        T(N, "no float8"),
+        T(N, "no float8"),
+        lambda c: c.config.float8 is None,
+    ),
+    Rule(
+        "float8",
+        "tensorwise / rowwise, on CPU",
+        "convert_to_float8_training(model)",
+        T(U, _FLOAT8_CPU),
+        T(U, _FLOAT8_CPU),
+        lambda c: c.config.float8 is not None and _on_cpu(c),
+    ),
+    Rule(
+        "float8",
+        "tensorwise / rowwise, on a GPU",
+        "convert_to_float8_training(model) before FSDP",
+        T(
+            U,
+            "FSDP1 flattens each unit's parameters into one flat tensor and has no float8 all-gather (torchao's "
+            "float8 with FSDP works on FSDP2's per-parameter shards); use backend: fsdp2",
+        ),
+        T(
+            N,
+            "torchao convert_to_float8_training on the nn.Linear layers inside the units (not the units nor the "
+            "root's own, e.g. lm_head; both dimensions multiples of 16) before fully_shard; tensorwise all-gathers "
+            "in float8 (enable_fsdp_float8_all_gather), rowwise in the parameter dtype. Needs torchao (optional "
+            "extra float8) and compute capability 8.9+: refused by shard() otherwise",
+        ),
+        lambda c: c.config.float8 is not None and not _on_cpu(c),
+    ),
     # -- FSDP1 API with no config field (migration table only) ------------------------
     Rule(
         "use_orig_params",
@@ -606,6 +722,23 @@ TABLE: tuple[Rule, ...] = (
             N,
             "fsdp_bridge.no_sync(model) calls set_requires_gradient_sync(False) (covers HSDP's all-reduce), "
             "restored on exit",
+        ),
+    ),
+    Rule(
+        "defer_all_reduce",
+        "-",
+        "(none in FSDP1: with model.no_sync(): defers all communication)",
+        T(
+            U,
+            "FSDP1 cannot keep the reduce-scatter per micro-batch and defer only the all-reduce across replicas; "
+            "use fsdp_bridge.no_sync(model) (no communication until the last micro-batch) or backend: fsdp2",
+        ),
+        T(
+            N,
+            "fsdp_bridge.defer_all_reduce(model) calls set_requires_all_reduce(False) on every unit, restored on "
+            "exit: each micro-batch still reduce-scatters in its shard group, the all-reduce across replicas runs "
+            "once, in the first backward after the context. A 1D mesh has no all-reduce: the context changes "
+            "nothing (logged once). NO_SHARD's (world, 1) mesh: all its communication is that all-reduce",
         ),
     ),
     Rule(
@@ -682,6 +815,19 @@ TABLE: tuple[Rule, ...] = (
     ),
 )
 
+
+def api_translation(name: str, backend: Backend) -> Translation:
+    """What the FSDP1 API row ``name`` (a rule without a config field, e.g. ``defer_all_reduce``) says for ``backend``.
+
+    Raises:
+        KeyError: no such row.
+    """
+    for rule in TABLE:
+        if rule.option == name and rule.when is None:
+            return rule.for_backend(backend)
+    raise KeyError(f"no API row {name!r} in the table")
+
+
 CONFIG_OPTIONS: tuple[str, ...] = tuple(dict.fromkeys(r.option for r in TABLE if r.when is not None))
 
 
@@ -698,119 +844,6 @@ def no_shard_mesh_shape(backend: Backend, world_size: int) -> tuple[int, ...]:
         The mesh shape.
     """
     return (world_size,) if backend is Backend.FSDP1 else (world_size, 1)
-
-
-@dataclass(frozen=True)
-class Entry:
-    option: str
-    case: str
-    value: object
-    outcome: Outcome
-    text: str
-
-
-@dataclass(frozen=True)
-class TranslationReport:
-    """What one backend does with every option of a config (:func:`translate`): one entry per option."""
-
-    backend: Backend
-    entries: tuple[Entry, ...]
-
-    @property
-    def unsupported(self) -> tuple[Entry, ...]:
-        return tuple(e for e in self.entries if e.outcome is Outcome.UNSUPPORTED)
-
-    def entry(self, option: str) -> Entry:
-        """The row that ``option`` matched (every config option matches exactly one).
-
-        Args:
-            option: a config option as the table names it (``cpu_offload``,
-                ``mixed_precision.buffer_dtype``).
-
-        Returns:
-            Its :class:`Entry`: the value, the case matched, the outcome and what happens.
-
-        Raises:
-            KeyError: ``option`` is not in this report; the message lists the options that are.
-        """
-        for e in self.entries:
-            if e.option == option:
-                return e
-        raise KeyError(f"no entry for option {option!r}; options are {', '.join(e.option for e in self.entries)}")
-
-    def outcome(self, option: str) -> Outcome:
-        """What the table says ``option`` becomes on this backend and device.
-
-        Args:
-            option: a config option as the table names it.
-
-        Returns:
-            The matched row's :class:`Outcome`.
-
-        Raises:
-            KeyError: ``option`` is not in this report.
-        """
-        return self.entry(option).outcome
-
-    def format(self, *, width: int = 100) -> str:
-        """A plain-text table (one row per option), as ``fsdp-bridge explain`` prints it.
-
-        Args:
-            width: the line width the last column wraps to (at least 30 characters are kept for it).
-
-        Returns:
-            The table, headed by the backend's name.
-        """
-        import textwrap
-
-        rows = [(e.option, show_value(e.value), e.outcome.value, e.text) for e in self.entries]
-        w0 = max(len("option"), *(len(r[0]) for r in rows))
-        w1 = min(24, max(len("value"), *(len(r[1]) for r in rows)))
-        w2 = max(len("outcome"), *(len(r[2]) for r in rows))
-        text_w = max(30, width - w0 - w1 - w2 - 6)
-        lines = [
-            f"{self.backend.value}:",
-            f"{'option':<{w0}}  {'value':<{w1}}  {'outcome':<{w2}}  what happens",
-            f"{'-' * w0}  {'-' * w1}  {'-' * w2}  {'-' * 12}",
-        ]
-        for opt, val, outcome, text in rows:
-            wrapped = textwrap.wrap(text, text_w) or [""]
-            lines.append(f"{opt:<{w0}}  {val[:w1]:<{w1}}  {outcome:<{w2}}  {wrapped[0]}")
-            lines.extend(f"{'':<{w0}}  {'':<{w1}}  {'':<{w2}}  {more}" for more in wrapped[1:])
-        return "\n".join(lines)
-
-    def to_dict(self) -> dict[str, object]:
-        """The report as JSON-safe data (what ``fsdp-bridge explain --json`` prints).
-
-        Returns:
-            ``{"backend": ..., "entries": [{"option", "case", "value", "outcome", "text"}, ...]}``.
-        """
-        return {
-            "backend": self.backend.value,
-            "entries": [
-                {
-                    "option": e.option,
-                    "case": e.case,
-                    "value": show_value(e.value),
-                    "outcome": e.outcome.value,
-                    "text": e.text,
-                }
-                for e in self.entries
-            ],
-        }
-
-
-def show_value(value: object) -> str:
-    """A config value as the report prints it (enum values, YAML spellings, named callables)."""
-    if isinstance(value, enum.Enum):
-        return str(value.value)
-    if hasattr(value, "to_spelling"):
-        try:
-            return str(value.to_spelling())
-        except Exception:  # a callable wrap policy has no YAML spelling: name it
-            fn = getattr(value, "fn", None)
-            return f"callable {getattr(fn, '__qualname__', type(fn).__name__)}"
-    return str(value)
 
 
 def _option_value(config: BridgeConfig, option: str) -> object:
@@ -858,31 +891,9 @@ def unsupported_problems(config: BridgeConfig, backend: Backend, *, device_type:
         problems.append(
             Problem(
                 entry.option,
-                show_value(entry.value),
+                entry.value if isinstance(entry.value, int | float) else show_value(entry.value),  # 2, not '2'
                 f"on {backend.value}: {', '.join(supported) or 'nothing'}",
                 f"{backend.value} cannot do this: {entry.text}",
             )
         )
     return problems
-
-
-def strategy_table_markdown() -> str:
-    """The strategy x backend table as Markdown (embedded in the README)."""
-    lines = ["| strategy | FSDP1 | FSDP2 |", "| --- | --- | --- |"]
-    for r in TABLE:
-        if r.option == "strategy":
-            fsdp2 = f"{r.fsdp2.outcome.value}: {r.fsdp2.text}"
-            lines.append(f"| `{r.case}` | {r.fsdp1.text} | {fsdp2} |")
-    return "\n".join(lines)
-
-
-def migration_table_markdown() -> str:
-    """The full FSDP1 -> FSDP2 table as Markdown (``docs/migration.md`` embeds it)."""
-    lines = [
-        "| option | case | FSDP1 | FSDP1 under fsdp_bridge | FSDP2 outcome | FSDP2 under fsdp_bridge |",
-        "| --- | --- | --- | --- | --- | --- |",
-    ]
-    for r in TABLE:
-        cells = [r.option, r.case, f"`{r.fsdp1_api}`", r.fsdp1.text, r.fsdp2.outcome.value, r.fsdp2.text]
-        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
-    return "\n".join(lines)

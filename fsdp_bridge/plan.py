@@ -15,13 +15,15 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp_bridge.config import BridgeConfig
-from fsdp_bridge.mapping import Outcome, TranslationReport
+from fsdp_bridge.errors import ConfigError, Problem
+from fsdp_bridge.mapping import Outcome, TranslationReport, api_translation
 from fsdp_bridge.strategy import Backend, BackwardPrefetch, ShardingStrategy
 
 __all__ = ["PrecisionPlan", "ShardPlan", "SyncMethod", "reshard_after_forward", "resolve_plan"]
@@ -120,8 +122,13 @@ class ShardPlan:
     """Keep sharded parameters (and their gradients and optimizer step) in host memory."""
     sync: SyncMethod = SyncMethod.NONE
     backward_prefetch: BackwardPrefetch = BackwardPrefetch.PRE
-    forward_prefetch: bool = False
-    """Each unit prefetches the next one's all-gather in forward."""
+    """FSDP1's backward prefetch (FSDP2 prefetches one unit implicitly, the ``pre`` timing)."""
+    backward_prefetch_units: int = 0
+    """Explicit backward prefetch depth: each unit not nested in another prefetches the N units registered
+    before it (FSDP2's ``set_modules_to_backward_prefetch``); 0: the backend's own rule."""
+    forward_prefetch: int = 0
+    """Units ahead whose all-gather each unit not nested in another issues in forward, in registration
+    order (0: none; FSDP1's ``forward_prefetch=True`` is 1, its only depth)."""
     limit_all_gathers: bool = True
     """FSDP1's rate limiter (FSDP2 needs none)."""
     reshard_override: bool | int | None = None
@@ -137,6 +144,11 @@ class ShardPlan:
     root_is_unit: bool = False
     """The module sharded may be a unit of a larger model (:func:`fsdp_bridge.wrap_module`, FSDP1's
     manual ``wrap``): whether it reshards after forward is decided when it runs, as FSDP1 decides it."""
+    float8: str | None = None
+    """torchao float8 recipe for the linear layers inside the units (None: off; only where the table's
+    float8 row is native: FSDP2 on a GPU)."""
+    compile_options: dict[str, Any] | None = None
+    """``torch.compile`` keyword arguments for each unit, compiled before sharding (None: no compilation)."""
     materialize: bool = True
     """Allocate a meta-device model on ``device`` after sharding.  False only for planning at a
     fake world size (:func:`fsdp_bridge.estimate.plan_at_scale`, FSDP2): the shards stay on meta."""
@@ -160,6 +172,23 @@ class ShardPlan:
             shard_size=self.shard_size,
             root_is_unit=self.root_is_unit,
         )
+
+    def defers_all_reduce(self) -> bool:
+        """What :func:`fsdp_bridge.defer_all_reduce` does on this plan, from the table's ``defer_all_reduce`` row.
+
+        Returns:
+            True where the backend defers the all-reduce across replicas (a 2D mesh with more than one
+            replica); False where there is nothing to defer (a 1D mesh, or one replica).
+
+        Raises:
+            ConfigError: the backend cannot defer only the all-reduce (FSDP1), with the reason and the fix.
+        """
+        row = api_translation("defer_all_reduce", self.backend)
+        if row.outcome is Outcome.UNSUPPORTED:
+            raise ConfigError(
+                [Problem("defer_all_reduce", self.backend.value, "a model sharded with backend: fsdp2", row.text)]
+            )
+        return self.mesh.ndim == 2 and self.mesh.size(0) > 1
 
     @property
     def ignored_params(self) -> set[nn.Parameter]:
@@ -210,6 +239,7 @@ def resolve_plan(
     mp = config.mixed_precision
     offload = report.outcome("cpu_offload")
     sync = report.outcome("sync_module_states")
+    backward = config.backward_prefetch
     return ShardPlan(
         backend=report.backend,
         strategy=config.strategy,
@@ -237,10 +267,14 @@ def resolve_plan(
             if sync is Outcome.NATIVE
             else SyncMethod.BROADCAST
         ),
-        backward_prefetch=config.backward_prefetch,
-        forward_prefetch=config.forward_prefetch,
+        # An integer is a depth (the table allows it on FSDP2 only): explicit prefetch of that many units.
+        backward_prefetch=backward if isinstance(backward, BackwardPrefetch) else BackwardPrefetch.PRE,
+        backward_prefetch_units=0 if isinstance(backward, BackwardPrefetch) else backward,
+        forward_prefetch=int(config.forward_prefetch),  # true: one unit ahead
         limit_all_gathers=config.limit_all_gathers,
         reshard_override=config.reshard_after_forward,
+        compile_options=config.compile.options() if config.compile.enabled else None,
+        float8=config.float8 if report.outcome("float8") is Outcome.NATIVE else None,
         scalar_params=list(scalar_params or []),
         ignored_parameters=list(ignored_parameters or []),
         materialize=materialize,

@@ -130,7 +130,7 @@ def test_all_problems_reported_together() -> None:
     assert "strategy: got 'zero3'; allowed: full_shard, shard_grad_op, no_shard, hybrid_shard" in message
     assert "backend: got 'fsdp3'; allowed: fsdp1, fsdp2" in message
     assert "devise: got 'cpu'; allowed: known keys are" in message and "did you mean 'device'?" in message
-    assert "forward_prefetch: got 'yes'; allowed: true or false" in message
+    assert "forward_prefetch: got 'yes'; allowed: true, false, or an integer >= 1 (units ahead, fsdp2)" in message
     assert {p.key for p in info.value.problems} == {"strategy", "backend", "devise", "forward_prefetch"}
 
 
@@ -164,9 +164,34 @@ def test_all_problems_reported_together() -> None:
         # Combinations a backend cannot honour: refused at config time, with the alternative.
         (
             {"backend": "fsdp2", "backward_prefetch": "post"},
-            r"backward_prefetch: got 'post'; allowed: on fsdp2: pre, none. Fix: fsdp2 cannot do this: .*Use backward_prefetch: pre",
+            r"backward_prefetch: got 'post'; allowed: on fsdp2: pre, none, integer N \(units ahead\)\. "
+            r"Fix: fsdp2 cannot do this: .*Use backward_prefetch: pre",
+        ),
+        ({"backward_prefetch": 0}, r"backward_prefetch: got 0; allowed: pre, post, none, or an integer >= 1"),
+        ({"forward_prefetch": -1}, r"forward_prefetch: got -1; allowed: true, false, or an integer >= 1"),
+        (
+            {"backend": "fsdp1", "forward_prefetch": 2},
+            r"forward_prefetch: got 2; allowed: on fsdp1: true, false\. Fix: fsdp1 cannot do this: FSDP1 prefetches "
+            r"exactly one unit ahead and has no depth setting; use forward_prefetch: true .*or backend: fsdp2",
+        ),
+        (
+            {"backend": "fsdp1", "backward_prefetch": 1},
+            r"backward_prefetch: got 1; allowed: on fsdp1: pre, post, none\. .*use backward_prefetch: pre",
         ),
         ({"backend": "fsdp1", "reshard_after_forward": 2}, r"FSDP1 cannot reshard to a smaller group"),
+        ({"float8": "e4m3"}, r"float8: got 'e4m3'; allowed: false, tensorwise or rowwise"),
+        (
+            {"float8": "rowwise", "device": "cpu"},
+            r"float8: got 'rowwise'; allowed: on fsdp2: false, tensorwise / rowwise, on a GPU\. Fix: .*need a CUDA "
+            r"GPU of compute capability 8\.9\+ .*there are none on CPU: remove float8",
+        ),
+        (
+            {"float8": "tensorwise", "backend": "fsdp1", "device": "cuda"},
+            r"float8: got 'tensorwise'; .*FSDP1 flattens each unit's parameters .* use backend: fsdp2",
+        ),
+        ({"compile": "yes"}, r"compile: got 'yes'; allowed: true, false, or a mapping of torch\.compile options"),
+        ({"compile": {"mode": "reduce-overhead"}}, r"compile: .*CUDA graphs replay fixed buffers.*use mode: default"),
+        ({"compile": True, "wrap": "none"}, r"compile: got 'True'.*compile is regional: .*wrap: none has none"),
         (
             {"backend": "fsdp1", "strategy": "full_shard", "reshard_after_forward": False},
             r"FSDP1 ties resharding to the strategy; choose the strategy instead",
@@ -181,6 +206,7 @@ def test_error_messages(data: object, pattern: str) -> None:
 
 def test_backend_combinations_that_are_fine() -> None:
     BridgeConfig(backend="fsdp1", backward_prefetch="post")  # FSDP1 has it
+    BridgeConfig(backend="fsdp2", forward_prefetch=2, backward_prefetch=3)  # FSDP2 takes a depth
     BridgeConfig(backend="fsdp2", reshard_after_forward=False)  # FSDP2 overrides the strategy
     BridgeConfig(backend="fsdp1", strategy="shard_grad_op", reshard_after_forward=False)  # agrees: not needed
 

@@ -247,3 +247,30 @@ def test_cuda_fsdp1_arguments_migrate() -> None:
         assert "give the plain tensors a group of their own" in str(out["mixed_refused"])
     keys = out["optim_state_keys"]
     assert isinstance(keys, list) and len(set(keys)) == 1 and keys[0] > 0, keys
+
+
+def _float8_losses(recipe: str | None) -> list[float]:
+    config = BridgeConfig(backend="fsdp2", mixed_precision="bf16", float8=recipe, device="cuda")
+    model = fsdp_bridge.shard(build_tiny("llama", seed=0), config)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    batch = {k: v.cuda() for k, v in sample_batch().items()}
+    losses = []
+    for _ in range(4):
+        loss = model(**batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_float8_trains_like_bf16_where_the_gpu_has_float8(recipe: str) -> None:
+    pytest.importorskip("torchao")
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("float8 matmuls need a GPU of compute capability 8.9+")
+    (float8,) = run_distributed(_float8_losses, 1, args=(recipe,), backend="nccl")
+    (bf16,) = run_distributed(_float8_losses, 1, args=(None,), backend="nccl")
+    assert float8[-1] < float8[0]
+    # float8 keeps 3-4 significant bits per element, scaled per tensor or row: a few percent of the loss.
+    torch.testing.assert_close(float8, bf16, rtol=5e-2, atol=0)

@@ -9,11 +9,16 @@ on both backends plus the reference (through the plugin's run_on_ranks fixture).
 
 from __future__ import annotations
 
-import torch.distributed as dist
+import contextlib
 
-from fsdp_bridge import BridgeConfig
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+import fsdp_bridge
+from fsdp_bridge import BridgeConfig, ConfigError
 from fsdp_bridge.testing import TOLERANCES, assert_backend_parity, rank_batches
-from fsdp_bridge.testing.models import build_tiny
+from fsdp_bridge.testing.models import build_tiny, sample_batch
 
 STEPS = 3
 
@@ -56,8 +61,73 @@ def _world_two() -> tuple[dict, dict]:
     return _fp32_matrix(["full_shard", "shard_grad_op", "no_shard"], None), _bf16_full_shard()
 
 
-def _world_four() -> dict:
-    return _fp32_matrix(["hybrid_shard", "hybrid_shard_zero2"], (2, 2))
+MICRO = 2
+"""Micro-batches per optimizer step in the accumulation checks."""
+
+
+def _accumulate(model, opt, context, steps: int = 2) -> tuple[list[float], int]:
+    """Train with MICRO micro-batches a step, every one but the last inside ``context(model)`` (None: a
+    plain model whose gradients are averaged over the ranks by hand, the reference). Returns the losses and
+    how many all-reduces the first micro-batches issued."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    losses, deferred_all_reduces = [], 0
+    original = dist.all_reduce
+    for step in range(steps):
+        for micro in range(MICRO):
+            batch = sample_batch("llama", seed=1000 + 100 * step + 10 * micro + rank)
+            last = micro == MICRO - 1
+            counted = [0]
+
+            def counting(*args, _n=counted, **kwargs):
+                _n[0] += 1
+                return original(*args, **kwargs)
+
+            dist.all_reduce = counting
+            try:
+                with contextlib.nullcontext() if last or context is None else context(model):
+                    loss = model(**batch).loss / MICRO
+                    loss.backward()
+            finally:
+                dist.all_reduce = original
+            deferred_all_reduces += 0 if last else counted[0]
+            losses.append(loss.item())
+        if context is None:
+            for p in model.parameters():
+                dist.all_reduce(p.grad)
+                p.grad /= world
+        opt.step()
+        opt.zero_grad()
+    return losses, deferred_all_reduces
+
+
+def _full(model) -> dict[str, torch.Tensor]:
+    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in model.named_parameters()}
+
+
+def _hsdp_accumulation() -> dict:
+    """defer_all_reduce and no_sync on a (2, 2) HSDP mesh against the reference, and FSDP1's refusal."""
+    out: dict = {}
+    reference = _llama()
+    out["reference"] = _accumulate(reference, torch.optim.AdamW(reference.parameters(), lr=1e-2), None)
+    ref_params = _full(reference)
+    hsdp = BridgeConfig(strategy="hybrid_shard", hybrid_shape=(2, 2), device="cpu")
+    plain = fsdp_bridge.shard(_llama(), hsdp)
+    out["plain"] = _accumulate(plain, torch.optim.AdamW(plain.parameters(), lr=1e-2), contextlib.nullcontext)
+    for name, context in (("defer", fsdp_bridge.defer_all_reduce), ("no_sync", fsdp_bridge.no_sync)):
+        model = fsdp_bridge.shard(_llama(), hsdp)
+        out[name] = _accumulate(model, torch.optim.AdamW(model.parameters(), lr=1e-2), context)
+        params = _full(model)
+        out[f"{name}_param_diff"] = max((params[n] - ref_params[n]).abs().max().item() for n in ref_params)
+    try:
+        fsdp_bridge.defer_all_reduce(fsdp_bridge.shard(_llama(), hsdp.replace(backend="fsdp1")))
+        out["fsdp1"] = None
+    except ConfigError as err:
+        out["fsdp1"] = str(err)
+    return out
+
+
+def _world_four() -> tuple[dict, dict]:
+    return _fp32_matrix(["hybrid_shard", "hybrid_shard_zero2"], (2, 2)), _hsdp_accumulation()
 
 
 def _check_fp32(result: dict, strategies: list[str]) -> None:
@@ -94,6 +164,17 @@ def test_strategies_match_reference_world2(run_on_ranks):
 
 
 def test_hybrid_strategies_match_reference_world4(run_on_ranks):
-    result = run_on_ranks(_world_four, 4)[0]
+    result, accumulation = run_on_ranks(_world_four, 4)[0]
     assert result["world"] == 4
     _check_fp32(result, ["hybrid_shard", "hybrid_shard_zero2"])
+    # Accumulation over MICRO micro-batches on the (2, 2) HSDP mesh gives the reference's losses and weights
+    # whether the all-reduce across replicas is deferred (reduce-scatter kept) or all communication is.
+    tol = TOLERANCES["fp32"]
+    ref_losses, _ = accumulation["reference"]
+    for name in ("defer", "no_sync"):
+        losses, deferred = accumulation[name]
+        torch.testing.assert_close(losses, ref_losses, rtol=tol.loss_rtol, atol=tol.loss_atol)
+        assert accumulation[f"{name}_param_diff"] <= tol.param_atol, (name, accumulation[f"{name}_param_diff"])
+        assert deferred == 0, f"{name}: the first micro-batches all-reduced {deferred} times"
+    assert accumulation["plain"][1] > 0  # without a context every backward all-reduces: the count sees them
+    assert "FSDP1 cannot keep the reduce-scatter per micro-batch" in accumulation["fsdp1"]

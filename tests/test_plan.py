@@ -100,8 +100,8 @@ _OPTION_VALUES: dict[str, list[Any]] = {
         {"param_dtype": "bf16", "output_dtype": "fp32", "buffer_dtype": "bf16"},
     ],
     "wrap": ["auto", "none", {"min_num_params": 100}, ["LlamaDecoderLayer"]],
-    "backward_prefetch": [b.value for b in BackwardPrefetch],
-    "forward_prefetch": [False, True],
+    "backward_prefetch": [*(b.value for b in BackwardPrefetch), 2],
+    "forward_prefetch": [False, True, 2],
     "limit_all_gathers": [False, True],
     "cpu_offload": [False, True],
     "activation_checkpointing": [False, True],
@@ -110,6 +110,8 @@ _OPTION_VALUES: dict[str, list[Any]] = {
     "hybrid_shape": [None, (2, 2)],
     "ignored_modules": [(), ("lm_head",)],
     "device": ["auto", "cpu", "cuda"],
+    "float8": [None, "tensorwise", "rowwise"],
+    "compile": [False, True, {"mode": "reduce-overhead"}, {"mode": "max-autotune-no-cudagraphs", "fullgraph": True}],
 }
 
 
@@ -350,3 +352,57 @@ def test_model_class_name_sees_through_both_backends() -> None:
         assert model_class_name(two) == "FSDPStyleBlock"
         one = FullyShardedDataParallel(FSDPStyleBlock(), device_id=torch.device("cpu"), use_orig_params=True)
         assert model_class_name(one) == "FSDPStyleBlock"
+
+
+class _Mesh:
+    def __init__(self, *shape: int) -> None:
+        self.shape = shape
+        self.ndim = len(shape)
+
+    def size(self, dim: int) -> int:
+        return self.shape[dim]
+
+
+@pytest.mark.parametrize(
+    ("backend", "shape", "defers"),
+    [("fsdp2", (2, 2), True), ("fsdp2", (4, 1), True), ("fsdp2", (1, 4), False), ("fsdp2", (4,), False)],
+)
+def test_defer_all_reduce_defers_where_there_are_replicas(backend: str, shape: tuple[int, ...], defers: bool) -> None:
+    config = BridgeConfig(backend=backend)
+    plan = resolve_plan(
+        config,
+        translate(config, device_type="cpu"),
+        device=torch.device("cpu"),
+        mesh=_Mesh(*shape),  # type: ignore[arg-type]
+        units=[],
+        ignored_modules=[],
+        has_meta=False,
+    )
+    assert plan.defers_all_reduce() is defers
+
+
+def test_defer_all_reduce_is_refused_on_fsdp1_with_the_reason() -> None:
+    plan = _plan(BridgeConfig(backend="fsdp1", strategy="hybrid_shard"), "cpu")
+    with pytest.raises(
+        ConfigError,
+        match=r"defer_all_reduce: got 'fsdp1'; allowed: a model sharded with backend: fsdp2\. Fix: FSDP1 cannot keep "
+        r"the reduce-scatter per micro-batch and defer only the all-reduce across replicas; use "
+        r"fsdp_bridge\.no_sync\(model\)",
+    ):
+        plan.defers_all_reduce()
+
+
+def test_fsdp2_defers_the_all_reduce_of_every_unit_and_restores_it() -> None:
+    calls: list[bool] = []
+
+    class Sharded(fsdp2_module.FSDPModule, nn.Linear):
+        def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+            assert recurse  # every unit, not only the root
+            calls.append(requires_all_reduce)
+
+    model = nn.Linear(2, 2)
+    model.__class__ = Sharded  # as fully_shard does (FSDPModule.__new__ would build the plain class)
+    with pytest.raises(RuntimeError, match="boom"), fsdp2_module.FSDP2Backend().defer_all_reduce(model):
+        assert calls == [False]
+        raise RuntimeError("boom")
+    assert calls == [False, True]  # restored even when the block raises

@@ -13,7 +13,10 @@ rank 0's state broadcast only records that it happened.  Nothing is spawned.
 
 from __future__ import annotations
 
+import importlib.machinery
 import math
+import sys
+import types
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -217,6 +220,9 @@ FACTS: dict[str, Callable[[Run], Any]] = {
         getattr(h, "__name__", "") != "_reshard_after_no_grad_forward" for h in r.sharded._forward_hooks.values()
     ),
     "output dtype": _output_dtype,
+    "float8": lambda r: getattr(r.model, "float8_seen", None),  # (config, layers converted) by torchao
+    # modules whose calls run through torch.compile (nn.Module.compile), before sharding
+    "compiled": lambda r: [r.path(m) for m in r.model.modules() if m._compiled_call_impl is not None],
     "NO_SHARD warnings": lambda r: [w for w in r.warned if "NO_SHARD" in w],
 }
 
@@ -251,6 +257,8 @@ class Expect:
     """The model is built on the meta device, as FSDP1 code builds it on ranks > 0 (this is rank 1)."""
     model: str = "plain"
     """The variant of :class:`Net`: plain, tied or adapter."""
+    torchao: bool = False
+    """A recording stand-in for torchao is importable and the GPU has float8 matmuls (capability 9.0)."""
 
 
 @dataclass(frozen=True)
@@ -258,6 +266,33 @@ class Refused:
     """The row is unsupported on the backend: ``BridgeConfig`` raises, naming the option."""
 
     fields: dict[str, Any]
+
+
+def _fake_torchao(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchao.float8 as the bridge calls it: the conversion records, on the model, the config it was given
+    and the layers its filter chose."""
+
+    class Float8LinearConfig:
+        def __init__(self, **kwargs: Any) -> None:
+            self.kwargs = kwargs
+
+        @classmethod
+        def from_recipe_name(cls, name: str) -> Float8LinearConfig:
+            return cls(recipe_name=name)
+
+    def convert_to_float8_training(model: nn.Module, *, config: Any, module_filter_fn: Any) -> nn.Module:
+        chosen = [n for n, m in model.named_modules() if module_filter_fn(m, n)]
+        model.float8_seen = (config.kwargs, chosen)  # type: ignore[assignment]
+        return model
+
+    package = types.ModuleType("torchao")
+    package.__spec__ = importlib.machinery.ModuleSpec("torchao", None)
+    float8 = types.ModuleType("torchao.float8")
+    float8.Float8LinearConfig = Float8LinearConfig  # type: ignore[attr-defined]
+    float8.convert_to_float8_training = convert_to_float8_training  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "torchao", package)
+    monkeypatch.setitem(sys.modules, "torchao.float8", float8)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
 
 
 def _shard(monkeypatch: pytest.MonkeyPatch, backend: Backend, expect: Expect, world: int = WORLD) -> Run:
@@ -335,6 +370,8 @@ def _shard(monkeypatch: pytest.MonkeyPatch, backend: Backend, expect: Expect, wo
         module.__class__ = type(f"FSDP{type(module).__name__}", (Sharded, type(module)), {})
         return module
 
+    if expect.torchao:
+        _fake_torchao(monkeypatch)
     monkeypatch.setattr(fsdp1_module, "FullyShardedDataParallel", fsdp1)
     monkeypatch.setattr(fsdp2_module, "fully_shard", fully_shard)
 
@@ -560,6 +597,27 @@ EXPECTED: dict[tuple[str, str, str], Expect | tuple[Expect, ...] | Refused] = {
             ]
         },
     ),
+    ("backward_prefetch", "integer N (units ahead)", "fsdp1"): Refused({"backward_prefetch": 2}),
+    ("backward_prefetch", "integer N (units ahead)", "fsdp2"): (
+        Expect(
+            {"backward_prefetch": 2, "wrap": ["Block", "Linear"]},  # nearest first: backward's order
+            {
+                "set_modules_to_backward_prefetch": [
+                    ("blocks.1", ["blocks.0"]),
+                    ("blocks.2", ["blocks.1", "blocks.0"]),
+                    ("head", ["blocks.2", "blocks.1"]),
+                ],
+                "set_modules_to_forward_prefetch": [],
+            },
+        ),
+        Expect(
+            {"backward_prefetch": 1, "forward_prefetch": 1},
+            {
+                "set_modules_to_backward_prefetch": [("blocks.1", ["blocks.0"]), ("blocks.2", ["blocks.1"])],
+                "set_modules_to_forward_prefetch": [("blocks.0", ["blocks.1"]), ("blocks.1", ["blocks.2"])],
+            },
+        ),
+    ),
     ("forward_prefetch", "true", "fsdp1"): Expect({"forward_prefetch": True}, {"forward_prefetch": True}),
     ("forward_prefetch", "true", "fsdp2"): Expect(
         {"forward_prefetch": True, "wrap": ["Block", "Linear"]},  # units in units: only the outer ones prefetch
@@ -580,6 +638,24 @@ EXPECTED: dict[tuple[str, str, str], Expect | tuple[Expect, ...] | Refused] = {
                 ("blocks.2", ["head"]),
             ],
         },
+    ),
+    ("forward_prefetch", "integer N (units ahead)", "fsdp1"): Refused({"forward_prefetch": 1}),
+    ("forward_prefetch", "integer N (units ahead)", "fsdp2"): (
+        Expect(
+            {"forward_prefetch": 2, "wrap": ["Block", "Linear"]},  # nested units keep the implicit prefetch
+            {
+                "set_modules_to_forward_prefetch": [
+                    ("blocks.0", ["blocks.1", "blocks.2"]),
+                    ("blocks.1", ["blocks.2", "head"]),
+                    ("blocks.2", ["head"]),
+                ],
+                "set_modules_to_backward_prefetch": [],
+            },
+        ),
+        Expect(  # a depth beyond the last unit: what is left
+            {"forward_prefetch": 9, "wrap": ["Block"]},
+            {"set_modules_to_forward_prefetch": [("blocks.0", ["blocks.1", "blocks.2"]), ("blocks.1", ["blocks.2"])]},
+        ),
     ),
     ("forward_prefetch", "false", "fsdp1"): Expect({"forward_prefetch": False}, {"forward_prefetch": False}),
     ("forward_prefetch", "false", "fsdp2"): Expect(
@@ -698,6 +774,43 @@ EXPECTED: dict[tuple[str, str, str], Expect | tuple[Expect, ...] | Refused] = {
     ("ignored_modules", "none", "fsdp1"): Expect({}, {"ignored_modules": None}),
     ("ignored_modules", "none", "fsdp2"): Expect({}, {"ignored_params": None}),
     # -- device: the process group, FSDP1's device_id, the mesh's device type
+    ("compile", "false", "fsdp1"): Expect({}, {"compiled": []}),
+    ("compile", "false", "fsdp2"): Expect({}, {"compiled": []}),
+    ("compile", "CUDA graph modes", "fsdp1"): Refused({"compile": {"mode": "reduce-overhead"}}),
+    ("compile", "CUDA graph modes", "fsdp2"): Refused({"compile": {"mode": "max-autotune"}}),
+    ("compile", "true, wrap: none", "fsdp1"): Refused({"compile": True, "wrap": "none"}),
+    ("compile", "true, wrap: none", "fsdp2"): Refused({"compile": True, "wrap": "none"}),
+    ("compile", "true / options", "fsdp1"): Expect(
+        {"compile": True}, {"compiled": BLOCKS, "use_orig_params": True, "units": BLOCKS}
+    ),
+    ("compile", "true / options", "fsdp2"): Expect(
+        {"compile": {"mode": "max-autotune-no-cudagraphs"}, "wrap": ["Block", "Linear"]},
+        {
+            "compiled": ["blocks.0", "blocks.0.proj", "blocks.1", "blocks.1.proj", "blocks.2", "blocks.2.proj", "head"],
+            "fully_shard calls": [
+                "blocks.0.proj",
+                "blocks.0",
+                "blocks.1.proj",
+                "blocks.1",
+                "blocks.2.proj",
+                "blocks.2",
+                "head",
+                ROOT,
+            ],
+        },
+    ),
+    ("float8", "false", "fsdp1"): Expect({}, {"float8": None}),
+    ("float8", "false", "fsdp2"): Expect({}, {"float8": None}),
+    ("float8", "tensorwise / rowwise, on CPU", "fsdp1"): Refused({"float8": "rowwise", "device": "cpu"}),
+    ("float8", "tensorwise / rowwise, on CPU", "fsdp2"): Refused({"float8": "tensorwise", "device": "cpu"}),
+    ("float8", "tensorwise / rowwise, on a GPU", "fsdp1"): Refused({"float8": "tensorwise", "device": "cuda"}),
+    ("float8", "tensorwise / rowwise, on a GPU", "fsdp2"): (
+        # Net's layers are 4 wide (not multiples of 16): torchao is called, the filter keeps none of them
+        Expect(
+            {"float8": "tensorwise"}, {"float8": ({"enable_fsdp_float8_all_gather": True}, [])}, gpus=True, torchao=True
+        ),
+        Expect({"float8": "rowwise"}, {"float8": ({"recipe_name": "rowwise"}, [])}, gpus=True, torchao=True),
+    ),
     ("device", "cpu", "fsdp1"): Expect(
         {"device": "cpu"},
         {"device_id": torch.device("cpu"), "process group": ("gloo", None), "mesh device": "cpu"},
@@ -753,3 +866,33 @@ def test_each_row_makes_the_torch_call_it_promises(
         assert translate(config, device_type=device_type).entry(option).case == case, "the config misses its row"
         run = _shard(monkeypatch, backend, expect)
         assert {name: observe(run, name) for name in expect.facts} == expect.facts, f"model {expect.model}"
+
+
+def test_float8_converts_only_the_16_aligned_linear_layers_inside_units(monkeypatch: pytest.MonkeyPatch) -> None:
+    from fsdp_bridge.backends.float8 import convert_to_float8
+
+    _fake_torchao(monkeypatch)
+    unit = nn.Sequential(nn.Linear(16, 32), nn.Linear(4, 16), nn.Sequential(nn.Linear(32, 16)))
+    lone = nn.Linear(16, 16)  # a unit of its own: FSDP shards it as it is
+    model = nn.Sequential(unit, lone, nn.Linear(16, 16))  # the last: the root's own layer (an lm_head)
+    convert_to_float8(model, "tensorwise", [unit, lone])
+    config, converted = model.float8_seen  # type: ignore[misc]
+    assert config == {"enable_fsdp_float8_all_gather": True}
+    assert converted == ["0.0", "0.2.0"]
+
+
+def test_float8_needs_torchao_and_a_gpu_with_float8_matmuls(monkeypatch: pytest.MonkeyPatch) -> None:
+    from fsdp_bridge.backends import float8
+
+    gpu = torch.device("cuda", 0)
+    monkeypatch.setattr(float8.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    problems = [str(p) for p in float8.float8_problems("rowwise", gpu)]
+    assert problems == [
+        "float8: got 'rowwise'; allowed: torchao installed. Fix: pip install 'fsdp-bridge[float8]' (torchao), "
+        "or remove float8",
+        "float8: got 'rowwise'; allowed: a GPU of compute capability 8.9+ (Ada, Hopper or newer). Fix: this GPU "
+        "has 8.0, without float8 matmuls: remove float8",
+    ]
+    assert float8.float8_problems(None, gpu) == []  # off
+    assert float8.float8_problems("rowwise", torch.device("cpu")) == []  # the table's CPU row refuses it

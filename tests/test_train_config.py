@@ -14,7 +14,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
+from torch import nn
 
 from fsdp_bridge.cli import main
 from fsdp_bridge.errors import ConfigError
@@ -215,7 +217,7 @@ def test_existing_launch_is_detected_from_torchrun_or_srun_variables() -> None:
 
 def test_docs_list_every_config_field() -> None:
     text = (ROOT / "docs" / "configuration.md").read_text()
-    rows = {m.group(1) for m in re.finditer(r"^\| `([a-z_.]+)` \|", text, re.M)}
+    rows = {m.group(1) for m in re.finditer(r"^\| `([a-z0-9_.]+)` \|", text, re.M)}  # float8: digits too
     missing = [f.key for f in field_reference() if f.key not in rows]
     assert not missing, f"docs/configuration.md lacks {missing}: run python -m fsdp_bridge.docgen"
     assert all(f.doc for f in field_reference()), "every config field needs a docstring"
@@ -336,3 +338,27 @@ def test_warmup_longer_than_the_run_is_warned_about(caplog) -> None:
     with caplog.at_level("WARNING", logger="fsdp_bridge.train"):
         load_train_config(None, ["max_steps=5", "schedule.warmup_steps=10"])
     assert "schedule.warmup_steps (10) > max_steps (5)" in caplog.text
+
+
+def test_training_defaults_are_the_fast_ones() -> None:
+    from fsdp_bridge.train import ModelConfig
+
+    assert ModelConfig().attn_implementation == "sdpa"
+
+
+def test_adamw_takes_the_fastest_kernel_torch_has_for_the_parameters(monkeypatch: pytest.MonkeyPatch) -> None:
+    import fsdp_bridge.train._loop as loop
+
+    cpu = [nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(3, dtype=torch.bfloat16))]
+    assert loop.adamw_kernel(cpu) == {"fused": True}  # torch has fused AdamW on CPU (checked on 2.13 with DTensors)
+    meta = [nn.Parameter(torch.ones(2, device="meta"))]
+    assert loop.adamw_kernel(meta) == {}  # neither kernel: torch's default
+    assert loop.adamw_kernel([]) == {}
+
+    class Shard(torch.Tensor):  # stands for DTensor: FSDP2's shards beside plain ignored parameters
+        pass
+
+    monkeypatch.setattr(loop, "DTensor", Shard)
+    mixed = [cpu[0], torch.ones(2).as_subclass(Shard)]
+    assert loop.adamw_kernel(mixed) == {"foreach": False}  # both kernels refuse the mix
+    assert loop.adamw_kernel(mixed[1:]) == {"fused": True}

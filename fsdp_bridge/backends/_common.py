@@ -12,7 +12,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 
 from fsdp_bridge.distributed import broadcast_in_place
 
-__all__ = ["broadcast_from_rank0", "rank0_full_state", "state_entries"]
+__all__ = ["broadcast_from_rank0", "compile_units", "rank0_full_state", "state_entries"]
 
 
 def rank0_full_state(model: nn.Module) -> dict[str, torch.Tensor] | None:
@@ -83,3 +83,12 @@ def state_entries(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, to
     for name, child in module._modules.items():
         if child is not None:
             yield from state_entries(child, f"{prefix}{name}.")
+
+
+def compile_units(units: list[nn.Module], options: dict[str, Any] | None) -> None:
+    """``unit.compile(**options)`` on each unit, before the backend shards it (regional compilation:
+    torch compiles each unit's forward at its first call; the backend's hooks run between the regions).
+    Nothing when ``options`` is None."""
+    if options is not None:
+        for unit in units:
+            unit.compile(**options)

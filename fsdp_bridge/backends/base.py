@@ -139,6 +139,18 @@ class BackendImpl(Protocol):
         """
         ...
 
+    def defer_all_reduce(self, model: nn.Module) -> AbstractContextManager[None]:
+        """Inside the context, backward reduce-scatters gradients but defers the all-reduce across
+        replicas to the first backward after it (asked only where the plan says the backend can).
+
+        Args:
+            model: the sharded model.
+
+        Returns:
+            The context manager.
+        """
+        ...
+
     def clip_grad_norm_(self, model: nn.Module, max_norm: float, norm_type: float) -> torch.Tensor:
         """Clip gradients by their global norm across all shards and replicas (collective).
 

@@ -30,11 +30,13 @@ from fsdp_bridge._names import strip_wrapper_prefixes
 from fsdp_bridge.backends._common import (
     broadcast_from_rank0,
     buffer_shapes,
+    compile_units,
     move_ignored_to,
     rank0_full_state,
     state_entries,
 )
 from fsdp_bridge.backends.base import FlatPiece, FlatTensor
+from fsdp_bridge.errors import ConfigError, Problem
 from fsdp_bridge.mapping import no_shard_mesh_shape
 from fsdp_bridge.plan import ShardPlan, SyncMethod
 from fsdp_bridge.strategy import Backend, BackwardPrefetch, ShardingStrategy
@@ -175,6 +177,7 @@ class FSDP1Backend:
                 cast_forward_inputs=precision.cast_forward_inputs,
                 cast_root_forward_inputs=precision.cast_root_forward_inputs,
             )
+        compile_units(plan.units, plan.compile_options)  # before sharding, as the table says
         device = plan.device
         full_state = rank0_full_state(model) if plan.sync is SyncMethod.BROADCAST else None
         # A device mesh (1D, or 2D for HYBRID_*) rather than process groups: sharded
@@ -190,7 +193,7 @@ class FSDP1Backend:
                 sharding_strategy=_STRATEGIES[plan.strategy],
                 auto_wrap_policy=CustomPolicy(lambda m: id(m) in units) if units else None,
                 backward_prefetch=_PREFETCH[plan.backward_prefetch],
-                forward_prefetch=plan.forward_prefetch,
+                forward_prefetch=plan.forward_prefetch > 0,  # the table allows 0 or 1 here
                 limit_all_gathers=plan.limit_all_gathers,
                 cpu_offload=CPUOffload(offload_params=True) if plan.offload_params else None,
                 mixed_precision=mixed_precision,
@@ -219,6 +222,12 @@ class FSDP1Backend:
         assert isinstance(model, FullyShardedDataParallel)
         return model.no_sync()
 
+    def defer_all_reduce(self, model: nn.Module) -> AbstractContextManager[None]:
+        # The plan refuses it first (the table's defer_all_reduce row); kept as a guard.
+        raise ConfigError(
+            [Problem("defer_all_reduce", "fsdp1", "a model sharded with backend: fsdp2", "use fsdp_bridge.no_sync")]
+        )
+
     def clip_grad_norm_(self, model: nn.Module, max_norm: float, norm_type: float) -> torch.Tensor:
         assert isinstance(model, FullyShardedDataParallel)
         return model.clip_grad_norm_(max_norm, norm_type)
@@ -241,8 +250,6 @@ class FSDP1Backend:
         # promises they are discarded, so restore this rank's shards (a shard-sized copy).
         if offload_to_cpu and getattr(model, "sharding_strategy", None) is TorchShardingStrategy.NO_SHARD:
             # torch's FSDP1 raises NotImplementedError here; say it before anything is gathered.
-            from fsdp_bridge.errors import ConfigError, Problem
-
             raise ConfigError(
                 [
                     Problem(

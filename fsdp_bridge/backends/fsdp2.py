@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -27,11 +26,13 @@ from fsdp_bridge._names import strip_wrapper_prefixes
 from fsdp_bridge.backends._common import (
     broadcast_from_rank0,
     buffer_shapes,
+    compile_units,
     move_ignored_to,
     rank0_full_state,
     state_entries,
 )
 from fsdp_bridge.backends.base import FlatPiece, FlatTensor
+from fsdp_bridge.backends.float8 import convert_to_float8
 from fsdp_bridge.mapping import no_shard_mesh_shape
 from fsdp_bridge.plan import ShardPlan, SyncMethod
 from fsdp_bridge.strategy import Backend, BackwardPrefetch
@@ -57,6 +58,19 @@ def _top_level_units(units: list[nn.Module]) -> list[nn.Module]:
     """Units not nested in another unit, in forward (registration) order."""
     nested = {id(c) for u in units for c in u.modules() if c is not u}
     return [u for u in units if id(u) not in nested]
+
+
+def _set_prefetch(plan: ShardPlan) -> None:
+    """Explicit prefetch over the units not nested in another, in registration order (a layer stack's
+    forward order): in forward each unit prefetches the next ``plan.forward_prefetch`` units, in backward
+    the ``plan.backward_prefetch_units`` registered before it, nearest first. Nested units and the root
+    keep FSDP2's implicit prefetch."""
+    ordered = [cast(FSDPModule, u) for u in _top_level_units(plan.units)]
+    for i, unit in enumerate(ordered):
+        if plan.forward_prefetch and ordered[i + 1 : i + 1 + plan.forward_prefetch]:
+            unit.set_modules_to_forward_prefetch(ordered[i + 1 : i + 1 + plan.forward_prefetch])
+        if plan.backward_prefetch_units and i > 0:
+            unit.set_modules_to_backward_prefetch(ordered[max(0, i - plan.backward_prefetch_units) : i][::-1])
 
 
 def _reshard_after_no_grad_forward(model: nn.Module, _args: object, _output: object) -> None:
@@ -149,6 +163,9 @@ class FSDP2Backend:
                 ignored_params=ignored,
             )
 
+        if plan.float8 is not None:  # layers swapped before they are sharded (and compiled)
+            convert_to_float8(model, plan.float8, plan.units)
+        compile_units(plan.units, plan.compile_options)  # before sharding, as the table says
         for unit in plan.units:  # children before parents
             apply(unit, is_root=False)
         apply(model, is_root=True)
@@ -156,11 +173,7 @@ class FSDP2Backend:
         if keeps_gathered:
             model.register_forward_hook(_reshard_after_no_grad_forward)
 
-        if plan.forward_prefetch:
-            ordered = _top_level_units(plan.units)
-            for unit, following in itertools.pairwise(ordered):
-                assert isinstance(unit, FSDPModule) and isinstance(following, FSDPModule)
-                unit.set_modules_to_forward_prefetch([following])
+        _set_prefetch(plan)
         if plan.backward_prefetch is BackwardPrefetch.NONE:
             # FSDP1's backward_prefetch=None: each unit's explicit backward-prefetch list holds only itself,
             # gathered already when its backward starts, which turns off FSDP2's implicit prefetch of the
@@ -191,6 +204,9 @@ class FSDP2Backend:
 
     def no_sync(self, model: nn.Module) -> AbstractContextManager[None]:
         return _no_sync(model)
+
+    def defer_all_reduce(self, model: nn.Module) -> AbstractContextManager[None]:
+        return _defer_all_reduce(model)
 
     def clip_grad_norm_(self, model: nn.Module, max_norm: float, norm_type: float) -> torch.Tensor:
         params = [p for p in model.parameters() if p.grad is not None]
@@ -397,6 +413,18 @@ def _no_sync(model: nn.Module) -> Iterator[None]:
         yield
     finally:
         model.set_requires_gradient_sync(True)
+
+
+@contextmanager
+def _defer_all_reduce(model: nn.Module) -> Iterator[None]:
+    # Every unit (recurse): a unit's reduce-scatter output is kept as a partial sum until a backward
+    # with the all-reduce on adds it in and all-reduces once.
+    assert isinstance(model, FSDPModule)
+    model.set_requires_all_reduce(False)
+    try:
+        yield
+    finally:
+        model.set_requires_all_reduce(True)
 
 
 def _whole(tensor: DTensor) -> torch.Tensor:

@@ -104,13 +104,15 @@ def accelerate_fsdp2(m: Migration) -> dict[str, Any] | None:
     prefetch_text = (
         "removed (accelerate FSDP2 has no backward_prefetch): FSDP2 always prefetches one unit, BACKWARD_PRE timing"
     )
-    if cfg.backward_prefetch is BackwardPrefetch.NONE:
+    prefetch = cfg.backward_prefetch
+    if prefetch is BackwardPrefetch.NONE:
         prefetch_text += (
             "; FSDP1 ran without backward prefetch, which accelerate's FSDP2 cannot express "
             "(the bridge YAML keeps it: backward_prefetch: none)"
         )
-    elif cfg.backward_prefetch is not BackwardPrefetch.PRE:
-        prefetch_text += f"; FSDP1 ran with {cfg.backward_prefetch.name}, which FSDP2 cannot reproduce"
+    elif prefetch is not BackwardPrefetch.PRE:
+        name = prefetch.name if isinstance(prefetch, BackwardPrefetch) else f"a depth of {prefetch} units"
+        prefetch_text += f"; FSDP1 ran with {name}, which FSDP2 cannot reproduce"
     texts["fsdp_backward_prefetch"] = texts["fsdp_backward_prefetch_policy"] = prefetch_text
     texts["fsdp_forward_prefetch"] = (
         "no equivalent: accelerate FSDP2 raises for forward_prefetch; dropped; the bridge YAML emulates it"

@@ -98,8 +98,9 @@ class ModelConfig:
     """Vocabulary size of the built-in BPE tokenizer (only when it is used)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Dtype of the model's weights (compute dtype under mixed precision is ``bridge.mixed_precision``)."""
-    attn_implementation: str = "eager"
-    """transformers attention implementation: eager (deterministic, every backend), sdpa, flash_attention_2."""
+    attn_implementation: str = "sdpa"
+    """transformers attention implementation: sdpa (torch's fused attention, the fast default), eager (the
+    reference math, materialises the attention matrix), flash_attention_2."""
 
 
 @dataclass(frozen=True, kw_only=True)

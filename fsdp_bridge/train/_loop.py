@@ -20,6 +20,7 @@ import math
 import signal
 import time
 import warnings
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -27,6 +28,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from fsdp_bridge import checkpoint as ckpt
 from fsdp_bridge._faults import maybe_fail
@@ -227,7 +229,44 @@ def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimi
     params = [p for p in model.parameters() if p.requires_grad]
     if o.name == "sgd":
         return torch.optim.SGD(params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
-    return torch.optim.AdamW(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+    return torch.optim.AdamW(
+        params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, **adamw_kernel(params)
+    )
+
+
+def adamw_kernel(params: Sequence[torch.Tensor]) -> dict[str, bool]:
+    """The fastest AdamW implementation torch has for ``params``, by torch's own device rules.
+
+    ``{"fused": True}`` where every parameter is a floating-point tensor on a device torch has fused
+    optimizer kernels for (CPU and CUDA among them; DTensor shards included: checked on torch 2.13 CPU,
+    the same losses as the per-parameter loop in fp32 on both backends); else ``{"foreach": True}`` where
+    torch has foreach kernels for the device; else ``{}`` (torch's default). Parameters of two kinds,
+    DTensor shards beside plain tensors (FSDP2 with ``ignored_modules``), get ``{"foreach": False}``, the
+    per-parameter loop: both kernels refuse the mix in one group (torch would pick foreach on CUDA).
+
+    Args:
+        params: the parameters of the optimizer's one group.
+
+    Returns:
+        The keyword to pass to ``torch.optim.AdamW``.
+    """
+    try:  # torch's list of devices with fused / foreach optimizer kernels (torch/utils/_foreach_utils.py, 2.1+)
+        from torch.utils._foreach_utils import (
+            _get_foreach_kernels_supported_devices,
+            _get_fused_kernels_supported_devices,
+        )
+    except ImportError:
+        return {}
+    if not params:
+        return {}
+    if len({isinstance(p, DTensor) for p in params}) > 1:
+        return {"foreach": False}
+    devices = {p.device.type for p in params}
+    if all(torch.is_floating_point(p) for p in params) and devices <= set(_get_fused_kernels_supported_devices()):
+        return {"fused": True}
+    if devices <= set(_get_foreach_kernels_supported_devices()):
+        return {"foreach": True}
+    return {}
 
 
 def _memory_mb(device: torch.device) -> float:

@@ -75,7 +75,7 @@ def spellings_users_write() -> None:
     assert_type(config.backend, Backend)
     assert_type(config.mixed_precision, MixedPrecisionConfig)
     assert_type(config.wrap, WrapPolicy)
-    assert_type(config.backward_prefetch, BackwardPrefetch)
+    assert_type(config.backward_prefetch, BackwardPrefetch | int)
     assert_type(config.hybrid_shape, tuple[int, int] | None)
     assert_type(config.ignored_modules, tuple[str, ...])
     assert_type(fsdp_bridge.load_config("config.yaml"), BridgeConfig)
