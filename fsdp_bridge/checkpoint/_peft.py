@@ -37,6 +37,7 @@ from fsdp_bridge.checkpoint._atomic import (
     write_json_durably,
 )
 from fsdp_bridge.checkpoint._formats import CHECKSUM, CheckpointError, checksum_of
+from fsdp_bridge.checkpoint._ranks import on_every_rank
 
 __all__ = ["PEFT_KINDS", "find_peft_model", "is_adapter_dir", "load_adapter", "save_peft"]
 
@@ -187,10 +188,8 @@ def save_peft(
             _describe_export(staging, kind)
             publish(staging, target)  # the previous export moved aside, deleted once this one is in place
 
-    from fsdp_bridge.checkpoint._api import _on_every_rank
-
     # A failure on rank 0 (a full disk, another save of this path) reaches every rank at once.
-    _on_every_rank(target, f"writing the {kind} export (rank 0)", write)
+    on_every_rank(target, f"writing the {kind} export (rank 0)", write)
     state.clear()  # the gathered full state: freed now, not when the caller's frame ends
     return target
 
