@@ -180,10 +180,15 @@ def load_checkpoint(
     detected = detect(path)
     if detected.kind is not Kind.SHARDED:
         refuse_4bit(path, model, f"load_checkpoint() of a {detected.kind.value} checkpoint loads")
+    part = rank_world()
     if detected.kind in (Kind.SHARDED, Kind.FULL):
         # Each rank reads the contents of its share of the files; a damaged one refuses the load everywhere.
-        part = rank_world()
         on_every_rank(detected.path, "verifying the checkpoint's files", lambda: verify_manifest(detected, part=part))
+    elif detected.kind is Kind.HF and detected.path.is_dir():
+        # A merged export carries the checksums of its files (fsdp_bridge_export.json): verified the same way.
+        on_every_rank(
+            detected.path, "verifying the export's files", lambda: _peft.verify_export(detected.path, part=part)
+        )
     if optimizer is not None and detected.kind in (Kind.SHARDED, Kind.FULL) and not detected.meta.get("has_optimizer"):
         raise CheckpointError(
             detected.path,
