@@ -43,7 +43,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 import fsdp_bridge
-from fsdp_bridge.checkpoint import _api, _formats
+from fsdp_bridge.checkpoint import _formats, _load
 
 
 def _free_port() -> int:
@@ -63,16 +63,16 @@ def _build(mib: int) -> nn.Module:
 def _checksums(chunk: int | None) -> Iterator[None]:
     """Content checksums read in blocks of ``chunk`` bytes; ``None``: neither computed at save
     (recorded as 0) nor checked at load (sizes are still checked)."""
-    checksum_of, verify_manifest = _formats.checksum_of, _api.verify_manifest
+    checksum_of, verify_manifest = _formats.checksum_of, _load.verify_manifest
     if chunk is None:
         _formats.checksum_of = lambda path, algorithm=_formats.CHECKSUM, chunk=0: 0  # type: ignore[assignment]
-        _api.verify_manifest = lambda detected, **kwargs: None  # type: ignore[assignment]
+        _load.verify_manifest = lambda detected, **kwargs: None  # type: ignore[assignment]
     else:
         _formats.checksum_of = functools.partial(checksum_of, chunk=chunk)  # type: ignore[assignment]
     try:
         yield
     finally:
-        _formats.checksum_of, _api.verify_manifest = checksum_of, verify_manifest  # type: ignore[assignment]
+        _formats.checksum_of, _load.verify_manifest = checksum_of, verify_manifest  # type: ignore[assignment]
 
 
 def _default_chunk() -> int:

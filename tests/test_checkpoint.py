@@ -83,7 +83,7 @@ def _save_each(root: str, backends: tuple[str, ...]) -> dict[str, Any]:
 
 
 def _load_each(root: str, refs: dict[str, Any], backends: tuple[str, ...]) -> list[str]:
-    import fsdp_bridge.checkpoint._api as ckpt_api
+    import fsdp_bridge.checkpoint._load_files as ckpt_api
 
     ckpt_api._CHUNK_NUMEL = 5000  # full loads then broadcast in several rounds, as for a large model
     checked = []

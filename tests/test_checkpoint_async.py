@@ -82,7 +82,7 @@ def _save_fails_on_one_rank(root: str) -> dict[str, object]:
     import errno
     import time
 
-    import fsdp_bridge.checkpoint._api as api
+    import fsdp_bridge.checkpoint._save as api
 
     model = fsdp_bridge.shard(build_tiny("llama", seed=0), fsdp_bridge.BridgeConfig(backend="fsdp2"))
     out: dict[str, object] = {}

@@ -62,7 +62,7 @@ def _export_and_pretrained(root: str) -> dict[str, Any]:
     # load_pretrained: a plain Hugging Face directory (one file for GPT-2, tied; an index and
     # several files for Llama) into a model built on the meta device, each rank reading its
     # slices; and a torch.save file, which rank 0 reads and broadcasts in rounds.
-    import fsdp_bridge.checkpoint._api as ckpt_api
+    import fsdp_bridge.checkpoint._load_files as ckpt_api
 
     ckpt_api._CHUNK_NUMEL = 4000
     for family in ("gpt2", "llama"):

@@ -4,7 +4,8 @@ One process, milliseconds each: exports (adapter, merged) and checkpoints onto a
 directory; user directories at the names a save keeps beside its destination (``.NAME.partial``,
 ``.NAME.old``, ``.NAME.deleting``); symlinks and hard links planted at ``.NAME.lock``; rotation
 beside ``last/`` and ``best/``; leftovers of killed saves; PEFT adapter files that are damaged,
-symlinked out of their directory, missing tensors or of another dtype; optimizer groups whose
+symlinked out of their directory, missing tensors or of another dtype; merged exports whose files are
+damaged, missing, renamed, added or symlinked; optimizer groups whose
 hyperparameters are of the wrong kind or whose parameters are not the model's.
 """
 
@@ -178,6 +179,43 @@ def test_an_adapter_export_carries_checksums_verified_on_load(tmp_path: Path, lo
     _refused_unchanged(path, lora, r"adapter_model\.safetensors: content differs from the crc32c recorded")
     (path / "fsdp_bridge_export.json").unlink()  # integrity cannot be switched off by deleting it
     _refused_unchanged(path, lora, r"is an export of fsdp_bridge .* fsdp_bridge_export\.json is missing")
+
+
+def _flip_last_bytes(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def _link_out(path: Path) -> None:
+    outside = path.parent.parent / "elsewhere.json"
+    path.rename(outside)
+    path.symlink_to(outside)
+
+
+MERGED_DAMAGE = {
+    "flipped": (lambda p: _flip_last_bytes(p / "model.safetensors"), r"model\.safetensors: content differs"),
+    "missing": (lambda p: (p / "generation_config.json").unlink(), r"generation_config\.json: listed in .*, missing"),
+    "renamed": (
+        lambda p: (p / "generation_config.json").rename(p / "generation.json"),
+        r"generation\.json: not listed in fsdp_bridge_export\.json \(renamed or added after saving\)",
+    ),
+    "added": (lambda p: (p / "extra.bin").write_bytes(b"x"), r"extra\.bin: not listed"),
+    "symlinked": (lambda p: _link_out(p / "generation_config.json"), r"generation_config\.json: a symlink"),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(MERGED_DAMAGE))
+def test_a_merged_export_is_verified_on_load(tmp_path: Path, lora: Any, damage: str) -> None:
+    path = fsdp_bridge.save_checkpoint(tmp_path / "merged", lora, kind="merged")
+    model = _model()
+    assert fsdp_bridge.load_checkpoint(path, model) == {}
+    change, match = MERGED_DAMAGE[damage]
+    change(path)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(CheckpointError, match=match):
+        fsdp_bridge.load_checkpoint(path, model)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
 
 
 def test_an_adapter_file_symlinked_out_of_its_directory_is_refused(tmp_path: Path, lora: Any) -> None:

@@ -16,8 +16,8 @@ from pathlib import Path, PurePosixPath
 import pytest
 import torch
 
+from fsdp_bridge._dcp_metadata import MetadataLimits, parse_dcp_metadata
 from fsdp_bridge.checkpoint import CheckpointError
-from fsdp_bridge.checkpoint._dcp_metadata import MetadataLimits, parse_dcp_metadata
 from fsdp_bridge.checkpoint._formats import load_dcp_metadata
 
 # ---- a tiny pickle assembler (protocol 4 opcodes) -------------------------------------------
@@ -285,3 +285,64 @@ def test_an_oversized_metadata_file_is_refused_before_reading(tmp_path: Path) ->
         load_dcp_metadata(path)
     with pytest.raises(CheckpointError, match=r"over the 10-byte limit"):
         parse_dcp_metadata(b"x" * 11, path, MetadataLimits(max_bytes=10))
+
+
+# ---- a user's DCP directory read by the backends' FSDP1 loaders -----------------------------
+
+LOADER_CHILD = textwrap.dedent(
+    """
+    import os, pathlib, sys, torch
+    import torch.distributed as dist
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.tensor import distribute_tensor, init_device_mesh
+    from fsdp_bridge.backends.fsdp1_objects import load_sharded_optimizer_state_dict
+    from fsdp_bridge.errors import CheckpointError
+
+    store = sys.argv[1]
+    dist.init_process_group("gloo", init_method="file://" + store, rank=0, world_size=1)
+    mesh = init_device_mesh("cpu", (1,))
+    plain = {"w": torch.zeros(2, 2)}
+    sharded = {"w": distribute_tensor(torch.zeros(2, 2), mesh)}
+    for name in sys.argv[2:]:
+        for kind, model_state in (("plain", plain), ("dtensor", sharded)):
+            before = dict(vars(pathlib.PosixPath))
+            try:
+                load_sharded_optimizer_state_dict(model_state, "optim", FileSystemReader(name))
+                outcome = "loaded"
+            except CheckpointError as err:
+                outcome = "refused: " + " ".join(str(err).split())
+            except Exception as err:
+                outcome = "other: " + type(err).__name__
+            state = "unchanged" if before == dict(vars(pathlib.PosixPath)) else "CHANGED"
+            print(f"{kind}\\t{outcome}\\t{state}", flush=True)
+    dist.destroy_process_group()
+    """
+)
+
+
+def test_the_fsdp1_optimizer_loader_never_unpickles_a_users_metadata(tmp_path: Path) -> None:
+    """``load_sharded_optimizer_state_dict`` (what ``migrate code --fix`` writes) is handed torch's own
+    ``FileSystemReader``, which unpickles ``.metadata``: a file naming ``os.system`` or setting an attribute
+    on a class through BUILD is refused by the project's parser on both paths (FSDP1 tensors, FSDP2
+    DTensors), and nothing runs or changes."""
+    marker = tmp_path / "ran"
+    command = f"touch {marker}"
+    system = PROTO + glob("os", "system") + s(command) + TUPLE1 + REDUCE + STOP
+    paths = [
+        write(tmp_path, system, "system").parent,
+        write(tmp_path, CLASS_MUTATIONS["slotstate_on_class"], "build").parent,
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-c", LOADER_CHILD, str(tmp_path / "store"), *map(str, paths)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [line.split("\t") for line in proc.stdout.strip().splitlines()[-4:]]
+    assert [kind for kind, _, _ in rows] == ["plain", "dtensor"] * 2
+    for (_, outcome, state), path in zip(rows, [paths[0], paths[0], paths[1], paths[1]], strict=True):
+        assert outcome.startswith("refused: ") and str(path / ".metadata") in outcome, outcome
+        assert state == "unchanged"
+    assert not marker.exists(), "a command named in .metadata ran"

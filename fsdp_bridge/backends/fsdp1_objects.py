@@ -419,15 +419,29 @@ def load_sharded_optimizer_state_dict(
             ``get_model_state_dict(model)``).
         optimizer_key: the key the optimizer state was saved under.
         storage_reader: a ``torch.distributed.checkpoint`` storage reader (``FileSystemReader(path)``).
-        planner: a load planner (torch's default when None).
+            torch's ``FileSystemReader`` is read without unpickling: its ``.metadata`` by the
+            project's bounded parser (never a pickle), every file it names inside the directory.
+        planner: a load planner (default: torch's, reading non-tensor items with
+            ``torch.load(weights_only=True)``).
 
     Returns:
         ``{optimizer_key: optimizer state dict}``, keyed by parameter names as FSDP1 saved it.
+
+    Raises:
+        CheckpointError: the directory's ``.metadata`` is not DCP metadata this version reads
+            (anything that would run code or reach an existing object when unpickled included).
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
     from torch.distributed.tensor import DTensor
 
+    from fsdp_bridge._dcp_metadata import SafeLoadPlanner, safe_storage_reader
+
+    # torch's FileSystemReader unpickles .metadata and its default planner the non-tensor items:
+    # the directory is read by the project's parser and with torch.load(weights_only=True) instead.
+    storage_reader = safe_storage_reader(storage_reader)
+    if planner is None:
+        planner = SafeLoadPlanner()
     if not any(isinstance(v, DTensor) for v in model_state_dict.values()):
         from torch.distributed.checkpoint.optimizer import load_sharded_optimizer_state_dict as fsdp1_load
 

@@ -29,17 +29,10 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-from fsdp_bridge.checkpoint._api import (
-    _check_save_args,
-    _describe_and_publish,
-    _fresh_staging,
-    _on_every_rank,
-    _rank_world,
-    _shapes,
-    _tied_groups,
-    release_save_lock,
-)
 from fsdp_bridge.checkpoint._formats import DCP_DIR, CheckpointError, failure_text
+from fsdp_bridge.checkpoint._model_state import shapes_of, tied_groups
+from fsdp_bridge.checkpoint._publish import check_save_args, describe_and_publish, fresh_staging, release_save_lock
+from fsdp_bridge.checkpoint._ranks import on_every_rank, rank_world
 from fsdp_bridge.checkpoint._state import write_rng
 
 __all__ = ["AsyncCheckpoint", "AsyncCheckpointer", "checkpointer_of", "save_checkpoint_async"]
@@ -261,15 +254,15 @@ def save_checkpoint_async(
     Raises:
         CheckpointError: on every rank, from ``.wait()``, when the save failed on any rank.
     """
-    path = _check_save_args(path, keep_last, state)
+    path = check_save_args(path, keep_last, state)
     # The state as of this call, like the weights: a loop that keeps updating its dict must not
     # publish a step that does not match them (check_state has made sure it is plain JSON).
     state = copy.deepcopy(state)
     checkpointer = checkpointer_of(model)
     checkpointer.wait()  # the save in flight: its staged copy is the buffer this save reuses
-    rank, world = _rank_world()
+    rank, world = rank_world()
     # Every rank learns of a staging failure on any rank here (before new_group, which would hang).
-    staging = _on_every_rank(path, "creating the staging directory", lambda: _fresh_staging(path, rank))
+    staging = on_every_rank(path, "creating the staging directory", lambda: fresh_staging(path, rank))
     try:
         checkpointer.pending = _start(
             path, model, optimizer, staging, checkpointer, state=state, keep_last=keep_last, rank=rank, world=world
@@ -299,12 +292,12 @@ def _start(
 ) -> AsyncCheckpoint:
     group = checkpointer.group()
 
-    tied = _tied_groups(model)
+    tied = tied_groups(model)
     msd = get_model_state_dict(model)
     to_save: dict[str, Any] = {"model": msd}
     if optimizer is not None:
         to_save["optim"] = get_optimizer_state_dict(model, optimizer)
-    shapes = _shapes(msd)
+    shapes = shapes_of(msd)
     write_rng(staging, rank)  # the RNG as of this call, like the weights
     future = dcp.async_save(
         to_save,
@@ -318,7 +311,7 @@ def _start(
         # DCP's finish step gathers every rank's write results before rank 0's future
         # completes, so all files are in place when this runs.
         def finish() -> None:
-            _describe_and_publish(
+            describe_and_publish(
                 staging,
                 path,
                 model,

@@ -236,9 +236,9 @@ def read_full(path: str | os.PathLike[str]) -> FullCheckpoint:
         }
         optimizer = _unflatten_optim(optim_flat)
     elif detected.kind is Kind.TORCH:
-        from fsdp_bridge.checkpoint._api import _read_torch_file
+        from fsdp_bridge.checkpoint._load_files import read_torch_file
 
-        model, optimizer = _read_torch_file(detected.path)
+        model, optimizer = read_torch_file(detected.path)
     else:
         model = _hf.read_hf_weights(detected.path)
         optimizer = _hf.read_optimizer(detected.path) if meta.get("has_optimizer") else None
@@ -473,9 +473,9 @@ def inspect_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
             info["has_optimizer"] = any(k.startswith("optim.") for k in shapes)
             shapes = {k: v for k, v in shapes.items() if not k.startswith("optim.")}
         elif detected.kind is Kind.TORCH:
-            from fsdp_bridge.checkpoint._api import _read_torch_file
+            from fsdp_bridge.checkpoint._load_files import read_torch_file
 
-            sd, osd = _read_torch_file(detected.path)
+            sd, osd = read_torch_file(detected.path)
             shapes = {k: (tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in sd.items()}
             info["has_optimizer"] = osd is not None
         else:

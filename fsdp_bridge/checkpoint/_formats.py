@@ -7,7 +7,7 @@ Directories written by other tools are recognised too: a plain DCP directory (a
 
 DCP's own reader unpickles its ``.metadata`` file and non-tensor items; here the
 metadata is built by a bounded interpreter of its pickle opcodes that only makes fresh DCP
-metadata objects (:mod:`fsdp_bridge.checkpoint._dcp_metadata`), and non-tensor items are read
+metadata objects (:mod:`fsdp_bridge._dcp_metadata`), and non-tensor items are read
 with ``torch.load(weights_only=True)``.
 """
 
@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import enum
 import hashlib
-import io
 import json
 import math
 import os
@@ -28,13 +27,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from fsdp_bridge._dcp_metadata import SafeDCPReader, SafeLoadPlanner, load_dcp_metadata, safe_child
 from fsdp_bridge._names import strip_wrapper_prefixes
-from fsdp_bridge.checkpoint._dcp_metadata import parse_dcp_metadata, read_dcp_metadata_bytes
 from fsdp_bridge.errors import CheckpointError
 
 __all__ = [
@@ -50,9 +46,11 @@ __all__ = [
     "dcp_tensor_shapes",
     "detect",
     "failure_text",
+    "load_dcp_metadata",
     "param_stats",
     "read_dcp",
     "read_meta",
+    "safe_child",
     "strip_wrapper_prefixes",
     "verify_manifest",
     "without_process_group",
@@ -324,17 +322,6 @@ def read_meta(path: Path) -> dict[str, Any]:
     return meta
 
 
-def safe_child(root: Path, relative: str) -> Path:
-    """``root / relative`` refusing anything that would leave ``root`` (absolute paths, ``..``, links)."""
-    try:
-        candidate = (root / relative).resolve()
-    except (OSError, ValueError, RuntimeError) as err:  # a NUL byte, a symlink loop
-        raise CheckpointError(root, f"names a file that cannot be a path ({relative!r:.80}: {err})") from None
-    if os.path.isabs(relative) or not candidate.is_relative_to(root.resolve()):
-        raise CheckpointError(root, f"names a file outside its directory ({relative!r:.80}); refusing it")
-    return candidate
-
-
 def verify_manifest(detected: Detected, *, part: tuple[int, int] = (0, 1), contents: bool = True) -> None:
     """Every file listed in ``fsdp_bridge.json`` exists with the recorded size, the small
     description files (DCP ``.metadata``, JSON, index) have the recorded SHA-256, and the tensor
@@ -448,52 +435,9 @@ def manifest(root: Path) -> dict[str, int]:
 # DCP without unpickling arbitrary objects
 # --------------------------------------------------------------------------------------
 
-# DCP's ``.metadata`` is never unpickled: fsdp_bridge.checkpoint._dcp_metadata builds it with
-# a bounded interpreter of the pickle opcodes that can only make fresh DCP metadata objects.
-
-
-class SafeDCPReader(FileSystemReader):
-    """A :class:`FileSystemReader` whose ``.metadata`` is read by :func:`load_dcp_metadata` (never unpickled)."""
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        path = Path(self.path) / ".metadata"
-        return load_dcp_metadata(path)
-
-
-def load_dcp_metadata(path: Path) -> Metadata:
-    """DCP ``Metadata`` of a ``.metadata`` file, read by :func:`parse_dcp_metadata` (never
-    unpickled; bounded in size, depth, memo and hashing), with every file it names checked to be
-    inside its directory.
-
-    Raises:
-        CheckpointError: the file is missing, over a bound, not DCP metadata, or names a file
-            outside its directory.
-    """
-    metadata = parse_dcp_metadata(read_dcp_metadata_bytes(path), path)
-    if not isinstance(metadata, Metadata):
-        raise CheckpointError(path, f"holds a {type(metadata).__name__}, not DCP Metadata")
-    # Where DCP will read each item: never outside the checkpoint's directory (each file once:
-    # every item of a file names it).
-    relatives = {getattr(info, "relative_path", None) for info in (metadata.storage_data or {}).values()}
-    for relative in relatives:
-        if not isinstance(relative, str):
-            raise CheckpointError(path, f"a storage entry names {relative!r} instead of a file name")
-        safe_child(path.parent, relative)
-    return metadata
-
-
-class SafeLoadPlanner(DefaultLoadPlanner):
-    """DCP's default planner, reading non-tensor items with ``torch.load(weights_only=True)``."""
-
-    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        obj = torch.load(value, weights_only=True)
-        if self.flatten_state_dict:
-            # The same helper DefaultLoadPlanner.load_bytes uses.
-            from torch.distributed.checkpoint._traverse import set_element
-
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
-        else:
-            self.state_dict[read_item.dest_index.fqn] = obj
+# DCP's ``.metadata`` is never unpickled: fsdp_bridge._dcp_metadata builds it with a bounded
+# interpreter of the pickle opcodes that can only make fresh DCP metadata objects (the reader
+# and the planner live there, below the backends, which read users' DCP directories too).
 
 
 @contextlib.contextmanager

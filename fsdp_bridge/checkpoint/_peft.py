@@ -7,10 +7,11 @@ Hugging Face directory of the base model with the adapters merged into its weigh
 part), and rank 0 writes into a hidden staging directory published by one rename.
 
 Both exports also hold ``fsdp_bridge_export.json``, written last: the size and CRC-32C of every
-file, checked when an adapter directory is loaded (a flipped byte is refused, naming the
-file), and the owner file that lets a later export replace this one. Loading an adapter also
-refuses a weights file that is a symlink out of the directory, one that lacks tensors of the
-model's adapters (naming them), and tensors whose dtype differs from the model's (never cast).
+file, checked when an adapter directory or a merged export is loaded (a flipped byte, a missing
+or renamed file is refused, naming the file), and the owner file that lets a later export replace
+this one. Loading an adapter also refuses a weights file that is a symlink out of the directory,
+one that lacks tensors of the model's adapters (naming them), and tensors whose dtype differs from
+the model's (never cast).
 """
 
 from __future__ import annotations
@@ -37,8 +38,9 @@ from fsdp_bridge.checkpoint._atomic import (
     write_json_durably,
 )
 from fsdp_bridge.checkpoint._formats import CHECKSUM, CheckpointError, checksum_of
+from fsdp_bridge.checkpoint._ranks import on_every_rank
 
-__all__ = ["PEFT_KINDS", "find_peft_model", "is_adapter_dir", "load_adapter", "save_peft"]
+__all__ = ["PEFT_KINDS", "find_peft_model", "is_adapter_dir", "load_adapter", "save_peft", "verify_export"]
 
 PEFT_KINDS = ("adapter", "merged")
 PeftKind = Literal["adapter", "merged"]
@@ -144,6 +146,40 @@ def _verify_adapter_files(path: Path) -> None:
         raise CheckpointError(path, [*problems, "the adapter is damaged: export it again from a checkpoint"])
 
 
+def verify_export(path: Path, *, part: tuple[int, int] = (0, 1)) -> None:
+    """A directory holding an export description (a merged export: a Hugging Face directory) holds
+    exactly the files it lists, each a regular file of the recorded size and checksum; a directory
+    without one is left alone. ``part=(rank, world)``: names and sizes are checked on every rank, the
+    contents of every ``world``-th file on this rank, so that the ranks share the reading.
+
+    Raises:
+        CheckpointError: a listed file is missing, a symlink, of another size or content, or a file
+            is not listed (renamed or added after saving), naming each one.
+    """
+    files = _export_record(path)
+    if files is None:
+        return
+    present = {
+        str(f.relative_to(path)) for f in path.rglob("*") if (f.is_file() or f.is_symlink()) and f.name != EXPORT_FILE
+    }
+    problems = [f"{name}: listed in {EXPORT_FILE}, missing" for name in sorted(set(files) - present)]
+    problems += [
+        f"{name}: not listed in {EXPORT_FILE} (renamed or added after saving)" for name in sorted(present - set(files))
+    ]
+    rank, world = part
+    for i, name in enumerate(sorted(set(files) & present)):
+        f, entry = path / name, files[name]
+        if f.is_symlink():
+            problems.append(f"{name}: a symlink, where the export wrote a regular file")
+        elif f.stat().st_size != entry["size"]:
+            problems.append(f"{name}: {f.stat().st_size} bytes, {entry['size']} recorded")
+        elif i % world == rank and checksum_of(f, CHECKSUM) != entry["checksum"]:
+            problems.append(f"{name}: content differs from the {CHECKSUM} recorded (damaged after saving)")
+    if problems:
+        more = [f"and {len(problems) - 10} more"] if len(problems) > 10 else []
+        raise CheckpointError(path, [*problems[:10], *more, "the export is damaged: export it again from a checkpoint"])
+
+
 def save_peft(
     path: str | os.PathLike[str], model: nn.Module, kind: PeftKind, *, full_state_dict: Any, max_shard_size: int | str
 ) -> Path:
@@ -187,10 +223,8 @@ def save_peft(
             _describe_export(staging, kind)
             publish(staging, target)  # the previous export moved aside, deleted once this one is in place
 
-    from fsdp_bridge.checkpoint._api import _on_every_rank
-
     # A failure on rank 0 (a full disk, another save of this path) reaches every rank at once.
-    _on_every_rank(target, f"writing the {kind} export (rank 0)", write)
+    on_every_rank(target, f"writing the {kind} export (rank 0)", write)
     state.clear()  # the gathered full state: freed now, not when the caller's frame ends
     return target
 

@@ -21,6 +21,12 @@ only decodes opcodes) and builds the result itself:
   container and dataclass occurring once.
 
 Everything refused is a :class:`~fsdp_bridge.errors.CheckpointError` naming the file.
+
+On top of the parser, what is handed to ``dcp.load``: :class:`SafeDCPReader` (``.metadata`` read
+here, every file it names inside its directory) and :class:`SafeLoadPlanner` (non-tensor items with
+``torch.load(weights_only=True)``). The module sits below the backends: ``checkpoint`` reads its own
+directories with it, and the backends' FSDP1 state-dict loaders read a user's DCP directory with it
+(:func:`safe_storage_reader`).
 """
 
 from __future__ import annotations
@@ -33,12 +39,25 @@ from pathlib import Path, PurePath, PurePosixPath, PureWindowsPath
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.planner import ReadItem
 
 from fsdp_bridge.errors import CheckpointError
 
-__all__ = ["LIMITS", "MetadataLimits", "parse_dcp_metadata", "read_dcp_metadata_bytes"]
+__all__ = [
+    "LIMITS",
+    "MetadataLimits",
+    "SafeDCPReader",
+    "SafeLoadPlanner",
+    "load_dcp_metadata",
+    "parse_dcp_metadata",
+    "read_dcp_metadata_bytes",
+    "safe_child",
+    "safe_storage_reader",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -640,3 +659,74 @@ def read_dcp_metadata_bytes(path: Path, limits: MetadataLimits = LIMITS) -> byte
 
 def _file_size(f: Any) -> int:
     return os.fstat(f.fileno()).st_size
+
+
+# --------------------------------------------------------------------------------------
+# DCP's reader and planner on top of the parser: what fsdp_bridge hands to dcp.load
+# --------------------------------------------------------------------------------------
+
+
+def safe_child(root: Path, relative: str) -> Path:
+    """``root / relative`` refusing anything that would leave ``root`` (absolute paths, ``..``, links)."""
+    try:
+        candidate = (root / relative).resolve()
+    except (OSError, ValueError, RuntimeError) as err:  # a NUL byte, a symlink loop
+        raise CheckpointError(root, f"names a file that cannot be a path ({relative!r:.80}: {err})") from None
+    if os.path.isabs(relative) or not candidate.is_relative_to(root.resolve()):
+        raise CheckpointError(root, f"names a file outside its directory ({relative!r:.80}); refusing it")
+    return candidate
+
+
+class SafeDCPReader(FileSystemReader):
+    """A :class:`FileSystemReader` whose ``.metadata`` is read by :func:`load_dcp_metadata` (never unpickled)."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
+        path = Path(self.path) / ".metadata"
+        return load_dcp_metadata(path)
+
+
+def load_dcp_metadata(path: Path) -> dcp_metadata.Metadata:
+    """DCP ``Metadata`` of a ``.metadata`` file, read by :func:`parse_dcp_metadata` (never
+    unpickled; bounded in size, depth, memo and hashing), with every file it names checked to be
+    inside its directory.
+
+    Raises:
+        CheckpointError: the file is missing, over a bound, not DCP metadata, or names a file
+            outside its directory.
+    """
+    metadata = parse_dcp_metadata(read_dcp_metadata_bytes(path), path)
+    if not isinstance(metadata, dcp_metadata.Metadata):
+        raise CheckpointError(path, f"holds a {type(metadata).__name__}, not DCP Metadata")
+    # Where DCP will read each item: never outside the checkpoint's directory (each file once:
+    # every item of a file names it).
+    relatives = {getattr(info, "relative_path", None) for info in (metadata.storage_data or {}).values()}
+    for relative in relatives:
+        if not isinstance(relative, str):
+            raise CheckpointError(path, f"a storage entry names {relative!r} instead of a file name")
+        safe_child(path.parent, relative)
+    return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default planner, reading non-tensor items with ``torch.load(weights_only=True)``."""
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        obj = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            # The same helper DefaultLoadPlanner.load_bytes uses.
+            from torch.distributed.checkpoint._traverse import set_element
+
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+
+def safe_storage_reader(storage_reader: Any) -> Any:
+    """``storage_reader`` with its ``.metadata`` read by :func:`load_dcp_metadata`.
+
+    torch's own ``FileSystemReader`` unpickles the file: it is replaced by a :class:`SafeDCPReader`
+    of the same directory. Any other reader (a subclass, another storage) is the caller's own code
+    and is returned as it is."""
+    if type(storage_reader) is FileSystemReader:
+        return SafeDCPReader(storage_reader.path)
+    return storage_reader
