@@ -856,16 +856,46 @@ class _Scanner(cst.CSTVisitor):
             return False
         if self._plan_optim_load(node):
             return False
+        if self._plan_state_dict_type_call(node, func, hit):
+            return False
+        handled, result = self._plan_wrap_call(node, func, hit)
+        if handled:
+            return result
+        if hit == (FSDP, "set_state_dict_type") and self._plan_set_state_dict_type(node):
+            return False
+        if self._plan_optim_state_call(node, func, hit):
+            return False
+        handled, result = self._plan_summon(node, func, hit)
+        if handled:
+            return result
+        if (
+            isinstance(func, cst.Attribute)
+            and func.attr.value in ("state_dict", "load_state_dict")
+            and hit is None
+            and self._plan_plain_state_dict(node, func)
+        ):
+            return False
+        self._plan_wrapper_method_call(node, func, hit)
+        return None
+
+    def _plan_state_dict_type_call(self, node: cst.Call, func: cst.BaseExpression, hit: tuple[str, str] | None) -> bool:
+        """FSDP1's state_dict_type / set_state_dict_type call; True when it is planned."""
         if hit in ((FSDP, "state_dict_type"), (FSDP, "set_state_dict_type")) and id(func) not in self.consumed_nodes:
             for a in node.args:  # its arguments belong to this construct (a TODO when the block is not rewritten)
                 self._consume(a.value)
             if hit[1] == "state_dict_type" and self._plan_state_dict_context(node):
-                return False
+                return True
+        return False
+
+    def _plan_wrap_call(
+        self, node: cst.Call, func: cst.BaseExpression, hit: tuple[str, str] | None
+    ) -> tuple[bool, bool | None]:
+        """torch's enable_wrap / wrap; (handled, what visit_Call returns)."""
         if hit == ("enable_wrap", ""):
             if not self._plan_enable_wrap(node):
                 self._record(node, "enable_wrap(...)", _NAMES["enable_wrap"], False)
                 self._consume(node)  # its wrapper_cls=FSDP is part of this construct
-            return False
+            return True, False
         if hit == ("wrap", "") and id(func) not in self.consumed_nodes:
             if self._under_torch_enable_wrap():
                 self._consume(func)
@@ -877,7 +907,7 @@ class _Scanner(cst.CSTVisitor):
                     "**kwargs)) and fsdp_bridge.wrap_module(module)",
                     False,
                 )
-                return None
+                return True, None
             if len(node.args) == 1 and node.args[0].keyword is None and node.args[0].star == "":
                 self.expr_rewrites[id(func)] = "fsdp_bridge.wrap_module"
                 self.needs_imports.add(("fsdp_bridge", None))
@@ -890,7 +920,7 @@ class _Scanner(cst.CSTVisitor):
                     "wrap; a module sharded already is returned as it is, so wrap(wrap(m)) is wrap(m)",
                     True,
                 )
-                return None  # its argument may be another wrap(...)
+                return True, None  # its argument may be another wrap(...)
             self._consume(func)
             self._record(
                 node,
@@ -900,9 +930,11 @@ class _Scanner(cst.CSTVisitor):
                 "**overrides})).wrap(module) (inside fsdp_bridge.enable_wrap torch's wrap refuses overrides)",
                 False,
             )
-            return None
-        if hit == (FSDP, "set_state_dict_type") and self._plan_set_state_dict_type(node):
-            return False
+            return True, None
+        return False, None
+
+    def _plan_optim_state_call(self, node: cst.Call, func: cst.BaseExpression, hit: tuple[str, str] | None) -> bool:
+        """FSDP1's optimizer-state functions; True when the call is planned."""
         if hit == (FSDP, "optim_state_dict_to_load") and (code := self._optim_to_load(node, None)) is not None:
             self.call_rewrites[id(node)] = code
             self._record(
@@ -913,7 +945,7 @@ class _Scanner(cst.CSTVisitor):
                 "result again changes nothing",
                 True,
             )
-            return False
+            return True
         if (
             hit in ((FSDP, "shard_full_optim_state_dict"), (FSDP, "scatter_full_optim_state_dict"))
             and (code := self._shard_full_to_load(node)) is not None
@@ -928,7 +960,7 @@ class _Scanner(cst.CSTVisitor):
                 + ") and returns optimizer.state_dict(), so loading the result changes nothing",
                 True,
             )
-            return False
+            return True
         if hit == (FSDP, "optim_state_dict") and (ctx := self._runtime_state_context()) is not None:
             if (where := self.dispatch.makes_state_dict_context) is not None and (
                 mo := _model_and_optim(node)
@@ -945,7 +977,7 @@ class _Scanner(cst.CSTVisitor):
                     "get_optimizer_state_dict with that block's type",
                     True,
                 )
-                return False
+                return True
             self._record(
                 node,
                 "FSDP.optim_state_dict(...)",
@@ -956,14 +988,20 @@ class _Scanner(cst.CSTVisitor):
                 False,
             )
             self._consume(node.func)
-            return False
+            return True
         if (
             hit is not None
             and hit[0] == FSDP
             and hit[1] in ("optim_state_dict", "full_optim_state_dict", "sharded_optim_state_dict")
         ):
             if self._plan_optim_call(node, hit[1]):
-                return False
+                return True
+        return False
+
+    def _plan_summon(
+        self, node: cst.Call, func: cst.BaseExpression, hit: tuple[str, str] | None
+    ) -> tuple[bool, bool | None]:
+        """FSDP1's summon_full_params; (handled, what visit_Call returns)."""
         # FSDP1's summon_full_params is a static method, also called through an instance:
         # ``model.summon_full_params(model, writeback=...)`` (FSDPModule has no such method).
         bound_summon = (
@@ -1015,26 +1053,23 @@ class _Scanner(cst.CSTVisitor):
                 ok,
             )
             self._consume(node.func)
-            return False if ok else None
-        if (
-            isinstance(func, cst.Attribute)
-            and func.attr.value in ("state_dict", "load_state_dict")
-            and hit is None
-            and self._plan_plain_state_dict(node, func)
-        ):
-            return False
+            return True, (False if ok else None)
+        return False, None
+
+    def _plan_wrapper_method_call(self, node: cst.Call, func: cst.BaseExpression, hit: tuple[str, str] | None) -> None:
+        """The FSDP1 wrapper's no_sync() and clip_grad_norm_(...)."""
         if isinstance(func, cst.Attribute) and func.attr.value in ("no_sync", "clip_grad_norm_") and hit is None:
             qn = {q.name for q in self.get_metadata(QualifiedNameProvider, func, set())}
             if any(q.startswith(("torch.nn", "fsdp_bridge")) for q in qn) or _code(func.value) == "fsdp_bridge":
-                return None  # torch.nn.utils.clip_grad_norm_ works on FSDP2; fsdp_bridge's are the rewrites
+                return  # torch.nn.utils.clip_grad_norm_ works on FSDP2; fsdp_bridge's are the rewrites
             if self._ddp_tested(func.value):
-                return None  # DDP's no_sync (the code tells DDP apart), not FSDP1's
+                return  # DDP's no_sync (the code tells DDP apart), not FSDP1's
             name = func.attr.value
             if (where := self.dispatch.own_methods.get(name)) is not None and self._fsdp1_wrapper(
                 node, func.value, by_calls=False
             ) != "fsdp1":
                 if _code(func.value) == "self" and self.classes:
-                    return None  # the class's own method
+                    return  # the class's own method
                 recv = _code(func.value)
                 # relative to this file: the same text wherever the tree is (--fix stays idempotent on a copy)
                 where = where if where == self.path else os.path.relpath(where, os.path.dirname(self.path) or ".")
@@ -1046,16 +1081,15 @@ class _Scanner(cst.CSTVisitor):
                     f"{', ...' if node.args else ''}) (FSDP2 modules have no {name}); if it is your own, keep it",
                     False,
                 )
-                return None
+                return
             if func.attr.value == "no_sync" and not node.args:
                 self.fixable_calls[id(node)] = "method"
                 self._record(node, f"{_code(func.value)}.no_sync()", _NAMES["no_sync"], True)
-                return None
+                return
             if func.attr.value == "clip_grad_norm_" and node.args:
                 self.fixable_calls[id(node)] = "method"
                 self._record(node, f"{_code(func.value)}.clip_grad_norm_(...)", _NAMES["clip_grad_norm_"], True)
-                return None
-        return None
+                return
 
     def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
         self.functions.append(node)
@@ -1506,21 +1540,7 @@ class _Scanner(cst.CSTVisitor):
             self._record(node, _code(node), text, not reentrant)
             return False
         if kind == "ShardedGradScaler" and not member and id(node) not in self.called and not self.assign_target_depth:
-            self.needs_imports.add(("torch", None))
-            self.expr_rewrites[id(node)] = "torch.amp.GradScaler"
-            if self.annotation_depth:  # a type annotation: the scaler FSDP2 code makes
-                self._record(node, f"{_code(node)} (a type annotation)", "torch.amp.GradScaler", True)
-                return False
-            # The class itself, passed on or re-exported (``GradScaler = ShardedGradScaler``): same constructor
-            # arguments but process_group.
-            self._record(
-                node,
-                f"{_code(node)} (the class, not called here)",
-                "torch.amp.GradScaler: the same constructor arguments except process_group= (a call that passes it "
-                f"fails with TypeError; FSDP2 needs no group) ({_fsdp2_any('ShardedGradScaler')})",
-                True,
-            )
-            return False
+            return self._plan_scaler_class(node)
         if (
             kind == "load_sharded_optimizer_state_dict"
             and not member
@@ -1546,6 +1566,24 @@ class _Scanner(cst.CSTVisitor):
             )
             return False
         self._record(node, _code(node), _NAMES[kind], False)
+        return False
+
+    def _plan_scaler_class(self, node: cst.BaseExpression) -> bool:
+        """FSDP1's ShardedGradScaler named but not called here (passed on, aliased, an annotation)."""
+        self.needs_imports.add(("torch", None))
+        self.expr_rewrites[id(node)] = "torch.amp.GradScaler"
+        if self.annotation_depth:  # a type annotation: the scaler FSDP2 code makes
+            self._record(node, f"{_code(node)} (a type annotation)", "torch.amp.GradScaler", True)
+            return False
+        # The class itself, passed on or re-exported (``GradScaler = ShardedGradScaler``): same constructor
+        # arguments but process_group.
+        self._record(
+            node,
+            f"{_code(node)} (the class, not called here)",
+            "torch.amp.GradScaler: the same constructor arguments except process_group= (a call that passes it "
+            f"fails with TypeError; FSDP2 needs no group) ({_fsdp2_any('ShardedGradScaler')})",
+            True,
+        )
         return False
 
     # -- FSDP(...) -----------------------------------------------------------------
@@ -1815,6 +1853,19 @@ class _Scanner(cst.CSTVisitor):
         pos = self.get_metadata(PositionProvider, a)
         value = _code(a.value)
         sync = [_code(b.value) for b in siblings if b.keyword is not None and b.keyword.value == "sync_module_states"]
+        if self._plan_param_init_fn(a, kw, value, sync):
+            return
+        described = self._describe_value(kw, a.value)
+        group = [b for b in siblings if b.keyword is not None and b.keyword.value == "process_group"]
+        if kw == "sharding_strategy" and group and _code(group[0].value) != "None":
+            # The mesh is the process group's (mesh_from_process_group), not one over every rank.
+            described = described.replace("mesh over all ranks", "mesh over the ranks of process_group=")
+        self.findings.append(
+            CodeFinding(self.path, pos.start.line, pos.start.column, f"{kw}={_short(value)}", described, True)
+        )
+
+    def _plan_param_init_fn(self, a: cst.Arg, kw: str, value: str, sync: list[str]) -> bool:
+        """param_init_fn= for meta-device modules without sync_module_states; True when recorded."""
         if kw == "param_init_fn" and value != "None" and (not sync or sync[0] == "False"):
             # FSDP1 ran the function on every rank's meta-device modules (their own init, no broadcast):
             # BridgeConfig.from_fsdp1 keeps it and runs it so, in FSDP1's order, before sharding.
@@ -1826,15 +1877,8 @@ class _Scanner(cst.CSTVisitor):
                 "the same seed gives FSDP1's weights on either backend; a real-device model is left as it is",
                 True,
             )
-            return
-        described = self._describe_value(kw, a.value)
-        group = [b for b in siblings if b.keyword is not None and b.keyword.value == "process_group"]
-        if kw == "sharding_strategy" and group and _code(group[0].value) != "None":
-            # The mesh is the process group's (mesh_from_process_group), not one over every rank.
-            described = described.replace("mesh over all ranks", "mesh over the ranks of process_group=")
-        self.findings.append(
-            CodeFinding(self.path, pos.start.line, pos.start.column, f"{kw}={_short(value)}", described, True)
-        )
+            return True
+        return False
 
     def _describe_value(self, kw: str, value: cst.BaseExpression) -> str:
         """What an FSDP1 argument's value becomes, as far as the source shows it."""
