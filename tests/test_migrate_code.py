@@ -1406,14 +1406,14 @@ def test_a_second_fix_exits_1_while_todo_comments_of_the_first_remain(tmp_path: 
 def test_a_clip_defined_in_another_file_is_named_relative_to_the_caller() -> None:
     """The TODO names the defining file relative to the calling one, so --fix writes the same text
     wherever the tree lies (a copy of it gives byte-identical output)."""
-    from fsdp_bridge.migrate._code import _Dispatch
+    from fsdp_bridge.migrate._analysis import Dispatch
 
     code = (
         "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n\n"
         "def step(model, max_norm):\n    model.clip_grad_norm_(max_norm)\n"
     )
     for root in ("/srv/a/tree", "/home/b/copy"):
-        dispatch = _Dispatch(own_methods={"clip_grad_norm_": f"{root}/pkg/model.py"})
+        dispatch = Dispatch(own_methods={"clip_grad_norm_": f"{root}/pkg/model.py"})
         result = migrate_source(code, f"{root}/train/loop.py", dispatch=dispatch)
         (todo,) = [f for f in result.findings if f.construct == "model.clip_grad_norm_(...)"]
         assert "this tree defines its own clip_grad_norm_ (in ../pkg/model.py)" in todo.replacement, todo.replacement
@@ -1526,7 +1526,7 @@ def test_mixed_precision_keeps_fsdp1s_input_casting() -> None:
 def test_rank0_only_full_state_in_a_tree_sharding_over_a_process_group_keeps_every_groups_copy() -> None:
     """torch's full state dict with cpu_offload goes to rank 0 of the world only; FSDP1's rank0_only gave
     it to each process group's first rank (each model-parallel slice is saved by its own group)."""
-    from fsdp_bridge.migrate._code import _Dispatch
+    from fsdp_bridge.migrate._analysis import Dispatch
 
     code = textwrap.dedent(
         """
@@ -1545,14 +1545,14 @@ def test_rank0_only_full_state_in_a_tree_sharding_over_a_process_group_keeps_eve
     )
     plain = migrate_source(code, "ckpt.py")
     assert plain.fixed.count("full_state_dict=True, cpu_offload=True") == 2 and TODO not in plain.fixed
-    grouped = migrate_source(code, "/srv/tree/ckpt.py", dispatch=_Dispatch(group_fsdp="/srv/tree/train.py"))
+    grouped = migrate_source(code, "/srv/tree/ckpt.py", dispatch=Dispatch(group_fsdp="/srv/tree/train.py"))
     # rank0_only there means each group's first rank: fsdp_bridge's full state functions keep that meaning.
     assert all(f.fixable for f in grouped.findings) and TODO not in grouped.fixed
     assert "sd = fsdp_bridge.full_state_dict(model, rank0_only=True, offload_to_cpu=False)" in grouped.fixed
     assert "osd = fsdp_bridge.full_optim_state_dict(model, optimizer)" in grouped.fixed
     assert "each group's first rank" in grouped.findings[0].replacement
     assert (
-        migrate_source(grouped.fixed, "/srv/tree/ckpt.py", dispatch=_Dispatch(group_fsdp="x.py")).fixed == grouped.fixed
+        migrate_source(grouped.fixed, "/srv/tree/ckpt.py", dispatch=Dispatch(group_fsdp="x.py")).fixed == grouped.fixed
     )
 
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from fsdp_bridge.strategy import BackwardPrefetch, ShardingStrategy
 
 if TYPE_CHECKING:
-    from fsdp_bridge.migrate._config import Migration
+    from fsdp_bridge.migrate._migration import Migration
 
 __all__ = ["accelerate_fsdp2"]
 

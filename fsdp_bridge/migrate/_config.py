@@ -23,7 +23,7 @@ import json
 import os
 import shlex
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +32,8 @@ import yaml
 from fsdp_bridge.config import BridgeConfig, safe_yaml_load
 from fsdp_bridge.errors import ConfigError, Problem
 from fsdp_bridge.mapping import TABLE, Outcome, translate
+from fsdp_bridge.migrate._accelerate import accelerate_fsdp2
+from fsdp_bridge.migrate._migration import Fsdp1Source, Migration, SourceOption
 from fsdp_bridge.migrate._report import ConfigReport, OptionRow, Status, status_of
 from fsdp_bridge.strategy import Backend, BackwardPrefetch, ShardingStrategy, parse_enum
 
@@ -47,56 +49,6 @@ _FALSE = ("n", "no", "f", "false", "off", "0")
 
 # The value used on FSDP2 when the table says an FSDP1 value has no FSDP2 equivalent.
 _FALLBACK: dict[str, object] = {"backward_prefetch": BackwardPrefetch.PRE}
-
-
-@dataclass(frozen=True)
-class SourceOption:
-    """One option of the source, tied to a BridgeConfig field or a table option."""
-
-    key: str
-    """As the source spells it."""
-    value: object
-    """As given (or the tool's default, when ``default`` is true)."""
-    option: str
-    """A BridgeConfig field (``strategy``) or a table option with no field (``use_orig_params``)."""
-    default: bool = False
-    """Not set in the source; the tool's default is what FSDP1 ran with."""
-    ignored_because: str = ""
-    """Set when the source tool itself ignores the key (e.g. min_num_params with transformer wrap)."""
-
-
-@dataclass
-class Fsdp1Source:
-    kind: str
-    path: str
-    fields: dict[str, Any] = field(default_factory=dict)
-    options: list[SourceOption] = field(default_factory=list)
-    table_values: dict[str, object] = field(default_factory=dict)
-    """Values of table-only options (state_dict_type, use_orig_params, ...)."""
-    raw: dict[str, Any] = field(default_factory=dict)
-    """The whole source document (accelerate: re-emitted with the FSDP2 fsdp_config)."""
-    notes: list[str] = field(default_factory=list)
-    """What the report must say about the source beyond its rows (e.g. what ``bf16: auto`` meant)."""
-    used: set[str] = field(default_factory=set)
-    """Top-level keys of the source read by the migration; every other key is reported as not used."""
-
-    def record(self, key: str, option: str, value: object, *, default: bool = False, ignored: str = "") -> None:
-        """Note a source key for the report (in the order the report lists them)."""
-        self.options.append(SourceOption(key, value, option, default, ignored))
-
-
-@dataclass
-class Migration:
-    """The result of :func:`migrate_config`."""
-
-    source: Fsdp1Source
-    fsdp1: BridgeConfig
-    """What the source ran, as a bridge config on FSDP1."""
-    fsdp2: BridgeConfig
-    """The FSDP2 equivalent (written as the bridge YAML)."""
-    report: ConfigReport
-    accelerate: dict[str, Any] | None = None
-    """The accelerate FSDP2 YAML document (accelerate sources only)."""
 
 
 # ----------------------------------------------------------------------------------
@@ -895,8 +847,6 @@ def migrate_config(path: str | os.PathLike[str], *, fsdp: str | None = None) -> 
         )
     migration = Migration(source=src, fsdp1=fsdp1, fsdp2=fsdp2, report=report)
     if src.kind == "accelerate":
-        from fsdp_bridge.migrate._accelerate import accelerate_fsdp2
-
         migration.accelerate = accelerate_fsdp2(migration)
     return migration
 

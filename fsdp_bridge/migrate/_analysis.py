@@ -1,0 +1,367 @@
+"""The shared analysis of a source tree for ``migrate code``: where each name comes from (FSDP1's
+qualified names), what other files of the tree define (:class:`Dispatch`), the planned conversion of a
+constructor call, and small helpers over libcst nodes."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, cast
+
+import libcst as cst
+import libcst.matchers as m
+from libcst.metadata import MetadataWrapper, PositionProvider, QualifiedNameProvider
+
+from fsdp_bridge.migrate._names import FSDP, FSDP_METHODS, NAMES
+
+
+def resolve_fsdp(qnames: Iterable[Any]) -> tuple[str, str] | None:
+    """(kind, member) for an FSDP1 qualified name, e.g. ("FullyShardedDataParallel", "state_dict_type")."""
+    for q in qnames:
+        name: str = q.name
+        if not name.startswith("torch.distributed."):
+            continue
+        if name == "torch.distributed.fsdp.wrap.wrap":
+            return "wrap", ""  # the module path holds "wrap" too: only the function itself is this name
+        parts = name.split(".")
+        for i, part in enumerate(parts):
+            if part in NAMES and part not in FSDP_METHODS and (part != "wrap" or i == len(parts) - 1):
+                rest = parts[i + 1 :]
+                return part, rest[0] if rest else ""
+    return None
+
+
+@dataclass
+class Dispatch:
+    """Functions of the migrated tree that tell the two backends apart, found by reading their bodies.
+
+    ``versions``: ``def f(m)`` with ``if isinstance(m, FSDP): return 1`` and ``if isinstance(m, FSDPModule):
+    return 2`` (the two literals); ``fsdp2_tests``: predicates true only for FSDP2 modules (every ``return``
+    gives a bool literal or an ``isinstance(..., FSDPModule)`` test, and FSDP1's class is not mentioned).
+    """
+
+    versions: dict[str, tuple[int, int]] = field(default_factory=dict)
+    fsdp2_tests: set[str] = field(default_factory=set)
+    own_methods: dict[str, str] = field(default_factory=dict)  # "clip_grad_norm_" -> the file defining the tree's own
+    sets_state_dict_type: str | None = None  # a file of the tree that calls FSDP.set_state_dict_type
+    makes_state_dict_context: str | None = None  # a file of the tree that calls FSDP.state_dict_type
+    group_fsdp: str | None = None  # a file of the tree passing process_group= (FSDP over some ranks)
+    fsdp1_factories: set[str] = field(default_factory=set)
+    """Functions of the tree that return FSDP1's wrapper (``-> FullyShardedDataParallel``, ``return FSDP(...)``),
+    by every dotted suffix of their module path (``wrapped_model.load_model``, ``finetune.wrapped_model.load_model``):
+    a file that imports one is handed an FSDP1 model (in their own file the usual evidence applies)."""
+
+    def merge(self, other: Dispatch) -> None:
+        self.versions.update(other.versions)
+        self.fsdp1_factories |= other.fsdp1_factories
+        self.fsdp2_tests |= other.fsdp2_tests
+        self.sets_state_dict_type = self.sets_state_dict_type or other.sets_state_dict_type
+        self.makes_state_dict_context = self.makes_state_dict_context or other.makes_state_dict_context
+        self.group_fsdp = self.group_fsdp or other.group_fsdp
+        for name, where in other.own_methods.items():
+            self.own_methods.setdefault(name, where)
+
+
+OWN_METHOD_NAMES = ("clip_grad_norm_", "no_sync")
+
+STATE_DICT_TYPE_CALL = re.compile(r"(?<!set_)state_dict_type\(")
+
+
+def finds_state_dict_context(code: str) -> bool:
+    """The file calls ``FSDP.state_dict_type`` (rewritten to fsdp_bridge's; a LOCAL_STATE_DICT one stays
+    a TODO of its own, so the tree is not reported migrated)."""
+    return STATE_DICT_TYPE_CALL.search(code) is not None
+
+
+GROUP_ARG = re.compile(r"\bprocess_group\s*=\s*(?!None\b)")
+
+
+def passes_group(code: str) -> bool:
+    """Whether FSDP1 code passes a process group (the data-parallel group of a model-parallel layout)."""
+    return "FullyShardedDataParallel" in code and GROUP_ARG.search(code) is not None
+
+
+def find_fsdp1_factories(wrapper: MetadataWrapper, path: str) -> set[str]:
+    """Top-level functions of a file that return FSDP1's wrapper: annotated so, or returning ``FSDP(...)``
+    (directly or through a name assigned from it in the function); see ``Dispatch.fsdp1_factories``."""
+    names: list[str] = []
+
+    class V(cst.CSTVisitor):
+        METADATA_DEPENDENCIES = (QualifiedNameProvider,)
+
+        def is_fsdp1(self, node: cst.CSTNode) -> bool:
+            return resolve_fsdp(self.get_metadata(QualifiedNameProvider, node, set())) == (FSDP, "")
+
+        def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
+            wrapped = {
+                code_of(t.target)
+                for n in walk(node.body)
+                if isinstance(n, cst.Assign) and isinstance(n.value, cst.Call) and self.is_fsdp1(n.value.func)
+                for t in n.targets
+            }
+            returns = [n.value for n in walk(node.body) if isinstance(n, cst.Return) and n.value is not None]
+            if (node.returns is not None and self.is_fsdp1(node.returns.annotation)) or any(
+                (isinstance(v, cst.Call) and self.is_fsdp1(v.func)) or code_of(v) in wrapped for v in returns
+            ):
+                names.append(node.name.value)
+            return False  # nested functions and methods are not reached by an import
+
+    wrapper.visit(V())
+    parts = [p for p in Path(path).with_suffix("").parts if p not in ("/", "")]
+    if parts and parts[-1] == "__init__":
+        parts = parts[:-1]
+    return {".".join([*parts[-k:], name]) for name in names for k in range(1, min(len(parts), 6) + 1)}
+
+
+def find_own_methods(code: str, path: str) -> dict[str, str]:
+    """``clip_grad_norm_`` / ``no_sync`` the tree defines itself: a method of a class that does not
+    subclass FSDP1's wrapper, or a function set as an attribute (``self.clip_grad_norm_ = fn``).
+    A call ``x.clip_grad_norm_(...)`` elsewhere may then be that one, not FSDP1's."""
+    if not any(f"def {n}" in code or f".{n} =" in code for n in OWN_METHOD_NAMES):
+        return {}
+    found: dict[str, str] = {}
+    wrapper = MetadataWrapper(cst.parse_module(code))
+
+    class V(cst.CSTVisitor):
+        METADATA_DEPENDENCIES = (PositionProvider, QualifiedNameProvider)
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.scopes: list[str] = []  # "class", "fsdp1 class" (subclasses FSDP1's wrapper) or "def"
+
+        def visit_ClassDef(self, node: cst.ClassDef) -> None:
+            bases = [resolve_fsdp(self.get_metadata(QualifiedNameProvider, b.value, set())) for b in node.bases]
+            self.scopes.append("fsdp1 class" if (FSDP, "") in bases else "class")
+
+        def leave_ClassDef(self, original_node: cst.ClassDef) -> None:
+            self.scopes.pop()
+
+        def _add(self, name: str, node: cst.CSTNode) -> None:
+            found.setdefault(name, path)  # no line: a rewrite above it would move it (--fix must be idempotent)
+
+        def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
+            if node.name.value in OWN_METHOD_NAMES and self.scopes and self.scopes[-1] == "class" and not is_stub(node):
+                self._add(node.name.value, node)  # a method (a nested function counts once set as an attribute)
+            self.scopes.append("def")
+
+        def leave_FunctionDef(self, original_node: cst.FunctionDef) -> None:
+            self.scopes.pop()
+
+        def visit_AssignTarget(self, node: cst.AssignTarget) -> None:
+            if isinstance(node.target, cst.Attribute) and node.target.attr.value in OWN_METHOD_NAMES:
+                self._add(node.target.attr.value, node)
+
+    wrapper.visit(V())
+    return found
+
+
+def is_fsdp2_class(qnames: Iterable[Any]) -> bool:
+    return any(q.name.startswith("torch.distributed.") and q.name.endswith(".FSDPModule") for q in qnames)
+
+
+def find_dispatch(wrapper: MetadataWrapper) -> Dispatch:
+    """The backend-dispatch functions defined in one module (see :class:`Dispatch`)."""
+    found = Dispatch()
+
+    class V(cst.CSTVisitor):
+        METADATA_DEPENDENCIES = (QualifiedNameProvider,)
+
+        def kind(self, cls: cst.CSTNode) -> str | None:
+            q = self.get_metadata(QualifiedNameProvider, cls, set())
+            if resolve_fsdp(q) == (FSDP, ""):
+                return "fsdp1"
+            return "fsdp2" if is_fsdp2_class(q) else None
+
+        def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
+            params = [p.name.value for p in node.params.params if p.name.value not in ("self", "cls")]
+            if not params:
+                return
+            literal: dict[str, int] = {}
+            classes: set[str] = set()
+            for n in walk(node.body):
+                if isinstance(n, (cst.Name, cst.Attribute)) and (k := self.kind(n)) is not None:
+                    classes.add(k)
+                test = m.Call(func=m.Name("isinstance"), args=[m.Arg(m.Name(params[0])), m.Arg()])
+                if not (isinstance(n, cst.If) and m.matches(n.test, test)):
+                    continue
+                body: Sequence[cst.CSTNode] = n.body.body
+                if len(body) == 1 and isinstance(body[0], cst.SimpleStatementLine):
+                    body = body[0].body
+                if (
+                    len(body) == 1
+                    and isinstance(ret := body[0], cst.Return)
+                    and isinstance(ret.value, cst.Integer)
+                    and (k := self.kind(cast(cst.Call, n.test).args[1].value)) is not None
+                ):
+                    literal.setdefault(k, int(ret.value.value.replace("_", ""), 0))
+            if len(literal) == 2 and literal["fsdp1"] != literal["fsdp2"]:
+                found.versions[node.name.value] = (literal["fsdp1"], literal["fsdp2"])
+            elif classes == {"fsdp2"}:
+                returns = [n for n in walk(node.body) if isinstance(n, cst.Return)]
+                if returns and all(
+                    r.value is not None
+                    and (
+                        m.matches(r.value, m.Name("True") | m.Name("False"))
+                        or m.matches(r.value, m.Call(func=m.Name("isinstance")))
+                    )
+                    for r in returns
+                ):
+                    found.fsdp2_tests.add(node.name.value)
+
+    wrapper.visit(V())
+    return found
+
+
+@dataclass(frozen=True)
+class Region:
+    """Source span FSDP2 modules never enter, and the test that routes them away."""
+
+    start: tuple[int, int]
+    end: tuple[int, int]
+    guard: str
+    line: int
+
+    def text(self) -> str:
+        return (
+            f"kept as is: FSDP2 modules never run this code (it is behind `{short(self.guard)}`, line "
+            f"{self.line}; the code has its own FSDP2 path), and FSDP1 modules run it as before"
+        )
+
+
+@dataclass
+class Conversion:
+    """How one FSDP(...) call becomes fsdp_bridge.shard(...), or why it cannot."""
+
+    config_args: list[cst.Arg] = field(default_factory=list)
+    module: cst.BaseExpression | None = None
+    mesh: cst.BaseExpression | None = None
+    blockers: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    consumed: list[str] = field(default_factory=list)
+    """Variables (policies built beforehand) that the new config replaces."""
+    indent: str = ""
+    """Indentation of the statement holding the call (for a multi-line rewrite)."""
+    kwarg_cases: list[tuple[cst.Arg, str | None]] = field(default_factory=list)
+    report_notes: list[str] = field(default_factory=list)
+    runtime: list[tuple[str, str]] | None = None
+    """``(FSDP1 keyword or "**", source)`` for ``BridgeConfig.from_fsdp1(...)``: the values stay the
+    user's own expressions and are translated when the code runs."""
+    arg_comments: list[tuple[list[str], str | None]] = field(default_factory=list)
+    """For each entry of ``runtime``: the comments on the lines before its argument and after it."""
+    slot_comments: dict[str, tuple[list[str], str | None]] = field(default_factory=dict)
+    """Comments written around the FSDP(...) arguments, by what they became in ``shard(...)``:
+    ``"module"``, ``"mesh"`` or a BridgeConfig keyword (comments of an argument that became nothing
+    go before the next one that did, or after the last)."""
+
+
+def make_arg(name: str, value: cst.BaseExpression) -> cst.Arg:
+    return cst.Arg(
+        value=value,
+        keyword=cst.Name(name),
+        equal=cst.AssignEqual(whitespace_before=cst.SimpleWhitespace(""), whitespace_after=cst.SimpleWhitespace("")),
+    )
+
+
+def make_str(value: str) -> cst.SimpleString:
+    return cst.SimpleString(f'"{value}"')
+
+
+def code_of(node: cst.CSTNode) -> str:
+    return cst.Module([]).code_for_node(node)
+
+
+def model_and_optim(call: cst.Call) -> tuple[str, str] | None:
+    """``FSDP.optim_state_dict(model, optim)`` (positional or keyword; nothing else given): their code."""
+    named = named_args(call, ("model", "optim", "optim_state_dict", "group"))
+    if named is None or set(named) != {"model", "optim"}:
+        return None
+    return code_of(named["model"]), code_of(named["optim"])
+
+
+def assign_target(stmt: cst.CSTNode) -> str | None:
+    if isinstance(stmt, cst.SimpleStatementLine) and len(stmt.body) == 1 and isinstance(stmt.body[0], cst.Assign):
+        targets = stmt.body[0].targets
+        if len(targets) == 1 and isinstance(targets[0].target, (cst.Name, cst.Attribute)):
+            return code_of(targets[0].target)
+    return None
+
+
+def assign_value(stmt: cst.CSTNode) -> cst.BaseExpression | None:
+    if isinstance(stmt, cst.SimpleStatementLine) and len(stmt.body) == 1 and isinstance(stmt.body[0], cst.Assign):
+        return stmt.body[0].value
+    return None
+
+
+def is_stub(fn: cst.FunctionDef) -> bool:
+    """A declaration only (a Protocol or abstract method): its body is a docstring, ``...``, ``pass``
+    or ``raise NotImplementedError``."""
+    body = fn.body.body if isinstance(fn.body, cst.IndentedBlock) else [fn.body]
+    smalls = [x for stmt in body for x in getattr(stmt, "body", [])]
+    return all(
+        (isinstance(x, cst.Expr) and isinstance(x.value, (cst.Ellipsis, cst.SimpleString, cst.ConcatenatedString)))
+        or isinstance(x, cst.Pass)
+        or (isinstance(x, cst.Raise) and "NotImplementedError" in code_of(x))
+        for x in smalls
+    )
+
+
+def exits(body: cst.BaseSuite) -> bool:
+    """The block ends in return / raise / continue / break."""
+    last = body.body[-1] if isinstance(body, cst.IndentedBlock) and body.body else None
+    if isinstance(body, cst.SimpleStatementSuite):
+        return bool(body.body) and isinstance(body.body[-1], (cst.Return, cst.Raise, cst.Continue, cst.Break))
+    return (
+        isinstance(last, cst.SimpleStatementLine)
+        and bool(last.body)
+        and isinstance(last.body[-1], (cst.Return, cst.Raise, cst.Continue, cst.Break))
+    )
+
+
+def walk(node: cst.CSTNode) -> Iterable[cst.CSTNode]:
+    yield node
+    for child in node.children:
+        yield from walk(child)
+
+
+def class_list(expr: cst.BaseExpression) -> cst.BaseExpression:
+    if isinstance(expr, (cst.Set, cst.List, cst.Tuple)):
+        return cst.List([cst.Element(e.value) for e in expr.elements])
+    return cst.parse_expression(f"list({code_of(expr)})")
+
+
+class Collector(cst.CSTVisitor):
+    """Single assignments ``name = expr`` (module or function level) and how often each name appears."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.assigned: dict[str, list[cst.BaseExpression]] = {}
+        self.uses: dict[str, int] = {}
+
+    def visit_Assign(self, node: cst.Assign) -> None:
+        if len(node.targets) == 1 and isinstance(node.targets[0].target, cst.Name):
+            self.assigned.setdefault(node.targets[0].target.value, []).append(node.value)
+
+    def visit_Name(self, node: cst.Name) -> None:
+        self.uses[node.value] = self.uses.get(node.value, 0) + 1
+
+
+def named_args(call: cst.Call, names: Sequence[str]) -> dict[str, cst.BaseExpression] | None:
+    """A call's arguments by parameter name (positional ones in ``names`` order); None with ``*``/``**``."""
+    out: dict[str, cst.BaseExpression] = {}
+    for i, a in enumerate(call.args):
+        if a.star:
+            return None
+        if a.keyword is not None:
+            out[a.keyword.value] = a.value
+        elif i < len(names):
+            out[names[i]] = a.value
+        else:
+            return None
+    return out
+
+
+def short(code: str, limit: int = 60) -> str:
+    one = " ".join(code.split())
+    return one if len(one) <= limit else one[: limit - 3] + "..."

@@ -1,0 +1,329 @@
+"""Which objects are FSDP1's: code that already tells the backends apart (regions FSDP2 modules
+never reach), objects tested as DDP, and the wrapper kinds an object may hold."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import libcst as cst
+import libcst.matchers as m
+from libcst.metadata import PositionProvider, QualifiedNameProvider
+
+from fsdp_bridge.migrate._analysis import Region, code_of, exits, is_fsdp2_class, resolve_fsdp, walk
+from fsdp_bridge.migrate._names import FSDP
+from fsdp_bridge.migrate._scan_base import ScannerBase
+
+
+class ObjectAnalysis(ScannerBase):
+    """Which objects are FSDP1's, and code that tells the backends apart."""
+
+    # -- code that already tells the backends apart ----------------------------------
+    def _guard(self, test: cst.BaseExpression) -> tuple[str, bool, cst.Call | None] | None:
+        """``(backend, pure, check)`` when ``test`` can hold only for modules of one backend: "fsdp1" or
+        "fsdp2"; ``pure`` when it is that test alone (not one side of ``and``); ``check`` the
+        ``isinstance(x, FSDP)`` call it rests on, if it does."""
+        if isinstance(test, cst.BooleanOperation) and isinstance(test.operator, cst.And):
+            for side in (test.left, test.right):
+                if (g := self._guard(side)) is not None:
+                    return g[0], False, g[2]
+            return None
+        if isinstance(test, cst.Call) and m.matches(test.func, m.Name("isinstance")) and len(test.args) == 2:
+            cls = test.args[1].value
+            if self._qn(cls) == (FSDP, ""):
+                return "fsdp1", True, test
+            if is_fsdp2_class(self.get_metadata(QualifiedNameProvider, cls, set())):
+                return "fsdp2", True, None
+            return None
+        if isinstance(test, cst.Call) and code_of(test.func).rsplit(".", 1)[-1] in self.dispatch.fsdp2_tests:
+            return "fsdp2", True, None
+        if (
+            isinstance(test, cst.Comparison)
+            and len(test.comparisons) == 1
+            and isinstance(test.left, cst.Call)
+            and isinstance(test.comparisons[0].operator, cst.Equal)
+            and isinstance(comparator := test.comparisons[0].comparator, cst.Integer)
+        ):
+            versions = self.dispatch.versions.get(code_of(test.left.func).rsplit(".", 1)[-1])
+            value = int(comparator.value.replace("_", ""), 0)
+            if versions is not None and value in versions:
+                return ("fsdp1" if value == versions[0] else "fsdp2"), True, None
+        return None
+
+    def _add_region(self, first: cst.CSTNode, last: cst.CSTNode, guard: cst.BaseExpression) -> Region:
+        start = self.get_metadata(PositionProvider, first).start
+        end = self.get_metadata(PositionProvider, last).end
+        region = Region(
+            (start.line, start.column),
+            (end.line, end.column),
+            code_of(guard),
+            self.get_metadata(PositionProvider, guard).start.line,
+        )
+        self.regions.append(region)
+        return region
+
+    def _in_region(self, node: cst.CSTNode) -> Region | None:
+        if not self.regions:
+            return None
+        pos = self.get_metadata(PositionProvider, node).start
+        return next((r for r in self.regions if r.start <= (pos.line, pos.column) <= r.end), None)
+
+    def _plan_regions(self, module: cst.Module) -> None:
+        """Find the code FSDP2 modules never reach in dual-backend code: branches of an if/elif chain that
+        tests ``isinstance(x, FSDPModule)`` (or a helper of the tree that does, see :class:`Dispatch`)
+        that come after that test or test FSDP1 themselves, and the rest of a block after
+        ``if <FSDP2 test>: ... return``.  FSDP1 constructs there stay as written: after migration FSDP2
+        modules take the code's own FSDP2 path, and an FSDP1 module (fsdp_bridge's fsdp1 backend) runs
+        them as before, so rewriting them could only change the FSDP1 path."""
+        for node in walk(module):
+            if not isinstance(node, (cst.Module, cst.IndentedBlock)):
+                continue
+            stmts = node.body
+            chains = [self._chain(stmt) for stmt in stmts if isinstance(stmt, cst.If)]
+            # Separate ifs of one block (`if isinstance(m, FSDP): return 1` / `if isinstance(m, FSDPModule): ...`)
+            # tell the backends apart as an if/elif chain does.
+            block_dual = any(g is not None and g[0] == "fsdp2" for chain, _ in chains for _, _, g in chain)
+            for chain, tail in chains:
+                dual = block_dual
+                routed: cst.BaseExpression | None = None
+                for test, body, g in chain:
+                    fsdp1 = g is not None and g[0] == "fsdp1" and (g[2] is None or dual)
+                    if routed is not None or fsdp1:
+                        self._add_region(body, body, routed if routed is not None else test)
+                        if g is not None and g[2] is not None and dual:
+                            self.kept_checks.add(id(g[2]))
+                    if routed is None and g is not None and g[0] == "fsdp2" and g[1]:
+                        routed = test
+                if tail is not None and routed is not None:
+                    self._add_region(tail, tail, routed)
+            for i, stmt in enumerate(stmts[:-1]):
+                if (
+                    isinstance(stmt, cst.If)
+                    and stmt.orelse is None
+                    and (g := self._guard(stmt.test)) is not None
+                    and g[0] == "fsdp2"
+                    and g[1]
+                    and exits(stmt.body)
+                ):
+                    self._add_region(stmts[i + 1], stmts[-1], stmt.test)
+                    break
+
+    def _chain(self, node: cst.If) -> tuple[list[tuple[cst.BaseExpression, cst.BaseSuite, Any]], cst.BaseSuite | None]:
+        """An if/elif chain as (test, body, guard) triples, and its else body."""
+        chain = []
+        cur = node
+        while isinstance(cur.orelse, cst.If):
+            chain.append((cur.test, cur.body, self._guard(cur.test)))
+            cur = cur.orelse
+        chain.append((cur.test, cur.body, self._guard(cur.test)))
+        return chain, cur.orelse.body if isinstance(cur.orelse, cst.Else) else None
+
+    def _ddp_tested(self, obj: cst.BaseExpression) -> bool:
+        """``obj`` is tested with ``isinstance(obj, DistributedDataParallel)`` in the enclosing function (or the
+        module), and never with ``isinstance(obj, FSDP)``: its ``no_sync`` is DDP's, not FSDP1's."""
+        scope: cst.CSTNode | None = self.functions[-1] if self.functions else self.module
+        if scope is None:
+            return False
+        if id(scope) not in self.ddp_tests:
+            ddp: set[str] = set()
+            fsdp: set[str] = set()
+            for n in walk(scope):
+                if not (isinstance(n, cst.Call) and m.matches(n.func, m.Name("isinstance")) and len(n.args) == 2):
+                    continue
+                quals = [q for x in walk(n.args[1].value) for q in self.get_metadata(QualifiedNameProvider, x, set())]
+                if any(
+                    q.name.startswith("torch.nn.parallel.") and q.name.endswith(".DistributedDataParallel")
+                    for q in quals
+                ):
+                    ddp.add(code_of(n.args[0].value))
+                if any(resolve_fsdp([q]) == (FSDP, "") for q in quals):
+                    fsdp.add(code_of(n.args[0].value))
+            self.ddp_tests[id(scope)] = ddp - fsdp
+        return code_of(obj) in self.ddp_tests[id(scope)]
+
+    def _fsdp1_predicates(self) -> set[str]:
+        """Functions of this file whose every ``return`` is ``isinstance(<first parameter>, FSDP)``."""
+        if self.predicates is None:
+            self.predicates = set()
+            for n in walk(self.module) if self.module is not None else ():
+                if not (isinstance(n, cst.FunctionDef) and n.params.params):
+                    continue
+                first = n.params.params[0].name.value
+                returns = [r for r in walk(n.body) if isinstance(r, cst.Return)]
+                if returns and all(
+                    isinstance(r.value, cst.Call)
+                    and m.matches(r.value.func, m.Name("isinstance"))
+                    and len(r.value.args) == 2
+                    and m.matches(r.value.args[0].value, m.Name(first))
+                    and resolve_fsdp(self.get_metadata(QualifiedNameProvider, r.value.args[1].value, set()))
+                    == (FSDP, "")
+                    for r in returns
+                ):
+                    self.predicates.add(n.name.value)
+        return self.predicates
+
+    def _test_kinds(self, test: cst.BaseExpression, target: str) -> set[str]:
+        """Wrapper kinds that ``test`` checks ``target`` for: ``isinstance(target, FSDP | DDP)`` (in ``or``/``and``
+        combinations too) or a helper of this file that returns ``isinstance(x, FSDP)``."""
+        kinds: set[str] = set()
+        for n in walk(test):
+            if not isinstance(n, cst.Call) or not n.args or code_of(n.args[0].value) != target:
+                continue
+            if m.matches(n.func, m.Name("isinstance")) and len(n.args) == 2:
+                for x in walk(n.args[1].value):
+                    quals = self.get_metadata(QualifiedNameProvider, x, set())
+                    if resolve_fsdp(quals) == (FSDP, ""):
+                        kinds.add("fsdp1")
+                    if any(q.name.endswith(".DistributedDataParallel") for q in quals):
+                        kinds.add("ddp")
+            elif isinstance(n.func, cst.Name) and n.func.value in self._fsdp1_predicates():
+                kinds.add("fsdp1")
+        return kinds
+
+    def _isinstance_branch(self, node: cst.CSTNode, obj: cst.BaseExpression) -> set[str]:
+        """The wrapper kinds tested for ``obj`` by the innermost guard holding ``node``: the body of an
+        ``if``/``elif`` or of a conditional expression, or what follows an ``and``."""
+        scope: cst.CSTNode | None = self.functions[-1] if self.functions else self.module
+        if scope is None:
+            return set()
+        target, here = code_of(obj), self.get_metadata(PositionProvider, node).start
+        best: tuple[Any, set[str]] | None = None
+        for n in walk(scope):
+            guarded: list[tuple[cst.BaseExpression, cst.CSTNode]] = []
+            if isinstance(n, cst.If):
+                guarded.append((n.test, n.body))
+            elif isinstance(n, cst.IfExp):
+                guarded.append((n.test, n.body))
+            elif isinstance(n, cst.BooleanOperation) and isinstance(n.operator, cst.And):
+                guarded.append((n.left, n.right))
+            for test, body in guarded:
+                span = self.get_metadata(PositionProvider, body)
+                start, end = (span.start.line, span.start.column), (span.end.line, span.end.column)
+                if not start <= (here.line, here.column) <= end:
+                    continue
+                kinds = self._test_kinds(test, target)
+                if kinds and (best is None or start > best[0]):
+                    best = (start, kinds)
+        return best[1] if best is not None else set()
+
+    def _fsdp1_wrapper(self, node: cst.CSTNode, obj: cst.BaseExpression, *, by_calls: bool = True) -> str:
+        """Whether ``obj`` at ``node`` is FSDP1's wrapper: "fsdp1", "ambiguous" (DDP's too), or "" (not shown).
+
+        A guard around ``node`` decides (``if isinstance(obj, FSDP):``, ``is_fsdp(obj) and ...``); else the
+        function (for ``self.x``: the class) shows it: assigned ``FSDP(...)``/``wrap(...)`` above ``node``,
+        ``assert isinstance(obj, FSDP)``, an ``obj: FSDP`` annotation, or FSDP1's ``clip_grad_norm_``
+        called on it (DDP has none). DistributedDataParallel assigned or tested there makes it ambiguous."""
+        branch = self._isinstance_branch(node, obj)
+        if branch:
+            return "" if branch == {"ddp"} else ("fsdp1" if branch == {"fsdp1"} else "ambiguous")
+        kinds = self._wrapper_kinds(obj, by_calls=by_calls, before=node)
+        if "fsdp1" not in kinds:
+            return ""
+        return "ambiguous" if "ddp" in kinds else "fsdp1"
+
+    def _wrapper_kinds(
+        self, obj: cst.BaseExpression, *, by_calls: bool = True, before: cst.CSTNode | None = None
+    ) -> set[str]:
+        """See :meth:`_fsdp1_wrapper` (the evidence outside guards)."""
+        target = code_of(obj)
+        scope: cst.CSTNode | None = self.functions[-1] if self.functions else self.module
+        if target.startswith("self.") and self.classes:
+            scope = self.classes[-1]
+        if scope is None:
+            return set()
+        limit = None
+        if before is not None and isinstance(scope, cst.FunctionDef):
+            # An assignment counts only above ``before``: ``model.load_state_dict(sd)`` then
+            # ``model = FSDP(model)`` loads into the plain module.
+            limit = self.get_metadata(PositionProvider, before).start
+        key = (id(scope), f"{target} {by_calls} {(limit.line, limit.column) if limit else ''}")
+        if key in self.wrapper_kinds:
+            return self.wrapper_kinds[key]
+
+        def kind(expr: cst.BaseExpression) -> set[str]:
+            found = set()
+            for x in walk(expr):
+                quals = self.get_metadata(QualifiedNameProvider, x, set())
+                if resolve_fsdp(quals) in ((FSDP, ""), ("wrap", "")) or self._fsdp1_factory(quals):
+                    found.add("fsdp1")
+                if any(
+                    q.name.startswith("torch.nn.parallel.") and q.name.endswith(".DistributedDataParallel")
+                    for q in quals
+                ):
+                    found.add("ddp")
+            return found
+
+        kinds: set[str] = set()
+        for n in walk(scope):
+            if limit is not None and isinstance(n, (cst.IndentedBlock, cst.Module)):
+                # Assigned in a statement that ends above ``before``, in a block that holds it: not in a sibling
+                # branch (``if fsdp1: m = FSDP(m)`` then ``elif fsdp2: m.state_dict()`` is the plain module).
+                span = self.get_metadata(PositionProvider, n)
+                if (
+                    not (span.start.line, span.start.column)
+                    <= (limit.line, limit.column)
+                    <= (
+                        span.end.line,
+                        span.end.column,
+                    )
+                ):
+                    continue
+                for stmt in n.body:  # statements that end before it (an if/else above: either branch's value)
+                    end = self.get_metadata(PositionProvider, stmt).end
+                    if (end.line, end.column) > (limit.line, limit.column):
+                        continue
+                    if (
+                        isinstance(stmt, cst.If)
+                        and isinstance(stmt.test, cst.UnaryOperation)
+                        and isinstance(stmt.test.operator, cst.Not)
+                        and exits(stmt.body)
+                    ):
+                        kinds |= self._test_kinds(stmt.test.expression, target)  # ``if not isinstance(x, FSDP): raise``
+                    for small in walk(stmt):
+                        if (
+                            isinstance(small, cst.Assign)
+                            and isinstance(small.value, cst.Call)
+                            and any(code_of(t.target) == target for t in small.targets)
+                        ):
+                            kinds |= kind(small.value.func)
+            elif limit is None and isinstance(n, cst.Assign) and isinstance(n.value, cst.Call):
+                if any(code_of(t.target) == target for t in n.targets):
+                    kinds |= kind(n.value.func)
+            elif isinstance(n, cst.Assert):
+                kinds |= self._test_kinds(n.test, target)
+            elif (
+                isinstance(n, (cst.For, cst.ListComp, cst.SetComp, cst.GeneratorExp, cst.DictComp))
+                and before is not None
+            ):
+                # ``for m in FSDP.fsdp_modules(model):`` (or a comprehension): m is an FSDP1 unit in there
+                loops: list[cst.For | cst.CompFor] = []
+                part: cst.For | cst.CompFor | None = n if isinstance(n, cst.For) else n.for_in
+                while part is not None:
+                    loops.append(part)
+                    part = part.inner_for_in if isinstance(part, cst.CompFor) else None
+                span, at = self.get_metadata(PositionProvider, n), self.get_metadata(PositionProvider, before).start
+                if (span.start.line, span.start.column) <= (at.line, at.column) <= (
+                    span.end.line,
+                    span.end.column,
+                ) and any(
+                    code_of(loop.target) == target
+                    and isinstance(loop.iter, cst.Call)
+                    and self._qn(loop.iter.func) == (FSDP, "fsdp_modules")
+                    for loop in loops
+                ):
+                    kinds.add("fsdp1")
+            elif isinstance(n, cst.Call):
+                f = n.func
+                if m.matches(f, m.Name("isinstance")) and len(n.args) == 2 and code_of(n.args[0].value) == target:
+                    kinds |= kind(n.args[1].value) & {"ddp"}  # an FSDP test decides only inside its guard
+                elif (
+                    by_calls
+                    and isinstance(f, cst.Attribute)
+                    and f.attr.value == "clip_grad_norm_"
+                    and code_of(f.value) == target
+                    and "clip_grad_norm_" not in self.dispatch.own_methods
+                ):
+                    kinds.add("fsdp1")  # DDP has no clip_grad_norm_
+            elif isinstance(n, cst.Param) and n.name.value == target and n.annotation is not None:
+                kinds |= kind(n.annotation.annotation)
+        self.wrapper_kinds[key] = kinds
+        return kinds

@@ -1,0 +1,138 @@
+"""Pass 2 of ``migrate code``: apply the rewrites the scanner planned, and write the TODO comments."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import libcst as cst
+
+from fsdp_bridge.migrate._analysis import code_of
+from fsdp_bridge.migrate._render import commas, render_shard, with_todos
+from fsdp_bridge.migrate._scanner import Scanner
+
+
+class Rewriter(cst.CSTTransformer):
+    """Pass 2: apply the planned rewrites and TODO comments."""
+
+    def __init__(self, scan: Scanner, assignment_stmts: dict[int, str]) -> None:
+        super().__init__()
+        self.scan = scan
+        self.assignment_stmts = assignment_stmts  # id(value expr) -> name
+        self.removed: dict[int, Any] = {}
+
+    def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> cst.BaseExpression:
+        rewrite = self.scan.call_rewrites.get(id(original_node))
+        if rewrite is not None:
+            return cst.parse_expression(rewrite)
+        conv = self.scan.conversions.get(id(original_node))
+        if conv is not None and not conv.blockers:
+            return render_shard(conv)
+        kind = self.scan.fixable_calls.get(id(original_node))
+        if kind is not None:
+            func = updated_node.func
+            if kind == "method" and isinstance(func, cst.Attribute):
+                target = cst.parse_expression(f"fsdp_bridge.{func.attr.value}")
+                return updated_node.with_changes(func=target, args=commas([cst.Arg(func.value), *updated_node.args]))
+            kept = [
+                a
+                for a in updated_node.args
+                if a.keyword is None or a.keyword.value != "recurse" or code_of(a.value) == "False"
+            ]
+            return updated_node.with_changes(
+                func=cst.parse_expression("fsdp_bridge.summon_full_params"), args=commas(kept)
+            )
+        return updated_node
+
+    def leave_Name(self, original_node: cst.Name, updated_node: cst.Name) -> Any:
+        if (code := self.scan.expr_rewrites.get(id(original_node))) is not None:
+            return cst.parse_expression(code)
+        rewrite = self.scan.name_rewrites.get(id(original_node))
+        return cst.Name(rewrite) if rewrite else updated_node
+
+    def leave_Attribute(self, original_node: cst.Attribute, updated_node: cst.Attribute) -> Any:
+        if id(original_node) in self.scan.attr_drops:
+            return updated_node.value
+        if (code := self.scan.expr_rewrites.get(id(original_node))) is not None:
+            return cst.parse_expression(code)
+        rewrite = self.scan.name_rewrites.get(id(original_node))
+        return cst.Name(rewrite) if rewrite else updated_node
+
+    def leave_SimpleStatementLine(
+        self, original_node: cst.SimpleStatementLine, updated_node: cst.SimpleStatementLine
+    ) -> Any:
+        if id(original_node) in self.scan.removed_stmts:
+            return self._remove(updated_node)
+        if len(original_node.body) == 1 and isinstance(original_node.body[0], cst.Assign):
+            value = original_node.body[0].value
+            if id(value) in self.scan.consumed_nodes and id(value) in self.assignment_stmts:
+                return self._remove(updated_node)
+        return with_todos(original_node, updated_node, self.scan.todos)
+
+    def _remove(self, node: Any) -> Any:
+        """Mark for removal; the enclosing block moves its comments to the next statement."""
+        self.removed[id(node)] = node  # holding the node keeps its id unique until the block is rebuilt
+        return node
+
+    def _reorder(self, original_body: Sequence[Any], body: Sequence[Any]) -> list[Any]:
+        """Apply planned optimizer moves (original and updated bodies align one to one)."""
+        if not self.scan.optimizer_moves or len(original_body) != len(body):
+            return list(body)
+        ids = [id(s) for s in original_body]
+        moving = {i for i, sid in enumerate(ids) if sid in self.scan.optimizer_moves}
+        if not moving:
+            return list(body)
+        out: list[Any] = []
+        for i, stmt in enumerate(body):
+            if i in moving:
+                continue
+            out.append(stmt)
+            out.extend(body[k] for k in sorted(moving) if self.scan.optimizer_moves[ids[k]] == ids[i])
+        return out
+
+    def _drop_removed(self, body: Sequence[Any]) -> list[Any]:
+        out: list[Any] = []
+        carry: list[cst.EmptyLine] = []
+        for stmt in body:
+            if id(stmt) in self.removed and self.removed[id(stmt)] is stmt:
+                del self.removed[id(stmt)]
+                carry.extend(stmt.leading_lines)
+                continue
+            if carry:
+                stmt = stmt.with_changes(leading_lines=[*carry, *stmt.leading_lines])
+                carry = []
+            out.append(stmt)
+        return out
+
+    def leave_IndentedBlock(self, original_node: cst.IndentedBlock, updated_node: cst.IndentedBlock) -> Any:
+        body = self._drop_removed(self._reorder(original_node.body, updated_node.body))
+        return updated_node.with_changes(body=body or [cst.SimpleStatementLine([cst.Pass()])])
+
+    def leave_Module(self, original_node: cst.Module, updated_node: cst.Module) -> cst.Module:
+        return updated_node.with_changes(body=self._drop_removed(self._reorder(original_node.body, updated_node.body)))
+
+    def _compound(self, original_node: Any, updated_node: Any) -> Any:
+        return with_todos(original_node, updated_node, self.scan.todos)
+
+    def leave_If(self, original_node: cst.If, updated_node: cst.If) -> Any:
+        return self._compound(original_node, updated_node)
+
+    def leave_FunctionDef(self, original_node: cst.FunctionDef, updated_node: cst.FunctionDef) -> Any:
+        return self._compound(original_node, updated_node)
+
+    def leave_ClassDef(self, original_node: cst.ClassDef, updated_node: cst.ClassDef) -> Any:
+        return self._compound(original_node, updated_node)
+
+    def leave_For(self, original_node: cst.For, updated_node: cst.For) -> Any:
+        return self._compound(original_node, updated_node)
+
+    def leave_While(self, original_node: cst.While, updated_node: cst.While) -> Any:
+        return self._compound(original_node, updated_node)
+
+    def leave_With(self, original_node: cst.With, updated_node: cst.With) -> Any:
+        if id(original_node) in self.scan.unwrap_withs and isinstance(updated_node.body, cst.IndentedBlock):
+            # The block's body, one level out (its statements were rewritten inside it).
+            body: list[Any] = list(updated_node.body.body)
+            body[0] = body[0].with_changes(leading_lines=[*updated_node.leading_lines, *body[0].leading_lines])
+            return cst.FlattenSentinel(body)
+        return self._compound(original_node, updated_node)

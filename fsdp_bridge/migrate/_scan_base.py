@@ -1,0 +1,149 @@
+"""The scanner's state and the helpers every fixer uses (recording a finding, resolving a name)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import libcst as cst
+from libcst.metadata import PositionProvider, QualifiedNameProvider, QualifiedNameSource
+
+from fsdp_bridge.migrate._analysis import Conversion, Dispatch, Region, resolve_fsdp, walk
+from fsdp_bridge.migrate._names import fsdp1_private
+from fsdp_bridge.migrate._report import CodeFinding
+
+
+class ScannerBase(cst.CSTVisitor):
+    """The scanner's state and shared helpers (see :class:`Scanner`)."""
+
+    METADATA_DEPENDENCIES = (QualifiedNameProvider, PositionProvider)
+
+    if TYPE_CHECKING:  # the fixers' methods other fixers call (each defined in its own module)
+
+        def _in_region(self, node: cst.CSTNode) -> Region | None: ...
+        def _plan_regions(self, module: cst.Module) -> None: ...
+        def _ddp_tested(self, obj: cst.BaseExpression) -> bool: ...
+        def _fsdp1_wrapper(self, node: cst.CSTNode, obj: cst.BaseExpression, *, by_calls: bool = True) -> str: ...
+        def _reference(self, node: cst.BaseExpression) -> bool: ...
+        def _config_driven(self, node: cst.Call) -> None: ...
+        def _plan_module_checks(self, node: cst.Call, hit: tuple[str, str] | None) -> bool: ...
+        def _plan_state_dict_type_call(
+            self, node: cst.Call, func: cst.BaseExpression, hit: tuple[str, str] | None
+        ) -> bool: ...
+        def _plan_set_state_dict_type(self, node: cst.Call) -> bool: ...
+        def _plan_block(self, body: Sequence[cst.BaseStatement]) -> None: ...
+        def _plan_plain_state_dict(self, node: cst.Call, func: cst.Attribute) -> bool: ...
+        def _options(
+            self, full: bool, *, cpu_offload: bool = False, broadcast: bool = False, offload: bool = False
+        ) -> str: ...
+        def _runtime_state_context(self) -> str | None: ...
+        def _plan_wrap_call(
+            self, node: cst.Call, func: cst.BaseExpression, hit: tuple[str, str] | None
+        ) -> tuple[bool, bool | None]: ...
+        def _plan_fsdp(self, call: cst.Call) -> None: ...
+        def _plan_partial(self, node: cst.Call) -> bool: ...
+        def _plan_optim_state_call(
+            self, node: cst.Call, func: cst.BaseExpression, hit: tuple[str, str] | None
+        ) -> bool: ...
+        def _plan_optimizer_order(self, body: Sequence[cst.BaseStatement]) -> None: ...
+        def _optim_to_load(self, node: cst.Call, options: str | None) -> str | None: ...
+        def _plan_optim_load(self, node: cst.Call) -> bool: ...
+        def _plan_summon(
+            self, node: cst.Call, func: cst.BaseExpression, hit: tuple[str, str] | None
+        ) -> tuple[bool, bool | None]: ...
+        def _plan_wrapper_method_call(
+            self, node: cst.Call, func: cst.BaseExpression, hit: tuple[str, str] | None
+        ) -> None: ...
+        def _plan_scaler_class(self, node: cst.BaseExpression) -> bool: ...
+        def _plan_param_init_fn(self, a: cst.Arg, kw: str, value: str, sync: list[str]) -> bool: ...
+        def _describe_value(self, kw: str, value: cst.BaseExpression) -> str: ...
+        def _member(self, value: cst.BaseExpression, enum_name: str) -> str | None: ...
+        def _wrap(self, value: cst.BaseExpression, conv: Conversion) -> cst.BaseExpression | None: ...
+        def _mixed_precision(self, value: cst.BaseExpression, conv: Conversion) -> cst.BaseExpression | None: ...
+        def _cpu_offload(self, value: cst.BaseExpression, conv: Conversion) -> cst.BaseExpression | None: ...
+
+    def __init__(
+        self,
+        path: str,
+        code: str,
+        assignments: dict[str, cst.BaseExpression],
+        name_uses: dict[str, int],
+        dispatch: Dispatch | None = None,
+    ) -> None:
+        super().__init__()
+        self.path = path
+        self.dispatch = dispatch or Dispatch()
+        self.group_offload_noted: set[int] = set()  # statements told that rank0_only lost its CPU copy
+        self.options_at: cst.CSTNode | None = None  # the state_dict_type block whose options are being written
+        self.regions: list[Region] = []  # code FSDP2 modules never reach: FSDP1 constructs there stay as they are
+        self.kept_checks: set[int] = set()  # id(isinstance(x, FSDP)) where it tells the backends apart
+        self.lines = code.splitlines()
+        self.assignments = assignments
+        self.name_uses = name_uses
+        self.findings: list[CodeFinding] = []
+        self.todos: dict[int, list[str]] = {}  # id(statement) -> TODO texts
+        self.conversions: dict[int, Conversion] = {}  # id(FSDP call) -> conversion
+        self.fixable_calls: dict[int, str] = {}  # id(call) -> "method" (no_sync, clip) or "summon"
+        self.call_rewrites: dict[int, str] = {}  # id(call) -> replacement source (state dict API)
+        self.unwrap_withs: set[int] = set()  # state_dict_type blocks replaced by their (rewritten) body
+        self.context_makers: tuple[set[str], set[str]] | None = None  # see _made_context
+        self.needs_state_dict_api: set[str] = set()  # names to import from torch.distributed.checkpoint.state_dict
+        self.needs_imports: set[tuple[str, str | None]] = set()  # (module, name) other rewrites use
+        self.optimizer_moves: dict[int, int] = {}  # id(optimizer statement) -> id(the wrap statement it follows)
+        self.name_rewrites: dict[int, str] = {}  # id(Name/Attribute) -> replacement (annotations)
+        self.expr_rewrites: dict[int, str] = {}  # id(Attribute) -> replacement expression source
+        self.called: set[int] = set()  # id(func) of every call
+        self.functions: list[cst.FunctionDef] = []  # enclosing function definitions
+        self.module: cst.Module | None = None
+        self.ddp_tests: dict[int, set[str]] = {}  # id(function or module) -> objects tested as DDP there
+        self.wrapper_kinds: dict[tuple[int, str], set[str]] = {}  # (id(scope), object) -> {"fsdp1", "ddp"}
+        self.classes: list[cst.ClassDef] = []  # enclosing class definitions
+        self.predicates: set[str] | None = None  # see _fsdp1_predicates
+        self.class_bases: set[int] = set()  # id(base expression) of every class definition
+        self.partials: set[int] = set()  # id(functools.partial(FSDP, ...)) planned (rewritten or TODO)
+        self.annotation_depth = 0
+        self.assign_target_depth = 0
+        self.attr_drops: set[int] = set()  # id(Attribute) -> replaced by its value (FSDP1 wrapper internals)
+        self.removed_stmts: set[int] = set()  # id(statement) -> deleted (a no-op on FSDP2)
+        self.planning = True
+        self.consumed_partial = False
+        self.consumed_nodes: set[int] = set()
+        self.stmt_stack: list[cst.CSTNode] = []
+        self.uses_fsdp1 = False
+
+    # -- helpers -------------------------------------------------------------------
+    def _fsdp1_factory(self, qnames: Iterable[Any]) -> bool:
+        """A function of the migrated tree that returns FSDP1's wrapper (``Dispatch.fsdp1_factories``)."""
+        factories = self.dispatch.fsdp1_factories
+        return any(q.source is QualifiedNameSource.IMPORT and q.name.lstrip(".") in factories for q in qnames)
+
+    def _qn(self, node: cst.CSTNode) -> tuple[str, str] | None:
+        return resolve_fsdp(self.get_metadata(QualifiedNameProvider, node, set()))
+
+    def _private(self, node: cst.CSTNode) -> str | None:
+        if isinstance(node, cst.Attribute) and self._private(node.value) is not None:
+            return None  # reported at its module's name
+        return fsdp1_private(self.get_metadata(QualifiedNameProvider, node, set()))
+
+    def _record(self, node: cst.CSTNode, construct: str, replacement: str, fixable: bool) -> None:
+        pos = self.get_metadata(PositionProvider, node)
+        # One line each: code quoted in the texts may span lines (a multi-line argument), and a
+        # TODO comment must not (libcst refuses a comment with a line break in it).
+        construct, replacement = " ".join(construct.split()), " ".join(replacement.split())
+        self.findings.append(CodeFinding(self.path, pos.start.line, pos.start.column, construct, replacement, fixable))
+        if not fixable and self.stmt_stack:
+            self.todos.setdefault(id(self.stmt_stack[-1]), []).append(f"{construct}: {replacement}")
+
+    def _follow(self, expr: cst.BaseExpression, conv: Conversion) -> cst.BaseExpression:
+        """A variable assigned once in this file stands for its value."""
+        if isinstance(expr, cst.Name) and expr.value in self.assignments:
+            conv.consumed.append(expr.value)
+            return self.assignments[expr.value]
+        return expr
+
+    def _push(self, node: cst.CSTNode) -> None:
+        self.stmt_stack.append(node)
+
+    def _consume(self, value: cst.BaseExpression) -> None:
+        for node in walk(value):
+            self.consumed_nodes.add(id(node))

@@ -1,0 +1,195 @@
+"""Pass 1 of ``migrate code``: the scanner, one visitor made of the fixers of each FSDP1 construct
+family (``fixers/``) over the shared analysis; ``visit_Call`` hands each call to the family it belongs to."""
+
+from __future__ import annotations
+
+import libcst as cst
+import libcst.matchers as m
+from libcst.metadata import QualifiedNameProvider
+
+from fsdp_bridge.migrate._analysis import code_of, short, walk
+from fsdp_bridge.migrate._names import FSDP
+from fsdp_bridge.migrate._objects import ObjectAnalysis
+from fsdp_bridge.migrate._scan_base import ScannerBase
+from fsdp_bridge.migrate.fixers._constructor import ConstructorFixer
+from fsdp_bridge.migrate.fixers._imports import ImportsFixer
+from fsdp_bridge.migrate.fixers._meta_init import MetaInitFixer
+from fsdp_bridge.migrate.fixers._no_sync_clip import NoSyncClipFixer
+from fsdp_bridge.migrate.fixers._optim import OptimStateFixer
+from fsdp_bridge.migrate.fixers._policies import PolicyFixer
+from fsdp_bridge.migrate.fixers._scaler import ScalerFixer
+from fsdp_bridge.migrate.fixers._state_dict import StateDictFixer
+from fsdp_bridge.migrate.fixers._summon import SummonFixer
+
+
+class Scanner(
+    ImportsFixer,
+    ConstructorFixer,
+    PolicyFixer,
+    MetaInitFixer,
+    StateDictFixer,
+    OptimStateFixer,
+    SummonFixer,
+    NoSyncClipFixer,
+    ScalerFixer,
+    ObjectAnalysis,
+    ScannerBase,
+):
+    """Pass 1: find constructs, plan rewrites (nothing changes)."""
+
+    # -- statements ----------------------------------------------------------------
+    def visit_SimpleStatementLine(self, node: cst.SimpleStatementLine) -> None:
+        self.stmt_stack.append(node)
+
+    def leave_SimpleStatementLine(self, original_node: cst.SimpleStatementLine) -> None:
+        self.stmt_stack.pop()
+
+    def visit_With(self, node: cst.With) -> None:
+        self._push(node)
+
+    def visit_Module(self, node: cst.Module) -> None:
+        self.module = node
+        if self.planning:
+            self._plan_regions(node)
+            self._plan_block(node.body)
+
+    def visit_IndentedBlock(self, node: cst.IndentedBlock) -> None:
+        if self.planning and self._in_region(node) is None:
+            self._plan_block(node.body)
+
+    def leave_With(self, original_node: cst.With) -> None:
+        self.stmt_stack.pop()
+
+    def visit_If(self, node: cst.If) -> None:
+        self._push(node)
+
+    def leave_If(self, original_node: cst.If) -> None:
+        self.stmt_stack.pop()
+
+    def visit_For(self, node: cst.For) -> None:
+        self._push(node)
+
+    def leave_For(self, original_node: cst.For) -> None:
+        self.stmt_stack.pop()
+
+    def visit_While(self, node: cst.While) -> None:
+        self._push(node)
+
+    def leave_While(self, original_node: cst.While) -> None:
+        self.stmt_stack.pop()
+
+    # -- expressions ---------------------------------------------------------------
+    def visit_Call(self, node: cst.Call) -> bool | None:
+        func = node.func
+        if self.planning:
+            self.called.add(id(func))
+            if self._fsdp1_factory(self.get_metadata(QualifiedNameProvider, func, set())):
+                self.uses_fsdp1 = True  # the file is handed an FSDP1 model by another file of the tree
+        if id(node) in self.kept_checks:
+            if not self.planning:
+                self.uses_fsdp1 = True
+                self._record(
+                    node,
+                    f"isinstance(..., {code_of(node.args[1].value)})",
+                    "kept as is: this code tells the backends apart (it tests FSDPModule too); "
+                    "FSDPModule in its place would send FSDP2 modules down the FSDP1 path",
+                    True,
+                )
+            return False
+        if (region := self._in_region(node)) is not None:
+            if self.planning:
+                return None
+            # One finding per call, as outside such code; FSDP1 names elsewhere are reported by _reference.
+            if (
+                m.matches(func, m.Name("isinstance"))
+                and len(node.args) == 2
+                and (
+                    self._qn(node.args[1].value) is not None
+                    or any(self._qn(n) == (FSDP, "") for n in walk(node.args[1].value))
+                )
+            ):
+                construct = f"isinstance(..., {short(code_of(node.args[1].value), 40)})"
+            elif (hit := self._qn(func)) is not None:
+                construct = f"FSDP.{hit[1]}(...)" if hit[0] == FSDP and hit[1] else f"{code_of(func)}(...)"
+            else:
+                return None
+            self.uses_fsdp1 = True
+            self._record(node, construct, region.text(), True)
+            return False
+        if id(node) in self.partials:
+            return False
+        if self.planning and self._plan_partial(node):
+            return False
+        hit = self._qn(func)
+        if hit is not None and hit[0] == FSDP and hit[1] == "":
+            self.uses_fsdp1 = True
+            if self.planning:
+                self._plan_fsdp(node)
+            return None
+        if not self.planning:
+            self._config_driven(node)
+        if self.planning or not self.uses_fsdp1:
+            return None
+        if id(node) in self.call_rewrites:
+            return False  # planned inside a state_dict_type block
+        if self._plan_module_checks(node, hit):
+            return False
+        if self._plan_optim_load(node):
+            return False
+        if self._plan_state_dict_type_call(node, func, hit):
+            return False
+        handled, result = self._plan_wrap_call(node, func, hit)
+        if handled:
+            return result
+        if hit == (FSDP, "set_state_dict_type") and self._plan_set_state_dict_type(node):
+            return False
+        if self._plan_optim_state_call(node, func, hit):
+            return False
+        handled, result = self._plan_summon(node, func, hit)
+        if handled:
+            return result
+        if (
+            isinstance(func, cst.Attribute)
+            and func.attr.value in ("state_dict", "load_state_dict")
+            and hit is None
+            and self._plan_plain_state_dict(node, func)
+        ):
+            return False
+        self._plan_wrapper_method_call(node, func, hit)
+        return None
+
+    def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
+        self.functions.append(node)
+        self._push(node)  # a TODO in its header (decorators, annotations, defaults) goes above the def
+
+    def leave_FunctionDef(self, original_node: cst.FunctionDef) -> None:
+        self.functions.pop()
+        self.stmt_stack.pop()
+
+    def visit_ClassDef(self, node: cst.ClassDef) -> None:
+        self.classes.append(node)
+        self._push(node)  # a TODO in its header (bases, decorators) goes above the class
+        if self.planning:
+            self.class_bases.update(id(b.value) for b in node.bases)
+
+    def leave_ClassDef(self, original_node: cst.ClassDef) -> None:
+        self.classes.pop()
+        self.stmt_stack.pop()
+
+    def visit_AssignTarget(self, node: cst.AssignTarget) -> None:
+        self.assign_target_depth += 1
+
+    def leave_AssignTarget(self, original_node: cst.AssignTarget) -> None:
+        self.assign_target_depth -= 1
+
+    def visit_Annotation(self, node: cst.Annotation) -> None:
+        self.annotation_depth += 1
+
+    def leave_Annotation(self, original_node: cst.Annotation) -> None:
+        self.annotation_depth -= 1
+
+    def visit_Attribute(self, node: cst.Attribute) -> bool:
+        return self._reference(node)
+
+    def visit_Name(self, node: cst.Name) -> bool:
+        return self._reference(node)

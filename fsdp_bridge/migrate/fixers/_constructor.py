@@ -1,0 +1,499 @@
+"""The FSDP1 constructor, ``functools.partial(FSDP, ...)``, ``enable_wrap`` / ``wrap``, and the
+per-argument findings of a conversion."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import libcst as cst
+import libcst.matchers as m
+from libcst.metadata import PositionProvider, QualifiedNameProvider
+
+from fsdp_bridge.migrate._analysis import Conversion, code_of, make_arg, make_str, short
+from fsdp_bridge.migrate._names import (
+    FSDP,
+    FSDP1_POSITIONAL,
+    IGNORED_KWARGS,
+    KWARG_OPTION,
+    NAMES,
+    STRATEGIES,
+    fsdp2_any,
+    fsdp2_case,
+)
+from fsdp_bridge.migrate._render import comments_around, runtime_lines, runtime_names
+from fsdp_bridge.migrate._report import CodeFinding
+from fsdp_bridge.migrate._scan_base import ScannerBase
+
+
+class ConstructorFixer(ScannerBase):
+    """The FSDP1 constructor and manual wrapping."""
+
+    def _plan_wrap_call(
+        self, node: cst.Call, func: cst.BaseExpression, hit: tuple[str, str] | None
+    ) -> tuple[bool, bool | None]:
+        """torch's enable_wrap / wrap; (handled, what visit_Call returns)."""
+        if hit == ("enable_wrap", ""):
+            if not self._plan_enable_wrap(node):
+                self._record(node, "enable_wrap(...)", NAMES["enable_wrap"], False)
+                self._consume(node)  # its wrapper_cls=FSDP is part of this construct
+            return True, False
+        if hit == ("wrap", "") and id(func) not in self.consumed_nodes:
+            if self._under_torch_enable_wrap():
+                self._consume(func)
+                self._record(
+                    node,
+                    f"{code_of(func)}(...)",
+                    "not rewritten: it runs under torch's enable_wrap above, which is not rewritten (see its "
+                    "TODO); rewrite both together: fsdp_bridge.enable_wrap(fsdp_bridge.BridgeConfig.from_fsdp1("
+                    "**kwargs)) and fsdp_bridge.wrap_module(module)",
+                    False,
+                )
+                return True, None
+            if len(node.args) == 1 and node.args[0].keyword is None and node.args[0].star == "":
+                self.expr_rewrites[id(func)] = "fsdp_bridge.wrap_module"
+                self.needs_imports.add(("fsdp_bridge", None))
+                self._consume(func)
+                self._record(
+                    node,
+                    f"{code_of(func)}(...)",
+                    "fsdp_bridge.wrap_module(module): inside fsdp_bridge.enable_wrap it shards the module as a unit "
+                    "of its own (FSDP2: fully_shard on it), outside it returns the module unchanged, as FSDP1's "
+                    "wrap; a module sharded already is returned as it is, so wrap(wrap(m)) is wrap(m)",
+                    True,
+                )
+                return True, None  # its argument may be another wrap(...)
+            self._consume(func)
+            self._record(
+                node,
+                f"{code_of(func)}(...)",
+                "not rewritten: wrap(module, **overrides) changes enable_wrap's arguments for one module; write "
+                "fsdp_bridge.ManualWrap(fsdp_bridge.BridgeConfig.from_fsdp1(**{**<enable_wrap's arguments>, "
+                "**overrides})).wrap(module) (inside fsdp_bridge.enable_wrap torch's wrap refuses overrides)",
+                False,
+            )
+            return True, None
+        return False, None
+
+    # -- FSDP(...) -----------------------------------------------------------------
+    def _plan_fsdp(self, call: cst.Call) -> None:
+        consumed_before = set(self.consumed_nodes)
+        conv = self._plan_static(call)
+        runtime = None
+        if conv.blockers:
+            runtime = self._plan_runtime(call, conv)
+        if runtime is not None:
+            # Values known only when the code runs: keep them, and let the bridge translate them.
+            self.consumed_nodes = consumed_before
+            for a in call.args:
+                self._consume(a.value)
+            self._consume(call.func)
+            conv.blockers, conv.consumed, conv.runtime = [], [], runtime
+        self.conversions[id(call)] = conv
+        fixable = not conv.blockers
+        if fixable and conv.runtime is None:
+            for name in conv.consumed:
+                if self.name_uses.get(name, 0) > 2:  # used elsewhere too: keep the assignment
+                    continue
+                self.consumed_nodes.add(id(self.assignments[name]))
+        if conv.runtime is not None:
+            self._record(call, f"{code_of(call.func)}(...)", self._runtime_text(conv), True)
+            rewritten = dict(conv.runtime or [])
+            for a in call.args:
+                kw = a.keyword.value if a.keyword is not None else None
+                if kw is None or kw in ("module", "device_mesh"):
+                    continue
+                if kw == "backward_prefetch" and rewritten.get(kw) == '"pre"':
+                    continue  # reported with its TODO above
+                self._runtime_kwarg_finding(a, call.args)
+            return
+        text = NAMES[FSDP] if fixable else "not rewritten: " + "; ".join(conv.blockers)
+        self._record(call, f"{code_of(call.func)}(...)", text, fixable)
+        for a, case in conv.kwarg_cases:
+            self._kwarg_finding(a, case, fixable)
+        for note in conv.report_notes:
+            self._record(call, "backward_prefetch", note, False)
+
+    def _plan_partial(self, node: cst.Call) -> bool:
+        """``functools.partial(FSDP, **kwargs)`` (a wrapper applied later as ``wrapper(module)``) ->
+        ``functools.partial(fsdp_bridge.shard, config=fsdp_bridge.BridgeConfig.from_fsdp1(**kwargs))``."""
+        if not (
+            len(node.args) >= 1
+            and node.args[0].keyword is None
+            and node.args[0].star == ""
+            and self._qn(node.args[0].value) == (FSDP, "")
+            and any(q.name == "functools.partial" for q in self.get_metadata(QualifiedNameProvider, node.func, set()))
+        ):
+            return False
+        self.uses_fsdp1 = True
+        self.partials.add(id(node))
+        self._consume(node.func)
+        for a in node.args:
+            self._consume(a.value)
+        construct = f"{code_of(node.func)}({code_of(node.args[0].value)}, ...)"
+        rest = node.args[1:]
+        blockers = [
+            f"{code_of(a.value)}: positional arguments after FSDP (the module is given when the wrapper is called)"
+            for a in rest
+            if a.keyword is None and a.star != "**"
+        ] + [
+            f"{a.keyword.value}=: module objects fixed in the wrapper; name them for the bridge: "
+            "BridgeConfig(ignored_modules=['path.to.module' or 'ClassName'])"
+            for a in rest
+            if a.keyword is not None and a.keyword.value in ("module", *IGNORED_KWARGS)
+        ]
+        conv = Conversion()
+        runtime = None
+        if not blockers:
+            probe = node.with_changes(args=[cst.Arg(cst.Name("module")), *rest])
+            runtime = self._plan_runtime(probe, conv)
+            blockers = conv.blockers
+        if runtime is None:
+            self._record(node, construct, "not rewritten: " + "; ".join(blockers), False)
+            return True
+        i1, i2 = "    ", "        "
+        lines = [
+            f"{code_of(node.func)}(",
+            f"{i1}fsdp_bridge.shard,",
+            f"{i1}config=fsdp_bridge.BridgeConfig.from_fsdp1(",
+        ]
+        conv.runtime = runtime
+        lines += runtime_lines(conv, i2)
+        lines.append(f"{i1}),")
+        if conv.mesh is not None:
+            lines.append(f"{i1}mesh={code_of(conv.mesh)},")
+        lines.append(")")
+        self.call_rewrites[id(node)] = "\n".join(lines)
+        self.needs_imports.add(("fsdp_bridge", None))
+        names = runtime_names(runtime)
+        self._record(
+            node,
+            construct,
+            f"{code_of(node.func)}(fsdp_bridge.shard, config=fsdp_bridge.BridgeConfig.from_fsdp1(...)"
+            + (", mesh=...)" if conv.mesh is not None else ")")
+            + f": calling it shards the module it is given; {', '.join(names) or 'no options'} kept as written and "
+            "translated when the code runs (FSDP1's meaning, exactly)",
+            True,
+        )
+        self._kept_kwarg_findings(rest, runtime)
+        return True
+
+    def _kept_kwarg_findings(self, args: Sequence[cst.Arg], runtime: list[tuple[str, str]]) -> None:
+        """One report line per keyword argument kept for ``from_fsdp1`` (what its value becomes)."""
+        prefetch = dict(runtime)
+        for a in args:
+            if a.keyword is None or a.keyword.value == "device_mesh":
+                continue
+            if a.keyword.value == "backward_prefetch" and prefetch.get("backward_prefetch") == '"pre"':
+                continue  # reported with its TODO by _plan_runtime
+            self._runtime_kwarg_finding(a, args)
+
+    def _under_torch_enable_wrap(self) -> bool:
+        """Inside ``with enable_wrap(...)`` of torch's that stays as it is (its wrap() must stay torch's)."""
+        return any(
+            isinstance(stmt, cst.With)
+            and any(
+                isinstance(item.item, cst.Call)
+                and self._qn(item.item.func) == ("enable_wrap", "")
+                and id(item.item) not in self.call_rewrites
+                for item in stmt.items
+            )
+            for stmt in self.stmt_stack
+        )
+
+    def _plan_enable_wrap(self, node: cst.Call) -> bool:
+        """``enable_wrap(wrapper_cls=FSDP, **kwargs)`` -> ``fsdp_bridge.enable_wrap(
+        fsdp_bridge.BridgeConfig.from_fsdp1(**kwargs))`` (FSDP1's manual wrapping, same shape)."""
+        cls = [a for a in node.args if a.keyword is not None and a.keyword.value == "wrapper_cls"]
+        if len(cls) != 1 or self._qn(cls[0].value) != (FSDP, ""):
+            return False  # another wrapper class (or one known only at run time): a TODO
+        rest = [a for a in node.args if a is not cls[0]]
+        if any(a.keyword is None and a.star != "**" for a in rest):
+            return False
+        conv = Conversion()
+        probe = node.with_changes(args=[cst.Arg(cst.Name("module")), *rest])
+        runtime = self._plan_runtime(probe, conv)
+        if runtime is None:
+            self._record(node, "enable_wrap(...)", "not rewritten: " + "; ".join(conv.blockers), False)
+            self._consume(node)
+            return True
+        self._consume(node.func)
+        for a in node.args:
+            self._consume(a.value)
+        items = [f"**{code}" if kw == "**" else f"{kw}={code}" for kw, code in runtime]
+        config = f"fsdp_bridge.BridgeConfig.from_fsdp1({', '.join(items)})"
+        mesh = f", mesh={code_of(conv.mesh)}" if conv.mesh is not None else ""
+        code = f"fsdp_bridge.enable_wrap({config}{mesh})"
+        if "\n" in code or len(code) > 100 or any(lead or trail for lead, trail in conv.arg_comments):
+            i1, i2 = "    ", "        "
+            conv.runtime = runtime
+            lines = ["fsdp_bridge.enable_wrap(", f"{i1}fsdp_bridge.BridgeConfig.from_fsdp1("]
+            lines += runtime_lines(conv, i2)
+            lines.append(f"{i1}),")
+            if conv.mesh is not None:
+                lines.append(f"{i1}mesh={code_of(conv.mesh)},")
+            lines.append(")")
+            code = "\n".join(lines)
+        self.call_rewrites[id(node)] = code
+        self.needs_imports.add(("fsdp_bridge", None))
+        names = runtime_names(runtime)
+        self._record(
+            node,
+            "enable_wrap(...)",
+            "fsdp_bridge.enable_wrap(fsdp_bridge.BridgeConfig.from_fsdp1(...)"
+            + (", mesh=...)" if conv.mesh is not None else ")")
+            + f": fsdp_bridge.wrap_module(m) inside it shards m as a unit with that config; "
+            f"{', '.join(names) or 'no options'} kept as written and translated when the code runs (FSDP1's "
+            "meaning, exactly); a later fsdp_bridge.shard of the whole model keeps those units",
+            True,
+        )
+        self._kept_kwarg_findings(rest, runtime)
+        return True
+
+    def _plan_runtime(self, call: cst.Call, static: Conversion) -> list[tuple[str, str]] | None:
+        """FSDP1's arguments by name for ``BridgeConfig.from_fsdp1``; None when they cannot be named."""
+        out: list[tuple[str, str]] = []
+        static.arg_comments = []
+        static.slot_comments = {}
+
+        def add(kw: str, code: str) -> None:  # an argument kept, with the comments written around it
+            out.append((kw, code))
+            static.arg_comments.append(comments_around(call, i))
+
+        for i, a in enumerate(call.args):
+            if a.star == "*":
+                static.blockers.append(f"*{code_of(a.value)}: positional arguments unpacked at run time")
+                return None
+            if a.star == "**":
+                add("**", code_of(a.value))
+                continue
+            name = a.keyword.value if a.keyword else (FSDP1_POSITIONAL[i] if i < len(FSDP1_POSITIONAL) else None)
+            if name is None:
+                static.blockers.append(f"positional argument {i + 1}: FullyShardedDataParallel takes no more")
+                return None
+            if name not in FSDP1_POSITIONAL and name != "ignored_parameters":  # the only reason shown
+                static.blockers = [f"{name}={short(code_of(a.value), 40)}: not an argument of FullyShardedDataParallel"]
+                return None
+            if name in ("module", "device_mesh"):  # out of the config: their comments go with them
+                static.module, static.mesh = (a.value, static.mesh) if name == "module" else (static.module, a.value)
+                lead, trail = comments_around(call, i)
+                if lead or trail:
+                    static.slot_comments["module" if name == "module" else "mesh"] = (lead, trail)
+            elif name == "process_group" and not m.matches(a.value, m.Name("None")):
+                # FSDP2 shards over a DeviceMesh: the group (a data-parallel group of a model-parallel
+                # setup, or HYBRID_SHARD's pair) becomes one when the code runs, passed as shard(mesh=).
+                if any(b.keyword is not None and b.keyword.value == "device_mesh" for b in call.args):
+                    static.blockers.append("process_group= with device_mesh=: FSDP1 takes one of them; drop one")
+                    return None
+                self.needs_imports.add(("fsdp_bridge", None))
+                static.mesh = cst.parse_expression(f"fsdp_bridge.mesh_from_process_group({code_of(a.value)})")
+            elif name in IGNORED_KWARGS and not m.matches(a.value, m.Name("None")):
+                # modules or parameters (torch 2.0's ignored_parameters: ignored_states of parameters)
+                names = self._module_paths(a.value, static.module)
+                if names is not None:
+                    add("ignored_modules", repr(names))
+                elif static.module is not None:  # module objects known at run time: their paths, then
+                    self.needs_imports.add(("fsdp_bridge", None))
+                    add("ignored_modules", f"fsdp_bridge.module_names({code_of(static.module)}, {code_of(a.value)})")
+                else:
+                    static.blockers.append(
+                        f"{name}={code_of(a.value)}: name the modules for the bridge: "
+                        "BridgeConfig(ignored_modules=['path.to.module' or 'ClassName'])"
+                    )
+                    return None
+            elif name == "backward_prefetch" and self._member(a.value, "BackwardPrefetch") != "BACKWARD_PRE":
+                member = "NONE" if m.matches(a.value, m.Name("None")) else self._member(a.value, "BackwardPrefetch")
+                if member in ("BACKWARD_POST", "NONE"):
+                    # FSDP2 has one backward order (BACKWARD_PRE's): say so where it changes.
+                    note = f"backward_prefetch={code_of(a.value)} has no FSDP2 equivalent; using 'pre': " + fsdp2_case(
+                        "backward_prefetch", "post" if member == "BACKWARD_POST" else "none"
+                    )
+                    self._record(a, "backward_prefetch", note, False)
+                    add(name, '"pre"')
+                else:
+                    add(name, code_of(a.value))
+            else:
+                add(name, code_of(a.value))
+        if static.module is None:
+            return None
+        return out
+
+    def _module_paths(self, value: cst.BaseExpression, module: cst.BaseExpression | None) -> list[str] | None:
+        """``[model.lm_head, model.model.embed]`` -> ``["lm_head", "model.embed"]`` when every entry is an
+        attribute path under the module being wrapped."""
+        if module is None or not isinstance(value, (cst.List, cst.Tuple, cst.Set)):
+            return None
+        root = code_of(module)
+        names = []
+        for element in value.elements:
+            text = code_of(element.value)
+            if not text.startswith(root + ".") or not all(p.isidentifier() for p in text[len(root) + 1 :].split(".")):
+                return None
+            names.append(text[len(root) + 1 :])
+        return names
+
+    def _runtime_text(self, conv: Conversion) -> str:
+        names = runtime_names(conv.runtime or [])
+        return (
+            "fsdp_bridge.shard(model, fsdp_bridge.BridgeConfig.from_fsdp1(...)"
+            + (", mesh=...)" if conv.mesh is not None else ")")
+            + f": {', '.join(names) or 'no options'} kept as written and translated when the code runs "
+            "(FSDP1's meaning, exactly; print fsdp_bridge.get_bridge(model).report for what each became)"
+        )
+
+    def _runtime_kwarg_finding(self, a: cst.Arg, siblings: Sequence[cst.Arg] = ()) -> None:
+        kw = a.keyword.value if a.keyword else ""
+        pos = self.get_metadata(PositionProvider, a)
+        value = code_of(a.value)
+        sync = [code_of(b.value) for b in siblings if b.keyword is not None and b.keyword.value == "sync_module_states"]
+        if self._plan_param_init_fn(a, kw, value, sync):
+            return
+        described = self._describe_value(kw, a.value)
+        group = [b for b in siblings if b.keyword is not None and b.keyword.value == "process_group"]
+        if kw == "sharding_strategy" and group and code_of(group[0].value) != "None":
+            # The mesh is the process group's (mesh_from_process_group), not one over every rank.
+            described = described.replace("mesh over all ranks", "mesh over the ranks of process_group=")
+        self.findings.append(
+            CodeFinding(self.path, pos.start.line, pos.start.column, f"{kw}={short(value)}", described, True)
+        )
+
+    def _plan_static(self, call: cst.Call) -> Conversion:
+        conv = Conversion()
+        self._consume(call.func)
+        line = self.lines[self.get_metadata(PositionProvider, call).start.line - 1]
+        conv.indent = line[: len(line) - len(line.lstrip())]
+        config: list[cst.Arg] = [make_arg("backend", make_str("fsdp2"))]
+        strategy_name: str | None = "full_shard"
+        has_wrap = False
+        notes_for_report: list[str] = []
+        kwarg_nodes: list[tuple[cst.Arg, str | None]] = []
+        pending: list[str] = []  # comments of arguments that became nothing, for the next slot
+        for i, a in enumerate(call.args):
+            kw = a.keyword.value if a.keyword else None
+            if a.star:
+                conv.blockers.append(f"{a.star}{code_of(a.value)}: arguments unpacked at run time")
+                continue
+            before = (len(config), conv.mesh)
+            lead, trail = comments_around(call, i)
+            pending += lead
+            if (kw is None and i == 0) or kw == "module":
+                conv.module = a.value
+                if pending or trail:
+                    conv.slot_comments["module"] = (pending, trail)
+                pending = []
+                continue
+            if kw is None:
+                conv.blockers.append(f"positional argument {i + 1} ({code_of(a.value)}): pass it by keyword")
+                continue
+            kwarg_nodes.append((a, None))
+            value = (
+                self._follow(a.value, conv)
+                if kw
+                in ("auto_wrap_policy", "mixed_precision", "cpu_offload", "sharding_strategy", "backward_prefetch")
+                else a.value
+            )
+            if kw == "sharding_strategy":
+                member = self._member(value, "ShardingStrategy")
+                if member in STRATEGIES:
+                    strategy_name = STRATEGIES[member]
+                    kwarg_nodes[-1] = (a, strategy_name)
+                    config.append(make_arg("strategy", make_str(strategy_name)))
+                    self._consume(value)
+                else:
+                    strategy_name = None
+                    config.append(make_arg("strategy", value))  # torch's enum is accepted at run time
+            elif kw == "auto_wrap_policy":
+                wrap = self._wrap(value, conv)
+                if wrap is not None:
+                    kwarg_nodes[-1] = (
+                        a,
+                        "none" if code_of(wrap) == '"none"' else "auto / classes / min_num_params / callable",
+                    )
+                    config.append(make_arg("wrap", wrap))
+                    has_wrap = True
+                    self._consume(value)
+            elif kw == "mixed_precision":
+                mp = self._mixed_precision(value, conv)
+                if mp is not None:
+                    kwarg_nodes[-1] = (a, "param/reduce dtypes")
+                    config.append(make_arg("mixed_precision", mp))
+                    self._consume(value)
+            elif kw == "cpu_offload":
+                off = self._cpu_offload(value, conv)
+                if off is not None:
+                    config.append(make_arg("cpu_offload", off))
+                    self._consume(value)
+            elif kw == "backward_prefetch":
+                member = "NONE" if m.matches(value, m.Name("None")) else self._member(value, "BackwardPrefetch")
+                if member == "BACKWARD_PRE":
+                    kwarg_nodes[-1] = (a, "pre")
+                    self._consume(value)
+                elif member in ("BACKWARD_POST", "NONE"):
+                    self._consume(value)
+                    note = f"backward_prefetch={code_of(a.value)} has no FSDP2 equivalent; using 'pre': " + fsdp2_case(
+                        "backward_prefetch", "post" if member == "BACKWARD_POST" else "none"
+                    )
+                    conv.notes.append(note)
+                    notes_for_report.append(note)
+                else:
+                    conv.blockers.append(f"backward_prefetch={code_of(a.value)}: not a BackwardPrefetch member")
+                config.append(make_arg("backward_prefetch", make_str("pre"))) if member in (
+                    "BACKWARD_PRE",
+                    "BACKWARD_POST",
+                    "NONE",
+                ) else None
+            elif kw in ("forward_prefetch", "limit_all_gathers", "sync_module_states"):
+                config.append(make_arg(kw, a.value))
+                literal = code_of(a.value)
+                kwarg_nodes[-1] = (
+                    a,
+                    "any" if kw == "limit_all_gathers" else literal.lower() if literal in ("True", "False") else None,
+                )
+            elif kw == "use_orig_params":
+                pass  # FSDP2 parameters are always the original ones
+            elif kw == "device_id":
+                config.append(make_arg("device", make_str("cpu" if "cpu" in code_of(a.value) else "auto")))
+            elif kw == "device_mesh":
+                conv.mesh = a.value
+            else:
+                conv.blockers.append(
+                    f"{kw}={code_of(a.value)}: no mechanical BridgeConfig equivalent "
+                    f"({fsdp2_any(KWARG_OPTION.get(kw, kw))})"
+                )
+            slot = (  # what this argument became (the module's comments are taken above)
+                "mesh"
+                if conv.mesh is not before[1]
+                else code_of(config[-1].keyword)
+                if len(config) > before[0] and config[-1].keyword is not None
+                else None
+            )
+            if slot is not None:
+                if pending or trail:
+                    conv.slot_comments[slot] = (pending, trail)
+                pending = []
+            elif trail:
+                pending.append(trail)
+        if pending:
+            conv.slot_comments[""] = (pending, None)
+        if not has_wrap:
+            config.append(make_arg("wrap", make_str("none")))
+        if conv.mesh is not None:
+            if strategy_name is None:
+                conv.blockers.append("device_mesh with a strategy known only at run time: pass mesh= by hand")
+            elif strategy_name == "no_shard":
+                conv.mesh = None  # the bridge builds NO_SHARD's (world, 1) mesh itself
+            elif strategy_name.startswith("hybrid"):
+                config.append(make_arg("hybrid_shape", cst.parse_expression(f"tuple({code_of(conv.mesh)}.shape)")))
+        if conv.module is None:
+            conv.blockers.append("no module argument")
+        conv.config_args = config
+        conv.kwarg_cases = kwarg_nodes
+        conv.report_notes = notes_for_report
+        return conv
+
+    def _kwarg_finding(self, a: cst.Arg, case: str | None, fixable: bool) -> None:
+        kw = a.keyword.value if a.keyword else ""
+        option = KWARG_OPTION.get(kw, kw)
+        pos = self.get_metadata(PositionProvider, a)
+        # Arguments are reported, not given TODOs of their own: the call's TODO lists the blockers.
+        text = fsdp2_case(option, case) if case else self._describe_value(kw, a.value)
+        self.findings.append(CodeFinding(self.path, pos.start.line, pos.start.column, f"{kw}=", text, fixable))

@@ -1,0 +1,349 @@
+"""FSDP1 names used as values: imports, ``isinstance`` checks, attributes of the wrapper, private
+FSDP1 modules, the config classes kept for the bridge to read, mocks of the wrapper."""
+
+from __future__ import annotations
+
+import libcst as cst
+import libcst.matchers as m
+from libcst.metadata import QualifiedNameProvider
+
+from fsdp_bridge.migrate._analysis import code_of, short, walk
+from fsdp_bridge.migrate._names import (
+    CONFIG_DRIVEN,
+    FSDP,
+    INTERNAL_ATTRS,
+    KEPT,
+    MOCKS,
+    NAME_HELPERS,
+    NAMES,
+    WRAPPER_ATTRS,
+    fsdp2_any,
+    fsdp2_text,
+    private_text,
+)
+from fsdp_bridge.migrate._scan_base import ScannerBase
+
+
+class ImportsFixer(ScannerBase):
+    """FSDP1 names used as values, imports and isinstance checks."""
+
+    def visit_Import(self, node: cst.Import) -> bool:
+        return False
+
+    def visit_ImportFrom(self, node: cst.ImportFrom) -> bool:
+        module = code_of(node.module) if node.module else ""
+        if module.startswith("torch.distributed.fsdp"):
+            self.uses_fsdp1 = True
+        return False
+
+    def _reference(self, node: cst.BaseExpression) -> bool:
+        if self.planning:
+            return True
+        if (region := self._in_region(node)) is not None:
+            if isinstance(node, cst.Attribute) and node.attr.value in INTERNAL_ATTRS and self.uses_fsdp1:
+                self._record(node, f"{code_of(node)} (an FSDP1 internal)", region.text(), True)
+                return True
+            if (hit := self._qn(node)) is None:
+                if self.uses_fsdp1 and (private := self._private(node)) is not None:
+                    self._record(node, f"{code_of(node)} ({private})", region.text(), True)
+                    return False
+                return True
+            self.uses_fsdp1 = True
+            self._record(node, f"FSDP.{hit[1]}" if hit[0] == FSDP and hit[1] else code_of(node), region.text(), True)
+            return False
+        if isinstance(node, cst.Attribute) and node.attr.value in INTERNAL_ATTRS and self.uses_fsdp1:
+            if node.attr.value == "_fsdp_wrapped_module" and not self.assign_target_depth:
+                self.attr_drops.add(id(node))
+                self._record(
+                    node,
+                    f"{code_of(node)} (an FSDP1 internal)",
+                    f"{code_of(node.value)}: FSDP2 does not wrap, the module is itself (an FSDPModule)",
+                    True,
+                )
+                return True
+            self._record(node, f"{code_of(node)} (an FSDP1 internal)", INTERNAL_ATTRS[node.attr.value], False)
+            return True
+        if (
+            isinstance(node, cst.Attribute)
+            and node.attr.value in WRAPPER_ATTRS
+            and self.uses_fsdp1
+            and not self.assign_target_depth
+            and id(node) not in self.called
+            and id(node) not in self.consumed_nodes
+            and self._qn(node) is None
+            and self._fsdp1_wrapper(node, node.value) != ""
+        ):
+            self._record(
+                node,
+                f"{code_of(node)} (an FSDP1 wrapper attribute)",
+                f"not rewritten: FSDPModule has no {node.attr.value}; {WRAPPER_ATTRS[node.attr.value]}",
+                False,
+            )
+            return True
+        if (
+            isinstance(node, cst.Attribute)
+            and node.attr.value == "module"
+            and self.uses_fsdp1
+            and not self.assign_target_depth
+            and id(node) not in self.called
+            and (wrapper := self._fsdp1_wrapper(node, node.value)) != ""
+        ):
+            # FSDP1's wrapper holds the model as .module; FSDP2 does not wrap (the sharded model is the module).
+            obj = code_of(node.value)
+            if wrapper == "ambiguous":
+                # DDP's wrapper keeps .module; FSDP2's sharded model is the module itself.
+                code = f"({obj}.module if isinstance({obj}, torch.nn.parallel.DistributedDataParallel) else {obj})"
+                stmt = self.stmt_stack[-1] if self.stmt_stack else None
+                if stmt is not None and code[1:-1] in code_of(stmt):
+                    return True  # written by a first --fix
+                self.expr_rewrites[id(node)] = code
+                self.needs_imports.add(("torch", None))
+                self._record(
+                    node,
+                    f"{code_of(node)} (the wrapped module)",
+                    f"{code}: {obj} may be DistributedDataParallel's wrapper (its .module) or, on the FSDP path, "
+                    "an FSDP2 module, which does not wrap (the module itself)",
+                    True,
+                )
+                return True
+            self.attr_drops.add(id(node))
+            self._record(
+                node,
+                f"{code_of(node)} (the wrapped module)",
+                f"{obj}: FSDP2 does not wrap, the sharded model is the module itself (FSDPModule has no .module)",
+                True,
+            )
+            return True
+        if (
+            isinstance(node, cst.Attribute)
+            and node.attr.value == "no_sync"
+            and id(node) not in self.called
+            and self.uses_fsdp1
+            and not self.assign_target_depth
+            and id(node) not in self.consumed_nodes
+            and code_of(node.value) != "fsdp_bridge"
+            and not self._ddp_tested(node.value)
+            and not any(
+                q.name.startswith(("torch.nn", "fsdp_bridge"))
+                for q in self.get_metadata(QualifiedNameProvider, node, set())
+            )
+        ):
+            # ``ctx = model.no_sync`` (called later as ``ctx()``): FSDPModule has no no_sync.
+            code = f"functools.partial(fsdp_bridge.no_sync, {code_of(node.value)})"
+            self.expr_rewrites[id(node)] = code
+            self.needs_imports.update({("functools", None), ("fsdp_bridge", None)})
+            self._record(
+                node,
+                f"{code_of(node)} (not called here)",
+                f"{code}: calling it gives fsdp_bridge.no_sync({code_of(node.value)}); " + fsdp2_text("no_sync"),
+                True,
+            )
+            return True
+        hit = self._qn(node)
+        if hit is None:
+            if self.uses_fsdp1 and (private := self._private(node)) is not None:
+                if private.rsplit(".", 1)[-1] in NAME_HELPERS:
+                    text = (
+                        "kept: FSDP1's parameter-name prefix helper still works; FSDP2 names have no wrapper "
+                        "prefix, so it changes nothing there"
+                    )
+                    self._record(node, f"{code_of(node)} ({private})", text, True)
+                else:
+                    self._record(node, f"{code_of(node)} ({private})", private_text(private), False)
+                return False
+            return True
+        self.uses_fsdp1 = True
+        if id(node) in self.consumed_nodes:
+            return False
+        kind, member = hit
+        if kind == FSDP and member == "" and self.annotation_depth:
+            self.needs_imports.add(("torch.distributed.fsdp", "FSDPModule"))
+            self.name_rewrites[id(node)] = "FSDPModule"
+            self._record(node, f"{code_of(node)} (annotation)", "FSDPModule (FSDP2 units are FSDPModule)", True)
+            return False
+        if kind == FSDP and member == "" and id(node) in self.class_bases:
+            self._record(
+                node,
+                f"class ...({code_of(node)})",
+                "not rewritten: a subclass of FSDP1's wrapper has no FSDP2 form (FSDP2 does not wrap: fully_shard "
+                "makes the module itself an FSDPModule); build the model unwrapped, shard it with "
+                "fsdp_bridge.shard(model, fsdp_bridge.BridgeConfig.from_fsdp1(**<the subclass's constructor "
+                "arguments>)), and move the subclass's overrides into the code that calls them",
+                False,
+            )
+            return False
+        if kind == FSDP and member == "":
+            # FSDP(...) calls are handled in visit_Call; isinstance(x, FSDP) and the like land here.
+            self._record(node, code_of(node), "torch.distributed.fsdp.FSDPModule (FSDP2 modules are FSDPModule)", False)
+            return False
+        if kind == FSDP:
+            if member in ("state_dict_type", "set_state_dict_type", "summon_full_params"):
+                self._record(node, f"FSDP.{member}", NAMES[member], False)
+            elif member in NAMES:
+                self._record(node, f"FSDP.{member}", NAMES[member], False)
+            return False
+        if kind == "apply_activation_checkpointing":
+            reentrant = any("CheckpointImpl.REENTRANT" in line for line in self.lines)
+            text = (
+                "not rewritten: CheckpointImpl.REENTRANT appears in this file; reentrant checkpointing re-enters "
+                "autograd, which FSDP2's hooks do not support: use CheckpointImpl.NO_REENTRANT, or "
+                "BridgeConfig(activation_checkpointing=True)"
+                if reentrant
+                else "kept: torch's checkpoint_wrapper works around FSDP2 units (non-reentrant), with FSDP1's losses; "
+                "or drop it for BridgeConfig(activation_checkpointing=True), which wraps every unit before "
+                "sharding"
+            )
+            self._record(node, code_of(node), text, not reentrant)
+            return False
+        if kind == "ShardedGradScaler" and not member and id(node) not in self.called and not self.assign_target_depth:
+            return self._plan_scaler_class(node)
+        if (
+            kind == "load_sharded_optimizer_state_dict"
+            and not member
+            and not self.assign_target_depth
+            and not self.annotation_depth
+        ):
+            # torch's function builds FSDP1 ShardedTensor templates; the bridge's takes the same arguments.
+            self.needs_imports.add(("fsdp_bridge", None))
+            self.expr_rewrites[id(node)] = "fsdp_bridge.load_sharded_optimizer_state_dict"
+            self._record(node, code_of(node), NAMES[kind], True)
+            return False
+        if kind in KEPT:
+            reader = (
+                "fsdp_bridge.state_dict_options"
+                if kind.endswith("StateDictConfig") or kind == "StateDictType"
+                else "fsdp_bridge.BridgeConfig.from_fsdp1"
+            )
+            self._record(
+                node,
+                code_of(node),
+                f"kept: {KEPT[kind]}; {reader} reads it when the code runs, with FSDP1's meaning",
+                True,
+            )
+            return False
+        self._record(node, code_of(node), NAMES[kind], False)
+        return False
+
+    def _refuses_fsdp1(self, check: cst.Call) -> bool:
+        """``check`` (``isinstance(x, FSDP)``) is the test, not negated, of an ``if`` whose body only raises."""
+        stmt = self.stmt_stack[-1] if self.stmt_stack else None
+        if not isinstance(stmt, cst.If) or not isinstance(stmt.body, cst.IndentedBlock):
+            return False
+        body = stmt.body.body
+        if not (
+            len(body) == 1
+            and isinstance(body[0], cst.SimpleStatementLine)
+            and all(isinstance(s, cst.Raise) for s in body[0].body)
+        ):
+            return False
+        negated = [n for n in walk(stmt.test) if isinstance(n, cst.UnaryOperation) and isinstance(n.operator, cst.Not)]
+        return any(n is check for n in walk(stmt.test)) and not any(any(x is check for x in walk(n)) for n in negated)
+
+    def _mock_spec(self, node: cst.Call) -> cst.BaseExpression | None:
+        """FSDP1's wrapper class as the spec of a ``unittest.mock`` stand-in (``Mock(spec=FSDP)``)."""
+        names = {q.name for q in self.get_metadata(QualifiedNameProvider, node.func, set())}
+        if not any(n.startswith(("unittest.mock.", "mock.")) and n.rsplit(".", 1)[-1] in MOCKS for n in names):
+            return None
+        for i, a in enumerate(node.args):
+            keyword = a.keyword.value if a.keyword is not None else ("spec" if i == 0 else None)
+            if keyword in ("spec", "spec_set") and self._qn(a.value) == (FSDP, ""):
+                return a.value
+        return None
+
+    def _config_driven(self, node: cst.Call) -> None:
+        """FSDP set up by the HF Trainer's arguments or accelerate's plugin: point to `migrate config`."""
+        names = {q.name for q in self.get_metadata(QualifiedNameProvider, node.func, set())}
+        for cls, key in CONFIG_DRIVEN.items():
+            if not any(n.split(".")[-1] == cls and n.startswith(("transformers", "accelerate")) for n in names):
+                continue
+            kwargs = {a.keyword.value: a.value for a in node.args if a.keyword is not None}
+            if key not in kwargs or (key == "fsdp_version" and code_of(kwargs[key]) == "2"):
+                return
+            self._record(
+                node,
+                f"{cls}({key}=...)",
+                f"FSDP here is driven by {cls}'s arguments: migrate them with `fsdp-bridge migrate config` "
+                "(the launch command, the arguments file, or the accelerate/axolotl YAML), not with "
+                "fsdp_bridge.shard/save_checkpoint",
+                False,
+            )
+
+    def _plan_module_checks(self, node: cst.Call, hit: tuple[str, str] | None) -> bool:
+        """``isinstance(m, FSDP)`` -> ``isinstance(m, FSDPModule)``; ``FSDP.fsdp_modules(M)`` -> the
+        modules of ``M`` that are ``FSDPModule``; ``ShardedGradScaler(...)`` -> ``torch.amp.GradScaler(...)``."""
+        args = node.args
+        if m.matches(node.func, m.Name("isinstance")) and len(args) == 2 and self._qn(args[1].value) == (FSDP, ""):
+            if self._refuses_fsdp1(node):
+                # ``if isinstance(m, FSDP): raise ...``: code that refuses FSDP1's wrapper (often FSDP2 code
+                # guarding itself) stays true after the migration; FSDPModule there would refuse FSDP2 units.
+                self._consume(args[1].value)
+                return True
+            self.needs_imports.add(("torch.distributed.fsdp", "FSDPModule"))
+            code = f"isinstance({code_of(args[0].value)}, FSDPModule)"
+            self._record(
+                node, f"isinstance(..., {code_of(args[1].value)})", f"{code} (FSDP2 units are FSDPModule)", True
+            )
+        elif (
+            m.matches(node.func, m.Name("isinstance"))
+            and len(args) == 2
+            and isinstance(args[1].value, (cst.Tuple, cst.BinaryOperation))
+        ):
+            hits = [
+                n for n in walk(args[1].value) if isinstance(n, (cst.Name, cst.Attribute)) and self._qn(n) == (FSDP, "")
+            ]
+            if not hits:
+                return False
+            self.needs_imports.add(("torch.distributed.fsdp", "FSDPModule"))
+            for n in hits:  # FSDP inside a tuple or union of classes: that element becomes FSDPModule
+                self.name_rewrites[id(n)] = "FSDPModule"
+                self.consumed_nodes.add(id(n))
+            self._record(
+                node,
+                f"isinstance(..., {short(code_of(args[1].value), 40)})",
+                f"FSDPModule in place of {code_of(hits[0])} (FSDP2 units are FSDPModule)",
+                True,
+            )
+            return False
+        elif (spec := self._mock_spec(node)) is not None:
+            self._consume(spec)
+            if "FSDP2" in code_of(self.functions[-1] if self.functions else node):
+                self._record(
+                    node,
+                    f"{code_of(node.func)}(spec={code_of(spec)})",
+                    "kept as is: this test stands in an FSDP1 wrapper for code that tells it from FSDP2's",
+                    True,
+                )
+                return False
+            self.needs_imports.add(("torch.distributed.fsdp", "FSDPModule"))
+            self.name_rewrites[id(spec)] = "FSDPModule"
+            self._record(
+                node,
+                f"{code_of(node.func)}(spec={code_of(spec)})",
+                "spec=FSDPModule: the stand-in passes the isinstance(..., FSDPModule) checks the migrated code makes",
+                True,
+            )
+            return False
+        elif hit == (FSDP, "fsdp_modules") and args:
+            self.needs_imports.add(("torch.distributed.fsdp", "FSDPModule"))
+            root = code_of(args[0].value)
+            code = f"[m for m in {root}.modules() if isinstance(m, FSDPModule)]"
+            self._record(node, f"{code_of(node.func)}(...)", code, True)
+        elif hit == (FSDP, "clip_grad_norm_") and args:
+            self.needs_imports.add(("fsdp_bridge", None))
+            code = f"fsdp_bridge.clip_grad_norm_({', '.join(code_of(a).rstrip(', ') for a in args)})"
+            self._record(node, f"{code_of(node.func)}(...)", f"{code}; {fsdp2_text('clip_grad_norm_')}", True)
+        elif (
+            hit is not None
+            and hit[0] == "ShardedGradScaler"
+            and not any(a.keyword is not None and a.keyword.value == "process_group" for a in args)
+        ):
+            self.needs_imports.add(("torch", None))
+            code = f"torch.amp.GradScaler({', '.join(code_of(a).rstrip(', ') for a in args)})"
+            self._record(node, "ShardedGradScaler(...)", f"{code} ({fsdp2_any('ShardedGradScaler')})", True)
+        else:
+            return False
+        self.call_rewrites[id(node)] = code
+        self._consume(node.func)
+        for a in args:
+            self._consume(a.value) if self._qn(a.value) is not None else None
+        return True

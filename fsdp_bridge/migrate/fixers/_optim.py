@@ -1,0 +1,285 @@
+"""FSDP1's optimizer-state functions (``optim_state_dict``, ``optim_state_dict_to_load``,
+``shard_full_optim_state_dict``, ``scatter_full_optim_state_dict``, ...) and optimizers built before the wrap."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import libcst as cst
+import libcst.matchers as m
+from libcst.metadata import PositionProvider, QualifiedNameProvider
+
+from fsdp_bridge.migrate._analysis import assign_target, assign_value, code_of, model_and_optim, named_args, short, walk
+from fsdp_bridge.migrate._names import FSDP, GROUP_RANK0
+from fsdp_bridge.migrate._scan_base import ScannerBase
+
+
+class OptimStateFixer(ScannerBase):
+    """Optimizer state."""
+
+    def _plan_optim_state_call(self, node: cst.Call, func: cst.BaseExpression, hit: tuple[str, str] | None) -> bool:
+        """FSDP1's optimizer-state functions; True when the call is planned."""
+        if hit == (FSDP, "optim_state_dict_to_load") and (code := self._optim_to_load(node, None)) is not None:
+            self.call_rewrites[id(node)] = code
+            self._record(
+                node,
+                "FSDP.optim_state_dict_to_load(...)",
+                f"{code}: loads the state into the optimizer "
+                "(torch's set_optimizer_state_dict) and returns optimizer.state_dict(), so loading the "
+                "result again changes nothing",
+                True,
+            )
+            return True
+        if (
+            hit in ((FSDP, "shard_full_optim_state_dict"), (FSDP, "scatter_full_optim_state_dict"))
+            and (code := self._shard_full_to_load(node)) is not None
+        ):
+            self.call_rewrites[id(node)] = code
+            self._record(
+                node,
+                f"FSDP.{hit[1]}(...)",
+                f"{code}: loads the full state into the optimizer (torch's set_optimizer_state_dict, "
+                "full_state_dict=True"
+                + (", rank 0's sent to the others" if hit[1].startswith("scatter") else "")
+                + ") and returns optimizer.state_dict(), so loading the result changes nothing",
+                True,
+            )
+            return True
+        if hit == (FSDP, "optim_state_dict") and (ctx := self._runtime_state_context()) is not None:
+            if (where := self.dispatch.makes_state_dict_context) is not None and (
+                mo := model_and_optim(node)
+            ) is not None:
+                code = f"fsdp_bridge.optim_state_dict({mo[0]}, {mo[1]})"
+                self.call_rewrites[id(node)] = code
+                self.needs_imports.add(("fsdp_bridge", None))
+                self._consume(node.func)
+                self._record(
+                    node,
+                    "FSDP.optim_state_dict(...)",
+                    f"{code}: inside `with {short(ctx)}:` ({where} makes FSDP1's state-dict contexts, rewritten to "
+                    "fsdp_bridge.state_dict_type): FSDP1's own call on FSDP1 models, on FSDP2 torch's "
+                    "get_optimizer_state_dict with that block's type",
+                    True,
+                )
+                return True
+            self._record(
+                node,
+                "FSDP.optim_state_dict(...)",
+                f"not rewritten: it runs inside `with {short(ctx)}:`, a context made elsewhere that may set "
+                "FSDP1's state-dict type, and FSDP1's optim_state_dict is sharded under SHARDED_STATE_DICT "
+                "and full otherwise: use get_optimizer_state_dict(model, optim) for sharded, with "
+                "options=StateDictOptions(full_state_dict=True, cpu_offload=True) for full",
+                False,
+            )
+            self._consume(node.func)
+            return True
+        if (
+            hit is not None
+            and hit[0] == FSDP
+            and hit[1] in ("optim_state_dict", "full_optim_state_dict", "sharded_optim_state_dict")
+        ):
+            if self._plan_optim_call(node, hit[1]):
+                return True
+        return False
+
+    def _plan_optimizer_order(self, body: Sequence[cst.BaseStatement]) -> None:
+        """``opt = torch.optim.X(M.parameters(), ...)`` before ``M = FSDP(M, ...)`` in the same block moves
+        to just after it: FSDP2 replaces the parameters, so an optimizer built before would update
+        tensors the model no longer uses (training silently nothing)."""
+        wraps: dict[str, int] = {}
+        for i, stmt in enumerate(body):
+            target = assign_target(stmt)
+            if (
+                target is not None
+                and isinstance(value := assign_value(stmt), cst.Call)
+                and self._qn(value.func) == (FSDP, "")
+                and value.args
+                and code_of(value.args[0].value) == target
+            ):
+                wraps.setdefault(target, i)
+        for i, stmt in enumerate(body):
+            value = assign_value(stmt)
+            if not isinstance(value, cst.Call):
+                continue
+            names = {q.name for q in self.get_metadata(QualifiedNameProvider, value.func, set())}
+            if not any(n.startswith("torch.optim.") for n in names):
+                continue
+            text = code_of(value)
+            uses = {t for t in wraps if f"{t}.parameters()" in text or f"{t}.named_parameters()" in text}
+            for target in uses:
+                j = wraps[target]
+                if i < j and not any(assign_target(body[k]) == assign_target(stmt) for k in range(i + 1, j)):
+                    self.optimizer_moves[id(stmt)] = id(body[j])
+                    self._record(
+                        stmt,
+                        f"{code_of(value.func)}(...) before FSDP(...)",
+                        f"moved after the shard call: FSDP2 replaces {target}'s parameters, and an optimizer "
+                        "built before would update tensors the model no longer uses",
+                        True,
+                    )
+
+    def _plan_optim_call(self, node: cst.Call, member: str) -> bool:
+        """FSDP's optimizer-state functions outside a state_dict_type block -> torch's state_dict API."""
+        params = (
+            ("model", "optim", "optim_input", "rank0_only", "group")
+            if member == "full_optim_state_dict"
+            else ("model", "optim", "optim_state_dict", "group")
+        )
+        named = named_args(node, params)
+        code = None
+        unused = ("optim_input", "optim_state_dict", "group")
+        if (
+            named is not None
+            and "model" in named
+            and "optim" in named
+            and all(m.matches(named[k], m.Name("None")) for k in unused if k in named)
+        ):
+            full = member != "sharded_optim_state_dict"
+            rank0 = named.get("rank0_only")
+            if member == "full_optim_state_dict" and self.dispatch.group_fsdp is not None:
+                # rank0_only means each process group's first rank: torch's options have no such form.
+                self.needs_imports.add(("fsdp_bridge", None))
+                extra = "" if rank0 is None else f", rank0_only={code_of(rank0)}"
+                code = f"fsdp_bridge.full_optim_state_dict({code_of(named['model'])}, {code_of(named['optim'])}{extra})"
+                self.call_rewrites[id(node)] = code
+                self._record(node, f"FSDP.{member}(...)", f"{code}: {GROUP_RANK0}", True)
+                return True
+            self.needs_state_dict_api.add("get_optimizer_state_dict")
+            if member != "full_optim_state_dict" or rank0 is None or code_of(rank0) in ("True", "False"):
+                opts = self._options(
+                    full, cpu_offload=member == "full_optim_state_dict" and (rank0 is None or code_of(rank0) == "True")
+                )
+            else:  # rank 0 only, in CPU memory, when the expression is true (FSDP1's rank0_only)
+                opts = f"StateDictOptions(full_state_dict=True, cpu_offload={code_of(rank0)})"
+            code = f"get_optimizer_state_dict({code_of(named['model'])}, {code_of(named['optim'])}, options={opts})"
+        if code is None:
+            return False
+        self.call_rewrites[id(node)] = code
+        self._record(node, f"FSDP.{member}(...)", code, True)
+        return True
+
+    def _in_old_torch_branch(self, node: cst.CSTNode) -> bool:
+        """Inside the branch of ``if <torch.__version__> < ...:`` (or the else of ``>=``) taken on old torch."""
+        line = self.get_metadata(PositionProvider, node).start.line
+        for stmt in self.stmt_stack:
+            if not isinstance(stmt, cst.If) or "torch.__version__" not in (test := code_of(stmt.test)):
+                continue
+            in_body = line <= self.get_metadata(PositionProvider, stmt.body).end.line
+            if in_body == ("<" in test):
+                return True
+        return False
+
+    def _optim_to_load(self, node: cst.Call, options: str | None) -> str | None:
+        """``FSDP.optim_state_dict_to_load(M, O, sd)`` kept in a variable -> fsdp_bridge's helper that loads
+        it and returns ``O.state_dict()`` (a later ``O.load_state_dict(x)`` then changes nothing)."""
+        order: tuple[str, ...] = ("model", "optim", "optim_state_dict", "is_named_optimizer", "load_directly", "group")
+        if any(a.keyword is None for a in node.args) and self._in_old_torch_branch(node):
+            # torch < 2.1 took (optim_state_dict, model, optim): the branch the code takes there (dead on
+            # the torch versions FSDP2 needs) is written with that order read right.
+            order = ("optim_state_dict", "model", "optim")
+        named = named_args(node, order)
+        if named is None or not {"model", "optim", "optim_state_dict"} <= set(named):
+            return None
+        if set(named) - {"model", "optim", "optim_state_dict", "load_directly"}:
+            return None
+        self.needs_imports.add(("fsdp_bridge", None))
+        self._consume(node.func)
+        extra = f", options={options}" if options else ""
+        return (
+            f"fsdp_bridge.optim_state_dict_to_load({code_of(named['model'])}, {code_of(named['optim'])}, "
+            f"{code_of(named['optim_state_dict'])}{extra})"
+        )
+
+    def _shard_full_to_load(self, node: cst.Call) -> str | None:
+        """``x = FSDP.shard_full_optim_state_dict(sd, M, optim=O)`` (loaded later) -> the helper that
+        loads it into ``O`` and returns ``O.state_dict()``; without ``optim`` the optimizer is unknown."""
+        scatter = self._qn(node.func) == (FSDP, "scatter_full_optim_state_dict")
+        named = named_args(node, ("full_optim_state_dict", "model", "optim_input", "optim", "group"))
+        if named is None or not {"full_optim_state_dict", "model"} <= set(named) or "group" in named:
+            return None
+        if "optim_input" in named and not m.matches(named["optim_input"], m.Name("None")):
+            return None
+        optim = code_of(named["optim"]) if "optim" in named else self._loaded_into(node)
+        if optim is None:
+            return None
+        self.needs_imports.add(("fsdp_bridge", None))
+        self._consume(node.func)
+        # scatter: rank 0's full state is sent to the others (theirs may be None), as FSDP1 does.
+        options = f", options={self._options(True, broadcast=True)}" if scatter else ""
+        return (
+            f"fsdp_bridge.optim_state_dict_to_load({code_of(named['model'])}, {optim}, "
+            f"{code_of(named['full_optim_state_dict'])}{options})"
+        )
+
+    def _loaded_into(self, node: cst.Call) -> str | None:
+        """``x = <node>`` with ``O.load_state_dict(x)`` later in the same function: ``O``, the one optimizer."""
+        if not self.stmt_stack or not self.functions:
+            return None
+        stmt = self.stmt_stack[-1]
+        target = assign_target(stmt)
+        if target is None or assign_value(stmt) is not node:
+            return None
+        function = self.functions[-1]
+        nested = [n for n in walk(function.body) if isinstance(n, (cst.FunctionDef, cst.Lambda))]
+        inner = {id(x) for n in nested for x in walk(n)}
+        line = self.get_metadata(PositionProvider, stmt).start.line
+        optims = {
+            code_of(n.func.value)
+            for n in walk(function.body)
+            if id(n) not in inner
+            and isinstance(n, cst.Call)
+            and isinstance(n.func, cst.Attribute)
+            and n.func.attr.value == "load_state_dict"
+            and len(n.args) == 1
+            and code_of(n.args[0].value) == target
+        }
+        if len(optims) != 1:
+            return None
+        optim = optims.pop()
+        # It must exist when the call runs: a parameter of the function, or assigned above the call.
+        params = {p.name.value for p in (*function.params.params, *function.params.kwonly_params)}
+        root = optim.split(".")[0]
+        assigned_before = any(
+            isinstance(n, cst.Assign)
+            and id(n) not in inner
+            and any(code_of(t.target) in (optim, root) for t in n.targets)
+            and self.get_metadata(PositionProvider, n).start.line < line
+            for n in walk(function.body)
+        )
+        return optim if root in params or assigned_before else None
+
+    def _plan_optim_load(self, node: cst.Call) -> bool:
+        """``O.load_state_dict(FSDP.optim_state_dict_to_load|shard_full_optim_state_dict|
+        scatter_full_optim_state_dict(...))`` -> ``set_optimizer_state_dict(M, O, sd, options=...)``."""
+        func = node.func
+        if not (
+            isinstance(func, cst.Attribute)
+            and func.attr.value == "load_state_dict"
+            and len(node.args) == 1
+            and isinstance(node.args[0].value, cst.Call)
+        ):
+            return False
+        inner = node.args[0].value
+        hit = self._qn(inner.func)
+        if hit is None or hit[0] != FSDP:
+            return False
+        optim = code_of(func.value)
+        args = [code_of(a.value) for a in inner.args if a.keyword is None]
+        keywords = {a.keyword.value: code_of(a.value) for a in inner.args if a.keyword is not None}
+        if hit[1] == "optim_state_dict_to_load" and len(args) >= 3:
+            model: str | None = args[0]
+            sd, opts = args[2], self._options(True)
+        elif hit[1] in ("shard_full_optim_state_dict", "scatter_full_optim_state_dict") and args:
+            model = args[1] if len(args) > 1 else keywords.get("model")
+            sd = args[0]
+            opts = self._options(True, broadcast=hit[1] == "scatter_full_optim_state_dict")
+            if model is None:
+                return False
+        else:
+            return False
+        self.needs_state_dict_api.add("set_optimizer_state_dict")
+        code = f"set_optimizer_state_dict({model}, {optim}, {sd}, options={opts})"
+        self.call_rewrites[id(node)] = code
+        self._consume(inner)
+        self._record(node, f"FSDP.{hit[1]}(...)", code, True)
+        return True

@@ -1,0 +1,169 @@
+"""Wrap, mixed-precision and CPU-offload policies and the other constructor argument values: what each
+becomes on the bridge."""
+
+from __future__ import annotations
+
+import libcst as cst
+import libcst.matchers as m
+from libcst.metadata import QualifiedNameProvider
+
+from fsdp_bridge.migrate._analysis import Conversion, class_list, code_of, make_str, walk
+from fsdp_bridge.migrate._names import FSDP1_POSITIONAL, KWARG_OPTION, STRATEGIES, fsdp2_any, fsdp2_case
+from fsdp_bridge.migrate._scan_base import ScannerBase
+
+
+class PolicyFixer(ScannerBase):
+    """Constructor argument values and policies."""
+
+    def _describe_value(self, kw: str, value: cst.BaseExpression) -> str:
+        """What an FSDP1 argument's value becomes, as far as the source shows it."""
+        option = KWARG_OPTION.get(kw, kw)
+        if kw == "ignored_parameters":
+            return (
+                "torch 2.0's name of ignored_states (torch >= 2.1 refuses it): parameter objects -> their paths in "
+                "ignored_modules (fsdp_bridge.module_names, when the code runs): not sharded, gradients not reduced "
+                "across ranks, as in FSDP1"
+            )
+        if kw not in FSDP1_POSITIONAL:
+            return "not an argument of FullyShardedDataParallel in torch >= 2.1 (see the FSDP(...) line)"
+        if kw == "sharding_strategy":
+            member = self._member(value, "ShardingStrategy")
+            if member in STRATEGIES:
+                return f"{member}: {fsdp2_case('strategy', STRATEGIES[member])}"
+            target = code_of(value)
+            assigned = sorted(
+                {
+                    member
+                    for n in (walk(self.module) if self.module is not None else ())
+                    if isinstance(n, cst.Assign)
+                    and any(code_of(t.target) == target for t in n.targets)
+                    and (member := self._member(n.value, "ShardingStrategy")) in STRATEGIES
+                }
+            )
+            if assigned:  # the values this file gives it: say what each becomes
+                cases = "; ".join(f"{mm}: {fsdp2_case('strategy', STRATEGIES[mm])}" for mm in assigned)
+                return f"chosen at run time among {', '.join(assigned)} (assigned in this file); {cases}"
+            return (
+                "known at run time; each strategy keeps its meaning (FULL_SHARD / SHARD_GRAD_OP a 1D mesh, "
+                "resharded after forward or not; HYBRID_* a (replicate, shard) mesh; NO_SHARD a (world, 1) mesh); "
+                "fsdp_bridge.get_bridge(model).report shows what it became"
+            )
+        if kw == "auto_wrap_policy":
+            return (
+                "the same units FSDP1 wraps: fully_shard on each, bottom-up, then the root "
+                "(policy functions run FSDP1's own auto-wrap recursion)"
+            )
+        if kw == "mixed_precision":
+            return "MixedPrecision's param/reduce/buffer dtypes -> MixedPrecisionPolicy (buffers cast once)"
+        if kw == "cpu_offload":
+            return (
+                "CPUOffload(offload_params=True) -> CPUOffloadPolicy on a GPU run; refused with the reason on "
+                "a CPU-only run; offload_params=False -> nothing offloaded"
+            )
+        if kw == "backward_prefetch":
+            return "BACKWARD_PRE is FSDP2's implicit order; BACKWARD_POST / None are refused on FSDP2 with the reason"
+        if kw == "use_orig_params":
+            return "FSDP2 parameters always are the original ones"
+        if kw in ("ignored_modules", "ignored_states"):
+            return (
+                "module (or parameter) objects -> their paths in the model (fsdp_bridge.module_names, when the "
+                "code runs): not sharded, gradients not reduced across ranks, as in FSDP1"
+            )
+        if kw == "process_group" and code_of(value) != "None":
+            return (
+                "shard(..., mesh=fsdp_bridge.mesh_from_process_group(<the group>)) when the code runs: a group of "
+                "some ranks (the data-parallel group of a model-parallel setup) -> a 1D DeviceMesh over them, each "
+                "group sharding its own copy as in FSDP1; HYBRID_SHARD's (intra-node, inter-node) pair -> a 2D "
+                "(replicate, shard) mesh of those groups; the world group -> the bridge's mesh over every rank"
+            )
+        if kw == "process_group":
+            return "None: the bridge's mesh over every rank"
+        if kw in ("forward_prefetch", "limit_all_gathers", "sync_module_states"):
+            return (
+                f"{kw}={code_of(value)}: " + fsdp2_case(option, code_of(value).lower())
+                if code_of(value) in ("True", "False") and kw != "limit_all_gathers"
+                else fsdp2_any(option)
+            )
+        if kw == "device_id":
+            return "the device of the run (CUDA index -> cuda, torch.device('cpu') -> cpu)"
+        if kw == "param_init_fn":
+            return (
+                "not called by the bridge: with sync_module_states=True, meta-device tensors of ranks other than "
+                "0 are materialised and take rank 0's values and dtypes (what a to_empty + cast param_init_fn "
+                "was for); rank 0 must hold real weights (shard() refuses a meta-device rank 0 with the fix)"
+            )
+        return fsdp2_any(option)
+
+    def _member(self, value: cst.BaseExpression, enum_name: str) -> str | None:
+        hit = self._qn(value)
+        if hit is not None and hit[0] == enum_name:
+            return hit[1]
+        return None
+
+    def _wrap(self, value: cst.BaseExpression, conv: Conversion) -> cst.BaseExpression | None:
+        if m.matches(value, m.Name("None")):
+            return make_str("none")
+        if isinstance(value, cst.Call):
+            hit = self._qn(value.func)
+            fn_qn = {q.name for q in self.get_metadata(QualifiedNameProvider, value.func, set())}
+            if "functools.partial" in fn_qn and value.args:
+                self.consumed_partial = True
+                inner = self._qn(value.args[0].value)
+                kwargs = {a.keyword.value: a.value for a in value.args[1:] if a.keyword}
+                if inner and inner[0] == "transformer_auto_wrap_policy" and "transformer_layer_cls" in kwargs:
+                    return class_list(self._follow(kwargs["transformer_layer_cls"], conv))
+                if inner and inner[0] == "size_based_auto_wrap_policy" and set(kwargs) == {"min_num_params"}:
+                    return cst.parse_expression(f'{{"min_num_params": {code_of(kwargs["min_num_params"])}}}')
+            if hit and hit[0] == "ModuleWrapPolicy" and len(value.args) == 1:
+                return class_list(self._follow(value.args[0].value, conv))
+        conv.blockers.append(
+            f"auto_wrap_policy={code_of(value)}: only transformer_auto_wrap_policy, "
+            "size_based_auto_wrap_policy (min_num_params) and ModuleWrapPolicy are converted; "
+            "give BridgeConfig(wrap=callable) for the rest"
+        )
+        return None
+
+    def _mixed_precision(self, value: cst.BaseExpression, conv: Conversion) -> cst.BaseExpression | None:
+        if m.matches(value, m.Name("None")):
+            return None
+        if isinstance(value, cst.Call):
+            hit = self._qn(value.func)
+            if hit and hit[0] == "MixedPrecision" and all(a.keyword for a in value.args):
+                items = []
+                for a in value.args:
+                    assert a.keyword is not None
+                    kw = a.keyword.value
+                    if kw in (
+                        "param_dtype",
+                        "reduce_dtype",
+                        "buffer_dtype",
+                        "cast_forward_inputs",
+                        "cast_root_forward_inputs",
+                    ):
+                        items.append(f'"{kw}": {code_of(a.value)}')
+                    elif kw == "keep_low_precision_grads" and code_of(a.value) == "False":
+                        continue
+                    else:
+                        conv.blockers.append(f"MixedPrecision({kw}=...): {fsdp2_any(kw)}")
+                        return None
+                given = {a.keyword.value for a in value.args if a.keyword is not None}
+                if "param_dtype" in given and "cast_forward_inputs" not in given:
+                    items.append('"cast_forward_inputs": False')  # FSDP1's default: only the root casts
+                return cst.parse_expression("{" + ", ".join(items) + "}")
+        conv.blockers.append(f"mixed_precision={code_of(value)}: not a MixedPrecision(...) call with keywords")
+        return None
+
+    def _cpu_offload(self, value: cst.BaseExpression, conv: Conversion) -> cst.BaseExpression | None:
+        if m.matches(value, m.Name("None")):
+            return None
+        if isinstance(value, cst.Call):
+            hit = self._qn(value.func)
+            if hit and hit[0] == "CPUOffload":
+                if not value.args:
+                    return cst.Name("False")
+                if len(value.args) == 1 and (
+                    value.args[0].keyword is None or value.args[0].keyword.value == "offload_params"
+                ):
+                    return value.args[0].value
+        conv.blockers.append(f"cpu_offload={code_of(value)}: not a CPUOffload(offload_params=...) call")
+        return None

@@ -1,0 +1,495 @@
+"""FSDP1's state-dict contexts (``state_dict_type``, ``set_state_dict_type``) and the model state
+saved or loaded in them or outside them."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import cast
+
+import libcst as cst
+import libcst.matchers as m
+from libcst.metadata import PositionProvider, QualifiedNameProvider
+
+from fsdp_bridge.migrate._analysis import Conversion, code_of, model_and_optim, named_args, short, walk
+from fsdp_bridge.migrate._names import FSDP, GROUP_RANK0, HARMLESS_CALLS
+from fsdp_bridge.migrate._render import with_option
+from fsdp_bridge.migrate._report import CodeFinding
+from fsdp_bridge.migrate._scan_base import ScannerBase
+
+
+class StateDictFixer(ScannerBase):
+    """State-dict contexts and model state."""
+
+    def _plan_state_dict_type_call(self, node: cst.Call, func: cst.BaseExpression, hit: tuple[str, str] | None) -> bool:
+        """FSDP1's state_dict_type / set_state_dict_type call; True when it is planned."""
+        if hit in ((FSDP, "state_dict_type"), (FSDP, "set_state_dict_type")) and id(func) not in self.consumed_nodes:
+            for a in node.args:  # its arguments belong to this construct (a TODO when the block is not rewritten)
+                self._consume(a.value)
+            if hit[1] == "state_dict_type" and self._plan_state_dict_context(node):
+                return True
+        return False
+
+    def _plan_set_state_dict_type(self, node: cst.Call) -> bool:
+        """``FSDP.set_state_dict_type(M, SHARDED_STATE_DICT[, ShardedStateDictConfig()])`` as a statement of
+        its own is deleted: an FSDP2 module's ``state_dict()`` already holds sharded (DTensor) values."""
+        named = named_args(node, ("module", "state_dict_type", "state_dict_config", "optim_state_dict_config"))
+        stmt = self.stmt_stack[-1] if self.stmt_stack else None
+        if (
+            named is None
+            or "state_dict_type" not in named
+            or not isinstance(stmt, cst.SimpleStatementLine)
+            or len(stmt.body) != 1
+            or not isinstance(stmt.body[0], cst.Expr)
+            or stmt.body[0].value is not node
+        ):
+            return False
+        if self._member(named["state_dict_type"], "StateDictType") == "LOCAL_STATE_DICT":
+            self._consume(node)
+            self._record(
+                node,
+                "FSDP.set_state_dict_type(LOCAL_STATE_DICT)",
+                "not rewritten: LOCAL_STATE_DICT (each rank's FSDP1 flat-parameter shards) has no FSDP2 form; "
+                "delete the call and take the state sharded (get_model_state_dict(model): DTensor values, "
+                "saved with torch.distributed.checkpoint) or full where it is saved; an existing local "
+                "checkpoint: load it in FSDP1, save it as SHARDED_STATE_DICT, then `fsdp-bridge convert`",
+                False,
+            )
+            return True
+        if self._member(named["state_dict_type"], "StateDictType") != "SHARDED_STATE_DICT":
+            return False
+        for key in ("state_dict_config", "optim_state_dict_config"):
+            cfg = named.get(key)
+            if cfg is not None and (not self._literal_config(cfg) or self._config_flag(cfg, "offload_to_cpu", False)):
+                return False
+        self.removed_stmts.add(id(stmt))
+        self._consume(node)
+        self._record(
+            node,
+            "FSDP.set_state_dict_type(SHARDED_STATE_DICT)",
+            "deleted: an FSDP2 module's state_dict() already holds sharded (DTensor) values "
+            "(get_model_state_dict(model) gives the same)",
+            True,
+        )
+        return True
+
+    # -- state dicts -----------------------------------------------------------------
+    def _plan_block(self, body: Sequence[cst.BaseStatement]) -> None:
+        body = [stmt for stmt in body if self._in_region(stmt) is None]
+        for stmt in body:
+            if isinstance(stmt, cst.With):
+                self.options_at = stmt
+                try:
+                    self._plan_state_dict_block(stmt)
+                finally:
+                    self.options_at = None
+        self._plan_optimizer_order(body)
+
+    def _plan_plain_state_dict(self, node: cst.Call, func: cst.Attribute) -> bool:
+        """``model.state_dict()`` / ``model.load_state_dict(sd[, strict])`` outside a state_dict_type block, on
+        an object the function shows to be FSDP1's wrapper: FSDP1's default type is FULL_STATE_DICT, so these
+        are full state dicts on every rank; on FSDP2 they would be sharded DTensors (a torch.save on rank 0
+        would keep rank 0's shards only, and loading plain tensors into DTensors fails)."""
+        obj = func.value
+        wrapper = self._fsdp1_wrapper(node, obj)
+        if wrapper not in ("fsdp1", "ambiguous"):
+            return False
+        target, method = code_of(obj), func.attr.value
+        stmt = self.stmt_stack[-1] if self.stmt_stack else None
+        if stmt is not None and f"if isinstance({target}, FSDPModule) else {target}.{method}(" in code_of(stmt):
+            return True  # the DDP branch a first --fix wrote
+        args = list(node.args)
+        if method == "state_dict":
+            if args:
+                return False  # destination/prefix/keep_vars: nn.Module's own signature, left alone
+            construct = f"{short(target, 40)}.state_dict()"
+        else:
+            positional = [a for a in args if a.keyword is None]
+            keywords = {a.keyword.value: a for a in args if a.keyword is not None}
+            if not 1 <= len(positional) <= 2 or set(keywords) - {"strict"} or (len(positional) == 2 and keywords):
+                return False
+            construct = f"{short(target, 40)}.load_state_dict(...)"
+        if (ctx := self._runtime_state_context()) is not None and (where := self.dispatch.makes_state_dict_context):
+            self._record(
+                node,
+                construct,
+                f"kept as is: it runs inside `with {short(ctx)}:` and {where} makes FSDP1's state-dict contexts, "
+                "rewritten to fsdp_bridge.state_dict_type, which gives FSDP2 modules that type's "
+                f"{method} for the block",
+                True,
+            )
+            return True
+        if ctx is not None:
+            self._record(
+                node,
+                construct,
+                f"not rewritten: it runs inside `with {short(ctx)}:`, a context made elsewhere that may set "
+                "FSDP1's state-dict type; FSDP2 has no such setting: use get_model_state_dict / "
+                "set_model_state_dict(model, sd) with options=StateDictOptions(full_state_dict=True) for a full "
+                "state dict, no options for a sharded one",
+                False,
+            )
+            return True
+        if (where := self.dispatch.sets_state_dict_type) is not None:
+            self._record(
+                node,
+                construct,
+                f"not rewritten: {where} calls FSDP.set_state_dict_type, so this state dict's type is set at run "
+                "time; FSDP2 has no such setting: use get_model_state_dict / set_model_state_dict(model, sd) with "
+                "options=StateDictOptions(full_state_dict=True) for a full state dict, no options for a sharded one",
+                False,
+            )
+            return True
+        if method == "state_dict":
+            code = f"get_model_state_dict({target}, options={self._options(True)})"
+            self.needs_state_dict_api.add("get_model_state_dict")
+        else:
+            strict = (
+                keywords["strict"].value
+                if "strict" in keywords
+                else (positional[1].value if len(positional) == 2 else None)
+            )
+            options = self._options(True)
+            if strict is not None:
+                options = options[:-1] + f", strict={code_of(strict)})"
+            code = f"set_model_state_dict({target}, {code_of(positional[0].value)}, options={options})"
+            self.needs_state_dict_api.add("set_model_state_dict")
+        if wrapper == "ambiguous":  # DistributedDataParallel's too: its own state_dict stays on the DDP path
+            self.needs_imports.add(("torch.distributed.fsdp", "FSDPModule"))
+            code = f"({code} if isinstance({target}, FSDPModule) else {code_of(node)})"
+        self.call_rewrites[id(node)] = code
+        self._record(
+            node,
+            construct,
+            f"{short(code, 90)}: outside a state_dict_type block FSDP1 gives and takes full state dicts (its "
+            "default FULL_STATE_DICT), every rank; FSDP2's own would be sharded DTensors",
+            True,
+        )
+        return True
+
+    def _options(self, full: bool, *, cpu_offload: bool = False, broadcast: bool = False, offload: bool = False) -> str:
+        self.needs_state_dict_api.add("StateDictOptions")
+        at = self.options_at or (self.stmt_stack[-1] if self.stmt_stack else None)
+        if full and cpu_offload and (where := self.dispatch.group_fsdp) is not None and at is not None:
+            # torch's full state dict with cpu_offload goes to rank 0 of the world only; FSDP1's rank0_only
+            # meant each process group's first rank, which saves its own model-parallel slice.
+            cpu_offload = False
+            if id(at) not in self.group_offload_noted:
+                self.group_offload_noted.add(id(at))
+                text = (
+                    f"this tree shards over a process group of some ranks ({Path(where).name}): FSDP1 gave the "
+                    "full state to each group's first rank, torch's StateDictOptions(cpu_offload=True) gives it "
+                    "to rank 0 of the world only (the other groups' first ranks would get an empty dict and save "
+                    "nothing), so it is written without cpu_offload: every rank gets the full state on its "
+                    "device (more memory); keep it so, or restore cpu_offload=True if the group is the world"
+                )
+                pos = self.get_metadata(PositionProvider, at)
+                construct = "rank0_only=True (full state dict)"
+                self.findings.append(CodeFinding(self.path, pos.start.line, pos.start.column, construct, text, False))
+                # A state_dict_type block is replaced by its body: the comment goes above its first statement.
+                target = at.body.body[0] if isinstance(at, cst.With) and at.body.body else at
+                self.todos.setdefault(id(target), []).append(f"{construct}: {text}")
+        if not full:
+            return "StateDictOptions(cpu_offload=True)" if offload else "StateDictOptions()"
+        extra = (", cpu_offload=True" if cpu_offload else "") + (", broadcast_from_rank0=True" if broadcast else "")
+        return f"StateDictOptions(full_state_dict=True{extra})"
+
+    def _literal_config(self, cfg: cst.BaseExpression | None) -> bool:
+        """A state-dict config written out (``FullStateDictConfig(rank0_only=True)``, inline or in a
+        variable assigned once) whose flags are literal True/False."""
+        if cfg is None or m.matches(cfg, m.Name("None")):
+            return True
+        value = self._follow(cfg, Conversion())
+        if not isinstance(value, cst.Call) or self._qn(value.func) is None:
+            return False
+        return all(a.keyword is not None and code_of(a.value) in ("True", "False") for a in value.args)
+
+    def _config_flag(self, cfg: cst.BaseExpression | None, name: str, default: bool) -> bool:
+        """A keyword of ``FullStateDictConfig(...)`` given inline or in a variable assigned once."""
+        if cfg is None:
+            return default
+        value = self._follow(cfg, Conversion())
+        if isinstance(value, cst.Call):
+            for a in value.args:
+                if a.keyword is not None and a.keyword.value == name:
+                    return code_of(a.value) == "True"
+        return default
+
+    def _plan_state_dict_context(self, node: cst.Call) -> bool:
+        """``FSDP.state_dict_type(M, type, cfg, optim_cfg)`` that is not a block rewritten in place (a context
+        made here and entered elsewhere, a type known only at run time, a block with no call to rewrite) ->
+        ``fsdp_bridge.state_dict_type(...)``, the same arguments: FSDP1's own context on FSDP1 models, on
+        FSDP2 the type's state_dict/load_state_dict for the block. A literal LOCAL_STATE_DICT stays a TODO."""
+        named = named_args(node, ("module", "state_dict_type", "state_dict_config", "optim_state_dict_config"))
+        if named is None or "module" not in named or "state_dict_type" not in named:
+            return False
+        type_arg = named["state_dict_type"]
+        kind = self._member(type_arg, "StateDictType")
+        block = self.stmt_stack[-1] if self.stmt_stack else None
+        if (
+            kind == "LOCAL_STATE_DICT"
+            and isinstance(block, cst.With)
+            and len(block.items) == 1
+            and block.items[0].item is node
+            and block.items[0].asname is None
+            and self._takes_no_state_of(block, code_of(named["module"]))
+        ):
+            # ``with FSDP.state_dict_type(M, LOCAL_STATE_DICT): torch.save(optimizer.state_dict(), f)``:
+            # nothing in the block reads M's state dicts, so the type changes nothing there.
+            self.unwrap_withs.add(id(block))
+            self._consume(node)
+            self._record(
+                node,
+                "FSDP.state_dict_type(LOCAL_STATE_DICT)",
+                f"the block's body without the context: nothing in it takes {short(code_of(named['module']), 30)}'s "
+                "state dicts, so the type changes nothing there (an optimizer's own state_dict() is this rank's "
+                "state either way: FSDP2's holds DTensor shards)",
+                True,
+            )
+            return True
+        if kind not in ("FULL_STATE_DICT", "SHARDED_STATE_DICT", None) or (kind is None and self._qn(type_arg)):
+            return False
+        self.expr_rewrites[id(node.func)] = "fsdp_bridge.state_dict_type"
+        self.needs_imports.add(("fsdp_bridge", None))
+        self._consume(node.func)
+        self._record(
+            node,
+            f"FSDP.state_dict_type({kind or short(code_of(type_arg), 40)})",
+            "fsdp_bridge.state_dict_type(...), the same arguments: FSDP1's own context on FSDP1 models; on FSDP2 "
+            "the model's state_dict() / load_state_dict() and fsdp_bridge.optim_state_dict() give that type's "
+            "state inside the block (torch.distributed.checkpoint.state_dict; LOCAL_STATE_DICT refused)",
+            True,
+        )
+        return True
+
+    def _plan_group_full_block(
+        self, node: cst.With, model: str, cfg: cst.BaseExpression | None, optim_cfg: cst.BaseExpression | None
+    ) -> None:
+        """A FULL_STATE_DICT block with ``rank0_only`` in a tree sharding over process groups of some ranks:
+        ``M.state_dict()`` / ``FSDP.optim_state_dict(M, O)`` -> fsdp_bridge's full_state_dict /
+        full_optim_state_dict, which keep FSDP1's meaning (each group's first rank)."""
+        model_args = (
+            f"rank0_only={self._config_flag(cfg, 'rank0_only', False)}, "
+            f"offload_to_cpu={self._config_flag(cfg, 'offload_to_cpu', False)}"
+        )
+        optim_args = (
+            f"rank0_only={self._config_flag(optim_cfg, 'rank0_only', False)}, "
+            f"offload_to_cpu={self._config_flag(optim_cfg, 'offload_to_cpu', False)}"
+        )
+        rewrites: dict[int, str] = {}
+        for inner in walk(node.body):
+            if not isinstance(inner, cst.Call):
+                continue
+            func, hit = inner.func, self._qn(inner.func)
+            if isinstance(func, cst.Attribute) and hit is None and code_of(func.value) == model:
+                if func.attr.value == "state_dict" and not inner.args:
+                    rewrites[id(inner)] = f"fsdp_bridge.full_state_dict({model}, {model_args})"
+                elif func.attr.value == "load_state_dict":
+                    return  # a load in the same block: left to the reference pass (a TODO)
+            elif hit == (FSDP, "optim_state_dict") and (mo := model_and_optim(inner)) is not None:
+                rewrites[id(inner)] = f"fsdp_bridge.full_optim_state_dict({mo[0]}, {mo[1]}, {optim_args})"
+            elif hit is not None and hit[0] == FSDP:
+                return
+        if rewrites:
+            self.needs_imports.add(("fsdp_bridge", None))
+            self._unwrap_block(node, rewrites, (cfg, optim_cfg), "FULL_STATE_DICT", f": {GROUP_RANK0}")
+
+    def _unwrap_block(
+        self,
+        node: cst.With,
+        rewrites: dict[int, str],
+        configs: tuple[cst.BaseExpression | None, ...],
+        kind: str,
+        why: str,
+    ) -> None:
+        """A state_dict_type block replaced by its body with ``rewrites`` made in it; the config objects it
+        was given, when built in a variable used only there, go with it."""
+        self.call_rewrites.update(rewrites)
+        self.unwrap_withs.add(id(node))
+        self._consume(node.items[0].item)
+        for extra in configs:
+            value = self._follow(extra, Conversion()) if extra is not None else None
+            if value is not None and value is not extra and self.name_uses.get(cast(cst.Name, extra).value, 0) <= 2:
+                self._consume(value)
+        what = ", ".join(sorted({code.split("(")[0] for code in rewrites.values()}))
+        self._record(node, f"FSDP.state_dict_type({kind})", f"the block's body with {what}{why}", True)
+
+    def _takes_no_state_of(self, block: cst.With, model: str) -> bool:
+        """Every call in the block's body is one that cannot reach ``model``'s state dicts: ``x.state_dict()``
+        of another object, ``torch.save``, ``os``/``os.path``, ``dist.get_rank``-style queries, logging, print."""
+        root = model.split(".")[0]
+        for n in walk(block.body):
+            if isinstance(n, cst.Name) and n.value == root and root != "self":
+                return False
+            if not isinstance(n, cst.Call):
+                continue
+            func = n.func
+            if isinstance(func, cst.Attribute) and func.attr.value == "state_dict" and not n.args:
+                # An optimizer's, scheduler's or scaler's own: not the model's, its owner's (self.model ->
+                # self), a part of it, or an object that may hold it (an engine, a trainer).
+                if re.search(r"opt|sched|scaler", code_of(func.value).split(".")[-1], re.IGNORECASE):
+                    continue
+                return False
+            names = {q.name for q in self.get_metadata(QualifiedNameProvider, func, set())}
+            code = code_of(func)
+            if names & HARMLESS_CALLS or any(q.startswith(("os.", "logging.")) for q in names):
+                continue
+            if code.split(".")[0] in ("logger", "log", "logging") or code.startswith(("self.logger.", "os.path.")):
+                continue
+            return False
+        return True
+
+    def _plan_state_dict_block(self, node: cst.With) -> None:
+        """``with FSDP.state_dict_type(M, FULL_STATE_DICT|SHARDED_STATE_DICT[, cfg[, optim_cfg]]):`` becomes
+        its body, with ``M.state_dict()``, ``M.load_state_dict(x)``, ``FSDP.optim_state_dict(M, O)`` and
+        ``O.load_state_dict(FSDP.optim_state_dict_to_load(M, O, x))`` turned into torch's
+        ``torch.distributed.checkpoint.state_dict`` calls (which work on FSDP1 and FSDP2 models): the
+        user's own ``torch.save`` / DCP code around them keeps working."""
+        if len(node.items) != 1 or not isinstance(node.items[0].item, cst.Call):
+            return
+        call = node.items[0].item
+        if self._qn(call.func) != (FSDP, "state_dict_type"):
+            return
+        named = named_args(call, ("module", "state_dict_type", "state_dict_config", "optim_state_dict_config"))
+        if named is None or "module" not in named or "state_dict_type" not in named:
+            return
+        type_arg = named["state_dict_type"]
+        kind = self._member(type_arg, "StateDictType")
+        if kind is None and self._qn(type_arg) is not None:
+            return  # an FSDP1 name that is not a member: reported by the reference pass
+        if kind not in ("FULL_STATE_DICT", "SHARDED_STATE_DICT", None):
+            return  # LOCAL_STATE_DICT: reported as a TODO by the reference pass
+        model = code_of(named["module"])
+        cfg = named.get("state_dict_config")
+        optim_cfg = named.get("optim_state_dict_config")
+        if kind is None or not self._literal_config(cfg) or not self._literal_config(optim_cfg):
+            # Type or configs known only at run time: fsdp_bridge translates them when the code runs.
+            runtime = ", ".join(code_of(a) for a in (type_arg, cfg, optim_cfg) if a is not None)
+            if optim_cfg is not None and cfg is None:
+                runtime = f"{code_of(type_arg)}, None, {code_of(optim_cfg)}"
+            save_opts = f"fsdp_bridge.state_dict_options({runtime})"
+            optim_opts = f"fsdp_bridge.state_dict_options({runtime}, optimizer=True)"
+            load_opts = f"fsdp_bridge.state_dict_options({runtime}, load=True)"
+            optim_load_opts = f"fsdp_bridge.state_dict_options({runtime}, optimizer=True, load=True)"
+            self.needs_imports.add(("fsdp_bridge", None))
+        elif (
+            kind == "FULL_STATE_DICT"
+            and self.dispatch.group_fsdp is not None
+            and (self._config_flag(cfg, "rank0_only", False) or self._config_flag(optim_cfg, "rank0_only", False))
+        ):
+            self._plan_group_full_block(node, model, cfg, optim_cfg)
+            return
+        else:
+            full = kind == "FULL_STATE_DICT"
+            save_opts = self._options(
+                full,
+                cpu_offload=full and self._config_flag(cfg, "rank0_only", False),
+                offload=not full and self._config_flag(cfg, "offload_to_cpu", False),
+            )
+            optim_opts = self._options(
+                full,
+                cpu_offload=full and self._config_flag(optim_cfg, "rank0_only", False),
+                offload=not full and self._config_flag(optim_cfg, "offload_to_cpu", False),
+            )
+            load_opts = self._options(full)
+            # FSDP1 loads a full optimizer state with rank0_only from rank 0 alone (the other ranks'
+            # dicts are ignored, often None) and broadcasts it; the model's load has no such mode.
+            optim_load_opts = self._options(full, broadcast=full and self._config_flag(optim_cfg, "rank0_only", False))
+        rewrites: dict[int, str] = {}
+        for inner in walk(node.body):
+            if not isinstance(inner, cst.Call):
+                continue
+            func = inner.func
+            hit = self._qn(func)
+            if isinstance(func, cst.Attribute) and hit is None and code_of(func.value) == model:
+                if func.attr.value == "state_dict" and not inner.args:
+                    self.needs_state_dict_api.add("get_model_state_dict")
+                    rewrites[id(inner)] = f"get_model_state_dict({model}, options={save_opts})"
+                elif (
+                    func.attr.value == "load_state_dict"
+                    and (load := named_args(inner, ("state_dict", "strict", "assign"))) is not None
+                    and set(load) <= {"state_dict", "strict"}
+                    and "state_dict" in load
+                ):
+                    # set_model_state_dict returns the same (missing_keys, unexpected_keys) named tuple
+                    self.needs_state_dict_api.add("set_model_state_dict")
+                    opts = (
+                        load_opts
+                        if "strict" not in load
+                        else with_option(load_opts, f"strict={code_of(load['strict'])}")
+                    )
+                    rewrites[id(inner)] = (
+                        f"set_model_state_dict({model}, {code_of(load['state_dict'])}, options={opts})"
+                    )
+            elif hit == (FSDP, "optim_state_dict") and (mo := model_and_optim(inner)) is not None:
+                self.needs_state_dict_api.add("get_optimizer_state_dict")
+                rewrites[id(inner)] = f"get_optimizer_state_dict({mo[0]}, {mo[1]}, options={optim_opts})"
+            elif hit == (FSDP, "optim_state_dict_to_load") and id(inner) not in self.consumed_nodes:
+                code = self._optim_to_load(inner, optim_load_opts)
+                if code is not None:
+                    rewrites[id(inner)] = code
+            elif (
+                isinstance(func, cst.Attribute)
+                and func.attr.value == "load_state_dict"
+                and len(inner.args) == 1
+                and isinstance(inner.args[0].value, cst.Call)
+                and self._qn(inner.args[0].value.func) == (FSDP, "optim_state_dict_to_load")
+            ):
+                to_load = inner.args[0].value
+                if len(to_load.args) >= 3:
+                    self.needs_state_dict_api.add("set_optimizer_state_dict")
+                    m_, o_, sd = (code_of(a.value) for a in to_load.args[:3])
+                    rewrites[id(inner)] = f"set_optimizer_state_dict({m_}, {o_}, {sd}, options={optim_load_opts})"
+                    self._consume(to_load)
+        if rewrites:
+            # Runtime configs stay: the new calls read them.
+            configs = () if save_opts.startswith("fsdp_bridge.") else (cfg, optim_cfg)
+            why = f" (torch.distributed.checkpoint.state_dict, options={save_opts}); your torch.save / DCP code is kept"
+            self._unwrap_block(node, rewrites, configs, kind or short(code_of(type_arg), 40), why)
+
+    def _runtime_state_context(self) -> str | None:
+        """The ``with`` item around the current statement that looks like a state-dict context made
+        elsewhere (``with state_dict_ctx:``, ``with get_state_ctx(model):``), or None."""
+        for stmt in reversed(self.stmt_stack):
+            if not isinstance(stmt, cst.With):
+                continue
+            for item in stmt.items:
+                expr = item.item
+                if isinstance(expr, cst.Call) and self._qn(expr.func) is not None:
+                    continue  # FSDP.state_dict_type(...) itself: planned with its block, or reported there
+                text = code_of(expr)
+                if "state_dict" in text.lower() or "state_ctx" in text.lower() or self._made_context(expr):
+                    return text
+        return None
+
+    def _made_context(self, expr: cst.BaseExpression) -> bool:
+        """``expr`` is a state-dict context made elsewhere in this file: a name assigned from
+        ``FSDP.state_dict_type(...)`` (or from a call to a function returning one), or such a call."""
+        if self.context_makers is None:
+            funcs: set[str] = set()
+            names: set[str] = set()
+            module = self.module
+
+            def makes(value: cst.CSTNode) -> bool:
+                return any(
+                    isinstance(n, cst.Call)
+                    and (self._qn(n.func) == (FSDP, "state_dict_type") or code_of(n.func).split(".")[-1] in funcs)
+                    for n in walk(value)
+                ) or any(isinstance(n, cst.Name) and n.value in names for n in walk(value))
+
+            for _ in range(3):  # factories calling factories
+                for n in walk(module) if module is not None else ():
+                    if isinstance(n, cst.Assign) and makes(n.value):
+                        names.update(code_of(t.target) for t in n.targets)
+                    elif isinstance(n, cst.FunctionDef) and any(
+                        (isinstance(r, cst.Return) and r.value is not None and makes(r.value))
+                        or (isinstance(r, cst.With) and any(makes(i.item) for i in r.items))
+                        for r in walk(n.body)
+                    ):
+                        funcs.add(n.name.value)
+            self.context_makers = (names, funcs)
+        names, funcs = self.context_makers
+        if isinstance(expr, (cst.Name, cst.Attribute)):
+            return code_of(expr) in names
+        return isinstance(expr, cst.Call) and code_of(expr.func).split(".")[-1] in funcs
