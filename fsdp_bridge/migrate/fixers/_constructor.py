@@ -302,10 +302,12 @@ class ConstructorFixer(ScannerBase):
                     return None
             elif name == "backward_prefetch" and self._member(a.value, "BackwardPrefetch") != "BACKWARD_PRE":
                 member = "NONE" if m.matches(a.value, m.Name("None")) else self._member(a.value, "BackwardPrefetch")
-                if member in ("BACKWARD_POST", "NONE"):
+                if member == "NONE":  # FSDP1's "no prefetch" runs on FSDP2 (each unit prefetches itself)
+                    add(name, '"none"')
+                elif member == "BACKWARD_POST":
                     # FSDP2 has one backward order (BACKWARD_PRE's): say so where it changes.
                     note = f"backward_prefetch={code_of(a.value)} has no FSDP2 equivalent; using 'pre': " + fsdp2_case(
-                        "backward_prefetch", "post" if member == "BACKWARD_POST" else "none"
+                        "backward_prefetch", "post"
                     )
                     self._record(a, "backward_prefetch", note, False)
                     add(name, '"pre"')
@@ -424,23 +426,21 @@ class ConstructorFixer(ScannerBase):
                     self._consume(value)
             elif kw == "backward_prefetch":
                 member = "NONE" if m.matches(value, m.Name("None")) else self._member(value, "BackwardPrefetch")
-                if member == "BACKWARD_PRE":
-                    kwarg_nodes[-1] = (a, "pre")
+                if member in ("BACKWARD_PRE", "NONE"):  # FSDP1's meaning on FSDP2 (NONE: no prefetch, emulated)
+                    case = "pre" if member == "BACKWARD_PRE" else "none"
+                    kwarg_nodes[-1] = (a, case)
                     self._consume(value)
-                elif member in ("BACKWARD_POST", "NONE"):
+                    config.append(make_arg("backward_prefetch", make_str(case)))
+                elif member == "BACKWARD_POST":
                     self._consume(value)
                     note = f"backward_prefetch={code_of(a.value)} has no FSDP2 equivalent; using 'pre': " + fsdp2_case(
-                        "backward_prefetch", "post" if member == "BACKWARD_POST" else "none"
+                        "backward_prefetch", "post"
                     )
                     conv.notes.append(note)
                     notes_for_report.append(note)
+                    config.append(make_arg("backward_prefetch", make_str("pre")))
                 else:
                     conv.blockers.append(f"backward_prefetch={code_of(a.value)}: not a BackwardPrefetch member")
-                config.append(make_arg("backward_prefetch", make_str("pre"))) if member in (
-                    "BACKWARD_PRE",
-                    "BACKWARD_POST",
-                    "NONE",
-                ) else None
             elif kw in ("forward_prefetch", "limit_all_gathers", "sync_module_states"):
                 config.append(make_arg(kw, a.value))
                 literal = code_of(a.value)

@@ -61,7 +61,10 @@ class PolicyFixer(ScannerBase):
                 "a CPU-only run; offload_params=False -> nothing offloaded"
             )
         if kw == "backward_prefetch":
-            return "BACKWARD_PRE is FSDP2's implicit order; BACKWARD_POST / None are refused on FSDP2 with the reason"
+            return (
+                "BACKWARD_PRE is FSDP2's implicit order; None (no prefetch) runs on FSDP2 as in FSDP1 (each unit "
+                "gathers itself before its backward); BACKWARD_POST becomes BACKWARD_PRE's timing, with a TODO"
+            )
         if kw == "use_orig_params":
             return "FSDP2 parameters always are the original ones"
         if kw in ("ignored_modules", "ignored_states"):
