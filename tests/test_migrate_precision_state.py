@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fsdp_bridge.migrate._code import TODO, migrate_source
+from fsdp_bridge.migrate._code import TODO, migrate_paths, migrate_source
 
 FIXTURES = Path(__file__).parent / "fixtures" / "migrate" / "precision"
 
@@ -34,3 +34,29 @@ def test_backward_prefetch_none_keeps_fsdp1_meaning_without_todo() -> None:
     assert "refused on FSDP2" not in "\n".join(
         f.replacement for f in migrate_source((FIXTURES / "prefetch_none.py").read_text()).findings
     )
+
+
+def test_a_policy_still_used_elsewhere_keeps_its_assignment_and_imports() -> None:
+    fixed = _fix("policy_still_used.py")
+    assert 'wrap={"min_num_params": 2048}' in fixed
+    assert "LAYER_POLICY = functools.partial(size_based_auto_wrap_policy, min_num_params=2048)" in fixed
+    assert "import functools" in fixed and "import size_based_auto_wrap_policy" in fixed
+    namespace: dict[str, object] = {}
+    exec(compile(fixed, "policy_still_used.py", "exec"), namespace)
+    assert callable(namespace["settings"]().__getitem__("wrap"))  # type: ignore[operator]
+
+
+def test_a_module_level_policy_imported_by_another_file_is_kept(tmp_path: Path) -> None:
+    (tmp_path / "shared_cfg.py").write_text(
+        "import functools\n"
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n"
+        "from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy\n\n"
+        "BLOCK_POLICY = functools.partial(size_based_auto_wrap_policy, min_num_params=64)\n\n\n"
+        "def make(net):\n"
+        "    return FSDP(net, auto_wrap_policy=BLOCK_POLICY)\n"
+    )
+    (tmp_path / "consumer.py").write_text("from shared_cfg import BLOCK_POLICY\n\nprint(BLOCK_POLICY)\n")
+    by_path = {Path(r.path).name: r for r in migrate_paths([tmp_path])[1]}
+    fixed = by_path["shared_cfg.py"].fixed
+    assert "BLOCK_POLICY = functools.partial(" in fixed and "fsdp_bridge.shard(" in fixed
+    assert "import size_based_auto_wrap_policy" in fixed

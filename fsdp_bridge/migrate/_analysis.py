@@ -48,6 +48,9 @@ class Dispatch:
     sets_state_dict_type: str | None = None  # a file of the tree that calls FSDP.set_state_dict_type
     makes_state_dict_context: str | None = None  # a file of the tree that calls FSDP.state_dict_type
     group_fsdp: str | None = None  # a file of the tree passing process_group= (FSDP over some ranks)
+    imported_names: set[str] = field(default_factory=set)
+    """Every name some file of the tree imports with ``from ... import NAME``: a module-level variable of that
+    name may be used by another file, so its assignment is never removed."""
     fsdp1_factories: set[str] = field(default_factory=set)
     """Functions of the tree that return FSDP1's wrapper (``-> FullyShardedDataParallel``, ``return FSDP(...)``),
     by every dotted suffix of their module path (``wrapped_model.load_model``, ``finetune.wrapped_model.load_model``):
@@ -56,6 +59,7 @@ class Dispatch:
     def merge(self, other: Dispatch) -> None:
         self.versions.update(other.versions)
         self.fsdp1_factories |= other.fsdp1_factories
+        self.imported_names |= other.imported_names
         self.fsdp2_tests |= other.fsdp2_tests
         self.sets_state_dict_type = self.sets_state_dict_type or other.sets_state_dict_type
         self.makes_state_dict_context = self.makes_state_dict_context or other.makes_state_dict_context
@@ -365,3 +369,18 @@ def named_args(call: cst.Call, names: Sequence[str]) -> dict[str, cst.BaseExpres
 def short(code: str, limit: int = 60) -> str:
     one = " ".join(code.split())
     return one if len(one) <= limit else one[: limit - 3] + "..."
+
+
+_FROM_IMPORT = re.compile(r"^[ \t]*from[ \t]+[\w.]+[ \t]+import[ \t]+\(?([\w, \t\n]+?)\)?[ \t]*(?:#.*)?$", re.M)
+
+
+def imported_names(code: str) -> set[str]:
+    """The names ``from X import a, b as c`` statements of ``code`` import (``a``, ``b``): a cheap
+    over-approximation, read without parsing (a name in a string that looks like an import counts too)."""
+    names: set[str] = set()
+    for group in _FROM_IMPORT.findall(code):
+        for part in group.replace("\n", ",").split(","):
+            words = part.split()
+            if words:
+                names.add(words[0])
+    return names

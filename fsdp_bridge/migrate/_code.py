@@ -34,8 +34,10 @@ import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import libcst as cst
+import libcst.matchers as m
 from libcst.codemod import CodemodContext
 from libcst.codemod.visitors import AddImportsVisitor, RemoveImportsVisitor
 from libcst.metadata import MetadataWrapper
@@ -48,6 +50,7 @@ from fsdp_bridge.migrate._analysis import (
     find_fsdp1_factories,
     find_own_methods,
     finds_state_dict_context,
+    imported_names,
     passes_group,
 )
 from fsdp_bridge.migrate._names import TODO
@@ -107,7 +110,13 @@ def migrate_source(code: str, path: str = "<string>", *, dispatch: Dispatch | No
     )
     if passes_group(code):
         known.group_fsdp = path  # this file's own, named first
-    scan = Scanner(path, code, single, collector.uses, known)
+    uses = dict(collector.uses)
+    for stmt in module.body:  # a module-level variable another file imports: a use the file does not show
+        if m.matches(stmt, m.SimpleStatementLine(body=[m.Assign(targets=[m.AssignTarget(target=m.Name())])])):
+            name = cast(cst.Name, cast(cst.Assign, cast(cst.SimpleStatementLine, stmt).body[0]).targets[0].target)
+            if name.value in known.imported_names:
+                uses[name.value] = uses.get(name.value, 0) + 1
+    scan = Scanner(path, code, single, uses, known)
     wrapper.visit(scan)  # plan: FSDP(...) conversions and checkpoint blocks
     scan.planning = False
     wrapper.visit(scan)  # report: every other construct
@@ -185,6 +194,7 @@ def migrate_paths(paths: Sequence[str | Path], *, fix: bool = False) -> tuple[Co
                 dispatch.merge(Dispatch(fsdp1_factories=factories))
             dispatch.merge(
                 Dispatch(
+                    imported_names=imported_names(code),
                     own_methods=find_own_methods(code, str(f)),
                     sets_state_dict_type=str(f) if "set_state_dict_type" in code else None,
                     makes_state_dict_context=str(f) if finds_state_dict_context(code) else None,

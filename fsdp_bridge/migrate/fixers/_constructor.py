@@ -9,7 +9,7 @@ import libcst as cst
 import libcst.matchers as m
 from libcst.metadata import PositionProvider, QualifiedNameProvider
 
-from fsdp_bridge.migrate._analysis import Conversion, code_of, make_arg, make_str, short
+from fsdp_bridge.migrate._analysis import Conversion, code_of, make_arg, make_str, short, walk
 from fsdp_bridge.migrate._names import (
     FSDP,
     FSDP1_POSITIONAL,
@@ -92,7 +92,12 @@ class ConstructorFixer(ScannerBase):
         fixable = not conv.blockers
         if fixable and conv.runtime is None:
             for name in conv.consumed:
-                if self.name_uses.get(name, 0) > 2:  # used elsewhere too: keep the assignment
+                if self.name_uses.get(name, 0) > 2:
+                    # Used elsewhere too (or imported by another file): the assignment stays, and with it
+                    # everything its value names (the imports of the policy function, functools).
+                    for node in walk(self.assignments[name]):
+                        if id(node) not in consumed_before:
+                            self.consumed_nodes.discard(id(node))
                     continue
                 self.consumed_nodes.add(id(self.assignments[name]))
         if conv.runtime is not None:
