@@ -60,3 +60,15 @@ def test_a_module_level_policy_imported_by_another_file_is_kept(tmp_path: Path) 
     fixed = by_path["shared_cfg.py"].fixed
     assert "BLOCK_POLICY = functools.partial(" in fixed and "fsdp_bridge.shard(" in fixed
     assert "import size_based_auto_wrap_policy" in fixed
+
+
+def test_summon_with_parameters_held_across_it_gets_a_todo_not_a_rewrite() -> None:
+    fixed = _fix("summon_held_params.py")
+    for held in ("def export_weights", "def export_named"):
+        body = _between(fixed, held, "\ndef ")
+        assert "with FSDP.summon_full_params(model" in body
+        assert TODO in body and "FSDP2 keeps no parameter identity" in body
+    for fresh in ("def export_fresh", "def export_counted"):
+        body = _between(fixed, fresh)
+        body = body[: body.index("\ndef ")] if "\ndef " in body else body
+        assert "with fsdp_bridge.summon_full_params(model):" in body and TODO not in body

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import libcst as cst
-from libcst.metadata import QualifiedNameProvider
+from libcst.metadata import PositionProvider, QualifiedNameProvider
 
-from fsdp_bridge.migrate._analysis import code_of, short
+from fsdp_bridge.migrate._analysis import code_of, short, walk
 from fsdp_bridge.migrate._names import FSDP, NAMES
 from fsdp_bridge.migrate._scan_base import ScannerBase
 
@@ -50,6 +50,11 @@ class SummonFixer(ScannerBase):
                 )
             else:
                 ok = ok and kws.get("recurse", "True") == "True"
+            held = self._params_held_across(node) if ok else None
+            if held is not None:
+                self._record(node, construct, held, False)
+                self._consume(node.func)
+                return True, None
             if ok:
                 self.fixable_calls[id(node)] = "summon"
             self._record(
@@ -70,3 +75,46 @@ class SummonFixer(ScannerBase):
             self._consume(node.func)
             return True, (False if ok else None)
         return False, None
+
+    def _params_held_across(self, node: cst.Call) -> str | None:
+        """Why the context cannot be rewritten where parameter objects taken before it are read inside it
+        (``params = list(model.parameters())`` ... ``with FSDP.summon_full_params(model): use(params)``);
+        None where none are. FSDP1 re-points such objects to the full data; FSDP2 gathers into new tensors and
+        the objects taken before stay sharded DTensors, so a silent rewrite would hand shards on."""
+        scope: cst.CSTNode | None = self.functions[-1] if self.functions else self.module
+        if scope is None:
+            return None
+        block = next(
+            (w for w in walk(scope) if isinstance(w, cst.With) and any(item.item is node for item in w.items)), None
+        )
+        if block is None:
+            return None
+        start = self.get_metadata(PositionProvider, block).start.line
+        taken: dict[str, str] = {}  # name -> the statement that took the parameters
+        for stmt in walk(scope):
+            if not (isinstance(stmt, cst.Assign) and len(stmt.targets) == 1):
+                continue
+            target = stmt.targets[0].target
+            if not isinstance(target, cst.Name) or self.get_metadata(PositionProvider, stmt).start.line >= start:
+                continue
+            counted = (  # a count or size of the parameters, not the objects
+                isinstance(stmt.value, cst.Call)
+                and isinstance(stmt.value.func, cst.Name)
+                and stmt.value.func.value in ("sum", "len", "int", "float", "max", "min", "any", "all")
+            )
+            if not counted and any(
+                isinstance(c, cst.Call)
+                and isinstance(c.func, cst.Attribute)
+                and c.func.attr.value in ("parameters", "named_parameters")
+                for c in walk(stmt.value)
+            ):
+                taken[target.value] = code_of(stmt)
+        read = sorted({n.value for n in walk(block.body) if isinstance(n, cst.Name) and n.value in taken})
+        if not read:
+            return None
+        return (
+            f"parameter objects taken before the context ({short(taken[read[0]], 60)}) are read inside it: "
+            "FSDP1 re-points them to the full data, FSDP2 keeps no parameter identity (they stay sharded "
+            "DTensors inside fsdp_bridge.summon_full_params). Take them from the model inside the context "
+            "(model.parameters() / named_parameters() there), then use fsdp_bridge.summon_full_params(model, ...)"
+        )
