@@ -113,9 +113,9 @@ def migrate_source(code: str, path: str = "<string>", *, dispatch: Dispatch | No
     uses = dict(collector.uses)
     for stmt in module.body:  # a module-level variable another file imports: a use the file does not show
         if m.matches(stmt, m.SimpleStatementLine(body=[m.Assign(targets=[m.AssignTarget(target=m.Name())])])):
-            name = cast(cst.Name, cast(cst.Assign, cast(cst.SimpleStatementLine, stmt).body[0]).targets[0].target)
-            if name.value in known.imported_names:
-                uses[name.value] = uses.get(name.value, 0) + 1
+            var = cast(cst.Name, cast(cst.Assign, cast(cst.SimpleStatementLine, stmt).body[0]).targets[0].target)
+            if var.value in known.imported_names:
+                uses[var.value] = uses.get(var.value, 0) + 1
     scan = Scanner(path, code, single, uses, known)
     wrapper.visit(scan)  # plan: FSDP(...) conversions and checkpoint blocks
     scan.planning = False
