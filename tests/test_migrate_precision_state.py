@@ -72,3 +72,30 @@ def test_summon_with_parameters_held_across_it_gets_a_todo_not_a_rewrite() -> No
         body = _between(fixed, fresh)
         body = body[: body.index("\ndef ")] if "\ndef " in body else body
         assert "with fsdp_bridge.summon_full_params(model):" in body and TODO not in body
+
+
+def test_a_second_fsdp1_root_keeps_fsdp1_full_state_dicts() -> None:
+    fixed = _fix("ema_state.py")
+    full = "options=StateDictOptions(full_state_dict=True)"
+    # made by a partial(FSDP, ...) wrapper; inside the context made for another model (which covers that one only)
+    assert f"teacher_weights = get_model_state_dict(self.teacher, {full})" in fixed
+    assert "weights = self.student.state_dict()" in fixed  # its own context: fsdp_bridge.state_dict_type
+    # made by a function of this file that returns FSDP(...)
+    assert f'"s": get_model_state_dict(self.shadow, {full})' in fixed
+    assert f'set_model_state_dict(self.teacher, blob["t"], {full})' in fixed
+    assert f'set_model_state_dict(self.shadow, blob["s"], {full})' in fixed
+
+
+def test_a_persistent_sharded_type_keeps_later_state_calls_sharded() -> None:
+    fixed = _fix("persistent_sharded.py")
+    saved = _between(fixed, "def save_sharded", "def optimizer_state_of")
+    assert "set_state_dict_type" not in saved
+    assert '"model": get_model_state_dict(model, options=StateDictOptions())' in saved
+    assert '"opt": get_optimizer_state_dict(model, opt, options=StateDictOptions())' in saved
+    # another function: the type is set at run time, so no guess
+    elsewhere = _between(fixed, "def optimizer_state_of", "def fresh_full")
+    assert TODO in elsewhere and "return FSDP.optim_state_dict(model, opt)" in elsewhere
+    # a model made here whose type was never set: FSDP1's default, full
+    fresh = _between(fixed, "def fresh_full")
+    assert "get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))" in fresh
+    assert TODO not in fresh

@@ -239,8 +239,12 @@ class ObjectAnalysis(ScannerBase):
         if key in self.wrapper_kinds:
             return self.wrapper_kinds[key]
 
+        makers = self._local_fsdp1_makers()
+
         def kind(expr: cst.BaseExpression) -> set[str]:
             found = set()
+            if code_of(expr).removeprefix("self.") in makers:
+                found.add("fsdp1")  # a wrapper factory of this file: partial(FSDP, ...) or a function returning one
             for x in walk(expr):
                 quals = self.get_metadata(QualifiedNameProvider, x, set())
                 if resolve_fsdp(quals) in ((FSDP, ""), ("wrap", "")) or self._fsdp1_factory(quals):
@@ -327,3 +331,44 @@ class ObjectAnalysis(ScannerBase):
                 kinds |= kind(n.annotation.annotation)
         self.wrapper_kinds[key] = kinds
         return kinds
+
+    def _local_fsdp1_makers(self) -> set[str]:
+        """Names of this file that make FSDP1 wrappers when called: a variable assigned once from
+        ``functools.partial(FSDP, ...)``, a function (or method) whose every ``return`` gives ``FSDP(...)``
+        (directly or through a name assigned from it there)."""
+        if self.local_makers is None:
+            found: set[str] = set()
+            for name, value in self.assignments.items():
+                if (
+                    isinstance(value, cst.Call)
+                    and code_of(value.func).split(".")[-1] == "partial"
+                    and value.args
+                    and resolve_fsdp(self.get_metadata(QualifiedNameProvider, value.args[0].value, set())) == (FSDP, "")
+                ):
+                    found.add(name)
+            for n in walk(self.module) if self.module is not None else ():
+                if not isinstance(n, cst.FunctionDef):
+                    continue
+                wrapped = {
+                    code_of(t.target)
+                    for a in walk(n.body)
+                    if isinstance(a, cst.Assign)
+                    and isinstance(a.value, cst.Call)
+                    and resolve_fsdp(self.get_metadata(QualifiedNameProvider, a.value.func, set())) == (FSDP, "")
+                    for t in a.targets
+                }
+                returns = [r.value for r in walk(n.body) if isinstance(r, cst.Return)]
+                if returns and all(
+                    r is not None
+                    and (
+                        (
+                            isinstance(r, cst.Call)
+                            and resolve_fsdp(self.get_metadata(QualifiedNameProvider, r.func, set())) == (FSDP, "")
+                        )
+                        or code_of(r) in wrapped
+                    )
+                    for r in returns
+                ):
+                    found.add(n.name.value)
+            self.local_makers = found
+        return self.local_makers

@@ -37,6 +37,7 @@ class ScannerBase(cst.CSTVisitor):
             self, full: bool, *, cpu_offload: bool = False, broadcast: bool = False, offload: bool = False
         ) -> str: ...
         def _runtime_state_context(self) -> str | None: ...
+        def _persistent_type(self, node: cst.CSTNode, model: str) -> str | None: ...
         def _plan_wrap_call(
             self, node: cst.Call, func: cst.BaseExpression, hit: tuple[str, str] | None
         ) -> tuple[bool, bool | None]: ...
@@ -99,6 +100,7 @@ class ScannerBase(cst.CSTVisitor):
         self.wrapper_kinds: dict[tuple[int, str], set[str]] = {}  # (id(scope), object) -> {"fsdp1", "ddp"}
         self.classes: list[cst.ClassDef] = []  # enclosing class definitions
         self.predicates: set[str] | None = None  # see _fsdp1_predicates
+        self.local_makers: set[str] | None = None  # see _local_fsdp1_makers
         self.class_bases: set[int] = set()  # id(base expression) of every class definition
         self.partials: set[int] = set()  # id(functools.partial(FSDP, ...)) planned (rewritten or TODO)
         self.annotation_depth = 0

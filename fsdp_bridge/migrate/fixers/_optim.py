@@ -134,6 +134,36 @@ class OptimStateFixer(ScannerBase):
             and "optim" in named
             and all(m.matches(named[k], m.Name("None")) for k in unused if k in named)
         ):
+            model = code_of(named["model"])
+            # FSDP.optim_state_dict follows the model's persistent state-dict type (FSDP.set_state_dict_type);
+            # FULL_STATE_DICT: made in this function and never set since, FSDP1's default, written below.
+            where = self.dispatch.sets_state_dict_type if member == "optim_state_dict" else None
+            persistent = self._persistent_type(node, model) if where is not None else None
+            if where is not None and persistent != "FULL_STATE_DICT":
+                if persistent == "SHARDED_STATE_DICT":
+                    self.needs_state_dict_api.add("get_optimizer_state_dict")
+                    code = (
+                        f"get_optimizer_state_dict({model}, {code_of(named['optim'])}, options={self._options(False)})"
+                    )
+                    self.call_rewrites[id(node)] = code
+                    self._record(
+                        node,
+                        f"FSDP.{member}(...)",
+                        f"{code}: FSDP.set_state_dict_type({short(model, 30)}, SHARDED_STATE_DICT) above makes "
+                        "FSDP1's optimizer state of this model sharded from then on",
+                        True,
+                    )
+                    return True
+                self._record(
+                    node,
+                    f"FSDP.{member}(...)",
+                    f"not rewritten: {where} calls FSDP.set_state_dict_type, so this optimizer state's type (full "
+                    "or sharded) is set at run time; FSDP2 has no such setting: use get_optimizer_state_dict(model, "
+                    "optim) for sharded, with options=StateDictOptions(full_state_dict=True) for full",
+                    False,
+                )
+                self._consume(node.func)
+                return True
             full = member != "sharded_optim_state_dict"
             rank0 = named.get("rank0_only")
             if member == "full_optim_state_dict" and self.dispatch.group_fsdp is not None:

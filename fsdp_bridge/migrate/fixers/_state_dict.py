@@ -10,7 +10,7 @@ from typing import cast
 
 import libcst as cst
 import libcst.matchers as m
-from libcst.metadata import PositionProvider, QualifiedNameProvider
+from libcst.metadata import CodePosition, PositionProvider, QualifiedNameProvider
 
 from fsdp_bridge.migrate._analysis import Conversion, code_of, model_and_optim, named_args, short, walk
 from fsdp_bridge.migrate._names import FSDP, GROUP_RANK0, HARMLESS_CALLS
@@ -110,7 +110,10 @@ class StateDictFixer(ScannerBase):
             if not 1 <= len(positional) <= 2 or set(keywords) - {"strict"} or (len(positional) == 2 and keywords):
                 return False
             construct = f"{short(target, 40)}.load_state_dict(...)"
-        if (ctx := self._runtime_state_context()) is not None and (where := self.dispatch.makes_state_dict_context):
+        ctx = self._runtime_state_context()
+        if ctx is not None and self._context_of_another_model(ctx, target):
+            ctx = None  # FSDP1's contexts set the type of the model they are given (and its units) only
+        if ctx is not None and (where := self.dispatch.makes_state_dict_context):
             self._record(
                 node,
                 construct,
@@ -131,7 +134,39 @@ class StateDictFixer(ScannerBase):
                 False,
             )
             return True
-        if (where := self.dispatch.sets_state_dict_type) is not None:
+        persistent = self._persistent_type(node, target) if self.dispatch.sets_state_dict_type else None
+        if persistent == "FULL_STATE_DICT":
+            pass  # made in this function and its type never set since: FSDP1's default, written below
+        elif persistent == "SHARDED_STATE_DICT":
+            # FSDP.set_state_dict_type(target, SHARDED_STATE_DICT) above, in this block: FSDP1's state_dict()
+            # and load_state_dict() take sharded state from then on, as FSDP2's own (DTensor) do.
+            if method == "state_dict":
+                self.needs_state_dict_api.add("get_model_state_dict")
+                code = f"get_model_state_dict({target}, options={self._options(False)})"
+            else:
+                strict_arg = (
+                    keywords["strict"].value
+                    if "strict" in keywords
+                    else (positional[1].value if len(positional) == 2 else None)
+                )
+                options = self._options(False)
+                if strict_arg is not None:
+                    options = options[:-1] + f"strict={code_of(strict_arg)})"
+                self.needs_state_dict_api.add("set_model_state_dict")
+                code = f"set_model_state_dict({target}, {code_of(positional[0].value)}, options={options})"
+            if wrapper == "ambiguous":
+                self.needs_imports.add(("torch.distributed.fsdp", "FSDPModule"))
+                code = f"({code} if isinstance({target}, FSDPModule) else {code_of(node)})"
+            self.call_rewrites[id(node)] = code
+            self._record(
+                node,
+                construct,
+                f"{short(code, 90)}: FSDP.set_state_dict_type({short(target, 30)}, SHARDED_STATE_DICT) above makes "
+                "FSDP1's state dicts of this model sharded from then on, as FSDP2's own (DTensor) are",
+                True,
+            )
+            return True
+        elif (where := self.dispatch.sets_state_dict_type) is not None:
             self._record(
                 node,
                 construct,
@@ -447,6 +482,95 @@ class StateDictFixer(ScannerBase):
             configs = () if save_opts.startswith("fsdp_bridge.") else (cfg, optim_cfg)
             why = f" (torch.distributed.checkpoint.state_dict, options={save_opts}); your torch.save / DCP code is kept"
             self._unwrap_block(node, rewrites, configs, kind or short(code_of(type_arg), 40), why)
+
+    def _persistent_type(self, node: cst.CSTNode, model: str) -> str | None:
+        """The type the last ``FSDP.set_state_dict_type(model, T[, cfg[, optim_cfg]])`` statement above ``node``
+        in a block holding it (the function's, or an enclosing one) sets: "SHARDED_STATE_DICT" where the
+        configs add nothing (none, or literal without offload_to_cpu / rank0_only, the call a rewrite deletes),
+        "other" for any other such call, None where there is none."""
+        scope: cst.CSTNode | None = self.functions[-1] if self.functions else self.module
+        if scope is None:
+            return None
+        at = self.get_metadata(PositionProvider, node).start
+        found: tuple[tuple[int, int], str] | None = None
+        for block in walk(scope):
+            if not isinstance(block, (cst.IndentedBlock, cst.Module)):
+                continue
+            span = self.get_metadata(PositionProvider, block)
+            if not (span.start.line, span.start.column) <= (at.line, at.column) <= (span.end.line, span.end.column):
+                continue
+            for stmt in block.body:
+                end = self.get_metadata(PositionProvider, stmt).end
+                if (end.line, end.column) > (at.line, at.column) or not isinstance(stmt, cst.SimpleStatementLine):
+                    continue
+                for small in stmt.body:
+                    call = small.value if isinstance(small, cst.Expr) else None
+                    if not isinstance(call, cst.Call) or self._qn(call.func) != (FSDP, "set_state_dict_type"):
+                        continue
+                    named = named_args(
+                        call, ("module", "state_dict_type", "state_dict_config", "optim_state_dict_config")
+                    )
+                    if named is None or "module" not in named or code_of(named["module"]) != model:
+                        continue
+                    plain = all(
+                        self._literal_config(named.get(k))
+                        and not self._config_flag(named.get(k), "offload_to_cpu", False)
+                        and not self._config_flag(named.get(k), "rank0_only", False)
+                        for k in ("state_dict_config", "optim_state_dict_config")
+                    )
+                    sharded = "state_dict_type" in named and (
+                        self._member(named["state_dict_type"], "StateDictType") == "SHARDED_STATE_DICT"
+                    )
+                    kind = "SHARDED_STATE_DICT" if sharded and plain else "other"
+                    where = (end.line, end.column)
+                    if found is None or where > found[0]:
+                        found = (where, kind)
+        if found is not None:
+            return found[1]
+        if isinstance(scope, cst.FunctionDef) and self._wrapper_made_above(scope, at, model):
+            return "FULL_STATE_DICT"  # made by FSDP(...) in this function and never set since: FSDP1's default
+        return None
+
+    def _wrapper_made_above(self, scope: cst.FunctionDef, at: CodePosition, model: str) -> bool:
+        """``model = FSDP(...)`` (or ``wrap(...)``) in a statement of a block holding ``at``, above it."""
+        for block in walk(scope.body):
+            if not isinstance(block, cst.IndentedBlock):
+                continue
+            span = self.get_metadata(PositionProvider, block)
+            if not (span.start.line, span.start.column) <= (at.line, at.column) <= (span.end.line, span.end.column):
+                continue
+            for stmt in block.body:
+                end = self.get_metadata(PositionProvider, stmt).end
+                if (end.line, end.column) > (at.line, at.column) or not isinstance(stmt, cst.SimpleStatementLine):
+                    continue
+                for small in stmt.body:
+                    if (
+                        isinstance(small, cst.Assign)
+                        and isinstance(small.value, cst.Call)
+                        and any(code_of(t.target) == model for t in small.targets)
+                        and self._qn(small.value.func) in ((FSDP, ""), ("wrap", ""))
+                    ):
+                        return True
+        return False
+
+    @staticmethod
+    def _context_of_another_model(ctx: str, target: str) -> bool:
+        """``with make_ctx(model, ...):`` around ``target.state_dict()`` where ``target`` is neither ``model``
+        nor reached through it: FSDP1's state_dict_type covers one model (its FSDP units), so another root
+        (an EMA copy) keeps its own type there. False where the context's model cannot be read."""
+        try:
+            expr = cst.parse_expression(ctx)
+        except cst.ParserSyntaxError:
+            return False
+        if not isinstance(expr, cst.Call) or not expr.args:
+            return False
+        first = expr.args[0]
+        if first.keyword is not None and first.keyword.value not in ("module", "model"):
+            return False
+        if first.star:
+            return False
+        model = code_of(first.value)
+        return target != model and not target.startswith(model + ".") and not model.startswith(target + ".")
 
     def _runtime_state_context(self) -> str | None:
         """The ``with`` item around the current statement that looks like a state-dict context made
