@@ -1187,9 +1187,14 @@ def test_wrapped_model_attributes_and_a_clip_of_the_trees_own() -> None:
     assert "model.load_state_dict(torch.load(path), strict=False)  # the plain module" in result.fixed
     assert not any(f.line == 87 for f in result.findings)
     assert not any(f.line == 98 for f in result.findings)  # wrapped only in the other branch
-    # A tree that sets the state-dict type persistently: the type is known only at run time, a TODO.
+    # A tree that sets the state-dict type persistently: a model made by FSDP(...) above in the function and
+    # never set since keeps FSDP1's default (full); elsewhere the type is known only at run time, a TODO
+    # (tests/test_migrate_precision_state.py).
     persistent = migrate_source(_source("wrapper_attributes.py") + "\nFSDP.set_state_dict_type\n", "p.py")
-    assert [f.fixable for f in persistent.findings if f.line == 89] == [False]
+    assert [f.fixable for f in persistent.findings if f.line == 89] == [True]
+    assert "torch.save(get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)), path)" in (
+        persistent.fixed
+    )
     # Without a clip function of the tree's own, FSDP1's bound clip_grad_norm_ is rewritten as before.
     plain = migrate_source(_source("wrapper_attributes.py").replace("self.clip_grad_norm_ = ", "self.clip = "))
     assert "fsdp_bridge.clip_grad_norm_(model, max_norm)" in plain.fixed

@@ -93,8 +93,10 @@ def test_a_persistent_sharded_type_keeps_later_state_calls_sharded() -> None:
     assert '"model": get_model_state_dict(model, options=StateDictOptions())' in saved
     assert '"opt": get_optimizer_state_dict(model, opt, options=StateDictOptions())' in saved
     # another function: the type is set at run time, so no guess
-    elsewhere = _between(fixed, "def optimizer_state_of", "def fresh_full")
+    elsewhere = _between(fixed, "def optimizer_state_of", "def weights_of")
     assert TODO in elsewhere and "return FSDP.optim_state_dict(model, opt)" in elsewhere
+    weights = _between(fixed, "def weights_of", "def fresh_full")
+    assert TODO in weights and "return model.state_dict()" in weights
     # a model made here whose type was never set: FSDP1's default, full
     fresh = _between(fixed, "def fresh_full")
     assert "get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))" in fresh
