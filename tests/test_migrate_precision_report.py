@@ -1,0 +1,36 @@
+"""What ``migrate code`` reports: the value each argument had and what it became; constructs it must not miss
+(Lightning's FSDP1 strategy, FSDP1 attributes of a model prepared elsewhere, FSDP1-format checkpoints)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fsdp_bridge.migrate._code import migrate_source
+
+FIXTURES = Path(__file__).parent / "fixtures" / "migrate" / "precision"
+
+
+def _migrate(name: str):  # type: ignore[no-untyped-def]
+    return migrate_source((FIXTURES / name).read_text(), name)
+
+
+def test_each_argument_line_shows_its_source_value_and_what_it_became() -> None:
+    result = _migrate("report_values.py")
+    by_line = {f.line: f for f in result.findings}
+    strategy, wrap, device = by_line[17], by_line[18], by_line[19]
+    assert strategy.construct == "sharding_strategy=ShardingStrategy.HYBRID_SHARD"
+    assert strategy.replacement.startswith('strategy="hybrid_shard": 2D mesh (replicate, shard)')
+    # A policy built in a variable: the report names the variable and the value it holds.
+    assert wrap.construct == (
+        "auto_wrap_policy=small_units (= functools.partial(size_based_auto_wrap_policy, min_num_params=1000))"
+    )
+    assert wrap.replacement.startswith('wrap={"min_num_params": 1000}: fully_shard on each resolved unit')
+    assert device.construct == 'device_id=torch.device("cpu")' and device.replacement.startswith('device="cpu": ')
+    line = next(f.format() for f in result.findings if f.line == 17)
+    assert 'sharding_strategy=ShardingStrategy.HYBRID_SHARD -> strategy="hybrid_shard": 2D mesh' in line
+
+
+def test_report_values_leave_the_rewritten_file_as_it_was() -> None:
+    fixed = _migrate("report_values.py").fixed
+    assert 'strategy="hybrid_shard"' in fixed and 'wrap={"min_num_params": 1000}' in fixed
+    assert "TODO(fsdp-bridge)" not in fixed
