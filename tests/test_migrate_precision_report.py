@@ -34,3 +34,37 @@ def test_report_values_leave_the_rewritten_file_as_it_was() -> None:
     fixed = _migrate("report_values.py").fixed
     assert 'strategy="hybrid_shard"' in fixed and 'wrap={"min_num_params": 1000}' in fixed
     assert "TODO(fsdp-bridge)" not in fixed
+
+
+def test_lightning_fsdp_strategy_is_reported_with_each_argument_in_bridge_terms() -> None:
+    result = _migrate("lightning_strategy.py")
+    by_line = {f.line: f for f in result.findings}
+    strategy = by_line[18]
+    assert strategy.construct == "FSDPStrategy(...) (Lightning's FSDP1 strategy)" and not strategy.fixable
+    assert "ModelParallelStrategy" in strategy.replacement and "configure_model" in strategy.replacement
+    assert "fsdp_bridge.shard(self.model" in strategy.replacement
+    assert (by_line[19].construct, by_line[19].replacement) == (
+        'sharding_strategy="HYBRID_SHARD"',
+        'strategy="hybrid_shard"',
+    )
+    assert (by_line[20].construct, by_line[20].replacement) == ("auto_wrap_policy={Block}", "wrap=[Block]")
+    assert by_line[21].replacement.startswith("activation_checkpointing=True with wrap=[Block]")
+    assert by_line[22].replacement.startswith('fsdp_bridge.save_checkpoint(path, model, kind="sharded")')
+    assert by_line[23].replacement == "cpu_offload=False"
+    # --fix: one TODO above the statement, naming every argument; the code itself is left as it is.
+    fixed = result.fixed
+    (todo,) = [line for line in fixed.splitlines() if "TODO(fsdp-bridge)" in line]
+    assert 'sharding_strategy="HYBRID_SHARD" -> strategy="hybrid_shard"' in todo
+    assert fixed.replace(todo + "\n", "") == result.original
+    assert migrate_source(fixed, "again.py").fixed == fixed  # a second --fix changes nothing
+
+
+def test_lightning_strategy_by_name_and_fabric_strategy_object() -> None:
+    result = _migrate("lightning_fabric_string.py")
+    found = {(f.line, f.construct) for f in result.findings}
+    assert found == {
+        (14, 'Fabric(strategy="fsdp_cpu_offload") (Lightning\'s FSDP1 strategy)'),
+        (15, "FabricFSDP(...) (Lightning's FSDP1 strategy)"),
+        (15, 'state_dict_type="full"'),
+    }, found  # not strategy="ddp", not DDPStrategy(), not the tree's own Trainer(strategy="fsdp")
+    assert result.fixed.count("TODO(fsdp-bridge)") == 2

@@ -13,6 +13,7 @@ from fsdp_bridge.migrate._objects import ObjectAnalysis
 from fsdp_bridge.migrate._scan_base import ScannerBase
 from fsdp_bridge.migrate.fixers._constructor import ConstructorFixer
 from fsdp_bridge.migrate.fixers._imports import ImportsFixer
+from fsdp_bridge.migrate.fixers._lightning import LightningFixer
 from fsdp_bridge.migrate.fixers._meta_init import MetaInitFixer
 from fsdp_bridge.migrate.fixers._no_sync_clip import NoSyncClipFixer
 from fsdp_bridge.migrate.fixers._optim import OptimStateFixer
@@ -32,6 +33,7 @@ class Scanner(
     SummonFixer,
     NoSyncClipFixer,
     ScalerFixer,
+    LightningFixer,
     ObjectAnalysis,
     ScannerBase,
 ):
@@ -128,6 +130,8 @@ class Scanner(
             return None
         if not self.planning:
             self._config_driven(node)
+            if self._plan_lightning(node):
+                return None
         if self.planning or not self.uses_fsdp1:
             return None
         if id(node) in self.call_rewrites:
