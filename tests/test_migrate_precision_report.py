@@ -68,3 +68,24 @@ def test_lightning_strategy_by_name_and_fabric_strategy_object() -> None:
         (15, 'state_dict_type="full"'),
     }, found  # not strategy="ddp", not DDPStrategy(), not the tree's own Trainer(strategy="fsdp")
     assert result.fixed.count("TODO(fsdp-bridge)") == 2
+
+
+def test_fsdp1_sharded_checkpoints_get_one_convert_note_per_file() -> None:
+    result = _migrate("sharded_checkpoints.py")
+    notes = [f for f in result.findings if f.construct.startswith("FSDP1-format checkpoint")]
+    assert [(f.line, f.construct) for f in notes] == [(12, "FSDP1-format checkpoint (SHARDED_STATE_DICT)")]
+    (note,) = notes
+    assert not note.fixable and "`fsdp-bridge convert SRC DST --to sharded`" in note.replacement
+    assert "cannot resume FSDP1's flat-parameter checkpoints (LOCAL_STATE_DICT shards) directly" in note.replacement
+    # The state_dict_type block is replaced by its body: the TODO goes above the function that held it.
+    lines = result.fixed.splitlines()
+    at = lines.index("def save_every(model: FSDPModule, step: int, root: str) -> None:")
+    assert lines[at - 1].startswith("# TODO(fsdp-bridge): FSDP1-format checkpoint (SHARDED_STATE_DICT): ")
+    assert result.fixed.count("FSDP1-format checkpoint") == 1
+    again = migrate_source(result.fixed, "again.py")
+    assert again.fixed == result.fixed  # a second --fix changes nothing
+
+
+def test_dcp_with_torchs_own_fully_shard_gets_no_checkpoint_note() -> None:
+    result = _migrate("fsdp2_dcp_lookalike.py")
+    assert result.findings == [] and result.fixed == result.original

@@ -11,6 +11,7 @@ from fsdp_bridge.migrate._analysis import code_of, short, walk
 from fsdp_bridge.migrate._names import FSDP
 from fsdp_bridge.migrate._objects import ObjectAnalysis
 from fsdp_bridge.migrate._scan_base import ScannerBase
+from fsdp_bridge.migrate.fixers._checkpoints import CheckpointNoteFixer
 from fsdp_bridge.migrate.fixers._constructor import ConstructorFixer
 from fsdp_bridge.migrate.fixers._imports import ImportsFixer
 from fsdp_bridge.migrate.fixers._lightning import LightningFixer
@@ -34,6 +35,7 @@ class Scanner(
     NoSyncClipFixer,
     ScalerFixer,
     LightningFixer,
+    CheckpointNoteFixer,
     ObjectAnalysis,
     ScannerBase,
 ):
@@ -83,6 +85,7 @@ class Scanner(
     # -- expressions ---------------------------------------------------------------
     def visit_Call(self, node: cst.Call) -> bool | None:
         func = node.func
+        self._note_fsdp1_checkpoint(node)
         if self.planning:
             self.called.add(id(func))
             if self._fsdp1_factory(self.get_metadata(QualifiedNameProvider, func, set())):
@@ -193,7 +196,9 @@ class Scanner(
         self.annotation_depth -= 1
 
     def visit_Attribute(self, node: cst.Attribute) -> bool:
+        self._note_fsdp1_checkpoint(node)
         return self._reference(node)
 
     def visit_Name(self, node: cst.Name) -> bool:
+        self._note_fsdp1_checkpoint(node)
         return self._reference(node)
