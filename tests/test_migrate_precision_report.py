@@ -89,3 +89,21 @@ def test_fsdp1_sharded_checkpoints_get_one_convert_note_per_file() -> None:
 def test_dcp_with_torchs_own_fully_shard_gets_no_checkpoint_note() -> None:
     result = _migrate("fsdp2_dcp_lookalike.py")
     assert result.findings == [] and result.fixed == result.original
+
+
+def test_fsdp1_attributes_of_a_model_prepared_elsewhere_get_todos_naming_the_bridge() -> None:
+    result = _migrate("prepared_elsewhere.py")
+    found = {(f.line, f.construct.split(" (")[0]): f for f in result.findings}
+    assert set(found) == {
+        (5, "model._fsdp_wrapped_module"),
+        (7, "model.sharding_strategy"),
+        (8, "model.mixed_precision"),
+    }  # engine.sharding_strategy (line 15) is not shown to be FSDP1's
+    assert all(not f.fixable for f in found.values())
+    assert "fsdp_bridge.get_bridge(model).report" in found[5, "model._fsdp_wrapped_module"].replacement
+    assert "fsdp_bridge.get_bridge(model).config.strategy" in found[7, "model.sharding_strategy"].replacement
+    assert "fsdp_bridge.get_bridge(model).config.mixed_precision" in found[8, "model.mixed_precision"].replacement
+    fixed = result.fixed
+    assert fixed.count("# TODO(fsdp-bridge): ") == 3
+    assert [line for line in fixed.splitlines() if "TODO" not in line] == result.original.splitlines()
+    assert migrate_source(fixed, "again.py").fixed == fixed  # a second --fix changes nothing

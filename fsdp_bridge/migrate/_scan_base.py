@@ -28,6 +28,7 @@ class ScannerBase(cst.CSTVisitor):
         def _config_driven(self, node: cst.Call) -> None: ...
         def _plan_lightning(self, node: cst.Call) -> bool: ...
         def _note_fsdp1_checkpoint(self, node: cst.CSTNode) -> None: ...
+        def _note_fsdp1_attribute(self, node: cst.Attribute) -> None: ...
         def _plan_module_checks(self, node: cst.Call, hit: tuple[str, str] | None) -> bool: ...
         def _plan_state_dict_type_call(
             self, node: cst.Call, func: cst.BaseExpression, hit: tuple[str, str] | None
@@ -112,7 +113,9 @@ class ScannerBase(cst.CSTVisitor):
         self.consumed_nodes: set[int] = set()
         self.stmt_stack: list[cst.CSTNode] = []
         self.uses_fsdp1 = False
-        self.lightning_fsdp = False  # Lightning's FSDP1 strategy is set up here: its TODO is written under --fix
+        self.fsdp1_elsewhere = (
+            False  # FSDP1 set up elsewhere (Lightning, a model wrapped by another file): TODOs written
+        )
 
     # -- helpers -------------------------------------------------------------------
     def _fsdp1_factory(self, qnames: Iterable[Any]) -> bool:

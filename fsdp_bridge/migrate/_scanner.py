@@ -11,6 +11,7 @@ from fsdp_bridge.migrate._analysis import code_of, short, walk
 from fsdp_bridge.migrate._names import FSDP
 from fsdp_bridge.migrate._objects import ObjectAnalysis
 from fsdp_bridge.migrate._scan_base import ScannerBase
+from fsdp_bridge.migrate.fixers._attributes import ElsewhereAttributesFixer
 from fsdp_bridge.migrate.fixers._checkpoints import CheckpointNoteFixer
 from fsdp_bridge.migrate.fixers._constructor import ConstructorFixer
 from fsdp_bridge.migrate.fixers._imports import ImportsFixer
@@ -36,6 +37,7 @@ class Scanner(
     ScalerFixer,
     LightningFixer,
     CheckpointNoteFixer,
+    ElsewhereAttributesFixer,
     ObjectAnalysis,
     ScannerBase,
 ):
@@ -197,6 +199,7 @@ class Scanner(
 
     def visit_Attribute(self, node: cst.Attribute) -> bool:
         self._note_fsdp1_checkpoint(node)
+        self._note_fsdp1_attribute(node)
         return self._reference(node)
 
     def visit_Name(self, node: cst.Name) -> bool:

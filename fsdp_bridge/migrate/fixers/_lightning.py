@@ -64,7 +64,7 @@ class LightningFixer(ScannerBase):
         if self._lightning_name(node.func, "FSDPStrategy") is not None:
             given = [a for a in node.args if a.keyword is not None and a.keyword.value in LIGHTNING_ARGS]
             meant = [(a, self._lightning_meaning(a)) for a in given]
-            self.lightning_fsdp = True
+            self.fsdp1_elsewhere = True
             self._record(
                 node,
                 f"{code_of(node.func)}(...) (Lightning's FSDP1 strategy)",
@@ -103,7 +103,7 @@ class LightningFixer(ScannerBase):
                 and isinstance(a.value, cst.SimpleString)
                 and str(a.value.evaluated_value).startswith("fsdp")
             ):
-                self.lightning_fsdp = True
+                self.fsdp1_elsewhere = True
                 self._record(
                     node,
                     f"{cls}(strategy={code_of(a.value)}) (Lightning's FSDP1 strategy)",
