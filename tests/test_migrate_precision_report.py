@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from fsdp_bridge.migrate._code import migrate_source
+from fsdp_bridge.migrate._report import CodeReport
 
 FIXTURES = Path(__file__).parent / "fixtures" / "migrate" / "precision"
 
@@ -75,15 +76,17 @@ def test_fsdp1_sharded_checkpoints_get_one_convert_note_per_file() -> None:
     notes = [f for f in result.findings if f.construct.startswith("FSDP1-format checkpoint")]
     assert [(f.line, f.construct) for f in notes] == [(12, "FSDP1-format checkpoint (SHARDED_STATE_DICT)")]
     (note,) = notes
-    assert not note.fixable and "`fsdp-bridge convert SRC DST --to sharded`" in note.replacement
+    assert note.note and "`fsdp-bridge convert SRC DST --to sharded`" in note.replacement
     assert "cannot resume FSDP1's flat-parameter checkpoints (LOCAL_STATE_DICT shards) directly" in note.replacement
-    # The state_dict_type block is replaced by its body: the TODO goes above the function that held it.
-    lines = result.fixed.splitlines()
-    at = lines.index("def save_every(model: FSDPModule, step: int, root: str) -> None:")
-    assert lines[at - 1].startswith("# TODO(fsdp-bridge): FSDP1-format checkpoint (SHARDED_STATE_DICT): ")
-    assert result.fixed.count("FSDP1-format checkpoint") == 1
-    again = migrate_source(result.fixed, "again.py")
-    assert again.fixed == result.fixed  # a second --fix changes nothing
+    assert note.format().startswith("sharded_checkpoints.py:12:38: [note] FSDP1-format checkpoint (SHARDED_STATE_DICT)")
+    report = CodeReport(findings=result.findings)
+    assert note not in report.todos  # nothing left to do in the code: --fix rewrote every construct
+    assert report.format().endswith(
+        "6 FSDP1 construct(s): 6 rewritable by --fix, 0 left with TODO(fsdp-bridge); 1 note(s)"
+    )
+    assert (
+        "TODO(fsdp-bridge)" not in result.fixed and "FSDP1-format" not in result.fixed
+    )  # the report's, not the file's
 
 
 def test_dcp_with_torchs_own_fully_shard_gets_no_checkpoint_note() -> None:

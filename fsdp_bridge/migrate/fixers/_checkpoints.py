@@ -1,6 +1,7 @@
-"""FSDP1-format checkpoints: a file that saves or loads FSDP1's sharded or local state gets one note
-(a TODO at the first such place) saying how checkpoints already written carry across to the migrated
-code, and that flat-parameter (``LOCAL_STATE_DICT``) shards cannot be resumed as they are."""
+"""FSDP1-format checkpoints: a file that saves or loads FSDP1's sharded or local state gets one note in
+the report (at the first such place; no TODO comment) saying how checkpoints already written carry
+across to the migrated code, and that flat-parameter (``LOCAL_STATE_DICT``) shards cannot be resumed
+as they are."""
 
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ CHECKPOINT_NOTE = (
 
 
 class CheckpointNoteFixer(ScannerBase):
-    """One note per file that saves or loads FSDP1 sharded / local state (reported, never rewritten)."""
+    """One note per file that saves or loads FSDP1 sharded / local state (in the report only)."""
 
     checkpoint_noted = False
 
@@ -73,10 +74,8 @@ class CheckpointNoteFixer(ScannerBase):
         self.checkpoint_noted = True
         construct = f"FSDP1-format checkpoint ({what})"
         pos = self.get_metadata(PositionProvider, node)
+        # A note in the report, not a TODO in the file: the code is migrated by the other fixers; what it
+        # already wrote is the reader's to carry across.
         self.findings.append(
-            CodeFinding(self.path, pos.start.line, pos.start.column, construct, CHECKPOINT_NOTE, False)
+            CodeFinding(self.path, pos.start.line, pos.start.column, construct, CHECKPOINT_NOTE, True, note=True)
         )
-        # The TODO goes above the innermost statement --fix keeps (a state_dict_type block is replaced by its body).
-        kept = [s for s in self.stmt_stack if id(s) not in self.unwrap_withs and id(s) not in self.removed_stmts]
-        if kept:
-            self.todos.setdefault(id(kept[-1]), []).append(f"{construct}: {CHECKPOINT_NOTE}")
