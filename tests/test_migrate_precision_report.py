@@ -101,12 +101,13 @@ def test_fsdp1_attributes_of_a_model_prepared_elsewhere_get_todos_naming_the_bri
         (5, "model._fsdp_wrapped_module"),
         (7, "model.sharding_strategy"),
         (8, "model.mixed_precision"),
-    }  # engine.sharding_strategy (line 15) is not shown to be FSDP1's
+        (10, "model.params"),
+    }  # engine.sharding_strategy (line 16) is not shown to be FSDP1's
     assert all(not f.fixable for f in found.values())
     assert "fsdp_bridge.get_bridge(model).report" in found[5, "model._fsdp_wrapped_module"].replacement
     assert "fsdp_bridge.get_bridge(model).config.strategy" in found[7, "model.sharding_strategy"].replacement
     assert "fsdp_bridge.get_bridge(model).config.mixed_precision" in found[8, "model.mixed_precision"].replacement
     fixed = result.fixed
-    assert fixed.count("# TODO(fsdp-bridge): ") == 3
+    assert fixed.count("# TODO(fsdp-bridge): ") == 4
     assert [line for line in fixed.splitlines() if "TODO" not in line] == result.original.splitlines()
     assert migrate_source(fixed, "again.py").fixed == fixed  # a second --fix changes nothing

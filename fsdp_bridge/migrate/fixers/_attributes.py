@@ -16,6 +16,13 @@ FSDP1_ONLY_ATTRS = ("_fsdp_wrapped_module", "_handle", "_handles", "_flat_param"
 """Attributes only FSDP1's wrapper has (no other torch module defines them): reading one proves the object is
 FSDP1's."""
 
+MORE_WRAPPER_ATTRS = {
+    "params": "FSDP1's list of flat parameters has no FSDP2 form: iterate model.parameters() (DTensors; "
+    "p.to_local() for this rank's shard)",
+    "module": "FSDP2 does not wrap: the sharded model is the module itself (drop .module)",
+}
+"""Wrapper attributes read on an object proven FSDP1's here (too common a name to report without proof)."""
+
 BRIDGE_OFFERS = (
     "with fsdp_bridge, fsdp_bridge.get_bridge(model).config holds the settings the model was sharded with and "
     "fsdp_bridge.get_bridge(model).report what each became"
@@ -50,11 +57,11 @@ class ElsewhereAttributesFixer(ScannerBase):
                 f"{INTERNAL_ATTRS[attr]}; {BRIDGE_OFFERS}",
                 False,
             )
-        elif attr in WRAPPER_ATTRS:
+        elif attr in WRAPPER_ATTRS or attr in MORE_WRAPPER_ATTRS:
             self._record(
                 node,
                 f"{code_of(node)} (an FSDP1 wrapper attribute of a model prepared elsewhere: {obj}.{proof} is read "
                 "here too)",
-                f"FSDPModule has no {attr}; {WRAPPER_ATTRS[attr]}",
+                f"FSDPModule has no {attr}; {WRAPPER_ATTRS.get(attr) or MORE_WRAPPER_ATTRS[attr]}",
                 False,
             )
