@@ -44,7 +44,7 @@ EXPECTED: dict[str, set[tuple[int, str]]] = {
         ),
         (
             57,
-            "mixed_precision=mp_policy (= MixedPrecision( param_dtype=torch.bfloat16, reduce_dtype=torch.float32, buffe...)",
+            "mixed_precision=mp_policy (= MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, buffer...)",
         ),
         (58, "sharding_strategy=ShardingStrategy.FULL_SHARD"),
         (59, "backward_prefetch=BackwardPrefetch.BACKWARD_PRE"),

@@ -3,6 +3,7 @@ per-argument findings of a conversion."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 import libcst as cst
@@ -23,6 +24,13 @@ from fsdp_bridge.migrate._names import (
 from fsdp_bridge.migrate._render import comments_around, runtime_lines, runtime_names
 from fsdp_bridge.migrate._report import CodeFinding
 from fsdp_bridge.migrate._scan_base import ScannerBase
+
+
+def without_comments(node: cst.BaseExpression) -> str:
+    """An expression's source text without its comments (a report line is one line)."""
+    one = " ".join(re.sub(r"#[^\n]*", "", code_of(node)).split())
+    return re.sub(r",?\s+([)\]}])", r"\1", re.sub(r"([(\[{])\s+", r"\1", one))  # f( a, ) -> f(a)
+
 
 FOLLOWED_KWARGS = ("auto_wrap_policy", "mixed_precision", "cpu_offload", "sharding_strategy", "backward_prefetch")
 """Arguments whose value, a variable assigned once in the file, is read through the variable."""
@@ -511,7 +519,8 @@ class ConstructorFixer(ScannerBase):
         text = fsdp2_case(option, case) if case else self._describe_value(kw, a.value)
         if became is not None and fixable:
             text = f"{became}: {text}"
-        construct = f"{kw}={short(code_of(a.value))}"
+        construct = f"{kw}={short(without_comments(a.value))}"
         if isinstance(a.value, cst.Name) and a.value.value in self.assignments and kw in FOLLOWED_KWARGS:
-            construct += f" (= {short(code_of(self.assignments[a.value.value]), 80)})"  # the value the name holds
+            held = self.assignments[a.value.value]
+            construct += f" (= {short(without_comments(held), 80)})"  # the value the name holds
         self.findings.append(CodeFinding(self.path, pos.start.line, pos.start.column, construct, text, fixable))
