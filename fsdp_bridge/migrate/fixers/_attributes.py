@@ -6,6 +6,8 @@ Files that import FSDP1 are covered by ``_imports`` (the wrapper is known there)
 
 from __future__ import annotations
 
+import re
+
 import libcst as cst
 
 from fsdp_bridge.migrate._analysis import code_of
@@ -39,6 +41,8 @@ class ElsewhereAttributesFixer(ScannerBase):
         if self.uses_fsdp1 or self.assign_target_depth:
             return
         obj, attr = code_of(node.value), node.attr.value
+        if self._hasattr_guarded(obj, attr):
+            return  # read only where the object has it: the code already runs without FSDP1's wrapper
         key = (id(self.functions[-1]) if self.functions else 0, obj)
         if self.planning:
             if attr in FSDP1_ONLY_ATTRS:
@@ -65,3 +69,14 @@ class ElsewhereAttributesFixer(ScannerBase):
                 f"FSDPModule has no {attr}; {WRAPPER_ATTRS.get(attr) or MORE_WRAPPER_ATTRS[attr]}",
                 False,
             )
+
+    def _hasattr_guarded(self, obj: str, attr: str) -> bool:
+        """``hasattr(obj, "attr")`` in the condition (or the statement) that reads ``obj.attr``."""
+        stmt = self.stmt_stack[-1] if self.stmt_stack else None
+        if isinstance(stmt, (cst.If, cst.While)):
+            text = code_of(stmt.test)
+        elif isinstance(stmt, cst.SimpleStatementLine):
+            text = code_of(stmt)
+        else:
+            return False
+        return re.search(rf"hasattr\(\s*{re.escape(obj)}\s*,\s*['\"]{re.escape(attr)}['\"]\s*\)", text) is not None
