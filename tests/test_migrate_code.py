@@ -38,19 +38,25 @@ HAS_CHECKPOINT_API = hasattr(fsdp_bridge, "save_checkpoint") and hasattr(fsdp_br
 EXPECTED: dict[str, set[tuple[int, str]]] = {
     "transformer_mp.py": {
         (54, "FSDP(...)"),
-        (56, "auto_wrap_policy="),
-        (57, "mixed_precision="),
-        (58, "sharding_strategy="),
-        (59, "backward_prefetch="),
-        (60, "device_id="),
-        (61, "use_orig_params="),
+        (
+            56,
+            "auto_wrap_policy=wrap_policy (= functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block}))",
+        ),
+        (
+            57,
+            "mixed_precision=mp_policy (= MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, buffer...)",
+        ),
+        (58, "sharding_strategy=ShardingStrategy.FULL_SHARD"),
+        (59, "backward_prefetch=BackwardPrefetch.BACKWARD_PRE"),
+        (60, 'device_id=torch.device("cpu")'),
+        (61, "use_orig_params=True"),
         (71, "model.clip_grad_norm_(...)"),
     },
     "full_state_dict.py": {
         (51, "FullyShardedDataParallel(...)"),
-        (53, "sharding_strategy="),
-        (54, "auto_wrap_policy="),
-        (55, "device_id="),
+        (53, "sharding_strategy=ShardingStrategy.FULL_SHARD"),
+        (54, "auto_wrap_policy=partial(size_based_auto_wrap_policy, min_num_params=1000)"),
+        (55, 'device_id=torch.device("cpu")'),
         (64, "FSDP.state_dict_type(FULL_STATE_DICT)"),
         (71, "FSDP.state_dict_type(FULL_STATE_DICT)"),
         (79, "FSDP.state_dict_type(FULL_STATE_DICT)"),
@@ -58,20 +64,20 @@ EXPECTED: dict[str, set[tuple[int, str]]] = {
     },
     "grad_accum.py": {
         (33, "FSDP(...)"),
-        (33, "auto_wrap_policy="),
-        (34, "sharding_strategy="),
-        (35, "device_id="),
+        (33, "auto_wrap_policy=ModuleWrapPolicy({MLPBlock})"),
+        (34, "sharding_strategy=ShardingStrategy.SHARD_GRAD_OP"),
+        (35, 'device_id=torch.device("cpu")'),
         (44, "model.no_sync()"),
     },
     "hybrid_mesh.py": {
         (36, "FSDP(...)"),
-        (38, "device_mesh="),
-        (39, "sharding_strategy="),
-        (40, "auto_wrap_policy="),
-        (41, "device_id="),
-        (42, "forward_prefetch="),
-        (43, "limit_all_gathers="),
-        (44, "sync_module_states="),
+        (38, "device_mesh=mesh"),
+        (39, "sharding_strategy=ShardingStrategy.HYBRID_SHARD"),
+        (40, "auto_wrap_policy=ModuleWrapPolicy({Layer})"),
+        (41, 'device_id=torch.device("cpu")'),
+        (42, "forward_prefetch=False"),
+        (43, "limit_all_gathers=True"),
+        (44, "sync_module_states=False"),
         (57, "FSDP.summon_full_params(...)"),
         (61, "FSDP.state_dict_type(FULL_STATE_DICT)"),
         (63, "FSDP.full_optim_state_dict(...)"),
@@ -81,13 +87,18 @@ EXPECTED: dict[str, set[tuple[int, str]]] = {
         (98, "process_group=data_parallel"),
         (102, "sync_module_states=sync"),
     },
-    "fsdp_tp.py": {(44, "FSDP(...)"), (44, "device_id="), (44, "device_mesh="), (44, "use_orig_params=")},
+    "fsdp_tp.py": {
+        (44, "FSDP(...)"),
+        (44, 'device_id=torch.device("cpu")'),
+        (44, "device_mesh=dp_mesh"),
+        (44, "use_orig_params=True"),
+    },
     "sharded_dcp_resume.py": {
         (41, "FSDP(...)"),
-        (41, "auto_wrap_policy="),
-        (41, "sharding_strategy="),
-        (42, "device_id="),
-        (42, "use_orig_params="),
+        (41, "auto_wrap_policy=ModuleWrapPolicy({Layer})"),
+        (41, "sharding_strategy=ShardingStrategy.SHARD_GRAD_OP"),
+        (42, 'device_id=torch.device("cpu")'),
+        (42, "use_orig_params=True"),
         (54, "FSDP.state_dict_type(SHARDED_STATE_DICT)"),
         (60, "FSDP.state_dict_type(SHARDED_STATE_DICT)"),
     },
@@ -215,10 +226,10 @@ EXPECTED: dict[str, set[tuple[int, str]]] = {
         (46, "FSDP.optim_state_dict_to_load(...)"),
         (47, "isinstance(..., FSDP)"),
         (51, "FSDP(...)"),
-        (52, "mixed_precision="),
-        (53, "cpu_offload="),
-        (54, "backward_prefetch="),
-        (55, "sharding_strategy="),
+        (52, "mixed_precision=MixedPrecision(param_dtype=torch.float16)"),
+        (53, "cpu_offload=CPUOffload(offload_params=True)"),
+        (54, "backward_prefetch=BackwardPrefetch.BACKWARD_POST"),
+        (55, "sharding_strategy=ShardingStrategy.NO_SHARD"),
     },
 }
 
@@ -1145,7 +1156,7 @@ def test_private_fsdp1_helpers_and_wrapper_subclasses_are_todos_not_fixes() -> N
         "FSDP.fsdp_modules(...)",
         "FSDP.fsdp_modules(...)",
     )
-    assert [f.construct for f in result.findings if f.fixable] == list(kept)  # a name helper works as it is
+    assert [f.construct for f in result.findings if f.fixable and not f.note] == list(kept)  # a name helper works
     assert "call module.reshard() (FSDPModule)" in result.fixed
     # FSDP2's own private module is not FSDP1's.
     fsdp2 = "from torch.distributed.fsdp._fully_shard import fully_shard\n\ndef go(m):\n    fully_shard(m)\n"

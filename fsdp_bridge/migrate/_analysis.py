@@ -248,6 +248,8 @@ class Conversion:
     indent: str = ""
     """Indentation of the statement holding the call (for a multi-line rewrite)."""
     kwarg_cases: list[tuple[cst.Arg, str | None]] = field(default_factory=list)
+    kwarg_became: dict[int, str] = field(default_factory=dict)
+    """id(FSDP1 keyword argument) -> what it became in ``shard(...)`` (``strategy="hybrid_shard"``), for the report."""
     report_notes: list[str] = field(default_factory=list)
     runtime: list[tuple[str, str]] | None = None
     """``(FSDP1 keyword or "**", source)`` for ``BridgeConfig.from_fsdp1(...)``: the values stay the

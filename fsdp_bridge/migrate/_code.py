@@ -127,7 +127,8 @@ def migrate_source(code: str, path: str = "<string>", *, dispatch: Dispatch | No
         head, _, rest = code.partition("\n") if code.startswith("#!") else ("", "", code)
         noted = code if comment in code else (f"{head}\n" if head else "") + comment + rest
         return MigratedSource(path, code, noted, [finding])
-    if not scan.uses_fsdp1:  # at most config-driven FSDP (Trainer / accelerate arguments): report, change nothing
+    if not scan.uses_fsdp1 and not scan.fsdp1_elsewhere:
+        # At most config-driven FSDP (Trainer / accelerate arguments): report, change nothing.
         return MigratedSource(path, code, code, sorted(scan.findings, key=lambda f: (f.line, f.column)))
     fixer = Rewriter(scan, {id(v): k for k, v in single.items()})
     fixed = wrapper.module.visit(fixer)

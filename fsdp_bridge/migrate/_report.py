@@ -175,9 +175,13 @@ class CodeFinding:
     """Its FSDP2 / fsdp_bridge replacement."""
     fixable: bool
     """Whether ``--fix`` rewrites it (otherwise it gets a ``TODO(fsdp-bridge)`` comment)."""
+    note: bool = False
+    """A note for the reader, not a construct: nothing here to rewrite and no TODO comment (what to do with
+    what the code already wrote, e.g. FSDP1-format checkpoints); ``fixable`` is True so it never counts as
+    left to do."""
 
     def format(self) -> str:
-        mark = "fix" if self.fixable else "todo"
+        mark = "note" if self.note else "fix" if self.fixable else "todo"
         return f"{self.path}:{self.line}:{self.column + 1}: [{mark}] {self.construct} -> {self.replacement}"
 
 
@@ -200,10 +204,13 @@ class CodeReport:
     def format(self) -> str:
         lines = [f.format() for f in self.findings]
         lines.extend(f"{path}: [skipped] {reason}" for path, reason in self.skipped)
-        n_fix = sum(f.fixable for f in self.findings)
+        constructs = [f for f in self.findings if not f.note]
+        n_fix = sum(f.fixable for f in constructs)
+        n_notes = len(self.findings) - len(constructs)
         lines.append(
-            f"{len(self.findings)} FSDP1 construct(s): {n_fix} rewritable by --fix, "
-            f"{len(self.findings) - n_fix} left with TODO(fsdp-bridge)"
+            f"{len(constructs)} FSDP1 construct(s): {n_fix} rewritable by --fix, "
+            f"{len(constructs) - n_fix} left with TODO(fsdp-bridge)"
+            + (f"; {n_notes} note(s)" if n_notes else "")
             + (f"; {len(self.skipped)} file(s) skipped" if self.skipped else "")
         )
         return "\n".join(lines)

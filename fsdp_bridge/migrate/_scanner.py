@@ -11,8 +11,11 @@ from fsdp_bridge.migrate._analysis import code_of, short, walk
 from fsdp_bridge.migrate._names import FSDP
 from fsdp_bridge.migrate._objects import ObjectAnalysis
 from fsdp_bridge.migrate._scan_base import ScannerBase
+from fsdp_bridge.migrate.fixers._attributes import ElsewhereAttributesFixer
+from fsdp_bridge.migrate.fixers._checkpoints import CheckpointNoteFixer
 from fsdp_bridge.migrate.fixers._constructor import ConstructorFixer
 from fsdp_bridge.migrate.fixers._imports import ImportsFixer
+from fsdp_bridge.migrate.fixers._lightning import LightningFixer
 from fsdp_bridge.migrate.fixers._meta_init import MetaInitFixer
 from fsdp_bridge.migrate.fixers._no_sync_clip import NoSyncClipFixer
 from fsdp_bridge.migrate.fixers._optim import OptimStateFixer
@@ -32,6 +35,9 @@ class Scanner(
     SummonFixer,
     NoSyncClipFixer,
     ScalerFixer,
+    LightningFixer,
+    CheckpointNoteFixer,
+    ElsewhereAttributesFixer,
     ObjectAnalysis,
     ScannerBase,
 ):
@@ -81,6 +87,7 @@ class Scanner(
     # -- expressions ---------------------------------------------------------------
     def visit_Call(self, node: cst.Call) -> bool | None:
         func = node.func
+        self._note_fsdp1_checkpoint(node)
         if self.planning:
             self.called.add(id(func))
             if self._fsdp1_factory(self.get_metadata(QualifiedNameProvider, func, set())):
@@ -128,6 +135,8 @@ class Scanner(
             return None
         if not self.planning:
             self._config_driven(node)
+            if self._plan_lightning(node):
+                return None
         if self.planning or not self.uses_fsdp1:
             return None
         if id(node) in self.call_rewrites:
@@ -189,7 +198,10 @@ class Scanner(
         self.annotation_depth -= 1
 
     def visit_Attribute(self, node: cst.Attribute) -> bool:
+        self._note_fsdp1_checkpoint(node)
+        self._note_fsdp1_attribute(node)
         return self._reference(node)
 
     def visit_Name(self, node: cst.Name) -> bool:
+        self._note_fsdp1_checkpoint(node)
         return self._reference(node)

@@ -3,6 +3,7 @@ per-argument findings of a conversion."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 import libcst as cst
@@ -23,6 +24,16 @@ from fsdp_bridge.migrate._names import (
 from fsdp_bridge.migrate._render import comments_around, runtime_lines, runtime_names
 from fsdp_bridge.migrate._report import CodeFinding
 from fsdp_bridge.migrate._scan_base import ScannerBase
+
+
+def without_comments(node: cst.BaseExpression) -> str:
+    """An expression's source text without its comments (a report line is one line)."""
+    one = " ".join(re.sub(r"#[^\n]*", "", code_of(node)).split())
+    return re.sub(r",?\s+([)\]}])", r"\1", re.sub(r"([(\[{])\s+", r"\1", one))  # f( a, ) -> f(a)
+
+
+FOLLOWED_KWARGS = ("auto_wrap_policy", "mixed_precision", "cpu_offload", "sharding_strategy", "backward_prefetch")
+"""Arguments whose value, a variable assigned once in the file, is read through the variable."""
 
 
 class ConstructorFixer(ScannerBase):
@@ -114,7 +125,7 @@ class ConstructorFixer(ScannerBase):
         text = NAMES[FSDP] if fixable else "not rewritten: " + "; ".join(conv.blockers)
         self._record(call, f"{code_of(call.func)}(...)", text, fixable)
         for a, case in conv.kwarg_cases:
-            self._kwarg_finding(a, case, fixable)
+            self._kwarg_finding(a, case, fixable, conv.kwarg_became.get(id(a)))
         for note in conv.report_notes:
             self._record(call, "backward_prefetch", note, False)
 
@@ -392,12 +403,7 @@ class ConstructorFixer(ScannerBase):
                 conv.blockers.append(f"positional argument {i + 1} ({code_of(a.value)}): pass it by keyword")
                 continue
             kwarg_nodes.append((a, None))
-            value = (
-                self._follow(a.value, conv)
-                if kw
-                in ("auto_wrap_policy", "mixed_precision", "cpu_offload", "sharding_strategy", "backward_prefetch")
-                else a.value
-            )
+            value = self._follow(a.value, conv) if kw in FOLLOWED_KWARGS else a.value
             if kw == "sharding_strategy":
                 member = self._member(value, "ShardingStrategy")
                 if member in STRATEGIES:
@@ -471,6 +477,20 @@ class ConstructorFixer(ScannerBase):
                 if len(config) > before[0] and config[-1].keyword is not None
                 else None
             )
+            became = (
+                [  # a value passed on as written says nothing new
+                    code_of(arg)
+                    for arg in config[before[0] :]
+                    if code_of(arg.value) not in (code_of(a.value), code_of(value))
+                ]
+                + (
+                    [f"mesh={short(code_of(conv.mesh), 40)}"]
+                    if conv.mesh is not before[1] and conv.mesh is not None
+                    else []
+                )
+            )
+            if became:
+                conv.kwarg_became[id(a)] = short(", ".join(became), 80)
             if slot is not None:
                 if pending or trail:
                     conv.slot_comments[slot] = (pending, trail)
@@ -495,10 +515,17 @@ class ConstructorFixer(ScannerBase):
         conv.report_notes = notes_for_report
         return conv
 
-    def _kwarg_finding(self, a: cst.Arg, case: str | None, fixable: bool) -> None:
+    def _kwarg_finding(self, a: cst.Arg, case: str | None, fixable: bool, became: str | None = None) -> None:
+        """One report line per argument: the value the source gave, what it became, and what that means."""
         kw = a.keyword.value if a.keyword else ""
         option = KWARG_OPTION.get(kw, kw)
         pos = self.get_metadata(PositionProvider, a)
         # Arguments are reported, not given TODOs of their own: the call's TODO lists the blockers.
         text = fsdp2_case(option, case) if case else self._describe_value(kw, a.value)
-        self.findings.append(CodeFinding(self.path, pos.start.line, pos.start.column, f"{kw}=", text, fixable))
+        if became is not None and fixable:
+            text = f"{became}: {text}"
+        construct = f"{kw}={short(without_comments(a.value))}"
+        if isinstance(a.value, cst.Name) and a.value.value in self.assignments and kw in FOLLOWED_KWARGS:
+            held = self.assignments[a.value.value]
+            construct += f" (= {short(without_comments(held), 80)})"  # the value the name holds
+        self.findings.append(CodeFinding(self.path, pos.start.line, pos.start.column, construct, text, fixable))

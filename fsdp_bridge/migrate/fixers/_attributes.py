@@ -1,0 +1,82 @@
+"""FSDP1 attributes read from a model prepared elsewhere: a file that never imports FSDP1 but reads
+FSDP1-only internals of an object (``model._fsdp_wrapped_module``, ``._handle``, ``._flat_param``) is
+handed an FSDP1 wrapper; those reads, and the wrapper's settings read on the same object
+(``model.sharding_strategy``, ``.mixed_precision``, ...), get a TODO naming what the bridge offers.
+Files that import FSDP1 are covered by ``_imports`` (the wrapper is known there)."""
+
+from __future__ import annotations
+
+import re
+
+import libcst as cst
+
+from fsdp_bridge.migrate._analysis import code_of
+from fsdp_bridge.migrate._names import INTERNAL_ATTRS, WRAPPER_ATTRS
+from fsdp_bridge.migrate._scan_base import ScannerBase
+
+FSDP1_ONLY_ATTRS = ("_fsdp_wrapped_module", "_handle", "_handles", "_flat_param", "flat_param", "_has_params")
+"""Attributes only FSDP1's wrapper has (no other torch module defines them): reading one proves the object is
+FSDP1's."""
+
+MORE_WRAPPER_ATTRS = {
+    "params": "FSDP1's list of flat parameters has no FSDP2 form: iterate model.parameters() (DTensors; "
+    "p.to_local() for this rank's shard)",
+    "module": "FSDP2 does not wrap: the sharded model is the module itself (drop .module)",
+}
+"""Wrapper attributes read on an object proven FSDP1's here (too common a name to report without proof)."""
+
+BRIDGE_OFFERS = (
+    "with fsdp_bridge, fsdp_bridge.get_bridge(model).config holds the settings the model was sharded with and "
+    "fsdp_bridge.get_bridge(model).report what each became"
+)
+
+
+class ElsewhereAttributesFixer(ScannerBase):
+    """FSDP1 attributes of a model this file did not wrap (reported with a TODO, never rewritten)."""
+
+    fsdp1_objects: dict[tuple[int, str], str] | None = None
+    """(id(enclosing function) or 0, object expression) -> the FSDP1-only attribute read on it there."""
+
+    def _note_fsdp1_attribute(self, node: cst.Attribute) -> None:
+        if self.uses_fsdp1 or self.assign_target_depth:
+            return
+        obj, attr = code_of(node.value), node.attr.value
+        if self._hasattr_guarded(obj, attr):
+            return  # read only where the object has it: the code already runs without FSDP1's wrapper
+        key = (id(self.functions[-1]) if self.functions else 0, obj)
+        if self.planning:
+            if attr in FSDP1_ONLY_ATTRS:
+                if self.fsdp1_objects is None:
+                    self.fsdp1_objects = {}
+                self.fsdp1_objects.setdefault(key, attr)
+            return
+        proof = (self.fsdp1_objects or {}).get(key)
+        if proof is None or id(node) in self.called:
+            return
+        self.fsdp1_elsewhere = True
+        if attr in FSDP1_ONLY_ATTRS:
+            self._record(
+                node,
+                f"{code_of(node)} (an FSDP1 internal of a model prepared elsewhere)",
+                f"{INTERNAL_ATTRS[attr]}; {BRIDGE_OFFERS}",
+                False,
+            )
+        elif attr in WRAPPER_ATTRS or attr in MORE_WRAPPER_ATTRS:
+            self._record(
+                node,
+                f"{code_of(node)} (an FSDP1 wrapper attribute of a model prepared elsewhere: {obj}.{proof} is read "
+                "here too)",
+                f"FSDPModule has no {attr}; {WRAPPER_ATTRS.get(attr) or MORE_WRAPPER_ATTRS[attr]}",
+                False,
+            )
+
+    def _hasattr_guarded(self, obj: str, attr: str) -> bool:
+        """``hasattr(obj, "attr")`` in the condition (or the statement) that reads ``obj.attr``."""
+        stmt = self.stmt_stack[-1] if self.stmt_stack else None
+        if isinstance(stmt, (cst.If, cst.While)):
+            text = code_of(stmt.test)
+        elif isinstance(stmt, cst.SimpleStatementLine):
+            text = code_of(stmt)
+        else:
+            return False
+        return re.search(rf"hasattr\(\s*{re.escape(obj)}\s*,\s*['\"]{re.escape(attr)}['\"]\s*\)", text) is not None

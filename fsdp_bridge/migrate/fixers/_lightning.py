@@ -1,0 +1,143 @@
+"""Lightning's FSDP1 strategy: ``FSDPStrategy(...)`` (Fabric and PyTorch Lightning) and ``strategy="fsdp"``
+given to ``Trainer`` / ``Fabric``.  Lightning wraps the model in FullyShardedDataParallel itself, so
+nothing in the user's code is FSDP1's to rewrite: the strategy is reported with a TODO naming what
+each of its FSDP1 arguments is in the bridge's config, and the two ways to FSDP2."""
+
+from __future__ import annotations
+
+import libcst as cst
+from libcst.metadata import PositionProvider, QualifiedNameProvider, QualifiedNameSource
+
+from fsdp_bridge.migrate._analysis import code_of, short
+from fsdp_bridge.migrate._names import STRATEGIES
+from fsdp_bridge.migrate._report import CodeFinding
+from fsdp_bridge.migrate._scan_base import ScannerBase
+
+LIGHTNING_PACKAGES = ("lightning", "pytorch_lightning", "lightning_fabric")
+"""The packages Lightning ships under (the unified one, and the two standalone ones)."""
+
+WAY_OUT = (
+    "Lightning wraps the model in FSDP1 (FullyShardedDataParallel) itself; for FSDP2 use "
+    "lightning's ModelParallelStrategy and apply torch's fully_shard to the model in the LightningModule's "
+    "configure_model (the mesh is self.device_mesh; Fabric: ModelParallelStrategy(parallelize_fn)), or keep a "
+    "strategy that does not shard (DDPStrategy) and call fsdp_bridge.shard(self.model, fsdp_bridge.BridgeConfig"
+    "(...)) in configure_model; its FSDP1 arguments become these BridgeConfig keys: "
+)
+
+LIGHTNING_ARGS: dict[str, str] = {
+    "sharding_strategy": 'strategy= (ShardingStrategy members lower-cased: FULL_SHARD -> "full_shard", ...)',
+    "auto_wrap_policy": "wrap= (a set of block classes {Block} -> wrap=[Block]; an FSDP1 policy -> "
+    "BridgeConfig.from_fsdp1(auto_wrap_policy=...), read when the code runs)",
+    "cpu_offload": "cpu_offload=True (True or CPUOffload(offload_params=True))",
+    "mixed_precision": "mixed_precision={param_dtype, reduce_dtype, buffer_dtype} (a MixedPrecision object -> "
+    "BridgeConfig.from_fsdp1(mixed_precision=...)); Lightning's precision='bf16-mixed' / '16-mixed' -> "
+    'mixed_precision="bf16" / "fp16"',
+    "activation_checkpointing": "activation_checkpointing=True (recompute each wrapped unit in backward)",
+    "activation_checkpointing_policy": "activation_checkpointing=True (the bridge checkpoints its wrap units; "
+    "give the same block classes to wrap=)",
+    "state_dict_type": "how checkpoints are written: 'full' -> fsdp_bridge.save_checkpoint(path, model, "
+    'kind="full"), \'sharded\' -> kind="sharded" (DCP, loadable at any world size)',
+    "device_mesh": 'shard(..., mesh=...) (a (replicate, shard) pair of sizes -> strategy="hybrid_shard", '
+    "hybrid_shape=(replicate, shard))",
+    "backward_prefetch": 'backward_prefetch= (BACKWARD_PRE -> "pre")',
+    "forward_prefetch": "forward_prefetch=",
+    "limit_all_gathers": "not needed: FSDP2 has no all-gather rate limiter",
+    "sync_module_states": "sync_module_states=",
+    "use_orig_params": "not needed: FSDP2 parameters are always the original ones",
+}
+"""``FSDPStrategy`` arguments that are FSDP1's, and what each is in the bridge's config."""
+
+
+class LightningFixer(ScannerBase):
+    """Lightning's FSDPStrategy and strategy="fsdp" (reported, never rewritten)."""
+
+    def _lightning_name(self, node: cst.BaseExpression, *classes: str) -> str | None:
+        """The class of ``classes`` that ``node`` names, imported from a Lightning package."""
+        for q in self.get_metadata(QualifiedNameProvider, node, set()):
+            parts = q.name.split(".")
+            if q.source is QualifiedNameSource.IMPORT and parts[0] in LIGHTNING_PACKAGES and parts[-1] in classes:
+                return parts[-1]
+        return None
+
+    def _plan_lightning(self, node: cst.Call) -> bool:
+        """Report ``FSDPStrategy(...)`` and ``Trainer/Fabric(strategy="fsdp...")``; True when it was one."""
+        if self._lightning_name(node.func, "FSDPStrategy") is not None:
+            given = [a for a in node.args if a.keyword is not None and a.keyword.value in LIGHTNING_ARGS]
+            meant = [(a, self._lightning_meaning(a)) for a in given]
+            self.fsdp1_elsewhere = True
+            self._record(
+                node,
+                f"{code_of(node.func)}(...) (Lightning's FSDP1 strategy)",
+                WAY_OUT
+                + (
+                    "; ".join(
+                        f"{a.keyword.value if a.keyword else ''}={short(code_of(a.value), 40)} -> {text}"
+                        for a, text in meant
+                    )
+                    if meant
+                    else 'none given (FULL_SHARD -> strategy="full_shard", no wrap policy -> wrap="none")'
+                ),
+                False,
+            )
+            for a, text in meant:
+                pos = self.get_metadata(PositionProvider, a)
+                # Reported, not given TODOs of their own: the strategy's TODO names every argument.
+                self.findings.append(
+                    CodeFinding(
+                        self.path,
+                        pos.start.line,
+                        pos.start.column,
+                        f"{a.keyword.value if a.keyword else ''}={short(code_of(a.value))}",
+                        text,
+                        False,
+                    )
+                )
+            return True
+        cls = self._lightning_name(node.func, "Trainer", "Fabric")
+        if cls is None:
+            return False
+        for a in node.args:
+            if (
+                a.keyword is not None
+                and a.keyword.value == "strategy"
+                and isinstance(a.value, cst.SimpleString)
+                and str(a.value.evaluated_value).startswith("fsdp")
+            ):
+                self.fsdp1_elsewhere = True
+                self._record(
+                    node,
+                    f"{cls}(strategy={code_of(a.value)}) (Lightning's FSDP1 strategy)",
+                    WAY_OUT
+                    + 'sharding_strategy FULL_SHARD -> strategy="full_shard"'
+                    + ("; cpu offload -> cpu_offload=True" if "offload" in str(a.value.evaluated_value) else ""),
+                    False,
+                )
+                return True
+        return False
+
+    def _lightning_meaning(self, a: cst.Arg) -> str:
+        """What an FSDP1 argument of FSDPStrategy is in the bridge's config, for the value it has."""
+        kw = a.keyword.value if a.keyword is not None else ""
+        text = LIGHTNING_ARGS[kw]
+        if kw == "sharding_strategy":
+            member = self._member(a.value, "ShardingStrategy")
+            if member is None and isinstance(a.value, cst.SimpleString):
+                member = str(a.value.evaluated_value)
+            text = f'strategy="{STRATEGIES[member]}"' if member in STRATEGIES else LIGHTNING_ARGS[kw]
+        elif kw in ("auto_wrap_policy", "activation_checkpointing_policy") and isinstance(a.value, cst.Set):
+            classes = "[" + ", ".join(code_of(e.value) for e in a.value.elements) + "]"
+            text = (
+                f"wrap={classes}"
+                if kw == "auto_wrap_policy"
+                else f"activation_checkpointing=True with wrap={classes} (the bridge recomputes each wrap unit)"
+            )
+        elif kw in ("cpu_offload", "activation_checkpointing", "sync_module_states", "forward_prefetch") and (
+            code_of(a.value) in ("True", "False")
+        ):
+            text = f"{kw}={code_of(a.value)}"
+        elif kw == "state_dict_type" and isinstance(a.value, cst.SimpleString):
+            kind = str(a.value.evaluated_value)
+            text = f'fsdp_bridge.save_checkpoint(path, model, kind="{kind}")' + (
+                " (DCP, loadable at any world size)" if kind == "sharded" else " (one file from rank 0)"
+            )
+        return text

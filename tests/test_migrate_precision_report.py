@@ -1,0 +1,113 @@
+"""What ``migrate code`` reports: the value each argument had and what it became; constructs it must not miss
+(Lightning's FSDP1 strategy, FSDP1 attributes of a model prepared elsewhere, FSDP1-format checkpoints)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fsdp_bridge.migrate._code import migrate_source
+from fsdp_bridge.migrate._report import CodeReport
+
+FIXTURES = Path(__file__).parent / "fixtures" / "migrate" / "precision"
+
+
+def _migrate(name: str):  # type: ignore[no-untyped-def]
+    return migrate_source((FIXTURES / name).read_text(), name)
+
+
+def test_each_argument_line_shows_its_source_value_and_what_it_became() -> None:
+    result = _migrate("report_values.py")
+    by_line = {f.line: f for f in result.findings}
+    strategy, wrap, device = by_line[17], by_line[18], by_line[19]
+    assert strategy.construct == "sharding_strategy=ShardingStrategy.HYBRID_SHARD"
+    assert strategy.replacement.startswith('strategy="hybrid_shard": 2D mesh (replicate, shard)')
+    # A policy built in a variable: the report names the variable and the value it holds.
+    assert wrap.construct == (
+        "auto_wrap_policy=small_units (= functools.partial(size_based_auto_wrap_policy, min_num_params=1000))"
+    )
+    assert wrap.replacement.startswith('wrap={"min_num_params": 1000}: fully_shard on each resolved unit')
+    assert device.construct == 'device_id=torch.device("cpu")' and device.replacement.startswith('device="cpu": ')
+    line = next(f.format() for f in result.findings if f.line == 17)
+    assert 'sharding_strategy=ShardingStrategy.HYBRID_SHARD -> strategy="hybrid_shard": 2D mesh' in line
+
+
+def test_report_values_leave_the_rewritten_file_as_it_was() -> None:
+    fixed = _migrate("report_values.py").fixed
+    assert 'strategy="hybrid_shard"' in fixed and 'wrap={"min_num_params": 1000}' in fixed
+    assert "TODO(fsdp-bridge)" not in fixed
+
+
+def test_lightning_fsdp_strategy_is_reported_with_each_argument_in_bridge_terms() -> None:
+    result = _migrate("lightning_strategy.py")
+    by_line = {f.line: f for f in result.findings}
+    strategy = by_line[18]
+    assert strategy.construct == "FSDPStrategy(...) (Lightning's FSDP1 strategy)" and not strategy.fixable
+    assert "ModelParallelStrategy" in strategy.replacement and "configure_model" in strategy.replacement
+    assert "fsdp_bridge.shard(self.model" in strategy.replacement
+    assert (by_line[19].construct, by_line[19].replacement) == (
+        'sharding_strategy="HYBRID_SHARD"',
+        'strategy="hybrid_shard"',
+    )
+    assert (by_line[20].construct, by_line[20].replacement) == ("auto_wrap_policy={Block}", "wrap=[Block]")
+    assert by_line[21].replacement.startswith("activation_checkpointing=True with wrap=[Block]")
+    assert by_line[22].replacement.startswith('fsdp_bridge.save_checkpoint(path, model, kind="sharded")')
+    assert by_line[23].replacement == "cpu_offload=False"
+    # --fix: one TODO above the statement, naming every argument; the code itself is left as it is.
+    fixed = result.fixed
+    (todo,) = [line for line in fixed.splitlines() if "TODO(fsdp-bridge)" in line]
+    assert 'sharding_strategy="HYBRID_SHARD" -> strategy="hybrid_shard"' in todo
+    assert fixed.replace(todo + "\n", "") == result.original
+    assert migrate_source(fixed, "again.py").fixed == fixed  # a second --fix changes nothing
+
+
+def test_lightning_strategy_by_name_and_fabric_strategy_object() -> None:
+    result = _migrate("lightning_fabric_string.py")
+    found = {(f.line, f.construct) for f in result.findings}
+    assert found == {
+        (14, 'Fabric(strategy="fsdp_cpu_offload") (Lightning\'s FSDP1 strategy)'),
+        (15, "FabricFSDP(...) (Lightning's FSDP1 strategy)"),
+        (15, 'state_dict_type="full"'),
+    }, found  # not strategy="ddp", not DDPStrategy(), not the tree's own Trainer(strategy="fsdp")
+    assert result.fixed.count("TODO(fsdp-bridge)") == 2
+
+
+def test_fsdp1_sharded_checkpoints_get_one_convert_note_per_file() -> None:
+    result = _migrate("sharded_checkpoints.py")
+    notes = [f for f in result.findings if f.construct.startswith("FSDP1-format checkpoint")]
+    assert [(f.line, f.construct) for f in notes] == [(12, "FSDP1-format checkpoint (SHARDED_STATE_DICT)")]
+    (note,) = notes
+    assert note.note and "`fsdp-bridge convert SRC DST --to sharded`" in note.replacement
+    assert "cannot resume FSDP1's flat-parameter checkpoints (LOCAL_STATE_DICT shards) directly" in note.replacement
+    assert note.format().startswith("sharded_checkpoints.py:12:38: [note] FSDP1-format checkpoint (SHARDED_STATE_DICT)")
+    report = CodeReport(findings=result.findings)
+    assert note not in report.todos  # nothing left to do in the code: --fix rewrote every construct
+    assert report.format().endswith(
+        "6 FSDP1 construct(s): 6 rewritable by --fix, 0 left with TODO(fsdp-bridge); 1 note(s)"
+    )
+    assert (
+        "TODO(fsdp-bridge)" not in result.fixed and "FSDP1-format" not in result.fixed
+    )  # the report's, not the file's
+
+
+def test_dcp_with_torchs_own_fully_shard_gets_no_checkpoint_note() -> None:
+    result = _migrate("fsdp2_dcp_lookalike.py")
+    assert result.findings == [] and result.fixed == result.original
+
+
+def test_fsdp1_attributes_of_a_model_prepared_elsewhere_get_todos_naming_the_bridge() -> None:
+    result = _migrate("prepared_elsewhere.py")
+    found = {(f.line, f.construct.split(" (")[0]): f for f in result.findings}
+    assert set(found) == {
+        (5, "model._fsdp_wrapped_module"),
+        (7, "model.sharding_strategy"),
+        (8, "model.mixed_precision"),
+        (10, "model.params"),
+    }  # engine.sharding_strategy (line 16) is not shown to be FSDP1's
+    assert all(not f.fixable for f in found.values())
+    assert "fsdp_bridge.get_bridge(model).report" in found[5, "model._fsdp_wrapped_module"].replacement
+    assert "fsdp_bridge.get_bridge(model).config.strategy" in found[7, "model.sharding_strategy"].replacement
+    assert "fsdp_bridge.get_bridge(model).config.mixed_precision" in found[8, "model.mixed_precision"].replacement
+    fixed = result.fixed
+    assert fixed.count("# TODO(fsdp-bridge): ") == 4
+    assert [line for line in fixed.splitlines() if "TODO" not in line] == result.original.splitlines()
+    assert migrate_source(fixed, "again.py").fixed == fixed  # a second --fix changes nothing
