@@ -298,6 +298,8 @@ def is_stub(fn: cst.FunctionDef) -> bool:
     """A declaration only (a Protocol or abstract method): its body is a docstring, ``...``, ``pass``
     or ``raise NotImplementedError``."""
     body = fn.body.body if isinstance(fn.body, cst.IndentedBlock) else [fn.body]
+    if any(isinstance(stmt, cst.BaseCompoundStatement) for stmt in body):
+        return False  # an if/with/for/... body does something (its .body is a block, not statements)
     smalls = [x for stmt in body for x in getattr(stmt, "body", [])]
     return all(
         (isinstance(x, cst.Expr) and isinstance(x.value, (cst.Ellipsis, cst.SimpleString, cst.ConcatenatedString)))

@@ -123,6 +123,7 @@ class ImportsFixer(ScannerBase):
             and id(node) not in self.consumed_nodes
             and code_of(node.value) != "fsdp_bridge"
             and not self._ddp_tested(node.value)
+            and self._fsdp1_wrapper(node, node.value, by_calls=False) != ""  # not another object's no_sync
             and not any(
                 q.name.startswith(("torch.nn", "fsdp_bridge"))
                 for q in self.get_metadata(QualifiedNameProvider, node, set())

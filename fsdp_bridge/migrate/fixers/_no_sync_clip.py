@@ -42,11 +42,51 @@ class NoSyncClipFixer(ScannerBase):
                     False,
                 )
                 return
-            if func.attr.value == "no_sync" and not node.args:
-                self.fixable_calls[id(node)] = "method"
-                self._record(node, f"{code_of(func.value)}.no_sync()", NAMES["no_sync"], True)
+            if name == "no_sync" and node.args:
+                return  # FSDP1's no_sync takes no argument: another object's (accelerate's no_sync(model))
+            if name == "clip_grad_norm_" and (not node.args or params_first(node)):
+                return  # FSDP1's is clip_grad_norm_(max_norm, norm_type): parameters first is another one's
+            recv = code_of(func.value)
+            construct = f"{short(recv, 40)}.{name}({'...' if node.args else ''})"
+            wrapper = self._fsdp1_wrapper(node, func.value, by_calls=False)
+            if wrapper == "":
+                self._record(node, construct, unproven_text(recv, name), False)
                 return
-            if func.attr.value == "clip_grad_norm_" and node.args:
-                self.fixable_calls[id(node)] = "method"
-                self._record(node, f"{code_of(func.value)}.clip_grad_norm_(...)", NAMES["clip_grad_norm_"], True)
-                return
+            self.fixable_calls[id(node)] = "method"
+            text = NAMES[name]
+            if wrapper == "ambiguous":
+                text += (
+                    f"; {short(recv, 40)} may be DistributedDataParallel's here: fsdp_bridge.{name} does what "
+                    f"DDP's own {'no_sync()' if name == 'no_sync' else 'clipping'} does for it"
+                )
+            self._record(node, construct, text, True)
+            return
+
+
+def params_first(node: cst.Call) -> bool:
+    """``x.clip_grad_norm_(parameters, max_norm)``: a keyword ``max_norm=`` after a positional argument, or a
+    first argument that holds parameters (``m.parameters()``, a name with "param" in it). FSDP1's method is
+    ``clip_grad_norm_(max_norm, norm_type=2.0)``, so the call is another object's (accelerate's, torch's)."""
+    positional = [a for a in node.args if a.keyword is None and not a.star]
+    keywords = {a.keyword.value for a in node.args if a.keyword is not None}
+    if positional and "max_norm" in keywords:
+        return True
+    if "parameters" in keywords:
+        return True
+    if not positional:
+        return False
+    first = positional[0].value
+    if isinstance(first, cst.Call) and isinstance(first.func, cst.Attribute):
+        return "param" in first.func.attr.value
+    return "param" in code_of(first).rsplit(".", 1)[-1].lower()
+
+
+def unproven_text(recv: str, name: str) -> str:
+    """The TODO for ``recv.no_sync()`` / ``recv.clip_grad_norm_(...)`` where nothing shows ``recv`` is FSDP1's."""
+    call = f"fsdp_bridge.{name}({short(recv, 40)}{', ...' if name == 'clip_grad_norm_' else ''})"
+    return (
+        f"not rewritten: nothing here shows {short(recv, 40)} is FSDP1's wrapper (no FSDP(...) or a factory of "
+        f"the tree assigned to it in this scope, no ': FSDP' annotation, no isinstance(..., FSDP) guard), and "
+        f"another object's {name} (accelerate's Accelerator, your own) must stay as it is; if it is the "
+        f"FSDP1-wrapped model, write {call}, which also takes DDP, torch's fully_shard and plain modules"
+    )
