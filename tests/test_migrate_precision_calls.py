@@ -59,3 +59,56 @@ def test_proven_wrappers_are_rewritten_unknown_receivers_get_a_todo() -> None:
     todos = [f for f in result.findings if not f.fixable and f.construct.startswith("runner.")]
     assert len(todos) == 2
     assert all("nothing here shows runner is FSDP1's wrapper" in f.replacement for f in todos)
+
+
+def test_dual_backend_tests_keep_each_backends_path() -> None:
+    result = _migrate("dual_paths.py")
+    fixed = result.fixed
+    # the FSDP1 predicate stays distinct from the tree's FSDP2 one
+    assert "def is_fsdp1(m):\n    return fsdp_bridge.is_sharded(m)" in fixed
+    assert "def is_fsdp2(m):\n    return isinstance(m, FSDPModule)" in fixed
+    # no (FSDPModule, FSDPModule): FSDP1's class becomes the bridge's test beside the other classes
+    assert "if (isinstance(m, FSDPModule) or fsdp_bridge.is_sharded(m)):" in fixed
+    assert "(isinstance(module, DDP) or fsdp_bridge.is_sharded(module)) and not sync" in fixed
+    assert "if fsdp_bridge.is_sharded(module):\n        return fsdp_bridge.clip_grad_norm_(module, limit)" in fixed
+    no_sync = next(f for f in result.findings if f.construct == "module.no_sync()")
+    assert "DistributedDataParallel" in no_sync.replacement
+    assert "FullyShardedDataParallel" not in fixed and "FSDPModule, FSDPModule" not in fixed
+
+    # Run the migrated functions on each kind of module: each takes the path its original took.
+    from unittest import mock
+
+    import torch
+    from torch import nn
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    namespace: dict[str, object] = {}
+    exec(compile(fixed, "dual_paths.py", "exec"), namespace)
+    torch_unit = nn.Linear(2, 2)
+    torch_unit.__class__ = type("TorchSharded", (FSDPModule, nn.Linear), {})  # torch's own fully_shard
+    fsdp1 = mock.MagicMock(spec=FullyShardedDataParallel)  # FSDP1 (shard()'s fsdp1 backend, or torch's)
+    fsdp1.clip_grad_norm_.return_value = torch.tensor(5.0)
+    plain = nn.Linear(2, 2)
+    is_fsdp1, is_fsdp2, clip, shard_once = (namespace[n] for n in ("is_fsdp1", "is_fsdp2", "clip", "shard_once"))
+    assert (is_fsdp1(fsdp1), is_fsdp2(fsdp1)) == (True, False)  # type: ignore[operator]
+    assert (is_fsdp1(torch_unit), is_fsdp2(torch_unit)) == (False, True)  # type: ignore[operator]
+    assert (is_fsdp1(plain), is_fsdp2(plain)) == (False, False)  # type: ignore[operator]
+    assert clip(fsdp1, 1.0).item() == 5.0  # type: ignore[operator]
+    fsdp1.clip_grad_norm_.assert_called_once_with(1.0, 2.0)
+    assert shard_once(fsdp1) is fsdp1 and shard_once(torch_unit) is torch_unit  # type: ignore[operator]
+
+
+def test_is_sharded_in_one_process() -> None:
+    from unittest import mock
+
+    from torch import nn
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    import fsdp_bridge
+
+    torch_unit = nn.Linear(2, 2)
+    torch_unit.__class__ = type("TorchSharded", (FSDPModule, nn.Linear), {})
+    assert fsdp_bridge.is_sharded(mock.MagicMock(spec=FullyShardedDataParallel))
+    assert not fsdp_bridge.is_sharded(torch_unit)  # torch's own fully_shard, not made by shard()
+    assert not fsdp_bridge.is_sharded(nn.Linear(2, 2))
+    assert not fsdp_bridge.is_sharded("a string")

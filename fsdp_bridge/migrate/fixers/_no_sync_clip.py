@@ -25,6 +25,10 @@ class NoSyncClipFixer(ScannerBase):
             if self._ddp_tested(func.value):
                 return  # DDP's no_sync (the code tells DDP apart), not FSDP1's
             name = func.attr.value
+            if name == "no_sync" and node.args:
+                return  # FSDP1's no_sync takes no argument: another object's (accelerate's no_sync(model))
+            if name == "clip_grad_norm_" and (not node.args or params_first(node)):
+                return  # FSDP1's is clip_grad_norm_(max_norm, norm_type): parameters first is another one's
             if (where := self.dispatch.own_methods.get(name)) is not None and self._fsdp1_wrapper(
                 node, func.value, by_calls=False
             ) != "fsdp1":
@@ -38,14 +42,10 @@ class NoSyncClipFixer(ScannerBase):
                     f"{short(recv, 40)}.{name}(...)",
                     f"not rewritten: this tree defines its own {name} (in {where}), so this call may be that one; "
                     f"if {short(recv, 40)} is the FSDP1-wrapped model, write fsdp_bridge.{name}({short(recv, 40)}"
-                    f"{', ...' if node.args else ''}) (FSDP2 modules have no {name}); if it is your own, keep it",
+                    f"{', ...' if node.args else ''}) (it takes any module); if it is your own, keep it",
                     False,
                 )
                 return
-            if name == "no_sync" and node.args:
-                return  # FSDP1's no_sync takes no argument: another object's (accelerate's no_sync(model))
-            if name == "clip_grad_norm_" and (not node.args or params_first(node)):
-                return  # FSDP1's is clip_grad_norm_(max_norm, norm_type): parameters first is another one's
             recv = code_of(func.value)
             construct = f"{short(recv, 40)}.{name}({'...' if node.args else ''})"
             wrapper = self._fsdp1_wrapper(node, func.value, by_calls=False)
