@@ -1190,9 +1190,16 @@ def test_wrapped_model_attributes_and_a_clip_of_the_trees_own() -> None:
     # A tree that sets the state-dict type persistently: the type is known only at run time, a TODO.
     persistent = migrate_source(_source("wrapper_attributes.py") + "\nFSDP.set_state_dict_type\n", "p.py")
     assert [f.fixable for f in persistent.findings if f.line == 89] == [False]
-    # Without a clip function of the tree's own, FSDP1's bound clip_grad_norm_ is rewritten as before.
+    # Without a clip function of the tree's own, a receiver nothing shows to be FSDP1's still gets a TODO
+    # (it may be another object's clip_grad_norm_); annotated as FSDP1's wrapper, it is rewritten.
     plain = migrate_source(_source("wrapper_attributes.py").replace("self.clip_grad_norm_ = ", "self.clip = "))
-    assert "fsdp_bridge.clip_grad_norm_(model, max_norm)" in plain.fixed
+    assert [f.replacement.split(":")[0] for f in plain.findings if f.line == 58] == ["not rewritten"]
+    annotated = migrate_source(
+        _source("wrapper_attributes.py")
+        .replace("self.clip_grad_norm_ = ", "self.clip = ")
+        .replace("def train_step(model, batch", "def train_step(model: FSDP, batch")
+    )
+    assert "fsdp_bridge.clip_grad_norm_(model, max_norm)" in annotated.fixed
 
 
 def test_load_sharded_optimizer_state_dict_takes_the_bridges_with_the_same_arguments() -> None:

@@ -112,3 +112,16 @@ def test_is_sharded_in_one_process() -> None:
     assert not fsdp_bridge.is_sharded(torch_unit)  # torch's own fully_shard, not made by shard()
     assert not fsdp_bridge.is_sharded(nn.Linear(2, 2))
     assert not fsdp_bridge.is_sharded("a string")
+
+
+def test_a_model_handed_over_by_the_tree_is_shown_fsdp1() -> None:
+    result = _migrate("handed_over.py")
+    fixed = result.fixed
+    # loop(3, model, ...) with model from build(), which returns FSDP(...) first: net is FSDP1's wrapper
+    assert "with fsdp_bridge.no_sync(net):" in fixed
+    assert "fsdp_bridge.clip_grad_norm_(net, 1.0)" in fixed
+    # self.body = wrap(...) in the class: net.body is a unit; nothing wraps tail
+    assert "fsdp_bridge.clip_grad_norm_(net.body, 1.0)" in fixed
+    assert _line(fixed, "net.tail.clip_grad_norm_") == "net.tail.clip_grad_norm_(1.0)"
+    todos = [f for f in result.findings if not f.fixable]
+    assert [f.construct for f in todos] == ["net.tail.clip_grad_norm_(...)"]

@@ -6,10 +6,11 @@ from __future__ import annotations
 import os
 
 import libcst as cst
+import libcst.matchers as m
 from libcst.metadata import QualifiedNameProvider
 
-from fsdp_bridge.migrate._analysis import code_of, short
-from fsdp_bridge.migrate._names import NAMES
+from fsdp_bridge.migrate._analysis import code_of, short, walk
+from fsdp_bridge.migrate._names import FSDP, NAMES
 from fsdp_bridge.migrate._scan_base import ScannerBase
 
 
@@ -48,7 +49,7 @@ class NoSyncClipFixer(ScannerBase):
                 return
             recv = code_of(func.value)
             construct = f"{short(recv, 40)}.{name}({'...' if node.args else ''})"
-            wrapper = self._fsdp1_wrapper(node, func.value, by_calls=False)
+            wrapper = self._fsdp1_wrapper(node, func.value, by_calls=False) or self._handed_fsdp1(func.value)
             if wrapper == "":
                 self._record(node, construct, unproven_text(recv, name), False)
                 return
@@ -61,6 +62,33 @@ class NoSyncClipFixer(ScannerBase):
                 )
             self._record(node, construct, text, True)
             return
+
+    def _handed_fsdp1(self, obj: cst.BaseExpression) -> str:
+        """ "fsdp1" when ``obj`` is a parameter of the enclosing function that a call of the tree passes a model
+        it wrapped with ``FSDP(...)`` (``Dispatch.fsdp1_args``), or ``x.attr`` where a class of this file
+        assigns ``self.attr = FSDP(...)`` / ``wrap(...)``; else ""."""
+        if isinstance(obj, cst.Name) and self.functions:
+            fn = self.functions[-1]
+            params = [p.name.value for p in fn.params.params]
+            method = bool(self.classes) and bool(params) and params[0] in ("self", "cls")
+            positional = params[1:] if method else params
+            args = self.dispatch.fsdp1_args
+            name = fn.name.value
+            if obj.value in params and (
+                f"{name}:{obj.value}" in args
+                or (obj.value in positional and f"{name}:{positional.index(obj.value)}" in args)
+            ):
+                return "fsdp1"
+        if isinstance(obj, cst.Attribute) and self.module is not None:
+            for n in walk(self.module):
+                if (
+                    isinstance(n, cst.Assign)
+                    and isinstance(n.value, cst.Call)
+                    and any(m.matches(t.target, m.Attribute(m.Name("self"), m.Name(obj.attr.value))) for t in n.targets)
+                    and self._qn(n.value.func) in ((FSDP, ""), ("wrap", ""))
+                ):
+                    return "fsdp1"
+        return ""
 
 
 def params_first(node: cst.Call) -> bool:
