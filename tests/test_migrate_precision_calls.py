@@ -125,3 +125,8 @@ def test_a_model_handed_over_by_the_tree_is_shown_fsdp1() -> None:
     assert _line(fixed, "net.tail.clip_grad_norm_") == "net.tail.clip_grad_norm_(1.0)"
     todos = [f for f in result.findings if not f.fixable]
     assert [f.construct for f in todos] == ["net.tail.clip_grad_norm_(...)"]
+
+
+def test_a_model_from_a_factory_of_the_file_is_shown_fsdp1() -> None:
+    # model, optimizer = build(): build returns FSDP(...) as its first element
+    assert "    with fsdp_bridge.no_sync(model):" in _migrate("handed_over.py").fixed

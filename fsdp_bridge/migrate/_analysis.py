@@ -53,6 +53,9 @@ class Dispatch:
     by every dotted suffix of their module path (``wrapped_model.load_model``, ``finetune.wrapped_model.load_model``):
     a file that imports one is handed an FSDP1 model (in their own file the usual evidence applies)."""
 
+    fsdp1_results: dict[str, set[int]] = field(default_factory=dict)
+    """Functions of the tree by name -> the positions of their result that are FSDP1 models (-1: the whole
+    result): ``return FSDP(...)``, ``return model`` or ``return model, optimizer`` after ``model = FSDP(...)``."""
     fsdp1_args: set[str] = field(default_factory=set)
     """``"train:1"`` / ``"train:model"``: a call in the tree passes a model it wrapped with ``FSDP(...)`` just
     above as that argument of a function of that name (see :func:`find_fsdp1_arguments`)."""
@@ -60,6 +63,8 @@ class Dispatch:
     def merge(self, other: Dispatch) -> None:
         self.versions.update(other.versions)
         self.fsdp1_args |= other.fsdp1_args
+        for name, positions in other.fsdp1_results.items():
+            self.fsdp1_results.setdefault(name, set()).update(positions)
         self.fsdp1_factories |= other.fsdp1_factories
         self.fsdp2_tests |= other.fsdp2_tests
         self.sets_state_dict_type = self.sets_state_dict_type or other.sets_state_dict_type
@@ -120,11 +125,12 @@ def find_fsdp1_factories(wrapper: MetadataWrapper, path: str) -> set[str]:
     return {".".join([*parts[-k:], name]) for name in names for k in range(1, min(len(parts), 6) + 1)}
 
 
-def find_fsdp1_arguments(wrapper: MetadataWrapper) -> set[str]:
+def find_fsdp1_arguments(wrapper: MetadataWrapper) -> Dispatch:
     """Arguments a file passes an FSDP1 model as: in each function (and at module level), a name assigned
     ``FSDP(...)`` / ``wrap(...)`` (or that element of what a function of this file returns: ``return model``,
     ``return model, optimizer``) in an earlier statement, then passed to ``f(...)`` / ``x.f(...)``, gives
-    ``"f:<position>"`` or ``"f:<keyword>"`` (see ``Dispatch.fsdp1_args``)."""
+    ``"f:<position>"`` or ``"f:<keyword>"`` (``Dispatch.fsdp1_args``; what the functions return:
+    ``Dispatch.fsdp1_results``)."""
     found: set[str] = set()
     returns: dict[str, set[int]] = {}  # function of this file -> positions of its result that are FSDP1 models
 
@@ -182,7 +188,7 @@ def find_fsdp1_arguments(wrapper: MetadataWrapper) -> set[str]:
 
     wrapper.visit(V(record=False))  # what the file's functions return first
     wrapper.visit(V(record=True))
-    return found
+    return Dispatch(fsdp1_args=found, fsdp1_results=returns)
 
 
 def find_own_methods(code: str, path: str) -> dict[str, str]:

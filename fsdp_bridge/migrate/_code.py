@@ -99,7 +99,7 @@ def migrate_source(code: str, path: str = "<string>", *, dispatch: Dispatch | No
     if "FSDPModule" in code:
         known.merge(find_dispatch(wrapper))
     if "FullyShardedDataParallel" in code:
-        known.merge(Dispatch(fsdp1_args=find_fsdp1_arguments(wrapper)))
+        known.merge(find_fsdp1_arguments(wrapper))
     known.merge(
         Dispatch(
             own_methods=find_own_methods(code, path),
@@ -186,7 +186,8 @@ def migrate_paths(paths: Sequence[str | Path], *, fix: bool = False) -> tuple[Co
             if "FullyShardedDataParallel" in code:
                 parsed = MetadataWrapper(cst.parse_module(code))
                 factories = find_fsdp1_factories(parsed, str(f))
-                dispatch.merge(Dispatch(fsdp1_factories=factories, fsdp1_args=find_fsdp1_arguments(parsed)))
+                dispatch.merge(Dispatch(fsdp1_factories=factories))
+                dispatch.merge(find_fsdp1_arguments(parsed))
             dispatch.merge(
                 Dispatch(
                     own_methods=find_own_methods(code, str(f)),

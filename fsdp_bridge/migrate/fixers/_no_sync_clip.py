@@ -79,6 +79,8 @@ class NoSyncClipFixer(ScannerBase):
                 or (obj.value in positional and f"{name}:{positional.index(obj.value)}" in args)
             ):
                 return "fsdp1"
+            if self._made_by_factory(fn, obj.value):
+                return "fsdp1"
         if isinstance(obj, cst.Attribute) and self.module is not None:
             for n in walk(self.module):
                 if (
@@ -89,6 +91,25 @@ class NoSyncClipFixer(ScannerBase):
                 ):
                     return "fsdp1"
         return ""
+
+    def _made_by_factory(self, fn: cst.FunctionDef, name: str) -> bool:
+        """``name = f(...)`` or ``name, other = f(...)`` in ``fn``, with ``f`` a function of the tree whose result
+        (or that element of it) is an FSDP1 model (``Dispatch.fsdp1_results``)."""
+        results = self.dispatch.fsdp1_results
+        for n in walk(fn.body):
+            if not (isinstance(n, cst.Assign) and isinstance(n.value, cst.Call)):
+                continue
+            positions = results.get(code_of(n.value.func).rsplit(".", 1)[-1])
+            if not positions:
+                continue
+            for t in n.targets:
+                if -1 in positions and m.matches(t.target, m.Name(name)):
+                    return True
+                if isinstance(t.target, cst.Tuple) and any(
+                    i in positions and m.matches(e.value, m.Name(name)) for i, e in enumerate(t.target.elements)
+                ):
+                    return True
+        return False
 
 
 def params_first(node: cst.Call) -> bool:
