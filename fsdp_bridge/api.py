@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+import weakref
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from contextvars import ContextVar
@@ -15,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 from torch.distributed.tensor import DTensor
 
 from fsdp_bridge._fsdp1_init import materialize_like_fsdp1, reset_parameters_problems
@@ -49,10 +51,20 @@ from fsdp_bridge.wrap import (
     resolve_wrap,
 )
 
-__all__ = ["Bridge", "clip_grad_norm_", "defer_all_reduce", "get_bridge", "no_sync", "shard", "summon_full_params"]
+__all__ = [
+    "Bridge",
+    "clip_grad_norm_",
+    "defer_all_reduce",
+    "get_bridge",
+    "is_sharded",
+    "no_sync",
+    "shard",
+    "summon_full_params",
+]
 
 logger = logging.getLogger("fsdp_bridge")
 _ATTR = "_fsdp_bridge"
+_UNITS: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # FSDP2 units made by shard() / wrap_module
 # Set by fsdp_bridge.checkpoint.load_pretrained, which loads real weights right after
 # shard(): a meta-device model then needs no sync_module_states.
 _WEIGHTS_LOADED_AFTER: ContextVar[bool] = ContextVar("fsdp_bridge_weights_loaded_after", default=False)
@@ -227,6 +239,26 @@ def get_bridge(model: nn.Module) -> Bridge:
             "model = fsdp_bridge.shard(model, config) first and pass the returned model"
         )
     return bridge
+
+
+def is_sharded(module: object) -> bool:
+    """Whether ``module`` is sharded the way FSDP1 code's ``isinstance(module, FSDP)`` asks, on either backend.
+
+    True for a model returned by :func:`shard` (or :func:`wrap_module`) and every unit sharded in it,
+    on the fsdp1 backend (FSDP1 wrappers) and on fsdp2 (``FSDPModule`` units), and for any FSDP1
+    ``FullyShardedDataParallel`` (made by torch directly too). False for DDP, plain modules and modules
+    sharded with torch's own ``fully_shard`` outside :func:`shard`: code that tests
+    ``isinstance(m, FSDPModule)`` for those keeps its own FSDP2 path.
+
+    Args:
+        module: anything.
+
+    Returns:
+        True when ``module`` is such a sharded model or unit.
+    """
+    if isinstance(module, FullyShardedDataParallel) or isinstance(getattr(module, _ATTR, None), Bridge):
+        return True
+    return isinstance(module, nn.Module) and module in _UNITS
 
 
 def _has_meta(model: nn.Module) -> bool:
@@ -423,6 +455,7 @@ def shard_module(
     average_gradients_over(mesh, scalars)
     bridge = Bridge(config=config, impl=impl, plan=plan, wrap=wrap_plan, model=sharded)
     object.__setattr__(sharded, _ATTR, bridge)
+    _UNITS.update(m for m in sharded.modules() if isinstance(m, FSDPModule))
     if dist.get_rank() == 0 and logger.isEnabledFor(logging.INFO):  # describe() formats the whole report
         logger.info("%s", bridge.describe())
     return sharded

@@ -162,6 +162,8 @@ def _numerics() -> dict[str, Any]:
     fully_shard(model)
     with fsdp_bridge.summon_full_params(model):
         out["summoned"] = [tuple(p.shape) for p in model.parameters() if type(p) is nn.Parameter]
+    # is_sharded (what migrated code's isinstance(m, FSDP) became): torch's own fully_shard and DDP are not
+    out["is_sharded_torch"] = (fsdp_bridge.is_sharded(model), fsdp_bridge.is_sharded(DistributedDataParallel(_net())))
     # The same spawn checks from_fsdp1's FSDP1 values on FSDP2 (test_from_fsdp1.py checks them in one process)
     # and what summon_full_params does to parameter objects taken before it.
     from torch.distributed.fsdp import BackwardPrefetch
@@ -177,6 +179,7 @@ def _numerics() -> dict[str, Any]:
             opt.step()
             opt.zero_grad()
         losses.append(model(torch.ones(2, 8)).sum().item())
+        out["is_sharded_units"] = [name for name, m in model.named_modules() if fsdp_bridge.is_sharded(m)]
     out["prefetch_none_losses"] = losses
     del BackwardPrefetch
     net = _net()
@@ -190,6 +193,7 @@ def _numerics() -> dict[str, Any]:
         with fsdp_bridge.summon_full_params(model):
             inside = list(model.parameters())
             identity[backend] = (all(a is b for a, b in zip(held, inside, strict=True)), tuple(held[0].shape))
+        out[f"is_sharded_{backend}"] = fsdp_bridge.is_sharded(model)
     out["identity"] = identity
     return out
 
@@ -206,6 +210,11 @@ def test_ddp_and_fully_shard_numerics_match_their_own_calls(run_on_ranks: Any) -
         for norm, ref_norm, same_grads in (r[kind] for r in results):
             assert norm == ref_norm and same_grads, kind
     assert results[0]["summoned"] == [(16, 8), (16,), (16, 16), (16,), (4, 16), (4,)]
+    for r in results:
+        # made by shard() on either backend, root and units: sharded; torch's own fully_shard and DDP: not
+        assert r["is_sharded_fsdp2"] and r["is_sharded_fsdp1"]
+        assert r["is_sharded_units"] == ["", "2"]
+        assert r["is_sharded_torch"] == (False, False)
     for r in results:
         # backward_prefetch=None (FSDP1: no prefetch) runs on FSDP2 and trains as the default does
         assert r["prefetch_none_losses"][0] == r["prefetch_none_losses"][1]

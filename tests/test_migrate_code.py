@@ -486,7 +486,7 @@ def test_todo_comments_are_precise() -> None:
     assert 'state = {"model": get_model_state_dict(model, options=StateDictOptions()), ' in fixed
     assert "dcp.save(state" in fixed and "state_dict_type" not in fixed
     assert "set_optimizer_state_dict(model, optimizer, osd, options=StateDictOptions(full_state_dict=True))" in fixed
-    assert "isinstance(model, FSDPModule)" in fixed
+    assert "fsdp_bridge.is_sharded(model)" in fixed
     # A policy known only at run time: the call is rewritten, its values kept for from_fsdp1;
     # ignored module objects become the names the bridge takes.
     assert "fsdp_bridge.BridgeConfig.from_fsdp1(" in fixed and "auto_wrap_policy=policy_fn," in fixed
@@ -744,7 +744,7 @@ def units(model: FSDP) -> list[FSDP]:
     return [m for m in FSDP.fsdp_modules(model) if isinstance(m, FSDP)]
 
 
-def step(model, cfg, policy_fn):
+def step(model: FSDP, cfg, policy_fn):
     other = FSDP(model, *cfg.args)  # positional arguments unpacked at run time: not mechanical
     model.clip_grad_norm_(1.0)
     return other
@@ -759,7 +759,7 @@ def test_awkward_code_is_rewritten_or_annotated_never_crashes(tmp_path: Path) ->
     assert "fsdp_bridge.clip_grad_norm_(model, 1.0)" in result.fixed
     assert "def units(model: FSDPModule) -> list[FSDPModule]:" in result.fixed
     assert (
-        "for m in [m for m in model.modules() if isinstance(m, FSDPModule)] if isinstance(m, FSDPModule)"
+        "for m in [m for m in model.modules() if fsdp_bridge.is_sharded(m)] if fsdp_bridge.is_sharded(m)"
         in result.fixed
     )
     todos = [f for f in result.findings if not f.fixable]
@@ -1033,7 +1033,7 @@ def test_dual_backend_code_keeps_its_fsdp1_branches_and_fsdp2_modules_take_their
     assert fixed.count("FSDP.set_state_dict_type(") == 2
     assert "elif isinstance(module, FSDP):\n        return FSDP.summon_full_params(" in fixed
     # Code that checks FSDP1 only is migrated as before.
-    assert "if isinstance(module, FSDPModule):\n        return fsdp_bridge.clip_grad_norm_(module, 1.0)" in fixed
+    assert "if fsdp_bridge.is_sharded(module):\n        return fsdp_bridge.clip_grad_norm_(module, 1.0)" in fixed
     assert "return fsdp_bridge.shard(" in fixed
     assert migrate_source(fixed, "dual_backend.py").fixed == fixed
 
@@ -1206,9 +1206,16 @@ def test_wrapped_model_attributes_and_a_clip_of_the_trees_own() -> None:
     assert "torch.save(get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)), path)" in (
         persistent.fixed
     )
-    # Without a clip function of the tree's own, FSDP1's bound clip_grad_norm_ is rewritten as before.
+    # Without a clip function of the tree's own, a receiver nothing shows to be FSDP1's still gets a TODO
+    # (it may be another object's clip_grad_norm_); annotated as FSDP1's wrapper, it is rewritten.
     plain = migrate_source(_source("wrapper_attributes.py").replace("self.clip_grad_norm_ = ", "self.clip = "))
-    assert "fsdp_bridge.clip_grad_norm_(model, max_norm)" in plain.fixed
+    assert [f.replacement.split(":")[0] for f in plain.findings if f.line == 58] == ["not rewritten"]
+    annotated = migrate_source(
+        _source("wrapper_attributes.py")
+        .replace("self.clip_grad_norm_ = ", "self.clip = ")
+        .replace("def train_step(model, batch", "def train_step(model: FSDP, batch")
+    )
+    assert "fsdp_bridge.clip_grad_norm_(model, max_norm)" in annotated.fixed
 
 
 def test_load_sharded_optimizer_state_dict_takes_the_bridges_with_the_same_arguments() -> None:
@@ -1654,8 +1661,12 @@ def test_mock_stand_ins_follow_the_checks_and_guards_refusing_fsdp1_stay() -> No
     result = migrate_source(code, "test_strategy.py")
     assert all(f.fixable for f in result.findings), result.findings
     fixed = result.fixed
-    assert "MagicMock(spec=FSDPModule)" in fixed and "mock.create_autospec(FSDPModule)" in fixed
-    assert "return isinstance(module, FSDPModule)" in fixed
+    # the stand-ins stay FSDP1 wrappers, which fsdp_bridge.is_sharded accepts
+    assert (
+        "MagicMock(spec=FullyShardedDataParallel)" in fixed
+        and "mock.create_autospec(FullyShardedDataParallel)" in fixed
+    )
+    assert "return fsdp_bridge.is_sharded(module)" in fixed
     # The stand-in of a test about refusing FSDP1, and the refusal itself, are FSDP1's on purpose.
     assert "[Mock(spec=FullyShardedDataParallel)]" in fixed
     assert "if any(isinstance(m, FullyShardedDataParallel) for m in module.modules()):" in fixed

@@ -56,8 +56,18 @@ class Dispatch:
     by every dotted suffix of their module path (``wrapped_model.load_model``, ``finetune.wrapped_model.load_model``):
     a file that imports one is handed an FSDP1 model (in their own file the usual evidence applies)."""
 
+    fsdp1_results: dict[str, set[int]] = field(default_factory=dict)
+    """Functions of the tree by name -> the positions of their result that are FSDP1 models (-1: the whole
+    result): ``return FSDP(...)``, ``return model`` or ``return model, optimizer`` after ``model = FSDP(...)``."""
+    fsdp1_args: set[str] = field(default_factory=set)
+    """``"train:1"`` / ``"train:model"``: a call in the tree passes a model it wrapped with ``FSDP(...)`` just
+    above as that argument of a function of that name (see :func:`find_fsdp1_arguments`)."""
+
     def merge(self, other: Dispatch) -> None:
         self.versions.update(other.versions)
+        self.fsdp1_args |= other.fsdp1_args
+        for name, positions in other.fsdp1_results.items():
+            self.fsdp1_results.setdefault(name, set()).update(positions)
         self.fsdp1_factories |= other.fsdp1_factories
         self.imported_names |= other.imported_names
         self.fsdp2_tests |= other.fsdp2_tests
@@ -117,6 +127,72 @@ def find_fsdp1_factories(wrapper: MetadataWrapper, path: str) -> set[str]:
     if parts and parts[-1] == "__init__":
         parts = parts[:-1]
     return {".".join([*parts[-k:], name]) for name in names for k in range(1, min(len(parts), 6) + 1)}
+
+
+def find_fsdp1_arguments(wrapper: MetadataWrapper) -> Dispatch:
+    """Arguments a file passes an FSDP1 model as: in each function (and at module level), a name assigned
+    ``FSDP(...)`` / ``wrap(...)`` (or that element of what a function of this file returns: ``return model``,
+    ``return model, optimizer``) in an earlier statement, then passed to ``f(...)`` / ``x.f(...)``, gives
+    ``"f:<position>"`` or ``"f:<keyword>"`` (``Dispatch.fsdp1_args``; what the functions return:
+    ``Dispatch.fsdp1_results``)."""
+    found: set[str] = set()
+    returns: dict[str, set[int]] = {}  # function of this file -> positions of its result that are FSDP1 models
+
+    class V(cst.CSTVisitor):
+        METADATA_DEPENDENCIES = (QualifiedNameProvider,)
+
+        def __init__(self, record: bool) -> None:
+            super().__init__()
+            self.record = record
+
+        def wraps(self, value: cst.BaseExpression) -> set[int]:
+            """Positions of ``value``'s result that are FSDP1 models (-1: all of it)."""
+            if not isinstance(value, cst.Call):
+                return set()
+            if resolve_fsdp(self.get_metadata(QualifiedNameProvider, value.func, set())) in ((FSDP, ""), ("wrap", "")):
+                return {-1}
+            return returns.get(code_of(value.func), set())
+
+        def scan(self, body: Sequence[cst.CSTNode], fn: str | None) -> None:
+            wrapped: set[str] = set()
+            for stmt in body:
+                for n in walk(stmt):
+                    if self.record and isinstance(n, cst.Call) and wrapped:
+                        callee = code_of(n.func).rsplit(".", 1)[-1]
+                        positional = [a for a in n.args if a.keyword is None and not a.star]
+                        for i, a in enumerate(positional):
+                            if code_of(a.value) in wrapped:
+                                found.add(f"{callee}:{i}")
+                        for a in n.args:
+                            if a.keyword is not None and code_of(a.value) in wrapped:
+                                found.add(f"{callee}:{a.keyword.value}")
+                    if fn is not None and isinstance(n, cst.Return) and n.value is not None:
+                        elements = n.value.elements if isinstance(n.value, cst.Tuple) else None
+                        if elements is None and (code_of(n.value) in wrapped or -1 in self.wraps(n.value)):
+                            returns.setdefault(fn, set()).add(-1)
+                        for i, e in enumerate(elements or ()):
+                            if code_of(e.value) in wrapped or -1 in self.wraps(e.value):
+                                returns.setdefault(fn, set()).add(i)
+                for n in walk(stmt):
+                    if not isinstance(n, cst.Assign):
+                        continue
+                    positions = self.wraps(n.value)
+                    for t in n.targets:
+                        if -1 in positions:
+                            wrapped.add(code_of(t.target))
+                        elif isinstance(t.target, cst.Tuple):
+                            wrapped.update(code_of(e.value) for i, e in enumerate(t.target.elements) if i in positions)
+
+        def visit_Module(self, node: cst.Module) -> None:
+            self.scan([s for s in node.body if not isinstance(s, (cst.FunctionDef, cst.ClassDef))], None)
+
+        def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
+            if isinstance(node.body, cst.IndentedBlock):
+                self.scan(node.body.body, node.name.value)
+
+    wrapper.visit(V(record=False))  # what the file's functions return first
+    wrapper.visit(V(record=True))
+    return Dispatch(fsdp1_args=found, fsdp1_results=returns)
 
 
 def find_own_methods(code: str, path: str) -> dict[str, str]:
@@ -304,6 +380,8 @@ def is_stub(fn: cst.FunctionDef) -> bool:
     """A declaration only (a Protocol or abstract method): its body is a docstring, ``...``, ``pass``
     or ``raise NotImplementedError``."""
     body = fn.body.body if isinstance(fn.body, cst.IndentedBlock) else [fn.body]
+    if any(isinstance(stmt, cst.BaseCompoundStatement) for stmt in body):
+        return False  # an if/with/for/... body does something (its .body is a block, not statements)
     smalls = [x for stmt in body for x in getattr(stmt, "body", [])]
     return all(
         (isinstance(x, cst.Expr) and isinstance(x.value, (cst.Ellipsis, cst.SimpleString, cst.ConcatenatedString)))

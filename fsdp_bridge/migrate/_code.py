@@ -47,6 +47,7 @@ from fsdp_bridge.migrate._analysis import (
     Dispatch,
     code_of,
     find_dispatch,
+    find_fsdp1_arguments,
     find_fsdp1_factories,
     find_own_methods,
     finds_state_dict_context,
@@ -100,6 +101,8 @@ def migrate_source(code: str, path: str = "<string>", *, dispatch: Dispatch | No
         known.merge(dispatch)
     if "FSDPModule" in code:
         known.merge(find_dispatch(wrapper))
+    if "FullyShardedDataParallel" in code:
+        known.merge(find_fsdp1_arguments(wrapper))
     known.merge(
         Dispatch(
             own_methods=find_own_methods(code, path),
@@ -191,8 +194,10 @@ def migrate_paths(paths: Sequence[str | Path], *, fix: bool = False) -> tuple[Co
             if "FSDPModule" in code:
                 dispatch.merge(find_dispatch(MetadataWrapper(cst.parse_module(code))))
             if "FullyShardedDataParallel" in code:
-                factories = find_fsdp1_factories(MetadataWrapper(cst.parse_module(code)), str(f))
+                parsed = MetadataWrapper(cst.parse_module(code))
+                factories = find_fsdp1_factories(parsed, str(f))
                 dispatch.merge(Dispatch(fsdp1_factories=factories))
+                dispatch.merge(find_fsdp1_arguments(parsed))
             dispatch.merge(
                 Dispatch(
                     imported_names=imported_names(code),

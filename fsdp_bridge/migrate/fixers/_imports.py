@@ -23,6 +23,20 @@ from fsdp_bridge.migrate._names import (
 )
 from fsdp_bridge.migrate._scan_base import ScannerBase
 
+IS_SHARDED = (
+    "True for models sharded by fsdp_bridge.shard on either backend, every unit in them, and FSDP1 wrappers; "
+    "DDP and modules sharded with torch's own fully_shard keep their own paths"
+)
+
+
+def class_elements(expr: cst.BaseExpression) -> list[cst.BaseExpression]:
+    """The classes of ``isinstance``'s second argument: a tuple (nested too) or a ``|`` union."""
+    if isinstance(expr, cst.Tuple):
+        return [x for e in expr.elements for x in class_elements(e.value)]
+    if isinstance(expr, cst.BinaryOperation) and isinstance(expr.operator, cst.BitOr):
+        return [*class_elements(expr.left), *class_elements(expr.right)]
+    return [expr]
+
 
 class ImportsFixer(ScannerBase):
     """FSDP1 names used as values, imports and isinstance checks."""
@@ -123,6 +137,7 @@ class ImportsFixer(ScannerBase):
             and id(node) not in self.consumed_nodes
             and code_of(node.value) != "fsdp_bridge"
             and not self._ddp_tested(node.value)
+            and self._fsdp1_wrapper(node, node.value, by_calls=False) != ""  # not another object's no_sync
             and not any(
                 q.name.startswith(("torch.nn", "fsdp_bridge"))
                 for q in self.get_metadata(QualifiedNameProvider, node, set())
@@ -278,56 +293,55 @@ class ImportsFixer(ScannerBase):
                 # guarding itself) stays true after the migration; FSDPModule there would refuse FSDP2 units.
                 self._consume(args[1].value)
                 return True
-            self.needs_imports.add(("torch.distributed.fsdp", "FSDPModule"))
-            code = f"isinstance({code_of(args[0].value)}, FSDPModule)"
-            self._record(
-                node, f"isinstance(..., {code_of(args[1].value)})", f"{code} (FSDP2 units are FSDPModule)", True
-            )
+            self.needs_imports.add(("fsdp_bridge", None))
+            code = f"fsdp_bridge.is_sharded({code_of(args[0].value)})"
+            self._record(node, f"isinstance(..., {code_of(args[1].value)})", f"{code} ({IS_SHARDED})", True)
         elif (
             m.matches(node.func, m.Name("isinstance"))
             and len(args) == 2
             and isinstance(args[1].value, (cst.Tuple, cst.BinaryOperation))
         ):
-            hits = [
-                n for n in walk(args[1].value) if isinstance(n, (cst.Name, cst.Attribute)) and self._qn(n) == (FSDP, "")
-            ]
+            classes = class_elements(args[1].value)
+            hits = [n for n in classes if self._qn(n) == (FSDP, "")]
             if not hits:
                 return False
-            self.needs_imports.add(("torch.distributed.fsdp", "FSDPModule"))
-            for n in hits:  # FSDP inside a tuple or union of classes: that element becomes FSDPModule
-                self.name_rewrites[id(n)] = "FSDPModule"
-                self.consumed_nodes.add(id(n))
-            self._record(
-                node,
-                f"isinstance(..., {short(code_of(args[1].value), 40)})",
-                f"FSDPModule in place of {code_of(hits[0])} (FSDP2 units are FSDPModule)",
-                True,
-            )
-            return False
-        elif (spec := self._mock_spec(node)) is not None:
-            self._consume(spec)
-            if "FSDP2" in code_of(self.functions[-1] if self.functions else node):
+            for n in hits:
+                self._consume(n)
+            obj = code_of(args[0].value)
+            construct = f"isinstance(..., {short(code_of(args[1].value), 40)})"
+            others = list(dict.fromkeys(code_of(n) for n in classes if self._qn(n) != (FSDP, "")))
+            if others and not isinstance(args[0].value, (cst.Name, cst.Attribute)):
                 self._record(
                     node,
-                    f"{code_of(node.func)}(spec={code_of(spec)})",
-                    "kept as is: this test stands in an FSDP1 wrapper for code that tells it from FSDP2's",
-                    True,
+                    construct,
+                    f"not rewritten: write (isinstance(x, ({', '.join(others)})) or fsdp_bridge.is_sharded(x)) with "
+                    f"x the value of {short(obj, 40)} ({IS_SHARDED}); FSDPModule in FSDP's place would miss models "
+                    "sharded on the fsdp1 backend",
+                    False,
                 )
-                return False
-            self.needs_imports.add(("torch.distributed.fsdp", "FSDPModule"))
-            self.name_rewrites[id(spec)] = "FSDPModule"
+                return True
+            self.needs_imports.add(("fsdp_bridge", None))
+            code = f"fsdp_bridge.is_sharded({obj})"
+            if others:
+                kinds = others[0] if len(others) == 1 else f"({', '.join(others)})"
+                code = f"(isinstance({obj}, {kinds}) or {code})"
+            self._record(node, construct, f"{code} ({IS_SHARDED})", True)
+        elif (spec := self._mock_spec(node)) is not None:
+            # kept: the stand-in is an FSDP1 wrapper, which the migrated code's fsdp_bridge.is_sharded accepts
+            self._consume(spec)
             self._record(
                 node,
                 f"{code_of(node.func)}(spec={code_of(spec)})",
-                "spec=FSDPModule: the stand-in passes the isinstance(..., FSDPModule) checks the migrated code makes",
+                "kept as is: the stand-in is an FSDP1 wrapper; fsdp_bridge.is_sharded (what the migrated code's "
+                "isinstance(..., FSDP) became) and fsdp_bridge's calls accept it as FSDP1 did",
                 True,
             )
             return False
         elif hit == (FSDP, "fsdp_modules") and args:
-            self.needs_imports.add(("torch.distributed.fsdp", "FSDPModule"))
+            self.needs_imports.add(("fsdp_bridge", None))
             root = code_of(args[0].value)
-            code = f"[m for m in {root}.modules() if isinstance(m, FSDPModule)]"
-            self._record(node, f"{code_of(node.func)}(...)", code, True)
+            code = f"[m for m in {root}.modules() if fsdp_bridge.is_sharded(m)]"
+            self._record(node, f"{code_of(node.func)}(...)", f"{code} (the units of either backend)", True)
         elif hit == (FSDP, "clip_grad_norm_") and args:
             self.needs_imports.add(("fsdp_bridge", None))
             code = f"fsdp_bridge.clip_grad_norm_({', '.join(code_of(a).rstrip(', ') for a in args)})"

@@ -6,10 +6,11 @@ from __future__ import annotations
 import os
 
 import libcst as cst
+import libcst.matchers as m
 from libcst.metadata import QualifiedNameProvider
 
-from fsdp_bridge.migrate._analysis import code_of, short
-from fsdp_bridge.migrate._names import NAMES
+from fsdp_bridge.migrate._analysis import code_of, short, walk
+from fsdp_bridge.migrate._names import FSDP, NAMES
 from fsdp_bridge.migrate._scan_base import ScannerBase
 
 
@@ -25,6 +26,10 @@ class NoSyncClipFixer(ScannerBase):
             if self._ddp_tested(func.value):
                 return  # DDP's no_sync (the code tells DDP apart), not FSDP1's
             name = func.attr.value
+            if name == "no_sync" and node.args:
+                return  # FSDP1's no_sync takes no argument: another object's (accelerate's no_sync(model))
+            if name == "clip_grad_norm_" and (not node.args or params_first(node)):
+                return  # FSDP1's is clip_grad_norm_(max_norm, norm_type): parameters first is another one's
             if (where := self.dispatch.own_methods.get(name)) is not None and self._fsdp1_wrapper(
                 node, func.value, by_calls=False
             ) != "fsdp1":
@@ -38,15 +43,99 @@ class NoSyncClipFixer(ScannerBase):
                     f"{short(recv, 40)}.{name}(...)",
                     f"not rewritten: this tree defines its own {name} (in {where}), so this call may be that one; "
                     f"if {short(recv, 40)} is the FSDP1-wrapped model, write fsdp_bridge.{name}({short(recv, 40)}"
-                    f"{', ...' if node.args else ''}) (FSDP2 modules have no {name}); if it is your own, keep it",
+                    f"{', ...' if node.args else ''}) (it takes any module); if it is your own, keep it",
                     False,
                 )
                 return
-            if func.attr.value == "no_sync" and not node.args:
-                self.fixable_calls[id(node)] = "method"
-                self._record(node, f"{code_of(func.value)}.no_sync()", NAMES["no_sync"], True)
+            recv = code_of(func.value)
+            construct = f"{short(recv, 40)}.{name}({'...' if node.args else ''})"
+            wrapper = self._fsdp1_wrapper(node, func.value, by_calls=False) or self._handed_fsdp1(func.value)
+            if wrapper == "":
+                self._record(node, construct, unproven_text(recv, name), False)
                 return
-            if func.attr.value == "clip_grad_norm_" and node.args:
-                self.fixable_calls[id(node)] = "method"
-                self._record(node, f"{code_of(func.value)}.clip_grad_norm_(...)", NAMES["clip_grad_norm_"], True)
-                return
+            self.fixable_calls[id(node)] = "method"
+            text = NAMES[name]
+            if wrapper == "ambiguous":
+                text += (
+                    f"; {short(recv, 40)} may be DistributedDataParallel's here: fsdp_bridge.{name} does what "
+                    f"DDP's own {'no_sync()' if name == 'no_sync' else 'clipping'} does for it"
+                )
+            self._record(node, construct, text, True)
+            return
+
+    def _handed_fsdp1(self, obj: cst.BaseExpression) -> str:
+        """ "fsdp1" when ``obj`` is a parameter of the enclosing function that a call of the tree passes a model
+        it wrapped with ``FSDP(...)`` (``Dispatch.fsdp1_args``), or ``x.attr`` where a class of this file
+        assigns ``self.attr = FSDP(...)`` / ``wrap(...)``; else ""."""
+        if isinstance(obj, cst.Name) and self.functions:
+            fn = self.functions[-1]
+            params = [p.name.value for p in fn.params.params]
+            method = bool(self.classes) and bool(params) and params[0] in ("self", "cls")
+            positional = params[1:] if method else params
+            args = self.dispatch.fsdp1_args
+            name = fn.name.value
+            if obj.value in params and (
+                f"{name}:{obj.value}" in args
+                or (obj.value in positional and f"{name}:{positional.index(obj.value)}" in args)
+            ):
+                return "fsdp1"
+            if self._made_by_factory(fn, obj.value):
+                return "fsdp1"
+        if isinstance(obj, cst.Attribute) and self.module is not None:
+            for n in walk(self.module):
+                if (
+                    isinstance(n, cst.Assign)
+                    and isinstance(n.value, cst.Call)
+                    and any(m.matches(t.target, m.Attribute(m.Name("self"), m.Name(obj.attr.value))) for t in n.targets)
+                    and self._qn(n.value.func) in ((FSDP, ""), ("wrap", ""))
+                ):
+                    return "fsdp1"
+        return ""
+
+    def _made_by_factory(self, fn: cst.FunctionDef, name: str) -> bool:
+        """``name = f(...)`` or ``name, other = f(...)`` in ``fn``, with ``f`` a function of the tree whose result
+        (or that element of it) is an FSDP1 model (``Dispatch.fsdp1_results``)."""
+        results = self.dispatch.fsdp1_results
+        for n in walk(fn.body):
+            if not (isinstance(n, cst.Assign) and isinstance(n.value, cst.Call)):
+                continue
+            positions = results.get(code_of(n.value.func).rsplit(".", 1)[-1])
+            if not positions:
+                continue
+            for t in n.targets:
+                if -1 in positions and m.matches(t.target, m.Name(name)):
+                    return True
+                if isinstance(t.target, cst.Tuple) and any(
+                    i in positions and m.matches(e.value, m.Name(name)) for i, e in enumerate(t.target.elements)
+                ):
+                    return True
+        return False
+
+
+def params_first(node: cst.Call) -> bool:
+    """``x.clip_grad_norm_(parameters, max_norm)``: a keyword ``max_norm=`` after a positional argument, or a
+    first argument that holds parameters (``m.parameters()``, a name with "param" in it). FSDP1's method is
+    ``clip_grad_norm_(max_norm, norm_type=2.0)``, so the call is another object's (accelerate's, torch's)."""
+    positional = [a for a in node.args if a.keyword is None and not a.star]
+    keywords = {a.keyword.value for a in node.args if a.keyword is not None}
+    if positional and "max_norm" in keywords:
+        return True
+    if "parameters" in keywords:
+        return True
+    if not positional:
+        return False
+    first = positional[0].value
+    if isinstance(first, cst.Call) and isinstance(first.func, cst.Attribute):
+        return "param" in first.func.attr.value
+    return "param" in code_of(first).rsplit(".", 1)[-1].lower()
+
+
+def unproven_text(recv: str, name: str) -> str:
+    """The TODO for ``recv.no_sync()`` / ``recv.clip_grad_norm_(...)`` where nothing shows ``recv`` is FSDP1's."""
+    call = f"fsdp_bridge.{name}({short(recv, 40)}{', ...' if name == 'clip_grad_norm_' else ''})"
+    return (
+        f"not rewritten: nothing here shows {short(recv, 40)} is FSDP1's wrapper (no FSDP(...) or a factory of "
+        f"the tree assigned to it in this scope, no ': FSDP' annotation, no isinstance(..., FSDP) guard), and "
+        f"another object's {name} (accelerate's Accelerator, your own) must stay as it is; if it is the "
+        f"FSDP1-wrapped model, write {call}, which also takes DDP, torch's fully_shard and plain modules"
+    )
