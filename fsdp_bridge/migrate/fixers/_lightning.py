@@ -19,9 +19,10 @@ LIGHTNING_PACKAGES = ("lightning", "pytorch_lightning", "lightning_fabric")
 WAY_OUT = (
     "Lightning wraps the model in FSDP1 (FullyShardedDataParallel) itself; for FSDP2 use "
     "lightning's ModelParallelStrategy and apply torch's fully_shard to the model in the LightningModule's "
-    "configure_model (the mesh is self.device_mesh; Fabric: ModelParallelStrategy(parallelize_fn)), or keep a "
-    "strategy that does not shard (DDPStrategy) and call fsdp_bridge.shard(self.model, fsdp_bridge.BridgeConfig"
-    "(...)) in configure_model; its FSDP1 arguments become these BridgeConfig keys: "
+    "configure_model (the mesh is self.device_mesh; Fabric: ModelParallelStrategy(parallelize_fn)), or, with "
+    "that strategy, call fsdp_bridge.shard(self.model, fsdp_bridge.BridgeConfig(...), "
+    "mesh=self.device_mesh[\"data_parallel\"]) in configure_model (never under DDPStrategy: DDP would wrap "
+    "the sharded model); its FSDP1 arguments become these BridgeConfig keys: "
 )
 
 LIGHTNING_ARGS: dict[str, str] = {
