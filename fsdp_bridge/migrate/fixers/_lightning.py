@@ -21,7 +21,7 @@ WAY_OUT = (
     "lightning's ModelParallelStrategy and apply torch's fully_shard to the model in the LightningModule's "
     "configure_model (the mesh is self.device_mesh; Fabric: ModelParallelStrategy(parallelize_fn)), or, with "
     "that strategy, call fsdp_bridge.shard(self.model, fsdp_bridge.BridgeConfig(...), "
-    "mesh=self.device_mesh[\"data_parallel\"]) in configure_model (never under DDPStrategy: DDP would wrap "
+    'mesh=self.device_mesh["data_parallel"]) in configure_model (never under DDPStrategy: DDP would wrap '
     "the sharded model); its FSDP1 arguments become these BridgeConfig keys: "
 )
 
