@@ -111,3 +111,12 @@ def test_fsdp1_attributes_of_a_model_prepared_elsewhere_get_todos_naming_the_bri
     assert fixed.count("# TODO(fsdp-bridge): ") == 4
     assert [line for line in fixed.splitlines() if "TODO" not in line] == result.original.splitlines()
     assert migrate_source(fixed, "again.py").fixed == fixed  # a second --fix changes nothing
+
+
+def test_flat_parameters_of_guarded_units_get_a_todo_and_a_params_attribute_of_ones_own_none() -> None:
+    result = _migrate("flat_params_of_units.py")
+    todos = {(f.line, f.construct) for f in result.findings if not f.fixable}
+    assert (12, "module.params (an FSDP1 wrapper attribute)") in todos
+    assert (13, "param._is_flat_param (an FSDP1 internal)") in todos
+    assert not any(f.line >= 17 for f in result.findings)  # Averager's own .params
+    assert "# TODO(fsdp-bridge): module.params" in result.fixed

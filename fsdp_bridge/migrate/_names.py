@@ -97,6 +97,8 @@ INTERNAL_ATTRS: dict[str, str] = {
     "_fsdp_wrapped_module": "FSDP2 does not wrap: the module is itself (an FSDPModule); drop the attribute",
     "_handles": "FSDP1's list of FlatParamHandles has no FSDP2 form: use the module's parameters (DTensors) and "
     "FSDPModule methods (unshard/reshard)",
+    "_is_flat_param": "FSDP1's flat-parameter flag has no FSDP2 form: each parameter is its own DTensor "
+    "(isinstance(p, torch.distributed.tensor.DTensor))",
 }
 """FSDP1 internals real trainers reach into, and what to do on FSDP2."""
 
@@ -142,8 +144,11 @@ WRAPPER_ATTRS: dict[str, str] = {
     "rank": "use torch.distributed.get_rank() (or the mesh's get_local_rank())",
     "world_size": "use torch.distributed.get_world_size() (or fsdp_bridge.get_bridge(model).mesh.size())",
     "training_state": "FSDP1's private state machine has no FSDP2 form; track the phase in your own code",
+    "params": "FSDP1's list of flat parameters has no FSDP2 form: iterate model.parameters() (DTensors; "
+    "p.to_local() for this rank's shard)",
 }
-"""FSDP1 wrapper attributes read on a wrapped model; FSDPModule has none of them."""
+"""FSDP1 wrapper attributes read on a wrapped model; FSDPModule has none of them. Reported only where the code shows
+the object is FSDP1's (``params`` is too common a name otherwise)."""
 
 NAME_HELPERS = ("clean_tensor_name", "FSDP_WRAPPED_MODULE", "FSDP_PREFIX")
 """Private FSDP1 names that only spell or strip FSDP1's parameter-name prefixes: they still work, and

@@ -19,8 +19,6 @@ FSDP1_ONLY_ATTRS = ("_fsdp_wrapped_module", "_handle", "_handles", "_flat_param"
 FSDP1's."""
 
 MORE_WRAPPER_ATTRS = {
-    "params": "FSDP1's list of flat parameters has no FSDP2 form: iterate model.parameters() (DTensors; "
-    "p.to_local() for this rank's shard)",
     "module": "FSDP2 does not wrap: the sharded model is the module itself (drop .module)",
 }
 """Wrapper attributes read on an object proven FSDP1's here (too common a name to report without proof)."""
