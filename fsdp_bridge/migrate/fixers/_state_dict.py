@@ -140,20 +140,7 @@ class StateDictFixer(ScannerBase):
         elif persistent == "SHARDED_STATE_DICT":
             # FSDP.set_state_dict_type(target, SHARDED_STATE_DICT) above, in this block: FSDP1's state_dict()
             # and load_state_dict() take sharded state from then on, as FSDP2's own (DTensor) do.
-            if method == "state_dict":
-                self.needs_state_dict_api.add("get_model_state_dict")
-                code = f"get_model_state_dict({target}, options={self._options(False)})"
-            else:
-                strict_arg = (
-                    keywords["strict"].value
-                    if "strict" in keywords
-                    else (positional[1].value if len(positional) == 2 else None)
-                )
-                options = self._options(False)
-                if strict_arg is not None:
-                    options = options[:-1] + f"strict={code_of(strict_arg)})"
-                self.needs_state_dict_api.add("set_model_state_dict")
-                code = f"set_model_state_dict({target}, {code_of(positional[0].value)}, options={options})"
+            code = self._model_state_call(method, target, args, full=False)
             if wrapper == "ambiguous":
                 self.needs_imports.add(("torch.distributed.fsdp", "FSDPModule"))
                 code = f"({code} if isinstance({target}, FSDPModule) else {code_of(node)})"
@@ -176,20 +163,7 @@ class StateDictFixer(ScannerBase):
                 False,
             )
             return True
-        if method == "state_dict":
-            code = f"get_model_state_dict({target}, options={self._options(True)})"
-            self.needs_state_dict_api.add("get_model_state_dict")
-        else:
-            strict = (
-                keywords["strict"].value
-                if "strict" in keywords
-                else (positional[1].value if len(positional) == 2 else None)
-            )
-            options = self._options(True)
-            if strict is not None:
-                options = options[:-1] + f", strict={code_of(strict)})"
-            code = f"set_model_state_dict({target}, {code_of(positional[0].value)}, options={options})"
-            self.needs_state_dict_api.add("set_model_state_dict")
+        code = self._model_state_call(method, target, args, full=True)
         if wrapper == "ambiguous":  # DistributedDataParallel's too: its own state_dict stays on the DDP path
             self.needs_imports.add(("torch.distributed.fsdp", "FSDPModule"))
             code = f"({code} if isinstance({target}, FSDPModule) else {code_of(node)})"
@@ -202,6 +176,21 @@ class StateDictFixer(ScannerBase):
             True,
         )
         return True
+
+    def _model_state_call(self, method: str, target: str, args: list[cst.Arg], *, full: bool) -> str:
+        """torch's call for ``target.state_dict()`` / ``target.load_state_dict(sd[, strict])``: full or sharded."""
+        options = self._options(full)
+        if method == "state_dict":
+            self.needs_state_dict_api.add("get_model_state_dict")
+            return f"get_model_state_dict({target}, options={options})"
+        positional = [a for a in args if a.keyword is None]
+        strict = next((a.value for a in args if a.keyword is not None and a.keyword.value == "strict"), None)
+        if strict is None and len(positional) == 2:
+            strict = positional[1].value
+        if strict is not None:
+            options = options[:-1] + ("" if options.endswith("()") else ", ") + f"strict={code_of(strict)})"
+        self.needs_state_dict_api.add("set_model_state_dict")
+        return f"set_model_state_dict({target}, {code_of(positional[0].value)}, options={options})"
 
     def _options(self, full: bool, *, cpu_offload: bool = False, broadcast: bool = False, offload: bool = False) -> str:
         self.needs_state_dict_api.add("StateDictOptions")
