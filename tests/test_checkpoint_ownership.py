@@ -82,6 +82,19 @@ def test_a_users_directory_beside_the_destination_is_never_deleted(tmp_path: Pat
     fsdp_bridge.load_checkpoint(tmp_path / "ckpt", _model())  # the earlier checkpoint is untouched
 
 
+def test_the_every_rank_check_leaves_the_staging_directory_to_rank_0(tmp_path: Path) -> None:
+    """Rank 0 may be making ``.NAME.partial`` (its owner file created, not yet written) while the
+    other ranks check the destination: they must not refuse it; rank 0 checks it under the lock."""
+    from fsdp_bridge.checkpoint._publish import check_save_args
+
+    (tmp_path / ".ckpt.partial").mkdir()
+    (tmp_path / ".ckpt.partial" / ".fsdp_bridge.owner").touch()
+    assert check_save_args(tmp_path / "ckpt", None, None) == tmp_path / "ckpt"
+    with pytest.raises(CheckpointError, match=r"\.ckpt\.partial: is where a save of ckpt keeps its partial copy"):
+        fsdp_bridge.save_checkpoint(tmp_path / "ckpt", _model())  # rank 0's own check, under the lock
+    assert sorted(os.listdir(tmp_path / ".ckpt.partial")) == [".fsdp_bridge.owner"]
+
+
 def test_leftovers_of_our_own_killed_saves_are_replaced(tmp_path: Path) -> None:
     fsdp_bridge.save_checkpoint(tmp_path / "ckpt", _model())
     (tmp_path / ".ckpt.partial").mkdir()

@@ -119,7 +119,7 @@ def _not_ours(path: Path, role: str) -> CheckpointError:
     )
     return CheckpointError(
         path,
-        f"is {role}, but it is {what} without {OWNER_FILE} or a valid {META_FILE}, so it may be "
+        f"is {role}, but it is {what}, with no complete {OWNER_FILE} and no valid {META_FILE}, so it may be "
         "your files and is not replaced or deleted: move it away (or remove it yourself), or save to another path",
     )
 
@@ -280,10 +280,13 @@ def write_json_durably(path: Path, obj: Any) -> None:
     os.replace(tmp, path)
 
 
-def check_replaceable(path: Path) -> None:
+def check_replaceable(path: Path, *, staging: bool = True) -> None:
     """Refuse to save to ``path`` unless it is absent, empty or provably ours (:func:`is_ours`),
     and the names a save uses beside it (``.NAME.partial``, ``.NAME.old``, ``.NAME.deleting``)
     are absent or provably ours too.
+
+    ``staging=False`` leaves ``.NAME.partial`` out: for a check on every rank while rank 0 may
+    already be emptying and refilling it (rank 0 checks it under the save lock before that).
 
     Publishing moves an existing destination aside and deletes it: that must never be a
     directory of the user's files (or a file) that happens to have the name given, such as the
@@ -308,7 +311,7 @@ def check_replaceable(path: Path) -> None:
                 "refusing to replace it, since saving there would delete these files: choose a new "
                 "path, or remove it yourself",
             )
-    for suffix in _LEFTOVER_SUFFIXES:
+    for suffix in _LEFTOVER_SUFFIXES if staging else _LEFTOVER_SUFFIXES[1:]:
         beside = path.with_name("." + path.name + suffix)
         if (beside.exists() or beside.is_symlink()) and not (is_ours(beside) or _is_empty_dir(beside)):
             raise _not_ours(beside, f"where a save of {path.name} keeps its {suffix[1:]} copy")

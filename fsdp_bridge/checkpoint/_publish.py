@@ -103,7 +103,7 @@ def fresh_staging(path: Path, rank: int) -> Path:
         raise CheckpointError(path, f"cannot be written: {reason}; save to a directory this user can write")
     if rank == 0:
         _HELD[path] = SaveLock(path).acquire()  # refused while another process saves this path
-        remove_ours(staging, "the staging directory of this save")  # left by an earlier save that was killed
+        remove_ours(staging, f"where a save of {path.name} keeps its partial copy")  # left by an earlier save that was killed
         make_staging(staging)
     return staging
 
@@ -131,5 +131,8 @@ def check_save_args(path: str | os.PathLike[str], keep_last: int | None, state: 
             f"step number: name it like step_00000100 (checkpoints of the same prefix and any other number "
             "are rotated; other names beside it are never deleted), or drop keep_last"
         )
-    check_replaceable(path)  # every rank, before any collective: never replace the user's files
+    # Every rank, before any collective: never replace the user's files.  The staging directory is
+    # left to rank 0's fresh_staging (under the save lock, its outcome shared with every rank): the
+    # other ranks could otherwise catch it half made by rank 0 and refuse it as not ours.
+    check_replaceable(path, staging=False)
     return path
