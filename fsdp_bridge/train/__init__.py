@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from fsdp_bridge.train._config import (
         CheckpointConfig,
         DataConfig,
+        LoggingConfig,
         ModelConfig,
         OptimConfig,
         PeftConfig,
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
 _EXPORTS: dict[str, str] = {
     "CheckpointConfig": "fsdp_bridge.train._config",
     "DataConfig": "fsdp_bridge.train._config",
+    "LoggingConfig": "fsdp_bridge.train._config",
     "ModelConfig": "fsdp_bridge.train._config",
     "OptimConfig": "fsdp_bridge.train._config",
     "PeftConfig": "fsdp_bridge.train._config",
@@ -58,6 +60,7 @@ _EXPORTS: dict[str, str] = {
 __all__ = [
     "CheckpointConfig",
     "DataConfig",
+    "LoggingConfig",
     "ModelConfig",
     "OptimConfig",
     "PeftConfig",
