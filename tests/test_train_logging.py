@@ -197,6 +197,61 @@ def test_a_missing_package_is_refused_before_the_run_starts_naming_the_extra(tmp
     assert not (tmp_path / "run").exists()
 
 
+def test_a_sink_that_fails_to_open_is_named_and_those_opened_before_it_are_closed(tmp_path: Path, monkeypatch) -> None:
+    import fsdp_bridge.train._loggers as loggers
+
+    closed: list[str] = []
+
+    class FakeBoard:
+        def __init__(self, log_dir: Path, *, resumed_step: int | None) -> None:
+            pass
+
+        def log(self, step: int, metrics: Any) -> None:
+            pass
+
+        def close(self) -> None:
+            closed.append("tensorboard")
+
+    def refuse(**kwargs: Any) -> None:
+        raise ConnectionError("connection refused by 127.0.0.1:5000")
+
+    fake = _Recorder("mlflow")
+    fake.module.start_run = refuse  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "mlflow", fake.module)
+    monkeypatch.setattr(loggers, "TensorBoardSink", FakeBoard)
+    config = _config(tmp_path / "run", "logging.tensorboard=true", "logging.mlflow=true")
+    with pytest.raises(
+        ConfigError, match=r"logging\.mlflow.*ConnectionError: connection refused.*logging\.mlflow=false"
+    ):
+        loggers.open_sinks(config, tmp_path / "run", rank=0, resumed_step=None)
+    assert closed == ["tensorboard"]
+
+
+def test_a_service_sink_failing_mid_run_is_dropped_but_an_on_metrics_error_propagates(caplog) -> None:
+    from fsdp_bridge.train._loggers import CallbackSink, log_to_sinks
+
+    seen: list[int] = []
+
+    class Flaky:
+        def log(self, step: int, metrics: Any) -> None:
+            raise OSError("tracking server went away")
+
+        def close(self) -> None:
+            seen.append(-1)
+
+    sinks: list[Any] = [Flaky(), CallbackSink(lambda step, metrics: seen.append(step))]
+    log_to_sinks(sinks, 1, {"train/loss": 1.0})
+    log_to_sinks(sinks, 2, {"train/loss": 1.0})
+    assert seen == [-1, 1, 2] and len(sinks) == 1  # closed once, dropped; the callable still called
+    assert "step 1: the Flaky metrics sink failed (OSError: tracking server went away)" in caplog.text
+
+    def broken(step: int, metrics: Any) -> None:
+        raise ValueError("user code")
+
+    with pytest.raises(ValueError, match="user code"):
+        log_to_sinks([CallbackSink(broken)], 3, {})
+
+
 def test_a_sink_that_fails_to_close_does_not_stop_the_others(caplog) -> None:
     from fsdp_bridge.train._loggers import CallbackSink, close_sinks
 

@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
-from fsdp_bridge.errors import Problem
+from fsdp_bridge.errors import ConfigError, Problem
 from fsdp_bridge.train._config import LoggingConfig, TrainConfig
 
 __all__ = [
@@ -35,6 +35,7 @@ __all__ = [
     "TensorBoardSink",
     "WandbSink",
     "close_sinks",
+    "log_to_sinks",
     "logging_problems",
     "metric_tags",
     "open_sinks",
@@ -194,6 +195,9 @@ class CallbackSink:
         pass
 
 
+_MAX_PARAM = 500
+
+
 def _flat_params(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     """Dotted keys -> plain values (MLflow params are flat strings)."""
     out: dict[str, Any] = {}
@@ -201,7 +205,8 @@ def _flat_params(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
         if isinstance(value, Mapping):
             out.update(_flat_params(value, f"{prefix}{key}."))
         else:
-            out[f"{prefix}{key}"] = value
+            text = str(value)  # MLflow stores params as strings, refusing long ones (500 characters before 2.2)
+            out[f"{prefix}{key}"] = value if len(text) <= _MAX_PARAM else text[: _MAX_PARAM - 3] + "..."
     return out
 
 
@@ -217,23 +222,71 @@ def open_sinks(config: TrainConfig, out: Path, *, rank: int, resumed_step: int |
 
     Returns:
         The open sinks; close them with :func:`close_sinks`.
+
+    Raises:
+        ConfigError: a sink failed to open (a tracking server that refuses the run, a directory that cannot be
+            written), naming its ``logging.KEY`` and the service's error; the sinks opened before it are closed.
     """
     section = config.logging
     if rank != 0:
         return []
     run_name = section.run_name or out.resolve().name
+    openers: list[tuple[str, str, Callable[[], MetricsSink]]] = []
+    if section.tensorboard:
+        log_dir = out / TENSORBOARD_DIR
+        openers.append(
+            ("tensorboard", f"event files in {log_dir}", lambda: TensorBoardSink(log_dir, resumed_step=resumed_step))
+        )
+    if section.mlflow:
+        params = _flat_params(config.to_dict())
+        openers.append(
+            ("mlflow", "an MLflow run that starts", lambda: MLflowSink(section, run_name=run_name, params=params))
+        )
+    if section.wandb:
+        openers.append(
+            (
+                "wandb",
+                "a W&B run that starts (wandb.init)",
+                lambda: WandbSink(section, run_name=run_name, run_config=config.to_dict(), out=out),
+            )
+        )
     sinks: list[MetricsSink] = []
-    try:
-        if section.tensorboard:
-            sinks.append(TensorBoardSink(out / TENSORBOARD_DIR, resumed_step=resumed_step))
-        if section.mlflow:
-            sinks.append(MLflowSink(section, run_name=run_name, params=_flat_params(config.to_dict())))
-        if section.wandb:
-            sinks.append(WandbSink(section, run_name=run_name, run_config=config.to_dict(), out=out))
-    except BaseException:
-        close_sinks(sinks)
-        raise
+    for key, allowed, opener in openers:
+        try:
+            sinks.append(opener())
+        except Exception as err:
+            close_sinks(sinks)
+            fix = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
+            raise ConfigError([Problem(f"logging.{key}", True, allowed, f"{fix}; or set logging.{key}=false")]) from err
+        except BaseException:
+            close_sinks(sinks)
+            raise
     return sinks
+
+
+def log_to_sinks(sinks: list[MetricsSink], step: int, metrics: Mapping[str, float]) -> None:
+    """``sink.log(step, metrics)`` for each sink, in order.
+
+    A service's sink that fails (a tracking server gone away, a full disk) is logged, closed and dropped from
+    ``sinks``: it runs on rank 0 only, so raising would leave the other ranks waiting in the next collective,
+    and the run's own record (``metrics.jsonl``, checkpoints) goes on.  An ``on_metrics`` callable runs on every
+    rank: its exceptions are the caller's and propagate.
+    """
+    for sink in list(sinks):
+        try:
+            sink.log(step, metrics)
+        except Exception as err:
+            if isinstance(sink, CallbackSink):
+                raise
+            logger.warning(
+                "step %d: the %s metrics sink failed (%s: %s); it is closed and the run goes on without it",
+                step,
+                type(sink).__name__,
+                type(err).__name__,
+                err,
+            )
+            sinks.remove(sink)
+            close_sinks([sink])
 
 
 def close_sinks(sinks: list[MetricsSink]) -> None:

@@ -41,7 +41,15 @@ from fsdp_bridge.distributed import agree, init_distributed
 from fsdp_bridge.errors import ConfigError, Problem
 from fsdp_bridge.train._config import TrainConfig
 from fsdp_bridge.train._data import PackedData, read_documents
-from fsdp_bridge.train._loggers import CallbackSink, MetricsSink, close_sinks, logging_problems, metric_tags, open_sinks
+from fsdp_bridge.train._loggers import (
+    CallbackSink,
+    MetricsSink,
+    close_sinks,
+    log_to_sinks,
+    logging_problems,
+    metric_tags,
+    open_sinks,
+)
 from fsdp_bridge.train._progress import Progress
 from fsdp_bridge.train._tokenizer import load_tokenizer
 
@@ -494,8 +502,8 @@ def train(
     sink_problems: list[Problem] = []
     try:
         sinks = open_sinks(config, out, rank=rank, resumed_step=step if resume_from is not None else None)
-    except Exception as err:  # a tracking server that refuses rank 0: every rank stops here, together
-        sink_problems.append(Problem("logging", config.logging, "metrics sinks that open", str(err)))
+    except ConfigError as err:  # a tracking server that refuses rank 0: every rank stops here, together
+        sink_problems.extend(err.problems)
     agree(sink_problems)
     if on_metrics is not None:
         sinks.append(CallbackSink(on_metrics))
@@ -549,9 +557,7 @@ def train(
                     best_eval = min(best_eval, eval_loss)
             progress.step(record)
             if sinks:
-                tagged = metric_tags(record)
-                for sink in sinks:
-                    sink.log(step, tagged)
+                log_to_sinks(sinks, step, metric_tags(record))
             interval = config.checkpoint.interval
             if (interval and step % interval == 0) or (last and config.checkpoint.at_end) or stopped_by:
                 state = {
