@@ -43,8 +43,9 @@ def _f32(value: float) -> float:
     return float(struct.unpack("f", struct.pack("f", value))[0])
 
 
-def _interrupted_then_resumed(root: str) -> list[tuple[int, dict[str, float]]]:
-    """One rank: 3 steps (last checkpoint at step 2), then resumed from step 2 to step 5, TensorBoard on."""
+def _interrupted_then_resumed(root: str) -> tuple[list[tuple[int, dict[str, float]]], list[Any]]:
+    """One rank: 3 steps (last checkpoint at step 2), then resumed from step 2 to step 5, TensorBoard on; then a
+    run that fails at its first step, MLflow (a fake module) on."""
     from fsdp_bridge.train import train
 
     out = Path(root) / "run"
@@ -56,13 +57,24 @@ def _interrupted_then_resumed(root: str) -> list[tuple[int, dict[str, float]]]:
         verbosity="quiet",
         on_metrics=lambda step, metrics: seen.append((step, metrics)),
     )
-    return seen
+    fake = _Recorder("mlflow")
+    sys.modules["mlflow"] = fake.module
+
+    def fail(step: int, metrics: dict[str, float]) -> None:
+        raise ValueError(f"failed at step {step}")
+
+    failed = _config(Path(root) / "failed", "logging.mlflow=true", "max_steps=2", "checkpoint.at_end=false")
+    try:
+        train(failed, verbosity="quiet", on_metrics=fail)
+    except ValueError as err:
+        fake.calls.append(("raised", (str(err),), {}))
+    return seen, [(name, args, kwargs) for name, args, kwargs in fake.calls if name != "log_params"]
 
 
 def test_tensorboard_shows_one_point_per_step_equal_to_metrics_jsonl_across_a_resume(tmp_path: Path) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    seen = run_distributed(_interrupted_then_resumed, 1, args=(str(tmp_path),), timeout_s=300)[0]
+    seen, mlflow_calls = run_distributed(_interrupted_then_resumed, 1, args=(str(tmp_path),), timeout_s=300)[0]
     out = tmp_path / "run"
     records = _metrics(out)
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
@@ -96,6 +108,10 @@ def test_tensorboard_shows_one_point_per_step_equal_to_metrics_jsonl_across_a_re
         assert step == record["step"]
         assert metrics["train/loss"] == record["loss"] and metrics["train/lr"] == record["lr"]
         assert ("eval/loss" in metrics) == ("eval_loss" in record)
+    # A run that fails ends its MLflow run as failed, after logging the step it reached.
+    assert [name for name, _, _ in mlflow_calls] == ["start_run", "log_metrics", "end_run", "raised"]
+    assert mlflow_calls[1][2] == {"step": 1} and mlflow_calls[2][2] == {"status": "FAILED"}
+    assert mlflow_calls[3][1] == ("failed at step 1",)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -140,6 +156,7 @@ def test_mlflow_sink_starts_a_run_logs_each_step_and_ends_it(tmp_path: Path, mon
     close_sinks(sinks)
     names = [name for name, _, _ in fake.calls]
     assert names == ["set_tracking_uri", "set_experiment", "start_run", "log_params", "log_metrics", "end_run"]
+    assert fake.calls[5][2] == {"status": "FINISHED"}
     assert fake.calls[0][1] == ("http://127.0.0.1:5000",) and fake.calls[1][1] == ("tiny",)
     assert fake.calls[2][2] == {"run_name": "run"}
     params = fake.calls[3][1][0]
@@ -172,7 +189,7 @@ def test_wandb_sink_initialises_a_run_with_the_config_logs_each_step_and_finishe
         "config": config.to_dict(),
         "dir": str(out),
     }
-    assert run.calls == [("log", ({"train/loss": 5.0},), {"step": 3}), ("finish", (), {})]
+    assert run.calls == [("log", ({"train/loss": 5.0},), {"step": 3}), ("finish", (), {"exit_code": 0})]
     assert (out / "wandb").is_dir()
 
 
@@ -209,7 +226,7 @@ def test_a_sink_that_fails_to_open_is_named_and_those_opened_before_it_are_close
         def log(self, step: int, metrics: Any) -> None:
             pass
 
-        def close(self) -> None:
+        def close(self, *, failed: bool = False) -> None:
             closed.append("tensorboard")
 
     def refuse(**kwargs: Any) -> None:
@@ -236,7 +253,7 @@ def test_a_service_sink_failing_mid_run_is_dropped_but_an_on_metrics_error_propa
         def log(self, step: int, metrics: Any) -> None:
             raise OSError("tracking server went away")
 
-        def close(self) -> None:
+        def close(self, *, failed: bool = False) -> None:
             seen.append(-1)
 
     sinks: list[Any] = [Flaky(), CallbackSink(lambda step, metrics: seen.append(step))]
@@ -261,11 +278,11 @@ def test_a_sink_that_fails_to_close_does_not_stop_the_others(caplog) -> None:
         def log(self, step: int, metrics: Any) -> None:
             pass
 
-        def close(self) -> None:
+        def close(self, *, failed: bool = False) -> None:
             raise OSError("server went away")
 
     class Good(CallbackSink):
-        def close(self) -> None:
+        def close(self, *, failed: bool = False) -> None:
             closed.append("good")
 
     close_sinks([Broken(), Good(lambda step, metrics: None)])

@@ -1,6 +1,6 @@
 """Metrics sinks: where each step's numbers go besides ``metrics.jsonl``.
 
-One small protocol (:class:`MetricsSink`: ``log(step, metrics)`` then ``close()``) with a sink per service,
+One small protocol (:class:`MetricsSink`: ``log(step, metrics)`` then ``close(failed=...)``) with a sink per service,
 chosen by the ``logging:`` section of the training config:
 
     logging: {tensorboard: true}          # event files under output_dir/tensorboard/
@@ -67,11 +67,12 @@ _PACKAGES: tuple[tuple[str, str, str], ...] = (
 
 
 class MetricsSink(Protocol):
-    """Receives each optimizer step's metrics (tag -> value), then is closed once at the end of the run."""
+    """Receives each optimizer step's metrics (tag -> value), then is closed once at the end of the run
+    (``failed``: the run ended with an error; services that keep a run's status record it)."""
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None: ...
 
-    def close(self) -> None: ...
+    def close(self, *, failed: bool = False) -> None: ...
 
 
 def metric_tags(record: Mapping[str, Any]) -> dict[str, float]:
@@ -137,7 +138,7 @@ class TensorBoardSink:
             self._writer.add_scalar(tag, value, global_step=step)
         self._writer.flush()  # a live TensorBoard shows every step as it ends
 
-    def close(self) -> None:
+    def close(self, *, failed: bool = False) -> None:
         self._writer.close()
 
 
@@ -157,8 +158,8 @@ class MLflowSink:
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         self._mlflow.log_metrics(dict(metrics), step=step)
 
-    def close(self) -> None:
-        self._mlflow.end_run()
+    def close(self, *, failed: bool = False) -> None:
+        self._mlflow.end_run(status="FAILED" if failed else "FINISHED")
 
 
 class WandbSink:
@@ -178,8 +179,8 @@ class WandbSink:
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         self._run.log(dict(metrics), step=step)
 
-    def close(self) -> None:
-        self._run.finish()
+    def close(self, *, failed: bool = False) -> None:
+        self._run.finish(exit_code=1 if failed else 0)
 
 
 class CallbackSink:
@@ -191,7 +192,7 @@ class CallbackSink:
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         self._fn(step, dict(metrics))
 
-    def close(self) -> None:
+    def close(self, *, failed: bool = False) -> None:
         pass
 
 
@@ -255,11 +256,11 @@ def open_sinks(config: TrainConfig, out: Path, *, rank: int, resumed_step: int |
         try:
             sinks.append(opener())
         except Exception as err:
-            close_sinks(sinks)
+            close_sinks(sinks, failed=True)
             fix = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
             raise ConfigError([Problem(f"logging.{key}", True, allowed, f"{fix}; or set logging.{key}=false")]) from err
         except BaseException:
-            close_sinks(sinks)
+            close_sinks(sinks, failed=True)
             raise
     return sinks
 
@@ -286,13 +287,14 @@ def log_to_sinks(sinks: list[MetricsSink], step: int, metrics: Mapping[str, floa
                 err,
             )
             sinks.remove(sink)
-            close_sinks([sink])
+            close_sinks([sink], failed=True)
 
 
-def close_sinks(sinks: list[MetricsSink]) -> None:
-    """Close every sink; one that fails to close is logged and the others are still closed."""
+def close_sinks(sinks: list[MetricsSink], *, failed: bool = False) -> None:
+    """Close every sink (``failed``: the run ended with an error); one that fails to close is logged and the
+    others are still closed."""
     for sink in sinks:
         try:
-            sink.close()
+            sink.close(failed=failed)
         except Exception as err:  # a service that went away must not hide the run's own result or error
             logger.warning("closing the %s metrics sink failed: %s", type(sink).__name__, err)

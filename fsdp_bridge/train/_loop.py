@@ -513,6 +513,7 @@ def train(
     stopped_by = 0
     mbs, accum = config.micro_batch_size, config.grad_accum
     stops = _StopRequests()
+    ended = False  # the loop reached max_steps or a requested stop, without an error
     try:
         stops.__enter__()
         while step < config.max_steps:
@@ -579,10 +580,11 @@ def train(
                 progress.note(f"step {step}: checkpoint written to {path}", verbose_only=True)
             if stopped_by and not last:
                 break
+        ended = True
     finally:
         stops.__exit__()
         progress.close()
-        close_sinks(sinks)
+        close_sinks(sinks, failed=not ended)
 
     if stopped_by and step < config.max_steps:
         # Preempted or interrupted: the checkpoint of this step is written; the launcher
