@@ -3,6 +3,7 @@
     from fsdp_bridge.train import load_train_config, train
     config = load_train_config("examples/tiny_cpu.yaml", ["max_steps=20", "bridge.backend=fsdp1"])
     result = train(config)        # on every rank (torchrun), or in one process (world size 1)
+    train(config, on_metrics=lambda step, metrics: print(step, metrics["train/loss"]))  # every step, every rank
 
 The command line (``fsdp-bridge train CONFIG.yaml [key=value ...]``) validates the
 config, then starts the ranks through PyTorch's elastic launcher (or runs inside an
