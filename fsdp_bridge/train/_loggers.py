@@ -153,7 +153,11 @@ class MLflowSink:
         if config.mlflow_experiment is not None:
             mlflow.set_experiment(config.mlflow_experiment)
         mlflow.start_run(run_name=run_name)
-        mlflow.log_params(dict(params))
+        try:
+            mlflow.log_params(dict(params))
+        except BaseException:
+            mlflow.end_run(status="FAILED")  # no run left active in this process
+            raise
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         self._mlflow.log_metrics(dict(metrics), step=step)
