@@ -3,6 +3,7 @@
     from fsdp_bridge.train import load_train_config, train
     config = load_train_config("examples/tiny_cpu.yaml", ["max_steps=20", "bridge.backend=fsdp1"])
     result = train(config)        # on every rank (torchrun), or in one process (world size 1)
+    train(config, on_metrics=lambda step, metrics: print(step, metrics["train/loss"]))  # every step, every rank
 
 The command line (``fsdp-bridge train CONFIG.yaml [key=value ...]``) validates the
 config, then starts the ranks through PyTorch's elastic launcher (or runs inside an
@@ -22,6 +23,7 @@ if TYPE_CHECKING:
     from fsdp_bridge.train._config import (
         CheckpointConfig,
         DataConfig,
+        LoggingConfig,
         ModelConfig,
         OptimConfig,
         PeftConfig,
@@ -40,6 +42,7 @@ if TYPE_CHECKING:
 _EXPORTS: dict[str, str] = {
     "CheckpointConfig": "fsdp_bridge.train._config",
     "DataConfig": "fsdp_bridge.train._config",
+    "LoggingConfig": "fsdp_bridge.train._config",
     "ModelConfig": "fsdp_bridge.train._config",
     "OptimConfig": "fsdp_bridge.train._config",
     "PeftConfig": "fsdp_bridge.train._config",
@@ -58,6 +61,7 @@ _EXPORTS: dict[str, str] = {
 __all__ = [
     "CheckpointConfig",
     "DataConfig",
+    "LoggingConfig",
     "ModelConfig",
     "OptimConfig",
     "PeftConfig",

@@ -42,6 +42,7 @@ from fsdp_bridge.errors import ConfigError, Problem
 __all__ = [
     "CheckpointConfig",
     "DataConfig",
+    "LoggingConfig",
     "ModelConfig",
     "OptimConfig",
     "PeftConfig",
@@ -179,6 +180,35 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class LoggingConfig:
+    """Where rank 0 sends each step's metrics besides ``metrics.jsonl`` (which is always written).
+
+    The tag names are documented in docs/configuration.md (``train/loss``, ``eval/loss``, ...).  MLflow and
+    Weights & Biases are optional extras (``pip install 'fsdp-bridge[mlflow]'``, ``[wandb]``): a run that enables
+    one whose package is missing is refused before it starts."""
+
+    tensorboard: bool = False
+    """Write TensorBoard event files under ``output_dir/tensorboard/`` (``tensorboard --logdir
+    output_dir/tensorboard``); needs the ``tensorboard`` package (extra ``tensorboard``)."""
+    mlflow: bool = False
+    """Log to an MLflow run (extra ``mlflow``): the tracking server of ``mlflow_tracking_uri``, else MLflow's own
+    default (``MLFLOW_TRACKING_URI``, or ``./mlruns``)."""
+    mlflow_tracking_uri: str | None = None
+    """MLflow tracking URI (``http://host:5000``, ``file:./mlruns``); null: MLflow's default."""
+    mlflow_experiment: str | None = None
+    """MLflow experiment name (created if missing); null: MLflow's default experiment."""
+    wandb: bool = False
+    """Log to a Weights & Biases run (extra ``wandb``), with the training config as the run's config; its local
+    files go under ``output_dir/wandb/``."""
+    wandb_project: str | None = None
+    """W&B project; null: W&B's default (``WANDB_PROJECT``, else its own)."""
+    wandb_entity: str | None = None
+    """W&B entity (user or team); null: the logged-in user's default."""
+    run_name: str | None = None
+    """Name of the MLflow and W&B runs; null: the last part of ``output_dir``."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     """One training job.  Only ``model`` is required; every other field has a default."""
 
@@ -200,6 +230,8 @@ class TrainConfig:
     """Steps between evaluations on the held-out data (and one after the last step); null: only at the end."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Checkpointing."""
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Metrics sinks besides ``metrics.jsonl``: TensorBoard, MLflow, Weights & Biases."""
     peft: PeftConfig | None = None
     """LoRA: train adapters on the frozen model (``peft.get_peft_model`` before sharding); the adapter directory
     is written to ``output_dir/adapter``. null: train every weight."""
@@ -385,6 +417,10 @@ _ELSEWHERE = {
     "gradient_accumulation_steps": "grad_accum",
     "num_steps": "max_steps",
     "lora": "peft",
+    "tensorboard": "logging.tensorboard",
+    "wandb": "logging.wandb",
+    "mlflow": "logging.mlflow",
+    "report_to": "logging",
     "peft.rank": "peft.r",
     "peft.lora_r": "peft.r",
     "peft.lora_alpha": "peft.alpha",

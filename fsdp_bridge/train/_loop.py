@@ -8,7 +8,8 @@ It builds the tokenizer, data, model and optimizer, shards the model with
 :func:`fsdp_bridge.shard`, then trains with gradient accumulation (no gradient reduction
 until the last micro-batch), global-norm clipping, warm-up + decay of the learning
 rate, periodic evaluation on held-out data and checkpoints.  Rank 0 shows a progress
-bar and writes ``metrics.jsonl``; the other ranks stay silent unless they fail.
+bar and writes ``metrics.jsonl`` (and TensorBoard / MLflow / W&B, as the ``logging:`` section
+says); the other ranks stay silent unless they fail.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import math
 import signal
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -36,10 +37,19 @@ from fsdp_bridge._launch import mark_progress
 from fsdp_bridge._lora import apply_lora, reset_adapters, train_quantization_problems
 from fsdp_bridge.api import clip_grad_norm_, get_bridge, no_sync, shard
 from fsdp_bridge.config import parse_dtype
-from fsdp_bridge.distributed import init_distributed
+from fsdp_bridge.distributed import agree, init_distributed
 from fsdp_bridge.errors import ConfigError, Problem
 from fsdp_bridge.train._config import TrainConfig
 from fsdp_bridge.train._data import PackedData, read_documents
+from fsdp_bridge.train._loggers import (
+    CallbackSink,
+    MetricsSink,
+    close_sinks,
+    log_to_sinks,
+    logging_problems,
+    metric_tags,
+    open_sinks,
+)
 from fsdp_bridge.train._progress import Progress
 from fsdp_bridge.train._tokenizer import load_tokenizer
 
@@ -391,12 +401,22 @@ def evaluate(model: nn.Module, data: PackedData, config: TrainConfig, device: to
 # ----------------------------------------------------------------------------------
 
 
-def train(config: TrainConfig, *, verbosity: Verbosity = "normal") -> TrainResult:
+def train(
+    config: TrainConfig,
+    *,
+    verbosity: Verbosity = "normal",
+    on_metrics: Callable[[int, dict[str, float]], object] | None = None,
+) -> TrainResult:
     """Run ``config`` on this rank (call on every rank; initialises the process group if needed).
 
     Args:
         config: the training job.
         verbosity: ``"quiet"``, ``"normal"`` or ``"verbose"`` output on rank 0.
+        on_metrics: called as ``on_metrics(step, metrics)`` after each optimizer step, on every rank
+            (each rank's own ``train/tokens_per_s``, ``train/step_time_s``, ``train/memory_mb``; the
+            losses, ``train/lr`` and ``train/grad_norm`` are the same on all), with the tags the
+            ``logging:`` sinks use (``train/loss``, ``eval/loss`` on evaluation steps, ...): e.g.
+            ``lambda step, m: ray.train.report({"step": step, **m})`` inside a Ray Train worker.
 
     Returns:
         What the run did (steps, tokens, time, losses, where it wrote).
@@ -404,9 +424,13 @@ def train(config: TrainConfig, *, verbosity: Verbosity = "normal") -> TrainResul
     Raises:
         RunStopped: SIGTERM or SIGINT stopped the run at a step boundary, after every rank saved
             a checkpoint to resume from.
-        ConfigError: a problem found before the first collective (data, model, backend).
+        ConfigError: a problem found before the first collective (data, model, backend, the
+            package of a ``logging:`` sink not installed).
     """
     start = time.perf_counter()
+    missing = logging_problems(config.logging)  # the same on every rank: raised before any collective
+    if missing:
+        raise ConfigError(missing)
     device = init_distributed(config.bridge.device, timeout_s=config.timeout_s)
     rank, world = dist.get_rank(), dist.get_world_size()
     _configure_output(rank, verbosity)
@@ -474,11 +498,22 @@ def train(config: TrainConfig, *, verbosity: Verbosity = "normal") -> TrainResul
         resumed=f"resumed from {resume_from} at step {step}" if resume_from is not None else None,
     )
 
+    sinks: list[MetricsSink] = []
+    sink_problems: list[Problem] = []
+    try:
+        sinks = open_sinks(config, out, rank=rank, resumed_step=step if resume_from is not None else None)
+    except ConfigError as err:  # a tracking server that refuses rank 0: every rank stops here, together
+        sink_problems.extend(err.problems)
+    agree(sink_problems)
+    if on_metrics is not None:
+        sinks.append(CallbackSink(on_metrics))
+
     eval_loss: float | None = None
     final_loss: float | None = None
     stopped_by = 0
     mbs, accum = config.micro_batch_size, config.grad_accum
     stops = _StopRequests()
+    ended = False  # the loop reached max_steps or a requested stop, without an error
     try:
         stops.__enter__()
         while step < config.max_steps:
@@ -522,6 +557,8 @@ def train(config: TrainConfig, *, verbosity: Verbosity = "normal") -> TrainResul
                     record["eval_loss"] = eval_loss
                     best_eval = min(best_eval, eval_loss)
             progress.step(record)
+            if sinks:
+                log_to_sinks(sinks, step, metric_tags(record))
             interval = config.checkpoint.interval
             if (interval and step % interval == 0) or (last and config.checkpoint.at_end) or stopped_by:
                 state = {
@@ -543,9 +580,11 @@ def train(config: TrainConfig, *, verbosity: Verbosity = "normal") -> TrainResul
                 progress.note(f"step {step}: checkpoint written to {path}", verbose_only=True)
             if stopped_by and not last:
                 break
+        ended = True
     finally:
         stops.__exit__()
         progress.close()
+        close_sinks(sinks, failed=not ended)
 
     if stopped_by and step < config.max_steps:
         # Preempted or interrupted: the checkpoint of this step is written; the launcher

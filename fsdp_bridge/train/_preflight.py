@@ -14,6 +14,7 @@ from fsdp_bridge.errors import ConfigError, Problem
 from fsdp_bridge.mapping import unsupported_problems
 from fsdp_bridge.train._config import TrainConfig
 from fsdp_bridge.train._data import resolve_files
+from fsdp_bridge.train._loggers import logging_problems
 
 __all__ = ["preflight"]
 
@@ -32,9 +33,10 @@ def preflight(
 ) -> list[str]:
     """Raise ConfigError for what would fail once the ranks run; return notes for the user.
 
-    Checks the data files exist, the model directory exists, a fresh run does not
-    write over another run's checkpoints, and (given the world size) that the
-    strategy's mesh fits it and the backend supports every option on ``device_type``.
+    Checks the data files exist, the model directory exists, the package of every enabled
+    ``logging:`` sink is installed, a fresh run does not write over another run's checkpoints,
+    and (given the world size) that the strategy's mesh fits it and the backend supports every
+    option on ``device_type``.
 
     Args:
         config: the training job.
@@ -68,6 +70,7 @@ def preflight(
                 )
             )
     problems.extend(_jsonl_problems(config))
+    problems.extend(logging_problems(config.logging))
     if isinstance(config.resume, str) and config.resume != "auto" and not Path(config.resume).exists():
         problems.append(
             Problem(
