@@ -438,7 +438,7 @@ def train(config: TrainConfig, *, verbosity: Verbosity = "normal") -> TrainResul
         reset_adapters(model)  # the same adapters whether the base is read before or after sharding
         n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         lora_note = f" + LoRA r={config.peft.r} ({n_trainable:,} trainable)"
-    maybe_fail("shard")
+    maybe_fail("shard", run_dir=out)
     if pretrained is not None and sliced:
         sharded = ckpt.load_pretrained(model, pretrained, config.bridge)
     else:
@@ -496,7 +496,7 @@ def train(config: TrainConfig, *, verbosity: Verbosity = "normal") -> TrainResul
                     loss = sharded(input_ids=batch, labels=batch).loss
                     (loss / accum).backward()
                 if micro == 0:
-                    maybe_fail(f"step:{step + 1}")
+                    maybe_fail(f"step:{step + 1}", run_dir=out)
                 loss_sum += loss.detach().float().cpu()
             grad_norm = clip_grad_norm_(sharded, config.optim.grad_clip) if config.optim.grad_clip else None
             optimizer.step()
@@ -530,7 +530,7 @@ def train(config: TrainConfig, *, verbosity: Verbosity = "normal") -> TrainResul
                     "tokens": tokens,
                     "best_eval_loss": None if math.isinf(best_eval) else best_eval,
                 }
-                maybe_fail(f"checkpoint:{step}")
+                maybe_fail(f"checkpoint:{step}", run_dir=out)
                 path = ckpt.save_checkpoint(
                     ckpt_root / f"step_{step:08d}",
                     sharded,

@@ -1,0 +1,147 @@
+"""train() inside a launcher that set up the ranks: which process group a process joins (one process,
+milliseconds), the Kubernetes manifest, and the Ray Train example with a worker that fails once."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from fsdp_bridge._faults import InjectedFault, maybe_fail
+from fsdp_bridge._launch import existing_launch, first_slurm_host, slurm_rank_env
+from fsdp_bridge.distributed import group_device, init_distributed
+from fsdp_bridge.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+
+SRUN_TASK = {
+    "SLURM_PROCID": "5",
+    "SLURM_NTASKS": "8",
+    "SLURM_NNODES": "2",
+    "SLURM_NODEID": "1",
+    "SLURM_LOCALID": "1",
+    "SLURM_TASKS_PER_NODE": "4(x2)",
+    "SLURM_JOB_NODELIST": "gpu[07-08]",
+}
+
+
+@pytest.mark.parametrize(
+    ("env", "joins"),
+    [
+        ({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"}, True),  # torchrun, Kubeflow, Ray
+        ({"SLURM_PROCID": "3", "SLURM_NTASKS": "16"}, True),  # srun, one task per rank
+        ({"SLURM_PROCID": "0", "SLURM_NTASKS": "1"}, False),  # one task: fsdp-bridge train starts the ranks
+        ({"SLURM_PROCID": "0", "SLURM_NTASKS": "x"}, False),
+        ({"RANK": "0"}, False),
+        ({}, False),
+    ],
+)
+def test_which_environment_is_a_launch_that_set_up_the_ranks(env: dict[str, str], joins: bool) -> None:
+    assert existing_launch(env) is joins
+
+
+@pytest.mark.parametrize(
+    ("nodelist", "first"),
+    [
+        ("gpu[07-08]", "gpu07"),
+        ("gpu[003,010-012],cpu1", "gpu003"),
+        ("node5,node6", "node5"),
+        ("rack[2-3]-n[01-04]", "rack2-n01"),
+        ("", None),
+    ],
+)
+def test_first_host_of_a_slurm_node_list(nodelist: str, first: str | None) -> None:
+    assert first_slurm_host(nodelist) == first
+
+
+def test_srun_variables_map_to_torchs() -> None:
+    assert slurm_rank_env(SRUN_TASK) == {
+        "RANK": "5",
+        "WORLD_SIZE": "8",
+        "LOCAL_RANK": "1",
+        "LOCAL_WORLD_SIZE": "4",
+        "MASTER_ADDR": "gpu07",
+        "MASTER_PORT": "29500",
+    }
+    # srun's launch node wins over the node list; what the script exported wins over both.
+    launch_ip = {**SRUN_TASK, "SLURM_LAUNCH_NODE_IPADDR": "10.0.0.7"}
+    assert slurm_rank_env(launch_ip)["MASTER_ADDR"] == "10.0.0.7"
+    exported = slurm_rank_env({**launch_ip, "MASTER_ADDR": "head", "MASTER_PORT": "6000"})
+    assert "MASTER_ADDR" not in exported and "MASTER_PORT" not in exported
+    # Uneven nodes: this node's own count.
+    assert slurm_rank_env({**SRUN_TASK, "SLURM_TASKS_PER_NODE": "5,3"})["LOCAL_WORLD_SIZE"] == "3"
+    # torchrun under srun (RANK set), or a single task: nothing to map.
+    assert slurm_rank_env({**SRUN_TASK, "RANK": "0", "WORLD_SIZE": "16"}) == {}
+    assert slurm_rank_env({**SRUN_TASK, "SLURM_NTASKS": "1"}) == {}
+
+
+def test_srun_task_without_an_address_is_refused_before_any_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "SLURM_LAUNCH_NODE_IPADDR"):
+        monkeypatch.delenv(name, raising=False)
+    task = {k: v for k, v in SRUN_TASK.items() if k != "SLURM_JOB_NODELIST"}
+    for name, value in task.items():
+        monkeypatch.setenv(name, value)
+    assert not dist.is_initialized()
+    # init_distributed (what train() and shard() call) maps srun's variables: it does not start
+    # a one-rank group of its own in a task of an 8-task srun.
+    with pytest.raises(ConfigError, match=r"MASTER_ADDR: got None; allowed: the address of the node that runs rank 0"):
+        init_distributed("cpu")
+    assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize(
+    ("device", "backend", "expected"),
+    [
+        ("cpu", "gloo", "cpu"),
+        ("auto", "gloo", "cpu"),
+        ("cpu", "cpu:gloo,cuda:nccl", "cpu"),
+        ("auto", "fake", "cpu"),  # another library's backend: trusted
+    ],
+)
+def test_a_launchers_group_is_joined_on_the_device_it_serves(device: str, backend: str, expected: str) -> None:
+    assert group_device(device, backend).type == expected
+
+
+@pytest.mark.parametrize(
+    ("device", "backend", "fix"),
+    [
+        ("cuda", "gloo", r"start the launcher's group with NCCL \(Ray Train: ScalingConfig\(use_gpu=True\)"),
+        ("cpu", "nccl", r"start the launcher's group with gloo \(Ray Train: ScalingConfig\(use_gpu=False\)"),
+    ],
+)
+def test_a_launchers_group_with_another_backend_is_refused(device: str, backend: str, fix: str) -> None:
+    with pytest.raises(
+        ConfigError,
+        match=rf"device: got '{device}'; allowed: a device the launcher's process group serves: it uses the {backend} backend.*Fix: {fix}",
+    ):
+        group_device(device, backend)
+
+
+def test_an_initialised_group_is_joined_not_replaced(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("RANK", "WORLD_SIZE", "SLURM_PROCID"):
+        monkeypatch.delenv(name, raising=False)
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        group = dist.group.WORLD
+        assert init_distributed("auto").type == "cpu"
+        assert dist.group.WORLD is group
+        with pytest.raises(ConfigError, match="it uses the gloo backend"):
+            init_distributed("cuda")
+        assert dist.group.WORLD is group
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_once_fault_fires_on_the_first_attempt_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Ray Train and Kubernetes restart workers without TORCHELASTIC_RESTART_COUNT: the marker the
+    # firing rank leaves in the run directory tells the next attempt.
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("FSDP_BRIDGE_FAULT", "1:step:3:once")
+    with pytest.raises(InjectedFault, match="rank 1 at step:3"):
+        maybe_fail("step:3", run_dir=tmp_path)
+    maybe_fail("step:3", run_dir=tmp_path)  # the second attempt gets past it
+    assert (tmp_path / ".fault-fired-rank1-step-3").exists()
