@@ -3,6 +3,10 @@ milliseconds), the Kubernetes manifest, and the Ray Train example with a worker 
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -145,3 +149,92 @@ def test_a_once_fault_fires_on_the_first_attempt_only(tmp_path: Path, monkeypatc
         maybe_fail("step:3", run_dir=tmp_path)
     maybe_fail("step:3", run_dir=tmp_path)  # the second attempt gets past it
     assert (tmp_path / ".fault-fired-rank1-step-3").exists()
+
+
+# The Ray example and an uninterrupted run through the CLI: a tiny model, a few seconds of training each.
+TINY = [
+    "model.config.hidden_size=32",
+    "model.config.intermediate_size=64",
+    "model.config.num_hidden_layers=2",
+    "model.tokenizer_vocab_size=400",
+    "data.seq_len=32",
+    "data.eval_sequences=8",
+    "micro_batch_size=2",
+    "max_steps=6",
+    "eval_interval=3",
+    "checkpoint.interval=2",
+    "checkpoint.keep_last=null",
+    "checkpoint.export_hf=false",
+    "schedule.warmup_steps=2",
+]
+
+
+def _losses(run: Path) -> dict[int, float]:
+    """Each step's loss in metrics.jsonl (a step run again after a resume: its last record)."""
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return {int(r["step"]): float(r["loss"]) for r in records if "loss" in r}
+
+
+@pytest.mark.slow  # ~95 s on 2 loaded cores, ~65 s of it Ray's own start and two worker-group starts
+def test_ray_train_example_resumes_after_a_worker_failure_with_an_uninterrupted_runs_loss(tmp_path: Path) -> None:
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        # Everything on loopback: Ray's single-machine mode, gloo on lo.
+        RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",
+        GLOO_SOCKET_IFNAME="lo",
+        RAY_DEDUP_LOGS="0",
+        RAY_TRAIN_HEALTH_CHECK_INTERVAL_S="0.25",  # sees the failure and the end sooner (default 2 s)
+    )
+    env.pop("RAY_ADDRESS", None)
+    ray_run, reference = tmp_path / "ray-run", tmp_path / "reference"
+    # Worker 1 fails in step 4, after the checkpoint of step 2: Ray starts both workers again,
+    # and the second attempt resumes from step 2 (resume: auto).
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(EXAMPLES / "ray_train.py"),
+            *TINY,
+            f"output_dir={ray_run}",
+            "--storage-path",
+            str(tmp_path / "ray"),
+            "--quiet",
+        ],
+        env={**env, "FSDP_BRIDGE_FAULT": "1:step:4:once"},
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert "injected fault on rank 1 at step:4" in proc.stderr, proc.stderr[-6000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])["summary"]
+    assert summary["steps"] == 6 and summary["resumed_from"] == str(ray_run / "checkpoints" / "step_00000002")
+    # The same job, uninterrupted, through fsdp-bridge train's own launcher (2 ranks).
+    ref = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fsdp_bridge",
+            "train",
+            *TINY,
+            f"output_dir={reference}",
+            "--nproc-per-node",
+            "2",
+            "--quiet",
+        ],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert ref.returncode == 0, ref.stderr[-4000:]
+    expected, got = _losses(reference), _losses(ray_run)
+    assert sorted(got) == sorted(expected) == list(range(1, 7))
+    for step in expected:
+        assert got[step] == pytest.approx(expected[step], rel=1e-5, abs=1e-6), (step, got, expected)
+    assert summary["final_loss"] == pytest.approx(
+        json.loads((reference / "summary.json").read_text())["final_loss"], rel=1e-5
+    )
