@@ -151,6 +151,53 @@ def test_a_once_fault_fires_on_the_first_attempt_only(tmp_path: Path, monkeypatc
     assert (tmp_path / ".fault-fired-rank1-step-3").exists()
 
 
+def test_kubeflow_pytorchjob_manifest_runs_a_valid_config_through_torchrun(tmp_path: Path) -> None:
+    """No cluster here: the manifest is parsed, its config loaded and its command checked."""
+    import yaml
+    from torch.distributed.run import get_args_parser
+
+    from fsdp_bridge.cli import build_parser
+    from fsdp_bridge.train import load_train_config, preflight
+
+    docs = list(yaml.safe_load_all((EXAMPLES / "k8s" / "pytorchjob.yaml").read_text()))
+    by_kind = {d["kind"]: d for d in docs}
+    assert sorted(by_kind) == ["ConfigMap", "PyTorchJob"]
+    job = by_kind["PyTorchJob"]
+    assert job["apiVersion"] == "kubeflow.org/v1"
+    elastic = job["spec"]["elasticPolicy"]
+    assert elastic["rdzvBackend"] == "c10d" and 1 <= elastic["minReplicas"] <= elastic["maxReplicas"]
+    worker = job["spec"]["pytorchReplicaSpecs"]["Worker"]
+    assert elastic["minReplicas"] <= worker["replicas"] <= elastic["maxReplicas"]
+    pod = worker["template"]["spec"]
+    (container,) = pod["containers"]
+    # The worker command: torchrun (the operator passes the rendezvous as PET_* variables) running
+    # `fsdp-bridge train CONFIG --resume` as each rank.
+    command = container["command"]
+    assert command[0] == "torchrun"
+    launch = get_args_parser().parse_args(command[1:])
+    assert launch.no_python and launch.training_script == "fsdp-bridge"
+    assert launch.nproc_per_node == job["spec"]["nprocPerNode"] == "1"
+    cli = build_parser().parse_args(launch.training_script_args)
+    assert cli.command == "train" and cli.resume
+    (config_path,) = [i for i in cli.items if "=" not in i]
+    # The config file is the ConfigMap's key, mounted where the command reads it.
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    config_dir, _, key = config_path.rpartition("/")
+    config_map = volumes[mounts[config_dir]]["configMap"]["name"]
+    assert config_map == by_kind["ConfigMap"]["metadata"]["name"]
+    local = tmp_path / key
+    local.write_text(by_kind["ConfigMap"]["data"][key])
+    config = load_train_config(local)
+    assert config.resume == "auto"
+    # output_dir is on the volume every pod mounts (a claim, not the pod's own disk).
+    runs = next(p for p in mounts if config.output_dir.startswith(p + "/"))
+    assert "persistentVolumeClaim" in volumes[mounts[runs]]
+    # Every world size the elastic policy allows is one the job accepts.
+    for world in range(elastic["minReplicas"], elastic["maxReplicas"] + 1):
+        preflight(config, world_size=world, local_world_size=1, device_type=config.bridge.device)
+
+
 # The Ray example and an uninterrupted run through the CLI: a tiny model, a few seconds of training each.
 TINY = [
     "model.config.hidden_size=32",
