@@ -222,7 +222,7 @@ def _losses(run: Path) -> dict[int, float]:
     return {int(r["step"]): float(r["loss"]) for r in records if "loss" in r}
 
 
-@pytest.mark.slow  # ~95 s on 2 loaded cores, ~65 s of it Ray's own start and two worker-group starts
+@pytest.mark.slow  # 1.5 to 3.5 min on 2 shared cores, most of it Ray starting itself and the workers twice
 def test_ray_train_example_resumes_after_a_worker_failure_with_an_uninterrupted_runs_loss(tmp_path: Path) -> None:
     env = dict(
         os.environ,
