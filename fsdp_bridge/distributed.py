@@ -138,8 +138,8 @@ def init_distributed(device: str = "auto", *, timeout_s: float = DEFAULT_TIMEOUT
 
 
 _BACKEND_DEVICES = {"gloo": "cpu", "mpi": "cpu", "nccl": "cuda", "xccl": "xpu", "hccl": "npu"}
-"""The device type each of torch's process-group backends serves (gloo's CUDA support lacks the
-reduce-scatter FSDP needs, so a gloo group serves CPU ranks only)."""
+"""The device type each of torch's process-group backends serves here: the pairs this module starts
+itself (gloo for CPU ranks, NCCL for CUDA ranks), and XPU's and Ascend's collective libraries."""
 
 
 def group_device(device: str, backend: str) -> torch.device:
