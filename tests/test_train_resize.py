@@ -100,7 +100,7 @@ def _train_recording(jobs: list[tuple[str, list[str], str]]) -> list[float | Non
         def micro_batch(self: PackedData, position: int, mbs: int, record: str = record) -> Any:
             ids = self.sample_ids(position + self.rank * mbs, mbs)
             with open(f"{record}.rank{self.rank}", "a") as fh:
-                fh.write(json.dumps({"position": position, "ids": ids}) + "\n")
+                fh.write(json.dumps({"position": position, "first": position + self.rank * mbs, "ids": ids}) + "\n")
             return original(self, position, mbs)
 
         PackedData.micro_batch = micro_batch  # type: ignore[method-assign]
@@ -122,6 +122,16 @@ def _sequences_by_step(record: Path, samples_per_step: int) -> dict[int, list[in
     return {step: sorted(ids) for step, ids in sorted(steps.items())}
 
 
+def _by_sample(record: Path) -> dict[int, int]:
+    """Global sample index -> the training sequence read there, from every rank's record."""
+    out: dict[int, int] = {}
+    for path in record.parent.glob(record.name + ".rank*"):
+        for line in path.read_text().splitlines():
+            entry = json.loads(line)
+            out.update({entry["first"] + i: seq for i, seq in enumerate(entry["ids"])})
+    return out
+
+
 def _losses(run: Path) -> dict[int, dict[str, float]]:
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     return {int(r["step"]): r for r in records}
@@ -137,9 +147,11 @@ def test_saved_at_2_ranks_resumed_at_1_reads_what_an_uninterrupted_run_reads(tmp
     run_distributed(_train_recording, 2, args=(jobs,), timeout_s=300)
     # Resumed at 1 rank with the same global batch: micro-batch 2, grad_accum 2.
     resume = ["micro_batch_size=2", "grad_accum=2", "max_steps=6", "resume=auto"]
-    ((resumed_eval,),) = run_distributed(
-        _train_recording, 1, args=([(str(split), resume, str(tmp_path / "b"))],), timeout_s=300
-    )
+    # And from the same checkpoint with half the global batch (2 sequences a step), into another directory.
+    halved = ["micro_batch_size=2", "max_steps=6", f"resume={split / 'checkpoints' / 'step_00000002'}"]
+    halved += ["checkpoint.interval=null", "checkpoint.at_end=false", "eval_interval=null"]  # only the reads matter
+    jobs = [(str(split), resume, str(tmp_path / "b")), (str(tmp_path / "halved"), halved, str(tmp_path / "h"))]
+    ((resumed_eval, _),) = run_distributed(_train_recording, 1, args=(jobs,), timeout_s=300)
     expected = _sequences_by_step(tmp_path / "w", 4)
     got = {**_sequences_by_step(tmp_path / "a", 4), **_sequences_by_step(tmp_path / "b", 4)}
     assert list(expected) == list(range(1, 7))
@@ -154,3 +166,8 @@ def test_saved_at_2_ranks_resumed_at_1_reads_what_an_uninterrupted_run_reads(tmp
     # Every held-out sequence is evaluated at either world size: the same eval loss.
     assert b[6]["eval_loss"] == pytest.approx(a[6]["eval_loss"], rel=1e-4)
     assert resumed_eval == pytest.approx(a[6]["eval_loss"], rel=1e-4)
+    # Half the global batch: the 4 remaining steps read global samples 8 .. 15, the ones the
+    # uninterrupted run read next (in steps 3 and 4): none repeated, none skipped.
+    halved_samples, whole_samples = _by_sample(tmp_path / "h"), _by_sample(tmp_path / "w")
+    assert sorted(halved_samples) == list(range(8, 16))
+    assert halved_samples == {i: whole_samples[i] for i in range(8, 16)}
