@@ -12,12 +12,18 @@ rank stuck in a data loader or a deadlock would.  Nothing happens unless the var
 exists so that tests can prove a failing rank stops the others in bounded time, and that a hung
 rank is the one named.
 
+``once``: the fault fires on the first attempt only. An elastic restart says so itself
+(``TORCHELASTIC_RESTART_COUNT``); launchers that restart workers without telling them (Ray Train's
+``FailureConfig``, a Kubernetes pod restarted) are recognised by a marker the firing rank leaves in
+the run's output directory (``.fault-fired-rank<R>-<point>``) when the trainer passes ``run_dir``.
+
 Called by the trainer; :mod:`fsdp_bridge.testing.faults` re-exports it for tests.
 """
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from fsdp_bridge._launch import restart_count
 
@@ -30,8 +36,11 @@ class InjectedFault(RuntimeError):
     """Raised by :func:`maybe_fail` on the rank and at the point named in ``FSDP_BRIDGE_FAULT``."""
 
 
-def maybe_fail(point: str) -> None:
-    """Raise :class:`InjectedFault` if ``FSDP_BRIDGE_FAULT`` names this rank and ``point``."""
+def maybe_fail(point: str, *, run_dir: str | Path | None = None) -> None:
+    """Raise :class:`InjectedFault` if ``FSDP_BRIDGE_FAULT`` names this rank and ``point``.
+
+    ``run_dir``: the run's output directory, where a ``once`` fault records that it fired.
+    """
     spec = os.environ.get(ENV)
     if not spec:
         return
@@ -42,8 +51,15 @@ def maybe_fail(point: str) -> None:
         modifiers.add(parts.pop())
     if rank.strip() != os.environ.get("RANK", "0") or ":".join(parts) != point:
         return
-    if "once" in modifiers and restart_count():
-        return  # a restarted job gets past the point
+    if "once" in modifiers:
+        if restart_count():
+            return  # a restarted job gets past the point
+        if run_dir is not None:
+            marker = Path(run_dir) / f".fault-fired-rank{rank.strip()}-{point.replace(':', '-')}"
+            if marker.exists():
+                return  # fired in an earlier attempt of this run
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            marker.touch()
     hang = "hang" in modifiers
     if not hang:
         raise InjectedFault(f"injected fault on rank {rank} at {point} ({ENV}={spec})")

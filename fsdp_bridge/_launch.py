@@ -21,7 +21,7 @@ import threading
 import time
 import traceback
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,10 +37,12 @@ __all__ = [
     "elastic_run",
     "env_from_slurm",
     "existing_launch",
+    "first_slurm_host",
     "mark_progress",
     "node_rank_problems",
     "record_failure",
     "restart_count",
+    "slurm_rank_env",
 ]
 
 CONFIG_ERROR_EXIT = 2
@@ -79,39 +81,115 @@ def node_rank_problems(node_rank: int | None, nnodes: int) -> list[Problem]:
     return [Problem("--node-rank", node_rank, f"0 .. {nnodes - 1} (one below --nnodes {nnodes})", fix)]
 
 
-def existing_launch(env: dict[str, str] | None = None) -> bool:
-    """Whether this process is already one rank of a launch (torchrun, or srun with a task per rank)."""
-    env = dict(os.environ) if env is None else env
+def existing_launch(env: Mapping[str, str] | None = None) -> bool:
+    """Whether this process is already one rank of a launch that set up the ranks.
+
+    The rules (``env`` defaults to ``os.environ``):
+
+    - ``RANK`` and ``WORLD_SIZE`` set: torchrun, Kubeflow's PyTorchJob, TorchX, Ray Train
+      (which also initialises the default process group itself) or any launcher that exports
+      torch's ``env://`` variables;
+    - ``SLURM_PROCID`` with ``SLURM_NTASKS`` > 1 and no ``RANK``: one ``srun`` task per rank
+      (:func:`slurm_rank_env` maps SLURM's variables to torch's).
+
+    A process group that is already initialised is joined whatever the environment says
+    (:func:`fsdp_bridge.distributed.init_distributed`).
+    """
+    env = os.environ if env is None else env
     if "RANK" in env and "WORLD_SIZE" in env:
         return True
-    return "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1
+    return "SLURM_PROCID" in env and _int(env.get("SLURM_NTASKS"), 1) > 1
+
+
+def _int(text: str | None, default: int) -> int:
+    try:
+        return int(text) if text is not None else default
+    except ValueError:
+        return default
+
+
+def first_slurm_host(nodelist: str) -> str | None:
+    """The first host of a SLURM node list (``gpu[03-04,07],cpu1`` -> ``gpu03``), None if empty.
+
+    The same host ``scontrol show hostnames $SLURM_JOB_NODELIST | head -n 1`` prints, without
+    running ``scontrol``: the first name of the list, with each bracketed range replaced by its
+    first value (zero padding kept).
+    """
+    host, depth = "", 0
+    for char in nodelist.strip():
+        if char == "," and depth == 0:
+            break
+        depth += (char == "[") - (char == "]")
+        host += char
+    while "[" in host and "]" in host:
+        head, _, rest = host.partition("[")
+        ranges, _, tail = rest.partition("]")
+        host = head + ranges.split(",")[0].split("-")[0] + tail
+    return host or None
+
+
+def _tasks_on_node(tasks_per_node: str, node: int) -> int | None:
+    """Tasks on node ``node`` from SLURM's ``2(x3),1`` notation (None if it cannot be read)."""
+    counts: list[int] = []
+    for part in tasks_per_node.split(","):
+        value, _, times = part.partition("(x")
+        try:
+            counts += [int(value)] * (int(times.rstrip(")")) if times else 1)
+        except ValueError:
+            return None
+    return counts[node] if 0 <= node < len(counts) else None
+
+
+def slurm_rank_env(env: Mapping[str, str]) -> dict[str, str]:
+    """torch's ``env://`` variables for an ``srun`` task, from SLURM's (empty: nothing to add).
+
+    Only for a task of an ``srun`` with more than one task and no ``RANK``/``WORLD_SIZE`` of its
+    own (torchrun under srun sets those: they win). ``RANK`` = ``SLURM_PROCID``, ``WORLD_SIZE`` =
+    ``SLURM_NTASKS``, ``LOCAL_RANK`` = ``SLURM_LOCALID``, ``LOCAL_WORLD_SIZE`` = this node's tasks;
+    ``MASTER_ADDR``, only where unset, = ``SLURM_LAUNCH_NODE_IPADDR`` (the node srun ran on), else
+    the first host of ``SLURM_STEP_NODELIST``/``SLURM_JOB_NODELIST``; ``MASTER_PORT``, only where
+    unset, = 29500.
+
+    Raises:
+        ConfigError: no ``MASTER_ADDR`` and nothing to derive it from.
+    """
+    if ("RANK" in env and "WORLD_SIZE" in env) or not existing_launch(env):
+        return {}
+    tasks = _int(env.get("SLURM_NTASKS"), 1)
+    nodes = max(1, _int(env.get("SLURM_NNODES"), 1))
+    node = _int(env.get("SLURM_NODEID"), 0)
+    per_node = _tasks_on_node(env.get("SLURM_STEP_TASKS_PER_NODE", env.get("SLURM_TASKS_PER_NODE", "")), node)
+    added = {
+        "RANK": env["SLURM_PROCID"],
+        "WORLD_SIZE": str(tasks),
+        "LOCAL_RANK": env.get("SLURM_LOCALID", "0"),
+        "LOCAL_WORLD_SIZE": str(per_node if per_node is not None else max(1, tasks // nodes)),
+    }
+    if "MASTER_ADDR" not in env:
+        nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST", "")
+        addr = env.get("SLURM_LAUNCH_NODE_IPADDR") or first_slurm_host(nodelist)
+        if not addr:
+            raise ConfigError(
+                [
+                    Problem(
+                        "MASTER_ADDR",
+                        None,
+                        "the address of the node that runs rank 0 (unset, and SLURM gave neither "
+                        "SLURM_LAUNCH_NODE_IPADDR nor a node list)",
+                        "export MASTER_ADDR=$(scontrol show hostnames $SLURM_JOB_NODELIST | head -n 1) "
+                        "in the sbatch script (see examples/hsdp_2x8.sbatch)",
+                    )
+                ]
+            )
+        added["MASTER_ADDR"] = addr
+    if "MASTER_PORT" not in env:
+        added["MASTER_PORT"] = "29500"
+    return {k: v for k, v in added.items() if k not in env or k in ("RANK", "WORLD_SIZE")}
 
 
 def env_from_slurm() -> None:
-    """Set torchrun's variables from SLURM's when srun started one task per rank."""
-    env = os.environ
-    if "RANK" in env or "SLURM_PROCID" not in env:
-        return
-    if "MASTER_ADDR" not in env:
-        raise ConfigError(
-            [
-                Problem(
-                    "MASTER_ADDR",
-                    None,
-                    "the host name of the first node of the job",
-                    "export MASTER_ADDR=$(scontrol show hostnames $SLURM_JOB_NODELIST | head -n 1) "
-                    "in the sbatch script (see examples/hsdp_2x8.sbatch)",
-                )
-            ]
-        )
-    tasks, nodes = int(env["SLURM_NTASKS"]), int(env.get("SLURM_NNODES", "1"))
-    env.update(
-        RANK=env["SLURM_PROCID"],
-        WORLD_SIZE=str(tasks),
-        LOCAL_RANK=env.get("SLURM_LOCALID", "0"),
-        LOCAL_WORLD_SIZE=env.get("SLURM_NTASKS_PER_NODE", str(tasks // max(1, nodes))).split("(")[0],
-    )
-    env.setdefault("MASTER_PORT", "29500")
+    """Set torch's ``env://`` variables from SLURM's in an ``srun`` task (:func:`slurm_rank_env`)."""
+    os.environ.update(slurm_rank_env(os.environ))
 
 
 PROGRESS_ENV = "FSDP_BRIDGE_PROGRESS_DIR"

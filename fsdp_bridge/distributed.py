@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from fsdp_bridge._launch import restart_count
+from fsdp_bridge._launch import env_from_slurm, restart_count
 from fsdp_bridge.config import BridgeConfig, fsdp1_mesh
 from fsdp_bridge.errors import ConfigError, Problem
 from fsdp_bridge.mapping import no_shard_mesh_shape
@@ -31,6 +31,7 @@ __all__ = [
     "agree",
     "broadcast_in_place",
     "carried_mesh",
+    "group_device",
     "init_distributed",
     "mesh_from_process_group",
     "plan_mesh",
@@ -72,11 +73,18 @@ def resolve_device(device: str) -> torch.device:
 
 
 def init_distributed(device: str = "auto", *, timeout_s: float = DEFAULT_TIMEOUT_S) -> torch.device:
-    """Initialise the default process group if needed and return this rank's device.
+    """Join or initialise the default process group and return this rank's device.
 
-    Inside a launch (torchrun, ``fsdp-bridge train``, SLURM with the torchrun variables)
-    rank and world size come from the environment.  Without one, a single-process group
-    (world size 1) is started on a private file store (no network port).
+    Never starts ranks; which group this process joins, in this order:
+
+    1. a default process group already initialised (Ray Train's ``TorchTrainer``, your own
+       ``init_process_group``) is joined as it is; its backend must serve ``device``
+       (:func:`group_device`);
+    2. ``RANK`` and ``WORLD_SIZE`` in the environment (torchrun, ``fsdp-bridge train``, Kubeflow's
+       PyTorchJob, TorchX): ``env://`` with ``MASTER_ADDR``/``MASTER_PORT``;
+    3. an ``srun`` task (``SLURM_PROCID`` with ``SLURM_NTASKS`` > 1, no ``RANK``): SLURM's
+       variables are mapped to torch's first (:func:`fsdp_bridge._launch.slurm_rank_env`), then 2;
+    4. otherwise a single-process group (world size 1) on a private file store (no network port).
 
     Args:
         device: ``auto`` (CUDA with NCCL when available, else CPU with gloo), ``cuda`` or ``cpu``.
@@ -88,40 +96,92 @@ def init_distributed(device: str = "auto", *, timeout_s: float = DEFAULT_TIMEOUT
         This rank's device.
 
     Raises:
-        ConfigError: for a timeout that is not a finite number of seconds > 0.
+        ConfigError: for a timeout that is not a finite number of seconds > 0; a group already
+            initialised whose backend does not serve ``device``; an srun task without
+            ``MASTER_ADDR`` and no node to take it from.
     """
     if not (isinstance(timeout_s, int | float) and 0 < timeout_s < float("inf")):
         raise ConfigError([Problem("timeout_s", timeout_s, "a finite number of seconds > 0", "e.g. timeout_s=600")])
+    if dist.is_initialized():
+        torch_device = group_device(device, str(dist.get_backend()))
+        if torch_device.type == "cuda":
+            torch.cuda.set_device(torch_device)
+        return torch_device
+    env_from_slurm()
     torch_device = resolve_device(device)
     if torch_device.type == "cuda":
         torch.cuda.set_device(torch_device)
-    if not dist.is_initialized():
-        backend = "nccl" if torch_device.type == "cuda" else "gloo"
-        timeout = datetime.timedelta(seconds=timeout_s)
-        # NCCL bound to this rank's GPU: without device_id it guesses the GPU from the global rank,
-        # which is wrong when ranks map to GPUs unevenly (and torch warns that it can hang).
-        device_id = torch_device if torch_device.type == "cuda" else None
-        attempt = restart_count()
-        if attempt and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-            # After an elastic restart, torch's env:// rendezvous hands the new ranks the previous
-            # attempt's addresses (gloo and NCCL then fail with "Connection refused"; torch 2.13,
-            # pytorch/pytorch#167288): rendezvous on the agent's store under this attempt's own prefix.
-            rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-            agent = dist.TCPStore(
-                os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, False, timeout=timeout
-            )
-            prefixed = dist.PrefixStore(f"/fsdp_bridge/attempt_{attempt}", agent)
-            dist.init_process_group(
-                backend=backend, store=prefixed, rank=rank, world_size=world, timeout=timeout, device_id=device_id
-            )
-        elif "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-            dist.init_process_group(backend=backend, timeout=timeout, device_id=device_id)
-        else:
-            store = dist.FileStore(os.path.join(tempfile.mkdtemp(prefix="fsdp-bridge-"), "store"), 1)
-            dist.init_process_group(
-                backend=backend, store=store, rank=0, world_size=1, timeout=timeout, device_id=device_id
-            )
+    backend = "nccl" if torch_device.type == "cuda" else "gloo"
+    timeout = datetime.timedelta(seconds=timeout_s)
+    # NCCL bound to this rank's GPU: without device_id it guesses the GPU from the global rank,
+    # which is wrong when ranks map to GPUs unevenly (and torch warns that it can hang).
+    device_id = torch_device if torch_device.type == "cuda" else None
+    attempt = restart_count()
+    if attempt and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # After an elastic restart, torch's env:// rendezvous hands the new ranks the previous
+        # attempt's addresses (gloo and NCCL then fail with "Connection refused"; torch 2.13,
+        # pytorch/pytorch#167288): rendezvous on the agent's store under this attempt's own prefix.
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, False, timeout=timeout)
+        prefixed = dist.PrefixStore(f"/fsdp_bridge/attempt_{attempt}", agent)
+        dist.init_process_group(
+            backend=backend, store=prefixed, rank=rank, world_size=world, timeout=timeout, device_id=device_id
+        )
+    elif "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend=backend, timeout=timeout, device_id=device_id)
+    else:
+        store = dist.FileStore(os.path.join(tempfile.mkdtemp(prefix="fsdp-bridge-"), "store"), 1)
+        dist.init_process_group(
+            backend=backend, store=store, rank=0, world_size=1, timeout=timeout, device_id=device_id
+        )
     return torch_device
+
+
+_BACKEND_DEVICES = {"gloo": "cpu", "mpi": "cpu", "nccl": "cuda", "xccl": "xpu", "hccl": "npu"}
+"""The device type each of torch's process-group backends serves here: the pairs this module starts
+itself (gloo for CPU ranks, NCCL for CUDA ranks), and XPU's and Ascend's collective libraries."""
+
+
+def group_device(device: str, backend: str) -> torch.device:
+    """This rank's device in a process group a launcher already initialised with ``backend``.
+
+    ``backend`` is what ``torch.distributed.get_backend()`` says: one name (``gloo``, ``nccl``)
+    or per-device pairs (``cpu:gloo,cuda:nccl``). ``device: auto`` follows the group (CUDA for an
+    NCCL group, CPU for a gloo group, CUDA first when it has both and a GPU is present);
+    ``cpu``/``cuda`` must be served by it. A backend not known here is trusted with ``device``.
+
+    Raises:
+        ConfigError: ``device`` is one the group's backend does not serve (raised on every rank
+            alike, before any collective).
+    """
+    served: list[str] = []
+    for part in backend.lower().split(","):
+        dev, _, name = part.strip().rpartition(":")
+        kind = dev or _BACKEND_DEVICES.get(name)
+        if kind is None:
+            return resolve_device(device)  # a backend of another library: it knows its devices
+        served.append(kind)
+    if device == "auto":
+        device = "cuda" if "cuda" in served and torch.cuda.is_available() else "cpu" if "cpu" in served else "auto"
+    if device in served:
+        return resolve_device(device)
+    fix = {
+        "cpu": "start the launcher's group with gloo (Ray Train: ScalingConfig(use_gpu=False); "
+        "torch: init_process_group('gloo')), or set bridge.device to cuda",
+        "cuda": "start the launcher's group with NCCL (Ray Train: ScalingConfig(use_gpu=True); "
+        "torch: init_process_group('nccl')), or set bridge.device to cpu",
+    }.get(device, "set bridge.device to one the group serves")
+    raise ConfigError(
+        [
+            Problem(
+                "device",
+                device,
+                f"a device the launcher's process group serves: it uses the {backend} backend "
+                f"({', '.join(served) or 'no known device'})",
+                fix,
+            )
+        ]
+    )
 
 
 def _digest(fingerprint: dict[str, str] | None) -> int:

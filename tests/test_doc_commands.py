@@ -25,6 +25,8 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 NOT_RUN: dict[str, str] = {
     "make train": "creates the environment and trains (what `.ci/run` does); the job: test_train_run.py",
     "make test": "the test suite itself (`.ci/run`)",
+    "python examples/ray_train.py examples/tiny_cpu.yaml max_steps=40 output_dir=runs/ray-tiny": "starts Ray and "
+    "trains on 2 workers (minutes on 2 cores); test_launchers.py runs the example (slow-marked)",
     "fsdp-bridge compare examples/compare/tiny_llama.yaml --reference --strategies all --nproc-per-node 4": "minutes on 2 cores; test_compare.py runs the same engine on every strategy",
     "pip install torch==2.13.0": "changes the environment (CI installs it)",
     "pip install -e .": "changes the environment (CI installs it)",

@@ -259,18 +259,20 @@ def test_data_is_packed_split_and_sharded_without_overlap() -> None:
     docs = ["".join(chr(200 + i) for i in range(100)), "".join(chr(400 + i) for i in range(100))]
     cfg = DataConfig(seq_len=10, eval_sequences=5)
     ranks = [PackedData.build(docs, _Tok(), cfg, seed=3, rank=r, world_size=2) for r in range(2)]
-    assert ranks[0].train.shape == (16, 10) and ranks[0].held_out.shape == (4, 10)  # 5 rounded down to 4
+    assert ranks[0].train.shape == (15, 10) and ranks[0].held_out.shape == (5, 10)  # at any world size
     assert int(ranks[0].train[0, 0]) == 200 and int(ranks[0].train.view(-1)[100]) == 0  # EOS between docs
-    # One epoch = 16 samples = 2 steps of 2 ranks x 4: every training sequence exactly once.
+    # One epoch = 15 samples: 2 steps of 2 ranks x 4 cover every training sequence, the 16th starts epoch 2.
     seen = [ranks[r].micro_batch(pos, 4) for pos in (0, 8) for r in range(2)]
     rows = {tuple(row.tolist()) for batch in seen for row in batch}
-    assert len(rows) == 16
+    assert len(rows) == 15
     # The order is a function of the position only (what resume relies on), and changes by epoch.
     again = PackedData.build(docs, _Tok(), cfg, seed=3, rank=1, world_size=2)
     assert bool((again.micro_batch(8, 4) == ranks[1].micro_batch(8, 4)).all())
     assert not bool((ranks[0].micro_batch(16, 4) == ranks[0].micro_batch(0, 4)).all())
+    # 5 held-out rows on 2 ranks: 3 and 2, rank 1's batch padded with a row that does not count.
     evals = [r.eval_batches(3) for r in ranks]
-    assert [len(b) for b in evals[0]] == [2] and len(evals[1]) == 1
+    assert [(len(b), counted) for b, counted in evals[0]] == [(3, 3)]
+    assert [(len(b), counted) for b, counted in evals[1]] == [(3, 2)]
     with pytest.raises(ConfigError, match=r"data\.seq_len: got 500; allowed: a length that leaves training"):
         PackedData.build(docs, _Tok(), DataConfig(seq_len=500, eval_sequences=0), seed=0, rank=0, world_size=2)
 

@@ -118,8 +118,8 @@ class DataConfig:
     seq_len: int = field(default=128, metadata=checks(at_least(2)))
     """Tokens per packed training sequence (documents are joined with the EOS token and cut to this length)."""
     eval_sequences: int = field(default=32, metadata=checks(at_least(0)))
-    """Packed sequences held out from the end of the data for evaluation (rounded down to a multiple of the
-    world size); 0 disables evaluation."""
+    """Packed sequences held out from the end of the data for evaluation, the same at any world size (the
+    ranks share them; none is dropped); 0 disables evaluation."""
 
 
 @dataclass(frozen=True, kw_only=True)

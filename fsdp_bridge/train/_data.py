@@ -1,11 +1,12 @@
 """Training data: read text or JSONL files, tokenize, pack into sequences, shard by rank.
 
 Documents are tokenized, joined with the EOS token and cut into sequences of
-``data.seq_len`` tokens.  The last ``data.eval_sequences`` sequences are held out.
-Training order is a seeded permutation per epoch over the global sample stream; rank
-``r`` takes its slice of each micro-batch.  The whole position is one integer, the
+``data.seq_len`` tokens.  The last ``data.eval_sequences`` sequences are held out, whatever
+the world size.  Training order is a seeded permutation per epoch over the global sample
+stream; rank ``r`` takes its slice of each micro-batch.  The whole position is one integer, the
 number of samples consumed by all ranks, so a resumed run continues exactly where the
-checkpoint left off (and at any world size).
+checkpoint left off, at any world size: the training sequences, their order and the position
+do not depend on the number of ranks.
 """
 
 from __future__ import annotations
@@ -116,11 +117,9 @@ class PackedData:
             ids.append(eos)
         n_seq = len(ids) // config.seq_len
         stream = torch.tensor(ids[: n_seq * config.seq_len], dtype=torch.long).view(n_seq, config.seq_len)
-        n_eval = (config.eval_sequences // world_size) * world_size
-        if config.eval_sequences and n_eval == 0:
-            raise ConfigError(
-                [Problem("data.eval_sequences", config.eval_sequences, f"0 or at least the world size ({world_size})")]
-            )
+        # Independent of the world size: the training set (and so the order) is the same at any
+        # number of ranks, which is what resuming at another world size relies on.
+        n_eval = config.eval_sequences
         n_train = n_seq - n_eval
         if n_train < 1:
             raise ConfigError(
@@ -142,20 +141,37 @@ class PackedData:
             self._perms = {epoch: torch.randperm(len(self.train), generator=g)}
         return self._perms[epoch]
 
+    def sample_ids(self, position: int, count: int) -> list[int]:
+        """The training sequences (rows of ``train``) at global samples ``position .. position + count``."""
+        n = len(self.train)
+        return [int(self._perm(i // n)[i % n]) for i in range(position, position + count)]
+
     def micro_batch(self, position: int, micro_batch_size: int) -> torch.Tensor:
         """This rank's sequences of the micro-batch that starts at global sample ``position``.
 
         The micro-batch covers samples ``position .. position + world * mbs``; the caller
         advances ``position`` by ``world * mbs`` after each one.
         """
-        n = len(self.train)
-        start = position + self.rank * micro_batch_size
-        rows = []
-        for i in range(start, start + micro_batch_size):
-            rows.append(int(self._perm(i // n)[i % n]))
-        return self.train[rows]
+        return self.train[self.sample_ids(position + self.rank * micro_batch_size, micro_batch_size)]
 
-    def eval_batches(self, micro_batch_size: int) -> list[torch.Tensor]:
-        """This rank's share of the held-out sequences (every rank gets as many batches)."""
+    def eval_batches(self, micro_batch_size: int) -> list[tuple[torch.Tensor, int]]:
+        """This rank's share of the held-out sequences: ``(batch, rows that count)`` pairs.
+
+        Rank ``r`` takes held-out rows ``r, r + world, ...``. Every rank gets as many batches of
+        the same sizes (each forward is a collective under FSDP): where the held-out count is not a
+        multiple of the world size, the ranks with one row fewer end with a copy of the first
+        held-out row that does not count (its labels are masked by the caller).
+        """
+        n = len(self.held_out)
+        if n == 0:
+            return []
+        per_rank = -(-n // self.world_size)
         mine = self.held_out[self.rank :: self.world_size]
-        return [mine[i : i + micro_batch_size] for i in range(0, len(mine), micro_batch_size)]
+        real = len(mine)
+        if real < per_rank:
+            mine = torch.cat([mine, self.held_out[:1].expand(per_rank - real, -1)])
+        out = []
+        for i in range(0, per_rank, micro_batch_size):
+            batch = mine[i : i + micro_batch_size]
+            out.append((batch, max(0, min(len(batch), real - i))))
+        return out

@@ -15,6 +15,7 @@ says); the other ranks stay silent unless they fail.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import math
@@ -279,6 +280,38 @@ def adamw_kernel(params: Sequence[torch.Tensor]) -> dict[str, bool]:
     return {}
 
 
+def rank_seed(seed: int, rank: int, step: int) -> int:
+    """The seed of rank ``rank``'s RNG stream (dropout) from optimizer step ``step`` on.
+
+    ``seed + 1 + rank`` for a run from the start (as before resumes at other world sizes
+    existed); a resume at another world size starts new streams from a hash of the three, so
+    they do not replay the masks of the first steps.
+    """
+    if step == 0:
+        return seed + 1 + rank
+    digest = hashlib.sha256(f"fsdp-bridge rank stream {seed} {rank} {step}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1  # < 2**63: any torch.manual_seed accepts it
+
+
+def _resize_note(state: dict[str, Any], world: int, samples_per_step: int) -> str | None:
+    """What a resume at another world size keeps and what it cannot, or None at the same size."""
+    saved_world = state.get("world_size")
+    if saved_world is None or int(saved_world) == world:
+        return None
+    saved_samples = state.get("samples_per_step")
+    position = int(state["data_position"])
+    note = (
+        f"resumed at {world} rank{'s' * (world > 1)} from a checkpoint saved at {saved_world}: the data "
+        f"continues at global sample {position} (none repeated or skipped)"
+    )
+    if saved_samples is not None and int(saved_samples) != samples_per_step:
+        note += (
+            f"; the global batch is {samples_per_step} sequences per step (was {saved_samples}): steps from "
+            f"here take that many, the learning-rate schedule follows the step count"
+        )
+    return note + "; per-rank RNG streams (dropout) are new ones, not the saved ranks'"
+
+
 def _memory_mb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
@@ -386,10 +419,13 @@ def evaluate(model: nn.Module, data: PackedData, config: TrainConfig, device: to
         return None
     model.eval()
     total = torch.zeros(2, dtype=torch.float64)
-    for batch in batches:
+    for batch, counted in batches:
         batch = batch.to(device)
-        loss = model(input_ids=batch, labels=batch).loss
-        total += torch.tensor([float(loss) * len(batch), len(batch)], dtype=torch.float64)
+        labels = batch.clone()
+        labels[counted:] = -100  # padding rows (held-out count not a multiple of the world size)
+        loss = model(input_ids=batch, labels=labels).loss  # every rank runs the forward: FSDP's collectives
+        if counted:
+            total += torch.tensor([float(loss) * counted, counted], dtype=torch.float64)
     model.train()
     if dist.get_world_size() > 1:
         dist.all_reduce(total)
@@ -462,22 +498,29 @@ def train(
         reset_adapters(model)  # the same adapters whether the base is read before or after sharding
         n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         lora_note = f" + LoRA r={config.peft.r} ({n_trainable:,} trainable)"
-    maybe_fail("shard")
+    maybe_fail("shard", run_dir=out)
     if pretrained is not None and sliced:
         sharded = ckpt.load_pretrained(model, pretrained, config.bridge)
     else:
         sharded = shard(model, config.bridge)
     sharded.train()  # from_pretrained returns a model in eval mode: dropout would be off until the first eval
     optimizer = build_optimizer(sharded, config)
-    torch.manual_seed(config.seed + 1 + rank)  # per-rank stream (dropout), saved with every checkpoint
+    torch.manual_seed(rank_seed(config.seed, rank, 0))  # per-rank stream (dropout), saved with every checkpoint
 
     step, position, tokens, best_eval = 0, 0, 0, math.inf
     last_ckpt: str | None = None
+    samples_per_step = world * config.micro_batch_size * config.grad_accum
+    resized: str | None = None
     if resume_from is not None:
         state = ckpt.load_checkpoint(resume_from, sharded, optimizer)
         step, position, tokens = int(state["step"]), int(state["data_position"]), int(state["tokens"])
         best_eval = float(state.get("best_eval_loss") or math.inf)
         last_ckpt = str(resume_from)
+        resized = _resize_note(state, world, samples_per_step)
+        if resized is not None:
+            # The saved per-rank RNG streams belong to the old ranks (load_checkpoint restores them
+            # only at the same world size): new streams, from the seed, the rank and the step.
+            torch.manual_seed(rank_seed(config.seed, rank, step))
 
     global_tokens_per_step = config.tokens_per_step * world
     progress = Progress(
@@ -497,6 +540,8 @@ def train(
         detail=bridge.describe(),
         resumed=f"resumed from {resume_from} at step {step}" if resume_from is not None else None,
     )
+    if resized is not None:
+        progress.note(resized)
 
     sinks: list[MetricsSink] = []
     sink_problems: list[Problem] = []
@@ -531,7 +576,7 @@ def train(
                     loss = sharded(input_ids=batch, labels=batch).loss
                     (loss / accum).backward()
                 if micro == 0:
-                    maybe_fail(f"step:{step + 1}")
+                    maybe_fail(f"step:{step + 1}", run_dir=out)
                 loss_sum += loss.detach().float().cpu()
             grad_norm = clip_grad_norm_(sharded, config.optim.grad_clip) if config.optim.grad_clip else None
             optimizer.step()
@@ -566,8 +611,10 @@ def train(
                     "data_position": position,
                     "tokens": tokens,
                     "best_eval_loss": None if math.isinf(best_eval) else best_eval,
+                    "world_size": world,
+                    "samples_per_step": samples_per_step,
                 }
-                maybe_fail(f"checkpoint:{step}")
+                maybe_fail(f"checkpoint:{step}", run_dir=out)
                 path = ckpt.save_checkpoint(
                     ckpt_root / f"step_{step:08d}",
                     sharded,
