@@ -15,7 +15,9 @@ must be one path every worker sees (one machine, or a shared file system).
 After a worker fails, ``FailureConfig(max_failures=1)`` makes Ray start the workers again; the
 config has ``resume: auto``, so the new attempt continues from the latest checkpoint in
 ``output_dir`` (data position, optimizer state and RNG streams restored) and ends as an
-uninterrupted run would. Each worker reports the run's final figures to ``ray.train.report``.
+uninterrupted run would. Each worker reports every step's figures to ``ray.train.report``
+(``train/loss``, ``train/lr``, ``eval/loss`` on evaluation steps, ...: the tags of the
+``logging:`` sinks, through ``train(..., on_metrics=...)``), then the run's final figures.
 
 Without ``RAY_ADDRESS`` a local Ray instance is started on 127.0.0.1 only (Ray resolves
 ``127.0.0.1`` to the machine's interface address unless ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``,
@@ -37,9 +39,13 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
 
     from fsdp_bridge.train import TrainConfig, train
 
+    def report(step: int, metrics: dict[str, float]) -> None:
+        # Called on every worker after each optimizer step: Ray needs the same number of reports from each.
+        ray.train.report({"step": step, **metrics})
+
     config = TrainConfig.from_dict(loop_config["config"])
-    result = train(config, verbosity=loop_config.get("verbosity", "normal"))  # type: ignore[arg-type]
-    # The run's final figures (metrics.jsonl in output_dir holds every step's).
+    result = train(config, verbosity=loop_config.get("verbosity", "normal"), on_metrics=report)  # type: ignore[arg-type]
+    # The run's final figures (metrics.jsonl in output_dir holds every step's too).
     ray.train.report(
         {
             "step": result.steps,
