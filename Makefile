@@ -1,6 +1,7 @@
 # Two commands do all the set-up on a fresh machine:
 #   make train  # create .venv, install, run the main job: `fsdp-bridge train` (built-in tiny job, 2 CPU ranks)
 #   make test   # create .venv, install, lint (ruff check, ruff format --check, mypy, lint-imports), run the test suite
+# make test-slow runs the slow tier (long end-to-end runs; CI runs it after the suite).
 # make ab runs examples/ab_backends.py: the same loop through FSDP1 and FSDP2, losses side by side.
 # torch is installed first and pinned (CPU build 2.13.0): an unpinned torch pulls CUDA wheels.
 
@@ -9,7 +10,7 @@ VENV ?= .venv
 TORCH ?= torch==2.13.0
 BIN := $(VENV)/bin
 
-.PHONY: train ab test install lint
+.PHONY: train ab test test-slow install lint
 
 $(BIN)/fsdp-bridge: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -34,3 +35,8 @@ lint: install
 
 test: install lint
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest
+
+# The slow tier: long end-to-end runs (fault injection through torchrun, the full checkpoint matrix,
+# Ray Train, torch.compile); each has a cheaper sibling in `make test`. .ci/run runs it too.
+test-slow: install
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -m slow

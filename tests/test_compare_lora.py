@@ -38,7 +38,7 @@ def _lora_job(data: dict[str, Any]) -> dict[str, Any]:
     return {"rank": dist.get_rank(), "ok": report.ok, "losses": losses, "trainable": trainable}
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])  # 4 ranks on 2 cores: slow
 def test_lora_job_gives_equal_losses_on_both_backends(run_on_ranks, world: int) -> None:
     """2 ranks: FULL_SHARD; 4 ranks: FULL_SHARD and HYBRID_SHARD on a (2, 2) mesh. Every run equals
     the unsharded PEFT reference with averaged gradients (fp32 tolerance)."""

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from fsdp_bridge.testing import run_distributed
@@ -190,6 +191,7 @@ def _one_node(overrides: list[str]) -> str:
     return log.getvalue()
 
 
+@pytest.mark.slow  # three launches; two agents on one machine: the test above
 def test_fsdp_bridge_train_on_two_nodes_matches_one_node_with_the_same_mesh(tmp_path: Path) -> None:
     cli = [sys.executable, "-m", "fsdp_bridge", "train", "-v"]
     # The same job on one node, 4 ranks, with the same (2, 2) mesh pinned: the same numbers.  It trains

@@ -64,7 +64,11 @@ def _train_with_fault(tmp_path: Path, fault: str, **job: object) -> tuple[subpro
     return out, time.monotonic() - start
 
 
-@pytest.mark.parametrize("point", ["shard", "step:3", "checkpoint:2"])
+# step:3 in the fast suite; the other injection points with the slow tests (`make test-slow`, run by .ci/run).
+@pytest.mark.parametrize(
+    "point",
+    [pytest.param("shard", marks=pytest.mark.slow), "step:3", pytest.param("checkpoint:2", marks=pytest.mark.slow)],
+)
 def test_failing_rank_stops_the_job(tmp_path: Path, point: str) -> None:
     out, elapsed = _train_with_fault(tmp_path, f"1:{point}")
     assert out.returncode == 1, out.stdout + out.stderr
@@ -73,6 +77,7 @@ def test_failing_rank_stops_the_job(tmp_path: Path, point: str) -> None:
     assert "rank 1 failed first" in out.stderr, out.stderr
 
 
+@pytest.mark.slow  # a process-group timeout run to its end
 def test_hung_rank_is_named_not_the_rank_that_timed_out_waiting(tmp_path: Path) -> None:
     """Rank 1 stops answering in step 2; rank 0's collective times out after timeout_s. The launcher
     names rank 1 (its last step, from the progress each rank records), not rank 0's timeout."""
@@ -107,6 +112,7 @@ def _losses(run_dir: Path) -> dict[int, float]:
     return out
 
 
+@pytest.mark.slow  # three torchrun runs; resume itself: test_train_run.py
 def test_a_rank_that_dies_is_restarted_and_the_run_matches_an_uninterrupted_one(tmp_path: Path) -> None:
     """--max-restarts 1: rank 1 dies in step 3 (after the checkpoint of step 2); the elastic agent
     restarts both ranks, which resume from that checkpoint by themselves and finish with the same
