@@ -34,7 +34,9 @@ from fsdp_bridge.checkpoint._publish import (
     release_save_lock,
 )
 from fsdp_bridge.checkpoint._ranks import agree_on, on_every_rank, rank_world
+from fsdp_bridge.checkpoint._remote import save_sharded_to_url
 from fsdp_bridge.checkpoint._state import write_rng
+from fsdp_bridge.checkpoint._storage import is_url
 
 __all__ = ["SaveKind", "remember_layout", "save_checkpoint"]
 
@@ -50,7 +52,7 @@ def save_checkpoint(
     state: dict[str, Any] | None = None,
     keep_last: int | None = None,
     max_shard_size: int | str | None = None,
-) -> Path:
+) -> Path | str:
     """Save ``model`` (and ``optimizer``, ``state``) to ``path``; call on every rank.
 
     ``kind="sharded"``: a DCP directory in which each rank writes only its shard.
@@ -67,8 +69,13 @@ def save_checkpoint(
     finished.  ``keep_last=K`` then deletes all but the K newest checkpoints beside it.
     Returns ``path``.
 
+    ``path`` may be an fsspec URL (``s3://bucket/run/step_00000100``, ``memory://``, ``file://``):
+    ``kind="sharded"`` is written to a staging prefix and published with its description written
+    last (docs/checkpoints.md, "Object storage", says what holds there).
+
     Args:
-        path: the checkpoint directory to write (replaced atomically if it is a checkpoint).
+        path: the checkpoint directory to write (replaced atomically if it is a checkpoint), or
+            an fsspec URL (a ``str`` with ``"://"``).
         model: a model returned by :func:`~fsdp_bridge.shard`.
         optimizer: its optimizer, saved too when given (not for ``adapter``/``merged``).
         kind: ``"sharded"``, ``"full"``, ``"adapter"`` or ``"merged"``.
@@ -79,11 +86,19 @@ def save_checkpoint(
             from, when it had an index and names the same tensors; otherwise ``"5GB"``.
 
     Returns:
-        ``path``.
+        ``path`` (a ``Path``; at a URL, the URL).
 
     Raises:
         CheckpointError: on every rank, when ``path`` cannot be written or is not ours to replace.
     """
+    if is_url(path):
+        if kind != "sharded":
+            raise CheckpointError(
+                str(path),
+                f"kind={kind!r} cannot be saved to a URL yet (only kind='sharded'); save it to a local "
+                "directory and copy that to the store, or save kind='sharded' to the URL",
+            )
+        return save_sharded_to_url(str(path), model, optimizer, state=state, keep_last=keep_last)
     if kind == "adapter" or kind == "merged":
         return _peft.save_peft(
             path,
