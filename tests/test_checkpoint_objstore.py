@@ -120,7 +120,7 @@ def test_overwriting_a_checkpoint_and_a_killed_saves_leftovers(root: str) -> Non
     url = f"{root}/last"
     fsdp_bridge.save_checkpoint(url, model, state={"step": 1})
     fs, path = fsspec.core.url_to_fs(root)
-    fs.pipe_file(f"{path}/.last.partial/.fsdp_bridge.owner", OWNER_TEXT + b"save of a killed job\n")
+    fs.pipe_file(f"{path}/.last.partial/.fsdp_bridge.owner", OWNER_TEXT)
     fs.pipe_file(f"{path}/.last.partial/dcp/__0_0.distcp", b"half")  # what a killed save left
     other, _ = _model(seed=3)
     fsdp_bridge.save_checkpoint(url, other, state={"step": 2})
@@ -136,7 +136,7 @@ def test_a_second_save_taking_over_the_staging_prefix_is_not_published(root: str
     real = _remote.publish
 
     def taken_over(staging: Any, dest: Any, meta: Any, *, claim: bytes) -> None:
-        (staging / ".fsdp_bridge.owner").write_bytes(b"fsdp_bridge: created by a save; another save\n")
+        (staging / ".fsdp_bridge.claim").write_bytes(b"save of another job\n")
         real(staging, dest, meta, claim=claim)
 
     _remote.publish = taken_over  # type: ignore[assignment]
@@ -148,12 +148,31 @@ def test_a_second_save_taking_over_the_staging_prefix_is_not_published(root: str
     assert latest_checkpoint(root) is None
 
 
-def test_urls_refuse_what_they_do_not_support_yet(root: str) -> None:
+def test_a_full_checkpoint_at_a_url(root: str) -> None:
+    """kind="full" is assembled locally, uploaded and published with its description last; a load
+    fetches a local copy and checks it as any directory."""
+    model, optimizer = _model(seed=0)
+    for step in (1, 2):
+        fsdp_bridge.save_checkpoint(
+            f"{root}/step_{step:08d}", model, optimizer, kind="full", state={"step": step}, keep_last=1
+        )
+    names = set(_objects(f"{root}/step_00000002"))
+    assert {"model.safetensors", "config.json", "fsdp_bridge.json", ".fsdp_bridge.owner"} <= names
+    assert [s for s, _ in list_checkpoints(root)] == [2]
+    other, other_opt = _model(seed=5)
+    assert fsdp_bridge.load_checkpoint(latest_checkpoint(root), other, other_opt) == {"step": 2}
+    assert _same(model, other)
+
+
+def test_urls_refuse_what_they_do_not_support(root: str) -> None:
     model, _ = _model()
-    with pytest.raises(CheckpointError, match="kind='full' cannot be saved to a URL"):
-        fsdp_bridge.save_checkpoint(f"{root}/export", model, kind="full")
+    with pytest.raises(CheckpointError, match="kind='merged' cannot be saved to a URL"):
+        fsdp_bridge.save_checkpoint(f"{root}/export", model, kind="merged")
     with pytest.raises(CheckpointError, match=r"not installed|fsspec"):
         fsdp_bridge.save_checkpoint("nosuchproto://bucket/x", model)
+    with pytest.raises(CheckpointError, match="writes local directories only"):
+        fsdp_bridge.save_checkpoint_async(f"{root}/step_00000001", model)
+    assert not Path("memory:").exists()  # never mistaken for a local path
 
 
 # --------------------------------------------------------------------------------------

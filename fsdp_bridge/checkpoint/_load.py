@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +49,7 @@ from fsdp_bridge.checkpoint._model_state import (
 )
 from fsdp_bridge.checkpoint._optim_groups import group_problems
 from fsdp_bridge.checkpoint._ranks import on_every_rank, rank_world
-from fsdp_bridge.checkpoint._remote import read_remote_meta, read_remote_side_files, verify_remote
+from fsdp_bridge.checkpoint._remote import download, read_remote_meta, read_remote_side_files, verify_remote
 from fsdp_bridge.checkpoint._state import read_rng, read_state
 from fsdp_bridge.checkpoint._state import restore_rng as restore_rng_states
 from fsdp_bridge.checkpoint._storage import Remote, SafeFsspecReader, is_url, load_remote_dcp_metadata
@@ -273,11 +274,11 @@ def _load_url(
     where = Remote.of(url)
     meta = on_every_rank(url, "reading the checkpoint's description", lambda: read_remote_meta(where))
     if meta["kind"] != Kind.SHARDED.value:
-        raise CheckpointError(
-            url,
-            f"is a {meta['kind']} checkpoint; only sharded checkpoints load from a URL yet: copy it to a local "
-            "directory and load that",
-        )
+        # A full checkpoint (Hugging Face files): each rank fetches a local copy (its listed objects,
+        # then its description) and loads that with every check of a local load.
+        with tempfile.TemporaryDirectory(prefix="fsdp_bridge_load_") as tmp:
+            local = on_every_rank(url, "fetching the checkpoint", lambda: download(where, Path(tmp)))
+            return load_checkpoint(local, model, optimizer, restore_rng=restore_rng, all_or_nothing=all_or_nothing)
     part = rank_world()
     on_every_rank(url, "verifying the checkpoint's objects", lambda: verify_remote(where, meta, part=part))
     if optimizer is not None and not meta.get("has_optimizer"):

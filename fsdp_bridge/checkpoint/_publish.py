@@ -28,6 +28,7 @@ from fsdp_bridge.checkpoint._description import Description
 from fsdp_bridge.checkpoint._formats import DCP_DIR, CheckpointError, checksums, param_stats
 from fsdp_bridge.checkpoint._model_state import bridge_of
 from fsdp_bridge.checkpoint._state import check_state, write_state
+from fsdp_bridge.checkpoint._storage import is_url
 
 __all__ = [
     "check_save_args",
@@ -137,6 +138,12 @@ def check_save_name(path: str, name: str, keep_last: int | None, state: dict[str
 
 
 def check_save_args(path: str | os.PathLike[str], keep_last: int | None, state: dict[str, Any] | None) -> Path:
+    if is_url(path):  # save_checkpoint sends URLs elsewhere before: what is left are saves that cannot go there
+        raise CheckpointError(
+            str(path),
+            "is a URL, and this save writes local directories only (save_checkpoint_async): save with "
+            "save_checkpoint to the URL, or asynchronously to a local directory",
+        )
     path = Path(path)
     check_save_name(str(path), path.name, keep_last, state)
     # Every rank, before any collective: never replace the user's files.  The staging directory is

@@ -6,8 +6,8 @@ save to a directory (docs/checkpoints.md states what holds):
 
 * rank 0 claims the staging prefix ``URL/.NAME.partial/`` by writing the owner object
   ``.fsdp_bridge.owner`` first (a conditional put where the store has one, when the prefix is
-  empty); it names this save, and is read again before publishing: a second save of the same
-  path that started meanwhile is refused there. One writer per path at a time is otherwise the
+  empty), then ``.fsdp_bridge.claim`` naming this save, which is read again before publishing:
+  a second save of the same path that started meanwhile is refused there. One writer per path at a time is otherwise the
   user's responsibility (there is no lock a killed process would release);
 * every rank writes its DCP files through DCP's fsspec writer and its RNG file into the staging
   prefix; each rank reads back its own DCP files for their CRC-32C;
@@ -55,6 +55,8 @@ from fsdp_bridge.checkpoint._formats import (
     checksum_of_stream,
     param_stats,
     parse_meta,
+    read_meta,
+    safe_child,
 )
 from fsdp_bridge.checkpoint._model_state import bridge_of, shapes_of, tied_groups, without_4bit
 from fsdp_bridge.checkpoint._publish import check_save_name, gather_checksums
@@ -65,12 +67,16 @@ from fsdp_bridge.checkpoint._storage import Remote, dcp_writer, is_url, load_rem
 logger = logging.getLogger("fsdp_bridge.checkpoint")
 
 __all__ = [
+    "claim_staging",
+    "download",
     "latest_checkpoint",
     "list_checkpoints",
+    "new_claim",
     "read_remote_meta",
     "read_remote_side_files",
     "rotate_checkpoints",
     "save_sharded_to_url",
+    "upload_and_publish",
     "verify_remote",
 ]
 
@@ -163,23 +169,11 @@ def save_sharded_to_url(
     check_save_name(url, dest.name, keep_last, state)
     staging = dest.with_name("." + dest.name + PARTIAL_SUFFIX)
     rank, world = rank_world()
-    claim = f"save {uuid.uuid4().hex}\n".encode()
+    claim = new_claim()
 
     def prepare() -> None:
-        if rank != 0:
-            return
-        present = dest.files()
-        if present and not _is_ours(dest):
-            raise _not_ours(dest, "the destination of this save", present)
-        _remove(staging, f"where a save of {dest.name} keeps its partial copy")  # a killed save's leftovers
-        try:
-            (staging / OWNER_FILE).write_bytes(OWNER_TEXT + claim, exclusive=True)
-        except FileExistsError:
-            raise CheckpointError(
-                url,
-                f"is being saved by another process (it created {staging.url} just now); two saves of one "
-                "path would mix their objects: wait for that save, or save this one to another URL",
-            ) from None
+        if rank == 0:
+            claim_staging(dest, claim)
 
     on_every_rank(url, "claiming the staging prefix", prepare)
     msd = without_4bit(model, get_model_state_dict(model))
@@ -220,6 +214,72 @@ def save_sharded_to_url(
     return url
 
 
+CLAIM_FILE = ".fsdp_bridge.claim"
+"""In a staging prefix only (never published): the id of the save that claimed it."""
+
+
+def new_claim() -> bytes:
+    """The id of one save, written to the staging prefix it claims and read back before publishing."""
+    return f"save {uuid.uuid4().hex}\n".encode()
+
+
+def claim_staging(dest: Remote, claim: bytes) -> Remote:
+    """Rank 0, before anything is written: refuse objects at ``dest`` that are not ours, delete a
+    killed save's staging prefix of ours, and claim ``.NAME.partial/`` with the owner object
+    (a conditional put: refused when another save created it first). Returns the staging prefix."""
+    staging = dest.with_name("." + dest.name + PARTIAL_SUFFIX)
+    present = dest.files()
+    if present and not _is_ours(dest):
+        raise _not_ours(dest, "the destination of this save", present)
+    _remove(staging, f"where a save of {dest.name} keeps its partial copy")  # a killed save's leftovers
+    try:
+        (staging / OWNER_FILE).write_bytes(OWNER_TEXT, exclusive=True)
+        (staging / CLAIM_FILE).write_bytes(claim)
+    except FileExistsError:
+        raise CheckpointError(
+            dest.url,
+            f"is being saved by another process (it created {staging.url} just now); two saves of one "
+            "path would mix their objects: wait for that save, or save this one to another URL",
+        ) from None
+    return staging
+
+
+def upload_and_publish(local: Path, dest: Remote, claim: bytes) -> None:
+    """Rank 0: the complete local checkpoint ``local`` (checked by its description) uploaded to
+    ``dest``'s claimed staging prefix, then published as a save to the URL is."""
+    meta = read_meta(local)
+    staging = dest.with_name("." + dest.name + PARTIAL_SUFFIX)
+    for rel in sorted(meta["files"]):
+        if rel != OWNER_FILE:
+            (staging / rel).put_file(safe_child(local, rel))
+    publish(staging, dest, meta, claim=claim)
+
+
+def download(where: Remote, into: Path) -> Path:
+    """A local copy of the committed checkpoint at ``where`` under ``into`` (its description read
+    first; only the objects it lists are fetched, then the description): the local code then
+    checks and reads it as any directory. Returns the copy."""
+    try:
+        raw = (where / META_FILE).read_bytes(MAX_DESCRIPTION_BYTES)
+    except FileNotFoundError:
+        read_remote_meta(where)  # raises, saying what is there instead
+        raise
+    meta = parse_meta(raw, (where / META_FILE).url)
+    local = into / where.name
+    local.mkdir(parents=True)
+    for rel in sorted(meta["files"]):
+        if rel.startswith("/") or ".." in rel.split("/") or "\\" in rel:
+            raise CheckpointError(where.url, f"its description names an object outside it ({rel!r:.80}); refusing it")
+        target = local / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            (where / rel).get_file(target)
+        except FileNotFoundError:
+            raise CheckpointError(where.url, f"{rel}: missing (listed in {META_FILE})") from None
+    (local / META_FILE).write_bytes(raw)
+    return local
+
+
 def _checksums(root: Remote, files: dict[str, int]) -> dict[str, int]:
     """CRC-32C of the objects of ``files`` (relative name -> size) above the SHA-256 size limit."""
     out = {}
@@ -247,7 +307,7 @@ def _describe_and_publish(
         has_config = _hf.write_hf_config(Path(tmp), model)
         for f in sorted(Path(tmp).iterdir()):
             (staging / f.name).write_bytes(f.read_bytes())
-    files = {rel: n for rel, n in staging.files().items() if rel != META_FILE}
+    files = {rel: n for rel, n in staging.files().items() if rel not in (META_FILE, CLAIM_FILE)}
     digests = {
         rel: hashlib.sha256((staging / rel).read_bytes()).hexdigest()
         for rel, n in files.items()
@@ -274,10 +334,10 @@ def _describe_and_publish(
 def publish(staging: Remote, dest: Remote, meta: dict[str, Any], *, claim: bytes) -> None:
     """Copy the staged objects to ``dest`` and commit them with the description, written last."""
     try:
-        owner = (staging / OWNER_FILE).read_bytes(len(OWNER_TEXT) + len(claim))
+        owner = (staging / CLAIM_FILE).read_bytes(len(claim))
     except FileNotFoundError:
         owner = b""
-    if owner != OWNER_TEXT + claim:
+    if owner != claim:
         raise CheckpointError(
             dest.url,
             f"another save of this path took over {staging.url} while this one was writing; two saves of one "

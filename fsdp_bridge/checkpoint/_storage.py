@@ -150,6 +150,15 @@ class Remote:
         if isinstance(self.fs, LocalFileSystem):  # object stores have no directories to make
             self.fs.makedirs(self.parent.path, exist_ok=True)
 
+    def put_file(self, local: os.PathLike[str] | str) -> None:
+        """Upload the local file ``local`` to this object."""
+        self._parents()
+        self.fs.put_file(os.fspath(local), self.path)
+
+    def get_file(self, local: os.PathLike[str] | str) -> None:
+        """Download this object to the local file ``local``."""
+        self.fs.get_file(self.path, os.fspath(local))
+
     def copy_to(self, other: Remote) -> None:
         """Copy this object to ``other`` (on the store itself where it can: S3's CopyObject)."""
         other._parents()
