@@ -4,6 +4,7 @@ naming it. One server for the module, stopped at the end."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -101,9 +102,21 @@ def _ranks_save_rotate_resume(root: str) -> bool:
     return same and losses[0] == losses[1]
 
 
-def test_save_resume_rotate_and_a_damaged_object_on_s3(s3_env: dict[str, str]) -> None:
+def _on_each_rank(root: str, url: str) -> tuple[bool, str | None]:
+    """Both scenarios in one spawn of two ranks (the ranks' start-up is most of the cost)."""
+    return _ranks_save_rotate_resume(root), _train_to_s3_and_resume(url)
+
+
+def test_checkpoints_and_a_train_run_on_s3(s3_env: dict[str, str]) -> None:
     root = f"s3://{_BUCKET}/run/checkpoints"
-    assert run_distributed(_ranks_save_rotate_resume, 2, args=(root,), env=s3_env, timeout_s=300) == [True, True]
+    url = f"s3://{_BUCKET}/train-run"
+    results = run_distributed(_on_each_rank, 2, args=(root, url), env=s3_env, timeout_s=300)
+    assert [same for same, _ in results] == [True, True]
+    _check_checkpoints(root)
+    _check_train_run(url, results[0][1])
+
+
+def _check_checkpoints(root: str) -> None:
     fs = s3fs.S3FileSystem()
     fs.invalidate_cache()
     # Rotation kept the newest; no staging prefix is left.
@@ -126,3 +139,49 @@ def test_save_resume_rotate_and_a_damaged_object_on_s3(s3_env: dict[str, str]) -
     with pytest.raises(CheckpointError, match="may be your objects"):
         fsdp_bridge.save_checkpoint(f"s3://{_BUCKET}/run/notes", model)
     assert fs.cat_file(f"{_BUCKET}/run/notes/readme.txt") == b"mine"
+
+
+_TINY_RUN = [
+    "model.config.hidden_size=32",
+    "model.config.intermediate_size=64",
+    "model.config.num_hidden_layers=2",
+    "model.tokenizer_vocab_size=400",
+    "data.seq_len=32",
+    "data.eval_sequences=8",
+    "micro_batch_size=2",
+    "eval_interval=2",
+    "checkpoint.interval=2",
+]
+
+
+def _train_to_s3_and_resume(url: str) -> str | None:
+    from fsdp_bridge.train import load_train_config, train
+
+    first = train(load_train_config(None, [*_TINY_RUN, f"output_dir={url}", "max_steps=4"]), verbosity="quiet")
+    resumed = train(
+        load_train_config(None, [*_TINY_RUN, f"output_dir={url}", "max_steps=6", "resume=auto"]), verbosity="quiet"
+    )
+    assert first.checkpoint == f"{url}/checkpoints/step_00000004", first.checkpoint
+    return resumed.resumed_from
+
+
+def _check_train_run(url: str, resumed_from: str | None) -> None:
+    """The run's files are in the bucket, and the second run resumed from the first's checkpoint there."""
+    assert resumed_from == f"{url}/checkpoints/step_00000004", resumed_from
+    fs = s3fs.S3FileSystem()
+    fs.invalidate_cache()
+    names = {p[len(f"{_BUCKET}/train-run/") :] for p in fs.find(f"{_BUCKET}/train-run")}
+    for expected in (
+        "train_config.yaml",
+        "metrics.jsonl",
+        "summary.json",
+        "model.safetensors",
+        "config.json",
+        "tokenizer.json",
+        "checkpoints/step_00000006/fsdp_bridge.json",
+    ):
+        assert expected in names, (expected, sorted(names))
+    assert not any(n.startswith("checkpoints/.") for n in names), sorted(names)  # no staging left
+    steps = [json.loads(line)["step"] for line in fs.cat_file(f"{_BUCKET}/train-run/metrics.jsonl").splitlines()]
+    assert steps == [1, 2, 3, 4, 5, 6], steps
+    assert json.loads(fs.cat_file(f"{_BUCKET}/train-run/summary.json"))["output_dir"] == url
