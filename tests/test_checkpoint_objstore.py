@@ -208,3 +208,26 @@ def test_two_ranks_save_and_resume_at_a_file_url(tmp_path: Path) -> None:
     assert names == ["step_00000002"], names
     shards = sorted(p.name for p in (tmp_path / "ckpt" / "step_00000002" / "dcp").iterdir())
     assert shards == [".metadata", "__0_0.distcp", "__1_0.distcp"], shards
+
+
+def test_inspect_and_convert_at_urls(root: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from fsdp_bridge.checkpoint import convert_checkpoint, inspect_checkpoint
+    from fsdp_bridge.cli import main
+
+    model, optimizer = _model(seed=0)
+    url = f"{root}/step_00000001"
+    fsdp_bridge.save_checkpoint(url, model, optimizer, state={"step": 1})
+    info = inspect_checkpoint(url)
+    assert (info["path"], info["kind"], info["step"], info["has_optimizer"]) == (url, "sharded", 1, True)
+    assert main(["inspect", url]) == 0
+    assert url in capsys.readouterr().out
+    # URL -> URL (published there as a save is) and URL -> local directory.
+    assert convert_checkpoint(url, f"{root}/hf", to="hf") == f"{root}/hf"
+    assert inspect_checkpoint(f"{root}/hf")["converted_from"] == {"path": url, "kind": "sharded"}
+    assert main(["convert", url, str(tmp_path / "sharded"), "--to", "sharded"]) == 0
+    for converted in (f"{root}/hf", tmp_path / "sharded"):
+        other, other_opt = _model(seed=5)
+        assert fsdp_bridge.load_checkpoint(converted, other, other_opt) == {"step": 1}
+        assert _same(model, other)
+    with pytest.raises(CheckpointError, match="--to torch writes one local file"):
+        convert_checkpoint(url, f"{root}/model.pt", to="torch")
