@@ -207,3 +207,14 @@ def test_inspect_and_convert_at_urls(root: str, tmp_path: Path, capsys: pytest.C
         assert _same(model, other)
     with pytest.raises(CheckpointError, match="--to torch writes one local file"):
         convert_checkpoint(url, f"{root}/model.pt", to="torch")
+
+
+def test_the_train_command_sees_a_finished_run_at_a_url(root: str) -> None:
+    from types import SimpleNamespace
+
+    from fsdp_bridge.cli.train import _finished_step
+
+    model, _ = _model()
+    fsdp_bridge.save_checkpoint(f"{root}/run/checkpoints/step_00000006", model, state={"step": 6})
+    assert _finished_step(SimpleNamespace(resume="auto", max_steps=6, output_dir=f"{root}/run")) == 6
+    assert _finished_step(SimpleNamespace(resume="auto", max_steps=8, output_dir=f"{root}/run")) is None

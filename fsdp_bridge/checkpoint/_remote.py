@@ -7,8 +7,9 @@ save to a directory (docs/checkpoints.md states what holds):
 * rank 0 claims the staging prefix ``URL/.NAME.partial/`` by writing the owner object
   ``.fsdp_bridge.owner`` first (a conditional put where the store has one, when the prefix is
   empty), then ``.fsdp_bridge.claim`` naming this save, which is read again before publishing:
-  a second save of the same path that started meanwhile is refused there. One writer per path at a time is otherwise the
-  user's responsibility (there is no lock a killed process would release);
+  a second save of the same path that started meanwhile is refused there. One writer per path
+  at a time is otherwise the user's responsibility (there is no lock a killed process would
+  release);
 * every rank writes its DCP files through DCP's fsspec writer and its RNG file into the staging
   prefix; each rank reads back its own DCP files for their CRC-32C;
 * rank 0 writes the training state, describes every object (size, SHA-256 or CRC-32C) and
@@ -18,9 +19,9 @@ save to a directory (docs/checkpoints.md states what holds):
   checkpoint to :func:`latest_checkpoint` or ``load_checkpoint``, so a reader sees no checkpoint
   or a complete one. The staging prefix is deleted after.
 
-Nothing is deleted unless it carries the owner object (or a valid description): a user's objects
-at ``NAME/`` are refused, never replaced. Rotation deletes a checkpoint's description first, its
-owner object last.
+Nothing is deleted unless it carries the owner object (or a valid description, as on disk): a
+user's objects at ``NAME/`` are refused, never replaced. Rotation deletes only checkpoints that
+carry the owner object, the description first, the owner object last.
 """
 
 from __future__ import annotations
