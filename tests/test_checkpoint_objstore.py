@@ -218,3 +218,19 @@ def test_the_train_command_sees_a_finished_run_at_a_url(root: str) -> None:
     fsdp_bridge.save_checkpoint(f"{root}/run/checkpoints/step_00000006", model, state={"step": 6})
     assert _finished_step(SimpleNamespace(resume="auto", max_steps=6, output_dir=f"{root}/run")) == 6
     assert _finished_step(SimpleNamespace(resume="auto", max_steps=8, output_dir=f"{root}/run")) is None
+
+
+def test_a_staging_prefix_created_by_another_save_meanwhile_is_refused(
+    root: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The owner object is a conditional put: a save that finds it created since it cleaned the
+    staging prefix (another save of the same path started) refuses instead of mixing objects."""
+    from fsdp_bridge.checkpoint import _remote
+
+    model, _ = _model()
+    fs, path = fsspec.core.url_to_fs(root)
+    fs.pipe_file(f"{path}/.step_00000001.partial/.fsdp_bridge.owner", OWNER_TEXT)
+    monkeypatch.setattr(_remote, "_remove", lambda where, role: None)  # the other save's claim lands after it
+    with pytest.raises(CheckpointError, match="is being saved by another process"):
+        fsdp_bridge.save_checkpoint(f"{root}/step_00000001", model)
+    assert fs.cat_file(f"{path}/.step_00000001.partial/.fsdp_bridge.owner") == OWNER_TEXT

@@ -151,6 +151,7 @@ _TINY_RUN = [
     "micro_batch_size=2",
     "eval_interval=2",
     "checkpoint.interval=2",
+    "checkpoint.kind=full",  # two ranks assemble it locally, rank 0 publishes it; sharded runs above
 ]
 
 
@@ -179,6 +180,7 @@ def _check_train_run(url: str, resumed_from: str | None) -> None:
         "config.json",
         "tokenizer.json",
         "checkpoints/step_00000006/fsdp_bridge.json",
+        "checkpoints/step_00000006/model.safetensors",
     ):
         assert expected in names, (expected, sorted(names))
     assert not any(n.startswith("checkpoints/.") for n in names), sorted(names)  # no staging left
