@@ -102,18 +102,19 @@ def _ranks_save_rotate_resume(root: str) -> bool:
     return same and losses[0] == losses[1]
 
 
-def _on_each_rank(root: str, url: str) -> tuple[bool, str | None]:
+def _on_each_rank(root: str, url: str, tmp: str) -> tuple[bool, str | None]:
     """Both scenarios in one spawn of two ranks (the ranks' start-up is most of the cost)."""
-    return _ranks_save_rotate_resume(root), _train_to_s3_and_resume(url)
+    return _ranks_save_rotate_resume(root), _train_to_s3_and_resume(url, tmp)
 
 
-def test_checkpoints_and_a_train_run_on_s3(s3_env: dict[str, str]) -> None:
+def test_checkpoints_and_a_train_run_on_s3(s3_env: dict[str, str], tmp_path: Path) -> None:
     root = f"s3://{_BUCKET}/run/checkpoints"
     url = f"s3://{_BUCKET}/train-run"
-    results = run_distributed(_on_each_rank, 2, args=(root, url), env=s3_env, timeout_s=300)
+    results = run_distributed(_on_each_rank, 2, args=(root, url, str(tmp_path)), env=s3_env, timeout_s=300)
     assert [same for same, _ in results] == [True, True]
     _check_checkpoints(root)
     _check_train_run(url, results[0][1])
+    assert [p.name for p in (tmp_path / "fsdp_bridge-runs").iterdir()] != []  # the local copy was there
 
 
 def _check_checkpoints(root: str) -> None:
@@ -155,8 +156,12 @@ _TINY_RUN = [
 ]
 
 
-def _train_to_s3_and_resume(url: str) -> str | None:
+def _train_to_s3_and_resume(url: str, tmp: str) -> str | None:
+    import tempfile
+
     from fsdp_bridge.train import load_train_config, train
+
+    tempfile.tempdir = tmp  # the run's local copy goes under the test's directory
 
     first = train(load_train_config(None, [*_TINY_RUN, f"output_dir={url}", "max_steps=4"]), verbosity="quiet")
     resumed = train(

@@ -418,6 +418,7 @@ def train(config: TrainConfig, *, verbosity: Verbosity = "normal") -> TrainResul
     ckpt_root = run.checkpoints
     resume_from = _resolve_resume(config, ckpt_root)  # same answer on every rank: before any collective
     if rank == 0:
+        run.reset()
         out.mkdir(parents=True, exist_ok=True)
         if resume_from is not None:
             run.pull(METRICS, "tokenizer")

@@ -5,15 +5,17 @@ At a URL, checkpoints go straight to ``URL/checkpoints`` (``save_checkpoint`` pu
 there); ``train_config.yaml``, ``metrics.jsonl`` (after every checkpoint and at the end),
 ``summary.json``, ``stopped.json``, the built-in tokenizer and the exported model are written to
 the local copy first and uploaded by rank 0. A resumed run fetches ``metrics.jsonl`` and the
-tokenizer from the URL first. The local copy is ``$TMPDIR/fsdp_bridge-runs/<hash of the URL>``:
-the same on every rank of a node (the built-in tokenizer is read there by every rank, so a run
-at a URL with the built-in tokenizer keeps its ranks on one node).
+tokenizer from the URL first. The local copy is ``$TMPDIR/fsdp_bridge-runs/<hash of the URL>``,
+emptied when a run starts (what a run resumes from comes from the URL), and the same on every
+rank of a node (the built-in tokenizer is read there by every rank, so a run at a URL with the
+built-in tokenizer keeps its ranks on one node).
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -46,6 +48,12 @@ class RunDir:
 
         fs, path = url_to_fs(str(self.url))
         return fs, str(path)
+
+    def reset(self) -> None:
+        """Rank 0, at the start of a run at a URL: empty the local copy (left by an earlier run of
+        the same URL on this node), so that the URL is the only source of what a run resumes from."""
+        if self.url is not None and self.local.is_dir() and not self.local.is_symlink():
+            shutil.rmtree(self.local)
 
     def pull(self, *names: str) -> None:
         """Fetch these files or directories from the URL into the local copy (a resumed run's
