@@ -428,6 +428,8 @@ def train(config: TrainConfig, *, verbosity: Verbosity = "normal") -> TrainResul
 
     docs = read_documents(config.data)
     tokenizer = load_tokenizer(config, docs, out)
+    if rank == 0 and run.url and (out / "tokenizer").is_dir():
+        run.push("tokenizer")  # the built-in one: a run resumed after a kill reads the same
     data = PackedData.build(docs, tokenizer, config.data, seed=config.seed, rank=rank, world_size=world)
     # A pretrained model is built on the meta device and each rank reads only its slices of the
     # weights after sharding (LoRA adapters included: they are not in the base's files).
