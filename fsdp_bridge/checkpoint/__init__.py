@@ -9,12 +9,12 @@ See docs/checkpoints.md for the formats and guarantees, and ``fsdp-bridge conver
 """
 
 from fsdp_bridge.checkpoint._async import AsyncCheckpoint, AsyncCheckpointer, checkpointer_of, save_checkpoint_async
-from fsdp_bridge.checkpoint._atomic import latest_checkpoint, list_checkpoints, rotate_checkpoints
 from fsdp_bridge.checkpoint._convert import convert_checkpoint, inspect_checkpoint
 from fsdp_bridge.checkpoint._formats import CheckpointError, Kind, detect
 from fsdp_bridge.checkpoint._load import load_checkpoint
 from fsdp_bridge.checkpoint._model_state import full_state_options
 from fsdp_bridge.checkpoint._pretrained import load_pretrained, pretrained_fits
+from fsdp_bridge.checkpoint._remote import latest_checkpoint, list_checkpoints, rotate_checkpoints
 from fsdp_bridge.checkpoint._save import save_checkpoint
 
 __all__ = [

@@ -38,6 +38,7 @@ logger = logging.getLogger("fsdp_bridge.checkpoint")
 
 __all__ = [
     "OWNER_FILE",
+    "OWNER_TEXT",
     "SaveLock",
     "check_replaceable",
     "clean_leftovers",
@@ -55,7 +56,7 @@ __all__ = [
 OWNER_FILE = ".fsdp_bridge.owner"
 """Written first into every staging directory (and kept in what is published): the proof that a
 directory was created by a save of this package, so that a later save may replace or delete it."""
-_OWNER_TEXT = b"fsdp_bridge: created by a save; fsdp_bridge may replace or delete this directory\n"
+OWNER_TEXT = b"fsdp_bridge: created by a save; fsdp_bridge may replace or delete this directory\n"
 _LEFTOVER_SUFFIXES = (PARTIAL_SUFFIX, ".old", ".deleting")
 _LOCK_TEXT = re.compile(rb"pid \d+ on .* since \S+")
 
@@ -70,7 +71,7 @@ def make_staging(staging: Path) -> None:
     staging.mkdir(parents=True)
     fd = os.open(staging / OWNER_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
     try:
-        os.write(fd, _OWNER_TEXT)
+        os.write(fd, OWNER_TEXT)
     finally:
         os.close(fd)
 
@@ -89,7 +90,7 @@ def is_ours(path: Path) -> bool:
     if not owner.is_symlink() and owner.is_file():
         try:
             with open(owner, "rb") as f:
-                if f.read(len(_OWNER_TEXT) + 1) == _OWNER_TEXT:
+                if f.read(len(OWNER_TEXT) + 1) == OWNER_TEXT:
                     return True
         except OSError:
             pass

@@ -12,6 +12,7 @@ import json
 import math
 import os
 import shutil
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -48,7 +49,10 @@ from fsdp_bridge.checkpoint._formats import (
     verify_manifest,
     without_process_group,
 )
+from fsdp_bridge.checkpoint._publish import check_save_name
+from fsdp_bridge.checkpoint._remote import claim_staging, download, new_claim, upload_and_publish
 from fsdp_bridge.checkpoint._state import read_rng, read_state
+from fsdp_bridge.checkpoint._storage import Remote, is_url
 
 __all__ = ["Target", "convert_checkpoint", "inspect_checkpoint", "read_full"]
 
@@ -278,12 +282,14 @@ def convert_checkpoint(
     to: Target,
     hf_config: str | os.PathLike[str] | None = None,
     max_shard_size: int | str = _hf.DEFAULT_MAX_SHARD_SIZE,
-) -> Path:
+) -> Path | str:
     """Convert ``src`` (any kind) to ``dst`` of kind ``to`` in this process; return ``dst``.
 
     Args:
-        src: a checkpoint of any kind (sharded, full, Hugging Face, plain DCP or torch file).
-        dst: where to write; a directory that is not a checkpoint is never replaced.
+        src: a checkpoint of any kind (sharded, full, Hugging Face, plain DCP or torch file), or
+            an fsspec URL of an fsdp_bridge checkpoint (fetched to a local copy first).
+        dst: where to write; a directory that is not a checkpoint is never replaced. An fsspec
+            URL for ``hf`` and ``sharded``: written locally, then published there.
         to: ``"hf"``, ``"sharded"`` or ``"torch"``.
         hf_config: a ``config.json`` (or a directory holding one) to put beside the weights
             when ``src`` carries none (plain DCP or torch files), so ``from_pretrained`` can
@@ -291,7 +297,7 @@ def convert_checkpoint(
         max_shard_size: the largest safetensors file of an ``hf`` output (bytes or ``"5GB"``).
 
     Returns:
-        ``dst`` as a path.
+        ``dst`` as a path (a URL as given).
 
     Raises:
         ConfigError: ``to`` is not one of the kinds above (a ``ValueError``, as before).
@@ -304,6 +310,44 @@ def convert_checkpoint(
         raise ConfigError(
             [Problem("to", to, ", ".join(TARGETS), "use one of these kinds (the choices of fsdp-bridge convert --to)")]
         )
+    if is_url(src) or is_url(dst):
+        return _convert_at_urls(str(src), str(dst), to=to, hf_config=hf_config, max_shard_size=max_shard_size)
+    return _convert_local(src, dst, to=to, hf_config=hf_config, max_shard_size=max_shard_size, label=str(Path(src)))
+
+
+def _convert_at_urls(
+    src: str, dst: str, *, to: Target, hf_config: str | os.PathLike[str] | None, max_shard_size: int | str
+) -> Path | str:
+    """A conversion from or to an fsspec URL, through local copies: the source fetched (the objects
+    its description lists), the result written locally, then uploaded and published at the URL as
+    a save there is (description written last)."""
+    with tempfile.TemporaryDirectory(prefix="fsdp_bridge_convert_") as tmp:
+        local_src: str | Path = download(Remote.of(src), Path(tmp) / "src") if is_url(src) else src
+        if not is_url(dst):
+            return _convert_local(local_src, dst, to=to, hf_config=hf_config, max_shard_size=max_shard_size, label=src)
+        if to == "torch":
+            raise CheckpointError(
+                dst, "--to torch writes one local file; convert to a local path, or --to hf or sharded to the URL"
+            )
+        dest = Remote.of(dst)
+        check_save_name(dst, dest.name, None, None)
+        claim = new_claim()
+        claim_staging(dest, claim)
+        local_dst = Path(tmp) / "dst" / dest.name
+        _convert_local(local_src, local_dst, to=to, hf_config=hf_config, max_shard_size=max_shard_size, label=src)
+        upload_and_publish(local_dst, dest, claim)
+        return dst
+
+
+def _convert_local(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    *,
+    to: Target,
+    hf_config: str | os.PathLike[str] | None,
+    max_shard_size: int | str,
+    label: str,
+) -> Path:
     dst_path = Path(dst)
     check_not_nested(Path(src), dst_path)
     if to == "torch" and (dst_path.exists() or dst_path.is_symlink()):
@@ -333,7 +377,7 @@ def convert_checkpoint(
             read_rng(detected.path, rank)
     try:
         return _write_converted(
-            detected, full, src, dst_path, to=to, config_path=config_path, max_shard_size=max_shard_size
+            detected, full, label, dst_path, to=to, config_path=config_path, max_shard_size=max_shard_size
         )
     except OSError as err:
         raise CheckpointError(
@@ -412,7 +456,7 @@ def _write_staging(
         has_optimizer=full.optimizer is not None or (full.stream is not None and full.stream.has_optimizer),
         tied=tied,
         params=full.stream.stats(tied) if full.stream is not None else _stats(full.model, tied),
-        converted_from={"path": str(Path(src)), "kind": detected.kind.value},
+        converted_from={"path": str(src), "kind": detected.kind.value},
     ).write(staging)
 
 
@@ -427,7 +471,8 @@ def inspect_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
     except for ``torch.save`` files, which are memory-mapped).
 
     Args:
-        path: a checkpoint directory or file of any kind.
+        path: a checkpoint directory or file of any kind, or the fsspec URL of an fsdp_bridge
+            checkpoint.
 
     Returns:
         ``path``, ``kind``, ``size_bytes``, what ``fsdp_bridge.json`` records (backend, world
@@ -439,6 +484,12 @@ def inspect_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
         CheckpointError: ``path`` is not a complete checkpoint, or a file it lists is missing
             or has another size.
     """
+    if is_url(path):
+        # An fsdp_bridge checkpoint at a URL: inspected from a local copy (every listed object is
+        # fetched and verified, as a local inspection reads every file).
+        with tempfile.TemporaryDirectory(prefix="fsdp_bridge_inspect_") as tmp:
+            found = inspect_checkpoint(download(Remote.of(str(path)), Path(tmp)))
+        return {**found, "path": str(path)}
     detected = detect(path)
     meta = detected.meta
     info: dict[str, Any] = {

@@ -56,6 +56,17 @@ class Description:
         in parallel); the rest are computed here."""
         known = known_checksums or {}
         rest = [f for f in directory.rglob("*") if str(f.relative_to(directory)) not in known]
+        meta = self.build(
+            files=manifest(directory),
+            digests=digests(directory),
+            checksums={**checksums(directory, rest), **known},
+        )
+        write_json_durably(directory / META_FILE, meta)
+        return meta
+
+    def build(self, *, files: dict[str, int], digests: dict[str, str], checksums: dict[str, int]) -> dict[str, Any]:
+        """The description of a directory whose files (relative name -> size), SHA-256 of the
+        small ones and CRC-32C of the others are given (a directory anywhere: an object store)."""
         meta: dict[str, Any] = {
             "format": FORMAT,
             "version": FORMAT_VERSION,
@@ -72,13 +83,12 @@ class Description:
             "torch_version": torch.__version__,
             "fsdp_bridge_version": __version__,
             "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "files": manifest(directory),
-            "digests": digests(directory),
-            "checksums": dict(sorted({**checksums(directory, rest), **known}.items())),
+            "files": dict(sorted(files.items())),
+            "digests": dict(sorted(digests.items())),
+            "checksums": dict(sorted(checksums.items())),
             "checksum_algorithm": CHECKSUM,
         }
         if self.converted_from is not None:
             meta["converted_from"] = self.converted_from
         meta[SELF_DIGEST] = description_digest(meta)  # a flipped bit anywhere in it is seen at read
-        write_json_durably(directory / META_FILE, meta)
         return meta

@@ -24,7 +24,7 @@ import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -42,12 +42,14 @@ __all__ = [
     "SafeDCPReader",
     "SafeLoadPlanner",
     "checksum_of",
+    "checksum_of_stream",
     "checksums",
     "dcp_tensor_shapes",
     "detect",
     "failure_text",
     "load_dcp_metadata",
     "param_stats",
+    "parse_meta",
     "read_dcp",
     "read_meta",
     "safe_child",
@@ -260,7 +262,7 @@ def read_meta(path: Path) -> dict[str, Any]:
     own SHA-256 differing (version 2), an unknown key, a field of the wrong type, a required
     field missing, or a listed file without a digest or checksum."""
     meta_path = path / META_FILE
-    damaged = "the description is damaged or was edited; use another checkpoint"
+    damaged = _DAMAGED
     try:
         with open(meta_path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
@@ -273,8 +275,23 @@ def read_meta(path: Path) -> dict[str, Any]:
             raw = f.read(MAX_DESCRIPTION_BYTES + 1)
         if len(raw) > MAX_DESCRIPTION_BYTES:
             raise CheckpointError(meta_path, f"is over the {MAX_DESCRIPTION_BYTES}-byte limit; {damaged}")
+    except OSError as err:
+        raise CheckpointError(meta_path, f"cannot be read as JSON ({err}); the checkpoint is corrupt") from err
+    return parse_meta(raw, meta_path)
+
+
+_DAMAGED = "the description is damaged or was edited; use another checkpoint"
+
+
+def parse_meta(raw: bytes, meta_path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Check the bytes of a ``fsdp_bridge.json`` (read from ``meta_path``, named in errors) as
+    :func:`read_meta` does, for a description read from anywhere (an object store)."""
+    damaged = _DAMAGED
+    if len(raw) > MAX_DESCRIPTION_BYTES:
+        raise CheckpointError(meta_path, f"is over the {MAX_DESCRIPTION_BYTES}-byte limit; {damaged}")
+    try:
         meta = json.loads(raw.decode("utf-8"))
-    except (OSError, ValueError, RecursionError) as err:
+    except (ValueError, RecursionError) as err:
         raise CheckpointError(meta_path, f"cannot be read as JSON ({err}); the checkpoint is corrupt") from err
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise CheckpointError(meta_path, f"is not an fsdp_bridge checkpoint description (format != {FORMAT!r})")
@@ -384,7 +401,9 @@ def _unlisted_dcp_files(detected: Detected, files: Mapping[str, int], covered: M
     return problems[:5]
 
 
-_DIGEST_MAX_BYTES = 1 << 20
+DIGEST_MAX_BYTES = 1 << 20
+"""Files up to this size get a SHA-256 in the description, larger ones (tensor data) a CRC-32C."""
+_DIGEST_MAX_BYTES = DIGEST_MAX_BYTES
 
 
 def _sha256(path: Path) -> str:
@@ -393,18 +412,22 @@ def _sha256(path: Path) -> str:
 
 def checksum_of(path: Path, algorithm: str = CHECKSUM, chunk: int = 1 << 20) -> int:
     """The ``algorithm`` checksum (``crc32c`` or ``crc32``) of a file's content, read in chunks."""
+    with open(path, "rb") as f:
+        return checksum_of_stream(f, algorithm, chunk)
+
+
+def checksum_of_stream(f: BinaryIO, algorithm: str = CHECKSUM, chunk: int = 1 << 20) -> int:
+    """The ``algorithm`` checksum of what is left to read in ``f``, read in chunks."""
     if algorithm == "crc32c":
         import google_crc32c
 
         crc32c = google_crc32c.Checksum()
-        with open(path, "rb") as f:
-            while block := f.read(chunk):
-                crc32c.update(block)
+        while block := f.read(chunk):
+            crc32c.update(block)
         return int.from_bytes(crc32c.digest(), "big")
     crc = 0
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            crc = zlib.crc32(block, crc)
+    while block := f.read(chunk):
+        crc = zlib.crc32(block, crc)
     return crc
 
 
@@ -449,8 +472,9 @@ def without_process_group() -> Iterator[None]:
         yield
 
 
-def read_dcp(state_dict: dict[str, Any], dcp_dir: Path, *, no_dist: bool = False) -> None:
-    """``dcp.load`` into ``state_dict`` through the safe reader and planner.
+def read_dcp(state_dict: dict[str, Any], dcp_dir: Path | str, *, no_dist: bool = False, reader: Any = None) -> None:
+    """``dcp.load`` into ``state_dict`` through the safe reader (``reader``, default
+    :class:`SafeDCPReader` of ``dcp_dir``) and planner.
 
     Whatever the read raises (a zeroed or damaged shard makes ``torch.load`` fail inside DCP,
     which reports it as ``CheckpointException``, a ``BaseException``) becomes one
@@ -461,7 +485,12 @@ def read_dcp(state_dict: dict[str, Any], dcp_dir: Path, *, no_dist: bool = False
 
     try:
         with without_process_group() if no_dist else contextlib.nullcontext():
-            dcp.load(state_dict, storage_reader=SafeDCPReader(str(dcp_dir)), planner=SafeLoadPlanner(), no_dist=no_dist)
+            dcp.load(
+                state_dict,
+                storage_reader=reader if reader is not None else SafeDCPReader(str(dcp_dir)),
+                planner=SafeLoadPlanner(),
+                no_dist=no_dist,
+            )
     except CheckpointError:
         raise
     except (Exception, CheckpointException) as err:

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import logging
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_optimizer_state_dict,
@@ -25,9 +27,9 @@ from torch.distributed.checkpoint.state_dict import (
 from fsdp_bridge._lora import has_4bit
 from fsdp_bridge.checkpoint import _peft
 from fsdp_bridge.checkpoint._formats import (
+    DCP_DIR,
     META_FILE,
     CheckpointError,
-    Detected,
     Kind,
     compare_keys,
     dcp_tensor_shapes,
@@ -47,8 +49,10 @@ from fsdp_bridge.checkpoint._model_state import (
 )
 from fsdp_bridge.checkpoint._optim_groups import group_problems
 from fsdp_bridge.checkpoint._ranks import on_every_rank, rank_world
+from fsdp_bridge.checkpoint._remote import download, read_remote_meta, read_remote_side_files, verify_remote
 from fsdp_bridge.checkpoint._state import read_rng, read_state
 from fsdp_bridge.checkpoint._state import restore_rng as restore_rng_states
+from fsdp_bridge.checkpoint._storage import Remote, SafeFsspecReader, is_url, load_remote_dcp_metadata
 
 __all__ = ["load_checkpoint"]
 
@@ -56,7 +60,7 @@ logger = logging.getLogger("fsdp_bridge")
 
 
 def _load_dcp(
-    dcp_dir: Path,
+    dcp_dir: Path | str,
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None,
     key_map: dict[str, str],
@@ -64,6 +68,7 @@ def _load_dcp(
     tied: list[list[str]],
     with_optim: bool,
     all_or_nothing: bool = True,
+    reader: Any = None,
 ) -> None:
     """Read a DCP directory into this rank's shards (DCP reshards to the current world).
 
@@ -75,7 +80,7 @@ def _load_dcp(
     if with_optim and optimizer is not None:
         to_load["optim"] = fresh(get_optimizer_state_dict(model, optimizer))
     try:
-        read_dcp(to_load, dcp_dir)
+        read_dcp(to_load, dcp_dir, reader=reader)
     except CheckpointError as err:
         if all_or_nothing:
             raise
@@ -111,22 +116,27 @@ def _scratch(value: Any) -> Any:
     return value
 
 
-def _dcp_key_map(detected: Detected, template: dict[str, Any], tied: list[list[str]]) -> tuple[dict[str, str], bool]:
+def _dcp_key_map(
+    kind: Kind,
+    where: Path | str,
+    shapes: dict[str, tuple[tuple[int, ...], torch.dtype]],
+    template: dict[str, Any],
+    tied: list[list[str]],
+) -> tuple[dict[str, str], bool]:
     """stored DCP key -> model key, after checking names and shapes; and whether optimizer keys exist."""
-    shapes = dcp_tensor_shapes(detected.dcp_dir)
     model_keys = {k: v for k, v in shapes.items() if not k.startswith("optim.")}
     has_optim = len(model_keys) != len(shapes)
     # fsdp_bridge nests the model under "model."; plain DCP code does either.  Pick the
     # reading whose names match the model's best.
     plain = {k: strip_wrapper_prefixes(k) for k in model_keys}
     nested = {k: strip_wrapper_prefixes(k.removeprefix("model.")) for k in model_keys}
-    if detected.kind is Kind.SHARDED:
+    if kind is Kind.SHARDED:
         key_map = nested
     else:
         key_map = max((plain, nested), key=lambda m: len(set(m.values()) & set(template)))
     found = {key_map[k]: v[0] for k, v in model_keys.items()}
     expected = {k: size_of(v) for k, v in template.items()}
-    compare_keys(detected.dcp_dir, found, expected, allow_missing=aliases_to_fill(tied, set(found)))
+    compare_keys(where, found, expected, allow_missing=aliases_to_fill(tied, set(found)))
     # A tied alias missing on disk is filled by loading its source into the same tensor.
     return key_map, has_optim
 
@@ -156,7 +166,8 @@ def load_checkpoint(
     rank's RNG states are restored when the world size matches the one saved from.
 
     Args:
-        path: the checkpoint (directory or file).
+        path: the checkpoint (directory or file), or an fsspec URL of a sharded checkpoint
+            (``s3://bucket/run/checkpoints/step_00000100``).
         model: a model returned by :func:`~fsdp_bridge.shard` (or a plain module).
         optimizer: its optimizer, to restore its state too.
         restore_rng: restore each rank's RNG states when the world size matches.
@@ -173,6 +184,8 @@ def load_checkpoint(
         CheckpointError: on every rank, for a missing, damaged or mismatched checkpoint; the
             model and optimizer are unchanged.
     """
+    if is_url(path):
+        return _load_url(str(path), model, optimizer, restore_rng=restore_rng, all_or_nothing=all_or_nothing)
     if _peft.is_adapter_dir(Path(path)) and not (Path(path) / META_FILE).is_file():
         # A PEFT adapter directory: its weights go into the model's adapters (no state, no optimizer).
         on_every_rank(Path(path), "loading the adapter", lambda: _peft.load_adapter(Path(path), model))
@@ -210,7 +223,9 @@ def load_checkpoint(
     tied = tied_groups(model)
     if detected.kind in (Kind.SHARDED, Kind.DCP):
         template = template_of(model)
-        key_map, has_optim = _dcp_key_map(detected, template, tied)
+        key_map, has_optim = _dcp_key_map(
+            detected.kind, detected.dcp_dir, dcp_tensor_shapes(detected.dcp_dir), template, tied
+        )
         if optimizer is not None and not has_optim:
             raise CheckpointError(
                 detected.dcp_dir,
@@ -243,6 +258,66 @@ def load_checkpoint(
 
     if not ours:
         return {}
+    if restore_rng:
+        if rng is not None:
+            restore_rng_states(rng)
+        elif rank == 0:
+            logger.warning("fsdp_bridge: RNG states not restored (saved at world size %s, now %s)", saved_world, world)
+    return state
+
+
+def _load_url(
+    url: str, model: nn.Module, optimizer: torch.optim.Optimizer | None, *, restore_rng: bool, all_or_nothing: bool
+) -> dict[str, Any]:
+    """``load_checkpoint`` of a sharded checkpoint at an fsspec URL: the same checks, in the same
+    order, on the objects (DCP reads through the safe fsspec reader)."""
+    where = Remote.of(url)
+    meta = on_every_rank(url, "reading the checkpoint's description", lambda: read_remote_meta(where))
+    if meta["kind"] != Kind.SHARDED.value:
+        # A full checkpoint (Hugging Face files): each rank fetches a local copy (its listed objects,
+        # then its description) and loads that with every check of a local load.
+        with tempfile.TemporaryDirectory(prefix="fsdp_bridge_load_") as tmp:
+            local = on_every_rank(url, "fetching the checkpoint", lambda: download(where, Path(tmp)))
+            return load_checkpoint(local, model, optimizer, restore_rng=restore_rng, all_or_nothing=all_or_nothing)
+    part = rank_world()
+    on_every_rank(url, "verifying the checkpoint's objects", lambda: verify_remote(where, meta, part=part))
+    if optimizer is not None and not meta.get("has_optimizer"):
+        raise CheckpointError(
+            url,
+            "holds no optimizer state (it was saved without an optimizer); "
+            "call load_checkpoint(path, model) without the optimizer",
+        )
+    rank, world = part
+    saved_world = meta.get("world_size")
+    with_rng = restore_rng and saved_world == world
+    state, rng = on_every_rank(
+        url, "reading the training state and RNG", lambda: read_remote_side_files(where, rank, rng=with_rng)
+    )
+    tied = tied_groups(model)
+    template = template_of(model)
+    dcp_dir = where / DCP_DIR
+    metadata = on_every_rank(url, "reading DCP's metadata", lambda: load_remote_dcp_metadata(dcp_dir / ".metadata"))
+    shapes = {
+        key: (tuple(item.size), item.properties.dtype)
+        for key, item in metadata.state_dict_metadata.items()
+        if isinstance(item, TensorStorageMetadata)
+    }
+    key_map, has_optim = _dcp_key_map(Kind.SHARDED, dcp_dir.url, shapes, template, tied)
+    if optimizer is not None and not has_optim:
+        raise CheckpointError(
+            dcp_dir.url, "holds no optimizer keys ('optim.*'); call load_checkpoint(path, model) without the optimizer"
+        )
+    _load_dcp(
+        dcp_dir.url,
+        model,
+        optimizer,
+        key_map,
+        template,
+        tied,
+        with_optim=has_optim,
+        all_or_nothing=all_or_nothing,
+        reader=SafeFsspecReader(dcp_dir.url),
+    )
     if restore_rng:
         if rng is not None:
             restore_rng_states(rng)

@@ -28,9 +28,11 @@ from fsdp_bridge.checkpoint._description import Description
 from fsdp_bridge.checkpoint._formats import DCP_DIR, CheckpointError, checksums, param_stats
 from fsdp_bridge.checkpoint._model_state import bridge_of
 from fsdp_bridge.checkpoint._state import check_state, write_state
+from fsdp_bridge.checkpoint._storage import is_url
 
 __all__ = [
     "check_save_args",
+    "check_save_name",
     "describe_and_publish",
     "fresh_staging",
     "gather_checksums",
@@ -116,22 +118,33 @@ def release_save_lock(path: Path) -> None:
         lock.release()
 
 
-def check_save_args(path: str | os.PathLike[str], keep_last: int | None, state: dict[str, Any] | None) -> Path:
+def check_save_name(path: str, name: str, keep_last: int | None, state: dict[str, Any] | None) -> None:
+    """The checks of a save's arguments that hold wherever it goes (a directory or a URL)."""
     if keep_last is not None and (not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1):
         raise ValueError(f"keep_last must be None or an integer >= 1 (got {keep_last!r})")
     check_state(state)
-    path = Path(path)
-    if path.name.startswith(".") or path.name in ("", ".."):
+    if name.startswith(".") or name in ("", ".."):
         raise ValueError(
-            f"path {str(path)!r} must name a directory that does not start with '.' "
+            f"path {path!r} must name a directory that does not start with '.' "
             "(dot-names are reserved for interrupted saves)"
         )
-    if keep_last is not None and series_prefix(path.name) is None:
+    if keep_last is not None and series_prefix(name) is None:
         raise ValueError(
-            f"keep_last={keep_last} rotates checkpoints named by step, but {path.name!r} does not end in a "
+            f"keep_last={keep_last} rotates checkpoints named by step, but {name!r} does not end in a "
             f"step number: name it like step_00000100 (checkpoints of the same prefix and any other number "
             "are rotated; other names beside it are never deleted), or drop keep_last"
         )
+
+
+def check_save_args(path: str | os.PathLike[str], keep_last: int | None, state: dict[str, Any] | None) -> Path:
+    if is_url(path):  # save_checkpoint sends URLs elsewhere before: what is left are saves that cannot go there
+        raise CheckpointError(
+            str(path),
+            "is a URL, and this save writes local directories only (save_checkpoint_async): save with "
+            "save_checkpoint to the URL, or asynchronously to a local directory",
+        )
+    path = Path(path)
+    check_save_name(str(path), path.name, keep_last, state)
     # Every rank, before any collective: never replace the user's files.  The staging directory is
     # left to rank 0's fresh_staging (under the save lock, its outcome shared with every rank): the
     # other ranks could otherwise catch it half made by rank 0 and refuse it as not ours.

@@ -31,7 +31,7 @@ def agree_on(error: str | None) -> str | None:
     return box[0]
 
 
-def on_every_rank(path: Path, what: str, fn: Callable[[], Any]) -> Any:
+def on_every_rank(path: str | Path, what: str, fn: Callable[[], Any]) -> Any:
     """Run this rank's part of a save; if it fails on any rank, every rank raises the same error.
 
     The outcome is shared in one small all-reduce (failures are gathered only when there is

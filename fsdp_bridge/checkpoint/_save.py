@@ -5,16 +5,20 @@ the same call on FSDP1 and FSDP2.
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import weakref
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
 from fsdp_bridge.checkpoint import _hf, _peft
+from fsdp_bridge.checkpoint._atomic import series_prefix
 from fsdp_bridge.checkpoint._formats import DCP_DIR, CheckpointError
 from fsdp_bridge.checkpoint._model_state import (
     bridge_of,
@@ -27,6 +31,7 @@ from fsdp_bridge.checkpoint._model_state import (
 )
 from fsdp_bridge.checkpoint._publish import (
     check_save_args,
+    check_save_name,
     describe_and_publish,
     fresh_staging,
     gather_checksums,
@@ -34,7 +39,15 @@ from fsdp_bridge.checkpoint._publish import (
     release_save_lock,
 )
 from fsdp_bridge.checkpoint._ranks import agree_on, on_every_rank, rank_world
+from fsdp_bridge.checkpoint._remote import (
+    claim_staging,
+    new_claim,
+    rotate_checkpoints,
+    save_sharded_to_url,
+    upload_and_publish,
+)
 from fsdp_bridge.checkpoint._state import write_rng
+from fsdp_bridge.checkpoint._storage import Remote, is_url
 
 __all__ = ["SaveKind", "remember_layout", "save_checkpoint"]
 
@@ -50,7 +63,7 @@ def save_checkpoint(
     state: dict[str, Any] | None = None,
     keep_last: int | None = None,
     max_shard_size: int | str | None = None,
-) -> Path:
+) -> Path | str:
     """Save ``model`` (and ``optimizer``, ``state``) to ``path``; call on every rank.
 
     ``kind="sharded"``: a DCP directory in which each rank writes only its shard.
@@ -67,8 +80,13 @@ def save_checkpoint(
     finished.  ``keep_last=K`` then deletes all but the K newest checkpoints beside it.
     Returns ``path``.
 
+    ``path`` may be an fsspec URL (``s3://bucket/run/step_00000100``, ``memory://``, ``file://``):
+    ``kind="sharded"`` is written to a staging prefix and published with its description written
+    last (docs/checkpoints.md, "Object storage", says what holds there).
+
     Args:
-        path: the checkpoint directory to write (replaced atomically if it is a checkpoint).
+        path: the checkpoint directory to write (replaced atomically if it is a checkpoint), or
+            an fsspec URL (a ``str`` with ``"://"``).
         model: a model returned by :func:`~fsdp_bridge.shard`.
         optimizer: its optimizer, saved too when given (not for ``adapter``/``merged``).
         kind: ``"sharded"``, ``"full"``, ``"adapter"`` or ``"merged"``.
@@ -79,11 +97,23 @@ def save_checkpoint(
             from, when it had an index and names the same tensors; otherwise ``"5GB"``.
 
     Returns:
-        ``path``.
+        ``path`` (a ``Path``; at a URL, the URL).
 
     Raises:
         CheckpointError: on every rank, when ``path`` cannot be written or is not ours to replace.
     """
+    if is_url(path):
+        if kind == "sharded":
+            return save_sharded_to_url(str(path), model, optimizer, state=state, keep_last=keep_last)
+        if kind == "full":
+            return _save_full_to_url(
+                str(path), model, optimizer, state=state, keep_last=keep_last, max_shard_size=max_shard_size
+            )
+        raise CheckpointError(
+            str(path),
+            f"kind={kind!r} cannot be saved to a URL (only 'sharded' and 'full'); save it to a local "
+            "directory and copy that to the store",
+        )
     if kind == "adapter" or kind == "merged":
         return _peft.save_peft(
             path,
@@ -218,3 +248,59 @@ def remember_layout(model: nn.Module, path: str | os.PathLike[str]) -> None:
     weight_map = _hf.read_weight_map(directory) if directory.is_dir() else None
     if weight_map is not None:
         _SOURCE_LAYOUT[model] = weight_map
+
+
+def _save_full_to_url(
+    url: str,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    *,
+    state: dict[str, Any] | None,
+    keep_last: int | None,
+    max_shard_size: int | str | None,
+) -> str:
+    """``kind="full"`` to a URL: the staging prefix claimed first, the Hugging Face directory
+    assembled by every rank in a local directory rank 0 makes (every rank must see it: one node,
+    or ``TMPDIR`` on a shared file system), then uploaded and published by rank 0 as a sharded
+    save to a URL is (description written last)."""
+    dest = Remote.of(url)
+    check_save_name(url, dest.name, keep_last, state)
+    rank, _ = rank_world()
+    claim = new_claim()
+    on_every_rank(url, "claiming the staging prefix", lambda: claim_staging(dest, claim) if rank == 0 else None)
+    box: list[str | None] = [tempfile.mkdtemp(prefix="fsdp_bridge_full_") if rank == 0 else None]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=0)
+    tmp = Path(str(box[0]))
+
+    def sees_it() -> None:
+        if not tmp.is_dir():
+            raise CheckpointError(
+                url,
+                f"kind='full' to a URL is assembled in a local directory every rank must see; rank 0 made "
+                f"{tmp}, which this rank does not see: set TMPDIR to a directory all ranks share, or save "
+                "kind='sharded' to the URL (each rank writes its own objects)",
+            )
+
+    try:
+        on_every_rank(url, "finding the local directory of the full state", sees_it)
+        local = Path(
+            save_checkpoint(tmp / dest.name, model, optimizer, kind="full", state=state, max_shard_size=max_shard_size)
+        )
+        error = None
+        if rank == 0:
+            try:
+                upload_and_publish(local, dest, claim)
+                if keep_last is not None:
+                    rotate_checkpoints(dest.parent.url, keep_last, prefix=series_prefix(dest.name) or "")
+            except Exception as err:  # tell the other ranks instead of leaving them in a collective
+                error = f"{type(err).__name__}: {err}"
+                agree_on(error)
+                raise
+        error = agree_on(error)
+        if error is not None:
+            raise CheckpointError(url, f"rank 0 failed to publish the checkpoint: {error}")
+    finally:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return url

@@ -10,6 +10,7 @@ import base64
 import binascii
 import json
 import math
+import os
 import random
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,20 @@ import torch
 
 from fsdp_bridge.checkpoint._formats import RNG_DIR, STATE_FILE, CheckpointError
 
-__all__ = ["capture_rng", "check_state", "read_rng", "read_state", "restore_rng", "write_rng", "write_state"]
+__all__ = [
+    "capture_rng",
+    "check_state",
+    "parse_rng",
+    "parse_state",
+    "read_rng",
+    "read_state",
+    "restore_rng",
+    "rng_name",
+    "rng_text",
+    "state_text",
+    "write_rng",
+    "write_state",
+]
 
 
 def _problems(value: Any, where: str) -> list[str]:
@@ -85,8 +99,13 @@ def _decode(value: Any) -> Any:
     return value
 
 
+def state_text(state: dict[str, Any] | None) -> str:
+    """What ``train_state.json`` holds for ``state``."""
+    return json.dumps(_encode(state or {}), indent=2) + "\n"
+
+
 def write_state(directory: Path, state: dict[str, Any] | None) -> None:
-    (directory / STATE_FILE).write_text(json.dumps(_encode(state or {}), indent=2) + "\n")
+    (directory / STATE_FILE).write_text(state_text(state))
 
 
 def read_state(directory: Path) -> dict[str, Any]:
@@ -94,8 +113,17 @@ def read_state(directory: Path) -> dict[str, Any]:
     if not path.is_file():
         return {}
     try:
-        state = _decode(json.loads(path.read_text(encoding="utf-8")))
-    except (OSError, ValueError, TypeError, RecursionError) as err:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, ValueError) as err:
+        raise CheckpointError(path, f"cannot be read ({err}); the training state is corrupt") from err
+    return parse_state(text, path)
+
+
+def parse_state(text: str, path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The training state in ``text`` (read from ``path``, named in errors), checked."""
+    try:
+        state = _decode(json.loads(text))
+    except (ValueError, TypeError, RecursionError) as err:
         raise CheckpointError(path, f"cannot be read ({err}); the training state is corrupt") from err
     if not isinstance(state, dict):
         raise CheckpointError(
@@ -147,13 +175,23 @@ def restore_rng(rng: dict[str, Any]) -> None:
 
 
 def rng_file(directory: Path, rank: int) -> Path:
-    return directory / RNG_DIR / f"rank_{rank:05d}.json"
+    return directory / rng_name(rank)
+
+
+def rng_name(rank: int) -> str:
+    """Where a rank's RNG states are, relative to the checkpoint directory."""
+    return f"{RNG_DIR}/rank_{rank:05d}.json"
+
+
+def rng_text() -> str:
+    """What this rank's RNG file holds."""
+    return json.dumps(capture_rng()) + "\n"
 
 
 def write_rng(directory: Path, rank: int) -> None:
     path = rng_file(directory, rank)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(capture_rng()) + "\n")
+    path.write_text(rng_text())
 
 
 def read_rng(directory: Path, rank: int) -> dict[str, Any] | None:
@@ -161,8 +199,17 @@ def read_rng(directory: Path, rank: int) -> dict[str, Any] | None:
     if not path.is_file():
         return None
     try:
-        rng = json.loads(path.read_text(encoding="utf-8"))
+        text = path.read_text(encoding="utf-8")
     except (OSError, ValueError) as err:
+        raise CheckpointError(path, f"cannot be read ({err}); the RNG state is corrupt") from err
+    return parse_rng(text, path)
+
+
+def parse_rng(text: str, path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The RNG states in ``text`` (read from ``path``, named in errors), checked."""
+    try:
+        rng = json.loads(text)
+    except ValueError as err:
         raise CheckpointError(path, f"cannot be read ({err}); the RNG state is corrupt") from err
     if not _rng_valid(rng):
         raise CheckpointError(

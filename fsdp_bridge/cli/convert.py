@@ -27,8 +27,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("src", help="the checkpoint to read (directory or file)")
-    p.add_argument("dst", help="where to write (a directory for hf/sharded, a file for torch)")
+    p.add_argument("src", help="the checkpoint to read (directory, file, or fsspec URL of an fsdp_bridge checkpoint)")
+    p.add_argument("dst", help="where to write (a directory or URL for hf/sharded, a file for torch)")
     p.add_argument("--to", required=True, choices=TARGETS, help="the kind to write")
     p.add_argument(
         "--hf-config",

@@ -109,18 +109,23 @@ def _default_nproc() -> int:
 
 def _finished_step(config: object) -> int | None:
     """The step of a resumed run that already reached max_steps (None: there is work to do)."""
-    from fsdp_bridge.checkpoint import CheckpointError, latest_checkpoint
+    from fsdp_bridge.checkpoint import CheckpointError, latest_checkpoint, list_checkpoints
     from fsdp_bridge.checkpoint._formats import read_meta
 
     resume, max_steps = getattr(config, "resume", False), getattr(config, "max_steps", 0)
     if resume is False:
         return None
-    root = Path(getattr(config, "output_dir", ".")) / "checkpoints"
+    output_dir = str(getattr(config, "output_dir", "."))
+    root: Path | str = Path(output_dir) / "checkpoints"
+    if "://" in output_dir:  # a run at a URL: its checkpoints and their steps are listed there
+        root = f"{output_dir.rstrip('/')}/checkpoints"
+        latest_url = latest_checkpoint(root) if resume in (True, "auto") else None
+        return next((s for s, p in list_checkpoints(root) if p == latest_url and s >= max_steps), None)
     latest = latest_checkpoint(root) if resume in (True, "auto") else Path(str(resume))
     if latest is None:
         return None
     try:
-        step = read_meta(latest).get("step")
+        step = read_meta(Path(latest)).get("step")
     except (CheckpointError, OSError):
         return None  # the ranks report a damaged checkpoint with its reason
     return step if isinstance(step, int) and step >= max_steps else None

@@ -237,8 +237,9 @@ class TrainConfig:
     is written to ``output_dir/adapter``. null: train every weight."""
     seed: int = field(default=0, metadata=checks(Check(lambda v: 0 <= v <= MAX_SEED, f"an integer in [0, {MAX_SEED}]")))
     """Seed of the model's initialisation, the data order and every rank's RNG."""
-    output_dir: str = field(default="runs/fsdp-bridge", metadata=checks(Check(bool, "a directory path")))
-    """Directory for train_config.yaml, metrics.jsonl, summary.json, checkpoints/ and the exported model."""
+    output_dir: str = field(default="runs/fsdp-bridge", metadata=checks(Check(bool, "a directory path or URL")))
+    """Directory for train_config.yaml, metrics.jsonl, summary.json, checkpoints/ and the exported model;
+    or an fsspec URL (``s3://bucket/run``): checkpoints are published there, the other files uploaded."""
     resume: bool | str = field(
         default=False, metadata=checks(Check(lambda v: v != "", "false, auto, or a checkpoint path"))
     )

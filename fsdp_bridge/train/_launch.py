@@ -19,7 +19,6 @@ import os
 import shlex
 import signal
 import sys
-from pathlib import Path
 from typing import Any
 
 from fsdp_bridge._launch import (
@@ -36,6 +35,7 @@ from fsdp_bridge._launch import (
     restart_count,
 )
 from fsdp_bridge.errors import ConfigError
+from fsdp_bridge.train._rundir import local_dir
 
 __all__ = [
     "LaunchOptions",
@@ -101,7 +101,7 @@ def stopped_message(output_dir: str) -> str:
     from fsdp_bridge.train._loop import STOPPED
 
     try:
-        info = json.loads((Path(output_dir) / STOPPED).read_text())
+        info = json.loads((local_dir(output_dir) / STOPPED).read_text())
     except (OSError, ValueError):
         return "fsdp-bridge train: stopped by a signal before a checkpoint was written"
     argv = [a for a in sys.argv[1:] if a != "--resume"]
@@ -123,7 +123,7 @@ def launch(config_dict: dict[str, Any], options: LaunchOptions, *, verbosity: st
     """Start the ranks of this node with the elastic launcher; return the job's exit code."""
     from fsdp_bridge.train._loop import STOPPED
 
-    stopped = Path(config_dict["output_dir"]) / STOPPED
+    stopped = local_dir(config_dict["output_dir"]) / STOPPED
     stopped.unlink(missing_ok=True)
     try:
         elastic_run(_train_rank, (config_dict, verbosity), options, name="train", verbosity=verbosity)

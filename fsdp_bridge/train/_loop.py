@@ -52,6 +52,7 @@ from fsdp_bridge.train._loggers import (
     open_sinks,
 )
 from fsdp_bridge.train._progress import Progress
+from fsdp_bridge.train._rundir import RunDir
 from fsdp_bridge.train._tokenizer import load_tokenizer
 
 __all__ = ["STOPPED", "RunStopped", "TrainResult", "Verbosity", "lr_at", "train"]
@@ -320,7 +321,7 @@ def _memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
-def _resolve_resume(config: TrainConfig, root: Path) -> Path | None:
+def _resolve_resume(config: TrainConfig, root: Path | str) -> Path | str | None:
     resume = config.resume
     existing = ckpt.latest_checkpoint(root)
     if resume is False:
@@ -331,7 +332,7 @@ def _resolve_resume(config: TrainConfig, root: Path) -> Path | None:
                         "resume",
                         False,
                         "auto (or --resume) when output_dir holds checkpoints",
-                        f"{root} already holds {existing.name}: pass --resume to continue it, or "
+                        f"{root} already holds {Path(existing).name}: pass --resume to continue it, or "
                         "choose another output_dir",
                     )
                 ]
@@ -339,6 +340,8 @@ def _resolve_resume(config: TrainConfig, root: Path) -> Path | None:
         return None
     if resume is True or resume == "auto":
         return existing
+    if "://" in str(resume):
+        return str(resume)  # a checkpoint at a URL: the load checks it, on every rank
     path = Path(str(resume))
     try:
         ckpt.detect(path)
@@ -470,16 +473,23 @@ def train(
     device = init_distributed(config.bridge.device, timeout_s=config.timeout_s)
     rank, world = dist.get_rank(), dist.get_world_size()
     _configure_output(rank, verbosity)
-    out = Path(config.output_dir)
-    ckpt_root = out / "checkpoints"
+    run = RunDir(config.output_dir)  # at a URL: a local copy uploaded by rank 0
+    out = run.local
+    ckpt_root = run.checkpoints
     resume_from = _resolve_resume(config, ckpt_root)  # same answer on every rank: before any collective
     if rank == 0:
+        run.reset()
         out.mkdir(parents=True, exist_ok=True)
+        if resume_from is not None:
+            run.pull(METRICS, "tokenizer")
         (out / CONFIG).write_text(config.to_yaml())
+        run.push(CONFIG)
     dist.barrier()
 
     docs = read_documents(config.data)
     tokenizer = load_tokenizer(config, docs, out)
+    if rank == 0 and run.url and (out / "tokenizer").is_dir():
+        run.push("tokenizer")  # the built-in one: a run resumed after a kill reads the same
     data = PackedData.build(docs, tokenizer, config.data, seed=config.seed, rank=rank, world_size=world)
     # A pretrained model is built on the meta device and each rank reads only its slices of the
     # weights after sharding (LoRA adapters included: they are not in the base's files).
@@ -616,7 +626,7 @@ def train(
                 }
                 maybe_fail(f"checkpoint:{step}", run_dir=out)
                 path = ckpt.save_checkpoint(
-                    ckpt_root / f"step_{step:08d}",
+                    f"{ckpt_root}/step_{step:08d}" if run.url else Path(ckpt_root) / f"step_{step:08d}",
                     sharded,
                     optimizer,
                     kind=config.checkpoint.kind,
@@ -624,6 +634,8 @@ def train(
                     keep_last=config.checkpoint.keep_last,
                 )
                 last_ckpt = str(path)
+                if rank == 0 and run.url:
+                    run.push(METRICS)  # the records up to the checkpoint a resumed run starts from
                 progress.note(f"step {step}: checkpoint written to {path}", verbose_only=True)
             if stopped_by and not last:
                 break
@@ -647,6 +659,7 @@ def train(
                     }
                 )
             )
+            run.push(METRICS, STOPPED)
         dist.barrier()
         raise RunStopped(stopped_by, step, last_ckpt)
 
@@ -662,13 +675,15 @@ def train(
         eval_loss=eval_loss,
         best_eval_loss=None if math.isinf(best_eval) else best_eval,
         checkpoint=last_ckpt,
-        output_dir=str(out),
+        output_dir=run.url or str(out),
         resumed_from=str(resume_from) if resume_from else None,
     )
     result.optimizer_bytes, result.full_finetune_optimizer_bytes = optimizer_state_bytes(sharded, optimizer)
     if rank == 0:
         (out / STOPPED).unlink(missing_ok=True)  # an earlier stop of this run is resumed and done
         (out / SUMMARY).write_text(json.dumps(asdict(result), indent=1))
+        run.discard(STOPPED)
+        run.push()  # at a URL: config, metrics, summary, tokenizer and the exported model
         progress.summary(result, exported=config.checkpoint.export_hf, lora=config.peft is not None)
     return result
 

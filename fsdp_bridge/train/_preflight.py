@@ -15,6 +15,7 @@ from fsdp_bridge.mapping import unsupported_problems
 from fsdp_bridge.train._config import TrainConfig
 from fsdp_bridge.train._data import resolve_files
 from fsdp_bridge.train._loggers import logging_problems
+from fsdp_bridge.train._rundir import RunDir
 
 __all__ = ["preflight"]
 
@@ -71,7 +72,12 @@ def preflight(
             )
     problems.extend(_jsonl_problems(config))
     problems.extend(logging_problems(config.logging))
-    if isinstance(config.resume, str) and config.resume != "auto" and not Path(config.resume).exists():
+    if (
+        isinstance(config.resume, str)
+        and config.resume != "auto"
+        and "://" not in config.resume  # a URL: the load checks it
+        and not Path(config.resume).exists()
+    ):
         problems.append(
             Problem(
                 "resume",
@@ -85,7 +91,8 @@ def preflight(
         problems.extend(model_problems)
     else:
         model_notes = []
-    reason = unwritable_reason(Path(config.output_dir) / "checkpoints")
+    run = RunDir(config.output_dir)
+    reason = None if run.url else unwritable_reason(Path(config.output_dir) / "checkpoints")
     if reason is not None:
         problems.append(
             Problem(
@@ -95,7 +102,7 @@ def preflight(
                 f"{reason}; pass output_dir=PATH with a writable location",
             )
         )
-    root = Path(config.output_dir) / "checkpoints"
+    root = run.checkpoints
     existing = latest_checkpoint(root) if reason is None else None
     if config.resume is False and existing is not None:
         problems.append(
@@ -103,7 +110,8 @@ def preflight(
                 "resume",
                 False,
                 "auto (or --resume) when output_dir holds checkpoints",
-                f"{root} already holds {existing.name}: pass --resume to continue it, or choose another output_dir",
+                f"{root} already holds {Path(existing).name}: pass --resume to continue it, or choose another "
+                "output_dir",
             )
         )
     notes: list[str] = list(model_notes)
