@@ -9,8 +9,10 @@ Each worker of a ``TorchTrainer`` calls :func:`fsdp_bridge.train.train` with the
 Ray Train has already initialised the default process group (gloo for CPU workers, NCCL with
 ``use_gpu``) and exported ``RANK``/``WORLD_SIZE``: ``train()`` joins that group and starts no
 ranks of its own (a config whose ``bridge.device`` the group does not serve is refused, naming
-the fix). The run directory is ``output_dir`` of the config, as with ``fsdp-bridge train``; it
-must be one path every worker sees (one machine, or a shared file system).
+the fix). The run directory is ``output_dir`` of the config, as with ``fsdp-bridge train``: one
+path every worker sees (one machine, or a shared file system), or an object-store URL
+(``output_dir=s3://bucket/run``, ``gs://``, ``az://``: install the matching fsspec driver, e.g.
+``fsdp-bridge[s3]``) where the workers write their checkpoints and rank 0 the run's files.
 
 After a worker fails, ``FailureConfig(max_failures=1)`` makes Ray start the workers again; the
 config has ``resume: auto``, so the new attempt continues from the latest checkpoint in
@@ -73,6 +75,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if not os.environ.get("RAY_ADDRESS"):
         # Ray's single-machine mode: every address (the workers', the gloo rendezvous) is 127.0.0.1.
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    import fsspec
     import ray
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
@@ -82,9 +85,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     path = next((i for i in args.items if "=" not in i), None)
     overrides = [i for i in args.items if "=" in i]
     config = load_train_config(path, [*overrides, "resume=auto"])  # a bad config fails here, before Ray starts
-    # Every worker must see the same run directory: an absolute path, whatever the workers' cwd.
+    # Every worker must see the same run directory: an absolute path, whatever the workers' cwd
+    # (a URL is one already).
     config_dict = config.to_dict()
-    config_dict["output_dir"] = str(Path(config.output_dir).resolve())
+    if "://" not in config.output_dir:
+        config_dict["output_dir"] = str(Path(config.output_dir).resolve())
 
     if not ray.is_initialized():
         if os.environ.get("RAY_ADDRESS"):
@@ -96,13 +101,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         train_loop_config={"config": config_dict, "verbosity": "quiet" if args.quiet else "normal"},
         scaling_config=ScalingConfig(num_workers=args.workers, use_gpu=args.gpu),
         run_config=RunConfig(
-            name=Path(config_dict["output_dir"]).name,
+            name=config_dict["output_dir"].rstrip("/").rsplit("/", 1)[-1],
             storage_path=None if args.storage_path is None else str(Path(args.storage_path).resolve()),
             failure_config=FailureConfig(max_failures=args.max_failures),
         ),
     )
     trainer.fit()  # raises ray.train.TrainingFailedError once the failures exceed max_failures
-    summary: dict[str, Any] = json.loads((Path(config_dict["output_dir"]) / "summary.json").read_text())
+    with fsspec.open(config_dict["output_dir"].rstrip("/") + "/summary.json", "r") as f:  # a path or a URL
+        summary: dict[str, Any] = json.load(f)
     print(json.dumps({"summary": summary}))
     return summary
 

@@ -15,7 +15,8 @@ rank is the one named.
 ``once``: the fault fires on the first attempt only. An elastic restart says so itself
 (``TORCHELASTIC_RESTART_COUNT``); launchers that restart workers without telling them (Ray Train's
 ``FailureConfig``, a Kubernetes pod restarted) are recognised by a marker the firing rank leaves in
-the run's output directory (``.fault-fired-rank<R>-<point>``) when the trainer passes ``run_dir``.
+the run's output directory (``.fault-fired-rank<R>-<point>``; for a run at a URL, in a directory
+beside its local copy, which a new attempt empties) when the trainer passes ``run_dir``.
 
 Called by the trainer; :mod:`fsdp_bridge.testing.faults` re-exports it for tests.
 """

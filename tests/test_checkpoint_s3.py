@@ -5,12 +5,6 @@ naming it. One server for the module, stopped at the end."""
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
-import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,53 +19,7 @@ from fsdp_bridge.testing.models import build_tiny, sample_batch
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
-_BUCKET = "fsdp-bridge-test"
-
-
-def _moto_server() -> str:
-    # moto[server] and s3fs are in the test extra: missing, this fails rather than skips.
-    return str(Path(sys.executable).with_name("moto_server"))
-
-
-@pytest.fixture(scope="module")
-def s3_env() -> Iterator[dict[str, str]]:
-    """moto's S3 server on 127.0.0.1, and the environment that points s3fs at it (for this module only)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = subprocess.Popen(
-        [_moto_server(), "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    env = {
-        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_DEFAULT_REGION": "us-east-1",
-    }
-    saved = {k: os.environ.get(k) for k in env}
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline or server.poll() is not None:
-                    raise RuntimeError("moto_server did not start") from None
-                time.sleep(0.1)
-        os.environ.update(env)
-        s3fs.S3FileSystem.clear_instance_cache()
-        s3fs.S3FileSystem().mkdir(_BUCKET)
-        yield env
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        s3fs.S3FileSystem.clear_instance_cache()
-        server.terminate()
-        server.wait(timeout=30)
+_BUCKET = "fsdp-bridge-test"  # made by the s3_env fixture (conftest.py)
 
 
 def _ranks_save_rotate_resume(root: str) -> bool:

@@ -216,14 +216,22 @@ TINY = [
 ]
 
 
-def _losses(run: Path) -> dict[int, float]:
+def _losses(run: Path | str) -> dict[int, float]:
     """Each step's loss in metrics.jsonl (a step run again after a resume: its last record)."""
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    import fsspec
+
+    with fsspec.open(f"{run}/metrics.jsonl", "r") as f:  # a path or a URL
+        records = [json.loads(line) for line in f.read().splitlines()]
     return {int(r["step"]): float(r["loss"]) for r in records if "loss" in r}
 
 
 @pytest.mark.slow  # 1.5 to 3.5 min on 2 shared cores, most of it Ray starting itself and the workers twice
-def test_ray_train_example_resumes_after_a_worker_failure_with_an_uninterrupted_runs_loss(tmp_path: Path) -> None:
+def test_ray_train_example_resumes_after_a_worker_failure_with_an_uninterrupted_runs_loss(
+    tmp_path: Path, s3_env: dict[str, str]
+) -> None:
+    """The run goes to an S3 bucket (moto's server on 127.0.0.1): the workers write their checkpoints
+    there, the restarted ones resume from the one they left there, and the run ends as an
+    uninterrupted local run does."""
     env = dict(
         os.environ,
         OMP_NUM_THREADS="1",
@@ -235,7 +243,7 @@ def test_ray_train_example_resumes_after_a_worker_failure_with_an_uninterrupted_
         RAY_TRAIN_HEALTH_CHECK_INTERVAL_S="0.25",  # sees the failure and the end sooner (default 2 s)
     )
     env.pop("RAY_ADDRESS", None)
-    ray_run, reference = tmp_path / "ray-run", tmp_path / "reference"
+    ray_run, reference = "s3://fsdp-bridge-test/ray-run", tmp_path / "reference"  # the s3_env fixture's bucket
     # Worker 1 fails in step 4, after the checkpoint of step 2: Ray starts both workers again,
     # and the second attempt resumes from step 2 (resume: auto).
     proc = subprocess.run(
@@ -257,7 +265,7 @@ def test_ray_train_example_resumes_after_a_worker_failure_with_an_uninterrupted_
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     assert "injected fault on rank 1 at step:4" in proc.stderr, proc.stderr[-6000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])["summary"]
-    assert summary["steps"] == 6 and summary["resumed_from"] == str(ray_run / "checkpoints" / "step_00000002")
+    assert summary["steps"] == 6 and summary["resumed_from"] == f"{ray_run}/checkpoints/step_00000002", summary
     # The same job, uninterrupted, through fsdp-bridge train's own launcher (2 ranks).
     ref = subprocess.run(
         [

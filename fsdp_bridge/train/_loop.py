@@ -475,6 +475,9 @@ def train(
     _configure_output(rank, verbosity)
     run = RunDir(config.output_dir)  # at a URL: a local copy uploaded by rank 0
     out = run.local
+    # Where a `once` fault records that it fired: kept across attempts (a URL run's local copy is
+    # emptied when the run starts again).
+    fault_dir = out if run.url is None else out.with_name(out.name + ".faults")
     ckpt_root = run.checkpoints
     resume_from = _resolve_resume(config, ckpt_root)  # same answer on every rank: before any collective
     if rank == 0:
@@ -508,7 +511,7 @@ def train(
         reset_adapters(model)  # the same adapters whether the base is read before or after sharding
         n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         lora_note = f" + LoRA r={config.peft.r} ({n_trainable:,} trainable)"
-    maybe_fail("shard", run_dir=out)
+    maybe_fail("shard", run_dir=fault_dir)
     if pretrained is not None and sliced:
         sharded = ckpt.load_pretrained(model, pretrained, config.bridge)
     else:
@@ -586,7 +589,7 @@ def train(
                     loss = sharded(input_ids=batch, labels=batch).loss
                     (loss / accum).backward()
                 if micro == 0:
-                    maybe_fail(f"step:{step + 1}", run_dir=out)
+                    maybe_fail(f"step:{step + 1}", run_dir=fault_dir)
                 loss_sum += loss.detach().float().cpu()
             grad_norm = clip_grad_norm_(sharded, config.optim.grad_clip) if config.optim.grad_clip else None
             optimizer.step()
@@ -624,7 +627,7 @@ def train(
                     "world_size": world,
                     "samples_per_step": samples_per_step,
                 }
-                maybe_fail(f"checkpoint:{step}", run_dir=out)
+                maybe_fail(f"checkpoint:{step}", run_dir=fault_dir)
                 path = ckpt.save_checkpoint(
                     f"{ckpt_root}/step_{step:08d}" if run.url else Path(ckpt_root) / f"step_{step:08d}",
                     sharded,
