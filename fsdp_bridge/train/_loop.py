@@ -478,6 +478,8 @@ def train(config: TrainConfig, *, verbosity: Verbosity = "normal") -> TrainResul
     final_loss: float | None = None
     stopped_by = 0
     mbs, accum = config.micro_batch_size, config.grad_accum
+    background = config.checkpoint.async_mode
+    pending: ckpt.AsyncCheckpoint | None = None  # an interval checkpoint being written in the background
     stops = _StopRequests()
     try:
         stops.__enter__()
@@ -531,18 +533,41 @@ def train(config: TrainConfig, *, verbosity: Verbosity = "normal") -> TrainResul
                     "best_eval_loss": None if math.isinf(best_eval) else best_eval,
                 }
                 maybe_fail(f"checkpoint:{step}")
-                path = ckpt.save_checkpoint(
-                    ckpt_root / f"step_{step:08d}",
-                    sharded,
-                    optimizer,
-                    kind=config.checkpoint.kind,
-                    state=state,
-                    keep_last=config.checkpoint.keep_last,
-                )
-                last_ckpt = str(path)
-                progress.note(f"step {step}: checkpoint written to {path}", verbose_only=True)
+                if pending is not None:  # one save at a time; its failure stops the run here
+                    last_ckpt, pending = str(pending.wait()), None
+                if background != "off" and not last and not stopped_by:
+                    # The end-of-run and the stop checkpoints are written before going on: the
+                    # run ends (or the launcher resumes) from them.
+                    pending = ckpt.save_checkpoint_async(
+                        ckpt_root / f"step_{step:08d}",
+                        sharded,
+                        optimizer,
+                        state=state,
+                        keep_last=config.checkpoint.keep_last,
+                        mode=background,
+                    )
+                    progress.note(f"step {step}: checkpoint staged, written in the background", verbose_only=True)
+                else:
+                    path = ckpt.save_checkpoint(
+                        ckpt_root / f"step_{step:08d}",
+                        sharded,
+                        optimizer,
+                        kind=config.checkpoint.kind,
+                        state=state,
+                        keep_last=config.checkpoint.keep_last,
+                    )
+                    last_ckpt = str(path)
+                    progress.note(f"step {step}: checkpoint written to {path}", verbose_only=True)
             if stopped_by and not last:
                 break
+        if background != "off":
+            if pending is not None:
+                last_ckpt, pending = str(pending.wait()), None
+            ckpt.checkpointer_of(sharded).close()  # its host copy, its group, torch's checkpoint process
+    except BaseException:
+        if background != "off":
+            _settle_background_save(sharded, config.timeout_s)
+        raise
     finally:
         stops.__exit__()
         progress.close()
@@ -585,6 +610,19 @@ def train(config: TrainConfig, *, verbosity: Verbosity = "normal") -> TrainResul
         (out / SUMMARY).write_text(json.dumps(asdict(result), indent=1))
         progress.summary(result, exported=config.checkpoint.export_hf, lora=config.peft is not None)
     return result
+
+
+def _settle_background_save(model: nn.Module, timeout_s: float) -> None:
+    """On a run that is failing: give the save in flight up to ``timeout_s`` to end (a checkpoint
+    written by then is published and complete), then free what async saves hold.  Never raises:
+    the error that stopped the run is the one to report; this save's own failure is logged."""
+    checkpointer = ckpt.checkpointer_of(model)
+    try:
+        if checkpointer.pending is not None:
+            checkpointer.pending.wait(timeout_s)
+        checkpointer.close()
+    except BaseException as err:  # logged: the run's own error follows
+        logger.warning("the checkpoint being written in the background did not complete: %s", err)
 
 
 ADAPTER = "adapter"
