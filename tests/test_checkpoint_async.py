@@ -224,3 +224,27 @@ def test_a_save_failing_on_one_rank_fails_every_rank_promptly(tmp_path: Path) ->
         assert "rank 0: assembling the full state's files failed: OSError: [Errno 28] No space" in r["full_assembly"]
         assert r["seconds"] < 60  # not the process-group timeout (600 s)
     assert fsdp_bridge.latest_checkpoint(tmp_path) == tmp_path / "c"
+
+
+def test_the_process_mode_makes_room_for_its_shared_copy_among_open_files(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Linux shares each tensor of the staged copy as an open file: 1,600 tensors (a 400-parameter model with
+    # AdamW) pass the common soft limit of 1024, so the soft limit is raised to the hard one ...
+    import resource
+
+    from fsdp_bridge.checkpoint._async import fit_open_files
+
+    state = {"model": {f"w{i}": torch.zeros(1) for i in range(400)}, "optim": {"state": [[torch.zeros(1)] * 3] * 400}}
+    limits = [(1024, 4096)]
+    monkeypatch.setattr(resource, "getrlimit", lambda _which: limits[-1])
+    monkeypatch.setattr(resource, "setrlimit", lambda _which, value: limits.append(value))
+    fit_open_files(state)
+    assert limits[-1] == (4096, 4096)
+    # ... and where even the hard limit is too low, the error says so with the numbers and the fixes.
+    limits.append((1024, 1500))
+    with pytest.raises(
+        ValueError, match=r"each of the 1600 tensors .* at most 1500 files .*ulimit -n \d+ .* mode='thread'"
+    ):
+        fit_open_files(state)
+    limits.append((1024, 1500))
+    fit_open_files({"model": {"w": torch.zeros(1)}})  # room enough: nothing changed
+    assert limits[-1] == (1024, 1500)

@@ -311,3 +311,28 @@ def test_stop_requests_become_one_agreed_signal() -> None:
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     finally:
         signal.signal(signal.SIGINT, inherited)
+
+
+def test_a_failing_run_gives_its_background_save_time_and_raises_its_own_error(monkeypatch, caplog) -> None:
+    import torch
+
+    from fsdp_bridge import checkpoint
+    from fsdp_bridge.train import _loop
+
+    calls: list[object] = []
+
+    class Pending:
+        def wait(self, timeout: float | None = None) -> None:
+            calls.append(("wait", timeout))
+
+    class Checkpointer:
+        pending = Pending()
+
+        def close(self) -> None:
+            calls.append("close")
+            raise checkpoint.CheckpointError(Path("ckpt/step_00000002"), "the background save failed: rank 1: boom")
+
+    monkeypatch.setattr(checkpoint, "checkpointer_of", lambda model: Checkpointer())
+    _loop._settle_background_save(torch.nn.Linear(2, 2), 12.5)  # never raises: the run's own error follows
+    assert calls == [("wait", 12.5), "close"]
+    assert "did not complete: checkpoint ckpt/step_00000002: the background save failed: rank 1: boom" in caplog.text
