@@ -126,17 +126,17 @@ def test_async_save_captures_the_state_at_the_call(tmp_path: Path, backend: str)
 
 
 def _process_round_trips(root: str) -> dict[str, object]:
-    from fsdp_bridge.checkpoint import _async, checkpointer_of
+    from fsdp_bridge.checkpoint import _process, checkpointer_of
 
     out: dict[str, object] = {}
     models: list[torch.nn.Module] = []
     for backend in ("fsdp1", "fsdp2"):  # one checkpoint process per rank serves both models
         out[backend] = _async_round_trip(f"{root}/{backend}", backend, "process", restart=False, models=models)
-    process = _async._checkpoint_process()
+    process = _process.checkpoint_process()
     out["one_process"] = process is not None and process._save_process.is_alive()
     for model in models:
         checkpointer_of(model).close()  # waits, frees the host copy, ends the checkpoint process
-    out["ended"] = _async._checkpoint_process() is None and not process._save_process.is_alive()
+    out["ended"] = _process.checkpoint_process() is None and not process._save_process.is_alive()
     return out
 
 
@@ -231,7 +231,7 @@ def test_the_process_mode_makes_room_for_its_shared_copy_among_open_files(monkey
     # AdamW) pass the common soft limit of 1024, so the soft limit is raised to the hard one ...
     import resource
 
-    from fsdp_bridge.checkpoint._async import fit_open_files
+    from fsdp_bridge.checkpoint._process import fit_open_files
 
     state = {"model": {f"w{i}": torch.zeros(1) for i in range(400)}, "optim": {"state": [[torch.zeros(1)] * 3] * 400}}
     limits = [(1024, 4096)]

@@ -112,9 +112,9 @@ def _resume_and_finetune(root: str) -> dict[str, Any]:
         whole = train(_tiny_config(base / f"{backend}-whole", *common, "max_steps=8"), verbosity="quiet")
         # Interrupted after step 4 (its last checkpoint) or 5, then resumed to step 8.
         first = train(_tiny_config(base / f"{backend}-split", *common, *split), verbosity="quiet")
-        from fsdp_bridge.checkpoint import _async
+        from fsdp_bridge.checkpoint import _process
 
-        ended = _async._checkpoint_process() is None  # the run ended its checkpoint process
+        ended = _process.checkpoint_process() is None  # the run ended its checkpoint process
         resumed = train(
             _tiny_config(base / f"{backend}-split", *common, "max_steps=8", "resume=auto"), verbosity="quiet"
         )
