@@ -148,9 +148,17 @@ def test_process_async_save_keeps_every_guarantee_of_thread_saves(tmp_path: Path
         assert r["one_process"] and r["ended"]
 
 
-def test_async_mode_is_checked_before_anything_else(tmp_path: Path) -> None:
+def test_async_mode_is_checked_before_anything_else(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match=r"mode must be one of 'thread', 'process' \(got 'processes'\)"):
         fsdp_bridge.save_checkpoint_async(tmp_path / "ckpt", torch.nn.Linear(2, 2), mode="processes")  # type: ignore[arg-type]
+    assert list(tmp_path.iterdir()) == []
+    # A daemonic rank (multiprocessing's daemon=True) may not start torch's checkpoint process: said before anything.
+    import multiprocessing
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(multiprocessing, "current_process", lambda: SimpleNamespace(daemon=True))
+    with pytest.raises(ValueError, match=r"daemonic .* start the ranks with daemon=False .* or use mode='thread'"):
+        fsdp_bridge.save_checkpoint_async(tmp_path / "ckpt", torch.nn.Linear(2, 2), mode="process")
     assert list(tmp_path.iterdir()) == []
 
 
