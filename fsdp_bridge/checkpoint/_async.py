@@ -9,16 +9,17 @@ memory before the call returns (so later optimizer steps do not change what is s
 then written in the background, where the writer's collectives never touch the default group:
 
 - ``mode="thread"`` (the default): a thread of this process, on a gloo group of its own.  It
-  shares the interpreter with training (the GIL: serialising and checksumming slow the steps a
+  shares the interpreter with training (the GIL: serialising the files slows the steps a
   little) and starts at once.
 - ``mode="process"``: torch's checkpoint process (``AsyncCheckpointerType.PROCESS``), one per
   rank, spawned on the first such save, with a gloo group of its own; the staged copy lives in
   shared memory, so handing it over copies nothing.  The first save pays the spawn (an import
   of torch, seconds); later saves reuse the process.
 
-Rank 0 publishes the checkpoint (atomic rename, rotation) from this process as soon as every
-rank's files are written.  Until then the previous checkpoint is the latest one, and a crash
-leaves only a dot-named partial directory.
+In both modes rank 0 then describes (checksums of every file) and publishes the checkpoint
+(atomic rename, rotation) from a thread of this process, as soon as every rank's files are
+written.  Until then the previous checkpoint is the latest one, and a crash leaves only a
+dot-named partial directory.
 """
 
 from __future__ import annotations
@@ -105,7 +106,8 @@ class AsyncCheckpointer:
     The group belongs to the process group it was made in: after ``destroy_process_group`` and
     a new ``init_process_group`` the next save makes a new one.  :meth:`close` waits for the
     save in flight and frees the group and the host copy, and ends torch's checkpoint process if
-    a process-mode save started it."""
+    a process-mode save of this model used it (torch keeps one per process, for every model: close
+    a checkpointer while another model's process-mode save is in flight and that save fails)."""
 
     def __init__(self) -> None:
         self._group: Any = None
