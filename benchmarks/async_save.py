@@ -125,7 +125,8 @@ def _table(result: dict[str, Any], *, world: int, steps: int, repeats: int) -> s
     sync = _median(rows, "sync", "stall_s")
     lines = [
         f"{result['state_mib']:.0f} MiB of state (fp32 weights + AdamW moments), FSDP2, {world} gloo ranks on CPU, "
-        f"torch {torch.__version__}, {os.cpu_count()} cores; medians of {repeats}, slowest rank; "
+        f"torch {torch.__version__}, {os.cpu_count()} cores (load average {os.getloadavg()[0]:.1f} at the end); "
+        f"medians of {repeats}, slowest rank; "
         f"steps: {steps} training steps right after the call, against the same steps with no save in flight.",
         "",
         "| mode | stall s | stall / sync save | background s | background / sync save | steps during the save "
