@@ -103,9 +103,8 @@ def fresh_staging(path: Path, rank: int) -> Path:
         raise CheckpointError(path, f"cannot be written: {reason}; save to a directory this user can write")
     if rank == 0:
         _HELD[path] = SaveLock(path).acquire()  # refused while another process saves this path
-        remove_ours(
-            staging, f"where a save of {path.name} keeps its partial copy"
-        )  # left by an earlier save that was killed
+        # A partial copy left by an earlier save that was killed.
+        remove_ours(staging, f"where a save of {path.name} keeps its partial copy")
         make_staging(staging)
     return staging
 
