@@ -57,12 +57,14 @@ __all__ = [
     "field_spec",
     "finite",
     "hints",
+    "key_of",
     "normalise",
     "parse_layout",
     "parse_section",
     "parse_value",
     "spec",
     "unknown_key",
+    "yaml_key",
 ]
 
 Parser = Callable[[Any, str, list[Problem]], Any]
@@ -71,6 +73,7 @@ Parser = Callable[[Any, str, list[Problem]], Any]
 
 _META = "fsdp_bridge.schema"
 _CHECKS = "fsdp_bridge.checks"
+_KEY = "fsdp_bridge.key"
 
 
 @dataclass(frozen=True)
@@ -104,6 +107,19 @@ class Check:
 def checks(*rules: Check) -> dict[str, tuple[Check, ...]]:
     """Field metadata declaring value rules: ``field(default=128, metadata=checks(at_least(2)))``."""
     return {_CHECKS: rules}
+
+
+def yaml_key(name: str) -> dict[str, str]:
+    """Field metadata: the field's key in YAML, where it cannot be the attribute's name (a Python
+    keyword): ``async_mode: ... = field(default="off", metadata=yaml_key("async"))`` reads and writes
+    ``async:``; Python callers use the attribute.  Combine with :func:`checks` by merging the dicts."""
+    return {_KEY: name}
+
+
+def key_of(f: dataclasses.Field[Any]) -> str:
+    """The key field ``f`` is written under in YAML, in errors and in the docs (its name unless
+    :func:`yaml_key` says otherwise)."""
+    return str(f.metadata.get(_KEY, f.name))
 
 
 def at_least(low: int, *, optional: bool = False) -> Check:
@@ -166,7 +182,7 @@ def hints(cls: type) -> dict[str, Any]:
 
 
 def field_names(cls: type) -> list[str]:
-    return [f.name for f in dataclasses.fields(cls)]
+    return [key_of(f) for f in dataclasses.fields(cls)]
 
 
 def _is_union(tp: Any) -> bool:
@@ -326,7 +342,7 @@ def parse_section(
     are read recursively; a section class with ``from_dict`` reads itself.
     """
     types_ = hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    fields = {key_of(f): f for f in dataclasses.fields(cls)}
     kwargs: dict[str, Any] = {}
     for key, value in data.items():
         dotted = f"{prefix}{key}"
@@ -334,13 +350,13 @@ def parse_section(
         if f is None:
             problems.append(unknown_key(dotted, value, list(fields), elsewhere=(elsewhere or {}).get(dotted)))
             continue
-        section, optional = section_type(types_[key]) if field_spec(f) is None else (None, False)
+        section, optional = section_type(types_[f.name]) if field_spec(f) is None else (None, False)
         if section is not None:
             parsed = None if optional and value is None else _section_value(section, value, dotted, problems, elsewhere)
         else:
-            parsed = parse_value(f, types_[key], value, dotted, problems)
+            parsed = parse_value(f, types_[f.name], value, dotted, problems)
         if parsed is not _MISSING:
-            kwargs[key] = parsed
+            kwargs[f.name] = parsed
     return kwargs
 
 
@@ -411,7 +427,7 @@ def check_problems(obj: Any, prefix: str = "") -> list[Problem]:
     problems: list[Problem] = []
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
-        key = f"{prefix}{f.name}"
+        key = f"{prefix}{key_of(f)}"
         if dataclasses.is_dataclass(value) and not isinstance(value, type):
             if not hasattr(value, "from_dict") and field_spec(f) is None:
                 problems.extend(check_problems(value, f"{key}."))
@@ -477,7 +493,7 @@ def field_rows(cls: type, prefix: str = "") -> list[FieldDoc]:
     types_ = hints(cls)
     docs = attribute_docs(cls)
     for f in dataclasses.fields(cls):
-        key, doc = f"{prefix}{f.name}", docs.get(f.name, "")
+        key, doc = f"{prefix}{key_of(f)}", docs.get(f.name, "")
         found = field_spec(f)
         section, optional = section_type(types_[f.name]) if found is None else (None, False)
         if section is not None:

@@ -157,6 +157,30 @@ def test_overrides_backend_flag_and_round_trip(tmp_path) -> None:
         load_train_config(None, ["optim.lrr=0.1"])
 
 
+def test_checkpoint_async_is_written_async_in_yaml() -> None:
+    # `async` is a Python keyword: the field is async_mode, its YAML key (and override, error, doc) is async.
+    config = load_train_config(None, ["checkpoint.async=process"])
+    assert config.checkpoint.async_mode == "process"
+    dumped = yaml.safe_load(config.to_yaml())["checkpoint"]
+    assert dumped["async"] == "process" and "async_mode" not in dumped
+    assert TrainConfig.from_dict(yaml.safe_load(config.to_yaml())) == config
+    assert load_train_config(None, []).checkpoint.async_mode == "off"
+    assert load_train_config(None, ["checkpoint.async=off"]).checkpoint.async_mode == "off"  # YAML reads off as false
+    with pytest.raises(ConfigError) as info:
+        load_train_config(None, ["checkpoint.async=proces", "checkpoint.asyn=thread", "checkpoint.async_mode=thread"])
+    text = str(info.value)
+    assert "checkpoint.async: got 'proces'; allowed: one of off, thread, process" in text
+    assert "checkpoint.asyn: got 'thread'" in text and "did you mean 'async'?" in text
+    assert "checkpoint.async_mode: got 'thread'" in text
+    with pytest.raises(
+        ConfigError, match=r"checkpoint\.async: got 'thread'; allowed: off when checkpoint\.kind is full"
+    ):
+        load_train_config(None, ["checkpoint.async=thread", "checkpoint.kind=full"])
+    with pytest.raises(ConfigError, match=r"checkpoint\.async: got 'process'; allowed: off when output_dir is a URL"):
+        load_train_config(None, ["checkpoint.async=process", "output_dir=s3://bucket/run"])
+    assert any(row.key == "checkpoint.async" for row in field_reference())
+
+
 def test_every_example_yaml_starts_with_its_command_and_is_valid(tmp_path, monkeypatch) -> None:
     # Training examples (bridge-only YAMLs for `fsdp-bridge explain` are checked elsewhere).
     yamls = [p for p in sorted(EXAMPLES.glob("*.yaml")) if "\nmodel:" in p.read_text()] + [default_config_path()]

@@ -98,7 +98,10 @@ def _resume_and_finetune(root: str) -> dict[str, Any]:
 
     base = Path(root)
     results: dict[str, Any] = {}
-    for backend, kind, accum in (("fsdp2", "sharded", 2), ("fsdp1", "full", 1)):
+    # The FSDP2 run's split is cut after step 5; its last checkpoint (step 4) was an interval save
+    # written in the background by torch's checkpoint process (checkpoint.async: process).
+    background = ["max_steps=5", "checkpoint.interval=4", "checkpoint.at_end=false", "checkpoint.async=process"]
+    for backend, kind, accum, split in (("fsdp2", "sharded", 2, background), ("fsdp1", "full", 1, ["max_steps=4"])):
         common = [
             f"bridge.backend={backend}",
             f"checkpoint.kind={kind}",
@@ -107,8 +110,11 @@ def _resume_and_finetune(root: str) -> dict[str, Any]:
             "schedule.decay_steps=8",
         ]
         whole = train(_tiny_config(base / f"{backend}-whole", *common, "max_steps=8"), verbosity="quiet")
-        # Interrupted after step 4 (its last checkpoint), then resumed to step 8.
-        train(_tiny_config(base / f"{backend}-split", *common, "max_steps=4"), verbosity="quiet")
+        # Interrupted after step 4 (its last checkpoint) or 5, then resumed to step 8.
+        first = train(_tiny_config(base / f"{backend}-split", *common, *split), verbosity="quiet")
+        from fsdp_bridge.checkpoint import _process
+
+        ended = _process.checkpoint_process() is None  # the run ended its checkpoint process
         resumed = train(
             _tiny_config(base / f"{backend}-split", *common, "max_steps=8", "resume=auto"), verbosity="quiet"
         )
@@ -116,6 +122,8 @@ def _resume_and_finetune(root: str) -> dict[str, Any]:
             "whole": whole.final_loss,
             "resumed": resumed.final_loss,
             "resumed_from": resumed.resumed_from,
+            "first_checkpoint": first.checkpoint,
+            "process_ended": ended,
         }
     # Fine-tune a GPT-2 style directory with tied embeddings.
     ckpt_dir = base / "gpt2-dir"
@@ -199,6 +207,8 @@ def test_interrupted_and_resumed_matches_uninterrupted_step_for_step(tmp_path: P
             assert a["grad_norm"] == b["grad_norm"] and a["lr"] == b["lr"] and a["tokens"] == b["tokens"]
             assert a.get("eval_loss") == b.get("eval_loss")
         assert results[0][backend]["resumed_from"].endswith("step_00000004")
+        assert results[0][backend]["first_checkpoint"].endswith("step_00000004")
+        assert results[0][backend]["process_ended"]
         assert results[0][backend]["whole"] == results[0][backend]["resumed"]
     assert results[0]["gpt2"]["steps"] == 3 and results[0]["gpt2"]["eval_loss"] is not None
     assert results[0]["gpt2"]["same_as_from_pretrained"] and results[0]["gpt2"]["sliced"]
@@ -301,3 +311,28 @@ def test_stop_requests_become_one_agreed_signal() -> None:
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     finally:
         signal.signal(signal.SIGINT, inherited)
+
+
+def test_a_failing_run_gives_its_background_save_time_and_raises_its_own_error(monkeypatch, caplog) -> None:
+    import torch
+
+    from fsdp_bridge import checkpoint
+    from fsdp_bridge.train import _loop
+
+    calls: list[object] = []
+
+    class Pending:
+        def wait(self, timeout: float | None = None) -> None:
+            calls.append(("wait", timeout))
+
+    class Checkpointer:
+        pending = Pending()
+
+        def close(self) -> None:
+            calls.append("close")
+            raise checkpoint.CheckpointError(Path("ckpt/step_00000002"), "the background save failed: rank 1: boom")
+
+    monkeypatch.setattr(checkpoint, "checkpointer_of", lambda model: Checkpointer())
+    _loop._settle_background_save(torch.nn.Linear(2, 2), 12.5)  # never raises: the run's own error follows
+    assert calls == [("wait", 12.5), "close"]
+    assert "did not complete: checkpoint ckpt/step_00000002: the background save failed: rank 1: boom" in caplog.text

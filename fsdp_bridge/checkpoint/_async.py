@@ -1,4 +1,4 @@
-"""Asynchronous sharded saves: training goes on while a background thread writes.
+"""Asynchronous sharded saves: training goes on while a background thread or process writes.
 
     pending = fsdp_bridge.save_checkpoint_async("ckpt/step_200", model, optimizer, state={"step": 200})
     ...                       # training continues
@@ -6,21 +6,32 @@
 
 Built on ``torch.distributed.checkpoint.async_save``: the state dict is staged to host
 memory before the call returns (so later optimizer steps do not change what is saved),
-then written by a background thread whose collectives run on a gloo group of their own
-(training collectives keep the default group).  Rank 0 publishes the checkpoint (atomic
-rename, rotation) as soon as every rank's files are written.  Until then the previous
-checkpoint is the latest one, and a crash leaves only a dot-named partial directory.
+then written in the background, where the writer's collectives never touch the default group:
+
+- ``mode="thread"`` (the default): a thread of this process, on a gloo group of its own.  It
+  shares the interpreter with training (the GIL: serialising the files slows the steps a
+  little) and starts at once.
+- ``mode="process"``: torch's checkpoint process (``AsyncCheckpointerType.PROCESS``), one per
+  rank, spawned on the first such save, with a gloo group of its own; the staged copy lives in
+  shared memory, so handing it over copies nothing.  The first save pays the spawn (an import
+  of torch, seconds); later saves reuse the process.
+
+In both modes rank 0 then describes (checksums of every file) and publishes the checkpoint
+(atomic rename, rotation) from a thread of this process, as soon as every rank's files are
+written.  Until then the previous checkpoint is the latest one, and a crash leaves only a
+dot-named partial directory.
 """
 
 from __future__ import annotations
 
 import copy
+import multiprocessing
 import os
 import threading
 import weakref
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import torch
 import torch.distributed as dist
@@ -28,26 +39,59 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from fsdp_bridge.checkpoint._formats import DCP_DIR, CheckpointError, failure_text
 from fsdp_bridge.checkpoint._model_state import shapes_of, tied_groups
+from fsdp_bridge.checkpoint._process import fit_open_files, prepare_checkpoint_process, stop_checkpoint_process
 from fsdp_bridge.checkpoint._publish import check_save_args, describe_and_publish, fresh_staging, release_save_lock
 from fsdp_bridge.checkpoint._ranks import on_every_rank, rank_world
 from fsdp_bridge.checkpoint._state import write_rng
 
-__all__ = ["AsyncCheckpoint", "AsyncCheckpointer", "checkpointer_of", "save_checkpoint_async"]
+__all__ = [
+    "ASYNC_MODES",
+    "AsyncCheckpoint",
+    "AsyncCheckpointer",
+    "AsyncMode",
+    "checkpointer_of",
+    "save_checkpoint_async",
+]
+
+AsyncMode = Literal["thread", "process"]
+"""Where an asynchronous save is written: a thread of the training process, or torch's
+checkpoint process (one per rank)."""
+ASYNC_MODES: tuple[AsyncMode, ...] = ("thread", "process")
 
 
-def _new_stager() -> Any:
+def check_mode(mode: object) -> AsyncMode:
+    """``mode`` itself, or a ValueError naming the value, the choices and the fix (raised on every
+    rank alike, before any collective)."""
+    if mode not in ASYNC_MODES:
+        raise ValueError(
+            f"save_checkpoint_async: mode must be one of {', '.join(repr(m) for m in ASYNC_MODES)} (got {mode!r}): "
+            "'thread' writes in a thread of this process, 'process' in torch's checkpoint process"
+        )
+    if mode == "process" and multiprocessing.current_process().daemon:
+        raise ValueError(
+            "save_checkpoint_async: mode='process' starts torch's checkpoint process, but this rank is a "
+            "daemonic multiprocessing process, which may not have children: start the ranks with daemon=False "
+            "(torchrun, torch.multiprocessing.spawn and fsdp_bridge.testing.run_distributed do), or use mode='thread'"
+        )
+    return cast("AsyncMode", mode)
+
+
+def _new_stager(mode: AsyncMode) -> Any:
     """torch's public stager, blocking (the state is copied before the call returns), with its
-    host copy kept for the next save; pinned only when an accelerator exists (pinning fails
-    on a machine without one)."""
+    host copy kept for the next save.  Pinned only when CUDA exists (pinning needs it; torch
+    ignores the flag with a warning otherwise, so on CPU the copy is plain pageable memory); in
+    shared memory for the process mode, so the copy reaches torch's checkpoint process as a
+    handle instead of being copied again into shared memory on every save."""
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
     return DefaultStager(
         StagingOptions(
             use_pinned_memory=torch.cuda.is_available(),
-            use_shared_memory=False,
+            use_shared_memory=mode == "process",
             use_async_staging=False,
             use_non_blocking_copy=False,
         )
@@ -61,13 +105,16 @@ class AsyncCheckpointer:
 
     The group belongs to the process group it was made in: after ``destroy_process_group`` and
     a new ``init_process_group`` the next save makes a new one.  :meth:`close` waits for the
-    save in flight and frees the group and the host copy."""
+    save in flight and frees the group and the host copy, and ends torch's checkpoint process if
+    a process-mode save of this model used it (torch keeps one per process, for every model: close
+    a checkpointer while another model's process-mode save is in flight and that save fails)."""
 
     def __init__(self) -> None:
         self._group: Any = None
         self._group_of: Any = None  # the default group self._group was made in
         self._stager: Any = None
-        self._structure: Any = None  # keys and shapes the stager's host copy was made for
+        self._structure: Any = None  # mode, keys and shapes the stager's host copy was made for
+        self._used_process = False
         self.pending: AsyncCheckpoint | None = None
 
     def group(self) -> Any:
@@ -83,20 +130,22 @@ class AsyncCheckpointer:
             self._group_of = dist.group.WORLD
         return self._group
 
-    def stager(self, state: dict[str, Any]) -> Any:
-        """The stager, made again when the state's keys or shapes changed (a new optimizer).
+    def stager(self, state: dict[str, Any], mode: AsyncMode = "thread") -> Any:
+        """The stager, made again when the state's keys or shapes changed (a new optimizer) or
+        the mode did (the process mode stages into shared memory).
 
         Args:
             state: the state dict about to be staged.
+            mode: the mode of the save about to start.
 
         Returns:
             torch's ``DefaultStager``, holding the host copy the last save of this structure made.
         """
-        structure = _structure(state)
+        structure = (mode, _structure(state))
         if self._stager is None or structure != self._structure:
             if self._stager is not None:
                 self._stager.close()
-            self._stager, self._structure = _new_stager(), structure
+            self._stager, self._structure = _new_stager(mode), structure
         return self._stager
 
     def wait(self) -> None:
@@ -129,7 +178,10 @@ class AsyncCheckpointer:
                 self._stager.close()
             if self._group is not None and self._group_of is dist.group.WORLD and dist.is_initialized():
                 dist.destroy_process_group(self._group)
+            if self._used_process:
+                stop_checkpoint_process()
             self._group = self._group_of = self._stager = self._structure = None
+            self._used_process = False
 
 
 class AsyncCheckpoint:
@@ -234,6 +286,7 @@ def save_checkpoint_async(
     *,
     state: dict[str, Any] | None = None,
     keep_last: int | None = None,
+    mode: AsyncMode = "thread",
 ) -> AsyncCheckpoint:
     """Start a sharded save of ``model`` (and ``optimizer``, ``state``); call on every rank.
 
@@ -241,19 +294,28 @@ def save_checkpoint_async(
     the next save and before the process exits.  The checkpoint is the same as
     :func:`save_checkpoint` ``(kind="sharded")`` writes, and loads with :func:`load_checkpoint`.
 
+    ``mode="process"`` writes in torch's checkpoint process instead of a thread: the training
+    process keeps its interpreter to itself while the files are serialised and written, at the
+    price of a spawned process per rank (started on the first such save, seconds; it re-imports
+    the main module, so a script needs an ``if __name__ == "__main__":`` guard) and a staged copy
+    in shared memory.  Same checkpoint, same guarantees.
+
     Args:
         path: the checkpoint directory to write.
         model: a model returned by :func:`~fsdp_bridge.shard`.
         optimizer: its optimizer, saved too when given.
         state: a JSON-serialisable dict, captured at the call.
         keep_last: after publishing, keep only the K newest checkpoints beside ``path``.
+        mode: ``"thread"`` (default) or ``"process"``: where the files are written.
 
     Returns:
         An :class:`AsyncCheckpoint`; ``.wait()`` returns the published path or raises.
 
     Raises:
+        ValueError: ``mode`` (or another argument) is not allowed; on every rank, before any collective.
         CheckpointError: on every rank, from ``.wait()``, when the save failed on any rank.
     """
+    mode = check_mode(mode)
     path = check_save_args(path, keep_last, state)
     # The state as of this call, like the weights: a loop that keeps updating its dict must not
     # publish a step that does not match them (check_state has made sure it is plain JSON).
@@ -265,7 +327,16 @@ def save_checkpoint_async(
     staging = on_every_rank(path, "creating the staging directory", lambda: fresh_staging(path, rank))
     try:
         checkpointer.pending = _start(
-            path, model, optimizer, staging, checkpointer, state=state, keep_last=keep_last, rank=rank, world=world
+            path,
+            model,
+            optimizer,
+            staging,
+            checkpointer,
+            state=state,
+            keep_last=keep_last,
+            rank=rank,
+            world=world,
+            mode=mode,
         )
         return checkpointer.pending
     except BaseException as err:
@@ -289,8 +360,12 @@ def _start(
     keep_last: int | None,
     rank: int,
     world: int,
+    mode: AsyncMode,
 ) -> AsyncCheckpoint:
     group = checkpointer.group()
+    if mode == "process":
+        prepare_checkpoint_process()  # one made in an earlier process group is replaced
+        checkpointer._used_process = True
 
     tied = tied_groups(model)
     msd = get_model_state_dict(model)
@@ -298,12 +373,18 @@ def _start(
     if optimizer is not None:
         to_save["optim"] = get_optimizer_state_dict(model, optimizer)
     shapes = shapes_of(msd)
+    if mode == "process":
+        # Every rank learns of a rank that cannot hold the shared copy, before async_save's collectives.
+        on_every_rank(path, "making room for the staged copy", lambda: fit_open_files(to_save))
     write_rng(staging, rank)  # the RNG as of this call, like the weights
     future = dcp.async_save(
         to_save,
         storage_writer=dcp.FileSystemWriter(str(staging / DCP_DIR)),
+        # The thread writes on this group; the process mode only uses it to agree on the
+        # address of its own group's store (its writes run on that group).
         process_group=group,
-        async_stager=checkpointer.stager(to_save),
+        async_checkpointer_type=AsyncCheckpointerType.PROCESS if mode == "process" else AsyncCheckpointerType.THREAD,
+        async_stager=checkpointer.stager(to_save, mode),
     )
 
     finish = None
@@ -324,5 +405,5 @@ def _start(
                 keep_last=keep_last,
             )
 
-    # With the default (thread) checkpointer, async_save returns a concurrent Future.
+    # With a blocking stager, async_save returns a concurrent Future in both modes.
     return AsyncCheckpoint(path, cast("Future[Any]", future), finish, lambda: release_save_lock(path))

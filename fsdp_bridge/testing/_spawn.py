@@ -208,7 +208,9 @@ def run_distributed(
                 threads,
                 dict(env or {}),
             ),
-            daemon=True,
+            # Not daemonic: a rank may start processes of its own (torch's checkpoint process for
+            # process-based async saves); the finally below kills and joins every rank anyway.
+            daemon=False,
         )
         for rank in range(world_size)
     ]

@@ -34,7 +34,10 @@ from fsdp_bridge._schema import (
     field_names,
     field_rows,
     finite,
+    key_of,
     parse_section,
+    spec,
+    yaml_key,
 )
 from fsdp_bridge.config import BridgeConfig, YamlLimitError, load_bounded_yaml, read_yaml_file
 from fsdp_bridge.errors import ConfigError, Problem
@@ -161,6 +164,15 @@ class ScheduleConfig:
     """Final learning rate as a fraction of ``optim.lr``."""
 
 
+def _async_mode(value: Any, key: str, problems: list[Problem]) -> str:
+    # YAML 1.1 reads an unquoted off as false.
+    if value is False:
+        return "off"
+    if value in ("off", "thread", "process"):
+        return str(value)
+    raise ValueError(value)
+
+
 @dataclass(frozen=True, kw_only=True)
 class CheckpointConfig:
     """When and how checkpoints are written under ``output_dir/checkpoints``."""
@@ -177,6 +189,18 @@ class CheckpointConfig:
     export_hf: bool = True
     """After training, write the model as a Hugging Face directory (config.json, model.safetensors, tokenizer)
     into ``output_dir``, loadable with ``AutoModelForCausalLM.from_pretrained(output_dir)``."""
+    async_mode: Literal["off", "thread", "process"] = field(
+        default="off",
+        metadata={
+            **yaml_key("async"),
+            **spec("one of off, thread, process", _async_mode, fix="e.g. checkpoint: {async: process}"),
+        },
+    )
+    """YAML key ``async`` (the attribute is ``async_mode``). ``off``: interval checkpoints are written before
+    training goes on; ``thread`` / ``process``: they are staged in host memory and written in the background by
+    a thread or by torch's checkpoint process (one per rank, started with the first save), while training goes
+    on (``save_checkpoint_async``). The run waits for a save in flight before the next one, the end-of-run
+    checkpoint, the export and exit. Needs ``kind: sharded``."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -318,8 +342,11 @@ class TrainConfig:
             value = getattr(self, f.name)
             if isinstance(value, BridgeConfig):
                 out[f.name] = value.to_dict()
-            elif dataclasses.is_dataclass(value):
-                out[f.name] = {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(value).items()}  # type: ignore[arg-type]
+            elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+                out[f.name] = {
+                    key_of(g): list(v) if isinstance(v, tuple) else v
+                    for g, v in ((g, dataclasses.asdict(value)[g.name]) for g in dataclasses.fields(value))
+                }
             else:
                 out[f.name] = value
         return out
@@ -355,6 +382,25 @@ def _value_problems(c: TrainConfig) -> list[Problem]:
                 f"micro_batch_size * data.seq_len <= {MAX_MICRO_BATCH_TOKENS} (got "
                 f"{c.micro_batch_size} * {c.data.seq_len})",
                 "use a smaller micro-batch and grad_accum for a larger effective batch",
+            )
+        )
+    if c.checkpoint.async_mode != "off" and c.checkpoint.kind != "sharded":
+        p.append(
+            Problem(
+                "checkpoint.async",
+                c.checkpoint.async_mode,
+                "off when checkpoint.kind is full (asynchronous saves write sharded checkpoints)",
+                "set checkpoint.kind: sharded, or checkpoint.async: off",
+            )
+        )
+    if c.checkpoint.async_mode != "off" and "://" in c.output_dir:
+        p.append(
+            Problem(
+                "checkpoint.async",
+                c.checkpoint.async_mode,
+                f"off when output_dir is a URL ({c.output_dir!r}): asynchronous saves write to a local or "
+                "shared file system only",
+                "set checkpoint.async: off (object-store saves are synchronous), or a local output_dir",
             )
         )
     if c.peft is not None:

@@ -570,6 +570,8 @@ def train(
     final_loss: float | None = None
     stopped_by = 0
     mbs, accum = config.micro_batch_size, config.grad_accum
+    background = config.checkpoint.async_mode
+    pending: ckpt.AsyncCheckpoint | None = None  # an interval checkpoint being written in the background
     stops = _StopRequests()
     ended = False  # the loop reached max_steps or a requested stop, without an error
     try:
@@ -628,21 +630,45 @@ def train(
                     "samples_per_step": samples_per_step,
                 }
                 maybe_fail(f"checkpoint:{step}", run_dir=fault_dir)
-                path = ckpt.save_checkpoint(
-                    f"{ckpt_root}/step_{step:08d}" if run.url else Path(ckpt_root) / f"step_{step:08d}",
-                    sharded,
-                    optimizer,
-                    kind=config.checkpoint.kind,
-                    state=state,
-                    keep_last=config.checkpoint.keep_last,
-                )
-                last_ckpt = str(path)
-                if rank == 0 and run.url:
-                    run.push(METRICS)  # the records up to the checkpoint a resumed run starts from
-                progress.note(f"step {step}: checkpoint written to {path}", verbose_only=True)
+                if pending is not None:  # one save at a time; its failure stops the run here
+                    last_ckpt, pending = str(pending.wait()), None
+                target = f"{ckpt_root}/step_{step:08d}" if run.url else Path(ckpt_root) / f"step_{step:08d}"
+                if background != "off" and not last and not stopped_by:
+                    # The end-of-run and the stop checkpoints are written before going on: the
+                    # run ends (or the launcher resumes) from them.
+                    pending = ckpt.save_checkpoint_async(
+                        target,
+                        sharded,
+                        optimizer,
+                        state=state,
+                        keep_last=config.checkpoint.keep_last,
+                        mode=background,
+                    )
+                    progress.note(f"step {step}: checkpoint staged, written in the background", verbose_only=True)
+                else:
+                    path = ckpt.save_checkpoint(
+                        target,
+                        sharded,
+                        optimizer,
+                        kind=config.checkpoint.kind,
+                        state=state,
+                        keep_last=config.checkpoint.keep_last,
+                    )
+                    last_ckpt = str(path)
+                    if rank == 0 and run.url:
+                        run.push(METRICS)  # the records up to the checkpoint a resumed run starts from
+                    progress.note(f"step {step}: checkpoint written to {path}", verbose_only=True)
             if stopped_by and not last:
                 break
+        if background != "off":
+            if pending is not None:
+                last_ckpt, pending = str(pending.wait()), None
+            ckpt.checkpointer_of(sharded).close()  # its host copy, its group, torch's checkpoint process
         ended = True
+    except BaseException:
+        if background != "off":
+            _settle_background_save(sharded, config.timeout_s)
+        raise
     finally:
         stops.__exit__()
         progress.close()
@@ -689,6 +715,19 @@ def train(
         run.push()  # at a URL: config, metrics, summary, tokenizer and the exported model
         progress.summary(result, exported=config.checkpoint.export_hf, lora=config.peft is not None)
     return result
+
+
+def _settle_background_save(model: nn.Module, timeout_s: float) -> None:
+    """On a run that is failing: give the save in flight up to ``timeout_s`` to end (a checkpoint
+    written by then is published and complete), then free what async saves hold.  Never raises:
+    the error that stopped the run is the one to report; this save's own failure is logged."""
+    checkpointer = ckpt.checkpointer_of(model)
+    try:
+        if checkpointer.pending is not None:
+            checkpointer.pending.wait(timeout_s)
+        checkpointer.close()
+    except BaseException as err:  # logged: the run's own error follows
+        logger.warning("the checkpoint being written in the background did not complete: %s", err)
 
 
 ADAPTER = "adapter"
