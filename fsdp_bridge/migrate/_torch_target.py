@@ -9,6 +9,7 @@ made there, once); this pass then replaces each bridge call it can write in plai
   bottom-up then on the root, in the generated module (:mod:`fsdp_bridge.migrate._torch_helpers`);
 * ``fsdp_bridge.no_sync(m)`` -> ``_fsdp2_helpers.no_sync(m)`` (``set_requires_gradient_sync``);
 * ``fsdp_bridge.clip_grad_norm_(m, n[, p])`` -> ``torch.nn.utils.clip_grad_norm_(m.parameters(), n[, p])``;
+* ``fsdp_bridge.is_sharded(m)`` -> ``isinstance(m, FSDPModule)``;
 * ``fsdp_bridge.full_state_dict(m)`` (every rank) -> ``get_model_state_dict(m, options=StateDictOptions(
   full_state_dict=True, ...))``.
 
@@ -221,6 +222,7 @@ class _Lowerer(cst.CSTTransformer):
         self.lowered: list[tuple[int, str, str]] = []
         self.kept: list[tuple[int, str, str]] = []
         self.pending: list[list[str]] = []  # TODO texts of the statements being visited, innermost last
+        self.notes: list[str] = []  # what the call being lowered lost on the way (said in the report)
         self.calls: list[bool] = []  # for each call being visited: whether it is a bridge call
         self.inside: set[int] = set()  # id(Attribute) of fsdp_bridge.X inside a bridge call (handled with it)
 
@@ -308,13 +310,16 @@ class _Lowerer(cst.CSTTransformer):
         except _CannotLower as why:
             self._keep(original_node, f"{func}(...)", str(why))
             return updated_node
-        self.lowered.append((self._line(original_node), f"{func}(...)", code_of(new).split("(")[0] + "(...)"))
+        became = code_of(new).split("(")[0] + "(...)"
+        self.lowered.append((self._line(original_node), f"{func}(...)", "; ".join([became, *self.notes])))
+        self.notes = []
         return new
 
     def _lower(self, name: str, call: cst.Call) -> cst.BaseExpression:
         args = list(call.args)
         if name == "shard":
             new, out = _render_shard(call)
+            self.notes = out.notes
             self.uses_helpers = True
             self.result_imports |= out.imports
             return new
@@ -327,6 +332,9 @@ class _Lowerer(cst.CSTTransformer):
             return call.with_changes(
                 func=cst.parse_expression("torch.nn.utils.clip_grad_norm_"), args=commas([params, *args[1:]])
             )
+        if name == "is_sharded" and len(args) == 1 and args[0].keyword is None and not args[0].star:
+            self.result_imports.add((_FSDP, "FSDPModule"))
+            return cst.parse_expression(f"isinstance({code_of(args[0].value)}, FSDPModule)")
         if name == "full_state_dict":
             named = {a.keyword.value: code_of(a.value) for a in args[1:] if a.keyword is not None}
             if len(args) >= 1 and len(named) == len(args) - 1 and named.get("rank0_only", "False") == "False":
