@@ -258,3 +258,91 @@ def test_fsdp1_script_gives_the_same_losses_after_target_torch(tmp_path: Path) -
     assert len(result.fix_report) > 0
     _, results = migrate_paths([tree / "eject_train.py"], target="torch")
     assert_plain_torch(results[0].fixed)
+
+
+def _helpers_against_bridge() -> list[tuple[str, float]]:
+    """On each rank: the generated shard_model against fsdp_bridge.shard with the same FSDP1 settings."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    import fsdp_bridge
+
+    helpers = types.ModuleType(HELPERS_NAME)
+    exec(compile(HELPERS_SOURCE, f"{HELPERS_NAME}.py", "exec"), helpers.__dict__)
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+            self.register_buffer("scale", torch.ones(8))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + self.lin(x) * self.scale
+
+    def build() -> nn.Module:
+        torch.manual_seed(dist.get_rank())  # different weights per rank: sync_module_states must fix them
+        return nn.Sequential(nn.Linear(4, 8), Block(), Block(), nn.Linear(8, 1))
+
+    def losses(model: nn.Module) -> list[float]:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        g = torch.Generator().manual_seed(7 + dist.get_rank())
+        out = []
+        for _ in range(3):
+            loss = model(torch.randn(4, 4, generator=g)).float().square().mean()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad()
+            out.append(loss.item())
+        with torch.no_grad():  # an evaluation step after training: parameters resharded as FSDP1 does
+            out.append(model(torch.ones(2, 4)).float().sum().item())
+        return out
+
+    bf16 = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32, "buffer_dtype": torch.bfloat16}
+    cases: list[tuple[dict[str, object], dict[str, object]]] = [
+        ({"strategy": "no_shard", "forward_prefetch": True}, {"forward_prefetch": True}),
+        (
+            {
+                "strategy": "hybrid_shard",
+                "backward_prefetch": "none",
+                "mixed_precision": {**bf16, "cast_forward_inputs": False},
+            },
+            {
+                "backward_prefetch": False,
+                "mp_policy": MixedPrecisionPolicy(
+                    param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False
+                ),
+                "buffer_dtype": torch.bfloat16,
+            },
+        ),
+        ({"strategy": "shard_grad_op", "forward_prefetch": True}, {"forward_prefetch": True}),
+    ]
+    out = []
+    for bridge, plain in cases:
+        strategy = str(bridge["strategy"])
+        config = fsdp_bridge.BridgeConfig(
+            backend="fsdp2", wrap=[Block], device="cpu", sync_module_states=True, **bridge
+        )  # type: ignore[arg-type]
+        expected = losses(fsdp_bridge.shard(build(), config))
+        got = losses(
+            helpers.shard_model(
+                build(),
+                mesh=helpers.data_parallel_mesh(strategy, "cpu"),
+                wrap_classes=(Block,),
+                reshard_after_forward=ShardingStrategy(strategy).reshards_after_forward or strategy == "no_shard",
+                sync_module_states=True,
+                **plain,
+            )
+        )
+        out.append((strategy, max(abs(a - b) for a, b in zip(expected, got, strict=True))))
+    return out
+
+
+def test_helper_module_shards_as_the_bridge_does() -> None:
+    """NO_SHARD's (world, 1) mesh, HYBRID's 2D mesh with bf16 and a buffer dtype, SHARD_GRAD_OP; forward
+    prefetch, no backward prefetch, rank-0 sync, an evaluation forward: the same losses, bit for bit."""
+    from fsdp_bridge.testing import run_distributed
+
+    for rank in run_distributed(_helpers_against_bridge, 2, env={"LOCAL_WORLD_SIZE": "2"}):
+        assert rank == [("no_shard", 0.0), ("hybrid_shard", 0.0), ("shard_grad_op", 0.0)]

@@ -72,7 +72,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     v = inner.add_parser(
         "verify",
         help="run a script before and after migration; compare every loss and saved tensor",
-        usage="fsdp-bridge migrate verify DIR [--nproc-per-node N] [--migrated DIR2] [options] -- SCRIPT [ARGS...]",
+        usage="fsdp-bridge migrate verify DIR [--nproc-per-node N] [--migrated DIR2] [--target bridge|torch] "
+        "[options] -- SCRIPT [ARGS...]",
         description="Run SCRIPT under torchrun in a copy of DIR (FSDP1) and in a migrated copy (migrate code --fix "
         "on a copy, or --migrated DIR2), same seed; record the loss of every backward() on every rank and the "
         "tensors of every file the script saves; print them side by side and a verdict. Exit code: 0 PARITY, "

@@ -197,14 +197,15 @@ def shard_model(
     )
     if not one_rank_groups:  # the root (and SHARD_GRAD_OP's units) keep parameters gathered after forward
         model.register_forward_hook(_reshard_after_no_grad_forward)
-    top = _top_level(units)
+    top = [u for u in _top_level(units) if isinstance(u, FSDPModule)]
     if forward_prefetch:
         for unit, following in zip(top, top[1:]):
             unit.set_modules_to_forward_prefetch([following])
     if not backward_prefetch:
         # Each unit's backward prefetch list holds only itself: no unit is gathered ahead of its turn.
         for unit in [*units, model]:
-            unit.set_modules_to_backward_prefetch([unit])
+            if isinstance(unit, FSDPModule):
+                unit.set_modules_to_backward_prefetch([unit])
     if sync_module_states:
         set_model_state_dict(
             model,
