@@ -346,3 +346,22 @@ def test_helper_module_shards_as_the_bridge_does() -> None:
 
     for rank in run_distributed(_helpers_against_bridge, 2, env={"LOCAL_WORLD_SIZE": "2"}):
         assert rank == [("no_shard", 0.0), ("hybrid_shard", 0.0), ("shard_grad_op", 0.0)]
+
+
+def test_code_on_the_bridge_already_is_ejected_too() -> None:
+    """An earlier --fix (bridge target) then --target torch gives what --target torch gives at once."""
+    source = HEAD + textwrap.dedent(
+        """
+        model = FSDP(nn.Sequential(Block()), auto_wrap_policy=ModuleWrapPolicy({Block}))
+        with model.no_sync():
+            pass
+        model.clip_grad_norm_(1.0)
+        """
+    )
+    on_bridge = migrate_source(source, "t.py").fixed
+    assert "fsdp_bridge.shard(" in on_bridge
+    ejected = migrate_source(on_bridge, "t.py", target="torch").fixed
+    direct = migrate_source(source, "t.py", target="torch").fixed
+    assert_plain_torch(ejected)
+    body = [line for line in direct.splitlines() if not line.startswith(("import", "from"))]
+    assert [line for line in ejected.splitlines() if not line.startswith(("import", "from"))] == body

@@ -140,7 +140,10 @@ def migrate_source(
         noted = code if comment in code else (f"{head}\n" if head else "") + comment + rest
         return MigratedSource(path, code, noted, [finding])
     if not scan.uses_fsdp1 and not scan.fsdp1_elsewhere:
-        # At most config-driven FSDP (Trainer / accelerate arguments): report, change nothing.
+        # At most config-driven FSDP (Trainer / accelerate arguments): report, change nothing; under
+        # --target torch, code on the bridge already (an earlier --fix) is lowered.
+        if target == "torch" and "fsdp_bridge." in code:
+            return _lowered(module, code, path, list(scan.findings))
         return MigratedSource(path, code, code, sorted(scan.findings, key=lambda f: (f.line, f.column)))
     fixer = Rewriter(scan, {id(v): k for k, v in single.items()})
     fixed = wrapper.module.visit(fixer)
@@ -158,21 +161,26 @@ def migrate_source(
         if scan.consumed_partial:
             RemoveImportsVisitor.remove_unused_import(context, "functools")
         fixed = RemoveImportsVisitor(context).transform_module(fixed)
-    findings = list(scan.findings)
-    uses_helpers = False
-    if target == "torch" and fixed.code != code:
-        lowered = lower_to_torch(fixed, path)
-        fixed, uses_helpers = lowered.module, lowered.uses_helpers
-        findings += [
-            CodeFinding(path, line, 0, f"--target torch: {call}", became, True, note=True)
-            for line, call, became in lowered.lowered
-        ]
-        findings += [
-            CodeFinding(path, line, 0, f"--target torch: {call}", f"kept on fsdp_bridge: {why}", False)
-            for line, call, why in lowered.kept
-        ]
+    findings = sorted(scan.findings, key=lambda f: (f.line, f.column))
+    if target == "torch" and "fsdp_bridge." in fixed.code:
+        return _lowered(fixed, code, path, findings)
+    return MigratedSource(path, code, fixed.code, findings)
+
+
+def _lowered(fixed: cst.Module, code: str, path: str, findings: list[CodeFinding]) -> MigratedSource:
+    """``--target torch``: the bridge rewrite ``fixed`` of ``code`` lowered to plain torch, with the report
+    lines of what each bridge call became (line numbers of the bridge rewrite) or why it stays."""
+    lowered = lower_to_torch(fixed, path)
+    findings = findings + [
+        CodeFinding(path, line, 0, f"--target torch: {call}", became, True, note=True)
+        for line, call, became in lowered.lowered
+    ]
+    findings += [
+        CodeFinding(path, line, 0, f"--target torch: {call}", f"kept on fsdp_bridge: {why}", False)
+        for line, call, why in lowered.kept
+    ]
     findings.sort(key=lambda f: (f.line, f.column))
-    return MigratedSource(path, code, fixed.code, findings, uses_helpers)
+    return MigratedSource(path, code, lowered.module.code, findings, lowered.uses_helpers)
 
 
 def _fsdp_imports(module: cst.Module) -> list[tuple[str, str | None, str | None]]:
