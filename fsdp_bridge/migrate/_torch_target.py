@@ -122,6 +122,10 @@ def _shard_args(call: cst.Call) -> tuple[str, _Shard]:
             raise _CannotLower(f"BridgeConfig({code_of(a.value)}): not a keyword setting")
         settings[a.keyword.value] = a.value
         comments[a.keyword.value] = comments_around(config, i)
+    if _literal_str(settings.get("backend", cst.SimpleString('"fsdp2"'))) != "fsdp2":
+        raise _CannotLower(f"backend={code_of(settings['backend'])}: only a config for FSDP2 is written as FSDP2")
+    if "wrap" not in settings:
+        raise _CannotLower("no wrap=: the bridge's default ('auto') chooses the units when the code runs")
     strategy = _literal_str(settings.get("strategy", cst.SimpleString('"full_shard"')))
     if strategy not in {s.value for s in ShardingStrategy}:
         raise _CannotLower(f"strategy={code_of(settings['strategy'])}: known only when the code runs")
@@ -145,6 +149,10 @@ def _shard_args(call: cst.Call) -> tuple[str, _Shard]:
     note("backend")
     wrap = settings.get("wrap", cst.SimpleString('"none"'))
     if isinstance(wrap, (cst.List, cst.Tuple, cst.Set)):
+        if any(
+            isinstance(e.value, (cst.SimpleString, cst.ConcatenatedString, cst.FormattedString)) for e in wrap.elements
+        ):
+            raise _CannotLower(f"wrap={code_of(wrap)}: class names, not classes (name them as classes to eject)")
         classes = ", ".join(code_of(e.value) for e in wrap.elements)
         one = "," if len(wrap.elements) == 1 else ""
         out.lines.append((f"wrap_classes=({classes}{one})", *comments.get("wrap", ([], None))))
@@ -189,6 +197,8 @@ def _shard_args(call: cst.Call) -> tuple[str, _Shard]:
             else:
                 raise _CannotLower(f"backward_prefetch={text}: only 'pre' and 'none' are written in plain torch")
         elif kw in ("forward_prefetch", "sync_module_states"):
+            if isinstance(value, (cst.Integer, cst.SimpleString)):
+                raise _CannotLower(f"{kw}={text}: FSDP1 takes a bool here (a prefetch depth is the bridge's own)")
             if text != "False":
                 out.lines.append((f"{kw}={text}", *comments[kw]))
             else:
