@@ -385,3 +385,37 @@ def test_bridge_code_of_its_own_that_has_no_plain_form_keeps_a_todo(config: str,
     (todo,) = [f for f in result.findings if not f.fixable]
     assert why in todo.replacement, todo.replacement
     assert f"# {TODO}: fsdp_bridge.shard(...): kept on fsdp_bridge under --target torch: " in result.fixed
+
+
+def test_full_state_dicts_become_dcp_calls_where_their_meaning_is_dcps() -> None:
+    head = "import fsdp_bridge\n\n"
+    plain = migrate_source(
+        head
+        + "a = fsdp_bridge.full_state_dict(model)\n"
+        + "b = fsdp_bridge.full_optim_state_dict(model, optim)\n"
+        + "c = fsdp_bridge.full_state_dict(model, rank0_only=True, offload_to_cpu=True)\n"
+        + "quiet = functools.partial(fsdp_bridge.no_sync, model)\n",
+        "t.py",
+        target="torch",
+    ).fixed
+    assert_plain_torch(plain)
+    assert "a = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))" in plain
+    assert (
+        "b = get_optimizer_state_dict(model, optim, options=StateDictOptions(full_state_dict=True, cpu_offload=True))"
+        in plain
+    )
+    assert "c = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))" in plain
+    assert "quiet = functools.partial(_fsdp2_helpers.no_sync, model)" in plain
+    mixed = migrate_source(head + "s = fsdp_bridge.full_state_dict(model, rank0_only=True)\n", "t.py", target="torch")
+    assert "fsdp_bridge.full_state_dict(" in mixed.fixed
+    assert any("no option gives one without the other" in f.replacement for f in mixed.findings if not f.fixable)
+
+
+def test_rank0_state_over_process_groups_keeps_the_bridge(tmp_path: Path) -> None:
+    """FSDP1's rank0_only is per process group; DCP's cpu_offload gives world rank 0 alone."""
+    (tmp_path / "wrap.py").write_text(HEAD + "model = FSDP(nn.Linear(2, 2), process_group=group)\n")
+    (tmp_path / "save.py").write_text("import fsdp_bridge\n\nb = fsdp_bridge.full_optim_state_dict(model, optim)\n")
+    report, results = migrate_paths([tmp_path], target="torch")
+    saved = next(r for r in results if r.path.endswith("save.py"))
+    assert "fsdp_bridge.full_optim_state_dict(model, optim)" in saved.fixed
+    assert any("first rank of each group" in f.replacement for f in report.todos)

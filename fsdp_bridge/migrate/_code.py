@@ -143,7 +143,7 @@ def migrate_source(
         # At most config-driven FSDP (Trainer / accelerate arguments): report, change nothing; under
         # --target torch, code on the bridge already (an earlier --fix) is lowered.
         if target == "torch" and "fsdp_bridge." in code:
-            return _lowered(module, code, path, list(scan.findings))
+            return _lowered(module, code, path, list(scan.findings), groups=known.group_fsdp is not None)
         return MigratedSource(path, code, code, sorted(scan.findings, key=lambda f: (f.line, f.column)))
     fixer = Rewriter(scan, {id(v): k for k, v in single.items()})
     fixed = wrapper.module.visit(fixer)
@@ -163,14 +163,14 @@ def migrate_source(
         fixed = RemoveImportsVisitor(context).transform_module(fixed)
     findings = sorted(scan.findings, key=lambda f: (f.line, f.column))
     if target == "torch" and "fsdp_bridge." in fixed.code:
-        return _lowered(fixed, code, path, findings)
+        return _lowered(fixed, code, path, findings, groups=known.group_fsdp is not None)
     return MigratedSource(path, code, fixed.code, findings)
 
 
-def _lowered(fixed: cst.Module, code: str, path: str, findings: list[CodeFinding]) -> MigratedSource:
+def _lowered(fixed: cst.Module, code: str, path: str, findings: list[CodeFinding], *, groups: bool) -> MigratedSource:
     """``--target torch``: the bridge rewrite ``fixed`` of ``code`` lowered to plain torch, with the report
     lines of what each bridge call became (line numbers of the bridge rewrite) or why it stays."""
-    lowered = lower_to_torch(fixed, path)
+    lowered = lower_to_torch(fixed, path, groups=groups)
     findings = findings + [
         CodeFinding(path, line, 0, f"--target torch: {call}", became, True, note=True)
         for line, call, became in lowered.lowered

@@ -7,11 +7,13 @@ made there, once); this pass then replaces each bridge call it can write in plai
   ``_fsdp2_helpers.shard_model(m, mesh=..., wrap_classes=..., reshard_after_forward=...,
   mp_policy=MixedPrecisionPolicy(...), offload_policy=CPUOffloadPolicy(...), ...)``: ``fully_shard``
   bottom-up then on the root, in the generated module (:mod:`fsdp_bridge.migrate._torch_helpers`);
-* ``fsdp_bridge.no_sync(m)`` -> ``_fsdp2_helpers.no_sync(m)`` (``set_requires_gradient_sync``);
+* ``fsdp_bridge.no_sync(m)`` -> ``_fsdp2_helpers.no_sync(m)`` (``set_requires_gradient_sync``), also where
+  ``fsdp_bridge.no_sync`` is passed on as a value;
 * ``fsdp_bridge.clip_grad_norm_(m, n[, p])`` -> ``torch.nn.utils.clip_grad_norm_(m.parameters(), n[, p])``;
 * ``fsdp_bridge.is_sharded(m)`` -> ``isinstance(m, FSDPModule)``;
-* ``fsdp_bridge.full_state_dict(m)`` (every rank) -> ``get_model_state_dict(m, options=StateDictOptions(
-  full_state_dict=True, ...))``.
+* ``fsdp_bridge.full_state_dict(m)`` / ``full_optim_state_dict(m, o)`` -> ``get_model_state_dict`` /
+  ``get_optimizer_state_dict`` with ``StateDictOptions(full_state_dict=True[, cpu_offload=True])`` (every rank,
+  or rank 0 in CPU memory when no file of the tree shards over process groups).
 
 Every other bridge call stays as the bridge target wrote it, under a TODO saying why it was not written
 in plain torch; the file then still imports ``fsdp_bridge`` (and says so).
@@ -225,8 +227,9 @@ def _render_shard(call: cst.Call) -> tuple[cst.BaseExpression, _Shard]:
 class _Lowerer(cst.CSTTransformer):
     METADATA_DEPENDENCIES = (PositionProvider,)
 
-    def __init__(self) -> None:
+    def __init__(self, groups: bool) -> None:
         super().__init__()
+        self.groups = groups  # a file of the tree shards over process groups (FSDP1's rank0_only is per group)
         self.result_imports: set[tuple[str, str | None]] = set()
         self.uses_helpers = False
         self.lowered: list[tuple[int, str, str]] = []
@@ -345,24 +348,8 @@ class _Lowerer(cst.CSTTransformer):
         if name == "is_sharded" and len(args) == 1 and args[0].keyword is None and not args[0].star:
             self.result_imports.add((_FSDP, "FSDPModule"))
             return cst.parse_expression(f"isinstance({code_of(args[0].value)}, FSDPModule)")
-        if name == "full_state_dict":
-            named = {a.keyword.value: code_of(a.value) for a in args[1:] if a.keyword is not None}
-            if len(args) >= 1 and len(named) == len(args) - 1 and named.get("rank0_only", "False") == "False":
-                offload = named.get("offload_to_cpu", "False")
-                if offload != "False":
-                    raise _CannotLower(
-                        "offload_to_cpu on every rank: torch's StateDictOptions(cpu_offload=True) keeps the state "
-                        "on rank 0 only; write get_model_state_dict(model, options=StateDictOptions("
-                        "full_state_dict=True, cpu_offload=True)) if rank 0 alone uses it"
-                    )
-                self.result_imports |= {(_STATE, "get_model_state_dict"), (_STATE, "StateDictOptions")}
-                return cst.parse_expression(
-                    f"get_model_state_dict({code_of(args[0].value)}, options=StateDictOptions(full_state_dict=True))"
-                )
-            raise _CannotLower(
-                "rank0_only=True: FSDP1 gives the state to the first rank of the model's group only; torch's "
-                "StateDictOptions(full_state_dict=True, cpu_offload=True) gives it to world rank 0 only"
-            )
+        if name in ("full_state_dict", "full_optim_state_dict"):
+            return self._full_state(name, args)
         why = {
             "summon_full_params": "FSDP2 has no summon_full_params; unshard()/reshard() on each FSDP module, or "
             "DTensor.full_tensor() on the parameters you read",
@@ -370,7 +357,42 @@ class _Lowerer(cst.CSTTransformer):
         }.get(name, "no plain-torch form written for it yet")
         raise _CannotLower(why)
 
+    def _full_state(self, name: str, args: list[cst.Arg]) -> cst.BaseExpression:
+        """FSDP1's full state on every rank, or on rank 0 in CPU memory: DCP's ``StateDictOptions`` says
+        both (``cpu_offload=True`` with ``full_state_dict=True`` keeps it on world rank 0 only, which is
+        FSDP1's ``rank0_only`` for a model sharded over every rank; over a process group FSDP1 gives it to
+        each group's first rank, which DCP cannot say); the two mixed it cannot say either."""
+        optim = name == "full_optim_state_dict"
+        given = 2 if optim else 1
+        positional = [code_of(a.value) for a in args if a.keyword is None and not a.star]
+        named = {a.keyword.value: code_of(a.value) for a in args if a.keyword is not None}
+        if len(positional) != given or len(named) + given != len(args) or set(named) - {"rank0_only", "offload_to_cpu"}:
+            raise _CannotLower("not the (model[, optimizer], rank0_only=, offload_to_cpu=) form the codemod writes")
+        default = "True" if optim else "False"  # FSDP1's defaults: full_optim_state_dict gives rank 0 a CPU copy
+        rank0, offload = named.get("rank0_only", default), named.get("offload_to_cpu", default)
+        if {rank0, offload} - {"True", "False"} or rank0 != offload:
+            raise _CannotLower(
+                f"rank0_only={rank0}, offload_to_cpu={offload}: torch's StateDictOptions(full_state_dict=True) "
+                "gives every rank the state on its device, and with cpu_offload=True rank 0 alone a CPU copy; "
+                "no option gives one without the other"
+            )
+        if rank0 == "True" and self.groups:
+            raise _CannotLower(
+                "rank0_only=True in a tree that shards over process groups: FSDP1 gives the state to the first "
+                "rank of each group; torch's StateDictOptions(full_state_dict=True, cpu_offload=True) to world "
+                "rank 0 only"
+            )
+        function = "get_optimizer_state_dict" if optim else "get_model_state_dict"
+        self.result_imports |= {(_STATE, function), (_STATE, "StateDictOptions")}
+        options = "full_state_dict=True" + (", cpu_offload=True" if rank0 == "True" else "")
+        return cst.parse_expression(f"{function}({', '.join(positional)}, options=StateDictOptions({options}))")
+
     def leave_Attribute(self, original_node: cst.Attribute, updated_node: cst.Attribute) -> Any:
+        if code_of(updated_node) == "fsdp_bridge.no_sync" and id(original_node) not in self.inside:
+            # passed on as a value (functools.partial(fsdp_bridge.no_sync, model)): the same signature
+            self.uses_helpers = True
+            self.lowered.append((self._line(original_node), "fsdp_bridge.no_sync", f"{HELPERS_NAME}.no_sync"))
+            return cst.parse_expression(f"{HELPERS_NAME}.no_sync")
         if code_of(updated_node).startswith("fsdp_bridge.") and id(original_node) not in self.inside:
             inner = original_node.value
             if not (isinstance(inner, cst.Attribute) and code_of(inner).startswith("fsdp_bridge.")):
@@ -385,10 +407,10 @@ def _helpers_import(path: str) -> tuple[str, str | None, int]:
     return HELPERS_NAME, None, 0
 
 
-def lower_to_torch(module: cst.Module, path: str) -> Lowered:
+def lower_to_torch(module: cst.Module, path: str, *, groups: bool = False) -> Lowered:
     """Replace the bridge calls of the bridge rewrite ``module`` with plain torch code (see the module
-    docstring); the imports follow."""
-    lowerer = _Lowerer()
+    docstring); the imports follow. ``groups``: a file of the tree passes ``process_group=`` to FSDP1."""
+    lowerer = _Lowerer(groups)
     lowerer.pending.append([])  # module level (a TODO there has no statement: none is written)
     new = MetadataWrapper(module).visit(lowerer)
     context = CodemodContext()
