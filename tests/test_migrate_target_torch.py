@@ -77,9 +77,10 @@ def test_constructor_becomes_fully_shard_through_the_helper_module() -> None:
     assert '_fsdp2_helpers.data_parallel_mesh("shard_grad_op", "cpu"),  # ZeRO-2' in code  # comments kept
     assert "wrap_classes=(Block,)" in code
     assert "reshard_after_forward=False" in code
+    flat = " ".join(code.split())  # one argument per line when long
     assert (
-        "mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, "
-        "cast_forward_inputs=False)" in code  # FSDP1's default: only the root casts its inputs
+        "mp_policy=MixedPrecisionPolicy( param_dtype=torch.bfloat16, reduce_dtype=torch.float32, "
+        "cast_forward_inputs=False, )," in flat  # FSDP1's default: only the root casts its inputs
     )
     assert any("[note] --target torch: fsdp_bridge.shard(...) -> _fsdp2_helpers.shard_model(...)" in r for r in report)
     assert not any("[todo]" in r for r in report)

@@ -100,7 +100,10 @@ def _mixed_precision(value: cst.BaseExpression, out: _Shard, kw: tuple[list[str]
         else:
             raise _CannotLower(f"mixed_precision[{key!r}]: not a field FSDP1's MixedPrecision has")
     out.imports.add((_FSDP, "MixedPrecisionPolicy"))
-    out.lines.append((f"mp_policy=MixedPrecisionPolicy({', '.join(policy)})", *kw))
+    one_line = f"mp_policy=MixedPrecisionPolicy({', '.join(policy)})"
+    if len(one_line) > 80:  # one argument per line (continuation lines take the statement's indentation)
+        one_line = "mp_policy=MixedPrecisionPolicy(\n" + "".join(f"        {p},\n" for p in policy) + "    )"
+    out.lines.append((one_line, *kw))
     out.lines.extend((e, [], None) for e in extra)
 
 
