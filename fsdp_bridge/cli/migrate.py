@@ -7,7 +7,8 @@ with ``fsdp_version: 2`` for accelerate sources) and a per-option report
 
 code: reports every FSDP1 construct in Python files (file:line, construct, replacement);
 ``--fix`` rewrites the mechanical cases and leaves ``TODO(fsdp-bridge)`` comments on the rest;
-``--diff`` prints the rewrite without writing.  Exit code 1 when constructs remain
+``--diff`` prints the rewrite without writing; ``--target torch`` writes plain FSDP2 code instead of the
+bridge's calls.  Exit code 1 when constructs remain
 (without --fix), 0 otherwise.
 
     fsdp-bridge migrate config accelerate_fsdp1.yaml -o fsdp2.yaml

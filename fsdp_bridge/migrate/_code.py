@@ -17,7 +17,8 @@ are resolved through the file's imports (``FSDP`` imported as an alias,
   and full-state-dict loading -> ``fsdp_bridge.load_checkpoint(path, model)``.
 
 Everything else gets a ``# TODO(fsdp-bridge): ...`` comment above its statement naming the
-replacement.  Running it again changes nothing.
+replacement.  Running it again changes nothing.  ``target="torch"`` (``--target torch``) then lowers the
+bridge's calls to plain FSDP2 code (``_torch_target``) and writes ``_fsdp2_helpers.py`` beside the files.
 
 This module is the driver (read the files, run the two passes, write all or nothing).  The parts:
 ``_analysis`` (where each name comes from, what other files of the tree define), ``_objects`` (which
