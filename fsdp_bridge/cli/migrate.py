@@ -7,7 +7,8 @@ with ``fsdp_version: 2`` for accelerate sources) and a per-option report
 
 code: reports every FSDP1 construct in Python files (file:line, construct, replacement);
 ``--fix`` rewrites the mechanical cases and leaves ``TODO(fsdp-bridge)`` comments on the rest;
-``--diff`` prints the rewrite without writing.  Exit code 1 when constructs remain
+``--diff`` prints the rewrite without writing; ``--target torch`` writes plain FSDP2 code instead of the
+bridge's calls.  Exit code 1 when constructs remain
 (without --fix), 0 otherwise.
 
     fsdp-bridge migrate config accelerate_fsdp1.yaml -o fsdp2.yaml
@@ -60,11 +61,20 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     k.add_argument("paths", nargs="+", help="Python files or directories")
     k.add_argument("--fix", action="store_true", help="rewrite the files")
     k.add_argument("--diff", action="store_true", help="print the rewrite as a unified diff; write nothing")
+    k.add_argument(
+        "--target",
+        choices=("bridge", "torch"),
+        default="bridge",
+        help="what --fix writes: fsdp_bridge's calls (default), or plain FSDP2 code (torch's fully_shard, "
+        "MixedPrecisionPolicy, DCP state dicts) with a generated _fsdp2_helpers.py beside the files; "
+        "what it cannot write in plain torch stays on fsdp_bridge with a TODO",
+    )
     k.set_defaults(func=run_code)
     v = inner.add_parser(
         "verify",
         help="run a script before and after migration; compare every loss and saved tensor",
-        usage="fsdp-bridge migrate verify DIR [--nproc-per-node N] [--migrated DIR2] [options] -- SCRIPT [ARGS...]",
+        usage="fsdp-bridge migrate verify DIR [--nproc-per-node N] [--migrated DIR2] [--target bridge|torch] "
+        "[options] -- SCRIPT [ARGS...]",
         description="Run SCRIPT under torchrun in a copy of DIR (FSDP1) and in a migrated copy (migrate code --fix "
         "on a copy, or --migrated DIR2), same seed; record the loss of every backward() on every rank and the "
         "tensors of every file the script saves; print them side by side and a verdict. Exit code: 0 PARITY, "
@@ -74,6 +84,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     v.add_argument("dir", help="the directory of the FSDP1 code")
     v.add_argument("--nproc-per-node", type=int, default=2, help="ranks for each run (default 2)")
     v.add_argument("--migrated", default=None, help="an already migrated copy of DIR (default: --fix on a copy)")
+    v.add_argument(
+        "--target",
+        choices=("bridge", "torch"),
+        default="bridge",
+        help="what --fix writes in the copy: fsdp_bridge's calls (default) or plain FSDP2 code",
+    )
     v.add_argument("--seed", type=int, default=0, help="the global seed set before each run (default 0)")
     v.add_argument("--rtol", type=float, default=None, help="relative tolerance (default: by the loss dtype)")
     v.add_argument("--atol", type=float, default=None, help="absolute tolerance (default: by the loss dtype)")
@@ -141,7 +157,7 @@ def run_code(args: argparse.Namespace) -> int:
     from fsdp_bridge.migrate._code import MigrationWriteError
 
     try:
-        report, results = migrate_paths(args.paths, fix=args.fix and not args.diff)
+        report, results = migrate_paths(args.paths, fix=args.fix and not args.diff, target=args.target)
     except MigrationWriteError as err:
         print(f"fsdp-bridge migrate code: {err}", file=sys.stderr)
         return 2
@@ -189,6 +205,7 @@ def run_verify(args: argparse.Namespace) -> int:
             rtol=args.rtol,
             atol=args.atol,
             timeout=args.timeout,
+            target=args.target,
         )
     except RunFailed as err:
         print(f"fsdp-bridge migrate verify: {err}", file=sys.stderr)

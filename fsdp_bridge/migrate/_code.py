@@ -17,7 +17,8 @@ are resolved through the file's imports (``FSDP`` imported as an alias,
   and full-state-dict loading -> ``fsdp_bridge.load_checkpoint(path, model)``.
 
 Everything else gets a ``# TODO(fsdp-bridge): ...`` comment above its statement naming the
-replacement.  Running it again changes nothing.
+replacement.  Running it again changes nothing.  ``target="torch"`` (``--target torch``) then lowers the
+bridge's calls to plain FSDP2 code (``_torch_target``) and writes ``_fsdp2_helpers.py`` beside the files.
 
 This module is the driver (read the files, run the two passes, write all or nothing).  The parts:
 ``_analysis`` (where each name comes from, what other files of the tree define), ``_objects`` (which
@@ -58,6 +59,8 @@ from fsdp_bridge.migrate._names import TODO
 from fsdp_bridge.migrate._report import CodeFinding, CodeReport
 from fsdp_bridge.migrate._rewrite import Rewriter
 from fsdp_bridge.migrate._scanner import Scanner
+from fsdp_bridge.migrate._torch_helpers import HELPERS_MARKER, HELPERS_NAME, HELPERS_SOURCE
+from fsdp_bridge.migrate._torch_target import TARGETS, lower_to_torch
 from fsdp_bridge.migrate._vendored import vendored_torch_module
 from fsdp_bridge.migrate.limits import SourceLimitError, read_source
 
@@ -70,6 +73,8 @@ class MigratedSource:
     original: str
     fixed: str
     findings: list[CodeFinding]
+    uses_helpers: bool = False
+    """``--target torch``: the file imports the generated ``_fsdp2_helpers`` module beside it."""
 
     @property
     def changed(self) -> bool:
@@ -86,11 +91,16 @@ class MigratedSource:
         )
 
 
-def migrate_source(code: str, path: str = "<string>", *, dispatch: Dispatch | None = None) -> MigratedSource:
+def migrate_source(
+    code: str, path: str = "<string>", *, dispatch: Dispatch | None = None, target: str = "bridge"
+) -> MigratedSource:
     """Scan ``code`` and compute its rewritten form (nothing is written).
 
     ``dispatch``: backend-dispatch helpers defined in other files being migrated with this one.
+    ``target``: ``"bridge"`` (fsdp_bridge's calls) or ``"torch"`` (plain FSDP2 code, see ``_torch_target``).
     """
+    if target not in TARGETS:
+        raise ValueError(f"target={target!r}: allowed {', '.join(TARGETS)}; pass --target bridge or --target torch")
     module = cst.parse_module(code)
     wrapper = MetadataWrapper(module)
     collector = Collector()
@@ -131,7 +141,10 @@ def migrate_source(code: str, path: str = "<string>", *, dispatch: Dispatch | No
         noted = code if comment in code else (f"{head}\n" if head else "") + comment + rest
         return MigratedSource(path, code, noted, [finding])
     if not scan.uses_fsdp1 and not scan.fsdp1_elsewhere:
-        # At most config-driven FSDP (Trainer / accelerate arguments): report, change nothing.
+        # At most config-driven FSDP (Trainer / accelerate arguments): report, change nothing; under
+        # --target torch, code on the bridge already (an earlier --fix) is lowered.
+        if target == "torch" and "fsdp_bridge." in code:
+            return _lowered(module, code, path, list(scan.findings), groups=known.group_fsdp is not None)
         return MigratedSource(path, code, code, sorted(scan.findings, key=lambda f: (f.line, f.column)))
     fixer = Rewriter(scan, {id(v): k for k, v in single.items()})
     fixed = wrapper.module.visit(fixer)
@@ -150,7 +163,25 @@ def migrate_source(code: str, path: str = "<string>", *, dispatch: Dispatch | No
             RemoveImportsVisitor.remove_unused_import(context, "functools")
         fixed = RemoveImportsVisitor(context).transform_module(fixed)
     findings = sorted(scan.findings, key=lambda f: (f.line, f.column))
+    if target == "torch" and "fsdp_bridge." in fixed.code:
+        return _lowered(fixed, code, path, findings, groups=known.group_fsdp is not None)
     return MigratedSource(path, code, fixed.code, findings)
+
+
+def _lowered(fixed: cst.Module, code: str, path: str, findings: list[CodeFinding], *, groups: bool) -> MigratedSource:
+    """``--target torch``: the bridge rewrite ``fixed`` of ``code`` lowered to plain torch, with the report
+    lines of what each bridge call became (line numbers of the bridge rewrite) or why it stays."""
+    lowered = lower_to_torch(fixed, path, groups=groups)
+    findings = findings + [
+        CodeFinding(path, line, 0, f"--target torch: {call}", became, True, note=True)
+        for line, call, became in lowered.lowered
+    ]
+    findings += [
+        CodeFinding(path, line, 0, f"--target torch: {call}", f"kept on fsdp_bridge: {why}", False)
+        for line, call, why in lowered.kept
+    ]
+    findings.sort(key=lambda f: (f.line, f.column))
+    return MigratedSource(path, code, lowered.module.code, findings, lowered.uses_helpers)
 
 
 def _fsdp_imports(module: cst.Module) -> list[tuple[str, str | None, str | None]]:
@@ -173,8 +204,14 @@ def _fsdp_imports(module: cst.Module) -> list[tuple[str, str | None, str | None]
     return found
 
 
-def migrate_paths(paths: Sequence[str | Path], *, fix: bool = False) -> tuple[CodeReport, list[MigratedSource]]:
+def migrate_paths(
+    paths: Sequence[str | Path], *, fix: bool = False, target: str = "bridge"
+) -> tuple[CodeReport, list[MigratedSource]]:
     """Scan files (directories: every ``*.py`` below); with ``fix``, write the rewrites.
+
+    ``target="torch"`` writes plain FSDP2 code, and ``_fsdp2_helpers.py`` beside the files that use it
+    (one more result, listed as changed; a file of that name that the codemod did not write is never
+    overwritten: the files that would import it are skipped instead).
 
     Never raises for a file's content: a file that cannot be read, parsed or rewritten
     (not UTF-8, not valid Python, a construct the codemod cannot handle) is left untouched
@@ -219,7 +256,7 @@ def migrate_paths(paths: Sequence[str | Path], *, fix: bool = False) -> tuple[Co
             report.skipped.append((str(f), f"cannot be read as UTF-8 text ({err})"))
             continue
         try:
-            result = migrate_source(code, str(f), dispatch=dispatch)
+            result = migrate_source(code, str(f), dispatch=dispatch, target=target)
             if result.changed:
                 cst.parse_module(result.fixed)  # the rewrite must parse, or the file is left alone
         except cst.ParserSyntaxError as err:
@@ -241,9 +278,35 @@ def migrate_paths(paths: Sequence[str | Path], *, fix: bool = False) -> tuple[Co
         comments = (result.fixed if result.changed else code).count(f"# {TODO}")
         if comments:
             report.todo_comments[str(f)] = comments
+    results.extend(_helper_modules(results, report))
     if fix:
         _write_all([r for r in results if r.changed])
     return report, results
+
+
+def _helper_modules(results: list[MigratedSource], report: CodeReport) -> list[MigratedSource]:
+    """``_fsdp2_helpers.py`` for each directory with a file that imports it (``--target torch``)."""
+    out: list[MigratedSource] = []
+    for folder in dict.fromkeys(Path(r.path).parent for r in results if r.uses_helpers):
+        target = folder / f"{HELPERS_NAME}.py"
+        try:
+            existing = target.read_text(encoding="utf-8") if target.exists() else ""
+        except (OSError, UnicodeDecodeError):
+            existing = None
+        if existing is None or (existing and not existing.startswith(HELPERS_MARKER)):
+            # Someone's own file of that name: never overwritten; the files needing ours are left as they were.
+            for r in results:
+                if r.uses_helpers and Path(r.path).parent == folder:
+                    r.fixed = r.original
+                    report.changed = [c for c in report.changed if c != r.path]
+                    report.skipped.append(
+                        (r.path, f"left untouched: {target} exists and was not written by the codemod; rename it")
+                    )
+            continue
+        out.append(MigratedSource(str(target), existing, HELPERS_SOURCE, []))
+        if existing != HELPERS_SOURCE:
+            report.changed.append(str(target))
+    return out
 
 
 def _write_all(results: Sequence[MigratedSource]) -> None:
@@ -254,7 +317,8 @@ def _write_all(results: Sequence[MigratedSource]) -> None:
             target = Path(r.path)
             tmp = target.with_name(f".{target.name}.fsdp-bridge-tmp")
             tmp.write_text(r.fixed, encoding="utf-8")
-            shutil.copymode(target, tmp)
+            if target.exists():
+                shutil.copymode(target, tmp)
             staged.append((tmp, target))
     except OSError as err:
         for tmp, _ in staged:

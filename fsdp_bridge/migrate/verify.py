@@ -167,6 +167,7 @@ def verify(
     atol: float | None = None,
     cpu_shims: bool | None = None,
     timeout: float | None = None,
+    target: str = "bridge",
 ) -> VerifyResult:
     """Run ``script`` in ``tree`` and in its migration, and compare losses and saved tensors.
 
@@ -184,6 +185,8 @@ def verify(
         cpu_shims: run a GPU script on CPU ranks (see :mod:`fsdp_bridge.migrate.verify_runner`); by
             default when no CUDA device is available.
         timeout: seconds each run may take.
+        target: what ``migrate code --fix`` writes in the copy (``"bridge"`` or ``"torch"``: plain FSDP2
+            code); ignored with ``migrated``.
 
     Returns:
         A :class:`VerifyResult`; ``result.parity`` is the verdict.
@@ -209,6 +212,8 @@ def verify(
         )
     if nproc_per_node < 1:
         problems.append(Problem("--nproc-per-node", nproc_per_node, "an integer >= 1", "pass e.g. 2"))
+    if target not in ("bridge", "torch"):
+        problems.append(Problem("--target", target, "bridge or torch", "pass --target bridge or --target torch"))
     if problems:
         raise ConfigError(problems)
     if cpu_shims is None:
@@ -219,7 +224,7 @@ def verify(
         before, after = work / "before", work / "after"
         shutil.copytree(tree_path, before, symlinks=True)
         shutil.copytree(Path(migrated) if migrated is not None else tree_path, after, symlinks=True)
-        fix_report = "" if migrated is not None else _fix(after)
+        fix_report = "" if migrated is not None else _fix(after, target)
         shipped = _saved_files(before)
         run_before = _script_in(before, inside, script_path)
         run_after = _script_in(after, inside, script_path)
@@ -257,10 +262,10 @@ def _cuda_available() -> bool:
     return bool(torch.cuda.is_available())
 
 
-def _fix(tree: Path) -> str:
+def _fix(tree: Path, target: str) -> str:
     from fsdp_bridge.migrate._code import migrate_paths
 
-    report, _ = migrate_paths([str(tree)], fix=True)
+    report, _ = migrate_paths([str(tree)], fix=True, target=target)
     return report.format().replace(str(tree) + os.sep, "")
 
 

@@ -1,0 +1,234 @@
+"""The small module ``migrate code --fix --target torch`` writes into the user's tree (``_fsdp2_helpers.py``).
+
+It holds, in plain torch, what FSDP1 did for the user and ``fully_shard`` does not: the mesh of a sharding
+strategy (NO_SHARD's ``(world, 1)`` mesh, HYBRID's 2D one), the wrap policy resolved into a loop over the
+modules, ``fully_shard`` bottom-up then on the root with FSDP1's reshard-after-forward rule, buffer casts,
+explicit prefetch, rank-0 weight sync, and ``no_sync``.  The decisions mirror what ``fsdp_bridge.shard`` does on
+FSDP2 (``fsdp_bridge/backends/fsdp2.py``, ``fsdp_bridge/wrap.py``, ``fsdp_bridge/plan.py``); the test
+``tests/test_migrate_target_torch.py`` checks the two agree.
+"""
+
+from __future__ import annotations
+
+HELPERS_NAME = "_fsdp2_helpers"
+"""The generated module's name (``<name>.py`` beside the files that use it)."""
+
+HELPERS_MARKER = "# Written by `fsdp-bridge migrate code --fix --target torch`."
+"""The generated file's first line: a file of that name without it is the user's own, never overwritten."""
+
+HELPERS_SOURCE = f'''{HELPERS_MARKER}
+"""Plain PyTorch (FSDP2) set-up written in place of FullyShardedDataParallel's arguments.
+
+FSDP2 (``torch.distributed.fsdp.fully_shard``) has no wrap policy, no sharding-strategy enum and no
+``no_sync()``: these functions do what FSDP1 did for them. Only torch is imported; edit freely.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+_NEVER_WRAP = (nn.ModuleList, nn.ModuleDict)  # containers run no forward of their own
+_FORCE_LEAF = (nn.MultiheadAttention,)  # size_based_auto_wrap_policy never wraps inside these
+
+
+def device_type() -> str:
+    """The accelerator's device type, or "cpu" on a machine without one."""
+    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    return accelerator.type if accelerator is not None else "cpu"
+
+
+def data_parallel_mesh(strategy: str, device: str | None = None, mesh: DeviceMesh | None = None) -> DeviceMesh:
+    """The mesh FSDP1's sharding strategy stands for on FSDP2.
+
+    full_shard / shard_grad_op: 1D over every rank. no_shard: (world, 1), replicate over every rank and
+    shard over groups of one (NO_SHARD's meaning; reshard_after_forward=False alone would be ZeRO-2).
+    hybrid_shard / hybrid_shard_zero2: 2D (replicate across nodes, shard within a node), from
+    LOCAL_WORLD_SIZE. A mesh given to FSDP1 (device_mesh=) is used as it is.
+    """
+    if mesh is not None:
+        return mesh
+    device = device or device_type()
+    world = dist.get_world_size()
+    if strategy == "no_shard":
+        return init_device_mesh(device, (world, 1), mesh_dim_names=("replicate", "shard"))
+    if strategy.startswith("hybrid"):
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        if per_node <= 0 or world % per_node:
+            raise ValueError(
+                f"{{strategy}}: LOCAL_WORLD_SIZE={{per_node}} does not divide the world size {{world}}; "
+                "pass the 2D mesh yourself: init_device_mesh(device, (replicas, shard_size))"
+            )
+        return init_device_mesh(device, (world // per_node, per_node), mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh(device, (world,))
+
+
+def _post_order(module: nn.Module) -> Iterator[nn.Module]:
+    for child in module.children():
+        yield from _post_order(child)
+        yield child
+
+
+def units_of_classes(model: nn.Module, classes: Sequence[type[nn.Module]]) -> list[nn.Module]:
+    """transformer_auto_wrap_policy / ModuleWrapPolicy: every submodule of these classes, children first."""
+    wanted = tuple(classes)
+    return [m for m in _post_order(model) if isinstance(m, wanted)]
+
+
+def units_of_size(model: nn.Module, min_num_params: int) -> list[nn.Module]:
+    """size_based_auto_wrap_policy: children first; a module is a unit when the parameters of its subtree
+    not already in a unit below it reach min_num_params."""
+    units: list[nn.Module] = []
+
+    def visit(module: nn.Module, is_root: bool) -> int:
+        wrapped = 0 if isinstance(module, _FORCE_LEAF) else sum(visit(c, False) for c in module.children())
+        remainder = sum(p.numel() for p in module.parameters()) - wrapped
+        if not is_root and not isinstance(module, _NEVER_WRAP) and remainder >= min_num_params:
+            units.append(module)
+            return wrapped + remainder
+        return wrapped
+
+    visit(model, True)
+    return units
+
+
+def _keep_tied_together(model: nn.Module, units: list[nn.Module]) -> list[nn.Module]:
+    """Drop units that would put one parameter into two fully_shard groups (tied weights): torch refuses
+    it, and the parameter falls to a common parent instead."""
+    owners: dict[int, set[int]] = {{}}
+    for module in model.modules():
+        for p in module._parameters.values():
+            if p is not None:
+                owners.setdefault(id(p), set()).add(id(module))
+    shared = [o for o in owners.values() if len(o) > 1]
+    kept = list(units)
+    changed = True
+    while changed:
+        changed = False
+        for unit in list(kept):
+            inside = {{id(m) for m in unit.modules()}}
+            if any(o & inside and not o <= inside for o in shared):
+                kept.remove(unit)
+                changed = True
+    return kept
+
+
+def _top_level(units: list[nn.Module]) -> list[nn.Module]:
+    nested = {{id(c) for u in units for c in u.modules() if c is not u}}
+    return [u for u in units if id(u) not in nested]
+
+
+def _reshard_after_no_grad_forward(model: nn.Module, _args: object, _output: object) -> None:
+    # A unit that keeps its parameters gathered after forward for the backward that follows frees
+    # them when no backward follows (an evaluation under torch.no_grad()), as FSDP1 does.
+    if not torch.is_grad_enabled():
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+
+
+def shard_model(
+    model: nn.Module,
+    *,
+    mesh: DeviceMesh,
+    wrap_classes: Sequence[type[nn.Module]] = (),
+    wrap_min_num_params: int | None = None,
+    reshard_after_forward: bool = True,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    cast_root_forward_inputs: bool = True,
+    buffer_dtype: torch.dtype | None = None,
+    offload_policy: OffloadPolicy | None = None,
+    forward_prefetch: bool = False,
+    backward_prefetch: bool = True,
+    sync_module_states: bool = False,
+) -> nn.Module:
+    """fully_shard on each unit (children first), then on the root, with FSDP1's settings.
+
+    wrap_classes: FSDP1's transformer_auto_wrap_policy / ModuleWrapPolicy classes; wrap_min_num_params:
+    its size_based_auto_wrap_policy(min_num_params=); neither: the root is the only unit.
+
+    reshard_after_forward: the units' (FULL_SHARD / HYBRID_SHARD True, SHARD_GRAD_OP False); the root keeps
+    its parameters for the backward that follows, as FSDP1's root does; on a shard group of one rank every
+    module reshards (nothing is sharded, it frees the working copy). cast_root_forward_inputs: FSDP1's root
+    casts its floating-point inputs to param_dtype. buffer_dtype: FSDP1's MixedPrecision(buffer_dtype=),
+    one cast (FSDP2 does not manage buffers). forward_prefetch: each top-level unit prefetches the next in
+    forward. backward_prefetch=False: FSDP1's backward_prefetch=None (no prefetch in backward).
+    sync_module_states: every rank gets rank 0's weights (FSDP1's sync_module_states=True).
+    """
+    mp_policy = mp_policy or MixedPrecisionPolicy()
+    root_policy = MixedPrecisionPolicy(
+        param_dtype=mp_policy.param_dtype,
+        reduce_dtype=mp_policy.reduce_dtype,
+        output_dtype=mp_policy.output_dtype,
+        cast_forward_inputs=mp_policy.cast_forward_inputs or cast_root_forward_inputs,
+    )
+    offload_policy = offload_policy or OffloadPolicy()
+    if buffer_dtype is not None:
+        for module in model.modules():
+            for name, buf in module._buffers.items():
+                if buf is not None and buf.is_floating_point():
+                    module._buffers[name] = buf.to(buffer_dtype)
+    full_state = None
+    if sync_module_states and dist.get_rank() == 0:
+        full_state = {{k: v.detach().to("cpu") for k, v in model.state_dict().items()}}
+    one_rank_groups = mesh.size(mesh.ndim - 1) == 1
+    units = units_of_classes(model, wrap_classes) if wrap_classes else []
+    if wrap_min_num_params is not None:
+        units = units_of_size(model, wrap_min_num_params)
+    units = _keep_tied_together(model, [u for u in units if u is not model])
+    for unit in units:  # children before parents
+        fully_shard(
+            unit,
+            mesh=mesh,
+            reshard_after_forward=reshard_after_forward or one_rank_groups,
+            mp_policy=mp_policy,
+            offload_policy=offload_policy,
+        )
+    fully_shard(
+        model, mesh=mesh, reshard_after_forward=one_rank_groups, mp_policy=root_policy, offload_policy=offload_policy
+    )
+    if not one_rank_groups:  # the root (and SHARD_GRAD_OP's units) keep parameters gathered after forward
+        model.register_forward_hook(_reshard_after_no_grad_forward)
+    top = [u for u in _top_level(units) if isinstance(u, FSDPModule)]
+    if forward_prefetch:
+        for unit, following in zip(top, top[1:]):
+            unit.set_modules_to_forward_prefetch([following])
+    if not backward_prefetch:
+        # Each unit's backward prefetch list holds only itself: no unit is gathered ahead of its turn.
+        for unit in [*units, model]:
+            if isinstance(unit, FSDPModule):
+                unit.set_modules_to_backward_prefetch([unit])
+    if sync_module_states:
+        set_model_state_dict(
+            model,
+            full_state or {{}},
+            options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False),
+        )
+        for buf in model.buffers():  # buffers are not sharded, and non-persistent ones are not in the state
+            dist.broadcast(buf.data, src=0)
+    return model
+
+
+@contextlib.contextmanager
+def no_sync(model: nn.Module) -> Iterator[None]:
+    """FSDP1's model.no_sync(): backward inside accumulates gradients without reducing them across ranks.
+    A module that is no FSDP2 module (DDP, ...) gets its own no_sync()."""
+    if not isinstance(model, FSDPModule):
+        own = getattr(model, "no_sync", None)
+        with own() if callable(own) else contextlib.nullcontext():
+            yield
+        return
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+'''

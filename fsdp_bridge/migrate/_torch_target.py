@@ -1,0 +1,447 @@
+"""``migrate code --target torch``: the bridge rewrite lowered to plain FSDP2 code.
+
+The codemod first plans and writes the bridge target (every decision about which objects are FSDP1's is
+made there, once); this pass then replaces each bridge call it can write in plain torch:
+
+* ``fsdp_bridge.shard(m, fsdp_bridge.BridgeConfig(<literal settings>)[, mesh=])`` ->
+  ``_fsdp2_helpers.shard_model(m, mesh=..., wrap_classes=..., reshard_after_forward=...,
+  mp_policy=MixedPrecisionPolicy(...), offload_policy=CPUOffloadPolicy(...), ...)``: ``fully_shard``
+  bottom-up then on the root, in the generated module (:mod:`fsdp_bridge.migrate._torch_helpers`);
+* ``fsdp_bridge.no_sync(m)`` -> ``_fsdp2_helpers.no_sync(m)`` (``set_requires_gradient_sync``), also where
+  ``fsdp_bridge.no_sync`` is passed on as a value;
+* ``fsdp_bridge.clip_grad_norm_(m, n[, p])`` -> ``torch.nn.utils.clip_grad_norm_(m.parameters(), n[, p])``;
+* ``fsdp_bridge.is_sharded(m)`` -> ``isinstance(m, FSDPModule)``;
+* ``fsdp_bridge.full_state_dict(m)`` / ``full_optim_state_dict(m, o)`` -> ``get_model_state_dict`` /
+  ``get_optimizer_state_dict`` with ``StateDictOptions(full_state_dict=True[, cpu_offload=True])`` (every rank,
+  or rank 0 in CPU memory when no file of the tree shards over process groups).
+
+Every other bridge call stays as the bridge target wrote it, under a TODO saying why it was not written
+in plain torch; the file then still imports ``fsdp_bridge`` (and says so).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import libcst as cst
+from libcst.codemod import CodemodContext
+from libcst.codemod.visitors import AddImportsVisitor, RemoveImportsVisitor
+from libcst.metadata import MetadataWrapper, PositionProvider
+
+from fsdp_bridge.migrate._analysis import code_of, walk
+from fsdp_bridge.migrate._names import TODO
+from fsdp_bridge.migrate._render import commas, comments_around
+from fsdp_bridge.migrate._torch_helpers import HELPERS_NAME
+from fsdp_bridge.strategy import ShardingStrategy
+
+__all__ = ["TARGETS", "Lowered", "imports_of", "lower_to_torch"]
+
+TARGETS = ("bridge", "torch")
+"""What ``migrate code --fix`` writes: the bridge's calls (default), or plain FSDP2 code."""
+
+_FSDP = "torch.distributed.fsdp"
+_STATE = "torch.distributed.checkpoint.state_dict"
+
+
+@dataclass
+class Lowered:
+    """The file lowered to plain torch, and what happened to each bridge call."""
+
+    module: cst.Module
+    uses_helpers: bool = False
+    """The file calls the generated ``_fsdp2_helpers`` module (written beside it)."""
+    lowered: list[tuple[int, str, str]] = field(default_factory=list)
+    """(line in the bridge rewrite, bridge call, what it became), for the report."""
+    kept: list[tuple[int, str, str]] = field(default_factory=list)
+    """(line in the bridge rewrite, bridge call, why it stays), for the report; each also has a TODO
+    comment in the file."""
+
+
+class _CannotLower(Exception):
+    """A bridge call this pass does not write in plain torch (the message says why)."""
+
+
+@dataclass
+class _Shard:
+    """The plain arguments of one ``shard_model`` call, each with the comments of what it came from."""
+
+    lines: list[tuple[str, list[str], str | None]] = field(default_factory=list)
+    """(``kw=value``, comments on lines before it, comment after it)."""
+    loose: list[str] = field(default_factory=list)
+    """Comments of settings that became nothing (written before the closing parenthesis)."""
+    imports: set[tuple[str, str | None]] = field(default_factory=set)
+    notes: list[str] = field(default_factory=list)
+
+
+def _literal_str(node: cst.BaseExpression) -> str | None:
+    return node.evaluated_value if isinstance(node, cst.SimpleString) else None  # type: ignore[return-value]
+
+
+def _mixed_precision(value: cst.BaseExpression, out: _Shard, kw: tuple[list[str], str | None]) -> None:
+    """The bridge's ``mixed_precision={"param_dtype": ..., ...}`` -> ``mp_policy=MixedPrecisionPolicy(...)``
+    (and ``buffer_dtype=`` / ``cast_root_forward_inputs=`` of ``shard_model``: FSDP2 has neither)."""
+    if not isinstance(value, cst.Dict):
+        raise _CannotLower(f"mixed_precision={code_of(value)}: not a mapping of FSDP1's MixedPrecision fields")
+    policy: list[str] = []
+    extra: list[str] = []
+    for element in value.elements:
+        if not isinstance(element, cst.DictElement) or (key := _literal_str(element.key)) is None:
+            raise _CannotLower(f"mixed_precision={code_of(value)}: not a literal mapping")
+        text = code_of(element.value)
+        if key in ("param_dtype", "reduce_dtype", "cast_forward_inputs"):
+            policy.append(f"{key}={text}")
+        elif key == "buffer_dtype":
+            extra.append(f"buffer_dtype={text}")
+        elif key == "cast_root_forward_inputs":
+            if text != "True":  # shard_model's default: FSDP1's root casts its inputs
+                extra.append(f"cast_root_forward_inputs={text}")
+        else:
+            raise _CannotLower(f"mixed_precision[{key!r}]: not a field FSDP1's MixedPrecision has")
+    out.imports.add((_FSDP, "MixedPrecisionPolicy"))
+    one_line = f"mp_policy=MixedPrecisionPolicy({', '.join(policy)})"
+    if len(one_line) > 80:  # one argument per line (continuation lines take the statement's indentation)
+        one_line = "mp_policy=MixedPrecisionPolicy(\n" + "".join(f"        {p},\n" for p in policy) + "    )"
+    out.lines.append((one_line, *kw))
+    out.lines.extend((e, [], None) for e in extra)
+
+
+def _shard_args(call: cst.Call) -> tuple[str, _Shard]:
+    """``fsdp_bridge.shard(m, fsdp_bridge.BridgeConfig(...)[, mesh=X])``: (module source, arguments)."""
+    positional = [a for a in call.args if a.keyword is None]
+    named = {a.keyword.value: a for a in call.args if a.keyword is not None}
+    if len(positional) != 2 or set(named) - {"mesh"} or any(a.star for a in call.args):
+        raise _CannotLower("not the shard(module, BridgeConfig(...)[, mesh=]) form the codemod writes")
+    config = positional[1].value
+    if not (isinstance(config, cst.Call) and code_of(config.func) == "fsdp_bridge.BridgeConfig"):
+        raise _CannotLower(
+            f"{code_of(config.func) if isinstance(config, cst.Call) else 'the config'}: settings known only when "
+            "the code runs (the bridge translates them then); write the fully_shard call by hand"
+        )
+    out = _Shard()
+    settings: dict[str, cst.BaseExpression] = {}
+    comments: dict[str, tuple[list[str], str | None]] = {}
+    for i, a in enumerate(config.args):
+        if a.keyword is None or a.star:
+            raise _CannotLower(f"BridgeConfig({code_of(a.value)}): not a keyword setting")
+        settings[a.keyword.value] = a.value
+        comments[a.keyword.value] = comments_around(config, i)
+    if _literal_str(settings.get("backend", cst.SimpleString('"fsdp2"'))) != "fsdp2":
+        raise _CannotLower(f"backend={code_of(settings['backend'])}: only a config for FSDP2 is written as FSDP2")
+    if "wrap" not in settings:
+        raise _CannotLower("no wrap=: the bridge's default ('auto') chooses the units when the code runs")
+    strategy = _literal_str(settings.get("strategy", cst.SimpleString('"full_shard"')))
+    if strategy not in {s.value for s in ShardingStrategy}:
+        raise _CannotLower(f"strategy={code_of(settings['strategy'])}: known only when the code runs")
+    device = _literal_str(settings.get("device", cst.SimpleString('"auto"')))
+    if device not in ("cpu", "auto"):
+        raise _CannotLower(f"device={code_of(settings['device'])}: not a literal the codemod writes")
+
+    def note(kw: str) -> None:  # a setting that became nothing keeps its comments
+        lead, trail = comments.get(kw, ([], None))
+        out.loose += lead + ([trail] if trail else [])
+
+    mesh = named.get("mesh")
+    if mesh is not None and "fsdp_bridge" in code_of(mesh.value):
+        raise _CannotLower(f"mesh={code_of(mesh.value)}: FSDP1's process group becomes a mesh when the code runs")
+    device_arg = ', "cpu"' if device == "cpu" else ""
+    built = f'{HELPERS_NAME}.data_parallel_mesh("{strategy}"{device_arg})'
+    mesh_code = code_of(mesh.value) if mesh is not None else built
+    out.lines.append((f"mesh={mesh_code}", *comments.get("strategy", ([], None))))
+    note("device")
+    note("hybrid_shape")  # the mesh given has the shape
+    note("backend")
+    wrap = settings.get("wrap", cst.SimpleString('"none"'))
+    if isinstance(wrap, (cst.List, cst.Tuple, cst.Set)):
+        if any(
+            isinstance(e.value, (cst.SimpleString, cst.ConcatenatedString, cst.FormattedString)) for e in wrap.elements
+        ):
+            raise _CannotLower(f"wrap={code_of(wrap)}: class names, not classes (name them as classes to eject)")
+        classes = ", ".join(code_of(e.value) for e in wrap.elements)
+        one = "," if len(wrap.elements) == 1 else ""
+        out.lines.append((f"wrap_classes=({classes}{one})", *comments.get("wrap", ([], None))))
+    elif isinstance(wrap, cst.Dict) and [
+        _literal_str(e.key) for e in wrap.elements if isinstance(e, cst.DictElement)
+    ] == ["min_num_params"]:
+        element = wrap.elements[0]
+        assert isinstance(element, cst.DictElement)
+        out.lines.append((f"wrap_min_num_params={code_of(element.value)}", *comments.get("wrap", ([], None))))
+    elif _literal_str(wrap) == "none":
+        note("wrap")
+    else:
+        raise _CannotLower(f"wrap={code_of(wrap)}: not a list of classes or min_num_params")
+    # The mapping's rule (fsdp_bridge.plan.reshard_after_forward): the units reshard as the strategy says.
+    reshard = ShardingStrategy(strategy).reshards_after_forward or strategy == "no_shard"
+    out.lines.append((f"reshard_after_forward={reshard}", [], None))
+    for kw, value in settings.items():
+        text = code_of(value)
+        if kw in ("strategy", "device", "hybrid_shape", "backend", "wrap"):
+            continue
+        if kw == "mixed_precision":
+            _mixed_precision(value, out, comments[kw])
+        elif kw == "cpu_offload":
+            if device == "cpu":  # the mapping: nothing to offload to on a CPU run (and torch refuses it there)
+                out.notes.append("cpu_offload: not needed on a CPU run (the parameters are on the CPU already)")
+                note(kw)
+            elif text != "False":
+                out.imports.add((_FSDP, "CPUOffloadPolicy"))
+                policy = "CPUOffloadPolicy(pin_memory=True)"
+                if text != "True":
+                    out.imports.add((_FSDP, "OffloadPolicy"))
+                    policy = f"{policy} if {text} else OffloadPolicy()"
+                out.lines.append((f"offload_policy={policy}", *comments[kw]))
+            else:
+                note(kw)
+        elif kw == "backward_prefetch":
+            case = _literal_str(value)
+            if case == "none":
+                out.lines.append(("backward_prefetch=False", *comments[kw]))
+            elif case == "pre":  # FSDP2's own order
+                note(kw)
+            else:
+                raise _CannotLower(f"backward_prefetch={text}: only 'pre' and 'none' are written in plain torch")
+        elif kw in ("forward_prefetch", "sync_module_states"):
+            if isinstance(value, (cst.Integer, cst.SimpleString)):
+                raise _CannotLower(f"{kw}={text}: FSDP1 takes a bool here (a prefetch depth is the bridge's own)")
+            if text != "False":
+                out.lines.append((f"{kw}={text}", *comments[kw]))
+            else:
+                note(kw)
+        elif kw == "limit_all_gathers":  # the mapping: not needed on FSDP2
+            note(kw)
+        else:
+            raise _CannotLower(f"{kw}={text}: no plain-torch form written for this setting yet")
+    return code_of(positional[0].value), out
+
+
+def _render_shard(call: cst.Call) -> tuple[cst.BaseExpression, _Shard]:
+    module, out = _shard_args(call)
+    i1 = "    "
+    lines = [f"{HELPERS_NAME}.shard_model(", f"{i1}{module},"]
+    for text, lead, trail in out.lines:
+        lines += [i1 + c for c in lead]
+        lines.append(f"{i1}{text}," + (f"  {trail}" if trail else ""))
+    lines += [i1 + c for c in out.loose]
+    lines.append(")")
+    return cst.parse_expression("\n".join(lines)), out
+
+
+class _Lowerer(cst.CSTTransformer):
+    METADATA_DEPENDENCIES = (PositionProvider,)
+
+    def __init__(self, groups: bool) -> None:
+        super().__init__()
+        self.groups = groups  # a file of the tree shards over process groups (FSDP1's rank0_only is per group)
+        self.result_imports: set[tuple[str, str | None]] = set()
+        self.uses_helpers = False
+        self.lowered: list[tuple[int, str, str]] = []
+        self.kept: list[tuple[int, str, str]] = []
+        self.pending: list[list[str]] = []  # TODO texts of the statements being visited, innermost last
+        self.notes: list[str] = []  # what the call being lowered lost on the way (said in the report)
+        self.calls: list[bool] = []  # for each call being visited: whether it is a bridge call
+        self.inside: set[int] = set()  # id(Attribute) of fsdp_bridge.X inside a bridge call (handled with it)
+
+    # -- statements: collect the TODOs of what is inside ---------------------------
+    def _enter(self, node: cst.CSTNode) -> None:
+        self.pending.append([])
+
+    def _leave(self, updated: Any) -> Any:
+        texts = self.pending.pop()
+        if not texts:
+            return updated
+        existing = {line.comment.value for line in updated.leading_lines if line.comment is not None}
+        lines = list(updated.leading_lines)
+        for text in dict.fromkeys(texts):
+            comment = f"# {TODO}: {' '.join(text.split())}"
+            if comment not in existing:
+                lines.append(cst.EmptyLine(comment=cst.Comment(comment)))
+        return updated.with_changes(leading_lines=lines)
+
+    def visit_SimpleStatementLine(self, node: cst.SimpleStatementLine) -> None:
+        self._enter(node)
+
+    def leave_SimpleStatementLine(self, original_node: cst.SimpleStatementLine, updated_node: Any) -> Any:
+        return self._leave(updated_node)
+
+    def visit_With(self, node: cst.With) -> None:
+        self._enter(node)
+
+    def leave_With(self, original_node: cst.With, updated_node: Any) -> Any:
+        return self._leave(updated_node)
+
+    def visit_If(self, node: cst.If) -> None:
+        self._enter(node)
+
+    def leave_If(self, original_node: cst.If, updated_node: Any) -> Any:
+        return self._leave(updated_node)
+
+    def visit_For(self, node: cst.For) -> None:
+        self._enter(node)
+
+    def leave_For(self, original_node: cst.For, updated_node: Any) -> Any:
+        return self._leave(updated_node)
+
+    def visit_While(self, node: cst.While) -> None:
+        self._enter(node)
+
+    def leave_While(self, original_node: cst.While, updated_node: Any) -> Any:
+        return self._leave(updated_node)
+
+    def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
+        self._enter(node)
+
+    def leave_FunctionDef(self, original_node: cst.FunctionDef, updated_node: Any) -> Any:
+        return self._leave(updated_node)
+
+    def visit_ClassDef(self, node: cst.ClassDef) -> None:
+        self._enter(node)
+
+    def leave_ClassDef(self, original_node: cst.ClassDef, updated_node: Any) -> Any:
+        return self._leave(updated_node)
+
+    def _line(self, node: cst.CSTNode) -> int:
+        return int(self.get_metadata(PositionProvider, node).start.line)
+
+    def _keep(self, node: cst.CSTNode, construct: str, why: str) -> None:
+        self.kept.append((self._line(node), construct, why))
+        if self.pending:
+            self.pending[-1].append(f"{construct}: kept on fsdp_bridge under --target torch: {why}")
+
+    # -- expressions ---------------------------------------------------------------
+    def visit_Call(self, node: cst.Call) -> None:
+        bridge = code_of(node.func).startswith("fsdp_bridge.")
+        self.calls.append(bridge)
+        if bridge:
+            self.inside.update(id(n) for n in walk(node) if isinstance(n, cst.Attribute))
+
+    def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> cst.BaseExpression:
+        self.calls.pop()
+        func = code_of(updated_node.func)
+        if not func.startswith("fsdp_bridge.") or any(self.calls):
+            return updated_node  # not the bridge's, or inside a bridge call that is handled as a whole
+        name = func.removeprefix("fsdp_bridge.")
+        try:
+            new = self._lower(name, updated_node)
+        except _CannotLower as why:
+            self._keep(original_node, f"{func}(...)", str(why))
+            return updated_node
+        became = code_of(new).split("(")[0] + "(...)"
+        self.lowered.append((self._line(original_node), f"{func}(...)", "; ".join([became, *self.notes])))
+        self.notes = []
+        return new
+
+    def _lower(self, name: str, call: cst.Call) -> cst.BaseExpression:
+        args = list(call.args)
+        if name == "shard":
+            new, out = _render_shard(call)
+            self.notes = out.notes
+            self.uses_helpers = True
+            self.result_imports |= out.imports
+            return new
+        if name == "no_sync" and len(args) == 1 and args[0].keyword is None and not args[0].star:
+            self.uses_helpers = True
+            return call.with_changes(func=cst.parse_expression(f"{HELPERS_NAME}.no_sync"))
+        if name == "clip_grad_norm_" and args and args[0].keyword is None and not args[0].star:
+            self.result_imports.add(("torch", None))
+            params = cst.Arg(cst.parse_expression(f"{code_of(args[0].value)}.parameters()"))
+            return call.with_changes(
+                func=cst.parse_expression("torch.nn.utils.clip_grad_norm_"), args=commas([params, *args[1:]])
+            )
+        if name == "is_sharded" and len(args) == 1 and args[0].keyword is None and not args[0].star:
+            self.result_imports.add((_FSDP, "FSDPModule"))
+            return cst.parse_expression(f"isinstance({code_of(args[0].value)}, FSDPModule)")
+        if name in ("full_state_dict", "full_optim_state_dict"):
+            return self._full_state(name, args)
+        why = {
+            "summon_full_params": "FSDP2 has no summon_full_params; unshard()/reshard() on each FSDP module, or "
+            "DTensor.full_tensor() on the parameters you read",
+            "BridgeConfig.from_fsdp1": "settings known only when the code runs",
+        }.get(name, "no plain-torch form written for it yet")
+        raise _CannotLower(why)
+
+    def _full_state(self, name: str, args: list[cst.Arg]) -> cst.BaseExpression:
+        """FSDP1's full state on every rank, or on rank 0 in CPU memory: DCP's ``StateDictOptions`` says
+        both (``cpu_offload=True`` with ``full_state_dict=True`` keeps it on world rank 0 only, which is
+        FSDP1's ``rank0_only`` for a model sharded over every rank; over a process group FSDP1 gives it to
+        each group's first rank, which DCP cannot say); the two mixed it cannot say either."""
+        optim = name == "full_optim_state_dict"
+        given = 2 if optim else 1
+        positional = [code_of(a.value) for a in args if a.keyword is None and not a.star]
+        named = {a.keyword.value: code_of(a.value) for a in args if a.keyword is not None}
+        if len(positional) != given or len(named) + given != len(args) or set(named) - {"rank0_only", "offload_to_cpu"}:
+            raise _CannotLower("not the (model[, optimizer], rank0_only=, offload_to_cpu=) form the codemod writes")
+        default = "True" if optim else "False"  # FSDP1's defaults: full_optim_state_dict gives rank 0 a CPU copy
+        rank0, offload = named.get("rank0_only", default), named.get("offload_to_cpu", default)
+        if {rank0, offload} - {"True", "False"} or rank0 != offload:
+            raise _CannotLower(
+                f"rank0_only={rank0}, offload_to_cpu={offload}: torch's StateDictOptions(full_state_dict=True) "
+                "gives every rank the state on its device, and with cpu_offload=True rank 0 alone a CPU copy; "
+                "no option gives one without the other"
+            )
+        if rank0 == "True" and self.groups:
+            raise _CannotLower(
+                "rank0_only=True in a tree that shards over process groups: FSDP1 gives the state to the first "
+                "rank of each group; torch's StateDictOptions(full_state_dict=True, cpu_offload=True) to world "
+                "rank 0 only"
+            )
+        function = "get_optimizer_state_dict" if optim else "get_model_state_dict"
+        self.result_imports |= {(_STATE, function), (_STATE, "StateDictOptions")}
+        options = "full_state_dict=True" + (", cpu_offload=True" if rank0 == "True" else "")
+        return cst.parse_expression(f"{function}({', '.join(positional)}, options=StateDictOptions({options}))")
+
+    def leave_Attribute(self, original_node: cst.Attribute, updated_node: cst.Attribute) -> Any:
+        if code_of(updated_node) == "fsdp_bridge.no_sync" and id(original_node) not in self.inside:
+            # passed on as a value (functools.partial(fsdp_bridge.no_sync, model)): the same signature
+            self.uses_helpers = True
+            self.lowered.append((self._line(original_node), "fsdp_bridge.no_sync", f"{HELPERS_NAME}.no_sync"))
+            return cst.parse_expression(f"{HELPERS_NAME}.no_sync")
+        if code_of(updated_node).startswith("fsdp_bridge.") and id(original_node) not in self.inside:
+            inner = original_node.value
+            if not (isinstance(inner, cst.Attribute) and code_of(inner).startswith("fsdp_bridge.")):
+                self._keep(original_node, code_of(updated_node), "no plain-torch form written for it yet")
+        return updated_node
+
+
+def _helpers_import(path: str) -> tuple[str, str | None, int]:
+    """How a file imports the generated module beside it: a package's file relatively."""
+    if (Path(path).parent / "__init__.py").is_file():
+        return "", HELPERS_NAME, 1
+    return HELPERS_NAME, None, 0
+
+
+def lower_to_torch(module: cst.Module, path: str, *, groups: bool = False) -> Lowered:
+    """Replace the bridge calls of the bridge rewrite ``module`` with plain torch code (see the module
+    docstring); the imports follow. ``groups``: a file of the tree passes ``process_group=`` to FSDP1."""
+    lowerer = _Lowerer(groups)
+    lowerer.pending.append([])  # module level (a TODO there has no statement: none is written)
+    new = MetadataWrapper(module).visit(lowerer)
+    context = CodemodContext()
+    for mod, obj in sorted(lowerer.result_imports, key=str):
+        AddImportsVisitor.add_needed_import(context, mod, obj)
+    if lowerer.uses_helpers:
+        mod, obj, relative = _helpers_import(path)
+        AddImportsVisitor.add_needed_import(context, mod, obj, relative=relative)
+    new = AddImportsVisitor(context).transform_module(new)
+    RemoveImportsVisitor.remove_unused_import(context, "fsdp_bridge")
+    new = RemoveImportsVisitor(context).transform_module(new)
+    return Lowered(new, lowerer.uses_helpers, lowerer.lowered, lowerer.kept)
+
+
+def imports_of(code: str) -> list[str]:
+    """Every module a source imports (``import a.b`` -> ``a.b``; ``from a import b`` -> ``a.b``), for checks."""
+    found: list[str] = []
+
+    class V(cst.CSTVisitor):
+        def visit_Import(self, node: cst.Import) -> None:
+            found.extend(code_of(a.name) for a in node.names)
+
+        def visit_ImportFrom(self, node: cst.ImportFrom) -> None:
+            base = code_of(node.module) if node.module else ""
+            if isinstance(node.names, cst.ImportStar):
+                found.append(f"{base}.*")
+                return
+            found.extend(f"{base}.{code_of(a.name)}" if base else code_of(a.name) for a in node.names)
+
+    cst.parse_module(code).visit(V())
+    return found

@@ -1,0 +1,422 @@
+"""``migrate code --fix --target torch``: plain FSDP2 code, one construct at a time (one process), the generated
+helper module against the bridge's own decisions, and one FSDP1 script run before and after (2 gloo ranks)."""
+
+from __future__ import annotations
+
+import shutil
+import textwrap
+import types
+from pathlib import Path
+
+import pytest
+from torch import nn
+
+from fsdp_bridge.cli import main
+from fsdp_bridge.config import WrapPolicy
+from fsdp_bridge.migrate._code import TODO, migrate_paths, migrate_source
+from fsdp_bridge.migrate._torch_helpers import HELPERS_MARKER, HELPERS_NAME, HELPERS_SOURCE
+from fsdp_bridge.migrate._torch_target import imports_of
+from fsdp_bridge.strategy import ShardingStrategy
+from fsdp_bridge.wrap import resolve_wrap
+
+FIXTURES = Path(__file__).parent / "fixtures"
+FSDP2_NAMES = {"FSDPModule", "MixedPrecisionPolicy", "CPUOffloadPolicy", "OffloadPolicy", "fully_shard"}
+
+HEAD = """\
+from torch import nn
+from torch.distributed.fsdp import (
+    BackwardPrefetch,
+    CPUOffload,
+    FullyShardedDataParallel as FSDP,
+    MixedPrecision,
+    ShardingStrategy,
+)
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy, size_based_auto_wrap_policy
+from functools import partial
+
+
+class Block(nn.Module):
+    pass
+
+
+"""
+
+
+def torch_target(body: str, path: str = "train.py") -> tuple[str, list[str]]:
+    """The torch target's rewrite of ``HEAD + body`` and its report lines."""
+    result = migrate_source(HEAD + textwrap.dedent(body), path, target="torch")
+    return result.fixed, [f.format() for f in result.findings]
+
+
+def assert_plain_torch(code: str) -> None:
+    """Neither fsdp_bridge nor any FSDP1 name is imported."""
+    for name in imports_of(code):
+        assert not name.startswith("fsdp_bridge"), name
+        if name.startswith("torch.distributed.fsdp"):
+            assert name.rpartition(".")[2] in FSDP2_NAMES and name.count(".") == 3, name
+    assert "fsdp_bridge." not in code and "FSDP(" not in code
+
+
+def test_constructor_becomes_fully_shard_through_the_helper_module() -> None:
+    code, report = torch_target(
+        """
+        model = FSDP(
+            nn.Sequential(Block()),
+            auto_wrap_policy=ModuleWrapPolicy({Block}),
+            sharding_strategy=ShardingStrategy.SHARD_GRAD_OP,  # ZeRO-2
+            mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+            backward_prefetch=BackwardPrefetch.BACKWARD_PRE,
+            device_id=torch.device("cpu"),
+            use_orig_params=True,
+        )
+        """
+    )
+    assert_plain_torch(code)
+    assert "import _fsdp2_helpers" in code
+    assert "from torch.distributed.fsdp import MixedPrecisionPolicy" in code
+    assert '_fsdp2_helpers.data_parallel_mesh("shard_grad_op", "cpu"),  # ZeRO-2' in code  # comments kept
+    assert "wrap_classes=(Block,)" in code
+    assert "reshard_after_forward=False" in code
+    flat = " ".join(code.split())  # one argument per line when long
+    assert (
+        "mp_policy=MixedPrecisionPolicy( param_dtype=torch.bfloat16, reduce_dtype=torch.float32, "
+        "cast_forward_inputs=False, )," in flat  # FSDP1's default: only the root casts its inputs
+    )
+    assert any("[note] --target torch: fsdp_bridge.shard(...) -> _fsdp2_helpers.shard_model(...)" in r for r in report)
+    assert not any("[todo]" in r for r in report)
+
+
+@pytest.mark.parametrize(
+    ("member", "strategy"),
+    [("FULL_SHARD", "full_shard"), ("NO_SHARD", "no_shard"), ("HYBRID_SHARD", "hybrid_shard")],
+)
+def test_strategy_mesh_and_reshard_follow_the_mapping(member: str, strategy: str) -> None:
+    code, _ = torch_target(f"model = FSDP(nn.Linear(2, 2), sharding_strategy=ShardingStrategy.{member})\n")
+    assert_plain_torch(code)
+    assert f'mesh=_fsdp2_helpers.data_parallel_mesh("{strategy}")' in code
+    units = ShardingStrategy(strategy).reshards_after_forward or strategy == "no_shard"
+    assert f"reshard_after_forward={units}" in code
+
+
+def test_hybrid_with_a_device_mesh_passes_the_mesh() -> None:
+    code, _ = torch_target(
+        "model = FSDP(nn.Linear(2, 2), device_mesh=mesh, sharding_strategy=ShardingStrategy.HYBRID_SHARD)\n"
+    )
+    assert_plain_torch(code)
+    assert "mesh=mesh," in code and "hybrid_shape" not in code
+
+
+def test_size_policy_offload_prefetch_and_sync() -> None:
+    code, _ = torch_target(
+        """
+        model = FSDP(
+            nn.Linear(2, 2),
+            auto_wrap_policy=partial(size_based_auto_wrap_policy, min_num_params=1000),
+            cpu_offload=CPUOffload(offload_params=True),
+            backward_prefetch=None,
+            forward_prefetch=True,
+            sync_module_states=True,
+            limit_all_gathers=True,
+        )
+        """
+    )
+    assert_plain_torch(code)
+    assert "wrap_min_num_params=1000" in code
+    assert "offload_policy=CPUOffloadPolicy(pin_memory=True)" in code
+    assert "backward_prefetch=False" in code
+    assert "forward_prefetch=True" in code and "sync_module_states=True" in code
+    assert "limit_all_gathers" not in code  # not needed on FSDP2
+
+
+def test_offload_on_a_cpu_run_is_dropped_and_said() -> None:
+    code, report = torch_target(
+        'model = FSDP(nn.Linear(2, 2), cpu_offload=CPUOffload(offload_params=True), device_id=torch.device("cpu"))\n'
+    )
+    assert "offload_policy" not in code
+    assert any("cpu_offload: not needed on a CPU run" in r for r in report)
+
+
+def test_no_sync_clip_isinstance_and_state_dict() -> None:
+    code, report = torch_target(
+        """
+        from torch.distributed.fsdp import StateDictType
+
+        model = FSDP(nn.Linear(2, 2))
+        with model.no_sync():
+            model(torch.ones(2)).sum().backward()
+        norm = model.clip_grad_norm_(1.0, 2.0)
+        assert isinstance(model, FSDP)
+        with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT):
+            state = model.state_dict()
+        """
+    )
+    assert_plain_torch(code)
+    assert "with _fsdp2_helpers.no_sync(model):" in code
+    assert "norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, 2.0)" in code
+    assert "isinstance(model, FSDPModule)" in code
+    assert "get_model_state_dict(model, options=StateDictOptions(full_state_dict=True" in code
+    assert not any("[todo]" in r for r in report)
+
+
+def test_what_it_cannot_write_stays_on_the_bridge_with_a_todo() -> None:
+    code, report = torch_target(
+        """
+        model = FSDP(nn.Linear(2, 2), **settings)
+        with FSDP.summon_full_params(model):
+            pass
+        """
+    )
+    assert "fsdp_bridge.BridgeConfig.from_fsdp1(" in code and "import fsdp_bridge" in code
+    assert f"# {TODO}: fsdp_bridge.shard(...): kept on fsdp_bridge under --target torch: " in code
+    assert f"# {TODO}: fsdp_bridge.summon_full_params(...): kept on fsdp_bridge under --target torch: " in code
+    todos = [r for r in report if "[todo] --target torch" in r]
+    assert len(todos) == 2, report
+
+
+def test_bridge_target_is_the_default_and_unchanged() -> None:
+    source = HEAD + "model = FSDP(nn.Linear(2, 2))\n"
+    assert migrate_source(source, "t.py").fixed == migrate_source(source, "t.py", target="bridge").fixed
+    assert "fsdp_bridge.shard(" in migrate_source(source, "t.py").fixed
+    with pytest.raises(ValueError, match="target='jax': allowed bridge, torch"):
+        migrate_source(source, "t.py", target="jax")
+
+
+def test_output_is_stable_under_a_second_run() -> None:
+    first, _ = torch_target("model = FSDP(nn.Linear(2, 2))\nmodel.clip_grad_norm_(1.0)\n")
+    assert migrate_source(first, "train.py", target="torch").fixed == first
+
+
+def test_helper_module_is_plain_torch_and_resolves_units_as_the_bridge() -> None:
+    assert HELPERS_SOURCE.startswith(HELPERS_MARKER)
+    assert all(
+        n.split(".")[0] in ("__future__", "contextlib", "os", "collections", "torch")
+        for n in imports_of(HELPERS_SOURCE)
+    )
+    helpers = types.ModuleType(HELPERS_NAME)
+    exec(compile(HELPERS_SOURCE, f"{HELPERS_NAME}.py", "exec"), helpers.__dict__)
+
+    class Layer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 2)
+
+    model = nn.Sequential(nn.Embedding(10, 8), nn.ModuleList([Layer(), Layer()]), nn.Linear(8, 10))
+    for policy, units in [
+        (WrapPolicy(mode="classes", classes=("Layer",)), helpers.units_of_classes(model, [Layer])),
+        (WrapPolicy(mode="min_params", min_num_params=50), helpers.units_of_size(model, 50)),
+    ]:
+        expected = [m for _, m in resolve_wrap(model, policy).units]
+        assert [id(m) for m in units] == [id(m) for m in expected]
+    model[2].weight = model[0].weight  # tied: neither end may be a unit of its own
+    kept = helpers._keep_tied_together(model, helpers.units_of_size(model, 50))
+    assert model[0] not in kept and model[2] not in kept
+
+
+def test_paths_write_the_helper_module_once_and_never_over_the_users(tmp_path: Path) -> None:
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text(HEAD + "model = FSDP(nn.Linear(2, 2))\n")
+    (tmp_path / "b.py").write_text(HEAD + "model = FSDP(nn.Linear(2, 2))\n")
+    report, _ = migrate_paths([tmp_path], fix=True, target="torch")
+    assert (pkg / f"{HELPERS_NAME}.py").read_text() == HELPERS_SOURCE
+    assert (tmp_path / f"{HELPERS_NAME}.py").read_text() == HELPERS_SOURCE
+    assert "from . import _fsdp2_helpers" in (pkg / "a.py").read_text()
+    assert "import _fsdp2_helpers" in (tmp_path / "b.py").read_text()
+    report, _ = migrate_paths([tmp_path], fix=True, target="torch")
+    assert report.changed == []  # idempotent
+
+    own = tmp_path / "own"
+    own.mkdir()
+    (own / f"{HELPERS_NAME}.py").write_text("x = 1\n")
+    (own / "c.py").write_text(HEAD + "model = FSDP(nn.Linear(2, 2))\n")
+    report, _ = migrate_paths([own], fix=True, target="torch")
+    assert (own / f"{HELPERS_NAME}.py").read_text() == "x = 1\n"
+    assert "FSDP(" in (own / "c.py").read_text()
+    assert any("exists and was not written by the codemod" in why for _, why in report.skipped)
+
+
+def test_cli_target_torch_diff(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "t.py").write_text(HEAD + "model = FSDP(nn.Linear(2, 2))\n")
+    assert main(["migrate", "code", str(tmp_path), "--diff", "--target", "torch"]) == 1  # constructs to fix
+    out = capsys.readouterr().out
+    assert "_fsdp2_helpers.shard_model(" in out and f"+{HELPERS_MARKER}" in out
+    assert not (tmp_path / f"{HELPERS_NAME}.py").exists()  # --diff writes nothing
+
+
+@pytest.mark.timeout(900)
+def test_fsdp1_script_gives_the_same_losses_after_target_torch(tmp_path: Path) -> None:
+    """FSDP1 before, plain FSDP2 after (`migrate verify --target torch`, 2 gloo ranks): equal losses and weights;
+    the migrated tree imports no fsdp_bridge."""
+    from fsdp_bridge.migrate.verify import verify
+
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    shutil.copy(FIXTURES / "migrate_eject" / "eject_train.py", tree)
+    result = verify(tree, "eject_train.py", nproc_per_node=2, target="torch", timeout=600)
+    assert result.parity, result.format()
+    assert "[todo]" not in result.fix_report
+    assert len(result.fix_report) > 0
+    _, results = migrate_paths([tree / "eject_train.py"], target="torch")
+    assert_plain_torch(results[0].fixed)
+
+
+def _helpers_against_bridge() -> list[tuple[str, float]]:
+    """On each rank: the generated shard_model against fsdp_bridge.shard with the same FSDP1 settings."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    import fsdp_bridge
+
+    helpers = types.ModuleType(HELPERS_NAME)
+    exec(compile(HELPERS_SOURCE, f"{HELPERS_NAME}.py", "exec"), helpers.__dict__)
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+            self.register_buffer("scale", torch.ones(8))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + self.lin(x) * self.scale
+
+    def build() -> nn.Module:
+        torch.manual_seed(dist.get_rank())  # different weights per rank: sync_module_states must fix them
+        return nn.Sequential(nn.Linear(4, 8), Block(), Block(), nn.Linear(8, 1))
+
+    def losses(model: nn.Module) -> list[float]:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        g = torch.Generator().manual_seed(7 + dist.get_rank())
+        out = []
+        for _ in range(3):
+            loss = model(torch.randn(4, 4, generator=g)).float().square().mean()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad()
+            out.append(loss.item())
+        with torch.no_grad():  # an evaluation step after training: parameters resharded as FSDP1 does
+            out.append(model(torch.ones(2, 4)).float().sum().item())
+        return out
+
+    bf16 = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32, "buffer_dtype": torch.bfloat16}
+    cases: list[tuple[dict[str, object], dict[str, object]]] = [
+        ({"strategy": "no_shard", "forward_prefetch": True}, {"forward_prefetch": True}),
+        (
+            {
+                "strategy": "hybrid_shard",
+                "backward_prefetch": "none",
+                "mixed_precision": {**bf16, "cast_forward_inputs": False},
+            },
+            {
+                "backward_prefetch": False,
+                "mp_policy": MixedPrecisionPolicy(
+                    param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False
+                ),
+                "buffer_dtype": torch.bfloat16,
+            },
+        ),
+        ({"strategy": "shard_grad_op", "forward_prefetch": True}, {"forward_prefetch": True}),
+    ]
+    out = []
+    for bridge, plain in cases:
+        strategy = str(bridge["strategy"])
+        config = fsdp_bridge.BridgeConfig(
+            backend="fsdp2", wrap=[Block], device="cpu", sync_module_states=True, **bridge
+        )  # type: ignore[arg-type]
+        expected = losses(fsdp_bridge.shard(build(), config))
+        got = losses(
+            helpers.shard_model(
+                build(),
+                mesh=helpers.data_parallel_mesh(strategy, "cpu"),
+                wrap_classes=(Block,),
+                reshard_after_forward=ShardingStrategy(strategy).reshards_after_forward or strategy == "no_shard",
+                sync_module_states=True,
+                **plain,
+            )
+        )
+        out.append((strategy, max(abs(a - b) for a, b in zip(expected, got, strict=True))))
+    return out
+
+
+def test_helper_module_shards_as_the_bridge_does() -> None:
+    """NO_SHARD's (world, 1) mesh, HYBRID's 2D mesh with bf16 and a buffer dtype, SHARD_GRAD_OP; forward
+    prefetch, no backward prefetch, rank-0 sync, an evaluation forward: the same losses, bit for bit."""
+    from fsdp_bridge.testing import run_distributed
+
+    for rank in run_distributed(_helpers_against_bridge, 2, env={"LOCAL_WORLD_SIZE": "2"}):
+        assert rank == [("no_shard", 0.0), ("hybrid_shard", 0.0), ("shard_grad_op", 0.0)]
+
+
+def test_code_on_the_bridge_already_is_ejected_too() -> None:
+    """An earlier --fix (bridge target) then --target torch gives what --target torch gives at once."""
+    source = HEAD + textwrap.dedent(
+        """
+        model = FSDP(nn.Sequential(Block()), auto_wrap_policy=ModuleWrapPolicy({Block}))
+        with model.no_sync():
+            pass
+        model.clip_grad_norm_(1.0)
+        """
+    )
+    on_bridge = migrate_source(source, "t.py").fixed
+    assert "fsdp_bridge.shard(" in on_bridge
+    ejected = migrate_source(on_bridge, "t.py", target="torch").fixed
+    direct = migrate_source(source, "t.py", target="torch").fixed
+    assert_plain_torch(ejected)
+    body = [line for line in direct.splitlines() if not line.startswith(("import", "from"))]
+    assert [line for line in ejected.splitlines() if not line.startswith(("import", "from"))] == body
+
+
+@pytest.mark.parametrize(
+    ("config", "why"),
+    [
+        ('strategy="full_shard"', "no wrap=: the bridge's default"),
+        ('wrap="none", backend="fsdp1"', 'backend="fsdp1": only a config for FSDP2'),
+        ('wrap=["Block"]', "class names, not classes"),
+        ('wrap="none", forward_prefetch=2', "forward_prefetch=2: FSDP1 takes a bool"),
+        ('wrap="none", mixed_precision="bf16"', 'mixed_precision="bf16": not a mapping'),
+        ('wrap="none", reshard_after_forward=2', "reshard_after_forward=2: no plain-torch form"),
+    ],
+)
+def test_bridge_code_of_its_own_that_has_no_plain_form_keeps_a_todo(config: str, why: str) -> None:
+    source = f"import fsdp_bridge\nfrom torch import nn\n\nmodel = fsdp_bridge.shard(nn.Linear(2, 2), fsdp_bridge.BridgeConfig({config}))\n"
+    result = migrate_source(source, "t.py", target="torch")
+    assert "fsdp_bridge.shard(" in result.fixed and "import fsdp_bridge" in result.fixed
+    (todo,) = [f for f in result.findings if not f.fixable]
+    assert why in todo.replacement, todo.replacement
+    assert f"# {TODO}: fsdp_bridge.shard(...): kept on fsdp_bridge under --target torch: " in result.fixed
+
+
+def test_full_state_dicts_become_dcp_calls_where_their_meaning_is_dcps() -> None:
+    head = "import fsdp_bridge\n\n"
+    plain = migrate_source(
+        head
+        + "a = fsdp_bridge.full_state_dict(model)\n"
+        + "b = fsdp_bridge.full_optim_state_dict(model, optim)\n"
+        + "c = fsdp_bridge.full_state_dict(model, rank0_only=True, offload_to_cpu=True)\n"
+        + "quiet = functools.partial(fsdp_bridge.no_sync, model)\n",
+        "t.py",
+        target="torch",
+    ).fixed
+    assert_plain_torch(plain)
+    assert "a = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))" in plain
+    assert (
+        "b = get_optimizer_state_dict(model, optim, options=StateDictOptions(full_state_dict=True, cpu_offload=True))"
+        in plain
+    )
+    assert "c = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))" in plain
+    assert "quiet = functools.partial(_fsdp2_helpers.no_sync, model)" in plain
+    mixed = migrate_source(head + "s = fsdp_bridge.full_state_dict(model, rank0_only=True)\n", "t.py", target="torch")
+    assert "fsdp_bridge.full_state_dict(" in mixed.fixed
+    assert any("no option gives one without the other" in f.replacement for f in mixed.findings if not f.fixable)
+
+
+def test_rank0_state_over_process_groups_keeps_the_bridge(tmp_path: Path) -> None:
+    """FSDP1's rank0_only is per process group; DCP's cpu_offload gives world rank 0 alone."""
+    (tmp_path / "wrap.py").write_text(HEAD + "model = FSDP(nn.Linear(2, 2), process_group=group)\n")
+    (tmp_path / "save.py").write_text("import fsdp_bridge\n\nb = fsdp_bridge.full_optim_state_dict(model, optim)\n")
+    report, results = migrate_paths([tmp_path], target="torch")
+    saved = next(r for r in results if r.path.endswith("save.py"))
+    assert "fsdp_bridge.full_optim_state_dict(model, optim)" in saved.fixed
+    assert any("first rank of each group" in f.replacement for f in report.todos)
