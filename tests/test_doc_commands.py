@@ -64,6 +64,9 @@ NOT_RUN: dict[str, str] = {
     "python -m pytest tests/test_reliability_faults.py tests/test_reliability_checkpoints.py "
     "tests/test_config_properties.py tests/test_bad_inputs.py tests/test_checkpoint_description_fuzz.py": "part of this test suite",
     "python -m pytest -m slow": "the slow tests (minutes)",
+    "OMP_NUM_THREADS=1 python benchmarks/compile.py --fresh-cache": "a benchmark (a minute or more: a cold "
+    "inductor compile); compile's losses: test_compile.py (slow tier)",
+    "python benchmarks/compile.py --device cuda": "needs a CUDA GPU (exits 2 without one)",
     "OMP_NUM_THREADS=1 python benchmarks/async_save.py --docs docs/performance.md": "a benchmark (minutes) that "
     "rewrites docs/performance.md; async saves in both modes: test_checkpoint_async.py",
     "OMP_NUM_THREADS=1 python benchmarks/pretrained_memory.py --world-size 2 --hidden 768 --layers 6": "a benchmark (minutes); load_pretrained itself: test_checkpoint.py",
