@@ -4,7 +4,9 @@ constructor call, and small helpers over libcst nodes."""
 
 from __future__ import annotations
 
+import io
 import re
+import tokenize
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -93,8 +95,15 @@ GROUP_ARG = re.compile(r"\bprocess_group\s*=\s*(?!None\b)")
 
 
 def passes_group(code: str) -> bool:
-    """Whether FSDP1 code passes a process group (the data-parallel group of a model-parallel layout)."""
-    return "FullyShardedDataParallel" in code and GROUP_ARG.search(code) is not None
+    """Whether FSDP1 code passes a process group (the data-parallel group of a model-parallel layout); a
+    commented-out ``# process_group=...`` is not one."""
+    if "FullyShardedDataParallel" not in code or GROUP_ARG.search(code) is None:
+        return False
+    try:
+        tokens = list(tokenize.generate_tokens(io.StringIO(code).readline))
+    except (tokenize.TokenError, SyntaxError):
+        return True  # unreadable here: keep the textual answer
+    return GROUP_ARG.search(" ".join(t.string for t in tokens if t.type != tokenize.COMMENT)) is not None
 
 
 def find_fsdp1_factories(wrapper: MetadataWrapper, path: str) -> set[str]:
