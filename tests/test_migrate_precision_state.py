@@ -146,3 +146,27 @@ def test_a_process_group_in_a_comment_is_not_a_model_parallel_layout() -> None:
     fixed = migrate_source(LOAD_BEFORE_WRAP, "load_before_wrap.py").fixed
     assert "get_model_state_dict(net, options=StateDictOptions(full_state_dict=True, cpu_offload=True))" in fixed
     assert "fsdp_bridge.full_state_dict" not in fixed
+
+
+def test_todos_naming_another_file_do_not_depend_on_the_directory_given(tmp_path: Path) -> None:
+    # A TODO names the file that sets the state-dict type relative to the directory scanned: the same tree
+    # scanned as ``a/tree`` and as ``b/c/tree`` gets the same comments, so a second --fix from elsewhere adds none.
+    outputs = []
+    for where in ("a/tree", "b/c/tree"):
+        root = tmp_path / where
+        (root / "ckpt").mkdir(parents=True)
+        (root / "ckpt" / "setter.py").write_text(
+            "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n"
+            "from torch.distributed.fsdp import StateDictType\n\n\n"
+            "def use_sharded(net):\n"
+            "    FSDP.set_state_dict_type(net, StateDictType.SHARDED_STATE_DICT)\n"
+        )
+        (root / "optim_io.py").write_text(
+            "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n\n\n"
+            "def optim_state(net, opt):\n"
+            "    return FSDP.optim_state_dict(net, opt)\n"
+        )
+        by_path = {Path(r.path).name: r for r in migrate_paths([root])[1]}
+        outputs.append(by_path["optim_io.py"].fixed)
+    assert "ckpt/setter.py calls FSDP.set_state_dict_type" in outputs[0]
+    assert outputs[0] == outputs[1]
