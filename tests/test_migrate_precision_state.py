@@ -101,3 +101,72 @@ def test_a_persistent_sharded_type_keeps_later_state_calls_sharded() -> None:
     fresh = _between(fixed, "def fresh_full")
     assert "get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))" in fresh
     assert TODO not in fresh
+
+
+LOAD_BEFORE_WRAP = """\
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+
+def wrap_net(net):
+    return FSDP(
+        net,
+        # process_group=groups.data_parallel(),
+        use_orig_params=True,
+    )
+
+
+def run(net, weights, out):
+    if dist.get_rank() == 0:
+        net.load_state_dict(torch.load(weights), strict=True)
+    net = wrap_net(net)
+    net.clip_grad_norm_(1.0)
+    cfg = FullStateDictConfig(rank0_only=True, offload_to_cpu=True)
+    with FSDP.state_dict_type(net, StateDictType.FULL_STATE_DICT, cfg):
+        sd = net.state_dict()
+    torch.save(sd, out)
+"""
+
+
+def test_a_load_into_the_plain_module_before_it_is_wrapped_is_left_alone() -> None:
+    # The clip after ``net = wrap_net(net)`` is on the new object: no evidence about the load above it.
+    result = migrate_source(LOAD_BEFORE_WRAP, "load_before_wrap.py")
+    fixed = result.fixed
+    compile(fixed, "load_before_wrap.py", "exec")
+    assert "        net.load_state_dict(torch.load(weights), strict=True)\n" in fixed
+    assert not any(f.line == 18 for f in result.findings)
+    assert "fsdp_bridge.clip_grad_norm_(net, 1.0)" in fixed
+    assert migrate_source(fixed, "load_before_wrap.py").fixed == fixed
+
+
+def test_a_process_group_in_a_comment_is_not_a_model_parallel_layout() -> None:
+    # Only a real ``process_group=`` argument means FSDP over some ranks; a commented-out one is not.
+    fixed = migrate_source(LOAD_BEFORE_WRAP, "load_before_wrap.py").fixed
+    assert "get_model_state_dict(net, options=StateDictOptions(full_state_dict=True, cpu_offload=True))" in fixed
+    assert "fsdp_bridge.full_state_dict" not in fixed
+
+
+def test_todos_naming_another_file_do_not_depend_on_the_directory_given(tmp_path: Path) -> None:
+    # A TODO names the file that sets the state-dict type relative to the directory scanned: the same tree
+    # scanned as ``a/tree`` and as ``b/c/tree`` gets the same comments, so a second --fix from elsewhere adds none.
+    outputs = []
+    for where in ("a/tree", "b/c/tree"):
+        root = tmp_path / where
+        (root / "ckpt").mkdir(parents=True)
+        (root / "ckpt" / "setter.py").write_text(
+            "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n"
+            "from torch.distributed.fsdp import StateDictType\n\n\n"
+            "def use_sharded(net):\n"
+            "    FSDP.set_state_dict_type(net, StateDictType.SHARDED_STATE_DICT)\n"
+        )
+        (root / "optim_io.py").write_text(
+            "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n\n\n"
+            "def optim_state(net, opt):\n"
+            "    return FSDP.optim_state_dict(net, opt)\n"
+        )
+        by_path = {Path(r.path).name: r for r in migrate_paths([root])[1]}
+        outputs.append(by_path["optim_io.py"].fixed)
+    assert "ckpt/setter.py calls FSDP.set_state_dict_type" in outputs[0]
+    assert outputs[0] == outputs[1]

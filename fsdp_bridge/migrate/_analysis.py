@@ -4,7 +4,9 @@ constructor call, and small helpers over libcst nodes."""
 
 from __future__ import annotations
 
+import io
 import re
+import tokenize
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,6 +50,7 @@ class Dispatch:
     sets_state_dict_type: str | None = None  # a file of the tree that calls FSDP.set_state_dict_type
     makes_state_dict_context: str | None = None  # a file of the tree that calls FSDP.state_dict_type
     group_fsdp: str | None = None  # a file of the tree passing process_group= (FSDP over some ranks)
+    subclasses_fsdp1: str | None = None  # a file of the tree defining a subclass of FSDP1's wrapper (stays FSDP1)
     imported_names: set[str] = field(default_factory=set)
     """Every name some file of the tree imports with ``from ... import NAME``: a module-level variable of that
     name may be used by another file, so its assignment is never removed."""
@@ -74,6 +77,7 @@ class Dispatch:
         self.sets_state_dict_type = self.sets_state_dict_type or other.sets_state_dict_type
         self.makes_state_dict_context = self.makes_state_dict_context or other.makes_state_dict_context
         self.group_fsdp = self.group_fsdp or other.group_fsdp
+        self.subclasses_fsdp1 = self.subclasses_fsdp1 or other.subclasses_fsdp1
         for name, where in other.own_methods.items():
             self.own_methods.setdefault(name, where)
 
@@ -93,8 +97,26 @@ GROUP_ARG = re.compile(r"\bprocess_group\s*=\s*(?!None\b)")
 
 
 def passes_group(code: str) -> bool:
-    """Whether FSDP1 code passes a process group (the data-parallel group of a model-parallel layout)."""
-    return "FullyShardedDataParallel" in code and GROUP_ARG.search(code) is not None
+    """Whether FSDP1 code passes a process group (the data-parallel group of a model-parallel layout); a
+    commented-out ``# process_group=...`` is not one."""
+    if "FullyShardedDataParallel" not in code or GROUP_ARG.search(code) is None:
+        return False
+    try:
+        tokens = list(tokenize.generate_tokens(io.StringIO(code).readline))
+    except (tokenize.TokenError, SyntaxError):
+        return True  # unreadable here: keep the textual answer
+    return GROUP_ARG.search(" ".join(t.string for t in tokens if t.type != tokenize.COMMENT)) is not None
+
+
+WRAPPER_SUBCLASS = re.compile(
+    r"^[ \t]*class\s+\w+\s*\((?:[^()]*,)?\s*(?:[\w.]*\.)?(?:FullyShardedDataParallel|FSDP)\s*[,)]", re.M
+)
+
+
+def subclasses_wrapper(code: str) -> bool:
+    """Whether the file defines a subclass of FSDP1's wrapper (``class Mine(FullyShardedDataParallel):``): the
+    codemod leaves it a TODO, so the models it makes stay FSDP1's."""
+    return "FullyShardedDataParallel" in code and WRAPPER_SUBCLASS.search(code) is not None
 
 
 def find_fsdp1_factories(wrapper: MetadataWrapper, path: str) -> set[str]:

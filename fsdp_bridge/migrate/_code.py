@@ -54,6 +54,7 @@ from fsdp_bridge.migrate._analysis import (
     finds_state_dict_context,
     imported_names,
     passes_group,
+    subclasses_wrapper,
 )
 from fsdp_bridge.migrate._names import TODO
 from fsdp_bridge.migrate._report import CodeFinding, CodeReport
@@ -119,6 +120,7 @@ def migrate_source(
             sets_state_dict_type=path if "set_state_dict_type" in code else None,
             makes_state_dict_context=path if finds_state_dict_context(code) else None,
             group_fsdp=path if passes_group(code) else None,
+            subclasses_fsdp1=path if subclasses_wrapper(code) else None,
         )
     )
     if passes_group(code):
@@ -220,8 +222,11 @@ def migrate_paths(
     place; if any write fails, nothing is changed.
     """
     files: list[Path] = []
-    for p in map(Path, paths):
-        files.extend(sorted(f for f in p.rglob("*.py") if f.is_file()) if p.is_dir() else [p])
+    shown: dict[Path, str] = {}  # how a TODO names another file: relative to the directory given, so the
+    for p in map(Path, paths):  # comments do not change with the working directory (a second --fix adds none)
+        found = sorted(f for f in p.rglob("*.py") if f.is_file()) if p.is_dir() else [p]
+        files.extend(found)
+        shown.update({f: f.relative_to(p).as_posix() if p.is_dir() else f.name for f in found})
     report = CodeReport()
     results = []
     dispatch = Dispatch()  # helpers such as fsdp_version(model) may live in another file of the tree
@@ -238,10 +243,11 @@ def migrate_paths(
             dispatch.merge(
                 Dispatch(
                     imported_names=imported_names(code),
-                    own_methods=find_own_methods(code, str(f)),
-                    sets_state_dict_type=str(f) if "set_state_dict_type" in code else None,
-                    makes_state_dict_context=str(f) if finds_state_dict_context(code) else None,
-                    group_fsdp=str(f) if passes_group(code) else None,
+                    own_methods=find_own_methods(code, shown[f]),
+                    sets_state_dict_type=shown[f] if "set_state_dict_type" in code else None,
+                    makes_state_dict_context=shown[f] if finds_state_dict_context(code) else None,
+                    group_fsdp=shown[f] if passes_group(code) else None,
+                    subclasses_fsdp1=shown[f] if subclasses_wrapper(code) else None,
                 )
             )
         except Exception:  # unreadable or unparsable: reported by the loop below

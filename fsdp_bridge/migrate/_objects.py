@@ -256,6 +256,20 @@ class ObjectAnalysis(ScannerBase):
                     found.add("ddp")
             return found
 
+        rebound: list[tuple[int, int]] = []  # where ``target`` is assigned below ``before``
+        if limit is not None:
+            for n in walk(scope):
+                if isinstance(n, cst.Assign) and any(code_of(t.target) == target for t in n.targets):
+                    start = self.get_metadata(PositionProvider, n).start
+                    if (start.line, start.column) > (limit.line, limit.column):
+                        rebound.append((start.line, start.column))
+
+        def same_object(call: cst.CSTNode) -> bool:
+            """No assignment to ``target`` between ``before`` and ``call``: ``model.load_state_dict(sd)``,
+            then ``model = FSDP(model)``, then ``model.clip_grad_norm_(1.0)`` clips another object."""
+            at = self.get_metadata(PositionProvider, call).start
+            return not any(r < (at.line, at.column) for r in rebound)
+
         kinds: set[str] = set()
         for n in walk(scope):
             if limit is not None and isinstance(n, (cst.IndentedBlock, cst.Module)):
@@ -325,6 +339,7 @@ class ObjectAnalysis(ScannerBase):
                     and f.attr.value == "clip_grad_norm_"
                     and code_of(f.value) == target
                     and "clip_grad_norm_" not in self.dispatch.own_methods
+                    and same_object(n)
                 ):
                     kinds.add("fsdp1")  # DDP has no clip_grad_norm_
             elif isinstance(n, cst.Param) and n.name.value == target and n.annotation is not None:

@@ -3,6 +3,8 @@ FSDP1 modules, the config classes kept for the bridge to read, mocks of the wrap
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import libcst as cst
 import libcst.matchers as m
 from libcst.metadata import QualifiedNameProvider
@@ -187,6 +189,19 @@ class ImportsFixer(ScannerBase):
                 False,
             )
             return False
+        if kind == FSDP and member == "" and (alias := self._class_alias(node)) is not None:
+            # ``FSDP = FullyShardedDataParallel``: the calls made through that name resolve to this file's
+            # variable, not to torch's class, so nothing below finds them.
+            self._record(
+                node,
+                f"{alias} = {code_of(node)} (an alias of FSDP1's wrapper class)",
+                f"not followed: calls through {alias} ({alias}(...), {alias}.optim_state_dict, "
+                f"{alias}.state_dict_type, ...) are not found by this codemod and are not listed here; import the "
+                f"class under that name instead (from torch.distributed.fsdp import FullyShardedDataParallel as "
+                f"{alias}) and run migrate code again",
+                False,
+            )
+            return False
         if kind == FSDP and member == "":
             # FSDP(...) calls are handled in visit_Call; isinstance(x, FSDP) and the like land here.
             self._record(node, code_of(node), "torch.distributed.fsdp.FSDPModule (FSDP2 modules are FSDPModule)", False)
@@ -209,6 +224,19 @@ class ImportsFixer(ScannerBase):
                 "sharding"
             )
             self._record(node, code_of(node), text, not reentrant)
+            return False
+        if kind == "ShardedGradScaler" and not member and (where := self.dispatch.subclasses_fsdp1) is not None:
+            # The tree keeps an FSDP1 wrapper of its own (a subclass, left as a TODO): its gradients stay FSDP1's
+            # flat shards, and torch.amp.GradScaler would not agree across ranks on an overflow.
+            self._record(
+                node,
+                code_of(node),
+                f"not rewritten: {Path(where).name} subclasses FSDP1's wrapper (a TODO of its own), so the models "
+                "it makes stay FSDP1's, whose sharded gradients need ShardedGradScaler (it all-reduces the "
+                "overflow check; torch.amp.GradScaler would let one rank skip a step the others take); change it "
+                "to torch.amp.GradScaler when that subclass is migrated to fsdp_bridge.shard",
+                False,
+            )
             return False
         if kind == "ShardedGradScaler" and not member and id(node) not in self.called and not self.assign_target_depth:
             return self._plan_scaler_class(node)
@@ -349,6 +377,7 @@ class ImportsFixer(ScannerBase):
         elif (
             hit is not None
             and hit[0] == "ShardedGradScaler"
+            and self.dispatch.subclasses_fsdp1 is None
             and not any(a.keyword is not None and a.keyword.value == "process_group" for a in args)
         ):
             self.needs_imports.add(("torch", None))
@@ -361,3 +390,18 @@ class ImportsFixer(ScannerBase):
         for a in args:
             self._consume(a.value) if self._qn(a.value) is not None else None
         return True
+
+    def _class_alias(self, node: cst.CSTNode) -> str | None:
+        """The name in ``NAME = FullyShardedDataParallel`` when ``node`` is that statement's whole value."""
+        stmt = self.stmt_stack[-1] if self.stmt_stack else None
+        if not isinstance(stmt, cst.SimpleStatementLine) or len(stmt.body) != 1:
+            return None
+        assign = stmt.body[0]
+        if (
+            isinstance(assign, cst.Assign)
+            and assign.value is node
+            and len(assign.targets) == 1
+            and isinstance(assign.targets[0].target, cst.Name)
+        ):
+            return assign.targets[0].target.value
+        return None
