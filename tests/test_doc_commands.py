@@ -64,6 +64,14 @@ NOT_RUN: dict[str, str] = {
     "python -m pytest tests/test_reliability_faults.py tests/test_reliability_checkpoints.py "
     "tests/test_config_properties.py tests/test_bad_inputs.py tests/test_checkpoint_description_fuzz.py": "part of this test suite",
     "python -m pytest -m slow": "the slow tests (minutes)",
+    "fsdp-bridge inspect s3://bucket/run/checkpoints/step_100": "needs an S3 bucket and credentials; "
+    "inspect at a URL: test_checkpoint_objstore.py (memory://) and test_checkpoint_s3.py (moto's S3 server)",
+    "fsdp-bridge convert s3://bucket/run/checkpoints/step_100 s3://bucket/export --to hf": "needs an S3 bucket "
+    "and credentials; convert at URLs: test_checkpoint_objstore.py",
+    "fsdp-bridge migrate code src/ --diff --target torch": "src/ is your tree; --target torch: test_migrate_target_torch.py",
+    "fsdp-bridge migrate code src/ --fix --target torch": "src/ is your tree; --target torch: test_migrate_target_torch.py",
+    "fsdp-bridge migrate verify src/ --target torch -- train.py": "src/ and train.py are yours; "
+    "verify --target torch: test_migrate_target_torch.py runs a fixture before and after",
     "OMP_NUM_THREADS=1 python benchmarks/compile.py --fresh-cache": "a benchmark (a minute or more: a cold "
     "inductor compile); compile's losses: test_compile.py (slow tier)",
     "python benchmarks/compile.py --device cuda": "needs a CUDA GPU (exits 2 without one)",

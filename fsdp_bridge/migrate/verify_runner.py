@@ -146,6 +146,17 @@ def _record_losses(out: str) -> None:
         rank = int(os.environ.get("RANK", "0"))
         with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
             json.dump({"losses": losses}, f)
+        # A script that leaves its process group alive has it torn down during interpreter
+        # finalisation, where gloo can abort ("terminate called without an active exception") when
+        # a peer closes first: end it here, after the script's own exit handlers (registered later,
+        # run first), in both runs alike.
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # the run is over; its exit code is the script's
+                pass
 
     atexit.register(write)
 
