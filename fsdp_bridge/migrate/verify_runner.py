@@ -146,17 +146,6 @@ def _record_losses(out: str) -> None:
         rank = int(os.environ.get("RANK", "0"))
         with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
             json.dump({"losses": losses}, f)
-        # A script that leaves its process group alive has it torn down during interpreter
-        # finalisation, where gloo can abort ("terminate called without an active exception") when
-        # a peer closes first: end it here, after the script's own exit handlers (registered later,
-        # run first), in both runs alike.
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:  # the run is over; its exit code is the script's
-                pass
 
     atexit.register(write)
 
@@ -182,7 +171,19 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(ns.seed)
     os.chdir(tree)
     sys.argv = [script, *script_args]
-    runpy.run_path(script, run_name="__main__")
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as stop:
+        if stop.code not in (None, 0):
+            raise
+    # The script finished: run the exit handlers (its own, then the recording's), then leave without
+    # interpreter finalisation. Objects the script keeps (FSDP modules) still hold the gloo process
+    # group, whose destructor then runs while the peers are already gone and can abort the rank
+    # ("terminate called without an active exception"): a teardown race, not the script's behaviour.
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
