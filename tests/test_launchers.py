@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -243,7 +244,9 @@ def test_ray_train_example_resumes_after_a_worker_failure_with_an_uninterrupted_
         RAY_TRAIN_HEALTH_CHECK_INTERVAL_S="0.25",  # sees the failure and the end sooner (default 2 s)
     )
     env.pop("RAY_ADDRESS", None)
-    ray_run, reference = "s3://fsdp-bridge-test/ray-run", tmp_path / "reference"  # the s3_env fixture's bucket
+    # The s3_env fixture's bucket, under a name of this test run's own: a run at a URL keeps its local copy
+    # (and a `once` fault's marker) under the temporary directory, named after the URL.
+    ray_run, reference = f"s3://fsdp-bridge-test/ray-run-{uuid.uuid4().hex[:12]}", tmp_path / "reference"
     # Worker 1 fails in step 4, after the checkpoint of step 2: Ray starts both workers again,
     # and the second attempt resumes from step 2 (resume: auto).
     proc = subprocess.run(
