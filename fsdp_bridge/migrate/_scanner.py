@@ -16,6 +16,7 @@ from fsdp_bridge.migrate.fixers._checkpoints import CheckpointNoteFixer
 from fsdp_bridge.migrate.fixers._constructor import ConstructorFixer
 from fsdp_bridge.migrate.fixers._imports import ImportsFixer
 from fsdp_bridge.migrate.fixers._lightning import LightningFixer
+from fsdp_bridge.migrate.fixers._local_state import LocalStateFixer
 from fsdp_bridge.migrate.fixers._meta_init import MetaInitFixer
 from fsdp_bridge.migrate.fixers._no_sync_clip import NoSyncClipFixer
 from fsdp_bridge.migrate.fixers._optim import OptimStateFixer
@@ -31,6 +32,7 @@ class Scanner(
     PolicyFixer,
     MetaInitFixer,
     StateDictFixer,
+    LocalStateFixer,
     OptimStateFixer,
     SummonFixer,
     NoSyncClipFixer,

@@ -9,7 +9,7 @@ import libcst as cst
 import libcst.matchers as m
 from libcst.metadata import PositionProvider, QualifiedNameProvider
 
-from fsdp_bridge.migrate._analysis import assign_target, assign_value, code_of, model_and_optim, named_args, short, walk
+from fsdp_bridge.migrate._analysis import assign_target, assign_value, code_of, named_args, short, walk
 from fsdp_bridge.migrate._names import FSDP, GROUP_RANK0
 from fsdp_bridge.migrate._scan_base import ScannerBase
 
@@ -19,6 +19,10 @@ class OptimStateFixer(ScannerBase):
 
     def _plan_optim_state_call(self, node: cst.Call, func: cst.BaseExpression, hit: tuple[str, str] | None) -> bool:
         """FSDP1's optimizer-state functions; True when the call is planned."""
+        if hit is not None and hit[0] == FSDP and (why := self._optim_call_not_rewritten(node, hit[1])) is not None:
+            self._record(node, f"FSDP.{hit[1]}(...)", f"not rewritten: {why}", False)
+            self._consume(node.func)
+            return True
         if hit == (FSDP, "optim_state_dict_to_load") and (code := self._optim_to_load(node, None)) is not None:
             self.call_rewrites[id(node)] = code
             self._record(
@@ -47,7 +51,7 @@ class OptimStateFixer(ScannerBase):
             return True
         if hit == (FSDP, "optim_state_dict") and (ctx := self._runtime_state_context()) is not None:
             if (where := self.dispatch.makes_state_dict_context) is not None and (
-                mo := model_and_optim(node)
+                mo := self._model_and_own_optim_state(node)
             ) is not None:
                 code = f"fsdp_bridge.optim_state_dict({mo[0]}, {mo[1]})"
                 self.call_rewrites[id(node)] = code
@@ -81,6 +85,57 @@ class OptimStateFixer(ScannerBase):
             if self._plan_optim_call(node, hit[1]):
                 return True
         return False
+
+    def _optim_call_not_rewritten(self, node: cst.Call, member: str) -> str | None:
+        """Why an optimizer-state call that names a non-default process group or optimizer state is left
+        as it is (None for any other call: the reference pass reports it)."""
+        orders: dict[str, tuple[str, ...]] = {  # FSDP1's signatures
+            "optim_state_dict": ("model", "optim", "optim_state_dict", "group"),
+            "optim_state_dict_to_load": (
+                "model",
+                "optim",
+                "optim_state_dict",
+                "is_named_optimizer",
+                "load_directly",
+                "group",
+            ),
+            "full_optim_state_dict": ("model", "optim", "optim_input", "rank0_only", "group"),
+            "scatter_full_optim_state_dict": ("full_optim_state_dict", "model", "optim_input", "optim", "group"),
+        }
+        order = orders.get(member)
+        if order is None:
+            return None
+        named = named_args(node, order)
+        if named is None:
+            return None
+        group = named.get("group")
+        if group is not None and not m.matches(group, m.Name("None")):
+            return (
+                f"group={short(code_of(group), 30)} is a process group of its own; torch's "
+                "get_optimizer_state_dict / set_optimizer_state_dict work over the model's own mesh (FSDP2) or "
+                "process group (FSDP1): drop group= where it is the group the model is sharded over"
+            )
+        given = named.get("optim_state_dict")
+        if member == "optim_state_dict" and given is not None and not m.matches(given, m.Name("None")):
+            block = next(
+                (
+                    code_of(s.items[0].item.args[1].value)
+                    for s in reversed(self.stmt_stack)
+                    if isinstance(s, cst.With)
+                    and isinstance(s.items[0].item, cst.Call)
+                    and code_of(s.items[0].item.func).endswith(".state_dict_type")  # FSDP's, or a first --fix's
+                    and len(s.items[0].item.args) > 1
+                ),
+                None,
+            )
+            where = f" (inside a state_dict_type block of {short(block, 40)})" if block else ""
+            return (
+                f"optim_state_dict={short(code_of(given), 30)}{where} is not shown to be "
+                f"{short(code_of(named.get('optim', given)), 30)}.state_dict() taken by the statement just above "
+                "(FSDP1's default for it); torch's get_optimizer_state_dict reads the optimizer's own state: if "
+                "it is that, drop the argument; if it is another state, load it into the optimizer first"
+            )
+        return None
 
     def _plan_optimizer_order(self, body: Sequence[cst.BaseStatement]) -> None:
         """``opt = torch.optim.X(M.parameters(), ...)`` before ``M = FSDP(M, ...)`` in the same block moves
@@ -225,8 +280,10 @@ class OptimStateFixer(ScannerBase):
         loads it into ``O`` and returns ``O.state_dict()``; without ``optim`` the optimizer is unknown."""
         scatter = self._qn(node.func) == (FSDP, "scatter_full_optim_state_dict")
         named = named_args(node, ("full_optim_state_dict", "model", "optim_input", "optim", "group"))
-        if named is None or not {"full_optim_state_dict", "model"} <= set(named) or "group" in named:
+        if named is None or not {"full_optim_state_dict", "model"} <= set(named):
             return None
+        if "group" in named and not m.matches(named["group"], m.Name("None")):
+            return None  # a process group of its own: torch's calls take the model's mesh (a TODO)
         if "optim_input" in named and not m.matches(named["optim_input"], m.Name("None")):
             return None
         optim = code_of(named["optim"]) if "optim" in named else self._loaded_into(node)

@@ -3,17 +3,16 @@ saved or loaded in them or outside them."""
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import cast
 
 import libcst as cst
 import libcst.matchers as m
-from libcst.metadata import CodePosition, PositionProvider, QualifiedNameProvider
+from libcst.metadata import CodePosition, PositionProvider
 
-from fsdp_bridge.migrate._analysis import Conversion, code_of, model_and_optim, named_args, short, walk
-from fsdp_bridge.migrate._names import FSDP, GROUP_RANK0, HARMLESS_CALLS
+from fsdp_bridge.migrate._analysis import Conversion, code_of, named_args, short, walk
+from fsdp_bridge.migrate._names import FSDP, GROUP_RANK0
 from fsdp_bridge.migrate._render import with_option
 from fsdp_bridge.migrate._report import CodeFinding
 from fsdp_bridge.migrate._scan_base import ScannerBase
@@ -311,7 +310,7 @@ class StateDictFixer(ScannerBase):
                     rewrites[id(inner)] = f"fsdp_bridge.full_state_dict({model}, {model_args})"
                 elif func.attr.value == "load_state_dict":
                     return  # a load in the same block: left to the reference pass (a TODO)
-            elif hit == (FSDP, "optim_state_dict") and (mo := model_and_optim(inner)) is not None:
+            elif hit == (FSDP, "optim_state_dict") and (mo := self._model_and_own_optim_state(inner)) is not None:
                 rewrites[id(inner)] = f"fsdp_bridge.full_optim_state_dict({mo[0]}, {mo[1]}, {optim_args})"
             elif hit is not None and hit[0] == FSDP:
                 return
@@ -346,22 +345,8 @@ class StateDictFixer(ScannerBase):
         for n in walk(block.body):
             if isinstance(n, cst.Name) and n.value == root and root != "self":
                 return False
-            if not isinstance(n, cst.Call):
-                continue
-            func = n.func
-            if isinstance(func, cst.Attribute) and func.attr.value == "state_dict" and not n.args:
-                # An optimizer's, scheduler's or scaler's own: not the model's, its owner's (self.model ->
-                # self), a part of it, or an object that may hold it (an engine, a trainer).
-                if re.search(r"opt|sched|scaler", code_of(func.value).split(".")[-1], re.IGNORECASE):
-                    continue
+            if isinstance(n, cst.Call) and not self._harmless_in_state_block(n):
                 return False
-            names = {q.name for q in self.get_metadata(QualifiedNameProvider, func, set())}
-            code = code_of(func)
-            if names & HARMLESS_CALLS or any(q.startswith(("os.", "logging.")) for q in names):
-                continue
-            if code.split(".")[0] in ("logger", "log", "logging") or code.startswith(("self.logger.", "os.path.")):
-                continue
-            return False
         return True
 
     def _plan_state_dict_block(self, node: cst.With) -> None:
@@ -382,11 +367,14 @@ class StateDictFixer(ScannerBase):
         kind = self._member(type_arg, "StateDictType")
         if kind is None and self._qn(type_arg) is not None:
             return  # an FSDP1 name that is not a member: reported by the reference pass
-        if kind not in ("FULL_STATE_DICT", "SHARDED_STATE_DICT", None):
-            return  # LOCAL_STATE_DICT: reported as a TODO by the reference pass
         model = code_of(named["module"])
         cfg = named.get("state_dict_config")
         optim_cfg = named.get("optim_state_dict_config")
+        if kind == "LOCAL_STATE_DICT":
+            self._plan_local_block(node, model, cfg, optim_cfg)  # saved and loaded per rank: sharded
+            return
+        if kind not in ("FULL_STATE_DICT", "SHARDED_STATE_DICT", None):
+            return
         if kind is None or not self._literal_config(cfg) or not self._literal_config(optim_cfg):
             # Type or configs known only at run time: fsdp_bridge translates them when the code runs.
             runtime = ", ".join(code_of(a) for a in (type_arg, cfg, optim_cfg) if a is not None)
@@ -446,7 +434,7 @@ class StateDictFixer(ScannerBase):
                     rewrites[id(inner)] = (
                         f"set_model_state_dict({model}, {code_of(load['state_dict'])}, options={opts})"
                     )
-            elif hit == (FSDP, "optim_state_dict") and (mo := model_and_optim(inner)) is not None:
+            elif hit == (FSDP, "optim_state_dict") and (mo := self._model_and_own_optim_state(inner)) is not None:
                 self.needs_state_dict_api.add("get_optimizer_state_dict")
                 rewrites[id(inner)] = f"get_optimizer_state_dict({mo[0]}, {mo[1]}, options={optim_opts})"
             elif hit == (FSDP, "optim_state_dict_to_load") and id(inner) not in self.consumed_nodes:
