@@ -102,6 +102,12 @@ EXPECTED: dict[str, set[tuple[int, str]]] = {
         (54, "FSDP.state_dict_type(SHARDED_STATE_DICT)"),
         (60, "FSDP.state_dict_type(SHARDED_STATE_DICT)"),
     },
+    "local_state_dict.py": {
+        (32, "FSDP.state_dict_type(LOCAL_STATE_DICT)"),
+        (40, "FSDP.state_dict_type(LOCAL_STATE_DICT)"),
+        (63, "FSDP(...)"),
+        (69, "FSDP(...)"),
+    },
     "kwargs_builder.py": {
         (21, "ShardingStrategy.FULL_SHARD"),
         (21, "ShardingStrategy.SHARD_GRAD_OP"),
@@ -1729,10 +1735,12 @@ def test_a_local_state_dict_block_that_takes_no_model_state_is_unwrapped() -> No
     )
     result = migrate_source(code, "ckpt.py")
     by_line = {f.line: f.fixable for f in result.findings if f.construct.startswith("FSDP.state_dict_type")}
-    assert by_line == {13: True, 21: False, 25: False}, result.findings
+    # line 21 saves the model's state straight into torch.save: sharded, as each rank's own shards
+    assert by_line == {13: True, 21: True, 25: False}, result.findings
     fixed = result.fixed
     assert "def save_optimizer(model, optimizer, save_dir):\n    path = os.path.join(" in fixed
-    assert fixed.count("StateDictType.LOCAL_STATE_DICT):") == 2 and migrate_source(fixed, "ckpt.py").fixed == fixed
+    assert 'torch.save(get_model_state_dict(self.model, options=StateDictOptions()), "m.pth")' in fixed
+    assert fixed.count("StateDictType.LOCAL_STATE_DICT):") == 1 and migrate_source(fixed, "ckpt.py").fixed == fixed
 
 
 def test_a_scattered_optimizer_state_kept_in_a_variable_finds_its_optimizer() -> None:
