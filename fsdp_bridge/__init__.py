@@ -28,6 +28,7 @@ if TYPE_CHECKING:
         get_bridge,
         is_sharded,
         no_sync,
+        reshard,
         shard,
         summon_full_params,
     )
@@ -96,6 +97,7 @@ _EXPORTS: dict[str, str] = {
     "shard": "fsdp_bridge.api",
     "state_dict_options": "fsdp_bridge.backends.fsdp1_objects",
     "state_dict_type": "fsdp_bridge.backends.fsdp1_objects",
+    "reshard": "fsdp_bridge.api",
     "summon_full_params": "fsdp_bridge.api",
     "translate": "fsdp_bridge.mapping",
     "wrap_module": "fsdp_bridge._manual_wrap",
@@ -135,6 +137,7 @@ __all__ = [
     "no_sync",
     "optim_state_dict",
     "optim_state_dict_to_load",
+    "reshard",
     "rotate_checkpoints",
     "save_checkpoint",
     "save_checkpoint_async",

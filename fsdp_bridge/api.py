@@ -58,6 +58,7 @@ __all__ = [
     "get_bridge",
     "is_sharded",
     "no_sync",
+    "reshard",
     "shard",
     "summon_full_params",
 ]
@@ -793,6 +794,32 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     if isinstance(bridge, Bridge):
         return bridge.clip_grad_norm_(max_norm, norm_type)
     return module_clip_grad_norm_(model, max_norm, norm_type)
+
+
+def reshard(module: nn.Module, *, recurse: bool = True) -> None:
+    """Free the full parameters a sharded model's units hold gathered, on either backend.
+
+    FSDP1 keeps the root's parameters (SHARD_GRAD_OP: every unit's) gathered after forward for the
+    backward that follows; after an evaluation forward under ``torch.no_grad()`` no backward comes,
+    and FSDP1 code frees them with torch's private ``_reshard`` (pytorch/pytorch issue 117742) before
+    updating the weights in place (an EMA or averaged copy) or to give the memory back. This call is
+    that, with public names: on FSDP1 what ``_reshard`` does for each unit that has parameters and is
+    not NO_SHARD; on FSDP2 ``FSDPModule.reshard()`` on each unit. The next forward gathers again.
+    Local to the rank (no collective), so ranks need not call it together.
+
+    Args:
+        module: a model returned by :func:`shard`, a unit of one, or a module sharded by torch
+            directly (``FullyShardedDataParallel`` or ``fully_shard``); a module holding no sharded
+            unit (DDP, a plain module) has nothing gathered, and nothing is done.
+        recurse: every unit under ``module``, itself included; False: ``module``'s own unit only (what
+            ``_reshard(unit, unit._handle, True)`` frees), for code that visits each unit itself.
+
+    Returns:
+        Nothing.
+    """
+    backend = backend_inside(module)
+    if backend is not None:
+        get_backend(backend).reshard(module, recurse=recurse)
 
 
 def _refuse_offloaded_grads(with_grads: bool, offload_to_cpu: bool) -> None:

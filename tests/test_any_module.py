@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 import fsdp_bridge
@@ -195,6 +196,68 @@ def _numerics() -> dict[str, Any]:
             identity[backend] = (all(a is b for a, b in zip(held, inside, strict=True)), tuple(held[0].shape))
         out[f"is_sharded_{backend}"] = fsdp_bridge.is_sharded(model)
     out["identity"] = identity
+    out["reshard"] = _reshard_after_eval(rank)
+    return out
+
+
+def _gathered_bytes(model: nn.Module) -> list[int]:
+    """Bytes each unit holds unsharded: FSDP1's padded full flat parameter, FSDP2's registered full tensors."""
+    if isinstance(model, FullyShardedDataParallel):
+        units = FullyShardedDataParallel.fsdp_modules(model)
+        return [u._handle.flat_param._full_param_padded.untyped_storage().nbytes() for u in units]
+    return [p.untyped_storage().nbytes() for p in model.parameters() if type(p) is not DTensor]
+
+
+def _reshard_after_eval(rank: int) -> dict[str, Any]:
+    """fsdp_bridge.reshard after an evaluation forward under no_grad: the gathered parameters are freed
+    (FSDP1's root and SHARD_GRAD_OP units, FSDP2 units that keep them) and the next train step matches
+    a run without the call."""
+    from torch.distributed.fsdp import ShardingStrategy as TorchStrategy
+    from torch.distributed.fsdp import fully_shard
+
+    def make(kind: str) -> nn.Module:
+        model = _net()
+        if kind == "fully_shard":  # torch's own, keeping its parameters gathered after forward (ZeRO-2)
+            fully_shard(model[2], reshard_after_forward=False)
+            return fully_shard(model, reshard_after_forward=False)
+        if kind == "fsdp1_torch":
+            return FullyShardedDataParallel(
+                model,
+                auto_wrap_policy=_blocks,
+                sharding_strategy=TorchStrategy.SHARD_GRAD_OP,
+                device_id=torch.device("cpu"),
+                use_orig_params=True,
+            )
+        return fsdp_bridge.shard(model, BridgeConfig(backend=kind, device="cpu", wrap=["Sequential"]))
+
+    out: dict[str, Any] = {}
+    for kind in ("fsdp1", "fsdp2", "fully_shard", "fsdp1_torch"):
+        runs = []
+        for free in (True, False):
+            model = make(kind)
+            opt = torch.optim.Adam(model.parameters(), lr=0.01)
+            fsdp_bridge.reshard(model)  # before any forward: nothing gathered, nothing to do
+            with torch.no_grad():
+                model(torch.ones(2, 8))
+            held = sum(_gathered_bytes(model))
+            if free:
+                fsdp_bridge.reshard(model)
+            left = sum(_gathered_bytes(model))
+            losses = []
+            for step in range(2):
+                loss = model(torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * rank + step)))
+                loss = loss.square().mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+            runs.append((held, left, losses))
+        out[kind] = runs
+    plain = _net()
+    fsdp_bridge.reshard(plain)  # nothing sharded: nothing done
+    out["plain_unchanged"] = all(
+        torch.equal(a, b) for a, b in zip(plain.parameters(), _net().parameters(), strict=True)
+    )
     return out
 
 
@@ -223,3 +286,11 @@ def test_ddp_and_fully_shard_numerics_match_their_own_calls(run_on_ranks: Any) -
         # summon_full_params: FSDP1 (use_orig_params) re-points the parameters held before the context;
         # FSDP2's are DTensors whose data live in slots: those objects stay shards inside (docs/bridge.md)
         assert r["identity"] == {"fsdp2": (False, (16, 8)), "fsdp1": (True, (16, 8))}
+        # reshard after an evaluation forward: what was held gathered is freed, the train steps that
+        # follow are those of a run without it (FSDP2 through shard() reshards such a forward itself)
+        for kind in ("fsdp1", "fsdp2", "fully_shard", "fsdp1_torch"):
+            (held, left, losses), (held_ref, left_ref, ref_losses) = r["reshard"][kind]
+            assert losses == ref_losses, kind
+            assert left == 0 and held == held_ref and left_ref == held_ref, (kind, held, left, left_ref)
+            assert held > 0 or kind == "fsdp2", kind
+        assert r["reshard"]["plain_unchanged"]

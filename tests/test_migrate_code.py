@@ -159,10 +159,8 @@ EXPECTED: dict[str, set[tuple[int, str]]] = {
         (36, "clean_tensor_name (torch.distributed.fsdp._common_utils.clean_tensor_name)"),
         # the units of FSDP.fsdp_modules(...) in a loop and a comprehension are FSDP1 wrappers there
         (41, "FSDP.fsdp_modules(...)"),
-        (42, "unit._has_params (an FSDP1 internal)"),
-        (42, "unit.sharding_strategy (an FSDP1 wrapper attribute)"),
-        (43, "_reshard (torch.distributed.fsdp._runtime_utils._reshard)"),
-        (43, "unit._handle (an FSDP1 internal)"),
+        # the whole if frees the unit's gathered parameters: one call (tests/test_migrate_internals.py)
+        (42, "if ...: _reshard(unit, ...) (FSDP1's private free of a unit's gathered parameters)"),
         (47, "unit.mixed_precision (an FSDP1 wrapper attribute)"),
         (47, "FSDP.fsdp_modules(...)"),
     },
@@ -1160,6 +1158,7 @@ def test_private_fsdp1_helpers_and_wrapper_subclasses_are_todos_not_fixes() -> N
         "StateDictType.LOCAL_STATE_DICT",
         "clean_tensor_name (torch.distributed.fsdp._common_utils.clean_tensor_name)",
         "FSDP.fsdp_modules(...)",
+        "if ...: _reshard(unit, ...) (FSDP1's private free of a unit's gathered parameters)",  # its public form
         "FSDP.fsdp_modules(...)",
     )
     assert [f.construct for f in result.findings if f.fixable and not f.note] == list(kept)  # a name helper works

@@ -201,6 +201,20 @@ class BackendImpl(Protocol):
         """
         ...
 
+    def reshard(self, module: nn.Module, *, recurse: bool) -> None:
+        """Free the unsharded parameters ``module``'s units hold gathered (after an evaluation forward
+        under ``torch.no_grad()``, say); the next forward gathers them again. Local: no collective.
+
+        Args:
+            module: a unit of a sharded model, a whole sharded model, or any module under one.
+            recurse: every unit under ``module`` (itself included); False: ``module``'s own unit only.
+
+        Returns:
+            Nothing; units without parameters, NO_SHARD units (FSDP1) and modules that are no unit
+            are left as they are.
+        """
+        ...
+
     def local_tensors(self, model: nn.Module) -> list[torch.Tensor]:
         """The parameter data this rank holds: its shards (no padding), one tensor per parameter.
 

@@ -24,6 +24,7 @@ from torch.distributed.fsdp import (
 from torch.distributed.fsdp import (
     ShardingStrategy as TorchShardingStrategy,
 )
+from torch.distributed.fsdp._runtime_utils import _reshard  # reshard_unit says why
 from torch.distributed.fsdp.wrap import CustomPolicy
 
 from fsdp_bridge._names import strip_wrapper_prefixes
@@ -88,6 +89,22 @@ def own_params(wrapped: FullyShardedDataParallel) -> Iterator[None]:
             yield
     finally:
         _OWN_GATHERED.discard(id(wrapped))
+
+
+def reshard_unit(unit: FullyShardedDataParallel) -> None:
+    """Free the unit's unsharded flat parameter as FSDP1 does after forward: torch's private
+    ``_reshard(unit, handle, True)`` (one handle per unit since torch 2.1; checked on 2.13-2.14), the
+    call FSDP1 code makes to drop what an evaluation forward under ``torch.no_grad()`` left gathered
+    (pytorch/pytorch issue 117742: the root keeps its parameters gathered for a backward that never
+    comes). Skipped as that code skips it: a unit without parameters, a NO_SHARD unit (its flat
+    parameter is the only copy), and a unit that has not run yet (nothing gathered, and torch's
+    buffers for it do not exist before the first forward)."""
+    handle = unit._handle
+    if handle is None or unit.sharding_strategy is TorchShardingStrategy.NO_SHARD:
+        return
+    if getattr(handle.flat_param, "_full_param_padded", None) is None:
+        return
+    _reshard(unit, handle, True)
 
 
 def cast_floating(obj: Any, dtype: torch.dtype) -> Any:
@@ -234,6 +251,14 @@ class FSDP1Backend:
 
     def own_params(self, module: nn.Module) -> AbstractContextManager[None]:
         return own_params(module) if isinstance(module, FullyShardedDataParallel) else nullcontext()
+
+    def reshard(self, module: nn.Module, *, recurse: bool) -> None:
+        if recurse:
+            units = FullyShardedDataParallel.fsdp_modules(module)
+        else:
+            units = [module] if isinstance(module, FullyShardedDataParallel) else []
+        for unit in units:
+            reshard_unit(unit)
 
     @contextmanager
     def summon_full_params(

@@ -230,6 +230,11 @@ class FSDP2Backend:
             p.grad.mul_(coef.item())
         return total_norm
 
+    def reshard(self, module: nn.Module, *, recurse: bool) -> None:
+        for unit in module.modules() if recurse else [module]:
+            if isinstance(unit, FSDPModule):
+                unit.reshard()  # FSDPModule's own: frees what the unit holds gathered, registers the shards
+
     @contextmanager
     def own_params(self, module: nn.Module) -> Iterator[None]:
         if not isinstance(module, FSDPModule):  # not a unit: FSDP1 gathers nothing either

@@ -115,6 +115,8 @@ class Rewriter(cst.CSTTransformer):
         return with_todos(original_node, updated_node, self.scan.todos)
 
     def leave_If(self, original_node: cst.If, updated_node: cst.If) -> Any:
+        if (code := self.scan.stmt_rewrites.get(id(original_node))) is not None:
+            return cst.parse_statement(code).with_changes(leading_lines=updated_node.leading_lines)
         return self._compound(original_node, updated_node)
 
     def leave_FunctionDef(self, original_node: cst.FunctionDef, updated_node: cst.FunctionDef) -> Any:

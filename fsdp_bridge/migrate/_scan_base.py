@@ -109,6 +109,7 @@ class ScannerBase(cst.CSTVisitor):
         self.conversions: dict[int, Conversion] = {}  # id(FSDP call) -> conversion
         self.fixable_calls: dict[int, str] = {}  # id(call) -> "method" (no_sync, clip) or "summon"
         self.call_rewrites: dict[int, str] = {}  # id(call) -> replacement source (state dict API)
+        self.stmt_rewrites: dict[int, str] = {}  # id(compound statement) -> the one statement replacing it
         self.unwrap_withs: set[int] = set()  # state_dict_type blocks replaced by their (rewritten) body
         self.context_makers: tuple[set[str], set[str]] | None = None  # see _made_context
         self.needs_state_dict_api: set[str] = set()  # names to import from torch.distributed.checkpoint.state_dict

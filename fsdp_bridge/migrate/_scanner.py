@@ -15,6 +15,7 @@ from fsdp_bridge.migrate.fixers._attributes import ElsewhereAttributesFixer
 from fsdp_bridge.migrate.fixers._checkpoints import CheckpointNoteFixer
 from fsdp_bridge.migrate.fixers._constructor import ConstructorFixer
 from fsdp_bridge.migrate.fixers._imports import ImportsFixer
+from fsdp_bridge.migrate.fixers._internals import InternalsFixer
 from fsdp_bridge.migrate.fixers._lightning import LightningFixer
 from fsdp_bridge.migrate.fixers._local_state import LocalStateFixer
 from fsdp_bridge.migrate.fixers._meta_init import MetaInitFixer
@@ -40,6 +41,7 @@ class Scanner(
     LightningFixer,
     CheckpointNoteFixer,
     ElsewhereAttributesFixer,
+    InternalsFixer,
     ObjectAnalysis,
     ScannerBase,
 ):
@@ -68,8 +70,11 @@ class Scanner(
     def leave_With(self, original_node: cst.With) -> None:
         self.stmt_stack.pop()
 
-    def visit_If(self, node: cst.If) -> None:
+    def visit_If(self, node: cst.If) -> bool | None:
         self._push(node)
+        if self._plan_free(node):
+            return False  # the whole statement becomes one call: nothing inside is reported on its own
+        return None
 
     def leave_If(self, original_node: cst.If) -> None:
         self.stmt_stack.pop()
