@@ -15,8 +15,9 @@ from typing import cast
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed import fsdp as torch_fsdp
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel, MixedPrecision
 from torch.distributed.tensor import DTensor
 
 from fsdp_bridge._fsdp1_init import materialize_like_fsdp1, reset_parameters_problems
@@ -53,8 +54,10 @@ from fsdp_bridge.wrap import (
 
 __all__ = [
     "Bridge",
+    "FSDP1Settings",
     "clip_grad_norm_",
     "defer_all_reduce",
+    "fsdp1_settings",
     "get_bridge",
     "is_sharded",
     "no_sync",
@@ -64,7 +67,8 @@ __all__ = [
 
 logger = logging.getLogger("fsdp_bridge")
 _ATTR = "_fsdp_bridge"
-_UNITS: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # FSDP2 units made by shard() / wrap_module
+# FSDP2 units made by shard() / wrap_module -> the Bridge of the model they are in
+_UNITS: weakref.WeakKeyDictionary[nn.Module, weakref.ref[Bridge]] = weakref.WeakKeyDictionary()
 # Set by fsdp_bridge.checkpoint.load_pretrained, which loads real weights right after
 # shard(): a meta-device model then needs no sync_module_states.
 _WEIGHTS_LOADED_AFTER: ContextVar[bool] = ContextVar("fsdp_bridge_weights_loaded_after", default=False)
@@ -261,6 +265,53 @@ def is_sharded(module: object) -> bool:
     return isinstance(module, nn.Module) and module in _UNITS
 
 
+@dataclass(frozen=True)
+class FSDP1Settings:
+    """What FSDP1's wrapper answers for ``.sharding_strategy`` and ``.mixed_precision`` (see :func:`fsdp1_settings`)."""
+
+    sharding_strategy: torch_fsdp.ShardingStrategy
+    """torch's FSDP1 ``ShardingStrategy`` member: ``NO_SHARD`` when the shard group has one rank, as FSDP1 says."""
+    mixed_precision: MixedPrecision
+    """torch's FSDP1 ``MixedPrecision``; all fields ``None`` when none was set (FSDP1's never is ``None``)."""
+
+
+def fsdp1_settings(module: nn.Module) -> FSDP1Settings:
+    """FSDP1's ``module.sharding_strategy`` and ``module.mixed_precision`` for a model returned by
+    :func:`shard`, any unit in it, or an FSDP1 wrapper, on either backend: what migrated code reads
+    instead of those attributes, which ``FSDPModule`` does not have.
+
+    Args:
+        module: a model returned by :func:`shard`, a unit sharded in it, or a ``FullyShardedDataParallel``.
+
+    Returns:
+        The strategy and the mixed-precision setting, as FSDP1's own types, with FSDP1's member and field names.
+
+    Raises:
+        TypeError: ``module`` was not sharded by :func:`shard` and is not an FSDP1 wrapper.
+    """
+    if isinstance(module, FullyShardedDataParallel):
+        return FSDP1Settings(module.sharding_strategy, module.mixed_precision)
+    unit = _UNITS.get(module)
+    bridge = unit() if unit is not None else None
+    if bridge is None:
+        bridge = get_bridge(module)  # a model returned by shard(); a TypeError naming the fix for anything else
+    name = bridge.config.strategy.name
+    strategy = torch_fsdp.ShardingStrategy[("_" if name == "HYBRID_SHARD_ZERO2" else "") + name]
+    if bridge.mesh.size(bridge.mesh.ndim - 1) == 1:
+        strategy = torch_fsdp.ShardingStrategy.NO_SHARD  # FSDP1 clamps any strategy to NO_SHARD on one rank
+    mp = bridge.config.mixed_precision
+    if not mp.enabled:
+        return FSDP1Settings(strategy, MixedPrecision())
+    precision = MixedPrecision(
+        param_dtype=mp.param_dtype,
+        reduce_dtype=mp.reduce_dtype,
+        buffer_dtype=mp.buffer_dtype,
+        cast_forward_inputs=mp.cast_forward_inputs,
+        cast_root_forward_inputs=mp.cast_root_forward_inputs,
+    )
+    return FSDP1Settings(strategy, precision)
+
+
 def _has_meta(model: nn.Module) -> bool:
     return any(t.is_meta for t in (*model.parameters(), *model.buffers()))
 
@@ -455,7 +506,7 @@ def shard_module(
     average_gradients_over(mesh, scalars)
     bridge = Bridge(config=config, impl=impl, plan=plan, wrap=wrap_plan, model=sharded)
     object.__setattr__(sharded, _ATTR, bridge)
-    _UNITS.update(m for m in sharded.modules() if isinstance(m, FSDPModule))
+    _UNITS.update({m: weakref.ref(bridge) for m in sharded.modules() if isinstance(m, FSDPModule)})
     if dist.get_rank() == 0 and logger.isEnabledFor(logging.INFO):  # describe() formats the whole report
         logger.info("%s", bridge.describe())
     return sharded
