@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -265,51 +265,66 @@ def is_sharded(module: object) -> bool:
     return isinstance(module, nn.Module) and module in _UNITS
 
 
-@dataclass(frozen=True)
 class FSDP1Settings:
-    """What FSDP1's wrapper answers for ``.sharding_strategy`` and ``.mixed_precision`` (see :func:`fsdp1_settings`)."""
+    """What FSDP1's wrapper answers for ``.sharding_strategy`` and ``.mixed_precision``, read when asked (see
+    :func:`fsdp1_settings`); for an object :func:`shard` did not make, the object's own attribute."""
 
-    sharding_strategy: torch_fsdp.ShardingStrategy
-    """torch's FSDP1 ``ShardingStrategy`` member: ``NO_SHARD`` when the shard group has one rank, as FSDP1 says."""
-    mixed_precision: MixedPrecision
-    """torch's FSDP1 ``MixedPrecision``; all fields ``None`` when none was set (FSDP1's never is ``None``)."""
+    def __init__(self, module: Any) -> None:
+        self._module = module
+
+    def _bridge(self) -> Bridge | None:
+        if isinstance(self._module, FullyShardedDataParallel):
+            return None  # FSDP1's own attributes are FSDP1's answer
+        unit = _UNITS.get(self._module) if isinstance(self._module, nn.Module) else None
+        bridge = unit() if unit is not None else getattr(self._module, _ATTR, None)
+        return bridge if isinstance(bridge, Bridge) else None
+
+    @property
+    def sharding_strategy(self) -> torch_fsdp.ShardingStrategy:
+        """torch's FSDP1 ``ShardingStrategy`` member: ``NO_SHARD`` when the shard group has one rank, as FSDP1."""
+        bridge = self._bridge()
+        if bridge is None:
+            return cast(torch_fsdp.ShardingStrategy, self._module.sharding_strategy)
+        name = bridge.config.strategy.name
+        if bridge.mesh.size(bridge.mesh.ndim - 1) == 1:
+            return torch_fsdp.ShardingStrategy.NO_SHARD  # FSDP1 clamps any strategy to NO_SHARD on one rank
+        return torch_fsdp.ShardingStrategy[("_" if name == "HYBRID_SHARD_ZERO2" else "") + name]
+
+    @property
+    def mixed_precision(self) -> MixedPrecision:
+        """torch's FSDP1 ``MixedPrecision``; all fields ``None`` when none was set (FSDP1's is never ``None``)."""
+        bridge = self._bridge()
+        if bridge is None:
+            return cast(MixedPrecision, self._module.mixed_precision)
+        mp = bridge.config.mixed_precision
+        if not mp.enabled:
+            return MixedPrecision()
+        return MixedPrecision(
+            param_dtype=mp.param_dtype,
+            reduce_dtype=mp.reduce_dtype,
+            buffer_dtype=mp.buffer_dtype,
+            cast_forward_inputs=mp.cast_forward_inputs,
+            cast_root_forward_inputs=mp.cast_root_forward_inputs,
+        )
 
 
-def fsdp1_settings(module: nn.Module) -> FSDP1Settings:
-    """FSDP1's ``module.sharding_strategy`` and ``module.mixed_precision`` for a model returned by
-    :func:`shard`, any unit in it, or an FSDP1 wrapper, on either backend: what migrated code reads
-    instead of those attributes, which ``FSDPModule`` does not have.
+def fsdp1_settings(module: Any) -> FSDP1Settings:
+    """FSDP1's ``module.sharding_strategy`` and ``module.mixed_precision``, on either backend: what migrated
+    code reads instead of those attributes, which ``FSDPModule`` does not have.
+
+    For a model returned by :func:`shard` or any unit in it, what FSDP1 would say for its config; for an
+    FSDP1 wrapper (or any other object: a test's stand-in) its own attribute, so a read that worked before
+    the migration works after it, and one that raised ``AttributeError`` still does.
 
     Args:
-        module: a model returned by :func:`shard`, a unit sharded in it, or a ``FullyShardedDataParallel``.
+        module: a model returned by :func:`shard`, a unit sharded in it, a ``FullyShardedDataParallel``, or
+            any object with those attributes.
 
     Returns:
-        The strategy and the mixed-precision setting, as FSDP1's own types, with FSDP1's member and field names.
-
-    Raises:
-        TypeError: ``module`` was not sharded by :func:`shard` and is not an FSDP1 wrapper.
+        An object whose ``.sharding_strategy`` and ``.mixed_precision`` are read when accessed, as torch's
+        FSDP1 types with FSDP1's member and field names.
     """
-    if isinstance(module, FullyShardedDataParallel):
-        return FSDP1Settings(module.sharding_strategy, module.mixed_precision)
-    unit = _UNITS.get(module)
-    bridge = unit() if unit is not None else None
-    if bridge is None:
-        bridge = get_bridge(module)  # a model returned by shard(); a TypeError naming the fix for anything else
-    name = bridge.config.strategy.name
-    strategy = torch_fsdp.ShardingStrategy[("_" if name == "HYBRID_SHARD_ZERO2" else "") + name]
-    if bridge.mesh.size(bridge.mesh.ndim - 1) == 1:
-        strategy = torch_fsdp.ShardingStrategy.NO_SHARD  # FSDP1 clamps any strategy to NO_SHARD on one rank
-    mp = bridge.config.mixed_precision
-    if not mp.enabled:
-        return FSDP1Settings(strategy, MixedPrecision())
-    precision = MixedPrecision(
-        param_dtype=mp.param_dtype,
-        reduce_dtype=mp.reduce_dtype,
-        buffer_dtype=mp.buffer_dtype,
-        cast_forward_inputs=mp.cast_forward_inputs,
-        cast_root_forward_inputs=mp.cast_root_forward_inputs,
-    )
-    return FSDP1Settings(strategy, precision)
+    return FSDP1Settings(module)
 
 
 def _has_meta(model: nn.Module) -> bool:

@@ -59,6 +59,10 @@ def test_both_backends_answer_what_fsdp1_says(run_on_ranks: Any) -> None:
         assert answers["zero2_bf16 fsdp2"][1] == ("SHARD_GRAD_OP", torch.bfloat16, torch.float32, None)
 
 
-def test_a_module_shard_did_not_make_is_refused_with_the_fix() -> None:
-    with pytest.raises(TypeError, match=r"Linear was not sharded by fsdp_bridge.shard\(\)"):
-        fsdp_bridge.fsdp1_settings(nn.Linear(2, 2))
+def test_another_object_gives_its_own_attribute_as_the_read_did() -> None:
+    # a stand-in with the attribute (a test's mock of the wrapper) keeps working; a module without it raises
+    # AttributeError as the original read did
+    stand_in = type("StandIn", (), {"sharding_strategy": "mine"})()
+    assert fsdp_bridge.fsdp1_settings(stand_in).sharding_strategy == "mine"
+    with pytest.raises(AttributeError, match="mixed_precision"):
+        _ = fsdp_bridge.fsdp1_settings(nn.Linear(2, 2)).mixed_precision
