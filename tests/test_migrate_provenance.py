@@ -182,3 +182,16 @@ def test_target_torch_reports_the_settings_call_it_leaves_once() -> None:
     kept = [f for f in result.findings if f.construct.startswith("--target torch")]
     assert [f.construct for f in kept] == ["--target torch: fsdp_bridge.fsdp1_settings(...)"] * 3
     assert all(not f.fixable and "FSDPModule keeps no strategy" in f.replacement for f in kept)
+
+
+def test_a_setting_read_in_a_private_idioms_condition_is_left_to_that_idiom() -> None:
+    source = (
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy\n\n\n"
+        "def free(model):\n"
+        "    for unit in FSDP.fsdp_modules(model):\n"
+        "        if unit._has_params and unit.sharding_strategy is not ShardingStrategy.NO_SHARD:\n"
+        "            pass\n"
+    )
+    fixed = _migrate(source).fixed
+    assert "if unit._has_params and unit.sharding_strategy is not ShardingStrategy.NO_SHARD:" in fixed
+    assert "fsdp1_settings" not in fixed

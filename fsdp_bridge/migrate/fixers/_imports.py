@@ -32,6 +32,10 @@ SETTINGS = {
 """Wrapper attributes ``fsdp_bridge.fsdp1_settings`` answers (for the model shard() returned or any unit in it,
 on either backend) and what it gives."""
 
+PRIVATE_IDIOMS = ("_has_params", "_handle", "_reshard", "_unshard")
+"""FSDP1 internals whose idioms (``if m._has_params and m.sharding_strategy ...: _reshard(m, m._handle, ...)``)
+another fixer treats as a whole: a setting read in the same statement or condition is left to it."""
+
 IS_SHARDED = (
     "True for models sharded by fsdp_bridge.shard on either backend, every unit in them, and FSDP1 wrappers; "
     "DDP and modules sharded with torch's own fully_shard keep their own paths"
@@ -96,7 +100,13 @@ class ImportsFixer(ScannerBase):
             and self._qn(node) is None
             and (wrapper := self._fsdp1_wrapper(node, node.value)) != ""
         ):
-            if node.attr.value in SETTINGS and wrapper == "fsdp1":
+            stmt = self.stmt_stack[-1] if self.stmt_stack else None
+            test = stmt.test if isinstance(stmt, (cst.If, cst.While)) else stmt
+            if (
+                node.attr.value in SETTINGS
+                and wrapper == "fsdp1"
+                and not (test is not None and any(name in code_of(test) for name in PRIVATE_IDIOMS))
+            ):
                 code = f"fsdp_bridge.fsdp1_settings({code_of(node.value)}).{node.attr.value}"
                 self.expr_rewrites[id(node)] = code
                 self.needs_imports.add(("fsdp_bridge", None))
