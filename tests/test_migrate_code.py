@@ -1159,6 +1159,7 @@ def test_private_fsdp1_helpers_and_wrapper_subclasses_are_todos_not_fixes() -> N
         "clean_tensor_name (torch.distributed.fsdp._common_utils.clean_tensor_name)",
         "FSDP.fsdp_modules(...)",
         "if ...: _reshard(unit, ...) (FSDP1's private free of a unit's gathered parameters)",  # its public form
+        "unit.mixed_precision (an FSDP1 wrapper attribute)",  # a unit of the loop: fsdp_bridge.fsdp1_settings(unit)
         "FSDP.fsdp_modules(...)",
     )
     assert [f.construct for f in result.findings if f.fixable and not f.note] == list(kept)  # a name helper works
@@ -1182,10 +1183,10 @@ def test_wrapped_model_attributes_and_a_clip_of_the_trees_own() -> None:
     assert "        return model.state_dict()  # FSDP1's branch" in result.fixed
     assert "        return model.module.state_dict()  # DDP's branch" in result.fixed
     assert not any(f.line == 74 for f in result.findings)
-    # FSDPModule has no sharding_strategy: a TODO naming where the setting lives now.
-    assert not fixable[(50, "model.sharding_strategy (an FSDP1 wrapper attribute)")]
-    assert "get_bridge(model).config.strategy" in result.fixed
-    assert not fixable[(83, "x.sharding_strategy (an FSDP1 wrapper attribute)")]  # is_fsdp(x): isinstance(x, FSDP)
+    # FSDPModule has no sharding_strategy: fsdp_bridge.fsdp1_settings gives FSDP1's answer on either backend.
+    assert fixable[(50, "model.sharding_strategy (an FSDP1 wrapper attribute)")]
+    assert "if fsdp_bridge.fsdp1_settings(model).sharding_strategy == ShardingStrategy.NO_SHARD:" in result.fixed
+    assert fixable[(83, "x.sharding_strategy (an FSDP1 wrapper attribute)")]  # is_fsdp(x): isinstance(x, FSDP)
     # The tree installs its own clip_grad_norm_: the loop's call is not silently swapped for the bridge's
     # (which clips the whole model); the class's own self.clip_grad_norm_ is not reported at all.
     assert not fixable[(58, "model.clip_grad_norm_(...)")]

@@ -132,25 +132,6 @@ def test_a_model_from_a_factory_of_the_file_is_shown_fsdp1() -> None:
     assert "    with fsdp_bridge.no_sync(model):" in _migrate("handed_over.py").fixed
 
 
-def test_an_alias_of_the_wrapper_class_says_its_calls_are_not_followed() -> None:
-    # ``Sharded = FullyShardedDataParallel``: the calls through that name are not found, and the TODO says so
-    # (it used to suggest FSDPModule for the alias itself, as if nothing else depended on it).
-    source = (
-        "from torch.distributed.fsdp import FullyShardedDataParallel\n\n"
-        "Sharded = FullyShardedDataParallel\n\n\n"
-        "def optim_state(net, opt):\n"
-        "    return Sharded.optim_state_dict(net, opt)\n"
-    )
-    result = migrate_source(source, "alias_of_wrapper.py")
-    (finding,) = [f for f in result.findings if f.line == 3]
-    assert not finding.fixable
-    assert "an alias of FSDP1's wrapper class" in finding.construct
-    assert "calls through Sharded" in finding.replacement and "run migrate code again" in finding.replacement
-    assert "# TODO(fsdp-bridge): Sharded = FullyShardedDataParallel" in result.fixed
-    compile(result.fixed, "alias_of_wrapper.py", "exec")
-    assert migrate_source(result.fixed, "alias_of_wrapper.py").fixed == result.fixed
-
-
 def test_a_tree_that_subclasses_the_wrapper_keeps_its_sharded_grad_scaler(tmp_path: Path) -> None:
     # The subclass stays FSDP1 (a TODO), so its gradients stay flat shards: torch.amp.GradScaler would not
     # all-reduce the overflow check. A tree without such a subclass still gets torch.amp.GradScaler.

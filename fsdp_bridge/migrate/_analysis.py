@@ -14,7 +14,16 @@ from typing import Any, cast
 
 import libcst as cst
 import libcst.matchers as m
-from libcst.metadata import MetadataWrapper, PositionProvider, QualifiedNameProvider
+from libcst.metadata import (
+    FunctionScope,
+    GlobalScope,
+    MetadataWrapper,
+    PositionProvider,
+    QualifiedName,
+    QualifiedNameProvider,
+    QualifiedNameSource,
+    ScopeProvider,
+)
 
 from fsdp_bridge.migrate._names import FSDP, FSDP_METHODS, NAMES
 
@@ -33,6 +42,77 @@ def resolve_fsdp(qnames: Iterable[Any]) -> tuple[str, str] | None:
                 rest = parts[i + 1 :]
                 return part, rest[0] if rest else ""
     return None
+
+
+ALIAS_ASSIGN = re.compile(r"^[ \t]*\w+[ \t]*=[ \t]*(?:[\w.]*\.)?FullyShardedDataParallel[ \t]*(?:#.*)?$", re.M)
+
+
+@dataclass
+class ClassAliases:
+    """``FSDP = FullyShardedDataParallel`` (module or function level, the name never bound again in that
+    scope): every use of the name stands for FSDP1's class, as with ``import ... as FSDP``."""
+
+    names: dict[int, frozenset[QualifiedName]] = field(default_factory=dict)
+    """id(Name or Attribute through an alias) -> the qualified names it stands for (torch's)."""
+    assignments: dict[int, tuple[str, int, str]] = field(default_factory=dict)
+    """id(the alias's Assign) -> (the alias, its line, the code of its value)."""
+
+
+def class_aliases(wrapper: MetadataWrapper) -> ClassAliases:
+    """The aliases of FSDP1's wrapper class a module binds (see :class:`ClassAliases`); a name assigned twice
+    in its scope (re-bound, assigned in another branch, declared ``global`` and assigned elsewhere) is not one."""
+    found = ClassAliases()
+    if ALIAS_ASSIGN.search(wrapper.module.code) is None:
+        return found
+    scopes = wrapper.resolve(ScopeProvider)
+    qualified = wrapper.resolve(QualifiedNameProvider)
+    for node in walk(wrapper.module):
+        if not (
+            isinstance(node, cst.Assign) and len(node.targets) == 1 and isinstance(node.targets[0].target, cst.Name)
+        ):
+            continue
+        names = qualified.get(node.value, set())
+        names = names() if callable(names) else names  # libcst resolves some lazily
+        classes = frozenset(
+            QualifiedName(q.name, QualifiedNameSource.IMPORT) for q in names if resolve_fsdp([q]) == (FSDP, "")
+        )
+        target = cast(cst.Name, node.targets[0].target)
+        scope = scopes.get(target)
+        scope = scope() if callable(scope) else scope
+        if not classes or not isinstance(scope, (GlobalScope, FunctionScope)):
+            continue
+        bindings = scope.assignments[target.value]
+        if len(bindings) != 1:
+            continue
+        line = wrapper.resolve(PositionProvider)[node].start.line
+        found.assignments[id(node)] = (target.value, line, code_of(node.value))
+        for access in next(iter(bindings)).references:
+            found.names[id(access.node)] = classes
+    if not found.names:
+        return found
+    for node in walk(wrapper.module):
+        base: cst.BaseExpression = node if isinstance(node, cst.Attribute) else cst.Name("_")
+        parts: list[str] = []
+        while isinstance(base, cst.Attribute):
+            parts.insert(0, base.attr.value)
+            base = base.value
+        if parts and id(base) in found.names:
+            found.names[id(node)] = frozenset(
+                QualifiedName(".".join([q.name, *parts]), q.source) for q in found.names[id(base)]
+            )
+    return found
+
+
+class FollowsAliases(cst.CSTVisitor):
+    """A visitor whose qualified names see through the module's aliases of FSDP1's class
+    (:func:`class_aliases`): ``FSDP(...)``, ``FSDP.optim_state_dict`` resolve to torch's names."""
+
+    aliases: ClassAliases = ClassAliases()
+
+    def get_metadata(self, key: Any, node: cst.CSTNode, *default: Any) -> Any:
+        if key is QualifiedNameProvider and (names := self.aliases.names.get(id(node))) is not None:
+            return names
+        return super().get_metadata(key, node, *default)
 
 
 @dataclass
@@ -66,8 +146,13 @@ class Dispatch:
     """``"train:1"`` / ``"train:model"``: a call in the tree passes a model it wrapped with ``FSDP(...)`` just
     above as that argument of a function of that name (see :func:`find_fsdp1_arguments`)."""
 
+    subclassed: set[str] = field(default_factory=set)
+    """Names of the classes some class of the tree derives from (the last part of each base): a subclass may
+    assign an attribute its base's methods read (see ``subclassed_names``)."""
+
     def merge(self, other: Dispatch) -> None:
         self.versions.update(other.versions)
+        self.subclassed |= other.subclassed
         self.fsdp1_args |= other.fsdp1_args
         for name, positions in other.fsdp1_results.items():
             self.fsdp1_results.setdefault(name, set()).update(positions)
@@ -119,12 +204,30 @@ def subclasses_wrapper(code: str) -> bool:
     return "FullyShardedDataParallel" in code and WRAPPER_SUBCLASS.search(code) is not None
 
 
+CLASS_BASES = re.compile(r"^[ \t]*class[ \t]+\w+[ \t]*\(([^)]*)\)", re.M)
+
+
+def subclassed_names(code: str) -> set[str]:
+    """The classes the file's classes derive from, by the last part of each base's name (read without
+    parsing: an over-approximation, which only withholds proofs)."""
+    names: set[str] = set()
+    for bases in CLASS_BASES.findall(code):
+        for base in bases.split(","):
+            base = base.strip()
+            if base and "=" not in base:
+                names.add(base.split("[", 1)[0].rsplit(".", 1)[-1].strip())
+    return names
+
+
 def find_fsdp1_factories(wrapper: MetadataWrapper, path: str) -> set[str]:
     """Top-level functions of a file that return FSDP1's wrapper: annotated so, or returning ``FSDP(...)``
     (directly or through a name assigned from it in the function); see ``Dispatch.fsdp1_factories``."""
     names: list[str] = []
+    found_aliases = class_aliases(wrapper)
 
-    class V(cst.CSTVisitor):
+    class V(FollowsAliases):
+        aliases = found_aliases
+
         METADATA_DEPENDENCIES = (QualifiedNameProvider,)
 
         def is_fsdp1(self, node: cst.CSTNode) -> bool:
@@ -159,8 +262,11 @@ def find_fsdp1_arguments(wrapper: MetadataWrapper) -> Dispatch:
     ``Dispatch.fsdp1_results``)."""
     found: set[str] = set()
     returns: dict[str, set[int]] = {}  # function of this file -> positions of its result that are FSDP1 models
+    found_aliases = class_aliases(wrapper)
 
-    class V(cst.CSTVisitor):
+    class V(FollowsAliases):
+        aliases = found_aliases
+
         METADATA_DEPENDENCIES = (QualifiedNameProvider,)
 
         def __init__(self, record: bool) -> None:
@@ -225,8 +331,11 @@ def find_own_methods(code: str, path: str) -> dict[str, str]:
         return {}
     found: dict[str, str] = {}
     wrapper = MetadataWrapper(cst.parse_module(code))
+    found_aliases = class_aliases(wrapper)
 
-    class V(cst.CSTVisitor):
+    class V(FollowsAliases):
+        aliases = found_aliases
+
         METADATA_DEPENDENCIES = (PositionProvider, QualifiedNameProvider)
 
         def __init__(self) -> None:
@@ -266,8 +375,11 @@ def is_fsdp2_class(qnames: Iterable[Any]) -> bool:
 def find_dispatch(wrapper: MetadataWrapper) -> Dispatch:
     """The backend-dispatch functions defined in one module (see :class:`Dispatch`)."""
     found = Dispatch()
+    found_aliases = class_aliases(wrapper)
 
-    class V(cst.CSTVisitor):
+    class V(FollowsAliases):
+        aliases = found_aliases
+
         METADATA_DEPENDENCIES = (QualifiedNameProvider,)
 
         def kind(self, cls: cst.CSTNode) -> str | None:

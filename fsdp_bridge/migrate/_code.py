@@ -44,8 +44,10 @@ from libcst.codemod.visitors import AddImportsVisitor, RemoveImportsVisitor
 from libcst.metadata import MetadataWrapper
 
 from fsdp_bridge.migrate._analysis import (
+    ClassAliases,
     Collector,
     Dispatch,
+    class_aliases,
     code_of,
     find_dispatch,
     find_fsdp1_arguments,
@@ -54,6 +56,7 @@ from fsdp_bridge.migrate._analysis import (
     finds_state_dict_context,
     imported_names,
     passes_group,
+    subclassed_names,
     subclasses_wrapper,
 )
 from fsdp_bridge.migrate._names import TODO
@@ -121,6 +124,7 @@ def migrate_source(
             makes_state_dict_context=path if finds_state_dict_context(code) else None,
             group_fsdp=path if passes_group(code) else None,
             subclasses_fsdp1=path if subclasses_wrapper(code) else None,
+            subclassed=subclassed_names(code),
         )
     )
     if passes_group(code):
@@ -132,6 +136,7 @@ def migrate_source(
             if var.value in known.imported_names:
                 uses[var.value] = uses.get(var.value, 0) + 1
     scan = Scanner(path, code, single, uses, known)
+    scan.aliases = class_aliases(wrapper)
     wrapper.visit(scan)  # plan: FSDP(...) conversions and checkpoint blocks
     scan.planning = False
     wrapper.visit(scan)  # report: every other construct
@@ -150,6 +155,8 @@ def migrate_source(
         return MigratedSource(path, code, code, sorted(scan.findings, key=lambda f: (f.line, f.column)))
     fixer = Rewriter(scan, {id(v): k for k, v in single.items()})
     fixed = wrapper.module.visit(fixer)
+    fixed, alias_findings = _settle_aliases(fixed, scan.aliases, known.imported_names, path)
+    scan.findings.extend(alias_findings)
     if fixed.code != code:
         context = CodemodContext()
         if scan.conversions or scan.fixable_calls:
@@ -168,6 +175,79 @@ def migrate_source(
     if target == "torch" and "fsdp_bridge." in fixed.code:
         return _lowered(fixed, code, path, findings, groups=known.group_fsdp is not None)
     return MigratedSource(path, code, fixed.code, findings)
+
+
+def _settle_aliases(
+    fixed: cst.Module, aliases: ClassAliases, imported: set[str], path: str
+) -> tuple[cst.Module, list[CodeFinding]]:
+    """After the rewrite: remove each alias of FSDP1's class (``FSDP = FullyShardedDataParallel``) no code
+    uses any more, and report each, removed or kept (still used here, or a name another file imports)."""
+    if not aliases.assignments:
+        return fixed, []
+    collector = Collector()
+    fixed.visit(collector)
+    findings: list[CodeFinding] = []
+    removable: set[tuple[str, str]] = set()
+    flagged: dict[tuple[str, str], str] = {}
+    for name, line, value in aliases.assignments.values():
+        construct = f"{name} = {value} (an alias of FSDP1's wrapper class)"
+        bound = sum(1 for v in aliases.assignments.values() if v[0] == name)
+        if name in imported:
+            text = (
+                f"kept: a file of this tree imports a name {name}, perhaps this one: calls through it there are "
+                "not followed; import the class there under that name (from torch.distributed.fsdp import "
+                f"FullyShardedDataParallel as {name}) and run migrate code again"
+            )
+            flagged[(name, value)] = f"# {TODO}: {construct}: {text}"
+            findings.append(CodeFinding(path, line, 0, construct, text, False))
+        elif collector.uses.get(name, 0) > bound or (
+            "__all__" in fixed.code and (f'"{name}"' in fixed.code or f"'{name}'" in fixed.code)
+        ):
+            text = (
+                f"kept: {name} is still used by code left as it is (each use is listed on its own line); calls "
+                "through it are migrated as through an import alias"
+            )
+            findings.append(CodeFinding(path, line, 0, construct, text, True))
+        else:
+            removable.add((name, value))
+            text = f"removed: no use of {name} remains (calls through it were migrated as through an import alias)"
+            findings.append(CodeFinding(path, line, 0, construct, text, True))
+    if not removable and not flagged:
+        return fixed, findings
+
+    def alias_of(stmt: cst.BaseStatement) -> tuple[str, str] | None:
+        if m.matches(stmt, m.SimpleStatementLine(body=[m.Assign(targets=[m.AssignTarget(target=m.Name())])])):
+            assign = cast(cst.Assign, cast(cst.SimpleStatementLine, stmt).body[0])
+            return cast(cst.Name, assign.targets[0].target).value, code_of(assign.value)
+        return None
+
+    class Settle(cst.CSTTransformer):
+        def _body(self, body: Sequence[cst.BaseStatement]) -> list[cst.BaseStatement]:
+            out = []
+            for stmt in body:
+                key = alias_of(stmt)
+                if key in removable:
+                    continue
+                if key is not None and key in flagged:
+                    stmt = cast(cst.SimpleStatementLine, stmt)
+                    comments = {line.comment.value for line in stmt.leading_lines if line.comment is not None}
+                    if flagged[key] not in comments:
+                        stmt = stmt.with_changes(
+                            leading_lines=[*stmt.leading_lines, cst.EmptyLine(comment=cst.Comment(flagged[key]))]
+                        )
+                out.append(stmt)
+            return out
+
+        def leave_IndentedBlock(
+            self, original_node: cst.IndentedBlock, updated_node: cst.IndentedBlock
+        ) -> cst.IndentedBlock:
+            body = self._body(updated_node.body)
+            return updated_node.with_changes(body=body) if body else updated_node
+
+        def leave_Module(self, original_node: cst.Module, updated_node: cst.Module) -> cst.Module:
+            return updated_node.with_changes(body=self._body(updated_node.body))
+
+    return fixed.visit(Settle()), findings
 
 
 def _lowered(fixed: cst.Module, code: str, path: str, findings: list[CodeFinding], *, groups: bool) -> MigratedSource:
@@ -248,6 +328,7 @@ def migrate_paths(
                     makes_state_dict_context=shown[f] if finds_state_dict_context(code) else None,
                     group_fsdp=shown[f] if passes_group(code) else None,
                     subclasses_fsdp1=shown[f] if subclasses_wrapper(code) else None,
+                    subclassed=subclassed_names(code),
                 )
             )
         except Exception:  # unreadable or unparsable: reported by the loop below

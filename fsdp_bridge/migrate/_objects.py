@@ -344,8 +344,46 @@ class ObjectAnalysis(ScannerBase):
                     kinds.add("fsdp1")  # DDP has no clip_grad_norm_
             elif isinstance(n, cst.Param) and n.name.value == target and n.annotation is not None:
                 kinds |= kind(n.annotation.annotation)
+        if isinstance(scope, cst.ClassDef) and target.count(".") == 1 and self._handed_in(scope, target[5:]):
+            kinds.add("fsdp1")
         self.wrapper_kinds[key] = kinds
         return kinds
+
+    def _handed_in(self, cls: cst.ClassDef, attr: str) -> bool:
+        """Every assignment of ``self.<attr>`` in ``cls`` is ``self.<attr> = p`` with ``p`` a parameter of that
+        method annotated with FSDP1's class (``def __init__(self, model: FSDP)``), never bound again there; no
+        other assignment (augmented, unpacked, ``setattr``, a class attribute) and no subclass in the tree
+        (which could assign it too)."""
+        if cls.name.value in self.dispatch.subclassed or f"setattr(self, {attr!r}" in code_of(cls).replace('"', "'"):
+            return False
+        own = m.Attribute(value=m.Name("self"), attr=m.Name(attr))
+        proofs = 0
+        for stmt in cls.body.body if isinstance(cls.body, cst.IndentedBlock) else ():
+            if isinstance(stmt, cst.SimpleStatementLine) and any(binds(small, attr) for small in stmt.body):
+                return False  # a class attribute of that name
+        for fn in (n for n in walk(cls) if isinstance(n, cst.FunctionDef)):
+            annotated = {
+                p.name.value
+                for p in [*fn.params.params, *fn.params.kwonly_params, *fn.params.posonly_params]
+                if p.annotation is not None and self._qn(p.annotation.annotation) == (FSDP, "")
+            }
+            for n in walk(fn.body):
+                if isinstance(n, cst.AugAssign) and m.matches(n.target, own):
+                    return False
+                if isinstance(n, cst.AnnAssign) and m.matches(n.target, own) and n.value is not None:
+                    value: cst.BaseExpression | None = n.value
+                elif isinstance(n, cst.Assign) and any(any(m.matches(x, own) for x in walk(t)) for t in n.targets):
+                    if any(not m.matches(t.target, own) for t in n.targets):
+                        return False  # unpacked, or chained with another target
+                    value = n.value
+                else:
+                    continue
+                if not (isinstance(value, cst.Name) and value.value in annotated):
+                    return False
+                if any(binds(a, value.value) for a in walk(fn.body)):
+                    return False  # the parameter is bound again in the method
+                proofs += 1
+        return proofs > 0
 
     def _local_fsdp1_makers(self) -> set[str]:
         """Names of this file that make FSDP1 wrappers when called: a variable assigned once from
@@ -387,3 +425,18 @@ class ObjectAnalysis(ScannerBase):
                     found.add(n.name.value)
             self.local_makers = found
         return self.local_makers
+
+
+def binds(node: cst.CSTNode, name: str) -> bool:
+    """``node`` is an assignment (plain, augmented, annotated with a value) that binds the name ``name``."""
+    if isinstance(node, cst.Assign):
+        targets: list[cst.BaseExpression] = [t.target for t in node.targets]
+    elif isinstance(node, (cst.AugAssign, cst.AnnAssign)):
+        targets = [node.target] if not (isinstance(node, cst.AnnAssign) and node.value is None) else []
+    else:
+        return False
+    return any(
+        m.matches(t, m.Name(name))
+        or (isinstance(t, (cst.Tuple, cst.List)) and any(m.matches(x, m.Name(name)) for x in walk(t)))
+        for t in targets
+    )

@@ -8,12 +8,12 @@ from typing import TYPE_CHECKING, Any
 import libcst as cst
 from libcst.metadata import PositionProvider, QualifiedNameProvider, QualifiedNameSource
 
-from fsdp_bridge.migrate._analysis import Conversion, Dispatch, Region, resolve_fsdp, walk
+from fsdp_bridge.migrate._analysis import Conversion, Dispatch, FollowsAliases, Region, resolve_fsdp, walk
 from fsdp_bridge.migrate._names import fsdp1_private
 from fsdp_bridge.migrate._report import CodeFinding
 
 
-class ScannerBase(cst.CSTVisitor):
+class ScannerBase(FollowsAliases):
     """The scanner's state and shared helpers (see :class:`Scanner`)."""
 
     METADATA_DEPENDENCIES = (QualifiedNameProvider, PositionProvider)

@@ -357,6 +357,8 @@ class _Lowerer(cst.CSTTransformer):
             "summon_full_params": "FSDP2 has no summon_full_params; unshard()/reshard() on each FSDP module, or "
             "DTensor.full_tensor() on the parameters you read",
             "BridgeConfig.from_fsdp1": "settings known only when the code runs",
+            "fsdp1_settings": "an FSDPModule keeps no strategy or mixed-precision setting that public torch API "
+            "reads back: use the values your code passes to fully_shard (mesh, reshard_after_forward, mp_policy)",
         }.get(name, "no plain-torch form written for it yet")
         raise _CannotLower(why)
 
@@ -398,7 +400,9 @@ class _Lowerer(cst.CSTTransformer):
             return cst.parse_expression(f"{HELPERS_NAME}.no_sync")
         if code_of(updated_node).startswith("fsdp_bridge.") and id(original_node) not in self.inside:
             inner = original_node.value
-            if not (isinstance(inner, cst.Attribute) and code_of(inner).startswith("fsdp_bridge.")):
+            if not (isinstance(inner, cst.Attribute) and code_of(inner).startswith("fsdp_bridge.")) and not (
+                isinstance(inner, cst.Call) and code_of(inner.func).startswith("fsdp_bridge.")
+            ):  # an attribute of a bridge call's result: the call is reported itself
                 self._keep(original_node, code_of(updated_node), "no plain-torch form written for it yet")
         return updated_node
 

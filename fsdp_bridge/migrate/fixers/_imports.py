@@ -25,6 +25,17 @@ from fsdp_bridge.migrate._names import (
 )
 from fsdp_bridge.migrate._scan_base import ScannerBase
 
+SETTINGS = {
+    "sharding_strategy": "torch's ShardingStrategy member, NO_SHARD when the shard group has one rank as with FSDP1",
+    "mixed_precision": "torch's MixedPrecision, with None fields when none was set as with FSDP1",
+}
+"""Wrapper attributes ``fsdp_bridge.fsdp1_settings`` answers (for the model shard() returned or any unit in it,
+on either backend) and what it gives."""
+
+PRIVATE_IDIOMS = ("_has_params", "_handle", "_reshard", "_unshard")
+"""FSDP1 internals whose idioms (``if m._has_params and m.sharding_strategy ...: _reshard(m, m._handle, ...)``)
+another fixer treats as a whole: a setting read in the same statement or condition is left to it."""
+
 IS_SHARDED = (
     "True for models sharded by fsdp_bridge.shard on either backend, every unit in them, and FSDP1 wrappers; "
     "DDP and modules sharded with torch's own fully_shard keep their own paths"
@@ -87,8 +98,21 @@ class ImportsFixer(ScannerBase):
             and id(node) not in self.called
             and id(node) not in self.consumed_nodes
             and self._qn(node) is None
-            and self._fsdp1_wrapper(node, node.value) != ""
+            and (wrapper := self._fsdp1_wrapper(node, node.value)) != ""
         ):
+            stmt = self.stmt_stack[-1] if self.stmt_stack else None
+            test = stmt.test if isinstance(stmt, (cst.If, cst.While)) else stmt
+            if (
+                node.attr.value in SETTINGS
+                and wrapper == "fsdp1"
+                and not (test is not None and any(name in code_of(test) for name in PRIVATE_IDIOMS))
+            ):
+                code = f"fsdp_bridge.fsdp1_settings({code_of(node.value)}).{node.attr.value}"
+                self.expr_rewrites[id(node)] = code
+                self.needs_imports.add(("fsdp_bridge", None))
+                what = SETTINGS[node.attr.value]
+                self._record(node, f"{code_of(node)} (an FSDP1 wrapper attribute)", f"{code} ({what})", True)
+                return True
             self._record(
                 node,
                 f"{code_of(node)} (an FSDP1 wrapper attribute)",
@@ -190,15 +214,17 @@ class ImportsFixer(ScannerBase):
             )
             return False
         if kind == FSDP and member == "" and (alias := self._class_alias(node)) is not None:
-            # ``FSDP = FullyShardedDataParallel``: the calls made through that name resolve to this file's
-            # variable, not to torch's class, so nothing below finds them.
+            name, followed = alias
+            if followed:
+                return False  # calls through it resolve to torch's class; the assignment is reported after the rewrite
+            # Bound again in its scope (re-assigned, another branch, ``global``): the name is not always the class.
             self._record(
                 node,
-                f"{alias} = {code_of(node)} (an alias of FSDP1's wrapper class)",
-                f"not followed: calls through {alias} ({alias}(...), {alias}.optim_state_dict, "
-                f"{alias}.state_dict_type, ...) are not found by this codemod and are not listed here; import the "
-                f"class under that name instead (from torch.distributed.fsdp import FullyShardedDataParallel as "
-                f"{alias}) and run migrate code again",
+                f"{name} = {code_of(node)} (an alias of FSDP1's wrapper class)",
+                f"not followed: {name} is bound more than once in its scope, so calls through it ({name}(...), "
+                f"{name}.optim_state_dict, {name}.state_dict_type, ...) may not be FSDP1's and are not listed here; "
+                f"bind it once (or import the class under that name: from torch.distributed.fsdp import "
+                f"FullyShardedDataParallel as {name}) and run migrate code again",
                 False,
             )
             return False
@@ -391,8 +417,9 @@ class ImportsFixer(ScannerBase):
             self._consume(a.value) if self._qn(a.value) is not None else None
         return True
 
-    def _class_alias(self, node: cst.CSTNode) -> str | None:
-        """The name in ``NAME = FullyShardedDataParallel`` when ``node`` is that statement's whole value."""
+    def _class_alias(self, node: cst.CSTNode) -> tuple[str, bool] | None:
+        """The name in ``NAME = FullyShardedDataParallel`` when ``node`` is that statement's whole value, and
+        whether it is followed (bound once in its scope, see ``class_aliases``)."""
         stmt = self.stmt_stack[-1] if self.stmt_stack else None
         if not isinstance(stmt, cst.SimpleStatementLine) or len(stmt.body) != 1:
             return None
@@ -403,5 +430,5 @@ class ImportsFixer(ScannerBase):
             and len(assign.targets) == 1
             and isinstance(assign.targets[0].target, cst.Name)
         ):
-            return assign.targets[0].target.value
+            return assign.targets[0].target.value, id(assign) in self.aliases.assignments
         return None

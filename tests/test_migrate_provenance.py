@@ -1,0 +1,197 @@
+"""Which objects are FSDP1's: aliases of the wrapper class (``Sharded = FullyShardedDataParallel``), models
+handed to a constructor under an FSDP1 annotation, and the wrapper's settings read on proven FSDP1 objects."""
+
+from __future__ import annotations
+
+from fsdp_bridge.migrate._code import migrate_paths, migrate_source
+
+
+def _migrate(source: str, name: str = "snippet.py"):  # type: ignore[no-untyped-def]
+    result = migrate_source(source, name)
+    compile(result.fixed, name, "exec")
+    assert migrate_source(result.fixed, name).fixed == result.fixed, "a second --fix changes nothing"
+    return result
+
+
+ALIASED = (
+    "import torch\n"
+    "from torch.distributed.fsdp import FullyShardedDataParallel, StateDictType\n\n"
+    "Sharded = FullyShardedDataParallel\n\n\n"
+    "def build(net):\n"
+    "    return Sharded(net, use_orig_params=True)\n\n\n"
+    "def optim_state(net, opt):\n"
+    "    with Sharded.state_dict_type(net, StateDictType.FULL_STATE_DICT):\n"
+    "        weights = net.state_dict()\n"
+    "    return weights, Sharded.optim_state_dict(net, opt)\n"
+)
+
+
+def test_calls_through_a_module_level_alias_are_rewritten_and_the_alias_removed() -> None:
+    result = _migrate(ALIASED)
+    fixed = result.fixed
+    assert "fsdp_bridge.shard(net, fsdp_bridge.BridgeConfig(" in fixed
+    assert "get_model_state_dict(net, options=StateDictOptions(full_state_dict=True))" in fixed
+    assert "get_optimizer_state_dict(net, opt, options=StateDictOptions(full_state_dict=True))" in fixed
+    assert "Sharded" not in fixed and "FullyShardedDataParallel" not in fixed  # no use remains: both gone
+    assert all(f.fixable for f in result.findings)
+    (alias,) = [f for f in result.findings if f.line == 4]
+    assert alias.construct.startswith("Sharded = FullyShardedDataParallel") and "removed" in alias.replacement
+
+
+def test_an_alias_spelt_in_full_inside_a_function_is_followed() -> None:
+    source = (
+        "import torch.distributed.fsdp\n\n\n"
+        "def clip(net):\n"
+        "    Wrap = torch.distributed.fsdp.FullyShardedDataParallel\n"
+        "    net = Wrap(net)\n"
+        "    with Wrap.summon_full_params(net):\n"
+        "        pass\n"
+        "    return net\n"
+    )
+    fixed = _migrate(source).fixed
+    assert "net = fsdp_bridge.shard(net, " in fixed
+    assert "with fsdp_bridge.summon_full_params(net" in fixed
+    assert "Wrap" not in fixed
+
+
+def test_an_alias_still_used_is_kept_and_reported() -> None:
+    source = ALIASED + "\n\nREGISTRY = {'sharded': Sharded}\n"
+    result = _migrate(source)
+    assert "Sharded = FullyShardedDataParallel" in result.fixed
+    (alias,) = [f for f in result.findings if f.line == 4]
+    assert alias.fixable and alias.replacement.startswith("kept: Sharded is still used")
+    assert "get_optimizer_state_dict(net, opt" in result.fixed  # the calls through it are still rewritten
+    assert any(not f.fixable and f.construct == "Sharded" for f in result.findings)  # the use left is listed
+
+
+def test_a_name_bound_twice_is_not_an_alias() -> None:
+    # Another branch binds the name to something else: calls through it may not be FSDP1's.
+    source = (
+        "from torch.distributed.fsdp import FullyShardedDataParallel\n\n"
+        "if USE_FSDP:\n"
+        "    Sharded = FullyShardedDataParallel\n"
+        "else:\n"
+        "    Sharded = None\n\n\n"
+        "def optim_state(net, opt):\n"
+        "    return Sharded.optim_state_dict(net, opt)\n"
+    )
+    result = _migrate(source)
+    (finding,) = [f for f in result.findings if f.line == 4]
+    assert not finding.fixable and "bound more than once" in finding.replacement
+    assert "return Sharded.optim_state_dict(net, opt)" in result.fixed
+    assert "get_optimizer_state_dict" not in result.fixed
+
+
+def test_a_name_rebound_through_global_is_not_an_alias() -> None:
+    source = (
+        "from torch.distributed.fsdp import FullyShardedDataParallel\n\n"
+        "Sharded = FullyShardedDataParallel\n\n\n"
+        "def disable():\n"
+        "    global Sharded\n"
+        "    Sharded = None\n\n\n"
+        "def build(net):\n"
+        "    return Sharded(net)\n"
+    )
+    result = _migrate(source)
+    assert "return Sharded(net)" in result.fixed
+    assert "fsdp_bridge.shard" not in result.fixed
+
+
+def test_an_alias_another_file_imports_is_kept_with_a_todo(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    (tmp_path / "wrappers.py").write_text(ALIASED)
+    (tmp_path / "user.py").write_text("from wrappers import Sharded\n\n\ndef go(net):\n    return Sharded(net)\n")
+    _report, results = migrate_paths([tmp_path])
+    (wrappers,) = [r for r in results if r.path.endswith("wrappers.py")]
+    (alias,) = [f for f in wrappers.findings if f.line == 4]
+    assert not alias.fixable and "imports a name Sharded" in alias.replacement
+    assert "# TODO(fsdp-bridge): Sharded = FullyShardedDataParallel" in wrappers.fixed
+    assert "\nSharded = FullyShardedDataParallel\n" in wrappers.fixed
+    migrate_paths([tmp_path], fix=True)
+    once = (tmp_path / "wrappers.py").read_text()
+    migrate_paths([tmp_path], fix=True)
+    assert (tmp_path / "wrappers.py").read_text() == once
+    assert once.count("# TODO(fsdp-bridge): Sharded = ") == 1
+
+
+HANDED_IN = (
+    "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n\n\n"
+    "class NormKeeper:\n"
+    "    def __init__(self, sharded: FSDP, limit: float) -> None:\n"
+    "        self.sharded = sharded\n"
+    "        self.limit = limit\n\n"
+    "    def apply(self):\n"
+    "        return self.sharded.clip_grad_norm_(max_norm=self.limit)\n"
+)
+
+
+def test_an_attribute_set_from_an_fsdp1_annotated_parameter_is_fsdp1() -> None:
+    result = _migrate(HANDED_IN)
+    assert "return fsdp_bridge.clip_grad_norm_(self.sharded, max_norm=self.limit)" in result.fixed
+    assert all(f.fixable for f in result.findings)
+
+
+def test_any_other_assignment_of_the_attribute_spoils_the_proof() -> None:
+    spoilers = {
+        "another method": "\n    def swap(self, other):\n        self.sharded = other\n",
+        "a second target": "\n    def swap(self, other: FSDP):\n        self.sharded, self.limit = other, 1.0\n",
+        "the parameter re-bound": "\n    def swap(self, other: FSDP):\n        other = other.module\n"
+        "        self.sharded = other\n",
+        "setattr": "\n    def swap(self, other):\n        setattr(self, 'sharded', other)\n",
+        "a subclass in the file": "\n\nclass Other(NormKeeper):\n    pass\n",
+    }
+    for why, extra in spoilers.items():
+        result = _migrate(HANDED_IN + extra)
+        assert "self.sharded.clip_grad_norm_(max_norm=self.limit)" in result.fixed, why
+        assert any(not f.fixable and f.construct.startswith("self.sharded.clip_grad_norm_") for f in result.findings)
+
+
+def test_a_subclass_in_another_file_spoils_the_proof(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    (tmp_path / "keeper.py").write_text(HANDED_IN)
+    (tmp_path / "other.py").write_text("import keeper\n\n\nclass Mine(keeper.NormKeeper):\n    pass\n")
+    _report, results = migrate_paths([tmp_path])
+    (keeper,) = [r for r in results if r.path.endswith("keeper.py")]
+    assert "self.sharded.clip_grad_norm_(max_norm=self.limit)" in keeper.fixed
+
+
+SETTINGS_READ = (
+    "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy\n\n\n"
+    "def replicated(net: FSDP) -> bool:\n"
+    "    return net.sharding_strategy is ShardingStrategy.NO_SHARD or net.sharding_strategy.name == 'HYBRID_SHARD'\n\n\n"
+    "def compute_dtype(net: FSDP):\n"
+    "    return net.mixed_precision.param_dtype, net.cpu_offload\n\n\n"
+    "def unknown(engine):\n"
+    "    return engine.sharding_strategy\n"
+)
+
+
+def test_settings_read_on_a_proven_wrapper_become_fsdp1_settings() -> None:
+    result = _migrate(SETTINGS_READ)
+    fixed = result.fixed
+    assert (
+        "return fsdp_bridge.fsdp1_settings(net).sharding_strategy is ShardingStrategy.NO_SHARD or "
+        "fsdp_bridge.fsdp1_settings(net).sharding_strategy.name == 'HYBRID_SHARD'" in fixed
+    )
+    assert "return fsdp_bridge.fsdp1_settings(net).mixed_precision.param_dtype, net.cpu_offload" in fixed
+    assert "return engine.sharding_strategy" in fixed  # nothing shows engine is FSDP1's
+    (todo,) = [f for f in result.findings if not f.fixable]
+    assert todo.construct.startswith("net.cpu_offload")  # no bridge function answers it: still a TODO
+
+
+def test_target_torch_reports_the_settings_call_it_leaves_once() -> None:
+    result = migrate_source(SETTINGS_READ, "settings.py", target="torch")
+    kept = [f for f in result.findings if f.construct.startswith("--target torch")]
+    assert [f.construct for f in kept] == ["--target torch: fsdp_bridge.fsdp1_settings(...)"] * 3
+    assert all(not f.fixable and "FSDPModule keeps no strategy" in f.replacement for f in kept)
+
+
+def test_a_setting_read_in_a_private_idioms_condition_is_left_to_that_idiom() -> None:
+    source = (
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy\n\n\n"
+        "def free(model):\n"
+        "    for unit in FSDP.fsdp_modules(model):\n"
+        "        if unit._has_params and unit.sharding_strategy is not ShardingStrategy.NO_SHARD:\n"
+        "            pass\n"
+    )
+    fixed = _migrate(source).fixed
+    assert "if unit._has_params and unit.sharding_strategy is not ShardingStrategy.NO_SHARD:" in fixed
+    assert "fsdp1_settings" not in fixed
