@@ -20,13 +20,13 @@ from typing import TYPE_CHECKING
 from fsdp_bridge._version import __version__
 
 if TYPE_CHECKING:
+    from fsdp_bridge._fsdp1_settings import FSDP1Settings, fsdp1_settings
     from fsdp_bridge._manual_wrap import ManualWrap, enable_wrap, wrap_module
     from fsdp_bridge.api import (
         Bridge,
-        FSDP1Settings,
+        bridge_of,
         clip_grad_norm_,
         defer_all_reduce,
-        fsdp1_settings,
         get_bridge,
         is_sharded,
         no_sync,
@@ -78,9 +78,10 @@ _EXPORTS: dict[str, str] = {
     "clip_grad_norm_": "fsdp_bridge.api",
     "defer_all_reduce": "fsdp_bridge.api",
     "enable_wrap": "fsdp_bridge._manual_wrap",
+    "bridge_of": "fsdp_bridge.api",
     "get_bridge": "fsdp_bridge.api",
-    "fsdp1_settings": "fsdp_bridge.api",
-    "FSDP1Settings": "fsdp_bridge.api",
+    "fsdp1_settings": "fsdp_bridge._fsdp1_settings",
+    "FSDP1Settings": "fsdp_bridge._fsdp1_settings",
     "is_sharded": "fsdp_bridge.api",
     "full_optim_state_dict": "fsdp_bridge.backends.fsdp1_objects",
     "full_state_dict": "fsdp_bridge.backends.fsdp1_objects",
@@ -124,6 +125,7 @@ __all__ = [
     "TranslationReport",
     "WrapPolicy",
     "__version__",
+    "bridge_of",
     "clip_grad_norm_",
     "defer_all_reduce",
     "enable_wrap",

@@ -10,14 +10,13 @@ from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed import fsdp as torch_fsdp
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel, MixedPrecision
+from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 from torch.distributed.tensor import DTensor
 
 from fsdp_bridge._fsdp1_init import materialize_like_fsdp1, reset_parameters_problems
@@ -54,10 +53,9 @@ from fsdp_bridge.wrap import (
 
 __all__ = [
     "Bridge",
-    "FSDP1Settings",
+    "bridge_of",
     "clip_grad_norm_",
     "defer_all_reduce",
-    "fsdp1_settings",
     "get_bridge",
     "is_sharded",
     "no_sync",
@@ -266,66 +264,21 @@ def is_sharded(module: object) -> bool:
     return isinstance(module, nn.Module) and module in _UNITS
 
 
-class FSDP1Settings:
-    """What FSDP1's wrapper answers for ``.sharding_strategy`` and ``.mixed_precision``, read when asked (see
-    :func:`fsdp1_settings`); for an object :func:`shard` did not make, the object's own attribute."""
-
-    def __init__(self, module: Any) -> None:
-        self._module = module
-
-    def _bridge(self) -> Bridge | None:
-        if isinstance(self._module, FullyShardedDataParallel):
-            return None  # FSDP1's own attributes are FSDP1's answer
-        unit = _UNITS.get(self._module) if isinstance(self._module, nn.Module) else None
-        bridge = unit() if unit is not None else getattr(self._module, _ATTR, None)
-        return bridge if isinstance(bridge, Bridge) else None
-
-    @property
-    def sharding_strategy(self) -> torch_fsdp.ShardingStrategy:
-        """torch's FSDP1 ``ShardingStrategy`` member: ``NO_SHARD`` when the shard group has one rank, as FSDP1."""
-        bridge = self._bridge()
-        if bridge is None:
-            return cast(torch_fsdp.ShardingStrategy, self._module.sharding_strategy)
-        name = bridge.config.strategy.name
-        if bridge.mesh.size(bridge.mesh.ndim - 1) == 1:
-            return torch_fsdp.ShardingStrategy.NO_SHARD  # FSDP1 clamps any strategy to NO_SHARD on one rank
-        return torch_fsdp.ShardingStrategy[("_" if name == "HYBRID_SHARD_ZERO2" else "") + name]
-
-    @property
-    def mixed_precision(self) -> MixedPrecision:
-        """torch's FSDP1 ``MixedPrecision``; all fields ``None`` when none was set (FSDP1's is never ``None``)."""
-        bridge = self._bridge()
-        if bridge is None:
-            return cast(MixedPrecision, self._module.mixed_precision)
-        mp = bridge.config.mixed_precision
-        if not mp.enabled:
-            return MixedPrecision()
-        return MixedPrecision(
-            param_dtype=mp.param_dtype,
-            reduce_dtype=mp.reduce_dtype,
-            buffer_dtype=mp.buffer_dtype,
-            cast_forward_inputs=mp.cast_forward_inputs,
-            cast_root_forward_inputs=mp.cast_root_forward_inputs,
-        )
-
-
-def fsdp1_settings(module: Any) -> FSDP1Settings:
-    """FSDP1's ``module.sharding_strategy`` and ``module.mixed_precision``, on either backend: what migrated
-    code reads instead of those attributes, which ``FSDPModule`` does not have.
-
-    For a model returned by :func:`shard` or any unit in it, what FSDP1 would say for its config; for an
-    FSDP1 wrapper (or any other object: a test's stand-in) its own attribute, so a read that worked before
-    the migration works after it, and one that raised ``AttributeError`` still does.
+def bridge_of(module: object) -> Bridge | None:
+    """The :class:`Bridge` that ``module`` belongs to: a model returned by :func:`shard` or a unit sharded in it
+    (either backend); ``None`` for anything else (plain modules, torch's own FSDP1 or ``fully_shard``).
 
     Args:
-        module: a model returned by :func:`shard`, a unit sharded in it, a ``FullyShardedDataParallel``, or
-            any object with those attributes.
+        module: anything.
 
     Returns:
-        An object whose ``.sharding_strategy`` and ``.mixed_precision`` are read when accessed, as torch's
-        FSDP1 types with FSDP1's member and field names.
+        The model's :class:`Bridge`, or ``None``.
     """
-    return FSDP1Settings(module)
+    if not isinstance(module, nn.Module):
+        return None
+    unit = _UNITS.get(module)
+    bridge = unit() if unit is not None else getattr(module, _ATTR, None)
+    return bridge if isinstance(bridge, Bridge) else None
 
 
 def _has_meta(model: nn.Module) -> bool:
