@@ -28,14 +28,25 @@ from fsdp_bridge.testing.models import build_tiny
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "compare" / "tiny_llama.yaml"
 
 
-def test_compare_all_strategies_both_backends_and_reference_fp32(tmp_path, capsys):
+ALL_STRATEGIES = ["full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "hybrid_shard_zero2"]
+
+
+@pytest.mark.parametrize(
+    "strategies",
+    [
+        # one that reshards after forward and a 2D-mesh one that keeps parameters: the suite's sibling
+        "full_shard,hybrid_shard_zero2",
+        pytest.param("all", marks=pytest.mark.slow),  # 11 runs of 4 ranks on 2 cores
+    ],
+)
+def test_compare_strategies_both_backends_and_reference_fp32(tmp_path, capsys, strategies):
     out = tmp_path / "report"
     rc = main(
         [
             "compare",
             str(EXAMPLE),
             "--strategies",
-            "all",
+            strategies,
             "--reference",
             "--nproc-per-node",
             "4",
@@ -49,10 +60,10 @@ def test_compare_all_strategies_both_backends_and_reference_fp32(tmp_path, capsy
     assert rc == 0, printed
     report = json.loads((out / "report.json").read_text())
     assert report["ok"] is True and report["world_size"] == 4
-    strategies = ["full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "hybrid_shard_zero2"]
+    chosen = ALL_STRATEGIES if strategies == "all" else strategies.split(",")
     names = {r["name"] for r in report["runs"]}
-    assert names == {"reference"} | {f"{b}/{s}" for s in strategies for b in ("fsdp1", "fsdp2")}
-    assert len(report["pairs"]) == 10 + 5  # each run vs the reference, fsdp2 vs fsdp1 per strategy
+    assert names == {"reference"} | {f"{b}/{s}" for s in chosen for b in ("fsdp1", "fsdp2")}
+    assert len(report["pairs"]) == 3 * len(chosen)  # each run vs the reference, fsdp2 vs fsdp1 per strategy
     for pair in report["pairs"]:
         assert pair["ok"] and pair["first_divergent_step"] is None
         assert pair["tolerance"]["name"] == "fp32"
@@ -66,7 +77,7 @@ def test_compare_all_strategies_both_backends_and_reference_fp32(tmp_path, capsy
     assert len(full) == 4 and sum(full) == ref_bytes  # FULL_SHARD holds 1/4 per rank (no padding in FSDP2)
     assert "PARITY" in printed and "PARITY FAILED" not in printed
     md = (out / "report.md").read_text()
-    assert "fsdp-bridge compare" in md and "--strategies all" in md and "### Verdicts" in md
+    assert "fsdp-bridge compare" in md and f"--strategies {strategies}" in md and "### Verdicts" in md
     assert "gradient averaging" in md  # the backend differences are explained
 
 
