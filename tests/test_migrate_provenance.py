@@ -179,8 +179,9 @@ def test_settings_read_on_a_proven_wrapper_become_fsdp1_settings() -> None:
 
 def test_target_torch_reports_the_settings_call_it_leaves_once() -> None:
     result = migrate_source(SETTINGS_READ, "settings.py", target="torch")
-    kept = [f for f in result.findings if f.construct.startswith("--target torch")]
-    assert [f.construct for f in kept] == ["--target torch: fsdp_bridge.fsdp1_settings(...)"] * 3
+    kept = [f for f in result.findings if "kept on fsdp_bridge under --target torch" in f.replacement]
+    assert len(kept) == 3  # each read's own line, a TODO naming the bridge call the output keeps
+    assert all(f.replacement.startswith("fsdp_bridge.fsdp1_settings(") for f in kept)
     assert all(not f.fixable and "FSDPModule keeps no strategy" in f.replacement for f in kept)
 
 

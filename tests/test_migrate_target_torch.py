@@ -3,6 +3,7 @@ helper module against the bridge's own decisions, and one FSDP1 script run befor
 
 from __future__ import annotations
 
+import re
 import shutil
 import textwrap
 import types
@@ -14,6 +15,7 @@ from torch import nn
 from fsdp_bridge.cli import main
 from fsdp_bridge.config import WrapPolicy
 from fsdp_bridge.migrate._code import TODO, migrate_paths, migrate_source
+from fsdp_bridge.migrate._report import CodeReport
 from fsdp_bridge.migrate._torch_helpers import HELPERS_MARKER, HELPERS_NAME, HELPERS_SOURCE
 from fsdp_bridge.migrate._torch_target import imports_of
 from fsdp_bridge.strategy import ShardingStrategy
@@ -82,7 +84,7 @@ def test_constructor_becomes_fully_shard_through_the_helper_module() -> None:
         "mp_policy=MixedPrecisionPolicy( param_dtype=torch.bfloat16, reduce_dtype=torch.float32, "
         "cast_forward_inputs=False, )," in flat  # FSDP1's default: only the root casts its inputs
     )
-    assert any("[note] --target torch: fsdp_bridge.shard(...) -> _fsdp2_helpers.shard_model(...)" in r for r in report)
+    assert any("[fix] FSDP(...) -> _fsdp2_helpers.shard_model(...): torch's fully_shard" in r for r in report)
     assert not any("[todo]" in r for r in report)
 
 
@@ -169,8 +171,8 @@ def test_what_it_cannot_write_stays_on_the_bridge_with_a_todo() -> None:
     assert "fsdp_bridge.BridgeConfig.from_fsdp1(" in code and "import fsdp_bridge" in code
     assert f"# {TODO}: fsdp_bridge.shard(...): kept on fsdp_bridge under --target torch: " in code
     assert f"# {TODO}: fsdp_bridge.summon_full_params(...): kept on fsdp_bridge under --target torch: " in code
-    todos = [r for r in report if "[todo] --target torch" in r]
-    assert len(todos) == 2, report
+    todos = [r for r in report if "[todo]" in r and "kept on fsdp_bridge under --target torch" in r]
+    assert len(todos) == 2, report  # the constructor's and the summon's own lines
 
 
 def test_bridge_target_is_the_default_and_unchanged() -> None:
@@ -420,3 +422,67 @@ def test_rank0_state_over_process_groups_keeps_the_bridge(tmp_path: Path) -> Non
     saved = next(r for r in results if r.path.endswith("save.py"))
     assert "fsdp_bridge.full_optim_state_dict(model, optim)" in saved.fixed
     assert any("first rank of each group" in f.replacement for f in report.todos)
+
+
+def test_report_names_the_users_lines_and_what_the_file_holds() -> None:
+    """Under --target torch each report line is at the construct's place in the user's file and names what
+    the written file holds: plain torch, or the bridge call it stays on as a TODO (never a bridge call the
+    output does not contain); the count line counts the constructs of the bridge target."""
+    body = textwrap.dedent(
+        """
+        def run(model, optimizer, batches, settings):
+            model = FSDP(
+                model,
+                auto_wrap_policy=ModuleWrapPolicy({Block}),
+                sharding_strategy=ShardingStrategy.SHARD_GRAD_OP,
+                device_id=torch.device("cpu"),
+            )
+            with model.no_sync():
+                model(batches[0]).sum().backward()
+            model.clip_grad_norm_(1.0)
+            full = FSDP.full_optim_state_dict(model, optimizer)
+            with FSDP.summon_full_params(model, writeback=False):
+                print(sum(p.numel() for p in model.parameters()))
+            return full
+        """
+    )
+    code = HEAD + "import torch\n" + body
+    bridge = migrate_source(code, "train.py")
+    result = migrate_source(code, "train.py", target="torch")
+    lines = code.splitlines()
+    report = [f.format() for f in result.findings]
+    assert len(result.findings) == len(bridge.findings)  # the same constructs, each once
+    assert [(f.line, f.column) for f in result.findings] == [(f.line, f.column) for f in bridge.findings]
+    for f in result.findings:
+        assert not f.construct.startswith("--target torch"), f.format()
+        if f.fixable:  # a [fix] line names no bridge call the output does not contain
+            for call in re.findall(r"fsdp_bridge\.\w+", f.replacement):
+                assert call in result.fixed, f.format()
+    by_construct = {f.construct: f for f in result.findings}
+    ctor = by_construct["FSDP(...)"]
+    assert lines[ctor.line - 1][ctor.column :].startswith("FSDP(")  # the user's line and column
+    assert ctor.fixable and ctor.replacement.startswith("_fsdp2_helpers.shard_model(")
+    nosync = by_construct["model.no_sync()"]
+    assert lines[nosync.line - 1][nosync.column :].startswith("model.no_sync()")
+    assert nosync.replacement.startswith("_fsdp2_helpers.no_sync(model):")
+    clip = next(f for f in result.findings if f.construct.startswith("model.clip_grad_norm_"))
+    assert lines[clip.line - 1][clip.column :].startswith("model.clip_grad_norm_")
+    assert clip.replacement.startswith("torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0):")
+    state = next(f for f in result.findings if f.construct.startswith("FSDP.full_optim_state_dict"))
+    assert lines[state.line - 1][state.column :].startswith("FSDP.full_optim_state_dict(")
+    assert state.replacement.startswith("get_optimizer_state_dict(model, optimizer, options=StateDictOptions(")
+    summon = next(f for f in result.findings if f.construct.startswith("FSDP.summon_full_params"))
+    assert lines[summon.line - 1][summon.column :].startswith("FSDP.summon_full_params(")
+    assert not summon.fixable and "fsdp_bridge.summon_full_params(model" in result.fixed
+    assert "kept on fsdp_bridge under --target torch: " in summon.replacement
+    strategy = next(f for f in result.findings if f.construct.startswith("sharding_strategy="))
+    assert strategy.replacement.startswith(
+        'mesh=_fsdp2_helpers.data_parallel_mesh("shard_grad_op", "cpu"), reshard_after_forward=False:'
+    )
+    wrap = next(f for f in result.findings if f.construct.startswith("auto_wrap_policy="))
+    assert wrap.replacement.startswith("wrap_classes=(Block,):")
+    n = len(bridge.findings)
+    assert CodeReport(findings=result.findings).format().splitlines()[-1] == (
+        f"{n} FSDP1 construct(s): {n - 1} rewritable by --fix, 1 left with TODO(fsdp-bridge)"
+    )
+    assert len(report) == n

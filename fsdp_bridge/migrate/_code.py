@@ -41,7 +41,7 @@ import libcst as cst
 import libcst.matchers as m
 from libcst.codemod import CodemodContext
 from libcst.codemod.visitors import AddImportsVisitor, RemoveImportsVisitor
-from libcst.metadata import MetadataWrapper
+from libcst.metadata import MetadataWrapper, PositionProvider
 
 from fsdp_bridge.migrate._analysis import (
     ClassAliases,
@@ -64,6 +64,7 @@ from fsdp_bridge.migrate._report import CodeFinding, CodeReport
 from fsdp_bridge.migrate._rewrite import Rewriter
 from fsdp_bridge.migrate._scanner import Scanner
 from fsdp_bridge.migrate._torch_helpers import HELPERS_MARKER, HELPERS_NAME, HELPERS_SOURCE
+from fsdp_bridge.migrate._torch_report import torch_findings
 from fsdp_bridge.migrate._torch_target import TARGETS, lower_to_torch
 from fsdp_bridge.migrate._vendored import vendored_torch_module
 from fsdp_bridge.migrate.limits import SourceLimitError, read_source
@@ -151,7 +152,7 @@ def migrate_source(
         # At most config-driven FSDP (Trainer / accelerate arguments): report, change nothing; under
         # --target torch, code on the bridge already (an earlier --fix) is lowered.
         if target == "torch" and "fsdp_bridge." in code:
-            return _lowered(module, code, path, list(scan.findings), groups=known.group_fsdp is not None)
+            return _lowered(module, code, path, list(scan.findings), groups=known.group_fsdp is not None, spans={})
         return MigratedSource(path, code, code, sorted(scan.findings, key=lambda f: (f.line, f.column)))
     fixer = Rewriter(scan, {id(v): k for k, v in single.items()})
     fixed = wrapper.module.visit(fixer)
@@ -173,7 +174,13 @@ def migrate_source(
         fixed = RemoveImportsVisitor(context).transform_module(fixed)
     findings = sorted(scan.findings, key=lambda f: (f.line, f.column))
     if target == "torch" and "fsdp_bridge." in fixed.code:
-        return _lowered(fixed, code, path, findings, groups=known.group_fsdp is not None)
+        positions = wrapper.resolve(PositionProvider)
+        spans = {
+            (r.start.line, r.start.column): (r.end.line, r.end.column)
+            for node, r in positions.items()
+            if id(node) in scan.conversions
+        }
+        return _lowered(fixed, code, path, findings, groups=known.group_fsdp is not None, spans=spans)
     return MigratedSource(path, code, fixed.code, findings)
 
 
@@ -250,19 +257,19 @@ def _settle_aliases(
     return fixed.visit(Settle()), findings
 
 
-def _lowered(fixed: cst.Module, code: str, path: str, findings: list[CodeFinding], *, groups: bool) -> MigratedSource:
-    """``--target torch``: the bridge rewrite ``fixed`` of ``code`` lowered to plain torch, with the report
-    lines of what each bridge call became (line numbers of the bridge rewrite) or why it stays."""
+def _lowered(
+    fixed: cst.Module,
+    code: str,
+    path: str,
+    findings: list[CodeFinding],
+    *,
+    groups: bool,
+    spans: dict[tuple[int, int], tuple[int, int]],
+) -> MigratedSource:
+    """``--target torch``: the bridge rewrite ``fixed`` of ``code`` lowered to plain torch; each report line
+    at its place in ``code``, naming what the written file holds (``_torch_report``)."""
     lowered = lower_to_torch(fixed, path, groups=groups)
-    findings = findings + [
-        CodeFinding(path, line, 0, f"--target torch: {call}", became, True, note=True)
-        for line, call, became in lowered.lowered
-    ]
-    findings += [
-        CodeFinding(path, line, 0, f"--target torch: {call}", f"kept on fsdp_bridge: {why}", False)
-        for line, call, why in lowered.kept
-    ]
-    findings.sort(key=lambda f: (f.line, f.column))
+    findings = torch_findings(path, code, fixed.code, findings, lowered.calls, spans)
     return MigratedSource(path, code, lowered.module.code, findings, lowered.uses_helpers)
 
 

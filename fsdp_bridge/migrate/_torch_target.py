@@ -36,7 +36,7 @@ from fsdp_bridge.migrate._render import commas, comments_around
 from fsdp_bridge.migrate._torch_helpers import HELPERS_NAME
 from fsdp_bridge.strategy import ShardingStrategy
 
-__all__ = ["TARGETS", "Lowered", "imports_of", "lower_to_torch"]
+__all__ = ["TARGETS", "Lowered", "LoweredCall", "imports_of", "lower_to_torch"]
 
 TARGETS = ("bridge", "torch")
 """What ``migrate code --fix`` writes: the bridge's calls (default), or plain FSDP2 code."""
@@ -52,11 +52,38 @@ class Lowered:
     module: cst.Module
     uses_helpers: bool = False
     """The file calls the generated ``_fsdp2_helpers`` module (written beside it)."""
-    lowered: list[tuple[int, str, str]] = field(default_factory=list)
-    """(line in the bridge rewrite, bridge call, what it became), for the report."""
-    kept: list[tuple[int, str, str]] = field(default_factory=list)
-    """(line in the bridge rewrite, bridge call, why it stays), for the report; each also has a TODO
-    comment in the file."""
+    calls: list[LoweredCall] = field(default_factory=list)
+    """Every bridge call of the bridge rewrite, in the order of the file: what it became, or why it stays."""
+
+
+@dataclass(frozen=True)
+class LoweredCall:
+    """One bridge call of the bridge rewrite and what this pass made of it (positions are the bridge
+    rewrite's: the report maps them back to the user's file)."""
+
+    line: int
+    column: int
+    end_line: int
+    name: str
+    """After ``fsdp_bridge.``: ``shard``, ``no_sync``, ``BridgeConfig.from_fsdp1``."""
+    code: str
+    """The bridge call as the bridge rewrite wrote it, on one line (``fsdp_bridge.no_sync(model)``)."""
+    became: str = ""
+    """The plain-torch code written for it, on one line; empty when it stays on the bridge."""
+    why: str = ""
+    """Why it stays on the bridge (a TODO comment in the file says the same); empty when lowered."""
+    notes: tuple[str, ...] = ()
+    """What the call lost on the way (said in the report)."""
+    settings: tuple[tuple[str, str, str], ...] = ()
+    """``shard``: (BridgeConfig keyword, its value, the ``shard_model`` arguments it became; empty for
+    none) for each setting of the config."""
+
+    inner: bool = False
+    """A bridge call inside another that stays on the bridge as a whole (kept with it)."""
+
+    @property
+    def kept(self) -> bool:
+        return not self.became
 
 
 class _CannotLower(Exception):
@@ -73,6 +100,15 @@ class _Shard:
     """Comments of settings that became nothing (written before the closing parenthesis)."""
     imports: set[tuple[str, str | None]] = field(default_factory=set)
     notes: list[str] = field(default_factory=list)
+    values: dict[str, str] = field(default_factory=dict)
+    """BridgeConfig keyword -> its value, as the bridge rewrite wrote it."""
+    became: dict[str, list[str]] = field(default_factory=dict)
+    """BridgeConfig keyword -> the ``shard_model`` arguments it became (none: an empty list)."""
+
+    def add(self, kw: str, text: str, comments: tuple[list[str], str | None] = ([], None)) -> None:
+        """An argument of ``shard_model`` made from the setting ``kw``."""
+        self.lines.append((text, *comments))
+        self.became.setdefault(kw, []).append(_one_line(text))
 
 
 def _literal_str(node: cst.BaseExpression) -> str | None:
@@ -103,8 +139,9 @@ def _mixed_precision(value: cst.BaseExpression, out: _Shard, kw: tuple[list[str]
     one_line = f"mp_policy=MixedPrecisionPolicy({', '.join(policy)})"
     if len(one_line) > 80:  # one argument per line (continuation lines take the statement's indentation)
         one_line = "mp_policy=MixedPrecisionPolicy(\n" + "".join(f"        {p},\n" for p in policy) + "    )"
-    out.lines.append((one_line, *kw))
-    out.lines.extend((e, [], None) for e in extra)
+    out.add("mixed_precision", one_line, kw)
+    for e in extra:
+        out.add("mixed_precision", e)
 
 
 def _shard_args(call: cst.Call) -> tuple[str, _Shard]:
@@ -126,6 +163,7 @@ def _shard_args(call: cst.Call) -> tuple[str, _Shard]:
         if a.keyword is None or a.star:
             raise _CannotLower(f"BridgeConfig({code_of(a.value)}): not a keyword setting")
         settings[a.keyword.value] = a.value
+        out.values[a.keyword.value] = " ".join(code_of(a.value).split())
         comments[a.keyword.value] = comments_around(config, i)
     if _literal_str(settings.get("backend", cst.SimpleString('"fsdp2"'))) != "fsdp2":
         raise _CannotLower(f"backend={code_of(settings['backend'])}: only a config for FSDP2 is written as FSDP2")
@@ -139,6 +177,7 @@ def _shard_args(call: cst.Call) -> tuple[str, _Shard]:
         raise _CannotLower(f"device={code_of(settings['device'])}: not a literal the codemod writes")
 
     def note(kw: str) -> None:  # a setting that became nothing keeps its comments
+        out.became.setdefault(kw, [])
         lead, trail = comments.get(kw, ([], None))
         out.loose += lead + ([trail] if trail else [])
 
@@ -148,10 +187,12 @@ def _shard_args(call: cst.Call) -> tuple[str, _Shard]:
     device_arg = ', "cpu"' if device == "cpu" else ""
     built = f'{HELPERS_NAME}.data_parallel_mesh("{strategy}"{device_arg})'
     mesh_code = code_of(mesh.value) if mesh is not None else built
-    out.lines.append((f"mesh={mesh_code}", *comments.get("strategy", ([], None))))
+    out.add("strategy", f"mesh={mesh_code}", comments.get("strategy", ([], None)))
     note("device")
     note("hybrid_shape")  # the mesh given has the shape
     note("backend")
+    if mesh is None:  # the mesh built says the device and the shape
+        out.became["device"] = out.became["hybrid_shape"] = [f"mesh={mesh_code}"]
     wrap = settings.get("wrap", cst.SimpleString('"none"'))
     if isinstance(wrap, (cst.List, cst.Tuple, cst.Set)):
         if any(
@@ -160,20 +201,20 @@ def _shard_args(call: cst.Call) -> tuple[str, _Shard]:
             raise _CannotLower(f"wrap={code_of(wrap)}: class names, not classes (name them as classes to eject)")
         classes = ", ".join(code_of(e.value) for e in wrap.elements)
         one = "," if len(wrap.elements) == 1 else ""
-        out.lines.append((f"wrap_classes=({classes}{one})", *comments.get("wrap", ([], None))))
+        out.add("wrap", f"wrap_classes=({classes}{one})", comments.get("wrap", ([], None)))
     elif isinstance(wrap, cst.Dict) and [
         _literal_str(e.key) for e in wrap.elements if isinstance(e, cst.DictElement)
     ] == ["min_num_params"]:
         element = wrap.elements[0]
         assert isinstance(element, cst.DictElement)
-        out.lines.append((f"wrap_min_num_params={code_of(element.value)}", *comments.get("wrap", ([], None))))
+        out.add("wrap", f"wrap_min_num_params={code_of(element.value)}", comments.get("wrap", ([], None)))
     elif _literal_str(wrap) == "none":
         note("wrap")
     else:
         raise _CannotLower(f"wrap={code_of(wrap)}: not a list of classes or min_num_params")
     # The mapping's rule (fsdp_bridge.plan.reshard_after_forward): the units reshard as the strategy says.
     reshard = ShardingStrategy(strategy).reshards_after_forward or strategy == "no_shard"
-    out.lines.append((f"reshard_after_forward={reshard}", [], None))
+    out.add("strategy", f"reshard_after_forward={reshard}")
     for kw, value in settings.items():
         text = code_of(value)
         if kw in ("strategy", "device", "hybrid_shape", "backend", "wrap"):
@@ -190,13 +231,13 @@ def _shard_args(call: cst.Call) -> tuple[str, _Shard]:
                 if text != "True":
                     out.imports.add((_FSDP, "OffloadPolicy"))
                     policy = f"{policy} if {text} else OffloadPolicy()"
-                out.lines.append((f"offload_policy={policy}", *comments[kw]))
+                out.add(kw, f"offload_policy={policy}", comments[kw])
             else:
                 note(kw)
         elif kw == "backward_prefetch":
             case = _literal_str(value)
             if case == "none":
-                out.lines.append(("backward_prefetch=False", *comments[kw]))
+                out.add(kw, "backward_prefetch=False", comments[kw])
             elif case == "pre":  # FSDP2's own order
                 note(kw)
             else:
@@ -205,7 +246,7 @@ def _shard_args(call: cst.Call) -> tuple[str, _Shard]:
             if isinstance(value, (cst.Integer, cst.SimpleString)):
                 raise _CannotLower(f"{kw}={text}: FSDP1 takes a bool here (a prefetch depth is the bridge's own)")
             if text != "False":
-                out.lines.append((f"{kw}={text}", *comments[kw]))
+                out.add(kw, f"{kw}={text}", comments[kw])
             else:
                 note(kw)
         elif kw == "limit_all_gathers":  # the mapping: not needed on FSDP2
@@ -235,8 +276,8 @@ class _Lowerer(cst.CSTTransformer):
         self.groups = groups  # a file of the tree shards over process groups (FSDP1's rank0_only is per group)
         self.result_imports: set[tuple[str, str | None]] = set()
         self.uses_helpers = False
-        self.lowered: list[tuple[int, str, str]] = []
-        self.kept: list[tuple[int, str, str]] = []
+        self.found: list[LoweredCall] = []
+        self.settings: tuple[tuple[str, str, str], ...] = ()  # of the shard call being lowered
         self.pending: list[list[str]] = []  # TODO texts of the statements being visited, innermost last
         self.notes: list[str] = []  # what the call being lowered lost on the way (said in the report)
         self.calls: list[bool] = []  # for each call being visited: whether it is a bridge call
@@ -300,11 +341,27 @@ class _Lowerer(cst.CSTTransformer):
     def leave_ClassDef(self, original_node: cst.ClassDef, updated_node: Any) -> Any:
         return self._leave(updated_node)
 
-    def _line(self, node: cst.CSTNode) -> int:
-        return int(self.get_metadata(PositionProvider, node).start.line)
+    def _record(self, node: cst.CSTNode, name: str, became: str = "", why: str = "", inner: bool = False) -> None:
+        where = self.get_metadata(PositionProvider, node)
+        self.found.append(
+            LoweredCall(
+                where.start.line,
+                where.start.column,
+                where.end.line,
+                name,
+                _one_line(code_of(node)),
+                _one_line(became),
+                why,
+                tuple(self.notes),
+                self.settings,
+                inner,
+            )
+        )
+        self.notes, self.settings = [], ()
 
     def _keep(self, node: cst.CSTNode, construct: str, why: str) -> None:
-        self.kept.append((self._line(node), construct, why))
+        name = construct.removeprefix("fsdp_bridge.").removesuffix("(...)")
+        self._record(node, name, why=why)
         if self.pending:
             self.pending[-1].append(f"{construct}: kept on fsdp_bridge under --target torch: {why}")
 
@@ -325,10 +382,12 @@ class _Lowerer(cst.CSTTransformer):
             new = self._lower(name, updated_node)
         except _CannotLower as why:
             self._keep(original_node, f"{func}(...)", str(why))
+            for n in walk(original_node):  # the bridge calls inside stay with it
+                if n is not original_node and isinstance(n, cst.Call) and code_of(n.func).startswith("fsdp_bridge."):
+                    inside = code_of(n.func).removeprefix("fsdp_bridge.")
+                    self._record(n, inside, why=f"inside {func}(...), which stays on fsdp_bridge", inner=True)
             return updated_node
-        became = code_of(new).split("(")[0] + "(...)"
-        self.lowered.append((self._line(original_node), f"{func}(...)", "; ".join([became, *self.notes])))
-        self.notes = []
+        self._record(original_node, name, code_of(new))
         return new
 
     def _lower(self, name: str, call: cst.Call) -> cst.BaseExpression:
@@ -336,6 +395,7 @@ class _Lowerer(cst.CSTTransformer):
         if name == "shard":
             new, out = _render_shard(call)
             self.notes = out.notes
+            self.settings = tuple((kw, out.values[kw], ", ".join(out.became.get(kw, []))) for kw in out.values)
             self.uses_helpers = True
             self.result_imports |= out.imports
             return new
@@ -396,7 +456,7 @@ class _Lowerer(cst.CSTTransformer):
         if code_of(updated_node) == "fsdp_bridge.no_sync" and id(original_node) not in self.inside:
             # passed on as a value (functools.partial(fsdp_bridge.no_sync, model)): the same signature
             self.uses_helpers = True
-            self.lowered.append((self._line(original_node), "fsdp_bridge.no_sync", f"{HELPERS_NAME}.no_sync"))
+            self._record(original_node, "no_sync", f"{HELPERS_NAME}.no_sync")
             return cst.parse_expression(f"{HELPERS_NAME}.no_sync")
         if code_of(updated_node).startswith("fsdp_bridge.") and id(original_node) not in self.inside:
             inner = original_node.value
@@ -405,6 +465,11 @@ class _Lowerer(cst.CSTTransformer):
             ):  # an attribute of a bridge call's result: the call is reported itself
                 self._keep(original_node, code_of(updated_node), "no plain-torch form written for it yet")
         return updated_node
+
+
+def _one_line(code: str) -> str:
+    """Code on one line, as the report quotes it (``f(\n    a,\n)`` -> ``f(a)``)."""
+    return " ".join(code.split()).replace("( ", "(").replace(", )", ")")
 
 
 def _helpers_import(path: str) -> tuple[str, str | None, int]:
@@ -429,7 +494,7 @@ def lower_to_torch(module: cst.Module, path: str, *, groups: bool = False) -> Lo
     new = AddImportsVisitor(context).transform_module(new)
     RemoveImportsVisitor.remove_unused_import(context, "fsdp_bridge")
     new = RemoveImportsVisitor(context).transform_module(new)
-    return Lowered(new, lowerer.uses_helpers, lowerer.lowered, lowerer.kept)
+    return Lowered(new, lowerer.uses_helpers, lowerer.found)
 
 
 def imports_of(code: str) -> list[str]:
