@@ -589,10 +589,19 @@ def test_rewritten_scripts_match_fsdp1_losses(tmp_path: Path) -> None:
     # enable_wrap + wrap (double wraps, ModuleLists rebuilt from comprehensions), with and without a root FSDP
     manual = _prepare(tmp_path, "manual_wrap.py")
     pairs += [(*manual, {}), (*manual, {"root": True})]
+    # LOCAL_STATE_DICT blocks saved and loaded per rank (sharded after --fix): each run its own directory
+    for run in ("local1", "local2"):
+        (tmp_path / run).mkdir()
+    local = _prepare(tmp_path, "local_state_dict.py")
+    pairs.append((*local, ({"ckpt_dir": str(tmp_path / "local1")}, {"ckpt_dir": str(tmp_path / "local2")})))
     results = run_distributed(_run_pairs, world_size=2, args=(pairs,), env=env, timeout_s=300)
     for rank_results in results:
         (mp1, mp2), (sd1, sd2), (ga1, ga2), (dc1, dc2), (kw1, kw2), (cm1, cm2), (wf1, wf2), ctx = rank_results[:8]
-        units_only, with_root = rank_results[8:]
+        units_only, with_root, (local1, local2) = rank_results[8:]
+        # 3 steps, a per-rank save, 2 steps; a fresh model trained 1 step, resumed from the save, 2 steps: the
+        # resumed steps repeat steps 4 and 5 exactly (model and Adam state came back), after --fix as before
+        assert len(local1) == 7 and local1[5:] == pytest.approx(local1[3:5], rel=1e-6), local1
+        assert local2 == pytest.approx(local1, rel=1.3e-6, abs=1e-5), (local1, local2)
         # state-dict contexts made by factory functions: full save on rank 0, restored on every rank
         assert len(ctx[0]) == 4 and ctx[1] == pytest.approx(ctx[0], rel=1.3e-6, abs=1e-5), ctx
         assert units_only[1] == pytest.approx(units_only[0], rel=1.3e-6, abs=1e-5), units_only

@@ -3,44 +3,20 @@ optimizer's own state or the default group by keyword (fsdp_bridge.migrate.fixer
 
 from __future__ import annotations
 
-import runpy
 import textwrap
 from pathlib import Path
 
-import pytest
-
 from fsdp_bridge.migrate._code import migrate_source
-from fsdp_bridge.testing import run_distributed
 
 FIXTURE = Path(__file__).parent / "fixtures" / "migrate" / "local_state_dict.py"
 
 
-def _both(original: str, fixed: str, first: str, second: str) -> tuple[list[float], list[float]]:
-    fsdp1 = runpy.run_path(original, run_name="fsdp1_fixture")["main"](ckpt_dir=first)
-    fsdp2 = runpy.run_path(fixed, run_name="fsdp2_fixture")["main"](ckpt_dir=second)
-    return fsdp1, fsdp2
-
-
-def test_per_rank_local_checkpoints_resume_like_fsdp1_after_fix(tmp_path: Path) -> None:
+def test_per_rank_local_blocks_lose_every_fsdp1_name_and_fix_once() -> None:
+    # That the rewrite resumes like FSDP1 (2 gloo ranks, losses step for step) is checked in the spawn of
+    # tests/test_migrate_code.py::test_rewritten_scripts_match_fsdp1_losses.
     result = migrate_source(FIXTURE.read_text(), FIXTURE.name)
     assert "StateDictType" not in result.fixed and "FSDP." not in result.fixed
     assert migrate_source(result.fixed, FIXTURE.name).fixed == result.fixed
-    fixed = tmp_path / "fixed_local_state_dict.py"
-    fixed.write_text(result.fixed)
-    (tmp_path / "a").mkdir()
-    (tmp_path / "b").mkdir()
-    runs = run_distributed(
-        _both,
-        world_size=2,
-        args=(str(FIXTURE), str(fixed), str(tmp_path / "a"), str(tmp_path / "b")),
-        env={"OMP_NUM_THREADS": "1"},
-        timeout_s=300,
-    )
-    for fsdp1, fsdp2 in runs:
-        # 3 steps, a save, 2 steps; a fresh model trained 1 step, resumed from the save, 2 steps: the
-        # resumed steps repeat steps 4 and 5 exactly (model and Adam state came back)
-        assert len(fsdp1) == 7 and fsdp1[5:] == pytest.approx(fsdp1[3:5], rel=1e-6)
-        assert fsdp2 == pytest.approx(fsdp1, rel=1.3e-6, abs=1e-5), (fsdp1, fsdp2)
 
 
 LOCAL_TODOS = textwrap.dedent(
