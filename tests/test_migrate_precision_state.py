@@ -3,6 +3,7 @@ FSDP1's meaning kept, or a TODO saying why (one-process tests of ``migrate_sourc
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
 from fsdp_bridge.migrate._code import TODO, migrate_paths, migrate_source
@@ -170,3 +171,31 @@ def test_todos_naming_another_file_do_not_depend_on_the_directory_given(tmp_path
         outputs.append(by_path["optim_io.py"].fixed)
     assert "ckpt/setter.py calls FSDP.set_state_dict_type" in outputs[0]
     assert outputs[0] == outputs[1]
+
+
+def test_a_full_state_whose_config_is_known_at_run_time_keeps_fsdp1s_offload_and_rank0_only() -> None:
+    # torch's options cannot give every rank a CPU copy (offload_to_cpu=True, rank0_only=False): the model's
+    # state goes through fsdp_bridge.full_state_dict with the config's own flags, never a device-side copy.
+    code = textwrap.dedent(
+        """
+        import torch
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, FullStateDictConfig, StateDictType
+
+        def keep(module, rank0_only=False):
+            cfg = FullStateDictConfig(offload_to_cpu=True, rank0_only=rank0_only)
+            with FSDP.state_dict_type(module, StateDictType.FULL_STATE_DICT, cfg):
+                return module.state_dict()
+
+        def save(module, flag):
+            with FSDP.state_dict_type(module, StateDictType.FULL_STATE_DICT, FullStateDictConfig(offload_to_cpu=flag)):
+                sd = module.state_dict()
+            torch.save(sd, "m.pt")
+        """
+    )
+    fixed = migrate_source(code, "keep.py").fixed
+    assert (
+        "return fsdp_bridge.full_state_dict(module, rank0_only=cfg.rank0_only, offload_to_cpu=cfg.offload_to_cpu)"
+        in fixed
+    )
+    assert "sd = fsdp_bridge.full_state_dict(module, rank0_only=False, offload_to_cpu=flag)" in fixed
+    assert "get_model_state_dict" not in fixed and migrate_source(fixed, "keep.py").fixed == fixed

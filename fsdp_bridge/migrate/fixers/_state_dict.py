@@ -218,6 +218,18 @@ class StateDictFixer(ScannerBase):
         extra = (", cpu_offload=True" if cpu_offload else "") + (", broadcast_from_rank0=True" if broadcast else "")
         return f"StateDictOptions(full_state_dict=True{extra})"
 
+    @staticmethod
+    def _runtime_flags(cfg: cst.BaseExpression) -> str:
+        """``rank0_only=..., offload_to_cpu=...`` of a full-state config known at run time: the keywords of a
+        ``FullStateDictConfig(...)`` call written there (FSDP1's defaults, False, for those not given), else
+        the config object's attributes."""
+        if isinstance(cfg, cst.Call) and all(a.keyword is not None for a in cfg.args):
+            given = {a.keyword.value: code_of(a.value) for a in cfg.args if a.keyword is not None}
+            if set(given) <= {"rank0_only", "offload_to_cpu"}:
+                return ", ".join(f"{k}={given.get(k, 'False')}" for k in ("rank0_only", "offload_to_cpu"))
+        obj = code_of(cfg)
+        return f"rank0_only={obj}.rank0_only, offload_to_cpu={obj}.offload_to_cpu"
+
     def _literal_config(self, cfg: cst.BaseExpression | None) -> bool:
         """A state-dict config written out (``FullStateDictConfig(rank0_only=True)``, inline or in a
         variable assigned once) whose flags are literal True/False."""
@@ -375,6 +387,7 @@ class StateDictFixer(ScannerBase):
             return
         if kind not in ("FULL_STATE_DICT", "SHARDED_STATE_DICT", None):
             return
+        full_save: str | None = None
         if kind is None or not self._literal_config(cfg) or not self._literal_config(optim_cfg):
             # Type or configs known only at run time: fsdp_bridge translates them when the code runs.
             runtime = ", ".join(code_of(a) for a in (type_arg, cfg, optim_cfg) if a is not None)
@@ -385,6 +398,10 @@ class StateDictFixer(ScannerBase):
             load_opts = f"fsdp_bridge.state_dict_options({runtime}, load=True)"
             optim_load_opts = f"fsdp_bridge.state_dict_options({runtime}, optimizer=True, load=True)"
             self.needs_imports.add(("fsdp_bridge", None))
+            if kind == "FULL_STATE_DICT" and cfg is not None:
+                # A full state whose config is known at run time: FSDP1's rank0_only and offload_to_cpu each
+                # as given (torch's options have no every-rank CPU copy: offload_to_cpu=True, rank0_only=False)
+                full_save = f"fsdp_bridge.full_state_dict({model}, {self._runtime_flags(cfg)})"
         elif (
             kind == "FULL_STATE_DICT"
             and self.dispatch.group_fsdp is not None
@@ -415,7 +432,9 @@ class StateDictFixer(ScannerBase):
             func = inner.func
             hit = self._qn(func)
             if isinstance(func, cst.Attribute) and hit is None and code_of(func.value) == model:
-                if func.attr.value == "state_dict" and not inner.args:
+                if func.attr.value == "state_dict" and not inner.args and full_save is not None:
+                    rewrites[id(inner)] = full_save
+                elif func.attr.value == "state_dict" and not inner.args:
                     self.needs_state_dict_api.add("get_model_state_dict")
                     rewrites[id(inner)] = f"get_model_state_dict({model}, options={save_opts})"
                 elif (
@@ -458,6 +477,11 @@ class StateDictFixer(ScannerBase):
             # Runtime configs stay: the new calls read them.
             configs = () if save_opts.startswith("fsdp_bridge.") else (cfg, optim_cfg)
             why = f" (torch.distributed.checkpoint.state_dict, options={save_opts}); your torch.save / DCP code is kept"
+            if full_save is not None:
+                why = (
+                    " (the model's full state with the config's rank0_only and offload_to_cpu as FSDP1 reads them "
+                    f"when the code runs; other calls: options={save_opts}); your torch.save / DCP code is kept"
+                )
             self._unwrap_block(node, rewrites, configs, kind or short(code_of(type_arg), 40), why)
 
     def _persistent_type(self, node: cst.CSTNode, model: str) -> str | None:
