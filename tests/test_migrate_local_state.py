@@ -127,3 +127,36 @@ def test_keyword_optimizer_calls_with_fsdp1s_defaults_are_rewritten_like_positio
     assert "broadcast_from_rank0=True" in fixed and by_line[30].fixable
     assert not by_line[32].fixable and "group" in by_line[32].replacement
     assert migrate_source(fixed, "ckpt.py").fixed == fixed
+
+
+PAIR = textwrap.dedent(
+    """
+    import torch
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, StateDictType
+
+
+    class Keeper(Base):
+        def write(self, path):
+            with FSDP.state_dict_type(self.model, StateDictType.LOCAL_STATE_DICT):
+                data = {"model": self.model.state_dict()}
+            torch.save(data, path)
+
+        def read(self, path):
+            with FSDP.state_dict_type(self.model, StateDictType.LOCAL_STATE_DICT):
+                return super().read(path)
+    """
+)
+
+
+def test_a_local_save_is_not_rewritten_while_its_load_stays_fsdp1s() -> None:
+    # What one block saves the other loads: rewriting the save alone would write a format the kept load
+    # cannot read (FSDP1's local load asserts on flat parameters), so both keep FSDP1's format.
+    result = migrate_source(PAIR, "keeper.py")
+    local = [f for f in result.findings if f.construct.startswith("FSDP.state_dict_type(LOCAL")]
+    assert [f.fixable for f in local] == [False, False], local
+    assert "line 13 of this file stays FSDP1's" in local[0].replacement, local[0]
+    assert result.fixed.count("StateDictType.LOCAL_STATE_DICT):") == 2
+    assert (
+        "get_model_state_dict(self.model" not in result.fixed
+        and "from torch.distributed.checkpoint" not in result.fixed
+    )

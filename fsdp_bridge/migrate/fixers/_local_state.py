@@ -29,6 +29,8 @@ from fsdp_bridge.migrate._render import with_option
 from fsdp_bridge.migrate._report import CodeFinding
 from fsdp_bridge.migrate._scan_base import ScannerBase
 
+STATE_DICT_TYPE_ARGS = ("module", "state_dict_type", "state_dict_config", "optim_state_dict_config")
+
 LOCAL_CONSTRUCT = "FSDP.state_dict_type(LOCAL_STATE_DICT)"
 
 
@@ -66,8 +68,66 @@ class LocalStateFixer(ScannerBase):
     def _local_block_rewrites(
         self, node: cst.With, model: str, cfg: cst.BaseExpression | None, optim_cfg: cst.BaseExpression | None
     ) -> str | None:
-        """Plan the block's rewrite; None when planned, else why it cannot be."""
+        """Plan the block's rewrite; None when planned, else why it cannot be. Every LOCAL block on the same
+        model in the file is checked first: the migrated code must save and load one format, so when one of
+        them stays FSDP1's (a TODO), this one does too."""
         function = self.functions[-1] if self.functions else None
+        checked = self._local_block_check(node, model, cfg, optim_cfg, function)
+        if isinstance(checked, str):
+            return checked
+        for other, other_function in self._local_blocks_of(model):
+            if other is node:
+                continue
+            named = named_args(cast(cst.Call, other.items[0].item), STATE_DICT_TYPE_ARGS) or {}
+            if self._takes_no_state_of(other, model):
+                continue
+            why = self._local_block_check(
+                other, model, named.get("state_dict_config"), named.get("optim_state_dict_config"), other_function
+            )
+            if isinstance(why, str):
+                line = self.get_metadata(PositionProvider, other).start.line
+                return (
+                    f"the LOCAL_STATE_DICT block on {short(model, 30)} at line {line} of this file stays FSDP1's "
+                    f"({why}), and what one block saves the other loads: both keep FSDP1's format"
+                )
+        self._apply_local_block(node, model, cfg, optim_cfg, checked)
+        return None
+
+    def _local_blocks_of(self, model: str) -> list[tuple[cst.With, cst.FunctionDef | None]]:
+        """Every ``with FSDP.state_dict_type(<model>, LOCAL_STATE_DICT...)`` block of the file, with the
+        function it is in."""
+        found: list[tuple[cst.With, cst.FunctionDef | None]] = []
+
+        def visit(n: cst.CSTNode, function: cst.FunctionDef | None) -> None:
+            if isinstance(n, cst.FunctionDef):
+                function = n
+            if isinstance(n, cst.With) and n.items and isinstance(call := n.items[0].item, cst.Call):
+                named = named_args(call, STATE_DICT_TYPE_ARGS)
+                if (
+                    self._qn(call.func) == (FSDP, "state_dict_type")
+                    and named is not None
+                    and "module" in named
+                    and "state_dict_type" in named
+                    and code_of(named["module"]) == model
+                    and self._member(named["state_dict_type"], "StateDictType") == "LOCAL_STATE_DICT"
+                ):
+                    found.append((n, function))
+            for child in n.children:
+                visit(child, function)
+
+        if self.module is not None:
+            visit(self.module, None)
+        return found
+
+    def _local_block_check(
+        self,
+        node: cst.With,
+        model: str,
+        cfg: cst.BaseExpression | None,
+        optim_cfg: cst.BaseExpression | None,
+        function: cst.FunctionDef | None,
+    ) -> str | list[tuple[cst.Call, str]]:
+        """What the block's saves and loads are (nothing changed), or why it cannot be rewritten."""
         if function is None:
             return "the block is not in a function, so where its state goes cannot be followed"
         if not self._literal_config(cfg) or not self._literal_config(optim_cfg):
@@ -155,6 +215,17 @@ class LocalStateFixer(ScannerBase):
                         covered.update(id(n) for n in walk(a.value))
         if not planned:
             return "nothing in the block saves or loads the model's state with state_dict() / load_state_dict()"
+        return planned
+
+    def _apply_local_block(
+        self,
+        node: cst.With,
+        model: str,
+        cfg: cst.BaseExpression | None,
+        optim_cfg: cst.BaseExpression | None,
+        planned: list[tuple[cst.Call, str]],
+    ) -> None:
+        """Write the checked block's calls as torch's sharded ones."""
         # Sharded options (FSDP1's Local*Config offload_to_cpu -> cpu_offload), imported only when written.
         save = self._options(False, offload=self._config_flag(cfg, "offload_to_cpu", False))
         optim_save = self._options(False, offload=self._config_flag(optim_cfg, "offload_to_cpu", False))
