@@ -3,6 +3,7 @@ the mapping table, and the tables of FSDP1's arguments, methods and internals.""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from typing import Any
 
@@ -94,7 +95,10 @@ INTERNAL_ATTRS: dict[str, str] = {
     "_has_params": "FSDP1's private flag (does this unit manage parameters) has no FSDP2 form: FSDPModule's "
     "reshard()/unshard() do nothing on a unit without parameters; drop the test",
     "_lazy_init": "FSDP2 initialises on the first forward; nothing to call (FSDPModule has no _lazy_init)",
-    "_fsdp_wrapped_module": "FSDP2 does not wrap: the module is itself (an FSDPModule); drop the attribute",
+    "_fsdp_wrapped_module": "not rewritten: on the bridge's fsdp1 backend the model stays FSDP1's wrapper and this "
+    "is the module inside it (its own forward, state_dict, __dict__, identity), while FSDP2 does not wrap (the "
+    "module is itself, an FSDPModule); only a read of a name the wrapper does not define (X._fsdp_wrapped_module."
+    "name, which the wrapper forwards) is rewritten to X.name. Use the model itself where it is FSDP2's",
     "_handles": "FSDP1's list of FlatParamHandles has no FSDP2 form: use the module's parameters (DTensors) and "
     "FSDPModule methods (unshard/reshard)",
     "_is_flat_param": "FSDP1's flat-parameter flag has no FSDP2 form: each parameter is its own DTensor "
@@ -310,3 +314,36 @@ def fsdp2_case(option: str, case: str) -> str:
         if r.option == option and r.case == case:
             return r.fsdp2.text
     return fsdp2_any(option)
+
+
+def wrapper_defines(name: str) -> bool:
+    """Whether FSDP1's wrapper class answers ``name`` itself (a method or attribute of
+    ``FullyShardedDataParallel`` or ``nn.Module``) rather than handing it to the module it wraps."""
+    return name.startswith("_") or name in _WRAPPER_INSTANCE_NAMES or name in _wrapper_names()
+
+
+# Set on each instance (not in dir() of the class): nn.Module's and FSDP1's own attributes.
+_WRAPPER_INSTANCE_NAMES = frozenset(
+    (
+        "training",
+        "sharding_strategy",
+        "mixed_precision",
+        "cpu_offload",
+        "backward_prefetch",
+        "forward_prefetch",
+        "limit_all_gathers",
+        "use_orig_params",
+        "process_group",
+        "compute_device",
+        "rank",
+        "world_size",
+        "training_state",
+    )
+)
+
+
+@functools.cache
+def _wrapper_names() -> frozenset[str]:
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return frozenset(dir(FullyShardedDataParallel))

@@ -8,7 +8,7 @@ import libcst.matchers as m
 from libcst.metadata import QualifiedNameProvider
 
 from fsdp_bridge.migrate._analysis import code_of, short, walk
-from fsdp_bridge.migrate._names import FSDP
+from fsdp_bridge.migrate._names import FSDP, wrapper_defines
 from fsdp_bridge.migrate._objects import ObjectAnalysis
 from fsdp_bridge.migrate._scan_base import ScannerBase
 from fsdp_bridge.migrate.fixers._attributes import ElsewhereAttributesFixer
@@ -205,6 +205,15 @@ class Scanner(
         self.annotation_depth -= 1
 
     def visit_Attribute(self, node: cst.Attribute) -> bool:
+        inner = node.value
+        if (
+            isinstance(inner, cst.Attribute)
+            and inner.attr.value == "_fsdp_wrapped_module"
+            and not self.assign_target_depth
+            and not wrapper_defines(node.attr.value)
+        ):
+            # FSDP1's wrapper hands a name it does not define to the module it wraps: X.name is the same
+            self.forwarded_reads.add(id(inner))
         self._note_fsdp1_checkpoint(node)
         self._note_fsdp1_attribute(node)
         return self._reference(node)

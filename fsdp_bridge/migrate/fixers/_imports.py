@@ -79,7 +79,7 @@ class ImportsFixer(ScannerBase):
             self._record(node, f"FSDP.{hit[1]}" if hit[0] == FSDP and hit[1] else code_of(node), region.text(), True)
             return False
         if isinstance(node, cst.Attribute) and node.attr.value in INTERNAL_ATTRS and self.uses_fsdp1:
-            if node.attr.value == "_fsdp_wrapped_module" and not self.assign_target_depth:
+            if node.attr.value == "_fsdp_wrapped_module" and id(node) in self.forwarded_reads:
                 self.attr_drops.add(id(node))
                 self._record(
                     node,
