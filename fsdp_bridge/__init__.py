@@ -55,6 +55,7 @@ if TYPE_CHECKING:
     from fsdp_bridge.distributed import init_distributed, mesh_from_process_group
     from fsdp_bridge.errors import CheckpointError, ConfigError, Problem
     from fsdp_bridge.mapping import Outcome, TranslationReport, translate
+    from fsdp_bridge.scaler import GradScaler
     from fsdp_bridge.strategy import Backend, BackwardPrefetch, ShardingStrategy
     from fsdp_bridge.wrap import module_names
 
@@ -68,6 +69,7 @@ _EXPORTS: dict[str, str] = {
     "CheckpointError": "fsdp_bridge.errors",
     "CompileConfig": "fsdp_bridge.config",
     "ConfigError": "fsdp_bridge.errors",
+    "GradScaler": "fsdp_bridge.scaler",
     "ManualWrap": "fsdp_bridge._manual_wrap",
     "MixedPrecisionConfig": "fsdp_bridge.config",
     "Outcome": "fsdp_bridge.mapping",
@@ -117,6 +119,7 @@ __all__ = [
     "CompileConfig",
     "ConfigError",
     "FSDP1Settings",
+    "GradScaler",
     "ManualWrap",
     "MixedPrecisionConfig",
     "Outcome",

@@ -793,7 +793,7 @@ TABLE: tuple[Rule, ...] = (
         "-",
         "ShardedGradScaler()",
         T(N, "ShardedGradScaler"),
-        T(N, "torch.amp.GradScaler (works on DTensor gradients)"),
+        T(N, "torch.amp.GradScaler (works on DTensor gradients); fsdp_bridge.GradScaler on either backend"),
     ),
     Rule(
         "keep_low_precision_grads",

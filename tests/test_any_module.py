@@ -2,7 +2,8 @@
 
 Migrated code calls them where the original called the module's own method, and in code written for
 several backends the module may be DDP, torch's own ``fully_shard``, FSDP1 made by torch, or plain:
-each gets what its own call does. Dispatch is checked in one process; numerics at 2 gloo ranks (one spawn).
+each gets what its own call does. Dispatch is checked in one process; numerics at 2 gloo ranks (one spawn),
+with fsdp_bridge.GradScaler's overflow agreement on both backends.
 """
 
 from __future__ import annotations
@@ -197,6 +198,30 @@ def _numerics() -> dict[str, Any]:
         out[f"is_sharded_{backend}"] = fsdp_bridge.is_sharded(model)
     out["identity"] = identity
     out["reshard"] = _reshard_after_eval(rank)
+    out["scaler"] = _scaler_overflow(rank)
+    return out
+
+
+def _scaler_overflow(rank: int) -> dict[str, Any]:
+    """An inf in rank 1's gradient shard only: does each rank step, and what scale follows? fsdp_bridge's
+    GradScaler (what migrate code writes for ShardedGradScaler) against torch.amp.GradScaler, on both backends."""
+    out: dict[str, Any] = {}
+    for backend in ("fsdp1", "fsdp2"):
+        for name, scaler_class in (("bridge", fsdp_bridge.GradScaler), ("torch_amp", torch.amp.GradScaler)):
+            model = fsdp_bridge.shard(_net(), BridgeConfig(backend=backend, wrap="none", device="cpu"))
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            scaler = scaler_class("cpu", init_scale=4.0)
+            scaler.scale(model(torch.ones(2, 8)).square().sum()).backward()
+            local = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in model.parameters()]
+            if rank == 1:  # put by hand where fp16 autocast would overflow (CPU runs fp32)
+                with torch.no_grad():
+                    next(g for g in local if g is not None and g.numel()).view(-1)[0] = float("inf")
+            before = [(p.to_local() if isinstance(p, DTensor) else p).clone() for p in model.parameters()]
+            scaler.step(opt)
+            scaler.update()
+            after = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
+            stepped = not all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+            out[f"{backend}/{name}"] = (stepped, scaler.get_scale())
     return out
 
 
@@ -294,3 +319,11 @@ def test_ddp_and_fully_shard_numerics_match_their_own_calls(run_on_ranks: Any) -
             assert left == 0 and held == held_ref and left_ref == held_ref, (kind, held, left, left_ref)
             assert held > 0 or kind == "fsdp2", kind
         assert r["reshard"]["plain_unchanged"]
+    # fsdp_bridge.GradScaler: the inf in rank 1's shard makes every rank skip the step and halve the scale, on
+    # both backends. torch.amp.GradScaler agrees only on fsdp2 (DTensor gradients reduce the check); on fsdp1's
+    # flat shards rank 0 steps while rank 1 skips.
+    scaler = [r["scaler"] for r in results]
+    for backend in ("fsdp1", "fsdp2"):
+        assert [s[f"{backend}/bridge"] for s in scaler] == [(False, 2.0), (False, 2.0)], backend
+    assert [s["fsdp2/torch_amp"] for s in scaler] == [(False, 2.0), (False, 2.0)]
+    assert [s["fsdp1/torch_amp"] for s in scaler] == [(True, 4.0), (False, 2.0)]

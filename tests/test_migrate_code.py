@@ -472,7 +472,7 @@ def test_comments_between_the_arguments_of_a_rewritten_call_are_kept() -> None:
 def test_todo_comments_are_precise() -> None:
     fixed = migrate_source(_source("todo_constructs.py")).fixed
     todos = [line.strip() for line in fixed.splitlines() if TODO in line]
-    assert "torch.amp.GradScaler()" in fixed and "ShardedGradScaler()" not in fixed
+    assert "fsdp_bridge.GradScaler()" in fixed and "ShardedGradScaler()" not in fixed
     # torch's checkpoint wrapper (non-reentrant by default) works around FSDP2 units: kept, no TODO;
     # a reentrant one gets a TODO naming the fix.
     assert "apply_activation_checkpointing(" in fixed and not any("apply_activation" in t for t in todos)
@@ -1104,7 +1104,7 @@ def test_partial_wrappers_unbound_no_sync_and_scaler_class_are_rewritten() -> No
     )
     assert "            sharding_strategy=STRATEGY_BY_NAME[strategy],\n" in fixed  # the user's values, as written
     assert "quiet = functools.partial(fsdp_bridge.no_sync, model)  # called below" in fixed
-    assert "Scaler = torch.amp.GradScaler\n" in fixed and "ShardedGradScaler" not in fixed
+    assert "Scaler = fsdp_bridge.GradScaler\n" in fixed and "ShardedGradScaler" not in fixed
     assert TODO not in fixed
 
     code = textwrap.dedent(
@@ -1636,7 +1636,7 @@ def test_a_todo_in_a_def_header_gets_its_comment_and_scaler_annotations_are_rewr
     # The comment goes above the def whose header holds the construct (it was counted but not written).
     assert "    # TODO(fsdp-bridge): FlatParamHandle: no FSDP2 form" in result.fixed
     assert result.fixed.index("# TODO(fsdp-bridge): FlatParamHandle") < result.fixed.index("def handles")
-    assert "def scaler(enabled: bool) -> torch.amp.GradScaler:" in result.fixed
+    assert "def scaler(enabled: bool) -> fsdp_bridge.GradScaler:" in result.fixed
     assert "ShardedGradScaler" not in result.fixed
     assert migrate_source(result.fixed, "helpers.py").fixed == result.fixed
 

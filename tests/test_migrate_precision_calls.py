@@ -134,7 +134,7 @@ def test_a_model_from_a_factory_of_the_file_is_shown_fsdp1() -> None:
 
 def test_a_tree_that_subclasses_the_wrapper_keeps_its_sharded_grad_scaler(tmp_path: Path) -> None:
     # The subclass stays FSDP1 (a TODO), so its gradients stay flat shards: torch.amp.GradScaler would not
-    # all-reduce the overflow check. A tree without such a subclass still gets torch.amp.GradScaler.
+    # all-reduce the overflow check. A tree without such a subclass gets fsdp_bridge.GradScaler.
     (tmp_path / "wrappers.py").write_text(
         "from torch.distributed.fsdp import FullyShardedDataParallel\n\n\n"
         "class TracedSharded(FullyShardedDataParallel):\n"
@@ -154,4 +154,4 @@ def test_a_tree_that_subclasses_the_wrapper_keeps_its_sharded_grad_scaler(tmp_pa
     assert all(not f.fixable and "subclasses FSDP1's wrapper" in f.replacement for f in scaling.findings)
     assert len(scaling.findings) == 2
     alone = migrate_source((tmp_path / "scaling.py").read_text(), "scaling.py")
-    assert "torch.amp.GradScaler(init_scale=1024.0)" in alone.fixed
+    assert "fsdp_bridge.GradScaler(init_scale=1024.0)" in alone.fixed

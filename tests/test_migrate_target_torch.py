@@ -160,6 +160,44 @@ def test_no_sync_clip_isinstance_and_state_dict() -> None:
     assert not any("[todo]" in r for r in report)
 
 
+SCALERS = """
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+
+def make(enabled: bool) -> ShardedGradScaler:
+    return ShardedGradScaler(enabled=enabled)
+
+
+scaler = ShardedGradScaler("cpu", 1024.0, 0.25, 4.0)
+grouped = ShardedGradScaler(init_scale=8.0, process_group=group)
+Scaler = ShardedGradScaler
+"""
+
+
+def test_sharded_grad_scaler_is_the_bridges_and_plain_torchs_only_under_target_torch() -> None:
+    # The bridge target: fsdp_bridge.GradScaler, right on the fsdp1 backend's flat shards too (torch.amp's
+    # GradScaler would let one rank step alone there), with every argument kept, process_group= included.
+    bridge = migrate_source(SCALERS, "s.py").fixed
+    assert "def make(enabled: bool) -> fsdp_bridge.GradScaler:" in bridge
+    assert "return fsdp_bridge.GradScaler(enabled=enabled)" in bridge
+    assert 'scaler = fsdp_bridge.GradScaler("cpu", 1024.0, 0.25, 4.0)' in bridge
+    assert "grouped = fsdp_bridge.GradScaler(init_scale=8.0, process_group=group)" in bridge
+    assert "Scaler = fsdp_bridge.GradScaler\n" in bridge
+    assert "ShardedGradScaler" not in bridge and "torch.amp" not in bridge and TODO not in bridge
+    # The torch target: torch.amp.GradScaler, its arguments past the device named (the two classes order
+    # backoff_factor and growth_factor differently); a call with a group stays on the bridge with a TODO.
+    result = migrate_source(SCALERS, "s.py", target="torch")
+    code = result.fixed
+    assert "def make(enabled: bool) -> torch.amp.GradScaler:" in code
+    assert "return torch.amp.GradScaler(enabled=enabled)" in code
+    assert 'scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, backoff_factor=0.25, growth_factor=4.0)' in code
+    assert "Scaler = torch.amp.GradScaler\n" in code
+    assert "grouped = fsdp_bridge.GradScaler(init_scale=8.0, process_group=group)" in code
+    assert f"# {TODO}: fsdp_bridge.GradScaler(...): kept on fsdp_bridge under --target torch: process_group=" in code
+    assert [f.line for f in result.findings if not f.fixable] == [10]  # the grouped one
+    assert migrate_source(code, "s.py", target="torch").fixed == code
+
+
 def test_what_it_cannot_write_stays_on_the_bridge_with_a_todo() -> None:
     code, report = torch_target(
         """

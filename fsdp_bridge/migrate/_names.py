@@ -17,6 +17,13 @@ FSDP = "FullyShardedDataParallel"
 # The texts come from the mapping table where it has a row for the construct.
 
 
+# What the bridge target writes for FSDP1's ShardedGradScaler, and why not torch.amp.GradScaler.
+SCALER_TEXT = (
+    "sums the overflow check over the ranks, as FSDP1's flat-shard gradients need on the fsdp1 backend and "
+    "DTensor gradients allow on fsdp2; --target torch writes torch.amp.GradScaler(...), right on FSDP2 only"
+)
+
+
 def fsdp2_text(option: str) -> str:
     for rule in TABLE:
         if rule.option == option:
@@ -75,7 +82,7 @@ NAMES: dict[str, str] = {
     "options=StateDictOptions(full_state_dict=True))",
     "scatter_full_optim_state_dict": "set_optimizer_state_dict(model, optimizer, sd, "
     "options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))",
-    "ShardedGradScaler": "torch.amp.GradScaler(...) (" + fsdp2_text("ShardedGradScaler") + ")",
+    "ShardedGradScaler": "fsdp_bridge.GradScaler(...) (either backend); " + fsdp2_text("ShardedGradScaler"),
     "CPUOffload": "BridgeConfig(cpu_offload=True) (" + fsdp2_text("cpu_offload") + ")",
     "MixedPrecision": "BridgeConfig(mixed_precision={'param_dtype': ..., 'reduce_dtype': ..., 'buffer_dtype': ...})",
     "BackwardPrefetch": "BridgeConfig(backward_prefetch='pre') (FSDP2 has only BACKWARD_PRE timing)",

@@ -11,6 +11,8 @@ made there, once); this pass then replaces each bridge call it can write in plai
   ``fsdp_bridge.no_sync`` is passed on as a value;
 * ``fsdp_bridge.clip_grad_norm_(m, n[, p])`` -> ``torch.nn.utils.clip_grad_norm_(m.parameters(), n[, p])``;
 * ``fsdp_bridge.is_sharded(m)`` -> ``isinstance(m, FSDPModule)``;
+* ``fsdp_bridge.GradScaler(...)`` -> ``torch.amp.GradScaler(...)`` (arguments past the device named; kept when
+  it passes ``process_group=``), and ``fsdp_bridge.GradScaler`` named as a value -> ``torch.amp.GradScaler``;
 * ``fsdp_bridge.full_state_dict(m)`` / ``full_optim_state_dict(m, o)`` -> ``get_model_state_dict`` /
   ``get_optimizer_state_dict`` with ``StateDictOptions(full_state_dict=True[, cpu_offload=True])`` (every rank,
   or rank 0 in CPU memory when no file of the tree shards over process groups).
@@ -35,6 +37,17 @@ from fsdp_bridge.migrate._names import TODO
 from fsdp_bridge.migrate._render import commas, comments_around
 from fsdp_bridge.migrate._torch_helpers import HELPERS_NAME
 from fsdp_bridge.strategy import ShardingStrategy
+
+# FSDP1's ShardedGradScaler's parameters in order (the bridge's GradScaler keeps them).
+_SCALER_ARGS = (
+    "device",
+    "init_scale",
+    "backoff_factor",
+    "growth_factor",
+    "growth_interval",
+    "enabled",
+    "process_group",
+)
 
 __all__ = ["TARGETS", "Lowered", "LoweredCall", "imports_of", "lower_to_torch"]
 
@@ -413,6 +426,8 @@ class _Lowerer(cst.CSTTransformer):
             return cst.parse_expression(f"isinstance({code_of(args[0].value)}, FSDPModule)")
         if name in ("full_state_dict", "full_optim_state_dict"):
             return self._full_state(name, args)
+        if name == "GradScaler":
+            return self._scaler(call, args)
         why = {
             "summon_full_params": "FSDP2 has no summon_full_params; unshard()/reshard() on each FSDP module, or "
             "DTensor.full_tensor() on the parameters you read",
@@ -421,6 +436,33 @@ class _Lowerer(cst.CSTTransformer):
             "reads back: use the values your code passes to fully_shard (mesh, reshard_after_forward, mp_policy)",
         }.get(name, "no plain-torch form written for it yet")
         raise _CannotLower(why)
+
+    def _scaler(self, call: cst.Call, args: list[cst.Arg]) -> cst.BaseExpression:
+        """The bridge's scaler (FSDP1's ShardedGradScaler) as ``torch.amp.GradScaler``: right on FSDP2, whose
+        DTensor gradients reduce the overflow check over their mesh. Arguments given by position past the
+        device are named: the two classes order ``backoff_factor`` and ``growth_factor`` differently."""
+        if any(a.star for a in args):
+            raise _CannotLower("arguments unpacked with * or **: process_group= may be among them")
+        if sum(a.keyword is None for a in args) == len(_SCALER_ARGS) or any(
+            a.keyword is not None and a.keyword.value == "process_group" for a in args
+        ):
+            raise _CannotLower(
+                "process_group= given: torch.amp.GradScaler takes no group (FSDP2's DTensor gradients agree on "
+                "an overflow over their own mesh); drop it and write torch.amp.GradScaler(...)"
+            )
+        named = [
+            a.with_changes(
+                keyword=cst.Name(_SCALER_ARGS[i]),
+                equal=cst.AssignEqual(
+                    whitespace_before=cst.SimpleWhitespace(""), whitespace_after=cst.SimpleWhitespace("")
+                ),
+            )
+            if a.keyword is None and i > 0
+            else a
+            for i, a in enumerate(args)
+        ]
+        self.result_imports.add(("torch", None))
+        return call.with_changes(func=cst.parse_expression("torch.amp.GradScaler"), args=commas(named))
 
     def _full_state(self, name: str, args: list[cst.Arg]) -> cst.BaseExpression:
         """FSDP1's full state on every rank, or on rank 0 in CPU memory: DCP's ``StateDictOptions`` says
@@ -458,6 +500,12 @@ class _Lowerer(cst.CSTTransformer):
             self.uses_helpers = True
             self._record(original_node, "no_sync", f"{HELPERS_NAME}.no_sync")
             return cst.parse_expression(f"{HELPERS_NAME}.no_sync")
+        if code_of(updated_node) == "fsdp_bridge.GradScaler" and id(original_node) not in self.inside:
+            # passed on, aliased or in an annotation: torch's class (no process_group=; its positional order
+            # swaps backoff_factor and growth_factor)
+            self.result_imports.add(("torch", None))
+            self._record(original_node, "GradScaler", "torch.amp.GradScaler")
+            return cst.parse_expression("torch.amp.GradScaler")
         if code_of(updated_node).startswith("fsdp_bridge.") and id(original_node) not in self.inside:
             inner = original_node.value
             if not (isinstance(inner, cst.Attribute) and code_of(inner).startswith("fsdp_bridge.")) and not (

@@ -18,8 +18,8 @@ from fsdp_bridge.migrate._names import (
     MOCKS,
     NAME_HELPERS,
     NAMES,
+    SCALER_TEXT,
     WRAPPER_ATTRS,
-    fsdp2_any,
     fsdp2_text,
     private_text,
 )
@@ -339,7 +339,7 @@ class ImportsFixer(ScannerBase):
 
     def _plan_module_checks(self, node: cst.Call, hit: tuple[str, str] | None) -> bool:
         """``isinstance(m, FSDP)`` -> ``isinstance(m, FSDPModule)``; ``FSDP.fsdp_modules(M)`` -> the
-        modules of ``M`` that are ``FSDPModule``; ``ShardedGradScaler(...)`` -> ``torch.amp.GradScaler(...)``."""
+        modules of ``M`` that are ``FSDPModule``; ``ShardedGradScaler(...)`` -> ``fsdp_bridge.GradScaler(...)``."""
         args = node.args
         if m.matches(node.func, m.Name("isinstance")) and len(args) == 2 and self._qn(args[1].value) == (FSDP, ""):
             if self._refuses_fsdp1(node):
@@ -400,15 +400,13 @@ class ImportsFixer(ScannerBase):
             self.needs_imports.add(("fsdp_bridge", None))
             code = f"fsdp_bridge.clip_grad_norm_({', '.join(code_of(a).rstrip(', ') for a in args)})"
             self._record(node, f"{code_of(node.func)}(...)", f"{code}; {fsdp2_text('clip_grad_norm_')}", True)
-        elif (
-            hit is not None
-            and hit[0] == "ShardedGradScaler"
-            and self.dispatch.subclasses_fsdp1 is None
-            and not any(a.keyword is not None and a.keyword.value == "process_group" for a in args)
-        ):
-            self.needs_imports.add(("torch", None))
-            code = f"torch.amp.GradScaler({', '.join(code_of(a).rstrip(', ') for a in args)})"
-            self._record(node, "ShardedGradScaler(...)", f"{code} ({fsdp2_any('ShardedGradScaler')})", True)
+        elif hit is not None and hit[0] == "ShardedGradScaler" and self.dispatch.subclasses_fsdp1 is None:
+            # The bridge's scaler, not torch.amp.GradScaler: on the fsdp1 backend the gradients are flat shards
+            # and only a ShardedGradScaler sums the overflow check over the ranks (process_group= kept: the
+            # bridge's class takes it with FSDP1's meaning).
+            self.needs_imports.add(("fsdp_bridge", None))
+            code = f"fsdp_bridge.GradScaler({', '.join(code_of(a).rstrip(', ') for a in args)})"
+            self._record(node, "ShardedGradScaler(...)", f"{code} ({SCALER_TEXT})", True)
         else:
             return False
         self.call_rewrites[id(node)] = code
