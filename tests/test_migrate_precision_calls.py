@@ -155,3 +155,47 @@ def test_a_tree_that_subclasses_the_wrapper_keeps_its_sharded_grad_scaler(tmp_pa
     assert len(scaling.findings) == 2
     alone = migrate_source((tmp_path / "scaling.py").read_text(), "scaling.py")
     assert "fsdp_bridge.GradScaler(init_scale=1024.0)" in alone.fixed
+
+
+def test_unittest_type_assertions_become_is_sharded() -> None:
+    # self.assertIsInstance(m, FSDP) in a TestCase was left with a TODO naming FSDPModule (which would fail for a
+    # model sharded on the fsdp1 backend); it tests what isinstance(m, FSDP) tests, so it is rewritten the same way.
+    result = _migrate("unittest_asserts.py")
+    fixed = result.fixed
+    # Recorder's and Audit's own methods (Audit's base is named ...TestCase but is no TestCase): kept, with TODOs
+    assert fixed.count("        self.assertIsInstance(model, FSDP)\n") == 2
+    assert _line(fixed, "assertTrue(fsdp_bridge.is_sharded(model))") == "self.assertTrue(fsdp_bridge.is_sharded(model))"
+    assert _line(fixed, "(block)") == 'self.assertTrue(fsdp_bridge.is_sharded(block), "each block is a unit")'
+    assert (
+        _line(fixed, "(head)")
+        == 'self.assertFalse(fsdp_bridge.is_sharded(head), msg="the head stays in the root unit")'
+    )
+    assert (
+        _line(fixed, "nn.Sequential) or")
+        == "self.assertTrue(isinstance(model, nn.Sequential) or fsdp_bridge.is_sharded(model))"
+    )
+    # an object that is not a plain name or attribute (evaluated once by the assertion): a TODO, as for isinstance
+    body = _line(fixed, "get_submodule")
+    assert body == 'self.assertIsInstance(model.get_submodule("body"), (FSDP, nn.Sequential))'
+    todos = sorted(f.construct for f in result.findings if not f.fixable)
+    assert todos == ["FSDP", "FSDP", "self.assertIsInstance(..., (FSDP, nn.Sequential))"]
+    kept = next(f for f in result.findings if not f.fixable and f.construct.startswith("self.assertIsInstance"))
+    assert "self.assertTrue(isinstance(x, (nn.Sequential)) or fsdp_bridge.is_sharded(x))" in kept.replacement
+
+    # The migrated assertions hold for an FSDP1 wrapper and fail for a plain module, as the originals did.
+    from unittest import mock
+
+    from torch import nn
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    namespace: dict[str, object] = {}
+    exec(compile(fixed, "unittest_asserts.py", "exec"), namespace)
+    case = namespace["WrapChecks"]("check_wrapped")  # type: ignore[operator]
+    fsdp1 = mock.MagicMock(spec=FullyShardedDataParallel)
+    case.check_wrapped(fsdp1, [fsdp1], nn.Linear(2, 2))
+    for model, blocks, head in ((nn.Linear(2, 2), [], nn.Linear(2, 2)), (fsdp1, [fsdp1], fsdp1)):
+        try:
+            case.check_wrapped(model, blocks, head)
+        except AssertionError:
+            continue
+        raise AssertionError(f"the migrated assertions passed for {model!r}, {head!r}")

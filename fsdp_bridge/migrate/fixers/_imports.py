@@ -41,6 +41,14 @@ IS_SHARDED = (
     "DDP and modules sharded with torch's own fully_shard keep their own paths"
 )
 
+UNITTEST_ASSERTS = {"assertIsInstance": "assertTrue", "assertNotIsInstance": "assertFalse"}
+"""unittest's type assertions and the assertion each becomes around ``fsdp_bridge.is_sharded``."""
+
+
+def _parameters(func: cst.FunctionDef) -> list[str]:
+    """The names of ``func``'s positional parameters, in order."""
+    return [p.name.value for p in (*func.params.posonly_params, *func.params.params)]
+
 
 def class_elements(expr: cst.BaseExpression) -> list[cst.BaseExpression]:
     """The classes of ``isinstance``'s second argument: a tuple (nested too) or a ``|`` union."""
@@ -338,23 +346,24 @@ class ImportsFixer(ScannerBase):
             )
 
     def _plan_module_checks(self, node: cst.Call, hit: tuple[str, str] | None) -> bool:
-        """``isinstance(m, FSDP)`` -> ``isinstance(m, FSDPModule)``; ``FSDP.fsdp_modules(M)`` -> the
-        modules of ``M`` that are ``FSDPModule``; ``ShardedGradScaler(...)`` -> ``fsdp_bridge.GradScaler(...)``."""
+        """``isinstance(m, FSDP)`` -> ``fsdp_bridge.is_sharded(m)`` (unittest's ``self.assertIsInstance(m, FSDP)``
+        -> ``self.assertTrue(fsdp_bridge.is_sharded(m))``, ``assertNotIsInstance`` -> ``assertFalse``);
+        ``FSDP.fsdp_modules(M)`` -> the modules of ``M`` that are sharded; ``ShardedGradScaler(...)`` ->
+        ``fsdp_bridge.GradScaler(...)``."""
         args = node.args
-        if m.matches(node.func, m.Name("isinstance")) and len(args) == 2 and self._qn(args[1].value) == (FSDP, ""):
-            if self._refuses_fsdp1(node):
+        assertion = self._unittest_assertion(node)
+        check = assertion is not None or (m.matches(node.func, m.Name("isinstance")) and len(args) == 2)
+        if check and self._qn(args[1].value) == (FSDP, ""):
+            if assertion is None and self._refuses_fsdp1(node):
                 # ``if isinstance(m, FSDP): raise ...``: code that refuses FSDP1's wrapper (often FSDP2 code
                 # guarding itself) stays true after the migration; FSDPModule there would refuse FSDP2 units.
                 self._consume(args[1].value)
                 return True
             self.needs_imports.add(("fsdp_bridge", None))
-            code = f"fsdp_bridge.is_sharded({code_of(args[0].value)})"
-            self._record(node, f"isinstance(..., {code_of(args[1].value)})", f"{code} ({IS_SHARDED})", True)
-        elif (
-            m.matches(node.func, m.Name("isinstance"))
-            and len(args) == 2
-            and isinstance(args[1].value, (cst.Tuple, cst.BinaryOperation))
-        ):
+            code = self._asserted(node, assertion, f"fsdp_bridge.is_sharded({code_of(args[0].value)})")
+            construct = f"{code_of(node.func)}(..., {code_of(args[1].value)})"
+            self._record(node, construct, f"{code} ({IS_SHARDED})", True)
+        elif check and isinstance(args[1].value, (cst.Tuple, cst.BinaryOperation)):
             classes = class_elements(args[1].value)
             hits = [n for n in classes if self._qn(n) == (FSDP, "")]
             if not hits:
@@ -362,15 +371,16 @@ class ImportsFixer(ScannerBase):
             for n in hits:
                 self._consume(n)
             obj = code_of(args[0].value)
-            construct = f"isinstance(..., {short(code_of(args[1].value), 40)})"
+            construct = f"{code_of(node.func)}(..., {short(code_of(args[1].value), 40)})"
             others = list(dict.fromkeys(code_of(n) for n in classes if self._qn(n) != (FSDP, "")))
             if others and not isinstance(args[0].value, (cst.Name, cst.Attribute)):
+                test = f"isinstance(x, ({', '.join(others)})) or fsdp_bridge.is_sharded(x)"
                 self._record(
                     node,
                     construct,
-                    f"not rewritten: write (isinstance(x, ({', '.join(others)})) or fsdp_bridge.is_sharded(x)) with "
-                    f"x the value of {short(obj, 40)} ({IS_SHARDED}); FSDPModule in FSDP's place would miss models "
-                    "sharded on the fsdp1 backend",
+                    f"not rewritten: write {self._asserted(node, assertion, test, f'({test})')} with x the value of "
+                    f"{short(obj, 40)} ({IS_SHARDED}); FSDPModule in FSDP's place would miss models sharded on the "
+                    "fsdp1 backend",
                     False,
                 )
                 return True
@@ -378,7 +388,10 @@ class ImportsFixer(ScannerBase):
             code = f"fsdp_bridge.is_sharded({obj})"
             if others:
                 kinds = others[0] if len(others) == 1 else f"({', '.join(others)})"
-                code = f"(isinstance({obj}, {kinds}) or {code})"
+                code = f"isinstance({obj}, {kinds}) or {code}"
+                code = self._asserted(node, assertion, code, f"({code})")
+            else:
+                code = self._asserted(node, assertion, code)
             self._record(node, construct, f"{code} ({IS_SHARDED})", True)
         elif (spec := self._mock_spec(node)) is not None:
             # kept: the stand-in is an FSDP1 wrapper, which the migrated code's fsdp_bridge.is_sharded accepts
@@ -414,6 +427,58 @@ class ImportsFixer(ScannerBase):
         for a in args:
             self._consume(a.value) if self._qn(a.value) is not None else None
         return True
+
+    def _unittest_assertion(self, node: cst.Call) -> str | None:
+        """``assertTrue`` / ``assertFalse`` when ``node`` is ``self.assertIsInstance(obj, cls[, msg])`` /
+        ``self.assertNotIsInstance(...)`` in a method of a unittest ``TestCase`` (see ``_test_case``)."""
+        func = node.func
+        if not (
+            isinstance(func, cst.Attribute)
+            and func.attr.value in UNITTEST_ASSERTS
+            and m.matches(func.value, m.Name("self"))
+            and 2 <= len(node.args) <= 3
+            and all(a.keyword is None and not a.star for a in node.args[:2])
+            and all(not a.star and (a.keyword is None or a.keyword.value == "msg") for a in node.args[2:])
+            and self.classes
+        ):
+            return None
+        # ``self`` is the first parameter of the innermost function binding it, a method of the innermost class.
+        cls = self.classes[-1]
+        method = next((f for f in reversed(self.functions) if "self" in _parameters(f)), None)
+        if method is None or _parameters(method)[0] != "self" or not any(s is method for s in cls.body.body):
+            return None
+        return UNITTEST_ASSERTS[func.attr.value] if self._test_case(cls, set()) else None
+
+    def _test_case(self, cls: cst.ClassDef, seen: set[int]) -> bool:
+        """``cls`` derives from unittest's ``TestCase`` or an imported class whose name ends in ``TestCase``
+        (absltest's, torch's ``MultiProcessTestCase``, ...), directly or through classes defined at the top of
+        this file (followed, whatever their names)."""
+        seen.add(id(cls))
+        top = self.module.body if self.module is not None else ()
+        for base in cls.bases:
+            if base.keyword is not None:
+                continue
+            names = {q.name for q in self.get_metadata(QualifiedNameProvider, base.value, set())}
+            if names & {"unittest.TestCase", "unittest.case.TestCase"}:
+                return True
+            if isinstance(base.value, cst.Name):
+                parents = [c for c in top if isinstance(c, cst.ClassDef) and c.name.value == base.value.value]
+                if parents:
+                    if any(id(c) not in seen and self._test_case(c, seen) for c in parents):
+                        return True
+                    continue
+            if code_of(base.value).rsplit(".", 1)[-1].endswith("TestCase"):
+                return True
+        return False
+
+    @staticmethod
+    def _asserted(node: cst.Call, assertion: str | None, test: str, alone: str | None = None) -> str:
+        """``test`` as written in place of ``node``: the receiver's ``assertion(test[, msg])``, or for
+        ``isinstance`` ``alone`` (``test`` in parentheses where it is an ``or``) or ``test``."""
+        if assertion is None or not isinstance(node.func, cst.Attribute):
+            return alone or test
+        msg = [code_of(a).rstrip(", ") for a in node.args[2:]]
+        return f"{code_of(node.func.value)}.{assertion}({', '.join([test, *msg])})"
 
     def _class_alias(self, node: cst.CSTNode) -> tuple[str, bool] | None:
         """The name in ``NAME = FullyShardedDataParallel`` when ``node`` is that statement's whole value, and
