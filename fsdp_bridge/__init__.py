@@ -33,6 +33,7 @@ if TYPE_CHECKING:
         reshard,
         shard,
         summon_full_params,
+        unwrapped,
     )
     from fsdp_bridge.backends.fsdp1_objects import (
         full_optim_state_dict,
@@ -106,6 +107,7 @@ _EXPORTS: dict[str, str] = {
     "state_dict_type": "fsdp_bridge.backends.fsdp1_objects",
     "reshard": "fsdp_bridge.api",
     "summon_full_params": "fsdp_bridge.api",
+    "unwrapped": "fsdp_bridge.api",
     "translate": "fsdp_bridge.mapping",
     "wrap_module": "fsdp_bridge._manual_wrap",
 }
@@ -157,6 +159,7 @@ __all__ = [
     "state_dict_type",
     "summon_full_params",
     "translate",
+    "unwrapped",
     "wrap_module",
 ]
 

@@ -62,6 +62,7 @@ __all__ = [
     "reshard",
     "shard",
     "summon_full_params",
+    "unwrapped",
 ]
 
 logger = logging.getLogger("fsdp_bridge")
@@ -279,6 +280,22 @@ def bridge_of(module: object) -> Bridge | None:
     unit = _UNITS.get(module)
     bridge = unit() if unit is not None else getattr(module, _ATTR, None)
     return bridge if isinstance(bridge, Bridge) else None
+
+
+def unwrapped(module: nn.Module) -> nn.Module:
+    """What FSDP1 code reads as ``module._fsdp_wrapped_module``, on either backend: the module an FSDP1 wrapper
+    wraps (the fsdp1 backend's units, or torch's own FSDP1), and the module itself for anything else (FSDP2 does
+    not wrap: each unit is the module, an ``FSDPModule``).
+
+    Args:
+        module: a unit or model, sharded or not.
+
+    Returns:
+        The module inside FSDP1's wrapper, else ``module``.
+    """
+    if isinstance(module, FullyShardedDataParallel):
+        return cast(nn.Module, module._fsdp_wrapped_module)
+    return module
 
 
 def _has_meta(model: nn.Module) -> bool:

@@ -199,3 +199,35 @@ def test_unittest_type_assertions_become_is_sharded() -> None:
         except AssertionError:
             continue
         raise AssertionError(f"the migrated assertions passed for {model!r}, {head!r}")
+
+
+def test_the_module_inside_fsdp1s_wrapper_is_unwrapped_on_either_backend() -> None:
+    # unit._fsdp_wrapped_module taken itself: on the fsdp1 backend the unit is still FSDP1's wrapper, so dropping
+    # the attribute (as for a forwarded read) would hand the wrapper where the inner module was meant.
+    code = (
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n"
+        "\n"
+        "def tag(wrapped):\n"
+        "    for unit in FSDP.fsdp_modules(wrapped):\n"
+        "        inner = unit._fsdp_wrapped_module\n"
+        "        inner.__dict__['outer'] = unit\n"
+        "        sd = unit._fsdp_wrapped_module.state_dict()\n"
+        "    return wrapped._fsdp_wrapped_module.depth, sd\n"
+    )
+    fixed = migrate_source(code, "tag.py").fixed
+    assert "inner = fsdp_bridge.unwrapped(unit)\n" in fixed
+    assert "sd = fsdp_bridge.unwrapped(unit).state_dict()\n" in fixed
+    assert "return wrapped.depth, sd\n" in fixed  # a name the wrapper forwards: the same on both backends
+    assert "TODO" not in fixed and migrate_source(fixed, "tag.py").fixed == fixed
+
+    from unittest import mock
+
+    from torch import nn
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    import fsdp_bridge
+
+    inner = nn.Linear(2, 2)
+    fsdp1 = mock.MagicMock(spec=FullyShardedDataParallel)
+    fsdp1._fsdp_wrapped_module = inner
+    assert fsdp_bridge.unwrapped(fsdp1) is inner and fsdp_bridge.unwrapped(inner) is inner

@@ -10,7 +10,7 @@ made there, once); this pass then replaces each bridge call it can write in plai
 * ``fsdp_bridge.no_sync(m)`` -> ``_fsdp2_helpers.no_sync(m)`` (``set_requires_gradient_sync``), also where
   ``fsdp_bridge.no_sync`` is passed on as a value;
 * ``fsdp_bridge.clip_grad_norm_(m, n[, p])`` -> ``torch.nn.utils.clip_grad_norm_(m.parameters(), n[, p])``;
-* ``fsdp_bridge.is_sharded(m)`` -> ``isinstance(m, FSDPModule)``;
+* ``fsdp_bridge.is_sharded(m)`` -> ``isinstance(m, FSDPModule)``; ``fsdp_bridge.unwrapped(m)`` -> ``m``;
 * ``fsdp_bridge.GradScaler(...)`` -> ``torch.amp.GradScaler(...)`` (arguments past the device named; kept when
   it passes ``process_group=``), and ``fsdp_bridge.GradScaler`` named as a value -> ``torch.amp.GradScaler``;
 * ``fsdp_bridge.full_state_dict(m)`` / ``full_optim_state_dict(m, o)`` -> ``get_model_state_dict`` /
@@ -380,7 +380,7 @@ class _Lowerer(cst.CSTTransformer):
 
     # -- expressions ---------------------------------------------------------------
     def visit_Call(self, node: cst.Call) -> None:
-        bridge = code_of(node.func).startswith("fsdp_bridge.")
+        bridge = _is_bridge_function(node.func)
         self.calls.append(bridge)
         if bridge:
             self.inside.update(id(n) for n in walk(node) if isinstance(n, cst.Attribute))
@@ -388,7 +388,7 @@ class _Lowerer(cst.CSTTransformer):
     def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> cst.BaseExpression:
         self.calls.pop()
         func = code_of(updated_node.func)
-        if not func.startswith("fsdp_bridge.") or any(self.calls):
+        if not _is_bridge_function(updated_node.func) or any(self.calls):
             return updated_node  # not the bridge's, or inside a bridge call that is handled as a whole
         name = func.removeprefix("fsdp_bridge.")
         try:
@@ -424,6 +424,8 @@ class _Lowerer(cst.CSTTransformer):
         if name == "is_sharded" and len(args) == 1 and args[0].keyword is None and not args[0].star:
             self.result_imports.add((_FSDP, "FSDPModule"))
             return cst.parse_expression(f"isinstance({code_of(args[0].value)}, FSDPModule)")
+        if name == "unwrapped" and len(args) == 1 and args[0].keyword is None and not args[0].star:
+            return args[0].value  # FSDP2 does not wrap: the module is itself
         if name in ("full_state_dict", "full_optim_state_dict"):
             return self._full_state(name, args)
         if name == "GradScaler":
@@ -562,3 +564,13 @@ def imports_of(code: str) -> list[str]:
 
     cst.parse_module(code).visit(V())
     return found
+
+
+def _is_bridge_function(func: cst.BaseExpression) -> bool:
+    """``fsdp_bridge.name`` (or ``fsdp_bridge.A.name``): a bridge function itself, not a method of what a
+    bridge call returned (``fsdp_bridge.unwrapped(m).state_dict``)."""
+    parts: list[str] = []
+    while isinstance(func, cst.Attribute):
+        parts.append(func.attr.value)
+        func = func.value
+    return isinstance(func, cst.Name) and func.value == "fsdp_bridge" and bool(parts)

@@ -87,6 +87,24 @@ class ImportsFixer(ScannerBase):
             self._record(node, f"FSDP.{hit[1]}" if hit[0] == FSDP and hit[1] else code_of(node), region.text(), True)
             return False
         if isinstance(node, cst.Attribute) and node.attr.value in INTERNAL_ATTRS and self.uses_fsdp1:
+            if (
+                node.attr.value == "_fsdp_wrapped_module"
+                and id(node) not in self.forwarded_reads
+                and not self.assign_target_depth
+                and _plain_reference(node.value)
+            ):
+                # The inner module itself: FSDP1's on the fsdp1 backend, the module itself on fsdp2
+                self.needs_imports.add(("fsdp_bridge", None))
+                code = f"fsdp_bridge.unwrapped({code_of(node.value)})"
+                self.expr_rewrites[id(node)] = code
+                self._record(
+                    node,
+                    f"{code_of(node)} (an FSDP1 internal)",
+                    f"{code}: the module inside FSDP1's wrapper (the fsdp1 backend's units), the module itself on "
+                    "FSDP2 (it does not wrap)",
+                    True,
+                )
+                return False
             if node.attr.value == "_fsdp_wrapped_module" and id(node) in self.forwarded_reads:
                 self.attr_drops.add(id(node))
                 self._record(
@@ -495,3 +513,10 @@ class ImportsFixer(ScannerBase):
         ):
             return assign.targets[0].target.value, id(assign) in self.aliases.assignments
         return None
+
+
+def _plain_reference(expr: cst.BaseExpression) -> bool:
+    """``name`` or ``a.b.c``: written again as it is, nothing in it rewritten."""
+    while isinstance(expr, cst.Attribute):
+        expr = expr.value
+    return isinstance(expr, cst.Name)
