@@ -64,14 +64,20 @@ def test_a_module_level_policy_imported_by_another_file_is_kept(tmp_path: Path) 
 
 def test_summon_with_parameters_held_across_it_gets_a_todo_not_a_rewrite() -> None:
     fixed = _fix("summon_held_params.py")
-    for held in ("def export_weights", "def export_named"):
+    # held: the context's model's own parameters, those of a module inside it, or of the model around it
+    for held in ("def export_weights", "def export_named", "def export_inner", "def export_outer"):
         body = _between(fixed, held, "\ndef ")
-        assert "with FSDP.summon_full_params(model" in body
+        assert "with FSDP.summon_full_params(" in body
         assert TODO in body and "FSDP2 keeps no parameter identity" in body
-    for fresh in ("def export_fresh", "def export_counted"):
-        body = _between(fixed, fresh)
+    # parameters of another model (local.averaged vs sharded.averaged): the context does not touch them
+    for fresh, model in (
+        ("export_fresh", "model"),
+        ("export_counted", "model"),
+        ("compare_replicas", "sharded.averaged"),
+    ):
+        body = _between(fixed, f"def {fresh}")
         body = body[: body.index("\ndef ")] if "\ndef " in body else body
-        assert "with fsdp_bridge.summon_full_params(model):" in body and TODO not in body
+        assert f"with fsdp_bridge.summon_full_params({model}):" in body and TODO not in body
 
 
 def test_a_second_fsdp1_root_keeps_fsdp1_full_state_dicts() -> None:
