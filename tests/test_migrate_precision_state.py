@@ -176,3 +176,31 @@ def test_todos_naming_another_file_do_not_depend_on_the_directory_given(tmp_path
         outputs.append(by_path["optim_io.py"].fixed)
     assert "ckpt/setter.py calls FSDP.set_state_dict_type" in outputs[0]
     assert outputs[0] == outputs[1]
+
+
+def test_only_a_real_set_state_dict_type_call_counts_and_the_files_own_is_named(tmp_path: Path) -> None:
+    # A docstring or comment that mentions FSDP.set_state_dict_type sets nothing: no TODO comes from it. A file
+    # that calls it is named by its own TODO ("this file"), not the first file of the tree mentioning the name.
+    (tmp_path / "a_saver.py").write_text(
+        "def save(net, path):\n"
+        '    """Pick the state dict type first with `FSDP.set_state_dict_type(net, ...)`."""\n'
+        "    # FSDP.set_state_dict_type(net, StateDictType.SHARDED_STATE_DICT) before calling this\n"
+        "    return path\n"
+    )
+    body = (
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n"
+        "from torch.distributed.fsdp import StateDictType\n\n\n"
+        "def optim_state(net, opt):\n"
+        "    return FSDP.optim_state_dict(net, opt)\n"
+    )
+    (tmp_path / "optim_io.py").write_text(body)
+    by_path = {Path(r.path).name: r for r in migrate_paths([tmp_path])[1]}
+    fixed = by_path["optim_io.py"].fixed
+    assert "set_state_dict_type" not in fixed and TODO not in fixed
+    assert "get_optimizer_state_dict(net, opt" in fixed
+    (tmp_path / "optim_io.py").write_text(
+        body + "\n\ndef use_sharded(net):\n    FSDP.set_state_dict_type(net, StateDictType.SHARDED_STATE_DICT)\n"
+    )
+    by_path = {Path(r.path).name: r for r in migrate_paths([tmp_path])[1]}
+    fixed = by_path["optim_io.py"].fixed
+    assert "this file calls FSDP.set_state_dict_type" in fixed and "a_saver.py" not in fixed
