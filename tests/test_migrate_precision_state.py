@@ -65,14 +65,20 @@ def test_a_module_level_policy_imported_by_another_file_is_kept(tmp_path: Path) 
 
 def test_summon_with_parameters_held_across_it_gets_a_todo_not_a_rewrite() -> None:
     fixed = _fix("summon_held_params.py")
-    for held in ("def export_weights", "def export_named"):
+    # held: the context's model's own parameters, those of a module inside it, or of the model around it
+    for held in ("def export_weights", "def export_named", "def export_inner", "def export_outer"):
         body = _between(fixed, held, "\ndef ")
-        assert "with FSDP.summon_full_params(model" in body
+        assert "with FSDP.summon_full_params(" in body
         assert TODO in body and "FSDP2 keeps no parameter identity" in body
-    for fresh in ("def export_fresh", "def export_counted"):
-        body = _between(fixed, fresh)
+    # parameters of another model (local.averaged vs sharded.averaged): the context does not touch them
+    for fresh, model in (
+        ("export_fresh", "model"),
+        ("export_counted", "model"),
+        ("compare_replicas", "sharded.averaged"),
+    ):
+        body = _between(fixed, f"def {fresh}")
         body = body[: body.index("\ndef ")] if "\ndef " in body else body
-        assert "with fsdp_bridge.summon_full_params(model):" in body and TODO not in body
+        assert f"with fsdp_bridge.summon_full_params({model}):" in body and TODO not in body
 
 
 def test_a_second_fsdp1_root_keeps_fsdp1_full_state_dicts() -> None:
@@ -199,3 +205,31 @@ def test_a_full_state_whose_config_is_known_at_run_time_keeps_fsdp1s_offload_and
     )
     assert "sd = fsdp_bridge.full_state_dict(module, rank0_only=False, offload_to_cpu=flag)" in fixed
     assert "get_model_state_dict" not in fixed and migrate_source(fixed, "keep.py").fixed == fixed
+
+
+def test_only_a_real_set_state_dict_type_call_counts_and_the_files_own_is_named(tmp_path: Path) -> None:
+    # A docstring or comment that mentions FSDP.set_state_dict_type sets nothing: no TODO comes from it. A file
+    # that calls it is named by its own TODO ("this file"), not the first file of the tree mentioning the name.
+    (tmp_path / "a_saver.py").write_text(
+        "def save(net, path):\n"
+        '    """Pick the state dict type first with `FSDP.set_state_dict_type(net, ...)`."""\n'
+        "    # FSDP.set_state_dict_type(net, StateDictType.SHARDED_STATE_DICT) before calling this\n"
+        "    return path\n"
+    )
+    body = (
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n"
+        "from torch.distributed.fsdp import StateDictType\n\n\n"
+        "def optim_state(net, opt):\n"
+        "    return FSDP.optim_state_dict(net, opt)\n"
+    )
+    (tmp_path / "optim_io.py").write_text(body)
+    by_path = {Path(r.path).name: r for r in migrate_paths([tmp_path])[1]}
+    fixed = by_path["optim_io.py"].fixed
+    assert "set_state_dict_type" not in fixed and TODO not in fixed
+    assert "get_optimizer_state_dict(net, opt" in fixed
+    (tmp_path / "optim_io.py").write_text(
+        body + "\n\ndef use_sharded(net):\n    FSDP.set_state_dict_type(net, StateDictType.SHARDED_STATE_DICT)\n"
+    )
+    by_path = {Path(r.path).name: r for r in migrate_paths([tmp_path])[1]}
+    fixed = by_path["optim_io.py"].fixed
+    assert "this file calls FSDP.set_state_dict_type" in fixed and "a_saver.py" not in fixed

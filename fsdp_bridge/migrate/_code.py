@@ -44,9 +44,11 @@ from libcst.codemod.visitors import AddImportsVisitor, RemoveImportsVisitor
 from libcst.metadata import MetadataWrapper, PositionProvider
 
 from fsdp_bridge.migrate._analysis import (
+    OWN_FILE,
     ClassAliases,
     Collector,
     Dispatch,
+    calls_set_state_dict_type,
     class_aliases,
     code_of,
     find_dispatch,
@@ -121,7 +123,6 @@ def migrate_source(
     known.merge(
         Dispatch(
             own_methods=find_own_methods(code, path),
-            sets_state_dict_type=path if "set_state_dict_type" in code else None,
             makes_state_dict_context=path if finds_state_dict_context(code) else None,
             group_fsdp=path if passes_group(code) else None,
             subclasses_fsdp1=path if subclasses_wrapper(code) else None,
@@ -130,6 +131,10 @@ def migrate_source(
     )
     if passes_group(code):
         known.group_fsdp = path  # this file's own, named first
+    if calls_set_state_dict_type(code):
+        # this file's own call, named before another file's (not by its path: the TODO then reads the same
+        # whichever directory the tree is given as, so a second --fix adds none)
+        known.sets_state_dict_type = OWN_FILE
     uses = dict(collector.uses)
     for stmt in module.body:  # a module-level variable another file imports: a use the file does not show
         if m.matches(stmt, m.SimpleStatementLine(body=[m.Assign(targets=[m.AssignTarget(target=m.Name())])])):
@@ -331,7 +336,7 @@ def migrate_paths(
                 Dispatch(
                     imported_names=imported_names(code),
                     own_methods=find_own_methods(code, shown[f]),
-                    sets_state_dict_type=shown[f] if "set_state_dict_type" in code else None,
+                    sets_state_dict_type=shown[f] if calls_set_state_dict_type(code) else None,
                     makes_state_dict_context=shown[f] if finds_state_dict_context(code) else None,
                     group_fsdp=shown[f] if passes_group(code) else None,
                     subclasses_fsdp1=shown[f] if subclasses_wrapper(code) else None,

@@ -50,7 +50,7 @@ class SummonFixer(ScannerBase):
                 )
             else:
                 ok = ok and kws.get("recurse", "True") == "True"
-            held = self._params_held_across(node) if ok else None
+            held = self._params_held_across(node, code_of(node.args[0].value)) if ok else None
             if held is not None:
                 self._record(node, construct, held, False)
                 self._consume(node.func)
@@ -76,11 +76,16 @@ class SummonFixer(ScannerBase):
             return True, (False if ok else None)
         return False, None
 
-    def _params_held_across(self, node: cst.Call) -> str | None:
+    def _params_held_across(self, node: cst.Call, module: str) -> str | None:
         """Why the context cannot be rewritten where parameter objects taken before it are read inside it
         (``params = list(model.parameters())`` ... ``with FSDP.summon_full_params(model): use(params)``);
         None where none are. FSDP1 re-points such objects to the full data; FSDP2 gathers into new tensors and
-        the objects taken before stay sharded DTensors, so a silent rewrite would hand shards on."""
+        the objects taken before stay sharded DTensors, so a silent rewrite would hand shards on.
+
+        Only parameters of ``module`` (the context's model), of a module it contains or of one containing it
+        count: taken from the same expression or one extending it (``model``, ``model.layer``, ``model.module``).
+        Parameters of another model (``a.net.parameters()`` around ``summon_full_params(b.net)``) are not
+        gathered by the context in FSDP1 either, so they change nothing."""
         scope: cst.CSTNode | None = self.functions[-1] if self.functions else self.module
         if scope is None:
             return None
@@ -106,6 +111,7 @@ class SummonFixer(ScannerBase):
                 isinstance(c, cst.Call)
                 and isinstance(c.func, cst.Attribute)
                 and c.func.attr.value in ("parameters", "named_parameters")
+                and _of_module(c.func.value, module)
                 for c in walk(stmt.value)
             ):
                 taken[target.value] = code_of(stmt)
@@ -118,3 +124,18 @@ class SummonFixer(ScannerBase):
             "DTensors inside fsdp_bridge.summon_full_params). Take them from the model inside the context "
             "(model.parameters() / named_parameters() there), then use fsdp_bridge.summon_full_params(model, ...)"
         )
+
+
+def _of_module(owner: cst.BaseExpression, module: str) -> bool:
+    """Whether ``owner.parameters()`` may hold parameters of the module written ``module``: the same module, one
+    inside or around it, or an expression built on it (``unwrap(model)``, ``model.get_submodule("x")``)."""
+    return _same_tree(code_of(owner), module) or any(
+        _same_tree(code_of(a.value), module) for c in walk(owner) if isinstance(c, cst.Call) for a in c.args
+    )
+
+
+def _same_tree(owner: str, module: str) -> bool:
+    """Whether the module written ``owner`` is ``module``, inside it or around it: one expression extends the
+    other by attributes or subscripts (``m`` and ``m.layer``, ``m.module`` and ``m``, ``ms[0]`` and ``ms``)."""
+    short_, long_ = sorted((owner.replace(" ", ""), module.replace(" ", "")), key=len)
+    return long_ == short_ or (long_.startswith(short_) and long_[len(short_)] in ".[")
