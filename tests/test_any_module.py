@@ -8,6 +8,10 @@ with fsdp_bridge.GradScaler's overflow agreement on both backends.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 from unittest import mock
 
@@ -327,3 +331,57 @@ def test_ddp_and_fully_shard_numerics_match_their_own_calls(run_on_ranks: Any) -
         assert [s[f"{backend}/bridge"] for s in scaler] == [(False, 2.0), (False, 2.0)], backend
     assert [s["fsdp2/torch_amp"] for s in scaler] == [(False, 2.0), (False, 2.0)]
     assert [s["fsdp1/torch_amp"] for s in scaler] == [(True, 4.0), (False, 2.0)]
+
+
+_MISSING_STATE = """
+import sys, torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+import fsdp_bridge
+
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+
+
+class TwoHeads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.used, self.idle = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.used(x)  # idle never gets a gradient: Adam keeps no state for it
+
+
+def build():
+    torch.manual_seed(0)
+    m = TwoHeads()
+    m.idle = FSDP(m.idle, device_id=torch.device("cpu"), use_orig_params=True)
+    return FSDP(m, device_id=torch.device("cpu"), use_orig_params=True)
+
+
+model = build()
+optim = torch.optim.Adam(model.parameters(), lr=0.1)
+model(torch.ones(2, 4)).sum().backward()
+optim.step()
+saved = FSDP.optim_state_dict(model, optim)
+again = build()
+fresh = torch.optim.Adam(again.parameters(), lr=0.1)
+fresh.load_state_dict(fsdp_bridge.optim_state_dict_to_load(again, fresh, saved))
+print(sorted(fresh.state_dict()["state"]) == sorted(optim.state_dict()["state"]))
+dist.destroy_process_group()
+"""
+
+
+def test_an_optimizer_state_without_some_parameters_loads_as_fsdp1_loads_it(tmp_path: Path) -> None:
+    # FSDP1's optim_state_dict_to_load takes a state that holds nothing for a parameter that never had a
+    # gradient; torch's set_optimizer_state_dict refuses it unless strict=False.
+    proc = subprocess.run(
+        [sys.executable, "-c", _MISSING_STATE, str(tmp_path / "store")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "True"

@@ -8,6 +8,7 @@ arguments are read in :mod:`fsdp_bridge.fsdp1_compat`.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import weakref
 from collections.abc import Mapping
@@ -381,6 +382,10 @@ def optim_state_dict_to_load(
         # FSDP1 takes full or sharded values whatever the state-dict type (it gathers sharded ones):
         # DTensor values (load_sharded_optimizer_state_dict's on FSDP2) are loaded as sharded state.
         options = StateDictOptions(full_state_dict=not _holds_dtensor(optim_state_dict))
+    # FSDP1 loads a state that holds nothing for some parameters (a unit that never had a gradient, so its
+    # optimizer made no state): torch's strict check would refuse it.
+    if isinstance(options, StateDictOptions) and options.strict:
+        options = dataclasses.replace(options, strict=False)
     # FSDP1 ignores what the other ranks pass when rank 0's state is broadcast (rank0_only).
     others = bool(getattr(options, "broadcast_from_rank0", False)) and torch.distributed.get_rank() != 0
     state = {} if optim_state_dict is None or others else dict(optim_state_dict)
