@@ -154,8 +154,11 @@ def test_a_local_save_is_not_rewritten_while_its_load_stays_fsdp1s() -> None:
     result = migrate_source(PAIR, "keeper.py")
     local = [f for f in result.findings if f.construct.startswith("FSDP.state_dict_type(LOCAL")]
     assert [f.fixable for f in local] == [False, False], local
-    assert "line 13 of this file stays FSDP1's" in local[0].replacement, local[0]
-    assert result.fixed.count("StateDictType.LOCAL_STATE_DICT):") == 2
+    assert "in read() in this file stays FSDP1's" in local[0].replacement, local[0]
+    assert (
+        result.fixed.count("StateDictType.LOCAL_STATE_DICT):") == 2
+        and migrate_source(result.fixed, "keeper.py").fixed == result.fixed
+    )
     assert (
         "get_model_state_dict(self.model" not in result.fixed
         and "from torch.distributed.checkpoint" not in result.fixed

@@ -85,9 +85,10 @@ class LocalStateFixer(ScannerBase):
                 other, model, named.get("state_dict_config"), named.get("optim_state_dict_config"), other_function
             )
             if isinstance(why, str):
-                line = self.get_metadata(PositionProvider, other).start.line
+                # named by its function, not its line: a TODO written above it moves the lines on a second --fix
+                where = f"in {other_function.name.value}()" if other_function is not None else "at module level"
                 return (
-                    f"the LOCAL_STATE_DICT block on {short(model, 30)} at line {line} of this file stays FSDP1's "
+                    f"the LOCAL_STATE_DICT block on {short(model, 30)} {where} in this file stays FSDP1's "
                     f"({why}), and what one block saves the other loads: both keep FSDP1's format"
                 )
         self._apply_local_block(node, model, cfg, optim_cfg, checked)
