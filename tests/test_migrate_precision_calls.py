@@ -132,9 +132,9 @@ def test_a_model_from_a_factory_of_the_file_is_shown_fsdp1() -> None:
     assert "    with fsdp_bridge.no_sync(model):" in _migrate("handed_over.py").fixed
 
 
-def test_a_tree_that_subclasses_the_wrapper_keeps_its_sharded_grad_scaler(tmp_path: Path) -> None:
-    # The subclass stays FSDP1 (a TODO), so its gradients stay flat shards: torch.amp.GradScaler would not
-    # all-reduce the overflow check. A tree without such a subclass gets fsdp_bridge.GradScaler.
+def test_a_tree_that_subclasses_the_wrapper_gets_the_bridges_scaler_too(tmp_path: Path) -> None:
+    # The subclass stays FSDP1 (a TODO), so its gradients stay flat shards: fsdp_bridge.GradScaler all-reduces
+    # the overflow check as ShardedGradScaler does (torch.amp.GradScaler would not), so it is right there too.
     (tmp_path / "wrappers.py").write_text(
         "from torch.distributed.fsdp import FullyShardedDataParallel\n\n\n"
         "class TracedSharded(FullyShardedDataParallel):\n"
@@ -148,13 +148,10 @@ def test_a_tree_that_subclasses_the_wrapper_keeps_its_sharded_grad_scaler(tmp_pa
     )
     by_path = {Path(r.path).name: r for r in migrate_paths([tmp_path])[1]}
     scaling = by_path["scaling.py"]
-    assert "kind = ShardedGradScaler if sharded else None" in scaling.fixed
-    assert "return kind, ShardedGradScaler(init_scale=1024.0)" in scaling.fixed
-    assert "import ShardedGradScaler" in scaling.fixed
-    assert all(not f.fixable and "subclasses FSDP1's wrapper" in f.replacement for f in scaling.findings)
-    assert len(scaling.findings) == 2
-    alone = migrate_source((tmp_path / "scaling.py").read_text(), "scaling.py")
-    assert "fsdp_bridge.GradScaler(init_scale=1024.0)" in alone.fixed
+    assert "kind = fsdp_bridge.GradScaler if sharded else None" in scaling.fixed
+    assert "return kind, fsdp_bridge.GradScaler(init_scale=1024.0)" in scaling.fixed
+    assert "ShardedGradScaler" not in scaling.fixed
+    assert len(scaling.findings) == 2 and all(f.fixable for f in scaling.findings)
 
 
 def test_unittest_type_assertions_become_is_sharded() -> None:

@@ -3,8 +3,6 @@ FSDP1 modules, the config classes kept for the bridge to read, mocks of the wrap
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import libcst as cst
 import libcst.matchers as m
 from libcst.metadata import QualifiedNameProvider
@@ -277,19 +275,6 @@ class ImportsFixer(ScannerBase):
             )
             self._record(node, code_of(node), text, not reentrant)
             return False
-        if kind == "ShardedGradScaler" and not member and (where := self.dispatch.subclasses_fsdp1) is not None:
-            # The tree keeps an FSDP1 wrapper of its own (a subclass, left as a TODO): its gradients stay FSDP1's
-            # flat shards, and torch.amp.GradScaler would not agree across ranks on an overflow.
-            self._record(
-                node,
-                code_of(node),
-                f"not rewritten: {Path(where).name} subclasses FSDP1's wrapper (a TODO of its own), so the models "
-                "it makes stay FSDP1's, whose sharded gradients need ShardedGradScaler (it all-reduces the "
-                "overflow check; torch.amp.GradScaler would let one rank skip a step the others take); change it "
-                "to torch.amp.GradScaler when that subclass is migrated to fsdp_bridge.shard",
-                False,
-            )
-            return False
         if kind == "ShardedGradScaler" and not member and id(node) not in self.called and not self.assign_target_depth:
             return self._plan_scaler_class(node)
         if (
@@ -431,7 +416,7 @@ class ImportsFixer(ScannerBase):
             self.needs_imports.add(("fsdp_bridge", None))
             code = f"fsdp_bridge.clip_grad_norm_({', '.join(code_of(a).rstrip(', ') for a in args)})"
             self._record(node, f"{code_of(node.func)}(...)", f"{code}; {fsdp2_text('clip_grad_norm_')}", True)
-        elif hit is not None and hit[0] == "ShardedGradScaler" and self.dispatch.subclasses_fsdp1 is None:
+        elif hit is not None and hit[0] == "ShardedGradScaler":
             # The bridge's scaler, not torch.amp.GradScaler: on the fsdp1 backend the gradients are flat shards
             # and only a ShardedGradScaler sums the overflow check over the ranks (process_group= kept: the
             # bridge's class takes it with FSDP1's meaning).
