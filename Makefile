@@ -8,6 +8,8 @@
 PYTHON ?= python3
 VENV ?= .venv
 TORCH ?= torch==2.13.0
+# pytest-xdist workers for the suite: two share a 2-core machine's spawned ranks and subprocesses.
+TEST_WORKERS ?= 2
 BIN := $(VENV)/bin
 
 .PHONY: train ab test test-slow install lint
@@ -34,9 +36,9 @@ lint: install
 	$(BIN)/lint-imports
 
 test: install lint
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n $(TEST_WORKERS)
 
 # The slow tier: long end-to-end runs (fault injection through torchrun, the full checkpoint matrix,
 # Ray Train, torch.compile); each has a cheaper sibling in `make test`. .ci/run runs it too.
 test-slow: install
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -m slow
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n $(TEST_WORKERS) -m slow
