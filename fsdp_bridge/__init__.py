@@ -22,6 +22,7 @@ from fsdp_bridge._version import __version__
 if TYPE_CHECKING:
     from fsdp_bridge._fsdp1_settings import FSDP1Settings, fsdp1_settings
     from fsdp_bridge._manual_wrap import ManualWrap, enable_wrap, wrap_module
+    from fsdp_bridge._shard_storage import free_shards, move_shards
     from fsdp_bridge.api import (
         Bridge,
         bridge_of,
@@ -84,6 +85,7 @@ _EXPORTS: dict[str, str] = {
     "bridge_of": "fsdp_bridge.api",
     "get_bridge": "fsdp_bridge.api",
     "fsdp1_settings": "fsdp_bridge._fsdp1_settings",
+    "free_shards": "fsdp_bridge._shard_storage",
     "FSDP1Settings": "fsdp_bridge._fsdp1_settings",
     "is_sharded": "fsdp_bridge.api",
     "full_optim_state_dict": "fsdp_bridge.backends.fsdp1_objects",
@@ -95,6 +97,7 @@ _EXPORTS: dict[str, str] = {
     "load_pretrained": "fsdp_bridge.checkpoint",
     "load_sharded_optimizer_state_dict": "fsdp_bridge.backends.fsdp1_objects",
     "mesh_from_process_group": "fsdp_bridge.distributed",
+    "move_shards": "fsdp_bridge._shard_storage",
     "module_names": "fsdp_bridge.wrap",
     "no_sync": "fsdp_bridge.api",
     "optim_state_dict": "fsdp_bridge.backends.fsdp1_objects",
@@ -134,6 +137,7 @@ __all__ = [
     "clip_grad_norm_",
     "defer_all_reduce",
     "enable_wrap",
+    "free_shards",
     "fsdp1_settings",
     "full_optim_state_dict",
     "full_state_dict",
@@ -147,6 +151,7 @@ __all__ = [
     "load_sharded_optimizer_state_dict",
     "mesh_from_process_group",
     "module_names",
+    "move_shards",
     "no_sync",
     "optim_state_dict",
     "optim_state_dict_to_load",

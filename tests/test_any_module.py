@@ -202,6 +202,7 @@ def _numerics() -> dict[str, Any]:
         out[f"is_sharded_{backend}"] = fsdp_bridge.is_sharded(model)
     out["identity"] = identity
     out["reshard"] = _reshard_after_eval(rank)
+    out["storage"] = _move_and_free(rank)
     out["scaler"] = _scaler_overflow(rank)
     return out
 
@@ -290,6 +291,58 @@ def _reshard_after_eval(rank: int) -> dict[str, Any]:
     return out
 
 
+def _shard_bytes(model: nn.Module) -> int:
+    """Bytes of storage behind this rank's shards: FSDP1's flat parameters, FSDP2's local DTensor tensors."""
+    units = [u for u in model.modules() if isinstance(u, FullyShardedDataParallel) and u._handle is not None]
+    if units:
+        return sum(u._handle.flat_param.untyped_storage().nbytes() for u in units)
+    return sum(p.to_local().untyped_storage().nbytes() for p in model.parameters() if isinstance(p, DTensor))
+
+
+def _move_and_free(rank: int) -> dict[str, Any]:
+    """fsdp_bridge.move_shards between train steps (cpu -> cpu here) leaves the training of a run without
+    it unchanged, on every kind of model; fsdp_bridge.free_shards then releases the shards' storage."""
+    from torch.distributed.fsdp import fully_shard
+
+    def make(kind: str) -> nn.Module:
+        model = _net()
+        if kind == "fully_shard":
+            fully_shard(model[2])
+            return fully_shard(model)
+        if kind == "fsdp1_torch":
+            return FullyShardedDataParallel(
+                model, auto_wrap_policy=_blocks, device_id=torch.device("cpu"), use_orig_params=True
+            )
+        if kind == "plain":
+            return model
+        return fsdp_bridge.shard(model, BridgeConfig(backend=kind, device="cpu", wrap=["Sequential"]))
+
+    out: dict[str, Any] = {}
+    for kind in ("fsdp1", "fsdp2", "fully_shard", "fsdp1_torch", "plain"):
+        runs = []
+        for move in (True, False):
+            model = make(kind)
+            opt = torch.optim.Adam(model.parameters(), lr=0.01)
+            losses = []
+            for step in range(3):
+                loss = model(torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * rank + step)))
+                loss = loss.square().mean()
+                loss.backward()
+                if move and step == 1:  # gradients held across the move
+                    fsdp_bridge.move_shards(model, "cpu")
+                opt.step()
+                opt.zero_grad()
+                if move:
+                    fsdp_bridge.move_shards(model, torch.device("cpu"), non_blocking=True)
+                losses.append(loss.item())
+            runs.append(losses)
+            before = _shard_bytes(model)
+            fsdp_bridge.free_shards(model)
+            runs.append((before, _shard_bytes(model)))
+        out[kind] = runs
+    return out
+
+
 def _blocks(module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:
     return recurse or isinstance(module, nn.Sequential)
 
@@ -323,6 +376,11 @@ def test_ddp_and_fully_shard_numerics_match_their_own_calls(run_on_ranks: Any) -
             assert left == 0 and held == held_ref and left_ref == held_ref, (kind, held, left, left_ref)
             assert held > 0 or kind == "fsdp2", kind
         assert r["reshard"]["plain_unchanged"]
+        # move_shards between steps trains as a run without it; free_shards leaves no storage behind the shards
+        for kind, (losses, (held, left), ref_losses, _) in r["storage"].items():
+            assert losses == ref_losses, kind
+            if kind != "plain":
+                assert held > 0 and left == 0, (kind, held, left)
     # fsdp_bridge.GradScaler: the inf in rank 1's shard makes every rank skip the step and halve the scale, on
     # both backends. torch.amp.GradScaler agrees only on fsdp2 (DTensor gradients reduce the check); on fsdp1's
     # flat shards rank 0 steps while rank 1 skips.

@@ -46,3 +46,19 @@ def test_look_alikes_keep_their_todos() -> None:
     todo_lines = {f.line for f in result.findings if not f.fixable and "_reshard" in f.construct}
     calls = {i for i, line in enumerate(original.splitlines(), 1) if "_reshard(unit" in line}
     assert calls and calls <= todo_lines, sorted(calls - todo_lines)
+
+
+def test_shard_moves_and_frees_become_one_call() -> None:
+    result = _migrate("shard_storage.py")
+    assert _body(result.fixed, "park") == ["fsdp_bridge.move_shards(trainer.net, where, non_blocking=True)"]
+    assert _body(result.fixed, "park_plain") == ['fsdp_bridge.move_shards(net, "cpu")']
+    assert _body(result.fixed, "drop") == ["fsdp_bridge.free_shards(net)", "del net", "torch.cuda.empty_cache()"]
+    assert not [f for f in result.findings if not f.fixable], "no TODO left"
+    assert "_runtime_utils" not in result.fixed  # _lazy_init's import went with its last use
+
+
+def test_shard_move_and_free_look_alikes_keep_their_todos() -> None:
+    result = _migrate("shard_storage_look_alikes.py")
+    assert "move_shards" not in result.fixed and "free_shards" not in result.fixed
+    todo_lines = {f.line for f in result.findings if not f.fixable}
+    assert {8, 19, 29} <= todo_lines, sorted(todo_lines)  # each _lazy_init / flat parameter read keeps its TODO

@@ -126,6 +126,8 @@ class Rewriter(cst.CSTTransformer):
         return self._compound(original_node, updated_node)
 
     def leave_For(self, original_node: cst.For, updated_node: cst.For) -> Any:
+        if (code := self.scan.stmt_rewrites.get(id(original_node))) is not None:
+            return cst.parse_statement(code).with_changes(leading_lines=updated_node.leading_lines)
         return self._compound(original_node, updated_node)
 
     def leave_While(self, original_node: cst.While, updated_node: cst.While) -> Any:

@@ -15,7 +15,7 @@ from fsdp_bridge.migrate.fixers._attributes import ElsewhereAttributesFixer
 from fsdp_bridge.migrate.fixers._checkpoints import CheckpointNoteFixer
 from fsdp_bridge.migrate.fixers._constructor import ConstructorFixer
 from fsdp_bridge.migrate.fixers._imports import ImportsFixer
-from fsdp_bridge.migrate.fixers._internals import InternalsFixer
+from fsdp_bridge.migrate.fixers._internals import InternalsFixer, StorageFixer
 from fsdp_bridge.migrate.fixers._lightning import LightningFixer
 from fsdp_bridge.migrate.fixers._local_state import LocalStateFixer
 from fsdp_bridge.migrate.fixers._meta_init import MetaInitFixer
@@ -42,14 +42,18 @@ class Scanner(
     CheckpointNoteFixer,
     ElsewhereAttributesFixer,
     InternalsFixer,
+    StorageFixer,
     ObjectAnalysis,
     ScannerBase,
 ):
     """Pass 1: find constructs, plan rewrites (nothing changes)."""
 
     # -- statements ----------------------------------------------------------------
-    def visit_SimpleStatementLine(self, node: cst.SimpleStatementLine) -> None:
+    def visit_SimpleStatementLine(self, node: cst.SimpleStatementLine) -> bool | None:
         self.stmt_stack.append(node)
+        if not self.planning and id(node) in self.removed_stmts and id(node) in self.consumed_nodes:
+            return False  # a statement of an idiom rewritten whole (StorageFixer): nothing to report in it
+        return None
 
     def leave_SimpleStatementLine(self, original_node: cst.SimpleStatementLine) -> None:
         self.stmt_stack.pop()
@@ -66,6 +70,8 @@ class Scanner(
     def visit_IndentedBlock(self, node: cst.IndentedBlock) -> None:
         if self.planning and self._in_region(node) is None:
             self._plan_block(node.body)
+        if not self.planning and self._in_region(node) is None:
+            self._plan_storage(node.body)
 
     def leave_With(self, original_node: cst.With) -> None:
         self.stmt_stack.pop()
@@ -79,8 +85,11 @@ class Scanner(
     def leave_If(self, original_node: cst.If) -> None:
         self.stmt_stack.pop()
 
-    def visit_For(self, node: cst.For) -> None:
+    def visit_For(self, node: cst.For) -> bool | None:
         self._push(node)
+        if id(node) in getattr(self, "storage_fors", ()):
+            return False  # the whole loop becomes one call: nothing inside is reported on its own
+        return None
 
     def leave_For(self, original_node: cst.For) -> None:
         self.stmt_stack.pop()

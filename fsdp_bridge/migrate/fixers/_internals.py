@@ -20,6 +20,8 @@ keeps its TODO."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import libcst as cst
 from libcst.metadata import QualifiedNameProvider
 
@@ -264,3 +266,177 @@ class InternalsFixer(ScannerBase):
 
 def m_continue(stmt: cst.BaseStatement) -> bool:
     return isinstance(stmt, cst.SimpleStatementLine) and len(stmt.body) == 1 and isinstance(stmt.body[0], cst.Continue)
+
+
+LAZY_INIT = "torch.distributed.fsdp._runtime_utils._lazy_init"
+FREE_STORAGE = "torch.distributed.utils._free_storage"
+
+
+class StorageFixer(ScannerBase):
+    """FSDP1's private moves and frees of a model's flat-parameter storage -> ``fsdp_bridge.move_shards`` /
+    ``fsdp_bridge.free_shards``. Rewritten only where every statement serves that purpose::
+
+        _lazy_init(model, model)
+        for handle in model._all_handles:
+            if handle._offload_params:
+                continue
+            flat_param = handle.flat_param
+            handle.flat_param_to(device, non_blocking=...)
+            flat_param._local_shard = flat_param.data
+
+    becomes ``fsdp_bridge.move_shards(model, device, non_blocking=...)``, and::
+
+        for m in model.modules():
+            if isinstance(m, FSDP):
+                _free_storage(m._handle.flat_param.data)
+
+    becomes ``fsdp_bridge.free_shards(model)``. ``_lazy_init`` and ``._all_handles`` exist only on FSDP1's root,
+    and ``isinstance(m, FSDP)`` names FSDP1's wrapper: the code proves the model is FSDP1's. Any other
+    statement in the loop, or a name of the loop read after it, keeps the TODOs."""
+
+    storage_fors: set[int]
+
+    def _plan_storage(self, body: Sequence[cst.BaseStatement]) -> None:
+        if not hasattr(self, "storage_fors"):
+            self.storage_fors = set()
+        if not self.uses_fsdp1 or self.planning:
+            return
+        for i, stmt in enumerate(body):
+            if not isinstance(stmt, cst.For) or id(stmt) in self.storage_fors:
+                continue
+            if i > 0 and (move := self._move_loop(body[i - 1], stmt)) is not None:
+                code, what = move
+                self.removed_stmts.add(id(body[i - 1]))
+                self.consumed_nodes.update(id(n) for n in walk(body[i - 1]))
+            elif (free := self._free_loop(stmt)) is not None:
+                code, what = free
+            else:
+                continue
+            self.storage_fors.add(id(stmt))
+            self.stmt_rewrites[id(stmt)] = code
+            self.consumed_nodes.update(id(n) for n in walk(stmt))
+            self.needs_imports.add(("fsdp_bridge", None))
+            self._record(stmt, what, code + _STORAGE_NOTES[code.split("(", 1)[0]], True)
+
+    def _qname(self, func: cst.BaseExpression, name: str) -> bool:
+        return any(q.name == name for q in self.get_metadata(QualifiedNameProvider, func, set()))
+
+    def _loop_locals_stay(self, loop: cst.For, names: set[str]) -> bool:
+        scope: cst.CSTNode | None = self.functions[-1] if self.functions else self.module
+        if scope is None:
+            return False
+        inside = {id(n) for n in walk(loop)}
+        return not any(isinstance(n, cst.Name) and n.value in names and id(n) not in inside for n in walk(scope))
+
+    def _move_loop(self, before: cst.BaseStatement, loop: cst.For) -> tuple[str, str] | None:
+        if not (isinstance(before, cst.SimpleStatementLine) and len(before.body) == 1):
+            return None
+        init = before.body[0]
+        if not (isinstance(init, cst.Expr) and isinstance(init.value, cst.Call)):
+            return None
+        call = init.value
+        if not self._qname(call.func, LAZY_INIT) or len(call.args) != 2 or any(a.keyword or a.star for a in call.args):
+            return None
+        model = code_of(call.args[0].value)
+        if code_of(call.args[1].value) != model or not isinstance(call.args[0].value, (cst.Name, cst.Attribute)):
+            return None
+        if code_of(loop.iter) != f"{model}._all_handles" or not isinstance(loop.target, cst.Name) or loop.orelse:
+            return None
+        handle = loop.target.value
+        stmts = list(loop.body.body) if isinstance(loop.body, cst.IndentedBlock) else []
+        if len(stmts) not in (3, 4):
+            return None
+        skip = stmts.pop(0)
+        if not (
+            isinstance(skip, cst.If)
+            and skip.orelse is None
+            and code_of(skip.test) == f"{handle}._offload_params"
+            and isinstance(skip.body, cst.IndentedBlock)
+            and len(skip.body.body) == 1
+            and m_continue(skip.body.body[0])
+        ):
+            return None
+        flat = f"{handle}.flat_param"
+        names = {handle}
+        if len(stmts) == 3:
+            alias = _simple(stmts.pop(0))
+            if not (isinstance(alias, cst.Assign) and len(alias.targets) == 1):
+                return None
+            if not isinstance(alias.targets[0].target, cst.Name) or code_of(alias.value) != flat:
+                return None
+            flat = alias.targets[0].target.value
+            names.add(flat)
+        move, keep = (_simple(s) for s in stmts)
+        if not (isinstance(move, cst.Expr) and isinstance(move.value, cst.Call)):
+            return None
+        to = move.value
+        if code_of(to.func) != f"{handle}.flat_param_to" or not to.args or to.args[0].keyword or to.args[0].star:
+            return None
+        device = to.args[0].value
+        rest = to.args[1:]
+        if len(rest) > 1 or (rest and (rest[0].keyword is None or rest[0].keyword.value != "non_blocking")):
+            return None
+        if any(isinstance(n, cst.Name) and n.value in names for n in walk(device)):
+            return None
+        if not (isinstance(keep, cst.Assign) and len(keep.targets) == 1):
+            return None
+        if code_of(keep.targets[0].target) != f"{flat}._local_shard" or code_of(keep.value) != f"{flat}.data":
+            return None
+        if not self._loop_locals_stay(loop, names):
+            return None
+        args = [model, code_of(device)] + [f"non_blocking={code_of(rest[0].value)}" for _ in rest]
+        code = f"fsdp_bridge.move_shards({', '.join(args)})"
+        return code, f"_lazy_init({model}, {model}) + for {handle} in {model}._all_handles: flat_param_to(...)"
+
+    def _free_loop(self, loop: cst.For) -> tuple[str, str] | None:
+        if not isinstance(loop.target, cst.Name) or loop.orelse or not isinstance(loop.iter, cst.Call):
+            return None
+        it = loop.iter
+        if not (isinstance(it.func, cst.Attribute) and it.func.attr.value == "modules" and not it.args):
+            return None
+        model = code_of(it.func.value)
+        if not isinstance(it.func.value, (cst.Name, cst.Attribute)):
+            return None
+        unit = loop.target.value
+        stmts = list(loop.body.body) if isinstance(loop.body, cst.IndentedBlock) else []
+        if len(stmts) != 1 or not isinstance(stmts[0], cst.If) or stmts[0].orelse is not None:
+            return None
+        test = stmts[0].test
+        if not (
+            isinstance(test, cst.Call)
+            and code_of(test.func) == "isinstance"
+            and len(test.args) == 2
+            and code_of(test.args[0].value) == unit
+            and self._qn(test.args[1].value) == (FSDP, "")
+        ):
+            return None
+        inner = stmts[0].body.body if isinstance(stmts[0].body, cst.IndentedBlock) else []
+        if len(inner) != 1:
+            return None
+        free = _simple(inner[0])
+        if not (isinstance(free, cst.Expr) and isinstance(free.value, cst.Call)):
+            return None
+        call = free.value
+        if not self._qname(call.func, FREE_STORAGE) or len(call.args) != 1 or call.args[0].keyword:
+            return None
+        if code_of(call.args[0].value) != f"{unit}._handle.flat_param.data":
+            return None
+        if not self._loop_locals_stay(loop, {unit}):
+            return None
+        return f"fsdp_bridge.free_shards({model})", (
+            f"for {unit} in {model}.modules(): _free_storage({unit}._handle.flat_param.data)"
+        )
+
+
+def _simple(stmt: cst.BaseStatement) -> cst.BaseSmallStatement | None:
+    if isinstance(stmt, cst.SimpleStatementLine) and len(stmt.body) == 1:
+        return stmt.body[0]
+    return None
+
+
+_STORAGE_NOTES = {
+    "fsdp_bridge.move_shards": ": moves the parameter shards on both backends (fsdp1: FSDP1's own steps, handles under "
+    "CPU offload skipped; fsdp2: FSDP2's _apply on the sharded parameters, units under CPUOffloadPolicy skipped)",
+    "fsdp_bridge.free_shards": ": releases the shards' storage on both backends (fsdp1: each unit's flat parameter; "
+    "fsdp2: reshard, then each sharded parameter's local storage)",
+}
