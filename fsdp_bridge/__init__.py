@@ -22,6 +22,7 @@ from fsdp_bridge._version import __version__
 if TYPE_CHECKING:
     from fsdp_bridge._fsdp1_settings import FSDP1Settings, fsdp1_settings
     from fsdp_bridge._manual_wrap import ManualWrap, enable_wrap, wrap_module
+    from fsdp_bridge._sharded_module import ShardedModule
     from fsdp_bridge.api import (
         Bridge,
         bridge_of,
@@ -75,6 +76,7 @@ _EXPORTS: dict[str, str] = {
     "MixedPrecisionConfig": "fsdp_bridge.config",
     "Outcome": "fsdp_bridge.mapping",
     "Problem": "fsdp_bridge.errors",
+    "ShardedModule": "fsdp_bridge._sharded_module",
     "ShardingStrategy": "fsdp_bridge.strategy",
     "TranslationReport": "fsdp_bridge.mapping",
     "WrapPolicy": "fsdp_bridge.config",
@@ -126,6 +128,7 @@ __all__ = [
     "MixedPrecisionConfig",
     "Outcome",
     "Problem",
+    "ShardedModule",
     "ShardingStrategy",
     "TranslationReport",
     "WrapPolicy",
