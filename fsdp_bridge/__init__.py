@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from fsdp_bridge._fsdp1_settings import FSDP1Settings, fsdp1_settings
     from fsdp_bridge._manual_wrap import ManualWrap, enable_wrap, wrap_module
     from fsdp_bridge._shard_storage import free_shards, move_shards
+    from fsdp_bridge._sharded_module import ShardedModule
     from fsdp_bridge.api import (
         Bridge,
         bridge_of,
@@ -76,6 +77,7 @@ _EXPORTS: dict[str, str] = {
     "MixedPrecisionConfig": "fsdp_bridge.config",
     "Outcome": "fsdp_bridge.mapping",
     "Problem": "fsdp_bridge.errors",
+    "ShardedModule": "fsdp_bridge._sharded_module",
     "ShardingStrategy": "fsdp_bridge.strategy",
     "TranslationReport": "fsdp_bridge.mapping",
     "WrapPolicy": "fsdp_bridge.config",
@@ -129,6 +131,7 @@ __all__ = [
     "MixedPrecisionConfig",
     "Outcome",
     "Problem",
+    "ShardedModule",
     "ShardingStrategy",
     "TranslationReport",
     "WrapPolicy",

@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 import fsdp_bridge
-from fsdp_bridge import BridgeConfig, ConfigError
+from fsdp_bridge import BridgeConfig, ConfigError, ShardedModule
 
 
 class _LocalDDP(DistributedDataParallel):
@@ -170,6 +170,7 @@ def _numerics() -> dict[str, Any]:
         out["summoned"] = [tuple(p.shape) for p in model.parameters() if type(p) is nn.Parameter]
     # is_sharded (what migrated code's isinstance(m, FSDP) became): torch's own fully_shard and DDP are not
     out["is_sharded_torch"] = (fsdp_bridge.is_sharded(model), fsdp_bridge.is_sharded(DistributedDataParallel(_net())))
+    out["sharded_module_torch"] = (isinstance(model, ShardedModule), issubclass(type(model), ShardedModule))
     # The same spawn checks from_fsdp1's FSDP1 values on FSDP2 (test_from_fsdp1.py checks them in one process)
     # and what summon_full_params does to parameter objects taken before it.
     from torch.distributed.fsdp import BackwardPrefetch
@@ -200,6 +201,8 @@ def _numerics() -> dict[str, Any]:
             inside = list(model.parameters())
             identity[backend] = (all(a is b for a, b in zip(held, inside, strict=True)), tuple(held[0].shape))
         out[f"is_sharded_{backend}"] = fsdp_bridge.is_sharded(model)
+        # what migrated code's FSDP1 class as a value became: an instance on both backends, root and units
+        out[f"sharded_module_{backend}"] = [n for n, m in model.named_modules() if isinstance(m, ShardedModule)]
     out["identity"] = identity
     out["reshard"] = _reshard_after_eval(rank)
     out["storage"] = _move_and_free(rank)
@@ -360,6 +363,9 @@ def test_ddp_and_fully_shard_numerics_match_their_own_calls(run_on_ranks: Any) -
         assert r["is_sharded_fsdp2"] and r["is_sharded_fsdp1"]
         assert r["is_sharded_units"] == ["", "2"]
         assert r["is_sharded_torch"] == (False, False)
+        # ShardedModule: isinstance is is_sharded (torch's own fully_shard not an instance; its class a subclass)
+        assert r["sharded_module_fsdp2"] == r["sharded_module_fsdp1"] == [""]
+        assert r["sharded_module_torch"] == (False, True)
     for r in results:
         # backward_prefetch=None (FSDP1: no prefetch) runs on FSDP2 and trains as the default does
         assert r["prefetch_none_losses"][0] == r["prefetch_none_losses"][1]

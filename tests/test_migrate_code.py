@@ -770,7 +770,7 @@ def test_awkward_code_is_rewritten_or_annotated_never_crashes(tmp_path: Path) ->
     assert "sharding_strategy=(ShardingStrategy.HYBRID_SHARD" in result.fixed
     assert "mesh=mesh if cfg.hsdp else None," in result.fixed
     assert "fsdp_bridge.clip_grad_norm_(model, 1.0)" in result.fixed
-    assert "def units(model: FSDPModule) -> list[FSDPModule]:" in result.fixed
+    assert "def units(model: fsdp_bridge.ShardedModule) -> list[fsdp_bridge.ShardedModule]:" in result.fixed
     assert (
         "for m in [m for m in model.modules() if fsdp_bridge.is_sharded(m)] if fsdp_bridge.is_sharded(m)"
         in result.fixed

@@ -33,6 +33,7 @@ _WHAT = {
     "clip_grad_norm_": "torch's clip over the model's parameters (the global norm over DTensor gradients; it "
     "returns a DTensor)",
     "is_sharded": "torch's FSDP2 module class (fully_shard makes each unit one)",
+    "ShardedModule": "torch's FSDP2 module class (fully_shard makes each unit one)",
     "full_state_dict": "torch's DCP state-dict API",
     "full_optim_state_dict": "torch's DCP state-dict API",
 }

@@ -11,6 +11,7 @@ made there, once); this pass then replaces each bridge call it can write in plai
   ``fsdp_bridge.no_sync`` is passed on as a value;
 * ``fsdp_bridge.clip_grad_norm_(m, n[, p])`` -> ``torch.nn.utils.clip_grad_norm_(m.parameters(), n[, p])``;
 * ``fsdp_bridge.is_sharded(m)`` -> ``isinstance(m, FSDPModule)``; ``fsdp_bridge.unwrapped(m)`` -> ``m``;
+  ``fsdp_bridge.ShardedModule`` (a type: annotation, validator, ``Optional[...]``) -> ``FSDPModule``;
 * ``fsdp_bridge.GradScaler(...)`` -> ``torch.amp.GradScaler(...)`` (arguments past the device named; kept when
   it passes ``process_group=``), and ``fsdp_bridge.GradScaler`` named as a value -> ``torch.amp.GradScaler``;
 * ``fsdp_bridge.full_state_dict(m)`` / ``full_optim_state_dict(m, o)`` -> ``get_model_state_dict`` /
@@ -508,6 +509,11 @@ class _Lowerer(cst.CSTTransformer):
             self.result_imports.add(("torch", None))
             self._record(original_node, "GradScaler", "torch.amp.GradScaler")
             return cst.parse_expression("torch.amp.GradScaler")
+        if code_of(updated_node) == "fsdp_bridge.ShardedModule" and id(original_node) not in self.inside:
+            # FSDP1's class as a type (annotation, validator, Optional[...]): every model is fully_shard's here
+            self.result_imports.add((_FSDP, "FSDPModule"))
+            self._record(original_node, "ShardedModule", "FSDPModule")
+            return cst.Name("FSDPModule")
         if code_of(updated_node).startswith("fsdp_bridge.") and id(original_node) not in self.inside:
             inner = original_node.value
             if not (isinstance(inner, cst.Attribute) and code_of(inner).startswith("fsdp_bridge.")) and not (

@@ -39,6 +39,15 @@ IS_SHARDED = (
     "DDP and modules sharded with torch's own fully_shard keep their own paths"
 )
 
+SHARDED_MODULE = (
+    "isinstance(m, fsdp_bridge.ShardedModule) is fsdp_bridge.is_sharded(m): models sharded by fsdp_bridge.shard on "
+    "either backend, their units and FSDP1 wrappers; --target torch writes FSDPModule"
+)
+
+TYPING_FORMS = {"Union", "Optional", "Annotated"}
+"""``typing``'s (and ``typing_extensions``') subscripted forms whose elements are types a value is checked
+against: FSDP1's class inside one is the type of a sharded model."""
+
 UNITTEST_ASSERTS = {"assertIsInstance": "assertTrue", "assertNotIsInstance": "assertFalse"}
 """unittest's type assertions and the assertion each becomes around ``fsdp_bridge.is_sharded``."""
 
@@ -221,10 +230,13 @@ class ImportsFixer(ScannerBase):
         if id(node) in self.consumed_nodes:
             return False
         kind, member = hit
-        if kind == FSDP and member == "" and self.annotation_depth:
-            self.needs_imports.add(("torch.distributed.fsdp", "FSDPModule"))
-            self.name_rewrites[id(node)] = "FSDPModule"
-            self._record(node, f"{code_of(node)} (annotation)", "FSDPModule (FSDP2 units are FSDPModule)", True)
+        if kind == FSDP and member == "" and (self.annotation_depth or self._type_value(node)):
+            # FSDPModule here would refuse the fsdp1 backend's models where the type is checked at run time
+            # (a pydantic field, a validator's isinstance, isinstance(m, Optional[...]))
+            self.needs_imports.add(("fsdp_bridge", None))
+            self.expr_rewrites[id(node)] = "fsdp_bridge.ShardedModule"
+            what = "annotation" if self.annotation_depth else "a type given as a value"
+            self._record(node, f"{code_of(node)} ({what})", f"fsdp_bridge.ShardedModule ({SHARDED_MODULE})", True)
             return False
         if kind == FSDP and member == "" and id(node) in self.class_bases:
             self._record(
@@ -249,6 +261,17 @@ class ImportsFixer(ScannerBase):
                 f"{name}.optim_state_dict, {name}.state_dict_type, ...) may not be FSDP1's and are not listed here; "
                 f"bind it once (or import the class under that name: from torch.distributed.fsdp import "
                 f"FullyShardedDataParallel as {name}) and run migrate code again",
+                False,
+            )
+            return False
+        if kind == FSDP and member == "" and self._in_class_tuple(node):
+            self._record(
+                node,
+                f"({code_of(node)}, ...) (FSDP1's class in a tuple of classes)",
+                "not rewritten: a tuple kept for a later isinstance; where it is tested write isinstance(m, "
+                f"(<the other classes>)) or fsdp_bridge.is_sharded(m) ({IS_SHARDED}). fsdp_bridge.ShardedModule in "
+                "the tuple tests the same, but code the test guards that reads the wrapper's .module or its "
+                "settings then fails on FSDP2 modules; use it once that code is checked",
                 False,
             )
             return False
@@ -304,6 +327,63 @@ class ImportsFixer(ScannerBase):
         self._record(node, code_of(node), NAMES[kind], False)
         return False
 
+    def _type_value(self, node: cst.BaseExpression) -> bool:
+        """``node`` (FSDP1's class) is a type inside a type expression written as a value: an element of
+        ``Union[...]``/``Optional[...]``/``Annotated[...]`` or of an ``X | Y`` union, or an argument of a call
+        in ``Annotated``'s metadata (``Annotated[FSDP, InstanceOf(FSDP)]``, whose validator tests isinstance)."""
+        stmt = self.stmt_stack[-1] if self.stmt_stack else None
+        path = _path_to(stmt, node) if stmt is not None else None
+        if not path:
+            return False
+        typed = False
+        i = len(path) - 2  # path[-1] is node
+        while i >= 0:
+            parent = path[i]
+            if isinstance(parent, (cst.Index, cst.SubscriptElement)):
+                i -= 1
+                continue
+            if isinstance(parent, cst.Subscript) and path[i + 1] is not parent.value:
+                form = self._typing_form(parent.value)
+                if form is None or (form == "Annotated" and path[i + 1] is not parent.slice[0]):
+                    return False  # Annotated's metadata: only a call's argument there is a type (below)
+                typed = True
+            elif isinstance(parent, cst.BinaryOperation) and isinstance(parent.operator, cst.BitOr):
+                typed = True
+            elif isinstance(parent, cst.Arg) and parent.keyword is None and not parent.star and i >= 1:
+                # an argument of a call that is a metadata element (not the first) of Annotated[...]
+                call, index, element, subscript = (path[i - k] if i >= k else None for k in (1, 2, 3, 4))
+                if not (
+                    isinstance(call, cst.Call)
+                    and isinstance(index, cst.Index)
+                    and isinstance(element, cst.SubscriptElement)
+                    and isinstance(subscript, cst.Subscript)
+                    and self._typing_form(subscript.value) == "Annotated"
+                    and any(e is element for e in subscript.slice[1:])
+                ):
+                    return False
+                i -= 5  # past the Annotated subscript itself
+                typed = True
+                continue
+            else:
+                return typed
+            i -= 1
+        return typed
+
+    def _in_class_tuple(self, node: cst.BaseExpression) -> bool:
+        """``node`` is an element of a tuple or list (``WRAPPERS = (DDP, FSDP)``, ``kinds=(FSDP,)``)."""
+        stmt = self.stmt_stack[-1] if self.stmt_stack else None
+        path = _path_to(stmt, node) if stmt is not None else None
+        return bool(path and len(path) >= 3 and isinstance(path[-3], (cst.Tuple, cst.List)))
+
+    def _typing_form(self, expr: cst.BaseExpression) -> str | None:
+        """``Union``/``Optional``/``Annotated`` when ``expr`` names that form of ``typing`` or
+        ``typing_extensions``."""
+        for q in self.get_metadata(QualifiedNameProvider, expr, set()):
+            module, _, name = q.name.rpartition(".")
+            if module in ("typing", "typing_extensions") and name in TYPING_FORMS:
+                return name
+        return None
+
     def _refuses_fsdp1(self, check: cst.Call) -> bool:
         """``check`` (``isinstance(x, FSDP)``) is the test, not negated, of an ``if`` whose body only raises."""
         stmt = self.stmt_stack[-1] if self.stmt_stack else None
@@ -356,7 +436,16 @@ class ImportsFixer(ScannerBase):
         args = node.args
         assertion = self._unittest_assertion(node)
         check = assertion is not None or (m.matches(node.func, m.Name("isinstance")) and len(args) == 2)
-        if check and self._qn(args[1].value) == (FSDP, ""):
+        if (subject := _type_of(node)) is not None and self._qn(args[1].value) == (FSDP, ""):
+            # issubclass(type(m), FSDP) asks what isinstance(m, FSDP) asks (not issubclass(C, ShardedModule):
+            # a class cannot tell shard()'s FSDP2 units from torch's own fully_shard modules)
+            if self._refuses_fsdp1(node):
+                self._consume(args[1].value)
+                return True
+            self.needs_imports.add(("fsdp_bridge", None))
+            code = f"fsdp_bridge.is_sharded({code_of(subject)})"
+            self._record(node, f"issubclass(type(...), {code_of(args[1].value)})", f"{code} ({IS_SHARDED})", True)
+        elif check and self._qn(args[1].value) == (FSDP, ""):
             if assertion is None and self._refuses_fsdp1(node):
                 # ``if isinstance(m, FSDP): raise ...``: code that refuses FSDP1's wrapper (often FSDP2 code
                 # guarding itself) stays true after the migration; FSDPModule there would refuse FSDP2 units.
@@ -500,8 +589,30 @@ class ImportsFixer(ScannerBase):
         return None
 
 
+def _type_of(node: cst.Call) -> cst.BaseExpression | None:
+    """``x`` when ``node`` is ``issubclass(type(x), <class>)``."""
+    if not (m.matches(node.func, m.Name("issubclass")) and len(node.args) == 2):
+        return None
+    first = node.args[0].value
+    if not (isinstance(first, cst.Call) and m.matches(first.func, m.Name("type")) and len(first.args) == 1):
+        return None
+    if any(a.keyword is not None or a.star for a in (*node.args, *first.args)):
+        return None
+    return first.args[0].value
+
+
 def _plain_reference(expr: cst.BaseExpression) -> bool:
     """``name`` or ``a.b.c``: written again as it is, nothing in it rewritten."""
     while isinstance(expr, cst.Attribute):
         expr = expr.value
     return isinstance(expr, cst.Name)
+
+
+def _path_to(root: cst.CSTNode, target: cst.CSTNode) -> list[cst.CSTNode] | None:
+    """The nodes from ``root`` down to ``target`` (both included), or None when ``target`` is not under it."""
+    if root is target:
+        return [root]
+    for child in root.children:
+        if (path := _path_to(child, target)) is not None:
+            return [root, *path]
+    return None
