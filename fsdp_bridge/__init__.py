@@ -41,6 +41,7 @@ if TYPE_CHECKING:
         load_sharded_optimizer_state_dict,
         optim_state_dict,
         optim_state_dict_to_load,
+        set_state_dict_type,
         state_dict_options,
         state_dict_type,
     )
@@ -102,6 +103,7 @@ _EXPORTS: dict[str, str] = {
     "rotate_checkpoints": "fsdp_bridge.checkpoint",
     "save_checkpoint": "fsdp_bridge.checkpoint",
     "save_checkpoint_async": "fsdp_bridge.checkpoint",
+    "set_state_dict_type": "fsdp_bridge.backends.fsdp1_objects",
     "shard": "fsdp_bridge.api",
     "state_dict_options": "fsdp_bridge.backends.fsdp1_objects",
     "state_dict_type": "fsdp_bridge.backends.fsdp1_objects",
@@ -154,6 +156,7 @@ __all__ = [
     "rotate_checkpoints",
     "save_checkpoint",
     "save_checkpoint_async",
+    "set_state_dict_type",
     "shard",
     "state_dict_options",
     "state_dict_type",
