@@ -43,6 +43,7 @@ if TYPE_CHECKING:
         load_sharded_optimizer_state_dict,
         optim_state_dict,
         optim_state_dict_to_load,
+        set_state_dict_type,
         state_dict_options,
         state_dict_type,
     )
@@ -107,6 +108,7 @@ _EXPORTS: dict[str, str] = {
     "rotate_checkpoints": "fsdp_bridge.checkpoint",
     "save_checkpoint": "fsdp_bridge.checkpoint",
     "save_checkpoint_async": "fsdp_bridge.checkpoint",
+    "set_state_dict_type": "fsdp_bridge.backends.fsdp1_objects",
     "shard": "fsdp_bridge.api",
     "state_dict_options": "fsdp_bridge.backends.fsdp1_objects",
     "state_dict_type": "fsdp_bridge.backends.fsdp1_objects",
@@ -162,6 +164,7 @@ __all__ = [
     "rotate_checkpoints",
     "save_checkpoint",
     "save_checkpoint_async",
+    "set_state_dict_type",
     "shard",
     "state_dict_options",
     "state_dict_type",

@@ -460,6 +460,67 @@ def _state_dict_contexts(
             out["local"] = "entered"
     except ConfigError as err:
         out["local"] = str(err)
+    out["persistent"] = _persistent_types(raw, bridged, raw_opt, opt)
+    return out
+
+
+def _persistent_types(
+    raw: nn.Module, bridged: nn.Module, raw_opt: torch.optim.Optimizer, opt: torch.optim.Optimizer
+) -> dict[str, Any]:
+    """fsdp_bridge.set_state_dict_type, SHARDED then FULL: on FSDP2 the same state dicts as the bridge's
+    state_dict_type block gives; on FSDP1 FSDP1's own call (the same as FSDP1's context gives)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import StateDictSettings, StateDictType
+    from torch.distributed.tensor import DTensor
+
+    def states(model: nn.Module, optim: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
+        return model.state_dict(), fsdp_bridge.optim_state_dict(model, optim)
+
+    def same(a: Any, b: Any) -> bool:
+        if isinstance(a, dict):
+            return isinstance(b, dict) and sorted(a) == sorted(b) and all(same(a[k], b[k]) for k in a)
+        if isinstance(a, DTensor):
+            return isinstance(b, DTensor) and torch.equal(a.to_local(), b.to_local())
+        if hasattr(a, "local_tensor"):  # FSDP1's ShardedTensor
+            return type(a) is type(b) and torch.equal(a.local_tensor(), b.local_tensor())
+        if isinstance(a, torch.Tensor):
+            return type(b) is type(a) and torch.equal(a, b)
+        if isinstance(a, (list, tuple)):
+            return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
+        if not isinstance(a, (bool, int, float, str, type(None))):
+            raise TypeError(f"{type(a)} {type(b)}")
+        return bool(a == b)
+
+    sharded, full = StateDictType.SHARDED_STATE_DICT, StateDictType.FULL_STATE_DICT
+    out: dict[str, Any] = {}
+    for name, model, optim in (("fsdp2", bridged, opt), ("fsdp1", raw, raw_opt)):
+        block: list[Any] = []
+        for kind in (sharded, full):
+            with fsdp_bridge.state_dict_type(model, kind):
+                block.append(states(model, optim))
+        first = fsdp_bridge.set_state_dict_type(model, sharded)
+        persistent = [states(model, optim)]
+        with fsdp_bridge.state_dict_type(model, full):  # a block wins inside it, then the setting is back
+            inner = states(model, optim)
+        after_block = states(model, optim)
+        second = fsdp_bridge.set_state_dict_type(model, full)
+        persistent.append(states(model, optim))
+        out[name] = {
+            "sharded": same(block[0], persistent[0]) and same(after_block, persistent[0]),
+            "full": same(block[1], persistent[1]) and same(block[1], inner),
+            "dtensors": sum(isinstance(v, DTensor) for v in persistent[0][0].values()),
+            "returned": [
+                (type(s).__name__, s.state_dict_type.name if isinstance(s, StateDictSettings) else None)
+                for s in (first, second)
+            ],
+        }
+    out["fsdp1_current"] = FSDP.get_state_dict_type(raw).state_dict_type.name
+    try:
+        fsdp_bridge.set_state_dict_type(bridged, StateDictType.LOCAL_STATE_DICT)
+        out["local"] = "set"
+    except ConfigError as err:
+        out["local"] = str(err)
+    out["after_local"] = not any(isinstance(v, DTensor) for v in bridged.state_dict().values())
     return out
 
 
@@ -476,6 +537,16 @@ def test_raw_fsdp1_and_the_bridge_on_fsdp2_wrap_and_train_alike(run_on_ranks) ->
         assert states["sharded_dtensors"] > 0 and states["sharded_round_trip"] is True, states
         assert states["default_full"] is True and "LOCAL_STATE_DICT" in states["local"], states
         assert states["nested"] is True, states
+        persistent = states["persistent"]
+        for backend in ("fsdp2", "fsdp1"):
+            assert persistent[backend]["sharded"] and persistent[backend]["full"], (backend, persistent)
+            assert persistent[backend]["returned"] == [
+                ("StateDictSettings", "FULL_STATE_DICT"),
+                ("StateDictSettings", "SHARDED_STATE_DICT"),
+            ], persistent
+        assert persistent["fsdp2"]["dtensors"] > 0 and persistent["fsdp1_current"] == "FULL_STATE_DICT", persistent
+        assert "LOCAL_STATE_DICT" in persistent["local"] and "SHARDED_STATE_DICT" in persistent["local"], persistent
+        assert persistent["after_local"] is True, persistent  # refused before anything changed: still FULL
         assert result["bridge_units"] == result["raw_units"] and result["raw_units"], result
         torch.testing.assert_close(result["bridge"], result["raw"], rtol=1.3e-6, atol=1e-5)
         assert result["tokens"] == [result["raw_tokens"]] * 2 and len(result["raw_tokens"][0]) == 7

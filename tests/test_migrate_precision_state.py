@@ -233,3 +233,72 @@ def test_only_a_real_set_state_dict_type_call_counts_and_the_files_own_is_named(
     by_path = {Path(r.path).name: r for r in migrate_paths([tmp_path])[1]}
     fixed = by_path["optim_io.py"].fixed
     assert "this file calls FSDP.set_state_dict_type" in fixed and "a_saver.py" not in fixed
+
+
+RUNTIME_TYPE = """\
+import torch
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+
+def prepare(net, kind, cfg, optim_cfg):
+    model = FSDP(net)
+    if kind:
+        FSDP.set_state_dict_type(model, kind, cfg, optim_cfg)
+    return model
+
+
+def prepare_own(model, settings):
+    model.set_state_dict_type(model, settings.kind, settings.cfg)
+    return model
+
+
+class OptimizerState:
+    def __init__(self, model, optimizer):
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self):
+        return FSDP.optim_state_dict(self.model, self.optimizer)
+
+    def load_state_dict(self, sd):
+        self.optimizer.load_state_dict(FSDP.optim_state_dict_to_load(self.model, self.optimizer, sd))
+"""
+
+LOCAL_BESIDE = """
+def save_local(model: FSDP, path):
+    FSDP.set_state_dict_type(model, StateDictType.FULL_STATE_DICT)
+    try:
+        pass
+    finally:
+        FSDP.set_state_dict_type(model, StateDictType.LOCAL_STATE_DICT)
+"""
+
+
+def test_a_type_set_at_run_time_is_followed_by_the_bridge_calls() -> None:
+    result = migrate_source(RUNTIME_TYPE, "runtime.py")
+    fixed = result.fixed
+    assert migrate_source(fixed, "runtime.py").fixed == fixed  # idempotent
+    assert "fsdp_bridge.set_state_dict_type(model, kind, cfg, optim_cfg)" in fixed
+    assert "fsdp_bridge.set_state_dict_type(model, settings.kind, settings.cfg)" in fixed  # the model's own spelling
+    assert "return fsdp_bridge.optim_state_dict(self.model, self.optimizer)" in fixed
+    assert "fsdp_bridge.optim_state_dict_to_load(self.model, self.optimizer, sd)" in fixed
+    assert TODO not in fixed and "FSDP.set_state_dict_type" not in fixed
+    line = next(f for f in result.findings if f.construct == "FSDP.optim_state_dict(...)")
+    assert line.fixable and "follows fsdp_bridge.set_state_dict_type at run time" in line.replacement
+    assert "LOCAL_STATE_DICT refused on FSDP2" in line.replacement
+
+
+def test_a_local_type_beside_keeps_every_set_and_the_calls_that_follow_them_todo() -> None:
+    code = RUNTIME_TYPE.replace("import torch\n", "import torch\nfrom torch.distributed.fsdp import StateDictType\n")
+    fixed = migrate_source(code + LOCAL_BESIDE, "beside.py").fixed
+    assert "fsdp_bridge.set_state_dict_type" not in fixed and "fsdp_bridge.optim_state_dict(" not in fixed
+    assert "FSDP.set_state_dict_type(model, kind, cfg, optim_cfg)" in fixed
+    assert "FSDP.set_state_dict_type(model, StateDictType.FULL_STATE_DICT)" in fixed  # not half of the pair
+    assert "return FSDP.optim_state_dict(self.model, self.optimizer)" in fixed
+    assert fixed.count(TODO) >= 3
+
+
+def test_target_torch_keeps_the_persistent_type_as_a_reported_bridge_call() -> None:
+    result = migrate_source(RUNTIME_TYPE, "runtime.py", target="torch")
+    assert "fsdp_bridge.set_state_dict_type(model, kind, cfg, optim_cfg)" in result.fixed
+    kept = [f for f in result.findings if "set_state_dict_type" in f.construct and not f.fixable]
+    assert kept and "plain torch has no persistent state-dict type" in kept[0].replacement

@@ -26,6 +26,7 @@ __all__ = [
     "load_sharded_optimizer_state_dict",
     "optim_state_dict",
     "optim_state_dict_to_load",
+    "set_state_dict_type",
     "state_dict_options",
     "state_dict_type",
 ]
@@ -117,6 +118,8 @@ def _is_fsdp1(module: nn.Module) -> bool:
 
 # Modules inside a bridge state_dict_type context -> (save, optimizer save, optimizer load) options.
 _ACTIVE: weakref.WeakKeyDictionary[nn.Module, tuple[Any, Any, Any]] = weakref.WeakKeyDictionary()
+# FSDP2/unsharded modules -> the (type, config, optimizer config) in force (a persistent setting or a block's).
+_SETTINGS: weakref.WeakKeyDictionary[nn.Module, tuple[object, object, object]] = weakref.WeakKeyDictionary()
 
 
 def state_dict_type(
@@ -180,44 +183,12 @@ class _StateDictContext:
             fsdp1.__enter__()
             self._stack.append((fsdp1, {}, None))
             return
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
-
-        module, args = self.module, self.args
-        save = state_dict_options(*args)
-        options = (
-            save,
-            state_dict_options(*args, optimizer=True),
-            state_dict_options(*args, optimizer=True, load=True),
-        )
-        own = type(module)
-        inside = [False]  # torch's functions call the module's own state_dict / load_state_dict
-
-        def state_dict(*pos: Any, **kw: Any) -> dict[str, Any]:
-            if pos or kw or inside[0]:  # destination / prefix / keep_vars: nn.Module's own state_dict
-                return own.state_dict(module, *pos, **kw)  # type: ignore[no-any-return]
-            inside[0] = True
-            try:
-                return get_model_state_dict(module, options=save)
-            finally:
-                inside[0] = False
-
-        def load_state_dict(state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
-            if assign or inside[0]:
-                return own.load_state_dict(module, state_dict, strict, assign)
-            inside[0] = True
-            try:
-                options = state_dict_options(*args, load=True, strict=strict)
-                return set_model_state_dict(module, dict(state_dict), options=options)
-            finally:
-                inside[0] = False
-
         saved: dict[str, Any] = {
-            k: module.__dict__[k] for k in ("state_dict", "load_state_dict") if k in module.__dict__
+            k: self.module.__dict__[k] for k in ("state_dict", "load_state_dict") if k in self.module.__dict__
         }
-        self._stack.append((None, saved, _ACTIVE.get(module)))
-        module.__dict__["state_dict"] = state_dict
-        module.__dict__["load_state_dict"] = load_state_dict
-        _ACTIVE[module] = options
+        previous = (_ACTIVE.get(self.module), _SETTINGS.get(self.module))
+        _install(self.module, self.args)
+        self._stack.append((None, saved, previous))
 
     def __exit__(self, *exc: object) -> None:
         fsdp1, saved, previous = self._stack.pop()
@@ -226,11 +197,110 @@ class _StateDictContext:
             return
         for key in ("state_dict", "load_state_dict"):
             self.module.__dict__.pop(key, None)
-        self.module.__dict__.update(saved)  # an enclosing block's, or the module's own
-        if previous is None:
-            _ACTIVE.pop(self.module, None)
-        else:
-            _ACTIVE[self.module] = previous
+        self.module.__dict__.update(saved)  # an enclosing block's, the persistent setting's, or the module's own
+        for table, value in zip((_ACTIVE, _SETTINGS), previous, strict=True):
+            if value is None:
+                table.pop(self.module, None)
+            else:
+                table[self.module] = value
+
+
+def _install(module: nn.Module, args: tuple[object, object, object]) -> None:
+    """Make ``module.state_dict()`` / ``load_state_dict(sd, strict)`` and the optimizer-state functions those
+    of the state-dict type ``args`` (type, config, optimizer config) on an FSDP2 or unsharded module. The
+    type is checked first (``ConfigError`` before anything changes)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    save = state_dict_options(*args)
+    options = (
+        save,
+        state_dict_options(*args, optimizer=True),
+        state_dict_options(*args, optimizer=True, load=True),
+    )
+    own = type(module)
+    inside = [False]  # torch's functions call the module's own state_dict / load_state_dict
+
+    def state_dict(*pos: Any, **kw: Any) -> dict[str, Any]:
+        if pos or kw or inside[0]:  # destination / prefix / keep_vars: nn.Module's own state_dict
+            return own.state_dict(module, *pos, **kw)  # type: ignore[no-any-return]
+        inside[0] = True
+        try:
+            return get_model_state_dict(module, options=save)
+        finally:
+            inside[0] = False
+
+    def load_state_dict(state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        if assign or inside[0]:
+            return own.load_state_dict(module, state_dict, strict, assign)
+        inside[0] = True
+        try:
+            options = state_dict_options(*args, load=True, strict=strict)
+            return set_model_state_dict(module, dict(state_dict), options=options)
+        finally:
+            inside[0] = False
+
+    module.__dict__["state_dict"] = state_dict
+    module.__dict__["load_state_dict"] = load_state_dict
+    _ACTIVE[module] = options
+    _SETTINGS[module] = args
+
+
+def set_state_dict_type(
+    module: nn.Module,
+    state_dict_type: object,
+    state_dict_config: object = None,
+    optim_state_dict_config: object = None,
+) -> Any:
+    """FSDP1's persistent ``FSDP.set_state_dict_type(module, type, config, optim_config)`` for both backends.
+
+    ``migrate code --fix`` writes this for FSDP1's call whose type or configs are known only at run time
+    (a variable, an attribute, a setting of the user's own). On a model holding FSDP1 units it is FSDP1's
+    own call. On FSDP2 units it replaces any earlier setting of ``module`` by this one until the next
+    call: ``module.state_dict()`` / ``module.load_state_dict(sd, strict)`` and :func:`optim_state_dict` /
+    :func:`optim_state_dict_to_load` give and take that type's state, as inside a :func:`state_dict_type`
+    block (a block entered later wins inside it and puts this setting back when it ends). A module holding
+    no FSDP units at all is left as FSDP1's call leaves it: unchanged.
+
+    Args:
+        module: the model (its root) whose state-dict type is set.
+        state_dict_type: a ``torch.distributed.fsdp.StateDictType`` member or its name.
+        state_dict_config: ``FullStateDictConfig`` / ``ShardedStateDictConfig`` or None.
+        optim_state_dict_config: ``FullOptimStateDictConfig`` / ``ShardedOptimStateDictConfig`` or None.
+
+    Returns:
+        ``torch.distributed.fsdp.StateDictSettings`` of the setting it replaces, as FSDP1 returns
+        (FSDP1's default, FULL_STATE_DICT with default configs, where none was set).
+
+    Raises:
+        ConfigError: LOCAL_STATE_DICT on FSDP2 units (FSDP1's flat-parameter shards have no FSDP2 form),
+            or a value that is not a state-dict type; raised before anything changes, on every rank.
+    """
+    from torch.distributed.fsdp import (
+        FullOptimStateDictConfig,
+        FullStateDictConfig,
+        FullyShardedDataParallel,
+        StateDictSettings,
+        StateDictType,
+    )
+
+    from fsdp_bridge.backends import backend_inside
+
+    backend = backend_inside(module)
+    if backend is None or _is_fsdp1(module):
+        kind = StateDictType[state_dict_type] if isinstance(state_dict_type, str) else state_dict_type
+        return FullyShardedDataParallel.set_state_dict_type(
+            module,
+            kind,  # type: ignore[arg-type]
+            state_dict_config,  # type: ignore[arg-type]
+            optim_state_dict_config,  # type: ignore[arg-type]
+        )
+    kind, config, optim_config = _SETTINGS.get(
+        module, (StateDictType.FULL_STATE_DICT, FullStateDictConfig(), FullOptimStateDictConfig())
+    )
+    if isinstance(kind, str):
+        kind = StateDictType[kind]
+    _install(module, (state_dict_type, state_dict_config, optim_state_dict_config))
+    return StateDictSettings(kind, config, optim_config)  # type: ignore[arg-type]
 
 
 def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:

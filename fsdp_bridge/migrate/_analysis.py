@@ -128,6 +128,9 @@ class Dispatch:
     fsdp2_tests: set[str] = field(default_factory=set)
     own_methods: dict[str, str] = field(default_factory=dict)  # "clip_grad_norm_" -> the file defining the tree's own
     sets_state_dict_type: str | None = None  # a file of the tree that calls FSDP.set_state_dict_type
+    unfollowed_set_state_dict_type: str | None = None
+    """A file of the tree with a ``set_state_dict_type`` call not rewritten to fsdp_bridge's (a LOCAL or SHARDED
+    type written out, a receiver not shown to be FSDP1's): the state-dict calls that follow the type stay TODOs."""
     makes_state_dict_context: str | None = None  # a file of the tree that calls FSDP.state_dict_type
     group_fsdp: str | None = None  # a file of the tree passing process_group= (FSDP over some ranks)
     subclasses_fsdp1: str | None = None  # a file of the tree defining a subclass of FSDP1's wrapper (stays FSDP1)
@@ -160,6 +163,9 @@ class Dispatch:
         self.imported_names |= other.imported_names
         self.fsdp2_tests |= other.fsdp2_tests
         self.sets_state_dict_type = self.sets_state_dict_type or other.sets_state_dict_type
+        self.unfollowed_set_state_dict_type = (
+            self.unfollowed_set_state_dict_type or other.unfollowed_set_state_dict_type
+        )
         self.makes_state_dict_context = self.makes_state_dict_context or other.makes_state_dict_context
         self.group_fsdp = self.group_fsdp or other.group_fsdp
         self.subclasses_fsdp1 = self.subclasses_fsdp1 or other.subclasses_fsdp1
@@ -205,6 +211,44 @@ def calls_set_state_dict_type(code: str) -> bool:
         and not (i > 0 and tokens[i - 1].string == "def")
         for i, t in enumerate(tokens)
     )
+
+
+def unfollowed_set_state_dict_type(code: str) -> bool:
+    """Whether the file has a ``set_state_dict_type(...)`` call that ``--fix`` does not make
+    ``fsdp_bridge.set_state_dict_type(...)``: one through a receiver that is neither FSDP1's class (by a name
+    the file binds to it) nor the model passed as its own first argument (``model.set_state_dict_type(model,
+    ...)``), or whose arguments name LOCAL_STATE_DICT or SHARDED_STATE_DICT (a LOCAL one has no FSDP2 form; a
+    SHARDED one is deleted or left as it is). A file that cannot be parsed counts as such a call, and so does
+    a TODO this codemod wrote for a call that follows such a type: a second ``--fix`` must read the tree as the
+    first did (a deleted SHARDED call leaves no call behind)."""
+    if TODO in code and "calls FSDP.set_state_dict_type, so this" in code:
+        return True
+    if not calls_set_state_dict_type(code):
+        return False
+    try:
+        module = cst.parse_module(code)
+    except cst.ParserSyntaxError:
+        return True
+    names = {"FullyShardedDataParallel", "fsdp_bridge"}
+    names.update(re.findall(r"\bFullyShardedDataParallel\s+as\s+(\w+)", code))
+    names.update(re.findall(r"^\s*(\w+)\s*=\s*(?:[\w.]*\.)?FullyShardedDataParallel\s*$", code, re.M))
+    for node in walk(module):
+        if not (
+            isinstance(node, cst.Call)
+            and isinstance(node.func, cst.Attribute)
+            and node.func.attr.value == "set_state_dict_type"
+        ):
+            continue
+        receiver = code_of(node.func.value)
+        args = [code_of(a.value) for a in node.args]
+        if (
+            any(a.star for a in node.args)
+            or len(args) < 2
+            or any("LOCAL_STATE_DICT" in a or "SHARDED_STATE_DICT" in a for a in args)
+            or (receiver.split(".")[-1] not in names and receiver != args[0])
+        ):
+            return True
+    return False
 
 
 OWN_FILE = "this file"  # how a TODO names the file's own FSDP.set_state_dict_type call

@@ -60,6 +60,7 @@ from fsdp_bridge.migrate._analysis import (
     passes_group,
     subclassed_names,
     subclasses_wrapper,
+    unfollowed_set_state_dict_type,
 )
 from fsdp_bridge.migrate._names import TODO
 from fsdp_bridge.migrate._report import CodeFinding, CodeReport
@@ -131,6 +132,8 @@ def migrate_source(
     )
     if passes_group(code):
         known.group_fsdp = path  # this file's own, named first
+    if unfollowed_set_state_dict_type(code):
+        known.unfollowed_set_state_dict_type = OWN_FILE
     if calls_set_state_dict_type(code):
         # this file's own call, named before another file's (not by its path: the TODO then reads the same
         # whichever directory the tree is given as, so a second --fix adds none)
@@ -337,6 +340,7 @@ def migrate_paths(
                     imported_names=imported_names(code),
                     own_methods=find_own_methods(code, shown[f]),
                     sets_state_dict_type=shown[f] if calls_set_state_dict_type(code) else None,
+                    unfollowed_set_state_dict_type=shown[f] if unfollowed_set_state_dict_type(code) else None,
                     makes_state_dict_context=shown[f] if finds_state_dict_context(code) else None,
                     group_fsdp=shown[f] if passes_group(code) else None,
                     subclasses_fsdp1=shown[f] if subclasses_wrapper(code) else None,

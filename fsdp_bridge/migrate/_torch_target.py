@@ -435,6 +435,9 @@ class _Lowerer(cst.CSTTransformer):
             "summon_full_params": "FSDP2 has no summon_full_params; unshard()/reshard() on each FSDP module, or "
             "DTensor.full_tensor() on the parameters you read",
             "BridgeConfig.from_fsdp1": "settings known only when the code runs",
+            "set_state_dict_type": "plain torch has no persistent state-dict type: pass the type's "
+            "StateDictOptions (fsdp_bridge.state_dict_options(type, config, optim_config)) to each "
+            "get_/set_model_state_dict and get_/set_optimizer_state_dict call instead",
             "fsdp1_settings": "an FSDPModule keeps no strategy or mixed-precision setting that public torch API "
             "reads back: use the values your code passes to fully_shard (mesh, reshard_after_forward, mp_policy)",
         }.get(name, "no plain-torch form written for it yet")

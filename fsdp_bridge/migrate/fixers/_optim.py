@@ -209,6 +209,22 @@ class OptimStateFixer(ScannerBase):
                         True,
                     )
                     return True
+                if self.dispatch.unfollowed_set_state_dict_type is None:
+                    # every set_state_dict_type of the tree becomes fsdp_bridge's, which this call follows
+                    self.needs_imports.add(("fsdp_bridge", None))
+                    code = f"fsdp_bridge.optim_state_dict({model}, {code_of(named['optim'])})"
+                    self.call_rewrites[id(node)] = code
+                    self._consume(node.func)
+                    self._record(
+                        node,
+                        f"FSDP.{member}(...)",
+                        f"{code}: {where} calls FSDP.set_state_dict_type, rewritten to fsdp_bridge's; the type "
+                        "follows fsdp_bridge.set_state_dict_type at run time (FSDP1's own call on FSDP1 "
+                        "models; on FSDP2 the type set, else FSDP1's default FULL_STATE_DICT; LOCAL_STATE_DICT "
+                        "refused on FSDP2)",
+                        True,
+                    )
+                    return True
                 self._record(
                     node,
                     f"FSDP.{member}(...)",
@@ -353,6 +369,12 @@ class OptimStateFixer(ScannerBase):
         optim = code_of(func.value)
         args = [code_of(a.value) for a in inner.args if a.keyword is None]
         keywords = {a.keyword.value: code_of(a.value) for a in inner.args if a.keyword is not None}
+        if (
+            hit[1] == "optim_state_dict_to_load"
+            and self.dispatch.sets_state_dict_type is not None
+            and self.dispatch.unfollowed_set_state_dict_type is None
+        ):
+            return False  # the inner call becomes fsdp_bridge's, which follows the type set at run time
         if hit[1] == "optim_state_dict_to_load" and len(args) >= 3:
             model: str | None = args[0]
             sd, opts = args[2], self._options(True)

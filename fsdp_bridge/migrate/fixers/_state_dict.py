@@ -30,10 +30,37 @@ class StateDictFixer(ScannerBase):
                 return True
         return False
 
-    def _plan_set_state_dict_type(self, node: cst.Call) -> bool:
+    def _plan_set_state_dict_type(self, node: cst.Call, through_class: bool = True) -> bool:
         """``FSDP.set_state_dict_type(M, SHARDED_STATE_DICT[, ShardedStateDictConfig()])`` as a statement of
-        its own is deleted: an FSDP2 module's ``state_dict()`` already holds sharded (DTensor) values."""
+        its own is deleted: an FSDP2 module's ``state_dict()`` already holds sharded (DTensor) values. A type
+        known only at run time, or FULL_STATE_DICT, becomes ``fsdp_bridge.set_state_dict_type(...)`` (also
+        ``M.set_state_dict_type(M, ...)``, ``through_class=False``): FSDP1's own call on FSDP1 models, on FSDP2
+        the type's state dicts until the next call."""
         named = named_args(node, ("module", "state_dict_type", "state_dict_config", "optim_state_dict_config"))
+        if (
+            named is not None
+            and "module" in named
+            and "state_dict_type" in named
+            and self.dispatch.unfollowed_set_state_dict_type is None  # never half of a LOCAL / SHARDED pair
+        ):
+            type_arg = named["state_dict_type"]
+            kind = self._member(type_arg, "StateDictType")
+            if kind == "FULL_STATE_DICT" or (kind is None and self._qn(type_arg) is None):
+                self.expr_rewrites[id(node.func)] = "fsdp_bridge.set_state_dict_type"
+                self.needs_imports.add(("fsdp_bridge", None))
+                self._consume(node.func)
+                self._record(
+                    node,
+                    f"FSDP.set_state_dict_type({kind or short(code_of(type_arg), 40)})",
+                    "fsdp_bridge.set_state_dict_type(...), the same arguments: FSDP1's own call on FSDP1 models; "
+                    f"on FSDP2 {short(code_of(named['module']), 30)}'s state_dict() / load_state_dict() and "
+                    "fsdp_bridge.optim_state_dict() / optim_state_dict_to_load() follow the type it sets at run "
+                    "time until the next call (LOCAL_STATE_DICT refused with a ConfigError)",
+                    True,
+                )
+                return True
+        if not through_class:
+            return False
         stmt = self.stmt_stack[-1] if self.stmt_stack else None
         if (
             named is None
