@@ -1,8 +1,7 @@
 """``fsdp_bridge.ShardedModule``: the class FSDP1 code names where it asks "is this a sharded model" at run time.
 
 FSDP1 code uses ``FullyShardedDataParallel`` itself as a value: a pydantic field type with a validator doing
-``isinstance`` (``Annotated[FSDP, InstanceOf(FSDP)]``), a tuple of wrapper classes kept for a later
-``isinstance``, ``Optional[FSDP]`` aliases. On the bridge's fsdp2 backend the model is no FSDP1 wrapper, and
+``isinstance`` (``Annotated[FSDP, InstanceOf(FSDP)]``), ``Optional[FSDP]`` aliases, annotations. On the bridge's fsdp2 backend the model is no FSDP1 wrapper, and
 torch's ``FSDPModule`` in its place would refuse the models the fsdp1 backend makes. ``ShardedModule`` answers
 both: ``isinstance(x, ShardedModule)`` is :func:`fsdp_bridge.is_sharded` (models made by :func:`shard` and
 their units on either backend, and FSDP1 wrappers), and the class is never instantiated.
@@ -47,9 +46,10 @@ class ShardedModule(nn.Module, metaclass=_ShardedModuleType):
     by :func:`shard` and every unit sharded in it (FSDP1 wrappers on the fsdp1 backend, ``FSDPModule`` units on
     fsdp2) and for FSDP1's ``FullyShardedDataParallel`` made by torch directly; False for plain modules, DDP and
     modules sharded with torch's own ``fully_shard`` outside :func:`shard` (as FSDP1's ``isinstance(m, FSDP)``
-    was for those). Where FSDP1 code used its wrapper class as a value (``Annotated[FSDP, Validator(FSDP)]``,
-    ``WRAPPERS = (DDP, FSDP)``, ``Optional[FSDP]``), this class takes its place; ``migrate code --target torch``
-    writes torch's ``FSDPModule`` for it.
+    was for those). Where FSDP1 code used its wrapper class as a type (``Annotated[FSDP, Validator(FSDP)]``,
+    ``Optional[FSDP]``, annotations), this class takes its place; ``migrate code --target torch`` writes torch's
+    ``FSDPModule`` for it. A tuple of wrapper classes (``WRAPPERS = (DDP, FSDP)``) is not rewritten: code it
+    guards often reads the wrapper's ``.module``, which an FSDP2 model has not.
 
     ``issubclass(C, ShardedModule)`` is True for FSDP1's ``FullyShardedDataParallel`` and ``FSDPModule`` and
     their subclasses. A class cannot tell a unit of :func:`shard` from one of torch's own ``fully_shard`` (both
