@@ -1,8 +1,9 @@
 """``fsdp_bridge.ShardedModule``: the class FSDP1 code names where it asks "is this a sharded model" at run time.
 
 FSDP1 code uses ``FullyShardedDataParallel`` itself as a value: a pydantic field type with a validator doing
-``isinstance`` (``Annotated[FSDP, InstanceOf(FSDP)]``), ``Optional[FSDP]`` aliases, annotations. On the bridge's fsdp2 backend the model is no FSDP1 wrapper, and
-torch's ``FSDPModule`` in its place would refuse the models the fsdp1 backend makes. ``ShardedModule`` answers
+``isinstance`` (``Annotated[FSDP, InstanceOf(FSDP)]``), ``Optional[FSDP]`` aliases, annotations. On the bridge's
+fsdp2 backend the model is no FSDP1 wrapper, and torch's ``FSDPModule`` in its place would refuse the models the
+fsdp1 backend makes. ``ShardedModule`` answers
 both: ``isinstance(x, ShardedModule)`` is :func:`fsdp_bridge.is_sharded` (models made by :func:`shard` and
 their units on either backend, and FSDP1 wrappers), and the class is never instantiated.
 """
