@@ -247,7 +247,7 @@ def prepare(net, kind, cfg, optim_cfg):
     return model
 
 
-def prepare_own(model, settings):
+def prepare_own(model: FSDP, settings):
     model.set_state_dict_type(model, settings.kind, settings.cfg)
     return model
 
@@ -285,6 +285,51 @@ def test_a_type_set_at_run_time_is_followed_by_the_bridge_calls() -> None:
     line = next(f for f in result.findings if f.construct == "FSDP.optim_state_dict(...)")
     assert line.fixable and "follows fsdp_bridge.set_state_dict_type at run time" in line.replacement
     assert "LOCAL_STATE_DICT refused on FSDP2" in line.replacement
+
+
+def test_the_models_own_spelling_is_rewritten_only_on_a_model_shown_to_be_fsdp1s() -> None:
+    # x.set_state_dict_type(x, ...) is FSDP1's static method only when x is FSDP1's wrapper: an unannotated
+    # parameter may be anything, so its call stays with a TODO that says what to write.
+    code = RUNTIME_TYPE.replace("def prepare_own(model: FSDP, settings):", "def prepare_own(model, settings):")
+    result = migrate_source(code, "runtime.py")
+    fixed = result.fixed
+    assert "fsdp_bridge.set_state_dict_type(model, kind, cfg, optim_cfg)" in fixed  # the class's spelling
+    assert "    model.set_state_dict_type(model, settings.kind, settings.cfg)" in fixed
+    todo = next(f for f in result.findings if f.construct == "model.set_state_dict_type(model, ...)")
+    assert not todo.fixable and "nothing here shows model is FSDP1's wrapper" in todo.replacement
+    assert "write fsdp_bridge.set_state_dict_type(model, ...)" in todo.replacement
+    assert migrate_source(fixed, "runtime.py").fixed == fixed  # idempotent
+
+
+def test_a_tree_with_its_own_set_state_dict_type_keeps_the_models_spelling_and_what_follows_it(
+    tmp_path: Path,
+) -> None:
+    # A subclass of the wrapper overriding set_state_dict_type (in another file of the tree): a model's
+    # x.set_state_dict_type(x, ...) may reach that override, so it is not rewritten, even on a model shown to
+    # be FSDP1's, and the optimizer-state calls that would follow fsdp_bridge's type stay FSDP1's too.
+    (tmp_path / "wrappers.py").write_text(
+        "from torch.distributed.fsdp import FullyShardedDataParallel\n\n\n"
+        "class LoggedFSDP(FullyShardedDataParallel):\n"
+        "    @staticmethod\n"
+        "    def set_state_dict_type(module, kind, cfg=None, optim_cfg=None):\n"
+        "        print('state dict type', kind)\n"
+        "        return FullyShardedDataParallel.set_state_dict_type(module, kind, cfg, optim_cfg)\n"
+    )
+    (tmp_path / "runtime.py").write_text(
+        RUNTIME_TYPE.replace("    if kind:\n        FSDP.set_state_dict_type(model, kind, cfg, optim_cfg)\n", "")
+    )
+    report, _ = migrate_paths([str(tmp_path)], fix=True)
+    fixed = (tmp_path / "runtime.py").read_text()
+    assert "    model.set_state_dict_type(model, settings.kind, settings.cfg)" in fixed
+    assert "this tree defines its own set_state_dict_type (in wrappers.py)" in fixed, fixed
+    assert (
+        "fsdp_bridge.set_state_dict_type(model, settings" not in fixed and "fsdp_bridge.optim_state_dict" not in fixed
+    )
+    assert "return FSDP.optim_state_dict(self.model, self.optimizer)" in fixed
+    # the load reads the state as the type set at run time says (full or sharded): not rewritten as full
+    assert "self.optimizer.load_state_dict(FSDP.optim_state_dict_to_load(self.model, self.optimizer, sd))" in fixed
+    assert "set_optimizer_state_dict" not in fixed.replace("load it with set_optimizer_state_dict", "")
+    assert not any(f.fixable for f in report.findings if "set_state_dict_type" in f.construct)
 
 
 def test_a_local_type_beside_keeps_every_set_and_the_calls_that_follow_them_todo() -> None:

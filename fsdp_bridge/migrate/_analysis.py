@@ -173,7 +173,8 @@ class Dispatch:
             self.own_methods.setdefault(name, where)
 
 
-OWN_METHOD_NAMES = ("clip_grad_norm_", "no_sync")
+OWN_METHOD_NAMES = ("clip_grad_norm_", "no_sync", "set_state_dict_type")
+OVERRIDDEN_IN_WRAPPER_SUBCLASS = ("set_state_dict_type",)  # a subclass of FSDP1's wrapper may override it too
 
 STATE_DICT_TYPE_CALL = re.compile(r"(?<!set_)state_dict_type\(")
 
@@ -251,6 +252,14 @@ def unfollowed_set_state_dict_type(code: str) -> bool:
     return False
 
 
+def self_spelled_set_state_dict_type(code: str) -> bool:
+    """Whether the file calls ``x.set_state_dict_type(x, ...)`` (FSDP1's static method through the model
+    itself): rewritten only when the tree defines no ``set_state_dict_type`` of its own (see
+    ``find_own_methods``), so a tree that does counts the call as not followed."""
+    return SELF_SPELLED.search(code) is not None
+
+
+SELF_SPELLED = re.compile(r"([A-Za-z_][\w.]*)\s*\.\s*set_state_dict_type\s*\(\s*\1\s*,")
 OWN_FILE = "this file"  # how a TODO names the file's own FSDP.set_state_dict_type call
 SET_STATE_DICT_TYPE_CALL = re.compile(r"\bset_state_dict_type\s*\(")
 
@@ -400,9 +409,11 @@ def find_fsdp1_arguments(wrapper: MetadataWrapper) -> Dispatch:
 
 
 def find_own_methods(code: str, path: str) -> dict[str, str]:
-    """``clip_grad_norm_`` / ``no_sync`` the tree defines itself: a method of a class that does not
-    subclass FSDP1's wrapper, or a function set as an attribute (``self.clip_grad_norm_ = fn``).
-    A call ``x.clip_grad_norm_(...)`` elsewhere may then be that one, not FSDP1's."""
+    """``clip_grad_norm_`` / ``no_sync`` / ``set_state_dict_type`` the tree defines itself: a method of a class
+    that does not subclass FSDP1's wrapper (``set_state_dict_type``: of any class, a subclass of the wrapper
+    included, whose override may do something else), or a function set as an attribute
+    (``self.clip_grad_norm_ = fn``). A call ``x.clip_grad_norm_(...)`` elsewhere may then be that one, not
+    FSDP1's."""
     if not any(f"def {n}" in code or f".{n} =" in code for n in OWN_METHOD_NAMES):
         return {}
     found: dict[str, str] = {}
@@ -429,8 +440,14 @@ def find_own_methods(code: str, path: str) -> dict[str, str]:
             found.setdefault(name, path)  # no line: a rewrite above it would move it (--fix must be idempotent)
 
         def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
-            if node.name.value in OWN_METHOD_NAMES and self.scopes and self.scopes[-1] == "class" and not is_stub(node):
-                self._add(node.name.value, node)  # a method (a nested function counts once set as an attribute)
+            name = node.name.value
+            scope = self.scopes[-1] if self.scopes else None
+            if (
+                name in OWN_METHOD_NAMES
+                and (scope == "class" or (scope == "fsdp1 class" and name in OVERRIDDEN_IN_WRAPPER_SUBCLASS))
+                and not is_stub(node)
+            ):
+                self._add(name, node)  # a method (a nested function counts once set as an attribute)
             self.scopes.append("def")
 
         def leave_FunctionDef(self, original_node: cst.FunctionDef) -> None:

@@ -58,6 +58,7 @@ from fsdp_bridge.migrate._analysis import (
     finds_state_dict_context,
     imported_names,
     passes_group,
+    self_spelled_set_state_dict_type,
     subclassed_names,
     subclasses_wrapper,
     unfollowed_set_state_dict_type,
@@ -132,7 +133,9 @@ def migrate_source(
     )
     if passes_group(code):
         known.group_fsdp = path  # this file's own, named first
-    if unfollowed_set_state_dict_type(code):
+    if unfollowed_set_state_dict_type(code) or (
+        "set_state_dict_type" in known.own_methods and self_spelled_set_state_dict_type(code)
+    ):
         known.unfollowed_set_state_dict_type = OWN_FILE
     if calls_set_state_dict_type(code):
         # this file's own call, named before another file's (not by its path: the TODO then reads the same
@@ -325,6 +328,7 @@ def migrate_paths(
     report = CodeReport()
     results = []
     dispatch = Dispatch()  # helpers such as fsdp_version(model) may live in another file of the tree
+    self_spelled: list[Path] = []  # files calling x.set_state_dict_type(x, ...)
     for f in files:
         try:
             code = read_source(f)
@@ -338,7 +342,7 @@ def migrate_paths(
             dispatch.merge(
                 Dispatch(
                     imported_names=imported_names(code),
-                    own_methods=find_own_methods(code, shown[f]),
+                    own_methods=find_own_methods(code, str(f)),  # named relative to each caller
                     sets_state_dict_type=shown[f] if calls_set_state_dict_type(code) else None,
                     unfollowed_set_state_dict_type=shown[f] if unfollowed_set_state_dict_type(code) else None,
                     makes_state_dict_context=shown[f] if finds_state_dict_context(code) else None,
@@ -347,8 +351,13 @@ def migrate_paths(
                     subclassed=subclassed_names(code),
                 )
             )
+            if self_spelled_set_state_dict_type(code):
+                self_spelled.append(f)
         except Exception:  # unreadable or unparsable: reported by the loop below
             continue
+    if self_spelled and "set_state_dict_type" in dispatch.own_methods:
+        # x.set_state_dict_type(x, ...) may be the tree's own override: not rewritten, so nothing follows it
+        dispatch.unfollowed_set_state_dict_type = dispatch.unfollowed_set_state_dict_type or shown[self_spelled[0]]
     for f in files:
         try:
             code = read_source(f)  # bounded in size and nesting before libcst sees it

@@ -166,17 +166,17 @@ class Scanner(
         handled, result = self._plan_wrap_call(node, func, hit)
         if handled:
             return result
+        if hit == (FSDP, "set_state_dict_type") and self._plan_set_state_dict_type(node):
+            return False
         if (
-            hit == (FSDP, "set_state_dict_type")
-            or (
-                hit is None
-                and isinstance(func, cst.Attribute)
-                and func.attr.value == "set_state_dict_type"
-                and node.args
-                and node.args[0].keyword is None
-                and code_of(node.args[0].value) == code_of(func.value)  # model.set_state_dict_type(model, ...)
-            )
-        ) and self._plan_set_state_dict_type(node, hit is not None):
+            hit is None
+            and isinstance(func, cst.Attribute)
+            and func.attr.value == "set_state_dict_type"
+            and node.args
+            and node.args[0].keyword is None
+            and code_of(node.args[0].value) == code_of(func.value)  # model.set_state_dict_type(model, ...)
+            and self._plan_self_spelled_set_state_dict_type(node, func)
+        ):
             return False
         if self._plan_optim_state_call(node, func, hit):
             return False

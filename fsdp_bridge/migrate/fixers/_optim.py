@@ -23,7 +23,13 @@ class OptimStateFixer(ScannerBase):
             self._record(node, f"FSDP.{hit[1]}(...)", f"not rewritten: {why}", False)
             self._consume(node.func)
             return True
-        if hit == (FSDP, "optim_state_dict_to_load") and (code := self._optim_to_load(node, None)) is not None:
+        if hit == (FSDP, "optim_state_dict_to_load") and self._load_type_set_elsewhere(node):
+            return True
+        sharded = self.dispatch.sets_state_dict_type is not None and self.dispatch.unfollowed_set_state_dict_type
+        if (
+            hit == (FSDP, "optim_state_dict_to_load")
+            and (code := self._optim_to_load(node, self._options(False) if sharded else None)) is not None
+        ):
             self.call_rewrites[id(node)] = code
             self._record(
                 node,
@@ -270,6 +276,28 @@ class OptimStateFixer(ScannerBase):
                 return True
         return False
 
+    def _load_type_set_elsewhere(self, node: cst.Call) -> bool:
+        """``FSDP.optim_state_dict_to_load(M, O, sd)`` in a tree whose ``FSDP.set_state_dict_type`` calls are
+        not all rewritten to fsdp_bridge's: FSDP1 reads ``sd`` as full or sharded by the type set at run time,
+        so unless a SHARDED set of ``M`` just above shows it, the call stays with a TODO (True: recorded)."""
+        where = self.dispatch.sets_state_dict_type
+        if where is None or self.dispatch.unfollowed_set_state_dict_type is None:
+            return False
+        named = named_args(node, ("model", "optim", "optim_state_dict"))
+        model = code_of(named["model"]) if named is not None and "model" in named else None
+        if model is not None and self._persistent_type(node, model) == "SHARDED_STATE_DICT":
+            return False
+        self._record(
+            node,
+            "FSDP.optim_state_dict_to_load(...)",
+            f"not rewritten: {where} calls FSDP.set_state_dict_type, so whether this optimizer state is full or "
+            "sharded is set at run time; FSDP2 has no such setting: load it with set_optimizer_state_dict(model, "
+            "optim, sd), with options=StateDictOptions(full_state_dict=True) for a full one",
+            False,
+        )
+        self._consume(node.func)
+        return True
+
     def _optim_to_load(self, node: cst.Call, options: str | None) -> str | None:
         """``FSDP.optim_state_dict_to_load(M, O, sd)`` kept in a variable -> fsdp_bridge's helper that loads
         it and returns ``O.state_dict()`` (a later ``O.load_state_dict(x)`` then changes nothing)."""
@@ -376,8 +404,11 @@ class OptimStateFixer(ScannerBase):
         ):
             return False  # the inner call becomes fsdp_bridge's, which follows the type set at run time
         if hit[1] == "optim_state_dict_to_load" and len(args) >= 3:
+            if self._load_type_set_elsewhere(inner):
+                return True
             model: str | None = args[0]
-            sd, opts = args[2], self._options(True)
+            sharded = self.dispatch.sets_state_dict_type is not None  # then SHARDED, set just above
+            sd, opts = args[2], self._options(not sharded)
         elif hit[1] in ("shard_full_optim_state_dict", "scatter_full_optim_state_dict") and args:
             model = args[1] if len(args) > 1 else keywords.get("model")
             sd = args[0]

@@ -3,6 +3,7 @@ saved or loaded in them or outside them."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import cast
@@ -97,6 +98,36 @@ class StateDictFixer(ScannerBase):
             "deleted: an FSDP2 module's state_dict() already holds sharded (DTensor) values "
             "(get_model_state_dict(model) gives the same)",
             True,
+        )
+        return True
+
+    def _plan_self_spelled_set_state_dict_type(self, node: cst.Call, func: cst.Attribute) -> bool:
+        """``x.set_state_dict_type(x, ...)``: FSDP1's static method reached through the model. Rewritten as
+        ``FSDP.set_state_dict_type`` is only when ``x`` is shown to be FSDP1's wrapper (see
+        ``_fsdp1_wrapper`` / ``_handed_fsdp1``) and the tree defines no ``set_state_dict_type`` of its own (a
+        subclass's override may do something else); otherwise a TODO says why."""
+        recv = short(code_of(func.value), 40)
+        where = self.dispatch.own_methods.get("set_state_dict_type")
+        if where is None and (
+            self._fsdp1_wrapper(node, func.value, by_calls=False) == "fsdp1"
+            or self._handed_fsdp1(func.value) == "fsdp1"
+        ):
+            return self._plan_set_state_dict_type(node, through_class=False)
+        if where is not None:
+            where = where if where == self.path else os.path.relpath(where, os.path.dirname(self.path) or ".")
+            why = f"this tree defines its own set_state_dict_type (in {where}), which this call may reach"
+        else:
+            why = (
+                f"nothing here shows {recv} is FSDP1's wrapper (no FSDP(...) or a factory of the tree assigned "
+                f"to it in this scope, no ': FSDP' annotation, no isinstance(..., FSDP) guard)"
+            )
+        self._consume(node)
+        self._record(
+            node,
+            f"{recv}.set_state_dict_type({recv}, ...)",
+            f"not rewritten: {why}; if it is FSDP1's own static method on an FSDP1-wrapped model, write "
+            f"fsdp_bridge.set_state_dict_type({recv}, ...) (the same arguments; it takes any module)",
+            False,
         )
         return True
 
