@@ -347,3 +347,41 @@ def test_target_torch_keeps_the_persistent_type_as_a_reported_bridge_call() -> N
     assert "fsdp_bridge.set_state_dict_type(model, kind, cfg, optim_cfg)" in result.fixed
     kept = [f for f in result.findings if "set_state_dict_type" in f.construct and not f.fixable]
     assert kept and "plain torch has no persistent state-dict type" in kept[0].replacement
+
+
+FLAGS_FROM_THE_COMMAND_LINE = """\
+import torch
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+
+def wrap_net(net, opts):
+    return FSDP(
+        net,
+        limit_all_gathers=opts.throttle,  # an argparse int, 0 or 1
+        forward_prefetch=opts.prefetch,
+        sync_module_states=True,
+        device_id=torch.device("cpu"),
+    )
+"""
+
+
+def test_flags_fsdp1_reads_as_truths_keep_that_meaning() -> None:
+    import argparse
+    import re
+
+    import torch
+
+    import fsdp_bridge
+
+    fixed = migrate_source(FLAGS_FROM_THE_COMMAND_LINE, "flags.py").fixed
+    assert "limit_all_gathers=bool(opts.throttle)" in fixed
+    assert "forward_prefetch=bool(opts.prefetch)" in fixed
+    assert "sync_module_states=True," in fixed  # a literal stays as written
+    assert migrate_source(fixed, "flags.py").fixed == fixed
+    config = fixed[fixed.index("fsdp_bridge.BridgeConfig(") :]
+    config = config[: config.index("\n        ),") + len("\n        )")]
+    config = re.sub(r"#[^\n]*", "", config)
+    # FSDP1 takes 1 as True and 2 as True (not a prefetch depth); both must build the config FSDP1 meant
+    opts = argparse.Namespace(throttle=1, prefetch=2)
+    built = eval(config, {"fsdp_bridge": fsdp_bridge, "torch": torch, "opts": opts})
+    assert built.limit_all_gathers is True and built.forward_prefetch is True and built.sync_module_states is True

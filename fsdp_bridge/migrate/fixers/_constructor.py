@@ -453,8 +453,11 @@ class ConstructorFixer(ScannerBase):
                 else:
                     conv.blockers.append(f"backward_prefetch={code_of(a.value)}: not a BackwardPrefetch member")
             elif kw in ("forward_prefetch", "limit_all_gathers", "sync_module_states"):
-                config.append(make_arg(kw, a.value))
                 literal = code_of(a.value)
+                # FSDP1 reads these as truths (an argparse int 0/1 included); BridgeConfig takes a bool, and
+                # an int forward_prefetch is the bridge's own prefetch depth: bool() keeps FSDP1's meaning.
+                flag = a.value if literal in ("True", "False") else cst.Call(cst.Name("bool"), [cst.Arg(a.value)])
+                config.append(make_arg(kw, flag))
                 kwarg_nodes[-1] = (
                     a,
                     "any" if kw == "limit_all_gathers" else literal.lower() if literal in ("True", "False") else None,
