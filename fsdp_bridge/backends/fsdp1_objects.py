@@ -315,7 +315,8 @@ def _torch_optimizer(optim: object) -> torch.optim.Optimizer:
         ConfigError: no such optimizer in the wrapper (before any collective, on every rank alike).
     """
     groups = getattr(optim, "param_groups", None)
-    todo, seen = [optim], set()
+    todo: list[object] = [optim]
+    seen: set[int] = set()
     while todo:
         obj = todo.pop()
         if isinstance(obj, torch.optim.Optimizer) and obj.param_groups is groups:
