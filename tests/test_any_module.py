@@ -449,3 +449,75 @@ def test_an_optimizer_state_without_some_parameters_loads_as_fsdp1_loads_it(tmp_
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1] == "True"
+
+
+_WRAPPED_OPTIMIZER = """
+import sys, torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+import fsdp_bridge
+from fsdp_bridge.errors import ConfigError
+
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+
+
+class Steering:  # a trainer's optimizer wrapper: FSDP1's optimizer-state functions read only param_groups
+    def __init__(self, inner):
+        self.inner = inner
+
+    @property
+    def param_groups(self):
+        return self.inner.param_groups
+
+    def state_dict(self):
+        return self.inner.state_dict()
+
+    def load_state_dict(self, sd):
+        self.inner.load_state_dict(sd)
+
+
+def trained(model):
+    opt = Steering(torch.optim.Adam(model.parameters(), lr=0.1))
+    model(torch.ones(2, 4)).sum().backward()
+    opt.inner.step()
+    return opt
+
+
+for backend in ("fsdp1", "fsdp2"):
+    torch.manual_seed(0)
+    model = fsdp_bridge.shard(nn.Linear(4, 4), fsdp_bridge.BridgeConfig(backend=backend, wrap="none"))
+    opt = trained(model)
+    full = fsdp_bridge.full_optim_state_dict(model, opt, rank0_only=False)
+    same = fsdp_bridge.full_optim_state_dict(model, opt.inner, rank0_only=False)
+    print(backend, "full", sorted(full["state"]) == sorted(same["state"]) != [])
+    print(backend, "osd", sorted(fsdp_bridge.optim_state_dict(model, opt)["state"]) == sorted(same["state"]))
+    model.zero_grad(set_to_none=True)  # torch makes a fresh optimizer's state only where no gradient is left
+    fresh = Steering(torch.optim.Adam(model.parameters(), lr=0.1))
+    fresh.load_state_dict(fsdp_bridge.optim_state_dict_to_load(model, fresh, full))
+    print(backend, "load", sorted(fresh.inner.state_dict()["state"]) == sorted(opt.inner.state_dict()["state"]))
+    stray = Steering(torch.optim.Adam(model.parameters(), lr=0.1))
+    stray.inner = object()
+    stray.__dict__["param_groups"] = opt.param_groups
+    try:
+        fsdp_bridge.optim_state_dict_to_load(model, stray, full)
+    except ConfigError as e:
+        print(backend, "refused", "param_groups" in str(e) and "Steering" in str(e))
+dist.destroy_process_group()
+"""
+
+
+def test_an_optimizer_wrapper_is_taken_as_fsdp1_takes_it(tmp_path: Path) -> None:
+    # FSDP1's full_optim_state_dict / optim_state_dict_to_load read only the optimizer's param_groups, so trainers
+    # pass their own optimizer wrapper; torch's state-dict functions raised TypeError on it ("not iterable").
+    proc = subprocess.run(
+        [sys.executable, "-c", _WRAPPED_OPTIMIZER, str(tmp_path / "store")],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    assert lines == [f"{b} {what} True" for b in ("fsdp1", "fsdp2") for what in ("full", "osd", "load", "refused")]

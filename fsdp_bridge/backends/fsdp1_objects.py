@@ -303,6 +303,40 @@ def set_state_dict_type(
     return StateDictSettings(kind, config, optim_config)  # type: ignore[arg-type]
 
 
+def _torch_optimizer(optim: object) -> torch.optim.Optimizer:
+    """``optim`` itself, or the torch optimizer inside a trainer's optimizer wrapper.
+
+    FSDP1's optimizer-state functions read only ``optim.param_groups``, so code passes them its own wrapper
+    around a torch optimizer; torch's ``get_/set_optimizer_state_dict`` need the optimizer itself. The one
+    taken is an attribute of the wrapper (nested wrappers too) whose ``param_groups`` is the wrapper's own list,
+    so its state is the wrapper's.
+
+    Raises:
+        ConfigError: no such optimizer in the wrapper (before any collective, on every rank alike).
+    """
+    groups = getattr(optim, "param_groups", None)
+    todo: list[object] = [optim]
+    seen: set[int] = set()
+    while todo:
+        obj = todo.pop()
+        if isinstance(obj, torch.optim.Optimizer) and obj.param_groups is groups:
+            return obj
+        if id(obj) in seen or len(seen) > 64 or not hasattr(obj, "__dict__"):
+            continue
+        seen.add(id(obj))
+        todo.extend(v for v in vars(obj).values() if getattr(v, "param_groups", None) is groups)
+    raise ConfigError(
+        [
+            Problem(
+                key="optim",
+                value=type(optim).__name__,
+                allowed="a torch.optim.Optimizer, or a wrapper holding one whose param_groups it shares",
+                fix="pass the torch optimizer itself (the one the wrapper steps)",
+            )
+        ]
+    )
+
+
 def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
     """FSDP1's ``FSDP.optim_state_dict(model, optim)`` for both backends.
 
@@ -312,7 +346,7 @@ def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str
 
     Args:
         model: the sharded model (the root given to :func:`state_dict_type`).
-        optim: its optimizer.
+        optim: its optimizer, or a wrapper holding it (FSDP1 reads only param_groups, so takes both).
 
     Returns:
         The optimizer's state dict keyed by parameter names: full tensors, or DTensor shards under
@@ -326,7 +360,7 @@ def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str
 
     active = _ACTIVE.get(model)
     options = active[1] if active is not None else StateDictOptions(full_state_dict=True)
-    return get_optimizer_state_dict(model, optim, options=options)
+    return get_optimizer_state_dict(model, _torch_optimizer(optim), options=options)
 
 
 def _keeps_full_state(model: nn.Module) -> bool:
@@ -400,7 +434,7 @@ def full_optim_state_dict(
 
     Args:
         model: the sharded model.
-        optim: its optimizer.
+        optim: its optimizer, or a wrapper holding it (FSDP1 reads only param_groups, so takes both).
         rank0_only: only the first rank of the model's group gets the state (FSDP1's default here).
         offload_to_cpu: the values are CPU copies.
 
@@ -417,7 +451,7 @@ def full_optim_state_dict(
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     keep = not rank0_only or _keeps_full_state(model)
-    state = _gathered(get_optimizer_state_dict(model, optim), keep, offload_to_cpu)
+    state = _gathered(get_optimizer_state_dict(model, _torch_optimizer(optim)), keep, offload_to_cpu)
     return state if keep else {}
 
 
@@ -434,7 +468,7 @@ def optim_state_dict_to_load(
 
     Args:
         model: the sharded model the optimizer belongs to.
-        optim: its optimizer.
+        optim: its optimizer, or a wrapper holding it (FSDP1 reads only param_groups, so takes both).
         optim_state_dict: the state as FSDP1 saved it (full or sharded, keyed by parameter names). With
             ``options.broadcast_from_rank0`` (FSDP1's ``FullOptimStateDictConfig(rank0_only=True)``) only
             rank 0's is read, and the other ranks may pass None, as FSDP1 allows.
@@ -446,6 +480,7 @@ def optim_state_dict_to_load(
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
+    inner = _torch_optimizer(optim)  # a wrapper's optimizer (FSDP1's reads only its param_groups)
     if options is None and (active := _ACTIVE.get(model)) is not None:
         options = active[2]  # inside fsdp_bridge.state_dict_type: that block's type
     if options is None:
@@ -459,7 +494,7 @@ def optim_state_dict_to_load(
     # FSDP1 ignores what the other ranks pass when rank 0's state is broadcast (rank0_only).
     others = bool(getattr(options, "broadcast_from_rank0", False)) and torch.distributed.get_rank() != 0
     state = {} if optim_state_dict is None or others else dict(optim_state_dict)
-    set_optimizer_state_dict(model, optim, state, options=options)
+    set_optimizer_state_dict(model, inner, state, options=options)
     return optim.state_dict()
 
 

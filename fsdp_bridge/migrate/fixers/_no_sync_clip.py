@@ -18,7 +18,12 @@ class NoSyncClipFixer(ScannerBase):
     """The wrapper's no_sync and clip_grad_norm_."""
 
     def _plan_wrapper_method_call(self, node: cst.Call, func: cst.BaseExpression, hit: tuple[str, str] | None) -> None:
-        """The FSDP1 wrapper's no_sync() and clip_grad_norm_(...)."""
+        """The FSDP1 wrapper's no_sync() and clip_grad_norm_(...), and its register_comm_hook (a TODO)."""
+        if isinstance(func, cst.Attribute) and func.attr.value == "register_comm_hook" and hit is None:
+            # DDP has a method of this name too: only a receiver proven FSDP1's (alone or beside DDP) is reported.
+            if (self._fsdp1_wrapper(node, func.value, by_calls=False) or self._handed_fsdp1(func.value)) != "":
+                self._record(node, f"{short(code_of(func.value), 40)}.register_comm_hook(...)", COMM_HOOK_TEXT, False)
+            return
         if isinstance(func, cst.Attribute) and func.attr.value in ("no_sync", "clip_grad_norm_") and hit is None:
             qn = {q.name for q in self.get_metadata(QualifiedNameProvider, func, set())}
             if any(q.startswith(("torch.nn", "fsdp_bridge")) for q in qn) or code_of(func.value) == "fsdp_bridge":
@@ -110,6 +115,15 @@ class NoSyncClipFixer(ScannerBase):
                 ):
                     return True
         return False
+
+
+COMM_HOOK_TEXT = (
+    "not rewritten: FSDPModule has no register_comm_hook; FSDP1's hook replaces the reduction of each unit's "
+    "flat gradient, and FSDP2 reduces each parameter's gradient itself (its nearest hooks are "
+    "set_all_reduce_hook, torch 2.7+, and set_custom_reduce_scatter, 2.9+, with other signatures): port the hook "
+    'to those, or shard this model with fsdp_bridge.BridgeConfig(backend="fsdp1"), where the wrapper keeps it'
+)
+"""The TODO for ``model.register_comm_hook(state, hook)`` on a model proven FSDP1's."""
 
 
 def params_first(node: cst.Call) -> bool:
