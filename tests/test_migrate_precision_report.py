@@ -120,3 +120,35 @@ def test_flat_parameters_of_guarded_units_get_a_todo_and_a_params_attribute_of_o
     assert (13, "param._is_flat_param (an FSDP1 internal)") in todos
     assert not any(f.line >= 17 for f in result.findings)  # Averager's own .params
     assert "# TODO(fsdp-bridge): module.params" in result.fixed
+
+
+def test_fsdp1_attributes_read_under_an_enclosing_hasattr_test_are_not_reported() -> None:
+    # An unwrapping loop: each branch reads an attribute only where the object has it, so on FSDP2 (no wrapper)
+    # the FSDP1 branch is skipped and the code already runs; the DDP branch's .module must keep working.
+    source = (
+        "def innermost(net):\n"
+        "    while True:\n"
+        '        if hasattr(net, "module"):\n'
+        "            net = net.module\n"
+        '        elif hasattr(net, "_fsdp_wrapped_module") and net is not None:\n'
+        "            net = net._fsdp_wrapped_module\n"
+        "        else:\n"
+        "            return net\n"
+    )
+    result = migrate_source(source, "unwrap.py")
+    assert result.findings == [] and result.fixed == source
+    # Guards that do not guard the read: the else branch of the test, a negated test, another attribute.
+    unguarded = (
+        "def peel(net, other):\n"
+        '    if hasattr(net, "_fsdp_wrapped_module"):\n'
+        "        pass\n"
+        "    else:\n"
+        "        a = net._fsdp_wrapped_module\n"
+        '    if not hasattr(net, "_fsdp_wrapped_module"):\n'
+        "        b = net._fsdp_wrapped_module\n"
+        '    if hasattr(other, "_fsdp_wrapped_module"):\n'
+        "        c = net._fsdp_wrapped_module\n"
+        "    return a, b, c\n"
+    )
+    lines = sorted(f.line for f in migrate_source(unguarded, "peel.py").findings)
+    assert lines == [5, 7, 9]

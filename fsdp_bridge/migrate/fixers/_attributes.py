@@ -10,7 +10,7 @@ import re
 
 import libcst as cst
 
-from fsdp_bridge.migrate._analysis import code_of
+from fsdp_bridge.migrate._analysis import code_of, walk
 from fsdp_bridge.migrate._names import INTERNAL_ATTRS, WRAPPER_ATTRS
 from fsdp_bridge.migrate._scan_base import ScannerBase
 
@@ -69,7 +69,9 @@ class ElsewhereAttributesFixer(ScannerBase):
             )
 
     def _hasattr_guarded(self, obj: str, attr: str) -> bool:
-        """``hasattr(obj, "attr")`` in the condition (or the statement) that reads ``obj.attr``."""
+        """``hasattr(obj, "attr")`` in the condition (or the statement) that reads ``obj.attr``, or the test of an
+        ``if`` / ``elif`` / ``while`` (of the same function) whose body holds the statement: ``if hasattr(m,
+        "_fsdp_wrapped_module"): m = m._fsdp_wrapped_module`` is skipped where the model is not FSDP1's wrapper."""
         stmt = self.stmt_stack[-1] if self.stmt_stack else None
         if isinstance(stmt, (cst.If, cst.While)):
             text = code_of(stmt.test)
@@ -77,4 +79,29 @@ class ElsewhereAttributesFixer(ScannerBase):
             text = code_of(stmt)
         else:
             return False
-        return re.search(rf"hasattr\(\s*{re.escape(obj)}\s*,\s*['\"]{re.escape(attr)}['\"]\s*\)", text) is not None
+        if re.search(rf"hasattr\(\s*{re.escape(obj)}\s*,\s*['\"]{re.escape(attr)}['\"]\s*\)", text) is not None:
+            return True
+        for outer in reversed(self.stmt_stack[:-1]):
+            if isinstance(outer, (cst.FunctionDef, cst.ClassDef)):
+                return False
+            if (
+                isinstance(outer, (cst.If, cst.While))
+                and _requires_hasattr(outer.test, obj, attr)
+                and any(n is stmt for n in walk(outer.body))
+            ):
+                return True
+        return False
+
+
+def _requires_hasattr(test: cst.BaseExpression, obj: str, attr: str) -> bool:
+    """``test`` is true only where ``hasattr(obj, "attr")`` is: that call, or an ``and`` with it on one side."""
+    if isinstance(test, cst.BooleanOperation) and isinstance(test.operator, cst.And):
+        return _requires_hasattr(test.left, obj, attr) or _requires_hasattr(test.right, obj, attr)
+    return (
+        isinstance(test, cst.Call)
+        and code_of(test.func) == "hasattr"
+        and len(test.args) == 2
+        and code_of(test.args[0].value) == obj
+        and isinstance(test.args[1].value, cst.SimpleString)
+        and test.args[1].value.evaluated_value == attr
+    )
