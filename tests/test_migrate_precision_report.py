@@ -152,3 +152,6 @@ def test_fsdp1_attributes_read_under_an_enclosing_hasattr_test_are_not_reported(
     )
     lines = sorted(f.line for f in migrate_source(unguarded, "peel.py").findings)
     assert lines == [5, 7, 9]
+    # A branch doing FSDP1 work through its internals would silently do nothing on FSDP2: still reported.
+    internal = 'def drop(net):\n    if hasattr(net, "_handle"):\n        h = net._handle\n        h.reshard(True)\n'
+    assert [f.line for f in migrate_source(internal, "drop.py").findings] == [3]

@@ -70,8 +70,9 @@ class ElsewhereAttributesFixer(ScannerBase):
 
     def _hasattr_guarded(self, obj: str, attr: str) -> bool:
         """``hasattr(obj, "attr")`` in the condition (or the statement) that reads ``obj.attr``, or the test of an
-        ``if`` / ``elif`` / ``while`` (of the same function) whose body holds the statement: ``if hasattr(m,
-        "_fsdp_wrapped_module"): m = m._fsdp_wrapped_module`` is skipped where the model is not FSDP1's wrapper."""
+        ``if`` / ``elif`` / ``while`` (of the same function) whose body holds the statement, for the unwrapping
+        attributes only: ``if hasattr(m, "_fsdp_wrapped_module"): m = m._fsdp_wrapped_module`` is skipped where
+        the model is not FSDP1's wrapper."""
         stmt = self.stmt_stack[-1] if self.stmt_stack else None
         if isinstance(stmt, (cst.If, cst.While)):
             text = code_of(stmt.test)
@@ -81,6 +82,8 @@ class ElsewhereAttributesFixer(ScannerBase):
             return False
         if re.search(rf"hasattr\(\s*{re.escape(obj)}\s*,\s*['\"]{re.escape(attr)}['\"]\s*\)", text) is not None:
             return True
+        if attr not in UNWRAPPING_ATTRS:
+            return False  # a branch doing FSDP1 work through its internals would silently do nothing on FSDP2
         for outer in reversed(self.stmt_stack[:-1]):
             if isinstance(outer, (cst.FunctionDef, cst.ClassDef)):
                 return False
@@ -91,6 +94,11 @@ class ElsewhereAttributesFixer(ScannerBase):
             ):
                 return True
         return False
+
+
+UNWRAPPING_ATTRS = ("module", "_fsdp_wrapped_module")
+"""Attributes a guarded branch reads to unwrap a wrapper (DDP's or FSDP1's): FSDP2 does not wrap, so skipping the
+branch where the model lacks them is what the code means; a branch reading FSDP1's internals is still reported."""
 
 
 def _requires_hasattr(test: cst.BaseExpression, obj: str, attr: str) -> bool:
