@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import re
 import shutil
+import subprocess
+import sys
 import textwrap
 import types
 from pathlib import Path
@@ -535,3 +537,20 @@ def test_shard_moves_and_frees_stay_reported_bridge_calls() -> None:
     assert f"# {TODO}: fsdp_bridge.free_shards(...): kept on fsdp_bridge under --target torch: " in code
     todos = [f.format() for f in result.findings if not f.fixable]
     assert len(todos) == 3 and all("kept on fsdp_bridge under --target torch" in t for t in todos), todos
+
+
+def test_a_file_in_a_folder_without_init_imports_the_helpers_as_a_script_and_as_a_namespace_module(
+    tmp_path: Path,
+) -> None:
+    # A folder with no __init__.py holds scripts (python train.py) and modules of namespace packages (imported
+    # as ns.train): the generated import works both ways.
+    folder = tmp_path / "ns"
+    folder.mkdir()
+    code, _ = torch_target("model = FSDP(nn.Linear(2, 2))\n")
+    lines = code.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("try:"))
+    (folder / "train.py").write_text("\n".join(lines[start : start + 4]) + "\nprint(_fsdp2_helpers.WHERE)\n")
+    (folder / f"{HELPERS_NAME}.py").write_text("WHERE = 'beside'\n")
+    as_script = subprocess.run([sys.executable, "ns/train.py"], cwd=tmp_path, capture_output=True, text=True)
+    as_module = subprocess.run([sys.executable, "-c", "import ns.train"], cwd=tmp_path, capture_output=True, text=True)
+    assert as_script.stdout == as_module.stdout == "beside\n", (as_script.stderr, as_module.stderr)

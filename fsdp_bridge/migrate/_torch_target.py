@@ -531,11 +531,38 @@ def _one_line(code: str) -> str:
     return " ".join(code.split()).replace("( ", "(").replace(", )", ")")
 
 
-def _helpers_import(path: str) -> tuple[str, str | None, int]:
-    """How a file imports the generated module beside it: a package's file relatively."""
+def _helpers_import(path: str) -> tuple[str, str | None, int] | None:
+    """How a file imports the generated module beside it: a package's file relatively; None for a folder with
+    no ``__init__.py`` (see :func:`_with_either_import`)."""
     if (Path(path).parent / "__init__.py").is_file():
         return "", HELPERS_NAME, 1
-    return HELPERS_NAME, None, 0
+    return None
+
+
+EITHER_IMPORT = (
+    "try:  # a module of a namespace package, or a script run from its own folder\n"
+    f"    from . import {HELPERS_NAME}\n"
+    "except ImportError:\n"
+    f"    import {HELPERS_NAME}\n"
+)
+
+
+def _with_either_import(module: cst.Module) -> cst.Module:
+    """A file in a folder with no ``__init__.py`` may be a script (``python train.py``: only an absolute import
+    finds the module beside it) or a module of a namespace package (imported as ``pkg.train``: only a relative
+    one does): both are tried, after the file's leading imports."""
+    if EITHER_IMPORT in module.code:
+        return module
+    body = list(module.body)
+    at = 0
+    for i, stmt in enumerate(body):
+        if isinstance(stmt, cst.SimpleStatementLine) and all(
+            isinstance(s, (cst.Import, cst.ImportFrom)) or (i == 0 and isinstance(s, cst.Expr)) for s in stmt.body
+        ):
+            at = i + 1
+        else:
+            break
+    return module.with_changes(body=[*body[:at], *cst.parse_module(EITHER_IMPORT).body, *body[at:]])
 
 
 def lower_to_torch(module: cst.Module, path: str, *, groups: bool = False) -> Lowered:
@@ -547,12 +574,14 @@ def lower_to_torch(module: cst.Module, path: str, *, groups: bool = False) -> Lo
     context = CodemodContext()
     for mod, obj in sorted(lowerer.result_imports, key=str):
         AddImportsVisitor.add_needed_import(context, mod, obj)
-    if lowerer.uses_helpers:
-        mod, obj, relative = _helpers_import(path)
-        AddImportsVisitor.add_needed_import(context, mod, obj, relative=relative)
+    how = _helpers_import(path) if lowerer.uses_helpers else None
+    if how is not None:
+        AddImportsVisitor.add_needed_import(context, how[0], how[1], relative=how[2])
     new = AddImportsVisitor(context).transform_module(new)
     RemoveImportsVisitor.remove_unused_import(context, "fsdp_bridge")
     new = RemoveImportsVisitor(context).transform_module(new)
+    if lowerer.uses_helpers and how is None:
+        new = _with_either_import(new)
     return Lowered(new, lowerer.uses_helpers, lowerer.found)
 
 
