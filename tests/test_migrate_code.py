@@ -1458,6 +1458,22 @@ def test_a_clip_defined_in_another_file_is_named_relative_to_the_caller() -> Non
         assert "(in ../pkg/model.py)" in result.fixed
 
 
+def test_the_trees_own_clip_is_named_under_the_directory_scanned(tmp_path: Path) -> None:
+    """Scanning a directory outside the working directory: the TODO names the tree's own clip_grad_norm_
+    by its path under that directory (it used to mix it with the working directory: ../../<cwd>/...)."""
+    (tmp_path / "engine").mkdir()
+    (tmp_path / "engine" / "net.py").write_text(
+        "class Net:\n    def clip_grad_norm_(self, max_norm):\n        return max_norm\n"
+    )
+    (tmp_path / "hooks.py").write_text(
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n\n"
+        "def after_backward(runner, max_norm):\n    return runner.net.clip_grad_norm_(max_norm)\n"
+    )
+    report, _ = migrate_paths([tmp_path])
+    (todo,) = [f for f in report.findings if f.construct == "runner.net.clip_grad_norm_(...)"]
+    assert "defines its own clip_grad_norm_ (in engine/net.py)" in todo.replacement, todo.replacement
+
+
 _COPIED_OPTIM_UTILS = """
 import torch
 from torch.distributed.fsdp._common_utils import _get_param_to_fqns, clean_tensor_name
