@@ -1883,3 +1883,22 @@ def test_contexts_kept_in_variables_keyword_optimizer_calls_and_version_branches
     # LOCAL blocks saving the trainer's own or an engine's state may take the model's: TODOs.
     assert {31, 33} <= todo
     assert migrate_source(fixed, "ctx.py").fixed == fixed
+
+
+def test_a_hybrid_mesh_made_by_a_call_is_not_written_twice() -> None:
+    """``device_mesh=init_device_mesh(...)`` with HYBRID_SHARD: the call stays one call (a copy of it in
+    ``hybrid_shape=`` built a second mesh and its process groups); shard() reads the shape of the mesh given."""
+    code = (
+        "from torch.distributed.device_mesh import init_device_mesh\n"
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy\n\n"
+        "def build(net):\n"
+        "    return FSDP(net, sharding_strategy=ShardingStrategy.HYBRID_SHARD, "
+        'device_mesh=init_device_mesh("cpu", (2, 2)))\n\n'
+        "def build_named(net, grid):\n"
+        "    return FSDP(net, sharding_strategy=ShardingStrategy.HYBRID_SHARD, device_mesh=grid)\n"
+    )
+    fixed = migrate_source(code, "hybrid.py").fixed
+    compile(fixed, "hybrid.py", "exec")
+    assert fixed.count('init_device_mesh("cpu", (2, 2))') == 1, fixed
+    assert 'mesh=init_device_mesh("cpu", (2, 2))' in fixed, fixed
+    assert "hybrid_shape=tuple(grid.shape)" in fixed, fixed  # a name is read twice, harmlessly
