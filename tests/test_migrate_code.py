@@ -1902,3 +1902,20 @@ def test_a_hybrid_mesh_made_by_a_call_is_not_written_twice() -> None:
     assert fixed.count('init_device_mesh("cpu", (2, 2))') == 1, fixed
     assert 'mesh=init_device_mesh("cpu", (2, 2))' in fixed, fixed
     assert "hybrid_shape=tuple(grid.shape)" in fixed, fixed  # a name is read twice, harmlessly
+
+
+def test_an_imported_fsdp1_private_helper_redefined_by_the_file_is_its_own() -> None:
+    """The file imports FSDP1's private ``_get_module_fsdp_state`` and then defines its own of that name: the
+    calls reach the file's function, so neither the ``def`` nor the call is reported as FSDP1's private helper."""
+    code = (
+        "from torch.distributed.fsdp._common_utils import _get_module_fsdp_state\n\n"
+        "def _get_module_fsdp_state(module):\n"
+        "    return getattr(module, 'cached_state', None)\n\n"
+        "def group_of(module):\n"
+        "    return _get_module_fsdp_state(module).process_group\n"
+    )
+    result = migrate_source(code, "own_state.py")
+    assert not [f for f in result.findings if "_get_module_fsdp_state" in f.construct], result.findings
+    assert TODO not in result.fixed
+    kept = migrate_source(code.replace("def _get_module_fsdp_state(module)", "def _state_of(module)"), "torch_one.py")
+    assert [f for f in kept.findings if f.construct.startswith("_get_module_fsdp_state")], kept.findings
