@@ -1458,6 +1458,22 @@ def test_a_clip_defined_in_another_file_is_named_relative_to_the_caller() -> Non
         assert "(in ../pkg/model.py)" in result.fixed
 
 
+def test_the_trees_own_clip_is_named_under_the_directory_scanned(tmp_path: Path) -> None:
+    """Scanning a directory outside the working directory: the TODO names the tree's own clip_grad_norm_
+    by its path under that directory (it used to mix it with the working directory: ../../<cwd>/...)."""
+    (tmp_path / "engine").mkdir()
+    (tmp_path / "engine" / "net.py").write_text(
+        "class Net:\n    def clip_grad_norm_(self, max_norm):\n        return max_norm\n"
+    )
+    (tmp_path / "hooks.py").write_text(
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n\n"
+        "def after_backward(runner, max_norm):\n    return runner.net.clip_grad_norm_(max_norm)\n"
+    )
+    report, _ = migrate_paths([tmp_path])
+    (todo,) = [f for f in report.findings if f.construct == "runner.net.clip_grad_norm_(...)"]
+    assert "defines its own clip_grad_norm_ (in engine/net.py)" in todo.replacement, todo.replacement
+
+
 _COPIED_OPTIM_UTILS = """
 import torch
 from torch.distributed.fsdp._common_utils import _get_param_to_fqns, clean_tensor_name
@@ -1867,3 +1883,39 @@ def test_contexts_kept_in_variables_keyword_optimizer_calls_and_version_branches
     # LOCAL blocks saving the trainer's own or an engine's state may take the model's: TODOs.
     assert {31, 33} <= todo
     assert migrate_source(fixed, "ctx.py").fixed == fixed
+
+
+def test_a_hybrid_mesh_made_by_a_call_is_not_written_twice() -> None:
+    """``device_mesh=init_device_mesh(...)`` with HYBRID_SHARD: the call stays one call (a copy of it in
+    ``hybrid_shape=`` built a second mesh and its process groups); shard() reads the shape of the mesh given."""
+    code = (
+        "from torch.distributed.device_mesh import init_device_mesh\n"
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy\n\n"
+        "def build(net):\n"
+        "    return FSDP(net, sharding_strategy=ShardingStrategy.HYBRID_SHARD, "
+        'device_mesh=init_device_mesh("cpu", (2, 2)))\n\n'
+        "def build_named(net, grid):\n"
+        "    return FSDP(net, sharding_strategy=ShardingStrategy.HYBRID_SHARD, device_mesh=grid)\n"
+    )
+    fixed = migrate_source(code, "hybrid.py").fixed
+    compile(fixed, "hybrid.py", "exec")
+    assert fixed.count('init_device_mesh("cpu", (2, 2))') == 1, fixed
+    assert 'mesh=init_device_mesh("cpu", (2, 2))' in fixed, fixed
+    assert "hybrid_shape=tuple(grid.shape)" in fixed, fixed  # a name is read twice, harmlessly
+
+
+def test_an_imported_fsdp1_private_helper_redefined_by_the_file_is_its_own() -> None:
+    """The file imports FSDP1's private ``_get_module_fsdp_state`` and then defines its own of that name: the
+    calls reach the file's function, so neither the ``def`` nor the call is reported as FSDP1's private helper."""
+    code = (
+        "from torch.distributed.fsdp._common_utils import _get_module_fsdp_state\n\n"
+        "def _get_module_fsdp_state(module):\n"
+        "    return getattr(module, 'cached_state', None)\n\n"
+        "def group_of(module):\n"
+        "    return _get_module_fsdp_state(module).process_group\n"
+    )
+    result = migrate_source(code, "own_state.py")
+    assert not [f for f in result.findings if "_get_module_fsdp_state" in f.construct], result.findings
+    assert TODO not in result.fixed
+    kept = migrate_source(code.replace("def _get_module_fsdp_state(module)", "def _state_of(module)"), "torch_one.py")
+    assert [f for f in kept.findings if f.construct.startswith("_get_module_fsdp_state")], kept.findings

@@ -155,6 +155,12 @@ class ScannerBase(FollowsAliases):
     def _private(self, node: cst.CSTNode) -> str | None:
         if isinstance(node, cst.Attribute) and self._private(node.value) is not None:
             return None  # reported at its module's name
+        if isinstance(node, cst.Name) and self.module is not None:
+            # ``def _helper(...)`` at the top of the file replaces an imported ``_helper`` of the same name: the
+            # calls are the file's own function (often one written for FSDP2), not FSDP1's private one
+            own = {s.name.value for s in self.module.body if isinstance(s, (cst.FunctionDef, cst.ClassDef))}
+            if node.value in own:
+                return None
         return fsdp1_private(self.get_metadata(QualifiedNameProvider, node, set()))
 
     def _record(self, node: cst.CSTNode, construct: str, replacement: str, fixable: bool) -> None:

@@ -509,7 +509,9 @@ class ConstructorFixer(ScannerBase):
                 conv.blockers.append("device_mesh with a strategy known only at run time: pass mesh= by hand")
             elif strategy_name == "no_shard":
                 conv.mesh = None  # the bridge builds NO_SHARD's (world, 1) mesh itself
-            elif strategy_name.startswith("hybrid"):
+            elif strategy_name.startswith("hybrid") and not any(isinstance(n, cst.Call) for n in walk(conv.mesh)):
+                # shard() takes a given mesh's shape anyway; a mesh made by a call (init_device_mesh(...)) is not
+                # written twice: a second call would build a second mesh and its process groups
                 config.append(make_arg("hybrid_shape", cst.parse_expression(f"tuple({code_of(conv.mesh)}.shape)")))
         if conv.module is None:
             conv.blockers.append("no module argument")
