@@ -41,10 +41,8 @@ class NoSyncClipFixer(ScannerBase):
                 if code_of(func.value) == "self" and self.classes:
                     return  # the class's own method
                 recv = code_of(func.value)
-                # the same text wherever the tree is (--fix stays idempotent on a copy): a path given absolute is
-                # named relative to this file; a tree's own path is already relative to the directory scanned
-                if os.path.isabs(where) and where != self.path:
-                    where = os.path.relpath(where, os.path.dirname(self.path) or ".")
+                # relative to this file: the same text wherever the tree is (--fix stays idempotent on a copy)
+                where = where if where == self.path else os.path.relpath(where, os.path.dirname(self.path) or ".")
                 self._record(
                     node,
                     f"{short(recv, 40)}.{name}(...)",
