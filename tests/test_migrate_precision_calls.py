@@ -262,3 +262,22 @@ def test_a_communication_hook_on_an_fsdp1_wrapper_gets_a_todo() -> None:
     assert result.fixed.count("# TODO(fsdp-bridge): sharded.register_comm_hook") == 1
     assert "plain.register_comm_hook(None, hook)" in result.fixed  # DDP's own hook stays, unreported
     assert migrate_source(result.fixed, "hooks.py").fixed == result.fixed
+
+
+def test_the_wrapped_module_in_a_tree_keeping_a_subclass_of_the_wrapper_is_unwrapped_not_dropped() -> None:
+    # A subclass of FSDP1's wrapper stays FSDP1's (a TODO), and its models reach a function guarded by
+    # isinstance(m, FSDP): there m.module is still the module inside the wrapper, so dropping .module would hand
+    # the wrapper itself on. fsdp_bridge.unwrapped(m) is right on both.
+    guarded = (
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n\n\n"
+        "def inner(m):\n"
+        "    if isinstance(m, FSDP):\n"
+        "        return m.module\n"
+        "    return m\n"
+    )
+    kept = "\n\nclass TracedFSDP(FSDP):\n    def forward(self, *args):\n        return super().forward(*args)\n"
+    fixed = migrate_source(guarded + kept, "wrappers.py").fixed
+    assert "        return fsdp_bridge.unwrapped(m)\n" in fixed
+    assert migrate_source(fixed, "wrappers.py").fixed == fixed
+    plain = migrate_source(guarded, "inner.py").fixed  # no subclass kept: FSDP2 does not wrap
+    assert "        return m\n" in plain and "unwrapped" not in plain
