@@ -113,6 +113,42 @@ def test_fsdp1_attributes_of_a_model_prepared_elsewhere_get_todos_naming_the_bri
     assert migrate_source(fixed, "again.py").fixed == fixed  # a second --fix changes nothing
 
 
+def test_an_attribute_of_ones_own_named_like_an_fsdp1_internal_is_not_reported() -> None:
+    # _handles here is a list of hook handles this class assigns itself, not FSDP1's FlatParamHandles.
+    code = (
+        "class HookSet:\n"
+        "    def __init__(self, layer):\n"
+        "        self.layer = layer\n"
+        "        self._handles: list = []\n\n"
+        "    def attach(self, fn):\n"
+        "        self._handles.append(self.layer.register_forward_hook(fn))\n\n"
+        "    def detach(self):\n"
+        "        for h in self._handles:\n"
+        "            h.remove()\n"
+    )
+    result = migrate_source(code, "hooks.py")
+    assert result.findings == [] and result.fixed == code
+
+
+def test_a_second_fix_adds_no_todo_once_the_fsdp1_import_is_gone() -> None:
+    # The first --fix removes the import, so the second sees a model "prepared elsewhere": same TODO, not two.
+    code = (
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n\n\n"
+        "class Runner:\n"
+        "    def __init__(self, net):\n"
+        "        self.net = FSDP(net)\n\n"
+        "    def after_step(self):\n"
+        "        self.net._handle.reshard(True)\n"
+    )
+    fixed = migrate_source(code, "runner.py").fixed
+    assert "FullyShardedDataParallel" not in fixed and fixed.count("# TODO(fsdp-bridge): self.net._handle") == 1
+    again = migrate_source(fixed, "runner.py")
+    assert again.fixed == fixed
+    assert [f.construct for f in again.findings if not f.fixable] == [
+        "self.net._handle (an FSDP1 internal of a model prepared elsewhere)"
+    ]  # still counted as not handled
+
+
 def test_flat_parameters_of_guarded_units_get_a_todo_and_a_params_attribute_of_ones_own_none() -> None:
     result = _migrate("flat_params_of_units.py")
     todos = {(f.line, f.construct) for f in result.findings if not f.fixable}

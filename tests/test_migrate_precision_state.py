@@ -63,6 +63,26 @@ def test_a_module_level_policy_imported_by_another_file_is_kept(tmp_path: Path) 
     assert "import size_based_auto_wrap_policy" in fixed
 
 
+def test_an_fsdp2_name_imported_for_another_file_is_kept(tmp_path: Path) -> None:
+    # sharding_helpers.py imports FSDP2's policy only for others (``from sharding_helpers import ...``): it
+    # was never used here, so the rewrite of the FSDP1 call must not take it away (an ImportError there).
+    (tmp_path / "sharding_helpers.py").write_text(
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n"
+        "from torch.distributed.fsdp import MixedPrecisionPolicy, ShardingStrategy\n\n\n"
+        "def wrap_block(block):\n"
+        "    return FSDP(block)\n"
+    )
+    (tmp_path / "runner.py").write_text("from sharding_helpers import MixedPrecisionPolicy, wrap_block\n")
+    by_path = {Path(r.path).name: r for r in migrate_paths([tmp_path])[1]}
+    fixed = by_path["sharding_helpers.py"].fixed
+    assert "fsdp_bridge.shard(block" in fixed and "FullyShardedDataParallel" not in fixed
+    assert "MixedPrecisionPolicy" in fixed  # imported by runner.py
+    assert "ShardingStrategy" not in fixed  # an FSDP1 name no code uses: removed as before
+    namespace: dict[str, object] = {}
+    exec(compile(fixed, "sharding_helpers.py", "exec"), namespace)
+    assert "MixedPrecisionPolicy" in namespace
+
+
 def test_summon_with_parameters_held_across_it_gets_a_todo_not_a_rewrite() -> None:
     fixed = _fix("summon_held_params.py")
     # held: the context's model's own parameters, those of a module inside it, or of the model around it

@@ -162,6 +162,26 @@ def test_no_sync_clip_isinstance_and_state_dict() -> None:
     assert not any("[todo]" in r for r in report)
 
 
+def test_a_class_of_the_files_own_named_fsdpmodule_is_not_taken_for_torchs() -> None:
+    # The file defines its own FSDPModule (a trainer class): importing torch's under that name would be
+    # shadowed by the class, and every isinstance / annotation would test the trainer class instead.
+    source = (
+        "from torch import nn\n"
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n\n\n"
+        "class FSDPModule:\n"
+        "    def build(self, net: nn.Module) -> None:\n"
+        "        self.model = FSDP(net)\n\n"
+        "    def check(self, part: FSDP) -> bool:\n"
+        "        return isinstance(self.model, FSDP) and part is not None\n"
+    )
+    code = migrate_source(source, "trainer.py", target="torch").fixed
+    assert "import torch.distributed.fsdp\n" in code and "import FSDPModule" not in code
+    assert "isinstance(self.model, torch.distributed.fsdp.FSDPModule)" in code
+    assert "part: torch.distributed.fsdp.FSDPModule" in code
+    assert "class FSDPModule:" in code
+    assert migrate_source(code, "trainer.py", target="torch").fixed == code
+
+
 SCALERS = """
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 

@@ -178,8 +178,10 @@ def migrate_source(
         for module_name, obj in sorted(scan.needs_imports, key=str):
             AddImportsVisitor.add_needed_import(context, module_name, obj)
         fixed = AddImportsVisitor(context).transform_module(fixed)
+        kept = _kept_fsdp2_imports(module)
         for imp in _fsdp_imports(fixed):
-            RemoveImportsVisitor.remove_unused_import(context, *imp)
+            if imp not in kept:
+                RemoveImportsVisitor.remove_unused_import(context, *imp)
         if scan.consumed_partial:
             RemoveImportsVisitor.remove_unused_import(context, "functools")
         fixed = RemoveImportsVisitor(context).transform_module(fixed)
@@ -282,6 +284,26 @@ def _lowered(
     lowered = lower_to_torch(fixed, path, groups=groups)
     findings = torch_findings(path, code, fixed.code, findings, lowered.calls, spans)
     return MigratedSource(path, code, lowered.module.code, findings, lowered.uses_helpers)
+
+
+FSDP2_NAMES = frozenset(
+    {"FSDPModule", "fully_shard", "MixedPrecisionPolicy", "CPUOffloadPolicy", "OffloadPolicy", "UnshardHandle"}
+)
+"""FSDP2's own names in ``torch.distributed.fsdp``: the codemod removes an import of one only where its
+rewrite took away the uses."""
+
+
+def _kept_fsdp2_imports(module: cst.Module) -> set[tuple[str, str | None, str | None]]:
+    """Imports of FSDP2's names that ``module`` never used before the rewrite: kept (often there for another
+    file, ``from .utils import MixedPrecisionPolicy``, or for a branch on the torch version)."""
+    candidates = [imp for imp in _fsdp_imports(module) if str(imp[1]).rsplit(".", 1)[-1] in FSDP2_NAMES]
+    if not candidates:
+        return set()
+    context = CodemodContext()
+    for imp in candidates:
+        RemoveImportsVisitor.remove_unused_import(context, *imp)
+    left = set(_fsdp_imports(RemoveImportsVisitor(context).transform_module(module)))
+    return {imp for imp in candidates if imp not in left}
 
 
 def _fsdp_imports(module: cst.Module) -> list[tuple[str, str | None, str | None]]:

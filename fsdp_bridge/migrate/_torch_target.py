@@ -296,6 +296,8 @@ class _Lowerer(cst.CSTTransformer):
         self.notes: list[str] = []  # what the call being lowered lost on the way (said in the report)
         self.calls: list[bool] = []  # for each call being visited: whether it is a bridge call
         self.inside: set[int] = set()  # id(Attribute) of fsdp_bridge.X inside a bridge call (handled with it)
+        self.fsdp_module = "FSDPModule"  # how torch's class is written (qualified where the file binds the name)
+        self.fsdp_module_import: tuple[str, str | None] = (_FSDP, "FSDPModule")
 
     # -- statements: collect the TODOs of what is inside ---------------------------
     def _enter(self, node: cst.CSTNode) -> None:
@@ -423,8 +425,8 @@ class _Lowerer(cst.CSTTransformer):
                 func=cst.parse_expression("torch.nn.utils.clip_grad_norm_"), args=commas([params, *args[1:]])
             )
         if name == "is_sharded" and len(args) == 1 and args[0].keyword is None and not args[0].star:
-            self.result_imports.add((_FSDP, "FSDPModule"))
-            return cst.parse_expression(f"isinstance({code_of(args[0].value)}, FSDPModule)")
+            self.result_imports.add(self.fsdp_module_import)
+            return cst.parse_expression(f"isinstance({code_of(args[0].value)}, {self.fsdp_module})")
         if name == "unwrapped" and len(args) == 1 and args[0].keyword is None and not args[0].star:
             return args[0].value  # FSDP2 does not wrap: the module is itself
         if name in ("full_state_dict", "full_optim_state_dict"):
@@ -514,9 +516,9 @@ class _Lowerer(cst.CSTTransformer):
             return cst.parse_expression("torch.amp.GradScaler")
         if code_of(updated_node) == "fsdp_bridge.ShardedModule" and id(original_node) not in self.inside:
             # FSDP1's class as a type (annotation, validator, Optional[...]): every model is fully_shard's here
-            self.result_imports.add((_FSDP, "FSDPModule"))
-            self._record(original_node, "ShardedModule", "FSDPModule")
-            return cst.Name("FSDPModule")
+            self.result_imports.add(self.fsdp_module_import)
+            self._record(original_node, "ShardedModule", self.fsdp_module)
+            return cst.parse_expression(self.fsdp_module)
         if code_of(updated_node).startswith("fsdp_bridge.") and id(original_node) not in self.inside:
             inner = original_node.value
             if not (isinstance(inner, cst.Attribute) and code_of(inner).startswith("fsdp_bridge.")) and not (
@@ -565,10 +567,44 @@ def _with_either_import(module: cst.Module) -> cst.Module:
     return module.with_changes(body=[*body[:at], *cst.parse_module(EITHER_IMPORT).body, *body[at:]])
 
 
+def _binds_otherwise(module: cst.Module, name: str) -> bool:
+    """``module`` binds ``name`` to something other than torch's FSDP class of that name: a class or function
+    of its own, an assignment, an import from another module."""
+    found = False
+
+    class V(cst.CSTVisitor):
+        def visit_ClassDef(self, node: cst.ClassDef) -> None:
+            nonlocal found
+            found = found or node.name.value == name
+
+        def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
+            nonlocal found
+            found = found or node.name.value == name
+
+        def visit_AssignTarget(self, node: cst.AssignTarget) -> None:
+            nonlocal found
+            found = found or (isinstance(node.target, cst.Name) and node.target.value == name)
+
+        def visit_ImportFrom(self, node: cst.ImportFrom) -> None:
+            nonlocal found
+            source = code_of(node.module) if node.module else ""
+            if isinstance(node.names, cst.ImportStar) or source.startswith("torch.distributed"):
+                return
+            for alias in node.names:
+                bound = alias.asname.name if alias.asname is not None else alias.name
+                found = found or (isinstance(bound, cst.Name) and bound.value == name)
+
+    module.visit(V())
+    return found
+
+
 def lower_to_torch(module: cst.Module, path: str, *, groups: bool = False) -> Lowered:
     """Replace the bridge calls of the bridge rewrite ``module`` with plain torch code (see the module
     docstring); the imports follow. ``groups``: a file of the tree passes ``process_group=`` to FSDP1."""
     lowerer = _Lowerer(groups)
+    if _binds_otherwise(module, "FSDPModule"):
+        # the file's own FSDPModule (a class of its own, another library's): torch's is written in full
+        lowerer.fsdp_module, lowerer.fsdp_module_import = f"{_FSDP}.FSDPModule", (_FSDP, None)
     lowerer.pending.append([])  # module level (a TODO there has no statement: none is written)
     new = MetadataWrapper(module).visit(lowerer)
     context = CodemodContext()

@@ -11,7 +11,7 @@ import re
 import libcst as cst
 
 from fsdp_bridge.migrate._analysis import code_of, walk
-from fsdp_bridge.migrate._names import INTERNAL_ATTRS, WRAPPER_ATTRS
+from fsdp_bridge.migrate._names import INTERNAL_ATTRS, TODO, WRAPPER_ATTRS
 from fsdp_bridge.migrate._scan_base import ScannerBase
 
 FSDP1_ONLY_ATTRS = ("_fsdp_wrapped_module", "_handle", "_handles", "_flat_param", "flat_param", "_has_params")
@@ -32,13 +32,21 @@ BRIDGE_OFFERS = (
 class ElsewhereAttributesFixer(ScannerBase):
     """FSDP1 attributes of a model this file did not wrap (reported with a TODO, never rewritten)."""
 
-    fsdp1_objects: dict[tuple[int, str], str] | None = None
-    """(id(enclosing function) or 0, object expression) -> the FSDP1-only attribute read on it there."""
+    fsdp1_objects: dict[tuple[int, str], list[str]] | None = None
+    """(id(enclosing function) or 0, object expression) -> the FSDP1-only attributes read on it there."""
+
+    own_attributes: set[tuple[str, str]] | None = None
+    """(object expression, attribute) assigned in this file (``self._handles: list = []``): the code's own
+    attribute of that name, no proof of FSDP1's wrapper."""
 
     def _note_fsdp1_attribute(self, node: cst.Attribute) -> None:
+        obj, attr = code_of(node.value), node.attr.value
+        if self.planning and attr in FSDP1_ONLY_ATTRS and self._assigned_here(node):
+            if self.own_attributes is None:
+                self.own_attributes = set()
+            self.own_attributes.add((obj, attr))
         if self.uses_fsdp1 or self.assign_target_depth:
             return
-        obj, attr = code_of(node.value), node.attr.value
         if self._hasattr_guarded(obj, attr):
             return  # read only where the object has it: the code already runs without FSDP1's wrapper
         key = (id(self.functions[-1]) if self.functions else 0, obj)
@@ -46,10 +54,11 @@ class ElsewhereAttributesFixer(ScannerBase):
             if attr in FSDP1_ONLY_ATTRS:
                 if self.fsdp1_objects is None:
                     self.fsdp1_objects = {}
-                self.fsdp1_objects.setdefault(key, attr)
+                self.fsdp1_objects.setdefault(key, []).append(attr)
             return
-        proof = (self.fsdp1_objects or {}).get(key)
-        if proof is None or id(node) in self.called:
+        own = self.own_attributes or set()
+        proof = next((a for a in (self.fsdp1_objects or {}).get(key, []) if (obj, a) not in own), None)
+        if proof is None or id(node) in self.called or (obj, attr) in own:
             return
         self.fsdp1_elsewhere = True
         if attr in FSDP1_ONLY_ATTRS:
@@ -59,6 +68,8 @@ class ElsewhereAttributesFixer(ScannerBase):
                 f"{INTERNAL_ATTRS[attr]}; {BRIDGE_OFFERS}",
                 False,
             )
+            if self._flagged(code_of(node)):
+                self.todos[id(self.stmt_stack[-1])].pop()  # a first --fix wrote its TODO (with FSDP1's imports)
         elif attr in WRAPPER_ATTRS or attr in MORE_WRAPPER_ATTRS:
             self._record(
                 node,
@@ -67,6 +78,25 @@ class ElsewhereAttributesFixer(ScannerBase):
                 f"FSDPModule has no {attr}; {WRAPPER_ATTRS.get(attr) or MORE_WRAPPER_ATTRS[attr]}",
                 False,
             )
+
+    def _assigned_here(self, node: cst.Attribute) -> bool:
+        """``node`` is the whole target of an assignment (``x.attr = ...``, ``x.attr: T = ...``, ``x.attr += ...``)."""
+        stmt = self.stmt_stack[-1] if self.stmt_stack else None
+        if not isinstance(stmt, cst.SimpleStatementLine):
+            return False
+        for small in stmt.body:
+            if isinstance(small, cst.Assign) and any(t.target is node for t in small.targets):
+                return True
+            if isinstance(small, (cst.AnnAssign, cst.AugAssign)) and small.target is node:
+                return True
+        return False
+
+    def _flagged(self, code: str) -> bool:
+        """The statement already carries a TODO for ``code`` (written by an earlier --fix)."""
+        stmt = self.stmt_stack[-1] if self.stmt_stack else None
+        prefix = f"# {TODO}: {code} ("
+        lines = getattr(stmt, "leading_lines", ())
+        return any(line.comment is not None and line.comment.value.startswith(prefix) for line in lines)
 
     def _hasattr_guarded(self, obj: str, attr: str) -> bool:
         """``hasattr(obj, "attr")`` in the condition (or the statement) that reads ``obj.attr``, or the test of an
