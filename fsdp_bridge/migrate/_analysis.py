@@ -149,6 +149,10 @@ class Dispatch:
     """``"train:1"`` / ``"train:model"``: a call in the tree passes a model it wrapped with ``FSDP(...)`` just
     above as that argument of a function of that name (see :func:`find_fsdp1_arguments`)."""
 
+    fsdp1_attributes: dict[str, set[str]] = field(default_factory=dict)
+    """Classes of the tree by name -> the attributes their methods assign ``self.attr = FSDP(...)`` /
+    ``wrap(...)``: a subclass (in another file too) reads ``self.attr`` as an FSDP1 model."""
+
     subclassed: set[str] = field(default_factory=set)
     """Names of the classes some class of the tree derives from (the last part of each base): a subclass may
     assign an attribute its base's methods read (see ``subclassed_names``)."""
@@ -171,6 +175,8 @@ class Dispatch:
         self.subclasses_fsdp1 = self.subclasses_fsdp1 or other.subclasses_fsdp1
         for name, where in other.own_methods.items():
             self.own_methods.setdefault(name, where)
+        for cls, attrs in other.fsdp1_attributes.items():
+            self.fsdp1_attributes.setdefault(cls, set()).update(attrs)
 
 
 OWN_METHOD_NAMES = ("clip_grad_norm_", "no_sync", "set_state_dict_type")
@@ -337,6 +343,37 @@ def find_fsdp1_factories(wrapper: MetadataWrapper, path: str) -> set[str]:
     if parts and parts[-1] == "__init__":
         parts = parts[:-1]
     return {".".join([*parts[-k:], name]) for name in names for k in range(1, min(len(parts), 6) + 1)}
+
+
+def find_fsdp1_attributes(wrapper: MetadataWrapper) -> dict[str, set[str]]:
+    """The classes of a file whose methods assign ``self.attr = FSDP(...)`` / ``wrap(...)``, with those
+    attributes (``Dispatch.fsdp1_attributes``)."""
+    found: dict[str, set[str]] = {}
+    found_aliases = class_aliases(wrapper)
+
+    class V(FollowsAliases):
+        aliases = found_aliases
+
+        METADATA_DEPENDENCIES = (QualifiedNameProvider,)
+
+        def visit_ClassDef(self, node: cst.ClassDef) -> None:
+            for n in walk(node.body):
+                if not (isinstance(n, cst.Assign) and isinstance(n.value, cst.Call)):
+                    continue
+                made = resolve_fsdp(self.get_metadata(QualifiedNameProvider, n.value.func, set()))
+                if made not in ((FSDP, ""), ("wrap", "")):
+                    continue
+                for t in n.targets:
+                    target = t.target
+                    if (
+                        isinstance(target, cst.Attribute)
+                        and isinstance(target.value, cst.Name)
+                        and target.value.value == "self"
+                    ):
+                        found.setdefault(node.name.value, set()).add(target.attr.value)
+
+    wrapper.visit(V())
+    return found
 
 
 def find_fsdp1_arguments(wrapper: MetadataWrapper) -> Dispatch:

@@ -53,6 +53,7 @@ from fsdp_bridge.migrate._analysis import (
     code_of,
     find_dispatch,
     find_fsdp1_arguments,
+    find_fsdp1_attributes,
     find_fsdp1_factories,
     find_own_methods,
     finds_state_dict_context,
@@ -359,7 +360,7 @@ def migrate_paths(
             if "FullyShardedDataParallel" in code:
                 parsed = MetadataWrapper(cst.parse_module(code))
                 factories = find_fsdp1_factories(parsed, str(f))
-                dispatch.merge(Dispatch(fsdp1_factories=factories))
+                dispatch.merge(Dispatch(fsdp1_factories=factories, fsdp1_attributes=find_fsdp1_attributes(parsed)))
                 dispatch.merge(find_fsdp1_arguments(parsed))
             dispatch.merge(
                 Dispatch(

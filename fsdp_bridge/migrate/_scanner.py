@@ -206,6 +206,8 @@ class Scanner(
         self._push(node)  # a TODO in its header (bases, decorators) goes above the class
         if self.planning:
             self.class_bases.update(id(b.value) for b in node.bases)
+            if any(code_of(b.value).rsplit(".", 1)[-1] in self.dispatch.fsdp1_attributes for b in node.bases):
+                self.uses_fsdp1 = True  # a base class of the tree keeps an FSDP1 model in an attribute
 
     def leave_ClassDef(self, original_node: cst.ClassDef) -> None:
         self.classes.pop()

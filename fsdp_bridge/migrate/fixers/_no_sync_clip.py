@@ -86,6 +86,13 @@ class NoSyncClipFixer(ScannerBase):
                 return "fsdp1"
             if self._made_by_factory(fn, obj.value):
                 return "fsdp1"
+        if (
+            isinstance(obj, cst.Attribute)
+            and m.matches(obj.value, m.Name("self"))
+            and self.classes
+            and self._inherits_fsdp1_attribute(self.classes[-1], obj.attr.value)
+        ):
+            return "fsdp1"
         if isinstance(obj, cst.Attribute) and self.module is not None:
             for n in walk(self.module):
                 if (
@@ -96,6 +103,22 @@ class NoSyncClipFixer(ScannerBase):
                 ):
                     return "fsdp1"
         return ""
+
+    def _inherits_fsdp1_attribute(self, cls: cst.ClassDef, attr: str) -> bool:
+        """``self.attr`` in ``cls``, a subclass of a class of the tree (by the last part of its base's name) whose
+        methods assign ``self.attr = FSDP(...)`` (``Dispatch.fsdp1_attributes``), and that ``cls`` never assigns
+        itself: FSDP1's model, made by the base class."""
+        bases = {code_of(b.value).rsplit(".", 1)[-1] for b in cls.bases}
+        if not any(attr in self.dispatch.fsdp1_attributes.get(b, ()) for b in bases):
+            return False
+        return not any(
+            isinstance(n, (cst.Assign, cst.AnnAssign, cst.AugAssign))
+            and any(
+                m.matches(t, m.Attribute(m.Name("self"), m.Name(attr)))
+                for t in ([x.target for x in n.targets] if isinstance(n, cst.Assign) else [n.target])
+            )
+            for n in walk(cls.body)
+        )
 
     def _made_by_factory(self, fn: cst.FunctionDef, name: str) -> bool:
         """``name = f(...)`` or ``name, other = f(...)`` in ``fn``, with ``f`` a function of the tree whose result
