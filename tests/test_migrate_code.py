@@ -1919,3 +1919,18 @@ def test_an_imported_fsdp1_private_helper_redefined_by_the_file_is_its_own() -> 
     assert TODO not in result.fixed
     kept = migrate_source(code.replace("def _get_module_fsdp_state(module)", "def _state_of(module)"), "torch_one.py")
     assert [f for f in kept.findings if f.construct.startswith("_get_module_fsdp_state")], kept.findings
+
+
+def test_the_trees_own_clip_in_the_calling_file_is_named_this_file(tmp_path: Path) -> None:
+    """A call in the file that defines the tree's own clip_grad_norm_: the TODO says "this file", not the path as
+    the tree was given (which changes with the working directory and would make a copy's --fix differ)."""
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    (tree / "engine.py").write_text(
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n\n\n"
+        "class Engine:\n    def clip_grad_norm_(self, max_norm):\n        return max_norm\n\n"
+        "    def step(self, model, max_norm):\n        return model.clip_grad_norm_(max_norm)\n"
+    )
+    report, _ = migrate_paths([tree])
+    (todo,) = [f for f in report.findings if f.construct == "model.clip_grad_norm_(...)"]
+    assert "defines its own clip_grad_norm_ (in this file)" in todo.replacement, todo.replacement

@@ -42,7 +42,7 @@ class NoSyncClipFixer(ScannerBase):
                     return  # the class's own method
                 recv = code_of(func.value)
                 # relative to this file: the same text wherever the tree is (--fix stays idempotent on a copy)
-                where = where if where == self.path else os.path.relpath(where, os.path.dirname(self.path) or ".")
+                where = "this file" if where == self.path else os.path.relpath(where, os.path.dirname(self.path) or ".")
                 self._record(
                     node,
                     f"{short(recv, 40)}.{name}(...)",

@@ -114,7 +114,7 @@ class StateDictFixer(ScannerBase):
         ):
             return self._plan_set_state_dict_type(node, through_class=False)
         if where is not None:
-            where = where if where == self.path else os.path.relpath(where, os.path.dirname(self.path) or ".")
+            where = "this file" if where == self.path else os.path.relpath(where, os.path.dirname(self.path) or ".")
             why = f"this tree defines its own set_state_dict_type (in {where}), which this call may reach"
         else:
             why = (
