@@ -407,3 +407,36 @@ def test_ranks_see_the_callers_current_environment_directory_and_path(tmp_path, 
     monkeypatch.syspath_prepend(str(tmp_path))
     results = run_distributed(_seen_by_rank, 2, args=("FSDP_BRIDGE_TEST_VALUE",), env={"EXTRA": "1"})
     assert results == [("set after the server started", str(tmp_path), str(tmp_path))] * 2
+
+
+def test_a_rendezvous_lost_before_the_function_ran_is_retried_and_nothing_else_is(monkeypatch) -> None:
+    """A gloo connection closed while the ranks connect (seen under parallel test runs) is retried
+    with a fresh rendezvous; a failure of the function itself, whatever it says, is not."""
+    from fsdp_bridge.testing import _spawn
+
+    lost = _spawn._RENDEZVOUS + "RuntimeError: Gloo connectFullMesh failed with [pair.cc:561] Connection closed by peer"
+    outcomes = [({}, {1: lost}), ({0: "a", 1: "b"}, {})]
+    calls: list[int] = []
+
+    def attempt(ctx, world_size, port, spec, deadline, timeout_s):
+        calls.append(world_size)
+        return outcomes.pop(0)
+
+    monkeypatch.setattr(_spawn, "_attempt", attempt)
+    assert run_distributed(_seen_by_rank, 2, args=("X",)) == ["a", "b"]
+    assert calls == [2, 2]
+
+    # The function ran and failed with the same words: reported at once, never run twice.
+    ran = "Traceback ...\nRuntimeError: Connection reset by peer"
+    outcomes[:] = [({}, {0: ran}), ({0: "a", 1: "b"}, {})]
+    calls.clear()
+    with pytest.raises(RankFailure) as info:
+        run_distributed(_seen_by_rank, 2, args=("X",))
+    assert calls == [2] and info.value.failures == {0: ran}
+
+    # A rendezvous that keeps breaking is reported after the last try, with what each rank said.
+    outcomes[:] = [({}, {1: lost})] * _spawn._RENDEZVOUS_ATTEMPTS
+    calls.clear()
+    with pytest.raises(RankFailure) as info:
+        run_distributed(_seen_by_rank, 2, args=("X",))
+    assert len(calls) == _spawn._RENDEZVOUS_ATTEMPTS and "before the function ran" in str(info.value)

@@ -6,7 +6,9 @@
 ``my_fn`` must be importable (a module-level function).  If any rank raises, the
 others are stopped at once and :class:`RankFailure` carries every failing rank's
 traceback; a run past ``timeout_s`` is killed and reported the same way, so a test
-never hangs.
+never hangs.  A gloo rendezvous whose connections break before the function ran on any rank
+(a peer closing or resetting while the ranks connect, seen on loaded machines under parallel
+test runs) is started again, up to three times in all, within the same ``timeout_s``.
 
 Where the platform has it (Linux), gloo ranks are forked from a ``multiprocessing`` fork server
 that imported torch (and the modules in ``preload``) once, instead of each rank importing
@@ -118,6 +120,7 @@ def _worker(
         MASTER_PORT=str(port),
         OMP_NUM_THREADS=str(threads),
     )
+    started = False  # set once the process group is up: a failure before it is the rendezvous's
     try:
         import datetime
 
@@ -136,6 +139,7 @@ def _worker(
             world_size=world_size,
             timeout=datetime.timedelta(seconds=120),
         )
+        started = True
         try:
             value = fn(*args, **kwargs)
         finally:
@@ -143,7 +147,8 @@ def _worker(
                 dist.destroy_process_group()
         results.put((rank, True, value))
     except BaseException:  # report everything, including SystemExit/KeyboardInterrupt
-        results.put((rank, False, traceback.format_exc()))
+        text = traceback.format_exc()
+        results.put((rank, False, text if started else _RENDEZVOUS + text))
 
 
 def run_distributed(
@@ -180,17 +185,46 @@ def run_distributed(
 
     Raises:
         ValueError: ``world_size`` < 1.
-        RankFailure: a rank raised, crashed or the run timed out; carries every failing
-            rank's traceback.
+        RankFailure: a rank raised, crashed or the run timed out (a gloo rendezvous that
+            broke before ``fn`` ran is retried first); carries every failing rank's traceback.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     ctx = _context(preload, backend)
-    results = ctx.Queue()
     port = _free_port()  # only exported as MASTER_PORT for code that reads it
+    threads = threads_per_rank or _default_threads(world_size)
+    deadline = time.monotonic() + timeout_s
+    spec = (fn, tuple(args), dict(kwargs or {}), backend, threads, dict(env or {}))
+    for attempt in range(1, _RENDEZVOUS_ATTEMPTS + 1):
+        values, failures = _attempt(ctx, world_size, port, spec, deadline, timeout_s)
+        if not failures:
+            return [values[r] for r in range(world_size)]
+        # Retry only a gloo rendezvous that broke before ``fn`` ran on any rank (a peer's
+        # connection closed or reset while the ranks connected: seen under parallel test runs).
+        retry = backend == "gloo" and not values and all(_lost_rendezvous(t) for t in failures.values())
+        if not retry or attempt == _RENDEZVOUS_ATTEMPTS or time.monotonic() >= deadline:
+            break
+    raise RankFailure(failures, world_size)
+
+
+# A failure text that starts with this came from ``init_process_group``, before ``fn`` ran.
+_RENDEZVOUS = "(while the ranks connected, before the function ran)\n"
+_RENDEZVOUS_ATTEMPTS = 3
+_CONNECTION_LOST = ("Connection closed by peer", "Connection reset by peer", "Connection refused")
+
+
+def _lost_rendezvous(text: str) -> bool:
+    return text.startswith(_RENDEZVOUS) and any(m in text for m in _CONNECTION_LOST)
+
+
+def _attempt(
+    ctx: Any, world_size: int, port: int, spec: tuple[Any, ...], deadline: float, timeout_s: float
+) -> tuple[dict[int, Any], dict[int, str]]:
+    """One start of every rank (its own rendezvous file); each rank's value, and each failure."""
+    fn, args, kwargs, backend, threads, env = spec
+    results = ctx.Queue()
     store_dir = tempfile.mkdtemp(prefix="fsdp-bridge-store-")
     store_path = os.path.join(store_dir, "store")
-    threads = threads_per_rank or _default_threads(world_size)
     procs = [
         ctx.Process(
             target=_worker,
@@ -200,13 +234,13 @@ def run_distributed(
                 port,
                 store_path,
                 fn,
-                tuple(args),
-                dict(kwargs or {}),
+                args,
+                kwargs,
                 dict(os.environ),
                 backend,
                 results,
                 threads,
-                dict(env or {}),
+                env,
             ),
             # Not daemonic: a rank may start processes of its own (torch's checkpoint process for
             # process-based async saves); the finally below kills and joins every rank anyway.
@@ -218,7 +252,6 @@ def run_distributed(
         p.start()
     values: dict[int, Any] = {}
     failures: dict[int, str] = {}
-    deadline = time.monotonic() + timeout_s
     try:
         while len(values) + len(failures) < world_size:
             remaining = deadline - time.monotonic()
@@ -258,8 +291,7 @@ def run_distributed(
         for r, p in enumerate(procs):
             if r not in values and r not in failures and p.exitcode not in (None, 0) and p.exitcode != -9:
                 failures[r] = f"process exited with code {p.exitcode} without reporting"
-        raise RankFailure(failures, world_size)
-    return [values[r] for r in range(world_size)]
+    return values, failures
 
 
 def _drain(results: Any, values: dict[int, Any], failures: dict[int, str], *, grace_s: float) -> None:
