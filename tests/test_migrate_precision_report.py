@@ -191,3 +191,27 @@ def test_fsdp1_attributes_read_under_an_enclosing_hasattr_test_are_not_reported(
     # A branch doing FSDP1 work through its internals would silently do nothing on FSDP2: still reported.
     internal = 'def drop(net):\n    if hasattr(net, "_handle"):\n        h = net._handle\n        h.reshard(True)\n'
     assert [f.line for f in migrate_source(internal, "drop.py").findings] == [3]
+
+
+def test_a_context_of_a_kept_subclass_of_the_wrapper_is_named_fsdp1s_own_not_rewritten() -> None:
+    # The subclass of FSDP1's wrapper stays FSDP1's (a TODO), and so does its state_dict_type block: the report
+    # must not say the block was rewritten to fsdp_bridge.state_dict_type. The optimizer-state call inside it is
+    # fsdp_bridge.optim_state_dict, FSDP1's own call on the FSDP1 model, which follows the block's type.
+    code = (
+        "from torch.distributed.fsdp import FullyShardedDataParallel, StateDictType\n\n\n"
+        "class TracedWrapper(FullyShardedDataParallel):\n"
+        "    pass\n\n\n"
+        "def gather(model: TracedWrapper, opt):\n"
+        "    with TracedWrapper.state_dict_type(model, StateDictType.FULL_STATE_DICT):\n"
+        "        weights = model.state_dict()\n"
+        "        state = FullyShardedDataParallel.optim_state_dict(model, opt)\n"
+        "    return weights, state\n"
+    )
+    result = migrate_source(code, "wrapper.py")
+    by_construct = {f.construct: f for f in result.findings}
+    optim = by_construct["FSDP.optim_state_dict(...)"]
+    assert optim.fixable and optim.replacement.startswith("fsdp_bridge.optim_state_dict(model, opt): inside")
+    assert "FSDP1's own context (TracedWrapper subclasses FSDP1's wrapper" in optim.replacement
+    assert "rewritten to fsdp_bridge.state_dict_type" not in optim.replacement
+    assert "TracedWrapper.state_dict_type(model, StateDictType.FULL_STATE_DICT)" in result.fixed
+    assert not any("rewritten" in f.replacement and "blocks" in f.replacement for f in result.findings)

@@ -285,8 +285,15 @@ def passes_group(code: str) -> bool:
 
 
 WRAPPER_SUBCLASS = re.compile(
-    r"^[ \t]*class\s+\w+\s*\((?:[^()]*,)?\s*(?:[\w.]*\.)?(?:FullyShardedDataParallel|FSDP)\s*[,)]", re.M
+    r"^[ \t]*class\s+(\w+)\s*\((?:[^()]*,)?\s*(?:[\w.]*\.)?(?:FullyShardedDataParallel|FSDP)\s*[,)]", re.M
 )
+
+
+def wrapper_subclasses(code: str) -> set[str]:
+    """The names of the file's subclasses of FSDP1's wrapper (see :func:`subclasses_wrapper`)."""
+    if "FullyShardedDataParallel" not in code:
+        return set()
+    return set(WRAPPER_SUBCLASS.findall(code))
 
 
 def subclasses_wrapper(code: str) -> bool:

@@ -207,7 +207,7 @@ CONFIG_DRIVEN = {
 """Constructors that drive FSDP from arguments: their settings are migrated by `migrate config`."""
 
 KEPT: dict[str, str] = {
-    "StateDictType": "torch's FSDP1 enum, here a setting of your own (the state_dict_type blocks are rewritten)",
+    "StateDictType": "torch's FSDP1 enum, here a value of your own code",
     "MixedPrecision": "torch's FSDP1 mixed-precision dataclass",
     "CPUOffload": "torch's FSDP1 offload dataclass",
     "BackwardPrefetch": "torch's FSDP1 prefetch enum",

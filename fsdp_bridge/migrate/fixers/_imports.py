@@ -327,7 +327,7 @@ class ImportsFixer(ScannerBase):
             return False
         if kind in KEPT:
             reader = (
-                "fsdp_bridge.state_dict_options"
+                "fsdp_bridge's state-dict functions (FSDP1's own, for a model that stays FSDP1's)"
                 if kind.endswith("StateDictConfig") or kind == "StateDictType"
                 else "fsdp_bridge.BridgeConfig.from_fsdp1"
             )

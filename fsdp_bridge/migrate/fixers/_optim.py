@@ -63,12 +63,17 @@ class OptimStateFixer(ScannerBase):
                 self.call_rewrites[id(node)] = code
                 self.needs_imports.add(("fsdp_bridge", None))
                 self._consume(node.func)
+                owner = self._subclass_context(ctx)
                 self._record(
                     node,
                     "FSDP.optim_state_dict(...)",
                     f"{code}: inside `with {short(ctx)}:` ({where} makes FSDP1's state-dict contexts, rewritten to "
                     "fsdp_bridge.state_dict_type): FSDP1's own call on FSDP1 models, on FSDP2 torch's "
-                    "get_optimizer_state_dict with that block's type",
+                    "get_optimizer_state_dict with that block's type"
+                    if owner is None
+                    else f"{code}: inside `with {short(ctx)}:`, FSDP1's own context ({owner} subclasses FSDP1's "
+                    "wrapper and stays FSDP1's, with the models it makes): FSDP1's own call on FSDP1 models, which "
+                    "follows that block's type",
                     True,
                 )
                 return True

@@ -12,7 +12,7 @@ import libcst as cst
 import libcst.matchers as m
 from libcst.metadata import CodePosition, PositionProvider
 
-from fsdp_bridge.migrate._analysis import Conversion, code_of, named_args, short, walk
+from fsdp_bridge.migrate._analysis import Conversion, code_of, named_args, short, walk, wrapper_subclasses
 from fsdp_bridge.migrate._names import FSDP, GROUP_RANK0
 from fsdp_bridge.migrate._render import with_option
 from fsdp_bridge.migrate._report import CodeFinding
@@ -170,6 +170,15 @@ class StateDictFixer(ScannerBase):
         ctx = self._runtime_state_context()
         if ctx is not None and self._context_of_another_model(ctx, target):
             ctx = None  # FSDP1's contexts set the type of the model they are given (and its units) only
+        if ctx is not None and (owner := self._subclass_context(ctx)) is not None:
+            self._record(
+                node,
+                construct,
+                f"kept as is: it runs inside `with {short(ctx)}:`, FSDP1's own context ({owner} subclasses FSDP1's "
+                f"wrapper and stays FSDP1's, with the models it makes), which gives that type's {method}",
+                True,
+            )
+            return True
         if ctx is not None and (where := self.dispatch.makes_state_dict_context):
             self._record(
                 node,
@@ -645,6 +654,12 @@ class StateDictFixer(ScannerBase):
                 if "state_dict" in text.lower() or "state_ctx" in text.lower() or self._made_context(expr):
                     return text
         return None
+
+    def _subclass_context(self, ctx: str) -> str | None:
+        """The name of this file's subclass of FSDP1's wrapper when ``ctx`` (a ``with`` item's code) is its
+        ``state_dict_type(...)``: FSDP1's own context, left as it is with the subclass (its models stay FSDP1's)."""
+        owner = ctx.split(".state_dict_type(", 1)[0] if ".state_dict_type(" in ctx else None
+        return owner if owner in wrapper_subclasses("\n".join(self.lines)) else None
 
     def _made_context(self, expr: cst.BaseExpression) -> bool:
         """``expr`` is a state-dict context made elsewhere in this file: a name assigned from
