@@ -1557,6 +1557,71 @@ def test_a_copy_of_torchs_own_module_is_one_construct_left_as_it_is(tmp_path: Pa
     assert state_dict.read_text().endswith(code) and "isinstance(m, FSDP)" in state_dict.read_text()
 
 
+_PATCHED_OPTIM_FIX = """
+import torch
+from torch.distributed.fsdp._optim_utils import _FSDPState, _get_param_to_fqns
+
+
+def _broadcast_state(fsdp_state: _FSDPState, state, group):
+    return state  # patched: no broadcast of scalars
+
+
+def _broadcast_processed_state(fsdp_state, optim_state, group):
+    return optim_state
+
+
+def _flatten_optim_state_dict(optim_state_dict, model, use_orig_params=False):
+    return {fqn: optim_state_dict for fqn in _get_param_to_fqns(model)}
+
+
+def scatter_full_optim_state_dict(full_osd, model, optim=None, group=None):
+    return _flatten_optim_state_dict(full_osd, model)
+"""
+
+
+def test_a_patched_copy_of_some_fsdp1_internals_is_one_construct_and_its_callers_are_told(tmp_path: Path) -> None:
+    # A file that writes out again (with a fix) several private functions of the FSDP1 modules it imports from
+    # is torch's code, not code that uses FSDP1: one construct, left as it is. A call of one of its functions
+    # in another file hands it the model the rewrite makes FSDP2's: reported, with FSDP1's own call of that
+    # name (which --fix rewrites) named.
+    package = tmp_path / "trainer"
+    package.mkdir()
+    (package / "optim_fix.py").write_text(_PATCHED_OPTIM_FIX)
+    (package / "checkpoint.py").write_text(
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n"
+        "from trainer.optim_fix import scatter_full_optim_state_dict\n\n\n"
+        "def restore(module, optim, full_osd):\n"
+        "    model = FSDP(module)\n"
+        "    sharded = scatter_full_optim_state_dict(full_osd, model)\n"
+        "    optim.load_state_dict(sharded)\n"
+        "    return model\n"
+    )
+    report, _ = migrate_paths([tmp_path], fix=True)
+    copy = [f for f in report.findings if f.path.endswith("optim_fix.py")]
+    assert [(f.line, f.fixable) for f in copy] == [(1, False)]
+    assert copy[0].construct == (
+        "a patched copy of private FSDP1 functions of torch's torch.distributed.fsdp._optim_utils "
+        "(_broadcast_processed_state, _broadcast_state, _flatten_optim_state_dict)"
+    )
+    assert (package / "optim_fix.py").read_text().endswith(_PATCHED_OPTIM_FIX)  # left as it is, but the note
+    (call,) = [f for f in report.findings if f.construct == "scatter_full_optim_state_dict(...)"]
+    assert not call.fixable and "is defined in optim_fix.py, a copy of torch's FSDP1 code" in call.replacement
+    assert "call that instead and run --fix again" in call.replacement
+    fixed = (package / "checkpoint.py").read_text()
+    assert "# TODO(fsdp-bridge): scatter_full_optim_state_dict(...): not rewritten" in fixed
+    assert "fsdp_bridge.shard(module" in fixed
+    again, _ = migrate_paths([tmp_path], fix=True)  # a second --fix changes nothing
+    assert (package / "checkpoint.py").read_text() == fixed
+
+    # Two of torch's private names, or private names of a module the file does not import from, are code of
+    # its own that uses FSDP1: line by line.
+    two = _PATCHED_OPTIM_FIX.split("def _flatten_optim_state_dict")[0]
+    other = _PATCHED_OPTIM_FIX.replace("torch.distributed.fsdp._optim_utils", "torch.distributed.fsdp._common_utils")
+    for code in (two, other):
+        findings = migrate_source(code, str(tmp_path / "helpers.py")).findings
+        assert findings and not any("copy of" in f.construct for f in findings)
+
+
 def test_mixed_precision_keeps_fsdp1s_input_casting() -> None:
     code = textwrap.dedent(
         """

@@ -4,6 +4,7 @@ constructor call, and small helpers over libcst nodes."""
 
 from __future__ import annotations
 
+import ast
 import io
 import re
 import tokenize
@@ -142,6 +143,10 @@ class Dispatch:
     by every dotted suffix of their module path (``wrapped_model.load_model``, ``finetune.wrapped_model.load_model``):
     a file that imports one is handed an FSDP1 model (in their own file the usual evidence applies)."""
 
+    vendored_functions: dict[str, str] = field(default_factory=dict)
+    """Top-level functions of the tree's copies of torch's FSDP1 code (see ``_vendored``), by every dotted suffix
+    of their module path as in ``fsdp1_factories`` -> the copy's file: they work on FSDP1 models only."""
+
     fsdp1_results: dict[str, set[int]] = field(default_factory=dict)
     """Functions of the tree by name -> the positions of their result that are FSDP1 models (-1: the whole
     result): ``return FSDP(...)``, ``return model`` or ``return model, optimizer`` after ``model = FSDP(...)``."""
@@ -164,6 +169,8 @@ class Dispatch:
         for name, positions in other.fsdp1_results.items():
             self.fsdp1_results.setdefault(name, set()).update(positions)
         self.fsdp1_factories |= other.fsdp1_factories
+        for name, where in other.vendored_functions.items():
+            self.vendored_functions.setdefault(name, where)
         self.imported_names |= other.imported_names
         self.fsdp2_tests |= other.fsdp2_tests
         self.sets_state_dict_type = self.sets_state_dict_type or other.sets_state_dict_type
@@ -346,10 +353,26 @@ def find_fsdp1_factories(wrapper: MetadataWrapper, path: str) -> set[str]:
             return False  # nested functions and methods are not reached by an import
 
     wrapper.visit(V())
+    return module_suffixes(path, names)
+
+
+def module_suffixes(path: str, names: Iterable[str]) -> set[str]:
+    """``names`` of the file at ``path`` as other files may import them: by every dotted suffix of its module
+    path (``load_model`` of ``src/finetune/wrapped_model.py``: ``wrapped_model.load_model``,
+    ``finetune.wrapped_model.load_model``, ...)."""
     parts = [p for p in Path(path).with_suffix("").parts if p not in ("/", "")]
     if parts and parts[-1] == "__init__":
         parts = parts[:-1]
     return {".".join([*parts[-k:], name]) for name in names for k in range(1, min(len(parts), 6) + 1)}
+
+
+def top_level_functions(code: str) -> list[str]:
+    """The names of the file's top-level functions (none when it does not parse)."""
+    try:
+        tree = ast.parse(code)
+    except (SyntaxError, ValueError):
+        return []
+    return [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
 
 
 def find_fsdp1_attributes(wrapper: MetadataWrapper) -> dict[str, set[str]]:

@@ -58,10 +58,12 @@ from fsdp_bridge.migrate._analysis import (
     find_own_methods,
     finds_state_dict_context,
     imported_names,
+    module_suffixes,
     passes_group,
     self_spelled_set_state_dict_type,
     subclassed_names,
     subclasses_wrapper,
+    top_level_functions,
     unfollowed_set_state_dict_type,
 )
 from fsdp_bridge.migrate._names import TODO
@@ -376,6 +378,9 @@ def migrate_paths(
             )
             if self_spelled_set_state_dict_type(code):
                 self_spelled.append(f)
+            if "torch.distributed.fsdp" in code and vendored_torch_module(code, str(f)) is not None:
+                copied = module_suffixes(str(f), top_level_functions(code))
+                dispatch.merge(Dispatch(vendored_functions=dict.fromkeys(copied, str(f))))
         except Exception:  # unreadable or unparsable: reported by the loop below
             continue
     if self_spelled and "set_state_dict_type" in dispatch.own_methods:

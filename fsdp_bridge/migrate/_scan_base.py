@@ -63,6 +63,7 @@ class ScannerBase(FollowsAliases):
         ) -> str: ...
         def _runtime_state_context(self) -> str | None: ...
         def _subclass_context(self, ctx: str) -> str | None: ...
+        def _record_vendored_call(self, node: cst.Call, copy: str) -> None: ...
         def _persistent_type(self, node: cst.CSTNode, model: str) -> str | None: ...
         def _plan_wrap_call(
             self, node: cst.Call, func: cst.BaseExpression, hit: tuple[str, str] | None
@@ -149,6 +150,15 @@ class ScannerBase(FollowsAliases):
         """A function of the migrated tree that returns FSDP1's wrapper (``Dispatch.fsdp1_factories``)."""
         factories = self.dispatch.fsdp1_factories
         return any(q.source is QualifiedNameSource.IMPORT and q.name.lstrip(".") in factories for q in qnames)
+
+    def _vendored_function(self, qnames: Iterable[Any]) -> str | None:
+        """The file of the tree's copy of torch's FSDP1 code that defines the imported function ``qnames``
+        names (``Dispatch.vendored_functions``), or None."""
+        copies = self.dispatch.vendored_functions
+        for q in qnames:
+            if q.source is QualifiedNameSource.IMPORT and (where := copies.get(q.name.lstrip("."))) is not None:
+                return where
+        return None
 
     def _qn(self, node: cst.CSTNode) -> tuple[str, str] | None:
         return resolve_fsdp(self.get_metadata(QualifiedNameProvider, node, set()))

@@ -104,10 +104,15 @@ class Scanner(
     def visit_Call(self, node: cst.Call) -> bool | None:
         func = node.func
         self._note_fsdp1_checkpoint(node)
+        copy = self._vendored_function(self.get_metadata(QualifiedNameProvider, func, set()))
         if self.planning:
             self.called.add(id(func))
             if self._fsdp1_factory(self.get_metadata(QualifiedNameProvider, func, set())):
                 self.uses_fsdp1 = True  # the file is handed an FSDP1 model by another file of the tree
+            if copy is not None:
+                self.uses_fsdp1 = True  # it calls into a copy of FSDP1's internals (reported below)
+        elif copy is not None and copy != self.path:
+            self._record_vendored_call(node, copy)
         if id(node) in self.kept_checks:
             if not self.planning:
                 self.uses_fsdp1 = True

@@ -2,6 +2,10 @@
 ``torch/distributed/checkpoint/state_dict.py`` pinned to another torch), told apart from code that
 merely uses FSDP1.
 
+A file that defines several of the private functions of the FSDP1 modules it imports from (torch's own
+``_flatten_optim_state_dict`` written out again, with a fix, beside ``from torch.distributed.fsdp._optim_utils
+import ...``) is a patched copy of parts of them, and is reported the same way.
+
 Such a file is torch's implementation: FSDP1's internals (flat parameters, handles, private
 helpers), or torch's own handling of FSDP1 and FSDP2 side by side, where rewriting
 ``isinstance(m, FSDP)`` would send FSDP2 modules down FSDP1's path.  The codemod reports it once,
@@ -20,16 +24,24 @@ __all__ = ["VendoredModule", "vendored_torch_module"]
 MIN_SHARED = 5
 """Top-level functions and classes a file must share with the torch module of its name."""
 
+MIN_PATCHED = 3
+"""Private functions a file must define under the names of the FSDP1 modules' it imports from (their top-level
+functions and their classes' methods) to be a patched copy of parts of them."""
+
 
 class VendoredModule:
-    """A file found to be a copy of the torch module ``module``."""
+    """A file found to be a copy of the torch module ``module`` (``partial``: of some of the private functions of
+    the modules ``module`` names, comma-separated)."""
 
-    def __init__(self, module: str, shared: list[str]) -> None:
+    def __init__(self, module: str, shared: list[str], partial: bool = False) -> None:
         self.module = module
         self.shared = shared
+        self.partial = partial
 
     @property
     def construct(self) -> str:
+        if self.partial:
+            return f"a patched copy of private FSDP1 functions of torch's {self.module} ({', '.join(self.shared)})"
         return f"a copy of torch's module {self.module} ({len(self.shared)} of its functions and classes)"
 
     @property
@@ -63,6 +75,51 @@ def _top_level_names(path: Path) -> frozenset[str]:
     return _defined(tree)
 
 
+@functools.cache
+def _private_names(path: Path) -> frozenset[str]:
+    """The private top-level functions and classes of a torch source, and its classes' private methods."""
+    try:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+    except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
+        return frozenset()
+    names = set(_defined(tree))
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef):
+            names.update(_defined(ast.Module(body=node.body, type_ignores=[])))
+    return frozenset(n for n in names if _private(n))
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.endswith("__")
+
+
+def _imported_fsdp1_sources(torch_dir: Path, tree: ast.Module) -> dict[str, Path]:
+    """The FSDP1 modules (``torch.distributed.fsdp.*``, not its FSDP2 package) the file imports names from."""
+    found: dict[str, Path] = {}
+    for node in ast.walk(tree):
+        module = node.module if isinstance(node, ast.ImportFrom) and node.level == 0 else None
+        if not module or not module.startswith("torch.distributed.fsdp.") or "._fully_shard" in module:
+            continue
+        source = torch_dir.joinpath(*module.split(".")[1:]).with_suffix(".py")
+        if source.is_file():
+            found[module] = source
+    return found
+
+
+def _patched_copy(torch_dir: Path, tree: ast.Module) -> VendoredModule | None:
+    """At least :data:`MIN_PATCHED` private functions the file defines under the names of functions of the
+    FSDP1 modules it imports from: a patched copy of parts of them."""
+    mine = {n for n in _defined(tree) if _private(n)}
+    by_module = {
+        module: sorted(mine & _private_names(source))
+        for module, source in sorted(_imported_fsdp1_sources(torch_dir, tree).items())
+    }
+    shared = sorted({n for names in by_module.values() for n in names})
+    if len(shared) < MIN_PATCHED:
+        return None
+    return VendoredModule(", ".join(m for m, names in by_module.items() if names), shared, partial=True)
+
+
 def _defined(tree: ast.Module) -> frozenset[str]:
     kinds = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
     return frozenset(node.name for node in tree.body if isinstance(node, kinds))
@@ -83,20 +140,19 @@ def _candidates(torch_dir: Path, path: str) -> list[Path]:
 
 def vendored_torch_module(code: str, path: str) -> VendoredModule | None:
     """The torch module ``code`` copies (see :func:`_candidates`) when it defines at least
-    :data:`MIN_SHARED` of that module's top-level functions and classes; else ``None``."""
+    :data:`MIN_SHARED` of that module's top-level functions and classes, or the FSDP1 modules it copies parts
+    of (see :func:`_patched_copy`); else ``None``."""
     torch_dir = _torch_dir()
     if torch_dir is None or Path(path).suffix != ".py":
         return None
-    candidates = _candidates(torch_dir, path)
-    if not candidates:
-        return None
     try:
-        mine = _defined(ast.parse(code))
+        tree = ast.parse(code)
     except (SyntaxError, ValueError):
         return None
-    for candidate in candidates:
+    mine = _defined(tree)
+    for candidate in _candidates(torch_dir, path):
         shared = sorted(mine & _top_level_names(candidate))
         if len(shared) >= MIN_SHARED:
             module = ".".join(("torch", *candidate.relative_to(torch_dir).with_suffix("").parts))
             return VendoredModule(module, shared)
-    return None
+    return _patched_copy(torch_dir, tree)

@@ -20,13 +20,14 @@ keeps its TODO."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import libcst as cst
 from libcst.metadata import QualifiedNameProvider
 
-from fsdp_bridge.migrate._analysis import code_of, walk
-from fsdp_bridge.migrate._names import FSDP
+from fsdp_bridge.migrate._analysis import code_of, short, walk
+from fsdp_bridge.migrate._names import FSDP, FSDP_METHODS
 from fsdp_bridge.migrate._scan_base import ScannerBase
 
 RESHARD = "torch.distributed.fsdp._runtime_utils._reshard"
@@ -38,7 +39,29 @@ ALLOWED_NAMES = ("True", "False", "None", "len", "hasattr")
 
 
 class InternalsFixer(ScannerBase):
-    """``if <FSDP1's own tests>: _reshard(unit, handle(s), True)`` -> ``fsdp_bridge.reshard(unit, recurse=False)``."""
+    """``if <FSDP1's own tests>: _reshard(unit, handle(s), True)`` -> ``fsdp_bridge.reshard(unit, recurse=False)``;
+    calls into the tree's copies of torch's FSDP1 code reported."""
+
+    def _record_vendored_call(self, node: cst.Call, copy: str) -> None:
+        """A call of a function of ``copy``, a copy of torch's FSDP1 code kept in the tree (left as it is, see
+        ``_vendored``): it works on FSDP1 models only, and the models the rewritten code makes are FSDP2's."""
+        name = code_of(node.func).rsplit(".", 1)[-1]
+        where = os.path.relpath(copy, os.path.dirname(self.path) or ".")
+        same = (
+            f"if it does what FSDP1's FSDP.{name}(...) does, call that instead and run --fix again (it is "
+            "rewritten to FSDP2's form); "
+            if name in FSDP_METHODS
+            else ""
+        )
+        self._record(
+            node,
+            f"{short(code_of(node.func), 40)}(...)",
+            f"not rewritten: {name} is defined in {where}, a copy of torch's FSDP1 code kept in this tree, which "
+            f"works on FSDP1 models only (flat parameters, FSDP1's state) and fails on the FSDP2 models the "
+            f"rewritten code makes; {same}optimizer state on FSDP2: fsdp_bridge.save_checkpoint / load_checkpoint, "
+            "or torch.distributed.checkpoint.state_dict's get_/set_optimizer_state_dict",
+            False,
+        )
 
     def _plan_free(self, node: cst.If) -> bool:
         """Plan the rewrite of ``node`` (and mark it consumed); False where it is not the free idiom."""
