@@ -312,3 +312,31 @@ def test_a_model_a_base_class_in_another_file_wraps_is_fsdp1s_in_its_subclasses(
     ]
     migrate_paths([tmp_path], fix=True)
     assert (tmp_path / "trainer.py").read_text() == fixed
+
+
+def test_a_model_declared_fsdp1_by_a_class_field_annotation_is_fsdp1s_in_its_methods() -> None:
+    # A dataclass declares its field as FSDP1's wrapper (``runner: FSDP``) and a method reads the wrapper's
+    # data-parallel group from self.runner: FSDPModule has none (AttributeError after migration), so the read is
+    # reported. The same name declared with another type in another class shows nothing.
+    code = (
+        "from dataclasses import dataclass\n\n"
+        "import torch\n"
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n\n\n"
+        "@dataclass\n"
+        "class Loop:\n"
+        "    runner: FSDP\n"
+        "    steps: int = 0\n\n"
+        "    def group(self):\n"
+        "        return self.runner.process_group\n\n\n"
+        "@dataclass\n"
+        "class Other:\n"
+        "    runner: torch.nn.Module\n\n"
+        "    def group(self):\n"
+        "        return self.runner.process_group\n"
+    )
+    result = migrate_source(code, "loop.py")
+    todos = [f for f in result.findings if not f.fixable and "process_group" in f.construct]
+    assert [(f.line, f.construct) for f in todos] == [(13, "self.runner.process_group (an FSDP1 wrapper attribute)")]
+    assert "FSDPModule has no process_group" in todos[0].replacement
+    assert result.fixed.count("# TODO(fsdp-bridge): self.runner.process_group") == 1
+    assert migrate_source(result.fixed, "loop.py").fixed == result.fixed

@@ -574,3 +574,21 @@ def test_a_file_in_a_folder_without_init_imports_the_helpers_as_a_script_and_as_
     as_script = subprocess.run([sys.executable, "ns/train.py"], cwd=tmp_path, capture_output=True, text=True)
     as_module = subprocess.run([sys.executable, "-c", "import ns.train"], cwd=tmp_path, capture_output=True, text=True)
     assert as_script.stdout == as_module.stdout == "beside\n", (as_script.stderr, as_module.stderr)
+
+
+def test_a_package_file_run_as_a_script_imports_the_helpers_both_ways(tmp_path: Path) -> None:
+    # A file of a package with a __main__ guard is also run as a script (python pkg/train.py, torchrun
+    # pkg/train.py), where a relative import fails: it gets the import that works both ways. A package file
+    # without one is only imported, relatively.
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    main_guard = '\n\nif __name__ == "__main__":\n    print(model)\n'
+    (pkg / "run.py").write_text(HEAD + "model = FSDP(nn.Linear(2, 2))\n" + main_guard)
+    (pkg / "lib.py").write_text(HEAD + "model = FSDP(nn.Linear(2, 2))\n")
+    migrate_paths([tmp_path], fix=True, target="torch")
+    run, lib = (pkg / "run.py").read_text(), (pkg / "lib.py").read_text()
+    assert "except ImportError:\n    import _fsdp2_helpers\n" in run
+    assert "from . import _fsdp2_helpers" in lib and "except ImportError" not in lib
+    report, _ = migrate_paths([tmp_path], fix=True, target="torch")
+    assert report.changed == []  # idempotent

@@ -346,6 +346,12 @@ class ObjectAnalysis(ScannerBase):
                 kinds |= kind(n.annotation.annotation)
         if isinstance(scope, cst.ClassDef) and target.count(".") == 1 and self._handed_in(scope, target[5:]):
             kinds.add("fsdp1")
+        if isinstance(scope, cst.ClassDef) and target.count(".") == 1 and isinstance(scope.body, cst.IndentedBlock):
+            # A field declared in the class body (``model: FSDP``, a dataclass's): the type of self.model.
+            for stmt in scope.body.body:
+                for small in stmt.body if isinstance(stmt, cst.SimpleStatementLine) else ():
+                    if isinstance(small, cst.AnnAssign) and m.matches(small.target, m.Name(target[5:])):
+                        kinds |= kind(small.annotation.annotation)
         self.wrapper_kinds[key] = kinds
         return kinds
 

@@ -24,6 +24,7 @@ in plain torch; the file then still imports ``fsdp_bridge`` (and says so).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -533,12 +534,16 @@ def _one_line(code: str) -> str:
     return " ".join(code.split()).replace("( ", "(").replace(", )", ")")
 
 
-def _helpers_import(path: str) -> tuple[str, str | None, int] | None:
+def _helpers_import(path: str, module: cst.Module) -> tuple[str, str | None, int] | None:
     """How a file imports the generated module beside it: a package's file relatively; None for a folder with
-    no ``__init__.py`` (see :func:`_with_either_import`)."""
-    if (Path(path).parent / "__init__.py").is_file():
+    no ``__init__.py`` or a package's file that is also a script (a ``__main__`` guard: ``python pkg/train.py``
+    finds only an absolute import), see :func:`_with_either_import`."""
+    if (Path(path).parent / "__init__.py").is_file() and not _MAIN_GUARD.search(module.code):
         return "", HELPERS_NAME, 1
     return None
+
+
+_MAIN_GUARD = re.compile(r"""^if\s+__name__\s*==\s*['"]__main__['"]\s*:""", re.MULTILINE)
 
 
 EITHER_IMPORT = (
@@ -610,7 +615,7 @@ def lower_to_torch(module: cst.Module, path: str, *, groups: bool = False) -> Lo
     context = CodemodContext()
     for mod, obj in sorted(lowerer.result_imports, key=str):
         AddImportsVisitor.add_needed_import(context, mod, obj)
-    how = _helpers_import(path) if lowerer.uses_helpers else None
+    how = _helpers_import(path, module) if lowerer.uses_helpers else None
     if how is not None:
         AddImportsVisitor.add_needed_import(context, how[0], how[1], relative=how[2])
     new = AddImportsVisitor(context).transform_module(new)
