@@ -44,3 +44,27 @@ def test_the_bounds_count_tokens_not_text(tmp_path: Path) -> None:
     )
     with pytest.raises(SourceLimitError, match=f"blocks indented more than {MAX_INDENT} levels deep"):
         read_source(deep_blocks)
+
+
+def test_a_file_with_crlf_line_endings_keeps_them_when_rewritten(tmp_path: Path) -> None:
+    """Only the lines the codemod changes differ: a CRLF file is not turned into an LF one."""
+    from fsdp_bridge.migrate._code import migrate_paths
+
+    lines = [
+        "import torch",
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP",
+        "",
+        "",
+        "def wrap(net: torch.nn.Module) -> torch.nn.Module:",
+        "    return FSDP(net)",
+        "",
+    ]
+    path = tmp_path / "crlf.py"
+    path.write_bytes("\r\n".join(lines).encode())
+    assert read_source(path) == "\r\n".join(lines)
+    migrate_paths([tmp_path], fix=True)
+    written = path.read_bytes().decode()
+    assert "fsdp_bridge.shard(net" in written and "FSDP(" not in written, written
+    assert written.count("\n") == written.count("\r\n") > 0, written
+    migrate_paths([tmp_path], fix=True)
+    assert path.read_bytes().decode() == written

@@ -405,3 +405,56 @@ def test_flags_fsdp1_reads_as_truths_keep_that_meaning() -> None:
     opts = argparse.Namespace(throttle=1, prefetch=2)
     built = eval(config, {"fsdp_bridge": fsdp_bridge, "torch": torch, "opts": opts})
     assert built.limit_all_gathers is True and built.forward_prefetch is True and built.sync_module_states is True
+
+
+def test_optimizer_state_in_a_group_full_block_keeps_fsdp1s_cpu_offload_default() -> None:
+    """In a FULL_STATE_DICT block, FSDP1's optimizer config defaults to FullOptimStateDictConfig(), whose
+    offload_to_cpu is True (unlike FullStateDictConfig's): the full optimizer state lands on the CPU."""
+    from fsdp_bridge.migrate._analysis import Dispatch
+
+    code = textwrap.dedent(
+        """
+        import torch
+        from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig, StateDictType
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+
+        def export(net, opt, path):
+            with FSDP.state_dict_type(net, StateDictType.FULL_STATE_DICT, FullStateDictConfig(rank0_only=True)):
+                torch.save({"net": net.state_dict(), "opt": FSDP.optim_state_dict(net, opt)}, path)
+
+
+        def export_rank0(net, opt, path):
+            with FSDP.state_dict_type(
+                net, StateDictType.FULL_STATE_DICT, FullStateDictConfig(rank0_only=True),
+                FullOptimStateDictConfig(rank0_only=True),
+            ):
+                torch.save({"net": net.state_dict(), "opt": FSDP.optim_state_dict(net, opt)}, path)
+        """
+    )
+    fixed = migrate_source(code, "/srv/t/export.py", dispatch=Dispatch(group_fsdp="/srv/t/train.py")).fixed
+    assert TODO not in fixed, fixed
+    assert "fsdp_bridge.full_optim_state_dict(net, opt, rank0_only=False, offload_to_cpu=True)" in fixed, fixed
+    assert "fsdp_bridge.full_optim_state_dict(net, opt, rank0_only=True, offload_to_cpu=True)" in fixed, fixed
+    assert fixed.count("fsdp_bridge.full_state_dict(net, rank0_only=True, offload_to_cpu=False)") == 2, fixed
+
+
+def test_optimizer_state_in_a_sharded_block_keeps_fsdp1s_cpu_offload_default() -> None:
+    """ShardedOptimStateDictConfig's offload_to_cpu defaults to True (ShardedStateDictConfig's to False)."""
+    code = textwrap.dedent(
+        """
+        import torch
+        from torch.distributed.fsdp import StateDictType
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+
+        def export(net, opt, path):
+            net = FSDP(net)
+            with FSDP.state_dict_type(net, StateDictType.SHARDED_STATE_DICT):
+                torch.save({"net": net.state_dict(), "opt": FSDP.optim_state_dict(net, opt)}, path)
+        """
+    )
+    fixed = migrate_source(code, "export.py").fixed
+    assert TODO not in fixed, fixed
+    assert "get_model_state_dict(net, options=StateDictOptions())" in fixed, fixed
+    assert "get_optimizer_state_dict(net, opt, options=StateDictOptions(cpu_offload=True))" in fixed, fixed

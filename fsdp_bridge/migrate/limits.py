@@ -67,7 +67,7 @@ def read_source(path: Path) -> str:
             f"{size:,} bytes, over the codemod's limit of {MAX_SOURCE_BYTES:,} bytes "
             "(a training script is far smaller: is this generated code or data?); migrate it by hand"
         )
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8", newline="") as f:  # line endings as written (CRLF files stay CRLF)
         code = f.read(MAX_SOURCE_BYTES + 1)  # the file may have grown since the stat
     if len(code.encode("utf-8")) > MAX_SOURCE_BYTES:
         raise SourceLimitError(f"over the codemod's limit of {MAX_SOURCE_BYTES:,} bytes; migrate it by hand")

@@ -377,7 +377,8 @@ class StateDictFixer(ScannerBase):
         )
         optim_args = (
             f"rank0_only={self._config_flag(optim_cfg, 'rank0_only', False)}, "
-            f"offload_to_cpu={self._config_flag(optim_cfg, 'offload_to_cpu', False)}"
+            # FullOptimStateDictConfig's offload_to_cpu defaults to True (FullStateDictConfig's to False)
+            f"offload_to_cpu={self._config_flag(optim_cfg, 'offload_to_cpu', True)}"
         )
         rewrites: dict[int, str] = {}
         for inner in walk(node.body):
@@ -486,7 +487,8 @@ class StateDictFixer(ScannerBase):
             optim_opts = self._options(
                 full,
                 cpu_offload=full and self._config_flag(optim_cfg, "rank0_only", False),
-                offload=not full and self._config_flag(optim_cfg, "offload_to_cpu", False),
+                # ShardedOptimStateDictConfig's offload_to_cpu defaults to True (ShardedStateDictConfig's to False)
+                offload=not full and self._config_flag(optim_cfg, "offload_to_cpu", True),
             )
             load_opts = self._options(full)
             # FSDP1 loads a full optimizer state with rank0_only from rank 0 alone (the other ranks'
