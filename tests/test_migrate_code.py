@@ -1024,6 +1024,33 @@ def test_optim_state_dict_to_load_kept_in_a_variable_and_old_torch_branches() ->
     assert migrate_source(result.fixed, "otl.py").fixed == result.fixed
 
 
+def test_optim_state_dict_to_load_in_old_torchs_order_without_a_version_branch_is_read_in_that_order() -> None:
+    # Code written for torch 2.0 passes (osd, model, optim) with no version test; the model is FSDP1's (made by
+    # FSDP(...) in the function), the first argument is not. Read in today's order, the rewrite would hand the
+    # state dict over as the model. Both spellings: kept in a variable, and inside optimizer.load_state_dict.
+    source = textwrap.dedent("""\
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+
+        def resume(module, optimizer, checkpoint):
+            sharded = FSDP(module)
+            osd = checkpoint["optimizer"]
+            osd = FSDP.optim_state_dict_to_load(osd, sharded, optimizer)
+            optimizer.load_state_dict(osd)
+            optimizer.load_state_dict(FSDP.optim_state_dict_to_load(checkpoint["optimizer"], sharded, optimizer))
+            return sharded
+        """)
+    result = migrate_source(source, "resume.py")
+    assert "osd = fsdp_bridge.optim_state_dict_to_load(sharded, optimizer, osd)" in result.fixed
+    assert 'set_optimizer_state_dict(sharded, optimizer, checkpoint["optimizer"], options=' in result.fixed
+    loads = [f for f in result.findings if "optim_state_dict_to_load" in f.construct]
+    assert len(loads) == 2 and all(f.fixable and "torch < 2.1's order" in f.replacement for f in loads)
+    assert migrate_source(result.fixed, "resume.py").fixed == result.fixed
+    # Today's order (the model first) is read as it is.
+    today = source.replace("(osd, sharded, optimizer)", "(sharded, optimizer, osd)")
+    assert "osd = fsdp_bridge.optim_state_dict_to_load(sharded, optimizer, osd)" in migrate_source(today).fixed
+
+
 def test_dual_backend_code_keeps_its_fsdp1_branches_and_fsdp2_modules_take_their_path() -> None:
     """Code that already tells FSDP1 from FSDP2 keeps its FSDP1 branches (reported as kept, no TODO):
     FSDP2 modules never reach them, and an ``isinstance(m, FSDP)`` that tells the two apart is not

@@ -36,7 +36,7 @@ class OptimStateFixer(ScannerBase):
                 "FSDP.optim_state_dict_to_load(...)",
                 f"{code}: loads the state into the optimizer "
                 "(torch's set_optimizer_state_dict) and returns optimizer.state_dict(), so loading the "
-                "result again changes nothing",
+                "result again changes nothing" + _OLD_ORDER * self._old_argument_order(node),
                 True,
             )
             return True
@@ -270,6 +270,22 @@ class OptimStateFixer(ScannerBase):
         self._record(node, f"FSDP.{member}(...)", code, True)
         return True
 
+    def _old_argument_order(self, node: cst.Call) -> bool:
+        """``FSDP.optim_state_dict_to_load`` written with torch < 2.1's order, ``(optim_state_dict, model, optim)``:
+        in the branch the code takes on old torch (dead on the torch versions FSDP2 needs), or its second
+        positional argument shown to be FSDP1's model and its first not (in today's order the second is the
+        optimizer). Either way the rewrite reads the arguments in that order, as the code meant them."""
+        positional = [a.value for a in node.args if a.keyword is None]
+        if not positional:
+            return False
+        if self._in_old_torch_branch(node):
+            return True
+        return (
+            len(positional) >= 2
+            and self._fsdp1_wrapper(node, positional[1], by_calls=False) != ""
+            and self._fsdp1_wrapper(node, positional[0], by_calls=False) == ""
+        )
+
     def _in_old_torch_branch(self, node: cst.CSTNode) -> bool:
         """Inside the branch of ``if <torch.__version__> < ...:`` (or the else of ``>=``) taken on old torch."""
         line = self.get_metadata(PositionProvider, node).start.line
@@ -307,9 +323,7 @@ class OptimStateFixer(ScannerBase):
         """``FSDP.optim_state_dict_to_load(M, O, sd)`` kept in a variable -> fsdp_bridge's helper that loads
         it and returns ``O.state_dict()`` (a later ``O.load_state_dict(x)`` then changes nothing)."""
         order: tuple[str, ...] = ("model", "optim", "optim_state_dict", "is_named_optimizer", "load_directly", "group")
-        if any(a.keyword is None for a in node.args) and self._in_old_torch_branch(node):
-            # torch < 2.1 took (optim_state_dict, model, optim): the branch the code takes there (dead on
-            # the torch versions FSDP2 needs) is written with that order read right.
+        if self._old_argument_order(node):
             order = ("optim_state_dict", "model", "optim")
         named = named_args(node, order)
         if named is None or not {"model", "optim", "optim_state_dict"} <= set(named):
@@ -411,9 +425,10 @@ class OptimStateFixer(ScannerBase):
         if hit[1] == "optim_state_dict_to_load" and len(args) >= 3:
             if self._load_type_set_elsewhere(inner):
                 return True
-            model: str | None = args[0]
+            old = self._old_argument_order(inner)  # torch < 2.1: (optim_state_dict, model, optim)
+            model: str | None = args[1] if old else args[0]
             sharded = self.dispatch.sets_state_dict_type is not None  # then SHARDED, set just above
-            sd, opts = args[2], self._options(not sharded)
+            sd, opts = args[0] if old else args[2], self._options(not sharded)
         elif hit[1] in ("shard_full_optim_state_dict", "scatter_full_optim_state_dict") and args:
             model = args[1] if len(args) > 1 else keywords.get("model")
             sd = args[0]
@@ -426,5 +441,9 @@ class OptimStateFixer(ScannerBase):
         code = f"set_optimizer_state_dict({model}, {optim}, {sd}, options={opts})"
         self.call_rewrites[id(node)] = code
         self._consume(inner)
-        self._record(node, f"FSDP.{hit[1]}(...)", code, True)
+        old_order = hit[1] == "optim_state_dict_to_load" and self._old_argument_order(inner)
+        self._record(node, f"FSDP.{hit[1]}(...)", code + _OLD_ORDER * old_order, True)
         return True
+
+
+_OLD_ORDER = "; its arguments are in torch < 2.1's order, (optim_state_dict, model, optim), and are read so"
