@@ -1637,7 +1637,7 @@ def test_a_patched_copy_of_some_fsdp1_internals_is_one_construct_and_its_callers
     fixed = (package / "checkpoint.py").read_text()
     assert "# TODO(fsdp-bridge): scatter_full_optim_state_dict(...): not rewritten" in fixed
     assert "fsdp_bridge.shard(module" in fixed
-    again, _ = migrate_paths([tmp_path], fix=True)  # a second --fix changes nothing
+    migrate_paths([tmp_path], fix=True)  # a second --fix changes nothing
     assert (package / "checkpoint.py").read_text() == fixed
 
     # Two of torch's private names, or private names of a module the file does not import from, are code of
