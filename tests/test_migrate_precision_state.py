@@ -113,6 +113,77 @@ def test_a_second_fsdp1_root_keeps_fsdp1_full_state_dicts() -> None:
     assert f'set_model_state_dict(self.shadow, blob["s"], {full})' in fixed
 
 
+SUBCLASS_SAVE = """
+import torch
+from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+
+class Runner:
+    def wrap(self):
+        self.pair.encoder = FSDP(self.pair.encoder)
+        self.pair.scorer = FSDP(self.pair.scorer)
+
+
+class ScoringRunner(Runner):
+    def save(self, path):
+        cfg = FullStateDictConfig(offload_to_cpu=True, rank0_only=True)
+        with FSDP.state_dict_type(self.pair.encoder, StateDictType.FULL_STATE_DICT, state_dict_config=cfg):
+            enc = self.pair.encoder.state_dict()
+            scorer = self.pair.scorer.state_dict()
+        torch.save((enc, scorer), path)
+
+
+class RebuiltRunner(Runner):
+    def wrap(self):
+        self.pair = torch.nn.Module()
+
+    def save(self, path):
+        torch.save(self.pair.scorer.state_dict(), path)
+"""
+
+
+def test_a_second_root_made_by_the_base_class_keeps_fsdp1_full_state_dicts() -> None:
+    fixed = migrate_source(SUBCLASS_SAVE, "runner.py").fixed
+    full = "options=StateDictOptions(full_state_dict=True)"
+    # the base class of this file wrapped self.pair.scorer itself: outside its own context it is a full state dict
+    assert f"scorer = get_model_state_dict(self.pair.scorer, {full})" in fixed
+    # a subclass that binds self.pair itself holds another object: left alone
+    assert "torch.save(self.pair.scorer.state_dict(), path)" in fixed
+    assert migrate_source(fixed, "runner.py").fixed == fixed
+
+
+NEGATED_GUARD = """
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+
+class Holder:
+    def __init__(self, net):
+        self.net = FSDP(net)
+
+    def inner(self):
+        if not isinstance(self.net, FSDP):
+            return self.net.module
+        return self.net
+
+    def weights(self):
+        if not isinstance(self.net, FSDP):
+            return self.net.state_dict()
+        return self.net.state_dict()
+"""
+
+
+def test_a_state_dict_guarded_by_not_isinstance_fsdp_keeps_the_other_modules_path() -> None:
+    fixed = migrate_source(NEGATED_GUARD, "holder.py").fixed
+    full = "options=StateDictOptions(full_state_dict=True)"
+    # the guarded branch runs for DDP, torch's own fully_shard modules and plain ones: their own state_dict stays
+    guarded = _between(fixed, "def weights", "\n        return")
+    assert "return self.net.state_dict()" in guarded and "get_model_state_dict" not in guarded
+    assert "return self.net.module" in _between(fixed, "def inner", "def weights")  # DDP's wrapped module
+    # past the guard only FSDP1's wrapper arrives: its default full state dict
+    assert fixed.rstrip().endswith(f"return get_model_state_dict(self.net, {full})")
+
+
 def test_a_persistent_sharded_type_keeps_later_state_calls_sharded() -> None:
     fixed = _fix("persistent_sharded.py")
     saved = _between(fixed, "def save_sharded", "def optimizer_state_of")

@@ -163,8 +163,15 @@ class ObjectAnalysis(ScannerBase):
 
     def _test_kinds(self, test: cst.BaseExpression, target: str) -> set[str]:
         """Wrapper kinds that ``test`` checks ``target`` for: ``isinstance(target, FSDP | DDP)`` (in ``or``/``and``
-        combinations too) or a helper of this file that returns ``isinstance(x, FSDP)``."""
+        combinations too) or a helper of this file that returns ``isinstance(x, FSDP)``; "not-fsdp1" for such a
+        test under ``not`` (what it guards runs for every module but FSDP1's)."""
         kinds: set[str] = set()
+        negated = {
+            id(x)
+            for n in walk(test)
+            if isinstance(n, cst.UnaryOperation) and isinstance(n.operator, cst.Not)
+            for x in walk(n.expression)
+        }
         for n in walk(test):
             if not isinstance(n, cst.Call) or not n.args or code_of(n.args[0].value) != target:
                 continue
@@ -172,11 +179,12 @@ class ObjectAnalysis(ScannerBase):
                 for x in walk(n.args[1].value):
                     quals = self.get_metadata(QualifiedNameProvider, x, set())
                     if resolve_fsdp(quals) == (FSDP, ""):
-                        kinds.add("fsdp1")
+                        # ``not isinstance(x, FSDP)``: the code it guards runs for every other module
+                        kinds.add("not-fsdp1" if id(n) in negated else "fsdp1")
                     if any(q.name.endswith(".DistributedDataParallel") for q in quals):
                         kinds.add("ddp")
             elif isinstance(n.func, cst.Name) and n.func.value in self._fsdp1_predicates():
-                kinds.add("fsdp1")
+                kinds.add("not-fsdp1" if id(n) in negated else "fsdp1")
         return kinds
 
     def _isinstance_branch(self, node: cst.CSTNode, obj: cst.BaseExpression) -> set[str]:
@@ -214,7 +222,9 @@ class ObjectAnalysis(ScannerBase):
         called on it (DDP has none). DistributedDataParallel assigned or tested there makes it ambiguous."""
         branch = self._isinstance_branch(node, obj)
         if branch:
-            return "" if branch == {"ddp"} else ("fsdp1" if branch == {"fsdp1"} else "ambiguous")
+            if "fsdp1" not in branch:
+                return ""  # tested as DDP, or as not FSDP1's wrapper
+            return "fsdp1" if branch == {"fsdp1"} else "ambiguous"
         kinds = self._wrapper_kinds(obj, by_calls=by_calls, before=node)
         if "fsdp1" not in kinds:
             return ""
@@ -271,7 +281,8 @@ class ObjectAnalysis(ScannerBase):
             return not any(r < (at.line, at.column) for r in rebound)
 
         kinds: set[str] = set()
-        for n in walk(scope):
+        scopes = [scope, *self._base_classes_here(scope, target)] if isinstance(scope, cst.ClassDef) else [scope]
+        for n in (x for s in scopes for x in walk(s)):
             if limit is not None and isinstance(n, (cst.IndentedBlock, cst.Module)):
                 # Assigned in a statement that ends above ``before``, in a block that holds it: not in a sibling
                 # branch (``if fsdp1: m = FSDP(m)`` then ``elif fsdp2: m.state_dict()`` is the plain module).
@@ -354,6 +365,38 @@ class ObjectAnalysis(ScannerBase):
                         kinds |= kind(small.annotation.annotation)
         self.wrapper_kinds[key] = kinds
         return kinds
+
+    def _base_classes_here(self, cls: cst.ClassDef, target: str) -> list[cst.ClassDef]:
+        """The classes of this file ``cls`` derives from (theirs too), when ``cls`` never binds ``target``
+        (``self.a.b``) nor a prefix of it (``self.a``): their methods' ``self.a.b = FSDP(...)`` made the
+        object ``cls``'s methods read (a base's ``shard()`` run by the subclass)."""
+        prefixes = {".".join(target.split(".")[:k]) for k in range(2, target.count(".") + 2)}
+
+        def binds_target(c: cst.ClassDef) -> bool:
+            return any(
+                code_of(t) in prefixes
+                for n in walk(c.body)
+                for t in (
+                    [x.target for x in n.targets]
+                    if isinstance(n, cst.Assign)
+                    else [n.target]
+                    if isinstance(n, (cst.AnnAssign, cst.AugAssign))
+                    else []
+                )
+            )
+
+        if self.module is None or binds_target(cls):
+            return []
+        here = {s.name.value: s for s in self.module.body if isinstance(s, cst.ClassDef)}
+        found: list[cst.ClassDef] = []
+        todo = [code_of(b.value).rsplit(".", 1)[-1] for b in cls.bases]
+        while todo:
+            base = here.get(todo.pop())
+            if base is None or base is cls or any(base is f for f in found):
+                continue
+            found.append(base)
+            todo.extend(code_of(b.value).rsplit(".", 1)[-1] for b in base.bases)
+        return found
 
     def _handed_in(self, cls: cst.ClassDef, attr: str) -> bool:
         """Every assignment of ``self.<attr>`` in ``cls`` is ``self.<attr> = p`` with ``p`` a parameter of that
