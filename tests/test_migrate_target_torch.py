@@ -592,3 +592,20 @@ def test_a_package_file_run_as_a_script_imports_the_helpers_both_ways(tmp_path: 
     assert "from . import _fsdp2_helpers" in lib and "except ImportError" not in lib
     report, _ = migrate_paths([tmp_path], fix=True, target="torch")
     assert report.changed == []  # idempotent
+
+
+def test_state_dict_options_known_only_at_run_time_says_which_plain_options_to_write() -> None:
+    # The bridge target reads FSDP1's state-dict configs at run time (a config object made elsewhere); plain
+    # torch has no reader for them, so the call stays on the bridge, and the TODO says how to write it out.
+    code = (
+        "import fsdp_bridge\n"
+        "from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict\n\n\n"
+        "def save(model, optim, policy):\n"
+        "    return get_optimizer_state_dict(\n"
+        "        model, optim, options=fsdp_bridge.state_dict_options('FULL_STATE_DICT', None, policy, optimizer=True)\n"
+        "    )\n"
+    )
+    result = migrate_source(code, "save.py", target="torch")
+    (todo,) = [f for f in result.findings if "fsdp_bridge.state_dict_options" in f.construct]
+    assert not todo.fixable and "write StateDictOptions(...) from the values passed here" in todo.replacement
+    assert "no plain-torch form written for it yet" not in todo.replacement
