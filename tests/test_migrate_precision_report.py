@@ -215,3 +215,25 @@ def test_a_context_of_a_kept_subclass_of_the_wrapper_is_named_fsdp1s_own_not_rew
     assert "rewritten to fsdp_bridge.state_dict_type" not in optim.replacement
     assert "TracedWrapper.state_dict_type(model, StateDictType.FULL_STATE_DICT)" in result.fixed
     assert not any("rewritten" in f.replacement and "blocks" in f.replacement for f in result.findings)
+
+
+def test_torchs_clip_over_an_fsdp1_models_parameters_is_kept_with_a_note_on_its_changed_meaning() -> None:
+    # On FSDP1 torch's clip sees each rank's flat shards (a per-rank norm); on FSDP2 the DTensor parameters give
+    # the global norm. The call stays (it is right on FSDP2), and the report says the clipping changes. A plain
+    # module's (or an unproven object's) clip is nobody's business.
+    code = (
+        "import torch\n"
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n\n\n"
+        "def step(module, other, loss):\n"
+        "    model = FSDP(module)\n"
+        "    loss.backward()\n"
+        "    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)\n"
+        "    torch.nn.utils.clip_grad_norm_(other.parameters(), 1.0)\n"
+        "    return norm\n"
+    )
+    result = migrate_source(code, "step.py")
+    (note,) = [f for f in result.findings if f.note]
+    assert note.construct == "torch.nn.utils.clip_grad_norm_(model.parameters(), ...)" and note.line == 8
+    assert "each rank clips by the norm of its own shard" in note.replacement
+    assert "    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)\n" in result.fixed
+    assert "TODO" not in result.fixed

@@ -104,6 +104,7 @@ class Scanner(
     def visit_Call(self, node: cst.Call) -> bool | None:
         func = node.func
         self._note_fsdp1_checkpoint(node)
+        self._note_local_clip(node)
         copy = self._vendored_function(self.get_metadata(QualifiedNameProvider, func, set()))
         if self.planning:
             self.called.add(id(func))

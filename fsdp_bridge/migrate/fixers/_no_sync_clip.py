@@ -7,15 +7,47 @@ import os
 
 import libcst as cst
 import libcst.matchers as m
-from libcst.metadata import QualifiedNameProvider
+from libcst.metadata import PositionProvider, QualifiedNameProvider
 
 from fsdp_bridge.migrate._analysis import code_of, short, walk
 from fsdp_bridge.migrate._names import FSDP, NAMES
+from fsdp_bridge.migrate._report import CodeFinding
 from fsdp_bridge.migrate._scan_base import ScannerBase
+
+LOCAL_CLIP = (
+    "left as it is; its meaning changes: on FSDP1 (flat parameters) torch's clip_grad_norm_ sees the gradient "
+    "shards this rank holds, so each rank clips by the norm of its own shard, while on FSDP2 the parameters are "
+    "DTensors and the norm is the whole model's (what FSDP1's own model.clip_grad_norm_ gives): the clipping, "
+    "and any norm it returns or logs, change to the global one"
+)
 
 
 class NoSyncClipFixer(ScannerBase):
-    """The wrapper's no_sync and clip_grad_norm_."""
+    """The wrapper's no_sync and clip_grad_norm_; torch's clip over an FSDP1 model's parameters (a note)."""
+
+    def _note_local_clip(self, node: cst.Call) -> None:
+        """``torch.nn.utils.clip_grad_norm_(model.parameters(), n)`` with ``model`` shown to be FSDP1's wrapper:
+        a note in the report (the call stays; what it computes changes, see :data:`LOCAL_CLIP`)."""
+        if self.planning or not node.args or node.args[0].keyword is not None:
+            return
+        names = {q.name for q in self.get_metadata(QualifiedNameProvider, node.func, set())}
+        if not names & {"torch.nn.utils.clip_grad_norm_", "torch.nn.utils.clip_grad.clip_grad_norm_"}:
+            return
+        params = node.args[0].value
+        if not (
+            isinstance(params, cst.Call)
+            and isinstance(params.func, cst.Attribute)
+            and params.func.attr.value == "parameters"
+            and not params.args
+        ):
+            return
+        if self._fsdp1_wrapper(node, params.func.value, by_calls=False) == "":
+            return
+        pos = self.get_metadata(PositionProvider, node)
+        construct = f"torch.nn.utils.clip_grad_norm_({short(code_of(params), 40)}, ...)"
+        self.findings.append(
+            CodeFinding(self.path, pos.start.line, pos.start.column, construct, LOCAL_CLIP, True, note=True)
+        )
 
     def _plan_wrapper_method_call(self, node: cst.Call, func: cst.BaseExpression, hit: tuple[str, str] | None) -> None:
         """The FSDP1 wrapper's no_sync() and clip_grad_norm_(...), and its register_comm_hook (a TODO)."""
