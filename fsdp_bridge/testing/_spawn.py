@@ -139,6 +139,10 @@ def _worker(
             world_size=world_size,
             timeout=datetime.timedelta(seconds=120),
         )
+        if backend == "gloo":
+            # Every rank's connections are up before any rank runs ``fn``: a rank whose peer lost the
+            # rendezvous must not go on alone (its result would stop the rendezvous from being retried).
+            dist.barrier()
         started = True
         try:
             value = fn(*args, **kwargs)
