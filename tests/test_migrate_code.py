@@ -1049,6 +1049,21 @@ def test_optim_state_dict_to_load_in_old_torchs_order_without_a_version_branch_i
     # Today's order (the model first) is read as it is.
     today = source.replace("(osd, sharded, optimizer)", "(sharded, optimizer, osd)")
     assert "osd = fsdp_bridge.optim_state_dict_to_load(sharded, optimizer, osd)" in migrate_source(today).fixed
+    # A model whose units a method of its own wraps shows nothing; the old order shows in the names: the last
+    # argument names an optimizer (today's order ends with the state dict).
+    wrapped_by_method = textwrap.dedent("""\
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+
+        def resume(model, args, checkpoint):
+            model.wrap_units(args)
+            osd = FSDP.optim_state_dict_to_load(checkpoint["optimizer"], model, args.optimizer)
+            args.optimizer.load_state_dict(osd)
+        """)
+    fixed = migrate_source(wrapped_by_method, "resume.py").fixed
+    assert 'osd = fsdp_bridge.optim_state_dict_to_load(model, args.optimizer, checkpoint["optimizer"])' in fixed
+    named_today = wrapped_by_method.replace('(checkpoint["optimizer"], model, args.optimizer)', "(model, optim, osd)")
+    assert "fsdp_bridge.optim_state_dict_to_load(model, optim, osd)" in migrate_source(named_today).fixed
 
 
 def test_dual_backend_code_keeps_its_fsdp1_branches_and_fsdp2_modules_take_their_path() -> None:

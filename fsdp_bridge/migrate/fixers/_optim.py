@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 import libcst as cst
@@ -272,14 +273,17 @@ class OptimStateFixer(ScannerBase):
 
     def _old_argument_order(self, node: cst.Call) -> bool:
         """``FSDP.optim_state_dict_to_load`` written with torch < 2.1's order, ``(optim_state_dict, model, optim)``:
-        in the branch the code takes on old torch (dead on the torch versions FSDP2 needs), or its second
-        positional argument shown to be FSDP1's model and its first not (in today's order the second is the
-        optimizer). Either way the rewrite reads the arguments in that order, as the code meant them."""
+        in the branch the code takes on old torch (dead on the torch versions FSDP2 needs), its third positional
+        argument named as an optimizer and the first two not (in today's order the third is the state dict), or
+        its second shown to be FSDP1's model and its first not (in today's order the second is the optimizer).
+        Either way the rewrite reads the arguments in that order, as the code meant them."""
         positional = [a.value for a in node.args if a.keyword is None]
         if not positional:
             return False
         if self._in_old_torch_branch(node):
             return True
+        if len(positional) >= 3 and [_optimizer_named(code_of(p)) for p in positional[:3]] == [False, False, True]:
+            return True  # (osd, model, optimizer): today's order ends with the state dict, not an optimizer
         return (
             len(positional) >= 2
             and self._fsdp1_wrapper(node, positional[1], by_calls=False) != ""
@@ -447,3 +451,11 @@ class OptimStateFixer(ScannerBase):
 
 
 _OLD_ORDER = "; its arguments are in torch < 2.1's order, (optim_state_dict, model, optim), and are read so"
+
+_OPTIMIZER_NAME = re.compile(r"(?:optim|optimizer|opt)\d*")
+
+
+def _optimizer_named(code: str) -> bool:
+    """``code`` is a name (or an attribute, ``self.optimizer``) that names an optimizer, not its state."""
+    last = code.rsplit(".", 1)[-1]
+    return last.isidentifier() and _OPTIMIZER_NAME.fullmatch(last.lower()) is not None
