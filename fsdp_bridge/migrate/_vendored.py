@@ -67,20 +67,24 @@ def _torch_dir() -> Path | None:
 
 
 @functools.cache
-def _top_level_names(path: Path) -> frozenset[str]:
+def _parsed(path: Path) -> ast.Module | None:
+    """A torch source, parsed once (None where it cannot be read or parsed)."""
     try:
-        tree = ast.parse(path.read_text(encoding="utf-8"))
+        return ast.parse(path.read_text(encoding="utf-8"))
     except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
-        return frozenset()
-    return _defined(tree)
+        return None
+
+
+def _top_level_names(path: Path) -> frozenset[str]:
+    tree = _parsed(path)
+    return frozenset() if tree is None else _defined(tree)
 
 
 @functools.cache
 def _private_names(path: Path) -> frozenset[str]:
     """The private top-level functions and classes of a torch source, and its classes' private methods."""
-    try:
-        tree = ast.parse(path.read_text(encoding="utf-8"))
-    except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
+    tree = _parsed(path)
+    if tree is None:
         return frozenset()
     names = set(_defined(tree))
     for node in tree.body:
