@@ -1223,15 +1223,17 @@ def test_private_fsdp1_helpers_and_wrapper_subclasses_are_todos_not_fixes() -> N
 def test_wrapped_model_attributes_and_a_clip_of_the_trees_own() -> None:
     result = migrate_source(_source("wrapper_attributes.py"), "wrapper_attributes.py")
     fixable = {(f.line, f.construct): f.fixable for f in result.findings}
-    # FSDP1's .module is the model itself on FSDP2; where the object may be DDP's wrapper too, DDP's .module
-    # is kept for DDP's wrapper only.
+    # FSDP1's .module is the model itself on FSDP2 and the module inside the wrapper where the model stays
+    # FSDP1's (the bridge's fsdp1 backend): fsdp_bridge.unwrapped; a name the wrapper hands on reads the same
+    # without it. Where the object may be DDP's wrapper too, DDP's .module is kept for DDP's wrapper only.
     assert fixable[(49, "model.module (the wrapped module)")] and "    model.freeze_encoder()\n" in result.fixed
     assert fixable[(67, "model.module (the wrapped module)")]
     assert (
-        "return (model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model)  #"
+        "return (model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) "
+        "else fsdp_bridge.unwrapped(model))  #"
     ) in result.fixed
     # Inside ``if isinstance(model, FSDP)`` it is FSDP1's; inside the DDP branch DDP's, not reported.
-    assert "        return model.state_dict()  # FSDP1's branch" in result.fixed
+    assert "        return fsdp_bridge.unwrapped(model).state_dict()  # FSDP1's branch" in result.fixed
     assert "        return model.module.state_dict()  # DDP's branch" in result.fixed
     assert not any(f.line == 74 for f in result.findings)
     # FSDPModule has no sharding_strategy: fsdp_bridge.fsdp1_settings gives FSDP1's answer on either backend.

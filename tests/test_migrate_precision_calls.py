@@ -279,8 +279,56 @@ def test_the_wrapped_module_in_a_tree_keeping_a_subclass_of_the_wrapper_is_unwra
     fixed = migrate_source(guarded + kept, "wrappers.py").fixed
     assert "        return fsdp_bridge.unwrapped(m)\n" in fixed
     assert migrate_source(fixed, "wrappers.py").fixed == fixed
-    plain = migrate_source(guarded, "inner.py").fixed  # no subclass kept: FSDP2 does not wrap
-    assert "        return m\n" in plain and "unwrapped" not in plain
+    plain = migrate_source(guarded, "inner.py").fixed  # no subclass kept: the same, right on either backend
+    assert "        return fsdp_bridge.unwrapped(m)\n" in plain
+
+
+def test_the_wrapped_module_of_a_model_wrapped_outside_the_tree_is_unwrapped_not_dropped() -> None:
+    # A training library outside the tree wraps the model with FSDP1 and hands it to the tree's callback, which
+    # tells the cases apart with isinstance. --fix cannot change that library: the model stays FSDP1's wrapper
+    # there, and state.model.model.module must still be the module inside it (dropping .module handed the wrapper
+    # on, so save_pretrained and the config check then read the wrapper). A name the wrapper hands on to the
+    # module it wraps (.config) reads the same without .module on both.
+    code = (
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n\n\n"
+        "class SaveCallback:\n"
+        "    def on_save(self, state, path):\n"
+        "        if isinstance(state.model.model, FSDP):\n"
+        "            original = state.model.model.module\n"
+        "            config = state.model.model.module.config\n"
+        "        else:\n"
+        "            original = state.model.model\n"
+        "            config = original.config\n"
+        "        original.save_pretrained(path)\n"
+        "        return config\n"
+    )
+    result = migrate_source(code, "callbacks.py")
+    assert "            original = fsdp_bridge.unwrapped(state.model.model)\n" in result.fixed
+    assert "            config = state.model.model.config\n" in result.fixed
+    assert "            original = state.model.model\n" in result.fixed  # the other branch, untouched
+    assert all(f.fixable for f in result.findings) and "TODO" not in result.fixed
+    assert migrate_source(result.fixed, "callbacks.py").fixed == result.fixed
+    torch_target = migrate_source(code, "callbacks.py", target="torch").fixed
+    assert "fsdp_bridge" not in torch_target and "            original = state.model.model\n" in torch_target
+
+    from types import SimpleNamespace
+    from unittest import mock
+
+    from torch import nn
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    namespace: dict = {}
+    exec(compile(result.fixed, "callbacks.py", "exec"), namespace)
+    saved = []
+    inner = nn.Linear(2, 2)
+    inner.config = "the model's config"
+    inner.save_pretrained = saved.append
+    fsdp1 = mock.MagicMock(spec=FullyShardedDataParallel)  # what the library outside the tree made
+    fsdp1._fsdp_wrapped_module, fsdp1.config = inner, inner.config  # FSDP1 hands .config to the inner module
+    assert namespace["SaveCallback"]().on_save(SimpleNamespace(model=SimpleNamespace(model=fsdp1)), "out") == (
+        "the model's config"
+    )
+    assert saved == ["out"]
 
 
 def test_a_model_a_base_class_in_another_file_wraps_is_fsdp1s_in_its_subclasses(tmp_path: Path) -> None:

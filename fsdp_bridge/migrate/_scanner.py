@@ -235,12 +235,12 @@ class Scanner(
         inner = node.value
         if (
             isinstance(inner, cst.Attribute)
-            and inner.attr.value == "_fsdp_wrapped_module"
+            and inner.attr.value in ("_fsdp_wrapped_module", "module")
             and not self.assign_target_depth
             and not wrapper_defines(node.attr.value)
         ):
             # FSDP1's wrapper hands a name it does not define to the module it wraps: X.name is the same
-            self.forwarded_reads.add(id(inner))
+            self.forwarded_reads[id(inner)] = node.attr.value
         self._note_fsdp1_checkpoint(node)
         self._note_fsdp1_attribute(node)
         return self._reference(node)

@@ -165,17 +165,21 @@ class ImportsFixer(ScannerBase):
             obj = code_of(node.value)
             if wrapper == "ambiguous":
                 # DDP's wrapper keeps .module; FSDP2's sharded model is the module itself.
-                code = f"({obj}.module if isinstance({obj}, torch.nn.parallel.DistributedDataParallel) else {obj})"
+                code = (
+                    f"({obj}.module if isinstance({obj}, torch.nn.parallel.DistributedDataParallel) "
+                    f"else fsdp_bridge.unwrapped({obj}))"
+                )
                 stmt = self.stmt_stack[-1] if self.stmt_stack else None
                 if stmt is not None and code[1:-1] in code_of(stmt):
                     return True  # written by a first --fix
                 self.expr_rewrites[id(node)] = code
-                self.needs_imports.add(("torch", None))
+                self.needs_imports.update((("torch", None), ("fsdp_bridge", None)))
                 self._record(
                     node,
                     f"{code_of(node)} (the wrapped module)",
                     f"{code}: {obj} may be DistributedDataParallel's wrapper (its .module) or, on the FSDP path, "
-                    "an FSDP2 module, which does not wrap (the module itself)",
+                    "the module inside FSDP1's wrapper (the bridge's fsdp1 backend, or a model FSDP1 wrapped "
+                    "elsewhere), the module itself on FSDP2 (it does not wrap)",
                     True,
                 )
                 return True
@@ -193,11 +197,26 @@ class ImportsFixer(ScannerBase):
                     True,
                 )
                 return True
-            self.attr_drops.add(id(node))
+            if id(node) in self.forwarded_reads:
+                # X.module.name: FSDP1's wrapper hands a name it does not define to the module it wraps
+                self.attr_drops.add(id(node))
+                self._record(
+                    node,
+                    f"{code_of(node)} (the wrapped module)",
+                    f"{obj}: FSDP2 does not wrap, the sharded model is the module itself (FSDPModule has no .module; "
+                    f"FSDP1's wrapper hands .{self.forwarded_reads[id(node)]} to the module it wraps)",
+                    True,
+                )
+                return True
+            # The model may stay FSDP1's (the bridge's fsdp1 backend, or wrapped by a library outside the tree)
+            code = f"fsdp_bridge.unwrapped({obj})"
+            self.expr_rewrites[id(node)] = code
+            self.needs_imports.add(("fsdp_bridge", None))
             self._record(
                 node,
                 f"{code_of(node)} (the wrapped module)",
-                f"{obj}: FSDP2 does not wrap, the sharded model is the module itself (FSDPModule has no .module)",
+                f"{code}: the module inside FSDP1's wrapper (the bridge's fsdp1 backend, or a model FSDP1 wrapped "
+                "elsewhere), the module itself on FSDP2 (it does not wrap)",
                 True,
             )
             return True
