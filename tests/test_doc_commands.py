@@ -54,6 +54,7 @@ NOT_RUN: dict[str, str] = {
     "fsdp-bridge migrate verify <checkout>/distributed/tensor_parallelism --nproc-per-node 4 -- fsdp_tp_example.py": "needs a checkout of pytorch/examples (a download); 2.5 minutes at 4 ranks",
     "fsdp-bridge migrate verify <checkout> -- benchmarks/public_trainers/dpo.py": "needs a checkout of eric-mitchell/direct-preference-optimization (a download) and torch 2.14.1 on CPU",
     "fsdp-bridge migrate verify <checkout>/distributed/FSDP -- benchmarks/public_trainers/t5.py": "needs a checkout of pytorch/examples (a download) and torch 2.14.1 on CPU",
+    "fsdp-bridge migrate verify <checkout> -- benchmarks/public_trainers/torchtitan.py": "needs a checkout of pytorch/torchtitan at ab5d918 (a download)",
     "python benchmarks/run.py": "the full benchmark suite (minutes)",
     "python benchmarks/run.py --quick": "a benchmark run (about a minute)",
     "OMP_NUM_THREADS=1 python benchmarks/no_shard.py": "a benchmark (about a minute on 2 cores)",
