@@ -155,6 +155,7 @@ def test_a_second_root_made_by_the_base_class_keeps_fsdp1_full_state_dicts() -> 
 
 HANDED_SHADOW = """
 import torch
+import torch.distributed.checkpoint as dcp
 from torch.distributed.fsdp import FullStateDictConfig, StateDictType
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
@@ -165,11 +166,12 @@ class Keeper:
     def __init__(self, net, shadow, opt, sched):
         self.net, self.shadow, self.opt, self.sched = net, shadow, opt, sched
 
-    def dump(self, path):
+    def dump(self, path, reader):
         with FSDP.state_dict_type(self.net, StateDictType.FULL_STATE_DICT, SAVE_CFG):
             blob = {"net": self.net.state_dict(), "shadow": self.shadow.state_dict()}
             blob["opt"] = self.opt.state_dict()
             blob["sched"] = self.sched.state_dict()
+            dcp.load_state_dict(blob, reader)
         torch.save(blob, path)
 
     def undump(self, blob):
@@ -193,6 +195,7 @@ def test_another_root_in_a_state_dict_block_keeps_fsdp1_full_state_dicts_once_fs
         'strict=False)) if isinstance(self.shadow, FSDPModule) else self.shadow.load_state_dict(blob["shadow"], '
         "strict=False))" in fixed
     )
+    assert "dcp.load_state_dict(blob, reader)" in fixed and "isinstance(dcp" not in fixed  # a module's function
     assert 'blob["opt"] = self.opt.state_dict()' in fixed and 'blob["sched"] = self.sched.state_dict()' in fixed
     assert "from torch.distributed.fsdp import FSDPModule" in fixed and TODO not in fixed
     assert migrate_source(fixed, "keeper.py").fixed == fixed

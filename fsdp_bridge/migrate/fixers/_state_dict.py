@@ -11,7 +11,7 @@ from typing import cast
 
 import libcst as cst
 import libcst.matchers as m
-from libcst.metadata import CodePosition, PositionProvider
+from libcst.metadata import CodePosition, PositionProvider, QualifiedNameProvider, QualifiedNameSource
 
 from fsdp_bridge.migrate._analysis import Conversion, code_of, named_args, short, walk, wrapper_subclasses
 from fsdp_bridge.migrate._names import FSDP, GROUP_RANK0
@@ -599,6 +599,12 @@ class StateDictFixer(ScannerBase):
                 continue  # a call's result, a subscript: evaluated twice by the written guard
             if target == model or target.startswith(model + ".") or model.startswith(target + "."):
                 continue
+            root = inner.func.value
+            while isinstance(root, cst.Attribute):
+                root = root.value
+            quals = self.get_metadata(QualifiedNameProvider, root, set())
+            if any(q.source is QualifiedNameSource.IMPORT for q in quals):
+                continue  # a module's function (torch.distributed.checkpoint's load_state_dict), not a model's
             if not self._harmless_in_state_block(inner):
                 self.other_roots.add(id(inner))
 
