@@ -153,6 +153,58 @@ def test_a_second_root_made_by_the_base_class_keeps_fsdp1_full_state_dicts() -> 
     assert migrate_source(fixed, "runner.py").fixed == fixed
 
 
+HANDED_SHADOW = """
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+SAVE_CFG = FullStateDictConfig(offload_to_cpu=True, rank0_only=True)
+
+
+class Keeper:
+    def __init__(self, net, shadow, opt, sched):
+        self.net, self.shadow, self.opt, self.sched = net, shadow, opt, sched
+
+    def dump(self, path, reader):
+        with FSDP.state_dict_type(self.net, StateDictType.FULL_STATE_DICT, SAVE_CFG):
+            blob = {"net": self.net.state_dict(), "shadow": self.shadow.state_dict()}
+            blob["opt"] = self.opt.state_dict()
+            blob["sched"] = self.sched.state_dict()
+            dcp.load_state_dict(blob, reader)
+        torch.save(blob, path)
+
+    def undump(self, blob):
+        with FSDP.state_dict_type(self.net, StateDictType.FULL_STATE_DICT, SAVE_CFG):
+            self.net.load_state_dict(blob["net"])
+            self.shadow.load_state_dict(blob["shadow"], strict=False)
+"""
+
+
+def test_another_root_in_a_state_dict_block_keeps_fsdp1_full_state_dicts_once_fsdp2() -> None:
+    fixed = migrate_source(HANDED_SHADOW, "keeper.py").fixed
+    compile(fixed, "keeper.py", "exec")
+    full = "options=StateDictOptions(full_state_dict=True)"
+    # the context covers self.net only: self.shadow (wrapped elsewhere, maybe) kept FSDP1's default full state
+    assert (
+        f'"shadow": (get_model_state_dict(self.shadow, {full}) if isinstance(self.shadow, FSDPModule) '
+        "else self.shadow.state_dict())" in fixed
+    )
+    assert (
+        '(set_model_state_dict(self.shadow, blob["shadow"], options=StateDictOptions(full_state_dict=True, '
+        'strict=False)) if isinstance(self.shadow, FSDPModule) else self.shadow.load_state_dict(blob["shadow"], '
+        "strict=False))" in fixed
+    )
+    assert "dcp.load_state_dict(blob, reader)" in fixed and "isinstance(dcp" not in fixed  # a module's function
+    assert 'blob["opt"] = self.opt.state_dict()' in fixed and 'blob["sched"] = self.sched.state_dict()' in fixed
+    assert "from torch.distributed.fsdp import FSDPModule" in fixed and TODO not in fixed
+    assert migrate_source(fixed, "keeper.py").fixed == fixed
+    # a file that also uses FSDP2 cannot tell an FSDP1 root from an FSDP2 module: a TODO, code kept
+    dual = migrate_source("from torch.distributed.fsdp import fully_shard\n" + HANDED_SHADOW, "keeper.py").fixed
+    assert '"shadow": self.shadow.state_dict()' in dual and "get_model_state_dict(self.shadow" not in dual
+    assert TODO in dual and "may be an FSDP1 root" in dual
+
+
 NEGATED_GUARD = """
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 

@@ -4,13 +4,14 @@ saved or loaded in them or outside them."""
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import cast
 
 import libcst as cst
 import libcst.matchers as m
-from libcst.metadata import CodePosition, PositionProvider
+from libcst.metadata import CodePosition, PositionProvider, QualifiedNameProvider, QualifiedNameSource
 
 from fsdp_bridge.migrate._analysis import Conversion, code_of, named_args, short, walk, wrapper_subclasses
 from fsdp_bridge.migrate._names import FSDP, GROUP_RANK0
@@ -151,7 +152,9 @@ class StateDictFixer(ScannerBase):
         obj = func.value
         wrapper = self._fsdp1_wrapper(node, obj)
         if wrapper not in ("fsdp1", "ambiguous"):
-            return False
+            if id(node) not in self.other_roots:
+                return False
+            wrapper = "handed"  # in another model's state_dict_type block; nothing here shows what it is
         target, method = code_of(obj), func.attr.value
         stmt = self.stmt_stack[-1] if self.stmt_stack else None
         if stmt is not None and f"if isinstance({target}, FSDPModule) else {target}.{method}(" in code_of(stmt):
@@ -230,6 +233,31 @@ class StateDictFixer(ScannerBase):
             )
             return True
         code = self._model_state_call(method, target, args, full=True)
+        if wrapper == "handed":
+            if any("fully_shard" in line or "FSDPModule" in line for line in self.lines):
+                self._record(
+                    node,
+                    construct,
+                    f"not rewritten: it runs inside another model's FSDP.state_dict_type block, which does not "
+                    f"cover {short(target, 40)}, and this file also uses FSDP2, so {short(target, 40)} may be an "
+                    "FSDP1 root (full state dict by default) or an FSDP2 module (sharded): for a full state dict "
+                    "write get_model_state_dict / set_model_state_dict(model, sd) with "
+                    "options=StateDictOptions(full_state_dict=True)",
+                    False,
+                )
+                return True
+            self.needs_imports.add(("torch.distributed.fsdp", "FSDPModule"))
+            code = f"({code} if isinstance({target}, FSDPModule) else {code_of(node)})"
+            self.call_rewrites[id(node)] = code
+            self._record(
+                node,
+                construct,
+                f"{short(code, 90)}: FSDP1's state_dict_type context covers its own model only, so another FSDP1 "
+                "root used in it (a copy wrapped elsewhere, nothing here shows which) gives and takes FSDP1's "
+                "default full state dicts; written for FSDP2 modules only, anything else keeps its own call",
+                True,
+            )
+            return True
         if wrapper == "ambiguous":  # DistributedDataParallel's too: its own state_dict stays on the DDP path
             self.needs_imports.add(("torch.distributed.fsdp", "FSDPModule"))
             code = f"({code} if isinstance({target}, FSDPModule) else {code_of(node)})"
@@ -543,6 +571,7 @@ class StateDictFixer(ScannerBase):
                     rewrites[id(inner)] = f"set_optimizer_state_dict({m_}, {o_}, {sd}, options={optim_load_opts})"
                     self._consume(to_load)
         if rewrites:
+            self._plan_other_roots(node, model, rewrites)
             # Runtime configs stay: the new calls read them.
             configs = () if save_opts.startswith("fsdp_bridge.") else (cfg, optim_cfg)
             why = f" (torch.distributed.checkpoint.state_dict, options={save_opts}); your torch.save / DCP code is kept"
@@ -552,6 +581,32 @@ class StateDictFixer(ScannerBase):
                     f"when the code runs; other calls: options={save_opts}); your torch.save / DCP code is kept"
                 )
             self._unwrap_block(node, rewrites, configs, kind or short(code_of(type_arg), 40), why)
+
+    def _plan_other_roots(self, block: cst.With, model: str, rewrites: dict[int, str]) -> None:
+        """Marks ``other.state_dict()`` / ``other.load_state_dict(...)`` in the body of ``model``'s
+        state_dict_type block for :meth:`_plan_plain_state_dict`: the context covers ``model`` (and its units)
+        only, so an FSDP1 root handed in from elsewhere (an EMA copy) keeps FSDP1's default full state dicts
+        there, which --fix must keep once that root is made FSDP2 where it is wrapped. An optimizer's,
+        scheduler's or scaler's own, and calls inside the ones rewritten, are left alone."""
+        replaced = {id(c) for call in walk(block.body) if id(call) in rewrites for c in walk(call)}
+        for inner in walk(block.body):
+            if not isinstance(inner, cst.Call) or id(inner) in replaced or not isinstance(inner.func, cst.Attribute):
+                continue
+            if inner.func.attr.value not in ("state_dict", "load_state_dict") or self._qn(inner.func) is not None:
+                continue
+            target = code_of(inner.func.value)
+            if not re.fullmatch(r"[A-Za-z_][\w.]*", target):
+                continue  # a call's result, a subscript: evaluated twice by the written guard
+            if target == model or target.startswith(model + ".") or model.startswith(target + "."):
+                continue
+            root = inner.func.value
+            while isinstance(root, cst.Attribute):
+                root = root.value
+            quals = self.get_metadata(QualifiedNameProvider, root, set())
+            if any(q.source is QualifiedNameSource.IMPORT for q in quals):
+                continue  # a module's function (torch.distributed.checkpoint's load_state_dict), not a model's
+            if not self._harmless_in_state_block(inner):
+                self.other_roots.add(id(inner))
 
     def _persistent_type(self, node: cst.CSTNode, model: str) -> str | None:
         """The type the last ``FSDP.set_state_dict_type(model, T[, cfg[, optim_cfg]])`` statement above ``node``
