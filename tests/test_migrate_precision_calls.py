@@ -388,3 +388,24 @@ def test_a_model_declared_fsdp1_by_a_class_field_annotation_is_fsdp1s_in_its_met
     assert "FSDPModule has no process_group" in todos[0].replacement
     assert result.fixed.count("# TODO(fsdp-bridge): self.runner.process_group") == 1
     assert migrate_source(result.fixed, "loop.py").fixed == result.fixed
+
+
+def test_fsdp1s_class_spelled_out_in_full_is_rewritten_in_the_first_check_of_a_file_too() -> None:
+    # A file that imports no FSDP1 name and spells the class out (torch.distributed.fsdp.FullyShardedDataParallel)
+    # was seen as FSDP1 code only from its first such name on: that first isinstance stayed a TODO calling the
+    # tuple "kept for a later isinstance", while the same test further down was rewritten.
+    code = (
+        "import torch\n"
+        "from torch import nn\n\n\n"
+        "def all_wrapped(units):\n"
+        "    return all(map(lambda u: isinstance(u, (torch.distributed.fsdp.FullyShardedDataParallel,\n"
+        "                                            nn.parallel.DistributedDataParallel)), units))\n\n\n"
+        "def one_wrapped(unit):\n"
+        "    return isinstance(unit, (torch.distributed.fsdp.FullyShardedDataParallel, nn.parallel.DistributedDataParallel))\n"
+    )
+    result = migrate_source(code, "checks.py")
+    rewritten = "(isinstance(u, nn.parallel.DistributedDataParallel) or fsdp_bridge.is_sharded(u))"
+    assert rewritten in result.fixed
+    assert "(isinstance(unit, nn.parallel.DistributedDataParallel) or fsdp_bridge.is_sharded(unit))" in result.fixed
+    assert all(f.fixable for f in result.findings) and "TODO" not in result.fixed
+    assert migrate_source(result.fixed, "checks.py").fixed == result.fixed

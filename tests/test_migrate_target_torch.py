@@ -609,3 +609,31 @@ def test_state_dict_options_known_only_at_run_time_says_which_plain_options_to_w
     (todo,) = [f for f in result.findings if "fsdp_bridge.state_dict_options" in f.construct]
     assert not todo.fixable and "write StateDictOptions(...) from the values passed here" in todo.replacement
     assert "no plain-torch form written for it yet" not in todo.replacement
+
+
+def test_a_file_importing_a_library_that_wraps_in_fsdp1_keeps_the_bridges_type_test_and_unwrap() -> None:
+    # A callback of a training library outside the tree: the library wraps the model in FSDP1's wrapper itself, so
+    # it stays FSDP1's after --fix. isinstance(m, FSDPModule) was False for it (the FSDP1 branch was never taken) and
+    # the unwrap was dropped (the wrapper handed on as the model); fsdp_bridge's forms serve both backends.
+    code = (
+        "from some_trainer_lib import Callback\n"
+        "from {lib} import State\n"
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n\n\n"
+        "class Export(Callback):\n"
+        "    def run(self, state: State):\n"
+        "        if isinstance(state.model.model, FSDP):\n"
+        "            return state.model.model.module\n"
+        "        return state.model.model\n"
+    )
+    for lib in ("composer.core", "lightning.pytorch", "accelerate.state"):
+        result = migrate_source(code.format(lib=lib), "export.py", target="torch")
+        fixed = result.fixed
+        assert "        if fsdp_bridge.is_sharded(state.model.model):\n" in fixed, fixed
+        assert "            return fsdp_bridge.unwrapped(state.model.model)\n" in fixed
+        code_lines = [line for line in fixed.splitlines() if not line.lstrip().startswith("#")]
+        assert not any("FSDPModule" in line for line in code_lines) and "import fsdp_bridge" in code_lines
+        assert fixed.count(f"# {TODO}: fsdp_bridge.") == 2 and f"this file imports {lib.split('.')[0]}," in fixed
+        assert migrate_source(fixed, "export.py", target="torch").fixed == fixed
+    # without such an import every model is fully_shard's after --fix: plain torch as before
+    plain = migrate_source(code.replace("from {lib} import State\n", ""), "export.py", target="torch").fixed
+    assert "isinstance(state.model.model, FSDPModule)" in plain and "fsdp_bridge" not in plain

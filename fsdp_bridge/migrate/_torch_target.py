@@ -10,7 +10,8 @@ made there, once); this pass then replaces each bridge call it can write in plai
 * ``fsdp_bridge.no_sync(m)`` -> ``_fsdp2_helpers.no_sync(m)`` (``set_requires_gradient_sync``), also where
   ``fsdp_bridge.no_sync`` is passed on as a value;
 * ``fsdp_bridge.clip_grad_norm_(m, n[, p])`` -> ``torch.nn.utils.clip_grad_norm_(m.parameters(), n[, p])``;
-* ``fsdp_bridge.is_sharded(m)`` -> ``isinstance(m, FSDPModule)``; ``fsdp_bridge.unwrapped(m)`` -> ``m``;
+* ``fsdp_bridge.is_sharded(m)`` -> ``isinstance(m, FSDPModule)``; ``fsdp_bridge.unwrapped(m)`` -> ``m`` (both kept
+  in a file importing a library that wraps models in FSDP1 itself, ``WRAPPING_LIBRARIES``);
   ``fsdp_bridge.ShardedModule`` (a type: annotation, validator, ``Optional[...]``) -> ``FSDPModule``;
 * ``fsdp_bridge.GradScaler(...)`` -> ``torch.amp.GradScaler(...)`` (arguments past the device named; kept when
   it passes ``process_group=``), and ``fsdp_bridge.GradScaler`` named as a value -> ``torch.amp.GradScaler``;
@@ -57,6 +58,10 @@ TARGETS = ("bridge", "torch")
 """What ``migrate code --fix`` writes: the bridge's calls (default), or plain FSDP2 code."""
 
 _FSDP = "torch.distributed.fsdp"
+
+WRAPPING_LIBRARIES = ("composer", "lightning", "pytorch_lightning", "lightning_fabric", "accelerate")
+"""Training libraries that wrap the models they are handed in FSDP1's wrapper themselves (their FSDP1 path):
+in a file importing one, a model may be such a wrapper after --fix, so the bridge's type test and unwrap stay."""
 _STATE = "torch.distributed.checkpoint.state_dict"
 
 
@@ -299,6 +304,7 @@ class _Lowerer(cst.CSTTransformer):
         self.inside: set[int] = set()  # id(Attribute) of fsdp_bridge.X inside a bridge call (handled with it)
         self.fsdp_module = "FSDPModule"  # how torch's class is written (qualified where the file binds the name)
         self.fsdp_module_import: tuple[str, str | None] = (_FSDP, "FSDPModule")
+        self.wrapping_library: str | None = None  # a library the file imports that wraps models in FSDP1 itself
 
     # -- statements: collect the TODOs of what is inside ---------------------------
     def _enter(self, node: cst.CSTNode) -> None:
@@ -424,6 +430,17 @@ class _Lowerer(cst.CSTTransformer):
             params = cst.Arg(cst.parse_expression(f"{code_of(args[0].value)}.parameters()"))
             return call.with_changes(
                 func=cst.parse_expression("torch.nn.utils.clip_grad_norm_"), args=commas([params, *args[1:]])
+            )
+        if name in ("is_sharded", "unwrapped") and self.wrapping_library is not None:
+            raise _CannotLower(
+                f"this file imports {self.wrapping_library}, which wraps models in FSDP1's wrapper itself: a model "
+                "it hands over stays FSDP1's (--fix cannot change that library), and "
+                + (
+                    "isinstance(m, FSDPModule) is False for it"
+                    if name == "is_sharded"
+                    else "dropping the unwrap hands on the wrapper, not the module inside it"
+                )
+                + f"; fsdp_bridge.{name} serves both (plain torch only where every model is fully_shard's)"
             )
         if name == "is_sharded" and len(args) == 1 and args[0].keyword is None and not args[0].star:
             self.result_imports.add(self.fsdp_module_import)
@@ -614,6 +631,9 @@ def lower_to_torch(module: cst.Module, path: str, *, groups: bool = False) -> Lo
     if _binds_otherwise(module, "FSDPModule"):
         # the file's own FSDPModule (a class of its own, another library's): torch's is written in full
         lowerer.fsdp_module, lowerer.fsdp_module_import = f"{_FSDP}.FSDPModule", (_FSDP, None)
+    lowerer.wrapping_library = next(
+        (m.split(".")[0] for m in imports_of(module.code) if m.split(".")[0] in WRAPPING_LIBRARIES), None
+    )
     lowerer.pending.append([])  # module level (a TODO there has no statement: none is written)
     new = MetadataWrapper(module).visit(lowerer)
     context = CodemodContext()

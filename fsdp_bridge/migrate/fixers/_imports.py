@@ -80,6 +80,10 @@ class ImportsFixer(ScannerBase):
 
     def _reference(self, node: cst.BaseExpression) -> bool:
         if self.planning:
+            if self._qn(node) is not None:
+                # FSDP1's names spelled out (torch.distributed.fsdp.FullyShardedDataParallel) without a
+                # ``from torch.distributed.fsdp import``: FSDP1 code from the file's first line, as an import makes it
+                self.uses_fsdp1 = True
             return True
         if (region := self._in_region(node)) is not None:
             if isinstance(node, cst.Attribute) and node.attr.value in INTERNAL_ATTRS and self.uses_fsdp1:
