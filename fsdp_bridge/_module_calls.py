@@ -11,6 +11,8 @@ turns working code into an error:
 - torch's ``fully_shard`` (an ``FSDPModule``, or a module holding them): ``set_requires_gradient_sync(False)``,
   True again on exit (under HSDP the all-reduce waits too); torch's clip over the DTensor gradients, the
   global norm returned as a plain tensor (as FSDP1 returns it);
+- a module with a ``no_sync()`` of its own (thunder's jitted modules, ``torch.compile``'s wrapper, which hands
+  the name to the DDP or FSDP1 module inside it): that ``no_sync()``;
 - any other module: nothing to do; ``torch.nn.utils.clip_grad_norm_``.
 """
 
@@ -79,6 +81,11 @@ def module_no_sync(model: nn.Module) -> AbstractContextManager[None]:
         return model.no_sync()
     if isinstance(model, FSDPModule):
         return _gradient_sync_off([model])
+    own = getattr(model, "no_sync", None)
+    if callable(own):
+        # Another library's module with its own switch (thunder's jitted module; torch.compile's wrapper hands
+        # the name to the DDP or FSDP1 module inside it): the original code called that.
+        return own()  # type: ignore[no-any-return]
     # A module holding sharded parts (torch's fully_shard or FSDP1 on its children only): each
     # outermost part stops syncing, as each part's own call would make it; else nothing to sync.
     fsdp2 = _outermost(model, FSDPModule)

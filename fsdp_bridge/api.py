@@ -773,7 +773,9 @@ def no_sync(model: nn.Module) -> AbstractContextManager[None]:
         model: a model returned by :func:`shard`, or any other module, which gets what its own call
             does: an FSDP1 ``FullyShardedDataParallel`` or a DDP module its ``no_sync()``; a module
             sharded with torch's ``fully_shard`` (or holding such modules) ``set_requires_gradient_sync(False)``,
-            True again on exit (under HSDP the all-reduce waits too); a plain module nothing.
+            True again on exit (under HSDP the all-reduce waits too); another module with a ``no_sync()``
+            of its own (thunder's jitted module, ``torch.compile``'s wrapper of a DDP module) that; a plain
+            module nothing.
 
     Returns:
         A context manager; the step after it reduces the accumulated gradients.

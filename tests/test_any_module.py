@@ -8,9 +8,11 @@ with fsdp_bridge.GradScaler's overflow agreement on both backends.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -79,6 +81,49 @@ def test_plain_module_gets_nothing_to_sync_and_torchs_clip() -> None:
     with fsdp_bridge.summon_full_params(model, writeback=True, with_grads=True):
         model.weight.add_(1.0)
     assert torch.equal(model.weight, before[0] + 1.0)
+
+
+class _OwnSwitch(nn.Module):
+    """Another library's module (a jitted module) with a no_sync() of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(2, 2)
+        self.syncing = True
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        self.syncing = False
+        try:
+            yield
+        finally:
+            self.syncing = True
+
+
+class _Forwarding(nn.Module):
+    """A wrapper that hands names it does not define to the module inside it, as torch.compile's does."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self._orig_mod = inner
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "_orig_mod":
+            return super().__getattr__(name)
+        return getattr(self._orig_mod, name)
+
+
+def test_a_module_with_its_own_no_sync_gets_that() -> None:
+    own = _OwnSwitch()
+    with fsdp_bridge.no_sync(own):
+        assert own.syncing is False
+    assert own.syncing is True
+    ddp = _LocalDDP(nn.Linear(3, 2))
+    with fsdp_bridge.no_sync(_Forwarding(ddp)):  # torch.compile(DDP(m)).no_sync() is DDP's
+        assert ddp.require_backward_grad_sync is False
+    assert ddp.require_backward_grad_sync is True
+    with fsdp_bridge.no_sync(_Forwarding(nn.Linear(2, 2))):  # nothing inside to stop: nothing to do
+        pass
 
 
 def test_fsdp1_made_by_torch_gets_its_own_methods() -> None:

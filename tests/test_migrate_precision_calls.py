@@ -409,3 +409,26 @@ def test_fsdp1s_class_spelled_out_in_full_is_rewritten_in_the_first_check_of_a_f
     assert "(isinstance(unit, nn.parallel.DistributedDataParallel) or fsdp_bridge.is_sharded(unit))" in result.fixed
     assert all(f.fixable for f in result.findings) and "TODO" not in result.fixed
     assert migrate_source(result.fixed, "checks.py").fixed == result.fixed
+
+
+def test_a_wrapper_handed_to_a_function_that_takes_fsdp1s_only_stays_fsdp1s() -> None:
+    # Transformer Engine's prepare_te_modules_for_fsdp asserts its argument is FSDP1's wrapper: that model
+    # stays FSDP1's, with a TODO; a model of another function is rewritten as usual.
+    code = (
+        "import transformer_engine\n"
+        "from torch.distributed.fsdp import FullyShardedDataParallel\n\n\n"
+        "def build(net, shard_activations):\n"
+        "    wrapped = FullyShardedDataParallel(net)\n"
+        "    if shard_activations:\n"
+        "        transformer_engine.pytorch.distributed.prepare_te_modules_for_fsdp(wrapped)\n"
+        "    return wrapped\n\n\n"
+        "def other(net):\n"
+        "    plain = FullyShardedDataParallel(net)\n"
+        "    return plain\n"
+    )
+    result = migrate_source(code, "te_build.py")
+    (kept,) = [f for f in result.findings if not f.fixable]
+    assert kept.line == 6 and "prepare_te_modules_for_fsdp, which takes FSDP1's wrapper only" in kept.replacement
+    assert "    wrapped = FullyShardedDataParallel(net)\n" in result.fixed
+    assert "plain = fsdp_bridge.shard(net" in result.fixed
+    assert migrate_source(result.fixed, "te_build.py").fixed == result.fixed

@@ -237,3 +237,45 @@ def test_torchs_clip_over_an_fsdp1_models_parameters_is_kept_with_a_note_on_its_
     assert "each rank clips by the norm of its own shard" in note.replacement
     assert "    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)\n" in result.fixed
     assert "TODO" not in result.fixed
+
+
+def test_a_subclass_of_lightnings_fsdp_strategy_is_reported() -> None:
+    # The subclass hands its FSDP1 arguments to Lightning through super().__init__: Lightning still wraps the
+    # model in FSDP1 after --fix, so the class gets the strategy's TODO; a class of another base does not.
+    code = (
+        "import torch\n"
+        "from lightning.pytorch.strategies import FSDPStrategy, DDPStrategy\n"
+        "from torch.distributed.fsdp import MixedPrecision\n\n\n"
+        "class HalfStrategy(FSDPStrategy):\n"
+        "    def __init__(self, **kwargs):\n"
+        '        kwargs["mixed_precision"] = MixedPrecision(param_dtype=torch.bfloat16)\n'
+        "        super().__init__(**kwargs)\n\n\n"
+        "class PlainStrategy(DDPStrategy):\n"
+        "    pass\n"
+    )
+    result = migrate_source(code, "strategies.py")
+    (todo,) = [f for f in result.findings if not f.fixable and not f.note]
+    assert todo.construct == "class HalfStrategy(FSDPStrategy) (a subclass of Lightning's FSDP1 strategy)"
+    assert todo.line == 6 and "ModelParallelStrategy" in todo.replacement
+    assert "read by Lightning, not by fsdp_bridge" in todo.replacement
+    assert "# TODO(fsdp-bridge): class HalfStrategy(FSDPStrategy)" in result.fixed
+    assert result.fixed.count("TODO(fsdp-bridge)") == 1
+    # The FSDP1 value it builds goes to Lightning: a note, not a construct the bridge handles.
+    (value,) = [f for f in result.findings if f.construct == "MixedPrecision"]
+    assert value.note and "Lightning's FSDPStrategy of this file reads it" in value.replacement
+    assert migrate_source(result.fixed, "again.py").fixed == result.fixed
+
+
+def test_fsdp1s_rekeying_of_an_optimizer_state_is_reported() -> None:
+    code = (
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, OptimStateKeyType\n\n\n"
+        "def load(net, opt, saved):\n"
+        "    model = FSDP(net)\n"
+        "    by_name = FSDP.rekey_optim_state_dict(saved, OptimStateKeyType.PARAM_NAME, model)\n"
+        "    opt.load_state_dict(by_name)\n"
+        "    return model\n"
+    )
+    result = migrate_source(code, "load.py")
+    (todo,) = [f for f in result.findings if f.construct == "FSDP.rekey_optim_state_dict"]
+    assert not todo.fixable and todo.line == 6 and "set_optimizer_state_dict" in todo.replacement
+    assert "# TODO(fsdp-bridge): FSDP.rekey_optim_state_dict" in result.fixed

@@ -82,6 +82,11 @@ NAMES: dict[str, str] = {
     "options=StateDictOptions(full_state_dict=True))",
     "scatter_full_optim_state_dict": "set_optimizer_state_dict(model, optimizer, sd, "
     "options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))",
+    "rekey_optim_state_dict": "not rewritten: FSDP1's re-keying of an optimizer state dict (parameter ids <-> "
+    "names) reads FSDP1's wrapper (keeps working only where the model stays FSDP1's); on FSDP2 torch's "
+    "get_optimizer_state_dict / set_optimizer_state_dict key the state by parameter name already: load a "
+    "name-keyed full state with set_optimizer_state_dict(model, optimizer, sd, "
+    "options=StateDictOptions(full_state_dict=True))",
     "ShardedGradScaler": "fsdp_bridge.GradScaler(...) (either backend); " + fsdp2_text("ShardedGradScaler"),
     "CPUOffload": "BridgeConfig(cpu_offload=True) (" + fsdp2_text("cpu_offload") + ")",
     "MixedPrecision": "BridgeConfig(mixed_precision={'param_dtype': ..., 'reduce_dtype': ..., 'buffer_dtype': ...})",

@@ -214,6 +214,8 @@ class Scanner(
             self.class_bases.update(id(b.value) for b in node.bases)
             if any(code_of(b.value).rsplit(".", 1)[-1] in self.dispatch.fsdp1_attributes for b in node.bases):
                 self.uses_fsdp1 = True  # a base class of the tree keeps an FSDP1 model in an attribute
+        else:
+            self._plan_lightning_subclass(node)
 
     def leave_ClassDef(self, original_node: cst.ClassDef) -> None:
         self.classes.pop()

@@ -32,6 +32,13 @@ def without_comments(node: cst.BaseExpression) -> str:
     return re.sub(r",?\s+([)\]}])", r"\1", re.sub(r"([(\[{])\s+", r"\1", one))  # f( a, ) -> f(a)
 
 
+FSDP1_ONLY_USERS = {
+    "prepare_te_modules_for_fsdp": "Transformer Engine's prepare_te_modules_for_fsdp, which takes FSDP1's wrapper "
+    "only (it asserts isinstance(root, FullyShardedDataParallel) and reads each FSDP1 unit's process group)",
+}
+"""Functions of other libraries that take an FSDP1 wrapper and refuse anything else: a model handed to one stays
+FSDP1's (its ``FSDP(...)`` gets a TODO)."""
+
 FOLLOWED_KWARGS = ("auto_wrap_policy", "mixed_precision", "cpu_offload", "sharding_strategy", "backward_prefetch")
 """Arguments whose value, a variable assigned once in the file, is read through the variable."""
 
@@ -99,6 +106,13 @@ class ConstructorFixer(ScannerBase):
                 self._consume(a.value)
             self._consume(call.func)
             conv.blockers, conv.consumed, conv.runtime = [], [], runtime
+        if (user := self._fsdp1_only_user(call)) is not None:
+            # The wrapper is handed to a function that takes FSDP1's only: the call stays, with a TODO.
+            self.consumed_nodes = consumed_before
+            for a in call.args:
+                self._consume(a.value)
+            self._consume(call.func)
+            conv.blockers, conv.consumed, conv.runtime = [user], [], None
         self.conversions[id(call)] = conv
         fixable = not conv.blockers
         if fixable and conv.runtime is None:
@@ -128,6 +142,31 @@ class ConstructorFixer(ScannerBase):
             self._kwarg_finding(a, case, fixable, conv.kwarg_became.get(id(a)))
         for note in conv.report_notes:
             self._record(call, "backward_prefetch", note, False)
+
+    def _fsdp1_only_user(self, call: cst.Call) -> str | None:
+        """Why ``x = FSDP(...)`` must stay FSDP1's: ``x`` is handed, in the same function, to a function of
+        another library that takes FSDP1's wrapper only (``FSDP1_ONLY_USERS``); None when it is not."""
+        stmt = self.stmt_stack[-1] if self.stmt_stack else None
+        if not (
+            isinstance(stmt, cst.SimpleStatementLine)
+            and len(stmt.body) == 1
+            and isinstance(stmt.body[0], cst.Assign)
+            and stmt.body[0].value is call
+            and len(stmt.body[0].targets) == 1
+        ):
+            return None
+        target = code_of(stmt.body[0].targets[0].target)
+        scope = self.functions[-1] if self.functions else self.module
+        for n in walk(scope) if scope is not None else ():
+            if not (isinstance(n, cst.Call) and n.args and code_of(n.args[0].value) == target):
+                continue
+            name = code_of(n.func).rsplit(".", 1)[-1]
+            if name in FSDP1_ONLY_USERS:
+                return (
+                    f"{target} is handed to {FSDP1_ONLY_USERS[name]}; keep FSDP1 here, or drop that call where "
+                    "the model moves to FSDP2"
+                )
+        return None
 
     def _plan_partial(self, node: cst.Call) -> bool:
         """``functools.partial(FSDP, **kwargs)`` (a wrapper applied later as ``wrapper(module)``) ->

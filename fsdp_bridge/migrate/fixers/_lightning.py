@@ -8,7 +8,7 @@ from __future__ import annotations
 import libcst as cst
 from libcst.metadata import PositionProvider, QualifiedNameProvider, QualifiedNameSource
 
-from fsdp_bridge.migrate._analysis import code_of, short
+from fsdp_bridge.migrate._analysis import code_of, short, walk
 from fsdp_bridge.migrate._names import STRATEGIES
 from fsdp_bridge.migrate._report import CodeFinding
 from fsdp_bridge.migrate._scan_base import ScannerBase
@@ -115,6 +115,41 @@ class LightningFixer(ScannerBase):
                 )
                 return True
         return False
+
+    def _lightning_strategy_here(self) -> bool:
+        """This file builds or subclasses Lightning's FSDPStrategy: the FSDP1 values it makes go to Lightning."""
+        if self.lightning_here is None:
+            named: list[cst.BaseExpression] = []
+            for n in walk(self.module) if self.module is not None else ():
+                if isinstance(n, cst.Call):
+                    named.append(n.func)
+                elif isinstance(n, cst.ClassDef):
+                    named.extend(b.value for b in n.bases)
+            self.lightning_here = any(self._lightning_name(e, "FSDPStrategy") is not None for e in named)
+        return self.lightning_here
+
+    def _plan_lightning_subclass(self, node: cst.ClassDef) -> None:
+        """Report ``class X(FSDPStrategy)``: a subclass of Lightning's FSDP1 strategy, which hands its FSDP1
+        arguments to Lightning through ``super().__init__`` (often through ``**kwargs``), so Lightning still
+        wraps the model in FSDP1 after ``--fix``."""
+        for base in node.bases:
+            cls = self._lightning_name(base.value, "FSDPStrategy")
+            if cls is None:
+                continue
+            self.fsdp1_elsewhere = True
+            self._record(
+                base.value,
+                f"class {node.name.value}({code_of(base.value)}) (a subclass of Lightning's FSDP1 strategy)",
+                WAY_OUT
+                + "those this class hands to FSDPStrategy.__init__ (read them there: sharding_strategy -> "
+                + "strategy=, auto_wrap_policy -> wrap=, mixed_precision -> mixed_precision=, cpu_offload -> "
+                + "cpu_offload=, backward_prefetch -> backward_prefetch=); move the overrides that call FSDP1 "
+                + "(FSDP.state_dict_type, FSDP.optim_state_dict, ...) to the new strategy too: the FSDP1 values "
+                + "this class builds (MixedPrecision, ShardingStrategy, wrap policies) are read by Lightning, not "
+                + "by fsdp_bridge",
+                False,
+            )
+            return
 
     def _lightning_meaning(self, a: cst.Arg) -> str:
         """What an FSDP1 argument of FSDPStrategy is in the bridge's config, for the value it has."""
