@@ -322,6 +322,35 @@ def test_todos_naming_another_file_do_not_depend_on_the_directory_given(tmp_path
     assert outputs[0] == outputs[1]
 
 
+def test_a_todo_naming_a_call_the_first_fix_deleted_reads_the_same_after_a_second_fix(tmp_path: Path) -> None:
+    # --fix deletes a SHARDED_STATE_DICT set_state_dict_type (FSDP2's state_dict() is sharded already). A TODO in
+    # another file named that call's file; a second --fix no longer saw the call, named another file that still
+    # calls it (a LOCAL one, kept), or none, and rewrote the comment: the output was not idempotent.
+    (tmp_path / "a_sharded.py").write_text(
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n"
+        "from torch.distributed.fsdp import StateDictType\n\n\n"
+        "def use_sharded(net):\n"
+        "    FSDP.set_state_dict_type(net, StateDictType.SHARDED_STATE_DICT)\n"
+    )
+    (tmp_path / "b_local.py").write_text(
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n"
+        "from torch.distributed.fsdp import StateDictType\n\n\n"
+        "def use_local(net):\n"
+        "    FSDP.set_state_dict_type(net, StateDictType.LOCAL_STATE_DICT)\n"
+    )
+    (tmp_path / "optim_io.py").write_text(
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n\n\n"
+        "def optim_state(net, opt):\n"
+        "    return FSDP.optim_state_dict(net, opt)\n"
+    )
+    migrate_paths([tmp_path], fix=True)
+    first = {p.name: p.read_text() for p in tmp_path.glob("*.py")}
+    assert "set_state_dict_type" not in first["a_sharded.py"]  # deleted
+    assert "a_sharded.py calls FSDP.set_state_dict_type" in first["optim_io.py"]
+    migrate_paths([tmp_path], fix=True)
+    assert {p.name: p.read_text() for p in tmp_path.glob("*.py")} == first
+
+
 def test_a_full_state_whose_config_is_known_at_run_time_keeps_fsdp1s_offload_and_rank0_only() -> None:
     # torch's options cannot give every rank a CPU copy (offload_to_cpu=True, rank0_only=False): the model's
     # state goes through fsdp_bridge.full_state_dict with the config's own flags, never a device-side copy.

@@ -227,6 +227,24 @@ def calls_set_state_dict_type(code: str) -> bool:
     )
 
 
+_CITED_SET_STATE_DICT_TYPE = re.compile(
+    r"#\s*" + re.escape(TODO) + r": .*?not rewritten: (\S.*?) calls FSDP\.set_state_dict_type, so this"
+)
+
+
+def cited_set_state_dict_type(code: str) -> str | None:
+    """The other file a TODO this codemod wrote in ``code`` names as calling ``FSDP.set_state_dict_type``
+    (``not rewritten: <file> calls FSDP.set_state_dict_type, so this ...``), or None. A second ``--fix`` names
+    the same file: the first may have deleted that call (a SHARDED_STATE_DICT statement), and the TODO must
+    then read as it did."""
+    if TODO not in code:
+        return None
+    for match in _CITED_SET_STATE_DICT_TYPE.finditer(code):
+        if match.group(1) != OWN_FILE:
+            return match.group(1)
+    return None
+
+
 def unfollowed_set_state_dict_type(code: str) -> bool:
     """Whether the file has a ``set_state_dict_type(...)`` call that ``--fix`` does not make
     ``fsdp_bridge.set_state_dict_type(...)``: one through a receiver that is neither FSDP1's class (by a name

@@ -49,6 +49,7 @@ from fsdp_bridge.migrate._analysis import (
     Collector,
     Dispatch,
     calls_set_state_dict_type,
+    cited_set_state_dict_type,
     class_aliases,
     code_of,
     find_dispatch,
@@ -354,9 +355,11 @@ def migrate_paths(
     results = []
     dispatch = Dispatch()  # helpers such as fsdp_version(model) may live in another file of the tree
     self_spelled: list[Path] = []  # files calling x.set_state_dict_type(x, ...)
+    cited: str | None = None  # the file a TODO of a first --fix named as calling FSDP.set_state_dict_type
     for f in files:
         try:
             code = read_source(f)
+            cited = cited or cited_set_state_dict_type(code)
             if "FSDPModule" in code:
                 dispatch.merge(find_dispatch(MetadataWrapper(cst.parse_module(code))))
             if "FullyShardedDataParallel" in code:
@@ -383,6 +386,9 @@ def migrate_paths(
                 dispatch.merge(Dispatch(vendored_functions=dict.fromkeys(copied, str(f))))
         except Exception:  # unreadable or unparsable: reported by the loop below
             continue
+    if cited is not None:
+        # a first --fix may have deleted the call it named (a SHARDED_STATE_DICT statement): name it again
+        dispatch.sets_state_dict_type = cited
     if self_spelled and "set_state_dict_type" in dispatch.own_methods:
         # x.set_state_dict_type(x, ...) may be the tree's own override: not rewritten, so nothing follows it
         dispatch.unfollowed_set_state_dict_type = dispatch.unfollowed_set_state_dict_type or shown[self_spelled[0]]
