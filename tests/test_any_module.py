@@ -442,6 +442,26 @@ def test_ddp_and_fully_shard_numerics_match_their_own_calls(run_on_ranks: Any) -
     assert [s["fsdp1/torch_amp"] for s in scaler] == [(True, 4.0), (False, 2.0)]
 
 
+# A one-rank gloo script leaves without interpreter finalisation: the FSDP modules it still holds keep the
+# process group, whose destructor can abort the process at exit ("terminate called without an active
+# exception"), a teardown race in torch, not the behaviour under test (the verify runner leaves the same way).
+_LEAVE = """
+dist.destroy_process_group()
+sys.stdout.flush()
+os._exit(0)
+"""
+
+
+def _run_one_rank(script: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", "import os\n" + script + _LEAVE, str(tmp_path / "store")],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+
+
 _MISSING_STATE = """
 import sys, torch
 import torch.distributed as dist
@@ -478,20 +498,13 @@ again = build()
 fresh = torch.optim.Adam(again.parameters(), lr=0.1)
 fresh.load_state_dict(fsdp_bridge.optim_state_dict_to_load(again, fresh, saved))
 print(sorted(fresh.state_dict()["state"]) == sorted(optim.state_dict()["state"]))
-dist.destroy_process_group()
 """
 
 
 def test_an_optimizer_state_without_some_parameters_loads_as_fsdp1_loads_it(tmp_path: Path) -> None:
     # FSDP1's optim_state_dict_to_load takes a state that holds nothing for a parameter that never had a
     # gradient; torch's set_optimizer_state_dict refuses it unless strict=False.
-    proc = subprocess.run(
-        [sys.executable, "-c", _MISSING_STATE, str(tmp_path / "store")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    proc = _run_one_rank(_MISSING_STATE, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1] == "True"
 
@@ -549,20 +562,13 @@ for backend in ("fsdp1", "fsdp2"):
         fsdp_bridge.optim_state_dict_to_load(model, stray, full)
     except ConfigError as e:
         print(backend, "refused", "param_groups" in str(e) and "Steering" in str(e))
-dist.destroy_process_group()
 """
 
 
 def test_an_optimizer_wrapper_is_taken_as_fsdp1_takes_it(tmp_path: Path) -> None:
     # FSDP1's full_optim_state_dict / optim_state_dict_to_load read only the optimizer's param_groups, so trainers
     # pass their own optimizer wrapper; torch's state-dict functions raised TypeError on it ("not iterable").
-    proc = subprocess.run(
-        [sys.executable, "-c", _WRAPPED_OPTIMIZER, str(tmp_path / "store")],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    proc = _run_one_rank(_WRAPPED_OPTIMIZER, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()
     assert lines == [f"{b} {what} True" for b in ("fsdp1", "fsdp2") for what in ("full", "osd", "load", "refused")]

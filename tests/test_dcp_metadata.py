@@ -316,6 +316,7 @@ LOADER_CHILD = textwrap.dedent(
             state = "unchanged" if before == dict(vars(pathlib.PosixPath)) else "CHANGED"
             print(f"{kind}\\t{outcome}\\t{state}", flush=True)
     dist.destroy_process_group()
+    os._exit(0)  # no interpreter finalisation: the gloo group's destructor can abort at exit (a torch teardown race)
     """
 )
 
