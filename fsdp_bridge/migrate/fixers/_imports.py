@@ -3,6 +3,8 @@ FSDP1 modules, the config classes kept for the bridge to read, mocks of the wrap
 
 from __future__ import annotations
 
+import os
+
 import libcst as cst
 import libcst.matchers as m
 from libcst.metadata import PositionProvider, QualifiedNameProvider
@@ -23,6 +25,7 @@ from fsdp_bridge.migrate._names import (
 )
 from fsdp_bridge.migrate._report import CodeFinding
 from fsdp_bridge.migrate._scan_base import ScannerBase
+from fsdp_bridge.migrate.fixers._no_sync_clip import unproven_text
 
 SETTINGS = {
     "sharding_strategy": "torch's ShardingStrategy member, NO_SHARD when the shard group has one rank as with FSDP1",
@@ -234,14 +237,33 @@ class ImportsFixer(ScannerBase):
             and id(node) not in self.consumed_nodes
             and code_of(node.value) != "fsdp_bridge"
             and not self._ddp_tested(node.value)
-            and self._fsdp1_wrapper(node, node.value, by_calls=False) != ""  # not another object's no_sync
             and not any(
                 q.name.startswith(("torch.nn", "fsdp_bridge"))
                 for q in self.get_metadata(QualifiedNameProvider, node, set())
             )
         ):
             # ``ctx = model.no_sync`` (called later as ``ctx()``): FSDPModule has no no_sync.
-            code = f"functools.partial(fsdp_bridge.no_sync, {code_of(node.value)})"
+            recv = code_of(node.value)
+            wrapper = self._fsdp1_wrapper(node, node.value, by_calls=False) or self._handed_fsdp1(node.value)
+            if "no_sync" in self.dispatch.own_methods and wrapper != "fsdp1":
+                if recv == "self" and self.classes:
+                    return True  # the class's own method
+                where = self.dispatch.own_methods["no_sync"]
+                where = "this file" if where == self.path else os.path.relpath(where, os.path.dirname(self.path) or ".")
+                self._record(
+                    node,
+                    f"{short(recv, 40)}.no_sync (not called here)",
+                    f"not rewritten: this tree defines its own no_sync (in {where}), so this may be that one; if "
+                    f"{short(recv, 40)} is the FSDP1-wrapped model, write functools.partial(fsdp_bridge.no_sync, "
+                    f"{short(recv, 40)}) (it takes any module); if it is your own, keep it",
+                    False,
+                )
+                return True
+            if wrapper == "":  # nothing shows whose no_sync this is: another object's must stay as it is
+                text = unproven_text(recv, "no_sync", bound=True)
+                self._record(node, f"{short(recv, 40)}.no_sync (not called here)", text, False)
+                return True
+            code = f"functools.partial(fsdp_bridge.no_sync, {recv})"
             self.expr_rewrites[id(node)] = code
             self.needs_imports.update({("functools", None), ("fsdp_bridge", None)})
             self._record(

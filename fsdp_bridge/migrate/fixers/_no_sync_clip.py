@@ -199,9 +199,12 @@ def params_first(node: cst.Call) -> bool:
     return "param" in code_of(first).rsplit(".", 1)[-1].lower()
 
 
-def unproven_text(recv: str, name: str) -> str:
-    """The TODO for ``recv.no_sync()`` / ``recv.clip_grad_norm_(...)`` where nothing shows ``recv`` is FSDP1's."""
+def unproven_text(recv: str, name: str, *, bound: bool = False) -> str:
+    """The TODO for ``recv.no_sync()`` / ``recv.clip_grad_norm_(...)`` where nothing shows ``recv`` is FSDP1's
+    (``bound``: the method taken as a value, ``ctx = recv.no_sync``, called later)."""
     call = f"fsdp_bridge.{name}({short(recv, 40)}{', ...' if name == 'clip_grad_norm_' else ''})"
+    if bound:
+        call = f"functools.partial(fsdp_bridge.{name}, {short(recv, 40)})"
     return (
         f"not rewritten: nothing here shows {short(recv, 40)} is FSDP1's wrapper (no FSDP(...) or a factory of "
         f"the tree assigned to it in this scope, no ': FSDP' annotation, no isinstance(..., FSDP) guard), and "
