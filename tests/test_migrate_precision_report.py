@@ -103,13 +103,20 @@ def test_fsdp1_attributes_of_a_model_prepared_elsewhere_get_todos_naming_the_bri
         (8, "model.mixed_precision"),
         (10, "model.params"),
     }  # engine.sharding_strategy (line 16) is not shown to be FSDP1's
-    assert all(not f.fixable for f in found.values())
-    assert "fsdp_bridge.get_bridge(model).report" in found[5, "model._fsdp_wrapped_module"].replacement
+    # The wrapped module is the same object on FSDP1's wrapper (whoever made it) and on FSDP2: rewritten.
+    assert found[5, "model._fsdp_wrapped_module"].fixable
+    assert found[5, "model._fsdp_wrapped_module"].replacement.startswith("fsdp_bridge.unwrapped(model): ")
+    assert not any(f.fixable for key, f in found.items() if key[0] != 5)
     assert "fsdp_bridge.get_bridge(model).config.strategy" in found[7, "model.sharding_strategy"].replacement
     assert "fsdp_bridge.get_bridge(model).config.mixed_precision" in found[8, "model.mixed_precision"].replacement
     fixed = result.fixed
-    assert fixed.count("# TODO(fsdp-bridge): ") == 4
-    assert [line for line in fixed.splitlines() if "TODO" not in line] == result.original.splitlines()
+    assert fixed.count("# TODO(fsdp-bridge): ") == 3
+    kept = [line for line in fixed.splitlines() if "TODO" not in line]
+    assert kept[1] == "import fsdp_bridge" and "    inner = fsdp_bridge.unwrapped(model)" in kept
+    # the guarded read in run_blocks (line 21) is left as it is
+    assert [line for line in kept if "unwrapped" not in line and line != "import fsdp_bridge"] == [
+        line for line in result.original.splitlines() if "inner = " not in line
+    ]
     assert migrate_source(fixed, "again.py").fixed == fixed  # a second --fix changes nothing
 
 
@@ -279,3 +286,20 @@ def test_fsdp1s_rekeying_of_an_optimizer_state_is_reported() -> None:
     (todo,) = [f for f in result.findings if f.construct == "FSDP.rekey_optim_state_dict"]
     assert not todo.fixable and todo.line == 6 and "set_optimizer_state_dict" in todo.replacement
     assert "# TODO(fsdp-bridge): FSDP.rekey_optim_state_dict" in result.fixed
+
+
+def test_the_wrapped_module_of_a_unit_reached_by_index_is_rewritten_with_what_it_holds() -> None:
+    # X._fsdp_wrapped_module on any expression (a unit of a list, a call's result), with a forwarded read
+    # inside it rewritten too: fsdp_bridge.unwrapped of the rewritten expression.
+    code = (
+        "def first_block(trainer):\n"
+        "    blocks = trainer.model._fsdp_wrapped_module.layers\n"
+        "    return blocks[0]._fsdp_wrapped_module, trainer.model._fsdp_wrapped_module.layers[1]._fsdp_wrapped_module\n"
+    )
+    result = migrate_source(code, "probe.py")
+    assert all(f.fixable for f in result.findings) and len(result.findings) == 4
+    assert "    blocks = trainer.model.layers\n" in result.fixed
+    assert (
+        "    return fsdp_bridge.unwrapped(blocks[0]), fsdp_bridge.unwrapped(trainer.model.layers[1])\n" in result.fixed
+    )
+    assert migrate_source(result.fixed, "probe.py").fixed == result.fixed

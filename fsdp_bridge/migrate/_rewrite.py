@@ -53,6 +53,8 @@ class Rewriter(cst.CSTTransformer):
     def leave_Attribute(self, original_node: cst.Attribute, updated_node: cst.Attribute) -> Any:
         if id(original_node) in self.scan.attr_drops:
             return updated_node.value
+        if id(original_node) in self.scan.attr_unwraps:  # X as rewritten inside it (a forwarded read dropped)
+            return cst.Call(cst.parse_expression("fsdp_bridge.unwrapped"), [cst.Arg(updated_node.value)])
         if (code := self.scan.expr_rewrites.get(id(original_node))) is not None:
             return cst.parse_expression(code)
         rewrite = self.scan.name_rewrites.get(id(original_node))

@@ -138,6 +138,7 @@ class ScannerBase(FollowsAliases):
         self.annotation_depth = 0
         self.assign_target_depth = 0
         self.attr_drops: set[int] = set()  # id(Attribute) -> replaced by its value (FSDP1 wrapper internals)
+        self.attr_unwraps: set[int] = set()  # id(X._fsdp_wrapped_module) -> fsdp_bridge.unwrapped(X)
         self.forwarded_reads: dict[int, str] = {}  # id(X._fsdp_wrapped_module | X.module) in X.<that>.name -> name
         self.removed_stmts: set[int] = set()  # id(statement) -> deleted (a no-op on FSDP2)
         self.planning = True

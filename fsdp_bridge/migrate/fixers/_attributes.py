@@ -1,7 +1,9 @@
 """FSDP1 attributes read from a model prepared elsewhere: a file that never imports FSDP1 but reads
 FSDP1-only internals of an object (``model._fsdp_wrapped_module``, ``._handle``, ``._flat_param``) is
-handed an FSDP1 wrapper; those reads, and the wrapper's settings read on the same object
-(``model.sharding_strategy``, ``.mixed_precision``, ...), get a TODO naming what the bridge offers.
+handed an FSDP1 wrapper. ``X._fsdp_wrapped_module`` becomes ``fsdp_bridge.unwrapped(X)`` (``X.name`` for a
+name the wrapper forwards), right on FSDP1's wrapper and on FSDP2; the other internals, and the wrapper's
+settings read on the same object (``model.sharding_strategy``, ``.mixed_precision``, ...), get a TODO naming
+what the bridge offers.
 Files that import FSDP1 are covered by ``_imports`` (the wrapper is known there)."""
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ BRIDGE_OFFERS = (
 
 
 class ElsewhereAttributesFixer(ScannerBase):
-    """FSDP1 attributes of a model this file did not wrap (reported with a TODO, never rewritten)."""
+    """FSDP1 attributes of a model this file did not wrap (the wrapped module rewritten, the rest TODOs)."""
 
     fsdp1_objects: dict[tuple[int, str], list[str]] | None = None
     """(id(enclosing function) or 0, object expression) -> the FSDP1-only attributes read on it there."""
@@ -61,6 +63,30 @@ class ElsewhereAttributesFixer(ScannerBase):
         if proof is None or id(node) in self.called or (obj, attr) in own:
             return
         self.fsdp1_elsewhere = True
+        if attr == "_fsdp_wrapped_module" and not any("fairscale" in line for line in self.lines):
+            # Whoever wrapped it (a library that stays on FSDP1, or the bridge on either backend): the inner
+            # module is fsdp_bridge.unwrapped(X) on FSDP1's wrapper, X itself on FSDP2 (it does not wrap). A
+            # name the wrapper forwards (X._fsdp_wrapped_module.name) is X.name on both.
+            self.needs_imports.add(("fsdp_bridge", None))
+            if id(node) in self.forwarded_reads:
+                self.attr_drops.add(id(node))
+                self._record(
+                    node,
+                    f"{code_of(node)} (an FSDP1 internal of a model prepared elsewhere)",
+                    f"{obj}: FSDP1's wrapper hands .{self.forwarded_reads[id(node)]} to the module it wraps, and "
+                    "FSDP2 does not wrap (the module is itself)",
+                    True,
+                )
+                return
+            self.attr_unwraps.add(id(node))
+            self._record(
+                node,
+                f"{code_of(node)} (an FSDP1 internal of a model prepared elsewhere)",
+                f"fsdp_bridge.unwrapped({obj}): the module inside FSDP1's wrapper (whoever wrapped it), the "
+                "module itself on FSDP2 (it does not wrap)",
+                True,
+            )
+            return
         if attr in FSDP1_ONLY_ATTRS:
             self._record(
                 node,

@@ -106,12 +106,11 @@ class ImportsFixer(ScannerBase):
                 node.attr.value == "_fsdp_wrapped_module"
                 and id(node) not in self.forwarded_reads
                 and not self.assign_target_depth
-                and _plain_reference(node.value)
             ):
                 # The inner module itself: FSDP1's on the fsdp1 backend, the module itself on fsdp2
                 self.needs_imports.add(("fsdp_bridge", None))
                 code = f"fsdp_bridge.unwrapped({code_of(node.value)})"
-                self.expr_rewrites[id(node)] = code
+                self.attr_unwraps.add(id(node))
                 self._record(
                     node,
                     f"{code_of(node)} (an FSDP1 internal)",
@@ -119,7 +118,7 @@ class ImportsFixer(ScannerBase):
                     "FSDP2 (it does not wrap)",
                     True,
                 )
-                return False
+                return True  # what it holds is rewritten too (a forwarded read inside it)
             if node.attr.value == "_fsdp_wrapped_module" and id(node) in self.forwarded_reads:
                 self.attr_drops.add(id(node))
                 self._record(
@@ -679,13 +678,6 @@ def _type_of(node: cst.Call) -> cst.BaseExpression | None:
     if any(a.keyword is not None or a.star for a in (*node.args, *first.args)):
         return None
     return first.args[0].value
-
-
-def _plain_reference(expr: cst.BaseExpression) -> bool:
-    """``name`` or ``a.b.c``: written again as it is, nothing in it rewritten."""
-    while isinstance(expr, cst.Attribute):
-        expr = expr.value
-    return isinstance(expr, cst.Name)
 
 
 def _path_to(root: cst.CSTNode, target: cst.CSTNode) -> list[cst.CSTNode] | None:
