@@ -610,3 +610,22 @@ def test_optimizer_state_in_a_sharded_block_keeps_fsdp1s_cpu_offload_default() -
     assert TODO not in fixed, fixed
     assert "get_model_state_dict(net, options=StateDictOptions())" in fixed, fixed
     assert "get_optimizer_state_dict(net, opt, options=StateDictOptions(cpu_offload=True))" in fixed, fixed
+
+
+def test_a_tree_setting_several_types_makes_every_call_the_bridges_and_keeps_what_follows_them() -> None:
+    fixed = _fix("persistent_mixed.py")
+    code = "\n".join(line for line in fixed.splitlines() if not line.lstrip().startswith("#"))
+    assert "FSDP.set_state_dict_type" not in code and "FullyShardedDataParallel" not in code
+    assert code.count("fsdp_bridge.set_state_dict_type(model, ") == 3  # SHARDED too: not deleted here
+    saved = _between(fixed, "def save_full", "def restore")
+    # made by a function that sets its type, then set FULL above: both calls kept, they follow the setting
+    assert "    shards = model.state_dict()\n" in saved and "    torch.save(model.state_dict(), path)\n" in saved
+    restored = _between(fixed, "def restore", "def weights_of")
+    assert "    model.load_state_dict(state)\n" in restored and TODO not in restored
+    assert "return fsdp_bridge.optim_state_dict(model, opt)" in restored
+    # nothing shows whether this model's type was set: a TODO naming both outcomes
+    weights = _between(fixed, "def weights_of")
+    assert TODO in weights and "return model.state_dict()" in weights
+    assert "if it is, keep this call; if not, FSDP1 gave a full state dict" in weights
+    result = migrate_source((FIXTURES / "persistent_mixed.py").read_text(), "persistent_mixed.py")
+    assert [f.line for f in result.findings if not f.fixable] == [37]

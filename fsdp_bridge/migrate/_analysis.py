@@ -132,6 +132,10 @@ class Dispatch:
     unfollowed_set_state_dict_type: str | None = None
     """A file of the tree with a ``set_state_dict_type`` call not rewritten to fsdp_bridge's (a LOCAL or SHARDED
     type written out, a receiver not shown to be FSDP1's): the state-dict calls that follow the type stay TODOs."""
+    bridge_sets_state_dict_type: str | None = None
+    """A file of the tree with a ``set_state_dict_type`` call that becomes ``fsdp_bridge.set_state_dict_type``
+    whatever else the tree holds (FULL_STATE_DICT, or a type known only at run time): SHARDED ones then become
+    the bridge's too (see :func:`bridge_set_state_dict_type`)."""
     makes_state_dict_context: str | None = None  # a file of the tree that calls FSDP.state_dict_type
     group_fsdp: str | None = None  # a file of the tree passing process_group= (FSDP over some ranks)
     subclasses_fsdp1: str | None = None  # a file of the tree defining a subclass of FSDP1's wrapper (stays FSDP1)
@@ -177,6 +181,7 @@ class Dispatch:
         self.unfollowed_set_state_dict_type = (
             self.unfollowed_set_state_dict_type or other.unfollowed_set_state_dict_type
         )
+        self.bridge_sets_state_dict_type = self.bridge_sets_state_dict_type or other.bridge_sets_state_dict_type
         self.makes_state_dict_context = self.makes_state_dict_context or other.makes_state_dict_context
         self.group_fsdp = self.group_fsdp or other.group_fsdp
         self.subclasses_fsdp1 = self.subclasses_fsdp1 or other.subclasses_fsdp1
@@ -245,25 +250,22 @@ def cited_set_state_dict_type(code: str) -> str | None:
     return None
 
 
-def unfollowed_set_state_dict_type(code: str) -> bool:
-    """Whether the file has a ``set_state_dict_type(...)`` call that ``--fix`` does not make
-    ``fsdp_bridge.set_state_dict_type(...)``: one through a receiver that is neither FSDP1's class (by a name
-    the file binds to it) nor the model passed as its own first argument (``model.set_state_dict_type(model,
-    ...)``), or whose arguments name LOCAL_STATE_DICT or SHARDED_STATE_DICT (a LOCAL one has no FSDP2 form; a
-    SHARDED one is deleted or left as it is). A file that cannot be parsed counts as such a call, and so does
-    a TODO this codemod wrote for a call that follows such a type: a second ``--fix`` must read the tree as the
-    first did (a deleted SHARDED call leaves no call behind)."""
-    if TODO in code and "calls FSDP.set_state_dict_type, so this" in code:
-        return True
+def _set_state_dict_type_kinds(code: str) -> set[str]:
+    """What the file's ``set_state_dict_type(...)`` calls are: "odd" (one ``--fix`` leaves as it is: through a
+    receiver that is neither FSDP1's class, by a name the file binds to it, ``fsdp_bridge``, nor the model passed
+    as its own first argument; star arguments; LOCAL_STATE_DICT, which has no FSDP2 form; or a file that cannot
+    be parsed), "sharded" (SHARDED_STATE_DICT written out), "bridge" (any other type: FULL_STATE_DICT, or one
+    known only at run time, which becomes ``fsdp_bridge.set_state_dict_type``)."""
     if not calls_set_state_dict_type(code):
-        return False
+        return set()
     try:
         module = cst.parse_module(code)
     except cst.ParserSyntaxError:
-        return True
+        return {"odd"}
     names = {"FullyShardedDataParallel", "fsdp_bridge"}
     names.update(re.findall(r"\bFullyShardedDataParallel\s+as\s+(\w+)", code))
     names.update(re.findall(r"^\s*(\w+)\s*=\s*(?:[\w.]*\.)?FullyShardedDataParallel\s*$", code, re.M))
+    kinds: set[str] = set()
     for node in walk(module):
         if not (
             isinstance(node, cst.Call)
@@ -276,11 +278,37 @@ def unfollowed_set_state_dict_type(code: str) -> bool:
         if (
             any(a.star for a in node.args)
             or len(args) < 2
-            or any("LOCAL_STATE_DICT" in a or "SHARDED_STATE_DICT" in a for a in args)
+            or any("LOCAL_STATE_DICT" in a for a in args)
             or (receiver.split(".")[-1] not in names and receiver != args[0])
         ):
-            return True
-    return False
+            kinds.add("odd")
+        elif any("SHARDED_STATE_DICT" in a for a in args):
+            kinds.add("sharded")
+        else:
+            kinds.add("bridge")
+    return kinds
+
+
+def bridge_set_state_dict_type(code: str) -> bool:
+    """Whether the file has a ``set_state_dict_type(...)`` call ``--fix`` makes (or made)
+    ``fsdp_bridge.set_state_dict_type(...)`` whatever else the tree holds: a FULL_STATE_DICT one, or one whose
+    type is known only at run time. In a tree with one, a SHARDED_STATE_DICT call is made the bridge's too (not
+    deleted): the model's state dicts then follow whichever type was set last, as FSDP1's do."""
+    return "bridge" in _set_state_dict_type_kinds(code)
+
+
+def unfollowed_set_state_dict_type(code: str, *, sharded_followed: bool = False) -> bool:
+    """Whether the file has a ``set_state_dict_type(...)`` call that ``--fix`` does not make
+    ``fsdp_bridge.set_state_dict_type(...)``: an "odd" one (see ``_set_state_dict_type_kinds``: a LOCAL type, a
+    receiver not shown to be FSDP1's class or the model itself), or a SHARDED one, deleted or left as it is,
+    unless ``sharded_followed`` (the tree has a :func:`bridge_set_state_dict_type` call, so SHARDED ones become
+    the bridge's too). A file that cannot be parsed counts as such a call, and so does a TODO this codemod
+    wrote for a call that follows such a type: a second ``--fix`` must read the tree as the first did (a
+    deleted SHARDED call leaves no call behind)."""
+    if TODO in code and "calls FSDP.set_state_dict_type, so this" in code:
+        return True
+    kinds = _set_state_dict_type_kinds(code)
+    return "odd" in kinds or ("sharded" in kinds and not sharded_followed)
 
 
 def self_spelled_set_state_dict_type(code: str) -> bool:

@@ -48,6 +48,7 @@ from fsdp_bridge.migrate._analysis import (
     ClassAliases,
     Collector,
     Dispatch,
+    bridge_set_state_dict_type,
     calls_set_state_dict_type,
     cited_set_state_dict_type,
     class_aliases,
@@ -137,7 +138,10 @@ def migrate_source(
     )
     if passes_group(code):
         known.group_fsdp = path  # this file's own, named first
-    if unfollowed_set_state_dict_type(code) or (
+    if bridge_set_state_dict_type(code):
+        known.bridge_sets_state_dict_type = OWN_FILE
+    followed = known.bridge_sets_state_dict_type is not None
+    if unfollowed_set_state_dict_type(code, sharded_followed=followed) or (
         "set_state_dict_type" in known.own_methods and self_spelled_set_state_dict_type(code)
     ):
         known.unfollowed_set_state_dict_type = OWN_FILE
@@ -356,6 +360,7 @@ def migrate_paths(
     dispatch = Dispatch()  # helpers such as fsdp_version(model) may live in another file of the tree
     self_spelled: list[Path] = []  # files calling x.set_state_dict_type(x, ...)
     cited: str | None = None  # the file a TODO of a first --fix named as calling FSDP.set_state_dict_type
+    unfollowed: list[tuple[str, bool, bool]] = []  # file, unfollowed alone, unfollowed in a tree the bridge's follow
     for f in files:
         try:
             code = read_source(f)
@@ -372,11 +377,18 @@ def migrate_paths(
                     imported_names=imported_names(code),
                     own_methods=find_own_methods(code, str(f)),  # named relative to each caller
                     sets_state_dict_type=shown[f] if calls_set_state_dict_type(code) else None,
-                    unfollowed_set_state_dict_type=shown[f] if unfollowed_set_state_dict_type(code) else None,
+                    bridge_sets_state_dict_type=shown[f] if bridge_set_state_dict_type(code) else None,
                     makes_state_dict_context=shown[f] if finds_state_dict_context(code) else None,
                     group_fsdp=shown[f] if passes_group(code) else None,
                     subclasses_fsdp1=shown[f] if subclasses_wrapper(code) else None,
                     subclassed=subclassed_names(code),
+                )
+            )
+            unfollowed.append(
+                (
+                    shown[f],
+                    unfollowed_set_state_dict_type(code),
+                    unfollowed_set_state_dict_type(code, sharded_followed=True),
                 )
             )
             if self_spelled_set_state_dict_type(code):
@@ -389,6 +401,10 @@ def migrate_paths(
     if cited is not None:
         # a first --fix may have deleted the call it named (a SHARDED_STATE_DICT statement): name it again
         dispatch.sets_state_dict_type = cited
+    followed = dispatch.bridge_sets_state_dict_type is not None
+    dispatch.unfollowed_set_state_dict_type = next(
+        (name for name, alone, mixed in unfollowed if (mixed if followed else alone)), None
+    )
     if self_spelled and "set_state_dict_type" in dispatch.own_methods:
         # x.set_state_dict_type(x, ...) may be the tree's own override: not rewritten, so nothing follows it
         dispatch.unfollowed_set_state_dict_type = dispatch.unfollowed_set_state_dict_type or shown[self_spelled[0]]

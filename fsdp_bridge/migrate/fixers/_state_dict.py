@@ -37,7 +37,8 @@ class StateDictFixer(ScannerBase):
         its own is deleted: an FSDP2 module's ``state_dict()`` already holds sharded (DTensor) values. A type
         known only at run time, or FULL_STATE_DICT, becomes ``fsdp_bridge.set_state_dict_type(...)`` (also
         ``M.set_state_dict_type(M, ...)``, ``through_class=False``): FSDP1's own call on FSDP1 models, on FSDP2
-        the type's state dicts until the next call."""
+        the type's state dicts until the next call. In a tree holding such a call, SHARDED ones become the
+        bridge's too: a model may be set to FULL somewhere and back to SHARDED here."""
         named = named_args(node, ("module", "state_dict_type", "state_dict_config", "optim_state_dict_config"))
         if (
             named is not None
@@ -47,7 +48,12 @@ class StateDictFixer(ScannerBase):
         ):
             type_arg = named["state_dict_type"]
             kind = self._member(type_arg, "StateDictType")
-            if kind == "FULL_STATE_DICT" or (kind is None and self._qn(type_arg) is None):
+            followed = self.dispatch.bridge_sets_state_dict_type is not None  # the tree also sets another type
+            if (
+                kind == "FULL_STATE_DICT"
+                or (kind is None and self._qn(type_arg) is None)
+                or (kind == "SHARDED_STATE_DICT" and followed)
+            ):
                 self.expr_rewrites[id(node.func)] = "fsdp_bridge.set_state_dict_type"
                 self.needs_imports.add(("fsdp_bridge", None))
                 self._consume(node.func)
@@ -220,6 +226,34 @@ class StateDictFixer(ScannerBase):
                 f"{short(code, 90)}: FSDP.set_state_dict_type({short(target, 30)}, SHARDED_STATE_DICT) above makes "
                 "FSDP1's state dicts of this model sharded from then on, as FSDP2's own (DTensor) are",
                 True,
+            )
+            return True
+        elif (where := self.dispatch.sets_state_dict_type) is not None and self._bridge_follows():
+            # Every set_state_dict_type call of the tree becomes fsdp_bridge.set_state_dict_type, which an FSDP2
+            # module's own state_dict() / load_state_dict() follow, as FSDP1's do.
+            if persistent == "other" or self._typed_by_factory(node, target):
+                how = (
+                    f"FSDP.set_state_dict_type({short(target, 30)}, ...) above"
+                    if persistent == "other"
+                    else f"the function that made {short(target, 30)} calls FSDP.set_state_dict_type on it, which"
+                )
+                self._record(
+                    node,
+                    construct,
+                    f"kept as is: {how} becomes fsdp_bridge.set_state_dict_type, and an FSDP2 module's own "
+                    "state_dict() / load_state_dict() then give and take the type it sets at run time, as FSDP1's do",
+                    True,
+                )
+                return True
+            self._record(
+                node,
+                construct,
+                f"not rewritten: {where} sets a state-dict type at run time (FSDP.set_state_dict_type, made "
+                "fsdp_bridge.set_state_dict_type, which FSDP2 modules follow) and nothing here shows whether "
+                f"{short(target, 40)} is a model it sets: if it is, keep this call; if not, FSDP1 gave a full "
+                "state dict: write get_model_state_dict / set_model_state_dict(model, sd) with "
+                "options=StateDictOptions(full_state_dict=True)",
+                False,
             )
             return True
         elif (where := self.dispatch.sets_state_dict_type) is not None:
@@ -630,7 +664,10 @@ class StateDictFixer(ScannerBase):
                     continue
                 for small in stmt.body:
                     call = small.value if isinstance(small, cst.Expr) else None
-                    if not isinstance(call, cst.Call) or self._qn(call.func) != (FSDP, "set_state_dict_type"):
+                    if not isinstance(call, cst.Call) or (
+                        self._qn(call.func) != (FSDP, "set_state_dict_type")
+                        and code_of(call.func) != "fsdp_bridge.set_state_dict_type"  # written by a first --fix
+                    ):
                         continue
                     named = named_args(
                         call, ("module", "state_dict_type", "state_dict_config", "optim_state_dict_config")
@@ -655,6 +692,48 @@ class StateDictFixer(ScannerBase):
         if isinstance(scope, cst.FunctionDef) and self._wrapper_made_above(scope, at, model):
             return "FULL_STATE_DICT"  # made by FSDP(...) in this function and never set since: FSDP1's default
         return None
+
+    def _bridge_follows(self) -> bool:
+        """Every ``set_state_dict_type`` call of the tree becomes (or is) ``fsdp_bridge.set_state_dict_type``."""
+        return (
+            self.dispatch.bridge_sets_state_dict_type is not None
+            and self.dispatch.unfollowed_set_state_dict_type is None
+        )
+
+    def _typed_by_factory(self, node: cst.CSTNode, model: str) -> bool:
+        """``model = make(...)`` above ``node`` in its function, where ``make`` is a function of this file that
+        calls ``set_state_dict_type(x, ...)`` (FSDP1's or the bridge's) on the ``x`` it returns."""
+        scope = self.functions[-1] if self.functions else None
+        if scope is None or self.module is None:
+            return False
+        typing: set[str] = set()
+        for fn in self.module.body:
+            if not isinstance(fn, cst.FunctionDef):
+                continue
+            returned = {code_of(n.value) for n in walk(fn) if isinstance(n, cst.Return) and n.value is not None}
+            for n in walk(fn):
+                if (
+                    isinstance(n, cst.Call)
+                    and isinstance(n.func, cst.Attribute)
+                    and n.func.attr.value == "set_state_dict_type"
+                    and (self._qn(n.func) == (FSDP, "set_state_dict_type") or code_of(n.func.value) == "fsdp_bridge")
+                    and n.args
+                    and code_of(n.args[0].value) in returned
+                ):
+                    typing.add(fn.name.value)
+        if not typing:
+            return False
+        at = self.get_metadata(PositionProvider, node).start
+        for n in walk(scope.body):
+            if (
+                isinstance(n, cst.Assign)
+                and isinstance(n.value, cst.Call)
+                and code_of(n.value.func) in typing
+                and any(code_of(t.target) == model for t in n.targets)
+                and self.get_metadata(PositionProvider, n).end.line <= at.line
+            ):
+                return True
+        return False
 
     def _wrapper_made_above(self, scope: cst.FunctionDef, at: CodePosition, model: str) -> bool:
         """``model = FSDP(...)`` (or ``wrap(...)``) in a statement of a block holding ``at``, above it."""
