@@ -55,7 +55,9 @@ class LocalStateFixer(ScannerBase):
             return
         self._consume(call)
         text = (
-            f"not rewritten: {why}; FSDP1's LOCAL_STATE_DICT is each rank's flat-parameter shards (keys of "
+            f"not rewritten: {why}; the block runs only on a model that stays FSDP1's: on one --fix shards with "
+            "FSDP2, torch's FSDP.state_dict_type raises when the block ends (KeyError: None), so rewrite it by hand; "
+            "FSDP1's LOCAL_STATE_DICT is each rank's flat-parameter shards (keys of "
             "FSDP1's own); FSDP2's sharded state dict (get_model_state_dict(model): DTensor values under the "
             "parameters' names, saved and loaded per rank at the same mesh) replaces it where the state only "
             "goes to torch.save and comes back from torch.load; an existing local checkpoint: load it in FSDP1, "
@@ -89,7 +91,7 @@ class LocalStateFixer(ScannerBase):
                 where = f"in {other_function.name.value}()" if other_function is not None else "at module level"
                 return (
                     f"the LOCAL_STATE_DICT block on {short(model, 30)} {where} in this file stays FSDP1's "
-                    f"({why}), and what one block saves the other loads: both keep FSDP1's format"
+                    f"({why}), and what one block saves the other loads: both are left in FSDP1's format"
                 )
         self._apply_local_block(node, model, cfg, optim_cfg, checked)
         return None
