@@ -450,3 +450,6 @@ def test_a_bound_no_sync_is_rewritten_only_where_the_model_is_fsdp1s() -> None:
     # DDP's own, told apart by the code: untouched, not reported
     assert _line(fixed, "return model.no_sync") == "return model.no_sync"
     assert not [f for f in result.findings if f.line == 32]
+    # called later with the model as its argument: accelerate's no_sync(model), not FSDP1's; not reported
+    assert _line(fixed, "accelerator.no_sync") == "hold = contextlib.nullcontext if last else accelerator.no_sync"
+    assert not [f for f in result.findings if f.line == 37]

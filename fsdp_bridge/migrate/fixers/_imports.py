@@ -242,6 +242,8 @@ class ImportsFixer(ScannerBase):
             )
         ):
             # ``ctx = model.no_sync`` (called later as ``ctx()``): FSDPModule has no no_sync.
+            if self._bound_called_with_args():
+                return True  # ctx(model) later: another object's no_sync (accelerate's takes the model), not FSDP1's
             recv = code_of(node.value)
             wrapper = self._fsdp1_wrapper(node, node.value, by_calls=False) or self._handed_fsdp1(node.value)
             if "no_sync" in self.dispatch.own_methods and wrapper != "fsdp1":
@@ -405,6 +407,28 @@ class ImportsFixer(ScannerBase):
             return False
         self._record(node, code_of(node), NAMES[kind], False)
         return False
+
+    def _bound_called_with_args(self) -> bool:
+        """The statement binds a value to a name (``ctx = a if c else b.no_sync``) that the enclosing function (or
+        the module) calls with arguments (``with ctx(model):``). FSDP1's ``no_sync()`` takes none, so the value is
+        another object's method (accelerate's ``Accelerator.no_sync(model)``)."""
+        stmt = self.stmt_stack[-1] if self.stmt_stack else None
+        if not isinstance(stmt, cst.SimpleStatementLine):
+            return False
+        names = {
+            t.target.value
+            for small in stmt.body
+            if isinstance(small, cst.Assign)
+            for t in small.targets
+            if isinstance(t.target, cst.Name)
+        }
+        scope: cst.CSTNode | None = self.functions[-1] if self.functions else self.module
+        if not names or scope is None:
+            return False
+        return any(
+            isinstance(n, cst.Call) and isinstance(n.func, cst.Name) and n.func.value in names and bool(n.args)
+            for n in walk(scope)
+        )
 
     def _type_value(self, node: cst.BaseExpression) -> bool:
         """``node`` (FSDP1's class) is a type inside a type expression written as a value: an element of
