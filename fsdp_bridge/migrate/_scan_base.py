@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 import libcst as cst
 from libcst.metadata import PositionProvider, QualifiedNameProvider, QualifiedNameSource
 
-from fsdp_bridge.migrate._analysis import Conversion, Dispatch, FollowsAliases, Region, resolve_fsdp, walk
+from fsdp_bridge.migrate._analysis import Conversion, Dispatch, FollowsAliases, Region, code_of, resolve_fsdp, walk
 from fsdp_bridge.migrate._names import fsdp1_private
 from fsdp_bridge.migrate._report import CodeFinding
 
@@ -188,6 +188,26 @@ class ScannerBase(FollowsAliases):
         self.findings.append(CodeFinding(self.path, pos.start.line, pos.start.column, construct, replacement, fixable))
         if not fixable and self.stmt_stack:
             self.todos.setdefault(id(self.stmt_stack[-1]), []).append(f"{construct}: {replacement}")
+
+    def _rewrite_wrapped_module(self, node: cst.Attribute, label: str, whose: str) -> None:
+        """``X._fsdp_wrapped_module`` -> ``fsdp_bridge.unwrapped(X)`` (X as rewritten inside it), and
+        ``X._fsdp_wrapped_module.name`` for a name FSDP1's wrapper forwards to the module it wraps -> ``X.name``:
+        both right on FSDP1's wrapper (``whose``: who made it) and on FSDP2, which does not wrap."""
+        obj = code_of(node.value)
+        self.needs_imports.add(("fsdp_bridge", None))
+        if id(node) in self.forwarded_reads:
+            self.attr_drops.add(id(node))
+            text = (
+                f"{obj}: FSDP1's wrapper hands .{self.forwarded_reads[id(node)]} to the module it wraps, and FSDP2 "
+                "does not wrap (the module is itself, an FSDPModule)"
+            )
+        else:
+            self.attr_unwraps.add(id(node))
+            text = (
+                f"fsdp_bridge.unwrapped({obj}): the module inside FSDP1's wrapper ({whose}), the module itself on "
+                "FSDP2 (it does not wrap)"
+            )
+        self._record(node, f"{code_of(node)} ({label})", text, True)
 
     def _follow(self, expr: cst.BaseExpression, conv: Conversion) -> cst.BaseExpression:
         """A variable assigned once in this file stands for its value."""

@@ -67,25 +67,7 @@ class ElsewhereAttributesFixer(ScannerBase):
             # Whoever wrapped it (a library that stays on FSDP1, or the bridge on either backend): the inner
             # module is fsdp_bridge.unwrapped(X) on FSDP1's wrapper, X itself on FSDP2 (it does not wrap). A
             # name the wrapper forwards (X._fsdp_wrapped_module.name) is X.name on both.
-            self.needs_imports.add(("fsdp_bridge", None))
-            if id(node) in self.forwarded_reads:
-                self.attr_drops.add(id(node))
-                self._record(
-                    node,
-                    f"{code_of(node)} (an FSDP1 internal of a model prepared elsewhere)",
-                    f"{obj}: FSDP1's wrapper hands .{self.forwarded_reads[id(node)]} to the module it wraps, and "
-                    "FSDP2 does not wrap (the module is itself)",
-                    True,
-                )
-                return
-            self.attr_unwraps.add(id(node))
-            self._record(
-                node,
-                f"{code_of(node)} (an FSDP1 internal of a model prepared elsewhere)",
-                f"fsdp_bridge.unwrapped({obj}): the module inside FSDP1's wrapper (whoever wrapped it), the "
-                "module itself on FSDP2 (it does not wrap)",
-                True,
-            )
+            self._rewrite_wrapped_module(node, "an FSDP1 internal of a model prepared elsewhere", "whoever wrapped it")
             return
         if attr in FSDP1_ONLY_ATTRS:
             self._record(

@@ -102,32 +102,10 @@ class ImportsFixer(ScannerBase):
             self._record(node, f"FSDP.{hit[1]}" if hit[0] == FSDP and hit[1] else code_of(node), region.text(), True)
             return False
         if isinstance(node, cst.Attribute) and node.attr.value in INTERNAL_ATTRS and self.uses_fsdp1:
-            if (
-                node.attr.value == "_fsdp_wrapped_module"
-                and id(node) not in self.forwarded_reads
-                and not self.assign_target_depth
-            ):
-                # The inner module itself: FSDP1's on the fsdp1 backend, the module itself on fsdp2
-                self.needs_imports.add(("fsdp_bridge", None))
-                code = f"fsdp_bridge.unwrapped({code_of(node.value)})"
-                self.attr_unwraps.add(id(node))
-                self._record(
-                    node,
-                    f"{code_of(node)} (an FSDP1 internal)",
-                    f"{code}: the module inside FSDP1's wrapper (the fsdp1 backend's units), the module itself on "
-                    "FSDP2 (it does not wrap)",
-                    True,
-                )
+            if node.attr.value == "_fsdp_wrapped_module" and not self.assign_target_depth:
+                # the inner module: FSDP1's on the fsdp1 backend, the module itself on FSDP2
+                self._rewrite_wrapped_module(node, "an FSDP1 internal", "the fsdp1 backend's units")
                 return True  # what it holds is rewritten too (a forwarded read inside it)
-            if node.attr.value == "_fsdp_wrapped_module" and id(node) in self.forwarded_reads:
-                self.attr_drops.add(id(node))
-                self._record(
-                    node,
-                    f"{code_of(node)} (an FSDP1 internal)",
-                    f"{code_of(node.value)}: FSDP2 does not wrap, the module is itself (an FSDPModule)",
-                    True,
-                )
-                return True
             self._record(node, f"{code_of(node)} (an FSDP1 internal)", INTERNAL_ATTRS[node.attr.value], False)
             return True
         if (
