@@ -217,8 +217,7 @@ class StateDictFixer(ScannerBase):
             # and load_state_dict() take sharded state from then on, as FSDP2's own (DTensor) do.
             code = self._model_state_call(method, target, args, full=False)
             if wrapper == "ambiguous":
-                self.needs_imports.add(("torch.distributed.fsdp", "FSDPModule"))
-                code = f"({code} if isinstance({target}, FSDPModule) else {code_of(node)})"
+                code = self._for_fsdp2_only(code, target, node)
             self.call_rewrites[id(node)] = code
             self._record(
                 node,
@@ -280,8 +279,7 @@ class StateDictFixer(ScannerBase):
                     False,
                 )
                 return True
-            self.needs_imports.add(("torch.distributed.fsdp", "FSDPModule"))
-            code = f"({code} if isinstance({target}, FSDPModule) else {code_of(node)})"
+            code = self._for_fsdp2_only(code, target, node)
             self.call_rewrites[id(node)] = code
             self._record(
                 node,
@@ -293,8 +291,7 @@ class StateDictFixer(ScannerBase):
             )
             return True
         if wrapper == "ambiguous":  # DistributedDataParallel's too: its own state_dict stays on the DDP path
-            self.needs_imports.add(("torch.distributed.fsdp", "FSDPModule"))
-            code = f"({code} if isinstance({target}, FSDPModule) else {code_of(node)})"
+            code = self._for_fsdp2_only(code, target, node)
         self.call_rewrites[id(node)] = code
         self._record(
             node,
@@ -304,6 +301,12 @@ class StateDictFixer(ScannerBase):
             True,
         )
         return True
+
+    def _for_fsdp2_only(self, code: str, target: str, node: cst.Call) -> str:
+        """``code`` (torch's state-dict call) where ``target`` is an FSDP2 module, ``node`` (its own call) for
+        anything else: DDP, a module FSDP1 still wraps."""
+        self.needs_imports.add(("torch.distributed.fsdp", "FSDPModule"))
+        return f"({code} if isinstance({target}, FSDPModule) else {code_of(node)})"
 
     def _model_state_call(self, method: str, target: str, args: list[cst.Arg], *, full: bool) -> str:
         """torch's call for ``target.state_dict()`` / ``target.load_state_dict(sd[, strict])``: full or sharded."""
