@@ -5,6 +5,7 @@ constructor call, and small helpers over libcst nodes."""
 from __future__ import annotations
 
 import ast
+import functools
 import io
 import re
 import tokenize
@@ -250,18 +251,19 @@ def cited_set_state_dict_type(code: str) -> str | None:
     return None
 
 
-def _set_state_dict_type_kinds(code: str) -> set[str]:
+@functools.lru_cache(maxsize=4)  # each file is asked three times in a row (bridge, unfollowed alone and mixed)
+def _set_state_dict_type_kinds(code: str) -> frozenset[str]:
     """What the file's ``set_state_dict_type(...)`` calls are: "odd" (one ``--fix`` leaves as it is: through a
     receiver that is neither FSDP1's class, by a name the file binds to it, ``fsdp_bridge``, nor the model passed
     as its own first argument; star arguments; LOCAL_STATE_DICT, which has no FSDP2 form; or a file that cannot
     be parsed), "sharded" (SHARDED_STATE_DICT written out), "bridge" (any other type: FULL_STATE_DICT, or one
     known only at run time, which becomes ``fsdp_bridge.set_state_dict_type``)."""
     if not calls_set_state_dict_type(code):
-        return set()
+        return frozenset()
     try:
         module = cst.parse_module(code)
     except cst.ParserSyntaxError:
-        return {"odd"}
+        return frozenset({"odd"})
     names = {"FullyShardedDataParallel", "fsdp_bridge"}
     names.update(re.findall(r"\bFullyShardedDataParallel\s+as\s+(\w+)", code))
     names.update(re.findall(r"^\s*(\w+)\s*=\s*(?:[\w.]*\.)?FullyShardedDataParallel\s*$", code, re.M))
@@ -286,7 +288,7 @@ def _set_state_dict_type_kinds(code: str) -> set[str]:
             kinds.add("sharded")
         else:
             kinds.add("bridge")
-    return kinds
+    return frozenset(kinds)
 
 
 def bridge_set_state_dict_type(code: str) -> bool:
