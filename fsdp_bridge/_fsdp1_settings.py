@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any, cast
 
 from torch.distributed import fsdp as torch_fsdp
-from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision
+from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel, MixedPrecision
 
 from fsdp_bridge.api import Bridge, bridge_of
 
@@ -29,6 +29,8 @@ class FSDP1Settings:
     def sharding_strategy(self) -> torch_fsdp.ShardingStrategy:
         """torch's FSDP1 ``ShardingStrategy`` member: ``NO_SHARD`` when the shard group has one rank, as FSDP1."""
         bridge = self._bridge()
+        if bridge is None and isinstance(self._module, FSDPModule):
+            return _fsdp2_strategy(self._module)  # sharded by torch's own fully_shard (--target torch code)
         if bridge is None:
             return cast(torch_fsdp.ShardingStrategy, self._module.sharding_strategy)
         name = bridge.config.strategy.name
@@ -54,11 +56,28 @@ class FSDP1Settings:
         )
 
 
+def _fsdp2_strategy(module: FSDPModule) -> torch_fsdp.ShardingStrategy:
+    """FSDP1's name for how torch's ``fully_shard`` sharded ``module``: from its mesh (a shard group of one rank
+    is NO_SHARD, a 2D mesh HYBRID) and whether it reshards after forward (read from FSDP2's state)."""
+    group = module._get_fsdp_state()._fsdp_param_group
+    if group is None:  # a unit without parameters of its own: nothing it shards
+        return torch_fsdp.ShardingStrategy.NO_SHARD
+    mesh = group.mesh_info.mesh
+    if mesh.size(mesh.ndim - 1) == 1:
+        return torch_fsdp.ShardingStrategy.NO_SHARD
+    reshards = bool(group.post_forward_mesh_info is not None)
+    if mesh.ndim == 2:
+        hybrid = torch_fsdp.ShardingStrategy.HYBRID_SHARD
+        return hybrid if reshards else torch_fsdp.ShardingStrategy._HYBRID_SHARD_ZERO2
+    return torch_fsdp.ShardingStrategy.FULL_SHARD if reshards else torch_fsdp.ShardingStrategy.SHARD_GRAD_OP
+
+
 def fsdp1_settings(module: Any) -> FSDP1Settings:
     """FSDP1's ``module.sharding_strategy`` and ``module.mixed_precision``, on either backend: what migrated
     code reads instead of those attributes, which ``FSDPModule`` does not have.
 
-    For a model returned by :func:`shard` or any unit in it, what FSDP1 would say for its config; for an
+    For a model returned by :func:`shard` or any unit in it, what FSDP1 would say for its config; for a module
+    torch's own ``fully_shard`` sharded, the strategy its mesh and resharding amount to; for an
     FSDP1 wrapper (or any other object: a test's stand-in) its own attribute, so a read that worked before
     the migration works after it, and one that raised ``AttributeError`` still does.
 

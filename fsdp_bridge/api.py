@@ -36,6 +36,7 @@ from fsdp_bridge.distributed import (
     init_distributed,
     plan_mesh,
     plan_user_mesh,
+    replication_mesh,
 )
 from fsdp_bridge.errors import ConfigError, Problem
 from fsdp_bridge.mapping import TranslationReport, show_value, translate, unsupported_problems
@@ -441,6 +442,8 @@ def shard_module(
             "bitsandbytes' CPU repacking of 4-bit weights turned off (it rewrites the unsharded weight in place)"
         )
 
+    if mesh is not None and mesh.ndim == 1 and len(mesh_plan.shape) == 2:
+        mesh = replication_mesh(mesh)  # first collective: NO_SHARD over the user's 1D mesh
     mesh = mesh or build_mesh(mesh_plan, device.type)  # first collective
     named_ignored = resolve_ignored_params(model, config.ignored_modules)
     ignored_ids = {id(p) for m in [*ignored, *presharded] for p in m.parameters()} | {id(p) for p in named_ignored}

@@ -13,7 +13,7 @@ import json
 import os
 import tempfile
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -358,8 +358,37 @@ def plan_user_mesh(config: BridgeConfig, mesh: DeviceMesh) -> MeshPlan:
         plan = MeshPlan(tuple(mesh.shape), ("replicate", "shard"))
     else:
         plan = plan_mesh(config, size, local_world_size=size if not config.strategy.is_hybrid else None)
+    if mesh.ndim == 1 and plan.shape == (size, 1):
+        return plan  # NO_SHARD over a 1D mesh on FSDP2: replicated over it (see replication_mesh)
     check_user_mesh(mesh, plan)
     return plan
+
+
+def replication_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """NO_SHARD over a 1D data-parallel mesh on FSDP2 (FSDP1's ``device_mesh=`` or ``process_group=`` for
+    NO_SHARD): the ``(n, 1)`` (replicate, shard) mesh over the same ranks, replicated along the first
+    dimension and sharded over groups of one. Built from the mesh itself where torch can (its parameters
+    may be DTensors of a sibling dimension, a (dp, tp) mesh's tp), else from its process group. A
+    collective: call on every rank, after validation.
+
+    Args:
+        mesh: a 1D mesh (over every rank, or a data-parallel sub-mesh of a larger one).
+
+    Returns:
+        A 2D ``(replicate, shard)`` mesh of shape ``(mesh.size(), 1)`` over the same ranks.
+    """
+    size = mesh.size()
+    unflatten = getattr(mesh, "_unflatten", None)  # torch's private API, 2.8+: keeps the parent mesh
+    if unflatten is not None:
+        try:
+            return cast(DeviceMesh, unflatten(0, (size, 1), ("replicate", "shard")))
+        except (RuntimeError, ValueError, NotImplementedError):
+            pass  # the names taken in the parent mesh, a mesh torch cannot unflatten: from its group below
+    singles, _ = dist.new_subgroups_by_enumeration([[r] for r in range(dist.get_world_size())])
+    ranks = torch.tensor(mesh.mesh.flatten().tolist(), dtype=torch.int).view(size, 1)
+    return DeviceMesh.from_group(
+        [mesh.get_group(0), singles], mesh.device_type, mesh=ranks, mesh_dim_names=("replicate", "shard")
+    )
 
 
 def check_user_mesh(mesh: DeviceMesh, plan: MeshPlan) -> None:

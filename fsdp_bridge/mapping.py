@@ -160,7 +160,8 @@ TABLE: tuple[Rule, ...] = (
         T(
             E,
             "2D mesh (world, 1): replicate over every rank, shard over groups of one, so every rank holds "
-            "the full model and gradients are all-reduced: NO_SHARD's meaning, not ZeRO-2. FSDP2 still copies "
+            "the full model and gradients are all-reduced: NO_SHARD's meaning, not ZeRO-2 (a 1D mesh= given, "
+            "FSDP1's device_mesh or process_group, becomes (n, 1) over its ranks). FSDP2 still copies "
             "a unit's parameters into separate buffers when it runs it, so every unit reshards after forward "
             "(nothing is communicated; only the root's and the running unit's copies are alive): 1.065x "
             "FSDP1's peak on a small Llama in fp32, 1.001x in bf16 (was 1.199x keeping them). torch's "
@@ -811,7 +812,7 @@ TABLE: tuple[Rule, ...] = (
         "-",
         "process_group=... | (intra, inter)",
         T(N, "a 1D device mesh, or 2D for HYBRID_*"),
-        T(N, "mesh= (1D, or 2D for HYBRID_* and NO_SHARD)"),
+        T(N, "mesh= (1D, or 2D for HYBRID_*; NO_SHARD replicates over a 1D mesh's ranks)"),
     ),
 )
 

@@ -249,6 +249,7 @@ def _numerics() -> dict[str, Any]:
         # what migrated code's FSDP1 class as a value became: an instance on both backends, root and units
         out[f"sharded_module_{backend}"] = [n for n, m in model.named_modules() if isinstance(m, ShardedModule)]
     out["identity"] = identity
+    out["holder_full_state"] = _full_state_through_a_holder()
     out["reshard"] = _reshard_after_eval(rank)
     out["storage"] = _move_and_free(rank)
     out["scaler"] = _scaler_overflow(rank)
@@ -395,6 +396,31 @@ def _blocks(module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:
     return recurse or isinstance(module, nn.Sequential)
 
 
+class _Holder:
+    """A trainer's model class that is not an nn.Module and hands attribute reads on to the model it holds."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["model"], name)
+
+
+def _full_state_through_a_holder() -> bool:
+    """fsdp_bridge.full_state_dict on such a holder of an FSDP1 model (what ``migrate code`` writes for
+    ``FSDP.state_dict_type(holder, FULL_STATE_DICT, ...)``): the held model's full state dict, not shards."""
+    from torch.distributed.fsdp import FullStateDictConfig, FullyShardedDataParallel, StateDictType
+
+    model = FullyShardedDataParallel(_net(), device_id=torch.device("cpu"), use_orig_params=True)
+    holder = _Holder(model)
+    # (offload_to_cpu=True: FSDP1's own full state dict crashes a CPU gloo rank, torch 2.13)
+    config = FullStateDictConfig(rank0_only=True)
+    with FullyShardedDataParallel.state_dict_type(model, StateDictType.FULL_STATE_DICT, config):
+        reference = model.state_dict()
+    got = fsdp_bridge.full_state_dict(holder, rank0_only=True)  # type: ignore[arg-type]
+    return sorted(got) == sorted(reference) and all(torch.equal(got[k], reference[k]) for k in reference)
+
+
 def test_ddp_and_fully_shard_numerics_match_their_own_calls(run_on_ranks: Any) -> None:
     results = run_on_ranks(_numerics, world_size=2)
     for kind in ("ddp", "fully_shard"):
@@ -419,6 +445,7 @@ def test_ddp_and_fully_shard_numerics_match_their_own_calls(run_on_ranks: Any) -
         # summon_full_params: FSDP1 (use_orig_params) re-points the parameters held before the context;
         # FSDP2's are DTensors whose data live in slots: those objects stay shards inside (docs/bridge.md)
         assert r["identity"] == {"fsdp2": (False, (16, 8)), "fsdp1": (True, (16, 8))}
+        assert r["holder_full_state"]  # not sharded tensors: the holder's model is found to be FSDP1's
         # reshard after an evaluation forward: what was held gathered is freed, the train steps that
         # follow are those of a run without it (FSDP2 through shard() reshards such a forward itself)
         for kind in ("fsdp1", "fsdp2", "fully_shard", "fsdp1_torch"):

@@ -47,6 +47,21 @@ def _answers() -> dict[str, Any]:
                 mp = settings.mixed_precision
                 seen.append((settings.sharding_strategy.name, mp.param_dtype, mp.reduce_dtype, mp.buffer_dtype))
             out[f"{case} {backend}"] = seen
+    # modules torch's own fully_shard sharded (code migrated with --target torch keeps fsdp1_settings)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    for name, shape, reshard in (
+        ("full", (2,), True),
+        ("zero2", (2,), False),
+        ("hybrid", (1, 2), True),
+        ("replicated", (2, 1), True),
+    ):
+        net = _net()
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard")[-len(shape) :])
+        for module in (net[1], net):
+            fully_shard(module, mesh=mesh, reshard_after_forward=reshard)
+        out[f"torch {name}"] = [fsdp_bridge.fsdp1_settings(m).sharding_strategy.name for m in (net, net[1])]
     return out
 
 
@@ -57,6 +72,8 @@ def test_both_backends_answer_what_fsdp1_says(run_on_ranks: Any) -> None:
             assert answers[f"{case} fsdp2"] == answers[f"{case} fsdp1"], case
         assert answers["full fsdp2"][0] == ("FULL_SHARD", None, None, None)
         assert answers["zero2_bf16 fsdp2"][1] == ("SHARD_GRAD_OP", torch.bfloat16, torch.float32, None)
+        assert answers["torch full"] == ["FULL_SHARD"] * 2 and answers["torch zero2"] == ["SHARD_GRAD_OP"] * 2
+        assert answers["torch hybrid"] == ["HYBRID_SHARD"] * 2 and answers["torch replicated"] == ["NO_SHARD"] * 2
 
 
 def test_another_object_gives_its_own_attribute_as_the_read_did() -> None:

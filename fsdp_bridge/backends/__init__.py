@@ -32,7 +32,9 @@ def backend_inside(model: object) -> Backend | None:
     """The backend whose modules ``model`` is or holds, for calls on a part of a sharded model.
 
     Args:
-        model: anything; only an ``nn.Module`` can hold FSDP modules.
+        model: anything; an ``nn.Module``, or an object that hands ``modules()`` on to one (a trainer's
+            model class forwarding attribute reads to the module it holds, which FSDP1's own
+            ``state_dict_type`` and ``fsdp_modules`` take too), can hold FSDP modules.
 
     Returns:
         ``Backend.FSDP1`` for FSDP1 wrappers, ``Backend.FSDP2`` for ``fully_shard`` modules or
@@ -42,9 +44,14 @@ def backend_inside(model: object) -> Backend | None:
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
     from torch.distributed.tensor import DTensor
 
-    if not isinstance(model, nn.Module):
-        return None
-    for module in model.modules():
+    if isinstance(model, nn.Module):
+        modules = model.modules()
+    else:
+        found = getattr(model, "modules", None)
+        modules = found() if callable(found) else iter(())
+    for module in modules:
+        if not isinstance(module, nn.Module):
+            return None
         if isinstance(module, FullyShardedDataParallel):
             return Backend.FSDP1
         if isinstance(module, FSDPModule) or any(isinstance(p, DTensor) for p in module._parameters.values()):

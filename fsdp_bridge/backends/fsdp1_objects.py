@@ -109,6 +109,16 @@ def state_dict_options(
     return StateDictOptions(cpu_offload=offload)
 
 
+def held_module(model: Any) -> Any:
+    """``model`` itself, or for an object that is not an ``nn.Module`` but hands ``modules()`` on to one (a
+    trainer's model class forwarding attribute reads to the module it holds) that module: the first of its
+    ``modules()``, the root."""
+    if isinstance(model, nn.Module) or not callable(getattr(model, "modules", None)):
+        return model
+    root = next(iter(model.modules()), None)
+    return root if isinstance(root, nn.Module) else model
+
+
 def _is_fsdp1(module: nn.Module) -> bool:
     from fsdp_bridge.backends import backend_inside
     from fsdp_bridge.strategy import Backend
@@ -413,6 +423,7 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = False, offload_to_cp
     Returns:
         Parameter and buffer names (no wrapper prefixes) to full tensors.
     """
+    model = held_module(model)
     if _is_fsdp1(model):
         from torch.distributed.fsdp import FullStateDictConfig, FullyShardedDataParallel, StateDictType
 

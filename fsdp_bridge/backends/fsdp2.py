@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any, cast
 
@@ -110,6 +110,17 @@ def _reshard_after_generate(model: nn.Module) -> None:
     setattr(model, "generate", generate)  # noqa: B010 (an instance attribute, as torch's wrapper is)
 
 
+def _make_parameters_contiguous(model: nn.Module, ignored: Collection[nn.Parameter] | None) -> None:
+    """fully_shard refuses a non-contiguous parameter (a ``channels_last`` convolution weight, a transposed
+    view): each such parameter gets its values in the default, contiguous layout, in place (the Parameter
+    object stays, so references to it still hold). FSDP1 does the same: its parameters become views of the
+    flat parameter, contiguous whatever layout they had."""
+    skip = {id(p) for p in ignored or ()}
+    for param in model.parameters():
+        if id(param) not in skip and not param.is_contiguous():
+            param.data = param.data.contiguous()
+
+
 class FSDP2Backend:
     backend = Backend.FSDP2
     one_dtype_per_unit = False  # per-parameter sharding: a unit may mix dtypes
@@ -137,6 +148,7 @@ class FSDP2Backend:
                 for name, buf in module._buffers.items():
                     if buf is not None and buf.is_floating_point():
                         module._buffers[name] = buf.to(precision.buffer_dtype)
+        _make_parameters_contiguous(model, plan.ignored_params)
         full_state = rank0_full_state(model) if plan.sync is SyncMethod.BROADCAST else None
 
         unit_mp = MixedPrecisionPolicy(

@@ -45,7 +45,8 @@ class PolicyFixer(ScannerBase):
                 return f"chosen at run time among {', '.join(assigned)} (assigned in this file); {cases}"
             return (
                 "known at run time; each strategy keeps its meaning (FULL_SHARD / SHARD_GRAD_OP a 1D mesh, "
-                "resharded after forward or not; HYBRID_* a (replicate, shard) mesh; NO_SHARD a (world, 1) mesh); "
+                "resharded after forward or not; HYBRID_* a (replicate, shard) mesh; NO_SHARD a (world, 1) "
+                "mesh, or (n, 1) over a mesh given); "
                 "fsdp_bridge.get_bridge(model).report shows what it became"
             )
         if kw == "auto_wrap_policy":
