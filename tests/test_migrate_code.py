@@ -174,7 +174,7 @@ EXPECTED: dict[str, set[tuple[int, str]]] = {
         (27, "model._fsdp_wrapped_module (an FSDP1 internal)"),
         (31, "load_sharded_optimizer_state_dict"),
         (37, "TrainingArguments(fsdp=...)"),
-        (42, "FullyShardedDataParallelPlugin(fsdp_version=...)"),
+        (42, "FullyShardedDataParallelPlugin(...) (accelerate's FSDP1 plugin)"),
     },
     "dual_backend.py": {
         (15, "isinstance(..., FSDP)"),
@@ -707,6 +707,11 @@ def test_multi_file_project_is_migrated_whole_and_trains_like_fsdp1(tmp_path: Pa
     fit = (fp_migrated / "fit.py").read_text()
     assert "fsdp_bridge.clip_grad_norm_(model, max_norm=0.5)" in fit
     assert "with fsdp_bridge.summon_full_params(model):" in fit
+    # wrapped_for() returns FSDP1's model (or DDP's); fit.py hands it to Loop.run, which hands it to
+    # clip_and_step: neither file names FSDP, and both calls are rewritten
+    loop = (fp_migrated / "trainer" / "loop.py").read_text()
+    assert "context = functools.partial(fsdp_bridge.no_sync, model)" in loop
+    assert "fsdp_bridge.clip_grad_norm_(model, max_norm)" in (fp_migrated / "trainer" / "steps.py").read_text()
     outs = [str(tmp_path / "out1"), str(tmp_path / "out2")]
     for out in outs:
         Path(out).mkdir()
@@ -722,7 +727,7 @@ def test_multi_file_project_is_migrated_whole_and_trains_like_fsdp1(tmp_path: Pa
     ]
     losses = run_distributed(_run_project, 2, args=(runs,), env={"OMP_NUM_THREADS": "1"}, timeout_s=240)
     for fsdp1, fsdp2, lm_fsdp1, lm_fsdp2, lm_resumed, fp_fsdp1, fp_fsdp2 in losses:
-        assert len(fp_fsdp1) == 4 and fp_fsdp2 == pytest.approx(fp_fsdp1, rel=1.3e-6, abs=1e-5), (fp_fsdp1, fp_fsdp2)
+        assert len(fp_fsdp1) == 8 and fp_fsdp2 == pytest.approx(fp_fsdp1, rel=1.3e-6, abs=1e-5), (fp_fsdp1, fp_fsdp2)
         assert len(fsdp1) == 4
         assert fsdp2 == pytest.approx(fsdp1, rel=1.3e-6, abs=1e-5), (fsdp1, fsdp2)
         assert len(lm_fsdp1) == 5  # 3 steps, save, fresh model and optimizer, load, 2 steps
@@ -2043,3 +2048,33 @@ def test_the_trees_own_clip_in_the_calling_file_is_named_this_file(tmp_path: Pat
     report, _ = migrate_paths([tree])
     (todo,) = [f for f in report.findings if f.construct == "model.clip_grad_norm_(...)"]
     assert "defines its own clip_grad_norm_ (in this file)" in todo.replacement, todo.replacement
+
+
+ENV_FIRST = '''"""Sets thread counts before torch is imported."""
+import os
+
+os.environ["OMP_NUM_THREADS"] = "1"
+
+import argparse
+
+import torch
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+from torch.utils.data import DataLoader
+
+
+def scaler():
+    return ShardedGradScaler()
+'''
+
+
+def test_added_imports_never_come_before_what_runs_before_torch_is_imported() -> None:
+    # libcst adds imports below the first import block (``import os``): above the environment settings, so
+    # ``import fsdp_bridge`` (which imports torch) would import torch before OMP_NUM_THREADS is set.
+    fixed = migrate_source(ENV_FIRST, "envfirst.py").fixed
+    assert fixed.index('os.environ["OMP_NUM_THREADS"]') < fixed.index("import fsdp_bridge")
+    assert fixed.index("from torch.utils.data import DataLoader") < fixed.index("import fsdp_bridge")
+    assert migrate_source(fixed, "envfirst.py").fixed == fixed
+    # --target torch: no second ``import torch`` above the settings, none below either (the file has one)
+    lowered = migrate_source(ENV_FIRST, "envfirst.py", target="torch").fixed
+    assert lowered.count("import torch\n") == 1 and "return torch.amp.GradScaler()" in lowered
+    assert lowered.index('os.environ["OMP_NUM_THREADS"]') < lowered.index("import torch\n")

@@ -125,6 +125,12 @@ def test_a_model_handed_over_by_the_tree_is_shown_fsdp1() -> None:
     assert _line(fixed, "net.tail.clip_grad_norm_") == "net.tail.clip_grad_norm_(1.0)"
     todos = [f for f in result.findings if not f.fixable]
     assert [f.construct for f in todos] == ["net.tail.clip_grad_norm_(...)"]
+    # save(model, ...) hands it on too: its state_dict() stays FSDP1's full one on FSDP2, and a module another
+    # call may hand save() keeps its own call
+    assert (
+        "torch.save((get_model_state_dict(net, options=StateDictOptions(full_state_dict=True)) "
+        "if isinstance(net, FSDPModule) else net.state_dict()), path)" in fixed
+    )
 
 
 def test_a_model_from_a_factory_of_the_file_is_shown_fsdp1() -> None:
@@ -453,3 +459,43 @@ def test_a_bound_no_sync_is_rewritten_only_where_the_model_is_fsdp1s() -> None:
     # called later with the model as its argument: accelerate's no_sync(model), not FSDP1's; not reported
     assert _line(fixed, "accelerator.no_sync") == "hold = contextlib.nullcontext if last else accelerator.no_sync"
     assert not [f for f in result.findings if f.line == 37]
+
+
+def test_accelerates_fsdp1_plugin_is_a_todo_and_its_values_are_notes() -> None:
+    result = _migrate("accelerate_plugin.py")
+    todos = [f for f in result.findings if not f.fixable]
+    assert [f.construct for f in todos] == ["FullyShardedDataParallelPlugin(...) (accelerate's FSDP1 plugin)"]
+    assert "FSDP_VERSION" in todos[0].replacement and "fsdp_version=2" in todos[0].replacement
+    notes = {f.construct for f in result.findings if f.note}
+    assert notes == {
+        "transformer_auto_wrap_policy",
+        "BackwardPrefetch.BACKWARD_PRE",
+        "ShardingStrategy",
+        "CPUOffload",
+    }  # accelerate reads them, not the bridge
+    assert all("accelerate's FullyShardedDataParallelPlugin" in f.replacement for f in result.findings if f.note)
+    # wraps() only tests the class with isinstance: the bridge's class tests FSDP1 wrappers and FSDP2 modules
+    assert _line(result.fixed, "if not wraps(") == "if not wraps(model, fsdp_bridge.ShardedModule):"
+    assert "fsdp_version=2, reshard_after_forward=True" in result.fixed  # FSDP2's plugin: nothing to say
+    # --target torch: accelerate may still hand over FSDP1's wrapper, so the run-time test stays the bridge's
+    lowered = migrate_source((PRECISION / "accelerate_plugin.py").read_text(), "p.py", target="torch").fixed
+    assert _line(lowered, "if not wraps(") == "if not wraps(model, fsdp_bridge.ShardedModule):"
+
+
+def test_a_model_from_a_function_returning_fsdp1s_wrapper_on_one_path() -> None:
+    result = _migrate("factory_results.py")
+    fixed = result.fixed
+    # .module: the module inside FSDP1's wrapper, the module itself on FSDP2, DDP's (or DeepSpeed's) own otherwise;
+    # written in an assignment's target too (x.module.head = ... reads x.module)
+    inner = "(fsdp_bridge.unwrapped(model) if fsdp_bridge.is_sharded(model) else model.module)"
+    assert _line(fixed, ".head = torch.compile(") == f"{inner}.head = torch.compile({inner}.head)"
+    # forward(): FSDP2 gathers in the hooks a call runs; in the function it is handed to as well
+    assert _line(fixed, "loss = ") == "loss = model(batch).mean()"
+    assert _line(fixed, "return model(batch)") == "return model(batch)"
+    assert (
+        _line(fixed, "return model.forward(batch)")
+        == "return model.forward(batch)  # nothing shows what this is: left alone"
+    )
+    # torch's clip over the model's parameters: a note (FSDP1 clipped each rank's shard by its own norm)
+    notes = [f for f in result.findings if f.note]
+    assert [f.construct for f in notes] == ["torch.nn.utils.clip_grad_norm_(model.parameters(), ...)"]

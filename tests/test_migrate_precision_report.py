@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fsdp_bridge.migrate._code import migrate_source
+from fsdp_bridge.migrate._code import migrate_paths, migrate_source
 from fsdp_bridge.migrate._report import CodeReport
 
 FIXTURES = Path(__file__).parent / "fixtures" / "migrate" / "precision"
@@ -44,14 +44,17 @@ def test_lightning_fsdp_strategy_is_reported_with_each_argument_in_bridge_terms(
     assert strategy.construct == "FSDPStrategy(...) (Lightning's FSDP1 strategy)" and not strategy.fixable
     assert "ModelParallelStrategy" in strategy.replacement and "configure_model" in strategy.replacement
     assert "fsdp_bridge.shard(self.model" in strategy.replacement
+    # each argument: a note saying what it becomes, part of the strategy's one TODO (one construct, one decision)
+    part = " (part of the strategy's TODO above)"
     assert (by_line[19].construct, by_line[19].replacement) == (
         'sharding_strategy="HYBRID_SHARD"',
-        'strategy="hybrid_shard"',
+        'strategy="hybrid_shard"' + part,
     )
-    assert (by_line[20].construct, by_line[20].replacement) == ("auto_wrap_policy={Block}", "wrap=[Block]")
+    assert (by_line[20].construct, by_line[20].replacement) == ("auto_wrap_policy={Block}", "wrap=[Block]" + part)
     assert by_line[21].replacement.startswith("activation_checkpointing=True with wrap=[Block]")
     assert by_line[22].replacement.startswith('fsdp_bridge.save_checkpoint(path, model, kind="sharded")')
-    assert by_line[23].replacement == "cpu_offload=False"
+    assert by_line[23].replacement == "cpu_offload=False" + part
+    assert all(by_line[n].note for n in range(19, 24)) and [f for f in result.findings if not f.note] == [strategy]
     # --fix: one TODO above the statement, naming every argument; the code itself is left as it is.
     fixed = result.fixed
     (todo,) = [line for line in fixed.splitlines() if "TODO(fsdp-bridge)" in line]
@@ -135,6 +138,23 @@ def test_an_attribute_of_ones_own_named_like_an_fsdp1_internal_is_not_reported()
     )
     result = migrate_source(code, "hooks.py")
     assert result.findings == [] and result.fixed == code
+
+
+def test_a_method_of_ones_own_named_like_an_fsdp1_internal_is_not_reported(tmp_path: Path) -> None:
+    # A signal handler's own _handle method, read in its class and, in a test, on an instance made elsewhere.
+    (tmp_path / "signals.py").write_text(
+        "import signal\n\n\n"
+        "class Handler:\n"
+        "    def install(self):\n"
+        "        signal.signal(signal.SIGTERM, self._handle)\n\n"
+        "    def _handle(self, signum, frame):\n"
+        "        self.stopped = signum\n"
+    )
+    (tmp_path / "test_signals.py").write_text(
+        "import signal\n\n\ndef check(handler):\n    assert signal.getsignal(signal.SIGTERM) == handler._handle\n"
+    )
+    report, results = migrate_paths([tmp_path])
+    assert report.findings == [] and all(not r.changed for r in results)
 
 
 def test_a_second_fix_adds_no_todo_once_the_fsdp1_import_is_gone() -> None:

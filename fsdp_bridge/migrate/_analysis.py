@@ -193,6 +193,9 @@ class Dispatch:
 
 
 OWN_METHOD_NAMES = ("clip_grad_norm_", "no_sync", "set_state_dict_type")
+INTERNAL_METHOD_NAMES = ("_handle", "_handles", "_flat_param", "flat_param", "_has_params")
+"""FSDP1-only attribute names (read on an object, proof it is FSDP1's wrapper) that a class of the tree may
+define as a method of its own (a signal handler's ``_handle``): then a read of one proves nothing."""
 OVERRIDDEN_IN_WRAPPER_SUBCLASS = ("set_state_dict_type",)  # a subclass of FSDP1's wrapper may override it too
 
 STATE_DICT_TYPE_CALL = re.compile(r"(?<!set_)state_dict_type\(")
@@ -454,14 +457,22 @@ def find_fsdp1_attributes(wrapper: MetadataWrapper) -> dict[str, set[str]]:
     return found
 
 
-def find_fsdp1_arguments(wrapper: MetadataWrapper) -> Dispatch:
+def find_fsdp1_arguments(wrapper: MetadataWrapper, known: Dispatch | None = None) -> Dispatch:
     """Arguments a file passes an FSDP1 model as: in each function (and at module level), a name assigned
-    ``FSDP(...)`` / ``wrap(...)`` (or that element of what a function of this file returns: ``return model``,
+    ``FSDP(...)`` / ``wrap(...)`` (or that element of what a function returns: ``return model``,
     ``return model, optimizer``) in an earlier statement, then passed to ``f(...)`` / ``x.f(...)``, gives
     ``"f:<position>"`` or ``"f:<keyword>"`` (``Dispatch.fsdp1_args``; what the functions return:
-    ``Dispatch.fsdp1_results``)."""
+    ``Dispatch.fsdp1_results``).
+
+    ``known``: what other files of the tree showed (see :func:`handed_across_files`): their functions' FSDP1
+    results count as ``FSDP(...)`` here, and a parameter a call of the tree passes an FSDP1 model as is one in
+    its function's body, so a model made in one file and handed on through another is followed."""
     found: set[str] = set()
-    returns: dict[str, set[int]] = {}  # function of this file -> positions of its result that are FSDP1 models
+    returns: dict[str, set[int]] = {}  # function -> positions of its result that are FSDP1 models
+    if known is not None:
+        for name, positions in known.fsdp1_results.items():
+            returns.setdefault(name, set()).update(positions)
+    handed = known.fsdp1_args if known is not None else set()
     found_aliases = class_aliases(wrapper)
 
     class V(FollowsAliases):
@@ -472,6 +483,13 @@ def find_fsdp1_arguments(wrapper: MetadataWrapper) -> Dispatch:
         def __init__(self, record: bool) -> None:
             super().__init__()
             self.record = record
+            self.classes: list[str] = []
+
+        def visit_ClassDef(self, node: cst.ClassDef) -> None:
+            self.classes.append(node.name.value)
+
+        def leave_ClassDef(self, original_node: cst.ClassDef) -> None:
+            self.classes.pop()
 
         def wraps(self, value: cst.BaseExpression) -> set[int]:
             """Positions of ``value``'s result that are FSDP1 models (-1: all of it)."""
@@ -479,10 +497,10 @@ def find_fsdp1_arguments(wrapper: MetadataWrapper) -> Dispatch:
                 return set()
             if resolve_fsdp(self.get_metadata(QualifiedNameProvider, value.func, set())) in ((FSDP, ""), ("wrap", "")):
                 return {-1}
-            return returns.get(code_of(value.func), set())
+            return returns.get(code_of(value.func).rsplit(".", 1)[-1], set())
 
-        def scan(self, body: Sequence[cst.CSTNode], fn: str | None) -> None:
-            wrapped: set[str] = set()
+        def scan(self, body: Sequence[cst.CSTNode], fn: str | None, params: Sequence[str] = ()) -> None:
+            wrapped = handed_parameters(fn, params, handed) if fn is not None else set()
             for stmt in body:
                 for n in walk(stmt):
                     if self.record and isinstance(n, cst.Call) and wrapped:
@@ -516,20 +534,64 @@ def find_fsdp1_arguments(wrapper: MetadataWrapper) -> Dispatch:
 
         def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
             if isinstance(node.body, cst.IndentedBlock):
-                self.scan(node.body.body, node.name.value)
+                name = called_as(node.name.value, self.classes[-1] if self.classes else None)
+                self.scan(node.body.body, name, [p.name.value for p in node.params.params])
 
     wrapper.visit(V(record=False))  # what the file's functions return first
     wrapper.visit(V(record=True))
     return Dispatch(fsdp1_args=found, fsdp1_results=returns)
 
 
+def called_as(fn: str, cls: str | None) -> str:
+    """The name a call of function ``fn`` (a method of class ``cls``, if any) is written with: the class's
+    for ``__init__`` (``EMA(model)`` hands ``model`` to ``EMA.__init__``), else its own."""
+    return cls if fn == "__init__" and cls is not None else fn
+
+
+def handed_parameters(fn: str, params: Sequence[str], handed: set[str]) -> set[str]:
+    """The parameters of function ``fn`` (``params`` as written, ``self`` / ``cls`` first for a method) that
+    a call of the tree passes an FSDP1 model as (``"fn:<position>"`` / ``"fn:<keyword>"``, see
+    ``Dispatch.fsdp1_args``)."""
+    if not handed:
+        return set()
+    positional = list(params[1:] if params and params[0] in ("self", "cls") else params)
+    return {p for p in params if f"{fn}:{p}" in handed or (p in positional and f"{fn}:{positional.index(p)}" in handed)}
+
+
+def handed_across_files(codes: dict[str, str], dispatch: Dispatch) -> None:
+    """Follow FSDP1 models across the files of a tree (``codes``: path -> source): a file that calls a
+    function another file showed returns one (``model, device = wrap_model(...)`` in ``train.py``) and hands
+    it on (``executor.train(model, ...)``) makes that function's parameter an FSDP1 model in its body
+    (``model.no_sync`` in ``executor.py``), and so on down the calls. ``dispatch.fsdp1_args`` and
+    ``fsdp1_results`` grow in place, a few rounds at most (a chain of calls rarely runs deeper)."""
+    for _ in range(3):
+        names = set(dispatch.fsdp1_results) | {a.split(":", 1)[0] for a in dispatch.fsdp1_args}
+        if not names:
+            return
+        called = re.compile(r"\b(?:" + "|".join(sorted(map(re.escape, names))) + r")\(")
+        before = (set(dispatch.fsdp1_args), {k: set(v) for k, v in dispatch.fsdp1_results.items()})
+        for code in codes.values():
+            if called.search(code) is None:
+                continue
+            try:
+                parsed = MetadataWrapper(cst.parse_module(code))
+            except Exception:  # unparsable: reported when the file itself is migrated
+                continue
+            dispatch.merge(find_fsdp1_arguments(parsed, dispatch))
+        if (dispatch.fsdp1_args, dispatch.fsdp1_results) == before:
+            return
+
+
 def find_own_methods(code: str, path: str) -> dict[str, str]:
-    """``clip_grad_norm_`` / ``no_sync`` / ``set_state_dict_type`` the tree defines itself: a method of a class
+    """``clip_grad_norm_`` / ``no_sync`` / ``set_state_dict_type`` (and ``INTERNAL_METHOD_NAMES``, as methods
+    only) the tree defines itself: a method of a class
     that does not subclass FSDP1's wrapper (``set_state_dict_type``: of any class, a subclass of the wrapper
     included, whose override may do something else), or a function set as an attribute
     (``self.clip_grad_norm_ = fn``). A call ``x.clip_grad_norm_(...)`` elsewhere may then be that one, not
     FSDP1's."""
-    if not any(f"def {n}" in code or f".{n} =" in code for n in OWN_METHOD_NAMES):
+    if not any(f"def {n}" in code or f".{n} =" in code for n in OWN_METHOD_NAMES) and not any(
+        f"def {n}(" in code for n in INTERNAL_METHOD_NAMES
+    ):
         return {}
     found: dict[str, str] = {}
     wrapper = MetadataWrapper(cst.parse_module(code))
@@ -558,7 +620,7 @@ def find_own_methods(code: str, path: str) -> dict[str, str]:
             name = node.name.value
             scope = self.scopes[-1] if self.scopes else None
             if (
-                name in OWN_METHOD_NAMES
+                (name in OWN_METHOD_NAMES or name in INTERNAL_METHOD_NAMES)
                 and (scope == "class" or (scope == "fsdp1 class" and name in OVERRIDDEN_IN_WRAPPER_SUBCLASS))
                 and not is_stub(node)
             ):

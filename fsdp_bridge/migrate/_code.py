@@ -32,6 +32,7 @@ from __future__ import annotations
 import difflib
 import os
 import shutil
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,6 +60,7 @@ from fsdp_bridge.migrate._analysis import (
     find_fsdp1_factories,
     find_own_methods,
     finds_state_dict_context,
+    handed_across_files,
     imported_names,
     module_suffixes,
     passes_group,
@@ -126,7 +128,7 @@ def migrate_source(
     if "FSDPModule" in code:
         known.merge(find_dispatch(wrapper))
     if "FullyShardedDataParallel" in code:
-        known.merge(find_fsdp1_arguments(wrapper))
+        known.merge(find_fsdp1_arguments(wrapper, known))
     known.merge(
         Dispatch(
             own_methods=find_own_methods(code, path),
@@ -193,6 +195,7 @@ def migrate_source(
         if scan.consumed_partial:
             RemoveImportsVisitor.remove_unused_import(context, "functools")
         fixed = RemoveImportsVisitor(context).transform_module(fixed)
+        fixed = _imports_after_setup(fixed, module)
     findings = sorted(scan.findings, key=lambda f: (f.line, f.column))
     if target == "torch" and "fsdp_bridge." in fixed.code:
         positions = wrapper.resolve(PositionProvider)
@@ -291,7 +294,54 @@ def _lowered(
     at its place in ``code``, naming what the written file holds (``_torch_report``)."""
     lowered = lower_to_torch(fixed, path, groups=groups)
     findings = torch_findings(path, code, fixed.code, findings, lowered.calls, spans)
-    return MigratedSource(path, code, lowered.module.code, findings, lowered.uses_helpers)
+    written = _imports_after_setup(lowered.module, cst.parse_module(code))
+    return MigratedSource(path, code, written.code, findings, lowered.uses_helpers)
+
+
+def _imports_torch(stmt: cst.CSTNode) -> bool:
+    return isinstance(stmt, cst.SimpleStatementLine) and any(
+        (isinstance(s, cst.Import) and any(code_of(a.name).split(".")[0] == "torch" for a in s.names))
+        or (isinstance(s, cst.ImportFrom) and s.module is not None and code_of(s.module).split(".")[0] == "torch")
+        for s in stmt.body
+    )
+
+
+def _is_import(stmt: cst.CSTNode) -> bool:
+    return isinstance(stmt, cst.SimpleStatementLine) and all(
+        isinstance(s, (cst.Import, cst.ImportFrom)) for s in stmt.body
+    )
+
+
+def _imports_after_setup(fixed: cst.Module, original: cst.Module) -> cst.Module:
+    """The imports the rewrite added (``import fsdp_bridge``, torch's state-dict API), moved below the file's
+    first import of torch when libcst put them above statements that run before it: ``os.environ[...] = ...``
+    set before ``import torch`` (thread counts, allocator settings) must still come before torch is imported,
+    and ``import fsdp_bridge`` imports torch."""
+    had = Counter(original.code_for_node(s).strip() for s in original.body if _is_import(s))
+    body = list(fixed.body)
+    added = set()
+    for i in reversed(range(len(body))):  # of a repeated import, the file's own is the last: libcst adds above
+        if _is_import(body[i]):
+            text = fixed.code_for_node(body[i]).strip()
+            if had[text] > 0:
+                had[text] -= 1
+            else:
+                added.add(i)
+    own = {fixed.code_for_node(s).strip() for i, s in enumerate(body) if _is_import(s) and i not in added}
+    if any(fixed.code_for_node(body[i]).strip() in own for i in added):  # the file imports it already, below
+        body = [s for i, s in enumerate(body) if i not in added or fixed.code_for_node(s).strip() not in own]
+        return _imports_after_setup(fixed.with_changes(body=body), original)
+    first = next((i for i, s in enumerate(body) if i not in added and _imports_torch(s)), None)
+    early = sorted(i for i in added if first is not None and i < first)
+    if first is None or not early or all(_is_import(body[j]) for j in range(early[0], first)):
+        return fixed
+    end = first
+    while end + 1 < len(body) and _is_import(body[end + 1]):
+        end += 1  # after the block of imports torch's opens
+    moved = [body[i] for i in early]
+    kept = [s for i, s in enumerate(body) if i not in early]
+    at = kept.index(body[end]) + 1
+    return fixed.with_changes(body=[*kept[:at], *moved, *kept[at:]])
 
 
 FSDP2_NAMES = frozenset(
@@ -361,9 +411,11 @@ def migrate_paths(
     self_spelled: list[Path] = []  # files calling x.set_state_dict_type(x, ...)
     cited: str | None = None  # the file a TODO of a first --fix named as calling FSDP.set_state_dict_type
     unfollowed: list[tuple[str, bool, bool]] = []  # file, unfollowed alone, unfollowed in a tree the bridge's follow
+    codes: dict[str, str] = {}
     for f in files:
         try:
             code = read_source(f)
+            codes[str(f)] = code
             cited = cited or cited_set_state_dict_type(code)
             if "FSDPModule" in code:
                 dispatch.merge(find_dispatch(MetadataWrapper(cst.parse_module(code))))
@@ -398,6 +450,8 @@ def migrate_paths(
                 dispatch.merge(Dispatch(vendored_functions=dict.fromkeys(copied, str(f))))
         except Exception:  # unreadable or unparsable: reported by the loop below
             continue
+    handed_across_files(codes, dispatch)
+    del codes
     if cited is not None:
         # a first --fix may have deleted the call it named (a SHARDED_STATE_DICT statement): name it again
         dispatch.sets_state_dict_type = cited

@@ -248,6 +248,17 @@ class ObjectAnalysis(ScannerBase):
         key = (id(scope), f"{target} {by_calls} {(limit.line, limit.column) if limit else ''}")
         if key in self.wrapper_kinds:
             return self.wrapper_kinds[key]
+        if isinstance(scope, cst.ClassDef) and before is not None and self.functions:
+            # self.x = FSDP(...) further down this method, and not above: here it is the module not yet wrapped
+            at = self.get_metadata(PositionProvider, before).start
+            assigned = [
+                self.get_metadata(PositionProvider, n).start
+                for n in walk(self.functions[-1])
+                if isinstance(n, cst.Assign) and any(code_of(t.target) == target for t in n.targets)
+            ]
+            if assigned and all((p.line, p.column) > (at.line, at.column) for p in assigned):
+                self.wrapper_kinds[key] = set()
+                return set()
 
         makers = self._local_fsdp1_makers()
 

@@ -7,7 +7,7 @@ import libcst as cst
 import libcst.matchers as m
 from libcst.metadata import QualifiedNameProvider
 
-from fsdp_bridge.migrate._analysis import code_of, short, walk
+from fsdp_bridge.migrate._analysis import called_as, code_of, handed_parameters, short, walk
 from fsdp_bridge.migrate._names import FSDP, wrapper_defines
 from fsdp_bridge.migrate._objects import ObjectAnalysis
 from fsdp_bridge.migrate._scan_base import ScannerBase
@@ -25,6 +25,12 @@ from fsdp_bridge.migrate.fixers._policies import PolicyFixer
 from fsdp_bridge.migrate.fixers._scaler import ScalerFixer
 from fsdp_bridge.migrate.fixers._state_dict import StateDictFixer
 from fsdp_bridge.migrate.fixers._summon import SummonFixer
+
+HANDED_MODEL_USES = frozenset(
+    {"no_sync", "clip_grad_norm_", "summon_full_params", "state_dict", "load_state_dict", "register_comm_hook"}
+)
+"""What a function handed an FSDP1 model by another file (``Dispatch.fsdp1_args``) may call on it that
+FSDP2 does otherwise: a file that does is FSDP1 code, though it never names FSDP."""
 
 
 class Scanner(
@@ -202,6 +208,18 @@ class Scanner(
     def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
         self.functions.append(node)
         self._push(node)  # a TODO in its header (decorators, annotations, defaults) goes above the def
+        if self.planning and not self.uses_fsdp1 and self.dispatch.fsdp1_args:
+            params = [p.name.value for p in node.params.params]
+            cls = self.classes[-1].name.value if self.classes else None
+            handed = handed_parameters(called_as(node.name.value, cls), params, self.dispatch.fsdp1_args)
+            if any(
+                isinstance(n, cst.Attribute)
+                and isinstance(n.value, cst.Name)
+                and n.value.value in handed
+                and n.attr.value in HANDED_MODEL_USES
+                for n in walk(node.body)
+            ):
+                self.uses_fsdp1 = True  # another file hands this function an FSDP1 model, and it uses one here
 
     def leave_FunctionDef(self, original_node: cst.FunctionDef) -> None:
         self.functions.pop()

@@ -305,6 +305,7 @@ class _Lowerer(cst.CSTTransformer):
         self.fsdp_module = "FSDPModule"  # how torch's class is written (qualified where the file binds the name)
         self.fsdp_module_import: tuple[str, str | None] = (_FSDP, "FSDPModule")
         self.wrapping_library: str | None = None  # a library the file imports that wraps models in FSDP1 itself
+        self.annotation_depth = 0
 
     # -- statements: collect the TODOs of what is inside ---------------------------
     def _enter(self, node: cst.CSTNode) -> None:
@@ -389,6 +390,13 @@ class _Lowerer(cst.CSTTransformer):
             self.pending[-1].append(f"{construct}: kept on fsdp_bridge under --target torch: {why}")
 
     # -- expressions ---------------------------------------------------------------
+    def visit_Annotation(self, node: cst.Annotation) -> None:
+        self.annotation_depth += 1
+
+    def leave_Annotation(self, original_node: cst.Annotation, updated_node: cst.Annotation) -> cst.Annotation:
+        self.annotation_depth -= 1
+        return updated_node
+
     def visit_Call(self, node: cst.Call) -> None:
         bridge = _is_bridge_function(node.func)
         self.calls.append(bridge)
@@ -536,6 +544,21 @@ class _Lowerer(cst.CSTTransformer):
             self.result_imports.add(("torch", None))
             self._record(original_node, "GradScaler", "torch.amp.GradScaler")
             return cst.parse_expression("torch.amp.GradScaler")
+        if (
+            code_of(updated_node) == "fsdp_bridge.ShardedModule"
+            and id(original_node) not in self.inside
+            and self.wrapping_library is not None
+            and not self.annotation_depth
+        ):
+            # a class tested at run time (isinstance in a function of the file): as fsdp_bridge.is_sharded above
+            self._keep(
+                original_node,
+                "fsdp_bridge.ShardedModule",
+                f"this file imports {self.wrapping_library}, which wraps models in FSDP1's wrapper itself: a model it "
+                "hands over stays FSDP1's, which isinstance(m, FSDPModule) refuses; fsdp_bridge.ShardedModule "
+                "accepts both",
+            )
+            return updated_node
         if code_of(updated_node) == "fsdp_bridge.ShardedModule" and id(original_node) not in self.inside:
             # FSDP1's class as a type (annotation, validator, Optional[...]): every model is fully_shard's here
             self.result_imports.add(self.fsdp_module_import)

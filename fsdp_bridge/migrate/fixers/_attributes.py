@@ -59,8 +59,11 @@ class ElsewhereAttributesFixer(ScannerBase):
                 self.fsdp1_objects.setdefault(key, []).append(attr)
             return
         own = self.own_attributes or set()
-        proof = next((a for a in (self.fsdp1_objects or {}).get(key, []) if (obj, a) not in own), None)
-        if proof is None or id(node) in self.called or (obj, attr) in own:
+        ours = self.dispatch.own_methods  # a method of that name in the tree: maybe its own object's (a handler's)
+        proof = next(
+            (a for a in (self.fsdp1_objects or {}).get(key, []) if (obj, a) not in own and a not in ours), None
+        )
+        if proof is None or id(node) in self.called or (obj, attr) in own or attr in ours:
             return
         self.fsdp1_elsewhere = True
         if attr == "_fsdp_wrapped_module" and not any("fairscale" in line for line in self.lines):

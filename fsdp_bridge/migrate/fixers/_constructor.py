@@ -546,8 +546,6 @@ class ConstructorFixer(ScannerBase):
         if conv.mesh is not None:
             if strategy_name is None:
                 conv.blockers.append("device_mesh with a strategy known only at run time: pass mesh= by hand")
-            elif strategy_name == "no_shard":
-                conv.mesh = None  # the bridge builds NO_SHARD's (world, 1) mesh itself
             elif strategy_name.startswith("hybrid") and not any(isinstance(n, cst.Call) for n in walk(conv.mesh)):
                 # shard() takes a given mesh's shape anyway; a mesh made by a call (init_device_mesh(...)) is not
                 # written twice: a second call would build a second mesh and its process groups

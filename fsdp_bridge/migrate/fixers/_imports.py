@@ -4,6 +4,7 @@ FSDP1 modules, the config classes kept for the bridge to read, mocks of the wrap
 from __future__ import annotations
 
 import os
+from typing import cast
 
 import libcst as cst
 import libcst.matchers as m
@@ -142,12 +143,32 @@ class ImportsFixer(ScannerBase):
             isinstance(node, cst.Attribute)
             and node.attr.value == "module"
             and self.uses_fsdp1
-            and not self.assign_target_depth
+            and not (self.assign_target_depth and self._assigned_here(node))  # x.module.name = v reads x.module
             and id(node) not in self.called
-            and (wrapper := self._fsdp1_wrapper(node, node.value)) != ""
+            and (
+                (wrapper := self._fsdp1_wrapper(node, node.value)) != ""
+                or (source := self._module_source(node, node.value)) != ""
+            )
         ):
             # FSDP1's wrapper holds the model as .module; FSDP2 does not wrap (the sharded model is the module).
             obj = code_of(node.value)
+            if wrapper == "":
+                # Shown FSDP1's on some path only (made by a function of the tree, handed by a call of it): other
+                # paths may bring another wrapper (DDP's, DeepSpeed's engine), whose .module stays.
+                code = f"(fsdp_bridge.unwrapped({obj}) if fsdp_bridge.is_sharded({obj}) else {obj}.module)"
+                stmt = self.stmt_stack[-1] if self.stmt_stack else None
+                if stmt is not None and code[1:-1] in code_of(stmt):
+                    return True  # written by a first --fix
+                self.expr_rewrites[id(node)] = code
+                self.needs_imports.add(("fsdp_bridge", None))
+                self._record(
+                    node,
+                    f"{code_of(node)} (the wrapped module)",
+                    f"{code}: {obj} {source}: its module on a model that stays FSDP1's, the module itself on FSDP2 "
+                    "(it does not wrap), and the .module of anything else (DDP's wrapper, DeepSpeed's engine)",
+                    True,
+                )
+                return True
             if wrapper == "ambiguous":
                 # DDP's wrapper keeps .module; FSDP2's sharded model is the module itself.
                 code = (
@@ -269,12 +290,19 @@ class ImportsFixer(ScannerBase):
         if id(node) in self.consumed_nodes:
             return False
         kind, member = hit
-        if kind == FSDP and member == "" and (self.annotation_depth or self._type_value(node)):
+        tested = kind == FSDP and member == "" and self._isinstance_only_argument(node)
+        if kind == FSDP and member == "" and (self.annotation_depth or self._type_value(node) or tested):
             # FSDPModule here would refuse the fsdp1 backend's models where the type is checked at run time
             # (a pydantic field, a validator's isinstance, isinstance(m, Optional[...]))
             self.needs_imports.add(("fsdp_bridge", None))
             self.expr_rewrites[id(node)] = "fsdp_bridge.ShardedModule"
-            what = "annotation" if self.annotation_depth else "a type given as a value"
+            what = (
+                "annotation"
+                if self.annotation_depth
+                else "a class that function of this file only tests with isinstance"
+                if tested
+                else "a type given as a value"
+            )
             self._record(node, f"{code_of(node)} ({what})", f"fsdp_bridge.ShardedModule ({SHARDED_MODULE})", True)
             return False
         if kind == FSDP and member == "" and id(node) in self.class_bases:
@@ -351,12 +379,15 @@ class ImportsFixer(ScannerBase):
             self._record(node, code_of(node), NAMES[kind], True)
             return False
         if kind in KEPT:
-            if (
-                not self.conversions
-                and not (kind.endswith("StateDictConfig") or kind == "StateDictType")
-                and self._lightning_strategy_here()
-            ):
-                # No FSDP1 wrapper of its own here: the value goes to Lightning's FSDP1 strategy (its TODO).
+            library = None
+            state_value = kind.endswith("StateDictConfig") or kind == "StateDictType"
+            if not self.conversions and (not state_value or self._in_plugin_call(node)):
+                if self._lightning_strategy_here():
+                    library = "Lightning's FSDPStrategy"
+                elif self._accelerate_plugin_here():
+                    library = "accelerate's FullyShardedDataParallelPlugin"
+            if library is not None:
+                # No FSDP1 wrapper of its own here: the value goes to the library's FSDP1 setup (its TODO).
                 pos = self.get_metadata(PositionProvider, node)
                 self.findings.append(
                     CodeFinding(
@@ -364,8 +395,8 @@ class ImportsFixer(ScannerBase):
                         pos.start.line,
                         pos.start.column,
                         code_of(node),
-                        f"kept: {KEPT[kind]}; Lightning's FSDPStrategy of this file reads it (FSDP1's until that "
-                        "strategy moves to FSDP2: see its TODO)",
+                        f"kept: {KEPT[kind]}; {library} of this file reads it (FSDP1's until that "
+                        f"{'strategy' if library.startswith('Lightning') else 'plugin'} moves to FSDP2: see its TODO)",
                         True,
                         note=True,
                     )
@@ -407,6 +438,41 @@ class ImportsFixer(ScannerBase):
             isinstance(n, cst.Call) and isinstance(n.func, cst.Name) and n.func.value in names and bool(n.args)
             for n in walk(scope)
         )
+
+    def _isinstance_only_argument(self, node: cst.BaseExpression) -> bool:
+        """``node`` (FSDP1's class) is a positional argument of ``f(...)``, a function this file defines once,
+        whose parameter there is used only as ``isinstance``'s class (and handed on to ``f`` itself in the same
+        place): ``wraps(model, FSDP)`` with ``def wraps(module, classes): isinstance(module, classes) or
+        any(wraps(m, classes) ...)``. ``fsdp_bridge.ShardedModule`` is tested the same way there."""
+        stmt = self.stmt_stack[-1] if self.stmt_stack else None
+        path = _path_to(stmt, node) if stmt is not None and self.module is not None else None
+        if not path or len(path) < 3 or not isinstance(path[-2], cst.Arg) or not isinstance(path[-3], cst.Call):
+            return False
+        call, arg = path[-3], path[-2]
+        if not isinstance(call.func, cst.Name) or arg.keyword is not None or arg.star:
+            return False
+        index = next(i for i, a in enumerate(call.args) if a is arg)
+        if any(a.keyword is not None or a.star for a in call.args[:index]):
+            return False
+        name = call.func.value
+        defs = [
+            n for n in walk(cast(cst.Module, self.module)) if isinstance(n, cst.FunctionDef) and n.name.value == name
+        ]
+        if len(defs) != 1 or index >= len(defs[0].params.params):
+            return False
+        fn = defs[0]
+        param = fn.params.params[index].name.value
+        allowed: set[int] = set()
+        for c in walk(fn.body):
+            if not (isinstance(c, cst.Call) and isinstance(c.func, cst.Name)):
+                continue
+            if c.func.value == "isinstance" and len(c.args) == 2 and m.matches(c.args[1].value, m.Name(param)):
+                allowed.add(id(c.args[1].value))
+            elif c.func.value == name and len(c.args) > index and c.args[index].keyword is None:
+                if m.matches(c.args[index].value, m.Name(param)):
+                    allowed.add(id(c.args[index].value))
+        uses = [n for n in walk(fn.body) if isinstance(n, cst.Name) and n.value == param]
+        return bool(uses) and all(id(u) in allowed for u in uses)
 
     def _type_value(self, node: cst.BaseExpression) -> bool:
         """``node`` (FSDP1's class) is a type inside a type expression written as a value: an element of
@@ -491,6 +557,63 @@ class ImportsFixer(ScannerBase):
                 return a.value
         return None
 
+    def _module_source(self, node: cst.CSTNode, obj: cst.BaseExpression) -> str:
+        """Why ``obj`` at ``node`` may be FSDP1's wrapper though the function does not show it is: made by a
+        function of the tree that returns one on some path, handed one by a call of the tree, or summoned
+        (``with FSDP.summon_full_params(obj)`` around ``node``); "" for none."""
+        if (factory := self._factory_result(node, obj)) != "":
+            return f"comes from {short(factory, 40)}(...), which returns FSDP1's wrapper on one path"
+        if self._handed_parameter(node, obj):
+            return "is handed FSDP1's wrapper by a call of the tree"
+        for stmt in self.stmt_stack:
+            if isinstance(stmt, cst.With) and any(
+                isinstance(item.item, cst.Call)
+                and code_of(item.item.func).rsplit(".", 1)[-1] == "summon_full_params"
+                and item.item.args
+                and code_of(item.item.args[0].value) == code_of(obj)
+                for item in stmt.items
+            ):
+                return "is summoned by summon_full_params around it"
+        return ""
+
+    def _factory_result(self, node: cst.CSTNode, obj: cst.BaseExpression) -> str:
+        """The function of the tree that made ``obj`` (a name assigned its result above ``node`` in this
+        function, that element of it being an FSDP1 model on some path: ``Dispatch.fsdp1_results``), or ""."""
+        if not (isinstance(obj, cst.Name) and self.functions):
+            return ""
+        return self._made_by_factory(self.functions[-1], obj.value, before=node)
+
+    def _in_plugin_call(self, node: cst.CSTNode) -> bool:
+        """``node`` is in the arguments of accelerate's ``FullyShardedDataParallelPlugin(...)`` (a state-dict
+        config it reads, ``state_dict_config=FullStateDictConfig(...)``), not in a state-dict call of the code."""
+        stmt = self.stmt_stack[-1] if self.stmt_stack else None
+        path = _path_to(stmt, node) if stmt is not None else None
+        return any(
+            isinstance(n, cst.Call)
+            and n.func is not node
+            and any(
+                q.name.startswith("accelerate") and q.name.endswith(".FullyShardedDataParallelPlugin")
+                for q in self.get_metadata(QualifiedNameProvider, n.func, set())
+            )
+            for n in path or ()
+        )
+
+    def _accelerate_plugin_here(self) -> bool:
+        """This file builds accelerate's FullyShardedDataParallelPlugin for FSDP1 (no ``fsdp_version=2``)."""
+        if self.accelerate_here is None:
+            self.accelerate_here = False
+            for n in walk(self.module) if self.module is not None else ():
+                if isinstance(n, cst.Call) and any(
+                    q.name.startswith("accelerate") and q.name.endswith(".FullyShardedDataParallelPlugin")
+                    for q in self.get_metadata(QualifiedNameProvider, n.func, set())
+                ):
+                    version = next(
+                        (a.value for a in n.args if a.keyword is not None and a.keyword.value == "fsdp_version"), None
+                    )
+                    if version is None or code_of(version) == "1":
+                        self.accelerate_here = True
+        return self.accelerate_here
+
     def _config_driven(self, node: cst.Call) -> None:
         """FSDP set up by the HF Trainer's arguments or accelerate's plugin: point to `migrate config`."""
         names = {q.name for q in self.get_metadata(QualifiedNameProvider, node.func, set())}
@@ -498,6 +621,12 @@ class ImportsFixer(ScannerBase):
             if not any(n.split(".")[-1] == cls and n.startswith(("transformers", "accelerate")) for n in names):
                 continue
             kwargs = {a.keyword.value: a.value for a in node.args if a.keyword is not None}
+            if cls == "FullyShardedDataParallelPlugin" and not any(a.star for a in node.args):
+                given = code_of(kwargs[key]) if key in kwargs else None
+                if given is None or given == "1":
+                    self.fsdp1_elsewhere = True  # accelerate wraps the model with FSDP1: TODOs are written
+                    self._record(node, f"{cls}(...) (accelerate's FSDP1 plugin)", accelerate_plugin_text(given), False)
+                    return
             if key not in kwargs or (key == "fsdp_version" and code_of(kwargs[key]) == "2"):
                 return
             self._record(
@@ -690,3 +819,23 @@ def _path_to(root: cst.CSTNode, target: cst.CSTNode) -> list[cst.CSTNode] | None
         if (path := _path_to(child, target)) is not None:
             return [root, *path]
     return None
+
+
+def accelerate_plugin_text(version: str | None) -> str:
+    """The TODO on accelerate's ``FullyShardedDataParallelPlugin(...)`` built for FSDP1."""
+    why = (
+        "fsdp_version=1"
+        if version is not None
+        else "no fsdp_version: accelerate reads FSDP_VERSION from the environment (accelerate launch "
+        "--fsdp_version), 1 by default"
+    )
+    return (
+        f"accelerate wraps the model with FSDP1 through this plugin ({why}); for FSDP2 pass fsdp_version=2 with "
+        "accelerate's FSDP2 forms, not these values: reshard_after_forward in place of sharding_strategy, "
+        "cpu_offload a bool or torch's OffloadPolicy (an FSDP1 CPUOffload raises), transformer_cls_names_to_wrap "
+        "for the layer classes (its FSDP2 path reads the policy function, not the classes a partial binds); "
+        "backward_prefetch, limit_all_gathers and use_orig_params have no FSDP2 form there. The same settings in "
+        "an accelerate YAML, given to `fsdp-bridge migrate config`, show each FSDP2 key and what has none. Tests "
+        "of fsdp_bridge.ShardedModule / is_sharded then see torch's FSDPModule, which they do not accept: test "
+        "isinstance(m, FSDPModule) there"
+    )

@@ -82,15 +82,16 @@ class LightningFixer(ScannerBase):
             )
             for a, text in meant:
                 pos = self.get_metadata(PositionProvider, a)
-                # Reported, not given TODOs of their own: the strategy's TODO names every argument.
+                # Notes, not constructs of their own: the strategy's TODO names every argument and what it becomes.
                 self.findings.append(
                     CodeFinding(
                         self.path,
                         pos.start.line,
                         pos.start.column,
                         f"{a.keyword.value if a.keyword else ''}={short(code_of(a.value))}",
-                        text,
-                        False,
+                        f"{text} (part of the strategy's TODO above)",
+                        True,
+                        note=True,
                     )
                 )
             return True

@@ -4,12 +4,13 @@
 from __future__ import annotations
 
 import os
+from typing import cast
 
 import libcst as cst
 import libcst.matchers as m
-from libcst.metadata import PositionProvider, QualifiedNameProvider
+from libcst.metadata import CodePosition, PositionProvider, QualifiedNameProvider
 
-from fsdp_bridge.migrate._analysis import code_of, short, walk
+from fsdp_bridge.migrate._analysis import called_as, code_of, handed_parameters, short, walk
 from fsdp_bridge.migrate._names import FSDP, NAMES
 from fsdp_bridge.migrate._report import CodeFinding
 from fsdp_bridge.migrate._scan_base import ScannerBase
@@ -41,7 +42,12 @@ class NoSyncClipFixer(ScannerBase):
             and not params.args
         ):
             return
-        if self._fsdp1_wrapper(node, params.func.value, by_calls=False) == "":
+        model = params.func.value
+        if (
+            self._fsdp1_wrapper(node, model, by_calls=False) == ""
+            and not self._handed_parameter(node, model)
+            and self._factory_result(node, model) == ""
+        ):
             return
         pos = self.get_metadata(PositionProvider, node)
         construct = f"torch.nn.utils.clip_grad_norm_({short(code_of(params), 40)}, ...)"
@@ -50,7 +56,11 @@ class NoSyncClipFixer(ScannerBase):
         )
 
     def _plan_wrapper_method_call(self, node: cst.Call, func: cst.BaseExpression, hit: tuple[str, str] | None) -> None:
-        """The FSDP1 wrapper's no_sync() and clip_grad_norm_(...), and its register_comm_hook (a TODO)."""
+        """The FSDP1 wrapper's no_sync() and clip_grad_norm_(...), its register_comm_hook (a TODO), and a
+        direct ``model.forward(...)`` on it."""
+        if isinstance(func, cst.Attribute) and func.attr.value == "forward" and hit is None:
+            self._plan_forward_call(node, func)
+            return
         if isinstance(func, cst.Attribute) and func.attr.value == "register_comm_hook" and hit is None:
             # DDP has a method of this name too: only a receiver proven FSDP1's (alone or beside DDP) is reported.
             if (self._fsdp1_wrapper(node, func.value, by_calls=False) or self._handed_fsdp1(func.value)) != "":
@@ -107,14 +117,7 @@ class NoSyncClipFixer(ScannerBase):
         if isinstance(obj, cst.Name) and self.functions:
             fn = self.functions[-1]
             params = [p.name.value for p in fn.params.params]
-            method = bool(self.classes) and bool(params) and params[0] in ("self", "cls")
-            positional = params[1:] if method else params
-            args = self.dispatch.fsdp1_args
-            name = fn.name.value
-            if obj.value in params and (
-                f"{name}:{obj.value}" in args
-                or (obj.value in positional and f"{name}:{positional.index(obj.value)}" in args)
-            ):
+            if obj.value in handed_parameters(self._called_as(fn), params, self.dispatch.fsdp1_args):
                 return "fsdp1"
             if self._made_by_factory(fn, obj.value):
                 return "fsdp1"
@@ -136,6 +139,65 @@ class NoSyncClipFixer(ScannerBase):
                     return "fsdp1"
         return ""
 
+    def _plan_forward_call(self, node: cst.Call, func: cst.Attribute) -> None:
+        """``model.forward(...)`` on FSDP1's wrapper (shown by the function, handed by a call of the tree, or
+        made by a function of the tree): FSDP1's wrapper gathers its parameters in its own forward(); FSDP2
+        does it in hooks that run only when the module is called, so ``model(...)`` in its place (the same
+        forward on FSDP1's wrapper, DDP's and FSDP2's modules)."""
+        recv = func.value
+        if not isinstance(recv, (cst.Name, cst.Attribute)) or code_of(recv) == "self":
+            return
+        if not (
+            self._fsdp1_wrapper(node, recv, by_calls=False) != ""
+            or self._handed_parameter(node, recv)
+            or self._factory_result(node, recv) != ""
+        ):
+            return
+        code = code_of(node.with_changes(func=recv))
+        self.call_rewrites[id(node)] = code
+        self._record(
+            node,
+            f"{short(code_of(recv), 40)}.forward(...)",
+            f"{short(code, 60)}: FSDP2 gathers a module's parameters in hooks that run when the module is called, "
+            "not in forward() itself (FSDP1's wrapper gathers in its forward()); calling it runs the same forward "
+            "on FSDP1's wrapper, DDP's and FSDP2's modules",
+            True,
+        )
+
+    def _called_as(self, fn: cst.FunctionDef) -> str:
+        """How calls name ``fn`` (the class for ``__init__``), the key of ``Dispatch.fsdp1_args``."""
+        return called_as(fn.name.value, self.classes[-1].name.value if self.classes else None)
+
+    def _handed_parameter(self, node: cst.CSTNode, obj: cst.BaseExpression) -> bool:
+        """``obj`` at ``node`` is a parameter of the enclosing function that a call of the tree passes an FSDP1
+        model as (``Dispatch.fsdp1_args``), not tested by an isinstance guard around ``node`` and not assigned
+        anew above it in the function: the object the caller handed."""
+        if not (isinstance(obj, cst.Name) and self.functions):
+            return False
+        fn = self.functions[-1]
+        if obj.value not in handed_parameters(
+            self._called_as(fn), [p.name.value for p in fn.params.params], self.dispatch.fsdp1_args
+        ):
+            return False
+        if self._isinstance_branch(node, obj):
+            return False  # the guard decides (see _fsdp1_wrapper)
+        limit = self.get_metadata(PositionProvider, node).start
+        for n in walk(fn.body):
+            if isinstance(n, (cst.Assign, cst.AnnAssign, cst.AugAssign, cst.For, cst.WithItem)):
+                targets = (
+                    [t.target for t in n.targets]
+                    if isinstance(n, cst.Assign)
+                    else [n.asname.name]
+                    if isinstance(n, cst.WithItem) and n.asname is not None
+                    else []
+                    if isinstance(n, cst.WithItem)
+                    else [n.target]
+                )
+                if any(binds(t, obj.value) for t in targets):
+                    if _before(self.get_metadata(PositionProvider, n).start, limit):
+                        return False  # assigned anew above: not (only) the object handed
+        return True
+
     def _inherits_fsdp1_attribute(self, cls: cst.ClassDef, attr: str) -> bool:
         """``self.attr`` in ``cls``, a subclass of a class of the tree (by the last part of its base's name) whose
         methods assign ``self.attr = FSDP(...)`` (``Dispatch.fsdp1_attributes``), and that ``cls`` never assigns
@@ -152,24 +214,56 @@ class NoSyncClipFixer(ScannerBase):
             for n in walk(cls.body)
         )
 
-    def _made_by_factory(self, fn: cst.FunctionDef, name: str) -> bool:
-        """``name = f(...)`` or ``name, other = f(...)`` in ``fn``, with ``f`` a function of the tree whose result
-        (or that element of it) is an FSDP1 model (``Dispatch.fsdp1_results``)."""
+    def _made_by_factory(self, fn: cst.FunctionDef, name: str, before: cst.CSTNode | None = None) -> str:
+        """The function ``f`` when ``name = f(...)`` or ``name, other = f(...)`` in ``fn`` (above ``before``, when
+        given, and not assigned anew between), with ``f`` a function of the tree whose result (or that element
+        of it) is an FSDP1 model (``Dispatch.fsdp1_results``); else ""."""
         results = self.dispatch.fsdp1_results
+        limit = self.get_metadata(PositionProvider, before).start if before is not None else None
+        found = ""
         for n in walk(fn.body):
-            if not (isinstance(n, cst.Assign) and isinstance(n.value, cst.Call)):
+            if limit is not None and not (
+                isinstance(n, (cst.Assign, cst.AnnAssign, cst.AugAssign))
+                and _before(self.get_metadata(PositionProvider, n).start, limit)
+            ):
                 continue
-            positions = results.get(code_of(n.value.func).rsplit(".", 1)[-1])
-            if not positions:
+            if not isinstance(n, cst.Assign):
+                if limit is not None and m.matches(cast("cst.AnnAssign | cst.AugAssign", n).target, m.Name(name)):
+                    found = ""  # assigned anew
                 continue
-            for t in n.targets:
-                if -1 in positions and m.matches(t.target, m.Name(name)):
-                    return True
-                if isinstance(t.target, cst.Tuple) and any(
-                    i in positions and m.matches(e.value, m.Name(name)) for i, e in enumerate(t.target.elements)
-                ):
-                    return True
-        return False
+            targets = [t.target for t in n.targets]
+            positions = (
+                results.get(code_of(n.value.func).rsplit(".", 1)[-1], set()) if isinstance(n.value, cst.Call) else set()
+            )
+            made = any(
+                (-1 in positions and m.matches(t, m.Name(name)))
+                or (
+                    isinstance(t, cst.Tuple)
+                    and any(i in positions and m.matches(e.value, m.Name(name)) for i, e in enumerate(t.elements))
+                )
+                for t in targets
+            )
+            if made:
+                found = code_of(cast(cst.Call, n.value).func)
+                if limit is None:
+                    return found
+            elif limit is not None and any(binds(t, name) for t in targets):
+                found = ""  # assigned anew
+        return found
+
+
+def binds(target: cst.BaseExpression, name: str) -> bool:
+    """Assigning to ``target`` rebinds ``name`` (``name = ...``, ``name, other = ...``), not an attribute or an
+    item of it (``name.attr = ...``)."""
+    if isinstance(target, cst.Name):
+        return target.value == name
+    if isinstance(target, (cst.Tuple, cst.List)):
+        return any(binds(e.value, name) for e in target.elements)
+    return False
+
+
+def _before(a: CodePosition, b: CodePosition) -> bool:
+    return (a.line, a.column) < (b.line, b.column)
 
 
 COMM_HOOK_TEXT = (

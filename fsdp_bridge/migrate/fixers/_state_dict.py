@@ -157,6 +157,10 @@ class StateDictFixer(ScannerBase):
         would keep rank 0's shards only, and loading plain tensors into DTensors fails)."""
         obj = func.value
         wrapper = self._fsdp1_wrapper(node, obj)
+        handed = False
+        if wrapper not in ("fsdp1", "ambiguous") and self._handed_parameter(node, obj):
+            # A call of the tree hands this function an FSDP1 model (other calls may hand it other modules)
+            wrapper, handed = "ambiguous", True
         if wrapper not in ("fsdp1", "ambiguous"):
             if id(node) not in self.other_roots:
                 return False
@@ -297,7 +301,13 @@ class StateDictFixer(ScannerBase):
             node,
             construct,
             f"{short(code, 90)}: outside a state_dict_type block FSDP1 gives and takes full state dicts (its "
-            "default FULL_STATE_DICT), every rank; FSDP2's own would be sharded DTensors",
+            "default FULL_STATE_DICT), every rank; FSDP2's own would be sharded DTensors"
+            + (
+                f" ({short(target, 40)} is handed an FSDP1 model by a call of the tree; a module another call "
+                "hands it keeps its own call)"
+                if handed
+                else ""
+            ),
             True,
         )
         return True
