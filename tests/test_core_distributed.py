@@ -7,6 +7,7 @@ Each spawned run does several checks, to pay the process start-up once.
 from __future__ import annotations
 
 import copy
+import types
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from torch.distributed.tensor import DTensor
 import fsdp_bridge
 from fsdp_bridge import BridgeConfig, ConfigError
 from fsdp_bridge.estimate import LiveBytes
+from fsdp_bridge.migrate._torch_helpers import HELPERS_NAME, HELPERS_SOURCE
 from fsdp_bridge.testing import RankFailure, run_distributed
 from fsdp_bridge.testing.models import FAMILIES, build_tiny, sample_batch
 
@@ -103,6 +105,8 @@ def _no_shard_on_user_meshes() -> dict[str, float]:
         losses = max(abs(x - y) for x, y in zip(a[0], b[0], strict=True))
         return max(losses, *((x - y).abs().max().item() for x, y in zip(a[1], b[1], strict=True)))
 
+    helpers = types.ModuleType(HELPERS_NAME)
+    exec(compile(HELPERS_SOURCE, f"{HELPERS_NAME}.py", "exec"), helpers.__dict__)
     out: dict[str, float] = {}
     no_shard, cpu = ShardingStrategy.NO_SHARD, torch.device("cpu")
     for name, mesh in meshes.items():
@@ -110,7 +114,11 @@ def _no_shard_on_user_meshes() -> dict[str, float]:
             build(), sharding_strategy=no_shard, device_mesh=mesh, use_orig_params=True, device_id=cpu
         )
         config = BridgeConfig.from_fsdp1(sharding_strategy=no_shard, device_mesh=mesh, device_id=cpu)
-        out[f"{name}, FSDP1"] = gap(steps(fsdp_bridge.shard(build(), config)), steps(fsdp1))
+        reference = steps(fsdp1)
+        out[f"{name}, FSDP1"] = gap(steps(fsdp_bridge.shard(build(), config)), reference)
+        # what --target torch writes: the generated helpers' mesh for NO_SHARD over the mesh given
+        ejected = helpers.shard_model(build(), mesh=helpers.data_parallel_mesh("no_shard", mesh=mesh))
+        out[f"{name}, --target torch"] = gap(steps(ejected), reference)
         channels_last = fsdp_bridge.shard(build(True), BridgeConfig(strategy="no_shard", backend="fsdp2"), mesh=mesh)
         reference = steps(build(True), average_over=mesh.get_group())
         out[f"{name}, channels_last"] = gap(steps(channels_last), reference)

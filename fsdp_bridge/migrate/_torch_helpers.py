@@ -52,8 +52,11 @@ def data_parallel_mesh(strategy: str, device: str | None = None, mesh: DeviceMes
     full_shard / shard_grad_op: 1D over every rank. no_shard: (world, 1), replicate over every rank and
     shard over groups of one (NO_SHARD's meaning; reshard_after_forward=False alone would be ZeRO-2).
     hybrid_shard / hybrid_shard_zero2: 2D (replicate across nodes, shard within a node), from
-    LOCAL_WORLD_SIZE. A mesh given to FSDP1 (device_mesh=) is used as it is.
+    LOCAL_WORLD_SIZE. A mesh given to FSDP1 (device_mesh=) is used as it is; for no_shard a 1D one becomes
+    (n, 1) over its own ranks (replicated over them only, as FSDP1 did).
     """
+    if mesh is not None and strategy == "no_shard" and mesh.ndim == 1:
+        return _replicated_over(mesh)
     if mesh is not None:
         return mesh
     device = device or device_type()
@@ -69,6 +72,22 @@ def data_parallel_mesh(strategy: str, device: str | None = None, mesh: DeviceMes
             )
         return init_device_mesh(device, (world // per_node, per_node), mesh_dim_names=("replicate", "shard"))
     return init_device_mesh(device, (world,))
+
+
+def _replicated_over(mesh: DeviceMesh) -> DeviceMesh:
+    """(n, 1) (replicate, shard) over a 1D mesh's ranks: from the mesh itself where torch can (its parent
+    mesh kept, for parameters that are DTensors of a sibling dimension), else from its process group."""
+    size = mesh.size()
+    if hasattr(mesh, "_unflatten"):  # torch's private API, 2.8+
+        try:
+            return mesh._unflatten(0, (size, 1), ("replicate", "shard"))
+        except (RuntimeError, ValueError, NotImplementedError):
+            pass
+    singles, _ = dist.new_subgroups_by_enumeration([[r] for r in range(dist.get_world_size())])
+    ranks = torch.tensor(mesh.mesh.flatten().tolist(), dtype=torch.int).view(size, 1)
+    return DeviceMesh.from_group(
+        [mesh.get_group(0), singles], mesh.device_type, mesh=ranks, mesh_dim_names=("replicate", "shard")
+    )
 
 
 def _post_order(module: nn.Module) -> Iterator[nn.Module]:

@@ -207,6 +207,8 @@ def _shard_args(call: cst.Call) -> tuple[str, _Shard]:
     device_arg = ', "cpu"' if device == "cpu" else ""
     built = f'{HELPERS_NAME}.data_parallel_mesh("{strategy}"{device_arg})'
     mesh_code = code_of(mesh.value) if mesh is not None else built
+    if mesh is not None and strategy == "no_shard":  # a 1D mesh given: replicated over its ranks, (n, 1)
+        mesh_code = f'{HELPERS_NAME}.data_parallel_mesh("no_shard", mesh={mesh_code})'
     out.add("strategy", f"mesh={mesh_code}", comments.get("strategy", ([], None)))
     note("device")
     note("hybrid_shape")  # the mesh given has the shape
