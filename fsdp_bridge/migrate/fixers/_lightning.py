@@ -18,11 +18,14 @@ LIGHTNING_PACKAGES = ("lightning", "pytorch_lightning", "lightning_fabric")
 
 WAY_OUT = (
     "Lightning wraps the model in FSDP1 (FullyShardedDataParallel) itself; for FSDP2 use "
-    "lightning's ModelParallelStrategy and apply torch's fully_shard to the model in the LightningModule's "
-    "configure_model (the mesh is self.device_mesh; Fabric: ModelParallelStrategy(parallelize_fn)), or, with "
-    "that strategy, call fsdp_bridge.shard(self.model, fsdp_bridge.BridgeConfig(...), "
-    'mesh=self.device_mesh["data_parallel"]) in configure_model (never under DDPStrategy: DDP would wrap '
-    "the sharded model); its FSDP1 arguments become these BridgeConfig keys: "
+    "lightning's ModelParallelStrategy(data_parallel_size=<world size>, tensor_parallel_size=1) (its defaults "
+    "give one data-parallel rank per node) and apply torch's fully_shard to the model in the LightningModule's "
+    "configure_model (the mesh is self.device_mesh; Fabric: ModelParallelStrategy(parallelize_fn=lambda m, "
+    "mesh: ...)), or, with that strategy, call fsdp_bridge.shard(self.model, fsdp_bridge.BridgeConfig(...), "
+    'mesh=self.device_mesh["data_parallel"]) in configure_model (HYBRID_*: no mesh=, the bridge builds the 2D '
+    "one, or a 2D (replicate, shard) mesh of your own; never under DDPStrategy: DDP would wrap the sharded "
+    "model; arguments ModelParallelStrategy lacks, such as cluster_environment=, move to the Trainer's or "
+    "Fabric's plugins); its FSDP1 arguments become these BridgeConfig keys: "
 )
 
 LIGHTNING_ARGS: dict[str, str] = {
