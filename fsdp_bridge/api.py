@@ -416,9 +416,10 @@ def shard_module(
         raise failure
     mesh_plan, ignored, wrap_plan, has_meta, report = validated
     init = fsdp1_init(config)
-    if has_meta and init is not None and not config.sync_module_states and not _WEIGHTS_LOADED_AFTER.get():
+    if has_meta and init is not None and not _WEIGHTS_LOADED_AFTER.get():
         # FSDP1 code that builds on the meta device and lets FSDP1 initialise each rank (param_init_fn or
-        # reset_parameters): the same modules, in FSDP1's order, before sharding.
+        # reset_parameters): the same modules, in FSDP1's order, before sharding; with sync_module_states
+        # every rank then takes rank 0's, as FSDP1 does after initialising them.
         named = resolve_ignored_params(model, config.ignored_modules)
         materialize_like_fsdp1(model, wrap_plan.modules, [*ignored, *presharded], named, init[0], device)
         has_meta = False
@@ -597,6 +598,7 @@ def _validate(
         mesh is not None
         and mesh.size() != dist.get_world_size()
         and config.sync_module_states
+        and fsdp1_init(config) is None  # FSDP1 code: every rank initialises its meta tensors first
         and any(t.is_meta for t in (*model.parameters(), *model.buffers()))
     ):
         problems.append(
@@ -659,6 +661,7 @@ def _validate(
     if (
         has_meta
         and config.sync_module_states
+        and fsdp1_init(config) is None  # FSDP1 code: every rank, rank 0 included, initialises them first
         and dist.get_rank() == 0
         and not _WEIGHTS_LOADED_AFTER.get()
         and (meta := [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta])
@@ -674,7 +677,7 @@ def _validate(
                 "shard() (fsdp_bridge.load_checkpoint)",
             )
         )
-    fsdp1_materializes = fsdp1_init(config) is not None and not config.sync_module_states
+    fsdp1_materializes = fsdp1_init(config) is not None  # FSDP1 initialises meta tensors on every rank
     if has_meta and presharded:
         inside = {id(t) for unit in presharded for t in (*unit.parameters(), *unit.buffers())}
         outside_meta = any(t.is_meta for t in (*model.parameters(), *model.buffers()) if id(t) not in inside)

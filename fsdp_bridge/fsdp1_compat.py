@@ -330,13 +330,12 @@ def _init_notes(kwargs: Mapping[str, Any]) -> list[str]:
             "use_orig_params=False: the bridge keeps original parameters on both backends (FSDP2 always "
             "does); optimizers see the model's own parameters"
         )
-    if kwargs.get("param_init_fn") is not None and not kwargs.get("sync_module_states"):
-        # FSDP1 calls param_init_fn only on modules that hold meta-device tensors; shard() refuses a meta-device
-        # model without sync_module_states (before any collective), so a model built on a real device shards as
-        # it did under FSDP1 and a meta one gets that error instead of a silent difference.
+    if kwargs.get("param_init_fn") is not None:
+        # FSDP1 calls param_init_fn only on modules that hold meta-device tensors; shard() does the same, in
+        # FSDP1's order, before sharding (and then broadcasts rank 0's weights under sync_module_states).
         notes.append(
-            "param_init_fn without sync_module_states: FSDP1 calls it only for meta-device modules; the "
-            "model here must be on a real device (a meta-device model is refused by shard() with the fix)"
+            "param_init_fn: called as FSDP1 calls it, on each rank's meta-device modules only, in FSDP1's "
+            "order, before sharding"
         )
     elif kwargs.get("param_init_fn") is not None:
         notes.append(

@@ -703,9 +703,10 @@ TABLE: tuple[Rule, ...] = (
         "param_init_fn=...",
         T(
             N,
-            "BridgeConfig.from_fsdp1 keeps it: without sync_module_states, FSDP1's own rule runs before sharding "
-            "(param_init_fn, else reset_parameters(), on each rank's meta-device modules, in FSDP1's order); "
-            "with it, and for other configs, to_empty for meta modules and rank 0's weights broadcast",
+            "BridgeConfig.from_fsdp1 keeps it: FSDP1's own rule runs before sharding (param_init_fn, else "
+            "reset_parameters(), on each rank's meta-device modules, rank 0's too, in FSDP1's order), then "
+            "sync_module_states broadcasts rank 0's weights; other configs: to_empty for meta modules and rank "
+            "0's weights broadcast",
         ),
         T(
             E,

@@ -151,8 +151,8 @@ def test_what_has_no_meaning_is_refused_with_the_fix() -> None:
         BridgeConfig.from_fsdp1(
             mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, keep_low_precision_grads=True)
         )
-    # param_init_fn without sync_module_states: FSDP1 calls it only on meta-device modules, and shard()
-    # refuses a meta-device model without sync_module_states, so a real-device model is accepted.
+    # param_init_fn: FSDP1 calls it only on meta-device modules, and so does shard(); a real-device model is
+    # accepted as it is.
     BridgeConfig.from_fsdp1(param_init_fn=lambda m: m.to_empty(device="cpu"))
     with pytest.raises(ConfigError, match=r"ignored_states: got 'given with ignored_modules'"):
         BridgeConfig.from_fsdp1(ignored_modules=[nn.Linear(1, 1)], ignored_states=[nn.Linear(1, 1)])
@@ -571,7 +571,8 @@ def test_state_dict_options_mean_what_fsdp1_state_dict_settings_meant() -> None:
     assert options(full) == StateDictOptions(full_state_dict=True)
     rank0 = FullStateDictConfig(offload_to_cpu=True, rank0_only=True)
     assert options(full, rank0) == StateDictOptions(full_state_dict=True, cpu_offload=True)
-    assert options(full, rank0, load=True) == StateDictOptions(full_state_dict=True)  # every rank loads
+    # a load under rank0_only: rank 0's dict, sent to the others (a state_dict() in the block is empty elsewhere)
+    assert options(full, rank0, load=True) == StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     # the optimizer reads its own config
     assert options(full, rank0, FullOptimStateDictConfig(), optimizer=True) == StateDictOptions(full_state_dict=True)
     assert options(sharded, ShardedStateDictConfig(offload_to_cpu=True)) == StateDictOptions(cpu_offload=True)
@@ -686,10 +687,31 @@ def _meta_ranks() -> dict[str, Any]:
             model = fsdp_bridge.wrap_module(net)
         got = full(model, fsdp_bridge.summon_full_params(model))
         out[f"manual {backend}"] = sorted(got) == sorted(want) and all(torch.equal(got[n], want[n]) for n in want)
+    # Every rank on meta, rank 0 too, with sync_module_states (a pretraining run from scratch): FSDP1 initialises
+    # each rank's modules (reset_parameters here), then every rank takes rank 0's; the bridge does the same.
+    # (FSDP1 itself refuses sync_module_states without a GPU: the reference is rank 0's draw, FSDP1's
+    # initialisation number for number as checked above, which every rank must end with.)
+    policy = ModuleWrapPolicy({Block})
+    torch.manual_seed(100)
     with torch.device("meta"):
-        everywhere = Net()  # rank 0 too: its weights would be uninitialised memory
+        net = Net()
+    first = fsdp_bridge.shard(net, BridgeConfig.from_fsdp1(auto_wrap_policy=policy, device_id=torch.device("cpu")))
+    want = full(first, fsdp_bridge.summon_full_params(first))
+    for backend in ("fsdp2", "fsdp1"):
+        torch.manual_seed(100 + rank)  # the ranks draw different numbers: only rank 0's may survive
+        with torch.device("meta"):
+            everywhere = Net()
+        config = BridgeConfig.from_fsdp1(backend=backend, auto_wrap_policy=policy, **kwargs)
+        model = fsdp_bridge.shard(everywhere, config)
+        got = full(model, fsdp_bridge.summon_full_params(model))
+        out[f"rank 0 on meta {backend}"] = sorted(got) == sorted(want) and all(
+            torch.equal(got[n], want[n]) for n in want
+        )
+    # A config of the bridge's own (not FSDP1 code) still refuses it: nothing says how to initialise them.
+    with torch.device("meta"):
+        everywhere = Net()
     try:
-        fsdp_bridge.shard(everywhere, BridgeConfig.from_fsdp1(**kwargs))
+        fsdp_bridge.shard(everywhere, BridgeConfig(sync_module_states=True, device="cpu"))
         out["rank 0 on meta"] = "no error"
     except ConfigError as err:
         out["rank 0 on meta"] = str(err)
@@ -703,6 +725,7 @@ def test_meta_device_ranks_take_rank0_weights_and_dtypes(run_on_ranks) -> None:
             assert result[key], key  # FSDP1's own initialisation of meta-device modules, number for number
         assert result["param_init_fn initialised"]  # in FSDP1's order (units first), not the constructor's
         assert result["manual fsdp2"] and result["manual fsdp1"]
+        assert result["rank 0 on meta fsdp2"] and result["rank 0 on meta fsdp1"]
         message = result["rank 0 on meta"]
         assert "sync_module_states: got 'rank 0 holds meta-device tensors (embed.weight, embed.bias, " in message
         assert "run it on rank 0's modules first" in message

@@ -904,7 +904,9 @@ def test_keyword_and_runtime_state_dict_calls_are_rewritten() -> None:
 
 def test_rank0_only_optimizer_load_is_sent_from_rank0() -> None:
     """FSDP1 reads a full optimizer state with ``FullOptimStateDictConfig(rank0_only=True)`` on rank 0
-    alone and broadcasts it (the other ranks often pass None); its model load has no such mode."""
+    alone and broadcasts it (the other ranks often pass None). Its model load reads each rank's own dict; under
+    a ``rank0_only`` model config the dict is rank 0's (a ``state_dict()`` in the block is empty elsewhere), so
+    it is sent from rank 0 too (torch's load of different dicts per rank pairs tensors across ranks)."""
     source = textwrap.dedent("""\
         import torch
         from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig, StateDictType
@@ -943,7 +945,10 @@ def test_rank0_only_optimizer_load_is_sent_from_rank0() -> None:
     result = migrate_source(source, "resume.py")
     assert all(f.fixable for f in result.findings), [f for f in result.findings if not f.fixable]
     fixed = result.fixed
-    assert 'set_model_state_dict(model, saved["model"], options=StateDictOptions(full_state_dict=True))' in fixed
+    assert (
+        'set_model_state_dict(model, saved["model"], options=StateDictOptions(full_state_dict=True, '
+        "broadcast_from_rank0=True))"
+    ) in fixed
     assert (
         'fsdp_bridge.optim_state_dict_to_load(model, optim, saved["optim"] if rank == 0 else None, '
         "options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))"
@@ -962,9 +967,11 @@ def test_rank0_only_optimizer_load_is_sent_from_rank0() -> None:
     rank0 = FullOptimStateDictConfig(rank0_only=True)
     opts = fsdp_bridge.state_dict_options(full, None, rank0, optimizer=True, load=True)
     assert opts.full_state_dict and opts.broadcast_from_rank0
-    # the model's load, an every-rank optimizer config and a sharded type read every rank's own dict
+    # the model's load under a rank0_only config is rank 0's too; an every-rank config and a sharded type read
+    # every rank's own dict
     model_opts = fsdp_bridge.state_dict_options(full, FullStateDictConfig(rank0_only=True), rank0, load=True)
-    assert model_opts.full_state_dict and not model_opts.broadcast_from_rank0
+    assert model_opts.full_state_dict and model_opts.broadcast_from_rank0
+    assert not fsdp_bridge.state_dict_options(full, FullStateDictConfig(), rank0, load=True).broadcast_from_rank0
     every = fsdp_bridge.state_dict_options(full, None, FullOptimStateDictConfig(), optimizer=True, load=True)
     assert not every.broadcast_from_rank0
     sharded = fsdp_bridge.state_dict_options(StateDictType.SHARDED_STATE_DICT, None, rank0, optimizer=True, load=True)
@@ -1434,7 +1441,7 @@ def test_param_init_fn_without_sync_module_states_is_kept_for_from_fsdp1() -> No
     assert init[0].fixable and "runs it as FSDP1 did, on each rank's meta-device modules" in init[0].replacement
     assert "param_init_fn=init_fn" in result.fixed and "TODO" not in result.fixed
     assert init[1].fixable  # with sync_module_states: rank 0's weights are broadcast, as in FSDP1
-    assert "take rank 0's values and dtypes" in init[1].replacement and "rank 0 must hold real" in init[1].replacement
+    assert "takes rank 0's values and dtypes" in init[1].replacement and "before sharding" in init[1].replacement
     assert result.fixed.count("fsdp_bridge.shard(") == 2
 
 
@@ -2078,3 +2085,44 @@ def test_added_imports_never_come_before_what_runs_before_torch_is_imported() ->
     lowered = migrate_source(ENV_FIRST, "envfirst.py", target="torch").fixed
     assert lowered.count("import torch\n") == 1 and "return torch.amp.GradScaler()" in lowered
     assert lowered.index('os.environ["OMP_NUM_THREADS"]') < lowered.index("import torch\n")
+
+
+UPDATE_UNDER_RANK0_ONLY = """
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+
+def main():
+    torch.manual_seed(0)
+    model = FSDP(nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2)), device_id=torch.device("cpu"), use_orig_params=True)
+    update = {"1.bias": torch.tensor([5.0, -5.0])}  # what a file holds: part of the model, read on every rank
+    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(rank0_only=True)):
+        current = model.state_dict()  # empty on ranks other than 0
+        current.update(update)
+        model.load_state_dict(current, strict=False)
+    with FSDP.summon_full_params(model):
+        return [p.detach().clone() for p in model.parameters()]
+"""
+
+
+def _main_of(*sources: str) -> list[list[list[float]]]:
+    out = []
+    for source in sources:
+        namespace: dict[str, Any] = {}
+        exec(compile(source, "update.py", "exec"), namespace)
+        out.append([p.flatten().tolist() for p in namespace["main"]()])
+    return out
+
+
+def test_a_load_of_what_a_rank0_only_block_built_is_rank0s_on_every_rank() -> None:
+    # FSDP1 loads each rank's own dict: rank 0's whole state plus the update, the others' update alone
+    # (strict=False). torch's full-state load of different dicts per rank pairs their tensors across ranks
+    # (a collective mismatch); sent from rank 0 it gives FSDP1's parameters.
+    fixed = migrate_source(UPDATE_UNDER_RANK0_ONLY, "update.py").fixed
+    assert "broadcast_from_rank0=True, strict=False" in fixed
+    for original, migrated in run_distributed(_main_of, 2, args=(UPDATE_UNDER_RANK0_ONLY, fixed)):
+        assert len(original) == 4 and migrated == original
+        assert original[3] == [5.0, -5.0]

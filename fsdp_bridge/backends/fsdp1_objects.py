@@ -53,10 +53,12 @@ def state_dict_options(
         state_dict_config: ``FullStateDictConfig``/``ShardedStateDictConfig`` (or None: FSDP1's defaults).
         optim_state_dict_config: ``FullOptimStateDictConfig``/``ShardedOptimStateDictConfig`` (or None).
         optimizer: options for the optimizer's state dict (read ``optim_state_dict_config``).
-        load: options for loading (``set_*_state_dict``): FSDP1 loads a full model state dict given on
-            every rank, so neither ``rank0_only`` nor ``offload_to_cpu`` applies to it; a full optimizer
-            state with ``rank0_only=True`` is read on rank 0 only and sent to the other ranks
-            (``broadcast_from_rank0=True``: what they pass is ignored, as in FSDP1).
+        load: options for loading (``set_*_state_dict``): a full optimizer state with ``rank0_only=True`` is
+            read on rank 0 only and sent to the other ranks (``broadcast_from_rank0=True``: what they pass is
+            ignored, as in FSDP1). FSDP1 loads a full model state dict from each rank's own dict; under a
+            ``rank0_only`` model config a dict the block built from ``state_dict()`` is whole on rank 0 only,
+            and torch's load of different dicts per rank pairs tensors across ranks, so it is sent from rank 0
+            too (the same values where every rank read the same file).
         strict: ``load_state_dict``'s ``strict`` (loading only).
 
     Returns:
@@ -101,7 +103,7 @@ def state_dict_options(
     config = optim_state_dict_config if optimizer else state_dict_config
     full = name == "FULL_STATE_DICT"
     if load:
-        broadcast = full and optimizer and bool(getattr(config, "rank0_only", False))
+        broadcast = full and bool(getattr(config, "rank0_only", False))
         return StateDictOptions(full_state_dict=full, broadcast_from_rank0=broadcast, strict=strict)
     offload = bool(getattr(config, "offload_to_cpu", False))
     if full:

@@ -327,12 +327,13 @@ SELF_SPELLED = re.compile(r"([A-Za-z_][\w.]*)\s*\.\s*set_state_dict_type\s*\(\s*
 OWN_FILE = "this file"  # how a TODO names the file's own FSDP.set_state_dict_type call
 SET_STATE_DICT_TYPE_CALL = re.compile(r"\bset_state_dict_type\s*\(")
 
-GROUP_ARG = re.compile(r"\bprocess_group\s*=\s*(?!None\b)")
+GROUP_ARG = re.compile(r"\b(?:process_group|device_mesh)\s*=\s*(?!None\s*[,)\n])")
 
 
 def passes_group(code: str) -> bool:
-    """Whether FSDP1 code passes a process group (the data-parallel group of a model-parallel layout); a
-    commented-out ``# process_group=...`` is not one."""
+    """Whether FSDP1 code passes a process group or a device mesh (the data-parallel group or sub-mesh of a
+    model-parallel layout, whose first rank FSDP1's ``rank0_only`` means; HYBRID's pair); ``None`` written out
+    and a commented-out ``# process_group=...`` are not one, ``None if single else group`` is."""
     if "FullyShardedDataParallel" not in code or GROUP_ARG.search(code) is None:
         return False
     try:

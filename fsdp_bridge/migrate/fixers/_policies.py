@@ -92,9 +92,9 @@ class PolicyFixer(ScannerBase):
             return "the device of the run (CUDA index -> cuda, torch.device('cpu') -> cpu)"
         if kw == "param_init_fn":
             return (
-                "not called by the bridge: with sync_module_states=True, meta-device tensors of ranks other than "
-                "0 are materialised and take rank 0's values and dtypes (what a to_empty + cast param_init_fn "
-                "was for); rank 0 must hold real weights (shard() refuses a meta-device rank 0 with the fix)"
+                "called as FSDP1 calls it: on each rank's meta-device modules (reset_parameters() without it), in "
+                "FSDP1's order, before sharding; with sync_module_states=True every rank then takes rank 0's "
+                "values and dtypes"
             )
         return fsdp2_any(option)
 

@@ -565,9 +565,12 @@ class StateDictFixer(ScannerBase):
                 # ShardedOptimStateDictConfig's offload_to_cpu defaults to True (ShardedStateDictConfig's to False)
                 offload=not full and self._config_flag(optim_cfg, "offload_to_cpu", True),
             )
-            load_opts = self._options(full)
+            # A model state taken with rank0_only in the block is whole on rank 0 only (the others get {}): a load
+            # of what the block built (sd = model.state_dict(); sd.update(...); model.load_state_dict(sd)) is
+            # rank 0's, broadcast; torch's load of a different dict on each rank would pair tensors across ranks.
+            load_opts = self._options(full, broadcast=full and self._config_flag(cfg, "rank0_only", False))
             # FSDP1 loads a full optimizer state with rank0_only from rank 0 alone (the other ranks'
-            # dicts are ignored, often None) and broadcasts it; the model's load has no such mode.
+            # dicts are ignored, often None) and broadcasts it.
             optim_load_opts = self._options(full, broadcast=full and self._config_flag(optim_cfg, "rank0_only", False))
         rewrites: dict[int, str] = {}
         for inner in walk(node.body):
