@@ -337,11 +337,6 @@ def _init_notes(kwargs: Mapping[str, Any]) -> list[str]:
             "param_init_fn: called as FSDP1 calls it, on each rank's meta-device modules only, in FSDP1's "
             "order, before sharding"
         )
-    elif kwargs.get("param_init_fn") is not None:
-        notes.append(
-            "param_init_fn is not called: meta-device tensors of ranks other than 0 are materialised and take "
-            "rank 0's weights and dtypes (sync_module_states); rank 0 must hold real weights"
-        )
     return notes
 
 
