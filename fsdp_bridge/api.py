@@ -476,6 +476,12 @@ def shard_module(
         # (_validate refused meta-device tensors here: every rank holds real ones.)
         _broadcast_within(model, mesh, device)
         plan.sync = SyncMethod.NONE
+    for unit in presharded:
+        # A unit sharded as a root before (FSDP1 code wrapping each layer, then the model): nested now, it
+        # reshards after forward as its strategy says, as FSDP1's nested wrapper does.
+        inner = getattr(unit, _ATTR)
+        if inner.config.strategy.reshards_after_forward and inner.config.reshard_after_forward is None:
+            inner.impl.reshard_as_inner_unit(unit)
     if presharded:
         paths = {id(m): n for n, m in model.named_modules()}
         wrap_plan.notes.append(

@@ -250,6 +250,13 @@ def _numerics() -> dict[str, Any]:
         out[f"sharded_module_{backend}"] = [n for n, m in model.named_modules() if isinstance(m, ShardedModule)]
     out["identity"] = identity
     out["holder_full_state"] = _full_state_through_a_holder()
+    # FSDP1 code wrapping a layer, then the model (both become shard()): the layer, nested now, frees its
+    # gathered parameters after forward as FSDP1's nested wrapper does; the root keeps them for backward
+    net = _net()
+    net[2] = fsdp_bridge.shard(net[2], BridgeConfig(backend="fsdp2", wrap="none", device="cpu"))
+    model = fsdp_bridge.shard(net, BridgeConfig(backend="fsdp2", wrap="none", device="cpu"))
+    model(torch.ones(2, 8)).sum()
+    out["nested_resharded"] = (isinstance(model[2][0].weight, DTensor), isinstance(model[0].weight, DTensor))
     out["reshard"] = _reshard_after_eval(rank)
     out["storage"] = _move_and_free(rank)
     out["scaler"] = _scaler_overflow(rank)
@@ -446,6 +453,7 @@ def test_ddp_and_fully_shard_numerics_match_their_own_calls(run_on_ranks: Any) -
         # FSDP2's are DTensors whose data live in slots: those objects stay shards inside (docs/bridge.md)
         assert r["identity"] == {"fsdp2": (False, (16, 8)), "fsdp1": (True, (16, 8))}
         assert r["holder_full_state"]  # not sharded tensors: the holder's model is found to be FSDP1's
+        assert r["nested_resharded"] == (True, False)
         # reshard after an evaluation forward: what was held gathered is freed, the train steps that
         # follow are those of a run without it (FSDP2 through shard() reshards such a forward itself)
         for kind in ("fsdp1", "fsdp2", "fully_shard", "fsdp1_torch"):

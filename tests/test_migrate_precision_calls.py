@@ -499,3 +499,38 @@ def test_a_model_from_a_function_returning_fsdp1s_wrapper_on_one_path() -> None:
     # torch's clip over the model's parameters: a note (FSDP1 clipped each rank's shard by its own norm)
     notes = [f for f in result.findings if f.note]
     assert [f.construct for f in notes] == ["torch.nn.utils.clip_grad_norm_(model.parameters(), ...)"]
+
+
+def test_a_multi_line_scaler_keeps_its_layout_and_a_root_check_is_a_todo() -> None:
+    code = (
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n"
+        "from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler\n\n\n"
+        "def scaler(scale):\n"
+        "    return ShardedGradScaler(\n"
+        "        init_scale=scale,\n"
+        "        growth_factor=2.0,  # doubles\n"
+        "    )\n\n\n"
+        "def clip(module, max_norm):\n"
+        "    if isinstance(module, FSDP):\n"
+        "        if not module.check_is_root():\n"
+        "            raise ValueError('root only')\n"
+        "        return module.clip_grad_norm_(max_norm)\n"
+    )
+    result = migrate_source(code, "scaler.py")  # was skipped: the rewrite wrote ",\n," and did not parse
+    assert "    return fsdp_bridge.GradScaler(\n        init_scale=scale,\n        growth_factor=2.0,  # doubles\n" in (
+        result.fixed
+    )
+    todos = [f for f in result.findings if not f.fixable]
+    assert [f.construct for f in todos] == ["module.check_is_root (an FSDP1 wrapper attribute)"]
+    assert migrate_source(result.fixed, "scaler.py").fixed == result.fixed
+
+
+def test_a_model_fairseq2_wraps_keeps_the_bridges_type_test_under_target_torch() -> None:
+    code = (
+        "from fairseq2.nn.fsdp import to_fsdp\n"
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n\n\n"
+        "def is_fsdp(model):\n"
+        "    return isinstance(model, FSDP)\n"
+    )
+    lowered = migrate_source(code, "trainer.py", target="torch").fixed
+    assert "return fsdp_bridge.is_sharded(model)" in lowered  # fairseq2's to_fsdp hands over FSDP1's wrapper

@@ -234,7 +234,8 @@ class FSDP2Backend:
             norms.append(torch.nn.utils.get_total_norm([p.grad for p in local], norm_type))  # type: ignore[misc]
         if not norms:
             return torch.tensor(0.0)
-        stacked = torch.stack([n.float().cpu() for n in norms])
+        device = norms[0].device  # the gradients' device, where FSDP1 returns the norm (a CUDA loss is stacked with it)
+        stacked = torch.stack([n.float().to(device) for n in norms])
         total_norm = stacked.max() if norm_type == float("inf") else stacked.norm(norm_type)
         coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
         for p in params:

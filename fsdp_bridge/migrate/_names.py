@@ -162,6 +162,9 @@ WRAPPER_ATTRS: dict[str, str] = {
     "training_state": "FSDP1's private state machine has no FSDP2 form; track the phase in your own code",
     "params": "FSDP1's list of flat parameters has no FSDP2 form: iterate model.parameters() (DTensors; "
     "p.to_local() for this rank's shard)",
+    "check_is_root": "the root is the model fsdp_bridge.shard returned (fsdp_bridge.get_bridge(m) finds its "
+    "bridge on it, TypeError on a unit inside it); fsdp_bridge.clip_grad_norm_ takes either, so a check made "
+    "for FSDP1's clipping can go",
 }
 """FSDP1 wrapper attributes read on a wrapped model; FSDPModule has none of them. Reported only where the code shows
 the object is FSDP1's (``params`` is too common a name otherwise)."""

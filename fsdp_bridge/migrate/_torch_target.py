@@ -59,7 +59,7 @@ TARGETS = ("bridge", "torch")
 
 _FSDP = "torch.distributed.fsdp"
 
-WRAPPING_LIBRARIES = ("composer", "lightning", "pytorch_lightning", "lightning_fabric", "accelerate")
+WRAPPING_LIBRARIES = ("composer", "lightning", "pytorch_lightning", "lightning_fabric", "accelerate", "fairseq2")
 """Training libraries that wrap the models they are handed in FSDP1's wrapper themselves (their FSDP1 path):
 in a file importing one, a model may be such a wrapper after --fix, so the bridge's type test and unwrap stay."""
 _STATE = "torch.distributed.checkpoint.state_dict"

@@ -28,6 +28,9 @@ from fsdp_bridge.migrate._report import CodeFinding
 from fsdp_bridge.migrate._scan_base import ScannerBase
 from fsdp_bridge.migrate.fixers._no_sync_clip import unproven_text
 
+WRAPPER_METHODS = ("check_is_root",)
+"""FSDP1 wrapper methods FSDPModule lacks, reported where called on an object shown to be the wrapper."""
+
 SETTINGS = {
     "sharding_strategy": "torch's ShardingStrategy member, NO_SHARD when the shard group has one rank as with FSDP1",
     "mixed_precision": "torch's MixedPrecision, with None fields when none was set as with FSDP1",
@@ -114,7 +117,7 @@ class ImportsFixer(ScannerBase):
             and node.attr.value in WRAPPER_ATTRS
             and self.uses_fsdp1
             and not self.assign_target_depth
-            and id(node) not in self.called
+            and (id(node) not in self.called or node.attr.value in WRAPPER_METHODS)
             and id(node) not in self.consumed_nodes
             and self._qn(node) is None
             and (wrapper := self._fsdp1_wrapper(node, node.value)) != ""
@@ -713,15 +716,17 @@ class ImportsFixer(ScannerBase):
             self._record(node, f"{code_of(node.func)}(...)", f"{code} (the units of either backend)", True)
         elif hit == (FSDP, "clip_grad_norm_") and args:
             self.needs_imports.add(("fsdp_bridge", None))
-            code = f"fsdp_bridge.clip_grad_norm_({', '.join(code_of(a).rstrip(', ') for a in args)})"
-            self._record(node, f"{code_of(node.func)}(...)", f"{code}; {fsdp2_text('clip_grad_norm_')}", True)
+            code = code_of(node.with_changes(func=cst.parse_expression("fsdp_bridge.clip_grad_norm_")))
+            shown = _one_line(code, "fsdp_bridge.clip_grad_norm_")
+            self._record(node, f"{code_of(node.func)}(...)", f"{shown}; {fsdp2_text('clip_grad_norm_')}", True)
         elif hit is not None and hit[0] == "ShardedGradScaler":
             # The bridge's scaler, not torch.amp.GradScaler: on the fsdp1 backend the gradients are flat shards
             # and only a ShardedGradScaler sums the overflow check over the ranks (process_group= kept: the
             # bridge's class takes it with FSDP1's meaning).
             self.needs_imports.add(("fsdp_bridge", None))
-            code = f"fsdp_bridge.GradScaler({', '.join(code_of(a).rstrip(', ') for a in args)})"
-            self._record(node, "ShardedGradScaler(...)", f"{code} ({SCALER_TEXT})", True)
+            code = code_of(node.with_changes(func=cst.parse_expression("fsdp_bridge.GradScaler")))
+            shown = _one_line(code, "fsdp_bridge.GradScaler")
+            self._record(node, "ShardedGradScaler(...)", f"{shown} ({SCALER_TEXT})", True)
         else:
             return False
         self.call_rewrites[id(node)] = code
@@ -809,6 +814,12 @@ def _type_of(node: cst.Call) -> cst.BaseExpression | None:
     if any(a.keyword is not None or a.star for a in (*node.args, *first.args)):
         return None
     return first.args[0].value
+
+
+def _one_line(code: str, name: str) -> str:
+    """``code`` for a report line: as written on one line, else ``name(<the same arguments>)`` (a call over
+    several lines keeps its layout and comments in the file)."""
+    return code if "\n" not in code else f"{name}(<the same arguments>)"
 
 
 def _path_to(root: cst.CSTNode, target: cst.CSTNode) -> list[cst.CSTNode] | None:
