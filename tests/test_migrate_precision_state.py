@@ -629,3 +629,42 @@ def test_a_tree_setting_several_types_makes_every_call_the_bridges_and_keeps_wha
     assert "if it is, keep this call; if not, FSDP1 gave a full state dict" in weights
     result = migrate_source((FIXTURES / "persistent_mixed.py").read_text(), "persistent_mixed.py")
     assert [f.line for f in result.findings if not f.fixable] == [37]
+
+
+GROUP_EMA = """
+from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+
+def build(net, ema_net, mesh):
+    return FSDP(net, device_mesh=mesh), FSDP(ema_net, device_mesh=mesh)
+
+
+class Trainer:
+    def save(self):
+        cfg = FullStateDictConfig(rank0_only=True, offload_to_cpu=True)
+        with FSDP.state_dict_type(self.model, StateDictType.FULL_STATE_DICT, cfg):
+            state = {"model": self.model.state_dict(), "ema": self.ema.state_dict()}
+        return state
+
+    def load(self, state, cfg):
+        with FSDP.state_dict_type(self.model, StateDictType.FULL_STATE_DICT, cfg):
+            self.model.load_state_dict(state["model"])
+            self.ema.load_state_dict(state["ema"])
+"""
+
+
+def test_another_roots_state_in_a_block_of_a_tree_sharding_over_a_mesh_keeps_fsdp1s_default() -> None:
+    # device_mesh= makes the tree one that shards over some ranks (rank0_only: each group's first rank), and
+    # FSDP1's contexts cover the model they are given only: the EMA copy's state dicts stay full ones.
+    fixed = migrate_source(GROUP_EMA, "trainer.py").fixed
+    assert '"model": fsdp_bridge.full_state_dict(self.model, rank0_only=True, offload_to_cpu=True)' in fixed
+    assert (
+        '"ema": (get_model_state_dict(self.ema, options=StateDictOptions(full_state_dict=True)) '
+        "if isinstance(self.ema, FSDPModule) else self.ema.state_dict())"
+    ) in fixed
+    assert (
+        '(set_model_state_dict(self.ema, state["ema"], options=StateDictOptions(full_state_dict=True)) '
+        'if isinstance(self.ema, FSDPModule) else self.ema.load_state_dict(state["ema"]))'
+    ) in fixed
+    assert migrate_source(fixed, "trainer.py").fixed == fixed

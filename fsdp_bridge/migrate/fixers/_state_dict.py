@@ -427,6 +427,9 @@ class StateDictFixer(ScannerBase):
             return True
         if kind not in ("FULL_STATE_DICT", "SHARDED_STATE_DICT", None) or (kind is None and self._qn(type_arg)):
             return False
+        if isinstance(block, cst.With) and any(item.item is node for item in block.items):
+            # the context covers its model only: another root's state dicts in it keep FSDP1's default (full)
+            self._plan_other_roots(block, code_of(named["module"]), {})
         self.expr_rewrites[id(node.func)] = "fsdp_bridge.state_dict_type"
         self.needs_imports.add(("fsdp_bridge", None))
         self._consume(node.func)
@@ -471,6 +474,7 @@ class StateDictFixer(ScannerBase):
                 return
         if rewrites:
             self.needs_imports.add(("fsdp_bridge", None))
+            self._plan_other_roots(node, model, rewrites)  # an EMA copy's state_dict() in it: its own default
             self._unwrap_block(node, rewrites, (cfg, optim_cfg), "FULL_STATE_DICT", f": {GROUP_RANK0}")
 
     def _unwrap_block(
