@@ -155,42 +155,34 @@ class ImportsFixer(ScannerBase):
         ):
             # FSDP1's wrapper holds the model as .module; FSDP2 does not wrap (the sharded model is the module).
             obj = code_of(node.value)
+            guarded: tuple[str, str] | None = None
             if wrapper == "":
                 # Shown FSDP1's on some path only (made by a function of the tree, handed by a call of it): other
                 # paths may bring another wrapper (DDP's, DeepSpeed's engine), whose .module stays.
-                code = f"(fsdp_bridge.unwrapped({obj}) if fsdp_bridge.is_sharded({obj}) else {obj}.module)"
+                guarded = (
+                    f"(fsdp_bridge.unwrapped({obj}) if fsdp_bridge.is_sharded({obj}) else {obj}.module)",
+                    f"{obj} {source}: its module on a model that stays FSDP1's, the module itself on FSDP2 (it does "
+                    "not wrap), and the .module of anything else (DDP's wrapper, DeepSpeed's engine)",
+                )
+            elif wrapper == "ambiguous":
+                # DDP's wrapper keeps .module; FSDP2's sharded model is the module itself.
+                guarded = (
+                    f"({obj}.module if isinstance({obj}, torch.nn.parallel.DistributedDataParallel) "
+                    f"else fsdp_bridge.unwrapped({obj}))",
+                    f"{obj} may be DistributedDataParallel's wrapper (its .module) or, on the FSDP path, the module "
+                    "inside FSDP1's wrapper (the bridge's fsdp1 backend, or a model FSDP1 wrapped elsewhere), the "
+                    "module itself on FSDP2 (it does not wrap)",
+                )
+            if guarded is not None:
+                code, why = guarded
                 stmt = self.stmt_stack[-1] if self.stmt_stack else None
                 if stmt is not None and code[1:-1] in code_of(stmt):
                     return True  # written by a first --fix
                 self.expr_rewrites[id(node)] = code
                 self.needs_imports.add(("fsdp_bridge", None))
-                self._record(
-                    node,
-                    f"{code_of(node)} (the wrapped module)",
-                    f"{code}: {obj} {source}: its module on a model that stays FSDP1's, the module itself on FSDP2 "
-                    "(it does not wrap), and the .module of anything else (DDP's wrapper, DeepSpeed's engine)",
-                    True,
-                )
-                return True
-            if wrapper == "ambiguous":
-                # DDP's wrapper keeps .module; FSDP2's sharded model is the module itself.
-                code = (
-                    f"({obj}.module if isinstance({obj}, torch.nn.parallel.DistributedDataParallel) "
-                    f"else fsdp_bridge.unwrapped({obj}))"
-                )
-                stmt = self.stmt_stack[-1] if self.stmt_stack else None
-                if stmt is not None and code[1:-1] in code_of(stmt):
-                    return True  # written by a first --fix
-                self.expr_rewrites[id(node)] = code
-                self.needs_imports.update((("torch", None), ("fsdp_bridge", None)))
-                self._record(
-                    node,
-                    f"{code_of(node)} (the wrapped module)",
-                    f"{code}: {obj} may be DistributedDataParallel's wrapper (its .module) or, on the FSDP path, "
-                    "the module inside FSDP1's wrapper (the bridge's fsdp1 backend, or a model FSDP1 wrapped "
-                    "elsewhere), the module itself on FSDP2 (it does not wrap)",
-                    True,
-                )
+                if "torch.nn.parallel" in code:
+                    self.needs_imports.add(("torch", None))
+                self._record(node, f"{code_of(node)} (the wrapped module)", f"{code}: {why}", True)
                 return True
             if (kept := self.dispatch.subclasses_fsdp1) is not None:
                 kept = "this file" if kept == self.path else kept
