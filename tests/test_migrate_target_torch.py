@@ -156,7 +156,7 @@ def test_no_sync_clip_isinstance_and_state_dict() -> None:
     )
     assert_plain_torch(code)
     assert "with _fsdp2_helpers.no_sync(model):" in code
-    assert "norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, 2.0)" in code
+    assert "norm = _fsdp2_helpers.clip_grad_norm_(model, 1.0, 2.0)" in code
     assert "isinstance(model, FSDPModule)" in code
     assert "get_model_state_dict(model, options=StateDictOptions(full_state_dict=True" in code
     assert not any("[todo]" in r for r in report)
@@ -527,7 +527,7 @@ def test_report_names_the_users_lines_and_what_the_file_holds() -> None:
     assert nosync.replacement.startswith("_fsdp2_helpers.no_sync(model):")
     clip = next(f for f in result.findings if f.construct.startswith("model.clip_grad_norm_"))
     assert lines[clip.line - 1][clip.column :].startswith("model.clip_grad_norm_")
-    assert clip.replacement.startswith("torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0):")
+    assert clip.replacement.startswith("_fsdp2_helpers.clip_grad_norm_(model, 1.0):")
     state = next(f for f in result.findings if f.construct.startswith("FSDP.full_optim_state_dict"))
     assert lines[state.line - 1][state.column :].startswith("FSDP.full_optim_state_dict(")
     assert state.replacement.startswith("get_optimizer_state_dict(model, optimizer, options=StateDictOptions(")

@@ -35,6 +35,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
 _NEVER_WRAP = (nn.ModuleList, nn.ModuleDict)  # containers run no forward of their own
 _FORCE_LEAF = (nn.MultiheadAttention,)  # size_based_auto_wrap_policy never wraps inside these
@@ -234,6 +235,13 @@ def shard_model(
         for buf in model.buffers():  # buffers are not sharded, and non-persistent ones are not in the state
             dist.broadcast(buf.data, src=0)
     return model
+
+
+def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """FSDP1's model.clip_grad_norm_(max_norm, norm_type): torch's clip over the model's parameters (the global
+    norm over DTensor gradients, shards and replicas), returned as a plain tensor as FSDP1 returns it."""
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 
 @contextlib.contextmanager

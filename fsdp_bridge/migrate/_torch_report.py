@@ -30,8 +30,8 @@ _WHAT = {
     "shard": f"torch's fully_shard on each unit (children first), then on the root ({HELPERS_NAME}.py, written "
     "beside the file)",
     "no_sync": "set_requires_gradient_sync(False) on the FSDP2 module, restored on exit (a DDP module's own no_sync())",
-    "clip_grad_norm_": "torch's clip over the model's parameters (the global norm over DTensor gradients; it "
-    "returns a DTensor)",
+    "clip_grad_norm_": "torch's clip over the model's parameters (the global norm over DTensor gradients, "
+    f"returned as a plain tensor, as FSDP1's; {HELPERS_NAME}.py)",
     "is_sharded": "torch's FSDP2 module class (fully_shard makes each unit one)",
     "ShardedModule": "torch's FSDP2 module class (fully_shard makes each unit one)",
     "full_state_dict": "torch's DCP state-dict API",

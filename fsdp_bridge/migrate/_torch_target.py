@@ -9,7 +9,8 @@ made there, once); this pass then replaces each bridge call it can write in plai
   bottom-up then on the root, in the generated module (:mod:`fsdp_bridge.migrate._torch_helpers`);
 * ``fsdp_bridge.no_sync(m)`` -> ``_fsdp2_helpers.no_sync(m)`` (``set_requires_gradient_sync``), also where
   ``fsdp_bridge.no_sync`` is passed on as a value;
-* ``fsdp_bridge.clip_grad_norm_(m, n[, p])`` -> ``torch.nn.utils.clip_grad_norm_(m.parameters(), n[, p])``;
+* ``fsdp_bridge.clip_grad_norm_(m, n[, p])`` -> ``_fsdp2_helpers.clip_grad_norm_(m, n[, p])`` (torch's clip over
+  ``m.parameters()``, the norm a plain tensor);
 * ``fsdp_bridge.is_sharded(m)`` -> ``isinstance(m, FSDPModule)``; ``fsdp_bridge.unwrapped(m)`` -> ``m`` (both kept
   in a file importing a library that wraps models in FSDP1 itself, ``WRAPPING_LIBRARIES``);
   ``fsdp_bridge.ShardedModule`` (a type: annotation, validator, ``Optional[...]``) -> ``FSDPModule``;
@@ -436,11 +437,10 @@ class _Lowerer(cst.CSTTransformer):
             self.uses_helpers = True
             return call.with_changes(func=cst.parse_expression(f"{HELPERS_NAME}.no_sync"))
         if name == "clip_grad_norm_" and args and args[0].keyword is None and not args[0].star:
-            self.result_imports.add(("torch", None))
-            params = cst.Arg(cst.parse_expression(f"{code_of(args[0].value)}.parameters()"))
-            return call.with_changes(
-                func=cst.parse_expression("torch.nn.utils.clip_grad_norm_"), args=commas([params, *args[1:]])
-            )
+            # torch's clip over the parameters, its DTensor norm made a plain tensor (FSDP1's is one: callers
+            # format it, stack it with the loss, all-gather it)
+            self.uses_helpers = True
+            return call.with_changes(func=cst.parse_expression(f"{HELPERS_NAME}.clip_grad_norm_"))
         if name in ("is_sharded", "unwrapped") and self.wrapping_library is not None:
             raise _CannotLower(
                 f"this file imports {self.wrapping_library}, which wraps models in FSDP1's wrapper itself: a model "
