@@ -668,3 +668,20 @@ def test_another_roots_state_in_a_block_of_a_tree_sharding_over_a_mesh_keeps_fsd
         'if isinstance(self.ema, FSDPModule) else self.ema.load_state_dict(state["ema"]))'
     ) in fixed
     assert migrate_source(fixed, "trainer.py").fixed == fixed
+
+
+def test_a_handed_models_state_dict_inside_its_own_state_dict_type_block_is_the_blocks() -> None:
+    # bench(model, ...) is handed an FSDP1 model; its LOCAL block decides the state_dict() in it (one construct,
+    # not a second report line for the call as a handed model's default full state dict)
+    code = (
+        "import torch\n"
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, StateDictType\n\n\n"
+        "def bench(model, path):\n"
+        "    with FSDP.state_dict_type(model, StateDictType.LOCAL_STATE_DICT):\n"
+        "        torch.save(model.state_dict(), path)\n\n\n"
+        "def main(net, path):\n"
+        "    model = FSDP(net)\n"
+        "    bench(model, path)\n"
+    )
+    found = [f.construct for f in migrate_source(code, "bench.py").findings if not f.note]
+    assert found == ["FSDP.state_dict_type(LOCAL_STATE_DICT)", "FSDP(...)"]

@@ -158,7 +158,11 @@ class StateDictFixer(ScannerBase):
         obj = func.value
         wrapper = self._fsdp1_wrapper(node, obj)
         handed = False
-        if wrapper not in ("fsdp1", "ambiguous") and self._handed_parameter(node, obj):
+        if (
+            wrapper not in ("fsdp1", "ambiguous")
+            and self._handed_parameter(node, obj)
+            and not self._in_own_state_dict_type_block(code_of(obj))
+        ):
             # A call of the tree hands this function an FSDP1 model (other calls may hand it other modules)
             wrapper, handed = "ambiguous", True
         if wrapper not in ("fsdp1", "ambiguous"):
@@ -311,6 +315,21 @@ class StateDictFixer(ScannerBase):
             True,
         )
         return True
+
+    def _in_own_state_dict_type_block(self, target: str) -> bool:
+        """Inside ``with FSDP.state_dict_type(target, ...):`` (or a kept block of it): the block decides the call's
+        type (rewritten with it, or the block's TODO covers it)."""
+        return any(
+            isinstance(stmt, cst.With)
+            and any(
+                isinstance(item.item, cst.Call)
+                and code_of(item.item.func).rsplit(".", 1)[-1] == "state_dict_type"
+                and item.item.args
+                and code_of(item.item.args[0].value) == target
+                for item in stmt.items
+            )
+            for stmt in self.stmt_stack
+        )
 
     def _for_fsdp2_only(self, code: str, target: str, node: cst.Call) -> str:
         """``code`` (torch's state-dict call) where ``target`` is an FSDP2 module, ``node`` (its own call) for
