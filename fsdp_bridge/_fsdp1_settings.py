@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any, cast
 
+from torch import nn
 from torch.distributed import fsdp as torch_fsdp
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel, MixedPrecision
 
@@ -58,9 +59,16 @@ class FSDP1Settings:
 
 def _fsdp2_strategy(module: FSDPModule) -> torch_fsdp.ShardingStrategy:
     """FSDP1's name for how torch's ``fully_shard`` sharded ``module``: from its mesh (a shard group of one rank
-    is NO_SHARD, a 2D mesh HYBRID) and whether it reshards after forward (read from FSDP2's state)."""
-    group = module._get_fsdp_state()._fsdp_param_group
-    if group is None:  # a unit without parameters of its own: nothing it shards
+    is NO_SHARD, a 2D mesh HYBRID) and whether it reshards after forward (read from FSDP2's state). A root
+    answers for its units, as FSDP1's root does: the root itself stays gathered after forward under either
+    strategy (FSDP1 keeps it for the backward that follows; torch's own lazy init and the generated helpers
+    set it so)."""
+    units = [m for m in cast(nn.Module, module).modules() if m is not module and isinstance(m, FSDPModule)]
+    try:
+        group = (units[0] if units else module)._get_fsdp_state()._fsdp_param_group
+    except AssertionError:  # several parameter groups on the unit (torch 2.13 asks for one): its first's mesh
+        group = None
+    if group is None:  # nothing of its own it shards
         return torch_fsdp.ShardingStrategy.NO_SHARD
     mesh = group.mesh_info.mesh
     if mesh.size(mesh.ndim - 1) == 1:

@@ -769,8 +769,9 @@ def with_ignored_names(config: BridgeConfig, names: Sequence[str]) -> BridgeConf
 
 def fsdp1_init(config: BridgeConfig) -> tuple[Any] | None:
     """``(param_init_fn or None,)`` when ``config`` comes from :meth:`BridgeConfig.from_fsdp1`: a model on the
-    meta device without ``sync_module_states`` is then materialised as FSDP1 does (``param_init_fn`` on each
-    module, else ``reset_parameters``); None for other configs (they need ``sync_module_states``)."""
+    meta device is then materialised as FSDP1 does (``param_init_fn`` on each module, else
+    ``reset_parameters``) on every rank, before ``sync_module_states`` broadcasts rank 0's; None for other
+    configs (they need ``sync_module_states`` and real weights on rank 0)."""
     return cast("tuple[Any] | None", getattr(config, _FSDP1_INIT, None))
 
 

@@ -122,6 +122,8 @@ def _no_shard_on_user_meshes() -> dict[str, float]:
         channels_last = fsdp_bridge.shard(build(True), BridgeConfig(strategy="no_shard", backend="fsdp2"), mesh=mesh)
         reference = steps(build(True), average_over=mesh.get_group())
         out[f"{name}, channels_last"] = gap(steps(channels_last), reference)
+        ejected = helpers.shard_model(build(True), mesh=helpers.data_parallel_mesh("no_shard", mesh=mesh))
+        out[f"{name}, channels_last, --target torch"] = gap(steps(ejected), reference)
         out[f"{name}, mesh shape"] = float(tuple(fsdp_bridge.get_bridge(channels_last).mesh.shape) != (mesh.size(), 1))
     return out
 

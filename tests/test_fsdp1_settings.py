@@ -59,8 +59,8 @@ def _answers() -> dict[str, Any]:
     ):
         net = _net()
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard")[-len(shape) :])
-        for module in (net[1], net):
-            fully_shard(module, mesh=mesh, reshard_after_forward=reshard)
+        fully_shard(net[1], mesh=mesh, reshard_after_forward=reshard)
+        fully_shard(net, mesh=mesh, reshard_after_forward=False)  # a root kept gathered, as FSDP1's and the helpers'
         out[f"torch {name}"] = [fsdp_bridge.fsdp1_settings(m).sharding_strategy.name for m in (net, net[1])]
     return out
 

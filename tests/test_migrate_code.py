@@ -2126,3 +2126,16 @@ def test_a_load_of_what_a_rank0_only_block_built_is_rank0s_on_every_rank() -> No
     for original, migrated in run_distributed(_main_of, 2, args=(UPDATE_UNDER_RANK0_ONLY, fixed)):
         assert len(original) == 4 and migrated == original
         assert original[3] == [5.0, -5.0]
+
+
+def test_added_imports_come_after_the_settings_when_fsdp1s_was_the_only_torch_import() -> None:
+    source = (
+        "import os\n\n"
+        'os.environ["OMP_NUM_THREADS"] = "1"\n\n'
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n\n\n"
+        "def wrap(m):\n"
+        "    return FSDP(m)\n"
+    )
+    fixed = migrate_source(source, "env2.py").fixed
+    assert fixed.index('os.environ["OMP_NUM_THREADS"]') < fixed.index("import fsdp_bridge")
+    assert migrate_source(fixed, "env2.py").fixed == fixed

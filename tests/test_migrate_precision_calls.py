@@ -534,3 +534,19 @@ def test_a_model_fairseq2_wraps_keeps_the_bridges_type_test_under_target_torch()
     )
     lowered = migrate_source(code, "trainer.py", target="torch").fixed
     assert "return fsdp_bridge.is_sharded(model)" in lowered  # fairseq2's to_fsdp hands over FSDP1's wrapper
+
+
+def test_a_rebinding_of_a_factory_made_model_to_its_module_is_rewritten_too() -> None:
+    code = (
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n\n\n"
+        "def wrap(m, on):\n"
+        "    if on:\n"
+        "        m = FSDP(m)\n"
+        "    return m, on\n\n\n"
+        "def run(m):\n"
+        "    model, x = wrap(m, True)\n"
+        "    model = model.module\n"
+        "    return model\n"
+    )
+    fixed = migrate_source(code, "rebind.py").fixed  # model = model.module (the node's own assignment) counts
+    assert "model = (fsdp_bridge.unwrapped(model) if fsdp_bridge.is_sharded(model) else model.module)" in fixed

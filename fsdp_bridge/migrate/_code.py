@@ -332,8 +332,14 @@ def _imports_after_setup(fixed: cst.Module, original: cst.Module) -> cst.Module:
         body = [s for i, s in enumerate(body) if i not in added or fixed.code_for_node(s).strip() not in own]
         return _imports_after_setup(fixed.with_changes(body=body), original)
     first = next((i for i, s in enumerate(body) if i not in added and _imports_torch(s)), None)
+    setup = first is None  # the file's torch imports were all FSDP1's, removed: below what ran before them
+    if setup:
+        start = next((i for i, s in enumerate(original.body) if _imports_torch(s)), None)
+        ran = [original.code_for_node(s).strip() for s in original.body[:start] if not _is_import(s)]
+        marks = [i for i, s in enumerate(body) if ran and i not in added and fixed.code_for_node(s).strip() == ran[-1]]
+        first = marks[0] if marks else None
     early = sorted(i for i in added if first is not None and i < first)
-    if first is None or not early or all(_is_import(body[j]) for j in range(early[0], first)):
+    if first is None or not early or (not setup and all(_is_import(body[j]) for j in range(early[0], first))):
         return fixed
     end = first
     while end + 1 < len(body) and _is_import(body[end + 1]):

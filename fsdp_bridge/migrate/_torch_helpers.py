@@ -204,6 +204,9 @@ def shard_model(
     if wrap_min_num_params is not None:
         units = units_of_size(model, wrap_min_num_params)
     units = _keep_tied_together(model, [u for u in units if u is not model])
+    for param in model.parameters():  # fully_shard refuses non-contiguous ones (channels_last); FSDP1 flattened them
+        if not param.is_contiguous():
+            param.data = param.data.contiguous()
     for unit in units:  # children before parents
         fully_shard(
             unit,

@@ -194,7 +194,10 @@ class NoSyncClipFixer(ScannerBase):
                     else [n.target]
                 )
                 if any(binds(t, obj.value) for t in targets):
-                    if _before(self.get_metadata(PositionProvider, n).start, limit):
+                    span = self.get_metadata(PositionProvider, n)
+                    # an assignment ends above (model = model.module holding the node does not count); a loop or
+                    # with binds its name before its body runs
+                    if _before(span.start if isinstance(n, (cst.For, cst.WithItem)) else span.end, limit):
                         return False  # assigned anew above: not (only) the object handed
         return True
 
@@ -224,7 +227,7 @@ class NoSyncClipFixer(ScannerBase):
         for n in walk(fn.body):
             if limit is not None and not (
                 isinstance(n, (cst.Assign, cst.AnnAssign, cst.AugAssign))
-                and _before(self.get_metadata(PositionProvider, n).start, limit)
+                and _before(self.get_metadata(PositionProvider, n).end, limit)  # ended above: not the node's own
             ):
                 continue
             if not isinstance(n, cst.Assign):
