@@ -335,7 +335,7 @@ def _imports_after_setup(fixed: cst.Module, original: cst.Module) -> cst.Module:
     setup = first is None  # the file's torch imports were all FSDP1's, removed: below what ran before them
     if setup:
         start = next((i for i, s in enumerate(original.body) if _imports_torch(s)), None)
-        ran = [original.code_for_node(s).strip() for s in original.body[:start] if not _is_import(s)]
+        ran = [original.code_for_node(s).strip() for s in original.body[:start] if not _is_import(s)] if start else []
         marks = [i for i, s in enumerate(body) if ran and i not in added and fixed.code_for_node(s).strip() == ran[-1]]
         first = marks[0] if marks else None
     early = sorted(i for i in added if first is not None and i < first)
