@@ -386,9 +386,8 @@ def replication_mesh(mesh: DeviceMesh) -> DeviceMesh:
             pass  # the names taken in the parent mesh, a mesh torch cannot unflatten: from its group below
     singles, _ = dist.new_subgroups_by_enumeration([[r] for r in range(dist.get_world_size())])
     ranks = torch.tensor(mesh.mesh.flatten().tolist(), dtype=torch.int).view(size, 1)
-    return DeviceMesh.from_group(
-        [mesh.get_group(0), singles], mesh.device_type, mesh=ranks, mesh_dim_names=("replicate", "shard")
-    )
+    groups = [mesh.get_group(0), cast(dist.ProcessGroup, singles)]  # this rank's group of one
+    return DeviceMesh.from_group(groups, mesh.device_type, mesh=ranks, mesh_dim_names=("replicate", "shard"))
 
 
 def check_user_mesh(mesh: DeviceMesh, plan: MeshPlan) -> None:
