@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import tempfile
+import weakref
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -375,8 +376,19 @@ def replication_mesh(mesh: DeviceMesh) -> DeviceMesh:
         mesh: a 1D mesh (over every rank, or a data-parallel sub-mesh of a larger one).
 
     Returns:
-        A 2D ``(replicate, shard)`` mesh of shape ``(mesh.size(), 1)`` over the same ranks.
+        A 2D ``(replicate, shard)`` mesh of shape ``(mesh.size(), 1)`` over the same ranks, the same object
+        for every call with that mesh (no new process groups after the first).
     """
+    made = _REPLICATION_MESHES.get(mesh)
+    if made is None:  # made once per mesh: each unit sharded over it shares the groups
+        made = _REPLICATION_MESHES[mesh] = _make_replication_mesh(mesh)
+    return made
+
+
+_REPLICATION_MESHES: weakref.WeakKeyDictionary[DeviceMesh, DeviceMesh] = weakref.WeakKeyDictionary()
+
+
+def _make_replication_mesh(mesh: DeviceMesh) -> DeviceMesh:
     size = mesh.size()
     unflatten = getattr(mesh, "_unflatten", None)  # torch's private API, 2.8+: keeps the parent mesh
     if unflatten is not None:

@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor
 
 import fsdp_bridge
 from fsdp_bridge import BridgeConfig, ConfigError
+from fsdp_bridge.distributed import replication_mesh
 from fsdp_bridge.estimate import LiveBytes
 from fsdp_bridge.migrate._torch_helpers import HELPERS_NAME, HELPERS_SOURCE
 from fsdp_bridge.testing import RankFailure, run_distributed
@@ -125,6 +126,9 @@ def _no_shard_on_user_meshes() -> dict[str, float]:
         ejected = helpers.shard_model(build(True), mesh=helpers.data_parallel_mesh("no_shard", mesh=mesh))
         out[f"{name}, channels_last, --target torch"] = gap(steps(ejected), reference)
         out[f"{name}, mesh shape"] = float(tuple(fsdp_bridge.get_bridge(channels_last).mesh.shape) != (mesh.size(), 1))
+        out[f"{name}, a new mesh per call"] = float(
+            replication_mesh(mesh) is not fsdp_bridge.get_bridge(channels_last).mesh
+        )
     return out
 
 
