@@ -196,3 +196,27 @@ def test_a_setting_read_in_a_private_idioms_condition_is_left_to_that_idiom() ->
     fixed = _migrate(source).fixed
     assert "if unit._has_params and unit.sharding_strategy is not ShardingStrategy.NO_SHARD:" in fixed
     assert "fsdp1_settings" not in fixed
+
+
+MAIN_BLOCK = (
+    "import torch\n"
+    "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n\n\n"
+    "def clip(model, max_norm):\n"
+    "    return model.clip_grad_norm_(max_norm).item()\n\n\n"
+    'if __name__ == "__main__":\n'
+    "    model = FSDP(torch.nn.Linear(2, 2))\n"
+    "    for step in range(3):\n"
+    "        model(torch.randn(1, 2)).sum().backward()\n"
+    "        if step:\n"
+    "            norm = clip(model, 1.0)\n"
+    "    plain = torch.nn.Linear(2, 2)\n"
+    "    clip(plain, 1.0)\n"
+)
+
+
+def test_a_model_wrapped_in_the_main_block_is_followed_into_the_functions_it_is_handed_to() -> None:
+    # the main block is one statement: the wrap above the call inside its loop counts, in the order the code
+    # runs; the clip is the bridge's (which also takes the plain module handed to the same function)
+    result = _migrate(MAIN_BLOCK)
+    assert "return fsdp_bridge.clip_grad_norm_(model, max_norm).item()" in result.fixed
+    assert all(f.fixable for f in result.findings)

@@ -9,7 +9,7 @@ import functools
 import io
 import re
 import tokenize
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -502,7 +502,7 @@ def find_fsdp1_arguments(wrapper: MetadataWrapper, known: Dispatch | None = None
 
         def scan(self, body: Sequence[cst.CSTNode], fn: str | None, params: Sequence[str] = ()) -> None:
             wrapped = handed_parameters(fn, params, handed) if fn is not None else set()
-            for stmt in body:
+            for stmt in in_source_order(body):
                 for n in walk(stmt):
                     if self.record and isinstance(n, cst.Call) and wrapped:
                         callee = code_of(n.func).rsplit(".", 1)[-1]
@@ -541,6 +541,29 @@ def find_fsdp1_arguments(wrapper: MetadataWrapper, known: Dispatch | None = None
     wrapper.visit(V(record=False))  # what the file's functions return first
     wrapper.visit(V(record=True))
     return Dispatch(fsdp1_args=found, fsdp1_results=returns)
+
+
+def in_source_order(body: Sequence[cst.CSTNode]) -> Iterator[cst.CSTNode]:
+    """The statements of ``body`` one by one, the bodies of compound statements (``if``, ``for``, ``with``,
+    ``try``, ...) opened up in the order the code runs them, so that ``model = FSDP(...)`` inside
+    ``if __name__ == "__main__":`` counts for the calls below it in the same block (function and class
+    definitions are kept whole); a compound statement's header (its test, iterable or context managers)
+    comes first."""
+    for stmt in body:
+        if isinstance(stmt, (cst.SimpleStatementLine, cst.FunctionDef, cst.ClassDef)) or not isinstance(
+            stmt, (cst.BaseCompoundStatement, cst.Else, cst.Finally, cst.ExceptHandler, cst.ExceptStarHandler)
+        ):
+            yield stmt
+            continue
+        for child in stmt.children:
+            if isinstance(child, cst.IndentedBlock):
+                yield from in_source_order(child.body)
+            elif isinstance(child, cst.SimpleStatementSuite):
+                yield from child.body
+            elif isinstance(child, (cst.BaseCompoundStatement, cst.Else, cst.Finally, cst.ExceptHandler)):
+                yield from in_source_order([child])
+            else:
+                yield child
 
 
 def called_as(fn: str, cls: str | None) -> str:
