@@ -544,6 +544,71 @@ def test_an_optimizer_state_without_some_parameters_loads_as_fsdp1_loads_it(tmp_
     assert proc.stdout.strip().splitlines()[-1] == "True"
 
 
+_EMPTY_GROUPS = """
+import sys, torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+import fsdp_bridge
+
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+
+
+def build():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2))
+    net[0].requires_grad_(False)  # a frozen backbone: its decay and no-decay groups hold nothing
+    return net
+
+
+def groups(model):
+    weights = [p for n, p in model.named_parameters() if p.requires_grad and n.endswith("weight")]
+    biases = [p for n, p in model.named_parameters() if p.requires_grad and n.endswith("bias")]
+    return [
+        {"params": [], "weight_decay": 0.1},
+        {"params": [], "weight_decay": 0.0},
+        {"params": weights, "weight_decay": 0.1},
+        {"params": biases, "weight_decay": 0.0},
+    ]
+
+
+def step(model, optim):
+    model(torch.ones(2, 4)).sum().backward()
+    optim.step()
+    optim.zero_grad(set_to_none=True)
+
+
+model = FSDP(build(), device_id=torch.device("cpu"), use_orig_params=True)
+optim = torch.optim.AdamW(groups(model), lr=0.1)
+step(model, optim)
+for g in optim.param_groups:
+    g["lr"] = 0.05  # a scheduler's value, saved with the state
+saved = FSDP.optim_state_dict(model, optim)
+for backend in ("fsdp1", "fsdp2"):
+    again = fsdp_bridge.shard(build(), fsdp_bridge.BridgeConfig(backend=backend, wrap="none"))
+    fresh = torch.optim.AdamW(groups(again), lr=0.1)
+    fresh.load_state_dict(fsdp_bridge.optim_state_dict_to_load(again, fresh, saved))
+    mine = fsdp_bridge.full_optim_state_dict(again, fresh, rank0_only=False)
+    same = all(
+        torch.equal(torch.as_tensor(v), torch.as_tensor(mine["state"][k][n]))
+        for k, entry in saved["state"].items() for n, v in entry.items()
+    )
+    kept = [(len(g["params"]), g["weight_decay"], g["lr"]) for g in fresh.param_groups]
+    print(backend, same and sorted(mine["state"]) == sorted(saved["state"]), kept)
+"""
+
+
+def test_an_optimizer_with_several_empty_groups_loads_as_fsdp1_loads_it(tmp_path: Path) -> None:
+    # torch's set_optimizer_state_dict refuses more than one parameter group without parameters (a frozen
+    # part's decay and no-decay groups), which FSDP1's optim_state_dict_to_load takes: each group stays in its
+    # place, with the hyperparameters saved for it.
+    proc = _run_one_rank(_EMPTY_GROUPS, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    kept = "[(0, 0.1, 0.05), (0, 0.0, 0.05), (2, 0.1, 0.05), (2, 0.0, 0.05)]"
+    assert proc.stdout.strip().splitlines()[-2:] == [f"fsdp1 True {kept}", f"fsdp2 True {kept}"]
+
+
 _WRAPPED_OPTIMIZER = """
 import sys, torch
 import torch.distributed as dist

@@ -507,7 +507,26 @@ def optim_state_dict_to_load(
     # FSDP1 ignores what the other ranks pass when rank 0's state is broadcast (rank0_only).
     others = bool(getattr(options, "broadcast_from_rank0", False)) and torch.distributed.get_rank() != 0
     state = {} if optim_state_dict is None or others else dict(optim_state_dict)
-    set_optimizer_state_dict(model, inner, state, options=options)
+    empty = [g for g in inner.param_groups if not g["params"]]
+    if len(empty) < 2:
+        set_optimizer_state_dict(model, inner, state, options=options)
+        return optim.state_dict()
+    # torch's set_optimizer_state_dict matches groups by their parameters and refuses more than one group
+    # without any (a frozen part's groups), which FSDP1 loads: those are set aside while it loads, then put
+    # back in their places with the hyperparameters saved for them.
+    saved_empty = [g for g in state.get("param_groups", ()) if not g.get("params")]
+    if "param_groups" in state:
+        state["param_groups"] = [g for g in state["param_groups"] if g.get("params")]
+    order = [bool(g["params"]) for g in inner.param_groups]
+    inner.param_groups = [g for g in inner.param_groups if g["params"]]
+    try:
+        set_optimizer_state_dict(model, inner, state, options=options)
+    finally:
+        loaded = iter(inner.param_groups)
+        inner.param_groups = [next(loaded) if has_params else empty.pop(0) for has_params in order]
+    if len(saved_empty) == len([h for h in order if not h]):
+        for group, saved in zip([g for g in inner.param_groups if not g["params"]], saved_empty, strict=True):
+            group.update({k: v for k, v in saved.items() if k != "params"})
     return optim.state_dict()
 
 
