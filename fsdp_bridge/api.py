@@ -39,11 +39,12 @@ from fsdp_bridge.distributed import (
     replication_mesh,
 )
 from fsdp_bridge.errors import ConfigError, Problem
-from fsdp_bridge.mapping import TranslationReport, show_value, translate, unsupported_problems
+from fsdp_bridge.mapping import TranslationReport, full_precision_classes, show_value, translate, unsupported_problems
 from fsdp_bridge.plan import ShardPlan, SyncMethod, resolve_plan
 from fsdp_bridge.wrap import (
     WrapPlan,
     disable_kv_cache,
+    full_precision_modules,
     in_post_order,
     module_names,
     one_dtype_per_unit,
@@ -437,6 +438,9 @@ def shard_module(
             wrap_plan.notes.append("use_cache=False: activation checkpointing recomputes layers")
     if wrap_plan.dtype_units:  # sharded on their own, not checkpointed: merged after AC
         units = in_post_order(model, [*units, *wrap_plan.dtype_units])
+    full_precision = full_precision_modules(model, full_precision_classes(config), [*ignored, *presharded])
+    if full_precision:  # units of their own, as FSDP1 wraps them
+        units = in_post_order(model, [*units, *full_precision])
 
     if keep_4bit_weights_in_place(model):
         wrap_plan.notes.append(
@@ -463,6 +467,7 @@ def shard_module(
         shard_size=mesh_plan.shard,
     )
     plan.root_is_unit = as_unit
+    plan.full_precision_units = full_precision
     if plan.sync is SyncMethod.BROADCAST and (presharded or (as_unit and not plan.has_meta)):
         # Before sharding, whole tensors: rank 0's state dict would gather units sharded already on rank 0
         # alone (they took rank 0's weights when they were sharded), and loading a state dict into an FSDP1

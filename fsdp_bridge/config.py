@@ -110,6 +110,19 @@ _MP_PRESETS: dict[str, dict[str, str]] = {  # field -> dtype name (torch is load
 _MP_ALIASES = {"no": "fp32", "none": "fp32", "float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
+def _parse_class_names(value: object, key: str, problems: list[Problem]) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        value = (value,)
+    if isinstance(value, (list, tuple)):
+        # classes (Python) by their names: a base class's name covers its subclasses, as isinstance does
+        value = tuple(v.__name__ if isinstance(v, type) else v for v in value)
+    if not isinstance(value, tuple) or not all(isinstance(v, str) and v for v in value):
+        raise ValueError(f"{value!r} is not a list of module class names")
+    return value
+
+
 @dataclass(frozen=True, kw_only=True)
 class MixedPrecisionConfig:
     """Dtypes for compute, gradient reduction, outputs and buffers.
@@ -131,6 +144,20 @@ class MixedPrecisionConfig:
     cast_root_forward_inputs: bool = True
     """Cast the root's floating-point forward inputs to ``param_dtype`` (FSDP1's option of that name);
     with ``cast_forward_inputs: false`` only the root casts, FSDP1's default."""
+    full_precision_modules: tuple[str, ...] | None = field(
+        default=None,
+        metadata=spec(
+            "null (FSDP1's default: BatchNorm when the model has wrap units) or a list of module class names "
+            "(a base class's name covers its subclasses: _BatchNorm)",
+            _parse_class_names,
+            summary="null or a list of strings",
+        ),
+    )
+    """Modules of these classes stay in full precision (FSDP1's ``MixedPrecision._module_classes_to_ignore``):
+    each is a unit of its own without mixed precision, its floating-point inputs cast to float32 and its
+    outputs back to the dtype its inputs had. ``None``: FSDP1's default, BatchNorm modules (``_BatchNorm``)
+    when the model has wrap units (FSDP1: an auto-wrap policy), else none; ``[]``: every module computes in
+    ``param_dtype``."""
 
     @property
     def enabled(self) -> bool:
@@ -169,6 +196,8 @@ class MixedPrecisionConfig:
         }
         out["cast_forward_inputs"] = self.cast_forward_inputs
         out["cast_root_forward_inputs"] = self.cast_root_forward_inputs
+        if self.full_precision_modules is not None:
+            out["full_precision_modules"] = list(self.full_precision_modules)
         return out
 
 

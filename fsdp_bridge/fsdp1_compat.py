@@ -434,6 +434,12 @@ def translate_fsdp1_kwargs(kwargs: Mapping[str, Any]) -> tuple[dict[str, Any], l
     out["wrap"] = _wrap_value(kwargs["auto_wrap_policy"], problems) if "auto_wrap_policy" in kwargs else "none"
     if "mixed_precision" in kwargs:
         out["mixed_precision"] = _mixed_precision_value(kwargs["mixed_precision"], problems)
+        mp = kwargs["mixed_precision"]
+        if isinstance(mp, MixedPrecision) and isinstance(out["mixed_precision"], dict):
+            # FSDP1 keeps these classes (BatchNorm by default) in full precision under an auto-wrap policy only
+            policy = kwargs.get("auto_wrap_policy") is not None
+            kept = _class_names(mp._module_classes_to_ignore) if policy else ()
+            out["mixed_precision"]["full_precision_modules"] = kept
     if "cpu_offload" in kwargs:
         out["cpu_offload"] = _cpu_offload_value(kwargs["cpu_offload"], problems)
     if "backward_prefetch" in kwargs:
@@ -442,14 +448,6 @@ def translate_fsdp1_kwargs(kwargs: Mapping[str, Any]) -> tuple[dict[str, Any], l
         if key in kwargs:
             out[key] = bool(kwargs[key])
     notes = _init_notes(kwargs)
-    mp = kwargs.get("mixed_precision")
-    if isinstance(mp, MixedPrecision) and mp.param_dtype is not None and kwargs.get("auto_wrap_policy") is not None:
-        kept = _class_names(mp._module_classes_to_ignore)
-        if kept:  # FSDP1's default: BatchNorm
-            notes.append(
-                f"MixedPrecision keeps {', '.join(kept)} modules in full precision in FSDP1 (units of their own "
-                "under an auto-wrap policy); the bridge runs them in param_dtype with the rest of their unit"
-            )
     if "device_id" in kwargs:
         out["device"] = _device_value(kwargs["device_id"], problems)
     ignored = _ignored_value(kwargs, problems)

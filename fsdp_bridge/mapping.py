@@ -36,6 +36,17 @@ __all__ = [
 ]
 
 
+def full_precision_classes(config: BridgeConfig) -> tuple[str, ...]:
+    """The module class names ``config`` keeps in full precision (``mixed_precision.full_precision_modules``,
+    FSDP1's default where it is None: BatchNorm when there are wrap units); none without mixed precision."""
+    mp = config.mixed_precision
+    if not mp.enabled:
+        return ()
+    if mp.full_precision_modules is None:
+        return ("_BatchNorm",) if config.wrap.mode != "none" else ()
+    return mp.full_precision_modules
+
+
 @dataclass(frozen=True)
 class Context:
     """What a rule may look at: the config and, once known, the device type."""
@@ -303,6 +314,34 @@ TABLE: tuple[Rule, ...] = (
         T(N, "buffers keep their dtype"),
         T(N, "buffers keep their dtype (FSDP2 does not manage buffers)"),
         lambda c: c.config.mixed_precision.buffer_dtype is None,
+    ),
+    Rule(
+        "mixed_precision.full_precision_modules",
+        "class names (null: BatchNorm when there are wrap units)",
+        "MixedPrecision(_module_classes_to_ignore=...) with an auto_wrap_policy (default: BatchNorm)",
+        T(
+            N,
+            "MixedPrecision(_module_classes_to_ignore=those classes): FSDP1 wraps each such module on its own "
+            "without mixed precision and casts its inputs to float32 and its outputs back",
+        ),
+        T(
+            E,
+            "fully_shard on each such module with a default MixedPrecisionPolicy() before its parent's, and "
+            "forward hooks casting its floating-point inputs to float32 and its outputs back (FSDP1's hooks)",
+        ),
+        lambda c: bool(full_precision_classes(c.config)),
+    ),
+    Rule(
+        "mixed_precision.full_precision_modules",
+        "[] (none; null without wrap units)",
+        "MixedPrecision(_module_classes_to_ignore=()), or no auto_wrap_policy",
+        T(
+            N,
+            "MixedPrecision(_module_classes_to_ignore=()): every module in param_dtype (FSDP1's own default "
+            "keeps BatchNorm in full precision: BridgeConfig.from_fsdp1 carries it)",
+        ),
+        T(N, "every module computes in param_dtype"),
+        lambda c: not full_precision_classes(c.config),
     ),
     # -- prefetch and rate limiting -----------------------------------------------
     Rule(

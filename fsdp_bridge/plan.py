@@ -149,6 +149,10 @@ class ShardPlan:
     float8 row is native: FSDP2 on a GPU)."""
     compile_options: dict[str, Any] | None = None
     """``torch.compile`` keyword arguments for each unit, compiled before sharding (None: no compilation)."""
+    full_precision_units: list[nn.Module] = field(default_factory=list)
+    """Units (also in ``units``) of ``mixed_precision.full_precision_modules``' classes: sharded without mixed
+    precision, their floating-point inputs cast to float32 and outputs back (FSDP1's
+    ``_module_classes_to_ignore``)."""
     materialize: bool = True
     """Allocate a meta-device model on ``device`` after sharding.  False only for planning at a
     fake world size (:func:`fsdp_bridge.estimate.plan_at_scale`, FSDP2): the shards stay on meta."""

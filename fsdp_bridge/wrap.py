@@ -206,6 +206,19 @@ def one_dtype_per_unit(
     return list(added.values()), [note]
 
 
+def full_precision_modules(model: nn.Module, classes: tuple[str, ...], outside: list[nn.Module]) -> list[nn.Module]:
+    """The modules of ``model`` (root excluded) whose class, or a base class of it, has one of the names
+    ``classes`` (FSDP1's ``_module_classes_to_ignore`` tests with isinstance), children before parents;
+    none inside ``outside`` (ignored modules, units sharded already)."""
+    if not classes:
+        return []
+    wanted = set(classes)
+    skipped = {id(m) for o in outside for m in o.modules()}
+    return [
+        m for _, m in _post_order(model) if id(m) not in skipped and any(c.__name__ in wanted for c in type(m).__mro__)
+    ]
+
+
 def in_post_order(model: nn.Module, modules: list[nn.Module]) -> list[nn.Module]:
     """``modules`` (root excluded) ordered children before parents, as the backends shard them."""
     wanted = {id(m) for m in modules}

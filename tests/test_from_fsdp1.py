@@ -25,6 +25,7 @@ import fsdp_bridge
 from fsdp_bridge import BridgeConfig, ConfigError
 from fsdp_bridge.config import carried_ignored, fsdp1_init
 from fsdp_bridge.fsdp1_compat import describe_policy, fsdp1_policy_units
+from fsdp_bridge.mapping import full_precision_classes
 from fsdp_bridge.testing.models import build_tiny, sample_batch
 from fsdp_bridge.wrap import resolve_wrap
 
@@ -731,9 +732,95 @@ def test_meta_device_ranks_take_rank0_weights_and_dtypes(run_on_ranks) -> None:
         assert "run it on rank 0's modules first" in message
 
 
-def test_what_the_bridge_does_differently_is_said(caplog: pytest.LogCaptureFixture) -> None:
+def test_fsdp1s_full_precision_classes_are_carried(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level("INFO", logger="fsdp_bridge")
     BridgeConfig.from_fsdp1(
         mixed_precision=MixedPrecision(param_dtype=torch.bfloat16), auto_wrap_policy=ModuleWrapPolicy({Block})
     )
-    assert "MixedPrecision keeps _BatchNorm modules in full precision in FSDP1" in caplog.text
+    assert "MixedPrecision keeps _BatchNorm modules" not in caplog.text  # kept in full precision now, as FSDP1 does
+    kept = BridgeConfig.from_fsdp1(
+        mixed_precision=MixedPrecision(param_dtype=torch.bfloat16), auto_wrap_policy=ModuleWrapPolicy({Block})
+    )
+    assert kept.mixed_precision.full_precision_modules == ("_BatchNorm",)
+    root_only = BridgeConfig.from_fsdp1(mixed_precision=MixedPrecision(param_dtype=torch.bfloat16))
+    assert root_only.mixed_precision.full_precision_modules == ()  # FSDP1 overrides them under a policy only
+
+
+class _NormBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.norm = nn.LayerNorm(16)
+        self.bn = nn.BatchNorm1d(16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.bn(self.norm(torch.tanh(self.lin(x))))
+
+
+def _full_precision_modules() -> dict[str, Any]:
+    """FSDP1's MixedPrecision(_module_classes_to_ignore=...) under an auto-wrap policy (here LayerNorm, and its
+    default BatchNorm alone) through raw FSDP1 and through the bridge on both backends: the same losses, and the
+    modules kept in full precision see float32 inputs and hand back bfloat16."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    rank = dist.get_rank()
+    cases = {
+        "layernorm": MixedPrecision(
+            param_dtype=torch.bfloat16,
+            reduce_dtype=torch.float32,
+            _module_classes_to_ignore=(nn.LayerNorm, nn.BatchNorm1d),  # BatchNorm in bf16 fails on FSDP1 too
+        ),
+        "batchnorm (default)": MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+    }
+    out: dict[str, Any] = {}
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 16), _NormBlock(), _NormBlock(), nn.Linear(16, 4))
+
+    def run(model: nn.Module, watched: type[nn.Module]) -> tuple[list[float], set[str]]:
+        seen: set[str] = set()
+        for m in model.modules():
+            if isinstance(m, watched):
+                m.register_forward_hook(lambda _m, a, o: seen.add(f"{a[0].dtype}->{o.dtype}"))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses = []
+        gen = torch.Generator().manual_seed(rank)
+        for _ in range(3):
+            loss = model(torch.randn(6, 8, generator=gen)).float().square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses, seen
+
+    for name, mp in cases.items():
+        kwargs = dict(auto_wrap_policy=ModuleWrapPolicy({_NormBlock}), mixed_precision=mp, use_orig_params=True)
+        watched = nn.LayerNorm if name == "layernorm" else nn.BatchNorm1d
+        raw = FullyShardedDataParallel(build(), device_id=torch.device("cpu"), **kwargs)  # type: ignore[arg-type]
+        out[f"{name} fsdp1 raw"] = run(raw, watched)
+        for backend in ("fsdp1", "fsdp2"):
+            bridged = fsdp_bridge.shard(build(), BridgeConfig.from_fsdp1(backend=backend, **kwargs))
+            out[f"{name} {backend}"] = run(bridged, watched)
+    # the bridge's own spelling: BatchNorm kept by default where there are wrap units, as FSDP1 does
+    model = fsdp_bridge.shard(build(), BridgeConfig(mixed_precision="bf16", wrap=["_NormBlock"]))
+    out["default"] = run(model, nn.BatchNorm1d)[1]
+    return out
+
+
+def test_modules_fsdp1_keeps_in_full_precision_stay_so_on_both_backends(run_on_ranks) -> None:
+    for result in run_on_ranks(_full_precision_modules, 2):
+        for case in ("layernorm", "batchnorm (default)"):
+            raw_losses, raw_seen = result[f"{case} fsdp1 raw"]
+            assert raw_seen == {"torch.float32->torch.bfloat16"}, (case, raw_seen)
+            for backend in ("fsdp1", "fsdp2"):
+                losses, seen = result[f"{case} {backend}"]
+                assert seen == raw_seen, (case, backend, seen)
+                assert losses == pytest.approx(raw_losses, rel=1e-3), (case, backend, losses, raw_losses)
+        assert result["default"] == {"torch.float32->torch.bfloat16"}
+    # without wrap units FSDP1 keeps no module in full precision (its override runs under a policy only)
+    assert full_precision_classes(BridgeConfig(mixed_precision="bf16", wrap="none")) == ()
+    assert full_precision_classes(BridgeConfig(mixed_precision="bf16", wrap=["Block"])) == ("_BatchNorm",)
+    assert full_precision_classes(BridgeConfig(wrap=["Block"])) == ()  # no mixed precision: nothing to keep
+    listed = BridgeConfig(mixed_precision={"param_dtype": "bfloat16", "full_precision_modules": [nn.LayerNorm]})
+    assert full_precision_classes(listed) == ("LayerNorm",)

@@ -98,6 +98,8 @@ _OPTION_VALUES: dict[str, list[Any]] = {
         "fp16",
         {"param_dtype": "bf16", "reduce_dtype": "fp32"},
         {"param_dtype": "bf16", "output_dtype": "fp32", "buffer_dtype": "bf16"},
+        {"param_dtype": "bf16", "full_precision_modules": ["LayerNorm"]},
+        {"param_dtype": "bf16", "full_precision_modules": []},
     ],
     "wrap": ["auto", "none", {"min_num_params": 100}, ["LlamaDecoderLayer"]],
     "backward_prefetch": [*(b.value for b in BackwardPrefetch), 2],
@@ -136,7 +138,12 @@ def test_every_option_value_and_device_matches_exactly_one_rule() -> None:
     one's outcome from the report, explain and the plan, so the table may never overlap or leave a gap."""
     configs = _configs_to_match()
     assert len(configs) > 150  # the refused combinations must not empty the check
-    assert set(CONFIG_OPTIONS) <= {"mixed_precision.output_dtype", "mixed_precision.buffer_dtype", *_OPTION_VALUES}
+    assert set(CONFIG_OPTIONS) <= {
+        "mixed_precision.output_dtype",
+        "mixed_precision.buffer_dtype",
+        "mixed_precision.full_precision_modules",
+        *_OPTION_VALUES,
+    }
     wrong = []
     for config in configs:
         for device in ("cpu", "cuda", None):

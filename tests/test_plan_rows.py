@@ -405,9 +405,12 @@ NO_CASTS = {"cast_forward_inputs": False, "cast_root_forward_inputs": False}
 T, F = True, False
 
 
-def fsdp1_precision(**dtypes: Any) -> MixedPrecision:
-    """FSDP1's MixedPrecision as the bridge builds it: every unit casts its inputs, as FSDP2's units do."""
-    return MixedPrecision(**dtypes, cast_forward_inputs=True, cast_root_forward_inputs=True)
+def fsdp1_precision(kept: tuple[type[nn.Module], ...] = (), **dtypes: Any) -> MixedPrecision:
+    """FSDP1's MixedPrecision as the bridge builds it: every unit casts its inputs, as FSDP2's units do, and
+    the classes kept in full precision are the config's (no BatchNorm in Net: FSDP1's default finds none)."""
+    return MixedPrecision(
+        **dtypes, cast_forward_inputs=True, cast_root_forward_inputs=True, _module_classes_to_ignore=kept
+    )
 
 
 SHARDED_BROADCAST = ["rank 0's state taken", "fully_shard", "broadcast from rank 0"]
@@ -508,13 +511,17 @@ EXPECTED: dict[tuple[str, str, str], Expect | tuple[Expect, ...] | Refused] = {
             {"mixed_precision": {"param_dtype": "bf16", "reduce_dtype": "fp32", **NO_CASTS}},
             {
                 "mixed_precision": MixedPrecision(
-                    param_dtype=BF16, reduce_dtype=FP32, cast_forward_inputs=False, cast_root_forward_inputs=False
+                    param_dtype=BF16,
+                    reduce_dtype=FP32,
+                    cast_forward_inputs=False,
+                    cast_root_forward_inputs=False,
+                    _module_classes_to_ignore=(),
                 )
             },
         ),
         Expect(  # FSDP1's own default: the root casts its inputs, the other units do not
             {"mixed_precision": {"param_dtype": "bf16", "cast_forward_inputs": False}},
-            {"mixed_precision": MixedPrecision(param_dtype=BF16)},
+            {"mixed_precision": MixedPrecision(param_dtype=BF16, _module_classes_to_ignore=())},
         ),
     ),
     ("mixed_precision", "param/reduce dtypes", "fsdp2"): (
@@ -573,6 +580,33 @@ EXPECTED: dict[tuple[str, str, str], Expect | tuple[Expect, ...] | Refused] = {
         {"mixed_precision": fsdp1_precision(param_dtype=BF16, reduce_dtype=FP32), "buffers": BUFFERS},
     ),
     ("mixed_precision.buffer_dtype", "null", "fsdp2"): Expect({"mixed_precision": "bf16"}, {"buffers": BUFFERS}),
+    ("mixed_precision.full_precision_modules", "class names (null: BatchNorm when there are wrap units)", "fsdp1"): (
+        Expect(
+            {"mixed_precision": {"param_dtype": "bf16", "full_precision_modules": ["Block"]}},
+            {
+                "mixed_precision": fsdp1_precision((Block,), param_dtype=BF16),
+                "units": ["blocks.0", "blocks.1", "blocks.2"],
+            },
+        )
+    ),
+    ("mixed_precision.full_precision_modules", "class names (null: BatchNorm when there are wrap units)", "fsdp2"): (
+        Expect(
+            {"mixed_precision": {"param_dtype": "bf16", "full_precision_modules": ["Block"]}},
+            {
+                "mp_policy of units": MixedPrecisionPolicy(),  # each block: no mixed precision, hooks cast around it
+                "mp_policy of the root": MixedPrecisionPolicy(param_dtype=BF16),
+                "units": ["blocks.0", "blocks.1", "blocks.2"],
+            },
+        )
+    ),
+    ("mixed_precision.full_precision_modules", "[] (none; null without wrap units)", "fsdp1"): Expect(
+        {"mixed_precision": {"param_dtype": "bf16", "full_precision_modules": []}},
+        {"mixed_precision": fsdp1_precision(param_dtype=BF16)},
+    ),
+    ("mixed_precision.full_precision_modules", "[] (none; null without wrap units)", "fsdp2"): Expect(
+        {"mixed_precision": "bf16", "wrap": "none"},
+        {"mp_policy of the root": MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=FP32), "units": []},
+    ),
     # -- prefetch and rate limiting
     ("backward_prefetch", "pre", "fsdp1"): Expect(
         {"backward_prefetch": "pre"}, {"backward_prefetch": TorchPrefetch.BACKWARD_PRE}

@@ -193,6 +193,9 @@ class FSDP1Backend:
                 buffer_dtype=precision.buffer_dtype,
                 cast_forward_inputs=precision.cast_forward_inputs,
                 cast_root_forward_inputs=precision.cast_root_forward_inputs,
+                # FSDP1 wraps modules of these classes on their own, in full precision (its default, BatchNorm,
+                # only when they are asked for: the same modules as on FSDP2)
+                _module_classes_to_ignore=tuple({type(m) for m in plan.full_precision_units}),
             )
         compile_units(plan.units, plan.compile_options)  # before sharding, as the table says
         device = plan.device

@@ -73,6 +73,36 @@ def _set_prefetch(plan: ShardPlan) -> None:
             unit.set_modules_to_backward_prefetch(ordered[max(0, i - plan.backward_prefetch_units) : i][::-1])
 
 
+def register_full_precision_casts(module: nn.Module) -> None:
+    """FSDP1's hooks for a module kept in full precision (``MixedPrecision._module_classes_to_ignore``): its
+    floating-point positional inputs are cast to float32, and its floating-point outputs back to the dtype
+    those inputs had (when a cast happened), so the modules around it keep computing in low precision."""
+    from torch.utils._pytree import tree_map
+
+    came_in: dict[str, torch.dtype] = {}
+
+    def to_float32(x: object) -> object:
+        if isinstance(x, torch.Tensor) and torch.is_floating_point(x) and x.dtype != torch.float32:
+            came_in["dtype"] = x.dtype
+            return x.to(torch.float32)
+        return x
+
+    def pre(_: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        came_in.clear()
+        return cast(tuple[Any, ...], tree_map(to_float32, args))
+
+    def post(_: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+        dtype = came_in.get("dtype")
+        if dtype is None:
+            return output
+        return tree_map(
+            lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and torch.is_floating_point(x) else x, output
+        )
+
+    module.register_forward_pre_hook(pre)
+    module.register_forward_hook(post)
+
+
 def _reshard_after_no_grad_forward(model: nn.Module, _args: object, _output: object) -> None:
     """Free the parameters a unit kept gathered after a forward run without gradients.
 
@@ -142,9 +172,11 @@ class FSDP2Backend:
 
     def shard(self, model: nn.Module, plan: ShardPlan) -> nn.Module:
         precision = plan.precision
+        full_precision = {id(m) for u in plan.full_precision_units for m in u.modules()}
         if precision.buffer_dtype is not None:
-            # FSDP2 does not manage buffers: FSDP1's buffer_dtype is emulated with one cast.
-            for module in model.modules():
+            # FSDP2 does not manage buffers: FSDP1's buffer_dtype is emulated with one cast (not in the units
+            # kept in full precision, whose buffers FSDP1 leaves as they are).
+            for module in (m for m in model.modules() if id(m) not in full_precision):
                 for name, buf in module._buffers.items():
                     if buf is not None and buf.is_floating_point():
                         module._buffers[name] = buf.to(precision.buffer_dtype)
@@ -165,12 +197,16 @@ class FSDP2Backend:
         offload_policy = CPUOffloadPolicy(pin_memory=True) if plan.offload_params else OffloadPolicy()
         ignored = plan.ignored_params or None
 
+        kept_full = {id(u) for u in plan.full_precision_units}
+
         def apply(module: nn.Module, *, is_root: bool) -> None:
+            if id(module) in kept_full:  # FSDP1's _module_classes_to_ignore: no mixed precision, casts around it
+                register_full_precision_casts(module)
             fully_shard(
                 module,
                 mesh=plan.mesh,
                 reshard_after_forward=plan.reshard_after_forward(is_root=is_root),
-                mp_policy=root_mp if is_root else unit_mp,
+                mp_policy=MixedPrecisionPolicy() if id(module) in kept_full else root_mp if is_root else unit_mp,
                 offload_policy=offload_policy,
                 ignored_params=ignored,
             )
