@@ -92,3 +92,12 @@ def compile_units(units: list[nn.Module], options: dict[str, Any] | None) -> Non
     if options is not None:
         for unit in units:
             unit.compile(**options)
+
+
+def whole(tensor: Any) -> torch.Tensor:
+    """``tensor.full_tensor()`` of a DTensor (a collective), its shard moved first to the device its mesh
+    reduces on where they differ: FSDP2's CPU offload keeps shards and gradients in host memory while the
+    mesh (an NCCL group, with no CPU backend) is CUDA's, as torch's own state-dict gathering does."""
+    if tensor.device.type != tensor.device_mesh.device_type:
+        tensor = tensor.to(tensor.device_mesh.device_type)
+    return cast(torch.Tensor, tensor.full_tensor())

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fsdp_bridge.backends._common import whole
 from fsdp_bridge.errors import ConfigError, Problem
 
 __all__ = [
@@ -395,7 +396,7 @@ def _gathered(state: Any, keep: bool, offload_to_cpu: bool) -> Any:
     from torch.distributed.tensor import DTensor
 
     if isinstance(state, DTensor):
-        full = state.full_tensor()
+        full = whole(state)
         return (full.cpu() if offload_to_cpu else full) if keep else None
     if isinstance(state, torch.Tensor):
         return (state.detach().cpu() if offload_to_cpu else state.detach()) if keep else None

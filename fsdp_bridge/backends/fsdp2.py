@@ -30,6 +30,7 @@ from fsdp_bridge.backends._common import (
     move_ignored_to,
     rank0_full_state,
     state_entries,
+    whole,
 )
 from fsdp_bridge.backends.base import FlatPiece, FlatTensor
 from fsdp_bridge.backends.float8 import convert_to_float8
@@ -265,7 +266,7 @@ class FSDP2Backend:
             # DTensor norms reduce over the shard dimension and stay replicated over
             # the replicate dimension (HSDP), so full_tensor() is the global norm.
             total = torch.nn.utils.get_total_norm([p.grad for p in sharded], norm_type)  # type: ignore[misc]
-            norms.append(total.full_tensor() if isinstance(total, DTensor) else total)
+            norms.append(whole(total) if isinstance(total, DTensor) else total)
         if local:
             norms.append(torch.nn.utils.get_total_norm([p.grad for p in local], norm_type))  # type: ignore[misc]
         if not norms:
@@ -483,7 +484,7 @@ def _defer_all_reduce(model: nn.Module) -> Iterator[None]:
 
 def _whole(tensor: DTensor) -> torch.Tensor:
     """``tensor`` gathered (a collective), never sharing memory with its shard."""
-    full = tensor.full_tensor()
+    full = whole(tensor)
     # Nothing to gather (NO_SHARD, one rank): full_tensor() is the shard itself.
     return full.clone() if full.data_ptr() == tensor.to_local().data_ptr() else full
 
