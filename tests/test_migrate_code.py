@@ -1698,6 +1698,31 @@ def test_mixed_precision_keeps_fsdp1s_input_casting() -> None:
     assert 'mixed_precision={"param_dtype": torch.bfloat16, "cast_forward_inputs": True}' in fixed, fixed
 
 
+def test_mixed_precision_fields_the_bridge_cannot_keep_are_todos_not_kept_values() -> None:
+    # a MixedPrecision built apart from FSDP(...) is read by BridgeConfig.from_fsdp1 when the code runs: kept
+    # with FSDP1's meaning (module classes kept in full precision included) unless it keeps low-precision
+    # gradients (refused when the code runs)
+    code = textwrap.dedent(
+        """
+        import torch
+        from torch import nn
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, MixedPrecision
+
+        def build(model, amp):
+            mp = MixedPrecision(param_dtype=torch.bfloat16, _module_classes_to_ignore=(nn.LayerNorm,))
+            low = MixedPrecision(param_dtype=torch.bfloat16, keep_low_precision_grads=True)
+            plain = MixedPrecision(param_dtype=torch.bfloat16, keep_low_precision_grads=False)
+            return FSDP(model, mixed_precision={"a": mp, "b": low, "c": plain}[amp])
+        """
+    )
+    result = migrate_source(code, "mp.py")
+    kept = {f.line: (f.fixable, f.replacement) for f in result.findings if f.construct == "MixedPrecision"}
+    assert kept[7][0] is True and "with FSDP1's meaning" in kept[7][1], kept
+    assert kept[8][0] is False and "keep_low_precision_grads=True" in kept[8][1], kept
+    assert kept[9][0] is True and "with FSDP1's meaning" in kept[9][1], kept
+    assert result.fixed.count(TODO) == 1 and migrate_source(result.fixed, "mp.py").fixed == result.fixed
+
+
 def test_rank0_only_full_state_in_a_tree_sharding_over_a_process_group_keeps_every_groups_copy() -> None:
     """torch's full state dict with cpu_offload goes to rank 0 of the world only; FSDP1's rank0_only gave
     it to each process group's first rank (each model-parallel slice is saved by its own group)."""

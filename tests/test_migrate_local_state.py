@@ -163,3 +163,24 @@ def test_a_local_save_is_not_rewritten_while_its_load_stays_fsdp1s() -> None:
         "get_model_state_dict(self.model" not in result.fixed
         and "from torch.distributed.checkpoint" not in result.fixed
     )
+
+
+def test_a_local_block_around_the_optimizers_own_state_is_dropped_with_the_checkpoint_note() -> None:
+    # the block changes nothing on FSDP2 (the optimizer's own state is this rank's either way), but what the
+    # FSDP1 code wrote in it (flat-parameter pieces) does not resume: the report says so once
+    code = textwrap.dedent(
+        """
+        import torch
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, StateDictType
+
+
+        def save(model: FSDP, optimizer, path):
+            with FSDP.state_dict_type(model, StateDictType.LOCAL_STATE_DICT):
+                torch.save(optimizer.state_dict(), path)
+        """
+    )
+    result = migrate_source(code, "saver.py")
+    notes = [f for f in result.findings if f.note]
+    assert [n.construct for n in notes] == ["FSDP1-format checkpoint (LOCAL_STATE_DICT)"]
+    assert "cannot resume FSDP1's flat-parameter checkpoints" in notes[0].replacement
+    assert "state_dict_type" not in result.fixed and all(f.fixable for f in result.findings)

@@ -266,6 +266,37 @@ def test_torchs_clip_over_an_fsdp1_models_parameters_is_kept_with_a_note_on_its_
     assert "TODO" not in result.fixed
 
 
+def test_shape_reads_over_an_fsdp1_models_parameters_are_kept_with_a_note_on_their_changed_meaning() -> None:
+    # After FSDP1 wraps a model its parameters are 1-D shards (or views into one): a weight-decay rule on ndim
+    # or a numel() count over them changes on FSDP2's full-shape DTensors. Noted where the model is proven
+    # FSDP1's (here: handed to a function by the wrapping one), not before it is wrapped, not for plain modules,
+    # not where summon_full_params gathers them.
+    code = (
+        "import torch\n"
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n\n\n"
+        "def groups(vla, other):\n"
+        "    decay = [p for n, p in vla.named_parameters() if p.ndim > 1]\n"
+        "    plain = [p for n, p in other.named_parameters() if p.ndim > 1]\n"
+        "    for p in vla.parameters():\n"
+        "        p.requires_grad_(True)\n"
+        "    return decay, plain\n\n\n"
+        "def setup(model, head):\n"
+        "    before = sum(p.numel() for p in model.parameters())\n"
+        "    model = FSDP(model, use_orig_params=True)\n"
+        "    after = sum(p.numel() for p in model.parameters())\n"
+        "    with FSDP.summon_full_params(model):\n"
+        "        gathered = sum(p.numel() for p in model.parameters())\n"
+        "    return groups(model, head), before, after, gathered\n"
+    )
+    result = migrate_source(code, "groups.py")
+    notes = {f.line: f for f in result.findings if f.note}
+    assert sorted(notes) == [6, 16], notes
+    assert notes[6].construct == "vla.named_parameters() read as p.ndim"
+    assert notes[16].construct == "model.parameters() read as p.numel"
+    assert "1-D" in notes[6].replacement and "DTensors with the full shape" in notes[6].replacement
+    assert "TODO" not in result.fixed and "p.ndim > 1" in result.fixed
+
+
 def test_a_subclass_of_lightnings_fsdp_strategy_is_reported() -> None:
     # The subclass hands its FSDP1 arguments to Lightning through super().__init__: Lightning still wraps the
     # model in FSDP1 after --fix, so the class gets the strategy's TODO; a class of another base does not.

@@ -195,6 +195,13 @@ def private_text(name: str) -> str:
             "node) mesh (hybrid_shape for another split), and the intra-node group is "
             "fsdp_bridge.get_bridge(model).mesh.get_group(1)"
         )
+    if last in ("_get_fsdp_handles", "_get_fsdp_states"):
+        return (
+            f"FSDP1's private {last} has no FSDP2 form and finds nothing on an FSDP2 model (an empty list: a loop "
+            "over it does nothing, an operation on what it collects may raise): work on the parameters instead; "
+            "two models sharded alike (a model and its EMA copy) hold matching shards, so pairing their "
+            "parameters in order with p.to_local() (this rank's shard) gives what the flat parameters gave"
+        )
     if last == "_unshard_params_for_summon":
         return (
             "FSDP1's private summon context has no FSDP2 form: use fsdp_bridge.summon_full_params(module, "

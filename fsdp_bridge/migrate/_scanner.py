@@ -111,6 +111,7 @@ class Scanner(
         func = node.func
         self._note_fsdp1_checkpoint(node)
         self._note_local_clip(node)
+        self._note_shard_shapes(node)
         copy = self._vendored_function(self.get_metadata(QualifiedNameProvider, func, set()))
         if self.planning:
             self.called.add(id(func))

@@ -397,6 +397,10 @@ class ImportsFixer(ScannerBase):
                     )
                 )
                 return False
+            if kind == "MixedPrecision" and (unkept := self._mixed_precision_unkept(node)):
+                # read when the code runs, but not with FSDP1's meaning: said, not claimed
+                self._record(node, code_of(node), unkept, False)
+                return False
             reader = (
                 "fsdp_bridge's state-dict functions (FSDP1's own, for a model that stays FSDP1's)"
                 if kind.endswith("StateDictConfig") or kind == "StateDictType"
@@ -411,6 +415,24 @@ class ImportsFixer(ScannerBase):
             return False
         self._record(node, code_of(node), NAMES[kind], False)
         return False
+
+    def _mixed_precision_unkept(self, node: cst.CSTNode) -> str:
+        """The TODO text for ``MixedPrecision(...)`` (``node`` its name) given a field the bridge cannot keep
+        when it reads the value at run time, or ""."""
+        stmt = self.stmt_stack[-1] if self.stmt_stack else None
+        path = _path_to(stmt, node) if stmt is not None else None
+        call = path[-2] if path is not None and len(path) > 1 else None
+        if not isinstance(call, cst.Call) or call.func is not node:
+            return ""
+        given = {a.keyword.value: a.value for a in call.args if a.keyword is not None}
+        low = given.get("keep_low_precision_grads")
+        if low is not None and code_of(low) != "False":
+            return (
+                f"not rewritten: MixedPrecision(keep_low_precision_grads={code_of(low)}): FSDP2 keeps gradients "
+                "in the parameters' dtype and BridgeConfig.from_fsdp1 refuses a true value when the code runs: "
+                "drop it (gradients reduced in reduce_dtype, kept in the parameters' dtype)"
+            )
+        return ""
 
     def _bound_called_with_args(self) -> bool:
         """The statement binds a value to a name (``ctx = a if c else b.no_sync``) that the enclosing function (or

@@ -23,6 +23,18 @@ LOCAL_CLIP = (
 )
 
 
+SHARD_SHAPES = (
+    "left as it is; its meaning changes: after FSDP1 wraps the model its parameters are 1-D, this rank's flat "
+    "shard or (use_orig_params=True) views into it (ndim 1, numel() this rank's count, 0 where the rank holds "
+    "none of it), while on FSDP2 they are DTensors with the full shape (numel() the whole count; p.to_local() is this "
+    "rank's shard): a rule on ndim or shape (weight decay for matrices only), or a count of numel(), gives "
+    "other results; check it with fsdp-bridge migrate verify"
+)
+_SHAPE_ATTRIBUTES = ("ndim", "shape")
+_SHAPE_METHODS = ("numel", "dim", "size", "nelement")
+_COMPREHENSIONS = (cst.GeneratorExp, cst.ListComp, cst.SetComp, cst.DictComp)
+
+
 class NoSyncClipFixer(ScannerBase):
     """The wrapper's no_sync and clip_grad_norm_; torch's clip over an FSDP1 model's parameters (a note)."""
 
@@ -53,6 +65,64 @@ class NoSyncClipFixer(ScannerBase):
         construct = f"torch.nn.utils.clip_grad_norm_({short(code_of(params), 40)}, ...)"
         self.findings.append(
             CodeFinding(self.path, pos.start.line, pos.start.column, construct, LOCAL_CLIP, True, note=True)
+        )
+
+    def _note_shard_shapes(self, node: cst.Call) -> None:
+        """``for name, p in model.named_parameters(): ... p.ndim ...`` (or ``parameters()``, a comprehension) with
+        ``model`` shown to be FSDP1's wrapper: a note in the report (see :data:`SHARD_SHAPES`)."""
+        func = node.func
+        if (
+            self.planning
+            or not isinstance(func, cst.Attribute)
+            or func.attr.value not in ("parameters", "named_parameters")
+            or not self.stmt_stack
+        ):
+            return
+        target: cst.BaseExpression | None = None
+        body: cst.CSTNode | None = None
+        stmt = self.stmt_stack[-1]
+        if isinstance(stmt, cst.For) and stmt.iter is node:
+            target, body = stmt.target, stmt.body
+        else:
+            for c in walk(stmt):
+                if isinstance(c, _COMPREHENSIONS):
+                    for_in: cst.CompFor | None = c.for_in
+                    while for_in is not None and for_in.iter is not node:
+                        for_in = for_in.inner_for_in
+                    if for_in is not None:
+                        target, body = for_in.target, c
+                        break
+        if isinstance(target, cst.Tuple) and func.attr.value == "named_parameters" and len(target.elements) == 2:
+            target = target.elements[1].value
+        if not isinstance(target, cst.Name) or body is None:
+            return
+        if any(
+            isinstance(w, cst.With) and any("summon_full_params" in code_of(i.item) for i in w.items)
+            for w in self.stmt_stack
+        ):
+            return  # gathered: FSDP1's parameters have their full shapes there too
+        param = target.value
+        read = next(
+            (
+                f"{param}.{n.attr.value}"
+                for n in walk(body)
+                if isinstance(n, cst.Attribute)
+                and m.matches(n.value, m.Name(param))
+                and n.attr.value in (*_SHAPE_ATTRIBUTES, *_SHAPE_METHODS)
+            ),
+            None,
+        )
+        model = func.value
+        if read is None or (
+            self._fsdp1_wrapper(node, model, by_calls=False) == ""
+            and not self._handed_parameter(node, model)
+            and self._factory_result(node, model) == ""
+        ):
+            return
+        pos = self.get_metadata(PositionProvider, node)
+        construct = f"{short(code_of(node), 40)} read as {read}"
+        self.findings.append(
+            CodeFinding(self.path, pos.start.line, pos.start.column, construct, SHARD_SHAPES, True, note=True)
         )
 
     def _plan_wrapper_method_call(self, node: cst.Call, func: cst.BaseExpression, hit: tuple[str, str] | None) -> None:

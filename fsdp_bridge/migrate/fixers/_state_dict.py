@@ -435,6 +435,7 @@ class StateDictFixer(ScannerBase):
             # nothing in the block reads M's state dicts, so the type changes nothing there.
             self.unwrap_withs.add(id(block))
             self._consume(node)
+            self._note_fsdp1_checkpoint(type_arg)  # what FSDP1 saved here (flat-parameter shards) does not resume
             self._record(
                 node,
                 "FSDP.state_dict_type(LOCAL_STATE_DICT)",
