@@ -129,10 +129,12 @@ def module_clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float =
     params = [p for p in model.parameters() if p.grad is not None]
     sharded = [p for p in params if isinstance(p.grad, DTensor)]
     offloaded = any(p.grad.device.type != p.grad.device_mesh.device_type for p in sharded)  # type: ignore[union-attr]
-    if sharded and (len(sharded) < len(params) or offloaded):
-        # DTensor gradients beside plain ones (parameters left out of fully_shard): torch's clip cannot
-        # mix them; the FSDP2 backend's clip takes the norm of each kind and combines them. Gradients in
-        # host memory (CPUOffloadPolicy) over a CUDA mesh: it reduces their norm on the mesh's device.
+    meshes = {id(p.grad.device_mesh) for p in sharded}  # type: ignore[union-attr]
+    if sharded and (len(sharded) < len(params) or offloaded or len(meshes) > 1):
+        # DTensor gradients beside plain ones (parameters left out of fully_shard), or on several meshes
+        # (tensor-parallel weights on (dp, tp), the rest on dp): torch's clip cannot mix them; the FSDP2
+        # backend's clip takes the norm of each kind and combines them. Gradients in host memory
+        # (CPUOffloadPolicy) over a CUDA mesh: it reduces their norm on the mesh's device.
         from fsdp_bridge.backends import get_backend
         from fsdp_bridge.strategy import Backend
 

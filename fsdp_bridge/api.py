@@ -34,6 +34,7 @@ from fsdp_bridge.distributed import (
     build_mesh,
     carried_mesh,
     init_distributed,
+    named_hybrid_mesh,
     plan_mesh,
     plan_user_mesh,
     replication_mesh,
@@ -449,6 +450,8 @@ def shard_module(
 
     if mesh is not None and mesh.ndim == 1 and len(mesh_plan.shape) == 2:
         mesh = replication_mesh(mesh)  # first collective: NO_SHARD over the user's 1D mesh
+    elif mesh is not None:
+        mesh = named_hybrid_mesh(mesh)  # HYBRID over an unnamed 2D mesh, which FSDP2 refuses
     mesh = mesh or build_mesh(mesh_plan, device.type)  # first collective
     named_ignored = resolve_ignored_params(model, config.ignored_modules)
     ignored_ids = {id(p) for m in [*ignored, *presharded] for p in m.parameters()} | {id(p) for p in named_ignored}

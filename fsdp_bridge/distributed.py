@@ -386,6 +386,28 @@ def replication_mesh(mesh: DeviceMesh) -> DeviceMesh:
 
 
 _REPLICATION_MESHES: weakref.WeakKeyDictionary[DeviceMesh, DeviceMesh] = weakref.WeakKeyDictionary()
+"""A user's mesh -> the mesh the bridge shards over in its place (replication_mesh, named_hybrid_mesh)."""
+
+
+def named_hybrid_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """HYBRID_* over a 2D mesh without dimension names (FSDP1 takes ``init_device_mesh("cuda", (nodes, 8))``,
+    FSDP2 refuses it): the same mesh with its dimensions named ``("replicate", "shard")``, over the same
+    process groups (no new group), one per mesh.
+
+    Args:
+        mesh: a 2D mesh whose ``mesh_dim_names`` is None.
+
+    Returns:
+        The named mesh (``mesh`` itself when it has names).
+    """
+    if mesh.mesh_dim_names is not None or mesh.ndim != 2:
+        return mesh
+    named = _REPLICATION_MESHES.get(mesh)
+    if named is None:
+        groups = [mesh.get_group(0), mesh.get_group(1)]
+        named = DeviceMesh.from_group(groups, mesh.device_type, mesh=mesh.mesh, mesh_dim_names=("replicate", "shard"))
+        _REPLICATION_MESHES[mesh] = named
+    return named
 
 
 def _make_replication_mesh(mesh: DeviceMesh) -> DeviceMesh:

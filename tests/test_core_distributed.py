@@ -68,7 +68,7 @@ def _no_shard_on_user_meshes() -> dict[str, float]:
     """NO_SHARD on the data-parallel sub-mesh of a (ddp, domain) mesh, and on a 1D mesh over every rank: FSDP1
     (torch's own) against fsdp_bridge on FSDP2 as ``migrate code --fix`` writes it (``device_mesh=`` carried in
     BridgeConfig.from_fsdp1); and a model with channels_last convolution weights against plain data
-    parallelism over the mesh's ranks (gradients averaged by hand)."""
+    parallelism over the mesh's ranks (gradients averaged by hand); HYBRID_SHARD over an unnamed 2D mesh."""
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
@@ -129,6 +129,15 @@ def _no_shard_on_user_meshes() -> dict[str, float]:
         out[f"{name}, a new mesh per call"] = float(
             replication_mesh(mesh) is not fsdp_bridge.get_bridge(channels_last).mesh
         )
+    # HYBRID_SHARD over a 2D mesh without dimension names (FSDP1 takes it, fully_shard refuses it): against plain
+    # data parallelism over every rank
+    unnamed = init_device_mesh("cpu", (2, 2))
+    hybrid = ShardingStrategy.HYBRID_SHARD
+    config = BridgeConfig.from_fsdp1(sharding_strategy=hybrid, device_mesh=unnamed, device_id=cpu)
+    reference = steps(build(), average_over=dist.group.WORLD)
+    out["hybrid over an unnamed 2D mesh"] = gap(steps(fsdp_bridge.shard(build(), config)), reference)
+    ejected = helpers.shard_model(build(), mesh=helpers.data_parallel_mesh("hybrid_shard", mesh=unnamed))
+    out["hybrid over an unnamed 2D mesh, --target torch"] = gap(steps(ejected), reference)
     return out
 
 

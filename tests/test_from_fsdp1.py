@@ -760,7 +760,7 @@ class _NormBlock(nn.Module):
 def _full_precision_modules() -> dict[str, Any]:
     """FSDP1's MixedPrecision(_module_classes_to_ignore=...) under an auto-wrap policy (here LayerNorm, and its
     default BatchNorm alone) through raw FSDP1 and through the bridge on both backends: the same losses, and the
-    modules kept in full precision see float32 inputs and hand back bfloat16."""
+    modules kept in full precision see float32 inputs and hand back bfloat16; FSDP2 units keep their class name."""
     from torch.distributed.fsdp import FullyShardedDataParallel
 
     rank = dist.get_rank()
@@ -805,6 +805,17 @@ def _full_precision_modules() -> dict[str, Any]:
     # the bridge's own spelling: BatchNorm kept by default where there are wrap units, as FSDP1 does
     model = fsdp_bridge.shard(build(), BridgeConfig(mixed_precision="bf16", wrap=["_NormBlock"]))
     out["default"] = run(model, nn.BatchNorm1d)[1]
+    # FSDP2 names a sharded module's class FSDP<Cls>, FSDP1 leaves it alone: the bridge keeps the user's class
+    # name, so a check_fn matching by name after sharding (as FSDP1 code applies checkpointing) finds the units
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointWrapper,
+        apply_activation_checkpointing,
+    )
+
+    for backend in ("fsdp1", "fsdp2"):
+        model = fsdp_bridge.shard(build(), BridgeConfig(backend=backend, wrap=["_NormBlock"]))
+        apply_activation_checkpointing(model, check_fn=lambda m: type(m).__name__ == "_NormBlock")
+        out[f"checkpointed by name {backend}"] = sum(isinstance(m, CheckpointWrapper) for m in model.modules())
     return out
 
 
@@ -818,6 +829,7 @@ def test_modules_fsdp1_keeps_in_full_precision_stay_so_on_both_backends(run_on_r
                 assert seen == raw_seen, (case, backend, seen)
                 assert losses == pytest.approx(raw_losses, rel=1e-3), (case, backend, losses, raw_losses)
         assert result["default"] == {"torch.float32->torch.bfloat16"}
+        assert result["checkpointed by name fsdp1"] == result["checkpointed by name fsdp2"] == 2
     # without wrap units FSDP1 keeps no module in full precision (its override runs under a policy only)
     assert full_precision_classes(BridgeConfig(mixed_precision="bf16", wrap="none")) == ()
     assert full_precision_classes(BridgeConfig(mixed_precision="bf16", wrap=["Block"])) == ("_BatchNorm",)

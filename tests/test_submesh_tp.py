@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import types
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -11,6 +13,7 @@ from torch.distributed.tensor import DTensor
 
 import fsdp_bridge
 from fsdp_bridge import BridgeConfig, ConfigError
+from fsdp_bridge.migrate._torch_helpers import HELPERS_NAME, HELPERS_SOURCE
 
 
 class FeedForward(nn.Module):
@@ -83,6 +86,36 @@ def _dp_tp() -> dict[str, Any]:
                 (p.to_local() if isinstance(p, DTensor) else p).add_(0.5)
     synced = fsdp_bridge.shard(drifted, BridgeConfig(wrap=["FeedForward"], sync_module_states=True), mesh=dp)
     out["synced"] = _train(synced, dp.get_local_rank())
+    # clipping over gradients on two meshes ((dp, tp) for the tensor-parallel weights, dp for the rest): the
+    # global norm, on the bridge's FSDP2 model, torch's own fully_shard model and --target torch's helper
+    helpers = types.ModuleType(HELPERS_NAME)
+    exec(compile(HELPERS_SOURCE, f"{HELPERS_NAME}.py", "exec"), helpers.__dict__)
+    for name, clip, model in (
+        (
+            "bridge",
+            fsdp_bridge.clip_grad_norm_,
+            fsdp_bridge.shard(_tp_model(tp), BridgeConfig(wrap=["FeedForward"]), mesh=dp),
+        ),
+        ("torch", fsdp_bridge.clip_grad_norm_, _tp_model(tp)),
+        ("helpers", helpers.clip_grad_norm_, _tp_model(tp)),
+    ):
+        if name != "bridge":
+            for block in model.blocks:
+                fully_shard(block, mesh=dp)
+            fully_shard(model, mesh=dp)
+        g = torch.Generator().manual_seed(42 + dp.get_local_rank())
+        nn.functional.cross_entropy(
+            model(torch.randn(4, 16, generator=g)), torch.randint(0, 3, (4,), generator=g)
+        ).backward()
+        grads = [p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad for p in model.parameters()]
+        reference = torch.stack([g.float().norm() for g in grads]).norm()
+        norm = clip(model, 0.05)
+        clipped = [p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad for p in model.parameters()]
+        out[f"clip {name}"] = (
+            float(norm),
+            float(reference),
+            max(float((c - g * 0.05 / (reference + 1e-6)).abs().max()) for c, g in zip(clipped, grads, strict=True)),
+        )
     try:
         fsdp_bridge.shard(_tp_model(tp), BridgeConfig(strategy="hybrid_shard"), mesh=dp)
     except ConfigError as err:
@@ -97,3 +130,6 @@ def test_fsdp_on_the_dp_sub_mesh_of_a_tensor_parallel_model(run_on_ranks) -> Non
         torch.testing.assert_close(r["fsdp1"], r["plain"], rtol=1.3e-6, atol=1e-5)
         torch.testing.assert_close(r["synced"], r["plain"], rtol=1.3e-6, atol=1e-5)
         assert "mesh: got 'DeviceMesh(2,)'; allowed: a 2D (replicate, shard) data-parallel mesh" in r["hybrid_error"]
+        for name in ("bridge", "torch", "helpers"):
+            norm, reference, gap = r[f"clip {name}"]
+            assert norm == pytest.approx(reference, rel=1e-5) and gap < 1e-6, (name, norm, reference, gap)

@@ -74,6 +74,17 @@ def _set_prefetch(plan: ShardPlan) -> None:
             unit.set_modules_to_backward_prefetch(ordered[max(0, i - plan.backward_prefetch_units) : i][::-1])
 
 
+def keep_class_name(module: nn.Module) -> None:
+    """FSDP2 gives a sharded module the class ``FSDP<Cls>``; FSDP1 leaves the module's class alone (it wraps
+    it). Code that matches modules by class name after sharding (an activation-checkpointing ``check_fn``
+    testing ``type(m).__name__``, accelerate's lookups of ``_no_split_modules``) then finds none: the class
+    FSDP2 made keeps the name of the user's class (torch makes one per class, so it is named once)."""
+    cls = type(module)
+    base = next(c for c in cls.__mro__ if not issubclass(c, FSDPModule))
+    if cls is not base and cls.__name__ != base.__name__:
+        cls.__name__, cls.__qualname__ = base.__name__, base.__qualname__
+
+
 def register_full_precision_casts(module: nn.Module) -> None:
     """FSDP1's hooks for a module kept in full precision (``MixedPrecision._module_classes_to_ignore``): its
     floating-point positional inputs are cast to float32, and its floating-point outputs back to the dtype
@@ -211,6 +222,7 @@ class FSDP2Backend:
                 offload_policy=offload_policy,
                 ignored_params=ignored,
             )
+            keep_class_name(module)
 
         if plan.float8 is not None:  # layers swapped before they are sharded (and compiled)
             convert_to_float8(model, plan.float8, plan.units)
@@ -262,10 +274,14 @@ class FSDP2Backend:
         sharded = [p for p in params if isinstance(p.grad, DTensor)]
         local = [p for p in params if not isinstance(p.grad, DTensor)]  # ignored params
         norms: list[torch.Tensor] = []
-        if sharded:
+        by_mesh: dict[int, list[torch.Tensor]] = {}
+        for p in sharded:  # one norm per mesh: tensor-parallel weights live on a (dp, tp) mesh, the rest on dp
+            assert isinstance(p.grad, DTensor)
+            by_mesh.setdefault(id(p.grad.device_mesh), []).append(p.grad)
+        for grads in by_mesh.values():
             # DTensor norms reduce over the shard dimension and stay replicated over
             # the replicate dimension (HSDP), so full_tensor() is the global norm.
-            total = torch.nn.utils.get_total_norm([p.grad for p in sharded], norm_type)  # type: ignore[misc]
+            total = torch.nn.utils.get_total_norm(grads, norm_type)  # type: ignore[misc]
             norms.append(whole(total) if isinstance(total, DTensor) else total)
         if local:
             norms.append(torch.nn.utils.get_total_norm([p.grad for p in local], norm_type))  # type: ignore[misc]

@@ -54,10 +54,14 @@ def data_parallel_mesh(strategy: str, device: str | None = None, mesh: DeviceMes
     shard over groups of one (NO_SHARD's meaning; reshard_after_forward=False alone would be ZeRO-2).
     hybrid_shard / hybrid_shard_zero2: 2D (replicate across nodes, shard within a node), from
     LOCAL_WORLD_SIZE. A mesh given to FSDP1 (device_mesh=) is used as it is; for no_shard a 1D one becomes
-    (n, 1) over its own ranks (replicated over them only, as FSDP1 did).
+    (n, 1) over its own ranks (replicated over them only, as FSDP1 did), and a 2D one without dimension names
+    (which FSDP1 takes and fully_shard refuses) gets the names (replicate, shard), over the same groups.
     """
     if mesh is not None and strategy == "no_shard" and mesh.ndim == 1:
         return _replicated_over(mesh)
+    if mesh is not None and mesh.ndim == 2 and mesh.mesh_dim_names is None:
+        groups = [mesh.get_group(0), mesh.get_group(1)]
+        return DeviceMesh.from_group(groups, mesh.device_type, mesh=mesh.mesh, mesh_dim_names=("replicate", "shard"))
     if mesh is not None:
         return mesh
     device = device or device_type()
@@ -241,10 +245,31 @@ def shard_model(
 
 
 def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-    """FSDP1's model.clip_grad_norm_(max_norm, norm_type): torch's clip over the model's parameters (the global
-    norm over DTensor gradients, shards and replicas), returned as a plain tensor as FSDP1 returns it."""
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)
-    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+    """FSDP1's model.clip_grad_norm_(max_norm, norm_type): the global norm over the model's gradients (shards
+    and replicas; one norm per mesh, since tensor-parallel weights live on a (dp, tp) mesh and the rest on dp,
+    then combined), every gradient scaled by max_norm / norm when it is larger; the norm is returned as a
+    plain tensor, as FSDP1 returns it."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if not grads:
+        return torch.tensor(0.0)
+    by_mesh: dict[int, list[torch.Tensor]] = {{}}
+    for grad in grads:
+        by_mesh.setdefault(id(grad.device_mesh) if isinstance(grad, DTensor) else -1, []).append(grad)
+    norms = []
+    for group in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm(group, norm_type)
+        if isinstance(norm, DTensor):
+            if norm.device.type != norm.device_mesh.device_type:  # CPU offload over a CUDA (NCCL) mesh
+                norm = norm.to(norm.device_mesh.device_type)
+            norm = norm.full_tensor()
+        norms.append(norm)
+    device = norms[0].device
+    stacked = torch.stack([n.float().to(device) for n in norms])
+    total = stacked.max() if norm_type == float("inf") else stacked.norm(norm_type)
+    scale = float(torch.clamp(max_norm / (total + 1e-6), max=1.0))
+    for grad in grads:
+        grad.mul_(scale)
+    return total
 
 
 @contextlib.contextmanager
