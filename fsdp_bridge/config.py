@@ -737,7 +737,8 @@ class BridgeConfig:
                 ``**kwargs`` dicts that hold them work unchanged. ``ignored_modules`` /
                 ``ignored_states`` given as module or parameter objects go with the config too and
                 are named in the model by :func:`fsdp_bridge.shard`. ``backward_prefetch=None`` is no
-                backward prefetch (FSDP1's meaning) on both backends.
+                backward prefetch (FSDP1's meaning) on both backends; ``BACKWARD_POST`` becomes FSDP2's
+                (pre) timing there, with a note (the same numbers).
 
         Returns:
             A validated config; wrap policies keep FSDP1's semantics exactly.
@@ -753,6 +754,15 @@ class BridgeConfig:
         kwargs, carried = runtime_mesh_arguments(fsdp1_kwargs)
         kwargs, ignored_objects = runtime_ignored_objects(kwargs)
         values, notes = translate_fsdp1_kwargs(kwargs)
+        post = getattr(values.get("backward_prefetch"), "name", None) == "BACKWARD_POST"
+        if post and Backend(backend) is Backend.FSDP2:
+            # the same numbers at another moment: as migrate code writes a literal BACKWARD_POST
+            values["backward_prefetch"] = "pre"
+            notes.append(
+                "BackwardPrefetch.BACKWARD_POST has no FSDP2 form: FSDP2 gathers the next unit's parameters "
+                "before the current unit's gradients are computed (BACKWARD_PRE's timing): the same numbers, "
+                "the gather issued earlier (a little more memory)"
+            )
         for note in notes:
             logger.info("from_fsdp1: %s", note)
         config = cls(backend=backend, **values)  # type: ignore[arg-type]

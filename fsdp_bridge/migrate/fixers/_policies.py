@@ -64,7 +64,8 @@ class PolicyFixer(ScannerBase):
         if kw == "backward_prefetch":
             return (
                 "BACKWARD_PRE is FSDP2's implicit order; None (no prefetch) runs on FSDP2 as in FSDP1 (each unit "
-                "gathers itself before its backward); BACKWARD_POST becomes BACKWARD_PRE's timing, with a TODO"
+                "gathers itself before its backward); BACKWARD_POST becomes BACKWARD_PRE's timing (the same numbers, "
+                "a note when the code runs; written as BACKWARD_POST, a TODO)"
             )
         if kw == "use_orig_params":
             return "FSDP2 parameters always are the original ones"
