@@ -302,8 +302,8 @@ TABLE: tuple[Rule, ...] = (
         T(N, "MixedPrecision(buffer_dtype=...)"),
         T(
             E,
-            "FSDP2 does not manage buffers: floating-point buffers are cast once when sharding "
-            "(state dicts then hold them in buffer_dtype, unlike FSDP1)",
+            "FSDP2 does not manage buffers: floating-point buffers are cast once when sharding; state dicts "
+            "give them back in the dtype they had, as FSDP1's do",
         ),
         lambda c: c.config.mixed_precision.buffer_dtype is not None,
     ),

@@ -480,3 +480,31 @@ def test_full_export_of_a_plain_model_with_integer_buffers(tmp_path: Path) -> No
     assert got["1.num_batches_tracked"].item() == 1
     moments = load_file(tmp_path / "plain" / "optimizer.safetensors")
     assert torch.equal(moments["0.weight/exp_avg"], optimizer.state[model[0].weight]["exp_avg"])
+
+
+def _buffer_dtypes_back() -> dict[str, Any]:
+    """FSDP1's buffer_dtype: buffers computed in it, state dicts in the dtype they had; the fsdp2 backend's
+    state dict, full export and fsdp_bridge.full_state_dict give them back the same way."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    out: dict[str, Any] = {}
+    for backend in ("fsdp1", "fsdp2"):
+        model = fsdp_bridge.shard(
+            _WithBuffers(root_param=True),
+            fsdp_bridge.BridgeConfig(backend=backend, mixed_precision={"buffer_dtype": "bf16"}, wrap="none"),
+        )
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+        out[f"{backend} state dict"] = str(full["scale"].dtype)
+        out[f"{backend} bridge full"] = str(fsdp_bridge.full_state_dict(model)["scale"].dtype)
+        if backend == "fsdp2":
+            out["fsdp2 live"] = str(model.scale.dtype)
+            pieces = fsdp_bridge.get_bridge(model).impl.export_pieces(model)
+            out["fsdp2 export"] = str(pieces["scale"].dtype) if pieces is not None else "none"
+    return out
+
+
+def test_buffers_cast_for_compute_are_saved_in_their_own_dtype(run_on_ranks) -> None:
+    for result in run_on_ranks(_buffer_dtypes_back, 2):
+        assert result["fsdp2 live"] == "torch.bfloat16"  # computed in buffer_dtype, as FSDP1 does
+        for key in ("fsdp1 state dict", "fsdp2 state dict", "fsdp2 bridge full", "fsdp2 export"):
+            assert result[key] == "torch.float32", (key, result)

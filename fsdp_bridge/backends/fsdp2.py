@@ -74,6 +74,42 @@ def _set_prefetch(plan: ShardPlan) -> None:
             unit.set_modules_to_backward_prefetch(ordered[max(0, i - plan.backward_prefetch_units) : i][::-1])
 
 
+_BUFFER_DTYPES = "_fsdp_bridge_buffer_dtypes"
+"""Attribute of a module whose floating-point buffers the fsdp2 backend cast to ``buffer_dtype``: name -> the
+dtype each had (what its state dict gives back, as FSDP1's does)."""
+
+
+def _cast_buffers(module: nn.Module, dtype: torch.dtype) -> None:
+    """FSDP1's ``buffer_dtype`` on FSDP2 (which does not manage buffers): the module's floating-point buffers
+    cast once; its state dict gives them in the dtype they had, as FSDP1's state dicts do."""
+    cast_from: dict[str, torch.dtype] = {}
+    for name, buf in module._buffers.items():
+        if buf is not None and buf.is_floating_point() and buf.dtype != dtype:
+            cast_from[name] = buf.dtype
+            module._buffers[name] = buf.to(dtype)
+    if not cast_from:
+        return
+    setattr(module, _BUFFER_DTYPES, cast_from)
+
+    def back(_: nn.Module, state: dict[str, Any], prefix: str, _metadata: Any) -> None:
+        for name, original in cast_from.items():
+            value = state.get(prefix + name)
+            if isinstance(value, torch.Tensor):
+                state[prefix + name] = value.to(original)
+
+    module.register_state_dict_post_hook(back)
+
+
+def original_buffer_dtypes(model: nn.Module) -> dict[str, torch.dtype]:
+    """State-dict name -> the dtype of each buffer the fsdp2 backend cast to ``buffer_dtype`` (see
+    :func:`_cast_buffers`), for writers that read the tensors without ``state_dict()``."""
+    out: dict[str, torch.dtype] = {}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        for name, dtype in getattr(module, _BUFFER_DTYPES, {}).items():
+            out[f"{prefix}.{name}" if prefix else name] = dtype
+    return out
+
+
 def keep_class_name(module: nn.Module) -> None:
     """FSDP2 gives a sharded module the class ``FSDP<Cls>``; FSDP1 leaves the module's class alone (it wraps
     it). Code that matches modules by class name after sharding (an activation-checkpointing ``check_fn``
@@ -189,9 +225,7 @@ class FSDP2Backend:
             # FSDP2 does not manage buffers: FSDP1's buffer_dtype is emulated with one cast (not in the units
             # kept in full precision, whose buffers FSDP1 leaves as they are).
             for module in (m for m in model.modules() if id(m) not in full_precision):
-                for name, buf in module._buffers.items():
-                    if buf is not None and buf.is_floating_point():
-                        module._buffers[name] = buf.to(precision.buffer_dtype)
+                _cast_buffers(module, precision.buffer_dtype)
         _make_parameters_contiguous(model, plan.ignored_params)
         full_state = rank0_full_state(model) if plan.sync is SyncMethod.BROADCAST else None
 
@@ -350,6 +384,7 @@ class FSDP2Backend:
                 unit.reshard()  # the sharded parameters registered, as the state-dict hook does
         rank = dist.get_rank() if dist.is_initialized() else 0
         out: dict[str, FlatTensor] = {}
+        buffer_dtypes = original_buffer_dtypes(model)
         for name, value, _ in state_entries(model):
             clean = strip_wrapper_prefixes(name)
             if isinstance(value, DTensor):
@@ -360,7 +395,7 @@ class FSDP2Backend:
                 continue
             # Buffers and ignored parameters are whole on every rank and need not agree (BatchNorm
             # statistics are local): rank 0 writes its own, as torch's full state dict holds rank 0's.
-            value = value.detach()
+            value = value.detach().to(buffer_dtypes.get(name, value.dtype))  # a buffer_dtype cast undone
             pieces = (FlatPiece(0, value.reshape(-1).contiguous()),) if rank == 0 and value.numel() else ()
             out[clean] = FlatTensor(tuple(value.shape), value.dtype, pieces)
         return out
