@@ -2164,3 +2164,73 @@ def test_added_imports_come_after_the_settings_when_fsdp1s_was_the_only_torch_im
     fixed = migrate_source(source, "env2.py").fixed
     assert fixed.index('os.environ["OMP_NUM_THREADS"]') < fixed.index("import fsdp_bridge")
     assert migrate_source(fixed, "env2.py").fixed == fixed
+
+
+UNWRAP_LOOP = textwrap.dedent(
+    """
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+
+    def peel(module):
+        while isinstance(module, (DDP, FullyShardedDataParallel)):
+            if isinstance(module, FullyShardedDataParallel):
+                module = module._fsdp_wrapped_module
+            else:
+                module = module.module
+        return module
+    """
+)
+
+
+def _peel_each_backend(fixed: str) -> dict[str, bool]:
+    from torch import nn
+
+    space: dict[str, Any] = {}
+    exec(compile(fixed, "peel.py", "exec"), space)
+    out = {}
+    for backend in ("fsdp1", "fsdp2"):
+        inner = nn.Sequential(nn.Linear(2, 2))
+        model = fsdp_bridge.shard(inner, fsdp_bridge.BridgeConfig(backend=backend, wrap="none"))
+        out[backend] = space["peel"](model) is inner  # FSDP2 does not wrap: the module is itself
+    return out
+
+
+def test_an_unwrapping_loop_stops_where_fsdp2_has_nothing_to_unwrap() -> None:
+    # while isinstance(m, (DDP, FSDP)): m = m.module -- is_sharded stays true on an FSDP2 module, which
+    # unwrapped() gives back as it is: the loop tests for a wrapper with a module inside (else it never ends)
+    result = migrate_source(UNWRAP_LOOP, "peel.py")
+    assert (
+        "while (isinstance(module, DDP) or (fsdp_bridge.is_sharded(module) and fsdp_bridge.unwrapped(module) "
+        "is not module)):"
+    ) in result.fixed
+    assert "        if fsdp_bridge.is_sharded(module):\n" in result.fixed  # not a loop test: unchanged form
+    assert migrate_source(result.fixed, "peel.py").fixed == result.fixed
+    torch_target = migrate_source(UNWRAP_LOOP, "peel.py", target="torch").fixed
+    assert "    while (isinstance(module, DDP)):\n" in torch_target  # no FSDP1 wrapper is left to peel
+    for rank in run_distributed(_peel_each_backend, 1, args=(result.fixed,), timeout_s=120):
+        assert rank == {"fsdp1": True, "fsdp2": True}
+
+
+def test_a_keyed_optimizers_state_calls_are_todos_saying_why() -> None:
+    # is_named_optimizer=True: the optimizer's state is keyed by parameter names (torchrec's KeyedOptimizer),
+    # which torch's get_/set_optimizer_state_dict renumber; another optimizer of the same function is rewritten
+    code = textwrap.dedent(
+        """
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+
+        def roundtrip(m, opt, plain_opt):
+            sd = FullyShardedDataParallel.optim_state_dict(m, opt)
+            other = FullyShardedDataParallel.optim_state_dict(m, plain_opt)
+            osd = FullyShardedDataParallel.optim_state_dict_to_load(m, opt, sd, is_named_optimizer=True)
+            opt.load_state_dict(osd)
+            return other
+        """
+    )
+    result = migrate_source(code, "keyed.py")
+    by_line = {f.line: f for f in result.findings}
+    assert not by_line[6].fixable and "keyed optimizer (is_named_optimizer=True)" in by_line[6].replacement
+    assert by_line[7].fixable and "get_optimizer_state_dict(m, plain_opt" in result.fixed
+    assert not by_line[8].fixable and "opt.state_dict() / .load_state_dict(...)" in by_line[8].replacement

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import libcst as cst
+import libcst.matchers as m
 from libcst.codemod import CodemodContext
 from libcst.codemod.visitors import AddImportsVisitor, RemoveImportsVisitor
 from libcst.metadata import MetadataWrapper, PositionProvider
@@ -398,6 +399,24 @@ class _Lowerer(cst.CSTTransformer):
 
     def leave_Annotation(self, original_node: cst.Annotation, updated_node: cst.Annotation) -> cst.Annotation:
         self.annotation_depth -= 1
+        return updated_node
+
+    def leave_BooleanOperation(
+        self, original_node: cst.BooleanOperation, updated_node: cst.BooleanOperation
+    ) -> cst.BaseExpression:
+        """An unwrapping loop's test (``fsdp_bridge.is_sharded(m) and fsdp_bridge.unwrapped(m) is not m``, lowered
+        to ``isinstance(m, FSDPModule) and m is not m``) is False: FSDP2 does not wrap, and no FSDP1 wrapper is
+        left. ``A or False`` is ``A``."""
+        right = updated_node.right
+        if isinstance(updated_node.operator, cst.And) and isinstance(right, cst.Comparison):
+            if (
+                len(right.comparisons) == 1
+                and isinstance(right.comparisons[0].operator, cst.IsNot)
+                and code_of(right.left) == code_of(right.comparisons[0].comparator)
+            ):
+                return cst.Name("False")
+        if isinstance(updated_node.operator, cst.Or) and m.matches(right, m.Name("False")):
+            return updated_node.left.with_changes(lpar=updated_node.lpar, rpar=updated_node.rpar)
         return updated_node
 
     def visit_Call(self, node: cst.Call) -> None:

@@ -679,7 +679,10 @@ class ImportsFixer(ScannerBase):
                 self._consume(args[1].value)
                 return True
             self.needs_imports.add(("fsdp_bridge", None))
-            code = self._asserted(node, assertion, f"fsdp_bridge.is_sharded({code_of(args[0].value)})")
+            test = f"fsdp_bridge.is_sharded({code_of(args[0].value)})"
+            if assertion is None and self._unwrap_loop_test(node, code_of(args[0].value)):
+                test = _unwraps(code_of(args[0].value))
+            code = self._asserted(node, assertion, test)
             construct = f"{code_of(node.func)}(..., {code_of(args[1].value)})"
             self._record(node, construct, f"{code} ({IS_SHARDED})", True)
         elif check and isinstance(args[1].value, (cst.Tuple, cst.BinaryOperation)):
@@ -705,6 +708,8 @@ class ImportsFixer(ScannerBase):
                 return True
             self.needs_imports.add(("fsdp_bridge", None))
             code = f"fsdp_bridge.is_sharded({obj})"
+            if assertion is None and self._unwrap_loop_test(node, obj):
+                code = _unwraps(obj)
             if others:
                 kinds = others[0] if len(others) == 1 else f"({', '.join(others)})"
                 code = f"isinstance({obj}, {kinds}) or {code}"
@@ -792,6 +797,17 @@ class ImportsFixer(ScannerBase):
                 return True
         return False
 
+    def _unwrap_loop_test(self, node: cst.Call, obj: str) -> bool:
+        """``node`` tests ``obj`` in a ``while`` condition whose body assigns ``obj`` anew (``while
+        isinstance(m, (DDP, FSDP)): m = m.module``): an unwrapping loop, which must stop where nothing is left
+        to unwrap (FSDP2 does not wrap: fsdp_bridge.unwrapped gives the module itself)."""
+        loop = self.stmt_stack[-1] if self.stmt_stack else None
+        if not isinstance(loop, cst.While) or _path_to(loop.test, node) is None:
+            return False
+        return any(
+            isinstance(n, cst.Assign) and any(code_of(t.target) == obj for t in n.targets) for n in walk(loop.body)
+        )
+
     @staticmethod
     def _asserted(node: cst.Call, assertion: str | None, test: str, alone: str | None = None) -> str:
         """``test`` as written in place of ``node``: the receiver's ``assertion(test[, msg])``, or for
@@ -834,6 +850,12 @@ def _one_line(code: str, name: str) -> str:
     """``code`` for a report line: as written on one line, else ``name(<the same arguments>)`` (a call over
     several lines keeps its layout and comments in the file)."""
     return code if "\n" not in code else f"{name}(<the same arguments>)"
+
+
+def _unwraps(obj: str) -> str:
+    """The test of an unwrapping loop over ``obj``: a wrapper with a module inside (FSDP1's, on either
+    backend), never an FSDP2 module, which is its own module."""
+    return f"(fsdp_bridge.is_sharded({obj}) and fsdp_bridge.unwrapped({obj}) is not {obj})"
 
 
 def _path_to(root: cst.CSTNode, target: cst.CSTNode) -> list[cst.CSTNode] | None:

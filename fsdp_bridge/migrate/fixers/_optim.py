@@ -127,6 +127,14 @@ class OptimStateFixer(ScannerBase):
                 "get_optimizer_state_dict / set_optimizer_state_dict work over the model's own mesh (FSDP2) or "
                 "process group (FSDP1): drop group= where it is the group the model is sharded over"
             )
+        optim = named.get("optim")
+        if optim is not None and self._named_optimizer(code_of(optim)):
+            return (
+                f"{short(code_of(optim), 30)} is a keyed optimizer (is_named_optimizer=True): its state is keyed "
+                "by parameter name, which FSDP1's functions keep and torch's get_optimizer_state_dict / "
+                f"set_optimizer_state_dict renumber; on FSDP2 save and load it with {short(code_of(optim), 30)}"
+                ".state_dict() / .load_state_dict(...) (names kept, DTensor values DCP saves and loads in place)"
+            )
         given = named.get("optim_state_dict")
         if member == "optim_state_dict" and given is not None and not m.matches(given, m.Name("None")):
             block = next(
@@ -148,6 +156,20 @@ class OptimStateFixer(ScannerBase):
                 "it is that, drop the argument; if it is another state, load it into the optimizer first"
             )
         return None
+
+    def _named_optimizer(self, optim: str) -> bool:
+        """The enclosing function (or module) passes ``optim`` to an FSDP1 optimizer-state call with
+        ``is_named_optimizer=True``: its state is keyed by names (torchrec's KeyedOptimizer)."""
+        scope: cst.CSTNode | None = self.functions[-1] if self.functions else self.module
+        for n in walk(scope) if scope is not None else ():
+            if not isinstance(n, cst.Call) or self._qn(n.func) != (FSDP, "optim_state_dict_to_load"):
+                continue
+            named = named_args(n, ("model", "optim", "optim_state_dict", "is_named_optimizer"))
+            flag = named.get("is_named_optimizer") if named is not None else None
+            if named is not None and code_of(named.get("optim", n)) == optim and flag is not None:
+                if not m.matches(flag, m.Name("False")):
+                    return True
+        return False
 
     def _plan_optimizer_order(self, body: Sequence[cst.BaseStatement]) -> None:
         """``opt = torch.optim.X(M.parameters(), ...)`` before ``M = FSDP(M, ...)`` in the same block moves
