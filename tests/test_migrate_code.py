@@ -2234,3 +2234,13 @@ def test_a_keyed_optimizers_state_calls_are_todos_saying_why() -> None:
     assert not by_line[6].fixable and "keyed optimizer (is_named_optimizer=True)" in by_line[6].replacement
     assert by_line[7].fixable and "get_optimizer_state_dict(m, plain_opt" in result.fixed
     assert not by_line[8].fixable and "opt.state_dict() / .load_state_dict(...)" in by_line[8].replacement
+
+
+def test_fsdp1s_flattened_mark_read_by_name_is_a_todo() -> None:
+    # getattr(p, "_fsdp_flattened", False): FSDP1's mark on its flat parameters; FSDP2's have none, so a check
+    # that an optimizer holds sharded parameters would fail on every rank
+    code = 'def flat(opt):\n    return any(getattr(p, "_fsdp_flattened", False) for g in opt.param_groups for p in g["params"])\n'
+    result = migrate_source(code, "flat.py")
+    (todo,) = result.findings
+    assert not todo.fixable and todo.construct == 'getattr(..., "_fsdp_flattened") (an FSDP1 internal)'
+    assert "isinstance(p, torch.distributed.tensor.DTensor)" in todo.replacement

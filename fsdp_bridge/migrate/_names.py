@@ -115,6 +115,9 @@ INTERNAL_ATTRS: dict[str, str] = {
     "FSDPModule methods (unshard/reshard)",
     "_is_flat_param": "FSDP1's flat-parameter flag has no FSDP2 form: each parameter is its own DTensor "
     "(isinstance(p, torch.distributed.tensor.DTensor))",
+    "_fsdp_flattened": "FSDP1 marks the parameters it flattened (flat parameters, use_orig_params views) with "
+    "_fsdp_flattened; FSDP2's carry no such mark (False on every one, so a check that an optimizer holds sharded "
+    "parameters fails): test isinstance(p, torch.distributed.tensor.DTensor)",
 }
 """FSDP1 internals real trainers reach into, and what to do on FSDP2."""
 

@@ -8,7 +8,7 @@ import libcst.matchers as m
 from libcst.metadata import QualifiedNameProvider
 
 from fsdp_bridge.migrate._analysis import called_as, code_of, handed_parameters, short, walk
-from fsdp_bridge.migrate._names import FSDP, wrapper_defines
+from fsdp_bridge.migrate._names import FSDP, INTERNAL_ATTRS, wrapper_defines
 from fsdp_bridge.migrate._objects import ObjectAnalysis
 from fsdp_bridge.migrate._scan_base import ScannerBase
 from fsdp_bridge.migrate.fixers._attributes import ElsewhereAttributesFixer
@@ -112,6 +112,19 @@ class Scanner(
         self._note_fsdp1_checkpoint(node)
         self._note_local_clip(node)
         self._note_shard_shapes(node)
+        if (
+            not self.planning
+            and m.matches(node.func, m.Name("getattr") | m.Name("hasattr"))
+            and len(node.args) >= 2
+            and m.matches(node.args[1].value, m.SimpleString('"_fsdp_flattened"') | m.SimpleString("'_fsdp_flattened'"))
+        ):
+            # FSDP1's mark on the parameters it flattened, read by its string: FSDP2's parameters never have it
+            self._record(
+                node,
+                f'{code_of(node.func)}(..., "_fsdp_flattened") (an FSDP1 internal)',
+                INTERNAL_ATTRS["_fsdp_flattened"],
+                False,
+            )
         copy = self._vendored_function(self.get_metadata(QualifiedNameProvider, func, set()))
         if self.planning:
             self.called.add(id(func))
