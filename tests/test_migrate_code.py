@@ -2244,3 +2244,21 @@ def test_fsdp1s_flattened_mark_read_by_name_is_a_todo() -> None:
     (todo,) = result.findings
     assert not todo.fixable and todo.construct == 'getattr(..., "_fsdp_flattened") (an FSDP1 internal)'
     assert "isinstance(p, torch.distributed.tensor.DTensor)" in todo.replacement
+
+
+def test_an_fsdp1_name_an_eval_reads_stays_imported() -> None:
+    # eval(f"ShardingStrategy.{name}") reads the name when the code runs: removing its import raised NameError
+    code = textwrap.dedent(
+        """
+        import os
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
+
+
+        def get_model(model):
+            strategy = eval(f"ShardingStrategy.{os.environ['STRATEGY']}")
+            return FSDP(model, sharding_strategy=strategy)
+        """
+    )
+    fixed = migrate_source(code, "evaluated.py").fixed
+    assert "from torch.distributed.fsdp import ShardingStrategy\n" in fixed
+    assert "FullyShardedDataParallel" not in fixed

@@ -59,6 +59,7 @@ def test_shard_moves_and_frees_become_one_call() -> None:
 
 def test_shard_move_and_free_look_alikes_keep_their_todos() -> None:
     result = _migrate("shard_storage_look_alikes.py")
-    assert "move_shards" not in result.fixed and "free_shards" not in result.fixed
+    code = "\n".join(line for line in result.fixed.splitlines() if not line.lstrip().startswith("#"))
+    assert "move_shards" not in code and "free_shards" not in code  # (the TODO texts may name them)
     todo_lines = {f.line for f in result.findings if not f.fixable}
     assert {8, 19, 29} <= todo_lines, sorted(todo_lines)  # each _lazy_init / flat parameter read keeps its TODO

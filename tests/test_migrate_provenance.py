@@ -220,3 +220,29 @@ def test_a_model_wrapped_in_the_main_block_is_followed_into_the_functions_it_is_
     result = _migrate(MAIN_BLOCK)
     assert "return fsdp_bridge.clip_grad_norm_(model, max_norm).item()" in result.fixed
     assert all(f.fixable for f in result.findings)
+
+
+def test_a_factory_re_exported_by_its_package_is_followed_and_its_model_handed_on(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # pkg/utils/__init__.py re-exports the factory; run.py imports it from the package and hands the model to
+    # train(), whose .module read is then guarded (the model may be another wrapper on other paths)
+    pkg = tmp_path / "pkg"
+    (pkg / "utils").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "utils" / "__init__.py").write_text("from .dist import get_distributed_model\n")
+    (pkg / "utils" / "dist.py").write_text(
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n\n\n"
+        "def get_distributed_model(model):\n    return FSDP(model)\n"
+    )
+    (pkg / "run.py").write_text(
+        "from pkg.utils import get_distributed_model\nfrom pkg.train import train\n\n\n"
+        "def main(m):\n    model = get_distributed_model(m)\n    heads = model.module.num_heads\n"
+        "    return train(model), heads\n"
+    )
+    (pkg / "train.py").write_text("def train(model):\n    return model.module.loss(1)\n")
+    report, _ = migrate_paths([pkg], fix=True)
+    assert "    heads = model.num_heads\n" in (pkg / "run.py").read_text()
+    assert (
+        "return (fsdp_bridge.unwrapped(model) if fsdp_bridge.is_sharded(model) else model.module).loss(1)"
+        in (pkg / "train.py").read_text()
+    )
+    assert all(f.fixable for f in report.findings)

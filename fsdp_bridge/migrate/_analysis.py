@@ -411,11 +411,16 @@ def find_fsdp1_factories(wrapper: MetadataWrapper, path: str) -> set[str]:
 def module_suffixes(path: str, names: Iterable[str]) -> set[str]:
     """``names`` of the file at ``path`` as other files may import them: by every dotted suffix of its module
     path (``load_model`` of ``src/finetune/wrapped_model.py``: ``wrapped_model.load_model``,
-    ``finetune.wrapped_model.load_model``, ...)."""
+    ``finetune.wrapped_model.load_model``, ...), and of its package's path of two parts or more
+    (``src.finetune.load_model``, re-exported by the package)."""
     parts = [p for p in Path(path).with_suffix("").parts if p not in ("/", "")]
     if parts and parts[-1] == "__init__":
         parts = parts[:-1]
-    return {".".join([*parts[-k:], name]) for name in names for k in range(1, min(len(parts), 6) + 1)}
+    found = {".".join([*parts[-k:], name]) for name in names for k in range(1, min(len(parts), 6) + 1)}
+    # and as its package re-exports them (``from .distributed import get_model`` in the package's __init__,
+    # imported as ``pkg.utils.distributed.get_model``)
+    package = parts[:-1]
+    return found | {".".join([*package[-k:], name]) for name in names for k in range(2, min(len(package), 6) + 1)}
 
 
 def top_level_functions(code: str) -> list[str]:

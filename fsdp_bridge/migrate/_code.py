@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 import shutil
 from collections import Counter
 from collections.abc import Sequence
@@ -69,6 +70,7 @@ from fsdp_bridge.migrate._analysis import (
     subclasses_wrapper,
     top_level_functions,
     unfollowed_set_state_dict_type,
+    walk,
 )
 from fsdp_bridge.migrate._names import TODO
 from fsdp_bridge.migrate._report import CodeFinding, CodeReport
@@ -189,8 +191,10 @@ def migrate_source(
             AddImportsVisitor.add_needed_import(context, module_name, obj)
         fixed = AddImportsVisitor(context).transform_module(fixed)
         kept = _kept_fsdp2_imports(module)
+        in_strings = _string_text(fixed)
         for imp in _fsdp_imports(fixed):
-            if imp not in kept:
+            if imp not in kept and not re.search(rf"\b{re.escape(imp[2] or imp[1] or '')}\b", in_strings):
+                # (a name written in a string stays imported: eval(f"ShardingStrategy.{name}") reads it)
                 RemoveImportsVisitor.remove_unused_import(context, *imp)
         if scan.consumed_partial:
             RemoveImportsVisitor.remove_unused_import(context, "functools")
@@ -368,6 +372,22 @@ def _kept_fsdp2_imports(module: cst.Module) -> set[tuple[str, str | None, str | 
         RemoveImportsVisitor.remove_unused_import(context, *imp)
     left = set(_fsdp_imports(RemoveImportsVisitor(context).transform_module(module)))
     return {imp for imp in candidates if imp not in left}
+
+
+def _string_text(module: cst.Module) -> str:
+    """The text of the string literals (f-strings' literal parts too) ``eval(...)`` / ``exec(...)`` calls of
+    ``module`` run, one per line: names written there are read when the code runs."""
+    parts: list[str] = []
+
+    class V(cst.CSTVisitor):
+        def visit_Call(self, node: cst.Call) -> None:
+            if m.matches(node.func, m.Name("eval") | m.Name("exec")):
+                for n in walk(node):
+                    if isinstance(n, (cst.SimpleString, cst.FormattedStringText)):
+                        parts.append(n.value)
+
+    module.visit(V())
+    return "\n".join(parts)
 
 
 def _fsdp_imports(module: cst.Module) -> list[tuple[str, str | None, str | None]]:

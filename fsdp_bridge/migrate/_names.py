@@ -99,11 +99,14 @@ NAMES: dict[str, str] = {
 
 INTERNAL_ATTRS: dict[str, str] = {
     "flat_param": "FSDP1's flat parameter has no FSDP2 form: each parameter is its own DTensor; "
-    "iterate model.parameters() (p.to_local() for this rank's shard)",
+    "iterate model.parameters() (p.to_local() for this rank's shard); to move a model's shards (and their "
+    "gradients) to another device between steps: fsdp_bridge.move_shards(model, device)",
     "_flat_param": "FSDP1's flat parameter has no FSDP2 form: each parameter is its own DTensor; "
-    "iterate model.parameters() (p.to_local() for this rank's shard)",
+    "iterate model.parameters() (p.to_local() for this rank's shard); to move a model's shards (and their "
+    "gradients) to another device between steps: fsdp_bridge.move_shards(model, device)",
     "_handle": "FSDP1's FlatParamHandle has no FSDP2 form: use the module's parameters (DTensors) and "
-    "FSDPModule methods (unshard/reshard)",
+    "FSDPModule methods (unshard/reshard); to move a model's shards (and their gradients) to another device "
+    "between steps: fsdp_bridge.move_shards(model, device)",
     "_has_params": "FSDP1's private flag (does this unit manage parameters) has no FSDP2 form: FSDPModule's "
     "reshard()/unshard() do nothing on a unit without parameters; drop the test",
     "_lazy_init": "FSDP2 initialises on the first forward; nothing to call (FSDPModule has no _lazy_init)",

@@ -27,7 +27,15 @@ from fsdp_bridge.migrate.fixers._state_dict import StateDictFixer
 from fsdp_bridge.migrate.fixers._summon import SummonFixer
 
 HANDED_MODEL_USES = frozenset(
-    {"no_sync", "clip_grad_norm_", "summon_full_params", "state_dict", "load_state_dict", "register_comm_hook"}
+    {
+        "no_sync",
+        "clip_grad_norm_",
+        "summon_full_params",
+        "state_dict",
+        "load_state_dict",
+        "register_comm_hook",
+        "module",
+    }
 )
 """What a function handed an FSDP1 model by another file (``Dispatch.fsdp1_args``) may call on it that
 FSDP2 does otherwise: a file that does is FSDP1 code, though it never names FSDP."""
