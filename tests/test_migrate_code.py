@@ -2262,3 +2262,29 @@ def test_an_fsdp1_name_an_eval_reads_stays_imported() -> None:
     fixed = migrate_source(code, "evaluated.py").fixed
     assert "from torch.distributed.fsdp import ShardingStrategy\n" in fixed
     assert "FullyShardedDataParallel" not in fixed
+
+
+def test_state_dict_methods_called_through_fsdp1s_class_follow_the_block() -> None:
+    # FSDP.load_state_dict(model, sd) is nn.Module's method through FSDP1's class: inside a FULL block it loads
+    # full tensors (kept as written, it copied them into FSDP2's DTensor shards and raised); FSDP1's default
+    # optimizer config gives every rank a CPU copy of the full optimizer state
+    code = textwrap.dedent(
+        """
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, StateDictType
+
+
+        def load(model: FSDP, state_dict):
+            with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT):
+                FSDP.load_state_dict(model, state_dict)
+
+
+        def save(model: FSDP, optimizer):
+            with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT):
+                return FSDP.state_dict(model), FSDP.optim_state_dict(model, optimizer)
+        """
+    )
+    fixed = migrate_source(code, "class_called.py").fixed
+    assert "    set_model_state_dict(model, state_dict, options=StateDictOptions(full_state_dict=True))\n" in fixed
+    assert "get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))" in fixed
+    assert "fsdp_bridge.full_optim_state_dict(model, optimizer, rank0_only=False, offload_to_cpu=True)" in fixed
+    assert "FSDP" not in fixed.replace("fsdp_bridge", "")

@@ -15,7 +15,7 @@ from libcst.metadata import CodePosition, PositionProvider, QualifiedNameProvide
 
 from fsdp_bridge.migrate._analysis import Conversion, code_of, named_args, short, walk, wrapper_subclasses
 from fsdp_bridge.migrate._names import FSDP, GROUP_RANK0
-from fsdp_bridge.migrate._render import with_option
+from fsdp_bridge.migrate._render import commas, with_option
 from fsdp_bridge.migrate._report import CodeFinding
 from fsdp_bridge.migrate._scan_base import ScannerBase
 
@@ -555,6 +555,7 @@ class StateDictFixer(ScannerBase):
         if kind not in ("FULL_STATE_DICT", "SHARDED_STATE_DICT", None):
             return
         full_save: str | None = None
+        full_optim: str | None = None  # FSDP1's every-rank CPU copy of the full optimizer state
         if kind is None or not self._literal_config(cfg) or not self._literal_config(optim_cfg):
             # Type or configs known only at run time: fsdp_bridge translates them when the code runs.
             runtime = ", ".join(code_of(a) for a in (type_arg, cfg, optim_cfg) if a is not None)
@@ -596,18 +597,39 @@ class StateDictFixer(ScannerBase):
             # FSDP1 loads a full optimizer state with rank0_only from rank 0 alone (the other ranks'
             # dicts are ignored, often None) and broadcasts it.
             optim_load_opts = self._options(full, broadcast=full and self._config_flag(optim_cfg, "rank0_only", False))
+            if (
+                full
+                and not self._config_flag(optim_cfg, "rank0_only", False)
+                and self._config_flag(optim_cfg, "offload_to_cpu", True)  # FullOptimStateDictConfig's default
+                and self.dispatch.group_fsdp is None
+            ):
+                # every rank a CPU copy of the whole state (FSDP1's default): torch's options have no such form
+                # (cpu_offload gives rank 0 alone the state); the bridge gathers one tensor at a time to the CPU
+                full_optim = "rank0_only=False, offload_to_cpu=True"
         rewrites: dict[int, str] = {}
         for inner in walk(node.body):
             if not isinstance(inner, cst.Call):
                 continue
             func = inner.func
             hit = self._qn(func)
+            key = id(inner)  # the call as written (a class-called method below is read as bound)
+            if (
+                hit in ((FSDP, "state_dict"), (FSDP, "load_state_dict"))
+                and inner.args
+                and inner.args[0].keyword is None
+                and code_of(inner.args[0].value) == model
+            ):
+                # FSDP.load_state_dict(model, sd): nn.Module's method called through FSDP1's class, as
+                # model.load_state_dict(sd) (the state-dict type of the block applies the same)
+                bound = cst.Attribute(inner.args[0].value, cst.Name(hit[1]))
+                inner = inner.with_changes(func=bound, args=commas(list(inner.args[1:])))
+                func, hit = bound, None
             if isinstance(func, cst.Attribute) and hit is None and code_of(func.value) == model:
                 if func.attr.value == "state_dict" and not inner.args and full_save is not None:
-                    rewrites[id(inner)] = full_save
+                    rewrites[key] = full_save
                 elif func.attr.value == "state_dict" and not inner.args:
                     self.needs_state_dict_api.add("get_model_state_dict")
-                    rewrites[id(inner)] = f"get_model_state_dict({model}, options={save_opts})"
+                    rewrites[key] = f"get_model_state_dict({model}, options={save_opts})"
                 elif (
                     func.attr.value == "load_state_dict"
                     and (load := named_args(inner, ("state_dict", "strict", "assign"))) is not None
@@ -621,10 +643,12 @@ class StateDictFixer(ScannerBase):
                         if "strict" not in load
                         else with_option(load_opts, f"strict={code_of(load['strict'])}")
                     )
-                    rewrites[id(inner)] = (
-                        f"set_model_state_dict({model}, {code_of(load['state_dict'])}, options={opts})"
-                    )
+                    rewrites[key] = f"set_model_state_dict({model}, {code_of(load['state_dict'])}, options={opts})"
             elif hit == (FSDP, "optim_state_dict") and (mo := self._model_and_own_optim_state(inner)) is not None:
+                if full_optim is not None:
+                    self.needs_imports.add(("fsdp_bridge", None))
+                    rewrites[id(inner)] = f"fsdp_bridge.full_optim_state_dict({mo[0]}, {mo[1]}, {full_optim})"
+                    continue
                 self.needs_state_dict_api.add("get_optimizer_state_dict")
                 rewrites[id(inner)] = f"get_optimizer_state_dict({mo[0]}, {mo[1]}, options={optim_opts})"
             elif hit == (FSDP, "optim_state_dict_to_load") and id(inner) not in self.consumed_nodes:
@@ -653,6 +677,11 @@ class StateDictFixer(ScannerBase):
                 why = (
                     " (the model's full state with the config's rank0_only and offload_to_cpu as FSDP1 reads them "
                     f"when the code runs; other calls: options={save_opts}); your torch.save / DCP code is kept"
+                )
+            if full_optim is not None and any("fsdp_bridge.full_optim_state_dict(" in r for r in rewrites.values()):
+                why += (
+                    "; the optimizer state as FSDP1's default optimizer config gives it: every rank a CPU copy "
+                    "(fsdp_bridge.full_optim_state_dict, one tensor at a time; torch's cpu_offload gives rank 0 alone)"
                 )
             self._unwrap_block(node, rewrites, configs, kind or short(code_of(type_arg), 40), why)
 
