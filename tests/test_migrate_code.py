@@ -2288,3 +2288,25 @@ def test_state_dict_methods_called_through_fsdp1s_class_follow_the_block() -> No
     assert "get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))" in fixed
     assert "fsdp_bridge.full_optim_state_dict(model, optimizer, rank0_only=False, offload_to_cpu=True)" in fixed
     assert "FSDP" not in fixed.replace("fsdp_bridge", "")
+
+
+def test_a_value_bound_twice_with_an_annotation_is_not_inlined() -> None:
+    # mp: Optional[MixedPrecision] = None, then mp = MixedPrecision(bf16) in a branch: inlining the branch's value
+    # trained --fp32 runs in bf16; the variable is read when the code runs
+    code = textwrap.dedent(
+        """
+        from typing import Optional
+        import torch
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, MixedPrecision
+
+
+        def build(model, fp32):
+            mp_config: Optional[MixedPrecision] = None
+            if not fp32:
+                mp_config = MixedPrecision(param_dtype=torch.bfloat16)
+            return FSDP(model, mixed_precision=mp_config)
+        """
+    )
+    fixed = migrate_source(code, "annotated.py").fixed
+    assert "mixed_precision=mp_config," in fixed and "BridgeConfig.from_fsdp1(" in fixed
+    assert '"param_dtype"' not in fixed

@@ -859,6 +859,20 @@ class Collector(cst.CSTVisitor):
     def visit_Assign(self, node: cst.Assign) -> None:
         if len(node.targets) == 1 and isinstance(node.targets[0].target, cst.Name):
             self.assigned.setdefault(node.targets[0].target.value, []).append(node.value)
+        else:  # ``a = b = v``, ``a, b = ...``: each name bound once more (never a single assignment)
+            for t in node.targets:
+                for n in walk(t.target):
+                    if isinstance(n, cst.Name):
+                        self.assigned.setdefault(n.value, []).append(node.value)
+
+    def visit_AnnAssign(self, node: cst.AnnAssign) -> None:
+        # ``mp: Optional[MixedPrecision] = None`` then ``mp = MixedPrecision(...)`` in a branch: two bindings
+        if isinstance(node.target, cst.Name) and node.value is not None:
+            self.assigned.setdefault(node.target.value, []).append(node.value)
+
+    def visit_AugAssign(self, node: cst.AugAssign) -> None:
+        if isinstance(node.target, cst.Name):
+            self.assigned.setdefault(node.target.value, []).append(node.value)
 
     def visit_Name(self, node: cst.Name) -> None:
         self.uses[node.value] = self.uses.get(node.value, 0) + 1
