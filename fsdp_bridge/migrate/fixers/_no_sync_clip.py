@@ -54,7 +54,12 @@ class NoSyncClipFixer(ScannerBase):
             and not params.args
         ):
             return
-        model = params.func.value
+        construct = f"torch.nn.utils.clip_grad_norm_({short(code_of(params), 40)}, ...)"
+        self._note_on_fsdp1_model(node, params.func.value, construct, LOCAL_CLIP)
+
+    def _note_on_fsdp1_model(self, node: cst.Call, model: cst.BaseExpression, construct: str, text: str) -> None:
+        """A note at ``node`` when ``model`` is shown to be FSDP1's wrapper there (wrapped in this function,
+        handed by a call of the tree, or made by a function of the tree)."""
         if (
             self._fsdp1_wrapper(node, model, by_calls=False) == ""
             and not self._handed_parameter(node, model)
@@ -62,10 +67,7 @@ class NoSyncClipFixer(ScannerBase):
         ):
             return
         pos = self.get_metadata(PositionProvider, node)
-        construct = f"torch.nn.utils.clip_grad_norm_({short(code_of(params), 40)}, ...)"
-        self.findings.append(
-            CodeFinding(self.path, pos.start.line, pos.start.column, construct, LOCAL_CLIP, True, note=True)
-        )
+        self.findings.append(CodeFinding(self.path, pos.start.line, pos.start.column, construct, text, True, note=True))
 
     def _note_shard_shapes(self, node: cst.Call) -> None:
         """``for name, p in model.named_parameters(): ... p.ndim ...`` (or ``parameters()``, a comprehension) with
@@ -112,18 +114,8 @@ class NoSyncClipFixer(ScannerBase):
             ),
             None,
         )
-        model = func.value
-        if read is None or (
-            self._fsdp1_wrapper(node, model, by_calls=False) == ""
-            and not self._handed_parameter(node, model)
-            and self._factory_result(node, model) == ""
-        ):
-            return
-        pos = self.get_metadata(PositionProvider, node)
-        construct = f"{short(code_of(node), 40)} read as {read}"
-        self.findings.append(
-            CodeFinding(self.path, pos.start.line, pos.start.column, construct, SHARD_SHAPES, True, note=True)
-        )
+        if read is not None:
+            self._note_on_fsdp1_model(node, func.value, f"{short(code_of(node), 40)} read as {read}", SHARD_SHAPES)
 
     def _plan_wrapper_method_call(self, node: cst.Call, func: cst.BaseExpression, hit: tuple[str, str] | None) -> None:
         """The FSDP1 wrapper's no_sync() and clip_grad_norm_(...), its register_comm_hook (a TODO), and a
