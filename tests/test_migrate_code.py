@@ -2310,3 +2310,10 @@ def test_a_value_bound_twice_with_an_annotation_is_not_inlined() -> None:
     fixed = migrate_source(code, "annotated.py").fixed
     assert "mixed_precision=mp_config," in fixed and "BridgeConfig.from_fsdp1(" in fixed
     assert '"param_dtype"' not in fixed
+    # a name bound by unpacking is bound to an element, never to the whole value
+    unpacked = "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n\n\ndef build(model, settings):\n"
+    unpacked += (
+        "    strategy, mp = settings()\n    return FSDP(model, mixed_precision=mp, sharding_strategy=strategy)\n"
+    )
+    fixed = migrate_source(unpacked, "unpacked.py").fixed
+    assert "mixed_precision=mp," in fixed and "sharding_strategy=strategy," in fixed

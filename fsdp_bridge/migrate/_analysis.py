@@ -859,11 +859,11 @@ class Collector(cst.CSTVisitor):
     def visit_Assign(self, node: cst.Assign) -> None:
         if len(node.targets) == 1 and isinstance(node.targets[0].target, cst.Name):
             self.assigned.setdefault(node.targets[0].target.value, []).append(node.value)
-        else:  # ``a = b = v``, ``a, b = ...``: each name bound once more (never a single assignment)
+        else:  # ``a = b = v``, ``a, b = f()``: no name here is bound to that value alone (never inlined)
             for t in node.targets:
                 for n in walk(t.target):
                     if isinstance(n, cst.Name):
-                        self.assigned.setdefault(n.value, []).append(node.value)
+                        self.assigned.setdefault(n.value, []).extend((node.value, node.value))
 
     def visit_AnnAssign(self, node: cst.AnnAssign) -> None:
         # ``mp: Optional[MixedPrecision] = None`` then ``mp = MixedPrecision(...)`` in a branch: two bindings
