@@ -246,3 +246,18 @@ def test_a_factory_re_exported_by_its_package_is_followed_and_its_model_handed_o
         in (pkg / "train.py").read_text()
     )
     assert all(f.fixable for f in report.findings)
+
+
+def test_a_module_read_in_a_function_another_file_also_defines_is_not_taken_as_fsdp1s(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # run_fsdp.py hands an FSDP1 model to its train_one_epoch; run_ddp.py defines its own train_one_epoch for a
+    # DDP model: a call names a function, not the file, so the DDP script's .module read stays as written
+    (tmp_path / "run_fsdp.py").write_text(
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n\n\n"
+        "def train_one_epoch(model):\n    return model.module\n\n\n"
+        "def main(m):\n    model = FSDP(m)\n    train_one_epoch(model)\n"
+    )
+    ddp = "def train_one_epoch(model):\n    return model.module\n"
+    (tmp_path / "run_ddp.py").write_text(ddp)
+    migrate_paths([tmp_path], fix=True)
+    assert (tmp_path / "run_ddp.py").read_text() == ddp
+    assert "fsdp_bridge.unwrapped(model)" in (tmp_path / "run_fsdp.py").read_text()

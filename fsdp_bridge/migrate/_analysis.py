@@ -166,10 +166,14 @@ class Dispatch:
     subclassed: set[str] = field(default_factory=set)
     """Names of the classes some class of the tree derives from (the last part of each base): a subclass may
     assign an attribute its base's methods read (see ``subclassed_names``)."""
+    defined_twice: set[str] = field(default_factory=set)
+    """Top-level functions of the tree defined in more than one file (``train_one_epoch`` of each training
+    script): a call of one of them does not say which one it reaches."""
 
     def merge(self, other: Dispatch) -> None:
         self.versions.update(other.versions)
         self.subclassed |= other.subclassed
+        self.defined_twice |= other.defined_twice
         self.fsdp1_args |= other.fsdp1_args
         for name, positions in other.fsdp1_results.items():
             self.fsdp1_results.setdefault(name, set()).update(positions)

@@ -477,6 +477,8 @@ def migrate_paths(
         except Exception:  # unreadable or unparsable: reported by the loop below
             continue
     handed_across_files(codes, dispatch)
+    defined = Counter(name for code in codes.values() for name in set(top_level_functions(code)))
+    dispatch.defined_twice = {name for name, count in defined.items() if count > 1}
     del codes
     if cited is not None:
         # a first --fix may have deleted the call it named (a SHARDED_STATE_DICT statement): name it again

@@ -234,11 +234,16 @@ class Scanner(
             params = [p.name.value for p in node.params.params]
             cls = self.classes[-1].name.value if self.classes else None
             handed = handed_parameters(called_as(node.name.value, cls), params, self.dispatch.fsdp1_args)
+            uses = HANDED_MODEL_USES
+            if cls is None and node.name.value in self.dispatch.defined_twice:
+                # the call may reach another file's function of that name (a DDP script's train_one_epoch): a
+                # .module read alone does not make this one FSDP1 code
+                uses = uses - {"module"}
             if any(
                 isinstance(n, cst.Attribute)
                 and isinstance(n.value, cst.Name)
                 and n.value.value in handed
-                and n.attr.value in HANDED_MODEL_USES
+                and n.attr.value in uses
                 for n in walk(node.body)
             ):
                 self.uses_fsdp1 = True  # another file hands this function an FSDP1 model, and it uses one here
