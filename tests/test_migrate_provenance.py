@@ -261,3 +261,20 @@ def test_a_module_read_in_a_function_another_file_also_defines_is_not_taken_as_f
     migrate_paths([tmp_path], fix=True)
     assert (tmp_path / "run_ddp.py").read_text() == ddp
     assert "fsdp_bridge.unwrapped(model)" in (tmp_path / "run_fsdp.py").read_text()
+
+
+def test_the_else_of_an_fsdp1_test_keeps_the_other_modules_path() -> None:
+    # if isinstance(model, FSDP): <FSDP1's full state> else: model.state_dict() -- the else runs for DDP and plain
+    # modules, whose state_dict() stays as written (the full form would drop DDP's "module." key prefix)
+    code = (
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, StateDictType\n\n\n"
+        "def save(model):\n"
+        "    if isinstance(model, FSDP):\n"
+        "        with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT):\n"
+        "            return model.state_dict()\n"
+        "    else:\n"
+        "        return model.state_dict()\n"
+    )
+    result = _migrate(code)
+    assert result.fixed.endswith("    else:\n        return model.state_dict()\n")
+    assert [f.line for f in result.findings] == [5, 6]

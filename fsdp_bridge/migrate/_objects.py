@@ -189,26 +189,34 @@ class ObjectAnalysis(ScannerBase):
 
     def _isinstance_branch(self, node: cst.CSTNode, obj: cst.BaseExpression) -> set[str]:
         """The wrapper kinds tested for ``obj`` by the innermost guard holding ``node``: the body of an
-        ``if``/``elif`` or of a conditional expression, or what follows an ``and``."""
+        ``if``/``elif`` or of a conditional expression (or its ``else``, for a test of FSDP1's class alone), or
+        what follows an ``and``."""
         scope: cst.CSTNode | None = self.functions[-1] if self.functions else self.module
         if scope is None:
             return set()
         target, here = code_of(obj), self.get_metadata(PositionProvider, node).start
         best: tuple[Any, set[str]] | None = None
+        flipped = {"fsdp1": "not-fsdp1", "not-fsdp1": "fsdp1"}
         for n in walk(scope):
-            guarded: list[tuple[cst.BaseExpression, cst.CSTNode]] = []
+            guarded: list[tuple[cst.BaseExpression, cst.CSTNode, bool]] = []  # (test, body, in its else)
             if isinstance(n, cst.If):
-                guarded.append((n.test, n.body))
+                guarded.append((n.test, n.body, False))
+                if isinstance(n.orelse, cst.Else):
+                    guarded.append((n.test, n.orelse.body, True))
             elif isinstance(n, cst.IfExp):
-                guarded.append((n.test, n.body))
+                guarded += [(n.test, n.body, False), (n.test, n.orelse, True)]
             elif isinstance(n, cst.BooleanOperation) and isinstance(n.operator, cst.And):
-                guarded.append((n.left, n.right))
-            for test, body in guarded:
+                guarded.append((n.left, n.right, False))
+            for test, body, otherwise in guarded:
                 span = self.get_metadata(PositionProvider, body)
                 start, end = (span.start.line, span.start.column), (span.end.line, span.end.column)
                 if not start <= (here.line, here.column) <= end:
                     continue
                 kinds = self._test_kinds(test, target)
+                if otherwise:
+                    # ``else:`` of ``if isinstance(x, FSDP):`` runs for every module but FSDP1's (and the
+                    # reverse); a test naming DDP too says nothing of its else
+                    kinds = {flipped[k] for k in kinds} if len(kinds) == 1 and kinds <= set(flipped) else set()
                 if kinds and (best is None or start > best[0]):
                     best = (start, kinds)
         return best[1] if best is not None else set()
