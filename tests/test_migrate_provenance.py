@@ -278,3 +278,34 @@ def test_the_else_of_an_fsdp1_test_keeps_the_other_modules_path() -> None:
     result = _migrate(code)
     assert result.fixed.endswith("    else:\n        return model.state_dict()\n")
     assert [f.line for f in result.findings] == [5, 6]
+
+
+def test_a_factory_that_wraps_in_fsdp1_on_one_path_only_gets_guarded_module_reads(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # dist.py's get_model returns FSDP1's wrapper or DDP's (one `return model` after an if/else): its result is
+    # FSDP1's on one path only, so .module reads on it are guarded, and so are they when a sibling branch binds the
+    # name to a DeepSpeed engine; sure.py's make() wraps on every path, so there .module goes
+    (tmp_path / "dist.py").write_text(
+        "import torch\n"
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n"
+        "from torch.nn.parallel import DistributedDataParallel as DDP\n\n\n"
+        "def get_model(model, use_fsdp):\n"
+        "    if use_fsdp:\n        model = FSDP(model)\n    else:\n        model = DDP(model)\n    return model\n\n\n"
+        "def make(model):\n    model = model.float()\n    model = FSDP(model)\n    return model\n"
+    )
+    (tmp_path / "run.py").write_text(
+        "import deepspeed\nfrom dist import get_model\n\n\n"
+        "def main(m, fsdp, ds):\n"
+        "    model = get_model(m, fsdp)\n    a = model.module.num_heads\n"
+        "    if not ds:\n        net = get_model(m, fsdp)\n    else:\n"
+        "        net, _, _, _ = deepspeed.initialize(model=m)\n"
+        "    b = net.module.num_heads\n"
+        "    return a, b\n"
+    )
+    (tmp_path / "sure.py").write_text("from dist import make\n\n\ndef main(m):\n    model = make(m)\n    return model.module.x\n")
+    report, _ = migrate_paths([tmp_path], fix=True)
+    run = (tmp_path / "run.py").read_text()
+    assert "a = (fsdp_bridge.unwrapped(model) if fsdp_bridge.is_sharded(model) else model.module).num_heads" in run
+    assert "b = (fsdp_bridge.unwrapped(net) if fsdp_bridge.is_sharded(net) else net.module).num_heads" in run
+    assert "return model.x\n" in (tmp_path / "sure.py").read_text()
+    texts = [f.replacement for f in report.findings if f.path.endswith("run.py")]
+    assert len(texts) == 2 and all("returns FSDP1's wrapper on one path" in t for t in texts)

@@ -9,7 +9,7 @@ import functools
 import io
 import re
 import tokenize
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -145,8 +145,13 @@ class Dispatch:
     name may be used by another file, so its assignment is never removed."""
     fsdp1_factories: set[str] = field(default_factory=set)
     """Functions of the tree that return FSDP1's wrapper (``-> FullyShardedDataParallel``, ``return FSDP(...)``),
-    by every dotted suffix of their module path (``wrapped_model.load_model``, ``finetune.wrapped_model.load_model``):
-    a file that imports one is handed an FSDP1 model (in their own file the usual evidence applies)."""
+    on some path at least, by every dotted suffix of their module path (``wrapped_model.load_model``,
+    ``finetune.wrapped_model.load_model``): a file that imports one is handed an FSDP1 model (in their own file the
+    usual evidence applies)."""
+    fsdp1_sure_factories: set[str] = field(default_factory=set)
+    """Those of ``fsdp1_factories`` that return FSDP1's wrapper on every path (see :func:`fsdp1_returns`): their
+    result is one, as ``FSDP(...)``'s is. The others (``model = FSDP(model)`` in one branch, ``DDP(model)`` in
+    another, then ``return model``) may hand back something else, whose ``.module`` must stay."""
 
     vendored_functions: dict[str, str] = field(default_factory=dict)
     """Top-level functions of the tree's copies of torch's FSDP1 code (see ``_vendored``), by every dotted suffix
@@ -178,6 +183,7 @@ class Dispatch:
         for name, positions in other.fsdp1_results.items():
             self.fsdp1_results.setdefault(name, set()).update(positions)
         self.fsdp1_factories |= other.fsdp1_factories
+        self.fsdp1_sure_factories |= other.fsdp1_sure_factories
         for name, where in other.vendored_functions.items():
             self.vendored_functions.setdefault(name, where)
         self.imported_names |= other.imported_names
@@ -380,10 +386,12 @@ def subclassed_names(code: str) -> set[str]:
     return names
 
 
-def find_fsdp1_factories(wrapper: MetadataWrapper, path: str) -> set[str]:
+def find_fsdp1_factories(wrapper: MetadataWrapper, path: str) -> tuple[set[str], set[str]]:
     """Top-level functions of a file that return FSDP1's wrapper: annotated so, or returning ``FSDP(...)``
-    (directly or through a name assigned from it in the function); see ``Dispatch.fsdp1_factories``."""
-    names: list[str] = []
+    (directly or through a name assigned from it in the function), on some path and on every path (see
+    ``Dispatch.fsdp1_factories`` and ``fsdp1_sure_factories``)."""
+    some: list[str] = []
+    every: list[str] = []
     found_aliases = class_aliases(wrapper)
 
     class V(FollowsAliases):
@@ -395,21 +403,76 @@ def find_fsdp1_factories(wrapper: MetadataWrapper, path: str) -> set[str]:
             return resolve_fsdp(self.get_metadata(QualifiedNameProvider, node, set())) == (FSDP, "")
 
         def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
-            wrapped = {
-                code_of(t.target)
-                for n in walk(node.body)
-                if isinstance(n, cst.Assign) and isinstance(n.value, cst.Call) and self.is_fsdp1(n.value.func)
-                for t in n.targets
-            }
-            returns = [n.value for n in walk(node.body) if isinstance(n, cst.Return) and n.value is not None]
-            if (node.returns is not None and self.is_fsdp1(node.returns.annotation)) or any(
-                (isinstance(v, cst.Call) and self.is_fsdp1(v.func)) or code_of(v) in wrapped for v in returns
-            ):
-                names.append(node.name.value)
+            if node.returns is not None and self.is_fsdp1(node.returns.annotation):
+                some.append(node.name.value)
+                every.append(node.name.value)
+                return False
+            on_some, on_every = fsdp1_returns(node, self.is_fsdp1)
+            if on_some:
+                some.append(node.name.value)
+            if on_every:
+                every.append(node.name.value)
             return False  # nested functions and methods are not reached by an import
 
     wrapper.visit(V())
-    return module_suffixes(path, names)
+    return module_suffixes(path, some), module_suffixes(path, every)
+
+
+def fsdp1_returns(fn: cst.FunctionDef, is_fsdp1: Callable[[cst.CSTNode], bool]) -> tuple[bool, bool]:
+    """Whether ``fn`` returns FSDP1's wrapper (``return FSDP(...)``, or a name assigned ``FSDP(...)`` in it) on
+    some path, and on every path: each ``return`` gives ``FSDP(...)`` or a name bound to it by a statement
+    the return is sure to follow (in its own block or one around it, not in a branch of an ``if`` above it:
+    ``if fsdp: model = FSDP(model)`` ``else: model = DDP(model)`` ``return model`` is FSDP1's on one path
+    only). ``is_fsdp1`` tells whether a call's function is FSDP1's wrapper class."""
+    made = {
+        code_of(t.target)
+        for n in walk(fn.body)
+        if isinstance(n, cst.Assign) and isinstance(n.value, cst.Call) and is_fsdp1(n.value.func)
+        for t in n.targets
+    }
+    verdicts: list[tuple[bool, bool]] = []  # per return: (FSDP1's on some path, on every path)
+
+    def block(stmts: Sequence[cst.CSTNode], bound: set[str]) -> None:
+        bound = set(bound)  # what a branch binds stays in the branch
+        for stmt in stmts:
+            if isinstance(stmt, (cst.FunctionDef, cst.ClassDef)):
+                continue
+            if isinstance(stmt, cst.SimpleStatementLine):
+                for small in stmt.body:
+                    if isinstance(small, cst.Assign):
+                        wraps = isinstance(small.value, cst.Call) and is_fsdp1(small.value.func)
+                        for t in small.targets:
+                            names = {code_of(x) for x in walk(t.target) if isinstance(x, (cst.Name, cst.Attribute))}
+                            bound.difference_update(names)
+                            if wraps:
+                                bound.add(code_of(t.target))
+                    elif isinstance(small, cst.Return) and small.value is not None:
+                        v = small.value
+                        direct = isinstance(v, cst.Call) and is_fsdp1(v.func)
+                        verdicts.append((direct or code_of(v) in made, direct or code_of(v) in bound))
+                continue
+            for suite in _suites(stmt):
+                block(suite, bound)
+
+    if isinstance(fn.body, cst.IndentedBlock):
+        block(fn.body.body, set())
+    else:  # def f(m): return FSDP(m)
+        block([cst.SimpleStatementLine(body=cast(cst.SimpleStatementSuite, fn.body).body)], set())
+    return any(s for s, _ in verdicts), bool(verdicts) and all(e for _, e in verdicts)
+
+
+def _suites(stmt: cst.CSTNode) -> Iterator[Sequence[cst.CSTNode]]:
+    """The statement lists of a compound statement (``if``'s body, its ``elif``s and ``else``, a ``try``'s
+    handlers, ...); a one-line suite's small statements come as one line."""
+    for child in stmt.children:
+        if isinstance(child, cst.IndentedBlock):
+            yield child.body
+        elif isinstance(child, cst.SimpleStatementSuite):
+            yield [cst.SimpleStatementLine(body=child.body)]
+        elif isinstance(
+            child, (cst.BaseCompoundStatement, cst.Else, cst.Finally, cst.ExceptHandler, cst.ExceptStarHandler)
+        ):
+            yield from _suites(child)
 
 
 def module_suffixes(path: str, names: Iterable[str]) -> set[str]:

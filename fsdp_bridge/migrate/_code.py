@@ -447,8 +447,14 @@ def migrate_paths(
                 dispatch.merge(find_dispatch(MetadataWrapper(cst.parse_module(code))))
             if "FullyShardedDataParallel" in code:
                 parsed = MetadataWrapper(cst.parse_module(code))
-                factories = find_fsdp1_factories(parsed, str(f))
-                dispatch.merge(Dispatch(fsdp1_factories=factories, fsdp1_attributes=find_fsdp1_attributes(parsed)))
+                some, every = find_fsdp1_factories(parsed, str(f))
+                dispatch.merge(
+                    Dispatch(
+                        fsdp1_factories=some,
+                        fsdp1_sure_factories=every,
+                        fsdp1_attributes=find_fsdp1_attributes(parsed),
+                    )
+                )
                 dispatch.merge(find_fsdp1_arguments(parsed))
             dispatch.merge(
                 Dispatch(

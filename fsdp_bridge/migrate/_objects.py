@@ -9,7 +9,7 @@ import libcst as cst
 import libcst.matchers as m
 from libcst.metadata import PositionProvider, QualifiedNameProvider
 
-from fsdp_bridge.migrate._analysis import Region, code_of, exits, is_fsdp2_class, resolve_fsdp, walk
+from fsdp_bridge.migrate._analysis import Region, code_of, exits, fsdp1_returns, is_fsdp2_class, resolve_fsdp, walk
 from fsdp_bridge.migrate._names import FSDP
 from fsdp_bridge.migrate._scan_base import ScannerBase
 
@@ -276,7 +276,7 @@ class ObjectAnalysis(ScannerBase):
                 found.add("fsdp1")  # a wrapper factory of this file: partial(FSDP, ...) or a function returning one
             for x in walk(expr):
                 quals = self.get_metadata(QualifiedNameProvider, x, set())
-                if resolve_fsdp(quals) in ((FSDP, ""), ("wrap", "")) or self._fsdp1_factory(quals):
+                if resolve_fsdp(quals) in ((FSDP, ""), ("wrap", "")) or self._fsdp1_factory(quals, every_path=True):
                     found.add("fsdp1")
                 if any(
                     q.name.startswith("torch.nn.parallel.") and q.name.endswith(".DistributedDataParallel")
@@ -456,7 +456,7 @@ class ObjectAnalysis(ScannerBase):
     def _local_fsdp1_makers(self) -> set[str]:
         """Names of this file that make FSDP1 wrappers when called: a variable assigned once from
         ``functools.partial(FSDP, ...)``, a function (or method) whose every ``return`` gives ``FSDP(...)``
-        (directly or through a name assigned from it there)."""
+        (directly or through a name assigned from it on the return's path: see ``fsdp1_returns``)."""
         if self.local_makers is None:
             found: set[str] = set()
             for name, value in self.assignments.items():
@@ -468,28 +468,7 @@ class ObjectAnalysis(ScannerBase):
                 ):
                     found.add(name)
             for n in walk(self.module) if self.module is not None else ():
-                if not isinstance(n, cst.FunctionDef):
-                    continue
-                wrapped = {
-                    code_of(t.target)
-                    for a in walk(n.body)
-                    if isinstance(a, cst.Assign)
-                    and isinstance(a.value, cst.Call)
-                    and resolve_fsdp(self.get_metadata(QualifiedNameProvider, a.value.func, set())) == (FSDP, "")
-                    for t in a.targets
-                }
-                returns = [r.value for r in walk(n.body) if isinstance(r, cst.Return)]
-                if returns and all(
-                    r is not None
-                    and (
-                        (
-                            isinstance(r, cst.Call)
-                            and resolve_fsdp(self.get_metadata(QualifiedNameProvider, r.func, set())) == (FSDP, "")
-                        )
-                        or code_of(r) in wrapped
-                    )
-                    for r in returns
-                ):
+                if isinstance(n, cst.FunctionDef) and fsdp1_returns(n, lambda f: self._qn(f) == (FSDP, ""))[1]:
                     found.add(n.name.value)
             self.local_makers = found
         return self.local_makers

@@ -159,9 +159,10 @@ class ScannerBase(FollowsAliases):
         )
 
     # -- helpers -------------------------------------------------------------------
-    def _fsdp1_factory(self, qnames: Iterable[Any]) -> bool:
-        """A function of the migrated tree that returns FSDP1's wrapper (``Dispatch.fsdp1_factories``)."""
-        factories = self.dispatch.fsdp1_factories
+    def _fsdp1_factory(self, qnames: Iterable[Any], *, every_path: bool = False) -> bool:
+        """A function of the migrated tree that returns FSDP1's wrapper (``Dispatch.fsdp1_factories``; with
+        ``every_path``, on every path: ``fsdp1_sure_factories``)."""
+        factories = self.dispatch.fsdp1_sure_factories if every_path else self.dispatch.fsdp1_factories
         return any(q.source is QualifiedNameSource.IMPORT and q.name.lstrip(".") in factories for q in qnames)
 
     def _vendored_function(self, qnames: Iterable[Any]) -> str | None:

@@ -285,6 +285,21 @@ class NoSyncClipFixer(ScannerBase):
         of it) is an FSDP1 model (``Dispatch.fsdp1_results``); else ""."""
         results = self.dispatch.fsdp1_results
         limit = self.get_metadata(PositionProvider, before).start if before is not None else None
+        blocks = [self.get_metadata(PositionProvider, b) for b in walk(fn.body) if isinstance(b, cst.IndentedBlock)]
+
+        def on_the_way(n: cst.CSTNode) -> bool:
+            """The block that holds assignment ``n`` holds ``before`` too: ``n`` runs on the way there, not in a
+            branch beside it (``if ds: model, *_ = deepspeed.initialize(...)`` beside ``else: model = f(...)``
+            leaves ``model`` f's result on one path: a factory's result still, for a guarded form)."""
+            at = self.get_metadata(PositionProvider, n)
+            holders = [
+                b for b in blocks if not _before(at.start, b.start) and not _before(b.end, at.end)
+            ]  # blocks around n
+            if not holders or limit is None:
+                return True
+            inner = max(holders, key=lambda b: (b.start.line, b.start.column))
+            return not _before(limit, inner.start) and not _before(inner.end, limit)
+
         found = ""
         for n in walk(fn.body):
             if limit is not None and not (
@@ -293,7 +308,11 @@ class NoSyncClipFixer(ScannerBase):
             ):
                 continue
             if not isinstance(n, cst.Assign):
-                if limit is not None and m.matches(cast("cst.AnnAssign | cst.AugAssign", n).target, m.Name(name)):
+                if (
+                    limit is not None
+                    and m.matches(cast("cst.AnnAssign | cst.AugAssign", n).target, m.Name(name))
+                    and on_the_way(n)
+                ):
                     found = ""  # assigned anew
                 continue
             targets = [t.target for t in n.targets]
@@ -312,7 +331,7 @@ class NoSyncClipFixer(ScannerBase):
                 found = code_of(cast(cst.Call, n.value).func)
                 if limit is None:
                     return found
-            elif limit is not None and any(binds(t, name) for t in targets):
+            elif limit is not None and any(binds(t, name) for t in targets) and on_the_way(n):
                 found = ""  # assigned anew
         return found
 
