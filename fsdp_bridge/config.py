@@ -709,7 +709,7 @@ class BridgeConfig:
         return replaced
 
     @classmethod
-    def from_fsdp1(cls, *, backend: Backend | str = Backend.FSDP2, **fsdp1_kwargs: Any) -> BridgeConfig:
+    def from_fsdp1(cls, *fsdp1_args: Any, backend: Backend | str = Backend.FSDP2, **fsdp1_kwargs: Any) -> BridgeConfig:
         """The config meaning what FSDP1's constructor arguments mean, for ``backend``.
 
         Takes ``FullyShardedDataParallel``'s keyword arguments with FSDP1's own run-time
@@ -725,6 +725,10 @@ class BridgeConfig:
                 mixed_precision=mp_policy, device_id=torch.cuda.current_device()), mesh=device_mesh)
 
         Args:
+            *fsdp1_args: FSDP1's positional arguments after ``module`` (``process_group``,
+                ``sharding_strategy``, ``cpu_offload``, ... in its constructor's order), so that
+                ``FSDP(module, *args, **kwargs)`` becomes ``shard(module, BridgeConfig.from_fsdp1(*args,
+                **kwargs))``.
             backend: the backend to run on (FSDP2 by default: this is the migration path).
             **fsdp1_kwargs: FSDP1 constructor arguments other than ``module``. A model built on
                 the meta device without ``sync_module_states`` is materialised as FSDP1 does it, on
@@ -749,8 +753,15 @@ class BridgeConfig:
         """
         # What FSDP1's arguments mean lives in its own module (below this one: it makes plain field values);
         # imported here so that reading a YAML config does not import FSDP1's classes.
-        from fsdp_bridge.fsdp1_compat import runtime_ignored_objects, runtime_mesh_arguments, translate_fsdp1_kwargs
+        from fsdp_bridge.fsdp1_compat import (
+            positional_fsdp1_arguments,
+            runtime_ignored_objects,
+            runtime_mesh_arguments,
+            translate_fsdp1_kwargs,
+        )
 
+        if fsdp1_args:
+            fsdp1_kwargs = positional_fsdp1_arguments(fsdp1_args, fsdp1_kwargs)
         kwargs, carried = runtime_mesh_arguments(fsdp1_kwargs)
         kwargs, ignored_objects = runtime_ignored_objects(kwargs)
         values, notes = translate_fsdp1_kwargs(kwargs)

@@ -40,6 +40,7 @@ __all__ = [
     "FSDP1_KWARGS",
     "describe_policy",
     "fsdp1_policy_units",
+    "positional_fsdp1_arguments",
     "runtime_ignored_objects",
     "runtime_mesh_arguments",
     "translate_fsdp1_kwargs",
@@ -62,6 +63,54 @@ FSDP1_KWARGS = (
     "process_group",
 )
 """FullyShardedDataParallel's keyword arguments that :func:`translate_fsdp1_kwargs` reads."""
+
+FSDP1_POSITIONAL = (
+    "process_group",
+    "sharding_strategy",
+    "cpu_offload",
+    "auto_wrap_policy",
+    "backward_prefetch",
+    "mixed_precision",
+    "ignored_modules",
+    "param_init_fn",
+    "device_id",
+    "sync_module_states",
+    "forward_prefetch",
+    "limit_all_gathers",
+    "use_orig_params",
+    "ignored_states",
+    "device_mesh",
+)
+"""FullyShardedDataParallel's parameters after ``module``, in its constructor's order (positional arguments
+of :meth:`BridgeConfig.from_fsdp1`, as ``FSDP(module, *args, **kwargs)`` passes them)."""
+
+
+def positional_fsdp1_arguments(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """``kwargs`` with FSDP1's positional arguments after ``module`` named (:data:`FSDP1_POSITIONAL`).
+
+    Raises:
+        ConfigError: more positional arguments than FSDP1 takes, or one also given by keyword.
+    """
+    problems: list[Problem] = []
+    if len(args) > len(FSDP1_POSITIONAL):
+        problems.append(
+            Problem(
+                "positional arguments",
+                len(args),
+                f"at most {len(FSDP1_POSITIONAL)} after the module ({', '.join(FSDP1_POSITIONAL)})",
+                "pass the module to shard(), the rest as FSDP1 takes them",
+            )
+        )
+    named = dict(zip(FSDP1_POSITIONAL, args, strict=False))
+    problems += [
+        Problem(key, kwargs[key], "one value, by position or by keyword", f"drop {key}= or the positional argument")
+        for key in named
+        if key in kwargs
+    ]
+    if problems:
+        raise ConfigError(problems)
+    return {**named, **kwargs}
+
 
 _SIZE_BASED_DEFAULT = 100_000_000  # size_based_auto_wrap_policy's own default min_num_params
 

@@ -83,6 +83,36 @@ def test_plain_module_gets_nothing_to_sync_and_torchs_clip() -> None:
     assert torch.equal(model.weight, before[0] + 1.0)
 
 
+def test_a_full_optimizer_state_keeps_fsdp1s_optimizer_config() -> None:
+    # FSDP1's FullOptimStateDictConfig() (also when a block or set_state_dict_type gives none) is a CPU copy on
+    # every rank, gathered one tensor at a time: not torch's full_state_dict options (the whole state on every GPU)
+    from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig, StateDictType
+
+    from fsdp_bridge.backends import fsdp1_objects
+
+    model = _with_grads(nn.Linear(3, 2))
+    opt = torch.optim.AdamW(model.parameters())
+    opt.step()
+    full = StateDictType.FULL_STATE_DICT
+    calls: list[tuple[bool, bool]] = []
+
+    def recording(model: nn.Module, optim: Any, *, rank0_only: bool, offload_to_cpu: bool) -> dict[str, Any]:
+        calls.append((rank0_only, offload_to_cpu))
+        return {}
+
+    with mock.patch.object(fsdp1_objects, "full_optim_state_dict", recording):
+        fsdp_bridge.optim_state_dict(model, opt)  # no type set: FSDP1's default
+        with fsdp_bridge.state_dict_type(model, full, FullStateDictConfig(rank0_only=True)):
+            fsdp_bridge.optim_state_dict(model, opt)
+        with fsdp_bridge.state_dict_type(
+            model, full, None, FullOptimStateDictConfig(rank0_only=True, offload_to_cpu=False)
+        ):
+            fsdp_bridge.optim_state_dict(model, opt)
+    assert calls == [(False, True), (False, True), (True, False)]
+    state = fsdp_bridge.optim_state_dict(model, opt)
+    assert sorted(state["state"]) == ["bias", "weight"] and state["state"]["weight"]["exp_avg"].device.type == "cpu"
+
+
 class _OwnSwitch(nn.Module):
     """Another library's module (a jitted module) with a no_sync() of its own."""
 

@@ -145,6 +145,30 @@ def test_the_report_names_the_policy() -> None:
     assert wrap["value"] == "callable _or_policy(policies=[ModuleWrapPolicy({Block})])"
 
 
+def test_positional_arguments_take_fsdp1s_order() -> None:
+    # FSDP(module, *args, **kwargs) passes FSDP1's parameters after module by position: from_fsdp1 takes them so
+    mp = MixedPrecision(param_dtype=torch.bfloat16)
+    args = (
+        None,
+        TorchStrategy.SHARD_GRAD_OP,
+        CPUOffload(offload_params=False),
+        None,
+        BackwardPrefetch.BACKWARD_PRE,
+        mp,
+    )
+    assert BridgeConfig.from_fsdp1(*args, use_orig_params=True) == BridgeConfig.from_fsdp1(
+        sharding_strategy=TorchStrategy.SHARD_GRAD_OP,
+        cpu_offload=CPUOffload(offload_params=False),
+        backward_prefetch=BackwardPrefetch.BACKWARD_PRE,
+        mixed_precision=mp,
+        use_orig_params=True,
+    )
+    with pytest.raises(ConfigError, match=r"sharding_strategy: got .*; allowed: one value, by position or by keyword"):
+        BridgeConfig.from_fsdp1(None, TorchStrategy.FULL_SHARD, sharding_strategy=TorchStrategy.NO_SHARD)
+    with pytest.raises(ConfigError, match=r"positional arguments: got 16; allowed: at most 15 after the module"):
+        BridgeConfig.from_fsdp1(*([None] * 16))
+
+
 def test_what_has_no_meaning_is_refused_with_the_fix() -> None:
     with pytest.raises(ConfigError, match=r"module: .*a FullyShardedDataParallel argument"):
         BridgeConfig.from_fsdp1(module=nn.Linear(1, 1))

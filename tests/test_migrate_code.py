@@ -763,7 +763,7 @@ def units(model: FSDP) -> list[FSDP]:
 
 
 def step(model: FSDP, cfg, policy_fn):
-    other = FSDP(model, *cfg.args)  # positional arguments unpacked at run time: not mechanical
+    other = FSDP(model, *cfg.args)  # positional arguments unpacked at run time: from_fsdp1 takes FSDP1's order
     model.clip_grad_norm_(1.0)
     return other
 """
@@ -781,7 +781,7 @@ def test_awkward_code_is_rewritten_or_annotated_never_crashes(tmp_path: Path) ->
         in result.fixed
     )
     todos = [f for f in result.findings if not f.fixable]
-    assert len(todos) == 1 and "*cfg.args" in todos[0].replacement
+    assert todos == [] and "fsdp_bridge.BridgeConfig.from_fsdp1(\n            *cfg.args,\n        )," in result.fixed
     # A second --fix on a file that still has a TODO changes nothing (it used to rewrite the
     # rewritten clip_grad_norm_ into fsdp_bridge.clip_grad_norm_(fsdp_bridge, model, ...)).
     assert migrate_source(result.fixed, "awkward.py").fixed == result.fixed
@@ -895,9 +895,7 @@ def test_keyword_and_runtime_state_dict_calls_are_rewritten() -> None:
         "options=fsdp_bridge.state_dict_options(t, cfg, load=True, strict=strict))"
     ) in fixed
     assert "set_model_state_dict(model, sd, options=StateDictOptions(full_state_dict=True, strict=False))" in fixed
-    assert (
-        "get_optimizer_state_dict(model, optim, options=StateDictOptions(full_state_dict=True, cpu_offload=rank0_only))"
-    ) in fixed
+    assert ("return fsdp_bridge.full_optim_state_dict(model, optim, rank0_only=rank0_only)") in fixed
     assert "FSDP" not in fixed.replace("FullStateDictConfig", "")
     assert migrate_source(fixed, "kw.py").fixed == fixed
 
@@ -1142,8 +1140,8 @@ def test_state_dict_contexts_made_by_factories_become_the_bridges() -> None:
     fixed = result.fixed
     assert fixed.count("fsdp_bridge.state_dict_type(module,") == 1 and "return fsdp_bridge.state_dict_type(\n" in fixed
     assert '"optim": fsdp_bridge.optim_state_dict(module, optimizer)}' in fixed
-    # No setting active: FSDP1's default, the full state.
-    assert "return get_optimizer_state_dict(module, optimizer, options=StateDictOptions(full_state_dict=True))" in fixed
+    # No setting active: FSDP1's default, the full state, a CPU copy on every rank (FullOptimStateDictConfig())
+    assert "return fsdp_bridge.full_optim_state_dict(module, optimizer, rank0_only=False, offload_to_cpu=True)" in fixed
     assert migrate_source(fixed, "state_ctx_factory.py").fixed == fixed
     # A literal LOCAL_STATE_DICT context stays a TODO (so the tree is not reported migrated); the calls
     # inside the contexts are rewritten as for the others (the bridge's context refuses LOCAL when entered).
@@ -1744,7 +1742,8 @@ def test_rank0_only_full_state_in_a_tree_sharding_over_a_process_group_keeps_eve
         """
     )
     plain = migrate_source(code, "ckpt.py")
-    assert plain.fixed.count("full_state_dict=True, cpu_offload=True") == 2 and TODO not in plain.fixed
+    assert plain.fixed.count("full_state_dict=True, cpu_offload=True") == 1 and TODO not in plain.fixed
+    assert "osd = fsdp_bridge.full_optim_state_dict(model, optimizer)\n" in plain.fixed
     grouped = migrate_source(code, "/srv/tree/ckpt.py", dispatch=Dispatch(group_fsdp="/srv/tree/train.py"))
     # rank0_only there means each group's first rank: fsdp_bridge's full state functions keep that meaning.
     assert all(f.fixable for f in grouped.findings) and TODO not in grouped.fixed
@@ -2232,7 +2231,7 @@ def test_a_keyed_optimizers_state_calls_are_todos_saying_why() -> None:
     result = migrate_source(code, "keyed.py")
     by_line = {f.line: f for f in result.findings}
     assert not by_line[6].fixable and "keyed optimizer (is_named_optimizer=True)" in by_line[6].replacement
-    assert by_line[7].fixable and "get_optimizer_state_dict(m, plain_opt" in result.fixed
+    assert by_line[7].fixable and "fsdp_bridge.full_optim_state_dict(m, plain_opt" in result.fixed
     assert not by_line[8].fixable and "opt.state_dict() / .load_state_dict(...)" in by_line[8].replacement
 
 

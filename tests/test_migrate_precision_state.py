@@ -249,7 +249,7 @@ def test_a_persistent_sharded_type_keeps_later_state_calls_sharded() -> None:
     assert TODO in weights and "return model.state_dict()" in weights
     # a model made here whose type was never set: FSDP1's default, full
     fresh = _between(fixed, "def fresh_full")
-    assert "get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))" in fresh
+    assert "fsdp_bridge.full_optim_state_dict(model, opt, rank0_only=False, offload_to_cpu=True)" in fresh
     assert TODO not in fresh
 
 
@@ -398,7 +398,7 @@ def test_only_a_real_set_state_dict_type_call_counts_and_the_files_own_is_named(
     by_path = {Path(r.path).name: r for r in migrate_paths([tmp_path])[1]}
     fixed = by_path["optim_io.py"].fixed
     assert "set_state_dict_type" not in fixed and TODO not in fixed
-    assert "get_optimizer_state_dict(net, opt" in fixed
+    assert "fsdp_bridge.full_optim_state_dict(net, opt" in fixed
     (tmp_path / "optim_io.py").write_text(
         body + "\n\ndef use_sharded(net):\n    FSDP.set_state_dict_type(net, StateDictType.SHARDED_STATE_DICT)\n"
     )

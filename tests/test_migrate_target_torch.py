@@ -530,7 +530,11 @@ def test_report_names_the_users_lines_and_what_the_file_holds() -> None:
     assert clip.replacement.startswith("_fsdp2_helpers.clip_grad_norm_(model, 1.0):")
     state = next(f for f in result.findings if f.construct.startswith("FSDP.full_optim_state_dict"))
     assert lines[state.line - 1][state.column :].startswith("FSDP.full_optim_state_dict(")
-    assert state.replacement.startswith("get_optimizer_state_dict(model, optimizer, options=StateDictOptions(")
+    assert state.replacement.startswith("get_optimizer_state_dict(")
+    assert (
+        "get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))"
+        in (result.fixed)
+    )
     summon = next(f for f in result.findings if f.construct.startswith("FSDP.summon_full_params"))
     assert lines[summon.line - 1][summon.column :].startswith("FSDP.summon_full_params(")
     assert not summon.fixable and "fsdp_bridge.summon_full_params(model" in result.fixed

@@ -354,8 +354,10 @@ def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str
     """FSDP1's ``FSDP.optim_state_dict(model, optim)`` for both backends.
 
     On a model holding FSDP1 units it is FSDP1's own call. Otherwise it is torch's
-    ``get_optimizer_state_dict`` with the options of the :class:`state_dict_type` block ``model`` is
-    in, or, outside any, FSDP1's default type (FULL_STATE_DICT: full tensors on every rank).
+    ``get_optimizer_state_dict`` with the settings of the :class:`state_dict_type` block ``model`` is in
+    (or of :func:`set_state_dict_type`), or, outside any, FSDP1's default type. A full type keeps FSDP1's
+    optimizer config: ``FullOptimStateDictConfig()`` (also when none was given) is a CPU copy on every rank,
+    gathered one tensor at a time (:func:`full_optim_state_dict`), not the whole state on every GPU.
 
     Args:
         model: the sharded model (the root given to :func:`state_dict_type`).
@@ -369,11 +371,19 @@ def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str
         from torch.distributed.fsdp import FullyShardedDataParallel
 
         return FullyShardedDataParallel.optim_state_dict(model, optim)
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    active = _ACTIVE.get(model)
-    options = active[1] if active is not None else StateDictOptions(full_state_dict=True)
-    return get_optimizer_state_dict(model, _torch_optimizer(optim), options=options)
+    kind, _, optim_config = _SETTINGS.get(model, ("FULL_STATE_DICT", None, None))
+    if getattr(kind, "name", kind) == "FULL_STATE_DICT":
+        # FSDP1's FullOptimStateDictConfig defaults: offload_to_cpu=True, rank0_only=False
+        return full_optim_state_dict(
+            model,
+            optim,
+            rank0_only=bool(getattr(optim_config, "rank0_only", False)),
+            offload_to_cpu=bool(getattr(optim_config, "offload_to_cpu", True)),
+        )
+    active = _ACTIVE[model]
+    return get_optimizer_state_dict(model, _torch_optimizer(optim), options=active[1])
 
 
 def _keeps_full_state(model: nn.Module) -> bool:

@@ -828,7 +828,7 @@ class Conversion:
     """id(FSDP1 keyword argument) -> what it became in ``shard(...)`` (``strategy="hybrid_shard"``), for the report."""
     report_notes: list[str] = field(default_factory=list)
     runtime: list[tuple[str, str]] | None = None
-    """``(FSDP1 keyword or "**", source)`` for ``BridgeConfig.from_fsdp1(...)``: the values stay the
+    """``(FSDP1 keyword, "*" or "**", source)`` for ``BridgeConfig.from_fsdp1(...)``: the values stay the
     user's own expressions and are translated when the code runs."""
     arg_comments: list[tuple[list[str], str | None]] = field(default_factory=list)
     """For each entry of ``runtime``: the comments on the lines before its argument and after it."""

@@ -22,7 +22,7 @@ def with_option(options: str, extra: str) -> str:
 
 def runtime_names(runtime: Sequence[tuple[str, str]]) -> list[str]:
     """The arguments kept for ``from_fsdp1`` as the report names them (``**kwargs`` by its name)."""
-    return [f"**{code}" if kw == "**" else kw for kw, code in runtime]
+    return [f"{kw}{code}" if kw in ("*", "**") else kw for kw, code in runtime]
 
 
 def render_shard(conv: Conversion) -> cst.BaseExpression:
@@ -87,7 +87,7 @@ def runtime_lines(conv: Conversion, indent: str) -> list[str]:
     for k, (kw, code) in enumerate(conv.runtime or []):
         lead, trail = comments[k] if comments else ([], None)
         lines.extend(indent + c for c in lead)
-        first, *rest = (f"**{code}" if kw == "**" else f"{kw}={code}").split("\n")
+        first, *rest = (f"{kw}{code}" if kw in ("*", "**") else f"{kw}={code}").split("\n")
         rest = textwrap.dedent("\n".join(rest)).split("\n") if rest else []
         lines.append(indent + first)
         lines.extend(indent + line for line in rest)

@@ -274,7 +274,7 @@ class ConstructorFixer(ScannerBase):
         self._consume(node.func)
         for a in node.args:
             self._consume(a.value)
-        items = [f"**{code}" if kw == "**" else f"{kw}={code}" for kw, code in runtime]
+        items = [f"{kw}{code}" if kw in ("*", "**") else f"{kw}={code}" for kw, code in runtime]
         config = f"fsdp_bridge.BridgeConfig.from_fsdp1({', '.join(items)})"
         mesh = f", mesh={code_of(conv.mesh)}" if conv.mesh is not None else ""
         code = f"fsdp_bridge.enable_wrap({config}{mesh})"
@@ -316,7 +316,15 @@ class ConstructorFixer(ScannerBase):
 
         for i, a in enumerate(call.args):
             if a.star == "*":
-                static.blockers.append(f"*{code_of(a.value)}: positional arguments unpacked at run time")
+                before = call.args[:i]
+                if i != 1 or before[0].keyword is not None or before[0].star or out:
+                    static.blockers.append(f"*{code_of(a.value)}: positional arguments unpacked at run time")
+                    return None
+                # FSDP(module, *args, ...): from_fsdp1 takes FSDP1's positional arguments after module in order
+                add("*", code_of(a.value))
+                continue
+            if a.keyword is None and not a.star and out and out[0][0] == "*":
+                static.blockers.append(f"{short(code_of(a.value), 40)}: a positional argument after *args")
                 return None
             if a.star == "**":
                 add("**", code_of(a.value))

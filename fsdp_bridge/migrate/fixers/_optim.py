@@ -14,6 +14,12 @@ from fsdp_bridge.migrate._analysis import assign_target, assign_value, code_of, 
 from fsdp_bridge.migrate._names import FSDP, GROUP_RANK0
 from fsdp_bridge.migrate._scan_base import ScannerBase
 
+FULL_OPTIM_TEXT = (
+    "FSDP1's full optimizer state: a CPU copy on rank 0 (rank0_only=True, its default) or on every rank, gathered "
+    "one tensor at a time; like FSDP1 it takes a trainer's optimizer wrapper (torch's get_optimizer_state_dict "
+    "needs the torch optimizer itself)"
+)
+
 
 class OptimStateFixer(ScannerBase):
     """Optimizer state."""
@@ -269,24 +275,43 @@ class OptimStateFixer(ScannerBase):
                 )
                 self._consume(node.func)
                 return True
-            full = member != "sharded_optim_state_dict"
             rank0 = named.get("rank0_only")
-            if member == "full_optim_state_dict" and self.dispatch.group_fsdp is not None:
-                # rank0_only means each process group's first rank: torch's options have no such form.
+            model, optim = code_of(named["model"]), code_of(named["optim"])
+            if member == "full_optim_state_dict":
+                # FSDP1's full state: a CPU copy on rank 0 (each group's first rank over process groups), or on
+                # every rank with rank0_only=False, gathered one tensor at a time; it takes a trainer's optimizer
+                # wrapper as FSDP1 does (torch's get_optimizer_state_dict needs the optimizer itself)
                 self.needs_imports.add(("fsdp_bridge", None))
                 extra = "" if rank0 is None else f", rank0_only={code_of(rank0)}"
-                code = f"fsdp_bridge.full_optim_state_dict({code_of(named['model'])}, {code_of(named['optim'])}{extra})"
+                code = f"fsdp_bridge.full_optim_state_dict({model}, {optim}{extra})"
                 self.call_rewrites[id(node)] = code
-                self._record(node, f"FSDP.{member}(...)", f"{code}: {GROUP_RANK0}", True)
+                why = GROUP_RANK0 if self.dispatch.group_fsdp is not None else FULL_OPTIM_TEXT
+                self._record(node, f"FSDP.{member}(...)", f"{code}: {why}", True)
+                return True
+            if member == "optim_state_dict":
+                self.needs_imports.add(("fsdp_bridge", None))
+                self._consume(node.func)
+                if where is not None and self.dispatch.unfollowed_set_state_dict_type is None:
+                    # FULL_STATE_DICT set above, with configs known at run time: the bridge follows them
+                    code = f"fsdp_bridge.optim_state_dict({model}, {optim})"
+                    why = (
+                        f"{where} calls FSDP.set_state_dict_type, rewritten to fsdp_bridge's, and this model's type is "
+                        "FULL_STATE_DICT here; the bridge's call follows the optimizer config set with it (FSDP1's "
+                        "default FullOptimStateDictConfig(): a CPU copy on every rank)"
+                    )
+                else:
+                    # FSDP1's default type and optimizer config: FullOptimStateDictConfig(), a CPU copy on every rank
+                    code = f"fsdp_bridge.full_optim_state_dict({model}, {optim}, rank0_only=False, offload_to_cpu=True)"
+                    why = (
+                        "FSDP1's default state-dict type and optimizer config (FullOptimStateDictConfig()): the full "
+                        "state as a CPU copy on every rank, gathered one tensor at a time (torch's "
+                        "StateDictOptions(full_state_dict=True) would put the whole state on every GPU)"
+                    )
+                self.call_rewrites[id(node)] = code
+                self._record(node, f"FSDP.{member}(...)", f"{code}: {why}", True)
                 return True
             self.needs_state_dict_api.add("get_optimizer_state_dict")
-            if member != "full_optim_state_dict" or rank0 is None or code_of(rank0) in ("True", "False"):
-                opts = self._options(
-                    full, cpu_offload=member == "full_optim_state_dict" and (rank0 is None or code_of(rank0) == "True")
-                )
-            else:  # rank 0 only, in CPU memory, when the expression is true (FSDP1's rank0_only)
-                opts = f"StateDictOptions(full_state_dict=True, cpu_offload={code_of(rank0)})"
-            code = f"get_optimizer_state_dict({code_of(named['model'])}, {code_of(named['optim'])}, options={opts})"
+            code = f"get_optimizer_state_dict({model}, {optim}, options={self._options(False)})"
         if code is None:
             return False
         self.call_rewrites[id(node)] = code

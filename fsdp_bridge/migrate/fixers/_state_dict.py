@@ -380,14 +380,16 @@ class StateDictFixer(ScannerBase):
         return f"StateDictOptions(full_state_dict=True{extra})"
 
     @staticmethod
-    def _runtime_flags(cfg: cst.BaseExpression) -> str:
+    def _runtime_flags(cfg: cst.BaseExpression, offload_default: str = "False") -> str:
         """``rank0_only=..., offload_to_cpu=...`` of a full-state config known at run time: the keywords of a
-        ``FullStateDictConfig(...)`` call written there (FSDP1's defaults, False, for those not given), else
-        the config object's attributes."""
+        ``FullStateDictConfig(...)`` call written there (FSDP1's defaults for those not given: False, and
+        ``offload_default`` for ``offload_to_cpu``, True for ``FullOptimStateDictConfig``), else the config
+        object's attributes."""
         if isinstance(cfg, cst.Call) and all(a.keyword is not None for a in cfg.args):
             given = {a.keyword.value: code_of(a.value) for a in cfg.args if a.keyword is not None}
-            if set(given) <= {"rank0_only", "offload_to_cpu"}:
-                return ", ".join(f"{k}={given.get(k, 'False')}" for k in ("rank0_only", "offload_to_cpu"))
+            defaults = {"rank0_only": "False", "offload_to_cpu": offload_default}
+            if set(given) <= set(defaults):
+                return ", ".join(f"{k}={given.get(k, defaults[k])}" for k in defaults)
         obj = code_of(cfg)
         return f"rank0_only={obj}.rank0_only, offload_to_cpu={obj}.offload_to_cpu"
 
@@ -570,6 +572,14 @@ class StateDictFixer(ScannerBase):
                 # A full state whose config is known at run time: FSDP1's rank0_only and offload_to_cpu each
                 # as given (torch's options have no every-rank CPU copy: offload_to_cpu=True, rank0_only=False)
                 full_save = f"fsdp_bridge.full_state_dict({model}, {self._runtime_flags(cfg)})"
+            if kind == "FULL_STATE_DICT" and self.dispatch.group_fsdp is None:
+                # the optimizer state as FSDP1's optimizer config gives it (FullOptimStateDictConfig(), also when
+                # none is given: every rank a CPU copy, which torch's options cannot say)
+                full_optim = (
+                    "rank0_only=False, offload_to_cpu=True"
+                    if optim_cfg is None or m.matches(optim_cfg, m.Name("None"))
+                    else self._runtime_flags(optim_cfg, offload_default="True")
+                )
         elif (
             kind == "FULL_STATE_DICT"
             and self.dispatch.group_fsdp is not None
