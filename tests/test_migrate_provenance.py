@@ -328,3 +328,38 @@ def test_fsdp1_arguments_passed_on_by_position_are_translated_at_run_time() -> N
     # a positional argument before *args would land on another parameter when renamed: left with a TODO
     assert "return FSDP(module, group, *args)" in result.fixed
     assert [f.fixable for f in result.findings if f.construct.startswith("FSDP(")] == [True, False]
+
+
+def test_another_classs_clip_grad_norm_is_no_sign_of_fsdp1(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # accelerate's Accelerator has clip_grad_norm_ and a mixed_precision string: in a file handed FSDP1 models
+    # by a factory of the tree, the accelerator's attributes stay as written
+    (tmp_path / "wrapping.py").write_text(
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n\n\ndef wrap_with_fsdp(m):\n"
+        "    return FSDP(m)\n"
+    )
+    train = (
+        "from accelerate import Accelerator\nfrom wrapping import wrap_with_fsdp\n\n\n"
+        "def main(mp, model):\n    accelerator = Accelerator(mixed_precision=mp)\n    model = wrap_with_fsdp(model)\n"
+        '    if accelerator.mixed_precision == "fp16":\n        pass\n'
+        "    accelerator.clip_grad_norm_(model.parameters(), 1.0)\n"
+    )
+    (tmp_path / "train.py").write_text(train)
+    report, _ = migrate_paths([tmp_path], fix=True)
+    assert (tmp_path / "train.py").read_text() == train
+    assert [f.path for f in report.findings] == [str(tmp_path / "wrapping.py")]
+
+
+def test_a_lightning_strategy_subclass_keeps_its_own_fsdp1_wrap() -> None:
+    # the subclass's _setup_model wraps with FSDP1; the state-dict and checkpoint methods it inherits from
+    # Lightning call FSDP1's API on that model, so the call stays FSDP1's with the class (both TODOs)
+    code = (
+        "from lightning.pytorch.strategies import FSDPStrategy\n"
+        "from torch.distributed.fsdp import FullyShardedDataParallel\n\n\n"
+        "class CPUInit(FSDPStrategy):\n"
+        "    def _setup_model(self, model):\n"
+        "        return FullyShardedDataParallel(module=model, **self.kwargs)\n"
+    )
+    result = _migrate(code)
+    assert "return FullyShardedDataParallel(module=model, **self.kwargs)" in result.fixed
+    wrap = next(f for f in result.findings if f.construct == "FullyShardedDataParallel(...)")
+    assert not wrap.fixable and "CPUInit subclasses Lightning's FSDP1 strategy" in wrap.replacement

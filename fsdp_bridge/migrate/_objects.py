@@ -301,6 +301,17 @@ class ObjectAnalysis(ScannerBase):
 
         kinds: set[str] = set()
         scopes = [scope, *self._base_classes_here(scope, target)] if isinstance(scope, cst.ClassDef) else [scope]
+        # ``accelerator = Accelerator(...)`` (another class's object) then ``accelerator.clip_grad_norm_(...)``:
+        # that call is the other class's method, no sign of FSDP1's wrapper
+        built_otherwise = any(
+            isinstance(n, cst.Assign)
+            and isinstance(n.value, cst.Call)
+            and any(code_of(t.target) == target for t in n.targets)
+            and code_of(n.value.func).rsplit(".", 1)[-1][:1].isupper()
+            and not kind(n.value.func)
+            for s in scopes
+            for n in walk(s)
+        )
         for n in (x for s in scopes for x in walk(s)):
             if limit is not None and isinstance(n, (cst.IndentedBlock, cst.Module)):
                 # Assigned in a statement that ends above ``before``, in a block that holds it: not in a sibling
@@ -365,6 +376,7 @@ class ObjectAnalysis(ScannerBase):
                     kinds |= kind(n.args[1].value) & {"ddp"}  # an FSDP test decides only inside its guard
                 elif (
                     by_calls
+                    and not built_otherwise
                     and isinstance(f, cst.Attribute)
                     and f.attr.value == "clip_grad_norm_"
                     and code_of(f.value) == target

@@ -106,7 +106,7 @@ class ConstructorFixer(ScannerBase):
                 self._consume(a.value)
             self._consume(call.func)
             conv.blockers, conv.consumed, conv.runtime = [], [], runtime
-        if (user := self._fsdp1_only_user(call)) is not None:
+        if (user := self._fsdp1_only_user(call) or self._in_lightning_strategy()) is not None:
             # The wrapper is handed to a function that takes FSDP1's only: the call stays, with a TODO.
             self.consumed_nodes = consumed_before
             for a in call.args:
@@ -142,6 +142,20 @@ class ConstructorFixer(ScannerBase):
             self._kwarg_finding(a, case, fixable, conv.kwarg_became.get(id(a)))
         for note in conv.report_notes:
             self._record(call, "backward_prefetch", note, False)
+
+    def _in_lightning_strategy(self) -> str | None:
+        """Why an ``FSDP(...)`` in a method of a subclass of Lightning's FSDP1 strategy stays FSDP1's (None
+        elsewhere): the methods it inherits (state dicts, optimizer state, checkpoints) call FSDP1's API on the
+        model it makes, so the call moves to the bridge with the class as a whole, not alone."""
+        for cls in reversed(self.classes):
+            for base in cls.bases:
+                if self._lightning_name(base.value, "FSDPStrategy") is not None:
+                    return (
+                        f"{cls.name.value} subclasses Lightning's FSDP1 strategy, whose inherited methods (state "
+                        "dicts, optimizer state, checkpoints) call FSDP1's API on the model this call makes: it stays "
+                        "FSDP1's until the class as a whole moves to the bridge (see the TODO on the class)"
+                    )
+        return None
 
     def _fsdp1_only_user(self, call: cst.Call) -> str | None:
         """Why ``x = FSDP(...)`` must stay FSDP1's: ``x`` is handed, in the same function, to a function of

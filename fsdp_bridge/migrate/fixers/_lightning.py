@@ -145,10 +145,13 @@ class LightningFixer(ScannerBase):
                 base.value,
                 f"class {node.name.value}({code_of(base.value)}) (a subclass of Lightning's FSDP1 strategy)",
                 WAY_OUT
-                + "those this class hands to FSDPStrategy.__init__ (read them there: sharding_strategy -> "
+                + "those this class hands to FSDPStrategy or uses in its own FSDP(...) call (read them there: "
+                + "sharding_strategy -> "
                 + "strategy=, auto_wrap_policy -> wrap=, mixed_precision -> mixed_precision=, cpu_offload -> "
-                + "cpu_offload=, backward_prefetch -> backward_prefetch=); move the overrides that call FSDP1 "
-                + "(FSDP.state_dict_type, FSDP.optim_state_dict, ...) to the new strategy too: the FSDP1 values "
+                + "cpu_offload=, backward_prefetch -> backward_prefetch=); what calls FSDP1 (its own methods and "
+                + "the state-dict, optimizer-state and checkpoint methods it inherits from Lightning: FSDP(...), "
+                + "FSDP.state_dict_type, FSDP.optim_state_dict, ...) stays FSDP1's until the class moves as a whole: "
+                + "the FSDP1 values "
                 + "this class builds (MixedPrecision, ShardingStrategy, wrap policies) are read by Lightning, not "
                 + "by fsdp_bridge",
                 False,

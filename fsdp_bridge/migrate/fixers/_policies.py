@@ -58,8 +58,9 @@ class PolicyFixer(ScannerBase):
             return "MixedPrecision's param/reduce/buffer dtypes -> MixedPrecisionPolicy (buffers cast once)"
         if kw == "cpu_offload":
             return (
-                "CPUOffload(offload_params=True) -> CPUOffloadPolicy on a GPU run; refused with the reason on "
-                "a CPU-only run; offload_params=False -> nothing offloaded"
+                "CPUOffload(offload_params=True) -> CPUOffloadPolicy on a GPU run; on a CPU-only run the "
+                "parameters already live in host memory and nothing is offloaded; offload_params=False -> nothing "
+                "offloaded"
             )
         if kw == "backward_prefetch":
             return (
