@@ -69,7 +69,11 @@ class PolicyFixer(ScannerBase):
                 "a note when the code runs; written as BACKWARD_POST, a TODO)"
             )
         if kw == "use_orig_params":
-            return "FSDP2 parameters always are the original ones"
+            return (
+                "FSDP2 always keeps one parameter per original one (its name and shape, sharded as a DTensor, "
+                "never flattened), what use_orig_params=True asks of FSDP1; the parameter objects are new, so an "
+                "optimizer is built after the shard call"
+            )
         if kw in ("ignored_modules", "ignored_states"):
             return (
                 "module (or parameter) objects -> their paths in the model (fsdp_bridge.module_names, when the "

@@ -682,7 +682,9 @@ class StateDictFixer(ScannerBase):
             self._plan_other_roots(node, model, rewrites)
             # Runtime configs stay: the new calls read them.
             configs = () if save_opts.startswith("fsdp_bridge.") else (cfg, optim_cfg)
-            why = f" (torch.distributed.checkpoint.state_dict, options={save_opts}); your torch.save / DCP code is kept"
+            saves = any("get_model_state_dict(" in r or "get_optimizer_state_dict(" in r for r in rewrites.values())
+            shown = save_opts if saves or not load_opts else load_opts  # a block that only loads: its options
+            why = f" (torch.distributed.checkpoint.state_dict, options={shown}); your torch.save / DCP code is kept"
             if full_save is not None:
                 why = (
                     " (the model's full state with the config's rank0_only and offload_to_cpu as FSDP1 reads them "
