@@ -706,7 +706,7 @@ def test_multi_file_project_is_migrated_whole_and_trains_like_fsdp1(tmp_path: Pa
     fp_original, fp_migrated = _migrate_tree(FACTORY_PROJECT, tmp_path / "factory_project")
     fit = (fp_migrated / "fit.py").read_text()
     assert "fsdp_bridge.clip_grad_norm_(model, max_norm=0.5)" in fit
-    assert "with fsdp_bridge.summon_full_params(model):" in fit
+    assert "with fsdp_bridge.summon_full_params(model, writeback=True):" in fit
     # wrapped_for() returns FSDP1's model (or DDP's); fit.py hands it to Loop.run, which hands it to
     # clip_and_step: neither file names FSDP, and both calls are rewritten
     loop = (fp_migrated / "trainer" / "loop.py").read_text()
@@ -1869,7 +1869,7 @@ def test_summon_full_params_with_grads_is_rewritten() -> None:
     )
     result = migrate_source(code, "grads.py")
     assert [f.fixable for f in result.findings] == [True, True, False]
-    assert "with fsdp_bridge.summon_full_params(model, with_grads=True):" in result.fixed
+    assert "with fsdp_bridge.summon_full_params(model, with_grads=True, writeback=True):" in result.fixed
     assert "with fsdp_bridge.summon_full_params(model, with_grads=check_grad, writeback=True):" in result.fixed
 
 

@@ -98,7 +98,7 @@ def test_summon_with_parameters_held_across_it_gets_a_todo_not_a_rewrite() -> No
     ):
         body = _between(fixed, f"def {fresh}")
         body = body[: body.index("\ndef ")] if "\ndef " in body else body
-        assert f"with fsdp_bridge.summon_full_params({model}):" in body and TODO not in body
+        assert f"with fsdp_bridge.summon_full_params({model}, writeback=True):" in body and TODO not in body
 
 
 def test_a_second_fsdp1_root_keeps_fsdp1_full_state_dicts() -> None:

@@ -363,3 +363,27 @@ def test_a_lightning_strategy_subclass_keeps_its_own_fsdp1_wrap() -> None:
     assert "return FullyShardedDataParallel(module=model, **self.kwargs)" in result.fixed
     wrap = next(f for f in result.findings if f.construct == "FullyShardedDataParallel(...)")
     assert not wrap.fixable and "CPUInit subclasses Lightning's FSDP1 strategy" in wrap.replacement
+
+
+def test_a_module_read_under_another_names_fsdp1_test_gets_the_guarded_form() -> None:
+    # if isinstance(lm_model, FSDP): self.lm_model.module.head = ... -- the same model by another name: the test
+    # becomes is_sharded(lm_model) (true on FSDP2), so the .module read under it takes the guarded form; the module
+    # set into a sharded model is a TODO (sharded by neither backend)
+    code = (
+        "from torch import nn\nfrom torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n\n\n"
+        "class Reward(nn.Module):\n"
+        "    def __init__(self, lm_model):\n"
+        "        super().__init__()\n"
+        "        self.lm_model = lm_model\n"
+        "        if isinstance(lm_model, FSDP):\n"
+        "            self.lm_model.module.head = nn.Linear(4, 1)\n"
+        "        width = self.lm_model.module.width if isinstance(lm_model, FSDP) else 4\n"
+    )
+    result = _migrate(code)
+    guarded = (
+        "(fsdp_bridge.unwrapped(self.lm_model) if fsdp_bridge.is_sharded(self.lm_model) else self.lm_model.module)"
+    )
+    assert f"            {guarded}.head = nn.Linear(4, 1)\n" in result.fixed
+    assert f"width = {guarded}.width if fsdp_bridge.is_sharded(lm_model) else 4" in result.fixed
+    (todo,) = [f for f in result.findings if not f.fixable]
+    assert "a module set into a sharded model" in todo.construct and "set it before the shard call" in todo.replacement

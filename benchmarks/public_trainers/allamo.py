@@ -17,14 +17,15 @@ from ``FSDP.full_optim_state_dict`` (``torch.save`` on rank 0). This driver runs
 ``__main__`` with a JSON config of its own (``--config``): a 2-layer model (32 dimensions, 2 heads, blocks of
 32 tokens), 5 optimizer steps (iterations 0 to 4) of 2 sequences per rank, fp32 (``dtype: float32``: no
 ``MixedPrecision`` casts, the trainer's GradScaler disabled), a constant learning rate, clipping at 1.0,
-an evaluation every second iteration (one batch per split), so that the best checkpoint (model and
+an evaluation of one batch every second iteration, so that the best checkpoint (model and
 optimizer) is saved twice, and the final model checkpoint at the end, in the run's ``out`` folder, which
 ``verify`` compares. What the trainer reads from elsewhere is made here:
 
-* its dataset files (``<data_dir>/<dataset>/train.*.bin`` and ``val.*.bin``, the ``uint16`` token streams of
-  its ``prepare_datasets.py``) hold the sample text shipped in ``fsdp_bridge/data`` as ids of a word-level
+* its training file (``<data_dir>/<dataset>/train.*.bin``, the ``uint16`` token stream of its
+  ``prepare_datasets.py``) holds the sample text shipped in ``fsdp_bridge/data`` as ids of a word-level
   vocabulary (the model's ``vocab_size``), written to a temporary folder of each rank (outside the tree:
-  ``verify`` compares every ``.bin`` the script leaves there);
+  ``verify`` compares every ``.bin`` the script leaves there). No validation file: the trainer asks whether
+  its validation split has data before loading any file, finds none, and evaluates on the training split;
 * it names the accelerator outright: ``init_torch`` sets ``config.device = f"cuda:{local_rank}"`` after
   starting the process group, and batches and metrics go to that device (pinned first). On this machine
   that device is the CPU, for both runs alike (``verify`` adds its own shims for process groups,
@@ -36,15 +37,30 @@ optimizer) is saved twice, and the final model checkpoint at the end, in the run
   config's seed on every rank (``torch.random.fork_rng``, so what the trainer draws later, its evaluation
   batches, is drawn as before); with ``ALLAMO_KEEP_RANK_SEED=1`` the trainer's own per-rank draw is kept,
   and the two runs start from different weights;
+* its checkpoints take the full state dict with ``offload_to_cpu=True``: with the shards on the CPU, FSDP1's
+  ``FlatParamHandle.to_cpu()`` "moves" the gathered flat parameter to where it already is (no copy) and then
+  frees that storage, which the state dict's views still point to; the clone that follows reads freed memory
+  (a segmentation fault of rank 0 with ``use_orig_params=True``, "storage of size 0" without; pytorch/pytorch
+  issue 188989). Here ``FullStateDictConfig`` keeps ``rank0_only`` and drops ``offload_to_cpu``, which means
+  nothing on the CPU, in both runs (the migrated code reads the same config); ``ALLAMO_KEEP_OFFLOAD=1`` keeps
+  it;
+* ``FSDP.full_optim_state_dict`` (rank 0's copy, offloaded to the CPU) gathers each optimizer state of a unit
+  (``exp_avg``, then ``exp_avg_sq``) into one buffer it reuses, and keeps ``.cpu()`` of each parameter's
+  view of it: on the CPU that is the view itself, not a copy, so every state ends up holding the last one
+  gathered (FSDP1's checkpoint has ``exp_avg == exp_avg_sq``; on a GPU ``.cpu()`` copies). Here each state is
+  copied as it is taken (a wrapper around FSDP1's private ``_optim_utils._unflatten_orig_param_states``,
+  which only the FSDP1 run calls); ``ALLAMO_KEEP_OPTIM_ALIAS=1`` leaves it out;
 * ``wandb`` (imported, not used with ``wandb_log`` off) and ``joblib`` (read for its ``.alm`` files only)
   are stubs when they are not installed.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import runpy
+import shutil
 import sys
 import tempfile
 from typing import Any
@@ -68,15 +84,14 @@ STUBS = {
 
 
 def _datasets(directory: str) -> int:
-    """The sample text as token ids, in the trainer's ``.bin`` format: 80 sequences of 33 tokens for
-    training, 16 for validation (each rank takes every second one). Returns the vocabulary size."""
+    """The sample text as token ids, in the trainer's ``.bin`` format: 80 sequences of 33 tokens (input and
+    shifted target of 32), each rank taking every second one. Returns the vocabulary size."""
     words = sample_words()
     vocab = {w: i for i, w in enumerate(sorted(set(words)))}
-    ids = np.array([vocab[w] for w in words], dtype=np.uint16)
+    ids = np.array([vocab[w] for w in words[: 80 * 33]], dtype=np.uint16)
     folder = os.path.join(directory, DATASET)
     os.makedirs(folder)
-    ids[: 80 * 33].tofile(os.path.join(folder, "train.000.bin"))
-    ids[80 * 33 : 96 * 33].tofile(os.path.join(folder, "val.000.bin"))
+    ids.tofile(os.path.join(folder, "train.000.bin"))
     return len(vocab)
 
 
@@ -150,6 +165,8 @@ def _same_weights_on_every_rank() -> None:
 
 
 def _state_dicts_without_offload() -> None:
+    """``FullStateDictConfig(offload_to_cpu=True, rank0_only=True)`` without the offload (see the module
+    docstring)."""
     import allamo.trainer.fsdp_trainer as fsdp_trainer
 
     config = fsdp_trainer.FullStateDictConfig
@@ -160,9 +177,33 @@ def _state_dicts_without_offload() -> None:
     fsdp_trainer.FullStateDictConfig = on_the_cpu_already
 
 
+def _optimizer_states_copied() -> None:
+    """Each optimizer state FSDP1 gathers to the CPU copied before its buffer is reused (see the module
+    docstring)."""
+    from torch.distributed.fsdp import _optim_utils
+
+    unflatten = _optim_utils._unflatten_orig_param_states
+
+    def copied(
+        fsdp_param_info: Any,
+        output_states: dict[str, dict[str, Any]],
+        state_name: str,
+        *args: Any,
+        **kwargs: Any,
+    ) -> None:
+        unflatten(fsdp_param_info, output_states, state_name, *args, **kwargs)
+        for states in output_states.values():
+            value = states.get(state_name)
+            if isinstance(value, torch.Tensor) and value.device.type == "cpu":
+                states[state_name] = value.clone()
+
+    _optim_utils._unflatten_orig_param_states = copied
+
+
 def main() -> None:
     os.makedirs("out", exist_ok=True)  # rank 0's log file goes there before the trainer makes the folder
     directory = tempfile.mkdtemp(prefix="allamo-data-")
+    atexit.register(shutil.rmtree, directory, True)
     config = _config(directory, _datasets(directory))
     sys.argv = ["fsdp_train.py", "--config", config]
 
@@ -170,6 +211,8 @@ def main() -> None:
     _accelerator_is_the_cpu()
     if os.environ.get("ALLAMO_KEEP_OFFLOAD") != "1":
         _state_dicts_without_offload()
+    if os.environ.get("ALLAMO_KEEP_OPTIM_ALIAS") != "1":
+        _optimizer_states_copied()
     if os.environ.get("ALLAMO_KEEP_RANK_SEED") != "1":
         _same_weights_on_every_rank()
     runpy.run_path("fsdp_train.py", run_name="__main__")

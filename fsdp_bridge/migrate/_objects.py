@@ -221,6 +221,34 @@ class ObjectAnalysis(ScannerBase):
                     best = (start, kinds)
         return best[1] if best is not None else set()
 
+    def _fsdp1_tested_around(self, node: cst.CSTNode) -> str | None:
+        """The object an enclosing guard tests for FSDP1's wrapper (``if isinstance(lm_model, FSDP):`` around
+        ``self.lm_model.module...``, the same model under another name), or None: the guard's test becomes
+        ``fsdp_bridge.is_sharded(...)``, true for FSDP2's modules too, so what it guards runs for them."""
+        scope: cst.CSTNode | None = self.functions[-1] if self.functions else self.module
+        if scope is None:
+            return None
+        here = self.get_metadata(PositionProvider, node).start
+        for n in walk(scope):
+            if isinstance(n, (cst.If, cst.IfExp)):
+                test, body = n.test, n.body
+            elif isinstance(n, cst.BooleanOperation) and isinstance(n.operator, cst.And):
+                test, body = n.left, n.right
+            else:
+                continue
+            span = self.get_metadata(PositionProvider, body)
+            if not (span.start.line, span.start.column) <= (here.line, here.column) <= (span.end.line, span.end.column):
+                continue
+            for call in walk(test):
+                if (
+                    isinstance(call, cst.Call)
+                    and m.matches(call.func, m.Name("isinstance"))
+                    and len(call.args) == 2
+                    and "fsdp1" in self._test_kinds(test, code_of(call.args[0].value))
+                ):
+                    return code_of(call.args[0].value)
+        return None
+
     def _fsdp1_wrapper(self, node: cst.CSTNode, obj: cst.BaseExpression, *, by_calls: bool = True) -> str:
         """Whether ``obj`` at ``node`` is FSDP1's wrapper: "fsdp1", "ambiguous" (DDP's too), or "" (not shown).
 

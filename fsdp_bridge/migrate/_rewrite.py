@@ -39,6 +39,16 @@ class Rewriter(cst.CSTTransformer):
                 for a in updated_node.args
                 if a.keyword is None or a.keyword.value != "recurse" or code_of(a.value) == "False"
             ]
+            given = {a.keyword.value: code_of(a.value) for a in kept if a.keyword is not None}
+            if "writeback" not in given and given.get("recurse") != "False" and given.get("rank0_only") != "True":
+                # FSDP1's default writeback=True (the bridge's is False): changes made inside are kept, as there
+                kept.append(
+                    cst.Arg(
+                        cst.Name("True"),
+                        keyword=cst.Name("writeback"),
+                        equal=cst.AssignEqual(cst.SimpleWhitespace(""), cst.SimpleWhitespace("")),
+                    )
+                )
             return updated_node.with_changes(
                 func=cst.parse_expression("fsdp_bridge.summon_full_params"), args=commas(kept)
             )

@@ -183,6 +183,7 @@ class ImportsFixer(ScannerBase):
                 if "torch.nn.parallel" in code:
                     self.needs_imports.add(("torch", None))
                 self._record(node, f"{code_of(node)} (the wrapped module)", f"{code}: {why}", True)
+                self._note_module_set_after_wrap(node)
                 return True
             if (kept := self.dispatch.subclasses_fsdp1) is not None:
                 kept = "this file" if kept == self.path else kept
@@ -574,6 +575,30 @@ class ImportsFixer(ScannerBase):
                 return a.value
         return None
 
+    def _note_module_set_after_wrap(self, node: cst.Attribute) -> None:
+        """``model.module.head = nn.Linear(...)`` on a sharded model: a TODO, since the new module is sharded by
+        neither backend, and on FSDP2 its plain tensors sit among DTensor parameters."""
+        stmt = self.stmt_stack[-1] if self.stmt_stack else None
+        if not (self.assign_target_depth and isinstance(stmt, cst.SimpleStatementLine)):
+            return
+        for small in stmt.body:
+            if (
+                isinstance(small, cst.Assign)
+                and isinstance(small.value, cst.Call)
+                and any(isinstance(t.target, cst.Attribute) and t.target.value is node for t in small.targets)
+            ):
+                self._record(
+                    small,
+                    f"{short(code_of(small.targets[0].target), 50)} = {short(code_of(small.value.func), 30)}(...) "
+                    "(a module set into a sharded model)",
+                    "not rewritten: set after the model was sharded, it is sharded by neither FSDP1 nor FSDP2 (its "
+                    "gradients are not averaged over ranks); on FSDP2 its plain tensors sit among DTensor parameters, "
+                    "which torch's foreach clip_grad_norm_ and foreach/fused optimizers refuse: set it before the "
+                    "shard call",
+                    False,
+                )
+                return
+
     def _module_source(self, node: cst.CSTNode, obj: cst.BaseExpression) -> str:
         """Why ``obj`` at ``node`` may be FSDP1's wrapper though the function does not show it is: made by a
         function of the tree that returns one on some path, handed one by a call of the tree, or summoned
@@ -591,6 +616,8 @@ class ImportsFixer(ScannerBase):
                 for item in stmt.items
             ):
                 return "is summoned by summon_full_params around it"
+        if (tested := self._fsdp1_tested_around(node)) is not None:
+            return f"is read where {short(tested, 40)} is tested for FSDP1's wrapper (the same model, by another name)"
         return ""
 
     def _factory_result(self, node: cst.CSTNode, obj: cst.BaseExpression) -> str:

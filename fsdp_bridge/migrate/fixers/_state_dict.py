@@ -685,7 +685,7 @@ class StateDictFixer(ScannerBase):
             saves = any("get_model_state_dict(" in r or "get_optimizer_state_dict(" in r for r in rewrites.values())
             shown = save_opts if saves or not load_opts else load_opts  # a block that only loads: its options
             why = f" (torch.distributed.checkpoint.state_dict, options={shown}); your torch.save / DCP code is kept"
-            if full_save is not None:
+            if full_save is not None and any("fsdp_bridge.full_state_dict(" in r for r in rewrites.values()):
                 why = (
                     " (the model's full state with the config's rank0_only and offload_to_cpu as FSDP1 reads them "
                     f"when the code runs; other calls: options={save_opts}); your torch.save / DCP code is kept"
