@@ -387,3 +387,25 @@ def test_a_module_read_under_another_names_fsdp1_test_gets_the_guarded_form() ->
     assert f"width = {guarded}.width if fsdp_bridge.is_sharded(lm_model) else 4" in result.fixed
     (todo,) = [f for f in result.findings if not f.fixable]
     assert "a module set into a sharded model" in todo.construct and "set it before the shard call" in todo.replacement
+
+
+def test_a_search_for_the_nearest_unit_is_not_taken_for_an_unwrapping_loop() -> None:
+    # while not isinstance(parent, FSDP): climb to the parent -- a search: is_sharded, not the unwrapping test
+    # (which FSDP2's units never meet, so the climb ran past the root); an if that hands the module to an unwrap
+    # call strips FSDP1's wrappers only (FSDP2's root and units have none)
+    code = (
+        "import operator\nfrom torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n\n\n"
+        "def nearest_unit(name, model):\n"
+        "    parent = operator.attrgetter(name)(model)\n"
+        "    while not isinstance(parent, FSDP):\n"
+        '        name = ".".join(name.split(".")[:-1])\n'
+        "        parent = operator.attrgetter(name)(model)\n"
+        "    return parent\n\n\n"
+        "def strip(model, accelerator, set_layer):\n"
+        "    for name, module in model.named_modules():\n"
+        "        if isinstance(module, FSDP):\n"
+        "            set_layer(name, accelerator.unwrap_model(module), model)\n"
+    )
+    fixed = _migrate(code).fixed
+    assert "    while not fsdp_bridge.is_sharded(parent):\n" in fixed
+    assert "        if (fsdp_bridge.is_sharded(module) and fsdp_bridge.unwrapped(module) is not module):\n" in fixed

@@ -825,14 +825,32 @@ class ImportsFixer(ScannerBase):
         return False
 
     def _unwrap_loop_test(self, node: cst.Call, obj: str) -> bool:
-        """``node`` tests ``obj`` in a ``while`` condition whose body assigns ``obj`` anew (``while
-        isinstance(m, (DDP, FSDP)): m = m.module``): an unwrapping loop, which must stop where nothing is left
-        to unwrap (FSDP2 does not wrap: fsdp_bridge.unwrapped gives the module itself)."""
-        loop = self.stmt_stack[-1] if self.stmt_stack else None
-        if not isinstance(loop, cst.While) or _path_to(loop.test, node) is None:
+        """``node`` tests ``obj`` in a ``while`` condition whose body assigns ``obj`` its inner module (``while
+        isinstance(m, (DDP, FSDP)): m = m.module``), or in an ``if`` whose body hands ``obj`` to an unwrapping
+        call: an unwrapping test, which must hold only where there is something to unwrap (FSDP2 does not wrap:
+        fsdp_bridge.unwrapped gives the module itself). Not under ``not``."""
+        stmt = self.stmt_stack[-1] if self.stmt_stack else None
+        if not isinstance(stmt, (cst.While, cst.If)) or _path_to(stmt.test, node) is None:
             return False
+        if any(
+            isinstance(n, cst.UnaryOperation) and isinstance(n.operator, cst.Not) and _path_to(n, node) is not None
+            for n in walk(stmt.test)
+        ):
+            return False  # ``while not isinstance(parent, FSDP): parent = <its parent>``: a search for a unit
+        if isinstance(stmt, cst.If):
+            # ``if isinstance(m, FSDP): set_layer(name, accelerator.unwrap_model(m), root)``: strips FSDP1's
+            # wrappers, of which FSDP2 has none (the test must not hold for FSDP2's root and units)
+            return any(
+                isinstance(n, cst.Call)
+                and "unwrap" in code_of(n.func).rsplit(".", 1)[-1].lower()
+                and any(code_of(a.value) == obj for a in n.args)
+                for n in walk(stmt.body)
+            )
         return any(
-            isinstance(n, cst.Assign) and any(code_of(t.target) == obj for t in n.targets) for n in walk(loop.body)
+            isinstance(n, cst.Assign)
+            and any(code_of(t.target) == obj for t in n.targets)
+            and any(w in code_of(n.value) for w in (".module", "_fsdp_wrapped_module", "unwrap"))
+            for n in walk(stmt.body)
         )
 
     @staticmethod
