@@ -413,7 +413,9 @@ def named_hybrid_mesh(mesh: DeviceMesh) -> DeviceMesh:
 def _make_replication_mesh(mesh: DeviceMesh) -> DeviceMesh:
     size = mesh.size()
     unflatten = getattr(mesh, "_unflatten", None)  # torch's private API, 2.8+: keeps the parent mesh
-    if unflatten is not None:
+    # Over some ranks only (a group per model-parallel slice), each slice's ranks would make process groups the
+    # other slices do not, and the calls would not line up (a hang): the groups below are made on every rank.
+    if unflatten is not None and size == dist.get_world_size():
         try:
             return cast(DeviceMesh, unflatten(0, (size, 1), ("replicate", "shard")))
         except (RuntimeError, ValueError, NotImplementedError):

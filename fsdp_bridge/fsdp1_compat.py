@@ -123,6 +123,17 @@ def _class_names(classes: Iterable[object]) -> tuple[str, ...]:
     return tuple(sorted(c.__name__ if isinstance(c, type) else str(c) for c in classes))
 
 
+def _in_stable_order(classes: Iterable[object]) -> list[object]:
+    """FSDP1's class set as a list in the same order in every process: a set's order follows the classes' hashes
+    (their addresses), which differ between ranks, and ``shard()`` compares the config across ranks."""
+    return sorted(
+        classes,
+        key=lambda c: (
+            (getattr(c, "__module__", ""), getattr(c, "__qualname__", str(c))) if isinstance(c, type) else ("", str(c))
+        ),
+    )
+
+
 def describe_policy(policy: object) -> str:
     """How a wrap policy reads in code, for reports: ``transformer_auto_wrap_policy(...)``."""
     if policy is None:
@@ -156,7 +167,7 @@ def _wrap_value(policy: object, problems: list[Problem]) -> object:
         if not classes:
             problems.append(Problem("auto_wrap_policy", describe_policy(policy), "transformer_layer_cls={LayerClass}"))
             return "none"
-        return [c for c in classes]
+        return _in_stable_order(classes)
     if (p := _partial_of(policy, size_based_auto_wrap_policy)) is not None:
         extra = {k: v for k, v in p.keywords.items() if k != "min_num_params"}
         if not extra:
@@ -171,7 +182,7 @@ def _wrap_value(policy: object, problems: list[Problem]) -> object:
             return "none"
         return fn
     if isinstance(policy, ModuleWrapPolicy):
-        return list(policy._module_classes)
+        return _in_stable_order(policy._module_classes)
     if isinstance(policy, CustomPolicy):
         lambda_fn = policy._lambda_fn
 

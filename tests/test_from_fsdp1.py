@@ -145,6 +145,21 @@ def test_the_report_names_the_policy() -> None:
     assert wrap["value"] == "callable _or_policy(policies=[ModuleWrapPolicy({Block})])"
 
 
+def test_a_class_set_gives_the_same_wrap_on_every_rank() -> None:
+    # a set's order follows the classes' hashes (their addresses), which differ between processes, and shard()
+    # compares the config across ranks: the classes come in one order whatever order they are given in
+    class Zeta(nn.Module):
+        pass
+
+    class Alpha(nn.Module):
+        pass
+
+    for classes in ([Zeta, Alpha], [Alpha, Zeta]):
+        policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=classes)
+        assert BridgeConfig.from_fsdp1(auto_wrap_policy=policy).wrap.classes == ("Alpha", "Zeta")
+        assert BridgeConfig.from_fsdp1(auto_wrap_policy=ModuleWrapPolicy(classes)).wrap.classes == ("Alpha", "Zeta")
+
+
 def test_positional_arguments_take_fsdp1s_order() -> None:
     # FSDP(module, *args, **kwargs) passes FSDP1's parameters after module by position: from_fsdp1 takes them so
     mp = MixedPrecision(param_dtype=torch.bfloat16)

@@ -116,6 +116,14 @@ def _dp_tp() -> dict[str, Any]:
             float(reference),
             max(float((c - g * 0.05 / (reference + 1e-6)).abs().max()) for c, g in zip(clipped, grads, strict=True)),
         )
+    # NO_SHARD over FSDP1's process group of one model-parallel slice ({0, 2} and {1, 3}: disjoint groups of part
+    # of the world): its replicate mesh is made on every rank alike (each slice's own calls hung), and trains as
+    # FULL_SHARD over the same ranks does
+    slices = []
+    for strategy, mesh in (("no_shard", fsdp_bridge.mesh_from_process_group(dp.get_group())), ("full_shard", dp)):
+        torch.manual_seed(0)
+        slices.append(_train(fsdp_bridge.shard(Net(), BridgeConfig(strategy=strategy), mesh=mesh), dp.get_local_rank()))
+    out["no_shard_slices"] = slices
     try:
         fsdp_bridge.shard(_tp_model(tp), BridgeConfig(strategy="hybrid_shard"), mesh=dp)
     except ConfigError as err:
@@ -130,6 +138,8 @@ def test_fsdp_on_the_dp_sub_mesh_of_a_tensor_parallel_model(run_on_ranks) -> Non
         torch.testing.assert_close(r["fsdp1"], r["plain"], rtol=1.3e-6, atol=1e-5)
         torch.testing.assert_close(r["synced"], r["plain"], rtol=1.3e-6, atol=1e-5)
         assert "mesh: got 'DeviceMesh(2,)'; allowed: a 2D (replicate, shard) data-parallel mesh" in r["hybrid_error"]
+        no_shard, full_shard = r["no_shard_slices"]
+        torch.testing.assert_close(no_shard, full_shard, rtol=1.3e-6, atol=1e-5)
         for name in ("bridge", "torch", "helpers"):
             norm, reference, gap = r[f"clip {name}"]
             assert norm == pytest.approx(reference, rel=1e-5) and gap < 1e-6, (name, norm, reference, gap)
