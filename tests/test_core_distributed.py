@@ -293,7 +293,20 @@ def _accumulate_clip_summon(backend: str, strategy: str, shape: list[int] | None
         unit_full = sum(p.numel() for p in unit.parameters()) == sum(
             p.numel() for p in reference.model.layers[0].parameters()
         )
+    # Generation inside summon_full_params between training steps (forward inside the context, as migrated
+    # validation code does) under SHARD_GRAD_OP, whose units stay gathered after an evaluation forward: the next
+    # training step matches the reference.
+    after_generation: tuple[float, float] | None = None
+    if strategy == "full_shard":
+        reference = build_tiny("llama", seed=0)
+        model = fsdp_bridge.shard(copy.deepcopy(reference), BridgeConfig(strategy="shard_grad_op", backend=backend))
+        batch = sample_batch("llama", seed=11 + rank)
+        model(**batch).loss.backward()
+        with torch.no_grad(), fsdp_bridge.summon_full_params(model):
+            model.model(input_ids=batch["input_ids"])  # the decoder alone: its units' hooks gather and stay so
+        after_generation = (model(**batch).loss.item(), reference(**batch).loss.item())
     return {
+        "after_generation": after_generation,
         "losses": losses,
         "ref_losses": ref_losses,
         "norms": norms,
@@ -327,6 +340,9 @@ def test_no_sync_clip_and_full_params_match_reference(backend: str, strategy: st
         assert r["rank0_only_ok"], f"rank {rank}: summon_full_params(rank0_only=True) must gather on rank 0 only"
         assert r["unit_full"], "summon_full_params(unit) must gather that unit's parameters"
         assert r["grads_ok"], f"rank {rank}: summon_full_params(with_grads=True) must give the full gradients"
+        if r["after_generation"] is not None:
+            got, want = r["after_generation"]
+            assert got == pytest.approx(want, rel=RTOL, abs=ATOL), "a forward inside summon_full_params broke the next"
 
 
 # ---------------------------------------------------------------- Hugging Face families

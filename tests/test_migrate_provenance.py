@@ -409,3 +409,14 @@ def test_a_search_for_the_nearest_unit_is_not_taken_for_an_unwrapping_loop() -> 
     fixed = _migrate(code).fixed
     assert "    while not fsdp_bridge.is_sharded(parent):\n" in fixed
     assert "        if (fsdp_bridge.is_sharded(module) and fsdp_bridge.unwrapped(module) is not module):\n" in fixed
+
+
+def test_forward_called_on_a_model_handed_by_another_file_becomes_a_call(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # run.py wraps the model and hands it to viz.show(mm=...), whose mm.forward(x) skipped FSDP2's gather hooks
+    (tmp_path / "viz.py").write_text("def show(x, mm=None):\n    return mm.forward(x)\n")
+    (tmp_path / "run.py").write_text(
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\nfrom viz import show\n\n\n"
+        "def main(net, x):\n    model = FSDP(net)\n    return show(x, mm=model)\n"
+    )
+    migrate_paths([tmp_path], fix=True)
+    assert (tmp_path / "viz.py").read_text() == "def show(x, mm=None):\n    return mm(x)\n"

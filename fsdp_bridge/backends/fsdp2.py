@@ -563,6 +563,11 @@ def _full_params(
     """
 
     keep = not rank0_only or not dist.is_initialized() or dist.get_rank() == 0
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for unit in units:
+        # a unit left gathered (reshard_after_forward=False after an evaluation forward) holds its unsharded
+        # tensors: its sharded parameters registered first, so those are what is swapped and restored
+        unit.reshard()
     swapped: list[tuple[nn.Module, str, nn.Parameter, nn.Parameter]] = []
     full_of: dict[int, nn.Parameter] = {}  # tied parameters share one full copy
     for module in model.modules():
@@ -591,3 +596,7 @@ def _full_params(
                     _write_shard(full.detach(), sharded)
                     if with_grads and isinstance(sharded.grad, DTensor) and full.grad is not None:
                         _write_shard(full.grad, sharded.grad)
+        for unit in units:
+            # a forward run inside (generation between training steps) left units gathered under
+            # reshard_after_forward=False: back to their sharded parameters, as FSDP2 expects before its next step
+            unit.reshard()

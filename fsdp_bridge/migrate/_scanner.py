@@ -35,6 +35,7 @@ HANDED_MODEL_USES = frozenset(
         "load_state_dict",
         "register_comm_hook",
         "module",
+        "forward",
     }
 )
 """What a function handed an FSDP1 model by another file (``Dispatch.fsdp1_args``) may call on it that
