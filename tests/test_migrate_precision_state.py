@@ -685,3 +685,14 @@ def test_a_handed_models_state_dict_inside_its_own_state_dict_type_block_is_the_
     )
     found = [f.construct for f in migrate_source(code, "bench.py").findings if not f.note]
     assert found == ["FSDP.state_dict_type(LOCAL_STATE_DICT)", "FSDP(...)"]
+
+
+def test_fsdp1s_legacy_sharded_optimizer_state_stays_on_the_cpu() -> None:
+    # FSDP.sharded_optim_state_dict offloads its shards to the CPU (FSDP1's implementation default)
+    code = (
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n\n\n"
+        "def save(model, opt):\n    return FSDP.sharded_optim_state_dict(model, opt)\n"
+    )
+    fixed = migrate_source(code, "legacy.py").fixed
+    assert "return get_optimizer_state_dict(model, opt, options=StateDictOptions(cpu_offload=True))" in fixed
+    assert TODO not in fixed

@@ -311,7 +311,9 @@ class OptimStateFixer(ScannerBase):
                 self._record(node, f"FSDP.{member}(...)", f"{code}: {why}", True)
                 return True
             self.needs_state_dict_api.add("get_optimizer_state_dict")
-            code = f"get_optimizer_state_dict({model}, {optim}, options={self._options(False)})"
+            # FSDP.sharded_optim_state_dict offloads its shards to the CPU (FSDP1 calls its implementation with
+            # cpu_offload=True)
+            code = f"get_optimizer_state_dict({model}, {optim}, options={self._options(False, offload=True)})"
         if code is None:
             return False
         self.call_rewrites[id(node)] = code
