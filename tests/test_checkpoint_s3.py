@@ -56,26 +56,27 @@ def _on_each_rank(root: str, url: str, tmp: str) -> tuple[bool, str | None]:
 
 
 def test_checkpoints_and_a_train_run_on_s3(s3_env: dict[str, str], tmp_path: Path) -> None:
-    root = f"s3://{_BUCKET}/run/checkpoints"
-    url = f"s3://{_BUCKET}/train-run"
+    base = f"{_BUCKET}/{tmp_path.name}"  # a prefix of this run's own: a rerun starts from an empty one
+    root = f"s3://{base}/run/checkpoints"
+    url = f"s3://{base}/train-run"
     results = run_distributed(_on_each_rank, 2, args=(root, url, str(tmp_path)), env=s3_env, timeout_s=300)
     assert [same for same, _ in results] == [True, True]
-    _check_checkpoints(root)
-    _check_train_run(url, results[0][1])
+    _check_checkpoints(base, root)
+    _check_train_run(base, url, results[0][1])
     assert [p.name for p in (tmp_path / "fsdp_bridge-runs").iterdir()] != []  # the local copy was there
 
 
-def _check_checkpoints(root: str) -> None:
+def _check_checkpoints(base: str, root: str) -> None:
     fs = s3fs.S3FileSystem()
     fs.invalidate_cache()
     # Rotation kept the newest; no staging prefix is left.
     assert [s for s, _ in list_checkpoints(root)] == [2]
-    assert [p.rsplit("/", 1)[-1] for p in fs.ls(f"{_BUCKET}/run/checkpoints")] == ["step_00000002"]
+    assert [p.rsplit("/", 1)[-1] for p in fs.ls(f"{base}/run/checkpoints")] == ["step_00000002"]
     # Resume in one process from the two ranks' shards.
     model = build_tiny("llama", seed=6)
     assert fsdp_bridge.load_checkpoint(f"{root}/step_00000002", model) == {"step": 2}
     # One shard object changed on the store: the load names it, and the model is untouched.
-    shard = f"{_BUCKET}/run/checkpoints/step_00000002/dcp/__1_0.distcp"
+    shard = f"{base}/run/checkpoints/step_00000002/dcp/__1_0.distcp"
     data = bytearray(fs.cat_file(shard))
     data[len(data) // 2] ^= 0x01
     fs.pipe_file(shard, bytes(data))
@@ -84,10 +85,10 @@ def _check_checkpoints(root: str) -> None:
         fsdp_bridge.load_checkpoint(f"{root}/step_00000002", build_tiny("llama", seed=6))
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     # A user's objects at the destination are refused, never replaced.
-    fs.pipe_file(f"{_BUCKET}/run/notes/readme.txt", b"mine")
+    fs.pipe_file(f"{base}/run/notes/readme.txt", b"mine")
     with pytest.raises(CheckpointError, match="may be your objects"):
-        fsdp_bridge.save_checkpoint(f"s3://{_BUCKET}/run/notes", model)
-    assert fs.cat_file(f"{_BUCKET}/run/notes/readme.txt") == b"mine"
+        fsdp_bridge.save_checkpoint(f"s3://{base}/run/notes", model)
+    assert fs.cat_file(f"{base}/run/notes/readme.txt") == b"mine"
 
 
 _TINY_RUN = [
@@ -119,12 +120,12 @@ def _train_to_s3_and_resume(url: str, tmp: str) -> str | None:
     return resumed.resumed_from
 
 
-def _check_train_run(url: str, resumed_from: str | None) -> None:
+def _check_train_run(base: str, url: str, resumed_from: str | None) -> None:
     """The run's files are in the bucket, and the second run resumed from the first's checkpoint there."""
     assert resumed_from == f"{url}/checkpoints/step_00000004", resumed_from
     fs = s3fs.S3FileSystem()
     fs.invalidate_cache()
-    names = {p[len(f"{_BUCKET}/train-run/") :] for p in fs.find(f"{_BUCKET}/train-run")}
+    names = {p[len(f"{base}/train-run/") :] for p in fs.find(f"{base}/train-run")}
     for expected in (
         "train_config.yaml",
         "metrics.jsonl",
@@ -137,6 +138,6 @@ def _check_train_run(url: str, resumed_from: str | None) -> None:
     ):
         assert expected in names, (expected, sorted(names))
     assert not any(n.startswith("checkpoints/.") for n in names), sorted(names)  # no staging left
-    steps = [json.loads(line)["step"] for line in fs.cat_file(f"{_BUCKET}/train-run/metrics.jsonl").splitlines()]
+    steps = [json.loads(line)["step"] for line in fs.cat_file(f"{base}/train-run/metrics.jsonl").splitlines()]
     assert steps == [1, 2, 3, 4, 5, 6], steps
-    assert json.loads(fs.cat_file(f"{_BUCKET}/train-run/summary.json"))["output_dir"] == url
+    assert json.loads(fs.cat_file(f"{base}/train-run/summary.json"))["output_dir"] == url

@@ -546,3 +546,20 @@ def test_a_rendezvous_lost_before_the_function_ran_is_retried_and_nothing_else_i
     with pytest.raises(RankFailure) as info:
         run_distributed(_seen_by_rank, 2, args=("X",))
     assert len(calls) == _spawn._RENDEZVOUS_ATTEMPTS and "before the function ran" in str(info.value)
+
+
+def _crash_in_native_code() -> None:
+    import ctypes
+
+    if torch.distributed.get_rank() == 1:
+        ctypes.string_at(0)  # reads address 0: SIGSEGV
+    torch.distributed.barrier()
+
+
+def test_a_rank_that_crashes_in_native_code_is_reported_with_its_python_stack() -> None:
+    """A segfault sends nothing back: the failure names the signal's exit code and where Python was."""
+    with pytest.raises(RankFailure) as info:
+        run_distributed(_crash_in_native_code, 2, timeout_s=120)
+    crash = info.value.failures[1]
+    assert crash.startswith("process exited with code -11 without reporting"), crash
+    assert "Segmentation fault" in crash and "in _crash_in_native_code" in crash, crash

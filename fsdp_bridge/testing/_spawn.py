@@ -23,6 +23,7 @@ Shared by ``fsdp-bridge compare`` and :mod:`fsdp_bridge.testing` (which re-expor
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing as mp
 import os
 import queue
@@ -121,6 +122,10 @@ def _worker(
         OMP_NUM_THREADS=str(threads),
     )
     started = False  # set once the process group is up: a failure before it is the rendezvous's
+    # A crash in native code (a segfault) reports nothing through ``results``: Python's stack of every
+    # thread at the fault goes to a file beside the rendezvous store, read back into the failure.
+    fault_file = open(_fault_path(store_path, rank), "w")  # open for the process's life
+    faulthandler.enable(file=fault_file, all_threads=True)
     try:
         import datetime
 
@@ -217,6 +222,22 @@ _RENDEZVOUS_ATTEMPTS = 3
 _CONNECTION_LOST = ("Connection closed by peer", "Connection reset by peer", "Connection refused")
 
 
+def _fault_path(store_path: str, rank: int) -> str:
+    return f"{store_path}.fault{rank}"
+
+
+def _crash_text(exitcode: int | None, store_path: str, rank: int) -> str:
+    """What a rank that died without reporting left: its exit code and, after a fatal signal, the
+    Python stack faulthandler wrote for each of its threads."""
+    text = f"process exited with code {exitcode} without reporting"
+    try:
+        with open(_fault_path(store_path, rank)) as f:
+            stack = f.read().strip()
+    except OSError:
+        stack = ""
+    return f"{text}\n{stack}" if stack else text
+
+
 def _lost_rendezvous(text: str) -> bool:
     return text.startswith(_RENDEZVOUS) and any(m in text for m in _CONNECTION_LOST)
 
@@ -273,7 +294,7 @@ def _attempt(
                     if p.exitcode not in (None, 0) and r not in values and r not in failures
                 ]
                 for r in dead:
-                    failures[r] = f"process exited with code {procs[r].exitcode} without reporting"
+                    failures[r] = _crash_text(procs[r].exitcode, store_path, r)
                 if failures:
                     # Give ranks that are about to report a moment, then stop the rest.
                     _drain(results, values, failures, grace_s=2.0)
@@ -289,12 +310,12 @@ def _attempt(
                 p.kill()
         for p in procs:
             p.join(timeout=10)
+        if failures:
+            # A rank that crashed (e.g. a segfault) sends nothing: name it beside the ranks that did report.
+            for r, p in enumerate(procs):
+                if r not in values and r not in failures and p.exitcode not in (None, 0) and p.exitcode != -9:
+                    failures[r] = _crash_text(p.exitcode, store_path, r)
         shutil.rmtree(store_dir, ignore_errors=True)
-    if failures:
-        # A rank that crashed (e.g. a segfault) sends nothing: name it beside the ranks that did report.
-        for r, p in enumerate(procs):
-            if r not in values and r not in failures and p.exitcode not in (None, 0) and p.exitcode != -9:
-                failures[r] = f"process exited with code {p.exitcode} without reporting"
     return values, failures
 
 
