@@ -241,7 +241,8 @@ def test_a_persistent_sharded_type_keeps_later_state_calls_sharded() -> None:
     saved = _between(fixed, "def save_sharded", "def optimizer_state_of")
     assert "set_state_dict_type" not in saved
     assert '"model": get_model_state_dict(model, options=StateDictOptions())' in saved
-    assert '"opt": get_optimizer_state_dict(model, opt, options=StateDictOptions())' in saved
+    # the optimizer's shards on the CPU: FSDP1's default ShardedOptimStateDictConfig(offload_to_cpu=True)
+    assert '"opt": get_optimizer_state_dict(model, opt, options=StateDictOptions(cpu_offload=True))' in saved
     # another function: the type is set at run time, so no guess
     elsewhere = _between(fixed, "def optimizer_state_of", "def weights_of")
     assert TODO in elsewhere and "return FSDP.optim_state_dict(model, opt)" in elsewhere
@@ -696,3 +697,59 @@ def test_fsdp1s_legacy_sharded_optimizer_state_stays_on_the_cpu() -> None:
     fixed = migrate_source(code, "legacy.py").fixed
     assert "return get_optimizer_state_dict(model, opt, options=StateDictOptions(cpu_offload=True))" in fixed
     assert TODO not in fixed
+
+
+def test_optimizer_state_after_a_persistent_sharded_type_follows_its_optimizer_config() -> None:
+    # FSDP1's ShardedOptimStateDictConfig() (also when none is given) has offload_to_cpu=True: CPU shards
+    code = (
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, StateDictType\n"
+        "from torch.distributed.fsdp import ShardedOptimStateDictConfig as OptCfg\n\n\n"
+        "def save(net, opt):\n"
+        "    model = FSDP(net)\n"
+        "    FSDP.set_state_dict_type(model, StateDictType.SHARDED_STATE_DICT)\n"
+        "    a = FSDP.optim_state_dict(model, opt)\n"
+        "    FSDP.set_state_dict_type(model, StateDictType.SHARDED_STATE_DICT, None, OptCfg(offload_to_cpu=False))\n"
+        "    b = FSDP.optim_state_dict(model, opt)\n"
+        "    FSDP.set_state_dict_type(\n"
+        "        model, StateDictType.SHARDED_STATE_DICT, optim_state_dict_config=OptCfg(offload_to_cpu=True)\n"
+        "    )\n"
+        "    c = FSDP.optim_state_dict(model, opt)\n"
+        "    return a, b, c\n"
+    )
+    fixed = migrate_source(code, "persistent.py").fixed
+    assert "a = get_optimizer_state_dict(model, opt, options=StateDictOptions(cpu_offload=True))" in fixed
+    assert "b = get_optimizer_state_dict(model, opt, options=StateDictOptions())" in fixed
+    assert "c = get_optimizer_state_dict(model, opt, options=StateDictOptions(cpu_offload=True))" in fixed
+    assert "set_state_dict_type" not in fixed and TODO not in fixed and "FSDP" not in fixed
+    assert migrate_source(fixed, "persistent.py").fixed == fixed
+
+
+def test_a_units_own_parameters_changed_in_place_are_not_summoned_without_writeback() -> None:
+    # FSDP1's summon_full_params(recurse=False) writes changes back by default; FSDP2's unshard() loses them
+    code = textwrap.dedent(
+        """
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+
+        def sample(net, prompt):
+            model = FSDP(net)
+            with FSDP.summon_full_params(model, recurse=False):
+                out = model.generate(prompt)
+            with FSDP.summon_full_params(model, recurse=False):
+                for p in model.parameters():
+                    p += 1
+            with FSDP.summon_full_params(model, recurse=False):
+                model.head.weight.data = model.head.weight.data.half().float()
+            with FSDP.summon_full_params(model, recurse=False, writeback=False):
+                model.head.weight.zero_()
+            return out
+        """
+    )
+    result = migrate_source(code, "sample.py")
+    by_line = {f.line: f for f in result.findings if f.construct == "FSDP.summon_full_params(...)"}
+    assert by_line[7].fixable and by_line[14].fixable, by_line  # nothing written; writeback=False given
+    for line, write in ((9, "p"), (12, "model.head.weight.data")):
+        assert not by_line[line].fixable and f"changes tensors in place ({write})" in by_line[line].replacement
+        assert "summon_full_params(model, writeback=True)" in by_line[line].replacement
+    assert result.fixed.count("with fsdp_bridge.summon_full_params(model, recurse=False") == 2
+    assert migrate_source(result.fixed, "sample.py").fixed == result.fixed

@@ -10,6 +10,7 @@ import sys
 import textwrap
 import types
 from pathlib import Path
+from typing import Any
 
 import pytest
 from torch import nn
@@ -230,9 +231,10 @@ def test_what_it_cannot_write_stays_on_the_bridge_with_a_todo() -> None:
     )
     assert "fsdp_bridge.BridgeConfig.from_fsdp1(" in code and "import fsdp_bridge" in code
     assert f"# {TODO}: fsdp_bridge.shard(...): kept on fsdp_bridge under --target torch: " in code
-    assert f"# {TODO}: fsdp_bridge.summon_full_params(...): kept on fsdp_bridge under --target torch: " in code
+    # the summon is the helper module's (plain torch, for fully_shard's models)
+    assert "with _fsdp2_helpers.summon_full_params(model, writeback=True):" in code
     todos = [r for r in report if "[todo]" in r and "kept on fsdp_bridge under --target torch" in r]
-    assert len(todos) == 2, report  # the constructor's and the summon's own lines
+    assert len(todos) == 1, report  # the constructor's own line
 
 
 def test_bridge_target_is_the_default_and_unchanged() -> None:
@@ -251,7 +253,7 @@ def test_output_is_stable_under_a_second_run() -> None:
 def test_helper_module_is_plain_torch_and_resolves_units_as_the_bridge() -> None:
     assert HELPERS_SOURCE.startswith(HELPERS_MARKER)
     assert all(
-        n.split(".")[0] in ("__future__", "contextlib", "os", "collections", "torch")
+        n.split(".")[0] in ("__future__", "contextlib", "dataclasses", "os", "collections", "typing", "torch")
         for n in imports_of(HELPERS_SOURCE)
     )
     helpers = types.ModuleType(HELPERS_NAME)
@@ -399,16 +401,74 @@ def _helpers_against_bridge() -> list[tuple[str, float]]:
             )
         )
         out.append((strategy, max(abs(a - b) for a, b in zip(expected, got, strict=True))))
+    out.extend(_helper_summon_and_optimizer_load(helpers, build, Block))
     return out
+
+
+def _helper_summon_and_optimizer_load(helpers: Any, build: Any, block: type) -> list[tuple[str, object]]:
+    """The helper module's summon_full_params and optim_state_dict_to_load against the bridge's, on one model."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+    from torch.distributed.tensor import DTensor
+
+    import fsdp_bridge
+
+    mesh = helpers.data_parallel_mesh("full_shard", "cpu")
+    model = helpers.shard_model(build(), mesh=mesh, wrap_classes=(block,), sync_module_states=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(4, 4)).square().mean().backward()
+    optimizer.step()
+    with fsdp_bridge.summon_full_params(model, with_grads=True):
+        bridge = {n: (p.clone(), p.grad.clone()) for n, p in model.named_parameters()}
+    with helpers.summon_full_params(model, with_grads=True):
+        plain = {n: (p.clone(), p.grad.clone()) for n, p in model.named_parameters()}
+        grad_mode = torch.is_grad_enabled()
+    same = bridge.keys() == plain.keys() and all(torch.equal(bridge[n][i], plain[n][i]) for n in bridge for i in (0, 1))
+    with helpers.summon_full_params(model, writeback=True):
+        for p in model.parameters():
+            p.mul_(2)
+    with fsdp_bridge.summon_full_params(model):
+        doubled = all(torch.equal(p, 2 * bridge[n][0]) for n, p in model.named_parameters())
+    with helpers.summon_full_params(model, rank0_only=True, offload_to_cpu=True):
+        full_here = not isinstance(model[0].weight, DTensor)
+    with helpers.summon_full_params(model, recurse=False):  # the root unit's own: its first and last Linear
+        own = [isinstance(w, DTensor) for w in (model[0].weight, model[1].lin.weight, model[3].weight)]
+        model(torch.ones(2, 4))  # a forward runs inside
+    full = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
+    optimizer.zero_grad()  # a resume: no gradients yet (torch's loader initialises a fresh optimizer's state then)
+    other = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    returned = helpers.optim_state_dict_to_load(model, other, full)
+    loaded = get_optimizer_state_dict(model, other, options=StateDictOptions(full_state_dict=True))
+    optimizer_same = returned == other.state_dict() and all(
+        torch.equal(full["state"][k][s], loaded["state"][k][s]) for k in full["state"] for s in full["state"][k]
+    )
+    return [
+        ("summon", same and not grad_mode),
+        ("writeback", doubled),
+        ("rank0_only", full_here == (dist.get_rank() == 0)),
+        ("recurse=False", own),
+        ("optim_state_dict_to_load", optimizer_same),
+    ]
 
 
 def test_helper_module_shards_as_the_bridge_does() -> None:
     """NO_SHARD's (world, 1) mesh, HYBRID's 2D mesh with bf16 and a buffer dtype, SHARD_GRAD_OP; forward
-    prefetch, no backward prefetch, rank-0 sync, an evaluation forward: the same losses, bit for bit."""
+    prefetch, no backward prefetch, rank-0 sync, an evaluation forward: the same losses, bit for bit. Its
+    summon_full_params and optim_state_dict_to_load give what the bridge's give."""
     from fsdp_bridge.testing import run_distributed
 
     for rank in run_distributed(_helpers_against_bridge, 2, env={"LOCAL_WORLD_SIZE": "2"}):
-        assert rank == [("no_shard", 0.0), ("hybrid_shard", 0.0), ("shard_grad_op", 0.0)]
+        assert rank == [
+            ("no_shard", 0.0),
+            ("hybrid_shard", 0.0),
+            ("shard_grad_op", 0.0),
+            ("summon", True),
+            ("writeback", True),
+            ("rank0_only", True),
+            ("recurse=False", [False, True, False]),
+            ("optim_state_dict_to_load", True),
+        ]
 
 
 def test_code_on_the_bridge_already_is_ejected_too() -> None:
@@ -537,8 +597,8 @@ def test_report_names_the_users_lines_and_what_the_file_holds() -> None:
     )
     summon = next(f for f in result.findings if f.construct.startswith("FSDP.summon_full_params"))
     assert lines[summon.line - 1][summon.column :].startswith("FSDP.summon_full_params(")
-    assert not summon.fixable and "fsdp_bridge.summon_full_params(model" in result.fixed
-    assert "kept on fsdp_bridge under --target torch: " in summon.replacement
+    assert summon.fixable and "with _fsdp2_helpers.summon_full_params(model, writeback=False):" in result.fixed
+    assert summon.replacement == "_fsdp2_helpers.summon_full_params(model, writeback=False)"
     strategy = next(f for f in result.findings if f.construct.startswith("sharding_strategy="))
     assert strategy.replacement.startswith(
         'mesh=_fsdp2_helpers.data_parallel_mesh("shard_grad_op", "cpu"), reshard_after_forward=False:'
@@ -547,7 +607,7 @@ def test_report_names_the_users_lines_and_what_the_file_holds() -> None:
     assert wrap.replacement.startswith("wrap_classes=(Block,):")
     n = len(bridge.findings)
     assert CodeReport(findings=result.findings).format().splitlines()[-1] == (
-        f"{n} FSDP1 construct(s): {n - 1} rewritable by --fix, 1 left with TODO(fsdp-bridge)"
+        f"{n} FSDP1 construct(s): {n} rewritable by --fix, 0 left with TODO(fsdp-bridge)"
     )
     assert len(report) == n
 

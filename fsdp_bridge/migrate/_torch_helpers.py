@@ -26,16 +26,18 @@ FSDP2 (``torch.distributed.fsdp.fully_shard``) has no wrap policy, no sharding-s
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 _NEVER_WRAP = (nn.ModuleList, nn.ModuleDict)  # containers run no forward of their own
 _FORCE_LEAF = (nn.MultiheadAttention,)  # size_based_auto_wrap_policy never wraps inside these
@@ -286,4 +288,140 @@ def no_sync(model: nn.Module) -> Iterator[None]:
         yield
     finally:
         model.set_requires_gradient_sync(True)
+
+
+def _whole(tensor: DTensor) -> torch.Tensor:
+    """The full tensor (a collective), never sharing memory with the shard; a shard kept in host memory
+    (CPU offload over a CUDA mesh) is moved to the mesh's device to be gathered."""
+    if tensor.device.type != tensor.device_mesh.device_type:
+        tensor = tensor.to(tensor.device_mesh.device_type)
+    full = tensor.full_tensor()
+    return full.clone() if full.data_ptr() == tensor.to_local().data_ptr() else full
+
+
+@contextlib.contextmanager
+def summon_full_params(
+    model: nn.Module,
+    *,
+    writeback: bool = False,
+    rank0_only: bool = False,
+    offload_to_cpu: bool = False,
+    recurse: bool = True,
+    with_grads: bool = False,
+) -> Iterator[None]:
+    """FSDP1's FSDP.summon_full_params(model, ...) for a model sharded with fully_shard. Every rank must enter it
+    (the gather is a collective); autograd is off inside.
+
+    Inside, the model's parameters are full tensors: new objects, so read them from the model inside the block
+    (a list of parameters taken before it still holds the shards). writeback=True copies each rank's part of
+    what changed back into its shards on exit; rank0_only: only rank 0 gets full tensors; offload_to_cpu: they
+    are CPU copies; with_grads: each one's .grad is the full gradient too. recurse=False is the unit's own
+    unshard() / reshard() (what its forward gathers), so forward and generate may run inside. A module that is
+    not sharded is full already: nothing is gathered."""
+    if not recurse and (writeback or rank0_only or offload_to_cpu or with_grads):
+        raise ValueError(
+            "summon_full_params: recurse=False with writeback, rank0_only, offload_to_cpu or with_grads; FSDP2's "
+            "unshard() has no such forms: drop recurse=False to gather every parameter under the module"
+        )
+    if writeback and rank0_only:
+        raise ValueError("summon_full_params: writeback=True with rank0_only=True (FSDP1 refuses the pair too)")
+    if with_grads and offload_to_cpu:
+        raise ValueError("summon_full_params: with_grads=True with offload_to_cpu=True (FSDP1 refuses the pair too)")
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if not recurse:
+        with torch.no_grad():
+            if isinstance(model, FSDPModule):
+                model.unshard()
+            try:
+                yield
+            finally:
+                if isinstance(model, FSDPModule):
+                    model.reshard()
+        return
+    keep = not rank0_only or not dist.is_initialized() or dist.get_rank() == 0
+    for unit in units:
+        unit.reshard()  # a unit left gathered after a forward: its sharded parameters registered first
+    swapped: list[tuple[nn.Module, str, nn.Parameter, nn.Parameter]] = []
+    full_of: dict[int, nn.Parameter] = {{}}  # tied parameters share one full copy
+    with torch.no_grad():
+        for module in model.modules():
+            for name, param in list(module._parameters.items()):
+                if not isinstance(param, DTensor):
+                    continue
+                if id(param) not in full_of:
+                    full = _whole(param)
+                    full_of[id(param)] = nn.Parameter(full.cpu() if offload_to_cpu else full, param.requires_grad)
+                    if with_grads and isinstance(param.grad, DTensor):
+                        full_of[id(param)].grad = _whole(param.grad)
+                if keep:
+                    module._parameters[name] = full_of[id(param)]
+                    swapped.append((module, name, param, full_of[id(param)]))
+        try:
+            yield
+        finally:
+            written: set[int] = set()
+            for module, name, sharded, full in swapped:
+                module._parameters[name] = sharded
+                if writeback and id(sharded) not in written:
+                    written.add(id(sharded))
+                    _write_shard(full.detach(), sharded)
+                    if with_grads and isinstance(sharded.grad, DTensor) and full.grad is not None:
+                        _write_shard(full.grad, sharded.grad)
+            for unit in units:
+                unit.reshard()  # a forward run inside left units gathered: back to their shards
+
+
+def _write_shard(full: torch.Tensor, sharded: DTensor) -> None:
+    """This rank's part of ``full`` copied into ``sharded`` (every rank holds the same full tensor)."""
+    local = distribute_tensor(full, sharded.device_mesh, sharded.placements, src_data_rank=None)
+    sharded.to_local().copy_(local.to_local())
+
+
+def _holds_dtensor(state: object) -> bool:
+    if isinstance(state, DTensor):
+        return True
+    if isinstance(state, Mapping):
+        return any(_holds_dtensor(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return any(_holds_dtensor(v) for v in state)
+    return False
+
+
+def optim_state_dict_to_load(
+    model: nn.Module,
+    optim: torch.optim.Optimizer,
+    optim_state_dict: Mapping[str, Any] | None,
+    options: StateDictOptions | None = None,
+) -> dict[str, Any]:
+    """FSDP1's FSDP.optim_state_dict_to_load(model, optim, osd) for code that loads the result afterwards: torch
+    has no pure conversion, so this loads the state into the optimizer (set_optimizer_state_dict) and returns
+    optim.state_dict(), which a later optim.load_state_dict(...) loads again, changing nothing.
+
+    options None: a full state (FSDP1's default type), or a sharded one where its values are DTensors. As in
+    FSDP1, a state holding nothing for some parameters loads (strict=False), and with broadcast_from_rank0 only
+    rank 0's is read (the other ranks may pass None). Optimizer groups without parameters (a frozen part's),
+    which torch's loader refuses when there are several, are set aside while it loads and then restored."""
+    if options is None:
+        options = StateDictOptions(full_state_dict=not _holds_dtensor(optim_state_dict))
+    options = dataclasses.replace(options, strict=False)
+    others = options.broadcast_from_rank0 and dist.is_initialized() and dist.get_rank() != 0
+    state = {{}} if optim_state_dict is None or others else dict(optim_state_dict)
+    empty = [g for g in optim.param_groups if not g["params"]]
+    if len(empty) < 2:
+        set_optimizer_state_dict(model, optim, state, options=options)
+        return optim.state_dict()
+    saved_empty = [g for g in state.get("param_groups", ()) if not g.get("params")]
+    if "param_groups" in state:
+        state["param_groups"] = [g for g in state["param_groups"] if g.get("params")]
+    order = [bool(g["params"]) for g in optim.param_groups]
+    optim.param_groups = [g for g in optim.param_groups if g["params"]]
+    try:
+        set_optimizer_state_dict(model, optim, state, options=options)
+    finally:
+        loaded = iter(optim.param_groups)
+        optim.param_groups = [next(loaded) if has_params else empty.pop(0) for has_params in order]
+    if len(saved_empty) == len([h for h in order if not h]):
+        for group, saved in zip([g for g in optim.param_groups if not g["params"]], saved_empty, strict=True):
+            group.update({{k: v for k, v in saved.items() if k != "params"}})
+    return optim.state_dict()
 '''

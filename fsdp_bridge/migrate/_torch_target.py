@@ -460,6 +460,16 @@ class _Lowerer(cst.CSTTransformer):
             # format it, stack it with the loss, all-gather it)
             self.uses_helpers = True
             return call.with_changes(func=cst.parse_expression(f"{HELPERS_NAME}.clip_grad_norm_"))
+        if name in ("summon_full_params", "optim_state_dict_to_load") and self.wrapping_library is not None:
+            raise _CannotLower(
+                f"this file imports {self.wrapping_library}, which wraps models in FSDP1's wrapper itself: a model "
+                f"it hands over stays FSDP1's, which the plain-torch {name} (for fully_shard's models) does not "
+                f"handle; fsdp_bridge.{name} serves both"
+            )
+        if name in ("summon_full_params", "optim_state_dict_to_load"):
+            # the same signature in the helper module, written for fully_shard's models (and unsharded ones)
+            self.uses_helpers = True
+            return call.with_changes(func=cst.parse_expression(f"{HELPERS_NAME}.{name}"))
         if name in ("is_sharded", "unwrapped") and self.wrapping_library is not None:
             raise _CannotLower(
                 f"this file imports {self.wrapping_library}, which wraps models in FSDP1's wrapper itself: a model "
@@ -481,8 +491,6 @@ class _Lowerer(cst.CSTTransformer):
         if name == "GradScaler":
             return self._scaler(call, args)
         why = {
-            "summon_full_params": "FSDP2 has no summon_full_params; unshard()/reshard() on each FSDP module, or "
-            "DTensor.full_tensor() on the parameters you read",
             "BridgeConfig.from_fsdp1": "settings known only when the code runs",
             "set_state_dict_type": "plain torch has no persistent state-dict type: pass the type's "
             "StateDictOptions (fsdp_bridge.state_dict_options(type, config, optim_config)) to each "

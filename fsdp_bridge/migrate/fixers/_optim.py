@@ -237,15 +237,20 @@ class OptimStateFixer(ScannerBase):
             if where is not None and persistent != "FULL_STATE_DICT":
                 if persistent == "SHARDED_STATE_DICT":
                     self.needs_state_dict_api.add("get_optimizer_state_dict")
-                    code = (
-                        f"get_optimizer_state_dict({model}, {code_of(named['optim'])}, options={self._options(False)})"
-                    )
+                    offload = self._persistent_optim_offload(node, model)
+                    options = self._options(False, offload=offload)
+                    code = f"get_optimizer_state_dict({model}, {code_of(named['optim'])}, options={options})"
                     self.call_rewrites[id(node)] = code
                     self._record(
                         node,
                         f"FSDP.{member}(...)",
                         f"{code}: FSDP.set_state_dict_type({short(model, 30)}, SHARDED_STATE_DICT) above makes "
-                        "FSDP1's optimizer state of this model sharded from then on",
+                        "FSDP1's optimizer state of this model sharded from then on"
+                        + (
+                            ", on the CPU (ShardedOptimStateDictConfig's default offload_to_cpu=True)"
+                            if offload
+                            else ""
+                        ),
                         True,
                     )
                     return True

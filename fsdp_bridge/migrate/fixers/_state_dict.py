@@ -95,7 +95,9 @@ class StateDictFixer(ScannerBase):
             return False
         for key in ("state_dict_config", "optim_state_dict_config"):
             cfg = named.get(key)
-            if cfg is not None and (not self._literal_config(cfg) or self._config_flag(cfg, "offload_to_cpu", False)):
+            # the optimizer config's offload_to_cpu is written where its state is taken (_persistent_optim_offload)
+            offload = key == "state_dict_config" and self._config_flag(cfg, "offload_to_cpu", False)
+            if cfg is not None and (not self._literal_config(cfg) or offload):
                 return False
         self.removed_stmts.add(id(stmt))
         self._consume(node)
@@ -726,13 +728,50 @@ class StateDictFixer(ScannerBase):
     def _persistent_type(self, node: cst.CSTNode, model: str) -> str | None:
         """The type the last ``FSDP.set_state_dict_type(model, T[, cfg[, optim_cfg]])`` statement above ``node``
         in a block holding it (the function's, or an enclosing one) sets: "SHARDED_STATE_DICT" where the
-        configs add nothing (none, or literal without offload_to_cpu / rank0_only, the call a rewrite deletes),
-        "other" for any other such call, None where there is none."""
+        configs add nothing (none, or literal without rank0_only nor the model's offload_to_cpu: the call a rewrite
+        deletes; the optimizer's offload_to_cpu is followed), "other" for any other such call, None where there is
+        none."""
+        call = self._last_set_state_dict_type(node, model)
+        if call is not None:
+            named = named_args(call, ("module", "state_dict_type", "state_dict_config", "optim_state_dict_config"))
+            assert named is not None
+            plain = all(
+                self._literal_config(named.get(k))
+                # the optimizer's offload_to_cpu is written out where its state is (_persistent_optim_offload)
+                and (k == "optim_state_dict_config" or not self._config_flag(named.get(k), "offload_to_cpu", False))
+                and not self._config_flag(named.get(k), "rank0_only", False)
+                for k in ("state_dict_config", "optim_state_dict_config")
+            )
+            sharded = "state_dict_type" in named and (
+                self._member(named["state_dict_type"], "StateDictType") == "SHARDED_STATE_DICT"
+            )
+            return "SHARDED_STATE_DICT" if sharded and plain else "other"
+        scope = self.functions[-1] if self.functions else None
+        at = self.get_metadata(PositionProvider, node).start
+        if isinstance(scope, cst.FunctionDef) and self._wrapper_made_above(scope, at, model):
+            return "FULL_STATE_DICT"  # made by FSDP(...) in this function and never set since: FSDP1's default
+        return None
+
+    def _persistent_optim_offload(self, node: cst.CSTNode, model: str) -> bool:
+        """Whether the optimizer state the last ``FSDP.set_state_dict_type(model, SHARDED_STATE_DICT, ...)`` above
+        ``node`` sets is offloaded: FSDP1's ``ShardedOptimStateDictConfig()`` (also when none is given) has
+        ``offload_to_cpu=True``."""
+        call = self._last_set_state_dict_type(node, model)
+        keys = ("module", "state_dict_type", "state_dict_config", "optim_state_dict_config")
+        named = named_args(call, keys) if call is not None else None
+        cfg = named.get("optim_state_dict_config") if named is not None else None
+        if cfg is not None and m.matches(cfg, m.Name("None")):
+            cfg = None
+        return self._config_flag(cfg, "offload_to_cpu", True)
+
+    def _last_set_state_dict_type(self, node: cst.CSTNode, model: str) -> cst.Call | None:
+        """The last ``set_state_dict_type(model, ...)`` statement (FSDP1's, or the bridge's a first ``--fix``
+        wrote) above ``node`` in a block holding it (the function's, or an enclosing one)."""
         scope: cst.CSTNode | None = self.functions[-1] if self.functions else self.module
         if scope is None:
             return None
         at = self.get_metadata(PositionProvider, node).start
-        found: tuple[tuple[int, int], str] | None = None
+        found: tuple[tuple[int, int], cst.Call] | None = None
         for block in walk(scope):
             if not isinstance(block, (cst.IndentedBlock, cst.Module)):
                 continue
@@ -755,24 +794,10 @@ class StateDictFixer(ScannerBase):
                     )
                     if named is None or "module" not in named or code_of(named["module"]) != model:
                         continue
-                    plain = all(
-                        self._literal_config(named.get(k))
-                        and not self._config_flag(named.get(k), "offload_to_cpu", False)
-                        and not self._config_flag(named.get(k), "rank0_only", False)
-                        for k in ("state_dict_config", "optim_state_dict_config")
-                    )
-                    sharded = "state_dict_type" in named and (
-                        self._member(named["state_dict_type"], "StateDictType") == "SHARDED_STATE_DICT"
-                    )
-                    kind = "SHARDED_STATE_DICT" if sharded and plain else "other"
                     where = (end.line, end.column)
                     if found is None or where > found[0]:
-                        found = (where, kind)
-        if found is not None:
-            return found[1]
-        if isinstance(scope, cst.FunctionDef) and self._wrapper_made_above(scope, at, model):
-            return "FULL_STATE_DICT"  # made by FSDP(...) in this function and never set since: FSDP1's default
-        return None
+                        found = (where, call)
+        return found[1] if found is not None else None
 
     def _bridge_follows(self) -> bool:
         """Every ``set_state_dict_type`` call of the tree becomes (or is) ``fsdp_bridge.set_state_dict_type``."""

@@ -51,6 +51,8 @@ class SummonFixer(ScannerBase):
             else:
                 ok = ok and kws.get("recurse", "True") == "True"
             held = self._params_held_across(node, code_of(node.args[0].value)) if ok else None
+            if held is None and ok and own and "writeback" not in kws:
+                held = self._writes_inside(node)
             if held is not None:
                 self._record(node, construct, held, False)
                 self._consume(node.func)
@@ -76,6 +78,63 @@ class SummonFixer(ScannerBase):
             return True, (False if ok else None)
         return False, None
 
+    def _writes_inside(self, node: cst.Call) -> str | None:
+        """Why ``summon_full_params(m, recurse=False)`` with FSDP1's default ``writeback=True`` cannot be rewritten
+        where its block changes tensors in place (``p.data.mul_(...)``, ``w.copy_(...)``, ``p.data = ...``,
+        ``load_state_dict``): FSDP1 keeps such changes, while the unit's ``unshard()`` on FSDP2 gathers into
+        buffers its ``reshard()`` frees, so they would be lost. None where the block writes nothing."""
+        block = self._with_block_of(node)
+        if block is None:
+            return None
+        loop_params = {  # names bound by ``for p in ....parameters()``
+            code_of(n.target)
+            for n in walk(block.body)
+            if isinstance(n, cst.For)
+            and any(
+                isinstance(c, cst.Call)
+                and isinstance(c.func, cst.Attribute)
+                and c.func.attr.value in ("parameters", "named_parameters")
+                for c in walk(n.iter)
+            )
+        }
+        for n in walk(block.body):
+            write = None
+            if isinstance(n, cst.Call) and isinstance(n.func, cst.Attribute):
+                name = n.func.attr.value
+                if (name.endswith("_") and not name.startswith("_")) or name == "load_state_dict":
+                    write = code_of(n.func)
+            elif isinstance(n, cst.Assign):
+                for t in n.targets:
+                    if (isinstance(t.target, cst.Attribute) and t.target.attr.value in ("data", "weight", "bias")) or (
+                        isinstance(t.target, cst.Subscript)
+                        and isinstance(t.target.value, cst.Attribute)
+                        and t.target.value.attr.value == "data"
+                    ):
+                        write = code_of(t.target)
+            elif isinstance(n, cst.AugAssign) and (
+                isinstance(n.target, (cst.Attribute, cst.Subscript)) or code_of(n.target) in loop_params
+            ):
+                write = code_of(n.target)
+            if write is not None:
+                return (
+                    f"not rewritten: the block changes tensors in place ({short(write, 40)}), and FSDP1's "
+                    "summon_full_params(recurse=False) keeps such changes (its default writeback=True), while "
+                    "FSDP2's unshard() of the unit (what fsdp_bridge.summon_full_params(model, recurse=False) does) "
+                    "gathers into buffers that reshard() frees, so they would be lost; drop recurse=False: "
+                    "fsdp_bridge.summon_full_params(model, writeback=True) gathers every parameter under the "
+                    "model and writes the changes back to the shards"
+                )
+        return None
+
+    def _with_block_of(self, node: cst.Call) -> cst.With | None:
+        """The ``with`` statement of the current function (or module) whose items hold ``node``."""
+        scope: cst.CSTNode | None = self.functions[-1] if self.functions else self.module
+        if scope is None:
+            return None
+        return next(
+            (w for w in walk(scope) if isinstance(w, cst.With) and any(item.item is node for item in w.items)), None
+        )
+
     def _params_held_across(self, node: cst.Call, module: str) -> str | None:
         """Why the context cannot be rewritten where parameter objects taken before it are read inside it
         (``params = list(model.parameters())`` ... ``with FSDP.summon_full_params(model): use(params)``);
@@ -87,12 +146,8 @@ class SummonFixer(ScannerBase):
         Parameters of another model (``a.net.parameters()`` around ``summon_full_params(b.net)``) are not
         gathered by the context in FSDP1 either, so they change nothing."""
         scope: cst.CSTNode | None = self.functions[-1] if self.functions else self.module
-        if scope is None:
-            return None
-        block = next(
-            (w for w in walk(scope) if isinstance(w, cst.With) and any(item.item is node for item in w.items)), None
-        )
-        if block is None:
+        block = self._with_block_of(node)
+        if scope is None or block is None:
             return None
         start = self.get_metadata(PositionProvider, block).start.line
         taken: dict[str, str] = {}  # name -> the statement that took the parameters
