@@ -35,6 +35,7 @@ from torch.distributed.fsdp.wrap import (
 )
 
 from fsdp_bridge.errors import ConfigError, Problem
+from fsdp_bridge.strategy import FSDP1_PARAMETERS
 
 __all__ = [
     "FSDP1_KWARGS",
@@ -64,23 +65,7 @@ FSDP1_KWARGS = (
 )
 """FullyShardedDataParallel's keyword arguments that :func:`translate_fsdp1_kwargs` reads."""
 
-FSDP1_POSITIONAL = (
-    "process_group",
-    "sharding_strategy",
-    "cpu_offload",
-    "auto_wrap_policy",
-    "backward_prefetch",
-    "mixed_precision",
-    "ignored_modules",
-    "param_init_fn",
-    "device_id",
-    "sync_module_states",
-    "forward_prefetch",
-    "limit_all_gathers",
-    "use_orig_params",
-    "ignored_states",
-    "device_mesh",
-)
+FSDP1_POSITIONAL = FSDP1_PARAMETERS[1:]
 """FullyShardedDataParallel's parameters after ``module``, in its constructor's order (positional arguments
 of :meth:`BridgeConfig.from_fsdp1`, as ``FSDP(module, *args, **kwargs)`` passes them)."""
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 from typing import TypeVar
 
-__all__ = ["Backend", "BackwardPrefetch", "ShardingStrategy", "parse_enum"]
+__all__ = ["FSDP1_PARAMETERS", "Backend", "BackwardPrefetch", "ShardingStrategy", "parse_enum"]
 
 
 class ShardingStrategy(enum.Enum):
@@ -110,3 +110,25 @@ def parse_enum(enum_cls: type[E], value: object) -> E:
 def allowed_values(enum_cls: type[enum.Enum]) -> str:
     """The allowed spellings of ``enum_cls`` for error messages."""
     return ", ".join(m.value for m in enum_cls)
+
+
+FSDP1_PARAMETERS = (
+    "module",
+    "process_group",
+    "sharding_strategy",
+    "cpu_offload",
+    "auto_wrap_policy",
+    "backward_prefetch",
+    "mixed_precision",
+    "ignored_modules",
+    "param_init_fn",
+    "device_id",
+    "sync_module_states",
+    "forward_prefetch",
+    "limit_all_gathers",
+    "use_orig_params",
+    "ignored_states",
+    "device_mesh",
+)
+"""``FullyShardedDataParallel.__init__``'s parameters in their order (torch 2.8-2.14): read by
+``BridgeConfig.from_fsdp1(*args)`` and by the codemod (which imports no torch)."""

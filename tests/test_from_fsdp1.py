@@ -26,6 +26,7 @@ from fsdp_bridge import BridgeConfig, ConfigError
 from fsdp_bridge.config import carried_ignored, fsdp1_init
 from fsdp_bridge.fsdp1_compat import describe_policy, fsdp1_policy_units
 from fsdp_bridge.mapping import full_precision_classes
+from fsdp_bridge.strategy import FSDP1_PARAMETERS
 from fsdp_bridge.testing.models import build_tiny, sample_batch
 from fsdp_bridge.wrap import resolve_wrap
 
@@ -317,6 +318,9 @@ def test_the_table_covers_every_fsdp1_argument() -> None:
 
     arguments = set(inspect.signature(FullyShardedDataParallel.__init__).parameters) - {"self", "module"}
     assert arguments == {name for name, _, _ in FSDP1_VALUES}
+    # the order positional arguments take (from_fsdp1(*args), the codemod's FSDP(module, a, b))
+    order = [n for n in inspect.signature(FullyShardedDataParallel.__init__).parameters if n != "self"]
+    assert tuple(order) == FSDP1_PARAMETERS
 
 
 @pytest.mark.parametrize("backend", ["fsdp2", "fsdp1"])

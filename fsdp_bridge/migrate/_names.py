@@ -8,6 +8,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from fsdp_bridge.mapping import TABLE
+from fsdp_bridge.strategy import FSDP1_PARAMETERS
 
 TODO = "TODO(fsdp-bridge)"
 
@@ -291,25 +292,8 @@ KWARG_OPTION = {
 IGNORED_KWARGS = ("ignored_modules", "ignored_states", "ignored_parameters")
 """FSDP1 arguments naming what is not sharded (modules or parameters), read as BridgeConfig.ignored_modules."""
 
-FSDP1_POSITIONAL = (
-    "module",
-    "process_group",
-    "sharding_strategy",
-    "cpu_offload",
-    "auto_wrap_policy",
-    "backward_prefetch",
-    "mixed_precision",
-    "ignored_modules",
-    "param_init_fn",
-    "device_id",
-    "sync_module_states",
-    "forward_prefetch",
-    "limit_all_gathers",
-    "use_orig_params",
-    "ignored_states",
-    "device_mesh",
-)
-"""FullyShardedDataParallel.__init__'s parameters in order (torch 2.8-2.14)."""
+FSDP1_POSITIONAL = FSDP1_PARAMETERS
+"""FullyShardedDataParallel.__init__'s parameters in order, ``module`` first."""
 
 
 GROUP_RANK0 = (
