@@ -843,7 +843,10 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
         norm_type: the p of the p-norm (``inf`` for the largest absolute value).
 
     Returns:
-        The total norm before clipping, the same on every rank.
+        The total norm before clipping, the same on every rank. For a model :func:`shard` made, FSDP1's
+        arithmetic on both backends: each gradient's norm taken in float32, the float32 coefficient cast to
+        each gradient's dtype before multiplying, the norm returned in the gradients' dtype (bfloat16
+        gradients: a bfloat16 norm).
 
     Raises:
         ConfigError: ``model`` holds FSDP1 wrappers but is not one (FSDP1 clips from its root only).

@@ -244,6 +244,9 @@ class WrapPolicy:
     with FSDP1's ``size_based_auto_wrap_policy`` semantics."""
     fn: ModuleFilter | None = field(default=None, compare=False)
     """``fn(module) -> bool`` chooses the units (``mode="callable"``); cannot come from YAML."""
+    absent_ok: bool = field(default=False, compare=False)
+    """The classes were given as Python classes, as FSDP1's policies take them (``isinstance``: a class the
+    model lacks wraps nothing, as in FSDP1); names given as text must be in the model (a misspelling is refused)."""
 
     def to_spelling(self) -> object:
         """How a YAML file writes this policy.
@@ -304,7 +307,8 @@ def _wrap_from_classes(value: Sequence[object], key: str, problems: list[Problem
             problems.append(Problem(f"{key}[]", item, "module class names (identifiers) or nn.Module classes"))
     if not value:
         problems.append(Problem(key, value, _WRAP_ALLOWED, "give at least one class name, or 'none'"))
-    return WrapPolicy(mode="classes", classes=tuple(names))
+    given_as_classes = bool(value) and all(isinstance(item, type) for item in value)
+    return WrapPolicy(mode="classes", classes=tuple(names), absent_ok=given_as_classes)
 
 
 def _wrap_from_mapping(value: Mapping[str, Any], key: str, problems: list[Problem]) -> WrapPolicy:

@@ -98,9 +98,15 @@ def _post_order(model: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Mo
         yield path, child
 
 
-def _by_classes(model: nn.Module, classes: tuple[str, ...]) -> list[tuple[str, nn.Module]]:
+def _by_classes(model: nn.Module, classes: tuple[str, ...], *, subclasses: bool = False) -> list[tuple[str, nn.Module]]:
+    """The modules whose class has one of the names ``classes`` (``subclasses``: or a base class of theirs, as
+    FSDP1's class policies test with ``isinstance``), children before parents."""
     wanted = set(classes)
-    return [(n, m) for n, m in _post_order(model) if type(m).__name__ in wanted]
+    return [(n, m) for n, m in _post_order(model) if wanted & _names_of(type(m), subclasses)]
+
+
+def _names_of(cls: type, subclasses: bool) -> set[str]:
+    return {c.__name__ for c in cls.__mro__} if subclasses else {cls.__name__}
 
 
 def _by_min_params(model: nn.Module, min_num_params: int, ignored: set[nn.Parameter]) -> list[tuple[str, nn.Module]]:
@@ -326,8 +332,10 @@ def resolve_wrap(model: nn.Module, policy: WrapPolicy, *, ignored: list[nn.Modul
             )
     elif policy.mode == "classes":
         present_classes = set(_module_classes(model))
-        missing = [c for c in policy.classes if c not in present_classes]
-        if missing:
+        # a class name covers its subclasses, as FSDP1's isinstance does
+        matched = set().union(*(_names_of(type(m), True) for m in model.modules()))
+        missing = [c for c in policy.classes if c not in matched]
+        if missing and not policy.absent_ok:
             hint = f"; its _no_split_modules are {no_split} (or use wrap: auto)" if no_split else "; or use wrap: auto"
             raise ConfigError(
                 [
@@ -340,7 +348,9 @@ def resolve_wrap(model: nn.Module, policy: WrapPolicy, *, ignored: list[nn.Modul
                     for c in missing
                 ]
             )
-        units, source = _by_classes(model, policy.classes), f"classes {list(policy.classes)}"
+        units, source = _by_classes(model, policy.classes, subclasses=True), f"classes {list(policy.classes)}"
+        if missing:  # classes given as Python classes the model lacks: they wrap nothing, as in FSDP1
+            source += f" ({', '.join(missing)} not in the model: nothing wrapped for them, as FSDP1's policy)"
     elif policy.mode == "min_params":
         units = _by_min_params(model, policy.min_num_params, ignored_params)
         source = f"min_num_params {policy.min_num_params}"

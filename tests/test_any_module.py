@@ -702,3 +702,57 @@ def test_an_optimizer_wrapper_is_taken_as_fsdp1_takes_it(tmp_path: Path) -> None
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()
     assert lines == [f"{b} {what} True" for b in ("fsdp1", "fsdp2") for what in ("full", "osd", "load", "refused")]
+
+
+def _clip_bf16_gradients() -> tuple[bool, str, bool]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64)).to(torch.bfloat16)
+    grads = [torch.randn_like(p) * 3 for p in model.parameters()]
+    model = fsdp_bridge.shard(model, BridgeConfig(backend="fsdp2", device="cpu", wrap="none"))
+    for p, g in zip(model.parameters(), grads, strict=True):
+        p.grad = DTensor.from_local(g.clone(), p.device_mesh, p.placements)
+    norm = fsdp_bridge.clip_grad_norm_(model, 1.0)
+    # FSDP1's clip_grad_norm_: each gradient's norm in float32, the float32 coefficient cast to the gradients'
+    # dtype, the norm returned in that dtype
+    fp32 = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]))
+    coef = torch.clamp(1.0 / (fp32 + 1e-6), max=1.0).to(torch.bfloat16)
+    same = all(torch.equal(p.grad.to_local(), g * coef) for p, g in zip(model.parameters(), grads, strict=True))
+    return same, str(norm.dtype), norm.item() == fp32.to(torch.bfloat16).item()
+
+
+def test_bf16_gradients_are_clipped_with_fsdp1s_float32_norm() -> None:
+    """torch's get_total_norm takes a bfloat16 gradient's norm in bfloat16 (off by up to 0.4%): FSDP1 does not."""
+    from fsdp_bridge.testing import run_distributed
+
+    assert run_distributed(_clip_bf16_gradients, 1) == [(True, "torch.bfloat16", True)]
+
+
+def _full_state_after_a_persistent_rank0_type() -> tuple[int, int]:
+    from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+
+    model = fsdp_bridge.shard(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), BridgeConfig(device="cpu"))
+    opt = torch.optim.AdamW(model.parameters())
+    config = FullStateDictConfig(rank0_only=True, offload_to_cpu=True)
+    fsdp_bridge.set_state_dict_type(model, StateDictType.FULL_STATE_DICT, config)  # a load path sets it, persistent
+    # a save block of its own afterwards (FSDP1's block overrides the setting): every rank gets the full state
+    every = fsdp_bridge.full_state_dict(model, rank0_only=False)
+    optim = fsdp_bridge.full_optim_state_dict(model, opt, rank0_only=False)
+    return len(every), len(optim["param_groups"])
+
+
+def test_a_full_state_taken_in_a_block_of_its_own_overrides_a_persistent_type() -> None:
+    from fsdp_bridge.testing import run_distributed
+
+    assert run_distributed(_full_state_after_a_persistent_rank0_type, 2) == [(4, 1), (4, 1)]
+
+
+def test_state_dict_options_without_configs_keep_fsdp1s_defaults() -> None:
+    # ShardedStateDictConfig() keeps the model's shards on the device; ShardedOptimStateDictConfig() offloads the
+    # optimizer's to the CPU (also when a block gives no optimizer config)
+    from torch.distributed.fsdp import ShardedOptimStateDictConfig, StateDictType
+
+    sharded = StateDictType.SHARDED_STATE_DICT
+    assert not fsdp_bridge.state_dict_options(sharded).cpu_offload
+    assert fsdp_bridge.state_dict_options(sharded, None, None, optimizer=True).cpu_offload
+    off = ShardedOptimStateDictConfig(offload_to_cpu=False)
+    assert not fsdp_bridge.state_dict_options(sharded, None, off, optimizer=True).cpu_offload

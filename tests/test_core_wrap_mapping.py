@@ -140,3 +140,30 @@ def test_explain_flags_options_the_other_backend_refuses(tmp_path: Path, capsys:
 
 def test_families_list() -> None:
     assert set(FAMILIES) == {"llama", "qwen2", "mistral", "mixtral", "gpt2", "opt", "gemma", "bert", "t5"}
+
+
+class _Base(nn.Linear):
+    pass
+
+
+class _Sub(_Base):
+    pass
+
+
+class _Absent(nn.Module):
+    pass
+
+
+def test_classes_wrap_their_subclasses_and_absent_python_classes_wrap_nothing() -> None:
+    # FSDP1's ModuleWrapPolicy / transformer_auto_wrap_policy test isinstance: a base class covers its subclasses,
+    # and a class the model lacks wraps nothing (a model holds one family's block of several named)
+    model = nn.Sequential(_Sub(2, 2), nn.Sequential(_Sub(2, 2)), nn.Linear(2, 2))
+    config = BridgeConfig(wrap=[_Base, _Absent])
+    assert config.wrap.absent_ok
+    plan = resolve_wrap(model, config.wrap)
+    assert [n for n, _ in plan.units] == ["0", "1.0"]
+    assert "_Absent not in the model" in plan.source
+    # names given as text must be in the model: a misspelling is refused, naming what the model has
+    with pytest.raises(ConfigError, match="_Absent"):
+        resolve_wrap(model, BridgeConfig(wrap=["_Base", "_Absent"]).wrap)
+    assert [n for n, _ in resolve_wrap(model, BridgeConfig(wrap=["_Base"]).wrap).units] == ["0", "1.0"]

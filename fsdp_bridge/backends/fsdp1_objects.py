@@ -11,8 +11,8 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import weakref
-from collections.abc import Mapping
-from contextlib import AbstractContextManager
+from collections.abc import Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
@@ -106,7 +106,8 @@ def state_dict_options(
     if load:
         broadcast = full and bool(getattr(config, "rank0_only", False))
         return StateDictOptions(full_state_dict=full, broadcast_from_rank0=broadcast, strict=strict)
-    offload = bool(getattr(config, "offload_to_cpu", False))
+    # no config given: FSDP1's defaults (ShardedStateDictConfig() on the device, ShardedOptimStateDictConfig() on CPU)
+    offload = bool(getattr(config, "offload_to_cpu", optimizer))
     if full:
         return StateDictOptions(full_state_dict=True, cpu_offload=bool(getattr(config, "rank0_only", False)))
     return StateDictOptions(cpu_offload=offload)
@@ -446,8 +447,22 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = False, offload_to_cp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     keep = not rank0_only or _keeps_full_state(model)
-    state = _gathered(get_model_state_dict(model), keep, offload_to_cpu)
+    with _module_own_state_dict(model):  # a type set on it earlier does not apply, as FSDP1's block overrides it
+        state = _gathered(get_model_state_dict(model), keep, offload_to_cpu)
     return state if keep else {}
+
+
+@contextmanager
+def _module_own_state_dict(module: nn.Module) -> Iterator[None]:
+    """``module``'s own ``state_dict`` / ``load_state_dict`` for the block, not those a bridge ``set_state_dict_type``
+    installed on it (torch's state-dict functions call them): a full state taken here is the full state whatever
+    type the module was set to, as FSDP1's ``state_dict_type`` block overrides a persistent setting."""
+    names: tuple[str, ...] = ("state_dict", "load_state_dict")
+    saved: dict[str, Any] = {k: module.__dict__.pop(k) for k in names if k in module.__dict__}
+    try:
+        yield
+    finally:
+        module.__dict__.update(saved)
 
 
 def full_optim_state_dict(
@@ -475,7 +490,8 @@ def full_optim_state_dict(
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     keep = not rank0_only or _keeps_full_state(model)
-    state = _gathered(get_optimizer_state_dict(model, _torch_optimizer(optim)), keep, offload_to_cpu)
+    with _module_own_state_dict(model):
+        state = _gathered(get_optimizer_state_dict(model, _torch_optimizer(optim)), keep, offload_to_cpu)
     return state if keep else {}
 
 

@@ -315,20 +315,23 @@ class FSDP2Backend:
         for grads in by_mesh.values():
             # DTensor norms reduce over the shard dimension and stay replicated over
             # the replicate dimension (HSDP), so full_tensor() is the global norm.
-            total = torch.nn.utils.get_total_norm(grads, norm_type)  # type: ignore[misc]
+            total = _fp32_norm(grads, norm_type)
             norms.append(whole(total) if isinstance(total, DTensor) else total)
         if local:
-            norms.append(torch.nn.utils.get_total_norm([p.grad for p in local], norm_type))  # type: ignore[misc]
+            norms.append(_fp32_norm([p.grad for p in local if p.grad is not None], norm_type))
         if not norms:
             return torch.tensor(0.0)
         device = norms[0].device  # the gradients' device, where FSDP1 returns the norm (a CUDA loss is stacked with it)
-        stacked = torch.stack([n.float().to(device) for n in norms])
+        stacked = torch.stack([n.to(device) for n in norms])
         total_norm = stacked.max() if norm_type == float("inf") else stacked.norm(norm_type)
         coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
         for p in params:
             assert p.grad is not None
-            p.grad.mul_(coef.item())
-        return total_norm
+            # as FSDP1: the float32 coefficient cast to each gradient's dtype, then multiplied in
+            p.grad.mul_(coef.to(p.grad.dtype).item())
+        # FSDP1 returns the norm in the gradients' promoted dtype (bfloat16 gradients: a bfloat16 norm)
+        dtypes = [p.grad.dtype for p in params if p.grad is not None]
+        return total_norm.to(functools.reduce(torch.promote_types, dtypes))
 
     def reshard(self, module: nn.Module, *, recurse: bool) -> None:
         for unit in module.modules() if recurse else [module]:
@@ -452,6 +455,13 @@ class FSDP2Backend:
             fqns = [fqn_of[id(p)] for p in group["params"]]
             groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": fqns})
         return {"state": state, "param_groups": groups}
+
+
+def _fp32_norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """The norm of ``grads`` together, each gradient's norm taken in float32 whatever its dtype (FSDP1's
+    ``clip_grad_norm_`` does so: torch's ``get_total_norm`` would round a bfloat16 gradient's norm to bfloat16)."""
+    norms = [torch.linalg.vector_norm(g.detach(), norm_type, dtype=torch.float32) for g in grads]
+    return torch.linalg.vector_norm(torch.stack(norms), norm_type)
 
 
 @dataclasses.dataclass(frozen=True)
