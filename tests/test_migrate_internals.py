@@ -63,3 +63,34 @@ def test_shard_move_and_free_look_alikes_keep_their_todos() -> None:
     assert "move_shards" not in code and "free_shards" not in code  # (the TODO texts may name them)
     todo_lines = {f.line for f in result.findings if not f.fixable}
     assert {8, 19, 29} <= todo_lines, sorted(todo_lines)  # each _lazy_init / flat parameter read keeps its TODO
+
+
+def test_fsdp1s_private_root_flag_is_reported() -> None:
+    # isinstance(m, FSDP) and m._is_root: FSDPModule has no _is_root (AttributeError on FSDP2)
+    code = (
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n\n\n"
+        "def root_of(model):\n"
+        "    for m in model.modules():\n"
+        "        if isinstance(m, FSDP) and m._is_root:\n"
+        "            return m\n"
+    )
+    result = migrate_source(code, "roots.py")
+    flag = next(f for f in result.findings if f.construct == "m._is_root (an FSDP1 internal)")
+    assert not flag.fixable and "FSDPModule has no _is_root" in flag.replacement
+
+
+def test_wrapper_attributes_of_a_model_given_to_fsdp1s_state_functions_are_reported() -> None:
+    # save(model): FSDP.sharded_optim_state_dict(model, o) shows model holds FSDP1 units; its
+    # .sharding_strategy / .process_group (FSDP1 wrapper attributes, none on FSDP2) are reported, not left silent
+    code = (
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n\n\n"
+        "def save(model, opt, rank):\n"
+        "    osd = FSDP.sharded_optim_state_dict(model, opt)\n"
+        "    if rank == 0 or model.sharding_strategy is None:\n"
+        "        return osd, model.process_group\n"
+    )
+    result = migrate_source(code, "save.py")
+    found = {f.construct: f for f in result.findings}
+    for attr in ("sharding_strategy", "process_group"):
+        todo = found[f"model.{attr} (an FSDP1 wrapper attribute)"]
+        assert not todo.fixable and "given to FSDP.sharded_optim_state_dict(...) here" in todo.replacement

@@ -550,3 +550,30 @@ def test_a_rebinding_of_a_factory_made_model_to_its_module_is_rewritten_too() ->
     )
     fixed = migrate_source(code, "rebind.py").fixed  # model = model.module (the node's own assignment) counts
     assert "model = (fsdp_bridge.unwrapped(model) if fsdp_bridge.is_sharded(model) else model.module)" in fixed
+
+
+def test_block_classes_computed_by_code_stay_in_their_variable() -> None:
+    # layer_cls = get_cls(model): written again in the wrap, the call would run a second time (after the model
+    # changed, or printing again); a set of class names written out is inlined
+    code = (
+        "from functools import partial\n"
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n"
+        "from torch.distributed.fsdp.wrap import ModuleWrapPolicy, transformer_auto_wrap_policy\n"
+        "from model import Block, Wrapper, get_cls\n\n\n"
+        "def build(model):\n"
+        "    layer_cls = {type(model.layers[0])}\n"
+        "    model = Wrapper(model)\n"
+        "    policy = partial(transformer_auto_wrap_policy, transformer_layer_cls=layer_cls)\n"
+        "    return FSDP(model, auto_wrap_policy=policy)\n\n\n"
+        "def build2(model):\n"
+        "    found = get_cls(model)\n"
+        "    return FSDP(model, auto_wrap_policy=ModuleWrapPolicy(found))\n\n\n"
+        "def build3(model):\n"
+        "    blocks = {Block}\n"
+        "    return FSDP(model, auto_wrap_policy=ModuleWrapPolicy(blocks))\n"
+    )
+    fixed = migrate_source(code, "build.py").fixed
+    assert "    layer_cls = {type(model.layers[0])}\n" in fixed and "wrap=list(layer_cls)" in fixed
+    assert "    found = get_cls(model)\n" in fixed and "wrap=list(found)" in fixed
+    assert "blocks = " not in fixed and "wrap=[Block]" in fixed
+    assert migrate_source(fixed, "build.py").fixed == fixed

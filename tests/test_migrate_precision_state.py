@@ -753,3 +753,51 @@ def test_a_units_own_parameters_changed_in_place_are_not_summoned_without_writeb
         assert "summon_full_params(model, writeback=True)" in by_line[line].replacement
     assert result.fixed.count("with fsdp_bridge.summon_full_params(model, recurse=False") == 2
     assert migrate_source(result.fixed, "sample.py").fixed == result.fixed
+
+
+def test_a_load_conversion_whose_result_is_dropped_says_fsdp1_loaded_nothing() -> None:
+    # FSDP.optim_state_dict_to_load(...) as a statement: FSDP1 converts and the result is dropped (nothing loaded);
+    # the bridge's call loads it, so the rewrite carries a TODO that says which to keep
+    code = (
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n\n\n"
+        "def resume(net, opt, state):\n"
+        "    model = FSDP(net)\n"
+        "    FSDP.optim_state_dict_to_load(model=model, optim=opt, optim_state_dict=state)\n"
+        "    kept = FSDP.optim_state_dict_to_load(model, opt, state)\n"
+        "    opt.load_state_dict(kept)\n"
+    )
+    result = migrate_source(code, "resume.py")
+    dropped = [f for f in result.findings if f.construct.endswith("(its result unused)")]
+    assert [f.line for f in dropped] == [6] and not dropped[0].fixable
+    assert "FSDP1 loaded nothing into the optimizer here" in dropped[0].replacement
+    assert "    fsdp_bridge.optim_state_dict_to_load(model, opt, state)\n" in result.fixed
+    assert result.fixed.count(TODO) == 1
+    assert migrate_source(result.fixed, "resume.py").fixed == result.fixed
+
+
+def test_a_sharded_type_set_with_an_offloading_config_becomes_the_bridges_and_is_followed() -> None:
+    # set once at set-up with offload_to_cpu=True (CPU shards), taken in the checkpoint functions: the set becomes
+    # fsdp_bridge's (it keeps the configs) and the later calls follow it at run time (were TODOs)
+    code = (
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, StateDictType\n"
+        "from torch.distributed.fsdp import ShardedOptimStateDictConfig, ShardedStateDictConfig\n\n\n"
+        "def setup(net):\n"
+        "    model = FSDP(net)\n"
+        "    FSDP.set_state_dict_type(\n"
+        "        model,\n"
+        "        StateDictType.SHARDED_STATE_DICT,\n"
+        "        state_dict_config=ShardedStateDictConfig(offload_to_cpu=True),\n"
+        "        optim_state_dict_config=ShardedOptimStateDictConfig(offload_to_cpu=True),\n"
+        "    )\n"
+        "    return model\n\n\n"
+        "def save(model, opt):\n"
+        "    return {'model': model.state_dict(), 'optim': FSDP.optim_state_dict(model, opt)}\n\n\n"
+        "def load(model, opt, osd):\n"
+        "    opt.load_state_dict(FSDP.optim_state_dict_to_load(model, opt, osd))\n"
+    )
+    result = migrate_source(code, "ckpt.py")
+    assert TODO not in result.fixed, result.fixed
+    assert "    fsdp_bridge.set_state_dict_type(\n" in result.fixed
+    assert "'optim': fsdp_bridge.optim_state_dict(model, opt)" in result.fixed
+    assert "fsdp_bridge.optim_state_dict_to_load(model, opt, osd)" in result.fixed
+    assert migrate_source(result.fixed, "ckpt.py").fixed == result.fixed

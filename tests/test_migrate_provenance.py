@@ -365,6 +365,25 @@ def test_a_lightning_strategy_subclass_keeps_its_own_fsdp1_wrap() -> None:
     assert not wrap.fixable and "CPUInit subclasses Lightning's FSDP1 strategy" in wrap.replacement
 
 
+def test_a_lightning_modules_own_fsdp1_wrap_in_configure_model_stays_with_the_strategy() -> None:
+    # under Lightning's FSDPStrategy, configure_model() shards parts by hand; the strategy leaves the module alone only
+    # when it holds FSDP1 wrappers, so FSDP2 parts there would be wrapped again by FSDP1 (a crash at setup)
+    code = (
+        "import lightning.pytorch as pl\n"
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n\n\n"
+        "class Distill(pl.LightningModule):\n"
+        "    def configure_model(self):\n"
+        "        self.student = FSDP(self.student, **self.trainer.strategy.kwargs)\n\n"
+        "    def other(self, net):\n"
+        "        return FSDP(net)\n"
+    )
+    result = _migrate(code)
+    assert "self.student = FSDP(self.student, **self.trainer.strategy.kwargs)" in result.fixed
+    hook, other = [f for f in result.findings if f.construct == "FSDP(...)"]
+    assert not hook.fixable and "configure_model() of a Lightning module" in hook.replacement
+    assert other.fixable and "return fsdp_bridge.shard(net" in result.fixed  # not a Lightning hook
+
+
 def test_a_module_read_under_another_names_fsdp1_test_gets_the_guarded_form() -> None:
     # if isinstance(lm_model, FSDP): self.lm_model.module.head = ... -- the same model by another name: the test
     # becomes is_sharded(lm_model) (true on FSDP2), so the .module read under it takes the guarded form; the module

@@ -298,10 +298,34 @@ def _set_state_dict_type_kinds(code: str) -> frozenset[str]:
         ):
             kinds.add("odd")
         elif any("SHARDED_STATE_DICT" in a for a in args):
-            kinds.add("sharded")
+            # a SHARDED set whose configs change what the state holds (the model's offloaded to the CPU, configs
+            # known at run time) is the bridge's, which follows them; a plain one is deleted
+            kinds.add("sharded" if _plain_sharded_configs(node) else "bridge")
         else:
             kinds.add("bridge")
     return frozenset(kinds)
+
+
+_LITERAL_CONFIG = re.compile(r"[\w.]+\((?:\s*\w+\s*=\s*(?:True|False)\s*,?)*\s*\)")
+"""A config written out with literal flags (``ShardedStateDictConfig(offload_to_cpu=False)``), by any name."""
+
+
+def _plain_sharded_configs(call: cst.Call) -> bool:
+    """Whether ``set_state_dict_type(m, SHARDED_STATE_DICT, cfg, optim_cfg)``'s configs are none, ``None`` or
+    written out with nothing a deleted call would lose: ``ShardedStateDictConfig()`` (``offload_to_cpu=False``)
+    and an optimizer config of literal flags (its ``offload_to_cpu`` is written where the state is taken)."""
+    named = named_args(call, ("module", "state_dict_type", "state_dict_config", "optim_state_dict_config"))
+    if named is None:
+        return False
+    for key in ("state_dict_config", "optim_state_dict_config"):
+        text = " ".join(code_of(named[key]).split()) if key in named else "None"
+        if text == "None":
+            continue
+        if _LITERAL_CONFIG.fullmatch(text) is None:
+            return False
+        if key == "state_dict_config" and re.search(r"offload_to_cpu\s*=\s*True", text):
+            return False
+    return True
 
 
 def bridge_set_state_dict_type(code: str) -> bool:

@@ -111,6 +111,9 @@ INTERNAL_ATTRS: dict[str, str] = {
     "_has_params": "FSDP1's private flag (does this unit manage parameters) has no FSDP2 form: FSDPModule's "
     "reshard()/unshard() do nothing on a unit without parameters; drop the test",
     "_lazy_init": "FSDP2 initialises on the first forward; nothing to call (FSDPModule has no _lazy_init)",
+    "_is_root": "FSDP1's private root flag has no FSDP2 form (FSDPModule has no _is_root): the root is the model "
+    "fsdp_bridge.shard returned (fsdp_bridge.get_bridge(m) finds its bridge on it, TypeError on a unit inside it); "
+    "fsdp_bridge.clip_grad_norm_ takes either, so a root search made for FSDP1's clipping can go",
     "_fsdp_wrapped_module": "not rewritten: on the bridge's fsdp1 backend the model stays FSDP1's wrapper and this "
     "is the module inside it (its own forward, state_dict, __dict__, identity), while FSDP2 does not wrap (the "
     "module is itself, an FSDPModule); only a read of a name the wrapper does not define (X._fsdp_wrapped_module."

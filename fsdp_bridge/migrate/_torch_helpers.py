@@ -250,7 +250,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     """FSDP1's model.clip_grad_norm_(max_norm, norm_type): the global norm over the model's gradients (shards
     and replicas; one norm per mesh, since tensor-parallel weights live on a (dp, tp) mesh and the rest on dp,
     then combined), every gradient scaled by max_norm / norm when it is larger; the norm is returned as a
-    plain tensor, as FSDP1 returns it."""
+    plain tensor in the gradients' dtype, as FSDP1 returns it (each gradient's norm taken in float32)."""
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     if not grads:
         return torch.tensor(0.0)
@@ -259,7 +259,9 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
         by_mesh.setdefault(id(grad.device_mesh) if isinstance(grad, DTensor) else -1, []).append(grad)
     norms = []
     for group in by_mesh.values():
-        norm = torch.nn.utils.get_total_norm(group, norm_type)
+        # each gradient's norm in float32, as FSDP1 takes it (bfloat16 gradients' norms are not rounded)
+        each = [torch.linalg.vector_norm(g.detach(), norm_type, dtype=torch.float32) for g in group]
+        norm = torch.linalg.vector_norm(torch.stack(each), norm_type)
         if isinstance(norm, DTensor):
             if norm.device.type != norm.device_mesh.device_type:  # CPU offload over a CUDA (NCCL) mesh
                 norm = norm.to(norm.device_mesh.device_type)
@@ -268,10 +270,13 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     device = norms[0].device
     stacked = torch.stack([n.float().to(device) for n in norms])
     total = stacked.max() if norm_type == float("inf") else stacked.norm(norm_type)
-    scale = float(torch.clamp(max_norm / (total + 1e-6), max=1.0))
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for grad in grads:
-        grad.mul_(scale)
-    return total
+        grad.mul_(coef.to(grad.dtype).item())  # the coefficient in the gradient's dtype, as FSDP1 multiplies
+    dtype = grads[0].dtype
+    for grad in grads[1:]:
+        dtype = torch.promote_types(dtype, grad.dtype)
+    return total.to(dtype)  # FSDP1 returns the norm in the gradients' dtype
 
 
 @contextlib.contextmanager

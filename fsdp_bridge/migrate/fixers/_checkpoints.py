@@ -63,7 +63,9 @@ class CheckpointNoteFixer(ScannerBase):
                 what = parts[-1]
             elif (
                 isinstance(node, cst.Call)
-                and any("FullyShardedDataParallel" in line for line in self.lines)  # FSDP1's wrapper, not fully_shard
+                # FSDP1's wrapper in the code (not fully_shard; a comment's mention, such as a TODO this codemod
+                # wrote, is none: a second run must report what the first did)
+                and any("FullyShardedDataParallel" in line.split("#", 1)[0] for line in self.lines)
                 and name.startswith("torch.distributed.checkpoint")
                 and parts[-1] in DCP_CALLS
                 and not name.startswith("torch.distributed.checkpoint.state_dict")

@@ -24,6 +24,7 @@ from fsdp_bridge.migrate._names import (
 from fsdp_bridge.migrate._render import comments_around, runtime_lines, runtime_names
 from fsdp_bridge.migrate._report import CodeFinding
 from fsdp_bridge.migrate._scan_base import ScannerBase
+from fsdp_bridge.migrate.fixers._lightning import LIGHTNING_PACKAGES
 
 
 def without_comments(node: cst.BaseExpression) -> str:
@@ -41,6 +42,10 @@ FSDP1's (its ``FSDP(...)`` gets a TODO)."""
 
 FOLLOWED_KWARGS = ("auto_wrap_policy", "mixed_precision", "cpu_offload", "sharding_strategy", "backward_prefetch")
 """Arguments whose value, a variable assigned once in the file, is read through the variable."""
+
+
+LIGHTNING_MODEL_HOOKS = ("configure_model", "configure_sharded_model")
+"""A LightningModule's hooks where a model is sharded by hand under the run's strategy."""
 
 
 class ConstructorFixer(ScannerBase):
@@ -155,7 +160,26 @@ class ConstructorFixer(ScannerBase):
                         "dicts, optimizer state, checkpoints) call FSDP1's API on the model this call makes: it stays "
                         "FSDP1's until the class as a whole moves to the bridge (see the TODO on the class)"
                     )
+        method = self.functions[-1].name.value if self.functions else None
+        if self.classes and method in LIGHTNING_MODEL_HOOKS and self._imports_lightning():
+            return (
+                f"{method}() of a Lightning module: Lightning's FSDP1 strategy (FSDPStrategy) leaves the module "
+                "alone only when it already holds FSDP1 wrappers (isinstance(m, FullyShardedDataParallel)), and "
+                "wraps the whole module in FSDP1 otherwise, the parts sharded by FSDP2 here included; it stays "
+                "FSDP1's until the run's strategy moves off FSDPStrategy (see the TODO on FSDPStrategy(...))"
+            )
         return None
+
+    def _imports_lightning(self) -> bool:
+        """Whether the file imports a Lightning package (``lightning``, ``pytorch_lightning``, ...)."""
+        for node in walk(self.module) if self.module is not None else ():
+            if isinstance(node, cst.ImportFrom) and node.module is not None:
+                if code_of(node.module).split(".")[0] in LIGHTNING_PACKAGES:
+                    return True
+            elif isinstance(node, cst.Import):
+                if any(code_of(a.name).split(".")[0] in LIGHTNING_PACKAGES for a in node.names):
+                    return True
+        return False
 
     def _fsdp1_only_user(self, call: cst.Call) -> str | None:
         """Why ``x = FSDP(...)`` must stay FSDP1's: ``x`` is handed, in the same function, to a function of

@@ -74,6 +74,18 @@ def class_elements(expr: cst.BaseExpression) -> list[cst.BaseExpression]:
     return [expr]
 
 
+FSDP1_MODEL_FUNCTIONS = (
+    "state_dict_type",
+    "set_state_dict_type",
+    "optim_state_dict",
+    "optim_state_dict_to_load",
+    "full_optim_state_dict",
+    "sharded_optim_state_dict",
+    "summon_full_params",
+)
+"""FSDP1's static functions whose first argument is the model."""
+
+
 class ImportsFixer(ScannerBase):
     """FSDP1 names used as values, imports and isinstance checks."""
 
@@ -120,7 +132,10 @@ class ImportsFixer(ScannerBase):
             and (id(node) not in self.called or node.attr.value in WRAPPER_METHODS)
             and id(node) not in self.consumed_nodes
             and self._qn(node) is None
-            and (wrapper := self._fsdp1_wrapper(node, node.value)) != ""
+            and (
+                (wrapper := self._fsdp1_wrapper(node, node.value)) != ""
+                or (wrapper := self._given_to_fsdp1_api(node.value)) != ""
+            )
         ):
             stmt = self.stmt_stack[-1] if self.stmt_stack else None
             test = stmt.test if isinstance(stmt, (cst.If, cst.While)) else stmt
@@ -138,7 +153,8 @@ class ImportsFixer(ScannerBase):
             self._record(
                 node,
                 f"{code_of(node)} (an FSDP1 wrapper attribute)",
-                f"not rewritten: FSDPModule has no {node.attr.value}; {WRAPPER_ATTRS[node.attr.value]}",
+                f"not rewritten: FSDPModule has no {node.attr.value}; {WRAPPER_ATTRS[node.attr.value]}"
+                + (f" ({short(code_of(node.value), 30)} is {wrapper})" if wrapper.startswith("given ") else ""),
                 False,
             )
             return True
@@ -416,6 +432,21 @@ class ImportsFixer(ScannerBase):
             return False
         self._record(node, code_of(node), NAMES[kind], False)
         return False
+
+    def _given_to_fsdp1_api(self, obj: cst.BaseExpression) -> str:
+        """``"given to FSDP.<name>(...) here"`` where the current function hands ``obj`` as the model to one of
+        FSDP1's static state functions (``FSDP.sharded_optim_state_dict(model, o)``, ``FSDP.state_dict_type(model,
+        ...)``): reason enough to report an FSDP1 wrapper attribute read on it (not to rewrite one: those functions
+        also take a module holding FSDP1 units); "" where it is not."""
+        scope = self.functions[-1] if self.functions else None
+        target = code_of(obj)
+        for n in walk(scope) if scope is not None else ():
+            if isinstance(n, cst.Call) and n.args and n.args[0].keyword is None:
+                hit = self._qn(n.func)
+                if hit is not None and hit[0] == FSDP and hit[1] in FSDP1_MODEL_FUNCTIONS:
+                    if code_of(n.args[0].value) == target:
+                        return f"given to FSDP.{hit[1]}(...) here"
+        return ""
 
     def _mixed_precision_unkept(self, node: cst.CSTNode) -> str:
         """The TODO text for ``MixedPrecision(...)`` (``node`` its name) given a field the bridge cannot keep

@@ -25,22 +25,30 @@ WAY_OUT = (
     'mesh=self.device_mesh["data_parallel"]) in configure_model (HYBRID_*: no mesh=, the bridge builds the 2D '
     "one, or a 2D (replicate, shard) mesh of your own; never under DDPStrategy: DDP would wrap the sharded "
     "model; arguments ModelParallelStrategy lacks, such as cluster_environment=, move to the Trainer's or "
-    "Fabric's plugins); its FSDP1 arguments become these BridgeConfig keys: "
+    "Fabric's plugins). Lightning still saves the checkpoints: FSDPStrategy's default state_dict_type='full' writes "
+    "one file, ModelParallelStrategy by default a DCP directory (save_distributed_checkpoint=False keeps one file, "
+    "which code that torch.load()s a .ckpt needs); and the Trainer's precision='bf16-mixed' was FSDP1's "
+    "MixedPrecision under FSDPStrategy (bf16 gathers and gradient reduction) but is autocast alone under "
+    "ModelParallelStrategy (give mixed_precision=\"bf16\" to keep bf16 communication; '16-mixed' is refused there). "
+    "Its FSDP1 arguments become these BridgeConfig keys: "
 )
 
 LIGHTNING_ARGS: dict[str, str] = {
     "sharding_strategy": 'strategy= (ShardingStrategy members lower-cased: FULL_SHARD -> "full_shard", ...)',
-    "auto_wrap_policy": "wrap= (a set of block classes {Block} -> wrap=[Block]; an FSDP1 policy -> "
+    "auto_wrap_policy": "wrap= (a set of block classes {Block} -> wrap=[Block], subclasses included and classes "
+    "the model lacks skipped, as Lightning's ModuleWrapPolicy; an FSDP1 policy -> "
     "BridgeConfig.from_fsdp1(auto_wrap_policy=...), read when the code runs)",
     "cpu_offload": "cpu_offload=True (True or CPUOffload(offload_params=True))",
     "mixed_precision": "mixed_precision={param_dtype, reduce_dtype, buffer_dtype} (a MixedPrecision object -> "
     "BridgeConfig.from_fsdp1(mixed_precision=...)); Lightning's precision='bf16-mixed' / '16-mixed' -> "
     'mixed_precision="bf16" / "fp16"',
     "activation_checkpointing": "activation_checkpointing=True (recompute each wrapped unit in backward)",
-    "activation_checkpointing_policy": "activation_checkpointing=True (the bridge checkpoints its wrap units; "
-    "give the same block classes to wrap=)",
-    "state_dict_type": "how checkpoints are written: 'full' -> fsdp_bridge.save_checkpoint(path, model, "
-    'kind="full"), \'sharded\' -> kind="sharded" (DCP, loadable at any world size)',
+    "activation_checkpointing_policy": "activation_checkpointing=True where a policy is given (the bridge "
+    "checkpoints its wrap units: the same thing where the policy names the wrap classes; checkpointing other "
+    "classes than the wrap units has no BridgeConfig form: torch's apply_activation_checkpointing after sharding)",
+    "state_dict_type": "how Lightning writes checkpoints: 'full' -> ModelParallelStrategy("
+    "save_distributed_checkpoint=False) (one file), 'sharded' -> save_distributed_checkpoint=True (its default, "
+    'a DCP directory); outside Lightning\'s saving: fsdp_bridge.save_checkpoint(path, model, kind="full"|"sharded")',
     "device_mesh": 'shard(..., mesh=...) (a (replicate, shard) pair of sizes -> strategy="hybrid_shard", '
     "hybrid_shape=(replicate, shard))",
     "backward_prefetch": 'backward_prefetch= (BACKWARD_PRE -> "pre")',
@@ -178,9 +186,21 @@ class LightningFixer(ScannerBase):
             code_of(a.value) in ("True", "False")
         ):
             text = f"{kw}={code_of(a.value)}"
+        elif kw in ("cpu_offload", "activation_checkpointing", "sync_module_states", "forward_prefetch") and (
+            not isinstance(a.value, cst.Call)
+        ):
+            # a value known when the code runs (a bool from the run's config): passed on as it is
+            text = f"{kw}={short(code_of(a.value), 40)} (the same value, known when the code runs)"
+        elif kw == "activation_checkpointing_policy" and isinstance(a.value, cst.IfExp):
+            text = (
+                f"activation_checkpointing=({short(code_of(a.value.test), 40)}) (a policy only when that holds); "
+                + LIGHTNING_ARGS[kw].removeprefix("activation_checkpointing=True where a policy is given ")
+            )
         elif kw == "state_dict_type" and isinstance(a.value, cst.SimpleString):
             kind = str(a.value.evaluated_value)
-            text = f'fsdp_bridge.save_checkpoint(path, model, kind="{kind}")' + (
-                " (DCP, loadable at any world size)" if kind == "sharded" else " (one file from rank 0)"
+            text = (
+                f"ModelParallelStrategy(save_distributed_checkpoint={kind == 'sharded'}) "
+                + ("(a DCP directory, loadable at any world size)" if kind == "sharded" else "(one file)")
+                + f'; outside Lightning\'s saving: fsdp_bridge.save_checkpoint(path, model, kind="{kind}")'
             )
         return text

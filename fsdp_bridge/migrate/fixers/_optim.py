@@ -12,6 +12,7 @@ from libcst.metadata import PositionProvider, QualifiedNameProvider
 
 from fsdp_bridge.migrate._analysis import assign_target, assign_value, code_of, named_args, short, walk
 from fsdp_bridge.migrate._names import FSDP, GROUP_RANK0
+from fsdp_bridge.migrate._report import CodeFinding
 from fsdp_bridge.migrate._scan_base import ScannerBase
 
 FULL_OPTIM_TEXT = (
@@ -26,6 +27,31 @@ class OptimStateFixer(ScannerBase):
 
     def _plan_optim_state_call(self, node: cst.Call, func: cst.BaseExpression, hit: tuple[str, str] | None) -> bool:
         """FSDP1's optimizer-state functions; True when the call is planned."""
+        planned = self._plan_optim_state(node, hit)
+        stmt = self.stmt_stack[-1] if self.stmt_stack else None
+        if (
+            planned
+            and hit == (FSDP, "optim_state_dict_to_load")
+            and id(node) in self.call_rewrites
+            and isinstance(stmt, cst.SimpleStatementLine)
+            and any(isinstance(small, cst.Expr) and small.value is node for small in stmt.body)
+            and not any(a.keyword is not None and a.keyword.value == "load_directly" for a in node.args)
+        ):
+            # FSDP1's call only converts: its result dropped, the optimizer was never loaded here
+            construct = "FSDP.optim_state_dict_to_load(...) (its result unused)"
+            text = (
+                "FSDP1's call returns the state to load and this code drops it, so FSDP1 loaded nothing into the "
+                "optimizer here (it loads only with load_directly=True); the rewrite, "
+                "fsdp_bridge.optim_state_dict_to_load, loads it: keep that if loading was meant, or delete the "
+                "statement to keep FSDP1's behaviour"
+            )
+            pos = self.get_metadata(PositionProvider, node)
+            self.findings.append(CodeFinding(self.path, pos.start.line, pos.start.column, construct, text, False))
+            self.todos.setdefault(id(stmt), []).append(f"{construct}: {text}")
+        return planned
+
+    def _plan_optim_state(self, node: cst.Call, hit: tuple[str, str] | None) -> bool:
+        """``_plan_optim_state_call`` itself."""
         if hit is not None and hit[0] == FSDP and (why := self._optim_call_not_rewritten(node, hit[1])) is not None:
             self._record(node, f"FSDP.{hit[1]}(...)", f"not rewritten: {why}", False)
             self._consume(node.func)

@@ -3,6 +3,8 @@ becomes on the bridge."""
 
 from __future__ import annotations
 
+from typing import cast
+
 import libcst as cst
 import libcst.matchers as m
 from libcst.metadata import QualifiedNameProvider
@@ -110,6 +112,19 @@ class PolicyFixer(ScannerBase):
             return hit[1]
         return None
 
+    def _follow_classes(self, expr: cst.BaseExpression, conv: Conversion) -> cst.BaseExpression:
+        """A variable holding the block classes stands for its value only where that is a set, list or tuple of
+        class names written out (``layer_cls = {Block}``); one computed by code (``get_layer_cls(model)``) stays the
+        variable: written again in its place, the code would run a second time, later, on what may have changed."""
+        followed = self._follow(expr, conv)
+        if followed is expr or (
+            isinstance(followed, (cst.Set, cst.List, cst.Tuple))
+            and all(isinstance(e.value, (cst.Name, cst.Attribute)) for e in followed.elements)
+        ):
+            return followed
+        conv.consumed.remove(cast(cst.Name, expr).value)
+        return expr
+
     def _wrap(self, value: cst.BaseExpression, conv: Conversion) -> cst.BaseExpression | None:
         if m.matches(value, m.Name("None")):
             return make_str("none")
@@ -121,11 +136,11 @@ class PolicyFixer(ScannerBase):
                 inner = self._qn(value.args[0].value)
                 kwargs = {a.keyword.value: a.value for a in value.args[1:] if a.keyword}
                 if inner and inner[0] == "transformer_auto_wrap_policy" and "transformer_layer_cls" in kwargs:
-                    return class_list(self._follow(kwargs["transformer_layer_cls"], conv))
+                    return class_list(self._follow_classes(kwargs["transformer_layer_cls"], conv))
                 if inner and inner[0] == "size_based_auto_wrap_policy" and set(kwargs) == {"min_num_params"}:
                     return cst.parse_expression(f'{{"min_num_params": {code_of(kwargs["min_num_params"])}}}')
             if hit and hit[0] == "ModuleWrapPolicy" and len(value.args) == 1:
-                return class_list(self._follow(value.args[0].value, conv))
+                return class_list(self._follow_classes(value.args[0].value, conv))
         conv.blockers.append(
             f"auto_wrap_policy={code_of(value)}: only transformer_auto_wrap_policy, "
             "size_based_auto_wrap_policy (min_num_params) and ModuleWrapPolicy are converted; "
