@@ -439,3 +439,31 @@ def test_forward_called_on_a_model_handed_by_another_file_becomes_a_call(tmp_pat
     )
     migrate_paths([tmp_path], fix=True)
     assert (tmp_path / "viz.py").read_text() == "def show(x, mm=None):\n    return mm(x)\n"
+
+
+def test_a_model_kept_on_the_instance_by_a_method_it_is_handed_to_is_followed_to_the_other_methods(
+    tmp_path,  # type: ignore[no-untyped-def]
+) -> None:
+    # trainer.prepare(model) stores the FSDP1 model another file made on self.model; the training step calls
+    # self.model.no_sync() / clip_grad_norm_() in another method (FSDPModule has neither: a crash at the first step)
+    (tmp_path / "train.py").write_text(
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\nfrom trainer import Trainer\n\n\n"
+        "def main(net):\n    model = FSDP(net)\n    trainer = Trainer()\n    trainer.prepare(model)\n"
+    )
+    trainer = (
+        "class Trainer:\n"
+        "    def __init__(self):\n        self.model = None\n\n"
+        "    def prepare(self, model):\n        self.model = model\n\n"
+        "    def step(self, batch):\n"
+        "        with self.model.no_sync():\n            self.model(batch).backward()\n"
+        "        return self.model.clip_grad_norm_(1.0)\n"
+    )
+    (tmp_path / "trainer.py").write_text(trainer)
+    other = "class Other:\n    def set(self, model):\n        self.model = model\n        self.model = model.module\n\n"
+    other += "    def step(self):\n        self.model.clip_grad_norm_(1.0)\n"
+    (tmp_path / "other.py").write_text(other)
+    migrate_paths([tmp_path], fix=True)
+    fixed = (tmp_path / "trainer.py").read_text()
+    assert "with fsdp_bridge.no_sync(self.model):" in fixed
+    assert "return fsdp_bridge.clip_grad_norm_(self.model, 1.0)" in fixed
+    assert (tmp_path / "other.py").read_text() == other  # set() is never handed the model; nothing shown there

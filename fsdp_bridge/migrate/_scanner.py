@@ -260,6 +260,15 @@ class Scanner(
             self.class_bases.update(id(b.value) for b in node.bases)
             if any(code_of(b.value).rsplit(".", 1)[-1] in self.dispatch.fsdp1_attributes for b in node.bases):
                 self.uses_fsdp1 = True  # a base class of the tree keeps an FSDP1 model in an attribute
+            if self.dispatch.fsdp1_args and any(
+                isinstance(n, cst.Attribute)
+                and isinstance(n.value, cst.Attribute)
+                and m.matches(n.value.value, m.Name("self"))
+                and n.attr.value in HANDED_MODEL_USES
+                and self._kept_from_a_handed_parameter(node, n.value.attr.value)
+                for n in walk(node)
+            ):
+                self.uses_fsdp1 = True  # a method keeps the FSDP1 model another file hands it, another uses it
         else:
             self._plan_lightning_subclass(node)
 

@@ -187,7 +187,10 @@ class NoSyncClipFixer(ScannerBase):
             isinstance(obj, cst.Attribute)
             and m.matches(obj.value, m.Name("self"))
             and self.classes
-            and self._inherits_fsdp1_attribute(self.classes[-1], obj.attr.value)
+            and (
+                self._inherits_fsdp1_attribute(self.classes[-1], obj.attr.value)
+                or self._kept_from_a_handed_parameter(self.classes[-1], obj.attr.value)
+            )
         ):
             return "fsdp1"
         if isinstance(obj, cst.Attribute) and self.module is not None:
@@ -200,6 +203,29 @@ class NoSyncClipFixer(ScannerBase):
                 ):
                     return "fsdp1"
         return ""
+
+    def _kept_from_a_handed_parameter(self, cls: cst.ClassDef, attr: str) -> bool:
+        """A method of ``cls`` keeps a parameter a call of the tree passes an FSDP1 model as on the instance
+        (``def prepare(self, model): self.model = model``, called ``trainer.prepare(model=FSDP(...))``), and no
+        method of it assigns ``self.<attr>`` anything else (``None`` aside, a placeholder): ``self.<attr>`` is that
+        model in every method."""
+        kept = False
+        for fn in walk(cls):
+            if not isinstance(fn, cst.FunctionDef):
+                continue
+            params = [p.name.value for p in fn.params.params]
+            handed = handed_parameters(called_as(fn.name.value, cls.name.value), params, self.dispatch.fsdp1_args)
+            for n in walk(fn):
+                if not isinstance(n, (cst.Assign, cst.AnnAssign)) or n.value is None:
+                    continue
+                targets = [t.target for t in n.targets] if isinstance(n, cst.Assign) else [n.target]
+                if any(m.matches(t, m.Attribute(m.Name("self"), m.Name(attr))) for t in targets):
+                    if m.matches(n.value, m.Name("None")):
+                        continue  # a placeholder set in __init__ before the model is handed over
+                    if not (isinstance(n.value, cst.Name) and n.value.value in handed):
+                        return False  # assigned something else too: not shown
+                    kept = True
+        return kept
 
     def _plan_forward_call(self, node: cst.Call, func: cst.Attribute) -> None:
         """``model.forward(...)`` on FSDP1's wrapper (shown by the function, handed by a call of the tree, or
