@@ -94,3 +94,20 @@ def test_wrapper_attributes_of_a_model_given_to_fsdp1s_state_functions_are_repor
     for attr in ("sharding_strategy", "process_group"):
         todo = found[f"model.{attr} (an FSDP1 wrapper attribute)"]
         assert not todo.fixable and "given to FSDP.sharded_optim_state_dict(...) here" in todo.replacement
+
+
+def test_local_state_dict_kept_as_a_value_that_reaches_a_state_function_is_a_todo() -> None:
+    # chosen at run time and handed on: no FSDP2 form, so not claimed as read "with FSDP1's meaning"; a test of a
+    # value against it stays a kept value
+    code = (
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, StateDictType\n\n\n"
+        "def save(model, decomposed, kind):\n"
+        "    sd_type = StateDictType.LOCAL_STATE_DICT if decomposed else StateDictType.SHARDED_STATE_DICT\n"
+        "    if kind is StateDictType.LOCAL_STATE_DICT:\n"
+        "        pass\n"
+        "    with FSDP.state_dict_type(model, sd_type):\n"
+        "        return model.state_dict()\n"
+    )
+    found = [f for f in migrate_source(code, "save.py").findings if f.construct == "StateDictType.LOCAL_STATE_DICT"]
+    assert [(f.line, f.fixable) for f in found] == [(5, False), (6, True)], found
+    assert "LOCAL_STATE_DICT has no FSDP2 form" in found[0].replacement

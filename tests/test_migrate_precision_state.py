@@ -801,3 +801,23 @@ def test_a_sharded_type_set_with_an_offloading_config_becomes_the_bridges_and_is
     assert "'optim': fsdp_bridge.optim_state_dict(model, opt)" in result.fixed
     assert "fsdp_bridge.optim_state_dict_to_load(model, opt, osd)" in result.fixed
     assert migrate_source(result.fixed, "ckpt.py").fixed == result.fixed
+
+
+def test_an_optimizer_loaded_inside_a_state_dict_type_block_is_not_taken_for_a_model() -> None:
+    # value.load_state_dict(flat_osd) where value is the optimizer handed to FSDP.optim_state_dict_to_load: the
+    # optimizer's own load, not another FSDP1 root's state dict
+    code = (
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, StateDictType\n\n\n"
+        "def load(model, items, kind, osd):\n"
+        "    for key, value in items:\n"
+        "        if key == 'model':\n"
+        "            with FSDP.state_dict_type(value, kind):\n"
+        "                sd = value.state_dict()\n"
+        "        else:\n"
+        "            with FSDP.state_dict_type(model, kind):\n"
+        "                flat = FSDP.optim_state_dict_to_load(model, value, osd)\n"
+        "                value.load_state_dict(flat)\n"
+    )
+    result = migrate_source(code, "load.py")
+    assert not [f for f in result.findings if f.construct.startswith("value.load_state_dict")]
+    assert "    value.load_state_dict(flat)\n" in result.fixed and "FSDPModule" not in result.fixed

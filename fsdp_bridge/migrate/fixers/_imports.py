@@ -418,6 +418,23 @@ class ImportsFixer(ScannerBase):
                 # read when the code runs, but not with FSDP1's meaning: said, not claimed
                 self._record(node, code_of(node), unkept, False)
                 return False
+            local = "LOCAL_STATE_DICT" in code_of(node) or kind.startswith("Local")
+            stmt = self.stmt_stack[-1] if self.stmt_stack else None
+            compared = stmt is not None and any(  # a test of a value (x is LOCAL_STATE_DICT) reaches no function
+                isinstance(c, cst.Comparison) and any(n is node for n in walk(c)) for c in walk(stmt)
+            )
+            if local and not compared and (kind.endswith("StateDictConfig") or kind == "StateDictType"):
+                # kept as a value, but no state function of the bridge takes it: said, not claimed
+                self._record(
+                    node,
+                    code_of(node),
+                    f"kept: {KEPT[kind]}; LOCAL_STATE_DICT has no FSDP2 form: fsdp_bridge's state-dict functions "
+                    "refuse it (ConfigError) wherever it reaches them, and fsdp_bridge.state_dict_options on either "
+                    "backend; a code path that takes it needs SHARDED_STATE_DICT instead (an existing local "
+                    "checkpoint: save it again from FSDP1 as sharded, then `fsdp-bridge convert`)",
+                    False,
+                )
+                return False
             reader = (
                 "fsdp_bridge's state-dict functions (FSDP1's own, for a model that stays FSDP1's)"
                 if kind.endswith("StateDictConfig") or kind == "StateDictType"

@@ -152,6 +152,18 @@ class StateDictFixer(ScannerBase):
                     self.options_at = None
         self._plan_optimizer_order(body)
 
+    def _an_optimizer_here(self, name: str) -> bool:
+        """``name`` is what the current function hands FSDP1's optimizer-state functions as the optimizer
+        (``FSDP.optim_state_dict_to_load(model, name, sd)``): its ``load_state_dict`` is the optimizer's."""
+        scope = self.functions[-1] if self.functions else None
+        for n in walk(scope) if scope is not None else ():
+            if isinstance(n, cst.Call) and (hit := self._qn(n.func)) is not None and hit[0] == FSDP:
+                if hit[1] in ("optim_state_dict", "optim_state_dict_to_load", "full_optim_state_dict"):
+                    named = named_args(n, ("model", "optim", "third", "fourth", "fifth", "sixth"))
+                    if named is not None and "optim" in named and code_of(named["optim"]) == name:
+                        return True
+        return False
+
     def _plan_plain_state_dict(self, node: cst.Call, func: cst.Attribute) -> bool:
         """``model.state_dict()`` / ``model.load_state_dict(sd[, strict])`` outside a state_dict_type block, on
         an object the function shows to be FSDP1's wrapper: FSDP1's default type is FULL_STATE_DICT, so these
@@ -168,7 +180,7 @@ class StateDictFixer(ScannerBase):
             # A call of the tree hands this function an FSDP1 model (other calls may hand it other modules)
             wrapper, handed = "ambiguous", True
         if wrapper not in ("fsdp1", "ambiguous"):
-            if id(node) not in self.other_roots:
+            if id(node) not in self.other_roots or self._an_optimizer_here(code_of(obj)):
                 return False
             wrapper = "handed"  # in another model's state_dict_type block; nothing here shows what it is
         target, method = code_of(obj), func.attr.value
