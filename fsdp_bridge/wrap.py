@@ -106,7 +106,11 @@ def _by_classes(model: nn.Module, classes: tuple[str, ...], *, subclasses: bool 
 
 
 def _names_of(cls: type, subclasses: bool) -> set[str]:
-    return {c.__name__ for c in cls.__mro__} if subclasses else {cls.__name__}
+    """``cls``'s name, and with ``subclasses`` those of its base classes below ``nn.Module`` (``Module`` and
+    ``object`` name every module: never a wrap class)."""
+    if not subclasses:
+        return {cls.__name__}
+    return {c.__name__ for c in cls.__mro__ if c not in (nn.Module, object)}
 
 
 def _by_min_params(model: nn.Module, min_num_params: int, ignored: set[nn.Parameter]) -> list[tuple[str, nn.Module]]:

@@ -167,3 +167,5 @@ def test_classes_wrap_their_subclasses_and_absent_python_classes_wrap_nothing() 
     with pytest.raises(ConfigError, match="_Absent"):
         resolve_wrap(model, BridgeConfig(wrap=["_Base", "_Absent"]).wrap)
     assert [n for n, _ in resolve_wrap(model, BridgeConfig(wrap=["_Base"]).wrap).units] == ["0", "1.0"]
+    with pytest.raises(ConfigError, match="Module"):  # every module's base: never a wrap class
+        resolve_wrap(model, BridgeConfig(wrap=["Module"]).wrap)

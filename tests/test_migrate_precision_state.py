@@ -742,16 +742,20 @@ def test_a_units_own_parameters_changed_in_place_are_not_summoned_without_writeb
                 model.head.weight.data = model.head.weight.data.half().float()
             with FSDP.summon_full_params(model, recurse=False, writeback=False):
                 model.head.weight.zero_()
+            with FSDP.summon_full_params(model, recurse=False):
+                logits = model(prompt)[:, -1]
+                logits.div_(0.7)
             return out
         """
     )
     result = migrate_source(code, "sample.py")
     by_line = {f.line: f for f in result.findings if f.construct == "FSDP.summon_full_params(...)"}
-    assert by_line[7].fixable and by_line[14].fixable, by_line  # nothing written; writeback=False given
+    # nothing written, writeback=False given, a tensor of the block's own scaled in place: rewritten
+    assert by_line[7].fixable and by_line[14].fixable and by_line[16].fixable, by_line
     for line, write in ((9, "p"), (12, "model.head.weight.data")):
-        assert not by_line[line].fixable and f"changes tensors in place ({write})" in by_line[line].replacement
+        assert not by_line[line].fixable and f"changes parameters in place ({write})" in by_line[line].replacement
         assert "summon_full_params(model, writeback=True)" in by_line[line].replacement
-    assert result.fixed.count("with fsdp_bridge.summon_full_params(model, recurse=False") == 2
+    assert result.fixed.count("with fsdp_bridge.summon_full_params(model, recurse=False") == 3
     assert migrate_source(result.fixed, "sample.py").fixed == result.fixed
 
 
@@ -773,6 +777,10 @@ def test_a_load_conversion_whose_result_is_dropped_says_fsdp1_loaded_nothing() -
     assert "    fsdp_bridge.optim_state_dict_to_load(model, opt, state)\n" in result.fixed
     assert result.fixed.count(TODO) == 1
     assert migrate_source(result.fixed, "resume.py").fixed == result.fixed
+    # load_directly=False is FSDP1's default (nothing loaded: the TODO); load_directly=True loads, as the bridge
+    for flag, todos in (("False", 1), ("True", 0)):
+        given = code.replace("optim_state_dict=state)", f"optim_state_dict=state, load_directly={flag})")
+        assert migrate_source(given, "resume.py").fixed.count(TODO) == todos, flag
 
 
 def test_a_sharded_type_set_with_an_offloading_config_becomes_the_bridges_and_is_followed() -> None:

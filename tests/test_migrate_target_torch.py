@@ -701,3 +701,27 @@ def test_a_file_importing_a_library_that_wraps_in_fsdp1_keeps_the_bridges_type_t
     # without such an import every model is fully_shard's after --fix: plain torch as before
     plain = migrate_source(code.replace("from {lib} import State\n", ""), "export.py", target="torch").fixed
     assert "isinstance(state.model.model, FSDPModule)" in plain and "fsdp_bridge" not in plain
+
+
+def test_an_optimizer_load_under_a_state_dict_type_set_at_run_time_keeps_the_bridge() -> None:
+    # the bridge's optim_state_dict_to_load follows a type set earlier (FULL with rank0_only: rank 0's broadcast);
+    # the plain helper reads no such setting, so without options= the call stays the bridge's, with a TODO
+    code = (
+        "import torch\n"
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, StateDictType\n"
+        "from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig\n\n\n"
+        "def setup(net):\n"
+        "    model = FSDP(net)\n"
+        "    FSDP.set_state_dict_type(\n"
+        "        model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(rank0_only=True),\n"
+        "        FullOptimStateDictConfig(rank0_only=True),\n"
+        "    )\n"
+        "    return model\n\n\n"
+        "def load(model, optim, path, rank):\n"
+        "    osd = torch.load(path) if rank == 0 else None\n"
+        "    sd = FSDP.optim_state_dict_to_load(model, optim, osd)\n"
+        "    optim.load_state_dict(sd)\n"
+    )
+    result = migrate_source(code, "ckpt.py", target="torch")
+    assert "sd = fsdp_bridge.optim_state_dict_to_load(model, optim, osd)" in result.fixed
+    assert "this tree sets a state-dict type" in result.fixed

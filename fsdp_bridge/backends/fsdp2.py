@@ -325,13 +325,14 @@ class FSDP2Backend:
         stacked = torch.stack([n.to(device) for n in norms])
         total_norm = stacked.max() if norm_type == float("inf") else stacked.norm(norm_type)
         coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+        # as FSDP1: the float32 coefficient cast to each gradient's dtype, then multiplied in (one host read per dtype)
+        dtypes = {p.grad.dtype for p in params if p.grad is not None}
+        scale = {dtype: coef.to(dtype).item() for dtype in dtypes}
         for p in params:
             assert p.grad is not None
-            # as FSDP1: the float32 coefficient cast to each gradient's dtype, then multiplied in
-            p.grad.mul_(coef.to(p.grad.dtype).item())
+            p.grad.mul_(scale[p.grad.dtype])
         # FSDP1 returns the norm in the gradients' promoted dtype (bfloat16 gradients: a bfloat16 norm)
-        dtypes = [p.grad.dtype for p in params if p.grad is not None]
-        return total_norm.to(functools.reduce(torch.promote_types, dtypes))
+        return total_norm.to(functools.reduce(torch.promote_types, sorted(dtypes, key=str)))
 
     def reshard(self, module: nn.Module, *, recurse: bool) -> None:
         for unit in module.modules() if recurse else [module]:

@@ -175,7 +175,15 @@ def migrate_source(
         # At most config-driven FSDP (Trainer / accelerate arguments): report, change nothing; under
         # --target torch, code on the bridge already (an earlier --fix) is lowered.
         if target == "torch" and "fsdp_bridge." in code:
-            return _lowered(module, code, path, list(scan.findings), groups=known.group_fsdp is not None, spans={})
+            return _lowered(
+                module,
+                code,
+                path,
+                list(scan.findings),
+                groups=known.group_fsdp is not None,
+                spans={},
+                typed=known.sets_state_dict_type is not None,
+            )
         return MigratedSource(path, code, code, sorted(scan.findings, key=lambda f: (f.line, f.column)))
     fixer = Rewriter(scan, {id(v): k for k, v in single.items()})
     fixed = wrapper.module.visit(fixer)
@@ -208,7 +216,15 @@ def migrate_source(
             for node, r in positions.items()
             if id(node) in scan.conversions
         }
-        return _lowered(fixed, code, path, findings, groups=known.group_fsdp is not None, spans=spans)
+        return _lowered(
+            fixed,
+            code,
+            path,
+            findings,
+            groups=known.group_fsdp is not None,
+            spans=spans,
+            typed=known.sets_state_dict_type is not None,
+        )
     return MigratedSource(path, code, fixed.code, findings)
 
 
@@ -293,10 +309,11 @@ def _lowered(
     *,
     groups: bool,
     spans: dict[tuple[int, int], tuple[int, int]],
+    typed: bool = False,
 ) -> MigratedSource:
     """``--target torch``: the bridge rewrite ``fixed`` of ``code`` lowered to plain torch; each report line
     at its place in ``code``, naming what the written file holds (``_torch_report``)."""
-    lowered = lower_to_torch(fixed, path, groups=groups)
+    lowered = lower_to_torch(fixed, path, groups=groups, typed=typed)
     findings = torch_findings(path, code, fixed.code, findings, lowered.calls, spans)
     written = _imports_after_setup(lowered.module, cst.parse_module(code))
     return MigratedSource(path, code, written.code, findings, lowered.uses_helpers)

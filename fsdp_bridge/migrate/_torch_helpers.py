@@ -271,11 +271,14 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     stacked = torch.stack([n.float().to(device) for n in norms])
     total = stacked.max() if norm_type == float("inf") else stacked.norm(norm_type)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    scale = {{g.dtype: 0.0 for g in grads}}
+    for dtype in scale:  # the coefficient in each gradient dtype, as FSDP1 multiplies (one host read per dtype)
+        scale[dtype] = coef.to(dtype).item()
     for grad in grads:
-        grad.mul_(coef.to(grad.dtype).item())  # the coefficient in the gradient's dtype, as FSDP1 multiplies
+        grad.mul_(scale[grad.dtype])
     dtype = grads[0].dtype
-    for grad in grads[1:]:
-        dtype = torch.promote_types(dtype, grad.dtype)
+    for other in scale:
+        dtype = torch.promote_types(dtype, other)
     return total.to(dtype)  # FSDP1 returns the norm in the gradients' dtype
 
 

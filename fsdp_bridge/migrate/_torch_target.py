@@ -295,9 +295,10 @@ def _render_shard(call: cst.Call) -> tuple[cst.BaseExpression, _Shard]:
 class _Lowerer(cst.CSTTransformer):
     METADATA_DEPENDENCIES = (PositionProvider,)
 
-    def __init__(self, groups: bool) -> None:
+    def __init__(self, groups: bool, typed: bool = False) -> None:
         super().__init__()
         self.groups = groups  # a file of the tree shards over process groups (FSDP1's rank0_only is per group)
+        self.typed = typed  # the tree sets a state-dict type at run time (the bridge's calls follow it)
         self.result_imports: set[tuple[str, str | None]] = set()
         self.uses_helpers = False
         self.found: list[LoweredCall] = []
@@ -465,6 +466,17 @@ class _Lowerer(cst.CSTTransformer):
                 f"this file imports {self.wrapping_library}, which wraps models in FSDP1's wrapper itself: a model "
                 f"it hands over stays FSDP1's, which the plain-torch {name} (for fully_shard's models) does not "
                 f"handle; fsdp_bridge.{name} serves both"
+            )
+        if (
+            name == "optim_state_dict_to_load"
+            and self.typed
+            and not any(a.keyword is not None and a.keyword.value == "options" for a in args)
+        ):
+            raise _CannotLower(
+                "this tree sets a state-dict type (set_state_dict_type / state_dict_type), which "
+                "fsdp_bridge.optim_state_dict_to_load follows at run time when no options= is given (full or "
+                "sharded, rank 0's broadcast); plain torch has no such setting: pass the options of the type "
+                "(StateDictOptions(...)) and write _fsdp2_helpers.optim_state_dict_to_load(model, optim, sd, options)"
             )
         if name in ("summon_full_params", "optim_state_dict_to_load"):
             # the same signature in the helper module, written for fully_shard's models (and unsharded ones)
@@ -676,10 +688,12 @@ def _binds_otherwise(module: cst.Module, name: str) -> bool:
     return found
 
 
-def lower_to_torch(module: cst.Module, path: str, *, groups: bool = False) -> Lowered:
+def lower_to_torch(module: cst.Module, path: str, *, groups: bool = False, typed: bool = False) -> Lowered:
     """Replace the bridge calls of the bridge rewrite ``module`` with plain torch code (see the module
-    docstring); the imports follow. ``groups``: a file of the tree passes ``process_group=`` to FSDP1."""
-    lowerer = _Lowerer(groups)
+    docstring); the imports follow. ``groups``: a file of the tree passes ``process_group=`` to FSDP1.
+    ``typed``: a file of the tree sets a state-dict type (``set_state_dict_type``), which the bridge's
+    optimizer-state calls follow at run time and plain torch has no form of."""
+    lowerer = _Lowerer(groups, typed or "state_dict_type(" in module.code)
     if _binds_otherwise(module, "FSDPModule"):
         # the file's own FSDPModule (a class of its own, another library's): torch's is written in full
         lowerer.fsdp_module, lowerer.fsdp_module_import = f"{_FSDP}.FSDPModule", (_FSDP, None)

@@ -124,8 +124,11 @@ def _worker(
     started = False  # set once the process group is up: a failure before it is the rendezvous's
     # A crash in native code (a segfault) reports nothing through ``results``: Python's stack of every
     # thread at the fault goes to a file beside the rendezvous store, read back into the failure.
-    fault_file = open(_fault_path(store_path, rank), "w")  # open for the process's life
-    faulthandler.enable(file=fault_file, all_threads=True)
+    try:
+        fault_file = open(_fault_path(store_path, rank), "w")  # open for the process's life
+        faulthandler.enable(file=fault_file, all_threads=True)
+    except OSError:  # no stack for a crash, then; everything else is reported as before
+        pass
     try:
         import datetime
 

@@ -428,10 +428,10 @@ class ImportsFixer(ScannerBase):
                 self._record(
                     node,
                     code_of(node),
-                    f"kept: {KEPT[kind]}; LOCAL_STATE_DICT has no FSDP2 form: fsdp_bridge's state-dict functions "
-                    "refuse it (ConfigError) wherever it reaches them, and fsdp_bridge.state_dict_options on either "
-                    "backend; a code path that takes it needs SHARDED_STATE_DICT instead (an existing local "
-                    "checkpoint: save it again from FSDP1 as sharded, then `fsdp-bridge convert`)",
+                    f"kept: {KEPT[kind]}; LOCAL_STATE_DICT has no FSDP2 form: fsdp_bridge.state_dict_options refuses "
+                    "it on either backend, and fsdp_bridge's state-dict functions on FSDP2 models (FSDP1 models keep "
+                    "FSDP1's own calls); a code path that takes it on FSDP2 needs SHARDED_STATE_DICT instead (an "
+                    "existing local checkpoint: save it again from FSDP1 as sharded, then `fsdp-bridge convert`)",
                     False,
                 )
                 return False

@@ -35,15 +35,18 @@ class OptimStateFixer(ScannerBase):
             and id(node) in self.call_rewrites
             and isinstance(stmt, cst.SimpleStatementLine)
             and any(isinstance(small, cst.Expr) and small.value is node for small in stmt.body)
-            and not any(a.keyword is not None and a.keyword.value == "load_directly" for a in node.args)
+            # FSDP1 loads into the optimizer itself only with load_directly=True
+            and not any(
+                a.keyword is not None and a.keyword.value == "load_directly" and code_of(a.value) == "True"
+                for a in node.args
+            )
         ):
             # FSDP1's call only converts: its result dropped, the optimizer was never loaded here
             construct = "FSDP.optim_state_dict_to_load(...) (its result unused)"
             text = (
                 "FSDP1's call returns the state to load and this code drops it, so FSDP1 loaded nothing into the "
-                "optimizer here (it loads only with load_directly=True); the rewrite, "
-                "fsdp_bridge.optim_state_dict_to_load, loads it: keep that if loading was meant, or delete the "
-                "statement to keep FSDP1's behaviour"
+                "optimizer here (it loads only with load_directly=True); the rewritten call loads it into the "
+                "optimizer: keep it if loading was meant, or delete the statement to keep FSDP1's behaviour"
             )
             pos = self.get_metadata(PositionProvider, node)
             self.findings.append(CodeFinding(self.path, pos.start.line, pos.start.column, construct, text, False))

@@ -97,32 +97,42 @@ class SummonFixer(ScannerBase):
                 for c in walk(n.iter)
             )
         }
+
+        def parameter_like(expr: cst.BaseExpression) -> bool:
+            """A parameter: one the block's loop takes from ``parameters()``, or a ``.data`` / ``.weight`` /
+            ``.bias`` read (not a tensor of the block's own, such as logits scaled in place)."""
+            text = code_of(expr)
+            root = text.split(".", 1)[0].split("[", 1)[0]
+            return root in loop_params or any(f".{a}" in text for a in ("data", "weight", "bias"))
+
         for n in walk(block.body):
             write = None
             if isinstance(n, cst.Call) and isinstance(n.func, cst.Attribute):
                 name = n.func.attr.value
-                if (name.endswith("_") and not name.startswith("_")) or name == "load_state_dict":
+                if name == "load_state_dict":
                     write = code_of(n.func)
+                elif name.endswith("_") and not name.startswith("_"):
+                    receiver = n.func.value
+                    if parameter_like(receiver) or (  # torch.nn.init.normal_(p), torch.zero_(w.data)
+                        n.args and code_of(receiver).split(".", 1)[0] == "torch" and parameter_like(n.args[0].value)
+                    ):
+                        write = code_of(n.func)
             elif isinstance(n, cst.Assign):
                 for t in n.targets:
                     if (isinstance(t.target, cst.Attribute) and t.target.attr.value in ("data", "weight", "bias")) or (
-                        isinstance(t.target, cst.Subscript)
-                        and isinstance(t.target.value, cst.Attribute)
-                        and t.target.value.attr.value == "data"
+                        isinstance(t.target, cst.Subscript) and parameter_like(t.target.value)
                     ):
                         write = code_of(t.target)
-            elif isinstance(n, cst.AugAssign) and (
-                isinstance(n.target, (cst.Attribute, cst.Subscript)) or code_of(n.target) in loop_params
-            ):
+            elif isinstance(n, cst.AugAssign) and parameter_like(n.target):
                 write = code_of(n.target)
             if write is not None:
                 return (
-                    f"not rewritten: the block changes tensors in place ({short(write, 40)}), and FSDP1's "
+                    f"not rewritten: the block changes parameters in place ({short(write, 40)}), and FSDP1's "
                     "summon_full_params(recurse=False) keeps such changes (its default writeback=True), while "
                     "FSDP2's unshard() of the unit (what fsdp_bridge.summon_full_params(model, recurse=False) does) "
-                    "gathers into buffers that reshard() frees, so they would be lost; drop recurse=False: "
-                    "fsdp_bridge.summon_full_params(model, writeback=True) gathers every parameter under the "
-                    "model and writes the changes back to the shards"
+                    "gathers into buffers that reshard() frees, so they would be lost; make the changes under "
+                    "fsdp_bridge.summon_full_params(model, writeback=True) (every parameter under the model, "
+                    "written back to the shards; no forward inside it), apart from any forward or generate"
                 )
         return None
 
