@@ -12,7 +12,6 @@ from libcst.metadata import PositionProvider, QualifiedNameProvider
 
 from fsdp_bridge.migrate._analysis import assign_target, assign_value, code_of, named_args, short, walk
 from fsdp_bridge.migrate._names import FSDP, GROUP_RANK0
-from fsdp_bridge.migrate._report import CodeFinding
 from fsdp_bridge.migrate._scan_base import ScannerBase
 
 FULL_OPTIM_TEXT = (
@@ -48,9 +47,7 @@ class OptimStateFixer(ScannerBase):
                 "optimizer here (it loads only with load_directly=True); the rewritten call loads it into the "
                 "optimizer: keep it if loading was meant, or delete the statement to keep FSDP1's behaviour"
             )
-            pos = self.get_metadata(PositionProvider, node)
-            self.findings.append(CodeFinding(self.path, pos.start.line, pos.start.column, construct, text, False))
-            self.todos.setdefault(id(stmt), []).append(f"{construct}: {text}")
+            self._record(node, construct, text, False)  # a TODO above the statement, beside the rewrite
         return planned
 
     def _plan_optim_state(self, node: cst.Call, hit: tuple[str, str] | None) -> bool:
