@@ -298,6 +298,41 @@ def test_shape_reads_over_an_fsdp1_models_parameters_are_kept_with_a_note_on_the
     assert "TODO" not in result.fixed and "p.ndim > 1" in result.fixed
 
 
+def test_collectives_over_an_fsdp1_models_parameters_get_a_todo_and_the_clip_note_names_the_dtensor_norm() -> None:
+    # FSDP2's parameters (and their .data / .grad) are DTensors, which torch.distributed's collectives refuse
+    # (checked: NotImplementedError "c10d.allreduce_.default does not have a sharding strategy"): each collective
+    # over an FSDP1 model's parameters is a TODO. Not before the wrap (a broadcast from rank 0 there is plain
+    # tensors), not over another module's parameters, not inside summon_full_params (gathered, plain).
+    code = (
+        "import torch\n"
+        "import torch.distributed as dist\n"
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n\n\n"
+        "def run(model, ddp):\n"
+        "    for p in model.parameters():\n"
+        "        dist.broadcast(p.data, 0)\n"
+        "    model = FSDP(model)\n"
+        "    for name, p in model.named_parameters():\n"
+        "        dist.all_reduce(p.grad.data)\n"
+        "    dist.all_reduce_coalesced(list(model.parameters()))\n"
+        "    for p in ddp.parameters():\n"
+        "        dist.all_reduce(p.grad)\n"
+        "    with FSDP.summon_full_params(model):\n"
+        "        for p in model.parameters():\n"
+        "            dist.broadcast(p.data, 0)\n"
+        "    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)\n"
+        "    return f'{norm:.3f}'\n"
+    )
+    result = migrate_source(code, "avg.py")
+    todos = {f.line: f for f in result.findings if not f.fixable and not f.note}
+    assert sorted(todos) == [11, 12], todos
+    assert todos[11].construct == "dist.all_reduce(p.grad.data) over FSDP1 parameters"
+    assert todos[12].construct == "dist.all_reduce_coalesced(list(model.parameters())) over FSDP1 parameters"
+    assert "p.to_local()" in todos[11].replacement and "NotImplementedError" in todos[11].replacement
+    assert result.fixed.count("# TODO(fsdp-bridge): dist.") == 2
+    (note,) = [f for f in result.findings if f.note]
+    assert "norm.full_tensor()" in note.replacement
+
+
 def test_a_subclass_of_lightnings_fsdp_strategy_is_reported() -> None:
     # The subclass hands its FSDP1 arguments to Lightning through super().__init__: Lightning still wraps the
     # model in FSDP1 after --fix, so the class gets the strategy's TODO; a class of another base does not.

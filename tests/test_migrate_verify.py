@@ -8,6 +8,8 @@ the codemod and still gives DIVERGED at its first step (exit 1): what only runni
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -103,3 +105,21 @@ def test_parity_of_a_right_rewrite_and_divergence_it_cannot_see(
     assert code == 1
     assert "DIVERGED at step 0 on rank 0" in out
     assert sorted((p.name, p.read_bytes()) for p in tree.iterdir()) == before  # the user's tree is never written
+
+
+def test_cpu_shims_show_the_script_an_accelerator_and_torchs_own_modules_none(tmp_path: Path) -> None:
+    # Dynamo, told an accelerator is there, asks it for a stream at the first compiled call and fails on a
+    # machine with none: torch's own modules see the machine as it is, the script (and its libraries) one.
+    probe = (
+        "import torch\n"
+        "from fsdp_bridge.migrate.verify_runner import _install_cpu_shims\n"
+        "_install_cpu_shims()\n"
+        "inside = {'__name__': 'torch._dynamo.variables.streams', 'torch': torch}\n"
+        "exec('seen = torch.accelerator.is_available()', inside)\n"
+        "print(torch.accelerator.is_available(), inside['seen'], torch.accelerator.current_accelerator())\n"
+    )
+    script = tmp_path / "probe.py"
+    script.write_text(probe)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", str(torch.accelerator.is_available()), "cpu"]

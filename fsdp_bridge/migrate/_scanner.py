@@ -121,6 +121,7 @@ class Scanner(
         self._note_fsdp1_checkpoint(node)
         self._note_local_clip(node)
         self._note_shard_shapes(node)
+        self._note_param_collective(node)
         if (
             not self.planning
             and m.matches(node.func, m.Name("getattr") | m.Name("hasattr"))

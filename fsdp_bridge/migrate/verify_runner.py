@@ -12,10 +12,10 @@ Started by :func:`fsdp_bridge.migrate.verify.verify` under ``torchrun`` as
   with ``sys.argv`` = ``[SCRIPT, *ARGS]``.
 
 ``--cpu-shims`` (chosen by ``verify`` when the machine has no accelerator) runs a script written for GPUs on
-CPU ranks, identically in both runs: the accelerator reports the CPU (one per rank); NCCL process groups
-are made on gloo; a device given as a GPU index (``tensor.to(rank)``, FSDP1's ``device_id=rank``, the same
-argument passed on to ``BridgeConfig.from_fsdp1``) is the CPU; FSDP1 gets ``device_id=cpu`` when given
-none; ``torch.cuda.set_device`` does nothing and ``torch.cuda.current_device()`` is the local rank; data
+CPU ranks, identically in both runs: the accelerator reports the CPU (one per rank; torch's own modules,
+Dynamo's among them, are told there is none, so ``torch.compile`` runs); NCCL process groups are made on
+gloo; a device given as a GPU index (``tensor.to(rank)``, FSDP1's ``device_id=rank``, the same argument
+passed on to ``BridgeConfig.from_fsdp1``) is the CPU; FSDP1 gets ``device_id=cpu`` when given none; ``torch.cuda.set_device`` does nothing and ``torch.cuda.current_device()`` is the local rank; data
 loaders do not pin memory; ``scaled_dot_product_attention`` on DTensors sharded over heads runs on each
 rank's heads (DTensor has no sharding rule for the CPU kernel).
 
@@ -49,7 +49,13 @@ def _install_cpu_shims() -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     torch.accelerator.current_accelerator = lambda *a, **k: torch.device("cpu")  # type: ignore[assignment]
-    torch.accelerator.is_available = lambda: True  # type: ignore[assignment]
+    def available_to_the_script() -> bool:
+        # torch's own code sees the machine as it is: Dynamo, told an accelerator is there, asks it for a
+        # stream at the first compiled call and fails ("Cannot access accelerator device when none is
+        # available"); the script and the libraries it brings see one.
+        return not str(sys._getframe(1).f_globals.get("__name__", "")).startswith("torch.")
+
+    torch.accelerator.is_available = available_to_the_script  # type: ignore[assignment]
     torch.accelerator.device_count = lambda: world  # type: ignore[assignment]
     torch.cuda.set_device = lambda *a, **k: None  # type: ignore[assignment]
     torch.cuda.current_device = lambda: local_rank  # type: ignore[assignment]

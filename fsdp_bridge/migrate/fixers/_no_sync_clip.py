@@ -19,7 +19,8 @@ LOCAL_CLIP = (
     "left as it is; its meaning changes: on FSDP1 (flat parameters) torch's clip_grad_norm_ sees the gradient "
     "shards this rank holds, so each rank clips by the norm of its own shard, while on FSDP2 the parameters are "
     "DTensors and the norm is the whole model's (what FSDP1's own model.clip_grad_norm_ gives): the clipping, "
-    "and any norm it returns or logs, change to the global one"
+    "and any norm it returns or logs, change to the global one; the norm it returns is a DTensor there "
+    "(.item() and float() work, a format spec such as f'{norm:.3f}' raises TypeError: use norm.full_tensor())"
 )
 
 
@@ -30,9 +31,52 @@ SHARD_SHAPES = (
     "rank's shard): a rule on ndim or shape (weight decay for matrices only), or a count of numel(), gives "
     "other results; check it with fsdp-bridge migrate verify"
 )
+PARAM_COLLECTIVE = (
+    "not rewritten: on FSDP1 each rank passes its flat shard here (the whole parameter with NO_SHARD), on FSDP2 "
+    "the parameters and their .data and .grad are DTensors, which torch.distributed's collectives refuse "
+    "(NotImplementedError at run time): pass p.to_local() (this rank's shard: the same elements on every rank "
+    "holding the same shard, as the replicas of a HYBRID mesh or the ranks of NO_SHARD), or p.full_tensor() "
+    "(the whole parameter, gathered)"
+)
+"""The TODO for a torch.distributed collective over an FSDP1 model's parameters (or their data / grads)."""
+
+_COLLECTIVES = frozenset(
+    {
+        "all_reduce",
+        "all_reduce_coalesced",
+        "broadcast",
+        "reduce",
+        "all_gather",
+        "all_gather_into_tensor",
+        "all_gather_coalesced",
+        "reduce_scatter",
+        "reduce_scatter_tensor",
+        "all_to_all",
+        "all_to_all_single",
+        "scatter",
+        "gather",
+        "send",
+        "recv",
+        "isend",
+        "irecv",
+        "_broadcast_coalesced",
+    }
+)
 _SHAPE_ATTRIBUTES = ("ndim", "shape")
 _SHAPE_METHODS = ("numel", "dim", "size", "nelement")
 _COMPREHENSIONS = (cst.GeneratorExp, cst.ListComp, cst.SetComp, cst.DictComp)
+
+
+def _parameters_of(node: cst.CSTNode) -> cst.BaseExpression | None:
+    """``X`` of ``X.parameters()`` / ``X.named_parameters()`` (no argument), else None."""
+    if (
+        isinstance(node, cst.Call)
+        and isinstance(node.func, cst.Attribute)
+        and node.func.attr.value in ("parameters", "named_parameters")
+        and not node.args
+    ):
+        return node.func.value
+    return None
 
 
 class NoSyncClipFixer(ScannerBase):
@@ -57,14 +101,54 @@ class NoSyncClipFixer(ScannerBase):
         construct = f"torch.nn.utils.clip_grad_norm_({short(code_of(params), 40)}, ...)"
         self._note_on_fsdp1_model(node, params.func.value, construct, LOCAL_CLIP)
 
-    def _note_on_fsdp1_model(self, node: cst.Call, model: cst.BaseExpression, construct: str, text: str) -> None:
-        """A note at ``node`` when ``model`` is shown to be FSDP1's wrapper there (wrapped in this function,
-        handed by a call of the tree, or made by a function of the tree)."""
-        if (
-            self._fsdp1_wrapper(node, model, by_calls=False) == ""
-            and not self._handed_parameter(node, model)
-            and self._factory_result(node, model) == ""
+    def _note_param_collective(self, node: cst.Call) -> None:
+        """``dist.all_reduce(p.data)`` in ``for p in model.parameters():``, or
+        ``dist.all_reduce_coalesced(list(model.parameters()))``, with ``model`` shown to be FSDP1's wrapper: a
+        TODO (see :data:`PARAM_COLLECTIVE`). Inside a gathering ``summon_full_params`` block it is left alone."""
+        if self.planning or not node.args:
+            return
+        names = {q.name for q in self.get_metadata(QualifiedNameProvider, node.func, set())}
+        if not any(q.startswith("torch.distributed.") and q.rsplit(".", 1)[-1] in _COLLECTIVES for q in names):
+            return
+        if any(
+            isinstance(w, cst.With) and any("summon_full_params" in code_of(i.item) for i in w.items)
+            for w in self.stmt_stack
         ):
+            return
+        loops: dict[str, cst.BaseExpression] = {}  # loop variable -> the model whose parameters it walks
+        for stmt in self.stmt_stack:
+            if not isinstance(stmt, cst.For):
+                continue
+            model = _parameters_of(stmt.iter)
+            target: cst.BaseExpression = stmt.target
+            if isinstance(target, cst.Tuple) and len(target.elements) == 2:
+                target = target.elements[1].value
+            if model is not None and isinstance(target, cst.Name):
+                loops[target.value] = model
+        for arg in node.args:
+            model = next((x for c in walk(arg.value) if (x := _parameters_of(c)) is not None), None)
+            root = arg.value
+            while isinstance(root, cst.Attribute) and root.attr.value in ("data", "grad"):
+                root = root.value
+            if model is None and isinstance(root, cst.Name):
+                model = loops.get(root.value)
+            if model is not None and self._shown_fsdp1(node, model):
+                construct = f"{short(code_of(node.func), 30)}({short(code_of(arg.value), 40)}) over FSDP1 parameters"
+                self._record(node, construct, PARAM_COLLECTIVE, False)
+                return
+
+    def _shown_fsdp1(self, node: cst.CSTNode, model: cst.BaseExpression) -> bool:
+        """``model`` is shown to be FSDP1's wrapper at ``node`` (wrapped in this function, handed by a call of
+        the tree, or made by a function of the tree)."""
+        return (
+            self._fsdp1_wrapper(node, model, by_calls=False) != ""
+            or self._handed_parameter(node, model)
+            or self._factory_result(node, model) != ""
+        )
+
+    def _note_on_fsdp1_model(self, node: cst.Call, model: cst.BaseExpression, construct: str, text: str) -> None:
+        """A note at ``node`` when ``model`` is shown to be FSDP1's wrapper there (see :meth:`_shown_fsdp1`)."""
+        if not self._shown_fsdp1(node, model):
             return
         pos = self.get_metadata(PositionProvider, node)
         self.findings.append(CodeFinding(self.path, pos.start.line, pos.start.column, construct, text, True, note=True))
