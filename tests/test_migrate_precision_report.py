@@ -390,3 +390,25 @@ def test_the_wrapped_module_of_a_unit_reached_by_index_is_rewritten_with_what_it
         "    return fsdp_bridge.unwrapped(blocks[0]), fsdp_bridge.unwrapped(trainer.model.layers[1])\n" in result.fixed
     )
     assert migrate_source(result.fixed, "probe.py").fixed == result.fixed
+
+
+def test_a_model_compiled_and_wrapped_by_fsdp1_gets_a_note_on_the_compile_prefix_of_its_keys() -> None:
+    # FSDP1's state dict of a compiled module names keys "_orig_mod.x"; the DCP state-dict functions the
+    # rewrites use drop the prefix (seen on mini-llm-pretraining's checkpoints under migrate verify).
+    code = (
+        "import torch\n"
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, StateDictType\n\n\n"
+        "def setup(model, other):\n"
+        "    model = torch.compile(model)\n"
+        "    other = torch.compile(other)\n"
+        "    model = FSDP(model)\n"
+        "    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT):\n"
+        "        return model.state_dict()\n"
+    )
+    result = migrate_source(code, "compiled.py")
+    (note,) = [f for f in result.findings if f.note]
+    assert note.construct == "torch.compile(model) of a model FSDP1 wraps" and note.line == 6
+    assert "'_orig_mod.'" in note.replacement
+    assert "    model = torch.compile(model)\n" in result.fixed
+    no_state = code.split("    with FSDP")[0].replace(", StateDictType", "") + "    return model\n"
+    assert not [f for f in migrate_source(no_state, "p.py").findings if f.note]

@@ -75,6 +75,23 @@ def test_saved_tensors_compared_within_fp32_tolerance(tmp_path: Path) -> None:
     ]
 
 
+def test_saved_names_that_differ_only_by_the_compile_prefix_are_named_once_and_compared(tmp_path: Path) -> None:
+    # FSDP1's state dict of a module compiled before the wrap names keys "_orig_mod.x"; torch's DCP
+    # state-dict functions drop the prefix. One line says so; the values are still compared.
+    before, after = tmp_path / "a", tmp_path / "b"
+    before.mkdir(), after.mkdir()
+    w = torch.arange(6, dtype=torch.float32)
+    torch.save({"_orig_mod.w": w, "_orig_mod.b": w[:2]}, before / "ck.pt")
+    torch.save({"w": w, "b": w[:2] + 1}, after / "ck.pt")
+    problems, lines = compare_saved(before, after, {Path("ck.pt")})
+    assert problems == [
+        "ck.pt: 2 name(s) differ only by torch.compile's '_orig_mod.' prefix, in FSDP1's (compared without it "
+        "below; a checkpoint of the other run loads after removing it)",
+        "ck.pt: b differs beyond rtol 1.3e-06, atol 1e-05",
+    ]
+    assert lines == ["ck.pt: 2 tensors compared, 1 bit for bit, 1 within tolerance or not (largest difference 1)"]
+
+
 def test_arguments_refused_before_anything_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["migrate", "verify", str(tmp_path)]) == 2
     assert "SCRIPT: got None; allowed: the training script after --" in capsys.readouterr().err

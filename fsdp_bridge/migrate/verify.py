@@ -345,6 +345,27 @@ def _load(path: Path) -> dict[str, object]:
     return _leaves(torch.load(path, map_location="cpu", weights_only=True))
 
 
+_COMPILE_PREFIX = "_orig_mod."
+
+
+def _without_compile_prefix(a: dict[str, Any], b: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], str]:
+    """When the two files' names differ only by torch.compile's ``_orig_mod.`` (FSDP1's state dict of a
+    compiled module has it; torch's DCP state-dict functions drop it), both without it and a line saying so
+    (a ``{rel}`` placeholder for the file), so that the values are still compared; else as given and ""."""
+    if a.keys() == b.keys():
+        return a, b, ""
+    strip = {k: k.replace(_COMPILE_PREFIX, "") for k in (*a, *b)}
+    a2, b2 = {strip[k]: v for k, v in a.items()}, {strip[k]: v for k, v in b.items()}
+    if len(a2) != len(a) or len(b2) != len(b) or a2.keys() != b2.keys():
+        return a, b, ""
+    whose = "FSDP1's" if any(_COMPILE_PREFIX in k for k in a) else "the migrated script's"
+    count = sum(_COMPILE_PREFIX in k for k in (*a, *b))
+    return a2, b2, (
+        f"{{rel}}: {count} name(s) differ only by torch.compile's {_COMPILE_PREFIX!r} prefix, in {whose} "
+        "(compared without it below; a checkpoint of the other run loads after removing it)"
+    )
+
+
 def _compare_saved(before: Path, after: Path, new: set[Path]) -> tuple[list[str], list[str]]:
     """Differences between the files the two runs saved (same relative paths), and a line per file."""
     import torch
@@ -361,6 +382,9 @@ def _compare_saved(before: Path, after: Path, new: set[Path]) -> tuple[list[str]
         except Exception as err:  # not a tensor file after all (a .bin of something else): say so, go on
             lines.append(f"{rel}: not compared ({type(err).__name__}: {err})")
             continue
+        a, b, renamed = _without_compile_prefix(a, b)
+        if renamed:
+            problems.append(renamed.format(rel=rel))
         tensors = inexact = 0
         worst = 0.0
         for key in sorted(a.keys() | b.keys()):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import libcst as cst
 from libcst.metadata import PositionProvider, QualifiedNameProvider
 
-from fsdp_bridge.migrate._analysis import code_of
+from fsdp_bridge.migrate._analysis import code_of, resolve_fsdp, walk
 from fsdp_bridge.migrate._names import FSDP
 from fsdp_bridge.migrate._report import CodeFinding
 from fsdp_bridge.migrate._scan_base import ScannerBase
@@ -34,6 +34,17 @@ CHECKPOINT_NOTE = (
     "(LOCAL_STATE_DICT shards) directly, nor convert them: save them again from the FSDP1 code as sharded "
     "or full first"
 )
+
+COMPILED_NAMES = (
+    "left as it is; FSDP1's state dicts of a module compiled with torch.compile (before or after the wrap) name "
+    "every key with its '_orig_mod.' prefix, and so do the checkpoints this code wrote; the migrated state-dict "
+    "calls (get_model_state_dict / set_model_state_dict, which fsdp_bridge's full_state_dict and state_dict_type "
+    "rewrites use) name them without it: checkpoints written before the migration load after removing "
+    "'_orig_mod.' from their keys (fsdp-bridge migrate verify names the difference)"
+)
+"""The note at ``model = torch.compile(model)`` where FSDP1 wraps the same model and the file takes state dicts."""
+
+_STATE_DICT_WORDS = ("state_dict_type", "StateDictType", "optim_state_dict", "full_state_dict")
 
 
 class CheckpointNoteFixer(ScannerBase):
@@ -80,4 +91,33 @@ class CheckpointNoteFixer(ScannerBase):
         # already wrote is the reader's to carry across.
         self.findings.append(
             CodeFinding(self.path, pos.start.line, pos.start.column, construct, CHECKPOINT_NOTE, True, note=True)
+        )
+
+    def _note_compiled_wrap(self, node: cst.Call) -> None:
+        """``m = torch.compile(m)`` in a scope where FSDP1 wraps ``m`` (either order), in a file that takes
+        state dicts with FSDP1's calls: a note on the ``_orig_mod.`` key prefix (see :data:`COMPILED_NAMES`)."""
+        if self.planning or not node.args or not self.stmt_stack:
+            return
+        if "torch.compile" not in {q.name for q in self.get_metadata(QualifiedNameProvider, node.func, set())}:
+            return
+        stmt = self.stmt_stack[-1]
+        assign = stmt.body[0] if isinstance(stmt, cst.SimpleStatementLine) and stmt.body else None
+        if not isinstance(assign, cst.Assign) or assign.value is not node or len(assign.targets) != 1:
+            return
+        names = {code_of(assign.targets[0].target), code_of(node.args[0].value)}
+        if not any(w in line.split("#", 1)[0] for line in self.lines for w in _STATE_DICT_WORDS):
+            return
+        scope: cst.CSTNode | None = self.functions[-1] if self.functions else self.module
+        if scope is None or not any(
+            isinstance(c, cst.Call)
+            and c.args
+            and code_of(c.args[0].value) in names
+            and resolve_fsdp(self.get_metadata(QualifiedNameProvider, c.func, set())) == (FSDP, "")
+            for c in walk(scope)
+        ):
+            return
+        pos = self.get_metadata(PositionProvider, node)
+        construct = f"torch.compile({code_of(node.args[0].value)}) of a model FSDP1 wraps"
+        self.findings.append(
+            CodeFinding(self.path, pos.start.line, pos.start.column, construct, COMPILED_NAMES, True, note=True)
         )
