@@ -223,7 +223,8 @@ def _parse_mixed_precision(value: object, key: str, problems: list[Problem]) -> 
 WrapMode = Literal["auto", "classes", "min_params", "callable", "none"]
 _WRAP_ALLOWED = (
     "'auto' (the model's _no_split_modules, else the children of its ModuleLists), "
-    "'none' (root only), a list of module class names, {min_num_params: N}, or a callable (Python only)"
+    "'none' (root only), a list of module class names, {min_num_params: N}, {classes: [names], absent_ok: true} "
+    "(classes the model may lack), or a callable (Python only)"
 )
 
 
@@ -252,13 +253,14 @@ class WrapPolicy:
         """How a YAML file writes this policy.
 
         Returns:
-            ``"auto"`` / ``"none"``, a list of class names, or ``{"min_num_params": N}``.
+            ``"auto"`` / ``"none"``, a list of class names (``{"classes": [...], "absent_ok": True}`` when the
+            model may lack some), or ``{"min_num_params": N}``.
 
         Raises:
             ConfigError: a callable policy, which has no YAML spelling.
         """
         if self.mode == "classes":
-            return list(self.classes)
+            return {"classes": list(self.classes), "absent_ok": True} if self.absent_ok else list(self.classes)
         if self.mode == "min_params":
             return {"min_num_params": self.min_num_params}
         if self.mode == "callable":
@@ -312,7 +314,7 @@ def _wrap_from_classes(value: Sequence[object], key: str, problems: list[Problem
 
 
 def _wrap_from_mapping(value: Mapping[str, Any], key: str, problems: list[Problem]) -> WrapPolicy:
-    valid = ["min_num_params", "classes"]
+    valid = ["min_num_params", "classes", "absent_ok"]
     unknown = [k for k in value if k not in valid]
     problems.extend(unknown_key(f"{key}.{k}", value[k], valid) for k in unknown)
     if "min_num_params" in value and "classes" in value:
@@ -323,8 +325,14 @@ def _wrap_from_mapping(value: Mapping[str, Any], key: str, problems: list[Proble
             problems.append(Problem(f"{key}.min_num_params", n, "an integer >= 1"))
             return WrapPolicy()
         return WrapPolicy(mode="min_params", min_num_params=n)
+    absent_ok = value.get("absent_ok", False)
+    if not isinstance(absent_ok, bool):
+        problems.append(Problem(f"{key}.absent_ok", absent_ok, "true or false"))
+    elif absent_ok and "classes" not in value:
+        problems.append(Problem(f"{key}.absent_ok", absent_ok, "absent_ok only beside classes", "add classes: [...]"))
     if "classes" in value:
-        return _wrap_from_classes(list(value["classes"] or []), key, problems)
+        policy = _wrap_from_classes(list(value["classes"] or []), key, problems)
+        return dataclasses.replace(policy, absent_ok=True) if absent_ok is True else policy
     if not unknown:
         problems.append(Problem(key, dict(value), _WRAP_ALLOWED))
     return WrapPolicy()

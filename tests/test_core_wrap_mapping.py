@@ -169,3 +169,20 @@ def test_classes_wrap_their_subclasses_and_absent_python_classes_wrap_nothing() 
     assert [n for n, _ in resolve_wrap(model, BridgeConfig(wrap=["_Base"]).wrap).units] == ["0", "1.0"]
     with pytest.raises(ConfigError, match="Module"):  # every module's base: never a wrap class
         resolve_wrap(model, BridgeConfig(wrap=["Module"]).wrap)
+
+
+def test_classes_the_model_may_lack_keep_that_in_yaml_and_back() -> None:
+    # A config made from Python classes (absent ones allowed, as FSDP1's policies) and written to YAML reads
+    # back with the same leniency; text names stay strict; absent_ok alone, or not a bool, is refused.
+    config = BridgeConfig(wrap=[_Base, _Absent])
+    assert config.wrap.to_spelling() == {"classes": ["_Base", "_Absent"], "absent_ok": True}
+    again = BridgeConfig.from_dict(config.to_dict())
+    assert again.wrap.absent_ok and again.wrap.classes == ("_Base", "_Absent")
+    model = nn.Sequential(_Sub(2, 2), nn.Linear(2, 2))
+    assert [n for n, _ in resolve_wrap(model, again.wrap).units] == ["0"]
+    assert BridgeConfig(wrap=["_Base"]).wrap.to_spelling() == ["_Base"]
+    assert not BridgeConfig.from_dict({"wrap": {"classes": ["_Base"]}}).wrap.absent_ok
+    with pytest.raises(ConfigError, match="absent_ok only beside classes"):
+        BridgeConfig.from_dict({"wrap": {"absent_ok": True}})
+    with pytest.raises(ConfigError, match="true or false"):
+        BridgeConfig.from_dict({"wrap": {"classes": ["_Base"], "absent_ok": "yes"}})
