@@ -360,9 +360,13 @@ def _without_compile_prefix(a: dict[str, Any], b: dict[str, Any]) -> tuple[dict[
         return a, b, ""
     whose = "FSDP1's" if any(_COMPILE_PREFIX in k for k in a) else "the migrated script's"
     count = sum(_COMPILE_PREFIX in k for k in (*a, *b))
-    return a2, b2, (
-        f"{{rel}}: {count} name(s) differ only by torch.compile's {_COMPILE_PREFIX!r} prefix, in {whose} "
-        "(compared without it below; a checkpoint of the other run loads after removing it)"
+    return (
+        a2,
+        b2,
+        (
+            f"{{rel}}: {count} name(s) differ only by torch.compile's {_COMPILE_PREFIX!r} prefix, in {whose} "
+            "(compared without it below; a checkpoint of the other run loads after removing it)"
+        ),
     )
 
 

@@ -50,6 +50,7 @@ def _install_cpu_shims() -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     torch.accelerator.current_accelerator = lambda *a, **k: torch.device("cpu")  # type: ignore[assignment]
+
     def available_to_the_script() -> bool:
         # torch's own code sees the machine as it is: Dynamo, told an accelerator is there, asks it for a
         # stream at the first compiled call and fails ("Cannot access accelerator device when none is
