@@ -412,3 +412,104 @@ def test_a_model_compiled_and_wrapped_by_fsdp1_gets_a_note_on_the_compile_prefix
     assert "    model = torch.compile(model)\n" in result.fixed
     no_state = code.split("    with FSDP")[0].replace(", StateDictType", "") + "    return model\n"
     assert not [f for f in migrate_source(no_state, "p.py").findings if f.note]
+
+
+def test_a_duck_typed_test_for_fsdp1s_clip_lets_the_bridges_models_in_or_is_a_todo(tmp_path: Path) -> None:
+    # A helper of the tree tells FSDP1's wrapper by its method; the bridge's FSDP2 models lack it, so the other
+    # branch would run: torch's clip over DTensors returns a DTensor norm (a crash where the caller makes it a
+    # tensor). Where the guarded call becomes fsdp_bridge's (the model handed is FSDP1's), the test lets the
+    # bridge's models in; where nothing shows it, a TODO (no_sync: a note). Idempotent.
+    (tmp_path / "train.py").write_text(
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n"
+        "from helpers import clip\n\n\n"
+        "def main(model):\n"
+        "    model = FSDP(model)\n"
+        "    return clip(model, 1.0)\n"
+    )
+    helper = (
+        "import contextlib\n"
+        "import torch\n\n\n"
+        "def clip(module, n):\n"
+        "    if hasattr(module, 'clip_grad_norm_'):  # FSDP\n"
+        "        return module.clip_grad_norm_(n)\n"
+        "    return torch.nn.utils.clip_grad_norm_(module.parameters(), n)\n\n\n"
+        "def other(module, n):\n"
+        "    return module.clip_grad_norm_(n) if hasattr(module, 'clip_grad_norm_') else None\n\n\n"
+        "def sync(module):\n"
+        "    return module.no_sync() if hasattr(module, 'no_sync') else contextlib.nullcontext()\n"
+    )
+    (tmp_path / "helpers.py").write_text(helper)
+    report, _ = migrate_paths([tmp_path], fix=True)
+    ducks = {(f.line, f.fixable, f.note) for f in report.findings if "told by its method" in f.construct}
+    assert ducks == {(6, True, False), (12, False, False), (16, True, True)}, report.findings
+    fixed = (tmp_path / "helpers.py").read_text()
+    assert '    if (hasattr(module, "clip_grad_norm_") or fsdp_bridge.is_sharded(module)):  # FSDP\n' in fixed
+    assert "        return fsdp_bridge.clip_grad_norm_(module, n)\n" in fixed
+    assert fixed.count("write fsdp_bridge.clip_grad_norm_(module, max_norm) for both branches") == 1
+    migrate_paths([tmp_path], fix=True)
+    assert (tmp_path / "helpers.py").read_text() == fixed
+    # a tree that makes no FSDP1 model: nobody's business
+    (tmp_path / "train.py").unlink()
+    (tmp_path / "helpers.py").write_text(helper)
+    plain, _ = migrate_paths([tmp_path])
+    assert plain.findings == []
+
+
+def test_an_attribute_assigned_a_plain_module_above_in_the_same_method_is_not_taken_for_the_wrapper() -> None:
+    # The class wraps self.dit in another method; here it was just built (a from_pretrained), so its load and
+    # its parameter count are the plain module's: no TODO, no note. A method call of the instance between
+    # (which could wrap it) keeps the class-wide evidence.
+    code = (
+        "import torch\n"
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, StateDictType\n\n\n"
+        "class Trainer:\n"
+        "    def configure(self, path):\n"
+        "        self.dit = Model.from_pretrained(path)\n"
+        "        self.dit.load_state_dict(torch.load(path))\n"
+        "        n = sum(p.numel() for p in self.dit.parameters())\n"
+        "        self.wrap()\n"
+        "        m = sum(p.numel() for p in self.dit.parameters())\n"
+        "        return n, m\n\n"
+        "    def wrap(self):\n"
+        "        self.dit = FSDP(self.dit)\n"
+        "        FSDP.set_state_dict_type(self.dit, StateDictType.FULL_STATE_DICT)\n"
+    )
+    result = migrate_source(code, "trainer.py")
+    lines = sorted(f.line for f in result.findings if f.line < 13)
+    assert lines == [11], result.findings
+    assert "        self.dit.load_state_dict(torch.load(path))\n" in result.fixed
+
+
+def test_an_optimizer_state_taken_just_above_is_fsdp1s_default_and_the_call_follows_the_set_type() -> None:
+    # states = optimizer.state_dict(); FSDP.optim_state_dict(model=..., optim=..., optim_state_dict=states) is
+    # the optimizer's own state: the bridge's call (which follows the type set above) reads the same.
+    code = (
+        "from torch.distributed.fsdp import FullyShardedDataParallel, StateDictType, FullStateDictConfig\n\n\n"
+        "def states(model: FullyShardedDataParallel, optimizer, other):\n"
+        "    FullyShardedDataParallel.set_state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig())\n"
+        "    states = optimizer.state_dict()\n"
+        "    states = FullyShardedDataParallel.optim_state_dict(model=model, optim=optimizer, optim_state_dict=states)\n"
+        "    moved = FullyShardedDataParallel.optim_state_dict(model, optimizer, other)\n"
+        "    return states, moved\n"
+    )
+    result = migrate_source(code, "opt.py")
+    assert "    states = fsdp_bridge.optim_state_dict(model, optimizer)\n" in result.fixed
+    todo = [f for f in result.findings if not f.fixable]
+    assert [f.line for f in todo] == [8] and "optim_state_dict=other is not shown" in todo[0].replacement
+
+
+def test_getattr_of_fsdp1s_methods_is_a_todo_without_a_default_and_a_note_with_one(tmp_path: Path) -> None:
+    (tmp_path / "train.py").write_text(
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n\n\n"
+        "def main(model):\n"
+        "    return FSDP(model)\n"
+    )
+    (tmp_path / "step.py").write_text(
+        "def step(module, loss):\n"
+        "    ctx = getattr(module, 'no_sync', None)\n"
+        "    clip = getattr(module, 'clip_grad_norm_')\n"
+        "    return ctx, clip\n"
+    )
+    report, _ = migrate_paths([tmp_path])
+    found = {(f.line, f.fixable, f.note) for f in report.findings if f.path.endswith("step.py")}
+    assert found == {(2, True, True), (3, False, False)}, report.findings

@@ -140,6 +140,10 @@ class Dispatch:
     makes_state_dict_context: str | None = None  # a file of the tree that calls FSDP.state_dict_type
     group_fsdp: str | None = None  # a file of the tree passing process_group= (FSDP over some ranks)
     subclasses_fsdp1: str | None = None  # a file of the tree defining a subclass of FSDP1's wrapper (stays FSDP1)
+    wraps_fsdp1: str | None = None
+    """A file of the tree that names FSDP1's wrapper in its code (comments aside), or calls ``fsdp_bridge.shard``
+    (after ``--fix``): the tree makes FSDP1 models, which a duck-typed test elsewhere
+    (``hasattr(m, "clip_grad_norm_")``) may be meant for."""
     imported_names: set[str] = field(default_factory=set)
     """Every name some file of the tree imports with ``from ... import NAME``: a module-level variable of that
     name may be used by another file, so its assignment is never removed."""
@@ -196,6 +200,7 @@ class Dispatch:
         self.makes_state_dict_context = self.makes_state_dict_context or other.makes_state_dict_context
         self.group_fsdp = self.group_fsdp or other.group_fsdp
         self.subclasses_fsdp1 = self.subclasses_fsdp1 or other.subclasses_fsdp1
+        self.wraps_fsdp1 = self.wraps_fsdp1 or other.wraps_fsdp1
         for name, where in other.own_methods.items():
             self.own_methods.setdefault(name, where)
         for cls, attrs in other.fsdp1_attributes.items():
@@ -387,6 +392,15 @@ def wrapper_subclasses(code: str) -> set[str]:
     if "FullyShardedDataParallel" not in code:
         return set()
     return set(WRAPPER_SUBCLASS.findall(code))
+
+
+def names_wrapper(code: str) -> bool:
+    """Whether the file's code (comments aside) names FSDP1's wrapper class, or shards with ``fsdp_bridge.shard``
+    (the same tree after ``--fix``: a second run reports what the first did)."""
+    return any(
+        "FullyShardedDataParallel" in code or "fsdp_bridge.shard(" in code
+        for code in (line.split("#", 1)[0] for line in code.splitlines())
+    )
 
 
 def subclasses_wrapper(code: str) -> bool:

@@ -64,6 +64,7 @@ from fsdp_bridge.migrate._analysis import (
     handed_across_files,
     imported_names,
     module_suffixes,
+    names_wrapper,
     passes_group,
     self_spelled_set_state_dict_type,
     subclassed_names,
@@ -137,6 +138,7 @@ def migrate_source(
             makes_state_dict_context=path if finds_state_dict_context(code) else None,
             group_fsdp=path if passes_group(code) else None,
             subclasses_fsdp1=path if subclasses_wrapper(code) else None,
+            wraps_fsdp1=path if names_wrapper(code) else None,
             subclassed=subclassed_names(code),
         )
     )
@@ -164,6 +166,7 @@ def migrate_source(
     wrapper.visit(scan)  # plan: FSDP(...) conversions and checkpoint blocks
     scan.planning = False
     wrapper.visit(scan)  # report: every other construct
+    scan.settle_duck_tests()
     vendored = vendored_torch_module(code, path) if scan.findings else None
     if vendored is not None:  # a copy of torch's own code that touches FSDP1: one construct, left as it is
         finding = CodeFinding(path, 1, 0, vendored.construct, vendored.replacement, False)
@@ -482,6 +485,7 @@ def migrate_paths(
                     makes_state_dict_context=shown[f] if finds_state_dict_context(code) else None,
                     group_fsdp=shown[f] if passes_group(code) else None,
                     subclasses_fsdp1=shown[f] if subclasses_wrapper(code) else None,
+                    wraps_fsdp1=shown[f] if names_wrapper(code) else None,
                     subclassed=subclassed_names(code),
                 )
             )

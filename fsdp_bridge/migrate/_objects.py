@@ -261,10 +261,49 @@ class ObjectAnalysis(ScannerBase):
             if "fsdp1" not in branch:
                 return ""  # tested as DDP, or as not FSDP1's wrapper
             return "fsdp1" if branch == {"fsdp1"} else "ambiguous"
+        if self._plain_above(node, obj):
+            return ""
         kinds = self._wrapper_kinds(obj, by_calls=by_calls, before=node)
         if "fsdp1" not in kinds:
             return ""
         return "ambiguous" if "ddp" in kinds else "fsdp1"
+
+    def _plain_above(self, node: cst.CSTNode, obj: cst.BaseExpression) -> bool:
+        """``self.x`` at ``node`` is the module before any wrap: this method assigns it above ``node`` (the last
+        such assignment) a value with nothing of FSDP1's in it (``self.dit = Model.from_pretrained(...)``), and
+        nothing between calls a method of the instance or hands the instance on (either could wrap it). The
+        class's other methods may wrap ``self.x`` later; here it is still the plain module."""
+        target = code_of(obj)
+        if not target.startswith("self.") or not self.functions:
+            return False
+        fn = self.functions[-1]
+        at = self.get_metadata(PositionProvider, node).start
+        here = (at.line, at.column)
+        last: tuple[tuple[int, int], cst.BaseExpression] | None = None
+        for n in walk(fn):
+            if isinstance(n, cst.Assign) and any(code_of(t.target) == target for t in n.targets):
+                start = self.get_metadata(PositionProvider, n).start
+                if (start.line, start.column) < here and (last is None or (start.line, start.column) > last[0]):
+                    last = ((start.line, start.column), n.value)
+        if last is None:
+            return False
+        makers = self._local_fsdp1_makers()
+        for x in walk(last[1]):
+            quals = self.get_metadata(QualifiedNameProvider, x, set())
+            if resolve_fsdp(quals) in ((FSDP, ""), ("wrap", "")) or self._fsdp1_factory(quals):
+                return False
+            if isinstance(x, cst.Call) and code_of(x.func).removeprefix("self.") in makers:
+                return False
+        for n in walk(fn):
+            if not isinstance(n, cst.Call):
+                continue
+            start = self.get_metadata(PositionProvider, n).start
+            if not last[0] < (start.line, start.column) < here:
+                continue
+            own_method = isinstance(n.func, cst.Attribute) and m.matches(n.func.value, m.Name("self"))
+            if own_method or any(m.matches(a.value, m.Name("self")) for a in n.args):
+                return False
+        return True
 
     def _wrapper_kinds(
         self, obj: cst.BaseExpression, *, by_calls: bool = True, before: cst.CSTNode | None = None

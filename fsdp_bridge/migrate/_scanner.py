@@ -123,6 +123,7 @@ class Scanner(
         self._note_shard_shapes(node)
         self._note_param_collective(node)
         self._note_compiled_wrap(node)
+        self._note_duck_typed_wrapper(node)
         if (
             not self.planning
             and m.matches(node.func, m.Name("getattr") | m.Name("hasattr"))

@@ -338,8 +338,8 @@ class ImportsFixer(ScannerBase):
                 f"{name} = {code_of(node)} (an alias of FSDP1's wrapper class)",
                 f"not followed: {name} is bound more than once in its scope, so calls through it ({name}(...), "
                 f"{name}.optim_state_dict, {name}.state_dict_type, ...) may not be FSDP1's and are not listed here; "
-                f"bind it once (or import the class under that name: from torch.distributed.fsdp import "
-                f"FullyShardedDataParallel as {name}) and run migrate code again",
+                f"where the code picks FSDP1's class, call it there instead ({code_of(node)}(module, **kwargs) in "
+                f"that branch, {name}(...) in the others) and run migrate code again",
                 False,
             )
             return False

@@ -40,6 +40,29 @@ PARAM_COLLECTIVE = (
 )
 """The TODO for a torch.distributed collective over an FSDP1 model's parameters (or their data / grads)."""
 
+DUCK_CLIP = (
+    "not rewritten: a test for FSDP1's wrapper by its method; a model fsdp_bridge.shard() makes on FSDP2 has no "
+    "clip_grad_norm_, so the other branch runs for it, and torch.nn.utils.clip_grad_norm_ over its DTensor "
+    "parameters clips by the same global norm but returns it as a DTensor (torch.as_tensor, a format spec, "
+    "stacking it with plain tensors fail): write fsdp_bridge.clip_grad_norm_({obj}, max_norm) for both branches "
+    "(it takes any module and does what its own clipping does: FSDP1's, FSDP2's, DDP, plain; the norm a plain "
+    "tensor)"
+)
+"""The TODO for ``hasattr(m, "clip_grad_norm_")`` in a tree that makes FSDP1 models."""
+
+DUCK_NO_SYNC = (
+    "left as it is; a test for FSDP1's (or DDP's) wrapper by its method: a model fsdp_bridge.shard() makes on "
+    "FSDP2 has no no_sync, so the other branch runs for it (gradients reduced at every micro-step: the same "
+    "numbers, more communication); fsdp_bridge.no_sync({obj}) takes any module and skips the reduction"
+)
+"""The note for ``hasattr(m, "no_sync")`` in a tree that makes FSDP1 models."""
+
+GETATTR_TEXT = (
+    "not rewritten: FSDP1's wrapper has {m}, a model fsdp_bridge.shard() makes on FSDP2 has not: this raises "
+    "AttributeError there; write fsdp_bridge.{m}({obj}, ...) where it is called (it takes any module)"
+)
+"""The TODO for ``getattr(m, "no_sync")`` (no default) in a tree that makes FSDP1 models."""
+
 _COLLECTIVES = frozenset(
     {
         "all_reduce",
@@ -136,6 +159,65 @@ class NoSyncClipFixer(ScannerBase):
                 construct = f"{short(code_of(node.func), 30)}({short(code_of(arg.value), 40)}) over FSDP1 parameters"
                 self._record(node, construct, PARAM_COLLECTIVE, False)
                 return
+
+    def _note_duck_typed_wrapper(self, node: cst.Call) -> None:
+        """``hasattr(m, "clip_grad_norm_")`` / ``hasattr(m, "no_sync")`` in a tree some file of which names FSDP1's
+        wrapper: the test picks FSDP1's models by their method, which FSDP2's lack. Settled by
+        :meth:`settle_duck_tests` once the calls it guards are known."""
+        if self.planning or self.dispatch.wraps_fsdp1 is None or not self.stmt_stack:
+            return
+        test = "hasattr" if m.matches(node.func, m.Name("hasattr")) else "getattr"
+        if not m.matches(node.func, m.Name("getattr") | m.Name("hasattr")) or not 2 <= len(node.args) <= 3:
+            return
+        if not isinstance(node.args[1].value, cst.SimpleString) or (test == "hasattr" and len(node.args) == 3):
+            return
+        method = node.args[1].value.evaluated_value
+        if method not in ("clip_grad_norm_", "no_sync"):
+            return
+        obj = code_of(node.args[0].value)
+        stmt = self.stmt_stack[-1]
+        pos = self.get_metadata(PositionProvider, node).start
+        if test == "getattr" and len(node.args) == 2:
+            # no default: an AttributeError on the bridge's FSDP2 models
+            self.fsdp1_elsewhere = True
+            self._record(node, f'getattr({short(obj, 40)}, "{method}")', GETATTR_TEXT.format(obj=obj, m=method), False)
+            return
+        if f"fsdp_bridge.is_sharded({obj})" in code_of(stmt):
+            return  # rewritten by an earlier --fix
+        guarded = [
+            id(c)
+            for c in walk(stmt)
+            if isinstance(c, cst.Call)
+            and isinstance(c.func, cst.Attribute)
+            and c.func.attr.value == method
+            and code_of(c.func.value) == obj
+        ]
+        self.duck_tests.append((node, stmt, obj, method, guarded, (pos.line, pos.column)))
+
+    def settle_duck_tests(self) -> None:
+        """Each duck-typed test of :meth:`_note_duck_typed_wrapper`: where the call it guards became
+        ``fsdp_bridge.<method>(m, ...)`` (``m`` shown to be FSDP1's), the test also lets the bridge's models in
+        (``hasattr(m, ...) or fsdp_bridge.is_sharded(m)``: else the rewrite is never reached on FSDP2); where it
+        did not, a TODO (clip: the other branch's torch clip returns a DTensor) or a note (no_sync)."""
+        for node, stmt, obj, method, guarded, (line, column) in self.duck_tests:
+            spelled = "hasattr" if m.matches(node.func, m.Name("hasattr")) else "getattr"
+            rest = "" if spelled == "hasattr" else ", ..."
+            construct = f'{spelled}({short(obj, 40)}, "{method}"{rest}) (FSDP1\'s wrapper told by its method)'
+            if any(self.fixable_calls.get(g) == "method" for g in guarded):
+                self.call_rewrites[id(node)] = f'(hasattr({obj}, "{method}") or fsdp_bridge.is_sharded({obj}))'
+                text = (
+                    f'(hasattr(..., "{method}") or fsdp_bridge.is_sharded({short(obj, 40)})): the bridge\'s FSDP2 '
+                    f"models have no {method}, and the call it guards is fsdp_bridge.{method} now"
+                )
+                self.findings.append(CodeFinding(self.path, line, column, construct, text, True))
+            elif method == "clip_grad_norm_":
+                self.fsdp1_elsewhere = True  # the TODO is written into a file that imports nothing of FSDP1's
+                text = " ".join(DUCK_CLIP.format(obj=short(obj, 40)).split())
+                self.findings.append(CodeFinding(self.path, line, column, construct, text, False))
+                self.todos.setdefault(id(stmt), []).append(f"{construct}: {text}")
+            else:
+                text = DUCK_NO_SYNC.format(obj=short(obj, 40))
+                self.findings.append(CodeFinding(self.path, line, column, construct, text, True, note=True))
 
     def _shown_fsdp1(self, node: cst.CSTNode, model: cst.BaseExpression) -> bool:
         """``model`` is shown to be FSDP1's wrapper at ``node`` (wrapped in this function, handed by a call of

@@ -168,7 +168,12 @@ class OptimStateFixer(ScannerBase):
                 ".state_dict() / .load_state_dict(...) (names kept, DTensor values DCP saves and loads in place)"
             )
         given = named.get("optim_state_dict")
-        if member == "optim_state_dict" and given is not None and not m.matches(given, m.Name("None")):
+        if (
+            member == "optim_state_dict"
+            and given is not None
+            and not m.matches(given, m.Name("None"))
+            and self._model_and_own_optim_state(node) is None  # optim.state_dict(), inline or just above: the default
+        ):
             block = next(
                 (
                     code_of(s.items[0].item.args[1].value)
@@ -253,7 +258,13 @@ class OptimStateFixer(ScannerBase):
             named is not None
             and "model" in named
             and "optim" in named
-            and all(m.matches(named[k], m.Name("None")) for k in unused if k in named)
+            and all(
+                m.matches(named[k], m.Name("None"))
+                # optim.state_dict(), inline or taken just above: FSDP1's default for it
+                or (k == "optim_state_dict" and self._model_and_own_optim_state(node) is not None)
+                for k in unused
+                if k in named
+            )
         ):
             model = code_of(named["model"])
             # FSDP.optim_state_dict follows the model's persistent state-dict type (FSDP.set_state_dict_type);
