@@ -513,3 +513,46 @@ def test_getattr_of_fsdp1s_methods_is_a_todo_without_a_default_and_a_note_with_o
     report, _ = migrate_paths([tmp_path])
     found = {(f.line, f.fixable, f.note) for f in report.findings if f.path.endswith("step.py")}
     assert found == {(2, True, True), (3, False, False)}, report.findings
+
+
+def test_an_optimizers_own_state_saved_beside_an_fsdp1_models_state_dict_gets_a_note_on_its_layout() -> None:
+    # FSDP1's optimizer over flat parameters holds flat-shard state; FSDP2's per-parameter DTensor state: an old
+    # checkpoint's optimizer state does not load after the migration (seen with migrate verify on a public
+    # trainer). Once per file; not where FSDP1's optimizer-state functions read that state.
+    code = (
+        "import torch\n"
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, StateDictType\n\n\n"
+        "def save(model, optimizer, path):\n"
+        "    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT):\n"
+        "        state = model.state_dict()\n"
+        "    torch.save({'model': state, 'optimizer': optimizer.state_dict()}, path)\n\n\n"
+        "def save_optim(model, optimizer, path):\n"
+        "    FSDP.set_state_dict_type(model, StateDictType.FULL_STATE_DICT)\n"
+        "    torch.save(FSDP.optim_state_dict(model, optimizer, optimizer.state_dict()), path)\n"
+    )
+    result = migrate_source(code, "ckpt.py")
+    (note,) = [f for f in result.findings if f.note and "saved beside" in f.construct]
+    assert note.line == 8 and note.construct == "optimizer.state_dict() saved beside an FSDP1 model's state dict"
+    assert "fsdp_bridge.optim_state_dict(model, optimizer)" in note.replacement
+
+
+def test_a_model_chosen_by_a_conditional_expression_is_followed_into_the_functions_it_is_handed_to(
+    tmp_path: Path,
+) -> None:
+    # m = model if fsdp else model.module: FSDP1's model on one branch; a weight-decay split in another file
+    # reads p.ndim over its parameters (1-D flat shards on FSDP1: no decay at all there). Seen on a public DiT
+    # trainer whose migrate verify diverged by exactly that.
+    (tmp_path / "train.py").write_text(
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n"
+        "from groups import split\n\n\n"
+        "def main(net, fsdp):\n"
+        "    model = FSDP(net)\n"
+        "    for_opt = model if fsdp else model.module\n"
+        "    return split(for_opt)\n"
+    )
+    (tmp_path / "groups.py").write_text(
+        "def split(model):\n    return [p for n, p in model.named_parameters() if p.ndim > 1]\n"
+    )
+    report, _ = migrate_paths([tmp_path])
+    notes = [(f.path.rsplit("/", 1)[-1], f.line) for f in report.findings if f.note]
+    assert notes == [("groups.py", 2)], report.findings

@@ -634,6 +634,8 @@ def find_fsdp1_arguments(wrapper: MetadataWrapper, known: Dispatch | None = None
                     if not isinstance(n, cst.Assign):
                         continue
                     positions = self.wraps(n.value)
+                    if isinstance(n.value, cst.IfExp) and {code_of(n.value.body), code_of(n.value.orelse)} & wrapped:
+                        positions = {-1}  # ``m = model if fsdp else model.module``: FSDP1's model on one branch
                     for t in n.targets:
                         if -1 in positions:
                             wrapped.add(code_of(t.target))

@@ -8,7 +8,7 @@ from __future__ import annotations
 import libcst as cst
 from libcst.metadata import PositionProvider, QualifiedNameProvider
 
-from fsdp_bridge.migrate._analysis import code_of, resolve_fsdp, walk
+from fsdp_bridge.migrate._analysis import code_of, resolve_fsdp, short, walk
 from fsdp_bridge.migrate._names import FSDP
 from fsdp_bridge.migrate._report import CodeFinding
 from fsdp_bridge.migrate._scan_base import ScannerBase
@@ -46,11 +46,49 @@ COMPILED_NAMES = (
 
 _STATE_DICT_WORDS = ("state_dict_type", "StateDictType", "optim_state_dict", "full_state_dict")
 
+OPTIMIZER_STATE = (
+    "left as it is; its layout changes: FSDP1's optimizer over flat parameters holds one state per flat "
+    "parameter (this rank's slice of it; views with use_orig_params=True), FSDP2's one per original parameter "
+    "(DTensor shards): the values agree element for element, but an optimizer state saved so before the "
+    "migration does not load into the migrated optimizer (load_state_dict refuses the shapes or misplaces "
+    "them); for a state that loads at any world size and on either backend save "
+    "fsdp_bridge.optim_state_dict(model, optimizer) (full) or use fsdp_bridge.save_checkpoint"
+)
+"""The note at ``optimizer.state_dict()`` beside an FSDP1 model's state-dict block (a checkpoint of both)."""
+
 
 class CheckpointNoteFixer(ScannerBase):
     """One note per file that saves or loads FSDP1 sharded / local state (in the report only)."""
 
     checkpoint_noted = False
+    optimizer_state_noted = False
+
+    def _note_optimizer_state(self, node: cst.Call) -> None:
+        """``optimizer.state_dict()`` (a receiver named for an optimizer) in a function that also takes an FSDP1
+        model's state dict with FSDP1's state-dict calls, its result not handed to FSDP1's optimizer-state
+        functions: the optimizer's own state goes into the checkpoint, whose layout changes on FSDP2 (one note
+        per file, see :data:`OPTIMIZER_STATE`)."""
+        if self.planning or self.optimizer_state_noted or self.checkpoint_noted or node.args or not self.functions:
+            return  # (the FSDP1-format checkpoint note, when given, says so already)
+        func = node.func
+        if not isinstance(func, cst.Attribute) or func.attr.value != "state_dict":
+            return
+        receiver = code_of(func.value)
+        if "optim" not in receiver.lower():
+            return
+        fn = self.functions[-1]
+        calls = [c for c in walk(fn) if isinstance(c, cst.Call)]
+        quals = [resolve_fsdp(self.get_metadata(QualifiedNameProvider, c.func, set())) for c in calls]
+        if not any(q is not None and q[1] in ("state_dict_type", "set_state_dict_type") for q in quals):
+            return  # no FSDP1 model's state dict taken here
+        if any(q is not None and "optim" in q[1] for q in quals):
+            return  # FSDP1's optimizer-state functions read it (FSDP.optim_state_dict(m, o, o.state_dict()))
+        self.optimizer_state_noted = True
+        pos = self.get_metadata(PositionProvider, node)
+        construct = f"{short(receiver, 30)}.state_dict() saved beside an FSDP1 model's state dict"
+        self.findings.append(
+            CodeFinding(self.path, pos.start.line, pos.start.column, construct, OPTIMIZER_STATE, True, note=True)
+        )
 
     def _note_fsdp1_checkpoint(self, node: cst.CSTNode) -> None:
         """Record the note at ``node`` when it is the file's first FSDP1 sharded/local checkpoint use."""
