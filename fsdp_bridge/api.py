@@ -286,18 +286,21 @@ def bridge_of(module: object) -> Bridge | None:
 
 
 def unwrapped(module: nn.Module) -> nn.Module:
-    """What FSDP1 code reads as ``module._fsdp_wrapped_module``, on either backend: the module an FSDP1 wrapper
-    wraps (the fsdp1 backend's units, or torch's own FSDP1), and the module itself for anything else (FSDP2 does
-    not wrap: each unit is the module, an ``FSDPModule``).
+    """What FSDP1 code reads as ``module._fsdp_wrapped_module`` / ``module.module``, on either backend: the
+    module an FSDP1 wrapper wraps (the fsdp1 backend's units, or torch's own FSDP1), the ``.module`` of
+    DistributedDataParallel's and DataParallel's wrappers (code that unwraps "the wrapper" may be handed either),
+    and the module itself for anything else (FSDP2 does not wrap: each unit is the module, an ``FSDPModule``).
 
     Args:
         module: a unit or model, sharded or not.
 
     Returns:
-        The module inside FSDP1's wrapper, else ``module``.
+        The module inside the wrapper, else ``module``.
     """
     if isinstance(module, FullyShardedDataParallel):
         return cast(nn.Module, module._fsdp_wrapped_module)
+    if isinstance(module, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+        return cast(nn.Module, module.module)
     return module
 
 

@@ -234,6 +234,11 @@ def test_the_module_inside_fsdp1s_wrapper_is_unwrapped_on_either_backend() -> No
     fsdp1 = mock.MagicMock(spec=FullyShardedDataParallel)
     fsdp1._fsdp_wrapped_module = inner
     assert fsdp_bridge.unwrapped(fsdp1) is inner and fsdp_bridge.unwrapped(inner) is inner
+    # a .module rewrite may meet DDP's wrapper on another path (a public trainer's DDP branch): its module
+    assert fsdp_bridge.unwrapped(nn.DataParallel(inner)) is inner
+    ddp = mock.MagicMock(spec=nn.parallel.DistributedDataParallel)
+    ddp.module = inner
+    assert fsdp_bridge.unwrapped(ddp) is inner
 
 
 def test_a_communication_hook_on_an_fsdp1_wrapper_gets_a_todo() -> None:

@@ -556,3 +556,54 @@ def test_a_model_chosen_by_a_conditional_expression_is_followed_into_the_functio
     report, _ = migrate_paths([tmp_path])
     notes = [(f.path.rsplit("/", 1)[-1], f.line) for f in report.findings if f.note]
     assert notes == [("groups.py", 2)], report.findings
+
+
+def test_the_fsdp2_test_of_a_guarded_state_dict_looks_inside_torch_compiles_wrapper() -> None:
+    # torch.compile's OptimizedModule around the sharded model is no FSDPModule: the guard tests its _orig_mod,
+    # else a compiled run took the plain branch and saved one rank's shards.
+    code = (
+        "import torch\n"
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n"
+        "from torch.nn.parallel import DistributedDataParallel as DDP\n\n\n"
+        "def run(model, fsdp, compile, path):\n"
+        "    if fsdp:\n"
+        "        model = FSDP(model)\n"
+        "    else:\n"
+        "        model = DDP(model)\n"
+        "    if compile:\n"
+        "        model = torch.compile(model)\n"
+        "    torch.save(model.state_dict(), path)\n"
+    )
+    fixed = migrate_source(code, "run.py").fixed
+    assert 'if isinstance(getattr(model, "_orig_mod", model), FSDPModule) else model.state_dict()' in fixed
+    assert migrate_source(fixed, "run.py").fixed == fixed
+
+
+def test_comments_above_a_removed_fsdp1_import_stay_and_an_enable_wrap_with_overrides_stays_fsdp1s() -> None:
+    # The user's commented-out lines above an FSDP1 import the rewrite removes are kept; a wrap(m, **overrides)
+    # under torch's enable_wrap cannot run inside fsdp_bridge.enable_wrap, so the whole block stays FSDP1's.
+    code = (
+        "import torch\n"
+        "# torch.backends.cuda.enable_flash_sdp(False)\n\n"
+        "# FSDP below\n"
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n"
+        "from torch.distributed.fsdp.wrap import enable_wrap, wrap\n\n\n"
+        "def run(net, head):\n"
+        "    model = FSDP(net)\n"
+        "    with enable_wrap(wrapper_cls=FSDP, limit_all_gathers=True):\n"
+        "        head = wrap(head, use_orig_params=True)\n"
+        "    return model, head\n"
+    )
+    result = migrate_source(code, "run.py")
+    assert "# torch.backends.cuda.enable_flash_sdp(False)\n" in result.fixed
+    assert "    with enable_wrap(wrapper_cls=FSDP, limit_all_gathers=True):\n" in result.fixed
+    assert "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n" in result.fixed
+    todos = sorted(f.construct for f in result.findings if not f.fixable)
+    assert todos == ["enable_wrap(...)", "wrap(...)"], result.findings
+    plain = code.replace("    with enable_wrap(wrapper_cls=FSDP, limit_all_gathers=True):\n", "    if True:\n")
+    plain = plain.replace("wrap(head, use_orig_params=True)", "head")
+    fixed = migrate_source(plain, "run.py").fixed
+    assert (
+        "# torch.backends.cuda.enable_flash_sdp(False)\n\n# FSDP below\n" in fixed
+        and "import FullyShardedDataParallel" not in fixed
+    )

@@ -467,3 +467,93 @@ def test_a_model_kept_on_the_instance_by_a_method_it_is_handed_to_is_followed_to
     assert "with fsdp_bridge.no_sync(self.model):" in fixed
     assert "return fsdp_bridge.clip_grad_norm_(self.model, 1.0)" in fixed
     assert (tmp_path / "other.py").read_text() == other  # set() is never handed the model; nothing shown there
+
+
+def test_scripts_that_each_define_a_function_of_the_same_name_keep_their_own_evidence(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # Three training scripts, each with its own setup_model / save: the FSDP1 one's model is not the single-GPU
+    # or DDP script's (their calls reach their own functions), and the FSDP1 script's tuple-unpacked model is
+    # its factory's (its resume load becomes a full-state load).
+    (tmp_path / "train_fsdp.py").write_text(
+        "import torch\n"
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n\n\n"
+        "def setup_model(net):\n"
+        "    model = FSDP(net)\n"
+        "    return model, 'tokenizer'\n\n\n"
+        "def save(model, optimizer):\n"
+        "    return optimizer.state_dict()\n\n\n"
+        "def main(net, path):\n"
+        "    model, tok = setup_model(net)\n"
+        "    model.load_state_dict(torch.load(path))\n"
+        "    return save(model, None)\n"
+    )
+    plain = (
+        "import torch\n\n\n"
+        "def setup_model(net):\n"
+        "    return net, 'tokenizer'\n\n\n"
+        "def save(model, optimizer):\n"
+        "    return model.state_dict(), optimizer.state_dict()\n\n\n"
+        "def main(net, opt):\n"
+        "    model, tok = setup_model(net)\n"
+        "    model.load_state_dict({})\n"
+        "    return save(model, opt)\n"
+    )
+    (tmp_path / "train.py").write_text(plain)
+    report, _ = migrate_paths([tmp_path], fix=True)
+    assert not [f for f in report.findings if f.path.endswith("train.py") and not f.path.endswith("_fsdp.py")]
+    assert (tmp_path / "train.py").read_text() == plain
+    fixed = (tmp_path / "train_fsdp.py").read_text()
+    assert "set_model_state_dict(model, torch.load(path), options=StateDictOptions(full_state_dict=True))" in fixed
+
+
+def test_a_recursive_unwrap_returns_the_model_on_fsdp2_instead_of_recursing_forever(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # def module(m): return module(m.module) if wrapped: FSDP2's sharded model is the module itself and stays
+    # sharded, so the recursion must stop there (checked at one gloo rank: fsdp2 and fsdp1 bridge models, DDP and
+    # torch's FSDP1 wrapper give the module inside, or the model itself on FSDP2).
+    (tmp_path / "train.py").write_text(
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n"
+        "from utils import module\n\n\n"
+        "def main(net):\n"
+        "    model = FSDP(net)\n"
+        "    return module(model)\n"
+    )
+    (tmp_path / "utils.py").write_text(
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n"
+        "from torch.nn.parallel import DistributedDataParallel as DDP\n\n\n"
+        "def module(model):\n"
+        "    if isinstance(model, (FSDP, DDP)):\n"
+        "        return module(model.module)\n"
+        "    return model\n"
+    )
+    migrate_paths([tmp_path], fix=True)
+    fixed = (tmp_path / "utils.py").read_text()
+    assert (
+        "        return (model if fsdp_bridge.is_sharded(model) and fsdp_bridge.unwrapped(model) is model else "
+        "module((fsdp_bridge.unwrapped(model) if fsdp_bridge.is_sharded(model) else model.module)))\n"
+    ) in fixed
+    migrate_paths([tmp_path], fix=True)
+    assert (tmp_path / "utils.py").read_text() == fixed
+
+
+def test_fsdp1s_class_chosen_by_a_conditional_expression_is_a_todo_and_its_models_stay_on_the_bridge(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # (FSDP if ok else Plain)(m, ...) is FSDP1's constructor left as written: the model stays FSDP1's. Under
+    # --target torch the summon of another file stays on fsdp_bridge (the plain-torch helper gathers fully_shard's
+    # DTensors only: on FSDP1's flat-parameter views it gathered nothing).
+    (tmp_path / "train.py").write_text(
+        "import torch.distributed as dist\n"
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n"
+        "from loop import sample\n\n\n"
+        "def main(net, Plain):\n"
+        "    model = (FSDP if dist.is_initialized() else Plain)(net, use_orig_params=True)\n"
+        "    return sample(model)\n"
+    )
+    (tmp_path / "loop.py").write_text(
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n\n\n"
+        "def sample(model):\n"
+        "    with FSDP.summon_full_params(model, writeback=False):\n"
+        "        return model(1)\n"
+    )
+    report, _ = migrate_paths([tmp_path], fix=True, target="torch")
+    (todo,) = [f for f in report.findings if f.path.endswith("train.py") and not f.fixable]
+    assert todo.construct == "(FSDP if ... else ...)(...) (FSDP1's constructor chosen by a conditional expression)"
+    loop = (tmp_path / "loop.py").read_text()
+    assert "with fsdp_bridge.summon_full_params(model, writeback=False):" in loop and "_fsdp2_helpers" not in loop

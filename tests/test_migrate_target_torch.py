@@ -696,7 +696,7 @@ def test_a_file_importing_a_library_that_wraps_in_fsdp1_keeps_the_bridges_type_t
         assert "            return fsdp_bridge.unwrapped(state.model.model)\n" in fixed
         code_lines = [line for line in fixed.splitlines() if not line.lstrip().startswith("#")]
         assert not any("FSDPModule" in line for line in code_lines) and "import fsdp_bridge" in code_lines
-        assert fixed.count(f"# {TODO}: fsdp_bridge.") == 2 and f"this file imports {lib.split('.')[0]}," in fixed
+        assert fixed.count(f"# {TODO}: fsdp_bridge.") == 2 and f"this file uses {lib.split('.')[0]}," in fixed
         assert migrate_source(fixed, "export.py", target="torch").fixed == fixed
     # without such an import every model is fully_shard's after --fix: plain torch as before
     plain = migrate_source(code.replace("from {lib} import State\n", ""), "export.py", target="torch").fixed

@@ -140,6 +140,10 @@ class Dispatch:
     makes_state_dict_context: str | None = None  # a file of the tree that calls FSDP.state_dict_type
     group_fsdp: str | None = None  # a file of the tree passing process_group= (FSDP over some ranks)
     subclasses_fsdp1: str | None = None  # a file of the tree defining a subclass of FSDP1's wrapper (stays FSDP1)
+    keeps_fsdp1: str | None = None
+    """A file of the tree that picks FSDP1's class by a conditional expression and calls it
+    (``(FSDP if ok else Plain)(m, ...)``): left as written, its models stay FSDP1's, which ``--target torch``'s
+    plain-torch helpers (for fully_shard's models) do not serve."""
     wraps_fsdp1: str | None = None
     """A file of the tree that names FSDP1's wrapper in its code (comments aside), or calls ``fsdp_bridge.shard``
     (after ``--fix``): the tree makes FSDP1 models, which a duck-typed test elsewhere
@@ -201,6 +205,7 @@ class Dispatch:
         self.group_fsdp = self.group_fsdp or other.group_fsdp
         self.subclasses_fsdp1 = self.subclasses_fsdp1 or other.subclasses_fsdp1
         self.wraps_fsdp1 = self.wraps_fsdp1 or other.wraps_fsdp1
+        self.keeps_fsdp1 = self.keeps_fsdp1 or other.keeps_fsdp1
         for name, where in other.own_methods.items():
             self.own_methods.setdefault(name, where)
         for cls, attrs in other.fsdp1_attributes.items():
@@ -392,6 +397,17 @@ def wrapper_subclasses(code: str) -> set[str]:
     if "FullyShardedDataParallel" not in code:
         return set()
     return set(WRAPPER_SUBCLASS.findall(code))
+
+
+CHOSEN_CLASS = re.compile(
+    r"\(\s*(?:FSDP|FullyShardedDataParallel)\s+if\b[^\n]*?\belse\b[^\n]*?\)\s*\("
+    r"|\belse\s+(?:FSDP|FullyShardedDataParallel)\s*\)\s*\("
+)
+
+
+def chooses_wrapper(code: str) -> bool:
+    """Whether the file calls FSDP1's class picked by a conditional expression (``(FSDP if ok else X)(m)``)."""
+    return "FullyShardedDataParallel" in code and CHOSEN_CLASS.search(code) is not None
 
 
 def names_wrapper(code: str) -> bool:

@@ -52,6 +52,7 @@ from fsdp_bridge.migrate._analysis import (
     Dispatch,
     bridge_set_state_dict_type,
     calls_set_state_dict_type,
+    chooses_wrapper,
     cited_set_state_dict_type,
     class_aliases,
     code_of,
@@ -128,6 +129,12 @@ def migrate_source(
     known = Dispatch()
     if dispatch is not None:
         known.merge(dispatch)
+    if own_twice := set(top_level_functions(code)) & known.defined_twice:
+        # A call of this file reaches this file's own function of that name, and another file's call of the
+        # name may reach another file's (three training scripts, each with its own setup_model): what other files
+        # showed of the name (its parameters handed an FSDP1 model, its result one) is not this function's.
+        known.fsdp1_args = {a for a in known.fsdp1_args if a.split(":", 1)[0] not in own_twice}
+        known.fsdp1_results = {k: v for k, v in known.fsdp1_results.items() if k not in own_twice}
     if "FSDPModule" in code:
         known.merge(find_dispatch(wrapper))
     if "FullyShardedDataParallel" in code:
@@ -139,6 +146,7 @@ def migrate_source(
             group_fsdp=path if passes_group(code) else None,
             subclasses_fsdp1=path if subclasses_wrapper(code) else None,
             wraps_fsdp1=path if names_wrapper(code) else None,
+            keeps_fsdp1=path if chooses_wrapper(code) else None,
             subclassed=subclassed_names(code),
         )
     )
@@ -186,6 +194,7 @@ def migrate_source(
                 groups=known.group_fsdp is not None,
                 spans={},
                 typed=known.sets_state_dict_type is not None,
+                kept=known.keeps_fsdp1 is not None,
             )
         return MigratedSource(path, code, code, sorted(scan.findings, key=lambda f: (f.line, f.column)))
     fixer = Rewriter(scan, {id(v): k for k, v in single.items()})
@@ -211,6 +220,7 @@ def migrate_source(
             RemoveImportsVisitor.remove_unused_import(context, "functools")
         fixed = RemoveImportsVisitor(context).transform_module(fixed)
         fixed = _imports_after_setup(fixed, module)
+        fixed = _comments_of_removed_imports(module, fixed)
     findings = sorted(scan.findings, key=lambda f: (f.line, f.column))
     if target == "torch" and "fsdp_bridge." in fixed.code:
         positions = wrapper.resolve(PositionProvider)
@@ -227,6 +237,7 @@ def migrate_source(
             groups=known.group_fsdp is not None,
             spans=spans,
             typed=known.sets_state_dict_type is not None,
+            kept=known.keeps_fsdp1 is not None,
         )
     return MigratedSource(path, code, fixed.code, findings)
 
@@ -313,13 +324,42 @@ def _lowered(
     groups: bool,
     spans: dict[tuple[int, int], tuple[int, int]],
     typed: bool = False,
+    kept: bool = False,
 ) -> MigratedSource:
     """``--target torch``: the bridge rewrite ``fixed`` of ``code`` lowered to plain torch; each report line
     at its place in ``code``, naming what the written file holds (``_torch_report``)."""
-    lowered = lower_to_torch(fixed, path, groups=groups, typed=typed)
+    lowered = lower_to_torch(fixed, path, groups=groups, typed=typed, kept=kept)
     findings = torch_findings(path, code, fixed.code, findings, lowered.calls, spans)
     written = _imports_after_setup(lowered.module, cst.parse_module(code))
     return MigratedSource(path, code, written.code, findings, lowered.uses_helpers)
+
+
+def _comments_of_removed_imports(original: cst.Module, fixed: cst.Module) -> cst.Module:
+    """The comment lines above a top-level import the rewrite removed (an FSDP1 import no use is left of),
+    put back below the nearest statement above it that is still there: they may be the user's notes or
+    commented-out code, not the import's."""
+    text = fixed.code
+    body = list(fixed.body)
+    bare = [fixed.code_for_node(s.with_changes(leading_lines=())).strip() for s in body]
+    moved: dict[int, list[cst.EmptyLine]] = {}
+    for i, stmt in enumerate(original.body):
+        if not _is_import(stmt) or not isinstance(stmt, cst.SimpleStatementLine):
+            continue
+        if not any(line.comment is not None and line.comment.value not in text for line in stmt.leading_lines):
+            continue
+        at = 0  # after the nearest statement above that is still there (else at the top)
+        for earlier in reversed(original.body[:i]):
+            code = original.code_for_node(earlier.with_changes(leading_lines=())).strip()
+            if code in bare:
+                at = bare.index(code) + 1
+                break
+        if at < len(body):
+            moved.setdefault(at, []).extend(stmt.leading_lines)
+    if not moved:
+        return fixed
+    for at, lines in moved.items():
+        body[at] = body[at].with_changes(leading_lines=(*lines, *body[at].leading_lines))
+    return fixed.with_changes(body=body)
 
 
 def _imports_torch(stmt: cst.CSTNode) -> bool:
@@ -486,6 +526,7 @@ def migrate_paths(
                     group_fsdp=shown[f] if passes_group(code) else None,
                     subclasses_fsdp1=shown[f] if subclasses_wrapper(code) else None,
                     wraps_fsdp1=shown[f] if names_wrapper(code) else None,
+                    keeps_fsdp1=shown[f] if chooses_wrapper(code) else None,
                     subclassed=subclassed_names(code),
                 )
             )

@@ -407,13 +407,13 @@ class ObjectAnalysis(ScannerBase):
                     for small in walk(stmt):
                         if (
                             isinstance(small, cst.Assign)
-                            and isinstance(small.value, cst.Call)
+                            and isinstance(small.value, (cst.Call, cst.IfExp))
                             and any(code_of(t.target) == target for t in small.targets)
                         ):
-                            kinds |= kind(small.value.func)
-            elif limit is None and isinstance(n, cst.Assign) and isinstance(n.value, cst.Call):
+                            kinds |= kind(_made_by(small.value))
+            elif limit is None and isinstance(n, cst.Assign) and isinstance(n.value, (cst.Call, cst.IfExp)):
                 if any(code_of(t.target) == target for t in n.targets):
-                    kinds |= kind(n.value.func)
+                    kinds |= kind(_made_by(n.value))
             elif isinstance(n, cst.Assert):
                 kinds |= self._test_kinds(n.test, target)
             elif (
@@ -566,3 +566,9 @@ def binds(node: cst.CSTNode, name: str) -> bool:
         or (isinstance(t, (cst.Tuple, cst.List)) and any(m.matches(x, m.Name(name)) for x in walk(t)))
         for t in targets
     )
+
+
+def _made_by(value: cst.Call | cst.IfExp) -> cst.BaseExpression:
+    """What made an assigned value: a call's callee; for ``FSDP(m) if fsdp else DDP(m)`` the whole expression
+    (either branch's maker: FSDP1's wrapper on one path, DDP's on the other)."""
+    return value.func if isinstance(value, cst.Call) else value

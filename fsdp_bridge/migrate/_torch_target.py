@@ -463,7 +463,7 @@ class _Lowerer(cst.CSTTransformer):
             return call.with_changes(func=cst.parse_expression(f"{HELPERS_NAME}.clip_grad_norm_"))
         if name in ("summon_full_params", "optim_state_dict_to_load") and self.wrapping_library is not None:
             raise _CannotLower(
-                f"this file imports {self.wrapping_library}, which wraps models in FSDP1's wrapper itself: a model "
+                f"this file uses {self.wrapping_library}, which wraps models in FSDP1's wrapper itself: a model "
                 f"it hands over stays FSDP1's, which the plain-torch {name} (for fully_shard's models) does not "
                 f"handle; fsdp_bridge.{name} serves both"
             )
@@ -484,7 +484,7 @@ class _Lowerer(cst.CSTTransformer):
             return call.with_changes(func=cst.parse_expression(f"{HELPERS_NAME}.{name}"))
         if name in ("is_sharded", "unwrapped") and self.wrapping_library is not None:
             raise _CannotLower(
-                f"this file imports {self.wrapping_library}, which wraps models in FSDP1's wrapper itself: a model "
+                f"this file uses {self.wrapping_library}, which wraps models in FSDP1's wrapper itself: a model "
                 "it hands over stays FSDP1's (--fix cannot change that library), and "
                 + (
                     "isinstance(m, FSDPModule) is False for it"
@@ -688,11 +688,18 @@ def _binds_otherwise(module: cst.Module, name: str) -> bool:
     return found
 
 
-def lower_to_torch(module: cst.Module, path: str, *, groups: bool = False, typed: bool = False) -> Lowered:
+KEPT_CONSTRUCTOR = "(FSDP1's constructor chosen by a conditional expression)"
+"""The TODO of an FSDP1 constructor the bridge rewrite leaves as written: the file's model stays FSDP1's."""
+
+
+def lower_to_torch(
+    module: cst.Module, path: str, *, groups: bool = False, typed: bool = False, kept: bool = False
+) -> Lowered:
     """Replace the bridge calls of the bridge rewrite ``module`` with plain torch code (see the module
     docstring); the imports follow. ``groups``: a file of the tree passes ``process_group=`` to FSDP1.
     ``typed``: a file of the tree sets a state-dict type (``set_state_dict_type``), which the bridge's
-    optimizer-state calls follow at run time and plain torch has no form of."""
+    optimizer-state calls follow at run time and plain torch has no form of. ``kept``: a file of the tree calls
+    FSDP1's class picked by a conditional expression, left as written: its models stay FSDP1's."""
     lowerer = _Lowerer(groups, typed or "state_dict_type(" in module.code)
     if _binds_otherwise(module, "FSDPModule"):
         # the file's own FSDPModule (a class of its own, another library's): torch's is written in full
@@ -700,6 +707,8 @@ def lower_to_torch(module: cst.Module, path: str, *, groups: bool = False, typed
     lowerer.wrapping_library = next(
         (m.split(".")[0] for m in imports_of(module.code) if m.split(".")[0] in WRAPPING_LIBRARIES), None
     )
+    if lowerer.wrapping_library is None and (kept or KEPT_CONSTRUCTOR in module.code):
+        lowerer.wrapping_library = "torch's FSDP1 (a constructor the codemod left as written, see its TODO)"
     lowerer.pending.append([])  # module level (a TODO there has no statement: none is written)
     new = MetadataWrapper(module).visit(lowerer)
     context = CodemodContext()

@@ -171,6 +171,8 @@ class ImportsFixer(ScannerBase):
         ):
             # FSDP1's wrapper holds the model as .module; FSDP2 does not wrap (the sharded model is the module).
             obj = code_of(node.value)
+            if self._plan_recursive_unwrap(node, obj):
+                return True
             guarded: tuple[str, str] | None = None
             if wrapper == "":
                 # Shown FSDP1's on some path only (made by a function of the tree, handed by a call of it): other
@@ -340,6 +342,17 @@ class ImportsFixer(ScannerBase):
                 f"{name}.optim_state_dict, {name}.state_dict_type, ...) may not be FSDP1's and are not listed here; "
                 f"where the code picks FSDP1's class, call it there instead ({code_of(node)}(module, **kwargs) in "
                 f"that branch, {name}(...) in the others) and run migrate code again",
+                False,
+            )
+            return False
+        if kind == FSDP and member == "" and self._chosen_callee(node):
+            self._record(
+                node,
+                f"({code_of(node)} if ... else ...)(...) (FSDP1's constructor chosen by a conditional expression)",
+                "not rewritten: the model this call makes stays FSDP1's (the calls on it that the report lists as "
+                "rewritten go to fsdp_bridge functions, which serve FSDP1 models too); call the class in a branch "
+                f"of its own: `{code_of(node)}(module, ...) if <test> else <the other class>(module, ...)`, and run "
+                "migrate code again (the FSDP1 call then becomes fsdp_bridge.shard)",
                 False,
             )
             return False
@@ -582,6 +595,14 @@ class ImportsFixer(ScannerBase):
             i -= 1
         return typed
 
+    def _chosen_callee(self, node: cst.BaseExpression) -> bool:
+        """``node`` is a branch of a conditional expression that is called: ``(FSDP if ok else Plain)(m, ...)``."""
+        stmt = self.stmt_stack[-1] if self.stmt_stack else None
+        path = _path_to(stmt, node) if stmt is not None else None
+        if not path or len(path) < 3 or not isinstance(path[-2], cst.IfExp) or path[-2].test is node:
+            return False
+        return isinstance(path[-3], cst.Call) and path[-3].func is path[-2]
+
     def _in_class_tuple(self, node: cst.BaseExpression) -> bool:
         """``node`` is an element of a tuple or list (``WRAPPERS = (DDP, FSDP)``, ``kinds=(FSDP,)``)."""
         stmt = self.stmt_stack[-1] if self.stmt_stack else None
@@ -667,6 +688,45 @@ class ImportsFixer(ScannerBase):
         if (tested := self._fsdp1_tested_around(node)) is not None:
             return f"is read where {short(tested, 40)} is tested for FSDP1's wrapper (the same model, by another name)"
         return ""
+
+    def _plan_recursive_unwrap(self, node: cst.Attribute, obj: str) -> bool:
+        """``return unwrap(model.module)`` inside ``def unwrap(model)`` (peeling wrappers until none is left): on
+        FSDP2 the sharded model is the module itself and still tests as sharded, so the recursion would never
+        end; the call returns ``model`` there, and recurses on the module inside any other wrapper."""
+        stmt = self.stmt_stack[-1] if self.stmt_stack else None
+        if stmt is None or not self.functions:
+            return False
+        name = self.functions[-1].name.value
+        call = next(
+            (
+                c
+                for c in walk(stmt)
+                if isinstance(c, cst.Call)
+                and m.matches(c.func, m.Name(name))
+                and len(c.args) == 1
+                and c.args[0].keyword is None
+                and c.args[0].value is node
+            ),
+            None,
+        )
+        if call is None:
+            return False
+        if f"fsdp_bridge.unwrapped({obj}) is {obj}" in code_of(stmt):
+            return True  # written by a first --fix
+        inner = f"(fsdp_bridge.unwrapped({obj}) if fsdp_bridge.is_sharded({obj}) else {obj}.module)"
+        itself = f"fsdp_bridge.is_sharded({obj}) and fsdp_bridge.unwrapped({obj}) is {obj}"
+        code = f"({obj} if {itself} else {name}({inner}))"
+        self.call_rewrites[id(call)] = code
+        self.needs_imports.add(("fsdp_bridge", None))
+        self._record(
+            call,
+            f"{name}({code_of(node)}) (a recursive unwrap)",
+            f"{short(code, 90)}: FSDP2 does not wrap (the sharded model is the module itself, and stays sharded), so "
+            f"{obj} is returned there; the module inside FSDP1's wrapper, and the .module of any other wrapper "
+            "(DDP's), are unwrapped further as before",
+            True,
+        )
+        return True
 
     def _factory_result(self, node: cst.CSTNode, obj: cst.BaseExpression) -> str:
         """The function of the tree that made ``obj`` (a name assigned its result above ``node`` in this

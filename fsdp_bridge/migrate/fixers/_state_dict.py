@@ -179,13 +179,16 @@ class StateDictFixer(ScannerBase):
         ):
             # A call of the tree hands this function an FSDP1 model (other calls may hand it other modules)
             wrapper, handed = "ambiguous", True
+        if wrapper not in ("fsdp1", "ambiguous", "handed") and self._factory_result(node, obj) != "":
+            # ``model, tok = setup_model(...)``: a function of the tree returns FSDP1's model there (on some path)
+            wrapper = "ambiguous"
         if wrapper not in ("fsdp1", "ambiguous"):
             if id(node) not in self.other_roots or self._an_optimizer_here(code_of(obj)):
                 return False
             wrapper = "handed"  # in another model's state_dict_type block; nothing here shows what it is
         target, method = code_of(obj), func.attr.value
         stmt = self.stmt_stack[-1] if self.stmt_stack else None
-        if stmt is not None and f"if isinstance({target}, FSDPModule) else {target}.{method}(" in code_of(stmt):
+        if stmt is not None and f"FSDPModule) else {target}.{method}(" in code_of(stmt):
             return True  # the DDP branch a first --fix wrote
         args = list(node.args)
         if method == "state_dict":
@@ -349,7 +352,11 @@ class StateDictFixer(ScannerBase):
         """``code`` (torch's state-dict call) where ``target`` is an FSDP2 module, ``node`` (its own call) for
         anything else: DDP, a module FSDP1 still wraps."""
         self.needs_imports.add(("torch.distributed.fsdp", "FSDPModule"))
-        return f"({code} if isinstance({target}, FSDPModule) else {code_of(node)})"
+        tested = target
+        if any(f"torch.compile({target})" in line.split("#", 1)[0] for line in self.lines):
+            # torch.compile's wrapper of the sharded model is no FSDPModule: test the module it compiles
+            tested = f'getattr({target}, "_orig_mod", {target})'
+        return f"({code} if isinstance({tested}, FSDPModule) else {code_of(node)})"
 
     def _model_state_call(self, method: str, target: str, args: list[cst.Arg], *, full: bool) -> str:
         """torch's call for ``target.state_dict()`` / ``target.load_state_dict(sd[, strict])``: full or sharded."""
