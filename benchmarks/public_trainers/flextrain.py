@@ -76,6 +76,7 @@ import runpy
 from typing import Any
 
 import torch.distributed as dist
+from _common import full_state_dicts_without_offload
 
 EXAMPLE = "examples.gpt2_training"
 CONFIG = "examples/gpt2_training/config.yaml"
@@ -183,22 +184,6 @@ def _same_file_names() -> None:
     CheckpointManager.save = stamped_alike
 
 
-def _state_dicts_without_offload() -> None:
-    """``FSDP.state_dict_type`` given ``FullStateDictConfig(offload_to_cpu=True, ...)`` takes it without the
-    offload, which means nothing on the CPU (see the module docstring). Only FSDP1 code calls it."""
-    from torch.distributed.fsdp import FullStateDictConfig
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-    state_dict_type = FSDP.state_dict_type
-
-    def on_the_cpu_already(module: Any, kind: Any, state_dict_config: Any = None, *args: Any, **kwargs: Any) -> Any:
-        if isinstance(state_dict_config, FullStateDictConfig) and state_dict_config.offload_to_cpu:
-            state_dict_config = FullStateDictConfig(offload_to_cpu=False, rank0_only=state_dict_config.rank0_only)
-        return state_dict_type(module, kind, state_dict_config, *args, **kwargs)
-
-    FSDP.state_dict_type = staticmethod(on_the_cpu_already)  # type: ignore[assignment]
-
-
 def main() -> None:
     dist.init_process_group("nccl")
     _config_of_the_example()
@@ -207,7 +192,7 @@ def main() -> None:
     if os.environ.get("FLEXTRAIN_KEEP_RANK0_SAVE") != "1":
         _every_rank_gathers()
     if os.environ.get("FLEXTRAIN_KEEP_OFFLOAD") != "1":
-        _state_dicts_without_offload()
+        full_state_dicts_without_offload()
     _same_file_names()
     runpy.run_module(f"{EXAMPLE}.train_gpt2", run_name="__main__", alter_sys=True)
 

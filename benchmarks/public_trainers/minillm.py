@@ -67,7 +67,7 @@ from typing import Any
 
 import torch
 import transformers
-from _common import sample_words, stub_missing
+from _common import full_state_dicts_without_offload, sample_words, stub_missing
 
 NAME = "sample-text/tiny-llama-3.2"
 """What ``--model_name`` and ``--tokenizer_name`` name: the config and tokenizer made here."""
@@ -183,25 +183,9 @@ def _not_compiled() -> None:
     torch.compile = lambda model=None, *args, **kwargs: model  # type: ignore[assignment]
 
 
-def _state_dicts_without_offload() -> None:
-    """``FSDP.state_dict_type`` given ``FullStateDictConfig(offload_to_cpu=True, ...)`` takes it without the
-    offload, which means nothing on the CPU (see the module docstring). Only FSDP1 code calls it."""
-    from torch.distributed.fsdp import FullStateDictConfig
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-    state_dict_type = FSDP.state_dict_type
-
-    def on_the_cpu_already(module: Any, kind: Any, state_dict_config: Any = None, *args: Any, **kwargs: Any) -> Any:
-        if isinstance(state_dict_config, FullStateDictConfig) and state_dict_config.offload_to_cpu:
-            state_dict_config = FullStateDictConfig(offload_to_cpu=False, rank0_only=state_dict_config.rank0_only)
-        return state_dict_type(module, kind, state_dict_config, *args, **kwargs)
-
-    FSDP.state_dict_type = staticmethod(on_the_cpu_already)  # type: ignore[assignment]
-
-
 def main() -> None:
     if os.environ.get("MINILLM_KEEP_OFFLOAD") != "1":
-        _state_dicts_without_offload()
+        full_state_dicts_without_offload()
     if os.environ.get("MINILLM_KEEP_COMPILE") != "1":
         _not_compiled()
     stub_missing({"wandb": {"init": lambda *a, **k: SimpleNamespace(), "log": lambda *a, **k: None}})
