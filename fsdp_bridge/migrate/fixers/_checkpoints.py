@@ -50,8 +50,8 @@ OPTIMIZER_STATE = (
     "left as it is; its layout changes: FSDP1's optimizer over flat parameters holds one state per flat "
     "parameter (this rank's slice of it; views with use_orig_params=True), FSDP2's one per original parameter "
     "(DTensor shards): the values agree element for element, but an optimizer state saved so before the "
-    "migration does not load into the migrated optimizer (load_state_dict refuses the shapes or misplaces "
-    "them); for a state that loads at any world size and on either backend save "
+    "migration does not load into the migrated optimizer (load_state_dict takes it, then the first step() "
+    "raises on plain tensors beside DTensors); for a state that loads at any world size and on either backend save "
     "fsdp_bridge.optim_state_dict(model, optimizer) (full) or use fsdp_bridge.save_checkpoint"
 )
 """The note at ``optimizer.state_dict()`` beside an FSDP1 model's state-dict block (a checkpoint of both)."""
