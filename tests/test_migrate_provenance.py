@@ -557,3 +557,23 @@ def test_fsdp1s_class_chosen_by_a_conditional_expression_is_a_todo_and_its_model
     assert todo.construct == "(FSDP if ... else ...)(...) (FSDP1's constructor chosen by a conditional expression)"
     loop = (tmp_path / "loop.py").read_text()
     assert "with fsdp_bridge.summon_full_params(model, writeback=False):" in loop and "_fsdp2_helpers" not in loop
+
+
+def test_a_scripts_own_evidence_follows_its_calls_down_when_other_scripts_define_the_same_names(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # main -> validate(model) -> evaluate(model): each script defines both, so only this file's evidence counts,
+    # and it must still reach evaluate through validate (a public trainer's evaluate_func lost its rewrite).
+    fsdp = (
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n\n\n"
+        "def evaluate(net):\n"
+        "    return net.forward(1)\n\n\n"
+        "def validate(net):\n"
+        "    return evaluate(net)\n\n\n"
+        "def main(model):\n"
+        "    model = FSDP(model)\n"
+        "    return validate(model)\n"
+    )
+    (tmp_path / "a.py").write_text(fsdp)
+    (tmp_path / "b.py").write_text(fsdp.replace("    model = FSDP(model)\n", ""))
+    migrate_paths([tmp_path], fix=True)
+    assert "    return net(1)\n" in (tmp_path / "a.py").read_text()
+    assert "    return net.forward(1)\n" in (tmp_path / "b.py").read_text()

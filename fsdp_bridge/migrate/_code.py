@@ -135,6 +135,11 @@ def migrate_source(
         # showed of the name (its parameters handed an FSDP1 model, its result one) is not this function's.
         known.fsdp1_args = {a for a in known.fsdp1_args if a.split(":", 1)[0] not in own_twice}
         known.fsdp1_results = {k: v for k, v in known.fsdp1_results.items() if k not in own_twice}
+        for _ in range(4):  # this file's own evidence again, down its calls (main -> validation_step -> evaluate)
+            before = (set(known.fsdp1_args), {k: set(v) for k, v in known.fsdp1_results.items()})
+            known.merge(find_fsdp1_arguments(wrapper, known))
+            if (known.fsdp1_args, known.fsdp1_results) == before:
+                break
     if "FSDPModule" in code:
         known.merge(find_dispatch(wrapper))
     if "FullyShardedDataParallel" in code:
