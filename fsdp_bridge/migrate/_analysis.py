@@ -413,10 +413,8 @@ def chooses_wrapper(code: str) -> bool:
 def names_wrapper(code: str) -> bool:
     """Whether the file's code (comments aside) names FSDP1's wrapper class, or shards with ``fsdp_bridge.shard``
     (the same tree after ``--fix``: a second run reports what the first did)."""
-    return any(
-        "FullyShardedDataParallel" in code or "fsdp_bridge.shard(" in code
-        for code in (line.split("#", 1)[0] for line in code.splitlines())
-    )
+    lines = (line.split("#", 1)[0] for line in code.splitlines())
+    return any("FullyShardedDataParallel" in text or "fsdp_bridge.shard(" in text for text in lines)
 
 
 def subclasses_wrapper(code: str) -> bool:
