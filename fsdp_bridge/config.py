@@ -752,8 +752,9 @@ class BridgeConfig:
                 given none (a group through :func:`fsdp_bridge.mesh_from_process_group`), so
                 ``**kwargs`` dicts that hold them work unchanged. ``ignored_modules`` /
                 ``ignored_states`` given as module or parameter objects go with the config too and
-                are named in the model by :func:`fsdp_bridge.shard`. ``backward_prefetch=None`` is no
-                backward prefetch (FSDP1's meaning) on both backends; ``BACKWARD_POST`` becomes FSDP2's
+                are named in the model by :func:`fsdp_bridge.shard`. ``backward_prefetch=None``, or any
+                value other than FSDP1's two BackwardPrefetch members (``True``, a string), is no backward
+                prefetch (FSDP1's meaning) on both backends, with a note for the latter; ``BACKWARD_POST`` becomes FSDP2's
                 (pre) timing there, with a note (the same numbers).
 
         Returns:

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import BackwardPrefetch as TorchBackwardPrefetch
 from torch.distributed.fsdp import CPUOffload, MixedPrecision
 from torch.distributed.fsdp.wrap import (
     CustomPolicy,
@@ -385,6 +386,19 @@ def _init_notes(kwargs: Mapping[str, Any]) -> list[str]:
     return notes
 
 
+def _backward_prefetch_value(value: object, notes: list[str]) -> object:
+    """FSDP1's meaning of ``backward_prefetch=value``: FSDP1 compares it with its two BackwardPrefetch members,
+    so None and any other value (``True``, a string, a number) prefetch nothing."""
+    if value is None or isinstance(value, TorchBackwardPrefetch):
+        return value
+    notes.append(
+        f"backward_prefetch={value!r}: FSDP1 prefetches only for BackwardPrefetch.BACKWARD_PRE / BACKWARD_POST "
+        "and takes any other value as no prefetch; kept as none (write BackwardPrefetch.BACKWARD_PRE for "
+        "FSDP2's usual overlap)"
+    )
+    return None
+
+
 def _ignored_value(kwargs: Mapping[str, Any], problems: list[Problem]) -> tuple[str, ...] | None:
     """``ignored_modules`` (or ``ignored_states``) as names; None when not given or not names."""
     ignored = kwargs.get("ignored_modules") or kwargs.get("ignored_states")
@@ -477,6 +491,7 @@ def translate_fsdp1_kwargs(kwargs: Mapping[str, Any]) -> tuple[dict[str, Any], l
         out["strategy"] = "full_shard" if kwargs["sharding_strategy"] is None else kwargs["sharding_strategy"]
     # FSDP1 without a policy wraps only the root
     out["wrap"] = _wrap_value(kwargs["auto_wrap_policy"], problems) if "auto_wrap_policy" in kwargs else "none"
+    notes = _init_notes(kwargs)
     if "mixed_precision" in kwargs:
         out["mixed_precision"] = _mixed_precision_value(kwargs["mixed_precision"], problems)
         mp = kwargs["mixed_precision"]
@@ -488,11 +503,10 @@ def translate_fsdp1_kwargs(kwargs: Mapping[str, Any]) -> tuple[dict[str, Any], l
     if "cpu_offload" in kwargs:
         out["cpu_offload"] = _cpu_offload_value(kwargs["cpu_offload"], problems)
     if "backward_prefetch" in kwargs:
-        out["backward_prefetch"] = kwargs["backward_prefetch"]  # None means no prefetch, as in FSDP1
+        out["backward_prefetch"] = _backward_prefetch_value(kwargs["backward_prefetch"], notes)
     for key in ("forward_prefetch", "limit_all_gathers", "sync_module_states"):
         if key in kwargs:
             out[key] = bool(kwargs[key])
-    notes = _init_notes(kwargs)
     if "device_id" in kwargs:
         out["device"] = _device_value(kwargs["device_id"], problems)
     ignored = _ignored_value(kwargs, problems)

@@ -204,6 +204,9 @@ def test_what_has_no_meaning_is_refused_with_the_fix() -> None:
     assert BridgeConfig.from_fsdp1(backend="fsdp1", backward_prefetch=post).backward_prefetch.value == "post"
     with pytest.raises(ConfigError, match=r"backward_prefetch: got 'post'"):
         BridgeConfig(backward_prefetch="post")
+    # FSDP1 compares backward_prefetch with its two members: True, a string or a number prefetch nothing there
+    for odd in (True, False, "BACKWARD_PRE", 2):
+        assert BridgeConfig.from_fsdp1(backward_prefetch=odd).backward_prefetch.value == "none"
     with pytest.raises(ConfigError, match=r"per-unit FSDP1 arguments"):
         config = BridgeConfig.from_fsdp1(
             auto_wrap_policy=CustomPolicy(

@@ -68,7 +68,8 @@ class PolicyFixer(ScannerBase):
             return (
                 "BACKWARD_PRE is FSDP2's implicit order; None (no prefetch) runs on FSDP2 as in FSDP1 (each unit "
                 "gathers itself before its backward); BACKWARD_POST becomes BACKWARD_PRE's timing (the same numbers, "
-                "a note when the code runs; written as BACKWARD_POST, a TODO)"
+                "a note when the code runs; written as BACKWARD_POST, a TODO); any other value (True, a string) is no "
+                "prefetch, as FSDP1 takes it"
             )
         if kw == "use_orig_params":
             return (
