@@ -754,8 +754,8 @@ class BridgeConfig:
                 ``ignored_states`` given as module or parameter objects go with the config too and
                 are named in the model by :func:`fsdp_bridge.shard`. ``backward_prefetch=None``, or any
                 value other than FSDP1's two BackwardPrefetch members (``True``, a string), is no backward
-                prefetch (FSDP1's meaning) on both backends, with a note for the latter; ``BACKWARD_POST`` becomes FSDP2's
-                (pre) timing there, with a note (the same numbers).
+                prefetch (FSDP1's meaning) on both backends, with a note for the latter; ``BACKWARD_POST``
+                becomes FSDP2's (pre) timing there, with a note (the same numbers).
 
         Returns:
             A validated config; wrap policies keep FSDP1's semantics exactly.

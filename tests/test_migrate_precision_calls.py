@@ -582,3 +582,47 @@ def test_block_classes_computed_by_code_stay_in_their_variable() -> None:
     assert "    found = get_cls(model)\n" in fixed and "wrap=list(found)" in fixed
     assert "blocks = " not in fixed and "wrap=[Block]" in fixed
     assert migrate_source(fixed, "build.py").fixed == fixed
+
+
+def test_a_model_another_file_wraps_on_an_instance_is_fsdp1s_in_the_classs_methods(tmp_path: Path) -> None:
+    # A script builds a trainer, then swaps its model for FSDP1's wrapper (``trainer.model = FSDP(trainer.model)``);
+    # the trainer's own methods save and load self.model. On FSDP2 those state dicts would be one rank's shards (a
+    # silent partial checkpoint), so they are FSDP1's full state dicts here, as for a model wrapped in the class
+    # itself. A method that assigns self.model a plain module above its load reads the plain one; another class
+    # with an attribute of the same name shows nothing.
+    (tmp_path / "trainer.py").write_text(
+        "import torch\n\n\n"
+        "class trainer_cls:\n"
+        "    def __init__(self, net):\n"
+        "        self.model = net\n\n"
+        "    def save(self, path):\n"
+        "        torch.save({'model': self.model.state_dict()}, path)\n\n"
+        "    def clip(self):\n"
+        "        return self.model.clip_grad_norm_(1.0)\n\n"
+        "    def rebuild(self, net, path):\n"
+        "        self.model = net\n"
+        "        self.model.load_state_dict(torch.load(path)['model'])\n\n\n"
+        "class Other:\n"
+        "    def save(self, path):\n"
+        "        torch.save(self.model.state_dict(), path)\n"
+    )
+    (tmp_path / "train.py").write_text(
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n\n"
+        "from trainer import trainer_cls\n\n\n"
+        "def main(net):\n"
+        "    run = trainer_cls(net)\n"
+        "    run.model = FSDP(run.model, use_orig_params=True)\n"
+        "    run.save('ckpt.pt')\n"
+    )
+    report, _ = migrate_paths([tmp_path], fix=True)
+    fixed = (tmp_path / "trainer.py").read_text()
+    assert (
+        "torch.save({'model': get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))}"
+        in fixed
+    )
+    assert "        return fsdp_bridge.clip_grad_norm_(self.model, 1.0)\n" in fixed
+    assert "        self.model.load_state_dict(torch.load(path)['model'])\n" in fixed  # the plain module assigned above
+    assert "        torch.save(self.model.state_dict(), path)\n" in fixed  # Other's
+    assert sorted(f.line for f in report.findings if f.path.endswith("trainer.py")) == [9, 12]
+    migrate_paths([tmp_path], fix=True)
+    assert (tmp_path / "trainer.py").read_text() == fixed

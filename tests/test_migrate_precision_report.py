@@ -607,3 +607,20 @@ def test_comments_above_a_removed_fsdp1_import_stay_and_an_enable_wrap_with_over
         "# torch.backends.cuda.enable_flash_sdp(False)\n\n# FSDP below\n" in fixed
         and "import FullyShardedDataParallel" not in fixed
     )
+
+
+def test_lightning_backward_prefetch_and_a_checkpointing_policy_without_a_wrap_policy_are_named() -> None:
+    # FSDPStrategy(backward_prefetch=None) is no prefetch (its text once read 'backward_prefetch= (BACKWARD_PRE ->
+    # "pre")'); a checkpointing policy on a strategy with no auto_wrap_policy needs wrap= for the bridge's units.
+    code = (
+        "from lightning.pytorch.strategies import FSDPStrategy\n"
+        "from torch.distributed.fsdp import BackwardPrefetch\n\n"
+        "a = FSDPStrategy(activation_checkpointing_policy=blocks, backward_prefetch=None)\n"
+        "b = FSDPStrategy(auto_wrap_policy=policy, activation_checkpointing_policy=blocks,\n"
+        "                 backward_prefetch=BackwardPrefetch.BACKWARD_POST)\n"
+    )
+    notes = {(f.line, f.construct): f.replacement for f in migrate_source(code, "l.py").findings if f.note}
+    assert notes[(4, "backward_prefetch=None")].startswith('backward_prefetch="none" (no prefetch')
+    assert "give wrap= the classes the policy names" in notes[(4, "activation_checkpointing_policy=blocks")]
+    assert "give wrap=" not in notes[(5, "activation_checkpointing_policy=blocks")]
+    assert notes[(6, "backward_prefetch=BackwardPrefetch.BACKWARD_POST")].startswith('backward_prefetch="pre" (FSDP2')

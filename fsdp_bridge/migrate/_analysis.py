@@ -176,6 +176,11 @@ class Dispatch:
     """Classes of the tree by name -> the attributes their methods assign ``self.attr = FSDP(...)`` /
     ``wrap(...)``: a subclass (in another file too) reads ``self.attr`` as an FSDP1 model."""
 
+    instance_attributes: dict[str, dict[str, set[str]]] = field(default_factory=dict)
+    """Classes of the tree by name -> attributes that code outside them assigns a wrapper on an instance
+    (``trainer = Trainer(...)`` then ``trainer.model = FSDP(trainer.model)``) -> what wraps it there ("fsdp1",
+    "ddp"): the class's methods then read ``self.model`` as that wrapper (see
+    :func:`find_instance_attributes`)."""
     subclassed: set[str] = field(default_factory=set)
     """Names of the classes some class of the tree derives from (the last part of each base): a subclass may
     assign an attribute its base's methods read (see ``subclassed_names``)."""
@@ -210,6 +215,9 @@ class Dispatch:
             self.own_methods.setdefault(name, where)
         for cls, attrs in other.fsdp1_attributes.items():
             self.fsdp1_attributes.setdefault(cls, set()).update(attrs)
+        for cls, kinds_of in other.instance_attributes.items():
+            for attr, kinds in kinds_of.items():
+                self.instance_attributes.setdefault(cls, {}).setdefault(attr, set()).update(kinds)
 
 
 OWN_METHOD_NAMES = ("clip_grad_norm_", "no_sync", "set_state_dict_type")
@@ -580,6 +588,70 @@ def find_fsdp1_attributes(wrapper: MetadataWrapper) -> dict[str, set[str]]:
 
     wrapper.visit(V())
     return found
+
+
+def find_instance_attributes(wrapper: MetadataWrapper) -> dict[str, dict[str, set[str]]]:
+    """``Dispatch.instance_attributes`` of a file: in each function (and at module level), ``x = Cls(...)``
+    (keyed by the callee's last name: a class of the tree by that name reads it) and then
+    ``x.attr = FSDP(...)`` / ``wrap(...)`` (``DDP(...)`` too, beside one), the wrapper kept on the instance for
+    ``Cls``'s methods to read as ``self.attr``."""
+    found: dict[str, dict[str, set[str]]] = {}
+    found_aliases = class_aliases(wrapper)
+
+    class V(FollowsAliases):
+        aliases = found_aliases
+
+        METADATA_DEPENDENCIES = (QualifiedNameProvider,)
+
+        def kinds(self, value: cst.BaseExpression) -> set[str]:
+            kinds = set()
+            for x in walk(value):
+                if not isinstance(x, (cst.Name, cst.Attribute)):
+                    continue
+                quals = self.get_metadata(QualifiedNameProvider, x, set())
+                if resolve_fsdp(quals) in ((FSDP, ""), ("wrap", "")):
+                    kinds.add("fsdp1")
+                if any(
+                    q.name.startswith("torch.nn.parallel.") and q.name.endswith("DistributedDataParallel")
+                    for q in quals
+                ):
+                    kinds.add("ddp")
+            return kinds
+
+        def scan(self, body: Sequence[cst.CSTNode]) -> None:
+            made: dict[str, str] = {}  # instance name -> its class
+            for stmt in in_source_order(body):
+                for n in walk(stmt):
+                    if not isinstance(n, cst.Assign):
+                        continue
+                    for t in n.targets:
+                        target = t.target
+                        if isinstance(target, cst.Name) and isinstance(n.value, cst.Call):
+                            cls = code_of(n.value.func).rsplit(".", 1)[-1]
+                            if not self.kinds(n.value.func):
+                                made[target.value] = cls
+                            else:
+                                made.pop(target.value, None)
+                        elif isinstance(target, cst.Name):
+                            made.pop(target.value, None)
+                        elif (
+                            isinstance(target, cst.Attribute)
+                            and isinstance(target.value, cst.Name)
+                            and target.value.value in made
+                            and (kinds := self.kinds(n.value))
+                        ):
+                            cls = made[target.value.value]
+                            found.setdefault(cls, {}).setdefault(target.attr.value, set()).update(kinds)
+
+        def visit_Module(self, node: cst.Module) -> None:
+            self.scan([s for s in node.body if not isinstance(s, (cst.FunctionDef, cst.ClassDef))])
+
+        def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
+            if isinstance(node.body, cst.IndentedBlock):
+                self.scan(node.body.body)
+
+    wrapper.visit(V())
+    return {cls: attrs for cls, attrs in found.items() if any("fsdp1" in k for k in attrs.values())}
 
 
 def find_fsdp1_arguments(wrapper: MetadataWrapper, known: Dispatch | None = None) -> Dispatch:

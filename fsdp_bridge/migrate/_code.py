@@ -60,6 +60,7 @@ from fsdp_bridge.migrate._analysis import (
     find_fsdp1_arguments,
     find_fsdp1_attributes,
     find_fsdp1_factories,
+    find_instance_attributes,
     find_own_methods,
     finds_state_dict_context,
     handed_across_files,
@@ -518,6 +519,7 @@ def migrate_paths(
                         fsdp1_factories=some,
                         fsdp1_sure_factories=every,
                         fsdp1_attributes=find_fsdp1_attributes(parsed),
+                        instance_attributes=find_instance_attributes(parsed),
                     )
                 )
                 dispatch.merge(find_fsdp1_arguments(parsed))

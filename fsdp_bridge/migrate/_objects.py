@@ -455,6 +455,9 @@ class ObjectAnalysis(ScannerBase):
                 kinds |= kind(n.annotation.annotation)
         if isinstance(scope, cst.ClassDef) and target.count(".") == 1 and self._handed_in(scope, target[5:]):
             kinds.add("fsdp1")
+        if isinstance(scope, cst.ClassDef) and target.count(".") == 1:
+            # ``trainer = Trainer(...)`` and ``trainer.model = FSDP(trainer.model)`` in some file of the tree
+            kinds |= self.dispatch.instance_attributes.get(scope.name.value, {}).get(target[5:], set())
         if isinstance(scope, cst.ClassDef) and target.count(".") == 1 and isinstance(scope.body, cst.IndentedBlock):
             # A field declared in the class body (``model: FSDP``, a dataclass's): the type of self.model.
             for stmt in scope.body.body:

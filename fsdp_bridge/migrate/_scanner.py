@@ -264,6 +264,8 @@ class Scanner(
             self.class_bases.update(id(b.value) for b in node.bases)
             if any(code_of(b.value).rsplit(".", 1)[-1] in self.dispatch.fsdp1_attributes for b in node.bases):
                 self.uses_fsdp1 = True  # a base class of the tree keeps an FSDP1 model in an attribute
+            if node.name.value in self.dispatch.instance_attributes:
+                self.uses_fsdp1 = True  # another file keeps an FSDP1 model on an instance of this class
             if self.dispatch.fsdp1_args and any(
                 isinstance(n, cst.Attribute)
                 and isinstance(n.value, cst.Attribute)

@@ -51,7 +51,7 @@ LIGHTNING_ARGS: dict[str, str] = {
     'a DCP directory); outside Lightning\'s saving: fsdp_bridge.save_checkpoint(path, model, kind="full"|"sharded")',
     "device_mesh": 'shard(..., mesh=...) (a (replicate, shard) pair of sizes -> strategy="hybrid_shard", '
     "hybrid_shape=(replicate, shard))",
-    "backward_prefetch": 'backward_prefetch= (BACKWARD_PRE -> "pre")',
+    "backward_prefetch": 'backward_prefetch= (BackwardPrefetch.BACKWARD_PRE -> "pre", None -> "none")',
     "forward_prefetch": "forward_prefetch=",
     "limit_all_gathers": "not needed: FSDP2 has no all-gather rate limiter",
     "sync_module_states": "sync_module_states=",
@@ -75,7 +75,8 @@ class LightningFixer(ScannerBase):
         """Report ``FSDPStrategy(...)`` and ``Trainer/Fabric(strategy="fsdp...")``; True when it was one."""
         if self._lightning_name(node.func, "FSDPStrategy") is not None:
             given = [a for a in node.args if a.keyword is not None and a.keyword.value in LIGHTNING_ARGS]
-            meant = [(a, self._lightning_meaning(a)) for a in given]
+            wraps = any(a.keyword.value == "auto_wrap_policy" for a in given if a.keyword is not None)
+            meant = [(a, self._lightning_meaning(a, wraps)) for a in given]
             self.fsdp1_elsewhere = True
             self._record(
                 node,
@@ -166,8 +167,9 @@ class LightningFixer(ScannerBase):
             )
             return
 
-    def _lightning_meaning(self, a: cst.Arg) -> str:
-        """What an FSDP1 argument of FSDPStrategy is in the bridge's config, for the value it has."""
+    def _lightning_meaning(self, a: cst.Arg, wraps: bool) -> str:
+        """What an FSDP1 argument of FSDPStrategy is in the bridge's config, for the value it has (``wraps``: the
+        strategy is given an ``auto_wrap_policy``)."""
         kw = a.keyword.value if a.keyword is not None else ""
         text = LIGHTNING_ARGS[kw]
         if kw == "sharding_strategy":
@@ -196,11 +198,28 @@ class LightningFixer(ScannerBase):
                 f"activation_checkpointing=({short(code_of(a.value.test), 40)}) (a policy only when that holds); "
                 + LIGHTNING_ARGS[kw].removeprefix("activation_checkpointing=True where a policy is given ")
             )
+        elif kw == "backward_prefetch":
+            member = self._member(a.value, "BackwardPrefetch")
+            if member == "BACKWARD_PRE":
+                text = 'backward_prefetch="pre"'
+            elif member == "BACKWARD_POST":
+                text = 'backward_prefetch="pre" (FSDP2 has only BACKWARD_PRE\'s timing: the same numbers)'
+            elif isinstance(a.value, (cst.Name, cst.SimpleString, cst.Integer)) and code_of(a.value) in (
+                "None",
+                "True",
+                "False",
+            ):
+                text = 'backward_prefetch="none" (no prefetch: FSDP1 prefetches only for its BackwardPrefetch members)'
         elif kw == "state_dict_type" and isinstance(a.value, cst.SimpleString):
             kind = str(a.value.evaluated_value)
             text = (
                 f"ModelParallelStrategy(save_distributed_checkpoint={kind == 'sharded'}) "
                 + ("(a DCP directory, loadable at any world size)" if kind == "sharded" else "(one file)")
                 + f'; outside Lightning\'s saving: fsdp_bridge.save_checkpoint(path, model, kind="{kind}")'
+            )
+        if kw == "activation_checkpointing_policy" and not wraps and not isinstance(a.value, cst.Set):
+            text += (
+                "; this strategy has no auto_wrap_policy, so give wrap= the classes the policy names (the bridge "
+                "recomputes its wrap units)"
             )
         return text
