@@ -44,7 +44,9 @@ DEFAULT_TIMEOUT_S = 600.0
 
 
 def resolve_device(device: str) -> torch.device:
-    """The device this rank computes on, for ``device`` = auto, cuda or cpu."""
+    """The device this rank computes on, for ``device`` = auto, cuda or cpu: on CUDA ``cuda:LOCAL_RANK``, or
+    ``torch.cuda.current_device()`` where no launcher set ``LOCAL_RANK`` (processes started with
+    ``mp.spawn`` that call ``torch.cuda.set_device(rank)``)."""
     if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     if not torch.cuda.is_available():
@@ -58,7 +60,9 @@ def resolve_device(device: str) -> torch.device:
                 )
             ]
         )
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    # A launcher's LOCAL_RANK; without one (mp.spawn and the like), the GPU the process chose with
+    # torch.cuda.set_device, as FSDP1 takes torch.cuda.current_device()
+    local_rank = int(os.environ.get("LOCAL_RANK", torch.cuda.current_device()))
     if local_rank >= torch.cuda.device_count():
         raise ConfigError(
             [

@@ -325,3 +325,17 @@ def test_hostile_yaml_is_refused_quickly_by_every_reader(tmp_path: Path, content
         with pytest.raises(ConfigError, match=expected if "UTF-8" not in expected else r"UTF-8"):
             read(path)
     assert time.perf_counter() - start < 10  # a 391-byte alias bomb ran for minutes before
+
+
+def test_a_cuda_rank_without_local_rank_uses_the_device_it_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    # mp.spawn'd ranks call torch.cuda.set_device(rank) and set no LOCAL_RANK: each keeps its own GPU (FSDP1's
+    # torch.cuda.current_device()), where every rank once took cuda:0. A launcher's LOCAL_RANK still decides.
+    from fsdp_bridge import distributed
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert distributed.resolve_device("cuda") == torch.device("cuda", 2)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert distributed.resolve_device("cuda") == torch.device("cuda", 1)

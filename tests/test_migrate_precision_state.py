@@ -829,3 +829,84 @@ def test_an_optimizer_loaded_inside_a_state_dict_type_block_is_not_taken_for_a_m
     result = migrate_source(code, "load.py")
     assert not [f for f in result.findings if f.construct.startswith("value.load_state_dict")]
     assert "    value.load_state_dict(flat)\n" in result.fixed and "FSDPModule" not in result.fixed
+
+
+def test_an_fsdp1_import_another_file_takes_with_a_star_import_is_kept(tmp_path: Path) -> None:
+    # A pipeline module takes FSDP1's class through `from .reduce import *` and tests isinstance(m, FSDP); the
+    # rewrites leave reduce.py without a use of it, but removing the import made every step raise NameError there.
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "reduce.py").write_text(
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n"
+        "from torch.distributed.fsdp import ShardingStrategy\n\n\n"
+        "def build(m):\n    return FSDP(m)\n"
+    )
+    (pkg / "pipe.py").write_text("from .reduce import *\n\n\ndef is_unit(m):\n    return isinstance(m, FSDP)\n")
+    (pkg / "named.py").write_text(
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n"
+        "from torch.distributed.fsdp import ShardingStrategy\n\n\n"
+        "def build(m):\n    return FSDP(m)\n"
+    )
+    (pkg / "user.py").write_text("from pkg.named import ShardingStrategy\n")
+    report, _ = migrate_paths([tmp_path], fix=True)
+    reduce = (pkg / "reduce.py").read_text()
+    assert "import FullyShardedDataParallel as FSDP\n" in reduce and "fsdp_bridge.shard(m" in reduce
+    assert "import ShardingStrategy\n" in reduce
+    named = (pkg / "named.py").read_text()
+    assert "FullyShardedDataParallel" not in named and "import ShardingStrategy\n" in named  # the name user.py takes
+    kept = [f for f in report.findings if f.note and f.replacement.startswith("kept: another file")]
+    assert [(Path(f.path).name, f.line) for f in kept] == [("named.py", 2), ("reduce.py", 1), ("reduce.py", 2)]
+    migrate_paths([tmp_path], fix=True)
+    assert (pkg / "reduce.py").read_text() == reduce
+
+
+def test_a_unit_iterated_inside_a_models_state_dict_context_is_a_todo() -> None:
+    # Inside `with FSDP.state_dict_type(model, FULL, FullStateDictConfig(rank0_only=True, ...))`, a loop over the
+    # model's modules saves each FSDP1 unit's state_dict(): the context covers those units (rank 0 only, CPU). The
+    # default full state dict written for it gave every rank a GPU copy and had all of them save.
+    code = (
+        "import torch\n"
+        "from torch.distributed.fsdp import FullStateDictConfig, StateDictType\n"
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n\n\n"
+        "def save(model, blocks, path):\n"
+        "    cfg = FullStateDictConfig(rank0_only=True, offload_to_cpu=True)\n"
+        "    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, cfg):\n"
+        "        for block in blocks:\n"
+        "            for name, m in block.named_modules():\n"
+        "                if not isinstance(m, FSDP):\n"
+        "                    continue\n"
+        "                sd = m.state_dict()\n"
+        "                if sd:\n"
+        "                    torch.save(sd, path + name)\n"
+    )
+    result = migrate_source(code, "ckpt.py")
+    (todo,) = [f for f in result.findings if not f.fixable]
+    assert (todo.line, todo.construct) == (13, "m.state_dict()")
+    assert "FSDP1's context sets the type of that model's FSDP units too" in todo.replacement
+    assert "                sd = m.state_dict()\n" in result.fixed
+    assert migrate_source(result.fixed, "ckpt.py").fixed == result.fixed
+
+
+def test_the_wrapped_modules_own_state_dict_is_a_todo_outside_a_summon() -> None:
+    # FSDP1's wrapped module holds this rank's flat shard: `model.module.state_dict()` saved on rank 0 was never the
+    # model's weights, and its rewrite (the module itself on FSDP2) saved DTensor shards instead: a TODO naming the
+    # full-state call. Inside summon_full_params the wrapped module holds the full parameters: rewritten.
+    code = (
+        "import torch\n"
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n\n\n"
+        "def train(net, path, rank):\n"
+        "    model = FSDP(net)\n"
+        "    if rank == 0:\n"
+        "        torch.save(model.module.state_dict(), path)\n"
+        "    with FSDP.summon_full_params(model):\n"
+        "        return model.module.state_dict()\n"
+    )
+    result = migrate_source(code, "train.py")
+    (todo,) = [f for f in result.findings if not f.fixable]
+    assert (todo.line, todo.construct) == (8, "model.module.state_dict() (the wrapped module's own state dict)")
+    assert "get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))" in (
+        todo.replacement
+    )
+    assert "        torch.save(model.module.state_dict(), path)\n" in result.fixed
+    assert "        return fsdp_bridge.unwrapped(model).state_dict()\n" in result.fixed

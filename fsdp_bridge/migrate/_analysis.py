@@ -149,6 +149,10 @@ class Dispatch:
     (after ``--fix``): the tree makes FSDP1 models, which a duck-typed test elsewhere
     (``hasattr(m, "clip_grad_norm_")``) may be meant for."""
     imported_names: set[str] = field(default_factory=set)
+    from_imports: set[str] = field(default_factory=set)
+    """``module.name`` for every ``from module import name`` of the tree (``module.*`` for a star import;
+    leading dots of a relative import dropped): a file's FSDP1 import another file takes from it
+    (``from .grad_reduce import *`` then ``isinstance(m, FSDP)``) is kept (see :func:`module_suffixes`)."""
     """Every name some file of the tree imports with ``from ... import NAME``: a module-level variable of that
     name may be used by another file, so its assignment is never removed."""
     fsdp1_factories: set[str] = field(default_factory=set)
@@ -160,6 +164,11 @@ class Dispatch:
     """Those of ``fsdp1_factories`` that return FSDP1's wrapper on every path (see :func:`fsdp1_returns`): their
     result is one, as ``FSDP(...)``'s is. The others (``model = FSDP(model)`` in one branch, ``DDP(model)`` in
     another, then ``return model``) may hand back something else, whose ``.module`` must stay."""
+
+    fsdp1_predicates: set[str] = field(default_factory=set)
+    """Top-level functions of the tree whose every ``return`` is ``isinstance(<first parameter>, FSDP)``, by every
+    dotted suffix of their module path (as ``fsdp1_factories``): a file that imports one tests for FSDP1's
+    wrapper with it (``if is_fsdp_wrapped(model): model.module``)."""
 
     vendored_functions: dict[str, str] = field(default_factory=dict)
     """Top-level functions of the tree's copies of torch's FSDP1 code (see ``_vendored``), by every dotted suffix
@@ -197,9 +206,11 @@ class Dispatch:
             self.fsdp1_results.setdefault(name, set()).update(positions)
         self.fsdp1_factories |= other.fsdp1_factories
         self.fsdp1_sure_factories |= other.fsdp1_sure_factories
+        self.fsdp1_predicates |= other.fsdp1_predicates
         for name, where in other.vendored_functions.items():
             self.vendored_functions.setdefault(name, where)
         self.imported_names |= other.imported_names
+        self.from_imports |= other.from_imports
         self.fsdp2_tests |= other.fsdp2_tests
         self.sets_state_dict_type = self.sets_state_dict_type or other.sets_state_dict_type
         self.unfollowed_set_state_dict_type = (
@@ -476,6 +487,37 @@ def find_fsdp1_factories(wrapper: MetadataWrapper, path: str) -> tuple[set[str],
 
     wrapper.visit(V())
     return module_suffixes(path, some), module_suffixes(path, every)
+
+
+def find_fsdp1_predicates(wrapper: MetadataWrapper, path: str) -> set[str]:
+    """``Dispatch.fsdp1_predicates`` of one file."""
+    found: set[str] = set()
+    found_aliases = class_aliases(wrapper)
+
+    class V(FollowsAliases):
+        aliases = found_aliases
+
+        METADATA_DEPENDENCIES = (QualifiedNameProvider,)
+
+        def visit_Module(self, node: cst.Module) -> None:
+            for fn in node.body:
+                if not (isinstance(fn, cst.FunctionDef) and fn.params.params):
+                    continue
+                first = fn.params.params[0].name.value
+                returns = [r for r in walk(fn.body) if isinstance(r, cst.Return)]
+                if returns and all(
+                    isinstance(r.value, cst.Call)
+                    and m.matches(r.value.func, m.Name("isinstance"))
+                    and len(r.value.args) == 2
+                    and m.matches(r.value.args[0].value, m.Name(first))
+                    and resolve_fsdp(self.get_metadata(QualifiedNameProvider, r.value.args[1].value, set()))
+                    == (FSDP, "")
+                    for r in returns
+                ):
+                    found.add(fn.name.value)
+
+    wrapper.visit(V())
+    return module_suffixes(path, found)
 
 
 def fsdp1_returns(fn: cst.FunctionDef, is_fsdp1: Callable[[cst.CSTNode], bool]) -> tuple[bool, bool]:
@@ -1092,6 +1134,24 @@ def short(code: str, limit: int = 60) -> str:
 
 
 _FROM_IMPORT = re.compile(r"^[ \t]*from[ \t]+[\w.]+[ \t]+import[ \t]+\(?([\w, \t\n]+?)\)?[ \t]*(?:#.*)?$", re.M)
+
+
+_FROM_MODULE_IMPORT = re.compile(
+    r"^[ \t]*from[ \t]+(\.*)([\w.]*)[ \t]+import[ \t]+(\*|\(?[\w, \t\n]+?\)?)[ \t]*(?:#.*)?$", re.M
+)
+
+
+def from_imports(code: str) -> set[str]:
+    """``Dispatch.from_imports`` of one file, read without parsing (as :func:`imported_names`)."""
+    found: set[str] = set()
+    for _dots, module, names in _FROM_MODULE_IMPORT.findall(code):
+        if not module:
+            continue
+        for part in names.strip("()").replace("\n", ",").split(","):
+            words = part.split()
+            if words:
+                found.add(f"{module}.{words[0]}")
+    return found
 
 
 def imported_names(code: str) -> set[str]:

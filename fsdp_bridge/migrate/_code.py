@@ -60,9 +60,11 @@ from fsdp_bridge.migrate._analysis import (
     find_fsdp1_arguments,
     find_fsdp1_attributes,
     find_fsdp1_factories,
+    find_fsdp1_predicates,
     find_instance_attributes,
     find_own_methods,
     finds_state_dict_context,
+    from_imports,
     handed_across_files,
     imported_names,
     module_suffixes,
@@ -209,7 +211,7 @@ def migrate_source(
     scan.findings.extend(alias_findings)
     if fixed.code != code:
         context = CodemodContext()
-        if scan.conversions or scan.fixable_calls:
+        if (scan.conversions or scan.fixable_calls) and _names_bridge(fixed):
             AddImportsVisitor.add_needed_import(context, "fsdp_bridge")
         for name in sorted(scan.needs_state_dict_api):
             AddImportsVisitor.add_needed_import(context, "torch.distributed.checkpoint.state_dict", name)
@@ -218,7 +220,11 @@ def migrate_source(
         fixed = AddImportsVisitor(context).transform_module(fixed)
         kept = _kept_fsdp2_imports(module)
         in_strings = _string_text(fixed)
+        taken = _taken_by_other_files(path, known.from_imports)
         for imp in _fsdp_imports(fixed):
+            if (imp[2] or imp[1]) in taken or "*" in taken:
+                scan.findings.append(_kept_import_finding(path, module, imp, "*" in taken))
+                continue
             if imp not in kept and not re.search(rf"\b{re.escape(imp[2] or imp[1] or '')}\b", in_strings):
                 # (a name written in a string stays imported: eval(f"ShardingStrategy.{name}") reads it)
                 RemoveImportsVisitor.remove_unused_import(context, *imp)
@@ -456,6 +462,48 @@ def _string_text(module: cst.Module) -> str:
     return "\n".join(parts)
 
 
+def _names_bridge(module: cst.Module) -> bool:
+    """The rewritten code reads the name ``fsdp_bridge`` (TODO comments that mention it aside)."""
+    return any(isinstance(n, cst.Name) and n.value == "fsdp_bridge" for n in walk(module))
+
+
+def _taken_by_other_files(path: str, tree_imports: set[str]) -> set[str]:
+    """The names of this file other files of the tree import from it (``"*"`` for a star import)."""
+    if not tree_imports:
+        return set()
+    parts = [p for p in Path(path).with_suffix("").parts if p not in ("/", "")]
+    if parts and parts[-1] == "__init__":
+        parts = parts[:-1]
+    prefixes = {".".join(parts[-k:]) + "." for k in range(1, min(len(parts), 6) + 1)}
+    return {imp.rsplit(".", 1)[1] for imp in tree_imports if imp.rsplit(".", 1)[0] + "." in prefixes}
+
+
+def _kept_import_finding(
+    path: str, module: cst.Module, imp: tuple[str, str | None, str | None], star: bool
+) -> CodeFinding:
+    """The report line of an FSDP1 import kept because another file of the tree takes the name from here."""
+    name = imp[2] or imp[1] or ""
+    lines = [
+        (i, text)
+        for i, text in enumerate(module.code.splitlines(), 1)
+        if re.match(rf"\s*from\s+{re.escape(imp[0])}\s+import\b", text)
+    ]
+    line = next(
+        (i for i, text in lines if re.search(rf"\b{re.escape(imp[1] or '')}\b", text)), lines[0][0] if lines else 1
+    )
+    how = "imports everything from this module (import *)" if star else f"imports {name} from this module"
+    return CodeFinding(
+        path,
+        line,
+        0,
+        f"from {imp[0]} import {imp[1]}{f' as {imp[2]}' if imp[2] else ''}",
+        f"kept: another file of the tree {how} and may use FSDP1's {name} from here; read its uses there "
+        "yourself (they are not reported)",
+        True,
+        note=True,
+    )
+
+
 def _fsdp_imports(module: cst.Module) -> list[tuple[str, str | None, str | None]]:
     """Every ``from torch.distributed.fsdp... import X`` (removed by the codemod only when unused)."""
     found: list[tuple[str, str | None, str | None]] = []
@@ -520,12 +568,14 @@ def migrate_paths(
                         fsdp1_sure_factories=every,
                         fsdp1_attributes=find_fsdp1_attributes(parsed),
                         instance_attributes=find_instance_attributes(parsed),
+                        fsdp1_predicates=find_fsdp1_predicates(parsed, str(f)),
                     )
                 )
                 dispatch.merge(find_fsdp1_arguments(parsed))
             dispatch.merge(
                 Dispatch(
                     imported_names=imported_names(code),
+                    from_imports=from_imports(code),
                     own_methods=find_own_methods(code, str(f)),  # named relative to each caller
                     sets_state_dict_type=shown[f] if calls_set_state_dict_type(code) else None,
                     bridge_sets_state_dict_type=shown[f] if bridge_set_state_dict_type(code) else None,

@@ -183,7 +183,10 @@ class ObjectAnalysis(ScannerBase):
                         kinds.add("not-fsdp1" if id(n) in negated else "fsdp1")
                     if any(q.name.endswith(".DistributedDataParallel") for q in quals):
                         kinds.add("ddp")
-            elif isinstance(n.func, cst.Name) and n.func.value in self._fsdp1_predicates():
+            elif isinstance(n.func, cst.Name) and (
+                n.func.value in self._fsdp1_predicates()
+                or self._tree_predicate(self.get_metadata(QualifiedNameProvider, n.func, set()))
+            ):
                 kinds.add("not-fsdp1" if id(n) in negated else "fsdp1")
         return kinds
 
@@ -316,9 +319,10 @@ class ObjectAnalysis(ScannerBase):
         if scope is None:
             return set()
         limit = None
-        if before is not None and isinstance(scope, cst.FunctionDef):
+        if before is not None and isinstance(scope, (cst.FunctionDef, cst.Module)):
             # An assignment counts only above ``before``: ``model.load_state_dict(sd)`` then
-            # ``model = FSDP(model)`` loads into the plain module.
+            # ``model = FSDP(model)`` loads into the plain module (module-level code too: a script's
+            # ``if __name__ == "__main__":`` block).
             limit = self.get_metadata(PositionProvider, before).start
         key = (id(scope), f"{target} {by_calls} {(limit.line, limit.column) if limit else ''}")
         if key in self.wrapper_kinds:

@@ -153,6 +153,7 @@ class ScannerBase(FollowsAliases):
         self.local_makers: set[str] | None = None  # see _local_fsdp1_makers
         self.class_bases: set[int] = set()  # id(base expression) of every class definition
         self.partials: set[int] = set()  # id(functools.partial(FSDP, ...)) planned (rewritten or TODO)
+        self._wrapped_by_class: str | None = None  # see ConstructorFixer._units_wrapped_by_class ("": none)
         self.annotation_depth = 0
         self.assign_target_depth = 0
         self.attr_drops: set[int] = set()  # id(Attribute) -> replaced by its value (FSDP1 wrapper internals)
@@ -176,6 +177,11 @@ class ScannerBase(FollowsAliases):
         ``every_path``, on every path: ``fsdp1_sure_factories``)."""
         factories = self.dispatch.fsdp1_sure_factories if every_path else self.dispatch.fsdp1_factories
         return any(q.source is QualifiedNameSource.IMPORT and q.name.lstrip(".") in factories for q in qnames)
+
+    def _tree_predicate(self, qnames: Iterable[Any]) -> bool:
+        """An imported function of the tree that tests for FSDP1's wrapper (``Dispatch.fsdp1_predicates``)."""
+        tests = self.dispatch.fsdp1_predicates
+        return any(q.source is QualifiedNameSource.IMPORT and q.name.lstrip(".") in tests for q in qnames)
 
     def _vendored_function(self, qnames: Iterable[Any]) -> str | None:
         """The file of the tree's copy of torch's FSDP1 code that defines the imported function ``qnames``

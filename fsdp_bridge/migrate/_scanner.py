@@ -143,6 +143,8 @@ class Scanner(
             self.called.add(id(func))
             if self._fsdp1_factory(self.get_metadata(QualifiedNameProvider, func, set())):
                 self.uses_fsdp1 = True  # the file is handed an FSDP1 model by another file of the tree
+            if self._tree_predicate(self.get_metadata(QualifiedNameProvider, func, set())):
+                self.uses_fsdp1 = True  # it tests for FSDP1's wrapper with a function of another file
             if copy is not None:
                 self.uses_fsdp1 = True  # it calls into a copy of FSDP1's internals (reported below)
         elif copy is not None and copy != self.path:

@@ -31,8 +31,9 @@ CHECKPOINT_NOTE = (
     "file of a full state dict -> `fsdp-bridge convert SRC DST --to sharded` (an fsdp_bridge sharded checkpoint, "
     "loadable at any world size on either backend; fsdp_bridge.load_checkpoint reads the originals too; "
     "docs/checkpoints.md); the migrated code cannot resume FSDP1's flat-parameter checkpoints "
-    "(LOCAL_STATE_DICT shards) directly, nor convert them: save them again from the FSDP1 code as sharded "
-    "or full first"
+    "(LOCAL_STATE_DICT shards) directly, nor convert them, nor per-rank torch.save files of a "
+    "SHARDED_STATE_DICT (FSDP1's ShardedTensor values, which FSDP2 modules refuse): save them again from the "
+    "FSDP1 code as a DCP directory or a full state dict first"
 )
 
 COMPILED_NAMES = (

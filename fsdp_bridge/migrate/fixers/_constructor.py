@@ -111,7 +111,9 @@ class ConstructorFixer(ScannerBase):
                 self._consume(a.value)
             self._consume(call.func)
             conv.blockers, conv.consumed, conv.runtime = [], [], runtime
-        if (user := self._fsdp1_only_user(call) or self._in_lightning_strategy()) is not None:
+        if (
+            user := self._fsdp1_only_user(call) or self._in_lightning_strategy() or self._units_wrapped_by_class()
+        ) is not None:
             # The wrapper is handed to a function that takes FSDP1's only: the call stays, with a TODO.
             self.consumed_nodes = consumed_before
             for a in call.args:
@@ -205,6 +207,34 @@ class ConstructorFixer(ScannerBase):
                     "the model moves to FSDP2"
                 )
         return None
+
+    def _units_wrapped_by_class(self) -> str | None:
+        """Why every ``FSDP(...)`` of this file stays FSDP1's: the file hands FSDP1's class to a call as a value
+        (``_recursive_wrap(module, policy, wrapper_cls=FSDP)``, a wrap helper of its own), which wraps modules
+        with FSDP1 and stays as it is; a root made by ``fsdp_bridge.shard`` over such units is refused. None when
+        it does not (``isinstance`` tests, ``functools.partial(FSDP, ...)`` and ``enable_wrap`` have rewrites or
+        reports of their own)."""
+        if self.module is None:
+            return None
+        if self._wrapped_by_class is None:
+            self._wrapped_by_class = ""
+            for n in walk(self.module):
+                callee = code_of(n.func).rsplit(".", 1)[-1] if isinstance(n, cst.Call) else ""
+                if not isinstance(n, cst.Call) or callee in ("issubclass", "partial") or "instance" in callee.lower():
+                    continue  # tests (isinstance, assertIsInstance) and partial(FSDP, ...) wrap nothing here
+                if self._qn(n.func) in (("enable_wrap", ""), ("wrap", "")):
+                    continue
+                if any(self._qn(a.value) == (FSDP, "") for a in n.args):
+                    line = self.get_metadata(PositionProvider, n).start.line
+                    self._wrapped_by_class = (
+                        f"this file hands FSDP1's class to {short(code_of(n.func), 40)}(...) (line {line}), which "
+                        "wraps modules with FSDP1 and stays as it is; fsdp_bridge.shard refuses a model holding "
+                        "FSDP1 units, so this call stays FSDP1's too: move both to FSDP2 together (fsdp_bridge."
+                        "enable_wrap(fsdp_bridge.BridgeConfig.from_fsdp1(**kwargs)) with fsdp_bridge.wrap_module on "
+                        "each unit, then fsdp_bridge.shard on the root)"
+                    )
+                    break
+        return self._wrapped_by_class or None
 
     def _plan_partial(self, node: cst.Call) -> bool:
         """``functools.partial(FSDP, **kwargs)`` (a wrapper applied later as ``wrapper(module)``) ->

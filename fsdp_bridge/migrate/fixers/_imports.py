@@ -173,6 +173,19 @@ class ImportsFixer(ScannerBase):
             obj = code_of(node.value)
             if self._plan_recursive_unwrap(node, obj):
                 return True
+            if self._module_state_dict_read(node):
+                self._record(
+                    node,
+                    f"{code_of(node)}.state_dict() (the wrapped module's own state dict)",
+                    f"not rewritten: outside summon_full_params FSDP1's wrapped module holds this rank's flat shard "
+                    f"(use_orig_params=False: a `_flat_param` key; True: this rank's views), so {short(obj, 30)}.module"
+                    ".state_dict() was never the model's weights; on FSDP2 the module's own state_dict() gives DTensor "
+                    "shards. For the full weights call get_model_state_dict("
+                    f"{short(obj, 30)}, options=StateDictOptions(full_state_dict=True, cpu_offload=True)) on every "
+                    "rank (rank 0 gets them; fsdp_bridge.full_state_dict takes FSDP1 models too), then save on rank 0",
+                    False,
+                )
+                return True
             guarded: tuple[str, str] | None = None
             if wrapper == "":
                 # Shown FSDP1's on some path only (made by a function of the tree, handed by a call of it): other
@@ -369,6 +382,27 @@ class ImportsFixer(ScannerBase):
             return False
         if kind == FSDP and member == "":
             # FSDP(...) calls are handled in visit_Call; isinstance(x, FSDP) and the like land here.
+            stmt = self.stmt_stack[-1] if self.stmt_stack else None
+            holder = (
+                next(
+                    (c for c in walk(stmt) if isinstance(c, cst.Call) and any(a.value is node for a in c.args)),
+                    None,
+                )
+                if stmt is not None
+                else None
+            )
+            callee = code_of(holder.func).rsplit(".", 1)[-1].lower() if isinstance(holder, cst.Call) else ""
+            if isinstance(holder, cst.Call) and "instance" not in callee and "subclass" not in callee:
+                self._record(
+                    node,
+                    f"{code_of(node)} (FSDP1's class handed to {short(code_of(holder.func), 40)}(...))",
+                    f"not rewritten: {short(code_of(holder.func), 40)} wraps modules with FSDP1's class; FSDP2 has no "
+                    "wrapper class (fully_shard changes the module itself): shard the units with fsdp_bridge."
+                    "enable_wrap(fsdp_bridge.BridgeConfig.from_fsdp1(**kwargs)) and fsdp_bridge.wrap_module(unit), "
+                    "or the whole model with fsdp_bridge.shard(model, BridgeConfig.from_fsdp1(auto_wrap_policy=...))",
+                    False,
+                )
+                return False
             self._record(node, code_of(node), "torch.distributed.fsdp.FSDPModule (FSDP2 modules are FSDPModule)", False)
             return False
         if kind == FSDP:
@@ -727,6 +761,23 @@ class ImportsFixer(ScannerBase):
             True,
         )
         return True
+
+    def _module_state_dict_read(self, node: cst.Attribute) -> bool:
+        """``x.module`` is the receiver of ``.state_dict()`` in the current statement, outside a
+        ``summon_full_params`` block (where FSDP1's wrapped module holds the full parameters)."""
+        stmt = self.stmt_stack[-1] if self.stmt_stack else None
+        if stmt is None or any(
+            isinstance(w, cst.With) and any("summon_full_params" in code_of(i.item) for i in w.items)
+            for w in self.stmt_stack
+        ):
+            return False
+        return any(
+            isinstance(c, cst.Call)
+            and isinstance(c.func, cst.Attribute)
+            and c.func.value is node
+            and c.func.attr.value == "state_dict"
+            for c in walk(stmt)
+        )
 
     def _factory_result(self, node: cst.CSTNode, obj: cst.BaseExpression) -> str:
         """The function of the tree that made ``obj`` (a name assigned its result above ``node`` in this

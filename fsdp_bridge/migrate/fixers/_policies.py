@@ -98,7 +98,11 @@ class PolicyFixer(ScannerBase):
                 else fsdp2_any(option)
             )
         if kw == "device_id":
-            return "the device of the run (CUDA index -> cuda, torch.device('cpu') -> cpu)"
+            return (
+                "the device of the run (a CUDA device -> cuda: this rank's GPU is cuda:LOCAL_RANK, or "
+                "torch.cuda.current_device() where no launcher sets LOCAL_RANK, so set it with torch.cuda.set_device "
+                "as FSDP1 expects; torch.device('cpu') -> cpu)"
+            )
         if kw == "param_init_fn":
             return (
                 "called as FSDP1 calls it: on each rank's meta-device modules (reset_parameters() without it), in "

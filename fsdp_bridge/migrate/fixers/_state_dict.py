@@ -19,6 +19,14 @@ from fsdp_bridge.migrate._render import commas, with_option
 from fsdp_bridge.migrate._report import CodeFinding
 from fsdp_bridge.migrate._scan_base import ScannerBase
 
+FULL_LOAD_KEYS = (
+    "; torch's full-state load fills a key the state dict lacks with the model's current value instead of "
+    "reporting it (missing_keys is empty, strict refuses unexpected keys only): where a checkpoint missing "
+    "weights must fail, compare its keys with the model's first"
+)
+"""Said of each rewrite to ``set_model_state_dict(..., full_state_dict=True)`` (torch's ``_load_model_state_dict``
+updates the given state dict with the local one)."""
+
 
 class StateDictFixer(ScannerBase):
     """State-dict contexts and model state."""
@@ -190,6 +198,19 @@ class StateDictFixer(ScannerBase):
         stmt = self.stmt_stack[-1] if self.stmt_stack else None
         if stmt is not None and f"FSDPModule) else {target}.{method}(" in code_of(stmt):
             return True  # the DDP branch a first --fix wrote
+        if (covering := self._unit_of_context_model(target)) is not None:
+            self._record(
+                node,
+                f"{short(target, 40)}.{method}({'...' if node.args else ''})",
+                f"not rewritten: {target} iterates the modules of a model inside `with {short(covering, 60)}:`, and "
+                f"FSDP1's context sets the type of that model's FSDP units too, so {target}.{method} took the "
+                "context's type and configs (rank0_only: rank 0 of the unit's group only; offload_to_cpu); on FSDP2 "
+                "take the model's state once with get_model_state_dict(model, options=StateDictOptions("
+                "full_state_dict=True, cpu_offload=True)) (world rank 0), or write the per-unit gather and the "
+                "rank test for your groups by hand",
+                False,
+            )
+            return True
         args = list(node.args)
         if method == "state_dict":
             if args:
@@ -323,6 +344,7 @@ class StateDictFixer(ScannerBase):
             construct,
             f"{short(code, 90)}: outside a state_dict_type block FSDP1 gives and takes full state dicts (its "
             "default FULL_STATE_DICT), every rank; FSDP2's own would be sharded DTensors"
+            + (FULL_LOAD_KEYS if method == "load_state_dict" and "full_state_dict=True" in code else "")
             + (
                 f" ({short(target, 40)} is handed an FSDP1 model by a call of the tree; a module another call "
                 "hands it keeps its own call)"
@@ -538,7 +560,15 @@ class StateDictFixer(ScannerBase):
             if value is not None and value is not extra and self.name_uses.get(cast(cst.Name, extra).value, 0) <= 2:
                 self._consume(value)
         what = ", ".join(sorted({code.split("(")[0] for code in rewrites.values()}))
-        self._record(node, f"FSDP.state_dict_type({kind})", f"the block's body with {what}{why}", True)
+        full_load = any(
+            c.startswith("set_model_state_dict(") and "full_state_dict=True" in c for c in rewrites.values()
+        )
+        self._record(
+            node,
+            f"FSDP.state_dict_type({kind})",
+            f"the block's body with {what}{why}" + (FULL_LOAD_KEYS if full_load else ""),
+            True,
+        )
 
     def _takes_no_state_of(self, block: cst.With, model: str) -> bool:
         """Every call in the block's body is one that cannot reach ``model``'s state dicts: ``x.state_dict()``
@@ -882,6 +912,38 @@ class StateDictFixer(ScannerBase):
                         return True
         return False
 
+    def _unit_of_context_model(self, target: str) -> str | None:
+        """The ``FSDP.state_dict_type(model, ...)`` call around the current statement when ``target`` is a
+        loop variable over a model's modules inside it (``for m in block.modules():``, ``named_modules()``,
+        ``children()``, ``FSDP.fsdp_modules(...)``): it may be a unit of that model, whose type the context sets."""
+        loop = next(
+            (
+                s
+                for s in reversed(self.stmt_stack)
+                if isinstance(s, cst.For)
+                and target in _loop_names(s.target)
+                and isinstance(s.iter, cst.Call)
+                and (
+                    (
+                        isinstance(s.iter.func, cst.Attribute)
+                        and s.iter.func.attr.value in ("modules", "named_modules", "children", "named_children")
+                    )
+                    or self._qn(s.iter.func) == (FSDP, "fsdp_modules")
+                )
+            ),
+            None,
+        )
+        if loop is None:
+            return None
+        for s in self.stmt_stack:
+            if s is loop:
+                return None  # the context must hold the loop
+            if isinstance(s, cst.With):
+                for item in s.items:
+                    if isinstance(item.item, cst.Call) and self._qn(item.item.func) == (FSDP, "state_dict_type"):
+                        return code_of(item.item)
+        return None
+
     @staticmethod
     def _context_of_another_model(ctx: str, target: str) -> bool:
         """``with make_ctx(model, ...):`` around ``target.state_dict()`` where ``target`` is neither ``model``
@@ -952,3 +1014,8 @@ class StateDictFixer(ScannerBase):
         if isinstance(expr, (cst.Name, cst.Attribute)):
             return code_of(expr) in names
         return isinstance(expr, cst.Call) and code_of(expr.func).split(".")[-1] in funcs
+
+
+def _loop_names(target: cst.BaseExpression) -> set[str]:
+    """The names a ``for`` target binds (``m``; ``name, m``)."""
+    return {n.value for n in walk(target) if isinstance(n, cst.Name)}
