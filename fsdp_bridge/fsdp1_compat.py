@@ -363,9 +363,13 @@ def _argument_problems(kwargs: Mapping[str, Any]) -> list[Problem]:
 
 
 def _cpu_offload_value(offload: Any, problems: list[Problem]) -> bool:
-    if offload is not None and not isinstance(offload, CPUOffload):
-        problems.append(Problem("cpu_offload", offload, "None or CPUOffload(offload_params=...)"))
-    return bool(offload is not None and offload.offload_params)
+    # FSDP1 reads `cpu_offload or CPUOffload()`: any false value (None, False) is no offload
+    if not offload:
+        return False
+    if not isinstance(offload, CPUOffload):
+        problems.append(Problem("cpu_offload", offload, "None, False or CPUOffload(offload_params=...)"))
+        return False
+    return bool(offload.offload_params)
 
 
 def _init_notes(kwargs: Mapping[str, Any]) -> list[str]:

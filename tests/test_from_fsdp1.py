@@ -886,3 +886,21 @@ def test_modules_fsdp1_keeps_in_full_precision_stay_so_on_both_backends(run_on_r
     assert full_precision_classes(BridgeConfig(wrap=["Block"])) == ()  # no mixed precision: nothing to keep
     listed = BridgeConfig(mixed_precision={"param_dtype": "bfloat16", "full_precision_modules": [nn.LayerNorm]})
     assert full_precision_classes(listed) == ("LayerNorm",)
+
+
+def test_false_values_fsdp1_takes_as_its_defaults() -> None:
+    # FSDP1 reads `cpu_offload or CPUOffload()` and `sharding_strategy or FULL_SHARD`: cpu_offload=False raised
+    # AttributeError in from_fsdp1 (a public VLA trainer failed at start-up), and a literal sharding_strategy=None
+    # was written as BridgeConfig(strategy=None), a ConfigError.
+    config = BridgeConfig.from_fsdp1(cpu_offload=False, sharding_strategy=None)
+    assert config.cpu_offload is False and config.strategy.value == "full_shard"
+    with pytest.raises(ConfigError, match=r"cpu_offload: got True; allowed: None, False or CPUOffload"):
+        BridgeConfig.from_fsdp1(cpu_offload=True)
+    from fsdp_bridge.migrate._code import migrate_source
+
+    fixed = migrate_source(
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n\n"
+        "def build(m):\n    return FSDP(m, sharding_strategy=None, limit_all_gathers=True)\n",
+        "b.py",
+    ).fixed
+    assert 'strategy="full_shard"' in fixed and "strategy=None" not in fixed

@@ -974,7 +974,7 @@ def test_rank0_only_optimizer_load_is_sent_from_rank0() -> None:
     assert not fsdp_bridge.state_dict_options(full, FullStateDictConfig(), rank0, load=True).broadcast_from_rank0
     every = fsdp_bridge.state_dict_options(full, None, FullOptimStateDictConfig(), optimizer=True, load=True)
     assert not every.broadcast_from_rank0
-    sharded = fsdp_bridge.state_dict_options(StateDictType.SHARDED_STATE_DICT, None, rank0, optimizer=True, load=True)
+    sharded = fsdp_bridge.state_dict_options(StateDictType.SHARDED_STATE_DICT, None, None, optimizer=True, load=True)
     assert not sharded.full_state_dict and not sharded.broadcast_from_rank0
 
 

@@ -624,3 +624,20 @@ def test_lightning_backward_prefetch_and_a_checkpointing_policy_without_a_wrap_p
     assert "give wrap= the classes the policy names" in notes[(4, "activation_checkpointing_policy=blocks")]
     assert "give wrap=" not in notes[(5, "activation_checkpointing_policy=blocks")]
     assert notes[(6, "backward_prefetch=BackwardPrefetch.BACKWARD_POST")].startswith('backward_prefetch="pre" (FSDP2')
+
+
+def test_ray_trains_fsdp_strategy_and_a_subclass_of_it_are_reported() -> None:
+    # Ray Train's RayFSDPStrategy is Lightning's FSDPStrategy (FSDP1 inside Lightning): a trainer built on a subclass
+    # of it was reported as migrated while it still trained on FSDP1.
+    code = (
+        "from ray.train.lightning import RayFSDPStrategy\n\n\n"
+        "class Custom(RayFSDPStrategy):\n"
+        "    pass\n\n\n"
+        "def build(policy):\n"
+        "    return RayFSDPStrategy(auto_wrap_policy=policy)\n"
+    )
+    todos = [(f.line, f.construct) for f in migrate_source(code, "train.py").findings if not f.fixable]
+    assert todos == [
+        (4, "class Custom(RayFSDPStrategy) (a subclass of Lightning's FSDP1 strategy)"),
+        (9, "RayFSDPStrategy(...) (Lightning's FSDP1 strategy)"),
+    ]

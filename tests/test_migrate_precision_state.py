@@ -910,3 +910,41 @@ def test_the_wrapped_modules_own_state_dict_is_a_todo_outside_a_summon() -> None
     )
     assert "        torch.save(model.module.state_dict(), path)\n" in result.fixed
     assert "        return fsdp_bridge.unwrapped(model).state_dict()\n" in result.fixed
+
+
+def test_a_state_dict_taken_under_a_rank_test_is_a_todo() -> None:
+    # A full state dict gathered under `if local_rank == 0:` (FSDP1 got away with it only where a forward just before
+    # left its units gathered): on FSDP2 get_model_state_dict is a collective, so the rewrite hung rank 0. The
+    # same block taken on every rank and saved under the test is rewritten.
+    code = (
+        "import torch\n"
+        "import torch.distributed as dist\n"
+        "from torch.distributed.fsdp import FullStateDictConfig, StateDictType\n"
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n\n\n"
+        "def train(net, path, local_rank):\n"
+        "    model = FSDP(net)\n"
+        "    cfg = FullStateDictConfig(offload_to_cpu=True, rank0_only=True)\n"
+        "    if local_rank == 0:\n"
+        "        with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, cfg):\n"
+        "            sd = model.state_dict()\n"
+        "        torch.save(sd, path)\n"
+        "    if dist.get_rank() == 0:\n"
+        "        torch.save(model.state_dict(), path)\n"
+        "    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, cfg):\n"
+        "        sd = model.state_dict()\n"
+        "    if dist.get_rank() == 0:\n"
+        "        torch.save(sd, path)\n"
+    )
+    result = migrate_source(code, "train.py")
+    todos = [(f.line, f.construct) for f in result.findings if not f.fixable]
+    assert todos == [
+        (11, "FSDP.state_dict_type(FULL_STATE_DICT)"),
+        (12, "model.state_dict()"),
+        (15, "model.state_dict()"),
+    ]
+    assert all("under `if " in f.replacement for f in result.findings if not f.fixable)
+    # the last block: every rank gathers, rank 0 keeps the CPU copy
+    assert (
+        "    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))\n"
+        in result.fixed
+    )

@@ -725,3 +725,18 @@ def test_an_optimizer_load_under_a_state_dict_type_set_at_run_time_keeps_the_bri
     result = migrate_source(code, "ckpt.py", target="torch")
     assert "sd = fsdp_bridge.optim_state_dict_to_load(model, optim, osd)" in result.fixed
     assert "this tree sets a state-dict type" in result.fixed
+
+
+def test_an_fsdp1_test_stays_on_the_bridge_in_a_tree_keeping_a_subclass_of_the_wrapper(tmp_path: Path) -> None:
+    # The tree keeps a subclass of FSDP1's wrapper (a TODO), so its models stay FSDP1's: `assert isinstance(model,
+    # FSDP)` written as isinstance(model, FSDPModule) failed on every run; fsdp_bridge.is_sharded serves both.
+    (tmp_path / "wrapper.py").write_text(
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n\n\nclass Sharded(FSDP):\n    pass\n"
+    )
+    (tmp_path / "model.py").write_text(
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n\n\n"
+        "def check(model):\n    assert isinstance(model, FSDP)\n    return model\n"
+    )
+    migrate_paths([tmp_path], fix=True, target="torch")
+    fixed = (tmp_path / "model.py").read_text()
+    assert "    assert fsdp_bridge.is_sharded(model)\n" in fixed and "isinstance(model, FSDPModule)" not in fixed

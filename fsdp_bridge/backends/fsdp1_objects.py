@@ -71,8 +71,10 @@ def state_dict_options(
         ``.cpu()`` if you relied on that.
 
     Raises:
-        ConfigError: LOCAL_STATE_DICT (FSDP1's flat-parameter shards have no FSDP2 form) or a value
-            that is not a state-dict type.
+        ConfigError: LOCAL_STATE_DICT (FSDP1's flat-parameter shards have no FSDP2 form), a value
+            that is not a state-dict type, or a config of another class than FSDP1 takes for that type
+            (``FullStateDictConfig`` / ``FullOptimStateDictConfig`` for FULL_STATE_DICT, the Sharded ones for
+            SHARDED_STATE_DICT; FSDP1 refuses any other).
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
@@ -101,6 +103,7 @@ def state_dict_options(
                 )
             ]
         )
+    _check_config_types(str(name), state_dict_config, optim_state_dict_config)
     config = optim_state_dict_config if optimizer else state_dict_config
     full = name == "FULL_STATE_DICT"
     if load:
@@ -111,6 +114,38 @@ def state_dict_options(
     if full:
         return StateDictOptions(full_state_dict=True, cpu_offload=bool(getattr(config, "rank0_only", False)))
     return StateDictOptions(cpu_offload=offload)
+
+
+def _check_config_types(name: str, config: object, optim_config: object) -> None:
+    """FSDP1's check of a state-dict type's configs (exactly its own classes, or None), raised as a ConfigError
+    before any collective: a ``LocalStateDictConfig`` passed as a FULL_STATE_DICT's optimizer config made FSDP1
+    raise, and read by attribute here it would let the block run on FSDP2."""
+    from torch.distributed.fsdp import (
+        FullOptimStateDictConfig,
+        FullStateDictConfig,
+        ShardedOptimStateDictConfig,
+        ShardedStateDictConfig,
+    )
+
+    expected = {
+        "FULL_STATE_DICT": (FullStateDictConfig, FullOptimStateDictConfig),
+        "SHARDED_STATE_DICT": (ShardedStateDictConfig, ShardedOptimStateDictConfig),
+    }[name]
+    problems = [
+        Problem(
+            key,
+            type(value).__name__,
+            f"None or {cls.__name__} for {name} (FSDP1 refuses any other type)",
+            f"pass {cls.__name__}(...) as {key}, or leave it out",
+        )
+        for key, value, cls in (
+            ("state_dict_config", config, expected[0]),
+            ("optim_state_dict_config", optim_config, expected[1]),
+        )
+        if value is not None and type(value) is not cls
+    ]
+    if problems:
+        raise ConfigError(problems)
 
 
 def held_module(model: Any) -> Any:
@@ -495,6 +530,28 @@ def full_optim_state_dict(
     return state if keep else {}
 
 
+def _unshared(optim_state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """``optim_state_dict`` with a copy of each tensor more than one parameter's state holds: FSDP1's state gives
+    every parameter of a flat parameter the same ``step`` tensor (torch.save keeps the sharing), and loaded as it
+    is, one optimizer step would add 1 to it once per parameter."""
+    state = dict(optim_state_dict)
+    if not isinstance(state.get("state"), Mapping):
+        return state
+    seen: set[int] = set()
+    per_param: dict[Any, Any] = {}
+    for key, entry in state["state"].items():
+        if isinstance(entry, Mapping):
+            entry = dict(entry)
+            for name, value in entry.items():
+                if isinstance(value, torch.Tensor):
+                    if id(value) in seen:
+                        entry[name] = value.clone()
+                    seen.add(id(value))
+        per_param[key] = entry
+    state["state"] = per_param
+    return state
+
+
 def optim_state_dict_to_load(
     model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: Mapping[str, Any] | None, options: Any = None
 ) -> dict[str, Any]:
@@ -533,7 +590,7 @@ def optim_state_dict_to_load(
         options = dataclasses.replace(options, strict=False)
     # FSDP1 ignores what the other ranks pass when rank 0's state is broadcast (rank0_only).
     others = bool(getattr(options, "broadcast_from_rank0", False)) and torch.distributed.get_rank() != 0
-    state = {} if optim_state_dict is None or others else dict(optim_state_dict)
+    state = {} if optim_state_dict is None or others else _unshared(optim_state_dict)
     empty = [g for g in inner.param_groups if not g["params"]]
     if len(empty) < 2:
         set_optimizer_state_dict(model, inner, state, options=options)

@@ -1112,6 +1112,10 @@ class Collector(cst.CSTVisitor):
     def visit_Name(self, node: cst.Name) -> None:
         self.uses[node.value] = self.uses.get(node.value, 0) + 1
 
+    def visit_Arg(self, node: cst.Arg) -> bool:
+        node.value.visit(self)  # ``f(policy=policy)``: the keyword names no variable
+        return False
+
 
 def named_args(call: cst.Call, names: Sequence[str]) -> dict[str, cst.BaseExpression] | None:
     """A call's arguments by parameter name (positional ones in ``names`` order); None with ``*``/``**``."""

@@ -202,7 +202,7 @@ def migrate_source(
                 groups=known.group_fsdp is not None,
                 spans={},
                 typed=known.sets_state_dict_type is not None,
-                kept=known.keeps_fsdp1 is not None,
+                kept=known.keeps_fsdp1 is not None or known.subclasses_fsdp1 is not None,
             )
         return MigratedSource(path, code, code, sorted(scan.findings, key=lambda f: (f.line, f.column)))
     fixer = Rewriter(scan, {id(v): k for k, v in single.items()})
@@ -249,7 +249,7 @@ def migrate_source(
             groups=known.group_fsdp is not None,
             spans=spans,
             typed=known.sets_state_dict_type is not None,
-            kept=known.keeps_fsdp1 is not None,
+            kept=known.keeps_fsdp1 is not None or known.subclasses_fsdp1 is not None,
         )
     return MigratedSource(path, code, fixed.code, findings)
 

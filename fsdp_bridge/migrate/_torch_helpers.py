@@ -414,6 +414,17 @@ def optim_state_dict_to_load(
     options = dataclasses.replace(options, strict=False)
     others = options.broadcast_from_rank0 and dist.is_initialized() and dist.get_rank() != 0
     state = {{}} if optim_state_dict is None or others else dict(optim_state_dict)
+    if isinstance(state.get("state"), Mapping):
+        # FSDP1's state gives every parameter of a flat parameter one shared `step` tensor: a copy each, or
+        # one step() would add 1 to it once per parameter
+        seen = set()
+        state["state"] = {{key: dict(entry) for key, entry in state["state"].items()}}
+        for entry in state["state"].values():
+            for name, value in entry.items():
+                if isinstance(value, torch.Tensor):
+                    if id(value) in seen:
+                        entry[name] = value.clone()
+                    seen.add(id(value))
     empty = [g for g in optim.param_groups if not g["params"]]
     if len(empty) < 2:
         set_optimizer_state_dict(model, optim, state, options=options)

@@ -708,7 +708,9 @@ def lower_to_torch(
         (m.split(".")[0] for m in imports_of(module.code) if m.split(".")[0] in WRAPPING_LIBRARIES), None
     )
     if lowerer.wrapping_library is None and (kept or KEPT_CONSTRUCTOR in module.code):
-        lowerer.wrapping_library = "torch's FSDP1 (a constructor the codemod left as written, see its TODO)"
+        lowerer.wrapping_library = (
+            "torch's FSDP1 (kept as written in the tree: a constructor or a subclass of its wrapper, see its TODO)"
+        )
     lowerer.pending.append([])  # module level (a TODO there has no statement: none is written)
     new = MetadataWrapper(module).visit(lowerer)
     context = CodemodContext()

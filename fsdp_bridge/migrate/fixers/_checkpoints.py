@@ -5,6 +5,8 @@ as they are."""
 
 from __future__ import annotations
 
+import re
+
 import libcst as cst
 from libcst.metadata import PositionProvider, QualifiedNameProvider
 
@@ -75,7 +77,8 @@ class CheckpointNoteFixer(ScannerBase):
         if not isinstance(func, cst.Attribute) or func.attr.value != "state_dict":
             return
         receiver = code_of(func.value)
-        if "optim" not in receiver.lower():
+        last = receiver.rsplit(".", 1)[-1].lower()
+        if "optim" not in last and last not in ("opt", "optim") and not re.search(r"(^|_)opt(_|$)", last):
             return
         fn = self.functions[-1]
         calls = [c for c in walk(fn) if isinstance(c, cst.Call)]

@@ -123,8 +123,19 @@ class ConstructorFixer(ScannerBase):
         self.conversions[id(call)] = conv
         fixable = not conv.blockers
         if fixable and conv.runtime is None:
+            kept = {name for name in conv.consumed if self.name_uses.get(name, 0) > 2}
+            grown = True
+            while grown:  # a kept assignment keeps the assignments its value reads (`policy = Wrap(classes)`)
+                read = {
+                    n.value
+                    for name in kept
+                    for n in walk(self.assignments[name])
+                    if isinstance(n, cst.Name) and n.value in conv.consumed
+                }
+                grown = not read <= kept
+                kept |= read
             for name in conv.consumed:
-                if self.name_uses.get(name, 0) > 2:
+                if name in kept:
                     # Used elsewhere too (or imported by another file): the assignment stays, and with it
                     # everything its value names (the imports of the policy function, functools).
                     for node in walk(self.assignments[name]):
@@ -541,6 +552,8 @@ class ConstructorFixer(ScannerBase):
             value = self._follow(a.value, conv) if kw in FOLLOWED_KWARGS else a.value
             if kw == "sharding_strategy":
                 member = self._member(value, "ShardingStrategy")
+                if m.matches(value, m.Name("None")):
+                    member = "FULL_SHARD"  # FSDP1 takes None as its default, FULL_SHARD
                 if member in STRATEGIES:
                     strategy_name = STRATEGIES[member]
                     kwarg_nodes[-1] = (a, strategy_name)

@@ -490,7 +490,8 @@ class ImportsFixer(ScannerBase):
             self._record(
                 node,
                 code_of(node),
-                f"kept: {KEPT[kind]}; {reader} reads it when the code runs, with FSDP1's meaning",
+                f"kept: {KEPT[kind]}; where it reaches {reader} it is read when the code runs, with FSDP1's "
+                "meaning (elsewhere it stays your code's value, or goes to FSDP1's own calls left as they are)",
                 True,
             )
             return False

@@ -69,6 +69,13 @@ class LightningFixer(ScannerBase):
             parts = q.name.split(".")
             if q.source is QualifiedNameSource.IMPORT and parts[0] in LIGHTNING_PACKAGES and parts[-1] in classes:
                 return parts[-1]
+            if (
+                q.source is QualifiedNameSource.IMPORT
+                and "FSDPStrategy" in classes
+                and parts[0] == "ray"
+                and parts[-1] == "RayFSDPStrategy"
+            ):
+                return parts[-1]  # Ray Train's subclass of Lightning's FSDPStrategy
         return None
 
     def _plan_lightning(self, node: cst.Call) -> bool:

@@ -279,7 +279,9 @@ class LocalStateFixer(ScannerBase):
             # self), a part of it, or an object that may hold it (an engine, a trainer).
             if func.attr.value == "state_dict" and call.args:
                 return False
-            return bool(re.search(r"opt|sched|scaler", code_of(func.value).split(".")[-1], re.IGNORECASE))
+            return bool(
+                re.search(r"opt|sched|^sch$|_sch$|^lr_|scaler", code_of(func.value).split(".")[-1], re.IGNORECASE)
+            )
         names = {q.name for q in self.get_metadata(QualifiedNameProvider, func, set())}
         code = code_of(func)
         if names & HARMLESS_CALLS or "torch.load" in names or any(q.startswith(("os.", "logging.")) for q in names):

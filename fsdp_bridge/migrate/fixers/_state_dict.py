@@ -19,6 +19,19 @@ from fsdp_bridge.migrate._render import commas, with_option
 from fsdp_bridge.migrate._report import CodeFinding
 from fsdp_bridge.migrate._scan_base import ScannerBase
 
+_RANK_TEST = re.compile(r"rank\b|rank\(\)|\bis_main|\bis_master|main_process|master_process|\brank0\b", re.I)
+
+
+def rank_guard_text(guard: str, what: str) -> str:
+    """The TODO for a state-dict call under a test that picks ranks."""
+    return (
+        f"not rewritten: under `if {short(guard, 40)}:` (some ranks only): {what}; a full or sharded state "
+        "dict of a sharded model gathers across every rank (FSDP1's too, unless its units were left gathered by "
+        "a forward just before), and FSDP2's get_model_state_dict / set_model_state_dict always do: call them on "
+        "every rank before the test (rank0_only / cpu_offload=True keeps the result on rank 0), and save under it"
+    )
+
+
 FULL_LOAD_KEYS = (
     "; torch's full-state load fills a key the state dict lacks with the model's current value instead of "
     "reporting it (missing_keys is empty, strict refuses unexpected keys only): where a checkpoint missing "
@@ -198,6 +211,14 @@ class StateDictFixer(ScannerBase):
         stmt = self.stmt_stack[-1] if self.stmt_stack else None
         if stmt is not None and f"FSDPModule) else {target}.{method}(" in code_of(stmt):
             return True  # the DDP branch a first --fix wrote
+        if (guard := self._rank_guard()) is not None and wrapper == "fsdp1":
+            self._record(
+                node,
+                f"{short(target, 40)}.{method}({'...' if node.args else ''})",
+                rank_guard_text(guard, f"{short(target, 40)}.{method}"),
+                False,
+            )
+            return True
         if (covering := self._unit_of_context_model(target)) is not None:
             self._record(
                 node,
@@ -313,7 +334,7 @@ class StateDictFixer(ScannerBase):
             return True
         code = self._model_state_call(method, target, args, full=True)
         if wrapper == "handed":
-            if any("fully_shard" in line or "FSDPModule" in line for line in self.lines):
+            if any(re.search(r"\bfully_shard\b|\bFSDPModule\b", line.split("#", 1)[0]) for line in self.lines):
                 self._record(
                     node,
                     construct,
@@ -606,6 +627,15 @@ class StateDictFixer(ScannerBase):
             self._plan_local_block(node, model, cfg, optim_cfg)  # saved and loaded per rank: sharded
             return
         if kind not in ("FULL_STATE_DICT", "SHARDED_STATE_DICT", None):
+            return
+        if (guard := self._rank_guard()) is not None and "state_dict(" in code_of(node.body):
+            self._consume(call.func)
+            self._record(
+                call,
+                f"FSDP.state_dict_type({kind or code_of(type_arg)})",
+                rank_guard_text(guard, f"the state-dict calls of this block on {short(model, 30)}"),
+                False,
+            )
             return
         full_save: str | None = None
         full_optim: str | None = None  # FSDP1's every-rank CPU copy of the full optimizer state
@@ -911,6 +941,14 @@ class StateDictFixer(ScannerBase):
                     ):
                         return True
         return False
+
+    def _rank_guard(self) -> str | None:
+        """The test of an ``if`` around the current statement that picks ranks (``if rank == 0:``,
+        ``if dist.get_rank() == 0:``, ``if is_main_process:``), or None."""
+        for stmt in reversed(self.stmt_stack):
+            if isinstance(stmt, cst.If) and _RANK_TEST.search(code_of(stmt.test)):
+                return code_of(stmt.test)
+        return None
 
     def _unit_of_context_model(self, target: str) -> str | None:
         """The ``FSDP.state_dict_type(model, ...)`` call around the current statement when ``target`` is a
