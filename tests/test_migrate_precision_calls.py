@@ -693,3 +693,24 @@ def test_a_scripts_load_above_its_wrap_at_module_level_is_the_plain_modules() ->
     result = migrate_source(code, "train.py")
     assert "    generator.load_state_dict(torch.load('g.pt'))\n" in result.fixed
     assert [f.line for f in result.findings if "state_dict" in f.construct] == [8]
+
+
+def test_a_nested_function_reads_its_enclosing_functions_fsdp1_model() -> None:
+    # A training step defined inside main reads main's `ar = FSDP(...)`: its `ar.module` was not reported (the step
+    # raised AttributeError on FSDP2 after --fix); a nested function binding a name of its own shows nothing.
+    code = (
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n\n\n"
+        "def main(model, batches):\n"
+        "    ar = FSDP(model)\n\n"
+        "    def train_step(x):\n"
+        "        inner = ar.module\n"
+        "        ar(x).sum().backward()\n"
+        "        return inner\n\n"
+        "    def other(ar):\n"
+        "        return ar.module\n\n"
+        "    for x in batches:\n"
+        "        train_step(x)\n"
+    )
+    result = migrate_source(code, "train.py")
+    assert "        inner = fsdp_bridge.unwrapped(ar)\n" in result.fixed
+    assert "        return ar.module\n" in result.fixed

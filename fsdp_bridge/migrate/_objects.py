@@ -316,6 +316,10 @@ class ObjectAnalysis(ScannerBase):
         scope: cst.CSTNode | None = self.functions[-1] if self.functions else self.module
         if target.startswith("self.") and self.classes:
             scope = self.classes[-1]
+        elif isinstance(obj, cst.Name) and len(self.functions) > 1 and not _binds_name(self.functions[-1], target):
+            # a nested function reading its enclosing function's variable (``ar`` in ``def train_step():`` under
+            # ``main``, where ``ar = fsdp_wrap(...)``): the enclosing function's evidence, whenever assigned
+            scope, before = self.functions[-2], None
         if scope is None:
             return set()
         limit = None
@@ -579,3 +583,23 @@ def _made_by(value: cst.Call | cst.IfExp) -> cst.BaseExpression:
     """What made an assigned value: a call's callee; for ``FSDP(m) if fsdp else DDP(m)`` the whole expression
     (either branch's maker: FSDP1's wrapper on one path, DDP's on the other)."""
     return value.func if isinstance(value, cst.Call) else value
+
+
+def _binds_name(fn: cst.FunctionDef, name: str) -> bool:
+    """``fn`` binds ``name`` itself: a parameter, or assigned in its body (a nested function's own aside)."""
+    params = fn.params
+    if any(p.name.value == name for p in [*params.params, *params.kwonly_params, *params.posonly_params]):
+        return True
+    for n in walk(fn.body):
+        targets: list[cst.BaseExpression] = []
+        if isinstance(n, cst.Assign):
+            targets = [t.target for t in n.targets]
+        elif isinstance(n, (cst.AnnAssign, cst.AugAssign, cst.For)):
+            targets = [n.target]
+        elif isinstance(n, cst.WithItem) and n.asname is not None:
+            targets = [n.asname.name]
+        elif isinstance(n, (cst.Nonlocal, cst.Global)):
+            continue
+        if any(isinstance(x, cst.Name) and x.value == name for t in targets for x in walk(t)):
+            return True
+    return False
