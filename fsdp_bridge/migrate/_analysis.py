@@ -489,6 +489,23 @@ def find_fsdp1_factories(wrapper: MetadataWrapper, path: str) -> tuple[set[str],
     return module_suffixes(path, some), module_suffixes(path, every)
 
 
+def tests_fsdp1(fn: cst.FunctionDef, qualified: Callable[[cst.CSTNode], Any]) -> bool:
+    """``fn``'s every ``return`` is ``isinstance(<its first parameter>, FSDP)`` (``qualified``: a node's
+    qualified names)."""
+    if not fn.params.params:
+        return False
+    first = fn.params.params[0].name.value
+    returns = [r for r in walk(fn.body) if isinstance(r, cst.Return)]
+    return bool(returns) and all(
+        isinstance(r.value, cst.Call)
+        and m.matches(r.value.func, m.Name("isinstance"))
+        and len(r.value.args) == 2
+        and m.matches(r.value.args[0].value, m.Name(first))
+        and resolve_fsdp(qualified(r.value.args[1].value)) == (FSDP, "")
+        for r in returns
+    )
+
+
 def find_fsdp1_predicates(wrapper: MetadataWrapper, path: str) -> set[str]:
     """``Dispatch.fsdp1_predicates`` of one file."""
     found: set[str] = set()
@@ -501,18 +518,8 @@ def find_fsdp1_predicates(wrapper: MetadataWrapper, path: str) -> set[str]:
 
         def visit_Module(self, node: cst.Module) -> None:
             for fn in node.body:
-                if not (isinstance(fn, cst.FunctionDef) and fn.params.params):
-                    continue
-                first = fn.params.params[0].name.value
-                returns = [r for r in walk(fn.body) if isinstance(r, cst.Return)]
-                if returns and all(
-                    isinstance(r.value, cst.Call)
-                    and m.matches(r.value.func, m.Name("isinstance"))
-                    and len(r.value.args) == 2
-                    and m.matches(r.value.args[0].value, m.Name(first))
-                    and resolve_fsdp(self.get_metadata(QualifiedNameProvider, r.value.args[1].value, set()))
-                    == (FSDP, "")
-                    for r in returns
+                if isinstance(fn, cst.FunctionDef) and tests_fsdp1(
+                    fn, lambda n: self.get_metadata(QualifiedNameProvider, n, set())
                 ):
                     found.add(fn.name.value)
 

@@ -9,7 +9,16 @@ import libcst as cst
 import libcst.matchers as m
 from libcst.metadata import PositionProvider, QualifiedNameProvider
 
-from fsdp_bridge.migrate._analysis import Region, code_of, exits, fsdp1_returns, is_fsdp2_class, resolve_fsdp, walk
+from fsdp_bridge.migrate._analysis import (
+    Region,
+    code_of,
+    exits,
+    fsdp1_returns,
+    is_fsdp2_class,
+    resolve_fsdp,
+    tests_fsdp1,
+    walk,
+)
 from fsdp_bridge.migrate._names import FSDP
 from fsdp_bridge.migrate._scan_base import ScannerBase
 
@@ -145,18 +154,8 @@ class ObjectAnalysis(ScannerBase):
         if self.predicates is None:
             self.predicates = set()
             for n in walk(self.module) if self.module is not None else ():
-                if not (isinstance(n, cst.FunctionDef) and n.params.params):
-                    continue
-                first = n.params.params[0].name.value
-                returns = [r for r in walk(n.body) if isinstance(r, cst.Return)]
-                if returns and all(
-                    isinstance(r.value, cst.Call)
-                    and m.matches(r.value.func, m.Name("isinstance"))
-                    and len(r.value.args) == 2
-                    and m.matches(r.value.args[0].value, m.Name(first))
-                    and resolve_fsdp(self.get_metadata(QualifiedNameProvider, r.value.args[1].value, set()))
-                    == (FSDP, "")
-                    for r in returns
+                if isinstance(n, cst.FunctionDef) and tests_fsdp1(
+                    n, lambda x: self.get_metadata(QualifiedNameProvider, x, set())
                 ):
                     self.predicates.add(n.name.value)
         return self.predicates
