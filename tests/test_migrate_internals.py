@@ -111,3 +111,22 @@ def test_local_state_dict_kept_as_a_value_that_reaches_a_state_function_is_a_tod
     found = [f for f in migrate_source(code, "save.py").findings if f.construct == "StateDictType.LOCAL_STATE_DICT"]
     assert [(f.line, f.fixable) for f in found] == [(5, False), (6, True)], found
     assert "LOCAL_STATE_DICT has no FSDP2 form" in found[0].replacement
+
+
+def test_a_private_name_imported_from_two_modules_is_named_the_same_on_every_run() -> None:
+    # `HandleTrainingState` imported from `_common_utils` and, in a version branch, from `_flat_param`: libcst gives
+    # both qualified names as a set, whose order changes between processes, so the TODO text changed and a second
+    # --fix wrote a second TODO (a public tree was not idempotent).
+    from libcst.metadata import QualifiedName, QualifiedNameSource
+
+    from fsdp_bridge.migrate._names import fsdp1_private
+
+    names = [
+        QualifiedName(f"torch.distributed.fsdp.{m}.HandleTrainingState", QualifiedNameSource.IMPORT)
+        for m in ("_flat_param", "_common_utils")
+    ]
+    assert (
+        fsdp1_private(names)
+        == fsdp1_private(reversed(names))
+        == "torch.distributed.fsdp._common_utils.HandleTrainingState"
+    )

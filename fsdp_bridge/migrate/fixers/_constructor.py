@@ -236,9 +236,8 @@ class ConstructorFixer(ScannerBase):
                 if self._qn(n.func) in (("enable_wrap", ""), ("wrap", "")):
                     continue
                 if any(self._qn(a.value) == (FSDP, "") for a in n.args):
-                    line = self.get_metadata(PositionProvider, n).start.line
                     self._wrapped_by_class = (
-                        f"this file hands FSDP1's class to {short(code_of(n.func), 40)}(...) (line {line}), which "
+                        f"this file hands FSDP1's class to {short(code_of(n.func), 40)}(...), which "
                         "wraps modules with FSDP1 and stays as it is; fsdp_bridge.shard refuses a model holding "
                         "FSDP1 units, so this call stays FSDP1's too: move both to FSDP2 together (fsdp_bridge."
                         "enable_wrap(fsdp_bridge.BridgeConfig.from_fsdp1(**kwargs)) with fsdp_bridge.wrap_module on "
