@@ -62,7 +62,8 @@ def resolve_device(device: str) -> torch.device:
         )
     # A launcher's LOCAL_RANK; without one (mp.spawn and the like), the GPU the process chose with
     # torch.cuda.set_device, as FSDP1 takes torch.cuda.current_device()
-    local_rank = int(os.environ.get("LOCAL_RANK", torch.cuda.current_device()))
+    given = os.environ.get("LOCAL_RANK")
+    local_rank = int(given) if given is not None else torch.cuda.current_device()
     if local_rank >= torch.cuda.device_count():
         raise ConfigError(
             [

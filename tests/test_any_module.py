@@ -811,3 +811,41 @@ def test_state_dict_configs_of_another_type_are_refused_as_fsdp1_refuses_them() 
     with pytest.raises(ConfigError, match=r"state_dict_config: got 'ShardedStateDictConfig'; allowed: None or Full"):
         fsdp_bridge.state_dict_options(full, ShardedStateDictConfig())
     assert fsdp_bridge.state_dict_options(full, FullStateDictConfig(), FullOptimStateDictConfig()).full_state_dict
+
+
+class _Branches(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.unused = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, use_a: bool) -> torch.Tensor:
+        return (self.a if use_a else self.b)(x)
+
+
+def _branches_on_each_backend() -> list[tuple[str, list[float]]]:
+    import torch.distributed as dist
+
+    out = []
+    for backend in ("fsdp1", "fsdp2"):
+        torch.manual_seed(0)
+        model = fsdp_bridge.shard(_Branches(), BridgeConfig(backend=backend, device="cpu", wrap="none"))
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.1)
+        for step in range(2):
+            model(torch.ones(2, 4), use_a=(dist.get_rank() + step) % 2 == 0).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        full = fsdp_bridge.full_state_dict(model, rank0_only=False)
+        out.append((backend, [round(float(v.sum()), 6) for v in full.values()]))
+    return out
+
+
+def test_ranks_using_different_parameters_train_as_on_fsdp1() -> None:
+    # Ranks taking different branches (a routed expert, a modality present on some ranks): FSDP1 reduces each
+    # unit's whole flat gradient, zeros for what a rank did not use, and steps every parameter; FSDP2 sent only
+    # the gradients there were, so the ranks' reduce-scatters differed in size (gloo raised, NCCL would hang).
+    # A parameter no rank uses gets a zero gradient as on FSDP1 (AdamW's decay moves it on both).
+    from fsdp_bridge.testing import run_distributed
+
+    (fsdp1, fsdp2), _ = run_distributed(_branches_on_each_backend, 2)
+    assert fsdp1[0] == "fsdp1" and fsdp2[0] == "fsdp2"
+    assert fsdp1[1] == pytest.approx(fsdp2[1], abs=1e-5)

@@ -62,6 +62,8 @@ NOT_RUN: dict[str, str] = {
     "OMP_NUM_THREADS=1 python benchmarks/no_shard.py --mixed-precision bf16": "a benchmark (about a minute on 2 cores); what it shows: test_core_distributed.py::test_no_shard_on_fsdp2_holds_one_units_copy_not_the_models",
     "python benchmarks/gpu.py --repeats 1 --steps 6 --out benchmarks/results-gpu.json": "needs a CUDA GPU (exits 2 without one); the GPU paths: test_gpu.py (CUDA-marked)",
     "python benchmarks/gpu.py --modes bf16 --repeats 3 --steps 6": "needs a CUDA GPU (exits 2 without one)",
+    "python benchmarks/gpu.py --quick": "needs a CUDA GPU (exits 2 without one)",
+    "python benchmarks/gpu.py --quick --modes bf16": "needs a CUDA GPU (exits 2 without one)",
     "python -m pytest tests/test_reliability_faults.py tests/test_reliability_checkpoints.py "
     "tests/test_config_properties.py tests/test_bad_inputs.py tests/test_checkpoint_description_fuzz.py": "part of this test suite",
     "python -m pytest -m slow": "the slow tests (minutes)",

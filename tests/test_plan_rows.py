@@ -302,6 +302,7 @@ def _shard(monkeypatch: pytest.MonkeyPatch, backend: Backend, expect: Expect, wo
     events: list[str] = []
     forward: list[tuple[Any, list[Any]]] = []
     backward: list[tuple[Any, list[Any]]] = []
+    unused: list[bool] = []
     meta_at_broadcast: list[bool] = []
     broadcast_keys: list[str] = []
     process_group: dict[str, Any] = {}
@@ -360,6 +361,9 @@ def _shard(monkeypatch: pytest.MonkeyPatch, backend: Backend, expect: Expect, wo
 
         def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
             backward.append((self, list(modules)))
+
+        def set_reduce_scatter_unused_params(self, enabled: bool, *, recurse: bool = True) -> None:
+            unused.append(enabled)  # FSDP1's zero gradients for unused parameters (tests/test_any_module.py runs it)
 
         def _apply(self, *args: Any, **kwargs: Any) -> Any:  # to_empty: FSDP2's would reshard first
             return nn.Module._apply(self, *args, **kwargs)  # type: ignore[arg-type]

@@ -269,6 +269,13 @@ class FSDP2Backend:
             model.register_forward_hook(_reshard_after_no_grad_forward)
 
         _set_prefetch(plan)
+        if hasattr(model, "set_reduce_scatter_unused_params"):  # torch 2.13+
+            # FSDP1 reduces each unit's whole flat gradient: a parameter no rank used this step gets a zero
+            # gradient (the optimizer steps it), and ranks that used different parameters (a routed expert, a
+            # branch taken on some ranks) still exchange the same sizes. FSDP2 sends only the gradients there
+            # are: its optimizer skipped such parameters, and differing ranks mismatched the reduce-scatter (a
+            # size error on gloo, a hang on NCCL).
+            model.set_reduce_scatter_unused_params(True)
         if plan.backward_prefetch is BackwardPrefetch.NONE:
             # FSDP1's backward_prefetch=None: each unit's explicit backward-prefetch list holds only itself,
             # gathered already when its backward starts, which turns off FSDP2's implicit prefetch of the
