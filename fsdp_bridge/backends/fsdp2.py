@@ -269,7 +269,7 @@ class FSDP2Backend:
             model.register_forward_hook(_reshard_after_no_grad_forward)
 
         _set_prefetch(plan)
-        if hasattr(model, "set_reduce_scatter_unused_params"):  # torch 2.13+
+        if isinstance(model, FSDPModule) and hasattr(model, "set_reduce_scatter_unused_params"):  # torch 2.13+
             # FSDP1 reduces each unit's whole flat gradient: a parameter no rank used this step gets a zero
             # gradient (the optimizer steps it), and ranks that used different parameters (a routed expert, a
             # branch taken on some ranks) still exchange the same sizes. FSDP2 sends only the gradients there
