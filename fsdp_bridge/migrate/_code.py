@@ -223,7 +223,8 @@ def migrate_source(
         taken = _taken_by_other_files(path, known.from_imports)
         for imp in _fsdp_imports(fixed):
             if (imp[2] or imp[1]) in taken or "*" in taken:
-                scan.findings.append(_kept_import_finding(path, module, imp, "*" in taken))
+                if not _used_here(fixed, imp[2] or imp[1] or ""):  # kept for the other file alone: said
+                    scan.findings.append(_kept_import_finding(path, module, imp, "*" in taken))
                 continue
             if imp not in kept and not re.search(rf"\b{re.escape(imp[2] or imp[1] or '')}\b", in_strings):
                 # (a name written in a string stays imported: eval(f"ShardingStrategy.{name}") reads it)
@@ -465,6 +466,12 @@ def _string_text(module: cst.Module) -> str:
 def _names_bridge(module: cst.Module) -> bool:
     """The rewritten code reads the name ``fsdp_bridge`` (TODO comments that mention it aside)."""
     return any(isinstance(n, cst.Name) and n.value == "fsdp_bridge" for n in walk(module))
+
+
+def _used_here(module: cst.Module, name: str) -> bool:
+    """``name`` is read by the module's code (its import statements aside)."""
+    imports = {id(n) for i in walk(module) if isinstance(i, (cst.Import, cst.ImportFrom)) for n in walk(i)}
+    return any(isinstance(n, cst.Name) and n.value == name and id(n) not in imports for n in walk(module))
 
 
 def _taken_by_other_files(path: str, tree_imports: set[str]) -> set[str]:
