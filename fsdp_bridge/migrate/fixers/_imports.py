@@ -173,7 +173,8 @@ class ImportsFixer(ScannerBase):
             obj = code_of(node.value)
             if self._plan_recursive_unwrap(node, obj):
                 return True
-            if self._module_state_dict_read(node):
+            if wrapper == "fsdp1" and self._module_state_dict_read(node):
+                # (where it may be DDP's wrapper too the guarded form below keeps DDP's .module.state_dict())
                 self._record(
                     node,
                     f"{code_of(node)}.state_dict() (the wrapped module's own state dict)",
