@@ -639,6 +639,18 @@ def find_fsdp1_attributes(wrapper: MetadataWrapper) -> dict[str, set[str]]:
     return found
 
 
+def wrapper_kinds_named(quals: Iterable[Any]) -> set[str]:
+    """The wrappers qualified names ``quals`` name: "fsdp1" (FSDP1's class or ``wrap``), "ddp"
+    (DistributedDataParallel)."""
+    quals = list(quals)
+    found = set()
+    if resolve_fsdp(quals) in ((FSDP, ""), ("wrap", "")):
+        found.add("fsdp1")
+    if any(q.name.startswith("torch.nn.parallel.") and q.name.endswith(".DistributedDataParallel") for q in quals):
+        found.add("ddp")
+    return found
+
+
 def find_instance_attributes(wrapper: MetadataWrapper) -> dict[str, dict[str, set[str]]]:
     """``Dispatch.instance_attributes`` of a file: in each function (and at module level), ``x = Cls(...)``
     (keyed by the callee's last name: a class of the tree by that name reads it) and then
@@ -653,19 +665,12 @@ def find_instance_attributes(wrapper: MetadataWrapper) -> dict[str, dict[str, se
         METADATA_DEPENDENCIES = (QualifiedNameProvider,)
 
         def kinds(self, value: cst.BaseExpression) -> set[str]:
-            kinds = set()
-            for x in walk(value):
-                if not isinstance(x, (cst.Name, cst.Attribute)):
-                    continue
-                quals = self.get_metadata(QualifiedNameProvider, x, set())
-                if resolve_fsdp(quals) in ((FSDP, ""), ("wrap", "")):
-                    kinds.add("fsdp1")
-                if any(
-                    q.name.startswith("torch.nn.parallel.") and q.name.endswith("DistributedDataParallel")
-                    for q in quals
-                ):
-                    kinds.add("ddp")
-            return kinds
+            return {
+                k
+                for x in walk(value)
+                if isinstance(x, (cst.Name, cst.Attribute))
+                for k in wrapper_kinds_named(self.get_metadata(QualifiedNameProvider, x, set()))
+            }
 
         def scan(self, body: Sequence[cst.CSTNode]) -> None:
             made: dict[str, str] = {}  # instance name -> its class

@@ -18,6 +18,7 @@ from fsdp_bridge.migrate._analysis import (
     resolve_fsdp,
     tests_fsdp1,
     walk,
+    wrapper_kinds_named,
 )
 from fsdp_bridge.migrate._names import FSDP
 from fsdp_bridge.migrate._scan_base import ScannerBase
@@ -350,13 +351,9 @@ class ObjectAnalysis(ScannerBase):
                 found.add("fsdp1")  # a wrapper factory of this file: partial(FSDP, ...) or a function returning one
             for x in walk(expr):
                 quals = self.get_metadata(QualifiedNameProvider, x, set())
-                if resolve_fsdp(quals) in ((FSDP, ""), ("wrap", "")) or self._fsdp1_factory(quals, every_path=True):
+                found |= wrapper_kinds_named(quals)
+                if self._fsdp1_factory(quals, every_path=True):
                     found.add("fsdp1")
-                if any(
-                    q.name.startswith("torch.nn.parallel.") and q.name.endswith(".DistributedDataParallel")
-                    for q in quals
-                ):
-                    found.add("ddp")
             return found
 
         rebound: list[tuple[int, int]] = []  # where ``target`` is assigned below ``before``
