@@ -912,6 +912,35 @@ def test_the_wrapped_modules_own_state_dict_is_a_todo_outside_a_summon() -> None
     assert "        return fsdp_bridge.unwrapped(model).state_dict()\n" in result.fixed
 
 
+def test_the_wrapped_modules_state_dict_on_a_model_fsdp1_made_on_one_path_only_is_unwrapped(tmp_path: Path) -> None:
+    # `net` comes from the tree's FSDP1 factory on one branch and from another (a DDP loader) on the other; the read
+    # sits in the DDP branch of a later test. The flat-shard TODO would be false there: the read is unwrapped, which
+    # gives DDP's module on DDP and the module itself on FSDP2.
+    lib = (
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n\n\n"
+        "def build_sharded(net):\n"
+        "    return FSDP(net)\n"
+    )
+    code = (
+        "import torch\n"
+        "from lib import build_sharded\n"
+        "from loaders import build_replicated\n\n\n"
+        "def main(sharded, make):\n"
+        "    if sharded:\n"
+        "        net = build_sharded(make())\n"
+        "    else:\n"
+        "        net = build_replicated(make())\n"
+        "    if not sharded:\n"
+        "        state = net.module.state_dict()\n"
+        "        torch.save(state, 'ema.pt')\n"
+    )
+    (tmp_path / "lib.py").write_text(lib)
+    (tmp_path / "main.py").write_text(code)
+    main = {Path(r.path).name: r for r in migrate_paths([tmp_path])[1]}["main.py"]
+    assert not [f for f in main.findings if not f.fixable and "own state dict" in f.construct]
+    assert "        state = fsdp_bridge.unwrapped(net).state_dict()\n" in main.fixed
+
+
 def test_a_state_dict_taken_under_a_rank_test_is_a_todo() -> None:
     # A full state dict gathered under `if local_rank == 0:` (FSDP1 got away with it only where a forward just before
     # left its units gathered): on FSDP2 get_model_state_dict is a collective, so the rewrite hung rank 0. The

@@ -134,9 +134,14 @@ def test_cpu_shims_show_the_script_an_accelerator_and_torchs_own_modules_none(tm
         "inside = {'__name__': 'torch._dynamo.variables.streams', 'torch': torch}\n"
         "exec('seen = torch.accelerator.is_available()', inside)\n"
         "print(torch.accelerator.is_available(), inside['seen'], torch.accelerator.current_accelerator())\n"
+        "x = torch.ones(2)\n"
+        "forms = [1, 'cuda', 'cuda:1', torch.device('cuda', 1)]\n"
+        "print(*(x.to(d).device.type for d in forms), x.to(device=torch.device('cuda:0')).device.type)\n"
     )
     script = tmp_path / "probe.py"
     script.write_text(probe)
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["True", str(torch.accelerator.is_available()), "cpu"]
+    shown, moved = done.stdout.splitlines()
+    assert shown.split() == ["True", str(torch.accelerator.is_available()), "cpu"]
+    assert moved.split() == ["cpu"] * 5  # a GPU named as an index, a string or a torch.device is the CPU

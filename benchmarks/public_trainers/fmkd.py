@@ -55,10 +55,10 @@ records the data, teacher and init-checkpoint paths, and they are then the same 
 * the run's output folder is named by ``time.strftime("%Y%m%d_%H%M")``: here the same time in both runs, so
   that ``verify`` finds the two runs' checkpoints at the same path;
 * it is written for CUDA devices, and here they are the CPU, alike in both runs: FSDP1's ``device_id`` is
-  ``torch.device("cuda:<local rank>")``, which ``verify``'s shims (made for a GPU index) leave as it is; here a
-  CUDA ``torch.device`` given to ``FullyShardedDataParallel`` or to ``fsdp_bridge.BridgeConfig.from_fsdp1`` (the
-  migrated call, which keeps the argument) is the CPU. The trainer's ``torch.autocast("cuda", bf16)`` switches
-  itself off on a machine without CUDA, in both runs (the model is in bf16 already);
+  ``torch.device("cuda:<local rank>")``, which ``verify``'s shims take as the CPU (in ``FullyShardedDataParallel``
+  and in the migrated ``fsdp_bridge.BridgeConfig.from_fsdp1``, which keeps the argument). The trainer's
+  ``torch.autocast("cuda", bf16)`` switches itself off on a machine without CUDA, in both runs (the model is in
+  bf16 already);
 * its checkpoints take the full state dict with ``offload_to_cpu=True``: with the shards on the CPU, FSDP1's
   ``FlatParamHandle.to_cpu()`` "moves" the gathered flat parameter to where it already is (no copy) and then
   frees that storage, which the state dict's views still point to (pytorch/pytorch issue 188989, as in
@@ -213,37 +213,6 @@ def _same_stamp() -> None:
     time.strftime = stamped  # type: ignore[assignment]
 
 
-def _names_cuda(device: object) -> bool:
-    return (isinstance(device, torch.device) and device.type == "cuda") or (
-        isinstance(device, str) and device.startswith("cuda")
-    )
-
-
-def _cuda_device_is_the_cpu() -> None:
-    """A CUDA ``torch.device`` as FSDP1's ``device_id`` (or the migrated ``from_fsdp1``'s) is the CPU."""
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
-    fsdp1_init = FullyShardedDataParallel.__init__
-
-    def fsdp1_on_cpu(self: Any, *args: Any, **kwargs: Any) -> None:
-        if _names_cuda(kwargs.get("device_id")):
-            kwargs["device_id"] = torch.device("cpu")
-        fsdp1_init(self, *args, **kwargs)
-
-    FullyShardedDataParallel.__init__ = fsdp1_on_cpu  # type: ignore[method-assign]
-
-    import fsdp_bridge
-
-    from_fsdp1 = fsdp_bridge.BridgeConfig.from_fsdp1.__func__  # type: ignore[attr-defined]
-
-    def from_fsdp1_on_cpu(cls: Any, *args: Any, **kwargs: Any) -> Any:
-        if _names_cuda(kwargs.get("device_id")):
-            kwargs["device_id"] = torch.device("cpu")
-        return from_fsdp1(cls, *args, **kwargs)
-
-    fsdp_bridge.BridgeConfig.from_fsdp1 = classmethod(from_fsdp1_on_cpu)  # type: ignore[assignment,method-assign]
-
-
 def main() -> None:
     folder = _inputs_folder()
     teacher_dir = os.path.join(folder, "teacher")
@@ -254,7 +223,6 @@ def main() -> None:
     _student_init(teacher_dir, init_ckpt)
 
     _same_stamp()
-    _cuda_device_is_the_cpu()
     if os.environ.get("FMKD_KEEP_OFFLOAD") != "1":
         full_state_dicts_without_offload()
     sys.argv = [

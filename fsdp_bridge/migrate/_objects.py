@@ -343,18 +343,7 @@ class ObjectAnalysis(ScannerBase):
                 self.wrapper_kinds[key] = set()
                 return set()
 
-        makers = self._local_fsdp1_makers()
-
-        def kind(expr: cst.BaseExpression) -> set[str]:
-            found = set()
-            if code_of(expr).removeprefix("self.") in makers:
-                found.add("fsdp1")  # a wrapper factory of this file: partial(FSDP, ...) or a function returning one
-            for x in walk(expr):
-                quals = self.get_metadata(QualifiedNameProvider, x, set())
-                found |= wrapper_kinds_named(quals)
-                if self._fsdp1_factory(quals, every_path=True):
-                    found.add("fsdp1")
-            return found
+        kind = self._value_kinds
 
         rebound: list[tuple[int, int]] = []  # where ``target`` is assigned below ``before``
         if limit is not None:
@@ -470,6 +459,59 @@ class ObjectAnalysis(ScannerBase):
                         kinds |= kind(small.annotation.annotation)
         self.wrapper_kinds[key] = kinds
         return kinds
+
+    def _value_kinds(self, expr: cst.BaseExpression) -> set[str]:
+        """The wrappers an expression makes ("fsdp1", "ddp"): FSDP1's or DDP's class, a wrapper factory of this
+        file (``partial(FSDP, ...)``, a function returning one) or of the tree (FSDP1's on every path)."""
+        found = set()
+        if code_of(expr).removeprefix("self.") in self._local_fsdp1_makers():
+            found.add("fsdp1")
+        for x in walk(expr):
+            quals = self.get_metadata(QualifiedNameProvider, x, set())
+            found |= wrapper_kinds_named(quals)
+            if self._fsdp1_factory(quals, every_path=True):
+                found.add("fsdp1")
+        return found
+
+    def _other_path_above(self, node: cst.CSTNode, obj: cst.BaseExpression) -> bool:
+        """A branch above ``node`` in this function gives ``obj`` a value that is not FSDP1's wrapper: ``if
+        use_fsdp: net = load_fsdp(...) else: net = load_ddp(...)``, or such an assignment in a branch after the
+        wrap. FSDP1's wrapper is then shown on one path only (``net.module`` may be DDP's)."""
+        target = code_of(obj)
+        scope = self.functions[-1] if self.functions else self.module
+        if scope is None:
+            return False
+        at = self.get_metadata(PositionProvider, node).start
+        here = (at.line, at.column)
+
+        def assignments(block: cst.CSTNode) -> list[tuple[tuple[int, int], bool]]:
+            found = []
+            for n in walk(block):
+                if isinstance(n, cst.Assign) and any(code_of(t.target) == target for t in n.targets):
+                    start = self.get_metadata(PositionProvider, n).start
+                    if (start.line, start.column) < here:
+                        value = _made_by(n.value) if isinstance(n.value, (cst.Call, cst.IfExp)) else n.value
+                        found.append(((start.line, start.column), "fsdp1" in self._value_kinds(value)))
+            return found
+
+        every = assignments(scope)
+        first_wrap = min((p for p, is_fsdp1 in every if is_fsdp1), default=None)
+        if first_wrap is None:
+            return False
+        for n in walk(scope):
+            if not isinstance(n, cst.If):
+                continue
+            branches: list[cst.BaseSuite] = []
+            part: cst.If | cst.Else | None = n
+            while part is not None:  # if / elif ... / else
+                branches.append(part.body)
+                part = part.orelse if isinstance(part, cst.If) else None
+            made = [assignments(b) for b in branches]
+            if any(any(f for _, f in a) for a in made) and any(a and not any(f for _, f in a) for a in made):
+                return True  # FSDP1's wrapper in one branch, something else in another
+            if any(p > first_wrap and not f for a in made for p, f in a):
+                return True  # a branch after the wrap assigns something else
+        return False
 
     def _base_classes_here(self, cls: cst.ClassDef, target: str) -> list[cst.ClassDef]:
         """The classes of this file ``cls`` derives from (theirs too), when ``cls`` never binds ``target``

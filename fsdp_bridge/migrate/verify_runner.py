@@ -14,11 +14,11 @@ Started by :func:`fsdp_bridge.migrate.verify.verify` under ``torchrun`` as
 ``--cpu-shims`` (chosen by ``verify`` when the machine has no accelerator) runs a script written for GPUs on
 CPU ranks, identically in both runs: the accelerator reports the CPU (one per rank; torch's own modules,
 Dynamo's among them, are told there is none, so ``torch.compile`` runs); NCCL process groups are made on gloo;
-a device given as a GPU index (``tensor.to(rank)``, FSDP1's ``device_id=rank``, the same argument passed on to
-``BridgeConfig.from_fsdp1``) is the CPU; FSDP1 gets ``device_id=cpu`` when given none;
-``torch.cuda.set_device`` does nothing and ``torch.cuda.current_device()`` is the local rank; data loaders do
-not pin memory; ``scaled_dot_product_attention`` on DTensors sharded over heads runs on each rank's heads
-(DTensor has no sharding rule for the CPU kernel).
+a device given as a GPU (an index, a CUDA ``torch.device`` or ``"cuda:N"``: ``tensor.to(rank)``, FSDP1's
+``device_id``, the same argument passed on to ``BridgeConfig.from_fsdp1``) is the CPU; FSDP1 gets
+``device_id=cpu`` when given none; ``torch.cuda.set_device`` does nothing and ``torch.cuda.current_device()``
+is the local rank; data loaders do not pin memory; ``scaled_dot_product_attention`` on DTensors sharded over
+heads runs on each rank's heads (DTensor has no sharding rule for the CPU kernel).
 
 This module is run, never imported by the library.
 """
@@ -35,7 +35,12 @@ from typing import Any
 
 
 def _gpu_index(device: object) -> bool:
-    return isinstance(device, int) and not isinstance(device, bool)
+    """``device`` names a GPU: an index (``tensor.to(rank)``), a CUDA ``torch.device`` or a ``"cuda[:N]"`` string."""
+    if isinstance(device, int):
+        return not isinstance(device, bool)
+    if isinstance(device, str):
+        return device == "cuda" or device.startswith("cuda:")
+    return type(device).__name__ == "device" and getattr(device, "type", None) == "cuda"
 
 
 def _install_cpu_shims() -> None:

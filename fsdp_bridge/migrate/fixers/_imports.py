@@ -173,7 +173,11 @@ class ImportsFixer(ScannerBase):
             obj = code_of(node.value)
             if self._plan_recursive_unwrap(node, obj):
                 return True
-            if wrapper == "fsdp1" and self._module_state_dict_read(node):
+            if (
+                wrapper == "fsdp1"
+                and self._module_state_dict_read(node)
+                and not self._other_path_above(node, node.value)
+            ):
                 # (where it may be DDP's wrapper too the guarded form below keeps DDP's .module.state_dict())
                 self._record(
                     node,
