@@ -298,6 +298,33 @@ def test_shape_reads_over_an_fsdp1_models_parameters_are_kept_with_a_note_on_the
     assert "TODO" not in result.fixed and "p.ndim > 1" in result.fixed
 
 
+def test_name_rules_over_an_fsdp1_models_parameters_are_kept_with_a_note_on_the_flat_names() -> None:
+    # FSDP1's default flat parameters are named `_flat_param`: a no-decay rule on names ("bias", "norm") matched
+    # none of them, so every flat parameter decayed; on FSDP2 the rule applies to the model's names. Noted on the
+    # wrapped model's parameters (a comprehension and a loop, `in` and `endswith`), not on a plain module's.
+    code = (
+        "import torch\n"
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n\n\n"
+        "def setup(net, head):\n"
+        "    model = FSDP(net)\n"
+        "    skip = ('bias', 'norm')\n"
+        "    quiet = [p for n, p in model.named_parameters() if any(s in n for s in skip)]\n"
+        "    loud = []\n"
+        "    for key, w in model.named_parameters():\n"
+        "        if not key.endswith('.scale'):\n"
+        "            loud.append(w)\n"
+        "    mine = [p for n, p in head.named_parameters() if 'bias' in n]\n"
+        "    return torch.optim.AdamW([{'params': loud}, {'params': quiet, 'weight_decay': 0.0}]), mine\n"
+    )
+    result = migrate_source(code, "groups.py")
+    notes = {f.line: f for f in result.findings if f.note}
+    assert sorted(notes) == [8, 10], notes
+    assert notes[8].construct == "model.named_parameters() names tested (s in n)"
+    assert notes[10].construct == "model.named_parameters() names tested (key.endswith('.scale'))"
+    assert "`_flat_param`" in notes[8].replacement and "the optimizer's groups change" in notes[8].replacement
+    assert "any(s in n for s in skip)" in result.fixed and "TODO" not in result.fixed
+
+
 def test_collectives_over_an_fsdp1_models_parameters_get_a_todo_and_the_clip_note_names_the_dtensor_norm() -> None:
     # FSDP2's parameters (and their .data / .grad) are DTensors, which torch.distributed's collectives refuse
     # (checked: NotImplementedError "c10d.allreduce_.default does not have a sharding strategy"): each collective

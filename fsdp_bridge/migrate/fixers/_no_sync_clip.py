@@ -31,6 +31,14 @@ SHARD_SHAPES = (
     "rank's shard): a rule on ndim or shape (weight decay for matrices only), or a count of numel(), gives "
     "other results; check it with fsdp-bridge migrate verify"
 )
+FLAT_NAMES = (
+    "left as it is; its meaning changes: with use_orig_params=False (FSDP1's default) the wrapped model's "
+    "named_parameters() are its flat parameters (`_flat_param`, one per unit), so a rule on the names (no weight "
+    "decay for bias or norm weights, a frozen or a per-layer group) matched none of the model's own names and every "
+    "flat parameter took the other branch; on FSDP2 the names are the model's own and the rule applies as written "
+    "(with use_orig_params=True FSDP1 gave the model's names too): the optimizer's groups change; check it with "
+    "fsdp-bridge migrate verify"
+)
 PARAM_COLLECTIVE = (
     "not rewritten: on FSDP1 each rank passes its flat shard here (the whole parameter with NO_SHARD), on FSDP2 "
     "the parameters and their .data and .grad are DTensors, which torch.distributed's collectives refuse "
@@ -261,8 +269,9 @@ class NoSyncClipFixer(ScannerBase):
                     if for_in is not None:
                         target, body = for_in.target, c
                         break
+        name: cst.BaseExpression | None = None
         if isinstance(target, cst.Tuple) and func.attr.value == "named_parameters" and len(target.elements) == 2:
-            target = target.elements[1].value
+            name, target = target.elements[0].value, target.elements[1].value
         if not isinstance(target, cst.Name) or body is None:
             return
         if any(
@@ -283,6 +292,8 @@ class NoSyncClipFixer(ScannerBase):
         )
         if read is not None:
             self._note_on_fsdp1_model(node, func.value, f"{short(code_of(node), 40)} read as {read}", SHARD_SHAPES)
+        elif isinstance(name, cst.Name) and (rule := _name_rule(body, name.value)):
+            self._note_on_fsdp1_model(node, func.value, f"{short(code_of(node), 40)} names tested ({rule})", FLAT_NAMES)
 
     def _plan_wrapper_method_call(self, node: cst.Call, func: cst.BaseExpression, hit: tuple[str, str] | None) -> None:
         """The FSDP1 wrapper's no_sync() and clip_grad_norm_(...), its register_comm_hook (a TODO), and a
@@ -582,3 +593,21 @@ def unproven_text(recv: str, name: str, *, bound: bool = False) -> str:
         f"another object's {name} (accelerate's Accelerator, your own) must stay as it is; if it is the "
         f"FSDP1-wrapped model, write {call}, which also takes DDP, torch's fully_shard and plain modules"
     )
+
+
+def _name_rule(body: cst.CSTNode, name: str) -> str:
+    """The first test of the parameter name ``name`` in ``body``: ``"bias" in name`` (``not in`` too),
+    ``name.endswith(...)`` / ``startswith(...)``, as code; "" when there is none."""
+    for n in walk(body):
+        if isinstance(n, cst.Comparison) and any(
+            isinstance(t.operator, (cst.In, cst.NotIn)) and m.matches(t.comparator, m.Name(name)) for t in n.comparisons
+        ):
+            return short(code_of(n), 40)
+        if (
+            isinstance(n, cst.Call)
+            and isinstance(n.func, cst.Attribute)
+            and m.matches(n.func.value, m.Name(name))
+            and n.func.attr.value in ("endswith", "startswith")
+        ):
+            return short(code_of(n), 40)
+    return ""
