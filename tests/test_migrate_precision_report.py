@@ -298,6 +298,43 @@ def test_shape_reads_over_an_fsdp1_models_parameters_are_kept_with_a_note_on_the
     assert "TODO" not in result.fixed and "p.ndim > 1" in result.fixed
 
 
+def test_a_hand_written_gradient_norm_summed_over_ranks_gets_a_note() -> None:
+    # A tree's own global grad norm: each rank's norm of its FSDP1 flat-shard gradients, squared and summed with
+    # all_reduce. On FSDP2 the gradients are DTensors, the norm one too, and the collective refuses it at the first
+    # step. Noted where the reduced value comes from `.grad` and a norm (here or through a function of the file);
+    # not for a loss, nor for code already written for DTensors (`to_local`).
+    code = (
+        "import torch\n"
+        "import torch.distributed as dist\n"
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n\n\n"
+        "def shard_norm(net):\n"
+        "    acc = 0.0\n"
+        "    for w in net.parameters():\n"
+        "        if w.grad is not None:\n"
+        "            acc += torch.linalg.vector_norm(w.grad) ** 2\n"
+        "    return acc\n\n\n"
+        "def global_norm(net):\n"
+        "    sq = shard_norm(net).detach()\n"
+        "    dist.all_reduce(sq)\n"
+        "    return sq.sqrt()\n\n\n"
+        "def step(model, params, loss):\n"
+        "    grads = [p.grad for p in params if p.grad is not None]\n"
+        "    total = torch.nn.utils.get_total_norm(grads)\n"
+        "    dist.all_reduce(total)\n"
+        "    local = sum(g.to_local().norm() ** 2 for g in grads)\n"
+        "    dist.all_reduce(local)\n"
+        "    dist.all_reduce(loss)\n"
+        "    return FSDP(model)\n"
+    )
+    result = migrate_source(code, "norms.py")
+    notes = {f.line: f for f in result.findings if f.note}
+    assert sorted(notes) == [16, 23], notes
+    assert notes[16].construct == "dist.all_reduce(sq) (a value made from gradients)"
+    assert notes[23].construct == "dist.all_reduce(total) (a value made from gradients)"
+    assert "DTensors" in notes[16].replacement and "p.grad.to_local()" in notes[16].replacement
+    assert "TODO" not in result.fixed
+
+
 def test_name_rules_over_an_fsdp1_models_parameters_are_kept_with_a_note_on_the_flat_names() -> None:
     # FSDP1's default flat parameters are named `_flat_param`: a no-decay rule on names ("bias", "norm") matched
     # none of them, so every flat parameter decayed; on FSDP2 the rule applies to the model's names. Noted on the

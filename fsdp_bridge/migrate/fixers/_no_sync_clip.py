@@ -39,6 +39,13 @@ FLAT_NAMES = (
     "(with use_orig_params=True FSDP1 gave the model's names too): the optimizer's groups change; check it with "
     "fsdp-bridge migrate verify"
 )
+GRAD_COLLECTIVE = (
+    "left as it is; if these gradients are an FSDP1 model's, its meaning changes: FSDP1's are plain tensors (this "
+    "rank's flat shard), whose local norm this collective sums over the ranks; on FSDP2 they are DTensors, so a "
+    "norm or sum of them is a DTensor (already the whole model's), which torch.distributed's collectives refuse "
+    "(at run time, at the first step): take torch.nn.utils.clip_grad_norm_ (or get_total_norm) of the parameters, "
+    "which gives the global norm on FSDP2, or reduce the local shards' values (p.grad.to_local())"
+)
 PARAM_COLLECTIVE = (
     "not rewritten: on FSDP1 each rank passes its flat shard here (the whole parameter with NO_SHARD), on FSDP2 "
     "the parameters and their .data and .grad are DTensors, which torch.distributed's collectives refuse "
@@ -167,6 +174,51 @@ class NoSyncClipFixer(ScannerBase):
                 construct = f"{short(code_of(node.func), 30)}({short(code_of(arg.value), 40)}) over FSDP1 parameters"
                 self._record(node, construct, PARAM_COLLECTIVE, False)
                 return
+        self._note_grad_collective(node)
+
+    def _note_grad_collective(self, node: cst.Call) -> None:
+        """``dist.all_reduce(norm)`` where ``norm`` comes, in this function, from parameters' ``.grad`` (read here
+        or in a function of this file it calls: a hand-written gradient norm), in a tree that makes FSDP1 models:
+        a note (see :data:`GRAD_COLLECTIVE`); the parameters' model is not followed, so no TODO."""
+        if self.dispatch.wraps_fsdp1 is None or not self.functions or not node.args:
+            return
+        fn = self.functions[-1]
+        readers = _grad_readers(self.module) if self.module is not None else set()
+
+        def made_from(expr: cst.CSTNode) -> tuple[bool, bool]:
+            """(reads gradients, takes their norm): ``p.grad``, a name made from them, a gradient-norm function."""
+            grads = norm = False
+            for n in walk(expr):
+                if isinstance(n, cst.Attribute) and n.attr.value in ("to_local", "full_tensor"):
+                    return False, False  # written for DTensors already
+                if isinstance(n, cst.Attribute) and n.attr.value == "grad":
+                    grads = True
+                elif isinstance(n, cst.Name) and n.value in derived:
+                    grads, norm = True, norm or derived[n.value]
+                elif isinstance(n, cst.Call) and code_of(n.func).removeprefix("self.") in readers:
+                    grads = norm = True
+            calls = any(isinstance(n, cst.Call) and "norm" in code_of(n.func).rsplit(".", 1)[-1] for n in walk(expr))
+            return grads, norm or (grads and calls)
+
+        derived: dict[str, bool] = {}  # name -> whether it holds a norm of gradients
+        changed = True
+        while changed:  # names assigned from gradients, through other names (a fixpoint: loops assign late)
+            changed = False
+            for n in walk(fn):
+                if isinstance(n, (cst.Assign, cst.AugAssign, cst.AnnAssign)) and n.value is not None:
+                    targets = [t.target for t in n.targets] if isinstance(n, cst.Assign) else [n.target]
+                    grads, norm = made_from(n.value)
+                    for t in targets:
+                        if grads and isinstance(t, cst.Name) and derived.get(t.value) not in (norm, True):
+                            derived[t.value] = norm or derived.get(t.value, False)
+                            changed = True
+        arg = node.args[0].value
+        if isinstance(arg, cst.Name) and derived.get(arg.value):
+            pos = self.get_metadata(PositionProvider, node).start
+            construct = f"{short(code_of(node.func), 30)}({arg.value}) (a value made from gradients)"
+            self.findings.append(
+                CodeFinding(self.path, pos.line, pos.column, construct, GRAD_COLLECTIVE, True, note=True)
+            )
 
     def _note_duck_typed_wrapper(self, node: cst.Call) -> None:
         """``hasattr(m, "clip_grad_norm_")`` / ``hasattr(m, "no_sync")`` (or ``getattr(m, name, default)``) in a tree
@@ -611,3 +663,17 @@ def _name_rule(body: cst.CSTNode, name: str) -> str:
         ):
             return short(code_of(n), 40)
     return ""
+
+
+def _grad_readers(module: cst.Module) -> set[str]:
+    """The functions and methods of ``module`` that read parameters' ``.grad`` and call a norm (``p.grad`` and
+    ``vector_norm``/``norm`` in their body, not written for DTensors: no ``to_local``/``full_tensor``): a
+    hand-written gradient norm."""
+    found = set()
+    for n in walk(module):
+        if isinstance(n, cst.FunctionDef):
+            attrs = {a.attr.value for a in walk(n.body) if isinstance(a, cst.Attribute)}
+            norms = any(isinstance(c, cst.Call) and "norm" in code_of(c.func).rsplit(".", 1)[-1] for c in walk(n.body))
+            if "grad" in attrs and norms and not attrs & {"to_local", "full_tensor"}:
+                found.add(n.name.value)
+    return found
