@@ -2321,3 +2321,39 @@ def test_a_value_bound_twice_with_an_annotation_is_not_inlined() -> None:
     )
     fixed = migrate_source(unpacked, "unpacked.py").fixed
     assert "mixed_precision=mp," in fixed and "sharding_strategy=strategy," in fixed
+
+
+def test_another_librarys_fsdp_imported_under_fsdp1s_name_is_left_in_its_own_branch() -> None:
+    # `FSDP` is the accelerator library's class when its import succeeds and FSDP1's otherwise; the code picks
+    # the branch by a name only the library's side imports (`if xr is not None:`, `if not xr:` ... `else:`). The
+    # library's branch keeps its calls (neither rewritten nor counted); FSDP1's branch is migrated.
+    code = (
+        "import torch\n"
+        "try:\n"
+        "    import torch_xla.runtime as xr\n"
+        "    from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel as FSDP\n"
+        "except ImportError:\n"
+        "    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n"
+        "    xr = None\n\n\n"
+        "def build(net):\n"
+        "    if xr is not None:\n"
+        "        wrap_each = lambda m, *a, **k: FSDP(m, *a, **k)\n"
+        "        return FSDP(net, compute_dtype=torch.bfloat16, auto_wrapper_callable=wrap_each)\n"
+        "    return FSDP(net, limit_all_gathers=True)\n\n\n"
+        "def save(model):\n"
+        "    if not xr:\n"
+        "        with FSDP.summon_full_params(model):\n"
+        "            return {k: v.clone() for k, v in model.state_dict().items()}\n"
+        "    else:\n"
+        "        return FSDP.consolidate_sharded_state_dicts([model.state_dict()])\n"
+    )
+    result = migrate_source(code, "xla_or_torch.py")
+    lines = sorted((f.line, f.construct.split(" ")[0]) for f in result.findings if not f.note)
+    assert [line for line, _ in lines if line < 16] == [14, 14]  # FSDP(...) and limit_all_gathers=, not 12-13
+    assert "        return FSDP(net, compute_dtype=torch.bfloat16, auto_wrapper_callable=wrap_each)\n" in result.fixed
+    assert "        wrap_each = lambda m, *a, **k: FSDP(m, *a, **k)\n" in result.fixed
+    assert "    return fsdp_bridge.shard(\n        net,\n" in result.fixed
+    assert "        with fsdp_bridge.summon_full_params(model, writeback=True):\n" in result.fixed
+    assert "        return FSDP.consolidate_sharded_state_dicts([model.state_dict()])\n" in result.fixed
+    assert "TODO" not in result.fixed
+    assert migrate_source(result.fixed, "xla_or_torch.py").fixed == result.fixed

@@ -64,7 +64,10 @@ def class_aliases(wrapper: MetadataWrapper) -> ClassAliases:
     """The aliases of FSDP1's wrapper class a module binds (see :class:`ClassAliases`); a name assigned twice
     in its scope (re-bound, assigned in another branch, declared ``global`` and assigned elsewhere) is not one."""
     found = ClassAliases()
+    if RIVAL_IMPORT.search(wrapper.module.code) is not None:
+        _rival_branches(wrapper, found)
     if ALIAS_ASSIGN.search(wrapper.module.code) is None:
+        _extend_to_attributes(wrapper, found)
         return found
     scopes = wrapper.resolve(ScopeProvider)
     qualified = wrapper.resolve(QualifiedNameProvider)
@@ -90,8 +93,14 @@ def class_aliases(wrapper: MetadataWrapper) -> ClassAliases:
         found.assignments[id(node)] = (target.value, line, code_of(node.value))
         for access in next(iter(bindings)).references:
             found.names[id(access.node)] = classes
+    _extend_to_attributes(wrapper, found)
+    return found
+
+
+def _extend_to_attributes(wrapper: MetadataWrapper, found: ClassAliases) -> None:
+    """``FSDP.state_dict_type`` where ``FSDP`` is in ``found``: the member of what the name stands for."""
     if not found.names:
-        return found
+        return
     for node in walk(wrapper.module):
         base: cst.BaseExpression = node if isinstance(node, cst.Attribute) else cst.Name("_")
         parts: list[str] = []
@@ -102,7 +111,81 @@ def class_aliases(wrapper: MetadataWrapper) -> ClassAliases:
             found.names[id(node)] = frozenset(
                 QualifiedName(".".join([q.name, *parts]), q.source) for q in found.names[id(base)]
             )
-    return found
+
+
+RIVALS = ("torch_xla.distributed.fsdp.", "fairscale.nn.")
+"""Other libraries' FSDP classes that code imports under FSDP1's name in a ``try``/``except ImportError``."""
+RIVAL_IMPORT = re.compile(r"^\s*(?:from|import)\s+(?:torch_xla\.distributed\.fsdp|fairscale\.nn)\b", re.M)
+
+
+def _rival_branches(wrapper: MetadataWrapper, found: ClassAliases) -> None:
+    """``try: import torch_xla... as xm; from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel as
+    FSDP`` / ``except ImportError: from torch.distributed.fsdp import FullyShardedDataParallel as FSDP; xm =
+    None``: ``FSDP`` names either class. Under ``if xm:`` (a name only the rival's side imports; ``is not None``,
+    ``not``, ``else`` too) it is the other library's: its uses there resolve to that class alone, not FSDP1's."""
+    qualified = wrapper.resolve(QualifiedNameProvider)
+
+    def qnames(node: cst.CSTNode) -> set[QualifiedName]:
+        names = qualified.get(node, set())
+        return set(names() if callable(names) else names)
+
+    def imported(block: Sequence[cst.BaseStatement] | Sequence[cst.BaseSmallStatement]) -> dict[str, str]:
+        """name -> the module or object it imports, for the imports of ``block``."""
+        bound: dict[str, str] = {}
+        for stmt in block:
+            for small in stmt.body if isinstance(stmt, cst.SimpleStatementLine) else ():
+                if isinstance(small, cst.Import):
+                    for a in small.names:
+                        dotted = code_of(a.name)
+                        bound[code_of(a.asname.name) if a.asname else dotted.split(".")[0]] = dotted
+                elif isinstance(small, cst.ImportFrom) and not isinstance(small.names, cst.ImportStar):
+                    origin = code_of(small.module) if small.module is not None else ""
+                    for a in small.names:
+                        bound[code_of(a.asname.name) if a.asname else code_of(a.name)] = f"{origin}.{code_of(a.name)}"
+        return bound
+
+    guards: set[str] = set()
+    for stmt in wrapper.module.body:
+        if not isinstance(stmt, cst.Try):
+            continue
+        sides = [imported(stmt.body.body), *(imported(h.body.body) for h in stmt.handlers)]
+        for i, side in enumerate(sides):
+            rival = {n for n, what in side.items() if what.startswith(RIVALS)}
+            others = [o for j, o in enumerate(sides) if j != i]
+            if any(any(n in o and o[n].startswith("torch.distributed.fsdp") for o in others) for n in rival):
+                guards |= {n for n, what in side.items() if n not in rival and all(n not in o for o in others)}
+    if not guards:
+        return
+
+    def rival_side(test: cst.BaseExpression) -> bool | None:
+        """True: the test holds where the rival is imported; False: where it is not; None: not such a test."""
+        if isinstance(test, cst.Name) and test.value in guards:
+            return True
+        if isinstance(test, cst.UnaryOperation) and isinstance(test.operator, cst.Not):
+            inner = rival_side(test.expression)
+            return None if inner is None else not inner
+        if (
+            isinstance(test, cst.Comparison)
+            and isinstance(test.left, cst.Name)
+            and test.left.value in guards
+            and len(test.comparisons) == 1
+            and m.matches(test.comparisons[0].comparator, m.Name("None"))
+        ):
+            op = test.comparisons[0].operator
+            return True if isinstance(op, cst.IsNot) else False if isinstance(op, cst.Is) else None
+        return None
+
+    for node in walk(wrapper.module):
+        if not isinstance(node, cst.If) or (holds := rival_side(node.test)) is None:
+            continue
+        branch = node.body if holds else node.orelse
+        if branch is None:
+            continue
+        for n in walk(branch):
+            if isinstance(n, cst.Name) and (names := qnames(n)):
+                theirs = {q for q in names if q.name.startswith(RIVALS)}
+                if theirs and any(resolve_fsdp([q]) is not None for q in names):
+                    found.names[id(n)] = frozenset(theirs)
 
 
 class FollowsAliases(cst.CSTVisitor):
