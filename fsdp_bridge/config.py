@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -321,10 +322,12 @@ def _wrap_from_mapping(value: Mapping[str, Any], key: str, problems: list[Proble
         problems.append(Problem(key, dict(value), "exactly one of min_num_params or classes"))
     if "min_num_params" in value:
         n = value["min_num_params"]
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            problems.append(Problem(f"{key}.min_num_params", n, "an integer >= 1"))
+        if isinstance(n, bool) or not isinstance(n, (int, float)) or not math.isfinite(n) or n < 1:
+            problems.append(Problem(f"{key}.min_num_params", n, "a number >= 1 (an integer, or a float such as 1e8)"))
             return WrapPolicy()
-        return WrapPolicy(mode="min_params", min_num_params=n)
+        # FSDP1's size policy compares a count with the number (`numel >= min_num_params`): a float as 1e9 is
+        # what FSDP1 code often passes, and the smallest count that reaches it is its ceiling.
+        return WrapPolicy(mode="min_params", min_num_params=math.ceil(n))
     absent_ok = value.get("absent_ok", False)
     if not isinstance(absent_ok, bool):
         problems.append(Problem(f"{key}.absent_ok", absent_ok, "true or false"))

@@ -85,6 +85,13 @@ def test_wrap_spellings(wrap: object, mode: str) -> None:
     assert BridgeConfig(wrap=wrap).wrap.mode == mode  # type: ignore[arg-type]
 
 
+def test_a_float_size_threshold_counts_as_fsdp1s_comparison() -> None:
+    # FSDP1 code passes min_num_params=1e9 (a float) to size_based_auto_wrap_policy, which only compares a
+    # count with it: taken, as the smallest count that reaches it.
+    assert BridgeConfig(wrap={"min_num_params": 1e9}).wrap.min_num_params == 1_000_000_000
+    assert BridgeConfig(wrap={"min_num_params": 2.5}).wrap.min_num_params == 3
+
+
 def full_config() -> BridgeConfig:
     return BridgeConfig(
         strategy="hybrid_shard",
@@ -150,7 +157,8 @@ def test_all_problems_reported_together() -> None:
         ({"wrap": 3}, r"wrap: got 3; allowed: 'auto'"),
         ({"wrap": []}, r"wrap: got \[\]; .*give at least one class name, or 'none'"),
         ({"wrap": ["not a class"]}, r"wrap\[\]: got 'not a class'; allowed: module class names"),
-        ({"wrap": {"min_num_params": 0}}, r"wrap.min_num_params: got 0; allowed: an integer >= 1"),
+        ({"wrap": {"min_num_params": 0}}, r"wrap.min_num_params: got 0; allowed: a number >= 1"),
+        ({"wrap": {"min_num_params": float("nan")}}, r"wrap.min_num_params: got nan; allowed: a number >= 1"),
         ({"wrap": {"min_params": 10}}, r"wrap.min_params: .*did you mean 'min_num_params'"),
         ({"wrap": {"min_num_params": 5, "classes": ["A"]}}, r"allowed: exactly one of min_num_params or classes"),
         ({"backward_prefetch": "later"}, r"backward_prefetch: got 'later'; allowed: pre, post, none"),

@@ -510,7 +510,8 @@ class _Lowerer(cst.CSTTransformer):
             "state_dict_options": "plain torch reads no FSDP1 state-dict type or configs: write "
             "StateDictOptions(...) from the values passed here (FULL_STATE_DICT -> full_state_dict=True, and "
             "configs with offload_to_cpu=True, rank0_only=True -> cpu_offload=True too: a CPU copy on rank 0 "
-            "alone; torch has no CPU copy on every rank; SHARDED_STATE_DICT -> StateDictOptions())",
+            "alone; torch has no CPU copy on every rank; SHARDED_STATE_DICT -> StateDictOptions(), with "
+            "cpu_offload=True where its config has offload_to_cpu=True)",
             "fsdp1_settings": "an FSDPModule keeps no strategy or mixed-precision setting that public torch API "
             "reads back: use the values your code passes to fully_shard (mesh, reshard_after_forward, mp_policy)",
         }.get(name, "no plain-torch form written for it yet")
