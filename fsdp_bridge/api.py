@@ -175,7 +175,7 @@ class Bridge:
         with_grads: bool = False,
     ) -> AbstractContextManager[None]:
         """The backend's gather of full parameters on this bridge's whole model (a collective);
-        :func:`fsdp_bridge.summon_full_params` also turns autograd off and takes a unit.
+        :func:`fsdp_bridge.summon_full_params` also takes a unit, and gathers with autograd off.
 
         Args:
             writeback: keep in-place changes made inside the context.
@@ -912,8 +912,10 @@ def summon_full_params(
 ) -> Iterator[None]:
     """Inside the context, parameters are full tensors, as FSDP1's ``summon_full_params`` gives them.
 
-    Do not run forward or backward inside it (autograd is off inside: ``torch.no_grad()``). Every
-    rank must enter the context (the gather is a collective), as with FSDP1.
+    The block runs in the caller's grad mode, as FSDP1's does (the gather and the write-back run with
+    autograd off): a loss computed inside keeps its graph to the activations it reads, and the gathered
+    parameters' own gradients land on the copies and are dropped on exit, as on FSDP1's temporary views.
+    Every rank must enter the context (the gather is a collective), as with FSDP1.
 
     Args:
         model: a model returned by :func:`shard`, or a part of one, or a module sharded by torch
@@ -942,7 +944,7 @@ def summon_full_params(
             (as in FSDP1), or ``recurse=False`` with ``writeback``, ``rank0_only``, ``offload_to_cpu``
             or ``with_grads`` (FSDP2's unshard has no such forms), before any collective.
     A module that holds no sharded parameters (DDP, a plain module) is full already: the context
-    gathers nothing for it (autograd is off inside all the same), as FSDP1's static
+    gathers nothing for it, as FSDP1's static
     ``summon_full_params`` gathers nothing for such a module.
 
     Parameter objects taken before the context (``params = list(model.parameters())``) are the full
@@ -989,20 +991,35 @@ def summon_full_params(
     else:
         backend = backend_inside(model)
         if backend is None:  # DDP or a plain module: its parameters are full already, as FSDP1 leaves them
-            with torch.no_grad():  # autograd off inside, as for sharded models
-                yield
+            yield
             return
         impl, target = get_backend(backend), model
     if not recurse:
-        with torch.no_grad(), impl.own_params(target):
+        with _gathered_without_grad(impl.own_params(target)):
             yield
         return
-    # Autograd is off inside, on both backends: gradients of the gathered copies would reach nothing,
-    # and torch's FSDP1 writes a unit's parameter views in place on the way out (refused under grad mode).
-    with (
-        torch.no_grad(),
-        impl.summon_full_params(
-            target, writeback=writeback, rank0_only=rank0_only, offload_to_cpu=offload_to_cpu, with_grads=with_grads
-        ),
-    ):
+    gather = impl.summon_full_params(
+        target, writeback=writeback, rank0_only=rank0_only, offload_to_cpu=offload_to_cpu, with_grads=with_grads
+    )
+    with _gathered_without_grad(gather):
         yield
+
+
+@contextmanager
+def _gathered_without_grad(gather: AbstractContextManager[None]) -> Iterator[None]:
+    """``gather`` entered and left with autograd off (torch's FSDP1 writes a unit's parameter views in place on
+    the way out, refused under grad mode; the gathered copies are leaves of no graph), the block itself run in
+    the caller's grad mode, as FSDP1's ``summon_full_params`` runs it: a loss computed inside from activations
+    keeps its graph to them (the gathered parameters' own gradients land on the copies and are dropped, as on
+    FSDP1's temporary views)."""
+    with torch.no_grad():
+        gather.__enter__()
+    try:
+        yield
+    except BaseException as error:
+        with torch.no_grad():
+            if not gather.__exit__(type(error), error, error.__traceback__):
+                raise
+    else:
+        with torch.no_grad():
+            gather.__exit__(None, None, None)

@@ -78,7 +78,8 @@ def test_plain_module_gets_nothing_to_sync_and_torchs_clip() -> None:
     norm = fsdp_bridge.clip_grad_norm_(model, 0.5, norm_type=float("inf"))
     assert norm.item() == 3.0 and torch.allclose(model.weight.grad, torch.full((2, 3), 0.5), atol=1e-5)
     before = [p.detach().clone() for p in model.parameters()]
-    with fsdp_bridge.summon_full_params(model, writeback=True, with_grads=True):
+    # the block runs in the caller's grad mode, as FSDP1's: an in-place change of a parameter needs no_grad there
+    with fsdp_bridge.summon_full_params(model, writeback=True, with_grads=True), torch.no_grad():
         model.weight.add_(1.0)
     assert torch.equal(model.weight, before[0] + 1.0)
 
@@ -290,7 +291,33 @@ def _numerics() -> dict[str, Any]:
     out["reshard"] = _reshard_after_eval(rank)
     out["storage"] = _move_and_free(rank)
     out["scaler"] = _scaler_overflow(rank)
+    out["summon_grad"] = _loss_inside_summon()
     return out
+
+
+def _loss_inside_summon() -> tuple[bool, bool, bool]:
+    """A loss computed inside summon_full_params from a plain trunk's activations and the gathered head, its
+    backward after the block (FSDP1 runs the block in the caller's grad mode): the trunk's gradients are those
+    of an unsharded run; the head's own gradients land on the gathered copies and are dropped."""
+    torch.manual_seed(0)
+    trunk, head = nn.Linear(8, 8), nn.Linear(8, 4)
+    x = torch.randn(3, 8)
+    ref_trunk, ref_head = nn.Linear(8, 8), nn.Linear(8, 4)
+    ref_trunk.load_state_dict(trunk.state_dict())
+    ref_head.load_state_dict(head.state_dict())
+    ref_loss = ref_head(ref_trunk(x)).sum()
+    ref_loss.backward()
+    sharded = fsdp_bridge.shard(head, BridgeConfig(backend="fsdp2", wrap="none", device="cpu"))
+    hidden = trunk(x)
+    with fsdp_bridge.summon_full_params(sharded, writeback=True):
+        loss = nn.functional.linear(hidden, sharded.weight, sharded.bias).sum()
+    loss.backward()
+    assert trunk.weight.grad is not None and ref_trunk.weight.grad is not None
+    return (
+        torch.allclose(trunk.weight.grad, ref_trunk.weight.grad),
+        torch.allclose(loss.detach(), ref_loss.detach()),
+        sharded.weight.grad is None,
+    )
 
 
 def _scaler_overflow(rank: int) -> dict[str, Any]:
@@ -483,6 +510,8 @@ def test_ddp_and_fully_shard_numerics_match_their_own_calls(run_on_ranks: Any) -
         # FSDP2's are DTensors whose data live in slots: those objects stay shards inside (docs/bridge.md)
         assert r["identity"] == {"fsdp2": (False, (16, 8)), "fsdp1": (True, (16, 8))}
         assert r["holder_full_state"]  # not sharded tensors: the holder's model is found to be FSDP1's
+        # a loss computed inside summon_full_params backpropagates after it, as on FSDP1
+        assert r["summon_grad"] == (True, True, True)
         assert r["nested_resharded"] == (True, False)
         # reshard after an evaluation forward: what was held gathered is freed, the train steps that
         # follow are those of a run without it (FSDP2 through shard() reshards such a forward itself)

@@ -192,7 +192,7 @@ def test_another_root_in_a_state_dict_block_keeps_fsdp1_full_state_dicts_once_fs
     )
     assert (
         '(set_model_state_dict(self.shadow, blob["shadow"], options=StateDictOptions(full_state_dict=True, '
-        'strict=False)) if isinstance(self.shadow, FSDPModule) else self.shadow.load_state_dict(blob["shadow"], '
+        'strict=False)) if any(isinstance(m, FSDPModule) for m in self.shadow.modules()) else self.shadow.load_state_dict(blob["shadow"], '
         "strict=False))" in fixed
     )
     assert "dcp.load_state_dict(blob, reader)" in fixed and "isinstance(dcp" not in fixed  # a module's function
@@ -662,11 +662,11 @@ def test_another_roots_state_in_a_block_of_a_tree_sharding_over_a_mesh_keeps_fsd
     assert '"model": fsdp_bridge.full_state_dict(self.model, rank0_only=True, offload_to_cpu=True)' in fixed
     assert (
         '"ema": (get_model_state_dict(self.ema, options=StateDictOptions(full_state_dict=True)) '
-        "if isinstance(self.ema, FSDPModule) else self.ema.state_dict())"
+        "if any(isinstance(m, FSDPModule) for m in self.ema.modules()) else self.ema.state_dict())"
     ) in fixed
     assert (
         '(set_model_state_dict(self.ema, state["ema"], options=StateDictOptions(full_state_dict=True)) '
-        'if isinstance(self.ema, FSDPModule) else self.ema.load_state_dict(state["ema"]))'
+        'if any(isinstance(m, FSDPModule) for m in self.ema.modules()) else self.ema.load_state_dict(state["ema"]))'
     ) in fixed
     assert migrate_source(fixed, "trainer.py").fixed == fixed
 

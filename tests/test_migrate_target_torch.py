@@ -207,14 +207,17 @@ def test_sharded_grad_scaler_is_the_bridges_and_plain_torchs_only_under_target_t
     assert "grouped = fsdp_bridge.GradScaler(init_scale=8.0, process_group=group)" in bridge
     assert "Scaler = fsdp_bridge.GradScaler\n" in bridge
     assert "ShardedGradScaler" not in bridge and "torch.amp" not in bridge and TODO not in bridge
-    # The torch target: torch.amp.GradScaler, its arguments past the device named (the two classes order
-    # backoff_factor and growth_factor differently); a call with a group stays on the bridge with a TODO.
+    # The torch target: the helpers' torch.amp.GradScaler (float16 gradients unscaled, as ShardedGradScaler
+    # does), its arguments past the device named (the two classes order backoff_factor and growth_factor
+    # differently); a call with a group stays on the bridge with a TODO.
     result = migrate_source(SCALERS, "s.py", target="torch")
     code = result.fixed
-    assert "def make(enabled: bool) -> torch.amp.GradScaler:" in code
-    assert "return torch.amp.GradScaler(enabled=enabled)" in code
-    assert 'scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, backoff_factor=0.25, growth_factor=4.0)' in code
-    assert "Scaler = torch.amp.GradScaler\n" in code
+    assert "def make(enabled: bool) -> _fsdp2_helpers.GradScaler:" in code
+    assert "return _fsdp2_helpers.GradScaler(enabled=enabled)" in code
+    assert 'scaler = _fsdp2_helpers.GradScaler("cpu", init_scale=1024.0, backoff_factor=0.25, growth_factor=4.0)' in (
+        code
+    )
+    assert "Scaler = _fsdp2_helpers.GradScaler\n" in code
     assert "grouped = fsdp_bridge.GradScaler(init_scale=8.0, process_group=group)" in code
     assert f"# {TODO}: fsdp_bridge.GradScaler(...): kept on fsdp_bridge under --target torch: process_group=" in code
     assert [f.line for f in result.findings if not f.fixable] == [10]  # the grouped one

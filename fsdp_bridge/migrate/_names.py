@@ -21,7 +21,8 @@ FSDP = "FullyShardedDataParallel"
 # What the bridge target writes for FSDP1's ShardedGradScaler, and why not torch.amp.GradScaler.
 SCALER_TEXT = (
     "sums the overflow check over the ranks, as FSDP1's flat-shard gradients need on the fsdp1 backend and "
-    "DTensor gradients allow on fsdp2; --target torch writes torch.amp.GradScaler(...), right on FSDP2 only"
+    "DTensor gradients allow on fsdp2; --target torch writes _fsdp2_helpers.GradScaler(...) (torch.amp.GradScaler "
+    "that unscales float16 gradients as ShardedGradScaler does), right on FSDP2 only"
 )
 
 

@@ -282,6 +282,17 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     return total.to(dtype)  # FSDP1 returns the norm in the gradients' dtype
 
 
+class GradScaler(torch.amp.GradScaler):
+    """torch.amp.GradScaler, for FSDP1's ShardedGradScaler: FSDP2's DTensor gradients agree on an overflow over
+    their own mesh, and float16 gradients (parameters kept in float16, no mixed precision) are unscaled too, as
+    ShardedGradScaler unscales them (torch.amp.GradScaler refuses them)."""
+
+    def _unscale_grads_(
+        self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor, allow_fp16: bool
+    ) -> dict[torch.device, torch.Tensor]:
+        return super()._unscale_grads_(optimizer, inv_scale, found_inf, True)
+
+
 @contextlib.contextmanager
 def no_sync(model: nn.Module) -> Iterator[None]:
     """FSDP1's model.no_sync(): backward inside accumulates gradients without reducing them across ranks.
@@ -318,7 +329,7 @@ def summon_full_params(
     with_grads: bool = False,
 ) -> Iterator[None]:
     """FSDP1's FSDP.summon_full_params(model, ...) for a model sharded with fully_shard. Every rank must enter it
-    (the gather is a collective); autograd is off inside.
+    (the gather is a collective); the block runs in the caller's grad mode, as FSDP1's does.
 
     Inside, the model's parameters are full tensors: new objects, so read them from the model inside the block
     (a list of parameters taken before it still holds the shards). writeback=True copies each rank's part of
@@ -337,14 +348,13 @@ def summon_full_params(
         raise ValueError("summon_full_params: with_grads=True with offload_to_cpu=True (FSDP1 refuses the pair too)")
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
     if not recurse:
-        with torch.no_grad():
+        if isinstance(model, FSDPModule):
+            model.unshard()
+        try:
+            yield
+        finally:
             if isinstance(model, FSDPModule):
-                model.unshard()
-            try:
-                yield
-            finally:
-                if isinstance(model, FSDPModule):
-                    model.reshard()
+                model.reshard()
         return
     keep = not rank0_only or not dist.is_initialized() or dist.get_rank() == 0
     for unit in units:
@@ -364,10 +374,11 @@ def summon_full_params(
                 if keep:
                     module._parameters[name] = full_of[id(param)]
                     swapped.append((module, name, param, full_of[id(param)]))
-        try:
-            yield
-        finally:
-            written: set[int] = set()
+    try:
+        yield  # in the caller's grad mode, as FSDP1 runs the block (a loss made inside keeps its graph)
+    finally:
+        written: set[int] = set()
+        with torch.no_grad():
             for module, name, sharded, full in swapped:
                 module._parameters[name] = sharded
                 if writeback and id(sharded) not in written:
@@ -375,8 +386,8 @@ def summon_full_params(
                     _write_shard(full.detach(), sharded)
                     if with_grads and isinstance(sharded.grad, DTensor) and full.grad is not None:
                         _write_shard(full.grad, sharded.grad)
-            for unit in units:
-                unit.reshard()  # a forward run inside left units gathered: back to their shards
+        for unit in units:
+            unit.reshard()  # a forward run inside left units gathered: back to their shards
 
 
 def _write_shard(full: torch.Tensor, sharded: DTensor) -> None:

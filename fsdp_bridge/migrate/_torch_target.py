@@ -14,8 +14,9 @@ made there, once); this pass then replaces each bridge call it can write in plai
 * ``fsdp_bridge.is_sharded(m)`` -> ``isinstance(m, FSDPModule)``; ``fsdp_bridge.unwrapped(m)`` -> ``m`` (both kept
   in a file importing a library that wraps models in FSDP1 itself, ``WRAPPING_LIBRARIES``);
   ``fsdp_bridge.ShardedModule`` (a type: annotation, validator, ``Optional[...]``) -> ``FSDPModule``;
-* ``fsdp_bridge.GradScaler(...)`` -> ``torch.amp.GradScaler(...)`` (arguments past the device named; kept when
-  it passes ``process_group=``), and ``fsdp_bridge.GradScaler`` named as a value -> ``torch.amp.GradScaler``;
+* ``fsdp_bridge.GradScaler(...)`` -> ``_fsdp2_helpers.GradScaler(...)`` (torch.amp.GradScaler that unscales
+  float16 gradients too; arguments past the device named; kept when it passes ``process_group=``), and
+  ``fsdp_bridge.GradScaler`` named as a value -> ``_fsdp2_helpers.GradScaler``;
 * ``fsdp_bridge.full_state_dict(m)`` / ``full_optim_state_dict(m, o)`` -> ``get_model_state_dict`` /
   ``get_optimizer_state_dict`` with ``StateDictOptions(full_state_dict=True[, cpu_offload=True])`` (every rank,
   or rank 0 in CPU memory when no file of the tree shards over process groups).
@@ -518,7 +519,8 @@ class _Lowerer(cst.CSTTransformer):
         raise _CannotLower(why)
 
     def _scaler(self, call: cst.Call, args: list[cst.Arg]) -> cst.BaseExpression:
-        """The bridge's scaler (FSDP1's ShardedGradScaler) as ``torch.amp.GradScaler``: right on FSDP2, whose
+        """The bridge's scaler (FSDP1's ShardedGradScaler) as the helpers' ``torch.amp.GradScaler`` (float16
+        gradients unscaled too, as ShardedGradScaler does): right on FSDP2, whose
         DTensor gradients reduce the overflow check over their mesh. Arguments given by position past the
         device are named: the two classes order ``backoff_factor`` and ``growth_factor`` differently."""
         if any(a.star for a in args):
@@ -528,7 +530,7 @@ class _Lowerer(cst.CSTTransformer):
         ):
             raise _CannotLower(
                 "process_group= given: torch.amp.GradScaler takes no group (FSDP2's DTensor gradients agree on "
-                "an overflow over their own mesh); drop it and write torch.amp.GradScaler(...)"
+                "an overflow over their own mesh); drop it and write _fsdp2_helpers.GradScaler(...)"
             )
         named = [
             a.with_changes(
@@ -541,8 +543,8 @@ class _Lowerer(cst.CSTTransformer):
             else a
             for i, a in enumerate(args)
         ]
-        self.result_imports.add(("torch", None))
-        return call.with_changes(func=cst.parse_expression("torch.amp.GradScaler"), args=commas(named))
+        self.uses_helpers = True
+        return call.with_changes(func=cst.parse_expression(f"{HELPERS_NAME}.GradScaler"), args=commas(named))
 
     def _full_state(self, name: str, args: list[cst.Arg]) -> cst.BaseExpression:
         """FSDP1's full state on every rank, or on rank 0 in CPU memory: DCP's ``StateDictOptions`` says
@@ -583,9 +585,9 @@ class _Lowerer(cst.CSTTransformer):
         if code_of(updated_node) == "fsdp_bridge.GradScaler" and id(original_node) not in self.inside:
             # passed on, aliased or in an annotation: torch's class (no process_group=; its positional order
             # swaps backoff_factor and growth_factor)
-            self.result_imports.add(("torch", None))
-            self._record(original_node, "GradScaler", "torch.amp.GradScaler")
-            return cst.parse_expression("torch.amp.GradScaler")
+            self.uses_helpers = True
+            self._record(original_node, "GradScaler", f"{HELPERS_NAME}.GradScaler")
+            return cst.parse_expression(f"{HELPERS_NAME}.GradScaler")
         if (
             code_of(updated_node) == "fsdp_bridge.ShardedModule"
             and id(original_node) not in self.inside

@@ -392,14 +392,11 @@ class StateDictFixer(ScannerBase):
         )
 
     def _for_fsdp2_only(self, code: str, target: str, node: cst.Call) -> str:
-        """``code`` (torch's state-dict call) where ``target`` is an FSDP2 module, ``node`` (its own call) for
-        anything else: DDP, a module FSDP1 still wraps."""
+        """``code`` (torch's state-dict call) where ``target`` holds FSDP2 modules (is one, or a plain module whose
+        parts were sharded, as FSDP1 code wrapping only some submodules leaves it; torch.compile's wrapper of
+        one), ``node`` (its own call) for anything else: DDP, a module FSDP1 still wraps."""
         self.needs_imports.add(("torch.distributed.fsdp", "FSDPModule"))
-        tested = target
-        if any(f"torch.compile({target})" in line.split("#", 1)[0] for line in self.lines):
-            # torch.compile's wrapper of the sharded model is no FSDPModule: test the module it compiles
-            tested = f'getattr({target}, "_orig_mod", {target})'
-        return f"({code} if isinstance({tested}, FSDPModule) else {code_of(node)})"
+        return f"({code} if any(isinstance(m, FSDPModule) for m in {target}.modules()) else {code_of(node)})"
 
     def _model_state_call(self, method: str, target: str, args: list[cst.Arg], *, full: bool) -> str:
         """torch's call for ``target.state_dict()`` / ``target.load_state_dict(sd[, strict])``: full or sharded."""
