@@ -187,7 +187,7 @@ def test_another_root_in_a_state_dict_block_keeps_fsdp1_full_state_dicts_once_fs
     full = "options=StateDictOptions(full_state_dict=True)"
     # the context covers self.net only: self.shadow (wrapped elsewhere, maybe) kept FSDP1's default full state
     assert (
-        f'"shadow": (get_model_state_dict(self.shadow, {full}) if isinstance(self.shadow, FSDPModule) '
+        f'"shadow": (get_model_state_dict(self.shadow, {full}) if any(isinstance(m, FSDPModule) for m in self.shadow.modules()) '
         "else self.shadow.state_dict())" in fixed
     )
     assert (
@@ -977,3 +977,39 @@ def test_a_state_dict_taken_under_a_rank_test_is_a_todo() -> None:
         "    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))\n"
         in result.fixed
     )
+
+
+def test_a_plain_root_whose_parts_a_function_of_the_tree_wrapped_saves_full_tensors(tmp_path: Path) -> None:
+    # build() wraps each child of the model with FSDP1's `wrap` (or assigns a wrapped head) and returns the model
+    # itself, plain: FSDP1's units give full tensors to its state_dict(); FSDP2's would give DTensor shards. The
+    # guarded full-state form tests every module of it.
+    (tmp_path / "units.py").write_text(
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n"
+        "from torch.distributed.fsdp.wrap import enable_wrap, wrap\n\n\n"
+        "def build(net):\n"
+        "    with enable_wrap(wrapper_cls=FSDP):\n"
+        "        for name, child in net.named_children():\n"
+        "            net.add_module(name, wrap(child))\n"
+        "    return net.cpu()\n\n\n"
+        "def build_head(net):\n"
+        "    net.head = FSDP(net.head)\n"
+        "    return net\n"
+    )
+    (tmp_path / "run.py").write_text(
+        "import torch\n"
+        "from units import build, build_head\n\n\n"
+        "def main(make, other):\n"
+        "    model = build(make())\n"
+        "    torch.save(model.state_dict(), 'a.pt')\n"
+        "    second = build_head(make())\n"
+        "    second.load_state_dict(torch.load('a.pt'))\n"
+        "    torch.save(other.state_dict(), 'b.pt')\n"
+    )
+    run = {Path(r.path).name: r for r in migrate_paths([tmp_path])[1]}["run.py"]
+    assert (
+        "    torch.save((get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)) "
+        "if any(isinstance(m, FSDPModule) for m in model.modules()) else model.state_dict()), 'a.pt')\n"
+    ) in run.fixed
+    assert "    second.load_state_dict" not in run.fixed and "set_model_state_dict(second, " in run.fixed
+    assert "    torch.save(other.state_dict(), 'b.pt')\n" in run.fixed
+    assert migrate_source(run.fixed, "run.py").fixed == run.fixed

@@ -428,7 +428,7 @@ def _helper_summon_and_optimizer_load(helpers: Any, build: Any, block: type) -> 
         plain = {n: (p.clone(), p.grad.clone()) for n, p in model.named_parameters()}
         grad_mode = torch.is_grad_enabled()
     same = bridge.keys() == plain.keys() and all(torch.equal(bridge[n][i], plain[n][i]) for n in bridge for i in (0, 1))
-    with helpers.summon_full_params(model, writeback=True):
+    with helpers.summon_full_params(model, writeback=True), torch.no_grad():  # the caller's grad mode, as FSDP1's
         for p in model.parameters():
             p.mul_(2)
     with fsdp_bridge.summon_full_params(model):
@@ -447,7 +447,7 @@ def _helper_summon_and_optimizer_load(helpers: Any, build: Any, block: type) -> 
         torch.equal(full["state"][k][s], loaded["state"][k][s]) for k in full["state"] for s in full["state"][k]
     )
     return [
-        ("summon", same and not grad_mode),
+        ("summon", same and grad_mode),
         ("writeback", doubled),
         ("rank0_only", full_here == (dist.get_rank() == 0)),
         ("recurse=False", own),

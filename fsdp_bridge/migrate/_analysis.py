@@ -276,6 +276,10 @@ class Dispatch:
     subclassed: set[str] = field(default_factory=set)
     """Names of the classes some class of the tree derives from (the last part of each base): a subclass may
     assign an attribute its base's methods read (see ``subclassed_names``)."""
+    unit_holders: set[str] = field(default_factory=set)
+    """Top-level functions of the tree by name that wrap parts of a module with FSDP1 and return the module itself
+    (``model.add_module(name, wrap(child))``, ``model.head = FSDP(model.head)``, then ``return model.cuda()``): a
+    plain root holding FSDP1 units, whose ``state_dict()`` FSDP1 gives full (see :func:`find_unit_holders`)."""
     defined_twice: set[str] = field(default_factory=set)
     """Top-level functions of the tree defined in more than one file (``train_one_epoch`` of each training
     script): a call of one of them does not say which one it reaches."""
@@ -289,6 +293,7 @@ class Dispatch:
             self.fsdp1_results.setdefault(name, set()).update(positions)
         self.fsdp1_factories |= other.fsdp1_factories
         self.fsdp1_sure_factories |= other.fsdp1_sure_factories
+        self.unit_holders |= other.unit_holders
         self.fsdp1_predicates |= other.fsdp1_predicates
         for name, where in other.vendored_functions.items():
             self.vendored_functions.setdefault(name, where)
@@ -570,6 +575,54 @@ def find_fsdp1_factories(wrapper: MetadataWrapper, path: str) -> tuple[set[str],
 
     wrapper.visit(V())
     return module_suffixes(path, some), module_suffixes(path, every)
+
+
+def find_unit_holders(wrapper: MetadataWrapper) -> set[str]:
+    """``Dispatch.unit_holders`` of one file: top-level functions that give a part of a module FSDP1's wrapper
+    (``X.add_module(name, wrap(child))`` / ``FSDP(child)``, ``setattr(X, name, ...)``, ``X.attr = FSDP(...)``)
+    and return ``X`` (or ``X.cuda()``, ``X.to(...)``: a call of a method of it)."""
+    found: set[str] = set()
+    found_aliases = class_aliases(wrapper)
+
+    class V(FollowsAliases):
+        aliases = found_aliases
+
+        METADATA_DEPENDENCIES = (QualifiedNameProvider,)
+
+        def wraps(self, value: cst.BaseExpression | None) -> bool:
+            return isinstance(value, cst.Call) and resolve_fsdp(
+                self.get_metadata(QualifiedNameProvider, value.func, set())
+            ) in ((FSDP, ""), ("wrap", ""))
+
+        def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
+            holders: set[str] = set()
+            for n in walk(node.body):
+                if isinstance(n, cst.Assign) and self.wraps(n.value):
+                    holders |= {
+                        code_of(t.target.value)
+                        for t in n.targets
+                        if isinstance(t.target, cst.Attribute) and isinstance(t.target.value, cst.Name)
+                    }
+                elif (
+                    isinstance(n, cst.Call) and isinstance(n.func, cst.Attribute) and n.func.attr.value == "add_module"
+                ):
+                    if len(n.args) == 2 and self.wraps(n.args[1].value) and isinstance(n.func.value, cst.Name):
+                        holders.add(n.func.value.value)
+                elif isinstance(n, cst.Call) and m.matches(n.func, m.Name("setattr")) and len(n.args) == 3:
+                    if self.wraps(n.args[2].value) and isinstance(n.args[0].value, cst.Name):
+                        holders.add(code_of(n.args[0].value))
+            for r in walk(node.body):
+                if not isinstance(r, cst.Return) or r.value is None:
+                    continue
+                value = r.value
+                while isinstance(value, cst.Call) and isinstance(value.func, cst.Attribute):
+                    value = value.func.value  # model.cuda(), model.to(device)
+                if isinstance(value, cst.Name) and value.value in holders:
+                    found.add(node.name.value)
+            return False
+
+    wrapper.visit(V())
+    return found
 
 
 def tests_fsdp1(fn: cst.FunctionDef, qualified: Callable[[cst.CSTNode], Any]) -> bool:

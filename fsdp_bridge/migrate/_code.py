@@ -63,6 +63,7 @@ from fsdp_bridge.migrate._analysis import (
     find_fsdp1_predicates,
     find_instance_attributes,
     find_own_methods,
+    find_unit_holders,
     finds_state_dict_context,
     from_imports,
     handed_across_files,
@@ -576,6 +577,7 @@ def migrate_paths(
                         fsdp1_attributes=find_fsdp1_attributes(parsed),
                         instance_attributes=find_instance_attributes(parsed),
                         fsdp1_predicates=find_fsdp1_predicates(parsed, str(f)),
+                        unit_holders=find_unit_holders(parsed),
                     )
                 )
                 dispatch.merge(find_fsdp1_arguments(parsed))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import libcst as cst
 import libcst.matchers as m
-from libcst.metadata import QualifiedNameProvider
+from libcst.metadata import QualifiedNameProvider, QualifiedNameSource
 
 from fsdp_bridge.migrate._analysis import called_as, code_of, handed_parameters, short, walk
 from fsdp_bridge.migrate._names import FSDP, INTERNAL_ATTRS, wrapper_defines
@@ -141,8 +141,12 @@ class Scanner(
         copy = self._vendored_function(self.get_metadata(QualifiedNameProvider, func, set()))
         if self.planning:
             self.called.add(id(func))
-            if self._fsdp1_factory(self.get_metadata(QualifiedNameProvider, func, set())):
-                self.uses_fsdp1 = True  # the file is handed an FSDP1 model by another file of the tree
+            quals = self.get_metadata(QualifiedNameProvider, func, set())
+            if self._fsdp1_factory(quals) or any(
+                q.source is QualifiedNameSource.IMPORT and q.name.rsplit(".", 1)[-1] in self.dispatch.unit_holders
+                for q in quals
+            ):
+                self.uses_fsdp1 = True  # the file is handed an FSDP1 model (or one holding FSDP1 units) by another
             if self._tree_predicate(self.get_metadata(QualifiedNameProvider, func, set())):
                 self.uses_fsdp1 = True  # it tests for FSDP1's wrapper with a function of another file
             if copy is not None:

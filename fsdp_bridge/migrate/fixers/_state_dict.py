@@ -200,8 +200,11 @@ class StateDictFixer(ScannerBase):
         ):
             # A call of the tree hands this function an FSDP1 model (other calls may hand it other modules)
             wrapper, handed = "ambiguous", True
-        if wrapper not in ("fsdp1", "ambiguous", "handed") and self._factory_result(node, obj) != "":
-            # ``model, tok = setup_model(...)``: a function of the tree returns FSDP1's model there (on some path)
+        if wrapper not in ("fsdp1", "ambiguous", "handed") and (
+            self._factory_result(node, obj) != "" or self._holder_result(node, obj)
+        ):
+            # ``model, tok = setup_model(...)``: a function of the tree returns FSDP1's model there (on some path),
+            # or a plain module it gave FSDP1 units (whose state dicts FSDP1 gives full)
             wrapper = "ambiguous"
         if wrapper not in ("fsdp1", "ambiguous"):
             if id(node) not in self.other_roots or self._an_optimizer_here(code_of(obj)):
@@ -209,7 +212,7 @@ class StateDictFixer(ScannerBase):
             wrapper = "handed"  # in another model's state_dict_type block; nothing here shows what it is
         target, method = code_of(obj), func.attr.value
         stmt = self.stmt_stack[-1] if self.stmt_stack else None
-        if stmt is not None and f"FSDPModule) else {target}.{method}(" in code_of(stmt):
+        if stmt is not None and f"FSDPModule) for m in {target}.modules()) else {target}.{method}(" in code_of(stmt):
             return True  # the DDP branch a first --fix wrote
         if (guard := self._rank_guard()) is not None and wrapper == "fsdp1":
             self._record(
@@ -375,6 +378,24 @@ class StateDictFixer(ScannerBase):
             True,
         )
         return True
+
+    def _holder_result(self, node: cst.CSTNode, obj: cst.BaseExpression) -> bool:
+        """``obj = f(...)`` above ``node`` in this function, ``f`` a function of the tree that gives parts of a
+        module FSDP1's wrapper and returns the module (``Dispatch.unit_holders``)."""
+        if not (isinstance(obj, cst.Name) and self.functions and self.dispatch.unit_holders):
+            return False
+        at = self.get_metadata(PositionProvider, node).start
+        for n in walk(self.functions[-1]):
+            if (
+                isinstance(n, cst.Assign)
+                and isinstance(n.value, cst.Call)
+                and any(m.matches(t.target, m.Name(obj.value)) for t in n.targets)
+                and code_of(n.value.func).rsplit(".", 1)[-1] in self.dispatch.unit_holders
+            ):
+                start = self.get_metadata(PositionProvider, n).start
+                if (start.line, start.column) < (at.line, at.column):
+                    return True
+        return False
 
     def _in_own_state_dict_type_block(self, target: str) -> bool:
         """Inside ``with FSDP.state_dict_type(target, ...):`` (or a kept block of it): the block decides the call's
