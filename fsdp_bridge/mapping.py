@@ -138,6 +138,12 @@ _ONE_RANK_GROUP = (
     "unless reshard_after_forward is set (nothing is communicated; it frees FSDP2's one-rank copy)"
 )
 
+_HYBRID_ONE_RANK = (
+    " With one rank per shard group (one GPU per node), torch's FSDP1 turned HYBRID into NO_SHARD over each "
+    "one-rank group and never all-reduced across the groups (each trained its own copy); FSDP2 all-reduces "
+    "over the replicate dimension, so such a run trains one model now"
+)
+
 TABLE: tuple[Rule, ...] = (
     # -- strategy ----------------------------------------------------------------
     Rule(
@@ -188,7 +194,9 @@ TABLE: tuple[Rule, ...] = (
         T(
             N,
             "2D mesh (replicate, shard); reshard_after_forward=True on every unit, False on the root."
-            + _ONE_RANK_GROUP,
+            + _ONE_RANK_GROUP
+            + "."
+            + _HYBRID_ONE_RANK,
         ),
         _strategy(SS.HYBRID_SHARD),
     ),
@@ -199,7 +207,7 @@ TABLE: tuple[Rule, ...] = (
         T(N, "ShardingStrategy._HYBRID_SHARD_ZERO2 on a 2D device mesh (replicate, shard)"),
         T(
             N,
-            "2D mesh (replicate, shard); reshard_after_forward=False." + _ONE_RANK_GROUP,
+            "2D mesh (replicate, shard); reshard_after_forward=False." + _ONE_RANK_GROUP + "." + _HYBRID_ONE_RANK,
         ),
         _strategy(SS.HYBRID_SHARD_ZERO2),
     ),
@@ -456,7 +464,12 @@ TABLE: tuple[Rule, ...] = (
         "true, on an accelerator",
         "cpu_offload=CPUOffload(offload_params=True)",
         T(N, "CPUOffload(offload_params=True)"),
-        T(N, "offload_policy=CPUOffloadPolicy(pin_memory=True)"),
+        T(
+            N,
+            "offload_policy=CPUOffloadPolicy(pin_memory=True). The gradients are then CPU DTensors: a collective "
+            "over them (a loss scaler's overflow check, the clip's global norm) needs a process group with a CPU "
+            "backend, init_process_group('cuda:nccl,cpu:gloo') (an NCCL-only group raises there)",
+        ),
         lambda c: c.config.cpu_offload and not _on_cpu(c),
     ),
     Rule(

@@ -705,3 +705,24 @@ def test_ray_trains_fsdp_strategy_and_a_subclass_of_it_are_reported() -> None:
         (4, "class Custom(RayFSDPStrategy) (a subclass of Lightning's FSDP1 strategy)"),
         (9, "RayFSDPStrategy(...) (Lightning's FSDP1 strategy)"),
     ]
+
+
+def test_torchs_own_scaler_beside_an_fsdp1_model_gets_a_note() -> None:
+    # torch.amp's scaler checks each rank's flat shard alone on FSDP1 (ranks may step apart), the whole model on
+    # FSDP2: a note where the file wraps a model with FSDP1, none in a file that does not.
+    code = (
+        "import torch\n"
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n\n\n"
+        "def setup(net):\n"
+        "    model = FSDP(net)\n"
+        "    return model, torch.cuda.amp.GradScaler(), torch.amp.GradScaler('cuda')\n"
+    )
+    result = migrate_source(code, "amp.py")
+    notes = [(f.line, f.construct) for f in result.findings if f.note]
+    assert notes == [
+        (7, "torch.cuda.amp.GradScaler(...) (torch's scaler, beside an FSDP1 model)"),
+        (7, "torch.amp.GradScaler(...) (torch's scaler, beside an FSDP1 model)"),
+    ]
+    assert "every rank skips the same steps" in next(f.replacement for f in result.findings if f.note)
+    plain = migrate_source("import torch\n\nscaler = torch.amp.GradScaler('cuda')\n", "plain.py")
+    assert not plain.findings

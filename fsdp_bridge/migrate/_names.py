@@ -66,7 +66,8 @@ NAMES: dict[str, str] = {
     "StateDictType": "fsdp_bridge.save_checkpoint(..., kind='full'|'sharded')",
     "FullStateDictConfig": "fsdp_bridge.save_checkpoint(..., kind='full') (rank 0 writes, CPU copy)",
     "ShardedStateDictConfig": "fsdp_bridge.save_checkpoint(..., kind='sharded')",
-    "LocalStateDictConfig": "fsdp_bridge.save_checkpoint(..., kind='sharded') (FSDP2 has no local state dict)",
+    "LocalStateDictConfig": "fsdp_bridge.save_checkpoint / load_checkpoint(..., kind='sharded') (FSDP2 has no local "
+    "state dict)",
     "FullOptimStateDictConfig": "fsdp_bridge.save_checkpoint(path, model, optimizer, kind='full')",
     "ShardedOptimStateDictConfig": "fsdp_bridge.save_checkpoint(path, model, optimizer, kind='sharded')",
     "summon_full_params": "fsdp_bridge.summon_full_params(model, writeback=...); " + fsdp2_text("summon_full_params"),

@@ -22,13 +22,19 @@ from fsdp_bridge.migrate._scan_base import ScannerBase
 _RANK_TEST = re.compile(r"rank\b|rank\(\)|\bis_main|\bis_master|main_process|master_process|\brank0\b", re.I)
 
 
-def rank_guard_text(guard: str, what: str) -> str:
-    """The TODO for a state-dict call under a test that picks ranks."""
+def rank_guard_text(guard: str, what: str, *, block: bool = False) -> str:
+    """The TODO for a state-dict call (``block``: a state_dict_type block) under a test that picks ranks."""
     return (
         f"not rewritten: under `if {short(guard, 40)}:` (some ranks only): {what}; a full or sharded state "
         "dict of a sharded model gathers across every rank (FSDP1's too, unless its units were left gathered by "
         "a forward just before), and FSDP2's get_model_state_dict / set_model_state_dict always do: call them on "
         "every rank before the test (rank0_only / cpu_offload=True keeps the result on rank 0), and save under it"
+        + (
+            ". Left as written, FSDP1's state_dict_type context on a model the rest of the file now shards with "
+            "FSDP2 sets nothing, and raises KeyError on leaving the block"
+            if block
+            else ""
+        )
     )
 
 
@@ -651,7 +657,7 @@ class StateDictFixer(ScannerBase):
             self._record(
                 call,
                 f"FSDP.state_dict_type({kind or code_of(type_arg)})",
-                rank_guard_text(guard, f"the state-dict calls of this block on {short(model, 30)}"),
+                rank_guard_text(guard, f"the state-dict calls of this block on {short(model, 30)}", block=True),
                 False,
             )
             return
