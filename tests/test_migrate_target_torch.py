@@ -701,9 +701,11 @@ def test_a_file_importing_a_library_that_wraps_in_fsdp1_keeps_the_bridges_type_t
         assert not any("FSDPModule" in line for line in code_lines) and "import fsdp_bridge" in code_lines
         assert fixed.count(f"# {TODO}: fsdp_bridge.") == 2 and f"this file uses {lib.split('.')[0]}," in fixed
         assert migrate_source(fixed, "export.py", target="torch").fixed == fixed
-    # without such an import every model is fully_shard's after --fix: plain torch as before
-    plain = migrate_source(code.replace("from {lib} import State\n", ""), "export.py", target="torch").fixed
-    assert "isinstance(state.model.model, FSDPModule)" in plain and "fsdp_bridge" not in plain
+    # without such an import every model is fully_shard's after --fix: plain torch as before; accelerate's loading
+    # utilities alone wrap nothing
+    for lib in ("", "from accelerate import load_checkpoint_and_dispatch, init_empty_weights\n"):
+        plain = migrate_source(code.replace("from {lib} import State\n", lib), "export.py", target="torch").fixed
+        assert "isinstance(state.model.model, FSDPModule)" in plain and "fsdp_bridge" not in plain
 
 
 def test_an_optimizer_load_under_a_state_dict_type_set_at_run_time_keeps_the_bridge() -> None:

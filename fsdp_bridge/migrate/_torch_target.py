@@ -65,6 +65,37 @@ _FSDP = "torch.distributed.fsdp"
 WRAPPING_LIBRARIES = ("composer", "lightning", "pytorch_lightning", "lightning_fabric", "accelerate", "fairseq2")
 """Training libraries that wrap the models they are handed in FSDP1's wrapper themselves (their FSDP1 path):
 in a file importing one, a model may be such a wrapper after --fix, so the bridge's type test and unwrap stay."""
+_ACCELERATE_LOADERS = frozenset(
+    {
+        "load_checkpoint_and_dispatch",
+        "load_checkpoint_in_model",
+        "init_empty_weights",
+        "init_on_device",
+        "infer_auto_device_map",
+        "dispatch_model",
+        "cpu_offload",
+        "disk_offload",
+    }
+)
+"""accelerate's big-model loading utilities: they place a model on devices and wrap nothing in FSDP1."""
+
+
+def _accelerate_loaders_only(module: cst.Module) -> bool:
+    """Every name the file takes from accelerate is one of its loading utilities (no ``import accelerate``)."""
+    names: set[str] = set()
+    for n in walk(module):
+        if isinstance(n, cst.Import) and any(code_of(a.name).split(".")[0] == "accelerate" for a in n.names):
+            return False
+        if (
+            isinstance(n, cst.ImportFrom)
+            and n.module is not None
+            and code_of(n.module).split(".")[0] == "accelerate"
+            and not n.relative
+        ):
+            if isinstance(n.names, cst.ImportStar):
+                return False
+            names |= {code_of(a.name) for a in n.names}
+    return bool(names) and names <= _ACCELERATE_LOADERS
 _STATE = "torch.distributed.checkpoint.state_dict"
 
 
@@ -710,6 +741,8 @@ def lower_to_torch(
     lowerer.wrapping_library = next(
         (m.split(".")[0] for m in imports_of(module.code) if m.split(".")[0] in WRAPPING_LIBRARIES), None
     )
+    if lowerer.wrapping_library == "accelerate" and _accelerate_loaders_only(module):
+        lowerer.wrapping_library = None  # its big-model loading utilities alone (load_checkpoint_and_dispatch)
     if lowerer.wrapping_library is None and (kept or KEPT_CONSTRUCTOR in module.code):
         lowerer.wrapping_library = (
             "torch's FSDP1 (kept as written in the tree: a constructor or a subclass of its wrapper, see its TODO)"
