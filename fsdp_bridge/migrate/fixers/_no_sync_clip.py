@@ -20,7 +20,9 @@ LOCAL_CLIP = (
     "shards this rank holds, so each rank clips by the norm of its own shard, while on FSDP2 the parameters are "
     "DTensors and the norm is the whole model's (what FSDP1's own model.clip_grad_norm_ gives): the clipping, "
     "and any norm it returns or logs, change to the global one; the norm it returns is a DTensor there "
-    "(.item() and float() work, a format spec such as f'{norm:.3f}' raises TypeError: use norm.full_tensor())"
+    "(.item() and float() work, a format spec such as f'{norm:.3f}' raises TypeError: use norm.full_tensor()). "
+    "Parameters left plain beside the DTensors (ignored_modules') make torch's clip raise (mixed torch.Tensor "
+    "and DTensor); fsdp_bridge.clip_grad_norm_(model, max_norm) takes both"
 )
 
 

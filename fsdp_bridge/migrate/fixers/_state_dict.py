@@ -606,7 +606,8 @@ class StateDictFixer(ScannerBase):
                 self._consume(value)
         what = ", ".join(sorted({code.split("(")[0] for code in rewrites.values()}))
         full_load = any(
-            c.startswith("set_model_state_dict(") and "full_state_dict=True" in c for c in rewrites.values()
+            c.startswith("set_model_state_dict(") and ("full_state_dict=True" in c or "FULL_STATE_DICT" in c)
+            for c in rewrites.values()
         )
         self._record(
             node,
