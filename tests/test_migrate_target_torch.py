@@ -194,6 +194,7 @@ def make(enabled: bool) -> ShardedGradScaler:
 scaler = ShardedGradScaler("cpu", 1024.0, 0.25, 4.0)
 grouped = ShardedGradScaler(init_scale=8.0, process_group=group)
 Scaler = ShardedGradScaler
+default_group = ShardedGradScaler(enabled=True, process_group=None)
 """
 
 
@@ -218,6 +219,7 @@ def test_sharded_grad_scaler_is_the_bridges_and_plain_torchs_only_under_target_t
         code
     )
     assert "Scaler = _fsdp2_helpers.GradScaler\n" in code
+    assert "default_group = _fsdp2_helpers.GradScaler(enabled=True)\n" in code  # the default group: dropped
     assert "grouped = fsdp_bridge.GradScaler(init_scale=8.0, process_group=group)" in code
     assert f"# {TODO}: fsdp_bridge.GradScaler(...): kept on fsdp_bridge under --target torch: process_group=" in code
     assert [f.line for f in result.findings if not f.fixable] == [10]  # the grouped one

@@ -96,6 +96,8 @@ def _accelerate_loaders_only(module: cst.Module) -> bool:
                 return False
             names |= {code_of(a.name) for a in n.names}
     return bool(names) and names <= _ACCELERATE_LOADERS
+
+
 _STATE = "torch.distributed.checkpoint.state_dict"
 
 
@@ -556,6 +558,12 @@ class _Lowerer(cst.CSTTransformer):
         device are named: the two classes order ``backoff_factor`` and ``growth_factor`` differently."""
         if any(a.star for a in args):
             raise _CannotLower("arguments unpacked with * or **: process_group= may be among them")
+        # process_group=None is ShardedGradScaler's default (the default group): nothing to keep
+        args = [
+            a
+            for a in args
+            if not (a.keyword is not None and a.keyword.value == "process_group" and m.matches(a.value, m.Name("None")))
+        ]
         if sum(a.keyword is None for a in args) == len(_SCALER_ARGS) or any(
             a.keyword is not None and a.keyword.value == "process_group" for a in args
         ):
