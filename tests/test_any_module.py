@@ -292,6 +292,11 @@ def _numerics() -> dict[str, Any]:
     out["storage"] = _move_and_free(rank)
     out["scaler"] = _scaler_overflow(rank)
     out["summon_grad"] = _loss_inside_summon()
+    # a model's own state_dict() inside summon_full_params (left as written by migrate code): full plain tensors
+    model = fsdp_bridge.shard(_net(), BridgeConfig.from_fsdp1(auto_wrap_policy=_blocks))
+    with fsdp_bridge.summon_full_params(model):
+        inside = model.state_dict()
+    out["state_in_summon"] = sorted((k, type(v).__name__, tuple(v.shape)) for k, v in inside.items())
     return out
 
 
@@ -512,6 +517,14 @@ def test_ddp_and_fully_shard_numerics_match_their_own_calls(run_on_ranks: Any) -
         assert r["holder_full_state"]  # not sharded tensors: the holder's model is found to be FSDP1's
         # a loss computed inside summon_full_params backpropagates after it, as on FSDP1
         assert r["summon_grad"] == (True, True, True)
+        assert r["state_in_summon"] == [
+            ("0.bias", "Tensor", (16,)),
+            ("0.weight", "Tensor", (16, 8)),
+            ("2.0.bias", "Tensor", (16,)),
+            ("2.0.weight", "Tensor", (16, 16)),
+            ("3.bias", "Tensor", (4,)),
+            ("3.weight", "Tensor", (4, 16)),
+        ]
         assert r["nested_resharded"] == (True, False)
         # reshard after an evaluation forward: what was held gathered is freed, the train steps that
         # follow are those of a run without it (FSDP2 through shard() reshards such a forward itself)

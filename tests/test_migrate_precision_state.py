@@ -1013,3 +1013,24 @@ def test_a_plain_root_whose_parts_a_function_of_the_tree_wrapped_saves_full_tens
     assert "    second.load_state_dict" not in run.fixed and "set_model_state_dict(second, " in run.fixed
     assert "    torch.save(other.state_dict(), 'b.pt')\n" in run.fixed
     assert migrate_source(run.fixed, "run.py").fixed == run.fixed
+
+
+def test_a_models_state_dict_inside_its_own_summon_is_kept() -> None:
+    # Inside summon_full_params(model) the parameters are the full tensors and model.state_dict() gives them on
+    # both backends, a local call: kept as written (no rewrite to a gathering call, no rank-test TODO).
+    code = (
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n\n\n"
+        "def ema(net, copy, rank):\n"
+        "    model = FSDP(net)\n"
+        "    if rank == 0:\n"
+        "        with FSDP.summon_full_params(model):\n"
+        "            copy.load_state_dict(model.state_dict())\n"
+        "    return model.state_dict()\n"
+    )
+    result = migrate_source(code, "ema.py")
+    kept = [f for f in result.findings if f.line == 8]
+    assert [(f.fixable, f.construct) for f in kept] == [(True, "model.state_dict()")]
+    assert kept[0].replacement.startswith("kept as is: inside summon_full_params(model)")
+    assert "            copy.load_state_dict(model.state_dict())\n" in result.fixed
+    assert "    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))\n" in result.fixed
+    assert "TODO" not in result.fixed

@@ -217,6 +217,15 @@ class StateDictFixer(ScannerBase):
                 return False
             wrapper = "handed"  # in another model's state_dict_type block; nothing here shows what it is
         target, method = code_of(obj), func.attr.value
+        if method == "state_dict" and not node.args and self._inside_own_summon(target):
+            self._record(
+                node,
+                f"{short(target, 40)}.state_dict()",
+                f"kept as is: inside summon_full_params({short(target, 30)}) its parameters are the full tensors, "
+                "and the model's own state_dict() gives them on either backend (a local call, no collective)",
+                True,
+            )
+            return True
         stmt = self.stmt_stack[-1] if self.stmt_stack else None
         if stmt is not None and f"FSDPModule) for m in {target}.modules()) else {target}.{method}(" in code_of(stmt):
             return True  # the DDP branch a first --fix wrote
@@ -384,6 +393,20 @@ class StateDictFixer(ScannerBase):
             True,
         )
         return True
+
+    def _inside_own_summon(self, target: str) -> bool:
+        """The current statement is inside ``with FSDP.summon_full_params(target, ...):`` (or the bridge's)."""
+        return any(
+            isinstance(stmt, cst.With)
+            and any(
+                isinstance(item.item, cst.Call)
+                and code_of(item.item.func).rsplit(".", 1)[-1] == "summon_full_params"
+                and item.item.args
+                and code_of(item.item.args[0].value) == target
+                for item in stmt.items
+            )
+            for stmt in self.stmt_stack
+        )
 
     def _holder_result(self, node: cst.CSTNode, obj: cst.BaseExpression) -> bool:
         """``obj = f(...)`` above ``node`` in this function, ``f`` a function of the tree that gives parts of a
