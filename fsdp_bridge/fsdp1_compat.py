@@ -254,7 +254,10 @@ def fsdp1_policy_units(
     The same traversal as torch's ``_recursive_wrap``: a module is descended into when
     ``policy(recurse=True)`` says so, children first, and wrapped when
     ``policy(recurse=False, nonwrapped_numel=...)`` says so for the parameters its wrapped
-    children left over.
+    children left over. It runs on the unsharded model: a policy that ignores ``nonwrapped_numel`` and
+    counts ``module.parameters()`` itself sees wrapped children whole here, where FSDP1 (which shards each
+    child as it wraps it) showed it the children's shards, so such a policy may choose more units than
+    FSDP1 did (FSDP1's choice then depends on the world size); the numbers trained are the same.
     """
     ignored_modules = set(ignored)
     ignored_params = {p for m in ignored_modules for p in m.parameters()}
