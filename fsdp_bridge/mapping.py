@@ -257,7 +257,8 @@ TABLE: tuple[Rule, ...] = (
         T(
             E,
             "fully_shard on each resolved unit, bottom-up, then on the root; units that would split tied "
-            "parameters are merged into their parent",
+            "parameters are merged into their parent (a module reached by two paths stays one unit, as FSDP1 "
+            "wraps it once)",
         ),
         lambda c: c.config.wrap.mode != "none",
     ),

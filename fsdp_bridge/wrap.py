@@ -241,15 +241,19 @@ def _keep_tied_together(
     """Drop units that would put one parameter into two sharding groups.
 
     torch >= 2.12 refuses a parameter shared by two ``fully_shard`` groups, and FSDP1
-    would flatten it twice; dropping the unit lets the parameter fall to a common parent.
+    would flatten it twice; dropping the unit lets the parameter fall to a common parent. A module
+    reached by two paths (``model.lm_head`` also held as ``model.base.lm_head``) stays a unit of its own,
+    as FSDP1 wraps it once: its parameters are in that one group whichever path calls it.
     """
     paths = {id(m): n for n, m in model.named_modules()}
     owners: dict[int, list[str]] = {}
+    holders: dict[int, set[int]] = {}  # parameter -> the modules holding it
     for path, module in model.named_modules(remove_duplicate=False):
         for p in module._parameters.values():
             if p is not None:
                 owners.setdefault(id(p), []).append(path)
-    shared = [sorted(set(paths_)) for paths_ in owners.values() if len(set(paths_)) > 1]
+                holders.setdefault(id(p), set()).add(id(module))
+    shared = [(sorted(set(paths_)), holders[key]) for key, paths_ in owners.items() if len(set(paths_)) > 1]
     notes: list[str] = []
     if not shared:
         return units, notes
@@ -258,13 +262,16 @@ def _keep_tied_together(
         return path == unit or path.startswith(unit + ".")
 
     unit_paths = [paths.get(id(m), n) for n, m in units]
+    unit_ids = {paths.get(id(m), n): id(m) for n, m in units}
     dropped: set[str] = set()
     changed = True
     while changed:
         changed = False
         live = [u for u in unit_paths if u not in dropped]
-        for owner_paths in shared:
+        for owner_paths, holding in shared:
             for unit in live:
+                if holding == {unit_ids[unit]}:
+                    continue  # one module reached by several paths, and the unit is that module: all of it
                 holds = [inside(o, unit) for o in owner_paths]
                 if any(holds) and not all(holds) and unit not in dropped:
                     dropped.add(unit)
@@ -273,7 +280,11 @@ def _keep_tied_together(
                         f"{unit} is not a unit of its own: it shares a parameter with "
                         f"{', '.join(o for o, h in zip(owner_paths, holds, strict=True) if not h)} (tied weights)"
                     )
-    return [(n, m) for n, m in units if paths.get(id(m), n) not in dropped], notes
+    kept: list[tuple[str, nn.Module]] = []
+    for n, m in units:  # a module reached by two paths is one unit
+        if paths.get(id(m), n) not in dropped and all(m is not k for _, k in kept):
+            kept.append((n, m))
+    return kept, notes
 
 
 def resolve_ignored(model: nn.Module, names: tuple[str, ...]) -> list[tuple[str, nn.Module]]:

@@ -42,6 +42,19 @@ def test_tied_embeddings_never_split_across_units() -> None:
     assert any("transformer.wte is not a unit of its own" in note and "lm_head" in note for note in plan.notes)
 
 
+def test_a_module_reached_by_two_paths_stays_a_unit_of_its_own() -> None:
+    # model.head is also held as model.body.head (one module, two paths): FSDP1 wraps it once, and its weight is
+    # in that one group whichever path calls it, so it stays a unit (it was merged into the root, whose
+    # parameters a method other than forward never gathers)
+    body = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    model = nn.Module()
+    model.body = body
+    model.head = nn.Linear(4, 3)
+    body.head = model.head
+    plan = resolve_wrap(model, WrapPolicy(mode="classes", classes=("Linear",)))
+    assert sorted(n for n, _ in plan.units) == ["body.0", "body.1", "body.head"] and not plan.notes
+
+
 def test_min_num_params_follows_fsdp1_size_policy() -> None:
     model = nn.Sequential(nn.Linear(10, 10), nn.Sequential(nn.Linear(10, 10), nn.Linear(10, 2)), nn.Linear(2, 2))
     plan = resolve_wrap(model, WrapPolicy(mode="min_params", min_num_params=100))
