@@ -1970,7 +1970,7 @@ def test_a_model_that_may_be_ddps_keeps_ddps_module_and_state_dict() -> None:
     )
     assert (
         "return (get_model_state_dict(parallel_model, options=StateDictOptions(full_state_dict=True)) "
-        "if any(isinstance(m, FSDPModule) for m in parallel_model.modules()) else parallel_model.state_dict())"
+        "if isinstance(parallel_model, torch.nn.Module) and any(isinstance(m, FSDPModule) for m in parallel_model.modules()) else parallel_model.state_dict())"
     ) in fixed
     assert migrate_source(fixed, "run.py").fixed == fixed
     # The expressions run: a module that is neither wrapper is its own .module-less self.

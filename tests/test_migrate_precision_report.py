@@ -639,7 +639,10 @@ def test_the_fsdp2_test_of_a_guarded_state_dict_looks_inside_torch_compiles_wrap
         "    torch.save(model.state_dict(), path)\n"
     )
     fixed = migrate_source(code, "run.py").fixed
-    assert "if any(isinstance(m, FSDPModule) for m in model.modules()) else model.state_dict()" in fixed
+    assert (
+        "if isinstance(model, torch.nn.Module) and any(isinstance(m, FSDPModule) for m in model.modules()) else model.state_dict()"
+        in fixed
+    )
     assert migrate_source(fixed, "run.py").fixed == fixed
 
 

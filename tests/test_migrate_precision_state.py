@@ -187,12 +187,12 @@ def test_another_root_in_a_state_dict_block_keeps_fsdp1_full_state_dicts_once_fs
     full = "options=StateDictOptions(full_state_dict=True)"
     # the context covers self.net only: self.shadow (wrapped elsewhere, maybe) kept FSDP1's default full state
     assert (
-        f'"shadow": (get_model_state_dict(self.shadow, {full}) if any(isinstance(m, FSDPModule) for m in self.shadow.modules()) '
+        f'"shadow": (get_model_state_dict(self.shadow, {full}) if isinstance(self.shadow, torch.nn.Module) and any(isinstance(m, FSDPModule) for m in self.shadow.modules()) '
         "else self.shadow.state_dict())" in fixed
     )
     assert (
         '(set_model_state_dict(self.shadow, blob["shadow"], options=StateDictOptions(full_state_dict=True, '
-        'strict=False)) if any(isinstance(m, FSDPModule) for m in self.shadow.modules()) else self.shadow.load_state_dict(blob["shadow"], '
+        'strict=False)) if isinstance(self.shadow, torch.nn.Module) and any(isinstance(m, FSDPModule) for m in self.shadow.modules()) else self.shadow.load_state_dict(blob["shadow"], '
         "strict=False))" in fixed
     )
     assert "dcp.load_state_dict(blob, reader)" in fixed and "isinstance(dcp" not in fixed  # a module's function
@@ -662,11 +662,11 @@ def test_another_roots_state_in_a_block_of_a_tree_sharding_over_a_mesh_keeps_fsd
     assert '"model": fsdp_bridge.full_state_dict(self.model, rank0_only=True, offload_to_cpu=True)' in fixed
     assert (
         '"ema": (get_model_state_dict(self.ema, options=StateDictOptions(full_state_dict=True)) '
-        "if any(isinstance(m, FSDPModule) for m in self.ema.modules()) else self.ema.state_dict())"
+        "if isinstance(self.ema, torch.nn.Module) and any(isinstance(m, FSDPModule) for m in self.ema.modules()) else self.ema.state_dict())"
     ) in fixed
     assert (
         '(set_model_state_dict(self.ema, state["ema"], options=StateDictOptions(full_state_dict=True)) '
-        'if any(isinstance(m, FSDPModule) for m in self.ema.modules()) else self.ema.load_state_dict(state["ema"]))'
+        'if isinstance(self.ema, torch.nn.Module) and any(isinstance(m, FSDPModule) for m in self.ema.modules()) else self.ema.load_state_dict(state["ema"]))'
     ) in fixed
     assert migrate_source(fixed, "trainer.py").fixed == fixed
 
@@ -1008,7 +1008,7 @@ def test_a_plain_root_whose_parts_a_function_of_the_tree_wrapped_saves_full_tens
     run = {Path(r.path).name: r for r in migrate_paths([tmp_path])[1]}["run.py"]
     assert (
         "    torch.save((get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)) "
-        "if any(isinstance(m, FSDPModule) for m in model.modules()) else model.state_dict()), 'a.pt')\n"
+        "if isinstance(model, torch.nn.Module) and any(isinstance(m, FSDPModule) for m in model.modules()) else model.state_dict()), 'a.pt')\n"
     ) in run.fixed
     assert "    second.load_state_dict" not in run.fixed and "set_model_state_dict(second, " in run.fixed
     assert "    torch.save(other.state_dict(), 'b.pt')\n" in run.fixed
@@ -1034,3 +1034,25 @@ def test_a_models_state_dict_inside_its_own_summon_is_kept() -> None:
     assert "            copy.load_state_dict(model.state_dict())\n" in result.fixed
     assert "    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))\n" in result.fixed
     assert "TODO" not in result.fixed
+
+
+def test_an_optimizers_own_load_is_never_taken_for_a_models() -> None:
+    # restore(obj) is handed the FSDP1 model by one call of the tree; load_opt(optimizer, sd) sits beside it and
+    # is handed an optimizer: its load_state_dict stays the optimizer's (no model-state rewrite, no guard).
+    code = (
+        "import torch\n"
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n\n\n"
+        "def load_opt(optimizer, sd):\n"
+        "    optimizer.load_state_dict(sd)\n\n\n"
+        "def restore(obj, sd):\n"
+        "    obj.load_state_dict(sd)\n\n\n"
+        "def main(net, opt, sd):\n"
+        "    model = FSDP(net)\n"
+        "    restore(model, sd)\n"
+        "    load_opt(model, sd)\n"
+    )
+    fixed = migrate_source(code, "resume.py").fixed
+    assert "    optimizer.load_state_dict(sd)\n" in fixed
+    assert "    (set_model_state_dict(obj, sd, options=StateDictOptions(full_state_dict=True)) if isinstance(obj" in (
+        fixed
+    )

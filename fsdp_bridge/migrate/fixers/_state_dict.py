@@ -47,6 +47,12 @@ FULL_LOAD_KEYS = (
 updates the given state dict with the local one)."""
 
 
+_OPTIMIZER = r"(?:opt|optim|optimi[sz]er)"
+_OPTIMIZER_NAME = re.compile(rf"^{_OPTIMIZER}s?$|_{_OPTIMIZER}$|^{_OPTIMIZER}_")
+"""A receiver named as an optimizer (``optimizer``, ``opt``, ``g_optim``, ``optimizer_d``): its state dict is the
+optimizer's, whatever the function it sits in is handed."""
+
+
 class StateDictFixer(ScannerBase):
     """State-dict contexts and model state."""
 
@@ -197,6 +203,8 @@ class StateDictFixer(ScannerBase):
         are full state dicts on every rank; on FSDP2 they would be sharded DTensors (a torch.save on rank 0
         would keep rank 0's shards only, and loading plain tensors into DTensors fails)."""
         obj = func.value
+        if _OPTIMIZER_NAME.search(code_of(obj).rsplit(".", 1)[-1]):
+            return False  # an optimizer's own state dict (a call may hand the function a model too, not here)
         wrapper = self._fsdp1_wrapper(node, obj)
         handed = False
         if (
@@ -444,9 +452,12 @@ class StateDictFixer(ScannerBase):
     def _for_fsdp2_only(self, code: str, target: str, node: cst.Call) -> str:
         """``code`` (torch's state-dict call) where ``target`` holds FSDP2 modules (is one, or a plain module whose
         parts were sharded, as FSDP1 code wrapping only some submodules leaves it; torch.compile's wrapper of
-        one), ``node`` (its own call) for anything else: DDP, a module FSDP1 still wraps."""
+        one), ``node`` (its own call) for anything else: DDP, a module FSDP1 still wraps, an object that is no
+        module at all (an optimizer handed the same way)."""
         self.needs_imports.add(("torch.distributed.fsdp", "FSDPModule"))
-        return f"({code} if any(isinstance(m, FSDPModule) for m in {target}.modules()) else {code_of(node)})"
+        self.needs_imports.add(("torch", None))
+        holds = f"isinstance({target}, torch.nn.Module) and any(isinstance(m, FSDPModule) for m in {target}.modules())"
+        return f"({code} if {holds} else {code_of(node)})"
 
     def _model_state_call(self, method: str, target: str, args: list[cst.Arg], *, full: bool) -> str:
         """torch's call for ``target.state_dict()`` / ``target.load_state_dict(sd[, strict])``: full or sharded."""
