@@ -913,8 +913,10 @@ def summon_full_params(
     """Inside the context, parameters are full tensors, as FSDP1's ``summon_full_params`` gives them.
 
     The block runs in the caller's grad mode, as FSDP1's does (the gather and the write-back run with
-    autograd off): a loss computed inside keeps its graph to the activations it reads, and the gathered
-    parameters' own gradients land on the copies and are dropped on exit, as on FSDP1's temporary views.
+    autograd off): a loss computed inside keeps its graph to the activations it reads. On FSDP2 the
+    gathered copies' own gradients are dropped on exit; on the fsdp1 backend they behave as in torch's
+    FSDP1 (a backward through them reaches the flat parameter's gradient, or fails with more than one
+    rank): keep backward through the gathered parameters themselves out of the block.
     Every rank must enter the context (the gather is a collective), as with FSDP1.
 
     Args:
@@ -1010,8 +1012,7 @@ def _gathered_without_grad(gather: AbstractContextManager[None]) -> Iterator[Non
     """``gather`` entered and left with autograd off (torch's FSDP1 writes a unit's parameter views in place on
     the way out, refused under grad mode; the gathered copies are leaves of no graph), the block itself run in
     the caller's grad mode, as FSDP1's ``summon_full_params`` runs it: a loss computed inside from activations
-    keeps its graph to them (the gathered parameters' own gradients land on the copies and are dropped, as on
-    FSDP1's temporary views)."""
+    keeps its graph to them."""
     with torch.no_grad():
         gather.__enter__()
     try:

@@ -322,7 +322,12 @@ def _wrap_from_mapping(value: Mapping[str, Any], key: str, problems: list[Proble
         problems.append(Problem(key, dict(value), "exactly one of min_num_params or classes"))
     if "min_num_params" in value:
         n = value["min_num_params"]
-        if isinstance(n, bool) or not isinstance(n, (int, float)) or not math.isfinite(n) or n < 1:
+        if (
+            isinstance(n, bool)
+            or not isinstance(n, (int, float))
+            or (isinstance(n, float) and not math.isfinite(n))
+            or n < 1
+        ):
             problems.append(Problem(f"{key}.min_num_params", n, "a number >= 1 (an integer, or a float such as 1e8)"))
             return WrapPolicy()
         # FSDP1's size policy compares a count with the number (`numel >= min_num_params`): a float as 1e9 is

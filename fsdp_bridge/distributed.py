@@ -46,8 +46,8 @@ DEFAULT_TIMEOUT_S = 600.0
 def resolve_device(device: str) -> torch.device:
     """The device this rank computes on, for ``device`` = auto, cuda or cpu: on CUDA ``cuda:LOCAL_RANK``, or
     ``torch.cuda.current_device()`` where no launcher set ``LOCAL_RANK`` (processes started with
-    ``mp.spawn`` that call ``torch.cuda.set_device(rank)``); ``cuda:0`` where the process sees one GPU only
-    (``CUDA_VISIBLE_DEVICES`` set per rank)."""
+    ``mp.spawn`` that call ``torch.cuda.set_device(rank)``); ``cuda:0`` where ``CUDA_VISIBLE_DEVICES`` shows
+    the process one GPU only (set per rank)."""
     if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     if not torch.cuda.is_available():
@@ -65,9 +65,10 @@ def resolve_device(device: str) -> torch.device:
     # torch.cuda.set_device, as FSDP1 takes torch.cuda.current_device()
     given = os.environ.get("LOCAL_RANK")
     local_rank = int(given) if given is not None else torch.cuda.current_device()
-    if local_rank > 0 and torch.cuda.device_count() == 1:
+    if local_rank > 0 and torch.cuda.device_count() == 1 and os.environ.get("CUDA_VISIBLE_DEVICES"):
         # each process sees one GPU (CUDA_VISIBLE_DEVICES set per rank, a scheduler's one GPU per task): it
-        # computes on that one, as FSDP1 on torch.cuda.current_device() does
+        # computes on that one, as FSDP1 on torch.cuda.current_device() does; without that variable two ranks
+        # on a one-GPU machine are refused below
         return torch.device("cuda", 0)
     if local_rank >= torch.cuda.device_count():
         raise ConfigError(

@@ -157,7 +157,7 @@ def _wrap_value(policy: object, problems: list[Problem]) -> object:
     if (p := _partial_of(policy, size_based_auto_wrap_policy)) is not None:
         extra = {k: v for k, v in p.keywords.items() if k != "min_num_params"}
         if not extra:
-            return {"min_num_params": int(p.keywords.get("min_num_params", _SIZE_BASED_DEFAULT))}
+            return {"min_num_params": p.keywords.get("min_num_params", _SIZE_BASED_DEFAULT)}  # the config checks it
         return _Fsdp1Policy(p)  # force_leaf_modules / exclude_wrap_modules: FSDP1's recursion
     if (p := _partial_of(policy, lambda_auto_wrap_policy)) is not None:
         fn = p.keywords.get("lambda_fn")

@@ -268,10 +268,11 @@ def _keep_tied_together(
     while changed:
         changed = False
         live = [u for u in unit_paths if u not in dropped]
+        live_ids = {unit_ids[u] for u in live}
         for owner_paths, holding in shared:
+            if len(holding) == 1 and holding <= live_ids:
+                continue  # one module reached by several paths, a unit itself: its parameters are in its group
             for unit in live:
-                if holding == {unit_ids[unit]}:
-                    continue  # one module reached by several paths, and the unit is that module: all of it
                 holds = [inside(o, unit) for o in owner_paths]
                 if any(holds) and not all(holds) and unit not in dropped:
                     dropped.add(unit)

@@ -347,10 +347,14 @@ def test_a_cuda_rank_without_local_rank_uses_the_device_it_set(monkeypatch: pyte
     assert distributed.resolve_device("cuda") == torch.device("cuda", 2)
     monkeypatch.setenv("LOCAL_RANK", "1")
     assert distributed.resolve_device("cuda") == torch.device("cuda", 1)
-    # a process that sees one GPU (CUDA_VISIBLE_DEVICES per rank) computes on it, whatever its LOCAL_RANK; with
-    # more GPUs than that a LOCAL_RANK past them is refused
+    # a process that CUDA_VISIBLE_DEVICES shows one GPU (set per rank) computes on it, whatever its LOCAL_RANK;
+    # without that variable, or with more GPUs, a LOCAL_RANK past them is refused
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    with pytest.raises(ConfigError, match="LOCAL_RANK: got 3"):  # two ranks on a one-GPU machine
+        distributed.resolve_device("cuda")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
     assert distributed.resolve_device("cuda") == torch.device("cuda", 0)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     with pytest.raises(ConfigError, match="LOCAL_RANK: got 3"):

@@ -53,6 +53,9 @@ def test_a_module_reached_by_two_paths_stays_a_unit_of_its_own() -> None:
     body.head = model.head
     plan = resolve_wrap(model, WrapPolicy(mode="classes", classes=("Linear",)))
     assert sorted(n for n, _ in plan.units) == ["body.0", "body.1", "body.head"] and not plan.notes
+    # the parent holding one of its paths stays a unit too: the shared module's parameters are in its own group
+    plan = resolve_wrap(model, WrapPolicy(mode="classes", classes=("Linear", "Sequential")))
+    assert sorted(n for n, _ in plan.units) == ["body", "body.0", "body.1", "body.head"] and not plan.notes
 
 
 def test_min_num_params_follows_fsdp1_size_policy() -> None:

@@ -1056,3 +1056,38 @@ def test_an_optimizers_own_load_is_never_taken_for_a_models() -> None:
     assert "    (set_model_state_dict(obj, sd, options=StateDictOptions(full_state_dict=True)) if isinstance(obj" in (
         fixed
     )
+
+
+def test_a_compiled_copy_of_the_fsdp1_model_keeps_the_flat_shard_todo() -> None:
+    # `net = torch.compile(net)` in a branch after the wrap is still the FSDP1 model: its .module.state_dict()
+    # keeps the flat-shard TODO (only another wrapper on another path makes it the unwrap rewrite)
+    code = (
+        "import torch\n"
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n\n\n"
+        "def main(net, compile_it):\n"
+        "    net = FSDP(net)\n"
+        "    if compile_it:\n"
+        "        net = torch.compile(net)\n"
+        "    torch.save(net.module.state_dict(), 'x.pt')\n"
+    )
+    result = migrate_source(code, "cm.py")
+    assert [(f.line, f.construct) for f in result.findings if not f.fixable] == [
+        (9, "net.module.state_dict() (the wrapped module's own state dict)")
+    ]
+
+
+def test_a_summon_of_one_unit_or_for_rank_0_does_not_keep_the_state_dict_and_opt_models_are_models() -> None:
+    # recurse=False is FSDP2's unshard (its state dict reshards) and rank0_only leaves the other ranks shards: the
+    # model's state_dict() there is rewritten as outside the block. A model named opt_model is a model.
+    code = (
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n\n\n"
+        "def main(net, opt_model):\n"
+        "    model = FSDP(net)\n"
+        "    with FSDP.summon_full_params(model, recurse=False):\n"
+        "        own = model.state_dict()\n"
+        "    opt_model = FSDP(opt_model)\n"
+        "    return own, opt_model.state_dict()\n"
+    )
+    fixed = migrate_source(code, "units.py").fixed
+    assert "        own = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))\n" in fixed
+    assert "    return own, get_model_state_dict(opt_model, options=StateDictOptions(full_state_dict=True))\n" in fixed

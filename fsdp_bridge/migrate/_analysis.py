@@ -277,7 +277,8 @@ class Dispatch:
     """Names of the classes some class of the tree derives from (the last part of each base): a subclass may
     assign an attribute its base's methods read (see ``subclassed_names``)."""
     unit_holders: set[str] = field(default_factory=set)
-    """Top-level functions of the tree by name that wrap parts of a module with FSDP1 and return the module itself
+    """Top-level functions of the tree (by every dotted suffix of their module path, as ``fsdp1_factories``) that
+    wrap parts of a module with FSDP1 and return the module itself
     (``model.add_module(name, wrap(child))``, ``model.head = FSDP(model.head)``, then ``return model.cuda()``): a
     plain root holding FSDP1 units, whose ``state_dict()`` FSDP1 gives full (see :func:`find_unit_holders`)."""
     defined_twice: set[str] = field(default_factory=set)

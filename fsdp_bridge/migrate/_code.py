@@ -577,7 +577,7 @@ def migrate_paths(
                         fsdp1_attributes=find_fsdp1_attributes(parsed),
                         instance_attributes=find_instance_attributes(parsed),
                         fsdp1_predicates=find_fsdp1_predicates(parsed, str(f)),
-                        unit_holders=find_unit_holders(parsed),
+                        unit_holders=module_suffixes(str(f), find_unit_holders(parsed)),
                     )
                 )
                 dispatch.merge(find_fsdp1_arguments(parsed))

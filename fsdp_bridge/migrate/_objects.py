@@ -489,9 +489,15 @@ class ObjectAnalysis(ScannerBase):
             for n in walk(block):
                 if isinstance(n, cst.Assign) and any(code_of(t.target) == target for t in n.targets):
                     start = self.get_metadata(PositionProvider, n).start
-                    if (start.line, start.column) < here:
-                        value = _made_by(n.value) if isinstance(n.value, (cst.Call, cst.IfExp)) else n.value
-                        found.append(((start.line, start.column), "fsdp1" in self._value_kinds(value)))
+                    if (start.line, start.column) >= here:
+                        continue
+                    value = _made_by(n.value) if isinstance(n.value, (cst.Call, cst.IfExp)) else n.value
+                    kinds = self._value_kinds(value)
+                    if not kinds and any(
+                        isinstance(x, (cst.Name, cst.Attribute)) and code_of(x) == target for x in walk(n.value)
+                    ):
+                        continue  # made from the object itself (``net = torch.compile(net)``): still that object
+                    found.append(((start.line, start.column), "fsdp1" in kinds))
             return found
 
         every = assignments(scope)

@@ -13,7 +13,15 @@ import libcst as cst
 import libcst.matchers as m
 from libcst.metadata import CodePosition, PositionProvider, QualifiedNameProvider, QualifiedNameSource
 
-from fsdp_bridge.migrate._analysis import Conversion, code_of, named_args, short, walk, wrapper_subclasses
+from fsdp_bridge.migrate._analysis import (
+    Conversion,
+    code_of,
+    module_suffixes,
+    named_args,
+    short,
+    walk,
+    wrapper_subclasses,
+)
 from fsdp_bridge.migrate._names import FSDP, GROUP_RANK0
 from fsdp_bridge.migrate._render import commas, with_option
 from fsdp_bridge.migrate._report import CodeFinding
@@ -47,8 +55,7 @@ FULL_LOAD_KEYS = (
 updates the given state dict with the local one)."""
 
 
-_OPTIMIZER = r"(?:opt|optim|optimi[sz]er)"
-_OPTIMIZER_NAME = re.compile(rf"^{_OPTIMIZER}s?$|_{_OPTIMIZER}$|^{_OPTIMIZER}_")
+_OPTIMIZER_NAME = re.compile(r"^(?:opt|optim|optimi[sz]ers?)$|_(?:optim|optimi[sz]er)$|^optimi[sz]er_")
 """A receiver named as an optimizer (``optimizer``, ``opt``, ``g_optim``, ``optimizer_d``): its state dict is the
 optimizer's, whatever the function it sits in is handed."""
 
@@ -203,9 +210,9 @@ class StateDictFixer(ScannerBase):
         are full state dicts on every rank; on FSDP2 they would be sharded DTensors (a torch.save on rank 0
         would keep rank 0's shards only, and loading plain tensors into DTensors fails)."""
         obj = func.value
-        if _OPTIMIZER_NAME.search(code_of(obj).rsplit(".", 1)[-1]):
-            return False  # an optimizer's own state dict (a call may hand the function a model too, not here)
         wrapper = self._fsdp1_wrapper(node, obj)
+        if wrapper not in ("fsdp1", "ambiguous") and _OPTIMIZER_NAME.search(code_of(obj).rsplit(".", 1)[-1]):
+            return False  # an optimizer's own state dict (a call may hand the function a model too, not here)
         handed = False
         if (
             wrapper not in ("fsdp1", "ambiguous")
@@ -235,8 +242,12 @@ class StateDictFixer(ScannerBase):
             )
             return True
         stmt = self.stmt_stack[-1] if self.stmt_stack else None
-        if stmt is not None and f"FSDPModule) for m in {target}.modules()) else {target}.{method}(" in code_of(stmt):
-            return True  # the DDP branch a first --fix wrote
+        written = code_of(stmt) if stmt is not None else ""
+        if (
+            f"FSDPModule) for m in {target}.modules()) else {target}.{method}(" in written
+            or f"FSDPModule) else {target}.{method}(" in written
+        ):
+            return True  # the DDP branch a first --fix wrote (this form, or the root-only test of earlier versions)
         if (guard := self._rank_guard()) is not None and wrapper == "fsdp1":
             self._record(
                 node,
@@ -402,8 +413,26 @@ class StateDictFixer(ScannerBase):
         )
         return True
 
+    def _holder_function(self, func: cst.BaseExpression) -> bool:
+        """``func`` is a function of the tree in ``Dispatch.unit_holders``: imported from its file, or defined in
+        this one."""
+        for q in self.get_metadata(QualifiedNameProvider, func, set()):
+            if q.source is QualifiedNameSource.IMPORT and q.name.lstrip(".") in self.dispatch.unit_holders:
+                return True
+            if q.source is QualifiedNameSource.LOCAL and "." not in q.name:
+                if module_suffixes(self.path, {q.name}) & self.dispatch.unit_holders:
+                    return True
+        return False
+
     def _inside_own_summon(self, target: str) -> bool:
-        """The current statement is inside ``with FSDP.summon_full_params(target, ...):`` (or the bridge's)."""
+        """The current statement is inside ``with FSDP.summon_full_params(target, ...):`` (or the bridge's) that
+        gathers every parameter on every rank: no ``recurse=False`` (FSDP2's unshard, whose state dict reshards)
+        and no ``rank0_only`` (the other ranks keep shards)."""
+
+        def gathers_all(call: cst.Call) -> bool:
+            given = {a.keyword.value: code_of(a.value) for a in call.args if a.keyword is not None}
+            return given.get("recurse", "True") == "True" and given.get("rank0_only", "False") == "False"
+
         return any(
             isinstance(stmt, cst.With)
             and any(
@@ -411,6 +440,7 @@ class StateDictFixer(ScannerBase):
                 and code_of(item.item.func).rsplit(".", 1)[-1] == "summon_full_params"
                 and item.item.args
                 and code_of(item.item.args[0].value) == target
+                and gathers_all(item.item)
                 for item in stmt.items
             )
             for stmt in self.stmt_stack
@@ -427,7 +457,7 @@ class StateDictFixer(ScannerBase):
                 isinstance(n, cst.Assign)
                 and isinstance(n.value, cst.Call)
                 and any(m.matches(t.target, m.Name(obj.value)) for t in n.targets)
-                and code_of(n.value.func).rsplit(".", 1)[-1] in self.dispatch.unit_holders
+                and self._holder_function(n.value.func)
             ):
                 start = self.get_metadata(PositionProvider, n).start
                 if (start.line, start.column) < (at.line, at.column):
