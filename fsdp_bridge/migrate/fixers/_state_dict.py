@@ -433,18 +433,7 @@ class StateDictFixer(ScannerBase):
             given = {a.keyword.value: code_of(a.value) for a in call.args if a.keyword is not None}
             return given.get("recurse", "True") == "True" and given.get("rank0_only", "False") == "False"
 
-        return any(
-            isinstance(stmt, cst.With)
-            and any(
-                isinstance(item.item, cst.Call)
-                and code_of(item.item.func).rsplit(".", 1)[-1] == "summon_full_params"
-                and item.item.args
-                and code_of(item.item.args[0].value) == target
-                and gathers_all(item.item)
-                for item in stmt.items
-            )
-            for stmt in self.stmt_stack
-        )
+        return any(gathers_all(call) for call in self._blocks_around("summon_full_params", target))
 
     def _holder_result(self, node: cst.CSTNode, obj: cst.BaseExpression) -> bool:
         """``obj = f(...)`` above ``node`` in this function, ``f`` a function of the tree that gives parts of a
@@ -467,17 +456,20 @@ class StateDictFixer(ScannerBase):
     def _in_own_state_dict_type_block(self, target: str) -> bool:
         """Inside ``with FSDP.state_dict_type(target, ...):`` (or a kept block of it): the block decides the call's
         type (rewritten with it, or the block's TODO covers it)."""
-        return any(
-            isinstance(stmt, cst.With)
-            and any(
-                isinstance(item.item, cst.Call)
-                and code_of(item.item.func).rsplit(".", 1)[-1] == "state_dict_type"
-                and item.item.args
-                and code_of(item.item.args[0].value) == target
-                for item in stmt.items
-            )
+        return bool(self._blocks_around("state_dict_type", target))
+
+    def _blocks_around(self, method: str, target: str) -> list[cst.Call]:
+        """The ``with X.<method>(target, ...):`` calls around the current statement (FSDP1's or the bridge's)."""
+        return [
+            item.item
             for stmt in self.stmt_stack
-        )
+            if isinstance(stmt, cst.With)
+            for item in stmt.items
+            if isinstance(item.item, cst.Call)
+            and code_of(item.item.func).rsplit(".", 1)[-1] == method
+            and item.item.args
+            and code_of(item.item.args[0].value) == target
+        ]
 
     def _for_fsdp2_only(self, code: str, target: str, node: cst.Call) -> str:
         """``code`` (torch's state-dict call) where ``target`` holds FSDP2 modules (is one, or a plain module whose
