@@ -3,6 +3,8 @@ handed to a constructor under an FSDP1 annotation, and the wrapper's settings re
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from fsdp_bridge.migrate._code import migrate_paths, migrate_source
 
 
@@ -467,6 +469,37 @@ def test_a_model_kept_on_the_instance_by_a_method_it_is_handed_to_is_followed_to
     assert "with fsdp_bridge.no_sync(self.model):" in fixed
     assert "return fsdp_bridge.clip_grad_norm_(self.model, 1.0)" in fixed
     assert (tmp_path / "other.py").read_text() == other  # set() is never handed the model; nothing shown there
+
+
+def test_a_model_handed_to_the_base_class_by_super_init_is_followed_into_the_base_methods(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # FSDPTrainer wraps the model and hands it on with super().__init__(model=...): the base class (imported from
+    # base.py) keeps it as self.model, and its training step clips with torch's clip over the FSDP1 model's
+    # parameters (each rank's shard norm on FSDP1, the global norm on FSDP2): a note there. legacy.py defines
+    # another BaseTrainer that nothing hands the model to: nothing said there.
+    (tmp_path / "fsdp_trainer.py").write_text(
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\nfrom base import BaseTrainer\n\n\n"
+        "class FSDPTrainer(BaseTrainer):\n"
+        "    def __init__(self, net, lr):\n"
+        "        model = self._wrap(net)\n"
+        "        super().__init__(model=model, lr=lr)\n\n"
+        "    def _wrap(self, net):\n        return FSDP(net)\n"
+    )
+    base = (
+        "import torch\n\n\n"
+        "class BaseTrainer:\n"
+        "    def __init__(self, model, lr):\n        self.model = model\n        self.lr = lr\n\n"
+        "    def step(self, batch):\n"
+        "        self.model(batch).sum().backward()\n"
+        "        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)\n"
+    )
+    (tmp_path / "base.py").write_text(base)
+    (tmp_path / "legacy.py").write_text(base)
+    report, _ = migrate_paths([tmp_path], fix=True)
+    notes = [f for f in report.findings if f.note]
+    assert [Path(f.path).name for f in notes] == ["base.py"], notes
+    assert "torch.nn.utils.clip_grad_norm_(self.model.parameters()" in notes[0].construct
+    assert (tmp_path / "base.py").read_text() == base  # a note: the call stays
+    assert (tmp_path / "legacy.py").read_text() == base
 
 
 def test_scripts_that_each_define_a_function_of_the_same_name_keep_their_own_evidence(tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -284,11 +284,21 @@ class Dispatch:
     defined_twice: set[str] = field(default_factory=set)
     """Top-level functions of the tree defined in more than one file (``train_one_epoch`` of each training
     script): a call of one of them does not say which one it reaches."""
+    classes_twice: set[str] = field(default_factory=set)
+    """Top-level classes of the tree defined in more than one file (a ``BaseTrainer`` in ``train.py`` and in
+    ``basetrain.py``)."""
+    base_imports: dict[str, set[str]] = field(default_factory=dict)
+    """Base classes handed an FSDP1 model by ``super().__init__(model=...)`` (see ``fsdp1_args``) -> the dotted
+    names the subclasses' files import them as (``basetrain.BaseTrainer``): of two classes of that name, the one
+    in that module is handed the model."""
 
     def merge(self, other: Dispatch) -> None:
         self.versions.update(other.versions)
         self.subclassed |= other.subclassed
         self.defined_twice |= other.defined_twice
+        self.classes_twice |= other.classes_twice
+        for cls, modules in other.base_imports.items():
+            self.base_imports.setdefault(cls, set()).update(modules)
         self.fsdp1_args |= other.fsdp1_args
         for name, positions in other.fsdp1_results.items():
             self.fsdp1_results.setdefault(name, set()).update(positions)
@@ -745,6 +755,15 @@ def top_level_functions(code: str) -> list[str]:
     return [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
 
 
+def top_level_classes(code: str) -> list[str]:
+    """The names of the file's top-level classes (none when it does not parse)."""
+    try:
+        tree = ast.parse(code)
+    except (SyntaxError, ValueError):
+        return []
+    return [n.name for n in tree.body if isinstance(n, ast.ClassDef)]
+
+
 def find_fsdp1_attributes(wrapper: MetadataWrapper) -> dict[str, set[str]]:
     """The classes of a file whose methods assign ``self.attr = FSDP(...)`` / ``wrap(...)``, with those
     attributes (``Dispatch.fsdp1_attributes``)."""
@@ -861,6 +880,7 @@ def find_fsdp1_arguments(wrapper: MetadataWrapper, known: Dispatch | None = None
         for name, positions in known.fsdp1_results.items():
             returns.setdefault(name, set()).update(positions)
     handed = known.fsdp1_args if known is not None else set()
+    imported_from: dict[str, set[str]] = {}  # a base class -> where this file imports it from
     found_aliases = class_aliases(wrapper)
 
     class V(FollowsAliases):
@@ -872,12 +892,32 @@ def find_fsdp1_arguments(wrapper: MetadataWrapper, known: Dispatch | None = None
             super().__init__()
             self.record = record
             self.classes: list[str] = []
+            self.bases: list[list[str]] = []
 
         def visit_ClassDef(self, node: cst.ClassDef) -> None:
             self.classes.append(node.name.value)
+            self.bases.append([code_of(b.value).rsplit(".", 1)[-1] for b in node.bases if b.keyword is None])
+            if self.record:
+                for b in node.bases:
+                    for q in self.get_metadata(QualifiedNameProvider, b.value, set()):
+                        if q.source == QualifiedNameSource.IMPORT:
+                            imported_from.setdefault(q.name.rsplit(".", 1)[-1], set()).add(q.name.lstrip("."))
 
         def leave_ClassDef(self, original_node: cst.ClassDef) -> None:
             self.classes.pop()
+            self.bases.pop()
+
+        def callees(self, call: cst.Call) -> list[str]:
+            """The names a call of a function is recorded under: its own (``train(model)`` -> ``train``); for
+            ``super().__init__(model=...)`` in a class, each base class's (``BaseTrainer``: the base's
+            ``__init__`` is handed the model, see :func:`called_as`)."""
+            if (
+                self.bases
+                and m.matches(call.func, m.Attribute(value=m.Call(func=m.Name("super")), attr=m.Name("__init__")))
+                and self.bases[-1]
+            ):
+                return list(self.bases[-1])
+            return [code_of(call.func).rsplit(".", 1)[-1]]
 
         def wraps(self, value: cst.BaseExpression) -> set[int]:
             """Positions of ``value``'s result that are FSDP1 models (-1: all of it)."""
@@ -892,14 +932,14 @@ def find_fsdp1_arguments(wrapper: MetadataWrapper, known: Dispatch | None = None
             for stmt in in_source_order(body):
                 for n in walk(stmt):
                     if self.record and isinstance(n, cst.Call) and wrapped:
-                        callee = code_of(n.func).rsplit(".", 1)[-1]
                         positional = [a for a in n.args if a.keyword is None and not a.star]
-                        for i, a in enumerate(positional):
-                            if code_of(a.value) in wrapped:
-                                found.add(f"{callee}:{i}")
-                        for a in n.args:
-                            if a.keyword is not None and code_of(a.value) in wrapped:
-                                found.add(f"{callee}:{a.keyword.value}")
+                        for callee in self.callees(n):
+                            for i, a in enumerate(positional):
+                                if code_of(a.value) in wrapped:
+                                    found.add(f"{callee}:{i}")
+                            for a in n.args:
+                                if a.keyword is not None and code_of(a.value) in wrapped:
+                                    found.add(f"{callee}:{a.keyword.value}")
                     if fn is not None and isinstance(n, cst.Return) and n.value is not None:
                         elements = n.value.elements if isinstance(n.value, cst.Tuple) else None
                         if elements is None and (code_of(n.value) in wrapped or -1 in self.wraps(n.value)):
@@ -929,7 +969,12 @@ def find_fsdp1_arguments(wrapper: MetadataWrapper, known: Dispatch | None = None
 
     wrapper.visit(V(record=False))  # what the file's functions return first
     wrapper.visit(V(record=True))
-    return Dispatch(fsdp1_args=found, fsdp1_results=returns)
+    handed_bases = {a.split(":", 1)[0] for a in found}
+    return Dispatch(
+        fsdp1_args=found,
+        fsdp1_results=returns,
+        base_imports={c: where for c, where in imported_from.items() if c in handed_bases},
+    )
 
 
 def in_source_order(body: Sequence[cst.CSTNode]) -> Iterator[cst.CSTNode]:

@@ -74,6 +74,7 @@ from fsdp_bridge.migrate._analysis import (
     self_spelled_set_state_dict_type,
     subclassed_names,
     subclasses_wrapper,
+    top_level_classes,
     top_level_functions,
     unfollowed_set_state_dict_type,
     walk,
@@ -144,6 +145,11 @@ def migrate_source(
             known.merge(find_fsdp1_arguments(wrapper, known))
             if (known.fsdp1_args, known.fsdp1_results) == before:
                 break
+    for cls in set(top_level_classes(code)) & known.classes_twice:
+        if cls in known.base_imports and not known.base_imports[cls] & module_suffixes(path, [cls]):
+            # subclasses hand their model to another file's class of this name (``super().__init__(model=...)``
+            # with that one imported)
+            known.fsdp1_args = {a for a in known.fsdp1_args if a.split(":", 1)[0] != cls}
     if "FSDPModule" in code:
         known.merge(find_dispatch(wrapper))
     if "FullyShardedDataParallel" in code:
@@ -613,6 +619,8 @@ def migrate_paths(
     handed_across_files(codes, dispatch)
     defined = Counter(name for code in codes.values() for name in set(top_level_functions(code)))
     dispatch.defined_twice = {name for name, count in defined.items() if count > 1}
+    classes = Counter(name for code in codes.values() for name in set(top_level_classes(code)))
+    dispatch.classes_twice = {name for name, count in classes.items() if count > 1}
     del codes
     if cited is not None:
         # a first --fix may have deleted the call it named (a SHARDED_STATE_DICT statement): name it again

@@ -284,11 +284,19 @@ class NoSyncClipFixer(ScannerBase):
 
     def _shown_fsdp1(self, node: cst.CSTNode, model: cst.BaseExpression) -> bool:
         """``model`` is shown to be FSDP1's wrapper at ``node`` (wrapped in this function, handed by a call of
-        the tree, or made by a function of the tree)."""
+        the tree, or made by a function of the tree; ``self.x`` kept from such a parameter, the base class's
+        ``__init__`` too: ``super().__init__(model=FSDP(...))``)."""
         return (
             self._fsdp1_wrapper(node, model, by_calls=False) != ""
             or self._handed_parameter(node, model)
             or self._factory_result(node, model) != ""
+            or (
+                isinstance(model, cst.Attribute)
+                and m.matches(model.value, m.Name("self"))
+                and bool(self.classes)
+                and not self._isinstance_branch(node, model)
+                and self._kept_from_a_handed_parameter(self.classes[-1], model.attr.value)
+            )
         )
 
     def _note_on_fsdp1_model(self, node: cst.Call, model: cst.BaseExpression, construct: str, text: str) -> None:
