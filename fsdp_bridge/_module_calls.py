@@ -6,7 +6,8 @@ original called ``m.no_sync()`` / ``m.clip_grad_norm_(...)``, and in code writte
 torch's own ``fully_shard``, or a plain module. Each gets what its own call does, so a rewrite never
 turns working code into an error:
 
-- ``FullyShardedDataParallel``: its ``no_sync()`` and ``clip_grad_norm_()``;
+- ``FullyShardedDataParallel``: its ``no_sync()`` and ``clip_grad_norm_()`` (through ``torch.compile``'s wrapper
+  of it too);
 - ``DistributedDataParallel``: its ``no_sync()``; ``torch.nn.utils.clip_grad_norm_`` over its parameters;
 - torch's ``fully_shard`` (an ``FSDPModule``, or a module holding them): ``set_requires_gradient_sync(False)``,
   True again on exit (under HSDP the all-reduce waits too); torch's clip over the DTensor gradients, the
@@ -114,6 +115,9 @@ def module_clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float =
     """
     if isinstance(model, FullyShardedDataParallel):
         return model.clip_grad_norm_(max_norm, norm_type)
+    if isinstance(inner := getattr(model, "_orig_mod", None), FullyShardedDataParallel):
+        # torch.compile's wrapper of an FSDP1 root hands the name to it: the original code called FSDP1's clip
+        return inner.clip_grad_norm_(max_norm, norm_type)
     if _outermost(model, FullyShardedDataParallel):
         raise ConfigError(
             [

@@ -192,7 +192,12 @@ class Bridge:
         """
         _refuse_offloaded_grads(with_grads, offload_to_cpu)
         return self.impl.summon_full_params(
-            self.model, writeback=writeback, rank0_only=rank0_only, offload_to_cpu=offload_to_cpu, with_grads=with_grads
+            self.model,
+            writeback=writeback,
+            rank0_only=rank0_only,
+            offload_to_cpu=offload_to_cpu,
+            with_grads=with_grads,
+            root=True,
         )
 
     def local_numel(self) -> int:
@@ -1001,7 +1006,12 @@ def summon_full_params(
             yield
         return
     gather = impl.summon_full_params(
-        target, writeback=writeback, rank0_only=rank0_only, offload_to_cpu=offload_to_cpu, with_grads=with_grads
+        target,
+        writeback=writeback,
+        rank0_only=rank0_only,
+        offload_to_cpu=offload_to_cpu,
+        with_grads=with_grads,
+        root=isinstance(bridge, Bridge),
     )
     with _gathered_without_grad(gather):
         yield

@@ -388,7 +388,17 @@ def resolve_wrap(model: nn.Module, policy: WrapPolicy, *, ignored: list[nn.Modul
 
     ignored_named = [(n, m) for n, m in model.named_modules() if any(m is i for i in ignored)]
     units = [(n, m) for n, m in units if not in_ignored(n)]
+    containers = [n for n, m in units if isinstance(m, _NEVER_WRAP)]
+    units = [(n, m) for n, m in units if not isinstance(m, _NEVER_WRAP)]
     units, notes = _keep_tied_together(model, units)
+    if containers:
+        # FSDP1 wraps a ModuleList a policy function chooses (its entries, wrapped first, leave it nothing to
+        # gather); fully_shard refuses a container that runs no forward of its own
+        notes = [
+            *notes,
+            f"not units: {', '.join(containers)} (a ModuleList/ModuleDict runs no forward for fully_shard to hook; "
+            "their entries chosen by the policy are units, anything else they hold goes to the enclosing unit)",
+        ]
     return WrapPlan(units=units, source=source, notes=notes)
 
 

@@ -163,6 +163,11 @@ def test_fsdp1_made_by_torch_gets_its_own_methods() -> None:
     assert fsdp_bridge.no_sync(fsdp1) is fsdp1.no_sync.return_value
     assert fsdp_bridge.clip_grad_norm_(fsdp1, 1.0, norm_type=1.0).item() == 2.0
     fsdp1.clip_grad_norm_.assert_called_once_with(1.0, 1.0)
+    # torch.compile(FSDP(m)).clip_grad_norm_(n) reached FSDP1's through the compiled wrapper: so does the bridge's
+    compiled = nn.Module()
+    compiled.add_module("_orig_mod", fsdp1)
+    assert fsdp_bridge.clip_grad_norm_(compiled, 0.5).item() == 2.0
+    fsdp1.clip_grad_norm_.assert_called_with(0.5, 2.0)
 
 
 def test_fully_shard_modules_stop_gradient_sync_and_take_it_up_again() -> None:

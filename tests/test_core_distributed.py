@@ -305,7 +305,14 @@ def _accumulate_clip_summon(backend: str, strategy: str, shape: list[int] | None
         with torch.no_grad(), fsdp_bridge.summon_full_params(model):
             model.model(input_ids=batch["input_ids"])  # the decoder alone: its units' hooks gather and stay so
         after_generation = (model(**batch).loss.item(), reference(**batch).loss.item())
+        # The model's first forward inside the context (an RL loop generating before its first training step):
+        # FSDP2's lazy init runs before the swap, and the next training forward matches too.
+        model = fsdp_bridge.shard(copy.deepcopy(reference), BridgeConfig(strategy="full_shard", backend=backend))
+        with torch.no_grad(), fsdp_bridge.summon_full_params(model):
+            first = model(**batch).loss.item()
+        first_forward = (first, model(**batch).loss.item(), reference(**batch).loss.item())
     return {
+        "first_forward": first_forward if strategy == "full_shard" else None,
         "after_generation": after_generation,
         "losses": losses,
         "ref_losses": ref_losses,
@@ -343,6 +350,10 @@ def test_no_sync_clip_and_full_params_match_reference(backend: str, strategy: st
         if r["after_generation"] is not None:
             got, want = r["after_generation"]
             assert got == pytest.approx(want, rel=RTOL, abs=ATOL), "a forward inside summon_full_params broke the next"
+        if r["first_forward"] is not None:
+            inside, after, want = r["first_forward"]
+            assert inside == pytest.approx(want, rel=RTOL, abs=ATOL), "a first forward inside summon_full_params"
+            assert after == pytest.approx(want, rel=RTOL, abs=ATOL), "the forward after a first one inside the context"
 
 
 # ---------------------------------------------------------------- Hugging Face families

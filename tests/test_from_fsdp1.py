@@ -139,6 +139,19 @@ def test_wrap_policies_choose_the_units_fsdp1_chooses(policy: Any, expected: lis
     }
 
 
+def test_a_container_a_policy_function_chooses_is_not_a_unit() -> None:
+    # A size policy of the user's own that wraps anything over a size: FSDP1 wraps the ModuleList too (its blocks,
+    # wrapped first, leave it nothing); fully_shard refuses a container with no forward, so it is left out
+    def big(module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:
+        return recurse or sum(p.numel() for p in module.parameters()) > 600
+
+    model = Net()
+    plan = resolve_wrap(model, BridgeConfig.from_fsdp1(auto_wrap_policy=big).wrap)
+    names = [n for n, _ in plan.units]
+    assert "blocks" not in names and {"blocks.0", "blocks.1", "blocks.2"} <= set(names)
+    assert any("not units: blocks" in note for note in plan.notes)
+
+
 def test_the_report_names_the_policy() -> None:
     policy = functools.partial(_or_policy, policies=[ModuleWrapPolicy({Block})])
     report = fsdp_bridge.translate(BridgeConfig.from_fsdp1(auto_wrap_policy=policy), device_type="cpu")

@@ -488,6 +488,32 @@ def test_accelerates_fsdp1_plugin_is_a_todo_and_its_values_are_notes() -> None:
     assert _line(lowered, "if not wraps(") == "if not wraps(model, fsdp_bridge.ShardedModule):"
 
 
+def test_accelerates_plugin_built_from_a_kwargs_dict_without_a_version_is_a_todo() -> None:
+    # fsdp_kwargs filled key by key, never with fsdp_version: accelerate's FSDP1 default (the notes on the policy
+    # and CPUOffload point at this TODO); a dict that may carry fsdp_version says nothing
+    code = (
+        "import functools\n"
+        "from accelerate.utils import FullyShardedDataParallelPlugin\n"
+        "from torch.distributed.fsdp import CPUOffload\n"
+        "from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy\n\n\n"
+        "def plugin(n, offload):\n"
+        "    fsdp_kwargs = {}\n"
+        "    fsdp_kwargs['auto_wrap_policy'] = functools.partial(size_based_auto_wrap_policy, min_num_params=n)\n"
+        "    if offload:\n"
+        "        fsdp_kwargs['cpu_offload'] = CPUOffload(offload_params=True)\n"
+        "    return FullyShardedDataParallelPlugin(**fsdp_kwargs)\n\n\n"
+        "def versioned(v):\n"
+        "    kw = {'fsdp_version': v}\n"
+        "    return FullyShardedDataParallelPlugin(**kw)\n"
+    )
+    result = migrate_source(code, "p.py")
+    todos = [f for f in result.findings if not f.fixable]
+    assert [(f.line, f.construct) for f in todos] == [
+        (12, "FullyShardedDataParallelPlugin(...) (accelerate's FSDP1 plugin)")
+    ]
+    assert "# TODO(fsdp-bridge)" in result.fixed
+
+
 def test_a_model_from_a_function_returning_fsdp1s_wrapper_on_one_path() -> None:
     result = _migrate("factory_results.py")
     fixed = result.fixed

@@ -257,10 +257,15 @@ def test_torchs_clip_over_an_fsdp1_models_parameters_is_kept_with_a_note_on_its_
         "    loss.backward()\n"
         "    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)\n"
         "    torch.nn.utils.clip_grad_norm_(other.parameters(), 1.0)\n"
+        "    grads = [p for p in model.parameters() if p.requires_grad]\n"
+        "    torch.nn.utils.clip_grad_norm_(grads, 1.0)\n"
+        "    mine = [p for p in other.parameters() if p.requires_grad]\n"
+        "    torch.nn.utils.clip_grad_norm_(mine, 1.0)\n"
         "    return norm\n"
     )
     result = migrate_source(code, "step.py")
-    (note,) = [f for f in result.findings if f.note]
+    note, listed = [f for f in result.findings if f.note]  # a list taken from the parameters too, not other's
+    assert listed.construct == "torch.nn.utils.clip_grad_norm_(grads, ...)" and listed.line == 11
     assert note.construct == "torch.nn.utils.clip_grad_norm_(model.parameters(), ...)" and note.line == 8
     assert "each rank clips by the norm of its own shard" in note.replacement
     assert "    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)\n" in result.fixed

@@ -502,6 +502,46 @@ def test_a_model_handed_to_the_base_class_by_super_init_is_followed_into_the_bas
     assert (tmp_path / "legacy.py").read_text() == base
 
 
+def test_state_dicts_of_a_model_kept_from_a_constructor_argument_are_full_on_the_fsdp2_path(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # main.py wraps the unet with a factory of another file on one branch and hands it to Trainer(unet=...), which
+    # keeps it as self.unet: its resume load_state_dict took FSDP1's default full state dict (raises on FSDP2's
+    # DTensors). A class whose model parameter is annotated Union[nn.Module, FSDP] is FSDP1's on some path too.
+    (tmp_path / "wrapping.py").write_text(
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n\n\n"
+        "class Wrap:\n    @staticmethod\n    def wrap_unet(unet):\n        return FSDP(unet)\n"
+    )
+    (tmp_path / "main.py").write_text(
+        "from wrapping import Wrap\nfrom trainer import Trainer\n\n\n"
+        "def main(unet, fsdp):\n"
+        "    if fsdp:\n        unet = Wrap.wrap_unet(unet)\n    else:\n        unet.cuda()\n"
+        "    Trainer(unet=unet).resume('ckpt.pt')\n"
+    )
+    (tmp_path / "trainer.py").write_text(
+        "import torch\n\n\n"
+        "class Trainer:\n"
+        "    def __init__(self, unet):\n        self.unet = unet\n\n"
+        "    def resume(self, path):\n        self.unet.load_state_dict(torch.load(path)['unet'])\n"
+    )
+    (tmp_path / "typed.py").write_text(
+        "from typing import Union\n\nimport torch\nfrom torch import nn\n"
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n\n\n"
+        "class Typed:\n"
+        "    def __init__(self, model: Union[nn.Module, FSDP]):\n        self.model = model\n\n"
+        "    def save(self, path):\n        torch.save(self.model.state_dict(), path)\n"
+    )
+    migrate_paths([tmp_path], fix=True)
+    guarded = "any(isinstance(m, FSDPModule) for m in {0}.modules())"
+    trainer = (tmp_path / "trainer.py").read_text()
+    assert (
+        "set_model_state_dict(self.unet, torch.load(path)['unet'], options=StateDictOptions(full_state_dict=True"
+        in trainer
+    )
+    assert guarded.format("self.unet") in trainer and "else self.unet.load_state_dict(" in trainer  # the plain path
+    typed = (tmp_path / "typed.py").read_text()
+    assert "get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))" in typed
+    assert guarded.format("self.model") in typed and "else self.model.state_dict()" in typed
+
+
 def test_scripts_that_each_define_a_function_of_the_same_name_keep_their_own_evidence(tmp_path) -> None:  # type: ignore[no-untyped-def]
     # Three training scripts, each with its own setup_model / save: the FSDP1 one's model is not the single-GPU
     # or DDP script's (their calls reach their own functions), and the FSDP1 script's tuple-unpacked model is

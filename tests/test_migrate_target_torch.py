@@ -280,6 +280,12 @@ def test_helper_module_is_plain_torch_and_resolves_units_as_the_bridge() -> None
     kept = helpers._keep_tied_together(model, helpers.units_of_size(model, 50))
     assert model[0] not in kept and model[2] not in kept
 
+    class OwnClip(nn.Linear):  # an FSDP1 wrapper the migration kept (a TODO): its own clip, global over its shards
+        def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> float:
+            return max_norm * 10 + norm_type
+
+    assert helpers.clip_grad_norm_(OwnClip(2, 2), 1.0) == 12.0
+
 
 def test_paths_write_the_helper_module_once_and_never_over_the_users(tmp_path: Path) -> None:
     pkg = tmp_path / "pkg"

@@ -172,6 +172,7 @@ class BackendImpl(Protocol):
         rank0_only: bool = False,
         offload_to_cpu: bool = False,
         with_grads: bool = False,
+        root: bool = False,
     ) -> AbstractContextManager[None]:
         """Inside the context, the model's parameters are full, unsharded tensors (on rank 0 only
         with ``rank0_only``; CPU copies with ``offload_to_cpu``).
@@ -182,6 +183,8 @@ class BackendImpl(Protocol):
             rank0_only: only rank 0 gets the full parameters.
             offload_to_cpu: the full parameters are CPU copies.
             with_grads: the parameters' ``.grad`` are full too (written back with ``writeback``).
+            root: ``model`` is the root of its sharded model (the one :func:`fsdp_bridge.shard` returned):
+                a forward inside the context may be its first.
 
         Returns:
             The context manager (collective on entry and exit).

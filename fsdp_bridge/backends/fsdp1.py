@@ -272,6 +272,7 @@ class FSDP1Backend:
         rank0_only: bool = False,
         offload_to_cpu: bool = False,
         with_grads: bool = False,
+        root: bool = False,
     ) -> Iterator[None]:
         # FSDP1 keeps in-place changes even with writeback=False when the gathered
         # parameter shares storage with the shard (NO_SHARD, world size 1).  The bridge

@@ -21,6 +21,7 @@ from torch.distributed.fsdp import (
     register_fsdp_forward_method,
 )
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.utils.hooks import RemovableHandle
 
 from fsdp_bridge._names import strip_wrapper_prefixes
 from fsdp_bridge.backends._common import (
@@ -366,9 +367,15 @@ class FSDP2Backend:
         rank0_only: bool = False,
         offload_to_cpu: bool = False,
         with_grads: bool = False,
+        root: bool = False,
     ) -> Iterator[None]:
         with _full_params(
-            model, writeback=writeback, rank0_only=rank0_only, offload_to_cpu=offload_to_cpu, with_grads=with_grads
+            model,
+            writeback=writeback,
+            rank0_only=rank0_only,
+            offload_to_cpu=offload_to_cpu,
+            with_grads=with_grads,
+            root=root,
         ):
             yield
 
@@ -573,11 +580,13 @@ def _full_params(
     rank0_only: bool = False,
     offload_to_cpu: bool = False,
     with_grads: bool = False,
+    root: bool = False,
 ) -> Iterator[None]:
     """Swap every DTensor parameter for a full copy; on exit restore (and write back shards).
 
     ``rank0_only``: every rank takes part in the gather (a collective), only rank 0 swaps.
     ``with_grads``: each copy's ``.grad`` is the full gradient (FSDP1's ``with_grads``).
+    ``root``: ``model`` is the sharded model's root, whose first forward may run inside the block.
     """
 
     keep = not rank0_only or not dist.is_initialized() or dist.get_rank() == 0
@@ -601,9 +610,27 @@ def _full_params(
                 if keep:
                     module._parameters[name] = full_of[id(param)]
                     swapped.append((module, name, param, full_of[id(param)]))
+    first: RemovableHandle | None = None
+    if root and isinstance(model, FSDPModule) and model._get_fsdp_state()._is_root is None:
+        # The model's first forward may run inside the block (an RL loop generating before its first training
+        # step): FSDP2's lazy init then reads the parameters, which must be its own DTensors. Just before that
+        # forward, put them back for the lazy init, then the full copies again.
+        state = model._get_fsdp_state()
+
+        def before_first_forward(*_: object) -> None:
+            if state._is_root is None:
+                for module, name, sharded, _full in swapped:
+                    module._parameters[name] = sharded
+                state._lazy_init()
+                for module, name, _sharded, full in swapped:
+                    module._parameters[name] = full
+
+        first = model.register_forward_pre_hook(before_first_forward, prepend=True)
     try:
         yield
     finally:
+        if first is not None:
+            first.remove()
         written: set[int] = set()
         for module, name, sharded, full in swapped:
             module._parameters[name] = sharded

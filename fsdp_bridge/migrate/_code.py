@@ -641,6 +641,8 @@ def migrate_paths(
         except (OSError, UnicodeDecodeError) as err:
             report.skipped.append((str(f), f"cannot be read as UTF-8 text ({err})"))
             continue
+        if code.startswith(HELPERS_MARKER):
+            continue  # the plain-torch helpers an earlier --target torch wrote: kept current below, not migrated
         try:
             result = migrate_source(code, str(f), dispatch=dispatch, target=target)
             if result.changed:

@@ -551,11 +551,12 @@ class ObjectAnalysis(ScannerBase):
             todo.extend(code_of(b.value).rsplit(".", 1)[-1] for b in base.bases)
         return found
 
-    def _handed_in(self, cls: cst.ClassDef, attr: str) -> bool:
+    def _handed_in(self, cls: cst.ClassDef, attr: str, *, among: bool = False) -> bool:
         """Every assignment of ``self.<attr>`` in ``cls`` is ``self.<attr> = p`` with ``p`` a parameter of that
         method annotated with FSDP1's class (``def __init__(self, model: FSDP)``), never bound again there; no
         other assignment (augmented, unpacked, ``setattr``, a class attribute) and no subclass in the tree
-        (which could assign it too)."""
+        (which could assign it too). ``among``: an annotation that names FSDP1's class among others
+        (``Union[nn.Module, FSDP]``, ``FSDP | None``) counts too (FSDP1's wrapper on some path)."""
         if cls.name.value in self.dispatch.subclassed or f"setattr(self, {attr!r}" in code_of(cls).replace('"', "'"):
             return False
         own = m.Attribute(value=m.Name("self"), attr=m.Name(attr))
@@ -567,7 +568,17 @@ class ObjectAnalysis(ScannerBase):
             annotated = {
                 p.name.value
                 for p in [*fn.params.params, *fn.params.kwonly_params, *fn.params.posonly_params]
-                if p.annotation is not None and self._qn(p.annotation.annotation) == (FSDP, "")
+                if p.annotation is not None
+                and (
+                    self._qn(p.annotation.annotation) == (FSDP, "")
+                    or (
+                        among
+                        and any(
+                            isinstance(x, (cst.Name, cst.Attribute)) and self._qn(x) == (FSDP, "")
+                            for x in walk(p.annotation.annotation)
+                        )
+                    )
+                )
             }
             for n in walk(fn.body):
                 if isinstance(n, cst.AugAssign) and m.matches(n.target, own):

@@ -250,7 +250,12 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     """FSDP1's model.clip_grad_norm_(max_norm, norm_type): the global norm over the model's gradients (shards
     and replicas; one norm per mesh, since tensor-parallel weights live on a (dp, tp) mesh and the rest on dp,
     then combined), every gradient scaled by max_norm / norm when it is larger; the norm is returned as a
-    plain tensor in the gradients' dtype, as FSDP1 returns it (each gradient's norm taken in float32)."""
+    plain tensor in the gradients' dtype, as FSDP1 returns it (each gradient's norm taken in float32). A model
+    with a clip_grad_norm_ of its own (an FSDP1 wrapper the migration left as it was, compiled or not) gets
+    that."""
+    own = getattr(model, "clip_grad_norm_", None)
+    if callable(own):
+        return own(max_norm, norm_type)
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     if not grads:
         return torch.tensor(0.0)

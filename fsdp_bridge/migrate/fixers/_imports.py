@@ -823,6 +823,15 @@ class ImportsFixer(ScannerBase):
                         self.accelerate_here = True
         return self.accelerate_here
 
+    def _no_version_through(self, starred: list[cst.BaseExpression]) -> bool:
+        """Nothing ``**fsdp_kwargs`` / ``*args`` passes can set ``fsdp_version``: each is a name and the code
+        that can fill it (the enclosing function, else the file) never writes the text ``fsdp_version``
+        (``fsdp_kwargs["auto_wrap_policy"] = ...`` only), so accelerate's FSDP1 default applies."""
+        scope = self.functions[-1] if self.functions else self.module
+        return (
+            scope is not None and all(isinstance(v, cst.Name) for v in starred) and "fsdp_version" not in code_of(scope)
+        )
+
     def _config_driven(self, node: cst.Call) -> None:
         """FSDP set up by the HF Trainer's arguments or accelerate's plugin: point to `migrate config`."""
         names = {q.name for q in self.get_metadata(QualifiedNameProvider, node.func, set())}
@@ -830,7 +839,8 @@ class ImportsFixer(ScannerBase):
             if not any(n.split(".")[-1] == cls and n.startswith(("transformers", "accelerate")) for n in names):
                 continue
             kwargs = {a.keyword.value: a.value for a in node.args if a.keyword is not None}
-            if cls == "FullyShardedDataParallelPlugin" and not any(a.star for a in node.args):
+            starred = [a.value for a in node.args if a.star]
+            if cls == "FullyShardedDataParallelPlugin" and (not starred or self._no_version_through(starred)):
                 given = code_of(kwargs[key]) if key in kwargs else None
                 if given is None or given == "1":
                     self.fsdp1_elsewhere = True  # accelerate wraps the model with FSDP1: TODOs are written

@@ -131,15 +131,33 @@ class NoSyncClipFixer(ScannerBase):
         if not names & {"torch.nn.utils.clip_grad_norm_", "torch.nn.utils.clip_grad.clip_grad_norm_"}:
             return
         params = node.args[0].value
+        made_of = params
+        if isinstance(params, cst.Name) and self.functions:
+            # ``grads = [p for p in model.parameters() if p.requires_grad]`` (or ``list(...)``) above, assigned once
+            made = [
+                n.value
+                for n in walk(self.functions[-1])
+                if isinstance(n, cst.Assign) and any(m.matches(t.target, m.Name(params.value)) for t in n.targets)
+            ]
+            calls = [
+                c
+                for c in (walk(made[0]) if len(made) == 1 else ())
+                if isinstance(c, cst.Call)
+                and isinstance(c.func, cst.Attribute)
+                and c.func.attr.value == "parameters"
+                and not c.args
+            ]
+            if len(calls) == 1:
+                made_of = calls[0]
         if not (
-            isinstance(params, cst.Call)
-            and isinstance(params.func, cst.Attribute)
-            and params.func.attr.value == "parameters"
-            and not params.args
+            isinstance(made_of, cst.Call)
+            and isinstance(made_of.func, cst.Attribute)
+            and made_of.func.attr.value == "parameters"
+            and not made_of.args
         ):
             return
         construct = f"torch.nn.utils.clip_grad_norm_({short(code_of(params), 40)}, ...)"
-        self._note_on_fsdp1_model(node, params.func.value, construct, LOCAL_CLIP)
+        self._note_on_fsdp1_model(node, made_of.func.value, construct, LOCAL_CLIP)
 
     def _note_param_collective(self, node: cst.Call) -> None:
         """``dist.all_reduce(p.data)`` in ``for p in model.parameters():``, or

@@ -221,6 +221,21 @@ class StateDictFixer(ScannerBase):
         ):
             # A call of the tree hands this function an FSDP1 model (other calls may hand it other modules)
             wrapper, handed = "ambiguous", True
+        if (
+            wrapper not in ("fsdp1", "ambiguous")
+            and isinstance(obj, cst.Attribute)
+            and m.matches(obj.value, m.Name("self"))
+            and self.classes
+            and not self._isinstance_branch(node, obj)
+            and not self._in_own_state_dict_type_block(code_of(obj))
+            and (
+                self._kept_from_a_handed_parameter(self.classes[-1], obj.attr.value)
+                or self._handed_in(self.classes[-1], obj.attr.value, among=True)
+            )
+        ):
+            # ``self.model = model`` from a parameter a call of the tree hands an FSDP1 model (``Trainer(unet=unet)``
+            # after ``unet = wrap_unet(...)``), or annotated ``Union[nn.Module, FSDP]``: FSDP1's on some path
+            wrapper, handed = "ambiguous", True
         if wrapper not in ("fsdp1", "ambiguous", "handed") and (
             self._factory_result(node, obj) != "" or self._holder_result(node, obj)
         ):
@@ -404,8 +419,8 @@ class StateDictFixer(ScannerBase):
             "default FULL_STATE_DICT), every rank; FSDP2's own would be sharded DTensors"
             + (FULL_LOAD_KEYS if method == "load_state_dict" and "full_state_dict=True" in code else "")
             + (
-                f" ({short(target, 40)} is handed an FSDP1 model by a call of the tree; a module another call "
-                "hands it keeps its own call)"
+                f" ({short(target, 40)} is FSDP1's model on some path: a call of the tree hands it one, or its "
+                "annotation names FSDP1's class; any other module keeps its own call)"
                 if handed
                 else ""
             ),
