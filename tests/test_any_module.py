@@ -84,6 +84,20 @@ def test_plain_module_gets_nothing_to_sync_and_torchs_clip() -> None:
     assert torch.equal(model.weight, before[0] + 1.0)
 
 
+def test_a_state_dict_type_block_covers_the_module_inside_torch_compiles_wrapper() -> None:
+    # FSDP1 code unwraps the model inside the block (unwrap_model(model).state_dict()): torch.compile's wrapper
+    # hands over _orig_mod, whose state dict takes the block's type too, and is its own again after the block
+    inner = nn.Linear(3, 2)
+    compiled = nn.Module()
+    compiled.add_module("_orig_mod", inner)
+    own = inner.state_dict()
+    with fsdp_bridge.state_dict_type(compiled, "FULL_STATE_DICT"):
+        assert "state_dict" in inner.__dict__ and "state_dict" in compiled.__dict__
+        full = inner.state_dict()
+    assert "state_dict" not in inner.__dict__ and "state_dict" not in compiled.__dict__
+    assert sorted(full) == sorted(own) and all(torch.equal(full[k], own[k]) for k in own)
+
+
 def test_a_full_optimizer_state_keeps_fsdp1s_optimizer_config() -> None:
     # FSDP1's FullOptimStateDictConfig() (also when a block or set_state_dict_type gives none) is a CPU copy on
     # every rank, gathered one tensor at a time: not torch's full_state_dict options (the whole state on every GPU)

@@ -1448,6 +1448,35 @@ def test_param_init_fn_without_sync_module_states_is_kept_for_from_fsdp1() -> No
     assert result.fixed.count("fsdp_bridge.shard(") == 2
 
 
+def test_a_module_built_on_the_meta_device_keeps_fsdp1s_materialisation() -> None:
+    # No param_init_fn, no sync_module_states: FSDP1 ran each meta module's reset_parameters(); a written-out
+    # BridgeConfig refuses a meta model, so the arguments go to from_fsdp1, which materialises as FSDP1 did
+    code = textwrap.dedent(
+        """
+        import torch
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
+
+
+        def build(make, meta):
+            if meta:
+                with torch.device("meta"):
+                    net = make()
+            else:
+                net = make()
+            return FSDP(net, sharding_strategy=ShardingStrategy.FULL_SHARD)
+
+
+        def plain(make):
+            net = make()
+            return FSDP(net, sharding_strategy=ShardingStrategy.FULL_SHARD)
+        """
+    )
+    fixed = migrate_source(code, "meta.py").fixed
+    build, plain = fixed.split("def plain")
+    assert "fsdp_bridge.BridgeConfig.from_fsdp1(\n            sharding_strategy=ShardingStrategy.FULL_SHARD," in build
+    assert 'fsdp_bridge.BridgeConfig(\n            backend="fsdp2",\n            strategy="full_shard",' in plain
+
+
 def test_protocol_stubs_guard_clauses_and_state_dict_contexts_made_elsewhere() -> None:
     code = textwrap.dedent(
         """

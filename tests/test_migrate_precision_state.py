@@ -1091,3 +1091,38 @@ def test_a_summon_of_one_unit_or_for_rank_0_does_not_keep_the_state_dict_and_opt
     fixed = migrate_source(code, "units.py").fixed
     assert "        own = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))\n" in fixed
     assert "    return own, get_model_state_dict(opt_model, options=StateDictOptions(full_state_dict=True))\n" in fixed
+
+
+def test_the_model_unwrapped_inside_its_own_state_dict_type_block_keeps_its_call(tmp_path: Path) -> None:
+    # m = unwrap_model(model) in FSDP.state_dict_type(model, FULL, rank0_only): m.state_dict() is the block's
+    # model (its compiled inner module too), whose type the bridge's context sets; torch's full-state call
+    # written over it crashed every rank but 0 (the context's rank0_only state was empty there)
+    code = textwrap.dedent(
+        """
+        from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+
+        def unwrap_model(m):
+            while hasattr(m, "module"):
+                m = m.module
+            return m
+
+
+        def save(net, ema: FSDP):
+            model = FSDP(net)
+            cfg = FullStateDictConfig(rank0_only=True, offload_to_cpu=True)
+            with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, cfg):
+                m = unwrap_model(model)
+                state = m.state_dict()
+                other = ema.state_dict()
+            return state, other
+        """
+    )
+    (tmp_path / "save.py").write_text(code)
+    report, (result,) = migrate_paths([tmp_path], fix=True)
+    assert "with fsdp_bridge.state_dict_type(model, StateDictType.FULL_STATE_DICT, cfg):" in result.fixed
+    assert "        state = m.state_dict()\n" in result.fixed
+    (kept,) = [f for f in report.findings if f.construct == "m.state_dict()"]
+    assert kept.fixable and "made from model" in kept.replacement
+    assert "get_model_state_dict(ema, options=StateDictOptions(full_state_dict=True))" in result.fixed  # another root

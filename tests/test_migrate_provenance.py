@@ -542,6 +542,21 @@ def test_state_dicts_of_a_model_kept_from_a_constructor_argument_are_full_on_the
     assert guarded.format("self.model") in typed and "else self.model.state_dict()" in typed
 
 
+def test_a_factory_reached_through_a_star_import_makes_its_result_an_fsdp1_model(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # run.py takes setup_model from `from pkg.utils import *`: its model.forward(x) skipped FSDP2's gather hooks
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "utils.py").write_text(
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n\n\n"
+        "def setup_model(net):\n    model = FSDP(net)\n    return model\n"
+    )
+    run = "from pkg.utils import *\n\n\ndef main(net, x, other):\n    model = setup_model(net)\n"
+    run += "    other.forward(x)\n    return model.forward(x)\n"
+    (tmp_path / "run.py").write_text(run)
+    migrate_paths([tmp_path], fix=True)
+    assert (tmp_path / "run.py").read_text() == run.replace("return model.forward(x)", "return model(x)")
+
+
 def test_scripts_that_each_define_a_function_of_the_same_name_keep_their_own_evidence(tmp_path) -> None:  # type: ignore[no-untyped-def]
     # Three training scripts, each with its own setup_model / save: the FSDP1 one's model is not the single-GPU
     # or DDP script's (their calls reach their own functions), and the FSDP1 script's tuple-unpacked model is

@@ -190,7 +190,8 @@ def state_dict_type(
     torch's ``get_model_state_dict`` / ``set_model_state_dict`` with :func:`state_dict_options`
     (FULL_STATE_DICT: full tensors, with ``rank0_only`` a CPU copy on rank 0 only; SHARDED_STATE_DICT:
     DTensor shards); :func:`optim_state_dict` called inside the block gives the optimizer's state
-    for the same type, as ``FSDP.optim_state_dict`` does.
+    for the same type, as ``FSDP.optim_state_dict`` does. The module ``torch.compile``'s wrapper holds
+    (``_orig_mod``, what code unwrapping the model in the block reaches) takes the type too.
 
     Args:
         module: the model (its root) whose state dicts the block takes.
@@ -219,7 +220,7 @@ class _StateDictContext:
         self.module = module
         self.args = (state_dict_type, state_dict_config, optim_state_dict_config)
         # One entry per open block (nested or entered again): what to put back when it ends.
-        self._stack: list[tuple[Any, dict[str, Any], Any]] = []
+        self._stack: list[tuple[Any, list[tuple[nn.Module, dict[str, Any], tuple[Any, Any]]]]] = []
 
     def __enter__(self) -> None:
         if _is_fsdp1(self.module):
@@ -230,28 +231,38 @@ class _StateDictContext:
                 kind = StateDictType[kind]
             fsdp1 = FullyShardedDataParallel.state_dict_type(self.module, kind, *configs)  # type: ignore[arg-type]
             fsdp1.__enter__()
-            self._stack.append((fsdp1, {}, None))
+            self._stack.append((fsdp1, []))
             return
-        saved: dict[str, Any] = {
-            k: self.module.__dict__[k] for k in ("state_dict", "load_state_dict") if k in self.module.__dict__
-        }
-        previous = (_ACTIVE.get(self.module), _SETTINGS.get(self.module))
-        _install(self.module, self.args)
-        self._stack.append((None, saved, previous))
+        saved: list[tuple[nn.Module, dict[str, Any], tuple[Any, Any]]] = []
+        for module in self._covered():
+            kept: dict[str, Any] = {
+                k: module.__dict__[k] for k in ("state_dict", "load_state_dict") if k in module.__dict__
+            }
+            saved.append((module, kept, (_ACTIVE.get(module), _SETTINGS.get(module))))
+        for module in self._covered():
+            _install(module, self.args)
+        self._stack.append((None, saved))
+
+    def _covered(self) -> list[nn.Module]:
+        """The model, and the module torch.compile's wrapper of it holds (``_orig_mod``, which code unwrapping
+        the model reaches: ``unwrap_model(model).state_dict()`` in the block)."""
+        inner = self.module.__dict__.get("_modules", {}).get("_orig_mod")
+        return [self.module, inner] if isinstance(inner, nn.Module) else [self.module]
 
     def __exit__(self, *exc: object) -> None:
-        fsdp1, saved, previous = self._stack.pop()
+        fsdp1, saved = self._stack.pop()
         if fsdp1 is not None:
             fsdp1.__exit__(*exc)
             return
-        for key in ("state_dict", "load_state_dict"):
-            self.module.__dict__.pop(key, None)
-        self.module.__dict__.update(saved)  # an enclosing block's, the persistent setting's, or the module's own
-        for table, value in zip((_ACTIVE, _SETTINGS), previous, strict=True):
-            if value is None:
-                table.pop(self.module, None)
-            else:
-                table[self.module] = value
+        for module, kept, previous in saved:
+            for key in ("state_dict", "load_state_dict"):
+                module.__dict__.pop(key, None)
+            module.__dict__.update(kept)  # an enclosing block's, the persistent setting's, or the module's own
+            for table, value in zip((_ACTIVE, _SETTINGS), previous, strict=True):
+                if value is None:
+                    table.pop(module, None)
+                else:
+                    table[module] = value
 
 
 def _install(module: nn.Module, args: tuple[object, object, object]) -> None:

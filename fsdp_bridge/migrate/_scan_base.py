@@ -181,6 +181,25 @@ class ScannerBase(FollowsAliases):
         factories = self.dispatch.fsdp1_sure_factories if every_path else self.dispatch.fsdp1_factories
         return any(q.source is QualifiedNameSource.IMPORT and q.name.lstrip(".") in factories for q in qnames)
 
+    def _star_factory(self, func: cst.BaseExpression, qnames: Iterable[Any]) -> bool:
+        """``func`` is a bare name no import or definition of this file names (``qnames`` empty or builtin),
+        and a ``from M import *`` of this file brings in a function of the tree returning FSDP1's wrapper
+        (``M.func`` in ``Dispatch.fsdp1_factories``)."""
+        if not isinstance(func, cst.Name) or any(
+            q.source in (QualifiedNameSource.IMPORT, QualifiedNameSource.LOCAL) for q in qnames
+        ):
+            return False
+        stars = [
+            code_of(small.module).lstrip(".")
+            for stmt in (self.module.body if self.module is not None else ())
+            if isinstance(stmt, cst.SimpleStatementLine)
+            for small in stmt.body
+            if isinstance(small, cst.ImportFrom)
+            and isinstance(small.names, cst.ImportStar)
+            and small.module is not None
+        ]
+        return any(f"{star}.{func.value}" in self.dispatch.fsdp1_factories for star in stars if star)
+
     def _tree_predicate(self, qnames: Iterable[Any]) -> bool:
         """An imported function of the tree that tests for FSDP1's wrapper (``Dispatch.fsdp1_predicates``)."""
         tests = self.dispatch.fsdp1_predicates

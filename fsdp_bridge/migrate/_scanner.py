@@ -143,9 +143,13 @@ class Scanner(
         if self.planning:
             self.called.add(id(func))
             quals = self.get_metadata(QualifiedNameProvider, func, set())
-            if self._fsdp1_factory(quals) or any(
-                q.source is QualifiedNameSource.IMPORT and q.name.lstrip(".") in self.dispatch.unit_holders
-                for q in quals
+            if (
+                self._fsdp1_factory(quals)
+                or self._star_factory(func, quals)
+                or any(
+                    q.source is QualifiedNameSource.IMPORT and q.name.lstrip(".") in self.dispatch.unit_holders
+                    for q in quals
+                )
             ):
                 self.uses_fsdp1 = True  # the file is handed an FSDP1 model (or one holding FSDP1 units) by another
             if self._tree_predicate(self.get_metadata(QualifiedNameProvider, func, set())):

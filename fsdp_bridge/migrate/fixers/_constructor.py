@@ -519,6 +519,27 @@ class ConstructorFixer(ScannerBase):
             CodeFinding(self.path, pos.start.line, pos.start.column, f"{kw}={short(value)}", described, True)
         )
 
+    def _built_on_meta(self, module: cst.BaseExpression) -> bool:
+        """``module`` is a name this function assigns inside ``with torch.device("meta"):`` (on some path:
+        ``if args.meta_init: with torch.device("meta"): m = Net()``)."""
+        if not isinstance(module, cst.Name) or not self.functions:
+            return False
+        for w in walk(self.functions[-1]):
+            if not isinstance(w, cst.With) or not any(
+                isinstance(i.item, cst.Call)
+                and code_of(i.item.func) in ("torch.device", "device")
+                and i.item.args
+                and code_of(i.item.args[0].value).strip("'\"") == "meta"
+                for i in w.items
+            ):
+                continue
+            if any(
+                isinstance(n, cst.Assign) and any(m.matches(t.target, m.Name(module.value)) for t in n.targets)
+                for n in walk(w.body)
+            ):
+                return True
+        return False
+
     def _plan_static(self, call: cst.Call) -> Conversion:
         conv = Conversion()
         self._consume(call.func)
@@ -543,6 +564,16 @@ class ConstructorFixer(ScannerBase):
                 if pending or trail:
                     conv.slot_comments["module"] = (pending, trail)
                 pending = []
+                if self._built_on_meta(a.value) and not any(
+                    b.keyword is not None and b.keyword.value in ("param_init_fn", "sync_module_states")
+                    for b in call.args
+                ):
+                    # FSDP1 materialises meta-device modules itself (each module's reset_parameters(), unit by
+                    # unit); BridgeConfig.from_fsdp1 does the same, a config written out would refuse the model
+                    conv.blockers.append(
+                        f"{short(code_of(a.value), 40)} is built on the meta device, which FSDP1 materialises "
+                        "with each module's reset_parameters()"
+                    )
                 continue
             if kw is None:
                 conv.blockers.append(f"positional argument {i + 1} ({code_of(a.value)}): pass it by keyword")

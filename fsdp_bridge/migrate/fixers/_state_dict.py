@@ -247,6 +247,23 @@ class StateDictFixer(ScannerBase):
                 return False
             wrapper = "handed"  # in another model's state_dict_type block; nothing here shows what it is
         target, method = code_of(obj), func.attr.value
+        around = [
+            code_of(c.args[0].value)
+            for stmt in self.stmt_stack
+            if isinstance(stmt, cst.With)
+            for item in stmt.items
+            if isinstance(c := item.item, cst.Call) and c.args and self._qn(c.func) == (FSDP, "state_dict_type")
+        ]
+        if (covering := next((x for x in around if self._made_from(target, x)), None)) is not None:
+            self._record(
+                node,
+                f"{short(target, 40)}.{method}({'...' if node.args else ''})",
+                f"kept as is: {short(target, 30)} is made from {short(covering, 30)} (unwrapped) inside "
+                f"FSDP.state_dict_type({short(covering, 30)}, ...), made fsdp_bridge.state_dict_type, which gives the "
+                f"model's {method} that type's state",
+                True,
+            )
+            return True
         if method == "state_dict" and not node.args and self._inside_own_summon(target):
             self._record(
                 node,
@@ -467,6 +484,18 @@ class StateDictFixer(ScannerBase):
                 if (start.line, start.column) < (at.line, at.column):
                     return True
         return False
+
+    def _made_from(self, target: str, model: str) -> bool:
+        """``target`` is a name this function assigns from ``model`` (``m = unwrap_model(model)``,
+        ``m = model.module``): the same model, unwrapped, as the context around it sees it."""
+        scope = self.functions[-1] if self.functions else self.module
+        return scope is not None and any(
+            isinstance(n, cst.Assign)
+            and isinstance(n.value, (cst.Call, cst.Attribute))
+            and any(m.matches(t.target, m.Name(target)) for t in n.targets)
+            and any(isinstance(x, (cst.Name, cst.Attribute)) and code_of(x) == model for x in walk(n.value))
+            for n in walk(scope)
+        )
 
     def _in_own_state_dict_type_block(self, target: str) -> bool:
         """Inside ``with FSDP.state_dict_type(target, ...):`` (or a kept block of it): the block decides the call's
@@ -891,6 +920,8 @@ class StateDictFixer(ScannerBase):
                 continue  # a call's result, a subscript: evaluated twice by the written guard
             if target == model or target.startswith(model + ".") or model.startswith(target + "."):
                 continue
+            if self._made_from(target, model):
+                continue  # the context's model, unwrapped: its state dicts take the context's type
             root = inner.func.value
             while isinstance(root, cst.Attribute):
                 root = root.value
