@@ -1265,10 +1265,32 @@ def exits(body: cst.BaseSuite) -> bool:
     )
 
 
+_CHILDREN: dict[int, tuple[cst.CSTNode, Sequence[cst.CSTNode]]] = {}
+"""``id(node)`` -> (the node, its children): libcst computes ``children`` by visiting the node each time it is
+asked (most of a large file's migration time); nodes are immutable, and each entry holds its node, so an id
+is not reused while it is cached."""
+_CHILDREN_LIMIT = 4_000_000
+
+
+def children(node: cst.CSTNode) -> Sequence[cst.CSTNode]:
+    """``node.children``, computed once per node."""
+    entry = _CHILDREN.get(id(node))
+    if entry is not None and entry[0] is node:
+        return entry[1]
+    if len(_CHILDREN) >= _CHILDREN_LIMIT:
+        _CHILDREN.clear()  # a cache only: the trees already migrated are not read again
+    kids = node.children
+    _CHILDREN[id(node)] = (node, kids)
+    return kids
+
+
 def walk(node: cst.CSTNode) -> Iterable[cst.CSTNode]:
-    yield node
-    for child in node.children:
-        yield from walk(child)
+    """``node`` and every node below it, in source order (pre-order)."""
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        yield n
+        stack.extend(reversed(children(n)))
 
 
 def class_list(expr: cst.BaseExpression) -> cst.BaseExpression:
