@@ -4,6 +4,7 @@ that already serves several backends keeps each backend's path."""
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
 import libcst as cst
@@ -742,3 +743,43 @@ def test_a_nested_function_reads_its_enclosing_functions_fsdp1_model() -> None:
     result = migrate_source(code, "train.py")
     assert "        inner = fsdp_bridge.unwrapped(ar)\n" in result.fixed
     assert "        return ar.module\n" in result.fixed
+
+
+def test_a_model_made_by_either_of_two_local_makers_and_modules_under_a_hasattr_guard() -> None:
+    # model = wrap_fsdp(...) if fsdp else wrap_ddp(...): FSDP1's on one path, so its clip_grad_norm_ (FSDP1's
+    # method, under the FSDP branch) becomes the bridge's, which takes any module; `model.module if
+    # hasattr(model, "module") else model` already works on FSDP2 (no .module there) and on DDP: kept
+    code = textwrap.dedent(
+        """
+        import torch
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+        def wrap_fsdp(net):
+            return FSDP(net)
+
+
+        def wrap_ddp(net):
+            return DDP(net)
+
+
+        def train(net, fsdp, batch):
+            model = wrap_fsdp(net) if fsdp else wrap_ddp(net)
+            model(batch).sum().backward()
+            if fsdp:
+                model.clip_grad_norm_(1.0)
+            core = model.module if hasattr(model, "module") else model
+            if hasattr(model, "module"):
+                core = model.module
+            return core
+        """
+    )
+    for target in ("bridge", "torch"):
+        result = migrate_source(code, "train.py", target=target)
+        assert "        model.clip_grad_norm_(1.0)" not in result.fixed
+        assert 'core = model.module if hasattr(model, "module") else model\n' in result.fixed
+        assert "        core = model.module\n" in result.fixed
+        kept = [f for f in result.findings if f.construct == "model.module (the wrapped module)"]
+        assert len(kept) == 2 and all(f.fixable and "kept as is" in f.replacement for f in kept)
+    assert "fsdp_bridge.clip_grad_norm_(model, 1.0)" in migrate_source(code, "train.py").fixed

@@ -734,3 +734,20 @@ def test_torchs_own_scaler_beside_an_fsdp1_model_gets_a_note() -> None:
     assert "every rank skips the same steps" in next(f.replacement for f in result.findings if f.note)
     plain = migrate_source("import torch\n\nscaler = torch.amp.GradScaler('cuda')\n", "plain.py")
     assert not plain.findings
+
+
+def test_torchs_clip_over_a_model_with_ignored_parameters_is_a_todo() -> None:
+    # FSDP(model, ignored_states=[...]): those parameters stay plain beside FSDP2's DTensors, and torch's clip over
+    # both raises at the first step: a TODO naming the bridge's clip (one global norm over both kinds)
+    code = (
+        "import torch\n"
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n\n\n"
+        "def step(module, lora, loss):\n"
+        "    model = FSDP(module, ignored_states=list(lora.parameters()))\n"
+        "    loss.backward()\n"
+        "    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)\n"
+    )
+    result = migrate_source(code, "step.py")
+    (todo,) = [f for f in result.findings if f.construct.startswith("torch.nn.utils.clip_grad_norm_")]
+    assert not todo.fixable and not todo.note and "fsdp_bridge.clip_grad_norm_(model, max_norm)" in todo.replacement
+    assert "# TODO(fsdp-bridge)" in result.fixed

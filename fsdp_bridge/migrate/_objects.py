@@ -471,6 +471,17 @@ class ObjectAnalysis(ScannerBase):
             found |= wrapper_kinds_named(quals)
             if self._fsdp1_factory(quals, every_path=True):
                 found.add("fsdp1")
+        if isinstance(expr, cst.IfExp):
+            # ``wrap_fsdp(m) if fsdp else wrap_ddp(m)``: each branch's maker (a function of this file too); FSDP1's
+            # on one branch only is FSDP1's wrapper on one path, something else on the other ("ddp": ambiguous)
+            sides = [
+                self._value_kinds(_made_by(b) if isinstance(b, (cst.Call, cst.IfExp)) else b)
+                for b in (expr.body, expr.orelse)
+            ]
+            if any("fsdp1" in k for k in sides):
+                found |= {"fsdp1", *sides[0], *sides[1]}
+                if not all("fsdp1" in k for k in sides):
+                    found.add("ddp")
         return found
 
     def _other_path_above(self, node: cst.CSTNode, obj: cst.BaseExpression) -> bool:

@@ -191,6 +191,15 @@ class ImportsFixer(ScannerBase):
                     False,
                 )
                 return True
+            if self._under_hasattr_module(node, obj):
+                self._record(
+                    node,
+                    f"{code_of(node)} (the wrapped module)",
+                    f"kept as is: it runs under hasattr({short(obj, 30)}, \"module\"), which FSDP1's (and DDP's) "
+                    "wrapper passes; an FSDP2 module does not wrap, has no .module and takes the other branch",
+                    True,
+                )
+                return True
             guarded: tuple[str, str] | None = None
             if wrapper == "":
                 # Shown FSDP1's on some path only (made by a function of the tree, handed by a call of it): other
@@ -791,6 +800,27 @@ class ImportsFixer(ScannerBase):
         if not (isinstance(obj, cst.Name) and self.functions):
             return ""
         return self._made_by_factory(self.functions[-1], obj.value, before=node)
+
+    def _under_hasattr_module(self, node: cst.CSTNode, obj: str) -> bool:
+        """``node`` (``obj.module``) is in the branch a ``hasattr(obj, "module")`` test takes when true: ``obj.module
+        if hasattr(obj, "module") else obj``, or the body of ``if hasattr(obj, "module"):``."""
+
+        def is_test(test: cst.BaseExpression) -> bool:
+            return (
+                isinstance(test, cst.Call)
+                and m.matches(test.func, m.Name("hasattr"))
+                and len(test.args) == 2
+                and code_of(test.args[0].value) == obj
+                and m.matches(test.args[1].value, m.SimpleString('"module"') | m.SimpleString("'module'"))
+            )
+
+        for stmt in self.stmt_stack:
+            if isinstance(stmt, cst.If) and is_test(stmt.test) and any(n is node for n in walk(stmt.body)):
+                return True
+        last = self.stmt_stack[-1] if self.stmt_stack else None
+        return last is not None and any(
+            isinstance(e, cst.IfExp) and is_test(e.test) and any(n is node for n in walk(e.body)) for e in walk(last)
+        )
 
     def _in_plugin_call(self, node: cst.CSTNode) -> bool:
         """``node`` is in the arguments of accelerate's ``FullyShardedDataParallelPlugin(...)`` (a state-dict

@@ -157,7 +157,39 @@ class NoSyncClipFixer(ScannerBase):
         ):
             return
         construct = f"torch.nn.utils.clip_grad_norm_({short(code_of(params), 40)}, ...)"
-        self._note_on_fsdp1_model(node, made_of.func.value, construct, LOCAL_CLIP)
+        model = made_of.func.value
+        if self._ignores_some(model) and self._shown_fsdp1(node, model):
+            # FSDP(model, ignored_states=...) in this function: those parameters stay plain beside the DTensors
+            self._record(
+                node,
+                construct,
+                "not rewritten: the FSDP(...) call of this function leaves some parameters out of sharding "
+                "(ignored_states / ignored_modules), which stay plain tensors beside FSDP2's DTensors, so torch's "
+                "clip raises at the first step (mixed torch.Tensor and DTensor); on FSDP1 each rank clipped by the "
+                "norm of its own flat shard and the ignored parameters. Write fsdp_bridge.clip_grad_norm_(model, "
+                "max_norm) (one global norm over both kinds) with this call's max_norm",
+                False,
+            )
+            return
+        self._note_on_fsdp1_model(node, model, construct, LOCAL_CLIP)
+
+    def _ignores_some(self, model: cst.BaseExpression) -> bool:
+        """This function wraps ``model`` with ``FSDP(..., ignored_states=...)`` / ``ignored_modules=``."""
+        if not self.functions:
+            return False
+        return any(
+            isinstance(n, cst.Assign)
+            and any(code_of(t.target) == code_of(model) for t in n.targets)
+            and isinstance(n.value, cst.Call)
+            and self._qn(n.value.func) == (FSDP, "")
+            and any(
+                a.keyword is not None
+                and a.keyword.value in ("ignored_states", "ignored_modules")
+                and not m.matches(a.value, m.Name("None"))
+                for a in n.value.args
+            )
+            for n in walk(self.functions[-1])
+        )
 
     def _note_param_collective(self, node: cst.Call) -> None:
         """``dist.all_reduce(p.data)`` in ``for p in model.parameters():``, or
