@@ -426,6 +426,12 @@ def _helper_summon_and_optimizer_load(helpers: Any, build: Any, block: type) -> 
     import fsdp_bridge
 
     mesh = helpers.data_parallel_mesh("full_shard", "cpu")
+    # the model's first forward inside the block (generation before the first step): FSDP2's lazy init runs on
+    # its own parameters, and the next forward gives the same numbers
+    fresh = helpers.shard_model(build(), mesh=mesh, wrap_classes=(block,), sync_module_states=True)
+    with helpers.summon_full_params(fresh), torch.no_grad():
+        inside = fresh(torch.ones(2, 4)).sum().item()
+    first_forward = inside == fresh(torch.ones(2, 4)).sum().item()
     model = helpers.shard_model(build(), mesh=mesh, wrap_classes=(block,), sync_module_states=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model(torch.randn(4, 4)).square().mean().backward()
@@ -456,6 +462,7 @@ def _helper_summon_and_optimizer_load(helpers: Any, build: Any, block: type) -> 
     )
     return [
         ("summon", same and grad_mode),
+        ("first forward inside summon", first_forward),
         ("writeback", doubled),
         ("rank0_only", full_here == (dist.get_rank() == 0)),
         ("recurse=False", own),
@@ -475,6 +482,7 @@ def test_helper_module_shards_as_the_bridge_does() -> None:
             ("hybrid_shard", 0.0),
             ("shard_grad_op", 0.0),
             ("summon", True),
+            ("first forward inside summon", True),
             ("writeback", True),
             ("rank0_only", True),
             ("recurse=False", [False, True, False]),

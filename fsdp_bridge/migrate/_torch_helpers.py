@@ -379,9 +379,26 @@ def summon_full_params(
                 if keep:
                     module._parameters[name] = full_of[id(param)]
                     swapped.append((module, name, param, full_of[id(param)]))
+    first = None
+    if isinstance(model, FSDPModule) and model._get_fsdp_state()._is_root is None:
+        # The model's first forward may run in the block (generation before the first training step): FSDP2's
+        # lazy init then reads the parameters, which must be its own. Put them back for it, then the full copies.
+        state = model._get_fsdp_state()
+
+        def before_first_forward(*_: object) -> None:
+            if state._is_root is None:
+                for module, name, sharded, _full in swapped:
+                    module._parameters[name] = sharded
+                state._lazy_init()
+                for module, name, _sharded, full in swapped:
+                    module._parameters[name] = full
+
+        first = model.register_forward_pre_hook(before_first_forward, prepend=True)
     try:
         yield  # in the caller's grad mode, as FSDP1 runs the block (a loss made inside keeps its graph)
     finally:
+        if first is not None:
+            first.remove()
         written: set[int] = set()
         with torch.no_grad():
             for module, name, sharded, full in swapped:
