@@ -783,3 +783,25 @@ def test_a_model_made_by_either_of_two_local_makers_and_modules_under_a_hasattr_
         kept = [f for f in result.findings if f.construct == "model.module (the wrapped module)"]
         assert len(kept) == 2 and all(f.fixable and "kept as is" in f.replacement for f in kept)
     assert "fsdp_bridge.clip_grad_norm_(model, 1.0)" in migrate_source(code, "train.py").fixed
+
+
+def test_a_test_that_fsdp1s_guarded_import_worked_is_kept() -> None:
+    # try: from torch.distributed.fsdp import FullyShardedDataParallel as FSDP / except ImportError: FSDP = None,
+    # then `FSDP is not None and isinstance(m, FSDP)`: the None test stays (no TODO), the isinstance is rewritten
+    code = textwrap.dedent(
+        """
+        try:
+            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        except ImportError:
+            FSDP = None
+
+
+        def sharded(m):
+            return FSDP is not None and isinstance(m, FSDP)
+        """
+    )
+    result = migrate_source(code, "guard.py")
+    assert "return FSDP is not None and fsdp_bridge.is_sharded(m)" in result.fixed
+    assert "TODO" not in result.fixed
+    (kept,) = [f for f in result.findings if f.construct == "FSDP is (not) None"]
+    assert kept.fixable

@@ -406,6 +406,24 @@ class ImportsFixer(ScannerBase):
                 else None
             )
             callee = code_of(holder.func).rsplit(".", 1)[-1].lower() if isinstance(holder, cst.Call) else ""
+            if stmt is not None and any(
+                isinstance(c, cst.Comparison)
+                and c.left is node
+                and len(c.comparisons) == 1
+                and isinstance(c.comparisons[0].operator, (cst.Is, cst.IsNot))
+                and m.matches(c.comparisons[0].comparator, m.Name("None"))
+                for c in walk(stmt)
+            ):
+                # ``FSDP is not None``: whether the guarded import of FSDP1's class worked (``except ImportError:
+                # FSDP = None``); the import stays for it, and the test means what it meant
+                self._record(
+                    node,
+                    f"{code_of(node)} is (not) None",
+                    "kept: a test that the import of FSDP1's class worked (the import stays for it); what the code "
+                    "does with FSDP1's models is rewritten where they are used",
+                    True,
+                )
+                return False
             if isinstance(holder, cst.Call) and "instance" not in callee and "subclass" not in callee:
                 self._record(
                     node,
