@@ -1116,7 +1116,10 @@ def test_the_model_unwrapped_inside_its_own_state_dict_type_block_keeps_its_call
                 m = unwrap_model(model)
                 state = m.state_dict()
                 other = ema.state_dict()
-            return state, other
+            if state:
+                with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, cfg):
+                    again = model.state_dict()  # the model itself (made from `model = FSDP(net)`): not "made from"
+            return state, other, again
         """
     )
     (tmp_path / "save.py").write_text(code)
@@ -1125,4 +1128,5 @@ def test_the_model_unwrapped_inside_its_own_state_dict_type_block_keeps_its_call
     assert "        state = m.state_dict()\n" in result.fixed
     (kept,) = [f for f in report.findings if f.construct == "m.state_dict()"]
     assert kept.fixable and "made from model" in kept.replacement
+    assert not [f for f in report.findings if f.construct == "model.state_dict()" and "made from" in f.replacement]
     assert "get_model_state_dict(ema, options=StateDictOptions(full_state_dict=True))" in result.fixed  # another root

@@ -254,7 +254,7 @@ class StateDictFixer(ScannerBase):
             for item in stmt.items
             if isinstance(c := item.item, cst.Call) and c.args and self._qn(c.func) == (FSDP, "state_dict_type")
         ]
-        if (covering := next((x for x in around if self._made_from(target, x)), None)) is not None:
+        if (covering := next((x for x in around if x != target and self._made_from(target, x)), None)) is not None:
             self._record(
                 node,
                 f"{short(target, 40)}.{method}({'...' if node.args else ''})",
@@ -489,12 +489,16 @@ class StateDictFixer(ScannerBase):
         """``target`` is a name this function assigns from ``model`` (``m = unwrap_model(model)``,
         ``m = model.module``): the same model, unwrapped, as the context around it sees it."""
         scope = self.functions[-1] if self.functions else self.module
-        return scope is not None and any(
-            isinstance(n, cst.Assign)
-            and isinstance(n.value, (cst.Call, cst.Attribute))
-            and any(m.matches(t.target, m.Name(target)) for t in n.targets)
-            and any(isinstance(x, (cst.Name, cst.Attribute)) and code_of(x) == model for x in walk(n.value))
-            for n in walk(scope)
+        return (
+            target != model
+            and scope is not None
+            and any(
+                isinstance(n, cst.Assign)
+                and isinstance(n.value, (cst.Call, cst.Attribute))
+                and any(m.matches(t.target, m.Name(target)) for t in n.targets)
+                and any(isinstance(x, (cst.Name, cst.Attribute)) and code_of(x) == model for x in walk(n.value))
+                for n in walk(scope)
+            )
         )
 
     def _in_own_state_dict_type_block(self, target: str) -> bool:
