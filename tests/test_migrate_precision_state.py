@@ -1109,16 +1109,16 @@ def test_the_model_unwrapped_inside_its_own_state_dict_type_block_keeps_its_call
             return m
 
 
-        def save(net, ema: FSDP):
-            model = FSDP(net)
+        def save(model, ema: FSDP, rank):
+            model = FSDP(model)
             cfg = FullStateDictConfig(rank0_only=True, offload_to_cpu=True)
             with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, cfg):
                 m = unwrap_model(model)
                 state = m.state_dict()
                 other = ema.state_dict()
-            if state:
+            if rank == 0:  # the model itself (`model = FSDP(model)` is not "made from" it): the rank-guard TODO
                 with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, cfg):
-                    again = model.state_dict()  # the model itself (made from `model = FSDP(net)`): not "made from"
+                    again = model.state_dict()
             return state, other, again
         """
     )
