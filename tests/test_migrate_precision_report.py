@@ -329,11 +329,15 @@ def test_a_hand_written_gradient_norm_summed_over_ranks_gets_a_note() -> None:
         "    local = sum(g.to_local().norm() ** 2 for g in grads)\n"
         "    dist.all_reduce(local)\n"
         "    dist.all_reduce(loss)\n"
+        "    squares = torch.zeros(())\n"
+        "    for p in params:\n"
+        "        squares += p.grad.float().square().sum()\n"
+        "    dist.all_reduce(squares)\n"
         "    return FSDP(model)\n"
     )
     result = migrate_source(code, "norms.py")
     notes = {f.line: f for f in result.findings if f.note}
-    assert sorted(notes) == [16, 23], notes
+    assert sorted(notes) == [16, 23, 30], notes  # a norm's square written out counts too
     assert notes[16].construct == "dist.all_reduce(sq) (a value made from gradients)"
     assert notes[23].construct == "dist.all_reduce(total) (a value made from gradients)"
     assert "DTensors" in notes[16].replacement and "p.grad.to_local()" in notes[16].replacement

@@ -1130,3 +1130,26 @@ def test_the_model_unwrapped_inside_its_own_state_dict_type_block_keeps_its_call
     assert kept.fixable and "made from model" in kept.replacement
     assert not [f for f in report.findings if f.construct == "model.state_dict()" and "made from" in f.replacement]
     assert "get_model_state_dict(ema, options=StateDictOptions(full_state_dict=True))" in result.fixed  # another root
+
+
+def test_a_state_dict_inside_a_units_own_summon_is_a_todo() -> None:
+    # summon_full_params(layer, recurse=False) then layer.module.state_dict(): FSDP1's gathered tensors; on FSDP2
+    # recurse=False is unshard(), inside which state_dict() still gives DTensor shards; around a forward it is kept
+    code = textwrap.dedent(
+        """
+        import torch
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+
+        def export(model: FSDP, layer: FSDP, x):
+            with FSDP.summon_full_params(layer, recurse=False, writeback=False):
+                sd = {k: v.cpu() for k, v in layer.module.state_dict().items()}
+            with FSDP.summon_full_params(model, recurse=False, writeback=False):
+                out = model.generate(x)
+            return sd, out
+        """
+    )
+    result = migrate_source(code, "export.py")
+    todo, kept = [f for f in result.findings if f.construct == "FSDP.summon_full_params(...)"]
+    assert not todo.fixable and "drop recurse=False" in todo.replacement
+    assert kept.fixable and "fsdp_bridge.summon_full_params(model, recurse=False" in result.fixed

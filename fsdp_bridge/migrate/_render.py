@@ -129,10 +129,16 @@ def with_todos(original: Any, updated: Any, todos: dict[int, list[str]]) -> Any:
     texts = todos.get(id(original))
     if not texts:
         return updated
-    existing = {line.comment.value for line in updated.leading_lines if line.comment is not None}
+    mark = f"# {TODO}: "
+    # what each TODO an earlier --fix wrote is about (its construct, before the first ": "): a second run keeps
+    # that one, even where its reason reads differently now (the code around it was rewritten in between)
+    written = {
+        line.comment.value[len(mark) :].split(": ", 1)[0]
+        for line in updated.leading_lines
+        if line.comment is not None and line.comment.value.startswith(mark)
+    }
     lines = list(updated.leading_lines)
     for text in dict.fromkeys(texts):
-        comment = f"# {TODO}: {text}"
-        if comment not in existing:
-            lines.append(cst.EmptyLine(comment=cst.Comment(comment)))
+        if text.split(": ", 1)[0] not in written:
+            lines.append(cst.EmptyLine(comment=cst.Comment(f"{mark}{text}")))
     return updated.with_changes(leading_lines=lines)

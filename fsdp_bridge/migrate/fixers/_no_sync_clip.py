@@ -38,8 +38,9 @@ FLAT_NAMES = (
     "named_parameters() are its flat parameters (`_flat_param`, one per unit), so a rule on the names (no weight "
     "decay for bias or norm weights, a frozen or a per-layer group) matched none of the model's own names and every "
     "flat parameter took the other branch; on FSDP2 the names are the model's own and the rule applies as written "
-    "(with use_orig_params=True FSDP1 gave the model's names too): the optimizer's groups change; check it with "
-    "fsdp-bridge migrate verify"
+    "(with use_orig_params=True FSDP1 gave the model's names with its wrappers' `_fsdp_wrapped_module.` prefixes, "
+    "so a marker such as '.layers.' matched there and may match nothing in FSDP2's plain names): the optimizer's "
+    "groups change; check it with fsdp-bridge migrate verify"
 )
 GRAD_COLLECTIVE = (
     "left as it is; if these gradients are an FSDP1 model's, its meaning changes: FSDP1's are plain tensors (this "
@@ -249,7 +250,11 @@ class NoSyncClipFixer(ScannerBase):
                     grads, norm = True, norm or derived[n.value]
                 elif isinstance(n, cst.Call) and code_of(n.func).removeprefix("self.") in readers:
                     grads = norm = True
-            calls = any(isinstance(n, cst.Call) and "norm" in code_of(n.func).rsplit(".", 1)[-1] for n in walk(expr))
+            calls = any(  # a norm, or its square written out (``g.float().square().sum()``, ``g.pow(2).sum()``)
+                isinstance(n, cst.Call)
+                and any(k in code_of(n.func).rsplit(".", 1)[-1] for k in ("norm", "square", "pow"))
+                for n in walk(expr)
+            )
             return grads, norm or (grads and calls)
 
         derived: dict[str, bool] = {}  # name -> whether it holds a norm of gradients

@@ -53,6 +53,8 @@ class SummonFixer(ScannerBase):
             held = self._params_held_across(node, code_of(node.args[0].value)) if ok else None
             if held is None and ok and own and "writeback" not in kws:
                 held = self._writes_inside(node)
+            if held is None and ok and own:
+                held = self._state_dict_inside(node, code_of(node.args[0].value))
             if held is not None:
                 self._record(node, construct, held, False)
                 self._consume(node.func)
@@ -77,6 +79,30 @@ class SummonFixer(ScannerBase):
             self._consume(node.func)
             return True, (False if ok else None)
         return False, None
+
+    def _state_dict_inside(self, node: cst.Call, target: str) -> str | None:
+        """``with FSDP.summon_full_params(target, recurse=False): ... target.state_dict()`` (or ``target.module``'s,
+        a state dict of something under it): FSDP1 gave the unit's gathered tensors; on FSDP2 recurse=False is the
+        unit's unshard(), inside which its state_dict() still gives DTensor shards (FSDP2's state-dict hooks), in
+        param_dtype under mixed precision. A TODO that names the form that gathers."""
+        stmt = self.stmt_stack[-1] if self.stmt_stack else None
+        if not isinstance(stmt, cst.With) or not any(i.item is node for i in stmt.items):
+            return None
+        for n in walk(stmt.body):
+            if (
+                isinstance(n, cst.Call)
+                and isinstance(n.func, cst.Attribute)
+                and n.func.attr.value == "state_dict"
+                and (code_of(n.func.value) == target or code_of(n.func.value).startswith(target + "."))
+            ):
+                return (
+                    f"not rewritten: {short(code_of(n.func.value), 40)}.state_dict() inside it took the unit's "
+                    "gathered tensors on FSDP1; on FSDP2 recurse=False is the unit's unshard(), inside which "
+                    "state_dict() still gives DTensor shards (in param_dtype under mixed precision): drop "
+                    f"recurse=False (fsdp_bridge.summon_full_params({short(target, 30)}) gathers the nested units "
+                    "too, as full copies in the parameters' own dtype)"
+                )
+        return None
 
     def _writes_inside(self, node: cst.Call) -> str | None:
         """Why ``summon_full_params(m, recurse=False)`` with FSDP1's default ``writeback=True`` cannot be rewritten
