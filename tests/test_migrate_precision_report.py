@@ -261,6 +261,8 @@ def test_torchs_clip_over_an_fsdp1_models_parameters_is_kept_with_a_note_on_its_
         "    torch.nn.utils.clip_grad_norm_(grads, 1.0)\n"
         "    mine = [p for p in other.parameters() if p.requires_grad]\n"
         "    torch.nn.utils.clip_grad_norm_(mine, 1.0)\n"
+        "    chosen = list(other.parameters()) if norm else [p for p in model.parameters()]\n"
+        "    torch.nn.utils.clip_grad_norm_(chosen, 1.0)  # one branch's list: not followed\n"
         "    return norm\n"
     )
     result = migrate_source(code, "step.py")

@@ -140,9 +140,13 @@ class NoSyncClipFixer(ScannerBase):
                 for n in walk(self.functions[-1])
                 if isinstance(n, cst.Assign) and any(m.matches(t.target, m.Name(params.value)) for t in n.targets)
             ]
+            whole = len(made) == 1 and (  # the list itself, not one branch's of a choice (an IfExp)
+                isinstance(made[0], (cst.ListComp, cst.GeneratorExp))
+                or (isinstance(made[0], cst.Call) and code_of(made[0].func) in ("list", "tuple"))
+            )
             calls = [
                 c
-                for c in (walk(made[0]) if len(made) == 1 else ())
+                for c in (walk(made[0]) if whole else ())
                 if isinstance(c, cst.Call)
                 and isinstance(c.func, cst.Attribute)
                 and c.func.attr.value == "parameters"
