@@ -408,7 +408,9 @@ def shard_module(
             ]
         )
 
-    device = init_distributed(config.device)
+    # FSDP1 computes on the GPU the model's parameters are on (model.to(rank) under mp.spawn, no LOCAL_RANK)
+    placed = next((p.device for p in model.parameters() if p.device.type == "cuda"), None)
+    device = init_distributed(config.device, placed=placed)
     # Validation is local.  Most checks give the same answer on every rank; some depend on
     # what each rank holds (e.g. a model built on meta), so the outcome is shared with one
     # small all-gather and every rank raises the same error: no rank is left in a collective.

@@ -43,11 +43,12 @@ DEFAULT_TIMEOUT_S = 600.0
 """Default process-group timeout: a rank that stops answering fails the others after this."""
 
 
-def resolve_device(device: str) -> torch.device:
-    """The device this rank computes on, for ``device`` = auto, cuda or cpu: on CUDA ``cuda:LOCAL_RANK``, or
-    ``torch.cuda.current_device()`` where no launcher set ``LOCAL_RANK`` (processes started with
-    ``mp.spawn`` that call ``torch.cuda.set_device(rank)``); ``cuda:0`` where ``CUDA_VISIBLE_DEVICES`` shows
-    the process one GPU only (set per rank)."""
+def resolve_device(device: str, placed: torch.device | None = None) -> torch.device:
+    """The device this rank computes on, for ``device`` = auto, cuda or cpu: on CUDA ``cuda:LOCAL_RANK``, or,
+    where no launcher set ``LOCAL_RANK`` (processes started with ``mp.spawn``), the GPU the model's parameters
+    are on (``placed``: ``model.to(rank)``), as FSDP1 computes where the parameters are, else
+    ``torch.cuda.current_device()`` (set with ``torch.cuda.set_device(rank)``); ``cuda:0`` where
+    ``CUDA_VISIBLE_DEVICES`` shows the process one GPU only (set per rank)."""
     if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     if not torch.cuda.is_available():
@@ -61,10 +62,16 @@ def resolve_device(device: str) -> torch.device:
                 )
             ]
         )
-    # A launcher's LOCAL_RANK; without one (mp.spawn and the like), the GPU the process chose with
-    # torch.cuda.set_device, as FSDP1 takes torch.cuda.current_device()
+    # A launcher's LOCAL_RANK; without one (mp.spawn and the like), the GPU the model was moved to, else the
+    # one the process chose with torch.cuda.set_device, as FSDP1 takes the parameters' device, else
+    # torch.cuda.current_device()
     given = os.environ.get("LOCAL_RANK")
-    local_rank = int(given) if given is not None else torch.cuda.current_device()
+    if given is not None:
+        local_rank = int(given)
+    elif placed is not None and placed.type == "cuda":
+        local_rank = placed.index if placed.index is not None else torch.cuda.current_device()
+    else:
+        local_rank = torch.cuda.current_device()
     if local_rank > 0 and torch.cuda.device_count() == 1 and os.environ.get("CUDA_VISIBLE_DEVICES"):
         # each process sees one GPU (CUDA_VISIBLE_DEVICES set per rank, a scheduler's one GPU per task): it
         # computes on that one, as FSDP1 on torch.cuda.current_device() does; without that variable two ranks
@@ -84,7 +91,9 @@ def resolve_device(device: str) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
-def init_distributed(device: str = "auto", *, timeout_s: float = DEFAULT_TIMEOUT_S) -> torch.device:
+def init_distributed(
+    device: str = "auto", *, timeout_s: float = DEFAULT_TIMEOUT_S, placed: torch.device | None = None
+) -> torch.device:
     """Join or initialise the default process group and return this rank's device.
 
     Never starts ranks; which group this process joins, in this order:
@@ -103,6 +112,8 @@ def init_distributed(device: str = "auto", *, timeout_s: float = DEFAULT_TIMEOUT
         timeout_s: how long a collective may wait for a silent rank before the job fails.
             Call this before :func:`fsdp_bridge.shard` to choose it in your own loop
             (``shard()`` initialises with the 600 s default otherwise).
+        placed: the CUDA device the model's parameters are on (``shard()`` passes it): without a
+            launcher's ``LOCAL_RANK`` this rank computes there, as FSDP1 does.
 
     Returns:
         This rank's device.
@@ -115,12 +126,12 @@ def init_distributed(device: str = "auto", *, timeout_s: float = DEFAULT_TIMEOUT
     if not (isinstance(timeout_s, int | float) and 0 < timeout_s < float("inf")):
         raise ConfigError([Problem("timeout_s", timeout_s, "a finite number of seconds > 0", "e.g. timeout_s=600")])
     if dist.is_initialized():
-        torch_device = group_device(device, str(dist.get_backend()))
+        torch_device = group_device(device, str(dist.get_backend()), placed)
         if torch_device.type == "cuda":
             torch.cuda.set_device(torch_device)
         return torch_device
     env_from_slurm()
-    torch_device = resolve_device(device)
+    torch_device = resolve_device(device, placed)
     if torch_device.type == "cuda":
         torch.cuda.set_device(torch_device)
     backend = "nccl" if torch_device.type == "cuda" else "gloo"
@@ -154,7 +165,7 @@ _BACKEND_DEVICES = {"gloo": "cpu", "mpi": "cpu", "nccl": "cuda", "xccl": "xpu", 
 itself (gloo for CPU ranks, NCCL for CUDA ranks), and XPU's and Ascend's collective libraries."""
 
 
-def group_device(device: str, backend: str) -> torch.device:
+def group_device(device: str, backend: str, placed: torch.device | None = None) -> torch.device:
     """This rank's device in a process group a launcher already initialised with ``backend``.
 
     ``backend`` is what ``torch.distributed.get_backend()`` says: one name (``gloo``, ``nccl``)
@@ -171,12 +182,12 @@ def group_device(device: str, backend: str) -> torch.device:
         dev, _, name = part.strip().rpartition(":")
         kind = dev or _BACKEND_DEVICES.get(name)
         if kind is None:
-            return resolve_device(device)  # a backend of another library: it knows its devices
+            return resolve_device(device, placed)  # a backend of another library: it knows its devices
         served.append(kind)
     if device == "auto":
         device = "cuda" if "cuda" in served and torch.cuda.is_available() else "cpu" if "cpu" in served else "auto"
     if device in served:
-        return resolve_device(device)
+        return resolve_device(device, placed)
     fix = {
         "cpu": "start the launcher's group with gloo (Ray Train: ScalingConfig(use_gpu=False); "
         "torch: init_process_group('gloo')), or set bridge.device to cuda",

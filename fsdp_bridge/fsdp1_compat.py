@@ -140,8 +140,30 @@ def describe_policy(policy: object) -> str:
     if isinstance(policy, functools.partial):
         inner = ", ".join(describe_policy(q) for q in policy.keywords.get("policies", ()))
         name = getattr(policy.func, "__name__", repr(policy.func))
-        return f"{name}(policies=[{inner}])" if inner else f"{name}({policy.keywords})"
+        if inner:
+            return f"{name}(policies=[{inner}])"
+        args = ", ".join(f"{k}={_stable_text(v)}" for k, v in sorted(policy.keywords.items()))
+        return f"{name}({args})"
     return getattr(policy, "__qualname__", type(policy).__name__)
+
+
+def _stable_text(value: object) -> str:
+    """``value`` as text that is the same in every process: a set of classes (``_module_wrap_policy``'s
+    ``module_classes``) in name order, where its own repr follows the classes' addresses, which differ between
+    ranks (``shard()`` compares the config's text across ranks)."""
+    if isinstance(value, type):
+        return value.__name__
+    if isinstance(value, set | frozenset):
+        return "{" + ", ".join(sorted(_stable_text(v) for v in value)) + "}"
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(_stable_text(v) for v in value) + "]"
+    if isinstance(value, Mapping):
+        return (
+            "{"
+            + ", ".join(f"{k!r}: {_stable_text(v)}" for k, v in sorted(value.items(), key=lambda kv: repr(kv[0])))
+            + "}"
+        )
+    return getattr(value, "__qualname__", None) or repr(value)
 
 
 def _wrap_value(policy: object, problems: list[Problem]) -> object:

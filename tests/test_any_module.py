@@ -635,6 +635,67 @@ def test_an_optimizer_state_without_some_parameters_loads_as_fsdp1_loads_it(tmp_
     assert proc.stdout.strip().splitlines()[-1] == "True"
 
 
+_NO_INIT_STEP = """
+import sys, types, torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+import fsdp_bridge
+from fsdp_bridge.migrate._torch_helpers import HELPERS_SOURCE
+
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+helpers = types.ModuleType("_fsdp2_helpers")
+exec(compile(HELPERS_SOURCE, "_fsdp2_helpers.py", "exec"), helpers.__dict__)
+
+
+def build():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+
+
+def weights(model):
+    return [p.full_tensor() if hasattr(p, "full_tensor") else p.detach().clone() for p in model.parameters()]
+
+
+model = FSDP(build(), device_id=torch.device("cpu"), use_orig_params=True)
+optim = torch.optim.AdamW(model.parameters(), lr=0.1, eps=0.0)  # eps=0: torch's init step divides 0 by 0
+model(torch.ones(2, 4)).sum().backward()
+optim.step()
+saved = FSDP.optim_state_dict(model, optim)
+for backend in ("fsdp1", "fsdp2", "helpers"):
+    if backend == "helpers":
+        again = helpers.shard_model(build(), mesh=helpers.data_parallel_mesh("full_shard", "cpu"))
+    else:
+        again = fsdp_bridge.shard(build(), fsdp_bridge.BridgeConfig(backend=backend, wrap="none"))
+    fresh = torch.optim.AdamW(again.parameters(), lr=0.1, eps=0.0)
+    before = weights(again)
+    read = "-"
+    if backend != "helpers":  # a save before the first step
+        fsdp_bridge.full_optim_state_dict(again, fresh, rank0_only=False)
+        read = all(torch.equal(a, b) for a, b in zip(before, weights(again))) and not fresh.state
+    load = fsdp_bridge.optim_state_dict_to_load if backend != "helpers" else helpers.optim_state_dict_to_load
+    fresh.load_state_dict(load(again, fresh, saved))
+    loaded = all(torch.equal(a, b) for a, b in zip(before, weights(again)))
+    steps = sorted(float(s["step"]) for s in fresh.state.values())
+    print(backend, read, loaded, steps)
+"""
+
+
+def test_reading_or_loading_a_fresh_optimizers_state_leaves_the_parameters_as_fsdp1_does(tmp_path: Path) -> None:
+    # torch's get_/set_optimizer_state_dict step an optimizer without state once (zero gradients, lr 0) to make
+    # it: with AdamW(eps=0) that step wrote NaN into every parameter (0 / 0), and a read left the optimizer at
+    # step 1. FSDP1 never steps it: the bridge (both backends) and the generated helpers put the parameters
+    # back, and a read leaves the optimizer without state; the loaded state is the saved one (step 1).
+    proc = _run_one_rank(_NO_INIT_STEP, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-3:] == [
+        "fsdp1 True True [1.0, 1.0, 1.0, 1.0]",
+        "fsdp2 True True [1.0, 1.0, 1.0, 1.0]",
+        "helpers - True [1.0, 1.0, 1.0, 1.0]",
+    ]
+
+
 _EMPTY_GROUPS = """
 import sys, torch
 import torch.distributed as dist

@@ -345,8 +345,12 @@ def test_a_cuda_rank_without_local_rank_uses_the_device_it_set(monkeypatch: pyte
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     assert distributed.resolve_device("cuda") == torch.device("cuda", 2)
+    # a model already moved to its GPU (model.to(rank), no set_device): FSDP1 computes where its parameters are
+    assert distributed.resolve_device("auto", placed=torch.device("cuda", 3)) == torch.device("cuda", 3)
+    assert distributed.resolve_device("cuda", placed=torch.device("cpu")) == torch.device("cuda", 2)
     monkeypatch.setenv("LOCAL_RANK", "1")
     assert distributed.resolve_device("cuda") == torch.device("cuda", 1)
+    assert distributed.resolve_device("cuda", placed=torch.device("cuda", 3)) == torch.device("cuda", 1)
     # a process that CUDA_VISIBLE_DEVICES shows one GPU (set per rank) computes on it, whatever its LOCAL_RANK;
     # without that variable, or with more GPUs, a LOCAL_RANK past them is refused
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)

@@ -159,6 +159,26 @@ def test_the_report_names_the_policy() -> None:
     assert wrap["value"] == "callable _or_policy(policies=[ModuleWrapPolicy({Block})])"
 
 
+def test_a_partial_policys_class_set_reads_the_same_on_every_rank() -> None:
+    # _or_policy over partial(_module_wrap_policy, module_classes={...}) (a VLM's projector classes): the set's
+    # own repr follows the classes' addresses, so the config's text (which shard() compares across ranks) once
+    # differed between processes and every rank refused the config
+    from torch.distributed.fsdp.wrap import _module_wrap_policy
+
+    class Zeta(nn.Module):
+        pass
+
+    class Alpha(nn.Module):
+        pass
+
+    for classes in ({Zeta, Alpha, Block}, {Block, Alpha, Zeta}, frozenset({Alpha, Zeta, Block})):
+        inner = functools.partial(_module_wrap_policy, module_classes=classes)
+        policy = functools.partial(_or_policy, policies=[inner])
+        assert (
+            describe_policy(policy) == "_or_policy(policies=[_module_wrap_policy(module_classes={Alpha, Block, Zeta})])"
+        )
+
+
 def test_a_class_set_gives_the_same_wrap_on_every_rank() -> None:
     # a set's order follows the classes' hashes (their addresses), which differ between processes, and shard()
     # compares the config across ranks: the classes come in one order whatever order they are given in

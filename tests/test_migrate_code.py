@@ -1710,6 +1710,43 @@ def test_a_patched_copy_of_some_fsdp1_internals_is_one_construct_and_its_callers
         assert findings and not any("copy of" in f.construct for f in findings)
 
 
+def test_a_patched_copy_renamed_to_say_so_is_one_construct_and_its_callers_are_told(tmp_path: Path) -> None:
+    # The same copy with its functions renamed to say they are patched (fixed_<torch's name without its
+    # underscore>) is torch's code too; a call of its fixed_scatter_full_optim_state_dict names FSDP1's own.
+    renamed = _PATCHED_OPTIM_FIX
+    for name in ("_broadcast_state", "_broadcast_processed_state", "_flatten_optim_state_dict"):
+        renamed = renamed.replace(f"def {name}(", f"def fixed{name}(").replace(
+            f"return {name}(", f"return fixed{name}("
+        )
+    renamed = renamed.replace("def scatter_full_optim_state_dict", "def fixed_scatter_full_optim_state_dict")
+    package = tmp_path / "trainer"
+    package.mkdir()
+    (package / "optim_fix.py").write_text(renamed)
+    (package / "checkpoint.py").write_text(
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n"
+        "from trainer.optim_fix import fixed_scatter_full_optim_state_dict\n\n\n"
+        "def restore(module, optim, full_osd):\n"
+        "    model = FSDP(module)\n"
+        "    optim.load_state_dict(fixed_scatter_full_optim_state_dict(full_osd, model))\n"
+        "    return model\n"
+    )
+    report, _ = migrate_paths([tmp_path], fix=True)
+    copy = [f for f in report.findings if f.path.endswith("optim_fix.py")]
+    assert [(f.line, f.fixable) for f in copy] == [(1, False)]
+    assert copy[0].construct.endswith(
+        "(fixed_broadcast_processed_state, fixed_broadcast_state, fixed_flatten_optim_state_dict)"
+    )
+    (call,) = [f for f in report.findings if f.construct == "fixed_scatter_full_optim_state_dict(...)"]
+    assert "if it does what FSDP1's FSDP.scatter_full_optim_state_dict(...) does, call that instead" in (
+        call.replacement
+    )
+    # A name that merely begins with such a word, with no private torch function under it, is the file's own.
+    own = renamed.replace("def fixed_broadcast_state(", "def fixed_broadcast_everything(")
+    own = own.replace("def fixed_broadcast_processed_state(", "def my_state(")
+    findings = migrate_source(own, str(tmp_path / "helpers.py")).findings
+    assert findings and not any("copy of" in f.construct for f in findings)
+
+
 def test_mixed_precision_keeps_fsdp1s_input_casting() -> None:
     code = textwrap.dedent(
         """
@@ -1753,6 +1790,28 @@ def test_mixed_precision_fields_the_bridge_cannot_keep_are_todos_not_kept_values
     assert kept[8][0] is False and "keep_low_precision_grads=True" in kept[8][1], kept
     assert kept[9][0] is True and "with FSDP1's meaning" in kept[9][1], kept
     assert result.fixed.count(TODO) == 1 and migrate_source(result.fixed, "mp.py").fixed == result.fixed
+
+    # written inside the FSDP(...) call with a value known at run time: the same TODO on the first --fix (a second
+    # --fix wrote it at the MixedPrecision(...) the from_fsdp1 call keeps: not idempotent)
+    inline = textwrap.dedent(
+        """
+        import torch
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, MixedPrecision
+
+        def build(model, args):
+            return FSDP(
+                model,
+                mixed_precision=MixedPrecision(
+                    param_dtype=torch.bfloat16, keep_low_precision_grads=(args.optim_dtype != torch.float32)
+                ),
+            )
+        """
+    )
+    first = migrate_source(inline, "mp.py")
+    (todo,) = [f for f in first.findings if not f.fixable]
+    assert todo.construct == "MixedPrecision" and "keep_low_precision_grads=(args.optim_dtype" in todo.replacement
+    assert "BridgeConfig.from_fsdp1(" in first.fixed and first.fixed.count(TODO) == 1
+    assert migrate_source(first.fixed, "mp.py").fixed == first.fixed
 
 
 def test_rank0_only_full_state_in_a_tree_sharding_over_a_process_group_keeps_every_groups_copy() -> None:

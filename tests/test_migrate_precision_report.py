@@ -362,11 +362,18 @@ def test_name_rules_over_an_fsdp1_models_parameters_are_kept_with_a_note_on_the_
         "        if not key.endswith('.scale'):\n"
         "            loud.append(w)\n"
         "    mine = [p for n, p in head.named_parameters() if 'bias' in n]\n"
-        "    return torch.optim.AdamW([{'params': loud}, {'params': quiet, 'weight_decay': 0.0}]), mine\n"
+        "    return torch.optim.AdamW([{'params': loud}, {'params': quiet, 'weight_decay': 0.0}]), mine\n\n\n"
+        "def groups(model, decay_names):\n"
+        "    return [p for n, p in model.named_parameters() if n in decay_names]\n\n\n"
+        "def build(net, names):\n"
+        "    wrapped = FSDP(net)\n"
+        "    return groups(wrapped, names)\n"
     )
     result = migrate_source(code, "groups.py")
     notes = {f.line: f for f in result.findings if f.note}
-    assert sorted(notes) == [8, 10], notes
+    assert sorted(notes) == [8, 10, 18], notes
+    # the name looked up among names, in a function handed the wrapped model
+    assert notes[18].construct == "model.named_parameters() names tested (n in decay_names)"
     assert notes[8].construct == "model.named_parameters() names tested (s in n)"
     assert notes[10].construct == "model.named_parameters() names tested (key.endswith('.scale'))"
     assert "`_flat_param`" in notes[8].replacement and "the optimizer's groups change" in notes[8].replacement

@@ -1076,9 +1076,9 @@ def test_a_compiled_copy_of_the_fsdp1_model_keeps_the_flat_shard_todo() -> None:
     ]
 
 
-def test_a_summon_of_one_unit_or_for_rank_0_does_not_keep_the_state_dict_and_opt_models_are_models() -> None:
-    # recurse=False is FSDP2's unshard (its state dict reshards) and rank0_only leaves the other ranks shards: the
-    # model's state_dict() there is rewritten as outside the block. A model named opt_model is a model.
+def test_a_summon_of_one_unit_does_not_keep_the_state_dict_and_opt_models_are_models() -> None:
+    # recurse=False is FSDP2's unshard (its state dict reshards): the model's state_dict() there is rewritten as
+    # outside the block. A model named opt_model is a model.
     code = (
         "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n\n\n"
         "def main(net, opt_model):\n"
@@ -1153,3 +1153,121 @@ def test_a_state_dict_inside_a_units_own_summon_is_a_todo() -> None:
     todo, kept = [f for f in result.findings if f.construct == "FSDP.summon_full_params(...)"]
     assert not todo.fixable and "drop recurse=False" in todo.replacement
     assert kept.fixable and "fsdp_bridge.summon_full_params(model, recurse=False" in result.fixed
+
+
+def test_a_state_dict_of_an_instances_fsdp1_attribute_keeps_fsdp1s_full_meaning(tmp_path: Path) -> None:
+    # `trainer = FineTuner(...)` whose class assigns `self.model = FSDP(...)`: `trainer.model.state_dict()` outside
+    # the class was FSDP1's full state dict, left as it was (DTensor shards on FSDP2, rank 0 saved its own). Another
+    # class's `.model` is not touched; a class that assigns DDP's wrapper to the same attribute too is both.
+    code = (
+        "import torch\n"
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n"
+        "from torch.nn.parallel import DistributedDataParallel as DDP\n\n\n"
+        "class FineTuner:\n"
+        "    def __init__(self, model):\n"
+        "        self.model = FSDP(model, use_orig_params=True)\n\n\n"
+        "class Either:\n"
+        "    def __init__(self, model, fsdp):\n"
+        "        if fsdp:\n"
+        "            self.model = FSDP(model)\n"
+        "        else:\n"
+        "            self.model = DDP(model)\n\n\n"
+        "def loop(net, other, path):\n"
+        "    trainer = FineTuner(net)\n"
+        "    state = trainer.model.state_dict()\n"
+        "    plain = other.model.state_dict()\n"
+        "    either = Either(net, True)\n"
+        "    both = either.model.state_dict()\n"
+        "    torch.save(state, path)\n"
+    )
+    (tmp_path / "finetune.py").write_text(code)
+    migrate_paths([tmp_path], fix=True)
+    fixed = (tmp_path / "finetune.py").read_text()
+    assert "state = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True))" in fixed
+    assert "plain = other.model.state_dict()" in fixed
+    # DDP's on the other path: FSDP2's full state where the model is sharded, DDP's own state_dict otherwise
+    assert "if isinstance(either.model, torch.nn.Module) and any(isinstance(m, FSDPModule)" in fixed
+    assert "else either.model.state_dict())" in fixed
+
+
+def test_a_compiled_models_checkpoint_module_in_another_file_gets_the_prefix_note_and_its_orig_mod_load(
+    tmp_path: Path,
+) -> None:
+    # torch.compile after the wrap in the trainer, the state dicts in a checkpoint module: FSDP1's keys carried
+    # `_orig_mod.`, the migrated calls' do not; the note is at the compile line, naming the other file. That
+    # module's `model._orig_mod.load_state_dict(sd)` (the compiled model's FSDP1 wrapper) keeps FSDP1's full meaning.
+    (tmp_path / "ckpt.py").write_text(
+        "import torch\n"
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, StateDictType\n\n\n"
+        "def load(model, path, compiled):\n"
+        "    sd = torch.load(path)\n"
+        "    if compiled:\n"
+        "        model._orig_mod.load_state_dict(sd)\n"
+        "    else:\n"
+        "        model.load_state_dict(sd)\n\n\n"
+        "def save(model):\n"
+        "    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):\n"
+        "        return model.state_dict()\n"
+    )
+    (tmp_path / "train.py").write_text(
+        "import torch\n"
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n"
+        "from ckpt import load, save\n\n\n"
+        "def main(model, path):\n"
+        "    model = FSDP(model)\n"
+        "    model = torch.compile(model)\n"
+        "    load(model, path, True)\n"
+        "    return save(model)\n"
+    )
+    report, _ = migrate_paths([tmp_path], fix=True)
+    (note,) = [f for f in report.findings if f.note and f.path.endswith("train.py")]
+    assert note.line == 8 and note.construct == "torch.compile(model) of a model FSDP1 wraps"
+    assert note.replacement.endswith("this tree takes them with FSDP1's state-dict calls in ckpt.py")
+    fixed = (tmp_path / "ckpt.py").read_text()
+    assert "(set_model_state_dict(model._orig_mod, sd, options=StateDictOptions(full_state_dict=True" in fixed
+
+
+def test_a_summon_by_keyword_for_rank_0_keeps_its_save_and_a_load_inside_one_is_a_todo() -> None:
+    # FSDP.summon_full_params(module=model, rank0_only=True, ...) around a rank-0 save: the bridge's summon (the
+    # module by position) with the state_dict() kept, which gives rank 0 the full tensors there (torch's full-state
+    # call would be a collective inside the rank-0 block). A load inside a summon is rewritten to torch's full-state
+    # load, which needs no gather and fails inside the bridge's summon: that summon is a TODO saying to drop it.
+    code = (
+        "import torch\n"
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n\n\n"
+        "def save(net, is_main, path):\n"
+        "    model = FSDP(net)\n"
+        "    with FSDP.summon_full_params(module=model, rank0_only=True, writeback=False, offload_to_cpu=True):\n"
+        "        if is_main:\n"
+        "            torch.save(model.state_dict(), path)\n"
+        "    with FSDP.summon_full_params(module=model):\n"
+        "        model.load_state_dict(torch.load(path))\n"
+    )
+    result = migrate_source(code, "ckpt.py")
+    fixed = result.fixed
+    assert "with fsdp_bridge.summon_full_params(model, rank0_only=True, writeback=False, offload_to_cpu=True):" in fixed
+    assert "            torch.save(model.state_dict(), path)\n" in fixed
+    (todo,) = [f for f in result.findings if not f.fixable]
+    assert todo.line == 10 and "model.load_state_dict(...) inside it loaded into the gathered" in todo.replacement
+    assert "    with FSDP.summon_full_params(module=model):\n" in fixed
+    assert "set_model_state_dict(model, torch.load(path), options=StateDictOptions(full_state_dict=True))" in fixed
+
+
+def test_a_parameter_annotated_with_fsdp1s_class_among_others_gets_the_guarded_state_dict() -> None:
+    # `model: Union[nn.Module, FSDP]` in a function whose `if not use_fsdp:` branch saves a plain, compiled or DDP
+    # model: torch's full-state call there dropped `_orig_mod.` / `module.` from the keys; the guarded form keeps
+    # the model's own call for anything but a sharded model. `Optional[FSDP]` names FSDP1's class alone.
+    code = (
+        "from typing import Optional, Union\n"
+        "from torch import nn\n"
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n\n\n"
+        "def save(model: Union[nn.Module, FSDP], use_fsdp: bool):\n"
+        "    if not use_fsdp:\n"
+        "        return model.state_dict()\n\n\n"
+        "def save_sharded(model: Optional[FSDP]):\n"
+        "    return model.state_dict()\n"
+    )
+    fixed = migrate_source(code, "ckpt.py").fixed
+    assert "if isinstance(model, torch.nn.Module) and any(isinstance(m, FSDPModule)" in fixed
+    assert "else model.state_dict())\n" in fixed
+    assert "    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))\n" in fixed

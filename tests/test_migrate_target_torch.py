@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from torch import nn
 
 from fsdp_bridge.cli import main
@@ -242,6 +243,21 @@ def test_what_it_cannot_write_stays_on_the_bridge_with_a_todo() -> None:
     assert len(todos) == 1, report  # the constructor's own line
 
 
+def test_a_constructor_left_as_fsdp1s_keeps_the_bridges_unwrap() -> None:
+    # An FSDP1 constructor the rewrite cannot make (an argument FSDP1 no longer has) stays FSDP1's under a TODO:
+    # its model is FSDP1's wrapper, so `model.module` must still reach the module inside it; plain `model`
+    # loaded a checkpoint into the wrapper and skipped the wrapper's own weights.
+    code, report = torch_target(
+        """
+        model = FSDP(nn.Linear(2, 2), some_old_argument=1)
+        inner = model.module
+        """
+    )
+    assert "model = FSDP(nn.Linear(2, 2), some_old_argument=1)" in code
+    assert "inner = fsdp_bridge.unwrapped(model)" in code and "inner = model\n" not in code
+    assert any("torch's FSDP1 (kept as written in the tree" in r for r in report), report
+
+
 def test_bridge_target_is_the_default_and_unchanged() -> None:
     source = HEAD + "model = FSDP(nn.Linear(2, 2))\n"
     assert migrate_source(source, "t.py").fixed == migrate_source(source, "t.py", target="bridge").fixed
@@ -285,6 +301,23 @@ def test_helper_module_is_plain_torch_and_resolves_units_as_the_bridge() -> None
             return max_norm * 10 + norm_type
 
     assert helpers.clip_grad_norm_(OwnClip(2, 2), 1.0) == 12.0
+
+
+def test_helper_module_computes_where_the_models_parameters_are(monkeypatch: pytest.MonkeyPatch) -> None:
+    # FSDP1 computes on the GPU the parameters are on (model.to(rank) under mp.spawn, no set_device);
+    # fully_shard on the current device: the helper makes the parameters' GPU current, unless a launcher's
+    # LOCAL_RANK decides (the bridge does the same in shard(), see test_core_config).
+    helpers = types.ModuleType(HELPERS_NAME)
+    exec(compile(HELPERS_SOURCE, f"{HELPERS_NAME}.py", "exec"), helpers.__dict__)
+    chosen: list[torch.device] = []
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    on_gpu = types.SimpleNamespace(parameters=lambda: iter([types.SimpleNamespace(device=torch.device("cuda", 3))]))
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    helpers.compute_where_placed(nn.Linear(2, 2))  # on the CPU: nothing to choose
+    helpers.compute_where_placed(on_gpu)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    helpers.compute_where_placed(on_gpu)
+    assert chosen == [torch.device("cuda", 3)]
 
 
 def test_paths_write_the_helper_module_once_and_never_over_the_users(tmp_path: Path) -> None:

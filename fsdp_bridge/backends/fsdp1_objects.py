@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fsdp_bridge._optim_state import init_step_undone
 from fsdp_bridge.backends._common import whole
 from fsdp_bridge.errors import ConfigError, Problem
 
@@ -430,7 +431,9 @@ def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str
             offload_to_cpu=bool(getattr(optim_config, "offload_to_cpu", True)),
         )
     active = _ACTIVE[model]
-    return get_optimizer_state_dict(model, _torch_optimizer(optim), options=active[1])
+    inner = _torch_optimizer(optim)
+    with init_step_undone(inner, reading=True):
+        return get_optimizer_state_dict(model, inner, options=active[1])
 
 
 def _keeps_full_state(model: nn.Module) -> bool:
@@ -536,8 +539,9 @@ def full_optim_state_dict(
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     keep = not rank0_only or _keeps_full_state(model)
-    with _module_own_state_dict(model):
-        state = _gathered(get_optimizer_state_dict(model, _torch_optimizer(optim)), keep, offload_to_cpu)
+    inner = _torch_optimizer(optim)
+    with _module_own_state_dict(model), init_step_undone(inner, reading=True):
+        state = _gathered(get_optimizer_state_dict(model, inner), keep, offload_to_cpu)
     return state if keep else {}
 
 
@@ -604,7 +608,8 @@ def optim_state_dict_to_load(
     state = {} if optim_state_dict is None or others else _unshared(optim_state_dict)
     empty = [g for g in inner.param_groups if not g["params"]]
     if len(empty) < 2:
-        set_optimizer_state_dict(model, inner, state, options=options)
+        with init_step_undone(inner, reading=False):
+            set_optimizer_state_dict(model, inner, state, options=options)
         return optim.state_dict()
     # torch's set_optimizer_state_dict matches groups by their parameters and refuses more than one group
     # without any (a frozen part's groups), which FSDP1 loads: those are set aside while it loads, then put
@@ -615,7 +620,8 @@ def optim_state_dict_to_load(
     order = [bool(g["params"]) for g in inner.param_groups]
     inner.param_groups = [g for g in inner.param_groups if g["params"]]
     try:
-        set_optimizer_state_dict(model, inner, state, options=options)
+        with init_step_undone(inner, reading=False):
+            set_optimizer_state_dict(model, inner, state, options=options)
     finally:
         loaded = iter(inner.param_groups)
         inner.param_groups = [next(loaded) if has_params else empty.pop(0) for has_params in order]

@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
+from fsdp_bridge._optim_state import init_step_undone
 from fsdp_bridge.checkpoint._formats import DCP_DIR, CheckpointError, failure_text
 from fsdp_bridge.checkpoint._model_state import shapes_of, tied_groups
 from fsdp_bridge.checkpoint._process import fit_open_files, prepare_checkpoint_process, stop_checkpoint_process
@@ -371,7 +372,8 @@ def _start(
     msd = get_model_state_dict(model)
     to_save: dict[str, Any] = {"model": msd}
     if optimizer is not None:
-        to_save["optim"] = get_optimizer_state_dict(model, optimizer)
+        with init_step_undone(optimizer, reading=True):
+            to_save["optim"] = get_optimizer_state_dict(model, optimizer)
     shapes = shapes_of(msd)
     if mode == "process":
         # Every rank learns of a rank that cannot hold the shared copy, before async_save's collectives.

@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from fsdp_bridge._lora import has_4bit
+from fsdp_bridge._optim_state import init_step_undone
 from fsdp_bridge.checkpoint import _peft
 from fsdp_bridge.checkpoint._formats import (
     DCP_DIR,
@@ -78,7 +79,8 @@ def _load_dcp(
     fresh = _scratch if all_or_nothing else (lambda value: value)
     to_load: dict[str, Any] = {stored: fresh(template[ours]) for stored, ours in key_map.items()}
     if with_optim and optimizer is not None:
-        to_load["optim"] = fresh(get_optimizer_state_dict(model, optimizer))
+        with init_step_undone(optimizer, reading=True):
+            to_load["optim"] = fresh(get_optimizer_state_dict(model, optimizer))
     try:
         read_dcp(to_load, dcp_dir, reader=reader)
     except CheckpointError as err:
@@ -96,7 +98,8 @@ def _load_dcp(
         if problems:
             raise CheckpointError(dcp_dir, [*problems, "the optimizer state is damaged: load without the optimizer"])
         try:
-            set_optimizer_state_dict(model, optimizer, to_load["optim"])
+            with init_step_undone(optimizer, reading=False):
+                set_optimizer_state_dict(model, optimizer, to_load["optim"])
         except (KeyError, ValueError, TypeError, RuntimeError) as err:
             raise CheckpointError(
                 dcp_dir, f"the optimizer state does not fit the optimizer ({type(err).__name__}: {err})"

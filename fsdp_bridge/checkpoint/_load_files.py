@@ -16,6 +16,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
 from fsdp_bridge._lora import base_weight_name
+from fsdp_bridge._optim_state import init_step_undone
 from fsdp_bridge.checkpoint import _hf, _peft
 from fsdp_bridge.checkpoint._formats import CheckpointError, Detected, Kind, strip_wrapper_prefixes
 from fsdp_bridge.checkpoint._model_state import (
@@ -159,9 +160,10 @@ def load_full(
         distributed = dist.is_initialized()
         if optimizer is not None:  # first: if torch refuses it, the model is still untouched
             try:
-                set_optimizer_state_dict(
-                    model, optimizer, osd, options=full_state_options(model, broadcast_from_rank0=distributed)
-                )
+                with init_step_undone(optimizer, reading=False):
+                    set_optimizer_state_dict(
+                        model, optimizer, osd, options=full_state_options(model, broadcast_from_rank0=distributed)
+                    )
             except (KeyError, ValueError, TypeError, RuntimeError) as err:
                 raise CheckpointError(
                     detected.path, f"the optimizer state does not fit the optimizer ({type(err).__name__}: {err})"

@@ -41,6 +41,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
+from fsdp_bridge._optim_state import init_step_undone
 from fsdp_bridge.backends import model_class_name
 from fsdp_bridge.checkpoint import _atomic, _hf
 from fsdp_bridge.checkpoint._atomic import OWNER_FILE, OWNER_TEXT, series_prefix
@@ -180,7 +181,8 @@ def save_sharded_to_url(
     msd = without_4bit(model, get_model_state_dict(model))
     to_save: dict[str, Any] = {"model": msd}
     if optimizer is not None:
-        to_save["optim"] = get_optimizer_state_dict(model, optimizer)
+        with init_step_undone(optimizer, reading=True):
+            to_save["optim"] = get_optimizer_state_dict(model, optimizer)
 
     def write_sharded() -> dict[str, int]:
         dcp.save(to_save, storage_writer=dcp_writer(staging / DCP_DIR))

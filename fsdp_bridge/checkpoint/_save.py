@@ -17,6 +17,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
+from fsdp_bridge._optim_state import init_step_undone
 from fsdp_bridge.checkpoint import _hf, _peft
 from fsdp_bridge.checkpoint._atomic import series_prefix
 from fsdp_bridge.checkpoint._formats import DCP_DIR, CheckpointError
@@ -168,7 +169,8 @@ def _save(
         msd = without_4bit(model, get_model_state_dict(model))
         to_save: dict[str, Any] = {"model": msd}
         if optimizer is not None:
-            to_save["optim"] = get_optimizer_state_dict(model, optimizer)
+            with init_step_undone(optimizer, reading=True):
+                to_save["optim"] = get_optimizer_state_dict(model, optimizer)
 
         def write_sharded() -> dict[str, int]:
             dcp.save(to_save, storage_writer=dcp.FileSystemWriter(str(staging / DCP_DIR)))
@@ -198,7 +200,8 @@ def _save(
             if flat is not None:  # collective: the same answer on every rank
                 osd = bridge.impl.export_optimizer_pieces(bridge.model, optimizer)
             if osd is None:
-                osd = get_optimizer_state_dict(model, optimizer)
+                with init_step_undone(optimizer, reading=True):
+                    osd = get_optimizer_state_dict(model, optimizer)
         tensors = _hf.drop_tied_aliases(weights, tied)
         layout = _SOURCE_LAYOUT.get(model) if max_shard_size is None else None
         export = _hf.FullExport(

@@ -168,8 +168,10 @@ WRAPPER_ATTRS: dict[str, str] = {
     "backward_prefetch": "the setting is fsdp_bridge.get_bridge(model).config.backward_prefetch, or your own setting",
     "forward_prefetch": "the setting is fsdp_bridge.get_bridge(model).config.forward_prefetch, or your own setting",
     "limit_all_gathers": "FSDP2 needs no all-gather rate limiter; use your own setting if the value is logged",
-    "process_group": "the data-parallel group is fsdp_bridge.get_bridge(model).mesh.get_group() (a 1D mesh; on a "
-    "2D mesh pass the dimension's name)",
+    "process_group": "FSDP1's process_group is the group the model is sharded over: "
+    "fsdp_bridge.get_bridge(model).mesh.get_group() on a 1D mesh (FULL_SHARD, SHARD_GRAD_OP); under HYBRID_SHARD "
+    "the node's shard group, mesh.get_group('shard'); under NO_SHARD (a (world, 1) mesh) every rank, "
+    "mesh.get_group('replicate')",
     "compute_device": "the device is fsdp_bridge.get_bridge(model).device",
     "rank": "use torch.distributed.get_rank() (or the mesh's get_local_rank())",
     "world_size": "use torch.distributed.get_world_size() (or fsdp_bridge.get_bridge(model).mesh.size())",
@@ -254,6 +256,33 @@ KEPT: dict[str, str] = {
     "ShardedOptimStateDictConfig": "torch's FSDP1 state-dict config",
 }
 """FSDP1 objects that stay valid after migration: plain values BridgeConfig.from_fsdp1 translates."""
+
+
+def keep_low_precision_text(value: str) -> str:
+    """The TODO for ``MixedPrecision(keep_low_precision_grads=<value>)`` that is not a literal False."""
+    return (
+        f"not rewritten: MixedPrecision(keep_low_precision_grads={value}): FSDP2 keeps gradients "
+        "in the parameters' dtype and BridgeConfig.from_fsdp1 refuses a true value when the code runs: "
+        "drop it (gradients reduced in reduce_dtype, kept in the parameters' dtype)"
+    )
+
+
+PATCH_WORDS = ("fixed", "patched", "custom", "modified", "my")
+"""Words a tree's patched copy of one of torch's functions may carry before or after torch's name
+(``fixed_flatten_optim_state_dict`` for ``_flatten_optim_state_dict``, ``_broadcast_state_patched``)."""
+
+
+def unpatched(name: str) -> str | None:
+    """``name`` without a word of :data:`PATCH_WORDS` before or after it, and without leading underscores
+    (``fixed_full_optim_state_dict`` -> ``full_optim_state_dict``); None where it has no such word."""
+    bare = name.lstrip("_")
+    for word in PATCH_WORDS:
+        if bare.startswith(f"{word}_") and len(bare) > len(word) + 1:
+            return bare[len(word) + 1 :].lstrip("_")
+        if bare.endswith(f"_{word}") and len(bare) > len(word) + 1:
+            return bare[: -len(word) - 1]
+    return None
+
 
 FSDP_METHODS = (
     "fsdp_modules",

@@ -344,6 +344,9 @@ class ObjectAnalysis(ScannerBase):
                 return set()
 
         kind = self._value_kinds
+        if (held := self._held_by_instance(obj, scope)) is not None:
+            self.wrapper_kinds[key] = held
+            return held
 
         rebound: list[tuple[int, int]] = []  # where ``target`` is assigned below ``before``
         if limit is not None:
@@ -446,6 +449,8 @@ class ObjectAnalysis(ScannerBase):
                     kinds.add("fsdp1")  # DDP has no clip_grad_norm_
             elif isinstance(n, cst.Param) and n.name.value == target and n.annotation is not None:
                 kinds |= kind(n.annotation.annotation)
+                if "fsdp1" in kinds and _names_others(n.annotation.annotation, self):
+                    kinds.add("ddp")  # ``Union[nn.Module, FSDP]``: FSDP1's wrapper on some path, any module on others
         if isinstance(scope, cst.ClassDef) and target.count(".") == 1 and self._handed_in(scope, target[5:]):
             kinds.add("fsdp1")
         if isinstance(scope, cst.ClassDef) and target.count(".") == 1:
@@ -458,6 +463,40 @@ class ObjectAnalysis(ScannerBase):
                     if isinstance(small, cst.AnnAssign) and m.matches(small.target, m.Name(target[5:])):
                         kinds |= kind(small.annotation.annotation)
         self.wrapper_kinds[key] = kinds
+        return kinds
+
+    def _held_by_instance(self, obj: cst.BaseExpression, scope: cst.CSTNode) -> set[str] | None:
+        """``trainer.model`` where this scope assigns ``trainer = FineTuner(...)`` (once, and nothing else to it)
+        and the tree's class ``FineTuner`` assigns ``self.model = FSDP(...)`` in its methods
+        (``Dispatch.fsdp1_attributes``): that wrapper's kinds ("ddp" too where the class, in this file, also
+        assigns DDP's to it); None where ``obj`` is not such an attribute."""
+        if not (
+            isinstance(obj, cst.Attribute)
+            and isinstance(obj.value, cst.Name)
+            and obj.value.value not in ("self", "cls")
+        ):
+            return None
+        name, attr = obj.value.value, obj.attr.value
+        values = [
+            n.value
+            for n in walk(scope)
+            if isinstance(n, (cst.Assign, cst.AnnAssign, cst.AugAssign))
+            and any(
+                code_of(t) == name for t in ([x.target for x in n.targets] if isinstance(n, cst.Assign) else [n.target])
+            )
+        ]
+        if len(values) != 1 or not isinstance(values[0], cst.Call):
+            return None
+        cls = code_of(values[0].func).rsplit(".", 1)[-1]
+        if attr not in self.dispatch.fsdp1_attributes.get(cls, ()):
+            return None
+        kinds = {"fsdp1"}
+        for c in walk(self.module) if self.module is not None else ():
+            if isinstance(c, cst.ClassDef) and c.name.value == cls:
+                for n in walk(c.body):
+                    if isinstance(n, cst.Assign) and isinstance(n.value, (cst.Call, cst.IfExp)):
+                        if any(code_of(t.target) == f"self.{attr}" for t in n.targets):
+                            kinds |= self._value_kinds(_made_by(n.value))
         return kinds
 
     def _value_kinds(self, expr: cst.BaseExpression) -> set[str]:
@@ -643,6 +682,24 @@ def binds(node: cst.CSTNode, name: str) -> bool:
         or (isinstance(t, (cst.Tuple, cst.List)) and any(m.matches(x, m.Name(name)) for x in walk(t)))
         for t in targets
     )
+
+
+def _names_others(annotation: cst.BaseExpression, scanner: Any) -> bool:
+    """An annotation naming FSDP1's class among other types: ``Union[nn.Module, FSDP]`` or ``nn.Module | FSDP``
+    (``Optional[FSDP]`` and ``FSDP | None`` name it alone)."""
+    members: list[cst.BaseExpression] = []
+    if isinstance(annotation, cst.Subscript) and code_of(annotation.value).rsplit(".", 1)[-1] == "Union":
+        members = [e.slice.value for e in annotation.slice if isinstance(e.slice, cst.Index)]
+    elif isinstance(annotation, cst.BinaryOperation) and isinstance(annotation.operator, cst.BitOr):
+        stack: list[cst.BaseExpression] = [annotation]
+        while stack:
+            x = stack.pop()
+            if isinstance(x, cst.BinaryOperation) and isinstance(x.operator, cst.BitOr):
+                stack += [x.left, x.right]
+            else:
+                members.append(x)
+    others = [x for x in members if not m.matches(x, m.Name("None")) and "fsdp1" not in scanner._value_kinds(x)]
+    return bool(others)
 
 
 def _made_by(value: cst.Call | cst.IfExp) -> cst.BaseExpression:

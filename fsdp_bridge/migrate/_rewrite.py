@@ -39,6 +39,8 @@ class Rewriter(cst.CSTTransformer):
                 for a in updated_node.args
                 if a.keyword is None or a.keyword.value != "recurse" or code_of(a.value) == "False"
             ]
+            if kept and kept[0].keyword is not None and kept[0].keyword.value == "module":
+                kept[0] = cst.Arg(kept[0].value, comma=kept[0].comma)  # FSDP1's module= by keyword: the model
             given = {a.keyword.value: code_of(a.value) for a in kept if a.keyword is not None}
             if "writeback" not in given and given.get("recurse") != "False" and given.get("rank0_only") != "True":
                 # FSDP1's default writeback=True (the bridge's is False): changes made inside are kept, as there

@@ -161,6 +161,15 @@ def _reshard_after_no_grad_forward(model: nn.Module, _args: object, _output: obj
                 module.reshard()
 
 
+def compute_where_placed(model: nn.Module) -> None:
+    """FSDP1 computes on the GPU the model's parameters are on (model.to(rank) under mp.spawn, no
+    torch.cuda.set_device); fully_shard on torch.cuda.current_device(): without a launcher's LOCAL_RANK, make
+    the parameters' GPU the current one."""
+    placed = next((p.device for p in model.parameters() if p.device.type == "cuda"), None)
+    if placed is not None and placed.index is not None and "LOCAL_RANK" not in os.environ:
+        torch.cuda.set_device(placed)
+
+
 def shard_model(
     model: nn.Module,
     *,
@@ -189,6 +198,7 @@ def shard_model(
     forward. backward_prefetch=False: FSDP1's backward_prefetch=None (no prefetch in backward).
     sync_module_states: every rank gets rank 0's weights (FSDP1's sync_module_states=True).
     """
+    compute_where_placed(model)
     mp_policy = mp_policy or MixedPrecisionPolicy()
     root_policy = MixedPrecisionPolicy(
         param_dtype=mp_policy.param_dtype,
@@ -428,6 +438,23 @@ def _holds_dtensor(state: object) -> bool:
     return False
 
 
+@contextlib.contextmanager
+def _init_step_undone(optim: torch.optim.Optimizer) -> Iterator[None]:
+    """torch's set_optimizer_state_dict makes the state of an optimizer without any by stepping it once (zero
+    gradients, lr 0); Adam's eps=0 then writes NaN into the parameters (0 / 0) and an optimizer that computes
+    its own rate moves them. Their values are put back (FSDP1's load never steps the optimizer)."""
+    stepped = not optim.state and all(p.grad is None for g in optim.param_groups for p in g["params"])
+    params = list({{id(p): p for g in optim.param_groups for p in g["params"]}}.values()) if stepped else []
+    with torch.no_grad():
+        saved = [(p.to_local() if isinstance(p, DTensor) else p).clone() for p in params]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for param, value in zip(params, saved, strict=True):
+                (param.to_local() if isinstance(param, DTensor) else param).copy_(value)
+
+
 def optim_state_dict_to_load(
     model: nn.Module,
     optim: torch.optim.Optimizer,
@@ -460,7 +487,8 @@ def optim_state_dict_to_load(
                     seen.add(id(value))
     empty = [g for g in optim.param_groups if not g["params"]]
     if len(empty) < 2:
-        set_optimizer_state_dict(model, optim, state, options=options)
+        with _init_step_undone(optim):
+            set_optimizer_state_dict(model, optim, state, options=options)
         return optim.state_dict()
     saved_empty = [g for g in state.get("param_groups", ()) if not g.get("params")]
     if "param_groups" in state:
@@ -468,7 +496,8 @@ def optim_state_dict_to_load(
     order = [bool(g["params"]) for g in optim.param_groups]
     optim.param_groups = [g for g in optim.param_groups if g["params"]]
     try:
-        set_optimizer_state_dict(model, optim, state, options=options)
+        with _init_step_undone(optim):
+            set_optimizer_state_dict(model, optim, state, options=options)
     finally:
         loaded = iter(optim.param_groups)
         optim.param_groups = [next(loaded) if has_params else empty.pop(0) for has_params in order]

@@ -36,10 +36,10 @@ import libcst as cst
 import libcst.matchers as m
 from libcst.codemod import CodemodContext
 from libcst.codemod.visitors import AddImportsVisitor, RemoveImportsVisitor
-from libcst.metadata import MetadataWrapper, PositionProvider
+from libcst.metadata import MetadataWrapper, PositionProvider, QualifiedNameProvider
 
-from fsdp_bridge.migrate._analysis import code_of, walk
-from fsdp_bridge.migrate._names import TODO
+from fsdp_bridge.migrate._analysis import code_of, resolve_fsdp, walk
+from fsdp_bridge.migrate._names import FSDP, TODO
 from fsdp_bridge.migrate._render import commas, comments_around
 from fsdp_bridge.migrate._torch_helpers import HELPERS_NAME
 from fsdp_bridge.strategy import ShardingStrategy
@@ -734,6 +734,24 @@ KEPT_CONSTRUCTOR = "(FSDP1's constructor chosen by a conditional expression)"
 """The TODO of an FSDP1 constructor the bridge rewrite leaves as written: the file's model stays FSDP1's."""
 
 
+def _constructs_fsdp1(module: cst.Module) -> bool:
+    """The bridge rewrite still calls FSDP1's constructor (one it left as written, under a TODO): the models of
+    the file may stay FSDP1's wrappers."""
+    if "FullyShardedDataParallel" not in module.code:
+        return False
+    found: list[cst.Call] = []
+
+    class V(cst.CSTVisitor):
+        METADATA_DEPENDENCIES = (QualifiedNameProvider,)
+
+        def visit_Call(self, node: cst.Call) -> None:
+            if resolve_fsdp(self.get_metadata(QualifiedNameProvider, node.func, set())) == (FSDP, ""):
+                found.append(node)
+
+    MetadataWrapper(module).visit(V())
+    return bool(found)
+
+
 def lower_to_torch(
     module: cst.Module, path: str, *, groups: bool = False, typed: bool = False, kept: bool = False
 ) -> Lowered:
@@ -751,7 +769,7 @@ def lower_to_torch(
     )
     if lowerer.wrapping_library == "accelerate" and _accelerate_loaders_only(module):
         lowerer.wrapping_library = None  # its big-model loading utilities alone (load_checkpoint_and_dispatch)
-    if lowerer.wrapping_library is None and (kept or KEPT_CONSTRUCTOR in module.code):
+    if lowerer.wrapping_library is None and (kept or KEPT_CONSTRUCTOR in module.code or _constructs_fsdp1(module)):
         lowerer.wrapping_library = (
             "torch's FSDP1 (kept as written in the tree: a constructor or a subclass of its wrapper, see its TODO)"
         )

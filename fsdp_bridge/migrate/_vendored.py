@@ -4,7 +4,8 @@ merely uses FSDP1.
 
 A file that defines several of the private functions of the FSDP1 modules it imports from (torch's own
 ``_flatten_optim_state_dict`` written out again, with a fix, beside ``from torch.distributed.fsdp._optim_utils
-import ...``) is a patched copy of parts of them, and is reported the same way.
+import ...``; or renamed so as to say so, ``fixed_flatten_optim_state_dict``) is a patched copy of parts of them,
+and is reported the same way.
 
 Such a file is torch's implementation: FSDP1's internals (flat parameters, handles, private
 helpers), or torch's own handling of FSDP1 and FSDP2 side by side, where rewriting
@@ -18,6 +19,8 @@ import ast
 import functools
 import importlib.util
 from pathlib import Path
+
+from fsdp_bridge.migrate._names import unpatched
 
 __all__ = ["VendoredModule", "vendored_torch_module"]
 
@@ -110,12 +113,26 @@ def _imported_fsdp1_sources(torch_dir: Path, tree: ast.Module) -> dict[str, Path
     return found
 
 
+def _as_torch_names(name: str) -> set[str]:
+    """The private torch names a function of a patched copy may stand for: its own (``_broadcast_state``), and,
+    without a word that says it is patched (see ``_names.unpatched``), that name with one leading underscore
+    (``fixed_flatten_optim_state_dict`` -> ``_flatten_optim_state_dict``)."""
+    found = {name} if _private(name) else set()
+    if (stem := unpatched(name)) is not None:
+        found.add(f"_{stem}")
+    return found
+
+
 def _patched_copy(torch_dir: Path, tree: ast.Module) -> VendoredModule | None:
     """At least :data:`MIN_PATCHED` private functions the file defines under the names of functions of the
-    FSDP1 modules it imports from: a patched copy of parts of them."""
-    mine = {n for n in _defined(tree) if _private(n)}
+    FSDP1 modules it imports from (as they are, or with a word that says they are patched, see
+    :func:`_as_torch_names`): a patched copy of parts of them."""
+    mine: dict[str, str] = {}  # a torch private name -> the file's function that copies it
+    for own in sorted(_defined(tree)):
+        for name in _as_torch_names(own):
+            mine.setdefault(name, own)
     by_module = {
-        module: sorted(mine & _private_names(source))
+        module: sorted(mine[n] for n in set(mine) & _private_names(source))
         for module, source in sorted(_imported_fsdp1_sources(torch_dir, tree).items())
     }
     shared = sorted({n for names in by_module.values() for n in names})

@@ -147,8 +147,13 @@ class CheckpointNoteFixer(ScannerBase):
         if not isinstance(assign, cst.Assign) or assign.value is not node or len(assign.targets) != 1:
             return
         names = {code_of(assign.targets[0].target), code_of(node.args[0].value)}
+        text = COMPILED_NAMES
         if not any(w in line.split("#", 1)[0] for line in self.lines for w in _STATE_DICT_WORDS):
-            return
+            # the state dicts taken in another file of the tree (a checkpoint module handed the compiled model)
+            where = self.dispatch.makes_state_dict_context or self.dispatch.sets_state_dict_type
+            if where is None:
+                return
+            text = f"{COMPILED_NAMES}; this tree takes them with FSDP1's state-dict calls in {where}"
         scope: cst.CSTNode | None = self.functions[-1] if self.functions else self.module
         if scope is None or not any(
             isinstance(c, cst.Call)
@@ -160,6 +165,4 @@ class CheckpointNoteFixer(ScannerBase):
             return
         pos = self.get_metadata(PositionProvider, node)
         construct = f"torch.compile({code_of(node.args[0].value)}) of a model FSDP1 wraps"
-        self.findings.append(
-            CodeFinding(self.path, pos.start.line, pos.start.column, construct, COMPILED_NAMES, True, note=True)
-        )
+        self.findings.append(CodeFinding(self.path, pos.start.line, pos.start.column, construct, text, True, note=True))

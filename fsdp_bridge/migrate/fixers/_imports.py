@@ -22,6 +22,7 @@ from fsdp_bridge.migrate._names import (
     SCALER_TEXT,
     WRAPPER_ATTRS,
     fsdp2_text,
+    keep_low_precision_text,
     private_text,
 )
 from fsdp_bridge.migrate._report import CodeFinding
@@ -556,11 +557,7 @@ class ImportsFixer(ScannerBase):
         given = {a.keyword.value: a.value for a in call.args if a.keyword is not None}
         low = given.get("keep_low_precision_grads")
         if low is not None and code_of(low) != "False":
-            return (
-                f"not rewritten: MixedPrecision(keep_low_precision_grads={code_of(low)}): FSDP2 keeps gradients "
-                "in the parameters' dtype and BridgeConfig.from_fsdp1 refuses a true value when the code runs: "
-                "drop it (gradients reduced in reduce_dtype, kept in the parameters' dtype)"
-            )
+            return keep_low_precision_text(code_of(low))
         return ""
 
     def _bound_called_with_args(self) -> bool:

@@ -27,7 +27,7 @@ import libcst as cst
 from libcst.metadata import QualifiedNameProvider
 
 from fsdp_bridge.migrate._analysis import code_of, short, walk
-from fsdp_bridge.migrate._names import FSDP, FSDP_METHODS
+from fsdp_bridge.migrate._names import FSDP, FSDP_METHODS, unpatched
 from fsdp_bridge.migrate._scan_base import ScannerBase
 
 RESHARD = "torch.distributed.fsdp._runtime_utils._reshard"
@@ -47,10 +47,11 @@ class InternalsFixer(ScannerBase):
         ``_vendored``): it works on FSDP1 models only, and the models the rewritten code makes are FSDP2's."""
         name = code_of(node.func).rsplit(".", 1)[-1]
         where = os.path.relpath(copy, os.path.dirname(self.path) or ".")
+        own = name if name in FSDP_METHODS else unpatched(name)  # fixed_full_optim_state_dict: FSDP1's own
         same = (
-            f"if it does what FSDP1's FSDP.{name}(...) does, call that instead and run --fix again (it is "
+            f"if it does what FSDP1's FSDP.{own}(...) does, call that instead and run --fix again (it is "
             "rewritten to FSDP2's form); "
-            if name in FSDP_METHODS
+            if own in FSDP_METHODS
             else ""
         )
         self._record(

@@ -717,11 +717,14 @@ def unproven_text(recv: str, name: str, *, bound: bool = False) -> str:
 
 
 def _name_rule(body: cst.CSTNode, name: str) -> str:
-    """The first test of the parameter name ``name`` in ``body``: ``"bias" in name`` (``not in`` too),
-    ``name.endswith(...)`` / ``startswith(...)``, as code; "" when there is none."""
+    """The first test of the parameter name ``name`` in ``body``: ``"bias" in name`` (``not in`` too), the name
+    looked up among names (``name in decay_names``), ``name.endswith(...)`` / ``startswith(...)``, as code; ""
+    when there is none."""
     for n in walk(body):
         if isinstance(n, cst.Comparison) and any(
-            isinstance(t.operator, (cst.In, cst.NotIn)) and m.matches(t.comparator, m.Name(name)) for t in n.comparisons
+            isinstance(t.operator, (cst.In, cst.NotIn))
+            and (m.matches(t.comparator, m.Name(name)) or (i == 0 and m.matches(n.left, m.Name(name))))
+            for i, t in enumerate(n.comparisons)
         ):
             return short(code_of(n), 40)
         if (

@@ -10,7 +10,14 @@ import libcst.matchers as m
 from libcst.metadata import QualifiedNameProvider
 
 from fsdp_bridge.migrate._analysis import Conversion, class_list, code_of, make_str, walk
-from fsdp_bridge.migrate._names import FSDP1_POSITIONAL, KWARG_OPTION, STRATEGIES, fsdp2_any, fsdp2_case
+from fsdp_bridge.migrate._names import (
+    FSDP1_POSITIONAL,
+    KWARG_OPTION,
+    STRATEGIES,
+    fsdp2_any,
+    fsdp2_case,
+    keep_low_precision_text,
+)
 from fsdp_bridge.migrate._scan_base import ScannerBase
 
 
@@ -174,6 +181,11 @@ class PolicyFixer(ScannerBase):
                     elif kw == "keep_low_precision_grads" and code_of(a.value) == "False":
                         continue
                     else:
+                        if kw == "keep_low_precision_grads":
+                            # read when the code runs (from_fsdp1), not with FSDP1's meaning: the TODO a second
+                            # --fix would write at the MixedPrecision(...) left in the from_fsdp1 call
+                            text = keep_low_precision_text(code_of(a.value))
+                            self._record(value.func, code_of(value.func), text, False)
                         conv.blockers.append(f"MixedPrecision({kw}=...): {fsdp2_any(kw)}")
                         return None
                 given = {a.keyword.value for a in value.args if a.keyword is not None}

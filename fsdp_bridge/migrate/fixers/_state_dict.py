@@ -210,34 +210,37 @@ class StateDictFixer(ScannerBase):
         are full state dicts on every rank; on FSDP2 they would be sharded DTensors (a torch.save on rank 0
         would keep rank 0's shards only, and loading plain tensors into DTensors fails)."""
         obj = func.value
-        wrapper = self._fsdp1_wrapper(node, obj)
-        if wrapper not in ("fsdp1", "ambiguous") and _OPTIMIZER_NAME.search(code_of(obj).rsplit(".", 1)[-1]):
+        # ``model._orig_mod.load_state_dict(...)``: the model inside torch.compile's wrapper, FSDP1's when the
+        # compiled one is (the call stays on ``model._orig_mod``)
+        shown = obj.value if isinstance(obj, cst.Attribute) and obj.attr.value == "_orig_mod" else obj
+        wrapper = self._fsdp1_wrapper(node, shown)
+        if wrapper not in ("fsdp1", "ambiguous") and _OPTIMIZER_NAME.search(code_of(shown).rsplit(".", 1)[-1]):
             return False  # an optimizer's own state dict (a call may hand the function a model too, not here)
         handed = False
         if (
             wrapper not in ("fsdp1", "ambiguous")
-            and self._handed_parameter(node, obj)
-            and not self._in_own_state_dict_type_block(code_of(obj))
+            and self._handed_parameter(node, shown)
+            and not self._in_own_state_dict_type_block(code_of(shown))
         ):
             # A call of the tree hands this function an FSDP1 model (other calls may hand it other modules)
             wrapper, handed = "ambiguous", True
         if (
             wrapper not in ("fsdp1", "ambiguous")
-            and isinstance(obj, cst.Attribute)
-            and m.matches(obj.value, m.Name("self"))
+            and isinstance(shown, cst.Attribute)
+            and m.matches(shown.value, m.Name("self"))
             and self.classes
-            and not self._isinstance_branch(node, obj)
-            and not self._in_own_state_dict_type_block(code_of(obj))
+            and not self._isinstance_branch(node, shown)
+            and not self._in_own_state_dict_type_block(code_of(shown))
             and (
-                self._kept_from_a_handed_parameter(self.classes[-1], obj.attr.value)
-                or self._handed_in(self.classes[-1], obj.attr.value, among=True)
+                self._kept_from_a_handed_parameter(self.classes[-1], shown.attr.value)
+                or self._handed_in(self.classes[-1], shown.attr.value, among=True)
             )
         ):
             # ``self.model = model`` from a parameter a call of the tree hands an FSDP1 model (``Trainer(unet=unet)``
             # after ``unet = wrap_unet(...)``), or annotated ``Union[nn.Module, FSDP]``: FSDP1's on some path
             wrapper, handed = "ambiguous", True
         if wrapper not in ("fsdp1", "ambiguous", "handed") and (
-            self._factory_result(node, obj) != "" or self._holder_result(node, obj)
+            self._factory_result(node, shown) != "" or self._holder_result(node, shown)
         ):
             # ``model, tok = setup_model(...)``: a function of the tree returns FSDP1's model there (on some path),
             # or a plain module it gave FSDP1 units (whose state dicts FSDP1 gives full)
@@ -458,12 +461,13 @@ class StateDictFixer(ScannerBase):
 
     def _inside_own_summon(self, target: str) -> bool:
         """The current statement is inside ``with FSDP.summon_full_params(target, ...):`` (or the bridge's) that
-        gathers every parameter on every rank: no ``recurse=False`` (FSDP2's unshard, whose state dict reshards)
-        and no ``rank0_only`` (the other ranks keep shards)."""
+        gathers every parameter: no ``recurse=False`` (FSDP2's unshard, whose state dict reshards). Under
+        ``rank0_only`` rank 0 holds them (the state dict a rank-0 block saves); torch's full-state call there
+        would be a collective inside that block."""
 
         def gathers_all(call: cst.Call) -> bool:
             given = {a.keyword.value: code_of(a.value) for a in call.args if a.keyword is not None}
-            return given.get("recurse", "True") == "True" and given.get("rank0_only", "False") == "False"
+            return given.get("recurse", "True") == "True"
 
         return any(gathers_all(call) for call in self._blocks_around("summon_full_params", target))
 
@@ -517,6 +521,7 @@ class StateDictFixer(ScannerBase):
             and code_of(item.item.func).rsplit(".", 1)[-1] == method
             and item.item.args
             and code_of(item.item.args[0].value) == target
+            and (item.item.args[0].keyword is None or item.item.args[0].keyword.value == "module")
         ]
 
     def _for_fsdp2_only(self, code: str, target: str, node: cst.Call) -> str:

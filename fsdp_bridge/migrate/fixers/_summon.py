@@ -33,7 +33,8 @@ class SummonFixer(ScannerBase):
             construct = f"{short(code_of(func), 40)}(...)" if bound_summon else "FSDP.summon_full_params(...)"
             ok = (
                 len(node.args) >= 1
-                and node.args[0].keyword is None
+                # FSDP1's module by position, or by keyword (``summon_full_params(module=model, ...)``)
+                and (node.args[0].keyword is None or node.args[0].keyword.value == "module")
                 and all(
                     a.keyword is not None
                     and a.keyword.value in ("writeback", "recurse", "rank0_only", "offload_to_cpu", "with_grads")
@@ -55,6 +56,8 @@ class SummonFixer(ScannerBase):
                 held = self._writes_inside(node)
             if held is None and ok and own:
                 held = self._state_dict_inside(node, code_of(node.args[0].value))
+            if held is None and ok and not own:
+                held = self._load_inside(node, code_of(node.args[0].value))
             if held is not None:
                 self._record(node, construct, held, False)
                 self._consume(node.func)
@@ -101,6 +104,29 @@ class SummonFixer(ScannerBase):
                     "state_dict() still gives DTensor shards (in param_dtype under mixed precision): drop "
                     f"recurse=False (fsdp_bridge.summon_full_params({short(target, 30)}) gathers the nested units "
                     "too, as full copies in the parameters' own dtype)"
+                )
+        return None
+
+    def _load_inside(self, node: cst.Call, target: str) -> str | None:
+        """``with FSDP.summon_full_params(target): ... target.load_state_dict(sd)``: FSDP1 loaded into the
+        gathered parameters; on FSDP2 the load (rewritten to torch's full-state load, which needs no gather)
+        fails inside the bridge's summon, whose full copies FSDP2's load hooks refuse. A TODO: the context goes."""
+        stmt = self.stmt_stack[-1] if self.stmt_stack else None
+        if not isinstance(stmt, cst.With) or not any(i.item is node for i in stmt.items):
+            return None
+        for n in walk(stmt.body):
+            if (
+                isinstance(n, cst.Call)
+                and isinstance(n.func, cst.Attribute)
+                and n.func.attr.value == "load_state_dict"
+                and code_of(n.func.value) == target
+            ):
+                return (
+                    f"not rewritten: {short(target, 30)}.load_state_dict(...) inside it loaded into the gathered "
+                    "parameters on FSDP1; the migrated load (torch's set_model_state_dict with "
+                    "full_state_dict=True) takes the full state by itself, and fails inside "
+                    "fsdp_bridge.summon_full_params, whose full copies FSDP2's load hooks refuse: remove this "
+                    "context (FSDP1's, kept here, does nothing to an FSDP2 model)"
                 )
         return None
 
