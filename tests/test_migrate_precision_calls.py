@@ -805,3 +805,29 @@ def test_a_test_that_fsdp1s_guarded_import_worked_is_kept() -> None:
     assert "TODO" not in result.fixed
     (kept,) = [f for f in result.findings if f.construct == "FSDP is (not) None"]
     assert kept.fixable
+
+
+def test_no_sync_in_the_branch_beside_a_ddp_test_is_reported() -> None:
+    # `if fsdp and offload: m.no_sync() elif isinstance(m, DDP): m.no_sync()`: the DDP test elsewhere in the
+    # function once made every `m.no_sync()` there DDP's, so the first branch (FSDP1's) went unreported and
+    # raised AttributeError on FSDP2; it is a TODO now, and the DDP branch stays as it is.
+    code = (
+        "import contextlib\n"
+        "from torch.nn.parallel import DistributedDataParallel as DDP\n"
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n\n\n"
+        "class Trainer:\n"
+        "    def step(self, fsdp, offload):\n"
+        "        if fsdp and offload:\n"
+        "            ctx = self.policy.base_model.no_sync()\n"
+        "        elif isinstance(self.policy.base_model, DDP):\n"
+        "            ctx = self.policy.base_model.no_sync()\n"
+        "        else:\n"
+        "            ctx = contextlib.nullcontext()\n"
+        "        return ctx\n\n"
+        "    def build(self, m):\n"
+        "        return FSDP(m)\n"
+    )
+    result = migrate_source(code, "rl.py")
+    (todo,) = [f for f in result.findings if not f.fixable]
+    assert todo.line == 9 and todo.construct == "self.policy.base_model.no_sync()", todo
+    assert "            ctx = self.policy.base_model.no_sync()\n        else:" in result.fixed

@@ -764,3 +764,31 @@ def test_torchs_clip_over_a_model_with_ignored_parameters_is_a_todo() -> None:
     (todo,) = [f for f in result.findings if f.construct.startswith("torch.nn.utils.clip_grad_norm_")]
     assert not todo.fixable and not todo.note and "fsdp_bridge.clip_grad_norm_(model, max_norm)" in todo.replacement
     assert "# TODO(fsdp-bridge)" in result.fixed
+
+
+def test_an_fsdp1_test_around_a_norm_summed_by_hand_is_kept() -> None:
+    # `if isinstance(model, FSDP):` around a gradient norm summed over the ranks with dist.all_reduce (FSDP1's
+    # flat shards): as fsdp_bridge.is_sharded it sent FSDP2 models into a collective over DTensors, which raised
+    # at the first step; kept, FSDP2 models take the other branch, whose norm of DTensor gradients is global.
+    code = (
+        "import torch\n"
+        "import torch.distributed as dist\n"
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n\n\n"
+        "def grad_norm(model):\n"
+        "    if isinstance(model, FSDP):\n"
+        "        total = torch.zeros(())\n"
+        "        for p in model.parameters():\n"
+        "            total = total + p.grad.float().norm() ** 2\n"
+        "        dist.all_reduce(total)\n"
+        "        return total.sqrt()\n"
+        "    return torch.stack([p.grad.norm() for p in model.parameters()]).norm()\n\n\n"
+        "def check(model):\n"
+        "    return isinstance(model, FSDP)\n\n\n"
+        "def build(m):\n"
+        "    return FSDP(m)\n"
+    )
+    result = migrate_source(code, "norm.py")
+    kept = next(f for f in result.findings if f.line == 7)
+    assert kept.fixable and kept.replacement.startswith("kept as is: its branch sums a gradient norm")
+    assert "    if isinstance(model, FSDP):\n" in result.fixed
+    assert "    return fsdp_bridge.is_sharded(model)\n" in result.fixed  # elsewhere the test is rewritten

@@ -567,6 +567,32 @@ def _unshared(optim_state_dict: Mapping[str, Any]) -> dict[str, Any]:
     return state
 
 
+_COMPILE_PREFIX = "_orig_mod."
+
+
+def _without_compile_prefix(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` with torch.compile's ``_orig_mod.`` taken out of its parameter names: FSDP1's optimizer state of a
+    compiled model names them so, torch's state-dict API never does (its names are the module's own), and with
+    ``strict=False`` a state under the other names would load nothing, silently."""
+    entries = state.get("state")
+    if not isinstance(entries, Mapping) or not any(isinstance(k, str) and _COMPILE_PREFIX in k for k in entries):
+        return state
+    state = dict(state)
+    state["state"] = {k.replace(_COMPILE_PREFIX, "") if isinstance(k, str) else k: v for k, v in entries.items()}
+    groups = state.get("param_groups")
+    if isinstance(groups, list):
+        state["param_groups"] = [
+            {
+                **g,
+                "params": [p.replace(_COMPILE_PREFIX, "") if isinstance(p, str) else p for p in g.get("params", [])],
+            }
+            if isinstance(g, Mapping)
+            else g
+            for g in groups
+        ]
+    return state
+
+
 def optim_state_dict_to_load(
     model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: Mapping[str, Any] | None, options: Any = None
 ) -> dict[str, Any]:
@@ -605,7 +631,7 @@ def optim_state_dict_to_load(
         options = dataclasses.replace(options, strict=False)
     # FSDP1 ignores what the other ranks pass when rank 0's state is broadcast (rank0_only).
     others = bool(getattr(options, "broadcast_from_rank0", False)) and torch.distributed.get_rank() != 0
-    state = {} if optim_state_dict is None or others else _unshared(optim_state_dict)
+    state = {} if optim_state_dict is None or others else _without_compile_prefix(_unshared(optim_state_dict))
     empty = [g for g in inner.param_groups if not g["params"]]
     if len(empty) < 2:
         with init_step_undone(inner, reading=False):

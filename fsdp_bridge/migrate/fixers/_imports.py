@@ -682,6 +682,24 @@ class ImportsFixer(ScannerBase):
                 return name
         return None
 
+    def _guards_a_hand_reduced_norm(self, check: cst.Call) -> bool:
+        """``check`` (``isinstance(x, FSDP)``) is the test, not negated, of an ``if`` with an ``else`` (or code
+        after it, the branch returning), whose body reads ``.grad``, takes a norm and calls a torch.distributed
+        collective (``all_reduce``), not written for DTensors (no ``to_local`` / ``full_tensor``)."""
+        stmt = self.stmt_stack[-1] if self.stmt_stack else None
+        if not isinstance(stmt, cst.If) or not any(n is check for n in walk(stmt.test)):
+            return False
+        if any(isinstance(n, cst.UnaryOperation) and isinstance(n.operator, cst.Not) for n in walk(stmt.test)):
+            return False
+        attrs = {a.attr.value for a in walk(stmt.body) if isinstance(a, cst.Attribute)}
+        calls = [code_of(c.func).rsplit(".", 1)[-1] for c in walk(stmt.body) if isinstance(c, cst.Call)]
+        return (
+            "grad" in attrs
+            and not attrs & {"to_local", "full_tensor"}
+            and any("norm" in c for c in calls)
+            and any(c in ("all_reduce", "reduce", "all_reduce_coalesced") for c in calls)
+        )
+
     def _refuses_fsdp1(self, check: cst.Call) -> bool:
         """``check`` (``isinstance(x, FSDP)``) is the test, not negated, of an ``if`` whose body only raises."""
         stmt = self.stmt_stack[-1] if self.stmt_stack else None
@@ -924,6 +942,22 @@ class ImportsFixer(ScannerBase):
                 # ``if isinstance(m, FSDP): raise ...``: code that refuses FSDP1's wrapper (often FSDP2 code
                 # guarding itself) stays true after the migration; FSDPModule there would refuse FSDP2 units.
                 self._consume(args[1].value)
+                return True
+            if assertion is None and self._guards_a_hand_reduced_norm(node):
+                # ``if isinstance(m, FSDP):`` around a gradient norm summed over the ranks by hand (FSDP1's flat
+                # shards): on FSDP2 the gradients are DTensors, which the collective refuses, and the other branch's
+                # plain norm of them is already the whole model's. The test stays FSDP1's: FSDP2 models take the
+                # other branch.
+                self._consume(args[1].value)
+                self._record(
+                    node,
+                    f"{code_of(node.func)}(..., {code_of(args[1].value)})",
+                    "kept as is: its branch sums a gradient norm over the ranks by hand (torch.distributed "
+                    "collective over FSDP1's flat-shard gradients), which FSDP2's DTensor gradients refuse; with "
+                    "the test kept, FSDP2 models take the other branch, whose norm of DTensor gradients is the "
+                    "whole model's",
+                    True,
+                )
                 return True
             self.needs_imports.add(("fsdp_bridge", None))
             test = f"fsdp_bridge.is_sharded({code_of(args[0].value)})"

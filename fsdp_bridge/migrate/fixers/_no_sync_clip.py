@@ -10,7 +10,7 @@ import libcst as cst
 import libcst.matchers as m
 from libcst.metadata import CodePosition, PositionProvider, QualifiedNameProvider
 
-from fsdp_bridge.migrate._analysis import called_as, code_of, handed_parameters, short, walk
+from fsdp_bridge.migrate._analysis import called_as, code_of, handed_parameters, short, walk, wrapper_kinds_named
 from fsdp_bridge.migrate._names import FSDP, NAMES
 from fsdp_bridge.migrate._report import CodeFinding
 from fsdp_bridge.migrate._scan_base import ScannerBase
@@ -341,6 +341,48 @@ class NoSyncClipFixer(ScannerBase):
                 text = DUCK_NO_SYNC.format(obj=short(obj, 40))
                 self.findings.append(CodeFinding(self.path, line, column, construct, text, True, note=True))
 
+    def _beside_a_ddp_branch(self, node: cst.CSTNode, obj: cst.BaseExpression) -> bool:
+        """``node`` is in a branch of an ``if``/``elif`` chain another branch of which tests
+        ``isinstance(obj, DistributedDataParallel)`` (``if fsdp and offload: obj.no_sync() elif isinstance(obj,
+        DDP): obj.no_sync()``): there ``obj`` is not DDP's, so its call is not DDP's either."""
+        scope: cst.CSTNode | None = self.functions[-1] if self.functions else self.module
+        here = self.get_metadata(PositionProvider, node).start
+
+        def inside(body: cst.CSTNode) -> bool:
+            span = self.get_metadata(PositionProvider, body)
+            return (span.start.line, span.start.column) <= (here.line, here.column) <= (span.end.line, span.end.column)
+
+        def tests_ddp(test: cst.BaseExpression) -> bool:
+            return any(
+                isinstance(c, cst.Call)
+                and m.matches(c.func, m.Name("isinstance"))
+                and len(c.args) == 2
+                and code_of(c.args[0].value) == code_of(obj)
+                and "ddp"
+                in wrapper_kinds_named(
+                    q for x in walk(c.args[1].value) for q in self.get_metadata(QualifiedNameProvider, x, set())
+                )
+                for c in walk(test)
+            )
+
+        for n in walk(scope) if scope is not None else ():
+            if not isinstance(n, cst.If):
+                continue
+            branches: list[tuple[cst.BaseExpression | None, cst.CSTNode]] = []
+            part: cst.If | cst.Else | None = n
+            while part is not None:
+                if isinstance(part, cst.If):
+                    branches.append((part.test, part.body))
+                    part = part.orelse
+                else:
+                    branches.append((None, part.body))
+                    part = None
+            ddp = [i for i, (test, _) in enumerate(branches) if test is not None and tests_ddp(test)]
+            mine = [i for i, (_, body) in enumerate(branches) if inside(body)]
+            if ddp and mine and mine[0] not in ddp:
+                return True
+        return False
+
     def _shown_fsdp1(self, node: cst.CSTNode, model: cst.BaseExpression) -> bool:
         """``model`` is shown to be FSDP1's wrapper at ``node`` (wrapped in this function, handed by a call of
         the tree, or made by a function of the tree; ``self.x`` kept from such a parameter, the base class's
@@ -431,7 +473,7 @@ class NoSyncClipFixer(ScannerBase):
             qn = {q.name for q in self.get_metadata(QualifiedNameProvider, func, set())}
             if any(q.startswith(("torch.nn", "fsdp_bridge")) for q in qn) or code_of(func.value) == "fsdp_bridge":
                 return  # torch.nn.utils.clip_grad_norm_ works on FSDP2; fsdp_bridge's are the rewrites
-            if self._ddp_tested(func.value):
+            if self._ddp_tested(func.value) and not self._beside_a_ddp_branch(node, func.value):
                 return  # DDP's no_sync (the code tells DDP apart), not FSDP1's
             name = func.attr.value
             if name == "no_sync" and node.args:

@@ -65,6 +65,8 @@ class PolicyFixer(ScannerBase):
             )
         if kw == "mixed_precision":
             return "MixedPrecision's param/reduce/buffer dtypes -> MixedPrecisionPolicy (buffers cast once)"
+        if kw == "cpu_offload" and code_of(value) in ("False", "None", "CPUOffload()", "CPUOffload(False)"):
+            return f"{code_of(value)}: nothing offloaded (FSDP2: no OffloadPolicy), as in FSDP1"
         if kw == "cpu_offload":
             return (
                 "CPUOffload(offload_params=True) -> CPUOffloadPolicy on a GPU run; on a CPU-only run the "
