@@ -98,6 +98,35 @@ def test_a_state_dict_type_block_covers_the_module_inside_torch_compiles_wrapper
     assert sorted(full) == sorted(own) and all(torch.equal(full[k], own[k]) for k in own)
 
 
+def test_torchs_state_dict_api_reads_the_modules_own_state_dict_under_a_persistent_type() -> None:
+    # fsdp_bridge.set_state_dict_type installs the type's state_dict on the module; torch's get_model_state_dict
+    # calls module.state_dict() inside, and took the installed one (a FULL rank0_only type gave it an empty dict on
+    # every rank but 0, and torch raised there). On FSDP1 torch's options override a persistent type: torch's API
+    # gets the module's own method; the user's own model.state_dict() still gets the type's.
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    from torch.distributed.fsdp import ShardedStateDictConfig, StateDictType
+
+    from fsdp_bridge.backends import fsdp1_objects
+
+    model = nn.Linear(3, 2)
+    asked: list[bool] = []
+    real = fsdp1_objects._called_by_torchs_api
+
+    def recording() -> bool:
+        answer = real(depth=3)  # one frame more: this recording function
+        asked.append(answer)
+        return answer
+
+    with (
+        fsdp_bridge.state_dict_type(model, StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig()),
+        mock.patch.object(fsdp1_objects, "_called_by_torchs_api", recording),
+    ):
+        theirs = get_model_state_dict(model)
+        mine = model.state_dict()
+    assert asked == [True, False], asked
+    assert sorted(theirs) == sorted(mine) == ["bias", "weight"]
+
+
 def test_a_full_optimizer_state_keeps_fsdp1s_optimizer_config() -> None:
     # FSDP1's FullOptimStateDictConfig() (also when a block or set_state_dict_type gives none) is a CPU copy on
     # every rank, gathered one tensor at a time: not torch's full_state_dict options (the whole state on every GPU)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import sys
 import weakref
 from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
@@ -266,6 +267,15 @@ class _StateDictContext:
                     table[module] = value
 
 
+def _called_by_torchs_api(depth: int = 2) -> bool:
+    """The installed ``state_dict`` / ``load_state_dict`` was called by torch's state-dict API
+    (``get_model_state_dict(model, options=...)`` in the user's code): torch's options decide there, as they
+    override FSDP1's state-dict types; the module's own method answers. ``depth``: frames up to the one asking
+    (this function's caller is the installed method)."""
+    caller = sys._getframe(depth)
+    return str(caller.f_globals.get("__name__", "")).startswith("torch.distributed.checkpoint")
+
+
 def _install(module: nn.Module, args: tuple[object, object, object]) -> None:
     """Make ``module.state_dict()`` / ``load_state_dict(sd, strict)`` and the optimizer-state functions those
     of the state-dict type ``args`` (type, config, optimizer config) on an FSDP2 or unsharded module. The
@@ -282,7 +292,7 @@ def _install(module: nn.Module, args: tuple[object, object, object]) -> None:
     inside = [False]  # torch's functions call the module's own state_dict / load_state_dict
 
     def state_dict(*pos: Any, **kw: Any) -> dict[str, Any]:
-        if pos or kw or inside[0]:  # destination / prefix / keep_vars: nn.Module's own state_dict
+        if pos or kw or inside[0] or _called_by_torchs_api():  # destination / prefix / keep_vars: nn.Module's own
             return own.state_dict(module, *pos, **kw)  # type: ignore[no-any-return]
         inside[0] = True
         try:
@@ -291,7 +301,7 @@ def _install(module: nn.Module, args: tuple[object, object, object]) -> None:
             inside[0] = False
 
     def load_state_dict(state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
-        if assign or inside[0]:
+        if assign or inside[0] or _called_by_torchs_api():
             return own.load_state_dict(module, state_dict, strict, assign)
         inside[0] = True
         try:
@@ -319,8 +329,9 @@ def set_state_dict_type(
     own call. On FSDP2 units it replaces any earlier setting of ``module`` by this one until the next
     call: ``module.state_dict()`` / ``module.load_state_dict(sd, strict)`` and :func:`optim_state_dict` /
     :func:`optim_state_dict_to_load` give and take that type's state, as inside a :func:`state_dict_type`
-    block (a block entered later wins inside it and puts this setting back when it ends). A module holding
-    no FSDP units at all is left as FSDP1's call leaves it: unchanged.
+    block (a block entered later wins inside it and puts this setting back when it ends). torch's own
+    ``get_model_state_dict`` / ``set_model_state_dict`` are not affected (their options decide, as they override
+    FSDP1's types). A module holding no FSDP units at all is left as FSDP1's call leaves it: unchanged.
 
     Args:
         module: the model (its root) whose state-dict type is set.
