@@ -794,3 +794,25 @@ def test_an_fsdp1_test_stays_on_the_bridge_in_a_tree_keeping_a_subclass_of_the_w
     migrate_paths([tmp_path], fix=True, target="torch")
     fixed = (tmp_path / "model.py").read_text()
     assert "    assert fsdp_bridge.is_sharded(model)\n" in fixed and "isinstance(model, FSDPModule)" not in fixed
+
+
+def test_an_unwrap_under_a_test_of_several_wrappers_keeps_dataparallels_module() -> None:
+    # `if isinstance(m, (DataParallel, DistributedDataParallel, FSDP)): m = m.module` (a lookup by module path):
+    # the DDP test kept DDP's .module only, and under --target torch the unwrap of everything else became the
+    # model itself, so a DataParallel model was looked up as its wrapper
+    code, _ = torch_target(
+        """
+        from torch.nn import DataParallel
+        from torch.nn.parallel import DistributedDataParallel
+
+        def get_module(module, name):
+            if not hasattr(module, name):
+                if isinstance(module, (DataParallel, DistributedDataParallel, FSDP)):
+                    module = module.module
+            return getattr(module, name)
+
+        def wrap(m):
+            return FSDP(m)
+        """
+    )
+    assert "module = (module if isinstance(module, FSDPModule) else module.module)" in code

@@ -309,10 +309,10 @@ def test_nccl_is_bound_to_the_rank_gpu_and_gloo_is_not(monkeypatch: pytest.Monke
     monkeypatch.setattr(distributed.dist, "init_process_group", lambda **kw: calls.append(kw))
     monkeypatch.setenv("RANK", "3")
     monkeypatch.setenv("WORLD_SIZE", "4")
-    monkeypatch.setattr(distributed, "resolve_device", lambda device: torch.device("cuda", 1))
+    monkeypatch.setattr(distributed, "resolve_device", lambda device, placed=None: torch.device("cuda", 1))
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
     distributed.init_distributed("cuda")
-    monkeypatch.setattr(distributed, "resolve_device", lambda device: torch.device("cpu"))
+    monkeypatch.setattr(distributed, "resolve_device", lambda device, placed=None: torch.device("cpu"))
     distributed.init_distributed("cpu")
     assert [(c["backend"], c["device_id"]) for c in calls] == [("nccl", torch.device("cuda", 1)), ("gloo", None)]
 

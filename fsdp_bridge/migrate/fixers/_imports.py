@@ -4,6 +4,7 @@ FSDP1 modules, the config classes kept for the bridge to read, mocks of the wrap
 from __future__ import annotations
 
 import os
+import re
 from typing import cast
 
 import libcst as cst
@@ -202,6 +203,11 @@ class ImportsFixer(ScannerBase):
                 )
                 return True
             guarded: tuple[str, str] | None = None
+            if wrapper == "ambiguous" and re.search(r"(?<!Distributed)\bDataParallel\b", "\n".join(self.lines)):
+                # the file uses DataParallel too, whose .module the DDP test below would not keep (under --target
+                # torch the unwrap becomes the model itself): the form that keeps any other wrapper's .module
+                wrapper = ""
+                source = "may be DistributedDataParallel's or DataParallel's wrapper, or FSDP1's"
             if wrapper == "":
                 # Shown FSDP1's on some path only (made by a function of the tree, handed by a call of it): other
                 # paths may bring another wrapper (DDP's, DeepSpeed's engine), whose .module stays.
