@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import libcst as cst
 from libcst.metadata import PositionProvider, QualifiedNameProvider
 
@@ -88,6 +90,20 @@ class SummonFixer(ScannerBase):
         a state dict of something under it): FSDP1 gave the unit's gathered tensors; on FSDP2 recurse=False is the
         unit's unshard(), inside which its state_dict() still gives DTensor shards (FSDP2's state-dict hooks), in
         param_dtype under mixed precision. A TODO that names the form that gathers."""
+        n = self._method_in_block(node, "state_dict", lambda owner: owner == target or owner.startswith(target + "."))
+        if n is not None and isinstance(n.func, cst.Attribute):
+            return (
+                f"not rewritten: {short(code_of(n.func.value), 40)}.state_dict() inside it took the unit's "
+                "gathered tensors on FSDP1; on FSDP2 recurse=False is the unit's unshard(), inside which "
+                "state_dict() still gives DTensor shards (in param_dtype under mixed precision): drop "
+                f"recurse=False (fsdp_bridge.summon_full_params({short(target, 30)}) gathers the nested units "
+                "too, as full copies in the parameters' own dtype)"
+            )
+        return None
+
+    def _method_in_block(self, node: cst.Call, method: str, owner: Callable[[str], bool]) -> cst.Call | None:
+        """The first ``x.<method>(...)`` call, ``owner(x as code)`` true, in the body of the ``with`` whose item is
+        ``node``; None where there is none (or ``node`` is not a ``with`` item)."""
         stmt = self.stmt_stack[-1] if self.stmt_stack else None
         if not isinstance(stmt, cst.With) or not any(i.item is node for i in stmt.items):
             return None
@@ -95,39 +111,24 @@ class SummonFixer(ScannerBase):
             if (
                 isinstance(n, cst.Call)
                 and isinstance(n.func, cst.Attribute)
-                and n.func.attr.value == "state_dict"
-                and (code_of(n.func.value) == target or code_of(n.func.value).startswith(target + "."))
+                and n.func.attr.value == method
+                and owner(code_of(n.func.value))
             ):
-                return (
-                    f"not rewritten: {short(code_of(n.func.value), 40)}.state_dict() inside it took the unit's "
-                    "gathered tensors on FSDP1; on FSDP2 recurse=False is the unit's unshard(), inside which "
-                    "state_dict() still gives DTensor shards (in param_dtype under mixed precision): drop "
-                    f"recurse=False (fsdp_bridge.summon_full_params({short(target, 30)}) gathers the nested units "
-                    "too, as full copies in the parameters' own dtype)"
-                )
+                return n
         return None
 
     def _load_inside(self, node: cst.Call, target: str) -> str | None:
         """``with FSDP.summon_full_params(target): ... target.load_state_dict(sd)``: FSDP1 loaded into the
         gathered parameters; on FSDP2 the load (rewritten to torch's full-state load, which needs no gather)
         fails inside the bridge's summon, whose full copies FSDP2's load hooks refuse. A TODO: the context goes."""
-        stmt = self.stmt_stack[-1] if self.stmt_stack else None
-        if not isinstance(stmt, cst.With) or not any(i.item is node for i in stmt.items):
-            return None
-        for n in walk(stmt.body):
-            if (
-                isinstance(n, cst.Call)
-                and isinstance(n.func, cst.Attribute)
-                and n.func.attr.value == "load_state_dict"
-                and code_of(n.func.value) == target
-            ):
-                return (
-                    f"not rewritten: {short(target, 30)}.load_state_dict(...) inside it loaded into the gathered "
-                    "parameters on FSDP1; the migrated load (torch's set_model_state_dict with "
-                    "full_state_dict=True) takes the full state by itself, and fails inside "
-                    "fsdp_bridge.summon_full_params, whose full copies FSDP2's load hooks refuse: remove this "
-                    "context (FSDP1's, kept here, does nothing to an FSDP2 model)"
-                )
+        if self._method_in_block(node, "load_state_dict", lambda owner: owner == target) is not None:
+            return (
+                f"not rewritten: {short(target, 30)}.load_state_dict(...) inside it loaded into the gathered "
+                "parameters on FSDP1; the migrated load (torch's set_model_state_dict with "
+                "full_state_dict=True) takes the full state by itself, and fails inside "
+                "fsdp_bridge.summon_full_params, whose full copies FSDP2's load hooks refuse: remove this "
+                "context (FSDP1's, kept here, does nothing to an FSDP2 model)"
+            )
         return None
 
     def _writes_inside(self, node: cst.Call) -> str | None:
