@@ -4,18 +4,25 @@ step is not always a no-op: Adam and AdamW with ``eps=0`` divide 0 by 0 and writ
 an optimizer that computes its own rate (``lr=None``, a relative step) moves them. The state it leaves (step 1,
 zero moments) also shifts the bias correction of every later step. FSDP1's optimizer state-dict calls never
 step the optimizer. :func:`init_step_undone` puts the parameters back as they were and, for a read, leaves the
-optimizer without state again, so that saving before the first step (or loading into a fresh optimizer)
-changes nothing of the training that follows.
+optimizer without state again, so that saving before the first step (or loading into a fresh optimizer) changes
+nothing of the training that follows in this process. The state a read returns is torch's (step 1, zero
+moments): a run resumed from a checkpoint saved before the first step starts from it.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
 __all__ = ["init_step_undone"]
+
+
+def _each(optimizer: Any) -> list[torch.optim.Optimizer]:
+    """torch's state-dict calls take one optimizer or several."""
+    return [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
 
 
 def _stepped_by_torch(optimizer: torch.optim.Optimizer) -> bool:
@@ -27,15 +34,16 @@ def _stepped_by_torch(optimizer: torch.optim.Optimizer) -> bool:
 
 
 @contextlib.contextmanager
-def init_step_undone(optimizer: torch.optim.Optimizer, *, reading: bool) -> Iterator[None]:
+def init_step_undone(optimizer: Any, *, reading: bool) -> Iterator[None]:
     """Around one of torch's optimizer state-dict calls: where torch steps ``optimizer`` to make its state, the
     parameters get their values back afterwards (this rank's shard of each: one more copy of it meanwhile), and
     after a read (``reading=True``: ``get_optimizer_state_dict``) the optimizer has no state again; a load
     (``set_optimizer_state_dict``) keeps the state it loaded."""
-    if not _stepped_by_torch(optimizer):
+    stepped = [o for o in _each(optimizer) if _stepped_by_torch(o)]
+    if not stepped:
         yield
         return
-    params = list({id(p): p for group in optimizer.param_groups for p in group["params"]}.values())
+    params = list({id(p): p for o in stepped for group in o.param_groups for p in group["params"]}.values())
     with torch.no_grad():
         saved = [_local(p).clone() for p in params]
     try:
@@ -45,7 +53,8 @@ def init_step_undone(optimizer: torch.optim.Optimizer, *, reading: bool) -> Iter
             for param, value in zip(params, saved, strict=True):
                 _local(param).copy_(value)
         if reading:
-            optimizer.state.clear()
+            for o in stepped:
+                o.state.clear()
 
 
 def _local(param: torch.Tensor) -> torch.Tensor:

@@ -163,7 +163,11 @@ def _stable_text(value: object) -> str:
             + ", ".join(f"{k!r}: {_stable_text(v)}" for k, v in sorted(value.items(), key=lambda kv: repr(kv[0])))
             + "}"
         )
-    return getattr(value, "__qualname__", None) or repr(value)
+    if isinstance(value, functools.partial):
+        args = ", ".join(f"{k}={_stable_text(v)}" for k, v in sorted(value.keywords.items()))
+        return f"{_stable_text(value.func)}({args})"
+    text = getattr(value, "__qualname__", None) or repr(value)
+    return type(value).__qualname__ if " at 0x" in text else text  # an object's address differs per rank
 
 
 def _wrap_value(policy: object, problems: list[Problem]) -> object:

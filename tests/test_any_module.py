@@ -710,6 +710,13 @@ for backend in ("fsdp1", "fsdp2", "helpers"):
     print(backend, read, loaded, steps)
 # FSDP1's state of a torch.compile'd model names parameters with `_orig_mod.`; torch's names never do: loaded
 # under strict=False it once loaded nothing, silently
+from fsdp_bridge.backends.fsdp1_objects import _uncompiled
+
+assert [_uncompiled(n) for n in ("_orig_mod.0.weight", "enc_orig_mod.weight", "a._orig_mod.b")] == [
+    "0.weight",
+    "enc_orig_mod.weight",
+    "a.b",
+]
 compiled = {
     "state": {"_orig_mod." + k: v for k, v in saved["state"].items()},
     "param_groups": [{**g, "params": ["_orig_mod." + p for p in g["params"]]} for g in saved["param_groups"]],

@@ -178,6 +178,13 @@ def test_a_partial_policys_class_set_reads_the_same_on_every_rank() -> None:
             describe_policy(policy) == "_or_policy(policies=[_module_wrap_policy(module_classes={Alpha, Block, Zeta})])"
         )
 
+    class Rule:  # a callable object: its repr carries its address, which differs per rank
+        def __call__(self, module: nn.Module) -> bool:
+            return False
+
+    odd = functools.partial(_or_policy, policies=[functools.partial(_module_wrap_policy, module_classes=Rule())])
+    assert " at 0x" not in describe_policy(odd) and "Rule" in describe_policy(odd)
+
 
 def test_a_class_set_gives_the_same_wrap_on_every_rank() -> None:
     # a set's order follows the classes' hashes (their addresses), which differ between processes, and shard()

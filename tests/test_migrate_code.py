@@ -1740,9 +1740,17 @@ def test_a_patched_copy_renamed_to_say_so_is_one_construct_and_its_callers_are_t
     assert "if it does what FSDP1's FSDP.scatter_full_optim_state_dict(...) does, call that instead" in (
         call.replacement
     )
+    from fsdp_bridge.migrate._names import unpatched
+
+    assert [unpatched(n) for n in ("fixed_wrap", "_broadcast_state_patched", "my_wrap", "custom_apply")] == [
+        "wrap",
+        "broadcast_state",
+        None,
+        None,
+    ]  # everyday prefixes (my_, custom_) name the tree's own functions
     # A name that merely begins with such a word, with no private torch function under it, is the file's own.
     own = renamed.replace("def fixed_broadcast_state(", "def fixed_broadcast_everything(")
-    own = own.replace("def fixed_broadcast_processed_state(", "def my_state(")
+    own = own.replace("def fixed_broadcast_processed_state(", "def my_broadcast_processed_state(")
     findings = migrate_source(own, str(tmp_path / "helpers.py")).findings
     assert findings and not any("copy of" in f.construct for f in findings)
 

@@ -831,3 +831,10 @@ def test_no_sync_in_the_branch_beside_a_ddp_test_is_reported() -> None:
     (todo,) = [f for f in result.findings if not f.fixable]
     assert todo.line == 9 and todo.construct == "self.policy.base_model.no_sync()", todo
     assert "            ctx = self.policy.base_model.no_sync()\n        else:" in result.fixed
+    # a negated DDP test decides nothing here: its else branch is DDP's own no_sync (left as it is, no TODO)
+    negated = code.replace(
+        "        if fsdp and offload:\n            ctx = self.policy.base_model.no_sync()\n"
+        "        elif isinstance(self.policy.base_model, DDP):\n",
+        "        if not isinstance(self.policy.base_model, DDP):\n            ctx = None\n        elif fsdp:\n",
+    )
+    assert not [f for f in migrate_source(negated, "rl.py").findings if not f.fixable]

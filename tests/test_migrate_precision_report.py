@@ -792,3 +792,9 @@ def test_an_fsdp1_test_around_a_norm_summed_by_hand_is_kept() -> None:
     assert kept.fixable and kept.replacement.startswith("kept as is: its branch sums a gradient norm")
     assert "    if isinstance(model, FSDP):\n" in result.fixed
     assert "    return fsdp_bridge.is_sharded(model)\n" in result.fixed  # elsewhere the test is rewritten
+    # no other branch for FSDP2 models (the norm logged, a clip inside): the test is rewritten as usual, the
+    # collective keeps its note (kept, FSDP2 models would skip the branch's work silently)
+    alone = code.replace("        return total.sqrt()\n", "        print(total.sqrt())\n").replace(
+        "    return torch.stack([p.grad.norm() for p in model.parameters()]).norm()\n", ""
+    )
+    assert "    if fsdp_bridge.is_sharded(model):\n" in migrate_source(alone, "norm.py").fixed

@@ -1185,6 +1185,13 @@ def test_a_state_dict_of_an_instances_fsdp1_attribute_keeps_fsdp1s_full_meaning(
     fixed = (tmp_path / "finetune.py").read_text()
     assert "state = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True))" in fixed
     assert "plain = other.model.state_dict()" in fixed
+    # a library's class of the same name is not the tree's: its `.model` is left as it is
+    (tmp_path / "hf.py").write_text(
+        "import transformers\n\n\ndef run(args):\n    trainer = transformers.FineTuner(args)\n"
+        "    return trainer.model.state_dict()\n"
+    )
+    migrate_paths([tmp_path], fix=True)
+    assert "    return trainer.model.state_dict()\n" in (tmp_path / "hf.py").read_text()
     # DDP's on the other path: FSDP2's full state where the model is sharded, DDP's own state_dict otherwise
     assert "if isinstance(either.model, torch.nn.Module) and any(isinstance(m, FSDPModule)" in fixed
     assert "else either.model.state_dict())" in fixed

@@ -578,7 +578,10 @@ def _unshared(optim_state_dict: Mapping[str, Any]) -> dict[str, Any]:
     return state
 
 
-_COMPILE_PREFIX = "_orig_mod."
+def _uncompiled(name: str) -> str:
+    """``name`` without torch.compile's ``_orig_mod`` components (``_orig_mod.layer.weight`` -> ``layer.weight``;
+    ``enc_orig_mod.weight`` is left as it is)."""
+    return ".".join(part for part in name.split(".") if part != "_orig_mod")
 
 
 def _without_compile_prefix(state: dict[str, Any]) -> dict[str, Any]:
@@ -586,16 +589,16 @@ def _without_compile_prefix(state: dict[str, Any]) -> dict[str, Any]:
     compiled model names them so, torch's state-dict API never does (its names are the module's own), and with
     ``strict=False`` a state under the other names would load nothing, silently."""
     entries = state.get("state")
-    if not isinstance(entries, Mapping) or not any(isinstance(k, str) and _COMPILE_PREFIX in k for k in entries):
+    if not isinstance(entries, Mapping) or not any(isinstance(k, str) and _uncompiled(k) != k for k in entries):
         return state
     state = dict(state)
-    state["state"] = {k.replace(_COMPILE_PREFIX, "") if isinstance(k, str) else k: v for k, v in entries.items()}
+    state["state"] = {_uncompiled(k) if isinstance(k, str) else k: v for k, v in entries.items()}
     groups = state.get("param_groups")
     if isinstance(groups, list):
         state["param_groups"] = [
             {
                 **g,
-                "params": [p.replace(_COMPILE_PREFIX, "") if isinstance(p, str) else p for p in g.get("params", [])],
+                "params": [_uncompiled(p) if isinstance(p, str) else p for p in g.get("params", [])],
             }
             if isinstance(g, Mapping)
             else g

@@ -267,7 +267,7 @@ def keep_low_precision_text(value: str) -> str:
     )
 
 
-PATCH_WORDS = ("fixed", "patched", "custom", "modified", "my")
+PATCH_WORDS = ("fixed", "patched", "modified")
 """Words a tree's patched copy of one of torch's functions may carry before or after torch's name
 (``fixed_flatten_optim_state_dict`` for ``_flatten_optim_state_dict``, ``_broadcast_state_patched``)."""
 

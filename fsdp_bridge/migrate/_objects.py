@@ -490,13 +490,20 @@ class ObjectAnalysis(ScannerBase):
         cls = code_of(values[0].func).rsplit(".", 1)[-1]
         if attr not in self.dispatch.fsdp1_attributes.get(cls, ()):
             return None
+        names = {q.name for q in self.get_metadata(QualifiedNameProvider, values[0].func, set())}
+        if any(n.split(".", 1)[0] in _LIBRARIES for n in names):
+            return None  # ``transformers.Trainer(...)``: a library's class of the same name as the tree's
         kinds = {"fsdp1"}
         for c in walk(self.module) if self.module is not None else ():
             if isinstance(c, cst.ClassDef) and c.name.value == cls:
                 for n in walk(c.body):
-                    if isinstance(n, cst.Assign) and isinstance(n.value, (cst.Call, cst.IfExp)):
-                        if any(code_of(t.target) == f"self.{attr}" for t in n.targets):
-                            kinds |= self._value_kinds(_made_by(n.value))
+                    if isinstance(n, cst.Assign) and any(code_of(t.target) == f"self.{attr}" for t in n.targets):
+                        made = (
+                            self._value_kinds(_made_by(n.value))
+                            if isinstance(n.value, (cst.Call, cst.IfExp))
+                            else set()
+                        )
+                        kinds |= made if "fsdp1" in made else made | {"ddp"}  # another value on some path
         return kinds
 
     def _value_kinds(self, expr: cst.BaseExpression) -> set[str]:
@@ -682,6 +689,12 @@ def binds(node: cst.CSTNode, name: str) -> bool:
         or (isinstance(t, (cst.Tuple, cst.List)) and any(m.matches(x, m.Name(name)) for x in walk(t)))
         for t in targets
     )
+
+
+_LIBRARIES = frozenset(
+    {"transformers", "accelerate", "lightning", "pytorch_lightning", "trl", "peft", "deepspeed", "torch", "composer"}
+)
+"""Libraries whose classes may share a name with a class of the tree (``Trainer``)."""
 
 
 def _names_others(annotation: cst.BaseExpression, scanner: Any) -> bool:

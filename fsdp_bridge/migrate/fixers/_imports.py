@@ -203,7 +203,9 @@ class ImportsFixer(ScannerBase):
                 )
                 return True
             guarded: tuple[str, str] | None = None
-            if wrapper == "ambiguous" and re.search(r"(?<!Distributed)\bDataParallel\b", "\n".join(self.lines)):
+            if wrapper == "ambiguous" and re.search(
+                r"(?<!Distributed)\bDataParallel\b", "\n".join(line.split("#", 1)[0] for line in self.lines)
+            ):
                 # the file uses DataParallel too, whose .module the DDP test below would not keep (under --target
                 # torch the unwrap becomes the model itself): the form that keeps any other wrapper's .module
                 wrapper = ""
@@ -697,13 +699,18 @@ class ImportsFixer(ScannerBase):
             return False
         if any(isinstance(n, cst.UnaryOperation) and isinstance(n.operator, cst.Not) for n in walk(stmt.test)):
             return False
+        body = stmt.body.body if isinstance(stmt.body, cst.IndentedBlock) else ()
+        returns = bool(body) and m.matches(body[-1], m.SimpleStatementLine(body=[m.Return()]))
+        if stmt.orelse is None and not returns:
+            return False  # no other branch for FSDP2 models to take: the branch's work would be skipped
         attrs = {a.attr.value for a in walk(stmt.body) if isinstance(a, cst.Attribute)}
         calls = [code_of(c.func).rsplit(".", 1)[-1] for c in walk(stmt.body) if isinstance(c, cst.Call)]
         return (
             "grad" in attrs
             and not attrs & {"to_local", "full_tensor"}
-            and any("norm" in c for c in calls)
+            and any(c in ("norm", "vector_norm") for c in calls)
             and any(c in ("all_reduce", "reduce", "all_reduce_coalesced") for c in calls)
+            and not any("clip" in c or c in ("step", "backward", "zero_grad") for c in calls)  # only the norm
         )
 
     def _refuses_fsdp1(self, check: cst.Call) -> bool:

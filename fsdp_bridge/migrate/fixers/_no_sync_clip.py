@@ -377,6 +377,13 @@ class NoSyncClipFixer(ScannerBase):
                 else:
                     branches.append((None, part.body))
                     part = None
+            if any(
+                isinstance(x, cst.UnaryOperation) and isinstance(x.operator, cst.Not)
+                for test, _ in branches
+                if test is not None
+                for x in walk(test)
+            ):
+                continue  # ``if not isinstance(m, DDP): ... else: m.no_sync()``: the negation is not followed
             ddp = [i for i, (test, _) in enumerate(branches) if test is not None and tests_ddp(test)]
             mine = [i for i, (_, body) in enumerate(branches) if inside(body)]
             if ddp and mine and mine[0] not in ddp:
