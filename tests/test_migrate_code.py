@@ -1469,12 +1469,32 @@ def test_a_module_built_on_the_meta_device_keeps_fsdp1s_materialisation() -> Non
         def plain(make):
             net = make()
             return FSDP(net, sharding_strategy=ShardingStrategy.FULL_SHARD)
+
+
+        def everywhere(make):
+            with torch.device("meta"):
+                net = make()
+            return FSDP(net, sync_module_states=True)
+
+
+        def ranks_after_the_first(make, rank):
+            if rank != 0:
+                with torch.device("meta"):
+                    net = make()
+            else:
+                net = make()
+            return FSDP(net, sync_module_states=True)
         """
     )
     fixed = migrate_source(code, "meta.py").fixed
     build, plain = fixed.split("def plain")
     assert "fsdp_bridge.BridgeConfig.from_fsdp1(\n            sharding_strategy=ShardingStrategy.FULL_SHARD," in build
     assert 'fsdp_bridge.BridgeConfig(\n            backend="fsdp2",\n            strategy="full_shard",' in plain
+    # On meta on every rank, rank 0 included: FSDP1 materialised each module before broadcasting rank 0's
+    # (lambdadtg's trainer); a written-out config refuses a rank 0 on meta. Real weights on rank 0: written out.
+    everywhere, after_first = fixed.split("def everywhere")[1].split("def ranks_after_the_first")
+    assert "fsdp_bridge.BridgeConfig.from_fsdp1(\n            sync_module_states=True,\n        )" in everywhere
+    assert "fsdp_bridge.BridgeConfig(" in after_first and "from_fsdp1" not in after_first
 
 
 def test_protocol_stubs_guard_clauses_and_state_dict_contexts_made_elsewhere() -> None:

@@ -694,17 +694,23 @@ def test_a_file_in_a_folder_without_init_imports_the_helpers_as_a_script_and_as_
 
 def test_a_package_file_run_as_a_script_imports_the_helpers_both_ways(tmp_path: Path) -> None:
     # A file of a package with a __main__ guard is also run as a script (python pkg/train.py, torchrun
-    # pkg/train.py), where a relative import fails: it gets the import that works both ways. A package file
-    # without one is only imported, relatively.
+    # pkg/train.py), where a relative import fails: it gets the import that works both ways; so does one whose name
+    # is no module name (train-fsdp.py) and one importing a file beside it absolutely (from lib import ...: run
+    # from its folder, as weipipe's torchrun train-fsdp.py). A package file with none of these is only imported,
+    # relatively.
     pkg = tmp_path / "pkg"
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
     main_guard = '\n\nif __name__ == "__main__":\n    print(model)\n'
     (pkg / "run.py").write_text(HEAD + "model = FSDP(nn.Linear(2, 2))\n" + main_guard)
     (pkg / "lib.py").write_text(HEAD + "model = FSDP(nn.Linear(2, 2))\n")
+    (pkg / "train-fsdp.py").write_text(HEAD + "model = FSDP(nn.Linear(2, 2))\n")
+    (pkg / "script.py").write_text("from lib import nn\n" + HEAD + "model = FSDP(nn.Linear(2, 2))\n")
     migrate_paths([tmp_path], fix=True, target="torch")
     run, lib = (pkg / "run.py").read_text(), (pkg / "lib.py").read_text()
     assert "except ImportError:\n    import _fsdp2_helpers\n" in run
+    for name in ("train-fsdp.py", "script.py"):
+        assert "except ImportError:\n    import _fsdp2_helpers\n" in (pkg / name).read_text(), name
     assert "from . import _fsdp2_helpers" in lib and "except ImportError" not in lib
     report, _ = migrate_paths([tmp_path], fix=True, target="torch")
     assert report.changed == []  # idempotent

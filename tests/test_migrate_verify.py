@@ -2,7 +2,8 @@
 
 The runs (2 gloo ranks each, under torchrun) are one test: a correct rewrite gives PARITY (exit 0); a
 script whose loss reads ``p.numel()`` (a shard on FSDP1, the global size on FSDP2) is rewritten right by
-the codemod and still gives DIVERGED at its first step (exit 1): what only running both can show.
+the codemod and still gives DIVERGED at its first step (exit 1): what only running both can show; so does a
+script that seeds each rank's weights differently, and verify names that cause.
 """
 
 from __future__ import annotations
@@ -110,17 +111,29 @@ def test_parity_of_a_right_rewrite_and_divergence_it_cannot_see(
     tree.mkdir()
     shutil.copy(FIXTURES / "migrate" / "grad_accum.py", tree)
     shutil.copy(FIXTURES / "migrate_verify" / "numel_penalty.py", tree)
+    shutil.copy(FIXTURES / "migrate_verify" / "rank_seeded.py", tree)
     before = sorted((p.name, p.read_bytes()) for p in tree.iterdir())
 
     assert main(["migrate", "verify", str(tree), "--timeout", "300", "--", "grad_accum.py"]) == 0
     out = capsys.readouterr().out
     assert "[fix] model.no_sync() -> fsdp_bridge.no_sync(model)" in out
     assert "PARITY: 9 losses on each of 2 rank(s) agree (rtol 1.3e-06, atol 1e-05)" in out
+    assert "note:" not in out  # every rank builds the same model
 
     code = main(["migrate", "verify", str(tree), "--nproc-per-node", "2", "--", "numel_penalty.py", "--steps", "2"])
     out = capsys.readouterr().out
     assert code == 1
     assert "DIVERGED at step 0 on rank 0" in out
+    assert "note:" not in out  # the same model on every rank: the cause is the loss's numel()
+
+    # Each rank seeds its own weights: FSDP1 and FSDP2 assemble different models from the ranks' copies.
+    code = main(["migrate", "verify", str(tree), "--", "rank_seeded.py", "--steps", "2"])
+    out = capsys.readouterr().out
+    assert code == 1 and "DIVERGED at step 0 on rank 0" in out
+    assert (
+        "note: when FSDP(...) wrapped the model, rank 0's copy of 4 of its 4 parameters differed from another "
+        "rank's (first: 0.weight, 0.bias, 2.weight) and sync_module_states was off"
+    ) in " ".join(out.split())
     assert sorted((p.name, p.read_bytes()) for p in tree.iterdir()) == before  # the user's tree is never written
 
 

@@ -50,6 +50,18 @@ def _optimizer_before_shard() -> dict[str, str]:
     ]
     torch.optim.AdamW(groups, lr=1e-2, foreach=True).step()
     torch.optim.AdamW(params, lr=1e-2).step()  # the CPU's default: one tensor at a time
+    # bitsandbytes' optimizer kernels have no DTensor rule: refused at the first step on FSDP2, naming the fix
+    # (FSDP1's flat shards are plain tensors, which they step)
+    import bitsandbytes as bnb
+
+    for backend in Backend:
+        sharded = fsdp_bridge.shard(build_tiny("llama", seed=0), BridgeConfig(backend=backend))
+        sharded(**sample_batch("llama", batch=2, seq=8, seed=42 + rank)).loss.backward()
+        try:
+            bnb.optim.AdamW8bit(sharded.parameters(), lr=1e-2).step()
+            out[f"bnb {backend.value}"] = "stepped"
+        except ConfigError as err:
+            out[f"bnb {backend.value}"] = str(err)
     return out
 
 
@@ -61,6 +73,9 @@ def test_an_optimizer_built_before_shard_is_refused_where_it_would_train_nothing
         assert "build the optimizer after fsdp_bridge.shard(model, ...)" in result["fsdp2"]
         assert "AdamW parameter group 0 mixing" in result["mixed"] and "with 1 plain tensors" in result["mixed"]
         assert "give the plain tensors a group of their own" in result["mixed"]
+        assert result["bnb fsdp1"] == "stepped"
+        assert "optimizer: got \"bitsandbytes' AdamW8bit over" in result["bnb fsdp2"]
+        assert "BridgeConfig(backend='fsdp1')" in result["bnb fsdp2"]
 
 
 def _already_wrapped() -> list[str]:

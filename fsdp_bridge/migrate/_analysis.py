@@ -948,16 +948,20 @@ def find_fsdp1_arguments(wrapper: MetadataWrapper, known: Dispatch | None = None
                             if code_of(e.value) in wrapped or -1 in self.wraps(e.value):
                                 returns.setdefault(fn, set()).add(i)
                 for n in walk(stmt):
-                    if not isinstance(n, cst.Assign):
+                    if isinstance(n, cst.Assign):
+                        value, targets = n.value, [t.target for t in n.targets]
+                    elif isinstance(n, cst.AnnAssign) and n.value is not None:  # self.model: nn.Module = FSDP(...)
+                        value, targets = n.value, [n.target]
+                    else:
                         continue
-                    positions = self.wraps(n.value)
-                    if isinstance(n.value, cst.IfExp) and {code_of(n.value.body), code_of(n.value.orelse)} & wrapped:
+                    positions = self.wraps(value)
+                    if isinstance(value, cst.IfExp) and {code_of(value.body), code_of(value.orelse)} & wrapped:
                         positions = {-1}  # ``m = model if fsdp else model.module``: FSDP1's model on one branch
-                    for t in n.targets:
+                    for target in targets:
                         if -1 in positions:
-                            wrapped.add(code_of(t.target))
-                        elif isinstance(t.target, cst.Tuple):
-                            wrapped.update(code_of(e.value) for i, e in enumerate(t.target.elements) if i in positions)
+                            wrapped.add(code_of(target))
+                        elif isinstance(target, cst.Tuple):
+                            wrapped.update(code_of(e.value) for i, e in enumerate(target.elements) if i in positions)
 
         def visit_Module(self, node: cst.Module) -> None:
             self.scan([s for s in node.body if not isinstance(s, (cst.FunctionDef, cst.ClassDef))], None)

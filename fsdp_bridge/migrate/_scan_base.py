@@ -12,6 +12,10 @@ from fsdp_bridge.migrate._analysis import Conversion, Dispatch, FollowsAliases, 
 from fsdp_bridge.migrate._names import fsdp1_private
 from fsdp_bridge.migrate._report import CodeFinding
 
+DuckTest = tuple[cst.Call, cst.CSTNode, str, str, list[tuple[cst.Call, tuple[int, int]]], tuple[int, int]]
+"""A duck-typed test (``hasattr(m, "no_sync")``): the call, its statement, ``m``, the method, the calls it guards
+with their line and column, and its own line and column."""
+
 
 class ScannerBase(FollowsAliases):
     """The scanner's state and shared helpers (see :class:`Scanner`)."""
@@ -133,9 +137,9 @@ class ScannerBase(FollowsAliases):
         self.todos: dict[int, list[str]] = {}  # id(statement) -> TODO texts
         self.conversions: dict[int, Conversion] = {}  # id(FSDP call) -> conversion
         self.fixable_calls: dict[int, str] = {}  # id(call) -> "method" (no_sync, clip) or "summon"
-        # hasattr(m, "clip_grad_norm_" / "no_sync"): (the call, its statement, m, the method, ids of the calls
+        # hasattr(m, "clip_grad_norm_" / "no_sync"): (the call, its statement, m, the method, the calls
         # it guards, its line and column), settled once the report pass knows which of those are rewritten
-        self.duck_tests: list[tuple[cst.Call, cst.CSTNode, str, str, list[int], tuple[int, int]]] = []
+        self.duck_tests: list[DuckTest] = []
         self.call_rewrites: dict[int, str] = {}  # id(call) -> replacement source (state dict API)
         self.stmt_rewrites: dict[int, str] = {}  # id(compound statement) -> the one statement replacing it
         self.unwrap_withs: set[int] = set()  # state_dict_type blocks replaced by their (rewritten) body

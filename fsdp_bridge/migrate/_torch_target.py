@@ -665,9 +665,35 @@ def _helpers_import(path: str, module: cst.Module) -> tuple[str, str | None, int
     """How a file imports the generated module beside it: a package's file relatively; None for a folder with
     no ``__init__.py`` or a package's file that is also a script (a ``__main__`` guard: ``python pkg/train.py``
     finds only an absolute import), see :func:`_with_either_import`."""
-    if (Path(path).parent / "__init__.py").is_file() and not _MAIN_GUARD.search(module.code):
+    here = Path(path)
+    if (
+        (here.parent / "__init__.py").is_file()
+        and not _MAIN_GUARD.search(module.code)
+        and here.stem.isidentifier()  # train-fsdp.py is never imported: a script
+        and not _imports_a_sibling(module, here.parent)
+    ):
         return "", HELPERS_NAME, 1
     return None
+
+
+def _imports_a_sibling(module: cst.Module, folder: Path) -> bool:
+    """``module`` imports a file beside it by an absolute name (``from model import Transformer`` with
+    ``model.py`` there): it runs as a script from its folder (``torchrun train.py``), where only an absolute
+    import finds the generated module too."""
+    for stmt in module.body:
+        if not isinstance(stmt, cst.SimpleStatementLine):
+            continue
+        for small in stmt.body:
+            names: list[str] = []
+            if isinstance(small, cst.ImportFrom) and not small.relative and small.module is not None:
+                names = [code_of(small.module)]
+            elif isinstance(small, cst.Import):
+                names = [code_of(alias.name) for alias in small.names]
+            for name in names:
+                top = name.split(".", 1)[0]
+                if (folder / f"{top}.py").is_file() or (folder / top).is_dir():
+                    return True
+    return False
 
 
 _MAIN_GUARD = re.compile(r"""^if\s+__name__\s*==\s*['"]__main__['"]\s*:""", re.MULTILINE)

@@ -70,6 +70,8 @@ class VerifyResult:
     rtol: float | None = None
     atol: float | None = None
     fix_report: str = ""
+    notes: list[str] = field(default_factory=list)
+    """What the original run showed that explains a divergence (the ranks' copies of the model differed)."""
 
     @property
     def parity(self) -> bool:
@@ -95,6 +97,7 @@ class VerifyResult:
                 lines.append(f"   ... {len(shown) - max_rows} more steps")
         lines.extend(self.saved_lines)
         lines.extend(f"saved files differ: {p}" for p in self.saved_problems)
+        lines.extend(self.notes)
         lines.append(self.verdict())
         return "\n".join(lines)
 
@@ -230,11 +233,13 @@ def verify(
         run_after = _script_in(after, inside, script_path)
         env = _environment(cpu_shims)
         common: dict[str, Any] = {"nproc": nproc_per_node, "seed": seed, "cpu_shims": cpu_shims, "env": env}
-        losses_before, failure = _run(before, run_before, script_args, work / "out-before", timeout, **common)
+        losses_before, failure, notes = _run(before, run_before, script_args, work / "out-before", timeout, **common)
         if failure is not None:
             raise RunFailed(f"{script} failed in the original tree (FSDP1):\n{failure}")
-        losses_after, failure = _run(after, run_after, script_args, work / "out-after", timeout, **common)
-        result = VerifyResult(losses_before, losses_after, None, fix_report=fix_report, migrated_failure=failure)
+        losses_after, failure, _ = _run(after, run_after, script_args, work / "out-after", timeout, **common)
+        result = VerifyResult(
+            losses_before, losses_after, None, fix_report=fix_report, migrated_failure=failure, notes=notes
+        )
         if failure is None:
             result.difference, result.rtol, result.atol = compare_losses(
                 losses_before, losses_after, rtol=rtol, atol=atol
@@ -291,7 +296,7 @@ def _run(
     seed: int,
     cpu_shims: bool,
     env: dict[str, str],
-) -> tuple[dict[int, list[tuple[float, str]]], str | None]:
+) -> tuple[dict[int, list[tuple[float, str]]], str | None, list[str]]:
     out.mkdir()
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--standalone"]
     cmd += ["-m", "fsdp_bridge.migrate.verify_runner", str(tree), str(script), str(out), "--seed", str(seed)]
@@ -300,15 +305,33 @@ def _run(
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=tree)
     except subprocess.TimeoutExpired:
-        return {}, f"did not finish in {timeout:g} s"
+        return {}, f"did not finish in {timeout:g} s", []
     if proc.returncode != 0:
-        return {}, f"exit {proc.returncode}:\n{_first_traceback(proc.stderr)}"
-    losses = {}
+        return {}, f"exit {proc.returncode}:\n{_first_traceback(proc.stderr)}", []
+    losses: dict[int, list[tuple[float, str]]] = {}
+    notes: list[str] = []
     for rank in range(nproc):
         path = out / f"rank{rank}.json"
         if path.is_file():
-            losses[rank] = [(float(v), str(d)) for v, d in json.loads(path.read_text())["losses"]]
-    return losses, None
+            recorded = json.loads(path.read_text())
+            losses[rank] = [(float(v), str(d)) for v, d in recorded["losses"]]
+            copies = recorded.get("rank_copies")
+            if copies and not notes:
+                notes.append(_rank_copies_text(rank, copies))
+    return losses, None, notes
+
+
+def _rank_copies_text(rank: int, copies: dict[str, Any]) -> str:
+    """What ``verify_runner`` found at FSDP(...): the ranks' copies of the model differed before sharding."""
+    names = ", ".join(str(n) for n in copies.get("names", []))
+    return (
+        f"note: when FSDP(...) wrapped the model, rank {rank}'s copy of {copies.get('differ')} of its "
+        f"{copies.get('total')} parameters differed from another rank's (first: {names}) and sync_module_states "
+        "was off: FSDP1 keeps each rank's shard of its own copy, FSDP2 cuts the copies elsewhere, so the two "
+        "runs train different models from the first step. Build the model from the same seed on every rank "
+        "(a seed that depends on the rank set only after it is built) or pass "
+        "sync_module_states=True, then verify again"
+    )
 
 
 def _first_traceback(stderr: str) -> str:

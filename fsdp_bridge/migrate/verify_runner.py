@@ -122,7 +122,78 @@ def _install_cpu_shims() -> None:
     F.scaled_dot_product_attention = sdpa_per_rank  # type: ignore[assignment]
 
 
-def _record_losses(out: str) -> None:
+def _compare_rank_copies(notes: dict[str, Any]) -> None:
+    """At the outermost ``FSDP(...)`` without ``sync_module_states``, compare the ranks' copies of the
+    module's parameters (a sum and a sum of squares each, over the group FSDP1 shards over) and record in
+    ``notes["rank_copies"]`` how many differ and the first names: FSDP1 keeps each rank's shard of its own
+    copy, FSDP2 cuts the copies elsewhere, so the two runs start from different models. Parameters on the
+    meta device (FSDP1 initialises them), of nested FSDP1 units and of ignored modules are left out; two
+    small all-reduces that every rank of the group joins, as it joins the constructor."""
+    import inspect
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.tensor import DTensor
+
+    fsdp1_init = FullyShardedDataParallel.__init__
+    signature = inspect.signature(fsdp1_init)
+    depth = [0]
+
+    def group_of(bound: dict[str, Any]) -> Any:
+        mesh = bound.get("device_mesh")
+        if mesh is not None:
+            return mesh.get_group(mesh.ndim - 1)  # the shard dimension (HYBRID's last)
+        group = bound.get("process_group")
+        return group[0] if isinstance(group, tuple) else group  # HYBRID's pair: the shard group
+
+    def compare(module: Any, bound: dict[str, Any]) -> None:
+        group = group_of(bound)
+        if dist.get_world_size(group) < 2:
+            return
+        ignored = {id(p) for m in bound.get("ignored_modules") or () for p in m.parameters()}
+        ignored |= {id(p) for m in module.modules() if isinstance(m, FullyShardedDataParallel) for p in m.parameters()}
+        named = {id(p): (n, p) for n, p in module.named_parameters() if id(p) not in ignored}
+        params = list(named.values())
+        if any(p.is_meta for _, p in params):
+            return
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+        count = torch.tensor([len(params), -len(params)], dtype=torch.float64, device=device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
+        if count[0] != -count[1] or not params:
+            return  # the ranks hold different modules: nothing to compare value by value
+        stats = []
+        for _, p in params:
+            t = (p.to_local() if isinstance(p, DTensor) else p).detach().to(device, torch.float64)
+            stats += [t.sum(), (t * t).sum()]
+        values = torch.stack(stats)
+        both = torch.cat([values, -values])
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+        high, low = both[: len(values)], -both[len(values) :]
+        differ = [
+            name for i, (name, _) in enumerate(params) if high[2 * i] != low[2 * i] or high[2 * i + 1] != low[2 * i + 1]
+        ]
+        if differ:
+            notes["rank_copies"] = {"differ": len(differ), "total": len(params), "names": differ[:3]}
+
+    def checked(self: Any, *args: Any, **kwargs: Any) -> None:
+        if depth[0] == 0 and dist.is_initialized():
+            try:
+                bound = signature.bind(self, *args, **kwargs).arguments
+            except TypeError:
+                bound = None
+            if bound is not None and not bound.get("sync_module_states") and "module" in bound:
+                compare(bound["module"], bound)
+        depth[0] += 1
+        try:
+            fsdp1_init(self, *args, **kwargs)
+        finally:
+            depth[0] -= 1
+
+    FullyShardedDataParallel.__init__ = checked  # type: ignore[method-assign]
+
+
+def _record_losses(out: str, notes: dict[str, Any]) -> None:
     import torch
 
     losses: list[list[Any]] = []
@@ -158,7 +229,7 @@ def _record_losses(out: str) -> None:
     def write() -> None:
         rank = int(os.environ.get("RANK", "0"))
         with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-            json.dump({"losses": losses}, f)
+            json.dump({"losses": losses, **notes}, f)
 
     atexit.register(write)
 
@@ -178,9 +249,11 @@ def main(argv: list[str] | None = None) -> None:
 
     import torch
 
+    notes: dict[str, Any] = {}
+    _compare_rank_copies(notes)  # before the shims, which pass FSDP1 a CPU device_id
     if ns.cpu_shims:
         _install_cpu_shims()
-    _record_losses(os.path.abspath(ns.out))
+    _record_losses(os.path.abspath(ns.out), notes)
     torch.manual_seed(ns.seed)
     os.chdir(tree)
     sys.argv = [script, *script_args]

@@ -450,11 +450,19 @@ class ConstructorFixer(ScannerBase):
             elif name in IGNORED_KWARGS and not m.matches(a.value, m.Name("None")):
                 # modules or parameters (torch 2.0's ignored_parameters: ignored_states of parameters)
                 names = self._module_paths(a.value, static.module)
+                code = None
                 if names is not None:
-                    add("ignored_modules", repr(names))
+                    code = repr(names)
                 elif static.module is not None:  # module objects known at run time: their paths, then
                     self.needs_imports.add(("fsdp_bridge", None))
-                    add("ignored_modules", f"fsdp_bridge.module_names({code_of(static.module)}, {code_of(a.value)})")
+                    code = f"fsdp_bridge.module_names({code_of(static.module)}, {code_of(a.value)})"
+                earlier = next((k for k, (kw, _) in enumerate(out) if kw == "ignored_modules"), None)
+                if code is not None and earlier is not None:
+                    # ignored_states= and ignored_modules= both written (FSDP1 takes one of them not None when it
+                    # runs): one keyword holding both lists, each empty for None
+                    out[earlier] = ("ignored_modules", f"{out[earlier][1]} + {code}")
+                elif code is not None:
+                    add("ignored_modules", code)
                 else:
                     static.blockers.append(
                         f"{name}={code_of(a.value)}: name the modules for the bridge: "
@@ -519,12 +527,18 @@ class ConstructorFixer(ScannerBase):
             CodeFinding(self.path, pos.start.line, pos.start.column, f"{kw}={short(value)}", described, True)
         )
 
-    def _built_on_meta(self, module: cst.BaseExpression) -> bool:
+    def _built_on_meta(self, module: cst.BaseExpression, *, always: bool = False) -> bool:
         """``module`` is a name this function assigns inside ``with torch.device("meta"):`` (on some path:
-        ``if args.meta_init: with torch.device("meta"): m = Net()``)."""
+        ``if args.meta_init: with torch.device("meta"): m = Net()``); ``always``: in a ``with`` that no ``if`` of the
+        function holds (every rank builds it there, rank 0 included)."""
         if not isinstance(module, cst.Name) or not self.functions:
             return False
+        branched = {
+            id(w) for n in walk(self.functions[-1]) if isinstance(n, cst.If) for w in walk(n) if isinstance(w, cst.With)
+        }
         for w in walk(self.functions[-1]):
+            if always and id(w) in branched:
+                continue
             if not isinstance(w, cst.With) or not any(
                 isinstance(i.item, cst.Call)
                 and code_of(i.item.func) in ("torch.device", "device")
@@ -564,12 +578,14 @@ class ConstructorFixer(ScannerBase):
                 if pending or trail:
                     conv.slot_comments["module"] = (pending, trail)
                 pending = []
-                if self._built_on_meta(a.value) and not any(
-                    b.keyword is not None and b.keyword.value in ("param_init_fn", "sync_module_states")
-                    for b in call.args
+                given = {b.keyword.value for b in call.args if b.keyword is not None}
+                if (self._built_on_meta(a.value) and not given & {"param_init_fn", "sync_module_states"}) or (
+                    self._built_on_meta(a.value, always=True) and "param_init_fn" not in given
                 ):
                     # FSDP1 materialises meta-device modules itself (each module's reset_parameters(), unit by
-                    # unit); BridgeConfig.from_fsdp1 does the same, a config written out would refuse the model
+                    # unit; with sync_module_states rank 0's are then broadcast, so a model on meta on every rank,
+                    # rank 0 included, is materialised too); BridgeConfig.from_fsdp1 does the same, a config
+                    # written out would refuse the model
                     conv.blockers.append(
                         f"{short(code_of(a.value), 40)} is built on the meta device, which FSDP1 materialises "
                         "with each module's reset_parameters()"

@@ -70,10 +70,18 @@ DUCK_CLIP = (
 
 DUCK_NO_SYNC = (
     "left as it is; a test for FSDP1's (or DDP's) wrapper by its method: a model fsdp_bridge.shard() makes on "
-    "FSDP2 has no no_sync, so the other branch runs for it (gradients reduced at every micro-step: the same "
-    "numbers, more communication); fsdp_bridge.no_sync({obj}) takes any module and skips the reduction"
+    "FSDP2 has no no_sync, so the other branch runs for it (gradients reduced at every micro-step: more "
+    "communication, and sums rounded per micro-step rather than once, so fp32 losses drift in their last "
+    "digits); fsdp_bridge.no_sync({obj}) takes any module and skips the reduction"
 )
-"""The note for ``hasattr(m, "no_sync")`` in a tree that makes FSDP1 models."""
+"""The note for ``hasattr(m, "no_sync")`` in a tree that makes FSDP1 models, where the call it guards is not
+``m.no_sync()`` (arguments: another object's method)."""
+
+DUCK_CALL = (
+    "fsdp_bridge.no_sync(model), under the test for its method: the same call for any object with a no_sync() "
+    "of its own (FSDP1's, DDP's, another library's), and the bridge's FSDP2 models skip the reduction too"
+)
+"""The fix of ``m.no_sync()`` guarded by ``hasattr(m, "no_sync")``."""
 
 GETATTR_TEXT = (
     "not rewritten: FSDP1's wrapper has {m}, a model fsdp_bridge.shard() makes on FSDP2 has not: this raises "
@@ -307,7 +315,13 @@ class NoSyncClipFixer(ScannerBase):
         if f"fsdp_bridge.is_sharded({obj})" in code_of(stmt):
             return  # rewritten by an earlier --fix
         guarded = [
-            id(c)
+            (
+                c,
+                (
+                    self.get_metadata(PositionProvider, c).start.line,
+                    self.get_metadata(PositionProvider, c).start.column,
+                ),
+            )
             for c in walk(stmt)
             if isinstance(c, cst.Call)
             and isinstance(c.func, cst.Attribute)
@@ -325,7 +339,16 @@ class NoSyncClipFixer(ScannerBase):
             spelled = "hasattr" if m.matches(node.func, m.Name("hasattr")) else "getattr"
             rest = "" if spelled == "hasattr" else ", ..."
             construct = f'{spelled}({short(obj, 40)}, "{method}"{rest}) (FSDP1\'s wrapper told by its method)'
-            if any(self.fixable_calls.get(g) == "method" for g in guarded):
+            if method == "no_sync" and guarded and all(not c.args for c, _ in guarded):
+                # ``if hasattr(m, "no_sync"): m.no_sync()``: fsdp_bridge.no_sync(m) is m's own call for any object
+                # that has one (DDP, FSDP1, another library's), so the rewrite holds whatever m is
+                for c, (at_line, at_column) in guarded:
+                    if self.fixable_calls.get(id(c)) != "method":
+                        self.fsdp1_elsewhere = True  # written in a file that may import nothing of FSDP1's
+                        self.fixable_calls[id(c)] = "method"
+                        call = f"{short(obj, 40)}.no_sync()"
+                        self.findings.append(CodeFinding(self.path, at_line, at_column, call, DUCK_CALL, True))
+            if any(self.fixable_calls.get(id(g)) == "method" for g, _ in guarded):
                 self.call_rewrites[id(node)] = f'(hasattr({obj}, "{method}") or fsdp_bridge.is_sharded({obj}))'
                 text = (
                     f'(hasattr(..., "{method}") or fsdp_bridge.is_sharded({short(obj, 40)})): the bridge\'s FSDP2 '

@@ -617,6 +617,21 @@ class StateDictFixer(ScannerBase):
         ``fsdp_bridge.state_dict_type(...)``, the same arguments: FSDP1's own context on FSDP1 models, on
         FSDP2 the type's state_dict/load_state_dict for the block. A literal LOCAL_STATE_DICT stays a TODO."""
         named = named_args(node, ("module", "state_dict_type", "state_dict_config", "optim_state_dict_config"))
+        if named is None and self._module_and_mapping(node):
+            # ``FSDP.state_dict_type(m, **cfg)``: fsdp_bridge's takes FSDP1's parameter names, so the same mapping
+            self.expr_rewrites[id(node.func)] = "fsdp_bridge.state_dict_type"
+            self.needs_imports.add(("fsdp_bridge", None))
+            self._consume(node.func)
+            self._record(
+                node,
+                f"FSDP.state_dict_type({short(code_of(node.args[-1]), 40)})",
+                "fsdp_bridge.state_dict_type(...), the same arguments (FSDP1's parameter names): FSDP1's own context "
+                "on FSDP1 models; on FSDP2 the model's state_dict() / load_state_dict() and "
+                "fsdp_bridge.optim_state_dict() give that type's state inside the block (LOCAL_STATE_DICT refused "
+                "when the code runs)",
+                True,
+            )
+            return True
         if named is None or "module" not in named or "state_dict_type" not in named:
             return False
         type_arg = named["state_dict_type"]
@@ -661,6 +676,15 @@ class StateDictFixer(ScannerBase):
             True,
         )
         return True
+
+    @staticmethod
+    def _module_and_mapping(node: cst.Call) -> bool:
+        """``node``'s arguments are the module (first, or ``module=``) and one ``**mapping``."""
+        args = list(node.args)
+        if len(args) != 2 or args[1].star != "**":
+            return False
+        first = args[0]
+        return not first.star and (first.keyword is None or first.keyword.value == "module")
 
     def _plan_group_full_block(
         self, node: cst.With, model: str, cfg: cst.BaseExpression | None, optim_cfg: cst.BaseExpression | None
