@@ -341,6 +341,25 @@ def test_a_model_kept_by_an_annotated_assignment_is_followed_into_the_function_i
     assert (Path(note.path).name, note.line, note.construct) == ("optim.py", 5, "model.parameters() read as p.dim")
 
 
+def test_a_bitsandbytes_optimizer_over_an_fsdp1_model_is_a_todo() -> None:
+    # Its update kernels take plain tensors (FSDP1's flat shards); FSDP2's DTensors fail inside them (akabeko's
+    # default AdamW8bit): a TODO where the optimizer takes the wrapped model's parameters, none for a plain model.
+    code = (
+        "import bitsandbytes as bnb\n"
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n\n\n"
+        "def setup(model, plain):\n"
+        "    model = FSDP(model)\n"
+        "    optimizer = bnb.optim.AdamW8bit(model.parameters(), lr=1e-3)\n"
+        "    other = bnb.optim.AdamW8bit(plain.parameters(), lr=1e-3)\n"
+        "    return optimizer, other\n"
+    )
+    result = migrate_source(code, "bnb_opt.py")
+    (todo,) = [f for f in result.findings if not f.fixable]
+    assert (todo.line, todo.construct) == (7, "bnb.optim.AdamW8bit(...)")
+    assert "BridgeConfig(backend='fsdp1')" in todo.replacement
+    assert result.fixed.count("TODO(fsdp-bridge)") == 1
+
+
 def test_a_hand_written_gradient_norm_summed_over_ranks_gets_a_note() -> None:
     # A tree's own global grad norm: each rank's norm of its FSDP1 flat-shard gradients, squared and summed with
     # all_reduce. On FSDP2 the gradients are DTensors, the norm one too, and the collective refuses it at the first

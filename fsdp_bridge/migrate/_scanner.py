@@ -125,6 +125,7 @@ class Scanner(
         self._note_compiled_wrap(node)
         self._note_duck_typed_wrapper(node)
         self._note_optimizer_state(node)
+        self._note_kernel_optimizer(node)
         self._note_plain_scaler(node)
         if (
             not self.planning

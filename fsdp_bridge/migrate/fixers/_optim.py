@@ -14,6 +14,13 @@ from fsdp_bridge.migrate._analysis import assign_target, assign_value, code_of, 
 from fsdp_bridge.migrate._names import FSDP, GROUP_RANK0
 from fsdp_bridge.migrate._scan_base import ScannerBase
 
+KERNEL_OPTIMIZER = (
+    "not rewritten: bitsandbytes' optimizer kernels take plain tensors (FSDP1's flat shards); on FSDP2 the "
+    "parameters are DTensors, which they refuse (the bridge refuses its first step, naming this): keep this "
+    "model on FSDP1 with BridgeConfig(backend='fsdp1') on the shard call, or use a torch.optim optimizer"
+)
+"""The TODO at a bitsandbytes optimizer in a tree that wraps FSDP1."""
+
 FULL_OPTIM_TEXT = (
     "FSDP1's full optimizer state: a CPU copy on rank 0 (rank0_only=True, its default) or on every rank, gathered "
     "one tensor at a time; like FSDP1 it takes a trainer's optimizer wrapper (torch's get_optimizer_state_dict "
@@ -23,6 +30,26 @@ FULL_OPTIM_TEXT = (
 
 class OptimStateFixer(ScannerBase):
     """Optimizer state."""
+
+    def _note_kernel_optimizer(self, node: cst.Call) -> None:
+        """A bitsandbytes optimizer (``bnb.optim.AdamW8bit(...)``, paged or 32-bit) in a tree that wraps FSDP1: a
+        TODO. Its update kernels take plain tensors, FSDP1's flat shards; on FSDP2 the parameters are DTensors and
+        the bridge refuses its first step (see :data:`KERNEL_OPTIMIZER`)."""
+        if self.planning or self.dispatch.wraps_fsdp1 is None or not self.stmt_stack:
+            return
+        names = {q.name for q in self.get_metadata(QualifiedNameProvider, node.func, set())}
+        if not any(n.startswith("bitsandbytes.optim.") for n in names) or not node.args:
+            return
+        params = node.args[0].value  # model.parameters() of a model shown to be FSDP1's here
+        if not (
+            isinstance(params, cst.Call)
+            and isinstance(params.func, cst.Attribute)
+            and params.func.attr.value in ("parameters", "named_parameters")
+            and self._shown_fsdp1(node, params.func.value)
+        ):
+            return
+        self.fsdp1_elsewhere = True  # the TODO goes into a file that may import nothing of FSDP1's
+        self._record(node, f"{short(code_of(node.func), 40)}(...)", KERNEL_OPTIMIZER, False)
 
     def _plan_optim_state_call(self, node: cst.Call, func: cst.BaseExpression, hit: tuple[str, str] | None) -> bool:
         """FSDP1's optimizer-state functions; True when the call is planned."""
