@@ -1448,6 +1448,31 @@ def test_param_init_fn_without_sync_module_states_is_kept_for_from_fsdp1() -> No
     assert result.fixed.count("fsdp_bridge.shard(") == 2
 
 
+def test_torchs_state_dict_functions_are_imported_under_another_name_where_the_file_has_its_own() -> None:
+    # byodt's fsdp_utils.py defines get_model_state_dict(model, *, full) around FSDP1's blocks: the rewritten
+    # calls named torch's function by the same name, which was the file's own (a TypeError at the first save).
+    code = textwrap.dedent(
+        """
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, StateDictType
+
+
+        def get_model_state_dict(model, *, full):
+            with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+                return model.state_dict()
+
+
+        def save(model):
+            return get_model_state_dict(model, full=False)
+        """
+    )
+    fixed = migrate_source(code, "utils.py").fixed
+    assert "get_model_state_dict as torch_get_model_state_dict\n" in fixed
+    assert "    return torch_get_model_state_dict(model, options=StateDictOptions())\n" in fixed
+    assert "    return get_model_state_dict(model, full=False)\n" in fixed  # the file's own call stays its own
+    compile(fixed, "utils.py", "exec")
+    assert migrate_source(fixed, "utils.py").fixed == fixed
+
+
 def test_a_module_built_on_the_meta_device_keeps_fsdp1s_materialisation() -> None:
     # No param_init_fn, no sync_module_states: FSDP1 ran each meta module's reset_parameters(); a written-out
     # BridgeConfig refuses a meta model, so the arguments go to from_fsdp1, which materialises as FSDP1 did

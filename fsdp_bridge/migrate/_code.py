@@ -212,7 +212,9 @@ def migrate_source(
                 kept=known.keeps_fsdp1 is not None or known.subclasses_fsdp1 is not None,
             )
         return MigratedSource(path, code, code, sorted(scan.findings, key=lambda f: (f.line, f.column)))
-    fixer = Rewriter(scan, {id(v): k for k, v in single.items()})
+    # torch's state-dict functions under another name where the file defines (or imports) its own of that name
+    renamed = {n: f"torch_{n}" for n in sorted(scan.needs_state_dict_api) if _binds_own(module, n)}
+    fixer = Rewriter(scan, {id(v): k for k, v in single.items()}, renamed)
     fixed = wrapper.module.visit(fixer)
     fixed, alias_findings = _settle_aliases(fixed, scan.aliases, known.imported_names, path)
     scan.findings.extend(alias_findings)
@@ -221,7 +223,9 @@ def migrate_source(
         if (scan.conversions or scan.fixable_calls) and _names_bridge(fixed):
             AddImportsVisitor.add_needed_import(context, "fsdp_bridge")
         for name in sorted(scan.needs_state_dict_api):
-            AddImportsVisitor.add_needed_import(context, "torch.distributed.checkpoint.state_dict", name)
+            AddImportsVisitor.add_needed_import(
+                context, "torch.distributed.checkpoint.state_dict", name, asname=renamed.get(name)
+            )
         for module_name, obj in sorted(scan.needs_imports, key=str):
             AddImportsVisitor.add_needed_import(context, module_name, obj)
         fixed = AddImportsVisitor(context).transform_module(fixed)
@@ -718,3 +722,24 @@ def _write_all(results: Sequence[MigratedSource]) -> None:
 
 class MigrationWriteError(OSError):
     """``--fix`` could not stage a rewritten file; nothing was changed."""
+
+
+def _binds_own(module: cst.Module, name: str) -> bool:
+    """The file binds ``name`` at module level to something other than torch's state-dict function of that name: a
+    function or class of its own, an assignment, an import from another module (byodt's ``fsdp_utils.py`` defines
+    ``get_model_state_dict(model, *, full)``, which the rewritten calls would have called)."""
+    for stmt in module.body:
+        if isinstance(stmt, (cst.FunctionDef, cst.ClassDef)) and stmt.name.value == name:
+            return True
+        if not isinstance(stmt, cst.SimpleStatementLine):
+            continue
+        for small in stmt.body:
+            if isinstance(small, cst.Assign) and any(m.matches(t.target, m.Name(name)) for t in small.targets):
+                return True
+            if isinstance(small, cst.ImportFrom) and not isinstance(small.names, cst.ImportStar):
+                source = code_of(small.module) if small.module is not None else ""
+                for alias in small.names:
+                    bound = code_of(alias.asname.name) if alias.asname is not None else code_of(alias.name)
+                    if bound == name and source != "torch.distributed.checkpoint.state_dict":
+                        return True
+    return False

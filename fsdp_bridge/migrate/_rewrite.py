@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -15,16 +16,24 @@ from fsdp_bridge.migrate._scanner import Scanner
 class Rewriter(cst.CSTTransformer):
     """Pass 2: apply the planned rewrites and TODO comments."""
 
-    def __init__(self, scan: Scanner, assignment_stmts: dict[int, str]) -> None:
+    def __init__(self, scan: Scanner, assignment_stmts: dict[int, str], renamed: dict[str, str] | None = None) -> None:
         super().__init__()
         self.scan = scan
         self.assignment_stmts = assignment_stmts  # id(value expr) -> name
         self.removed: dict[int, Any] = {}
+        # torch's state-dict functions imported under another name where the file has its own of that name
+        self.renamed = renamed or {}
+
+    def _code(self, code: str) -> str:
+        """A planned rewrite's text with torch's functions under the names this file imports them as."""
+        for name, alias in self.renamed.items():
+            code = re.sub(rf"(?<![\w.]){re.escape(name)}\(", f"{alias}(", code)
+        return code
 
     def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> cst.BaseExpression:
         rewrite = self.scan.call_rewrites.get(id(original_node))
         if rewrite is not None:
-            return cst.parse_expression(rewrite)
+            return cst.parse_expression(self._code(rewrite))
         conv = self.scan.conversions.get(id(original_node))
         if conv is not None and not conv.blockers:
             return render_shard(conv)
@@ -58,7 +67,7 @@ class Rewriter(cst.CSTTransformer):
 
     def leave_Name(self, original_node: cst.Name, updated_node: cst.Name) -> Any:
         if (code := self.scan.expr_rewrites.get(id(original_node))) is not None:
-            return cst.parse_expression(code)
+            return cst.parse_expression(self._code(code))
         rewrite = self.scan.name_rewrites.get(id(original_node))
         return cst.Name(rewrite) if rewrite else updated_node
 
@@ -68,7 +77,7 @@ class Rewriter(cst.CSTTransformer):
         if id(original_node) in self.scan.attr_unwraps:  # X as rewritten inside it (a forwarded read dropped)
             return cst.Call(cst.parse_expression("fsdp_bridge.unwrapped"), [cst.Arg(updated_node.value)])
         if (code := self.scan.expr_rewrites.get(id(original_node))) is not None:
-            return cst.parse_expression(code)
+            return cst.parse_expression(self._code(code))
         rewrite = self.scan.name_rewrites.get(id(original_node))
         return cst.Name(rewrite) if rewrite else updated_node
 
@@ -130,7 +139,7 @@ class Rewriter(cst.CSTTransformer):
 
     def leave_If(self, original_node: cst.If, updated_node: cst.If) -> Any:
         if (code := self.scan.stmt_rewrites.get(id(original_node))) is not None:
-            return cst.parse_statement(code).with_changes(leading_lines=updated_node.leading_lines)
+            return cst.parse_statement(self._code(code)).with_changes(leading_lines=updated_node.leading_lines)
         return self._compound(original_node, updated_node)
 
     def leave_FunctionDef(self, original_node: cst.FunctionDef, updated_node: cst.FunctionDef) -> Any:
@@ -141,7 +150,7 @@ class Rewriter(cst.CSTTransformer):
 
     def leave_For(self, original_node: cst.For, updated_node: cst.For) -> Any:
         if (code := self.scan.stmt_rewrites.get(id(original_node))) is not None:
-            return cst.parse_statement(code).with_changes(leading_lines=updated_node.leading_lines)
+            return cst.parse_statement(self._code(code)).with_changes(leading_lines=updated_node.leading_lines)
         return self._compound(original_node, updated_node)
 
     def leave_While(self, original_node: cst.While, updated_node: cst.While) -> Any:
