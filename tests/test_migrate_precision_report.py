@@ -341,6 +341,37 @@ def test_a_model_kept_by_an_annotated_assignment_is_followed_into_the_function_i
     assert (Path(note.path).name, note.line, note.construct) == ("optim.py", 5, "model.parameters() read as p.dim")
 
 
+def test_a_method_called_on_the_fsdp1_model_that_groups_parameters_by_ndim_gets_a_note(tmp_path: Path) -> None:
+    # nanoGPT's configure_optimizers, called on the wrapped model (weipipe): FSDP1's wrapper hands the call to the
+    # module, whose parameters there are flat and 1-D (nothing decayed), FSDP2's keep their shapes. A method of the
+    # same name never called on an FSDP1 model gets nothing.
+    (tmp_path / "model.py").write_text(
+        "from torch import nn\n\n\n"
+        "class GPT(nn.Module):\n"
+        "    def configure_optimizers(self, wd):\n"
+        "        params = {n: p for n, p in self.named_parameters()}\n"
+        "        decay = [p for p in params.values() if p.dim() >= 2]\n"
+        "        return [{'params': decay, 'weight_decay': wd}]\n\n\n"
+        "class Other(nn.Module):\n"
+        "    def groups(self):\n"
+        "        params = {n: p for n, p in self.named_parameters()}\n"
+        "        return [p for p in params.values() if p.dim() >= 2]\n"
+    )
+    (tmp_path / "train.py").write_text(
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n"
+        "from model import GPT\n\n"
+        "model = FSDP(GPT())\n"
+        "groups = model.configure_optimizers(0.1)\n"
+    )
+    report, _ = migrate_paths([tmp_path])
+    (note,) = [f for f in report.findings if f.note]
+    assert (Path(note.path).name, note.line) == ("model.py", 6)
+    assert (
+        note.construct
+        == "self.named_parameters() in configure_optimizers(), which reads .dim (called on the FSDP1 model)"
+    )
+
+
 def test_a_bitsandbytes_optimizer_over_an_fsdp1_model_is_a_todo() -> None:
     # Its update kernels take plain tensors (FSDP1's flat shards); FSDP2's DTensors fail inside them (akabeko's
     # default AdamW8bit): a TODO where the optimizer takes the wrapped model's parameters, none for a plain model.

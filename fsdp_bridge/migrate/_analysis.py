@@ -264,6 +264,11 @@ class Dispatch:
     """``"train:1"`` / ``"train:model"``: a call in the tree passes a model it wrapped with ``FSDP(...)`` just
     above as that argument of a function of that name (see :func:`find_fsdp1_arguments`)."""
 
+    fsdp1_methods: set[str] = field(default_factory=set)
+    """Names of the methods a call of the tree makes on a model it wrapped with ``FSDP(...)`` just above
+    (``model = FSDP(model)`` then ``model.configure_optimizers(...)``): FSDP1's wrapper hands the call to the
+    wrapped module, whose ``self.parameters()`` there are FSDP1's flat ones (see :func:`find_fsdp1_arguments`)."""
+
     fsdp1_attributes: dict[str, set[str]] = field(default_factory=dict)
     """Classes of the tree by name -> the attributes their methods assign ``self.attr = FSDP(...)`` /
     ``wrap(...)``: a subclass (in another file too) reads ``self.attr`` as an FSDP1 model."""
@@ -300,6 +305,7 @@ class Dispatch:
         for cls, modules in other.base_imports.items():
             self.base_imports.setdefault(cls, set()).update(modules)
         self.fsdp1_args |= other.fsdp1_args
+        self.fsdp1_methods |= other.fsdp1_methods
         for name, positions in other.fsdp1_results.items():
             self.fsdp1_results.setdefault(name, set()).update(positions)
         self.fsdp1_factories |= other.fsdp1_factories
@@ -875,6 +881,7 @@ def find_fsdp1_arguments(wrapper: MetadataWrapper, known: Dispatch | None = None
     results count as ``FSDP(...)`` here, and a parameter a call of the tree passes an FSDP1 model as is one in
     its function's body, so a model made in one file and handed on through another is followed."""
     found: set[str] = set()
+    methods: set[str] = set()  # methods called on such a model (Dispatch.fsdp1_methods)
     returns: dict[str, set[int]] = {}  # function -> positions of its result that are FSDP1 models
     if known is not None:
         for name, positions in known.fsdp1_results.items():
@@ -931,6 +938,14 @@ def find_fsdp1_arguments(wrapper: MetadataWrapper, known: Dispatch | None = None
             wrapped = handed_parameters(fn, params, handed) if fn is not None else set()
             for stmt in in_source_order(body):
                 for n in walk(stmt):
+                    if (
+                        self.record
+                        and isinstance(n, cst.Call)
+                        and isinstance(n.func, cst.Attribute)
+                        and code_of(n.func.value) in wrapped
+                        and not n.func.attr.value.startswith("__")
+                    ):
+                        methods.add(n.func.attr.value)
                     if self.record and isinstance(n, cst.Call) and wrapped:
                         positional = [a for a in n.args if a.keyword is None and not a.star]
                         for callee in self.callees(n):
@@ -976,6 +991,7 @@ def find_fsdp1_arguments(wrapper: MetadataWrapper, known: Dispatch | None = None
     handed_bases = {a.split(":", 1)[0] for a in found}
     return Dispatch(
         fsdp1_args=found,
+        fsdp1_methods=methods,
         fsdp1_results=returns,
         base_imports={c: where for c, where in imported_from.items() if c in handed_bases},
     )

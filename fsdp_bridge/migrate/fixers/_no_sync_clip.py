@@ -483,10 +483,41 @@ class NoSyncClipFixer(ScannerBase):
             ),
             None,
         )
+        if read is None and m.matches(func.value, m.Name("self")) and self._in_a_method_called_on_fsdp1():
+            # nanoGPT's configure_optimizers: {n: p for n, p in self.named_parameters()}, then p.dim() >= 2 over
+            # that dict; called on the FSDP1 model, whose wrapper hands it to the module with its flat parameters
+            read = next(
+                (
+                    n.attr.value
+                    for n in walk(self.functions[-1])
+                    if isinstance(n, cst.Attribute) and n.attr.value in ("dim", "ndim", "shape", "numel")
+                ),
+                None,
+            )
+            if read is not None:
+                pos = self.get_metadata(PositionProvider, node).start
+                method = self.functions[-1].name.value
+                construct = f"{short(code_of(node), 40)} in {method}(), which reads .{read} (called on the FSDP1 model)"
+                self.findings.append(
+                    CodeFinding(self.path, pos.line, pos.column, construct, SHARD_SHAPES, True, note=True)
+                )
+                return
         if read is not None:
             self._note_on_fsdp1_model(node, func.value, f"{short(code_of(node), 40)} read as {read}", SHARD_SHAPES)
         elif isinstance(name, cst.Name) and (rule := _name_rule(body, name.value)):
             self._note_on_fsdp1_model(node, func.value, f"{short(code_of(node), 40)} names tested ({rule})", FLAT_NAMES)
+
+    def _in_a_method_called_on_fsdp1(self) -> bool:
+        """The enclosing function is a method of a class (not FSDP1's own subclass) whose name a call of the tree
+        makes on an FSDP1 model (``Dispatch.fsdp1_methods``): FSDP1's wrapper hands such a call to the module."""
+        if not self.functions or not self.classes:
+            return False
+        fn = self.functions[-1]
+        return (
+            fn.name.value in self.dispatch.fsdp1_methods
+            and bool(fn.params.params)
+            and (fn.params.params[0].name.value == "self")
+        )
 
     def _plan_wrapper_method_call(self, node: cst.Call, func: cst.BaseExpression, hit: tuple[str, str] | None) -> None:
         """The FSDP1 wrapper's no_sync() and clip_grad_norm_(...), its register_comm_hook (a TODO), and a
