@@ -431,6 +431,17 @@ def test_a_command_line_without_fsdp_is_named() -> None:
         parse_trainer_command("python train.py --bf16 True", "run.sh", base=Path("."))
 
 
+def test_a_script_ending_in_a_line_continuation_is_read_as_bash_reads_it() -> None:
+    # protap's launch scripts end with "--fsdp no_shard \" and no newline: bash runs them; shlex refused the
+    # lone backslash ("No escaped character")
+    from fsdp_bridge.migrate._config import parse_trainer_command
+
+    source = parse_trainer_command(
+        "torchrun train.py \\\n    --bf16 True \\\n    --fsdp no_shard \\", "run.sh", base=Path(".")
+    )
+    assert source.raw["fsdp"] == "no_shard" and source.raw["bf16"] == "True"
+
+
 # -- precision spellings and keys the migration does not use ------------------------------------------------
 
 

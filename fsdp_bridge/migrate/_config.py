@@ -641,7 +641,10 @@ def parse_trainer_command(text: str, path: str, *, base: Path) -> Fsdp1Source:
     """A shell command or script launching a Trainer: ``--fsdp "full_shard auto_wrap"
     --fsdp_transformer_layer_cls_to_wrap X [--fsdp_config JSON_OR_PATH] [--bf16 True] ...``."""
     try:
-        tokens = shlex.split(text.replace("\\\n", " "), comments=True)
+        # a line continuation at the very end of the file (no newline after it) continues into nothing, as bash
+        # reads it; shlex would refuse the lone backslash
+        joined = text.replace("\\\n", " ")
+        tokens = shlex.split(joined[:-1] if joined.endswith("\\") else joined, comments=True)
     except ValueError as err:
         raise ConfigError([Problem("SRC", path, "a shell command line", str(err))]) from None
     args: dict[str, Any] = {}
