@@ -1461,16 +1461,48 @@ def test_torchs_state_dict_functions_are_imported_under_another_name_where_the_f
                 return model.state_dict()
 
 
+        def load(model, other):
+            with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT):
+                model.load_state_dict(get_model_state_dict(other, full=True))  # the file's own, quoted inside
+            return "get_model_state_dict(x).pt"
+
+
         def save(model):
             return get_model_state_dict(model, full=False)
         """
     )
     fixed = migrate_source(code, "utils.py").fixed
-    assert "get_model_state_dict as torch_get_model_state_dict\n" in fixed
+    assert "get_model_state_dict as torch_get_model_state_dict" in fixed
     assert "    return torch_get_model_state_dict(model, options=StateDictOptions())\n" in fixed
     assert "    return get_model_state_dict(model, full=False)\n" in fixed  # the file's own call stays its own
+    assert "get_model_state_dict(other, full=True), options=" in fixed and '"get_model_state_dict(x).pt"' in fixed
     compile(fixed, "utils.py", "exec")
     assert migrate_source(fixed, "utils.py").fixed == fixed
+
+
+def test_a_config_parameter_given_a_value_when_none_is_read_when_the_code_runs() -> None:
+    # minimal-llama's save_model_checkpoint(model, ..., fullstate_save_policy=None) assigns a default config when
+    # none is passed: the assignment is not the name's one value (a caller's policy must win), so its fields are
+    # read at run time rather than copied from the default.
+    code = textwrap.dedent(
+        """
+        import torch
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, StateDictType, FullStateDictConfig
+
+
+        def save(model, path, policy=None):
+            if not policy:
+                policy = FullStateDictConfig(offload_to_cpu=True, rank0_only=True)
+            with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, policy):
+                sd = model.state_dict()
+            torch.save(sd, path)
+        """
+    )
+    fixed = migrate_source(code, "save.py").fixed
+    assert (
+        "    sd = fsdp_bridge.full_state_dict(model, rank0_only=policy.rank0_only, offload_to_cpu=policy.offload_to_cpu)"
+        in fixed
+    ), fixed
 
 
 def test_a_module_built_on_the_meta_device_keeps_fsdp1s_materialisation() -> None:

@@ -352,6 +352,9 @@ def test_a_method_called_on_the_fsdp1_model_that_groups_parameters_by_ndim_gets_
         "        params = {n: p for n, p in self.named_parameters()}\n"
         "        decay = [p for p in params.values() if p.dim() >= 2]\n"
         "        return [{'params': decay, 'weight_decay': wd}]\n\n\n"
+        "    def forward(self, x):\n"
+        "        params = {n: p for n, p in self.named_parameters()}\n"
+        "        return x.view(x.shape[0], -1), [p for p in params.values() if p.dim() > 1]\n\n\n"
         "class Other(nn.Module):\n"
         "    def groups(self):\n"
         "        params = {n: p for n, p in self.named_parameters()}\n"
@@ -362,6 +365,7 @@ def test_a_method_called_on_the_fsdp1_model_that_groups_parameters_by_ndim_gets_
         "from model import GPT\n\n"
         "model = FSDP(GPT())\n"
         "groups = model.configure_optimizers(0.1)\n"
+        "out = model.forward(1)\n"
     )
     report, _ = migrate_paths([tmp_path])
     (note,) = [f for f in report.findings if f.note]
@@ -608,18 +612,22 @@ def test_a_duck_typed_test_for_fsdp1s_clip_lets_the_bridges_models_in_or_is_a_to
         "def sync(module):\n"
         "    return module.no_sync() if hasattr(module, 'no_sync') else contextlib.nullcontext()\n\n\n"
         "def sync_by(accelerator, module):\n"
-        "    return accelerator.no_sync(module) if hasattr(accelerator, 'no_sync') else contextlib.nullcontext()\n"
+        "    return accelerator.no_sync(module) if hasattr(accelerator, 'no_sync') else contextlib.nullcontext()\n\n\n"
+        "def switch(engine):\n"
+        "    if hasattr(engine, 'no_sync'):\n"
+        "        engine.no_sync()  # called, not entered: another object's own switch\n"
     )
     (tmp_path / "helpers.py").write_text(helper)
     report, _ = migrate_paths([tmp_path], fix=True)
     ducks = {(f.line, f.fixable, f.note) for f in report.findings if "told by its method" in f.construct}
-    assert ducks == {(6, True, False), (12, False, False), (16, True, False), (20, True, True)}, report.findings
+    assert ducks == {(6, True, False), (12, False, False), (16, True, False), (20, True, True), (24, True, True)}
     fixed = (tmp_path / "helpers.py").read_text()
     assert (
         '    return fsdp_bridge.no_sync(module) if (hasattr(module, "no_sync") or fsdp_bridge.is_sharded(module)) '
         "else contextlib.nullcontext()\n"
     ) in fixed
     assert "    return accelerator.no_sync(module) if hasattr(accelerator, 'no_sync') else" in fixed
+    assert "        engine.no_sync()  # called" in fixed  # --target torch's helper is a context: the call would go
     assert '    if (hasattr(module, "clip_grad_norm_") or fsdp_bridge.is_sharded(module)):  # FSDP\n' in fixed
     assert "        return fsdp_bridge.clip_grad_norm_(module, n)\n" in fixed
     assert fixed.count("write fsdp_bridge.clip_grad_norm_(module, max_norm) for both branches") == 1

@@ -1345,6 +1345,20 @@ class Collector(cst.CSTVisitor):
         if isinstance(node.target, cst.Name):
             self.assigned.setdefault(node.target.value, []).append(node.value)
 
+    def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
+        # ``def save(model, policy=None): if not policy: policy = FullStateDictConfig(...)``: the parameter is a
+        # binding too (what the caller passes), so the assignment is not the name's one value
+        params = node.params
+        names = {p.name.value for p in (*params.posonly_params, *params.params, *params.kwonly_params)}
+        for n in walk(node.body):
+            if (
+                isinstance(n, cst.Assign)
+                and len(n.targets) == 1
+                and isinstance(n.targets[0].target, cst.Name)
+                and n.targets[0].target.value in names
+            ):
+                self.assigned.setdefault(n.targets[0].target.value, []).append(n.value)
+
     def visit_Name(self, node: cst.Name) -> None:
         self.uses[node.value] = self.uses.get(node.value, 0) + 1
 

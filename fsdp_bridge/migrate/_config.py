@@ -644,7 +644,8 @@ def parse_trainer_command(text: str, path: str, *, base: Path) -> Fsdp1Source:
         # a line continuation at the very end of the file (no newline after it) continues into nothing, as bash
         # reads it; shlex would refuse the lone backslash
         joined = text.replace("\\\n", " ")
-        tokens = shlex.split(joined[:-1] if joined.endswith("\\") else joined, comments=True)
+        odd = (len(joined) - len(joined.rstrip("\\"))) % 2 == 1  # a lone backslash, not an escaped one
+        tokens = shlex.split(joined[:-1] if odd else joined, comments=True)
     except ValueError as err:
         raise ConfigError([Problem("SRC", path, "a shell command line", str(err))]) from None
     args: dict[str, Any] = {}

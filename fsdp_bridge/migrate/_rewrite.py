@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,10 +24,25 @@ class Rewriter(cst.CSTTransformer):
         self.renamed = renamed or {}
 
     def _code(self, code: str) -> str:
-        """A planned rewrite's text with torch's functions under the names this file imports them as."""
-        for name, alias in self.renamed.items():
-            code = re.sub(rf"(?<![\w.]){re.escape(name)}\(", f"{alias}(", code)
-        return code
+        """A planned rewrite's text with torch's functions under the names this file imports them as: the calls
+        the codemod writes (they pass ``options=``), not the file's own calls of its function of that name
+        quoted inside them, nor strings."""
+        if not self.renamed or not any(name in code for name in self.renamed):
+            return code
+        renamed = self.renamed
+
+        class Rename(cst.CSTTransformer):
+            def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> cst.Call:
+                func = updated_node.func
+                if (
+                    isinstance(func, cst.Name)
+                    and func.value in renamed
+                    and any(a.keyword is not None and a.keyword.value == "options" for a in updated_node.args)
+                ):
+                    return updated_node.with_changes(func=cst.Name(renamed[func.value]))
+                return updated_node
+
+        return cst.parse_module(code).visit(Rename()).code
 
     def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> cst.BaseExpression:
         rewrite = self.scan.call_rewrites.get(id(original_node))

@@ -142,6 +142,7 @@ class ScannerBase(FollowsAliases):
         # hasattr(m, "clip_grad_norm_" / "no_sync"): (the call, its statement, m, the method, the calls
         # it guards, its line and column), settled once the report pass knows which of those are rewritten
         self.duck_tests: list[DuckTest] = []
+        self.bare_no_sync: set[int] = set()  # statements calling m.no_sync() as a statement, not a context
         self.call_rewrites: dict[int, str] = {}  # id(call) -> replacement source (state dict API)
         self.stmt_rewrites: dict[int, str] = {}  # id(compound statement) -> the one statement replacing it
         self.unwrap_withs: set[int] = set()  # state_dict_type blocks replaced by their (rewritten) body

@@ -97,7 +97,8 @@ class VerifyResult:
                 lines.append(f"   ... {len(shown) - max_rows} more steps")
         lines.extend(self.saved_lines)
         lines.extend(f"saved files differ: {p}" for p in self.saved_problems)
-        lines.extend(self.notes)
+        if not self.parity:  # (a checkpoint loaded over the differing weights gives parity: nothing to explain)
+            lines.extend(self.notes)
         lines.append(self.verdict())
         return "\n".join(lines)
 

@@ -155,13 +155,23 @@ def _compare_rank_copies(notes: dict[str, Any]) -> None:
         ignored |= {id(p) for m in module.modules() if isinstance(m, FullyShardedDataParallel) for p in m.parameters()}
         named = {id(p): (n, p) for n, p in module.named_parameters() if id(p) not in ignored}
         params = list(named.values())
-        if any(p.is_meta for _, p in params):
-            return
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
-        count = torch.tensor([len(params), -len(params)], dtype=torch.float64, device=device)
+        meta = int(any(p.is_meta for _, p in params))
+        device: Any = "cpu"
+        if dist.get_backend(group) == "nccl":  # the GPU this rank's FSDP1 computes on, as it picks it
+            given = bound.get("device_id")
+            placed = next((p.device for _, p in params if p.device.type == "cuda"), None)
+            if isinstance(given, int) and not isinstance(given, bool):
+                device = torch.device("cuda", given)
+            elif isinstance(given, torch.device) and given.type == "cuda":
+                device = given if given.index is not None else torch.device("cuda", torch.cuda.current_device())
+            else:
+                device = placed or torch.device("cuda", torch.cuda.current_device())
+        count = torch.tensor([len(params), -len(params), meta], dtype=torch.float64, device=device)
         dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
-        if count[0] != -count[1] or not params:
-            return  # the ranks hold different modules: nothing to compare value by value
+        if count[0] != -count[1] or not params or count[2] > 0:
+            # the ranks hold different modules, or some rank builds on the meta device (FSDP1 initialises it):
+            # nothing to compare value by value, and every rank sees that from the same all-reduce
+            return
         stats = []
         for _, p in params:
             t = (p.to_local() if isinstance(p, DTensor) else p).detach().to(device, torch.float64)
@@ -182,8 +192,14 @@ def _compare_rank_copies(notes: dict[str, Any]) -> None:
                 bound = signature.bind(self, *args, **kwargs).arguments
             except TypeError:
                 bound = None
-            if bound is not None and not bound.get("sync_module_states") and "module" in bound:
-                compare(bound["module"], bound)
+            strategy = str(bound.get("sharding_strategy")) if bound is not None else ""
+            if (
+                bound is not None
+                and not bound.get("sync_module_states")
+                and "module" in bound
+                and "NO_SHARD" not in strategy
+            ):
+                compare(bound["module"], bound)  # (NO_SHARD: every rank keeps its own whole copy on both)
         depth[0] += 1
         try:
             fsdp1_init(self, *args, **kwargs)

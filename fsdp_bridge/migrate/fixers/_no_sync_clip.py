@@ -78,7 +78,7 @@ DUCK_NO_SYNC = (
 ``m.no_sync()`` (arguments: another object's method)."""
 
 DUCK_CALL = (
-    "fsdp_bridge.no_sync(model), under the test for its method: the same call for any object with a no_sync() "
+    "fsdp_bridge.no_sync({obj}), under the test for its method: the same call for any object with a no_sync() "
     "of its own (FSDP1's, DDP's, another library's), and the bridge's FSDP2 models skip the reduction too"
 )
 """The fix of ``m.no_sync()`` guarded by ``hasattr(m, "no_sync")``."""
@@ -328,6 +328,10 @@ class NoSyncClipFixer(ScannerBase):
             and c.func.attr.value == method
             and code_of(c.func.value) == obj
         ]
+        if method == "no_sync" and any(
+            isinstance(e, cst.Expr) and any(e.value is c for c, _ in guarded) for e in walk(stmt)
+        ):
+            self.bare_no_sync.add(id(stmt))  # m.no_sync() called as a statement: another object's own switch
         self.duck_tests.append((node, stmt, obj, method, guarded, (pos.line, pos.column)))
 
     def settle_duck_tests(self) -> None:
@@ -339,15 +343,22 @@ class NoSyncClipFixer(ScannerBase):
             spelled = "hasattr" if m.matches(node.func, m.Name("hasattr")) else "getattr"
             rest = "" if spelled == "hasattr" else ", ..."
             construct = f'{spelled}({short(obj, 40)}, "{method}"{rest}) (FSDP1\'s wrapper told by its method)'
-            if method == "no_sync" and guarded and all(not c.args for c, _ in guarded):
+            if (
+                method == "no_sync"
+                and guarded
+                and all(not c.args for c, _ in guarded)
+                and id(stmt) not in self.bare_no_sync
+            ):
                 # ``if hasattr(m, "no_sync"): m.no_sync()``: fsdp_bridge.no_sync(m) is m's own call for any object
                 # that has one (DDP, FSDP1, another library's), so the rewrite holds whatever m is
                 for c, (at_line, at_column) in guarded:
                     if self.fixable_calls.get(id(c)) != "method":
                         self.fsdp1_elsewhere = True  # written in a file that may import nothing of FSDP1's
                         self.fixable_calls[id(c)] = "method"
+                        self._drop_todos_at(at_line, at_column)  # an earlier "not shown to be FSDP1's" TODO
                         call = f"{short(obj, 40)}.no_sync()"
-                        self.findings.append(CodeFinding(self.path, at_line, at_column, call, DUCK_CALL, True))
+                        text = DUCK_CALL.format(obj=short(obj, 40))
+                        self.findings.append(CodeFinding(self.path, at_line, at_column, call, text, True))
             if any(self.fixable_calls.get(id(g)) == "method" for g, _ in guarded):
                 self.call_rewrites[id(node)] = f'(hasattr({obj}, "{method}") or fsdp_bridge.is_sharded({obj}))'
                 text = (
@@ -363,6 +374,16 @@ class NoSyncClipFixer(ScannerBase):
             else:
                 text = DUCK_NO_SYNC.format(obj=short(obj, 40))
                 self.findings.append(CodeFinding(self.path, line, column, construct, text, True, note=True))
+
+    def _drop_todos_at(self, line: int, column: int) -> None:
+        """Take back the TODOs recorded for the construct at ``line``:``column`` (rewritten after all)."""
+        dropped = [f for f in self.findings if (f.line, f.column) == (line, column) and not f.fixable]
+        if not dropped:
+            return
+        texts = {f"{f.construct}: {f.replacement}" for f in dropped}
+        self.findings = [f for f in self.findings if f not in dropped]
+        for key, todos in self.todos.items():
+            self.todos[key] = [t for t in todos if t not in texts]
 
     def _beside_a_ddp_branch(self, node: cst.CSTNode, obj: cst.BaseExpression) -> bool:
         """``node`` is in a branch of an ``if``/``elif`` chain another branch of which tests
@@ -483,14 +504,22 @@ class NoSyncClipFixer(ScannerBase):
             ),
             None,
         )
-        if read is None and m.matches(func.value, m.Name("self")) and self._in_a_method_called_on_fsdp1():
+        if (
+            read is None
+            and m.matches(func.value, m.Name("self"))
+            and self._in_a_method_called_on_fsdp1()
+            and self.functions[-1].name.value != "forward"  # inside FSDP1's forward the parameters are whole
+        ):
             # nanoGPT's configure_optimizers: {n: p for n, p in self.named_parameters()}, then p.dim() >= 2 over
             # that dict; called on the FSDP1 model, whose wrapper hands it to the module with its flat parameters
             read = next(
                 (
                     n.attr.value
                     for n in walk(self.functions[-1])
-                    if isinstance(n, cst.Attribute) and n.attr.value in ("dim", "ndim", "shape", "numel")
+                    if isinstance(n, cst.Attribute)
+                    and n.attr.value in ("dim", "ndim", "shape", "numel")
+                    and isinstance(n.value, cst.Name)
+                    and n.value.value in _loop_targets(self.functions[-1])
                 ),
                 None,
             )
@@ -852,3 +881,13 @@ def _grad_readers(module: cst.Module) -> set[str]:
             if "grad" in attrs and norms and not attrs & {"to_local", "full_tensor"}:
                 found.add(n.name.value)
     return found
+
+
+def _loop_targets(fn: cst.FunctionDef) -> set[str]:
+    """Names a ``for`` statement or a comprehension of ``fn`` binds (``p`` in ``for n, p in ...``)."""
+    out: set[str] = set()
+    for n in walk(fn):
+        target = n.target if isinstance(n, (cst.For, cst.CompFor)) else None
+        if target is not None:
+            out.update(x.value for x in walk(target) if isinstance(x, cst.Name))
+    return out

@@ -16,8 +16,9 @@ from fsdp_bridge.migrate._scan_base import ScannerBase
 
 KERNEL_OPTIMIZER = (
     "not rewritten: bitsandbytes' optimizer kernels take plain tensors (FSDP1's flat shards); on FSDP2 the "
-    "parameters are DTensors, which they refuse (the bridge refuses its first step, naming this): keep this "
-    "model on FSDP1 with BridgeConfig(backend='fsdp1') on the shard call, or use a torch.optim optimizer"
+    "parameters are DTensors, which they refuse (fsdp_bridge refuses its first step, naming this): use a "
+    "torch.optim optimizer, or keep this model on FSDP1 (on fsdp_bridge: BridgeConfig(backend='fsdp1') on the "
+    "shard call)"
 )
 """The TODO at a bitsandbytes optimizer in a tree that wraps FSDP1."""
 
