@@ -79,6 +79,11 @@ class Rewriter(cst.CSTTransformer):
             )
         return updated_node
 
+    def leave_Comparison(self, original_node: cst.Comparison, updated_node: cst.Comparison) -> Any:
+        if (code := self.scan.expr_rewrites.get(id(original_node))) is not None:
+            return cst.parse_expression(code)
+        return updated_node
+
     def leave_Name(self, original_node: cst.Name, updated_node: cst.Name) -> Any:
         if (code := self.scan.expr_rewrites.get(id(original_node))) is not None:
             return cst.parse_expression(self._code(code))

@@ -3,6 +3,8 @@ family (``fixers/``) over the shared analysis; ``visit_Call`` hands each call to
 
 from __future__ import annotations
 
+from typing import cast
+
 import libcst as cst
 import libcst.matchers as m
 from libcst.metadata import QualifiedNameProvider, QualifiedNameSource
@@ -14,7 +16,7 @@ from fsdp_bridge.migrate._scan_base import ScannerBase
 from fsdp_bridge.migrate.fixers._attributes import ElsewhereAttributesFixer
 from fsdp_bridge.migrate.fixers._checkpoints import CheckpointNoteFixer
 from fsdp_bridge.migrate.fixers._constructor import ConstructorFixer
-from fsdp_bridge.migrate.fixers._imports import ImportsFixer
+from fsdp_bridge.migrate.fixers._imports import IS_SHARDED, ImportsFixer
 from fsdp_bridge.migrate.fixers._internals import InternalsFixer, StorageFixer
 from fsdp_bridge.migrate.fixers._lightning import LightningFixer
 from fsdp_bridge.migrate.fixers._local_state import LocalStateFixer
@@ -243,6 +245,39 @@ class Scanner(
             return False
         self._plan_wrapper_method_call(node, func, hit)
         return None
+
+    def visit_Comparison(self, node: cst.Comparison) -> None:
+        """``m.__class__.__name__ == "FullyShardedDataParallel"`` (or ``type(m).__name__``; ``!=``) in a tree that
+        makes FSDP1 models: FSDP1's wrapper told by its class name, which the bridge's models do not carry (they
+        keep the user's class) -> ``fsdp_bridge.is_sharded(m)``."""
+        if self.planning or self.dispatch.wraps_fsdp1 is None or len(node.comparisons) != 1:
+            return
+        comp = node.comparisons[0]
+        if not isinstance(comp.operator, (cst.Equal, cst.NotEqual)):
+            return
+        for named, text in ((node.left, comp.comparator), (comp.comparator, node.left)):
+            if not (isinstance(text, cst.SimpleString) and text.evaluated_value == "FullyShardedDataParallel"):
+                continue
+            obj: cst.BaseExpression | None = None
+            if m.matches(named, m.Attribute(value=m.Attribute(attr=m.Name("__class__")), attr=m.Name("__name__"))):
+                obj = cast(cst.Attribute, cast(cst.Attribute, named).value).value
+            elif m.matches(named, m.Attribute(value=m.Call(func=m.Name("type")), attr=m.Name("__name__"))):
+                call = cast(cst.Call, cast(cst.Attribute, named).value)
+                obj = call.args[0].value if len(call.args) == 1 else None
+            if obj is None:
+                return
+            negated = isinstance(comp.operator, cst.NotEqual)
+            code = f"{'not ' if negated else ''}fsdp_bridge.is_sharded({code_of(obj)})"
+            self.expr_rewrites[id(node)] = code
+            self.needs_imports.add(("fsdp_bridge", None))
+            self.fsdp1_elsewhere = True  # the file may import nothing of FSDP1's
+            self._record(
+                node,
+                f"{short(code_of(node), 60)} (FSDP1's wrapper told by its class name)",
+                f"{code} ({IS_SHARDED}): the bridge's models keep your model's class name",
+                True,
+            )
+            return
 
     def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
         self.functions.append(node)
