@@ -379,7 +379,7 @@ def test_a_method_called_on_the_fsdp1_model_that_groups_parameters_by_ndim_gets_
 def test_fsdp1s_wrapper_told_by_its_class_name_becomes_is_sharded(tmp_path: Path) -> None:
     # caspo tells FSDP1's wrapper by `module.__class__.__name__ == "FullyShardedDataParallel"`: the bridge's models
     # keep the user's class name, so every FSDP branch was skipped after the rewrite (save_pretrained on DTensor
-    # shards crashed). Only in a tree that makes FSDP1 models; idempotent.
+    # shards crashed). is_sharded is True for FSDP1 wrappers too, so the test keeps its meaning there; idempotent.
     (tmp_path / "wrap.py").write_text(
         "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n\n\ndef wrap(m):\n    return FSDP(m)\n"
     )
@@ -397,12 +397,6 @@ def test_fsdp1s_wrapper_told_by_its_class_name_becomes_is_sharded(tmp_path: Path
     assert all(f.fixable for f in report.findings)
     again, _ = migrate_paths([tmp_path], fix=True)
     assert again.changed == []
-    (tmp_path / "wrap.py").unlink()
-    (tmp_path / "util.py").write_text(
-        "def is_fsdp(module):\n    return type(module).__name__ == 'FullyShardedDataParallel'\n"
-    )
-    alone, _ = migrate_paths([tmp_path])
-    assert alone.findings == []
 
 
 def test_a_bitsandbytes_optimizer_over_an_fsdp1_model_is_a_todo() -> None:
