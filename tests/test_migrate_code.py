@@ -2423,6 +2423,38 @@ def test_fsdp1s_flattened_mark_read_by_name_is_a_todo() -> None:
     assert "isinstance(p, torch.distributed.tensor.DTensor)" in todo.replacement
 
 
+def test_fsdp1s_wrapper_told_by_its_attribute_becomes_is_sharded_unless_the_branch_unwraps() -> None:
+    # hasattr(m, "_fsdp_wrapped_module") is true for FSDP1's wrappers only: a branch gathering the weights under it
+    # would be skipped on FSDP2 (no such attribute); one that unwraps is skipped rightly (FSDP2 does not wrap)
+    code = textwrap.dedent(
+        """
+        def weights(m):
+            if hasattr(m, "module"):
+                return m.module.state_dict()
+            elif hasattr(m, "_fsdp_wrapped_module"):
+                from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+                with FSDP.summon_full_params(m):
+                    return m.state_dict()
+            return m.state_dict()
+
+
+        def inner(m):
+            while hasattr(m, "_fsdp_wrapped_module"):
+                m = m._fsdp_wrapped_module
+            return m if hasattr(m, '_fsdp_wrapped_module') else m._fsdp_wrapped_module
+        """
+    )
+    result = migrate_source(code, "weights.py")
+    assert "elif fsdp_bridge.is_sharded(m):" in result.fixed
+    assert result.fixed.count('hasattr(m, "_fsdp_wrapped_module")') == 1  # the unwrapping loop's
+    assert "if hasattr(m, '_fsdp_wrapped_module') else" in result.fixed
+    (test,) = [f for f in result.findings if f.construct.startswith("hasattr(")]
+    assert test.fixable and test.line == 5 and "FSDP2 modules have no _fsdp_wrapped_module" in test.replacement
+    assert migrate_source(result.fixed, "weights.py").fixed == result.fixed
+    plain = 'def sharded(m):\n    return hasattr(m, "_fsdp_wrapped_module")\n'
+    assert migrate_source(plain, "plain.py").fixed == plain  # no FSDP1 in the file: nothing to tell apart
+
+
 def test_an_fsdp1_name_an_eval_reads_stays_imported() -> None:
     # eval(f"ShardingStrategy.{name}") reads the name when the code runs: removing its import raised NameError
     code = textwrap.dedent(

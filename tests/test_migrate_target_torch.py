@@ -266,9 +266,24 @@ def test_bridge_target_is_the_default_and_unchanged() -> None:
         migrate_source(source, "t.py", target="jax")
 
 
-def test_output_is_stable_under_a_second_run() -> None:
-    first, _ = torch_target("model = FSDP(nn.Linear(2, 2))\nmodel.clip_grad_norm_(1.0)\n")
-    assert migrate_source(first, "train.py", target="torch").fixed == first
+@pytest.mark.parametrize(
+    "body",
+    [
+        "model = FSDP(nn.Linear(2, 2))\nmodel.clip_grad_norm_(1.0)\n",
+        # the helper module's summon_full_params(model, ...) is not taken for FSDP1's, called through an instance
+        """\
+        def full(model):
+            if isinstance(model, FSDP):
+                with FSDP.summon_full_params(model):
+                    return model.state_dict()
+            return model.state_dict()
+        """,
+    ],
+)
+def test_output_is_stable_under_a_second_run(body: str) -> None:
+    first, _ = torch_target(body)
+    second = migrate_source(first, "train.py", target="torch")
+    assert second.fixed == first and not second.findings
 
 
 def test_helper_module_is_plain_torch_and_resolves_units_as_the_bridge() -> None:

@@ -118,6 +118,41 @@ class Scanner(
         self.stmt_stack.pop()
 
     # -- expressions ---------------------------------------------------------------
+    def _plan_wrapped_module_test(self, node: cst.Call) -> bool:
+        """``hasattr(m, "_fsdp_wrapped_module")`` telling FSDP1's wrapper by its attribute (true for FSDP1's
+        wrappers only) -> ``fsdp_bridge.is_sharded(m)``: a branch doing FSDP work would be skipped on FSDP2, whose
+        modules have no such attribute. Left as it is where what it guards unwraps (reads
+        ``m._fsdp_wrapped_module``): FSDP2 does not wrap, so skipping that is what the code means."""
+        if (
+            self.planning
+            or not self.uses_fsdp1
+            or not m.matches(node.func, m.Name("hasattr"))
+            or len(node.args) != 2
+            or node.args[0].star
+            or node.args[0].keyword is not None
+            or not m.matches(
+                node.args[1].value,
+                m.SimpleString('"_fsdp_wrapped_module"') | m.SimpleString("'_fsdp_wrapped_module'"),
+            )
+        ):
+            return False
+        obj = code_of(node.args[0].value)
+        stmt = self.stmt_stack[-1] if self.stmt_stack else None
+        guarded = stmt.body if isinstance(stmt, (cst.If, cst.While)) else stmt
+        if guarded is None or "._fsdp_wrapped_module" in code_of(guarded):
+            return False
+        code = f"fsdp_bridge.is_sharded({obj})"
+        self.call_rewrites[id(node)] = code
+        self.needs_imports.add(("fsdp_bridge", None))
+        self._record(
+            node,
+            f'hasattr({short(obj, 40)}, "_fsdp_wrapped_module") (FSDP1\'s wrapper told by its attribute)',
+            f"{short(code, 60)} ({IS_SHARDED}; FSDP2 modules have no _fsdp_wrapped_module, so the test would skip "
+            "them)",
+            True,
+        )
+        return True
+
     def visit_Call(self, node: cst.Call) -> bool | None:
         func = node.func
         self._note_fsdp1_checkpoint(node)
@@ -142,6 +177,8 @@ class Scanner(
                 INTERNAL_ATTRS["_fsdp_flattened"],
                 False,
             )
+        if self._plan_wrapped_module_test(node):
+            return False
         copy = self._vendored_function(self.get_metadata(QualifiedNameProvider, func, set()))
         if self.planning:
             self.called.add(id(func))

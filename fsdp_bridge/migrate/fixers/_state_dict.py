@@ -619,19 +619,7 @@ class StateDictFixer(ScannerBase):
         named = named_args(node, ("module", "state_dict_type", "state_dict_config", "optim_state_dict_config"))
         if named is None and self._module_and_mapping(node):
             # ``FSDP.state_dict_type(m, **cfg)``: fsdp_bridge's takes FSDP1's parameter names, so the same mapping
-            self.expr_rewrites[id(node.func)] = "fsdp_bridge.state_dict_type"
-            self.needs_imports.add(("fsdp_bridge", None))
-            self._consume(node.func)
-            self._record(
-                node,
-                f"FSDP.state_dict_type({short(code_of(node.args[-1]), 40)})",
-                "fsdp_bridge.state_dict_type(...), the same arguments (FSDP1's parameter names): FSDP1's own context "
-                "on FSDP1 models; on FSDP2 the model's state_dict() / load_state_dict() and "
-                "fsdp_bridge.optim_state_dict() give that type's state inside the block (LOCAL_STATE_DICT refused "
-                "when the code runs)",
-                True,
-            )
-            return True
+            return self._bridge_state_dict_type(node, short(code_of(node.args[-1]), 40), " (FSDP1's parameter names)")
         if named is None or "module" not in named or "state_dict_type" not in named:
             return False
         type_arg = named["state_dict_type"]
@@ -664,15 +652,20 @@ class StateDictFixer(ScannerBase):
         if isinstance(block, cst.With) and any(item.item is node for item in block.items):
             # the context covers its model only: another root's state dicts in it keep FSDP1's default (full)
             self._plan_other_roots(block, code_of(named["module"]), {})
+        return self._bridge_state_dict_type(node, kind or short(code_of(type_arg), 40), "")
+
+    def _bridge_state_dict_type(self, node: cst.Call, shown: str, args_note: str) -> bool:
+        """``node`` (FSDP1's ``state_dict_type`` context) -> ``fsdp_bridge.state_dict_type`` with the same
+        arguments; ``shown`` is the type as the report names it."""
         self.expr_rewrites[id(node.func)] = "fsdp_bridge.state_dict_type"
         self.needs_imports.add(("fsdp_bridge", None))
         self._consume(node.func)
         self._record(
             node,
-            f"FSDP.state_dict_type({kind or short(code_of(type_arg), 40)})",
-            "fsdp_bridge.state_dict_type(...), the same arguments: FSDP1's own context on FSDP1 models; on FSDP2 "
-            "the model's state_dict() / load_state_dict() and fsdp_bridge.optim_state_dict() give that type's "
-            "state inside the block (torch.distributed.checkpoint.state_dict; LOCAL_STATE_DICT refused)",
+            f"FSDP.state_dict_type({shown})",
+            f"fsdp_bridge.state_dict_type(...), the same arguments{args_note}: FSDP1's own context on FSDP1 models; "
+            "on FSDP2 the model's state_dict() / load_state_dict() and fsdp_bridge.optim_state_dict() give that "
+            "type's state inside the block (torch.distributed.checkpoint.state_dict; LOCAL_STATE_DICT refused)",
             True,
         )
         return True

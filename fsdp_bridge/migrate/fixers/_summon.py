@@ -10,6 +10,7 @@ from libcst.metadata import PositionProvider, QualifiedNameProvider
 from fsdp_bridge.migrate._analysis import code_of, short, walk
 from fsdp_bridge.migrate._names import FSDP, NAMES
 from fsdp_bridge.migrate._scan_base import ScannerBase
+from fsdp_bridge.migrate._torch_helpers import HELPERS_NAME
 
 
 class SummonFixer(ScannerBase):
@@ -25,7 +26,7 @@ class SummonFixer(ScannerBase):
             hit is None
             and isinstance(func, cst.Attribute)
             and func.attr.value == "summon_full_params"
-            and code_of(func.value) != "fsdp_bridge"
+            and code_of(func.value) not in ("fsdp_bridge", HELPERS_NAME)  # a migrated call (either target)
             and len(node.args) >= 1
             and node.args[0].keyword is None
             and node.args[0].star == ""
