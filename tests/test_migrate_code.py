@@ -2455,6 +2455,91 @@ def test_fsdp1s_wrapper_told_by_its_attribute_becomes_is_sharded_unless_the_bran
     assert migrate_source(plain, "plain.py").fixed == plain  # no FSDP1 in the file: nothing to tell apart
 
 
+def test_a_method_called_only_before_the_wrap_sees_the_plain_module() -> None:
+    # __init__ loads a snapshot through a method before wrapping: that load is nn.Module's, strict, and stays
+    code = textwrap.dedent(
+        """
+        import torch
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+
+        class Trainer:
+            def __init__(self, model, path):
+                self.model = model
+                self._load(path)
+                self.model = FSDP(self.model)
+
+            def _load(self, path):
+                self.model.load_state_dict(torch.load(path))
+
+            def save(self, path):
+                torch.save(self.model.state_dict(), path)
+
+
+        class Resumer(Trainer):
+            def resume(self, path):
+                self._again(path)
+
+            def _again(self, path):
+                self.model.load_state_dict(torch.load(path))
+        """
+    )
+    result = migrate_source(code, "trainer.py")
+    assert "        self.model.load_state_dict(torch.load(path))\n\n    def save" in result.fixed
+    assert "get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))" in result.fixed
+    # called after the wrap (another class's method, nothing plain assigned there): FSDP1's full-state load
+    assert "set_model_state_dict(self.model, torch.load(path)" in result.fixed
+
+
+def test_a_wrap_given_a_device_in_a_file_that_runs_on_another_accelerator_stays_fsdp1s_on_the_bridge() -> None:
+    code = textwrap.dedent(
+        """
+        import torch
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+
+        def wrap(model, rank):
+            device = torch.device(f"xpu:{rank}")
+            torch.xpu.set_device(device)
+            return FSDP(model.to(device), device_id=device)
+        """
+    )
+    bridge = migrate_source(code, "xpu.py")
+    (wrap,) = [f for f in bridge.findings if f.construct == "FSDP(...)"]
+    assert not wrap.fixable and "this file runs on xpu" in wrap.replacement and "--target torch" in wrap.replacement
+    assert "FSDP(model.to(device), device_id=device)" in bridge.fixed
+    torch_out = migrate_source(code, "xpu.py", target="torch")
+    assert "_fsdp2_helpers.shard_model(" in torch_out.fixed and "FSDP(" not in torch_out.fixed
+    cuda = migrate_source(code.replace("xpu", "cuda"), "cuda.py")
+    assert "fsdp_bridge.shard(" in cuda.fixed
+
+
+def test_save_pretrained_of_an_fsdp1_model_is_a_todo_naming_the_full_state_dict() -> None:
+    # save_pretrained takes the model's state_dict(): full on FSDP1 (gathered on every rank), shards on FSDP2
+    code = textwrap.dedent(
+        """
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+
+        def save(model, path):
+            model.save_pretrained(path)
+
+
+        def main(peft_model, path, sd):
+            model = FSDP(peft_model)
+            save(model, path)
+            model.save_pretrained(path, state_dict=sd)
+            peft_model.save_pretrained(path)
+        """
+    )
+    result = migrate_source(code, "save.py")
+    todos = [f for f in result.findings if f.construct == "model.save_pretrained(...)"]
+    assert [(t.line, t.fixable) for t in todos] == [(6, False)]
+    assert "get_model_state_dict(model, options=StateDictOptions(full_state_dict=True" in todos[0].replacement
+    assert "state_dict=sd) on rank 0" in todos[0].replacement
+    assert not any("peft_model.save_pretrained" in f.construct for f in result.findings)
+
+
 def test_an_fsdp1_name_an_eval_reads_stays_imported() -> None:
     # eval(f"ShardingStrategy.{name}") reads the name when the code runs: removing its import raised NameError
     code = textwrap.dedent(

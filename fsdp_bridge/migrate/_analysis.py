@@ -336,6 +336,21 @@ class Dispatch:
                 self.instance_attributes.setdefault(cls, {}).setdefault(attr, set()).update(kinds)
 
 
+OTHER_ACCELERATOR = re.compile(
+    r"\btorch\.(xpu|npu|hpu|mlu)\b|[\"'](xpu|npu|hpu|mlu)[:\"']|^\s*import\s+(torch_npu|habana_frameworks)\b", re.M
+)
+
+
+def other_accelerator(code: str) -> str | None:
+    """The first non-CUDA accelerator the code runs on (``torch.xpu``, ``"xpu:0"``, ``device_type = "npu"``,
+    ``import torch_npu``), as the code names it; None where it names none."""
+    found = OTHER_ACCELERATOR.search(code)
+    if found is None:
+        return None
+    name = next(g for g in found.groups() if g)
+    return "npu" if name == "torch_npu" else "hpu" if name == "habana_frameworks" else name
+
+
 OWN_METHOD_NAMES = ("clip_grad_norm_", "no_sync", "set_state_dict_type")
 INTERNAL_METHOD_NAMES = ("_handle", "_handles", "_flat_param", "flat_param", "_has_params")
 """FSDP1-only attribute names (read on an object, proof it is FSDP1's wrapper) that a class of the tree may

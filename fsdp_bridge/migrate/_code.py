@@ -185,6 +185,7 @@ def migrate_source(
             if var.value in known.imported_names:
                 uses[var.value] = uses.get(var.value, 0) + 1
     scan = Scanner(path, code, single, uses, known)
+    scan.target = target
     scan.aliases = class_aliases(wrapper)
     wrapper.visit(scan)  # plan: FSDP(...) conversions and checkpoint blocks
     scan.planning = False

@@ -275,13 +275,41 @@ class ObjectAnalysis(ScannerBase):
         """``self.x`` at ``node`` is the module before any wrap: this method assigns it above ``node`` (the last
         such assignment) a value with nothing of FSDP1's in it (``self.dit = Model.from_pretrained(...)``), and
         nothing between calls a method of the instance or hands the instance on (either could wrap it). The
-        class's other methods may wrap ``self.x`` later; here it is still the plain module."""
+        class's other methods may wrap ``self.x`` later; here it is still the plain module. Also where this method
+        assigns nothing to ``self.x`` but is called only as ``self.method(...)`` from methods of the class at points
+        where ``self.x`` is plain so (``__init__`` loading a snapshot into the model before wrapping it)."""
         target = code_of(obj)
         if not target.startswith("self.") or not self.functions:
             return False
         fn = self.functions[-1]
         at = self.get_metadata(PositionProvider, node).start
-        here = (at.line, at.column)
+        plain = self._plain_at(fn, (at.line, at.column), target, calls_allowed=())
+        if plain is not None:
+            return plain
+        if len(self.functions) != 1 or not self.classes:
+            return False
+        callers = [
+            (caller, n)
+            for caller in walk(self.classes[-1])
+            if isinstance(caller, cst.FunctionDef)
+            for n in walk(caller)
+            if isinstance(n, cst.Call)
+            and m.matches(n.func, m.Attribute(value=m.Name("self"), attr=m.Name(fn.name.value)))
+        ]
+        if not callers or any(caller is fn for caller, _ in callers):
+            return False
+        for caller, call in callers:
+            start = self.get_metadata(PositionProvider, call).start
+            if not self._plain_at(caller, (start.line, start.column), target, calls_allowed=(call,)):
+                return False
+        return True
+
+    def _plain_at(
+        self, fn: cst.FunctionDef, here: tuple[int, int], target: str, *, calls_allowed: tuple[cst.Call, ...]
+    ) -> bool | None:
+        """``target`` (``self.x``) at ``here`` in ``fn``: True where ``fn`` last assigned it a plain value above and
+        nothing between (but ``calls_allowed``) calls a method of the instance or hands it on; False where it
+        assigned an FSDP1 value or something between may wrap it; None where ``fn`` assigns it nothing above."""
         last: tuple[tuple[int, int], cst.BaseExpression] | None = None
         for n in walk(fn):
             if isinstance(n, cst.Assign) and any(code_of(t.target) == target for t in n.targets):
@@ -289,7 +317,7 @@ class ObjectAnalysis(ScannerBase):
                 if (start.line, start.column) < here and (last is None or (start.line, start.column) > last[0]):
                     last = ((start.line, start.column), n.value)
         if last is None:
-            return False
+            return None
         makers = self._local_fsdp1_makers()
         for x in walk(last[1]):
             quals = self.get_metadata(QualifiedNameProvider, x, set())
@@ -298,7 +326,7 @@ class ObjectAnalysis(ScannerBase):
             if isinstance(x, cst.Call) and code_of(x.func).removeprefix("self.") in makers:
                 return False
         for n in walk(fn):
-            if not isinstance(n, cst.Call):
+            if not isinstance(n, cst.Call) or any(n is c for c in calls_allowed):
                 continue
             start = self.get_metadata(PositionProvider, n).start
             if not last[0] < (start.line, start.column) < here:

@@ -82,6 +82,7 @@ class ScannerBase(FollowsAliases):
             why: str,
         ) -> None: ...
         def _plan_plain_state_dict(self, node: cst.Call, func: cst.Attribute) -> bool: ...
+        def _plan_save_pretrained(self, node: cst.Call, func: cst.Attribute) -> bool: ...
         def _options(
             self, full: bool, *, cpu_offload: bool = False, broadcast: bool = False, offload: bool = False
         ) -> str: ...
@@ -132,7 +133,9 @@ class ScannerBase(FollowsAliases):
         self.options_at: cst.CSTNode | None = None  # the state_dict_type block whose options are being written
         self.regions: list[Region] = []  # code FSDP2 modules never reach: FSDP1 constructs there stay as they are
         self.kept_checks: set[int] = set()  # id(isinstance(x, FSDP)) where it tells the backends apart
+        self.code = code
         self.lines = code.splitlines()
+        self.target = "bridge"  # what --fix writes ("torch": the torch target lowers the bridge's calls after)
         self.assignments = assignments
         self.name_uses = name_uses
         self.findings: list[CodeFinding] = []

@@ -280,6 +280,13 @@ class Scanner(
             and self._plan_plain_state_dict(node, func)
         ):
             return False
+        if (
+            isinstance(func, cst.Attribute)
+            and func.attr.value == "save_pretrained"
+            and hit is None
+            and self._plan_save_pretrained(node, func)
+        ):
+            return False
         self._plan_wrapper_method_call(node, func, hit)
         return None
 

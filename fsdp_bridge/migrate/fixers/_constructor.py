@@ -10,7 +10,7 @@ import libcst as cst
 import libcst.matchers as m
 from libcst.metadata import PositionProvider, QualifiedNameProvider
 
-from fsdp_bridge.migrate._analysis import Conversion, code_of, make_arg, make_str, short, walk
+from fsdp_bridge.migrate._analysis import Conversion, code_of, make_arg, make_str, other_accelerator, short, walk
 from fsdp_bridge.migrate._names import (
     FSDP,
     FSDP1_POSITIONAL,
@@ -112,7 +112,10 @@ class ConstructorFixer(ScannerBase):
             self._consume(call.func)
             conv.blockers, conv.consumed, conv.runtime = [], [], runtime
         if (
-            user := self._fsdp1_only_user(call) or self._in_lightning_strategy() or self._units_wrapped_by_class()
+            user := self._fsdp1_only_user(call)
+            or self._in_lightning_strategy()
+            or self._units_wrapped_by_class()
+            or self._other_accelerator(call)
         ) is not None:
             # The wrapper is handed to a function that takes FSDP1's only: the call stays, with a TODO.
             self.consumed_nodes = consumed_before
@@ -401,6 +404,18 @@ class ConstructorFixer(ScannerBase):
         )
         self._kept_kwarg_findings(rest, runtime)
         return True
+
+    def _other_accelerator(self, call: cst.Call) -> str | None:
+        """Why ``call`` stays FSDP1's under the bridge target: it is given a ``device_id`` in a file that also runs
+        on an accelerator other than CUDA (XPU, NPU, HPU, MLU), where fsdp_bridge does not shard; None otherwise."""
+        device = next((a for a in call.args if a.keyword is not None and a.keyword.value == "device_id"), None)
+        if self.target != "bridge" or device is None or (acc := other_accelerator(self.code)) is None:
+            return None
+        return (
+            f"device_id={short(code_of(device.value), 40)}: this file runs on {acc} (named in it), and fsdp_bridge "
+            "shards on CUDA or CPU only; "
+            "--target torch writes torch's fully_shard over a mesh of the machine's accelerator"
+        )
 
     def _plan_runtime(self, call: cst.Call, static: Conversion) -> list[tuple[str, str]] | None:
         """FSDP1's arguments by name for ``BridgeConfig.from_fsdp1``; None when they cannot be named."""

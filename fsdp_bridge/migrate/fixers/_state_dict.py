@@ -448,6 +448,35 @@ class StateDictFixer(ScannerBase):
         )
         return True
 
+    def _plan_save_pretrained(self, node: cst.Call, func: cst.Attribute) -> bool:
+        """``model.save_pretrained(path)`` (Hugging Face's, PEFT's) without ``state_dict=`` on an object shown to be
+        FSDP1's model, or handed one by a call of the tree, outside any state-dict context: it takes
+        ``model.state_dict()``, full on FSDP1 (its default type, gathered on every rank), DTensor shards on FSDP2.
+        A TODO: the gather is a collective, and where the call runs on one rank only it must move out."""
+        if any(a.keyword is not None and a.keyword.value == "state_dict" for a in node.args) or any(
+            a.star for a in node.args
+        ):
+            return False
+        obj = func.value
+        if self._fsdp1_wrapper(node, obj) not in ("fsdp1", "ambiguous") and not self._handed_parameter(node, obj):
+            return False
+        if self._runtime_state_context() is not None or self._inside_own_summon(code_of(obj)):
+            return False  # a state_dict_type block or a summon: the type it gives (reported with the block)
+        if self.dispatch.sets_state_dict_type is not None:
+            return False  # a type set at run time, reported where it is set
+        target = short(code_of(obj), 40)
+        self._record(
+            node,
+            f"{target}.save_pretrained(...)",
+            f"not rewritten: save_pretrained takes {target}.state_dict(), which FSDP1 gave full (its default "
+            "FULL_STATE_DICT, gathered on every rank) and FSDP2 gives as DTensor shards; take the full state on "
+            f"every rank, sd = get_model_state_dict({target}, options=StateDictOptions(full_state_dict=True, "
+            f"cpu_offload=True)) (a collective: outside any rank test), then {target}.save_pretrained(..., "
+            "state_dict=sd) on rank 0",
+            False,
+        )
+        return True
+
     def _holder_function(self, func: cst.BaseExpression) -> bool:
         """``func`` is a function of the tree in ``Dispatch.unit_holders``: imported from its file, or defined in
         this one."""
