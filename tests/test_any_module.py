@@ -157,6 +157,27 @@ def test_a_full_optimizer_state_keeps_fsdp1s_optimizer_config() -> None:
     assert sorted(state["state"]) == ["bias", "weight"] and state["state"]["weight"]["exp_avg"].device.type == "cpu"
 
 
+def test_a_rank0_only_full_state_block_gives_the_state_to_each_groups_first_rank() -> None:
+    # FSDP1's rank0_only is the first rank of the group the model is sharded over (each model-parallel slice's
+    # data-parallel group saves its slice); torch's cpu_offload would give it to world rank 0 alone
+    from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+
+    from fsdp_bridge.backends import fsdp1_objects
+
+    model = nn.Linear(3, 2)
+    full = StateDictType.FULL_STATE_DICT
+    for first, offload in ((True, True), (False, True), (True, False)):
+        config = FullStateDictConfig(rank0_only=True, offload_to_cpu=offload)
+        with mock.patch.object(fsdp1_objects, "_keeps_full_state", lambda m, first=first: first):
+            with fsdp_bridge.state_dict_type(model, full, config):
+                state = model.state_dict()
+        if not first:
+            assert state == {}
+            continue
+        assert sorted(state) == ["bias", "weight"] and torch.equal(state["weight"], model.weight)
+        assert state["weight"].device.type == "cpu" and not state["weight"].requires_grad
+
+
 class _OwnSwitch(nn.Module):
     """Another library's module (a jitted module) with a no_sync() of its own."""
 

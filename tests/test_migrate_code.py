@@ -2540,6 +2540,33 @@ def test_save_pretrained_of_an_fsdp1_model_is_a_todo_naming_the_full_state_dict(
     assert not any("peft_model.save_pretrained" in f.construct for f in result.findings)
 
 
+def test_a_load_into_a_class_overriding_load_state_dict_without_strict_is_a_todo() -> None:
+    # FSDP1's wrapper loaded through nn.Module's; on FSDP2 torch's set_model_state_dict calls the class's own
+    # load_state_dict(sd, strict=..., assign=...), which this one does not take (TypeError on every rank)
+    code = textwrap.dedent(
+        """
+        import torch
+        from torch import nn
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+
+        class Dual(nn.Module):
+            def load_state_dict(self, state_dict):
+                self.inner.load_state_dict(state_dict["inner"])
+
+
+        def load(path):
+            model = FSDP(Dual())
+            model.load_state_dict(torch.load(path))
+        """
+    )
+    result = migrate_source(code, "dual.py")
+    (load,) = [f for f in result.findings if f.construct == "model.load_state_dict(...)"]
+    assert not load.fixable and "Dual in this file defines its own load_state_dict" in load.replacement
+    wide = migrate_source(code.replace("(self, state_dict)", "(self, state_dict, strict=True, assign=False)"), "d.py")
+    assert "set_model_state_dict(model, torch.load(path)" in wide.fixed
+
+
 def test_an_fsdp1_name_an_eval_reads_stays_imported() -> None:
     # eval(f"ShardingStrategy.{name}") reads the name when the code runs: removing its import raised NameError
     code = textwrap.dedent(

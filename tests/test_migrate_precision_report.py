@@ -186,6 +186,21 @@ def test_flat_parameters_of_guarded_units_get_a_todo_and_a_params_attribute_of_o
     assert "# TODO(fsdp-bridge): module.params" in result.fixed
 
 
+def test_a_flat_parameters_local_shard_moved_by_hand_is_a_todo() -> None:
+    # offloading by FSDP1's flat parameters (p._local_shard, p.data = p.data.to(...)): FSDP2's DTensor parameters
+    # have no _local_shard, and setting .data does not move their shard
+    code = (
+        "import torch\nfrom torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n\n\n"
+        "def offload(model: FSDP):\n"
+        "    for p in model.parameters():\n"
+        "        p._local_shard = p.data.to('cpu')\n"
+        "        p.data = p._local_shard\n"
+    )
+    result = migrate_source(code, "offload.py")
+    todos = [f for f in result.findings if not f.fixable and "_local_shard" in f.construct]
+    assert len(todos) == 2 and "fsdp_bridge.move_shards(model, device)" in todos[0].replacement
+
+
 def test_fsdp1_attributes_read_under_an_enclosing_hasattr_test_are_not_reported() -> None:
     # An unwrapping loop: each branch reads an attribute only where the object has it, so on FSDP2 (no wrapper)
     # the FSDP1 branch is skipped and the code already runs; the DDP branch's .module must keep working.

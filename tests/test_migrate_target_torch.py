@@ -225,6 +225,14 @@ def test_sharded_grad_scaler_is_the_bridges_and_plain_torchs_only_under_target_t
     assert f"# {TODO}: fsdp_bridge.GradScaler(...): kept on fsdp_bridge under --target torch: process_group=" in code
     assert [f.line for f in result.findings if not f.fixable] == [10]  # the grouped one
     assert migrate_source(code, "s.py", target="torch").fixed == code
+    # A tree sharding over groups of some ranks (model-parallel slices): ShardedGradScaler agreed on an overflow
+    # over every rank, FSDP2's gradients over their own mesh only: the bridge's scaler stays, with a TODO.
+    grouped, lines = torch_target(
+        "from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler\n"
+        "model = FSDP(nn.Linear(2, 2), process_group=dp_group)\nscaler = ShardedGradScaler()\n"
+    )
+    assert "scaler = fsdp_bridge.GradScaler()" in grouped
+    assert any("model-parallel slices could skip different steps" in line for line in lines)
 
 
 def test_what_it_cannot_write_stays_on_the_bridge_with_a_todo() -> None:
@@ -277,6 +285,13 @@ def test_bridge_target_is_the_default_and_unchanged() -> None:
                 with FSDP.summon_full_params(model):
                     return model.state_dict()
             return model.state_dict()
+        """,
+        # nor its clip_grad_norm_(model, max_norm) for FSDP1's method called on an unproven receiver
+        """\
+        def step(model, optimizer):
+            if isinstance(model, FSDP):
+                norm = model.clip_grad_norm_(1.0)
+            optimizer.step()
         """,
     ],
 )

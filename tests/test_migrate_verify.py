@@ -93,6 +93,24 @@ def test_saved_names_that_differ_only_by_the_compile_prefix_are_named_once_and_c
     assert lines == ["ck.pt: 2 tensors compared, 1 bit for bit, 1 within tolerance or not (largest difference 1)"]
 
 
+def test_a_failed_run_shows_the_traceback_chained_to_the_first_one() -> None:
+    from fsdp_bridge.migrate.verify import _first_traceback
+
+    stderr = (
+        "[rank0]: noise\n"
+        'Traceback (most recent call last):\n  File "train.py", line 3, in <module>\n'
+        "    from . import helpers\nImportError: attempted relative import with no known parent package\n\n"
+        "During handling of the above exception, another exception occurred:\n\n"
+        'Traceback (most recent call last):\n  File "train.py", line 5, in <module>\n'
+        "    import helpers\nModuleNotFoundError: No module named 'helpers'\n"
+        'Traceback (most recent call last):\n  File "/x/torch/distributed/run.py", line 9, in main\n'
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError\n"
+    )
+    shown = _first_traceback(stderr)
+    assert "attempted relative import" in shown and "No module named 'helpers'" in shown
+    assert "ChildFailedError" not in shown
+
+
 def test_arguments_refused_before_anything_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["migrate", "verify", str(tmp_path)]) == 2
     assert "SCRIPT: got None; allowed: the training script after --" in capsys.readouterr().err

@@ -290,12 +290,19 @@ def _install(module: nn.Module, args: tuple[object, object, object]) -> None:
     )
     own = type(module)
     inside = [False]  # torch's functions call the module's own state_dict / load_state_dict
+    # FULL_STATE_DICT with rank0_only: FSDP1 gives the state to the first rank of the group the model is sharded
+    # over (each model-parallel slice's data-parallel group saves its slice); torch's cpu_offload, to world rank 0
+    rank0_only = getattr(args[0], "name", args[0]) == "FULL_STATE_DICT" and bool(getattr(args[1], "rank0_only", False))
 
     def state_dict(*pos: Any, **kw: Any) -> dict[str, Any]:
         if pos or kw or inside[0] or _called_by_torchs_api():  # destination / prefix / keep_vars: nn.Module's own
             return own.state_dict(module, *pos, **kw)  # type: ignore[no-any-return]
         inside[0] = True
         try:
+            if rank0_only:
+                keep = _keeps_full_state(module)
+                state = _gathered(get_model_state_dict(module), keep, bool(getattr(args[1], "offload_to_cpu", False)))
+                return state if keep else {}
             return get_model_state_dict(module, options=save)
         finally:
             inside[0] = False

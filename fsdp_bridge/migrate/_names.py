@@ -122,6 +122,9 @@ INTERNAL_ATTRS: dict[str, str] = {
     "name, which the wrapper forwards) is rewritten to X.name. Use the model itself where it is FSDP2's",
     "_handles": "FSDP1's list of FlatParamHandles has no FSDP2 form: use the module's parameters (DTensors) and "
     "FSDPModule methods (unshard/reshard)",
+    "_local_shard": "FSDP1's flat parameter's local shard has no FSDP2 form (setting p.data on a DTensor "
+    "parameter does not move its shard): each parameter is a DTensor, p.to_local() this rank's shard; to move a "
+    "model's shards (and their gradients) to another device between steps: fsdp_bridge.move_shards(model, device)",
     "_is_flat_param": "FSDP1's flat-parameter flag has no FSDP2 form: each parameter is its own DTensor "
     "(isinstance(p, torch.distributed.tensor.DTensor))",
     "_fsdp_flattened": "FSDP1 marks the parameters it flattened (flat parameters, use_orig_params views) with "

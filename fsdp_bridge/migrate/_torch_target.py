@@ -558,6 +558,12 @@ class _Lowerer(cst.CSTTransformer):
         device are named: the two classes order ``backoff_factor`` and ``growth_factor`` differently."""
         if any(a.star for a in args):
             raise _CannotLower("arguments unpacked with * or **: process_group= may be among them")
+        if self.groups:
+            raise _CannotLower(
+                "the tree shards over process groups of some ranks: ShardedGradScaler agrees on an overflow over "
+                "its group (every rank by default), FSDP2's DTensor gradients over their own mesh only, so "
+                "model-parallel slices could skip different steps; fsdp_bridge.GradScaler keeps FSDP1's meaning"
+            )
         # process_group=None is ShardedGradScaler's default (the default group): nothing to keep
         args = [
             a

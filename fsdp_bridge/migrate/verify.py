@@ -335,12 +335,27 @@ def _rank_copies_text(rank: int, copies: dict[str, Any]) -> str:
     )
 
 
+_CHAINED = (
+    "During handling of the above exception, another exception occurred:",
+    "The above exception was the direct cause",
+)
+"""How Python joins a traceback to the one raised while handling it: the error that ended the run is the last."""
+
+
 def _first_traceback(stderr: str) -> str:
-    """What the failing ranks printed: the first traceback not torchrun's own (its summary says less)."""
-    blocks = stderr.split("Traceback (most recent call last):")
-    for block in blocks[1:]:
+    """What the failing ranks printed: the first traceback not torchrun's own (its summary says less), with the
+    tracebacks chained to it (an ImportError handled by another import that failed too: the last is the one
+    that ended the run)."""
+    head = "Traceback (most recent call last):"
+    blocks = stderr.split(head)
+    for i, block in enumerate(blocks[1:], start=1):
         if "torch/distributed/run.py" not in block and "elastic" not in block.split("\n", 3)[1]:
-            return ("Traceback (most recent call last):" + block)[-6000:]
+            text = head + block
+            while i + 1 < len(blocks) and any(marker in block.rstrip()[-200:] for marker in _CHAINED):
+                i += 1
+                block = blocks[i]
+                text += head + block
+            return text[-6000:]
     return blocks[0][-4000:] or stderr[-4000:]
 
 

@@ -14,6 +14,7 @@ from fsdp_bridge.migrate._analysis import called_as, code_of, handed_parameters,
 from fsdp_bridge.migrate._names import FSDP, NAMES
 from fsdp_bridge.migrate._report import CodeFinding
 from fsdp_bridge.migrate._scan_base import ScannerBase
+from fsdp_bridge.migrate._torch_helpers import HELPERS_NAME
 
 LOCAL_CLIP = (
     "left as it is; its meaning changes: on FSDP1 (flat parameters) torch's clip_grad_norm_ sees the gradient "
@@ -561,8 +562,11 @@ class NoSyncClipFixer(ScannerBase):
             return
         if isinstance(func, cst.Attribute) and func.attr.value in ("no_sync", "clip_grad_norm_") and hit is None:
             qn = {q.name for q in self.get_metadata(QualifiedNameProvider, func, set())}
-            if any(q.startswith(("torch.nn", "fsdp_bridge")) for q in qn) or code_of(func.value) == "fsdp_bridge":
-                return  # torch.nn.utils.clip_grad_norm_ works on FSDP2; fsdp_bridge's are the rewrites
+            if any(q.startswith(("torch.nn", "fsdp_bridge")) for q in qn) or code_of(func.value) in (
+                "fsdp_bridge",
+                HELPERS_NAME,
+            ):
+                return  # torch.nn.utils.clip_grad_norm_ works on FSDP2; fsdp_bridge's and the helpers' are rewrites
             if self._ddp_tested(func.value) and not self._beside_a_ddp_branch(node, func.value):
                 return  # DDP's no_sync (the code tells DDP apart), not FSDP1's
             name = func.attr.value

@@ -315,6 +315,19 @@ class StateDictFixer(ScannerBase):
             if not 1 <= len(positional) <= 2 or set(keywords) - {"strict"} or (len(positional) == 2 and keywords):
                 return False
             construct = f"{short(target, 40)}.load_state_dict(...)"
+            if (owner := self._own_narrow_load_state_dict()) is not None:
+                self._record(
+                    node,
+                    construct,
+                    f"not rewritten: {owner} in this file defines its own load_state_dict, which takes no strict: "
+                    "FSDP1's wrapper loaded through nn.Module's (the override of the module inside was never "
+                    "called), while on FSDP2 the model is that class, and torch's set_model_state_dict calls its "
+                    "load_state_dict(sd, strict=..., assign=...) (a TypeError): give the override strict and "
+                    "**kwargs, or load with set_model_state_dict(model, sd, options=StateDictOptions("
+                    "full_state_dict=True)) around nn.Module.load_state_dict",
+                    False,
+                )
+                return True
         ctx = self._runtime_state_context()
         if ctx is not None and self._context_of_another_model(ctx, target):
             ctx = None  # FSDP1's contexts set the type of the model they are given (and its units) only
@@ -447,6 +460,22 @@ class StateDictFixer(ScannerBase):
             True,
         )
         return True
+
+    def _own_narrow_load_state_dict(self) -> str | None:
+        """A class of this file whose own ``load_state_dict`` takes neither ``strict`` nor ``**kwargs`` (torch's
+        state-dict functions call it with both on FSDP2, where the model is the user's class): its name."""
+        for c in walk(self.module) if self.module is not None else ():
+            if not isinstance(c, cst.ClassDef):
+                continue
+            for stmt in c.body.body:
+                if (
+                    isinstance(stmt, cst.FunctionDef)
+                    and stmt.name.value == "load_state_dict"
+                    and not isinstance(stmt.params.star_kwarg, cst.Param)
+                    and all(p.name.value != "strict" for p in (*stmt.params.params, *stmt.params.kwonly_params))
+                ):
+                    return c.name.value
+        return None
 
     def _plan_save_pretrained(self, node: cst.Call, func: cst.Attribute) -> bool:
         """``model.save_pretrained(path)`` (Hugging Face's, PEFT's) without ``state_dict=`` on an object shown to be
