@@ -2451,6 +2451,30 @@ def test_fsdp1s_wrapper_told_by_its_attribute_becomes_is_sharded_unless_the_bran
     (test,) = [f for f in result.findings if f.construct.startswith("hasattr(")]
     assert test.fixable and test.line == 5 and "FSDP2 modules have no _fsdp_wrapped_module" in test.replacement
     assert migrate_source(result.fixed, "weights.py").fixed == result.fixed
+    # an unwrapping loop however spelled stays as written: on FSDP2 is_sharded(m) stays true where unwrapping gives m
+    loops = textwrap.dedent(
+        """
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+
+        def inner(m):
+            while True:
+                if not hasattr(m, "_fsdp_wrapped_module"):
+                    break
+                m = m._fsdp_wrapped_module
+            return m
+
+
+        def outer(m):
+            while hasattr(m, "_fsdp_wrapped_module"):
+                m = m.module
+            return m, isinstance(m, FSDP)
+        """
+    )
+    for target in ("bridge", "torch"):
+        once = migrate_source(loops, "loops.py", target=target).fixed
+        assert once.count('hasattr(m, "_fsdp_wrapped_module")') == 2, once
+        assert migrate_source(once, "loops.py", target=target).fixed == once
     plain = 'def sharded(m):\n    return hasattr(m, "_fsdp_wrapped_module")\n'
     assert migrate_source(plain, "plain.py").fixed == plain  # no FSDP1 in the file: nothing to tell apart
 
@@ -2476,7 +2500,10 @@ def test_a_method_called_only_before_the_wrap_sees_the_plain_module() -> None:
                 torch.save(self.model.state_dict(), path)
 
 
-        class Resumer(Trainer):
+        class Resumer:
+            def __init__(self, model):
+                self.model = FSDP(model)
+
             def resume(self, path):
                 self._again(path)
 
@@ -2512,6 +2539,9 @@ def test_a_wrap_given_a_device_in_a_file_that_runs_on_another_accelerator_stays_
     assert "_fsdp2_helpers.shard_model(" in torch_out.fixed and "FSDP(" not in torch_out.fixed
     cuda = migrate_source(code.replace("xpu", "cuda"), "cuda.py")
     assert "fsdp_bridge.shard(" in cuda.fixed
+    # a docstring or a comment naming XPUs is no device the file runs on
+    said = '"""Also tested on xpu machines."""\n# torch.xpu works too\n' + code.replace("xpu", "cuda")
+    assert "fsdp_bridge.shard(" in migrate_source(said, "said.py").fixed
 
 
 def test_save_pretrained_of_an_fsdp1_model_is_a_todo_naming_the_full_state_dict() -> None:
@@ -2565,6 +2595,16 @@ def test_a_load_into_a_class_overriding_load_state_dict_without_strict_is_a_todo
     assert not load.fixable and "Dual in this file defines its own load_state_dict" in load.replacement
     wide = migrate_source(code.replace("(self, state_dict)", "(self, state_dict, strict=True, assign=False)"), "d.py")
     assert "set_model_state_dict(model, torch.load(path)" in wide.fixed
+    ema = migrate_source(code.replace("class Dual(nn.Module)", "class Dual"), "d.py")  # not a module: not the model
+    assert "set_model_state_dict(model, torch.load(path)" in ema.fixed
+    block = code.replace(
+        "    model.load_state_dict(torch.load(path))",
+        "    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT):\n        model.load_state_dict(torch.load(path))",
+    ).replace("import FullyShardedDataParallel as FSDP", "import FullyShardedDataParallel as FSDP, StateDictType")
+    in_block = migrate_source(block, "dual.py")
+    (ctx,) = [f for f in in_block.findings if f.construct == "FSDP.state_dict_type(FULL_STATE_DICT)"]
+    assert not ctx.fixable and "Dual in this file defines its own load_state_dict" in ctx.replacement
+    assert "with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT):" in in_block.fixed
 
 
 def test_an_fsdp1_name_an_eval_reads_stays_imported() -> None:

@@ -232,6 +232,7 @@ def test_sharded_grad_scaler_is_the_bridges_and_plain_torchs_only_under_target_t
         "model = FSDP(nn.Linear(2, 2), process_group=dp_group)\nscaler = ShardedGradScaler()\n"
     )
     assert "scaler = fsdp_bridge.GradScaler()" in grouped
+    assert migrate_source(grouped, "train.py", target="torch").fixed == grouped
     assert any("model-parallel slices could skip different steps" in line for line in lines)
 
 

@@ -339,12 +339,28 @@ class Dispatch:
 OTHER_ACCELERATOR = re.compile(
     r"\btorch\.(xpu|npu|hpu|mlu)\b|[\"'](xpu|npu|hpu|mlu)[:\"']|^\s*import\s+(torch_npu|habana_frameworks)\b", re.M
 )
+_DEVICE_STRING = re.compile(r"^[rbuRBUfF]?[\"'](xpu|npu|hpu|mlu)(:[^\"']*)?[\"']$")
 
 
 def other_accelerator(code: str) -> str | None:
     """The first non-CUDA accelerator the code runs on (``torch.xpu``, ``"xpu:0"``, ``device_type = "npu"``,
-    ``import torch_npu``), as the code names it; None where it names none."""
-    found = OTHER_ACCELERATOR.search(code)
+    ``import torch_npu``), as the code names it; None where it names none (comments, and strings that are not
+    a device, such as a docstring mentioning XPUs, do not count)."""
+    try:
+        tokens = list(tokenize.generate_tokens(io.StringIO(code).readline))
+    except (tokenize.TokenError, SyntaxError):
+        return None
+    middle = getattr(tokenize, "FSTRING_MIDDLE", None)  # f"xpu:{rank}" is split into parts from Python 3.12
+    kept = [
+        f'"{t.string}"' if t.type == middle else t.string
+        for t in tokens
+        if t.type != tokenize.COMMENT
+        and (
+            t.type not in (tokenize.STRING, middle)
+            or _DEVICE_STRING.match(t.string if t.type != middle else f'"{t.string}"')
+        )
+    ]
+    found = OTHER_ACCELERATOR.search(" ".join(kept).replace(" . ", ".").replace(" .", ".").replace(". ", "."))
     if found is None:
         return None
     name = next(g for g in found.groups() if g)
@@ -517,6 +533,8 @@ def passes_group(code: str) -> bool:
     """Whether FSDP1 code passes a process group or a device mesh (the data-parallel group or sub-mesh of a
     model-parallel layout, whose first rank FSDP1's ``rank0_only`` means; HYBRID's pair); ``None`` written out
     and a commented-out ``# process_group=...`` are not one, ``None if single else group`` is."""
+    if "fsdp_bridge.mesh_from_process_group(" in code:
+        return True  # a grouped FSDP(...) an earlier --fix wrote for the bridge (a second --fix sees the same tree)
     if "FullyShardedDataParallel" not in code or GROUP_ARG.search(code) is None:
         return False
     try:

@@ -3,6 +3,7 @@ never reach), objects tested as DDP, and the wrapper kinds an object may hold.""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import libcst as cst
@@ -286,8 +287,14 @@ class ObjectAnalysis(ScannerBase):
         plain = self._plain_at(fn, (at.line, at.column), target, calls_allowed=())
         if plain is not None:
             return plain
-        if len(self.functions) != 1 or not self.classes:
+        if len(self.functions) != 1 or not self.classes or self.module is None:
             return False
+        name = fn.name.value
+        mentions = re.findall(rf"(?:\bdef\s+|self\.|\W|^){re.escape(name)}\b", self.module.code, re.M)
+        if self.classes[-1].name.value in self.dispatch.subclassed or len(mentions) != 1 + len(
+            re.findall(rf"\bself\.{re.escape(name)}\(", self.module.code)
+        ):
+            return False  # reached otherwise too (another receiver, a reference, a subclass): not shown plain
         callers = [
             (caller, n)
             for caller in walk(self.classes[-1])

@@ -3,6 +3,7 @@ family (``fixers/``) over the shared analysis; ``visit_Call`` hands each call to
 
 from __future__ import annotations
 
+import re
 from typing import cast
 
 import libcst as cst
@@ -140,6 +141,16 @@ class Scanner(
         stmt = self.stmt_stack[-1] if self.stmt_stack else None
         guarded = stmt.body if isinstance(stmt, (cst.If, cst.While)) else stmt
         if guarded is None or "._fsdp_wrapped_module" in code_of(guarded):
+            return False
+        scope = code_of(self.functions[-1] if self.functions else guarded)
+        if (
+            any(isinstance(s, (cst.While, cst.For)) for s in self.stmt_stack)
+            or re.search(rf"(?m)^\s*{re.escape(obj)}\s*=[^=]", scope)
+            or '_fsdp_wrapped_module"' in scope.replace("'", '"').replace(f'hasattr({obj}, "_fsdp_wrapped_module"', "")
+            or "unwrapped(" in scope
+        ):
+            # an unwrapping loop or one reassigning the object (m = m.module, m = getattr(m, ...)): on FSDP2
+            # is_sharded(m) stays true where unwrapping gives m itself, so the test stays as written
             return False
         code = f"fsdp_bridge.is_sharded({obj})"
         self.call_rewrites[id(node)] = code

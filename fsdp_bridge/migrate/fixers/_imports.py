@@ -100,6 +100,14 @@ class ImportsFixer(ScannerBase):
             self.uses_fsdp1 = True
         return False
 
+    def _fsdp1_internal(self, node: cst.Attribute) -> bool:
+        """``node`` reads one of FSDP1's internals (``INTERNAL_ATTRS``) in a file using FSDP1; ``_local_shard`` only
+        where no class of the file keeps an attribute of that name itself (a hand-written sharded optimizer's)."""
+        name = node.attr.value
+        if name not in INTERNAL_ATTRS or not self.uses_fsdp1:
+            return False
+        return name != "_local_shard" or re.search(r"\bself\._local_shard\s*=", self.code) is None
+
     def _reference(self, node: cst.BaseExpression) -> bool:
         if self.planning:
             if self._qn(node) is not None:
@@ -108,7 +116,7 @@ class ImportsFixer(ScannerBase):
                 self.uses_fsdp1 = True
             return True
         if (region := self._in_region(node)) is not None:
-            if isinstance(node, cst.Attribute) and node.attr.value in INTERNAL_ATTRS and self.uses_fsdp1:
+            if isinstance(node, cst.Attribute) and self._fsdp1_internal(node):
                 self._record(node, f"{code_of(node)} (an FSDP1 internal)", region.text(), True)
                 return True
             if (hit := self._qn(node)) is None:
@@ -119,7 +127,7 @@ class ImportsFixer(ScannerBase):
             self.uses_fsdp1 = True
             self._record(node, f"FSDP.{hit[1]}" if hit[0] == FSDP and hit[1] else code_of(node), region.text(), True)
             return False
-        if isinstance(node, cst.Attribute) and node.attr.value in INTERNAL_ATTRS and self.uses_fsdp1:
+        if isinstance(node, cst.Attribute) and self._fsdp1_internal(node):
             if node.attr.value == "_fsdp_wrapped_module" and not self.assign_target_depth:
                 # the inner module: FSDP1's on the fsdp1 backend, the module itself on FSDP2
                 self._rewrite_wrapped_module(node, "an FSDP1 internal", "the fsdp1 backend's units")

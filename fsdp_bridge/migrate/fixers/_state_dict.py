@@ -319,12 +319,11 @@ class StateDictFixer(ScannerBase):
                 self._record(
                     node,
                     construct,
-                    f"not rewritten: {owner} in this file defines its own load_state_dict, which takes no strict: "
+                    f"not rewritten: {owner} in this file defines its own load_state_dict, which torch cannot call: "
                     "FSDP1's wrapper loaded through nn.Module's (the override of the module inside was never "
                     "called), while on FSDP2 the model is that class, and torch's set_model_state_dict calls its "
-                    "load_state_dict(sd, strict=..., assign=...) (a TypeError): give the override strict and "
-                    "**kwargs, or load with set_model_state_dict(model, sd, options=StateDictOptions("
-                    "full_state_dict=True)) around nn.Module.load_state_dict",
+                    "load_state_dict(state_dict=..., strict=..., assign=...) (a TypeError): name its first parameter "
+                    "state_dict and give it strict and assign (or **kwargs)",
                     False,
                 )
                 return True
@@ -462,18 +461,20 @@ class StateDictFixer(ScannerBase):
         return True
 
     def _own_narrow_load_state_dict(self) -> str | None:
-        """A class of this file whose own ``load_state_dict`` takes neither ``strict`` nor ``**kwargs`` (torch's
-        state-dict functions call it with both on FSDP2, where the model is the user's class): its name."""
+        """A module class of this file whose own ``load_state_dict`` torch's state-dict functions cannot call
+        (they call ``load_state_dict(state_dict=..., strict=..., assign=...)`` on FSDP2, where the model is the user's
+        class): its name."""
         for c in walk(self.module) if self.module is not None else ():
             if not isinstance(c, cst.ClassDef):
                 continue
+            if not any(code_of(b.value).rsplit(".", 1)[-1].endswith("Module") for b in c.bases):
+                continue  # an EMA's or a scaler's own load_state_dict: not the model's
             for stmt in c.body.body:
-                if (
-                    isinstance(stmt, cst.FunctionDef)
-                    and stmt.name.value == "load_state_dict"
-                    and not isinstance(stmt.params.star_kwarg, cst.Param)
-                    and all(p.name.value != "strict" for p in (*stmt.params.params, *stmt.params.kwonly_params))
-                ):
+                if not (isinstance(stmt, cst.FunctionDef) and stmt.name.value == "load_state_dict"):
+                    continue
+                names = [p.name.value for p in (*stmt.params.params, *stmt.params.kwonly_params)]
+                takes = isinstance(stmt.params.star_kwarg, cst.Param) or {"strict", "assign"} <= set(names)
+                if not takes or names[1:2] != ["state_dict"]:
                     return c.name.value
         return None
 
@@ -843,6 +844,19 @@ class StateDictFixer(ScannerBase):
                 call,
                 f"FSDP.state_dict_type({kind or code_of(type_arg)})",
                 rank_guard_text(guard, f"the state-dict calls of this block on {short(model, 30)}", block=True),
+                False,
+            )
+            return
+        if f"{model}.load_state_dict(" in code_of(node.body) and (owner := self._own_narrow_load_state_dict()):
+            self._consume(call.func)
+            self._record(
+                call,
+                f"FSDP.state_dict_type({kind or short(code_of(type_arg), 40)})",
+                f"not rewritten: {owner} in this file defines its own load_state_dict, which torch cannot call, and "
+                f"the block loads {short(model, 30)}: FSDP1's wrapper loaded through nn.Module's (the override was "
+                "never called), while on FSDP2 the model is that class and torch's set_model_state_dict calls its "
+                "load_state_dict(state_dict=..., strict=..., assign=...) (a TypeError): name its first parameter "
+                "state_dict and give it strict and assign (or **kwargs)",
                 False,
             )
             return
