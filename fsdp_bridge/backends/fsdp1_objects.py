@@ -43,6 +43,7 @@ def state_dict_options(
     optimizer: bool = False,
     load: bool = False,
     strict: bool = True,
+    model: nn.Module | None = None,
 ) -> Any:
     """torch's ``StateDictOptions`` meaning what FSDP1's ``state_dict_type`` settings meant.
 
@@ -63,6 +64,10 @@ def state_dict_options(
             and torch's load of different dicts per rank pairs tensors across ranks, so it is sent from rank 0
             too (the same values where every rank read the same file).
         strict: ``load_state_dict``'s ``strict`` (loading only).
+        model: the model loaded (loading only). One sharded over a process group of some ranks (each data-parallel
+            group of a model-parallel layout holding its own slice) is not sent from world rank 0: each rank's own
+            dict is loaded, as FSDP1 loads it, its shards taken from its group's first rank (every rank of a group
+            holds the same slice).
 
     Returns:
         ``StateDictOptions``: FULL_STATE_DICT -> ``full_state_dict=True`` (with ``cpu_offload=True``
@@ -109,7 +114,7 @@ def state_dict_options(
     config = optim_state_dict_config if optimizer else state_dict_config
     full = name == "FULL_STATE_DICT"
     if load:
-        broadcast = full and bool(getattr(config, "rank0_only", False))
+        broadcast = full and bool(getattr(config, "rank0_only", False)) and (model is None or _spans_world(model))
         return StateDictOptions(full_state_dict=full, broadcast_from_rank0=broadcast, strict=strict)
     # no config given: FSDP1's defaults (ShardedStateDictConfig() on the device, ShardedOptimStateDictConfig() on CPU)
     offload = bool(getattr(config, "offload_to_cpu", optimizer))
@@ -312,7 +317,7 @@ def _install(module: nn.Module, args: tuple[object, object, object]) -> None:
             return own.load_state_dict(module, state_dict, strict, assign)
         inside[0] = True
         try:
-            options = state_dict_options(*args, load=True, strict=strict)
+            options = state_dict_options(*args, load=True, strict=strict, model=module)
             return set_model_state_dict(module, dict(state_dict), options=options)
         finally:
             inside[0] = False
@@ -467,6 +472,19 @@ def _keeps_full_state(model: nn.Module) -> bool:
             sharded = [d for d, placement in enumerate(p.placements) if isinstance(placement, Shard)]
             return all(coordinate[d] == 0 for d in (sharded or range(mesh.ndim)))
     return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+
+
+def _spans_world(model: nn.Module) -> bool:
+    """Whether ``model`` is sharded over every rank (the mesh of its first DTensor parameter; True when it has none
+    or no process group runs)."""
+    from torch.distributed.tensor import DTensor
+
+    if not torch.distributed.is_initialized():
+        return True
+    for p in model.parameters():
+        if isinstance(p, DTensor):
+            return bool(p.device_mesh.size() == torch.distributed.get_world_size())
+    return True
 
 
 def _gathered(state: Any, keep: bool, offload_to_cpu: bool) -> Any:

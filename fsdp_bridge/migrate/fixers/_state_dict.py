@@ -869,7 +869,9 @@ class StateDictFixer(ScannerBase):
                 runtime = f"{code_of(type_arg)}, None, {code_of(optim_cfg)}"
             save_opts = f"fsdp_bridge.state_dict_options({runtime})"
             optim_opts = f"fsdp_bridge.state_dict_options({runtime}, optimizer=True)"
-            load_opts = f"fsdp_bridge.state_dict_options({runtime}, load=True)"
+            # over process groups of some ranks each rank loads its own dict (world rank 0's is not sent)
+            of_model = f", model={model}" if self.dispatch.group_fsdp is not None else ""
+            load_opts = f"fsdp_bridge.state_dict_options({runtime}, load=True{of_model})"
             optim_load_opts = f"fsdp_bridge.state_dict_options({runtime}, optimizer=True, load=True)"
             self.needs_imports.add(("fsdp_bridge", None))
             if kind == "FULL_STATE_DICT" and cfg is not None:
