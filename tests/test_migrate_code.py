@@ -79,13 +79,17 @@ EXPECTED: dict[str, set[tuple[int, str]]] = {
         (43, "limit_all_gathers=True"),
         (44, "sync_module_states=False"),
         (57, "FSDP.summon_full_params(...)"),
-        (61, "FSDP.state_dict_type(FULL_STATE_DICT)"),
-        (63, "FSDP.full_optim_state_dict(...)"),
-        (87, "FSDP(...)"),
-        (89, "process_group=(within_row, across_rows)"),
-        (96, "FSDP(...)"),
-        (98, "process_group=data_parallel"),
-        (102, "sync_module_states=sync"),
+        (62, "FSDP.state_dict_type(FULL_STATE_DICT)"),
+        (67, "FSDP1-format checkpoint (SHARDED_STATE_DICT)"),
+        (68, "FSDP.state_dict_type(load_type)"),
+        (70, "FSDP.summon_full_params(...)"),
+        (73, "FSDP.state_dict_type(FULL_STATE_DICT)"),
+        (75, "FSDP.full_optim_state_dict(...)"),
+        (99, "FSDP(...)"),
+        (101, "process_group=(within_row, across_rows)"),
+        (108, "FSDP(...)"),
+        (110, "process_group=data_parallel"),
+        (114, "sync_module_states=sync"),
     },
     "fsdp_tp.py": {
         (44, "FSDP(...)"),
@@ -2560,6 +2564,9 @@ def test_save_pretrained_of_an_fsdp1_model_is_a_todo_naming_the_full_state_dict(
             save(model, path)
             model.save_pretrained(path, state_dict=sd)
             peft_model.save_pretrained(path)
+            model.module.save_pretrained(path)
+            with FSDP.summon_full_params(model):
+                model.module.save_pretrained(path)
         """
     )
     result = migrate_source(code, "save.py")
@@ -2568,6 +2575,12 @@ def test_save_pretrained_of_an_fsdp1_model_is_a_todo_naming_the_full_state_dict(
     assert "get_model_state_dict(model, options=StateDictOptions(full_state_dict=True" in todos[0].replacement
     assert "state_dict=sd) on rank 0" in todos[0].replacement
     assert not any("peft_model.save_pretrained" in f.construct for f in result.findings)
+    # the module inside FSDP1's wrapper: not the model's full state on FSDP1 either, and no .module on FSDP2 (under
+    # a summon of the model, FSDP1's inner module held every parameter whole: the summon's own rewrite)
+    inner = [f for f in result.findings if f.construct == "model.module.save_pretrained(...)"]
+    assert [(t.line, t.fixable) for t in inner] == [(14, False)]
+    assert "inside FSDP1's wrapper" in inner[0].replacement and "no .module" in inner[0].replacement
+    assert "    model.module.save_pretrained(path)\n    with" in result.fixed
 
 
 def test_a_load_into_a_class_overriding_load_state_dict_without_strict_is_a_todo() -> None:

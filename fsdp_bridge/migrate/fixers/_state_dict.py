@@ -488,18 +488,31 @@ class StateDictFixer(ScannerBase):
         ):
             return False
         obj = func.value
-        if self._fsdp1_wrapper(node, obj) not in ("fsdp1", "ambiguous") and not self._handed_parameter(node, obj):
+        inner = isinstance(obj, cst.Attribute) and obj.attr.value == "module"
+        if isinstance(obj, cst.Attribute) and inner:
+            # model.module.save_pretrained(path): FSDP1's wrapper's inner module (the model itself on FSDP2)
+            obj = obj.value
+            if self._fsdp1_wrapper(node, obj) != "fsdp1":
+                return False
+        elif self._fsdp1_wrapper(node, obj) not in ("fsdp1", "ambiguous") and not self._handed_parameter(node, obj):
             return False
         if self._runtime_state_context() is not None or self._inside_own_summon(code_of(obj)):
             return False  # a state_dict_type block or a summon: the type it gives (reported with the block)
         if self.dispatch.sets_state_dict_type is not None:
             return False  # a type set at run time, reported where it is set
         target = short(code_of(obj), 40)
+        took = (
+            f"{target}.module.state_dict(), the state of the module inside FSDP1's wrapper (the units wrapped "
+            "inside it gathered by their hooks, its own parameters not), and FSDP2 (which does not "
+            f"wrap: no .module) gives {target}.state_dict() as DTensor shards"
+            if inner
+            else f"{target}.state_dict(), which FSDP1 gave full (its default FULL_STATE_DICT, gathered on every "
+            "rank) and FSDP2 gives as DTensor shards"
+        )
         self._record(
             node,
-            f"{target}.save_pretrained(...)",
-            f"not rewritten: save_pretrained takes {target}.state_dict(), which FSDP1 gave full (its default "
-            "FULL_STATE_DICT, gathered on every rank) and FSDP2 gives as DTensor shards; take the full state on "
+            f"{target}{'.module' if inner else ''}.save_pretrained(...)",
+            f"not rewritten: save_pretrained takes {took}; take the full state on "
             f"every rank, sd = get_model_state_dict({target}, options=StateDictOptions(full_state_dict=True, "
             f"cpu_offload=True)) (a collective: outside any rank test), then {target}.save_pretrained(..., "
             "state_dict=sd) on rank 0",
