@@ -258,7 +258,10 @@ TABLE: tuple[Rule, ...] = (
             E,
             "fully_shard on each resolved unit, bottom-up, then on the root; units that would split tied "
             "parameters are merged into their parent (a module reached by two paths stays one unit, as FSDP1 "
-            "wraps it once)",
+            "wraps it once). Where FSDP1's policy put the two modules of a tie in different units (GPT-2's wte "
+            "and lm_head under size_based_auto_wrap_policy), each flattened its own copy and the copies "
+            "trained apart from the first step; here the tie holds, so such a model's losses differ from "
+            "FSDP1's from the second step on (as the model defines it, not as FSDP1 split it)",
         ),
         lambda c: c.config.wrap.mode != "none",
     ),

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import fsdp_bridge
+from fsdp_bridge.migrate._analysis import Dispatch
 from fsdp_bridge.migrate._code import TODO, migrate_paths, migrate_source
 from fsdp_bridge.testing import run_distributed
 
@@ -2727,3 +2728,141 @@ def test_another_librarys_fsdp_imported_under_fsdp1s_name_is_left_in_its_own_bra
     assert "        return FSDP.consolidate_sharded_state_dicts([model.state_dict()])\n" in result.fixed
     assert "TODO" not in result.fixed
     assert migrate_source(result.fixed, "xla_or_torch.py").fixed == result.fixed
+
+
+def test_the_module_of_the_non_fsdp_branch_of_a_choice_stays() -> None:
+    # model if use_fsdp else model.module: the FSDP path hands FSDP1's wrapper itself, so the .module branch is
+    # DDP's (under --target torch it became the DDP wrapper itself: AttributeError at the first step)
+    code = textwrap.dedent(
+        """\
+        import torch
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+        def run(net, use_fsdp, batch):
+            model = FSDP(net) if use_fsdp else DDP(net)
+            step(model if use_fsdp else model.module, batch)
+            return model.module
+        """
+    )
+    for target in ("bridge", "torch"):
+        result = migrate_source(code, "choice.py", target=target)
+        assert "    step(model if use_fsdp else model.module, batch)\n" in result.fixed, target
+        kept = [f for f in result.findings if f.line == 8 and "module" in f.construct]
+        assert kept and kept[0].fixable and "other branch" in kept[0].replacement, target
+        assert "    return model.module\n" not in result.fixed, target  # the other, unguarded one is rewritten
+        assert migrate_source(result.fixed, "choice.py", target=target).fixed == result.fixed
+
+
+def test_a_submodules_state_under_the_models_state_dict_type_and_its_save_pretrained_are_todos() -> None:
+    # FSDP1's context set the type on every unit under the model: model.connector.state_dict() inside it gave
+    # full tensors where the connector is a unit; the bridge's context serves the model's own calls only, and
+    # FSDP2's submodule state dicts are DTensor shards (saved silently, refused at the load). A PEFT part's
+    # save_pretrained takes its own state_dict() the same way.
+    code = textwrap.dedent(
+        """\
+        import torch
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, StateDictType, FullStateDictConfig
+
+
+        def save_model(model, rank, save_dir):
+            model.vision.save_pretrained(f"{save_dir}/vision_loras")
+            model.config.save_pretrained(save_dir)
+            with FSDP.state_dict_type(
+                model,
+                state_dict_type=StateDictType.FULL_STATE_DICT,
+                state_dict_config=FullStateDictConfig(offload_to_cpu=True, rank0_only=True),
+            ):
+                cpu_state = model.connector.state_dict()
+                if rank == 0:
+                    torch.save(cpu_state, f"{save_dir}/connector.pt")
+
+
+        def main(net, rank):
+            model = FSDP(net)
+            save_model(model, rank, "out")
+        """
+    )
+    for target in ("bridge", "torch"):
+        result = migrate_source(code, "handler.py", target=target)
+        todos = {(f.line, f.construct) for f in result.findings if not f.fixable}
+        assert (6, "model.vision.save_pretrained(...)") in todos, target
+        assert (8, "FSDP.state_dict_type(FULL_STATE_DICT)") in todos, target
+        assert not any(line == 7 for line, _ in todos), target  # a config holds no parameters
+        assert "    with FSDP.state_dict_type(\n" in result.fixed, target
+        assert "import StateDictOptions" not in result.fixed, target  # named in a TODO only: not imported
+        assert "'vision.'" in next(f.replacement for f in result.findings if f.line == 6)
+        assert migrate_source(result.fixed, "handler.py", target=target).fixed == result.fixed
+
+
+def test_an_nccl_group_gets_a_cpu_backend_where_parameters_are_offloaded() -> None:
+    # FSDP2's offloaded gradients are CPU DTensors: the user's own clip over them ran a collective on the CPU,
+    # which an NCCL-only group refuses at the first step (FSDP1's were plain tensors no collective touched)
+    wrap = textwrap.dedent(
+        """\
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, CPUOffload
+
+
+        def build(net):
+            return FSDP(net, cpu_offload=CPUOffload(offload_params=True))
+        """
+    )
+    init = textwrap.dedent(
+        """\
+        import torch.distributed as dist
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from wrap import build
+
+
+        def main(net):
+            dist.init_process_group(backend="nccl")
+            return build(net)
+        """
+    )
+    asks = init.replace("    return build(net)\n", "    assert dist.get_backend() == 'nccl'\n    return build(net)\n")
+    for target in ("bridge", "torch"):
+        found = migrate_source(wrap + "\n\n" + init.replace("from wrap import build\n", ""), "one.py", target=target)
+        assert '    dist.init_process_group(backend="cuda:nccl,cpu:gloo")\n' in found.fixed, target
+        assert any(f.construct == 'init_process_group("nccl")' and f.fixable for f in found.findings)
+        assert migrate_source(found.fixed, "one.py", target=target).fixed == found.fixed
+        tree = Dispatch(offloads_params="wrap.py")
+        across = migrate_source(init, "train.py", target=target, dispatch=tree)
+        assert 'backend="cuda:nccl,cpu:gloo"' in across.fixed, target
+        assert "wrap.py offloads parameters" in next(f.replacement for f in across.findings if "init_" in f.construct)
+        assert 'backend="nccl"' in migrate_source(asks, "train.py", target=target, dispatch=tree).fixed
+        assert 'backend="nccl"' in migrate_source(init, "train.py", target=target).fixed  # nothing offloaded
+
+
+def test_a_units_own_gather_read_outside_a_forward_under_mixed_precision_is_a_todo() -> None:
+    # FSDP1's summon_full_params gathers full precision; FSDP2's unshard (recurse=False) gathers in param_dtype:
+    # weights handed on from inside (to an inference engine) would be rounded. Around generate it is rewritten.
+    code = textwrap.dedent(
+        """\
+        import torch
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, MixedPrecision
+
+
+        def build(net, bf16):
+            return FSDP(net, mixed_precision=MixedPrecision(param_dtype=torch.bfloat16) if bf16 else None)
+
+
+        def sync(module, client):
+            with FSDP.summon_full_params(module, recurse=False, writeback=False):
+                for name, p in module.named_parameters():
+                    client.update(name, p.data)
+
+
+        def gen(model, x):
+            with FSDP.summon_full_params(model, recurse=False, writeback=False):
+                return model.generate(x)
+        """
+    )
+    for target in ("bridge", "torch"):
+        result = migrate_source(code, "sync.py", target=target)
+        todo = next(f for f in result.findings if f.line == 10)
+        assert not todo.fixable and "param_dtype" in todo.replacement, target
+        assert next(f for f in result.findings if f.line == 16).fixable, target
+        assert migrate_source(result.fixed, "sync.py", target=target).fixed == result.fixed
+    plain = code.replace("mixed_precision=MixedPrecision(param_dtype=torch.bfloat16) if bf16 else None", "")
+    assert next(f for f in migrate_source(plain, "sync.py").findings if f.line == 10).fixable  # full precision

@@ -222,6 +222,12 @@ class Dispatch:
     the bridge's too (see :func:`bridge_set_state_dict_type`)."""
     makes_state_dict_context: str | None = None  # a file of the tree that calls FSDP.state_dict_type
     group_fsdp: str | None = None  # a file of the tree passing process_group= (FSDP over some ranks)
+    mixed_precision: str | None = None
+    """A file of the tree passing FSDP1 a ``mixed_precision=`` other than ``None`` (FSDP2's unshard then gathers
+    in its ``param_dtype``, where FSDP1's ``summon_full_params`` gathered full precision)."""
+    offloads_params: str | None = None
+    """A file of the tree wrapping with ``CPUOffload(offload_params=True)`` (FSDP2's gradients are then CPU
+    DTensors, whose collectives need a CPU backend in the process group)."""
     subclasses_fsdp1: str | None = None  # a file of the tree defining a subclass of FSDP1's wrapper (stays FSDP1)
     keeps_fsdp1: str | None = None
     """A file of the tree that picks FSDP1's class by a conditional expression and calls it
@@ -324,6 +330,8 @@ class Dispatch:
         self.bridge_sets_state_dict_type = self.bridge_sets_state_dict_type or other.bridge_sets_state_dict_type
         self.makes_state_dict_context = self.makes_state_dict_context or other.makes_state_dict_context
         self.group_fsdp = self.group_fsdp or other.group_fsdp
+        self.offloads_params = self.offloads_params or other.offloads_params
+        self.mixed_precision = self.mixed_precision or other.mixed_precision
         self.subclasses_fsdp1 = self.subclasses_fsdp1 or other.subclasses_fsdp1
         self.wraps_fsdp1 = self.wraps_fsdp1 or other.wraps_fsdp1
         self.keeps_fsdp1 = self.keeps_fsdp1 or other.keeps_fsdp1
@@ -527,6 +535,22 @@ OWN_FILE = "this file"  # how a TODO names the file's own FSDP.set_state_dict_ty
 SET_STATE_DICT_TYPE_CALL = re.compile(r"\bset_state_dict_type\s*\(")
 
 GROUP_ARG = re.compile(r"\b(?:process_group|device_mesh)\s*=\s*(?!None\s*[,)\n])")
+
+
+OFFLOADS_PARAMS = re.compile(r"\bCPUOffload\(\s*(offload_params\s*=\s*)?True\s*\)")
+
+
+def offloads_params(code: str) -> bool:
+    """Whether FSDP1 code offloads parameters with a literal ``CPUOffload(offload_params=True)``."""
+    return "FullyShardedDataParallel" in code and OFFLOADS_PARAMS.search(code) is not None
+
+
+MIXED_PRECISION_ARG = re.compile(r"\bmixed_precision\s*=\s*(?!None\b)\S")
+
+
+def passes_mixed_precision(code: str) -> bool:
+    """Whether FSDP1 code passes ``mixed_precision=`` something other than ``None``."""
+    return "FullyShardedDataParallel" in code and MIXED_PRECISION_ARG.search(code) is not None
 
 
 def passes_group(code: str) -> bool:

@@ -70,7 +70,9 @@ from fsdp_bridge.migrate._analysis import (
     imported_names,
     module_suffixes,
     names_wrapper,
+    offloads_params,
     passes_group,
+    passes_mixed_precision,
     self_spelled_set_state_dict_type,
     subclassed_names,
     subclasses_wrapper,
@@ -159,6 +161,8 @@ def migrate_source(
             own_methods=find_own_methods(code, path),
             makes_state_dict_context=path if finds_state_dict_context(code) else None,
             group_fsdp=path if passes_group(code) else None,
+            offloads_params=path if offloads_params(code) else None,
+            mixed_precision=path if passes_mixed_precision(code) else None,
             subclasses_fsdp1=path if subclasses_wrapper(code) else None,
             wraps_fsdp1=path if names_wrapper(code) else None,
             keeps_fsdp1=path if chooses_wrapper(code) else None,
@@ -224,6 +228,8 @@ def migrate_source(
         if (scan.conversions or scan.fixable_calls) and _names_bridge(fixed):
             AddImportsVisitor.add_needed_import(context, "fsdp_bridge")
         for name in sorted(scan.needs_state_dict_api):
+            if not _used_here(fixed, renamed.get(name, name)):
+                continue  # planned for a rewrite that was not made (its construct stayed a TODO)
             AddImportsVisitor.add_needed_import(
                 context, "torch.distributed.checkpoint.state_dict", name, asname=renamed.get(name)
             )
@@ -601,6 +607,8 @@ def migrate_paths(
                     bridge_sets_state_dict_type=shown[f] if bridge_set_state_dict_type(code) else None,
                     makes_state_dict_context=shown[f] if finds_state_dict_context(code) else None,
                     group_fsdp=shown[f] if passes_group(code) else None,
+                    offloads_params=shown[f] if offloads_params(code) else None,
+                    mixed_precision=shown[f] if passes_mixed_precision(code) else None,
                     subclasses_fsdp1=shown[f] if subclasses_wrapper(code) else None,
                     wraps_fsdp1=shown[f] if names_wrapper(code) else None,
                     keeps_fsdp1=shown[f] if chooses_wrapper(code) else None,

@@ -84,6 +84,11 @@ class Rewriter(cst.CSTTransformer):
             return cst.parse_expression(code)
         return updated_node
 
+    def leave_SimpleString(self, original_node: cst.SimpleString, updated_node: cst.SimpleString) -> Any:
+        if (code := self.scan.expr_rewrites.get(id(original_node))) is not None:
+            return cst.SimpleString(code)
+        return updated_node
+
     def leave_Name(self, original_node: cst.Name, updated_node: cst.Name) -> Any:
         if (code := self.scan.expr_rewrites.get(id(original_node))) is not None:
             return cst.parse_expression(self._code(code))

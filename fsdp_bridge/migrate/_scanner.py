@@ -175,6 +175,7 @@ class Scanner(
         self._note_optimizer_state(node)
         self._note_kernel_optimizer(node)
         self._note_plain_scaler(node)
+        self._plan_offload_backend(node)
         if (
             not self.planning
             and m.matches(node.func, m.Name("getattr") | m.Name("hasattr"))

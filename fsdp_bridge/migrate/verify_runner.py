@@ -14,11 +14,12 @@ Started by :func:`fsdp_bridge.migrate.verify.verify` under ``torchrun`` as
 ``--cpu-shims`` (chosen by ``verify`` when the machine has no accelerator) runs a script written for GPUs on
 CPU ranks, identically in both runs: the accelerator reports the CPU (one per rank; torch's own modules,
 Dynamo's among them, are told there is none, so ``torch.compile`` runs); NCCL process groups are made on gloo;
-a device given as a GPU (an index, a CUDA ``torch.device`` or ``"cuda:N"``: ``tensor.to(rank)``, FSDP1's
-``device_id``, the same argument passed on to ``BridgeConfig.from_fsdp1``) is the CPU; FSDP1 gets
-``device_id=cpu`` when given none; ``torch.cuda.set_device`` does nothing and ``torch.cuda.current_device()``
-is the local rank; data loaders do not pin memory; ``scaled_dot_product_attention`` on DTensors sharded over
-heads runs on each rank's heads (DTensor has no sharding rule for the CPU kernel).
+a device given as a GPU (an index, a CUDA ``torch.device`` or ``"cuda:N"``: ``tensor.to(rank)``,
+``model.to(rank)``, FSDP1's ``device_id``, the same argument passed on to ``BridgeConfig.from_fsdp1``) is the
+CPU; FSDP1 gets ``device_id=cpu`` when given none; ``torch.cuda.set_device`` does nothing and
+``torch.cuda.current_device()`` is the local rank; data loaders do not pin memory;
+``scaled_dot_product_attention`` on DTensors sharded over heads runs on each rank's heads (DTensor has no sharding
+rule for the CPU kernel); NCCL beside gloo (``"cuda:nccl,cpu:gloo"``) is gloo alone.
 
 This module is run, never imported by the library.
 """
@@ -78,7 +79,9 @@ def _install_cpu_shims() -> None:
     init_process_group = dist.init_process_group
 
     def on_gloo(backend: Any = None, *args: Any, **kwargs: Any) -> Any:
-        return init_process_group("gloo" if backend in (None, "nccl") else backend, *args, **kwargs)
+        # NCCL alone, or beside gloo for CPU tensors ("cuda:nccl,cpu:gloo")
+        on_nccl = backend is None or "nccl" in str(backend)
+        return init_process_group("gloo" if on_nccl else backend, *args, **kwargs)
 
     dist.init_process_group = on_gloo  # type: ignore[assignment]
 
@@ -92,6 +95,17 @@ def _install_cpu_shims() -> None:
         return tensor_to(self, *args, **kwargs)
 
     torch.Tensor.to = index_to_cpu  # type: ignore[assignment]
+
+    module_to = torch.nn.Module.to
+
+    def module_index_to_cpu(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if args and _gpu_index(args[0]):
+            args = ("cpu", *args[1:])
+        if _gpu_index(kwargs.get("device")):
+            kwargs["device"] = "cpu"
+        return module_to(self, *args, **kwargs)
+
+    torch.nn.Module.to = module_index_to_cpu  # type: ignore[assignment,method-assign]
 
     fsdp1_init = FullyShardedDataParallel.__init__
 

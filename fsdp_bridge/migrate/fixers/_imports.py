@@ -210,6 +210,16 @@ class ImportsFixer(ScannerBase):
                     True,
                 )
                 return True
+            if self._bare_in_other_branch(node, obj):
+                self._record(
+                    node,
+                    f"{code_of(node)} (the wrapped module)",
+                    f"kept as is: the other branch of its conditional expression takes {short(obj, 30)} itself, "
+                    "FSDP1's wrapper on the FSDP path, so this branch is another path's wrapper (DDP's), whose "
+                    ".module stays",
+                    True,
+                )
+                return True
             guarded: tuple[str, str] | None = None
             if wrapper == "ambiguous" and re.search(
                 r"(?<!Distributed)\bDataParallel\b", "\n".join(line.split("#", 1)[0] for line in self.lines)
@@ -674,6 +684,18 @@ class ImportsFixer(ScannerBase):
                 return typed
             i -= 1
         return typed
+
+    def _bare_in_other_branch(self, node: cst.Attribute, obj: str) -> bool:
+        """``node`` (``obj.module``) is a branch of a conditional expression whose other branch is ``obj`` itself:
+        ``model if use_fsdp else model.module`` hands FSDP1's wrapper itself on its FSDP path, so the ``.module``
+        branch unwraps another wrapper (DDP's)."""
+        stmt = self.stmt_stack[-1] if self.stmt_stack else None
+        path = _path_to(stmt, node) if stmt is not None else None
+        if not path or len(path) < 2 or not isinstance(path[-2], cst.IfExp) or path[-2].test is node:
+            return False
+        choice = path[-2]
+        other = choice.orelse if choice.body is node else choice.body
+        return code_of(other) == obj
 
     def _chosen_callee(self, node: cst.BaseExpression) -> bool:
         """``node`` is a branch of a conditional expression that is called: ``(FSDP if ok else Plain)(m, ...)``."""

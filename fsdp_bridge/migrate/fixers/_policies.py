@@ -20,9 +20,48 @@ from fsdp_bridge.migrate._names import (
 )
 from fsdp_bridge.migrate._scan_base import ScannerBase
 
+OFFLOAD_BACKEND = "cuda:nccl,cpu:gloo"
+_INIT_PROCESS_GROUP = {"torch.distributed.init_process_group", "torch.distributed.distributed_c10d.init_process_group"}
+
 
 class PolicyFixer(ScannerBase):
     """Constructor argument values and policies."""
+
+    def _plan_offload_backend(self, node: cst.Call) -> None:
+        """``dist.init_process_group("nccl", ...)`` in a tree that offloads parameters
+        (``CPUOffload(offload_params=True)``) -> ``"cuda:nccl,cpu:gloo"``: FSDP2's offloaded gradients are CPU
+        DTensors, and a collective over them (torch's clip_grad_norm_ or any global norm, a scaler's overflow
+        check) needs a CPU backend, where FSDP1's were plain tensors that no collective touched. CUDA tensors
+        still go through NCCL. Left as written where the file asks the group for its backend (``get_backend``
+        would answer the pair)."""
+        if self.planning or self.dispatch.offloads_params is None or "get_backend" in "\n".join(self.lines):
+            return
+        names = {q.name for q in self.get_metadata(QualifiedNameProvider, node.func, set())}
+        if not names & {
+            "torch.distributed.init_process_group",
+            "torch.distributed.distributed_c10d.init_process_group",
+        }:
+            return
+        arg = next((a for a in node.args if a.keyword is not None and a.keyword.value == "backend"), None)
+        if arg is None and node.args and node.args[0].keyword is None and not node.args[0].star:
+            arg = node.args[0]
+        if arg is None or not isinstance(arg.value, cst.SimpleString) or arg.value.evaluated_value != "nccl":
+            return
+        quote = arg.value.value[0]
+        self.expr_rewrites[id(arg.value)] = f"{quote}{OFFLOAD_BACKEND}{quote}"
+        where = self.dispatch.offloads_params
+        self._record(
+            node,
+            f"init_process_group({code_of(arg.value)})",
+            f"init_process_group({quote}{OFFLOAD_BACKEND}{quote}): "
+            + ("this file" if where == self.path else where)
+            + " offloads parameters (CPUOffload(offload_params=True)), and FSDP2's offloaded gradients are CPU "
+            "DTensors: a collective over them (torch's clip_grad_norm_ or a global norm of your own, a scaler's "
+            "overflow check) needs a CPU backend beside NCCL (an NCCL-only group raises 'No backend type associated "
+            "with device type cpu'); FSDP1's were plain tensors no collective touched. CUDA tensors still go "
+            "through NCCL",
+            True,
+        )
 
     def _describe_value(self, kw: str, value: cst.BaseExpression) -> str:
         """What an FSDP1 argument's value becomes, as far as the source shows it."""

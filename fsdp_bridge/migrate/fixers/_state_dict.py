@@ -60,6 +60,12 @@ _OPTIMIZER_NAME = re.compile(r"^(?:opt|optim|optimi[sz]ers?)$|_(?:optim|optimi[s
 optimizer's, whatever the function it sits in is handed."""
 
 
+NOT_MODULES = frozenset(
+    {"config", "generation_config", "tokenizer", "processor", "image_processor", "feature_extractor", "peft_config"}
+)
+"""Attributes of a Hugging Face model that have a ``save_pretrained`` and hold no parameters."""
+
+
 class StateDictFixer(ScannerBase):
     """State-dict contexts and model state."""
 
@@ -489,13 +495,21 @@ class StateDictFixer(ScannerBase):
             return False
         obj = func.value
         inner = isinstance(obj, cst.Attribute) and obj.attr.value == "module"
+        part: str | None = None
         if isinstance(obj, cst.Attribute) and inner:
             # model.module.save_pretrained(path): FSDP1's wrapper's inner module (the model itself on FSDP2)
             obj = obj.value
             if self._fsdp1_wrapper(node, obj) != "fsdp1":
                 return False
         elif self._fsdp1_wrapper(node, obj) not in ("fsdp1", "ambiguous") and not self._handed_parameter(node, obj):
-            return False
+            if (
+                not isinstance(obj, cst.Attribute)
+                or obj.attr.value in NOT_MODULES
+                or not (self._fsdp1_wrapper(node, obj.value) == "fsdp1" or self._handed_parameter(node, obj.value))
+            ):
+                return False
+            part = obj.attr.value  # model.llm.save_pretrained(path): a submodule of FSDP1's model (a PEFT part)
+            obj = obj.value
         if self._runtime_state_context() is not None or self._inside_own_summon(code_of(obj)):
             return False  # a state_dict_type block or a summon: the type it gives (reported with the block)
         if self.dispatch.sets_state_dict_type is not None:
@@ -509,6 +523,20 @@ class StateDictFixer(ScannerBase):
             else f"{target}.state_dict(), which FSDP1 gave full (its default FULL_STATE_DICT, gathered on every "
             "rank) and FSDP2 gives as DTensor shards"
         )
+        if part is not None:
+            self._record(
+                node,
+                f"{target}.{part}.save_pretrained(...)",
+                f"not rewritten: save_pretrained takes {target}.{part}.state_dict(), a submodule of FSDP1's model "
+                "(full where FSDP1 wrapped it as a unit of its own, gathered by its hooks; this rank's flat shard "
+                "where it is part of a bigger unit), and FSDP2 gives DTensor shards (PEFT's save then fails on "
+                f"every rank); take the full state on every rank, sd = get_model_state_dict({target}, "
+                "options=StateDictOptions(full_state_dict=True, cpu_offload=True)) (a collective: outside any "
+                f"rank test), then on rank 0 keep the keys under '{part}.' without that prefix and pass them as "
+                f"{target}.{part}.save_pretrained(..., state_dict=...)",
+                False,
+            )
+            return True
         self._record(
             node,
             f"{target}{'.module' if inner else ''}.save_pretrained(...)",
@@ -721,9 +749,32 @@ class StateDictFixer(ScannerBase):
             return True
         if kind not in ("FULL_STATE_DICT", "SHARDED_STATE_DICT", None) or (kind is None and self._qn(type_arg)):
             return False
+        model = code_of(named["module"])
+        part = self._method_in_block(
+            node, "state_dict", lambda owner: owner.startswith(model + ".") and owner != model + ".module"
+        ) or self._method_in_block(
+            node, "load_state_dict", lambda owner: owner.startswith(model + ".") and owner != model + ".module"
+        )
+        if part is not None and isinstance(part.func, cst.Attribute):
+            # FSDP1's context sets the type on every unit under the model, so a submodule that is a unit of its
+            # own gave (or took) that type's state; on FSDP2 the bridge's context serves the model's own calls
+            self._record(
+                node,
+                f"FSDP.state_dict_type({kind or short(code_of(type_arg), 40)})",
+                f"not rewritten: {short(code_of(part.func), 50)}(...) inside it is a submodule's: FSDP1's context "
+                f"set the type on every unit under {short(model, 30)}, so a submodule wrapped as a unit gave that "
+                "type's state (full tensors under FULL_STATE_DICT), while fsdp_bridge.state_dict_type serves "
+                f"{short(model, 30)}'s own state_dict() / load_state_dict() and FSDP2's submodule state dicts "
+                "hold DTensor shards. Take the whole model's state, get_model_state_dict("
+                f"{short(model, 30)}, options=StateDictOptions(full_state_dict=True, cpu_offload=True)) on every "
+                "rank, and keep the submodule's keys (their prefix dropped) on rank 0",
+                False,
+            )
+            self._consume(node.func)
+            return True
         if isinstance(block, cst.With) and any(item.item is node for item in block.items):
             # the context covers its model only: another root's state dicts in it keep FSDP1's default (full)
-            self._plan_other_roots(block, code_of(named["module"]), {})
+            self._plan_other_roots(block, model, {})
         return self._bridge_state_dict_type(node, kind or short(code_of(type_arg), 40), "")
 
     def _bridge_state_dict_type(self, node: cst.Call, shown: str, args_note: str) -> bool:

@@ -59,6 +59,8 @@ class SummonFixer(ScannerBase):
                 held = self._writes_inside(node)
             if held is None and ok and own:
                 held = self._state_dict_inside(node, code_of(node.args[0].value))
+            if held is None and ok and own:
+                held = self._values_read_inside(node, code_of(node.args[0].value))
             if held is None and ok and not own:
                 held = self._load_inside(node, code_of(node.args[0].value))
             if held is not None:
@@ -101,6 +103,31 @@ class SummonFixer(ScannerBase):
                 "too, as full copies in the parameters' own dtype)"
             )
         return None
+
+    def _values_read_inside(self, node: cst.Call, target: str) -> str | None:
+        """``with FSDP.summon_full_params(target, recurse=False): <no forward of target>`` in a tree wrapping with
+        mixed precision: FSDP1 gathered the unit's parameters in full precision (it always does in
+        summon_full_params); FSDP2's unshard, which recurse=False becomes, gathers them in ``param_dtype``, so
+        the values read inside (weights handed to an inference engine, a checksum) would be rounded. Around a
+        forward or ``generate`` the rounding is what the forward computes with anyway; elsewhere a TODO."""
+        where = self.dispatch.mixed_precision
+        stmt = self.stmt_stack[-1] if self.stmt_stack else None
+        if where is None or not isinstance(stmt, cst.With) or not any(i.item is node for i in stmt.items):
+            return None
+        for n in walk(stmt.body):
+            if isinstance(n, cst.Call) and (
+                code_of(n.func) == target
+                or (isinstance(n.func, cst.Attribute) and n.func.attr.value in ("generate", "forward"))
+            ):
+                return None
+        where = "this file" if where == self.path else where
+        return (
+            f"not rewritten: FSDP1's summon_full_params gathers full precision, and {where} wraps with "
+            "mixed_precision=: on FSDP2 recurse=False is the unit's unshard(), which gathers in MixedPrecision's "
+            "param_dtype, so the values read inside would be rounded to it (the same where the parameters are "
+            f"already that dtype); fsdp_bridge.summon_full_params({short(target, 30)}, writeback=False) without "
+            "recurse=False gathers full-precision copies (of the nested units' parameters too)"
+        )
 
     def _method_in_block(self, node: cst.Call, method: str, owner: Callable[[str], bool]) -> cst.Call | None:
         """The first ``x.<method>(...)`` call, ``owner(x as code)`` true, in the body of the ``with`` whose item is
