@@ -2550,7 +2550,7 @@ def test_a_wrap_given_a_device_in_a_file_that_runs_on_another_accelerator_stays_
 
 
 def test_save_pretrained_of_an_fsdp1_model_is_a_todo_naming_the_full_state_dict() -> None:
-    # save_pretrained takes the model's state_dict(): full on FSDP1 (gathered on every rank), shards on FSDP2
+    # save_pretrained takes the model's state_dict(): shards on FSDP2; on FSDP1 the inner module's (a flat shard)
     code = textwrap.dedent(
         """
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
@@ -2574,7 +2574,7 @@ def test_save_pretrained_of_an_fsdp1_model_is_a_todo_naming_the_full_state_dict(
     todos = [f for f in result.findings if f.construct == "model.save_pretrained(...)"]
     assert [(t.line, t.fixable) for t in todos] == [(6, False)]
     assert "get_model_state_dict(model, options=StateDictOptions(full_state_dict=True" in todos[0].replacement
-    assert "state_dict=sd) on rank 0" in todos[0].replacement
+    assert "state_dict=sd) on rank 0" in todos[0].replacement and "_flat_param" in todos[0].replacement
     assert not any("peft_model.save_pretrained" in f.construct for f in result.findings)
     # the module inside FSDP1's wrapper: not the model's full state on FSDP1 either, and no .module on FSDP2 (under
     # a summon of the model, FSDP1's inner module held every parameter whole: the summon's own rewrite)
@@ -2866,3 +2866,85 @@ def test_a_units_own_gather_read_outside_a_forward_under_mixed_precision_is_a_to
         assert migrate_source(result.fixed, "sync.py", target=target).fixed == result.fixed
     plain = code.replace("mixed_precision=MixedPrecision(param_dtype=torch.bfloat16) if bf16 else None", "")
     assert next(f for f in migrate_source(plain, "sync.py").findings if f.line == 10).fixable  # full precision
+
+
+def test_a_forward_of_the_sharded_model_on_some_ranks_only_is_a_todo(tmp_path: Path) -> None:
+    # FSDP1 kept a root-only wrap gathered after a forward without backward and skipped the next all-gather; on
+    # FSDP2 every such forward gathers, so one run by rank 0 alone hangs the others at their next collective
+    (tmp_path / "train.py").write_text(
+        textwrap.dedent(
+            """\
+            import torch
+            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+            from loop import run
+
+
+            def main(net, x, rank):
+                model = FSDP(net)
+                if rank == 0:
+                    with torch.no_grad():
+                        out = model(x)
+                out = model(x)
+                run(model, x, rank)
+            """
+        )
+    )
+    (tmp_path / "loop.py").write_text(
+        textwrap.dedent(
+            """\
+            import torch
+
+
+            def run(model, x, rank):
+                model(x).sum().backward()
+                if rank == 0:
+                    with torch.no_grad():
+                        model.generate(x)
+            """
+        )
+    )
+    report, _ = migrate_paths([tmp_path])
+    todos = {(Path(f.path).name, f.line, f.construct) for f in report.findings if not f.fixable}
+    assert todos == {
+        ("train.py", 10, "model(...) under rank == 0"),
+        ("loop.py", 8, "model.generate(...) under rank == 0"),
+    }
+    assert all("every rank" in f.replacement for f in report.findings if not f.fixable)
+
+
+def test_a_model_wrapped_on_one_branch_is_followed_into_the_functions_it_is_handed_to(tmp_path: Path) -> None:
+    # model = FSDP(model) if distributed else model.to(rank): FSDP1's on the distributed path. A save of its state
+    # under a rank test and a forward on rank 0 alone, in functions it is handed to, are collectives on FSDP2
+    # (seen on a public trainer: FSDP1 kept a root-only wrap gathered, the migrated run hung)
+    (tmp_path / "main.py").write_text(
+        textwrap.dedent(
+            """\
+            import torch
+            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+            from loop import evaluate
+
+
+            def save_model(model, rank, distributed):
+                if distributed:
+                    if rank == 0:
+                        torch.save(model.state_dict(), "best.pt")
+                else:
+                    torch.save(model.state_dict(), "best.pt")
+
+
+            def main(model, rank, distributed, x):
+                model = FSDP(model) if distributed else model.to(rank)
+                evaluate(model, rank, x)
+                save_model(model, rank, distributed)
+            """
+        )
+    )
+    (tmp_path / "loop.py").write_text(
+        "import torch\n\n\ndef evaluate(model, rank, x):\n    if rank == 0:\n        with torch.no_grad():\n"
+        "            model(x)\n"
+    )
+    report, _ = migrate_paths([tmp_path])
+    todos = {(Path(f.path).name, f.line, f.construct) for f in report.findings if not f.fixable}
+    assert todos == {("main.py", 9, "model.state_dict()"), ("loop.py", 7, "model(...) under rank == 0")}
+    fixed = next(f for f in report.findings if f.line == 11 and f.path.endswith("main.py"))
+    assert fixed.fixable and "get_model_state_dict" in fixed.replacement  # all ranks there (or a plain model)

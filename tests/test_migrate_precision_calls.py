@@ -275,6 +275,16 @@ def test_a_communication_hook_on_an_fsdp1_wrapper_gets_a_todo() -> None:
     assert result.fixed.count("# TODO(fsdp-bridge): sharded.register_comm_hook") == 1
     assert "plain.register_comm_hook(None, hook)" in result.fixed  # DDP's own hook stays, unreported
     assert migrate_source(result.fixed, "hooks.py").fixed == result.fixed
+    # one of DDP's hooks handed to FSDP1 (called hook(state, grad) there) never ran: the TODO says to remove it
+    powersgd = code.replace(
+        "import torch\n",
+        "import torch\nfrom torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powerSGD\n",
+    )
+    powersgd = powersgd.replace(
+        "sharded.register_comm_hook(None, hook)", "sharded.register_comm_hook(None, powerSGD.powerSGD_hook)"
+    )
+    todo = next(f for f in migrate_source(powersgd, "hooks.py").findings if f.construct.startswith("sharded."))
+    assert "DDP communication hook" in todo.replacement and "remove the call" in todo.replacement
 
 
 def test_the_wrapped_module_in_a_tree_keeping_a_subclass_of_the_wrapper_is_unwrapped_not_dropped() -> None:

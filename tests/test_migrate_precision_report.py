@@ -757,6 +757,20 @@ def test_an_optimizers_own_state_saved_beside_an_fsdp1_models_state_dict_gets_a_
     (note,) = [f for f in result.findings if f.note and "saved beside" in f.construct]
     assert note.line == 8 and note.construct == "optimizer.state_dict() saved beside an FSDP1 model's state dict"
     assert "fsdp_bridge.optim_state_dict(model, optimizer)" in note.replacement
+    # a script's own checkpoint: torch.save of the optimizer's state at module level, in a file wrapping with FSDP1
+    script = (
+        "import torch\n"
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n\n"
+        "model = FSDP(torch.nn.Linear(2, 2))\n"
+        "optimizer = torch.optim.AdamW(model.parameters())\n"
+        "scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1)\n"
+        "torch.save({'optimizer': optimizer.state_dict(), 'scheduler': scheduler.state_dict()}, 'state.pt')\n"
+        "print(optimizer.state_dict())\n"
+    )
+    notes = [f for f in migrate_source(script, "train.py").findings if f.note]
+    assert [(f.line, f.construct) for f in notes] == [
+        (7, "optimizer.state_dict() saved with torch.save beside FSDP1 models")
+    ]
 
 
 def test_a_model_chosen_by_a_conditional_expression_is_followed_into_the_functions_it_is_handed_to(

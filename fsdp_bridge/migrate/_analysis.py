@@ -1027,8 +1027,13 @@ def find_fsdp1_arguments(wrapper: MetadataWrapper, known: Dispatch | None = None
                     else:
                         continue
                     positions = self.wraps(value)
-                    if isinstance(value, cst.IfExp) and {code_of(value.body), code_of(value.orelse)} & wrapped:
-                        positions = {-1}  # ``m = model if fsdp else model.module``: FSDP1's model on one branch
+                    if isinstance(value, cst.IfExp) and (
+                        {code_of(value.body), code_of(value.orelse)} & wrapped
+                        or -1 in self.wraps(value.body) | self.wraps(value.orelse)
+                    ):
+                        # ``m = model if fsdp else model.module``, ``model = FSDP(model) if distributed else
+                        # model.to(rank)``: FSDP1's model on one branch
+                        positions = {-1}
                     for target in targets:
                         if -1 in positions:
                             wrapped.add(code_of(target))

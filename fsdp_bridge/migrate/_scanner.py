@@ -176,6 +176,7 @@ class Scanner(
         self._note_kernel_optimizer(node)
         self._note_plain_scaler(node)
         self._plan_offload_backend(node)
+        self._note_rank_forward(node)
         if (
             not self.planning
             and m.matches(node.func, m.Name("getattr") | m.Name("hasattr"))

@@ -29,10 +29,12 @@ DCP_CALLS = ("save", "load", "save_state_dict", "load_state_dict", "async_save")
 """``torch.distributed.checkpoint`` functions that write or read a checkpoint directory."""
 
 CHECKPOINT_NOTE = (
-    "checkpoints written by this FSDP1 code carry across: a DCP directory (SHARDED_STATE_DICT) or a torch.save "
-    "file of a full state dict -> `fsdp-bridge convert SRC DST --to sharded` (an fsdp_bridge sharded checkpoint, "
-    "loadable at any world size on either backend; fsdp_bridge.load_checkpoint reads the originals too; "
-    "docs/checkpoints.md); the migrated code cannot resume FSDP1's flat-parameter checkpoints "
+    "checkpoints written by this FSDP1 code carry across: a DCP directory of a SHARDED_STATE_DICT names the "
+    "model's parameters as FSDP2's state dict does, so the migrated code's own DCP load of the model reads it as "
+    "it is; for fsdp_bridge's loader, a DCP directory or a "
+    "torch.save file of a full state dict -> `fsdp-bridge convert SRC DST --to sharded` (an fsdp_bridge sharded "
+    "checkpoint, loadable at any world size on either backend; fsdp_bridge.load_checkpoint reads the originals "
+    "too; docs/checkpoints.md); the migrated code cannot resume FSDP1's flat-parameter checkpoints "
     "(LOCAL_STATE_DICT shards) directly, nor convert them, nor per-rank torch.save files of a "
     "SHARDED_STATE_DICT (FSDP1's ShardedTensor values, which FSDP2 modules refuse): save them again from the "
     "FSDP1 code as a DCP directory or a full state dict first"
@@ -71,7 +73,7 @@ class CheckpointNoteFixer(ScannerBase):
         model's state dict with FSDP1's state-dict calls, its result not handed to FSDP1's optimizer-state
         functions: the optimizer's own state goes into the checkpoint, whose layout changes on FSDP2 (one note
         per file, see :data:`OPTIMIZER_STATE`)."""
-        if self.planning or self.optimizer_state_noted or self.checkpoint_noted or node.args or not self.functions:
+        if self.planning or self.optimizer_state_noted or self.checkpoint_noted or node.args:
             return  # (the FSDP1-format checkpoint note, when given, says so already)
         func = node.func
         if not isinstance(func, cst.Attribute) or func.attr.value != "state_dict":
@@ -80,16 +82,30 @@ class CheckpointNoteFixer(ScannerBase):
         last = receiver.rsplit(".", 1)[-1].lower()
         if "optim" not in last and last not in ("opt", "optim") and not re.search(r"(^|_)opt(_|$)", last):
             return
-        fn = self.functions[-1]
-        calls = [c for c in walk(fn) if isinstance(c, cst.Call)]
+        scope: cst.CSTNode | None = self.functions[-1] if self.functions else self.module
+        calls = [c for c in walk(scope) if isinstance(c, cst.Call)] if scope is not None else []
         quals = [resolve_fsdp(self.get_metadata(QualifiedNameProvider, c.func, set())) for c in calls]
-        if not any(q is not None and q[1] in ("state_dict_type", "set_state_dict_type") for q in quals):
-            return  # no FSDP1 model's state dict taken here
         if any(q is not None and "optim" in q[1] for q in quals):
             return  # FSDP1's optimizer-state functions read it (FSDP.optim_state_dict(m, o, o.state_dict()))
+        takes_model_state = any(q is not None and q[1] in ("state_dict_type", "set_state_dict_type") for q in quals)
+        # or saved with torch.save in a file that wraps its models with FSDP1 (a script's checkpoint of its own)
+        stmt = self.stmt_stack[-1] if self.stmt_stack else None
+        saved = (
+            self.uses_fsdp1
+            and self.dispatch.wraps_fsdp1 is not None
+            and stmt is not None
+            and any(
+                isinstance(c, cst.Call) and code_of(c.func) == "torch.save" and any(n is node for n in walk(c))
+                for c in walk(stmt)
+            )
+        )
+        if not (takes_model_state or saved):
+            return  # no FSDP1 model's state dict taken here
         self.optimizer_state_noted = True
         pos = self.get_metadata(PositionProvider, node)
-        construct = f"{short(receiver, 30)}.state_dict() saved beside an FSDP1 model's state dict"
+        construct = f"{short(receiver, 30)}.state_dict() saved " + (
+            "beside an FSDP1 model's state dict" if takes_model_state else "with torch.save beside FSDP1 models"
+        )
         self.findings.append(
             CodeFinding(self.path, pos.start.line, pos.start.column, construct, OPTIMIZER_STATE, True, note=True)
         )

@@ -558,7 +558,13 @@ class NoSyncClipFixer(ScannerBase):
         if isinstance(func, cst.Attribute) and func.attr.value == "register_comm_hook" and hit is None:
             # DDP has a method of this name too: only a receiver proven FSDP1's (alone or beside DDP) is reported.
             if (self._fsdp1_wrapper(node, func.value, by_calls=False) or self._handed_fsdp1(func.value)) != "":
-                self._record(node, f"{short(code_of(func.value), 40)}.register_comm_hook(...)", COMM_HOOK_TEXT, False)
+                hook = node.args[1].value if len(node.args) >= 2 else None
+                ddp_hook = hook is not None and any(
+                    q.name.startswith("torch.distributed.algorithms.ddp_comm_hooks")
+                    for q in self.get_metadata(QualifiedNameProvider, hook, set())
+                )
+                text = DDP_HOOK_TEXT.format(hook=short(code_of(hook), 40)) if ddp_hook and hook else COMM_HOOK_TEXT
+                self._record(node, f"{short(code_of(func.value), 40)}.register_comm_hook(...)", text, False)
             return
         if isinstance(func, cst.Attribute) and func.attr.value in ("no_sync", "clip_grad_norm_") and hit is None:
             qn = {q.name for q in self.get_metadata(QualifiedNameProvider, func, set())}
@@ -818,6 +824,14 @@ COMM_HOOK_TEXT = (
     'to those, or shard this model with fsdp_bridge.BridgeConfig(backend="fsdp1"), where the wrapper keeps it'
 )
 """The TODO for ``model.register_comm_hook(state, hook)`` on a model proven FSDP1's."""
+
+DDP_HOOK_TEXT = (
+    "not rewritten: {hook} is a DDP communication hook (torch.distributed.algorithms.ddp_comm_hooks, called as "
+    "hook(state, bucket)); FSDP1 calls its hooks as hook(state, grad[, output]), so this one raised TypeError at "
+    "the first backward on FSDP1 too, and FSDPModule has no register_comm_hook: remove the call (DDP keeps such "
+    "hooks, where gradient compression is wanted)"
+)
+"""The TODO for ``model.register_comm_hook(state, hook)`` given one of DDP's hooks."""
 
 
 def params_first(node: cst.Call) -> bool:

@@ -289,7 +289,7 @@ class StateDictFixer(ScannerBase):
             or f"FSDPModule) else {target}.{method}(" in written
         ):
             return True  # the DDP branch a first --fix wrote (this form, or the root-only test of earlier versions)
-        if (guard := self._rank_guard()) is not None and wrapper == "fsdp1":
+        if (guard := self._rank_guard()) is not None:  # a collective on FSDP2, whichever way the model came
             self._record(
                 node,
                 f"{short(target, 40)}.{method}({'...' if node.args else ''})",
@@ -520,8 +520,9 @@ class StateDictFixer(ScannerBase):
             "inside it gathered by their hooks, its own parameters not), and FSDP2 (which does not "
             f"wrap: no .module) gives {target}.state_dict() as DTensor shards"
             if inner
-            else f"{target}.state_dict(), which FSDP1 gave full (its default FULL_STATE_DICT, gathered on every "
-            "rank) and FSDP2 gives as DTensor shards"
+            else f"{target}.state_dict(): FSDP1's wrapper forwards save_pretrained to the module inside it, whose "
+            "state_dict() held the units nested in it gathered by their hooks and the root unit's own parameters as "
+            "this rank's flat shard (a _flat_param entry), not the model's weights, and FSDP2 gives DTensor shards"
         )
         if part is not None:
             self._record(
@@ -1232,6 +1233,40 @@ class StateDictFixer(ScannerBase):
                     ):
                         return True
         return False
+
+    def _note_rank_forward(self, node: cst.Call) -> None:
+        """``model(x)`` / ``model.generate(...)`` of a model shown to be FSDP1's (or handed one) under a test that
+        picks ranks (``if rank == 0:``): a TODO. Every unit's all-gather in that forward is a collective the other
+        ranks do not join; FSDP1 skipped it only where the unit was still gathered from an earlier forward (its
+        root after a forward without backward, which a wrap of the root alone leaves so), while on FSDP2 every
+        such forward gathers (the bridge frees what a forward without gradients left gathered), and the other
+        ranks hang at their next collective."""
+        if self.planning:
+            return
+        func = node.func
+        model = func.value if isinstance(func, cst.Attribute) and func.attr.value == "generate" else func
+        if not isinstance(model, (cst.Name, cst.Attribute)) or (guard := self._rank_guard()) is None:
+            return
+        if not (
+            self._fsdp1_wrapper(node, model) in ("fsdp1", "ambiguous")
+            or self._handed_parameter(node, model)
+            or self._module_source(node, model) != ""  # FSDP1's on some path (made by a choice, handed by one)
+        ):
+            return
+        if any(isinstance(w, cst.With) and "summon_full_params" in code_of(w) for w in self.stmt_stack):
+            return
+        target = short(code_of(model), 30)
+        self._record(
+            node,
+            f"{short(code_of(func), 40)}(...) under {short(guard, 40)}",
+            f"not rewritten: a forward of the sharded model on some ranks only: each unit's all-gather in it is a "
+            "collective the other ranks do not join. FSDP1 skipped it only where the unit was still gathered from "
+            "an earlier forward (the root after a forward without backward: a wrap of the root alone kept the "
+            "ranks in step by chance); on FSDP2 every such forward gathers (fsdp_bridge frees the units a forward "
+            "without gradients left gathered), so the other ranks hang at their next collective. Run the forward "
+            f"on every rank ({target}(...) before the test) and use its result on rank 0",
+            False,
+        )
 
     def _rank_guard(self) -> str | None:
         """The test of an ``if`` around the current statement that picks ranks (``if rank == 0:``,
