@@ -2769,6 +2769,7 @@ def test_a_submodules_state_under_the_models_state_dict_type_and_its_save_pretra
         def save_model(model, rank, save_dir):
             model.vision.save_pretrained(f"{save_dir}/vision_loras")
             model.config.save_pretrained(save_dir)
+            model.text_config.save_pretrained(save_dir)
             with FSDP.state_dict_type(
                 model,
                 state_dict_type=StateDictType.FULL_STATE_DICT,
@@ -2788,12 +2789,26 @@ def test_a_submodules_state_under_the_models_state_dict_type_and_its_save_pretra
         result = migrate_source(code, "handler.py", target=target)
         todos = {(f.line, f.construct) for f in result.findings if not f.fixable}
         assert (6, "model.vision.save_pretrained(...)") in todos, target
-        assert (8, "FSDP.state_dict_type(FULL_STATE_DICT)") in todos, target
-        assert not any(line == 7 for line, _ in todos), target  # a config holds no parameters
+        assert (9, "FSDP.state_dict_type(FULL_STATE_DICT)") in todos, target
+        assert not any(line in (7, 8) for line, _ in todos), target  # a config holds no parameters
         assert "    with FSDP.state_dict_type(\n" in result.fixed, target
         assert "import StateDictOptions" not in result.fixed, target  # named in a TODO only: not imported
         assert "'vision.'" in next(f.replacement for f in result.findings if f.line == 6)
         assert migrate_source(result.fixed, "handler.py", target=target).fixed == result.fixed
+        # the model's own state beside the submodule's (a block rewritten in place otherwise): a TODO too, not
+        # under SHARDED_STATE_DICT (a submodule's DTensor shards go to DCP as FSDP1's ShardedTensors did)
+        both = code.replace(
+            "cpu_state = model.connector.state_dict()",
+            "sd, cpu_state = model.state_dict(), model.connector.state_dict()",
+        )
+        both_result = migrate_source(both, "handler.py", target=target)
+        assert not next(f for f in both_result.findings if f.line == 9).fixable, target
+        sharded = code.replace("StateDictType.FULL_STATE_DICT", "StateDictType.SHARDED_STATE_DICT").replace(
+            "FullStateDictConfig(offload_to_cpu=True, rank0_only=True)", "None"
+        )
+        kept = next(f for f in migrate_source(sharded, "handler.py", target=target).findings if f.line == 9)
+        assert "inside it is a submodule's" not in kept.replacement, target
+        assert kept.fixable or target == "torch"  # (the torch target writes no plain form of the bridge's context)
 
 
 def test_an_nccl_group_gets_a_cpu_backend_where_parameters_are_offloaded() -> None:
@@ -2948,3 +2963,94 @@ def test_a_model_wrapped_on_one_branch_is_followed_into_the_functions_it_is_hand
     assert todos == {("main.py", 9, "model.state_dict()"), ("loop.py", 7, "model(...) under rank == 0")}
     fixed = next(f for f in report.findings if f.line == 11 and f.path.endswith("main.py"))
     assert fixed.fixable and "get_model_state_dict" in fixed.replacement  # all ranks there (or a plain model)
+
+
+def test_the_cpu_backend_is_written_in_a_file_without_fsdp1_and_left_where_the_tree_asks_the_backend(
+    tmp_path: Path,
+) -> None:
+    # the group is made in a helper file that names no FSDP1 (the usual layout): reported and written there; a
+    # get_backend() == "nccl" anywhere in the tree keeps every call as written (it would answer the pair)
+    (tmp_path / "dist_utils.py").write_text(
+        'import torch.distributed as dist\n\n\ndef setup():\n    dist.init_process_group(u"nccl")\n'
+    )
+    (tmp_path / "train.py").write_text(
+        "import torch\n"
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, CPUOffload\n"
+        "from dist_utils import setup\n\n\n"
+        "def main():\n"
+        "    setup()\n"
+        "    # CPUOffload(offload_params=True) was tried here\n"
+        "    return FSDP(torch.nn.Linear(4, 4), cpu_offload=CPUOffload(offload_params=True))\n"
+    )
+    report, _ = migrate_paths([tmp_path], fix=True)
+    assert (tmp_path / "dist_utils.py").read_text().endswith('    dist.init_process_group(u"cuda:nccl,cpu:gloo")\n')
+    before = {p.name: p.read_text() for p in tmp_path.glob("*.py")}
+    migrate_paths([tmp_path], fix=True)  # a second --fix changes nothing
+    assert {p.name: p.read_text() for p in tmp_path.glob("*.py")} == before
+    asks = tmp_path / "asks"
+    asks.mkdir()
+    (asks / "dist_utils.py").write_text(
+        'import torch.distributed as dist\n\n\ndef setup():\n    dist.init_process_group("nccl")\n'
+    )
+    (asks / "check.py").write_text(
+        'import torch.distributed as dist\n\n\ndef on_nccl():\n    return dist.get_backend() == "nccl"\n'
+    )
+    (asks / "train.py").write_text(
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, CPUOffload\n\n\n"
+        "def main(net):\n    return FSDP(net, cpu_offload=CPUOffload(offload_params=True))\n"
+    )
+    report, _ = migrate_paths([asks])
+    assert not any("init_process_group" in f.construct for f in report.findings)
+    commented = tmp_path / "commented"
+    commented.mkdir()
+    (commented / "train.py").write_text(
+        "import torch.distributed as dist\nfrom torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n\n\n"
+        "def main(net):\n    dist.init_process_group('nccl')\n"
+        "    return FSDP(net)  # , cpu_offload=CPUOffload(offload_params=True))\n"
+    )
+    report, _ = migrate_paths([commented])
+    assert not any("init_process_group" in f.construct for f in report.findings)
+
+
+def test_the_module_of_a_choice_without_another_wrapper_and_a_plain_models_state_on_rank_0() -> None:
+    # with no DDP in the file, model if keep else model.module keeps or drops FSDP1's own wrapper: unwrapped();
+    # a plain EMA's state_dict() on rank 0 inside the model's block stays a local call (guarded form), no TODO
+    choice = (
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n\n\n"
+        "def main(net, keep, path):\n    model = FSDP(net)\n    inner = model if keep else model.module\n    return inner\n"
+    )
+    assert "inner = model if keep else fsdp_bridge.unwrapped(model)\n" in migrate_source(choice, "c.py").fixed
+    ema = textwrap.dedent(
+        """\
+        import copy
+        import torch
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, StateDictType, FullStateDictConfig
+
+
+        def save(model, ema, rank, path):
+            cfg = FullStateDictConfig(offload_to_cpu=True, rank0_only=True)
+            with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, cfg):
+                sd = model.state_dict()
+                if rank == 0:
+                    torch.save({"model": sd, "ema": ema.state_dict()}, path)
+
+
+        def main(net, rank):
+            model = FSDP(net)
+            save(model, copy.deepcopy(net), rank, "x.pt")
+        """
+    )
+    result = migrate_source(ema, "ema.py")
+    assert not any(f.line == 11 and not f.fixable for f in result.findings), result.findings
+
+
+def test_mixed_precision_is_read_from_arguments_only() -> None:
+    # a config compared with a string, an attribute set, a comment: no mixed precision passed to FSDP1
+    from fsdp_bridge.migrate._analysis import passes_mixed_precision
+
+    head = "from torch.distributed.fsdp import FullyShardedDataParallel\n"
+    assert passes_mixed_precision(head + "m = FullyShardedDataParallel(net, mixed_precision=mp)\n")
+    assert not passes_mixed_precision(head + "if cfg.mixed_precision == 'bf16':\n    pass\n")
+    assert not passes_mixed_precision(head + "cfg.mixed_precision = policy\n")
+    assert not passes_mixed_precision(head + "m = FullyShardedDataParallel(net)  # mixed_precision=mp\n")
+    assert not passes_mixed_precision(head + "m = FullyShardedDataParallel(net, mixed_precision=None)\n")

@@ -222,6 +222,8 @@ class Dispatch:
     the bridge's too (see :func:`bridge_set_state_dict_type`)."""
     makes_state_dict_context: str | None = None  # a file of the tree that calls FSDP.state_dict_type
     group_fsdp: str | None = None  # a file of the tree passing process_group= (FSDP over some ranks)
+    asks_backend: str | None = None
+    """A file of the tree calling ``get_backend`` (``"cuda:nccl,cpu:gloo"`` would not compare equal to ``"nccl"``)."""
     mixed_precision: str | None = None
     """A file of the tree passing FSDP1 a ``mixed_precision=`` other than ``None`` (FSDP2's unshard then gathers
     in its ``param_dtype``, where FSDP1's ``summon_full_params`` gathered full precision)."""
@@ -332,6 +334,7 @@ class Dispatch:
         self.group_fsdp = self.group_fsdp or other.group_fsdp
         self.offloads_params = self.offloads_params or other.offloads_params
         self.mixed_precision = self.mixed_precision or other.mixed_precision
+        self.asks_backend = self.asks_backend or other.asks_backend
         self.subclasses_fsdp1 = self.subclasses_fsdp1 or other.subclasses_fsdp1
         self.wraps_fsdp1 = self.wraps_fsdp1 or other.wraps_fsdp1
         self.keeps_fsdp1 = self.keeps_fsdp1 or other.keeps_fsdp1
@@ -538,19 +541,25 @@ GROUP_ARG = re.compile(r"\b(?:process_group|device_mesh)\s*=\s*(?!None\s*[,)\n])
 
 
 OFFLOADS_PARAMS = re.compile(r"\bCPUOffload\(\s*(offload_params\s*=\s*)?True\s*\)")
+_COMMENT = re.compile(r"#[^\n]*")
 
 
 def offloads_params(code: str) -> bool:
-    """Whether FSDP1 code offloads parameters with a literal ``CPUOffload(offload_params=True)``."""
-    return "FullyShardedDataParallel" in code and OFFLOADS_PARAMS.search(code) is not None
+    """Whether FSDP1 code offloads parameters with a literal ``CPUOffload(offload_params=True)`` (comments aside)."""
+    return "FullyShardedDataParallel" in code and OFFLOADS_PARAMS.search(_COMMENT.sub("", code)) is not None
 
 
-MIXED_PRECISION_ARG = re.compile(r"\bmixed_precision\s*=\s*(?!None\b)\S")
+def asks_backend(code: str) -> bool:
+    """Whether code asks a process group for its backend (``dist.get_backend()``; comments aside)."""
+    return "get_backend" in code and re.search(r"\bget_backend\s*\(", _COMMENT.sub("", code)) is not None
+
+
+MIXED_PRECISION_ARG = re.compile(r"(?<![.\w])mixed_precision\s*=(?!=)\s*(?!None\b)\S")
 
 
 def passes_mixed_precision(code: str) -> bool:
-    """Whether FSDP1 code passes ``mixed_precision=`` something other than ``None``."""
-    return "FullyShardedDataParallel" in code and MIXED_PRECISION_ARG.search(code) is not None
+    """Whether FSDP1 code passes ``mixed_precision=`` something other than ``None`` (comments aside)."""
+    return "FullyShardedDataParallel" in code and MIXED_PRECISION_ARG.search(_COMMENT.sub("", code)) is not None
 
 
 def passes_group(code: str) -> bool:

@@ -50,6 +50,7 @@ from fsdp_bridge.migrate._analysis import (
     ClassAliases,
     Collector,
     Dispatch,
+    asks_backend,
     bridge_set_state_dict_type,
     calls_set_state_dict_type,
     chooses_wrapper,
@@ -163,6 +164,7 @@ def migrate_source(
             group_fsdp=path if passes_group(code) else None,
             offloads_params=path if offloads_params(code) else None,
             mixed_precision=path if passes_mixed_precision(code) else None,
+            asks_backend=path if asks_backend(code) else None,
             subclasses_fsdp1=path if subclasses_wrapper(code) else None,
             wraps_fsdp1=path if names_wrapper(code) else None,
             keeps_fsdp1=path if chooses_wrapper(code) else None,
@@ -202,7 +204,7 @@ def migrate_source(
         head, _, rest = code.partition("\n") if code.startswith("#!") else ("", "", code)
         noted = code if comment in code else (f"{head}\n" if head else "") + comment + rest
         return MigratedSource(path, code, noted, [finding])
-    if not scan.uses_fsdp1 and not scan.fsdp1_elsewhere:
+    if not scan.uses_fsdp1 and not scan.fsdp1_elsewhere and not scan.rewrites_backend:
         # At most config-driven FSDP (Trainer / accelerate arguments): report, change nothing; under
         # --target torch, code on the bridge already (an earlier --fix) is lowered.
         if target == "torch" and "fsdp_bridge." in code:
@@ -609,6 +611,7 @@ def migrate_paths(
                     group_fsdp=shown[f] if passes_group(code) else None,
                     offloads_params=shown[f] if offloads_params(code) else None,
                     mixed_precision=shown[f] if passes_mixed_precision(code) else None,
+                    asks_backend=shown[f] if asks_backend(code) else None,
                     subclasses_fsdp1=shown[f] if subclasses_wrapper(code) else None,
                     wraps_fsdp1=shown[f] if names_wrapper(code) else None,
                     keeps_fsdp1=shown[f] if chooses_wrapper(code) else None,

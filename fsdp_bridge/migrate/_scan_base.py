@@ -156,6 +156,7 @@ class ScannerBase(FollowsAliases):
         self.unwrap_withs: set[int] = set()  # state_dict_type blocks replaced by their (rewritten) body
         self.other_roots: set[int] = set()  # id(x.state_dict() call) in another model's unwrapped block
         self.context_makers: tuple[set[str], set[str]] | None = None  # see _made_context
+        self.rewrites_backend = False  # init_process_group("nccl") -> a CPU backend beside it (offloaded parameters)
         self.needs_state_dict_api: set[str] = set()  # names to import from torch.distributed.checkpoint.state_dict
         self.needs_imports: set[tuple[str, str | None]] = set()  # (module, name) other rewrites use
         self.optimizer_moves: dict[int, int] = {}  # id(optimizer statement) -> id(the wrap statement it follows)

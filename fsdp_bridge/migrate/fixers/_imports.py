@@ -686,16 +686,18 @@ class ImportsFixer(ScannerBase):
         return typed
 
     def _bare_in_other_branch(self, node: cst.Attribute, obj: str) -> bool:
-        """``node`` (``obj.module``) is a branch of a conditional expression whose other branch is ``obj`` itself:
-        ``model if use_fsdp else model.module`` hands FSDP1's wrapper itself on its FSDP path, so the ``.module``
-        branch unwraps another wrapper (DDP's)."""
+        """``node`` (``obj.module``) is a branch of a conditional expression whose other branch is ``obj`` itself, in
+        a file that wraps with DDP too: ``model if use_fsdp else model.module`` hands FSDP1's wrapper itself on its
+        FSDP path, so the ``.module`` branch unwraps another wrapper (DDP's)."""
         stmt = self.stmt_stack[-1] if self.stmt_stack else None
         path = _path_to(stmt, node) if stmt is not None else None
         if not path or len(path) < 2 or not isinstance(path[-2], cst.IfExp) or path[-2].test is node:
             return False
         choice = path[-2]
         other = choice.orelse if choice.body is node else choice.body
-        return code_of(other) == obj
+        # only where the file wraps with another wrapper too (else the choice keeps or drops FSDP1's own wrapper)
+        text = "\n".join(line.split("#", 1)[0] for line in self.lines)
+        return code_of(other) == obj and re.search(r"\b(DistributedDataParallel|DataParallel|DDP)\b", text) is not None
 
     def _chosen_callee(self, node: cst.BaseExpression) -> bool:
         """``node`` is a branch of a conditional expression that is called: ``(FSDP if ok else Plain)(m, ...)``."""

@@ -33,8 +33,8 @@ class PolicyFixer(ScannerBase):
         DTensors, and a collective over them (torch's clip_grad_norm_ or any global norm, a scaler's overflow
         check) needs a CPU backend, where FSDP1's were plain tensors that no collective touched. CUDA tensors
         still go through NCCL. Left as written where the file asks the group for its backend (``get_backend``
-        would answer the pair)."""
-        if self.planning or self.dispatch.offloads_params is None or "get_backend" in "\n".join(self.lines):
+        would answer the pair), where a file of the tree asks the group for its backend."""
+        if self.planning or self.dispatch.offloads_params is None or self.dispatch.asks_backend is not None:
             return
         names = {q.name for q in self.get_metadata(QualifiedNameProvider, node.func, set())}
         if not names & {
@@ -47,8 +47,9 @@ class PolicyFixer(ScannerBase):
             arg = node.args[0]
         if arg is None or not isinstance(arg.value, cst.SimpleString) or arg.value.evaluated_value != "nccl":
             return
-        quote = arg.value.value[0]
-        self.expr_rewrites[id(arg.value)] = f"{quote}{OFFLOAD_BACKEND}{quote}"
+        quote = arg.value.quote
+        self.expr_rewrites[id(arg.value)] = f"{arg.value.prefix}{quote}{OFFLOAD_BACKEND}{quote}"
+        self.rewrites_backend = True
         where = self.dispatch.offloads_params
         self._record(
             node,

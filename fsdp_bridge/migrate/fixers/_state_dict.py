@@ -289,7 +289,7 @@ class StateDictFixer(ScannerBase):
             or f"FSDPModule) else {target}.{method}(" in written
         ):
             return True  # the DDP branch a first --fix wrote (this form, or the root-only test of earlier versions)
-        if (guard := self._rank_guard()) is not None:  # a collective on FSDP2, whichever way the model came
+        if (guard := self._rank_guard()) is not None and wrapper in ("fsdp1", "ambiguous"):  # a collective on FSDP2
             self._record(
                 node,
                 f"{short(target, 40)}.{method}({'...' if node.args else ''})",
@@ -505,6 +505,7 @@ class StateDictFixer(ScannerBase):
             if (
                 not isinstance(obj, cst.Attribute)
                 or obj.attr.value in NOT_MODULES
+                or obj.attr.value.endswith("config")  # text_config, lora_config, quantization_config
                 or not (self._fsdp1_wrapper(node, obj.value) == "fsdp1" or self._handed_parameter(node, obj.value))
             ):
                 return False
@@ -751,27 +752,17 @@ class StateDictFixer(ScannerBase):
         if kind not in ("FULL_STATE_DICT", "SHARDED_STATE_DICT", None) or (kind is None and self._qn(type_arg)):
             return False
         model = code_of(named["module"])
-        part = self._method_in_block(
-            node, "state_dict", lambda owner: owner.startswith(model + ".") and owner != model + ".module"
-        ) or self._method_in_block(
-            node, "load_state_dict", lambda owner: owner.startswith(model + ".") and owner != model + ".module"
+        part = (
+            self._submodule_state_call(block.body, model)
+            if kind != "SHARDED_STATE_DICT"  # (a submodule's DTensor shards to DCP load as FSDP1's did)
+            and isinstance(block, cst.With)
+            and any(item.item is node for item in block.items)
+            else None
         )
-        if part is not None and isinstance(part.func, cst.Attribute):
+        if part is not None:
             # FSDP1's context sets the type on every unit under the model, so a submodule that is a unit of its
             # own gave (or took) that type's state; on FSDP2 the bridge's context serves the model's own calls
-            self._record(
-                node,
-                f"FSDP.state_dict_type({kind or short(code_of(type_arg), 40)})",
-                f"not rewritten: {short(code_of(part.func), 50)}(...) inside it is a submodule's: FSDP1's context "
-                f"set the type on every unit under {short(model, 30)}, so a submodule wrapped as a unit gave that "
-                "type's state (full tensors under FULL_STATE_DICT), while fsdp_bridge.state_dict_type serves "
-                f"{short(model, 30)}'s own state_dict() / load_state_dict() and FSDP2's submodule state dicts "
-                "hold DTensor shards. Take the whole model's state, get_model_state_dict("
-                f"{short(model, 30)}, options=StateDictOptions(full_state_dict=True, cpu_offload=True)) on every "
-                "rank, and keep the submodule's keys (their prefix dropped) on rank 0",
-                False,
-            )
-            self._consume(node.func)
+            self._submodule_state_todo(node, kind or short(code_of(type_arg), 40), model, part)
             return True
         if isinstance(block, cst.With) and any(item.item is node for item in block.items):
             # the context covers its model only: another root's state dicts in it keep FSDP1's default (full)
@@ -911,6 +902,9 @@ class StateDictFixer(ScannerBase):
                 rank_guard_text(guard, f"the state-dict calls of this block on {short(model, 30)}", block=True),
                 False,
             )
+            return
+        if kind != "SHARDED_STATE_DICT" and (part := self._submodule_state_call(node.body, model)) is not None:
+            self._submodule_state_todo(call, kind or short(code_of(type_arg), 40), model, part)
             return
         if f"{model}.load_state_dict(" in code_of(node.body) and (owner := self._own_narrow_load_state_dict()):
             self._consume(call.func)
@@ -1234,6 +1228,39 @@ class StateDictFixer(ScannerBase):
                         return True
         return False
 
+    @staticmethod
+    def _submodule_state_call(body: cst.CSTNode, model: str) -> cst.Call | None:
+        """The first ``model.part.state_dict()`` / ``load_state_dict(...)`` of a submodule in ``body`` (not
+        ``model.module``'s: the model itself on FSDP2), or None."""
+        for n in walk(body):
+            if (
+                isinstance(n, cst.Call)
+                and isinstance(n.func, cst.Attribute)
+                and n.func.attr.value in ("state_dict", "load_state_dict")
+                and (owner := code_of(n.func.value)).startswith(model + ".")
+                and owner != model + ".module"
+            ):
+                return n
+        return None
+
+    def _submodule_state_todo(self, call: cst.Call, shown: str, model: str, part: cst.Call) -> None:
+        """The TODO at FSDP1's ``state_dict_type`` block ``call`` whose body takes a submodule's state."""
+        self._record(
+            call,
+            f"FSDP.state_dict_type({shown})",
+            f"not rewritten: {short(code_of(part.func), 50)}(...) inside it is a submodule's: FSDP1's context "
+            f"set the type on every unit under {short(model, 30)}, so a submodule wrapped as a unit gave that "
+            "type's state (full tensors under FULL_STATE_DICT), while the migrated block serves "
+            f"{short(model, 30)}'s own state and FSDP2's submodule state dicts hold DTensor shards. Take the "
+            f"whole model's state, get_model_state_dict({short(model, 30)}, options=StateDictOptions("
+            "full_state_dict=True, cpu_offload=True)) on every rank, and keep the submodule's keys (their prefix "
+            "dropped) on rank 0",
+            False,
+        )
+        self._consume(call.func)
+        for a in call.args:  # its arguments belong to this construct (kept with the block)
+            self._consume(a.value)
+
     def _note_rank_forward(self, node: cst.Call) -> None:
         """``model(x)`` / ``model.generate(...)`` of a model shown to be FSDP1's (or handed one) under a test that
         picks ranks (``if rank == 0:``): a TODO. Every unit's all-gather in that forward is a collective the other
@@ -1245,16 +1272,30 @@ class StateDictFixer(ScannerBase):
             return
         func = node.func
         model = func.value if isinstance(func, cst.Attribute) and func.attr.value == "generate" else func
-        if not isinstance(model, (cst.Name, cst.Attribute)) or (guard := self._rank_guard()) is None:
+        if not isinstance(model, (cst.Name, cst.Attribute)) or (guard := self._rank_body()) is None:
             return
+        if isinstance(model, cst.Name) and (
+            any(
+                q.source in (QualifiedNameSource.IMPORT, QualifiedNameSource.BUILTIN)
+                for q in self.get_metadata(QualifiedNameProvider, model, set())
+            )
+            or any(
+                isinstance(n, (cst.FunctionDef, cst.ClassDef)) and n.name.value == model.value
+                for n in (walk(self.module) if self.module is not None else ())
+            )
+        ):
+            return  # a function or class (``save_model(model)``), not the model
         if not (
             self._fsdp1_wrapper(node, model) in ("fsdp1", "ambiguous")
             or self._handed_parameter(node, model)
             or self._module_source(node, model) != ""  # FSDP1's on some path (made by a choice, handed by one)
         ):
             return
-        if any(isinstance(w, cst.With) and "summon_full_params" in code_of(w) for w in self.stmt_stack):
-            return
+        if any(
+            isinstance(w, cst.With) and any("summon_full_params" in code_of(i.item) for i in w.items)
+            for w in self.stmt_stack
+        ):
+            return  # inside a gather of the model (reported with it)
         target = short(code_of(model), 30)
         self._record(
             node,
@@ -1267,6 +1308,16 @@ class StateDictFixer(ScannerBase):
             f"on every rank ({target}(...) before the test) and use its result on rank 0",
             False,
         )
+
+    def _rank_body(self) -> str | None:
+        """The test of an ``if`` that picks ranks when the current statement is in its body (not in its ``else`` or
+        ``elif`` branches, where the test was false), or None."""
+        for i, stmt in enumerate(self.stmt_stack[:-1]):
+            if isinstance(stmt, cst.If) and _RANK_TEST.search(code_of(stmt.test)):
+                inner = self.stmt_stack[i + 1]
+                if any(b is inner for b in stmt.body.body):
+                    return code_of(stmt.test)
+        return None
 
     def _rank_guard(self) -> str | None:
         """The test of an ``if`` around the current statement that picks ranks (``if rank == 0:``,
