@@ -3054,3 +3054,37 @@ def test_mixed_precision_is_read_from_arguments_only() -> None:
     assert not passes_mixed_precision(head + "cfg.mixed_precision = policy\n")
     assert not passes_mixed_precision(head + "m = FullyShardedDataParallel(net)  # mixed_precision=mp\n")
     assert not passes_mixed_precision(head + "m = FullyShardedDataParallel(net, mixed_precision=None)\n")
+    # what a first --fix wrote from it: a second --fix decides as the first did
+    assert passes_mixed_precision("import fsdp_bridge\nc = fsdp_bridge.BridgeConfig.from_fsdp1(mixed_precision=mp)\n")
+    assert passes_mixed_precision("from torch.distributed.fsdp import fully_shard\nfully_shard(m, mp_policy=policy)\n")
+
+
+def test_a_units_own_gather_in_another_file_stays_a_todo_on_a_second_fix(tmp_path: Path) -> None:
+    # the wrap with mixed precision is in train.py, the gather in utils.py: after a first --fix train.py names no
+    # FSDP1, and the second --fix must still see the mixed precision (it rewrote the gather before)
+    (tmp_path / "train.py").write_text(
+        "import torch\n"
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, MixedPrecision\n"
+        "from utils import sync\n\n\n"
+        "def main(net, bf16, client):\n"
+        "    mp = MixedPrecision(param_dtype=torch.bfloat16) if bf16 else None\n"
+        "    model = FSDP(net, mixed_precision=mp)\n"
+        "    sync(model, client)\n"
+    )
+    (tmp_path / "utils.py").write_text(
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n\n\n"
+        "def sync(module, client):\n"
+        "    with FSDP.summon_full_params(module, recurse=False, writeback=False):\n"
+        "        for name, p in module.named_parameters():\n"
+        "            client.update(name, p.data)\n"
+    )
+    for target in ("bridge", "torch"):
+        tree = tmp_path / target
+        tree.mkdir()
+        for f in ("train.py", "utils.py"):
+            shutil.copy(tmp_path / f, tree / f)
+        migrate_paths([tree], fix=True, target=target)
+        first = {p.name: p.read_text() for p in tree.glob("*.py")}
+        assert "with FSDP.summon_full_params(module, recurse=False" in first["utils.py"], target
+        migrate_paths([tree], fix=True, target=target)
+        assert {p.name: p.read_text() for p in tree.glob("*.py")} == first, target
