@@ -3088,3 +3088,33 @@ def test_a_units_own_gather_in_another_file_stays_a_todo_on_a_second_fix(tmp_pat
         assert "with FSDP.summon_full_params(module, recurse=False" in first["utils.py"], target
         migrate_paths([tree], fix=True, target=target)
         assert {p.name: p.read_text() for p in tree.glob("*.py")} == first, target
+
+
+def test_the_inner_modules_save_and_generate_in_functions_handed_the_model_are_todos() -> None:
+    # model.module.save_pretrained in a function handed FSDP1's model: the inner module's state (a flat shard) on
+    # FSDP1, no .module on FSDP2; model.module.generate on rank 0 alone: each unit's all-gather is a collective
+    code = textwrap.dedent(
+        """\
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+
+        def save(model, path):
+            model.module.save_pretrained(path)
+
+
+        def sample(model, rank, x):
+            if rank == 0:
+                return model.module.generate(x)
+
+
+        def main(net, path, rank, x):
+            model = FSDP(net)
+            save(model, path)
+            sample(model, rank, x)
+        """
+    )
+    for target in ("bridge", "torch"):
+        result = migrate_source(code, "inner.py", target=target)
+        todos = {(f.line, f.construct) for f in result.findings if not f.fixable}
+        assert todos == {(5, "model.module.save_pretrained(...)"), (10, "model.module.generate(...) under rank == 0")}
+        assert migrate_source(result.fixed, "inner.py", target=target).fixed == result.fixed

@@ -499,7 +499,7 @@ class StateDictFixer(ScannerBase):
         if isinstance(obj, cst.Attribute) and inner:
             # model.module.save_pretrained(path): FSDP1's wrapper's inner module (the model itself on FSDP2)
             obj = obj.value
-            if self._fsdp1_wrapper(node, obj) != "fsdp1":
+            if self._fsdp1_wrapper(node, obj) != "fsdp1" and not self._handed_parameter(node, obj):
                 return False
         elif self._fsdp1_wrapper(node, obj) not in ("fsdp1", "ambiguous") and not self._handed_parameter(node, obj):
             if (
@@ -1272,6 +1272,8 @@ class StateDictFixer(ScannerBase):
             return
         func = node.func
         model = func.value if isinstance(func, cst.Attribute) and func.attr.value == "generate" else func
+        if isinstance(model, cst.Attribute) and model.attr.value == "module":
+            model = model.value  # model.module(x), model.module.generate(...): FSDP1's inner module, gathered too
         if not isinstance(model, (cst.Name, cst.Attribute)) or (guard := self._rank_body()) is None:
             return
         if isinstance(model, cst.Name) and (
