@@ -2811,6 +2811,35 @@ def test_a_submodules_state_under_the_models_state_dict_type_and_its_save_pretra
         assert kept.fixable or target == "torch"  # (the torch target writes no plain form of the bridge's context)
 
 
+def test_save_pretrained_through_module_and_an_alias_of_it_are_todos() -> None:
+    # model.module.lora.save_pretrained: a part of FSDP1's inner module (DTensor shards on FSDP2, which PEFT's
+    # save refuses); unwrapped = model.module; unwrapped.save_pretrained: the inner module's state under a name
+    code = textwrap.dedent(
+        """\
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+
+        def train(net, path):
+            model = FSDP(net, use_orig_params=True)
+            model.module.lora.save_pretrained(path)
+            model.module.config.save_pretrained(path)
+            unwrapped = model.module
+            unwrapped.save_pretrained(path)
+            plain = net
+            plain.save_pretrained(path)
+        """
+    )
+    for target in ("bridge", "torch"):
+        result = migrate_source(code, "train.py", target=target)
+        todos = {(f.line, f.construct) for f in result.findings if not f.fixable}
+        assert todos == {
+            (6, "model.lora.save_pretrained(...)"),
+            (9, "unwrapped.save_pretrained(...) (unwrapped = model.module)"),
+        }, target
+        assert "'lora.'" in next(f.replacement for f in result.findings if f.line == 6)
+        assert migrate_source(result.fixed, "train.py", target=target).fixed == result.fixed
+
+
 def test_an_nccl_group_gets_a_cpu_backend_where_parameters_are_offloaded() -> None:
     # FSDP2's offloaded gradients are CPU DTensors: the user's own clip over them ran a collective on the CPU,
     # which an NCCL-only group refuses at the first step (FSDP1's were plain tensors no collective touched)

@@ -1278,3 +1278,36 @@ def test_a_parameter_annotated_with_fsdp1s_class_among_others_gets_the_guarded_s
     assert "if isinstance(model, torch.nn.Module) and any(isinstance(m, FSDPModule)" in fixed
     assert "else model.state_dict())\n" in fixed
     assert "    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))\n" in fixed
+
+
+def test_an_optimizer_built_before_a_wrap_on_one_branch_is_a_todo() -> None:
+    # The wrap in the same block moves the optimizer after it; a wrap under `if use_fsdp:` cannot take it along
+    # (the other branch uses it too): a TODO at the optimizer, naming the wrap's line.
+    code = textwrap.dedent(
+        """\
+        import torch
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+
+        def main(use_fsdp):
+            model = torch.nn.Linear(4, 4)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            if use_fsdp:
+                model = FSDP(model)
+            return model, optimizer
+
+
+        def fine():
+            model = torch.nn.Linear(4, 4)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            model = FSDP(model)
+            return model, optimizer
+        """
+    )
+    result = migrate_source(code, "train.py")
+    todos = [f for f in result.findings if not f.fixable]
+    assert [(f.line, "wrap on line 9" in f.replacement) for f in todos] == [(7, True)]
+    fixed = result.fixed
+    assert f"    # {TODO}: torch.optim.AdamW(" in fixed and migrate_source(fixed, "train.py").fixed == fixed
+    fine = _between(fixed, "def fine")
+    assert fine.index("fsdp_bridge.shard(") < fine.index("optimizer = torch.optim.AdamW") and TODO not in fine

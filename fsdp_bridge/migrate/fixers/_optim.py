@@ -12,6 +12,7 @@ from libcst.metadata import PositionProvider, QualifiedNameProvider
 
 from fsdp_bridge.migrate._analysis import assign_target, assign_value, code_of, named_args, short, walk
 from fsdp_bridge.migrate._names import FSDP, GROUP_RANK0
+from fsdp_bridge.migrate._report import CodeFinding
 from fsdp_bridge.migrate._scan_base import ScannerBase
 
 KERNEL_OPTIMIZER = (
@@ -271,6 +272,43 @@ class OptimStateFixer(ScannerBase):
                         "built before would update tensors the model no longer uses",
                         True,
                     )
+            self._note_optimizer_before_nested_wrap(body, i, stmt, text)
+
+    def _note_optimizer_before_nested_wrap(
+        self, body: Sequence[cst.BaseStatement], i: int, stmt: cst.BaseStatement, text: str
+    ) -> None:
+        """An optimizer over ``M.parameters()`` built before ``M = FSDP(M, ...)`` that a later statement of the
+        block holds on one branch only (``if use_fsdp: model = FSDP(model)``): it cannot move there (the other
+        branch uses it too), so a TODO. FSDP2 gives the model new parameter objects (FSDP1 does too without
+        ``use_orig_params=True``), and the optimizer would update the old ones."""
+        if id(stmt) in self.optimizer_moves:
+            return
+        for later in body[i + 1 :]:
+            if not isinstance(later, (cst.If, cst.Try, cst.With)):
+                continue
+            for n in walk(later):
+                target, value = assign_target(n), assign_value(n)
+                if (
+                    target is not None
+                    and isinstance(value, cst.Call)
+                    and self._qn(value.func) == (FSDP, "")
+                    and value.args
+                    and code_of(value.args[0].value) == target
+                    and (f"{target}.parameters()" in text or f"{target}.named_parameters()" in text)
+                ):
+                    pos = self.get_metadata(PositionProvider, stmt)
+                    construct = f"{short(text, 40)} before FSDP({target}, ...) on a branch"
+                    note = (
+                        f"this optimizer holds {target}'s parameters from before the wrap on line "
+                        f"{self.get_metadata(PositionProvider, n).start.line}; FSDP2 replaces them (so does FSDP1 "
+                        "without use_orig_params=True), and it would update tensors the model no longer uses (the "
+                        "bridge refuses it at the first step): build it after the wrap, on every branch"
+                    )
+                    self.findings.append(
+                        CodeFinding(self.path, pos.start.line, pos.start.column, construct, note, False)
+                    )
+                    self.todos.setdefault(id(stmt), []).append(f"{construct}: {note}")
+                    return
 
     def _plan_optim_call(self, node: cst.Call, member: str) -> bool:
         """FSDP's optimizer-state functions outside a state_dict_type block -> torch's state_dict API."""

@@ -494,9 +494,21 @@ class StateDictFixer(ScannerBase):
         ):
             return False
         obj = func.value
+        alias = self._inner_module_alias(node, obj)  # u = model.module; u.save_pretrained(path)
+        label = f"{code_of(obj)}.save_pretrained(...) ({code_of(obj)} = {code_of(alias)})" if alias else None
+        obj = alias or obj
         inner = isinstance(obj, cst.Attribute) and obj.attr.value == "module"
         part: str | None = None
-        if isinstance(obj, cst.Attribute) and inner:
+        if (
+            isinstance(obj, cst.Attribute)
+            and isinstance(obj.value, cst.Attribute)
+            and obj.value.attr.value == "module"
+            and obj.attr.value not in NOT_MODULES
+            and not obj.attr.value.endswith("config")
+            and (self._fsdp1_wrapper(node, obj.value.value) == "fsdp1" or self._handed_parameter(node, obj.value.value))
+        ):
+            part, obj = obj.attr.value, obj.value.value  # model.module.lora.save_pretrained(path)
+        elif isinstance(obj, cst.Attribute) and inner:
             # model.module.save_pretrained(path): FSDP1's wrapper's inner module (the model itself on FSDP2)
             obj = obj.value
             if self._fsdp1_wrapper(node, obj) != "fsdp1" and not self._handed_parameter(node, obj):
@@ -541,7 +553,7 @@ class StateDictFixer(ScannerBase):
             return True
         self._record(
             node,
-            f"{target}{'.module' if inner else ''}.save_pretrained(...)",
+            label or f"{target}{'.module' if inner else ''}.save_pretrained(...)",
             f"not rewritten: save_pretrained takes {took}; take the full state on "
             f"every rank, sd = get_model_state_dict({target}, options=StateDictOptions(full_state_dict=True, "
             f"cpu_offload=True)) (a collective: outside any rank test), then {target}.save_pretrained(..., "
@@ -549,6 +561,28 @@ class StateDictFixer(ScannerBase):
             False,
         )
         return True
+
+    def _inner_module_alias(self, node: cst.Call, obj: cst.BaseExpression) -> cst.Attribute | None:
+        """``obj`` is a name the enclosing function assigned ``X.module`` before ``node``, with ``X`` shown to be
+        FSDP1's model (``unwrapped = model.module``): that ``X.module``; else None."""
+        if not isinstance(obj, cst.Name) or not self.functions:
+            return None
+        line = self.get_metadata(PositionProvider, node).start.line
+        found: cst.Attribute | None = None
+        for n in walk(self.functions[-1]):
+            if not isinstance(n, cst.Assign) or self.get_metadata(PositionProvider, n).start.line >= line:
+                continue
+            if len(n.targets) != 1 or not m.matches(n.targets[0].target, m.Name(obj.value)):
+                continue
+            value = n.value
+            found = (
+                value
+                if isinstance(value, cst.Attribute)
+                and value.attr.value == "module"
+                and (self._fsdp1_wrapper(node, value.value) == "fsdp1" or self._handed_parameter(node, value.value))
+                else None
+            )  # the last assignment before the call decides
+        return found
 
     def _holder_function(self, func: cst.BaseExpression) -> bool:
         """``func`` is a function of the tree in ``Dispatch.unit_holders``: imported from its file, or defined in
