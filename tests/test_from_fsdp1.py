@@ -535,6 +535,17 @@ def _state_dict_contexts(
         torch.equal(v, dict(bridged.named_parameters())[k].full_tensor()) for k, v in before.items()
     )
     out["default_full"] = not any(isinstance(v, DTensor) for s in after["state"].values() for v in s.values())
+    # FSDP1's whole signature (code passes its arguments through **kwargs): its own group taken, the rest refused
+    # before any collective with the argument named, a keyword FSDP1 lacks a TypeError as on FSDP1.
+    again = fsdp_bridge.optim_state_dict(bridged, opt, **{"optim_state_dict": None, "group": dist.group.WORLD})
+    out["fsdp1_signature"] = [sorted(again["state"]) == sorted(after["state"])]
+    single = dist.new_group([0])
+    for extra in ({"optim_state_dict": opt.state_dict()}, {"group": single}, {"optim_state_dict_cfg": None}):
+        try:
+            fsdp_bridge.optim_state_dict(bridged, opt, **extra)
+            out["fsdp1_signature"].append("taken")
+        except (ConfigError, TypeError) as err:
+            out["fsdp1_signature"].append(f"{type(err).__name__}: {err}")
     # Nested blocks (and one entered twice) each put back what was there: the outer type, then nothing.
     full_ctx = fsdp_bridge.state_dict_type(bridged, full)
     with sharded:
@@ -627,6 +638,10 @@ def test_raw_fsdp1_and_the_bridge_on_fsdp2_wrap_and_train_alike(run_on_ranks) ->
             assert states["full_keys"] == ([], []) and states["others_empty"] == ({}, {}), states
         assert states["sharded_dtensors"] > 0 and states["sharded_round_trip"] is True, states
         assert states["default_full"] is True and "LOCAL_STATE_DICT" in states["local"], states
+        taken, given, group, unknown = states["fsdp1_signature"]
+        assert taken is True and "ConfigError" in given and "optim_state_dict" in given, states["fsdp1_signature"]
+        assert "ConfigError" in group and "ranks [0]" in group and "ranks [0, 1]" in group, group
+        assert unknown.startswith("TypeError") and "optim_state_dict_cfg" in unknown, unknown
         assert states["nested"] is True, states
         persistent = states["persistent"]
         for backend in ("fsdp2", "fsdp1"):

@@ -48,3 +48,30 @@ def full_state_dicts_without_offload() -> None:
         return state_dict_type(module, kind, state_dict_config, *args, **kwargs)
 
     FSDP.state_dict_type = staticmethod(on_the_cpu_already)  # type: ignore[assignment]
+
+
+def full_optim_state_dicts_without_offload() -> None:
+    """``FSDP.optim_state_dict`` under a full type whose optimizer config offloads to the CPU (FSDP1's default
+    ``FullOptimStateDictConfig()`` included) takes it without the offload, which means nothing on the CPU: with
+    ``use_orig_params=True`` and the shards on the CPU, FSDP1's "offloaded" copy of ``exp_avg`` is read after its
+    storage is reused, and the saved ``exp_avg`` values are wrong (``exp_avg_sq`` and the weights right; 2 gloo
+    ranks, AdamW, torch 2.13: up to 0.7 apart from a single-process reference, exact without the offload). Only
+    FSDP1 code calls it."""
+    from torch.distributed.fsdp import FullOptimStateDictConfig, StateDictType
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    optim_state_dict = FSDP.optim_state_dict
+
+    def on_the_cpu_already(model: Any, optim: Any, *args: Any, **kwargs: Any) -> Any:
+        settings = FSDP.get_state_dict_type(model)
+        config = settings.optim_state_dict_config
+        if settings.state_dict_type != StateDictType.FULL_STATE_DICT or not config.offload_to_cpu:
+            return optim_state_dict(model, optim, *args, **kwargs)
+        kept = FullOptimStateDictConfig(offload_to_cpu=False, rank0_only=getattr(config, "rank0_only", False))
+        FSDP.set_state_dict_type(model, settings.state_dict_type, settings.state_dict_config, kept)
+        try:
+            return optim_state_dict(model, optim, *args, **kwargs)
+        finally:
+            FSDP.set_state_dict_type(model, settings.state_dict_type, settings.state_dict_config, config)
+
+    FSDP.optim_state_dict = staticmethod(on_the_cpu_already)  # type: ignore[assignment]

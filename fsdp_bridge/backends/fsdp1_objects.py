@@ -421,27 +421,43 @@ def _torch_optimizer(optim: object) -> torch.optim.Optimizer:
     )
 
 
-def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
-    """FSDP1's ``FSDP.optim_state_dict(model, optim)`` for both backends.
+def optim_state_dict(
+    model: nn.Module,
+    optim: torch.optim.Optimizer,
+    optim_state_dict: dict[str, Any] | None = None,
+    group: Any = None,
+) -> dict[str, Any]:
+    """FSDP1's ``FSDP.optim_state_dict(model, optim, optim_state_dict=None, group=None)`` for both backends.
 
-    On a model holding FSDP1 units it is FSDP1's own call. Otherwise it is torch's
+    On a model holding FSDP1 units it is FSDP1's own call, given every argument. Otherwise it is torch's
     ``get_optimizer_state_dict`` with the settings of the :class:`state_dict_type` block ``model`` is in
     (or of :func:`set_state_dict_type`), or, outside any, FSDP1's default type. A full type keeps FSDP1's
     optimizer config: ``FullOptimStateDictConfig()`` (also when none was given) is a CPU copy on every rank,
     gathered one tensor at a time (:func:`full_optim_state_dict`), not the whole state on every GPU.
+    FSDP1's signature is kept whole so that code passing its arguments through ``**kwargs`` keeps working:
+    an argument FSDP1 does not take is a ``TypeError`` as there.
 
     Args:
         model: the sharded model (the root given to :func:`state_dict_type`).
         optim: its optimizer, or a wrapper holding it (FSDP1 reads only param_groups, so takes both).
+        optim_state_dict: FSDP1's stand-in for ``optim.state_dict()``; on FSDP2 only None (the state is read
+            from the optimizer itself).
+        group: the process group the model is sharded over (None: the default group); on FSDP2 only that
+            group's ranks, the model's own.
 
     Returns:
         The optimizer's state dict keyed by parameter names: full tensors, or DTensor shards under
         SHARDED_STATE_DICT (with ``rank0_only``, an empty dict on the other ranks), as FSDP1 gives.
+
+    Raises:
+        ConfigError: on FSDP2, ``optim_state_dict`` given, or ``group`` not the model's own (before any
+            collective, on every rank alike).
     """
     if _is_fsdp1(model):
         from torch.distributed.fsdp import FullyShardedDataParallel
 
-        return FullyShardedDataParallel.optim_state_dict(model, optim)
+        return FullyShardedDataParallel.optim_state_dict(model, optim, optim_state_dict, group)
+    _only_fsdp1_defaults(model, optim_state_dict, group)
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     kind, _, optim_config = _SETTINGS.get(model, ("FULL_STATE_DICT", None, None))
@@ -457,6 +473,48 @@ def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str
     inner = _torch_optimizer(optim)
     with init_step_undone(inner, reading=True):
         return get_optimizer_state_dict(model, inner, options=active[1])
+
+
+def _only_fsdp1_defaults(model: nn.Module, optim_state_dict: object, group: Any) -> None:
+    """FSDP1's ``optim_state_dict=`` and ``group=`` of ``FSDP.optim_state_dict`` on an FSDP2 model: only what
+    torch's ``get_optimizer_state_dict`` does too (the optimizer's own state, the model's own group)."""
+    problems = []
+    if optim_state_dict is not None:
+        problems.append(
+            Problem(
+                key="optim_state_dict",
+                value=type(optim_state_dict).__name__,
+                allowed="None: on FSDP2 the state is read from the optimizer itself",
+                fix="drop the argument where it is optim.state_dict(); to save another state, load it into the "
+                "optimizer first (optim.load_state_dict)",
+            )
+        )
+    if group is not None and torch.distributed.is_initialized():
+        ranks = sorted(torch.distributed.get_process_group_ranks(group))
+        own = _shard_group_ranks(model)
+        if own is not None and ranks != own:
+            problems.append(
+                Problem(
+                    key="group",
+                    value=f"a process group of ranks {ranks}",
+                    allowed=f"None or the group the model is sharded over (ranks {own})",
+                    fix="drop group=: the state is gathered over the model's own mesh",
+                )
+            )
+    if problems:
+        raise ConfigError(problems)
+
+
+def _shard_group_ranks(model: nn.Module) -> list[int] | None:
+    """The ranks this rank shards the model's first DTensor parameter with (its mesh's last dimension, the
+    shard group under HYBRID_SHARD); None when it has no DTensor parameter."""
+    from torch.distributed.tensor import DTensor
+
+    for p in model.parameters():
+        if isinstance(p, DTensor):
+            mesh = p.device_mesh
+            return sorted(torch.distributed.get_process_group_ranks(mesh.get_group(mesh.ndim - 1)))
+    return None
 
 
 def _keeps_full_state(model: nn.Module) -> bool:

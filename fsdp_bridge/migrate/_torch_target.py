@@ -536,6 +536,15 @@ class _Lowerer(cst.CSTTransformer):
             return self._full_state(name, args)
         if name == "GradScaler":
             return self._scaler(call, args)
+        if name == "optim_state_dict" and any(a.star for a in args):
+            raise _CannotLower(
+                "its arguments past the optimizer come through ** and are known only when the code runs (FSDP1's "
+                "optim_state_dict= and group=, which torch's get_optimizer_state_dict does not take; "
+                "fsdp_bridge.optim_state_dict checks them); where they are empty, FSDP1's default is the full state "
+                "as a CPU copy on every rank: get_optimizer_state_dict(model, optim, "
+                "options=StateDictOptions(full_state_dict=True)) gives it on each rank's device, with "
+                "cpu_offload=True on rank 0 alone"
+            )
         why = {
             "BridgeConfig.from_fsdp1": "settings known only when the code runs",
             "set_state_dict_type": "plain torch has no persistent state-dict type: pass the type's "
