@@ -2876,6 +2876,10 @@ def test_an_nccl_group_gets_a_cpu_backend_where_parameters_are_offloaded() -> No
         assert "wrap.py offloads parameters" in next(f.replacement for f in across.findings if "init_" in f.construct)
         assert 'backend="nccl"' in migrate_source(asks, "train.py", target=target, dispatch=tree).fixed
         assert 'backend="nccl"' in migrate_source(init, "train.py", target=target).fixed  # nothing offloaded
+        # a backend known at run time: left as written, with a note saying when the pair is needed
+        chosen = migrate_source(init.replace('backend="nccl"', "backend=cfg.backend"), "train.py", dispatch=tree)
+        note = next(f for f in chosen.findings if f.construct == "init_process_group(cfg.backend)")
+        assert note.note and "backend=cfg.backend" in chosen.fixed and '"cuda:nccl,cpu:gloo"' in note.replacement
 
 
 def test_a_units_own_gather_read_outside_a_forward_under_mixed_precision_is_a_todo() -> None:

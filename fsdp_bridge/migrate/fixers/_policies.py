@@ -7,9 +7,9 @@ from typing import cast
 
 import libcst as cst
 import libcst.matchers as m
-from libcst.metadata import QualifiedNameProvider
+from libcst.metadata import PositionProvider, QualifiedNameProvider
 
-from fsdp_bridge.migrate._analysis import Conversion, class_list, code_of, make_str, walk
+from fsdp_bridge.migrate._analysis import Conversion, class_list, code_of, make_str, short, walk
 from fsdp_bridge.migrate._names import (
     FSDP1_POSITIONAL,
     KWARG_OPTION,
@@ -18,6 +18,7 @@ from fsdp_bridge.migrate._names import (
     fsdp2_case,
     keep_low_precision_text,
 )
+from fsdp_bridge.migrate._report import CodeFinding
 from fsdp_bridge.migrate._scan_base import ScannerBase
 
 OFFLOAD_BACKEND = "cuda:nccl,cpu:gloo"
@@ -45,6 +46,9 @@ class PolicyFixer(ScannerBase):
         arg = next((a for a in node.args if a.keyword is not None and a.keyword.value == "backend"), None)
         if arg is None and node.args and node.args[0].keyword is None and not node.args[0].star:
             arg = node.args[0]
+        if arg is not None and not isinstance(arg.value, (cst.SimpleString, cst.ConcatenatedString)):
+            self._note_offload_backend(node, arg.value)
+            return
         if arg is None or not isinstance(arg.value, cst.SimpleString) or arg.value.evaluated_value != "nccl":
             return
         quote = arg.value.quote
@@ -62,6 +66,29 @@ class PolicyFixer(ScannerBase):
             "with device type cpu'); FSDP1's were plain tensors no collective touched. CUDA tensors still go "
             "through NCCL",
             True,
+        )
+
+    def _note_offload_backend(self, node: cst.Call, backend: cst.BaseExpression) -> None:
+        """``init_process_group(backend=<a value known at run time>)`` in a tree that offloads parameters: the
+        pair ``"cuda:nccl,cpu:gloo"`` cannot be written for it, so a note says when it is needed."""
+        where = self.dispatch.offloads_params
+        pos = self.get_metadata(PositionProvider, node).start
+        value = short(code_of(backend), 40)
+        self.findings.append(
+            CodeFinding(
+                self.path,
+                pos.line,
+                pos.column,
+                f"init_process_group({value})",
+                f"left as it is; {'this file' if where == self.path else where} offloads parameters "
+                "(CPUOffload(offload_params=True)), and FSDP2's offloaded gradients are CPU DTensors: a collective "
+                "over them (torch's clip_grad_norm_ or a global norm of your own, a scaler's overflow check) needs a "
+                f'CPU backend beside NCCL. Where {value} is "nccl" on an offloading run, make it '
+                f'"{OFFLOAD_BACKEND}" (an NCCL-only group raises \'No backend type associated with device type '
+                "cpu'); FSDP1's offloaded gradients were plain tensors no collective touched",
+                True,
+                note=True,
+            )
         )
 
     def _describe_value(self, kw: str, value: cst.BaseExpression) -> str:
