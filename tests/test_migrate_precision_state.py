@@ -1344,3 +1344,24 @@ def test_optimizer_state_with_arguments_through_kwargs_goes_to_the_bridges_fsdp1
     torch_target = migrate_source(code, "train.py", target="torch").fixed
     assert "fsdp_bridge.optim_state_dict(model, optimizer, **kwargs)" in torch_target
     assert "come through ** and are known only when the code runs" in torch_target
+
+
+def test_a_block_saving_only_the_optimizer_state_reports_the_optimizers_options() -> None:
+    # FullOptimStateDictConfig(rank0_only=True) is written as cpu_offload=True (rank 0 alone); the report showed
+    # the model's options, which read as every rank.
+    code = textwrap.dedent(
+        """\
+        from torch.distributed.fsdp import FullOptimStateDictConfig, StateDictType
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+
+        def optim_state(model: FSDP, optimizer):
+            cfg = FullOptimStateDictConfig(offload_to_cpu=True, rank0_only=True)
+            with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, None, cfg):
+                return FSDP.optim_state_dict(model, optimizer)
+        """
+    )
+    result = migrate_source(code, "ckpt.py")
+    block = next(f for f in result.findings if f.construct == "FSDP.state_dict_type(FULL_STATE_DICT)")
+    written = "options=StateDictOptions(full_state_dict=True, cpu_offload=True)"
+    assert written in result.fixed and written in block.replacement, block.replacement

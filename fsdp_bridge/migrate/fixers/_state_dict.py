@@ -1081,8 +1081,16 @@ class StateDictFixer(ScannerBase):
             self._plan_other_roots(node, model, rewrites)
             # Runtime configs stay: the new calls read them.
             configs = () if save_opts.startswith("fsdp_bridge.") else (cfg, optim_cfg)
-            saves = any("get_model_state_dict(" in r or "get_optimizer_state_dict(" in r for r in rewrites.values())
-            shown = save_opts if saves or not load_opts else load_opts  # a block that only loads: its options
+            saves_model = any("get_model_state_dict(" in r for r in rewrites.values())
+            saves_optim = any("get_optimizer_state_dict(" in r for r in rewrites.values())
+            if saves_model and saves_optim and optim_opts != save_opts:
+                shown = f"{save_opts}, the optimizer's options={optim_opts}"
+            elif saves_model or (not saves_optim and not load_opts):
+                shown = save_opts
+            elif saves_optim:
+                shown = optim_opts  # FullOptimStateDictConfig's own flags (offload_to_cpu defaults to True)
+            else:
+                shown = load_opts  # a block that only loads: its options
             why = f" (torch.distributed.checkpoint.state_dict, options={shown}); your torch.save / DCP code is kept"
             if full_save is not None and any("fsdp_bridge.full_state_dict(" in r for r in rewrites.values()):
                 why = (
