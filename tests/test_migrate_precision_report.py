@@ -285,6 +285,10 @@ def test_torchs_clip_over_an_fsdp1_models_parameters_is_kept_with_a_note_on_its_
     assert listed.construct == "torch.nn.utils.clip_grad_norm_(grads, ...)" and listed.line == 11
     assert note.construct == "torch.nn.utils.clip_grad_norm_(model.parameters(), ...)" and note.line == 8
     assert "each rank clips by the norm of its own shard" in note.replacement
+    assert "fsdp_bridge.clip_grad_norm_(model, max_norm) takes both" in note.replacement
+    torch_note = next(f for f in migrate_source(code, "step.py", target="torch").findings if f.line == 8 and f.note)
+    assert "_fsdp2_helpers.clip_grad_norm_(model, max_norm) takes both" in torch_note.replacement
+    assert "fsdp_bridge" not in torch_note.replacement  # the torch target drops the library
     assert "    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)\n" in result.fixed
     assert "TODO" not in result.fixed
 

@@ -185,7 +185,10 @@ class NoSyncClipFixer(ScannerBase):
                 False,
             )
             return
-        self._note_on_fsdp1_model(node, model, construct, LOCAL_CLIP)
+        text = LOCAL_CLIP
+        if self.target == "torch":  # the torch target drops the library: its helper module's clip takes both too
+            text = text.replace("fsdp_bridge.clip_grad_norm_(", f"{HELPERS_NAME}.clip_grad_norm_(")
+        self._note_on_fsdp1_model(node, model, construct, text)
 
     def _ignores_some(self, model: cst.BaseExpression) -> bool:
         """This function wraps ``model`` with ``FSDP(..., ignored_states=...)`` / ``ignored_modules=``."""
