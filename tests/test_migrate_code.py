@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import runpy
 import shutil
 import subprocess
@@ -3151,3 +3152,19 @@ def test_the_inner_modules_save_and_generate_in_functions_handed_the_model_are_t
         todos = {(f.line, f.construct) for f in result.findings if not f.fixable}
         assert todos == {(5, "model.module.save_pretrained(...)"), (10, "model.module.generate(...) under rank == 0")}
         assert migrate_source(result.fixed, "inner.py", target=target).fixed == result.fixed
+
+
+def test_a_notebook_using_fsdp1_is_listed_as_skipped(tmp_path: Path) -> None:
+    # Notebooks are not rewritten; one that wraps with FSDP1 is named so that it is not missed. Others, and
+    # Jupyter's checkpoint copies, are not listed.
+    cell = {"cell_type": "code", "source": ["model = FullyShardedDataParallel(model)\n"], "metadata": {}}
+    (tmp_path / "nb").mkdir()
+    (tmp_path / "nb" / "finetune.ipynb").write_text(json.dumps({"cells": [cell], "nbformat": 4}))
+    (tmp_path / "nb" / "plots.ipynb").write_text(json.dumps({"cells": [], "nbformat": 4}))
+    (tmp_path / "nb" / ".ipynb_checkpoints").mkdir()
+    (tmp_path / "nb" / ".ipynb_checkpoints" / "finetune-checkpoint.ipynb").write_text(json.dumps(cell))
+    report, _ = migrate_paths([tmp_path], fix=True)
+    assert [(Path(p).name, "notebooks are not rewritten" in why) for p, why in report.skipped] == [
+        ("finetune.ipynb", True)
+    ]
+    assert "FullyShardedDataParallel(model)" in (tmp_path / "nb" / "finetune.ipynb").read_text()

@@ -90,7 +90,7 @@ from fsdp_bridge.migrate._torch_helpers import HELPERS_MARKER, HELPERS_NAME, HEL
 from fsdp_bridge.migrate._torch_report import torch_findings
 from fsdp_bridge.migrate._torch_target import TARGETS, lower_to_torch
 from fsdp_bridge.migrate._vendored import vendored_torch_module
-from fsdp_bridge.migrate.limits import SourceLimitError, read_source
+from fsdp_bridge.migrate.limits import SourceLimitError, notebook_uses_fsdp1, read_source
 
 __all__ = ["MigratedSource", "MigrationWriteError", "migrate_paths", "migrate_source"]
 
@@ -551,6 +551,12 @@ def _fsdp_imports(module: cst.Module) -> list[tuple[str, str | None, str | None]
     return found
 
 
+NOTEBOOK = (
+    "a Jupyter notebook using FSDP1 (FullyShardedDataParallel): notebooks are not rewritten; export it to a "
+    "script (jupyter nbconvert --to script), migrate that, and paste the cells back"
+)
+
+
 def migrate_paths(
     paths: Sequence[str | Path], *, fix: bool = False, target: str = "bridge"
 ) -> tuple[CodeReport, list[MigratedSource]]:
@@ -573,6 +579,10 @@ def migrate_paths(
         files.extend(found)
         shown.update({f: f.relative_to(p).as_posix() if p.is_dir() else f.name for f in found})
     report = CodeReport()
+    for p in map(Path, paths):  # notebooks are not rewritten: listed where they use FSDP1, so none is missed
+        for nb in sorted(p.rglob("*.ipynb")) if p.is_dir() else ():
+            if nb.is_file() and ".ipynb_checkpoints" not in nb.parts and notebook_uses_fsdp1(nb):
+                report.skipped.append((str(nb), NOTEBOOK))
     results = []
     dispatch = Dispatch()  # helpers such as fsdp_version(model) may live in another file of the tree
     self_spelled: list[Path] = []  # files calling x.set_state_dict_type(x, ...)

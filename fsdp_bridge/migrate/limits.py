@@ -80,3 +80,26 @@ def read_source(path: Path) -> str:
             "flatten that code (name the intermediate values) or migrate the file by hand"
         )
     return code
+
+
+NOTEBOOK_SCAN_BYTES = 64 * 1024 * 1024
+"""How much of a Jupyter notebook :func:`notebook_uses_fsdp1` reads (outputs and images make them large)."""
+
+
+def notebook_uses_fsdp1(path: Path) -> bool:
+    """Whether a Jupyter notebook names FSDP1's wrapper (``FullyShardedDataParallel``) in its first
+    :data:`NOTEBOOK_SCAN_BYTES`, read in blocks (never executed, never parsed as JSON)."""
+    needle = b"FullyShardedDataParallel"
+    tail = b""
+    try:
+        with open(path, "rb") as f:
+            for _ in range(NOTEBOOK_SCAN_BYTES // (1 << 20)):
+                block = f.read(1 << 20)
+                if not block:
+                    return False
+                if needle in tail + block:
+                    return True
+                tail = block[-len(needle) :]
+    except OSError:
+        return False
+    return False
