@@ -3168,3 +3168,26 @@ def test_a_notebook_using_fsdp1_is_listed_as_skipped(tmp_path: Path) -> None:
         ("finetune.ipynb", True)
     ]
     assert "FullyShardedDataParallel(model)" in (tmp_path / "nb" / "finetune.ipynb").read_text()
+
+
+def test_library_calls_and_other_objects_methods_under_a_rank_test_are_not_forwards() -> None:
+    # Inside `if isinstance(model, FSDP):` a name read may be the model by another name; a library's function
+    # (torch.save, torch.ones) or another object's method (optimizer.state_dict) under `if rank == 0:` is not its
+    # forward. The model's own forward there stays a TODO.
+    code = textwrap.dedent(
+        """\
+        import torch
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+
+        def save(model, optimizer, path, args):
+            if isinstance(model, FSDP):
+                state = model.state_dict()
+                if args.global_rank == 0:
+                    torch.save({"model": state, "optim": optimizer.state_dict()}, path)
+                    model(torch.ones(1))
+        """
+    )
+    result = migrate_source(code, "save.py")
+    todos = [(f.line, f.construct) for f in result.findings if not f.fixable]
+    assert todos == [(10, "model(...) under args.global_rank == 0")], todos

@@ -1329,11 +1329,20 @@ class StateDictFixer(ScannerBase):
             )
         ):
             return  # a function or class (``save_model(model)``), not the model
-        if not (
-            self._fsdp1_wrapper(node, model) in ("fsdp1", "ambiguous")
-            or self._handed_parameter(node, model)
-            or self._module_source(node, model) != ""  # FSDP1's on some path (made by a choice, handed by one)
+        root = model
+        while isinstance(root, cst.Attribute):
+            root = root.value
+        if isinstance(root, cst.Name) and any(
+            q.source in (QualifiedNameSource.IMPORT, QualifiedNameSource.BUILTIN)
+            for q in self.get_metadata(QualifiedNameProvider, root, set())
         ):
+            return  # a library's function (torch.save, torch.ones), not the model
+        wrapper = self._fsdp1_wrapper(node, model) in ("fsdp1", "ambiguous")
+        source = "" if wrapper else self._module_source(node, model)  # FSDP1's on some path (made by a choice, ...)
+        if source.startswith("is read where") and isinstance(model, cst.Attribute):
+            # only a guard of another name around it: a method of some object (optimizer.state_dict), not a forward
+            source = ""
+        if not (wrapper or source != "" or self._handed_parameter(node, model)):
             return
         if any(
             isinstance(w, cst.With) and any("summon_full_params" in code_of(i.item) for i in w.items)
