@@ -1329,7 +1329,7 @@ class StateDictFixer(ScannerBase):
             )
         ):
             return  # a function or class (``save_model(model)``), not the model
-        root = model
+        root: cst.BaseExpression = model
         while isinstance(root, cst.Attribute):
             root = root.value
         if isinstance(root, cst.Name) and any(
