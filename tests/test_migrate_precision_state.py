@@ -1365,3 +1365,34 @@ def test_a_block_saving_only_the_optimizer_state_reports_the_optimizers_options(
     block = next(f for f in result.findings if f.construct == "FSDP.state_dict_type(FULL_STATE_DICT)")
     written = "options=StateDictOptions(full_state_dict=True, cpu_offload=True)"
     assert written in result.fixed and written in block.replacement, block.replacement
+
+
+def test_a_load_in_a_method_the_class_may_run_before_its_wrap_keeps_the_plain_path() -> None:
+    # __init__ keeps the plain model, resumes it (through a helper method), then wraps it with FSDP1: the load
+    # runs on the plain module, whose own strict load refuses a checkpoint missing a weight (torch's full-state
+    # load would keep the current value). It becomes torch's load only where the model holds FSDP2 units.
+    code = textwrap.dedent(
+        """\
+        import torch
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+
+        class Trainer:
+            def __init__(self, model, path):
+                self.model = model
+                if path:
+                    self.resume(path)
+                self.model = FSDP(model)
+
+            def resume(self, path):
+                self._load(torch.load(path))
+
+            def _load(self, state):
+                self.model.load_state_dict(state)
+        """
+    )
+    fixed = migrate_source(code, "trainer.py").fixed
+    load = next(line for line in fixed.splitlines() if "set_model_state_dict(self.model" in line)
+    assert "any(isinstance(m, FSDPModule) for m in self.model.modules())" in load
+    assert load.endswith("else self.model.load_state_dict(state))"), load
+    assert migrate_source(fixed, "trainer.py").fixed == fixed

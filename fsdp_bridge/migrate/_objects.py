@@ -311,6 +311,32 @@ class ObjectAnalysis(ScannerBase):
                 return False
         return True
 
+    def _plain_elsewhere(self, node: cst.CSTNode, obj: cst.BaseExpression) -> bool:
+        """``self.x`` at ``node`` is FSDP1's by its class alone: this method neither tests nor assigns it above, and
+        some method of the class assigns it a plain value too (``self.model = model`` in ``__init__``, wrapped later):
+        a method the class calls before the wrap (a resume from ``__init__``) sees the plain module."""
+        target = code_of(obj)
+        if not target.startswith("self.") or not self.functions or not self.classes:
+            return False
+        if self._isinstance_branch(node, obj):
+            return False
+        at = self.get_metadata(PositionProvider, node).start
+        if self._plain_at(self.functions[-1], (at.line, at.column), target, calls_allowed=()) is not None:
+            return False  # this method assigns it above: that value decides
+        makers = self._local_fsdp1_makers()
+        for n in walk(self.classes[-1]):
+            if isinstance(n, cst.Assign) and any(code_of(t.target) == target for t in n.targets):
+                fsdp1 = any(
+                    resolve_fsdp(quals := self.get_metadata(QualifiedNameProvider, x, set()))
+                    in ((FSDP, ""), ("wrap", ""))
+                    or self._fsdp1_factory(quals)
+                    or (isinstance(x, cst.Call) and code_of(x.func).removeprefix("self.") in makers)
+                    for x in walk(n.value)
+                )
+                if not fsdp1 and not m.matches(n.value, m.Name("None")):
+                    return True
+        return False
+
     def _plain_at(
         self, fn: cst.FunctionDef, here: tuple[int, int], target: str, *, calls_allowed: tuple[cst.Call, ...]
     ) -> bool | None:

@@ -127,8 +127,8 @@ class PolicyFixer(ScannerBase):
             )
         if kw == "auto_wrap_policy":
             return (
-                "the same units FSDP1 wraps: fully_shard on each, bottom-up, then the root "
-                "(policy functions run FSDP1's own auto-wrap recursion)"
+                "the modules FSDP1's policy picks when the code runs (policy functions run FSDP1's own auto-wrap "
+                "recursion): " + fsdp2_case("wrap", "auto / classes / min_num_params / callable")
             )
         if kw == "mixed_precision":
             return "MixedPrecision's param/reduce/buffer dtypes -> MixedPrecisionPolicy (buffers cast once)"

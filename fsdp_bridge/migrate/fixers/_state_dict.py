@@ -220,6 +220,10 @@ class StateDictFixer(ScannerBase):
         # compiled one is (the call stays on ``model._orig_mod``)
         shown = obj.value if isinstance(obj, cst.Attribute) and obj.attr.value == "_orig_mod" else obj
         wrapper = self._fsdp1_wrapper(node, shown)
+        if wrapper == "fsdp1" and func.attr.value == "load_state_dict" and self._plain_elsewhere(node, shown):
+            # plain where the class calls this before its wrap (a resume from __init__): each keeps its own load,
+            # whose strict check torch's full-state load does not make (a key the state lacks is kept, not refused)
+            wrapper = "ambiguous"
         if wrapper not in ("fsdp1", "ambiguous") and _OPTIMIZER_NAME.search(code_of(shown).rsplit(".", 1)[-1]):
             return False  # an optimizer's own state dict (a call may hand the function a model too, not here)
         handed = False
