@@ -14,6 +14,8 @@ turns working code into an error:
   global norm returned as a plain tensor (as FSDP1 returns it);
 - a module with a ``no_sync()`` of its own (thunder's jitted modules, ``torch.compile``'s wrapper, which hands
   the name to the DDP or FSDP1 module inside it): that ``no_sync()``;
+- a module with a ``clip_grad_norm_`` of its own (fairscale's ``FullyShardedDataParallel``, a trainer's engine):
+  that ``clip_grad_norm_(max_norm, norm_type)``;
 - any other module: nothing to do; ``torch.nn.utils.clip_grad_norm_``.
 """
 
@@ -130,6 +132,11 @@ def module_clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float =
                 )
             ]
         )
+    own = getattr(type(model), "clip_grad_norm_", None)
+    if callable(own) and not isinstance(model, (FSDPModule, DistributedDataParallel)):
+        # a wrapper with a clipping of its own (fairscale's FullyShardedDataParallel, a trainer's engine): the
+        # global norm it knows how to take (torch's clip over its shards would use each rank's local norm)
+        return model.clip_grad_norm_(max_norm, norm_type)  # type: ignore[operator]
     params = [p for p in model.parameters() if p.grad is not None]
     sharded = [p for p in params if isinstance(p.grad, DTensor)]
     offloaded = any(p.grad.device.type != p.grad.device_mesh.device_type for p in sharded)  # type: ignore[union-attr]

@@ -847,7 +847,8 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
         model: a model returned by :func:`shard`, or any other module, which gets what its own clipping
             does: an FSDP1 ``FullyShardedDataParallel`` its ``clip_grad_norm_()``; a module sharded with
             torch's ``fully_shard`` torch's ``clip_grad_norm_`` over its DTensor gradients (the global
-            norm returned as a plain tensor, as FSDP1 returns it); DDP and plain modules
+            norm returned as a plain tensor, as FSDP1 returns it); a module with a ``clip_grad_norm_`` of its
+            own (fairscale's ``FullyShardedDataParallel``, a trainer's engine) that method; DDP and plain modules
             ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)``.
         max_norm: the largest total norm allowed.
         norm_type: the p of the p-norm (``inf`` for the largest absolute value).

@@ -221,6 +221,21 @@ def test_a_module_with_its_own_no_sync_gets_that() -> None:
         pass
 
 
+class _OwnClip(nn.Linear):
+    """A wrapper with its own clipping (fairscale's FullyShardedDataParallel takes the global norm itself)."""
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        self.clipped = (max_norm, norm_type)
+        return torch.tensor(7.0)
+
+
+def test_a_module_with_its_own_clip_gets_that() -> None:
+    own = _OwnClip(2, 2)
+    own.weight.grad = torch.full_like(own.weight, 100.0)
+    assert fsdp_bridge.clip_grad_norm_(own, 1.0, 3.0).item() == 7.0
+    assert own.clipped == (1.0, 3.0) and own.weight.grad.eq(100.0).all()  # not torch's clip over its parameters
+
+
 def test_fsdp1_made_by_torch_gets_its_own_methods() -> None:
     fsdp1 = mock.MagicMock(spec=FullyShardedDataParallel)
     fsdp1.clip_grad_norm_.return_value = torch.tensor(2.0)
