@@ -1727,6 +1727,29 @@ def test_a_copy_of_torchs_own_module_is_one_construct_left_as_it_is(tmp_path: Pa
     assert "import torch.distributed.checkpoint.state_dict from torch itself" in finding.replacement
     assert state_dict.read_text().endswith(code) and "isinstance(m, FSDP)" in state_dict.read_text()
 
+    # torch's own functions a first --fix wrote beside that copy are torch's (an absolute import), not the copy's:
+    # a second --fix leaves them alone (a copy at the root of the tree given, torch/..., would shadow torch)
+    tree = tmp_path / "tree"
+    shutil.copytree(tmp_path / "third_party", tree / "third_party")
+    (tree / "train.py").write_text(
+        textwrap.dedent(
+            """\
+            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, StateDictType
+
+
+            def shards(model):
+                model = FSDP(model)
+                FSDP.set_state_dict_type(model, StateDictType.SHARDED_STATE_DICT)
+                return model.state_dict()
+            """
+        )
+    )
+    migrate_paths([tree], fix=True)
+    first = (tree / "train.py").read_text()
+    assert "get_model_state_dict(model" in first and TODO not in first
+    migrate_paths([tree], fix=True)
+    assert (tree / "train.py").read_text() == first
+
 
 _PATCHED_OPTIM_FIX = """
 import torch
@@ -3191,3 +3214,25 @@ def test_library_calls_and_other_objects_methods_under_a_rank_test_are_not_forwa
     result = migrate_source(code, "save.py")
     todos = [(f.line, f.construct) for f in result.findings if not f.fixable]
     assert todos == [(10, "model(...) under args.global_rank == 0")], todos
+
+
+def test_a_name_under_fsdp1s_wrapper_loses_the_prefix() -> None:
+    # FSDP1's named_parameters() put `_fsdp_wrapped_module.` before each wrapped module's names; code keyed on them
+    # (weight-decay groups) finds nothing on FSDP2. The prefix alone (a replace, a hasattr) is left as written, and
+    # a file that names nothing else of FSDP1's is rewritten too.
+    code = textwrap.dedent(
+        """\
+        def groups(model, use_fsdp):
+            skip = "_fsdp_wrapped_module.token_emb" if use_fsdp else "token_emb"
+            names = {n.replace("_fsdp_wrapped_module.", "") for n, _ in model.named_parameters()}
+            deep = '_fsdp_wrapped_module.layers.0._fsdp_wrapped_module.attn.weight'
+            return skip, names, deep, b"_fsdp_wrapped_module.raw"
+        """
+    )
+    result = migrate_source(code, "optim.py")
+    assert '    skip = "token_emb" if use_fsdp else "token_emb"\n' in result.fixed
+    assert 'n.replace("_fsdp_wrapped_module.", "")' in result.fixed
+    assert 'b"_fsdp_wrapped_module.raw"' in result.fixed  # bytes: not a name
+    assert "    deep = 'layers.0.attn.weight'\n" in result.fixed
+    assert [(f.line, f.fixable) for f in result.findings] == [(2, True), (4, True)]
+    assert migrate_source(result.fixed, "optim.py").fixed == result.fixed

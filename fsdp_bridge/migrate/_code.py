@@ -204,7 +204,7 @@ def migrate_source(
         head, _, rest = code.partition("\n") if code.startswith("#!") else ("", "", code)
         noted = code if comment in code else (f"{head}\n" if head else "") + comment + rest
         return MigratedSource(path, code, noted, [finding])
-    if not scan.uses_fsdp1 and not scan.fsdp1_elsewhere and not scan.rewrites_backend:
+    if not scan.uses_fsdp1 and not scan.fsdp1_elsewhere and not scan.rewrites_backend and not scan.rewrites_names:
         # At most config-driven FSDP (Trainer / accelerate arguments): report, change nothing; under
         # --target torch, code on the bridge already (an earlier --fix) is lowered.
         if target == "torch" and "fsdp_bridge." in code:
@@ -638,7 +638,13 @@ def migrate_paths(
             if self_spelled_set_state_dict_type(code):
                 self_spelled.append(f)
             if "torch.distributed.fsdp" in code and vendored_torch_module(code, str(f)) is not None:
-                copied = module_suffixes(str(f), top_level_functions(code))
+                # an absolute ``torch.`` import is torch's own package, not a copy under third_party/torch/ (a
+                # suffix of its path); only a copy at the tree's own root would shadow it
+                copied = [
+                    name
+                    for name in module_suffixes(str(f), top_level_functions(code))
+                    if not name.startswith("torch.") or shown[f].startswith("torch/")
+                ]
                 dispatch.merge(Dispatch(vendored_functions=dict.fromkeys(copied, str(f))))
         except Exception:  # unreadable or unparsable: reported by the loop below
             continue

@@ -157,6 +157,7 @@ class ScannerBase(FollowsAliases):
         self.other_roots: set[int] = set()  # id(x.state_dict() call) in another model's unwrapped block
         self.context_makers: tuple[set[str], set[str]] | None = None  # see _made_context
         self.rewrites_backend = False  # init_process_group("nccl") -> a CPU backend beside it (offloaded parameters)
+        self.rewrites_names = False  # "_fsdp_wrapped_module.x" -> "x" (a name under FSDP1's wrapper)
         self.needs_state_dict_api: set[str] = set()  # names to import from torch.distributed.checkpoint.state_dict
         self.needs_imports: set[tuple[str, str | None]] = set()  # (module, name) other rewrites use
         self.optimizer_moves: dict[int, int] = {}  # id(optimizer statement) -> id(the wrap statement it follows)

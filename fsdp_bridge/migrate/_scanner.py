@@ -45,6 +45,9 @@ HANDED_MODEL_USES = frozenset(
 FSDP2 does otherwise: a file that does is FSDP1 code, though it never names FSDP."""
 
 
+_WRAPPED_NAME = re.compile(r"_fsdp_wrapped_module\.(?=[A-Za-z_0-9])")
+
+
 class Scanner(
     ImportsFixer,
     ConstructorFixer,
@@ -119,6 +122,31 @@ class Scanner(
         self.stmt_stack.pop()
 
     # -- expressions ---------------------------------------------------------------
+    def visit_SimpleString(self, node: cst.SimpleString) -> None:
+        """``"_fsdp_wrapped_module.token_emb"``: a parameter or module name as FSDP1's ``named_parameters()`` /
+        ``named_modules()`` give it outside ``summon_full_params`` (its wrapper's prefix before each wrapped
+        module's names) -> ``"token_emb"``, FSDP2's name for it (it does not wrap). Code keyed on the prefixed
+        names (optimizer groups by name) would find nothing on FSDP2 (a KeyError). A bare prefix
+        (``name.replace("_fsdp_wrapped_module.", "")``, ``hasattr(m, "_fsdp_wrapped_module")``) is left alone."""
+        if self.planning or "b" in node.prefix.lower() or not _WRAPPED_NAME.search(node.value):
+            return
+        stmt = self.stmt_stack[-1] if self.stmt_stack else None
+        if isinstance(stmt, cst.SimpleStatementLine) and any(
+            isinstance(e, cst.Expr) and e.value is node for e in stmt.body
+        ):
+            return  # a docstring or a bare string: words, not a name the code looks up
+        code = _WRAPPED_NAME.sub("", node.value)
+        self.expr_rewrites[id(node)] = code
+        self.rewrites_names = True
+        self._record(
+            node,
+            f"{short(node.value, 50)} (a name under FSDP1's wrapper)",
+            f"{short(code, 50)}: FSDP1's named_parameters() / named_modules() put its wrapper's prefix "
+            "(_fsdp_wrapped_module.) before the names of each wrapped module; FSDP2 does not wrap, and the model's "
+            "names are the module's own (the bridge's fsdp1 backend, for an A/B run, brings the prefix back)",
+            True,
+        )
+
     def _plan_wrapped_module_test(self, node: cst.Call) -> bool:
         """``hasattr(m, "_fsdp_wrapped_module")`` telling FSDP1's wrapper by its attribute (true for FSDP1's
         wrappers only) -> ``fsdp_bridge.is_sharded(m)``: a branch doing FSDP work would be skipped on FSDP2, whose
