@@ -2571,6 +2571,15 @@ def test_a_wrap_given_a_device_in_a_file_that_runs_on_another_accelerator_stays_
     # a docstring or a comment naming XPUs is no device the file runs on
     said = '"""Also tested on xpu machines."""\n# torch.xpu works too\n' + code.replace("xpu", "cuda")
     assert "fsdp_bridge.shard(" in migrate_source(said, "said.py").fixed
+    # a portable picker (verl's get_device_id beside its is_npu_available test) may give an NPU's index
+    portable = (
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n"
+        "from utils.device import get_device_id, is_npu_available\n\n\n"
+        "def wrap(model):\n"
+        "    return FSDP(model, device_id=get_device_id())\n"
+    )
+    (picked,) = [f for f in migrate_source(portable, "sft.py").findings if f.construct == "FSDP(...)"]
+    assert not picked.fixable and "this file runs on npu" in picked.replacement
 
 
 def test_save_pretrained_of_an_fsdp1_model_is_a_todo_naming_the_full_state_dict() -> None:

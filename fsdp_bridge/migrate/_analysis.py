@@ -348,15 +348,17 @@ class Dispatch:
 
 
 OTHER_ACCELERATOR = re.compile(
-    r"\btorch\.(xpu|npu|hpu|mlu)\b|[\"'](xpu|npu|hpu|mlu)[:\"']|^\s*import\s+(torch_npu|habana_frameworks)\b", re.M
+    r"\btorch\.(xpu|npu|hpu|mlu)\b|[\"'](xpu|npu|hpu|mlu)[:\"']|^\s*import\s+(torch_npu|habana_frameworks)\b"
+    r"|\bis_(?:torch_)?(xpu|npu|hpu|mlu)_available\b",  # a portable picker's test (verl's, accelerate's, transformers')
+    re.M,
 )
 _DEVICE_STRING = re.compile(r"^[rbuRBUfF]?[\"'](xpu|npu|hpu|mlu)(:[^\"']*)?[\"']$")
 
 
 def other_accelerator(code: str) -> str | None:
     """The first non-CUDA accelerator the code runs on (``torch.xpu``, ``"xpu:0"``, ``device_type = "npu"``,
-    ``import torch_npu``), as the code names it; None where it names none (comments, and strings that are not
-    a device, such as a docstring mentioning XPUs, do not count)."""
+    ``import torch_npu``, a test such as ``is_npu_available``), as the code names it; None where it names none
+    (comments, and strings that are not a device, such as a docstring mentioning XPUs, do not count)."""
     try:
         tokens = list(tokenize.generate_tokens(io.StringIO(code).readline))
     except (tokenize.TokenError, SyntaxError):
