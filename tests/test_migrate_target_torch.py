@@ -853,3 +853,19 @@ def test_an_unwrap_under_a_test_of_several_wrappers_keeps_dataparallels_module()
         """
     )
     assert "module = (module if isinstance(module, FSDPModule) else module.module)" in code
+
+
+def test_bridge_calls_inside_a_call_lowered_by_name_are_lowered_in_one_pass() -> None:
+    # clip_grad_norm_ keeps its arguments as written: the bridge calls in them are lowered in the same --fix (a
+    # second one lowered them: not idempotent)
+    code = (
+        "import fsdp_bridge\n\n\n"
+        "def step(engine, model):\n"
+        "    return fsdp_bridge.clip_grad_norm_(\n"
+        "        (fsdp_bridge.unwrapped(engine) if fsdp_bridge.is_sharded(engine) else model), 1.0\n"
+        "    )\n"
+    )
+    first = migrate_source(code, "step.py", target="torch").fixed
+    assert "fsdp_bridge" not in first, first
+    assert "_fsdp2_helpers.clip_grad_norm_(" in first and "isinstance(engine, " in first
+    assert migrate_source(first, "step.py", target="torch").fixed == first

@@ -58,6 +58,9 @@ _SCALER_ARGS = (
 __all__ = ["TARGETS", "Lowered", "LoweredCall", "imports_of", "lower_to_torch"]
 
 TARGETS = ("bridge", "torch")
+
+# Bridge calls lowered by their name alone, their arguments kept as written.
+_BY_NAME = frozenset(("no_sync", "clip_grad_norm_", "summon_full_params", "optim_state_dict_to_load"))
 """What ``migrate code --fix`` writes: the bridge's calls (default), or plain FSDP2 code."""
 
 _FSDP = "torch.distributed.fsdp"
@@ -455,10 +458,14 @@ class _Lowerer(cst.CSTTransformer):
         return updated_node
 
     def visit_Call(self, node: cst.Call) -> None:
-        bridge = _is_bridge_function(node.func)
+        # a bridge call lowered as a whole (its arguments rendered anew); one lowered by its name alone
+        # (clip_grad_norm_, no_sync, ...) keeps its arguments, whose own bridge calls are lowered too (else a
+        # second --fix would lower them: not idempotent)
+        named = _is_bridge_function(node.func)
+        bridge = named and code_of(node.func).removeprefix("fsdp_bridge.") not in _BY_NAME
         self.calls.append(bridge)
-        if bridge:
-            self.inside.update(id(n) for n in walk(node) if isinstance(n, cst.Attribute))
+        if named:  # the call's own name is no reference to the function as a value
+            self.inside.update(id(n) for n in walk(node if bridge else node.func) if isinstance(n, cst.Attribute))
 
     def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> cst.BaseExpression:
         self.calls.pop()
