@@ -3245,3 +3245,29 @@ def test_a_name_under_fsdp1s_wrapper_loses_the_prefix() -> None:
     assert "    deep = 'layers.0.attn.weight'\n" in result.fixed
     assert [(f.line, f.fixable) for f in result.findings] == [(2, True), (4, True)]
     assert migrate_source(result.fixed, "optim.py").fixed == result.fixed
+
+
+def test_sharded_tensor_reads_of_fsdp1s_sharded_state_are_todos() -> None:
+    # FSDP1's SHARDED_STATE_DICT (no device mesh) holds ShardedTensors; FSDP2's holds DTensors, which have no
+    # local_tensor() / local_shards(): an AttributeError after the rewrite, unless the code is changed.
+    code = textwrap.dedent(
+        """\
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, StateDictType
+
+
+        def shards(model):
+            model = FSDP(model)
+            with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+                sd = model.state_dict()
+            return {k: v.local_tensor() for k, v in sd.items()}, [v.local_shards() for v in sd.values()]
+        """
+    )
+    result = migrate_source(code, "shards.py")
+    todos = [(f.line, f.construct) for f in result.findings if not f.fixable]
+    assert todos == [
+        (8, "v.local_tensor() (ShardedTensor's API)"),
+        (8, "v.local_shards() (ShardedTensor's API)"),
+    ], todos
+    assert "use .to_local()" in result.fixed
+    plain = "def f(v):\n    return v.local_tensor()\n"  # no FSDP1 in the file: not ours to judge
+    assert migrate_source(plain, "plain.py").findings == []

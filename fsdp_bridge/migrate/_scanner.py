@@ -192,8 +192,31 @@ class Scanner(
         )
         return True
 
+    def _sharded_tensor_read(self, node: cst.Call) -> None:
+        """``v.local_tensor()`` / ``v.local_shards()`` in a file using FSDP1: ShardedTensor's API, the values of
+        FSDP1's SHARDED_STATE_DICT without a device mesh; FSDP2's sharded state dicts hold DTensors, which have
+        neither (an AttributeError): a TODO naming DTensor's own."""
+        func = node.func
+        if (
+            self.planning
+            or not self.uses_fsdp1
+            or node.args
+            or not isinstance(func, cst.Attribute)
+            or func.attr.value not in ("local_tensor", "local_shards")
+        ):
+            return
+        self._record(
+            node,
+            f"{short(code_of(func), 50)}() (ShardedTensor's API)",
+            "not rewritten: FSDP1's SHARDED_STATE_DICT (without a device mesh) gives ShardedTensor values, which "
+            "this reads; FSDP2's sharded state dicts hold DTensors, which have no local_tensor() or local_shards(): "
+            "use .to_local() for this rank's shard (or .full_tensor() for the whole tensor, a collective)",
+            False,
+        )
+
     def visit_Call(self, node: cst.Call) -> bool | None:
         func = node.func
+        self._sharded_tensor_read(node)
         self._note_fsdp1_checkpoint(node)
         self._note_local_clip(node)
         self._note_shard_shapes(node)
