@@ -848,3 +848,47 @@ def test_no_sync_in_the_branch_beside_a_ddp_test_is_reported() -> None:
         "        if not isinstance(self.policy.base_model, DDP):\n            ctx = None\n        elif fsdp:\n",
     )
     assert not [f for f in migrate_source(negated, "rl.py").findings if not f.fixable]
+
+
+def test_summon_under_a_test_admitting_both_backends_keeps_fsdp2_modules_ungathered() -> None:
+    """FSDP1's static ``summon_full_params`` gathers nothing for torch's own fully_shard modules. Under a test
+    that holds for them too, the bridge's (which gathers them) would change what the block costs or sees."""
+    result = _migrate("summon_both.py")
+    fixed = result.fixed
+    by_line = {f.line: f for f in result.findings}
+    # The block reads DTensors itself: the context goes, its body stays one level out.
+    assert "        if wrapper_generation(block) > 0:\n            for key, value in block.state_dict()" in fixed
+    assert "the context goes, its block stays: `wrapper_generation(block) > 0`" in by_line[22].replacement
+    assert by_line[22].fixable and "full_tensor()" in by_line[22].replacement
+    # The block reads plain tensors (norms): a TODO, FSDP1's call kept.
+    assert not by_line[33].fixable and "isinstance(model, (FSDP, FSDPModule))" in by_line[33].replacement
+    assert _line(fixed, "summon_full_params(model):") == "with FSDP.summon_full_params(model):"
+    # Another item in the same `with`: a TODO (the block cannot go while the other item stays).
+    assert not by_line[40].fixable and "wrapper_generation(model) != 0" in by_line[40].replacement
+    # A test for FSDP1 alone: its branch is FSDP1's path, kept as is.
+    assert by_line[47].replacement.startswith("kept as is")
+    code = [line for line in fixed.splitlines() if not line.lstrip().startswith("#")]
+    assert not any("fsdp_bridge.summon_full_params" in line for line in code)
+
+    # --target torch: the same, and a second --fix changes nothing (its guard reads isinstance(m, FSDPModule)).
+    source = (PRECISION / "summon_both.py").read_text()
+    plain = migrate_source(source, "summon_both.py", target="torch").fixed
+    assert migrate_source(plain, "summon_both.py", target="torch").fixed == plain
+    assert "        if wrapper_generation(block) > 0:\n            for key, value in block.state_dict()" in plain
+    assert "summon_full_params(model, writeback=True)" not in plain
+    assert "    if (isinstance(model, FSDPModule)):\n" in plain  # not the same test twice
+
+    # Run the rewritten helper on a torch fully_shard-like module: the block runs ungathered, as before.
+    import torch
+    from torch import nn
+    from torch.distributed.fsdp import FSDPModule
+
+    namespace: dict[str, object] = {}
+    exec(compile(fixed, "summon_both.py", "exec"), namespace)
+    inner = nn.Linear(2, 2)
+    inner.__class__ = type("TorchSharded", (FSDPModule, nn.Linear), {})
+    inner.register_buffer("adapter_scale", torch.ones(2))
+    model = nn.Sequential(inner)
+    weights = namespace["adapter_weights"](model)  # type: ignore[operator]
+    assert list(weights) == ["0.adapter_scale"]
+

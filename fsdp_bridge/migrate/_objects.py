@@ -60,6 +60,77 @@ class ObjectAnalysis(ScannerBase):
                 return ("fsdp1" if value == versions[0] else "fsdp2"), True, None
         return None
 
+    def _admitted(self, test: cst.BaseExpression, target: str) -> set[str]:
+        """The backends ("fsdp1", "fsdp2") whose modules ``test`` may hold for ``target``, where it tests nothing
+        but that: ``fsdp_version(target) > 0`` (``>=``, ``!=``, ``<``, ``<=``, ``==`` and ``in`` read against the
+        tree's helper's two literals, see :class:`Dispatch`), ``isinstance(target, (FSDP, FSDPModule))``, an
+        ``or`` of such tests, or an ``and`` with them; empty for anything else."""
+        if isinstance(test, cst.BooleanOperation):
+            left, right = self._admitted(test.left, target), self._admitted(test.right, target)
+            if isinstance(test.operator, cst.Or):
+                return left | right if left and right else set()
+            return left & right if left and right else left or right  # ``and``: the sides that test target
+        if isinstance(test, cst.Call) and code_of(test.func) == "fsdp_bridge.is_sharded":
+            # what --fix writes for FSDP1's class beside FSDPModule
+            return {"fsdp1"} if _tested(test) == target else set()
+        if isinstance(test, cst.Call) and m.matches(test.func, m.Name("isinstance")) and len(test.args) == 2:
+            classes = test.args[1].value
+            if code_of(test.args[0].value) != target:
+                return set()
+            kinds = set()
+            for el in classes.elements if isinstance(classes, cst.Tuple) else (cst.Element(classes),):
+                if self._qn(el.value) == (FSDP, ""):
+                    kinds.add("fsdp1")
+                elif is_fsdp2_class(self.get_metadata(QualifiedNameProvider, el.value, set())):
+                    kinds.add("fsdp2")
+                else:
+                    return set()  # another class (DDP's) too
+            return kinds
+        if (g := self._guard(test)) is not None and g[1]:
+            return {g[0]} if _tested(test) == target else set()
+        call, ops = test, None
+        if isinstance(test, cst.Comparison) and len(test.comparisons) == 1:
+            call, ops = test.left, test.comparisons[0]
+        if not (
+            isinstance(call, cst.Call)
+            and len(call.args) == 1
+            and code_of(call.args[0].value) == target
+            and (versions := self.dispatch.versions.get(code_of(call.func).rsplit(".", 1)[-1])) is not None
+        ):
+            return set()
+        return {
+            kind
+            for kind, v in zip(("fsdp1", "fsdp2"), versions, strict=True)
+            if (bool(v) if ops is None else _holds(v, ops))  # ``if fsdp_version(m):``
+        }
+
+    def _fsdp2_admitted_around(self, node: cst.CSTNode, target: str) -> str | None:
+        """The test of the innermost ``if`` (or ``and``) around ``node`` that tests ``target``, as code, where it
+        holds for torch's own ``fully_shard`` modules, those of FSDP1 too or not (see :meth:`_admitted`; ``--target
+        torch`` writes ``isinstance(m, FSDPModule)`` for the first); None otherwise."""
+        scope: cst.CSTNode | None = self.functions[-1] if self.functions else self.module
+        if scope is None:
+            return None
+        here = self.get_metadata(PositionProvider, node).start
+        best: tuple[tuple[int, int], cst.BaseExpression] | None = None
+        for n in walk(scope):
+            body: cst.CSTNode
+            if isinstance(n, cst.If):
+                test, body = n.test, n.body
+            elif isinstance(n, cst.BooleanOperation) and isinstance(n.operator, cst.And):
+                test, body = n.left, n.right
+            else:
+                continue
+            span = self.get_metadata(PositionProvider, body)
+            start = (span.start.line, span.start.column)
+            if not start <= (here.line, here.column) <= (span.end.line, span.end.column):
+                continue
+            if any(code_of(x) == target for x in walk(test)) and (best is None or start > best[0]):
+                best = (start, test)
+        if best is None:
+            return None
+        return code_of(best[1]) if "fsdp2" in self._admitted(best[1], target) else None
+
     def _add_region(self, first: cst.CSTNode, last: cst.CSTNode, guard: cst.BaseExpression) -> Region:
         start = self.get_metadata(PositionProvider, first).start
         end = self.get_metadata(PositionProvider, last).end
@@ -323,18 +394,22 @@ class ObjectAnalysis(ScannerBase):
         at = self.get_metadata(PositionProvider, node).start
         if self._plain_at(self.functions[-1], (at.line, at.column), target, calls_allowed=()) is not None:
             return False  # this method assigns it above: that value decides
-        makers = self._local_fsdp1_makers()
         for n in walk(self.classes[-1]):
             if isinstance(n, cst.Assign) and any(code_of(t.target) == target for t in n.targets):
-                fsdp1 = any(
-                    resolve_fsdp(quals := self.get_metadata(QualifiedNameProvider, x, set()))
-                    in ((FSDP, ""), ("wrap", ""))
-                    or self._fsdp1_factory(quals)
-                    or (isinstance(x, cst.Call) and code_of(x.func).removeprefix("self.") in makers)
-                    for x in walk(n.value)
-                )
-                if not fsdp1 and not m.matches(n.value, m.Name("None")):
+                if not self._fsdp1_value(n.value) and not m.matches(n.value, m.Name("None")):
                     return True
+        return False
+
+    def _fsdp1_value(self, value: cst.BaseExpression) -> bool:
+        """Whether an assigned value may be an FSDP1 model: it calls FSDP1's class (or its ``wrap``), a factory of
+        the tree returning one, or a method of this class that makes one."""
+        makers = self._local_fsdp1_makers()
+        for x in walk(value):
+            quals = self.get_metadata(QualifiedNameProvider, x, set())
+            if resolve_fsdp(quals) in ((FSDP, ""), ("wrap", "")) or self._fsdp1_factory(quals):
+                return True
+            if isinstance(x, cst.Call) and code_of(x.func).removeprefix("self.") in makers:
+                return True
         return False
 
     def _plain_at(
@@ -351,13 +426,8 @@ class ObjectAnalysis(ScannerBase):
                     last = ((start.line, start.column), n.value)
         if last is None:
             return None
-        makers = self._local_fsdp1_makers()
-        for x in walk(last[1]):
-            quals = self.get_metadata(QualifiedNameProvider, x, set())
-            if resolve_fsdp(quals) in ((FSDP, ""), ("wrap", "")) or self._fsdp1_factory(quals):
-                return False
-            if isinstance(x, cst.Call) and code_of(x.func).removeprefix("self.") in makers:
-                return False
+        if self._fsdp1_value(last[1]):
+            return False
         for n in walk(fn):
             if not isinstance(n, cst.Call) or any(n is c for c in calls_allowed):
                 continue
@@ -800,3 +870,36 @@ def _binds_name(fn: cst.FunctionDef, name: str) -> bool:
         if any(isinstance(x, cst.Name) and x.value == name for t in targets for x in walk(t)):
             return True
     return False
+
+
+def _tested(test: cst.BaseExpression) -> str | None:
+    """The object a one-argument test (``isinstance(x, C)``, ``is_fsdp2(x)``) tests, as code."""
+    if isinstance(test, cst.Call) and test.args:
+        return code_of(test.args[0].value)
+    return None
+
+
+def _holds(value: int, target: cst.ComparisonTarget) -> bool:
+    """Whether ``value <op> <literal>`` holds for an integer literal (or a tuple of them after ``in``); False for
+    anything else."""
+    op, right = target.operator, target.comparator
+    if isinstance(op, (cst.In, cst.NotIn)):
+        if not isinstance(right, (cst.Tuple, cst.List, cst.Set)):
+            return False
+        items = [e.value for e in right.elements]
+        if not all(isinstance(i, cst.Integer) for i in items):
+            return False
+        inside = value in {int(i.value.replace("_", ""), 0) for i in items if isinstance(i, cst.Integer)}
+        return inside if isinstance(op, cst.In) else not inside
+    if not isinstance(right, cst.Integer):
+        return False
+    n = int(right.value.replace("_", ""), 0)
+    checks: dict[type, bool] = {
+        cst.GreaterThan: value > n,
+        cst.GreaterThanEqual: value >= n,
+        cst.LessThan: value < n,
+        cst.LessThanEqual: value <= n,
+        cst.Equal: value == n,
+        cst.NotEqual: value != n,
+    }
+    return checks.get(type(op), False)

@@ -58,10 +58,10 @@ _SCALER_ARGS = (
 __all__ = ["TARGETS", "Lowered", "LoweredCall", "imports_of", "lower_to_torch"]
 
 TARGETS = ("bridge", "torch")
-
-# Bridge calls lowered by their name alone, their arguments kept as written.
-_BY_NAME = frozenset(("no_sync", "clip_grad_norm_", "summon_full_params", "optim_state_dict_to_load"))
 """What ``migrate code --fix`` writes: the bridge's calls (default), or plain FSDP2 code."""
+
+_BY_NAME = frozenset(("no_sync", "clip_grad_norm_", "summon_full_params", "optim_state_dict_to_load"))
+"""Bridge calls lowered by their name alone, their arguments kept as written."""
 
 _FSDP = "torch.distributed.fsdp"
 
@@ -444,7 +444,8 @@ class _Lowerer(cst.CSTTransformer):
     ) -> cst.BaseExpression:
         """An unwrapping loop's test (``fsdp_bridge.is_sharded(m) and fsdp_bridge.unwrapped(m) is not m``, lowered
         to ``isinstance(m, FSDPModule) and m is not m``) is False: FSDP2 does not wrap, and no FSDP1 wrapper is
-        left. ``A or False`` is ``A``."""
+        left. ``A or False`` is ``A``, and so is ``A or A`` (``isinstance(m, FSDPModule) or
+        fsdp_bridge.is_sharded(m)``, what --fix writes for ``isinstance(m, (FSDP, FSDPModule))``, lowered)."""
         right = updated_node.right
         if isinstance(updated_node.operator, cst.And) and isinstance(right, cst.Comparison):
             if (
@@ -453,7 +454,10 @@ class _Lowerer(cst.CSTTransformer):
                 and code_of(right.left) == code_of(right.comparisons[0].comparator)
             ):
                 return cst.Name("False")
-        if isinstance(updated_node.operator, cst.Or) and m.matches(right, m.Name("False")):
+        if isinstance(updated_node.operator, cst.Or) and (
+            m.matches(right, m.Name("False"))
+            or (m.matches(right, m.Call(func=m.Name("isinstance"))) and code_of(right) == code_of(updated_node.left))
+        ):
             return updated_node.left.with_changes(lpar=updated_node.lpar, rpar=updated_node.rpar)
         return updated_node
 

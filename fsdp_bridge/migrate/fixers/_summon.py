@@ -54,6 +54,11 @@ class SummonFixer(ScannerBase):
                 )
             else:
                 ok = ok and kws.get("recurse", "True") == "True"
+            both = self._fsdp2_admitted_around(node, code_of(node.args[0].value)) if ok else None
+            if both is not None:
+                self._summon_for_both(node, construct, both)
+                self._consume(node.func)
+                return True, None
             held = self._params_held_across(node, code_of(node.args[0].value)) if ok else None
             if held is None and ok and own and "writeback" not in kws:
                 held = self._writes_inside(node)
@@ -87,6 +92,53 @@ class SummonFixer(ScannerBase):
             self._consume(node.func)
             return True, (False if ok else None)
         return False, None
+
+    def _summon_for_both(self, node: cst.Call, construct: str, guard: str) -> None:
+        """FSDP1's static summon_full_params under a test that holds for torch's own ``fully_shard`` modules too
+        (``if fsdp_version(m) > 0:``): for those FSDP1's call gathers nothing, and after migration every module
+        the test admits is an FSDP2 module. Where the block is the ``with``'s only item and reads DTensors itself
+        (``full_tensor()``, ``to_local()``), it was written for ungathered FSDP2 modules: the context goes and
+        the block stays. Elsewhere a TODO: fsdp_bridge.summon_full_params would gather modules FSDP1's call left
+        alone."""
+        target = short(code_of(node.args[0].value), 30)
+        stmt = self.stmt_stack[-1] if self.stmt_stack else None
+        reads = (
+            sorted(
+                {
+                    n.attr.value
+                    for n in walk(stmt.body)
+                    if isinstance(n, cst.Attribute) and n.attr.value in ("full_tensor", "to_local", "redistribute")
+                }
+            )
+            if isinstance(stmt, cst.With)
+            and len(stmt.items) == 1
+            and stmt.items[0].item is node
+            and stmt.items[0].asname is None
+            else []
+        )
+        if reads and isinstance(stmt, cst.With):
+            self.unwrap_withs.add(id(stmt))
+            self._record(
+                node,
+                construct,
+                f"the context goes, its block stays: `{short(guard, 40)}` holds for torch's own fully_shard "
+                f"modules too, for which FSDP1's static summon_full_params gathers nothing, and the block reads "
+                f"their DTensors itself ({', '.join(r + '()' for r in reads)}); after migration every module it "
+                "admits is an FSDP2 module, so that path serves them all (fsdp_bridge.summon_full_params would "
+                "gather each whole module at once)",
+                True,
+            )
+            return
+        self._record(
+            node,
+            construct,
+            f"not rewritten: `{short(guard, 40)}` holds for torch's own fully_shard modules too, for which FSDP1's "
+            "static summon_full_params gathers nothing, while fsdp_bridge.summon_full_params would gather them; "
+            "after migration every module it admits is an FSDP2 module: drop the context where the block "
+            f"handles DTensor shards (as it does for fully_shard modules), or use fsdp_bridge.summon_full_params("
+            f"{target}, writeback=...) where it needs full tensors",
+            False,
+        )
 
     def _state_dict_inside(self, node: cst.Call, target: str) -> str | None:
         """``with FSDP.summon_full_params(target, recurse=False): ... target.state_dict()`` (or ``target.module``'s,
