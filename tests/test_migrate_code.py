@@ -3271,3 +3271,27 @@ def test_sharded_tensor_reads_of_fsdp1s_sharded_state_are_todos() -> None:
     assert "use .to_local()" in result.fixed
     plain = "def f(v):\n    return v.local_tensor()\n"  # no FSDP1 in the file: not ours to judge
     assert migrate_source(plain, "plain.py").findings == []
+
+
+def test_a_parenthesized_import_keeps_its_closing_parenthesis_on_its_own_line() -> None:
+    source = textwrap.dedent("""\
+        from torch.distributed.fsdp.wrap import (
+            transformer_auto_wrap_policy,
+            size_based_auto_wrap_policy,
+            enable_wrap,
+        )
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        def build(model, policy=size_based_auto_wrap_policy):
+            print(transformer_auto_wrap_policy)
+            if True:
+                from torch.distributed.fsdp import (
+                    MixedPrecision,
+                    ShardingStrategy,
+                )
+                print(MixedPrecision)
+            return FSDP(model, auto_wrap_policy=policy)
+        """)
+    fixed = migrate_source(source, "build.py").fixed
+    assert "    size_based_auto_wrap_policy,\n)\n" in fixed and "enable_wrap" not in fixed
+    assert "            MixedPrecision,\n        )\n" in fixed and "ShardingStrategy" not in fixed

@@ -9,6 +9,7 @@ import functools
 import io
 import re
 import tokenize
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,13 +61,44 @@ class ClassAliases:
     """id(the alias's Assign) -> (the alias, its line, the code of its value)."""
 
 
+_PARSED: OrderedDict[str, MetadataWrapper] = OrderedDict()
+"""The last few files parsed, by source text: each is read by several passes (the tree-wide analyses, then its
+own migration), and parsing and resolving its scopes and qualified names is most of what a pass costs."""
+_PARSED_KEPT = 8
+_ALIASES: dict[int, tuple[MetadataWrapper, ClassAliases]] = {}  # id(a wrapper _PARSED keeps) -> its aliases
+
+
+def parsed(code: str) -> MetadataWrapper:
+    """``code`` parsed, in a wrapper whose resolved metadata the passes over the same text share (it raises
+    what ``cst.parse_module`` raises). The passes only read the tree; a rewrite builds a new one."""
+    wrapper = _PARSED.pop(code, None)
+    if wrapper is None:
+        wrapper = MetadataWrapper(cst.parse_module(code), unsafe_skip_copy=True)
+    _PARSED[code] = wrapper
+    while len(_PARSED) > _PARSED_KEPT:
+        _ALIASES.pop(id(_PARSED.popitem(last=False)[1]), None)
+    return wrapper
+
+
 def class_aliases(wrapper: MetadataWrapper) -> ClassAliases:
     """The aliases of FSDP1's wrapper class a module binds (see :class:`ClassAliases`); a name assigned twice
-    in its scope (re-bound, assigned in another branch, declared ``global`` and assigned elsewhere) is not one."""
+    in its scope (re-bound, assigned in another branch, declared ``global`` and assigned elsewhere) is not one.
+    Found once per wrapper that :func:`parsed` keeps."""
+    known = _ALIASES.get(id(wrapper))
+    if known is not None and known[0] is wrapper:
+        return known[1]
+    found = _class_aliases(wrapper)
+    if any(w is wrapper for w in _PARSED.values()):
+        _ALIASES[id(wrapper)] = (wrapper, found)
+    return found
+
+
+def _class_aliases(wrapper: MetadataWrapper) -> ClassAliases:
     found = ClassAliases()
-    if RIVAL_IMPORT.search(wrapper.module.code) is not None:
+    code = wrapper.module.code
+    if RIVAL_IMPORT.search(code) is not None:
         _rival_branches(wrapper, found)
-    if ALIAS_ASSIGN.search(wrapper.module.code) is None:
+    if ALIAS_ASSIGN.search(code) is None:
         _extend_to_attributes(wrapper, found)
         return found
     scopes = wrapper.resolve(ScopeProvider)
@@ -286,6 +318,10 @@ class Dispatch:
     (``trainer = Trainer(...)`` then ``trainer.model = FSDP(trainer.model)``) -> what wraps it there ("fsdp1",
     "ddp"): the class's methods then read ``self.model`` as that wrapper (see
     :func:`find_instance_attributes`)."""
+    data_swappers: set[str] = field(default_factory=set)
+    """Functions of the tree (by name) that loop over their first argument and assign each element's ``.data``
+    (``for p in params: p.data = p._fp32_copy``): handed a model's parameters, they swap the tensors behind
+    them (see :func:`find_data_swappers`)."""
     subclassed: set[str] = field(default_factory=set)
     """Names of the classes some class of the tree derives from (the last part of each base): a subclass may
     assign an attribute its base's methods read (see ``subclassed_names``)."""
@@ -308,6 +344,7 @@ class Dispatch:
     def merge(self, other: Dispatch) -> None:
         self.versions.update(other.versions)
         self.subclassed |= other.subclassed
+        self.data_swappers |= other.data_swappers
         self.defined_twice |= other.defined_twice
         self.classes_twice |= other.classes_twice
         for cls, modules in other.base_imports.items():
@@ -619,6 +656,37 @@ def subclasses_wrapper(code: str) -> bool:
 
 
 CLASS_BASES = re.compile(r"^[ \t]*class[ \t]+\w+[ \t]*\(([^)]*)\)", re.M)
+
+
+def find_data_swappers(code: str) -> set[str]:
+    """Functions of a file that assign ``.data`` of the elements of their first argument in a loop (see
+    ``Dispatch.data_swappers``); read only where ``.data =`` is written at all."""
+    if re.search(r"\.data\s*=[^=]", code) is None:
+        return set()
+    try:
+        module = parsed(code).module
+    except Exception:  # unparsable: reported when the file itself is migrated
+        return set()
+    found: set[str] = set()
+    for fn in walk(module):
+        if not isinstance(fn, cst.FunctionDef):
+            continue
+        params = [p.name.value for p in (*fn.params.posonly_params, *fn.params.params) if p.name.value != "self"]
+        if not params:
+            continue
+        for loop in walk(fn.body):
+            if not (
+                isinstance(loop, cst.For) and isinstance(loop.target, cst.Name) and code_of(loop.iter) == params[0]
+            ):
+                continue
+            element = loop.target.value
+            if any(
+                isinstance(n, cst.AssignTarget)
+                and m.matches(n.target, m.Attribute(value=m.Name(element), attr=m.Name("data")))
+                for n in walk(loop.body)
+            ):
+                found.add(fn.name.value)
+    return found
 
 
 def subclassed_names(code: str) -> set[str]:
@@ -1128,10 +1196,10 @@ def handed_across_files(codes: dict[str, str], dispatch: Dispatch) -> None:
             if called.search(code) is None:
                 continue
             try:
-                parsed = MetadataWrapper(cst.parse_module(code))
+                wrapper = parsed(code)
             except Exception:  # unparsable: reported when the file itself is migrated
                 continue
-            dispatch.merge(find_fsdp1_arguments(parsed, dispatch))
+            dispatch.merge(find_fsdp1_arguments(wrapper, dispatch))
         if (dispatch.fsdp1_args, dispatch.fsdp1_results) == before:
             return
 
@@ -1148,7 +1216,7 @@ def find_own_methods(code: str, path: str) -> dict[str, str]:
     ):
         return {}
     found: dict[str, str] = {}
-    wrapper = MetadataWrapper(cst.parse_module(code))
+    wrapper = parsed(code)
     found_aliases = class_aliases(wrapper)
 
     class V(FollowsAliases):

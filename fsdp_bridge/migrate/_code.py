@@ -43,7 +43,7 @@ import libcst as cst
 import libcst.matchers as m
 from libcst.codemod import CodemodContext
 from libcst.codemod.visitors import AddImportsVisitor, RemoveImportsVisitor
-from libcst.metadata import MetadataWrapper, PositionProvider
+from libcst.metadata import PositionProvider
 
 from fsdp_bridge.migrate._analysis import (
     OWN_FILE,
@@ -57,6 +57,7 @@ from fsdp_bridge.migrate._analysis import (
     cited_set_state_dict_type,
     class_aliases,
     code_of,
+    find_data_swappers,
     find_dispatch,
     find_fsdp1_arguments,
     find_fsdp1_attributes,
@@ -72,6 +73,7 @@ from fsdp_bridge.migrate._analysis import (
     module_suffixes,
     names_wrapper,
     offloads_params,
+    parsed,
     passes_group,
     passes_mixed_precision,
     self_spelled_set_state_dict_type,
@@ -119,6 +121,25 @@ class MigratedSource:
         )
 
 
+class _OwnLineParen(cst.CSTTransformer):
+    """``from x import (\n    a,\n    b,\n)`` keeps its closing parenthesis on a line of its own where the last
+    names were removed (libcst's import removal drops the comma that carried the line break: ``a)``)."""
+
+    def leave_ImportFrom(self, original_node: cst.ImportFrom, updated_node: cst.ImportFrom) -> cst.ImportFrom:
+        names = updated_node.names
+        if (
+            isinstance(names, cst.ImportStar)
+            or updated_node.lpar is None
+            or not isinstance(updated_node.lpar.whitespace_after, cst.ParenthesizedWhitespace)
+            or not names
+            or isinstance(names[-1].comma, cst.Comma)
+        ):
+            return updated_node
+        broken = cst.ParenthesizedWhitespace(indent=True, last_line=cst.SimpleWhitespace(""))
+        last = names[-1].with_changes(comma=cst.Comma(whitespace_after=broken))
+        return updated_node.with_changes(names=[*names[:-1], last])
+
+
 def migrate_source(
     code: str, path: str = "<string>", *, dispatch: Dispatch | None = None, target: str = "bridge"
 ) -> MigratedSource:
@@ -129,8 +150,8 @@ def migrate_source(
     """
     if target not in TARGETS:
         raise ValueError(f"target={target!r}: allowed {', '.join(TARGETS)}; pass --target bridge or --target torch")
-    module = cst.parse_module(code)
-    wrapper = MetadataWrapper(module)
+    wrapper = parsed(code)  # the tree-wide analyses' wrapper of this text, its metadata resolved once
+    module = wrapper.module
     collector = Collector()
     wrapper.module.visit(collector)
     single = {k: v[0] for k, v in collector.assigned.items() if len(v) == 1}
@@ -251,7 +272,7 @@ def migrate_source(
                 RemoveImportsVisitor.remove_unused_import(context, *imp)
         if scan.consumed_partial:
             RemoveImportsVisitor.remove_unused_import(context, "functools")
-        fixed = RemoveImportsVisitor(context).transform_module(fixed)
+        fixed = RemoveImportsVisitor(context).transform_module(fixed).visit(_OwnLineParen())
         fixed = _imports_after_setup(fixed, module)
         fixed = _comments_of_removed_imports(module, fixed)
     findings = sorted(scan.findings, key=lambda f: (f.line, f.column))
@@ -595,21 +616,21 @@ def migrate_paths(
             codes[str(f)] = code
             cited = cited or cited_set_state_dict_type(code)
             if "FSDPModule" in code:
-                dispatch.merge(find_dispatch(MetadataWrapper(cst.parse_module(code))))
+                dispatch.merge(find_dispatch(parsed(code)))
             if "FullyShardedDataParallel" in code:
-                parsed = MetadataWrapper(cst.parse_module(code))
-                some, every = find_fsdp1_factories(parsed, str(f))
+                wrapper = parsed(code)
+                some, every = find_fsdp1_factories(wrapper, str(f))
                 dispatch.merge(
                     Dispatch(
                         fsdp1_factories=some,
                         fsdp1_sure_factories=every,
-                        fsdp1_attributes=find_fsdp1_attributes(parsed),
-                        instance_attributes=find_instance_attributes(parsed),
-                        fsdp1_predicates=find_fsdp1_predicates(parsed, str(f)),
-                        unit_holders=module_suffixes(str(f), find_unit_holders(parsed)),
+                        fsdp1_attributes=find_fsdp1_attributes(wrapper),
+                        instance_attributes=find_instance_attributes(wrapper),
+                        fsdp1_predicates=find_fsdp1_predicates(wrapper, str(f)),
+                        unit_holders=module_suffixes(str(f), find_unit_holders(wrapper)),
                     )
                 )
-                dispatch.merge(find_fsdp1_arguments(parsed))
+                dispatch.merge(find_fsdp1_arguments(wrapper))
             dispatch.merge(
                 Dispatch(
                     imported_names=imported_names(code),
@@ -626,6 +647,7 @@ def migrate_paths(
                     wraps_fsdp1=shown[f] if names_wrapper(code) else None,
                     keeps_fsdp1=shown[f] if chooses_wrapper(code) else None,
                     subclassed=subclassed_names(code),
+                    data_swappers=find_data_swappers(code),
                 )
             )
             unfollowed.append(

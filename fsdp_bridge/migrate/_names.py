@@ -90,6 +90,11 @@ NAMES: dict[str, str] = {
     "get_optimizer_state_dict / set_optimizer_state_dict key the state by parameter name already: load a "
     "name-keyed full state with set_optimizer_state_dict(model, optimizer, sd, "
     "options=StateDictOptions(full_state_dict=True))",
+    "flatten_sharded_optim_state_dict": "not rewritten: FSDP1's flattening of a sharded optimizer state dict "
+    "(ShardedTensors, from sharded_optim_state_dict) into its flat parameters' layout has no FSDP2 form (FSDP2 "
+    "keeps one DTensor per parameter): load the sharded state with set_optimizer_state_dict(model, optimizer, sd) "
+    "(fsdp_bridge.optim_state_dict_to_load(model, optimizer, sd) on either backend); a checkpoint FSDP1 wrote "
+    "loads with fsdp_bridge.load_sharded_optimizer_state_dict",
     "ShardedGradScaler": "fsdp_bridge.GradScaler(...) (either backend); " + fsdp2_text("ShardedGradScaler"),
     "CPUOffload": "BridgeConfig(cpu_offload=True) (" + fsdp2_text("cpu_offload") + ")",
     "MixedPrecision": "BridgeConfig(mixed_precision={'param_dtype': ..., 'reduce_dtype': ..., 'buffer_dtype': ...})",
@@ -127,6 +132,9 @@ INTERNAL_ATTRS: dict[str, str] = {
     "model's shards (and their gradients) to another device between steps: fsdp_bridge.move_shards(model, device)",
     "_is_flat_param": "FSDP1's flat-parameter flag has no FSDP2 form: each parameter is its own DTensor "
     "(isinstance(p, torch.distributed.tensor.DTensor))",
+    "_exec_order_data": "FSDP1's record of the order its units ran in (for forward prefetch and its order checks) "
+    "has no FSDP2 form: FSDP2 prefetches in the order set with FSDPModule.set_modules_to_forward_prefetch / "
+    "set_modules_to_backward_prefetch (the bridge: BridgeConfig(forward_prefetch=True))",
     "_fsdp_flattened": "FSDP1 marks the parameters it flattened (flat parameters, use_orig_params views) with "
     "_fsdp_flattened; FSDP2's carry no such mark (False on every one, so a check that an optimizer holds sharded "
     "parameters fails): test isinstance(p, torch.distributed.tensor.DTensor)",

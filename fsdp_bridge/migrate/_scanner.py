@@ -225,6 +225,7 @@ class Scanner(
         self._note_duck_typed_wrapper(node)
         self._note_optimizer_state(node)
         self._note_kernel_optimizer(node)
+        self._note_data_swap(node)
         self._note_plain_scaler(node)
         self._plan_offload_backend(node)
         self._note_rank_forward(node)

@@ -15,6 +15,7 @@ from fsdp_bridge.migrate._analysis import code_of, short, walk
 from fsdp_bridge.migrate._names import (
     CONFIG_DRIVEN,
     FSDP,
+    FSDP_METHODS,
     INTERNAL_ATTRS,
     KEPT,
     MOCKS,
@@ -98,6 +99,18 @@ class ImportsFixer(ScannerBase):
         module = code_of(node.module) if node.module else ""
         if module.startswith("torch.distributed.fsdp"):
             self.uses_fsdp1 = True
+        if module == "torch.distributed.fsdp" and not self.planning and not isinstance(node.names, cst.ImportStar):
+            for alias in node.names:
+                name = code_of(alias.name)
+                if name in FSDP_METHODS:  # FSDP1's static methods, never functions of the package
+                    self._record(
+                        alias,
+                        f"from torch.distributed.fsdp import {name}",
+                        f"not rewritten: torch.distributed.fsdp has no {name} (the import raises ImportError, so the "
+                        f"file does not run as written); FSDP1's is the static method FullyShardedDataParallel."
+                        f"{name}: call it so (FSDP.{name}(...)) and run the migration again, which rewrites it",
+                        False,
+                    )
         return False
 
     def _fsdp1_internal(self, node: cst.Attribute) -> bool:
@@ -469,6 +482,15 @@ class ImportsFixer(ScannerBase):
                 self._record(node, f"FSDP.{member}", NAMES[member], False)
             elif member in NAMES:
                 self._record(node, f"FSDP.{member}", NAMES[member], False)
+            elif member and not member.startswith("__"):
+                self._record(
+                    node,
+                    f"FSDP.{member}",
+                    f"not rewritten: FullyShardedDataParallel.{member} is FSDP1's, and FSDP2 has no counterpart the "
+                    "migration writes (fully_shard changes the module itself, and torch.distributed.fsdp.FSDPModule "
+                    "has its own methods): rework this use for FSDP2",
+                    False,
+                )
             return False
         if kind == "apply_activation_checkpointing":
             reentrant = any("CheckpointImpl.REENTRANT" in line for line in self.lines)

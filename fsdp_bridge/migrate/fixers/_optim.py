@@ -53,6 +53,35 @@ class OptimStateFixer(ScannerBase):
         self.fsdp1_elsewhere = True  # the TODO goes into a file that may import nothing of FSDP1's
         self._record(node, f"{short(code_of(node.func), 40)}(...)", KERNEL_OPTIMIZER, False)
 
+    def _note_data_swap(self, node: cst.Call) -> None:
+        """``upcast(model.parameters(), ...)`` where ``upcast`` is a function of the tree that assigns each
+        parameter's ``.data`` (a hand-made fp32 master copy swapped in around ``optimizer.step()``) and ``model`` is
+        shown to be FSDP1's: a TODO. FSDP1's flat parameters are plain tensors; FSDP2's are DTensors, whose
+        ``.data`` assignment does not reach the local shard the optimizer updates (its dtype and storage stay)."""
+        if self.planning or not self.dispatch.data_swappers or not node.args or not self.stmt_stack:
+            return
+        name = code_of(node.func).rsplit(".", 1)[-1]
+        params = node.args[0].value
+        if not (
+            name in self.dispatch.data_swappers
+            and isinstance(params, cst.Call)
+            and isinstance(params.func, cst.Attribute)
+            and params.func.attr.value in ("parameters", "named_parameters")
+            and self._shown_fsdp1(node, params.func.value)
+        ):
+            return
+        self._record(
+            node,
+            f"{short(code_of(node.func), 40)}({short(code_of(params), 30)}, ...)",
+            f"not rewritten: {name} assigns each parameter's .data (a tensor swapped in behind it); FSDP1's flat "
+            "parameters are plain tensors, FSDP2's are DTensors, whose .data assignment leaves the local shard the "
+            "optimizer updates as it was (its dtype and storage), so the step fails or updates the wrong tensor. "
+            "Keep the parameters in the precision the optimizer needs and let FSDP2 cast for compute "
+            "(fsdp_bridge.BridgeConfig(mixed_precision={'param_dtype': torch.bfloat16, 'reduce_dtype': "
+            "torch.float32}), FSDP2's MixedPrecisionPolicy), or swap the local shards (p.to_local()) instead",
+            False,
+        )
+
     def _plan_optim_state_call(self, node: cst.Call, func: cst.BaseExpression, hit: tuple[str, str] | None) -> bool:
         """FSDP1's optimizer-state functions; True when the call is planned."""
         planned = self._plan_optim_state(node, hit)
@@ -257,9 +286,10 @@ class OptimStateFixer(ScannerBase):
             if not isinstance(value, cst.Call):
                 continue
             names = {q.name for q in self.get_metadata(QualifiedNameProvider, value.func, set())}
-            if not any(n.startswith("torch.optim.") for n in names):
-                continue
             text = code_of(value)
+            if not any(n.startswith("torch.optim.") for n in names):
+                self._note_optimizer_built_by_model(body, i, stmt, value)
+                continue
             uses = {t for t in wraps if f"{t}.parameters()" in text or f"{t}.named_parameters()" in text}
             for target in uses:
                 j = wraps[target]
@@ -273,6 +303,43 @@ class OptimStateFixer(ScannerBase):
                         True,
                     )
             self._note_optimizer_before_nested_wrap(body, i, stmt, text)
+
+    def _note_optimizer_built_by_model(
+        self, body: Sequence[cst.BaseStatement], i: int, stmt: cst.BaseStatement, value: cst.Call
+    ) -> None:
+        """``optimizer = model.configure_optimizers(...)`` (or ``build_optimizer(model, ...)``: a name holding
+        ``optim`` assigned a call of the model's method, or one handed the model) before ``model = FSDP(model,
+        ...)`` later in the block or on a branch of it: a TODO (the call builds the optimizer from the parameters
+        the wrap replaces; it is the tree's own function, so it is not moved)."""
+        name = assign_target(stmt)
+        if name is None or "optim" not in name.lower():
+            return
+        func = value.func
+        handed = {code_of(a.value) for a in value.args if a.keyword is None and not a.star}
+        owner = code_of(func.value) if isinstance(func, cst.Attribute) else None
+        for later in body[i + 1 :]:
+            for n in walk(later):
+                target, wrap = assign_target(n), assign_value(n)
+                if not (
+                    target is not None
+                    and isinstance(wrap, cst.Call)
+                    and self._qn(wrap.func) == (FSDP, "")
+                    and wrap.args
+                    and code_of(wrap.args[0].value) == target
+                    and (owner == target or target in handed)
+                ):
+                    continue
+                pos = self.get_metadata(PositionProvider, stmt)
+                construct = f"{short(code_of(value), 40)} before FSDP({target}, ...)"
+                note = (
+                    f"this optimizer is built from {target}'s parameters before the wrap on line "
+                    f"{self.get_metadata(PositionProvider, n).start.line}; FSDP2 replaces them (so does FSDP1 "
+                    "without use_orig_params=True), and it would update tensors the model no longer uses (the bridge "
+                    "refuses it at the first step): build it after the wrap, on every branch"
+                )
+                self.findings.append(CodeFinding(self.path, pos.start.line, pos.start.column, construct, note, False))
+                self.todos.setdefault(id(stmt), []).append(f"{construct}: {note}")
+                return
 
     def _note_optimizer_before_nested_wrap(
         self, body: Sequence[cst.BaseStatement], i: int, stmt: cst.BaseStatement, text: str

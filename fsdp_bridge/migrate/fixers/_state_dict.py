@@ -22,11 +22,13 @@ from fsdp_bridge.migrate._analysis import (
     walk,
     wrapper_subclasses,
 )
-from fsdp_bridge.migrate._names import FSDP, GROUP_RANK0
+from fsdp_bridge.migrate._names import FSDP, FSDP_METHODS, GROUP_RANK0
 from fsdp_bridge.migrate._render import commas, with_option
 from fsdp_bridge.migrate._report import CodeFinding
 from fsdp_bridge.migrate._scan_base import ScannerBase
 
+_STATE_DICT_HOOK = re.compile(r"\.(?:_register_state_dict_hook|register_state_dict_post_hook)\(")
+"""A hook that may change the keys of a module's state dict (``state_dict_hook`` adding merged LoRA weights)."""
 _RANK_TEST = re.compile(r"rank\b|rank\(\)|\bis_main|\bis_master|main_process|master_process|\brank0\b", re.I)
 
 
@@ -286,6 +288,18 @@ class StateDictFixer(ScannerBase):
                 True,
             )
             return True
+        if method == "state_dict" and (hook := _STATE_DICT_HOOK.search(self.code)) is not None:
+            self._record(
+                node,
+                f"{short(target, 40)}.state_dict()",
+                f"not rewritten: this file registers a state-dict hook ({hook.group(0).strip('.(')}), which may "
+                "add keys that are no attributes of the model (merged weights); torch's get_model_state_dict looks "
+                "every key up on the model and raises AttributeError for such a key, while FSDP1's full state dict "
+                f"ran the hooks on the gathered parameters: take it as `with fsdp_bridge.summon_full_params("
+                f"{short(target, 30)}): sd = {short(target, 30)}.state_dict()` (full tensors, the hooks' keys kept)",
+                False,
+            )
+            return True
         stmt = self.stmt_stack[-1] if self.stmt_stack else None
         written = code_of(stmt) if stmt is not None else ""
         if (
@@ -349,7 +363,7 @@ class StateDictFixer(ScannerBase):
                 True,
             )
             return True
-        if ctx is not None and (where := self.dispatch.makes_state_dict_context):
+        if ctx is not None and (where := self.dispatch.makes_state_dict_context) and not self._unimportable_context():
             self._record(
                 node,
                 construct,
@@ -1449,6 +1463,21 @@ class StateDictFixer(ScannerBase):
                 if "state_dict" in text.lower() or "state_ctx" in text.lower() or self._made_context(expr):
                     return text
         return None
+
+    def _unimportable_context(self) -> bool:
+        """A ``with`` around the current statement calls FSDP1's static method imported from the package, which
+        has no such function (``from torch.distributed.fsdp import state_dict_type``: an ImportError, reported at
+        the import): nothing rewrites that block."""
+        return any(
+            isinstance(item.item, cst.Call)
+            and any(
+                q.name.rsplit(".", 1)[0] == "torch.distributed.fsdp" and q.name.rsplit(".", 1)[-1] in FSDP_METHODS
+                for q in self.get_metadata(QualifiedNameProvider, item.item.func, set())
+            )
+            for stmt in self.stmt_stack
+            if isinstance(stmt, cst.With)
+            for item in stmt.items
+        )
 
     def _subclass_context(self, ctx: str) -> str | None:
         """The name of this file's subclass of FSDP1's wrapper when ``ctx`` (a ``with`` item's code) is its
