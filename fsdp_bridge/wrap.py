@@ -412,13 +412,14 @@ def module_names(model: nn.Module, modules: object) -> list[str]:
 
     Args:
         model: the model about to be sharded.
-        modules: module objects inside ``model`` (any iterable), or None.
+        modules: module objects inside ``model`` (any iterable), or None. An object that is not in
+            ``model`` is left out, as FSDP1 ignores it too (there is nothing of it to leave unsharded).
 
     Returns:
         Their dotted paths (``["lm_head", "model.embed_tokens"]``); empty for None.
 
     Raises:
-        ConfigError: an entry that is not a module of ``model`` (or is the model itself).
+        ConfigError: the model itself among them (FSDP1 would leave every parameter unsharded).
     """
     if modules is None:
         return []
@@ -430,6 +431,8 @@ def module_names(model: nn.Module, modules: object) -> list[str]:
     problems: list[Problem] = []
     for module in modules:  # type: ignore[attr-defined]
         name = paths.get(id(module))
+        if name is None:
+            continue  # not in this model: FSDP1 has nothing of it to ignore either
         if not name:
             problems.append(
                 Problem(

@@ -696,10 +696,10 @@ def test_module_names_turns_fsdp1_module_objects_into_config_names() -> None:
     config = BridgeConfig.from_fsdp1(ignored_modules=names)
     assert config.ignored_modules == ("head", "blocks.0")
     assert fsdp_bridge.module_names(net, None) == []
-    with pytest.raises(
-        ConfigError, match=r"ignored_modules: got 'Linear'.*a submodule or parameter of the model being sharded"
-    ):
-        fsdp_bridge.module_names(net, [nn.Linear(2, 2)])
+    # a module outside the model: FSDP1 has nothing of it to ignore, and neither has the bridge
+    assert fsdp_bridge.module_names(net, [nn.Linear(2, 2), net.head]) == ["head"]
+    with pytest.raises(ConfigError, match=r"ignored_modules: got 'Net'.*a submodule or parameter of the model being"):
+        fsdp_bridge.module_names(net, [net])
 
 
 # -- param_init_fn + sync_module_states: meta-device ranks (2 gloo ranks) ----------------------------

@@ -996,3 +996,72 @@ def test_state_dict_hooks_and_parameter_data_swaps_are_todos(tmp_path: Path) -> 
     todos = {f.line: f.replacement for f in report.findings if not f.fixable}
     assert todos[10].startswith("not rewritten: upcast assigns each parameter's .data")
     assert todos[13].startswith("not rewritten: this file registers a state-dict hook (_register_state_dict_hook)")
+
+
+def test_wrapped_module_loads_and_the_trees_own_internal_names(tmp_path: Path) -> None:
+    """``model.module.load_state_dict(sd)`` on FSDP1's wrapper loaded this rank's flat shard (FSDP1's layout): a
+    TODO, not ``fsdp_bridge.unwrapped(model).load_state_dict``. A name of FSDP1's internals that a class of the
+    tree assigns itself (``self.flat_param = torch.cat(...)``) is the tree's attribute: no TODO where it is read."""
+    (tmp_path / "flat.py").write_text(
+        textwrap.dedent("""\
+            import torch
+
+            class Packed(torch.nn.Module):
+                def __init__(self, params):
+                    super().__init__()
+                    self.flat_param = torch.cat([p.reshape(-1) for p in params])
+            """)
+    )
+    (tmp_path / "train.py").write_text(
+        textwrap.dedent("""\
+            import torch
+            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+            def resume(model, path, packed):
+                model = FSDP(model)
+                model.module.load_state_dict(torch.load(path))
+                return packed.flat_param.numel()
+            """)
+    )
+    report, _ = migrate_paths([tmp_path], fix=False)
+    todos = {f.line: f for f in report.findings if not f.fixable}
+    assert set(todos) == {6}
+    assert todos[6].construct == "model.module.load_state_dict() (the wrapped module's own state dict)"
+    assert "set_model_state_dict(model, sd" in todos[6].replacement
+
+
+def test_an_unwrap_lowered_by_the_torch_target_is_left_on_a_second_fix() -> None:
+    source = textwrap.dedent("""\
+        import torch
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        def build(model) -> FSDP:
+            return FSDP(model, use_orig_params=True)
+
+        def unwrap(module: torch.nn.Module) -> torch.nn.Module:
+            if hasattr(module, "_fsdp_wrapped_module"):
+                return module._fsdp_wrapped_module
+            if hasattr(module, "module"):
+                return module.module
+            return module
+        """)
+    once = migrate_source(source, "unwrap.py", target="torch").fixed
+    assert migrate_source(once, "unwrap.py", target="torch").fixed == once
+
+
+def test_the_wrappers_module_internals_are_reported() -> None:
+    source = textwrap.dedent("""\
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp.fully_sharded_data_parallel import TrainingState, _get_grad_norm
+
+        def clip(model):
+            model = FSDP(model)
+            model._assert_state(TrainingState.IDLE)
+            handles = model._all_handles
+            return _get_grad_norm(model.parameters(), 2.0), handles
+        """)
+    todos = {f.construct for f in migrate_source(source, "clip.py").findings if not f.fixable}
+    assert "model._assert_state (an FSDP1 internal)" in todos
+    assert "model._all_handles (an FSDP1 internal)" in todos
+    assert any(c.startswith("TrainingState (") for c in todos)
+    assert any(c.startswith("_get_grad_norm (") for c in todos)

@@ -318,6 +318,9 @@ class Dispatch:
     (``trainer = Trainer(...)`` then ``trainer.model = FSDP(trainer.model)``) -> what wraps it there ("fsdp1",
     "ddp"): the class's methods then read ``self.model`` as that wrapper (see
     :func:`find_instance_attributes`)."""
+    own_attributes: set[str] = field(default_factory=set)
+    """Names of FSDP1's internals (``flat_param``, ``_handle``, ...) that a class of the tree assigns itself
+    (``self.flat_param = torch.cat(...)``): a read of such a name is taken for the tree's own attribute."""
     data_swappers: set[str] = field(default_factory=set)
     """Functions of the tree (by name) that loop over their first argument and assign each element's ``.data``
     (``for p in params: p.data = p._fp32_copy``): handed a model's parameters, they swap the tensors behind
@@ -345,6 +348,7 @@ class Dispatch:
         self.versions.update(other.versions)
         self.subclassed |= other.subclassed
         self.data_swappers |= other.data_swappers
+        self.own_attributes |= other.own_attributes
         self.defined_twice |= other.defined_twice
         self.classes_twice |= other.classes_twice
         for cls, modules in other.base_imports.items():

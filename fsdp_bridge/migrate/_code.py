@@ -84,7 +84,7 @@ from fsdp_bridge.migrate._analysis import (
     unfollowed_set_state_dict_type,
     walk,
 )
-from fsdp_bridge.migrate._names import TODO
+from fsdp_bridge.migrate._names import INTERNAL_ATTRS, TODO
 from fsdp_bridge.migrate._report import CodeFinding, CodeReport
 from fsdp_bridge.migrate._rewrite import Rewriter
 from fsdp_bridge.migrate._scanner import Scanner
@@ -648,6 +648,7 @@ def migrate_paths(
                     keeps_fsdp1=shown[f] if chooses_wrapper(code) else None,
                     subclassed=subclassed_names(code),
                     data_swappers=find_data_swappers(code),
+                    own_attributes={n for n in INTERNAL_ATTRS if re.search(rf"\bself\.{n}\s*=[^=]", code)},
                 )
             )
             unfollowed.append(

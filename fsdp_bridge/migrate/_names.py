@@ -132,6 +132,10 @@ INTERNAL_ATTRS: dict[str, str] = {
     "model's shards (and their gradients) to another device between steps: fsdp_bridge.move_shards(model, device)",
     "_is_flat_param": "FSDP1's flat-parameter flag has no FSDP2 form: each parameter is its own DTensor "
     "(isinstance(p, torch.distributed.tensor.DTensor))",
+    "_all_handles": "FSDP1's list of every FlatParamHandle under the root has no FSDP2 form: iterate the model's "
+    "parameters (DTensors) and its FSDPModule units (m for m in model.modules() if isinstance(m, FSDPModule))",
+    "_assert_state": "FSDP1's private training-state check has no FSDP2 form (FSDPModule has no _assert_state): "
+    "drop it",
     "_exec_order_data": "FSDP1's record of the order its units ran in (for forward prefetch and its order checks) "
     "has no FSDP2 form: FSDP2 prefetches in the order set with FSDPModule.set_modules_to_forward_prefetch / "
     "set_modules_to_backward_prefetch (the bridge: BridgeConfig(forward_prefetch=True))",
@@ -166,6 +170,9 @@ def fsdp1_private(qnames: Iterable[Any]) -> str | None:
         parts = q.name.split(".")
         if parts[:3] == ["torch", "distributed", "fsdp"] and len(parts) > 4 and parts[3] in FSDP1_PRIVATE_MODULES:
             return str(q.name)
+        if parts[:4] == ["torch", "distributed", "fsdp", "fully_sharded_data_parallel"] and len(parts) > 4:
+            if parts[4].startswith("_") or parts[4] == "TrainingState":  # the wrapper's module's own internals
+                return str(q.name)
     return None
 
 

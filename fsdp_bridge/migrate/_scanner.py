@@ -170,6 +170,14 @@ class Scanner(
         guarded = stmt.body if isinstance(stmt, (cst.If, cst.While)) else stmt
         if guarded is None or "._fsdp_wrapped_module" in code_of(guarded):
             return False
+        if self.target == "torch" and isinstance(stmt, cst.If) and _returns_only(stmt.body, obj):
+            return False  # ``return m``: an unwrap a first --fix lowered (FSDP2 does not wrap), skipped as before
+        if (
+            isinstance(stmt, cst.If)
+            and isinstance(stmt.orelse, cst.Else)
+            and code_of(stmt.body).strip() == code_of(stmt.orelse.body).strip()
+        ):
+            return False  # both branches alike: a forwarded read under it a first --fix dropped (X.config)
         scope = code_of(self.functions[-1] if self.functions else guarded)
         if (
             any(isinstance(s, (cst.While, cst.For)) for s in self.stmt_stack)
@@ -467,3 +475,17 @@ class Scanner(
     def visit_Name(self, node: cst.Name) -> bool:
         self._note_fsdp1_checkpoint(node)
         return self._reference(node)
+
+
+def _returns_only(body: cst.BaseSuite, obj: str) -> bool:
+    """``body`` is ``return <obj>`` alone."""
+    stmts = body.body if isinstance(body, cst.IndentedBlock) else [body]
+    if len(stmts) != 1 or not isinstance(stmts[0], (cst.SimpleStatementLine, cst.SimpleStatementSuite)):
+        return False
+    small = stmts[0].body
+    return (
+        len(small) == 1
+        and isinstance(small[0], cst.Return)
+        and small[0].value is not None
+        and code_of(small[0].value) == obj
+    )

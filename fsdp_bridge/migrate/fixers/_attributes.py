@@ -65,6 +65,8 @@ class ElsewhereAttributesFixer(ScannerBase):
         )
         if proof is None or id(node) in self.called or (obj, attr) in own or attr in ours:
             return
+        if proof in self.dispatch.own_attributes or attr in self.dispatch.own_attributes:
+            return  # a class of the tree keeps an attribute of that name itself
         self.fsdp1_elsewhere = True
         if attr == "_fsdp_wrapped_module" and not any("fairscale" in line for line in self.lines):
             # Whoever wrapped it (a library that stays on FSDP1, or the bridge on either backend): the inner

@@ -117,8 +117,8 @@ class ImportsFixer(ScannerBase):
         """``node`` reads one of FSDP1's internals (``INTERNAL_ATTRS``) in a file using FSDP1; ``_local_shard`` only
         where no class of the file keeps an attribute of that name itself (a hand-written sharded optimizer's)."""
         name = node.attr.value
-        if name not in INTERNAL_ATTRS or not self.uses_fsdp1:
-            return False
+        if name not in INTERNAL_ATTRS or not self.uses_fsdp1 or name in self.dispatch.own_attributes:
+            return False  # not FSDP1's, or a name a class of the tree keeps itself
         return name != "_local_shard" or re.search(r"\bself\._local_shard\s*=", self.code) is None
 
     def _reference(self, node: cst.BaseExpression) -> bool:
@@ -198,19 +198,27 @@ class ImportsFixer(ScannerBase):
                 return True
             if (
                 wrapper == "fsdp1"
-                and self._module_state_dict_read(node)
+                and (method := self._module_state_dict_read(node)) is not None
                 and not self._other_path_above(node, node.value)
             ):
-                # (where it may be DDP's wrapper too the guarded form below keeps DDP's .module.state_dict())
+                # (where it may be another wrapper too the forms below keep that wrapper's .module.state_dict())
                 self._record(
                     node,
-                    f"{code_of(node)}.state_dict() (the wrapped module's own state dict)",
+                    f"{code_of(node)}.{method}() (the wrapped module's own state dict)",
                     f"not rewritten: outside summon_full_params FSDP1's wrapped module holds this rank's flat shard "
                     f"(use_orig_params=False: a `_flat_param` key; True: this rank's views), so {short(obj, 30)}.module"
-                    ".state_dict() was never the model's weights; on FSDP2 the module's own state_dict() gives DTensor "
-                    "shards. For the full weights call get_model_state_dict("
-                    f"{short(obj, 30)}, options=StateDictOptions(full_state_dict=True, cpu_offload=True)) on every "
-                    "rank (rank 0 gets them; fsdp_bridge.full_state_dict takes FSDP1 models too), then save on rank 0",
+                    f".{method}() never took the model's weights but this rank's shard in FSDP1's layout, which "
+                    "FSDP2 has no form of (its module's own state_dict() gives DTensor shards by parameter name). "
+                    "For the full weights call "
+                    + (
+                        f"get_model_state_dict({short(obj, 30)}, options=StateDictOptions(full_state_dict=True, "
+                        "cpu_offload=True)) on every rank (rank 0 gets them; fsdp_bridge.full_state_dict takes FSDP1 "
+                        "models too), then save on rank 0"
+                        if method == "state_dict"
+                        else f"set_model_state_dict({short(obj, 30)}, sd, options=StateDictOptions("
+                        "full_state_dict=True)) on every rank; a checkpoint of FSDP1's flat shards loads only into "
+                        "FSDP1 at the same world size (save it again from FSDP1 as a full state dict)"
+                    ),
                     False,
                 )
                 return True
@@ -877,21 +885,26 @@ class ImportsFixer(ScannerBase):
         )
         return True
 
-    def _module_state_dict_read(self, node: cst.Attribute) -> bool:
-        """``x.module`` is the receiver of ``.state_dict()`` in the current statement, outside a
-        ``summon_full_params`` block (where FSDP1's wrapped module holds the full parameters)."""
+    def _module_state_dict_read(self, node: cst.Attribute) -> str | None:
+        """``"state_dict"`` / ``"load_state_dict"`` where ``x.module`` is the receiver of that call in the current
+        statement, outside a ``summon_full_params`` block (where FSDP1's wrapped module holds the full
+        parameters); None otherwise."""
         stmt = self.stmt_stack[-1] if self.stmt_stack else None
         if stmt is None or any(
             isinstance(w, cst.With) and any("summon_full_params" in code_of(i.item) for i in w.items)
             for w in self.stmt_stack
         ):
-            return False
-        return any(
-            isinstance(c, cst.Call)
-            and isinstance(c.func, cst.Attribute)
-            and c.func.value is node
-            and c.func.attr.value == "state_dict"
-            for c in walk(stmt)
+            return None
+        return next(
+            (
+                c.func.attr.value
+                for c in walk(stmt)
+                if isinstance(c, cst.Call)
+                and isinstance(c.func, cst.Attribute)
+                and c.func.value is node
+                and c.func.attr.value in ("state_dict", "load_state_dict")
+            ),
+            None,
         )
 
     def _factory_result(self, node: cst.CSTNode, obj: cst.BaseExpression) -> str:
