@@ -10,9 +10,10 @@ and raises, naming the fix. Every rank builds its optimizer the same way, so eve
 raises at the same step, before any collective of that step. Later steps cost one lookup
 in a weak set.
 
-The same first-step check refuses a bitsandbytes optimizer (``AdamW8bit``, ``PagedAdamW8bit``, ...) over FSDP2's
-DTensor parameters, whose custom update kernels have no DTensor rule (they fail inside, naming a "mixed torch.Tensor
-and DTensor" call): on FSDP1 its flat shards were plain tensors. It also refuses a parameter group that mixes
+The same first-step check refuses a bitsandbytes optimizer (``AdamW8bit``, ``PagedAdamW8bit``, ...) or an apex one
+(``FusedAdam``, ``FusedLAMB``) over FSDP2's DTensor parameters, whose custom update kernels have no DTensor rule
+(they fail inside, naming a "mixed torch.Tensor and DTensor" call, or find no storage): on FSDP1 its flat shards
+were plain tensors. It also refuses a parameter group that mixes
 FSDP2's DTensor parameters with plain tensors (parameters in ``ignored_modules``, scalar parameters) when the
 optimizer would use its multi-tensor (``foreach``) or fused kernels, which refuse that mix: torch's default on
 CUDA. FSDP1's parameters are all plain tensors, so code that worked there fails on FSDP2 with an error from inside
@@ -102,21 +103,24 @@ def _mixed_group_problem(optimizer: torch.optim.Optimizer) -> Problem | None:
 
 
 def _kernels_problem(optimizer: torch.optim.Optimizer) -> Problem | None:
-    """A bitsandbytes optimizer (8-bit, paged or 32-bit) over FSDP2's DTensor parameters: its update kernels are
-    custom operators with no DTensor rule, which fail at the step with an error from inside them."""
+    """A bitsandbytes optimizer (8-bit, paged or 32-bit) or an apex one (``FusedAdam``, ``FusedLAMB``: multi-tensor
+    kernels reading raw storage) over FSDP2's DTensor parameters: their update kernels have no DTensor rule, and
+    fail at the step with an error from inside them (or read no storage at all)."""
     from torch.distributed.tensor import DTensor
 
     name = type(optimizer).__name__
-    if not type(optimizer).__module__.startswith("bitsandbytes"):
+    library = type(optimizer).__module__.split(".", 1)[0]
+    if library not in ("bitsandbytes", "apex"):
         return None
+    owner = "bitsandbytes'" if library == "bitsandbytes" else "apex's"
     sharded = sum(isinstance(p, DTensor) for group in optimizer.param_groups for p in group["params"])
     if not sharded:
         return None
     return Problem(
         "optimizer",
-        f"bitsandbytes' {name} over {sharded} sharded (DTensor) parameters",
+        f"{owner} {name} over {sharded} sharded (DTensor) parameters",
         "an optimizer whose update runs on DTensors (torch.optim's), or plain-tensor parameters",
-        "bitsandbytes' optimizer kernels take plain tensors only: shard this model with "
+        f"{owner} optimizer kernels take plain tensors only: shard this model with "
         "BridgeConfig(backend='fsdp1') (FSDP1's flat shards are plain tensors, as the FSDP1 code had them), "
         f"or step it with torch.optim (e.g. torch.optim.AdamW in place of {name})",
     )

@@ -1065,3 +1065,30 @@ def test_the_wrappers_module_internals_are_reported() -> None:
     assert "model._all_handles (an FSDP1 internal)" in todos
     assert any(c.startswith("TrainingState (") for c in todos)
     assert any(c.startswith("_get_grad_norm (") for c in todos)
+
+
+def test_apex_kernels_in_a_tree_wrapping_fsdp1_are_todos(tmp_path: Path) -> None:
+    (tmp_path / "fused.py").write_text(
+        textwrap.dedent("""\
+            import torch
+            from apex.multi_tensor_apply import multi_tensor_applier
+
+            class MyFusedAdam(torch.optim.Optimizer):
+                def step(self, closure=None):
+                    multi_tensor_applier(self.kernel, self.overflow, [[], []], 1e-3)
+            """)
+    )
+    (tmp_path / "train.py").write_text(
+        textwrap.dedent("""\
+            from apex.optimizers import FusedAdam
+            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+            def build(model):
+                model = FSDP(model)
+                return FusedAdam(model.parameters(), lr=1e-4)
+            """)
+    )
+    report, _ = migrate_paths([tmp_path], fix=False)
+    todos = {(Path(f.path).name, f.line): f.replacement for f in report.findings if not f.fixable}
+    assert todos[("fused.py", 6)].startswith("not rewritten: apex's multi-tensor kernels")
+    assert "torch.optim.AdamW(..., fused=True)" in todos[("train.py", 6)]

@@ -99,3 +99,21 @@ def test_a_model_wrapped_by_raw_fsdp_is_refused_naming_it(run_on_ranks) -> None:
     assert "already wrapped by FullyShardedDataParallel (FSDP1)" in fsdp1
     assert "already wrapped by fully_shard (FSDP2) (at model.layers.0)" in fsdp2
     assert "pass the model to shard() instead of wrapping it yourself" in fsdp2
+
+
+def test_an_apex_optimizer_over_dtensor_parameters_is_refused_in_one_process() -> None:
+    """apex's FusedAdam / FusedLAMB read raw storage in multi-tensor kernels, which a DTensor holds none of."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from fsdp_bridge._optimizer_check import _kernels_problem
+    from fsdp_bridge.estimate import fake_process_group
+
+    fused = type("FusedAdam", (torch.optim.SGD,), {"__module__": "apex.optimizers.fused_adam"})
+    with fake_process_group(rank=0, world_size=2):
+        mesh = init_device_mesh("cpu", (2,))
+        param = torch.nn.Parameter(DTensor.from_local(torch.zeros(2, 4), mesh, [Shard(0)], run_check=False))
+        problem = _kernels_problem(fused([param], lr=0.1))
+    assert problem is not None and problem.value == "apex's FusedAdam over 1 sharded (DTensor) parameters"
+    assert "BridgeConfig(backend='fsdp1')" in problem.fix
+    assert _kernels_problem(fused([torch.nn.Parameter(torch.zeros(2))], lr=0.1)) is None  # plain tensors: FSDP1

@@ -23,6 +23,15 @@ KERNEL_OPTIMIZER = (
 )
 """The TODO at a bitsandbytes optimizer in a tree that wraps FSDP1."""
 
+MULTI_TENSOR_KERNEL = (
+    "not rewritten: apex's multi-tensor kernels (multi_tensor_applier, as in its FusedAdam / FusedLAMB or a copy of "
+    "them) read the storage of plain tensors (FSDP1's flat shards); on FSDP2 the parameters and gradients are "
+    "DTensors, which hold none (the step fails, or reads garbage): use torch.optim's fused optimizer "
+    "(torch.optim.AdamW(..., fused=True)), hand the kernel each DTensor's local shard (p.to_local(), "
+    "p.grad.to_local()), or keep this model on FSDP1 (on fsdp_bridge: BridgeConfig(backend='fsdp1'))"
+)
+"""The TODO at an apex multi-tensor kernel call or optimizer in a tree that wraps FSDP1."""
+
 FULL_OPTIM_TEXT = (
     "FSDP1's full optimizer state: a CPU copy on rank 0 (rank0_only=True, its default) or on every rank, gathered "
     "one tensor at a time; like FSDP1 it takes a trainer's optimizer wrapper (torch's get_optimizer_state_dict "
@@ -40,7 +49,13 @@ class OptimStateFixer(ScannerBase):
         if self.planning or self.dispatch.wraps_fsdp1 is None or not self.stmt_stack:
             return
         names = {q.name for q in self.get_metadata(QualifiedNameProvider, node.func, set())}
-        if not any(n.startswith("bitsandbytes.optim.") for n in names) or not node.args:
+        if code_of(node.func).rsplit(".", 1)[-1] == "multi_tensor_applier":
+            # a hand-copied apex optimizer's step (in a file that may import nothing of FSDP1's)
+            self.fsdp1_elsewhere = True
+            self._record(node, "multi_tensor_applier(...) (apex's multi-tensor kernels)", MULTI_TENSOR_KERNEL, False)
+            return
+        apex = any(n.startswith("apex.optimizers.") for n in names)
+        if not (apex or any(n.startswith("bitsandbytes.optim.") for n in names)) or not node.args:
             return
         params = node.args[0].value  # model.parameters() of a model shown to be FSDP1's here
         if not (
@@ -51,7 +66,9 @@ class OptimStateFixer(ScannerBase):
         ):
             return
         self.fsdp1_elsewhere = True  # the TODO goes into a file that may import nothing of FSDP1's
-        self._record(node, f"{short(code_of(node.func), 40)}(...)", KERNEL_OPTIMIZER, False)
+        self._record(
+            node, f"{short(code_of(node.func), 40)}(...)", MULTI_TENSOR_KERNEL if apex else KERNEL_OPTIMIZER, False
+        )
 
     def _note_data_swap(self, node: cst.Call) -> None:
         """``upcast(model.parameters(), ...)`` where ``upcast`` is a function of the tree that assigns each

@@ -149,10 +149,12 @@ class PolicyFixer(ScannerBase):
             )
         if kw == "use_orig_params":
             return (
-                "FSDP2 always keeps one parameter per original one (its shape, sharded as a DTensor, never "
-                "flattened), what use_orig_params=True asks of FSDP1; its name is the module's own, without the "
-                "_fsdp_wrapped_module. prefixes FSDP1's named_parameters() gave; the parameter objects are new, so "
-                "an optimizer is built after the shard call"
+                "FSDP2 always keeps one parameter per original one, what use_orig_params=True asks of FSDP1, and "
+                "keeps its shape too (a DTensor, never flattened), where FSDP1's was this rank's 1-D slice outside "
+                "forward: code reading p.shape / p.ndim of the parameters (an optimizer grouping them by dimension) "
+                "sees the full shapes now; its name is the module's own, without the _fsdp_wrapped_module. "
+                "prefixes FSDP1's named_parameters() gave; the parameter objects are new, so an optimizer is built "
+                "after the shard call"
             )
         if kw in ("ignored_modules", "ignored_states"):
             return (
