@@ -4,6 +4,7 @@ never reach), objects tested as DDP, and the wrapper kinds an object may hold.""
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from typing import Any
 
 import libcst as cst
@@ -104,18 +105,19 @@ class ObjectAnalysis(ScannerBase):
             if (bool(v) if ops is None else _holds(v, ops))  # ``if fsdp_version(m):``
         }
 
-    def _fsdp2_admitted_around(self, node: cst.CSTNode, target: str) -> str | None:
-        """The test of the innermost ``if`` (or ``and``) around ``node`` that tests ``target``, as code, where it
-        holds for torch's own ``fully_shard`` modules, those of FSDP1 too or not (see :meth:`_admitted`; ``--target
-        torch`` writes ``isinstance(m, FSDPModule)`` for the first); None otherwise."""
+    def _guards_around(
+        self, node: cst.CSTNode, *, conditional: bool
+    ) -> Iterator[tuple[cst.BaseExpression, tuple[int, int]]]:
+        """``(test, where its guarded body starts)`` for each ``if`` (a conditional expression too, with
+        ``conditional``) and each ``and`` of the current function (or module) whose guarded part holds ``node``."""
         scope: cst.CSTNode | None = self.functions[-1] if self.functions else self.module
         if scope is None:
-            return None
+            return
         here = self.get_metadata(PositionProvider, node).start
-        best: tuple[tuple[int, int], cst.BaseExpression] | None = None
+        kinds = (cst.If, cst.IfExp) if conditional else (cst.If,)
         for n in walk(scope):
             body: cst.CSTNode
-            if isinstance(n, cst.If):
+            if isinstance(n, kinds):
                 test, body = n.test, n.body
             elif isinstance(n, cst.BooleanOperation) and isinstance(n.operator, cst.And):
                 test, body = n.left, n.right
@@ -123,8 +125,15 @@ class ObjectAnalysis(ScannerBase):
                 continue
             span = self.get_metadata(PositionProvider, body)
             start = (span.start.line, span.start.column)
-            if not start <= (here.line, here.column) <= (span.end.line, span.end.column):
-                continue
+            if start <= (here.line, here.column) <= (span.end.line, span.end.column):
+                yield test, start
+
+    def _fsdp2_admitted_around(self, node: cst.CSTNode, target: str) -> str | None:
+        """The test of the innermost ``if`` (or ``and``) around ``node`` that tests ``target``, as code, where it
+        holds for torch's own ``fully_shard`` modules, those of FSDP1 too or not (see :meth:`_admitted`; ``--target
+        torch`` writes ``isinstance(m, FSDPModule)`` for the first); None otherwise."""
+        best: tuple[tuple[int, int], cst.BaseExpression] | None = None
+        for test, start in self._guards_around(node, conditional=False):
             if any(code_of(x) == target for x in walk(test)) and (best is None or start > best[0]):
                 best = (start, test)
         if best is None:
@@ -300,20 +309,7 @@ class ObjectAnalysis(ScannerBase):
         """The object an enclosing guard tests for FSDP1's wrapper (``if isinstance(lm_model, FSDP):`` around
         ``self.lm_model.module...``, the same model under another name), or None: the guard's test becomes
         ``fsdp_bridge.is_sharded(...)``, true for FSDP2's modules too, so what it guards runs for them."""
-        scope: cst.CSTNode | None = self.functions[-1] if self.functions else self.module
-        if scope is None:
-            return None
-        here = self.get_metadata(PositionProvider, node).start
-        for n in walk(scope):
-            if isinstance(n, (cst.If, cst.IfExp)):
-                test, body = n.test, n.body
-            elif isinstance(n, cst.BooleanOperation) and isinstance(n.operator, cst.And):
-                test, body = n.left, n.right
-            else:
-                continue
-            span = self.get_metadata(PositionProvider, body)
-            if not (span.start.line, span.start.column) <= (here.line, here.column) <= (span.end.line, span.end.column):
-                continue
+        for test, _ in self._guards_around(node, conditional=True):
             for call in walk(test):
                 if (
                     isinstance(call, cst.Call)
