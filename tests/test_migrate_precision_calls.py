@@ -1092,3 +1092,106 @@ def test_apex_kernels_in_a_tree_wrapping_fsdp1_are_todos(tmp_path: Path) -> None
     todos = {(Path(f.path).name, f.line): f.replacement for f in report.findings if not f.fixable}
     assert todos[("fused.py", 6)].startswith("not rewritten: apex's multi-tensor kernels")
     assert "torch.optim.AdamW(..., fused=True)" in todos[("train.py", 6)]
+
+
+def test_parameters_of_models_on_different_meshes_paired_are_todos(tmp_path: Path) -> None:
+    """A function of the tree zipping two models' parameters (an EMA update), handed a hybrid-sharded model and
+    an EMA copy this file wraps over one group of its mesh: FSDP1's flat shards lined up; FSDP2's DTensors sit on
+    a 2-D and a 1-D mesh and mixing them raises, so the call is a TODO. Two models wrapped alike stay quiet."""
+    (tmp_path / "averaging.py").write_text(
+        textwrap.dedent("""\
+            import torch
+
+            class Averager:
+                def blend(self, live, shadow, decay=0.99):
+                    for s, p in zip(shadow.parameters(), live.parameters()):
+                        s.mul_(decay).add_(p.detach(), alpha=1 - decay)
+
+                def load(self, source, target):
+                    for t, s in zip(target.parameters(), source.parameters()):
+                        t.data.copy_(s.data)
+            """)
+    )
+    (tmp_path / "train.py").write_text(
+        textwrap.dedent("""\
+            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
+            from averaging import Averager
+
+            class Runner:
+                def build(self, net, shadow, mesh, kind):
+                    self.shadow = FSDP(shadow, process_group=mesh.get_group(mesh_dim=1))
+                    self.net = FSDP(net, sharding_strategy=kind, process_group=(mesh.get_group(1), mesh.get_group(0)))
+                    self.twin = FSDP(shadow, process_group=mesh.get_group(mesh_dim=1))
+                    self.avg = Averager()
+
+                def after_step(self):
+                    self.avg.blend(self.net, self.shadow)
+                    self.avg.load(target=self.net, source=self.shadow)
+                    self.avg.blend(self.twin, self.shadow)
+            """)
+    )
+    report, _ = migrate_paths([tmp_path], fix=False)
+    todos = {f.line: f for f in report.findings if not f.fixable}
+    assert set(todos) == {12, 13}
+    text = todos[12].replacement
+    assert text.startswith("not rewritten: blend pairs the parameters of self.net and self.shadow")
+    assert "self.shadow: 1-D over process_group=mesh.get_group(mesh_dim=1)" in text
+    assert "p.to_local()" in text
+    assert todos[13].construct.startswith("self.avg.load(")
+
+
+def test_sums_of_parameter_reductions_are_todos(tmp_path: Path) -> None:
+    """``total += torch.norm(p.data)`` over an FSDP1 model's parameters added up this rank's flat shards; on FSDP2
+    the reduction of a DTensor is a DTensor, and adding it into a plain tensor raises: a TODO. A sum reading
+    ``to_local()`` already, or one over another model's parameters, stays quiet."""
+    (tmp_path / "train.py").write_text(
+        textwrap.dedent("""\
+            import torch
+            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+            def metrics(net, plain):
+                net = FSDP(net)
+                total = torch.tensor(0.0)
+                for p in net.parameters():
+                    total += torch.norm(p.data.float(), p=2)
+                for name, p in net.named_parameters():
+                    total += p.grad.pow(2).sum()
+                for p in net.parameters():
+                    total += p.to_local().norm()
+                for p in plain.parameters():
+                    total += p.norm()
+                return total
+            """)
+    )
+    report, _ = migrate_paths([tmp_path], fix=False)
+    todos = {f.line: f for f in report.findings if not f.fixable}
+    assert set(todos) == {8, 10}
+    assert todos[8].construct == "+= torch.norm(p.data.float(), p=2) over FSDP1 parameters"
+    assert "p.to_local()" in todos[8].replacement
+
+
+def test_a_weight_decay_split_by_shape_over_fsdp1_parameters_is_a_todo(tmp_path: Path) -> None:
+    """``if p.ndim <= 1: no_decay.append(p) else: decay.append(p)`` over an FSDP1 model's parameters (1-D flat
+    shards or views: FSDP1 decayed nothing) splits them as written on FSDP2: a TODO, not only a note."""
+    (tmp_path / "train.py").write_text(
+        textwrap.dedent("""\
+            import torch
+            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+            def build(net):
+                net = FSDP(net, use_orig_params=True)
+                decay, no_decay = [], []
+                for name, p in net.named_parameters():
+                    if p.ndim <= 1 or name.endswith(".bias"):
+                        no_decay.append(p)
+                    else:
+                        decay.append(p)
+                sizes = [p.numel() for p in net.parameters()]
+                return torch.optim.AdamW([{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]), sizes
+            """)
+    )
+    report, _ = migrate_paths([tmp_path], fix=False)
+    todos = {f.line: f for f in report.findings if not f.fixable}
+    assert set(todos) == {7}
+    assert todos[7].construct == "net.named_parameters() split into groups by p.ndim"
+    assert [f.line for f in report.findings if f.note] == [12]

@@ -295,9 +295,10 @@ def test_torchs_clip_over_an_fsdp1_models_parameters_is_kept_with_a_note_on_its_
 
 def test_shape_reads_over_an_fsdp1_models_parameters_are_kept_with_a_note_on_their_changed_meaning() -> None:
     # After FSDP1 wraps a model its parameters are 1-D shards (or views into one): a weight-decay rule on ndim
-    # or a numel() count over them changes on FSDP2's full-shape DTensors. Noted where the model is proven
+    # or a numel() count over them changes on FSDP2's full-shape DTensors. Reported where the model is proven
     # FSDP1's (here: handed to a function by the wrapping one), not before it is wrapped, not for plain modules,
-    # not where summon_full_params gathers them.
+    # not where summon_full_params gathers them: a count is a note, a group split by shape a TODO (FSDP1 put
+    # every parameter in one group, FSDP2 splits them as written).
     code = (
         "import torch\n"
         "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n\n\n"
@@ -317,11 +318,13 @@ def test_shape_reads_over_an_fsdp1_models_parameters_are_kept_with_a_note_on_the
     )
     result = migrate_source(code, "groups.py")
     notes = {f.line: f for f in result.findings if f.note}
-    assert sorted(notes) == [6, 16], notes
-    assert notes[6].construct == "vla.named_parameters() read as p.ndim"
+    assert sorted(notes) == [16], notes
     assert notes[16].construct == "model.parameters() read as p.numel"
-    assert "1-D" in notes[6].replacement and "DTensors with the full shape" in notes[6].replacement
-    assert "TODO" not in result.fixed and "p.ndim > 1" in result.fixed
+    assert "1-D" in notes[16].replacement and "DTensors with the full shape" in notes[16].replacement
+    (split,) = [f for f in result.findings if not f.fixable]
+    assert (split.line, split.construct) == (6, "vla.named_parameters() split into groups by p.ndim")
+    assert "FSDP1 put them all in one group" in split.replacement
+    assert result.fixed.count("TODO") == 1 and "p.ndim > 1" in result.fixed
 
 
 def test_a_model_kept_by_an_annotated_assignment_is_followed_into_the_function_it_is_handed_to(
@@ -356,8 +359,12 @@ def test_a_model_kept_by_an_annotated_assignment_is_followed_into_the_function_i
         "        self.optimizer = build_optimizer(self.model, 0.1)\n"
     )
     report, _ = migrate_paths([tmp_path])
-    (note,) = [f for f in report.findings if f.note]
-    assert (Path(note.path).name, note.line, note.construct) == ("optim.py", 5, "model.parameters() read as p.dim")
+    (split,) = [f for f in report.findings if not f.fixable]
+    assert (Path(split.path).name, split.line, split.construct) == (
+        "optim.py",
+        5,
+        "model.parameters() split into groups by p.dim",
+    )
 
 
 def test_a_method_called_on_the_fsdp1_model_that_groups_parameters_by_ndim_gets_a_note(tmp_path: Path) -> None:
@@ -795,8 +802,8 @@ def test_a_model_chosen_by_a_conditional_expression_is_followed_into_the_functio
         "def split(model):\n    return [p for n, p in model.named_parameters() if p.ndim > 1]\n"
     )
     report, _ = migrate_paths([tmp_path])
-    notes = [(f.path.rsplit("/", 1)[-1], f.line) for f in report.findings if f.note]
-    assert notes == [("groups.py", 2)], report.findings
+    todos = [(f.path.rsplit("/", 1)[-1], f.line) for f in report.findings if not f.fixable]
+    assert todos == [("groups.py", 2)], report.findings
 
 
 def test_the_fsdp2_test_of_a_guarded_state_dict_looks_inside_torch_compiles_wrapper() -> None:

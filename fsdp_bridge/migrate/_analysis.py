@@ -325,6 +325,10 @@ class Dispatch:
     """Functions of the tree (by name) that loop over their first argument and assign each element's ``.data``
     (``for p in params: p.data = p._fp32_copy``): handed a model's parameters, they swap the tensors behind
     them (see :func:`find_data_swappers`)."""
+    param_pairers: dict[str, set[tuple[tuple[int, str], tuple[int, str]]]] = field(default_factory=dict)
+    """Functions of the tree (by name) that pair the parameters of two of their arguments element for element
+    (``for t, s in zip(tgt.parameters(), src.parameters())``, an EMA update or copy) -> the positions of those two
+    arguments and their names (``self`` not counted; see :func:`find_param_pairers`)."""
     subclassed: set[str] = field(default_factory=set)
     """Names of the classes some class of the tree derives from (the last part of each base): a subclass may
     assign an attribute its base's methods read (see ``subclassed_names``)."""
@@ -348,6 +352,8 @@ class Dispatch:
         self.versions.update(other.versions)
         self.subclassed |= other.subclassed
         self.data_swappers |= other.data_swappers
+        for name, pairs in other.param_pairers.items():
+            self.param_pairers.setdefault(name, set()).update(pairs)
         self.own_attributes |= other.own_attributes
         self.defined_twice |= other.defined_twice
         self.classes_twice |= other.classes_twice
@@ -690,6 +696,45 @@ def find_data_swappers(code: str) -> set[str]:
                 for n in walk(loop.body)
             ):
                 found.add(fn.name.value)
+    return found
+
+
+PARAMETER_LISTS = ("parameters", "named_parameters")
+
+
+def find_param_pairers(code: str) -> dict[str, set[tuple[tuple[int, str], tuple[int, str]]]]:
+    """Functions of a file that zip the parameters of two of their arguments (see ``Dispatch.param_pairers``);
+    read only where ``zip(`` and ``parameters()`` are written at all."""
+    if "zip(" not in code or "parameters()" not in code:
+        return {}
+    try:
+        module = parsed(code).module
+    except Exception:  # unparsable: reported when the file itself is migrated
+        return {}
+    found: dict[str, set[tuple[tuple[int, str], tuple[int, str]]]] = {}
+    for fn in walk(module):
+        if not isinstance(fn, cst.FunctionDef):
+            continue
+        params = [p.name.value for p in (*fn.params.posonly_params, *fn.params.params) if p.name.value != "self"]
+        if len(params) < 2:
+            continue
+        for call in walk(fn.body):
+            if not (isinstance(call, cst.Call) and m.matches(call.func, m.Name("zip")) and len(call.args) >= 2):
+                continue
+            owners = []
+            for a in call.args[:2]:
+                v = a.value
+                if (
+                    isinstance(v, cst.Call)
+                    and isinstance(v.func, cst.Attribute)
+                    and v.func.attr.value in PARAMETER_LISTS
+                    and isinstance(v.func.value, cst.Name)
+                    and v.func.value.value in params
+                ):
+                    owners.append(params.index(v.func.value.value))
+            if len(owners) == 2 and owners[0] != owners[1]:
+                i, j = sorted(owners)
+                found.setdefault(fn.name.value, set()).add(((i, params[i]), (j, params[j])))
     return found
 
 

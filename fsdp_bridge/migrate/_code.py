@@ -65,6 +65,7 @@ from fsdp_bridge.migrate._analysis import (
     find_fsdp1_predicates,
     find_instance_attributes,
     find_own_methods,
+    find_param_pairers,
     find_unit_holders,
     finds_state_dict_context,
     from_imports,
@@ -648,6 +649,7 @@ def migrate_paths(
                     keeps_fsdp1=shown[f] if chooses_wrapper(code) else None,
                     subclassed=subclassed_names(code),
                     data_swappers=find_data_swappers(code),
+                    param_pairers=find_param_pairers(code),
                     own_attributes={n for n in INTERNAL_ATTRS if re.search(rf"\bself\.{n}\s*=[^=]", code)},
                 )
             )

@@ -34,6 +34,16 @@ SHARD_SHAPES = (
     "rank's shard): a rule on ndim or shape (weight decay for matrices only), or a count of numel(), gives "
     "other results; check it with fsdp-bridge migrate verify"
 )
+SHAPE_GROUPS = (
+    "not rewritten: a rule on each parameter's shape (ndim, dim(), shape, numel()) picks its group here (weight "
+    "decay for matrices only); after FSDP1 wraps the model every parameter is 1-D (a flat shard, or with "
+    "use_orig_params=True a 1-D view into one), so FSDP1 put them all in one group (no weight decay at all under "
+    "a `ndim <= 1` rule), while on FSDP2 they keep their shapes and the rule splits them as written: the training "
+    "differs from the FSDP1 run from the first step (the rule as meant, most likely). Keep it so, or give every "
+    "parameter FSDP1's group to reproduce the old run; fsdp-bridge migrate verify shows the difference"
+)
+"""The TODO at a parameter-group split decided by FSDP1 parameters' shapes."""
+
 FLAT_NAMES = (
     "left as it is; its meaning changes: with use_orig_params=False (FSDP1's default) the wrapped model's "
     "named_parameters() are its flat parameters (`_flat_param`, one per unit), so a rule on the names (no weight "
@@ -58,6 +68,17 @@ PARAM_COLLECTIVE = (
     "(the whole parameter, gathered)"
 )
 """The TODO for a torch.distributed collective over an FSDP1 model's parameters (or their data / grads)."""
+
+PARAM_SUM = (
+    "not rewritten: this adds up a reduction of each parameter; on FSDP1 a parameter (or its .data / .grad) is this "
+    "rank's flat shard, a plain tensor, so the sum was this rank's part only; on FSDP2 it is a DTensor: the "
+    "reduction runs a collective and gives the whole parameter's value as a DTensor, which an in-place add into a "
+    "plain tensor refuses (a DTensor and a torch.Tensor mixed). Reduce p.to_local() for FSDP1's per-rank value, or "
+    "keep the DTensor result (.full_tensor() for a plain one) for the whole model's"
+)
+"""The TODO for ``total += torch.norm(p.data)`` over an FSDP1 model's parameters."""
+
+_REDUCTIONS = ("norm", "vector_norm", "sum", "mean", "max", "min", "amax", "amin", "square", "pow", "abs")
 
 DUCK_CLIP = (
     "not rewritten: a test for FSDP1's wrapper by its method; a model fsdp_bridge.shard() makes on FSDP2 has no "
@@ -127,6 +148,36 @@ def _parameters_of(node: cst.CSTNode) -> cst.BaseExpression | None:
     ):
         return node.func.value
     return None
+
+
+def _splits_groups(body: cst.CSTNode, param: str) -> bool:
+    """``body`` has an ``if`` testing ``param``'s shape whose branches append to lists, or is a comprehension
+    filtered by its shape (``[p for p in m.parameters() if p.ndim > 1]``): a parameter-group split."""
+
+    def shape_test(test: cst.CSTNode) -> bool:
+        return any(
+            isinstance(a, cst.Attribute)
+            and m.matches(a.value, m.Name(param))
+            and a.attr.value in (*_SHAPE_ATTRIBUTES, *_SHAPE_METHODS)
+            for a in walk(test)
+        )
+
+    if isinstance(body, _COMPREHENSIONS):
+        for_in: cst.CompFor | None = body.for_in
+        while for_in is not None:
+            if any(shape_test(c.test) for c in for_in.ifs):
+                return True
+            for_in = for_in.inner_for_in
+        return False
+    for n in walk(body):
+        if not isinstance(n, cst.If) or not shape_test(n.test):
+            continue
+        if any(
+            isinstance(c, cst.Call) and isinstance(c.func, cst.Attribute) and c.func.attr.value == "append"
+            for c in walk(n)
+        ):
+            return True
+    return False
 
 
 class NoSyncClipFixer(ScannerBase):
@@ -244,6 +295,49 @@ class NoSyncClipFixer(ScannerBase):
                 self._record(node, construct, PARAM_COLLECTIVE, False)
                 return
         self._note_grad_collective(node)
+
+    def _note_param_sum(self, node: cst.Call) -> None:
+        """``total += torch.norm(p.data)`` (a reduction of the loop's parameter added in place) in
+        ``for p in model.parameters():`` with ``model`` shown to be FSDP1's wrapper: a TODO (see
+        :data:`PARAM_SUM`). Inside a ``summon_full_params`` block, or reading ``to_local()`` already, it is left
+        alone."""
+        if self.planning or not self.stmt_stack:
+            return
+        stmt = self.stmt_stack[-1]
+        func = node.func
+        name = func.attr.value if isinstance(func, cst.Attribute) else code_of(func)
+        if (
+            not isinstance(stmt, cst.SimpleStatementLine)
+            or id(stmt) in self.todos
+            or name.rsplit(".", 1)[-1] not in _REDUCTIONS
+            or not any(
+                isinstance(small, cst.AugAssign)
+                and isinstance(small.operator, cst.AddAssign)
+                and any(n is node for n in walk(small.value))
+                for small in stmt.body
+            )
+            or any(
+                isinstance(w, cst.With) and any("summon_full_params" in code_of(i.item) for i in w.items)
+                for w in self.stmt_stack
+            )
+        ):
+            return
+        loops: dict[str, cst.BaseExpression] = {}  # loop variable -> the model whose parameters it walks
+        for outer in self.stmt_stack:
+            if isinstance(outer, cst.For) and (model := _parameters_of(outer.iter)) is not None:
+                target: cst.BaseExpression = outer.target
+                if isinstance(target, cst.Tuple) and len(target.elements) == 2:
+                    target = target.elements[1].value
+                if isinstance(target, cst.Name):
+                    loops[target.value] = model
+        read = [n.value for n in walk(node) if isinstance(n, cst.Name) and n.value in loops]
+        if not read or any(
+            isinstance(n, cst.Attribute) and n.attr.value in ("to_local", "full_tensor") for n in walk(node)
+        ):
+            return
+        model = loops[read[0]]
+        if self._shown_fsdp1(node, model):
+            self._record(node, f"+= {short(code_of(node), 50)} over FSDP1 parameters", PARAM_SUM, False)
 
     def _note_grad_collective(self, node: cst.Call) -> None:
         """``dist.all_reduce(norm)`` where ``norm`` comes, in this function, from parameters' ``.grad`` (read here
@@ -535,7 +629,9 @@ class NoSyncClipFixer(ScannerBase):
                     CodeFinding(self.path, pos.line, pos.column, construct, SHARD_SHAPES, True, note=True)
                 )
                 return
-        if read is not None:
+        if read is not None and _splits_groups(body, param) and self._shown_fsdp1(node, func.value):
+            self._record(node, f"{short(code_of(node), 40)} split into groups by {read}", SHAPE_GROUPS, False)
+        elif read is not None:
             self._note_on_fsdp1_model(node, func.value, f"{short(code_of(node), 40)} read as {read}", SHARD_SHAPES)
         elif isinstance(name, cst.Name) and (rule := _name_rule(body, name.value)):
             self._note_on_fsdp1_model(node, func.value, f"{short(code_of(node), 40)} names tested ({rule})", FLAT_NAMES)

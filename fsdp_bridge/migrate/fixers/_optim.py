@@ -99,6 +99,77 @@ class OptimStateFixer(ScannerBase):
             False,
         )
 
+    def _wrap_meshes(self, model: cst.BaseExpression) -> set[tuple[str, str]] | None:
+        """How the file's ``model = FSDP(...)`` calls for ``model`` lay it out: (the strategy's mesh shape, the
+        group's source) for each; None where one of them hides its arguments (``**kwargs``)."""
+        assert self.module is not None
+        target = code_of(model)
+        found: set[tuple[str, str]] = set()
+        for node in walk(self.module):
+            if not (
+                isinstance(node, cst.Assign)
+                and isinstance(node.value, cst.Call)
+                and any(code_of(t.target) == target for t in node.targets)
+                and self._qn(node.value.func) == (FSDP, "")
+            ):
+                continue
+            args = named_args(node.value, ("module", "process_group", "sharding_strategy"))
+            if args is None:
+                return None
+            strategy = code_of(args["sharding_strategy"]) if "sharding_strategy" in args else "FULL_SHARD"
+            member = strategy.rsplit(".", 1)[-1]
+            shape = (
+                "1-D"
+                if member in ("FULL_SHARD", "SHARD_GRAD_OP")
+                else "2-D"
+                if member in ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2", "NO_SHARD")
+                else f"sharding_strategy={strategy}"
+            )
+            group = args.get("process_group", args.get("device_mesh"))
+            found.add((shape, "" if group is None else code_of(group)))
+        return found
+
+    def _note_paired_meshes(self, node: cst.Call) -> None:
+        """``ema.update_average(model, model_ema)`` where ``update_average`` is a function of the tree that zips
+        the two models' parameters and this file wraps them with FSDP1 over different groups or strategies (an EMA
+        copy over the shard group of a hybrid model): a TODO. FSDP1's flat shards of the two still lined up; on
+        FSDP2 their DTensors sit on different meshes, and an operation between them raises."""
+        if self.planning or not self.dispatch.param_pairers or self.module is None or not self.stmt_stack:
+            return
+        name = code_of(node.func).rsplit(".", 1)[-1]
+        positional = [a.value for a in node.args if a.keyword is None and not a.star]
+        keywords = {a.keyword.value: a.value for a in node.args if a.keyword is not None}
+        for pair in sorted(self.dispatch.param_pairers.get(name, ())):
+            models = [positional[i] if i < len(positional) else keywords.get(kw) for i, kw in pair]
+            first, second = models
+            if first is None or second is None:
+                continue
+            if not (self._shown_fsdp1(node, first) and self._shown_fsdp1(node, second)):
+                continue
+            one, other = self._wrap_meshes(first), self._wrap_meshes(second)
+            if not one or not other or one == other:
+                continue
+
+            def said(layouts: set[tuple[str, str]]) -> str:
+                return " or ".join(
+                    f"{shape}{f' over process_group={short(group, 40)}' if group else ''}"
+                    for shape, group in sorted(layouts)
+                )
+
+            a, b = short(code_of(first), 30), short(code_of(second), 30)
+            self._record(
+                node,
+                f"{short(code_of(node.func), 40)}({a}, {b}, ...) (the parameters of two FSDP1 models paired)",
+                f"not rewritten: {name} pairs the parameters of {a} and {b} element for element, and this file "
+                f"wraps them differently ({a}: {said(one)}; {b}: {said(other)}). FSDP1's flat shards of the two "
+                "still lined up; on FSDP2 each parameter is a DTensor on its own model's mesh (a 2-D (replicate, "
+                "shard) mesh under a hybrid strategy, a 1-D one over a single group), and an operation between "
+                "DTensors of different meshes raises. Shard both over one mesh, or pair their local shards "
+                "(p.to_local(): the same elements where both shard over the same group)",
+                False,
+            )
+            return
+
     def _plan_optim_state_call(self, node: cst.Call, func: cst.BaseExpression, hit: tuple[str, str] | None) -> bool:
         """FSDP1's optimizer-state functions; True when the call is planned."""
         planned = self._plan_optim_state(node, hit)
