@@ -325,7 +325,8 @@ def _device_value(device_id: object, problems: list[Problem]) -> str:
 
 
 def _mixed_precision_value(mp: object, problems: list[Problem]) -> object:
-    if mp is None:
+    # FSDP1 reads `mixed_precision or MixedPrecision()`: any false value (None, False) is full precision
+    if not mp:
         return "fp32"
     if not isinstance(mp, MixedPrecision):
         problems.append(Problem("mixed_precision", mp, "None or torch.distributed.fsdp.MixedPrecision(...)"))
@@ -521,7 +522,8 @@ def translate_fsdp1_kwargs(kwargs: Mapping[str, Any]) -> tuple[dict[str, Any], l
         raise ConfigError(problems)
     out: dict[str, Any] = {}
     if "sharding_strategy" in kwargs:
-        out["strategy"] = "full_shard" if kwargs["sharding_strategy"] is None else kwargs["sharding_strategy"]
+        # FSDP1 reads `sharding_strategy or ShardingStrategy.FULL_SHARD`: any false value is FULL_SHARD
+        out["strategy"] = "full_shard" if not kwargs["sharding_strategy"] else kwargs["sharding_strategy"]
     # FSDP1 without a policy wraps only the root
     out["wrap"] = _wrap_value(kwargs["auto_wrap_policy"], problems) if "auto_wrap_policy" in kwargs else "none"
     notes = _init_notes(kwargs)

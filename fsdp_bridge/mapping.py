@@ -269,7 +269,7 @@ TABLE: tuple[Rule, ...] = (
     Rule(
         "mixed_precision",
         "fp32 (off)",
-        "mixed_precision=None",
+        "mixed_precision=None (or False)",
         T(N, "no MixedPrecision"),
         T(N, "default MixedPrecisionPolicy (no casts)"),
         lambda c: not c.config.mixed_precision.enabled,

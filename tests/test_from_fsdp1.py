@@ -959,3 +959,23 @@ def test_false_values_fsdp1_takes_as_its_defaults() -> None:
         "b.py",
     ).fixed
     assert 'strategy="full_shard"' in fixed and "strategy=None" not in fixed
+
+
+def test_mixed_precision_false_is_full_precision_as_fsdp1_reads_it() -> None:
+    # FSDP1 reads `mixed_precision or MixedPrecision()`: a public multi-node trainer passes mixed_precision=False,
+    # which from_fsdp1 refused (ConfigError on every rank); a literal False or None is full precision, written
+    # as the config's default (nothing for the torch target to keep on the bridge).
+    config = BridgeConfig.from_fsdp1(mixed_precision=False, sharding_strategy=False)
+    assert config == BridgeConfig.from_fsdp1()
+    from fsdp_bridge.migrate._code import migrate_source
+
+    code = (
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n\n"
+        "def build(m):\n    return FSDP(m, mixed_precision=False, cpu_offload=False)\n"
+    )
+    result = migrate_source(code, "b.py")
+    assert "from_fsdp1" not in result.fixed and "mixed_precision" not in result.fixed
+    (row,) = [f for f in result.findings if f.construct == "mixed_precision=False"]
+    assert row.replacement == "default MixedPrecisionPolicy (no casts)"
+    torch_fixed = migrate_source(code, "b.py", target="torch").fixed
+    assert "fsdp_bridge" not in torch_fixed and "TODO" not in torch_fixed

@@ -3120,6 +3120,7 @@ def test_mixed_precision_is_read_from_arguments_only() -> None:
     assert not passes_mixed_precision(head + "cfg.mixed_precision = policy\n")
     assert not passes_mixed_precision(head + "m = FullyShardedDataParallel(net)  # mixed_precision=mp\n")
     assert not passes_mixed_precision(head + "m = FullyShardedDataParallel(net, mixed_precision=None)\n")
+    assert not passes_mixed_precision(head + "m = FullyShardedDataParallel(net, mixed_precision=False)\n")
     # what a first --fix wrote from it: a second --fix decides as the first did
     assert passes_mixed_precision("import fsdp_bridge\nc = fsdp_bridge.BridgeConfig.from_fsdp1(mixed_precision=mp)\n")
     assert passes_mixed_precision("from torch.distributed.fsdp import fully_shard\nfully_shard(m, mp_policy=policy)\n")

@@ -167,7 +167,8 @@ def test_a_local_save_is_not_rewritten_while_its_load_stays_fsdp1s() -> None:
 
 def test_a_local_block_around_the_optimizers_own_state_is_dropped_with_the_checkpoint_note() -> None:
     # the block changes nothing on FSDP2 (the optimizer's own state is this rank's either way), but what the
-    # FSDP1 code wrote in it (flat-parameter pieces) does not resume: the report says so once
+    # FSDP1 code wrote in it (flat-parameter pieces) does not resume: the report says so once, and the optimizer's
+    # own state's layout change beside it (the checkpoint note speaks of the model's state only)
     code = textwrap.dedent(
         """
         import torch
@@ -181,6 +182,9 @@ def test_a_local_block_around_the_optimizers_own_state_is_dropped_with_the_check
     )
     result = migrate_source(code, "saver.py")
     notes = [f for f in result.findings if f.note]
-    assert [n.construct for n in notes] == ["FSDP1-format checkpoint (LOCAL_STATE_DICT)"]
+    assert [n.construct for n in notes] == [
+        "FSDP1-format checkpoint (LOCAL_STATE_DICT)",
+        "optimizer.state_dict() saved beside an FSDP1 model's state dict",
+    ]
     assert "cannot resume FSDP1's flat-parameter checkpoints" in notes[0].replacement
     assert "state_dict_type" not in result.fixed and all(f.fixable for f in result.findings)

@@ -788,8 +788,12 @@ def test_a_file_importing_a_library_that_wraps_in_fsdp1_keeps_the_bridges_type_t
         assert fixed.count(f"# {TODO}: fsdp_bridge.") == 2 and f"this file uses {lib.split('.')[0]}," in fixed
         assert migrate_source(fixed, "export.py", target="torch").fixed == fixed
     # without such an import every model is fully_shard's after --fix: plain torch as before; accelerate's loading
-    # utilities alone wrap nothing
-    for lib in ("", "from accelerate import load_checkpoint_and_dispatch, init_empty_weights\n"):
+    # utilities and helpers alone wrap nothing
+    for lib in (
+        "",
+        "from accelerate import load_checkpoint_and_dispatch, init_empty_weights\n",
+        "from accelerate.utils import is_peft_model\n",
+    ):
         plain = migrate_source(code.replace("from {lib} import State\n", lib), "export.py", target="torch").fixed
         assert "isinstance(state.model.model, FSDPModule)" in plain and "fsdp_bridge" not in plain
 

@@ -603,13 +603,13 @@ def asks_backend(code: str) -> bool:
     return "get_backend" in code and re.search(r"\bget_backend\s*\(", _COMMENT.sub("", code)) is not None
 
 
-MIXED_PRECISION_ARG = re.compile(r"(?<![.\w])(mixed_precision|mp_policy)\s*=(?!=)\s*(?!None\b)\S")
+MIXED_PRECISION_ARG = re.compile(r"(?<![.\w])(mixed_precision|mp_policy)\s*=(?!=)\s*(?!(?:None|False)\b)\S")
 
 
 def passes_mixed_precision(code: str) -> bool:
-    """Whether FSDP1 code passes ``mixed_precision=`` something other than ``None`` (comments aside), or code a
-    first ``--fix`` wrote from it does (``BridgeConfig.from_fsdp1(..., mixed_precision=...)``, ``fully_shard``'s
-    ``mp_policy=``), so that a second ``--fix`` decides as the first did."""
+    """Whether FSDP1 code passes ``mixed_precision=`` something other than ``None`` or ``False`` (comments aside),
+    or code a first ``--fix`` wrote from it does (``BridgeConfig.from_fsdp1(..., mixed_precision=...)``,
+    ``fully_shard``'s ``mp_policy=``), so that a second ``--fix`` decides as the first did."""
     sharded = any(s in code for s in ("FullyShardedDataParallel", "fsdp_bridge", "fully_shard", "_fsdp2_helpers"))
     return sharded and MIXED_PRECISION_ARG.search(_COMMENT.sub("", code)) is not None
 

@@ -134,6 +134,11 @@ class _OwnLineParen(cst.CSTTransformer):
             or not isinstance(updated_node.lpar.whitespace_after, cst.ParenthesizedWhitespace)
             or not names
             or isinstance(names[-1].comma, cst.Comma)
+            # (written `a\n)` with the parenthesis on its own line already: as it was)
+            or (
+                updated_node.rpar is not None
+                and isinstance(updated_node.rpar.whitespace_before, cst.ParenthesizedWhitespace)
+            )
         ):
             return updated_node
         broken = cst.ParenthesizedWhitespace(indent=True, last_line=cst.SimpleWhitespace(""))
@@ -275,6 +280,14 @@ def migrate_source(
             RemoveImportsVisitor.remove_unused_import(context, "functools")
         fixed = RemoveImportsVisitor(context).transform_module(fixed).visit(_OwnLineParen())
         fixed = _imports_after_setup(fixed, module)
+        fixed = _comments_of_removed_imports(module, fixed)
+    elif unused := _unused_fsdp1_imports(module, path, known.from_imports):
+        # nothing else to rewrite: FSDP1 imports the file never used are all that ties it to FSDP1
+        context = CodemodContext()
+        for imp, finding in unused:
+            RemoveImportsVisitor.remove_unused_import(context, *imp)
+            scan.findings.append(finding)
+        fixed = RemoveImportsVisitor(context).transform_module(fixed).visit(_OwnLineParen())
         fixed = _comments_of_removed_imports(module, fixed)
     findings = sorted(scan.findings, key=lambda f: (f.line, f.column))
     if target == "torch" and "fsdp_bridge." in fixed.code:
@@ -525,6 +538,56 @@ def _taken_by_other_files(path: str, tree_imports: set[str]) -> set[str]:
         parts = parts[:-1]
     prefixes = {".".join(parts[-k:]) + "." for k in range(1, min(len(parts), 6) + 1)}
     return {imp.rsplit(".", 1)[1] for imp in tree_imports if imp.rsplit(".", 1)[0] + "." in prefixes}
+
+
+def _unused_fsdp1_imports(
+    module: cst.Module, path: str, tree_imports: set[str]
+) -> list[tuple[tuple[str, str | None, str | None], CodeFinding]]:
+    """FSDP1's names a file imports and never uses (nor names in an ``eval`` string, nor hands to another file of
+    the tree, nor re-exports from a package's ``__init__``): each with its report line. Such an import is all that
+    ties the file to FSDP1, whose module torch is removing: ``--fix`` drops it."""
+    if Path(path).name == "__init__.py":
+        return []
+    taken = _taken_by_other_files(path, tree_imports)
+    in_strings = _string_text(module)
+    strings = {n.evaluated_value for n in walk(module) if isinstance(n, cst.SimpleString)}  # __all__ entries
+    plain: list[cst.CSTNode] = []  # statements of the module and of function and class bodies, nothing guarded
+
+    def collect(body: Sequence[cst.BaseStatement]) -> None:
+        for stmt in body:
+            if isinstance(stmt, cst.SimpleStatementLine):
+                plain.append(stmt)
+            elif isinstance(stmt, (cst.FunctionDef, cst.ClassDef)) and isinstance(stmt.body, cst.IndentedBlock):
+                collect(stmt.body.body)
+
+    collect(module.body)
+    unguarded = _fsdp_imports(cst.Module(body=cast("list[cst.SimpleStatementLine]", plain)))
+    found = []
+    for imp in _fsdp_imports(module):
+        name = imp[2] or imp[1] or ""
+        if (
+            imp not in unguarded  # under try / if: a feature probe (try: import X; HAS_X = True), kept
+            or name in strings
+            or not imp[0].startswith("torch.distributed.fsdp")
+            or str(imp[1]).rsplit(".", 1)[-1] in FSDP2_NAMES
+            or name in taken
+            or "*" in taken
+            or _used_here(module, name)
+            or re.search(rf"\b{re.escape(name)}\b", in_strings)
+        ):
+            continue
+        line = next(
+            (
+                i
+                for i, text in enumerate(module.code.splitlines(), 1)
+                if re.match(rf"\s*from\s+{re.escape(imp[0])}\s+import\b", text)
+                and re.search(rf"\b{re.escape(imp[1] or '')}\b", text)
+            ),
+            1,
+        )
+        construct = f"from {imp[0]} import {imp[1]}{f' as {imp[2]}' if imp[2] else ''} (never used here)"
+        found.append((imp, CodeFinding(path, line, 0, construct, "removed: the file uses nothing of it", True)))
+    return found
 
 
 def _kept_import_finding(

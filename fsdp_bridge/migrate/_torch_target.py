@@ -78,9 +78,18 @@ _ACCELERATE_LOADERS = frozenset(
         "dispatch_model",
         "cpu_offload",
         "disk_offload",
+        "is_peft_model",
+        "PartialState",
+        "set_seed",
+        "get_logger",
+        "DistributedType",
+        "gather_object",
+        "broadcast_object_list",
+        "find_executable_batch_size",
     }
 )
-"""accelerate's big-model loading utilities: they place a model on devices and wrap nothing in FSDP1."""
+"""accelerate's big-model loading utilities and helpers that wrap nothing in FSDP1 (its ``Accelerator`` and
+FSDP plugin do)."""
 
 
 def _accelerate_loaders_only(module: cst.Module) -> bool:
@@ -820,7 +829,7 @@ def lower_to_torch(
         (m.split(".")[0] for m in imports_of(module.code) if m.split(".")[0] in WRAPPING_LIBRARIES), None
     )
     if lowerer.wrapping_library == "accelerate" and _accelerate_loaders_only(module):
-        lowerer.wrapping_library = None  # its big-model loading utilities alone (load_checkpoint_and_dispatch)
+        lowerer.wrapping_library = None  # its loading utilities and helpers alone (load_checkpoint_and_dispatch)
     if lowerer.wrapping_library is None and (kept or KEPT_CONSTRUCTOR in module.code or _constructs_fsdp1(module)):
         lowerer.wrapping_library = (
             "torch's FSDP1 (kept as written in the tree: a constructor or a subclass of its wrapper, see its TODO)"

@@ -176,4 +176,22 @@ def vendored_torch_module(code: str, path: str) -> VendoredModule | None:
         if len(shared) >= MIN_SHARED:
             module = ".".join(("torch", *candidate.relative_to(torch_dir).with_suffix("").parts))
             return VendoredModule(module, shared)
+    shared = sorted(mine & _fsdp1_package_names(torch_dir))
+    if len(shared) >= MIN_SHARED and mine & FSDP1_CORE_CLASSES:
+        # an older torch's FSDP1 module under any name (fully_sharded_data_parallel_fix.py): its names moved
+        # between torch's modules since, so it is matched against the whole package
+        return VendoredModule("torch.distributed.fsdp", shared)
     return _patched_copy(torch_dir, tree)
+
+
+FSDP1_CORE_CLASSES = frozenset({"FullyShardedDataParallel", "FlatParameter", "FlatParamHandle", "_ExecOrderData"})
+"""Classes only a copy of FSDP1's own modules defines (with :data:`MIN_SHARED` of the package's names)."""
+
+
+@functools.cache
+def _fsdp1_package_names(torch_dir: Path) -> frozenset[str]:
+    """The top-level functions and classes of every module of torch's FSDP1 package (its FSDP2 modules aside)."""
+    names: set[str] = set()
+    for source in sorted((torch_dir / "distributed" / "fsdp").glob("*.py")):
+        names |= _top_level_names(source)
+    return frozenset(names)

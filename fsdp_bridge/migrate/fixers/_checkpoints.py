@@ -6,8 +6,10 @@ as they are."""
 from __future__ import annotations
 
 import re
+from typing import cast
 
 import libcst as cst
+import libcst.matchers as m
 from libcst.metadata import PositionProvider, QualifiedNameProvider
 
 from fsdp_bridge.migrate._analysis import code_of, resolve_fsdp, short, walk
@@ -73,8 +75,8 @@ class CheckpointNoteFixer(ScannerBase):
         model's state dict with FSDP1's state-dict calls, its result not handed to FSDP1's optimizer-state
         functions: the optimizer's own state goes into the checkpoint, whose layout changes on FSDP2 (one note
         per file, see :data:`OPTIMIZER_STATE`)."""
-        if self.planning or self.optimizer_state_noted or self.checkpoint_noted or node.args:
-            return  # (the FSDP1-format checkpoint note, when given, says so already)
+        if self.planning or self.optimizer_state_noted or node.args:
+            return  # (beside the FSDP1-format checkpoint note too, which speaks of the model's state only)
         func = node.func
         if not isinstance(func, cst.Attribute) or func.attr.value != "state_dict":
             return
@@ -174,11 +176,45 @@ class CheckpointNoteFixer(ScannerBase):
         if scope is None or not any(
             isinstance(c, cst.Call)
             and c.args
-            and code_of(c.args[0].value) in names
-            and resolve_fsdp(self.get_metadata(QualifiedNameProvider, c.func, set())) == (FSDP, "")
+            and (
+                (
+                    code_of(c.args[0].value) in names
+                    and resolve_fsdp(self.get_metadata(QualifiedNameProvider, c.func, set())) == (FSDP, "")
+                )
+                or (  # a function of the tree that wraps it (``model = make_fsdp(args, model)``)
+                    any(code_of(a.value) in names for a in c.args)
+                    and self._fsdp1_factory(self.get_metadata(QualifiedNameProvider, c.func, set()))
+                )
+            )
             for c in walk(scope)
         ):
             return
-        pos = self.get_metadata(PositionProvider, node)
         construct = f"torch.compile({code_of(node.args[0].value)}) of a model FSDP1 wraps"
+        compiled_at = self.get_metadata(PositionProvider, node).start.line
+        named = next(
+            (
+                c
+                for c in walk(scope)
+                if isinstance(c, cst.Call)
+                and m.matches(c.func, m.Attribute(attr=m.Name("named_parameters")))
+                and code_of(cast(cst.Attribute, c.func).value) == code_of(assign.targets[0].target)
+                and self.get_metadata(PositionProvider, c).start.line > compiled_at
+            ),
+            None,
+        )
+        if named is not None:
+            # names taken from the compiled model carry '_orig_mod.', which the migrated state dicts' keys lack
+            self._record(
+                node,
+                f"{construct}, whose named_parameters() names are kept (line "
+                f"{self.get_metadata(PositionProvider, named).start.line})",
+                f"not rewritten: {COMPILED_NAMES.removeprefix('left as it is; ')}. The names this code takes from "
+                "the compiled model's named_parameters() carry '_orig_mod.' and so no longer match the migrated "
+                "state dicts' keys (a lookup or a check of them fails at the first checkpoint): take them from "
+                f"{code_of(node.args[0].value)} before it is compiled (or from its ._orig_mod), or strip "
+                "'_orig_mod.' from them",
+                False,
+            )
+            return
+        pos = self.get_metadata(PositionProvider, node)
         self.findings.append(CodeFinding(self.path, pos.start.line, pos.start.column, construct, text, True, note=True))

@@ -633,6 +633,10 @@ class ConstructorFixer(ScannerBase):
                     config.append(make_arg("wrap", wrap))
                     has_wrap = True
                     self._consume(value)
+            elif kw == "mixed_precision" and code_of(value) in ("None", "False"):
+                # FSDP1 reads `mixed_precision or MixedPrecision()`: full precision, the config's default
+                kwarg_nodes[-1] = (a, "fp32 (off)")
+                self._consume(value)
             elif kw == "mixed_precision":
                 mp = self._mixed_precision(value, conv)
                 if mp is not None:

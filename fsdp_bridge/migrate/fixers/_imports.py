@@ -222,6 +222,24 @@ class ImportsFixer(ScannerBase):
                     False,
                 )
                 return True
+            if (self._under_hasattr_module(node, obj) or not self._bare_in_other_branch(node, obj)) and (
+                read := self._unwrapped_state_dict(node, obj)
+            ) is not None:
+                # a TODO beside the unwrap's own rewrite below (the line runs after --fix; its state dict is wrong)
+                name, line, test_text = read
+                self._record(
+                    node,
+                    f"{name}.state_dict() (line {line}) after {name} = {short(obj, 30)}.module if "
+                    f"{short(test_text, 30)} else {short(obj, 30)}",
+                    f"not rewritten: on FSDP1 {name} is the wrapped module, whose state_dict() outside "
+                    "summon_full_params holds this rank's flat shard (use_orig_params=False: a `_flat_param` key; "
+                    "True: this rank's views), never the model's weights; on FSDP2 it is the sharded model itself, "
+                    "whose state_dict() gives DTensor shards. For the full weights call "
+                    f"get_model_state_dict({short(obj, 30)}, options=StateDictOptions(full_state_dict=True, "
+                    "cpu_offload=True)) on every rank (rank 0 gets them; fsdp_bridge.full_state_dict takes FSDP1 "
+                    "models too), then save on rank 0",
+                    False,
+                )
             if self._under_hasattr_module(node, obj):
                 self._record(
                     node,
@@ -490,6 +508,8 @@ class ImportsFixer(ScannerBase):
                 self._record(node, f"FSDP.{member}", NAMES[member], False)
             elif member in NAMES:
                 self._record(node, f"FSDP.{member}", NAMES[member], False)
+            elif isinstance(node, cst.Attribute) and isinstance(node.value, cst.Call):
+                pass  # FSDP(...).to(rank): a module's own method on the constructed model (FSDP2's module has it)
             elif member and not member.startswith("__"):
                 self._record(
                     node,
@@ -725,9 +745,13 @@ class ImportsFixer(ScannerBase):
             return False
         choice = path[-2]
         other = choice.orelse if choice.body is node else choice.body
-        # only where the file wraps with another wrapper too (else the choice keeps or drops FSDP1's own wrapper)
+        # only where the file wraps with another wrapper too (else the choice keeps or drops FSDP1's own wrapper):
+        # called, not only imported (`from ... import DistributedDataParallel as DDP` beside `#model = DDP(model)`)
         text = "\n".join(line.split("#", 1)[0] for line in self.lines)
-        return code_of(other) == obj and re.search(r"\b(DistributedDataParallel|DataParallel|DDP)\b", text) is not None
+        return (
+            code_of(other) == obj
+            and re.search(r"\b(DistributedDataParallel|DataParallel|DDP)\s*[(,)]", text) is not None
+        )
 
     def _chosen_callee(self, node: cst.BaseExpression) -> bool:
         """``node`` is a branch of a conditional expression that is called: ``(FSDP if ok else Plain)(m, ...)``."""
@@ -913,6 +937,38 @@ class ImportsFixer(ScannerBase):
         if not (isinstance(obj, cst.Name) and self.functions):
             return ""
         return self._made_by_factory(self.functions[-1], obj.value, before=node)
+
+    def _unwrapped_state_dict(self, node: cst.CSTNode, obj: str) -> tuple[str, int, str] | None:
+        """``name = obj.module if <test> else obj`` (``node`` the ``obj.module``; the test ``hasattr(obj,
+        "module")`` or the flag of the FSDP path) with ``obj`` FSDP1's wrapper here, and ``name.state_dict()``
+        called later in the function (or module): (name, the line of that call, the test)."""
+        stmt = self.stmt_stack[-1] if self.stmt_stack else None
+        scope = self.functions[-1] if self.functions else self.module
+        if (
+            scope is None
+            or not isinstance(stmt, cst.SimpleStatementLine)
+            or not self._shown_fsdp1(node, cst.parse_expression(obj))
+        ):
+            return None
+        assign = stmt.body[0]
+        if not (
+            isinstance(assign, cst.Assign)
+            and len(assign.targets) == 1
+            and isinstance(assign.targets[0].target, cst.Name)
+            and isinstance(assign.value, cst.IfExp)
+            and assign.value.body is node
+            and code_of(assign.value.orelse) == obj
+        ):
+            return None
+        name = assign.targets[0].target.value
+        for call in walk(scope):
+            if (
+                isinstance(call, cst.Call)
+                and not call.args
+                and m.matches(call.func, m.Attribute(value=m.Name(name), attr=m.Name("state_dict")))
+            ):
+                return name, self.get_metadata(PositionProvider, call).start.line, code_of(assign.value.test)
+        return None
 
     def _under_hasattr_module(self, node: cst.CSTNode, obj: str) -> bool:
         """``node`` (``obj.module``) is in the branch a ``hasattr(obj, "module")`` test takes when true: ``obj.module

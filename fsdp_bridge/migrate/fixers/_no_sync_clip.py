@@ -335,9 +335,14 @@ class NoSyncClipFixer(ScannerBase):
             isinstance(n, cst.Attribute) and n.attr.value in ("to_local", "full_tensor") for n in walk(node)
         ):
             return
-        model = loops[read[0]]
-        if self._shown_fsdp1(node, model):
-            self._record(node, f"+= {short(code_of(node), 50)} over FSDP1 parameters", PARAM_SUM, False)
+        owner = loops[read[0]]
+        while True:  # the model's own parameters, or a submodule's (model.module.decoders.parameters())
+            if self._shown_fsdp1(node, owner):
+                self._record(node, f"+= {short(code_of(node), 50)} over FSDP1 parameters", PARAM_SUM, False)
+                return
+            if not isinstance(owner, cst.Attribute):
+                return
+            owner = owner.value
 
     def _note_grad_collective(self, node: cst.Call) -> None:
         """``dist.all_reduce(norm)`` where ``norm`` comes, in this function, from parameters' ``.grad`` (read here

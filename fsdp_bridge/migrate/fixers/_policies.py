@@ -130,6 +130,9 @@ class PolicyFixer(ScannerBase):
                 "the modules FSDP1's policy picks when the code runs (policy functions run FSDP1's own auto-wrap "
                 "recursion): " + fsdp2_case("wrap", "auto / classes / min_num_params / callable")
             )
+        if kw == "mixed_precision" and code_of(value) in ("False", "None", "0"):
+            # FSDP1 reads `mixed_precision or MixedPrecision()`
+            return f"{code_of(value)}: full precision (FSDP2: no MixedPrecisionPolicy), as in FSDP1"
         if kw == "mixed_precision":
             return "MixedPrecision's param/reduce/buffer dtypes -> MixedPrecisionPolicy (buffers cast once)"
         if kw == "cpu_offload" and code_of(value) in ("False", "None", "CPUOffload()", "CPUOffload(False)"):
@@ -270,6 +273,8 @@ class PolicyFixer(ScannerBase):
     def _cpu_offload(self, value: cst.BaseExpression, conv: Conversion) -> cst.BaseExpression | None:
         if m.matches(value, m.Name("None")):
             return None
+        if m.matches(value, m.Name("False")):
+            return cst.Name("False")  # FSDP1 reads `cpu_offload or CPUOffload()`: nothing offloaded
         if isinstance(value, cst.Call):
             hit = self._qn(value.func)
             if hit and hit[0] == "CPUOffload":
