@@ -1379,3 +1379,48 @@ def test_an_older_torchs_fsdp1_module_copied_under_another_name_is_one_construct
     report, _ = migrate_paths([tmp_path])
     (finding,) = report.findings
     assert finding.construct == "a copy of torch's module torch.distributed.fsdp (6 of its functions and classes)"
+
+
+def test_code_serving_both_layouts_is_kept_where_the_tree_makes_no_fsdp1_model(tmp_path: Path) -> None:
+    """A verl-derived helper handed its models by a library (no ``FSDP(...)`` in the tree, which may keep making
+    FSDP1 models after the migration): its summon under ``fsdp_version(m) > 0`` whose block reads DTensors itself
+    stays (FSDP1's models need it, fully_shard's pass through), and FSDP1's prefixed names beside the same names
+    unprefixed (a list serving both layouts) are kept, not turned into duplicates of the FSDP2 ones."""
+    (tmp_path / "lora.py").write_text(
+        textwrap.dedent("""\
+            from torch.distributed.fsdp import FSDPModule
+            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+            def fsdp_version(m):
+                if isinstance(m, FSDP):
+                    return 1
+                elif isinstance(m, FSDPModule):
+                    return 2
+                return 0
+
+            def collect(model):
+                out = {}
+                for prefix in ["_fsdp_wrapped_module.base.", "base."]:
+                    for name, sub in model.named_modules():
+                        if not name.startswith(prefix):
+                            continue
+                        if fsdp_version(sub) > 0:
+                            with FSDP.summon_full_params(sub, writeback=False):
+                                out.update({k: v.full_tensor() for k, v in sub.state_dict().items()})
+                return out
+            """)
+    )
+    report, _ = migrate_paths([tmp_path], fix=True)
+    fixed = (tmp_path / "lora.py").read_text()
+    assert 'for prefix in ["_fsdp_wrapped_module.base.", "base."]:' in fixed
+    assert "with FSDP.summon_full_params(sub, writeback=False):" in fixed
+    (summon,) = [f for f in report.findings if f.construct.startswith("FSDP.summon_full_params")]
+    assert summon.fixable and summon.replacement.startswith("kept as is: no file of this tree makes an FSDP1 model")
+    # the same file beside one that makes FSDP1 models: every module it admits is FSDP2's after --fix
+    (tmp_path / "lora.py").write_text((tmp_path / "lora.py").read_text())
+    (tmp_path / "build.py").write_text(
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n\n\ndef build(m):\n    return FSDP(m)\n"
+    )
+    again, _ = migrate_paths([tmp_path], fix=False)
+    (summon,) = [f for f in again.findings if f.construct.startswith("FSDP.summon_full_params")]
+    assert summon.replacement.startswith("the context goes, its block stays")

@@ -271,6 +271,10 @@ class Dispatch:
     """A file of the tree that names FSDP1's wrapper in its code (comments aside), or calls ``fsdp_bridge.shard``
     (after ``--fix``): the tree makes FSDP1 models, which a duck-typed test elsewhere
     (``hasattr(m, "clip_grad_norm_")``) may be meant for."""
+    constructs_fsdp1: str | None = None
+    """A file of the tree that makes FSDP1 models itself (``FSDP(...)``, ``partial(FSDP, ...)``,
+    ``wrapper_cls=FSDP``; ``fsdp_bridge.shard(...)`` after ``--fix``). A tree with none is handed its FSDP1 models
+    by a library (accelerate's FSDP plugin, a Trainer), which may keep making FSDP1 models after the migration."""
     imported_names: set[str] = field(default_factory=set)
     from_imports: set[str] = field(default_factory=set)
     """``module.name`` for every ``from module import name`` of the tree (``module.*`` for a star import;
@@ -384,6 +388,7 @@ class Dispatch:
         self.asks_backend = self.asks_backend or other.asks_backend
         self.subclasses_fsdp1 = self.subclasses_fsdp1 or other.subclasses_fsdp1
         self.wraps_fsdp1 = self.wraps_fsdp1 or other.wraps_fsdp1
+        self.constructs_fsdp1 = self.constructs_fsdp1 or other.constructs_fsdp1
         self.keeps_fsdp1 = self.keeps_fsdp1 or other.keeps_fsdp1
         for name, where in other.own_methods.items():
             self.own_methods.setdefault(name, where)
@@ -657,6 +662,37 @@ def names_wrapper(code: str) -> bool:
     (the same tree after ``--fix``: a second run reports what the first did)."""
     lines = (line.split("#", 1)[0] for line in code.splitlines())
     return any("FullyShardedDataParallel" in text or "fsdp_bridge.shard(" in text for text in lines)
+
+
+_WRAPPER_NAMES = ("FullyShardedDataParallel", "FSDP")
+
+
+def constructs_wrapper(code: str) -> bool:
+    """Whether the file's code makes FSDP1 models (see ``Dispatch.constructs_fsdp1``): a call of
+    ``FullyShardedDataParallel`` / ``FSDP`` (or an attribute so named), ``partial(FSDP, ...)``,
+    ``wrapper_cls=FSDP``, or ``fsdp_bridge.shard(...)``. Read by those spellings, names not resolved: another
+    alias reads as none, which only keeps code as it is."""
+    if "FullyShardedDataParallel" not in code and "fsdp_bridge.shard(" not in code:
+        return False
+    try:
+        module = parsed(code).module
+    except Exception:  # unparsable: reported when the file itself is migrated
+        return False
+
+    def wrapper(expr: cst.BaseExpression) -> bool:
+        name = expr.attr.value if isinstance(expr, cst.Attribute) else expr.value if isinstance(expr, cst.Name) else ""
+        return name in _WRAPPER_NAMES
+
+    for n in walk(module):
+        if isinstance(n, cst.Call) and (
+            wrapper(n.func)
+            or code_of(n.func) == "fsdp_bridge.shard"
+            or (code_of(n.func).rsplit(".", 1)[-1] == "partial" and n.args and wrapper(n.args[0].value))
+        ):
+            return True
+        if isinstance(n, cst.Arg) and n.keyword is not None and n.keyword.value == "wrapper_cls" and wrapper(n.value):
+            return True
+    return False
 
 
 def subclasses_wrapper(code: str) -> bool:

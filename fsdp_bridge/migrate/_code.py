@@ -57,6 +57,7 @@ from fsdp_bridge.migrate._analysis import (
     cited_set_state_dict_type,
     class_aliases,
     code_of,
+    constructs_wrapper,
     find_data_swappers,
     find_dispatch,
     find_fsdp1_arguments,
@@ -194,6 +195,7 @@ def migrate_source(
             asks_backend=path if asks_backend(code) else None,
             subclasses_fsdp1=path if subclasses_wrapper(code) else None,
             wraps_fsdp1=path if names_wrapper(code) else None,
+            constructs_fsdp1=path if constructs_wrapper(code) else None,
             keeps_fsdp1=path if chooses_wrapper(code) else None,
             subclassed=subclassed_names(code),
         )
@@ -709,6 +711,7 @@ def migrate_paths(
                     asks_backend=shown[f] if asks_backend(code) else None,
                     subclasses_fsdp1=shown[f] if subclasses_wrapper(code) else None,
                     wraps_fsdp1=shown[f] if names_wrapper(code) else None,
+                    constructs_fsdp1=shown[f] if constructs_wrapper(code) else None,
                     keeps_fsdp1=shown[f] if chooses_wrapper(code) else None,
                     subclassed=subclassed_names(code),
                     data_swappers=find_data_swappers(code),

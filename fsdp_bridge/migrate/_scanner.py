@@ -136,6 +136,24 @@ class Scanner(
         ):
             return  # a docstring or a bare string: words, not a name the code looks up
         code = _WRAPPED_NAME.sub("", node.value)
+        if (
+            self.module is not None
+            and self.dispatch.constructs_fsdp1 is None
+            and re.search(r"\b(FSDPModule|fully_shard)\b", self.code) is not None
+            and _WRAPPED_NAME.sub("", str(node.evaluated_value))
+            in {n.evaluated_value for n in walk(self.module) if isinstance(n, cst.SimpleString) and n is not node}
+        ):
+            # code written for both backends (it names FSDP2's module too and spells the name both ways: a list of
+            # both layouts' prefixes) in a tree handed its models by a library, which may keep making FSDP1's
+            self._record(
+                node,
+                f"{short(node.value, 50)} (a name under FSDP1's wrapper)",
+                "kept as is: this file serves FSDP1's wrappers and FSDP2's modules alike (it spells the name "
+                "without the prefix too), and no file of the tree makes an FSDP1 model: the models come from a "
+                "library and may stay FSDP1's, whose names these are",
+                True,
+            )
+            return
         self.expr_rewrites[id(node)] = code
         self.rewrites_names = True
         self._record(

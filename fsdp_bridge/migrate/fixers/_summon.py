@@ -116,6 +116,20 @@ class SummonFixer(ScannerBase):
             and stmt.items[0].asname is None
             else []
         )
+        if reads and isinstance(stmt, cst.With) and self.dispatch.constructs_fsdp1 is None:
+            # no file of the tree makes an FSDP1 model: a library hands them over (accelerate's FSDP plugin, a
+            # Trainer) and may keep doing so after the migration; FSDP1's call serves those, the block the others
+            self._record(
+                node,
+                construct,
+                f"kept as is: no file of this tree makes an FSDP1 model, so the modules `{short(guard, 40)}` admits "
+                "come from a library (accelerate's FSDP plugin, a Trainer's) and may stay FSDP1's, which this call "
+                f"gathers; for torch's own fully_shard modules it gathers nothing and the block reads their DTensors "
+                f"itself ({', '.join(r + '()' for r in reads)}); migrate that library's config to FSDP2 "
+                "(fsdp-bridge migrate config) and the context can go",
+                True,
+            )
+            return
         if reads and isinstance(stmt, cst.With):
             self.unwrap_withs.add(id(stmt))
             self._record(
