@@ -1232,10 +1232,17 @@ def test_state_dict_of_a_module_unwrapped_under_hasattr_is_a_todo(tmp_path: Path
     for f in report.findings:
         if f.path.endswith("ckpt.py"):
             found.setdefault(f.line, []).append(f)
-    todo, kept = found[4]
-    assert not todo.fixable and todo.construct.startswith("raw.state_dict() (line 5) after raw = model.module if")
+    ((kept,), (todo,)) = found[4], found[5]
+    assert not todo.fixable and todo.construct.startswith("raw.state_dict() after raw = model.module if hasattr")
     assert "get_model_state_dict(model" in todo.replacement
     assert kept.fixable and kept.replacement.startswith("kept as is")
+    fixed = migrate_paths([tmp_path], fix=True)[1]
+    text = next(r.fixed for r in fixed if r.path.endswith("ckpt.py"))
+    assert (
+        '    # TODO(fsdp-bridge): raw.state_dict() after raw = model.module if hasattr(model, "module") else model'
+        in text
+    )
+    assert text.index("TODO(fsdp-bridge): raw.state_dict()") > text.index("    raw = model.module")
     ((other,),) = [found[8]]
     assert other.fixable and other.replacement.startswith("kept as is")
 
@@ -1262,7 +1269,8 @@ def test_state_dict_of_a_module_unwrapped_on_the_fsdp_flag_is_a_todo_beside_the_
     fixed = (tmp_path / "train.py").read_text()
     assert "raw = fsdp_bridge.unwrapped(model) if distributed else model\n" in fixed
     todos = [f for f in report.findings if not f.fixable]
-    assert [(f.line, f.construct.split(" after")[0]) for f in todos] == [(10, "raw.state_dict() (line 11)")]
+    assert [(f.line, f.construct.split(" after")[0]) for f in todos] == [(11, "raw.state_dict()")]
+    assert fixed.index("# TODO(fsdp-bridge): raw.state_dict()") > fixed.index("raw = fsdp_bridge.unwrapped(model)")
 
 
 def test_names_kept_from_a_compiled_model_a_factory_wraps_are_a_todo(tmp_path: Path) -> None:

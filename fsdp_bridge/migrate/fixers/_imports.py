@@ -225,21 +225,26 @@ class ImportsFixer(ScannerBase):
             if (self._under_hasattr_module(node, obj) or not self._bare_in_other_branch(node, obj)) and (
                 read := self._unwrapped_state_dict(node, obj)
             ) is not None:
-                # a TODO beside the unwrap's own rewrite below (the line runs after --fix; its state dict is wrong)
-                name, line, test_text = read
-                self._record(
-                    node,
-                    f"{name}.state_dict() (line {line}) after {name} = {short(obj, 30)}.module if "
-                    f"{short(test_text, 30)} else {short(obj, 30)}",
-                    f"not rewritten: on FSDP1 {name} is the wrapped module, whose state_dict() outside "
-                    "summon_full_params holds this rank's flat shard (use_orig_params=False: a `_flat_param` key; "
-                    "True: this rank's views), never the model's weights; on FSDP2 it is the sharded model itself, "
-                    "whose state_dict() gives DTensor shards. For the full weights call "
-                    f"get_model_state_dict({short(obj, 30)}, options=StateDictOptions(full_state_dict=True, "
-                    "cpu_offload=True)) on every rank (rank 0 gets them; fsdp_bridge.full_state_dict takes FSDP1 "
-                    "models too), then save on rank 0",
-                    False,
+                # a TODO at the state dict (the unwrap's own rewrite below runs after --fix; the state dict is wrong)
+                name, call, line, test_text = read
+                construct = (
+                    f"{name}.state_dict() after {name} = {short(obj, 30)}.module if {short(test_text, 30)} else "
+                    f"{short(obj, 30)}"
                 )
+                text = " ".join(
+                    (
+                        f"not rewritten: on FSDP1 {name} is the wrapped module, whose state_dict() outside "
+                        "summon_full_params holds this rank's flat shard (use_orig_params=False: a `_flat_param` key; "
+                        "True: this rank's views), never the model's weights; on FSDP2 it is the sharded model "
+                        "itself, whose state_dict() gives DTensor shards. For the full weights call "
+                        f"get_model_state_dict({short(obj, 30)}, options=StateDictOptions(full_state_dict=True, "
+                        "cpu_offload=True)) on every rank (rank 0 gets them; fsdp_bridge.full_state_dict takes FSDP1 "
+                        "models too), then save on rank 0"
+                    ).split()
+                )
+                pos = self.get_metadata(PositionProvider, call).start
+                self.findings.append(CodeFinding(self.path, pos.line, pos.column, construct, text, False))
+                self.todos.setdefault(id(line), []).append(f"{construct}: {text}")
             if self._under_hasattr_module(node, obj):
                 self._record(
                     node,
@@ -938,10 +943,12 @@ class ImportsFixer(ScannerBase):
             return ""
         return self._made_by_factory(self.functions[-1], obj.value, before=node)
 
-    def _unwrapped_state_dict(self, node: cst.CSTNode, obj: str) -> tuple[str, int, str] | None:
+    def _unwrapped_state_dict(
+        self, node: cst.CSTNode, obj: str
+    ) -> tuple[str, cst.Call, cst.SimpleStatementLine, str] | None:
         """``name = obj.module if <test> else obj`` (``node`` the ``obj.module``; the test ``hasattr(obj,
         "module")`` or the flag of the FSDP path) with ``obj`` FSDP1's wrapper here, and ``name.state_dict()``
-        called later in the function (or module): (name, the line of that call, the test)."""
+        called later in the function (or module): (name, that call, its statement, the test)."""
         stmt = self.stmt_stack[-1] if self.stmt_stack else None
         scope = self.functions[-1] if self.functions else self.module
         if (
@@ -961,13 +968,16 @@ class ImportsFixer(ScannerBase):
         ):
             return None
         name = assign.targets[0].target.value
-        for call in walk(scope):
-            if (
-                isinstance(call, cst.Call)
-                and not call.args
-                and m.matches(call.func, m.Attribute(value=m.Name(name), attr=m.Name("state_dict")))
-            ):
-                return name, self.get_metadata(PositionProvider, call).start.line, code_of(assign.value.test)
+        for line in walk(scope):  # the innermost statement holding the call: the TODO goes above it
+            if not isinstance(line, cst.SimpleStatementLine):
+                continue
+            for call in walk(line):
+                if (
+                    isinstance(call, cst.Call)
+                    and not call.args
+                    and m.matches(call.func, m.Attribute(value=m.Name(name), attr=m.Name("state_dict")))
+                ):
+                    return name, call, line, code_of(assign.value.test)
         return None
 
     def _under_hasattr_module(self, node: cst.CSTNode, obj: str) -> bool:

@@ -1,0 +1,119 @@
+"""Drives the FSDP1 MNIST trainer of MaxwellJryao/MLSys (``distributed/fsdp.py`` at 58382a1) on CPU ranks, with no
+download.
+
+Run by ``fsdp-bridge migrate verify`` under ``torchrun``, once in the repository and once in the copy that
+``fsdp-bridge migrate code --fix`` rewrote::
+
+    fsdp-bridge migrate verify <checkout> -- benchmarks/public_trainers/mlsysmnist.py
+
+The trainer (the shape of PyTorch's FSDP MNIST tutorial, started by ``torchrun``) builds a two-convolution ``Net``,
+wraps it in ``FSDP(model)`` (one unit), trains it with Adadelta and a ``StepLR`` schedule, evaluates it after each
+epoch (both sums all-reduced over the ranks) and, with ``--save-model``, takes ``model.state_dict()`` on every
+rank (FSDP1's default: the full state dict) and saves it from rank 0 to ``mnist_cnn.pt``, which ``verify``
+compares. This driver calls its ``fsdp_main(args)`` with the trainer's argument defaults but a batch of 32, two
+epochs and ``--save-model``. What it reads from elsewhere is made here, the same in both runs:
+
+* ``torchvision`` (not installed here) is a stub whose ``datasets.MNIST`` holds 256 training and 64 test images
+  of seeded noise with seeded labels (four steps per rank and epoch at 2 ranks), and whose ``transforms`` apply
+  ``Normalize`` as torchvision does to a tensor (``ToTensor`` is the identity: the images are tensors already);
+* ``torch.cuda.Event`` (it times the training with CUDA events) is a clock that needs no GPU.
+
+``verify``'s own shims do the rest on a machine without CUDA: the NCCL group is made on gloo, ``set_device`` does
+nothing, a GPU index given as a device (``.to(rank)``) is the CPU and the data loaders do not pin memory.
+Float32 throughout, so the two runs can agree bit for bit.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from _common import stub_missing
+
+TRAIN, TEST = 256, 64
+
+
+class _MNIST(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    """``datasets.MNIST(root, train=..., download=..., transform=...)``: seeded noise images, seeded labels."""
+
+    def __init__(self, root: str, train: bool = True, download: bool = False, transform: Any = None) -> None:
+        generator = torch.Generator().manual_seed(0 if train else 1)
+        count = TRAIN if train else TEST
+        self.images = torch.rand(count, 1, 28, 28, generator=generator)
+        self.labels = torch.randint(0, 10, (count,), generator=generator)
+        self.transform = transform
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        image = self.images[index]
+        return (self.transform(image) if self.transform else image), int(self.labels[index])
+
+
+class _Compose:
+    def __init__(self, steps: list[Any]) -> None:
+        self.steps = steps
+
+    def __call__(self, value: Any) -> Any:
+        for step in self.steps:
+            value = step(value)
+        return value
+
+
+class _Normalize:
+    def __init__(self, mean: tuple[float, ...], std: tuple[float, ...]) -> None:
+        self.mean = torch.tensor(mean).view(-1, 1, 1)
+        self.std = torch.tensor(std).view(-1, 1, 1)
+
+    def __call__(self, image: torch.Tensor) -> torch.Tensor:
+        return (image - self.mean) / self.std
+
+
+class _Event:
+    """``torch.cuda.Event(enable_timing=True)`` without a GPU: ``record``, ``synchronize`` and ``elapsed_time``."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        self.at = 0.0
+
+    def record(self, *args: object) -> None:
+        self.at = time.perf_counter()
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, end: _Event) -> float:
+        return (end.at - self.at) * 1000.0
+
+
+def _trainer() -> Any:
+    """The tree's ``distributed/fsdp.py`` (the copy ``verify`` put first on ``sys.path``), loaded by its path with its
+    folder first on ``sys.path``, as ``torchrun distributed/fsdp.py`` runs it (``--target torch`` writes its helper
+    module there)."""
+    path = next(Path(entry) / "distributed" / "fsdp.py" for entry in sys.path if (Path(entry) / "distributed").is_dir())
+    sys.path.insert(0, str(path.parent))
+    spec = importlib.util.spec_from_file_location("mlsys_fsdp_trainer", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def main() -> None:
+    datasets = SimpleNamespace(MNIST=_MNIST)
+    transforms = SimpleNamespace(Compose=_Compose, ToTensor=lambda: lambda image: image, Normalize=_Normalize)
+    stub_missing({"torchvision": {"datasets": datasets, "transforms": transforms}})
+    if not torch.cuda.is_available():
+        torch.cuda.Event = _Event  # type: ignore[assignment,misc]
+    args = SimpleNamespace(batch_size=32, test_batch_size=64, epochs=2, lr=1.0, gamma=0.7, seed=1, save_model=True)
+    torch.manual_seed(args.seed)
+    _trainer().fsdp_main(args)
+
+
+if __name__ == "__main__":
+    main()
