@@ -44,9 +44,11 @@ DEFAULT_TIMEOUT_S = 600.0
 
 
 def resolve_device(device: str, placed: torch.device | None = None) -> torch.device:
-    """The device this rank computes on, for ``device`` = auto, cuda or cpu: on CUDA ``cuda:LOCAL_RANK``, or,
-    where no launcher set ``LOCAL_RANK`` (processes started with ``mp.spawn``), the GPU the model's parameters
-    are on (``placed``: ``model.to(rank)``), as FSDP1 computes where the parameters are, else
+    """The device this rank computes on, for ``device`` = auto, cuda or cpu: on CUDA the GPU the process made
+    current and put the model on (``torch.cuda.set_device(gpu)`` and ``model.to(gpu)`` with a GPU other than 0:
+    a mapping of its own), else ``cuda:LOCAL_RANK``, or, where no launcher set ``LOCAL_RANK`` (processes started
+    with ``mp.spawn``), the GPU the model's parameters are on (``placed``: ``model.to(rank)``), as FSDP1 computes
+    where the parameters are, else
     ``torch.cuda.current_device()`` (set with ``torch.cuda.set_device(rank)``); ``cuda:0`` where
     ``CUDA_VISIBLE_DEVICES`` shows the process one GPU only (set per rank)."""
     if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
@@ -66,7 +68,16 @@ def resolve_device(device: str, placed: torch.device | None = None) -> torch.dev
     # one the process chose with torch.cuda.set_device, as FSDP1 takes the parameters' device, else
     # torch.cuda.current_device()
     given = os.environ.get("LOCAL_RANK")
-    if given is not None:
+    if (
+        placed is not None
+        and placed.type == "cuda"
+        and placed.index not in (None, 0)
+        and placed.index == torch.cuda.current_device()
+    ):
+        # the process chose this GPU itself (torch.cuda.set_device to a GPU of its own mapping, not LOCAL_RANK's)
+        # and put the model there: FSDP1 computes where the parameters are
+        local_rank = placed.index
+    elif given is not None:
         local_rank = int(given)
     elif placed is not None and placed.type == "cuda":
         local_rank = placed.index if placed.index is not None else torch.cuda.current_device()

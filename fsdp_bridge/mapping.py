@@ -648,11 +648,15 @@ TABLE: tuple[Rule, ...] = (
         "device",
         "cuda",
         "device_id=torch.cuda.current_device()",
-        T(N, "device_id=cuda:LOCAL_RANK (else the model's GPU, else the current device), process group on NCCL"),
         T(
             N,
-            "mesh on device type cuda (cuda:LOCAL_RANK, else the model's GPU, else the current device), "
-            "process group on NCCL",
+            "device_id=cuda:LOCAL_RANK (the model's GPU where the process made another one current and put it "
+            "there; without LOCAL_RANK the model's GPU, else the current device), process group on NCCL",
+        ),
+        T(
+            N,
+            "mesh on device type cuda (cuda:LOCAL_RANK; the model's GPU where the process made another one current "
+            "and put it there; without LOCAL_RANK the model's GPU, else the current device), process group on NCCL",
         ),
         lambda c: _device_type(c) == "cuda",
     ),

@@ -351,6 +351,9 @@ def test_a_cuda_rank_without_local_rank_uses_the_device_it_set(monkeypatch: pyte
     monkeypatch.setenv("LOCAL_RANK", "1")
     assert distributed.resolve_device("cuda") == torch.device("cuda", 1)
     assert distributed.resolve_device("cuda", placed=torch.device("cuda", 3)) == torch.device("cuda", 1)
+    # the process set its own GPU (a mapping of its own: local rank 1 -> cuda:2) and put the model there: FSDP1
+    # computed there (llama2.c's FSDP fine-tuner), where cuda:LOCAL_RANK once moved the model away from its inputs
+    assert distributed.resolve_device("auto", placed=torch.device("cuda", 2)) == torch.device("cuda", 2)
     # a process that CUDA_VISIBLE_DEVICES shows one GPU (set per rank) computes on it, whatever its LOCAL_RANK;
     # without that variable, or with more GPUs, a LOCAL_RANK past them is refused
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)

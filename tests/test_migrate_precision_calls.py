@@ -1406,6 +1406,16 @@ def test_code_serving_both_layouts_is_kept_where_the_tree_makes_no_fsdp1_model(t
                     return 2
                 return 0
 
+            def units(model):
+                found = []
+                for name, module in model.named_modules():
+                    if isinstance(module, FSDP):
+                        found.append((name, "v1"))
+                for name, module in model.named_modules():
+                    if isinstance(module, FSDPModule):
+                        found.append((name, "v2"))
+                return found
+
             def collect(model):
                 out = {}
                 for prefix in ["_fsdp_wrapped_module.base.", "base."]:
@@ -1424,6 +1434,7 @@ def test_code_serving_both_layouts_is_kept_where_the_tree_makes_no_fsdp1_model(t
     assert "with FSDP.summon_full_params(sub, writeback=False):" in fixed
     (summon,) = [f for f in report.findings if f.construct.startswith("FSDP.summon_full_params")]
     assert summon.fixable and summon.replacement.startswith("kept as is: no file of this tree makes an FSDP1 model")
+    assert "        if isinstance(module, FSDP):\n" in fixed  # the v1 listing stays FSDP1's
     # the same file beside one that makes FSDP1 models: every module it admits is FSDP2's after --fix
     (tmp_path / "lora.py").write_text((tmp_path / "lora.py").read_text())
     (tmp_path / "build.py").write_text(
@@ -1432,3 +1443,24 @@ def test_code_serving_both_layouts_is_kept_where_the_tree_makes_no_fsdp1_model(t
     again, _ = migrate_paths([tmp_path], fix=False)
     (summon,) = [f for f in again.findings if f.construct.startswith("FSDP.summon_full_params")]
     assert summon.replacement.startswith("the context goes, its block stays")
+
+
+def test_a_copy_of_torchs_fsdp1_module_says_nothing_of_how_the_tree_shards(tmp_path: Path) -> None:
+    """A copy of an older torch's FSDP1 module passes process groups internally; the tree's own code passes none:
+    the torch target's GradScaler is torch's (no "the tree shards over process groups" TODO)."""
+    names = ["ShardingStrategy", "MixedPrecision", "CPUOffload", "BackwardPrefetch", "StateDictType"]
+    body = "".join(f"class {n}:\n    pass\n\n\n" for n in names)
+    (tmp_path / "fully_sharded_data_parallel_fix.py").write_text(
+        "import torch\nimport torch.distributed as dist\n\n\n" + body + "class FullyShardedDataParallel(torch.nn.Module):\n"
+        "    def __init__(self, module, process_group=None):\n"
+        "        super().__init__()\n        self.process_group = process_group or dist.new_group()\n"
+    )
+    (tmp_path / "train.py").write_text(
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n"
+        "from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler\n\n\n"
+        "def build(m):\n    return FSDP(m), ShardedGradScaler()\n"
+    )
+    report, _ = migrate_paths([tmp_path], target="torch")
+    assert [f.construct for f in report.findings if not f.fixable] == []
+    (scaler,) = [f for f in report.findings if f.construct.startswith("ShardedGradScaler")]
+    assert scaler.replacement == "_fsdp2_helpers.GradScaler()"

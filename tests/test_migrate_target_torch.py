@@ -337,7 +337,9 @@ def test_helper_module_is_plain_torch_and_resolves_units_as_the_bridge() -> None
 def test_helper_module_computes_where_the_models_parameters_are(monkeypatch: pytest.MonkeyPatch) -> None:
     # FSDP1 computes on the GPU the parameters are on (model.to(rank) under mp.spawn, no set_device);
     # fully_shard on the current device: the helper makes the parameters' GPU current, unless a launcher's
-    # LOCAL_RANK decides (the bridge does the same in shard(), see test_core_config).
+    # LOCAL_RANK decides (the bridge does the same in shard(), see test_core_config). Under a launcher it sets
+    # cuda:LOCAL_RANK itself: a public trainer moving its model to cuda:LOCAL_RANK without set_device (FSDP1's
+    # device_id chose the GPU) had every rank's fully_shard on cuda:0.
     helpers = types.ModuleType(HELPERS_NAME)
     exec(compile(HELPERS_SOURCE, f"{HELPERS_NAME}.py", "exec"), helpers.__dict__)
     chosen: list[torch.device] = []
@@ -346,9 +348,17 @@ def test_helper_module_computes_where_the_models_parameters_are(monkeypatch: pyt
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     helpers.compute_where_placed(nn.Linear(2, 2))  # on the CPU: nothing to choose
     helpers.compute_where_placed(on_gpu)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # nothing set: GPU 0 on every rank
     monkeypatch.setenv("LOCAL_RANK", "1")
     helpers.compute_where_placed(on_gpu)
-    assert chosen == [torch.device("cuda", 3)]
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # one GPU shown to each process
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    helpers.compute_where_placed(on_gpu)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)  # the process chose cuda:3 and put the model there
+    helpers.compute_where_placed(on_gpu)
+    assert chosen == [torch.device("cuda", 3), 1, 0]
 
 
 def test_paths_write_the_helper_module_once_and_never_over_the_users(tmp_path: Path) -> None:

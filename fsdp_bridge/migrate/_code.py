@@ -283,6 +283,11 @@ def migrate_source(
         fixed = RemoveImportsVisitor(context).transform_module(fixed).visit(_OwnLineParen())
         fixed = _imports_after_setup(fixed, module)
         fixed = _comments_of_removed_imports(module, fixed)
+        left = set(_fsdp_imports(fixed))
+        # the imports the file never used, gone with the others: said, as where nothing else changes
+        scan.findings.extend(
+            finding for imp, finding in _unused_fsdp1_imports(module, path, known.from_imports) if imp not in left
+        )
     elif unused := _unused_fsdp1_imports(module, path, known.from_imports):
         # nothing else to rewrite: FSDP1 imports the file never used are all that ties it to FSDP1
         context = CodemodContext()
@@ -697,22 +702,30 @@ def migrate_paths(
                     )
                 )
                 dispatch.merge(find_fsdp1_arguments(wrapper))
+            copy = (
+                vendored_torch_module(code, str(f))
+                if "torch.distributed.fsdp" in code or "FullyShardedDataParallel" in code
+                else None
+            )
+            # a copy of torch's own FSDP code says nothing of how the tree shards (its process groups, offload,
+            # wraps): torch's code, often unused, left as it is
+            ours = copy is None
             dispatch.merge(
                 Dispatch(
                     imported_names=imported_names(code),
                     from_imports=from_imports(code),
                     own_methods=find_own_methods(code, str(f)),  # named relative to each caller
-                    sets_state_dict_type=shown[f] if calls_set_state_dict_type(code) else None,
+                    sets_state_dict_type=shown[f] if ours and calls_set_state_dict_type(code) else None,
                     bridge_sets_state_dict_type=shown[f] if bridge_set_state_dict_type(code) else None,
-                    makes_state_dict_context=shown[f] if finds_state_dict_context(code) else None,
-                    group_fsdp=shown[f] if passes_group(code) else None,
-                    offloads_params=shown[f] if offloads_params(code) else None,
-                    mixed_precision=shown[f] if passes_mixed_precision(code) else None,
-                    asks_backend=shown[f] if asks_backend(code) else None,
-                    subclasses_fsdp1=shown[f] if subclasses_wrapper(code) else None,
+                    makes_state_dict_context=shown[f] if ours and finds_state_dict_context(code) else None,
+                    group_fsdp=shown[f] if ours and passes_group(code) else None,
+                    offloads_params=shown[f] if ours and offloads_params(code) else None,
+                    mixed_precision=shown[f] if ours and passes_mixed_precision(code) else None,
+                    asks_backend=shown[f] if ours and asks_backend(code) else None,
+                    subclasses_fsdp1=shown[f] if ours and subclasses_wrapper(code) else None,
                     wraps_fsdp1=shown[f] if names_wrapper(code) else None,
-                    constructs_fsdp1=shown[f] if constructs_wrapper(code) else None,
-                    keeps_fsdp1=shown[f] if chooses_wrapper(code) else None,
+                    constructs_fsdp1=shown[f] if ours and constructs_wrapper(code) else None,
+                    keeps_fsdp1=shown[f] if ours and chooses_wrapper(code) else None,
                     subclassed=subclassed_names(code),
                     data_swappers=find_data_swappers(code),
                     param_pairers=find_param_pairers(code),
@@ -728,7 +741,7 @@ def migrate_paths(
             )
             if self_spelled_set_state_dict_type(code):
                 self_spelled.append(f)
-            if "torch.distributed.fsdp" in code and vendored_torch_module(code, str(f)) is not None:
+            if "torch.distributed.fsdp" in code and copy is not None:
                 # an absolute ``torch.`` import is torch's own package, not a copy under third_party/torch/ (a
                 # suffix of its path); only a copy at the tree's own root would shadow it
                 copied = [

@@ -139,14 +139,14 @@ class Rewriter(cst.CSTTransformer):
 
     def _drop_removed(self, body: Sequence[Any]) -> list[Any]:
         out: list[Any] = []
-        carry: list[cst.EmptyLine] = []
+        carry: list[list[cst.EmptyLine]] = []  # the leading lines of each statement removed since the last kept
         for stmt in body:
             if id(stmt) in self.removed and self.removed[id(stmt)] is stmt:
                 del self.removed[id(stmt)]
-                carry.extend(stmt.leading_lines)
+                carry.append(list(stmt.leading_lines))
                 continue
             if carry:
-                stmt = stmt.with_changes(leading_lines=[*carry, *stmt.leading_lines])
+                stmt = stmt.with_changes(leading_lines=_joined_gaps([*carry, list(stmt.leading_lines)]))
                 carry = []
             out.append(stmt)
         return out
@@ -187,3 +187,26 @@ class Rewriter(cst.CSTTransformer):
             body[0] = body[0].with_changes(leading_lines=[*updated_node.leading_lines, *body[0].leading_lines])
             return cst.FlattenSentinel(body)
         return self._compound(original_node, updated_node)
+
+
+def _blank_run(lines: Sequence[cst.EmptyLine]) -> int:
+    """The longest run of blank lines (no comment) in ``lines``."""
+    longest = run = 0
+    for line in lines:
+        run = run + 1 if line.comment is None else 0
+        longest = max(longest, run)
+    return longest
+
+
+def _joined_gaps(gaps: Sequence[Sequence[cst.EmptyLine]]) -> list[cst.EmptyLine]:
+    """The leading lines of a kept statement after the statements before it were removed: their lines and its own
+    (comments kept), no run of blank lines longer than the longest in any one of them (a removed statement
+    between two blank lines leaves one gap, not two)."""
+    limit = max(_blank_run(gap) for gap in gaps)
+    out: list[cst.EmptyLine] = []
+    run = 0
+    for line in (line for gap in gaps for line in gap):
+        run = run + 1 if line.comment is None else 0
+        if run <= limit:
+            out.append(line)
+    return out

@@ -162,11 +162,26 @@ def _reshard_after_no_grad_forward(model: nn.Module, _args: object, _output: obj
 
 
 def compute_where_placed(model: nn.Module) -> None:
-    """FSDP1 computes on the GPU the model's parameters are on (model.to(rank) under mp.spawn, no
-    torch.cuda.set_device); fully_shard on torch.cuda.current_device(): without a launcher's LOCAL_RANK, make
-    the parameters' GPU the current one."""
+    """FSDP1 computes on its device_id or on the GPU the model's parameters are on (model.to(rank) under
+    mp.spawn, no torch.cuda.set_device); fully_shard on torch.cuda.current_device(), which is GPU 0 on every
+    rank unless the code set it: make this rank's GPU the current one, cuda:LOCAL_RANK under a launcher (GPU 0
+    where CUDA_VISIBLE_DEVICES shows the process one GPU), else the parameters' GPU; a GPU other than 0 that the
+    process made current and put the model on stays (a mapping of its own)."""
     placed = next((p.device for p in model.parameters() if p.device.type == "cuda"), None)
-    if placed is not None and placed.index is not None and "LOCAL_RANK" not in os.environ:
+    given = os.environ.get("LOCAL_RANK")
+    if (
+        placed is not None
+        and placed.index not in (None, 0)
+        and torch.cuda.is_available()
+        and placed.index == torch.cuda.current_device()
+    ):
+        return  # the process chose this GPU itself (set_device to a mapping of its own) and put the model there
+    if given is not None and torch.cuda.is_available():
+        local_rank = int(given)
+        if local_rank > 0 and torch.cuda.device_count() == 1 and os.environ.get("CUDA_VISIBLE_DEVICES"):
+            local_rank = 0
+        torch.cuda.set_device(local_rank)
+    elif placed is not None and placed.index is not None:
         torch.cuda.set_device(placed)
 
 

@@ -235,7 +235,9 @@ class ImportsFixer(ScannerBase):
                     (
                         f"not rewritten: on FSDP1 {name} is the wrapped module, whose state_dict() outside "
                         "summon_full_params holds this rank's flat shard (use_orig_params=False: a `_flat_param` key; "
-                        "True: this rank's views), never the model's weights; on FSDP2 it is the sharded model "
+                        "True: this rank's views), never the model's weights (and where nested units hold the "
+                        "parameters, their state-dict hooks gather: a collective, which on one rank alone hangs); on "
+                        "FSDP2 it is the sharded model "
                         "itself, whose state_dict() gives DTensor shards. For the full weights call "
                         f"get_model_state_dict({short(obj, 30)}, options=StateDictOptions(full_state_dict=True, "
                         "cpu_offload=True)) on every rank (rank 0 gets them; fsdp_bridge.full_state_dict takes FSDP1 "
@@ -1088,6 +1090,23 @@ class ImportsFixer(ScannerBase):
                 # ``if isinstance(m, FSDP): raise ...``: code that refuses FSDP1's wrapper (often FSDP2 code
                 # guarding itself) stays true after the migration; FSDPModule there would refuse FSDP2 units.
                 self._consume(args[1].value)
+                return True
+            if (
+                assertion is None
+                and self.dispatch.constructs_fsdp1 is None
+                and re.search(r"\bisinstance\([^()]*,\s*FSDPModule\s*\)", self.code) is not None
+            ):
+                # code written for both backends (it tests FSDPModule on its own path) in a tree handed its models
+                # by a library, which may keep making FSDP1's: the FSDP1 test stays FSDP1's
+                self._consume(args[1].value)
+                self._record(
+                    node,
+                    f"isinstance(..., {code_of(args[1].value)})",
+                    "kept as is: this file tests FSDPModule on a path of its own, and no file of the tree makes an "
+                    "FSDP1 model (a library hands them over and may keep making FSDP1's), so the test serves "
+                    "those; FSDP2 modules take the FSDPModule path",
+                    True,
+                )
                 return True
             if assertion is None and self._guards_a_hand_reduced_norm(node):
                 # ``if isinstance(m, FSDP):`` around a gradient norm summed over the ranks by hand (FSDP1's flat
