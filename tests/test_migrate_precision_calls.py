@@ -1451,7 +1451,9 @@ def test_a_copy_of_torchs_fsdp1_module_says_nothing_of_how_the_tree_shards(tmp_p
     names = ["ShardingStrategy", "MixedPrecision", "CPUOffload", "BackwardPrefetch", "StateDictType"]
     body = "".join(f"class {n}:\n    pass\n\n\n" for n in names)
     (tmp_path / "fully_sharded_data_parallel_fix.py").write_text(
-        "import torch\nimport torch.distributed as dist\n\n\n" + body + "class FullyShardedDataParallel(torch.nn.Module):\n"
+        "import torch\nimport torch.distributed as dist\n\n\n"
+        + body
+        + "class FullyShardedDataParallel(torch.nn.Module):\n"
         "    def __init__(self, module, process_group=None):\n"
         "        super().__init__()\n        self.process_group = process_group or dist.new_group()\n"
     )
