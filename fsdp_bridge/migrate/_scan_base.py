@@ -249,6 +249,13 @@ class ScannerBase(FollowsAliases):
                 return None
         return fsdp1_private(self.get_metadata(QualifiedNameProvider, node, set()))
 
+    def _in_summon(self) -> bool:
+        """The statement is inside a ``summon_full_params`` block (FSDP1's parameters are whole there)."""
+        return any(
+            isinstance(w, cst.With) and any("summon_full_params" in code_of(i.item) for i in w.items)
+            for w in self.stmt_stack
+        )
+
     def _record(self, node: cst.CSTNode, construct: str, replacement: str, fixable: bool) -> None:
         pos = self.get_metadata(PositionProvider, node)
         # One line each: code quoted in the texts may span lines (a multi-line argument), and a

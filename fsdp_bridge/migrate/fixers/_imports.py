@@ -921,10 +921,7 @@ class ImportsFixer(ScannerBase):
         statement, outside a ``summon_full_params`` block (where FSDP1's wrapped module holds the full
         parameters); None otherwise."""
         stmt = self.stmt_stack[-1] if self.stmt_stack else None
-        if stmt is None or any(
-            isinstance(w, cst.With) and any("summon_full_params" in code_of(i.item) for i in w.items)
-            for w in self.stmt_stack
-        ):
+        if stmt is None or self._in_summon():
             return None
         return next(
             (

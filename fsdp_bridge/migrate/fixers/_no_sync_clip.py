@@ -259,6 +259,19 @@ class NoSyncClipFixer(ScannerBase):
             for n in walk(self.functions[-1])
         )
 
+    def _parameter_loops(self) -> dict[str, cst.BaseExpression]:
+        """The enclosing ``for p in X.parameters():`` / ``for n, p in X.named_parameters():`` loops: loop
+        variable -> X."""
+        loops: dict[str, cst.BaseExpression] = {}
+        for stmt in self.stmt_stack:
+            if isinstance(stmt, cst.For) and (model := _parameters_of(stmt.iter)) is not None:
+                target: cst.BaseExpression = stmt.target
+                if isinstance(target, cst.Tuple) and len(target.elements) == 2:
+                    target = target.elements[1].value
+                if isinstance(target, cst.Name):
+                    loops[target.value] = model
+        return loops
+
     def _note_param_collective(self, node: cst.Call) -> None:
         """``dist.all_reduce(p.data)`` in ``for p in model.parameters():``, or
         ``dist.all_reduce_coalesced(list(model.parameters()))``, with ``model`` shown to be FSDP1's wrapper: a
@@ -268,21 +281,9 @@ class NoSyncClipFixer(ScannerBase):
         names = {q.name for q in self.get_metadata(QualifiedNameProvider, node.func, set())}
         if not any(q.startswith("torch.distributed.") and q.rsplit(".", 1)[-1] in _COLLECTIVES for q in names):
             return
-        if any(
-            isinstance(w, cst.With) and any("summon_full_params" in code_of(i.item) for i in w.items)
-            for w in self.stmt_stack
-        ):
+        if self._in_summon():
             return
-        loops: dict[str, cst.BaseExpression] = {}  # loop variable -> the model whose parameters it walks
-        for stmt in self.stmt_stack:
-            if not isinstance(stmt, cst.For):
-                continue
-            model = _parameters_of(stmt.iter)
-            target: cst.BaseExpression = stmt.target
-            if isinstance(target, cst.Tuple) and len(target.elements) == 2:
-                target = target.elements[1].value
-            if model is not None and isinstance(target, cst.Name):
-                loops[target.value] = model
+        loops = self._parameter_loops()
         for arg in node.args:
             model = next((x for c in walk(arg.value) if (x := _parameters_of(c)) is not None), None)
             root = arg.value
@@ -316,20 +317,10 @@ class NoSyncClipFixer(ScannerBase):
                 and any(n is node for n in walk(small.value))
                 for small in stmt.body
             )
-            or any(
-                isinstance(w, cst.With) and any("summon_full_params" in code_of(i.item) for i in w.items)
-                for w in self.stmt_stack
-            )
+            or self._in_summon()
         ):
             return
-        loops: dict[str, cst.BaseExpression] = {}  # loop variable -> the model whose parameters it walks
-        for outer in self.stmt_stack:
-            if isinstance(outer, cst.For) and (model := _parameters_of(outer.iter)) is not None:
-                target: cst.BaseExpression = outer.target
-                if isinstance(target, cst.Tuple) and len(target.elements) == 2:
-                    target = target.elements[1].value
-                if isinstance(target, cst.Name):
-                    loops[target.value] = model
+        loops = self._parameter_loops()
         read = [n.value for n in walk(node) if isinstance(n, cst.Name) and n.value in loops]
         if not read or any(
             isinstance(n, cst.Attribute) and n.attr.value in ("to_local", "full_tensor") for n in walk(node)
@@ -591,10 +582,7 @@ class NoSyncClipFixer(ScannerBase):
             name, target = target.elements[0].value, target.elements[1].value
         if not isinstance(target, cst.Name) or body is None:
             return
-        if any(
-            isinstance(w, cst.With) and any("summon_full_params" in code_of(i.item) for i in w.items)
-            for w in self.stmt_stack
-        ):
+        if self._in_summon():
             return  # gathered: FSDP1's parameters have their full shapes there too
         param = target.value
         read = next(

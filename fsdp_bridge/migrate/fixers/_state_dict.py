@@ -1362,10 +1362,7 @@ class StateDictFixer(ScannerBase):
             source = ""
         if not (wrapper or source != "" or self._handed_parameter(node, model)):
             return
-        if any(
-            isinstance(w, cst.With) and any("summon_full_params" in code_of(i.item) for i in w.items)
-            for w in self.stmt_stack
-        ):
+        if self._in_summon():
             return  # inside a gather of the model (reported with it)
         target = short(code_of(model), 30)
         self._record(
