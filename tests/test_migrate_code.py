@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import fsdp_bridge
-from fsdp_bridge.migrate._analysis import Dispatch
+from fsdp_bridge.migrate._analysis import Dispatch, passes_group
 from fsdp_bridge.migrate._code import TODO, migrate_paths, migrate_source
 from fsdp_bridge.testing import run_distributed
 
@@ -475,6 +475,25 @@ def test_comments_between_the_arguments_of_a_rewritten_call_are_kept() -> None:
         "        mesh=mesh,  # the dp sub-mesh\n"
     ) in fixed, fixed
     assert migrate_source(fixed, "c.py").fixed == fixed
+
+    # An argument left commented out after the last one stays, on both targets and in the run-time form
+    for strategy in ("ShardingStrategy.FULL_SHARD", "strategy"):
+        code = textwrap.dedent(
+            f"""
+            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
+
+            def build(model, strategy):
+                return FSDP(
+                    model,
+                    sharding_strategy={strategy},
+                    # cpu_offload=CPUOffload(offload_params=True),
+                )
+            """
+        )
+        for target in ("bridge", "torch"):
+            fixed = migrate_source(code, "c.py", target=target).fixed
+            assert "        # cpu_offload=CPUOffload(offload_params=True),\n    )\n" in fixed, fixed
+            assert migrate_source(fixed, "c.py", target=target).fixed == fixed
 
 
 def test_todo_comments_are_precise() -> None:
@@ -1874,9 +1893,13 @@ def test_mixed_precision_keeps_fsdp1s_input_casting() -> None:
     )
     fixed = migrate_source(code, "mp.py").fixed
     # FSDP1's default casts the root's inputs only: written out, since the bridge's default casts every unit's.
+    # (a mapping too long for its line is written one entry per line)
     assert (
-        'mixed_precision={"param_dtype": torch.bfloat16, "cast_root_forward_inputs": False, '
-        '"cast_forward_inputs": False}'
+        "            mixed_precision={\n"
+        '                "param_dtype": torch.bfloat16,\n'
+        '                "cast_root_forward_inputs": False,\n'
+        '                "cast_forward_inputs": False,\n'
+        "            },\n"
     ) in fixed, fixed
     assert 'mixed_precision={"param_dtype": torch.bfloat16, "cast_forward_inputs": True}' in fixed, fixed
 
@@ -2316,6 +2339,23 @@ def test_added_imports_never_come_before_what_runs_before_torch_is_imported() ->
     lowered = migrate_source(ENV_FIRST, "envfirst.py", target="torch").fixed
     assert lowered.count("import torch\n") == 1 and "return _fsdp2_helpers.GradScaler()" in lowered
     assert lowered.index('os.environ["OMP_NUM_THREADS"]') < lowered.index("import torch\n")
+
+
+def test_a_statement_between_imports_keeps_its_lines_when_the_added_imports_move_below_torch() -> None:
+    # libcst adds its imports after ``import matplotlib`` with a blank line before ``matplotlib.use``; moved below
+    # the torch imports, they take nothing with them and leave nothing behind
+    source = (
+        "import matplotlib\n"
+        "matplotlib.use('Agg')\n"
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, FullStateDictConfig, StateDictType\n"
+        "import torch\n\n"
+        "def save(model):\n"
+        "    cfg = FullStateDictConfig(offload_to_cpu=True, rank0_only=True)\n"
+        "    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, cfg):\n"
+        "        return model.state_dict()\n"
+    )
+    fixed = migrate_source(source, "mpl.py").fixed
+    assert fixed.startswith("import matplotlib\nmatplotlib.use('Agg')\nimport torch\nfrom torch.distributed.checkpoint")
 
 
 UPDATE_UNDER_RANK0_ONLY = """
@@ -2913,6 +2953,15 @@ def test_an_nccl_group_gets_a_cpu_backend_where_parameters_are_offloaded() -> No
         chosen = migrate_source(init.replace('backend="nccl"', "backend=cfg.backend"), "train.py", dispatch=tree)
         note = next(f for f in chosen.findings if f.construct == "init_process_group(cfg.backend)")
         assert note.note and "backend=cfg.backend" in chosen.fixed and '"cuda:nccl,cpu:gloo"' in note.replacement
+        # a DDP script of its own beside it (nothing of FSDP1, run as __main__, imported by no file): left as it is
+        ddp = (
+            "import torch.distributed as dist\n\n\n"
+            'def main():\n    dist.init_process_group(backend="nccl")\n\n\n'
+            'if __name__ == "__main__":\n    main()\n'
+        )
+        assert migrate_source(ddp, "main_ddp.py", target=target, dispatch=tree).fixed == ddp
+        imported = Dispatch(offloads_params="wrap.py", from_imports={"main_ddp.main"})
+        assert '"cuda:nccl,cpu:gloo"' in migrate_source(ddp, "main_ddp.py", target=target, dispatch=imported).fixed
 
 
 def test_a_units_own_gather_read_outside_a_forward_under_mixed_precision_is_a_todo() -> None:
@@ -3296,3 +3345,17 @@ def test_a_parenthesized_import_keeps_its_closing_parenthesis_on_its_own_line() 
     fixed = migrate_source(source, "build.py").fixed
     assert "    size_based_auto_wrap_policy,\n)\n" in fixed and "enable_wrap" not in fixed
     assert "            MixedPrecision,\n        )\n" in fixed and "ShardingStrategy" not in fixed
+
+
+def test_a_mesh_an_earlier_fix_passed_to_shard_still_reads_as_grouped() -> None:
+    # FSDP(..., device_mesh=m) (HYBRID over a mesh of its own), once fixed: fsdp_bridge.shard(..., mesh=m). A second
+    # --fix must read the tree as the first did (its full state dicts keep FSDP1's per-group rank0_only), or
+    # --target torch lowers them the second time (EfficientMoE)
+    fixed = "fsdp_bridge.shard(\n    model,\n    fsdp_bridge.BridgeConfig.from_fsdp1(),\n    mesh=device_mesh,\n)\n"
+    assert passes_group(fixed)
+    assert passes_group("fsdp_bridge.shard(m, fsdp_bridge.BridgeConfig(), mesh=mesh)")
+    assert not passes_group("fsdp_bridge.shard(m, fsdp_bridge.BridgeConfig(), mesh=None)")
+    assert not passes_group(
+        'x = fsdp_bridge.shard(m, c)\n_fsdp2_helpers.shard_model(m, mesh=_fsdp2_helpers.data_parallel_mesh("full_shard"))'
+    )
+    assert not passes_group("fsdp_bridge.shard(m, c)  # , mesh=mesh")

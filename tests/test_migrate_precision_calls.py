@@ -939,6 +939,40 @@ def test_fsdp1_static_methods_imported_from_the_package_are_said_to_fail() -> No
     assert 12 not in todos and "get_model_state_dict(model" in result.fixed  # FSDP1's own context: rewritten
 
 
+def test_an_optimizer_moved_after_the_wrap_takes_its_scheduler_along() -> None:
+    # a scheduler built on the optimizer between it and the wrap moves with it (left behind it would name an
+    # optimizer not built yet); a use that cannot move (a call, or a name the wrap reads) keeps both with a TODO
+    source = textwrap.dedent("""\
+        import torch
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        def main(model, n):
+            optimizer = torch.optim.AdamW(model.parameters(), fused=True)
+            scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda t: 1.0)
+            out = n * 2
+            model = FSDP(model, use_orig_params=True)
+            return model, optimizer, scheduler, out
+
+        def logged(model):
+            optimizer = torch.optim.AdamW(model.parameters())
+            print(optimizer)
+            model = FSDP(model)
+            return model, optimizer
+        """)
+    for target in ("bridge", "torch"):
+        result = migrate_source(source, "train.py", target=target)
+        body = result.fixed.split("def main")[1].split("def logged")[0].splitlines()
+        assert [line.strip().split(" =")[0] for line in body[1:3]] == ["out", "model"]
+        assert body[-4].strip().startswith("optimizer = torch.optim.AdamW(model.parameters(), fused=True)")
+        assert body[-3].strip().startswith("scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer")
+        moved = next(f for f in result.findings if f.line == 5)
+        assert moved.fixable and "(with what uses it there: torch.optim.lr_scheduler.LambdaLR" in moved.replacement
+        kept = next(f for f in result.findings if f.line == 12)
+        assert not kept.fixable and "cannot move with it" in kept.replacement
+        assert "    # TODO(fsdp-bridge): torch.optim.AdamW(...) before FSDP(...)" in result.fixed
+        assert migrate_source(result.fixed, "train.py", target=target).fixed == result.fixed
+
+
 def test_an_optimizer_the_model_builds_before_its_wrap_is_a_todo() -> None:
     """nanoGPT's ``optimizer = model.configure_optimizers(...)`` above ``if use_fsdp: model = FSDP(model)``: the
     optimizer holds the parameters the wrap replaces. A TODO (the tree's own method is not moved)."""
@@ -956,7 +990,7 @@ def test_an_optimizer_the_model_builds_before_its_wrap_is_a_todo() -> None:
     result = migrate_source(source, "train.py")
     todos = {f.line: f.replacement for f in result.findings if not f.fixable}
     assert set(todos) == {4, 5}
-    assert todos[4].startswith("this optimizer is built from model's parameters before the wrap on line 8")
+    assert todos[4].startswith("this optimizer is built from model's parameters before the wrap `model = FSDP(model")
     assert "model.configure_optimizers(0.1, 1e-3)" in result.fixed  # left where it is
 
 
@@ -1271,6 +1305,22 @@ def test_state_dict_of_a_module_unwrapped_on_the_fsdp_flag_is_a_todo_beside_the_
     todos = [f for f in report.findings if not f.fixable]
     assert [(f.line, f.construct.split(" after")[0]) for f in todos] == [(11, "raw.state_dict()")]
     assert fixed.index("# TODO(fsdp-bridge): raw.state_dict()") > fixed.index("raw = fsdp_bridge.unwrapped(model)")
+    # the branches the other way round: the same TODO, the conditional named as written
+    (tmp_path / "train.py").write_text(
+        textwrap.dedent("""\
+            import torch
+            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+            def save(model: FSDP, plain: bool) -> None:
+                raw = model if plain else model.module
+                torch.save(raw.state_dict(), "ckpt.pt")
+            """)
+    )
+    report, _ = migrate_paths([tmp_path], fix=False)
+    todos = [f for f in report.findings if not f.fixable]
+    assert [(f.line, f.construct) for f in todos] == [
+        (6, "raw.state_dict() after raw = model if plain else model.module")
+    ]
 
 
 def test_names_kept_from_a_compiled_model_a_factory_wraps_are_a_todo(tmp_path: Path) -> None:
@@ -1314,7 +1364,7 @@ def test_names_kept_from_a_compiled_model_a_factory_wraps_are_a_todo(tmp_path: P
     report, _ = migrate_paths([tmp_path], fix=False)
     found = {f.line: f for f in report.findings if f.path.endswith("train.py")}
     assert not found[6].fixable
-    assert "named_parameters() names are kept (line 7)" in found[6].construct
+    assert "named_parameters() names are kept (line 7 before --fix)" in found[6].construct
     assert "take them from model before it is compiled" in found[6].replacement
     assert found[9].note and found[9].construct == "torch.compile(other) of a model FSDP1 wraps"
 

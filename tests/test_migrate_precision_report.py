@@ -367,6 +367,32 @@ def test_a_model_kept_by_an_annotated_assignment_is_followed_into_the_function_i
     )
 
 
+def test_a_numel_count_added_across_ranks_is_a_todo_and_a_printed_one_a_note() -> None:
+    # FSDP1's parameters are this rank's shard: the all_reduce of the counts gave the model's size. FSDP2's
+    # numel() is global already, so the all_reduce multiplies it by the world size. A count only printed stays a
+    # note (a different number, no wrong computation built on it).
+    source = (
+        "import torch\n"
+        "import torch.distributed as dist\n"
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n\n\n"
+        "def main(net, world):\n"
+        "    model = FSDP(net, use_orig_params=True)\n"
+        "    local_n = sum(p.numel() for p in model.parameters())\n"
+        "    n_tensor = torch.tensor([local_n], dtype=torch.long)\n"
+        "    dist.all_reduce(n_tensor, op=dist.ReduceOp.SUM)\n"
+        "    total = sum(p.numel() for p in model.parameters())\n"
+        "    print(total)\n"
+        "    return int(n_tensor.item())\n"
+    )
+    result = migrate_source(source, "count.py")
+    found = [(f.line, f.fixable, f.note) for f in result.findings if "numel" in f.construct]
+    assert found == [(8, False, False), (11, True, True)]
+    (todo,) = [f for f in result.findings if not f.fixable]
+    assert todo.construct.endswith("added across ranks (dist.all_reduce(n_tensor, op=dist.ReduceOp.SUM))")
+    assert "p.to_local().numel()" in todo.replacement
+    assert "    # TODO(fsdp-bridge): model.parameters() counted by p.numel()" in result.fixed
+
+
 def test_a_method_called_on_the_fsdp1_model_that_groups_parameters_by_ndim_gets_a_note(tmp_path: Path) -> None:
     # nanoGPT's configure_optimizers, called on the wrapped model (weipipe): FSDP1's wrapper hands the call to the
     # module, whose parameters there are flat and 1-D (nothing decayed), FSDP2's keep their shapes. A method of the

@@ -9,14 +9,64 @@ from __future__ import annotations
 
 import importlib.machinery
 import sys
+import time
 import types
 from importlib.resources import files
 from typing import Any
+
+import torch
 
 
 def sample_words() -> list[str]:
     """The words of the sample text shipped in ``fsdp_bridge/data``."""
     return files("fsdp_bridge").joinpath("data/sample_corpus.txt").read_text().split()
+
+
+class CpuEvent:
+    """``torch.cuda.Event(enable_timing=True)`` without a GPU: ``record``, ``synchronize``, ``elapsed_time``."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        self.at = 0.0
+
+    def record(self, *args: object) -> None:
+        self.at = time.perf_counter()
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, end: CpuEvent) -> float:
+        return (end.at - self.at) * 1000.0
+
+
+def sample_sentences() -> list[str]:
+    """The sample text cut into sentences of twelve words."""
+    words = sample_words()
+    return [" ".join(words[i : i + 12]) for i in range(0, len(words) - 12, 12)]
+
+
+def save_tiny_gpt2(directory: str) -> None:
+    """A 2-layer GPT-2 and a byte-level BPE tokenizer trained on the sample text, saved where
+    ``from_pretrained`` reads them: the same files on every rank and in every run (seeded)."""
+    import transformers
+    from tokenizers import ByteLevelBPETokenizer
+
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(sample_sentences(), vocab_size=400, min_frequency=1, special_tokens=["<|endoftext|>"])
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=bpe, eos_token="<|endoftext|>", bos_token="<|endoftext|>"
+    )
+    tokenizer.save_pretrained(directory)
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        vocab_size=len(tokenizer),
+        n_positions=128,
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.eos_token_id,
+    )
+    transformers.GPT2LMHeadModel(config).save_pretrained(directory)
 
 
 def stub_missing(stubs: dict[str, dict[str, Any]]) -> None:
@@ -30,6 +80,55 @@ def stub_missing(stubs: dict[str, dict[str, Any]]) -> None:
             module.__spec__ = importlib.machinery.ModuleSpec(name, None)
             module.__dict__.update(attrs)
             sys.modules[name] = module
+
+
+class _MNIST(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    """``datasets.MNIST(root, train=..., download=..., transform=...)``: seeded noise images, seeded labels."""
+
+    sizes = (256, 64)  # (training, test) images, set by mnist_stub
+
+    def __init__(self, root: str, train: bool = True, download: bool = False, transform: Any = None) -> None:
+        generator = torch.Generator().manual_seed(0 if train else 1)
+        count = self.sizes[0] if train else self.sizes[1]
+        self.images = torch.rand(count, 1, 28, 28, generator=generator)
+        self.labels = torch.randint(0, 10, (count,), generator=generator)
+        self.transform = transform
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        image = self.images[index]
+        return (self.transform(image) if self.transform else image), int(self.labels[index])
+
+
+class _Compose:
+    def __init__(self, steps: list[Any]) -> None:
+        self.steps = steps
+
+    def __call__(self, value: Any) -> Any:
+        for step in self.steps:
+            value = step(value)
+        return value
+
+
+class _Normalize:
+    def __init__(self, mean: tuple[float, ...], std: tuple[float, ...]) -> None:
+        self.mean = torch.tensor(mean).view(-1, 1, 1)
+        self.std = torch.tensor(std).view(-1, 1, 1)
+
+    def __call__(self, image: torch.Tensor) -> torch.Tensor:
+        return (image - self.mean) / self.std
+
+
+def mnist_stub(train: int, test: int) -> dict[str, Any]:
+    """What a ``torchvision`` stub needs for PyTorch's MNIST examples (``stub_missing({"torchvision": ...})``):
+    ``datasets.MNIST`` holds ``train`` / ``test`` images of seeded noise with seeded labels, and ``transforms``
+    apply ``Normalize`` as torchvision does to a tensor (``ToTensor`` is the identity: the images are tensors)."""
+    _MNIST.sizes = (train, test)
+    datasets = types.SimpleNamespace(MNIST=_MNIST)
+    transforms = types.SimpleNamespace(Compose=_Compose, ToTensor=lambda: lambda image: image, Normalize=_Normalize)
+    return {"datasets": datasets, "transforms": transforms}
 
 
 def full_state_dicts_without_offload() -> None:

@@ -37,7 +37,7 @@ from types import SimpleNamespace
 
 import torch
 import transformers
-from _common import sample_words, stub_missing
+from _common import sample_sentences, save_tiny_gpt2, stub_missing
 
 STUBS = {
     "hydra": {"main": lambda **_: lambda fn: fn},
@@ -49,37 +49,9 @@ STUBS = {
 }
 
 
-def _sentences() -> list[str]:
-    words = sample_words()
-    return [" ".join(words[i : i + 12]) for i in range(0, len(words) - 12, 12)]
-
-
-def _pretrained(directory: str) -> None:
-    """A GPT-2 and its tokenizer saved where ``from_pretrained`` reads them (the same on every rank)."""
-    from tokenizers import ByteLevelBPETokenizer
-
-    bpe = ByteLevelBPETokenizer()
-    bpe.train_from_iterator(_sentences(), vocab_size=400, min_frequency=1, special_tokens=["<|endoftext|>"])
-    tokenizer = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=bpe, eos_token="<|endoftext|>", bos_token="<|endoftext|>"
-    )
-    tokenizer.save_pretrained(directory)
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(
-        vocab_size=len(tokenizer),
-        n_positions=128,
-        n_embd=64,
-        n_layer=2,
-        n_head=4,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.eos_token_id,
-    )
-    transformers.GPT2LMHeadModel(config).save_pretrained(directory)
-
-
 def _preferences(split: str, **_: object) -> dict[str, dict[str, object]]:
     """Prompts with a preferred and a rejected continuation, in the shape ``get_dataset`` returns."""
-    sentences = _sentences()
+    sentences = sample_sentences()
     start = 0 if split == "train" else len(sentences) // 2
     data: dict[str, dict[str, object]] = {}
     for i in range(start, start + 24):
@@ -104,7 +76,7 @@ def _seed_accepts_numpy_integers() -> None:
 def main() -> None:
     _seed_accepts_numpy_integers()
     pretrained = tempfile.mkdtemp(prefix="dpo-pretrained-")
-    _pretrained(pretrained)
+    save_tiny_gpt2(pretrained)
     stub_missing(STUBS)
     import preference_datasets
     import train

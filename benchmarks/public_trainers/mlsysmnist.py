@@ -27,68 +27,14 @@ from __future__ import annotations
 
 import importlib.util
 import sys
-import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import torch
-from _common import stub_missing
+from _common import CpuEvent, mnist_stub, stub_missing
 
 TRAIN, TEST = 256, 64
-
-
-class _MNIST(torch.utils.data.Dataset):  # type: ignore[type-arg]
-    """``datasets.MNIST(root, train=..., download=..., transform=...)``: seeded noise images, seeded labels."""
-
-    def __init__(self, root: str, train: bool = True, download: bool = False, transform: Any = None) -> None:
-        generator = torch.Generator().manual_seed(0 if train else 1)
-        count = TRAIN if train else TEST
-        self.images = torch.rand(count, 1, 28, 28, generator=generator)
-        self.labels = torch.randint(0, 10, (count,), generator=generator)
-        self.transform = transform
-
-    def __len__(self) -> int:
-        return len(self.labels)
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
-        image = self.images[index]
-        return (self.transform(image) if self.transform else image), int(self.labels[index])
-
-
-class _Compose:
-    def __init__(self, steps: list[Any]) -> None:
-        self.steps = steps
-
-    def __call__(self, value: Any) -> Any:
-        for step in self.steps:
-            value = step(value)
-        return value
-
-
-class _Normalize:
-    def __init__(self, mean: tuple[float, ...], std: tuple[float, ...]) -> None:
-        self.mean = torch.tensor(mean).view(-1, 1, 1)
-        self.std = torch.tensor(std).view(-1, 1, 1)
-
-    def __call__(self, image: torch.Tensor) -> torch.Tensor:
-        return (image - self.mean) / self.std
-
-
-class _Event:
-    """``torch.cuda.Event(enable_timing=True)`` without a GPU: ``record``, ``synchronize`` and ``elapsed_time``."""
-
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        self.at = 0.0
-
-    def record(self, *args: object) -> None:
-        self.at = time.perf_counter()
-
-    def synchronize(self) -> None:
-        pass
-
-    def elapsed_time(self, end: _Event) -> float:
-        return (end.at - self.at) * 1000.0
 
 
 def _trainer() -> Any:
@@ -105,11 +51,9 @@ def _trainer() -> Any:
 
 
 def main() -> None:
-    datasets = SimpleNamespace(MNIST=_MNIST)
-    transforms = SimpleNamespace(Compose=_Compose, ToTensor=lambda: lambda image: image, Normalize=_Normalize)
-    stub_missing({"torchvision": {"datasets": datasets, "transforms": transforms}})
+    stub_missing({"torchvision": mnist_stub(TRAIN, TEST)})
     if not torch.cuda.is_available():
-        torch.cuda.Event = _Event  # type: ignore[assignment,misc]
+        torch.cuda.Event = CpuEvent  # type: ignore[assignment,misc]
     args = SimpleNamespace(batch_size=32, test_batch_size=64, epochs=2, lr=1.0, gamma=0.7, seed=1, save_model=True)
     torch.manual_seed(args.seed)
     _trainer().fsdp_main(args)

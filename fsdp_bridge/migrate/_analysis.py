@@ -594,6 +594,9 @@ SET_STATE_DICT_TYPE_CALL = re.compile(r"\bset_state_dict_type\s*\(")
 GROUP_ARG = re.compile(r"\b(?:process_group|device_mesh)\s*=\s*(?!None\s*[,)\n])")
 
 
+BRIDGE_MESH_ARG = re.compile(r"[(,]\s*mesh=(?!None\s*[,)\n]|_fsdp2_helpers\.data_parallel_mesh\(\"\w+\"\))")
+"""``mesh=X`` passed to ``fsdp_bridge.shard`` (or a mesh given to ``--target torch``'s helper), not ``None``."""
+
 OFFLOADS_PARAMS = re.compile(r"\bCPUOffload\(\s*(offload_params\s*=\s*)?True\s*\)")
 _COMMENT = re.compile(r"#[^\n]*")
 
@@ -625,6 +628,8 @@ def passes_group(code: str) -> bool:
     and a commented-out ``# process_group=...`` are not one, ``None if single else group`` is."""
     if "fsdp_bridge.mesh_from_process_group(" in code:
         return True  # a grouped FSDP(...) an earlier --fix wrote for the bridge (a second --fix sees the same tree)
+    if "fsdp_bridge.shard(" in code and BRIDGE_MESH_ARG.search(_COMMENT.sub("", code)) is not None:
+        return True  # FSDP(..., device_mesh=m) as an earlier --fix wrote it: fsdp_bridge.shard(..., mesh=m)
     if "FullyShardedDataParallel" not in code or GROUP_ARG.search(code) is None:
         return False
     try:

@@ -484,6 +484,16 @@ def _imports_after_setup(fixed: cst.Module, original: cst.Module) -> cst.Module:
     while end + 1 < len(body) and _is_import(body[end + 1]):
         end += 1  # after the block of imports torch's opens
     moved = [body[i] for i in early]
+    # libcst set a blank line before the statement its imports preceded (``matplotlib.use(...)`` after ``import
+    # matplotlib``): with the imports gone from there, that statement gets back the lines it had
+    had_lines = {
+        original.code_for_node(s).strip(): s.leading_lines for s in original.body if hasattr(s, "leading_lines")
+    }
+    for i in {i + 1 for i in early} - set(early):
+        if i < len(body) and hasattr(body[i], "leading_lines"):
+            was = had_lines.get(fixed.code_for_node(body[i].with_changes(leading_lines=())).strip())
+            if was is not None:
+                body[i] = body[i].with_changes(leading_lines=was)
     kept = [s for i, s in enumerate(body) if i not in early]
     at = kept.index(body[end]) + 1
     return fixed.with_changes(body=[*kept[:at], *moved, *kept[at:]])

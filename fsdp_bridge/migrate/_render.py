@@ -48,7 +48,14 @@ def render_shard(conv: Conversion) -> cst.BaseExpression:
         *commented(conv, i1, "module", code_of(conv.module)),
         f"{i1}fsdp_bridge.BridgeConfig(",
     ]
-    for slot, text in config:
+    for (slot, text), arg in zip(config, [a for a in conv.config_args if a.keyword], strict=True):
+        if len(conv.indent) + len(i2) + len(text) >= 100 and isinstance(arg.value, cst.Dict) and arg.value.elements:
+            # a long mapping (mixed_precision={...}) one entry per line
+            entries = [
+                f"{code_of(e.key)}: {code_of(e.value)}" if isinstance(e, cst.DictElement) else code_of(e).rstrip(", ")
+                for e in arg.value.elements
+            ]
+            text = f"{slot}={{\n" + "".join(f"{i2}    {e},\n" for e in entries) + f"{i2}}}"
         lines += commented(conv, i2, slot, text)
     lines += [f"{i1}),"] + [x for t in tail for x in commented(conv, i1, "mesh", t)]
     lines += [i1 + c for c in conv.slot_comments.get("", ([], None))[0]] + [")"]
@@ -79,6 +86,16 @@ def comments_around(call: cst.Call, i: int) -> tuple[list[str], str | None]:
     return lead, trail
 
 
+def closing_comments(call: cst.Call) -> list[str]:
+    """The comments on their own lines after the last argument of ``call``, before its closing parenthesis
+    (``# cpu_offload=CPUOffload(offload_params=True),`` left commented out at the end of a call)."""
+    if not call.args:
+        return []
+    last = call.args[-1]
+    ws = last.comma.whitespace_after if isinstance(last.comma, cst.Comma) else last.whitespace_after_arg
+    return [line.comment.value for line in getattr(ws, "empty_lines", ()) if line.comment is not None]
+
+
 def runtime_lines(conv: Conversion, indent: str) -> list[str]:
     """``kw=<as written>,`` lines for ``BridgeConfig.from_fsdp1(...)``, with the comments written
     around each argument; a value spanning lines keeps its shape, re-indented under its keyword."""
@@ -103,7 +120,7 @@ def render_runtime(conv: Conversion) -> cst.BaseExpression:
     lines += [f"{i1}fsdp_bridge.BridgeConfig.from_fsdp1(", *runtime_lines(conv, i2), f"{i1}),"]
     if conv.mesh is not None:
         lines += commented(conv, i1, "mesh", f"mesh={code_of(conv.mesh)}")
-    lines.append(")")
+    lines += [i1 + c for c in conv.slot_comments.get("", ([], None))[0]] + [")"]
     return cst.parse_expression("\n".join(lines))
 
 

@@ -184,6 +184,7 @@ class ScannerBase(FollowsAliases):
         self.attr_unwraps: set[int] = set()  # id(X._fsdp_wrapped_module) -> fsdp_bridge.unwrapped(X)
         self.forwarded_reads: dict[int, str] = {}  # id(X._fsdp_wrapped_module | X.module) in X.<that>.name -> name
         self.removed_stmts: set[int] = set()  # id(statement) -> deleted (a no-op on FSDP2)
+        self.unwrapped_config_uses: dict[int, int] = {}  # id(a config's value) -> the unwrapped blocks using it
         self.planning = True
         self.consumed_partial = False
         self.consumed_nodes: set[int] = set()

@@ -361,6 +361,31 @@ class Scanner(
             and self._plan_self_spelled_set_state_dict_type(node, func)
         ):
             return False
+        if (
+            hit is None
+            and isinstance(func, cst.Attribute)
+            and func.attr.value == "set_state_dict_type"
+            and node.args
+            and node.args[0].keyword is None
+            and code_of(node.args[0].value) != code_of(func.value)
+            and self.dispatch.own_methods.get("set_state_dict_type") is None
+            and self._fsdp1_wrapper(node, func.value, by_calls=False) == "fsdp1"
+        ):
+            # model.set_state_dict_type(StateDictType.X, cfg): FSDP1's static method reached through the model
+            # without the model, which FSDP1 reads as its module argument
+            recv = short(code_of(func.value), 40)
+            self._consume(node)
+            self._record(
+                node,
+                f"{recv}.set_state_dict_type({short(code_of(node.args[0].value), 40)}, ...)",
+                f"not rewritten: FSDP1's set_state_dict_type is a static method whose first argument is the module, "
+                f"so called through {recv} without it FSDP1 takes {short(code_of(node.args[0].value), 40)} for the "
+                "module (and raises); FSDP2's module has no set_state_dict_type (an AttributeError). Write "
+                f"fsdp_bridge.set_state_dict_type({recv}, <type>, <config>) (it takes any module), or take the "
+                f"state dict with get_model_state_dict({recv}, options=StateDictOptions(full_state_dict=True))",
+                False,
+            )
+            return False
         if self._plan_optim_state_call(node, func, hit):
             return False
         handled, result = self._plan_summon(node, func, hit)

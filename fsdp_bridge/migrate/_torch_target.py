@@ -40,7 +40,7 @@ from libcst.metadata import MetadataWrapper, PositionProvider, QualifiedNameProv
 
 from fsdp_bridge.migrate._analysis import code_of, resolve_fsdp, walk
 from fsdp_bridge.migrate._names import FSDP, TODO
-from fsdp_bridge.migrate._render import commas, comments_around
+from fsdp_bridge.migrate._render import closing_comments, commas, comments_around
 from fsdp_bridge.migrate._torch_helpers import HELPERS_NAME
 from fsdp_bridge.strategy import ShardingStrategy
 
@@ -323,6 +323,7 @@ def _shard_args(call: cst.Call) -> tuple[str, _Shard]:
             note(kw)
         else:
             raise _CannotLower(f"{kw}={text}: no plain-torch form written for this setting yet")
+    out.loose += closing_comments(config) + closing_comments(call)
     return code_of(positional[0].value), out
 
 

@@ -207,7 +207,7 @@ class CheckpointNoteFixer(ScannerBase):
             self._record(
                 node,
                 f"{construct}, whose named_parameters() names are kept (line "
-                f"{self.get_metadata(PositionProvider, named).start.line})",
+                f"{self.get_metadata(PositionProvider, named).start.line} before --fix)",
                 f"not rewritten: {COMPILED_NAMES.removeprefix('left as it is; ')}. The names this code takes from "
                 "the compiled model's named_parameters() carry '_orig_mod.' and so no longer match the migrated "
                 "state dicts' keys (a lookup or a check of them fails at the first checkpoint): take them from "

@@ -21,7 +21,7 @@ from fsdp_bridge.migrate._names import (
     fsdp2_any,
     fsdp2_case,
 )
-from fsdp_bridge.migrate._render import comments_around, runtime_lines, runtime_names
+from fsdp_bridge.migrate._render import closing_comments, comments_around, runtime_lines, runtime_names
 from fsdp_bridge.migrate._report import CodeFinding
 from fsdp_bridge.migrate._scan_base import ScannerBase
 from fsdp_bridge.migrate.fixers._lightning import LIGHTNING_PACKAGES
@@ -713,6 +713,7 @@ class ConstructorFixer(ScannerBase):
                 pending = []
             elif trail:
                 pending.append(trail)
+        pending += closing_comments(call)
         if pending:
             conv.slot_comments[""] = (pending, None)
         if not has_wrap:

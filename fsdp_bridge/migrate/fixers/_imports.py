@@ -226,11 +226,8 @@ class ImportsFixer(ScannerBase):
                 read := self._unwrapped_state_dict(node, obj)
             ) is not None:
                 # a TODO at the state dict (the unwrap's own rewrite below runs after --fix; the state dict is wrong)
-                name, call, line, test_text = read
-                construct = (
-                    f"{name}.state_dict() after {name} = {short(obj, 30)}.module if {short(test_text, 30)} else "
-                    f"{short(obj, 30)}"
-                )
+                name, call, line, choice = read
+                construct = f"{name}.state_dict() after {name} = {short(choice, 80)}"
                 text = " ".join(
                     (
                         f"not rewritten: on FSDP1 {name} is the wrapped module, whose state_dict() outside "
@@ -945,9 +942,10 @@ class ImportsFixer(ScannerBase):
     def _unwrapped_state_dict(
         self, node: cst.CSTNode, obj: str
     ) -> tuple[str, cst.Call, cst.SimpleStatementLine, str] | None:
-        """``name = obj.module if <test> else obj`` (``node`` the ``obj.module``; the test ``hasattr(obj,
-        "module")`` or the flag of the FSDP path) with ``obj`` FSDP1's wrapper here, and ``name.state_dict()``
-        called later in the function (or module): (name, that call, its statement, the test)."""
+        """``name = obj.module if <test> else obj`` or ``name = obj if <test> else obj.module`` (``node`` the
+        ``obj.module``; the test ``hasattr(obj, "module")`` or the flag of the FSDP path) with ``obj`` FSDP1's
+        wrapper here, and ``name.state_dict()`` called later in the function (or module): (name, that call, its
+        statement, the conditional expression)."""
         stmt = self.stmt_stack[-1] if self.stmt_stack else None
         scope = self.functions[-1] if self.functions else self.module
         if (
@@ -962,8 +960,10 @@ class ImportsFixer(ScannerBase):
             and len(assign.targets) == 1
             and isinstance(assign.targets[0].target, cst.Name)
             and isinstance(assign.value, cst.IfExp)
-            and assign.value.body is node
-            and code_of(assign.value.orelse) == obj
+            and (
+                (assign.value.body is node and code_of(assign.value.orelse) == obj)
+                or (assign.value.orelse is node and code_of(assign.value.body) == obj)
+            )
         ):
             return None
         name = assign.targets[0].target.value
@@ -976,7 +976,7 @@ class ImportsFixer(ScannerBase):
                     and not call.args
                     and m.matches(call.func, m.Attribute(value=m.Name(name), attr=m.Name("state_dict")))
                 ):
-                    return name, call, line, code_of(assign.value.test)
+                    return name, call, line, code_of(assign.value)
         return None
 
     def _under_hasattr_module(self, node: cst.CSTNode, obj: str) -> bool:

@@ -44,6 +44,14 @@ SHAPE_GROUPS = (
 )
 """The TODO at a parameter-group split decided by FSDP1 parameters' shapes."""
 
+SUMMED_COUNT = (
+    "not rewritten: after FSDP1 wraps the model each rank's parameters are its shard (numel() this rank's count), "
+    "so adding the counts of every rank with all_reduce gave the model's size; on FSDP2 they are DTensors whose "
+    "numel() is the whole count, and the all_reduce gives the world size times it. Count p.to_local().numel() "
+    "to keep the all_reduce (the shards add up to the model's size), or keep numel() and drop the all_reduce"
+)
+"""The TODO at a count of FSDP1 parameters' numel() that the code then adds across ranks."""
+
 FLAT_NAMES = (
     "left as it is; its meaning changes: with use_orig_params=False (FSDP1's default) the wrapped model's "
     "named_parameters() are its flat parameters (`_flat_param`, one per unit), so a rule on the names (no weight "
@@ -624,10 +632,46 @@ class NoSyncClipFixer(ScannerBase):
                 return
         if read is not None and _splits_groups(body, param) and self._shown_fsdp1(node, func.value):
             self._record(node, f"{short(code_of(node), 40)} split into groups by {read}", SHAPE_GROUPS, False)
+        elif (
+            read is not None
+            and read.endswith(".numel")
+            and (reduced := self._all_reduced_count(stmt)) is not None
+            and self._shown_fsdp1(node, func.value)
+        ):
+            construct = f"{short(code_of(node), 40)} counted by {read}() and added across ranks ({reduced})"
+            self._record(node, construct, SUMMED_COUNT, False)
         elif read is not None:
             self._note_on_fsdp1_model(node, func.value, f"{short(code_of(node), 40)} read as {read}", SHARD_SHAPES)
         elif isinstance(name, cst.Name) and (rule := _name_rule(body, name.value)):
             self._note_on_fsdp1_model(node, func.value, f"{short(code_of(node), 40)} names tested ({rule})", FLAT_NAMES)
+
+    def _all_reduced_count(self, stmt: cst.CSTNode) -> str | None:
+        """``stmt`` assigns a name (``n = sum(p.numel() for p in ...)``) that a later ``all_reduce`` of the
+        enclosing function (or module) takes, itself or through names assigned from it
+        (``t = torch.tensor([n])``): the all_reduce call's text, else None."""
+        if not isinstance(stmt, cst.SimpleStatementLine) or not isinstance(stmt.body[0], (cst.Assign, cst.AugAssign)):
+            return None
+        first = stmt.body[0]
+        targets = [t.target for t in first.targets] if isinstance(first, cst.Assign) else [first.target]
+        derived = {t.value for t in targets if isinstance(t, cst.Name)}
+        scope = self.functions[-1] if self.functions else self.module
+        if not derived or scope is None:
+            return None
+        assigns = [n for n in walk(scope) if isinstance(n, cst.Assign) and n is not first]
+        for _ in range(3):  # names assigned from it, and from those
+            for a in assigns:
+                if any(isinstance(n, cst.Name) and n.value in derived for n in walk(a.value)):
+                    derived |= {t.target.value for t in a.targets if isinstance(t.target, cst.Name)}
+        for n in walk(scope):
+            if (
+                isinstance(n, cst.Call)
+                and code_of(n.func).rsplit(".", 1)[-1] == "all_reduce"
+                and n.args
+                and isinstance(n.args[0].value, cst.Name)
+                and n.args[0].value.value in derived
+            ):
+                return short(code_of(n), 60)
+        return None
 
     def _in_a_method_called_on_fsdp1(self) -> bool:
         """The enclosing function is a method of a class (not FSDP1's own subclass) whose name a call of the tree

@@ -39,6 +39,30 @@ FULL_OPTIM_TEXT = (
 )
 
 
+def _names_in(node: cst.CSTNode) -> set[str]:
+    return {n.value for n in walk(node) if isinstance(n, cst.Name)}
+
+
+def _followers(body: Sequence[cst.BaseStatement], i: int, j: int) -> list[int] | None:
+    """The statements between an optimizer built at ``body[i]`` and the wrap at ``body[j]`` that use it (a
+    scheduler built on it, and what uses those in turn): they move with it. None where one cannot: it is not a
+    plain assignment, or what it assigns is used by a statement staying before the wrap (or by the wrap)."""
+    held = {assign_target(body[i])} - {None}
+    followers: list[int] = []
+    for k in range(i + 1, j):
+        if _names_in(body[k]) & held:
+            target = assign_target(body[k])
+            if target is None or "." in target or "[" in target:
+                return None
+            followers.append(k)
+            held.add(target)
+    moved = {id(body[k]) for k in followers}
+    staying = [body[k] for k in range(i + 1, j + 1) if id(body[k]) not in moved]
+    if any(_names_in(s) & held for s in staying):
+        return None
+    return followers
+
+
 class OptimStateFixer(ScannerBase):
     """Optimizer state."""
 
@@ -382,12 +406,28 @@ class OptimStateFixer(ScannerBase):
             for target in uses:
                 j = wraps[target]
                 if i < j and not any(assign_target(body[k]) == assign_target(stmt) for k in range(i + 1, j)):
-                    self.optimizer_moves[id(stmt)] = id(body[j])
+                    followers = _followers(body, i, j)
+                    if followers is None:
+                        construct = f"{code_of(value.func)}(...) before FSDP(...)"
+                        note = (
+                            f"not rewritten: FSDP2 replaces {target}'s parameters, so an optimizer built before the "
+                            "wrap would update tensors the model no longer uses; the statements between them use "
+                            "the optimizer (a scheduler, ...) in a way that cannot move with it: build the optimizer "
+                            "and what uses it after the wrap"
+                        )
+                        pos = self.get_metadata(PositionProvider, stmt).start
+                        self.findings.append(CodeFinding(self.path, pos.line, pos.column, construct, note, False))
+                        self.todos.setdefault(id(stmt), []).append(f"{construct}: {note}")
+                        continue
+                    for k in (i, *followers):
+                        self.optimizer_moves[id(body[k])] = id(body[j])
+                    also = [short(code_of(assign_value(body[k]) or body[k]), 40) for k in followers]
                     self._record(
                         stmt,
                         f"{code_of(value.func)}(...) before FSDP(...)",
                         f"moved after the shard call: FSDP2 replaces {target}'s parameters, and an optimizer "
-                        "built before would update tensors the model no longer uses",
+                        "built before would update tensors the model no longer uses"
+                        + (f" (with what uses it there: {', '.join(also)})" if also else ""),
                         True,
                     )
             self._note_optimizer_before_nested_wrap(body, i, stmt, text)
@@ -420,8 +460,9 @@ class OptimStateFixer(ScannerBase):
                 pos = self.get_metadata(PositionProvider, stmt)
                 construct = f"{short(code_of(value), 40)} before FSDP({target}, ...)"
                 note = (
-                    f"this optimizer is built from {target}'s parameters before the wrap on line "
-                    f"{self.get_metadata(PositionProvider, n).start.line}; FSDP2 replaces them (so does FSDP1 "
+                    f"this optimizer is built from {target}'s parameters before the wrap "
+                    f"`{short(code_of(n), 50)}` (line {self.get_metadata(PositionProvider, n).start.line} before "
+                    "--fix); FSDP2 replaces them (so does FSDP1 "
                     "without use_orig_params=True), and it would update tensors the model no longer uses (the bridge "
                     "refuses it at the first step): build it after the wrap, on every branch"
                 )
@@ -454,8 +495,9 @@ class OptimStateFixer(ScannerBase):
                     pos = self.get_metadata(PositionProvider, stmt)
                     construct = f"{short(text, 40)} before FSDP({target}, ...) on a branch"
                     note = (
-                        f"this optimizer holds {target}'s parameters from before the wrap on line "
-                        f"{self.get_metadata(PositionProvider, n).start.line}; FSDP2 replaces them (so does FSDP1 "
+                        f"this optimizer holds {target}'s parameters from before the wrap "
+                        f"`{short(code_of(n), 50)}` (line {self.get_metadata(PositionProvider, n).start.line} "
+                        "before --fix); FSDP2 replaces them (so does FSDP1 "
                         "without use_orig_params=True), and it would update tensors the model no longer uses (the "
                         "bridge refuses it at the first step): build it after the wrap, on every branch"
                     )

@@ -3,6 +3,7 @@ becomes on the bridge."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import cast
 
 import libcst as cst
@@ -37,6 +38,8 @@ class PolicyFixer(ScannerBase):
         would answer the pair), where a file of the tree asks the group for its backend."""
         if self.planning or self.dispatch.offloads_params is None or self.dispatch.asks_backend is not None:
             return
+        if not self.uses_fsdp1 and self._a_script_of_its_own():
+            return  # another training script (DDP's) beside the one that offloads: it never sees FSDP2's gradients
         names = {q.name for q in self.get_metadata(QualifiedNameProvider, node.func, set())}
         if not names & {
             "torch.distributed.init_process_group",
@@ -67,6 +70,18 @@ class PolicyFixer(ScannerBase):
             "through NCCL",
             True,
         )
+
+    def _a_script_of_its_own(self) -> bool:
+        """The file runs as a script (``if __name__ == "__main__":`` at its top level) and no file of the tree
+        imports from it (``from <its module> import ...``): its process group is its own."""
+        if self.module is None or not any(
+            isinstance(stmt, cst.If) and "__name__" in code_of(stmt.test) and "__main__" in code_of(stmt.test)
+            for stmt in self.module.body
+        ):
+            return False
+        parts = [p for p in Path(self.path).with_suffix("").parts if p not in ("/", "")]
+        mine = {".".join(parts[-k:]) for k in range(1, len(parts) + 1)}
+        return not any(name.rpartition(".")[0] in mine or name in mine for name in self.dispatch.from_imports)
 
     def _note_offload_backend(self, node: cst.Call, backend: cst.BaseExpression) -> None:
         """``init_process_group(backend=<a value known at run time>)`` in a tree that offloads parameters: the

@@ -895,7 +895,12 @@ class StateDictFixer(ScannerBase):
         self._consume(node.items[0].item)
         for extra in configs:
             value = self._follow(extra, Conversion()) if extra is not None else None
-            if value is not None and value is not extra and self.name_uses.get(cast(cst.Name, extra).value, 0) <= 2:
+            if value is None or value is extra:
+                continue
+            # used by this block and others like it (the model's and an EMA copy's): gone with the last of them
+            name = cast(cst.Name, extra).value
+            self.unwrapped_config_uses[id(value)] = self.unwrapped_config_uses.get(id(value), 0) + 1
+            if self.name_uses.get(name, 0) <= 1 + self.unwrapped_config_uses[id(value)]:
                 self._consume(value)
         what = ", ".join(sorted({code.split("(")[0] for code in rewrites.values()}))
         full_load = any(

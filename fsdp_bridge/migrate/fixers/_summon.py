@@ -12,6 +12,15 @@ from fsdp_bridge.migrate._names import FSDP, NAMES
 from fsdp_bridge.migrate._scan_base import ScannerBase
 from fsdp_bridge.migrate._torch_helpers import HELPERS_NAME
 
+_NOT_A_FORWARD = frozenset(
+    {
+        *("state_dict", "load_state_dict", "parameters", "named_parameters", "buffers", "named_buffers"),
+        *("modules", "named_modules", "children", "named_children", "eval", "train", "to", "cpu", "cuda"),
+        *("half", "float", "bfloat16", "requires_grad_", "zero_grad", "save_pretrained", "get_submodule"),
+    }
+)
+"""Methods of a module that run no forward (nothing of them gathers on FSDP2)."""
+
 
 class SummonFixer(ScannerBase):
     """summon_full_params."""
@@ -68,6 +77,8 @@ class SummonFixer(ScannerBase):
                 held = self._values_read_inside(node, code_of(node.args[0].value))
             if held is None and ok and not own:
                 held = self._load_inside(node, code_of(node.args[0].value))
+            if held is None and ok and not own and kws.get("rank0_only") == "True":
+                held = self._one_rank_forward_inside(node, code_of(node.args[0].value))
             if held is not None:
                 self._record(node, construct, held, False)
                 self._consume(node.func)
@@ -291,6 +302,68 @@ class SummonFixer(ScannerBase):
         return next(
             (w for w in walk(scope) if isinstance(w, cst.With) and any(item.item is node for item in w.items)), None
         )
+
+    def _one_rank_forward_inside(self, node: cst.Call, module: str) -> str | None:
+        """Why a ``rank0_only=True`` context cannot be rewritten where, inside it, an ``if`` testing the rank
+        calls the model (or a name the function took from it: ``raw = model.module``): FSDP1's wrapped module
+        runs there on rank 0 alone without a collective (its units gathered already); FSDP2's units gather in
+        their own forward, an all-gather the other ranks never join. None where no such call is made. The
+        context is the ``with`` holding the call, or the one entering a name the call was assigned to
+        (``ctx = FSDP.summon_full_params(...)`` then ``with ctx:``)."""
+        scope: cst.CSTNode | None = self.functions[-1] if self.functions else self.module
+        if scope is None:
+            return None
+        blocks = [b for b in [self._with_block_of(node)] if b is not None]
+        held = {
+            t.target.value
+            for a in walk(scope)
+            if isinstance(a, cst.Assign) and any(n is node for n in walk(a.value))
+            for t in a.targets
+            if isinstance(t.target, cst.Name)
+        }
+        blocks += [
+            w for w in walk(scope) if isinstance(w, cst.With) and any(code_of(item.item) in held for item in w.items)
+        ]
+        root = module.split(".")[0].split("(")[0]
+        names = {root} | {
+            t.target.value
+            for a in walk(scope)
+            if isinstance(a, cst.Assign) and any(isinstance(n, cst.Name) and n.value == root for n in walk(a.value))
+            for t in a.targets
+            if isinstance(t.target, cst.Name)
+        }
+        for block in blocks:
+            for test in walk(block.body):
+                if not isinstance(test, cst.If) or "rank" not in code_of(test.test).lower():
+                    continue
+                call = next(
+                    (
+                        c
+                        for c in walk(test.body)
+                        if isinstance(c, cst.Call)
+                        and (
+                            (isinstance(c.func, cst.Name) and c.func.value in names)
+                            or (
+                                isinstance(c.func, cst.Attribute)
+                                and isinstance(c.func.value, cst.Name)
+                                and c.func.value.value in names
+                                and c.func.attr.value not in _NOT_A_FORWARD
+                            )
+                        )
+                    ),
+                    None,
+                )
+                if call is not None:
+                    return (
+                        f"a forward on one rank inside it ({short(code_of(call.func), 40)}(...) under "
+                        f"`if {short(code_of(test.test), 40)}`): FSDP1's wrapped module runs there without a "
+                        "collective (its units gathered already); FSDP2's units gather their parameters in their "
+                        "own forward, an all-gather the other ranks never join (a hang). Run the forward on every "
+                        "rank (rank 0 keeps the outputs) inside fsdp_bridge.summon_full_params(model) without "
+                        "rank0_only, or on rank 0 load get_model_state_dict(model, options=StateDictOptions("
+                        "full_state_dict=True, cpu_offload=True)) into an unsharded copy of the model and run that"
+                    )
+        return None
 
     def _params_held_across(self, node: cst.Call, module: str) -> str | None:
         """Why the context cannot be rewritten where parameter objects taken before it are read inside it
