@@ -2341,6 +2341,25 @@ def test_added_imports_never_come_before_what_runs_before_torch_is_imported() ->
     assert lowered.index('os.environ["OMP_NUM_THREADS"]') < lowered.index("import torch\n")
 
 
+def test_a_local_import_removed_from_the_start_of_a_block_leaves_no_blank_line() -> None:
+    # t5_11: `if cfg.use_fp16:` / local ShardedGradScaler import / blank line / scaler = ...: the import goes, and
+    # with it the blank line that would open the block; a block the original opens with a blank line keeps it
+    source = (
+        "def build(cfg):\n"
+        "    scaler = None\n"
+        "    if cfg.use_fp16:\n"
+        "        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler\n\n"
+        "        scaler = ShardedGradScaler()\n"
+        "    while cfg.wait:\n\n"
+        "        cfg.step()\n"
+        "    return scaler\n"
+    )
+    fixed = migrate_source(source, "local.py").fixed
+    assert "    if cfg.use_fp16:\n        scaler = fsdp_bridge.GradScaler()\n" in fixed, fixed
+    assert "    while cfg.wait:\n\n        cfg.step()\n" in fixed
+    assert migrate_source(fixed, "local.py").fixed == fixed
+
+
 def test_a_statement_between_imports_keeps_its_lines_when_the_added_imports_move_below_torch() -> None:
     # libcst adds its imports after ``import matplotlib`` with a blank line before ``matplotlib.use``; moved below
     # the torch imports, they take nothing with them and leave nothing behind

@@ -1516,3 +1516,49 @@ def test_a_copy_of_torchs_fsdp1_module_says_nothing_of_how_the_tree_shards(tmp_p
     assert [f.construct for f in report.findings if not f.fixable] == []
     (scaler,) = [f for f in report.findings if f.construct.startswith("ShardedGradScaler")]
     assert scaler.replacement == "_fsdp2_helpers.GradScaler()"
+
+
+def test_a_name_written_through_the_wrapped_module_keeps_the_unwrap() -> None:
+    # FSDP1's wrapper hands reads of a name it does not define to the module (`model.module.n` reads as
+    # `model.n`), never writes: `model.module.n += 1` became `model.n += 1`, which on the bridge's fsdp1 backend
+    # set the wrapper's own attribute while the module's forward read its own (EfficientMoE's training_iters)
+    source = textwrap.dedent("""\
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        def train(net, loader):
+            model = FSDP(net)
+            for x in loader:
+                model.module.training_iters += 1
+                model.module.note: int = 1
+                print(model.module.training_iters)
+        """)
+    fixed = migrate_source(source, "train.py").fixed
+    assert "        fsdp_bridge.unwrapped(model).training_iters += 1\n" in fixed
+    assert "        fsdp_bridge.unwrapped(model).note: int = 1\n" in fixed
+    assert "        print(model.training_iters)\n" in fixed
+    assert migrate_source(fixed, "train.py").fixed == fixed
+
+
+def test_an_unused_import_is_reported_on_the_line_its_name_is_written() -> None:
+    # a name of a parenthesized import on its own line, a name imported twice on each of its lines (DanceGRPO's
+    # report put them at 1:1 and twice on the first import's line)
+    source = textwrap.dedent("""\
+        import torch
+        from torch.distributed.fsdp import (
+            StateDictType,
+            FullStateDictConfig,
+        )
+        from torch.distributed.fsdp import ShardingStrategy
+
+        def f(x):
+            return x
+
+        from torch.distributed.fsdp import ShardingStrategy
+        """)
+    found = sorted((f.line, f.construct.split(" import ")[1]) for f in migrate_source(source, "imp.py").findings)
+    assert found == [
+        (3, "StateDictType (never used here)"),
+        (4, "FullStateDictConfig (never used here)"),
+        (6, "ShardingStrategy (never used here)"),
+        (11, "ShardingStrategy (never used here)"),
+    ]

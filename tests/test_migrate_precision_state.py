@@ -1446,8 +1446,9 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
 def sample(model, prompts, rank):
     if isinstance(model, FSDP):
+        wrapper = model
         raw_model = model.module
-        ctx = FSDP.summon_full_params(model, recurse=True, writeback=False, rank0_only=True)
+        ctx = FSDP.summon_full_params(wrapper, recurse=True, writeback=False, rank0_only=True)
     else:
         raw_model = model
         ctx = nullcontext()
@@ -1471,9 +1472,9 @@ def test_a_forward_on_rank_0_alone_inside_a_rank0_only_summon_is_a_todo() -> Non
     for target in ("bridge", "torch"):
         result = migrate_source(ONE_RANK_SAMPLING, "sample.py", target=target)
         found = {f.line: f for f in result.findings if f.construct == "FSDP.summon_full_params(...)"}
-        assert not found[9].fixable and found[9].replacement.startswith(
+        assert not found[10].fixable and found[10].replacement.startswith(
             "a forward on one rank inside it (raw_model.generate(...) under `if rank == 0`)"
         )
-        assert "ctx = FSDP.summon_full_params(model, recurse=True, writeback=False, rank0_only=True)" in result.fixed
-        assert found[20].fixable
+        assert "ctx = FSDP.summon_full_params(wrapper, recurse=True, writeback=False, rank0_only=True)" in result.fixed
+        assert found[21].fixable
         assert migrate_source(result.fixed, "sample.py", target=target).fixed == result.fixed

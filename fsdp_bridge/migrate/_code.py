@@ -30,6 +30,7 @@ made of the fixers in ``fixers/``, one module per construct family), ``_rewrite`
 from __future__ import annotations
 
 import difflib
+import itertools
 import os
 import re
 import shutil
@@ -283,6 +284,7 @@ def migrate_source(
         fixed = RemoveImportsVisitor(context).transform_module(fixed).visit(_OwnLineParen())
         fixed = _imports_after_setup(fixed, module)
         fixed = _comments_of_removed_imports(module, fixed)
+        fixed = _no_new_blank_after_headers(code, fixed)
         left = set(_fsdp_imports(fixed))
         # the imports the file never used, gone with the others: said, as where nothing else changes
         scan.findings.extend(
@@ -296,6 +298,7 @@ def migrate_source(
             scan.findings.append(finding)
         fixed = RemoveImportsVisitor(context).transform_module(fixed).visit(_OwnLineParen())
         fixed = _comments_of_removed_imports(module, fixed)
+        fixed = _no_new_blank_after_headers(code, fixed)
     findings = sorted(scan.findings, key=lambda f: (f.line, f.column))
     if target == "torch" and "fsdp_bridge." in fixed.code:
         positions = wrapper.resolve(PositionProvider)
@@ -435,6 +438,36 @@ def _comments_of_removed_imports(original: cst.Module, fixed: cst.Module) -> cst
     for at, lines in moved.items():
         body[at] = body[at].with_changes(leading_lines=(*lines, *body[at].leading_lines))
     return fixed.with_changes(body=body)
+
+
+def _no_new_blank_after_headers(code: str, fixed: cst.Module) -> cst.Module:
+    """Blank lines the removal of a block's first statement left at the block's start (a local import, then
+    a blank line, in ``if cfg.use_fp16:``) go; a header the original follows with a blank line keeps it."""
+    before = code.split("\n")
+    kept = {
+        line.strip() for line, after in itertools.pairwise(before) if line.rstrip().endswith(":") and not after.strip()
+    }
+    lines = fixed.code.split("\n")
+    out: list[str] = []
+    for line in lines:
+        if not line.strip() and out and out[-1].rstrip().endswith(":") and out[-1].strip() not in kept:
+            header = out[-1].split("#", 1)[0].rstrip()
+            if header.endswith(":") and header.lstrip().split(" ", 1)[0] in _BLOCK_KEYWORDS:
+                continue
+        out.append(line)
+    text = "\n".join(out)
+    if text == fixed.code:
+        return fixed
+    try:
+        return cst.parse_module(text)
+    except cst.ParserSyntaxError:  # a header-like line inside a string: leave the text as it was
+        return fixed
+
+
+_BLOCK_KEYWORDS = frozenset(
+    {"if", "elif", "else:", "else", "for", "while", "with", "try:", "try", "except", "except:", "finally:"}
+    | {"def", "class", "async"}
+)
 
 
 def _imports_torch(stmt: cst.CSTNode) -> bool:
@@ -579,6 +612,7 @@ def _unused_fsdp1_imports(
 
     collect(module.body)
     unguarded = _fsdp_imports(cst.Module(body=cast("list[cst.SimpleStatementLine]", plain)))
+    lines = _import_lines(module)
     found = []
     for imp in _fsdp_imports(module):
         name = imp[2] or imp[1] or ""
@@ -593,17 +627,25 @@ def _unused_fsdp1_imports(
             or re.search(rf"\b{re.escape(name)}\b", in_strings)
         ):
             continue
-        line = next(
-            (
-                i
-                for i, text in enumerate(module.code.splitlines(), 1)
-                if re.match(rf"\s*from\s+{re.escape(imp[0])}\s+import\b", text)
-                and re.search(rf"\b{re.escape(imp[1] or '')}\b", text)
-            ),
-            1,
-        )
+        line = lines[imp].pop(0) if lines.get(imp) else 1
         construct = f"from {imp[0]} import {imp[1]}{f' as {imp[2]}' if imp[2] else ''} (never used here)"
         found.append((imp, CodeFinding(path, line, 0, construct, "removed: the file uses nothing of it", True)))
+    return found
+
+
+def _import_lines(module: cst.Module) -> dict[tuple[str, str | None, str | None], list[int]]:
+    """(module, name, alias) of each ``from ... import`` name -> the lines the name is written on, in order (a
+    name of a parenthesized import on its own line; a name imported twice, both)."""
+    wrapper = cst.MetadataWrapper(module, unsafe_skip_copy=True)
+    positions = wrapper.resolve(PositionProvider)
+    found: dict[tuple[str, str | None, str | None], list[int]] = {}
+    for node in walk(wrapper.module):
+        if not isinstance(node, cst.ImportFrom) or node.module is None or isinstance(node.names, cst.ImportStar):
+            continue
+        for alias in node.names:
+            asname = alias.asname.name if alias.asname is not None else None
+            key = (code_of(node.module), code_of(alias.name), code_of(asname) if asname is not None else None)
+            found.setdefault(key, []).append(positions[alias].start.line)
     return found
 
 

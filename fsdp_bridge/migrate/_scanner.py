@@ -509,13 +509,23 @@ class Scanner(
             isinstance(inner, cst.Attribute)
             and inner.attr.value in ("_fsdp_wrapped_module", "module")
             and not self.assign_target_depth
+            and not self._written_in_place(node)
             and not wrapper_defines(node.attr.value)
         ):
             # FSDP1's wrapper hands a name it does not define to the module it wraps: X.name is the same
+            # (for reads: a write, `X.module.n += 1` included, lands on the wrapper itself)
             self.forwarded_reads[id(inner)] = node.attr.value
         self._note_fsdp1_checkpoint(node)
         self._note_fsdp1_attribute(node)
         return self._reference(node)
+
+    def _written_in_place(self, node: cst.Attribute) -> bool:
+        """``node`` is the target of an augmented or annotated assignment or of a ``del`` in the current
+        statement (``x.module.steps += 1``)."""
+        stmt = self.stmt_stack[-1] if self.stmt_stack else None
+        return isinstance(stmt, cst.SimpleStatementLine) and any(
+            isinstance(b, (cst.AugAssign, cst.AnnAssign, cst.Del)) and b.target is node for b in stmt.body
+        )
 
     def visit_Name(self, node: cst.Name) -> bool:
         self._note_fsdp1_checkpoint(node)

@@ -325,13 +325,21 @@ class SummonFixer(ScannerBase):
             w for w in walk(scope) if isinstance(w, cst.With) and any(code_of(item.item) in held for item in w.items)
         ]
         root = module.split(".")[0].split("(")[0]
-        names = {root} | {
-            t.target.value
+        # the model's names in the function: taken from it (raw = model.module), or it from them (w = model)
+        pairs = [
+            (t.target.value, a.value)
             for a in walk(scope)
-            if isinstance(a, cst.Assign) and any(isinstance(n, cst.Name) and n.value == root for n in walk(a.value))
+            if isinstance(a, cst.Assign)
             for t in a.targets
             if isinstance(t.target, cst.Name)
-        }
+        ]
+        names = {root}
+        for _ in range(3):
+            for target, value in pairs:
+                if any(isinstance(n, cst.Name) and n.value in names for n in walk(value)):
+                    names.add(target)
+                elif target in names and isinstance(value, cst.Name):
+                    names.add(value.value)
         for block in blocks:
             for test in walk(block.body):
                 if not isinstance(test, cst.If) or "rank" not in code_of(test.test).lower():
