@@ -8,10 +8,12 @@ directory there), so they import this module by its name.
 from __future__ import annotations
 
 import importlib.machinery
+import importlib.util
 import sys
 import time
 import types
 from importlib.resources import files
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -67,6 +69,19 @@ def save_tiny_gpt2(directory: str) -> None:
         bos_token_id=tokenizer.eos_token_id,
     )
     transformers.GPT2LMHeadModel(config).save_pretrained(directory)
+
+
+def load_trainer(relative: str, name: str) -> Any:
+    """The tree's script at ``relative`` (in the copy ``verify`` put first on ``sys.path``), loaded by its path as
+    module ``name``, with its folder first on ``sys.path`` as when the script is run there (``--target torch``
+    writes its helper module beside it)."""
+    path = next(Path(entry) / relative for entry in sys.path if (Path(entry) / relative).is_file())
+    sys.path.insert(0, str(path.parent))
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def stub_missing(stubs: dict[str, dict[str, Any]]) -> None:

@@ -20,29 +20,13 @@ Float32 throughout, so the two runs can agree bit for bit.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
 
 import torch
 import torch.distributed.fsdp as fsdp
-from _common import CpuEvent
+from _common import CpuEvent, load_trainer
 
 fsdp_cpu_offload = fsdp.CPUOffload
-
-
-def _trainer() -> Any:
-    """The tree's ``main_fsdp.py`` (the copy ``verify`` put first on ``sys.path``), loaded by its path with its
-    folder first on ``sys.path`` (``--target torch`` writes its helper module there)."""
-    path = next(Path(entry) / "main_fsdp.py" for entry in sys.path if (Path(entry) / "main_fsdp.py").is_file())
-    sys.path.insert(0, str(path.parent))
-    spec = importlib.util.spec_from_file_location("distlearn_fsdp_trainer", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def main() -> None:
@@ -54,7 +38,7 @@ def main() -> None:
         fsdp.CPUOffload = lambda *args, **kwargs: fsdp_cpu_offload(offload_params=False)  # type: ignore[misc]
         fsdp.CPUOffloadPolicy = lambda *args, **kwargs: fsdp.OffloadPolicy()  # type: ignore[misc]
     args = SimpleNamespace(lr=0.01, epoch=10, batch_size=50, num_workers=0, seed=42)
-    _trainer().main(args)
+    load_trainer("main_fsdp.py", "distlearn_fsdp_trainer").main(args)
 
 
 if __name__ == "__main__":

@@ -22,33 +22,17 @@ throughout, so the two runs can agree bit for bit.
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
-from pathlib import Path
-from typing import Any
 
 import torch
-from _common import mnist_stub, stub_missing
-
-
-def _trainer() -> Any:
-    """The tree's ``fsdp_mnist.py`` (the copy ``verify`` put first on ``sys.path``), loaded by its path with its
-    folder first on ``sys.path`` (``--target torch`` writes its helper module there)."""
-    path = next(Path(entry) / "fsdp_mnist.py" for entry in sys.path if (Path(entry) / "fsdp_mnist.py").is_file())
-    sys.path.insert(0, str(path.parent))
-    spec = importlib.util.spec_from_file_location("llmpilot_fsdp_mnist", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from _common import load_trainer, mnist_stub, stub_missing
 
 
 def main() -> None:
     stub_missing({"torchvision": mnist_stub(256, 64)})
     nothing = lambda *args, **kwargs: None
     stub_missing({"wandb": {"init": nothing, "log": nothing, "finish": nothing}})
-    trainer = _trainer()
+    trainer = load_trainer("fsdp_mnist.py", "llmpilot_fsdp_mnist")
     os.makedirs("data", exist_ok=True)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     # the trainer sets MASTER_PORT itself (12355): rank 0 serves the store there, not torchrun's agent

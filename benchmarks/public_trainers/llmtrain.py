@@ -27,13 +27,10 @@ Float32 throughout, so the two runs can agree bit for bit.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 import tempfile
-from pathlib import Path
 from typing import Any
 
-from _common import full_state_dicts_without_offload, sample_sentences, save_tiny_gpt2, stub_missing
+from _common import full_state_dicts_without_offload, load_trainer, sample_sentences, save_tiny_gpt2, stub_missing
 
 
 class _Split:
@@ -63,27 +60,11 @@ def _load_dataset(name: str, subset: str | None = None, **_: object) -> _Splits:
     return _Splits(train=_Split({"text": [" " + s for s in sample_sentences()[:400]]}))
 
 
-def _trainer() -> Any:
-    """The tree's ``scripts/train_fsdp.py`` (the copy ``verify`` put first on ``sys.path``), loaded by its path
-    with its folder first on ``sys.path`` (``--target torch`` writes its helper module there)."""
-    path = next(
-        Path(entry) / "scripts" / "train_fsdp.py"
-        for entry in sys.path
-        if (Path(entry) / "scripts" / "train_fsdp.py").is_file()
-    )
-    sys.path.insert(0, str(path.parent))
-    spec = importlib.util.spec_from_file_location("llmtrain_fsdp_trainer", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def main() -> None:
     stub_missing({"datasets": {"load_dataset": _load_dataset}})
     pretrained = tempfile.mkdtemp(prefix="llmtrain-gpt2-")
     save_tiny_gpt2(pretrained)
-    trainer = _trainer()
+    trainer = load_trainer("scripts/train_fsdp.py", "llmtrain_fsdp_trainer")
     if hasattr(trainer, "FSDP"):  # the FSDP1 run
         full_state_dicts_without_offload()
     trainer.MODEL_NAME = pretrained

@@ -25,29 +25,12 @@ Float32 throughout, so the two runs can agree bit for bit.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
 
 import torch
-from _common import CpuEvent, mnist_stub, stub_missing
+from _common import CpuEvent, load_trainer, mnist_stub, stub_missing
 
 TRAIN, TEST = 256, 64
-
-
-def _trainer() -> Any:
-    """The tree's ``distributed/fsdp.py`` (the copy ``verify`` put first on ``sys.path``), loaded by its path with its
-    folder first on ``sys.path``, as ``torchrun distributed/fsdp.py`` runs it (``--target torch`` writes its helper
-    module there)."""
-    path = next(Path(entry) / "distributed" / "fsdp.py" for entry in sys.path if (Path(entry) / "distributed").is_dir())
-    sys.path.insert(0, str(path.parent))
-    spec = importlib.util.spec_from_file_location("mlsys_fsdp_trainer", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def main() -> None:
@@ -56,7 +39,7 @@ def main() -> None:
         torch.cuda.Event = CpuEvent  # type: ignore[assignment,misc]
     args = SimpleNamespace(batch_size=32, test_batch_size=64, epochs=2, lr=1.0, gamma=0.7, seed=1, save_model=True)
     torch.manual_seed(args.seed)
-    _trainer().fsdp_main(args)
+    load_trainer("distributed/fsdp.py", "mlsys_fsdp_trainer").fsdp_main(args)
 
 
 if __name__ == "__main__":

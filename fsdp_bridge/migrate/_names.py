@@ -352,7 +352,7 @@ FSDP1_POSITIONAL = FSDP1_PARAMETERS
 
 GROUP_RANK0 = (
     "FSDP1's rank0_only in a tree sharding over process groups or a mesh of its own: the full state on each "
-    "shard group's first rank (under a model-parallel layout, the rank that saves its slice), the others empty, "
+    "group's first rank (under a model-parallel layout, the rank that saves its slice), the others empty, "
     "on both backends (torch's StateDictOptions(cpu_offload=True) would give it to world rank 0 only)"
 )
 

@@ -351,23 +351,21 @@ class Scanner(
             return result
         if hit == (FSDP, "set_state_dict_type") and self._plan_set_state_dict_type(node):
             return False
-        if (
+        through_model = (
             hit is None
             and isinstance(func, cst.Attribute)
             and func.attr.value == "set_state_dict_type"
-            and node.args
+            and bool(node.args)
             and node.args[0].keyword is None
-            and code_of(node.args[0].value) == code_of(func.value)  # model.set_state_dict_type(model, ...)
-            and self._plan_self_spelled_set_state_dict_type(node, func)
-        ):
+        )
+        # model.set_state_dict_type(model, ...)
+        passes_itself = through_model and code_of(node.args[0].value) == code_of(cast(cst.Attribute, func).value)
+        if passes_itself and self._plan_self_spelled_set_state_dict_type(node, cast(cst.Attribute, func)):
             return False
         if (
-            hit is None
+            through_model
             and isinstance(func, cst.Attribute)
-            and func.attr.value == "set_state_dict_type"
-            and node.args
-            and node.args[0].keyword is None
-            and code_of(node.args[0].value) != code_of(func.value)
+            and not passes_itself
             and self.dispatch.own_methods.get("set_state_dict_type") is None
             and self._fsdp1_wrapper(node, func.value, by_calls=False) == "fsdp1"
         ):
