@@ -958,6 +958,12 @@ def test_an_optimizer_moved_after_the_wrap_takes_its_scheduler_along() -> None:
             print(optimizer)
             model = FSDP(model)
             return model, optimizer
+
+        def averaged(model, EMA):
+            optimizer = torch.optim.AdamW(model.parameters())
+            ema = EMA(model, optimizer)
+            model = FSDP(model)
+            return model, optimizer, ema
         """)
     for target in ("bridge", "torch"):
         result = migrate_source(source, "train.py", target=target)
@@ -970,6 +976,9 @@ def test_an_optimizer_moved_after_the_wrap_takes_its_scheduler_along() -> None:
         kept = next(f for f in result.findings if f.line == 12)
         assert not kept.fixable and "cannot move with it" in kept.replacement
         assert "    # TODO(fsdp-bridge): torch.optim.AdamW(...) before FSDP(...)" in result.fixed
+        # a use that names the model would take the wrapped one after the move: both stay, with the TODO
+        averaged = next(f for f in result.findings if f.line == 18)
+        assert not averaged.fixable and "cannot move with it" in averaged.replacement
         assert migrate_source(result.fixed, "train.py", target=target).fixed == result.fixed
 
 

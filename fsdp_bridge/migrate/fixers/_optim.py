@@ -43,16 +43,17 @@ def _names_in(node: cst.CSTNode) -> set[str]:
     return {n.value for n in walk(node) if isinstance(n, cst.Name)}
 
 
-def _followers(body: Sequence[cst.BaseStatement], i: int, j: int) -> list[int] | None:
-    """The statements between an optimizer built at ``body[i]`` and the wrap at ``body[j]`` that use it (a
-    scheduler built on it, and what uses those in turn): they move with it. None where one cannot: it is not a
-    plain assignment, or what it assigns is used by a statement staying before the wrap (or by the wrap)."""
+def _followers(body: Sequence[cst.BaseStatement], i: int, j: int, model: str) -> list[int] | None:
+    """The statements between an optimizer built at ``body[i]`` and the wrap of ``model`` at ``body[j]`` that use
+    it (a scheduler built on it, and what uses those in turn): they move with it. None where one cannot: it is not
+    a plain assignment, it names ``model`` (which the wrap rebinds: ``EMA(model, optimizer)`` would take the
+    wrapped one), or what it assigns is used by a statement staying before the wrap (or by the wrap)."""
     held = {assign_target(body[i])} - {None}
     followers: list[int] = []
     for k in range(i + 1, j):
-        if _names_in(body[k]) & held:
+        if (names := _names_in(body[k])) & held:
             target = assign_target(body[k])
-            if target is None or "." in target or "[" in target:
+            if target is None or "." in target or "[" in target or model.split(".")[0] in names:
                 return None
             followers.append(k)
             held.add(target)
@@ -406,7 +407,7 @@ class OptimStateFixer(ScannerBase):
             for target in uses:
                 j = wraps[target]
                 if i < j and not any(assign_target(body[k]) == assign_target(stmt) for k in range(i + 1, j)):
-                    followers = _followers(body, i, j)
+                    followers = _followers(body, i, j, target)
                     if followers is None:
                         construct = f"{code_of(value.func)}(...) before FSDP(...)"
                         note = (
