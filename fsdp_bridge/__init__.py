@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from fsdp_bridge._version import __version__
 
 if TYPE_CHECKING:
+    from fsdp_bridge._ema import ema_update_
     from fsdp_bridge._fsdp1_settings import FSDP1Settings, fsdp1_settings
     from fsdp_bridge._manual_wrap import ManualWrap, enable_wrap, wrap_module
     from fsdp_bridge._shard_storage import free_shards, move_shards
@@ -84,6 +85,7 @@ _EXPORTS: dict[str, str] = {
     "WrapPolicy": "fsdp_bridge.config",
     "clip_grad_norm_": "fsdp_bridge.api",
     "defer_all_reduce": "fsdp_bridge.api",
+    "ema_update_": "fsdp_bridge._ema",
     "enable_wrap": "fsdp_bridge._manual_wrap",
     "bridge_of": "fsdp_bridge.api",
     "get_bridge": "fsdp_bridge.api",
@@ -141,6 +143,7 @@ __all__ = [
     "bridge_of",
     "clip_grad_norm_",
     "defer_all_reduce",
+    "ema_update_",
     "enable_wrap",
     "free_shards",
     "fsdp1_settings",

@@ -261,6 +261,31 @@ def test_fully_shard_modules_stop_gradient_sync_and_take_it_up_again() -> None:
     assert [holder[0].sync_calls, holder[1][0].sync_calls] == [[False, True], [False, True]]
 
 
+def test_ema_update_skips_frozen_parameters_and_refuses_models_that_do_not_pair() -> None:
+    """One process: the average over the trainable parameters only, in the EMA's dtype; two models whose
+    parameters do not pair shard with shard are refused before anything is written."""
+    ema, model = _net(1).double(), _net(2)
+    model[0].bias.requires_grad_(False)
+    before = {k: v.clone() for k, v in ema.state_dict().items()}
+    fsdp_bridge.ema_update_(ema, model, 0.75)
+    after, new = ema.state_dict(), model.state_dict()
+    assert torch.equal(after["0.bias"], before["0.bias"])  # frozen in the model: its average is kept
+    for name in ("0.weight", "2.0.weight", "3.bias"):
+        assert after[name].dtype == torch.float64
+        assert torch.allclose(after[name], 0.75 * before[name] + 0.25 * new[name].double())
+    model.requires_grad_(False)
+    fsdp_bridge.ema_update_(ema, model, 0.5)  # nothing trains: nothing to average
+    assert all(torch.equal(ema.state_dict()[k], after[k]) for k in after)
+    with pytest.raises(ValueError, match=r"EMA model has 6 parameters and the model 4.*same call as the model"):
+        fsdp_bridge.ema_update_(ema, nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4)), 0.9)
+    other = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Sequential(nn.Linear(16, 8), nn.Tanh()), nn.Linear(8, 4))
+    with pytest.raises(
+        ValueError, match=r"'2.0.weight' holds a shard of shape \(16, 16\).*'2.0.weight' one of \(8, 16\)"
+    ):
+        fsdp_bridge.ema_update_(ema, other, 0.9)
+    assert all(torch.equal(ema.state_dict()[k], after[k]) for k in after)
+
+
 def test_a_module_holding_fsdp1_wrappers_is_refused_with_the_fix_for_clipping() -> None:
     class Wrapper(FullyShardedDataParallel):
         def __init__(self) -> None:
@@ -374,6 +399,7 @@ def _numerics() -> dict[str, Any]:
     out["nested_resharded"] = (isinstance(model[2][0].weight, DTensor), isinstance(model[0].weight, DTensor))
     out["reshard"] = _reshard_after_eval(rank)
     out["storage"] = _move_and_free(rank)
+    out["ema"] = _ema(rank)
     out["scaler"] = _scaler_overflow(rank)
     out["summon_grad"] = _loss_inside_summon()
     # a model's own state_dict() inside summon_full_params (left as written by migrate code): full plain tensors
@@ -545,6 +571,82 @@ def _move_and_free(rank: int) -> dict[str, Any]:
     return out
 
 
+def _handles_ema(ema_model: nn.Module, model: nn.Module, decay: float) -> None:
+    """The FSDP1 idiom ``migrate code`` rewrites to fsdp_bridge.ema_update_: the two models' flat parameters
+    paired through FSDP1's private handles, averaged with foreach operations on each rank's shards."""
+    from torch.distributed.fsdp._traversal_utils import _get_fsdp_handles
+
+    averaged, current = [], []
+    for mine, theirs in zip(_get_fsdp_handles(ema_model), _get_fsdp_handles(model), strict=True):
+        if mine.flat_param is not None and theirs.flat_param.requires_grad:
+            averaged.append(mine.flat_param.data)
+            current.append(theirs.flat_param.data.to(dtype=mine.flat_param.dtype))
+    torch._foreach_mul_(averaged, decay)
+    torch._foreach_add_(averaged, current, alpha=1 - decay)
+
+
+def _ema(rank: int) -> dict[str, Any]:
+    """fsdp_bridge.ema_update_ after each step, on every kind of model: the EMA copy's full weights against
+    the average of the model's full weights computed here; on FSDP1 made by torch, against the handles idiom;
+    the plain-torch ema_update_ that ``--target torch`` writes in its helper module, against the bridge's."""
+    import types
+
+    from torch.distributed.fsdp import fully_shard
+
+    from fsdp_bridge.migrate._torch_helpers import HELPERS_NAME, HELPERS_SOURCE
+
+    helpers = types.ModuleType(HELPERS_NAME)
+    exec(compile(HELPERS_SOURCE, f"{HELPERS_NAME}.py", "exec"), helpers.__dict__)
+
+    def make(kind: str, ema: bool) -> nn.Module:
+        model = _net()
+        if ema:
+            model.requires_grad_(False)  # as the trees do before sharding the copy
+        if kind == "fully_shard":
+            fully_shard(model[2])
+            return fully_shard(model)
+        if kind.startswith("fsdp1_torch"):
+            return FullyShardedDataParallel(
+                model, auto_wrap_policy=_blocks, device_id=torch.device("cpu"), use_orig_params=kind.endswith("orig")
+            )
+        if kind == "ddp":
+            return model if ema else DistributedDataParallel(model)
+        if kind == "plain":
+            return model
+        return fsdp_bridge.shard(model, BridgeConfig(backend=kind, device="cpu", wrap=["Sequential"]))
+
+    out: dict[str, Any] = {}
+    for kind in ("fsdp1", "fsdp2", "fully_shard", "fsdp1_torch_orig", "fsdp1_torch_flat", "ddp", "plain"):
+        model, ema = make(kind, False), make(kind, True)
+        idiom = make(kind, True) if kind.startswith("fsdp1_torch") else None
+        plain_torch = make(kind, True)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        reference = {k: v.clone() for k, v in fsdp_bridge.full_state_dict(ema).items()}
+        for step in range(3):
+            loss = model(torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * rank + step)))
+            loss.square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            fsdp_bridge.ema_update_(ema, model, 0.9)
+            if idiom is not None:
+                _handles_ema(idiom, model, 0.9)
+            helpers.ema_update_(plain_torch, model, 0.9)
+            full = fsdp_bridge.full_state_dict(model)
+            for name, value in reference.items():
+                value.mul_(0.9).add_(full[name], alpha=0.1)
+        got = fsdp_bridge.full_state_dict(ema)
+        moved = max((got[k] - full[k]).abs().max().item() for k in reference)  # the average lags the model
+        off = max((got[k] - reference[k]).abs().max().item() for k in reference)
+        same_as_idiom = None
+        if idiom is not None:
+            theirs = fsdp_bridge.full_state_dict(idiom)
+            same_as_idiom = all(torch.equal(got[k], theirs[k]) for k in reference)
+        written = fsdp_bridge.full_state_dict(plain_torch)
+        same_as_torch_target = all(torch.equal(got[k], written[k]) for k in reference)
+        out[kind] = (sorted(got) == sorted(reference), off, moved > 0, same_as_idiom, same_as_torch_target)
+    return out
+
+
 def _blocks(module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:
     return recurse or isinstance(module, nn.Sequential)
 
@@ -623,6 +725,12 @@ def test_ddp_and_fully_shard_numerics_match_their_own_calls(run_on_ranks: Any) -
             assert losses == ref_losses, kind
             if kind != "plain":
                 assert held > 0 and left == 0, (kind, held, left)
+        # ema_update_ after each step: the EMA copy's full weights are the average of the model's, on every
+        # kind of model; on FSDP1 made by torch, bit for bit what the handles idiom gives; the torch target's
+        # helper gives the bridge's bit for bit
+        for kind, (same_keys, off, moved, same_as_idiom, same_as_torch_target) in r["ema"].items():
+            assert same_keys and off < 1e-6 and moved and same_as_torch_target, (kind, off)
+            assert same_as_idiom is (True if kind.startswith("fsdp1_torch") else None), kind
     # fsdp_bridge.GradScaler: the inf in rank 1's shard makes every rank skip the step and halve the scale, on
     # both backends. torch.amp.GradScaler agrees only on fsdp2 (DTensor gradients reduce the check); on fsdp1's
     # flat shards rank 0 steps while rank 1 skips.

@@ -130,3 +130,35 @@ def test_a_private_name_imported_from_two_modules_is_named_the_same_on_every_run
         == fsdp1_private(reversed(names))
         == "torch.distributed.fsdp._common_utils.HandleTrainingState"
     )
+
+
+def test_an_ema_update_over_fsdp1s_handles_becomes_one_call() -> None:
+    result = _migrate("ema_updates.py")
+    fixes = [f for f in result.findings if "EMA update" in f.construct]
+    assert [(f.line, f.fixable) for f in fixes] == [(25, True), (41, True)]
+    assert "fsdp_bridge.ema_update_(shadow, net, rate): pairs the two models' parameters" in fixes[0].replacement
+    assert _body(result.fixed, "step_shadow") == [
+        '"""Move the shadow weights a little towards the trained ones."""',
+        "# pair unit with unit",
+        "fsdp_bridge.ema_update_(shadow, net, rate)",
+        "return rate",
+    ]
+    # which handles were averaged decides the order, not the order of zip's arguments
+    assert _body(result.fixed, "step_shadow_short") == [
+        "a_units, b_units = None, None",
+        "fsdp_bridge.ema_update_(trainer.shadow, trainer.net, trainer.rate)",
+        "return a_units, b_units",
+    ]
+    assert not [f for f in result.findings if not f.fixable], "no TODO left"
+    assert "_traversal_utils" not in result.fixed  # both spellings of the private import went with their uses
+    lowered = migrate_source((INTERNALS / "ema_updates.py").read_text(), "ema_updates.py", target="torch")
+    assert "_fsdp2_helpers.ema_update_(shadow, net, rate)" in lowered.fixed and "fsdp_bridge" not in lowered.fixed
+
+
+def test_ema_look_alikes_keep_their_todos() -> None:
+    # the frozen test on the EMA's own units, a shape check, another alpha, the lists read after the update,
+    # a decay computed by a call (read twice): not the plain average
+    result = _migrate("ema_look_alikes.py")
+    assert "ema_update_" not in result.fixed
+    todo_lines = {f.line for f in result.findings if not f.fixable and "_get_fsdp_handles" in f.construct}
+    assert todo_lines == {9, 10, 22, 23, 36, 37, 49, 50, 63, 64}, sorted(todo_lines)

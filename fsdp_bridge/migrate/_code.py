@@ -676,10 +676,21 @@ def _kept_import_finding(
 
 
 def _fsdp_imports(module: cst.Module) -> list[tuple[str, str | None, str | None]]:
-    """Every ``from torch.distributed.fsdp... import X`` (removed by the codemod only when unused)."""
+    """Every ``from torch.distributed.fsdp... import X`` and ``import torch.distributed.fsdp.<module> as X``
+    (removed by the codemod only when unused)."""
     found: list[tuple[str, str | None, str | None]] = []
 
     class V(cst.CSTVisitor):
+        def visit_Import(self, node: cst.Import) -> None:
+            for alias in node.names:
+                mod = code_of(alias.name)
+                if (
+                    mod.startswith("torch.distributed.fsdp.")
+                    and alias.asname
+                    and isinstance(alias.asname.name, cst.Name)
+                ):
+                    found.append((mod, None, alias.asname.name.value))
+
         def visit_ImportFrom(self, node: cst.ImportFrom) -> None:
             mod = code_of(node.module) if node.module else ""
             if not (

@@ -17,6 +17,7 @@ from fsdp_bridge.migrate._scan_base import ScannerBase
 from fsdp_bridge.migrate.fixers._attributes import ElsewhereAttributesFixer
 from fsdp_bridge.migrate.fixers._checkpoints import CheckpointNoteFixer
 from fsdp_bridge.migrate.fixers._constructor import ConstructorFixer
+from fsdp_bridge.migrate.fixers._ema import EmaFixer
 from fsdp_bridge.migrate.fixers._imports import IS_SHARDED, ImportsFixer
 from fsdp_bridge.migrate.fixers._internals import InternalsFixer, StorageFixer
 from fsdp_bridge.migrate.fixers._lightning import LightningFixer
@@ -64,6 +65,7 @@ class Scanner(
     ElsewhereAttributesFixer,
     InternalsFixer,
     StorageFixer,
+    EmaFixer,
     ObjectAnalysis,
     ScannerBase,
 ):
@@ -93,6 +95,7 @@ class Scanner(
             self._plan_block(node.body)
         if not self.planning and self._in_region(node) is None:
             self._plan_storage(node.body)
+            self._plan_ema(node.body)
 
     def leave_With(self, original_node: cst.With) -> None:
         self.stmt_stack.pop()
@@ -108,7 +111,7 @@ class Scanner(
 
     def visit_For(self, node: cst.For) -> bool | None:
         self._push(node)
-        if id(node) in getattr(self, "storage_fors", ()):
+        if id(node) in getattr(self, "storage_fors", ()) or id(node) in getattr(self, "ema_fors", ()):
             return False  # the whole loop becomes one call: nothing inside is reported on its own
         return None
 

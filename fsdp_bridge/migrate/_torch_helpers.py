@@ -520,4 +520,30 @@ def optim_state_dict_to_load(
         for group, saved in zip([g for g in optim.param_groups if not g["params"]], saved_empty, strict=True):
             group.update({{k: v for k, v in saved.items() if k != "params"}})
     return optim.state_dict()
+
+
+@torch.no_grad()
+def ema_update_(ema_model: nn.Module, model: nn.Module, decay: float) -> None:
+    """FSDP1's EMA update over _get_fsdp_handles and flat parameters: ema = decay * ema + (1 - decay) * model
+    on this rank's shards (no collective). The two models, sharded by the same call, are paired parameter by
+    parameter (a DTensor's local shard); each parameter of model that requires gradients is stepped with the
+    same torch._foreach_mul_ / _foreach_add_ (a frozen one keeps its average). Buffers are left alone."""
+    ema_params, params = list(ema_model.parameters()), list(model.parameters())
+    if len(ema_params) != len(params):
+        raise ValueError(f"ema_update_: the EMA model has {{len(ema_params)}} parameters and the model "
+                         f"{{len(params)}}; shard the EMA copy by the same call as the model")
+    averaged, current = [], []
+    for ema_param, param in zip(ema_params, params):
+        if not param.requires_grad:
+            continue
+        mine = ema_param.to_local() if isinstance(ema_param, DTensor) else ema_param.data
+        theirs = param.to_local() if isinstance(param, DTensor) else param.data
+        if mine.shape != theirs.shape:
+            raise ValueError(f"ema_update_: a shard of shape {{tuple(mine.shape)}} paired with one of "
+                             f"{{tuple(theirs.shape)}}; shard the EMA copy by the same call as the model")
+        averaged.append(mine)
+        current.append(theirs.to(dtype=mine.dtype))
+    if averaged:
+        torch._foreach_mul_(averaged, decay)
+        torch._foreach_add_(averaged, current, alpha=1 - decay)
 '''

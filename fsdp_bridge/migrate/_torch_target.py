@@ -11,6 +11,8 @@ made there, once); this pass then replaces each bridge call it can write in plai
   ``fsdp_bridge.no_sync`` is passed on as a value;
 * ``fsdp_bridge.clip_grad_norm_(m, n[, p])`` -> ``_fsdp2_helpers.clip_grad_norm_(m, n[, p])`` (torch's clip over
   ``m.parameters()``, the norm a plain tensor);
+* ``fsdp_bridge.ema_update_(ema, m, decay)`` -> ``_fsdp2_helpers.ema_update_(ema, m, decay)`` (the pairs of local
+  shards stepped with torch's foreach operations);
 * ``fsdp_bridge.is_sharded(m)`` -> ``isinstance(m, FSDPModule)``; ``fsdp_bridge.unwrapped(m)`` -> ``m`` (both kept
   in a file importing a library that wraps models in FSDP1 itself, ``WRAPPING_LIBRARIES``);
   ``fsdp_bridge.ShardedModule`` (a type: annotation, validator, ``Optional[...]``) -> ``FSDPModule``;
@@ -60,7 +62,7 @@ __all__ = ["TARGETS", "Lowered", "LoweredCall", "imports_of", "lower_to_torch"]
 TARGETS = ("bridge", "torch")
 """What ``migrate code --fix`` writes: the bridge's calls (default), or plain FSDP2 code."""
 
-_BY_NAME = frozenset(("no_sync", "clip_grad_norm_", "summon_full_params", "optim_state_dict_to_load"))
+_BY_NAME = frozenset(("no_sync", "clip_grad_norm_", "summon_full_params", "optim_state_dict_to_load", "ema_update_"))
 """Bridge calls lowered by their name alone, their arguments kept as written."""
 
 _FSDP = "torch.distributed.fsdp"
@@ -516,6 +518,11 @@ class _Lowerer(cst.CSTTransformer):
             # format it, stack it with the loss, all-gather it)
             self.uses_helpers = True
             return call.with_changes(func=cst.parse_expression(f"{HELPERS_NAME}.clip_grad_norm_"))
+        if name == "ema_update_":
+            # the same signature in the helper module: pairs of local shards (a DTensor's, or a plain tensor's
+            # data: also what a model a wrapping library hands over holds)
+            self.uses_helpers = True
+            return call.with_changes(func=cst.parse_expression(f"{HELPERS_NAME}.ema_update_"))
         if name in ("summon_full_params", "optim_state_dict_to_load") and self.wrapping_library is not None:
             raise _CannotLower(
                 f"this file uses {self.wrapping_library}, which wraps models in FSDP1's wrapper itself: a model "
