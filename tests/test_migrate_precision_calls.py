@@ -1330,6 +1330,32 @@ def test_state_dict_of_a_module_unwrapped_on_the_fsdp_flag_is_a_todo_beside_the_
     assert [(f.line, f.construct) for f in todos] == [
         (6, "raw.state_dict() after raw = model if plain else model.module")
     ]
+    # used only where the same flag picks the model itself (the else of ``if distributed:``, the body of ``if not
+    # distributed:``): no wrapper there, nothing to say; a flag set again after the unwrap keeps the TODO
+    script = """\
+        import torch
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        model = torch.nn.Linear(2, 2)
+        distributed = True
+        if distributed:
+            model = FSDP(model)
+        raw = model.module if distributed else model
+        if distributed:
+            pass
+        else:
+            torch.save(raw.state_dict(), "ckpt.pt")
+        if not distributed:
+            torch.save(raw.state_dict(), "ckpt.pt")
+        """
+    (tmp_path / "train.py").write_text(textwrap.dedent(script))
+    report, _ = migrate_paths([tmp_path], fix=False)
+    assert [f.line for f in report.findings if not f.fixable] == []
+    (tmp_path / "train.py").write_text(
+        textwrap.dedent(script).replace("if not distributed:", "distributed = False\nif not distributed:")
+    )
+    report, _ = migrate_paths([tmp_path], fix=False)
+    assert [f.line for f in report.findings if not f.fixable] == [12]
 
 
 def test_names_kept_from_a_compiled_model_a_factory_wraps_are_a_todo(tmp_path: Path) -> None:

@@ -637,6 +637,73 @@ def test_rank0_state_over_process_groups_keeps_the_bridge(tmp_path: Path) -> Non
     assert any("first rank of each group" in f.replacement for f in report.todos)
 
 
+def test_a_full_state_read_on_world_rank_0_alone_becomes_rank_0s_cpu_copy(tmp_path: Path) -> None:
+    """FSDP1's CPU copy on every rank (``FSDP.optim_state_dict``'s default), or on each group's first rank, read
+    only under a test of world rank 0: DCP's ``cpu_offload=True`` (rank 0 alone) is what the code uses. A read on
+    other ranks, a node-local rank test, a name assigned again or read in a nested function keep the bridge."""
+    save = textwrap.dedent(
+        """\
+        import fsdp_bridge
+        import torch
+
+        def save(model, optim, rank, master_process):
+            state = fsdp_bridge.full_optim_state_dict(model, optim, rank0_only=False, offload_to_cpu=True)
+            if master_process and rank >= 0:
+                torch.save(state, "o.pt")
+
+        def save_grouped(model, optim):
+            state = fsdp_bridge.full_state_dict(model, rank0_only=True, offload_to_cpu=True)
+            if torch.distributed.get_rank() == 0:
+                torch.save({"model": state}, "m.pt")
+
+        def local(model, optim, local_rank):
+            state = fsdp_bridge.full_optim_state_dict(model, optim, rank0_only=False, offload_to_cpu=True)
+            if local_rank == 0:
+                torch.save(state, "o.pt")
+
+        def everywhere(model, optim, rank):
+            state = fsdp_bridge.full_optim_state_dict(model, optim, rank0_only=False, offload_to_cpu=True)
+            if rank == 0:
+                torch.save(state, "o.pt")
+            return state
+
+        def again(model, optim, rank):
+            state = fsdp_bridge.full_optim_state_dict(model, optim, rank0_only=False, offload_to_cpu=True)
+            if rank == 0:
+                state = {}
+                torch.save(state, "o.pt")
+
+        def nested(model, optim, rank):
+            state = fsdp_bridge.full_optim_state_dict(model, optim, rank0_only=False, offload_to_cpu=True)
+            if rank == 0:
+                def later():
+                    return state
+                return later
+        """
+    )
+    (tmp_path / "wrap.py").write_text(HEAD + "model = FSDP(nn.Linear(2, 2), process_group=group)\n")
+    (tmp_path / "save.py").write_text(save)
+    report, results = migrate_paths([tmp_path], target="torch")
+    fixed = next(r for r in results if r.path.endswith("save.py")).fixed
+    lowered = "get_optimizer_state_dict(model, optim, options=StateDictOptions(full_state_dict=True, cpu_offload=True))"
+    assert fixed.count(lowered) == 1 and fixed.index(lowered) < fixed.index("def save_grouped")
+    assert (
+        "state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))" in fixed
+    )
+    code = "\n".join(line for line in fixed.splitlines() if not line.lstrip().startswith("#"))
+    assert code.count("fsdp_bridge.full_optim_state_dict(") == 4  # local, everywhere, again, nested
+    said = [f.format() for f in report.findings if f.path.endswith("save.py") and f.line == 5]
+    assert any("the result is read only under `if master_process and rank >= 0:`" in line for line in said), said
+
+
+def test_an_unwrap_on_a_flag_lowers_to_the_model_itself() -> None:
+    code = "import fsdp_bridge\n\nraw = fsdp_bridge.unwrapped(model) if distributed else model  # the module\n"
+    fixed = migrate_source(code, "t.py", target="torch").fixed
+    assert fixed.strip() == "raw = model  # the module"
+    called = "import fsdp_bridge\n\nraw = fsdp_bridge.unwrapped(model) if ready() else model\n"
+    assert "raw = model if ready() else model" in migrate_source(called, "t.py", target="torch").fixed
+
+
 def test_report_names_the_users_lines_and_what_the_file_holds() -> None:
     """Under --target torch each report line is at the construct's place in the user's file and names what
     the written file holds: plain torch, or the bridge call it stays on as a TODO (never a bridge call the

@@ -173,6 +173,7 @@ def torch_findings(
             loose.append(CodeFinding(path, first, column, construct, f"kept on fsdp_bridge: {call.why}", False))
         else:
             became = _short(call.became) + (f": {_WHAT[call.name]}" if call.name in _WHAT else "")
+            became += "".join(f"; {n}" for n in call.notes)
             loose.append(CodeFinding(path, first, column, construct, became, True, note=True))
     out = list(findings)
     for i, mine in owned.items():

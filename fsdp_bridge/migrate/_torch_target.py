@@ -29,6 +29,7 @@ in plain torch; the file then still imports ``fsdp_bridge`` (and says so).
 
 from __future__ import annotations
 
+import itertools
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -360,12 +361,20 @@ class _Lowerer(cst.CSTTransformer):
         self.fsdp_module_import: tuple[str, str | None] = (_FSDP, "FSDPModule")
         self.wrapping_library: str | None = None  # a library the file imports that wraps models in FSDP1 itself
         self.annotation_depth = 0
+        self.scopes: list[cst.CSTNode] = []  # the module, then each function being visited (original nodes)
+        self.statements: list[cst.CSTNode] = []  # the statements being visited, innermost last (original nodes)
+        self.call: cst.Call | None = None  # the bridge call being lowered (original node)
 
     # -- statements: collect the TODOs of what is inside ---------------------------
+    def visit_Module(self, node: cst.Module) -> None:
+        self.scopes.append(node)
+
     def _enter(self, node: cst.CSTNode) -> None:
         self.pending.append([])
+        self.statements.append(node)
 
     def _leave(self, updated: Any) -> Any:
+        self.statements.pop()
         texts = self.pending.pop()
         if not texts:
             return updated
@@ -409,8 +418,10 @@ class _Lowerer(cst.CSTTransformer):
 
     def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
         self._enter(node)
+        self.scopes.append(node)
 
     def leave_FunctionDef(self, original_node: cst.FunctionDef, updated_node: Any) -> Any:
+        self.scopes.pop()
         return self._leave(updated_node)
 
     def visit_ClassDef(self, node: cst.ClassDef) -> None:
@@ -451,6 +462,19 @@ class _Lowerer(cst.CSTTransformer):
         self.annotation_depth -= 1
         return updated_node
 
+    def leave_IfExp(self, original_node: cst.IfExp, updated_node: cst.IfExp) -> cst.BaseExpression:
+        """``m if flag else m``: what ``fsdp_bridge.unwrapped(m) if flag else m`` lowers to (FSDP2 does not wrap)
+        is ``m``, where the test is a name or an attribute (nothing run by dropping it)."""
+        test = updated_node.test
+        pure = isinstance(test, cst.Name) or (isinstance(test, cst.Attribute) and "(" not in code_of(test))
+        if (
+            pure
+            and code_of(updated_node.body) == code_of(updated_node.orelse)
+            and code_of(original_node.body) != code_of(original_node.orelse)
+        ):
+            return updated_node.body.with_changes(lpar=updated_node.lpar, rpar=updated_node.rpar)
+        return updated_node
+
     def leave_BooleanOperation(
         self, original_node: cst.BooleanOperation, updated_node: cst.BooleanOperation
     ) -> cst.BaseExpression:
@@ -489,6 +513,7 @@ class _Lowerer(cst.CSTTransformer):
         if not _is_bridge_function(updated_node.func) or any(self.calls):
             return updated_node  # not the bridge's, or inside a bridge call that is handled as a whole
         name = func.removeprefix("fsdp_bridge.")
+        self.call = original_node
         try:
             new = self._lower(name, updated_node)
         except _CannotLower as why:
@@ -641,13 +666,22 @@ class _Lowerer(cst.CSTTransformer):
             raise _CannotLower("not the (model[, optimizer], rank0_only=, offload_to_cpu=) form the codemod writes")
         default = "True" if optim else "False"  # FSDP1's defaults: full_optim_state_dict gives rank 0 a CPU copy
         rank0, offload = named.get("rank0_only", default), named.get("offload_to_cpu", default)
-        if {rank0, offload} - {"True", "False"} or rank0 != offload:
+        used_on = self._used_on_rank0_only()
+        if used_on is not None and offload == "True":
+            # read only under a test of world rank 0: rank 0's CPU copy is all the code uses (FSDP1's copies on
+            # the other ranks, or on each group's first rank, were never read)
+            self.notes.append(
+                f"rank0_only={rank0}, offload_to_cpu={offload} -> cpu_offload=True (rank 0 alone gets the state): "
+                f"the result is read only under `if {used_on}:`"
+            )
+            rank0 = "True"
+        elif {rank0, offload} - {"True", "False"} or rank0 != offload:
             raise _CannotLower(
                 f"rank0_only={rank0}, offload_to_cpu={offload}: torch's StateDictOptions(full_state_dict=True) "
                 "gives every rank the state on its device, and with cpu_offload=True rank 0 alone a CPU copy; "
                 "no option gives one without the other"
             )
-        if rank0 == "True" and self.groups:
+        elif rank0 == "True" and self.groups:
             raise _CannotLower(
                 "rank0_only=True in a tree that shards over process groups: FSDP1 gives the state to the first "
                 "rank of each group; torch's StateDictOptions(full_state_dict=True, cpu_offload=True) to world "
@@ -657,6 +691,37 @@ class _Lowerer(cst.CSTTransformer):
         self.result_imports |= {(_STATE, function), (_STATE, "StateDictOptions")}
         options = "full_state_dict=True" + (", cpu_offload=True" if rank0 == "True" else "")
         return cst.parse_expression(f"{function}({', '.join(positional)}, options=StateDictOptions({options}))")
+
+    def _used_on_rank0_only(self) -> str | None:
+        """The test of world rank 0 under which every read of the name the call being lowered is assigned to
+        lies (``state = fsdp_bridge.full_state_dict(...)`` then ``if rank == 0: torch.save(state, ...)``), or
+        None: another statement form, a read elsewhere, the name assigned again, no read at all."""
+        stmt = self.statements[-1] if self.statements else None
+        if not (isinstance(stmt, cst.SimpleStatementLine) and len(stmt.body) == 1 and self.scopes):
+            return None
+        assign = stmt.body[0]
+        if not (
+            isinstance(assign, cst.Assign)
+            and assign.value is self.call
+            and len(assign.targets) == 1
+            and isinstance(assign.targets[0].target, cst.Name)
+        ):
+            return None
+        name = assign.targets[0].target.value
+        scope = self.scopes[-1]
+        tests: list[str] = []
+        for path in _paths_to_names(scope, name):
+            if path[-2] is assign.targets[0]:
+                continue  # the assignment being lowered
+            if _stored(path):
+                return None  # assigned again: another value
+            if any(isinstance(n, (cst.FunctionDef, cst.ClassDef, cst.Lambda)) for n in path[1:-1]):
+                return None  # read in a nested function or class: run from anywhere
+            test = _rank0_branch(path)
+            if test is None:
+                return None
+            tests.append(test)
+        return tests[0] if tests else None
 
     def leave_Attribute(self, original_node: cst.Attribute, updated_node: cst.Attribute) -> Any:
         if code_of(updated_node) == "fsdp_bridge.no_sync" and id(original_node) not in self.inside:
@@ -697,6 +762,64 @@ class _Lowerer(cst.CSTTransformer):
             ):  # an attribute of a bridge call's result: the call is reported itself
                 self._keep(original_node, code_of(updated_node), "no plain-torch form written for it yet")
         return updated_node
+
+
+_WORLD_RANK0 = re.compile(
+    r"^(?:[\w.]+\.)?(?:(?:get_rank\(\)|get_global_rank\(\)|rank|global_rank|world_rank|ddp_rank)\s*==\s*0|"
+    r"master_process|is_main_process(?:\(\))?|is_master(?:_process)?(?:\(\))?|is_rank_zero\(\)|is_global_zero|"
+    r"is_world_process_zero\(\))$"
+)
+"""A test true on world rank 0 alone (``rank == 0``, ``dist.get_rank() == 0``, ``master_process``,
+``accelerator.is_main_process``); a node-local rank is not one."""
+
+
+def _is_rank0_test(test: cst.BaseExpression) -> bool:
+    if isinstance(test, cst.BooleanOperation) and isinstance(test.operator, cst.And):
+        return _is_rank0_test(test.left) or _is_rank0_test(test.right)
+    return bool(_WORLD_RANK0.match(code_of(test))) and "local" not in code_of(test)
+
+
+def _rank0_branch(path: list[cst.CSTNode]) -> str | None:
+    """The world-rank-0 test of an ``if`` whose body holds the end of ``path``, or None."""
+    for parent, child in itertools.pairwise(path):
+        if isinstance(parent, cst.If) and child is parent.body and _is_rank0_test(parent.test):
+            return code_of(parent.test)
+    return None
+
+
+def _stored(path: list[cst.CSTNode]) -> bool:
+    """The ``Name`` at the end of ``path`` is assigned there (a target, a loop variable, ``as`` name, ``del``)."""
+    name = path[-1]
+    for node in path[:-1]:
+        target = getattr(node, "target", None) if isinstance(node, _STORES) else None
+        if isinstance(node, cst.AsName):
+            target = node.name
+        if isinstance(node, cst.Del):
+            target = node.target
+        if target is not None and any(n is name for n in walk(target)):
+            return True
+    return False
+
+
+_STORES = (cst.AssignTarget, cst.AugAssign, cst.AnnAssign, cst.For, cst.CompFor)
+
+
+def _paths_to_names(root: cst.CSTNode, name: str) -> list[list[cst.CSTNode]]:
+    """The path from ``root`` to each ``Name`` node spelled ``name`` (attribute names aside)."""
+    found: list[list[cst.CSTNode]] = []
+
+    def visit(node: cst.CSTNode, path: list[cst.CSTNode]) -> None:
+        path = [*path, node]
+        if isinstance(node, cst.Name) and node.value == name:
+            parent = path[-2] if len(path) > 1 else None
+            if not (isinstance(parent, cst.Attribute) and parent.attr is node):
+                found.append(path)
+            return
+        for child in node.children:
+            visit(child, path)
+
+    visit(root, [])
+    return found
 
 
 def _one_line(code: str) -> str:

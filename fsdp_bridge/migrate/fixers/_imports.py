@@ -3,6 +3,7 @@ FSDP1 modules, the config classes kept for the bridge to read, mocks of the wrap
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 from typing import cast
@@ -967,9 +968,12 @@ class ImportsFixer(ScannerBase):
         ):
             return None
         name = assign.targets[0].target.value
+        wrapped_when = assign.value.body is node  # the test's value that gives the wrapped module
         for line in walk(scope):  # the innermost statement holding the call: the TODO goes above it
             if not isinstance(line, cst.SimpleStatementLine):
                 continue
+            if self._on_plain_path(scope, stmt, line, assign.value.test, plain=not wrapped_when):
+                continue  # ``else:`` of ``if <the same test>:``: the object itself there, no wrapper
             for call in walk(line):
                 if (
                     isinstance(call, cst.Call)
@@ -978,6 +982,40 @@ class ImportsFixer(ScannerBase):
                 ):
                     return name, call, line, code_of(assign.value)
         return None
+
+    @staticmethod
+    def _on_plain_path(
+        scope: cst.CSTNode, assigned: cst.CSTNode, line: cst.CSTNode, test: cst.BaseExpression, *, plain: bool
+    ) -> bool:
+        """``line`` runs only where ``test`` (a flag: a name or an attribute chain, set nowhere after
+        ``assigned``) is ``plain``: the body of ``if test:`` (``if not test:``) or its ``else:``."""
+        if not (isinstance(test, cst.Name) or (isinstance(test, cst.Attribute) and "(" not in code_of(test))):
+            return False
+        flag = code_of(test)
+        seen = False
+        for n in walk(scope):  # source order: an assignment of the flag after ``assigned`` may change it
+            if n is assigned:
+                seen = True
+            elif seen and isinstance(n, (cst.AssignTarget, cst.AugAssign, cst.AnnAssign)):
+                if code_of(n.target) == flag:
+                    return False
+        path = _path_to(scope, line) or []
+        for parent, child in itertools.pairwise(path):
+            if not isinstance(parent, cst.If):
+                continue
+            negated = isinstance(parent.test, cst.UnaryOperation) and isinstance(parent.test.operator, cst.Not)
+            tested = code_of(parent.test.expression) if negated else code_of(parent.test)  # type: ignore[attr-defined]
+            if tested != flag:
+                continue
+            if child is parent.body:
+                value = not negated  # the flag's value where this branch runs
+            elif child is parent.orelse:
+                value = negated
+            else:
+                continue
+            if value == plain:
+                return True
+        return False
 
     def _under_hasattr_module(self, node: cst.CSTNode, obj: str) -> bool:
         """``node`` (``obj.module``) is in the branch a ``hasattr(obj, "module")`` test takes when true: ``obj.module
