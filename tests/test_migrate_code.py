@@ -64,6 +64,16 @@ EXPECTED: dict[str, set[tuple[int, str]]] = {
         (79, "FSDP.state_dict_type(FULL_STATE_DICT)"),
         (86, "FSDP.state_dict_type(FULL_STATE_DICT)"),
     },
+    "torch111_wrap.py": {
+        (11, "FSDP(...)"),
+        (11, "fsdp_auto_wrap_policy=default_auto_wrap_policy"),
+        (11, "cpu_offload=CPUOffload(offload_params=offload)"),
+        (16, "FSDP(...)"),
+        (16, "fsdp_auto_wrap_policy=policy (= functools.partial(default_auto_wrap_policy, min_num_params=20000))"),
+        (20, "FSDP(...)"),
+        (20, "fsdp_auto_wrap_policy=default_auto_wrap_policy"),
+        (20, "sharding_strategy=strategy"),
+    },
     "grad_accum.py": {
         (33, "FSDP(...)"),
         (33, "auto_wrap_policy=ModuleWrapPolicy({MLPBlock})"),
@@ -3378,3 +3388,30 @@ def test_a_mesh_an_earlier_fix_passed_to_shard_still_reads_as_grouped() -> None:
         'x = fsdp_bridge.shard(m, c)\n_fsdp2_helpers.shard_model(m, mesh=_fsdp2_helpers.data_parallel_mesh("full_shard"))'
     )
     assert not passes_group("fsdp_bridge.shard(m, c)  # , mesh=mesh")
+
+
+def test_torch_111s_wrap_policy_spelling_is_read_as_auto_wrap_policy() -> None:
+    """``FSDP(m, fsdp_auto_wrap_policy=default_auto_wrap_policy)`` (torch 1.11, the first FSDP tutorial, which
+    torch >= 1.12 refuses): the size policy under its old names, its own default threshold when it is passed
+    bare; the import of the old name goes with its last use, on both targets."""
+    source = (FIXTURES / "torch111_wrap.py").read_text()
+    bridge = migrate_source(source, "t.py")
+    assert not [f for f in bridge.findings if not f.fixable]
+    assert bridge.fixed.count('wrap={"min_num_params": 100000000}') == 2
+    assert 'wrap={"min_num_params": 20000}' in bridge.fixed
+    assert "default_auto_wrap_policy" not in bridge.fixed and "functools" not in bridge.fixed
+    assert bridge.fixed.startswith('"""FSDP1 as torch 1.11')
+    assert migrate_source(bridge.fixed, "t.py").fixed == bridge.fixed
+    ejected = migrate_source(source, "t.py", target="torch").fixed
+    assert ejected.count("wrap_min_num_params=100000000") == 1 and "wrap_min_num_params=20000" in ejected
+    assert "fsdp_auto_wrap_policy" not in ejected
+    # with an argument kept for the bridge to read at run time, the old name is a TODO saying what to rename
+    runtime = migrate_source(
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n\n"
+        "def build(net, policy, **rest):\n    return FSDP(net, fsdp_auto_wrap_policy=policy, **rest)\n",
+        "t.py",
+    )
+    (todo,) = [f for f in runtime.findings if not f.fixable and f.construct == "FSDP(...)"]
+    assert (
+        "torch 1.11's name of auto_wrap_policy" in todo.replacement and "rename it auto_wrap_policy" in todo.replacement
+    )

@@ -442,7 +442,8 @@ def _comments_of_removed_imports(original: cst.Module, fixed: cst.Module) -> cst
 
 def _no_new_blank_after_headers(code: str, fixed: cst.Module) -> cst.Module:
     """Blank lines the removal of a block's first statement left at the block's start (a local import, then
-    a blank line, in ``if cfg.use_fp16:``) go; a header the original follows with a blank line keeps it."""
+    a blank line, in ``if cfg.use_fp16:``), or at the top of the file, go; a header the original follows with a
+    blank line keeps it."""
     before = code.split("\n")
     kept = {
         line.strip() for line, after in itertools.pairwise(before) if line.rstrip().endswith(":") and not after.strip()
@@ -456,6 +457,8 @@ def _no_new_blank_after_headers(code: str, fixed: cst.Module) -> cst.Module:
                 continue
         out.append(line)
     text = "\n".join(out)
+    if before[0].strip() and not out[0].strip():
+        text = text.lstrip("\n")  # the file's first statement removed: no blank line left at its top
     if text == fixed.code:
         return fixed
     try:

@@ -52,6 +52,8 @@ NAMES: dict[str, str] = {
     FSDP: "fsdp_bridge.shard(model, fsdp_bridge.BridgeConfig(...)) (FSDP2: fully_shard on each unit, then the root)",
     "transformer_auto_wrap_policy": "BridgeConfig(wrap=[LayerClass, ...])",
     "size_based_auto_wrap_policy": "BridgeConfig(wrap={'min_num_params': N})",
+    "default_auto_wrap_policy": "torch 1.11's name of size_based_auto_wrap_policy (no longer in torch): "
+    "BridgeConfig(wrap={'min_num_params': N}), N its min_num_params (100000000 by default)",
     "ModuleWrapPolicy": "BridgeConfig(wrap=[LayerClass, ...])",
     "CustomPolicy": "BridgeConfig(wrap=callable) (a function module -> bool)",
     "lambda_auto_wrap_policy": "BridgeConfig(wrap=callable) (a function module -> bool)",
@@ -202,6 +204,9 @@ WRAPPER_ATTRS: dict[str, str] = {
 }
 """FSDP1 wrapper attributes read on a wrapped model; FSDPModule has none of them. Reported only where the code shows
 the object is FSDP1's (``params`` is too common a name otherwise)."""
+
+OLD_WRAP_KWARG = "fsdp_auto_wrap_policy"
+"""torch 1.11's name of FullyShardedDataParallel's ``auto_wrap_policy`` (torch >= 1.12 refuses it)."""
 
 NAME_HELPERS = ("clean_tensor_name", "FSDP_WRAPPED_MODULE", "FSDP_PREFIX")
 """Private FSDP1 names that only spell or strip FSDP1's parameter-name prefixes: they still work, and

@@ -17,6 +17,7 @@ from fsdp_bridge.migrate._names import (
     IGNORED_KWARGS,
     KWARG_OPTION,
     NAMES,
+    OLD_WRAP_KWARG,
     STRATEGIES,
     fsdp2_any,
     fsdp2_case,
@@ -446,6 +447,13 @@ class ConstructorFixer(ScannerBase):
             if name is None:
                 static.blockers.append(f"positional argument {i + 1}: FullyShardedDataParallel takes no more")
                 return None
+            if name == OLD_WRAP_KWARG:  # kept as written, a value the bridge reads would be torch 1.11's
+                static.blockers = [
+                    f"{name}={short(code_of(a.value), 40)}: torch 1.11's name of auto_wrap_policy, with other "
+                    "arguments known only when the code runs; rename it auto_wrap_policy (and torch 1.11's "
+                    "default_auto_wrap_policy size_based_auto_wrap_policy) and run --fix again"
+                ]
+                return None
             if name not in FSDP1_POSITIONAL and name != "ignored_parameters":  # the only reason shown
                 static.blockers = [f"{name}={short(code_of(a.value), 40)}: not an argument of FullyShardedDataParallel"]
                 return None
@@ -579,9 +587,12 @@ class ConstructorFixer(ScannerBase):
         has_wrap = False
         notes_for_report: list[str] = []
         kwarg_nodes: list[tuple[cst.Arg, str | None]] = []
+        bare_policies: list[cst.BaseExpression] = []
         pending: list[str] = []  # comments of arguments that became nothing, for the next slot
         for i, a in enumerate(call.args):
             kw = a.keyword.value if a.keyword else None
+            if kw == OLD_WRAP_KWARG:
+                kw = "auto_wrap_policy"  # torch 1.11's name of it
             if a.star:
                 conv.blockers.append(f"{a.star}{code_of(a.value)}: arguments unpacked at run time")
                 continue
@@ -632,7 +643,10 @@ class ConstructorFixer(ScannerBase):
                     )
                     config.append(make_arg("wrap", wrap))
                     has_wrap = True
-                    self._consume(value)
+                    if isinstance(value, cst.Call):
+                        self._consume(value)
+                    else:  # the policy named bare: consumed only where the call is rewritten (below)
+                        bare_policies.append(value)
             elif kw == "mixed_precision" and code_of(value) in ("None", "False"):
                 # FSDP1 reads `mixed_precision or MixedPrecision()`: full precision, the config's default
                 kwarg_nodes[-1] = (a, "fp32 (off)")
@@ -727,6 +741,9 @@ class ConstructorFixer(ScannerBase):
                 config.append(make_arg("hybrid_shape", cst.parse_expression(f"tuple({code_of(conv.mesh)}.shape)")))
         if conv.module is None:
             conv.blockers.append("no module argument")
+        if not conv.blockers:
+            for value in bare_policies:
+                self._consume(value)
         conv.config_args = config
         conv.kwarg_cases = kwarg_nodes
         conv.report_notes = notes_for_report
@@ -742,7 +759,8 @@ class ConstructorFixer(ScannerBase):
         if became is not None and fixable:
             text = f"{became}: {text}"
         construct = f"{kw}={short(without_comments(a.value))}"
-        if isinstance(a.value, cst.Name) and a.value.value in self.assignments and kw in FOLLOWED_KWARGS:
+        followed = kw in FOLLOWED_KWARGS or kw == OLD_WRAP_KWARG
+        if isinstance(a.value, cst.Name) and a.value.value in self.assignments and followed:
             held = self.assignments[a.value.value]
             construct += f" (= {short(without_comments(held), 80)})"  # the value the name holds
         self.findings.append(CodeFinding(self.path, pos.start.line, pos.start.column, construct, text, fixable))

@@ -14,6 +14,7 @@ from fsdp_bridge.migrate._analysis import Conversion, class_list, code_of, make_
 from fsdp_bridge.migrate._names import (
     FSDP1_POSITIONAL,
     KWARG_OPTION,
+    OLD_WRAP_KWARG,
     STRATEGIES,
     fsdp2_any,
     fsdp2_case,
@@ -23,6 +24,10 @@ from fsdp_bridge.migrate._report import CodeFinding
 from fsdp_bridge.migrate._scan_base import ScannerBase
 
 OFFLOAD_BACKEND = "cuda:nccl,cpu:gloo"
+SIZE_POLICIES = ("size_based_auto_wrap_policy", "default_auto_wrap_policy")
+"""FSDP1's size policy, under its name and torch 1.11's."""
+SIZE_POLICY_DEFAULT = 100_000_000
+"""Its ``min_num_params`` where none is given (``int(1e8)``)."""
 _INIT_PROCESS_GROUP = {"torch.distributed.init_process_group", "torch.distributed.distributed_c10d.init_process_group"}
 
 
@@ -114,6 +119,11 @@ class PolicyFixer(ScannerBase):
                 "torch 2.0's name of ignored_states (torch >= 2.1 refuses it): parameter objects -> their paths in "
                 "ignored_modules (fsdp_bridge.module_names, when the code runs): not sharded, gradients not reduced "
                 "across ranks, as in FSDP1"
+            )
+        if kw == OLD_WRAP_KWARG:
+            return (
+                "torch 1.11's name of auto_wrap_policy (torch >= 1.12 refuses it), read as auto_wrap_policy: "
+                + fsdp2_any(KWARG_OPTION.get("auto_wrap_policy", "auto_wrap_policy"))
             )
         if kw not in FSDP1_POSITIONAL:
             return "not an argument of FullyShardedDataParallel in torch >= 2.1 (see the FSDP(...) line)"
@@ -230,6 +240,9 @@ class PolicyFixer(ScannerBase):
     def _wrap(self, value: cst.BaseExpression, conv: Conversion) -> cst.BaseExpression | None:
         if m.matches(value, m.Name("None")):
             return make_str("none")
+        if isinstance(value, (cst.Name, cst.Attribute)) and (hit := self._qn(value)) and hit[0] in SIZE_POLICIES:
+            # the policy itself, not a partial: its own min_num_params default
+            return cst.parse_expression(f'{{"min_num_params": {SIZE_POLICY_DEFAULT}}}')
         if isinstance(value, cst.Call):
             hit = self._qn(value.func)
             fn_qn = {q.name for q in self.get_metadata(QualifiedNameProvider, value.func, set())}
@@ -239,7 +252,7 @@ class PolicyFixer(ScannerBase):
                 kwargs = {a.keyword.value: a.value for a in value.args[1:] if a.keyword}
                 if inner and inner[0] == "transformer_auto_wrap_policy" and "transformer_layer_cls" in kwargs:
                     return class_list(self._follow_classes(kwargs["transformer_layer_cls"], conv))
-                if inner and inner[0] == "size_based_auto_wrap_policy" and set(kwargs) == {"min_num_params"}:
+                if inner and inner[0] in SIZE_POLICIES and set(kwargs) == {"min_num_params"}:
                     return cst.parse_expression(f'{{"min_num_params": {code_of(kwargs["min_num_params"])}}}')
             if hit and hit[0] == "ModuleWrapPolicy" and len(value.args) == 1:
                 return class_list(self._follow_classes(value.args[0].value, conv))
