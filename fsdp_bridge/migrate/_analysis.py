@@ -1547,6 +1547,33 @@ def walk(node: cst.CSTNode) -> Iterable[cst.CSTNode]:
         stack.extend(reversed(children(n)))
 
 
+def names_from(scope: cst.CSTNode, seeds: set[str], *, back: bool = False) -> set[str]:
+    """``seeds`` and every name ``scope`` assigns from an expression using one of them (``t = f(n)``), through
+    up to three steps; with ``back``, also a name a plain assignment of one of them reads (``w = model`` with
+    ``w`` among them adds ``model``)."""
+    pairs = [
+        (t.target.value, a.value)
+        for a in walk(scope)
+        if isinstance(a, cst.Assign)
+        for t in a.targets
+        if isinstance(t.target, cst.Name)
+    ]
+    names = set(seeds)
+    for _ in range(3):
+        for target, value in pairs:
+            if any(isinstance(n, cst.Name) and n.value in names for n in walk(value)):
+                names.add(target)
+            elif back and target in names and isinstance(value, cst.Name):
+                names.add(value.value)
+    return names
+
+
+def used_only_in(scope: cst.CSTNode, nodes: Iterable[cst.CSTNode], names: set[str]) -> bool:
+    """No name of ``names`` appears in ``scope`` outside ``nodes`` (statements of that scope)."""
+    inside = {id(n) for node in nodes for n in walk(node)}
+    return not any(isinstance(n, cst.Name) and n.value in names and id(n) not in inside for n in walk(scope))
+
+
 def class_list(expr: cst.BaseExpression) -> cst.BaseExpression:
     if isinstance(expr, (cst.Set, cst.List, cst.Tuple)):
         return cst.List([cst.Element(e.value) for e in expr.elements])

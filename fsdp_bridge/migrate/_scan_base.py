@@ -8,7 +8,16 @@ from typing import TYPE_CHECKING, Any
 import libcst as cst
 from libcst.metadata import PositionProvider, QualifiedNameProvider, QualifiedNameSource
 
-from fsdp_bridge.migrate._analysis import Conversion, Dispatch, FollowsAliases, Region, code_of, resolve_fsdp, walk
+from fsdp_bridge.migrate._analysis import (
+    Conversion,
+    Dispatch,
+    FollowsAliases,
+    Region,
+    code_of,
+    resolve_fsdp,
+    used_only_in,
+    walk,
+)
 from fsdp_bridge.migrate._names import fsdp1_private
 from fsdp_bridge.migrate._report import CodeFinding
 
@@ -197,6 +206,11 @@ class ScannerBase(FollowsAliases):
         )
 
     # -- helpers -------------------------------------------------------------------
+    def _names_stay_in(self, nodes: Iterable[cst.CSTNode], names: set[str]) -> bool:
+        """No name of ``names`` is used in the enclosing function (or the module) outside ``nodes``."""
+        scope: cst.CSTNode | None = self.functions[-1] if self.functions else self.module
+        return scope is not None and used_only_in(scope, nodes, names)
+
     def _fsdp1_factory(self, qnames: Iterable[Any], *, every_path: bool = False) -> bool:
         """A function of the migrated tree that returns FSDP1's wrapper (``Dispatch.fsdp1_factories``; with
         ``every_path``, on every path: ``fsdp1_sure_factories``)."""

@@ -128,7 +128,7 @@ class EmaFixer(ScannerBase):
             return None
         run = list(body[i : k + 3])
         local = {*handles, *lists, *(n.value for n in walk(loop.target) if isinstance(n, cst.Name))}
-        if not self._read_only_in(run, local):
+        if not self._names_stay_in(run, local):
             return None
         ema, model = code_of(handles[ema_handles]), code_of(handles[new_handles])
         code = f"fsdp_bridge.ema_update_({ema}, {model}, {code_of(decay)})"
@@ -222,14 +222,6 @@ class EmaFixer(ScannerBase):
         if alpha not in (f"1-{code_of(decay)}", f"1.0-{code_of(decay)}"):
             return None
         return decay
-
-    def _read_only_in(self, run: list[cst.BaseStatement], names: set[str]) -> bool:
-        """None of ``names`` is used in the enclosing scope outside ``run``."""
-        scope: cst.CSTNode | None = self.functions[-1] if self.functions else self.module
-        if scope is None:
-            return False
-        inside = {id(n) for stmt in run for n in walk(stmt)}
-        return not any(isinstance(n, cst.Name) and n.value in names and id(n) not in inside for n in walk(scope))
 
 
 def _empty_lists(small: cst.BaseSmallStatement | None) -> set[str] | None:

@@ -75,7 +75,7 @@ class InternalsFixer(ScannerBase):
         if not isinstance(calls[0].args[0].value, cst.Name):
             return False
         locals_ = self._locals(node)
-        if locals_ is None or not self._used_only_inside(node, locals_):
+        if locals_ is None or not self._names_stay_in((node,), locals_):
             return False
         proven = [False]
         if not self._free_if(node, unit, locals_, proven, top=True):
@@ -115,13 +115,6 @@ class InternalsFixer(ScannerBase):
                     return None
                 names.add(n.target.value)
         return names
-
-    def _used_only_inside(self, node: cst.If, names: set[str]) -> bool:
-        scope: cst.CSTNode | None = self.functions[-1] if self.functions else self.module
-        if scope is None:
-            return False
-        inside = {id(n) for n in walk(node)}
-        return not any(isinstance(n, cst.Name) and n.value in names and id(n) not in inside for n in walk(scope))
 
     def _last_in_loop(self, node: cst.CSTNode) -> bool:
         """``node`` is the last statement of the innermost enclosing ``for`` (``continue`` there ends the body)."""
@@ -345,13 +338,6 @@ class StorageFixer(ScannerBase):
     def _qname(self, func: cst.BaseExpression, name: str) -> bool:
         return any(q.name == name for q in self.get_metadata(QualifiedNameProvider, func, set()))
 
-    def _loop_locals_stay(self, loop: cst.For, names: set[str]) -> bool:
-        scope: cst.CSTNode | None = self.functions[-1] if self.functions else self.module
-        if scope is None:
-            return False
-        inside = {id(n) for n in walk(loop)}
-        return not any(isinstance(n, cst.Name) and n.value in names and id(n) not in inside for n in walk(scope))
-
     def _move_loop(self, before: cst.BaseStatement, loop: cst.For) -> tuple[str, str] | None:
         if not (isinstance(before, cst.SimpleStatementLine) and len(before.body) == 1):
             return None
@@ -406,7 +392,7 @@ class StorageFixer(ScannerBase):
             return None
         if code_of(keep.targets[0].target) != f"{flat}._local_shard" or code_of(keep.value) != f"{flat}.data":
             return None
-        if not self._loop_locals_stay(loop, names):
+        if not self._names_stay_in((loop,), names):
             return None
         args = [model, code_of(device)] + [f"non_blocking={code_of(rest[0].value)}" for _ in rest]
         code = f"fsdp_bridge.move_shards({', '.join(args)})"
@@ -445,7 +431,7 @@ class StorageFixer(ScannerBase):
             return None
         if code_of(call.args[0].value) != f"{unit}._handle.flat_param.data":
             return None
-        if not self._loop_locals_stay(loop, {unit}):
+        if not self._names_stay_in((loop,), {unit}):
             return None
         return f"fsdp_bridge.free_shards({model})", (
             f"for {unit} in {model}.modules(): _free_storage({unit}._handle.flat_param.data)"

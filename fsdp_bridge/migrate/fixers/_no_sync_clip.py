@@ -10,7 +10,15 @@ import libcst as cst
 import libcst.matchers as m
 from libcst.metadata import CodePosition, PositionProvider, QualifiedNameProvider
 
-from fsdp_bridge.migrate._analysis import called_as, code_of, handed_parameters, short, walk, wrapper_kinds_named
+from fsdp_bridge.migrate._analysis import (
+    called_as,
+    code_of,
+    handed_parameters,
+    names_from,
+    short,
+    walk,
+    wrapper_kinds_named,
+)
 from fsdp_bridge.migrate._names import FSDP, NAMES
 from fsdp_bridge.migrate._report import CodeFinding
 from fsdp_bridge.migrate._scan_base import ScannerBase
@@ -653,15 +661,11 @@ class NoSyncClipFixer(ScannerBase):
             return None
         first = stmt.body[0]
         targets = [t.target for t in first.targets] if isinstance(first, cst.Assign) else [first.target]
-        derived = {t.value for t in targets if isinstance(t, cst.Name)}
+        counted = {t.value for t in targets if isinstance(t, cst.Name)}
         scope = self.functions[-1] if self.functions else self.module
-        if not derived or scope is None:
+        if not counted or scope is None:
             return None
-        assigns = [n for n in walk(scope) if isinstance(n, cst.Assign) and n is not first]
-        for _ in range(3):  # names assigned from it, and from those
-            for a in assigns:
-                if any(isinstance(n, cst.Name) and n.value in derived for n in walk(a.value)):
-                    derived |= {t.target.value for t in a.targets if isinstance(t.target, cst.Name)}
+        derived = names_from(scope, counted)  # names assigned from it, and from those
         for n in walk(scope):
             if (
                 isinstance(n, cst.Call)

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import libcst as cst
 from libcst.metadata import PositionProvider, QualifiedNameProvider
 
-from fsdp_bridge.migrate._analysis import code_of, short, walk
+from fsdp_bridge.migrate._analysis import code_of, names_from, short, walk
 from fsdp_bridge.migrate._names import FSDP, NAMES
 from fsdp_bridge.migrate._scan_base import ScannerBase
 from fsdp_bridge.migrate._torch_helpers import HELPERS_NAME
@@ -326,20 +326,7 @@ class SummonFixer(ScannerBase):
         ]
         root = module.split(".")[0].split("(")[0]
         # the model's names in the function: taken from it (raw = model.module), or it from them (w = model)
-        pairs = [
-            (t.target.value, a.value)
-            for a in walk(scope)
-            if isinstance(a, cst.Assign)
-            for t in a.targets
-            if isinstance(t.target, cst.Name)
-        ]
-        names = {root}
-        for _ in range(3):
-            for target, value in pairs:
-                if any(isinstance(n, cst.Name) and n.value in names for n in walk(value)):
-                    names.add(target)
-                elif target in names and isinstance(value, cst.Name):
-                    names.add(value.value)
+        names = names_from(scope, {root}, back=True)
         for block in blocks:
             for test in walk(block.body):
                 if not isinstance(test, cst.If) or "rank" not in code_of(test.test).lower():
