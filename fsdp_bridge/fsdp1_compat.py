@@ -527,6 +527,18 @@ def translate_fsdp1_kwargs(kwargs: Mapping[str, Any]) -> tuple[dict[str, Any], l
     # FSDP1 without a policy wraps only the root
     out["wrap"] = _wrap_value(kwargs["auto_wrap_policy"], problems) if "auto_wrap_policy" in kwargs else "none"
     notes = _init_notes(kwargs)
+    init_fn = kwargs.get("param_init_fn")
+    if init_fn is not None and not callable(init_fn):
+        # FSDP1 refuses it only once a meta-device module reaches it; refused here, before any collective
+        problems.append(
+            Problem(
+                "param_init_fn",
+                init_fn,
+                "None, or a function to be called on each module holding meta-device tensors (FSDP1 expects it "
+                "to be callable)",
+                "pass a function taking the module (lambda m: m.to_empty(device=..., recurse=False)), or drop it",
+            )
+        )
     if "mixed_precision" in kwargs:
         out["mixed_precision"] = _mixed_precision_value(kwargs["mixed_precision"], problems)
         mp = kwargs["mixed_precision"]

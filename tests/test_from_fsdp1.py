@@ -979,3 +979,11 @@ def test_mixed_precision_false_is_full_precision_as_fsdp1_reads_it() -> None:
     assert row.replacement == "default MixedPrecisionPolicy (no casts)"
     torch_fixed = migrate_source(code, "b.py", target="torch").fixed
     assert "fsdp_bridge" not in torch_fixed and "TODO" not in torch_fixed
+
+
+def test_a_param_init_fn_that_cannot_be_called_is_refused_before_sharding() -> None:
+    """FSDP1 refuses ``param_init_fn=42`` (ValueError, "to be callable") only once a meta-device module reaches
+    it; the bridge refuses it when the config is made, naming the value and the fix."""
+    with pytest.raises(ConfigError, match=r"param_init_fn: got 42.*to be callable.*Fix: pass a function"):
+        BridgeConfig.from_fsdp1(param_init_fn=42)
+    assert BridgeConfig.from_fsdp1(param_init_fn=lambda m: None).backend.value == "fsdp2"
