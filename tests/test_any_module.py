@@ -593,10 +593,17 @@ def _ema(rank: int) -> dict[str, Any]:
 
     from torch.distributed.fsdp import fully_shard
 
+    from fsdp_bridge.migrate._code import migrate_source
     from fsdp_bridge.migrate._torch_helpers import HELPERS_NAME, HELPERS_SOURCE
 
     helpers = types.ModuleType(HELPERS_NAME)
     exec(compile(HELPERS_SOURCE, f"{HELPERS_NAME}.py", "exec"), helpers.__dict__)
+    # the fixture's update_ema (p_ema.data = ...) as written, and as migrate code rewrites it (.data.copy_)
+    source = (Path(__file__).parent / "fixtures" / "migrate" / "data_assign.py").read_text()
+    as_written: dict[str, Any] = {}
+    rewritten: dict[str, Any] = {}
+    exec(compile(source, "data_assign.py", "exec"), as_written)
+    exec(compile(migrate_source(source, "data_assign.py").fixed, "data_assign.py", "exec"), rewritten)
 
     def make(kind: str, ema: bool) -> nn.Module:
         model = _net()
@@ -620,6 +627,7 @@ def _ema(rank: int) -> dict[str, Any]:
         model, ema = make(kind, False), make(kind, True)
         idiom = make(kind, True) if kind.startswith("fsdp1_torch") else None
         plain_torch = make(kind, True)
+        by_copy, by_assignment = make(kind, True), make(kind, True)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         reference = {k: v.clone() for k, v in fsdp_bridge.full_state_dict(ema).items()}
         for step in range(3):
@@ -631,6 +639,8 @@ def _ema(rank: int) -> dict[str, Any]:
             if idiom is not None:
                 _handles_ema(idiom, model, 0.9)
             helpers.ema_update_(plain_torch, model, 0.9)
+            rewritten["update_ema"](model, by_copy, 0.9)
+            as_written["update_ema"](model, by_assignment, 0.9)
             full = fsdp_bridge.full_state_dict(model)
             for name, value in reference.items():
                 value.mul_(0.9).add_(full[name], alpha=0.1)
@@ -643,7 +653,17 @@ def _ema(rank: int) -> dict[str, Any]:
             same_as_idiom = all(torch.equal(got[k], theirs[k]) for k in reference)
         written = fsdp_bridge.full_state_dict(plain_torch)
         same_as_torch_target = all(torch.equal(got[k], written[k]) for k in reference)
-        out[kind] = (sorted(got) == sorted(reference), off, moved > 0, same_as_idiom, same_as_torch_target)
+        copied, assigned = fsdp_bridge.full_state_dict(by_copy), fsdp_bridge.full_state_dict(by_assignment)
+        data_copy_off = max((copied[k] - reference[k]).abs().max().item() for k in reference)
+        assignment_off = max((assigned[k] - reference[k]).abs().max().item() for k in reference)
+        out[kind] = (
+            sorted(got) == sorted(reference),
+            off,
+            moved > 0,
+            same_as_idiom,
+            same_as_torch_target,
+            (data_copy_off, assignment_off),
+        )
     return out
 
 
@@ -728,9 +748,17 @@ def test_ddp_and_fully_shard_numerics_match_their_own_calls(run_on_ranks: Any) -
         # ema_update_ after each step: the EMA copy's full weights are the average of the model's, on every
         # kind of model; on FSDP1 made by torch, bit for bit what the handles idiom gives; the torch target's
         # helper gives the bridge's bit for bit
-        for kind, (same_keys, off, moved, same_as_idiom, same_as_torch_target) in r["ema"].items():
+        # The tree's own EMA step over parameters(): as migrate code rewrites it (p_ema.data.copy_(...)) it
+        # averages on every kind; as written (p_ema.data = ...) it never moves a DTensor parameter (FSDP2's)
+        for kind, (same_keys, off, moved, same_as_idiom, same_as_torch_target, data) in r["ema"].items():
             assert same_keys and off < 1e-6 and moved and same_as_torch_target, (kind, off)
             assert same_as_idiom is (True if kind.startswith("fsdp1_torch") else None), kind
+            data_copy_off, assignment_off = data
+            assert data_copy_off < 1e-6, (kind, data)
+            if kind in ("fsdp2", "fully_shard"):
+                assert assignment_off > 1e-3, (kind, data)
+            elif kind in ("fsdp1_torch_flat", "ddp", "plain"):
+                assert assignment_off < 1e-6, (kind, data)
     # fsdp_bridge.GradScaler: the inf in rank 1's shard makes every rank skip the step and halve the scale, on
     # both backends. torch.amp.GradScaler agrees only on fsdp2 (DTensor gradients reduce the check); on fsdp1's
     # flat shards rank 0 steps while rank 1 skips.

@@ -73,6 +73,16 @@ EXPECTED: dict[str, set[tuple[int, str]]] = {
         (20, "FSDP(...)"),
         (20, "fsdp_auto_wrap_policy=default_auto_wrap_policy"),
         (20, "sharding_strategy=strategy"),
+        (25, "default_auto_wrap_policy"),
+        (26, "FSDP(...)"),
+    },
+    "data_assign.py": {
+        (11, "p_ema.data = alpha * p_ema.data + (1 - alpha) * p.... (over ema_model's parameters)"),
+        (16, "p.data = p.data.to(torch.bfloat16) (over model's parameters)"),
+        (21, "q.data = p.data (over other's parameters)"),
+        (30, "FSDP(...)"),
+        (31, "FSDP(...)"),
+        (38, "p.data = -p.data (over ema's parameters)"),
     },
     "grad_accum.py": {
         (33, "FSDP(...)"),
@@ -3399,7 +3409,10 @@ def test_torch_111s_wrap_policy_spelling_is_read_as_auto_wrap_policy() -> None:
     assert not [f for f in bridge.findings if not f.fixable]
     assert bridge.fixed.count('wrap={"min_num_params": 100000000}') == 2
     assert 'wrap={"min_num_params": 20000}' in bridge.fixed
-    assert "default_auto_wrap_policy" not in bridge.fixed and "functools" not in bridge.fixed
+    assert "default_auto_wrap_policy" not in bridge.fixed
+    # a policy never passed on keeps its value under the name torch 1.12 gave it (the old one no longer imports)
+    assert "unused_policy = functools.partial(size_based_auto_wrap_policy, min_num_params=size)" in bridge.fixed
+    assert "from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy" in bridge.fixed
     assert bridge.fixed.startswith('"""FSDP1 as torch 1.11')
     assert migrate_source(bridge.fixed, "t.py").fixed == bridge.fixed
     ejected = migrate_source(source, "t.py", target="torch").fixed
@@ -3415,3 +3428,25 @@ def test_torch_111s_wrap_policy_spelling_is_read_as_auto_wrap_policy() -> None:
     assert (
         "torch 1.11's name of auto_wrap_policy" in todo.replacement and "rename it auto_wrap_policy" in todo.replacement
     )
+
+
+def test_data_assigned_over_fsdp1_parameters_is_written_in_place_or_a_todo() -> None:
+    """``p.data = <arithmetic>`` over an FSDP1 model's parameters becomes ``p.data.copy_(...)`` (FSDP2 ignores
+    ``.data =`` on a DTensor); a cast or an alias is a TODO; a loop over a model never FSDP1's is left alone."""
+    source = _source("data_assign.py")
+    result = migrate_source(source, "data_assign.py")
+    fixed = result.fixed
+    assert "p_ema.data.copy_(alpha * p_ema.data + (1 - alpha) * p.data)  # the EMA step" in fixed
+    assert "p.data.copy_(-p.data)  # inline over an FSDP1 model: rewritten" in fixed
+    assert "p.data = p.data * scale  # net is never an FSDP1 model: left alone" in fixed
+    assert "p.data = p.data.to(torch.bfloat16)" in fixed and "q.data = p.data  #" in fixed
+    todos = {f.line: f.replacement for f in result.findings if not f.fixable}
+    assert sorted(todos) == [16, 21]
+    assert all("leaves the local shard FSDP2 gathers as it was" in t for t in todos.values())
+    (fix,) = [f for f in result.findings if f.line == 11]
+    assert fix.fixable and "written in place" in fix.replacement
+    ejected = migrate_source(source, "data_assign.py", target="torch").fixed
+    assert "p_ema.data.copy_(alpha * p_ema.data + (1 - alpha) * p.data)" in ejected and "fsdp_bridge" not in ejected
+    # only where the owner is shown FSDP1's: the same function handed plain modules only is untouched
+    plain = source.replace("model = FSDP(net)", "model = net").replace("ema = FSDP(ema_net)", "ema = ema_net")
+    assert "p_ema.data = alpha" in migrate_source(plain, "data_assign.py").fixed

@@ -110,6 +110,12 @@ class Rewriter(cst.CSTTransformer):
     ) -> Any:
         if id(original_node) in self.scan.removed_stmts:
             return self._remove(updated_node)
+        if (code := self.scan.stmt_rewrites.get(id(original_node))) is not None:
+            line = cst.parse_statement(self._code(code))
+            rewritten = line.with_changes(
+                leading_lines=updated_node.leading_lines, trailing_whitespace=updated_node.trailing_whitespace
+            )
+            return with_todos(original_node, rewritten, self.scan.todos)
         if len(original_node.body) == 1 and isinstance(original_node.body[0], cst.Assign):
             value = original_node.body[0].value
             if id(value) in self.scan.consumed_nodes and id(value) in self.assignment_stmts:

@@ -165,7 +165,7 @@ class ScannerBase(FollowsAliases):
         self.duck_tests: list[DuckTest] = []
         self.bare_no_sync: set[int] = set()  # statements calling m.no_sync() as a statement, not a context
         self.call_rewrites: dict[int, str] = {}  # id(call) -> replacement source (state dict API)
-        self.stmt_rewrites: dict[int, str] = {}  # id(compound statement) -> the one statement replacing it
+        self.stmt_rewrites: dict[int, str] = {}  # id(statement) -> the one statement replacing it
         self.unwrap_withs: set[int] = set()  # state_dict_type blocks replaced by their (rewritten) body
         self.other_roots: set[int] = set()  # id(x.state_dict() call) in another model's unwrapped block
         self.context_makers: tuple[set[str], set[str]] | None = None  # see _made_context

@@ -17,6 +17,7 @@ from fsdp_bridge.migrate._scan_base import ScannerBase
 from fsdp_bridge.migrate.fixers._attributes import ElsewhereAttributesFixer
 from fsdp_bridge.migrate.fixers._checkpoints import CheckpointNoteFixer
 from fsdp_bridge.migrate.fixers._constructor import ConstructorFixer
+from fsdp_bridge.migrate.fixers._data_assign import DataAssignFixer
 from fsdp_bridge.migrate.fixers._ema import EmaFixer
 from fsdp_bridge.migrate.fixers._imports import IS_SHARDED, ImportsFixer
 from fsdp_bridge.migrate.fixers._internals import InternalsFixer, StorageFixer
@@ -66,6 +67,7 @@ class Scanner(
     InternalsFixer,
     StorageFixer,
     EmaFixer,
+    DataAssignFixer,
     ObjectAnalysis,
     ScannerBase,
 ):
@@ -491,6 +493,9 @@ class Scanner(
     def leave_ClassDef(self, original_node: cst.ClassDef) -> None:
         self.classes.pop()
         self.stmt_stack.pop()
+
+    def visit_Assign(self, node: cst.Assign) -> None:
+        self._plan_data_assign(node)
 
     def visit_AssignTarget(self, node: cst.AssignTarget) -> None:
         self.assign_target_depth += 1

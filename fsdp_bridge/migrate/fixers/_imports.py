@@ -551,6 +551,20 @@ class ImportsFixer(ScannerBase):
             self.expr_rewrites[id(node)] = "fsdp_bridge.load_sharded_optimizer_state_dict"
             self._record(node, code_of(node), NAMES[kind], True)
             return False
+        if kind == "default_auto_wrap_policy" and not member and not self.annotation_depth:
+            # torch 1.11's name, gone since 1.12: its new name, kept as a value as that one is (below)
+            self.expr_rewrites[id(node)] = "size_based_auto_wrap_policy"
+            self.needs_imports.add(("torch.distributed.fsdp.wrap", "size_based_auto_wrap_policy"))
+            self._consume(node)
+            self._record(
+                node,
+                code_of(node),
+                f"size_based_auto_wrap_policy: {NAMES[kind].split(':', 1)[0]}, renamed in torch 1.12; kept: "
+                f"{KEPT['size_based_auto_wrap_policy']}; where it reaches fsdp_bridge.BridgeConfig.from_fsdp1 it is "
+                "read when the code runs, with FSDP1's meaning",
+                True,
+            )
+            return False
         if kind in KEPT:
             library = None
             state_value = kind.endswith("StateDictConfig") or kind == "StateDictType"
