@@ -543,6 +543,19 @@ def test_name_rules_over_an_fsdp1_models_parameters_are_kept_with_a_note_on_the_
     assert notes[10].construct == "model.named_parameters() names tested (key.endswith('.scale'))"
     assert "`_flat_param`" in notes[8].replacement and "the optimizer's groups change" in notes[8].replacement
     assert "any(s in n for s in skip)" in result.fixed and "TODO" not in result.fixed
+    # a submodule read from the wrapped model (model.model) holds the flat parameters of the units nested in it
+    inner = migrate_source(
+        "import torch\nfrom torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n\n\n"
+        "def stage_two(net, norm):\n"
+        "    model = FSDP(net)\n"
+        "    for name, param in model.model.named_parameters():\n"
+        "        param.requires_grad = 'lm_head' in name\n"
+        "    torch.nn.utils.clip_grad_norm_(model.model.parameters(), norm)\n",
+        "inner.py",
+    )
+    inner_notes = {f.line: f.construct for f in inner.findings if f.note}
+    assert inner_notes[7] == "model.model.named_parameters() names tested ('lm_head' in name)", inner_notes
+    assert 9 in inner_notes, inner_notes
 
 
 def test_collectives_over_an_fsdp1_models_parameters_get_a_todo_and_the_clip_note_names_the_dtensor_norm() -> None:

@@ -45,6 +45,17 @@ def test_the_first_differing_step_rank_and_values_are_named() -> None:
     assert "DIVERGED at step 1 on rank 1: FSDP1 1.5, migrated 1.75" in result.format()
 
 
+def test_saved_tensors_off_by_a_little_after_bit_equal_losses_are_pointed_at() -> None:
+    """PARITY stands (within the tolerance), but losses equal bit for bit beside saved tensors that are not is said:
+    the shape of an EMA copy that never moved (each step moves it by a thousandth of the model's change)."""
+    same = VerifyResult(_run([1.0, 0.5]), _run([1.0, 0.5]), None, rtol=1e-6, atol=1e-5, saved_inexact=3)
+    assert same.parity and "yet 3 saved tensor(s) did not" in same.format()
+    assert "PARITY" in same.format().splitlines()[-1]
+    close = VerifyResult(_run([1.0, 0.5]), _run([1.0, 0.5 + 1e-8]), None, rtol=1e-6, atol=1e-5, saved_inexact=3)
+    exact = VerifyResult(_run([1.0, 0.5]), _run([1.0, 0.5]), None, rtol=1e-6, atol=1e-5)
+    assert "saved tensor(s) did not" not in close.format() + exact.format()
+
+
 def test_fewer_losses_nan_dtype_change_and_no_loss_at_all_diverge() -> None:
     diff, _, _ = compare_losses(_run([1.0, 0.5]), _run([1.0]))
     assert diff is not None and diff.step == 1 and "FSDP1 recorded 2 losses, the migrated script 1" in diff.what
@@ -64,11 +75,11 @@ def test_saved_tensors_compared_within_fp32_tolerance(tmp_path: Path) -> None:
     w = torch.arange(6, dtype=torch.float32)
     torch.save({"model": {"w": w}, "step": 3}, before / "ck.pt")
     torch.save({"model": {"w": w + 1e-9}, "step": 3}, after / "ck.pt")
-    problems, lines = compare_saved(before, after, {Path("ck.pt")})
+    problems, lines, _ = compare_saved(before, after, {Path("ck.pt")})
     assert problems == [] and "1 tensors compared" in lines[0]
     torch.save({"model": {"w": w + 1.0}, "step": 4}, after / "ck.pt")
     torch.save({"x": w}, after / "extra.pt")
-    problems, _ = compare_saved(before, after, {Path("ck.pt")})
+    problems, _, _ = compare_saved(before, after, {Path("ck.pt")})
     assert problems == [
         "ck.pt: model.w differs beyond rtol 1.3e-06, atol 1e-05",
         "ck.pt: step = 3 vs 4",
@@ -84,7 +95,7 @@ def test_saved_names_that_differ_only_by_the_compile_prefix_are_named_once_and_c
     w = torch.arange(6, dtype=torch.float32)
     torch.save({"_orig_mod.w": w, "_orig_mod.b": w[:2]}, before / "ck.pt")
     torch.save({"w": w, "b": w[:2] + 1}, after / "ck.pt")
-    problems, lines = compare_saved(before, after, {Path("ck.pt")})
+    problems, lines, _ = compare_saved(before, after, {Path("ck.pt")})
     assert problems == [
         "ck.pt: 2 name(s) differ only by torch.compile's '_orig_mod.' prefix, in FSDP1's (compared without it "
         "below; a checkpoint of the other run loads after removing it)",

@@ -66,6 +66,8 @@ class VerifyResult:
     difference: Difference | None
     saved_problems: list[str] = field(default_factory=list)
     saved_lines: list[str] = field(default_factory=list)
+    saved_inexact: int = 0
+    """Saved tensors of both runs that are not equal bit for bit (within the tolerance or not)."""
     migrated_failure: str | None = None
     rtol: float | None = None
     atol: float | None = None
@@ -97,10 +99,22 @@ class VerifyResult:
                 lines.append(f"   ... {len(shown) - max_rows} more steps")
         lines.extend(self.saved_lines)
         lines.extend(f"saved files differ: {p}" for p in self.saved_problems)
+        if self.parity and self.saved_inexact and self._losses_bit_for_bit():
+            lines.append(
+                f"note: every loss agreed bit for bit, yet {self.saved_inexact} saved tensor(s) did not: the runs "
+                "did the same arithmetic up to the last loss, so a tensor that differs after it points at a change "
+                "the losses cannot show (an update that never reached a parameter, an EMA copy that never moved); "
+                "compare those tensors before trusting the verdict"
+            )
         if not self.parity:  # (a checkpoint loaded over the differing weights gives parity: nothing to explain)
             lines.extend(self.notes)
         lines.append(self.verdict())
         return "\n".join(lines)
+
+    def _losses_bit_for_bit(self) -> bool:
+        return bool(self.before) and all(
+            [x for x, _ in self.before[rank]] == [y for y, _ in self.after.get(rank, [])] for rank in self.before
+        )
 
     def verdict(self) -> str:
         steps = max((len(v) for v in self.before.values()), default=0)
@@ -246,7 +260,7 @@ def verify(
                 losses_before, losses_after, rtol=rtol, atol=atol
             )
             new = _saved_files(before) - shipped
-            result.saved_problems, result.saved_lines = _compare_saved(before, after, new)
+            result.saved_problems, result.saved_lines, result.saved_inexact = _compare_saved(before, after, new)
     return result
 
 
@@ -409,13 +423,15 @@ def _without_compile_prefix(a: dict[str, Any], b: dict[str, Any]) -> tuple[dict[
     )
 
 
-def _compare_saved(before: Path, after: Path, new: set[Path]) -> tuple[list[str], list[str]]:
-    """Differences between the files the two runs saved (same relative paths), and a line per file."""
+def _compare_saved(before: Path, after: Path, new: set[Path]) -> tuple[list[str], list[str], int]:
+    """Differences between the files the two runs saved (same relative paths), a line per file, and the number of
+    tensors not equal bit for bit."""
     import torch
 
     rtol, atol = TOLERANCES["float32"]
     problems: list[str] = []
     lines: list[str] = []
+    not_exact = 0
     for rel in sorted(new):
         if not (after / rel).exists():
             problems.append(f"{rel}: saved by FSDP1 only")
@@ -449,6 +465,7 @@ def _compare_saved(before: Path, after: Path, new: set[Path]) -> tuple[list[str]
             f", {inexact} within tolerance or not (largest difference {worst:.3g})" if inexact else ""
         )
         lines.append(f"{rel}: {tensors} tensors compared, {exact}")
+        not_exact += inexact
     for rel in sorted(_saved_files(after) - new - _saved_files(before)):
         problems.append(f"{rel}: saved by the migrated script only")
-    return problems, lines
+    return problems, lines, not_exact

@@ -562,8 +562,10 @@ class NoSyncClipFixer(ScannerBase):
         )
 
     def _note_on_fsdp1_model(self, node: cst.Call, model: cst.BaseExpression, construct: str, text: str) -> None:
-        """A note at ``node`` when ``model`` is shown to be FSDP1's wrapper there (see :meth:`_shown_fsdp1`)."""
-        if not self._shown_fsdp1(node, model):
+        """A note at ``node`` when ``model`` is shown to be FSDP1's wrapper there (see :meth:`_shown_fsdp1`), or a
+        submodule read from one (``model.model``: its parameters are the flat ones of the units nested in it)."""
+        inside = isinstance(model, cst.Attribute) and self._shown_fsdp1(node, model.value)
+        if not (inside or self._shown_fsdp1(node, model)):
             return
         pos = self.get_metadata(PositionProvider, node)
         self.findings.append(CodeFinding(self.path, pos.start.line, pos.start.column, construct, text, True, note=True))
