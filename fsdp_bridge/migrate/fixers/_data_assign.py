@@ -16,8 +16,6 @@ from fsdp_bridge.migrate._analysis import PARAMETER_LISTS, code_of, short, walk
 from fsdp_bridge.migrate._names import INTERNAL_ATTRS
 from fsdp_bridge.migrate._scan_base import ScannerBase
 
-ARITHMETIC = (cst.BinaryOperation, cst.UnaryOperation)
-
 WHY = (
     "FSDP1's parameters are plain (flat) tensors, so assigning .data swapped the rank's shard; FSDP2's are "
     "DTensors, whose .data assignment leaves the local shard FSDP2 gathers as it was, with no error (the values "
