@@ -166,6 +166,7 @@ class ScannerBase(FollowsAliases):
         self.bare_no_sync: set[int] = set()  # statements calling m.no_sync() as a statement, not a context
         self.call_rewrites: dict[int, str] = {}  # id(call) -> replacement source (state dict API)
         self.stmt_rewrites: dict[int, str] = {}  # id(statement) -> the one statement replacing it
+        self.whole_loops: set[int] = set()  # id(for loop) rewritten whole (StorageFixer, EmaFixer): none of it reported
         self.unwrap_withs: set[int] = set()  # state_dict_type blocks replaced by their (rewritten) body
         self.other_roots: set[int] = set()  # id(x.state_dict() call) in another model's unwrapped block
         self.context_makers: tuple[set[str], set[str]] | None = None  # see _made_context

@@ -113,7 +113,7 @@ class Scanner(
 
     def visit_For(self, node: cst.For) -> bool | None:
         self._push(node)
-        if id(node) in getattr(self, "storage_fors", ()) or id(node) in getattr(self, "ema_fors", ()):
+        if id(node) in self.whole_loops:
             return False  # the whole loop becomes one call: nothing inside is reported on its own
         return None
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import libcst as cst
 
-from fsdp_bridge.migrate._analysis import PARAMETER_LISTS, code_of, short, walk
+from fsdp_bridge.migrate._analysis import code_of, short, walk
 from fsdp_bridge.migrate._names import INTERNAL_ATTRS
 from fsdp_bridge.migrate._scan_base import ScannerBase
 
@@ -41,12 +41,12 @@ def _leaf_or_arithmetic(expr: cst.BaseExpression) -> bool:
     return _fresh_arithmetic(expr)
 
 
-def _parameter_owner(call: cst.BaseExpression) -> cst.BaseExpression | None:
-    """``X.parameters()`` / ``X.named_parameters()`` -> ``X``."""
+def _parameter_owner(call: cst.BaseExpression, lister: str) -> cst.BaseExpression | None:
+    """``X.<lister>()`` (``parameters`` / ``named_parameters``) -> ``X``."""
     if (
         isinstance(call, cst.Call)
         and isinstance(call.func, cst.Attribute)
-        and call.func.attr.value in PARAMETER_LISTS
+        and call.func.attr.value == lister
         and not call.args
     ):
         return call.func.value
@@ -57,22 +57,19 @@ def _bound_parameters(loop: cst.For) -> dict[str, cst.BaseExpression]:
     """The loop's names bound to a model's parameters -> that model: ``for p in m.parameters()``,
     ``for n, p in m.named_parameters()``, ``for p, q in zip(a.parameters(), b.parameters())``."""
     target, it = loop.target, loop.iter
-    owner = _parameter_owner(it)
-    if owner is not None:
-        if isinstance(target, cst.Name) and code_of(it).endswith(".parameters()"):
-            return {target.value: owner}
-        if isinstance(target, cst.Tuple) and len(target.elements) == 2 and code_of(it).endswith("named_parameters()"):
-            p = target.elements[1].value
-            return {p.value: owner} if isinstance(p, cst.Name) else {}
-        return {}
+    if isinstance(target, cst.Name) and (owner := _parameter_owner(it, "parameters")) is not None:
+        return {target.value: owner}
+    if isinstance(target, cst.Tuple) and (owner := _parameter_owner(it, "named_parameters")) is not None:
+        p = target.elements[1].value if len(target.elements) == 2 else None
+        return {p.value: owner} if isinstance(p, cst.Name) else {}
     if not (isinstance(it, cst.Call) and code_of(it.func) == "zip" and isinstance(target, cst.Tuple)):
         return {}
     if len(target.elements) != len(it.args) or any(a.keyword or a.star for a in it.args):
         return {}
     bound: dict[str, cst.BaseExpression] = {}
     for element, arg in zip(target.elements, it.args, strict=True):
-        owner = _parameter_owner(arg.value)
-        if owner is not None and isinstance(element.value, cst.Name) and code_of(arg.value).endswith(".parameters()"):
+        owner = _parameter_owner(arg.value, "parameters")
+        if owner is not None and isinstance(element.value, cst.Name):
             bound[element.value.value] = owner
     return bound
 

@@ -59,11 +59,7 @@ def _pure(expr: cst.BaseExpression) -> bool:
 class EmaFixer(ScannerBase):
     """The EMA run of statements over two models' FSDP1 handles -> ``fsdp_bridge.ema_update_``."""
 
-    ema_fors: set[int]
-
     def _plan_ema(self, body: Sequence[cst.BaseStatement]) -> None:
-        if not hasattr(self, "ema_fors"):
-            self.ema_fors = set()
         if not self.uses_fsdp1 or self.planning:
             return
         for i in range(len(body)):
@@ -71,7 +67,7 @@ class EmaFixer(ScannerBase):
             if found is None:
                 continue
             loop, run, code, what = found
-            self.ema_fors.add(id(loop))
+            self.whole_loops.add(id(loop))
             self.stmt_rewrites[id(loop)] = code
             for stmt in run:
                 self.consumed_nodes.update(id(n) for n in walk(stmt))

@@ -311,15 +311,11 @@ class StorageFixer(ScannerBase):
     and ``isinstance(m, FSDP)`` names FSDP1's wrapper: the code proves the model is FSDP1's. Any other
     statement in the loop, or a name of the loop read after it, keeps the TODOs."""
 
-    storage_fors: set[int]
-
     def _plan_storage(self, body: Sequence[cst.BaseStatement]) -> None:
-        if not hasattr(self, "storage_fors"):
-            self.storage_fors = set()
         if not self.uses_fsdp1 or self.planning:
             return
         for i, stmt in enumerate(body):
-            if not isinstance(stmt, cst.For) or id(stmt) in self.storage_fors:
+            if not isinstance(stmt, cst.For) or id(stmt) in self.whole_loops:
                 continue
             if i > 0 and (move := self._move_loop(body[i - 1], stmt)) is not None:
                 code, what = move
@@ -329,7 +325,7 @@ class StorageFixer(ScannerBase):
                 code, what = free
             else:
                 continue
-            self.storage_fors.add(id(stmt))
+            self.whole_loops.add(id(stmt))
             self.stmt_rewrites[id(stmt)] = code
             self.consumed_nodes.update(id(n) for n in walk(stmt))
             self.needs_imports.add(("fsdp_bridge", None))
