@@ -69,6 +69,7 @@ API_FACES: tuple[str, ...] = (
     "fsdp_bridge.estimate",
     "fsdp_bridge.migrate",
     "fsdp_bridge.hf",
+    "fsdp_bridge.lightning",
     "fsdp_bridge.backends",
     "fsdp_bridge.cli",
 )

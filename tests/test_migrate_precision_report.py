@@ -66,13 +66,20 @@ def test_lightning_fsdp_strategy_is_reported_with_each_argument_in_bridge_terms(
 
 def test_lightning_strategy_by_name_and_fabric_strategy_object() -> None:
     result = _migrate("lightning_fabric_string.py")
-    found = {(f.line, f.construct) for f in result.findings}
+    found = {(f.line, f.construct, f.fixable) for f in result.findings}
     assert found == {
-        (14, 'Fabric(strategy="fsdp_cpu_offload") (Lightning\'s FSDP1 strategy)'),
-        (15, "FabricFSDP(...) (Lightning's FSDP1 strategy)"),
-        (15, 'state_dict_type="full"'),
+        (14, 'Fabric(strategy="fsdp_cpu_offload") (Lightning\'s FSDP1 strategy)', True),
+        (15, "FabricFSDP(...) (Lightning's FSDP1 strategy)", True),
+        (15, 'state_dict_type="full"', True),
     }, found  # not strategy="ddp", not DDPStrategy(), not the tree's own Trainer(strategy="fsdp")
-    assert result.fixed.count("TODO(fsdp-bridge)") == 2
+    # Fabric's: the same arguments to the bridge's Fabric strategy; the aliased import, now unused, goes
+    assert "TODO(fsdp-bridge)" not in result.fixed and "FabricFSDP" not in result.fixed
+    assert "strategy=fsdp_bridge.lightning.FabricStrategy(cpu_offload=True))" in result.fixed
+    assert 'strategy=fsdp_bridge.lightning.FabricStrategy(state_dict_type="full"))' in result.fixed
+    assert 'Fabric(devices=2, strategy="ddp")' in result.fixed and "import fsdp_bridge.lightning\n" in result.fixed
+    assert migrate_source(result.fixed, "again.py").fixed == result.fixed
+    torch = migrate_source(result.original, "t.py", target="torch")  # no Lightning strategy written there
+    assert torch.fixed.count("TODO(fsdp-bridge)") == 2 and "not rewritten: --target torch" in torch.fixed
 
 
 def test_fsdp1_sharded_checkpoints_get_one_convert_note_per_file() -> None:

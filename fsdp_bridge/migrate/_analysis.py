@@ -275,6 +275,10 @@ class Dispatch:
     """A file of the tree that makes FSDP1 models itself (``FSDP(...)``, ``partial(FSDP, ...)``,
     ``wrapper_cls=FSDP``; ``fsdp_bridge.shard(...)`` after ``--fix``). A tree with none is handed its FSDP1 models
     by a library (accelerate's FSDP plugin, a Trainer), which may keep making FSDP1 models after the migration."""
+    tests_lightning_strategy: str | None = None
+    """A file of the tree that names Lightning's ``FSDPStrategy`` other than to import or call it (``isinstance(
+    fabric.strategy, FSDPStrategy)``, a subclass): code there tells the strategies apart, and goes the other way
+    once the strategy is another class, so ``FSDPStrategy(...)`` is not rewritten."""
     imported_names: set[str] = field(default_factory=set)
     from_imports: set[str] = field(default_factory=set)
     """``module.name`` for every ``from module import name`` of the tree (``module.*`` for a star import;
@@ -390,6 +394,7 @@ class Dispatch:
         self.wraps_fsdp1 = self.wraps_fsdp1 or other.wraps_fsdp1
         self.constructs_fsdp1 = self.constructs_fsdp1 or other.constructs_fsdp1
         self.keeps_fsdp1 = self.keeps_fsdp1 or other.keeps_fsdp1
+        self.tests_lightning_strategy = self.tests_lightning_strategy or other.tests_lightning_strategy
         for name, where in other.own_methods.items():
             self.own_methods.setdefault(name, where)
         for cls, attrs in other.fsdp1_attributes.items():
@@ -667,6 +672,42 @@ def names_wrapper(code: str) -> bool:
     (the same tree after ``--fix``: a second run reports what the first did)."""
     lines = (line.split("#", 1)[0] for line in code.splitlines())
     return any("FullyShardedDataParallel" in text or "fsdp_bridge.shard(" in text for text in lines)
+
+
+def tests_lightning_strategy(code: str) -> bool:
+    """Whether the file names ``FSDPStrategy`` other than in an import, a call of it or an annotation (an
+    ``isinstance`` test, a subclass, a comparison of types), or imports another name from the module of Lightning's
+    FSDP1 strategy (``fsdp_overlap_step_with_backward``, its state-dict helpers: FSDP1's alone); see
+    ``Dispatch.tests_lightning_strategy``."""
+    if "FSDPStrategy" not in code and ".strategies.fsdp" not in code:
+        return False
+    try:
+        tree = ast.parse(code)
+    except (SyntaxError, ValueError):  # unparsable: reported when the file itself is migrated
+        return False
+    skipped: set[int] = set()
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.ImportFrom)
+            and (node.module or "").endswith(".strategies.fsdp")
+            and (node.module or "").split(".")[0] in ("lightning", "lightning_fabric", "pytorch_lightning")
+            and any(a.name != "FSDPStrategy" for a in node.names)
+        ):
+            return True
+        if isinstance(node, ast.Call):
+            skipped.add(id(node.func))
+        elif isinstance(node, (ast.AnnAssign, ast.arg)) and node.annotation is not None:
+            skipped.update(id(n) for n in ast.walk(node.annotation))
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.returns is not None:
+            skipped.update(id(n) for n in ast.walk(node.returns))
+    return any(
+        id(node) not in skipped
+        and (
+            (isinstance(node, ast.Name) and node.id == "FSDPStrategy")
+            or (isinstance(node, ast.Attribute) and node.attr == "FSDPStrategy")
+        )
+        for node in ast.walk(tree)
+    )
 
 
 _WRAPPER_NAMES = ("FullyShardedDataParallel", "FSDP")

@@ -82,6 +82,7 @@ from fsdp_bridge.migrate._analysis import (
     self_spelled_set_state_dict_type,
     subclassed_names,
     subclasses_wrapper,
+    tests_lightning_strategy,
     top_level_classes,
     top_level_functions,
     unfollowed_set_state_dict_type,
@@ -198,6 +199,7 @@ def migrate_source(
             wraps_fsdp1=path if names_wrapper(code) else None,
             constructs_fsdp1=path if constructs_wrapper(code) else None,
             keeps_fsdp1=path if chooses_wrapper(code) else None,
+            tests_lightning_strategy=path if tests_lightning_strategy(code) else None,
             subclassed=subclassed_names(code),
         )
     )
@@ -281,6 +283,8 @@ def migrate_source(
                 RemoveImportsVisitor.remove_unused_import(context, *imp)
         if scan.consumed_partial:
             RemoveImportsVisitor.remove_unused_import(context, "functools")
+        for module_name, obj, alias in sorted(scan.lightning_drops, key=str):
+            RemoveImportsVisitor.remove_unused_import(context, module_name, obj, alias)
         fixed = RemoveImportsVisitor(context).transform_module(fixed).visit(_OwnLineParen())
         fixed = _imports_after_setup(fixed, module)
         fixed = _comments_of_removed_imports(module, fixed)
@@ -792,6 +796,7 @@ def migrate_paths(
                     wraps_fsdp1=shown[f] if names_wrapper(code) else None,
                     constructs_fsdp1=shown[f] if ours and constructs_wrapper(code) else None,
                     keeps_fsdp1=shown[f] if ours and chooses_wrapper(code) else None,
+                    tests_lightning_strategy=shown[f] if tests_lightning_strategy(code) else None,
                     subclassed=subclassed_names(code),
                     data_swappers=find_data_swappers(code),
                     param_pairers=find_param_pairers(code),

@@ -86,7 +86,7 @@ class Rewriter(cst.CSTTransformer):
 
     def leave_SimpleString(self, original_node: cst.SimpleString, updated_node: cst.SimpleString) -> Any:
         if (code := self.scan.expr_rewrites.get(id(original_node))) is not None:
-            return cst.SimpleString(code)
+            return cst.parse_expression(code)  # another string, or what the string named (a strategy's class)
         return updated_node
 
     def leave_Name(self, original_node: cst.Name, updated_node: cst.Name) -> Any:

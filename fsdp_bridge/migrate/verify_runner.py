@@ -19,7 +19,9 @@ a device given as a GPU (an index, a CUDA ``torch.device`` or ``"cuda:N"``: ``te
 CPU; FSDP1 gets ``device_id=cpu`` when given none; ``torch.cuda.set_device`` does nothing and
 ``torch.cuda.current_device()`` is the local rank; data loaders do not pin memory;
 ``scaled_dot_product_attention`` on DTensors sharded over heads runs on each rank's heads (DTensor has no sharding
-rule for the CPU kernel); NCCL beside gloo (``"cuda:nccl,cpu:gloo"``) is gloo alone.
+rule for the CPU kernel); NCCL beside gloo (``"cuda:nccl,cpu:gloo"``) is gloo alone; FSDP1's full state dicts stay
+where CPU parameters are (``offload_to_cpu`` crashes torch there); Lightning Fabric's ``accelerator="cuda"`` is the
+CPU, where its FSDP1 strategy runs (Lightning refuses it on CPUs).
 
 This module is run, never imported by the library.
 """
@@ -134,6 +136,70 @@ def _install_cpu_shims() -> None:
         return sdpa(q, k, v, *args, **kwargs)
 
     F.scaled_dot_product_attention = sdpa_per_rank  # type: ignore[assignment]
+
+    from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig
+
+    for config in (FullStateDictConfig, FullOptimStateDictConfig):
+        # FSDP1's full state dict copied to the CPU from CPU parameters crashes torch (a segfault, or "storage of
+        # size 0"): they are on the CPU already
+        config.__init__ = _kept_on_cpu(config.__init__)  # type: ignore[method-assign]
+    sys.meta_path.insert(0, _LightningOnCpu())
+
+
+def _kept_on_cpu(init: Any) -> Any:
+    def kept(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        self.offload_to_cpu = False
+
+    return kept
+
+
+_LIGHTNING_CONNECTORS = ("lightning.fabric.connector", "lightning_fabric.connector")
+
+
+class _LightningOnCpu:
+    """Once Lightning Fabric's connector is imported: ``accelerator="cuda"`` / ``"gpu"`` is the CPU, and
+    Lightning's FSDP1 strategy, refused on CPUs ("FSDP is only available on GPU"), runs there as torch's FSDP1
+    does (on gloo)."""
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        if name not in _LIGHTNING_CONNECTORS:
+            return None
+        import importlib.machinery
+
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None:
+            return None
+        load = spec.loader.exec_module
+
+        def exec_module(module: Any) -> None:
+            load(module)
+            _lightning_on_cpu(module._Connector)
+
+        spec.loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
+
+
+def _lightning_on_cpu(connector: Any) -> None:
+    init = connector.__init__
+
+    def on_cpu(self: Any, *args: Any, **kwargs: Any) -> None:
+        if kwargs.get("accelerator") in ("cuda", "gpu"):
+            kwargs["accelerator"] = "cpu"
+        init(self, *args, **kwargs)
+
+    check = connector._check_strategy_and_fallback
+
+    def fsdp_on_cpu(self: Any) -> None:
+        flag = self._accelerator_flag
+        self._accelerator_flag = "cuda" if flag == "cpu" else flag
+        try:
+            check(self)
+        finally:
+            self._accelerator_flag = flag
+
+    connector.__init__ = on_cpu
+    connector._check_strategy_and_fallback = fsdp_on_cpu
 
 
 def _compare_rank_copies(notes: dict[str, Any]) -> None:

@@ -570,7 +570,11 @@ class ImportsFixer(ScannerBase):
             state_value = kind.endswith("StateDictConfig") or kind == "StateDictType"
             if not self.conversions and (not state_value or self._in_plugin_call(node)):
                 if self._lightning_strategy_here():
-                    library = "Lightning's FSDPStrategy"
+                    library = (
+                        "fsdp_bridge.lightning.FabricStrategy (was Lightning's FSDPStrategy)"
+                        if self._lightning_moves()
+                        else "Lightning's FSDPStrategy"
+                    )
                 elif self._accelerate_plugin_here():
                     library = "accelerate's FullyShardedDataParallelPlugin"
             if library is not None:
@@ -582,8 +586,13 @@ class ImportsFixer(ScannerBase):
                         pos.start.line,
                         pos.start.column,
                         code_of(node),
-                        f"kept: {KEPT[kind]}; {library} of this file reads it (FSDP1's until that "
-                        f"{'strategy' if library.startswith('Lightning') else 'plugin'} moves to FSDP2: see its TODO)",
+                        f"kept: {KEPT[kind]}; {library} of this file reads it"
+                        + (
+                            ", with FSDP1's meaning, on FSDP2 (BridgeConfig.from_fsdp1 reads it when the code runs)"
+                            if library.startswith("fsdp_bridge")
+                            else f" (FSDP1's until that {'strategy' if library.startswith('Lightning') else 'plugin'} "
+                            "moves to FSDP2: see its TODO)"
+                        ),
                         True,
                         note=True,
                     )

@@ -33,6 +33,18 @@ WAY_OUT = (
     "Its FSDP1 arguments become these BridgeConfig keys: "
 )
 
+MOVED = (
+    "fsdp_bridge.lightning.FabricStrategy(...): Lightning Fabric's FSDP2 strategy (its ModelParallelStrategy, one "
+    "data-parallel dimension over every rank) whose model fsdp_bridge.shard shards; it takes FSDPStrategy's "
+    "arguments with FSDP1's meaning (as BridgeConfig.from_fsdp1 reads them), and precision='bf16-mixed' keeps "
+    "FSDP1's bf16 parameters, reduction and buffers. fabric.save writes what state_dict_type says (FSDP2's DCP "
+    "directory for 'sharded'); '16-mixed' is refused by Fabric there (use 'bf16-mixed'). Its arguments: "
+)
+"""The report of a rewritten ``FSDPStrategy(...)``."""
+
+FABRIC_NAMES = ("fsdp", "fsdp_cpu_offload")
+"""``Fabric(strategy=...)`` names of Lightning's FSDP1 strategy: its defaults, with CPU offload for the second."""
+
 LIGHTNING_ARGS: dict[str, str] = {
     "sharding_strategy": 'strategy= (ShardingStrategy members lower-cased: FULL_SHARD -> "full_shard", ...)',
     "auto_wrap_policy": "wrap= (a set of block classes {Block} -> wrap=[Block], subclasses included and classes "
@@ -85,10 +97,17 @@ class LightningFixer(ScannerBase):
             wraps = any(a.keyword.value == "auto_wrap_policy" for a in given if a.keyword is not None)
             meant = [(a, self._lightning_meaning(a, wraps)) for a in given]
             self.fsdp1_elsewhere = True
+            names = {q.name for q in self.get_metadata(QualifiedNameProvider, node.func, set())}
+            fabric = any(n.startswith(("lightning.fabric.", "lightning_fabric.")) for n in names)
+            blocker = self._lightning_blocker(fabric)
+            if blocker is None:
+                self.expr_rewrites[id(node.func)] = "fsdp_bridge.lightning.FabricStrategy"
+                self.needs_imports.add(("fsdp_bridge.lightning", None))
+                self.lightning_drops.update(self._strategy_imports())
             self._record(
                 node,
                 f"{code_of(node.func)}(...) (Lightning's FSDP1 strategy)",
-                WAY_OUT
+                (MOVED if blocker is None else f"not rewritten: {blocker}; " + WAY_OUT)
                 + (
                     "; ".join(
                         f"{a.keyword.value if a.keyword else ''}={short(code_of(a.value), 40)} -> {text}"
@@ -97,7 +116,7 @@ class LightningFixer(ScannerBase):
                     if meant
                     else 'none given (FULL_SHARD -> strategy="full_shard", no wrap policy -> wrap="none")'
                 ),
-                False,
+                blocker is None,
             )
             for a, text in meant:
                 pos = self.get_metadata(PositionProvider, a)
@@ -108,7 +127,7 @@ class LightningFixer(ScannerBase):
                         pos.start.line,
                         pos.start.column,
                         f"{a.keyword.value if a.keyword else ''}={short(code_of(a.value))}",
-                        f"{text} (part of the strategy's TODO above)",
+                        f"{text} (part of the strategy's {'TODO' if blocker else 'rewrite'} above)",
                         True,
                         note=True,
                     )
@@ -125,16 +144,108 @@ class LightningFixer(ScannerBase):
                 and str(a.value.evaluated_value).startswith("fsdp")
             ):
                 self.fsdp1_elsewhere = True
+                offload = "offload" in str(a.value.evaluated_value)
+                blocker = self._lightning_blocker(cls == "Fabric")
+                if blocker is None and str(a.value.evaluated_value) in FABRIC_NAMES:
+                    self.expr_rewrites[id(a.value)] = "fsdp_bridge.lightning.FabricStrategy(" + (
+                        "cpu_offload=True)" if offload else ")"
+                    )
+                    self.needs_imports.add(("fsdp_bridge.lightning", None))
                 self._record(
                     node,
                     f"{cls}(strategy={code_of(a.value)}) (Lightning's FSDP1 strategy)",
-                    WAY_OUT
+                    (
+                        MOVED
+                        if id(a.value) in self.expr_rewrites
+                        else f"not rewritten: {blocker or 'a strategy name Fabric registers for FSDP1 only'}; "
+                        + WAY_OUT
+                    )
                     + 'sharding_strategy FULL_SHARD -> strategy="full_shard"'
-                    + ("; cpu offload -> cpu_offload=True" if "offload" in str(a.value.evaluated_value) else ""),
-                    False,
+                    + ("; cpu offload -> cpu_offload=True" if offload else ""),
+                    id(a.value) in self.expr_rewrites,
                 )
                 return True
         return False
+
+    def _lightning_blocker(self, fabric: bool) -> str | None:
+        """Why Lightning's FSDP1 strategy (``fabric``: Fabric's, else the Trainer's) stays as it is, or None:
+        Fabric's is rewritten to ``fsdp_bridge.lightning.FabricStrategy`` (the same arguments) when no code of the
+        tree tells the strategies apart or calls FSDP1's API itself, perhaps on the module Lightning wraps."""
+        if self.target == "torch":
+            return (
+                "--target torch writes no Lightning strategy (the default target rewrites Fabric's to "
+                "fsdp_bridge.lightning.FabricStrategy, the same arguments on FSDP2)"
+            )
+        if not fabric:
+            return (
+                "PyTorch Lightning's Trainer strategy: its FSDP2 strategy (ModelParallelStrategy) shards in the "
+                "LightningModule's configure_model, which the migration does not write"
+            )
+        if (fp16 := self._fabric_fp16()) is not None:
+            return (
+                f"this file's {fp16} asks for fp16 autocast with a gradient scaler, which Lightning's FSDP2 "
+                "strategy refuses ('16-mixed' is not among its precisions: 32-true, bf16-mixed, bf16-true, 16-true)"
+            )
+        if self.dispatch.tests_lightning_strategy is not None:
+            return (
+                f"{self.dispatch.tests_lightning_strategy} names FSDPStrategy (an isinstance test or a subclass: "
+                "code there takes the other path once the strategy is another class) or imports another name of "
+                "Lightning's FSDP1 strategy module (FSDP1's alone)"
+            )
+        if self.dispatch.wraps_fsdp1 is not None:
+            return (
+                f"{self.dispatch.wraps_fsdp1} calls FSDP1's FullyShardedDataParallel API, perhaps on the module "
+                "Lightning wraps, which would be FSDP2's after the rewrite"
+            )
+        return None
+
+    def _fabric_fp16(self) -> str | None:
+        """A ``Fabric(precision="16-mixed")`` (or ``"16"``, ``16``) of this file, as written, or None."""
+        for n in walk(self.module) if self.module is not None else ():
+            if isinstance(n, cst.Call) and self._lightning_name(n.func, "Fabric") is not None:
+                for a in n.args:
+                    if a.keyword is not None and a.keyword.value == "precision":
+                        value = a.value
+                        text = (
+                            str(value.evaluated_value)
+                            if isinstance(value, cst.SimpleString)
+                            else value.value
+                            if isinstance(value, cst.Integer)
+                            else None
+                        )
+                        if text in ("16-mixed", "16"):
+                            return f"Fabric(precision={code_of(value)})"
+        return None
+
+    def _lightning_moves(self) -> bool:
+        """Every ``FSDPStrategy(...)`` of this file is rewritten (see ``_lightning_blocker``)."""
+        calls = [
+            n.func
+            for n in (walk(self.module) if self.module is not None else ())
+            if isinstance(n, cst.Call) and self._lightning_name(n.func, "FSDPStrategy") is not None
+        ]
+        fabric = [
+            any(
+                q.name.startswith(("lightning.fabric.", "lightning_fabric."))
+                for q in self.get_metadata(QualifiedNameProvider, f, set())
+            )
+            for f in calls
+        ]
+        return bool(calls) and all(self._lightning_blocker(f) is None for f in fabric)
+
+    def _strategy_imports(self) -> set[tuple[str, str, str | None]]:
+        """``(module, "FSDPStrategy", alias)`` of this file's ``from <lightning package> import FSDPStrategy``."""
+        found: set[tuple[str, str, str | None]] = set()
+        for n in walk(self.module) if self.module is not None else ():
+            if isinstance(n, cst.ImportFrom) and n.module is not None and not isinstance(n.names, cst.ImportStar):
+                module = code_of(n.module)
+                if module.split(".")[0] not in LIGHTNING_PACKAGES:
+                    continue
+                for a in n.names:
+                    if code_of(a.name) == "FSDPStrategy":
+                        alias = code_of(a.asname.name) if a.asname is not None else None
+                        found.add((module, "FSDPStrategy", alias))
+        return found
 
     def _lightning_strategy_here(self) -> bool:
         """This file builds or subclasses Lightning's FSDPStrategy: the FSDP1 values it makes go to Lightning."""
@@ -200,6 +311,8 @@ class LightningFixer(ScannerBase):
         ):
             # a value known when the code runs (a bool from the run's config): passed on as it is
             text = f"{kw}={short(code_of(a.value), 40)} (the same value, known when the code runs)"
+        elif kw in ("activation_checkpointing", "activation_checkpointing_policy") and code_of(a.value) == "None":
+            return "none: no activation checkpointing (activation_checkpointing=False)"
         elif kw == "activation_checkpointing_policy" and isinstance(a.value, cst.IfExp):
             text = (
                 f"activation_checkpointing=({short(code_of(a.value.test), 40)}) (a policy only when that holds); "

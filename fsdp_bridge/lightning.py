@@ -1,0 +1,239 @@
+"""Lightning Fabric on FSDP2 through the bridge: :class:`FabricStrategy` takes what Lightning's FSDP1
+strategy (``lightning.fabric.strategies.FSDPStrategy``) takes and means the same, so code moves by changing
+the class alone.
+
+For example::
+
+    strategy = fsdp_bridge.lightning.FabricStrategy(auto_wrap_policy={Block}, activation_checkpointing_policy={Block},
+                                                    state_dict_type="full", limit_all_gathers=True)
+    fabric = L.Fabric(devices=8, strategy=strategy, precision="bf16-mixed")
+
+It is Lightning's own ``ModelParallelStrategy`` (FSDP2: ``fabric.setup``, ``fabric.backward``,
+``fabric.no_backward_sync``, ``fabric.save`` / ``fabric.load`` are Lightning's) over one data-parallel
+dimension of every rank, whose model is sharded by :func:`fsdp_bridge.shard`. FSDP1's arguments are read as
+:meth:`BridgeConfig.from_fsdp1` reads them, when the strategy is made, so a wrong one raises
+:class:`ConfigError` before any process group exists.
+
+Importing this module imports Lightning (``pip install lightning``); nothing else in the bridge does.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies import ModelParallelStrategy
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from fsdp_bridge.api import shard
+from fsdp_bridge.config import BridgeConfig
+from fsdp_bridge.errors import ConfigError, Problem
+
+__all__ = ["FabricStrategy"]
+
+_PRECISION_DTYPES = {"bf16-mixed": "bf16", "bf16-true": "bf16", "16-true": "fp16", "32-true": None}
+"""Lightning's ``precision=`` and the dtype its FSDP1 strategy gave FSDP1's ``MixedPrecision`` for parameters,
+gradient reduction and buffers alike (``FSDPPrecision.mixed_precision_config``); FSDP2's Fabric refuses
+``"16-mixed"`` itself."""
+
+
+class FabricStrategy(ModelParallelStrategy):
+    """Lightning Fabric's FSDP strategy on FSDP2, with the arguments of its FSDP1 one (``FSDPStrategy``).
+
+    Args:
+        accelerator, parallel_devices, cluster_environment, precision, process_group_backend, timeout: as
+            Lightning's strategies take them (Fabric sets the first four from its own arguments).
+        cpu_offload: ``True`` / ``False`` or FSDP1's ``CPUOffload``.
+        mixed_precision: FSDP1's ``MixedPrecision``; default: what Lightning's FSDP1 strategy derives from
+            ``Fabric(precision=...)`` (``"bf16-mixed"``: bf16 parameters, gradient reduction and buffers).
+        auto_wrap_policy: a set of module classes (each instance a unit, as Lightning's ``ModuleWrapPolicy``)
+            or any FSDP1 auto-wrap policy.
+        activation_checkpointing: module classes to recompute in backward (Lightning's deprecated spelling).
+        activation_checkpointing_policy: a set of module classes or an FSDP1 policy choosing what to recompute.
+        sharding_strategy: FSDP1's ``ShardingStrategy`` member or its name (``"FULL_SHARD"``, ...).
+        state_dict_type: ``"sharded"`` (default: ``fabric.save`` writes a DCP directory) or ``"full"`` (one file
+            written by rank 0).
+        device_mesh: a ``(replicate, shard)`` pair of sizes or a 2D ``DeviceMesh`` for HYBRID_* strategies.
+        **kwargs: other FSDP1 constructor arguments (``backward_prefetch``, ``forward_prefetch``,
+            ``limit_all_gathers``, ``sync_module_states``, ``use_orig_params``, ``ignored_modules``, ...), read
+            as :meth:`BridgeConfig.from_fsdp1` reads them.
+
+    Raises:
+        ConfigError: an argument FSDP2 cannot honour (named with its value and the fix), before any collective.
+    """
+
+    def __init__(
+        self,
+        accelerator: Any = None,
+        parallel_devices: list[Any] | None = None,
+        cluster_environment: Any = None,
+        precision: Any = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        cpu_offload: Any = None,
+        mixed_precision: Any = None,
+        auto_wrap_policy: Any = None,
+        activation_checkpointing: Any = None,
+        activation_checkpointing_policy: Any = None,
+        sharding_strategy: Any = "FULL_SHARD",
+        state_dict_type: str = "sharded",
+        device_mesh: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        if state_dict_type not in ("full", "sharded"):
+            raise ConfigError(
+                [Problem("state_dict_type", state_dict_type, "'full' or 'sharded'", "pass one of the two")]
+            )
+        if "checkpoint_io" in kwargs:
+            raise ConfigError(
+                [
+                    Problem(
+                        "checkpoint_io",
+                        kwargs["checkpoint_io"],
+                        "none: Lightning's FSDP2 strategy saves through DCP, not a CheckpointIO plugin",
+                        "drop checkpoint_io= (fabric.save writes the checkpoint as state_dict_type says)",
+                    )
+                ]
+            )
+        fsdp1 = dict(kwargs)
+        fsdp1["sharding_strategy"] = _sharding_strategy(sharding_strategy)
+        if cpu_offload is not None:
+            fsdp1["cpu_offload"] = _cpu_offload(cpu_offload)
+        if isinstance(auto_wrap_policy, set):
+            from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+            auto_wrap_policy = ModuleWrapPolicy(auto_wrap_policy)
+        if auto_wrap_policy is not None:
+            fsdp1["auto_wrap_policy"] = auto_wrap_policy
+        self._explicit_precision = mixed_precision is not None
+        if mixed_precision is not None:
+            fsdp1["mixed_precision"] = mixed_precision
+        hybrid_shape = None
+        if isinstance(device_mesh, tuple):
+            hybrid_shape = device_mesh
+        elif device_mesh is not None:
+            fsdp1["device_mesh"] = device_mesh
+        config = BridgeConfig.from_fsdp1(**fsdp1)
+        if hybrid_shape is not None:
+            if not config.strategy.is_hybrid:
+                raise ConfigError(
+                    [
+                        Problem(
+                            "device_mesh",
+                            device_mesh,
+                            "a (replicate, shard) pair only with a HYBRID_* sharding_strategy, not "
+                            f"{sharding_strategy}",
+                            'pass sharding_strategy="HYBRID_SHARD" with it, or drop device_mesh=',
+                        )
+                    ]
+                )
+            config = config.replace(hybrid_shape=hybrid_shape)
+        self.config = config
+        """The bridge's config the strategy shards with (``Fabric(precision=...)`` is added in ``setup_module``)."""
+        self._checkpointing = _checkpointed(activation_checkpointing, activation_checkpointing_policy, auto_wrap_policy)
+        if self._checkpointing is True:
+            self.config = self.config.replace(activation_checkpointing=True)
+        super().__init__(
+            parallelize_fn=self._parallelize,
+            data_parallel_size="auto",
+            tensor_parallel_size=1,
+            save_distributed_checkpoint=state_dict_type == "sharded",
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+        self.accelerator = accelerator
+        self.parallel_devices = parallel_devices
+        self.cluster_environment = cluster_environment
+        if precision is not None:
+            self.precision = precision
+
+    def setup_environment(self) -> None:
+        """Set up the process group and the device mesh: one data-parallel dimension over every rank (Lightning's
+        own default would make a node's GPUs a tensor-parallel group, which FSDP1's strategy never did).
+
+        Returns:
+            None; Fabric calls it once per process when it launches.
+        """
+        self._data_parallel_size = self.num_nodes * self.num_processes
+        super().setup_environment()
+
+    def _parallelize(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        config = self.config
+        if not self._explicit_precision:
+            dtype = _PRECISION_DTYPES.get(str(getattr(self.precision, "precision", "32-true")))
+            if dtype is not None:
+                config = config.replace(
+                    mixed_precision={"param_dtype": dtype, "reduce_dtype": dtype, "buffer_dtype": dtype}
+                )
+        if callable(self._checkpointing):
+            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+                apply_activation_checkpointing,
+                checkpoint_wrapper,
+            )
+
+            apply_activation_checkpointing(module, checkpoint_wrapper_fn=checkpoint_wrapper, **self._checkpointing())
+        # HYBRID_*: the bridge builds its (replicate, shard) mesh over the same ranks; otherwise the data-parallel
+        # dimension Lightning made, which its samplers use
+        return shard(module, config, mesh=None if config.strategy.is_hybrid else device_mesh["data_parallel"])
+
+
+def _sharding_strategy(value: Any) -> Any:
+    """FSDP1's ShardingStrategy member for a Lightning spelling (a member or its name, any case)."""
+    if not isinstance(value, str):
+        return value
+    from torch.distributed.fsdp import ShardingStrategy
+
+    try:
+        return ShardingStrategy[value.upper()]
+    except KeyError:
+        raise ConfigError(
+            [
+                Problem(
+                    "sharding_strategy",
+                    value,
+                    ", ".join(s.name for s in ShardingStrategy),
+                    "pass one of those names (any case) or a ShardingStrategy member",
+                )
+            ]
+        ) from None
+
+
+def _cpu_offload(value: Any) -> Any:
+    """FSDP1's CPUOffload for Lightning's ``cpu_offload=`` (a bool or a CPUOffload)."""
+    from torch.distributed.fsdp import CPUOffload
+
+    return value if isinstance(value, CPUOffload) else CPUOffload(offload_params=bool(value))
+
+
+def _checkpointed(classes: Any, policy: Any, wrap_policy: Any) -> Any:
+    """What to recompute in backward: False (nothing), True (the bridge's wrap units: the classes asked for are
+    the wrap policy's), or a function giving ``apply_activation_checkpointing``'s keyword arguments."""
+    if classes is None and policy is None:
+        return False
+    if classes is not None and policy is not None:
+        raise ConfigError(
+            [
+                Problem(
+                    "activation_checkpointing",
+                    classes,
+                    "activation_checkpointing or activation_checkpointing_policy, not both",
+                    "drop activation_checkpointing= and keep activation_checkpointing_policy=",
+                )
+            ]
+        )
+    if classes is not None:
+        wanted = set(classes) if isinstance(classes, (list, tuple, set)) else {classes}
+        if wanted == set(getattr(wrap_policy, "_module_classes", ()) or ()):
+            return True
+        found = tuple(wanted)
+        return lambda: {"check_fn": lambda m: isinstance(m, found)}
+    if isinstance(policy, set):
+        if policy == set(getattr(wrap_policy, "_module_classes", ()) or ()):
+            return True
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        chosen = ModuleWrapPolicy(policy)
+        return lambda: {"auto_wrap_policy": chosen}
+    return lambda: {"auto_wrap_policy": policy}

@@ -1,0 +1,144 @@
+"""``fsdp_bridge.lightning.FabricStrategy``: Lightning Fabric's FSDP1 strategy arguments on FSDP2, and the codemod
+that moves ``FSDPStrategy(...)`` to it only where nothing else in the tree depends on the strategy's class.
+
+The arguments are read in one process (no process group: ``FabricStrategy`` reads them when it is made); one
+``migrate verify`` run (2 gloo ranks under torchrun, each tree) checks a Fabric trainer written for Lightning's
+FSDP1 strategy gives the same losses and checkpoint after ``--fix``.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from torch import nn
+from torch.distributed.fsdp import BackwardPrefetch, ShardingStrategy
+
+from fsdp_bridge.cli import main
+from fsdp_bridge.errors import ConfigError
+from fsdp_bridge.lightning import FabricStrategy
+from fsdp_bridge.migrate._code import migrate_paths
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+
+class Other(nn.Module):
+    pass
+
+
+def test_fsdp1_arguments_mean_what_lightnings_fsdp1_strategy_made_of_them() -> None:
+    strategy = FabricStrategy(
+        auto_wrap_policy={Block},
+        activation_checkpointing_policy={Block},
+        state_dict_type="full",
+        limit_all_gathers=True,
+        cpu_offload=False,
+        backward_prefetch=BackwardPrefetch.BACKWARD_PRE,
+        sharding_strategy="shard_grad_op",
+    )
+    config = strategy.config
+    assert config.strategy.value == "shard_grad_op" and config.backward_prefetch.value == "pre"
+    assert config.activation_checkpointing is True and config.cpu_offload is False
+    assert strategy._save_distributed_checkpoint is False  # state_dict_type="full": one file from rank 0
+    assert FabricStrategy()._save_distributed_checkpoint is True  # Lightning's default "sharded"
+    assert FabricStrategy().config.strategy.value == "full_shard"
+
+    hybrid = FabricStrategy(sharding_strategy=ShardingStrategy.HYBRID_SHARD, device_mesh=(2, 2)).config
+    assert hybrid.strategy.value == "hybrid_shard" and hybrid.hybrid_shape == (2, 2)
+
+    # classes to recompute other than the wrap units: torch's checkpoint wrapper on those classes, as Lightning does
+    other = FabricStrategy(auto_wrap_policy={Block}, activation_checkpointing=[Other])
+    assert other.config.activation_checkpointing is False and callable(other._checkpointing)
+    assert other._checkpointing()["check_fn"](Other()) and not other._checkpointing()["check_fn"](Block())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "said"),
+    [
+        ({"state_dict_type": "local"}, "state_dict_type: got 'local'; allowed: 'full' or 'sharded'"),
+        ({"sharding_strategy": "zero3"}, "sharding_strategy: got 'zero3'; allowed: FULL_SHARD, SHARD_GRAD_OP"),
+        ({"device_mesh": (2, 2)}, "device_mesh: got (2, 2); allowed: a (replicate, shard) pair only with a HYBRID_*"),
+        ({"checkpoint_io": object()}, "Fix: drop checkpoint_io="),
+        ({"param_init_fn": 42}, "param_init_fn"),
+        (
+            {"activation_checkpointing": Block, "activation_checkpointing_policy": {Block}},
+            "Fix: drop activation_checkpointing= and keep activation_checkpointing_policy=",
+        ),
+    ],
+)
+def test_what_fsdp2_cannot_honour_is_refused_when_the_strategy_is_made(kwargs: dict[str, object], said: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        FabricStrategy(**kwargs)  # type: ignore[arg-type]
+    assert said in str(err.value)
+
+
+FABRIC = (
+    "import lightning as L\n"
+    "from lightning.fabric.strategies import FSDPStrategy, DDPStrategy\n\n\n"
+    "def make(kind: str) -> L.Fabric:\n"
+    "    if kind == 'ddp':\n"
+    "        return L.Fabric(strategy=DDPStrategy())\n"
+    "    return L.Fabric(strategy=FSDPStrategy(auto_wrap_policy={Block}, state_dict_type='full'))\n"
+)
+
+
+def _fix(tmp_path: Path, files: dict[str, str], target: str = "bridge") -> dict[str, str]:
+    tree = tmp_path / target
+    for name, text in files.items():
+        (tree / name).parent.mkdir(parents=True, exist_ok=True)
+        (tree / name).write_text(text)
+    migrate_paths([tree], fix=True, target=target)
+    return {name: (tree / name).read_text() for name in files}
+
+
+def test_fabrics_strategy_moves_alone_and_stays_where_the_tree_depends_on_its_class(tmp_path: Path) -> None:
+    fixed = _fix(tmp_path / "alone", {"train.py": FABRIC})["train.py"]
+    assert "strategy=fsdp_bridge.lightning.FabricStrategy(auto_wrap_policy={Block}, state_dict_type='full')" in fixed
+    assert "from lightning.fabric.strategies import DDPStrategy\n" in fixed and "TODO" not in fixed
+
+    # another file tells the strategies apart: the rewrite would send it down the other path
+    tested = "from lightning.fabric.strategies import FSDPStrategy\n\n\ndef is_fsdp(f):\n"
+    tested += "    return isinstance(f.strategy, FSDPStrategy)\n"
+    kept = _fix(tmp_path / "tested", {"train.py": FABRIC, "util.py": tested})
+    assert "not rewritten: util.py names FSDPStrategy" in kept["train.py"]
+    assert "=FSDPStrategy(auto_wrap_policy" in kept["train.py"]
+
+    # Lightning's FSDP1-only helpers from the strategy's module; fp16 autocast, which Fabric's FSDP2 strategy refuses
+    overlap = FABRIC.replace("import FSDPStrategy, DDPStrategy", "import FSDPStrategy, DDPStrategy\n")
+    overlap += "from lightning.fabric.strategies.fsdp import fsdp_overlap_step_with_backward\n"
+    assert "imports another name of Lightning's FSDP1" in _fix(tmp_path / "overlap", {"o.py": overlap})["o.py"]
+    fp16 = FABRIC.replace("state_dict_type='full'))", "state_dict_type='full'), precision='16-mixed')")
+    assert "not rewritten: this file's Fabric(precision='16-mixed')" in _fix(tmp_path / "fp16", {"h.py": fp16})["h.py"]
+
+    # another file calls FSDP1's own API (perhaps on the module Fabric wrapped)
+    summon = "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n\n\ndef gather(m):\n"
+    summon += "    with FSDP.summon_full_params(m):\n        return [p.sum() for p in m.parameters()]\n"
+    kept = _fix(tmp_path / "summon", {"train.py": FABRIC, "gather.py": summon})
+    assert "not rewritten: gather.py calls FSDP1's FullyShardedDataParallel API" in kept["train.py"]
+
+    # PyTorch Lightning's Trainer: its FSDP2 strategy needs the LightningModule's configure_model
+    trainer = FABRIC.replace("lightning.fabric.strategies", "lightning.pytorch.strategies")
+    assert "not rewritten: PyTorch Lightning's Trainer strategy" in _fix(tmp_path / "pl", {"t.py": trainer})["t.py"]
+    torch = _fix(tmp_path / "torch", {"train.py": FABRIC}, target="torch")["train.py"]
+    assert "not rewritten: --target torch writes no Lightning strategy" in torch
+
+
+def test_a_fabric_trainer_on_lightnings_fsdp1_strategy_gives_its_losses_after_fix(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    shutil.copy(FIXTURES / "migrate_verify" / "fabric_fsdp.py", tree)
+    assert main(["migrate", "verify", str(tree), "--timeout", "300", "--", "fabric_fsdp.py", "--steps", "3"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "[fix] FSDPStrategy(...) (Lightning's FSDP1 strategy) -> fsdp_bridge.lightning.FabricStrategy(...)" in out
+    assert "PARITY: 3 losses on each of 2 rank(s) agree" in out
+    # the full checkpoint fabric.save wrote (model and AdamW state, rank 0's file) compared tensor by tensor
+    assert "fabric_checkpoint.pt: 88 tensors compared" in out and "saved files differ" not in out
