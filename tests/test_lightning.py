@@ -113,7 +113,9 @@ def test_fabrics_strategy_moves_alone_and_stays_where_the_tree_depends_on_its_cl
     # Lightning's FSDP1-only helpers from the strategy's module; fp16 autocast, which Fabric's FSDP2 strategy refuses
     overlap = FABRIC.replace("import FSDPStrategy, DDPStrategy", "import FSDPStrategy, DDPStrategy\n")
     overlap += "from lightning.fabric.strategies.fsdp import fsdp_overlap_step_with_backward\n"
-    assert "imports another name of Lightning's FSDP1" in _fix(tmp_path / "overlap", {"o.py": overlap})["o.py"]
+    kept = _fix(tmp_path / "overlap", {"o.py": overlap, "train.py": FABRIC})  # its own file's strategy alone
+    assert "not rewritten: this file imports fsdp_overlap_step_with_backward from Lightning's" in kept["o.py"]
+    assert "fsdp_bridge.lightning.FabricStrategy(" in kept["train.py"]
     fp16 = FABRIC.replace("state_dict_type='full'))", "state_dict_type='full'), precision='16-mixed')")
     assert "not rewritten: this file's Fabric(precision='16-mixed')" in _fix(tmp_path / "fp16", {"h.py": fp16})["h.py"]
 

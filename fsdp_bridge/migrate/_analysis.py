@@ -675,11 +675,9 @@ def names_wrapper(code: str) -> bool:
 
 
 def tests_lightning_strategy(code: str) -> bool:
-    """Whether the file names ``FSDPStrategy`` other than in an import, a call of it or an annotation (an
-    ``isinstance`` test, a subclass, a comparison of types), or imports another name from the module of Lightning's
-    FSDP1 strategy (``fsdp_overlap_step_with_backward``, its state-dict helpers: FSDP1's alone); see
-    ``Dispatch.tests_lightning_strategy``."""
-    if "FSDPStrategy" not in code and ".strategies.fsdp" not in code:
+    """Whether the file names ``FSDPStrategy`` other than in an import, a call of it or an annotation: an
+    ``isinstance`` test, a subclass, a comparison of types (see ``Dispatch.tests_lightning_strategy``)."""
+    if "FSDPStrategy" not in code:
         return False
     try:
         tree = ast.parse(code)
@@ -687,13 +685,6 @@ def tests_lightning_strategy(code: str) -> bool:
         return False
     skipped: set[int] = set()
     for node in ast.walk(tree):
-        if (
-            isinstance(node, ast.ImportFrom)
-            and (node.module or "").endswith(".strategies.fsdp")
-            and (node.module or "").split(".")[0] in ("lightning", "lightning_fabric", "pytorch_lightning")
-            and any(a.name != "FSDPStrategy" for a in node.names)
-        ):
-            return True
         if isinstance(node, ast.Call):
             skipped.add(id(node.func))
         elif isinstance(node, (ast.AnnAssign, ast.arg)) and node.annotation is not None:

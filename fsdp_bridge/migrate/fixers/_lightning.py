@@ -186,17 +186,30 @@ class LightningFixer(ScannerBase):
                 f"this file's {fp16} asks for fp16 autocast with a gradient scaler, which Lightning's FSDP2 "
                 "strategy refuses ('16-mixed' is not among its precisions: 32-true, bf16-mixed, bf16-true, 16-true)"
             )
+        if (helper := self._fsdp1_strategy_helper()) is not None:
+            return f"this file imports {helper} from Lightning's FSDP1 strategy module, which serves FSDP1 alone"
         if self.dispatch.tests_lightning_strategy is not None:
             return (
-                f"{self.dispatch.tests_lightning_strategy} names FSDPStrategy (an isinstance test or a subclass: "
-                "code there takes the other path once the strategy is another class) or imports another name of "
-                "Lightning's FSDP1 strategy module (FSDP1's alone)"
+                f"{self.dispatch.tests_lightning_strategy} names FSDPStrategy (an isinstance test or a subclass): "
+                "code there takes the other path once the strategy is another class"
             )
         if self.dispatch.wraps_fsdp1 is not None:
             return (
                 f"{self.dispatch.wraps_fsdp1} calls FSDP1's FullyShardedDataParallel API, perhaps on the module "
                 "Lightning wraps, which would be FSDP2's after the rewrite"
             )
+        return None
+
+    def _fsdp1_strategy_helper(self) -> str | None:
+        """A name other than ``FSDPStrategy`` this file imports from the module of Lightning's FSDP1 strategy
+        (``fsdp_overlap_step_with_backward``, its state-dict helpers), or None."""
+        for n in walk(self.module) if self.module is not None else ():
+            if isinstance(n, cst.ImportFrom) and n.module is not None and not isinstance(n.names, cst.ImportStar):
+                module = code_of(n.module)
+                if module.split(".")[0] in LIGHTNING_PACKAGES and module.endswith(".strategies.fsdp"):
+                    for a in n.names:
+                        if code_of(a.name) != "FSDPStrategy":
+                            return code_of(a.name)
         return None
 
     def _fabric_fp16(self) -> str | None:
