@@ -22,29 +22,39 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
+import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.plugins.precision import FSDPPrecision, HalfPrecision, MixedPrecision, Precision
 from lightning.fabric.strategies import ModelParallelStrategy
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.optim import Optimizer
 
-from fsdp_bridge.api import shard
+from fsdp_bridge.api import clip_grad_norm_, shard
 from fsdp_bridge.config import BridgeConfig
 from fsdp_bridge.errors import ConfigError, Problem
 
 __all__ = ["FabricStrategy"]
 
-_PRECISION_DTYPES = {"bf16-mixed": "bf16", "bf16-true": "bf16", "16-true": "fp16", "32-true": None}
+_PRECISION_DTYPES = {"bf16-mixed": "bf16", "bf16-true": "bf16", "16-mixed": "fp16", "16-true": "fp16", "32-true": None}
 """Lightning's ``precision=`` and the dtype its FSDP1 strategy gave FSDP1's ``MixedPrecision`` for parameters,
-gradient reduction and buffers alike (``FSDPPrecision.mixed_precision_config``); FSDP2's Fabric refuses
-``"16-mixed"`` itself."""
+gradient reduction and buffers alike (``FSDPPrecision.mixed_precision_config``)."""
+
+_PRECISION_SPELLINGS = {"16": "16-mixed", "bf16": "bf16-mixed", "32": "32-true"}
+"""Lightning's older ``precision=`` spellings (also as integers) and the names Fabric reads them as."""
 
 
 class FabricStrategy(ModelParallelStrategy):
     """Lightning Fabric's FSDP strategy on FSDP2, with the arguments of its FSDP1 one (``FSDPStrategy``).
 
     Args:
-        accelerator, parallel_devices, cluster_environment, precision, process_group_backend, timeout: as
-            Lightning's strategies take them (Fabric sets the first four from its own arguments).
+        accelerator, parallel_devices, cluster_environment, process_group_backend, timeout: as Lightning's
+            strategies take them (Fabric sets the first three from its own arguments).
+        precision: Lightning's ``FSDPPrecision`` or a precision name; default: the plugin Lightning's FSDP1
+            strategy makes of ``Fabric(precision=...)`` (``"32-true"``, ``"16-true"``, ``"bf16-true"``,
+            ``"bf16-mixed"``). ``"16-mixed"`` (fp16 autocast and FSDP1's ``ShardedGradScaler``) has to be given
+            here too, ``FabricStrategy(precision="16-mixed")``: Fabric refuses it for an FSDP2 strategy that
+            brings no plugin of its own.
         cpu_offload: ``True`` / ``False`` or FSDP1's ``CPUOffload``.
         mixed_precision: FSDP1's ``MixedPrecision``; default: what Lightning's FSDP1 strategy derives from
             ``Fabric(precision=...)`` (``"bf16-mixed"``: bf16 parameters, gradient reduction and buffers).
@@ -149,6 +159,40 @@ class FabricStrategy(ModelParallelStrategy):
         if precision is not None:
             self.precision = precision
 
+    @property
+    def precision(self) -> FSDPPrecision:
+        """Lightning's FSDP1 precision plugin (``FSDPPrecision``): its forward autocast, input casts, gradient
+        scaler and parameter dtypes, as Lightning's FSDP1 strategy has them."""
+        return self._precision if isinstance(self._precision, FSDPPrecision) else FSDPPrecision("32-true")
+
+    @precision.setter
+    def precision(self, precision: Any) -> None:
+        self._precision = None if precision is None else _fsdp_precision(precision)
+
+    def clip_gradients_norm(
+        self,
+        module: nn.Module,
+        optimizer: Optimizer,
+        max_norm: float | int,
+        norm_type: float | int = 2.0,
+        error_if_nonfinite: bool = True,
+    ) -> torch.Tensor:
+        """Unscale the gradients (``"16-mixed"``) and clip them as FSDP1's ``clip_grad_norm_`` does, as
+        Lightning's FSDP1 strategy does.
+
+        Args:
+            module: the model Fabric set up (its sharded module).
+            optimizer: its optimizer, whose gradients the fp16 scaler unscales first.
+            max_norm: the largest total norm allowed.
+            norm_type: the p of the p-norm.
+            error_if_nonfinite: not read, as Lightning's FSDP1 strategy does not read it.
+
+        Returns:
+            The total norm before clipping, the same on every rank.
+        """
+        self.precision.unscale_gradients(optimizer)
+        return clip_grad_norm_(module, float(max_norm), float(norm_type))
+
     def setup_environment(self) -> None:
         """Set up the process group and the device mesh: one data-parallel dimension over every rank (Lightning's
         own default would make a node's GPUs a tensor-parallel group, which FSDP1's strategy never did).
@@ -162,7 +206,7 @@ class FabricStrategy(ModelParallelStrategy):
     def _parallelize(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         config = self.config
         if not self._explicit_precision:
-            dtype = _PRECISION_DTYPES.get(str(getattr(self.precision, "precision", "32-true")))
+            dtype = _PRECISION_DTYPES[self.precision.precision]
             if dtype is not None:
                 config = config.replace(
                     mixed_precision={"param_dtype": dtype, "reduce_dtype": dtype, "buffer_dtype": dtype}
@@ -177,6 +221,29 @@ class FabricStrategy(ModelParallelStrategy):
         # HYBRID_*: the bridge builds its (replicate, shard) mesh over the same ranks; otherwise the data-parallel
         # dimension Lightning made, which its samplers use
         return shard(module, config, mesh=None if config.strategy.is_hybrid else device_mesh["data_parallel"])
+
+
+def _fsdp_precision(value: Any) -> FSDPPrecision:
+    """Lightning's FSDP1 precision plugin for a precision name or for the plugin Fabric made of one."""
+    allowed = "32-true, 16-true, bf16-true, 16-mixed, bf16-mixed (or Lightning's FSDPPrecision)"
+    if isinstance(value, FSDPPrecision):
+        return value
+    if type(value) in (Precision, HalfPrecision, MixedPrecision):
+        value = value.precision  # the plugin Fabric makes of a name for other strategies: the name
+    name = _PRECISION_SPELLINGS.get(str(value), str(value)) if isinstance(value, (str, int)) else None
+    if name not in _PRECISION_DTYPES:
+        raise ConfigError(
+            [
+                Problem(
+                    "precision",
+                    value,
+                    allowed,
+                    "pass one of those names as Fabric(precision=...) (and as FabricStrategy(precision=...) for "
+                    "'16-mixed')",
+                )
+            ]
+        )
+    return FSDPPrecision(name)  # type: ignore[arg-type]
 
 
 def _sharding_strategy(value: Any) -> Any:

@@ -17,7 +17,7 @@ from torch.distributed.fsdp import BackwardPrefetch, ShardingStrategy
 
 from fsdp_bridge.cli import main
 from fsdp_bridge.errors import ConfigError
-from fsdp_bridge.lightning import FabricStrategy
+from fsdp_bridge.lightning import _PRECISION_DTYPES, FabricStrategy
 from fsdp_bridge.migrate._code import migrate_paths
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -57,6 +57,25 @@ def test_fsdp1_arguments_mean_what_lightnings_fsdp1_strategy_made_of_them() -> N
     other = FabricStrategy(auto_wrap_policy={Block}, activation_checkpointing=[Other])
     assert other.config.activation_checkpointing is False and callable(other._checkpointing)
     assert other._checkpointing()["check_fn"](Other()) and not other._checkpointing()["check_fn"](Block())
+
+
+def test_fabric_precision_is_lightnings_fsdp1_plugin_and_16_mixed_is_given_to_the_strategy() -> None:
+    import lightning as L
+    from lightning.fabric.plugins.precision import FSDPPrecision
+
+    # the plugin Fabric makes of a name for other strategies becomes FSDP1's: its autocast, casts and dtypes
+    for name, dtype in (("bf16-mixed", "bf16"), ("bf16-true", "bf16"), ("32-true", None), ("16-true", "fp16")):
+        strategy = L.Fabric(accelerator="cpu", devices=1, strategy=FabricStrategy(), precision=name).strategy
+        assert isinstance(strategy.precision, FSDPPrecision) and strategy.precision.precision == name
+        assert _PRECISION_DTYPES[name] == dtype
+    fp16 = FabricStrategy(precision=16)  # Lightning's older spelling
+    assert fp16.precision.precision == "16-mixed" and fp16.precision.scaler is not None
+    fabric = L.Fabric(accelerator="cpu", devices=1, strategy=fp16, precision="16-mixed")
+    assert fabric.strategy.precision is fp16.precision
+    with pytest.raises(ValueError, match=r"does not support `Fabric\(\.\.\., precision='16-mixed'\)`"):
+        L.Fabric(accelerator="cpu", devices=1, strategy=FabricStrategy(), precision="16-mixed")  # Lightning's own
+    with pytest.raises(ConfigError, match="precision: got '8-mixed'; allowed: 32-true, 16-true"):
+        FabricStrategy(precision="8-mixed")
 
 
 @pytest.mark.parametrize(
@@ -116,8 +135,39 @@ def test_fabrics_strategy_moves_alone_and_stays_where_the_tree_depends_on_its_cl
     kept = _fix(tmp_path / "overlap", {"o.py": overlap, "train.py": FABRIC})  # its own file's strategy alone
     assert "not rewritten: this file imports fsdp_overlap_step_with_backward from Lightning's" in kept["o.py"]
     assert "fsdp_bridge.lightning.FabricStrategy(" in kept["train.py"]
+
+    # fp16 autocast with a scaler: Fabric wants the FSDP2 strategy to bring the plugin, so it is given the precision
     fp16 = FABRIC.replace("state_dict_type='full'))", "state_dict_type='full'), precision='16-mixed')")
-    assert "not rewritten: this file's Fabric(precision='16-mixed')" in _fix(tmp_path / "fp16", {"h.py": fp16})["h.py"]
+    fixed = _fix(tmp_path / "fp16", {"h.py": fp16})["h.py"]
+    assert "FabricStrategy(auto_wrap_policy={Block}, state_dict_type='full', precision=\"16-mixed\")" in fixed
+    # ... unless another Fabric of the file asks for something else: which one the strategy reaches is unknown
+    apart = "import lightning as L\nfrom lightning.fabric.strategies import FSDPStrategy\n\n\ndef make():\n"
+    apart += "    s = FSDPStrategy(\n        auto_wrap_policy={Block},\n    )\n"
+    apart += "    return L.Fabric(strategy=s, precision='16-mixed')\n"
+    fixed = _fix(tmp_path / "apart", {"h.py": apart})["h.py"]
+    assert 'FabricStrategy(\n        auto_wrap_policy={Block},\n        precision="16-mixed",\n    )' in fixed
+    both = apart + "\n\ndef plain() -> L.Fabric:\n    return L.Fabric(precision='bf16-mixed')\n"
+    fixed = _fix(tmp_path / "both", {"h.py": both})["h.py"]
+    assert "but Fabric(precision='bf16-mixed') does not" in fixed and "s = FSDPStrategy(" in fixed
+    # strategy="fsdp": that call's own precision, a literal or a value known when the code runs
+    named = "import lightning as L\n\n\ndef make(p):\n    a = L.Fabric(strategy='fsdp', precision=16)\n"
+    named += "    return a, L.Fabric(strategy='fsdp_cpu_offload', precision=p.precision)\n"
+    fixed = _fix(tmp_path / "named", {"n.py": named})["n.py"]
+    assert 'L.Fabric(strategy=fsdp_bridge.lightning.FabricStrategy(precision="16-mixed"), precision=16)' in fixed
+    assert "FabricStrategy(precision=p.precision, cpu_offload=True), precision=p.precision)" in fixed
+    # a precision the Fabric reads from a name bound before the strategy is made: the strategy is given it too
+    bound = "import lightning as L\nfrom lightning.fabric.strategies import FSDPStrategy\n\n\n"
+    bound += "def setup(precision=None):\n    precision = precision or pick()\n    strategy = FSDPStrategy()\n"
+    bound += "    return L.Fabric(strategy=strategy, precision=precision)\n"
+    fixed = _fix(tmp_path / "bound", {"b.py": bound})["b.py"]
+    assert "strategy = fsdp_bridge.lightning.FabricStrategy(precision=precision)" in fixed
+    later = bound.replace("    return L.Fabric", "    precision = 'bf16-mixed'\n    return L.Fabric")
+    tree = tmp_path / "later"
+    tree.mkdir()
+    (tree / "b.py").write_text(later)
+    found, _ = migrate_paths([tree], fix=True)
+    assert "FabricStrategy()" in (tree / "b.py").read_text()
+    assert any("give FabricStrategy precision= the same value" in f.replacement for f in found.findings)
 
     # another file calls FSDP1's own API (perhaps on the module Fabric wrapped)
     summon = "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n\n\ndef gather(m):\n"
@@ -141,6 +191,7 @@ def test_a_fabric_trainer_on_lightnings_fsdp1_strategy_gives_its_losses_after_fi
     assert main(["migrate", "verify", str(tree), "--timeout", "300", "--", "fabric_fsdp.py", "--steps", "3"]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "[fix] FSDPStrategy(...) (Lightning's FSDP1 strategy) -> fsdp_bridge.lightning.FabricStrategy(...)" in out
+    assert 'the strategy is given precision="16-mixed" too' in out
     assert "PARITY: 3 losses on each of 2 rank(s) agree" in out
     # the full checkpoint fabric.save wrote (model and AdamW state, rank 0's file) compared tensor by tensor
     assert "fabric_checkpoint.pt: 88 tensors compared" in out and "saved files differ" not in out

@@ -77,6 +77,8 @@ class Rewriter(cst.CSTTransformer):
             return updated_node.with_changes(
                 func=cst.parse_expression("fsdp_bridge.summon_full_params"), args=commas(kept)
             )
+        if (added := self.scan.arg_adds.get(id(original_node))) is not None:
+            return updated_node.with_changes(args=appended(updated_node, added))
         return updated_node
 
     def leave_Comparison(self, original_node: cst.Comparison, updated_node: cst.Comparison) -> Any:
@@ -216,3 +218,22 @@ def _joined_gaps(gaps: Sequence[Sequence[cst.EmptyLine]]) -> list[cst.EmptyLine]
         if run <= limit:
             out.append(line)
     return out
+
+
+def appended(call: cst.Call, added: str) -> list[cst.Arg]:
+    """``call``'s arguments with the argument ``added`` (its source, ``name=value``) last, laid out as the others
+    are: one per line where they are, a trailing comma kept."""
+    arg = cst.ensure_type(cst.parse_expression(f"f({added})"), cst.Call).args[0]
+    if not call.args:
+        return [arg]
+    *head, last = call.args
+    lines = call.whitespace_before_args  # a newline and the arguments' indent where they are one per line
+    between = next(
+        (a.comma for a in reversed(head) if isinstance(a.comma, cst.Comma)),
+        cst.Comma(
+            whitespace_after=lines if isinstance(lines, cst.ParenthesizedWhitespace) else cst.SimpleWhitespace(" ")
+        ),
+    )
+    if isinstance(last.comma, cst.Comma):  # a trailing comma: the new argument takes it
+        return [*head, last.with_changes(comma=between), arg.with_changes(comma=last.comma)]
+    return [*head, last.with_changes(comma=between), arg]

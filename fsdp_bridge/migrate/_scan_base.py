@@ -178,6 +178,7 @@ class ScannerBase(FollowsAliases):
         self.optimizer_moves: dict[int, int] = {}  # id(optimizer statement) -> id(the wrap statement it follows)
         self.name_rewrites: dict[int, str] = {}  # id(Name/Attribute) -> replacement (annotations)
         self.expr_rewrites: dict[int, str] = {}  # id(Attribute) -> replacement expression source
+        self.arg_adds: dict[int, str] = {}  # id(call) -> a keyword argument's source appended to it
         self.called: set[int] = set()  # id(func) of every call
         self.functions: list[cst.FunctionDef] = []  # enclosing function definitions
         self.module: cst.Module | None = None

@@ -37,8 +37,10 @@ MOVED = (
     "fsdp_bridge.lightning.FabricStrategy(...): Lightning Fabric's FSDP2 strategy (its ModelParallelStrategy, one "
     "data-parallel dimension over every rank) whose model fsdp_bridge.shard shards; it takes FSDPStrategy's "
     "arguments with FSDP1's meaning (as BridgeConfig.from_fsdp1 reads them), and precision='bf16-mixed' keeps "
-    "FSDP1's bf16 parameters, reduction and buffers. fabric.save writes what state_dict_type says (FSDP2's DCP "
-    "directory for 'sharded'); '16-mixed' is refused by Fabric there (use 'bf16-mixed'). Its arguments: "
+    "FSDP1's bf16 parameters, reduction and buffers (Lightning's FSDP1 precision plugin, its autocast and casts). "
+    "fabric.save writes what state_dict_type says (FSDP2's DCP directory for 'sharded'); where the file's Fabric "
+    "says precision='16-mixed' (fp16 autocast, FSDP1's ShardedGradScaler) the strategy is given "
+    'precision="16-mixed" too, as Fabric asks of an FSDP2 strategy. Its arguments: '
 )
 """The report of a rewritten ``FSDPStrategy(...)``."""
 
@@ -72,6 +74,39 @@ LIGHTNING_ARGS: dict[str, str] = {
 """``FSDPStrategy`` arguments that are FSDP1's, and what each is in the bridge's config."""
 
 
+FP16 = 'precision="16-mixed"'
+"""What a Fabric strategy of a file whose ``Fabric(...)`` says ``precision="16-mixed"`` is given: Fabric refuses the
+precision for an FSDP2 strategy that brings no precision plugin of its own."""
+
+FP16_NAMES = ("16-mixed", "16")
+"""Lightning's names of fp16 autocast with a gradient scaler (``16`` as an integer too)."""
+
+
+def _is_precision(a: cst.Arg) -> bool:
+    return a.keyword is not None and a.keyword.value == "precision"
+
+
+def _precision_text(call: cst.Call) -> str | None:
+    """What ``call`` gives as ``precision=``: a literal's text, None where it gives none or an expression."""
+    for a in call.args:
+        if _is_precision(a):
+            value = a.value
+            if isinstance(value, cst.SimpleString):
+                return str(value.evaluated_value)
+            return value.value if isinstance(value, cst.Integer) else None
+    return None
+
+
+def _same_precision(fabric: cst.Call) -> str | None:
+    """What a strategy made inside ``fabric`` (a ``Fabric(...)`` call) is given of its precision: ``precision=
+    "16-mixed"`` where it says fp16 autocast, its value where that is known only when the code runs (a name or an
+    attribute: the same value to both), None where the strategy needs nothing."""
+    spelled = next((a.value for a in fabric.args if _is_precision(a)), None)
+    if _precision_text(fabric) in FP16_NAMES:
+        return FP16
+    return f"precision={code_of(spelled)}" if isinstance(spelled, (cst.Name, cst.Attribute)) else None
+
+
 class LightningFixer(ScannerBase):
     """Lightning's FSDPStrategy and strategy="fsdp" (reported, never rewritten)."""
 
@@ -97,13 +132,36 @@ class LightningFixer(ScannerBase):
             wraps = any(a.keyword.value == "auto_wrap_policy" for a in given if a.keyword is not None)
             meant = [(a, self._lightning_meaning(a, wraps)) for a in given]
             self.fsdp1_elsewhere = True
-            names = {q.name for q in self.get_metadata(QualifiedNameProvider, node.func, set())}
-            fabric = any(n.startswith(("lightning.fabric.", "lightning_fabric.")) for n in names)
-            blocker = self._lightning_blocker(fabric)
+            fabric, outer = self._strategy_place(node)
+            blocker = self._lightning_blocker(fabric, outer)
             if blocker is None:
                 self.expr_rewrites[id(node.func)] = "fsdp_bridge.lightning.FabricStrategy"
                 self.needs_imports.add(("fsdp_bridge.lightning", None))
                 self.lightning_drops.update(self._strategy_imports())
+                if any(_is_precision(a) for a in node.args):
+                    pass
+                elif outer is not None:  # Fabric(strategy=FSDPStrategy(...), ...): that call's precision
+                    if (named := _same_precision(outer)) is not None:
+                        self.arg_adds[id(node)] = named
+                elif self._fabric_fp16() is not None:
+                    self.arg_adds[id(node)] = FP16
+                elif (known := self._precision_bound_before(node)) is not None:
+                    self.arg_adds[id(node)] = f"precision={known}"  # the value the Fabric reads, bound already
+                elif (told := self._precision_unknown()) is not None:
+                    pos = self.get_metadata(PositionProvider, node)
+                    self.findings.append(
+                        CodeFinding(
+                            self.path,
+                            pos.start.line,
+                            pos.start.column,
+                            told,
+                            "if it is '16-mixed' (or 16) when the code runs, give FabricStrategy precision= the "
+                            "same value: Fabric refuses fp16 autocast for an FSDP2 strategy without its own "
+                            "precision plugin, and says so at start-up",
+                            True,
+                            note=True,
+                        )
+                    )
             self._record(
                 node,
                 f"{code_of(node.func)}(...) (Lightning's FSDP1 strategy)",
@@ -145,10 +203,13 @@ class LightningFixer(ScannerBase):
             ):
                 self.fsdp1_elsewhere = True
                 offload = "offload" in str(a.value.evaluated_value)
-                blocker = self._lightning_blocker(cls == "Fabric")
+                blocker = self._lightning_blocker(cls == "Fabric", node)
                 if blocker is None and str(a.value.evaluated_value) in FABRIC_NAMES:
-                    self.expr_rewrites[id(a.value)] = "fsdp_bridge.lightning.FabricStrategy(" + (
-                        "cpu_offload=True)" if offload else ")"
+                    own = [] if (same := _same_precision(node)) is None else [same]
+                    self.expr_rewrites[id(a.value)] = (
+                        "fsdp_bridge.lightning.FabricStrategy("
+                        + ", ".join([*own, "cpu_offload=True"] if offload else own)
+                        + ")"
                     )
                     self.needs_imports.add(("fsdp_bridge.lightning", None))
                 self._record(
@@ -167,10 +228,11 @@ class LightningFixer(ScannerBase):
                 return True
         return False
 
-    def _lightning_blocker(self, fabric: bool) -> str | None:
-        """Why Lightning's FSDP1 strategy (``fabric``: Fabric's, else the Trainer's) stays as it is, or None:
-        Fabric's is rewritten to ``fsdp_bridge.lightning.FabricStrategy`` (the same arguments) when no code of the
-        tree tells the strategies apart or calls FSDP1's API itself, perhaps on the module Lightning wraps."""
+    def _lightning_blocker(self, fabric: bool, named_in: cst.Call | None = None) -> str | None:
+        """Why Lightning's FSDP1 strategy (``fabric``: Fabric's, else the Trainer's; ``named_in``: the Fabric call
+        naming it as ``strategy="fsdp"``, else an ``FSDPStrategy(...)``) stays as it is, or None: Fabric's is
+        rewritten to ``fsdp_bridge.lightning.FabricStrategy`` (the same arguments) when no code of the tree tells
+        the strategies apart or calls FSDP1's API itself, perhaps on the module Lightning wraps."""
         if self.target == "torch":
             return (
                 "--target torch writes no Lightning strategy (the default target rewrites Fabric's to "
@@ -181,10 +243,11 @@ class LightningFixer(ScannerBase):
                 "PyTorch Lightning's Trainer strategy: its FSDP2 strategy (ModelParallelStrategy) shards in the "
                 "LightningModule's configure_model, which the migration does not write"
             )
-        if (fp16 := self._fabric_fp16()) is not None:
+        if named_in is None and (fp16 := self._fabric_fp16()) is not None and (other := self._other_precision()):
             return (
-                f"this file's {fp16} asks for fp16 autocast with a gradient scaler, which Lightning's FSDP2 "
-                "strategy refuses ('16-mixed' is not among its precisions: 32-true, bf16-mixed, bf16-true, 16-true)"
+                f"this file's {fp16} asks for fp16 autocast with a gradient scaler, which FabricStrategy has to be "
+                f"given too (precision='16-mixed'; Fabric refuses it for an FSDP2 strategy without), but {other} "
+                "does not: which Fabric this strategy reaches is not known here"
             )
         if (helper := self._fsdp1_strategy_helper()) is not None:
             return f"this file imports {helper} from Lightning's FSDP1 strategy module, which serves FSDP1 alone"
@@ -212,39 +275,91 @@ class LightningFixer(ScannerBase):
                             return code_of(a.name)
         return None
 
+    def _fabrics(self) -> list[cst.Call]:
+        """This file's ``Fabric(...)`` calls."""
+        return [
+            n
+            for n in (walk(self.module) if self.module is not None else ())
+            if isinstance(n, cst.Call) and self._lightning_name(n.func, "Fabric") is not None
+        ]
+
     def _fabric_fp16(self) -> str | None:
         """A ``Fabric(precision="16-mixed")`` (or ``"16"``, ``16``) of this file, as written, or None."""
-        for n in walk(self.module) if self.module is not None else ():
-            if isinstance(n, cst.Call) and self._lightning_name(n.func, "Fabric") is not None:
-                for a in n.args:
-                    if a.keyword is not None and a.keyword.value == "precision":
-                        value = a.value
-                        text = (
-                            str(value.evaluated_value)
-                            if isinstance(value, cst.SimpleString)
-                            else value.value
-                            if isinstance(value, cst.Integer)
-                            else None
-                        )
-                        if text in ("16-mixed", "16"):
-                            return f"Fabric(precision={code_of(value)})"
+        for n in self._fabrics():
+            if _precision_text(n) in FP16_NAMES:
+                return f"Fabric(precision={next(code_of(a.value) for a in n.args if _is_precision(a))})"
+        return None
+
+    def _precision_bound_before(self, strategy: cst.Call) -> str | None:
+        """The name every ``Fabric(...)`` of this file reads its precision from, where each of them follows the
+        ``FSDPStrategy(...)`` call in its function and the name is bound (a parameter, an assignment) only before
+        that call: the strategy can be given the same value. None otherwise."""
+        scope = self.functions[-1] if self.functions else self.module
+        fabrics = self._fabrics()
+        given = {
+            code_of(a.value) for f in fabrics for a in f.args if _is_precision(a) and isinstance(a.value, cst.Name)
+        }
+        if scope is None or len(given) != 1 or any(_precision_text(f) is not None for f in fabrics):
+            return None
+        name = given.pop()
+        line = self.get_metadata(PositionProvider, strategy).start.line
+        inside = {id(n) for n in walk(scope)}
+        if not all(
+            id(f) in inside
+            and self.get_metadata(PositionProvider, f).start.line > line
+            and any(_is_precision(a) and code_of(a.value) == name for a in f.args)
+            for f in fabrics
+        ):
+            return None
+        for n in walk(scope):
+            target = (
+                n.target
+                if isinstance(n, (cst.AssignTarget, cst.AnnAssign, cst.AugAssign, cst.For, cst.NamedExpr))
+                else n.name
+                if isinstance(n, cst.AsName)
+                else None
+            )
+            if (
+                target is not None
+                and any(isinstance(t, cst.Name) and t.value == name for t in walk(target))
+                and self.get_metadata(PositionProvider, n).start.line >= line
+            ):
+                return None
+        return name
+
+    def _precision_unknown(self) -> str | None:
+        """A ``Fabric(precision=<expression>)`` of this file (known when the code runs), as written, or None."""
+        for n in self._fabrics():
+            given = [a for a in n.args if _is_precision(a)]
+            if given and not isinstance(given[0].value, (cst.SimpleString, cst.Integer)):
+                return f"Fabric(precision={short(code_of(given[0].value), 40)})"
+        return None
+
+    def _other_precision(self) -> str | None:
+        """A ``Fabric(...)`` call of this file that does not say ``precision="16-mixed"``, as written, or None."""
+        for n in self._fabrics():
+            if _precision_text(n) not in FP16_NAMES:
+                given = [a for a in n.args if _is_precision(a)]
+                return f"Fabric(precision={code_of(given[0].value)})" if given else "a Fabric(...) without precision="
         return None
 
     def _lightning_moves(self) -> bool:
         """Every ``FSDPStrategy(...)`` of this file is rewritten (see ``_lightning_blocker``)."""
         calls = [
-            n.func
+            n
             for n in (walk(self.module) if self.module is not None else ())
             if isinstance(n, cst.Call) and self._lightning_name(n.func, "FSDPStrategy") is not None
         ]
-        fabric = [
-            any(
-                q.name.startswith(("lightning.fabric.", "lightning_fabric."))
-                for q in self.get_metadata(QualifiedNameProvider, f, set())
-            )
-            for f in calls
-        ]
-        return bool(calls) and all(self._lightning_blocker(f) is None for f in fabric)
+        return bool(calls) and all(self._lightning_blocker(*self._strategy_place(c)) is None for c in calls)
+
+    def _strategy_place(self, call: cst.Call) -> tuple[bool, cst.Call | None]:
+        """Of an ``FSDPStrategy(...)`` call: whether it is Fabric's (else the Trainer's), and the ``Fabric(...)``
+        call it is an argument of, if any."""
+        fabric = any(
+            q.name.startswith(("lightning.fabric.", "lightning_fabric."))
+            for q in self.get_metadata(QualifiedNameProvider, call.func, set())
+        )
+        return fabric, next((f for f in self._fabrics() if any(a.value is call for a in f.args)), None)
 
     def _strategy_imports(self) -> set[tuple[str, str, str | None]]:
         """``(module, "FSDPStrategy", alias)`` of this file's ``from <lightning package> import FSDPStrategy``."""
@@ -315,13 +430,17 @@ class LightningFixer(ScannerBase):
                 if kw == "auto_wrap_policy"
                 else f"activation_checkpointing=True with wrap={classes} (the bridge recomputes each wrap unit)"
             )
-        elif kw in ("cpu_offload", "activation_checkpointing", "sync_module_states", "forward_prefetch") and (
+        elif kw == "activation_checkpointing" and code_of(a.value) != "None":
+            text = (
+                f"the classes {short(code_of(a.value), 40)} recomputed in backward (Lightning's spelling): "
+                "activation_checkpointing=True where they are the wrap policy's classes (the bridge recomputes each "
+                "wrap unit), else torch's checkpoint wrapper on them before sharding, as Lightning applies it"
+            )
+        elif kw in ("cpu_offload", "sync_module_states", "forward_prefetch") and (
             code_of(a.value) in ("True", "False")
         ):
             text = f"{kw}={code_of(a.value)}"
-        elif kw in ("cpu_offload", "activation_checkpointing", "sync_module_states", "forward_prefetch") and (
-            not isinstance(a.value, cst.Call)
-        ):
+        elif kw in ("cpu_offload", "sync_module_states", "forward_prefetch") and (not isinstance(a.value, cst.Call)):
             # a value known when the code runs (a bool from the run's config): passed on as it is
             text = f"{kw}={short(code_of(a.value), 40)} (the same value, known when the code runs)"
         elif kw in ("activation_checkpointing", "activation_checkpointing_policy") and code_of(a.value) == "None":
