@@ -146,6 +146,13 @@ def test_fabrics_strategy_moves_alone_and_stays_where_the_tree_depends_on_its_cl
     apart += "    return L.Fabric(strategy=s, precision='16-mixed')\n"
     fixed = _fix(tmp_path / "apart", {"h.py": apart})["h.py"]
     assert 'FabricStrategy(\n        auto_wrap_policy={Block},\n        precision="16-mixed",\n    )' in fixed
+    # one argument a line, a commented-out one among them, no trailing comma: the layout and the comment kept once
+    commented = apart.replace(
+        "{Block},\n    )", "{Block},\n        # cpu_offload=True,\n        limit_all_gathers=True\n    )"
+    )
+    fixed = _fix(tmp_path / "commented", {"h.py": commented})["h.py"]
+    assert '# cpu_offload=True,\n        limit_all_gathers=True,\n        precision="16-mixed"\n    )' in fixed
+    assert fixed.count("# cpu_offload") == 1
     both = apart + "\n\ndef plain() -> L.Fabric:\n    return L.Fabric(precision='bf16-mixed')\n"
     fixed = _fix(tmp_path / "both", {"h.py": both})["h.py"]
     assert "but Fabric(precision='bf16-mixed') does not" in fixed and "s = FSDPStrategy(" in fixed

@@ -222,18 +222,25 @@ def _joined_gaps(gaps: Sequence[Sequence[cst.EmptyLine]]) -> list[cst.EmptyLine]
 
 def appended(call: cst.Call, added: str) -> list[cst.Arg]:
     """``call``'s arguments with the argument ``added`` (its source, ``name=value``) last, laid out as the others
-    are: one per line where they are, a trailing comma kept."""
+    are: one per line where they are (no comment of theirs repeated), a trailing comma kept."""
     arg = cst.ensure_type(cst.parse_expression(f"f({added})"), cst.Call).args[0]
     if not call.args:
         return [arg]
     *head, last = call.args
-    lines = call.whitespace_before_args  # a newline and the arguments' indent where they are one per line
-    between = next(
-        (a.comma for a in reversed(head) if isinstance(a.comma, cst.Comma)),
-        cst.Comma(
-            whitespace_after=lines if isinstance(lines, cst.ParenthesizedWhitespace) else cst.SimpleWhitespace(" ")
-        ),
+    spaces = [a.comma.whitespace_after for a in head if isinstance(a.comma, cst.Comma)]
+    spaces.append(call.whitespace_before_args)
+    lines = next((w for w in spaces if isinstance(w, cst.ParenthesizedWhitespace)), None)
+    between = cst.Comma(
+        whitespace_after=cst.SimpleWhitespace(" ")
+        if lines is None
+        else cst.ParenthesizedWhitespace(indent=lines.indent, last_line=lines.last_line)  # a newline, the indent
     )
     if isinstance(last.comma, cst.Comma):  # a trailing comma: the new argument takes it
         return [*head, last.with_changes(comma=between), arg.with_changes(comma=last.comma)]
-    return [*head, last.with_changes(comma=between), arg]
+    # the space before ")" (a newline there) goes after the new argument
+    closing = last.whitespace_after_arg
+    return [
+        *head,
+        last.with_changes(comma=between, whitespace_after_arg=cst.SimpleWhitespace("")),
+        arg.with_changes(whitespace_after_arg=closing),
+    ]
