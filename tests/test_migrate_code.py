@@ -3450,3 +3450,41 @@ def test_data_assigned_over_fsdp1_parameters_is_written_in_place_or_a_todo() -> 
     # only where the owner is shown FSDP1's: the same function handed plain modules only is untouched
     plain = source.replace("model = FSDP(net)", "model = net").replace("ema = FSDP(ema_net)", "ema = ema_net")
     assert "p_ema.data = alpha" in migrate_source(plain, "data_assign.py").fixed
+
+
+_DROPPED_SCATTER = """import torch
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+
+def load_optimizer_state(model, path, rank):
+    full_osd = torch.load(path) if rank == 0 else None
+    # every rank calls it; rank 0 alone holds the state
+    sharded = FSDP.scatter_full_optim_state_dict(full_osd, model)
+    print(f"optimizer state read on rank {rank}")
+
+
+def load_and_use(model, optimizer, path):
+    full_osd = torch.load(path)
+    sharded = FSDP.shard_full_optim_state_dict(full_osd, model)
+    return sharded
+
+
+def load_from_call(model, path):
+    kept = FSDP.scatter_full_optim_state_dict(torch.load(path), model)
+"""
+
+
+@pytest.mark.parametrize("target", ["bridge", "torch"])
+def test_a_scatter_whose_result_nothing_reads_is_deleted_and_one_whose_result_is_used_stays(target: str) -> None:
+    # FSDP1's scatter/shard of a full optimizer state only returns the state to load; dropped, it loaded nothing
+    result = migrate_source(_DROPPED_SCATTER, "ckpt.py", target=target)
+    fixed = result.fixed
+    assert "sharded = FSDP.scatter_full_optim_state_dict" not in fixed
+    assert "# every rank calls it; rank 0 alone holds the state\n" in fixed  # its comment kept
+    (gone,) = [f for f in result.findings if f.construct.endswith("(its result never read)")]
+    assert gone.fixable and gone.replacement.startswith("deleted: FSDP1's call only returns the optimizer state")
+    assert "broadcast_from_rank0=True" in gone.replacement
+    # a result returned, or an argument that runs code (the load): not deleted
+    assert "return sharded" in fixed and "torch.load(path), model)" in fixed
+    compile(fixed, "ckpt.py", "exec")
+    assert migrate_source(fixed, "ckpt.py", target=target).fixed == fixed

@@ -259,6 +259,26 @@ class OptimStateFixer(ScannerBase):
                 True,
             )
             return True
+        if hit in ((FSDP, "shard_full_optim_state_dict"), (FSDP, "scatter_full_optim_state_dict")) and (
+            (stmt := self._result_never_read(node)) is not None
+        ):
+            self.removed_stmts.add(id(stmt))
+            self._consume(node.func)
+            self._record(
+                node,
+                f"FSDP.{hit[1]}(...) (its result never read)",
+                "deleted: FSDP1's call only returns the optimizer state to load (into no optimizer here: nothing "
+                "reads its result), so it loaded nothing on FSDP1 and the code without it does what it did; to load "
+                "a full optimizer state on FSDP2, fsdp_bridge.optim_state_dict_to_load(model, optimizer, full_osd"
+                + (
+                    ", options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))"
+                    if hit[1].startswith("scatter")
+                    else ")"
+                )
+                + " loads it into the optimizer",
+                True,
+            )
+            return True
         if hit == (FSDP, "optim_state_dict") and (ctx := self._runtime_state_context()) is not None:
             if (where := self.dispatch.makes_state_dict_context) is not None and (
                 mo := self._model_and_own_optim_state(node)
@@ -730,6 +750,23 @@ class OptimStateFixer(ScannerBase):
             f"fsdp_bridge.optim_state_dict_to_load({code_of(named['model'])}, {code_of(named['optim'])}, "
             f"{code_of(named['optim_state_dict'])}{extra})"
         )
+
+    def _result_never_read(self, node: cst.Call) -> cst.SimpleStatementLine | None:
+        """The statement ``x = <node>`` (or ``<node>`` alone) whose result nothing in the function reads, whose
+        arguments are names, attributes or constants (nothing else runs in them): it can go. None otherwise."""
+        stmt = self.stmt_stack[-1] if self.stmt_stack else None
+        if not isinstance(stmt, cst.SimpleStatementLine) or len(stmt.body) != 1 or not self.functions:
+            return None
+        small = stmt.body[0]
+        if isinstance(small, cst.Assign) and small.value is node and len(small.targets) == 1:
+            target = small.targets[0].target
+            if not isinstance(target, cst.Name) or not self._names_stay_in([stmt], {target.value}):
+                return None
+        elif not (isinstance(small, cst.Expr) and small.value is node):
+            return None
+        if not all(isinstance(a.value, (cst.Name, cst.Attribute, cst.SimpleString, cst.Integer)) for a in node.args):
+            return None
+        return stmt
 
     def _shard_full_to_load(self, node: cst.Call) -> str | None:
         """``x = FSDP.shard_full_optim_state_dict(sd, M, optim=O)`` (loaded later) -> the helper that
