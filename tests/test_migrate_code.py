@@ -129,10 +129,14 @@ EXPECTED: dict[str, set[tuple[int, str]]] = {
         (60, "FSDP.state_dict_type(SHARDED_STATE_DICT)"),
     },
     "local_state_dict.py": {
-        (32, "FSDP.state_dict_type(LOCAL_STATE_DICT)"),
-        (40, "FSDP.state_dict_type(LOCAL_STATE_DICT)"),
-        (63, "FSDP(...)"),
-        (69, "FSDP(...)"),
+        (34, "FSDP.state_dict_type(LOCAL_STATE_DICT)"),
+        (42, "FSDP.state_dict_type(LOCAL_STATE_DICT)"),
+        (49, "FSDP.state_dict_type(LOCAL_STATE_DICT)"),  # the state saved with DCP
+        (55, "FSDP.state_dict_type(LOCAL_STATE_DICT)"),  # filled by DCP's load, given back to the model
+        (84, "FSDP(...)"),
+        (92, "FSDP(...)"),
+        (98, "FSDP(...)"),
+        (100, "FSDP(...)"),
     },
     "kwargs_builder.py": {
         (21, "ShardingStrategy.FULL_SHARD"),
@@ -646,8 +650,10 @@ def test_rewritten_scripts_match_fsdp1_losses(tmp_path: Path) -> None:
         (mp1, mp2), (sd1, sd2), (ga1, ga2), (dc1, dc2), (kw1, kw2), (cm1, cm2), (wf1, wf2), ctx = rank_results[:8]
         units_only, with_root, (local1, local2) = rank_results[8:]
         # 3 steps, a per-rank save, 2 steps; a fresh model trained 1 step, resumed from the save, 2 steps: the
-        # resumed steps repeat steps 4 and 5 exactly (model and Adam state came back), after --fix as before
-        assert len(local1) == 7 and local1[5:] == pytest.approx(local1[3:5], rel=1e-6), local1
+        # resumed steps repeat steps 4 and 5 exactly (model and Adam state came back), after --fix as before;
+        # then a probe of the model at the save, of a fresh one filled from the DCP save, of a fresh one
+        assert len(local1) == 10 and local1[5:7] == pytest.approx(local1[3:5], rel=1e-6), local1
+        assert local1[8] == pytest.approx(local1[7], rel=1e-6) and local1[9] != pytest.approx(local1[7]), local1
         assert local2 == pytest.approx(local1, rel=1.3e-6, abs=1e-5), (local1, local2)
         # state-dict contexts made by factory functions: full save on rank 0, restored on every rank
         assert len(ctx[0]) == 4 and ctx[1] == pytest.approx(ctx[0], rel=1.3e-6, abs=1e-5), ctx

@@ -188,3 +188,56 @@ def test_a_local_block_around_the_optimizers_own_state_is_dropped_with_the_check
     ]
     assert "cannot resume FSDP1's flat-parameter checkpoints" in notes[0].replacement
     assert "state_dict_type" not in result.fixed and all(f.fixable for f in result.findings)
+
+
+DCP_LOCAL = textwrap.dedent(
+    """
+    from torch.distributed._shard.checkpoint import FileSystemReader, FileSystemWriter, load_state_dict, save_state_dict
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, StateDictType
+
+
+    def save_local(model, folder):
+        writer = FileSystemWriter(folder)
+        with FSDP.state_dict_type(model, StateDictType.LOCAL_STATE_DICT):
+            state_dict = model.state_dict()
+        save_state_dict(state_dict, writer)
+
+
+    def load_local(model, folder):
+        reader = FileSystemReader(folder)
+        with FSDP.state_dict_type(model, StateDictType.LOCAL_STATE_DICT):
+            state_dict = model.state_dict()
+            load_state_dict(state_dict, reader)
+            model.load_state_dict(state_dict)
+    """
+)
+
+
+def test_local_blocks_saved_and_filled_with_dcp_become_the_sharded_state_dict() -> None:
+    # The per-rank DCP checkpoint of torch's old FSDP examples (the _shard.checkpoint spelling): the state only
+    # goes to DCP's save, or is filled in place by DCP's load and given back to the model in the block. The
+    # migrated pair saves and resumes DTensor shards (tests/test_migrate_code.py runs the modern spelling).
+    result = migrate_source(DCP_LOCAL, "ckpt.py")
+    assert [f.line for f in result.findings if not f.fixable] == []
+    assert (
+        "    state_dict = get_model_state_dict(model, options=StateDictOptions())\n"
+        "    save_state_dict(state_dict, writer)\n"
+    ) in result.fixed
+    assert (
+        "    state_dict = get_model_state_dict(model, options=StateDictOptions())\n"
+        "    load_state_dict(state_dict, reader)\n"
+        "    set_model_state_dict(model, state_dict, options=StateDictOptions())\n"
+    ) in result.fixed
+    assert "FSDP" not in result.fixed and "StateDictType" not in result.fixed
+    assert migrate_source(result.fixed, "ckpt.py").fixed == result.fixed
+    # filled by DCP's load but never given back (FSDP1's local shards may not share the parameters' storage),
+    # or given back outside the block (FSDP1's type is gone there): what the model ends up holding is not
+    # provable, and both blocks stay FSDP1's (what one saves the other loads)
+    for changed in (
+        DCP_LOCAL.replace("        model.load_state_dict(state_dict)\n", ""),
+        DCP_LOCAL.replace("        model.load_state_dict(state_dict)\n", "    model.load_state_dict(state_dict)\n"),
+    ):
+        kept = migrate_source(changed, "ckpt.py")
+        todos = [f for f in kept.findings if not f.fixable]
+        assert [f.construct for f in todos] == ["FSDP.state_dict_type(LOCAL_STATE_DICT)"] * 2, changed
+        assert "DCP's in-place load" in todos[0].replacement and "fsdp-bridge convert" in todos[0].replacement

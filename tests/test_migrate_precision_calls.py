@@ -689,6 +689,40 @@ def test_a_root_over_units_a_call_wraps_with_fsdp1s_class_stays_fsdp1s() -> None
     assert "    return FSDP(model, **args)\n" in result.fixed and "import fsdp_bridge" not in result.fixed
 
 
+def test_a_wrapper_made_inside_another_call_is_not_fsdp1s_class_handed_on() -> None:
+    # Holder(FSDP(model, ...), ...) hands on the model FSDP1 made, not FSDP1's class: each call is rewritten, where
+    # the scan for a class given to a wrap helper of the tree's own took the call for the class and left both TODOs.
+    code = (
+        "import functools\n"
+        "import torch\n"
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, MixedPrecision\n"
+        "from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy\n"
+        "from blocks import Block, build, Holder\n\n\n"
+        "def setup(device):\n"
+        "    policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})\n"
+        "    bf16 = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)\n"
+        "    ref = Holder(FSDP(build(),\n"
+        "                      auto_wrap_policy=policy,\n"
+        "                      mixed_precision=bf16,\n"
+        "                      use_orig_params=True,\n"
+        "                      device_id=device), False)\n"
+        "    return ref, Holder(FSDP(build(), auto_wrap_policy=policy, device_id=device), True)\n"
+    )
+    result = migrate_source(code, "train.py")
+    assert [f for f in result.findings if not f.fixable] == []
+    assert result.fixed.count("Holder(fsdp_bridge.shard(\n        build(),\n") == 2
+    # the policy and the MixedPrecision both calls were given are written out into each and go, with the imports
+    assert "policy =" not in result.fixed and "bf16 =" not in result.fixed
+    assert "torch.distributed.fsdp" not in result.fixed and "functools" not in result.fixed
+    assert result.fixed.count("wrap=[Block],") == 2 and result.fixed.count('"param_dtype": torch.bfloat16,') == 1
+    compile(result.fixed, "train.py", "exec")
+    assert migrate_source(result.fixed, "train.py").fixed == result.fixed
+    # a use left elsewhere keeps the variable (and its import) where it is
+    logged = migrate_source(code + "    print(bf16)\n", "train.py").fixed
+    assert "    bf16 = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)\n" in logged
+    assert "from torch.distributed.fsdp import MixedPrecision\n" in logged and "policy =" not in logged
+
+
 def test_an_fsdp1_test_imported_from_another_file_guards_module_reads(tmp_path: Path) -> None:
     # utils/fsdp.py defines is_fsdp_wrapped(m) (isinstance(m, FSDP)); a weight syncer in another file imports it
     # inside a method and reads model.module under it. The file named nothing of FSDP1's, so the read was not

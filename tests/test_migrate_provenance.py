@@ -623,9 +623,31 @@ def test_a_recursive_unwrap_returns_the_model_on_fsdp2_instead_of_recursing_fore
 
 
 def test_fsdp1s_class_chosen_by_a_conditional_expression_is_a_todo_and_its_models_stay_on_the_bridge(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    # (FSDP if ok else Plain)(m, ...) is FSDP1's constructor left as written: the model stays FSDP1's. Under
-    # --target torch the summon of another file stays on fsdp_bridge (the plain-torch helper gathers fully_shard's
-    # DTensors only: on FSDP1's flat-parameter views it gathered nothing).
+    # (FSDP if ok else Plain)(m, ...) whose arguments the bridge's call cannot take (process_group= with
+    # device_mesh=) is FSDP1's constructor left as written: the model stays FSDP1's. Under --target torch the
+    # summon of another file stays on fsdp_bridge (the plain-torch helper gathers fully_shard's DTensors only: on
+    # FSDP1's flat-parameter views it gathered nothing).
+    (tmp_path / "train.py").write_text(
+        "import torch.distributed as dist\n"
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n"
+        "from loop import sample\n\n\n"
+        "def main(net, Plain, pg, mesh):\n"
+        "    model = (FSDP if dist.is_initialized() else Plain)(net, process_group=pg, device_mesh=mesh)\n"
+        "    return sample(model)\n"
+    )
+    (tmp_path / "loop.py").write_text(
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n\n\n"
+        "def sample(model):\n"
+        "    with FSDP.summon_full_params(model, writeback=False):\n"
+        "        return model(1)\n"
+    )
+    report, _ = migrate_paths([tmp_path], fix=True, target="torch")
+    (todo,) = [f for f in report.findings if f.path.endswith("train.py") and not f.fixable]
+    assert todo.construct == "(FSDP if ... else ...)(...) (FSDP1's constructor chosen by a conditional expression)"
+    loop = (tmp_path / "loop.py").read_text()
+    assert "with fsdp_bridge.summon_full_params(model, writeback=False):" in loop and "_fsdp2_helpers" not in loop
+    # the same call with arguments the bridge takes: rewritten, each class keeping its branch (below), and the
+    # summon of the model it makes is torch's
     (tmp_path / "train.py").write_text(
         "import torch.distributed as dist\n"
         "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n"
@@ -641,10 +663,61 @@ def test_fsdp1s_class_chosen_by_a_conditional_expression_is_a_todo_and_its_model
         "        return model(1)\n"
     )
     report, _ = migrate_paths([tmp_path], fix=True, target="torch")
-    (todo,) = [f for f in report.findings if f.path.endswith("train.py") and not f.fixable]
-    assert todo.construct == "(FSDP if ... else ...)(...) (FSDP1's constructor chosen by a conditional expression)"
-    loop = (tmp_path / "loop.py").read_text()
-    assert "with fsdp_bridge.summon_full_params(model, writeback=False):" in loop and "_fsdp2_helpers" not in loop
+    assert [f for f in report.findings if not f.fixable] == []
+    assert "_fsdp2_helpers.summon_full_params(model, writeback=False)" in (tmp_path / "loop.py").read_text()
+
+
+CHOSEN = (
+    "import torch.distributed as dist\n"
+    "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy\n"
+    "from loop import sample\n\n\n"
+    "def main(net, Plain, Block, hybrid):\n"
+    "    policy = lambda module, recurse, **_: recurse or isinstance(module, Block)\n"
+    "    model: FSDP = (FSDP if dist.is_initialized() else Plain)(\n"
+    "        net,\n"
+    "        auto_wrap_policy=policy,\n"
+    "        sharding_strategy=ShardingStrategy.HYBRID_SHARD if hybrid else ShardingStrategy.NO_SHARD,  # FULL\n"
+    "        use_orig_params=True,\n"
+    "    )\n"
+    "    plain = (Plain if hybrid else FSDP)(net, use_orig_params=True).eval()\n"
+    "    return sample(model), plain\n"
+)
+
+
+def test_fsdp1s_class_chosen_by_a_conditional_expression_becomes_the_bridges_call_in_its_own_branch() -> None:
+    # (FSDP if ok else Plain)(m, **kw) is FSDP(m, **kw) if ok else Plain(m, **kw): FSDP1's branch becomes the
+    # bridge's call, the other class keeps every argument as written (a variable, FSDP1's enum, a comment), so
+    # nothing they name goes; parenthesised, so a method called on the result applies to either branch.
+    result = migrate_source(CHOSEN, "train.py")
+    assert [f for f in result.findings if not f.fixable] == []
+    assert (
+        "    model: fsdp_bridge.ShardedModule = (fsdp_bridge.shard(\n"
+        "        net,\n"
+        "        fsdp_bridge.BridgeConfig.from_fsdp1(\n"
+        "            auto_wrap_policy=policy,\n"
+        "            sharding_strategy=ShardingStrategy.HYBRID_SHARD if hybrid else ShardingStrategy.NO_SHARD,  # FULL\n"
+        "            use_orig_params=True,\n"
+        "        ),\n"
+        "    ) if dist.is_initialized() else Plain(\n"
+        "        net,\n"
+        "        auto_wrap_policy=policy,\n"
+        "        sharding_strategy=ShardingStrategy.HYBRID_SHARD if hybrid else ShardingStrategy.NO_SHARD,  # FULL\n"
+        "        use_orig_params=True,\n"
+        "    ))\n"
+    ) in result.fixed
+    assert "    policy = lambda module" in result.fixed and "import FullyShardedDataParallel" not in result.fixed
+    assert "from torch.distributed.fsdp import ShardingStrategy\n" in result.fixed
+    assert "    plain = (Plain(net, use_orig_params=True) if hybrid else fsdp_bridge.shard(" in result.fixed
+    assert result.fixed.count(".eval()") == 1
+    compile(result.fixed, "train.py", "exec")
+    assert migrate_source(result.fixed, "train.py").fixed == result.fixed
+    # --target torch: the call of settings known at run time stays on the bridge (its TODO, as anywhere), the
+    # other is torch's fully_shard
+    lowered = migrate_source(CHOSEN, "train.py", target="torch")
+    assert [f.line for f in lowered.findings if not f.fixable] == [8]
+    assert "    ) if dist.is_initialized() else Plain(\n" in lowered.fixed
+    assert "    plain = (Plain(net, use_orig_params=True) if hybrid else _fsdp2_helpers.shard_model(" in lowered.fixed
+    compile(lowered.fixed, "train.py", "exec")
 
 
 def test_a_scripts_own_evidence_follows_its_calls_down_when_other_scripts_define_the_same_names(tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -94,7 +94,7 @@ from fsdp_bridge.migrate._rewrite import Rewriter
 from fsdp_bridge.migrate._scanner import Scanner
 from fsdp_bridge.migrate._torch_helpers import HELPERS_MARKER, HELPERS_NAME, HELPERS_SOURCE
 from fsdp_bridge.migrate._torch_report import torch_findings
-from fsdp_bridge.migrate._torch_target import TARGETS, lower_to_torch
+from fsdp_bridge.migrate._torch_target import KEPT_CONSTRUCTOR, TARGETS, lower_to_torch
 from fsdp_bridge.migrate._vendored import vendored_torch_module
 from fsdp_bridge.migrate.limits import SourceLimitError, notebook_uses_fsdp1, read_source
 
@@ -198,7 +198,6 @@ def migrate_source(
             subclasses_fsdp1=path if subclasses_wrapper(code) else None,
             wraps_fsdp1=path if names_wrapper(code) else None,
             constructs_fsdp1=path if constructs_wrapper(code) else None,
-            keeps_fsdp1=path if chooses_wrapper(code) else None,
             tests_lightning_strategy=path if tests_lightning_strategy(code) else None,
             subclassed=subclassed_names(code),
         )
@@ -226,6 +225,7 @@ def migrate_source(
     scan.target = target
     scan.aliases = class_aliases(wrapper)
     wrapper.visit(scan)  # plan: FSDP(...) conversions and checkpoint blocks
+    scan.settle_inlined()
     scan.planning = False
     wrapper.visit(scan)  # report: every other construct
     scan.settle_duck_tests()
@@ -248,7 +248,7 @@ def migrate_source(
                 groups=known.group_fsdp is not None,
                 spans={},
                 typed=known.sets_state_dict_type is not None,
-                kept=known.keeps_fsdp1 is not None or known.subclasses_fsdp1 is not None,
+                kept=known.keeps_fsdp1 is not None or scan.blocked_choice or known.subclasses_fsdp1 is not None,
             )
         return MigratedSource(path, code, code, sorted(scan.findings, key=lambda f: (f.line, f.column)))
     # torch's state-dict functions under another name where the file defines (or imports) its own of that name
@@ -319,9 +319,15 @@ def migrate_source(
             groups=known.group_fsdp is not None,
             spans=spans,
             typed=known.sets_state_dict_type is not None,
-            kept=known.keeps_fsdp1 is not None or known.subclasses_fsdp1 is not None,
+            kept=known.keeps_fsdp1 is not None or scan.blocked_choice or known.subclasses_fsdp1 is not None,
         )
     return MigratedSource(path, code, fixed.code, findings)
+
+
+def _keeps_chosen_constructor(code: str, path: str) -> bool:
+    """The file calls FSDP1's class picked by a conditional expression (``(FSDP if ok else X)(m)``) that the
+    rewrite leaves as written (its arguments block the bridge's call): the model it makes stays FSDP1's."""
+    return chooses_wrapper(code) and KEPT_CONSTRUCTOR in migrate_source(code, path).fixed
 
 
 def _settle_aliases(
@@ -795,7 +801,7 @@ def migrate_paths(
                     subclasses_fsdp1=shown[f] if ours and subclasses_wrapper(code) else None,
                     wraps_fsdp1=shown[f] if names_wrapper(code) else None,
                     constructs_fsdp1=shown[f] if ours and constructs_wrapper(code) else None,
-                    keeps_fsdp1=shown[f] if ours and chooses_wrapper(code) else None,
+                    keeps_fsdp1=shown[f] if ours and _keeps_chosen_constructor(code, str(f)) else None,
                     tests_lightning_strategy=shown[f] if tests_lightning_strategy(code) else None,
                     subclassed=subclassed_names(code),
                     data_swappers=find_data_swappers(code),

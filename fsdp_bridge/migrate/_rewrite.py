@@ -49,6 +49,16 @@ class Rewriter(cst.CSTTransformer):
         if rewrite is not None:
             return cst.parse_expression(self._code(rewrite))
         conv = self.scan.conversions.get(id(original_node))
+        if conv is not None and not conv.blockers and id(original_node) in self.scan.chosen_calls:
+            # (FSDP if ok else Plain)(m, ...) -> (fsdp_bridge.shard(m, ...) if ok else Plain(m, ...))
+            chosen = updated_node.func
+            assert isinstance(chosen, cst.IfExp)
+            fsdp1_body = self.scan.chosen_calls[id(original_node)] == "body"
+            other = updated_node.with_changes(
+                func=(chosen.orelse if fsdp1_body else chosen.body).with_changes(lpar=[], rpar=[])
+            )
+            body, orelse = (render_shard(conv), other) if fsdp1_body else (other, render_shard(conv))
+            return chosen.with_changes(body=body, orelse=orelse)
         if conv is not None and not conv.blockers:
             return render_shard(conv)
         kind = self.scan.fixable_calls.get(id(original_node))

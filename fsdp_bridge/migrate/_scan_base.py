@@ -112,6 +112,7 @@ class ScannerBase(FollowsAliases):
             self, node: cst.Call, func: cst.BaseExpression, hit: tuple[str, str] | None
         ) -> tuple[bool, bool | None]: ...
         def _plan_fsdp(self, call: cst.Call) -> None: ...
+        def _chosen_fsdp1_branch(self, func: cst.BaseExpression) -> str | None: ...
         def _plan_partial(self, node: cst.Call) -> bool: ...
         def _plan_optim_state_call(
             self, node: cst.Call, func: cst.BaseExpression, hit: tuple[str, str] | None
@@ -196,6 +197,9 @@ class ScannerBase(FollowsAliases):
         self.attr_unwraps: set[int] = set()  # id(X._fsdp_wrapped_module) -> fsdp_bridge.unwrapped(X)
         self.forwarded_reads: dict[int, str] = {}  # id(X._fsdp_wrapped_module | X.module) in X.<that>.name -> name
         self.removed_stmts: set[int] = set()  # id(statement) -> deleted (a no-op on FSDP2)
+        self.inlined_uses: dict[str, int] = {}  # variable -> its uses written into rewritten FSDP(...) calls
+        self.blocked_choice = False  # a (FSDP if ok else Plain)(...) left as written: its model stays FSDP1's
+        self.chosen_calls: dict[int, str] = {}  # id((FSDP if ok else Plain)(...)) rewritten -> FSDP1's branch
         self.unwrapped_config_uses: dict[int, int] = {}  # id(a config's value) -> the unwrapped blocks using it
         self.planning = True
         self.consumed_partial = False

@@ -337,6 +337,11 @@ class Scanner(
             if self.planning:
                 self._plan_fsdp(node)
             return None
+        if self._chosen_fsdp1_branch(func) is not None:  # (FSDP if ok else Plain)(m, ...)
+            self.uses_fsdp1 = True
+            if self.planning:
+                self._plan_fsdp(node)
+            return None
         if not self.planning:
             self._config_driven(node)
             if self._plan_lightning(node):

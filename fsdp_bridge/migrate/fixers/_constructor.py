@@ -101,6 +101,7 @@ class ConstructorFixer(ScannerBase):
     # -- FSDP(...) -----------------------------------------------------------------
     def _plan_fsdp(self, call: cst.Call) -> None:
         consumed_before = set(self.consumed_nodes)
+        recorded = len(self.findings)
         conv = self._plan_static(call)
         runtime = None
         if conv.blockers:
@@ -126,7 +127,20 @@ class ConstructorFixer(ScannerBase):
             conv.blockers, conv.consumed, conv.runtime = [user], [], None
         self.conversions[id(call)] = conv
         fixable = not conv.blockers
-        if fixable and conv.runtime is None:
+        if isinstance(chosen := call.func, cst.IfExp) and (branch := self._chosen_fsdp1_branch(chosen)) is not None:
+            # (FSDP if ok else Plain)(m, **kw) -> (fsdp_bridge.shard(m, ...) if ok else Plain(m, **kw)): the other
+            # class still takes every argument as written, so nothing they name goes (nor is reported as gone)
+            self.consumed_nodes = consumed_before
+            if not fixable:  # left as written: the class's own TODO says how to split the call
+                del self.conversions[id(call)]
+                del self.findings[recorded:]
+                return
+            self._consume(chosen.body if branch == "body" else chosen.orelse)
+            self.chosen_calls[id(call)] = branch
+        elif fixable and conv.runtime is None:
+            for name in set(conv.consumed):  # each use the call's arguments make of it, counted once
+                here = sum(1 for n in walk(call) if isinstance(n, cst.Name) and n.value == name)
+                self.inlined_uses[name] = self.inlined_uses.get(name, 0) + here
             kept = {name for name in conv.consumed if self.name_uses.get(name, 0) > 2}
             grown = True
             while grown:  # a kept assignment keeps the assignments its value reads (`policy = Wrap(classes)`)
@@ -164,6 +178,26 @@ class ConstructorFixer(ScannerBase):
             self._kwarg_finding(a, case, fixable, conv.kwarg_became.get(id(a)))
         for note in conv.report_notes:
             self._record(call, "backward_prefetch", note, False)
+
+    def _chosen_fsdp1_branch(self, func: cst.BaseExpression) -> str | None:
+        """``"body"`` / ``"orelse"``: the branch of a called conditional expression (``(FSDP if ok else
+        Plain)(m, ...)``) that is FSDP1's class, where the other is not; None for any other callee."""
+        if not isinstance(func, cst.IfExp):
+            return None
+        body, orelse = (self._qn(b) == (FSDP, "") for b in (func.body, func.orelse))
+        if body == orelse:
+            return None
+        return "body" if body else "orelse"
+
+    def settle_inlined(self) -> None:
+        """Once every ``FSDP(...)`` is planned: a variable whose every use was written out into rewritten calls
+        (a wrap policy or MixedPrecision given to two wrappers) goes too; one used anywhere else (another call,
+        a same-named variable elsewhere in the file, an import by another file) stays, as do the variables its
+        value reads (they may be copied, not written out)."""
+        for name, inlined in self.inlined_uses.items():
+            if name in self.assignments and inlined >= self.name_uses.get(name, 0) - 1:
+                for node in walk(self.assignments[name]):
+                    self.consumed_nodes.add(id(node))
 
     def _in_lightning_strategy(self) -> str | None:
         """Why an ``FSDP(...)`` in a method of a subclass of Lightning's FSDP1 strategy stays FSDP1's (None
@@ -239,7 +273,10 @@ class ConstructorFixer(ScannerBase):
                     continue  # tests (isinstance, assertIsInstance) and partial(FSDP, ...) wrap nothing here
                 if self._qn(n.func) in (("enable_wrap", ""), ("wrap", "")):
                     continue
-                if any(self._qn(a.value) == (FSDP, "") for a in n.args):
+                # the class itself (a name), not a model it makes: ``Policy(FSDP(model), ...)`` hands on a wrapper
+                if any(
+                    isinstance(a.value, (cst.Name, cst.Attribute)) and self._qn(a.value) == (FSDP, "") for a in n.args
+                ):
                     self._wrapped_by_class = (
                         f"this file hands FSDP1's class to {short(code_of(n.func), 40)}(...), which "
                         "wraps modules with FSDP1 and stays as it is; fsdp_bridge.shard refuses a model holding "

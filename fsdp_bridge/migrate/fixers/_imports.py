@@ -444,13 +444,15 @@ class ImportsFixer(ScannerBase):
             )
             return False
         if kind == FSDP and member == "" and self._chosen_callee(node):
+            self.blocked_choice = True
             self._record(
                 node,
                 f"({code_of(node)} if ... else ...)(...) (FSDP1's constructor chosen by a conditional expression)",
-                "not rewritten: the model this call makes stays FSDP1's (the calls on it that the report lists as "
-                "rewritten go to fsdp_bridge functions, which serve FSDP1 models too); call the class in a branch "
-                f"of its own: `{code_of(node)}(module, ...) if <test> else <the other class>(module, ...)`, and run "
-                "migrate code again (the FSDP1 call then becomes fsdp_bridge.shard)",
+                "not rewritten: its arguments cannot all become the bridge's call, so the model this call makes "
+                "stays FSDP1's (the calls on it that the report lists as rewritten go to fsdp_bridge functions, "
+                "which serve FSDP1 models too); to see which and why, call the class in a branch of its own: "
+                f"`{code_of(node)}(module, ...) if <test> else <the other class>(module, ...)`, and run migrate "
+                "code again",
                 False,
             )
             return False

@@ -11,6 +11,9 @@ code saves and resumes its own checkpoints as before (FSDP1 local files written 
 unreadable: the checkpoint note says so). FSDP1's ``optim_state_dict`` under ``LOCAL_STATE_DICT`` is
 its sharded optimizer state (``full_state_dict`` is only true for ``FULL_STATE_DICT``), and
 ``LocalOptimStateDictConfig`` keeps it on the device: ``get_optimizer_state_dict`` without options.
+The same holds where the state goes to torch.distributed.checkpoint instead (``save_state_dict`` / ``save``
+of the state dict, or its in-place ``load_state_dict`` / ``load`` followed by the model's own
+``load_state_dict`` in the block): a DCP directory of DTensor shards the migrated code saves and resumes.
 Anything else (the state dict returned, kept on an object, handed to code that may read FSDP1's
 flat-parameter keys, the model passed elsewhere in the block) stays a TODO saying why."""
 
@@ -32,6 +35,17 @@ from fsdp_bridge.migrate._scan_base import ScannerBase
 STATE_DICT_TYPE_ARGS = ("module", "state_dict_type", "state_dict_config", "optim_state_dict_config")
 
 LOCAL_CONSTRUCT = "FSDP.state_dict_type(LOCAL_STATE_DICT)"
+
+# torch.distributed.checkpoint's save and in-place load (and their older spellings), which take a state dict as
+# it is and write it to, or fill it from, a directory every rank shares
+_DCP_MODULES = (
+    "torch.distributed.checkpoint",
+    "torch.distributed._shard.checkpoint",
+    "torch.distributed.checkpoint.state_dict_saver",
+    "torch.distributed.checkpoint.state_dict_loader",
+)
+DCP_SAVES = frozenset(f"{mod}.{f}" for mod in _DCP_MODULES for f in ("save", "save_state_dict"))
+DCP_LOADS = frozenset(f"{mod}.{f}" for mod in _DCP_MODULES for f in ("load", "load_state_dict"))
 
 
 class LocalStateFixer(ScannerBase):
@@ -60,7 +74,8 @@ class LocalStateFixer(ScannerBase):
             "FSDP1's LOCAL_STATE_DICT is each rank's flat-parameter shards (keys of "
             "FSDP1's own); FSDP2's sharded state dict (get_model_state_dict(model): DTensor values under the "
             "parameters' names, saved and loaded per rank at the same mesh) replaces it where the state only "
-            "goes to torch.save and comes back from torch.load; an existing local checkpoint: load it in FSDP1, "
+            "goes to torch.save or DCP's save and comes back from torch.load or DCP's in-place load; an existing "
+            "local checkpoint: load it in FSDP1, "
             "save it as SHARDED_STATE_DICT, then `fsdp-bridge convert`"
         )
         pos = self.get_metadata(PositionProvider, call)
@@ -153,20 +168,21 @@ class LocalStateFixer(ScannerBase):
             what: str | None = None
             if isinstance(func, cst.Attribute) and hit is None and code_of(func.value) == model:
                 if func.attr.value == "state_dict" and not inner.args:
-                    if not self._goes_to_torch_save(inner, function, 0):
+                    if not self._goes_to_torch_save(inner, function, 0, (model, node)):
                         return (
-                            f"{short(model, 30)}.state_dict() goes elsewhere than into torch.save (returned, kept, "
-                            "or handed to code that may read FSDP1's flat-parameter keys)"
+                            f"{short(model, 30)}.state_dict() goes elsewhere than into torch.save or DCP's save / "
+                            "load (returned, kept, or handed to code that may read FSDP1's flat-parameter keys)"
                         )
                     what = "save"
                 elif func.attr.value == "load_state_dict":
                     load_args = named_args(inner, ("state_dict", "strict", "assign"))
                     if load_args is None or "state_dict" not in load_args or set(load_args) - {"state_dict", "strict"}:
                         return f"{short(model, 30)}.load_state_dict is given arguments other than (state_dict, strict)"
-                    if not self._comes_from_torch_load(load_args["state_dict"], function, 0):
+                    if not self._comes_from_torch_load(load_args["state_dict"], function, 0, (model, node)):
                         return (
-                            f"what {short(model, 30)}.load_state_dict loads does not come from torch.load in this "
-                            "function (it may hold FSDP1's flat-parameter keys)"
+                            f"what {short(model, 30)}.load_state_dict loads does not come from torch.load or the "
+                            "model's own state filled by DCP's load in this block (it may hold FSDP1's "
+                            "flat-parameter keys)"
                         )
                     what = "load"
                 else:
@@ -201,6 +217,8 @@ class LocalStateFixer(ScannerBase):
                 what = "optim_load"
             elif hit is not None:
                 return f"the block calls {short(code_of(func), 40)}"
+            elif self._dcp(inner, DCP_SAVES | DCP_LOADS) is not None:
+                pass  # what it saves or fills is followed from the model's state_dict() above
             elif not self._harmless_in_state_block(inner):
                 return f"{short(code_of(func), 40)}(...) may take the model's state"
             if what is not None:
@@ -263,7 +281,8 @@ class LocalStateFixer(ScannerBase):
         why = (
             f" (torch.distributed.checkpoint.state_dict, options={save}): FSDP1's LOCAL_STATE_DICT was each rank's "
             "own flat-parameter shards, FSDP2's sharded state dict is each rank's own shards (DTensor values under "
-            "the parameters' names); the torch.save / torch.load around it is kept, and the checkpoints the migrated "
+            "the parameters' names); the torch.save / torch.load (or DCP save / load) around it is kept, and the "
+            "checkpoints the migrated "
             "code writes load back at the same world size (FSDP1 local files written before do not)"
         )
         self._unwrap_block(node, rewrites, (cfg, optim_cfg), "LOCAL_STATE_DICT", why)
@@ -303,14 +322,46 @@ class LocalStateFixer(ScannerBase):
             q.name == name for q in self.get_metadata(QualifiedNameProvider, call.func, set())
         )
 
-    def _goes_to_torch_save(self, expr: cst.CSTNode, function: cst.FunctionDef, depth: int) -> bool:
-        """``expr``'s value only reaches ``torch.save`` (as the object saved): passed to it, put in a dict
-        literal that goes there, or kept in a local variable (or its items) that only goes there."""
+    def _dcp(self, call: cst.CSTNode | None, names: frozenset[str]) -> cst.BaseExpression | None:
+        """The state dict given to ``call`` where it is one of torch.distributed.checkpoint's ``names``
+        (first positional or ``state_dict=``); None for any other call."""
+        if not isinstance(call, cst.Call) or not any(
+            q.name in names for q in self.get_metadata(QualifiedNameProvider, call.func, set())
+        ):
+            return None
+        if call.args and call.args[0].keyword is None and not call.args[0].star:
+            return call.args[0].value
+        return next((a.value for a in call.args if a.keyword is not None and a.keyword.value == "state_dict"), None)
+
+    def _into_own_load(self, call: cst.CSTNode | None, arg: cst.Arg, within: tuple[str, cst.With] | None) -> bool:
+        """``call`` is ``<model>.load_state_dict(arg)`` inside the LOCAL block ``within`` (the model's own state,
+        filled in place by DCP's load, given back to it)."""
+        if within is None or not isinstance(call, cst.Call) or not isinstance(call.func, cst.Attribute):
+            return False
+        model, block = within
+        return (
+            call.func.attr.value == "load_state_dict"
+            and code_of(call.func.value) == model
+            and (call.args[0] is arg if arg.keyword is None else arg.keyword.value == "state_dict")
+            and any(n is call for n in walk(block.body))
+        )
+
+    def _goes_to_torch_save(
+        self, expr: cst.CSTNode, function: cst.FunctionDef, depth: int, within: tuple[str, cst.With] | None = None
+    ) -> bool:
+        """``expr``'s value only reaches ``torch.save`` (as the object saved) or DCP's save or in-place load
+        (as the state dict): passed to it, put in a dict literal that goes there, or kept in a local variable
+        (or its items) that only goes there and, filled by DCP's load, back to the model's ``load_state_dict``
+        in the LOCAL block ``within``."""
         parent = self._parent_of(expr, function)
         if depth > 3 or parent is None:
             return False
         if isinstance(parent, cst.Arg):
             call = self._parent_of(parent, function)
+            if self._into_own_load(call, parent, within):
+                return True
+            if any(self._dcp(call, names) is expr for names in (DCP_SAVES, DCP_LOADS)):
+                return True
             return (
                 isinstance(call, cst.Call)
                 and self._is_torch(call, "torch.save")
@@ -318,20 +369,23 @@ class LocalStateFixer(ScannerBase):
             )
         if isinstance(parent, cst.DictElement) and parent.value is expr:
             outer = self._parent_of(parent, function)
-            return isinstance(outer, cst.Dict) and self._goes_to_torch_save(outer, function, depth + 1)
+            return isinstance(outer, cst.Dict) and self._goes_to_torch_save(outer, function, depth + 1, within)
         if isinstance(parent, cst.Assign) and parent.value is expr and len(parent.targets) == 1:
             target = parent.targets[0].target
             held = target.value if isinstance(target, cst.Subscript) else target
-            return isinstance(held, cst.Name) and self._only_saved(held.value, function, depth)
+            return isinstance(held, cst.Name) and self._only_saved(held.value, function, depth, within)
         return False
 
-    def _only_saved(self, name: str, function: cst.FunctionDef, depth: int) -> bool:
+    def _only_saved(
+        self, name: str, function: cst.FunctionDef, depth: int, within: tuple[str, cst.With] | None = None
+    ) -> bool:
         """The local variable ``name`` is only filled (``name = ...``, ``name[k] = ...``, ``name.update(...)``)
-        and saved with ``torch.save``."""
+        and saved with ``torch.save`` or DCP (or filled by DCP's load and given back to the model in the
+        block ``within``)."""
         params = function.params
         if any(p.name.value == name for p in (*params.params, *params.kwonly_params, *params.posonly_params)):
             return False
-        saved = False
+        saved = filled = given_back = False
         for n in walk(function.body):
             if not isinstance(n, cst.Name) or n.value != name:
                 continue
@@ -347,14 +401,27 @@ class LocalStateFixer(ScannerBase):
             if isinstance(parent, cst.Attribute) and parent.attr.value == "update":
                 if isinstance(call := self._parent_of(parent, function), cst.Call) and call.func is parent:
                     continue
-            if self._goes_to_torch_save(n, function, depth + 1):
+            if self._goes_to_torch_save(n, function, depth + 1, within):
                 saved = True
+                if isinstance(parent, cst.Arg):
+                    call = self._parent_of(parent, function)
+                    filled = filled or self._dcp(call, DCP_LOADS) is n
+                    given_back = given_back or self._into_own_load(call, parent, within)
                 continue
             return False
-        return saved
+        # what DCP's load fills in place counts only once it is given back to the model in the block
+        return saved and (given_back or not filled)
 
-    def _comes_from_torch_load(self, expr: cst.BaseExpression, function: cst.FunctionDef, depth: int) -> bool:
-        """``expr`` is ``torch.load(...)``, an item of one, or a local variable assigned only from those."""
+    def _comes_from_torch_load(
+        self,
+        expr: cst.BaseExpression,
+        function: cst.FunctionDef,
+        depth: int,
+        within: tuple[str, cst.With] | None = None,
+    ) -> bool:
+        """``expr`` is ``torch.load(...)``, an item of one, or a local variable assigned only from those, or
+        (in the LOCAL block ``within``) only from the model's own ``state_dict()`` there, which DCP's load fills
+        in place."""
         if depth > 3:
             return False
         if self._is_torch(expr, "torch.load"):
@@ -377,7 +444,22 @@ class LocalStateFixer(ScannerBase):
                 return False
             elif isinstance(n, cst.AsName) and any(m.matches(t, m.Name(name)) for t in walk(n.name)):
                 return False  # with ... as name / except ... as name
+        if values and within is not None and all(self._own_state_in(v, within) for v in values):
+            return True
         return bool(values) and all(self._comes_from_torch_load(v, function, depth + 1) for v in values)
+
+    @staticmethod
+    def _own_state_in(value: cst.BaseExpression, within: tuple[str, cst.With]) -> bool:
+        """``value`` is ``<model>.state_dict()`` written inside the block."""
+        model, block = within
+        return (
+            isinstance(value, cst.Call)
+            and not value.args
+            and isinstance(value.func, cst.Attribute)
+            and value.func.attr.value == "state_dict"
+            and code_of(value.func.value) == model
+            and any(n is value for n in walk(block.body))
+        )
 
     # -- the optimizer's own state -------------------------------------------------------
     def _model_and_own_optim_state(self, call: cst.Call) -> tuple[str, str] | None:
