@@ -626,45 +626,33 @@ def test_fsdp1s_class_chosen_by_a_conditional_expression_is_a_todo_and_its_model
     # (FSDP if ok else Plain)(m, ...) whose arguments the bridge's call cannot take (process_group= with
     # device_mesh=) is FSDP1's constructor left as written: the model stays FSDP1's. Under --target torch the
     # summon of another file stays on fsdp_bridge (the plain-torch helper gathers fully_shard's DTensors only: on
-    # FSDP1's flat-parameter views it gathered nothing).
-    (tmp_path / "train.py").write_text(
-        "import torch.distributed as dist\n"
-        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n"
-        "from loop import sample\n\n\n"
-        "def main(net, Plain, pg, mesh):\n"
-        "    model = (FSDP if dist.is_initialized() else Plain)(net, process_group=pg, device_mesh=mesh)\n"
-        "    return sample(model)\n"
-    )
-    (tmp_path / "loop.py").write_text(
-        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n\n\n"
-        "def sample(model):\n"
-        "    with FSDP.summon_full_params(model, writeback=False):\n"
-        "        return model(1)\n"
-    )
-    report, _ = migrate_paths([tmp_path], fix=True, target="torch")
-    (todo,) = [f for f in report.findings if f.path.endswith("train.py") and not f.fixable]
-    assert todo.construct == "(FSDP if ... else ...)(...) (FSDP1's constructor chosen by a conditional expression)"
-    loop = (tmp_path / "loop.py").read_text()
-    assert "with fsdp_bridge.summon_full_params(model, writeback=False):" in loop and "_fsdp2_helpers" not in loop
-    # the same call with arguments the bridge takes: rewritten, each class keeping its branch (below), and the
-    # summon of the model it makes is torch's
-    (tmp_path / "train.py").write_text(
-        "import torch.distributed as dist\n"
-        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n"
-        "from loop import sample\n\n\n"
-        "def main(net, Plain):\n"
-        "    model = (FSDP if dist.is_initialized() else Plain)(net, use_orig_params=True)\n"
-        "    return sample(model)\n"
-    )
-    (tmp_path / "loop.py").write_text(
-        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n\n\n"
-        "def sample(model):\n"
-        "    with FSDP.summon_full_params(model, writeback=False):\n"
-        "        return model(1)\n"
-    )
-    report, _ = migrate_paths([tmp_path], fix=True, target="torch")
-    assert [f for f in report.findings if not f.fixable] == []
-    assert "_fsdp2_helpers.summon_full_params(model, writeback=False)" in (tmp_path / "loop.py").read_text()
+    # FSDP1's flat-parameter views it gathered nothing). With arguments the bridge takes, the call is rewritten,
+    # each class keeping its branch (below), and the summon of the model it makes is torch's.
+    for arguments, kept in (("process_group=pg, device_mesh=mesh", True), ("use_orig_params=True", False)):
+        (tmp_path / "train.py").write_text(
+            "import torch.distributed as dist\n"
+            "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n"
+            "from loop import sample\n\n\n"
+            "def main(net, Plain, pg, mesh):\n"
+            f"    model = (FSDP if dist.is_initialized() else Plain)(net, {arguments})\n"
+            "    return sample(model)\n"
+        )
+        (tmp_path / "loop.py").write_text(
+            "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n\n\n"
+            "def sample(model):\n"
+            "    with FSDP.summon_full_params(model, writeback=False):\n"
+            "        return model(1)\n"
+        )
+        report, _ = migrate_paths([tmp_path], fix=True, target="torch")
+        todos = [f.construct for f in report.findings if f.path.endswith("train.py") and not f.fixable]
+        loop = (tmp_path / "loop.py").read_text()
+        if kept:
+            assert todos == ["(FSDP if ... else ...)(...) (FSDP1's constructor chosen by a conditional expression)"]
+            assert "with fsdp_bridge.summon_full_params(model, writeback=False):" in loop
+            assert "_fsdp2_helpers" not in loop
+        else:
+            assert [f for f in report.findings if not f.fixable] == []
+            assert "with _fsdp2_helpers.summon_full_params(model, writeback=False):" in loop
 
 
 CHOSEN = (

@@ -448,18 +448,10 @@ class LocalStateFixer(ScannerBase):
             return True
         return bool(values) and all(self._comes_from_torch_load(v, function, depth + 1) for v in values)
 
-    @staticmethod
-    def _own_state_in(value: cst.BaseExpression, within: tuple[str, cst.With]) -> bool:
+    def _own_state_in(self, value: cst.BaseExpression, within: tuple[str, cst.With]) -> bool:
         """``value`` is ``<model>.state_dict()`` written inside the block."""
         model, block = within
-        return (
-            isinstance(value, cst.Call)
-            and not value.args
-            and isinstance(value.func, cst.Attribute)
-            and value.func.attr.value == "state_dict"
-            and code_of(value.func.value) == model
-            and any(n is value for n in walk(block.body))
-        )
+        return self._is_own_state(value, model) and any(n is value for n in walk(block.body))
 
     # -- the optimizer's own state -------------------------------------------------------
     def _model_and_own_optim_state(self, call: cst.Call) -> tuple[str, str] | None:
@@ -481,6 +473,7 @@ class LocalStateFixer(ScannerBase):
 
     @staticmethod
     def _is_own_state(expr: cst.BaseExpression, optim: str) -> bool:
+        """``expr`` is ``<optim>.state_dict()`` (an optimizer's, or a model's: ``optim`` is its source)."""
         return (
             isinstance(expr, cst.Call)
             and not expr.args
