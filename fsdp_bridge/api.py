@@ -5,12 +5,13 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+import os
 import weakref
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -63,6 +64,7 @@ __all__ = [
     "is_sharded",
     "no_sync",
     "reshard",
+    "save_pretrained",
     "shard",
     "summon_full_params",
     "unwrapped",
@@ -906,6 +908,39 @@ def _refuse_offloaded_grads(with_grads: bool, offload_to_cpu: bool) -> None:
                 )
             ]
         )
+
+
+def save_pretrained(model: nn.Module, save_directory: str | os.PathLike[str], **kwargs: Any) -> None:
+    """``model.save_pretrained(save_directory, **kwargs)`` (Hugging Face's, PEFT's) with the model's weights whole,
+    on a model sharded with ``fully_shard`` too.
+
+    Such a model's ``state_dict()`` holds DTensor shards, which ``save_pretrained`` cannot write: its full state
+    dict is gathered here on every rank (a collective: call this on every rank, never under a rank test), rank 0
+    writes it (``save_pretrained(..., state_dict=<the full state>)``; PEFT keeps the adapter's keys of it) and
+    every rank waits until the files are there, as when each rank wrote its own copy. An FSDP1
+    ``FullyShardedDataParallel`` (whose ``save_pretrained`` reaches the module inside it), a call given its own
+    ``state_dict=``, and any other module get their own call as written, on every rank.
+
+    Args:
+        model: the model whose ``save_pretrained`` writes (a ``PreTrainedModel``, a ``PeftModel``).
+        save_directory: where it writes.
+        **kwargs: the rest of its arguments (``safe_serialization``, ``max_shard_size``, ...).
+
+    Returns:
+        None, once the files are written (on every rank).
+    """
+    saver: Any = model  # transformers' or PEFT's model: nn.Module's typing knows no save_pretrained
+    holds_fsdp2 = any(isinstance(m, FSDPModule) for m in model.modules())
+    if isinstance(model, FullyShardedDataParallel) or not holds_fsdp2 or "state_dict" in kwargs:
+        saver.save_pretrained(save_directory, **kwargs)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        saver.save_pretrained(save_directory, state_dict=state, **kwargs)
+    if dist.is_initialized():
+        dist.barrier()
 
 
 @contextmanager

@@ -57,7 +57,12 @@ def _export_and_pretrained(root: str) -> dict[str, Any]:
             kind="full",
             max_shard_size="20KB" if family == "llama" else "5GB",
         )
-        out[f"{family}_{backend}"] = _logits(model)
+        out[f"hf_{family}_{backend}"] = _logits(model)
+        if backend == "fsdp2":
+            # the model's own save_pretrained, given its full weights (it cannot write DTensor shards)
+            fsdp_bridge.save_pretrained(model, Path(root) / f"sp_{family}_{backend}")
+            out[f"sp_{family}_{backend}"] = out[f"hf_{family}_{backend}"]
+    _lora_save_pretrained(root)
 
     # load_pretrained: a plain Hugging Face directory (one file for GPT-2, tied; an index and
     # several files for Llama) into a model built on the meta device, each rank reading its
@@ -86,13 +91,29 @@ def _export_and_pretrained(root: str) -> dict[str, Any]:
     return out
 
 
+def _lora_save_pretrained(root: str) -> None:
+    """PEFT's save_pretrained of a LoRA model sharded on fsdp2 writes the adapter as it was before sharding."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    lora = get_peft_model(build_tiny("llama", seed=3), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():
+        for name, p in lora.named_parameters():
+            if "lora_B" in name:
+                p.normal_()  # PEFT starts B at zero: a save that lost it would still compare equal
+    want = {n: p.detach().clone() for n, p in lora.named_parameters() if "lora_" in n}
+    fsdp_bridge.save_pretrained(fsdp_bridge.shard(lora, _config("fsdp2")), Path(root) / "sp_lora")
+    again = PeftModel.from_pretrained(build_tiny("llama", seed=4), Path(root) / "sp_lora")
+    got = {n: p for n, p in again.named_parameters() if "lora_" in n}
+    assert sorted(got) == sorted(want) and all(torch.equal(got[n], want[n]) for n in want)
+
+
 _FRESH = r"""
 import sys, json, torch
 sys.modules["fsdp_bridge"] = None          # prove the directory loads without fsdp_bridge
 from transformers import AutoModelForCausalLM
 out = {}
 for name in json.loads(sys.argv[1]):
-    model = AutoModelForCausalLM.from_pretrained(sys.argv[2] + "/hf_" + name, attn_implementation="eager")
+    model = AutoModelForCausalLM.from_pretrained(sys.argv[2] + "/" + name, attn_implementation="eager")
     model.eval()
     with torch.no_grad():
         out[name] = model(input_ids=torch.arange(4, 20).reshape(2, 8)).logits.tolist()
@@ -102,12 +123,13 @@ json.dump(out, open(sys.argv[3], "w"))
 
 def test_full_checkpoint_loads_with_from_pretrained(tmp_path: Path) -> None:
     """A full checkpoint is a Hugging Face directory: from_pretrained in a fresh process gives
-    the sharded model's logits, tied (GPT-2) and untied (Llama), saved from either backend."""
+    the sharded model's logits, tied (GPT-2) and untied (Llama), saved from either backend; so does what
+    fsdp_bridge.save_pretrained has the model's own save_pretrained write on fsdp2."""
     sharded = run_distributed(_export_and_pretrained, 2, args=(str(tmp_path),), timeout_s=600)[0]
     assert (tmp_path / "hf_llama_fsdp1" / "model.safetensors.index.json").is_file()  # split at 20KB
     assert (tmp_path / "hf_gpt2_fsdp2" / "model.safetensors").is_file()
     result = tmp_path / "logits.json"
-    names = [f"{f}_{b}" for f, b in CASES]
+    names = [f"hf_{f}_{b}" for f, b in CASES] + [f"sp_{f}_{b}" for f, b in CASES if b == "fsdp2"]
     subprocess.run(
         [sys.executable, "-c", _FRESH, json.dumps(names), str(tmp_path), str(result)],
         check=True,

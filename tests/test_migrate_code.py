@@ -2667,15 +2667,21 @@ def test_a_wrap_given_a_device_in_a_file_that_runs_on_another_accelerator_stays_
     assert not picked.fixable and "this file runs on npu" in picked.replacement
 
 
-def test_save_pretrained_of_an_fsdp1_model_is_a_todo_naming_the_full_state_dict() -> None:
-    # save_pretrained takes the model's state_dict(): shards on FSDP2; on FSDP1 the inner module's (a flat shard)
+def test_save_pretrained_of_an_fsdp1_model_gathers_its_full_state_and_is_a_todo_under_a_rank_test() -> None:
+    # save_pretrained takes the model's state_dict(): shards on FSDP2; on FSDP1 the inner module's (a flat shard).
+    # Reached by every rank: fsdp_bridge.save_pretrained (the full state gathered, rank 0 writes; a PEFT adapter
+    # and a whole model both come out whole: tests/test_checkpoint_formats.py). Under a rank test the other ranks
+    # never reach the gather: a TODO.
     code = textwrap.dedent(
         """
+        import torch.distributed as dist
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
 
         def save(model, path):
-            model.save_pretrained(path)
+            model.save_pretrained(path, safe_serialization=True)
+            if dist.get_rank() == 0:
+                model.save_pretrained(path)
 
 
         def main(peft_model, path, sd):
@@ -2689,17 +2695,24 @@ def test_save_pretrained_of_an_fsdp1_model_is_a_todo_naming_the_full_state_dict(
         """
     )
     result = migrate_source(code, "save.py")
-    todos = [f for f in result.findings if f.construct == "model.save_pretrained(...)"]
-    assert [(t.line, t.fixable) for t in todos] == [(6, False)]
-    assert "get_model_state_dict(model, options=StateDictOptions(full_state_dict=True" in todos[0].replacement
-    assert "state_dict=sd) on rank 0" in todos[0].replacement and "_flat_param" in todos[0].replacement
+    found = [f for f in result.findings if f.construct == "model.save_pretrained(...)"]
+    assert [(t.line, t.fixable) for t in found] == [(7, True), (9, False)]
+    assert "    fsdp_bridge.save_pretrained(model, path, safe_serialization=True)\n" in result.fixed
+    assert "rank 0 write it" in found[0].replacement and "_flat_param" in found[0].replacement
+    assert "under `if dist.get_rank() == 0:`" in found[1].replacement
+    assert "get_model_state_dict(model, options=StateDictOptions(full_state_dict=True" in found[1].replacement
+    assert "        model.save_pretrained(path)\n" in result.fixed  # the TODO's call stays as written
     assert not any("peft_model.save_pretrained" in f.construct for f in result.findings)
     # the module inside FSDP1's wrapper: not the model's full state on FSDP1 either, and no .module on FSDP2 (under
     # a summon of the model, FSDP1's inner module held every parameter whole: the summon's own rewrite)
     inner = [f for f in result.findings if f.construct == "model.module.save_pretrained(...)"]
-    assert [(t.line, t.fixable) for t in inner] == [(14, False)]
+    assert [(t.line, t.fixable) for t in inner] == [(17, False)]
     assert "inside FSDP1's wrapper" in inner[0].replacement and "no .module" in inner[0].replacement
     assert "    model.module.save_pretrained(path)\n    with" in result.fixed
+    assert migrate_source(result.fixed, "save.py").fixed == result.fixed
+    lowered = migrate_source(code, "save.py", target="torch").fixed
+    assert "    _fsdp2_helpers.save_pretrained(model, path, safe_serialization=True)\n" in lowered
+    assert "fsdp_bridge.save_pretrained" not in lowered
 
 
 def test_a_load_into_a_class_overriding_load_state_dict_without_strict_is_a_todo() -> None:

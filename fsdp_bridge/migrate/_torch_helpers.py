@@ -34,7 +34,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
@@ -520,6 +525,22 @@ def optim_state_dict_to_load(
         for group, saved in zip([g for g in optim.param_groups if not g["params"]], saved_empty, strict=True):
             group.update({{k: v for k, v in saved.items() if k != "params"}})
     return optim.state_dict()
+
+
+def save_pretrained(model: nn.Module, save_directory: str | os.PathLike[str], **kwargs: Any) -> None:
+    """model.save_pretrained(save_directory, **kwargs) (Hugging Face's, PEFT's) with the weights whole: a
+    fully_shard model's state_dict() holds DTensor shards, which save_pretrained cannot write, so its full state
+    is gathered on every rank (a collective: call this on every rank), rank 0 writes it (state_dict=; PEFT keeps
+    its adapter's keys) and every rank waits for the files. Any other module, or a call given its own
+    state_dict=, gets its own call."""
+    if "state_dict" in kwargs or not any(isinstance(m, FSDPModule) for m in model.modules()):
+        model.save_pretrained(save_directory, **kwargs)
+        return
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        model.save_pretrained(save_directory, state_dict=state, **kwargs)
+    if dist.is_initialized():
+        dist.barrier()
 
 
 @torch.no_grad()

@@ -13,6 +13,8 @@ made there, once); this pass then replaces each bridge call it can write in plai
   ``m.parameters()``, the norm a plain tensor);
 * ``fsdp_bridge.ema_update_(ema, m, decay)`` -> ``_fsdp2_helpers.ema_update_(ema, m, decay)`` (the pairs of local
   shards stepped with torch's foreach operations);
+* ``fsdp_bridge.save_pretrained(m, d, ...)`` -> ``_fsdp2_helpers.save_pretrained(m, d, ...)`` (the full state
+  gathered, rank 0 writes it);
 * ``fsdp_bridge.is_sharded(m)`` -> ``isinstance(m, FSDPModule)``; ``fsdp_bridge.unwrapped(m)`` -> ``m`` (both kept
   in a file importing a library that wraps models in FSDP1 itself, ``WRAPPING_LIBRARIES``);
   ``fsdp_bridge.ShardedModule`` (a type: annotation, validator, ``Optional[...]``) -> ``FSDPModule``;
@@ -63,7 +65,9 @@ __all__ = ["TARGETS", "Lowered", "LoweredCall", "imports_of", "lower_to_torch"]
 TARGETS = ("bridge", "torch")
 """What ``migrate code --fix`` writes: the bridge's calls (default), or plain FSDP2 code."""
 
-_BY_NAME = frozenset(("no_sync", "clip_grad_norm_", "summon_full_params", "optim_state_dict_to_load", "ema_update_"))
+_BY_NAME = frozenset(
+    ("no_sync", "clip_grad_norm_", "summon_full_params", "optim_state_dict_to_load", "ema_update_", "save_pretrained")
+)
 """Bridge calls lowered by their name alone, their arguments kept as written."""
 
 _FSDP = "torch.distributed.fsdp"
@@ -543,6 +547,10 @@ class _Lowerer(cst.CSTTransformer):
             # format it, stack it with the loss, all-gather it)
             self.uses_helpers = True
             return call.with_changes(func=cst.parse_expression(f"{HELPERS_NAME}.clip_grad_norm_"))
+        if name == "save_pretrained":
+            # the same signature in the helper module (the full state gathered for fully_shard's models)
+            self.uses_helpers = True
+            return call.with_changes(func=cst.parse_expression(f"{HELPERS_NAME}.save_pretrained"))
         if name == "ema_update_":
             # the same signature in the helper module: pairs of local shards (a DTensor's, or a plain tensor's
             # data: also what a model a wrapping library hands over holds)

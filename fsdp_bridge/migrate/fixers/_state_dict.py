@@ -569,10 +569,26 @@ class StateDictFixer(ScannerBase):
                 False,
             )
             return True
+        guard = self._rank_guard()
+        if not inner and label is None and guard is None:
+            # every rank reaches it: fsdp_bridge.save_pretrained gathers the full state there and rank 0 writes it
+            args = ", ".join(code_of(a).strip().rstrip(",") for a in node.args)
+            self.call_rewrites[id(node)] = f"fsdp_bridge.save_pretrained({code_of(obj)}, {args})"
+            self._record(
+                node,
+                f"{target}.save_pretrained(...)",
+                f"fsdp_bridge.save_pretrained({target}, ...): save_pretrained took {took}; the bridge's call "
+                "gathers the full state on every rank (a collective, as FSDP1's gather was) and has rank 0 write "
+                "it (state_dict=, which PEFT's save narrows to the adapter's keys), on a fully_shard model; an "
+                "FSDP1 wrapper or an unsharded model gets its own call",
+                True,
+            )
+            return True
+        where = f" under `if {short(guard, 40)}:`, where the other ranks never reach the gather" if guard else ""
         self._record(
             node,
             label or f"{target}{'.module' if inner else ''}.save_pretrained(...)",
-            f"not rewritten: save_pretrained takes {took}; take the full state on "
+            f"not rewritten{where}: save_pretrained takes {took}; take the full state on "
             f"every rank, sd = get_model_state_dict({target}, options=StateDictOptions(full_state_dict=True, "
             f"cpu_offload=True)) (a collective: outside any rank test), then {target}.save_pretrained(..., "
             "state_dict=sd) on rank 0",
