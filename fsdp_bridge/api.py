@@ -919,7 +919,8 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike[str], **
     writes it (``save_pretrained(..., state_dict=<the full state>)``; PEFT keeps the adapter's keys of it) and
     every rank waits until the files are there, as when each rank wrote its own copy. An FSDP1
     ``FullyShardedDataParallel`` (whose ``save_pretrained`` reaches the module inside it), a call given its own
-    ``state_dict=``, and any other module get their own call as written, on every rank.
+    ``state_dict=``, a model transformers sharded itself (``config.distributed_config``: its call gathers on every
+    rank) and any other module get their own call as written, on every rank.
 
     Args:
         model: the model whose ``save_pretrained`` writes (a ``PreTrainedModel``, a ``PeftModel``).
@@ -931,7 +932,9 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike[str], **
     """
     saver: Any = model  # transformers' or PEFT's model: nn.Module's typing knows no save_pretrained
     holds_fsdp2 = any(isinstance(m, FSDPModule) for m in model.modules())
-    if isinstance(model, FullyShardedDataParallel) or not holds_fsdp2 or "state_dict" in kwargs:
+    # transformers' own distributed save (a model it sharded itself) gathers inside the call, on every rank
+    own_gather = getattr(getattr(model, "config", None), "distributed_config", None) is not None
+    if isinstance(model, FullyShardedDataParallel) or not holds_fsdp2 or "state_dict" in kwargs or own_gather:
         saver.save_pretrained(save_directory, **kwargs)
         return
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict

@@ -2715,6 +2715,65 @@ def test_save_pretrained_of_an_fsdp1_model_gathers_its_full_state_and_is_a_todo_
     assert "fsdp_bridge.save_pretrained" not in lowered
 
 
+def test_save_pretrained_stays_a_todo_where_some_ranks_may_not_reach_it_or_an_argument_is_positional() -> None:
+    # a rank read into a name, an early return of the other ranks, a short-circuit, an argument by position (each
+    # class of save_pretrained places them differently): TODOs; one spread over lines keeps its comment
+    code = textwrap.dedent(
+        """
+        import os
+        import torch.distributed as dist
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+
+        def spread(model, path):
+            model = FSDP(model)
+            model.save_pretrained(
+                path,  # where
+                max_shard_size="1GB",
+            )
+
+
+        def named(model, path):
+            model = FSDP(model)
+            local = int(os.environ["LOCAL_RANK"])
+            if local == 0:
+                model.save_pretrained(path)
+
+
+        def early(model, path):
+            model = FSDP(model)
+            if dist.get_rank() != 0:
+                return
+            model.save_pretrained(path)
+
+
+        def short_circuit(model, path):
+            model = FSDP(model)
+            dist.get_rank() == 0 and model.save_pretrained(path)
+
+
+        def positional(model, path):
+            model = FSDP(model)
+            model.save_pretrained(path, False)
+        """
+    )
+    result = migrate_source(code, "save.py")
+    found = {f.line: f for f in result.findings if f.construct == "model.save_pretrained(...)"}
+    assert [(line, f.fixable) for line, f in sorted(found.items())] == [
+        (9, True),
+        (19, False),
+        (26, False),
+        (31, False),
+        (36, False),
+    ]
+    assert "    fsdp_bridge.save_pretrained(\n        model,\n        path,  # where\n" in result.fixed
+    assert "under `if local == 0:`" in found[19].replacement
+    assert "under `if dist.get_rank() != 0: return`" in found[26].replacement
+    assert "under `dist.get_rank() == 0 and model.save_p" in found[31].replacement
+    assert "False: an argument past the directory given by position" in found[36].replacement
+    assert migrate_source(result.fixed, "save.py").fixed == result.fixed
+
+
 def test_a_load_into_a_class_overriding_load_state_dict_without_strict_is_a_todo() -> None:
     # FSDP1's wrapper loaded through nn.Module's; on FSDP2 torch's set_model_state_dict calls the class's own
     # load_state_dict(sd, strict=..., assign=...), which this one does not take (TypeError on every rank)

@@ -259,8 +259,7 @@ def migrate_source(
     scan.findings.extend(alias_findings)
     if fixed.code != code:
         context = CodemodContext()
-        bridge_calls = any(c.startswith("fsdp_bridge.") for c in scan.call_rewrites.values())
-        if (scan.conversions or scan.fixable_calls or bridge_calls) and _names_bridge(fixed):
+        if (scan.conversions or scan.fixable_calls) and _names_bridge(fixed):
             AddImportsVisitor.add_needed_import(context, "fsdp_bridge")
         for name in sorted(scan.needs_state_dict_api):
             if not _used_here(fixed, renamed.get(name, name)):

@@ -66,7 +66,14 @@ class Rewriter(cst.CSTTransformer):
             func = updated_node.func
             if kind == "method" and isinstance(func, cst.Attribute):
                 target = cst.parse_expression(f"fsdp_bridge.{func.attr.value}")
-                return updated_node.with_changes(func=target, args=commas([cst.Arg(func.value), *updated_node.args]))
+                if "\n" not in code_of(updated_node):
+                    return updated_node.with_changes(
+                        func=target, args=commas([cst.Arg(func.value), *updated_node.args])
+                    )
+                # arguments over several lines (comments among them): the object goes first, laid out as the
+                # first argument was, and every argument stays as written
+                first = cst.Arg(func.value, comma=cst.Comma(whitespace_after=updated_node.whitespace_before_args))
+                return updated_node.with_changes(func=target, args=[first, *updated_node.args])
             kept = [
                 a
                 for a in updated_node.args

@@ -533,7 +533,8 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike[str], **
     is gathered on every rank (a collective: call this on every rank), rank 0 writes it (state_dict=; PEFT keeps
     its adapter's keys) and every rank waits for the files. Any other module, or a call given its own
     state_dict=, gets its own call."""
-    if "state_dict" in kwargs or not any(isinstance(m, FSDPModule) for m in model.modules()):
+    own_gather = getattr(getattr(model, "config", None), "distributed_config", None) is not None
+    if "state_dict" in kwargs or own_gather or not any(isinstance(m, FSDPModule) for m in model.modules()):
         model.save_pretrained(save_directory, **kwargs)
         return
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

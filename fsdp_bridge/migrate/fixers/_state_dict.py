@@ -569,22 +569,28 @@ class StateDictFixer(ScannerBase):
                 False,
             )
             return True
-        guard = self._rank_guard()
-        if not inner and label is None and guard is None:
-            # every rank reaches it: fsdp_bridge.save_pretrained gathers the full state there and rank 0 writes it
-            args = ", ".join(code_of(a).strip().rstrip(",") for a in node.args)
-            self.call_rewrites[id(node)] = f"fsdp_bridge.save_pretrained({code_of(obj)}, {args})"
+        guard = f"if {test}:" if (test := self._rank_guard()) else self._rank_condition(node)
+        positional = [a for a in node.args[1:] if a.keyword is None]
+        if not inner and label is None and guard is None and not positional:
+            # fsdp_bridge.save_pretrained(model, <the same arguments>): it gathers the full state and rank 0 writes
+            self.fixable_calls[id(node)] = "method"
             self._record(
                 node,
                 f"{target}.save_pretrained(...)",
                 f"fsdp_bridge.save_pretrained({target}, ...): save_pretrained took {took}; the bridge's call "
-                "gathers the full state on every rank (a collective, as FSDP1's gather was) and has rank 0 write "
-                "it (state_dict=, which PEFT's save narrows to the adapter's keys), on a fully_shard model; an "
-                "FSDP1 wrapper or an unsharded model gets its own call",
+                "gathers the full state (a collective: every rank must reach the call, as every rank had to for "
+                "the gather of FSDP1's nested units) and has rank 0 write it (state_dict=, which PEFT's save "
+                "narrows to the adapter's keys), on a fully_shard model; an FSDP1 wrapper or an unsharded model "
+                "gets its own call",
                 True,
             )
             return True
-        where = f" under `if {short(guard, 40)}:`, where the other ranks never reach the gather" if guard else ""
+        where = f" under `{short(guard, 40)}`, where the other ranks never reach the gather" if guard else ""
+        if positional and not where:
+            where = (
+                f" ({short(code_of(positional[0].value), 30)}: an argument past the directory given by position, "
+                "which save_pretrained's classes place differently; name it and run migrate code again)"
+            )
         self._record(
             node,
             label or f"{target}{'.module' if inner else ''}.save_pretrained(...)",
@@ -1406,6 +1412,46 @@ class StateDictFixer(ScannerBase):
                 inner = self.stmt_stack[i + 1]
                 if any(b is inner for b in stmt.body.body):
                     return code_of(stmt.test)
+        return None
+
+    def _rank_condition(self, node: cst.CSTNode) -> str | None:
+        """A rank test around ``node`` that is not an ``if`` around its statement, or None: ``rank == 0 and
+        node`` (or a conditional expression), an earlier ``if <rank test>: return`` in its function, or an ``if``
+        testing a name its function assigned from a rank (``r = dist.get_rank()``; ``if r == 0:``)."""
+        stmt = self.stmt_stack[-1] if self.stmt_stack else None
+        for holder in walk(stmt) if stmt is not None else ():
+            if isinstance(holder, (cst.BooleanOperation, cst.IfExp)) and any(n is node for n in walk(holder)):
+                tested = holder.left if isinstance(holder, cst.BooleanOperation) else holder.test
+                if _RANK_TEST.search(code_of(tested)):
+                    return code_of(holder)
+        if not self.functions:
+            return None
+        function = self.functions[-1]
+        ranks = {
+            t.target.value
+            for n in walk(function)
+            if isinstance(n, cst.Assign) and _RANK_TEST.search(code_of(n.value))
+            for t in n.targets
+            if isinstance(t.target, cst.Name)
+        }
+        for outer in self.stmt_stack:
+            if isinstance(outer, cst.If) and any(
+                isinstance(n, cst.Name) and n.value in ranks for n in walk(outer.test)
+            ):
+                return f"if {code_of(outer.test)}:"
+        line = self.get_metadata(PositionProvider, node).start.line
+        for early in walk(function):
+            if (
+                isinstance(early, cst.If)
+                and self.get_metadata(PositionProvider, early).start.line < line
+                and (
+                    _RANK_TEST.search(code_of(early.test))
+                    or any(isinstance(n, cst.Name) and n.value in ranks for n in walk(early.test))
+                )
+                and any(isinstance(n, cst.Return) for n in walk(early.body))
+                and not any(n is node for n in walk(early))
+            ):
+                return f"if {code_of(early.test)}: return"
         return None
 
     def _rank_guard(self) -> str | None:
