@@ -1190,3 +1190,29 @@ def test_ranks_using_different_parameters_train_as_on_fsdp1() -> None:
     (fsdp1, fsdp2), _ = run_distributed(_branches_on_each_backend, 2)
     assert fsdp1[0] == "fsdp1" and fsdp2[0] == "fsdp2"
     assert fsdp1[1] == pytest.approx(fsdp2[1], abs=1e-5)
+
+
+def test_save_pretrained_is_the_modules_own_call_where_there_is_nothing_to_gather() -> None:
+    """An unsharded module, FSDP1's wrapper (its call reaches the module inside), a call given its own state_dict=,
+    and a model transformers sharded itself (its call gathers on every rank) get their own save_pretrained, on
+    every rank as written; a fully_shard model's full state is gathered (2 gloo ranks:
+    tests/test_checkpoint_formats.py)."""
+    calls: list[tuple[object, dict[str, object]]] = []
+
+    def record(self: nn.Module, directory: object, **kwargs: object) -> None:
+        calls.append((directory, kwargs))
+
+    plain = type("Saving", (nn.Linear,), {"save_pretrained": record})(2, 2)
+    fsdp2 = _unit()
+    fsdp2.__class__ = type("SavingFSDP", (type(fsdp2),), {"save_pretrained": record})
+    own_gather = _unit()
+    own_gather.__class__ = type("SavingFSDP", (type(own_gather),), {"save_pretrained": record})
+    own_gather.config = mock.Mock(distributed_config=object())
+    fsdp1 = mock.MagicMock(spec=FullyShardedDataParallel)
+    fsdp1.save_pretrained = mock.Mock()  # what its __getattr__ finds on the module inside
+    fsdp_bridge.save_pretrained(plain, "a", max_shard_size="1GB")
+    fsdp_bridge.save_pretrained(fsdp2, "b", state_dict={"w": 1})
+    fsdp_bridge.save_pretrained(own_gather, "c")
+    fsdp_bridge.save_pretrained(fsdp1, "d", safe_serialization=False)
+    assert calls == [("a", {"max_shard_size": "1GB"}), ("b", {"state_dict": {"w": 1}}), ("c", {})]
+    fsdp1.save_pretrained.assert_called_once_with("d", safe_serialization=False)

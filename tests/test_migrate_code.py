@@ -2716,8 +2716,9 @@ def test_save_pretrained_of_an_fsdp1_model_gathers_its_full_state_and_is_a_todo_
 
 
 def test_save_pretrained_stays_a_todo_where_some_ranks_may_not_reach_it_or_an_argument_is_positional() -> None:
-    # a rank read into a name, an early return of the other ranks, a short-circuit, an argument by position (each
-    # class of save_pretrained places them differently): TODOs; one spread over lines keeps its comment
+    # a rank read into a name, an early return of the other ranks, a short-circuit, an argument by position or
+    # through * (each class of save_pretrained places them differently): TODOs; one spread over lines keeps its
+    # comment; **kwargs passes on (a state_dict there is read when the code runs)
     code = textwrap.dedent(
         """
         import os
@@ -2752,9 +2753,11 @@ def test_save_pretrained_stays_a_todo_where_some_ranks_may_not_reach_it_or_an_ar
             dist.get_rank() == 0 and model.save_pretrained(path)
 
 
-        def positional(model, path):
+        def positional(model, path, *args, **kwargs):
             model = FSDP(model)
             model.save_pretrained(path, False)
+            model.save_pretrained(path, *args)
+            model.save_pretrained(path, **kwargs)
         """
     )
     result = migrate_source(code, "save.py")
@@ -2765,12 +2768,16 @@ def test_save_pretrained_stays_a_todo_where_some_ranks_may_not_reach_it_or_an_ar
         (26, False),
         (31, False),
         (36, False),
+        (37, False),
+        (38, True),  # fsdp_bridge.save_pretrained reads a state_dict in kwargs when the code runs
     ]
+    assert "    fsdp_bridge.save_pretrained(model, path, **kwargs)\n" in result.fixed
+    assert "*args: arguments given by position" in found[37].replacement
     assert "    fsdp_bridge.save_pretrained(\n        model,\n        path,  # where\n" in result.fixed
     assert "under `if local == 0:`" in found[19].replacement
     assert "under `if dist.get_rank() != 0: return`" in found[26].replacement
     assert "under `dist.get_rank() == 0 and model.save_p" in found[31].replacement
-    assert "False: an argument past the directory given by position" in found[36].replacement
+    assert "False: arguments given by position past the directory" in found[36].replacement
     assert migrate_source(result.fixed, "save.py").fixed == result.fixed
 
 

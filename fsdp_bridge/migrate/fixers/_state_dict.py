@@ -506,10 +506,10 @@ class StateDictFixer(ScannerBase):
         """``model.save_pretrained(path)`` (Hugging Face's, PEFT's) without ``state_dict=`` on an object shown to be
         FSDP1's model, or handed one by a call of the tree, outside any state-dict context: it takes
         ``model.state_dict()``, full on FSDP1 (its default type, gathered on every rank), DTensor shards on FSDP2.
-        A TODO: the gather is a collective, and where the call runs on one rank only it must move out."""
-        if any(a.keyword is not None and a.keyword.value == "state_dict" for a in node.args) or any(
-            a.star for a in node.args
-        ):
+        Reached by every rank, ``fsdp_bridge.save_pretrained(model, ...)`` (``**kwargs`` too: it reads a
+        ``state_dict`` there when the code runs); elsewhere a TODO: the gather is a collective, and where the call
+        runs on one rank only it must move out."""
+        if any(a.keyword is not None and a.keyword.value == "state_dict" for a in node.args):
             return False
         obj = func.value
         alias = self._inner_module_alias(node, obj)  # u = model.module; u.save_pretrained(path)
@@ -570,7 +570,9 @@ class StateDictFixer(ScannerBase):
             )
             return True
         guard = f"if {test}:" if (test := self._rank_guard()) else self._rank_condition(node)
-        positional = [a for a in node.args[1:] if a.keyword is None]
+        positional = [a for a in node.args if a.star == "*"] + [
+            a for a in node.args[1:] if a.keyword is None and not a.star
+        ]
         if not inner and label is None and guard is None and not positional:
             # fsdp_bridge.save_pretrained(model, <the same arguments>): it gathers the full state and rank 0 writes
             self.fixable_calls[id(node)] = "method"
@@ -588,8 +590,9 @@ class StateDictFixer(ScannerBase):
         where = f" under `{short(guard, 40)}`, where the other ranks never reach the gather" if guard else ""
         if positional and not where:
             where = (
-                f" ({short(code_of(positional[0].value), 30)}: an argument past the directory given by position, "
-                "which save_pretrained's classes place differently; name it and run migrate code again)"
+                f" ({short(code_of(positional[0]), 30)}: arguments given by position past the directory, or "
+                "through *, which save_pretrained's classes place differently; name them and run migrate code "
+                "again)"
             )
         self._record(
             node,
