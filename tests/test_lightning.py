@@ -1,9 +1,10 @@
-"""``fsdp_bridge.lightning.FabricStrategy``: Lightning Fabric's FSDP1 strategy arguments on FSDP2, and the codemod
-that moves ``FSDPStrategy(...)`` to it only where nothing else in the tree depends on the strategy's class.
+"""``fsdp_bridge.lightning.FabricStrategy`` / ``TrainerStrategy``: Lightning Fabric's and PyTorch Lightning's
+Trainer's FSDP1 strategy arguments on FSDP2, and the codemod that moves ``FSDPStrategy(...)`` to them only where
+nothing else in the tree depends on the strategy's class.
 
-The arguments are read in one process (no process group: ``FabricStrategy`` reads them when it is made); one
-``migrate verify`` run (2 gloo ranks under torchrun, each tree) checks a Fabric trainer written for Lightning's
-FSDP1 strategy gives the same losses and checkpoint after ``--fix``.
+The arguments are read in one process (no process group: the strategies read them when they are made); a
+``migrate verify`` run each (2 gloo ranks under torchrun, each tree) checks a Fabric trainer and a Trainer script
+written for Lightning's FSDP1 strategy give the same losses and checkpoint after ``--fix``.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from torch.distributed.fsdp import BackwardPrefetch, ShardingStrategy
 
 from fsdp_bridge.cli import main
 from fsdp_bridge.errors import ConfigError
-from fsdp_bridge.lightning import _PRECISION_DTYPES, FabricStrategy
+from fsdp_bridge.lightning import _PRECISION_DTYPES, FabricStrategy, TrainerStrategy
 from fsdp_bridge.migrate._code import migrate_paths
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -93,9 +94,38 @@ def test_fabric_precision_is_lightnings_fsdp1_plugin_and_16_mixed_is_given_to_th
     ],
 )
 def test_what_fsdp2_cannot_honour_is_refused_when_the_strategy_is_made(kwargs: dict[str, object], said: str) -> None:
-    with pytest.raises(ConfigError) as err:
-        FabricStrategy(**kwargs)  # type: ignore[arg-type]
-    assert said in str(err.value)
+    for strategy in (FabricStrategy, TrainerStrategy):
+        with pytest.raises(ConfigError) as err:
+            strategy(**kwargs)  # type: ignore[arg-type]
+        assert said in str(err.value)
+
+
+def test_the_trainers_strategy_reads_fsdp1_arguments_and_keeps_lightnings_fsdp1_precision_plugin() -> None:
+    import lightning.pytorch as pl
+    from lightning.pytorch.plugins.precision import FSDPPrecision
+
+    strategy = TrainerStrategy(auto_wrap_policy={Block}, activation_checkpointing_policy={Block}, cpu_offload=True)
+    assert strategy.config.wrap.classes == ("Block",) and strategy.config.activation_checkpointing is True
+    assert strategy.config.cpu_offload is True
+    assert strategy._save_distributed_checkpoint is False  # Lightning's FSDP1 default for the Trainer: "full"
+    assert TrainerStrategy(state_dict_type="sharded")._save_distributed_checkpoint is True
+
+    def made(strategy: TrainerStrategy, **kwargs: object) -> TrainerStrategy:
+        trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, logger=False, **kwargs)
+        assert trainer.strategy is strategy
+        return strategy
+
+    # the plugin the Trainer makes of a name for other strategies becomes FSDP1's: its autocast, casts and dtypes
+    for name in ("bf16-mixed", "bf16-true", "32-true", "16-true"):
+        plugin = made(TrainerStrategy(), precision=name).precision_plugin
+        assert isinstance(plugin, FSDPPrecision) and plugin.precision == name
+    # fp16 autocast: the Trainer refuses it for an FSDP2 strategy, so the strategy is given it, and the Trainer none
+    with pytest.raises(ValueError, match="does not support"):
+        made(TrainerStrategy(), precision="16-mixed")
+    fp16 = made(TrainerStrategy(precision_plugin=16)).precision_plugin
+    assert fp16.precision == "16-mixed" and fp16.scaler is not None
+    with pytest.raises(ConfigError, match="precision: got 'bf16-mixed'; allowed: the strategy's own"):
+        made(TrainerStrategy(precision_plugin="16-mixed"), precision="bf16-mixed")
 
 
 FABRIC = (
@@ -182,9 +212,26 @@ def test_fabrics_strategy_moves_alone_and_stays_where_the_tree_depends_on_its_cl
     kept = _fix(tmp_path / "summon", {"train.py": FABRIC, "gather.py": summon})
     assert "not rewritten: gather.py calls FSDP1's FullyShardedDataParallel API" in kept["train.py"]
 
-    # PyTorch Lightning's Trainer: its FSDP2 strategy needs the LightningModule's configure_model
-    trainer = FABRIC.replace("lightning.fabric.strategies", "lightning.pytorch.strategies")
-    assert "not rewritten: PyTorch Lightning's Trainer strategy" in _fix(tmp_path / "pl", {"t.py": trainer})["t.py"]
+    # PyTorch Lightning's Trainer: its own strategy, the same arguments; fp16 autocast is the Trainer's argument
+    trainer = FABRIC.replace("lightning.fabric.strategies", "lightning.pytorch.strategies").replace("Fabric", "Trainer")
+    fixed = _fix(tmp_path / "pl", {"t.py": trainer})["t.py"]
+    assert "strategy=fsdp_bridge.lightning.TrainerStrategy(auto_wrap_policy={Block}, state_dict_type='full')" in fixed
+    assert "TODO" not in fixed
+    fp16 = trainer.replace("state_dict_type='full'))", "state_dict_type='full'), precision=16)")
+    fixed = _fix(tmp_path / "pl16", {"t.py": fp16})["t.py"]
+    assert "not rewritten: this file's Trainer(precision=16) asks for fp16 autocast" in fixed
+    assert "L.Trainer(strategy=FSDPStrategy(" in fixed
+    named = "import lightning.pytorch as pl\n\n\ndef make(p):\n    return pl.Trainer(strategy='fsdp_cpu_offload', "
+    named += "precision=p.precision)\n"
+    tree = tmp_path / "plnamed"
+    tree.mkdir()
+    (tree / "n.py").write_text(named)
+    found, _ = migrate_paths([tree], fix=True)
+    fixed = (tree / "n.py").read_text()
+    assert (
+        "pl.Trainer(strategy=fsdp_bridge.lightning.TrainerStrategy(cpu_offload=True), precision=p.precision)" in fixed
+    )
+    assert any("give TrainerStrategy precision_plugin='16-mixed'" in f.replacement for f in found.findings)
     torch = _fix(tmp_path / "torch", {"train.py": FABRIC}, target="torch")["train.py"]
     assert "not rewritten: --target torch writes no Lightning strategy" in torch
 
@@ -202,3 +249,17 @@ def test_a_fabric_trainer_on_lightnings_fsdp1_strategy_gives_its_losses_after_fi
     assert "PARITY: 3 losses on each of 2 rank(s) agree" in out
     # the full checkpoint fabric.save wrote (model and AdamW state, rank 0's file) compared tensor by tensor
     assert "fabric_checkpoint.pt: 88 tensors compared" in out and "saved files differ" not in out
+
+
+def test_a_trainer_script_on_lightnings_fsdp1_strategy_gives_its_losses_after_fix(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    shutil.copy(FIXTURES / "migrate_verify" / "trainer_fsdp.py", tree)
+    assert main(["migrate", "verify", str(tree), "--timeout", "300", "--", "trainer_fsdp.py", "--steps", "3"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "[fix] FSDPStrategy(...) (Lightning's FSDP1 strategy) -> fsdp_bridge.lightning.TrainerStrategy(...)" in out
+    assert "PARITY: 3 losses on each of 2 rank(s) agree" in out
+    # the Trainer's full checkpoint (model, AdamW state keyed as FSDP1's strategy keys it), rank 0's file
+    assert "trainer_checkpoint.ckpt: 88 tensors compared, 88 bit for bit" in out and "saved files differ" not in out

@@ -38,7 +38,9 @@ def test_report_values_leave_the_rewritten_file_as_it_was() -> None:
 
 
 def test_lightning_fsdp_strategy_is_reported_with_each_argument_in_bridge_terms() -> None:
-    result = _migrate("lightning_strategy.py")
+    source = (FIXTURES / "lightning_strategy.py").read_text()
+    # --target torch: no Lightning strategy written; a TODO naming the ways to FSDP2 and what each argument becomes
+    result = migrate_source(source, "lightning_strategy.py", target="torch")
     by_line = {f.line: f for f in result.findings}
     strategy = by_line[18]
     assert strategy.construct == "FSDPStrategy(...) (Lightning's FSDP1 strategy)" and not strategy.fixable
@@ -61,7 +63,17 @@ def test_lightning_fsdp_strategy_is_reported_with_each_argument_in_bridge_terms(
     (todo,) = [line for line in fixed.splitlines() if "TODO(fsdp-bridge)" in line]
     assert 'sharding_strategy="HYBRID_SHARD" -> strategy="hybrid_shard"' in todo
     assert fixed.replace(todo + "\n", "") == result.original
-    assert migrate_source(fixed, "again.py").fixed == fixed  # a second --fix changes nothing
+    assert migrate_source(fixed, "again.py", target="torch").fixed == fixed  # a second --fix changes nothing
+
+    # the default target: the Trainer's own FSDP2 strategy of the bridge, the same arguments
+    result = _migrate("lightning_strategy.py")
+    by_line = {f.line: f for f in result.findings}
+    assert by_line[18].fixable and "fsdp_bridge.lightning.TrainerStrategy(...)" in by_line[18].replacement
+    assert by_line[22].replacement.startswith('kept: state_dict_type="sharded"')
+    assert by_line[19].replacement == 'strategy="hybrid_shard" (part of the strategy\'s rewrite above)'
+    assert "strategy = fsdp_bridge.lightning.TrainerStrategy(\n" in result.fixed
+    assert "TODO" not in result.fixed and "FSDPStrategy" not in result.fixed
+    assert migrate_source(result.fixed, "again.py").fixed == result.fixed
 
 
 def test_lightning_strategy_by_name_and_fabric_strategy_object() -> None:

@@ -38,8 +38,8 @@ TOLERANCES: dict[str, tuple[float, float]] = {
 """``(rtol, atol)`` by the loss's dtype: torch.testing's defaults for each floating type. Two values agree
 when ``|a - b| <= atol + rtol * |a|``."""
 
-SAVED_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors")
-"""Files compared after the runs: what ``torch.save`` and safetensors write."""
+SAVED_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".safetensors")
+"""Files compared after the runs: what ``torch.save`` (and Lightning's ``.ckpt``) and safetensors write."""
 
 
 class RunFailed(RuntimeError):

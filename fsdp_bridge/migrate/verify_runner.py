@@ -154,13 +154,19 @@ def _kept_on_cpu(init: Any) -> Any:
     return kept
 
 
-_LIGHTNING_CONNECTORS = ("lightning.fabric.connector", "lightning_fabric.connector")
+_LIGHTNING_CONNECTORS = {
+    "lightning.fabric.connector": "_Connector",
+    "lightning_fabric.connector": "_Connector",
+    "lightning.pytorch.trainer.connectors.accelerator_connector": "_AcceleratorConnector",
+    "pytorch_lightning.trainer.connectors.accelerator_connector": "_AcceleratorConnector",
+}
+"""The modules of Lightning Fabric's and PyTorch Lightning's Trainer's connectors, and the connector class."""
 
 
 class _LightningOnCpu:
-    """Once Lightning Fabric's connector is imported: ``accelerator="cuda"`` / ``"gpu"`` is the CPU, and
-    Lightning's FSDP1 strategy, refused on CPUs ("FSDP is only available on GPU"), runs there as torch's FSDP1
-    does (on gloo)."""
+    """Once Lightning Fabric's or the Trainer's connector is imported: ``accelerator="cuda"`` / ``"gpu"`` is the
+    CPU, and Lightning's FSDP1 strategy, refused on CPUs ("FSDP is only available on GPU", "requires a GPU
+    accelerator"), runs there as torch's FSDP1 does (on gloo)."""
 
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
         if name not in _LIGHTNING_CONNECTORS:
@@ -174,7 +180,7 @@ class _LightningOnCpu:
 
         def exec_module(module: Any) -> None:
             load(module)
-            _lightning_on_cpu(module._Connector)
+            _lightning_on_cpu(getattr(module, _LIGHTNING_CONNECTORS[name]))
 
         spec.loader.exec_module = exec_module  # type: ignore[method-assign]
         return spec

@@ -573,7 +573,7 @@ class ImportsFixer(ScannerBase):
             if not self.conversions and (not state_value or self._in_plugin_call(node)):
                 if self._lightning_strategy_here():
                     library = (
-                        "fsdp_bridge.lightning.FabricStrategy (was Lightning's FSDPStrategy)"
+                        "fsdp_bridge.lightning's strategy (was Lightning's FSDPStrategy)"
                         if self._lightning_moves()
                         else "Lightning's FSDPStrategy"
                     )

@@ -1,7 +1,8 @@
 """Lightning's FSDP1 strategy: ``FSDPStrategy(...)`` (Fabric and PyTorch Lightning) and ``strategy="fsdp"``
-given to ``Trainer`` / ``Fabric``.  Lightning wraps the model in FullyShardedDataParallel itself, so
-nothing in the user's code is FSDP1's to rewrite: the strategy is reported with a TODO naming what
-each of its FSDP1 arguments is in the bridge's config, and the two ways to FSDP2."""
+given to ``Trainer`` / ``Fabric``.  Lightning wraps the model in FullyShardedDataParallel itself, so the
+strategy is what moves: to ``fsdp_bridge.lightning.FabricStrategy`` / ``TrainerStrategy`` (the same arguments
+with FSDP1's meaning, on FSDP2), or, where the tree depends on the class or on FSDP1's API, a TODO naming what
+each of its FSDP1 arguments is in the bridge's config, and the ways to FSDP2."""
 
 from __future__ import annotations
 
@@ -42,7 +43,29 @@ MOVED = (
     "says precision='16-mixed' (fp16 autocast, FSDP1's ShardedGradScaler) the strategy is given "
     'precision="16-mixed" too, as Fabric asks of an FSDP2 strategy. Its arguments: '
 )
-"""The report of a rewritten ``FSDPStrategy(...)``."""
+"""The report of a rewritten ``FSDPStrategy(...)`` of Fabric."""
+
+TRAINER_MOVED = (
+    "fsdp_bridge.lightning.TrainerStrategy(...): PyTorch Lightning's FSDP2 strategy (its ModelParallelStrategy, "
+    "one data-parallel dimension over every rank) that shards the whole LightningModule with fsdp_bridge.shard "
+    "when the Trainer sets up, as FSDPStrategy wrapped it (no configure_model of your own needed), and runs "
+    "training_step and the other steps inside the module's forward call as FSDPStrategy did; it takes "
+    "FSDPStrategy's arguments with FSDP1's meaning (as BridgeConfig.from_fsdp1 reads them), keeps Lightning's "
+    "FSDP1 precision plugin (precision='bf16-mixed': FSDP1's bf16 parameters, reduction and buffers) and "
+    "state_dict_type='full' as its default (one checkpoint file, FSDP1's keys). Its arguments: "
+)
+"""The report of a rewritten ``FSDPStrategy(...)`` of the Trainer."""
+
+
+def _bridge_class(fabric: bool) -> str:
+    """The class of ``fsdp_bridge.lightning`` that a Fabric's (else a Trainer's) FSDP1 strategy becomes."""
+    return "FabricStrategy" if fabric else "TrainerStrategy"
+
+
+def _moved(fabric: bool) -> str:
+    """The report of a rewritten Fabric (else Trainer) strategy."""
+    return MOVED if fabric else TRAINER_MOVED
+
 
 FABRIC_NAMES = ("fsdp", "fsdp_cpu_offload")
 """``Fabric(strategy=...)`` names of Lightning's FSDP1 strategy: its defaults, with CPU offload for the second."""
@@ -108,7 +131,8 @@ def _same_precision(fabric: cst.Call) -> str | None:
 
 
 class LightningFixer(ScannerBase):
-    """Lightning's FSDPStrategy and strategy="fsdp" (reported, never rewritten)."""
+    """Lightning's FSDPStrategy and strategy="fsdp": rewritten to ``fsdp_bridge.lightning``'s strategies, or
+    reported with a TODO saying why not."""
 
     def _lightning_name(self, node: cst.BaseExpression, *classes: str) -> str | None:
         """The class of ``classes`` that ``node`` names, imported from a Lightning package."""
@@ -130,20 +154,22 @@ class LightningFixer(ScannerBase):
         if self._lightning_name(node.func, "FSDPStrategy") is not None:
             given = [a for a in node.args if a.keyword is not None and a.keyword.value in LIGHTNING_ARGS]
             wraps = any(a.keyword.value == "auto_wrap_policy" for a in given if a.keyword is not None)
-            meant = [(a, self._lightning_meaning(a, wraps)) for a in given]
             self.fsdp1_elsewhere = True
             fabric, outer = self._strategy_place(node)
-            blocker = self._lightning_blocker(fabric, outer)
+            blocker = self._strategy_blocker(node)
+            meant = [(a, self._lightning_meaning(a, wraps, moved=blocker is None)) for a in given]
             if blocker is None:
-                self.expr_rewrites[id(node.func)] = "fsdp_bridge.lightning.FabricStrategy"
+                self.expr_rewrites[id(node.func)] = f"fsdp_bridge.lightning.{_bridge_class(fabric)}"
                 self.needs_imports.add(("fsdp_bridge.lightning", None))
                 self.lightning_drops.update(self._strategy_imports())
-                if any(_is_precision(a) for a in node.args):
+                if not fabric:
+                    self._note_trainer_precision(node)
+                elif any(_is_precision(a) for a in node.args):
                     pass
                 elif outer is not None:  # Fabric(strategy=FSDPStrategy(...), ...): that call's precision
                     if (named := _same_precision(outer)) is not None:
                         self.arg_adds[id(node)] = named
-                elif self._fabric_fp16() is not None:
+                elif self._fp16("Fabric") is not None:
                     self.arg_adds[id(node)] = FP16
                 elif (known := self._precision_bound_before(node)) is not None:
                     self.arg_adds[id(node)] = f"precision={known}"  # the value the Fabric reads, bound already
@@ -165,7 +191,7 @@ class LightningFixer(ScannerBase):
             self._record(
                 node,
                 f"{code_of(node.func)}(...) (Lightning's FSDP1 strategy)",
-                (MOVED if blocker is None else f"not rewritten: {blocker}; " + WAY_OUT)
+                (_moved(fabric) if blocker is None else f"not rewritten: {blocker}; " + WAY_OUT)
                 + (
                     "; ".join(
                         f"{a.keyword.value if a.keyword else ''}={short(code_of(a.value), 40)} -> {text}"
@@ -205,18 +231,20 @@ class LightningFixer(ScannerBase):
                 offload = "offload" in str(a.value.evaluated_value)
                 blocker = self._lightning_blocker(cls == "Fabric", node)
                 if blocker is None and str(a.value.evaluated_value) in FABRIC_NAMES:
-                    own = [] if (same := _same_precision(node)) is None else [same]
+                    own = [] if cls == "Trainer" or (same := _same_precision(node)) is None else [same]
                     self.expr_rewrites[id(a.value)] = (
-                        "fsdp_bridge.lightning.FabricStrategy("
+                        f"fsdp_bridge.lightning.{_bridge_class(cls == 'Fabric')}("
                         + ", ".join([*own, "cpu_offload=True"] if offload else own)
                         + ")"
                     )
                     self.needs_imports.add(("fsdp_bridge.lightning", None))
+                    if cls == "Trainer":
+                        self._note_trainer_precision(node)
                 self._record(
                     node,
                     f"{cls}(strategy={code_of(a.value)}) (Lightning's FSDP1 strategy)",
                     (
-                        MOVED
+                        _moved(cls == "Fabric")
                         if id(a.value) in self.expr_rewrites
                         else f"not rewritten: {blocker or 'a strategy name Fabric registers for FSDP1 only'}; "
                         + WAY_OUT
@@ -228,6 +256,26 @@ class LightningFixer(ScannerBase):
                 return True
         return False
 
+    def _note_trainer_precision(self, at: cst.Call) -> None:
+        """Where a ``Trainer(...)`` of this file reads its precision from an expression, note at ``at`` (the
+        rewritten strategy) what to do if it is fp16 autocast when the code runs."""
+        if (told := self._precision_unknown("Trainer")) is None:
+            return
+        pos = self.get_metadata(PositionProvider, at)
+        self.findings.append(
+            CodeFinding(
+                self.path,
+                pos.start.line,
+                pos.start.column,
+                told,
+                "if it is '16-mixed' (or 16) when the code runs, give TrainerStrategy precision_plugin='16-mixed' and "
+                "the Trainer no precision=: the Trainer refuses fp16 autocast for an FSDP2 strategy, and says so "
+                "at start-up",
+                True,
+                note=True,
+            )
+        )
+
     def _lightning_blocker(self, fabric: bool, named_in: cst.Call | None = None) -> str | None:
         """Why Lightning's FSDP1 strategy (``fabric``: Fabric's, else the Trainer's; ``named_in``: the Fabric call
         naming it as ``strategy="fsdp"``, else an ``FSDPStrategy(...)``) stays as it is, or None: Fabric's is
@@ -238,12 +286,20 @@ class LightningFixer(ScannerBase):
                 "--target torch writes no Lightning strategy (the default target rewrites Fabric's to "
                 "fsdp_bridge.lightning.FabricStrategy, the same arguments on FSDP2)"
             )
-        if not fabric:
+        if not fabric and (fp16 := self._fp16("Trainer")) is not None:
             return (
-                "PyTorch Lightning's Trainer strategy: its FSDP2 strategy (ModelParallelStrategy) shards in the "
-                "LightningModule's configure_model, which the migration does not write"
+                f"this file's {fp16} asks for fp16 autocast with a gradient scaler, which PyTorch Lightning's "
+                "Trainer refuses for an FSDP2 strategy: give fsdp_bridge.lightning.TrainerStrategy(...) "
+                "precision_plugin='16-mixed' and drop the Trainer's precision= (the strategy brings Lightning's "
+                "FSDP1 precision plugin, its autocast and ShardedGradScaler), a change to the Trainer's arguments "
+                "left to you"
             )
-        if named_in is None and (fp16 := self._fabric_fp16()) is not None and (other := self._other_precision()):
+        if (
+            fabric
+            and named_in is None
+            and (fp16 := self._fp16("Fabric")) is not None
+            and (other := self._other_precision())
+        ):
             return (
                 f"this file's {fp16} asks for fp16 autocast with a gradient scaler, which FabricStrategy has to be "
                 f"given too (precision='16-mixed'; Fabric refuses it for an FSDP2 strategy without), but {other} "
@@ -275,19 +331,20 @@ class LightningFixer(ScannerBase):
                             return code_of(a.name)
         return None
 
-    def _fabrics(self) -> list[cst.Call]:
-        """This file's ``Fabric(...)`` calls."""
+    def _fabrics(self, cls: str = "Fabric") -> list[cst.Call]:
+        """This file's ``Fabric(...)`` calls (``cls="Trainer"``: its PyTorch Lightning ``Trainer(...)`` calls)."""
         return [
             n
             for n in (walk(self.module) if self.module is not None else ())
-            if isinstance(n, cst.Call) and self._lightning_name(n.func, "Fabric") is not None
+            if isinstance(n, cst.Call) and self._lightning_name(n.func, cls) is not None
         ]
 
-    def _fabric_fp16(self) -> str | None:
-        """A ``Fabric(precision="16-mixed")`` (or ``"16"``, ``16``) of this file, as written, or None."""
-        for n in self._fabrics():
+    def _fp16(self, cls: str) -> str | None:
+        """A ``Fabric(precision="16-mixed")`` (or ``"16"``, ``16``; ``cls="Trainer"``: a ``Trainer(...)``'s) of this
+        file, as written, or None."""
+        for n in self._fabrics(cls):
             if _precision_text(n) in FP16_NAMES:
-                return f"Fabric(precision={next(code_of(a.value) for a in n.args if _is_precision(a))})"
+                return f"{cls}(precision={next(code_of(a.value) for a in n.args if _is_precision(a))})"
         return None
 
     def _precision_bound_before(self, strategy: cst.Call) -> str | None:
@@ -327,12 +384,13 @@ class LightningFixer(ScannerBase):
                 return None
         return name
 
-    def _precision_unknown(self) -> str | None:
-        """A ``Fabric(precision=<expression>)`` of this file (known when the code runs), as written, or None."""
-        for n in self._fabrics():
+    def _precision_unknown(self, cls: str = "Fabric") -> str | None:
+        """A ``Fabric(precision=<expression>)`` (``cls="Trainer"``: a ``Trainer(...)``'s) of this file (known when
+        the code runs), as written, or None."""
+        for n in self._fabrics(cls):
             given = [a for a in n.args if _is_precision(a)]
             if given and not isinstance(given[0].value, (cst.SimpleString, cst.Integer)):
-                return f"Fabric(precision={short(code_of(given[0].value), 40)})"
+                return f"{cls}(precision={short(code_of(given[0].value), 40)})"
         return None
 
     def _other_precision(self) -> str | None:
@@ -350,7 +408,16 @@ class LightningFixer(ScannerBase):
             for n in (walk(self.module) if self.module is not None else ())
             if isinstance(n, cst.Call) and self._lightning_name(n.func, "FSDPStrategy") is not None
         ]
-        return bool(calls) and all(self._lightning_blocker(*self._strategy_place(c)) is None for c in calls)
+        return bool(calls) and all(self._strategy_blocker(c) is None for c in calls)
+
+    def _strategy_blocker(self, call: cst.Call) -> str | None:
+        """Why an ``FSDPStrategy(...)`` call stays as it is (see ``_lightning_blocker``), or None."""
+        if self._lightning_name(call.func, "FSDPStrategy") == "RayFSDPStrategy":
+            return (
+                "Ray Train's subclass of Lightning's FSDP1 strategy, which takes its devices and ranks from Ray "
+                "Train's context: the bridge's strategies do not"
+            )
+        return self._lightning_blocker(*self._strategy_place(call))
 
     def _strategy_place(self, call: cst.Call) -> tuple[bool, cst.Call | None]:
         """Of an ``FSDPStrategy(...)`` call: whether it is Fabric's (else the Trainer's), and the ``Fabric(...)``
@@ -413,9 +480,10 @@ class LightningFixer(ScannerBase):
             )
             return
 
-    def _lightning_meaning(self, a: cst.Arg, wraps: bool) -> str:
+    def _lightning_meaning(self, a: cst.Arg, wraps: bool, moved: bool = False) -> str:
         """What an FSDP1 argument of FSDPStrategy is in the bridge's config, for the value it has (``wraps``: the
-        strategy is given an ``auto_wrap_policy``)."""
+        strategy is given an ``auto_wrap_policy``; ``moved``: the strategy is rewritten to the bridge's, which
+        takes ``state_dict_type`` as it is)."""
         kw = a.keyword.value if a.keyword is not None else ""
         text = LIGHTNING_ARGS[kw]
         if kw == "sharding_strategy":
@@ -462,6 +530,11 @@ class LightningFixer(ScannerBase):
                 "False",
             ):
                 text = 'backward_prefetch="none" (no prefetch: FSDP1 prefetches only for its BackwardPrefetch members)'
+        elif kw == "state_dict_type" and moved:
+            text = (
+                f"kept: state_dict_type={short(code_of(a.value), 40)} ('full': one checkpoint file written by rank 0, "
+                "FSDP1's keys; 'sharded': a DCP directory, loadable at any world size)"
+            )
         elif kw == "state_dict_type" and isinstance(a.value, cst.SimpleString):
             kind = str(a.value.evaluated_value)
             text = (
