@@ -413,22 +413,58 @@ class TrainerStrategy(_FSDP1Arguments, _TrainerModelParallel):
             _optimizers_to_device(self.optimizers, self.root_device)
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        """The LightningModule's ``training_step`` inside its own forward call (FSDP2's root gathers there)."""
+        """The LightningModule's ``training_step`` inside its own forward call, where FSDP2's root gathers its
+        parameters (as Lightning runs it inside FSDP1's wrapper).
+
+        Args:
+            *args: what the Trainer passes to the LightningModule's ``training_step`` (the batch, its index).
+            **kwargs: likewise.
+
+        Returns:
+            What the LightningModule's ``training_step`` returns.
+        """
         with self.precision_plugin.train_step_context():
             return self._through_forward("training_step", *args, **kwargs)
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        """The LightningModule's ``validation_step`` inside its own forward call."""
+        """The LightningModule's ``validation_step`` inside its own forward call, where FSDP2's root gathers its
+        parameters (as Lightning runs it inside FSDP1's wrapper).
+
+        Args:
+            *args: what the Trainer passes to the LightningModule's ``validation_step`` (the batch, its index).
+            **kwargs: likewise.
+
+        Returns:
+            What the LightningModule's ``validation_step`` returns.
+        """
         with self.precision_plugin.val_step_context():
             return self._through_forward("validation_step", *args, **kwargs)
 
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        """The LightningModule's ``test_step`` inside its own forward call."""
+        """The LightningModule's ``test_step`` inside its own forward call, where FSDP2's root gathers its
+        parameters (as Lightning runs it inside FSDP1's wrapper).
+
+        Args:
+            *args: what the Trainer passes to the LightningModule's ``test_step`` (the batch, its index).
+            **kwargs: likewise.
+
+        Returns:
+            What the LightningModule's ``test_step`` returns.
+        """
         with self.precision_plugin.test_step_context():
             return self._through_forward("test_step", *args, **kwargs)
 
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        """The LightningModule's ``predict_step`` inside its own forward call."""
+        """The LightningModule's ``predict_step`` inside its own forward call, where FSDP2's root gathers its
+        parameters (as Lightning runs it inside FSDP1's wrapper).
+
+        Args:
+            *args: what the Trainer passes to the LightningModule's ``predict_step`` (the batch, its index).
+            **kwargs: likewise.
+
+        Returns:
+            What the LightningModule's ``predict_step`` returns.
+        """
         with self.precision_plugin.predict_step_context():
             return self._through_forward("predict_step", *args, **kwargs)
 

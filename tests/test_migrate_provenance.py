@@ -249,6 +249,22 @@ def test_a_factory_re_exported_by_its_package_is_followed_and_its_model_handed_o
     )
     assert all(f.fixable for f in report.findings)
 
+    # --target torch, a read inside summon_full_params: a second --fix leaves the unwrap the first one wrote
+    (pkg / "utils" / "dist.py").write_text(
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n\n\n"
+        "def get_distributed_model(model):\n    return FSDP(model)\n"
+    )
+    (pkg / "train.py").write_text(
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n\n\n"
+        "def train(model):\n    with FSDP.summon_full_params(model, writeback=False):\n"
+        "        return [n for n, p in model.module.named_parameters()]\n"
+    )
+    migrate_paths([pkg], fix=True, target="torch")
+    once = (pkg / "train.py").read_text()
+    assert "p in (model if isinstance(model, FSDPModule) else model.module).named_parameters()]" in once
+    migrate_paths([pkg], fix=True, target="torch")
+    assert (pkg / "train.py").read_text() == once
+
 
 def test_a_module_read_in_a_function_another_file_also_defines_is_not_taken_as_fsdp1s(tmp_path) -> None:  # type: ignore[no-untyped-def]
     # run_fsdp.py hands an FSDP1 model to its train_one_epoch; run_ddp.py defines its own train_one_epoch for a

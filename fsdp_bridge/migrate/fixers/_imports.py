@@ -195,6 +195,8 @@ class ImportsFixer(ScannerBase):
         ):
             # FSDP1's wrapper holds the model as .module; FSDP2 does not wrap (the sharded model is the module).
             obj = code_of(node.value)
+            if self._guarded_already(node, obj):
+                return True  # written by a first --fix
             if self._plan_recursive_unwrap(node, obj):
                 return True
             if (
@@ -764,6 +766,20 @@ class ImportsFixer(ScannerBase):
                 return typed
             i -= 1
         return typed
+
+    def _guarded_already(self, node: cst.Attribute, obj: str) -> bool:
+        """``node`` (``obj.module``) is the other branch of the unwrap a first ``--fix`` wrote:
+        ``(fsdp_bridge.unwrapped(obj) if fsdp_bridge.is_sharded(obj) else obj.module)``, or its ``--target torch``
+        form ``(obj if isinstance(obj, FSDPModule) else obj.module)``."""
+        stmt = self.stmt_stack[-1] if self.stmt_stack else None
+        path = _path_to(stmt, node) if stmt is not None else None
+        if not path or len(path) < 2 or not isinstance(path[-2], cst.IfExp) or path[-2].orelse is not node:
+            return False
+        choice = path[-2]
+        return (code_of(choice.test), code_of(choice.body)) in (
+            (f"fsdp_bridge.is_sharded({obj})", f"fsdp_bridge.unwrapped({obj})"),
+            (f"isinstance({obj}, FSDPModule)", obj),
+        )
 
     def _bare_in_other_branch(self, node: cst.Attribute, obj: str) -> bool:
         """``node`` (``obj.module``) is a branch of a conditional expression whose other branch is ``obj`` itself, in
