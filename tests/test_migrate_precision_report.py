@@ -728,6 +728,9 @@ def test_a_duck_typed_test_for_fsdp1s_clip_lets_the_bridges_models_in_or_is_a_to
     report, _ = migrate_paths([tmp_path], fix=True)
     ducks = {(f.line, f.fixable, f.note) for f in report.findings if "told by its method" in f.construct}
     assert ducks == {(6, True, False), (12, False, False), (16, True, False), (20, True, True), (24, True, True)}
+    # the notes: no backward() in the file (inference under no_sync): nothing changes there
+    (note,) = [f for f in report.findings if f.line == 20 and "told by its method" in f.construct]
+    assert "this file calls no backward(), and no_sync acts only in backward" in note.replacement
     fixed = (tmp_path / "helpers.py").read_text()
     assert (
         '    return fsdp_bridge.no_sync(module) if (hasattr(module, "no_sync") or fsdp_bridge.is_sharded(module)) '
@@ -740,6 +743,11 @@ def test_a_duck_typed_test_for_fsdp1s_clip_lets_the_bridges_models_in_or_is_a_to
     assert fixed.count("write fsdp_bridge.clip_grad_norm_(module, max_norm) for both branches") == 1
     migrate_paths([tmp_path], fix=True)
     assert (tmp_path / "helpers.py").read_text() == fixed
+    # a backward in the file: the other branch reduces every micro-step on FSDP2, which the note says
+    (tmp_path / "helpers.py").write_text(helper + "\n\ndef step(loss):\n    loss.backward()\n")
+    report, _ = migrate_paths([tmp_path])
+    (note,) = [f for f in report.findings if f.line == 20 and "told by its method" in f.construct]
+    assert "gradients reduced at every micro-step" in note.replacement
     # a tree that makes no FSDP1 model: nobody's business
     (tmp_path / "train.py").unlink()
     (tmp_path / "helpers.py").write_text(helper)

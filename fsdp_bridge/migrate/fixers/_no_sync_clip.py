@@ -115,6 +115,14 @@ DUCK_NO_SYNC = (
 """The note for ``hasattr(m, "no_sync")`` in a tree that makes FSDP1 models, where the call it guards is not
 ``m.no_sync()`` (arguments: another object's method)."""
 
+DUCK_NO_SYNC_NO_BACKWARD = (
+    "left as it is; a test for FSDP1's (or DDP's) wrapper by its method: a model fsdp_bridge.shard() makes on "
+    "FSDP2 has no no_sync, so the other branch runs for it; this file calls no backward(), and no_sync acts only "
+    "in backward (it skips the gradient reduction), so nothing changes here (where a backward does run under it, "
+    "fsdp_bridge.no_sync({obj}) takes any module and skips the reduction)"
+)
+"""The note for such a test in a file that runs no backward pass (inference under ``no_sync``)."""
+
 DUCK_CALL = (
     "fsdp_bridge.no_sync({obj}), under the test for its method: the same call for any object with a no_sync() "
     "of its own (FSDP1's, DDP's, another library's), and the bridge's FSDP2 models skip the reduction too"
@@ -483,6 +491,8 @@ class NoSyncClipFixer(ScannerBase):
                 self.todos.setdefault(id(stmt), []).append(f"{construct}: {text}")
             else:
                 text = DUCK_NO_SYNC.format(obj=short(obj, 40))
+                if not any("backward(" in row.split("#", 1)[0] for row in self.lines):
+                    text = DUCK_NO_SYNC_NO_BACKWARD.format(obj=short(obj, 40))
                 self.findings.append(CodeFinding(self.path, line, column, construct, text, True, note=True))
 
     def _drop_todos_at(self, line: int, column: int) -> None:
