@@ -742,3 +742,55 @@ def test_a_scripts_own_evidence_follows_its_calls_down_when_other_scripts_define
     migrate_paths([tmp_path], fix=True)
     assert "    return net(1)\n" in (tmp_path / "a.py").read_text()
     assert "    return net.forward(1)\n" in (tmp_path / "b.py").read_text()
+
+
+def test_fsdp1s_class_imported_from_a_file_of_the_tree_is_fsdp1s_there_too(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # utils/distributed.py imports FSDP1's class and wraps with it; the trainer imports the class from there (not
+    # from torch) and calls FSDP.state_dict_type / optim_state_dict / optim_state_dict_to_load on the models the
+    # factory made: FSDP1's own API (left as it was, they would fail on FSDP2 models), migrated as in a file that
+    # imports the class from torch
+    (tmp_path / "utils").mkdir()
+    (tmp_path / "utils" / "__init__.py").write_text("")
+    (tmp_path / "utils" / "distributed.py").write_text(
+        "from torch.distributed.fsdp import FullStateDictConfig, FullyShardedDataParallel as FSDP, StateDictType\n\n\n"
+        "def fsdp_wrap(module):\n    return FSDP(module)\n"
+    )
+    (tmp_path / "train.py").write_text(
+        "import torch\n"
+        "from utils.distributed import fsdp_wrap, FSDP\n"
+        "from torch.distributed.fsdp import StateDictType, FullStateDictConfig, FullOptimStateDictConfig\n\n\n"
+        "class Trainer:\n"
+        "    def __init__(self, model, opt, raw):\n"
+        "        self.model = model\n"
+        "        self.model.generator.load_state_dict(raw['plain'])\n"
+        "        self.model.generator = fsdp_wrap(self.model.generator)\n"
+        "        self.opt = opt\n"
+        "        self.model.generator.load_state_dict(raw['model'], strict=True)\n"
+        "        self.opt.load_state_dict(FSDP.optim_state_dict_to_load(self.model.generator, self.opt, raw['opt']))\n\n"
+        "    def save(self):\n"
+        "        with FSDP.state_dict_type(\n"
+        "            self.model.generator,\n"
+        "            StateDictType.FULL_STATE_DICT,\n"
+        "            FullStateDictConfig(rank0_only=True, offload_to_cpu=True),\n"
+        "            FullOptimStateDictConfig(rank0_only=True, offload_to_cpu=True),\n"
+        "        ):\n"
+        "            sd = self.model.generator.state_dict()\n"
+        "            osd = FSDP.optim_state_dict(self.model.generator, self.opt)\n"
+        "        torch.save({'model': sd, 'opt': osd}, 'x.pt')\n"
+    )
+    report, _ = migrate_paths([tmp_path], fix=True)
+    fixed = (tmp_path / "train.py").read_text()
+    assert "FSDP." not in fixed and all(f.fixable for f in report.findings)
+    # the load before the wrap is the plain module's; the one after takes FSDP1's full state dict
+    assert "        self.model.generator.load_state_dict(raw['plain'])\n" in fixed
+    assert (
+        "set_model_state_dict(self.model.generator, raw['model'], options=StateDictOptions(full_state_dict=True"
+        in fixed
+    )
+    assert "set_optimizer_state_dict(self.model.generator, self.opt, raw['opt'], options=" in fixed
+    assert "sd = get_model_state_dict(self.model.generator, options=StateDictOptions(full_state_dict=True" in fixed
+    assert "osd = get_optimizer_state_dict(self.model.generator, self.opt, options=" in fixed
+    (note,) = [f for f in report.findings if f.note and "imports FSDP from this module" in f.replacement]
+    assert "its uses there are migrated as FSDP1's class" in note.replacement
+    migrate_paths([tmp_path], fix=True)
+    assert (tmp_path / "train.py").read_text() == fixed

@@ -179,11 +179,15 @@ def test_cpu_shims_show_the_script_an_accelerator_and_torchs_own_modules_none(tm
         "x = torch.ones(2)\n"
         "forms = [1, 'cuda', 'cuda:1', torch.device('cuda', 1)]\n"
         "print(*(x.to(d).device.type for d in forms), x.to(device=torch.device('cuda:0')).device.type)\n"
+        "from torch.distributed.device_mesh import init_device_mesh\n"
+        "with torch.device('meta'):\n    m = torch.nn.Linear(2, 2)\n"
+        "print(m.to_empty(device=1).weight.device.type, init_device_mesh.__name__)\n"
     )
     script = tmp_path / "probe.py"
     script.write_text(probe)
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr
-    shown, moved = done.stdout.splitlines()
+    shown, moved, empty = done.stdout.splitlines()
     assert shown.split() == ["True", str(torch.accelerator.is_available()), "cpu"]
     assert moved.split() == ["cpu"] * 5  # a GPU named as an index, a string or a torch.device is the CPU
+    assert empty.split() == ["cpu", "mesh_on_cpu"]  # FSDP1's param_init_fn target; a CUDA mesh of CPU ranks

@@ -220,6 +220,55 @@ def _rival_branches(wrapper: MetadataWrapper, found: ClassAliases) -> None:
                     found.names[id(n)] = frozenset(theirs)
 
 
+def fsdp1_class_reexports(code: str, path: str) -> dict[str, str]:
+    """The names by which other files may import FSDP1's class from this file (``Dispatch.reexports``): a
+    module-level ``from torch.distributed.fsdp[...] import FullyShardedDataParallel [as X]``, read without
+    parsing."""
+    found: dict[str, str] = {}
+    for match in REEXPORTED_CLASS.finditer(code):
+        module, names = match.group(1), match.group(2).replace("(", " ").replace(")", " ").replace("\\", " ")
+        for part in names.split(","):
+            words = part.split("#", 1)[0].split()
+            if not words or words[0] != FSDP:
+                continue
+            alias = words[2] if len(words) == 3 and words[1] == "as" else FSDP
+            for name in module_suffixes(path, [alias]):
+                found[name] = f"{module}.{FSDP}"
+    return found
+
+
+REEXPORTED_CLASS = re.compile(r"^from\s+(torch\.distributed\.fsdp(?:\.[\w.]+)?)\s+import\s+(\([^)]*\)|[^\n]*)", re.M)
+"""A module-level import from torch's FSDP package (its names, parenthesized over lines or on one line)."""
+
+
+def with_reexports(wrapper: MetadataWrapper, aliases: ClassAliases, reexports: dict[str, str]) -> ClassAliases:
+    """``aliases`` and the names of this module imported from another file of the tree that binds FSDP1's class
+    (``from utils.distributed import FSDP``, see ``Dispatch.reexports``): ``FSDP.state_dict_type(...)`` there is
+    FSDP1's own, as where the file imports it from torch."""
+    if not reexports:
+        return aliases
+    qualified = wrapper.resolve(QualifiedNameProvider)
+    found = ClassAliases(names=dict(aliases.names), assignments=aliases.assignments)
+    added = False
+    for node in walk(wrapper.module):
+        if not isinstance(node, cst.Name) or id(node) in found.names:
+            continue
+        names = qualified.get(node, set())
+        names = names() if callable(names) else names
+        torch_names = frozenset(
+            QualifiedName(reexports[q.name.lstrip(".")], QualifiedNameSource.IMPORT)
+            for q in names
+            if q.source is QualifiedNameSource.IMPORT and q.name.lstrip(".") in reexports
+        )
+        if torch_names:
+            found.names[id(node)] = torch_names
+            added = True
+    if not added:
+        return aliases
+    _extend_to_attributes(wrapper, found)
+    return found
+
+
 class FollowsAliases(cst.CSTVisitor):
     """A visitor whose qualified names see through the module's aliases of FSDP1's class
     (:func:`class_aliases`): ``FSDP(...)``, ``FSDP.optim_state_dict`` resolve to torch's names."""
@@ -281,6 +330,10 @@ class Dispatch:
     once the strategy is another class, so ``FSDPStrategy(...)`` is not rewritten."""
     imported_names: set[str] = field(default_factory=set)
     from_imports: set[str] = field(default_factory=set)
+    reexports: dict[str, str] = field(default_factory=dict)
+    """A name a file of the tree binds by importing torch's FSDP1 class (``from torch.distributed.fsdp import
+    FullyShardedDataParallel as FSDP``), as other files import it (``utils.distributed.FSDP``, see
+    :func:`module_suffixes`) -> torch's qualified name: ``from utils.distributed import FSDP`` is FSDP1's class."""
     """``module.name`` for every ``from module import name`` of the tree (``module.*`` for a star import;
     leading dots of a relative import dropped): a file's FSDP1 import another file takes from it
     (``from .grad_reduce import *`` then ``isinstance(m, FSDP)``) is kept (see :func:`module_suffixes`)."""
@@ -379,6 +432,8 @@ class Dispatch:
             self.vendored_functions.setdefault(name, where)
         self.imported_names |= other.imported_names
         self.from_imports |= other.from_imports
+        for name, torch_name in other.reexports.items():
+            self.reexports.setdefault(name, torch_name)
         self.fsdp2_tests |= other.fsdp2_tests
         self.sets_state_dict_type = self.sets_state_dict_type or other.sets_state_dict_type
         self.unfollowed_set_state_dict_type = (

@@ -71,6 +71,7 @@ from fsdp_bridge.migrate._analysis import (
     find_unit_holders,
     finds_state_dict_context,
     from_imports,
+    fsdp1_class_reexports,
     handed_across_files,
     imported_names,
     module_suffixes,
@@ -87,6 +88,7 @@ from fsdp_bridge.migrate._analysis import (
     top_level_functions,
     unfollowed_set_state_dict_type,
     walk,
+    with_reexports,
 )
 from fsdp_bridge.migrate._names import INTERNAL_ATTRS, TODO
 from fsdp_bridge.migrate._report import CodeFinding, CodeReport
@@ -223,7 +225,7 @@ def migrate_source(
                 uses[var.value] = uses.get(var.value, 0) + 1
     scan = Scanner(path, code, single, uses, known)
     scan.target = target
-    scan.aliases = class_aliases(wrapper)
+    scan.aliases = with_reexports(wrapper, class_aliases(wrapper), known.reexports)
     wrapper.visit(scan)  # plan: FSDP(...) conversions and checkpoint blocks
     scan.settle_inlined()
     scan.planning = False
@@ -676,13 +678,18 @@ def _kept_import_finding(
         (i for i, text in lines if re.search(rf"\b{re.escape(imp[1] or '')}\b", text)), lines[0][0] if lines else 1
     )
     how = "imports everything from this module (import *)" if star else f"imports {name} from this module"
+    uses = (
+        "its uses there are migrated as FSDP1's class (FSDP.state_dict_type, FSDP.optim_state_dict, ...), and the "
+        "import stays for that file's import of it"
+        if imp[1] == "FullyShardedDataParallel" and not star
+        else "read its uses there yourself (they are not reported)"
+    )
     return CodeFinding(
         path,
         line,
         0,
         f"from {imp[0]} import {imp[1]}{f' as {imp[2]}' if imp[2] else ''}",
-        f"kept: another file of the tree {how} and may use FSDP1's {name} from here; read its uses there "
-        "yourself (they are not reported)",
+        f"kept: another file of the tree {how} and may use FSDP1's {name} from here; {uses}",
         True,
         note=True,
     )
@@ -790,6 +797,7 @@ def migrate_paths(
                 Dispatch(
                     imported_names=imported_names(code),
                     from_imports=from_imports(code),
+                    reexports=fsdp1_class_reexports(code, str(f)),
                     own_methods=find_own_methods(code, str(f)),  # named relative to each caller
                     sets_state_dict_type=shown[f] if ours and calls_set_state_dict_type(code) else None,
                     bridge_sets_state_dict_type=shown[f] if bridge_set_state_dict_type(code) else None,

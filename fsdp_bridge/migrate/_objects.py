@@ -455,11 +455,9 @@ class ObjectAnalysis(ScannerBase):
             # ``model = FSDP(model)`` loads into the plain module (module-level code too: a script's
             # ``if __name__ == "__main__":`` block).
             limit = self.get_metadata(PositionProvider, before).start
-        key = (id(scope), f"{target} {by_calls} {(limit.line, limit.column) if limit else ''}")
-        if key in self.wrapper_kinds:
-            return self.wrapper_kinds[key]
         if isinstance(scope, cst.ClassDef) and before is not None and self.functions:
             # self.x = FSDP(...) further down this method, and not above: here it is the module not yet wrapped
+            # (decided here for this position, before the class-wide answer below, which is kept for every other)
             at = self.get_metadata(PositionProvider, before).start
             assigned = [
                 self.get_metadata(PositionProvider, n).start
@@ -467,8 +465,10 @@ class ObjectAnalysis(ScannerBase):
                 if isinstance(n, cst.Assign) and any(code_of(t.target) == target for t in n.targets)
             ]
             if assigned and all((p.line, p.column) > (at.line, at.column) for p in assigned):
-                self.wrapper_kinds[key] = set()
                 return set()
+        key = (id(scope), f"{target} {by_calls} {(limit.line, limit.column) if limit else ''}")
+        if key in self.wrapper_kinds:
+            return self.wrapper_kinds[key]
 
         kind = self._value_kinds
         if (held := self._held_by_instance(obj, scope)) is not None:

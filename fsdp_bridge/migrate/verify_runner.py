@@ -15,13 +15,14 @@ Started by :func:`fsdp_bridge.migrate.verify.verify` under ``torchrun`` as
 CPU ranks, identically in both runs: the accelerator reports the CPU (one per rank; torch's own modules,
 Dynamo's among them, are told there is none, so ``torch.compile`` runs); NCCL process groups are made on gloo;
 a device given as a GPU (an index, a CUDA ``torch.device`` or ``"cuda:N"``: ``tensor.to(rank)``,
-``model.to(rank)``, FSDP1's ``device_id``, the same argument passed on to ``BridgeConfig.from_fsdp1``) is the
-CPU; FSDP1 gets ``device_id=cpu`` when given none; ``torch.cuda.set_device`` does nothing and
+``model.to(rank)``, ``module.to_empty(device=rank)``, FSDP1's ``device_id``, the same argument passed on to
+``BridgeConfig.from_fsdp1``) is the CPU, and ``init_device_mesh("cuda", ...)`` a mesh of CPU ranks; FSDP1
+gets ``device_id=cpu`` when given none; ``torch.cuda.set_device`` does nothing and
 ``torch.cuda.current_device()`` is the local rank; data loaders do not pin memory;
 ``scaled_dot_product_attention`` on DTensors sharded over heads runs on each rank's heads (DTensor has no sharding
 rule for the CPU kernel); NCCL beside gloo (``"cuda:nccl,cpu:gloo"``) is gloo alone; FSDP1's full state dicts stay
-where CPU parameters are (``offload_to_cpu`` crashes torch there); Lightning Fabric's ``accelerator="cuda"`` is the
-CPU, where its FSDP1 strategy runs (Lightning refuses it on CPUs).
+where CPU parameters are (``offload_to_cpu`` crashes torch there); Lightning Fabric's and the Trainer's
+``accelerator="cuda"`` is the CPU, where Lightning's FSDP1 strategy runs (Lightning refuses it on CPUs).
 
 This module is run, never imported by the library.
 """
@@ -108,6 +109,24 @@ def _install_cpu_shims() -> None:
         return module_to(self, *args, **kwargs)
 
     torch.nn.Module.to = module_index_to_cpu  # type: ignore[assignment,method-assign]
+
+    module_to_empty = torch.nn.Module.to_empty
+
+    def to_empty_on_cpu(self: torch.nn.Module, *, device: Any, recurse: bool = True) -> Any:
+        # FSDP1's param_init_fn of meta modules: mod.to_empty(device=torch.cuda.current_device(), ...)
+        return module_to_empty(self, device="cpu" if _gpu_index(device) else device, recurse=recurse)
+
+    torch.nn.Module.to_empty = to_empty_on_cpu  # type: ignore[method-assign]
+
+    import torch.distributed.device_mesh as device_mesh
+
+    init_device_mesh = device_mesh.init_device_mesh
+
+    def mesh_on_cpu(device_type: str, *args: Any, **kwargs: Any) -> Any:
+        # a CUDA mesh the script builds (and hands FSDP1, or fully_shard after --fix): one of CPU ranks
+        return init_device_mesh("cpu" if device_type == "cuda" else device_type, *args, **kwargs)
+
+    device_mesh.init_device_mesh = mesh_on_cpu  # type: ignore[assignment]
 
     fsdp1_init = FullyShardedDataParallel.__init__
 
