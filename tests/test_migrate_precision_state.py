@@ -379,6 +379,27 @@ def test_a_full_state_whose_config_is_known_at_run_time_keeps_fsdp1s_offload_and
     assert "sd = fsdp_bridge.full_state_dict(module, rank0_only=False, offload_to_cpu=flag)" in fixed
     assert "get_model_state_dict" not in fixed and migrate_source(fixed, "keep.py").fixed == fixed
 
+    # the optimizer's config bound twice in the function (its flags read when the code runs): the report says so,
+    # not FSDP1's default (every rank a copy), and names no other call
+    optim = textwrap.dedent(
+        """\
+        import torch
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, FullOptimStateDictConfig, StateDictType
+
+        def save(policy, optimizer):
+            save_policy = FullOptimStateDictConfig(offload_to_cpu=True, rank0_only=False)
+            save_policy = FullOptimStateDictConfig(offload_to_cpu=True, rank0_only=True)
+            with FSDP.state_dict_type(policy, StateDictType.FULL_STATE_DICT, optim_state_dict_config=save_policy):
+                osd = FSDP.optim_state_dict(policy, optimizer)
+            torch.save(osd, "o.pt")
+        """
+    )
+    result = migrate_source(optim, "optim.py")
+    assert "rank0_only=save_policy.rank0_only, offload_to_cpu=save_policy.offload_to_cpu)" in result.fixed
+    (block,) = [f for f in result.findings if f.construct.startswith("FSDP.state_dict_type")]
+    assert "its config's rank0_only and offload_to_cpu as FSDP1 reads them when the code runs" in block.replacement
+    assert "every rank a CPU copy" not in block.replacement and "other calls" not in block.replacement
+
 
 def test_only_a_real_set_state_dict_type_call_counts_and_the_files_own_is_named(tmp_path: Path) -> None:
     # A docstring or comment that mentions FSDP.set_state_dict_type sets nothing: no TODO comes from it. A file

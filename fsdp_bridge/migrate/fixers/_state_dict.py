@@ -1146,10 +1146,20 @@ class StateDictFixer(ScannerBase):
                     f"when the code runs; other calls: options={save_opts}); your torch.save / DCP code is kept"
                 )
             if full_optim is not None and any("fsdp_bridge.full_optim_state_dict(" in r for r in rewrites.values()):
-                why += (
-                    "; the optimizer state as FSDP1's default optimizer config gives it: every rank a CPU copy "
-                    "(fsdp_bridge.full_optim_state_dict, one tensor at a time; torch's cpu_offload gives rank 0 alone)"
-                )
+                if full_optim == "rank0_only=False, offload_to_cpu=True":
+                    why += (
+                        "; the optimizer state as FSDP1's default optimizer config gives it: every rank a CPU copy "
+                        "(fsdp_bridge.full_optim_state_dict, one tensor at a time; torch's cpu_offload gives rank 0 "
+                        "alone)"
+                    )
+                else:
+                    alone = all("fsdp_bridge.full_optim_state_dict(" in r for r in rewrites.values())
+                    why = (
+                        " (the optimizer's full state with its config's rank0_only and offload_to_cpu as FSDP1 reads "
+                        "them when the code runs, fsdp_bridge.full_optim_state_dict"
+                        + ("" if alone else f"; other calls: options={shown}")
+                        + "); your torch.save / DCP code is kept"
+                    )
             self._unwrap_block(node, rewrites, configs, kind or short(code_of(type_arg), 40), why)
 
     def _plan_other_roots(self, block: cst.With, model: str, rewrites: dict[int, str]) -> None:
