@@ -89,7 +89,9 @@ def parse_enum(enum_cls: type[E], value: object) -> E:
 
     Accepts a member of ``enum_cls``, its value or name in any case with ``-`` or
     ``_``, and torch's equivalently named enum members.  ``None`` is accepted for
-    :class:`BackwardPrefetch` and means ``NONE`` (as FSDP1's ``backward_prefetch=None``).
+    :class:`BackwardPrefetch` and means ``NONE`` (as FSDP1's ``backward_prefetch=None``), and for
+    :class:`ShardingStrategy`, where it means ``FULL_SHARD`` (as FSDP1's ``sharding_strategy=None``: a value
+    migrated code passes on as it was given, ``{1: ..., 3: ...}.get(zero)``).
 
     Raises:
         ValueError: naming the value and the allowed spellings.
@@ -98,6 +100,8 @@ def parse_enum(enum_cls: type[E], value: object) -> E:
         return value
     if value is None and enum_cls is BackwardPrefetch:
         return enum_cls("none")
+    if value is None and enum_cls is ShardingStrategy:
+        return enum_cls("full_shard")
     text = _spelling(value)
     if text is not None:
         for member in enum_cls:

@@ -959,6 +959,11 @@ def test_false_values_fsdp1_takes_as_its_defaults() -> None:
         "b.py",
     ).fixed
     assert 'strategy="full_shard"' in fixed and "strategy=None" not in fixed
+    # a value passed on as written, None when the code runs ({1: HYBRID_SHARD, ...}.get(zero) for another zero):
+    # FSDP1's FULL_SHARD too, not a ConfigError
+    from torch.distributed.fsdp import ShardingStrategy as TorchStrategy
+
+    assert BridgeConfig(strategy={1: TorchStrategy.HYBRID_SHARD}.get(3)).strategy.value == "full_shard"
 
 
 def test_mixed_precision_false_is_full_precision_as_fsdp1_reads_it() -> None:

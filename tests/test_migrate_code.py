@@ -2535,6 +2535,9 @@ def test_fsdp1s_flattened_mark_read_by_name_is_a_todo() -> None:
     (todo,) = result.findings
     assert not todo.fixable and todo.construct == 'getattr(..., "_fsdp_flattened") (an FSDP1 internal)'
     assert "isinstance(p, torch.distributed.tensor.DTensor)" in todo.replacement
+    # in a file that imports nothing of FSDP1's (an optimizer's module), the TODO is written too
+    assert '# TODO(fsdp-bridge): getattr(..., "_fsdp_flattened") (an FSDP1 internal)' in result.fixed
+    assert migrate_source(result.fixed, "flat.py").fixed == result.fixed
 
 
 def test_fsdp1s_wrapper_told_by_its_attribute_becomes_is_sharded_unless_the_branch_unwraps() -> None:

@@ -236,6 +236,27 @@ def test_sharded_grad_scaler_is_the_bridges_and_plain_torchs_only_under_target_t
     assert any("model-parallel slices could skip different steps" in line for line in lines)
 
 
+def test_the_scaler_of_a_tree_whose_models_stay_fsdp1s_stays_on_the_bridge(tmp_path: Path) -> None:
+    # The tree wraps with its own subclass of FSDP1's wrapper (left as written, a TODO): its models stay FSDP1's,
+    # whose gradients are each rank's flat shard; torch.amp's scaler would check each shard alone for an overflow
+    # (ranks skipping different steps), ShardedGradScaler agrees over the ranks: the bridge's scaler (its subclass).
+    (tmp_path / "fsdp.py").write_text(
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n\n\n"
+        "class Wrapper(FSDP):\n    pass\n\n\ndef wrap(model):\n    return Wrapper(model)\n"
+    )
+    (tmp_path / "solver.py").write_text(
+        "from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler\n\n\n"
+        "def make():\n    return ShardedGradScaler()\n"
+    )
+    migrate_paths([tmp_path], fix=True, target="torch")
+    fixed = (tmp_path / "solver.py").read_text()
+    assert "    return fsdp_bridge.GradScaler()\n" in fixed and "_fsdp2_helpers" not in fixed
+    assert "kept on fsdp_bridge under --target torch: this file uses torch's FSDP1" in fixed
+    assert "ShardedGradScaler) agrees on it over the ranks" in fixed
+    migrate_paths([tmp_path], fix=True, target="torch")
+    assert (tmp_path / "solver.py").read_text() == fixed
+
+
 def test_what_it_cannot_write_stays_on_the_bridge_with_a_todo() -> None:
     code, report = torch_target(
         """
@@ -367,7 +388,7 @@ def test_paths_write_the_helper_module_once_and_never_over_the_users(tmp_path: P
     (pkg / "__init__.py").write_text("")
     (pkg / "a.py").write_text(HEAD + "model = FSDP(nn.Linear(2, 2))\n")
     (tmp_path / "b.py").write_text(HEAD + "model = FSDP(nn.Linear(2, 2))\n")
-    report, _ = migrate_paths([tmp_path], fix=True, target="torch")
+    migrate_paths([tmp_path], fix=True, target="torch")
     assert (pkg / f"{HELPERS_NAME}.py").read_text() == HELPERS_SOURCE
     assert (tmp_path / f"{HELPERS_NAME}.py").read_text() == HELPERS_SOURCE
     assert "from . import _fsdp2_helpers" in (pkg / "a.py").read_text()

@@ -243,30 +243,43 @@ REEXPORTED_CLASS = re.compile(r"^from\s+(torch\.distributed\.fsdp(?:\.[\w.]+)?)\
 
 def with_reexports(wrapper: MetadataWrapper, aliases: ClassAliases, reexports: dict[str, str]) -> ClassAliases:
     """``aliases`` and the names of this module imported from another file of the tree that binds FSDP1's class
-    (``from utils.distributed import FSDP``, see ``Dispatch.reexports``): ``FSDP.state_dict_type(...)`` there is
-    FSDP1's own, as where the file imports it from torch."""
+    (``from utils.distributed import FSDP``; ``from ..optim import fsdp`` then ``fsdp.FSDP``; see
+    ``Dispatch.reexports``): ``FSDP.state_dict_type(...)`` there is FSDP1's own, as where the file imports it
+    from torch."""
     if not reexports:
         return aliases
     qualified = wrapper.resolve(QualifiedNameProvider)
     found = ClassAliases(names=dict(aliases.names), assignments=aliases.assignments)
     added = False
     for node in walk(wrapper.module):
-        if not isinstance(node, cst.Name) or id(node) in found.names:
+        if not isinstance(node, (cst.Name, cst.Attribute)) or id(node) in found.names:
             continue
         names = qualified.get(node, set())
         names = names() if callable(names) else names
         torch_names = frozenset(
-            QualifiedName(reexports[q.name.lstrip(".")], QualifiedNameSource.IMPORT)
+            QualifiedName(torch_name, QualifiedNameSource.IMPORT)
             for q in names
-            if q.source is QualifiedNameSource.IMPORT and q.name.lstrip(".") in reexports
+            if q.source is QualifiedNameSource.IMPORT and (torch_name := _reexported(q.name, reexports)) is not None
         )
         if torch_names:
             found.names[id(node)] = torch_names
             added = True
-    if not added:
-        return aliases
-    _extend_to_attributes(wrapper, found)
-    return found
+    return found if added else aliases
+
+
+def _reexported(name: str, reexports: dict[str, str]) -> str | None:
+    """Torch's qualified name for ``name`` (as libcst resolves it: ``utils.distributed.FSDP``, a member
+    ``utils.distributed.FSDP.state_dict_type``, a module's attribute ``..optim.fsdp.FSDP``) where it reaches FSDP1's
+    class through a file of the tree, else None."""
+    name = name.lstrip(".")
+    if name in reexports:
+        return reexports[name]
+    parts = name.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        head = ".".join(parts[:i])
+        if head in reexports:
+            return ".".join([reexports[head], *parts[i:]])
+    return None
 
 
 class FollowsAliases(cst.CSTVisitor):

@@ -580,6 +580,12 @@ class ObjectAnalysis(ScannerBase):
                     kinds.add("ddp")  # ``Union[nn.Module, FSDP]``: FSDP1's wrapper on some path, any module on others
         if isinstance(scope, cst.ClassDef) and target.count(".") == 1 and self._handed_in(scope, target[5:]):
             kinds.add("fsdp1")
+        elif (
+            isinstance(scope, cst.ClassDef)
+            and target.count(".") == 1
+            and self._handed_in(scope, target[5:], among=True)
+        ):
+            kinds |= {"fsdp1", "ddp"}  # ``Union[nn.Module, FSDP]``: FSDP1's wrapper on some path, any module on others
         if isinstance(scope, cst.ClassDef) and target.count(".") == 1:
             # ``trainer = Trainer(...)`` and ``trainer.model = FSDP(trainer.model)`` in some file of the tree
             kinds |= self.dispatch.instance_attributes.get(scope.name.value, {}).get(target[5:], set())
@@ -770,9 +776,10 @@ class ObjectAnalysis(ScannerBase):
                 if isinstance(n, cst.AnnAssign) and m.matches(n.target, own) and n.value is not None:
                     value: cst.BaseExpression | None = n.value
                 elif isinstance(n, cst.Assign) and any(any(m.matches(x, own) for x in walk(t)) for t in n.targets):
-                    if any(not m.matches(t.target, own) for t in n.targets):
-                        return False  # unpacked, or chained with another target
-                    value = n.value
+                    paired = _paired_value(n, own)
+                    if paired is None:
+                        return False  # unpacked from one value, or chained with another target
+                    value = paired
                 else:
                     continue
                 if not (isinstance(value, cst.Name) and value.value in annotated):
@@ -811,17 +818,41 @@ def binds(node: cst.CSTNode, name: str) -> bool:
         targets = [node.target] if not (isinstance(node, cst.AnnAssign) and node.value is None) else []
     else:
         return False
-    return any(
-        m.matches(t, m.Name(name))
-        or (isinstance(t, (cst.Tuple, cst.List)) and any(m.matches(x, m.Name(name)) for x in walk(t)))
-        for t in targets
-    )
+    while targets:
+        t = targets.pop()
+        if m.matches(t, m.Name(name)):
+            return True
+        if isinstance(t, (cst.Tuple, cst.List)):
+            # the names it unpacks into (``self.o, x = ...`` binds x, not the attribute named x of self)
+            targets.extend(e.value for e in t.elements)
+        elif isinstance(t, cst.StarredElement):
+            targets.append(t.value)
+    return False
 
 
 _LIBRARIES = frozenset(
     {"transformers", "accelerate", "lightning", "pytorch_lightning", "trl", "peft", "deepspeed", "torch", "composer"}
 )
 """Libraries whose classes may share a name with a class of the tree (``Trainer``)."""
+
+
+def _paired_value(n: cst.Assign, own: Any) -> cst.BaseExpression | None:
+    """The value ``n`` assigns to the target ``own`` matches: ``self.x = v``, or its element of a pairwise
+    unpacking (``self.o, self.x = o, v``); None where it is unpacked from one value or chained."""
+    if len(n.targets) != 1:
+        return None
+    target = n.targets[0].target
+    if m.matches(target, own):
+        return n.value
+    if (
+        isinstance(target, cst.Tuple)
+        and isinstance(n.value, cst.Tuple)
+        and len(target.elements) == len(n.value.elements)
+        and not any(isinstance(e, cst.StarredElement) for e in (*target.elements, *n.value.elements))
+    ):
+        found = [v.value for t, v in zip(target.elements, n.value.elements, strict=True) if m.matches(t.value, own)]
+        return found[0] if len(found) == 1 else None
+    return None
 
 
 def _names_others(annotation: cst.BaseExpression, scanner: Any) -> bool:

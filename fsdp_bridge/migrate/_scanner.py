@@ -269,6 +269,8 @@ class Scanner(
             and m.matches(node.args[1].value, m.SimpleString('"_fsdp_flattened"') | m.SimpleString("'_fsdp_flattened'"))
         ):
             # FSDP1's mark on the parameters it flattened, read by its string: FSDP2's parameters never have it
+            # (a TODO written into a file that may import nothing of FSDP1's)
+            self.fsdp1_elsewhere = True
             self._record(
                 node,
                 f'{code_of(node.func)}(..., "_fsdp_flattened") (an FSDP1 internal)',

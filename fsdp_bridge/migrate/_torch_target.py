@@ -628,6 +628,8 @@ class _Lowerer(cst.CSTTransformer):
         device are named: the two classes order ``backoff_factor`` and ``growth_factor`` differently."""
         if any(a.star for a in args):
             raise _CannotLower("arguments unpacked with * or **: process_group= may be among them")
+        if self.wrapping_library is not None:
+            raise _CannotLower(_SCALER_OF_FSDP1.format(library=self.wrapping_library))
         if self.groups:
             raise _CannotLower(
                 "the tree shards over process groups of some ranks: ShardedGradScaler agrees on an overflow over "
@@ -737,6 +739,13 @@ class _Lowerer(cst.CSTTransformer):
             self.uses_helpers = True
             self._record(original_node, "no_sync", f"{HELPERS_NAME}.no_sync")
             return cst.parse_expression(f"{HELPERS_NAME}.no_sync")
+        if (
+            code_of(updated_node) == "fsdp_bridge.GradScaler"
+            and id(original_node) not in self.inside
+            and self.wrapping_library is not None
+        ):
+            self._keep(original_node, "fsdp_bridge.GradScaler", _SCALER_OF_FSDP1.format(library=self.wrapping_library))
+            return updated_node
         if code_of(updated_node) == "fsdp_bridge.GradScaler" and id(original_node) not in self.inside:
             # passed on, aliased or in an annotation: torch's class (no process_group=; its positional order
             # swaps backoff_factor and growth_factor)
@@ -950,6 +959,15 @@ def _constructs_fsdp1(module: cst.Module) -> bool:
 
     MetadataWrapper(module).visit(V())
     return bool(found)
+
+
+_SCALER_OF_FSDP1 = (
+    "this file uses {library}, which wraps models in FSDP1's wrapper: a model it hands over stays FSDP1's, whose "
+    "gradients are each rank's flat shard, and torch.amp.GradScaler would check each rank's shard alone for an "
+    "overflow (ranks then skip different steps and their scales drift apart); fsdp_bridge.GradScaler (FSDP1's "
+    "ShardedGradScaler) agrees on it over the ranks, for FSDP1's models and fully_shard's alike"
+)
+"""Why ``fsdp_bridge.GradScaler`` stays on the bridge under ``--target torch`` where models may stay FSDP1's."""
 
 
 def lower_to_torch(
