@@ -40,7 +40,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 
-from fsdp_bridge.api import clip_grad_norm_, shard
+from fsdp_bridge.api import clip_grad_norm_, is_sharded, shard
 from fsdp_bridge.config import BridgeConfig
 from fsdp_bridge.errors import ConfigError, Problem
 
@@ -401,7 +401,8 @@ class TrainerStrategy(_FSDP1Arguments, _TrainerModelParallel):
                 "FullyShardedDataParallel already: build the model unwrapped (the strategy's auto_wrap_policy "
                 "chooses the units)"
             )
-        self.model = self._shard(self.model, self.precision_plugin.precision, self.device_mesh)
+        if not is_sharded(self.model):  # set up again (validate, test or predict after fit): sharded already
+            self.model = self._shard(self.model, self.precision_plugin.precision, self.device_mesh)
         _materialize_distributed_module(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()

@@ -9,6 +9,7 @@ written for Lightning's FSDP1 strategy give the same losses and checkpoint after
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -263,3 +264,81 @@ def test_a_trainer_script_on_lightnings_fsdp1_strategy_gives_its_losses_after_fi
     assert "PARITY: 3 losses on each of 2 rank(s) agree" in out
     # the Trainer's full checkpoint (model, AdamW state keyed as FSDP1's strategy keys it), rank 0's file
     assert "trainer_checkpoint.ckpt: 88 tensors compared, 88 bit for bit" in out and "saved files differ" not in out
+
+
+TRAINER_AGAIN = """
+import sys
+import lightning.pytorch as pl
+import torch
+from torch import nn
+from fsdp_bridge.lightning import TrainerStrategy
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.tanh(self.proj(x))
+
+
+class Net(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.Sequential(Block(), Block())
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.head(self.blocks(x))
+
+    def training_step(self, batch, i):
+        return ((self(batch[0]) - batch[1]) ** 2).mean()
+
+    def validation_step(self, batch, i):
+        self.log("val", ((self(batch[0]) - batch[1]) ** 2).mean())
+
+    def predict_step(self, batch, i):
+        return self(batch[0])
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+torch.manual_seed(0)
+data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(16, 8), torch.randn(16, 1)), batch_size=4)
+net = Net()
+strategy = TrainerStrategy(auto_wrap_policy={Block}, process_group_backend="gloo")
+trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=2, logger=False,
+                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+trainer.fit(net, data)
+(metrics,) = trainer.validate(net, data, verbose=False)
+predicted = trainer.predict(net, data)
+path = sys.argv[1]
+trainer.save_checkpoint(path)
+loaded = Net.load_from_checkpoint(path, weights_only=False)
+with torch.no_grad():
+    same = torch.allclose(torch.cat(predicted), loaded(torch.cat([b[0] for b in data])), atol=1e-6)
+print("OK", sorted(metrics), len(predicted), same)
+"""
+
+
+def test_the_trainers_strategy_validates_and_predicts_after_fit_on_the_model_sharded_already(tmp_path: Path) -> None:
+    # The Trainer sets its strategy up again for validate / predict after fit: the LightningModule is sharded
+    # already and is not sharded twice (a ConfigError); its checkpoint loads into a plain module that predicts the
+    # same. One process (world size 1), in a subprocess of its own (Lightning starts a process group).
+    import subprocess
+    import sys
+
+    script = tmp_path / "again.py"
+    script.write_text(TRAINER_AGAIN)
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "net.ckpt")],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "OK ['val'] 4 True"
