@@ -173,20 +173,13 @@ class LightningFixer(ScannerBase):
                     self.arg_adds[id(node)] = FP16
                 elif (known := self._precision_bound_before(node)) is not None:
                     self.arg_adds[id(node)] = f"precision={known}"  # the value the Fabric reads, bound already
-                elif (told := self._precision_unknown()) is not None:
-                    pos = self.get_metadata(PositionProvider, node)
-                    self.findings.append(
-                        CodeFinding(
-                            self.path,
-                            pos.start.line,
-                            pos.start.column,
-                            told,
-                            "if it is '16-mixed' (or 16) when the code runs, give FabricStrategy precision= the "
-                            "same value: Fabric refuses fp16 autocast for an FSDP2 strategy without its own "
-                            "precision plugin, and says so at start-up",
-                            True,
-                            note=True,
-                        )
+                else:
+                    self._note_precision(
+                        node,
+                        "Fabric",
+                        "if it is '16-mixed' (or 16) when the code runs, give FabricStrategy precision= the same "
+                        "value: Fabric refuses fp16 autocast for an FSDP2 strategy without its own precision "
+                        "plugin, and says so at start-up",
                     )
             self._record(
                 node,
@@ -259,22 +252,20 @@ class LightningFixer(ScannerBase):
     def _note_trainer_precision(self, at: cst.Call) -> None:
         """Where a ``Trainer(...)`` of this file reads its precision from an expression, note at ``at`` (the
         rewritten strategy) what to do if it is fp16 autocast when the code runs."""
-        if (told := self._precision_unknown("Trainer")) is None:
+        self._note_precision(
+            at,
+            "Trainer",
+            "if it is '16-mixed' (or 16) when the code runs, give TrainerStrategy precision_plugin='16-mixed' and the "
+            "Trainer no precision=: the Trainer refuses fp16 autocast for an FSDP2 strategy, and says so at start-up",
+        )
+
+    def _note_precision(self, at: cst.Call, cls: str, what: str) -> None:
+        """A note at ``at`` (a rewritten strategy) saying ``what`` where a ``Fabric(...)`` / ``Trainer(...)`` of this
+        file reads its precision from an expression (known when the code runs)."""
+        if (told := self._precision_unknown(cls)) is None:
             return
         pos = self.get_metadata(PositionProvider, at)
-        self.findings.append(
-            CodeFinding(
-                self.path,
-                pos.start.line,
-                pos.start.column,
-                told,
-                "if it is '16-mixed' (or 16) when the code runs, give TrainerStrategy precision_plugin='16-mixed' and "
-                "the Trainer no precision=: the Trainer refuses fp16 autocast for an FSDP2 strategy, and says so "
-                "at start-up",
-                True,
-                note=True,
-            )
-        )
+        self.findings.append(CodeFinding(self.path, pos.start.line, pos.start.column, told, what, True, note=True))
 
     def _lightning_blocker(self, fabric: bool, named_in: cst.Call | None = None) -> str | None:
         """Why Lightning's FSDP1 strategy (``fabric``: Fabric's, else the Trainer's; ``named_in``: the Fabric call
