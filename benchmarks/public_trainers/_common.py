@@ -46,18 +46,26 @@ def sample_sentences() -> list[str]:
     return [" ".join(words[i : i + 12]) for i in range(0, len(words) - 12, 12)]
 
 
-def save_tiny_gpt2(directory: str) -> None:
-    """A 2-layer GPT-2 and a byte-level BPE tokenizer trained on the sample text, saved where
-    ``from_pretrained`` reads them: the same files on every rank and in every run (seeded)."""
+def save_sample_tokenizer(directory: str, **special: str) -> Any:
+    """A byte-level BPE tokenizer (400 ids) trained on the sample text, with ``<|endoftext|>`` as its end of text
+    and as each of ``special`` (``bos_token=...``, ``pad_token=...``), saved where ``from_pretrained`` reads it;
+    returned. The same files on every rank and in every run."""
     import transformers
     from tokenizers import ByteLevelBPETokenizer
 
     bpe = ByteLevelBPETokenizer()
     bpe.train_from_iterator(sample_sentences(), vocab_size=400, min_frequency=1, special_tokens=["<|endoftext|>"])
-    tokenizer = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=bpe, eos_token="<|endoftext|>", bos_token="<|endoftext|>"
-    )
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>", **special)
     tokenizer.save_pretrained(directory)
+    return tokenizer
+
+
+def save_tiny_gpt2(directory: str) -> None:
+    """A 2-layer GPT-2 and a byte-level BPE tokenizer trained on the sample text, saved where
+    ``from_pretrained`` reads them: the same files on every rank and in every run (seeded)."""
+    import transformers
+
+    tokenizer = save_sample_tokenizer(directory, bos_token="<|endoftext|>")
     torch.manual_seed(0)
     config = transformers.GPT2Config(
         vocab_size=len(tokenizer),

@@ -38,21 +38,15 @@ from typing import Any
 import torch
 import torch.distributed.fsdp as fsdp
 import torch.distributed.fsdp.fully_sharded_data_parallel as fsdp1_module
-from _common import sample_sentences, stub_missing
+from _common import sample_sentences, save_sample_tokenizer, stub_missing
 
 SEQUENCE = 32
 
 
 def _save_tiny_qwen2(directory: str) -> None:
     import transformers
-    from tokenizers import ByteLevelBPETokenizer
 
-    bpe = ByteLevelBPETokenizer()
-    bpe.train_from_iterator(sample_sentences(), vocab_size=400, min_frequency=1, special_tokens=["<|endoftext|>"])
-    tokenizer = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=bpe, eos_token="<|endoftext|>", pad_token="<|endoftext|>"
-    )
-    tokenizer.save_pretrained(directory)
+    tokenizer = save_sample_tokenizer(directory, pad_token="<|endoftext|>")
     torch.manual_seed(0)
     config = transformers.Qwen2Config(
         vocab_size=len(tokenizer),
